@@ -1,0 +1,63 @@
+// zinc core: aligned host memory. AlignedBuffer owns one 64-byte aligned
+// (optionally 4 KiB aligned, for O_DIRECT) zero-initialised allocation; it is
+// movable, not copyable. Not thread-safe to resize; the contents may be used
+// from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+namespace zinc {
+
+constexpr size_t kSimdAlign = 64;
+constexpr size_t kPageAlign = 4096;
+
+void* aligned_alloc_bytes(size_t bytes, size_t align = kSimdAlign);  // throws std::bad_alloc
+void aligned_free(void* p);
+
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(size_t bytes, size_t align = kSimdAlign);
+  ~AlignedBuffer() { aligned_free(data_); }
+  AlignedBuffer(AlignedBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
+    if (this != &o) {
+      aligned_free(data_);
+      data_ = std::exchange(o.data_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return bytes_ == 0; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  template <class T>
+  std::span<T> span() const {
+    return {static_cast<T*>(data_), bytes_ / sizeof(T)};
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Typed convenience: n elements of T.
+template <class T>
+AlignedBuffer make_buffer(size_t n, size_t align = kSimdAlign) {
+  return AlignedBuffer(n * sizeof(T), align);
+}
+
+inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace zinc

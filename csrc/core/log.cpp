@@ -1,0 +1,37 @@
+#include "core/log.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace zinc {
+namespace {
+
+std::atomic<int> g_rank{0};
+
+LogLevel level_from_env() {
+  const char* s = std::getenv("ZINC_LOG_LEVEL");
+  if (!s) return LogLevel::kInfo;
+  if (!std::strcmp(s, "debug")) return LogLevel::kDebug;
+  if (!std::strcmp(s, "warn")) return LogLevel::kWarn;
+  if (!std::strcmp(s, "error")) return LogLevel::kError;
+  return LogLevel::kInfo;
+}
+
+std::atomic<int> g_level{static_cast<int>(level_from_env())};
+
+}  // namespace
+
+void set_log_rank(int rank) { g_rank = rank; }
+int log_rank() { return g_rank; }
+void set_log_level(LogLevel level) { g_level = static_cast<int>(level); }
+LogLevel log_level() { return static_cast<LogLevel>(g_level.load()); }
+
+void log(LogLevel level, const std::string& msg) {
+  if (static_cast<int>(level) < g_level) return;
+  static const char* names[] = {"debug", "info", "warning", "error"};
+  std::fprintf(stderr, "zinc[%d] %s: %s\n", g_rank.load(), names[static_cast<int>(level)], msg.c_str());
+}
+
+}  // namespace zinc

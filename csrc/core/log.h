@@ -1,0 +1,23 @@
+// zinc core: logging to stderr with the rank in front. Thread-safe (one
+// fprintf per message). Level from ZINC_LOG_LEVEL (debug, info, warn, error;
+// default info).
+#pragma once
+
+#include <string>
+
+namespace zinc {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
+
+void set_log_rank(int rank);
+int log_rank();
+void set_log_level(LogLevel level);
+LogLevel log_level();
+
+void log(LogLevel level, const std::string& msg);
+inline void log_debug(const std::string& m) { log(LogLevel::kDebug, m); }
+inline void log_info(const std::string& m) { log(LogLevel::kInfo, m); }
+inline void log_warn(const std::string& m) { log(LogLevel::kWarn, m); }
+inline void log_error(const std::string& m) { log(LogLevel::kError, m); }
+
+}  // namespace zinc

@@ -1,0 +1,265 @@
+// Causal multi-head self-attention on top of the batched matmul.
+//
+// Note [attention layout and memory]
+// q, k, v are permuted from qkv(B,T,3C) into head-major (B*H, T, hs) scratch
+// so that every product is one batched oneDNN matmul over B*H:
+//   forward   S = scale Q K^T (trans_b), P = causal_softmax(S), Y = P V
+//   backward  dP = dO V^T (trans_b), dV = P^T dO (trans_a),
+//             dS = P * (dP - rowsum(P * dP)) (zero above the diagonal),
+//             dQ = scale dS K, dK = scale dS^T Q (trans_a)
+// The full (T,T) score matrices are computed and the upper triangle thrown
+// away: at T = 256, hs = 64 a masked brgemm still beats a hand-written
+// triangular loop, and it keeps the code to a few calls.
+// Memory: the only per-layer state is P (B,H,T,T) fp32, the softmax output
+// that backward needs (12.6 MB for B=8, H=6, T=256). q, k, v are re-permuted
+// from qkv in backward rather than saved. Everything else (permuted operands,
+// dP, dS, per-head outputs) lives in thread-local grow-only scratch shared by
+// all layers. Operands are written directly in the compute dtype (bf16 when
+// compute is bf16), so matmul never has to convert them.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "core/alloc.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/kernels.h"
+#include "kernels/simd_math.h"
+
+namespace zinc::kernels {
+
+class AttentionWorkspace {
+ public:
+  AlignedBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal
+  AttentionShape shape{};
+  bool has_forward = false;
+};
+
+AttentionWorkspace* attention_workspace_create() { return new AttentionWorkspace(); }
+void attention_workspace_destroy(AttentionWorkspace* ws) { delete ws; }
+
+namespace {
+
+using detail::kLanes;
+
+inline void store(float v, float* p) { *p = v; }
+inline void store(float v, bf16* p) { *p = float_to_bf16(v); }
+inline float load(float v) { return v; }
+inline float load(bf16 v) { return bf16_to_float(v); }
+
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
+
+void* scratch(Slot slot, size_t bytes) {
+  thread_local AlignedBuffer bufs[kNumSlots];
+  if (bufs[slot].bytes() < bytes) bufs[slot] = AlignedBuffer(round_up(bytes, 4096));
+  return bufs[slot].data();
+}
+
+template <class Fn>
+void dispatch(DType t, Fn&& fn) {
+  if (t == DType::kF32) {
+    fn(float{});
+  } else {
+    fn(bf16{});
+  }
+}
+
+void check_shape(const char* fn, AttentionShape s) {
+  if (s.B < 0 || s.T < 0 || s.C <= 0 || s.H <= 0 || s.C % s.H != 0) {
+    throw Error(std::string(fn) + ": bad shape B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) +
+                " C=" + std::to_string(s.C) + " H=" + std::to_string(s.H) +
+                " (need C > 0, H > 0 and C divisible by H)");
+  }
+}
+
+// src rows (B,T) with `stride` floats each; head h of part `part` starts at
+// column part*C + h*hs. dst (B*H, T, hs).
+template <class To>
+void permute_in(To* __restrict dst, const float* __restrict src, int64_t stride, int64_t col0,
+                AttentionShape s) {
+  const int64_t hs = s.C / s.H;
+  parallel_for(static_cast<size_t>(s.B * s.T), 64, [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
+      const float* row = src + static_cast<int64_t>(r) * stride + col0;
+      for (int64_t h = 0; h < s.H; ++h) {
+        To* d = dst + ((b * s.H + h) * s.T + t) * hs;
+        const float* x = row + h * hs;
+        for (int64_t i = 0; i < hs; ++i) store(x[i], d + i);
+      }
+    }
+  });
+}
+
+// src (B*H, T, hs) fp32 into dst rows (B,T) of `stride` floats at column col0.
+void permute_out(float* __restrict dst, int64_t stride, int64_t col0, const float* __restrict src,
+                 AttentionShape s) {
+  const int64_t hs = s.C / s.H;
+  parallel_for(static_cast<size_t>(s.B * s.T), 64, [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
+      float* row = dst + static_cast<int64_t>(r) * stride + col0;
+      for (int64_t h = 0; h < s.H; ++h) {
+        const float* x = src + ((b * s.H + h) * s.T + t) * hs;
+        float* d = row + h * hs;
+        for (int64_t i = 0; i < hs; ++i) d[i] = x[i];
+      }
+    }
+  });
+}
+
+// Causal softmax of one row (query t): p[0..t] = softmax(p[0..t]), p[t+1..] = 0.
+ZINC_CLONES void softmax_row_causal(float* __restrict p, int64_t n_valid, int64_t n) {
+  float m[kLanes];
+  for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n_valid; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) m[l] = p[j + l] > m[l] ? p[j + l] : m[l];
+  for (int l = 0; j < n_valid; ++j, ++l) m[l] = p[j] > m[l] ? p[j] : m[l];
+  float mx = m[0];
+  for (int l = 1; l < kLanes; ++l) mx = m[l] > mx ? m[l] : mx;
+  float acc[kLanes] = {};
+  j = 0;
+  for (; j + kLanes <= n_valid; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      float e = detail::exp_f(p[j + l] - mx);
+      p[j + l] = e;
+      acc[l] += e;
+    }
+  for (int l = 0; j < n_valid; ++j, ++l) {
+    float e = detail::exp_f(p[j] - mx);
+    p[j] = e;
+    acc[l] += e;
+  }
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const float inv = 1.0f / sum;
+  for (j = 0; j < n_valid; ++j) p[j] *= inv;
+  for (j = n_valid; j < n; ++j) p[j] = 0.0f;
+}
+
+// dS row: ds[j] = p[j] (dp[j] - sum_i p[i] dp[i]) for j <= t, 0 above.
+ZINC_CLONES float softmax_row_dot(const float* __restrict p, const float* __restrict dp, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * dp[j + l];
+  for (int l = 0; j < n; ++j, ++l) acc[l] += p[j] * dp[j];
+  float s = 0;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+}  // namespace
+
+void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s,
+                       DType compute) {
+  check_shape("attention_forward", s);
+  ws->shape = s;
+  ws->has_forward = true;
+  if (s.B == 0 || s.T == 0) return;
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const size_t n_head = static_cast<size_t>(BH * T * hs);
+  const size_t n_att = static_cast<size_t>(BH * T * T);
+  if (ws->probs.bytes() < n_att * sizeof(float)) ws->probs = AlignedBuffer(n_att * sizeof(float));
+  float* P = ws->probs.as<float>();
+  const size_t esz = dtype_bytes(compute);
+  void* q = scratch(kQ, n_head * esz);
+  void* k = scratch(kK, n_head * esz);
+  void* v = scratch(kV, n_head * esz);
+  dispatch(compute, [&](auto tag) {
+    using E = decltype(tag);
+    permute_in(static_cast<E*>(q), qkv, 3 * s.C, 0, s);
+    permute_in(static_cast<E*>(k), qkv, 3 * s.C, s.C, s);
+    permute_in(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C, s);
+  });
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale,
+                .compute = compute};
+  matmul(sd, {q, compute}, {k, compute}, P);
+  // Softmax in place; with bf16 compute also write the bf16 copy for P V.
+  void* pc = compute == DType::kF32 ? static_cast<void*>(P) : scratch(kPc, n_att * esz);
+  parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const int64_t t = static_cast<int64_t>(r) % T;
+      float* row = P + r * T;
+      softmax_row_causal(row, t + 1, T);
+      if (compute == DType::kBF16) {
+        bf16* dst = static_cast<bf16*>(pc) + r * T;
+        for (int64_t j = 0; j < T; ++j) dst[j] = float_to_bf16(row[j]);
+      }
+    }
+  });
+  float* y = static_cast<float*>(scratch(kY, n_head * sizeof(float)));
+  MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
+  matmul(yd, {pc, compute}, {v, compute}, y);
+  permute_out(out, s.C, 0, y, s);
+}
+
+void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
+                        AttentionShape s, DType compute) {
+  check_shape("attention_backward", s);
+  if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C ||
+      ws->shape.H != s.H) {
+    throw Error("attention_backward: the workspace holds no forward pass of this shape "
+                "(call attention_forward with the same workspace first)");
+  }
+  if (s.B == 0 || s.T == 0) return;
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const size_t n_head = static_cast<size_t>(BH * T * hs);
+  const size_t n_att = static_cast<size_t>(BH * T * T);
+  const float* P = ws->probs.as<float>();
+  const size_t esz = dtype_bytes(compute);
+  void* q = scratch(kQ, n_head * esz);
+  void* k = scratch(kK, n_head * esz);
+  void* v = scratch(kV, n_head * esz);
+  void* dO = scratch(kDO, n_head * esz);
+  dispatch(compute, [&](auto tag) {
+    using E = decltype(tag);
+    permute_in(static_cast<E*>(q), qkv, 3 * s.C, 0, s);
+    permute_in(static_cast<E*>(k), qkv, 3 * s.C, s.C, s);
+    permute_in(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C, s);
+    permute_in(static_cast<E*>(dO), dout, s.C, 0, s);
+  });
+  float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
+         {dO, compute}, {v, compute}, dP);
+  // dS (and, for bf16, a bf16 copy of P for dV). With fp32 compute dS
+  // overwrites dP in place and P is used as is.
+  const bool f32 = compute == DType::kF32;
+  void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_att * esz);
+  const void* pc = f32 ? static_cast<const void*>(P) : scratch(kPc, n_att * esz);
+  parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const int64_t nv = static_cast<int64_t>(r) % T + 1;
+      const float* p = P + r * T;
+      float* dp = dP + r * T;
+      const float dot = softmax_row_dot(p, dp, nv);
+      if (f32) {
+        for (int64_t j = 0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
+        for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
+      } else {
+        bf16* d = static_cast<bf16*>(ds) + r * T;
+        bf16* pb = static_cast<bf16*>(const_cast<void*>(pc)) + r * T;
+        for (int64_t j = 0; j < nv; ++j) d[j] = float_to_bf16(p[j] * (dp[j] - dot));
+        for (int64_t j = nv; j < T; ++j) d[j] = bf16{0};
+        for (int64_t j = 0; j < T; ++j) pb[j] = float_to_bf16(p[j]);
+      }
+    }
+  });
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* dv = static_cast<float*>(scratch(kDV, n_head * sizeof(float)));
+  float* dq = static_cast<float*>(scratch(kDQ, n_head * sizeof(float)));
+  float* dk = static_cast<float*>(scratch(kDK, n_head * sizeof(float)));
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = compute},
+         {pc, compute}, {dO, compute}, dv);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = compute},
+         {ds, compute}, {k, compute}, dq);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute},
+         {ds, compute}, {q, compute}, dk);
+  permute_out(dqkv, 3 * s.C, 0, dq, s);
+  permute_out(dqkv, 3 * s.C, s.C, dk, s);
+  permute_out(dqkv, 3 * s.C, 2 * s.C, dv, s);
+}
+
+}  // namespace zinc::kernels

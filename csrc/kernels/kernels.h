@@ -1,0 +1,115 @@
+// zinc kernels: the numeric building blocks of the built-in models, on the CPU.
+//
+// Conventions (every function):
+// - Activations and gradients are fp32, row-major and contiguous. Shapes are
+//   given in the comments as (B,T,C) etc.
+// - Parameters arrive as a CView: a pointer plus its dtype (fp32 or bf16),
+//   because with bf16 on the model's weights are bf16. Parameter gradients are
+//   always fp32 and are ACCUMULATED (+=) into, so that gradient accumulation
+//   over micro-batches needs no extra buffer. Activation gradients are written
+//   (=) unless the function says otherwise.
+// - Threaded with OpenMP (the same pool as oneDNN); results do not depend on
+//   the thread count, except for matmul, whose blocking oneDNN chooses.
+// - Every kernel has a plain scalar reference in kernels/reference.h, used as
+//   the test oracle.
+// Thread-safety: functions may be called from one thread at a time per
+// output buffer; matmul keeps a primitive cache guarded by a mutex.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace zinc::kernels {
+
+struct CView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  float at(int64_t i) const {
+    return dtype == DType::kF32 ? static_cast<const float*>(data)[i]
+                                : bf16_to_float(static_cast<const bf16*>(data)[i]);
+  }
+};
+
+// ---- matmul (oneDNN) --------------------------------------------------------
+// C[b](M,N) = alpha * op(A[b])(M,K) * op(B[b])(K,N)  (+ C[b] if accumulate)
+// for b in [0, batch), batches contiguous (A: M*K apart, B: K*N, C: M*N).
+// op(A) = A stored (M,K), or A stored (K,M) when trans_a. Same for B:
+// (K,N), or stored (N,K) when trans_b.
+// compute: kF32 multiplies in fp32; kBF16 multiplies in bf16 with fp32
+// accumulation. An operand whose dtype differs from `compute` is converted
+// into scratch first (so a model can pass fp32 activations with bf16 weights).
+struct MatmulDesc {
+  int64_t batch = 1, M = 0, N = 0, K = 0;
+  bool trans_a = false, trans_b = false;
+  bool accumulate = false;
+  float alpha = 1.0f;
+  DType compute = DType::kF32;
+};
+void matmul(const MatmulDesc& d, CView a, CView b, float* c);
+
+// y(M,N) += bias(N) broadcast over rows.
+void add_bias(float* y, CView bias, int64_t M, int64_t N);
+// dbias(N) += sum over rows of dy(M,N).
+void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N);
+
+// ---- layernorm over the last dim ---------------------------------------------
+// out(N,C) = (x - mean) * rstd * w + b; saves mean(N), rstd(N) for backward.
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
+                       int64_t N, int64_t C, float eps = 1e-5f);
+// dx(N,C) += ..., dw(C) += ..., db(C) += ...
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C);
+
+// ---- GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) --------
+void gelu_forward(float* out, const float* x, int64_t n);
+// dx = dout * gelu'(x)   (written, not accumulated)
+void gelu_backward(float* dx, const float* x, const float* dout, int64_t n);
+
+// ---- causal multi-head self-attention ------------------------------------------
+// qkv(B,T,3C) holds q, k, v side by side in the last dim, each C = H*hs wide
+// (head h uses columns h*hs..h*hs+hs-1 of its part). out(B,T,C) is the
+// attention output before the output projection. softmax(q k^T / sqrt(hs))
+// with a causal mask. The workspace keeps what backward needs; it must live
+// from forward to backward and may be reused across layers only if each layer
+// has its own.
+class AttentionWorkspace;
+struct AttentionShape {
+  int64_t B = 0, T = 0, C = 0, H = 0;
+};
+AttentionWorkspace* attention_workspace_create();
+void attention_workspace_destroy(AttentionWorkspace* ws);
+void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s,
+                       DType compute);
+// dqkv(B,T,3C) is written.
+void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
+                        AttentionShape s, DType compute);
+
+// ---- softmax cross-entropy over the vocabulary -----------------------------------
+// logits(N,V), targets(N) in [0,V). Returns the mean loss over the N rows.
+// If dlogits is not null, writes dlogits(N,V) = (softmax - onehot) * dloss_scale / N,
+// i.e. the gradient of (dloss_scale * mean loss). dlogits may alias logits.
+// A target outside [0,V) throws zinc::Error naming the row.
+double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                     float* dlogits, float dloss_scale);
+
+// ---- embeddings ----------------------------------------------------------------
+// out(B,T,C) = wte[tokens[b,t]] + wpe[t]   (wpe may have data == nullptr: no positions)
+// A token outside [0,V) throws zinc::Error.
+void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
+                       int64_t C, int64_t V);
+// dwte(V,C) += scatter of dout rows, dwpe(T,C) += sum over batch (dwpe may be null).
+// Deterministic: each output row is summed in token order.
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
+                        int64_t T, int64_t C, int64_t V);
+
+// ---- vector ops -------------------------------------------------------------------
+void add(float* out, const float* a, const float* b, int64_t n);  // out = a + b (out may alias)
+void accumulate(float* y, const float* x, int64_t n);            // y += x
+void scale(float* x, float alpha, int64_t n);                    // x *= alpha
+void axpy(float* y, float alpha, const float* x, int64_t n);     // y += alpha * x
+// sum x^2 in double, in a fixed order of fixed-size chunks (thread-count independent).
+double squared_norm(const float* x, int64_t n);
+bool all_finite(const float* x, int64_t n);
+
+}  // namespace zinc::kernels

@@ -1,0 +1,382 @@
+// Layer kernels: bias, layernorm, GELU, softmax cross-entropy, embeddings.
+//
+// Threading: row-wise work is split over rows; parameter-gradient reductions
+// (bias, layernorm weights, embeddings) are split over COLUMNS, each thread
+// walking every row in order for its own columns. That keeps every sum in row
+// order, so the results are bit-identical for any thread count, with no
+// per-thread partial buffers to combine. Vectorisation: see
+// Note [kernel vectorisation] in simd_math.h.
+//
+// Small parameter vectors (bias, layernorm w and b) that arrive as bf16 are
+// widened once per call into thread-local scratch; large ones (the token
+// embedding table) are read through a template on the element type, chosen
+// once per call.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/kernels.h"
+#include "kernels/simd_math.h"
+
+namespace zinc::kernels {
+namespace {
+
+using detail::kLanes;
+
+inline float load(float v) { return v; }
+inline float load(bf16 v) { return bf16_to_float(v); }
+
+// Calls fn(T{}) with T = float or bf16 according to `t`.
+template <class Fn>
+void dispatch(DType t, Fn&& fn) {
+  if (t == DType::kF32) {
+    fn(float{});
+  } else {
+    fn(bf16{});
+  }
+}
+
+// fp32 pointer to a small parameter vector, widening bf16 into `slot`.
+const float* param_f32(CView v, int64_t n, int slot) {
+  if (v.dtype == DType::kF32) return static_cast<const float*>(v.data);
+  thread_local std::vector<float> bufs[2];
+  auto& buf = bufs[slot];
+  buf.resize(static_cast<size_t>(n));
+  const bf16* src = static_cast<const bf16*>(v.data);
+  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(src[i]);
+  return buf.data();
+}
+
+// Rows per parallel chunk so that a chunk holds >= ~16K elements.
+size_t row_grain(int64_t cols) { return static_cast<size_t>(std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1))); }
+
+// Column-parallel sum over rows: fn(c0, c1, acc) with acc(c1-c0) doubles
+// zeroed; the callee adds rows in order. Columns are split in blocks of >= 16.
+template <class Fn>
+void for_column_blocks(int64_t N, Fn&& fn) {
+  parallel_for(static_cast<size_t>(N), 16, [&](size_t c0, size_t c1) {
+    std::vector<double> acc(c1 - c0, 0.0);
+    fn(static_cast<int64_t>(c0), static_cast<int64_t>(c1), acc.data());
+  });
+}
+
+// ---- layernorm rows -------------------------------------------------------------
+
+ZINC_CLONES void layernorm_row_forward(float* __restrict out, float* mean_out, float* rstd_out,
+                                       const float* __restrict x, const float* __restrict w,
+                                       const float* __restrict b, int64_t C, float eps) {
+  float acc[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[c + l];
+  for (int l = 0; c < C; ++c, ++l) acc[l] += x[c];
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const float mean = sum / static_cast<float>(C);
+  // Two-pass variance: no cancellation when |mean| >> std.
+  float vacc[kLanes] = {};
+  c = 0;
+  for (; c + kLanes <= C; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      float d = x[c + l] - mean;
+      vacc[l] += d * d;
+    }
+  for (int l = 0; c < C; ++c, ++l) {
+    float d = x[c] - mean;
+    vacc[l] += d * d;
+  }
+  float var = 0;
+  for (int l = 0; l < kLanes; ++l) var += vacc[l];
+  var /= static_cast<float>(C);
+  const float rstd = 1.0f / std::sqrt(var + eps);
+  for (c = 0; c < C; ++c) out[c] = (x[c] - mean) * rstd * w[c] + b[c];
+  *mean_out = mean;
+  *rstd_out = rstd;
+}
+
+ZINC_CLONES void layernorm_row_backward(float* __restrict dx, const float* __restrict dout,
+                                        const float* __restrict x, const float* __restrict w,
+                                        float mean, float rstd, int64_t C) {
+  float ag[kLanes] = {}, agx[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      float g = dout[c + l] * w[c + l];
+      ag[l] += g;
+      agx[l] += g * ((x[c + l] - mean) * rstd);
+    }
+  for (int l = 0; c < C; ++c, ++l) {
+    float g = dout[c] * w[c];
+    ag[l] += g;
+    agx[l] += g * ((x[c] - mean) * rstd);
+  }
+  float mg = 0, mgx = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    mg += ag[l];
+    mgx += agx[l];
+  }
+  mg /= static_cast<float>(C);
+  mgx /= static_cast<float>(C);
+  for (c = 0; c < C; ++c) {
+    float xhat = (x[c] - mean) * rstd;
+    dx[c] += rstd * (dout[c] * w[c] - mg - xhat * mgx);
+  }
+}
+
+// ---- GELU ---------------------------------------------------------------------------
+
+ZINC_CLONES void gelu_forward_range(float* __restrict out, const float* __restrict x, size_t n) {
+  using namespace detail;
+  for (size_t i = 0; i < n; ++i) {
+    float v = x[i];
+    float t = tanh_f(kGeluC * (v + kGeluA * v * v * v));
+    out[i] = 0.5f * v * (1.0f + t);
+  }
+}
+
+ZINC_CLONES void gelu_backward_range(float* __restrict dx, const float* __restrict x,
+                                     const float* __restrict dout, size_t n) {
+  using namespace detail;
+  for (size_t i = 0; i < n; ++i) {
+    float v = x[i];
+    float v2 = v * v;
+    float t = tanh_f(kGeluC * (v + kGeluA * v2 * v));
+    float dudx = kGeluC * (1.0f + 3.0f * kGeluA * v2);
+    float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * dudx;
+    dx[i] = g * dout[i];
+  }
+}
+
+// ---- cross-entropy rows -----------------------------------------------------------
+
+ZINC_CLONES float row_max(const float* __restrict x, int64_t n) {
+  float m[kLanes];
+  for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
+  for (int l = 0; j < n; ++j, ++l) m[l] = x[j] > m[l] ? x[j] : m[l];
+  float r = m[0];
+  for (int l = 1; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
+  return r;
+}
+
+// sum_j exp(x[j] - mx) in double lanes; when e != nullptr also stores the
+// exponentials there (e may equal x: each element is read before written).
+ZINC_CLONES double row_sum_exp(float* e, const float* x, float mx, int64_t n) {
+  double acc[kLanes] = {};
+  int64_t j = 0;
+  if (e) {
+    for (; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        float v = detail::exp_f(x[j + l] - mx);
+        e[j + l] = v;
+        acc[l] += v;
+      }
+    for (int l = 0; j < n; ++j, ++l) {
+      float v = detail::exp_f(x[j] - mx);
+      e[j] = v;
+      acc[l] += v;
+    }
+  } else {
+    for (; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += detail::exp_f(x[j + l] - mx);
+    for (int l = 0; j < n; ++j, ++l) acc[l] += detail::exp_f(x[j] - mx);
+  }
+  double s = 0;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+}  // namespace
+
+// ---- bias -------------------------------------------------------------------------
+
+void add_bias(float* y, CView bias, int64_t M, int64_t N) {
+  if (M <= 0 || N <= 0) return;
+  const float* bb = param_f32(bias, N, 0);
+  parallel_for(static_cast<size_t>(M), row_grain(N), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      float* __restrict yi = y + i * N;
+      const float* __restrict bi = bb;
+      for (int64_t j = 0; j < N; ++j) yi[j] += bi[j];
+    }
+  });
+}
+
+void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
+  if (M <= 0 || N <= 0) return;
+  for_column_blocks(N, [&](int64_t c0, int64_t c1, double* __restrict acc) {
+    const int64_t w = c1 - c0;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* __restrict row = dy + i * N + c0;
+      for (int64_t j = 0; j < w; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < w; ++j) dbias[c0 + j] = static_cast<float>(dbias[c0 + j] + acc[j]);
+  });
+}
+
+// ---- layernorm ----------------------------------------------------------------------
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
+                       int64_t N, int64_t C, float eps) {
+  if (N <= 0) return;
+  if (C <= 0) throw Error("layernorm_forward: C must be > 0, got " + std::to_string(C));
+  const float* ww = param_f32(w, C, 0);
+  const float* bb = param_f32(b, C, 1);
+  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i)
+      layernorm_row_forward(out + i * C, mean + i, rstd + i, x + i * C, ww, bb, C, eps);
+  });
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  const float* ww = param_f32(w, C, 0);
+  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i)
+      layernorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, mean[i], rstd[i], C);
+  });
+  // dw += sum_i dout * xhat, db += sum_i dout; column-parallel, rows in order.
+  for_column_blocks(C, [&](int64_t c0, int64_t c1, double* __restrict aw) {
+    const int64_t wd = c1 - c0;
+    std::vector<double> abv(static_cast<size_t>(wd), 0.0);
+    double* __restrict ab = abv.data();
+    for (int64_t i = 0; i < N; ++i) {
+      const float* __restrict g = dout + i * C + c0;
+      const float* __restrict xi = x + i * C + c0;
+      const float m = mean[i], r = rstd[i];
+      for (int64_t j = 0; j < wd; ++j) {
+        aw[j] += g[j] * ((xi[j] - m) * r);
+        ab[j] += g[j];
+      }
+    }
+    for (int64_t j = 0; j < wd; ++j) {
+      dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
+      db[c0 + j] = static_cast<float>(db[c0 + j] + ab[j]);
+    }
+  });
+}
+
+// ---- GELU -----------------------------------------------------------------------------
+
+void gelu_forward(float* out, const float* x, int64_t n) {
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
+    gelu_forward_range(out + lo, x + lo, hi - lo);
+  });
+}
+
+void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) {
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
+    gelu_backward_range(dx + lo, x + lo, dout + lo, hi - lo);
+  });
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------
+
+double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                     float* dlogits, float dloss_scale) {
+  if (N <= 0) return 0.0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (targets[i] < 0 || targets[i] >= V) {
+      throw Error("cross_entropy: target " + std::to_string(targets[i]) + " at row " +
+                  std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    }
+  }
+  // Per-row losses summed in row order afterwards: thread-count independent.
+  std::vector<double> row_loss(static_cast<size_t>(N));
+  const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
+  parallel_for(static_cast<size_t>(N), row_grain(V), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const float* x = logits + i * V;
+      const int32_t tgt = targets[i];
+      const float x_tgt = x[tgt];  // read before dlogits (which may alias) overwrites it
+      const float mx = row_max(x, V);
+      float* d = dlogits ? dlogits + i * V : nullptr;
+      const double sum = row_sum_exp(d, x, mx, V);
+      row_loss[i] = std::log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
+      if (d) {
+        const float f = static_cast<float>(grad_scale / sum);
+        for (int64_t j = 0; j < V; ++j) d[j] *= f;
+        d[tgt] -= static_cast<float>(grad_scale);
+      }
+    }
+  });
+  double total = 0;
+  for (double l : row_loss) total += l;
+  return total / static_cast<double>(N);
+}
+
+// ---- embeddings -----------------------------------------------------------------------------
+
+namespace {
+void check_tokens(const char* fn, const int32_t* tokens, int64_t n, int64_t V) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= V) {
+      throw Error(std::string(fn) + ": token " + std::to_string(tokens[i]) + " at position " +
+                  std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    }
+  }
+}
+}  // namespace
+
+void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
+                       int64_t C, int64_t V) {
+  const int64_t rows = B * T;
+  if (rows <= 0 || C <= 0) return;
+  check_tokens("embedding_forward", tokens, rows, V);
+  dispatch(wte.dtype, [&](auto te) {
+    using TE = decltype(te);
+    const TE* E = static_cast<const TE*>(wte.data);
+    if (!wpe.data) {
+      parallel_for(static_cast<size_t>(rows), row_grain(C), [&](size_t lo, size_t hi) {
+        for (size_t r = lo; r < hi; ++r) {
+          const TE* __restrict e = E + static_cast<int64_t>(tokens[r]) * C;
+          float* __restrict o = out + r * C;
+          for (int64_t c = 0; c < C; ++c) o[c] = load(e[c]);
+        }
+      });
+      return;
+    }
+    dispatch(wpe.dtype, [&](auto tp) {
+      using TP = decltype(tp);
+      const TP* P = static_cast<const TP*>(wpe.data);
+      parallel_for(static_cast<size_t>(rows), row_grain(C), [&](size_t lo, size_t hi) {
+        for (size_t r = lo; r < hi; ++r) {
+          const TE* __restrict e = E + static_cast<int64_t>(tokens[r]) * C;
+          const TP* __restrict p = P + (static_cast<int64_t>(r) % T) * C;
+          float* __restrict o = out + r * C;
+          for (int64_t c = 0; c < C; ++c) o[c] = load(e[c]) + load(p[c]);
+        }
+      });
+    });
+  });
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
+                        int64_t T, int64_t C, int64_t V) {
+  const int64_t rows = B * T;
+  if (rows <= 0 || C <= 0) return;
+  check_tokens("embedding_backward", tokens, rows, V);
+  // Column blocks: each thread owns columns [c0, c1) of every row of dwte and
+  // dwpe and adds the dout rows in token order, so the result is the same for
+  // any thread count and needs no atomics.
+  parallel_for(static_cast<size_t>(C), 16, [&](size_t c0, size_t c1) {
+    const int64_t w = static_cast<int64_t>(c1 - c0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* __restrict g = dout + r * C + c0;
+      float* __restrict e = dwte + static_cast<int64_t>(tokens[r]) * C + c0;
+      for (int64_t j = 0; j < w; ++j) e[j] += g[j];
+      if (dwpe) {
+        float* __restrict p = dwpe + (r % T) * C + c0;
+        for (int64_t j = 0; j < w; ++j) p[j] += g[j];
+      }
+    }
+  });
+}
+
+}  // namespace zinc::kernels

@@ -1,0 +1,113 @@
+// Vector ops over fp32 arrays. They are memory-bound, so they are plain
+// SSE2-vectorised loops split over the OpenMP pool in chunks of >= 32K
+// elements (smaller arrays run on the calling thread).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/parallel.h"
+#include "kernels/kernels.h"
+#include "kernels/simd_math.h"
+
+namespace zinc::kernels {
+namespace {
+
+constexpr size_t kGrain = size_t{1} << 15;
+
+// Note [squared_norm order]
+// squared_norm sums fixed chunks of kNormChunk elements, each with kLanes
+// interleaved double accumulators, then adds the chunk sums in index order.
+// The summation tree depends only on n, so the result is bit-identical for any
+// thread count (gradient clipping must not change with OMP_NUM_THREADS).
+constexpr int64_t kNormChunk = int64_t{1} << 16;
+
+ZINC_CLONES double chunk_squared_norm(const float* __restrict x, int64_t n) {
+  double acc[detail::kLanes] = {};
+  int64_t i = 0;
+  for (; i + detail::kLanes <= n; i += detail::kLanes)
+    for (int l = 0; l < detail::kLanes; ++l) {
+      double v = x[i + l];
+      acc[l] += v * v;
+    }
+  for (int l = 0; i < n; ++i, ++l) {
+    double v = x[i];
+    acc[l] += v * v;
+  }
+  double s = 0;
+  for (int l = 0; l < detail::kLanes; ++l) s += acc[l];
+  return s;
+}
+
+bool chunk_finite(const float* __restrict x, int64_t n) {
+  // Exponent all ones <=> Inf or NaN. Integer ops so that it vectorises.
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+}  // namespace
+
+void add(float* out, const float* a, const float* b, int64_t n) {
+  parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) out[i] = a[i] + b[i];
+  });
+}
+
+void accumulate(float* y, const float* x, int64_t n) {
+  parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
+    float* __restrict yy = y;
+    const float* __restrict xx = x;
+    for (size_t i = lo; i < hi; ++i) yy[i] += xx[i];
+  });
+}
+
+void scale(float* x, float alpha, int64_t n) {
+  parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) x[i] *= alpha;
+  });
+}
+
+void axpy(float* y, float alpha, const float* x, int64_t n) {
+  parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
+    float* __restrict yy = y;
+    const float* __restrict xx = x;
+    for (size_t i = lo; i < hi; ++i) yy[i] += alpha * xx[i];
+  });
+}
+
+double squared_norm(const float* x, int64_t n) {
+  if (n <= 0) return 0.0;
+  const int64_t nchunks = (n + kNormChunk - 1) / kNormChunk;
+  std::vector<double> partial(static_cast<size_t>(nchunks));
+  parallel_for(static_cast<size_t>(nchunks), 1, [&](size_t lo, size_t hi) {
+    for (size_t c = lo; c < hi; ++c) {
+      int64_t begin = static_cast<int64_t>(c) * kNormChunk;
+      int64_t len = std::min(kNormChunk, n - begin);
+      partial[c] = chunk_squared_norm(x + begin, len);
+    }
+  });
+  double s = 0;
+  for (double p : partial) s += p;
+  return s;
+}
+
+bool all_finite(const float* x, int64_t n) {
+  if (n <= 0) return true;
+  const int64_t nchunks = (n + kNormChunk - 1) / kNormChunk;
+  std::vector<uint8_t> ok(static_cast<size_t>(nchunks));
+  parallel_for(static_cast<size_t>(nchunks), 1, [&](size_t lo, size_t hi) {
+    for (size_t c = lo; c < hi; ++c) {
+      int64_t begin = static_cast<int64_t>(c) * kNormChunk;
+      ok[c] = chunk_finite(x + begin, std::min(kNormChunk, n - begin));
+    }
+  });
+  for (uint8_t v : ok)
+    if (!v) return false;
+  return true;
+}
+
+}  // namespace zinc::kernels

@@ -1,0 +1,462 @@
+// zinc engine: training data sources and the data-parallel loader.
+//
+// Note [data order]
+// A sample's identity is its global position p in the stream of all samples
+// the loader will ever hand out (across ranks and epochs). Position p belongs
+// to epoch e = p / N (N = source.num_samples()) and reads sample
+// order_e[p % N], where order_e is a permutation of [0, N) drawn from
+// Rng(mix_seed(shuffle_seed, e)). Global batch g covers positions
+// [g*G, (g+1)*G), G = micro_batch * grad_accum * world_size; rank r owns the
+// contiguous slice [g*G + r*G/W, g*G + (r+1)*G/W) and reads it in grad_accum
+// micro-batches of micro_batch consecutive positions. Hence ranks never
+// overlap, their union is the global batch, and the samples of a global batch
+// do not depend on how it is split into (W, grad_accum, micro_batch).
+// position() counts samples consumed by all ranks in lockstep:
+// g*G + k*micro_batch*W after k micro-batches of global batch g.
+//
+// Permutations: Fisher-Yates, materialised, when N <= kMaxMaterialisedOrder;
+// for larger N (the synthetic source's 2^40-sample epoch) a seeded bijection
+// on the next power of two with cycle walking, computed per position, so no
+// O(N) table is ever built.
+#include "engine/data.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace zinc {
+namespace {
+
+constexpr int64_t kSyntheticEpoch = int64_t{1} << 40;  // samples per synthetic "epoch"
+// Synthetic evaluation samples are indexed from here: disjoint from training.
+constexpr int64_t kSyntheticEvalBase = int64_t{1} << 41;
+constexpr int64_t kMaxSyntheticTable = int64_t{1} << 26;  // V*V entries (256 MiB of int32)
+constexpr int64_t kMaxMaterialisedOrder = int64_t{1} << 24;  // 128 MiB of int64 indices
+constexpr int32_t kTokenFileMagic = 20240520;  // first int32 of the GPT-2 scripts' header
+constexpr int64_t kTokenHeaderBytes = 256 * 4;
+
+std::string fmt_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// ---------------------------------------------------------------------------
+// Files.
+
+// Owns a file descriptor; closes it on destruction.
+class UniqueFd {
+ public:
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// A read-only view of a whole file: mmap'ed, or empty for an empty file.
+// Owns the mapping; movable, not copyable.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) throw posix_error("open " + path, errno);
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
+    if (!S_ISREG(st.st_mode)) throw IoError("open " + path + ": not a regular file");
+    size_ = static_cast<int64_t>(st.st_size);
+    if (size_ == 0) return;
+    void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, fd.get(), 0);
+    if (p == MAP_FAILED) throw posix_error("mmap " + path, errno);
+    data_ = static_cast<const unsigned char*>(p);
+  }
+  MappedFile(MappedFile&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  MappedFile& operator=(MappedFile&&) = delete;
+  MappedFile(const MappedFile&) = delete;
+  ~MappedFile() {
+    if (data_) ::munmap(const_cast<unsigned char*>(data_), static_cast<size_t>(size_));
+  }
+  const unsigned char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+std::vector<unsigned char> read_whole_file(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throw posix_error("open " + path, errno);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
+  if (!S_ISREG(st.st_mode)) throw IoError("open " + path + ": not a regular file");
+  std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw posix_error("read " + path, errno);
+    }
+    if (n == 0) break;  // file shrank while reading
+    done += static_cast<size_t>(n);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
+// ---------------------------------------------------------------------------
+// Window sources: a flat token sequence cut into samples of T+1 tokens with
+// stride T (target T of window i is input 0 of window i+1). Windows
+// [first, first + count) of the file are this source's samples (the train
+// head or the eval tail).
+
+struct WindowRange {
+  int64_t first = 0, count = 0;
+};
+
+// Splits `total` windows into train (head) and eval (tail) by eval_fraction.
+WindowRange split_windows(int64_t total, double eval_fraction, bool eval) {
+  int64_t n_eval = 0;
+  if (eval_fraction > 0) {
+    n_eval = std::max<int64_t>(1, static_cast<int64_t>(std::llround(total * eval_fraction)));
+    if (n_eval >= total)
+      throw ConfigError("data.eval_fraction",
+                        "holds out " + std::to_string(n_eval) + " of " + std::to_string(total) +
+                            " samples, leaving none to train on; lower it or use a longer file");
+  }
+  return eval ? WindowRange{total - n_eval, n_eval} : WindowRange{0, total - n_eval};
+}
+
+void check_window_file(const std::string& path, int64_t num_tokens, int64_t T,
+                       const char* unit) {
+  if (num_tokens < T + 1)
+    throw ConfigError("data.path", path + " has " + std::to_string(num_tokens) + " " + unit +
+                                       "; one sample of seq_len " + std::to_string(T) +
+                                       " needs at least " + std::to_string(T + 1));
+}
+
+class TextSource final : public DataSource {
+ public:
+  TextSource(const DataConfig& cfg, bool eval) : path_(cfg.path), T_(cfg.seq_len) {
+    bytes_ = read_whole_file(path_);
+    check_window_file(path_, static_cast<int64_t>(bytes_.size()), T_, "bytes");
+    range_ = split_windows((static_cast<int64_t>(bytes_.size()) - 1) / T_, cfg.eval_fraction, eval);
+  }
+  std::string describe() const override {
+    return "text(" + path_ + ", " + std::to_string(bytes_.size()) + " bytes)";
+  }
+  int64_t vocab_size() const override { return 256; }
+  int64_t seq_len() const override { return T_; }
+  int64_t num_samples() const override { return range_.count; }
+  void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
+    ZINC_CHECK(index >= 0 && index < range_.count, "text sample index out of range");
+    const unsigned char* w = bytes_.data() + (range_.first + index) * T_;
+    for (int64_t t = 0; t < T_; ++t) inputs[t] = w[t];
+    for (int64_t t = 0; t < T_; ++t) targets[t] = w[t + 1];
+  }
+
+ private:
+  std::string path_;
+  int64_t T_;
+  std::vector<unsigned char> bytes_;
+  WindowRange range_;
+};
+
+class TokenSource final : public DataSource {
+ public:
+  TokenSource(const DataConfig& cfg, bool eval) : path_(cfg.path), T_(cfg.seq_len), file_(cfg.path) {
+    const int64_t size = file_.size();
+    int64_t offset = 0;
+    if (size >= kTokenHeaderBytes && read_i32(0) == kTokenFileMagic) {
+      header_ = true;
+      const int32_t version = read_i32(1);
+      const int64_t count = read_i32(2);
+      if (version != 1)
+        throw ConfigError("data.path", path_ + ": token file header version " +
+                                           std::to_string(version) +
+                                           " is not supported (only version 1: uint16 tokens)");
+      const int64_t body = size - kTokenHeaderBytes;
+      if (body % 2 != 0 || count != body / 2)
+        throw ConfigError("data.path", path_ + ": header says " + std::to_string(count) +
+                                           " tokens but the file holds " + std::to_string(body) +
+                                           " bytes after the 1024-byte header (" +
+                                           std::to_string(body / 2) +
+                                           " tokens); the file is truncated or corrupt");
+      offset = kTokenHeaderBytes;
+    } else if (size % 2 != 0) {
+      throw ConfigError("data.path", path_ + " is " + std::to_string(size) +
+                                         " bytes, an odd size; a token file holds uint16 tokens "
+                                         "(optionally after a 1024-byte header)");
+    }
+    tokens_ = file_.data() + offset;
+    num_tokens_ = (size - offset) / 2;
+    check_window_file(path_, num_tokens_, T_, "tokens");
+
+    int32_t max_token = 0;
+    for (int64_t i = 0; i < num_tokens_; ++i) max_token = std::max(max_token, token(i));
+    if (cfg.vocab_size > 0) {
+      if (max_token >= cfg.vocab_size) {
+        int64_t i = 0;
+        while (token(i) < cfg.vocab_size) ++i;
+        throw ConfigError("data.vocab_size",
+                          "is " + std::to_string(cfg.vocab_size) + " but " + path_ + " token " +
+                              std::to_string(i) + " is " + std::to_string(token(i)) +
+                              " (max token " + std::to_string(max_token) +
+                              "); raise vocab_size, or set it to 0 to take max token + 1");
+      }
+      V_ = cfg.vocab_size;
+    } else {
+      V_ = int64_t{max_token} + 1;
+    }
+    range_ = split_windows((num_tokens_ - 1) / T_, cfg.eval_fraction, eval);
+  }
+  std::string describe() const override {
+    return "tokens(" + path_ + ", " + std::to_string(num_tokens_) + " tokens, V=" +
+           std::to_string(V_) + (header_ ? ", header)" : ")");
+  }
+  int64_t vocab_size() const override { return V_; }
+  int64_t seq_len() const override { return T_; }
+  int64_t num_samples() const override { return range_.count; }
+  void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
+    ZINC_CHECK(index >= 0 && index < range_.count, "token sample index out of range");
+    const int64_t start = (range_.first + index) * T_;
+    for (int64_t t = 0; t < T_; ++t) inputs[t] = token(start + t);
+    for (int64_t t = 0; t < T_; ++t) targets[t] = token(start + t + 1);
+  }
+
+ private:
+  // Little-endian decoding byte by byte: correct on any host, and cheap.
+  int32_t read_i32(int64_t word) const {
+    const unsigned char* b = file_.data() + 4 * word;
+    return static_cast<int32_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 |
+                                uint32_t{b[3]} << 24);
+  }
+  int32_t token(int64_t i) const {
+    return static_cast<int32_t>(tokens_[2 * i]) | static_cast<int32_t>(tokens_[2 * i + 1]) << 8;
+  }
+
+  std::string path_;
+  int64_t T_;
+  MappedFile file_;
+  bool header_ = false;
+  const unsigned char* tokens_ = nullptr;
+  int64_t num_tokens_ = 0;
+  int64_t V_ = 0;
+  WindowRange range_;
+};
+
+// ---------------------------------------------------------------------------
+// Synthetic source. The table f and sample `index` come from independent
+// streams of the seed: the table from mix_seed(seed, UINT64_MAX), sample i
+// from mix_seed(seed, i) (indices stay below 2^42).
+
+class SyntheticSource final : public DataSource {
+ public:
+  SyntheticSource(const DataConfig& cfg, bool eval)
+      : V_(cfg.vocab_size), T_(cfg.seq_len), p_(cfg.determinism), seed_(cfg.seed),
+        base_(eval ? kSyntheticEvalBase : 0) {
+    if (V_ < 2) throw ConfigError("data.vocab_size", "must be >= 2, got " + std::to_string(V_));
+    if (V_ * V_ > kMaxSyntheticTable)
+      throw ConfigError("data.vocab_size",
+                        "must be <= 8192 for the synthetic source (its table has V*V entries), got " +
+                            std::to_string(V_));
+    if (!(p_ >= 0.0 && p_ <= 1.0))
+      throw ConfigError("data.determinism", "must be in [0, 1], got " + fmt_double(p_));
+    table_.resize(static_cast<size_t>(V_ * V_));
+    Rng rng(mix_seed(seed_, ~uint64_t{0}));
+    for (auto& v : table_) v = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_)));
+  }
+  std::string describe() const override {
+    return "synthetic(V=" + std::to_string(V_) + ", T=" + std::to_string(T_) +
+           ", p=" + fmt_double(p_) + ", seed=" + std::to_string(seed_) + ")";
+  }
+  int64_t vocab_size() const override { return V_; }
+  int64_t seq_len() const override { return T_; }
+  int64_t num_samples() const override { return kSyntheticEpoch; }
+  void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
+    ZINC_CHECK(index >= 0 && index < kSyntheticEpoch, "synthetic sample index out of range");
+    Rng rng(mix_seed(seed_, static_cast<uint64_t>(base_ + index)));
+    const uint64_t V = static_cast<uint64_t>(V_);
+    // x_t for t = 0..T; x_t lands in inputs[t] (t < T) and targets[t-1] (t >= 1).
+    int32_t prev2 = static_cast<int32_t>(rng.below(V));
+    int32_t prev1 = static_cast<int32_t>(rng.below(V));
+    inputs[0] = prev2;
+    targets[0] = prev1;
+    if (T_ > 1) inputs[1] = prev1;
+    for (int64_t t = 2; t <= T_; ++t) {
+      // Always draw the coin, then the token only if needed: the stream layout
+      // is fixed by t alone, never by earlier outcomes' values.
+      const bool det = rng.uniform() < p_;
+      const int32_t x = det ? table_[static_cast<size_t>(prev2 * V_ + prev1)]
+                            : static_cast<int32_t>(rng.below(V));
+      targets[t - 1] = x;
+      if (t < T_) inputs[t] = x;
+      prev2 = prev1;
+      prev1 = x;
+    }
+  }
+  // Exact floor of the mean per-position loss. Target 0 (x_1) is uniform:
+  // log V. Every later target x_t, given x_{t-2} and x_{t-1}, is f(...) with
+  // probability q = p + (1-p)/V and each of the other V-1 tokens with
+  // r = (1-p)/V: H_c = -q log q - (V-1) r log r (0 log 0 = 0).
+  // Floor = (log V + (T-1) H_c) / T.
+  std::optional<double> loss_floor() const override {
+    const double V = static_cast<double>(V_), T = static_cast<double>(T_);
+    const double logV = std::log(V);
+    const double r = (1.0 - p_) / V;
+    const double q = p_ + r;
+    auto xlogx = [](double x) { return x > 0 ? x * std::log(x) : 0.0; };
+    const double h_c = -xlogx(q) - (V - 1) * xlogx(r);
+    return (logV + (T - 1) * h_c) / T;
+  }
+
+ private:
+  int64_t V_, T_;
+  double p_;
+  uint64_t seed_;
+  int64_t base_;
+  std::vector<int32_t> table_;  // (V,V): f(a,b) = table_[a*V + b]
+};
+
+std::unique_ptr<DataSource> make_source(const DataConfig& cfg, bool eval) {
+  if (cfg.seq_len < 1)
+    throw ConfigError("data.seq_len", "must be >= 1, got " + std::to_string(cfg.seq_len));
+  if (!(cfg.eval_fraction >= 0.0 && cfg.eval_fraction < 1.0))
+    throw ConfigError("data.eval_fraction", "must be in [0, 1), got " + fmt_double(cfg.eval_fraction));
+  if (cfg.type == "synthetic") return std::make_unique<SyntheticSource>(cfg, eval);
+  if (cfg.type == "text" || cfg.type == "tokens") {
+    if (cfg.path.empty())
+      throw ConfigError("data.path", "is required for data type \"" + cfg.type + "\"");
+    if (cfg.type == "text") return std::make_unique<TextSource>(cfg, eval);
+    return std::make_unique<TokenSource>(cfg, eval);
+  }
+  throw ConfigError("data.type",
+                    "must be \"synthetic\", \"text\" or \"tokens\", got \"" + cfg.type + "\"");
+}
+
+// Seeded bijection of [0, n) for large n: three rounds of (odd multiply,
+// xorshift, add) on ceil(log2 n) bits, repeated until the value is < n
+// (cycle walking: the walk stays on x's cycle, which contains x < n, so it
+// ends; expected < 2 walks).
+int64_t permute_large(int64_t x, int64_t n, uint64_t key_seed) {
+  int bits = 1;
+  while ((int64_t{1} << bits) < n) ++bits;
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  const int shift = bits / 2 + 1;
+  Rng rng(key_seed);
+  uint64_t mul[3], add[3];
+  for (int i = 0; i < 3; ++i) {
+    mul[i] = rng.next_u64() | 1;
+    add[i] = rng.next_u64();
+  }
+  uint64_t v = static_cast<uint64_t>(x);
+  do {
+    for (int i = 0; i < 3; ++i) {
+      v = (v * mul[i]) & mask;
+      v ^= v >> shift;
+      v = (v + add[i]) & mask;
+    }
+  } while (v >= static_cast<uint64_t>(n));
+  return static_cast<int64_t>(v);
+}
+
+}  // namespace
+
+std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg) { return make_source(cfg, false); }
+
+std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg) {
+  if (cfg.type != "synthetic" && cfg.eval_fraction <= 0.0) return nullptr;
+  return make_source(cfg, true);
+}
+
+// ---------------------------------------------------------------------------
+// DataLoader (Note [data order]).
+
+DataLoader::DataLoader(std::shared_ptr<const DataSource> source, int64_t micro_batch,
+                       int64_t grad_accum, int world_size, int rank, uint64_t shuffle_seed)
+    : source_(std::move(source)), micro_batch_(micro_batch), grad_accum_(grad_accum),
+      world_size_(world_size), rank_(rank), shuffle_seed_(shuffle_seed) {
+  ZINC_CHECK(source_ != nullptr, "DataLoader needs a source");
+  ZINC_CHECK(micro_batch_ >= 1 && grad_accum_ >= 1 && world_size_ >= 1, "DataLoader batch sizes must be >= 1");
+  ZINC_CHECK(rank_ >= 0 && rank_ < world_size_, "DataLoader rank out of range");
+  ZINC_CHECK(source_->num_samples() >= 1, "DataLoader source has no samples");
+  set_position(0);
+}
+
+void DataLoader::reshuffle() {
+  const int64_t n = source_->num_samples();
+  order_.clear();
+  if (n > kMaxMaterialisedOrder) return;  // computed per position (permute_large)
+  order_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order_[static_cast<size_t>(i)] = i;
+  Rng rng(mix_seed(shuffle_seed_, static_cast<uint64_t>(epoch_)));
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
+    std::swap(order_[static_cast<size_t>(i)], order_[static_cast<size_t>(j)]);
+  }
+}
+
+void DataLoader::set_position(int64_t samples) {
+  const int64_t step = micro_batch_ * world_size_;
+  if (samples < 0 || samples % step != 0)
+    throw Error("data position " + std::to_string(samples) +
+                " does not fall on a micro-batch boundary (a multiple of micro_batch * world_size = " +
+                std::to_string(step) +
+                "); resume with the batch layout the position was saved with, or from a step boundary");
+  position_ = samples;
+  const int64_t e = samples / source_->num_samples();
+  if (e != epoch_) {
+    epoch_ = e;
+    reshuffle();
+  }
+}
+
+Batch DataLoader::next() {
+  const int64_t n = source_->num_samples();
+  const int64_t T = source_->seq_len();
+  const int64_t G = micro_batch_ * grad_accum_ * world_size_;
+  const int64_t g = position_ / G;
+  const int64_t k = (position_ % G) / (micro_batch_ * world_size_);  // micro-step in this global batch
+  const int64_t first = g * G + rank_ * (G / world_size_) + k * micro_batch_;
+
+  Batch batch;
+  batch.B = micro_batch_;
+  batch.T = T;
+  batch.inputs.resize(static_cast<size_t>(micro_batch_ * T));
+  batch.targets.resize(static_cast<size_t>(micro_batch_ * T));
+  for (int64_t b = 0; b < micro_batch_; ++b) {
+    const int64_t pos = first + b;
+    const int64_t e = pos / n;
+    if (e != epoch_) {
+      epoch_ = e;
+      reshuffle();
+    }
+    const int64_t slot = pos % n;
+    const int64_t index =
+        order_.empty() ? permute_large(slot, n, mix_seed(shuffle_seed_, static_cast<uint64_t>(e)))
+                       : order_[static_cast<size_t>(slot)];
+    source_->sample(index, batch.inputs.data() + b * T, batch.targets.data() + b * T);
+  }
+  position_ += micro_batch_ * world_size_;
+  return batch;
+}
+
+}  // namespace zinc

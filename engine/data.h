@@ -1,0 +1,96 @@
+// zinc engine: training data. A DataSource yields (inputs, targets) token
+// micro-batches; a DataLoader splits each global batch between data-parallel
+// ranks (no overlap, nothing skipped) and reshuffles per epoch.
+//
+// Sources:
+// - synthetic: an infinite, seeded stream with a known entropy floor. Each
+//   sample is an independent sequence x_0..x_T: x_0 uniform; x_1 uniform;
+//   then x_t depends on (x_{t-2}, x_{t-1}) through a seeded table (see
+//   SyntheticSource). A model reaches the floor only by using both previous
+//   tokens.
+// - text: the bytes of a file are the tokens (vocabulary 256).
+// - tokens: a flat file of little-endian uint16 tokens, as the common GPT
+//   training scripts write (optionally with their 256 x int32 header whose
+//   first word is 20240520; detected and skipped).
+// Thread-safety: a DataLoader is used from one thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/model.h"
+
+namespace zinc {
+
+struct DataConfig {
+  std::string type = "synthetic";  // "synthetic" | "text" | "tokens"
+  std::string path;                // text / tokens: the file
+  int64_t seq_len = 256;           // T: tokens per sample (inputs; targets shifted by one)
+  // synthetic: V (2..8192). tokens: if > 0, every token must be < V (checked
+  // at load); <= 0 takes max token + 1 from the file. text: ignored (256).
+  int64_t vocab_size = 64;         // V
+  // synthetic only:
+  double determinism = 0.8;        // p: probability that x_t = table(x_{t-2}, x_{t-1})
+  uint64_t seed = 1234;            // the source's table and samples (not the model's init)
+  // text / tokens: fraction of samples held out for evaluation (the tail).
+  double eval_fraction = 0.0;
+};
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  virtual std::string describe() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t seq_len() const = 0;
+  // Number of distinct samples per epoch; the synthetic source reports a
+  // large fixed epoch (its samples are indexed, not stored).
+  virtual int64_t num_samples() const = 0;
+  // Writes sample `index` (0 <= index < num_samples()): T inputs, T targets.
+  virtual void sample(int64_t index, int32_t* inputs, int32_t* targets) const = 0;
+  // Exact entropy floor of the mean next-token loss in nats, if known.
+  virtual std::optional<double> loss_floor() const { return std::nullopt; }
+};
+
+// Throws zinc::IoError (missing/unreadable file, naming it) or zinc::ConfigError.
+// text / tokens: the head of the file, without the eval_fraction tail.
+std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg);
+// The held-out evaluation samples: text / tokens, the eval_fraction tail of
+// the file (nullptr when eval_fraction is 0); synthetic, a disjoint seeded
+// range of samples from the same distribution. Same errors as above.
+std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg);
+
+// Walks a DataSource in global batches of `global_batch` samples, each split
+// into `world_size` equal parts; rank r takes part r, in micro-batches of
+// `micro_batch` samples. The order is a seeded permutation of the source's
+// samples, redrawn every epoch (shuffle_seed, epoch); every rank computes the
+// same permutation, so no rank reads a sample another rank reads in the same
+// epoch.
+class DataLoader {
+ public:
+  DataLoader(std::shared_ptr<const DataSource> source, int64_t micro_batch, int64_t grad_accum,
+             int world_size, int rank, uint64_t shuffle_seed);
+  // Next micro-batch for this rank (B = micro_batch).
+  Batch next();
+  // Epoch of the last sample read (after construction / set_position: of the next one).
+  int64_t epoch() const { return epoch_; }
+  int64_t micro_batch() const { return micro_batch_; }
+  const DataSource& source() const { return *source_; }
+  // Consumed samples (all ranks) so far; restoring it resumes the order exactly.
+  int64_t position() const { return position_; }
+  void set_position(int64_t samples);
+
+ private:
+  void reshuffle();
+  std::shared_ptr<const DataSource> source_;
+  int64_t micro_batch_, grad_accum_;
+  int world_size_, rank_;
+  uint64_t shuffle_seed_;
+  int64_t epoch_ = -1;
+  int64_t position_ = 0;   // global samples consumed
+  std::vector<int64_t> order_;  // permutation of epoch_ (empty: too large to hold, computed per position)
+};
+
+}  // namespace zinc

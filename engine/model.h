@@ -1,0 +1,108 @@
+// zinc engine: the model interface.
+//
+// A model is a list of blocks; a block is a group of parameters that the
+// engine fetches, reduces and offloads together (a transformer layer, the
+// embeddings, the final norm). Each block's parameters live in one flat
+// vector (see BlockLayout); the model never owns parameters or parameter
+// gradients: it asks the engine for them through a StepContext at block
+// boundaries, which is what lets the engine gather (ZeRO-3), prefetch, and
+// start reducing a block's gradients while backward continues.
+//
+// Models own their activations. forward() and backward() are called from one
+// thread (the training thread); the model may use OpenMP inside kernels.
+// This header is the only engine header that models/ may include.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "kernels/kernels.h"
+
+namespace zinc {
+
+enum class Init { kZeros, kOnes, kNormal };
+
+struct ParamSpec {
+  std::string name;  // e.g. "attn.qkv.weight"
+  Shape shape;
+  Init init = Init::kNormal;
+  float init_std = 0.02f;  // for kNormal (mean 0)
+};
+
+struct BlockSpec {
+  std::string name;  // e.g. "h.3"
+  std::vector<ParamSpec> params;
+};
+
+// Where each parameter sits in its block's flat vector. Offsets are multiples
+// of kParamAlignNumel elements so that every parameter starts 64-byte aligned
+// in fp32 and bf16 alike.
+constexpr int64_t kParamAlignNumel = 32;
+struct BlockLayout {
+  std::vector<int64_t> offsets;  // per param, in elements
+  std::vector<int64_t> numels;   // per param
+  int64_t numel = 0;             // used elements (end of the last param, aligned)
+  static BlockLayout from_spec(const BlockSpec& spec);
+};
+
+// A block's parameters in compute precision (fp32, or bf16 with bf16 on).
+struct BlockParams {
+  const void* base = nullptr;
+  DType dtype = DType::kF32;
+  const BlockLayout* layout = nullptr;
+  kernels::CView operator[](int i) const {
+    return {static_cast<const char*>(base) + layout->offsets[i] * dtype_bytes(dtype), dtype};
+  }
+};
+
+// A block's gradient accumulators (fp32, same layout as the parameters).
+struct BlockGrads {
+  float* base = nullptr;
+  const BlockLayout* layout = nullptr;
+  float* operator[](int i) const { return base + layout->offsets[i]; }
+};
+
+// One micro-batch of token sequences: inputs and next-token targets, (B,T).
+struct Batch {
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> inputs;
+  std::vector<int32_t> targets;
+};
+
+// The engine's side of a step, as the model sees it. The engine's
+// implementation guarantees that every rank issues the same collectives in
+// the same order; the model only has to call these at block boundaries.
+class StepContext {
+ public:
+  virtual ~StepContext() = default;
+  virtual DType compute_dtype() const = 0;
+  // Full compute-precision parameters of `block`, valid until release().
+  virtual BlockParams acquire(int block) = 0;
+  virtual void release(int block) = 0;
+  // The block's fp32 gradient buffers to accumulate (+=) into.
+  virtual BlockGrads grads(int block) = 0;
+  // The block's gradients for this micro-batch are complete.
+  virtual void grads_ready(int block) = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual std::string name() const = 0;
+  virtual const std::vector<BlockSpec>& blocks() const = 0;
+  // Forward one micro-batch; keeps what backward needs. Returns the mean loss
+  // over the batch's B*T targets.
+  virtual float forward(StepContext& ctx, const Batch& batch) = 0;
+  // Backward of the last forward, for the objective loss_scale * mean loss.
+  // Accumulates into ctx.grads() and calls grads_ready(block) once per block,
+  // last block first.
+  virtual void backward(StepContext& ctx, float loss_scale) = 0;
+  // Model FLOPs per token of one training step (forward + backward), the
+  // usual 6 * matmul parameters + attention count. 0 if unknown.
+  virtual double flops_per_token(int64_t T) const { return 0; }
+};
+
+}  // namespace zinc

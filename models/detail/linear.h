@@ -1,0 +1,53 @@
+// zinc models, private: a linear layer y = x W^T + b in the PyTorch layout
+// (W stored (out, in)), over kernels::matmul. Shared by the built-in models.
+#pragma once
+
+#include "core/error.h"
+#include "kernels/kernels.h"
+
+namespace zinc::models::detail {
+
+using kernels::CView;
+
+// y(N,out) = x(N,in) W^T + b   (b.data may be null)
+inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
+                           DType compute) {
+  kernels::MatmulDesc d;
+  d.M = N;
+  d.N = out;
+  d.K = in;
+  d.trans_b = true;
+  d.compute = compute;
+  kernels::matmul(d, x, w, y);
+  if (b.data) kernels::add_bias(y, b, N, out);
+}
+
+// dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
+// db(out) += column sums of dy (skipped when db is null).
+inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
+                            int64_t in, int64_t out, DType compute) {
+  if (dx) {
+    kernels::MatmulDesc d;
+    d.M = N;
+    d.N = in;
+    d.K = out;
+    d.compute = compute;
+    kernels::matmul(d, dy, w, dx);
+  }
+  kernels::MatmulDesc g;
+  g.M = out;
+  g.N = in;
+  g.K = N;
+  g.trans_a = true;
+  g.accumulate = true;
+  g.compute = compute;
+  kernels::matmul(g, dy, x, dw);
+  if (db) {
+    ZINC_CHECK(dy.dtype == DType::kF32, "bias gradient needs the fp32 dy");
+    kernels::bias_backward(db, static_cast<const float*>(dy.data), N, out);
+  }
+}
+
+inline CView f32(const float* p) { return CView{p, DType::kF32}; }
+
+}  // namespace zinc::models::detail

@@ -1,0 +1,243 @@
+// GPT-2-style decoder over the zinc model interface. Shapes in comments:
+// B batch, T sequence, C n_embd, H heads, V vocabulary, N = B*T rows.
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/alloc.h"
+#include "core/error.h"
+#include "models/detail/linear.h"
+#include "models/models.h"
+
+namespace zinc::models {
+namespace {
+
+using detail::f32;
+using kernels::CView;
+
+// Parameter indices inside a transformer-layer block (order of the spec).
+enum LayerParam {
+  kLn1W, kLn1B, kQkvW, kQkvB, kAttnProjW, kAttnProjB,
+  kLn2W, kLn2B, kFcW, kFcB, kMlpProjW, kMlpProjB,
+};
+enum EmbedParam { kWte, kWpe };
+enum NormParam { kLnfW, kLnfB };
+
+// Activations of one layer kept from forward for backward.
+struct LayerActs {
+  AlignedBuffer x_in;      // (N,C) residual stream entering the layer
+  AlignedBuffer ln1;       // (N,C)
+  AlignedBuffer ln1_mean;  // (N)
+  AlignedBuffer ln1_rstd;  // (N)
+  AlignedBuffer qkv;       // (N,3C)
+  AlignedBuffer att;       // (N,C) attention output before its projection
+  AlignedBuffer x_mid;     // (N,C) residual stream after attention
+  AlignedBuffer ln2;       // (N,C)
+  AlignedBuffer ln2_mean;  // (N)
+  AlignedBuffer ln2_rstd;  // (N)
+  AlignedBuffer fc;        // (N,4C) before GELU
+  AlignedBuffer gelu;      // (N,4C)
+  kernels::AttentionWorkspace* ws = nullptr;
+};
+
+class Gpt final : public Model {
+ public:
+  explicit Gpt(const GptConfig& c) : c_(c) {
+    if (c.vocab_size < 2) throw Error("gpt: vocab_size must be >= 2, got " + std::to_string(c.vocab_size));
+    if (c.n_layer < 1 || c.n_head < 1 || c.n_embd < 1 || c.block_size < 1)
+      throw Error("gpt: n_layer, n_head, n_embd and block_size must be >= 1");
+    if (c.n_embd % c.n_head != 0)
+      throw Error("gpt: n_embd (" + std::to_string(c.n_embd) + ") must be divisible by n_head (" +
+                  std::to_string(c.n_head) + ")");
+    const int64_t C = c.n_embd, V = c.vocab_size;
+    const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
+    specs_.push_back({"embed", {{"wte", {V, C}}, {"wpe", {c.block_size, C}}}});
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      specs_.push_back({"h." + std::to_string(l),
+                        {
+                            {"ln_1.weight", {C}, Init::kOnes},
+                            {"ln_1.bias", {C}, Init::kZeros},
+                            {"attn.c_attn.weight", {3 * C, C}},
+                            {"attn.c_attn.bias", {3 * C}, Init::kZeros},
+                            {"attn.c_proj.weight", {C, C}, Init::kNormal, resid_std},
+                            {"attn.c_proj.bias", {C}, Init::kZeros},
+                            {"ln_2.weight", {C}, Init::kOnes},
+                            {"ln_2.bias", {C}, Init::kZeros},
+                            {"mlp.c_fc.weight", {4 * C, C}},
+                            {"mlp.c_fc.bias", {4 * C}, Init::kZeros},
+                            {"mlp.c_proj.weight", {C, 4 * C}, Init::kNormal, resid_std},
+                            {"mlp.c_proj.bias", {C}, Init::kZeros},
+                        }});
+    }
+    specs_.push_back({"ln_f", {{"weight", {C}, Init::kOnes}, {"bias", {C}, Init::kZeros}}});
+    layers_.resize(static_cast<size_t>(c.n_layer));
+    for (LayerActs& a : layers_) a.ws = kernels::attention_workspace_create();
+  }
+  ~Gpt() override {
+    for (LayerActs& a : layers_) kernels::attention_workspace_destroy(a.ws);
+  }
+
+  std::string name() const override { return "gpt"; }
+  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+
+  double flops_per_token(int64_t T) const override {
+    const double C = static_cast<double>(c_.n_embd), L = static_cast<double>(c_.n_layer);
+    const double matmul_params = L * 12.0 * C * C + static_cast<double>(c_.vocab_size) * C;
+    // attention scores and weighted sum: 2 matmuls of 2*T*C flops per token
+    // forward, x3 for forward + backward (causal masking not discounted).
+    const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * C;
+    return 6.0 * matmul_params + attention;
+  }
+
+  float forward(StepContext& ctx, const Batch& batch) override {
+    const int64_t B = batch.B, T = batch.T, C = c_.n_embd, V = c_.vocab_size;
+    if (T > c_.block_size)
+      throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
+                  std::to_string(c_.block_size));
+    ensure_buffers(B, T);
+    const int64_t N = B * T;
+    const DType dt = ctx.compute_dtype();
+    tokens_ = batch.inputs;
+
+    BlockParams emb = ctx.acquire(0);
+    kernels::embedding_forward(layers_[0].x_in.as<float>(), batch.inputs.data(), emb[kWte], emb[kWpe], B, T,
+                               C, V);
+    ctx.release(0);
+
+    for (int64_t l = 0; l < c_.n_layer; ++l) {
+      LayerActs& a = layers_[l];
+      float* x_out = l + 1 < c_.n_layer ? layers_[l + 1].x_in.as<float>() : x_final_.as<float>();
+      BlockParams p = ctx.acquire(static_cast<int>(l + 1));
+      kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
+                                 a.x_in.as<float>(), p[kLn1W], p[kLn1B], N, C);
+      detail::linear_forward(a.qkv.as<float>(), f32(a.ln1.as<float>()), p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
+      kernels::attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+      detail::linear_forward(a.x_mid.as<float>(), f32(a.att.as<float>()), p[kAttnProjW], p[kAttnProjB], N, C,
+                             C, dt);
+      kernels::add(a.x_mid.as<float>(), a.x_mid.as<float>(), a.x_in.as<float>(), N * C);
+      kernels::layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
+                                 a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
+      detail::linear_forward(a.fc.as<float>(), f32(a.ln2.as<float>()), p[kFcW], p[kFcB], N, C, 4 * C, dt);
+      kernels::gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
+      detail::linear_forward(x_out, f32(a.gelu.as<float>()), p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
+      kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
+      ctx.release(static_cast<int>(l + 1));
+    }
+
+    const int norm_block = static_cast<int>(c_.n_layer + 1);
+    BlockParams nf = ctx.acquire(norm_block);
+    kernels::layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
+                               x_final_.as<float>(), nf[kLnfW], nf[kLnfB], N, C);
+    ctx.release(norm_block);
+
+    // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
+    // gradient of the mean loss straight away; backward scales it.
+    BlockParams head = ctx.acquire(0);
+    detail::linear_forward(logits_.as<float>(), f32(lnf_.as<float>()), head[kWte], CView{}, N, C, V, dt);
+    ctx.release(0);
+    double loss = kernels::cross_entropy(logits_.as<float>(), batch.targets.data(), N, V,
+                                         dlogits_.as<float>(), 1.0f);
+    return static_cast<float>(loss);
+  }
+
+  void backward(StepContext& ctx, float loss_scale) override {
+    const int64_t B = B_, T = T_, C = c_.n_embd, V = c_.vocab_size, N = B * T;
+    const DType dt = ctx.compute_dtype();
+    if (loss_scale != 1.0f) kernels::scale(dlogits_.as<float>(), loss_scale, N * V);
+
+    // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
+    BlockParams emb = ctx.acquire(0);
+    BlockGrads gemb = ctx.grads(0);
+    detail::linear_backward(dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()),
+                            f32(lnf_.as<float>()), emb[kWte], N, C, V, dt);
+
+    const int norm_block = static_cast<int>(c_.n_layer + 1);
+    BlockParams nf = ctx.acquire(norm_block);
+    BlockGrads gnf = ctx.grads(norm_block);
+    float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
+    std::memset(dx, 0, static_cast<size_t>(N * C) * sizeof(float));
+    kernels::layernorm_backward(dx, gnf[kLnfW], gnf[kLnfB], dlnf_.as<float>(), x_final_.as<float>(), nf[kLnfW],
+                                lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+    ctx.release(norm_block);
+    ctx.grads_ready(norm_block);
+
+    float* dbig = dbig_.as<float>();   // (N,4C) scratch
+    float* dsmall = dsmall_.as<float>();  // (N,C) scratch
+    for (int64_t l = c_.n_layer - 1; l >= 0; --l) {
+      LayerActs& a = layers_[l];
+      const int blk = static_cast<int>(l + 1);
+      BlockParams p = ctx.acquire(blk);
+      BlockGrads g = ctx.grads(blk);
+      // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
+      // becomes d x_mid by accumulating the branch's gradient.
+      detail::linear_backward(dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), f32(a.gelu.as<float>()),
+                              p[kMlpProjW], N, 4 * C, C, dt);
+      kernels::gelu_backward(dbig, a.fc.as<float>(), dbig, N * 4 * C);
+      detail::linear_backward(dsmall, g[kFcW], g[kFcB], f32(dbig), f32(a.ln2.as<float>()), p[kFcW], N, C,
+                              4 * C, dt);
+      kernels::layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
+                                  a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
+      // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
+      detail::linear_backward(dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), f32(a.att.as<float>()),
+                              p[kAttnProjW], N, C, C, dt);
+      kernels::attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+      detail::linear_backward(dsmall, g[kQkvW], g[kQkvB], f32(dbig), f32(a.ln1.as<float>()), p[kQkvW], N, C,
+                              3 * C, dt);
+      kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, a.x_in.as<float>(), p[kLn1W],
+                                  a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
+      ctx.release(blk);
+      ctx.grads_ready(blk);
+    }
+
+    kernels::embedding_backward(gemb[kWte], gemb[kWpe], dx, tokens_.data(), B, T, C, V);
+    ctx.release(0);
+    ctx.grads_ready(0);
+  }
+
+ private:
+  void ensure_buffers(int64_t B, int64_t T) {
+    if (B == B_ && T == T_) return;
+    const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
+    const size_t V = static_cast<size_t>(c_.vocab_size);
+    for (LayerActs& a : layers_) {
+      a.x_in = make_buffer<float>(N * C);
+      a.ln1 = make_buffer<float>(N * C);
+      a.ln1_mean = make_buffer<float>(N);
+      a.ln1_rstd = make_buffer<float>(N);
+      a.qkv = make_buffer<float>(N * 3 * C);
+      a.att = make_buffer<float>(N * C);
+      a.x_mid = make_buffer<float>(N * C);
+      a.ln2 = make_buffer<float>(N * C);
+      a.ln2_mean = make_buffer<float>(N);
+      a.ln2_rstd = make_buffer<float>(N);
+      a.fc = make_buffer<float>(N * 4 * C);
+      a.gelu = make_buffer<float>(N * 4 * C);
+    }
+    x_final_ = make_buffer<float>(N * C);
+    lnf_ = make_buffer<float>(N * C);
+    lnf_mean_ = make_buffer<float>(N);
+    lnf_rstd_ = make_buffer<float>(N);
+    logits_ = make_buffer<float>(N * V);
+    dlogits_ = make_buffer<float>(N * V);
+    dlnf_ = make_buffer<float>(N * C);
+    dres_ = make_buffer<float>(N * C);
+    dsmall_ = make_buffer<float>(N * C);
+    dbig_ = make_buffer<float>(N * 4 * C);
+    B_ = B;
+    T_ = T;
+  }
+
+  GptConfig c_;
+  std::vector<BlockSpec> specs_;
+  std::vector<LayerActs> layers_;
+  std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
+  int64_t B_ = 0, T_ = 0;
+  AlignedBuffer x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
+  AlignedBuffer dlnf_, dres_, dsmall_, dbig_;
+};
+
+}  // namespace
+
+std::shared_ptr<Model> make_gpt(const GptConfig& cfg) { return std::make_shared<Gpt>(cfg); }
+
+}  // namespace zinc::models

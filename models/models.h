@@ -1,0 +1,46 @@
+// zinc models: the built-in models, written against engine/model.h only.
+//
+// - GPT: a GPT-2-style decoder. Learned token and position embeddings,
+//   pre-LayerNorm blocks (attention then a 4x GELU MLP, each with a residual
+//   add), a final LayerNorm, and an output head tied to the token embedding.
+//   GPT-2 initialisation: weights N(0, 0.02), the two residual projections of
+//   each layer N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1.
+//   Blocks: 0 = embeddings {wte (V,C), wpe (block_size,C)}, 1..n_layer = the
+//   transformer layers, n_layer+1 = the final LayerNorm.
+// - MLP: a next-token MLP. Position t sees the embeddings of tokens
+//   t-context+1..t (zeros before the sequence start), concatenated, then
+//   n_layer GELU layers of width `hidden`, then a linear head to V logits.
+//   Blocks: 0 = embeddings {wte (V,C)}, 1..n_layer = hidden layers,
+//   n_layer+1 = head.
+// Models own their activations (sized at the first forward for a (B,T) and
+// regrown if the shape changes); one model instance serves one engine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "engine/model.h"
+
+namespace zinc::models {
+
+struct GptConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 256;  // max sequence length (rows of wpe)
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+};
+
+struct MlpConfig {
+  int64_t vocab_size = 256;
+  int64_t context = 4;
+  int64_t n_embd = 32;
+  int64_t hidden = 256;
+  int64_t n_layer = 2;
+};
+
+// Throw zinc::Error for inconsistent sizes (e.g. n_embd % n_head != 0).
+std::shared_ptr<Model> make_gpt(const GptConfig& cfg);
+std::shared_ptr<Model> make_mlp(const MlpConfig& cfg);
+
+}  // namespace zinc::models

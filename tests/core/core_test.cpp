@@ -1,0 +1,135 @@
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "core/alloc.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "core/rng.h"
+
+namespace zinc {
+namespace {
+
+TEST(Bf16, ExactValuesRoundTrip) {
+  for (float f : {0.0f, -0.0f, 1.0f, -2.5f, 0.15625f, 65536.0f, -1.0e-20f}) {
+    bf16 h = float_to_bf16(f);
+    float back = bf16_to_float(h);
+    if (float_bits(f) & 0xffffu) continue;  // not representable exactly
+    EXPECT_EQ(float_bits(back), float_bits(f)) << f;
+  }
+}
+
+TEST(Bf16, RoundsToNearestTiesToEven) {
+  // 1 + 2^-8 is exactly halfway between 1 and 1 + 2^-7: tie goes to even (1).
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f808000u)).bits, 0x3f80u);
+  // 1 + 3*2^-8 is halfway between 1+2^-7 (odd mantissa) and 1+2^-6: goes up to even.
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f818000u)).bits, 0x3f82u);
+  // Just above halfway rounds up, just below rounds down.
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f808001u)).bits, 0x3f81u);
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f807fffu)).bits, 0x3f80u);
+  // Negative numbers round the magnitude the same way.
+  EXPECT_EQ(float_to_bf16(bits_float(0xbf808001u)).bits, 0xbf81u);
+}
+
+TEST(Bf16, InfinityAndNanAreKept) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(float_to_bf16(inf).bits, 0x7f80u);
+  EXPECT_EQ(float_to_bf16(-inf).bits, 0xff80u);
+  // A NaN whose payload sits only in the low 16 bits must not become Inf.
+  bf16 n = float_to_bf16(bits_float(0x7f800001u));
+  EXPECT_TRUE(std::isnan(bf16_to_float(n)));
+  bf16 qn = float_to_bf16(-std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(std::isnan(bf16_to_float(qn)));
+  EXPECT_EQ(qn.bits & 0x8000u, 0x8000u);  // sign kept
+  // The largest finite float rounds up to Inf, as IEEE rounding requires.
+  EXPECT_EQ(float_to_bf16(std::numeric_limits<float>::max()).bits, 0x7f80u);
+}
+
+TEST(Bf16, BulkConversionMatchesScalarOnAwkwardLengths) {
+  Rng rng(7);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
+    std::vector<float> src(n);
+    for (float& x : src) x = static_cast<float>(rng.normal() * 100.0);
+    if (n > 3) {
+      src[1] = std::numeric_limits<float>::quiet_NaN();
+      src[2] = -std::numeric_limits<float>::infinity();
+    }
+    std::vector<bf16> dst(n);
+    convert_f32_to_bf16(src.data(), dst.data(), n);
+    std::vector<float> back(n);
+    convert_bf16_to_f32(dst.data(), back.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(dst[i].bits, float_to_bf16(src[i]).bits) << i;
+      ASSERT_EQ(float_bits(back[i]), static_cast<uint32_t>(dst[i].bits) << 16) << i;
+    }
+  }
+}
+
+TEST(AlignedBuffer, IsAlignedZeroedAndMovable) {
+  AlignedBuffer a(1000, kPageAlign);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % kPageAlign, 0u);
+  for (uint8_t byte : a.span<uint8_t>()) ASSERT_EQ(byte, 0);
+  void* p = a.data();
+  AlignedBuffer b = std::move(a);
+  EXPECT_EQ(b.data(), p);
+  EXPECT_EQ(a.data(), nullptr);
+  EXPECT_EQ(b.bytes(), 1000u);
+  AlignedBuffer c = make_buffer<float>(33);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(c.data()) % kSimdAlign, 0u);
+  EXPECT_EQ(c.span<float>().size(), 33u);
+}
+
+TEST(ParallelFor, CoversEveryIndexOnceForAnyThreadCount) {
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{5}, size_t{1000}}) {
+      std::vector<int> hits(n, 0);
+      parallel_for(n, 1, [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) hits[i] += 1;
+      });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1);
+    }
+  }
+  omp_set_num_threads(2);
+}
+
+TEST(Rng, SameSeedSameStreamDifferentSeedDifferent) {
+  Rng a(1), b(1), c(2);
+  for (int i = 0; i < 100; ++i) {
+    uint64_t x = a.next_u64();
+    ASSERT_EQ(x, b.next_u64());
+    ASSERT_NE(x, c.next_u64());
+  }
+  EXPECT_NE(mix_seed(1, 0), mix_seed(1, 1));
+}
+
+TEST(Rng, NormalHasUnitMomentsAndBelowIsInRange) {
+  Rng r(3);
+  double s = 0, s2 = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    double x = r.normal();
+    s += x;
+    s2 += x * x;
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.02);
+  for (int i = 0; i < 1000; ++i) ASSERT_LT(r.below(7), 7u);
+}
+
+TEST(Errors, PosixErrorNamesContextAndErrno) {
+  IoError e = posix_error("open /nope", 2);
+  EXPECT_NE(std::string(e.what()).find("open /nope"), std::string::npos);
+  EXPECT_NE(std::string(e.what()).find("errno 2"), std::string::npos);
+  ConfigError c("a.b", "must be >= 2, got 1");
+  EXPECT_EQ(std::string(c.what()), "a.b: must be >= 2, got 1");
+  EXPECT_EQ(c.path(), "a.b");
+}
+
+}  // namespace
+}  // namespace zinc

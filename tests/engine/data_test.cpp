@@ -1,0 +1,607 @@
+// Tests for engine/data: synthetic / text / token sources and the
+// data-parallel loader (Note [data order] in engine/data.cpp).
+#include "engine/data.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace zinc {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Helpers.
+
+// A file under the test temp dir, removed on destruction.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& name, const std::string& bytes = {})
+      : path_(testing::TempDir() + "zinc_data_test_" + std::to_string(::getpid()) + "_" + name) {
+    FILE* f = std::fopen(path_.c_str(), "wb");
+    EXPECT_NE(f, nullptr) << path_;
+    if (!f) return;
+    if (!bytes.empty()) {
+      EXPECT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    }
+    std::fclose(f);
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void put_u16(std::string& s, uint32_t v) {
+  s.push_back(static_cast<char>(v & 0xff));
+  s.push_back(static_cast<char>((v >> 8) & 0xff));
+}
+void put_i32(std::string& s, int32_t v) {
+  auto u = static_cast<uint32_t>(v);
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+}
+// The 1024-byte header of the GPT-2 training scripts' token files.
+std::string token_header(int32_t version, int32_t count) {
+  std::string s;
+  put_i32(s, 20240520);
+  put_i32(s, version);
+  put_i32(s, count);
+  s.resize(1024, '\0');
+  return s;
+}
+
+DataConfig synthetic_cfg(int64_t V, int64_t T, double p, uint64_t seed) {
+  DataConfig c;
+  c.type = "synthetic";
+  c.vocab_size = V;
+  c.seq_len = T;
+  c.determinism = p;
+  c.seed = seed;
+  return c;
+}
+
+struct Sample {
+  std::vector<int32_t> inputs, targets;
+};
+Sample get_sample(const DataSource& s, int64_t index) {
+  Sample out{std::vector<int32_t>(s.seq_len()), std::vector<int32_t>(s.seq_len())};
+  s.sample(index, out.inputs.data(), out.targets.data());
+  return out;
+}
+
+// A source whose sample i is (T=1) inputs {i}, targets {i}: the loader tests
+// read back which indices it chose.
+class IndexSource final : public DataSource {
+ public:
+  explicit IndexSource(int64_t n) : n_(n) {}
+  std::string describe() const override { return "index(" + std::to_string(n_) + ")"; }
+  int64_t vocab_size() const override { return 1; }
+  int64_t seq_len() const override { return 1; }
+  int64_t num_samples() const override { return n_; }
+  void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
+    EXPECT_GE(index, 0);
+    EXPECT_LT(index, n_);
+    // The index split into 31-bit halves (sources may hold 2^40 samples).
+    inputs[0] = static_cast<int32_t>(index & 0x7fffffff);
+    targets[0] = static_cast<int32_t>(index >> 31);
+  }
+
+ private:
+  int64_t n_;
+};
+
+int64_t index_of(const Batch& b, int64_t i) {
+  return static_cast<int64_t>(b.inputs[i]) | static_cast<int64_t>(b.targets[i]) << 31;
+}
+
+// The indices a loader hands out in `steps` calls of next().
+std::vector<int64_t> take(DataLoader& loader, int64_t steps) {
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < steps; ++s) {
+    Batch b = loader.next();
+    EXPECT_EQ(b.B, loader.micro_batch());
+    EXPECT_EQ(static_cast<int64_t>(b.inputs.size()), b.B * b.T);
+    for (int64_t i = 0; i < b.B; ++i) out.push_back(index_of(b, i));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Synthetic source.
+
+TEST(SyntheticSource, SameSeedGivesSameSamples) {
+  auto a = make_data_source(synthetic_cfg(16, 32, 0.8, 7));
+  auto b = make_data_source(synthetic_cfg(16, 32, 0.8, 7));
+  for (int64_t i : {0, 1, 5, 123456789}) {
+    Sample x = get_sample(*a, i), y = get_sample(*b, i);
+    EXPECT_EQ(x.inputs, y.inputs) << i;
+    EXPECT_EQ(x.targets, y.targets) << i;
+  }
+  // Reading a sample twice (and out of order) gives the same tokens.
+  EXPECT_EQ(get_sample(*a, 5).inputs, get_sample(*a, 5).inputs);
+}
+
+TEST(SyntheticSource, DifferentSeedOrIndexGivesDifferentSamples) {
+  auto a = make_data_source(synthetic_cfg(16, 32, 0.8, 7));
+  auto b = make_data_source(synthetic_cfg(16, 32, 0.8, 8));
+  EXPECT_NE(get_sample(*a, 0).inputs, get_sample(*b, 0).inputs);
+  EXPECT_NE(get_sample(*a, 0).inputs, get_sample(*a, 1).inputs);
+}
+
+TEST(SyntheticSource, TargetsAreInputsShiftedByOneAndInVocabulary) {
+  auto s = make_data_source(synthetic_cfg(16, 32, 0.5, 3));
+  for (int64_t i = 0; i < 20; ++i) {
+    Sample x = get_sample(*s, i);
+    for (int64_t t = 0; t + 1 < 32; ++t) EXPECT_EQ(x.targets[t], x.inputs[t + 1]);
+    for (int64_t t = 0; t < 32; ++t) {
+      EXPECT_GE(x.inputs[t], 0);
+      EXPECT_LT(x.inputs[t], 16);
+      EXPECT_GE(x.targets[t], 0);
+      EXPECT_LT(x.targets[t], 16);
+    }
+  }
+}
+
+TEST(SyntheticSource, SeqLenOneHasOneTarget) {
+  auto s = make_data_source(synthetic_cfg(8, 1, 0.9, 1));
+  Sample x = get_sample(*s, 0);
+  EXPECT_EQ(x.inputs.size(), 1u);
+  EXPECT_NEAR(*s->loss_floor(), std::log(8.0), 1e-12);
+}
+
+TEST(SyntheticSource, DescribeNamesItsParameters) {
+  auto s = make_data_source(synthetic_cfg(64, 256, 0.8, 1234));
+  EXPECT_EQ(s->describe(), "synthetic(V=64, T=256, p=0.8, seed=1234)");
+  EXPECT_EQ(s->vocab_size(), 64);
+  EXPECT_EQ(s->seq_len(), 256);
+  EXPECT_GE(s->num_samples(), int64_t{1} << 40);
+}
+
+TEST(SyntheticSource, FloorIsLogVWhenNothingIsDeterministic) {
+  auto s = make_data_source(synthetic_cfg(64, 256, 0.0, 1));
+  EXPECT_NEAR(*s->loss_floor(), std::log(64.0), 1e-12);
+}
+
+TEST(SyntheticSource, FloorIsOnlyTheFirstTargetWhenFullyDeterministic) {
+  auto s = make_data_source(synthetic_cfg(64, 256, 1.0, 1));
+  EXPECT_NEAR(*s->loss_floor(), std::log(64.0) / 256.0, 1e-12);
+  EXPECT_TRUE(std::isfinite(*s->loss_floor()));
+}
+
+TEST(SyntheticSource, FloorMatchesClosedForm) {
+  const double V = 64, T = 256, p = 0.8;
+  const double q = p + (1 - p) / V, r = (1 - p) / V;
+  const double h_c = -q * std::log(q) - (V - 1) * r * std::log(r);
+  auto s = make_data_source(synthetic_cfg(64, 256, 0.8, 1));
+  EXPECT_NEAR(*s->loss_floor(), (std::log(V) + (T - 1) * h_c) / T, 1e-12);
+  EXPECT_LT(*s->loss_floor(), std::log(V));
+}
+
+// The empirical conditional entropy of x_t given (x_{t-2}, x_{t-1}) and the
+// oracle's mean loss over all positions match the formula within sampling
+// error.
+TEST(SyntheticSource, EmpiricalEntropyMatchesFloor) {
+  constexpr int V = 8;
+  constexpr int64_t T = 32, kSamples = 16000;  // ~500k transitions
+  const double p = 0.6;
+  auto s = make_data_source(synthetic_cfg(V, T, p, 99));
+  std::vector<std::array<int64_t, V>> counts(V * V);  // (context a*V+b) -> next-token counts
+  for (auto& c : counts) c.fill(0);
+  std::vector<Sample> samples;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    Sample x = get_sample(*s, i);
+    for (int64_t t = 1; t < T; ++t) counts[x.inputs[t - 1] * V + x.inputs[t]][x.targets[t]]++;
+    samples.push_back(std::move(x));
+  }
+  // Plug-in conditional entropy (bias ~ contexts*(V-1)/(2n) ~ 5e-4 nats).
+  const double r = (1 - p) / V, q = p + r;
+  const double h_c = -q * std::log(q) - (V - 1) * r * std::log(r);
+  double total = 0, h = 0;
+  for (const auto& c : counts)
+    for (int64_t n : c) total += static_cast<double>(n);
+  std::vector<int> f(V * V);  // the table, recovered as the most frequent successor
+  for (int ctx = 0; ctx < V * V; ++ctx) {
+    double n_ctx = 0;
+    for (int64_t n : counts[ctx]) n_ctx += static_cast<double>(n);
+    ASSERT_GT(n_ctx, 1000);
+    for (int64_t n : counts[ctx])
+      if (n > 0) h -= (static_cast<double>(n) / total) * std::log(static_cast<double>(n) / n_ctx);
+    f[ctx] = static_cast<int>(std::max_element(counts[ctx].begin(), counts[ctx].end()) -
+                              counts[ctx].begin());
+  }
+  EXPECT_NEAR(h, h_c, 0.01);
+
+  // The oracle's loss (uniform first target, then q on f / r elsewhere) over
+  // samples it was not fitted on estimates the floor without bias.
+  double loss = 0;
+  int64_t positions = 0;
+  for (int64_t i = kSamples; i < kSamples + 8000; ++i) {
+    Sample x = get_sample(*s, i);
+    loss += std::log(static_cast<double>(V));
+    for (int64_t t = 1; t < T; ++t)
+      loss -= std::log(x.targets[t] == f[x.inputs[t - 1] * V + x.inputs[t]] ? q : r);
+    positions += T;
+  }
+  EXPECT_NEAR(loss / static_cast<double>(positions), *s->loss_floor(), 0.01);
+}
+
+TEST(SyntheticSource, RejectsBadParameters) {
+  EXPECT_THROW(make_data_source(synthetic_cfg(1, 8, 0.5, 1)), ConfigError);
+  EXPECT_THROW(make_data_source(synthetic_cfg(100000, 8, 0.5, 1)), ConfigError);
+  EXPECT_THROW(make_data_source(synthetic_cfg(8, 8, 1.5, 1)), ConfigError);
+  EXPECT_THROW(make_data_source(synthetic_cfg(8, 0, 0.5, 1)), ConfigError);
+  DataConfig c;
+  c.type = "parquet";
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.type");
+  }
+}
+
+TEST(SyntheticSource, EvalSamplesAreDisjointFromTraining) {
+  DataConfig c = synthetic_cfg(16, 32, 0.8, 7);
+  auto train = make_data_source(c);
+  auto eval = make_eval_data_source(c);
+  ASSERT_NE(eval, nullptr);
+  EXPECT_NE(get_sample(*train, 0).inputs, get_sample(*eval, 0).inputs);
+  EXPECT_EQ(*train->loss_floor(), *eval->loss_floor());
+}
+
+// ---------------------------------------------------------------------------
+// Text source.
+
+TEST(TextSource, WindowsOverlapByOneByte) {
+  TempFile f("text_windows.txt", "abcdefghij");  // 10 bytes, T = 3: (10-1)/3 = 3 samples
+  DataConfig c;
+  c.type = "text";
+  c.path = f.path();
+  c.seq_len = 3;
+  auto s = make_data_source(c);
+  EXPECT_EQ(s->vocab_size(), 256);
+  ASSERT_EQ(s->num_samples(), 3);
+  EXPECT_EQ(s->describe(), "text(" + f.path() + ", 10 bytes)");
+  const char* in[] = {"abc", "def", "ghi"};
+  const char* tg[] = {"bcd", "efg", "hij"};
+  for (int i = 0; i < 3; ++i) {
+    Sample x = get_sample(*s, i);
+    for (int t = 0; t < 3; ++t) {
+      EXPECT_EQ(x.inputs[t], in[i][t]) << i << "," << t;
+      EXPECT_EQ(x.targets[t], tg[i][t]) << i << "," << t;
+    }
+  }
+}
+
+TEST(TextSource, TooShortFileIsConfigErrorSayingBytesNeeded) {
+  TempFile f("text_short.txt", "abc");
+  DataConfig c;
+  c.type = "text";
+  c.path = f.path();
+  c.seq_len = 3;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.path");
+    EXPECT_NE(std::string(e.what()).find("at least 4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TextSource, MissingFileIsIoErrorNamingPathAndErrno) {
+  DataConfig c;
+  c.type = "text";
+  c.path = testing::TempDir() + "zinc_data_test_does_not_exist.txt";
+  try {
+    make_data_source(c);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find(c.path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("No such file"), std::string::npos) << msg;
+  }
+}
+
+TEST(TextSource, EvalFractionHoldsOutTheTail) {
+  std::string bytes;
+  for (int i = 0; i < 41; ++i) bytes.push_back(static_cast<char>('a' + i % 26));
+  TempFile f("text_eval.txt", bytes);  // T = 4: 10 windows
+  DataConfig c;
+  c.type = "text";
+  c.path = f.path();
+  c.seq_len = 4;
+  c.eval_fraction = 0.2;
+  auto train = make_data_source(c);
+  auto eval = make_eval_data_source(c);
+  ASSERT_NE(eval, nullptr);
+  EXPECT_EQ(train->num_samples(), 8);
+  EXPECT_EQ(eval->num_samples(), 2);
+  EXPECT_EQ(get_sample(*eval, 0).inputs[0], bytes[32]);  // window 8
+  c.eval_fraction = 0;
+  EXPECT_EQ(make_eval_data_source(c), nullptr);
+}
+
+// ---------------------------------------------------------------------------
+// Token source.
+
+TEST(TokenSource, ReadsHeaderlessLittleEndianTokens) {
+  std::string bytes;
+  const std::vector<uint32_t> toks = {1, 300, 2, 65535, 4, 5, 6};
+  for (uint32_t t : toks) put_u16(bytes, t);
+  TempFile f("tokens_plain.bin", bytes);
+  DataConfig c;
+  c.type = "tokens";
+  c.path = f.path();
+  c.seq_len = 2;
+  c.vocab_size = 0;  // infer
+  auto s = make_data_source(c);
+  EXPECT_EQ(s->vocab_size(), 65536);
+  ASSERT_EQ(s->num_samples(), 3);  // (7-1)/2
+  for (int i = 0; i < 3; ++i) {
+    Sample x = get_sample(*s, i);
+    for (int t = 0; t < 2; ++t) {
+      EXPECT_EQ(x.inputs[t], static_cast<int32_t>(toks[2 * i + t]));
+      EXPECT_EQ(x.targets[t], static_cast<int32_t>(toks[2 * i + t + 1]));
+    }
+  }
+}
+
+TEST(TokenSource, SkipsTheGpt2ScriptHeader) {
+  std::string bytes = token_header(1, 5);
+  for (uint32_t t : {10, 11, 12, 13, 14}) put_u16(bytes, t);
+  TempFile f("tokens_header.bin", bytes);
+  DataConfig c;
+  c.type = "tokens";
+  c.path = f.path();
+  c.seq_len = 2;
+  c.vocab_size = 50257;
+  auto s = make_data_source(c);
+  EXPECT_EQ(s->vocab_size(), 50257);
+  ASSERT_EQ(s->num_samples(), 2);
+  Sample x = get_sample(*s, 1);
+  EXPECT_EQ(x.inputs, (std::vector<int32_t>{12, 13}));
+  EXPECT_EQ(x.targets, (std::vector<int32_t>{13, 14}));
+  EXPECT_NE(s->describe().find("header"), std::string::npos);
+}
+
+TEST(TokenSource, HeaderCountMismatchIsAnError) {
+  std::string bytes = token_header(1, 6);  // says 6, holds 5
+  for (uint32_t t : {10, 11, 12, 13, 14}) put_u16(bytes, t);
+  TempFile f("tokens_badcount.bin", bytes);
+  DataConfig c;
+  c.type = "tokens";
+  c.path = f.path();
+  c.seq_len = 2;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.path");
+    EXPECT_NE(std::string(e.what()).find(f.path()), std::string::npos) << e.what();
+  }
+}
+
+TEST(TokenSource, OddSizeIsAnError) {
+  TempFile f("tokens_odd.bin", std::string(7, '\1'));
+  DataConfig c;
+  c.type = "tokens";
+  c.path = f.path();
+  c.seq_len = 2;
+  EXPECT_THROW(make_data_source(c), ConfigError);
+}
+
+TEST(TokenSource, TokenOutsideVocabularyIsNamed) {
+  std::string bytes;
+  for (uint32_t t : {1, 2, 3, 70, 4, 99}) put_u16(bytes, t);
+  TempFile f("tokens_vocab.bin", bytes);
+  DataConfig c;
+  c.type = "tokens";
+  c.path = f.path();
+  c.seq_len = 2;
+  c.vocab_size = 64;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.vocab_size");
+    EXPECT_NE(std::string(e.what()).find("token 3 is 70"), std::string::npos) << e.what();
+  }
+  c.vocab_size = 100;
+  EXPECT_EQ(make_data_source(c)->vocab_size(), 100);
+  c.vocab_size = 0;
+  EXPECT_EQ(make_data_source(c)->vocab_size(), 100);  // max token + 1
+}
+
+TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
+  DataConfig c;
+  c.type = "tokens";
+  c.path = testing::TempDir() + "zinc_data_test_missing.bin";
+  try {
+    make_data_source(c);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(c.path), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// DataLoader.
+
+// Global batches seen by one rank-0 loader holding the whole batch.
+std::vector<int64_t> single_rank_stream(std::shared_ptr<const DataSource> src, int64_t G,
+                                        int64_t global_batches, uint64_t seed) {
+  DataLoader l(std::move(src), G, 1, 1, 0, seed);
+  return take(l, global_batches);
+}
+
+void expect_ranks_partition_global_batches(int W) {
+  // N = 37 is not a multiple of G = 24: global batches straddle epochs.
+  auto src = std::make_shared<IndexSource>(37);
+  const int64_t micro = 3, gas = 8 / W, G = micro * gas * W, batches = 5;
+  std::vector<int64_t> ref = single_rank_stream(src, G, batches, 11);
+  std::vector<std::vector<int64_t>> per_rank;
+  for (int r = 0; r < W; ++r) {
+    DataLoader l(src, micro, gas, W, r, 11);
+    per_rank.push_back(take(l, gas * batches));
+  }
+  for (int64_t g = 0; g < batches; ++g) {
+    // Rank r's slice of global batch g is ref[g*G + r*G/W, ...), in order.
+    std::vector<int64_t> joined;
+    for (int r = 0; r < W; ++r) {
+      auto begin = per_rank[r].begin() + g * (G / W);
+      joined.insert(joined.end(), begin, begin + G / W);
+    }
+    EXPECT_EQ(joined, std::vector<int64_t>(ref.begin() + g * G, ref.begin() + (g + 1) * G))
+        << "global batch " << g;
+  }
+}
+
+TEST(DataLoader, TwoRanksSplitEachGlobalBatchExactly) { expect_ranks_partition_global_batches(2); }
+TEST(DataLoader, FourRanksSplitEachGlobalBatchExactly) { expect_ranks_partition_global_batches(4); }
+
+TEST(DataLoader, RanksReadDisjointSamplesWithinAnEpoch) {
+  auto src = std::make_shared<IndexSource>(64);
+  std::set<int64_t> seen;
+  for (int r = 0; r < 4; ++r) {
+    DataLoader l(src, 2, 2, 4, r, 5);
+    for (int64_t i : take(l, 8)) EXPECT_TRUE(seen.insert(i).second) << "rank " << r << " index " << i;
+  }
+  EXPECT_EQ(seen.size(), 64u);  // 8 steps x gas 2 = 4 global batches of 16 = one epoch
+}
+
+TEST(DataLoader, GradAccumEqualsOneLargerMicroBatch) {
+  auto src = std::make_shared<IndexSource>(50);
+  DataLoader accum(src, 2, 4, 1, 0, 3);
+  DataLoader big(src, 8, 1, 1, 0, 3);
+  for (int g = 0; g < 20; ++g) {
+    EXPECT_EQ(take(accum, 4), take(big, 1)) << "global batch " << g;
+    EXPECT_EQ(accum.position(), big.position());
+  }
+}
+
+TEST(DataLoader, ReshufflesEveryEpochAndSeesEachSampleOnce) {
+  const int64_t N = 100;
+  auto src = std::make_shared<IndexSource>(N);
+  DataLoader l(src, 10, 1, 1, 0, 42);
+  std::vector<int64_t> e0 = take(l, 10);
+  EXPECT_EQ(l.epoch(), 0);
+  std::vector<int64_t> e1 = take(l, 10);
+  EXPECT_EQ(l.epoch(), 1);
+  EXPECT_NE(e0, e1);
+  std::vector<int64_t> identity(N);
+  for (int64_t i = 0; i < N; ++i) identity[i] = i;
+  EXPECT_NE(e0, identity);  // actually shuffled
+  std::sort(e0.begin(), e0.end());
+  std::sort(e1.begin(), e1.end());
+  EXPECT_EQ(e0, identity);
+  EXPECT_EQ(e1, identity);
+}
+
+TEST(DataLoader, ShuffleSeedChangesTheOrder) {
+  auto src = std::make_shared<IndexSource>(100);
+  DataLoader a(src, 10, 1, 1, 0, 1), b(src, 10, 1, 1, 0, 2);
+  EXPECT_NE(take(a, 10), take(b, 10));
+}
+
+TEST(DataLoader, SourceSmallerThanGlobalBatchWrapsEpochs) {
+  const int64_t N = 3;
+  auto src = std::make_shared<IndexSource>(N);
+  DataLoader l(src, 4, 2, 1, 0, 9);  // G = 8 > N
+  std::vector<int64_t> got = take(l, 6);  // 24 positions = 8 epochs
+  for (int64_t e = 0; e < 8; ++e) {
+    std::vector<int64_t> ep(got.begin() + e * N, got.begin() + (e + 1) * N);
+    std::sort(ep.begin(), ep.end());
+    EXPECT_EQ(ep, (std::vector<int64_t>{0, 1, 2})) << "epoch " << e;
+  }
+}
+
+TEST(DataLoader, SetPositionResumesTheSameStream) {
+  auto src = std::make_shared<IndexSource>(37);
+  for (int r = 0; r < 2; ++r) {
+    DataLoader a(src, 3, 2, 2, r, 77);
+    take(a, 7);  // mid global batch, crossing an epoch
+    const int64_t pos = a.position();
+    EXPECT_EQ(pos, 7 * 3 * 2);
+    std::vector<int64_t> expected = take(a, 9);
+    DataLoader b(src, 3, 2, 2, r, 77);
+    take(b, 2);  // a different epoch loaded before the jump
+    b.set_position(pos);
+    EXPECT_EQ(take(b, 9), expected) << "rank " << r;
+    EXPECT_EQ(b.position(), a.position());
+  }
+}
+
+TEST(DataLoader, SetPositionAtStepBoundaryWorksAcrossLayouts) {
+  // Saved by a one-rank run with G = 12 after 3 steps; resumed by 2 ranks
+  // with micro 2 x gas 3: the next global batch is the same 12 samples.
+  auto src = std::make_shared<IndexSource>(37);
+  DataLoader ref(src, 12, 1, 1, 0, 5);
+  take(ref, 3);
+  const int64_t pos = ref.position();
+  std::vector<int64_t> expected = take(ref, 1);
+  std::vector<int64_t> joined;
+  for (int r = 0; r < 2; ++r) {
+    DataLoader l(src, 2, 3, 2, r, 5);
+    l.set_position(pos);
+    std::vector<int64_t> part = take(l, 3);
+    joined.insert(joined.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(joined, expected);
+}
+
+TEST(DataLoader, SetPositionOffMicroBatchBoundaryThrows) {
+  auto src = std::make_shared<IndexSource>(37);
+  DataLoader l(src, 3, 2, 2, 0, 1);
+  EXPECT_THROW(l.set_position(5), Error);
+  EXPECT_THROW(l.set_position(-6), Error);
+}
+
+// Epochs too large to materialise use a lazy bijection: positions still map
+// to distinct in-range samples, differently per epoch and per seed.
+TEST(DataLoader, HugeEpochUsesALazyPermutation) {
+  for (int64_t N : {int64_t{1} << 40, (int64_t{1} << 30) + 7}) {
+    auto src = std::make_shared<IndexSource>(N);
+    DataLoader a(src, 1000, 1, 1, 0, 1), b(src, 1000, 1, 1, 0, 2);
+    std::vector<int64_t> xa = take(a, 20), xb = take(b, 20);
+    std::set<int64_t> distinct(xa.begin(), xa.end());
+    EXPECT_EQ(distinct.size(), xa.size());
+    for (int64_t i : xa) {
+      EXPECT_GE(i, 0);
+      EXPECT_LT(i, N);
+    }
+    EXPECT_NE(xa, xb);
+    // Epoch 1 starts at position N and orders differently from epoch 0.
+    DataLoader c(src, 1, 1, 1, 0, 1);
+    c.set_position(N);
+    std::vector<int64_t> xc = take(c, 100);
+    EXPECT_EQ(c.epoch(), 1);
+    EXPECT_NE(std::vector<int64_t>(xa.begin(), xa.begin() + 100), xc);
+  }
+}
+
+TEST(DataLoader, ServesSyntheticBatches) {
+  std::shared_ptr<const DataSource> src = make_data_source(synthetic_cfg(16, 8, 0.8, 1));
+  DataLoader l(src, 4, 1, 1, 0, 0);
+  Batch b = l.next();
+  EXPECT_EQ(b.B, 4);
+  EXPECT_EQ(b.T, 8);
+  ASSERT_EQ(b.inputs.size(), 32u);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t t = 0; t + 1 < 8; ++t) EXPECT_EQ(b.targets[i * 8 + t], b.inputs[i * 8 + t + 1]);
+  EXPECT_EQ(l.position(), 4);
+}
+
+}  // namespace
+}  // namespace zinc

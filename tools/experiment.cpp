@@ -1,0 +1,59 @@
+#include "tools/experiment.h"
+
+#include <sys/resource.h>
+
+#include "core/error.h"
+#include "models/models.h"
+
+namespace zinc::tools {
+
+Experiment build_experiment(const nlohmann::json& doc, int world_size) {
+  Experiment e;
+  e.config = Config::parse(doc, world_size);
+  const ModelConfig& m = e.config.model;
+  e.data = make_data_source(e.config.data);
+  const int64_t V = m.vocab_size > 0 ? m.vocab_size : e.data->vocab_size();
+  if (V < e.data->vocab_size())
+    throw ConfigError("model.vocab_size", "must be >= the data's vocabulary (" +
+                                              std::to_string(e.data->vocab_size()) + "), got " +
+                                              std::to_string(V));
+  if (m.type == "gpt") {
+    models::GptConfig g;
+    g.vocab_size = V;
+    g.block_size = m.block_size > 0 ? m.block_size : e.data->seq_len();
+    if (g.block_size < e.data->seq_len())
+      throw ConfigError("model.block_size", "must be >= data.seq_len (" +
+                                                std::to_string(e.data->seq_len()) + "), got " +
+                                                std::to_string(g.block_size));
+    g.n_layer = m.n_layer;
+    g.n_head = m.n_head;
+    g.n_embd = m.n_embd;
+    e.model = models::make_gpt(g);
+  } else if (m.type == "mlp") {
+    models::MlpConfig c;
+    c.vocab_size = V;
+    c.context = m.context;
+    c.n_embd = m.n_embd;
+    c.hidden = m.hidden;
+    c.n_layer = m.n_layer;
+    e.model = models::make_mlp(c);
+  } else {
+    throw ConfigError("model.type", "unknown model '" + m.type + "' (expected \"gpt\" or \"mlp\")");
+  }
+  return e;
+}
+
+Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
+                           int world_size) {
+  nlohmann::json doc = read_json_file(path);
+  for (const std::string& o : overrides) apply_override(doc, o);
+  return build_experiment(doc, world_size);
+}
+
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+}  // namespace zinc::tools

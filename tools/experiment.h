@@ -1,0 +1,36 @@
+// zinc tools: building a config-only experiment (the `model`, `data` and
+// `run` sections of a config) into a model, a data source and an engine.
+// Shared by zinc-train, zinc-bench and the tests. Single-threaded use.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/config.h"
+#include "engine/data.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+
+namespace zinc::tools {
+
+struct Experiment {
+  Config config;
+  std::shared_ptr<const DataSource> data;
+  std::shared_ptr<Model> model;
+};
+
+// Reads the config file, applies `--set` overrides in order, parses it, opens
+// the data source and builds the model the `model` section names (vocabulary
+// and block size default to the data's). Throws ConfigError / IoError.
+Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
+                           int world_size = 1);
+// Same from an in-memory document.
+Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
+
+// Peak resident set size of this process in bytes (getrusage).
+int64_t peak_rss_bytes();
+
+}  // namespace zinc::tools

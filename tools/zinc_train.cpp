@@ -1,0 +1,191 @@
+// zinc-train: runs the experiment a config describes.
+//
+//   zinc-train CONFIG.json [--steps N] [--set json.path=value ...] [--json]
+//
+// Human output: a progress line every steps_per_print steps and a summary.
+// --json: one JSON object per line on stdout (step events, then a summary).
+// Any error ends the run with one line on stderr and exit code 1 (2 for a
+// command-line usage error).
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "tools/experiment.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  long total = std::lround(s);
+  char buf[32];
+  if (total >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", total / 3600, total / 60 % 60, total % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", total / 60, total % 60);
+  return buf;
+}
+
+// DeepSpeed's csv_monitor layout: <output_path>/<job_name>/<event with '/'
+// and ' ' replaced by '_'>.csv, rows "step,value" under a "step,<last part of
+// the event name>" header written the first time this process writes a file.
+// The step column is the number of samples seen, as DeepSpeed's engine logs it.
+class CsvMonitor {
+ public:
+  explicit CsvMonitor(const zinc::CsvMonitorConfig& c) : enabled_(c.enabled) {
+    if (!enabled_) return;
+    dir_ = std::filesystem::path(c.output_path) / c.job_name;
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) throw zinc::IoError("csv_monitor: cannot create " + dir_.string() + ": " + ec.message());
+  }
+  void write(const std::string& event, double value, int64_t step) {
+    if (!enabled_) return;
+    std::string file = event;
+    for (char& ch : file)
+      if (ch == '/' || ch == ' ') ch = '_';
+    std::filesystem::path path = dir_ / (file + ".csv");
+    std::ofstream out(path, std::ios::app);
+    if (!out) throw zinc::IoError("csv_monitor: cannot write " + path.string());
+    if (!written_[file]) {
+      written_[file] = true;
+      out << "step," << event.substr(event.rfind('/') + 1) << "\n";
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.9g", value);
+    out << step << "," << buf << "\n";
+    if (!out) throw zinc::IoError("csv_monitor: write failed on " + path.string());
+  }
+
+ private:
+  bool enabled_;
+  std::filesystem::path dir_;
+  std::map<std::string, bool> written_;
+};
+
+int run(const std::string& config_path, const std::vector<std::string>& sets, int64_t steps_override,
+        bool json) {
+  std::vector<std::string> overrides = sets;
+  if (steps_override > 0) overrides.push_back("run.steps=" + std::to_string(steps_override));
+  zinc::tools::Experiment ex = zinc::tools::load_experiment(config_path, overrides, 1);
+  const zinc::Config& cfg = ex.config;
+  if (cfg.run.checkpoint_interval > 0)
+    throw zinc::ConfigError("run.checkpoint_interval",
+                            "checkpoints are not implemented yet in zinc; set it to 0");
+
+  zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg);
+  zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                          1, 0, cfg.run.seed);
+  CsvMonitor monitor(cfg.csv_monitor);
+  const std::optional<double> floor = ex.data->loss_floor();
+  const int64_t steps = cfg.run.steps;
+  const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
+
+  if (!json) {
+    std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
+                ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
+                cfg.bf16 ? "bf16" : "fp32", ex.data->describe().c_str());
+    std::printf("batch %lld = micro %lld x accumulation %lld x ranks 1 | %lld steps",
+                static_cast<long long>(cfg.train_batch_size),
+                static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+                static_cast<long long>(cfg.gradient_accumulation_steps), static_cast<long long>(steps));
+    if (floor) std::printf(" | loss floor %.4f nats", *floor);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  const auto t0 = Clock::now();
+  auto t_last = t0;
+  int64_t step_last = 0;
+  double loss = NAN;
+  for (int64_t s = 1; s <= steps; ++s) {
+    loss = engine.train_batch(loader);
+    const int64_t samples = s * cfg.train_batch_size;
+    monitor.write("Train/Samples/train_loss", loss, samples);
+    monitor.write("Train/Samples/lr", engine.learning_rate(), samples);
+    if (s % cfg.steps_per_print == 0 || s == steps) {
+      const auto now = Clock::now();
+      const double elapsed = std::chrono::duration<double>(now - t0).count();
+      const double window = std::chrono::duration<double>(now - t_last).count();
+      const double tps = window > 0 ? static_cast<double>((s - step_last) * tokens_per_step) / window : 0;
+      t_last = now;
+      step_last = s;
+      if (json) {
+        nlohmann::json ev = {{"event", "step"},       {"step", s},
+                             {"loss", loss},          {"lr", engine.learning_rate()},
+                             {"grad_norm", engine.global_grad_norm()},
+                             {"tokens_per_s", tps},   {"elapsed_s", elapsed}};
+        std::printf("%s\n", ev.dump().c_str());
+      } else {
+        const double eta = elapsed / static_cast<double>(s) * static_cast<double>(steps - s);
+        std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s\n",
+                    static_cast<long long>(s), static_cast<long long>(steps), loss, engine.learning_rate(),
+                    engine.global_grad_norm(), tps, format_duration(elapsed).c_str(),
+                    format_duration(eta).c_str());
+        if (cfg.wall_clock_breakdown) {
+          zinc::StepTimings t = engine.timings();
+          std::printf("  time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs\n", t.forward_s,
+                      t.backward_s, t.step_s);
+        }
+      }
+      std::fflush(stdout);
+    }
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double tps = static_cast<double>(steps * tokens_per_step) / elapsed;
+  const int64_t rss = zinc::tools::peak_rss_bytes();
+  if (json) {
+    nlohmann::json sum = {{"event", "summary"}, {"steps", steps},      {"final_loss", loss},
+                          {"tokens_per_s", tps}, {"peak_rss_bytes", rss}, {"elapsed_s", elapsed},
+                          {"world_size", 1},     {"skipped_steps", engine.skipped_steps()}};
+    sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
+    std::printf("%s\n", sum.dump().c_str());
+  } else {
+    std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(steps),
+                format_duration(elapsed).c_str(), loss);
+    if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
+    std::printf(" | %.0f tok/s | peak RSS %.0f MiB", tps, static_cast<double>(rss) / (1 << 20));
+    if (engine.skipped_steps() > 0)
+      std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"zinc-train: train a built-in model from a DeepSpeed-style JSON config"};
+  std::string config_path;
+  std::vector<std::string> sets;
+  int64_t steps = 0;
+  bool json = false;
+  app.add_option("config", config_path, "experiment config (JSON)")->required();
+  app.add_option("--steps", steps, "optimizer steps (overrides run.steps)")->check(CLI::PositiveNumber);
+  app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
+                                "a bare word as a string); repeatable");
+  app.add_flag("--json", json, "print one JSON object per line instead of human progress");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(config_path, sets, steps, json);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "zinc-train: error: %s\n", e.what());
+    return 1;
+  }
+}
