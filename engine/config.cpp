@@ -77,9 +77,7 @@ struct Range {
   double hi = std::numeric_limits<double>::infinity();
   bool lo_open = false, hi_open = false;
 
-  bool contains(double v) const {
-    return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
-  }
+  bool contains(double v) const { return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi); }
   std::string describe() const {
     bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
     if (has_lo && has_hi) {
@@ -108,7 +106,7 @@ int64_t to_int(const json& v, const std::string& path, const Range& r) {
   if (v.is_number_unsigned()) {
     uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      throw ConfigError(path, "must be " + r.describe() + ", got " + show(v));
+      throw ConfigError(path, "does not fit in a 64-bit integer, got " + show(v));
     }
     out = static_cast<int64_t>(u);
   } else if (v.is_number_integer()) {
@@ -116,7 +114,7 @@ int64_t to_int(const json& v, const std::string& path, const Range& r) {
   } else if (v.is_number_float()) {
     double d = v.get<double>();
     if (!std::isfinite(d) || d != std::floor(d)) type_error(path, "an integer", v);
-    if (std::fabs(d) >= 9.2e18) throw ConfigError(path, "must be " + r.describe() + ", got " + show(v));
+    if (std::fabs(d) >= 9.2e18) throw ConfigError(path, "does not fit in a 64-bit integer, got " + show(v));
     out = static_cast<int64_t>(d);
   } else {
     type_error(path, "an integer", v);
@@ -195,13 +193,14 @@ class Reader {
   // The value under `name` (either spelling), or nullptr. Marks the name
   // known. After a hit, last_path() is the path of the spelling used.
   const json* find(const Name& name) {
-    known_.emplace_back(name.key);
-    if (!name.alias.empty()) known_.emplace_back(name.alias);
+    remember(name.key);
+    if (!name.alias.empty()) remember(name.alias);
     auto a = j_.find(std::string(name.key));
     auto b = name.alias.empty() ? j_.end() : j_.find(std::string(name.alias));
     if (a != j_.end() && b != j_.end()) {
-      throw ConfigError(path_of(name.key), "set twice, as '" + std::string(name.key) + "' and as its alias '" +
-                                               std::string(name.alias) + "'; keep one");
+      throw ConfigError(path_of(name.key), "set twice, as '" + std::string(name.key) +
+                                               "' and as its alias '" + std::string(name.alias) +
+                                               "'; keep one");
     }
     if (a != j_.end()) {
       last_path_ = path_of(name.key);
@@ -289,7 +288,6 @@ class Reader {
       refuse(last_path_, why);
     }
   }
-  void accept(const Name& n) { find(n); }  // known, no effect in zinc
   // Known, no effect in zinc, but must be a string or null (DeepSpeed's Optional[str]).
   void accept_string(const Name& n) {
     const json* v = find(n);
@@ -317,9 +315,8 @@ class Reader {
       if (!near.empty()) {
         msg += " (did you mean '" + near + "'?)";
       } else if (known_.size() <= 12) {
-        std::vector<std::string> sorted(known_.begin(), known_.end());
+        std::vector<std::string> sorted = known_;
         std::sort(sorted.begin(), sorted.end());
-        sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
         msg += "; known keys here: " + join(sorted);
       }
       throw ConfigError(path_of(it.key()), msg);
@@ -327,6 +324,9 @@ class Reader {
   }
 
  private:
+  void remember(std::string_view key) {
+    if (std::find(known_.begin(), known_.end(), key) == known_.end()) known_.emplace_back(key);
+  }
   static const json& empty_object() {
     static const json kEmpty = json::object();
     return kEmpty;
@@ -346,41 +346,60 @@ class Reader {
 // train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size;
 // any two give the third (DeepSpeed's _set_batch_related_parameters), but
 // zinc refuses a division with a remainder instead of rounding down.
+constexpr int64_t kMaxBatch = int64_t{1} << 40;
+
 void parse_batch(Reader& r, Config& c) {
-  const Range positive = closed(1, 1e12);
   int64_t tbs = 0, mbs = 0, gas = 0;
-  bool has_tbs = r.get_int("train_batch_size", tbs, positive);
-  bool has_mbs = r.get_int("train_micro_batch_size_per_gpu", mbs, positive);
-  bool has_gas = r.get_int("gradient_accumulation_steps", gas, positive);
+  bool has_tbs = r.get_int("train_batch_size", tbs, at_least(1));
+  bool has_mbs = r.get_int("train_micro_batch_size_per_gpu", mbs, at_least(1));
+  bool has_gas = r.get_int("gradient_accumulation_steps", gas, at_least(1));
+  // A cap far above any real batch keeps the 128-bit products below exact.
+  for (auto [name, v] : {std::pair{"train_batch_size", tbs},
+                         {"train_micro_batch_size_per_gpu", mbs},
+                         {"gradient_accumulation_steps", gas}}) {
+    if (v > kMaxBatch) {
+      throw ConfigError(name, "must be <= " + std::to_string(kMaxBatch) + ", got " + std::to_string(v));
+    }
+  }
   const int64_t ws = c.world_size;
   const std::string w = " * world size " + std::to_string(ws);
-  auto divide = [&](int64_t by, const std::string& by_desc) {
-    if (tbs % by != 0) {
-      throw ConfigError("train_batch_size", std::to_string(tbs) + " is not divisible by " + by_desc + " (= " +
-                                                std::to_string(by) + ")");
+  // Products in 128 bits: each factor fits in int64, so no overflow here.
+  auto product = [](__int128 a, __int128 b, __int128 d) { return a * b * d; };
+  auto fits = [](__int128 v) { return v <= std::numeric_limits<int64_t>::max(); };
+  auto divide = [&](__int128 by, const std::string& by_desc) {
+    if (!fits(by) || tbs % static_cast<int64_t>(by) != 0) {
+      throw ConfigError("train_batch_size",
+                        std::to_string(tbs) + " is not divisible by " + by_desc + " (= " +
+                            (fits(by) ? std::to_string(static_cast<int64_t>(by)) : "too large") + ")");
     }
-    return tbs / by;
+    return tbs / static_cast<int64_t>(by);
   };
   if (has_tbs && has_mbs && has_gas) {
-    __int128 prod = static_cast<__int128>(mbs) * gas * ws;
+    __int128 prod = product(mbs, gas, ws);
     if (prod != tbs) {
       throw ConfigError("train_batch_size",
                         "the batch triad does not multiply out: train_batch_size " + std::to_string(tbs) +
                             " != train_micro_batch_size_per_gpu " + std::to_string(mbs) +
                             " * gradient_accumulation_steps " + std::to_string(gas) + w + " (= " +
-                            std::to_string(static_cast<long long>(prod)) + ")");
+                            (fits(prod) ? std::to_string(static_cast<int64_t>(prod)) : "too large") + ")");
     }
   } else if (has_tbs && has_mbs) {
-    gas = divide(mbs * ws, "train_micro_batch_size_per_gpu " + std::to_string(mbs) + w);
+    gas = divide(product(mbs, ws, 1), "train_micro_batch_size_per_gpu " + std::to_string(mbs) + w);
   } else if (has_tbs && has_gas) {
-    mbs = divide(gas * ws, "gradient_accumulation_steps " + std::to_string(gas) + w);
+    mbs = divide(product(gas, ws, 1), "gradient_accumulation_steps " + std::to_string(gas) + w);
   } else if (has_mbs && has_gas) {
+    if (!fits(product(mbs, gas, ws))) {
+      throw ConfigError("train_batch_size", "the product of the batch triad is too large");
+    }
     tbs = mbs * gas * ws;
   } else if (has_tbs) {
     gas = 1;
     mbs = divide(ws, "world size " + std::to_string(ws));
   } else if (has_mbs) {
     gas = 1;
+    if (!fits(product(mbs, ws, 1))) {
+      throw ConfigError("train_batch_size", "the product of the batch triad is too large");
+    }
     tbs = mbs * ws;
   } else if (has_gas) {
     throw ConfigError("gradient_accumulation_steps",
@@ -411,7 +430,8 @@ void parse_precision(Reader& r, Config& c) {
   bool fp16 = false;
   fp.get_bool("enabled", fp16);
   if (fp16 && c.bf16) {
-    throw ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled; keep \"bf16\": {\"enabled\": true}");
+    throw ConfigError("fp16.enabled",
+                      "fp16 and bf16 cannot both be enabled; keep \"bf16\": {\"enabled\": true}");
   }
   if (fp16) {
     throw ConfigError("fp16.enabled",
@@ -456,7 +476,8 @@ void parse_precision(Reader& r, Config& c) {
   if (comm && !comm->is_null()) {
     c.communication_data_type = to_choice(*comm, "communication_data_type", {"fp32", "bf16", "fp16"}, false);
     if (c.communication_data_type == "fp16") {
-      throw ConfigError("communication_data_type", "\"fp16\" is not supported on the CPU build; use \"fp32\" or \"bf16\"");
+      throw ConfigError("communication_data_type",
+                        "\"fp16\" is not supported on the CPU build; use \"fp32\" or \"bf16\"");
     }
   }
   const json* sp = r.find("seq_parallel_comm_data_type");
@@ -476,10 +497,13 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   } else if (lower(type) == "adamw") {
     o.type = "AdamW";
   } else {
-    static const std::vector<std::string> kDeepSpeedOnly = {
-        "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw", "musgd", "muon"};
+    // DeepSpeed's other built-in optimizers (lower case, as it compares them).
+    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad",    "lamb", "onebitadam", "zerooneadam",
+                                                            "onebitlamb", "lion", "muadam",     "muadamw",
+                                                            "musgd",      "muon"};
     std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW";
-    bool ds_known = std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
+    bool ds_known =
+        std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
     std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW"});
     if (!near.empty()) msg += " (did you mean '" + near + "'?)";
     throw ConfigError("optimizer.type", msg);
@@ -489,7 +513,9 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   Reader p = r.section("params");
   p.get_number("lr", o.lr, above(0));
   if (const json* b = p.find("betas")) {
-    if (!b->is_array() || b->size() != 2) type_error(p.last_path(), "a list of two numbers [beta1, beta2]", *b);
+    if (!b->is_array() || b->size() != 2) {
+      type_error(p.last_path(), "a list of two numbers [beta1, beta2]", *b);
+    }
     o.beta1 = to_number((*b)[0], p.last_path() + "[0]", lo_closed(0, 1));
     o.beta2 = to_number((*b)[1], p.last_path() + "[1]", lo_closed(0, 1));
   }
@@ -500,7 +526,10 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   bool has_w_mode = p.get_bool("adam_w_mode", w_mode);
   if (o.type == "AdamW") {
     // As in DeepSpeed, type AdamW means decoupled weight decay whatever adam_w_mode says.
-    if (has_w_mode && !w_mode) p.warn(p.path_of("adam_w_mode"), "false is overridden by type \"AdamW\" (as in DeepSpeed); use type \"Adam\" for L2-style decay");
+    if (has_w_mode && !w_mode) {
+      p.warn(p.path_of("adam_w_mode"),
+             "false is overridden by type \"AdamW\" (as in DeepSpeed); use type \"Adam\" for L2-style decay");
+    }
     o.adam_w_mode = true;
   } else {
     o.adam_w_mode = w_mode;
@@ -518,12 +547,14 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
   if (!r.given()) return;
   const json* t = r.find("type");
   if (!t || t->is_null()) {
-    throw ConfigError("scheduler.type",
-                      "missing; set WarmupLR, WarmupDecayLR or WarmupCosineLR (or remove 'scheduler' for a constant lr)");
+    throw ConfigError(
+        "scheduler.type",
+        "missing; set WarmupLR, WarmupDecayLR or WarmupCosineLR (or remove 'scheduler' for a constant lr)");
   }
   if (t->is_string() && (*t == "OneCycle" || *t == "LRRangeTest")) {
-    throw ConfigError("scheduler.type",
-                      show(*t) + " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, WarmupCosineLR");
+    throw ConfigError(
+        "scheduler.type",
+        show(*t) + " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, WarmupCosineLR");
   }
   s.type = to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, false);
   const bool cosine = s.type == "WarmupCosineLR";
@@ -533,8 +564,9 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
   // Keys that belong to another of the three schedules get a precise message.
   for (const char* k : {"warmup_min_lr", "warmup_max_lr"}) {
     if (cosine && p.has(k)) {
-      throw ConfigError(p.path_of(k), "not a WarmupCosineLR parameter: it scales the optimizer's lr by "
-                                      "warmup_min_ratio and cos_min_ratio instead");
+      throw ConfigError(p.path_of(k),
+                        "not a WarmupCosineLR parameter: it scales the optimizer's lr by "
+                        "warmup_min_ratio and cos_min_ratio instead");
     }
   }
   for (const char* k : {"warmup_min_ratio", "cos_min_ratio"}) {
@@ -567,9 +599,9 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
                       "required for " + s.type + " (the step at which the decay ends)");
   }
   if (has_total && s.total_num_steps < s.warmup_num_steps) {
-    p.warn("scheduler.params.total_num_steps", std::to_string(s.total_num_steps) + " is less than warmup_num_steps " +
-                                                   std::to_string(s.warmup_num_steps) +
-                                                   "; the lr drops to its floor right after warmup");
+    p.warn("scheduler.params.total_num_steps",
+           std::to_string(s.total_num_steps) + " is less than warmup_num_steps " +
+               std::to_string(s.warmup_num_steps) + "; the lr drops to its floor right after warmup");
   }
   if (!cosine && s.warmup_min_lr > s.warmup_max_lr) {
     p.warn("scheduler.params.warmup_min_lr", num(s.warmup_min_lr) + " is above warmup_max_lr " +
@@ -610,8 +642,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
     // DeepSpeed's deprecated form: true means stage 1.
     z.stage = v->get<bool>() ? 1 : 0;
     z.overlap_comm = false;
-    root.warn("zero_optimization", "the boolean form is deprecated; write {\"stage\": " +
-                                       std::to_string(z.stage) + "}");
+    root.warn("zero_optimization",
+              "the boolean form is deprecated; write {\"stage\": " + std::to_string(z.stage) + "}");
     return;
   }
   Reader r = root.section("zero_optimization");
@@ -623,7 +655,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   r.get_int("reduce_bucket_size", z.reduce_bucket_size, at_least(1));
   r.get_int("allgather_bucket_size", z.allgather_bucket_size, at_least(1));
   r.get_int("sub_group_size", z.sub_group_size, at_least(1));
-  r.get_int({"prefetch_bucket_size", "stage3_prefetch_bucket_size"}, z.stage3_prefetch_bucket_size, at_least(0));
+  r.get_int({"prefetch_bucket_size", "stage3_prefetch_bucket_size"}, z.stage3_prefetch_bucket_size,
+            at_least(0));
   r.get_int({"param_persistence_threshold", "stage3_param_persistence_threshold"},
             z.stage3_param_persistence_threshold, at_least(0));
   r.get_int({"max_live_parameters", "stage3_max_live_parameters"}, z.stage3_max_live_parameters, at_least(1));
@@ -635,12 +668,17 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   // Deprecated booleans that DeepSpeed maps onto the offload sections.
   bool dep = false;
   if (r.get_bool("cpu_offload", dep)) {
-    if (new_opt) throw ConfigError(r.last_path(), "deprecated and set together with offload_optimizer; keep offload_optimizer");
+    if (new_opt) {
+      throw ConfigError(r.last_path(),
+                        "deprecated and set together with offload_optimizer; keep offload_optimizer");
+    }
     r.warn(r.last_path(), "deprecated; use \"offload_optimizer\": {\"device\": \"cpu\"}");
     if (dep) z.offload_optimizer.device = "cpu";
   }
   if (r.get_bool("cpu_offload_param", dep)) {
-    if (new_param) throw ConfigError(r.last_path(), "deprecated and set together with offload_param; keep offload_param");
+    if (new_param) {
+      throw ConfigError(r.last_path(), "deprecated and set together with offload_param; keep offload_param");
+    }
     r.warn(r.last_path(), "deprecated; use \"offload_param\": {\"device\": \"cpu\"}");
     if (dep) z.offload_param.device = "cpu";
   }
@@ -672,7 +710,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   r.ignore_bool("log_trace_cache_warnings", false);
   r.ignore_bool("enable_sanity_checks", false);
   r.ignore_bool("save_muon_momentum_buffer_in_memory", false);
-  if (const json* leaf = r.find("leaf_module"); leaf && !leaf->is_null() && !(leaf->is_object() && leaf->empty())) {
+  if (const json* leaf = r.find("leaf_module");
+      leaf && !leaf->is_null() && !(leaf->is_object() && leaf->empty())) {
     r.warn_ignored(r.last_path(), "zinc's models declare their blocks themselves");
   }
   // ...and the ones that would change the result are errors.
@@ -684,7 +723,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   r.refuse_int("zero_hpz_partition_size", 1, "hierarchical (ZeRO++ hpZ) partitioning; set it to 1");
   r.refuse_int("mics_shard_size", -1, "MiCS sharding; set it to -1");
   r.refuse_bool("mics_hierarchical_params_gather", false, "MiCS sharding; set it to false");
-  r.refuse_present("zenflow", "ZenFlow delays part of the optimizer update, which changes the result; remove it");
+  r.refuse_present("zenflow",
+                   "ZenFlow delays part of the optimizer update, which changes the result; remove it");
   r.finish();
 }
 
@@ -693,8 +733,8 @@ void parse_aio(Reader& root, AioConfig& a) {
   // O_DIRECT needs requests aligned to the device's logical block; 4096 is
   // safe for every device (DeepSpeed does not check).
   if (r.get_int("block_size", a.block_size, at_least(4096)) && a.block_size % 4096 != 0) {
-    throw ConfigError(r.last_path(), "must be a multiple of 4096 (O_DIRECT alignment), got " +
-                                         std::to_string(a.block_size));
+    throw ConfigError(r.last_path(),
+                      "must be a multiple of 4096 (O_DIRECT alignment), got " + std::to_string(a.block_size));
   }
   r.get_int("queue_depth", a.queue_depth, at_least(1));
   r.get_int({"intra_op_parallelism", "thread_count"}, a.intra_op_parallelism, at_least(1));
@@ -772,7 +812,8 @@ void parse_unimplemented(Reader& r) {
       {"autotuning", Act::kWarn, nullptr},
       {"memory_breakdown", Act::kWarn, nullptr},
       {"dump_state", Act::kWarn, nullptr},
-      {"prescale_gradients", Act::kWarn, "zinc averages after the reduction; prescaling changes only rounding"},
+      {"prescale_gradients", Act::kWarn,
+       "zinc averages after the reduction; prescaling changes only rounding"},
       {"disable_allgather", Act::kWarn, nullptr},
       {"dataloader_drop_last", Act::kWarn, "zinc's DataLoader always draws whole global batches"},
       {"eigenvalue", Act::kWarn, nullptr},
@@ -852,11 +893,23 @@ void parse_data(Reader& root, DataConfig& d) {
   r.finish();
   if (d.type == "synthetic") {
     if (has_path) r.warn(r.path_of("path"), "ignored for type \"synthetic\"");
-    if (has_eval && d.eval_fraction > 0) r.warn(r.path_of("eval_fraction"), "ignored for type \"synthetic\" (an endless stream)");
+    if (has_eval && d.eval_fraction > 0) {
+      r.warn(r.path_of("eval_fraction"), "ignored for type \"synthetic\" (an endless stream)");
+    }
   } else {
-    if (d.path.empty()) throw ConfigError(r.path_of("path"), "required for type \"" + d.type + "\" (the file to read)");
-    if (has_vocab) r.warn(r.path_of("vocab_size"), "ignored for type \"" + d.type + "\" (only synthetic data takes it)");
-    if (has_det) r.warn(r.path_of("determinism"), "ignored for type \"" + d.type + "\" (only synthetic data takes it)");
+    if (d.path.empty()) {
+      throw ConfigError(r.path_of("path"), "required for type \"" + d.type + "\" (the file to read)");
+    }
+    if (d.type == "tokens") {
+      // A token file's vocabulary comes from the file unless the config
+      // states it (then every token is checked against it).
+      if (!has_vocab) d.vocab_size = 0;
+    } else if (has_vocab) {
+      r.warn(r.path_of("vocab_size"), "ignored for type \"text\" (bytes: the vocabulary is 256)");
+    }
+    if (has_det) {
+      r.warn(r.path_of("determinism"), "ignored for type \"" + d.type + "\" (only synthetic data takes it)");
+    }
   }
 }
 
@@ -919,36 +972,47 @@ void Config::validate() const {
   // The batch triad, for configs built in code as well as parsed ones.
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   if (train_batch_size < 1 || train_micro_batch_size_per_gpu < 1 || gradient_accumulation_steps < 1 ||
+      train_micro_batch_size_per_gpu > kMaxBatch || gradient_accumulation_steps > kMaxBatch ||
       static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * world_size !=
           train_batch_size) {
     throw ConfigError("train_batch_size",
-                      "the batch triad does not multiply out: train_batch_size " + std::to_string(train_batch_size) +
-                          " != train_micro_batch_size_per_gpu " + std::to_string(train_micro_batch_size_per_gpu) +
-                          " * gradient_accumulation_steps " + std::to_string(gradient_accumulation_steps) +
-                          " * world size " + std::to_string(world_size));
+                      "the batch triad does not multiply out: train_batch_size " +
+                          std::to_string(train_batch_size) + " != train_micro_batch_size_per_gpu " +
+                          std::to_string(train_micro_batch_size_per_gpu) + " * gradient_accumulation_steps " +
+                          std::to_string(gradient_accumulation_steps) + " * world size " +
+                          std::to_string(world_size));
   }
-  if (!(gradient_clipping >= 0)) throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));
-  if (steps_per_print < 1) throw ConfigError("steps_per_print", "must be >= 1, got " + std::to_string(steps_per_print));
+  if (!(gradient_clipping >= 0)) {
+    throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));
+  }
+  if (steps_per_print < 1) {
+    throw ConfigError("steps_per_print", "must be >= 1, got " + std::to_string(steps_per_print));
+  }
   if (grad_accum_dtype != "fp32") {
-    throw ConfigError("data_types.grad_accum_dtype", "only \"fp32\" is implemented, got \"" + grad_accum_dtype + "\"");
+    throw ConfigError("data_types.grad_accum_dtype",
+                      "only \"fp32\" is implemented, got \"" + grad_accum_dtype + "\"");
   }
-  if (!communication_data_type.empty() && communication_data_type != "fp32" && communication_data_type != "bf16") {
-    throw ConfigError("communication_data_type",
-                      "must be \"fp32\" or \"bf16\" on the CPU build, got \"" + communication_data_type + "\"");
+  if (!communication_data_type.empty() && communication_data_type != "fp32" &&
+      communication_data_type != "bf16") {
+    throw ConfigError("communication_data_type", "must be \"fp32\" or \"bf16\" on the CPU build, got \"" +
+                                                     communication_data_type + "\"");
   }
   if (optimizer.type != "Adam" && optimizer.type != "AdamW") {
-    throw ConfigError("optimizer.type", "\"" + optimizer.type + "\" is not implemented in zinc; supported: Adam, AdamW");
+    throw ConfigError("optimizer.type",
+                      "\"" + optimizer.type + "\" is not implemented in zinc; supported: Adam, AdamW");
   }
   if (optimizer.type == "AdamW" && !optimizer.adam_w_mode) {
     throw ConfigError("optimizer.params.adam_w_mode", "type AdamW needs adam_w_mode true");
   }
   if (!scheduler.type.empty() && scheduler.type != "WarmupLR" && scheduler.type != "WarmupDecayLR" &&
       scheduler.type != "WarmupCosineLR") {
-    throw ConfigError("scheduler.type", "\"" + scheduler.type +
-                                            "\" is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
-                                            "WarmupCosineLR");
+    throw ConfigError("scheduler.type",
+                      "\"" + scheduler.type +
+                          "\" is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
+                          "WarmupCosineLR");
   }
-  if ((scheduler.type == "WarmupDecayLR" || scheduler.type == "WarmupCosineLR") && scheduler.total_num_steps < 1) {
+  if ((scheduler.type == "WarmupDecayLR" || scheduler.type == "WarmupCosineLR") &&
+      scheduler.total_num_steps < 1) {
     throw ConfigError("scheduler.params.total_num_steps",
                       "required for " + scheduler.type + " (the step at which the decay ends)");
   }
@@ -956,12 +1020,12 @@ void Config::validate() const {
   // zinc's own sections.
   if (model.type == "gpt") {
     if (model.n_embd % model.n_head != 0) {
-      throw ConfigError("model.n_embd", "must be divisible by n_head " + std::to_string(model.n_head) + ", got " +
-                                            std::to_string(model.n_embd));
+      throw ConfigError("model.n_embd", "must be divisible by n_head " + std::to_string(model.n_head) +
+                                            ", got " + std::to_string(model.n_embd));
     }
     if (model.block_size > 0 && model.block_size < data.seq_len) {
-      throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) + ", got " +
-                                                std::to_string(model.block_size));
+      throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
+                                                ", got " + std::to_string(model.block_size));
     }
   }
   int64_t data_vocab = data.type == "synthetic" ? data.vocab_size : data.type == "text" ? 256 : 0;
@@ -978,9 +1042,10 @@ void Config::validate() const {
   const auto& oo = zero.offload_optimizer;
   const auto& op = zero.offload_param;
   if (op.device != "none" && zero.stage != 3) {
-    throw ConfigError("zero_optimization.offload_param",
-                      "parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage " +
-                          std::to_string(zero.stage));
+    throw ConfigError(
+        "zero_optimization.offload_param",
+        "parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage " +
+            std::to_string(zero.stage));
   }
   if (oo.device != "none" && zero.stage == 0) {
     throw ConfigError("zero_optimization.offload_optimizer",
@@ -988,13 +1053,14 @@ void Config::validate() const {
   }
   if (oo.ratio < 1.0 && zero.stage != 3) {
     throw ConfigError("zero_optimization.offload_optimizer.ratio",
-                      "partial offload (ratio < 1) needs ZeRO stage 3, got ratio " + num(oo.ratio) + " at stage " +
-                          std::to_string(zero.stage));
+                      "partial offload (ratio < 1) needs ZeRO stage 3, got ratio " + num(oo.ratio) +
+                          " at stage " + std::to_string(zero.stage));
   }
   for (const auto* o : {&oo, &op}) {
     const char* name = o == &oo ? "offload_optimizer" : "offload_param";
     if (o->device == "nvme" && o->nvme_path.empty()) {
-      throw ConfigError(std::string("zero_optimization.") + name + ".nvme_path", "required for device \"nvme\"");
+      throw ConfigError(std::string("zero_optimization.") + name + ".nvme_path",
+                        "required for device \"nvme\"");
     }
   }
   for (const auto* o : {&oo, &op}) {
@@ -1005,12 +1071,13 @@ void Config::validate() const {
     }
   }
   if (zero.stage != 0) {
-    throw ConfigError("zero_optimization.stage", "ZeRO stage " + std::to_string(zero.stage) +
-                                                     " is not implemented yet in zinc (stage 0 only); set stage 0");
+    throw ConfigError("zero_optimization.stage",
+                      "ZeRO stage " + std::to_string(zero.stage) +
+                          " is not implemented yet in zinc (stage 0 only); set stage 0");
   }
 }
 
-Config Config::load(const std::string& path, int world_size) {
+json read_json_file(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) throw posix_error("cannot open config file " + path, errno);
   std::string text;
@@ -1055,16 +1122,19 @@ Config Config::load(const std::string& path, int world_size) {
     if (auto pos = what.find(": "); pos != std::string::npos && what.find("parse error") < pos) {
       what = what.substr(pos + 2);
     }
-    throw ConfigError(path, "JSON syntax error at line " + std::to_string(line) + ", column " + std::to_string(col) +
-                                ": " + what);
+    throw ConfigError(path, "JSON syntax error at line " + std::to_string(line) + ", column " +
+                                std::to_string(col) + ": " + what);
   }
-  return parse(j, world_size);
+  return j;
 }
+
+Config Config::load(const std::string& path, int world_size) { return parse(read_json_file(path), world_size); }
 
 void apply_override(json& j, const std::string& assignment) {
   auto eq = assignment.find('=');
   if (eq == std::string::npos) {
-    throw ConfigError(assignment, "an override must look like key.path=value (e.g. optimizer.params.lr=3e-4)");
+    throw ConfigError(assignment,
+                      "an override must look like key.path=value (e.g. optimizer.params.lr=3e-4)");
   }
   std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
   std::vector<std::string> parts;
@@ -1092,11 +1162,16 @@ void apply_override(json& j, const std::string& assignment) {
     const bool last = i + 1 == parts.size();
     std::string here = join_path(at, p);
     if (cur->is_array()) {
-      bool numeric = std::all_of(p.begin(), p.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
-      if (!numeric) throw ConfigError(here, "'" + (at.empty() ? std::string("<root>") : at) + "' is a list; index it with a number");
+      bool numeric = std::all_of(p.begin(), p.end(),
+                                 [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+      if (!numeric) {
+        throw ConfigError(
+            here, "'" + (at.empty() ? std::string("<root>") : at) + "' is a list; index it with a number");
+      }
       size_t idx = std::stoul(p);
       if (idx > cur->size() || (!last && idx == cur->size())) {
-        throw ConfigError(here, "index " + p + " is out of range for a list of " + std::to_string(cur->size()));
+        throw ConfigError(here,
+                          "index " + p + " is out of range for a list of " + std::to_string(cur->size()));
       }
       if (idx == cur->size()) {
         cur->push_back(value);  // appending one past the end
@@ -1106,7 +1181,8 @@ void apply_override(json& j, const std::string& assignment) {
     } else if (cur->is_object()) {
       cur = &(*cur)[p];
     } else {
-      throw ConfigError(here, "cannot set a key inside '" + at + "', which is " + show(*cur) + ", not an object");
+      throw ConfigError(here,
+                        "cannot set a key inside '" + at + "', which is " + show(*cur) + ", not an object");
     }
     if (last) {
       *cur = value;

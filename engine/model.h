@@ -45,7 +45,17 @@ struct BlockLayout {
   std::vector<int64_t> offsets;  // per param, in elements
   std::vector<int64_t> numels;   // per param
   int64_t numel = 0;             // used elements (end of the last param, aligned)
-  static BlockLayout from_spec(const BlockSpec& spec);
+  static BlockLayout from_spec(const BlockSpec& spec) {
+    BlockLayout l;
+    int64_t off = 0;
+    for (const ParamSpec& p : spec.params) {
+      l.offsets.push_back(off);
+      l.numels.push_back(p.shape.numel());
+      off += (p.shape.numel() + kParamAlignNumel - 1) / kParamAlignNumel * kParamAlignNumel;
+    }
+    l.numel = off;
+    return l;
+  }
 };
 
 // A block's parameters in compute precision (fp32, or bf16 with bf16 on).

@@ -40,8 +40,6 @@ void attention_workspace_destroy(AttentionWorkspace* ws) { delete ws; }
 
 namespace {
 
-using detail::kLanes;
-
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, bf16* p) { *p = float_to_bf16(v); }
 inline float load(float v) { return v; }
@@ -72,37 +70,53 @@ void check_shape(const char* fn, AttentionShape s) {
   }
 }
 
-// src rows (B,T) with `stride` floats each; head h of part `part` starts at
-// column part*C + h*hs. dst (B*H, T, hs).
+// Up to four head-major copies in one parallel region (each region is a
+// barrier, and on a busy 2-core host every barrier costs). Part p reads
+// columns col0[p] + h*hs .. of the (B,T) rows of src[p] (row stride
+// stride[p] floats) and writes dst[p] (B*H, T, hs).
 template <class To>
-void permute_in(To* __restrict dst, const float* __restrict src, int64_t stride, int64_t col0,
-                AttentionShape s) {
+struct PermuteIn {
+  int n = 0;
+  To* dst[4];
+  const float* src[4];
+  int64_t stride[4], col0[4];
+  void add(To* d, const float* s, int64_t st, int64_t c0) {
+    dst[n] = d, src[n] = s, stride[n] = st, col0[n] = c0;
+    ++n;
+  }
+};
+
+template <class To>
+void permute_in(const PermuteIn<To>& p, AttentionShape s) {
   const int64_t hs = s.C / s.H;
-  parallel_for(static_cast<size_t>(s.B * s.T), 64, [&](size_t lo, size_t hi) {
-    for (size_t r = lo; r < hi; ++r) {
-      const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
-      const float* row = src + static_cast<int64_t>(r) * stride + col0;
-      for (int64_t h = 0; h < s.H; ++h) {
-        To* d = dst + ((b * s.H + h) * s.T + t) * hs;
-        const float* x = row + h * hs;
-        for (int64_t i = 0; i < hs; ++i) store(x[i], d + i);
+  parallel_for(static_cast<size_t>(s.B * s.T), 16, [&](size_t lo, size_t hi) {
+    for (int part = 0; part < p.n; ++part)
+      for (size_t r = lo; r < hi; ++r) {
+        const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
+        const float* row = p.src[part] + static_cast<int64_t>(r) * p.stride[part] + p.col0[part];
+        for (int64_t h = 0; h < s.H; ++h) {
+          To* __restrict d = p.dst[part] + ((b * s.H + h) * s.T + t) * hs;
+          const float* __restrict x = row + h * hs;
+          for (int64_t i = 0; i < hs; ++i) store(x[i], d + i);
+        }
       }
-    }
   });
 }
 
-// src (B*H, T, hs) fp32 into dst rows (B,T) of `stride` floats at column col0.
-void permute_out(float* __restrict dst, int64_t stride, int64_t col0, const float* __restrict src,
-                 AttentionShape s) {
+// The inverse: srcs[p] (B*H, T, hs) fp32 into columns p*C + h*hs .. of the
+// (B,T) rows of dst (row stride `stride` floats), for p < nparts.
+void permute_out(float* dst, int64_t stride, const float* const* srcs, int nparts, AttentionShape s) {
   const int64_t hs = s.C / s.H;
-  parallel_for(static_cast<size_t>(s.B * s.T), 64, [&](size_t lo, size_t hi) {
+  parallel_for(static_cast<size_t>(s.B * s.T), 16, [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {
       const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
-      float* row = dst + static_cast<int64_t>(r) * stride + col0;
-      for (int64_t h = 0; h < s.H; ++h) {
-        const float* x = src + ((b * s.H + h) * s.T + t) * hs;
-        float* d = row + h * hs;
-        for (int64_t i = 0; i < hs; ++i) d[i] = x[i];
+      for (int part = 0; part < nparts; ++part) {
+        float* row = dst + static_cast<int64_t>(r) * stride + part * s.C;
+        for (int64_t h = 0; h < s.H; ++h) {
+          const float* __restrict x = srcs[part] + ((b * s.H + h) * s.T + t) * hs;
+          float* __restrict d = row + h * hs;
+          for (int64_t i = 0; i < hs; ++i) d[i] = x[i];
+        }
       }
     }
   });
@@ -110,44 +124,16 @@ void permute_out(float* __restrict dst, int64_t stride, int64_t col0, const floa
 
 // Causal softmax of one row (query t): p[0..t] = softmax(p[0..t]), p[t+1..] = 0.
 ZINC_CLONES void softmax_row_causal(float* __restrict p, int64_t n_valid, int64_t n) {
-  float m[kLanes];
-  for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n_valid; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) m[l] = p[j + l] > m[l] ? p[j + l] : m[l];
-  for (int l = 0; j < n_valid; ++j, ++l) m[l] = p[j] > m[l] ? p[j] : m[l];
-  float mx = m[0];
-  for (int l = 1; l < kLanes; ++l) mx = m[l] > mx ? m[l] : mx;
-  float acc[kLanes] = {};
-  j = 0;
-  for (; j + kLanes <= n_valid; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      float e = detail::exp_f(p[j + l] - mx);
-      p[j + l] = e;
-      acc[l] += e;
-    }
-  for (int l = 0; j < n_valid; ++j, ++l) {
-    float e = detail::exp_f(p[j] - mx);
-    p[j] = e;
-    acc[l] += e;
-  }
-  float sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
-  const float inv = 1.0f / sum;
-  for (j = 0; j < n_valid; ++j) p[j] *= inv;
-  for (j = n_valid; j < n; ++j) p[j] = 0.0f;
+  const float mx = detail::max_of(p, n_valid);
+  for (int64_t j = 0; j < n_valid; ++j) p[j] = detail::exp_f(p[j] - mx);
+  const float inv = 1.0f / detail::lane_sum<float>(n_valid, [&](int64_t j) { return p[j]; });
+  for (int64_t j = 0; j < n_valid; ++j) p[j] *= inv;
+  for (int64_t j = n_valid; j < n; ++j) p[j] = 0.0f;
 }
 
-// dS row: ds[j] = p[j] (dp[j] - sum_i p[i] dp[i]) for j <= t, 0 above.
+// sum_j p[j] dp[j] over the causal part of a row (for dS = P (dP - dot)).
 ZINC_CLONES float softmax_row_dot(const float* __restrict p, const float* __restrict dp, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * dp[j + l];
-  for (int l = 0; j < n; ++j, ++l) acc[l] += p[j] * dp[j];
-  float s = 0;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
+  return detail::lane_sum<float>(n, [&](int64_t j) { return p[j] * dp[j]; });
 }
 
 }  // namespace
@@ -169,9 +155,11 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   void* v = scratch(kV, n_head * esz);
   dispatch(compute, [&](auto tag) {
     using E = decltype(tag);
-    permute_in(static_cast<E*>(q), qkv, 3 * s.C, 0, s);
-    permute_in(static_cast<E*>(k), qkv, 3 * s.C, s.C, s);
-    permute_in(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C, s);
+    PermuteIn<E> p;
+    p.add(static_cast<E*>(q), qkv, 3 * s.C, 0);
+    p.add(static_cast<E*>(k), qkv, 3 * s.C, s.C);
+    p.add(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C);
+    permute_in(p, s);
   });
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale,
@@ -193,7 +181,8 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   float* y = static_cast<float*>(scratch(kY, n_head * sizeof(float)));
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
   matmul(yd, {pc, compute}, {v, compute}, y);
-  permute_out(out, s.C, 0, y, s);
+  const float* parts[] = {y};
+  permute_out(out, s.C, parts, 1, s);
 }
 
 void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
@@ -216,10 +205,12 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   void* dO = scratch(kDO, n_head * esz);
   dispatch(compute, [&](auto tag) {
     using E = decltype(tag);
-    permute_in(static_cast<E*>(q), qkv, 3 * s.C, 0, s);
-    permute_in(static_cast<E*>(k), qkv, 3 * s.C, s.C, s);
-    permute_in(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C, s);
-    permute_in(static_cast<E*>(dO), dout, s.C, 0, s);
+    PermuteIn<E> p;
+    p.add(static_cast<E*>(q), qkv, 3 * s.C, 0);
+    p.add(static_cast<E*>(k), qkv, 3 * s.C, s.C);
+    p.add(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C);
+    p.add(static_cast<E*>(dO), dout, s.C, 0);
+    permute_in(p, s);
   });
   float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
   matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
@@ -257,9 +248,8 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
          {ds, compute}, {k, compute}, dq);
   matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute},
          {ds, compute}, {q, compute}, dk);
-  permute_out(dqkv, 3 * s.C, 0, dq, s);
-  permute_out(dqkv, 3 * s.C, s.C, dk, s);
-  permute_out(dqkv, 3 * s.C, 2 * s.C, dv, s);
+  const float* parts[] = {dq, dk, dv};
+  permute_out(dqkv, 3 * s.C, parts, 3, s);
 }
 
 }  // namespace zinc::kernels

@@ -24,8 +24,6 @@
 namespace zinc::kernels {
 namespace {
 
-using detail::kLanes;
-
 inline float load(float v) { return v; }
 inline float load(bf16 v) { return bf16_to_float(v); }
 
@@ -68,31 +66,15 @@ void for_column_blocks(int64_t N, Fn&& fn) {
 ZINC_CLONES void layernorm_row_forward(float* __restrict out, float* mean_out, float* rstd_out,
                                        const float* __restrict x, const float* __restrict w,
                                        const float* __restrict b, int64_t C, float eps) {
-  float acc[kLanes] = {};
-  int64_t c = 0;
-  for (; c + kLanes <= C; c += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[c + l];
-  for (int l = 0; c < C; ++c, ++l) acc[l] += x[c];
-  float sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
-  const float mean = sum / static_cast<float>(C);
+  const float mean = detail::lane_sum<float>(C, [&](int64_t c) { return x[c]; }) / static_cast<float>(C);
   // Two-pass variance: no cancellation when |mean| >> std.
-  float vacc[kLanes] = {};
-  c = 0;
-  for (; c + kLanes <= C; c += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      float d = x[c + l] - mean;
-      vacc[l] += d * d;
-    }
-  for (int l = 0; c < C; ++c, ++l) {
-    float d = x[c] - mean;
-    vacc[l] += d * d;
-  }
-  float var = 0;
-  for (int l = 0; l < kLanes; ++l) var += vacc[l];
-  var /= static_cast<float>(C);
+  const float var = detail::lane_sum<float>(C, [&](int64_t c) {
+                      const float d = x[c] - mean;
+                      return d * d;
+                    }) /
+                    static_cast<float>(C);
   const float rstd = 1.0f / std::sqrt(var + eps);
-  for (c = 0; c < C; ++c) out[c] = (x[c] - mean) * rstd * w[c] + b[c];
+  for (int64_t c = 0; c < C; ++c) out[c] = (x[c] - mean) * rstd * w[c] + b[c];
   *mean_out = mean;
   *rstd_out = rstd;
 }
@@ -100,28 +82,16 @@ ZINC_CLONES void layernorm_row_forward(float* __restrict out, float* mean_out, f
 ZINC_CLONES void layernorm_row_backward(float* __restrict dx, const float* __restrict dout,
                                         const float* __restrict x, const float* __restrict w,
                                         float mean, float rstd, int64_t C) {
-  float ag[kLanes] = {}, agx[kLanes] = {};
-  int64_t c = 0;
-  for (; c + kLanes <= C; c += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      float g = dout[c + l] * w[c + l];
-      ag[l] += g;
-      agx[l] += g * ((x[c + l] - mean) * rstd);
-    }
-  for (int l = 0; c < C; ++c, ++l) {
-    float g = dout[c] * w[c];
-    ag[l] += g;
-    agx[l] += g * ((x[c] - mean) * rstd);
-  }
-  float mg = 0, mgx = 0;
-  for (int l = 0; l < kLanes; ++l) {
-    mg += ag[l];
-    mgx += agx[l];
-  }
-  mg /= static_cast<float>(C);
-  mgx /= static_cast<float>(C);
-  for (c = 0; c < C; ++c) {
-    float xhat = (x[c] - mean) * rstd;
+  // With g = dout * w and xhat = (x - mean) rstd:
+  // dx += rstd (g - mean(g) - xhat mean(g xhat)).
+  const float mg = detail::lane_sum<float>(C, [&](int64_t c) { return dout[c] * w[c]; }) /
+                   static_cast<float>(C);
+  const float mgx = detail::lane_sum<float>(C, [&](int64_t c) {
+                      return dout[c] * w[c] * ((x[c] - mean) * rstd);
+                    }) /
+                    static_cast<float>(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const float xhat = (x[c] - mean) * rstd;
     dx[c] += rstd * (dout[c] * w[c] - mg - xhat * mgx);
   }
 }
@@ -152,46 +122,28 @@ ZINC_CLONES void gelu_backward_range(float* __restrict dx, const float* __restri
 
 // ---- cross-entropy rows -----------------------------------------------------------
 
-ZINC_CLONES float row_max(const float* __restrict x, int64_t n) {
-  float m[kLanes];
-  for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
-  for (int l = 0; j < n; ++j, ++l) m[l] = x[j] > m[l] ? x[j] : m[l];
-  float r = m[0];
-  for (int l = 1; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
-  return r;
+ZINC_CLONES float row_max(const float* __restrict x, int64_t n) { return detail::max_of(x, n); }
+
+// e[j] = exp(x[j] - mx); e may equal x (elementwise, each read before written).
+ZINC_CLONES void row_exp(float* e, const float* x, float mx, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) e[j] = detail::exp_f(x[j] - mx);
 }
 
-// sum_j exp(x[j] - mx) in double lanes; when e != nullptr also stores the
-// exponentials there (e may equal x: each element is read before written).
-ZINC_CLONES double row_sum_exp(float* e, const float* x, float mx, int64_t n) {
-  double acc[kLanes] = {};
-  int64_t j = 0;
-  if (e) {
-    for (; j + kLanes <= n; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        float v = detail::exp_f(x[j + l] - mx);
-        e[j + l] = v;
-        acc[l] += v;
-      }
-    for (int l = 0; j < n; ++j, ++l) {
-      float v = detail::exp_f(x[j] - mx);
-      e[j] = v;
-      acc[l] += v;
-    }
-  } else {
-    for (; j + kLanes <= n; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) acc[l] += detail::exp_f(x[j + l] - mx);
-    for (int l = 0; j < n; ++j, ++l) acc[l] += detail::exp_f(x[j] - mx);
-  }
-  double s = 0;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
+ZINC_CLONES double row_sum(const float* __restrict e, int64_t n) {
+  return detail::lane_sum<double>(n, [&](int64_t j) { return e[j]; });
+}
+
+ZINC_CLONES void row_scale(float* __restrict e, float f, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) e[j] *= f;
 }
 
 }  // namespace
+
+float* exp_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(n)) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
 
 // ---- bias -------------------------------------------------------------------------
 
@@ -296,13 +248,15 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
       const int32_t tgt = targets[i];
       const float x_tgt = x[tgt];  // read before dlogits (which may alias) overwrites it
       const float mx = row_max(x, V);
-      float* d = dlogits ? dlogits + i * V : nullptr;
-      const double sum = row_sum_exp(d, x, mx, V);
+      // The exponentials go to dlogits when there is one (row-sized, so the
+      // scaling pass below hits cache), else to thread-local scratch.
+      float* e = dlogits ? dlogits + i * V : exp_scratch(V);
+      row_exp(e, x, mx, V);
+      const double sum = row_sum(e, V);
       row_loss[i] = std::log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
-      if (d) {
-        const float f = static_cast<float>(grad_scale / sum);
-        for (int64_t j = 0; j < V; ++j) d[j] *= f;
-        d[tgt] -= static_cast<float>(grad_scale);
+      if (dlogits) {
+        row_scale(e, static_cast<float>(grad_scale / sum), V);
+        e[tgt] -= static_cast<float>(grad_scale);
       }
     }
   });

@@ -8,11 +8,14 @@
 // picks the best one from cpuid at load time. The loops themselves are plain
 // C++ written so that GCC vectorises them: contiguous, __restrict where there
 // is no aliasing, no libm calls (libm's expf/tanhf are scalar without
-// -ffast-math), and reductions spread over kLanes independent accumulators
-// (GCC does not reorder a single float accumulator without -ffast-math).
-// Results do not depend on which clone runs: the build uses ISO C++ mode,
-// i.e. -ffp-contract=off, so no clone fuses a*b+c, and every reduction has
-// the same fixed lane structure.
+// -ffast-math). GCC will not reorder a single float accumulator without
+// -ffast-math, so sums go through lane_sum: kLanes independent accumulators
+// in a loop over whole blocks (the form GCC's loop vectoriser accepts; a
+// `j + 16 <= n` loop or an exp fused into a double accumulation is left
+// scalar), combined in a fixed order. Maxima use an OpenMP simd max
+// reduction, which is exact in any order. kernels/CMakeLists.txt adds
+// -ffp-contract=off, so no clone fuses a*b+c: every clone computes the same
+// bits, and the results depend neither on the thread count nor on the ISA.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +57,28 @@ inline float tanh_f(float u) {
   float a = u < 0.0f ? -u : u;
   float t = 1.0f - 2.0f / (exp_f(2.0f * a) + 1.0f);
   return u < 0.0f ? -t : t;
+}
+
+// Sum of f(i) for i in [0, n), accumulated in Acc over kLanes lanes (lane
+// i % kLanes) and combined in lane order. f must be cheap and inlinable.
+template <class Acc, class F>
+inline Acc lane_sum(int64_t n, F&& f) {
+  Acc acc[kLanes] = {};
+  const int64_t nb = n / kLanes;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int l = 0; l < kLanes; ++l) acc[l] += static_cast<Acc>(f(b * kLanes + l));
+  for (int64_t i = nb * kLanes; i < n; ++i) acc[i - nb * kLanes] += static_cast<Acc>(f(i));
+  Acc s = 0;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+// max of x[0..n) (-inf when n == 0); NaNs are ignored.
+inline float max_of(const float* __restrict x, int64_t n) {
+  float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
 }
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)

@@ -22,20 +22,10 @@ constexpr size_t kGrain = size_t{1} << 15;
 constexpr int64_t kNormChunk = int64_t{1} << 16;
 
 ZINC_CLONES double chunk_squared_norm(const float* __restrict x, int64_t n) {
-  double acc[detail::kLanes] = {};
-  int64_t i = 0;
-  for (; i + detail::kLanes <= n; i += detail::kLanes)
-    for (int l = 0; l < detail::kLanes; ++l) {
-      double v = x[i + l];
-      acc[l] += v * v;
-    }
-  for (int l = 0; i < n; ++i, ++l) {
-    double v = x[i];
-    acc[l] += v * v;
-  }
-  double s = 0;
-  for (int l = 0; l < detail::kLanes; ++l) s += acc[l];
-  return s;
+  return detail::lane_sum<double>(n, [&](int64_t i) {
+    const double v = x[i];
+    return v * v;
+  });
 }
 
 bool chunk_finite(const float* __restrict x, int64_t n) {

@@ -1,0 +1,559 @@
+// Tests for engine/config: defaults, the batch triad, strict validation with
+// messages that name the path and the rule, warnings for ignored DeepSpeed
+// keys, file loading and --set overrides.
+#include "engine/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace zinc {
+namespace {
+
+using nlohmann::json;
+
+// A minimal valid config: one micro-batch of 8 per rank.
+json base() { return json{{"train_micro_batch_size_per_gpu", 8}}; }
+
+// base() with `patch` merged in (RFC 7396: nested objects merge).
+json with(const json& patch) {
+  json j = base();
+  j.merge_patch(patch);
+  return j;
+}
+
+// The ConfigError message of parsing `j`, or a test failure if it parses.
+std::string config_error(const json& j, int world_size = 1) {
+  try {
+    Config::parse(j, world_size);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError for " << j.dump();
+  return "";
+}
+
+// Every part occurs in `text`.
+void expect_parts(const std::string& text, const std::vector<std::string>& parts) {
+  for (const auto& p : parts)
+    EXPECT_NE(text.find(p), std::string::npos) << "missing \"" << p << "\" in: " << text;
+}
+
+#define EXPECT_CONFIG_ERROR(j, ...) expect_parts(config_error(j), {__VA_ARGS__})
+
+bool any_warning_has(const Config& c, const std::string& part) {
+  for (const auto& w : c.warnings) {
+    if (w.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+std::string temp_path(const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/zinc_config_test_" + name;
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+// ---------------------------------------------------------------------------
+// Defaults
+
+TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
+  Config c = Config::parse(base());
+  EXPECT_EQ(c.world_size, 1);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.steps_per_print, 10);
+  EXPECT_FALSE(c.wall_clock_breakdown);
+  EXPECT_FALSE(c.bf16);
+  EXPECT_EQ(c.grad_accum_dtype, "fp32");
+  EXPECT_EQ(c.communication_data_type, "");
+  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_TRUE(c.optimizer.bias_correction);
+  EXPECT_EQ(c.scheduler.type, "");
+  EXPECT_EQ(c.zero.stage, 0);
+  EXPECT_FALSE(c.zero.overlap_comm);  // stage 0: DeepSpeed's default is false
+  EXPECT_TRUE(c.zero.contiguous_gradients);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero.offload_optimizer.device, "none");
+  EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
+  EXPECT_EQ(c.zero.offload_param.buffer_count, 5);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 50000000);
+  EXPECT_EQ(c.aio.block_size, 1048576);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 1);
+  EXPECT_TRUE(c.aio.overlap_events);
+  EXPECT_FALSE(c.csv_monitor.enabled);
+  EXPECT_EQ(c.csv_monitor.job_name, "DeepSpeedJobName");
+  EXPECT_EQ(c.model.type, "gpt");
+  EXPECT_EQ(c.data.type, "synthetic");
+  EXPECT_EQ(c.run.steps, 100);
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(ConfigDefaults, OverlapCommDefaultFollowsStageButStage3IsRefusedForNow) {
+  // overlap_comm defaults to (stage == 3); stage 3 itself is refused until
+  // it is implemented, so the reachable default is stage 0's.
+  EXPECT_FALSE(Config::parse(with({{"zero_optimization", {{"stage", 0}}}})).zero.overlap_comm);
+  EXPECT_TRUE(
+      Config::parse(with({{"zero_optimization", {{"stage", 0}, {"overlap_comm", true}}}})).zero.overlap_comm);
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 3}}}}),
+      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc (stage 0 only); set stage 0");
+}
+
+// ---------------------------------------------------------------------------
+// Batch triad
+
+TEST(ConfigBatch, AllThreeConsistent) {
+  Config c = Config::parse(
+      {{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 4}},
+      2);
+  EXPECT_EQ(c.train_batch_size, 32);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_EQ(c.world_size, 2);
+}
+
+TEST(ConfigBatch, AnyTwoGiveTheThird) {
+  Config a = Config::parse({{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 4}}, 2);
+  EXPECT_EQ(a.gradient_accumulation_steps, 4);
+  Config b = Config::parse({{"train_batch_size", 32}, {"gradient_accumulation_steps", 2}}, 2);
+  EXPECT_EQ(b.train_micro_batch_size_per_gpu, 8);
+  Config c = Config::parse({{"train_micro_batch_size_per_gpu", 3}, {"gradient_accumulation_steps", 5}}, 2);
+  EXPECT_EQ(c.train_batch_size, 30);
+}
+
+TEST(ConfigBatch, OneAloneMeansNoAccumulation) {
+  Config a = Config::parse({{"train_batch_size", 16}}, 4);
+  EXPECT_EQ(a.gradient_accumulation_steps, 1);
+  EXPECT_EQ(a.train_micro_batch_size_per_gpu, 4);
+  Config b = Config::parse({{"train_micro_batch_size_per_gpu", 6}}, 2);
+  EXPECT_EQ(b.gradient_accumulation_steps, 1);
+  EXPECT_EQ(b.train_batch_size, 12);
+}
+
+TEST(ConfigBatch, MismatchNamesAllValuesAndWorldSize) {
+  std::string e = config_error(
+      {{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}},
+      2);
+  expect_parts(e, {"train_batch_size", "32", "train_micro_batch_size_per_gpu 4",
+                   "gradient_accumulation_steps 2", "world size 2", "(= 16)"});
+}
+
+TEST(ConfigBatch, RefusesRemaindersMissingValuesAndNonPositive) {
+  expect_parts(config_error({{"train_batch_size", 30}, {"train_micro_batch_size_per_gpu", 4}}, 2),
+               {"train_batch_size: 30 is not divisible by", "(= 8)"});
+  expect_parts(config_error({{"train_batch_size", 9}}, 2),
+               {"train_batch_size: 9 is not divisible by world size 2"});
+  expect_parts(config_error({{"gradient_accumulation_steps", 4}}),
+               {"gradient_accumulation_steps:", "train_batch_size or train_micro_batch_size_per_gpu"});
+  expect_parts(config_error(json::object()), {"train_batch_size: missing"});
+  expect_parts(config_error({{"train_batch_size", 0}}), {"train_batch_size: must be >= 1, got 0"});
+  expect_parts(config_error({{"train_micro_batch_size_per_gpu", 2.5}}),
+               {"train_micro_batch_size_per_gpu: expected an integer, got 2.5"});
+}
+
+// ---------------------------------------------------------------------------
+// Bad configs: each names the path and the rule.
+
+TEST(ConfigErrors, WrongTypesShowTheValue) {
+  EXPECT_CONFIG_ERROR(with({{"gradient_clipping", "abc"}}),
+                      "gradient_clipping: expected a number, got \"abc\"");
+  EXPECT_CONFIG_ERROR(with({{"wall_clock_breakdown", 1}}),
+                      "wall_clock_breakdown: expected true or false, got 1");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"steps", 2.5}}}}), "run.steps: expected an integer, got 2.5");
+  EXPECT_CONFIG_ERROR(with({{"bf16", {{"enabled", "auto"}}}}),
+                      "bf16.enabled: expected true or false, got \"auto\"", "placeholder");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", 7}}), "zero_optimization: expected an object, got 7");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"betas", 0.9}}}}}}),
+                      "optimizer.params.betas: expected a list of two numbers");
+}
+
+TEST(ConfigErrors, TopLevelMustBeAnObject) {
+  EXPECT_CONFIG_ERROR(json::array({1, 2}), "top level", "JSON object");
+}
+
+TEST(ConfigErrors, OutOfRange) {
+  EXPECT_CONFIG_ERROR(with({{"gradient_clipping", -1}}), "gradient_clipping: must be >= 0, got -1");
+  EXPECT_CONFIG_ERROR(with({{"steps_per_print", 0}}), "steps_per_print: must be >= 1, got 0");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"offload_optimizer", {{"buffer_count", 1}}}}}}),
+                      "zero_optimization.offload_optimizer.buffer_count: must be >= 2, got 1");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"betas", {0.9, 1.0}}}}}}}),
+                      "optimizer.params.betas[1]: must be in [0, 1), got 1.0");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0}}}}}}),
+                      "optimizer.params.lr: must be > 0, got 0");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 4}}}}),
+                      "zero_optimization.stage: must be in [0, 3], got 4");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"vocab_size", 1}}}}), "data.vocab_size: must be in [2, 65536], got 1");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"eval_fraction", 1.0}}}}),
+                      "data.eval_fraction: must be in [0, 1), got 1.0");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"reduce_bucket_size", 5.5e8 + 0.5}}}}),
+                      "zero_optimization.reduce_bucket_size: expected an integer");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", 1000}}}}), "aio.block_size: must be >= 4096, got 1000");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", 6000}}}}), "aio.block_size: must be a multiple of 4096");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"seed", -1}}}}), "data.seed: must be >= 0, got -1");
+}
+
+TEST(ConfigErrors, UnknownKeysSuggestTheNearestKnownKey) {
+  EXPECT_CONFIG_ERROR(with({{"gradient_clipings", 1.0}}),
+                      "gradient_clipings: unknown key (did you mean 'gradient_clipping'?)");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"offload_optimizer", {{"buffer_cout", 4}}}}}}),
+      "zero_optimization.offload_optimizer.buffer_cout: unknown key (did you mean 'buffer_count'?)");
+  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_step", 10}}}}}}),
+                      "scheduler.params.warmup_num_step: unknown key (did you mean 'warmup_num_steps'?)");
+  // Nothing close: small sections list what they accept.
+  EXPECT_CONFIG_ERROR(with({{"run", {{"zzzzzzzz", 1}}}}),
+                      "run.zzzzzzzz: unknown key; known keys here:", "steps");
+  // DeepSpeed splits the offload keys: ratio is not an offload_param key.
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"offload_param", {{"ratio", 0.5}}}}}}),
+                      "zero_optimization.offload_param.ratio: unknown key");
+}
+
+TEST(ConfigErrors, AliasAndNameBothSet) {
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"prefetch_bucket_size", 10}, {"stage3_prefetch_bucket_size", 20}}}}),
+      "zero_optimization.prefetch_bucket_size: set twice", "alias 'stage3_prefetch_bucket_size'");
+}
+
+TEST(ConfigErrors, PrecisionModes) {
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}}}}),
+                      "fp16.enabled: fp16 is not supported on the CPU build",
+                      "\"bf16\": {\"enabled\": true}");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}}}, {"bf16", {{"enabled", true}}}}),
+                      "fp16.enabled: fp16 and bf16 cannot both be enabled");
+  EXPECT_CONFIG_ERROR(with({{"amp", {{"enabled", true}, {"opt_level", "O1"}}}}), "amp.enabled:", "bf16");
+  EXPECT_CONFIG_ERROR(with({{"data_types", {{"grad_accum_dtype", "bf16"}}}}),
+                      "data_types.grad_accum_dtype: \"bf16\" is not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"communication_data_type", "fp16"}}),
+                      "communication_data_type: \"fp16\" is not supported on the CPU build");
+  EXPECT_CONFIG_ERROR(with({{"bf16", {{"enabled", true}, {"bf16_master_weights_and_grads", true}}}}),
+                      "bf16.bf16_master_weights_and_grads: not implemented in zinc");
+}
+
+TEST(ConfigErrors, ZeroStagesAndOffload) {
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 1}}}}),
+      "zero_optimization.stage: ZeRO stage 1 is not implemented yet in zinc (stage 0 only); set stage 0");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 2}, {"offload_param", {{"device", "cpu"}}}}}}),
+                      "zero_optimization.offload_param: parameter offload needs ZeRO stage 3", "got stage 2");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
+                      "zero_optimization.offload_param.nvme_path: required for device \"nvme\"");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}}}),
+      "zero_optimization.offload_optimizer.device: offload to \"cpu\" is not implemented yet");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"ratio", 0.5}}}}}}),
+      "zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs ZeRO stage 3");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"offload_optimizer", {{"device", "disk"}}}}}}),
+      "zero_optimization.offload_optimizer.device: must be one of none, cpu, nvme, got \"disk\"");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"zero_quantized_gradients", true}}}}),
+                      "zero_optimization.zero_quantized_gradients: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}}),
+                      "zero_optimization.zero_hpz_partition_size: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"use_gds", true}}}}), "aio.use_gds: not implemented in zinc", "GPU");
+}
+
+TEST(ConfigErrors, OptimizerAndScheduler) {
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lamb"}}}}),
+                      "optimizer.type: \"Lamb\" is not implemented in zinc; supported: Adam, AdamW");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),
+                      "optimizer.params.amsgrad: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(
+      with({{"scheduler", {{"type", "WarmupDecayLR"}, {"params", {{"warmup_num_steps", 10}}}}}}),
+      "scheduler.params.total_num_steps: required for WarmupDecayLR");
+  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "OneCycle"}, {"params", json::object()}}}}),
+                      "scheduler.type: \"OneCycle\" is not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "WarmupCosine"}}}}),
+                      "scheduler.type: must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR",
+                      "(did you mean 'WarmupCosineLR'?)");
+  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_type", "cosine"}}}}}}),
+                      "scheduler.params.warmup_type: must be one of log, linear, got \"cosine\"");
+  EXPECT_CONFIG_ERROR(
+      with({{"scheduler",
+             {{"type", "WarmupCosineLR"}, {"params", {{"total_num_steps", 10}, {"warmup_max_lr", 1}}}}}}),
+      "scheduler.params.warmup_max_lr: not a WarmupCosineLR parameter");
+}
+
+TEST(ConfigErrors, UnimplementedFeaturesThatChangeTheResult) {
+  EXPECT_CONFIG_ERROR(with({{"sparse_gradients", true}}), "sparse_gradients: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"elasticity", {{"enabled", true}, {"max_train_batch_size", 64}}}}),
+                      "elasticity: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"progressive_layer_drop", {{"enabled", true}}}}),
+                      "progressive_layer_drop: not implemented");
+  // Disabled, they are fine.
+  EXPECT_NO_THROW(Config::parse(with({{"sparse_gradients", false}, {"elasticity", {{"enabled", false}}}})));
+}
+
+TEST(ConfigErrors, ZincSections) {
+  EXPECT_CONFIG_ERROR(with({{"model", {{"n_embd", 100}, {"n_head", 3}}}}),
+                      "model.n_embd: must be divisible by n_head 3, got 100");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"block_size", 64}}}, {"data", {{"seq_len", 128}}}}),
+                      "model.block_size: must be >= data.seq_len 128, got 64");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"type", "text"}}}}), "data.path: required for type \"text\"");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"type", "csv"}}}}),
+                      "data.type: must be one of synthetic, text, tokens");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"type", "gtp"}}}}),
+                      "model.type: must be one of gpt, mlp, got \"gtp\"", "did you mean 'gpt'");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"vocab_size", 32}}}, {"data", {{"vocab_size", 64}}}}),
+                      "model.vocab_size: must be >= the data's vocabulary 64");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"output_dir", ""}}}}), "run.output_dir: must not be empty");
+  // mlp does not care about heads.
+  EXPECT_NO_THROW(Config::parse(with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}})));
+}
+
+TEST(ConfigErrors, ValidateChecksConfigsBuiltInCode) {
+  Config c;  // triad unset
+  expect_parts(
+      [&] {
+        try {
+          c.validate();
+        } catch (const ConfigError& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }(),
+      {"train_batch_size", "does not multiply out"});
+}
+
+// ---------------------------------------------------------------------------
+// Accepted DeepSpeed spellings
+
+TEST(ConfigAccepts, DeepSpeedSpellingsAndForms) {
+  Config c = Config::parse(with({
+      {"bfloat16", {{"enabled", true}}},
+      {"optimizer",
+       {{"type", "adamw"},
+        {"params", {{"lr", 3e-4}, {"betas", {0.8, 0.95}}, {"weight_decay", 0.1}, {"torch_adam", true}}}}},
+      {"zero_optimization",
+       {{"stage", 0},
+        {"reduce_bucket_size", 5e8},
+        {"stage3_prefetch_bucket_size", 2e7},
+        {"stage3_param_persistence_threshold", 1e4},
+        {"offload_optimizer", nullptr}}},
+      {"aio", {{"thread_count", 2}, {"block_size", 262144}}},
+      {"csv_monitor", {{"enabled", true}, {"output_path", "out/"}, {"job_name", "j"}}},
+      {"communication_data_type", "bf16"},
+      {"data_types", {{"grad_accum_dtype", "fp32"}}},
+      {"fp16", {{"enabled", false}, {"loss_scale", 0}, {"initial_scale_power", 16}}},
+  }));
+  EXPECT_TRUE(c.bf16);
+  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 20000000);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 10000);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 2);
+  EXPECT_TRUE(c.csv_monitor.enabled);
+  EXPECT_EQ(c.csv_monitor.output_path, "out/");
+  EXPECT_EQ(c.communication_data_type, "bf16");
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(ConfigAccepts, AdamWModeFollowsTheType) {
+  Config adam =
+      Config::parse(with({{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}}));
+  EXPECT_EQ(adam.optimizer.type, "Adam");
+  EXPECT_FALSE(adam.optimizer.adam_w_mode);
+  EXPECT_TRUE(Config::parse(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam_w_mode);
+  Config adamw =
+      Config::parse(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"adam_w_mode", false}}}}}}));
+  EXPECT_TRUE(adamw.optimizer.adam_w_mode);
+  EXPECT_TRUE(any_warning_has(adamw, "optimizer.params.adam_w_mode"));
+}
+
+TEST(ConfigAccepts, Schedulers) {
+  Config w = Config::parse(with({{"scheduler",
+                                  {{"type", "WarmupLR"},
+                                   {"params",
+                                    {{"warmup_min_lr", 0},
+                                     {"warmup_max_lr", 0.01},
+                                     {"warmup_num_steps", 50},
+                                     {"warmup_type", "linear"}}}}}}));
+  EXPECT_EQ(w.scheduler.type, "WarmupLR");
+  EXPECT_DOUBLE_EQ(w.scheduler.warmup_max_lr, 0.01);
+  EXPECT_EQ(w.scheduler.warmup_num_steps, 50);
+  EXPECT_EQ(w.scheduler.warmup_type, "linear");
+  Config cos = Config::parse(with({{"scheduler",
+                                    {{"type", "WarmupCosineLR"},
+                                     {"params",
+                                      {{"total_num_steps", 1000},
+                                       {"warmup_min_ratio", 0.1},
+                                       {"cos_min_ratio", 0.01},
+                                       {"warmup_num_steps", 0},
+                                       {"last_batch_iteration", -1}}}}}}));
+  EXPECT_EQ(cos.scheduler.total_num_steps, 1000);
+  EXPECT_DOUBLE_EQ(cos.scheduler.warmup_min_ratio, 0.1);
+  EXPECT_DOUBLE_EQ(cos.scheduler.cos_min_ratio, 0.01);
+  EXPECT_EQ(cos.scheduler.warmup_num_steps, 0);
+  EXPECT_TRUE(cos.warnings.empty());
+}
+
+// ---------------------------------------------------------------------------
+// Warnings: known DeepSpeed keys that zinc ignores, logged and recorded.
+
+TEST(ConfigWarnings, IgnoredFeaturesAreRecorded) {
+  Config c = Config::parse(with({{"tensorboard", {{"enabled", true}, {"output_path", "tb/"}}}}));
+  ASSERT_EQ(c.warnings.size(), 1u);
+  expect_parts(c.warnings[0], {"tensorboard.enabled", "ignored: not implemented in zinc"});
+
+  Config off = Config::parse(with({{"tensorboard", {{"enabled", false}}}, {"wandb", {{"enabled", false}}}}));
+  EXPECT_TRUE(off.warnings.empty());
+
+  Config many = Config::parse(with({{"prescale_gradients", true},
+                                    {"gradient_predivide_factor", 2.0},
+                                    {"flops_profiler", {{"enabled", true}}},
+                                    {"zero_optimization", {{"load_from_fp32_weights", false}}},
+                                    {"bf16", {{"enabled", true}, {"immediate_grad_update", true}}}}));
+  EXPECT_TRUE(any_warning_has(many, "prescale_gradients: ignored"));
+  EXPECT_TRUE(any_warning_has(many, "gradient_predivide_factor: ignored"));
+  EXPECT_TRUE(any_warning_has(many, "flops_profiler: ignored"));
+  EXPECT_TRUE(any_warning_has(many, "zero_optimization.load_from_fp32_weights: ignored"));
+  EXPECT_TRUE(any_warning_has(many, "bf16.immediate_grad_update: ignored"));
+}
+
+TEST(ConfigWarnings, ScheduleShorterThanWarmup) {
+  Config c = Config::parse(with(
+      {{"scheduler",
+        {{"type", "WarmupDecayLR"}, {"params", {{"total_num_steps", 10}, {"warmup_num_steps", 100}}}}}}));
+  EXPECT_TRUE(any_warning_has(c, "scheduler.params.total_num_steps: 10 is less than warmup_num_steps 100"));
+}
+
+// ---------------------------------------------------------------------------
+// Files
+
+TEST(ConfigLoad, ReadsAFile) {
+  std::string path = temp_path("ok.json");
+  write_file(path,
+             R"({"train_batch_size": 16, "gradient_accumulation_steps": 2, "bf16": {"enabled": true}})");
+  Config c = Config::load(path, 2);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_TRUE(c.bf16);
+  std::remove(path.c_str());
+}
+
+TEST(ConfigLoad, EveryShippedConfigParses) {
+  // configs/ sits two folders above this file.
+  std::filesystem::path dir =
+      std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "configs";
+  if (!std::filesystem::is_directory(dir)) GTEST_SKIP() << "no configs/ folder at " << dir;
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".json") continue;
+    SCOPED_TRACE(entry.path().string());
+    EXPECT_NO_THROW({
+      Config c = Config::load(entry.path().string(), 1);
+      EXPECT_TRUE(c.warnings.empty()) << c.warnings.front();
+    });
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+}
+
+TEST(ConfigLoad, MissingFileIsAnIoErrorNamingThePath) {
+  std::string path = temp_path("does_not_exist.json");
+  try {
+    Config::load(path);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    expect_parts(e.what(), {path, "No such file"});
+  }
+}
+
+TEST(ConfigLoad, SyntaxErrorNamesFileAndLine) {
+  std::string path = temp_path("bad.json");
+  write_file(path, "{\n  \"train_batch_size\": 8,\n  \"bf16\": {\"enabled\": tru}\n}\n");
+  try {
+    Config::load(path);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    expect_parts(e.what(), {path, "JSON syntax error at line 3"});
+  }
+  std::remove(path.c_str());
+}
+
+TEST(ConfigLoad, DuplicateKeysAreRefused) {
+  std::string path = temp_path("dup.json");
+  write_file(path, R"({"train_batch_size": 8, "zero_optimization": {"stage": 0, "stage": 1}})");
+  try {
+    Config::load(path);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    expect_parts(e.what(), {path, "duplicate key 'stage'"});
+  }
+  std::remove(path.c_str());
+}
+
+// ---------------------------------------------------------------------------
+// --set overrides
+
+TEST(ConfigOverride, ParsesJsonValuesAndBareWords) {
+  json j = base();
+  apply_override(j, "optimizer.params.lr=3e-4");
+  apply_override(j, "optimizer.type=AdamW");
+  apply_override(j, "bf16.enabled=true");
+  apply_override(j, "optimizer.params.betas=[0.8,0.9]");
+  apply_override(j, "run.output_dir=runs/a=b");
+  EXPECT_DOUBLE_EQ(j["optimizer"]["params"]["lr"].get<double>(), 3e-4);
+  EXPECT_EQ(j["optimizer"]["type"], "AdamW");
+  EXPECT_EQ(j["bf16"]["enabled"], true);
+  EXPECT_EQ(j["run"]["output_dir"], "runs/a=b");
+  apply_override(j, "optimizer.params.betas.1=0.95");
+  EXPECT_DOUBLE_EQ(j["optimizer"]["params"]["betas"][1].get<double>(), 0.95);
+  Config c = Config::parse(j);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_TRUE(c.bf16);
+}
+
+TEST(ConfigOverride, MalformedAssignmentsAreErrors) {
+  json j = base();
+  auto error_of = [&](const std::string& a) {
+    try {
+      apply_override(j, a);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "expected a ConfigError for " << a;
+    return std::string();
+  };
+  expect_parts(error_of("optimizer.type"), {"optimizer.type", "key.path=value"});
+  expect_parts(error_of("a..b=1"), {"empty component"});
+  expect_parts(error_of("train_micro_batch_size_per_gpu.x=1"),
+               {"train_micro_batch_size_per_gpu", "not an object"});
+  apply_override(j, "list=[1,2]");
+  expect_parts(error_of("list.5=3"), {"list.5", "out of range"});
+  expect_parts(error_of("list.x=3"), {"list.x", "index it with a number"});
+}
+
+TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
+  json j = base();
+  apply_override(j, "zero_optimization.stage=1");
+  EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: ZeRO stage 1 is not implemented yet");
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(DidYouMean, NearestWithinTheThreshold) {
+  std::vector<std::string> keys = {"steps_per_print", "gradient_clipping", "train_batch_size"};
+  EXPECT_EQ(did_you_mean("stpes_per_print", keys), "steps_per_print");
+  EXPECT_EQ(did_you_mean("Gradient_Clipping", keys), "gradient_clipping");
+  EXPECT_EQ(did_you_mean("optimizer", keys), "");
+  EXPECT_EQ(did_you_mean("x", {}), "");
+}
+
+}  // namespace
+}  // namespace zinc

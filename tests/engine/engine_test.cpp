@@ -1,0 +1,332 @@
+// Engine behaviour on one rank: the step arithmetic (norm, clipping,
+// accumulation, skipping) on a toy model whose gradient is known exactly, and
+// accumulation equivalence on the built-in models.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "engine/engine.h"
+#include "models/models.h"
+
+namespace zinc {
+namespace {
+
+// loss = 0.5 * sum_j (p_j - t_j)^2 over all parameters, with targets t_j
+// derived from the batch's first tokens, so the gradient p - t is known.
+class ToyModel final : public Model {
+ public:
+  ToyModel() {
+    specs_.push_back({"a", {{"w", {5}}}});
+    specs_.push_back({"b", {{"u", {3, 2}}, {"bias", {1}, Init::kOnes}}});
+  }
+  std::string name() const override { return "toy"; }
+  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  static float target(const Batch& b, int64_t j) {
+    return 0.1f * static_cast<float>(b.inputs[static_cast<size_t>(j) % b.inputs.size()] % 7);
+  }
+  float forward(StepContext& ctx, const Batch& batch) override {
+    last_ = batch;
+    double loss = 0;
+    int64_t j = 0;
+    for (int blk = 0; blk < 2; ++blk) {
+      BlockParams p = ctx.acquire(blk);
+      for (size_t i = 0; i < specs_[blk].params.size(); ++i)
+        for (int64_t k = 0; k < p.layout->numels[i]; ++k, ++j) {
+          double d = p[static_cast<int>(i)].at(k) - target(batch, j);
+          loss += 0.5 * d * d;
+        }
+      ctx.release(blk);
+    }
+    return static_cast<float>(loss);
+  }
+  void backward(StepContext& ctx, float scale) override {
+    int64_t j = 0;
+    std::vector<std::pair<float*, float>> updates;
+    for (int blk = 0; blk < 2; ++blk) {
+      BlockParams p = ctx.acquire(blk);
+      BlockGrads g = ctx.grads(blk);
+      for (size_t i = 0; i < specs_[blk].params.size(); ++i)
+        for (int64_t k = 0; k < p.layout->numels[i]; ++k, ++j) {
+          float grad = scale * (p[static_cast<int>(i)].at(k) - target(last_, j));
+          if (poison_) grad = std::numeric_limits<float>::quiet_NaN();
+          g[static_cast<int>(i)][k] += grad;
+        }
+      ctx.release(blk);
+    }
+    if (report_twice_) ctx.grads_ready(1);
+    ctx.grads_ready(1);
+    ctx.grads_ready(0);
+  }
+  bool poison_ = false;
+  bool report_twice_ = false;
+
+ private:
+  std::vector<BlockSpec> specs_;
+  Batch last_;
+};
+
+Batch toy_batch(int32_t first) {
+  Batch b;
+  b.B = 1;
+  b.T = 11;
+  for (int32_t i = 0; i < 11; ++i) {
+    b.inputs.push_back(first + 3 * i);
+    b.targets.push_back(0);
+  }
+  return b;
+}
+
+// All parameters of an engine, in block order (padding included).
+std::vector<float> params_of(const Engine& e, int blocks) {
+  std::vector<float> out;
+  for (int b = 0; b < blocks; ++b) {
+    auto s = e.master_params(b);
+    out.insert(out.end(), s.begin(), s.end());
+  }
+  return out;
+}
+
+// The toy's parameters and mean targets, in the same order as params_of
+// without padding, for checking gradients by hand.
+struct ToyState {
+  std::vector<float> p, mean_t;
+};
+ToyState toy_state(const Engine& e, const std::vector<Batch>& micro) {
+  ToyState s;
+  int64_t j = 0;
+  for (int blk = 0; blk < 2; ++blk) {
+    auto m = e.master_params(blk);
+    BlockLayout l = BlockLayout::from_spec(const_cast<Engine&>(e).model().blocks()[blk]);
+    for (size_t i = 0; i < l.offsets.size(); ++i)
+      for (int64_t k = 0; k < l.numels[i]; ++k, ++j) {
+        s.p.push_back(m[static_cast<size_t>(l.offsets[i] + k)]);
+        double t = 0;
+        for (const Batch& b : micro) t += ToyModel::target(b, j);
+        s.mean_t.push_back(static_cast<float>(t / static_cast<double>(micro.size())));
+      }
+  }
+  return s;
+}
+
+nlohmann::json toy_config() {
+  // beta1 = beta2 = 0, no bias correction and a huge eps make Adam's update
+  // -lr/eps * g * (1 - O(|g|/eps)), i.e. proportional to the scaled gradient:
+  // the step then shows exactly what the engine fed the optimizer.
+  return {{"train_micro_batch_size_per_gpu", 1},
+          {"gradient_accumulation_steps", 1},
+          {"gradient_clipping", 0.0},
+          {"optimizer",
+           {{"type", "Adam"},
+            {"params",
+             {{"lr", 1e6}, {"eps", 1e6}, {"betas", {0.0, 0.0}}, {"bias_correction", false}, {"weight_decay", 0.0}}}}}};
+}
+
+double norm_of(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+  return std::sqrt(s);
+}
+
+TEST(EngineStep, ReportsPreClipNormAndAppliesTheGradient) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, toy_config());
+  Batch b = toy_batch(1);
+  ToyState before = toy_state(e, {b});
+  e.forward(b);
+  e.backward();
+  EXPECT_TRUE(e.is_gradient_accumulation_boundary());
+  e.step();
+  EXPECT_EQ(e.global_steps(), 1);
+  EXPECT_NEAR(e.global_grad_norm(), norm_of(before.p, before.mean_t), 1e-5);
+  ToyState after = toy_state(e, {b});
+  for (size_t i = 0; i < before.p.size(); ++i)
+    EXPECT_NEAR(after.p[i] - before.p[i], -(before.p[i] - before.mean_t[i]), 2e-5) << i;
+}
+
+TEST(EngineStep, ClippingScalesTheGradientByMaxNormOverNorm) {
+  nlohmann::json cfg = toy_config();
+  cfg["gradient_clipping"] = 0.05;
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, cfg);
+  Batch b = toy_batch(4);
+  ToyState before = toy_state(e, {b});
+  const double norm = norm_of(before.p, before.mean_t);
+  ASSERT_GT(norm, 0.05);
+  e.forward(b);
+  e.backward();
+  e.step();
+  EXPECT_NEAR(e.global_grad_norm(), norm, 1e-5);  // reported before clipping
+  const double coef = 0.05 / (norm + 1e-6);
+  ToyState after = toy_state(e, {b});
+  for (size_t i = 0; i < before.p.size(); ++i)
+    EXPECT_NEAR(after.p[i] - before.p[i], -coef * (before.p[i] - before.mean_t[i]), 1e-6) << i;
+  EXPECT_NEAR(norm_of(after.p, before.p), 0.05, 1e-5);  // the step has exactly the clip norm
+}
+
+TEST(EngineStep, AccumulationAveragesMicroBatchesAndStepsOnlyAtTheBoundary) {
+  nlohmann::json cfg = toy_config();
+  cfg["gradient_accumulation_steps"] = 3;
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, cfg);
+  std::vector<Batch> micro = {toy_batch(1), toy_batch(2), toy_batch(5)};
+  ToyState before = toy_state(e, micro);
+  for (int i = 0; i < 3; ++i) {
+    e.forward(micro[i]);
+    e.backward();
+    EXPECT_EQ(e.is_gradient_accumulation_boundary(), i == 2);
+    e.step();
+    EXPECT_EQ(e.global_steps(), i == 2 ? 1 : 0);
+  }
+  EXPECT_NEAR(e.global_grad_norm(), norm_of(before.p, before.mean_t), 1e-5);
+  ToyState after = toy_state(e, micro);
+  for (size_t i = 0; i < before.p.size(); ++i)
+    EXPECT_NEAR(after.p[i] - before.p[i], -(before.p[i] - before.mean_t[i]), 2e-5) << i;
+}
+
+TEST(EngineStep, NonFiniteGradientSkipsTheUpdate) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, toy_config());
+  std::vector<float> before = params_of(e, 2);
+  model->poison_ = true;
+  e.forward(toy_batch(1));
+  e.backward();
+  e.step();
+  EXPECT_EQ(e.skipped_steps(), 1);
+  EXPECT_FALSE(std::isfinite(e.global_grad_norm()));
+  EXPECT_EQ(params_of(e, 2), before);
+  // The next good step works from clean gradients.
+  model->poison_ = false;
+  e.forward(toy_batch(1));
+  e.backward();
+  e.step();
+  EXPECT_TRUE(std::isfinite(e.global_grad_norm()));
+  EXPECT_NE(params_of(e, 2), before);
+}
+
+TEST(EngineProtocol, MisuseIsAnErrorNotACrash) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, toy_config());
+  EXPECT_THROW(e.backward(), Error);  // no forward yet
+  Batch bad = toy_batch(1);
+  bad.targets.pop_back();
+  EXPECT_THROW(e.forward(bad), Error);
+  model->report_twice_ = true;
+  e.forward(toy_batch(1));
+  EXPECT_THROW(e.backward(), Error);
+  EXPECT_THROW(Engine::initialize(nullptr, toy_config()), Error);
+}
+
+TEST(EngineSchedule, LearningRateFollowsTheScheduleFromTheFirstStep) {
+  nlohmann::json cfg = toy_config();
+  cfg["optimizer"]["params"]["lr"] = 0.5;
+  cfg["scheduler"] = {{"type", "WarmupLR"},
+                      {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.5}, {"warmup_num_steps", 4},
+                                  {"warmup_type", "linear"}}}};
+  Engine e = Engine::initialize(std::make_shared<ToyModel>(), cfg);
+  std::vector<double> seen;
+  for (int s = 0; s < 6; ++s) {
+    e.forward(toy_batch(s));
+    e.backward();
+    e.step();
+    seen.push_back(e.learning_rate());
+  }
+  std::vector<double> expect = {0.0, 0.125, 0.25, 0.375, 0.5, 0.5};
+  for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(seen[i], expect[i], 1e-12) << i;
+}
+
+// ---- built-in models: k micro-batches of b == one batch of k*b ---------------
+
+struct BuiltModel {
+  std::shared_ptr<Model> model;
+};
+
+std::shared_ptr<Model> tiny_gpt() {
+  models::GptConfig g;
+  g.vocab_size = 13;
+  g.block_size = 9;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 12;
+  return models::make_gpt(g);
+}
+std::shared_ptr<Model> tiny_mlp() {
+  models::MlpConfig m;
+  m.vocab_size = 13;
+  m.context = 3;
+  m.n_embd = 6;
+  m.hidden = 20;
+  m.n_layer = 2;
+  return models::make_mlp(m);
+}
+
+std::vector<float> train_steps(std::shared_ptr<Model> model, int64_t micro, int64_t gas, bool bf16,
+                               int steps, std::vector<float>* losses = nullptr, double determinism = 0.8) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
+                        {"gradient_accumulation_steps", gas},
+                        {"gradient_clipping", 1.0},
+                        {"bf16", {{"enabled", bf16}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  Engine e = Engine::initialize(model, cfg);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  dc.determinism = determinism;
+  std::shared_ptr<const DataSource> src = make_data_source(dc);
+  DataLoader loader(src, micro, gas, 1, 0, 7);
+  for (int s = 0; s < steps; ++s) {
+    float l = e.train_batch(loader);
+    if (losses) losses->push_back(l);
+  }
+  return params_of(e, static_cast<int>(model->blocks().size()));
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
+  EXPECT_LT(worst, tol);
+}
+
+TEST(EngineAccumulation, GptFourMicroBatchesOfTwoEqualOneBatchOfEight) {
+  // The two runs differ only in how matmuls split the batch dimension, so
+  // the weights agree to fp32 rounding after several Adam steps.
+  std::vector<float> l1, l2;
+  auto a = train_steps(tiny_gpt(), 2, 4, false, 5, &l1);
+  auto b = train_steps(tiny_gpt(), 8, 1, false, 5, &l2);
+  expect_close(a, b, 2e-5);
+  for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l1[i], l2[i], 1e-5);
+}
+
+TEST(EngineAccumulation, MlpThreeMicroBatchesOfTwoEqualOneBatchOfSix) {
+  auto a = train_steps(tiny_mlp(), 2, 3, false, 5);
+  auto b = train_steps(tiny_mlp(), 6, 1, false, 5);
+  expect_close(a, b, 2e-5);
+}
+
+TEST(EngineTraining, GptLearnsADeterministicSourceInFp32AndBf16) {
+  // p = 1: every token after the second is a function of the two before, so
+  // the loss must fall from log(13) = 2.56 towards log(13)/9 = 0.28.
+  for (bool bf16 : {false, true}) {
+    std::vector<float> losses;
+    train_steps(tiny_gpt(), 16, 1, bf16, 200, &losses, 1.0);
+    double head = 0, tail = 0;
+    for (int i = 0; i < 10; ++i) {
+      head += losses[static_cast<size_t>(i)] / 10;
+      tail += losses[losses.size() - 1 - static_cast<size_t>(i)] / 10;
+    }
+    EXPECT_GT(head, 2.3) << (bf16 ? "bf16" : "fp32");
+    EXPECT_LT(tail, head - 1.0) << (bf16 ? "bf16" : "fp32");
+  }
+}
+
+TEST(EngineTraining, SameSeedSameWeightsBitForBit) {
+  auto a = train_steps(tiny_gpt(), 4, 2, true, 3);
+  auto b = train_steps(tiny_gpt(), 4, 2, true, 3);
+  EXPECT_EQ(a, b);
+}
+
+}  // namespace
+}  // namespace zinc

@@ -1,0 +1,744 @@
+// Tests for csrc/kernels: every kernel against its scalar reference
+// (kernels/reference.h) on awkward sizes, every backward against central
+// finite differences of the double-precision reference forward.
+//
+// Tolerances, and why:
+// - fp32 kernels vs the double reference: |got - want| <= atol + rtol |want|
+//   with atol, rtol around 1e-5..1e-4: the kernels round to fp32 and sum in a
+//   different order (lanes, blocking); errors grow with the reduction length.
+// - bf16 matmul vs a reference on bf16-ROUNDED inputs: the products of two
+//   bf16 values are exact in fp32, so only fp32 accumulation error remains and
+//   the fp32 tolerance applies.
+// - bf16 attention rounds P (and dS) to bf16 inside, which a reference on
+//   rounded q, k, v does not see: 2^-8 relative per element, so ~2e-2.
+// - Finite differences: the loss L = sum(G * f(x)) is evaluated in double with
+//   the reference forward and h = 1e-4 (truncation ~h^2 |f'''| ~ 1e-8,
+//   round-off ~1e-16/h ~ 1e-12), so the FD gradient is exact to ~1e-7 and the
+//   tolerance is that of the fp32 analytic gradient: atol 1e-4, rtol 1e-3.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/kernels.h"
+#include "kernels/reference.h"
+
+namespace zinc::kernels {
+namespace {
+
+// ---- helpers -------------------------------------------------------------------------
+
+std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+  Rng rng(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(rng.normal()) * scale;
+  return v;
+}
+
+std::vector<int32_t> rand_ints(size_t n, int32_t hi, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(hi)));
+  return v;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
+  return out;
+}
+
+std::vector<float> round_bf16(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(float_to_bf16(v[i]));
+  return out;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+CView view(const std::vector<float>& v) { return {v.data(), DType::kF32}; }
+CView view(const std::vector<bf16>& v) { return {v.data(), DType::kBF16}; }
+
+// A parameter held in one dtype: the view the kernel gets, and the exact fp32
+// values the reference must see.
+struct Param {
+  std::vector<float> f32;  // values as the kernel sees them (bf16-rounded when bf16)
+  std::vector<bf16> b16;
+  DType dtype;
+  Param(std::vector<float> v, DType t) : dtype(t) {
+    if (t == DType::kBF16) {
+      b16 = to_bf16(v);
+      f32 = round_bf16(v);
+    } else {
+      f32 = std::move(v);
+    }
+  }
+  CView view() const { return dtype == DType::kF32 ? CView{f32.data(), dtype} : CView{b16.data(), dtype}; }
+};
+
+template <class W>
+::testing::AssertionResult AllClose(const float* got, const W* want, size_t n, double atol, double rtol) {
+  size_t bad = 0, first = n;
+  double max_err = 0;
+  for (size_t i = 0; i < n; ++i) {
+    double w = static_cast<double>(want[i]);
+    double err = std::fabs(static_cast<double>(got[i]) - w);
+    bool ok = err <= atol + rtol * std::fabs(w) || (std::isnan(w) && std::isnan(got[i]));
+    if (!ok) {
+      if (first == n) first = i;
+      ++bad;
+    }
+    if (err > max_err) max_err = err;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << n << " elements differ; first at " << first
+                                       << ": got " << got[first] << " want " << want[first]
+                                       << " (max abs err " << max_err << ", atol " << atol << ", rtol "
+                                       << rtol << ")";
+}
+
+template <class A, class B>
+::testing::AssertionResult AllClose(const std::vector<A>& got, const std::vector<B>& want, double atol,
+                                    double rtol) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size mismatch";
+  std::vector<float> g(got.begin(), got.end());
+  return AllClose(g.data(), want.data(), got.size(), atol, rtol);
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Central differences of loss(x) with respect to every element of x.
+std::vector<double> fd_grad(std::vector<double>& x, const std::function<double()>& loss, double h = 1e-4) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    double old = x[i];
+    x[i] = old + h;
+    double lp = loss();
+    x[i] = old - h;
+    double lm = loss();
+    x[i] = old;
+    g[i] = (lp - lm) / (2 * h);
+  }
+  return g;
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Runs fn with the OpenMP pool limited to n threads, restoring it afterwards.
+template <class Fn>
+void with_threads(int n, Fn&& fn) {
+  int old = omp_get_max_threads();
+  omp_set_num_threads(n);
+  fn();
+  omp_set_num_threads(old);
+}
+
+constexpr double kFdAtol = 1e-4, kFdRtol = 1e-3;
+
+// ---- matmul ------------------------------------------------------------------------------
+
+struct MmCase {
+  int64_t batch, M, N, K;
+};
+const MmCase kMmCases[] = {{1, 1, 1, 1}, {1, 7, 17, 33}, {1, 33, 7, 17}, {1, 17, 33, 1},
+                           {1, 65, 130, 97}, {3, 7, 17, 33}, {2, 33, 1, 7}};
+
+// Runs the fast matmul with operands in dtypes (ta, tb) and compute `compute`
+// and checks it against the double reference on the values the kernel sees.
+void check_matmul(MatmulDesc d, DType a_dtype, DType b_dtype, uint64_t seed) {
+  const size_t na = d.batch * d.M * d.K, nb = d.batch * d.K * d.N, nc = d.batch * d.M * d.N;
+  auto a = randn(na, seed), b = randn(nb, seed + 1), c0 = randn(nc, seed + 2);
+  // The reference sees the values after the conversion to `compute`.
+  auto a_seen = (a_dtype == DType::kBF16 || d.compute == DType::kBF16) ? round_bf16(a) : a;
+  auto b_seen = (b_dtype == DType::kBF16 || d.compute == DType::kBF16) ? round_bf16(b) : b;
+  auto a16 = to_bf16(a), b16 = to_bf16(b);
+  CView av = a_dtype == DType::kF32 ? view(a) : view(a16);
+  CView bv = b_dtype == DType::kF32 ? view(b) : view(b16);
+  std::vector<float> c = c0;
+  matmul(d, av, bv, c.data());
+  auto ad = to_double(a_seen), bd = to_double(b_seen), cd = to_double(c0);
+  ref::matmul(d, ad.data(), bd.data(), cd.data());
+  EXPECT_TRUE(AllClose(c.data(), cd.data(), nc, 1e-5 * d.K, 1e-5))
+      << "batch=" << d.batch << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << d.trans_a
+      << " tb=" << d.trans_b << " acc=" << d.accumulate << " alpha=" << d.alpha
+      << " compute=" << dtype_name(d.compute);
+}
+
+TEST(Matmul, F32AllTransposeCombosAgreeWithReference) {
+  uint64_t seed = 1;
+  for (const auto& mc : kMmCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        MatmulDesc d{.batch = mc.batch, .M = mc.M, .N = mc.N, .K = mc.K, .trans_a = ta, .trans_b = tb};
+        check_matmul(d, DType::kF32, DType::kF32, seed += 3);
+      }
+}
+
+TEST(Matmul, Bf16TransposedAgreesWithReferenceOnRoundedInputs) {
+  uint64_t seed = 100;
+  for (const auto& mc : kMmCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        MatmulDesc d{.batch = mc.batch, .M = mc.M, .N = mc.N, .K = mc.K, .trans_a = ta, .trans_b = tb,
+                     .compute = DType::kBF16};
+        check_matmul(d, DType::kBF16, DType::kBF16, seed += 3);
+      }
+}
+
+TEST(Matmul, AccumulateAndAlphaAgreeWithReference) {
+  uint64_t seed = 200;
+  for (DType compute : {DType::kF32, DType::kBF16})
+    for (const auto& mc : kMmCases)
+      for (bool ta : {false, true})
+        for (bool tb : {false, true}) {
+          MatmulDesc d{.batch = mc.batch, .M = mc.M, .N = mc.N, .K = mc.K, .trans_a = ta, .trans_b = tb,
+                       .accumulate = true, .alpha = -0.375f, .compute = compute};
+          check_matmul(d, compute, compute, seed += 3);
+          d.accumulate = false;
+          check_matmul(d, compute, compute, seed += 3);
+        }
+}
+
+TEST(Matmul, MixedOperandDtypesAreConvertedToCompute) {
+  MatmulDesc d{.batch = 2, .M = 17, .N = 33, .K = 7, .trans_b = true, .compute = DType::kBF16};
+  check_matmul(d, DType::kF32, DType::kBF16, 300);  // fp32 activations, bf16 weights
+  check_matmul(d, DType::kBF16, DType::kF32, 301);
+  d.compute = DType::kF32;
+  check_matmul(d, DType::kF32, DType::kBF16, 302);  // bf16 weights widened to fp32
+  // Converting fp32 operands to bf16 first gives bit-identical results.
+  auto a = randn(2 * 17 * 7, 303), b = randn(2 * 33 * 7, 304);
+  auto a16 = to_bf16(a), b16 = to_bf16(b);
+  std::vector<float> c1(2 * 17 * 33), c2(c1.size());
+  d.compute = DType::kBF16;
+  matmul(d, view(a), view(b), c1.data());
+  matmul(d, view(a16), view(b16), c2.data());
+  EXPECT_TRUE(BitEqual(c1, c2));
+}
+
+TEST(Matmul, ZeroSizedDimensions) {
+  std::vector<float> c(12, 5.0f), a(12, 1.0f), b(12, 1.0f);
+  // K = 0: the empty product is zero, plus C when accumulating.
+  matmul({.M = 3, .N = 4, .K = 0, .accumulate = true}, view(a), view(b), c.data());
+  EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 5.0f; }));
+  matmul({.M = 3, .N = 4, .K = 0}, view(a), view(b), c.data());
+  EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.0f; }));
+  // M, N or batch = 0: nothing to write.
+  matmul({.M = 0, .N = 4, .K = 3}, view(a), view(b), nullptr);
+  matmul({.M = 3, .N = 0, .K = 3}, view(a), view(b), nullptr);
+  matmul({.batch = 0, .M = 3, .N = 4, .K = 3}, view(a), view(b), nullptr);
+}
+
+TEST(Matmul, ConcurrentCallersShareTheCacheSafely) {
+  // Two threads run the same (cached) primitive on different outputs.
+  MatmulDesc d{.M = 65, .N = 33, .K = 47, .trans_b = true, .compute = DType::kBF16};
+  auto a = randn(65 * 47, 400), b = randn(33 * 47, 401);
+  std::vector<float> want(65 * 33);
+  matmul(d, view(a), view(b), want.data());
+  std::vector<std::vector<float>> got(2, std::vector<float>(want.size()));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t)
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < 20; ++r) matmul(d, view(a), view(b), got[t].data());
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 2; ++t) EXPECT_TRUE(AllClose(got[t], want, 1e-5, 1e-5));
+}
+
+// ---- bias -------------------------------------------------------------------------------
+
+TEST(Bias, AddBiasAgreesWithReference) {
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (auto [M, N] : {std::pair<int64_t, int64_t>{0, 5}, {1, 1}, {7, 17}, {33, 65}, {1000, 33}}) {
+      Param bias(randn(N, 10 + M), dt);
+      auto y = randn(M * N, 20 + N);
+      auto want = to_double(y);
+      auto bd = to_double(bias.f32);
+      add_bias(y.data(), bias.view(), M, N);
+      ref::add_bias(want.data(), bd.data(), M, N);
+      EXPECT_TRUE(AllClose(y.data(), want.data(), y.size(), 1e-6, 1e-6)) << M << "x" << N;
+    }
+}
+
+TEST(Bias, BackwardAccumulatesColumnSums) {
+  for (auto [M, N] : {std::pair<int64_t, int64_t>{0, 5}, {1, 1}, {7, 17}, {33, 65}, {1000, 33}}) {
+    auto dy = randn(M * N, 30 + M);
+    auto db = randn(N, 40 + N);
+    auto want = to_double(db);
+    bias_backward(db.data(), dy.data(), M, N);
+    auto dyd = to_double(dy);
+    ref::bias_backward(want.data(), dyd.data(), M, N);
+    EXPECT_TRUE(AllClose(db.data(), want.data(), N, 1e-5, 1e-6)) << M << "x" << N;
+  }
+}
+
+TEST(Bias, BackwardMatchesFiniteDifferences) {
+  const int64_t M = 7, N = 17;
+  auto x = to_double(randn(M * N, 50)), g = to_double(randn(M * N, 51));
+  auto bias = to_double(randn(N, 52));
+  auto loss = [&] {
+    auto y = x;
+    ref::add_bias(y.data(), bias.data(), M, N);
+    return dot(g, y);
+  };
+  auto fd = fd_grad(bias, loss);
+  std::vector<float> gf(g.begin(), g.end()), db(N, 0.0f);
+  bias_backward(db.data(), gf.data(), M, N);
+  EXPECT_TRUE(AllClose(db.data(), fd.data(), N, kFdAtol, kFdRtol));
+}
+
+// ---- layernorm --------------------------------------------------------------------------
+
+TEST(LayerNorm, ForwardAgreesWithReference) {
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (auto [N, C] : {std::pair<int64_t, int64_t>{0, 7}, {1, 1}, {5, 7}, {3, 17}, {9, 33}, {17, 384}}) {
+      auto x = randn(N * C, 60 + C, 2.0f);
+      for (auto& v : x) v += 3.0f;  // a non-zero mean
+      Param w(randn(C, 61), dt), b(randn(C, 62), dt);
+      std::vector<float> out(N * C), mean(N), rstd(N);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.view(), b.view(), N, C);
+      auto xd = to_double(x), wd = to_double(w.f32), bd = to_double(b.f32);
+      std::vector<double> ro(N * C), rm(N), rr(N);
+      ref::layernorm_forward(ro.data(), rm.data(), rr.data(), xd.data(), wd.data(), bd.data(), N, C);
+      EXPECT_TRUE(AllClose(out.data(), ro.data(), out.size(), 1e-5, 1e-5)) << N << "x" << C;
+      EXPECT_TRUE(AllClose(mean.data(), rm.data(), N, 1e-5, 1e-5));
+      EXPECT_TRUE(AllClose(rstd.data(), rr.data(), N, 1e-5, 1e-4));
+    }
+}
+
+TEST(LayerNorm, ForwardStableForLargeMean) {
+  const int64_t N = 3, C = 33;
+  auto x = randn(N * C, 70, 0.01f);
+  for (auto& v : x) v += 1000.0f;
+  Param w(std::vector<float>(C, 1.0f), DType::kF32), b(std::vector<float>(C, 0.0f), DType::kF32);
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.view(), b.view(), N, C);
+  auto xd = to_double(x), wd = to_double(w.f32), bd = to_double(b.f32);
+  std::vector<double> ro(N * C), rm(N), rr(N);
+  ref::layernorm_forward(ro.data(), rm.data(), rr.data(), xd.data(), wd.data(), bd.data(), N, C);
+  // Inputs near 1000 carry ~6e-5 absolute rounding, i.e. ~1e-2 of a 0.01 std:
+  // this checks the variance does not cancel catastrophically, not precision.
+  EXPECT_TRUE(AllClose(out.data(), ro.data(), out.size(), 2e-2, 2e-2));
+}
+
+TEST(LayerNorm, BackwardAgreesWithReference) {
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (auto [N, C] : {std::pair<int64_t, int64_t>{0, 7}, {1, 1}, {5, 7}, {3, 17}, {9, 33}, {17, 384}}) {
+      auto x = randn(N * C, 80 + C), dout = randn(N * C, 81 + N);
+      Param w(randn(C, 82), dt), b(randn(C, 83), dt);
+      std::vector<float> out(N * C), mean(N), rstd(N);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.view(), b.view(), N, C);
+      auto dx = randn(N * C, 84), dw = randn(C, 85), db = randn(C, 86);  // accumulated into
+      auto rdx = to_double(dx), rdw = to_double(dw), rdb = to_double(db);
+      layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.view(), mean.data(),
+                         rstd.data(), N, C);
+      auto xd = to_double(x), gd = to_double(dout), wd = to_double(w.f32);
+      ref::layernorm_backward(rdx.data(), rdw.data(), rdb.data(), gd.data(), xd.data(), wd.data(), N, C);
+      EXPECT_TRUE(AllClose(dx.data(), rdx.data(), dx.size(), 1e-4, 1e-4)) << N << "x" << C;
+      EXPECT_TRUE(AllClose(dw.data(), rdw.data(), C, 1e-4, 1e-4)) << N << "x" << C;
+      EXPECT_TRUE(AllClose(db.data(), rdb.data(), C, 1e-4, 1e-4)) << N << "x" << C;
+    }
+}
+
+TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
+  const int64_t N = 3, C = 17;
+  auto x = to_double(randn(N * C, 90)), g = to_double(randn(N * C, 91));
+  auto w = to_double(randn(C, 92)), b = to_double(randn(C, 93));
+  auto loss = [&] {
+    std::vector<double> out(N * C), m(N), r(N);
+    ref::layernorm_forward(out.data(), m.data(), r.data(), x.data(), w.data(), b.data(), N, C);
+    return dot(g, out);
+  };
+  auto fdx = fd_grad(x, loss), fdw = fd_grad(w, loss), fdb = fd_grad(b, loss);
+  std::vector<float> xf(x.begin(), x.end()), gf(g.begin(), g.end()), wf(w.begin(), w.end()),
+      bf(b.begin(), b.end());
+  std::vector<float> out(N * C), mean(N), rstd(N), dx(N * C, 0.0f), dw(C, 0.0f), db(C, 0.0f);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), xf.data(), view(wf), view(bf), N, C);
+  layernorm_backward(dx.data(), dw.data(), db.data(), gf.data(), xf.data(), view(wf), mean.data(),
+                     rstd.data(), N, C);
+  EXPECT_TRUE(AllClose(dx.data(), fdx.data(), dx.size(), kFdAtol, kFdRtol));
+  EXPECT_TRUE(AllClose(dw.data(), fdw.data(), C, kFdAtol, kFdRtol));
+  EXPECT_TRUE(AllClose(db.data(), fdb.data(), C, kFdAtol, kFdRtol));
+}
+
+// ---- GELU ----------------------------------------------------------------------------------
+
+std::vector<float> gelu_inputs(size_t n, uint64_t seed) {
+  auto x = randn(n, seed, 3.0f);
+  // Tails and special points where tanh saturates or the cubic dominates.
+  const float special[] = {0.0f, -0.0f, 1e-8f, -1e-8f, 5.0f, -5.0f, 10.0f, -10.0f, 100.0f, -100.0f};
+  for (size_t i = 0; i < std::min<size_t>(n, std::size(special)); ++i) x[i * 7 % n] = special[i];
+  return x;
+}
+
+TEST(Gelu, ForwardAgreesWithReference) {
+  for (size_t n : {0, 1, 7, 17, 33, 100003}) {
+    auto x = gelu_inputs(n, 100 + n);
+    std::vector<float> out(n);
+    gelu_forward(out.data(), x.data(), n);
+    auto xd = to_double(x);
+    std::vector<double> want(n);
+    ref::gelu_forward(want.data(), xd.data(), n);
+    // ~1e-7 absolute from the tanh approximation, plus fp32 rounding of the result.
+    EXPECT_TRUE(AllClose(out.data(), want.data(), n, 1e-6, 1e-6)) << "n=" << n;
+  }
+}
+
+TEST(Gelu, BackwardAgreesWithReference) {
+  for (size_t n : {0, 1, 7, 17, 33, 100003}) {
+    auto x = gelu_inputs(n, 110 + n), dout = randn(n, 111);
+    std::vector<float> dx(n);
+    gelu_backward(dx.data(), x.data(), dout.data(), n);
+    auto xd = to_double(x), gd = to_double(dout);
+    std::vector<double> want(n);
+    ref::gelu_backward(want.data(), xd.data(), gd.data(), n);
+    EXPECT_TRUE(AllClose(dx.data(), want.data(), n, 2e-6, 1e-5)) << "n=" << n;
+  }
+}
+
+TEST(Gelu, BackwardMatchesFiniteDifferences) {
+  const size_t n = 33;
+  auto x = to_double(gelu_inputs(n, 120)), g = to_double(randn(n, 121));
+  auto loss = [&] {
+    std::vector<double> out(n);
+    ref::gelu_forward(out.data(), x.data(), n);
+    return dot(g, out);
+  };
+  auto fd = fd_grad(x, loss);
+  std::vector<float> xf(x.begin(), x.end()), gf(g.begin(), g.end()), dx(n);
+  gelu_backward(dx.data(), xf.data(), gf.data(), n);
+  EXPECT_TRUE(AllClose(dx.data(), fd.data(), n, kFdAtol, kFdRtol));
+}
+
+// ---- cross-entropy ---------------------------------------------------------------------------
+
+TEST(CrossEntropy, LossAndGradientAgreeWithReference) {
+  for (auto [N, V] : {std::pair<int64_t, int64_t>{1, 1}, {7, 17}, {33, 5}, {5, 1000}, {3, 50257}}) {
+    auto logits = randn(N * V, 130 + V, 3.0f);
+    auto tgt = rand_ints(N, static_cast<int32_t>(V), 131 + N);
+    std::vector<float> dl(N * V);
+    double loss = cross_entropy(logits.data(), tgt.data(), N, V, dl.data(), 2.5f);
+    auto ld = to_double(logits);
+    std::vector<double> rdl(N * V);
+    double rloss = ref::cross_entropy(ld.data(), tgt.data(), N, V, rdl.data(), 2.5);
+    EXPECT_NEAR(loss, rloss, 1e-5 * std::max(1.0, std::fabs(rloss))) << N << "x" << V;
+    EXPECT_TRUE(AllClose(dl.data(), rdl.data(), dl.size(), 1e-7, 1e-5)) << N << "x" << V;
+    // Without a gradient buffer only the loss is computed.
+    EXPECT_EQ(cross_entropy(logits.data(), tgt.data(), N, V, nullptr, 2.5f), loss);
+  }
+}
+
+TEST(CrossEntropy, GradientMayAliasLogits) {
+  const int64_t N = 7, V = 33;
+  auto logits = randn(N * V, 140, 2.0f);
+  auto tgt = rand_ints(N, V, 141);
+  std::vector<float> dl(N * V);
+  double l1 = cross_entropy(logits.data(), tgt.data(), N, V, dl.data(), 1.0f);
+  double l2 = cross_entropy(logits.data(), tgt.data(), N, V, logits.data(), 1.0f);
+  EXPECT_EQ(l1, l2);
+  EXPECT_TRUE(BitEqual(dl, logits));
+}
+
+TEST(CrossEntropy, StableForHugeLogits) {
+  const int64_t N = 3, V = 17;
+  auto logits = randn(N * V, 150, 1.0f);
+  for (int64_t i = 0; i < N * V; ++i) logits[i] += (i % 2 ? 3e4f : -3e4f);
+  auto tgt = rand_ints(N, V, 151);
+  std::vector<float> dl(N * V);
+  double loss = cross_entropy(logits.data(), tgt.data(), N, V, dl.data(), 1.0f);
+  auto ld = to_double(logits);
+  std::vector<double> rdl(N * V);
+  double rloss = ref::cross_entropy(ld.data(), tgt.data(), N, V, rdl.data(), 1.0);
+  ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_NEAR(loss, rloss, 1e-3 * std::max(1.0, std::fabs(rloss)));
+  EXPECT_TRUE(AllClose(dl.data(), rdl.data(), dl.size(), 1e-6, 1e-5));
+}
+
+TEST(CrossEntropy, GradientMatchesFiniteDifferences) {
+  const int64_t N = 5, V = 7;
+  auto x = to_double(randn(N * V, 160, 2.0f));
+  auto tgt = rand_ints(N, V, 161);
+  const double s = 3.0;
+  auto loss = [&] { return s * ref::cross_entropy(x.data(), tgt.data(), N, V, (double*)nullptr, 1.0); };
+  auto fd = fd_grad(x, loss);
+  std::vector<float> xf(x.begin(), x.end()), dl(N * V);
+  cross_entropy(xf.data(), tgt.data(), N, V, dl.data(), static_cast<float>(s));
+  EXPECT_TRUE(AllClose(dl.data(), fd.data(), dl.size(), kFdAtol, kFdRtol));
+}
+
+TEST(CrossEntropy, TargetOutsideVocabularyThrowsNamingRow) {
+  const int64_t N = 5, V = 7;
+  auto logits = randn(N * V, 170);
+  for (int32_t bad : {-1, 7, 1000}) {
+    std::vector<int32_t> tgt = {0, 1, 2, bad, 4};
+    try {
+      cross_entropy(logits.data(), tgt.data(), N, V, nullptr, 1.0f);
+      ADD_FAILURE() << "no throw for target " << bad;
+    } catch (const zinc::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("row 3"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// ---- embeddings ------------------------------------------------------------------------------
+
+TEST(Embedding, ForwardAgreesWithReference) {
+  const int64_t B = 3, T = 7, C = 17, V = 33;
+  auto tokens = rand_ints(B * T, V, 180);
+  for (DType te : {DType::kF32, DType::kBF16})
+    for (DType tp : {DType::kF32, DType::kBF16})
+      for (bool with_pos : {true, false}) {
+        Param wte(randn(V * C, 181), te), wpe(randn(T * C, 182), tp);
+        std::vector<float> out(B * T * C);
+        CView pv = with_pos ? wpe.view() : CView{nullptr, tp};
+        embedding_forward(out.data(), tokens.data(), wte.view(), pv, B, T, C, V);
+        auto ed = to_double(wte.f32), pd = to_double(wpe.f32);
+        std::vector<double> want(out.size());
+        ref::embedding_forward(want.data(), tokens.data(), ed.data(), with_pos ? pd.data() : nullptr, B,
+                               T, C);
+        EXPECT_TRUE(AllClose(out.data(), want.data(), out.size(), 0.0, 1e-7));
+      }
+}
+
+TEST(Embedding, BackwardSumsInTokenOrderForAnyThreadCount) {
+  // Many repeats of few tokens, so rows collide.
+  const int64_t B = 4, T = 33, C = 100, V = 5;
+  auto tokens = rand_ints(B * T, V, 190);
+  auto dout = randn(B * T * C, 191);
+  auto dwte0 = randn(V * C, 192), dwpe0 = randn(T * C, 193);
+  // The reference adds the same fp32 values in the same (token) order: bit-equal.
+  auto want_te = dwte0, want_pe = dwpe0;
+  ref::embedding_backward(want_te.data(), want_pe.data(), dout.data(), tokens.data(), B, T, C);
+  for (int nt : {1, 2}) {
+    auto dwte = dwte0, dwpe = dwpe0;
+    with_threads(nt, [&] {
+      embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C, V);
+    });
+    EXPECT_TRUE(BitEqual(dwte, want_te)) << nt << " threads";
+    EXPECT_TRUE(BitEqual(dwpe, want_pe)) << nt << " threads";
+  }
+  auto dwte = dwte0;  // no position table
+  embedding_backward(dwte.data(), nullptr, dout.data(), tokens.data(), B, T, C, V);
+  EXPECT_TRUE(BitEqual(dwte, want_te));
+}
+
+TEST(Embedding, BackwardMatchesFiniteDifferences) {
+  const int64_t B = 2, T = 3, C = 5, V = 4;
+  auto tokens = rand_ints(B * T, V, 200);
+  auto wte = to_double(randn(V * C, 201)), wpe = to_double(randn(T * C, 202));
+  auto g = to_double(randn(B * T * C, 203));
+  auto loss = [&] {
+    std::vector<double> out(B * T * C);
+    ref::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    return dot(g, out);
+  };
+  auto fdte = fd_grad(wte, loss), fdpe = fd_grad(wpe, loss);
+  std::vector<float> gf(g.begin(), g.end()), dwte(V * C, 0.0f), dwpe(T * C, 0.0f);
+  embedding_backward(dwte.data(), dwpe.data(), gf.data(), tokens.data(), B, T, C, V);
+  EXPECT_TRUE(AllClose(dwte.data(), fdte.data(), dwte.size(), kFdAtol, kFdRtol));
+  EXPECT_TRUE(AllClose(dwpe.data(), fdpe.data(), dwpe.size(), kFdAtol, kFdRtol));
+}
+
+TEST(Embedding, TokenOutsideVocabularyThrows) {
+  const int64_t B = 1, T = 3, C = 4, V = 5;
+  std::vector<float> wte(V * C), out(T * C), dwte(V * C);
+  for (int32_t bad : {-1, 5}) {
+    std::vector<int32_t> tokens = {0, bad, 1};
+    EXPECT_THROW(embedding_forward(out.data(), tokens.data(), view(wte), CView{}, B, T, C, V), zinc::Error);
+    EXPECT_THROW(embedding_backward(dwte.data(), nullptr, out.data(), tokens.data(), B, T, C, V),
+                 zinc::Error);
+  }
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+const AttentionShape kAttShapes[] = {{1, 1, 4, 1}, {2, 7, 12, 3}, {1, 17, 16, 2}, {2, 33, 8, 1},
+                                     {1, 65, 64, 2}};
+
+struct Workspace {
+  AttentionWorkspace* ws = attention_workspace_create();
+  ~Workspace() { attention_workspace_destroy(ws); }
+};
+
+void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
+  const size_t n_qkv = s.B * s.T * 3 * s.C, n_out = s.B * s.T * s.C;
+  auto qkv = randn(n_qkv, seed), dout = randn(n_out, seed + 1);
+  // bf16 compute rounds q, k, v (and dout for backward); the reference sees them rounded.
+  auto qkv_seen = compute == DType::kBF16 ? round_bf16(qkv) : qkv;
+  auto dout_seen = compute == DType::kBF16 ? round_bf16(dout) : dout;
+  Workspace w;
+  std::vector<float> out(n_out), dqkv(n_qkv, 123.0f);  // dqkv is written, not accumulated
+  attention_forward(w.ws, out.data(), qkv.data(), s, compute);
+  attention_backward(w.ws, dqkv.data(), dout.data(), qkv.data(), s, compute);
+  auto qd = to_double(qkv_seen), gd = to_double(dout_seen);
+  std::vector<double> rout(n_out), rdqkv(n_qkv);
+  ref::attention_forward(rout.data(), qd.data(), s);
+  ref::attention_backward(rdqkv.data(), gd.data(), qd.data(), s);
+  EXPECT_TRUE(AllClose(out.data(), rout.data(), n_out, tol, tol))
+      << "B=" << s.B << " T=" << s.T << " C=" << s.C << " H=" << s.H << " " << dtype_name(compute);
+  EXPECT_TRUE(AllClose(dqkv.data(), rdqkv.data(), n_qkv, tol, tol))
+      << "B=" << s.B << " T=" << s.T << " C=" << s.C << " H=" << s.H << " " << dtype_name(compute);
+}
+
+TEST(Attention, F32ForwardAndBackwardAgreeWithReference) {
+  uint64_t seed = 300;
+  for (auto s : kAttShapes) check_attention(s, DType::kF32, seed += 2, 1e-4);
+}
+
+TEST(Attention, Bf16ForwardAndBackwardAgreeWithReference) {
+  uint64_t seed = 400;
+  // P and dS are rounded to bf16 inside (2^-9 relative each); summed over up
+  // to T = 65 terms of N(0,1) size values.
+  for (auto s : kAttShapes) check_attention(s, DType::kBF16, seed += 2, 3e-2);
+}
+
+TEST(Attention, BackwardMatchesFiniteDifferences) {
+  const AttentionShape s{2, 5, 6, 2};
+  auto qkv = to_double(randn(s.B * s.T * 3 * s.C, 500));
+  auto g = to_double(randn(s.B * s.T * s.C, 501));
+  auto loss = [&] {
+    std::vector<double> out(s.B * s.T * s.C);
+    ref::attention_forward(out.data(), qkv.data(), s);
+    return dot(g, out);
+  };
+  auto fd = fd_grad(qkv, loss);
+  std::vector<float> qf(qkv.begin(), qkv.end()), gf(g.begin(), g.end()), out(g.size()), dqkv(qkv.size());
+  Workspace w;
+  attention_forward(w.ws, out.data(), qf.data(), s, DType::kF32);
+  attention_backward(w.ws, dqkv.data(), gf.data(), qf.data(), s, DType::kF32);
+  EXPECT_TRUE(AllClose(dqkv.data(), fd.data(), dqkv.size(), kFdAtol, kFdRtol));
+}
+
+TEST(Attention, EachLayerKeepsItsOwnWorkspace) {
+  // Forward of two layers, then backward of the first: the second forward
+  // must not clobber what the first backward needs.
+  const AttentionShape s{2, 17, 16, 2};
+  auto qkv1 = randn(s.B * s.T * 3 * s.C, 600), qkv2 = randn(s.B * s.T * 3 * s.C, 601);
+  auto dout = randn(s.B * s.T * s.C, 602);
+  Workspace w1, w2;
+  std::vector<float> out(dout.size()), dqkv(qkv1.size());
+  attention_forward(w1.ws, out.data(), qkv1.data(), s, DType::kF32);
+  attention_forward(w2.ws, out.data(), qkv2.data(), s, DType::kF32);
+  attention_backward(w1.ws, dqkv.data(), dout.data(), qkv1.data(), s, DType::kF32);
+  auto qd = to_double(qkv1), gd = to_double(dout);
+  std::vector<double> want(qkv1.size());
+  ref::attention_backward(want.data(), gd.data(), qd.data(), s);
+  EXPECT_TRUE(AllClose(dqkv.data(), want.data(), dqkv.size(), 1e-4, 1e-4));
+}
+
+TEST(Attention, BackwardWithoutMatchingForwardThrows) {
+  const AttentionShape s{1, 3, 4, 2};
+  std::vector<float> qkv(s.B * s.T * 3 * s.C), dout(s.B * s.T * s.C), dqkv(qkv.size()), out(dout.size());
+  Workspace w;
+  EXPECT_THROW(attention_backward(w.ws, dqkv.data(), dout.data(), qkv.data(), s, DType::kF32), zinc::Error);
+  attention_forward(w.ws, out.data(), qkv.data(), s, DType::kF32);
+  AttentionShape other = s;
+  other.H = 1;
+  EXPECT_THROW(attention_backward(w.ws, dqkv.data(), dout.data(), qkv.data(), other, DType::kF32),
+               zinc::Error);
+  AttentionShape bad{1, 3, 5, 2};  // C not divisible by H
+  EXPECT_THROW(attention_forward(w.ws, out.data(), qkv.data(), bad, DType::kF32), zinc::Error);
+}
+
+// ---- vector ops ---------------------------------------------------------------------------------
+
+const size_t kVecSizes[] = {0, 1, 7, 17, 33, 100003};
+
+TEST(VectorOps, ElementwiseOpsAgreeWithReference) {
+  for (size_t n : kVecSizes) {
+    auto a = randn(n, 700 + n), b = randn(n, 701 + n);
+    // Same fp32 operations as the reference: bit-equal.
+    auto out = b, want = b;
+    add(out.data(), a.data(), b.data(), n);
+    ref::add(want.data(), a.data(), b.data(), n);
+    EXPECT_TRUE(BitEqual(out, want)) << "add n=" << n;
+    out = a;  // out aliases a
+    add(out.data(), out.data(), b.data(), n);
+    EXPECT_TRUE(BitEqual(out, want)) << "aliased add n=" << n;
+    out = a, want = a;
+    accumulate(out.data(), b.data(), n);
+    ref::accumulate(want.data(), b.data(), n);
+    EXPECT_TRUE(BitEqual(out, want)) << "accumulate n=" << n;
+    out = a, want = a;
+    scale(out.data(), -0.3f, n);
+    ref::scale(want.data(), -0.3f, n);
+    EXPECT_TRUE(BitEqual(out, want)) << "scale n=" << n;
+    out = a, want = a;
+    axpy(out.data(), 1.7f, b.data(), n);
+    ref::axpy(want.data(), 1.7f, b.data(), n);
+    EXPECT_TRUE(BitEqual(out, want)) << "axpy n=" << n;
+  }
+}
+
+TEST(VectorOps, SquaredNormAgreesWithReference) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{17}, size_t{33}, size_t{100003}, size_t{300017}}) {
+    auto x = randn(n, 710 + n);
+    double got = squared_norm(x.data(), n), want = ref::squared_norm(x.data(), n);
+    EXPECT_NEAR(got, want, 1e-12 * std::max(1.0, want)) << "n=" << n;
+  }
+}
+
+TEST(VectorOps, SquaredNormIndependentOfThreadCount) {
+  const size_t n = 3 * 65536 + 17;  // several fixed chunks and a ragged tail
+  auto x = randn(n, 720);
+  double one = 0, two = 0;
+  with_threads(1, [&] { one = squared_norm(x.data(), n); });
+  with_threads(2, [&] { two = squared_norm(x.data(), n); });
+  EXPECT_EQ(std::memcmp(&one, &two, sizeof(double)), 0) << one << " vs " << two;
+}
+
+TEST(VectorOps, AllFiniteDetectsNanAndInf) {
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (size_t n : {size_t{1}, size_t{17}, size_t{200003}}) {
+    auto x = randn(n, 730);
+    EXPECT_TRUE(all_finite(x.data(), n));
+    for (float b : bad)
+      for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+        auto y = x;
+        y[pos] = b;
+        EXPECT_FALSE(all_finite(y.data(), n)) << "n=" << n << " pos=" << pos << " value=" << b;
+      }
+  }
+  EXPECT_TRUE(all_finite(nullptr, 0));
+  const float big = std::numeric_limits<float>::max();
+  EXPECT_TRUE(all_finite(&big, 1));
+}
+
+TEST(Determinism, ParameterGradientsIndependentOfThreadCount) {
+  const int64_t N = 257, C = 100;
+  auto x = randn(N * C, 740), dout = randn(N * C, 741), w = randn(C, 742), b = randn(C, 743);
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), view(w), view(b), N, C);
+  std::vector<std::vector<float>> res[2];
+  for (int nt : {1, 2}) {
+    std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), db(C, 0.0f), dbias(C, 0.0f), dl(N * C);
+    std::vector<int32_t> tgt = rand_ints(N, C, 744);
+    double loss = 0;
+    with_threads(nt, [&] {
+      layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), view(w), mean.data(),
+                         rstd.data(), N, C);
+      bias_backward(dbias.data(), dout.data(), N, C);
+      loss = cross_entropy(x.data(), tgt.data(), N, C, dl.data(), 1.0f);
+    });
+    res[nt - 1] = {dx, dw, db, dbias, dl, {static_cast<float>(loss)}};
+  }
+  for (size_t i = 0; i < res[0].size(); ++i) EXPECT_TRUE(BitEqual(res[0][i], res[1][i])) << "output " << i;
+}
+
+}  // namespace
+}  // namespace zinc::kernels
