@@ -23,6 +23,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "kernels/kernels.h"
+#include "kernels/profile.h"
 #include "tools/experiment.h"
 
 namespace {
@@ -155,6 +156,39 @@ int bench_train_step(bool json, int steps, int rounds, bool bf16) {
     bwd_s.push_back((after.backward_s - before.backward_s) / steps);
     opt_s.push_back((after.step_s - before.step_s) / steps);
   }
+  // One more round with the kernel profile on (kept out of the figures above:
+  // the profile adds a clock read per kernel call) to say where the time goes.
+  zinc::kernels::profile_reset();
+  zinc::kernels::profile_enable(true);
+  zinc::StepTimings pbefore = engine.timings();
+  double tp0 = now_s();
+  for (int s = 0; s < steps; ++s) engine.train_batch(loader);
+  const double profiled_step_s = (now_s() - tp0) / steps;
+  zinc::kernels::profile_enable(false);
+  const double profiled_opt_s = (engine.timings().step_s - pbefore.step_s) / steps;
+  zinc::kernels::ProfileTotals prof = zinc::kernels::profile_read();
+  nlohmann::json breakdown = nlohmann::json::object();
+  double accounted = profiled_opt_s;
+  std::string breakdown_text;
+  for (int i = 0; i < zinc::kernels::kNumOps; ++i) {
+    double per_step = prof.seconds[i] / steps;
+    if (static_cast<zinc::kernels::Op>(i) == zinc::kernels::Op::kVector) continue;  // folded into "other"
+    breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
+    accounted += per_step;
+    char part[96];
+    std::snprintf(part, sizeof part, "%s %.1f%% | ", zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i)),
+                  100 * per_step / profiled_step_s);
+    breakdown_text += part;
+  }
+  breakdown["optimizer"] = profiled_opt_s;
+  breakdown["other"] = profiled_step_s - accounted;
+  {
+    char part[128];
+    std::snprintf(part, sizeof part, "optimizer %.1f%% | other %.1f%%", 100 * profiled_opt_s / profiled_step_s,
+                  100 * (profiled_step_s - accounted) / profiled_step_s);
+    breakdown_text += part;
+  }
+
   const double t_step = median(step_s), t_mm = median(mm_s);
   const double tokens_per_s = static_cast<double>(B * T) / t_step;
   const double model_flops = ex.model->flops_per_token(T) * tokens_per_s;
@@ -173,17 +207,19 @@ int bench_train_step(bool json, int steps, int rounds, bool bf16) {
                          {"optimizer_s", median(opt_s)},
                          {"matmul_bound_s", t_mm},
                          {"threads", zinc::num_threads()},
-                         {"params", engine.num_parameters()}};
-  char buf[1024];
+                         {"params", engine.num_parameters()},
+                         {"breakdown_s", breakdown}};
+  char buf[2048];
   std::snprintf(buf, sizeof buf,
                 "train-step (%s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %d threads)\n"
                 "  figure: %.1f GFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
                 "  bound:  %.1f GFLOP/s oneDNN matmul at the model's shapes (%.3f s for one step's matmuls)\n"
                 "  ratio:  %.3f\n"
-                "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s",
+                "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
+                "  where the time goes (profiled round, share of the step): %s",
                 bf16 ? "bf16" : "fp32", (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9, t_mm,
-                ratio, median(fwd_s), median(bwd_s), median(opt_s));
+                ratio, median(fwd_s), median(bwd_s), median(opt_s), breakdown_text.c_str());
   emit(json, line, buf);
   return 0;
 }

@@ -76,10 +76,10 @@ class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) throw posix_error("open " + path, errno);
+    if (fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
     struct stat st;
     if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
-    if (!S_ISREG(st.st_mode)) throw IoError("open " + path + ": not a regular file");
+    if (!S_ISREG(st.st_mode)) throw IoError("data.path: " + path + " is not a regular file");
     size_ = static_cast<int64_t>(st.st_size);
     if (size_ == 0) return;
     void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, fd.get(), 0);
@@ -103,10 +103,10 @@ class MappedFile {
 
 std::vector<unsigned char> read_whole_file(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw posix_error("open " + path, errno);
+  if (fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
-  if (!S_ISREG(st.st_mode)) throw IoError("open " + path + ": not a regular file");
+  if (!S_ISREG(st.st_mode)) throw IoError("data.path: " + path + " is not a regular file");
   std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
   size_t done = 0;
   while (done < bytes.size()) {

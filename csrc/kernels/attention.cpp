@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/profile.h"
 #include "kernels/simd_math.h"
 
 namespace zinc::kernels {
@@ -140,6 +141,7 @@ ZINC_CLONES float softmax_row_dot(const float* __restrict p, const float* __rest
 
 void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s,
                        DType compute) {
+  ProfileScope profile_scope(Op::kAttention);
   check_shape("attention_forward", s);
   ws->shape = s;
   ws->has_forward = true;
@@ -187,6 +189,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
 
 void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute) {
+  ProfileScope profile_scope(Op::kAttention);
   check_shape("attention_backward", s);
   if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C ||
       ws->shape.H != s.H) {

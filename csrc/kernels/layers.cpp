@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/profile.h"
 #include "kernels/simd_math.h"
 
 namespace zinc::kernels {
@@ -148,6 +149,7 @@ float* exp_scratch(int64_t n) {
 // ---- bias -------------------------------------------------------------------------
 
 void add_bias(float* y, CView bias, int64_t M, int64_t N) {
+  ProfileScope profile_scope(Op::kBias);
   if (M <= 0 || N <= 0) return;
   const float* bb = param_f32(bias, N, 0);
   parallel_for(static_cast<size_t>(M), row_grain(N), [&](size_t lo, size_t hi) {
@@ -160,6 +162,7 @@ void add_bias(float* y, CView bias, int64_t M, int64_t N) {
 }
 
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
+  ProfileScope profile_scope(Op::kBias);
   if (M <= 0 || N <= 0) return;
   for_column_blocks(N, [&](int64_t c0, int64_t c1, double* __restrict acc) {
     const int64_t w = c1 - c0;
@@ -175,6 +178,7 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
                        int64_t N, int64_t C, float eps) {
+  ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0) return;
   if (C <= 0) throw Error("layernorm_forward: C must be > 0, got " + std::to_string(C));
   const float* ww = param_f32(w, C, 0);
@@ -187,6 +191,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CVi
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                         const float* mean, const float* rstd, int64_t N, int64_t C) {
+  ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0 || C <= 0) return;
   const float* ww = param_f32(w, C, 0);
   parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
@@ -217,12 +222,14 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
 // ---- GELU -----------------------------------------------------------------------------
 
 void gelu_forward(float* out, const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kGelu);
   parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
     gelu_forward_range(out + lo, x + lo, hi - lo);
   });
 }
 
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) {
+  ProfileScope profile_scope(Op::kGelu);
   parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
     gelu_backward_range(dx + lo, x + lo, dout + lo, hi - lo);
   });
@@ -232,6 +239,7 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) {
 
 double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V,
                      float* dlogits, float dloss_scale) {
+  ProfileScope profile_scope(Op::kCrossEntropy);
   if (N <= 0) return 0.0;
   for (int64_t i = 0; i < N; ++i) {
     if (targets[i] < 0 || targets[i] >= V) {
@@ -280,6 +288,7 @@ void check_tokens(const char* fn, const int32_t* tokens, int64_t n, int64_t V) {
 
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
                        int64_t C, int64_t V) {
+  ProfileScope profile_scope(Op::kEmbedding);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   check_tokens("embedding_forward", tokens, rows, V);
@@ -313,6 +322,7 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
                         int64_t T, int64_t C, int64_t V) {
+  ProfileScope profile_scope(Op::kEmbedding);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   check_tokens("embedding_backward", tokens, rows, V);

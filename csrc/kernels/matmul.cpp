@@ -38,6 +38,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/profile.h"
 
 namespace zinc::kernels {
 namespace {
@@ -140,6 +141,7 @@ const void* as_compute(CView v, DType compute, size_t n, int slot) {
 }  // namespace
 
 void matmul(const MatmulDesc& d, CView a, CView b, float* c) {
+  ProfileScope profile_scope(Op::kMatmul);
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("matmul: negative dimension");
   if (d.batch == 0 || d.M == 0 || d.N == 0) return;
   const size_t c_numel = static_cast<size_t>(d.batch * d.M * d.N);

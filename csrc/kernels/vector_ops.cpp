@@ -7,6 +7,7 @@
 
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/profile.h"
 #include "kernels/simd_math.h"
 
 namespace zinc::kernels {
@@ -42,12 +43,14 @@ bool chunk_finite(const float* __restrict x, int64_t n) {
 }  // namespace
 
 void add(float* out, const float* a, const float* b, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) out[i] = a[i] + b[i];
   });
 }
 
 void accumulate(float* y, const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     float* __restrict yy = y;
     const float* __restrict xx = x;
@@ -56,12 +59,14 @@ void accumulate(float* y, const float* x, int64_t n) {
 }
 
 void scale(float* x, float alpha, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) x[i] *= alpha;
   });
 }
 
 void axpy(float* y, float alpha, const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     float* __restrict yy = y;
     const float* __restrict xx = x;
@@ -70,6 +75,7 @@ void axpy(float* y, float alpha, const float* x, int64_t n) {
 }
 
 double squared_norm(const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   if (n <= 0) return 0.0;
   const int64_t nchunks = (n + kNormChunk - 1) / kNormChunk;
   std::vector<double> partial(static_cast<size_t>(nchunks));
@@ -86,6 +92,7 @@ double squared_norm(const float* x, int64_t n) {
 }
 
 bool all_finite(const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
   if (n <= 0) return true;
   const int64_t nchunks = (n + kNormChunk - 1) / kNormChunk;
   std::vector<uint8_t> ok(static_cast<size_t>(nchunks));
