@@ -12,6 +12,11 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   e.config = Config::parse(doc, world_size);
   const ModelConfig& m = e.config.model;
   e.data = make_data_source(e.config.data);
+  if (e.config.run.eval_interval > 0) {
+    e.eval_data = make_eval_data_source(e.config.data);
+    if (!e.eval_data)
+      throw ConfigError("run.eval_interval", "evaluation needs held-out data: set data.eval_fraction > 0");
+  }
   const int64_t V = m.vocab_size > 0 ? m.vocab_size : e.data->vocab_size();
   if (V < e.data->vocab_size())
     throw ConfigError("model.vocab_size", "must be >= the data's vocabulary (" +
@@ -48,6 +53,23 @@ Experiment load_experiment(const std::string& path, const std::vector<std::strin
   nlohmann::json doc = read_json_file(path);
   for (const std::string& o : overrides) apply_override(doc, o);
   return build_experiment(doc, world_size);
+}
+
+double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro) {
+  const int64_t T = source.seq_len();
+  double total = 0;
+  int64_t next = 0;
+  for (int64_t b = 0; b < batches; ++b) {
+    Batch batch;
+    batch.B = micro;
+    batch.T = T;
+    batch.inputs.resize(static_cast<size_t>(micro * T));
+    batch.targets.resize(static_cast<size_t>(micro * T));
+    for (int64_t i = 0; i < micro; ++i, ++next)
+      source.sample(next % source.num_samples(), batch.inputs.data() + i * T, batch.targets.data() + i * T);
+    total += engine.evaluate(batch);
+  }
+  return total / static_cast<double>(batches);
 }
 
 int64_t peak_rss_bytes() {

@@ -19,6 +19,7 @@ namespace zinc::tools {
 struct Experiment {
   Config config;
   std::shared_ptr<const DataSource> data;
+  std::shared_ptr<const DataSource> eval_data;  // held-out samples; null without evaluation
   std::shared_ptr<Model> model;
 };
 
@@ -29,6 +30,10 @@ Experiment load_experiment(const std::string& path, const std::vector<std::strin
                            int world_size = 1);
 // Same from an in-memory document.
 Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
+
+// Mean loss over the first `batches` micro-batches of `micro` samples of
+// `source` (in index order, wrapping), forward only.
+double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro);
 
 // Peak resident set size of this process in bytes (getrusage).
 int64_t peak_rss_bytes();

@@ -109,6 +109,7 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
   auto t_last = t0;
   int64_t step_last = 0;
   double loss = NAN;
+  double eval_loss = NAN;
   for (int64_t s = 1; s <= steps; ++s) {
     loss = engine.train_batch(loader);
     const int64_t samples = s * cfg.train_batch_size;
@@ -141,6 +142,15 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
       }
       std::fflush(stdout);
     }
+    if (ex.eval_data && (s % cfg.run.eval_interval == 0 || s == steps)) {
+      eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, cfg.run.eval_batches,
+                                        cfg.train_micro_batch_size_per_gpu);
+      if (json)
+        std::printf("%s\n", nlohmann::json{{"event", "eval"}, {"step", s}, {"loss", eval_loss}}.dump().c_str());
+      else
+        std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
+      std::fflush(stdout);
+    }
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
   const double tps = static_cast<double>(steps * tokens_per_step) / elapsed;
@@ -150,11 +160,13 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
                           {"tokens_per_s", tps}, {"peak_rss_bytes", rss}, {"elapsed_s", elapsed},
                           {"world_size", 1},     {"skipped_steps", engine.skipped_steps()}};
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
+    if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
     std::printf("%s\n", sum.dump().c_str());
   } else {
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(steps),
                 format_duration(elapsed).c_str(), loss);
     if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
+    if (ex.eval_data) std::printf(" | held-out loss %.4f", eval_loss);
     std::printf(" | %.0f tok/s | peak RSS %.0f MiB", tps, static_cast<double>(rss) / (1 << 20));
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
