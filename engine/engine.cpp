@@ -191,7 +191,7 @@ struct Engine::Impl final : StepContext {
     auto t0 = Clock::now();
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
     double sumsq = 0;
-    for (BlockState& s : blocks) sumsq += kernels::squared_norm(s.grad.as<float>(), s.layout.numel);
+    for (BlockState& s : blocks) sumsq += optim::grad_squared_norm(s.grad.data(), DType::kF32, s.layout.numel);
     grad_norm = std::sqrt(sumsq) * inv_gas;
     global_steps += 1;
     if (!std::isfinite(grad_norm)) {
@@ -206,8 +206,9 @@ struct Engine::Impl final : StepContext {
       optimizer_steps += 1;
       for (BlockState& s : blocks) {
         bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
-        optim::adam_step(adam, optimizer_steps, grad_scale, s.master.as<float>(), s.grad.as<float>(),
-                         s.exp_avg.as<float>(), s.exp_avg_sq.as<float>(), s.layout.numel, out);
+        optim::adam_step(adam, optimizer_steps, grad_scale,
+                         optim::AdamSpan{s.master.as<float>(), s.grad.data(), DType::kF32, s.exp_avg.as<float>(),
+                                         s.exp_avg_sq.as<float>(), out, s.layout.numel});
       }
     }
     for (BlockState& s : blocks) std::memset(s.grad.data(), 0, s.grad.bytes());

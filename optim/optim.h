@@ -1,21 +1,30 @@
 // zinc optim: Adam/AdamW over flat fp32 spans, learning-rate schedules and
 // gradient-clipping math.
 //
-// The update follows DeepSpeed's CPU/fused Adam exactly (per element, step t
-// counted from 1, g = grad * grad_scale):
+// The update follows DeepSpeed's CPU/fused Adam (per element, step t counted
+// from 1, g = grad * grad_scale); the exact operation order is
+// Note [Adam arithmetic] in optim/detail/adam_math.h:
 //   Adam  (adam_w_mode false): g += weight_decay * p
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   denom = sqrt(v) / sqrt(1 - b2^t) + eps          (no bias correction: sqrt(v) + eps)
 //   AdamW (adam_w_mode true):  p -= lr * weight_decay * p
 //   p -= lr / (1 - b1^t) * m / denom                 (no bias correction: lr * m / denom)
-// then, if requested, the new p is written as bf16 (core's RNE conversion).
-// This is the plain reference implementation; it is threaded over chunks and
-// its result does not depend on the thread count (each element is
-// independent). Functions are reentrant; callers own all buffers.
+// then, if requested, the new p is written as bf16 (bit for bit
+// zinc::float_to_bf16).
+//
+// Implementations: scalar (the reference), AVX2+FMA, AVX-512, and AVX-512
+// with the AVX512-BF16 conversion instruction. The best one the CPU supports
+// is chosen at first use and logged once; ZINC_OPTIM_ISA=scalar|avx2|avx512|
+// avx512_bf16 (or set_isa) forces one. The vector paths use fused
+// multiply-adds, so they differ from the scalar path by a few ulps; each path
+// is deterministic and independent of the thread count (threads split the
+// span at 64-byte boundaries; every element is computed the same way
+// wherever it falls). Functions are reentrant; callers own all buffers.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "core/dtype.h"
 
@@ -30,9 +39,49 @@ struct AdamParams {
   bool bias_correction = true;
 };
 
-// One Adam step over n elements. step >= 1. bf16_out may be null.
-void adam_step(const AdamParams& p, int64_t step, float grad_scale, float* param, const float* grad,
-               float* m, float* v, int64_t n, bf16* bf16_out);
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+std::string_view isa_name(Isa isa);
+// Throws zinc::Error for an unknown name.
+Isa parse_isa(std::string_view name);
+bool isa_supported(Isa isa);
+// The best path this CPU supports.
+Isa detect_isa();
+// The path adam_step and grad_squared_norm use: ZINC_OPTIM_ISA if set (an
+// unsupported or unknown value is an error), else detect_isa().
+Isa active_isa();
+// Forces a path for this process; throws zinc::Error if the CPU lacks it.
+void set_isa(Isa isa);
+
+// One flat span of optimizer state. grad is fp32 or bf16 (grad_dtype);
+// bf16_out (may be null) receives the new weights in bf16.
+struct AdamSpan {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kF32;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  bf16* bf16_out = nullptr;
+  int64_t n = 0;
+};
+
+// A bf16 copy-out of at least this many bytes (default 64 MiB, far above the
+// caches) into a 64-byte-aligned buffer uses non-temporal stores, which skip
+// reading the lines they overwrite. Process-wide; tests lower it.
+void set_stream_min_bytes(int64_t bytes);
+
+// One Adam step over a span, threaded. step >= 1.
+void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& span);
+void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& span, Isa isa);
+// Convenience for fp32 gradients.
+inline void adam_step(const AdamParams& p, int64_t step, float grad_scale, float* param, const float* grad,
+                      float* m, float* v, int64_t n, bf16* bf16_out) {
+  adam_step(p, step, grad_scale, AdamSpan{param, grad, DType::kF32, m, v, bf16_out, n});
+}
+
+// Sum of squares of a gradient span in double, threaded, summed in fixed
+// 16384-element chunks so the result does not depend on the thread count.
+double grad_squared_norm(const void* grad, DType dtype, int64_t n);
+double grad_squared_norm(const void* grad, DType dtype, int64_t n, Isa isa);
 
 // Gradient clipping by global L2 norm, as DeepSpeed computes it: the factor
 // to multiply gradients by is max_norm / (norm + 1e-6) when that is below 1,

@@ -1,0 +1,46 @@
+// zinc-bench, private: the benchmarks and what they share. Each benchmark
+// prints a figure, the bound the machine sets measured in the same run, and
+// their ratio; --json prints one line per case.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace zinc::bench {
+
+struct BenchOptions {
+  bool json = false;
+  int rounds = 7;      // alternating measurement rounds; medians are reported
+  int steps = 3;       // train-step: training steps per round
+  bool fp32 = false;   // train-step: fp32 instead of bf16
+  int threads = 0;     // adamw: OpenMP threads (0 = default)
+  std::string isa;     // adamw: force an optimizer path ("" = the dispatcher's choice)
+  int64_t numel = int64_t{1} << 27;  // adamw: parameters (128M)
+};
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+inline void emit(bool json, const nlohmann::json& line, const std::string& human) {
+  std::printf("%s\n", json ? line.dump().c_str() : human.c_str());
+  std::fflush(stdout);
+}
+
+int bench_train_step(const BenchOptions& o);
+int bench_adamw(const BenchOptions& o);
+
+}  // namespace zinc::bench

@@ -1,0 +1,203 @@
+// zinc-bench train-step: model FLOP/s of a training step of a reference GPT
+// over oneDNN's matmul rate at the model's shapes, in the same run.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench/benches.h"
+#include "core/alloc.h"
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "kernels/kernels.h"
+#include "kernels/profile.h"
+#include "tools/experiment.h"
+
+namespace zinc::bench {
+namespace {
+
+// ---- train-step -------------------------------------------------------------------
+
+struct MatmulCase {
+  zinc::kernels::MatmulDesc d;
+  zinc::AlignedBuffer a, b, c;
+  double flops() const { return 2.0 * d.batch * d.M * d.N * d.K; }
+};
+
+// The matmuls of one training step of the GPT, with operands already in the
+// compute precision: what oneDNN can do at these shapes is the bound.
+std::vector<MatmulCase> gpt_matmuls(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L, int64_t V,
+                                    zinc::DType dt) {
+  std::vector<MatmulCase> cases;
+  const int64_t N = B * T, hs = C / H;
+  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t K, bool ta, bool tb, bool acc, int64_t times) {
+    for (int64_t i = 0; i < times; ++i) {
+      MatmulCase mc;
+      mc.d.batch = batch;
+      mc.d.M = M;
+      mc.d.N = Nn;
+      mc.d.K = K;
+      mc.d.trans_a = ta;
+      mc.d.trans_b = tb;
+      mc.d.accumulate = acc;
+      mc.d.compute = dt;
+      const size_t es = zinc::dtype_bytes(dt);
+      mc.a = zinc::AlignedBuffer(static_cast<size_t>(batch * M * K) * es);
+      mc.b = zinc::AlignedBuffer(static_cast<size_t>(batch * K * Nn) * es);
+      mc.c = zinc::AlignedBuffer(static_cast<size_t>(batch * M * Nn) * 4);
+      cases.push_back(std::move(mc));
+    }
+  };
+  // Linear layers y = x W^T: forward, dX = dY W, dW += dY^T X.
+  auto linear = [&](int64_t in, int64_t out, int64_t times) {
+    add(1, N, out, in, false, true, false, times);
+    add(1, N, in, out, false, false, false, times);
+    add(1, out, in, N, true, false, true, times);
+  };
+  linear(C, 3 * C, L);
+  linear(C, C, L);
+  linear(C, 4 * C, L);
+  linear(4 * C, C, L);
+  linear(C, V, 1);
+  // Attention per layer: S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO,
+  // dQ = dS K, dK = dS^T Q.
+  const int64_t BH = B * H;
+  add(BH, T, T, hs, false, true, false, L);
+  add(BH, T, hs, T, false, false, false, L);
+  add(BH, T, T, hs, false, true, false, L);
+  add(BH, T, hs, T, true, false, false, L);
+  add(BH, T, hs, T, false, false, false, L);
+  add(BH, T, hs, T, true, false, false, L);
+  zinc::Rng rng(1);
+  for (MatmulCase& mc : cases) {
+    // Small random values: keeps the accumulate cases finite over many reps.
+    auto fill = [&](zinc::AlignedBuffer& buf) {
+      if (dt == zinc::DType::kF32)
+        for (float& x : buf.span<float>()) x = static_cast<float>(rng.uniform() - 0.5) * 1e-3f;
+      else
+        for (zinc::bf16& x : buf.span<zinc::bf16>())
+          x = zinc::float_to_bf16(static_cast<float>(rng.uniform() - 0.5) * 1e-3f);
+    };
+    fill(mc.a);
+    fill(mc.b);
+  }
+  return cases;
+}
+
+}  // namespace
+
+int bench_train_step(const BenchOptions& o) {
+  const bool json = o.json, bf16 = !o.fp32;
+  const int steps = o.steps, rounds = o.rounds;
+  const int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
+  nlohmann::json doc = {
+      {"train_micro_batch_size_per_gpu", B},
+      {"gradient_accumulation_steps", 1},
+      {"gradient_clipping", 1.0},
+      {"steps_per_print", 1000000},
+      {"bf16", {{"enabled", bf16}}},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
+      {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}}},
+      {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
+  };
+  zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, 1);
+  zinc::Engine engine = zinc::Engine::initialize(ex.model, ex.config);
+  zinc::DataLoader loader(ex.data, B, 1, 1, 0, 1);
+  const zinc::DType dt = bf16 ? zinc::DType::kBF16 : zinc::DType::kF32;
+  std::vector<MatmulCase> mm = gpt_matmuls(B, T, C, H, L, V, dt);
+  double mm_flops = 0;
+  for (const MatmulCase& m : mm) mm_flops += m.flops();
+  auto run_matmuls = [&] {
+    for (MatmulCase& m : mm)
+      zinc::kernels::matmul(m.d, {m.a.data(), dt}, {m.b.data(), dt}, m.c.as<float>());
+  };
+
+  // Warm up both (primitive creation, page faults), then alternate rounds so
+  // that both figures see the same machine state.
+  run_matmuls();
+  engine.train_batch(loader);
+  engine.train_batch(loader);
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s;
+  for (int r = 0; r < rounds; ++r) {
+    double t0 = now_s();
+    run_matmuls();
+    run_matmuls();
+    mm_s.push_back((now_s() - t0) / 2);
+    zinc::StepTimings before = engine.timings();
+    t0 = now_s();
+    for (int s = 0; s < steps; ++s) engine.train_batch(loader);
+    step_s.push_back((now_s() - t0) / steps);
+    zinc::StepTimings after = engine.timings();
+    fwd_s.push_back((after.forward_s - before.forward_s) / steps);
+    bwd_s.push_back((after.backward_s - before.backward_s) / steps);
+    opt_s.push_back((after.step_s - before.step_s) / steps);
+  }
+  // One more round with the kernel profile on (kept out of the figures above:
+  // the profile adds a clock read per kernel call) to say where the time goes.
+  zinc::kernels::profile_reset();
+  zinc::kernels::profile_enable(true);
+  zinc::StepTimings pbefore = engine.timings();
+  double tp0 = now_s();
+  for (int s = 0; s < steps; ++s) engine.train_batch(loader);
+  const double profiled_step_s = (now_s() - tp0) / steps;
+  zinc::kernels::profile_enable(false);
+  const double profiled_opt_s = (engine.timings().step_s - pbefore.step_s) / steps;
+  zinc::kernels::ProfileTotals prof = zinc::kernels::profile_read();
+  nlohmann::json breakdown = nlohmann::json::object();
+  double accounted = profiled_opt_s;
+  std::string breakdown_text;
+  for (int i = 0; i < zinc::kernels::kNumOps; ++i) {
+    double per_step = prof.seconds[i] / steps;
+    if (static_cast<zinc::kernels::Op>(i) == zinc::kernels::Op::kVector) continue;  // folded into "other"
+    breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
+    accounted += per_step;
+    char part[96];
+    std::snprintf(part, sizeof part, "%s %.1f%% | ", zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i)),
+                  100 * per_step / profiled_step_s);
+    breakdown_text += part;
+  }
+  breakdown["optimizer"] = profiled_opt_s;
+  breakdown["other"] = profiled_step_s - accounted;
+  {
+    char part[128];
+    std::snprintf(part, sizeof part, "optimizer %.1f%% | other %.1f%%", 100 * profiled_opt_s / profiled_step_s,
+                  100 * (profiled_step_s - accounted) / profiled_step_s);
+    breakdown_text += part;
+  }
+
+  const double t_step = median(step_s), t_mm = median(mm_s);
+  const double tokens_per_s = static_cast<double>(B * T) / t_step;
+  const double model_flops = ex.model->flops_per_token(T) * tokens_per_s;
+  const double bound = mm_flops / t_mm;
+  const double ratio = model_flops / bound;
+  nlohmann::json line = {{"bench", "train-step"},
+                         {"case", bf16 ? "bf16" : "fp32"},
+                         {"figure", model_flops / 1e9},
+                         {"unit", "GFLOP/s"},
+                         {"bound", bound / 1e9},
+                         {"ratio", ratio},
+                         {"tokens_per_s", tokens_per_s},
+                         {"step_s", t_step},
+                         {"forward_s", median(fwd_s)},
+                         {"backward_s", median(bwd_s)},
+                         {"optimizer_s", median(opt_s)},
+                         {"matmul_bound_s", t_mm},
+                         {"threads", zinc::num_threads()},
+                         {"params", engine.num_parameters()},
+                         {"breakdown_s", breakdown}};
+  char buf[2048];
+  std::snprintf(buf, sizeof buf,
+                "train-step (%s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %d threads)\n"
+                "  figure: %.1f GFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
+                "  bound:  %.1f GFLOP/s oneDNN matmul at the model's shapes (%.3f s for one step's matmuls)\n"
+                "  ratio:  %.3f\n"
+                "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
+                "  where the time goes (profiled round, share of the step): %s",
+                bf16 ? "bf16" : "fp32", (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
+                (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9, t_mm,
+                ratio, median(fwd_s), median(bwd_s), median(opt_s), breakdown_text.c_str());
+  emit(json, line, buf);
+  return 0;
+}
+
+
+}  // namespace zinc::bench

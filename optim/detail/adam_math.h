@@ -1,0 +1,119 @@
+// zinc optim, private: the Adam update written once, for any mapping V
+// (vec_scalar.h, vec_avx2.h, vec_avx512.h). Each ISA file instantiates
+// adam_range / sqnorm_range with its mapping and its scalar tail; the scalar
+// path instantiates them with VecScalar<false> alone.
+//
+// Note [Adam arithmetic]: per element, with g = grad * grad_scale,
+//   L2 mode:      g = wd * w + g
+//   m = b1 * m + (1 - b1) * g
+//   v = b2 * v + ((1 - b2) * g) * g
+//   denom = sqrt(v) * (1 / sqrt(1 - b2^t)) + eps
+//   AdamW mode:   w = (-lr * wd) * w + w
+//   w = (-lr / (1 - b1^t)) * (m / denom) + w
+// Every "x * y + z" is V::fma: one rounding in the AVX paths, two in the
+// plain scalar path. Elements are independent, so a result never depends on
+// how the range is split between threads.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/dtype.h"
+
+namespace zinc::optim::detail {
+
+struct AdamArgs {
+  float grad_scale;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - b2^t), or 1 without bias correction
+  float eps;
+  float neg_lr_wd;      // -lr * weight_decay (AdamW mode)
+  float wd;             // weight_decay (L2 mode)
+  float neg_step_size;  // -lr / (1 - b1^t)
+};
+
+enum class Decay { kNone, kAdamW, kL2 };
+
+// The whole per-element update on one register of V.
+template <class V, Decay kDecay>
+inline void adam_update(const AdamArgs& a, typename V::F& w, typename V::F g, typename V::F& m,
+                        typename V::F& v) {
+  g = V::mul(g, V::set1(a.grad_scale));
+  if constexpr (kDecay == Decay::kL2) g = V::fma(V::set1(a.wd), w, g);
+  m = V::fma(V::set1(a.beta1), m, V::mul(V::set1(a.one_minus_beta1), g));
+  v = V::fma(V::set1(a.beta2), v, V::mul(V::mul(V::set1(a.one_minus_beta2), g), g));
+  typename V::F denom = V::fma(V::sqrt(v), V::set1(a.inv_sqrt_bc2), V::set1(a.eps));
+  if constexpr (kDecay == Decay::kAdamW) w = V::fma(V::set1(a.neg_lr_wd), w, w);
+  w = V::fma(V::set1(a.neg_step_size), V::div(m, denom), w);
+}
+
+// Elements [lo, hi) of one span: V over whole registers, then T (the same
+// arithmetic at width 1) for the rest.
+// kOut: 0 no copy-out, 1 bf16 stores, 2 non-temporal bf16 stores (out must
+// be aligned to a vector of bf16; for spans much larger than the caches,
+// where the stores would otherwise first read every line they write).
+template <class V, class T, Decay kDecay, bool kGradBf16, int kOut>
+void adam_range(const AdamArgs& a, float* w, const void* grad, float* m, float* v, bf16* out, int64_t lo,
+                int64_t hi) {
+  const float* g32 = static_cast<const float*>(grad);
+  const bf16* g16 = static_cast<const bf16*>(grad);
+  int64_t i = lo;
+  auto body = [&](auto vec, int64_t j) {
+    using W = decltype(vec);
+    typename W::F wi = W::load(w + j), mi = W::load(m + j), vi = W::load(v + j);
+    typename W::F gi;
+    if constexpr (kGradBf16)
+      gi = W::load_bf16(g16 + j);
+    else
+      gi = W::load(g32 + j);
+    adam_update<W, kDecay>(a, wi, gi, mi, vi);
+    W::store(w + j, wi);
+    W::store(m + j, mi);
+    W::store(v + j, vi);
+    if constexpr (kOut == 1) W::store_bf16(out + j, wi);
+    if constexpr (kOut == 2) W::stream_bf16(out + j, wi);
+  };
+  for (; i + V::kWidth <= hi; i += V::kWidth) body(V{}, i);
+  for (; i < hi; ++i) body(T{}, i);
+  if constexpr (kOut == 2) V::fence();  // order the streamed stores before the caller's barrier
+}
+
+using AdamFn = void (*)(const AdamArgs&, float*, const void*, float*, float*, bf16*, int64_t, int64_t);
+// Sum of squares of grad[lo, hi) in double (each ISA file writes its own:
+// the reduction order is part of a path's definition).
+using SqNormFn = double (*)(const void*, int64_t, int64_t);
+
+// One ISA's entry points: adam[decay][grad is bf16][copy-out: none, store, stream].
+struct IsaKernels {
+  AdamFn adam[3][2][3];
+  SqNormFn sqnorm[2];  // [grad is bf16]
+};
+
+template <class V, class T>
+IsaKernels make_adam_table(SqNormFn sq32, SqNormFn sq16) {
+  IsaKernels k{};
+  auto fill = [&](auto decay_tag) {
+    constexpr Decay d = decltype(decay_tag)::value;
+    k.adam[static_cast<int>(d)][0][0] = &adam_range<V, T, d, false, 0>;
+    k.adam[static_cast<int>(d)][0][1] = &adam_range<V, T, d, false, 1>;
+    k.adam[static_cast<int>(d)][0][2] = &adam_range<V, T, d, false, 2>;
+    k.adam[static_cast<int>(d)][1][0] = &adam_range<V, T, d, true, 0>;
+    k.adam[static_cast<int>(d)][1][1] = &adam_range<V, T, d, true, 1>;
+    k.adam[static_cast<int>(d)][1][2] = &adam_range<V, T, d, true, 2>;
+  };
+  fill(std::integral_constant<Decay, Decay::kNone>{});
+  fill(std::integral_constant<Decay, Decay::kAdamW>{});
+  fill(std::integral_constant<Decay, Decay::kL2>{});
+  k.sqnorm[0] = sq32;
+  k.sqnorm[1] = sq16;
+  return k;
+}
+
+// Defined in adam_scalar.cpp, adam_avx2.cpp, adam_avx512.cpp.
+const IsaKernels& scalar_kernels();
+const IsaKernels& avx2_kernels();
+const IsaKernels& avx512_kernels();       // integer bf16 rounding
+const IsaKernels& avx512_bf16_kernels();  // VCVTNEPS2BF16
+
+}  // namespace zinc::optim::detail
