@@ -42,5 +42,8 @@ inline void emit(bool json, const nlohmann::json& line, const std::string& human
 
 int bench_train_step(const BenchOptions& o);
 int bench_adamw(const BenchOptions& o);
+int bench_collectives(const BenchOptions& o);   // under mpirun
+int bench_zero_memory(const BenchOptions& o);   // under mpirun
+int bench_overlap(const BenchOptions& o);       // under mpirun
 
 }  // namespace zinc::bench

@@ -9,6 +9,11 @@
 //   adamw       optimizer updates/s over the bandwidth of an Adam-pattern
 //               streaming probe (4 arrays read, 3 written), for fp32 grads,
 //               fp32 grads with bf16 copy-out, and bf16 grads with copy-out.
+//   collectives (mpirun) the engine's reduce-scatter and all-gather through
+//               Communicator + CommStream over raw MPI of the same size.
+//   zero-memory (mpirun) per-rank peak model-state memory of stages 0, 1, 2
+//               over the ZeRO formula.
+//   overlap     (mpirun) exposed communication per step, overlap_comm off/on.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -19,7 +24,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -37,7 +42,10 @@ int main(int argc, char** argv) {
   try {
     if (name == "train-step") return zinc::bench::bench_train_step(o);
     if (name == "adamw") return zinc::bench::bench_adamw(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw)\n", name.c_str());
+    if (name == "collectives") return zinc::bench::bench_collectives(o);
+    if (name == "zero-memory") return zinc::bench::bench_zero_memory(o);
+    if (name == "overlap") return zinc::bench::bench_overlap(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -1070,10 +1070,9 @@ void Config::validate() const {
                         "offload to \"" + o->device + "\" is not implemented yet in zinc; set \"none\"");
     }
   }
-  if (zero.stage != 0) {
+  if (zero.stage == 3) {
     throw ConfigError("zero_optimization.stage",
-                      "ZeRO stage " + std::to_string(zero.stage) +
-                          " is not implemented yet in zinc (stage 0 only); set stage 0");
+                      "ZeRO stage 3 is not implemented yet in zinc (stages 0, 1 and 2 are); set 0, 1 or 2");
   }
 }
 

@@ -1,5 +1,6 @@
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -8,8 +9,41 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/partition.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
+
+// Note [ZeRO stages]
+// ------------------
+// Every block is one flat vector split into world_size equal shards
+// (engine/partition.h). What a rank keeps, per block:
+//
+//   stage | compute params | gradients                        | master, m, v
+//   0     | full           | full; reduced to full            | full
+//   1     | full           | full; reduced into own shard     | own shard
+//   2     | full           | own shard; full buffer only from | own shard
+//         |                | its block's backward until its   |
+//         |                | reduce-scatter has run           |
+//
+// The reduction is the same for every stage: at the micro-step that ends a
+// global batch, each block's full gradient is reduce-scattered into the
+// rank's shard as soon as the model reports it ready (grads_ready), in
+// buckets of reduce_bucket_size elements; with overlap_comm the bucket runs
+// on the CommStream while backward continues, without it backward waits for
+// each bucket's reduction. Stage 0 then all-gathers the reduced shards back into the
+// full gradient (an all-reduce with the same summation order as the other
+// stages) and every rank updates every element; stages 1 and 2 update their
+// shard and all-gather the new compute parameters. The gradient norm is the
+// sum over ranks of each rank's own-shard squares for every stage. So, at one
+// world size, stages 0, 1 and 2 and overlap on or off compute bit-identical
+// weights.
+//
+// No-sync: micro-steps that do not end a global batch accumulate into the
+// full gradient buffers with no communication. At stage 2 that means the full
+// buffers live from the first micro-step's backward to the boundary's
+// reduce-scatter: with gradient_accumulation_steps > 1, stage 2 holds full
+// fp32 gradients (4 bytes per parameter) during the whole accumulation, as
+// stage 1 does; with 1 it holds only the buckets in flight.
 
 namespace zinc {
 namespace {
@@ -19,16 +53,19 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// One block's state on this rank (stage 0: everything full).
+// One block's state on this rank.
 struct BlockState {
   BlockLayout layout;
-  AlignedBuffer master;   // 1-D, layout.numel fp32: the weights the optimizer updates
-  AlignedBuffer compute;  // 1-D, layout.numel bf16 (empty in fp32: the model reads `master`)
-  AlignedBuffer grad;     // 1-D, layout.numel fp32 accumulators
-  AlignedBuffer exp_avg;     // Adam m, fp32
-  AlignedBuffer exp_avg_sq;  // Adam v, fp32
-  bool acquired = false;
+  Partition part;
+  AlignedBuffer compute;     // 1-D, part.padded_numel, compute dtype (empty at stage 0 in fp32: master is it)
+  AlignedBuffer master;      // 1-D fp32: stage 0 part.padded_numel, else part.shard_numel
+  AlignedBuffer exp_avg;     // Adam m, same size as master
+  AlignedBuffer exp_avg_sq;  // Adam v, same size as master
+  AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (stage 2: released after reduction)
+  AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (world > 1)
+  AlignedBuffer wire;        // bf16 wire: padded_numel + shard_numel (communication_data_type bf16)
   bool grads_reported = false;
+  comm::CommHandle reduction;  // the reduce-scatter of this step, while in flight
 };
 
 optim::ScheduleParams schedule_params(const Config& c) {
@@ -51,27 +88,44 @@ optim::ScheduleParams schedule_params(const Config& c) {
 struct Engine::Impl final : StepContext {
   Config cfg;
   std::shared_ptr<Model> model;
+  std::shared_ptr<comm::Communicator> comm;
+  std::unique_ptr<comm::CommStream> stream;  // world > 1 only
+  int world = 1, rank = 0, stage = 0;
   DType dtype;
+  bool wire_bf16 = false;
   std::vector<BlockState> blocks;
   optim::AdamParams adam;
   optim::LrSchedule schedule;
   int64_t num_params = 0;
 
-  int64_t micro_steps = 0;     // backward() calls so far
-  int64_t global_steps = 0;    // boundaries reached
-  int64_t skipped_steps = 0;   // boundaries whose update was skipped (non-finite gradients)
-  int64_t optimizer_steps = 0; // updates applied (Adam's t, the schedule's step)
+  int64_t micro_steps = 0;      // backward() calls so far
+  int64_t global_steps = 0;     // boundaries reached
+  int64_t skipped_steps = 0;    // boundaries whose update was skipped (non-finite gradients)
+  int64_t optimizer_steps = 0;  // updates applied (Adam's t, the schedule's step)
   double grad_norm = 0;
   double lr = 0;
   bool forward_pending = false;  // a forward whose backward has not run
-  double loss_sum = 0;           // sum of micro-batch losses in the current global batch
+  bool in_boundary_backward = false;
+  double loss_sum = 0;           // this rank's sum of micro-batch losses in the current global batch
   int64_t loss_count = 0;
   double last_loss = NAN;
   StepTimings timings;
+  int64_t state_bytes = 0, state_peak_bytes = 0;
 
-  Impl(std::shared_ptr<Model> m, const Config& c)
-      : cfg(c), model(std::move(m)), dtype(c.bf16 ? DType::kBF16 : DType::kF32),
+  // Blocks reported ready in the current boundary backward, not yet submitted.
+  std::vector<int> bucket;
+  int64_t bucket_numel = 0;
+
+  Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
+      : cfg(c), model(std::move(m)), comm(std::move(cm)), dtype(c.bf16 ? DType::kBF16 : DType::kF32),
         schedule(schedule_params(c)) {
+    if (comm) {
+      world = comm->size();
+      rank = comm->rank();
+    }
+    stage = c.zero.stage;
+    wire_bf16 = c.communication_data_type == "bf16" && world > 1;
+    if (world > 1) stream = std::make_unique<comm::CommStream>(*comm);
     adam.lr = c.optimizer.lr;
     adam.beta1 = c.optimizer.beta1;
     adam.beta2 = c.optimizer.beta2;
@@ -83,6 +137,27 @@ struct Engine::Impl final : StepContext {
     allocate_and_init();
   }
 
+  ~Impl() override {
+    // Work in flight refers to our buffers: let it finish before they go.
+    if (stream) {
+      try {
+        stream->synchronize();
+      } catch (const std::exception& e) {
+        log_error(std::string("engine shutdown: a collective failed: ") + e.what());
+      }
+    }
+  }
+
+  AlignedBuffer alloc(size_t bytes) {
+    state_bytes += static_cast<int64_t>(bytes);
+    state_peak_bytes = std::max(state_peak_bytes, state_bytes);
+    return AlignedBuffer(bytes);
+  }
+  void release(AlignedBuffer& b) {
+    state_bytes -= static_cast<int64_t>(b.bytes());
+    b = AlignedBuffer();
+  }
+
   void allocate_and_init() {
     const std::vector<BlockSpec>& specs = model->blocks();
     if (specs.empty()) throw Error("model '" + model->name() + "' has no parameter blocks");
@@ -90,13 +165,14 @@ struct Engine::Impl final : StepContext {
     for (size_t b = 0; b < specs.size(); ++b) {
       BlockState& s = blocks[b];
       s.layout = BlockLayout::from_spec(specs[b]);
-      size_t n = static_cast<size_t>(s.layout.numel);
-      s.master = make_buffer<float>(n);
-      s.grad = make_buffer<float>(n);
-      s.exp_avg = make_buffer<float>(n);
-      s.exp_avg_sq = make_buffer<float>(n);
-      if (dtype == DType::kBF16) s.compute = make_buffer<bf16>(n);
-      float* w = s.master.as<float>();
+      s.part = Partition::make(s.layout.numel, world, rank);
+      const size_t padded = static_cast<size_t>(s.part.padded_numel);
+      const size_t shard = static_cast<size_t>(s.part.shard_numel);
+      const size_t opt_numel = stage == 0 ? padded : shard;
+      // Every rank builds the full initial weights from the same seed and
+      // keeps what its stage needs.
+      AlignedBuffer full = make_buffer<float>(padded);
+      float* w = full.as<float>();
       for (size_t p = 0; p < specs[b].params.size(); ++p) {
         const ParamSpec& ps = specs[b].params[p];
         float* dst = w + s.layout.offsets[p];
@@ -113,7 +189,22 @@ struct Engine::Impl final : StepContext {
           }
         }
       }
-      if (dtype == DType::kBF16) convert_f32_to_bf16(w, s.compute.as<bf16>(), n);
+      s.master = alloc(opt_numel * 4);
+      std::memcpy(s.master.data(), w + (stage == 0 ? 0 : s.part.own_offset()), opt_numel * 4);
+      s.exp_avg = alloc(opt_numel * 4);
+      s.exp_avg_sq = alloc(opt_numel * 4);
+      if (dtype == DType::kBF16) {
+        s.compute = alloc(padded * 2);
+        convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
+      } else if (stage > 0) {
+        s.compute = alloc(padded * 4);
+        std::memcpy(s.compute.data(), w, padded * 4);
+      }
+      // Stage 2 allocates a block's full gradient when backward first asks
+      // for it (grads()) and frees it once reduced.
+      if (!(stage == 2 && world > 1)) s.grad = alloc(padded * 4);
+      if (world > 1) s.grad_shard = alloc(shard * 4);
+      if (wire_bf16) s.wire = alloc((padded + shard) * 2);
     }
   }
 
@@ -121,13 +212,16 @@ struct Engine::Impl final : StepContext {
   DType compute_dtype() const override { return dtype; }
   BlockParams acquire(int block) override {
     BlockState& s = state(block);
-    s.acquired = true;
-    const void* base = dtype == DType::kBF16 ? s.compute.data() : s.master.data();
+    const void* base = s.compute.empty() ? s.master.data() : s.compute.data();
     return BlockParams{base, dtype, &s.layout};
   }
-  void release(int block) override { state(block).acquired = false; }
+  void release(int block) override { state(block); }
   BlockGrads grads(int block) override {
     BlockState& s = state(block);
+    if (s.grad.empty()) {  // stage 2 released it after the last reduction
+      s.reduction.wait();
+      s.grad = alloc(static_cast<size_t>(s.part.padded_numel) * 4);
+    }
     return BlockGrads{s.grad.as<float>(), &s.layout};
   }
   void grads_ready(int block) override {
@@ -136,8 +230,11 @@ struct Engine::Impl final : StepContext {
       throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                   " twice in one backward");
     s.grads_reported = true;
-    // Stage 0 on one rank: nothing to communicate. (The ZeRO stages queue the
-    // block's bucket on the comm stream here.)
+    if (!in_boundary_backward) return;  // no-sync: accumulate locally
+    bucket.push_back(block);
+    bucket_numel += s.part.padded_numel;
+    if (bucket_numel >= cfg.zero.reduce_bucket_size) flush_bucket();
+    reap_reductions();
   }
 
   BlockState& state(int block) {
@@ -145,6 +242,62 @@ struct Engine::Impl final : StepContext {
       throw Error("model '" + model->name() + "' asked for block " + std::to_string(block) + " of " +
                   std::to_string(blocks.size()));
     return blocks[block];
+  }
+
+  // ---- reduction --------------------------------------------------------------------
+  // The shard of the reduced gradient this rank owns (valid after reduction).
+  float* reduced_shard(BlockState& s) {
+    return world > 1 ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
+  }
+
+  // A full bucket goes to the comm stream. With overlap_comm backward goes
+  // on meanwhile; without it backward waits here, as DeepSpeed's
+  // non-overlapped reduction does (and stage 2 still frees as it goes).
+  void flush_bucket() {
+    if (bucket.empty()) return;
+    submit_reduction(bucket);
+    if (!cfg.zero.overlap_comm && stream) {
+      for (int id : bucket) blocks[id].reduction.wait();
+      reap_reductions();
+    }
+    bucket.clear();
+    bucket_numel = 0;
+  }
+
+  void submit_reduction(const std::vector<int>& ids) {
+    if (world == 1) return;  // one rank: the gradient is already the sum
+    std::vector<BlockState*> bs;
+    for (int id : ids) bs.push_back(&blocks[id]);
+    const bool all_gather_back = stage == 0;
+    const bool wire16 = wire_bf16;
+    comm::CommHandle h = stream->submit([bs, all_gather_back, wire16](comm::Communicator& c) {
+      for (BlockState* s : bs) {
+        const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
+        float* shard_out = s->grad_shard.as<float>();
+        if (wire16) {
+          bf16* full16 = s->wire.as<bf16>();
+          bf16* shard16 = full16 + padded;
+          convert_f32_to_bf16(s->grad.as<float>(), full16, static_cast<size_t>(padded));
+          c.reduce_scatter(full16, shard16, shard, DType::kBF16);
+          convert_bf16_to_f32(shard16, shard_out, static_cast<size_t>(shard));
+        } else {
+          c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
+        }
+        if (all_gather_back) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
+      }
+    });
+    for (BlockState* s : bs) s->reduction = h;
+  }
+
+  // Stage 2: free the full gradient of every block whose reduction finished.
+  void reap_reductions() {
+    if (stage != 2 || world == 1) return;
+    for (BlockState& s : blocks)
+      if (s.reduction.valid() && s.reduction.done() && !s.grad.empty()) {
+        s.reduction.wait();  // rethrows a failure
+        s.reduction = comm::CommHandle();
+        release(s.grad);
+      }
   }
 
   // ---- training ---------------------------------------------------------------------
@@ -172,11 +325,14 @@ struct Engine::Impl final : StepContext {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
     auto t0 = Clock::now();
     for (BlockState& s : blocks) s.grads_reported = false;
+    in_boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
     model->backward(*this, 1.0f);
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
         throw Error("model '" + model->name() + "' did not call grads_ready for block " +
                     std::to_string(b) + " during backward");
+    if (in_boundary_backward) flush_bucket();
+    in_boundary_backward = false;
     forward_pending = false;
     micro_steps += 1;
     timings.backward_s += seconds_since(t0);
@@ -190,32 +346,100 @@ struct Engine::Impl final : StepContext {
     if (!at_boundary() || loss_count == 0) return;
     auto t0 = Clock::now();
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
-    double sumsq = 0;
-    for (BlockState& s : blocks) sumsq += optim::grad_squared_norm(s.grad.data(), DType::kF32, s.layout.numel);
-    grad_norm = std::sqrt(sumsq) * inv_gas;
+    const double inv_world = 1.0 / static_cast<double>(world);
+    if (stream) stream->synchronize();  // every reduction of this step
+    // Own-shard squares and the loss, summed over ranks in one collective.
+    double sums[2] = {0.0, loss_sum};
+    for (BlockState& s : blocks) sums[0] += optim::grad_squared_norm(reduced_shard(s), DType::kF32, s.part.shard_numel);
+    if (stream) {
+      stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
+    }
+    // Gradients are sums over ranks and micro-batches of per-micro-batch
+    // mean-loss gradients: the mean is 1/(world * gas) of that.
+    const double scale = inv_gas * inv_world;
+    grad_norm = std::sqrt(sums[0]) * scale;
     global_steps += 1;
     if (!std::isfinite(grad_norm)) {
       skipped_steps += 1;
-      log_warn("step " + std::to_string(global_steps) +
-               ": gradient norm is not finite; the update is skipped");
+      if (rank == 0)
+        log_warn("step " + std::to_string(global_steps) + ": gradient norm is not finite; the update is skipped");
     } else {
       const double clip = optim::clip_coefficient(grad_norm, cfg.gradient_clipping);
-      const float grad_scale = static_cast<float>(inv_gas * clip);
+      const float grad_scale = static_cast<float>(scale * clip);
       lr = schedule.lr_at(optimizer_steps);
       adam.lr = lr;
       optimizer_steps += 1;
-      for (BlockState& s : blocks) {
-        bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
-        optim::adam_step(adam, optimizer_steps, grad_scale,
-                         optim::AdamSpan{s.master.as<float>(), s.grad.data(), DType::kF32, s.exp_avg.as<float>(),
-                                         s.exp_avg_sq.as<float>(), out, s.layout.numel});
-      }
+      for (BlockState& s : blocks) update_block(s, grad_scale);
+      if (stage > 0 && stream) gather_params();
     }
-    for (BlockState& s : blocks) std::memset(s.grad.data(), 0, s.grad.bytes());
-    last_loss = loss_sum / static_cast<double>(loss_count);
+    for (BlockState& s : blocks) {
+      s.reduction = comm::CommHandle();
+      if (stage == 2 && world > 1)
+        release(s.grad);
+      else if (!s.grad.empty())
+        std::memset(s.grad.data(), 0, s.grad.bytes());
+    }
+    last_loss = sums[1] / static_cast<double>(loss_count * world);
     loss_sum = 0;
     loss_count = 0;
     timings.step_s += seconds_since(t0);
+  }
+
+  void update_block(BlockState& s, float grad_scale) {
+    if (stage == 0) {  // every rank updates the whole block
+      const int64_t n = s.part.padded_numel;
+      bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
+      optim::adam_step(adam, optimizer_steps, grad_scale,
+                       optim::AdamSpan{s.master.as<float>(), s.grad.data(), DType::kF32, s.exp_avg.as<float>(),
+                                       s.exp_avg_sq.as<float>(), out, n});
+      return;
+    }
+    const int64_t off = s.part.own_offset(), n = s.part.shard_numel;
+    bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + off : nullptr;
+    optim::adam_step(adam, optimizer_steps, grad_scale,
+                     optim::AdamSpan{s.master.as<float>(), reduced_shard(s), DType::kF32, s.exp_avg.as<float>(),
+                                     s.exp_avg_sq.as<float>(), out, n});
+    if (dtype == DType::kF32) std::memcpy(s.compute.as<float>() + off, s.master.data(), static_cast<size_t>(n) * 4);
+  }
+
+  // Stages 1 and 2: every rank's updated shard to every rank, in buckets of
+  // allgather_bucket_size elements, in place in the compute copy.
+  void gather_params() {
+    std::vector<BlockState*> group;
+    int64_t group_numel = 0;
+    const DType dt = dtype;
+    auto submit = [&] {
+      if (group.empty()) return;
+      stream->submit([group, dt](comm::Communicator& c) {
+        for (BlockState* s : group) {
+          const size_t es = dtype_bytes(dt);
+          char* base = s->compute.as<char>();
+          c.all_gather(base + static_cast<size_t>(s->part.own_offset()) * es, base, s->part.shard_numel, dt);
+        }
+      });
+      group.clear();
+      group_numel = 0;
+    };
+    for (BlockState& s : blocks) {
+      group.push_back(&s);
+      group_numel += s.part.padded_numel;
+      if (group_numel >= cfg.zero.allgather_bucket_size) submit();
+    }
+    submit();
+    stream->synchronize();
+  }
+
+  std::vector<float> full_params(int block) {
+    BlockState& s = state(block);
+    if (stage == 0 || world == 1) {
+      const float* m = s.master.as<float>();
+      return std::vector<float>(m, m + s.part.padded_numel);
+    }
+    std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
+    stream->submit([&](comm::Communicator& c) {
+      c.all_gather(s.master.data(), out.data(), s.part.shard_numel, DType::kF32);
+    }).wait();
+    return out;
   }
 };
 
@@ -224,17 +448,21 @@ Engine::Engine(Engine&&) noexcept = default;
 Engine& Engine::operator=(Engine&&) noexcept = default;
 Engine::~Engine() = default;
 
-Engine Engine::initialize(std::shared_ptr<Model> model, const Config& config) {
+Engine Engine::initialize(std::shared_ptr<Model> model, const Config& config,
+                          std::shared_ptr<comm::Communicator> comm) {
   if (!model) throw Error("Engine::initialize: model is null");
   config.validate();
-  if (config.world_size != 1)
-    throw ConfigError("", "this build of zinc runs one rank; the config was parsed for world size " +
-                              std::to_string(config.world_size));
-  return Engine(std::make_unique<Impl>(std::move(model), config));
+  const int world = comm ? comm->size() : 1;
+  if (config.world_size != world)
+    throw ConfigError("", "the config was parsed for world size " + std::to_string(config.world_size) +
+                              " but the communicator has " + std::to_string(world) + " ranks");
+  return Engine(std::make_unique<Impl>(std::move(model), config, std::move(comm)));
 }
 
-Engine Engine::initialize(std::shared_ptr<Model> model, const nlohmann::json& config) {
-  return initialize(std::move(model), Config::parse(config, 1));
+Engine Engine::initialize(std::shared_ptr<Model> model, const nlohmann::json& config,
+                          std::shared_ptr<comm::Communicator> comm) {
+  const int world = comm ? comm->size() : 1;
+  return initialize(std::move(model), Config::parse(config, world), std::move(comm));
 }
 
 float Engine::forward(const Batch& batch) { return impl_->forward(batch); }
@@ -267,23 +495,23 @@ int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
+int Engine::rank() const { return impl_->rank; }
+int Engine::world_size() const { return impl_->world; }
+double Engine::comm_wait_seconds() const { return impl_->stream ? impl_->stream->wait_seconds() : 0.0; }
+double Engine::comm_busy_seconds() const { return impl_->stream ? impl_->stream->busy_seconds() : 0.0; }
 const Config& Engine::config() const { return impl_->cfg; }
 Model& Engine::model() { return *impl_->model; }
 DType Engine::compute_dtype() const { return impl_->dtype; }
 int64_t Engine::num_parameters() const { return impl_->num_params; }
 StepTimings Engine::timings() const { return impl_->timings; }
+std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
 
-std::span<const float> Engine::master_params(int block) const {
+std::span<const float> Engine::master_shard(int block) const {
   const BlockState& s = impl_->blocks.at(static_cast<size_t>(block));
-  return {s.master.as<float>(), static_cast<size_t>(s.layout.numel)};
+  return {s.master.as<float>(), s.master.bytes() / 4};
 }
 
-int64_t Engine::model_state_bytes() const {
-  int64_t total = 0;
-  for (const BlockState& s : impl_->blocks)
-    total += static_cast<int64_t>(s.master.bytes() + s.compute.bytes() + s.grad.bytes() +
-                                  s.exp_avg.bytes() + s.exp_avg_sq.bytes());
-  return total;
-}
+int64_t Engine::model_state_bytes() const { return impl_->state_bytes; }
+int64_t Engine::model_state_peak_bytes() const { return impl_->state_peak_bytes; }
 
 }  // namespace zinc

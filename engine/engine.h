@@ -10,8 +10,15 @@
 // with bf16 on), the gradient accumulators and the optimizer states, laid out
 // as one flat vector per model block (see engine/model.h).
 //
+// Data parallelism (see Note [ZeRO stages] in engine.cpp): with a
+// communicator of N ranks every rank runs the same model on its own part of
+// each global batch; zero_optimization.stage picks what each rank keeps:
+// 0 everything (gradients all-reduced), 1 the optimizer state of its own
+// shard of every block, 2 also only its own shard of the reduced gradients.
+// Every rank must make the same calls in the same order.
+//
 // Threading: one Engine is driven from one thread. Kernels inside use the
-// OpenMP pool.
+// OpenMP pool; collectives run on the engine's CommStream thread.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +29,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "engine/config.h"
 #include "engine/data.h"
 #include "engine/model.h"
@@ -37,8 +45,12 @@ class Engine {
  public:
   // Validates the config against the model and allocates all state.
   // Throws ConfigError for a config that cannot train this model.
-  static Engine initialize(std::shared_ptr<Model> model, const Config& config);
-  static Engine initialize(std::shared_ptr<Model> model, const nlohmann::json& config);
+  // comm: the data-parallel world (null: one rank). The config's world size
+  // must equal comm->size().
+  static Engine initialize(std::shared_ptr<Model> model, const Config& config,
+                           std::shared_ptr<comm::Communicator> comm = nullptr);
+  static Engine initialize(std::shared_ptr<Model> model, const nlohmann::json& config,
+                           std::shared_ptr<comm::Communicator> comm = nullptr);
 
   Engine(Engine&&) noexcept;
   Engine& operator=(Engine&&) noexcept;
@@ -69,8 +81,15 @@ class Engine {
   int64_t global_steps() const;
   int64_t skipped_steps() const;
   int64_t micro_steps() const;
-  // Mean loss over the micro-batches of the last completed global batch.
+  // Mean loss over the micro-batches of the last completed global batch,
+  // all ranks.
   double last_batch_loss() const;
+  int rank() const;
+  int world_size() const;
+  // Seconds the training thread spent blocked on communication (exposed,
+  // not overlapped), and seconds the comm thread spent in collectives.
+  double comm_wait_seconds() const;
+  double comm_busy_seconds() const;
 
   const Config& config() const;
   Model& model();
@@ -78,10 +97,16 @@ class Engine {
   int64_t num_parameters() const;  // unpadded
   StepTimings timings() const;
 
-  // The fp32 master weights of one block (its flat layout).
-  std::span<const float> master_params(int block) const;
-  // Bytes of model state this rank holds (params, grads, optimizer).
+  // The full fp32 master weights of one block in its flat layout (padding
+  // included). At stages 1 and 2 each rank holds only its shard, so this is a
+  // collective there: every rank must call it, for the same block.
+  std::vector<float> full_params(int block) const;
+  // This rank's fp32 master shard of one block.
+  std::span<const float> master_shard(int block) const;
+  // Bytes of model state (parameters, gradients, optimizer state) this rank
+  // holds now, and the most it has held.
   int64_t model_state_bytes() const;
+  int64_t model_state_peak_bytes() const;
 
  private:
   struct Impl;

@@ -43,7 +43,7 @@ Isa resolve_active() {
       log_info("optimizer: " + std::string(isa_name(want)) + " kernels (forced by ZINC_OPTIM_ISA)");
     } else {
       g_active = detect_isa();
-      log_debug("optimizer: " + std::string(isa_name(g_active)) + " kernels");
+      log_info("optimizer: " + std::string(isa_name(g_active)) + " kernels");
     }
   });
   int forced = g_forced.load();

@@ -1,12 +1,18 @@
 // zinc-train: runs the experiment a config describes.
 //
 //   zinc-train CONFIG.json [--steps N] [--set json.path=value ...] [--json]
+//   mpirun -np 4 zinc-train CONFIG.json ...      (four data-parallel ranks)
+//
+// Under an MPI launcher every rank trains on its part of each global batch;
+// rank 0 prints. A rank that fails prints its error and ends the whole job.
 //
 // Human output: a progress line every steps_per_print steps and a summary.
 // --json: one JSON object per line on stdout (step events, then a summary).
 // Any error ends the run with one line on stderr and exit code 1 (2 for a
 // command-line usage error).
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +24,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "tools/experiment.h"
@@ -74,32 +81,48 @@ class CsvMonitor {
   std::map<std::string, bool> written_;
 };
 
-int run(const std::string& config_path, const std::vector<std::string>& sets, int64_t steps_override,
-        bool json) {
+// Test hook: ZINC_INJECT_ERROR=RANK:STEP makes that rank throw at that step.
+void maybe_inject_error(int rank, int64_t step) {
+  const char* spec = std::getenv("ZINC_INJECT_ERROR");
+  if (!spec) return;
+  int r = -1;
+  long long st = -1;
+  if (std::sscanf(spec, "%d:%lld", &r, &st) == 2 && r == rank && st == step)
+    throw zinc::Error("injected failure at step " + std::to_string(step) + " (ZINC_INJECT_ERROR)");
+}
+
+int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& config_path,
+        const std::vector<std::string>& sets, int64_t steps_override, bool json) {
+  const int world = comm->size(), rank = comm->rank();
   std::vector<std::string> overrides = sets;
   if (steps_override > 0) overrides.push_back("run.steps=" + std::to_string(steps_override));
-  zinc::tools::Experiment ex = zinc::tools::load_experiment(config_path, overrides, 1);
+  zinc::tools::Experiment ex = zinc::tools::load_experiment(config_path, overrides, world);
   const zinc::Config& cfg = ex.config;
   if (cfg.run.checkpoint_interval > 0)
     throw zinc::ConfigError("run.checkpoint_interval",
                             "checkpoints are not implemented yet in zinc; set it to 0");
 
-  zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg);
+  zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-                          1, 0, cfg.run.seed);
-  CsvMonitor monitor(cfg.csv_monitor);
+                          world, rank, cfg.run.seed);
+  zinc::CsvMonitorConfig monitor_cfg = cfg.csv_monitor;
+  monitor_cfg.enabled = monitor_cfg.enabled && rank == 0;
+  CsvMonitor monitor(monitor_cfg);
+  if (rank != 0) json = false;
+  const bool quiet = rank != 0;
   const std::optional<double> floor = ex.data->loss_floor();
   const int64_t steps = cfg.run.steps;
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
-  if (!json) {
+  if (!json && !quiet) {
     std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
                 ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
                 cfg.bf16 ? "bf16" : "fp32", ex.data->describe().c_str());
-    std::printf("batch %lld = micro %lld x accumulation %lld x ranks 1 | %lld steps",
+    std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d | ZeRO stage %d%s | %lld steps",
                 static_cast<long long>(cfg.train_batch_size),
                 static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
-                static_cast<long long>(cfg.gradient_accumulation_steps), static_cast<long long>(steps));
+                static_cast<long long>(cfg.gradient_accumulation_steps), world, cfg.zero.stage,
+                cfg.zero.overlap_comm ? " (overlap_comm)" : "", static_cast<long long>(steps));
     if (floor) std::printf(" | loss floor %.4f nats", *floor);
     std::printf("\n");
     std::fflush(stdout);
@@ -111,11 +134,12 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
   double loss = NAN;
   double eval_loss = NAN;
   for (int64_t s = 1; s <= steps; ++s) {
+    maybe_inject_error(rank, s);
     loss = engine.train_batch(loader);
     const int64_t samples = s * cfg.train_batch_size;
     monitor.write("Train/Samples/train_loss", loss, samples);
     monitor.write("Train/Samples/lr", engine.learning_rate(), samples);
-    if (s % cfg.steps_per_print == 0 || s == steps) {
+    if (!quiet && (s % cfg.steps_per_print == 0 || s == steps)) {
       const auto now = Clock::now();
       const double elapsed = std::chrono::duration<double>(now - t0).count();
       const double window = std::chrono::duration<double>(now - t_last).count();
@@ -147,18 +171,35 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
                                         cfg.train_micro_batch_size_per_gpu);
       if (json)
         std::printf("%s\n", nlohmann::json{{"event", "eval"}, {"step", s}, {"loss", eval_loss}}.dump().c_str());
-      else
+      else if (!quiet)
         std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
       std::fflush(stdout);
     }
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
   const double tps = static_cast<double>(steps * tokens_per_step) / elapsed;
-  const int64_t rss = zinc::tools::peak_rss_bytes();
+  // Per-rank peak RSS and the exposed communication share, from every rank.
+  std::vector<double> rss(static_cast<size_t>(world), 0.0);
+  rss[static_cast<size_t>(rank)] = static_cast<double>(zinc::tools::peak_rss_bytes());
+  double wait_share = engine.comm_wait_seconds() / elapsed;
+  if (world > 1) {
+    comm->all_reduce_f64(rss.data(), world);
+    comm->all_reduce_max_f64(&wait_share, 1);
+  }
+  if (quiet) return 0;
+  const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
-    nlohmann::json sum = {{"event", "summary"}, {"steps", steps},      {"final_loss", loss},
-                          {"tokens_per_s", tps}, {"peak_rss_bytes", rss}, {"elapsed_s", elapsed},
-                          {"world_size", 1},     {"skipped_steps", engine.skipped_steps()}};
+    nlohmann::json sum = {{"event", "summary"},
+                          {"steps", steps},
+                          {"final_loss", loss},
+                          {"tokens_per_s", tps},
+                          {"peak_rss_bytes", static_cast<int64_t>(rss_max)},
+                          {"peak_rss_bytes_per_rank", rss},
+                          {"elapsed_s", elapsed},
+                          {"world_size", world},
+                          {"zero_stage", cfg.zero.stage},
+                          {"comm_wait_share", wait_share},
+                          {"skipped_steps", engine.skipped_steps()}};
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
     std::printf("%s\n", sum.dump().c_str());
@@ -167,7 +208,14 @@ int run(const std::string& config_path, const std::vector<std::string>& sets, in
                 format_duration(elapsed).c_str(), loss);
     if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
     if (ex.eval_data) std::printf(" | held-out loss %.4f", eval_loss);
-    std::printf(" | %.0f tok/s | peak RSS %.0f MiB", tps, static_cast<double>(rss) / (1 << 20));
+    std::printf(" | %.0f tok/s", tps);
+    if (world == 1) {
+      std::printf(" | peak RSS %.0f MiB", rss_max / (1 << 20));
+    } else {
+      std::printf(" | %d ranks, peak RSS per rank", world);
+      for (double r : rss) std::printf(" %.0f", r / (1 << 20));
+      std::printf(" MiB | waiting for communication %.1f%% of the time", 100 * wait_share);
+    }
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
     std::printf("\n");
@@ -193,10 +241,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  std::shared_ptr<zinc::comm::Communicator> comm;
   try {
-    return run(config_path, sets, steps, json);
+    comm = zinc::comm::launched_with_mpi() ? std::shared_ptr<zinc::comm::Communicator>(zinc::comm::make_mpi_communicator())
+                                           : std::shared_ptr<zinc::comm::Communicator>(zinc::comm::make_single_communicator());
+    zinc::set_log_rank(comm->rank());
+    if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
+    return run(comm, config_path, sets, steps, json);
   } catch (const std::exception& e) {
     std::fflush(stdout);
+    if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank
     std::fprintf(stderr, "zinc-train: error: %s\n", e.what());
     return 1;
   }

@@ -109,7 +109,8 @@ TEST(ConfigDefaults, OverlapCommDefaultFollowsStageButStage3IsRefusedForNow) {
       Config::parse(with({{"zero_optimization", {{"stage", 0}, {"overlap_comm", true}}}})).zero.overlap_comm);
   EXPECT_CONFIG_ERROR(
       with({{"zero_optimization", {{"stage", 3}}}}),
-      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc (stage 0 only); set stage 0");
+      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc (stages 0, 1 and 2 are)");
+  EXPECT_FALSE(Config::parse(with({{"zero_optimization", {{"stage", 2}}}})).zero.overlap_comm);
 }
 
 // ---------------------------------------------------------------------------
@@ -243,9 +244,9 @@ TEST(ConfigErrors, PrecisionModes) {
 }
 
 TEST(ConfigErrors, ZeroStagesAndOffload) {
-  EXPECT_CONFIG_ERROR(
-      with({{"zero_optimization", {{"stage", 1}}}}),
-      "zero_optimization.stage: ZeRO stage 1 is not implemented yet in zinc (stage 0 only); set stage 0");
+  EXPECT_EQ(Config::parse(with({{"zero_optimization", {{"stage", 1}}}})).zero.stage, 1);
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}}}}),
+                      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 2}, {"offload_param", {{"device", "cpu"}}}}}}),
                       "zero_optimization.offload_param: parameter offload needs ZeRO stage 3", "got stage 2");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
@@ -541,8 +542,8 @@ TEST(ConfigOverride, MalformedAssignmentsAreErrors) {
 
 TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
   json j = base();
-  apply_override(j, "zero_optimization.stage=1");
-  EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: ZeRO stage 1 is not implemented yet");
+  apply_override(j, "zero_optimization.stage=3");
+  EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: ZeRO stage 3 is not implemented yet");
 }
 
 // ---------------------------------------------------------------------------

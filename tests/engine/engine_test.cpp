@@ -83,7 +83,7 @@ Batch toy_batch(int32_t first) {
 std::vector<float> params_of(const Engine& e, int blocks) {
   std::vector<float> out;
   for (int b = 0; b < blocks; ++b) {
-    auto s = e.master_params(b);
+    std::vector<float> s = e.full_params(b);
     out.insert(out.end(), s.begin(), s.end());
   }
   return out;
@@ -98,7 +98,7 @@ ToyState toy_state(const Engine& e, const std::vector<Batch>& micro) {
   ToyState s;
   int64_t j = 0;
   for (int blk = 0; blk < 2; ++blk) {
-    auto m = e.master_params(blk);
+    std::vector<float> m = e.full_params(blk);
     BlockLayout l = BlockLayout::from_spec(const_cast<Engine&>(e).model().blocks()[blk]);
     for (size_t i = 0; i < l.offsets.size(); ++i)
       for (int64_t k = 0; k < l.numels[i]; ++k, ++j) {

@@ -1,0 +1,124 @@
+// zinc comm: collectives between data-parallel ranks (public header of comm/).
+//
+// Communicator is the transport: MPI between processes (make_mpi_communicator)
+// or a world of one (make_single_communicator); later backends (shared
+// memory, NCCL) implement the same interface, which therefore names no MPI
+// type. Buffers are fp32 or bf16 (bf16 sums are formed in fp32 and rounded to
+// bf16 once per pairwise combination). For a given world size and backend
+// every collective combines ranks in a fixed order, so results are
+// deterministic run to run.
+//
+// Failures throw zinc::CommError naming the rank and the operation. abort()
+// brings the whole job down (every rank exits) after printing its message:
+// a rank that fails must call it rather than leave the others waiting.
+//
+// Threading: a Communicator is used by one thread at a time. CommStream owns
+// one background thread that runs submitted work in order; while a stream
+// exists, only the stream's thread may use its communicator (submit the work
+// instead of calling the communicator directly).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "core/dtype.h"
+
+namespace zinc::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+  // Ranks that share this machine with this rank (including itself).
+  virtual int local_size() const = 0;
+
+  // recv[i] = sum over ranks of send[i], i < count. send == recv is in place.
+  virtual void all_reduce(const void* send, void* recv, int64_t count, DType dtype) = 0;
+  // Sum over ranks of send (size() * recv_count elements); this rank receives
+  // block rank() of the sum (recv_count elements). send != recv.
+  virtual void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) = 0;
+  // recv (size() * send_count elements) = the ranks' send blocks in rank
+  // order. send may point at this rank's block inside recv (in place).
+  virtual void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) = 0;
+  virtual void broadcast(void* buf, int64_t count, DType dtype, int root) = 0;
+  // In-place sum of doubles (norms, losses, counters).
+  virtual void all_reduce_f64(double* buf, int64_t count) = 0;
+  // In-place maximum of doubles (peak memory, timings).
+  virtual void all_reduce_max_f64(double* buf, int64_t count) = 0;
+  virtual void barrier() = 0;
+  // Prints "zinc: [rank r] fatal: msg" and ends every rank of the job with `code`.
+  [[noreturn]] virtual void abort(int code, const std::string& msg) = 0;
+};
+
+// Initialises MPI (thread level: at least serialized) unless the process has
+// done so already, and finalises it when the last MPI communicator is
+// destroyed if it initialised it. Errors become CommError.
+std::unique_ptr<Communicator> make_mpi_communicator();
+// A world of one rank: collectives copy; no MPI.
+std::unique_ptr<Communicator> make_single_communicator();
+// True when the process runs under an MPI launcher (mpirun/srun set
+// OMPI_COMM_WORLD_SIZE, PMI_SIZE, ...) with more than one rank.
+bool launched_with_mpi();
+
+// A waitable result of CommStream::submit. Keeps the work's state alive;
+// wait() blocks until the work ran and rethrows its exception if it threw.
+class CommHandle {
+ public:
+  CommHandle() = default;
+  void wait();
+  bool done() const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  friend class CommStream;
+  struct State;
+  std::shared_ptr<State> state_;
+  class CommStream* stream_ = nullptr;
+};
+
+// An ordered background queue of collectives. Work runs on one thread in
+// submission order; every rank must submit the same collectives in the same
+// order. The stream records how long callers spent blocked in wait() and
+// synchronize() (exposed communication time).
+class CommStream {
+ public:
+  explicit CommStream(Communicator& comm);
+  ~CommStream();  // drains the queue, then joins
+  CommStream(const CommStream&) = delete;
+  CommStream& operator=(const CommStream&) = delete;
+
+  CommHandle submit(std::function<void(Communicator&)> work);
+  // Waits for everything submitted so far; rethrows the first error.
+  void synchronize();
+  Communicator& comm() { return comm_; }
+
+  // Seconds callers spent blocked waiting on this stream, and seconds the
+  // stream's thread spent running work, since construction or reset.
+  double wait_seconds() const;
+  double busy_seconds() const;
+  void reset_counters();
+
+ private:
+  friend class CommHandle;
+  void run();
+  Communicator& comm_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<std::pair<std::function<void(Communicator&)>, std::shared_ptr<CommHandle::State>>> queue_;
+  // Work that threw and whose error neither wait() nor synchronize() has reported yet.
+  std::deque<std::shared_ptr<CommHandle::State>> failed_;
+  bool stop_ = false;
+  double wait_s_ = 0, busy_s_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace zinc::comm

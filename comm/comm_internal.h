@@ -1,0 +1,49 @@
+// zinc comm, private: argument checks shared by every backend, the MPI error
+// translation, and test hooks. Not included outside comm/ and tests/comm/.
+//
+// Every backend validates its arguments with the same functions, so a caller
+// bug (a negative count, an overlapping reduce-scatter buffer, a bad root)
+// fails the same way at world size 1 as at world size N. The checks run
+// before any communication: when every rank passes the same arguments (as
+// they must), every rank throws and none is left waiting.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "comm/comm.h"
+#include "core/error.h"
+
+namespace zinc::comm::detail {
+
+// Largest element count one MPI call takes (its count argument is an int).
+inline constexpr int64_t kMpiMaxCount = 2147483647;
+// all_reduce, broadcast and the f64 reductions split larger buffers into
+// calls of at most this many elements (a power of two keeps chunks aligned).
+inline constexpr int64_t kMpiChunkCount = int64_t{1} << 30;
+
+// "rank R: op: msg" as a CommError.
+CommError comm_error(int rank, const std::string& op, const std::string& msg);
+
+// Throw CommError when the arguments are invalid; `op` names the collective.
+void check_count(int rank, const char* op, int64_t count);
+void check_all_reduce(int rank, const void* send, const void* recv, int64_t count, DType dtype);
+void check_reduce_scatter(int rank, int size, const void* send, const void* recv, int64_t recv_count,
+                          DType dtype);
+// Returns true when send is this rank's block inside recv (in place).
+bool check_all_gather(int rank, int size, const void* send, const void* recv, int64_t send_count,
+                      DType dtype);
+void check_broadcast(int rank, int size, int64_t count, int root);
+
+// Translates an MPI return code: CommError("rank R: <op> failed: <MPI_Error_string> (MPI error
+// class C)"). R is the rank in MPI_COMM_WORLD, or "?" when MPI is not running.
+CommError mpi_error(const std::string& op, int rc);
+
+// make_mpi_communicator with a smaller per-call element limit (tests exercise
+// chunking and the limit errors with small buffers). max_count is both the
+// chunk size of all_reduce/broadcast/f64 reductions and the limit of
+// reduce_scatter/all_gather.
+std::unique_ptr<Communicator> make_mpi_communicator(int64_t max_count);
+
+}  // namespace zinc::comm::detail

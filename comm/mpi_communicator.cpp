@@ -1,0 +1,320 @@
+// MPI backend of Communicator.
+//
+// Ownership: one MpiCommunicator owns a duplicate of MPI_COMM_WORLD (its own
+// message space, with MPI_ERRORS_RETURN so that failures come back as codes
+// and become CommError through mpi_error), the bf16 datatype and the bf16 sum
+// operation. All of them are freed by its destructor. MPI itself is shared by
+// the process: MpiRuntime counts live communicators and finalises MPI when
+// the last one goes, if zinc initialised it (Note [MPI lifetime]).
+//
+// Threads: like every Communicator, one thread at a time (CommStream's thread
+// while a stream exists). MPI is initialised with MPI_THREAD_MULTIPLE
+// requested and at least MPI_THREAD_SERIALIZED required: the collectives run
+// on the stream's thread, not the thread that initialised MPI.
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "comm/comm.h"
+#include "comm/comm_internal.h"
+#include "core/log.h"
+
+namespace zinc::comm {
+namespace detail {
+
+CommError mpi_error(const std::string& op, int rc) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  const bool running = initialized && !finalized;
+  std::string rank = "?";
+  std::string text = "MPI error code " + std::to_string(rc);
+  if (running) {
+    int r = 0;
+    if (MPI_Comm_rank(MPI_COMM_WORLD, &r) == MPI_SUCCESS) rank = std::to_string(r);
+    char buf[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, buf, &len) == MPI_SUCCESS) text.assign(buf, static_cast<size_t>(len));
+    int cls = 0;
+    if (MPI_Error_class(rc, &cls) == MPI_SUCCESS) text += " (MPI error class " + std::to_string(cls) + ")";
+  }
+  return CommError("rank " + rank + ": " + op + " failed: " + text);
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::comm_error;
+using detail::mpi_error;
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "unknown";
+}
+
+// Note [MPI lifetime]
+// MPI can be initialised and finalised once per process. The first
+// communicator initialises it (unless the program already did), each
+// communicator holds a reference, and the last one to go finalises it, but
+// only if zinc initialised it: a program that called MPI_Init itself also
+// calls MPI_Finalize itself. After that MPI cannot come back, so a program
+// keeps one communicator alive for its whole run.
+class MpiRuntime {
+ public:
+  static void acquire() {
+    std::scoped_lock lock(mu());
+    State& s = state();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      throw CommError(
+          "rank ?: MPI_Init_thread: MPI has already been finalised in this process and cannot start again "
+          "(keep one communicator alive for the whole run)");
+    }
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS) throw mpi_error("MPI_Init_thread", rc);
+      s.we_initialised = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    if (provided < MPI_THREAD_SERIALIZED) {
+      CommError err(std::string("rank ?: MPI_Init_thread: MPI provides ") + thread_level_name(provided) +
+                    "; zinc needs at least MPI_THREAD_SERIALIZED because its CommStream thread issues the "
+                    "collectives (initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let "
+                    "zinc initialise it)");
+      if (s.live == 0 && s.we_initialised) {
+        MPI_Finalize();
+        s.we_initialised = false;
+      }
+      throw err;
+    }
+    ++s.live;
+  }
+
+  static void release() {
+    std::scoped_lock lock(mu());
+    State& s = state();
+    if (--s.live > 0 || !s.we_initialised) return;
+    const int rc = MPI_Finalize();
+    s.we_initialised = false;
+    if (rc != MPI_SUCCESS) log_warn("MPI_Finalize failed (code " + std::to_string(rc) + ")");
+  }
+
+ private:
+  struct State {
+    int live = 0;
+    bool we_initialised = false;
+  };
+  // Never destroyed: a communicator released during static destruction must
+  // still find them.
+  static std::mutex& mu() {
+    static auto* m = new std::mutex;
+    return *m;
+  }
+  static State& state() {
+    static auto* s = new State;
+    return *s;
+  }
+};
+
+// bf16 sum as an MPI user operation: each pairwise combination is formed in
+// fp32 and rounded once (round to nearest even), inout = in + inout.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const bf16* a = static_cast<const bf16*>(in);
+  bf16* b = static_cast<bf16*>(inout);
+  const int n = *len;
+  for (int i = 0; i < n; ++i) b[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(int64_t chunk_count, int64_t max_count)
+      : chunk_count_(chunk_count), max_count_(max_count) {
+    MpiRuntime::acquire();
+    try {
+      check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+      check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+      check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+      check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+      MPI_Comm node = MPI_COMM_NULL;
+      check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+      const int rc = MPI_Comm_size(node, &local_size_);
+      MPI_Comm_free(&node);
+      check(rc, "MPI_Comm_size");
+      check(MPI_Type_contiguous(1, MPI_UINT16_T, &bf16_type_), "MPI_Type_contiguous");
+      check(MPI_Type_commit(&bf16_type_), "MPI_Type_commit");
+      check(MPI_Op_create(&bf16_sum, /*commute=*/1, &bf16_sum_), "MPI_Op_create");
+    } catch (...) {
+      free_handles();
+      MpiRuntime::release();
+      throw;
+    }
+    set_log_rank(rank_);
+  }
+
+  ~MpiCommunicator() override {
+    free_handles();
+    MpiRuntime::release();
+  }
+
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+  int local_size() const override { return local_size_; }
+
+  void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
+    detail::check_all_reduce(rank_, send, recv, count, dtype);
+    const size_t elem = dtype_bytes(dtype);
+    for (int64_t off = 0; off < count; off += chunk_count_) {
+      const int n = static_cast<int>(std::min(chunk_count_, count - off));
+      void* r = static_cast<char*>(recv) + static_cast<size_t>(off) * elem;
+      const void* s = send == recv ? MPI_IN_PLACE : static_cast<const char*>(send) + static_cast<size_t>(off) * elem;
+      check(MPI_Allreduce(s, r, n, type(dtype), sum(dtype), comm_), "MPI_Allreduce", "all_reduce", count, dtype);
+    }
+  }
+
+  void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
+    detail::check_reduce_scatter(rank_, size_, send, recv, recv_count, dtype);
+    if (recv_count == 0) return;
+    check_limit("reduce_scatter", recv_count, "reduce_bucket_size");
+    check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(recv_count), type(dtype), sum(dtype), comm_),
+          "MPI_Reduce_scatter_block", "reduce_scatter", recv_count, dtype);
+  }
+
+  void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
+    const bool in_place = detail::check_all_gather(rank_, size_, send, recv, send_count, dtype);
+    if (send_count == 0) return;
+    check_limit("all_gather", send_count, "allgather_bucket_size");
+    const int n = static_cast<int>(send_count);
+    check(MPI_Allgather(in_place ? MPI_IN_PLACE : send, n, type(dtype), recv, n, type(dtype), comm_),
+          "MPI_Allgather", "all_gather", send_count, dtype);
+  }
+
+  void broadcast(void* buf, int64_t count, DType dtype, int root) override {
+    detail::check_broadcast(rank_, size_, count, root);
+    const size_t elem = dtype_bytes(dtype);
+    for (int64_t off = 0; off < count; off += chunk_count_) {
+      const int n = static_cast<int>(std::min(chunk_count_, count - off));
+      check(MPI_Bcast(static_cast<char*>(buf) + static_cast<size_t>(off) * elem, n, type(dtype), root, comm_),
+            "MPI_Bcast", "broadcast", count, dtype);
+    }
+  }
+
+  void all_reduce_f64(double* buf, int64_t count) override { reduce_f64(buf, count, MPI_SUM, "all_reduce_f64"); }
+  void all_reduce_max_f64(double* buf, int64_t count) override {
+    reduce_f64(buf, count, MPI_MAX, "all_reduce_max_f64");
+  }
+
+  void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+
+  [[noreturn]] void abort(int code, const std::string& msg) override {
+    std::fprintf(stderr, "zinc: [rank %d] fatal: %s\n", rank_, msg.c_str());
+    std::fflush(stderr);
+    std::fflush(stdout);
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);  // MPI_Abort does not return; if it ever does, still end this rank
+  }
+
+ private:
+  void reduce_f64(double* buf, int64_t count, MPI_Op op, const char* what) {
+    detail::check_count(rank_, what, count);
+    for (int64_t off = 0; off < count; off += chunk_count_) {
+      const int n = static_cast<int>(std::min(chunk_count_, count - off));
+      const int rc = MPI_Allreduce(MPI_IN_PLACE, buf + off, n, MPI_DOUBLE, op, comm_);
+      if (rc != MPI_SUCCESS) throw mpi_error(std::string("MPI_Allreduce (") + what + " of " +
+                                                 std::to_string(count) + " f64)", rc);
+    }
+  }
+
+  // reduce_scatter and all_gather are not split: their blocks interleave in
+  // the full buffer, and MPI's predefined sum does not take the derived
+  // datatypes that a split would need. Both the per-rank count and the full
+  // buffer stay within one int, since MPI implementations index the full
+  // buffer with it.
+  void check_limit(const char* op, int64_t count, const char* bucket_key) const {
+    if (count <= max_count_ / size_) return;
+    throw comm_error(rank_, op,
+                     std::to_string(count) + " elements per rank x " + std::to_string(size_) +
+                         " ranks exceed the limit of " + std::to_string(max_count_) +
+                         " elements per MPI call (an int count); use smaller buckets (" + bucket_key + ")");
+  }
+
+  MPI_Datatype type(DType dtype) const { return dtype == DType::kF32 ? MPI_FLOAT : bf16_type_; }
+  MPI_Op sum(DType dtype) const { return dtype == DType::kF32 ? MPI_SUM : bf16_sum_; }
+
+  // The one place MPI return codes are checked.
+  static void check(int rc, const char* mpi_fn) {
+    if (rc != MPI_SUCCESS) throw mpi_error(mpi_fn, rc);
+  }
+  static void check(int rc, const char* mpi_fn, const char* what, int64_t count, DType dtype) {
+    if (rc == MPI_SUCCESS) return;
+    throw mpi_error(std::string(mpi_fn) + " (" + what + " of " + std::to_string(count) + " " +
+                        std::string(dtype_name(dtype)) + ")",
+                    rc);
+  }
+
+  void free_handles() {
+    if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+    if (bf16_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_type_);
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+
+  const int64_t chunk_count_;  // all_reduce/broadcast/f64: elements per MPI call
+  const int64_t max_count_;    // reduce_scatter/all_gather: limit on size * count
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;
+  int rank_ = 0, size_ = 1, local_size_ = 1;
+};
+
+}  // namespace
+
+namespace detail {
+
+std::unique_ptr<Communicator> make_mpi_communicator(int64_t max_count) {
+  ZINC_CHECK(max_count >= 1 && max_count <= kMpiMaxCount, "max_count out of range");
+  return std::make_unique<MpiCommunicator>(max_count, max_count);
+}
+
+}  // namespace detail
+
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  return std::make_unique<MpiCommunicator>(detail::kMpiChunkCount, detail::kMpiMaxCount);
+}
+
+bool launched_with_mpi() {
+  // World-size variables of the common launchers: Open MPI's mpirun, PMI
+  // (MPICH hydra, Intel MPI, Slurm's srun --mpi=pmi2), MVAPICH.
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"}) {
+    const char* v = std::getenv(var);
+    if (v && *v) return std::atoi(v) > 1;
+  }
+  // PMIx launchers (srun --mpi=pmix, prterun) publish the rank but not the
+  // size: a rank above 0 proves a multi-rank job; rank 0 cannot tell.
+  for (const char* var : {"PMIX_RANK", "PMI_RANK"}) {
+    const char* v = std::getenv(var);
+    if (v && *v && std::atoi(v) > 0) return true;
+  }
+  return false;
+}
+
+}  // namespace zinc::comm

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# zinc-train under mpirun: two ranks train and rank 0 alone prints, with the
+# world size, per-rank peak RSS and the communication share in the summary;
+# and a rank that fails mid-step brings the whole job down with its message,
+# well within 30 seconds, instead of leaving the other rank waiting.
+# Usage: mpi_cli_test.sh ZINC_TRAIN REPO_ROOT
+set -u
+ZT="$1"
+ROOT="$2"
+CFG="$ROOT/configs/default.json"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+MPIRUN=(mpirun --oversubscribe -np 2 -x OMP_NUM_THREADS=1)
+[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
+pass=0
+fail=0
+
+if "${MPIRUN[@]}" "$ZT" "$CFG" --steps 6 --set steps_per_print=3 --set zero_optimization.stage=2 \
+     --set zero_optimization.overlap_comm=true --json >"$TMP/out" 2>"$TMP/err" &&
+   python3 - "$TMP/out" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+steps = [l for l in lines if l["event"] == "step"]
+assert [s["step"] for s in steps] == [3, 6], steps          # rank 0 only: no duplicates
+s = lines[-1]
+assert s["event"] == "summary" and s["world_size"] == 2 and s["zero_stage"] == 2, s
+assert len(s["peak_rss_bytes_per_rank"]) == 2 and min(s["peak_rss_bytes_per_rank"]) > 0, s
+assert 0 <= s["comm_wait_share"] < 1, s
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL two-rank run"; cat "$TMP/out" "$TMP/err"
+fi
+
+start=$(date +%s)
+ZINC_INJECT_ERROR=1:3 timeout 60 "${MPIRUN[@]}" -x ZINC_INJECT_ERROR "$ZT" "$CFG" --steps 50 >"$TMP/out" 2>"$TMP/err"
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$elapsed" -lt 30 ] &&
+   grep -q "rank 1.*injected failure at step 3" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL failing rank: rc=$rc after ${elapsed}s"; cat "$TMP/err"
+fi
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
