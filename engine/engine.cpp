@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 
 #include "core/alloc.h"
 #include "core/error.h"
@@ -62,8 +63,7 @@ struct BlockState {
   AlignedBuffer exp_avg;     // Adam m, same size as master
   AlignedBuffer exp_avg_sq;  // Adam v, same size as master
   AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (stage 2: released after reduction)
-  AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (world > 1)
-  AlignedBuffer wire;        // bf16 wire: padded_numel + shard_numel (communication_data_type bf16)
+  AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (stages 1, 2 with world > 1)
   bool grads_reported = false;
   comm::CommHandle reduction;  // the reduce-scatter of this step, while in flight
 };
@@ -115,6 +115,17 @@ struct Engine::Impl final : StepContext {
   // Blocks reported ready in the current boundary backward, not yet submitted.
   std::vector<int> bucket;
   int64_t bucket_numel = 0;
+  // Reductions submitted and not yet known to be finished, oldest first. At
+  // most kMaxInflight buckets are in flight: the next submission waits for the
+  // oldest, which bounds the full gradients alive at stage 2.
+  static constexpr size_t kMaxInflight = 2;
+  std::deque<comm::CommHandle> inflight;
+  // Scratch of the comm thread, sized for the largest block and reused by
+  // every block in turn (the stream runs one task at a time): the reduced
+  // shard at stage 0, and the bf16 wire copies (full + shard) with
+  // communication_data_type bf16.
+  AlignedBuffer scratch_shard;  // fp32, max shard_numel (stage 0)
+  AlignedBuffer scratch_wire;   // bf16, max (padded_numel + shard_numel)
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
       : cfg(c), model(std::move(m)), comm(std::move(cm)), dtype(c.bf16 ? DType::kBF16 : DType::kF32),
@@ -203,9 +214,15 @@ struct Engine::Impl final : StepContext {
       // Stage 2 allocates a block's full gradient when backward first asks
       // for it (grads()) and frees it once reduced.
       if (!(stage == 2 && world > 1)) s.grad = alloc(padded * 4);
-      if (world > 1) s.grad_shard = alloc(shard * 4);
-      if (wire_bf16) s.wire = alloc((padded + shard) * 2);
+      if (world > 1 && stage > 0) s.grad_shard = alloc(shard * 4);
     }
+    int64_t max_padded = 0, max_shard = 0;
+    for (const BlockState& s : blocks) {
+      max_padded = std::max(max_padded, s.part.padded_numel);
+      max_shard = std::max(max_shard, s.part.shard_numel);
+    }
+    if (world > 1 && stage == 0) scratch_shard = alloc(static_cast<size_t>(max_shard) * 4);
+    if (wire_bf16) scratch_wire = alloc(static_cast<size_t>(max_padded + max_shard) * 2);
   }
 
   // ---- StepContext --------------------------------------------------------------
@@ -246,8 +263,10 @@ struct Engine::Impl final : StepContext {
 
   // ---- reduction --------------------------------------------------------------------
   // The shard of the reduced gradient this rank owns (valid after reduction).
+  // Stage 0 all-gathers the reduced shards back into the full gradient, so
+  // its own range of the full buffer holds it.
   float* reduced_shard(BlockState& s) {
-    return world > 1 ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
+    return world > 1 && stage > 0 ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
   }
 
   // A full bucket goes to the comm stream. With overlap_comm backward goes
@@ -256,10 +275,14 @@ struct Engine::Impl final : StepContext {
   void flush_bucket() {
     if (bucket.empty()) return;
     submit_reduction(bucket);
-    if (!cfg.zero.overlap_comm && stream) {
-      for (int id : bucket) blocks[id].reduction.wait();
-      reap_reductions();
+    if (stream && (!cfg.zero.overlap_comm || inflight.size() > kMaxInflight)) {
+      const size_t keep = cfg.zero.overlap_comm ? kMaxInflight : 0;
+      while (inflight.size() > keep) {
+        inflight.front().wait();
+        inflight.pop_front();
+      }
     }
+    reap_reductions();
     bucket.clear();
     bucket_numel = 0;
   }
@@ -268,25 +291,26 @@ struct Engine::Impl final : StepContext {
     if (world == 1) return;  // one rank: the gradient is already the sum
     std::vector<BlockState*> bs;
     for (int id : ids) bs.push_back(&blocks[id]);
-    const bool all_gather_back = stage == 0;
-    const bool wire16 = wire_bf16;
-    comm::CommHandle h = stream->submit([bs, all_gather_back, wire16](comm::Communicator& c) {
+    const bool stage0 = stage == 0;
+    float* shard_scratch = scratch_shard.empty() ? nullptr : scratch_shard.as<float>();
+    bf16* wire = scratch_wire.empty() ? nullptr : scratch_wire.as<bf16>();
+    comm::CommHandle h = stream->submit([bs, stage0, shard_scratch, wire](comm::Communicator& c) {
       for (BlockState* s : bs) {
         const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
-        float* shard_out = s->grad_shard.as<float>();
-        if (wire16) {
-          bf16* full16 = s->wire.as<bf16>();
-          bf16* shard16 = full16 + padded;
-          convert_f32_to_bf16(s->grad.as<float>(), full16, static_cast<size_t>(padded));
-          c.reduce_scatter(full16, shard16, shard, DType::kBF16);
+        float* shard_out = stage0 ? shard_scratch : s->grad_shard.as<float>();
+        if (wire) {
+          bf16* shard16 = wire + padded;
+          convert_f32_to_bf16(s->grad.as<float>(), wire, static_cast<size_t>(padded));
+          c.reduce_scatter(wire, shard16, shard, DType::kBF16);
           convert_bf16_to_f32(shard16, shard_out, static_cast<size_t>(shard));
         } else {
           c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
         }
-        if (all_gather_back) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
+        if (stage0) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
       }
     });
     for (BlockState* s : bs) s->reduction = h;
+    inflight.push_back(h);
   }
 
   // Stage 2: free the full gradient of every block whose reduction finished.
@@ -348,6 +372,7 @@ struct Engine::Impl final : StepContext {
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
     const double inv_world = 1.0 / static_cast<double>(world);
     if (stream) stream->synchronize();  // every reduction of this step
+    inflight.clear();
     // Own-shard squares and the loss, summed over ranks in one collective.
     double sums[2] = {0.0, loss_sum};
     for (BlockState& s : blocks) sums[0] += optim::grad_squared_norm(reduced_shard(s), DType::kF32, s.part.shard_numel);
