@@ -649,7 +649,10 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   Reader r = root.section("zero_optimization");
   r.get_int("stage", z.stage, closed(0, 3));
   if (!r.get_bool("overlap_comm", z.overlap_comm)) z.overlap_comm = z.stage == 3;
-  r.get_bool("contiguous_gradients", z.contiguous_gradients);
+  if (r.get_bool("contiguous_gradients", z.contiguous_gradients) && !z.contiguous_gradients) {
+    r.warn(r.path_of("contiguous_gradients"),
+           "false is ignored: zinc's gradients always live in flat per-block buffers");
+  }
   r.get_bool("reduce_scatter", z.reduce_scatter);
   r.get_bool("allgather_partitions", z.allgather_partitions);
   r.get_int("reduce_bucket_size", z.reduce_bucket_size, at_least(1));
