@@ -40,10 +40,17 @@ inline void emit(bool json, const nlohmann::json& line, const std::string& human
   std::fflush(stdout);
 }
 
+// fio (io_uring, O_DIRECT, 1 MiB blocks, queue depth 8) on `file` of
+// `bytes`: bytes per second. require_fio throws a clear error without fio.
+void require_fio();
+double fio_bw(const std::string& file, int64_t bytes, bool write);
+
 int bench_train_step(const BenchOptions& o);
 int bench_adamw(const BenchOptions& o);
 int bench_collectives(const BenchOptions& o);   // under mpirun
 int bench_zero_memory(const BenchOptions& o);   // under mpirun
 int bench_overlap(const BenchOptions& o);       // under mpirun
+int bench_nvme(const BenchOptions& o);
+int bench_offload_step(const BenchOptions& o);
 
 }  // namespace zinc::bench

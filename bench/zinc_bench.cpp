@@ -14,6 +14,10 @@
 //   zero-memory (mpirun) per-rank peak model-state memory of stages 0, 1, 2
 //               over the ZeRO formula.
 //   overlap     (mpirun) exposed communication per step, overlap_comm off/on.
+//   nvme        NvmeStore read/write bandwidth over fio (io_uring, O_DIRECT)
+//               with the same block size and queue depth in the same folder.
+//   offload-step the optimizer step with optimizer states on NVMe over the
+//               bytes-over-bandwidth bound (fio, same run).
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -24,7 +28,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -45,7 +49,9 @@ int main(int argc, char** argv) {
     if (name == "collectives") return zinc::bench::bench_collectives(o);
     if (name == "zero-memory") return zinc::bench::bench_zero_memory(o);
     if (name == "overlap") return zinc::bench::bench_overlap(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap)\n", name.c_str());
+    if (name == "nvme") return zinc::bench::bench_nvme(o);
+    if (name == "offload-step") return zinc::bench::bench_offload_step(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -1066,12 +1066,9 @@ void Config::validate() const {
                         "required for device \"nvme\"");
     }
   }
-  for (const auto* o : {&oo, &op}) {
-    const char* name = o == &oo ? "offload_optimizer" : "offload_param";
-    if (o->device != "none") {
-      throw ConfigError(std::string("zero_optimization.") + name + ".device",
-                        "offload to \"" + o->device + "\" is not implemented yet in zinc; set \"none\"");
-    }
+  if (op.device != "none") {
+    throw ConfigError("zero_optimization.offload_param.device",
+                      "parameter offload (\"" + op.device + "\") is not implemented yet in zinc; set \"none\"");
   }
   if (zero.stage == 3) {
     throw ConfigError("zero_optimization.stage",

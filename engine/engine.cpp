@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/partition.h"
+#include "engine/swapper.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 
@@ -59,9 +60,16 @@ struct BlockState {
   BlockLayout layout;
   Partition part;
   AlignedBuffer compute;     // 1-D, part.padded_numel, compute dtype (empty at stage 0 in fp32: master is it)
-  AlignedBuffer master;      // 1-D fp32: stage 0 part.padded_numel, else part.shard_numel
-  AlignedBuffer exp_avg;     // Adam m, same size as master
-  AlignedBuffer exp_avg_sq;  // Adam v, same size as master
+  // fp32 master weights and Adam m, v of this rank's optimizer span
+  // (opt_numel elements: the whole padded block at stage 0, else the shard).
+  // In RAM (offload none), in page-locked RAM (offload cpu, one buffer of
+  // 3 x opt_numel), or on NVMe (the swapper's; the pointers are null).
+  int64_t opt_numel = 0;
+  AlignedBuffer master, exp_avg, exp_avg_sq;
+  offload::PinnedBuffer pinned;
+  float* master_p = nullptr;
+  float* m_p = nullptr;
+  float* v_p = nullptr;
   AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (stage 2: released after reduction)
   AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (stages 1, 2 with world > 1)
   bool grads_reported = false;
@@ -111,6 +119,8 @@ struct Engine::Impl final : StepContext {
   double last_loss = NAN;
   StepTimings timings;
   int64_t state_bytes = 0, state_peak_bytes = 0;
+  std::unique_ptr<OptimizerSwapper> swapper;  // offload_optimizer.device "nvme"
+  std::string offload_device;
 
   // Blocks reported ready in the current boundary backward, not yet submitted.
   std::vector<int> bucket;
@@ -135,6 +145,7 @@ struct Engine::Impl final : StepContext {
       rank = comm->rank();
     }
     stage = c.zero.stage;
+    offload_device = c.zero.offload_optimizer.device;
     wire_bf16 = c.communication_data_type == "bf16" && world > 1;
     if (world > 1) stream = std::make_unique<comm::CommStream>(*comm);
     adam.lr = c.optimizer.lr;
@@ -200,10 +211,26 @@ struct Engine::Impl final : StepContext {
           }
         }
       }
-      s.master = alloc(opt_numel * 4);
-      std::memcpy(s.master.data(), w + (stage == 0 ? 0 : s.part.own_offset()), opt_numel * 4);
-      s.exp_avg = alloc(opt_numel * 4);
-      s.exp_avg_sq = alloc(opt_numel * 4);
+      s.opt_numel = static_cast<int64_t>(opt_numel);
+      const float* init = w + (stage == 0 ? 0 : s.part.own_offset());
+      if (offload_device == "cpu") {
+        s.pinned = offload::PinnedBuffer(3 * opt_numel * 4, cfg.zero.offload_optimizer.pin_memory);
+        state_bytes += static_cast<int64_t>(s.pinned.bytes());
+        s.master_p = s.pinned.as<float>();
+        s.m_p = s.master_p + opt_numel;
+        s.v_p = s.m_p + opt_numel;
+        std::memcpy(s.master_p, init, opt_numel * 4);
+      } else if (offload_device == "none") {
+        s.master = alloc(opt_numel * 4);
+        s.exp_avg = alloc(opt_numel * 4);
+        s.exp_avg_sq = alloc(opt_numel * 4);
+        s.master_p = s.master.as<float>();
+        s.m_p = s.exp_avg.as<float>();
+        s.v_p = s.exp_avg_sq.as<float>();
+        std::memcpy(s.master_p, init, opt_numel * 4);
+      } else {
+        pending_init.emplace_back(init, init + opt_numel);
+      }
       if (dtype == DType::kBF16) {
         s.compute = alloc(padded * 2);
         convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
@@ -223,13 +250,24 @@ struct Engine::Impl final : StepContext {
     }
     if (world > 1 && stage == 0) scratch_shard = alloc(static_cast<size_t>(max_shard) * 4);
     if (wire_bf16) scratch_wire = alloc(static_cast<size_t>(max_padded + max_shard) * 2);
+    if (offload_device == "nvme") {
+      std::vector<int64_t> spans;
+      for (const BlockState& s : blocks) spans.push_back(s.opt_numel);
+      swapper = std::make_unique<OptimizerSwapper>(cfg.zero.offload_optimizer, cfg.aio, rank, spans,
+                                                   cfg.zero.sub_group_size);
+      state_bytes += swapper->buffer_bytes();
+      state_peak_bytes = std::max(state_peak_bytes, state_bytes);
+      for (size_t b = 0; b < blocks.size(); ++b) swapper->init_block(static_cast<int>(b), pending_init[b].data());
+      pending_init.clear();
+    }
   }
+  std::vector<std::vector<float>> pending_init;  // nvme: initial master spans until the swapper exists
 
   // ---- StepContext --------------------------------------------------------------
   DType compute_dtype() const override { return dtype; }
   BlockParams acquire(int block) override {
     BlockState& s = state(block);
-    const void* base = s.compute.empty() ? s.master.data() : s.compute.data();
+    const void* base = s.compute.empty() ? static_cast<const void*>(s.master_p) : s.compute.data();
     return BlockParams{base, dtype, &s.layout};
   }
   void release(int block) override { state(block); }
@@ -394,7 +432,7 @@ struct Engine::Impl final : StepContext {
       lr = schedule.lr_at(optimizer_steps);
       adam.lr = lr;
       optimizer_steps += 1;
-      for (BlockState& s : blocks) update_block(s, grad_scale);
+      update_all(grad_scale);
       if (stage > 0 && stream) gather_params();
     }
     for (BlockState& s : blocks) {
@@ -415,16 +453,31 @@ struct Engine::Impl final : StepContext {
       const int64_t n = s.part.padded_numel;
       bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
       optim::adam_step(adam, optimizer_steps, grad_scale,
-                       optim::AdamSpan{s.master.as<float>(), s.grad.data(), DType::kF32, s.exp_avg.as<float>(),
-                                       s.exp_avg_sq.as<float>(), out, n});
+                       optim::AdamSpan{s.master_p, s.grad.data(), DType::kF32, s.m_p, s.v_p, out, n});
       return;
     }
-    const int64_t off = s.part.own_offset(), n = s.part.shard_numel;
-    bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + off : nullptr;
+    update_span(s, 0, s.part.shard_numel, s.master_p, s.m_p, s.v_p, grad_scale);
+  }
+
+  // Stages 1, 2: Adam over elements [off, off + n) of the rank's shard, whose
+  // master, m, v are at the given pointers; the new weights go to the
+  // compute copy (bf16 in the same pass, fp32 copied).
+  void update_span(BlockState& s, int64_t off, int64_t n, float* master, float* m, float* v, float grad_scale) {
+    const int64_t at = s.part.own_offset() + off;
+    bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + at : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
-                     optim::AdamSpan{s.master.as<float>(), reduced_shard(s), DType::kF32, s.exp_avg.as<float>(),
-                                     s.exp_avg_sq.as<float>(), out, n});
-    if (dtype == DType::kF32) std::memcpy(s.compute.as<float>() + off, s.master.data(), static_cast<size_t>(n) * 4);
+                     optim::AdamSpan{master, reduced_shard(s) + off, DType::kF32, m, v, out, n});
+    if (dtype == DType::kF32) std::memcpy(s.compute.as<float>() + at, master, static_cast<size_t>(n) * 4);
+  }
+
+  void update_all(float grad_scale) {
+    if (swapper) {
+      swapper->for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+        update_span(blocks[g.block], g.offset, g.count, master, m, v, grad_scale);
+      });
+      return;
+    }
+    for (BlockState& s : blocks) update_block(s, grad_scale);
   }
 
   // Stages 1 and 2: every rank's updated shard to every rank, in buckets of
@@ -456,13 +509,15 @@ struct Engine::Impl final : StepContext {
 
   std::vector<float> full_params(int block) {
     BlockState& s = state(block);
-    if (stage == 0 || world == 1) {
-      const float* m = s.master.as<float>();
-      return std::vector<float>(m, m + s.part.padded_numel);
-    }
+    std::vector<float> own(static_cast<size_t>(s.opt_numel));
+    if (swapper)
+      swapper->read_master(block, own.data());
+    else
+      std::memcpy(own.data(), s.master_p, own.size() * 4);
+    if (stage == 0 || world == 1) return own;
     std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
     stream->submit([&](comm::Communicator& c) {
-      c.all_gather(s.master.data(), out.data(), s.part.shard_numel, DType::kF32);
+      c.all_gather(own.data(), out.data(), s.part.shard_numel, DType::kF32);
     }).wait();
     return out;
   }
@@ -531,10 +586,8 @@ int64_t Engine::num_parameters() const { return impl_->num_params; }
 StepTimings Engine::timings() const { return impl_->timings; }
 std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
 
-std::span<const float> Engine::master_shard(int block) const {
-  const BlockState& s = impl_->blocks.at(static_cast<size_t>(block));
-  return {s.master.as<float>(), s.master.bytes() / 4};
-}
+int64_t Engine::offload_bytes_read() const { return impl_->swapper ? impl_->swapper->bytes_read() : 0; }
+int64_t Engine::offload_bytes_written() const { return impl_->swapper ? impl_->swapper->bytes_written() : 0; }
 
 int64_t Engine::model_state_bytes() const { return impl_->state_bytes; }
 int64_t Engine::model_state_peak_bytes() const { return impl_->state_peak_bytes; }

@@ -101,8 +101,10 @@ class Engine {
   // included). At stages 1 and 2 each rank holds only its shard, so this is a
   // collective there: every rank must call it, for the same block.
   std::vector<float> full_params(int block) const;
-  // This rank's fp32 master shard of one block.
-  std::span<const float> master_shard(int block) const;
+  // Bytes the optimizer swapper read from and wrote to NVMe so far
+  // (offload_optimizer.device "nvme"; 0 otherwise).
+  int64_t offload_bytes_read() const;
+  int64_t offload_bytes_written() const;
   // Bytes of model state (parameters, gradients, optimizer state) this rank
   // holds now, and the most it has held.
   int64_t model_state_bytes() const;

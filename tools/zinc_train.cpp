@@ -186,6 +186,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& confi
     comm->all_reduce_f64(rss.data(), world);
     comm->all_reduce_max_f64(&wait_share, 1);
   }
+  // NVMe traffic of the optimizer swapper (this rank's; every rank moves the
+  // same amount), per step and over the time spent in optimizer steps.
+  const bool nvme = cfg.zero.offload_optimizer.device == "nvme";
+  const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
+  const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);
+  const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / engine.timings().step_s / 1e9 : 0;
   if (quiet) return 0;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
@@ -202,6 +208,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& confi
                           {"skipped_steps", engine.skipped_steps()}};
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
+    if (nvme) {
+      sum["nvme_read_bytes_per_step"] = nvme_read;
+      sum["nvme_write_bytes_per_step"] = nvme_written;
+      sum["nvme_GBps"] = nvme_gbs;
+    }
     std::printf("%s\n", sum.dump().c_str());
   } else {
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(steps),
@@ -219,6 +230,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& confi
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
     std::printf("\n");
+    if (nvme)
+      std::printf("optimizer states on NVMe: %.1f MiB read and %.1f MiB written per step per rank, %.2f GB/s "
+                  "during optimizer steps\n",
+                  nvme_read / (1 << 20), nvme_written / (1 << 20), nvme_gbs);
   }
   return 0;
 }

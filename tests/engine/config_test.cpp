@@ -251,9 +251,15 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
                       "zero_optimization.offload_param: parameter offload needs ZeRO stage 3", "got stage 2");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
                       "zero_optimization.offload_param.nvme_path: required for device \"nvme\"");
+  EXPECT_EQ(Config::parse(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}}}))
+                .zero.offload_optimizer.device,
+            "cpu");
   EXPECT_CONFIG_ERROR(
-      with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}}}),
-      "zero_optimization.offload_optimizer.device: offload to \"cpu\" is not implemented yet");
+      with({{"zero_optimization", {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}}}),
+      "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}}}}),
+      "zero_optimization.offload_param.device: parameter offload (\"cpu\") is not implemented yet");
   EXPECT_CONFIG_ERROR(
       with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"ratio", 0.5}}}}}}),
       "zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs ZeRO stage 3");

@@ -49,6 +49,7 @@ struct RunSpec {
   std::string wire = "";
   int64_t bucket = 500000000;
   int steps = 20;
+  std::string offload = "none";
 };
 
 // Trains and returns all full fp32 weights (padding dropped by comparing
@@ -67,6 +68,12 @@ std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communicator> c
                           {"allgather_bucket_size", r.bucket}}},
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   if (!r.wire.empty()) cfg["communication_data_type"] = r.wire;
+  if (r.offload != "none") {
+    cfg["zero_optimization"]["sub_group_size"] = 2048;
+    cfg["zero_optimization"]["offload_optimizer"] = {
+        {"device", r.offload}, {"nvme_path", ::testing::TempDir()}, {"buffer_count", 4}};
+    cfg["aio"] = {{"block_size", 8192}, {"queue_depth", 4}};
+  }
   auto model = make_model(r.model);
   Engine e = Engine::initialize(model, cfg, comm);
   DataConfig dc;
@@ -159,6 +166,20 @@ TEST(ZeroAccumulation, NoSyncAccumulationEqualsTheSameGlobalBatchWithout) {
     a.steps = b.steps = 10;
     const std::vector<float> wa = train(a, g_world), wb = train(b, g_world);
     EXPECT_CLOSE_WEIGHTS(wa, wb, "stage " << stage);
+  }
+}
+
+TEST(ZeroOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
+  for (int stage : {1, 2}) {
+    RunSpec r;
+    r.stage = stage;
+    r.overlap = true;
+    r.bf16 = true;
+    const std::vector<float> none = train(r, g_world);
+    for (const char* device : {"cpu", "nvme"}) {
+      r.offload = device;
+      EXPECT_EQ(train(r, g_world), none) << device << " stage " << stage;
+    }
   }
 }
 

@@ -330,3 +330,47 @@ TEST(EngineTraining, SameSeedSameWeightsBitForBit) {
 
 }  // namespace
 }  // namespace zinc
+
+namespace zinc {
+namespace {
+
+// ---- optimizer-state offload: where the states live must not change a bit ----
+
+std::vector<float> train_offload(int stage, const std::string& device, bool bf16, const std::string& dir) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
+                        {"gradient_accumulation_steps", 2},
+                        {"bf16", {{"enabled", bf16}}},
+                        {"zero_optimization",
+                         {{"stage", stage},
+                          {"sub_group_size", 2048},
+                          {"offload_optimizer",
+                           {{"device", device}, {"nvme_path", dir}, {"buffer_count", 3}, {"pin_memory", true}}}}},
+                        {"aio", {{"block_size", 8192}, {"queue_depth", 4}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  if (device == "none") cfg["zero_optimization"].erase("offload_optimizer");
+  auto model = tiny_gpt();
+  Engine e = Engine::initialize(model, cfg);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), 4, 2, 1, 0, 7);
+  for (int s = 0; s < 20; ++s) e.train_batch(loader);
+  if (device == "nvme") {
+    EXPECT_GT(e.offload_bytes_read(), 0);
+    EXPECT_GT(e.offload_bytes_written(), 0);
+  }
+  return params_of(e, static_cast<int>(model->blocks().size()));
+}
+
+TEST(EngineOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
+  const std::string dir = ::testing::TempDir();
+  for (int stage : {1, 2})
+    for (bool bf16 : {false, true}) {
+      std::vector<float> none = train_offload(stage, "none", bf16, dir);
+      EXPECT_EQ(train_offload(stage, "cpu", bf16, dir), none) << "cpu, stage " << stage << " bf16 " << bf16;
+      EXPECT_EQ(train_offload(stage, "nvme", bf16, dir), none) << "nvme, stage " << stage << " bf16 " << bf16;
+    }
+}
+
+}  // namespace
+}  // namespace zinc

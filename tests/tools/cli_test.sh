@@ -17,7 +17,6 @@ check_error() {  # name, expected substring, args...
   shift 2
   "$ZT" "$@" >"$TMP/out" 2>"$TMP/err"
   local rc=$?
-  local last
   last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
   local lines
   lines="$(grep -vc '^zinc\[' "$TMP/err")"
@@ -40,6 +39,19 @@ check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
 check_error bad-override "key.path=value" "$CFG" --set foo
 check_error heads 'n_head' "$CFG" --set model.n_head=3
+NV="$ROOT/configs/nvme.json"
+check_error nvme-missing-path "$TMP/absent" "$NV" --steps 2 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
+# An I/O error in the middle of a step ends the run naming the file and the
+# error, and the rank's swap folder is gone afterwards (nothing half-written
+# is left to be taken for state).
+mkdir -p "$TMP/nv"
+export ZINC_NVME_FAULT=60:5
+check_error nvme-eio "Input/output error" "$NV" --steps 3 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/nv"
+grep -q "optimizer_states" <<<"$last" || { fail=$((fail + 1)); echo "FAIL nvme-eio: the error does not name the file"; }
+unset ZINC_NVME_FAULT
+if [ -n "$(ls -A "$TMP/nv")" ]; then
+  fail=$((fail + 1)); echo "FAIL nvme-eio: left behind: $(ls "$TMP/nv")"
+fi
 printf '{"train_batch_size": 4,' >"$TMP/broken.json"
 check_error syntax "JSON syntax error" "$TMP/broken.json"
 

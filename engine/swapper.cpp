@@ -1,0 +1,118 @@
+#include "engine/swapper.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace zinc {
+
+namespace {
+constexpr int64_t kAlign = 1024;  // elements: 4 KiB of fp32
+int64_t round_up_elems(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+OptimizerSwapper::OptimizerSwapper(const OffloadConfig& offload, const AioConfig& aio, int rank,
+                                   const std::vector<int64_t>& span_numel, int64_t sub_group_size)
+    : span_numel_(span_numel) {
+  offload::NvmeOptions o;
+  o.path = offload.nvme_path;
+  o.block_size = aio.block_size;
+  o.queue_depth = static_cast<int>(aio.queue_depth);
+  o.threads = static_cast<int>(aio.intra_op_parallelism);
+  o.single_submit = aio.single_submit;
+  o.overlap_events = aio.overlap_events;
+  // Test hook: ZINC_NVME_FAULT=OPS:ERRNO makes every ring fail its I/O
+  // operation number OPS+1 with ERRNO (0: a short transfer), through the
+  // fault-injecting engine, so that failure paths can be exercised end to end.
+  std::function<std::unique_ptr<offload::IoEngine>(const offload::NvmeOptions&)> factory;
+  if (const char* fault = std::getenv("ZINC_NVME_FAULT")) {
+    long long ops = 0;
+    int err = 0;
+    if (std::sscanf(fault, "%lld:%d", &ops, &err) != 2)
+      throw ConfigError("ZINC_NVME_FAULT", std::string("expected OPS:ERRNO, got \"") + fault + "\"");
+    log_warn("NVMe fault injection: I/O operation " + std::to_string(ops + 1) + " of each ring fails (ZINC_NVME_FAULT)");
+    factory = [ops, err](const offload::NvmeOptions& opt) {
+      return offload::make_faulty_engine(offload::make_uring_engine(opt), ops, err);
+    };
+  }
+  store_ = std::make_unique<offload::NvmeStore>(o, rank, factory);
+  const int64_t group = std::max<int64_t>(kAlign, sub_group_size / kAlign * kAlign);
+  int64_t file_bytes = 0;
+  for (size_t b = 0; b < span_numel.size(); ++b) {
+    // Every span is a multiple of 1024 elements (engine/partition.h).
+    for (int64_t off = 0; off < span_numel[b]; off += group) {
+      const int64_t count = round_up_elems(std::min(group, span_numel[b] - off));
+      groups_.push_back({static_cast<int>(b), off, count, file_bytes});
+      file_bytes += 3 * count * 4;
+      max_count_ = std::max(max_count_, count);
+    }
+  }
+  file_ = store_->create("optimizer_states", file_bytes);
+  const int nbuf = static_cast<int>(std::max<int64_t>(2, offload.buffer_count));
+  for (int i = 0; i < nbuf; ++i)
+    buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), offload.pin_memory);
+}
+
+OptimizerSwapper::~OptimizerSwapper() = default;
+
+void OptimizerSwapper::init_block(int block, const float* master) {
+  float* buf = buffers_[0].as<float>();
+  for (const SubGroup& g : groups_) {
+    if (g.block != block) continue;
+    const int64_t used = std::min(g.count, span_numel_[block] - g.offset);
+    std::memset(buf, 0, static_cast<size_t>(3 * g.count * 4));
+    std::memcpy(buf, master + g.offset, static_cast<size_t>(used) * 4);
+    store_->write(file_, g.file_offset, buf, 3 * g.count * 4).wait();
+  }
+}
+
+void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*, float*, float*)>& fn) {
+  const size_t n = groups_.size(), nb = buffers_.size();
+  std::vector<offload::IoTicket> reads(n), writes(n);
+  auto buf = [&](size_t i) { return buffers_[i % nb].as<float>(); };
+  auto bytes = [&](size_t i) { return 3 * groups_[i].count * 4; };
+  // Buffer i % nb is free for sub-group i once sub-group i - nb is written.
+  size_t next_read = 0;
+  auto issue_reads = [&](size_t upto) {
+    for (; next_read < n && next_read < upto; ++next_read) {
+      if (next_read >= nb) writes[next_read - nb].wait();
+      reads[next_read] = store_->read(file_, groups_[next_read].file_offset, buf(next_read), bytes(next_read));
+    }
+  };
+  issue_reads(nb - 1);  // keep one buffer for the write of the group in hand
+  for (size_t i = 0; i < n; ++i) {
+    reads[i].wait();
+    const SubGroup& g = groups_[i];
+    float* b = buf(i);
+    fn(g, b, b + g.count, b + 2 * g.count);
+    writes[i] = store_->write(file_, g.file_offset, b, bytes(i));
+    issue_reads(i + nb);
+  }
+  for (size_t i = 0; i < n; ++i) writes[i].wait();
+}
+
+void OptimizerSwapper::read_master(int block, float* out) {
+  float* buf = buffers_[0].as<float>();
+  for (const SubGroup& g : groups_) {
+    if (g.block != block) continue;
+    store_->read(file_, g.file_offset, buf, g.count * 4).wait();
+    const int64_t used = std::min(g.count, span_numel_[block] - g.offset);
+    std::memcpy(out + g.offset, buf, static_cast<size_t>(used) * 4);
+  }
+}
+
+int64_t OptimizerSwapper::bytes_read() const { return store_->bytes_read(); }
+int64_t OptimizerSwapper::bytes_written() const { return store_->bytes_written(); }
+int64_t OptimizerSwapper::buffer_bytes() const {
+  int64_t s = 0;
+  for (const auto& b : buffers_) s += static_cast<int64_t>(b.bytes());
+  return s;
+}
+const std::string& OptimizerSwapper::folder() const { return store_->folder(); }
+
+}  // namespace zinc
