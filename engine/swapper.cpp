@@ -26,6 +26,22 @@ OptimizerSwapper::OptimizerSwapper(const OffloadConfig& offload, const AioConfig
   o.threads = static_cast<int>(aio.intra_op_parallelism);
   o.single_submit = aio.single_submit;
   o.overlap_events = aio.overlap_events;
+  const int64_t group = std::max<int64_t>(kAlign, sub_group_size / kAlign * kAlign);
+  int64_t file_bytes = 0;
+  for (size_t b = 0; b < span_numel.size(); ++b) {
+    // Every span is a multiple of 1024 elements (engine/partition.h).
+    for (int64_t off = 0; off < span_numel[b]; off += group) {
+      const int64_t count = round_up_elems(std::min(group, span_numel[b] - off));
+      groups_.push_back({static_cast<int>(b), off, count, file_bytes});
+      file_bytes += 3 * count * 4;
+      max_count_ = std::max(max_count_, count);
+    }
+  }
+  const int nbuf = static_cast<int>(std::max<int64_t>(2, offload.buffer_count));
+  for (int i = 0; i < nbuf; ++i) {
+    buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), offload.pin_memory);
+    o.fixed_buffers.emplace_back(buffers_.back().data(), buffers_.back().bytes());
+  }
   // Test hook: ZINC_NVME_FAULT=OPS:ERRNO makes every ring fail its I/O
   // operation number OPS+1 with ERRNO (0: a short transfer), through the
   // fault-injecting engine, so that failure paths can be exercised end to end.
@@ -41,21 +57,7 @@ OptimizerSwapper::OptimizerSwapper(const OffloadConfig& offload, const AioConfig
     };
   }
   store_ = std::make_unique<offload::NvmeStore>(o, rank, factory);
-  const int64_t group = std::max<int64_t>(kAlign, sub_group_size / kAlign * kAlign);
-  int64_t file_bytes = 0;
-  for (size_t b = 0; b < span_numel.size(); ++b) {
-    // Every span is a multiple of 1024 elements (engine/partition.h).
-    for (int64_t off = 0; off < span_numel[b]; off += group) {
-      const int64_t count = round_up_elems(std::min(group, span_numel[b] - off));
-      groups_.push_back({static_cast<int>(b), off, count, file_bytes});
-      file_bytes += 3 * count * 4;
-      max_count_ = std::max(max_count_, count);
-    }
-  }
   file_ = store_->create("optimizer_states", file_bytes);
-  const int nbuf = static_cast<int>(std::max<int64_t>(2, offload.buffer_count));
-  for (int i = 0; i < nbuf; ++i)
-    buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), offload.pin_memory);
 }
 
 OptimizerSwapper::~OptimizerSwapper() = default;

@@ -9,7 +9,8 @@
 // updates sub-group i, sub-group i+1 (and further, with more buffers) is read
 // and sub-group i-1 written back. A failed read or write ends the step with
 // the store's IoError; the state on disk is then not used again (the store
-// is scratch of this run, removed at exit, never read by a new run).
+// is scratch of this run, removed at exit, never read by a new run). The
+// buffers are registered with the store's rings (fixed-buffer I/O).
 //
 // Threading: used by the training thread only.
 #pragma once
@@ -53,11 +54,13 @@ class OptimizerSwapper {
   const std::string& folder() const;
 
  private:
+  // Declared before the store, so the store (whose rings have these buffers
+  // registered) goes first.
+  std::vector<offload::PinnedBuffer> buffers_;  // buffer_count x 3 * max sub-group
   std::unique_ptr<offload::NvmeStore> store_;
   int file_ = -1;
   std::vector<SubGroup> groups_;
   std::vector<int64_t> span_numel_;
-  std::vector<offload::PinnedBuffer> buffers_;  // buffer_count x 3 * max sub-group
   int64_t max_count_ = 0;
 };
 

@@ -42,6 +42,7 @@ class FaultyEngine final : public IoEngine {
     return c;
   }
   int in_flight() const override { return inner_->in_flight() + static_cast<int>(failed_.size()); }
+  int registered_buffers() const override { return inner_->registered_buffers(); }
 
  private:
   // Decides the fate of one operation: true = pass bytes_now_ bytes to the

@@ -14,6 +14,7 @@
 // than asked stays in its slot and is resubmitted for the remainder, as is
 // one that failed with EINTR or EAGAIN; any other failure is recorded in the
 // piece's ticket, which counts down its pieces and wakes the waiter at zero.
+#include <algorithm>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -278,6 +279,7 @@ std::string make_folder(const std::string& path, int rank) {
 }  // namespace
 
 struct NvmeStore::Impl {
+  int registered = 0;  // fixed buffers registered with every ring
   struct File {
     std::string path;
     detail::UniqueFd fd;
@@ -377,8 +379,10 @@ NvmeStore::NvmeStore(const NvmeOptions& options, int rank,
   std::vector<std::unique_ptr<IoEngine>> engines;
   for (int i = 0; i < options.threads; ++i)
     engines.push_back(engine_factory ? engine_factory(options) : make_uring_engine(options));
+  impl_->registered = options.fixed_buffers.empty() ? 0 : static_cast<int>(options.fixed_buffers.size());
   for (auto& e : engines) {
     ZINC_CHECK(e != nullptr, "NvmeStore: the engine factory returned null");
+    impl_->registered = std::min(impl_->registered, e->registered_buffers());
     impl_->workers.push_back(std::make_unique<Worker>(std::move(e), options, impl_->counters));
   }
 }
@@ -426,6 +430,7 @@ IoTicket NvmeStore::read(int file, int64_t offset, void* buf, int64_t bytes) {
 
 const std::string& NvmeStore::folder() const { return impl_->folder; }
 bool NvmeStore::direct_io() const { return impl_->direct; }
+int NvmeStore::registered_buffers() const { return impl_->registered; }
 int64_t NvmeStore::bytes_read() const { return impl_->counters.read.load(); }
 int64_t NvmeStore::bytes_written() const { return impl_->counters.written.load(); }
 

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace zinc::offload {
@@ -58,6 +59,11 @@ struct NvmeOptions {
   int threads = 1;               // aio.intra_op_parallelism: rings, one thread each
   bool single_submit = false;    // aio.single_submit: one io_uring_submit per request instead of batching
   bool overlap_events = true;    // aio.overlap_events: reap completions while still submitting
+  // Host buffers to register with every ring (io_uring_register_buffers):
+  // transfers that lie inside one of them use the fixed-buffer operations,
+  // which skip pinning and mapping the pages on every request. If the kernel
+  // refuses the registration (memlock limit), a warning and plain requests.
+  std::vector<std::pair<void*, size_t>> fixed_buffers;
 };
 
 // The low-level I/O engine under NvmeStore: the io_uring implementation, or a
@@ -78,6 +84,8 @@ class IoEngine {
   virtual void flush() = 0;               // hand queued requests to the kernel
   virtual Completion wait() = 0;          // next completion (blocks)
   virtual int in_flight() const = 0;
+  // Buffers registered with the kernel (0: none, or not an io_uring engine).
+  virtual int registered_buffers() const { return 0; }
 };
 // Options of one ring: queue_depth entries, single_submit.
 std::unique_ptr<IoEngine> make_uring_engine(const NvmeOptions& options);
@@ -113,6 +121,9 @@ class NvmeStore {
 
   const std::string& folder() const;
   bool direct_io() const;  // false after the O_DIRECT fallback
+  // Buffers of options.fixed_buffers registered with every ring (the
+  // smallest count over the rings).
+  int registered_buffers() const;
   // Totals since construction.
   int64_t bytes_read() const;
   int64_t bytes_written() const;

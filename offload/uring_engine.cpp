@@ -4,9 +4,13 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <mutex>
+#include <sys/uio.h>
+#include <vector>
 #include <utility>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "offload/detail/io_detail.h"
 #include "offload/offload.h"
 
@@ -62,18 +66,42 @@ class IoUring {
 
 class UringEngine final : public IoEngine {
  public:
-  explicit UringEngine(const NvmeOptions& o) : ring_(static_cast<unsigned>(o.queue_depth)), single_(o.single_submit) {}
+  explicit UringEngine(const NvmeOptions& o) : ring_(static_cast<unsigned>(o.queue_depth)), single_(o.single_submit) {
+    if (o.fixed_buffers.empty()) return;
+    std::vector<iovec> iov;
+    for (const auto& [p, n] : o.fixed_buffers) iov.push_back({p, n});
+    const int res = io_uring_register_buffers(ring_.get(), iov.data(), static_cast<unsigned>(iov.size()));
+    if (res < 0) {
+      static std::once_flag warned;
+      std::call_once(warned, [res] {
+        log_warn("io_uring refused to register the I/O buffers (" + std::string(std::strerror(-res)) +
+                 "; raise `ulimit -l`); using plain requests");
+      });
+      return;
+    }
+    for (size_t i = 0; i < iov.size(); ++i)
+      fixed_.push_back({static_cast<const char*>(iov[i].iov_base), iov[i].iov_len, static_cast<int>(i)});
+  }
 
   void submit_read(int fd, void* buf, int64_t bytes, int64_t offset, uint64_t tag) override {
     io_uring_sqe* sqe = next_sqe();
-    io_uring_prep_read(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset));
+    const int index = fixed_index(buf, bytes);
+    if (index >= 0)
+      io_uring_prep_read_fixed(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset), index);
+    else
+      io_uring_prep_read(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset));
     queued(sqe, tag);
   }
   void submit_write(int fd, const void* buf, int64_t bytes, int64_t offset, uint64_t tag) override {
     io_uring_sqe* sqe = next_sqe();
-    io_uring_prep_write(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset));
+    const int index = fixed_index(buf, bytes);
+    if (index >= 0)
+      io_uring_prep_write_fixed(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset), index);
+    else
+      io_uring_prep_write(sqe, fd, buf, static_cast<unsigned>(bytes), static_cast<uint64_t>(offset));
     queued(sqe, tag);
   }
+  int registered_buffers() const override { return static_cast<int>(fixed_.size()); }
 
   void flush() override {
     while (io_uring_sq_ready(ring_.get()) > 0) {
@@ -137,7 +165,21 @@ class UringEngine final : public IoEngine {
     return c;
   }
 
+  // The registered buffer holding [buf, buf + bytes), or -1.
+  int fixed_index(const void* buf, int64_t bytes) const {
+    const char* p = static_cast<const char*>(buf);
+    for (const Fixed& f : fixed_)
+      if (p >= f.base && p + bytes <= f.base + f.bytes) return f.index;
+    return -1;
+  }
+
+  struct Fixed {
+    const char* base;
+    size_t bytes;
+    int index;
+  };
   IoUring ring_;
+  std::vector<Fixed> fixed_;
   bool single_;
   int in_flight_ = 0;            // prepared and not yet returned by wait()
   std::deque<Completion> stash_;  // reaped during flush(), not yet returned

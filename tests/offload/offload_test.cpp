@@ -225,6 +225,30 @@ INSTANTIATE_TEST_SUITE_P(Aio, StoreSettings,
                                   (std::get<3>(info.param) ? "_overlap" : "_nooverlap");
                          });
 
+TEST(NvmeStore, RegisteredBuffersUseFixedIoAndRoundTrip) {
+  TempDir dir;
+  NvmeOptions o = small_options(dir.path());
+  o.threads = 2;
+  PinnedBuffer src(257 * 4096), dst(257 * 4096), other(8192);
+  o.fixed_buffers = {{src.data(), src.bytes()}, {dst.data(), dst.bytes()}};
+  NvmeStore store(o, 0);
+  if (geteuid() == 0) {
+    EXPECT_EQ(store.registered_buffers(), 2);  // root: no memlock limit stands in the way
+  } else if (store.registered_buffers() == 0) {
+    GTEST_SKIP() << "the kernel refused buffer registration (memlock limit)";
+  }
+  fill_random(src, 77);
+  fill_random(other, 78);
+  const int f = store.create("fixed", 257 * 4096 + 8192);
+  store.write(f, 0, src.data(), 257 * 4096).wait();     // inside a registered buffer
+  store.write(f, 257 * 4096, other.data(), 8192).wait();  // not registered: plain request
+  store.read(f, 0, dst.data(), 257 * 4096).wait();
+  EXPECT_TRUE(same(src, dst, 257 * 4096));
+  PinnedBuffer back(8192);
+  store.read(f, 257 * 4096, back.data(), 8192).wait();
+  EXPECT_TRUE(same(other, back, 8192));
+}
+
 TEST(NvmeStore, ManyConcurrentTicketsAtOffsetsRoundTrip) {
   TempDir dir;
   NvmeOptions o = small_options(dir.path());
