@@ -14,6 +14,7 @@
 #include "comm/comm.h"
 #include "engine/engine.h"
 #include "models/models.h"
+#include "tests/engine/tiny_models.h"
 
 namespace zinc {
 namespace {
@@ -21,22 +22,7 @@ namespace {
 std::shared_ptr<comm::Communicator> g_world;
 
 std::shared_ptr<Model> make_model(const std::string& kind) {
-  if (kind == "gpt") {
-    models::GptConfig g;
-    g.vocab_size = 13;
-    g.block_size = 9;
-    g.n_layer = 2;
-    g.n_head = 2;
-    g.n_embd = 12;
-    return models::make_gpt(g);
-  }
-  models::MlpConfig m;
-  m.vocab_size = 13;
-  m.context = 3;
-  m.n_embd = 6;
-  m.hidden = 20;
-  m.n_layer = 2;
-  return models::make_mlp(m);
+  return kind == "gpt" ? testing_models::tiny_gpt() : testing_models::tiny_mlp();
 }
 
 struct RunSpec {

@@ -10,6 +10,7 @@
 
 #include "engine/engine.h"
 #include "models/models.h"
+#include "tests/engine/tiny_models.h"
 
 namespace zinc {
 namespace {
@@ -239,28 +240,8 @@ TEST(EngineSchedule, LearningRateFollowsTheScheduleFromTheFirstStep) {
 
 // ---- built-in models: k micro-batches of b == one batch of k*b ---------------
 
-struct BuiltModel {
-  std::shared_ptr<Model> model;
-};
-
-std::shared_ptr<Model> tiny_gpt() {
-  models::GptConfig g;
-  g.vocab_size = 13;
-  g.block_size = 9;
-  g.n_layer = 2;
-  g.n_head = 2;
-  g.n_embd = 12;
-  return models::make_gpt(g);
-}
-std::shared_ptr<Model> tiny_mlp() {
-  models::MlpConfig m;
-  m.vocab_size = 13;
-  m.context = 3;
-  m.n_embd = 6;
-  m.hidden = 20;
-  m.n_layer = 2;
-  return models::make_mlp(m);
-}
+using testing_models::tiny_gpt;
+using testing_models::tiny_mlp;
 
 std::vector<float> train_steps(std::shared_ptr<Model> model, int64_t micro, int64_t gas, bool bf16,
                                int steps, std::vector<float>* losses = nullptr, double determinism = 0.8) {
@@ -348,7 +329,7 @@ std::vector<float> train_offload(int stage, const std::string& device, bool bf16
                         {"aio", {{"block_size", 8192}, {"queue_depth", 4}}},
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   if (device == "none") cfg["zero_optimization"].erase("offload_optimizer");
-  auto model = tiny_gpt();
+  auto model = testing_models::tiny_gpt();
   Engine e = Engine::initialize(model, cfg);
   DataConfig dc;
   dc.vocab_size = 13;

@@ -1,0 +1,35 @@
+// Tiny built-in models shared by the engine tests: small enough that a test
+// trains them for tens of steps in milliseconds, with awkward sizes (13
+// tokens, 9 positions, 12-wide) so every block needs padding.
+#pragma once
+
+#include <memory>
+
+#include "models/models.h"
+
+namespace zinc::testing_models {
+
+constexpr int64_t kVocab = 13;
+constexpr int64_t kSeq = 9;
+
+inline std::shared_ptr<Model> tiny_gpt() {
+  models::GptConfig g;
+  g.vocab_size = kVocab;
+  g.block_size = kSeq;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 12;
+  return models::make_gpt(g);
+}
+
+inline std::shared_ptr<Model> tiny_mlp() {
+  models::MlpConfig m;
+  m.vocab_size = kVocab;
+  m.context = 3;
+  m.n_embd = 6;
+  m.hidden = 20;
+  m.n_layer = 2;
+  return models::make_mlp(m);
+}
+
+}  // namespace zinc::testing_models
