@@ -929,6 +929,12 @@ void parse_run(Reader& root, RunConfig& run) {
   r.finish();
 }
 
+void parse_comm(Reader& root, CommConfig& comm) {
+  Reader r = root.section("comm");
+  r.get_choice("backend", comm.backend, {"auto", "mpi", "shm", "hierarchical"});
+  r.finish();
+}
+
 // Line and column (1-based) of a byte offset in `text`.
 std::pair<size_t, size_t> line_col(const std::string& text, size_t byte) {
   size_t line = 1, col = 1;
@@ -966,6 +972,7 @@ Config Config::parse(const json& j, int world_size) {
   parse_model(r, c.model);
   parse_data(r, c.data);
   parse_run(r, c.run);
+  parse_comm(r, c.comm);
   r.finish();
   c.validate();
   return c;

@@ -111,6 +111,15 @@ struct RunConfig {
   std::string output_dir = "runs/default";
 };
 
+// zinc's `comm` section: how ranks talk.
+struct CommConfig {
+  // "auto": shared memory between the ranks of one machine, hierarchical
+  // (shared memory inside machines, MPI between them) across machines;
+  // "mpi", "shm", "hierarchical" force one (for comparison). The environment
+  // variable ZINC_COMM_BACKEND overrides it.
+  std::string backend = "auto";
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -134,6 +143,7 @@ struct Config {
   ModelConfig model;
   DataConfig data;
   RunConfig run;
+  CommConfig comm;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
