@@ -65,6 +65,17 @@ class Communicator {
 std::unique_ptr<Communicator> make_mpi_communicator();
 // A world of one rank: collectives copy; no MPI.
 std::unique_ptr<Communicator> make_single_communicator();
+// The backend for this job. mode: "mpi" (make_mpi_communicator), "shm"
+// (shared memory between the ranks of one machine; CommError when the ranks
+// span several machines), "hierarchical" (shm inside each machine, MPI
+// between machines; needs the same number of ranks on every machine,
+// numbered consecutively) or "auto" (one rank: mpi; several ranks on one
+// machine: shm; several machines: hierarchical). The environment variable
+// ZINC_COMM_BACKEND, when set, overrides mode; ZINC_COMM_FAKE_NODE_SIZE=k
+// (tests) treats each k consecutive ranks as one machine. backend() names
+// the choice. The shm backend sums bf16 in fp32 over the ranks of a machine
+// and rounds once (see shm_communicator.cpp).
+std::unique_ptr<Communicator> make_communicator(const std::string& mode);
 // True when the process runs under an MPI launcher (mpirun/srun set
 // OMPI_COMM_WORLD_SIZE, PMI_SIZE, ...) with more than one rank.
 bool launched_with_mpi();

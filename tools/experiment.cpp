@@ -48,11 +48,15 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   return e;
 }
 
-Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
-                           int world_size) {
+nlohmann::json load_document(const std::string& path, const std::vector<std::string>& overrides) {
   nlohmann::json doc = read_json_file(path);
   for (const std::string& o : overrides) apply_override(doc, o);
-  return build_experiment(doc, world_size);
+  return doc;
+}
+
+Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
+                           int world_size) {
+  return build_experiment(load_document(path, overrides), world_size);
 }
 
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro) {

@@ -28,6 +28,9 @@ struct Experiment {
 // and block size default to the data's). Throws ConfigError / IoError.
 Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
                            int world_size = 1);
+// The config file with `--set` overrides applied, unparsed (zinc-train reads
+// comm.backend from it before the world size is known).
+nlohmann::json load_document(const std::string& path, const std::vector<std::string>& overrides);
 // Same from an in-memory document.
 Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
 

@@ -91,12 +91,10 @@ void maybe_inject_error(int rank, int64_t step) {
     throw zinc::Error("injected failure at step " + std::to_string(step) + " (ZINC_INJECT_ERROR)");
 }
 
-int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& config_path,
-        const std::vector<std::string>& sets, int64_t steps_override, bool json) {
+int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
+        bool json) {
   const int world = comm->size(), rank = comm->rank();
-  std::vector<std::string> overrides = sets;
-  if (steps_override > 0) overrides.push_back("run.steps=" + std::to_string(steps_override));
-  zinc::tools::Experiment ex = zinc::tools::load_experiment(config_path, overrides, world);
+  zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   if (cfg.run.checkpoint_interval > 0)
     throw zinc::ConfigError("run.checkpoint_interval",
@@ -118,10 +116,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& confi
     std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
                 ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
                 cfg.bf16 ? "bf16" : "fp32", ex.data->describe().c_str());
-    std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d | ZeRO stage %d%s | %lld steps",
+    std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
                 static_cast<long long>(cfg.train_batch_size),
                 static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
-                static_cast<long long>(cfg.gradient_accumulation_steps), world, cfg.zero.stage,
+                static_cast<long long>(cfg.gradient_accumulation_steps), world, comm->backend().c_str(), cfg.zero.stage,
                 cfg.zero.overlap_comm ? " (overlap_comm)" : "", static_cast<long long>(steps));
     if (floor) std::printf(" | loss floor %.4f nats", *floor);
     std::printf("\n");
@@ -203,6 +201,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const std::string& confi
                           {"peak_rss_bytes_per_rank", rss},
                           {"elapsed_s", elapsed},
                           {"world_size", world},
+                          {"comm_backend", comm->backend()},
                           {"zero_stage", cfg.zero.stage},
                           {"comm_wait_share", wait_share},
                           {"skipped_steps", engine.skipped_steps()}};
@@ -258,11 +257,23 @@ int main(int argc, char** argv) {
   }
   std::shared_ptr<zinc::comm::Communicator> comm;
   try {
-    comm = zinc::comm::launched_with_mpi() ? std::shared_ptr<zinc::comm::Communicator>(zinc::comm::make_mpi_communicator())
-                                           : std::shared_ptr<zinc::comm::Communicator>(zinc::comm::make_single_communicator());
+    std::vector<std::string> overrides = sets;
+    if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
+    const nlohmann::json doc = zinc::tools::load_document(config_path, overrides);
+    if (zinc::comm::launched_with_mpi()) {
+      // The backend is needed before the config can be parsed (the batch
+      // triad depends on the world size); parse() validates the key later.
+      std::string backend = "auto";
+      if (doc.is_object() && doc.contains("comm") && doc["comm"].is_object() && doc["comm"].contains("backend") &&
+          doc["comm"]["backend"].is_string())
+        backend = doc["comm"]["backend"].get<std::string>();
+      comm = zinc::comm::make_communicator(backend);
+    } else {
+      comm = zinc::comm::make_single_communicator();
+    }
     zinc::set_log_rank(comm->rank());
     if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
-    return run(comm, config_path, sets, steps, json);
+    return run(comm, doc, config_path, json);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank

@@ -1,0 +1,565 @@
+// Shared-memory backend of Communicator for the ranks of one machine, its
+// hierarchical variant for several machines (shm inside each, MPI between
+// them; Note [shm collectives: hierarchical layout]), and make_communicator
+// (backend selection).
+//
+// Ownership: a ShmCommunicator owns an MPI communicator (make_mpi_communicator:
+// it keeps MPI initialised and serves broadcast, the f64 reductions, barrier
+// and abort), a duplicate of MPI_COMM_WORLD split into the node communicator,
+// and one MPI shared-memory window on the node: per local rank a control line
+// (its sequence flag) and a slot of slot_bytes, split into two halves used by
+// alternate chunks (Note [shm collectives: memory ordering]). The destructor
+// frees the window and the communicators before the MPI communicator goes.
+//
+// Threads: like every Communicator, one thread at a time.
+//
+// Arithmetic: every element of a reduction is summed in fp32 in local rank
+// order 0..L-1, ((x0 + x1) + x2) + ..., independent of chunking, so results
+// are deterministic for a given world size. bf16 inputs are widened to fp32,
+// summed in fp32 and rounded with zinc::float_to_bf16 once at the end (the MPI
+// backend rounds after every pairwise combination instead, so bf16 results of
+// the two backends may differ in the last bit).
+#include <mpi.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "comm/comm_internal.h"
+#include "core/log.h"
+
+namespace zinc::comm {
+namespace {
+
+using detail::comm_error;
+using detail::mpi_error;
+
+void check(int rc, const char* mpi_fn) {
+  if (rc != MPI_SUCCESS) throw mpi_error(mpi_fn, rc);
+}
+
+// ---------------------------------------------------------------------------
+// Reduction kernels. The scalar loops are the reference and the only code:
+// contiguous, __restrict, no calls, so GCC vectorises each clone for its ISA.
+
+constexpr int64_t kTile = 2048;  // fp32 accumulator elements per tile (8 KiB, stays in L1)
+
+#define ZINC_SHM_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+
+ZINC_SHM_CLONES void add_f32(float* __restrict acc, const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
+}
+ZINC_SHM_CLONES void add2_f32(float* __restrict acc, const float* __restrict a, const float* __restrict b,
+                              int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
+}
+ZINC_SHM_CLONES void widen_bf16(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = bits_float(static_cast<uint32_t>(x[i]) << 16);
+}
+ZINC_SHM_CLONES void add_bf16(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += bits_float(static_cast<uint32_t>(x[i]) << 16);
+}
+ZINC_SHM_CLONES void round_bf16(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(acc[i]).bits;
+}
+
+// dst[i] = src[0][i] + src[1][i] + ... + src[L-1][i] (left to right, fp32),
+// i < n, and the same into dst2 unless it is null. dst or dst2 may be one of
+// the sources (the same elements): each tile is read before it is written.
+void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int64_t n, DType dtype) {
+  const size_t L = src.size();
+  alignas(64) float acc[kTile];
+  for (int64_t t = 0; t < n; t += kTile) {
+    const int64_t m = std::min(kTile, n - t);
+    if (dtype == DType::kF32) {
+      auto at = [&](size_t q) { return reinterpret_cast<const float*>(src[q]) + t; };
+      if (L == 1) {
+        std::memcpy(acc, at(0), static_cast<size_t>(m) * 4);
+      } else {
+        add2_f32(acc, at(0), at(1), m);
+        for (size_t q = 2; q < L; ++q) add_f32(acc, at(q), m);
+      }
+      std::memcpy(static_cast<float*>(dst) + t, acc, static_cast<size_t>(m) * 4);
+      if (dst2) std::memcpy(static_cast<float*>(dst2) + t, acc, static_cast<size_t>(m) * 4);
+    } else {
+      auto at = [&](size_t q) { return reinterpret_cast<const uint16_t*>(src[q]) + t; };
+      widen_bf16(acc, at(0), m);
+      for (size_t q = 1; q < L; ++q) add_bf16(acc, at(q), m);
+      round_bf16(static_cast<uint16_t*>(dst) + t, acc, m);
+      if (dst2) std::memcpy(static_cast<uint16_t*>(dst2) + t, static_cast<uint16_t*>(dst) + t, static_cast<size_t>(m) * 2);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+// Note [shm collectives: memory ordering]
+// Each local rank q owns one 64-bit sequence flag (in its control line) and
+// one slot; only q writes its flag, and only q writes its slot, except that in
+// all_reduce rank r writes its reduced sub-block r into its own slot. All
+// ranks run the same collectives in the same order, so they post the same
+// sequence of flag values: post() increments the rank's counter and stores it
+// with release order; wait_all(v) spins until every flag is >= v with acquire
+// loads. The flags only grow, so a rank that runs ahead never confuses a
+// waiter.
+//
+// No rank reads a slot before it is fully written: the owner writes the
+// chunk into its slot with ordinary stores, then post()s (release). A reader
+// waits until the owner's flag reaches that value (acquire); the acquire load
+// that observes the value synchronises with the release store, so every
+// ordinary store made before it (the whole chunk) is visible to the reads
+// that follow. all_reduce has a second phase with the same pairing: a rank
+// writes its reduced sub-block, posts, and the others wait before copying it.
+//
+// No rank overwrites a slot another rank still reads: every chunk ends with a
+// post() made after the rank's last read of any slot for that chunk. The
+// slot has two halves used by alternate chunks; before writing into half h,
+// a rank waits until every flag has reached the value that ended the last
+// chunk that used half h (free_at_[h]). So the copy of chunk c overlaps the
+// reduction of chunk c-1 on slower ranks, but never the reads of chunk c-2
+// from the same half. free_at_ persists across calls, since flags do. (With
+// two halves that wait is in fact already implied: a rank reaches chunk c
+// only after every rank posted its copy of chunk c-1, which each does after
+// its last read of chunk c-2. The wait costs L loads and keeps the invariant
+// explicit, independent of the number of halves and of the phase order.)
+//
+// The flags are accessed with GCC __atomic builtins on 8-byte aligned words
+// of the shared mapping; they are lock-free and therefore address-free, so
+// the orderings hold between processes (the C++ rule for lock-free atomics in
+// shared memory). The window is kept in a passive epoch (MPI_Win_lock_all)
+// for its lifetime, and the set-up uses MPI_Win_sync + MPI_Barrier, the MPI
+// unified-model way to publish the zeroed flags before the first collective.
+
+constexpr size_t kControlBytes = 4096;  // per rank: the flag, alone in its lines
+
+// Note [shm collectives: hierarchical layout]
+// With M nodes of L ranks each, rank g = node * L + l (consecutive ranks per
+// node; checked at set-up). The node communicator holds the L ranks of one
+// node; the cross communicator holds the M ranks with the same local index l,
+// ordered by node.
+//
+// reduce_scatter (rank g receives block g of n elements): inside the node,
+// local rank l sums "super-block" l, whose piece p is block p * L + l of the
+// buffer (the pieces are strided in send, so the shm code addresses them
+// piece by piece instead of packing a copy); this leaves M pieces of n, piece
+// p the node's sum of block p * L + l. An MPI reduce-scatter over the cross
+// communicator then leaves rank (node, l) piece `node` summed over all nodes:
+// block node * L + l = g of the total.
+// all_gather is the inverse: MPI all-gather over the cross communicator
+// (piece p = block of rank p * L + l), then the shm all-gather writes local
+// rank q's piece p to block p * L + q.
+// all_reduce: shm reduce-scatter of the first floor(count / L) * L elements
+// into a shard of count / L, MPI all-reduce of the shard over the cross
+// communicator, shm all-gather; the last count % L elements go through shm
+// all-reduce and an MPI all-reduce.
+// Summation order: each node's ranks in local order (fp32, bf16 rounded
+// once), then the nodes in MPI's order (bf16 pairwise-rounded like the MPI
+// backend). This is a different order from the flat shm path, so results
+// agree with it only to rounding (exactly for M = 1 or L = 1, and for sums
+// that are exact).
+
+// bf16 sum as an MPI operation for the cross-node step: like the MPI backend,
+// each pairwise combination is formed in fp32 and rounded once.
+void bf16_pair_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const bf16* a = static_cast<const bf16*>(in);
+  bf16* b = static_cast<bf16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
+}
+
+class ShmCommunicator final : public Communicator {
+ public:
+  // fake_node_size > 0: each group of that many consecutive ranks acts as a
+  // node (tests). hierarchical: allow several nodes (MPI between them);
+  // otherwise every rank must be on one node.
+  ShmCommunicator(std::unique_ptr<Communicator> mpi, size_t slot_bytes, int fake_node_size, bool hierarchical)
+      : mpi_(std::move(mpi)), hierarchical_(hierarchical) {
+    const int rank = mpi_->rank(), size = mpi_->size();
+    try {
+      check(MPI_Comm_dup(MPI_COMM_WORLD, &world_), "MPI_Comm_dup");
+      check(MPI_Comm_set_errhandler(world_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+      if (fake_node_size > 0) {
+        if (size % fake_node_size != 0) {
+          throw comm_error(rank, "make_communicator",
+                           "ZINC_COMM_FAKE_NODE_SIZE=" + std::to_string(fake_node_size) + " does not divide the " +
+                               std::to_string(size) + " ranks");
+        }
+        check(MPI_Comm_split(world_, rank / fake_node_size, rank, &node_), "MPI_Comm_split");
+      } else {
+        check(MPI_Comm_split_type(world_, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node_),
+              "MPI_Comm_split_type");
+      }
+      check(MPI_Comm_rank(node_, &local_rank_), "MPI_Comm_rank");
+      check(MPI_Comm_size(node_, &local_size_), "MPI_Comm_size");
+      // Layout checks, agreed by every rank so that all throw or none does:
+      // [0] some node is not the whole world, [1] nodes differ in size or are
+      // not consecutive blocks of ranks.
+      int leader = rank - local_rank_;
+      check(MPI_Bcast(&leader, 1, MPI_INT, 0, node_), "MPI_Bcast");
+      int bad[2] = {local_size_ != size, leader != rank - local_rank_ || size % local_size_ != 0};
+      int sizes[2] = {local_size_, -local_size_};
+      check(MPI_Allreduce(MPI_IN_PLACE, bad, 2, MPI_INT, MPI_MAX, world_), "MPI_Allreduce");
+      check(MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT, MPI_MAX, world_), "MPI_Allreduce");
+      bad[1] = bad[1] || sizes[0] != -sizes[1];
+      if (!hierarchical_ && bad[0]) {
+        throw comm_error(rank, "make_communicator",
+                         "the shm backend needs every rank on one machine, but this machine has " +
+                             std::to_string(local_size_) + " of " + std::to_string(size) +
+                             " ranks (use \"auto\", \"hierarchical\" or \"mpi\")");
+      }
+      if (hierarchical_ && bad[1]) {
+        throw comm_error(rank, "make_communicator",
+                         "the hierarchical backend needs the same number of ranks on every machine, numbered "
+                         "consecutively per machine (use \"mpi\")");
+      }
+      nodes_ = size / local_size_;
+      if (hierarchical_) {
+        check(MPI_Comm_split(world_, local_rank_, rank, &cross_), "MPI_Comm_split");
+        check(MPI_Type_contiguous(1, MPI_UINT16_T, &bf16_type_), "MPI_Type_contiguous");
+        check(MPI_Type_commit(&bf16_type_), "MPI_Type_commit");
+        check(MPI_Op_create(&bf16_pair_sum, /*commute=*/1, &bf16_sum_), "MPI_Op_create");
+      }
+      half_bytes_ = (slot_bytes / 2) / 64 * 64;
+      if (half_bytes_ < 64 * static_cast<size_t>(local_size_)) {
+        throw comm_error(rank, "make_communicator", "shm slot of " + std::to_string(slot_bytes) + " bytes is too small");
+      }
+      const MPI_Aint bytes = static_cast<MPI_Aint>(kControlBytes + 2 * half_bytes_);
+      void* mine = nullptr;
+      check(MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node_, &mine, &win_), "MPI_Win_allocate_shared");
+      check(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_), "MPI_Win_lock_all");
+      locked_ = true;
+      base_.resize(static_cast<size_t>(local_size_));
+      for (int q = 0; q < local_size_; ++q) {
+        MPI_Aint qbytes = 0;
+        int disp = 0;
+        void* p = nullptr;
+        check(MPI_Win_shared_query(win_, q, &qbytes, &disp, &p), "MPI_Win_shared_query");
+        base_[static_cast<size_t>(q)] = static_cast<char*>(p);
+      }
+      __atomic_store_n(flag(local_rank_), uint64_t{0}, __ATOMIC_RELEASE);
+      check(MPI_Win_sync(win_), "MPI_Win_sync");
+      check(MPI_Barrier(node_), "MPI_Barrier");
+      check(MPI_Win_sync(win_), "MPI_Win_sync");
+    } catch (...) {
+      free_handles();
+      throw;
+    }
+  }
+
+  ~ShmCommunicator() override {
+    // Nobody may still read this rank's slot when the window goes.
+    if (node_ != MPI_COMM_NULL) MPI_Barrier(node_);
+    free_handles();
+  }
+
+  ShmCommunicator(const ShmCommunicator&) = delete;
+  ShmCommunicator& operator=(const ShmCommunicator&) = delete;
+
+  int rank() const override { return mpi_->rank(); }
+  int size() const override { return mpi_->size(); }
+  std::string backend() const override { return hierarchical_ ? "hierarchical" : "shm"; }
+  int local_size() const override { return local_size_; }
+
+  void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
+    detail::check_reduce_scatter(rank(), size(), send, recv, recv_count, dtype);
+    if (recv_count == 0) return;
+    if (nodes_ == 1) return rs_node(static_cast<const char*>(send), static_cast<char*>(recv), recv_count, 1, dtype);
+    check_cross_limit("reduce_scatter", recv_count, "reduce_bucket_size");
+    char* tmp = scratch(static_cast<size_t>(recv_count) * nodes_ * dtype_bytes(dtype));
+    rs_node(static_cast<const char*>(send), tmp, recv_count, nodes_, dtype);
+    check(MPI_Reduce_scatter_block(tmp, recv, static_cast<int>(recv_count), type(dtype), sum(dtype), cross_),
+          "MPI_Reduce_scatter_block");
+  }
+
+  void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
+    const bool in_place = detail::check_all_gather(rank(), size(), send, recv, send_count, dtype);
+    if (send_count == 0) return;
+    if (nodes_ == 1) {
+      return ag_node(static_cast<const char*>(send), static_cast<char*>(recv), send_count, 1, in_place, dtype);
+    }
+    check_cross_limit("all_gather", send_count, "allgather_bucket_size");
+    char* tmp = scratch(static_cast<size_t>(send_count) * nodes_ * dtype_bytes(dtype));
+    const int n = static_cast<int>(send_count);
+    check(MPI_Allgather(send, n, type(dtype), tmp, n, type(dtype), cross_), "MPI_Allgather");
+    ag_node(tmp, static_cast<char*>(recv), send_count, nodes_, /*in_place=*/false, dtype);
+  }
+
+  void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
+    detail::check_all_reduce(rank(), send, recv, count, dtype);
+    if (count == 0) return;
+    const char* in = static_cast<const char*>(send);
+    char* out = static_cast<char*>(recv);
+    if (nodes_ == 1) return ar_node(in, out, count, dtype);
+    const size_t elem = dtype_bytes(dtype);
+    const int L = local_size_;
+    const int64_t shard = count / L, rest = count - shard * L;
+    if (shard > 0) {
+      char* tmp = scratch(static_cast<size_t>(shard) * elem);
+      rs_node(in, tmp, shard, 1, dtype);
+      cross_all_reduce(tmp, shard, dtype);
+      ag_node(tmp, out, shard, 1, /*in_place=*/false, dtype);
+    }
+    if (rest > 0) {
+      const size_t done = static_cast<size_t>(shard * L) * elem;
+      ar_node(in + done, out + done, rest, dtype);
+      cross_all_reduce(out + done, rest, dtype);
+    }
+  }
+
+  void broadcast(void* buf, int64_t count, DType dtype, int root) override { mpi_->broadcast(buf, count, dtype, root); }
+  void all_reduce_f64(double* buf, int64_t count) override { mpi_->all_reduce_f64(buf, count); }
+  void all_reduce_max_f64(double* buf, int64_t count) override { mpi_->all_reduce_max_f64(buf, count); }
+  void barrier() override { mpi_->barrier(); }
+  [[noreturn]] void abort(int code, const std::string& msg) override {
+    mpi_->abort(code, msg);
+    std::_Exit(code);  // not reached: the MPI backend's abort does not return
+  }
+
+ private:
+  // Reduce-scatter inside the node. Local rank b's super-block is M pieces
+  // of n elements, piece p at in + (p * L + b) * n; this rank (local l) sums
+  // super-block l into out (M * n elements, piece p at out + p * n). M = 1 is
+  // the flat reduce-scatter. A chunk never crosses a piece: each rank copies
+  // elements [off, off + k) of piece p of every other rank's super-block into
+  // segment b of its slot half; rank l then sums segment l of all slots (its
+  // own from in) into piece p of out.
+  void rs_node(const char* in, char* out, int64_t n, int M, DType dtype) {
+    const size_t elem = dtype_bytes(dtype);
+    const int L = local_size_;
+    const int64_t k_max = chunk_elems(half_bytes_ / (static_cast<size_t>(L) * elem));
+    std::vector<const char*> src(static_cast<size_t>(L));
+    for (int p = 0; p < M; ++p) {
+      for (int64_t off = 0; off < n; off += k_max) {
+        const int64_t k = std::min(k_max, n - off);
+        const size_t seg = static_cast<size_t>(k) * elem, seg_stride = static_cast<size_t>(k_max) * elem;
+        auto block = [&](int b) { return in + ((static_cast<int64_t>(p) * L + b) * n + off) * static_cast<int64_t>(elem); };
+        const int h = begin_chunk();
+        char* mine = slot(local_rank_, h);
+        // Only the other ranks read this slot: this rank's own block is read from in.
+        for (int b = 0; b < L; ++b) {
+          if (b != local_rank_) std::memcpy(mine + b * seg_stride, block(b), seg);
+        }
+        post();
+        wait_all(seq_);
+        for (int q = 0; q < L; ++q) src[q] = q == local_rank_ ? block(q) : slot(q, h) + local_rank_ * seg_stride;
+        reduce_sum(out + (p * n + off) * static_cast<int64_t>(elem), nullptr, src, k, dtype);
+        end_chunk(h);
+      }
+    }
+  }
+
+  // All-gather inside the node: this rank's M pieces of n elements (piece p
+  // at in + p * n) go to out + (p * L + l) * n on every local rank. in_place:
+  // they are already there on this rank (M = 1 only). Chunk: each rank copies
+  // elements [off, off + k) of piece p into its slot half; every rank then
+  // copies each other slot into its place in out.
+  void ag_node(const char* in, char* out, int64_t n, int M, bool in_place, DType dtype) {
+    const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
+    const int L = local_size_;
+    const int64_t k_max = chunk_elems(half_bytes_ / static_cast<size_t>(elem));
+    for (int p = 0; p < M; ++p) {
+      for (int64_t off = 0; off < n; off += k_max) {
+        const int64_t k = std::min(k_max, n - off);
+        const size_t bytes = static_cast<size_t>(k * elem);
+        auto dst = [&](int q) { return out + ((static_cast<int64_t>(p) * L + q) * n + off) * elem; };
+        const char* piece = in + (p * n + off) * elem;
+        const int h = begin_chunk();
+        std::memcpy(slot(local_rank_, h), piece, bytes);
+        post();
+        if (!in_place) std::memcpy(dst(local_rank_), piece, bytes);
+        wait_all(seq_);
+        for (int q = 0; q < L; ++q) {
+          if (q != local_rank_) std::memcpy(dst(q), slot(q, h), bytes);
+        }
+        end_chunk(h);
+      }
+    }
+  }
+
+  // All-reduce inside the node. Chunk: each rank copies elements
+  // [off, off + m) of its input, except its own sub-block, into its slot
+  // half; rank l sums sub-block l of all inputs into out and into sub-block l
+  // of its own slot and posts; every rank then copies sub-block q from slot q.
+  void ar_node(const char* in, char* out, int64_t count, DType dtype) {
+    const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
+    const int L = local_size_;
+    const int64_t m_max = chunk_elems(half_bytes_ / static_cast<size_t>(elem));
+    std::vector<const char*> src(static_cast<size_t>(L));
+    for (int64_t off = 0; off < count; off += m_max) {
+      const int64_t m = std::min(m_max, count - off);
+      // Sub-block q: [q * per, min((q + 1) * per, m)), per a multiple of 16 elements.
+      const int64_t per = ((m + L - 1) / L + 15) & ~int64_t{15};
+      auto lo = [&](int q) { return std::min<int64_t>(q * per, m); };
+      const int h = begin_chunk();
+      char* mine = slot(local_rank_, h);
+      const int64_t my_lo = lo(local_rank_), my_hi = lo(local_rank_ + 1);
+      std::memcpy(mine, in + off * elem, static_cast<size_t>(my_lo * elem));
+      std::memcpy(mine + my_hi * elem, in + (off + my_hi) * elem, static_cast<size_t>((m - my_hi) * elem));
+      post();
+      wait_all(seq_);
+      for (int q = 0; q < L; ++q) src[q] = q == local_rank_ ? in + (off + my_lo) * elem : slot(q, h) + my_lo * elem;
+      if (my_hi > my_lo) reduce_sum(mine + my_lo * elem, out + (off + my_lo) * elem, src, my_hi - my_lo, dtype);
+      post();
+      wait_all(seq_);
+      for (int q = 0; q < L; ++q) {
+        const int64_t n = lo(q + 1) - lo(q);
+        if (q != local_rank_ && n > 0) {
+          std::memcpy(out + (off + lo(q)) * elem, slot(q, h) + lo(q) * elem, static_cast<size_t>(n * elem));
+        }
+      }
+      end_chunk(h);
+    }
+  }
+
+  void cross_all_reduce(char* buf, int64_t count, DType dtype) {
+    const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
+    for (int64_t off = 0; off < count; off += detail::kMpiChunkCount) {
+      const int n = static_cast<int>(std::min(detail::kMpiChunkCount, count - off));
+      check(MPI_Allreduce(MPI_IN_PLACE, buf + off * elem, n, type(dtype), sum(dtype), cross_), "MPI_Allreduce");
+    }
+  }
+
+  // The cross-node reduce-scatter and all-gather are single MPI calls over
+  // nodes * count elements, which must fit an int (as in the MPI backend).
+  void check_cross_limit(const char* op, int64_t count, const char* bucket_key) const {
+    if (count <= detail::kMpiMaxCount / nodes_) return;
+    throw comm_error(rank(), op,
+                     std::to_string(count) + " elements per rank x " + std::to_string(nodes_) +
+                         " nodes exceed the limit of " + std::to_string(detail::kMpiMaxCount) +
+                         " elements per MPI call (an int count); use smaller buckets (" + bucket_key + ")");
+  }
+
+  MPI_Datatype type(DType dtype) const { return dtype == DType::kF32 ? MPI_FLOAT : bf16_type_; }
+  MPI_Op sum(DType dtype) const { return dtype == DType::kF32 ? MPI_SUM : bf16_sum_; }
+
+  char* scratch(size_t bytes) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_.data();
+  }
+
+  // Elements per chunk: at most `fit`, rounded down to a multiple of 16 when
+  // larger than that so segments stay 64-byte aligned for fp32 and 32 for bf16.
+  static int64_t chunk_elems(size_t fit) {
+    const int64_t k = static_cast<int64_t>(fit);
+    return k >= 32 ? k & ~int64_t{15} : std::max<int64_t>(k, 1);
+  }
+
+  uint64_t* flag(int q) const { return reinterpret_cast<uint64_t*>(base_[static_cast<size_t>(q)]); }
+  char* slot(int q, int h) const {
+    return base_[static_cast<size_t>(q)] + kControlBytes + static_cast<size_t>(h) * half_bytes_;
+  }
+
+  void post() { __atomic_store_n(flag(local_rank_), ++seq_, __ATOMIC_RELEASE); }
+
+  void wait_all(uint64_t v) const {
+    for (int q = 0; q < local_size_; ++q) {
+      const uint64_t* f = flag(q);
+      for (unsigned spins = 0; __atomic_load_n(f, __ATOMIC_ACQUIRE) < v; ++spins) {
+        // Spin briefly, then yield: tests run more ranks than cores.
+        if (spins < 2000) {
+          __builtin_ia32_pause();
+        } else {
+          sched_yield();
+        }
+      }
+    }
+  }
+
+  // The half for the next chunk, once no rank still reads it.
+  int begin_chunk() {
+    const int h = static_cast<int>(chunk_++ & 1);
+    wait_all(free_at_[h]);
+    return h;
+  }
+  void end_chunk(int h) {
+    post();
+    free_at_[h] = seq_;
+  }
+
+  void free_handles() {
+    if (win_ != MPI_WIN_NULL) {
+      if (locked_) MPI_Win_unlock_all(win_);
+      MPI_Win_free(&win_);
+    }
+    if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+    if (bf16_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_type_);
+    if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
+    if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+    if (world_ != MPI_COMM_NULL) MPI_Comm_free(&world_);
+  }
+
+  std::unique_ptr<Communicator> mpi_;  // declared first: destroyed last (it may finalise MPI)
+  const bool hierarchical_;
+  MPI_Comm world_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
+  MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;  // hierarchical only
+  MPI_Op bf16_sum_ = MPI_OP_NULL;               // hierarchical only
+  MPI_Win win_ = MPI_WIN_NULL;
+  bool locked_ = false;
+  int local_rank_ = 0, local_size_ = 1, nodes_ = 1;
+  size_t half_bytes_ = 0;
+  std::vector<char*> base_;       // per local rank: its control line, then its two slot halves
+  std::vector<char> scratch_;     // hierarchical: the node-level pieces / shard
+  uint64_t seq_ = 0;              // this rank's flag value (Note [shm collectives: memory ordering])
+  uint64_t chunk_ = 0;            // chunks run so far; chunk c uses half c % 2
+  uint64_t free_at_[2] = {0, 0};  // flag value every rank reaches once it stopped reading half h
+};
+
+std::string env_or(const char* var, const std::string& fallback) {
+  const char* v = std::getenv(var);
+  return v && *v ? std::string(v) : fallback;
+}
+
+size_t slot_bytes_from_env() {
+  const char* v = std::getenv("ZINC_SHM_SLOT_BYTES");
+  return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 0)) : detail::kShmSlotBytes;
+}
+
+int fake_node_size_from_env() {
+  const char* v = std::getenv("ZINC_COMM_FAKE_NODE_SIZE");
+  return v && *v ? std::atoi(v) : 0;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes) {
+  return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size_from_env(),
+                                           /*hierarchical=*/false);
+}
+
+std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size) {
+  return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size,
+                                           /*hierarchical=*/true);
+}
+
+}  // namespace detail
+
+std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
+  const char* env = std::getenv("ZINC_COMM_BACKEND");
+  const bool from_env = env && *env;
+  std::string mode = env_or("ZINC_COMM_BACKEND", mode_arg);
+  if (mode != "mpi" && mode != "shm" && mode != "hierarchical" && mode != "auto") {
+    throw CommError("rank ?: make_communicator: unknown backend \"" + mode +
+                    "\" (expected mpi, shm, hierarchical or auto; from " +
+                    (from_env ? "ZINC_COMM_BACKEND" : "the argument") + ")");
+  }
+  std::unique_ptr<Communicator> mpi = make_mpi_communicator();
+  if (mode == "mpi") return mpi;
+  const int fake = fake_node_size_from_env();
+  if (mode == "auto") {
+    if (mpi->size() == 1) return mpi;
+    // Every rank reaches the same answer through a max-reduction.
+    const int node_size = fake > 0 ? fake : mpi->local_size();
+    double several_nodes = node_size != mpi->size() ? 1.0 : 0.0;
+    mpi->all_reduce_max_f64(&several_nodes, 1);
+    mode = several_nodes > 0 ? "hierarchical" : "shm";
+  }
+  return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical");
+}
+
+}  // namespace zinc::comm
