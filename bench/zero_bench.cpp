@@ -15,7 +15,7 @@ namespace {
 std::shared_ptr<comm::Communicator> world_comm() {
   if (!comm::launched_with_mpi())
     throw Error("this benchmark needs several ranks: run it as `mpirun -np 2 zinc-bench ...`");
-  return comm::make_mpi_communicator();
+  return comm::make_communicator("auto");  // ZINC_COMM_BACKEND=mpi|shm to compare
 }
 
 nlohmann::json gpt_doc(int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t T, int64_t micro, int world,
@@ -109,12 +109,12 @@ int bench_overlap(const BenchOptions& o) {
                              {"figure", res[ov].wait_s}, {"unit", "s exposed comm per step"},
                              {"bound", res[ov].busy_s}, {"ratio", res[ov].wait_s / res[ov].busy_s},
                              {"step_s", res[ov].step_s}, {"exposed_share", res[ov].wait_s / res[ov].step_s},
-                             {"world_size", W}};
+                             {"world_size", W}, {"backend", comm->backend()}};
       char buf[256];
       std::snprintf(buf, sizeof buf,
-                    "overlap %-3s (stage 2, %d ranks): step %.3f s | exposed comm %.3f s (%.1f%% of the step) of %.3f s "
+                    "overlap %-3s (stage 2, %d ranks, %s): step %.3f s | exposed comm %.3f s (%.1f%% of the step) of %.3f s "
                     "of collectives | exposed/total %.2f",
-                    ov ? "on" : "off", W, res[ov].step_s, res[ov].wait_s, 100 * res[ov].wait_s / res[ov].step_s,
+                    ov ? "on" : "off", W, comm->backend().c_str(), res[ov].step_s, res[ov].wait_s, 100 * res[ov].wait_s / res[ov].step_s,
                     res[ov].busy_s, res[ov].wait_s / res[ov].busy_s);
       emit(o.json, line, buf);
     }

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -553,11 +554,19 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
   const int fake = fake_node_size_from_env();
   if (mode == "auto") {
     if (mpi->size() == 1) return mpi;
-    // Every rank reaches the same answer through a max-reduction.
+    // The shared-memory path synchronises its ranks per chunk with spinning
+    // waits, so it needs every rank's communication thread running at the
+    // same time as its compute thread: a core for each. With fewer cores
+    // than 2 threads per local rank (2 ranks on this 2-core machine), the
+    // waits stall behind descheduled peers and the engine's collectives get
+    // 4x slower than Open MPI's (bench/RESULTS.md, overlap); auto then keeps
+    // MPI. Every rank reaches the same answer through max-reductions.
     const int node_size = fake > 0 ? fake : mpi->local_size();
-    double several_nodes = node_size != mpi->size() ? 1.0 : 0.0;
-    mpi->all_reduce_max_f64(&several_nodes, 1);
-    mode = several_nodes > 0 ? "hierarchical" : "shm";
+    double flags[2] = {node_size != mpi->size() ? 1.0 : 0.0,
+                       static_cast<double>(std::thread::hardware_concurrency()) < 2.0 * mpi->local_size() ? 1.0 : 0.0};
+    mpi->all_reduce_max_f64(flags, 2);
+    if (flags[1] > 0 && fake <= 0) return mpi;
+    mode = flags[0] > 0 ? "hierarchical" : "shm";
   }
   return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical");
 }
