@@ -22,6 +22,7 @@
 #include "comm/comm_internal.h"
 #include "comm_test_util.h"
 #include "core/error.h"
+#include "tests/comm/mpi_test_main.h"
 
 namespace zinc::comm::testing {
 namespace {
@@ -372,21 +373,6 @@ TEST(MpiErrors, InvalidArgumentsThrowOnEveryRankBeforeCommunicating) {
 
 // On ranks other than 0 the default printer is replaced by one that prints
 // only failures, each line prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                 r.line_number(), r.summary());
-  }
-  void OnTestEnd(const ::testing::TestInfo& t) override {
-    if (t.result()->Failed()) std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_, t.test_suite_name(), t.name());
-  }
-
- private:
-  int rank_;
-};
 
 int abort_mode(const std::string& mode) {
   if (mode == "single") make_single_communicator()->abort(7, "boom from the single communicator");
@@ -408,15 +394,7 @@ int main(int argc, char** argv) {
   }
   ::testing::InitGoogleTest(&argc, argv);
   zt::g_world = zinc::comm::make_mpi_communicator();
-  const int rank = zt::g_world->rank();
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new zt::RankFailurePrinter(rank));
-  }
-  // Every rank exits with the same code: failed anywhere means failed.
-  double failed = RUN_ALL_TESTS() != 0 ? 1.0 : 0.0;
-  zt::g_world->all_reduce_max_f64(&failed, 1);
+  const int rc = zt::run_all_tests_on_every_rank(*zt::g_world);
   zt::g_world.reset();  // the last communicator: finalises MPI
-  return failed > 0 ? 1 : 0;
+  return rc;
 }

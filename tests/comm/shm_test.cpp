@@ -24,6 +24,7 @@
 #include "comm/comm_internal.h"
 #include "comm_test_util.h"
 #include "core/error.h"
+#include "tests/comm/mpi_test_main.h"
 
 namespace zinc::comm::testing {
 namespace {
@@ -373,18 +374,6 @@ TEST(ShmErrors, InvalidArgumentsThrowTheSameErrorsAsMpiBeforeCommunicating) {
   EXPECT_EQ(x, c.size());
 }
 
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                 r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
 
 }  // namespace
 }  // namespace zinc::comm::testing
@@ -397,17 +386,10 @@ int main(int argc, char** argv) {
   zt::g_shm = zinc::comm::make_communicator("shm");
   zt::g_tiny = zinc::comm::detail::make_shm_communicator(4096);
   zt::g_hier = zinc::comm::detail::make_hierarchical_communicator(4096, zt::fake_node(zt::g_mpi->size()));
-  const int rank = zt::g_mpi->rank();
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new zt::RankFailurePrinter(rank));
-  }
-  double failed = RUN_ALL_TESTS() != 0 ? 1.0 : 0.0;
-  zt::g_mpi->all_reduce_max_f64(&failed, 1);
+  const int rc = zt::run_all_tests_on_every_rank(*zt::g_mpi);
   zt::g_hier.reset();
   zt::g_tiny.reset();
   zt::g_shm.reset();
   zt::g_mpi.reset();  // the last communicator: finalises MPI
-  return failed > 0 ? 1 : 0;
+  return rc;
 }

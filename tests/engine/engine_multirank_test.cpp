@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "tests/comm/mpi_test_main.h"
 #include "engine/engine.h"
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
@@ -209,16 +210,7 @@ TEST(ZeroMemory, Stage2HoldsLessModelStateThanStage1ThanStage0) {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   zinc::g_world = zinc::comm::make_mpi_communicator();
-  if (zinc::g_world->rank() != 0) {
-    // Keep one rank's report on the console; failures still count below.
-    ::testing::TestEventListeners& l = ::testing::UnitTest::GetInstance()->listeners();
-    delete l.Release(l.default_result_printer());
-  }
-  int rc = RUN_ALL_TESTS();
-  double failed = rc != 0 ? 1.0 : 0.0;
-  zinc::g_world->all_reduce_f64(&failed, 1);
-  if (failed > 0 && rc == 0)
-    std::fprintf(stderr, "rank %d: passed, but %g rank(s) failed\n", zinc::g_world->rank(), failed);
-  zinc::g_world.reset();
-  return failed > 0 ? 1 : 0;
+  const int rc = zinc::comm::testing::run_all_tests_on_every_rank(*zinc::g_world);
+  zinc::g_world.reset();  // the last communicator: finalises MPI
+  return rc;
 }
