@@ -558,9 +558,10 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
     // waits, so it needs every rank's communication thread running at the
     // same time as its compute thread: a core for each. With fewer cores
     // than 2 threads per local rank (2 ranks on this 2-core machine), the
-    // waits stall behind descheduled peers and the engine's collectives get
-    // 4x slower than Open MPI's (bench/RESULTS.md, overlap); auto then keeps
-    // MPI. Every rank reaches the same answer through max-reductions.
+    // waits stall behind descheduled peers and, overlapped with backward,
+    // expose several times more communication than Open MPI's
+    // (bench/RESULTS.md, shared memory); auto then keeps MPI. Every rank
+    // reaches the same answer through max-reductions.
     const int node_size = fake > 0 ? fake : mpi->local_size();
     double flags[2] = {node_size != mpi->size() ? 1.0 : 0.0,
                        static_cast<double>(std::thread::hardware_concurrency()) < 2.0 * mpi->local_size() ? 1.0 : 0.0};
