@@ -26,6 +26,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
+
+#include <climits>
+#include <ctime>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -105,8 +111,9 @@ void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int6
 // all_reduce rank r writes its reduced sub-block r into its own slot. All
 // ranks run the same collectives in the same order, so they post the same
 // sequence of flag values: post() increments the rank's counter and stores it
-// with release order; wait_all(v) spins until every flag is >= v with acquire
-// loads. The flags only grow, so a rank that runs ahead never confuses a
+// with release order (and wakes sleepers on the futex word beside it);
+// wait_all(v) spins briefly, then sleeps on that word, until every flag is
+// >= v with acquire loads. The flags only grow, so a rank that runs ahead never confuses a
 // waiter.
 //
 // No rank reads a slot before it is fully written: the owner writes the
@@ -242,6 +249,7 @@ class ShmCommunicator final : public Communicator {
         base_[static_cast<size_t>(q)] = static_cast<char*>(p);
       }
       __atomic_store_n(flag(local_rank_), uint64_t{0}, __ATOMIC_RELEASE);
+      __atomic_store_n(wake_word(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
       check(MPI_Win_sync(win_), "MPI_Win_sync");
       check(MPI_Barrier(node_), "MPI_Barrier");
       check(MPI_Win_sync(win_), "MPI_Win_sync");
@@ -454,18 +462,35 @@ class ShmCommunicator final : public Communicator {
     return base_[static_cast<size_t>(q)] + kControlBytes + static_cast<size_t>(h) * half_bytes_;
   }
 
-  void post() { __atomic_store_n(flag(local_rank_), ++seq_, __ATOMIC_RELEASE); }
+  // The 32-bit futex word beside each flag (its own cache line): the low bits
+  // of the flag, stored after it, so that a waiter can sleep in the kernel.
+  uint32_t* wake_word(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 64); }
 
+  void post() {
+    ++seq_;
+    __atomic_store_n(flag(local_rank_), seq_, __ATOMIC_RELEASE);
+    __atomic_store_n(wake_word(local_rank_), static_cast<uint32_t>(seq_), __ATOMIC_RELEASE);
+    // Shared (not private) futex: the waiters are other processes.
+    syscall(SYS_futex, wake_word(local_rank_), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
+
+  // Spin briefly, then sleep on the flag owner's futex word until it posts.
+  // A waiter that read the word before the owner's post sees it changed and
+  // returns at once (FUTEX_WAIT compares first), so no wake-up is lost; the
+  // timeout only bounds the sleep. Sleeping instead of spinning lets the
+  // peer's threads run when ranks share cores with their compute threads.
   void wait_all(uint64_t v) const {
     for (int q = 0; q < local_size_; ++q) {
       const uint64_t* f = flag(q);
       for (unsigned spins = 0; __atomic_load_n(f, __ATOMIC_ACQUIRE) < v; ++spins) {
-        // Spin briefly, then yield: tests run more ranks than cores.
-        if (spins < 2000) {
+        if (spins < 1000) {
           __builtin_ia32_pause();
-        } else {
-          sched_yield();
+          continue;
         }
+        const uint32_t w = __atomic_load_n(wake_word(q), __ATOMIC_ACQUIRE);
+        if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) break;
+        timespec timeout{0, 1000000};  // 1 ms
+        syscall(SYS_futex, wake_word(q), FUTEX_WAIT, w, &timeout, nullptr, 0);
       }
     }
   }
@@ -554,14 +579,13 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
   const int fake = fake_node_size_from_env();
   if (mode == "auto") {
     if (mpi->size() == 1) return mpi;
-    // The shared-memory path synchronises its ranks per chunk with spinning
-    // waits, so it needs every rank's communication thread running at the
-    // same time as its compute thread: a core for each. With fewer cores
-    // than 2 threads per local rank (2 ranks on this 2-core machine), the
-    // waits stall behind descheduled peers and, overlapped with backward,
-    // expose several times more communication than Open MPI's
-    // (bench/RESULTS.md, shared memory); auto then keeps MPI. Every rank
-    // reaches the same answer through max-reductions.
+    // The shared-memory path synchronises its ranks at every chunk, so it
+    // pays off when every rank's communication thread can run beside its
+    // compute thread: a core for each. With fewer cores than 2 threads per
+    // local rank (2 ranks on this 2-core machine) each synchronisation waits
+    // for a descheduled peer, and inside the engine shm measured no better
+    // than Open MPI (bench/RESULTS.md, shared memory); auto then keeps MPI.
+    // Every rank reaches the same answer through max-reductions.
     const int node_size = fake > 0 ? fake : mpi->local_size();
     double flags[2] = {node_size != mpi->size() ? 1.0 : 0.0,
                        static_cast<double>(std::thread::hardware_concurrency()) < 2.0 * mpi->local_size() ? 1.0 : 0.0};
