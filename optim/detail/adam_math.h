@@ -79,9 +79,26 @@ void adam_range(const AdamArgs& a, float* w, const void* grad, float* m, float* 
   if constexpr (kOut == 2) V::fence();  // order the streamed stores before the caller's barrier
 }
 
+// Sum of squares of grad[lo, hi) in double: whole registers of V into its
+// double accumulator, lanes added in order, then the rest with T.
+template <class V, class T, bool kGradBf16>
+double sqnorm_range(const void* grad, int64_t lo, int64_t hi) {
+  auto load = [&](auto vec, int64_t j) {
+    using W = decltype(vec);
+    if constexpr (kGradBf16)
+      return W::load_bf16(static_cast<const bf16*>(grad) + j);
+    else
+      return W::load(static_cast<const float*>(grad) + j);
+  };
+  typename V::D acc = V::dzero();
+  int64_t i = lo;
+  for (; i + V::kWidth <= hi; i += V::kWidth) acc = V::sq_acc(acc, load(V{}, i));
+  double s = V::dsum(acc);
+  for (; i < hi; ++i) s = T::sq_acc(s, load(T{}, i));
+  return s;
+}
+
 using AdamFn = void (*)(const AdamArgs&, float*, const void*, float*, float*, bf16*, int64_t, int64_t);
-// Sum of squares of grad[lo, hi) in double (each ISA file writes its own:
-// the reduction order is part of a path's definition).
 using SqNormFn = double (*)(const void*, int64_t, int64_t);
 
 // One ISA's entry points: adam[decay][grad is bf16][copy-out: none, store, stream].
@@ -91,7 +108,7 @@ struct IsaKernels {
 };
 
 template <class V, class T>
-IsaKernels make_adam_table(SqNormFn sq32, SqNormFn sq16) {
+IsaKernels make_adam_table() {
   IsaKernels k{};
   auto fill = [&](auto decay_tag) {
     constexpr Decay d = decltype(decay_tag)::value;
@@ -105,8 +122,8 @@ IsaKernels make_adam_table(SqNormFn sq32, SqNormFn sq16) {
   fill(std::integral_constant<Decay, Decay::kNone>{});
   fill(std::integral_constant<Decay, Decay::kAdamW>{});
   fill(std::integral_constant<Decay, Decay::kL2>{});
-  k.sqnorm[0] = sq32;
-  k.sqnorm[1] = sq16;
+  k.sqnorm[0] = &sqnorm_range<V, T, false>;
+  k.sqnorm[1] = &sqnorm_range<V, T, true>;
   return k;
 }
 

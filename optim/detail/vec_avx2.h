@@ -43,6 +43,25 @@ struct VecAvx2 {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // Sum-of-squares accumulator: 8 floats widen into two 4-double registers.
+  struct D {
+    __m256d lo, hi;
+  };
+  static D dzero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static D sq_acc(D acc, F x) {
+    __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    return {_mm256_fmadd_pd(a, a, acc.lo), _mm256_fmadd_pd(b, b, acc.hi)};
+  }
+  // The 8 lanes added in lane order.
+  static double dsum(D acc) {
+    alignas(32) double lanes[8];
+    _mm256_store_pd(lanes, acc.lo);
+    _mm256_store_pd(lanes + 4, acc.hi);
+    double s = 0;
+    for (double x : lanes) s += x;
+    return s;
+  }
 };
 
 }  // namespace zinc::optim::detail

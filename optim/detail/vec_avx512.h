@@ -56,6 +56,25 @@ struct VecAvx512 {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // Sum-of-squares accumulator: 16 floats widen into two 8-double registers.
+  struct D {
+    __m512d lo, hi;
+  };
+  static D dzero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+  static D sq_acc(D acc, F x) {
+    __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    __m512d b = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)));
+    return {_mm512_fmadd_pd(a, a, acc.lo), _mm512_fmadd_pd(b, b, acc.hi)};
+  }
+  // The 16 lanes added in lane order.
+  static double dsum(D acc) {
+    alignas(64) double lanes[16];
+    _mm512_store_pd(lanes, acc.lo);
+    _mm512_store_pd(lanes + 8, acc.hi);
+    double s = 0;
+    for (double x : lanes) s += x;
+    return s;
+  }
 };
 
 }  // namespace zinc::optim::detail

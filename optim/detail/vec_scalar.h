@@ -32,8 +32,15 @@ struct VecScalar {
     if constexpr (kFma) return std::fma(a, b, c);
     return a * b + c;
   }
-  // Sum of squares of one element, in double.
-  static double sq(F a) { return static_cast<double>(a) * static_cast<double>(a); }
+  // Sum-of-squares accumulator in double.
+  using D = double;
+  static D dzero() { return 0.0; }
+  static D sq_acc(D acc, F x) {
+    const double d = static_cast<double>(x);
+    if constexpr (kFma) return std::fma(d, d, acc);
+    return acc + d * d;
+  }
+  static double dsum(D acc) { return acc; }
 };
 
 }  // namespace zinc::optim::detail

@@ -35,15 +35,6 @@ Communicator& world() { return *g_world; }
 
 namespace {
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const CommError& e) {
-    return e.what();
-  }
-  return "(no CommError thrown)";
-}
-
 // ---------------------------------------------------------------------------
 // The world itself
 

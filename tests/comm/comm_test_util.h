@@ -9,9 +9,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/error.h"
 
 namespace zinc::comm::testing {
 
@@ -44,6 +47,16 @@ inline std::vector<float> decode(const void* p, size_t n, DType dtype) {
     }
   }
   return out;
+}
+
+// what() of the CommError fn throws, or a marker when it throws none.
+inline std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  return "(no CommError thrown)";
 }
 
 // Small integers in [-8, 8]: sums over up to 16 ranks are exact in fp32 and bf16.

@@ -87,15 +87,6 @@ int64_t mismatches(const std::vector<float>& got, const std::function<float(int6
   return bad;
 }
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const CommError& e) {
-    return e.what();
-  }
-  return "(no CommError thrown)";
-}
-
 // ---------------------------------------------------------------------------
 // Every collective, fp32 and bf16, odd counts, default and tiny slots
 

@@ -13,15 +13,6 @@
 namespace zinc::comm::testing {
 namespace {
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const CommError& e) {
-    return e.what();
-  }
-  return "(no CommError thrown)";
-}
-
 TEST(SingleCommunicator, IsAWorldOfOne) {
   auto c = make_single_communicator();
   EXPECT_EQ(c->rank(), 0);
