@@ -55,6 +55,7 @@ class Communicator {
   // In-place maximum of doubles (peak memory, timings).
   virtual void all_reduce_max_f64(double* buf, int64_t count) = 0;
   virtual void barrier() = 0;
+
   // Prints "zinc: [rank r] fatal: msg" and ends every rank of the job with `code`.
   [[noreturn]] virtual void abort(int code, const std::string& msg) = 0;
 };
@@ -74,8 +75,13 @@ std::unique_ptr<Communicator> make_single_communicator();
 // ZINC_COMM_BACKEND, when set, overrides mode; ZINC_COMM_FAKE_NODE_SIZE=k
 // (tests) treats each k consecutive ranks as one machine. backend() names
 // the choice. The shm backend sums bf16 in fp32 over the ranks of a machine
-// and rounds once (see shm_communicator.cpp).
-std::unique_ptr<Communicator> make_communicator(const std::string& mode);
+// and rounds once (see shm_communicator.cpp). timeout_seconds: the longest a
+// shm collective waits for a peer before it throws CommError naming the peer
+// (ZINC_COMM_TIMEOUT overrides it; the MPI backend waits as long as Open MPI
+// does, and relies on mpirun ending the job when a rank dies).
+inline constexpr double kCommTimeoutSeconds = 600;
+std::unique_ptr<Communicator> make_communicator(const std::string& mode,
+                                                double timeout_seconds = kCommTimeoutSeconds);
 // True when the process runs under an MPI launcher (mpirun/srun set
 // OMPI_COMM_WORLD_SIZE, PMI_SIZE, ...) with more than one rank.
 bool launched_with_mpi();

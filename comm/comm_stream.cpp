@@ -17,6 +17,7 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "comm/comm_internal.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -48,7 +49,21 @@ std::string describe(const std::exception_ptr& e) {
   }
 }
 
+// Callers of this process blocked in wait() or synchronize() on any stream.
+std::atomic<int> g_blocked_callers{0};
+
+struct BlockedCaller {
+  BlockedCaller() { g_blocked_callers.fetch_add(1, std::memory_order_relaxed); }
+  ~BlockedCaller() { g_blocked_callers.fetch_sub(1, std::memory_order_relaxed); }
+  BlockedCaller(const BlockedCaller&) = delete;
+  BlockedCaller& operator=(const BlockedCaller&) = delete;
+};
+
 }  // namespace
+
+namespace detail {
+int blocked_callers() { return g_blocked_callers.load(std::memory_order_relaxed); }
+}  // namespace detail
 
 void CommHandle::wait() {
   if (!state_) return;
@@ -58,6 +73,7 @@ void CommHandle::wait() {
                "CommHandle::wait() called from the CommStream's own thread (it would wait for itself)");
     std::unique_lock lock(s.mu_);
     const double t0 = now_s();
+    BlockedCaller blocked;
     s.cv_done_.wait(lock, [&] { return state_->done.load(std::memory_order_acquire); });
     s.wait_s_ += now_s() - t0;
   }
@@ -118,6 +134,7 @@ void CommStream::synchronize() {
     if (!queue_.empty()) {
       std::shared_ptr<CommHandle::State> last = queue_.back().second;
       const double t0 = now_s();
+      BlockedCaller blocked;
       cv_done_.wait(lock, [&] { return last->done.load(std::memory_order_acquire); });
       wait_s_ += now_s() - t0;
     }

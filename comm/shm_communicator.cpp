@@ -19,6 +19,7 @@
 // summed in fp32 and rounded with zinc::float_to_bf16 once at the end (the MPI
 // backend rounds after every pairwise combination instead, so bf16 results of
 // the two backends may differ in the last bit).
+#include <emmintrin.h>
 #include <mpi.h>
 #include <sched.h>
 
@@ -75,10 +76,52 @@ ZINC_SHM_CLONES void round_bf16(uint16_t* __restrict out, const float* __restric
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(acc[i]).bits;
 }
 
+// Outputs of at least this many bytes per call are written with
+// non-temporal stores: they leave the caches before they are read again, so
+// streaming skips the read-for-ownership of every output line (a third of the
+// memory traffic of a copy; bench/RESULTS.md, shared memory).
+constexpr size_t kStreamMinBytes = size_t{4} << 20;
+
+// memcpy through non-temporal 16-byte stores (SSE2, every x86-64) where dst
+// is aligned, ordinary copies for the unaligned head and the tail. The stores
+// are weakly ordered: a collective that streamed ends with an sfence (see
+// Note [shm collectives: memory ordering]).
+void stream_copy(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(d) & 15));
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 64; bytes -= 64, d += 64, s += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+  }
+  for (; bytes >= 16; bytes -= 16, d += 16, s += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  std::memcpy(d, s, bytes);
+}
+
+void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
 // dst[i] = src[0][i] + src[1][i] + ... + src[L-1][i] (left to right, fp32),
-// i < n, and the same into dst2 unless it is null. dst or dst2 may be one of
-// the sources (the same elements): each tile is read before it is written.
-void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int64_t n, DType dtype) {
+// i < n, and the same into dst2 unless it is null (dst2 streamed when
+// stream2). dst or dst2 may be one of the sources (the same elements): each
+// tile is read before it is written.
+void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int64_t n, DType dtype,
+                bool stream = false, bool stream2 = false) {
   const size_t L = src.size();
   alignas(64) float acc[kTile];
   for (int64_t t = 0; t < n; t += kTile) {
@@ -91,14 +134,16 @@ void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int6
         add2_f32(acc, at(0), at(1), m);
         for (size_t q = 2; q < L; ++q) add_f32(acc, at(q), m);
       }
-      std::memcpy(static_cast<float*>(dst) + t, acc, static_cast<size_t>(m) * 4);
-      if (dst2) std::memcpy(static_cast<float*>(dst2) + t, acc, static_cast<size_t>(m) * 4);
+      copy_out(static_cast<float*>(dst) + t, acc, static_cast<size_t>(m) * 4, stream);
+      if (dst2) copy_out(static_cast<float*>(dst2) + t, acc, static_cast<size_t>(m) * 4, stream2);
     } else {
       auto at = [&](size_t q) { return reinterpret_cast<const uint16_t*>(src[q]) + t; };
+      alignas(64) uint16_t rounded[kTile];
       widen_bf16(acc, at(0), m);
       for (size_t q = 1; q < L; ++q) add_bf16(acc, at(q), m);
-      round_bf16(static_cast<uint16_t*>(dst) + t, acc, m);
-      if (dst2) std::memcpy(static_cast<uint16_t*>(dst2) + t, static_cast<uint16_t*>(dst) + t, static_cast<size_t>(m) * 2);
+      round_bf16(rounded, acc, m);
+      copy_out(static_cast<uint16_t*>(dst) + t, rounded, static_cast<size_t>(m) * 2, stream);
+      if (dst2) copy_out(static_cast<uint16_t*>(dst2) + t, rounded, static_cast<size_t>(m) * 2, stream2);
     }
   }
 }
@@ -107,14 +152,12 @@ void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int6
 
 // Note [shm collectives: memory ordering]
 // Each local rank q owns one 64-bit sequence flag (in its control line) and
-// one slot; only q writes its flag, and only q writes its slot, except that in
-// all_reduce rank r writes its reduced sub-block r into its own slot. All
-// ranks run the same collectives in the same order, so they post the same
-// sequence of flag values: post() increments the rank's counter and stores it
-// with release order (and wakes sleepers on the futex word beside it);
-// wait_all(v) spins briefly, then sleeps on that word, until every flag is
-// >= v with acquire loads. The flags only grow, so a rank that runs ahead never confuses a
-// waiter.
+// one slot; only q writes its flag, and only q writes its slot. All ranks run
+// the same collectives in the same order, so they post the same sequence of
+// flag values: post() increments the rank's counter and stores it with
+// release order; wait_all(v) returns once every flag is >= v, read with
+// acquire loads. The flags only grow, so a rank that runs ahead never
+// confuses a waiter.
 //
 // No rank reads a slot before it is fully written: the owner writes the
 // chunk into its slot with ordinary stores, then post()s (release). A reader
@@ -122,28 +165,53 @@ void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int6
 // that observes the value synchronises with the release store, so every
 // ordinary store made before it (the whole chunk) is visible to the reads
 // that follow. all_reduce has a second phase with the same pairing: a rank
-// writes its reduced sub-block, posts, and the others wait before copying it.
+// writes its reduced sub-block into its slot, posts, and the others wait
+// before copying it.
 //
-// No rank overwrites a slot another rank still reads: every chunk ends with a
-// post() made after the rank's last read of any slot for that chunk. The
-// slot has two halves used by alternate chunks; before writing into half h,
-// a rank waits until every flag has reached the value that ended the last
-// chunk that used half h (free_at_[h]). So the copy of chunk c overlaps the
-// reduction of chunk c-1 on slower ranks, but never the reads of chunk c-2
-// from the same half. free_at_ persists across calls, since flags do. (With
-// two halves that wait is in fact already implied: a rank reaches chunk c
-// only after every rank posted its copy of chunk c-1, which each does after
-// its last read of chunk c-2. The wait costs L loads and keeps the invariant
-// explicit, independent of the number of halves and of the phase order.)
+// No rank overwrites a slot another rank still reads. The slot has two halves
+// used by alternate chunks, and a chunk reads only its own half. Every rank
+// makes the first post of chunk c (its data is in) after its last read of
+// chunk c-1, so that post also says "done with the half of chunk c-1"; its
+// value is recorded as free_at_[h] for that half h. Before writing into half
+// h for chunk c+1, a rank waits until every flag has reached free_at_[h].
+// (With two halves that wait is already implied: a rank reaches chunk c+1
+// only after waiting for every rank's first post of chunk c. It costs L loads
+// and keeps the invariant explicit.) So a chunk costs one post and one wait
+// (two of each for all_reduce), and the copy of chunk c overlaps the
+// reduction of chunk c-1 on slower ranks. free_at_ persists across calls, as
+// the flags do.
 //
-// The flags are accessed with GCC __atomic builtins on 8-byte aligned words
-// of the shared mapping; they are lock-free and therefore address-free, so
-// the orderings hold between processes (the C++ rule for lock-free atomics in
+// Outputs of large calls (kStreamMinBytes) are written with non-temporal
+// stores, which x86 does not order with later stores; every call that
+// streamed ends with an sfence, so the caller (and the thread it hands the
+// buffer to) sees a finished output. Slots are never streamed: another rank
+// reads them under the release/acquire pairing above.
+//
+// Waiting: spin briefly (the peer usually posts within microseconds). Then,
+// if a thread of this process is blocked waiting for communication
+// (detail::blocked_callers, kept by CommStream), this rank's core has nothing
+// better to do: poll, yielding to any runnable thread. Waking from a futex
+// costs 30-40 us on this VM's idle vCPUs, per wait, which polling avoids.
+// Otherwise a compute thread shares the core: sleep on the futex word beside
+// the owner's flag (its own cache line), so the compute thread runs. A
+// sleeper first adds itself to the owner's sleeper count, then re-reads the
+// word and sleeps only if it still holds the value it read; the owner stores
+// the word and then reads the count, both sequentially consistent, and calls
+// FUTEX_WAKE only when the count is non-zero. Of the pairs (sleeper:
+// increment, read word) and (owner: write word, read count), at least one
+// side sees the other's write, so either the sleeper does not sleep or the
+// owner wakes it: no wake-up is lost, and a post costs no system call while
+// nobody sleeps. A wait that lasts longer than the timeout (the peer died or
+// stopped issuing collectives) throws CommError naming the peer.
+//
+// The flags are accessed with GCC __atomic builtins on aligned words of the
+// shared mapping; they are lock-free and therefore address-free, so the
+// orderings hold between processes (the C++ rule for lock-free atomics in
 // shared memory). The window is kept in a passive epoch (MPI_Win_lock_all)
 // for its lifetime, and the set-up uses MPI_Win_sync + MPI_Barrier, the MPI
 // unified-model way to publish the zeroed flags before the first collective.
 
-constexpr size_t kControlBytes = 4096;  // per rank: the flag, alone in its lines
+constexpr size_t kControlBytes = 4096;  // per rank: its flag, futex word and sleeper count
 
 // Note [shm collectives: hierarchical layout]
 // With M nodes of L ranks each, rank g = node * L + l (consecutive ranks per
@@ -184,8 +252,10 @@ class ShmCommunicator final : public Communicator {
   // fake_node_size > 0: each group of that many consecutive ranks acts as a
   // node (tests). hierarchical: allow several nodes (MPI between them);
   // otherwise every rank must be on one node.
-  ShmCommunicator(std::unique_ptr<Communicator> mpi, size_t slot_bytes, int fake_node_size, bool hierarchical)
-      : mpi_(std::move(mpi)), hierarchical_(hierarchical) {
+  // timeout_s: the longest wait for a peer inside a collective.
+  ShmCommunicator(std::unique_ptr<Communicator> mpi, size_t slot_bytes, int fake_node_size, bool hierarchical,
+                  double timeout_s)
+      : mpi_(std::move(mpi)), hierarchical_(hierarchical), timeout_s_(timeout_s) {
     const int rank = mpi_->rank(), size = mpi_->size();
     try {
       check(MPI_Comm_dup(MPI_COMM_WORLD, &world_), "MPI_Comm_dup");
@@ -250,6 +320,7 @@ class ShmCommunicator final : public Communicator {
       }
       __atomic_store_n(flag(local_rank_), uint64_t{0}, __ATOMIC_RELEASE);
       __atomic_store_n(wake_word(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
+      __atomic_store_n(sleepers(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
       check(MPI_Win_sync(win_), "MPI_Win_sync");
       check(MPI_Barrier(node_), "MPI_Barrier");
       check(MPI_Win_sync(win_), "MPI_Win_sync");
@@ -275,6 +346,7 @@ class ShmCommunicator final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
     detail::check_reduce_scatter(rank(), size(), send, recv, recv_count, dtype);
+    op_ = "reduce_scatter";
     if (recv_count == 0) return;
     if (nodes_ == 1) return rs_node(static_cast<const char*>(send), static_cast<char*>(recv), recv_count, 1, dtype);
     check_cross_limit("reduce_scatter", recv_count, "reduce_bucket_size");
@@ -286,6 +358,7 @@ class ShmCommunicator final : public Communicator {
 
   void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
     const bool in_place = detail::check_all_gather(rank(), size(), send, recv, send_count, dtype);
+    op_ = "all_gather";
     if (send_count == 0) return;
     if (nodes_ == 1) {
       return ag_node(static_cast<const char*>(send), static_cast<char*>(recv), send_count, 1, in_place, dtype);
@@ -299,6 +372,7 @@ class ShmCommunicator final : public Communicator {
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank(), send, recv, count, dtype);
+    op_ = "all_reduce";
     if (count == 0) return;
     const char* in = static_cast<const char*>(send);
     char* out = static_cast<char*>(recv);
@@ -340,6 +414,7 @@ class ShmCommunicator final : public Communicator {
     const size_t elem = dtype_bytes(dtype);
     const int L = local_size_;
     const int64_t k_max = chunk_elems(half_bytes_ / (static_cast<size_t>(L) * elem));
+    const bool stream = static_cast<size_t>(n) * M * elem >= kStreamMinBytes;
     std::vector<const char*> src(static_cast<size_t>(L));
     for (int p = 0; p < M; ++p) {
       for (int64_t off = 0; off < n; off += k_max) {
@@ -352,13 +427,13 @@ class ShmCommunicator final : public Communicator {
         for (int b = 0; b < L; ++b) {
           if (b != local_rank_) std::memcpy(mine + b * seg_stride, block(b), seg);
         }
-        post();
+        post_data(h);
         wait_all(seq_);
         for (int q = 0; q < L; ++q) src[q] = q == local_rank_ ? block(q) : slot(q, h) + local_rank_ * seg_stride;
-        reduce_sum(out + (p * n + off) * static_cast<int64_t>(elem), nullptr, src, k, dtype);
-        end_chunk(h);
+        reduce_sum(out + (p * n + off) * static_cast<int64_t>(elem), nullptr, src, k, dtype, stream);
       }
     }
+    if (stream) _mm_sfence();
   }
 
   // All-gather inside the node: this rank's M pieces of n elements (piece p
@@ -370,6 +445,7 @@ class ShmCommunicator final : public Communicator {
     const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
     const int L = local_size_;
     const int64_t k_max = chunk_elems(half_bytes_ / static_cast<size_t>(elem));
+    const bool stream = static_cast<size_t>(n * M * L * elem) >= kStreamMinBytes;
     for (int p = 0; p < M; ++p) {
       for (int64_t off = 0; off < n; off += k_max) {
         const int64_t k = std::min(k_max, n - off);
@@ -378,15 +454,15 @@ class ShmCommunicator final : public Communicator {
         const char* piece = in + (p * n + off) * elem;
         const int h = begin_chunk();
         std::memcpy(slot(local_rank_, h), piece, bytes);
-        post();
-        if (!in_place) std::memcpy(dst(local_rank_), piece, bytes);
+        post_data(h);
+        if (!in_place) copy_out(dst(local_rank_), piece, bytes, stream);
         wait_all(seq_);
         for (int q = 0; q < L; ++q) {
-          if (q != local_rank_) std::memcpy(dst(q), slot(q, h), bytes);
+          if (q != local_rank_) copy_out(dst(q), slot(q, h), bytes, stream);
         }
-        end_chunk(h);
       }
     }
+    if (stream) _mm_sfence();
   }
 
   // All-reduce inside the node. Chunk: each rank copies elements
@@ -397,6 +473,7 @@ class ShmCommunicator final : public Communicator {
     const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
     const int L = local_size_;
     const int64_t m_max = chunk_elems(half_bytes_ / static_cast<size_t>(elem));
+    const bool stream = static_cast<size_t>(count * elem) >= kStreamMinBytes;
     std::vector<const char*> src(static_cast<size_t>(L));
     for (int64_t off = 0; off < count; off += m_max) {
       const int64_t m = std::min(m_max, count - off);
@@ -408,20 +485,22 @@ class ShmCommunicator final : public Communicator {
       const int64_t my_lo = lo(local_rank_), my_hi = lo(local_rank_ + 1);
       std::memcpy(mine, in + off * elem, static_cast<size_t>(my_lo * elem));
       std::memcpy(mine + my_hi * elem, in + (off + my_hi) * elem, static_cast<size_t>((m - my_hi) * elem));
-      post();
+      post_data(h);
       wait_all(seq_);
       for (int q = 0; q < L; ++q) src[q] = q == local_rank_ ? in + (off + my_lo) * elem : slot(q, h) + my_lo * elem;
-      if (my_hi > my_lo) reduce_sum(mine + my_lo * elem, out + (off + my_lo) * elem, src, my_hi - my_lo, dtype);
+      if (my_hi > my_lo) {
+        reduce_sum(mine + my_lo * elem, out + (off + my_lo) * elem, src, my_hi - my_lo, dtype, false, stream);
+      }
       post();
       wait_all(seq_);
       for (int q = 0; q < L; ++q) {
         const int64_t n = lo(q + 1) - lo(q);
         if (q != local_rank_ && n > 0) {
-          std::memcpy(out + (off + lo(q)) * elem, slot(q, h) + lo(q) * elem, static_cast<size_t>(n * elem));
+          copy_out(out + (off + lo(q)) * elem, slot(q, h) + lo(q) * elem, static_cast<size_t>(n * elem), stream);
         }
       }
-      end_chunk(h);
     }
+    if (stream) _mm_sfence();
   }
 
   void cross_all_reduce(char* buf, int64_t count, DType dtype) {
@@ -457,40 +536,83 @@ class ShmCommunicator final : public Communicator {
     return k >= 32 ? k & ~int64_t{15} : std::max<int64_t>(k, 1);
   }
 
+  // Local rank q's sequence flag, the 32-bit futex word holding its low
+  // bits (stored after it, so that a waiter can sleep in the kernel) and the
+  // count of ranks sleeping on that word, each in its own cache line (the
+  // other ranks write the sleeper count).
   uint64_t* flag(int q) const { return reinterpret_cast<uint64_t*>(base_[static_cast<size_t>(q)]); }
+  uint32_t* wake_word(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 64); }
+  uint32_t* sleepers(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 128); }
+
   char* slot(int q, int h) const {
     return base_[static_cast<size_t>(q)] + kControlBytes + static_cast<size_t>(h) * half_bytes_;
   }
-
-  // The 32-bit futex word beside each flag (its own cache line): the low bits
-  // of the flag, stored after it, so that a waiter can sleep in the kernel.
-  uint32_t* wake_word(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 64); }
-
+  // Publishes this rank's next flag value (release) and wakes its sleepers.
   void post() {
     ++seq_;
     __atomic_store_n(flag(local_rank_), seq_, __ATOMIC_RELEASE);
-    __atomic_store_n(wake_word(local_rank_), static_cast<uint32_t>(seq_), __ATOMIC_RELEASE);
-    // Shared (not private) futex: the waiters are other processes.
-    syscall(SYS_futex, wake_word(local_rank_), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    __atomic_store_n(wake_word(local_rank_), static_cast<uint32_t>(seq_), __ATOMIC_SEQ_CST);
+    // Shared (not private) futex: the sleepers are other processes.
+    if (__atomic_load_n(sleepers(local_rank_), __ATOMIC_SEQ_CST) != 0) {
+      syscall(SYS_futex, wake_word(local_rank_), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    }
   }
 
-  // Spin briefly, then sleep on the flag owner's futex word until it posts.
-  // A waiter that read the word before the owner's post sees it changed and
-  // returns at once (FUTEX_WAIT compares first), so no wake-up is lost; the
-  // timeout only bounds the sleep. Sleeping instead of spinning lets the
-  // peer's threads run when ranks share cores with their compute threads.
+  // The first post of a chunk in half h: this rank has stopped reading the
+  // other half (Note [shm collectives: memory ordering]).
+  void post_data(int h) {
+    post();
+    free_at_[h ^ 1] = seq_;
+  }
+
+  // Until every flag is >= v (Note [shm collectives: memory ordering]):
+  // spin briefly; then, while a caller is blocked waiting for the collective,
+  // poll, yielding the core; otherwise sleep on the owner's futex word until
+  // it posts, so that the compute thread sharing the core runs. Throws
+  // CommError after timeout_s_.
   void wait_all(uint64_t v) const {
     for (int q = 0; q < local_size_; ++q) {
       const uint64_t* f = flag(q);
-      for (unsigned spins = 0; __atomic_load_n(f, __ATOMIC_ACQUIRE) < v; ++spins) {
-        if (spins < 1000) {
-          __builtin_ia32_pause();
-          continue;
-        }
-        const uint32_t w = __atomic_load_n(wake_word(q), __ATOMIC_ACQUIRE);
+      if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) continue;
+      for (unsigned spins = 0; spins < 1000; ++spins) {
+        __builtin_ia32_pause();
         if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) break;
-        timespec timeout{0, 1000000};  // 1 ms
-        syscall(SYS_futex, wake_word(q), FUTEX_WAIT, w, &timeout, nullptr, 0);
+      }
+      timespec start{};
+      bool timed = false;
+      while (__atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
+        if (!timed) {
+          clock_gettime(CLOCK_MONOTONIC, &start);
+          timed = true;
+        }
+        if (detail::blocked_callers() > 0) {
+          // Somebody waits for this collective, so this rank has given up
+          // a core: poll, yielding it to any other runnable thread.
+          for (int i = 0; i < 64 && __atomic_load_n(f, __ATOMIC_ACQUIRE) < v; ++i) __builtin_ia32_pause();
+          sched_yield();
+        } else {
+          uint32_t* word = wake_word(q);
+          const uint32_t w = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+          __atomic_add_fetch(sleepers(q), 1u, __ATOMIC_SEQ_CST);
+          if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == w && __atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
+            timespec nap{0, 2000000};  // 2 ms: then look again whether somebody waits, and at the timeout
+            syscall(SYS_futex, word, FUTEX_WAIT, w, &nap, nullptr, 0);
+          }
+          __atomic_sub_fetch(sleepers(q), 1u, __ATOMIC_SEQ_CST);
+        }
+        timespec now{};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        const double waited = static_cast<double>(now.tv_sec - start.tv_sec) +
+                              1e-9 * static_cast<double>(now.tv_nsec - start.tv_nsec);
+        if (waited > timeout_s_ && __atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
+          char msg[256];
+          std::snprintf(msg, sizeof msg,
+                        "waited %.0f s for local rank %d (rank %d) to reach the same point of the same collective; "
+                        "it has stopped, died or issues different collectives (timeout: comm.timeout_seconds "
+                        "or ZINC_COMM_TIMEOUT)",
+                        waited, q, rank() - local_rank_ + q);
+          throw comm_error(rank(), op_, msg);
+        }
       }
     }
   }
@@ -500,10 +622,6 @@ class ShmCommunicator final : public Communicator {
     const int h = static_cast<int>(chunk_++ & 1);
     wait_all(free_at_[h]);
     return h;
-  }
-  void end_chunk(int h) {
-    post();
-    free_at_[h] = seq_;
   }
 
   void free_handles() {
@@ -532,6 +650,8 @@ class ShmCommunicator final : public Communicator {
   uint64_t seq_ = 0;              // this rank's flag value (Note [shm collectives: memory ordering])
   uint64_t chunk_ = 0;            // chunks run so far; chunk c uses half c % 2
   uint64_t free_at_[2] = {0, 0};  // flag value every rank reaches once it stopped reading half h
+  const double timeout_s_;        // longest wait for a peer before CommError
+  const char* op_ = "";           // the collective running (error messages)
 };
 
 std::string env_or(const char* var, const std::string& fallback) {
@@ -542,6 +662,19 @@ std::string env_or(const char* var, const std::string& fallback) {
 size_t slot_bytes_from_env() {
   const char* v = std::getenv("ZINC_SHM_SLOT_BYTES");
   return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 0)) : detail::kShmSlotBytes;
+}
+
+// ZINC_COMM_TIMEOUT (seconds) when set, else `fallback`.
+double timeout_from_env(double fallback) {
+  const char* v = std::getenv("ZINC_COMM_TIMEOUT");
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const double t = std::strtod(v, &end);
+  if (*end != '\0' || !(t > 0)) {
+    throw CommError(std::string("rank ?: make_communicator: ZINC_COMM_TIMEOUT=\"") + v +
+                    "\" is not a positive number of seconds");
+  }
+  return t;
 }
 
 int fake_node_size_from_env() {
@@ -555,17 +688,17 @@ namespace detail {
 
 std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes) {
   return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size_from_env(),
-                                           /*hierarchical=*/false);
+                                           /*hierarchical=*/false, timeout_from_env(kCommTimeoutSeconds));
 }
 
 std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size) {
   return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size,
-                                           /*hierarchical=*/true);
+                                           /*hierarchical=*/true, timeout_from_env(kCommTimeoutSeconds));
 }
 
 }  // namespace detail
 
-std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
+std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, double timeout_seconds) {
   const char* env = std::getenv("ZINC_COMM_BACKEND");
   const bool from_env = env && *env;
   std::string mode = env_or("ZINC_COMM_BACKEND", mode_arg);
@@ -574,6 +707,11 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
                     "\" (expected mpi, shm, hierarchical or auto; from " +
                     (from_env ? "ZINC_COMM_BACKEND" : "the argument") + ")");
   }
+  if (!(timeout_seconds > 0)) {
+    throw CommError("rank ?: make_communicator: the timeout must be a positive number of seconds, not " +
+                    std::to_string(timeout_seconds));
+  }
+  const double timeout = timeout_from_env(timeout_seconds);
   std::unique_ptr<Communicator> mpi = make_mpi_communicator();
   if (mode == "mpi") return mpi;
   const int fake = fake_node_size_from_env();
@@ -593,7 +731,8 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg) {
     if (flags[1] > 0 && fake <= 0) return mpi;
     mode = flags[0] > 0 ? "hierarchical" : "shm";
   }
-  return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical");
+  return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical",
+                                           timeout);
 }
 
 }  // namespace zinc::comm

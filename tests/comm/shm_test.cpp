@@ -365,6 +365,34 @@ TEST(ShmErrors, InvalidArgumentsThrowTheSameErrorsAsMpiBeforeCommunicating) {
   EXPECT_EQ(x, c.size());
 }
 
+// A rank that never joins a collective: the others give up after the timeout
+// with an error naming it, instead of hanging; the rest of the job goes on.
+TEST(ShmErrors, AWaitForAMissingPeerTimesOutNamingThePeer) {
+  Communicator& c = *g_shm;
+  if (c.size() < 2) GTEST_SKIP();
+  setenv("ZINC_COMM_TIMEOUT", "0.5", 1);
+  std::unique_ptr<Communicator> shm = make_communicator("shm");
+  unsetenv("ZINC_COMM_TIMEOUT");
+  std::string err;
+  if (c.rank() == 0) {
+    float x = 1.0f;
+    err = message_of([&] { shm->all_reduce(&x, &x, 1, DType::kF32); });
+  }
+  shm.reset();  // every rank: the destructor's barrier
+  if (c.rank() == 0) {
+    EXPECT_EQ(err.rfind("rank 0: all_reduce: waited", 0), 0u) << err;
+    EXPECT_NE(err.find("for local rank 1 (rank 1)"), std::string::npos) << err;
+    EXPECT_NE(err.find("ZINC_COMM_TIMEOUT"), std::string::npos) << err;
+  }
+  // Bad timeouts are refused before any communication, on every rank.
+  setenv("ZINC_COMM_TIMEOUT", "soon", 1);
+  const std::string bad_env = message_of([] { make_communicator("shm"); });
+  unsetenv("ZINC_COMM_TIMEOUT");
+  EXPECT_NE(bad_env.find("ZINC_COMM_TIMEOUT=\"soon\" is not a positive number of seconds"), std::string::npos)
+      << bad_env;
+  const std::string bad_arg = message_of([] { make_communicator("shm", 0.0); });
+  EXPECT_NE(bad_arg.find("timeout must be a positive number of seconds"), std::string::npos) << bad_arg;
+}
 
 }  // namespace
 }  // namespace zinc::comm::testing
