@@ -10,7 +10,9 @@
 //   mpirun -np 2 zinc-bench collectives [--json] [--rounds N]
 //
 // One line per case: figure = shm GB/s, bound = copy GB/s, ratio =
-// figure / bound, mpi = raw MPI GB/s. With one rank, or ranks on several
+// figure / bound, mpi = raw MPI GB/s; traffic_bound = the copy rate scaled
+// by the least memory traffic the collective needs against a copy's, and
+// traffic_ratio = figure / traffic_bound. With one rank, or ranks on several
 // machines, there is no shm backend and figure is 0.
 //
 // Sizes are those of the full fp32 buffer (1, 16, 128 MiB): reduce-scatter
@@ -205,11 +207,19 @@ int bench_collectives(const BenchOptions& o) {
         const char* op_name = op == 0 ? "reduce_scatter" : op == 1 ? "all_gather" : "all_reduce";
         const std::string name = std::string(op_name) + "/" + std::to_string(mib) + "MiB";
         const double fig = gbps(op, kShm), mpi = gbps(op, kRaw);
-        char human[320];
+        // The least memory traffic per rank, in units of the full buffer N:
+        // reduce-scatter reads N and writes N / L; all-gather (in place)
+        // reads its block and writes the L - 1 others; all-reduce reads N
+        // and writes N. A copy moves 2 N (read and streamed write), so the
+        // collective's bound is copy * 2 / traffic.
+        const double L = size, traffic = op == 0 ? 1 + 1 / L : op == 1 ? 1.0 : 2.0;
+        const double traffic_bound = copy * 2 / traffic;
+        char human[360];
         std::snprintf(human, sizeof human,
-                      "%-22s shm %6.2f GB/s  copy %6.2f GB/s  ratio %.3f  mpi %6.2f GB/s (shm/mpi %5.2fx)  "
-                      "engine(mpi) %6.2f GB/s  mpi on the main thread %6.2f GB/s",
-                      name.c_str(), fig, copy, fig / copy, mpi, fig / mpi, gbps(op, kEngine), gbps(op, kRawMain));
+                      "%-22s shm %6.2f GB/s  copy %6.2f GB/s  ratio %.3f  traffic bound %6.2f GB/s (%.2f)  "
+                      "mpi %6.2f GB/s (shm/mpi %5.2fx)  engine(mpi) %6.2f GB/s  mpi on the main thread %6.2f GB/s",
+                      name.c_str(), fig, copy, fig / copy, traffic_bound, fig / traffic_bound, mpi, fig / mpi,
+                      gbps(op, kEngine), gbps(op, kRawMain));
         emit(o.json,
              {{"bench", "collectives"},
               {"case", name},
@@ -219,6 +229,8 @@ int bench_collectives(const BenchOptions& o) {
               {"ratio", fig / copy},
               {"mpi", mpi},
               {"shm_over_mpi", fig / mpi},
+              {"traffic_bound", traffic_bound},
+              {"traffic_ratio", fig / traffic_bound},
               {"engine_mpi", gbps(op, kEngine)},
               {"raw_main", gbps(op, kRawMain)},
               {"world_size", size},

@@ -932,6 +932,7 @@ void parse_run(Reader& root, RunConfig& run) {
 void parse_comm(Reader& root, CommConfig& comm) {
   Reader r = root.section("comm");
   r.get_choice("backend", comm.backend, {"auto", "mpi", "shm", "hierarchical"});
+  r.get_number("timeout_seconds", comm.timeout_seconds, above(0));
   r.finish();
 }
 

@@ -118,6 +118,9 @@ struct CommConfig {
   // "mpi", "shm", "hierarchical" force one (for comparison). The environment
   // variable ZINC_COMM_BACKEND overrides it.
   std::string backend = "auto";
+  // The longest a shared-memory collective waits for another rank before it
+  // fails with an error naming that rank (ZINC_COMM_TIMEOUT overrides it).
+  double timeout_seconds = 600;
 };
 
 struct Config {

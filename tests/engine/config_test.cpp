@@ -181,6 +181,18 @@ TEST(ConfigErrors, WrongTypesShowTheValue) {
                       "optimizer.params.betas: expected a list of two numbers");
 }
 
+TEST(ConfigComm, BackendAndTimeout) {
+  const Config d = Config::parse(with(json::object()));
+  EXPECT_EQ(d.comm.backend, "auto");
+  EXPECT_EQ(d.comm.timeout_seconds, 600);
+  const Config c = Config::parse(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}}));
+  EXPECT_EQ(c.comm.backend, "shm");
+  EXPECT_EQ(c.comm.timeout_seconds, 2.5);
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"backend", "nccl"}}}}), "comm.backend", "\"nccl\"");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout_seconds", 0}}}}), "comm.timeout_seconds", "0");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout", 5}}}}), "comm.timeout", "timeout_seconds");
+}
+
 TEST(ConfigErrors, TopLevelMustBeAnObject) {
   EXPECT_CONFIG_ERROR(json::array({1, 2}), "top level", "JSON object");
 }
