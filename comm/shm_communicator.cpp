@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
 
 #include <climits>
 #include <ctime>
@@ -717,19 +716,16 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
   const int fake = fake_node_size_from_env();
   if (mode == "auto") {
     if (mpi->size() == 1) return mpi;
-    // The shared-memory path synchronises its ranks at every chunk, so it
-    // pays off when every rank's communication thread can run beside its
-    // compute thread: a core for each. With fewer cores than 2 threads per
-    // local rank (2 ranks on this 2-core machine) each synchronisation waits
-    // for a descheduled peer, and inside the engine shm measured no better
-    // than Open MPI (bench/RESULTS.md, shared memory); auto then keeps MPI.
-    // Every rank reaches the same answer through max-reductions.
+    // From the topology alone: shm when every rank is on this machine,
+    // hierarchical when some are not. (Session 1 kept MPI on machines with
+    // fewer cores than two threads per rank; the engine measurements in
+    // bench/RESULTS.md, shared memory, show Open MPI no faster there, its
+    // polling only hides its waiting in the compute thread's lost CPU time.)
+    // Every rank reaches the same answer through a max-reduction.
     const int node_size = fake > 0 ? fake : mpi->local_size();
-    double flags[2] = {node_size != mpi->size() ? 1.0 : 0.0,
-                       static_cast<double>(std::thread::hardware_concurrency()) < 2.0 * mpi->local_size() ? 1.0 : 0.0};
-    mpi->all_reduce_max_f64(flags, 2);
-    if (flags[1] > 0 && fake <= 0) return mpi;
-    mode = flags[0] > 0 ? "hierarchical" : "shm";
+    double several_nodes = node_size != mpi->size() ? 1.0 : 0.0;
+    mpi->all_reduce_max_f64(&several_nodes, 1);
+    mode = several_nodes > 0 ? "hierarchical" : "shm";
   }
   return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical",
                                            timeout);

@@ -12,6 +12,7 @@
 // command-line usage error).
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
@@ -30,6 +31,13 @@
 #include "tools/experiment.h"
 
 namespace {
+
+// CPU seconds the calling thread has run.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -127,6 +135,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   }
 
   const auto t0 = Clock::now();
+  const double cpu0 = thread_cpu_seconds();
   auto t_last = t0;
   int64_t step_last = 0;
   double loss = NAN;
@@ -179,11 +188,18 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // Per-rank peak RSS and the exposed communication share, from every rank.
   std::vector<double> rss(static_cast<size_t>(world), 0.0);
   rss[static_cast<size_t>(rank)] = static_cast<double>(zinc::tools::peak_rss_bytes());
-  double wait_share = engine.comm_wait_seconds() / elapsed;
+  // Two views of what communication costs the compute thread (this one):
+  // [0] the time it sat blocked on the communication stream; [1] the time it
+  // did not run at all: blocked, or runnable while the core ran something
+  // else, such as a communication thread polling beside it (1 - its CPU time
+  // over the wall time). A backend that polls moves its waiting from [0]
+  // into [1]; README, "How ranks talk".
+  double shares[2] = {engine.comm_wait_seconds() / elapsed, 1.0 - (thread_cpu_seconds() - cpu0) / elapsed};
   if (world > 1) {
     comm->all_reduce_f64(rss.data(), world);
-    comm->all_reduce_max_f64(&wait_share, 1);
+    comm->all_reduce_max_f64(shares, 2);
   }
+  const double wait_share = shares[0], off_cpu_share = shares[1];
   // NVMe traffic of the optimizer swapper (this rank's; every rank moves the
   // same amount), per step and over the time spent in optimizer steps.
   const bool nvme = cfg.zero.offload_optimizer.device == "nvme";
@@ -204,6 +220,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                           {"comm_backend", comm->backend()},
                           {"zero_stage", cfg.zero.stage},
                           {"comm_wait_share", wait_share},
+                          {"compute_off_cpu_share", off_cpu_share},
                           {"skipped_steps", engine.skipped_steps()}};
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
@@ -224,7 +241,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     } else {
       std::printf(" | %d ranks, peak RSS per rank", world);
       for (double r : rss) std::printf(" %.0f", r / (1 << 20));
-      std::printf(" MiB | waiting for communication %.1f%% of the time", 100 * wait_share);
+      std::printf(" MiB | waiting for communication %.1f%% of the time, not running %.1f%%", 100 * wait_share,
+                  100 * off_cpu_share);
     }
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
