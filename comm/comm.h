@@ -55,7 +55,6 @@ class Communicator {
   // In-place maximum of doubles (peak memory, timings).
   virtual void all_reduce_max_f64(double* buf, int64_t count) = 0;
   virtual void barrier() = 0;
-
   // Prints "zinc: [rank r] fatal: msg" and ends every rank of the job with `code`.
   [[noreturn]] virtual void abort(int code, const std::string& msg) = 0;
 };

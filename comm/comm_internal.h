@@ -55,7 +55,6 @@ std::unique_ptr<Communicator> make_mpi_communicator(int64_t max_count);
 // it in make_communicator.
 inline constexpr size_t kShmSlotBytes = size_t{1} << 20;
 
-
 // The shared-memory backend with a given slot size (tests exercise chunking
 // with small slots). Throws CommError unless every rank is on this machine.
 // ZINC_COMM_FAKE_NODE_SIZE applies as in make_communicator.
@@ -66,8 +65,8 @@ std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes);
 std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size);
 
 // Threads of this process blocked in CommHandle::wait or
-// CommStream::synchronize right now (any stream). The shm backend spins
-// instead of sleeping while it is non-zero: the caller has given up its core.
+// CommStream::synchronize right now (any stream). While it is non-zero the
+// shm backend polls instead of sleeping: the caller has given up its core.
 int blocked_callers();
 
 }  // namespace zinc::comm::detail

@@ -370,16 +370,25 @@ TEST(ShmErrors, AWaitForAMissingPeerTimesOutNamingThePeer) {
   setenv("ZINC_COMM_TIMEOUT", "0.5", 1);
   std::unique_ptr<Communicator> shm = make_communicator("shm");
   unsetenv("ZINC_COMM_TIMEOUT");
-  std::string err;
+  // Called directly (the waiting thread sleeps) and through a CommStream
+  // with the caller blocked on it (the communication thread polls).
+  std::string err, err_stream;
   if (c.rank() == 0) {
     float x = 1.0f;
     err = message_of([&] { shm->all_reduce(&x, &x, 1, DType::kF32); });
+    CommStream stream(*shm);
+    std::vector<float> in(static_cast<size_t>(c.size()), 1.0f);
+    float out = 0;
+    err_stream = message_of([&] {
+      stream.submit([&](Communicator& s) { s.reduce_scatter(in.data(), &out, 1, DType::kF32); }).wait();
+    });
   }
   shm.reset();  // every rank: the destructor's barrier
   if (c.rank() == 0) {
     EXPECT_EQ(err.rfind("rank 0: all_reduce: waited", 0), 0u) << err;
     EXPECT_NE(err.find("for local rank 1 (rank 1)"), std::string::npos) << err;
     EXPECT_NE(err.find("ZINC_COMM_TIMEOUT"), std::string::npos) << err;
+    EXPECT_NE(err_stream.find("rank 0: reduce_scatter: waited"), std::string::npos) << err_stream;
   }
   // Bad timeouts are refused before any communication, on every rank.
   setenv("ZINC_COMM_TIMEOUT", "soon", 1);
