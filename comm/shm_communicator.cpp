@@ -578,12 +578,8 @@ class ShmCommunicator final : public Communicator {
         if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) break;
       }
       timespec start{};
-      bool timed = false;
+      clock_gettime(CLOCK_MONOTONIC, &start);
       while (__atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
-        if (!timed) {
-          clock_gettime(CLOCK_MONOTONIC, &start);
-          timed = true;
-        }
         if (detail::blocked_callers() > 0) {
           // Somebody waits for this collective, so this rank has given up
           // a core: poll, yielding it to any other runnable thread.
