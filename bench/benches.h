@@ -12,7 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/cpu.h"
 #include "core/error.h"
+#include "tools/experiment.h"
 
 namespace zinc::bench {
 
@@ -35,8 +37,22 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Prints one result. Every result carries the CPU it ran on and the code
+// paths zinc chose (tools::kernel_paths): a figure means little without them.
 inline void emit(bool json, const nlohmann::json& line, const std::string& human) {
-  std::printf("%s\n", json ? line.dump().c_str() : human.c_str());
+  static const std::string cpu = zinc::cpu_model_and_flags();
+  static const std::string paths = zinc::tools::kernel_paths();
+  if (json) {
+    nlohmann::json l = line;
+    l["cpu"] = cpu;
+    l["paths"] = paths;
+    std::printf("%s\n", l.dump().c_str());
+  } else {
+    static bool header_done = false;
+    if (!header_done) std::printf("machine: %s\n%s\n", cpu.c_str(), paths.c_str());
+    header_done = true;
+    std::printf("%s\n", human.c_str());
+  }
   std::fflush(stdout);
 }
 

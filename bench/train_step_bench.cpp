@@ -102,7 +102,23 @@ int bench_train_step(const BenchOptions& o) {
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, 1);
   zinc::Engine engine = zinc::Engine::initialize(ex.model, ex.config);
   zinc::DataLoader loader(ex.data, B, 1, 1, 0, 1);
-  const zinc::DType dt = bf16 ? zinc::DType::kBF16 : zinc::DType::kF32;
+  // The bound multiplies in what the hardware can: bf16 where oneDNN has
+  // native bf16 kernels, else fp32 (zinc's bf16 fallback multiplies in fp32
+  // too, Note [bf16 matmul without native bf16]).
+  zinc::DType dt = bf16 ? zinc::DType::kBF16 : zinc::DType::kF32;
+  bool bound_via_f32 = false;
+  if (bf16) {
+    zinc::kernels::MatmulDesc probe;
+    probe.M = B * T;
+    probe.N = 3 * C;
+    probe.K = C;
+    probe.trans_b = true;
+    probe.compute = zinc::DType::kBF16;
+    if (zinc::kernels::matmul_path(probe).multiply == zinc::DType::kF32) {
+      dt = zinc::DType::kF32;
+      bound_via_f32 = true;
+    }
+  }
   std::vector<MatmulCase> mm = gpt_matmuls(B, T, C, H, L, V, dt);
   double mm_flops = 0;
   for (const MatmulCase& m : mm) mm_flops += m.flops();
@@ -181,6 +197,7 @@ int bench_train_step(const BenchOptions& o) {
                          {"backward_s", median(bwd_s)},
                          {"optimizer_s", median(opt_s)},
                          {"matmul_bound_s", t_mm},
+                         {"bound_dtype", zinc::dtype_name(dt)},
                          {"threads", zinc::num_threads()},
                          {"params", engine.num_parameters()},
                          {"breakdown_s", breakdown}};
@@ -188,12 +205,14 @@ int bench_train_step(const BenchOptions& o) {
   std::snprintf(buf, sizeof buf,
                 "train-step (%s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %d threads)\n"
                 "  figure: %.1f GFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
-                "  bound:  %.1f GFLOP/s oneDNN matmul at the model's shapes (%.3f s for one step's matmuls)\n"
+                "  bound:  %.1f GFLOP/s oneDNN %s matmul at the model's shapes (%.3f s for one step's matmuls)%s\n"
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
                 "  where the time goes (profiled round, share of the step): %s",
                 bf16 ? "bf16" : "fp32", (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
-                (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9, t_mm,
+                (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
+                std::string(zinc::dtype_name(dt)).c_str(), t_mm,
+                bound_via_f32 ? " (no native bf16 matmul here)" : "",
                 ratio, median(fwd_s), median(bwd_s), median(opt_s), breakdown_text.c_str());
   emit(json, line, buf);
   return 0;

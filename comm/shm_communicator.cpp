@@ -38,6 +38,7 @@
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
+#include "core/cpu.h"
 #include "core/log.h"
 
 namespace zinc::comm {
@@ -52,28 +53,33 @@ void check(int rc, const char* mpi_fn) {
 
 // ---------------------------------------------------------------------------
 // Reduction kernels. The scalar loops are the reference and the only code:
-// contiguous, __restrict, no calls, so GCC vectorises each clone for its ISA.
+// contiguous, __restrict, no calls, so GCC vectorises each ISA variant
+// (ZINC_ISA_VARIANTS, core/cpu.h: chosen at run time, capped by
+// ONEDNN_MAX_CPU_ISA).
 
 constexpr int64_t kTile = 2048;  // fp32 accumulator elements per tile (8 KiB, stays in L1)
 
-#define ZINC_SHM_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
-
-ZINC_SHM_CLONES void add_f32(float* __restrict acc, const float* __restrict x, int64_t n) {
+ZINC_ALWAYS_INLINE void add_f32_body(float* __restrict acc, const float* __restrict x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
 }
-ZINC_SHM_CLONES void add2_f32(float* __restrict acc, const float* __restrict a, const float* __restrict b,
+ZINC_ISA_VARIANTS(void, add_f32, (float* __restrict acc, const float* __restrict x, int64_t n), (acc, x, n))
+ZINC_ALWAYS_INLINE void add2_f32_body(float* __restrict acc, const float* __restrict a, const float* __restrict b,
                               int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
 }
-ZINC_SHM_CLONES void widen_bf16(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+ZINC_ISA_VARIANTS(void, add2_f32, (float* __restrict acc, const float* __restrict a, const float* __restrict b, int64_t n), (acc, a, b, n))
+ZINC_ALWAYS_INLINE void widen_bf16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = bits_float(static_cast<uint32_t>(x[i]) << 16);
 }
-ZINC_SHM_CLONES void add_bf16(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+ZINC_ISA_VARIANTS(void, widen_bf16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
+ZINC_ALWAYS_INLINE void add_bf16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += bits_float(static_cast<uint32_t>(x[i]) << 16);
 }
-ZINC_SHM_CLONES void round_bf16(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
+ZINC_ISA_VARIANTS(void, add_bf16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
+ZINC_ALWAYS_INLINE void round_bf16_body(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(acc[i]).bits;
 }
+ZINC_ISA_VARIANTS(void, round_bf16, (uint16_t* __restrict out, const float* __restrict acc, int64_t n), (out, acc, n))
 
 // Outputs of at least this many bytes per call are written with
 // non-temporal stores: they leave the caches before they are read again, so

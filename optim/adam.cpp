@@ -6,6 +6,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/parallel.h"
@@ -16,6 +17,16 @@ namespace zinc::optim {
 namespace {
 
 using detail::IsaKernels;
+
+CpuIsa cpu_level(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return CpuIsa::kBaseline;
+    case Isa::kAvx2: return CpuIsa::kAvx2;
+    case Isa::kAvx512: return CpuIsa::kAvx512;
+    case Isa::kAvx512Bf16: return CpuIsa::kAvx512Bf16;
+  }
+  return CpuIsa::kAvx512Bf16;
+}
 
 const IsaKernels& kernels_for(Isa isa) {
   switch (isa) {
@@ -37,8 +48,8 @@ Isa resolve_active() {
     if (env && *env) {
       Isa want = parse_isa(env);
       if (!isa_supported(want))
-        throw Error(std::string("ZINC_OPTIM_ISA=") + env + ": this CPU does not support it (best: " +
-                    std::string(isa_name(detect_isa())) + ")");
+        throw Error(std::string("ZINC_OPTIM_ISA=") + env + ": cannot run here: " +
+                    cpu_isa_missing(cpu_level(want)) + " (best: " + std::string(isa_name(detect_isa())) + ")");
       g_active = want;
       log_info("optimizer: " + std::string(isa_name(want)) + " kernels (forced by ZINC_OPTIM_ISA)");
     } else {
@@ -74,19 +85,10 @@ Isa parse_isa(std::string_view name) {
   throw Error("unknown optimizer ISA '" + std::string(name) + "' (expected scalar, avx2, avx512 or avx512_bf16)");
 }
 
-bool isa_supported(Isa isa) {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  switch (isa) {
-    case Isa::kScalar: return true;
-    case Isa::kAvx2: return avx2;
-    case Isa::kAvx512: return avx512;
-    case Isa::kAvx512Bf16: return avx512 && __builtin_cpu_supports("avx512bf16");
-  }
-  return false;
-}
+// A path runs where the CPU has its instructions and ONEDNN_MAX_CPU_ISA does
+// not cap them away (core/cpu.h): the optimizer follows the same cap as the
+// kernels and oneDNN.
+bool isa_supported(Isa isa) { return cpu_level(isa) <= cpu_isa(); }
 
 Isa detect_isa() {
   for (Isa i : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2})
@@ -97,7 +99,8 @@ Isa detect_isa() {
 Isa active_isa() { return resolve_active(); }
 
 void set_isa(Isa isa) {
-  if (!isa_supported(isa)) throw Error("optimizer ISA " + std::string(isa_name(isa)) + " is not supported by this CPU");
+  if (!isa_supported(isa))
+    throw Error("optimizer ISA " + std::string(isa_name(isa)) + " cannot run here: " + cpu_isa_missing(cpu_level(isa)));
   g_forced.store(static_cast<int>(isa));
 }
 

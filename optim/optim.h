@@ -14,6 +14,7 @@
 //
 // Implementations: scalar (the reference), AVX2+FMA, AVX-512, and AVX-512
 // with the AVX512-BF16 conversion instruction. The best one the CPU supports
+// (under the ONEDNN_MAX_CPU_ISA cap, core/cpu.h)
 // is chosen at first use and logged once; ZINC_OPTIM_ISA=scalar|avx2|avx512|
 // avx512_bf16 (or set_isa) forces one. The vector paths use fused
 // multiply-adds, so they differ from the scalar path by a few ulps; each path
@@ -43,13 +44,15 @@ enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 std::string_view isa_name(Isa isa);
 // Throws zinc::Error for an unknown name.
 Isa parse_isa(std::string_view name);
+// True where the CPU has the path's instructions and ONEDNN_MAX_CPU_ISA does
+// not cap them away (core/cpu.h).
 bool isa_supported(Isa isa);
-// The best path this CPU supports.
+// The best supported path.
 Isa detect_isa();
 // The path adam_step and grad_squared_norm use: ZINC_OPTIM_ISA if set (an
 // unsupported or unknown value is an error), else detect_isa().
 Isa active_isa();
-// Forces a path for this process; throws zinc::Error if the CPU lacks it.
+// Forces a path for this process; throws zinc::Error if it is not supported.
 void set_isa(Isa isa);
 
 // One flat span of optimizer state. grad is fp32 or bf16 (grad_dtype);

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 packages=(
   cmake g++ make pkg-config
-  nlohmann-json3-dev libdnnl-dev liburing-dev libopenmpi-dev openmpi-bin
+  nlohmann-json3-dev libdnnl-dev ocl-icd-opencl-dev liburing-dev libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio
 )
 missing=()

@@ -2,7 +2,10 @@
 
 #include <sys/resource.h>
 
+#include "core/cpu.h"
 #include "core/error.h"
+#include "kernels/kernels.h"
+#include "optim/optim.h"
 #include "models/models.h"
 
 namespace zinc::tools {
@@ -80,6 +83,11 @@ int64_t peak_rss_bytes() {
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+std::string kernel_paths() {
+  return cpu_isa_summary() + " | " + kernels::matmul_paths_summary() + " | optimizer: " +
+         std::string(optim::isa_name(optim::active_isa()));
 }
 
 }  // namespace zinc::tools

@@ -38,6 +38,13 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
 // `source` (in index order, wrapping), forward only.
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro);
 
+// The code paths this process runs, for headers (zinc-train, zinc-bench):
+// "cpu: avx2 kernels (the CPU lacks avx512f ...) | matmul fp32: oneDNN
+// gemm:jit | matmul bf16: via fp32 (...), no native bf16 on this CPU |
+// optimizer: avx2". Creates two small matmul primitives to ask oneDNN.
+// Throws zinc::Error for a bad ONEDNN_MAX_CPU_ISA.
+std::string kernel_paths();
+
 // Peak resident set size of this process in bytes (getrusage).
 int64_t peak_rss_bytes();
 

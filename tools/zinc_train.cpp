@@ -130,7 +130,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                 static_cast<long long>(cfg.gradient_accumulation_steps), world, comm->backend().c_str(), cfg.zero.stage,
                 cfg.zero.overlap_comm ? " (overlap_comm)" : "", static_cast<long long>(steps));
     if (floor) std::printf(" | loss floor %.4f nats", *floor);
-    std::printf("\n");
+    std::printf("\n%s\n", zinc::tools::kernel_paths().c_str());
     std::fflush(stdout);
   }
 
@@ -223,6 +223,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                           {"compute_off_cpu_share", off_cpu_share},
                           {"skipped_steps", engine.skipped_steps()}};
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
+    sum["kernel_paths"] = zinc::tools::kernel_paths();
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;

@@ -1,21 +1,47 @@
 #include "core/dtype.h"
 
+#include "core/cpu.h"
 #include "core/parallel.h"
 
 namespace zinc {
+namespace {
 
-// The loops below are written so that GCC vectorises them (the NaN test
-// becomes a blend); they run over OpenMP chunks of at least 64 KiB of work.
+// The loops are written so that GCC vectorises them (the NaN test becomes a
+// blend), once per ISA level (ZINC_ISA_VARIANTS, core/cpu.h). The integer
+// rounding is float_to_bf16's, so every level gives the same bits.
+ZINC_ALWAYS_INLINE void f32_to_bf16_range_body(const float* __restrict src, bf16* __restrict dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+ZINC_ISA_VARIANTS(void, f32_to_bf16_range, (const float* __restrict src, bf16* __restrict dst, size_t n),
+                  (src, dst, n))
+
+ZINC_ALWAYS_INLINE void bf16_to_f32_range_body(const bf16* __restrict src, float* __restrict dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+ZINC_ISA_VARIANTS(void, bf16_to_f32_range, (const bf16* __restrict src, float* __restrict dst, size_t n),
+                  (src, dst, n))
+
+// dst may equal src: each element is read before it is written.
+ZINC_ALWAYS_INLINE void round_bf16_range_body(const float* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(float_to_bf16(src[i]));
+}
+ZINC_ISA_VARIANTS(void, round_bf16_range, (const float* src, float* dst, size_t n), (src, dst, n))
+
+}  // namespace
+
+// OpenMP chunks of at least 64 KiB of work.
 void convert_f32_to_bf16(const float* src, bf16* dst, size_t n) {
-  parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) dst[i] = float_to_bf16(src[i]);
-  });
+  parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) { f32_to_bf16_range(src + lo, dst + lo, hi - lo); });
 }
 
 void convert_bf16_to_f32(const bf16* src, float* dst, size_t n) {
-  parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) dst[i] = bf16_to_float(src[i]);
-  });
+  parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) { bf16_to_f32_range(src + lo, dst + lo, hi - lo); });
 }
 
+}  // namespace zinc
+
+namespace zinc {
+void round_to_bf16(const float* src, float* dst, size_t n) {
+  parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) { round_bf16_range(src + lo, dst + lo, hi - lo); });
+}
 }  // namespace zinc

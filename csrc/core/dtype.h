@@ -51,5 +51,8 @@ inline float bf16_to_float(bf16 h) { return bits_float(static_cast<uint32_t>(h.b
 // Bulk conversions; threaded and vectorised. n may be 0.
 void convert_f32_to_bf16(const float* src, bf16* dst, size_t n);
 void convert_bf16_to_f32(const bf16* src, float* dst, size_t n);
+// dst = bf16_to_float(float_to_bf16(src)): fp32 values rounded to bf16
+// precision (dst may equal src).
+void round_to_bf16(const float* src, float* dst, size_t n);
 
 }  // namespace zinc

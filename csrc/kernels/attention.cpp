@@ -124,18 +124,20 @@ void permute_out(float* dst, int64_t stride, const float* const* srcs, int npart
 }
 
 // Causal softmax of one row (query t): p[0..t] = softmax(p[0..t]), p[t+1..] = 0.
-ZINC_CLONES void softmax_row_causal(float* __restrict p, int64_t n_valid, int64_t n) {
+ZINC_ALWAYS_INLINE void softmax_row_causal_body(float* __restrict p, int64_t n_valid, int64_t n) {
   const float mx = detail::max_of(p, n_valid);
   for (int64_t j = 0; j < n_valid; ++j) p[j] = detail::exp_f(p[j] - mx);
   const float inv = 1.0f / detail::lane_sum<float>(n_valid, [&](int64_t j) { return p[j]; });
   for (int64_t j = 0; j < n_valid; ++j) p[j] *= inv;
   for (int64_t j = n_valid; j < n; ++j) p[j] = 0.0f;
 }
+ZINC_ISA_VARIANTS(void, softmax_row_causal, (float* __restrict p, int64_t n_valid, int64_t n), (p, n_valid, n))
 
 // sum_j p[j] dp[j] over the causal part of a row (for dS = P (dP - dot)).
-ZINC_CLONES float softmax_row_dot(const float* __restrict p, const float* __restrict dp, int64_t n) {
+ZINC_ALWAYS_INLINE float softmax_row_dot_body(const float* __restrict p, const float* __restrict dp, int64_t n) {
   return detail::lane_sum<float>(n, [&](int64_t j) { return p[j] * dp[j]; });
 }
+ZINC_ISA_VARIANTS(float, softmax_row_dot, (const float* __restrict p, const float* __restrict dp, int64_t n), (p, dp, n))
 
 }  // namespace
 

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 
@@ -36,17 +37,41 @@ struct CView {
 // for b in [0, batch), batches contiguous (A: M*K apart, B: K*N, C: M*N).
 // op(A) = A stored (M,K), or A stored (K,M) when trans_a. Same for B:
 // (K,N), or stored (N,K) when trans_b.
-// compute: kF32 multiplies in fp32; kBF16 multiplies in bf16 with fp32
+// compute: kF32 multiplies in fp32; kBF16 multiplies bf16 values with fp32
 // accumulation. An operand whose dtype differs from `compute` is converted
 // into scratch first (so a model can pass fp32 activations with bf16 weights).
+// Where oneDNN has no native bf16 kernel for a shape (CPUs without AVX-512),
+// kBF16 runs the fp32 primitive on the bf16 values widened to fp32: the same
+// products, the same fp32 accumulation (Note [bf16 matmul without native
+// bf16] in matmul.cpp).
+// bias: C[b] += bias(N) broadcast over rows, fused into the matmul (one pass
+// over C instead of two); needs alpha == 1 and a bias view at the call.
 struct MatmulDesc {
   int64_t batch = 1, M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
   bool accumulate = false;
+  bool bias = false;
   float alpha = 1.0f;
   DType compute = DType::kF32;
 };
-void matmul(const MatmulDesc& d, CView a, CView b, float* c);
+void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias = {});
+
+// What matmul runs for a descriptor: the dtype oneDNN multiplies in (kF32 for
+// the bf16 fallback), oneDNN's implementation name (e.g. "brg:avx2") and, for
+// the fallback, why. Creates and caches the primitive.
+struct MatmulPath {
+  DType multiply = DType::kF32;
+  std::string impl;
+  std::string why;
+};
+MatmulPath matmul_path(const MatmulDesc& d);
+// One line for headers: "matmul fp32: oneDNN brg:avx2 | matmul bf16: via fp32
+// (oneDNN brg:avx2), no native bf16 on this CPU".
+std::string matmul_paths_summary();
+// Tests: kViaF32 makes every bf16 matmul created from now on take the fp32
+// fallback, also where oneDNN has native bf16 kernels.
+enum class MatmulBf16Path { kAuto = 0, kViaF32 = 1 };
+void set_matmul_bf16_path_for_testing(MatmulBf16Path path);
 
 // y(M,N) += bias(N) broadcast over rows.
 void add_bias(float* y, CView bias, int64_t M, int64_t N);

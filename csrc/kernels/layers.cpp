@@ -64,7 +64,7 @@ void for_column_blocks(int64_t N, Fn&& fn) {
 
 // ---- layernorm rows -------------------------------------------------------------
 
-ZINC_CLONES void layernorm_row_forward(float* __restrict out, float* mean_out, float* rstd_out,
+ZINC_ALWAYS_INLINE void layernorm_row_forward_body(float* __restrict out, float* mean_out, float* rstd_out,
                                        const float* __restrict x, const float* __restrict w,
                                        const float* __restrict b, int64_t C, float eps) {
   const float mean = detail::lane_sum<float>(C, [&](int64_t c) { return x[c]; }) / static_cast<float>(C);
@@ -79,8 +79,9 @@ ZINC_CLONES void layernorm_row_forward(float* __restrict out, float* mean_out, f
   *mean_out = mean;
   *rstd_out = rstd;
 }
+ZINC_ISA_VARIANTS(void, layernorm_row_forward, (float* __restrict out, float* mean_out, float* rstd_out, const float* __restrict x, const float* __restrict w, const float* __restrict b, int64_t C, float eps), (out, mean_out, rstd_out, x, w, b, C, eps))
 
-ZINC_CLONES void layernorm_row_backward(float* __restrict dx, const float* __restrict dout,
+ZINC_ALWAYS_INLINE void layernorm_row_backward_body(float* __restrict dx, const float* __restrict dout,
                                         const float* __restrict x, const float* __restrict w,
                                         float mean, float rstd, int64_t C) {
   // With g = dout * w and xhat = (x - mean) rstd:
@@ -96,10 +97,11 @@ ZINC_CLONES void layernorm_row_backward(float* __restrict dx, const float* __res
     dx[c] += rstd * (dout[c] * w[c] - mg - xhat * mgx);
   }
 }
+ZINC_ISA_VARIANTS(void, layernorm_row_backward, (float* __restrict dx, const float* __restrict dout, const float* __restrict x, const float* __restrict w, float mean, float rstd, int64_t C), (dx, dout, x, w, mean, rstd, C))
 
 // ---- GELU ---------------------------------------------------------------------------
 
-ZINC_CLONES void gelu_forward_range(float* __restrict out, const float* __restrict x, size_t n) {
+ZINC_ALWAYS_INLINE void gelu_forward_range_body(float* __restrict out, const float* __restrict x, size_t n) {
   using namespace detail;
   for (size_t i = 0; i < n; ++i) {
     float v = x[i];
@@ -107,8 +109,9 @@ ZINC_CLONES void gelu_forward_range(float* __restrict out, const float* __restri
     out[i] = 0.5f * v * (1.0f + t);
   }
 }
+ZINC_ISA_VARIANTS(void, gelu_forward_range, (float* __restrict out, const float* __restrict x, size_t n), (out, x, n))
 
-ZINC_CLONES void gelu_backward_range(float* __restrict dx, const float* __restrict x,
+ZINC_ALWAYS_INLINE void gelu_backward_range_body(float* __restrict dx, const float* __restrict x,
                                      const float* __restrict dout, size_t n) {
   using namespace detail;
   for (size_t i = 0; i < n; ++i) {
@@ -120,23 +123,57 @@ ZINC_CLONES void gelu_backward_range(float* __restrict dx, const float* __restri
     dx[i] = g * dout[i];
   }
 }
+ZINC_ISA_VARIANTS(void, gelu_backward_range, (float* __restrict dx, const float* __restrict x, const float* __restrict dout, size_t n), (dx, x, dout, n))
 
 // ---- cross-entropy rows -----------------------------------------------------------
 
-ZINC_CLONES float row_max(const float* __restrict x, int64_t n) { return detail::max_of(x, n); }
+ZINC_ALWAYS_INLINE float row_max_body(const float* __restrict x, int64_t n) { return detail::max_of(x, n); }
+ZINC_ISA_VARIANTS(float, row_max, (const float* __restrict x, int64_t n), (x, n))
 
 // e[j] = exp(x[j] - mx); e may equal x (elementwise, each read before written).
-ZINC_CLONES void row_exp(float* e, const float* x, float mx, int64_t n) {
+ZINC_ALWAYS_INLINE void row_exp_body(float* e, const float* x, float mx, int64_t n) {
   for (int64_t j = 0; j < n; ++j) e[j] = detail::exp_f(x[j] - mx);
 }
+ZINC_ISA_VARIANTS(void, row_exp, (float* e, const float* x, float mx, int64_t n), (e, x, mx, n))
 
-ZINC_CLONES double row_sum(const float* __restrict e, int64_t n) {
+ZINC_ALWAYS_INLINE double row_sum_body(const float* __restrict e, int64_t n) {
   return detail::lane_sum<double>(n, [&](int64_t j) { return e[j]; });
 }
+ZINC_ISA_VARIANTS(double, row_sum, (const float* __restrict e, int64_t n), (e, n))
 
-ZINC_CLONES void row_scale(float* __restrict e, float f, int64_t n) {
+ZINC_ALWAYS_INLINE void row_scale_body(float* __restrict e, float f, int64_t n) {
   for (int64_t j = 0; j < n; ++j) e[j] *= f;
 }
+ZINC_ISA_VARIANTS(void, row_scale, (float* __restrict e, float f, int64_t n), (e, f, n))
+
+// ---- row and column sums --------------------------------------------------------------
+
+// y[j] += x[j]
+ZINC_ALWAYS_INLINE void add_row_body(float* __restrict y, const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += x[j];
+}
+ZINC_ISA_VARIANTS(void, add_row, (float* __restrict y, const float* __restrict x, int64_t n), (y, x, n))
+
+// acc[j] += x[j] in double
+ZINC_ALWAYS_INLINE void add_row_f64_body(double* __restrict acc, const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += x[j];
+}
+ZINC_ISA_VARIANTS(void, add_row_f64, (double* __restrict acc, const float* __restrict x, int64_t n),
+                  (acc, x, n))
+
+// Layernorm weight gradients of one row: aw += g xhat, ab += g (double).
+ZINC_ALWAYS_INLINE void layernorm_dw_row_body(double* __restrict aw, double* __restrict ab,
+                                              const float* __restrict g, const float* __restrict x,
+                                              float m, float r, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    aw[j] += g[j] * ((x[j] - m) * r);
+    ab[j] += g[j];
+  }
+}
+ZINC_ISA_VARIANTS(void, layernorm_dw_row,
+                  (double* __restrict aw, double* __restrict ab, const float* __restrict g,
+                   const float* __restrict x, float m, float r, int64_t n),
+                  (aw, ab, g, x, m, r, n))
 
 }  // namespace
 
@@ -153,11 +190,7 @@ void add_bias(float* y, CView bias, int64_t M, int64_t N) {
   if (M <= 0 || N <= 0) return;
   const float* bb = param_f32(bias, N, 0);
   parallel_for(static_cast<size_t>(M), row_grain(N), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) {
-      float* __restrict yi = y + i * N;
-      const float* __restrict bi = bb;
-      for (int64_t j = 0; j < N; ++j) yi[j] += bi[j];
-    }
+    for (size_t i = lo; i < hi; ++i) add_row(y + i * N, bb, N);
   });
 }
 
@@ -166,10 +199,7 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
   if (M <= 0 || N <= 0) return;
   for_column_blocks(N, [&](int64_t c0, int64_t c1, double* __restrict acc) {
     const int64_t w = c1 - c0;
-    for (int64_t i = 0; i < M; ++i) {
-      const float* __restrict row = dy + i * N + c0;
-      for (int64_t j = 0; j < w; ++j) acc[j] += row[j];
-    }
+    for (int64_t i = 0; i < M; ++i) add_row_f64(acc, dy + i * N + c0, w);
     for (int64_t j = 0; j < w; ++j) dbias[c0 + j] = static_cast<float>(dbias[c0 + j] + acc[j]);
   });
 }
@@ -203,15 +233,8 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
     const int64_t wd = c1 - c0;
     std::vector<double> abv(static_cast<size_t>(wd), 0.0);
     double* __restrict ab = abv.data();
-    for (int64_t i = 0; i < N; ++i) {
-      const float* __restrict g = dout + i * C + c0;
-      const float* __restrict xi = x + i * C + c0;
-      const float m = mean[i], r = rstd[i];
-      for (int64_t j = 0; j < wd; ++j) {
-        aw[j] += g[j] * ((xi[j] - m) * r);
-        ab[j] += g[j];
-      }
-    }
+    for (int64_t i = 0; i < N; ++i)
+      layernorm_dw_row(aw, ab, dout + i * C + c0, x + i * C + c0, mean[i], rstd[i], wd);
     for (int64_t j = 0; j < wd; ++j) {
       dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
       db[c0 + j] = static_cast<float>(db[c0 + j] + ab[j]);
@@ -332,13 +355,9 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
   parallel_for(static_cast<size_t>(C), 16, [&](size_t c0, size_t c1) {
     const int64_t w = static_cast<int64_t>(c1 - c0);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* __restrict g = dout + r * C + c0;
-      float* __restrict e = dwte + static_cast<int64_t>(tokens[r]) * C + c0;
-      for (int64_t j = 0; j < w; ++j) e[j] += g[j];
-      if (dwpe) {
-        float* __restrict p = dwpe + (r % T) * C + c0;
-        for (int64_t j = 0; j < w; ++j) p[j] += g[j];
-      }
+      const float* g = dout + r * C + c0;
+      add_row(dwte + static_cast<int64_t>(tokens[r]) * C + c0, g, w);
+      if (dwpe) add_row(dwpe + (r % T) * C + c0, g, w);
     }
   });
 }

@@ -16,6 +16,25 @@
 // Operands whose dtype differs from desc.compute are converted into
 // thread-local scratch first.
 //
+// Note [bf16 matmul without native bf16]
+// oneDNN 2.6 has bf16 matmul kernels only from avx512_core up; below that it
+// cannot create the primitive at all. So for compute == kBF16 the cache asks
+// oneDNN for the native bf16 primitive first and, when oneDNN answers that it
+// has none (or only its slow reference implementation), creates the fp32
+// primitive for the same shape instead and remembers that decision with it.
+// Such a call widens bf16 operands to fp32 (exact) and rounds fp32 operands
+// through bf16 (what the native path's conversion does), so the multiplier
+// sees exactly the values the native path sees: products of two bf16 values
+// are exact in fp32 and both paths accumulate in fp32, so they differ only in
+// summation order. The decision is per shape and comes from oneDNN's own
+// answer, never from a list of CPU names; it is logged once per process.
+// set_matmul_bf16_path_for_testing forces the fallback on a CPU that has the
+// native kernels, so one machine tests both.
+//
+// The cap: before the first primitive, the ONEDNN_MAX_CPU_ISA value zinc
+// parsed (core/cpu.h) is handed to dnnl::set_max_cpu_isa, so oneDNN and
+// zinc's own kernels run under the same cap whatever the spelling.
+//
 // Layouts: op(A) = A stored (M,K) is tag ab; A stored (K,M) (trans_a) is the
 // same logical (M,K) tensor with strides {1,M}, tag ba (acb with a batch).
 // oneDNN 2.6 picks brgemm (brg:avx512_core_bf16 / brg:avx512_core) for all
@@ -26,6 +45,8 @@
 // scratch costs about as much as the gap, so none is done.
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <atomic>
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -35,7 +56,9 @@
 #include <unordered_map>
 
 #include "core/alloc.h"
+#include "core/cpu.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
 #include "kernels/profile.h"
@@ -43,20 +66,55 @@
 namespace zinc::kernels {
 namespace {
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, uint32_t, DType>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, uint32_t, DType, int>;
+
+std::atomic<int> g_bf16_path{static_cast<int>(MatmulBf16Path::kAuto)};
 
 Key make_key(const MatmulDesc& d) {
-  return {d.batch, d.M, d.N, d.K, d.trans_a, d.trans_b, d.accumulate, float_bits(d.alpha), d.compute};
+  return {d.batch, d.M, d.N, d.K, d.trans_a, d.trans_b, d.accumulate, d.bias, float_bits(d.alpha),
+          d.compute, g_bf16_path.load()};
 }
 
 struct CachedMatmul {
   dnnl::matmul prim;
   dnnl::memory::desc scratch_md;
   size_t scratch_bytes = 0;
+  DType multiply = DType::kF32;  // the dtype oneDNN multiplies in (kF32 for the bf16 fallback)
+  std::string impl;              // oneDNN's implementation name
+  std::string why;               // why a bf16 matmul multiplies in fp32 ("" when native)
 };
 
+// oneDNN's name for zinc's cap, for dnnl::set_max_cpu_isa.
+dnnl::cpu_isa dnnl_cap(const std::string& raw) {
+  std::string v;
+  for (char c : raw) v += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (v == "SSE41") return dnnl::cpu_isa::sse41;
+  if (v == "AVX") return dnnl::cpu_isa::avx;
+  if (v == "AVX2") return dnnl::cpu_isa::avx2;
+  if (v == "AVX2_VNNI") return dnnl::cpu_isa::avx2_vnni;
+  if (v == "AVX512_MIC") return dnnl::cpu_isa::avx512_mic;
+  if (v == "AVX512_MIC_4OPS") return dnnl::cpu_isa::avx512_mic_4ops;
+  if (v == "AVX512_CORE") return dnnl::cpu_isa::avx512_core;
+  if (v == "AVX512_CORE_VNNI") return dnnl::cpu_isa::avx512_core_vnni;
+  if (v == "AVX512_CORE_BF16") return dnnl::cpu_isa::avx512_core_bf16;
+  if (v == "AVX512_CORE_AMX") return dnnl::cpu_isa::avx512_core_amx;
+  return dnnl::cpu_isa::all;
+}
+
 dnnl::engine& cpu_engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  static dnnl::engine eng = [] {
+    const std::string cap = cpu_isa_cap_env();
+    if (!cap.empty()) {
+      cpu_isa_cap();  // throws for a value zinc does not know
+      // Fails only if oneDNN already created JIT code (then its own reading
+      // of the same variable applies).
+      try {
+        dnnl::set_max_cpu_isa(dnnl_cap(cap));
+      } catch (const dnnl::error&) {
+      }
+    }
+    return dnnl::engine(dnnl::engine::kind::cpu, 0);
+  }();
   return eng;
 }
 
@@ -66,9 +124,9 @@ dnnl::stream& thread_stream() {
 }
 
 // Grow-only thread-local scratch; slot 0,1 for converted operands, 2 for the
-// oneDNN scratchpad.
+// oneDNN scratchpad, 3 for a widened bias.
 void* thread_scratch(int slot, size_t bytes) {
-  thread_local AlignedBuffer bufs[3];
+  thread_local AlignedBuffer bufs[4];
   AlignedBuffer& b = bufs[slot];
   if (b.bytes() < bytes) b = AlignedBuffer(round_up(bytes, 4096));
   return b.data();
@@ -86,11 +144,22 @@ dnnl::memory::desc operand_desc(int64_t batch, int64_t rows, int64_t cols, bool 
   return dnnl::memory::desc({batch, rows, cols}, dt, trans ? tag::acb : tag::abc);
 }
 
-std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
-  auto dt = dnnl_type(d.compute);
+// bias(N) as a (1,N) or (1,1,N) fp32 tensor, broadcast by oneDNN.
+dnnl::memory::desc bias_desc(const MatmulDesc& d) {
+  using tag = dnnl::memory::format_tag;
+  if (d.batch == 1) return dnnl::memory::desc({1, d.N}, dnnl::memory::data_type::f32, tag::ab);
+  return dnnl::memory::desc({1, 1, d.N}, dnnl::memory::data_type::f32, tag::abc);
+}
+
+// The primitive for `d` multiplying in `multiply`; throws dnnl::error when
+// oneDNN has none.
+std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply) {
+  auto dt = dnnl_type(multiply);
   auto a_md = operand_desc(d.batch, d.M, d.K, d.trans_a, dt);
   auto b_md = operand_desc(d.batch, d.K, d.N, d.trans_b, dt);
   auto c_md = operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32);
+  dnnl::memory::desc bias_md;  // zero desc: no bias
+  if (d.bias) bias_md = bias_desc(d);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
@@ -99,12 +168,40 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
     po.append_sum(1.0f);
     attr.set_post_ops(po);
   }
-  auto pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), attr, cpu_engine());
+  auto pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, bias_md, c_md), attr, cpu_engine());
   auto out = std::make_shared<CachedMatmul>();
   out->prim = dnnl::matmul(pd);
   out->scratch_md = pd.scratchpad_desc();
   out->scratch_bytes = out->scratch_md.get_size();
+  out->multiply = multiply;
+  out->impl = pd.impl_info_str();
   return out;
+}
+
+// Note [bf16 matmul without native bf16]: native first, fp32 when oneDNN has
+// no (or only a reference) bf16 implementation for this shape.
+std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
+  if (d.compute == DType::kF32) return create_as(d, DType::kF32);
+  std::string why;
+  if (static_cast<MatmulBf16Path>(g_bf16_path.load()) == MatmulBf16Path::kViaF32) {
+    why = "forced for testing";
+  } else {
+    try {
+      auto native = create_as(d, DType::kBF16);
+      if (native->impl.rfind("ref", 0) != 0) return native;
+      why = "oneDNN has only its reference bf16 kernel (" + native->impl + ") here";
+    } catch (const dnnl::error& e) {
+      if (e.status != dnnl_unimplemented) throw;
+      why = cpu_isa_detected() >= CpuIsa::kAvx512 && cpu_isa() < CpuIsa::kAvx512
+                ? "no native bf16 under ONEDNN_MAX_CPU_ISA=" + cpu_isa_cap_env()
+                : "no native bf16 on this CPU";
+    }
+  }
+  auto fallback = create_as(d, DType::kF32);
+  fallback->why = why;
+  static std::once_flag logged;
+  std::call_once(logged, [&] { log_info("matmul bf16: via fp32, " + why); });
+  return fallback;
 }
 
 std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
@@ -125,40 +222,59 @@ std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
   }
 }
 
-// Returns a pointer to the operand in the compute dtype, converting into
-// thread-local scratch slot `slot` when needed.
-const void* as_compute(CView v, DType compute, size_t n, int slot) {
-  if (v.dtype == compute) return v.data;
-  void* dst = thread_scratch(slot, n * dtype_bytes(compute));
-  if (compute == DType::kBF16) {
+// Returns a pointer to the operand as the primitive multiplies it (`multiply`),
+// converting into thread-local scratch slot `slot` when needed. With the bf16
+// fallback (compute bf16, multiply fp32) fp32 operands are rounded through
+// bf16 so that they carry the values the native path would multiply.
+const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
+  if (v.dtype == multiply && !(compute == DType::kBF16 && v.dtype == DType::kF32)) return v.data;
+  void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
+  if (multiply == DType::kBF16) {
     convert_f32_to_bf16(static_cast<const float*>(v.data), static_cast<bf16*>(dst), n);
-  } else {
+  } else if (v.dtype == DType::kBF16) {
     convert_bf16_to_f32(static_cast<const bf16*>(v.data), static_cast<float*>(dst), n);
+  } else {
+    round_to_bf16(static_cast<const float*>(v.data), static_cast<float*>(dst), n);
   }
   return dst;
 }
 
 }  // namespace
 
-void matmul(const MatmulDesc& d, CView a, CView b, float* c) {
+void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
   ProfileScope profile_scope(Op::kMatmul);
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("matmul: negative dimension");
+  if (d.bias && (!bias.data || d.alpha != 1.0f))
+    throw Error("matmul: a fused bias needs a bias view and alpha == 1");
   if (d.batch == 0 || d.M == 0 || d.N == 0) return;
   const size_t c_numel = static_cast<size_t>(d.batch * d.M * d.N);
-  if (d.K == 0) {  // empty sum: alpha * 0 (+ C)
+  if (d.K == 0) {  // empty sum: alpha * 0 (+ C) (+ bias)
     if (!d.accumulate) std::memset(c, 0, c_numel * sizeof(float));
+    if (d.bias)
+      for (int64_t r = 0; r < d.batch * d.M; ++r)
+        for (int64_t j = 0; j < d.N; ++j) c[r * d.N + j] += bias.at(j);
     return;
   }
   auto cached = lookup(d);
-  const void* a_ptr = as_compute(a, d.compute, static_cast<size_t>(d.batch * d.M * d.K), 0);
-  const void* b_ptr = as_compute(b, d.compute, static_cast<size_t>(d.batch * d.K * d.N), 1);
-  auto dt = dnnl_type(d.compute);
+  const DType mul = cached->multiply;
+  const void* a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
+  const void* b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);
+  auto dt = dnnl_type(mul);
   auto& eng = cpu_engine();
   dnnl::memory a_mem(operand_desc(d.batch, d.M, d.K, d.trans_a, dt), eng, const_cast<void*>(a_ptr));
   dnnl::memory b_mem(operand_desc(d.batch, d.K, d.N, d.trans_b, dt), eng, const_cast<void*>(b_ptr));
   dnnl::memory c_mem(operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32), eng, c);
   std::unordered_map<int, dnnl::memory> args{
       {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
+  if (d.bias) {
+    const float* bias_f32 = static_cast<const float*>(bias.data);
+    if (bias.dtype != DType::kF32) {
+      float* w = static_cast<float*>(thread_scratch(3, static_cast<size_t>(d.N) * sizeof(float)));
+      convert_bf16_to_f32(static_cast<const bf16*>(bias.data), w, static_cast<size_t>(d.N));
+      bias_f32 = w;
+    }
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(d), eng, const_cast<float*>(bias_f32)));
+  }
   if (cached->scratch_bytes > 0) {
     dnnl::memory s_mem(cached->scratch_md, eng, thread_scratch(2, cached->scratch_bytes));
     args.emplace(DNNL_ARG_SCRATCHPAD, s_mem);
@@ -166,6 +282,32 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c) {
   auto& s = thread_stream();
   cached->prim.execute(s, args);
   s.wait();
+}
+
+void set_matmul_bf16_path_for_testing(MatmulBf16Path path) { g_bf16_path.store(static_cast<int>(path)); }
+
+MatmulPath matmul_path(const MatmulDesc& d) {
+  auto cached = lookup(d);
+  return {cached->multiply, cached->impl, cached->why};
+}
+
+std::string matmul_paths_summary() {
+  MatmulDesc d;
+  d.M = 256;
+  d.N = 256;
+  d.K = 256;
+  std::string out;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    d.compute = t;
+    MatmulPath p = matmul_path(d);
+    if (!out.empty()) out += " | ";
+    out += "matmul " + std::string(dtype_name(t)) + ": ";
+    if (t == DType::kBF16 && p.multiply == DType::kF32)
+      out += "via fp32 (oneDNN " + p.impl + "), " + p.why;
+    else
+      out += "oneDNN " + p.impl;
+  }
+  return out;
 }
 
 }  // namespace zinc::kernels

@@ -3,25 +3,35 @@
 // Note [kernel vectorisation]
 // The project builds without -march (the binary must run on any x86-64), so a
 // plain loop is compiled for SSE2 only. The compute-bound loops (GELU, the
-// exponentials of softmax and cross-entropy, layernorm rows) are marked
-// ZINC_CLONES: GCC compiles them once per listed ISA and an ifunc resolver
-// picks the best one from cpuid at load time. The loops themselves are plain
-// C++ written so that GCC vectorises them: contiguous, __restrict where there
-// is no aliasing, no libm calls (libm's expf/tanhf are scalar without
-// -ffast-math). GCC will not reorder a single float accumulator without
-// -ffast-math, so sums go through lane_sum: kLanes independent accumulators
-// in a loop over whole blocks (the form GCC's loop vectoriser accepts; a
-// `j + 16 <= n` loop or an exp fused into a double accumulation is left
-// scalar), combined in a fixed order. Maxima use an OpenMP simd max
-// reduction, which is exact in any order. kernels/CMakeLists.txt adds
-// -ffp-contract=off, so no clone fuses a*b+c: every clone computes the same
-// bits, and the results depend neither on the thread count nor on the ISA.
+// exponentials of softmax and cross-entropy, layernorm rows, the column sums
+// of the parameter gradients) are written once as an always-inline `_body`
+// and compiled three times by ZINC_ISA_VARIANTS (core/cpu.h): baseline, AVX2
+// and AVX-512, chosen per call from zinc::cpu_isa(), which honours the
+// ONEDNN_MAX_CPU_ISA cap (an ifunc, as GCC's target_clones uses, cannot be
+// capped). The loops themselves are plain C++ written so that GCC vectorises
+// them: contiguous, __restrict where there is no aliasing, no libm calls
+// (libm's expf/tanhf are scalar without -ffast-math). Two flags in
+// kernels/CMakeLists.txt make that hold for AVX2 too:
+// - -fno-trapping-math: the selects of exp_f and tanh_f (clamps, the sign)
+//   compute both arms; with trapping math GCC may not speculate an FP
+//   operation, and without AVX-512's masked instructions it then leaves the
+//   loop scalar. zinc never reads the FP exception flags, and the flag
+//   changes no value.
+// - -ffp-contract=off: no clone fuses a*b+c, so every ISA computes the same
+//   bits, and the results depend neither on the thread count nor on the ISA
+//   (tests/kernels checks every path against the baseline bit for bit).
+// GCC will not reorder a single float accumulator without -ffast-math, so
+// sums go through lane_sum: kLanes independent accumulators in a loop over
+// whole blocks (the form GCC's loop vectoriser accepts; a `j + 16 <= n` loop
+// or an exp fused into a double accumulation is left scalar), combined in a
+// fixed order. Maxima use an OpenMP simd max reduction, which is exact in any
+// order.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#define ZINC_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#include "core/cpu.h"
 
 namespace zinc::kernels::detail {
 

@@ -22,12 +22,13 @@ constexpr size_t kGrain = size_t{1} << 15;
 // thread count (gradient clipping must not change with OMP_NUM_THREADS).
 constexpr int64_t kNormChunk = int64_t{1} << 16;
 
-ZINC_CLONES double chunk_squared_norm(const float* __restrict x, int64_t n) {
+ZINC_ALWAYS_INLINE double chunk_squared_norm_body(const float* __restrict x, int64_t n) {
   return detail::lane_sum<double>(n, [&](int64_t i) {
     const double v = x[i];
     return v * v;
   });
 }
+ZINC_ISA_VARIANTS(double, chunk_squared_norm, (const float* __restrict x, int64_t n), (x, n))
 
 bool chunk_finite(const float* __restrict x, int64_t n) {
   // Exponent all ones <=> Inf or NaN. Integer ops so that it vectorises.

@@ -18,8 +18,8 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
   d.K = in;
   d.trans_b = true;
   d.compute = compute;
-  kernels::matmul(d, x, w, y);
-  if (b.data) kernels::add_bias(y, b, N, out);
+  d.bias = b.data != nullptr;  // fused into the matmul: one pass over y
+  kernels::matmul(d, x, w, y, b);
 }
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
