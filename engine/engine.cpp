@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 
+#include "core/cpu.h"
 #include "core/alloc.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -532,6 +533,7 @@ Engine Engine::initialize(std::shared_ptr<Model> model, const Config& config,
                           std::shared_ptr<comm::Communicator> comm) {
   if (!model) throw Error("Engine::initialize: model is null");
   config.validate();
+  cpu_isa();  // a bad ONEDNN_MAX_CPU_ISA is an error here, not inside a kernel
   const int world = comm ? comm->size() : 1;
   if (config.world_size != world)
     throw ConfigError("", "the config was parsed for world size " + std::to_string(config.world_size) +

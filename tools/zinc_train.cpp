@@ -25,6 +25,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "core/cpu.h"
 #include "comm/comm.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -278,6 +279,7 @@ int main(int argc, char** argv) {
   try {
     std::vector<std::string> overrides = sets;
     if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
+    zinc::cpu_isa();  // an unknown ONEDNN_MAX_CPU_ISA ends the run here with one line
     const nlohmann::json doc = zinc::tools::load_document(config_path, overrides);
     if (zinc::comm::launched_with_mpi()) {
       // The backend is needed before the config can be parsed (the batch

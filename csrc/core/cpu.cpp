@@ -168,7 +168,15 @@ namespace detail {
 std::atomic<int> g_dispatch_isa{-1};
 
 CpuIsa resolve_dispatch_isa() {
-  const CpuIsa isa = cpu_isa();  // may throw for a bad ONEDNN_MAX_CPU_ISA
+  // Kernels may run inside OpenMP regions, where an exception would end the
+  // process: a bad ONEDNN_MAX_CPU_ISA is reported by cpu_isa() where zinc
+  // starts (Engine::initialize, the tools); here it is ignored.
+  CpuIsa isa;
+  try {
+    isa = cpu_isa();
+  } catch (const Error&) {
+    isa = cpu_isa_detected();
+  }
   int expected = -1;
   g_dispatch_isa.compare_exchange_strong(expected, static_cast<int>(isa));
   return static_cast<CpuIsa>(g_dispatch_isa.load());

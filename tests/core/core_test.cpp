@@ -2,11 +2,14 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "core/alloc.h"
+#include "core/cpu.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
@@ -68,6 +71,82 @@ TEST(Bf16, BulkConversionMatchesScalarOnAwkwardLengths) {
       ASSERT_EQ(float_bits(back[i]), static_cast<uint32_t>(dst[i].bits) << 16) << i;
     }
   }
+}
+
+TEST(Bf16, RoundToBf16PrecisionIsTheRoundTrip) {
+  std::vector<float> v = {1.0f, 1.00390625f, 1.01171875f, -3.14159f, 1e-40f, -0.0f,
+                          std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                          3.3895314e38f};
+  for (int i = 0; i < 1000; ++i) v.push_back(static_cast<float>(i) * 0.7317f - 300.0f);
+  std::vector<float> out(v.size());
+  round_to_bf16(v.data(), out.data(), v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    EXPECT_EQ(float_bits(out[i]), float_bits(bf16_to_float(float_to_bf16(v[i])))) << v[i];
+  round_to_bf16(v.data(), v.data(), v.size());  // in place
+  EXPECT_EQ(std::memcmp(v.data(), out.data(), v.size() * 4), 0);
+}
+
+// ONEDNN_MAX_CPU_ISA caps zinc's kernels as it caps oneDNN (core/cpu.h).
+class CpuCapEnv : public testing::Test {
+ protected:
+  void SetUp() override {
+    const char* v = std::getenv("ONEDNN_MAX_CPU_ISA");
+    had_ = v != nullptr;
+    if (had_) saved_ = v;
+  }
+  void TearDown() override {
+    if (had_)
+      setenv("ONEDNN_MAX_CPU_ISA", saved_.c_str(), 1);
+    else
+      unsetenv("ONEDNN_MAX_CPU_ISA");
+  }
+  bool had_ = false;
+  std::string saved_;
+};
+
+TEST_F(CpuCapEnv, OneDnnNamesInAnyCaseMapToZincLevels) {
+  const std::pair<const char*, CpuIsa> cases[] = {
+      {"SSE41", CpuIsa::kBaseline},          {"avx", CpuIsa::kBaseline},
+      {"AVX2", CpuIsa::kAvx2},               {"avx2_vnni", CpuIsa::kAvx2},
+      {"AVX512_CORE", CpuIsa::kAvx512},      {"avx512_core_vnni", CpuIsa::kAvx512},
+      {"AVX512_CORE_BF16", CpuIsa::kAvx512Bf16}, {"AVX512_CORE_AMX", CpuIsa::kAvx512Bf16},
+      {"ALL", CpuIsa::kAvx512Bf16}};
+  for (const auto& [name, level] : cases) {
+    setenv("ONEDNN_MAX_CPU_ISA", name, 1);
+    EXPECT_EQ(cpu_isa_cap(), level) << name;
+    EXPECT_EQ(cpu_isa(), std::min(level, cpu_isa_detected())) << name;
+  }
+  unsetenv("ONEDNN_MAX_CPU_ISA");
+  EXPECT_EQ(cpu_isa(), cpu_isa_detected());
+  EXPECT_EQ(cpu_isa_missing(CpuIsa::kBaseline), "");
+  EXPECT_EQ(cpu_isa_missing(cpu_isa_detected()), "");
+}
+
+TEST_F(CpuCapEnv, CapBelowTheCpuIsNamedAsTheReason) {
+  setenv("ONEDNN_MAX_CPU_ISA", "SSE41", 1);
+  if (cpu_isa_detected() < CpuIsa::kAvx2) GTEST_SKIP() << "the CPU lacks avx2: " << cpu_isa_missing(CpuIsa::kAvx2);
+  EXPECT_EQ(cpu_isa(), CpuIsa::kBaseline);
+  EXPECT_EQ(cpu_isa_missing(CpuIsa::kAvx2), "capped by ONEDNN_MAX_CPU_ISA=SSE41");
+  EXPECT_NE(cpu_isa_summary().find("capped by ONEDNN_MAX_CPU_ISA=SSE41"), std::string::npos);
+}
+
+TEST_F(CpuCapEnv, UnknownValueIsAnErrorNamingTheVariable) {
+  setenv("ONEDNN_MAX_CPU_ISA", "avx3", 1);
+  try {
+    cpu_isa();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ONEDNN_MAX_CPU_ISA=avx3: unknown ISA"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CpuIsa, MissingInstructionsAreNamed) {
+  // Every level the CPU lacks names at least one instruction set it lacks.
+  for (CpuIsa i : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    if (i <= cpu_isa_detected()) continue;
+    EXPECT_EQ(cpu_isa_missing(i).rfind("the CPU lacks ", 0), 0u) << cpu_isa_missing(i);
+  }
+  EXPECT_NE(cpu_model_and_flags().find(" | "), std::string::npos);
 }
 
 TEST(AlignedBuffer, IsAlignedZeroedAndMovable) {

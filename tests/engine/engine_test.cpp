@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/kernels.h"
 #include "engine/engine.h"
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
@@ -301,6 +302,24 @@ TEST(EngineTraining, GptLearnsADeterministicSourceInFp32AndBf16) {
     EXPECT_GT(head, 2.3) << (bf16 ? "bf16" : "fp32");
     EXPECT_LT(tail, head - 1.0) << (bf16 ? "bf16" : "fp32");
   }
+}
+
+// bf16 on a CPU without native bf16 matmul (Note [bf16 matmul without native
+// bf16]): the fallback trains like fp32. Forced here where the native path
+// exists, automatic where it does not; mean loss over the last 20 of 200 steps.
+TEST(EngineTraining, Bf16ViaFp32TracksFp32Loss) {
+  auto tail_mean = [](const std::vector<float>& l) {
+    double t = 0;
+    for (size_t i = l.size() - 20; i < l.size(); ++i) t += l[i] / 20.0;
+    return t;
+  };
+  std::vector<float> f32, via;
+  train_steps(tiny_gpt(), 16, 1, false, 200, &f32);
+  kernels::set_matmul_bf16_path_for_testing(kernels::MatmulBf16Path::kViaF32);
+  train_steps(tiny_gpt(), 16, 1, true, 200, &via);
+  kernels::set_matmul_bf16_path_for_testing(kernels::MatmulBf16Path::kAuto);
+  EXPECT_LT(tail_mean(f32), tail_mean({f32.begin(), f32.begin() + 20}) - 0.3);  // it learned
+  EXPECT_NEAR(tail_mean(via), tail_mean(f32), 0.05);
 }
 
 TEST(EngineTraining, SameSeedSameWeightsBitForBit) {

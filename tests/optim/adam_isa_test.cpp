@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/cpu.h"
 #include "core/alloc.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -156,7 +157,8 @@ TEST(AdamIsa, ResultsAreBitIdenticalForOneAndTwoThreads) {
 }
 
 TEST(AdamIsa, Avx512WithAndWithoutTheBf16InstructionAreBitIdentical) {
-  if (!isa_supported(Isa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-BF16 here";
+  if (!isa_supported(Isa::kAvx512Bf16))
+    GTEST_SKIP() << "avx512_bf16 cannot run here: " << cpu_isa_missing(CpuIsa::kAvx512Bf16);
   AdamParams p;
   p.weight_decay = 0.1;
   State a = random_state(5003, 3), b = a;
@@ -210,6 +212,18 @@ TEST(AdamIsa, DispatchPicksTheBestSupportedPathAndRejectsUnknownNames) {
   EXPECT_EQ(parse_isa(isa_name(best)), best);
   EXPECT_THROW(parse_isa("sse9"), Error);
   EXPECT_TRUE(isa_supported(Isa::kScalar));
+}
+
+// The tests above loop over the paths this CPU can run; this one names the
+// paths they left out and the instructions (or the cap) that ruled them out.
+TEST(AdamIsa, PathsThisCpuCannotRunAreNamed) {
+  std::string left_out;
+  for (Isa isa : kAll) {
+    if (isa_supported(isa)) continue;
+    const CpuIsa level = isa == Isa::kAvx2 ? CpuIsa::kAvx2 : isa == Isa::kAvx512 ? CpuIsa::kAvx512 : CpuIsa::kAvx512Bf16;
+    left_out += std::string(left_out.empty() ? "" : "; ") + std::string(isa_name(isa)) + ": " + cpu_isa_missing(level);
+  }
+  if (!left_out.empty()) GTEST_SKIP() << "not tested here: " << left_out;
 }
 
 }  // namespace

@@ -38,6 +38,7 @@ check_error zero-stage "ZeRO stage 3 is not implemented yet" "$CFG" --set zero_o
 check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
 check_error bad-override "key.path=value" "$CFG" --set foo
+ONEDNN_MAX_CPU_ISA=avx3 check_error bad-isa-cap "ONEDNN_MAX_CPU_ISA=avx3: unknown ISA" "$CFG"
 check_error heads 'n_head' "$CFG" --set model.n_head=3
 NV="$ROOT/configs/nvme.json"
 check_error nvme-missing-path "$TMP/absent" "$NV" --steps 2 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
@@ -68,6 +69,10 @@ for s in steps:
 summary = lines[-1]
 assert summary["event"] == "summary" and summary["steps"] == 4, summary
 assert summary["loss_floor"] is not None and summary["peak_rss_bytes"] > 0, summary
+# The code paths chosen for this CPU: the ISA level, both matmul dtypes, the optimizer.
+paths = summary["kernel_paths"]
+assert paths.startswith("cpu: ") and "matmul fp32: " in paths and "matmul bf16: " in paths, paths
+assert "optimizer: " in paths, paths
 PY
 then
   if [ "$(head -n 1 "$TMP/csv/job/Train_Samples_train_loss.csv")" = "step,train_loss" ] &&
@@ -82,6 +87,19 @@ then
 else
   fail=$((fail + 1))
   echo "FAIL json run"
+  cat "$TMP/out" "$TMP/err"
+fi
+
+# The human header names the paths too; capped at AVX2 they are AVX2's and
+# bf16 runs (natively, or via fp32 where oneDNN has no bf16 kernel).
+if ONEDNN_MAX_CPU_ISA=AVX2 "$ZT" "$CFG" --steps 2 >"$TMP/out" 2>"$TMP/err" &&
+   grep -q '^cpu: avx2 kernels' "$TMP/out" &&
+   grep -q 'matmul bf16: via fp32 (oneDNN [^)]*), no native bf16' "$TMP/out" &&
+   grep -q '^done: 2 steps' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL capped header"
   cat "$TMP/out" "$TMP/err"
 fi
 
