@@ -2,6 +2,13 @@
 # Installs what a fresh Debian machine lacks to build and test zinc, then
 # configures and builds it in ./build. Safe to rerun: installs only missing
 # packages and rebuilds incrementally.
+#   bash scripts/setup.sh              build everything (tests, benchmarks)
+#   bash scripts/setup.sh zinc-train   build only the named targets
+#
+# ocl-icd-opencl-dev: Debian's libdnnl-dev is built with oneDNN's OpenCL GPU
+# runtime, and its CMake package (dnnl-config.cmake) runs
+# find_package(OpenCL REQUIRED); the OpenCL headers and loader are only a
+# Recommends of libdnnl-dev, which --no-install-recommends skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,4 +31,6 @@ fi
 
 BUILD_TYPE="${ZINC_BUILD_TYPE:-Release}"
 cmake -S . -B build -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
-cmake --build build -j"${ZINC_JOBS:-2}"
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build build -j"${ZINC_JOBS:-2}" "${targets[@]}"
