@@ -37,6 +37,11 @@ struct LayerActs {
   AlignedBuffer ln2_rstd;  // (N)
   AlignedBuffer fc;        // (N,4C) before GELU
   AlignedBuffer gelu;      // (N,4C)
+  // What the matmuls read of ln1, att, ln2 and gelu (detail::matmul_input:
+  // with bf16 compute converted once in forward, read again by the
+  // weight-gradient matmuls in backward) and the bf16 copies behind them.
+  CView ln1_in, att_in, ln2_in, gelu_in;
+  AlignedBuffer ln1_16, att_16, ln2_16, gelu_16;
   kernels::AttentionWorkspace* ws = nullptr;
 };
 
@@ -110,16 +115,19 @@ class Gpt final : public Model {
       BlockParams p = ctx.acquire(static_cast<int>(l + 1));
       kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
                                  a.x_in.as<float>(), p[kLn1W], p[kLn1B], N, C);
-      detail::linear_forward(a.qkv.as<float>(), f32(a.ln1.as<float>()), p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
+      a.ln1_in = detail::matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+      detail::linear_forward(a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
       kernels::attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
-      detail::linear_forward(a.x_mid.as<float>(), f32(a.att.as<float>()), p[kAttnProjW], p[kAttnProjB], N, C,
-                             C, dt);
+      a.att_in = detail::matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
+      detail::linear_forward(a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
       kernels::add(a.x_mid.as<float>(), a.x_mid.as<float>(), a.x_in.as<float>(), N * C);
       kernels::layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                  a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
-      detail::linear_forward(a.fc.as<float>(), f32(a.ln2.as<float>()), p[kFcW], p[kFcB], N, C, 4 * C, dt);
+      a.ln2_in = detail::matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+      detail::linear_forward(a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
       kernels::gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
-      detail::linear_forward(x_out, f32(a.gelu.as<float>()), p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
+      a.gelu_in = detail::matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
+      detail::linear_forward(x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
       kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
       ctx.release(static_cast<int>(l + 1));
     }
@@ -133,7 +141,8 @@ class Gpt final : public Model {
     // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
     // gradient of the mean loss straight away; backward scales it.
     BlockParams head = ctx.acquire(0);
-    detail::linear_forward(logits_.as<float>(), f32(lnf_.as<float>()), head[kWte], CView{}, N, C, V, dt);
+    lnf_in_ = detail::matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
+    detail::linear_forward(logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
     ctx.release(0);
     double loss = kernels::cross_entropy(logits_.as<float>(), batch.targets.data(), N, V,
                                          dlogits_.as<float>(), 1.0f);
@@ -148,8 +157,8 @@ class Gpt final : public Model {
     // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
     BlockParams emb = ctx.acquire(0);
     BlockGrads gemb = ctx.grads(0);
-    detail::linear_backward(dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()),
-                            f32(lnf_.as<float>()), emb[kWte], N, C, V, dt);
+    detail::linear_backward(dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()), lnf_in_,
+                            emb[kWte], N, C, V, dt);
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     BlockParams nf = ctx.acquire(norm_block);
@@ -170,18 +179,18 @@ class Gpt final : public Model {
       BlockGrads g = ctx.grads(blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
       // becomes d x_mid by accumulating the branch's gradient.
-      detail::linear_backward(dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), f32(a.gelu.as<float>()),
+      detail::linear_backward(dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), a.gelu_in,
                               p[kMlpProjW], N, 4 * C, C, dt);
       kernels::gelu_backward(dbig, a.fc.as<float>(), dbig, N * 4 * C);
-      detail::linear_backward(dsmall, g[kFcW], g[kFcB], f32(dbig), f32(a.ln2.as<float>()), p[kFcW], N, C,
+      detail::linear_backward(dsmall, g[kFcW], g[kFcB], f32(dbig), a.ln2_in, p[kFcW], N, C,
                               4 * C, dt);
       kernels::layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
                                   a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
-      detail::linear_backward(dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), f32(a.att.as<float>()),
+      detail::linear_backward(dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), a.att_in,
                               p[kAttnProjW], N, C, C, dt);
       kernels::attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
-      detail::linear_backward(dsmall, g[kQkvW], g[kQkvB], f32(dbig), f32(a.ln1.as<float>()), p[kQkvW], N, C,
+      detail::linear_backward(dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
                               3 * C, dt);
       kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, a.x_in.as<float>(), p[kLn1W],
                                   a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
@@ -234,6 +243,8 @@ class Gpt final : public Model {
   int64_t B_ = 0, T_ = 0;
   AlignedBuffer x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
   AlignedBuffer dlnf_, dres_, dsmall_, dbig_;
+  CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
+  AlignedBuffer lnf_16_;
 };
 
 }  // namespace

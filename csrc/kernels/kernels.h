@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/alloc.h"
 #include "core/dtype.h"
 
 namespace zinc::kernels {
@@ -26,6 +27,9 @@ namespace zinc::kernels {
 struct CView {
   const void* data = nullptr;
   DType dtype = DType::kF32;
+  // fp32 data whose values are all bf16-representable (see bf16_operand):
+  // a bf16 matmul need not round them again.
+  bool bf16_exact = false;
   float at(int64_t i) const {
     return dtype == DType::kF32 ? static_cast<const float*>(data)[i]
                                 : bf16_to_float(static_cast<const bf16*>(data)[i]);
@@ -68,6 +72,18 @@ MatmulPath matmul_path(const MatmulDesc& d);
 // One line for headers: "matmul fp32: oneDNN brg:avx2 | matmul bf16: via fp32
 // (oneDNN brg:avx2), no native bf16 on this CPU".
 std::string matmul_paths_summary();
+// An fp32 operand converted ONCE for several bf16 matmuls (a layer's input
+// feeds its forward and its weight-gradient matmul; dY feeds the input- and
+// the weight-gradient matmul), instead of once in every matmul. Where oneDNN
+// multiplies bf16 natively the values are converted into `scratch` as bf16;
+// where it falls back to fp32 they are rounded to bf16 precision, into
+// `scratch` (bf16_operand_copy) or in place (bf16_operand_in_place, for an
+// activation that only matmuls read), and marked bf16_exact. Either way every
+// matmul sees exactly the values it would have converted itself. `scratch`
+// grows as needed and must outlive the returned view.
+CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch);
+CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch);
+
 // Tests: kViaF32 makes every bf16 matmul created from now on take the fp32
 // fallback, also where oneDNN has native bf16 kernels.
 enum class MatmulBf16Path { kAuto = 0, kViaF32 = 1 };

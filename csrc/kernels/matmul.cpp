@@ -227,7 +227,8 @@ std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
 // fallback (compute bf16, multiply fp32) fp32 operands are rounded through
 // bf16 so that they carry the values the native path would multiply.
 const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
-  if (v.dtype == multiply && !(compute == DType::kBF16 && v.dtype == DType::kF32)) return v.data;
+  if (v.dtype == multiply && !(compute == DType::kBF16 && v.dtype == DType::kF32 && !v.bf16_exact))
+    return v.data;
   void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
   if (multiply == DType::kBF16) {
     convert_f32_to_bf16(static_cast<const float*>(v.data), static_cast<bf16*>(dst), n);
@@ -285,6 +286,53 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
 }
 
 void set_matmul_bf16_path_for_testing(MatmulBf16Path path) { g_bf16_path.store(static_cast<int>(path)); }
+
+namespace {
+// Whether bf16 matmuls multiply bf16 natively here, asked once for a typical
+// shape (a shape that decides otherwise still gets correct operands: bf16 is
+// widened, bf16-exact fp32 is converted exactly).
+bool bf16_native() {
+  if (static_cast<MatmulBf16Path>(g_bf16_path.load()) == MatmulBf16Path::kViaF32) return false;
+  static const bool native = [] {
+    MatmulDesc d;
+    d.M = 256;
+    d.N = 256;
+    d.K = 256;
+    d.trans_b = true;
+    d.compute = DType::kBF16;
+    return lookup(d)->multiply == DType::kBF16;
+  }();
+  return native;
+}
+
+bf16* bf16_scratch(AlignedBuffer& scratch, int64_t n) {
+  const size_t bytes = static_cast<size_t>(n) * sizeof(bf16);
+  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
+  return scratch.as<bf16>();
+}
+}  // namespace
+
+CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch) {
+  if (bf16_native()) {
+    bf16* dst = bf16_scratch(scratch, n);
+    convert_f32_to_bf16(x, dst, static_cast<size_t>(n));
+    return {dst, DType::kBF16};
+  }
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
+  round_to_bf16(x, scratch.as<float>(), static_cast<size_t>(n));
+  return {scratch.as<float>(), DType::kF32, true};
+}
+
+CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch) {
+  if (bf16_native()) {
+    bf16* dst = bf16_scratch(scratch, n);
+    convert_f32_to_bf16(x, dst, static_cast<size_t>(n));
+    return {dst, DType::kBF16};
+  }
+  round_to_bf16(x, x, static_cast<size_t>(n));
+  return {x, DType::kF32, true};
+}
 
 MatmulPath matmul_path(const MatmulDesc& d) {
   auto cached = lookup(d);

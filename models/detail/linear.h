@@ -2,6 +2,7 @@
 // (W stored (out, in)), over kernels::matmul. Shared by the built-in models.
 #pragma once
 
+#include "core/alloc.h"
 #include "core/error.h"
 #include "kernels/kernels.h"
 
@@ -24,8 +25,15 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
 // db(out) += column sums of dy (skipped when db is null).
+// With bf16 compute an fp32 dy is converted once for both matmuls
+// (kernels::bf16_operand_copy); the bias gradient sums the fp32 dy.
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
                             int64_t in, int64_t out, DType compute) {
+  const CView dy_full = dy;
+  if (compute == DType::kBF16 && dy.dtype == DType::kF32 && !dy.bf16_exact) {
+    thread_local AlignedBuffer scratch;
+    dy = kernels::bf16_operand_copy(static_cast<const float*>(dy.data), N * out, scratch);
+  }
   if (dx) {
     kernels::MatmulDesc d;
     d.M = N;
@@ -43,11 +51,20 @@ inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, 
   g.compute = compute;
   kernels::matmul(g, dy, x, dw);
   if (db) {
-    ZINC_CHECK(dy.dtype == DType::kF32, "bias gradient needs the fp32 dy");
-    kernels::bias_backward(db, static_cast<const float*>(dy.data), N, out);
+    ZINC_CHECK(dy_full.dtype == DType::kF32 && !dy_full.bf16_exact, "bias gradient needs the fp32 dy");
+    kernels::bias_backward(db, static_cast<const float*>(dy_full.data), N, out);
   }
 }
 
 inline CView f32(const float* p) { return CView{p, DType::kF32}; }
+
+// The view of an activation that only matmuls read (a layer's input): with
+// bf16 compute converted once for its forward and weight-gradient matmuls
+// (kernels::bf16_operand_in_place; `scratch` holds the bf16 copy where one
+// is made), else the fp32 buffer itself.
+inline CView matmul_input(float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
+  if (compute != DType::kBF16) return f32(x);
+  return kernels::bf16_operand_in_place(x, n, scratch);
+}
 
 }  // namespace zinc::models::detail

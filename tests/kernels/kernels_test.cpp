@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/alloc.h"
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -809,6 +810,27 @@ TEST_P(Bf16Path, MatmulAgreesWithReferenceOnRoundedInputs) {
 TEST_P(Bf16Path, AttentionAgreesWithReference) {
   uint64_t seed = 950;
   for (auto s : kAttShapes) check_attention(s, DType::kBF16, seed += 2, 3e-2);
+}
+
+TEST_P(Bf16Path, OperandsConvertedOnceGiveTheSameBits) {
+  // bf16_operand_copy / _in_place convert an fp32 operand once for several
+  // matmuls; the matmuls must see exactly what they would convert themselves.
+  MatmulDesc d{.M = 33, .N = 17, .K = 65, .trans_b = true, .compute = DType::kBF16};
+  auto a = randn(33 * 65, 970), b = randn(17 * 65, 971);
+  std::vector<float> want(33 * 17), got(want.size()), got2(want.size());
+  matmul(d, view(a), view(b), want.data());
+  AlignedBuffer sa, sb;
+  CView av = bf16_operand_copy(a.data(), static_cast<int64_t>(a.size()), sa);
+  CView bv = bf16_operand_copy(b.data(), static_cast<int64_t>(b.size()), sb);
+  EXPECT_EQ(av.dtype == DType::kF32, av.bf16_exact);
+  matmul(d, av, bv, got.data());
+  EXPECT_TRUE(BitEqual(got, want));
+  auto a_copy = a;
+  AlignedBuffer si;
+  CView ai = bf16_operand_in_place(a_copy.data(), static_cast<int64_t>(a_copy.size()), si);
+  matmul(d, ai, view(b), got2.data());
+  EXPECT_TRUE(BitEqual(got2, want));
+  if (ai.dtype == DType::kF32) EXPECT_TRUE(BitEqual(a_copy, round_bf16(a)));  // rounded in place
 }
 
 INSTANTIATE_TEST_SUITE_P(Matmul, Bf16Path, testing::Values(MatmulBf16Path::kAuto, MatmulBf16Path::kViaF32),
