@@ -1,6 +1,7 @@
 // zinc-bench train-step: model FLOP/s of a training step of a reference GPT
 // over oneDNN's matmul rate at the model's shapes, in the same run.
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,14 @@ int bench_train_step(const BenchOptions& o) {
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, 1);
   zinc::Engine engine = zinc::Engine::initialize(ex.model, ex.config);
   zinc::DataLoader loader(ex.data, B, 1, 1, 0, 1);
+  // A bf16 run also times the same step in fp32, in the same rounds, so that
+  // "bf16 against fp32" compares two figures taken in the same machine state.
+  nlohmann::json doc32 = doc;
+  doc32["bf16"]["enabled"] = false;
+  zinc::tools::Experiment ex32 = zinc::tools::build_experiment(doc32, 1);
+  std::optional<zinc::Engine> engine32;
+  if (bf16) engine32.emplace(zinc::Engine::initialize(ex32.model, ex32.config));
+  zinc::DataLoader loader32(ex32.data, B, 1, 1, 0, 1);
   // The bound multiplies in what the hardware can: bf16 where oneDNN has
   // native bf16 kernels, else fp32 (zinc's bf16 fallback multiplies in fp32
   // too, Note [bf16 matmul without native bf16]).
@@ -132,12 +141,21 @@ int bench_train_step(const BenchOptions& o) {
   run_matmuls();
   engine.train_batch(loader);
   engine.train_batch(loader);
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s;
+  if (engine32) {
+    engine32->train_batch(loader32);
+    engine32->train_batch(loader32);
+  }
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, step32_s;
   for (int r = 0; r < rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
     run_matmuls();
     mm_s.push_back((now_s() - t0) / 2);
+    if (engine32) {
+      t0 = now_s();
+      for (int s = 0; s < steps; ++s) engine32->train_batch(loader32);
+      step32_s.push_back((now_s() - t0) / steps);
+    }
     zinc::StepTimings before = engine.timings();
     t0 = now_s();
     for (int s = 0; s < steps; ++s) engine.train_batch(loader);
@@ -201,6 +219,16 @@ int bench_train_step(const BenchOptions& o) {
                          {"threads", zinc::num_threads()},
                          {"params", engine.num_parameters()},
                          {"breakdown_s", breakdown}};
+  std::string vs_fp32;
+  if (engine32) {
+    const double tps32 = static_cast<double>(B * T) / median(step32_s);
+    line["fp32_tokens_per_s"] = tps32;
+    line["bf16_over_fp32"] = tokens_per_s / tps32;
+    char part[160];
+    std::snprintf(part, sizeof part, "\n  fp32:   %.0f tokens/s in the same rounds; bf16 / fp32 = %.3f", tps32,
+                  tokens_per_s / tps32);
+    vs_fp32 = part;
+  }
   char buf[2048];
   std::snprintf(buf, sizeof buf,
                 "train-step (%s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %d threads)\n"
@@ -208,12 +236,12 @@ int bench_train_step(const BenchOptions& o) {
                 "  bound:  %.1f GFLOP/s oneDNN %s matmul at the model's shapes (%.3f s for one step's matmuls)%s\n"
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
-                "  where the time goes (profiled round, share of the step): %s",
+                "  where the time goes (profiled round, share of the step): %s%s",
                 bf16 ? "bf16" : "fp32", (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
                 std::string(zinc::dtype_name(dt)).c_str(), t_mm,
                 bound_via_f32 ? " (no native bf16 matmul here)" : "",
-                ratio, median(fwd_s), median(bwd_s), median(opt_s), breakdown_text.c_str());
+                ratio, median(fwd_s), median(bwd_s), median(opt_s), breakdown_text.c_str(), vs_fp32.c_str());
   emit(json, line, buf);
   return 0;
 }
