@@ -1,9 +1,10 @@
 // zinc comm: collectives between data-parallel ranks (public header of comm/).
 //
-// Communicator is the transport: MPI between processes (make_mpi_communicator)
-// or a world of one (make_single_communicator); later backends (shared
-// memory, NCCL) implement the same interface, which therefore names no MPI
-// type. Buffers are fp32 or bf16 (bf16 sums are formed in fp32 and rounded to
+// Communicator is the transport: MPI between processes (make_mpi_communicator),
+// shared memory between the ranks of one machine, hierarchical (shared memory
+// inside machines, MPI across), or a world of one (make_single_communicator);
+// make_communicator picks one. A NCCL backend will implement the same
+// interface, which therefore names no MPI type. Buffers are fp32 or bf16 (bf16 sums are formed in fp32 and rounded to
 // bf16 once per pairwise combination). For a given world size and backend
 // every collective combines ranks in a fixed order, so results are
 // deterministic run to run.

@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/data.h"
+#include "data/data.h"
 
 namespace zinc {
 

@@ -31,7 +31,7 @@
 
 #include "comm/comm.h"
 #include "engine/config.h"
-#include "engine/data.h"
+#include "data/data.h"
 #include "engine/model.h"
 
 namespace zinc {

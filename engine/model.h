@@ -19,6 +19,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "data/data.h"  // Batch
 #include "kernels/kernels.h"
 
 namespace zinc {
@@ -73,13 +74,6 @@ struct BlockGrads {
   float* base = nullptr;
   const BlockLayout* layout = nullptr;
   float* operator[](int i) const { return base + layout->offsets[i]; }
-};
-
-// One micro-batch of token sequences: inputs and next-token targets, (B,T).
-struct Batch {
-  int64_t B = 0, T = 0;
-  std::vector<int32_t> inputs;
-  std::vector<int32_t> targets;
 };
 
 // The engine's side of a step, as the model sees it. The engine's

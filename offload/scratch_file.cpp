@@ -7,11 +7,6 @@
 
 namespace zinc::offload::detail {
 
-void UniqueFd::reset() {
-  if (fd_ >= 0) ::close(fd_);  // close errors on a scratch file carry nothing we could act on
-  fd_ = -1;
-}
-
 UniqueFd open_scratch(const std::string& path, bool& direct, OpenFn open_fn) {
   if (!open_fn) open_fn = [](const char* p, int flags, mode_t mode) { return ::open(p, flags, mode); };
   const int base = O_RDWR | O_CREAT | O_CLOEXEC;

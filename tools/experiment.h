@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/config.h"
-#include "engine/data.h"
+#include "data/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 

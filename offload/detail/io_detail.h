@@ -9,32 +9,11 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/unique_fd.h"
 
 namespace zinc::offload::detail {
 
-// Owns one file descriptor; closes it on destruction. Movable, not copyable.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  void reset();
-
- private:
-  int fd_ = -1;
-};
+using ::zinc::UniqueFd;  // core/unique_fd.h
 
 // io_uring's error space (negative errno from io_uring_queue_init,
 // io_uring_submit, io_uring_wait_cqe) -> IoError, with a hint where the

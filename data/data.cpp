@@ -18,7 +18,7 @@
 // for larger N (the synthetic source's 2^40-sample epoch) a seeded bijection
 // on the next power of two with cycle walking, computed per position, so no
 // O(N) table is ever built.
-#include "engine/data.h"
+#include "data/data.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -34,6 +34,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/unique_fd.h"
 
 namespace zinc {
 namespace {
@@ -54,21 +55,6 @@ std::string fmt_double(double v) {
 
 // ---------------------------------------------------------------------------
 // Files.
-
-// Owns a file descriptor; closes it on destruction.
-class UniqueFd {
- public:
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // A read-only view of a whole file: mmap'ed, or empty for an empty file.
 // Owns the mapping; movable, not copyable.

@@ -1,4 +1,4 @@
-// zinc engine: training data. A DataSource yields (inputs, targets) token
+// zinc data: training data. A DataSource yields (inputs, targets) token
 // micro-batches; a DataLoader splits each global batch between data-parallel
 // ranks (no overlap, nothing skipped) and reshuffles per epoch.
 //
@@ -21,9 +21,14 @@
 #include <string>
 #include <vector>
 
-#include "engine/model.h"
-
 namespace zinc {
+
+// One micro-batch of token sequences: inputs and next-token targets, (B,T).
+struct Batch {
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> inputs;
+  std::vector<int32_t> targets;
+};
 
 struct DataConfig {
   std::string type = "synthetic";  // "synthetic" | "text" | "tokens"

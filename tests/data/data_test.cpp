@@ -1,6 +1,6 @@
 // Tests for engine/data: synthetic / text / token sources and the
 // data-parallel loader (Note [data order] in engine/data.cpp).
-#include "engine/data.h"
+#include "data/data.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
