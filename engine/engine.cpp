@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 
 #include "core/cpu.h"
@@ -12,7 +14,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/partition.h"
-#include "engine/swapper.h"
+#include "offload/swapper.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 
@@ -77,6 +79,36 @@ struct BlockState {
   comm::CommHandle reduction;  // the reduce-scatter of this step, while in flight
 };
 
+// The NVMe swapper's options from the config. Test hook: ZINC_NVME_FAULT=
+// OPS:ERRNO makes every ring fail its I/O operation number OPS+1 with ERRNO
+// (0: a short transfer), through the fault-injecting engine, so that failure
+// paths can be exercised end to end.
+offload::SwapperOptions swapper_options(const Config& c) {
+  offload::SwapperOptions o;
+  const OffloadConfig& off = c.zero.offload_optimizer;
+  o.nvme.path = off.nvme_path;
+  o.nvme.block_size = c.aio.block_size;
+  o.nvme.queue_depth = static_cast<int>(c.aio.queue_depth);
+  o.nvme.threads = static_cast<int>(c.aio.intra_op_parallelism);
+  o.nvme.single_submit = c.aio.single_submit;
+  o.nvme.overlap_events = c.aio.overlap_events;
+  o.buffer_count = off.buffer_count;
+  o.pin_memory = off.pin_memory;
+  o.sub_group_size = c.zero.sub_group_size;
+  if (const char* fault = std::getenv("ZINC_NVME_FAULT")) {
+    long long ops = 0;
+    int err = 0;
+    if (std::sscanf(fault, "%lld:%d", &ops, &err) != 2)
+      throw ConfigError("ZINC_NVME_FAULT", std::string("expected OPS:ERRNO, got \"") + fault + "\"");
+    log_warn("NVMe fault injection: I/O operation " + std::to_string(ops + 1) +
+             " of each ring fails (ZINC_NVME_FAULT)");
+    o.engine_factory = [ops, err](const offload::NvmeOptions& opt) {
+      return offload::make_faulty_engine(offload::make_uring_engine(opt), ops, err);
+    };
+  }
+  return o;
+}
+
 optim::ScheduleParams schedule_params(const Config& c) {
   optim::ScheduleParams p;
   const SchedulerConfig& s = c.scheduler;
@@ -120,7 +152,7 @@ struct Engine::Impl final : StepContext {
   double last_loss = NAN;
   StepTimings timings;
   int64_t state_bytes = 0, state_peak_bytes = 0;
-  std::unique_ptr<OptimizerSwapper> swapper;  // offload_optimizer.device "nvme"
+  std::unique_ptr<offload::OptimizerSwapper> swapper;  // offload_optimizer.device "nvme"
   std::string offload_device;
 
   // Blocks reported ready in the current boundary backward, not yet submitted.
@@ -254,8 +286,7 @@ struct Engine::Impl final : StepContext {
     if (offload_device == "nvme") {
       std::vector<int64_t> spans;
       for (const BlockState& s : blocks) spans.push_back(s.opt_numel);
-      swapper = std::make_unique<OptimizerSwapper>(cfg.zero.offload_optimizer, cfg.aio, rank, spans,
-                                                   cfg.zero.sub_group_size);
+      swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options(cfg), rank, spans);
       state_bytes += swapper->buffer_bytes();
       state_peak_bytes = std::max(state_peak_bytes, state_bytes);
       for (size_t b = 0; b < blocks.size(); ++b) swapper->init_block(static_cast<int>(b), pending_init[b].data());
@@ -473,7 +504,7 @@ struct Engine::Impl final : StepContext {
 
   void update_all(float grad_scale) {
     if (swapper) {
-      swapper->for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+      swapper->for_each([&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
         update_span(blocks[g.block], g.offset, g.count, master, m, v, grad_scale);
       });
       return;

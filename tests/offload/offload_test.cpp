@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "offload/detail/io_detail.h"
 #include "offload/offload.h"
+#include "temp_dir.h"
 
 namespace zinc::offload {
 namespace {
@@ -30,25 +31,6 @@ namespace fs = std::filesystem;
 #define EXPECT_CONTAINS(text, part)                                                        \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "\"" << (text) << "\"\n" \
                                                              << "does not contain \"" << (part) << "\""
-
-// A fresh folder under /tmp (a real disk here), removed with its contents.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "zinc-offload-test-XXXXXX").string();
-    ZINC_CHECK(::mkdtemp(tmpl.data()) != nullptr, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path_, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 void fill_random(const PinnedBuffer& b, uint64_t seed) {
   std::mt19937_64 rng(seed);

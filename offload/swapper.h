@@ -1,5 +1,6 @@
-// zinc engine, private: the pipelined optimizer swapper for NVMe offload of
-// optimizer states (zero_optimization.offload_optimizer.device = "nvme").
+// zinc offload: the pipelined optimizer swapper for NVMe offload of
+// optimizer states (zero_optimization.offload_optimizer.device = "nvme";
+// the engine builds SwapperOptions from its config).
 //
 // Each rank's fp32 master weights and Adam m, v (12 bytes per parameter of
 // its shards) live in one file of the rank's NvmeStore, cut into sub-groups
@@ -21,10 +22,28 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
 #include "offload/offload.h"
 
-namespace zinc {
+namespace zinc::offload {
+
+struct SwapperOptions {
+  // The store: nvme_path and the aio settings. fixed_buffers is filled by the
+  // swapper (its pinned buffers).
+  NvmeOptions nvme;
+  // Pinned buffers the sub-groups stream through (at least 2): with k
+  // buffers, k - 1 sub-groups are read ahead. Each holds 3 x sub_group_size
+  // fp32 (12 bytes per element).
+  int64_t buffer_count = 4;
+  // Page-lock the buffers (falls back to ordinary memory with a warning when
+  // the memlock limit refuses).
+  bool pin_memory = false;
+  // Elements per sub-group, rounded down to a multiple of 1024 (at least
+  // 1024): larger sub-groups mean fewer, larger transfers and more RAM.
+  int64_t sub_group_size = 1000000000;
+  // Makes each ring's I/O engine (tests: a fault-injecting one); null means
+  // io_uring.
+  std::function<std::unique_ptr<IoEngine>(const NvmeOptions&)> engine_factory;
+};
 
 class OptimizerSwapper {
  public:
@@ -35,8 +54,8 @@ class OptimizerSwapper {
     int64_t file_offset;  // bytes
   };
   // span_numel[b]: elements of block b's optimizer span on this rank.
-  OptimizerSwapper(const OffloadConfig& offload, const AioConfig& aio, int rank,
-                   const std::vector<int64_t>& span_numel, int64_t sub_group_size);
+  // Throws IoError naming the path when the store cannot be created.
+  OptimizerSwapper(const SwapperOptions& options, int rank, const std::vector<int64_t>& span_numel);
   ~OptimizerSwapper();
 
   // Writes a block's initial master weights (span_numel[block] elements) and
@@ -52,16 +71,17 @@ class OptimizerSwapper {
   int64_t bytes_written() const;
   int64_t buffer_bytes() const;  // pinned RAM the swapper holds
   const std::string& folder() const;
+  const std::vector<SubGroup>& sub_groups() const { return groups_; }
 
  private:
   // Declared before the store, so the store (whose rings have these buffers
   // registered) goes first.
-  std::vector<offload::PinnedBuffer> buffers_;  // buffer_count x 3 * max sub-group
-  std::unique_ptr<offload::NvmeStore> store_;
+  std::vector<PinnedBuffer> buffers_;  // buffer_count x 3 * max sub-group
+  std::unique_ptr<NvmeStore> store_;
   int file_ = -1;
   std::vector<SubGroup> groups_;
   std::vector<int64_t> span_numel_;
   int64_t max_count_ = 0;
 };
 
-}  // namespace zinc
+}  // namespace zinc::offload

@@ -1,32 +1,22 @@
-#include "engine/swapper.h"
+#include "offload/swapper.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include <cstdio>
-#include <cstdlib>
-
 #include "core/error.h"
-#include "core/log.h"
 
-namespace zinc {
+namespace zinc::offload {
 
 namespace {
 constexpr int64_t kAlign = 1024;  // elements: 4 KiB of fp32
 int64_t round_up_elems(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-OptimizerSwapper::OptimizerSwapper(const OffloadConfig& offload, const AioConfig& aio, int rank,
-                                   const std::vector<int64_t>& span_numel, int64_t sub_group_size)
+OptimizerSwapper::OptimizerSwapper(const SwapperOptions& options, int rank,
+                                   const std::vector<int64_t>& span_numel)
     : span_numel_(span_numel) {
-  offload::NvmeOptions o;
-  o.path = offload.nvme_path;
-  o.block_size = aio.block_size;
-  o.queue_depth = static_cast<int>(aio.queue_depth);
-  o.threads = static_cast<int>(aio.intra_op_parallelism);
-  o.single_submit = aio.single_submit;
-  o.overlap_events = aio.overlap_events;
-  const int64_t group = std::max<int64_t>(kAlign, sub_group_size / kAlign * kAlign);
+  NvmeOptions o = options.nvme;
+  const int64_t group = std::max<int64_t>(kAlign, options.sub_group_size / kAlign * kAlign);
   int64_t file_bytes = 0;
   for (size_t b = 0; b < span_numel.size(); ++b) {
     // Every span is a multiple of 1024 elements (engine/partition.h).
@@ -37,26 +27,12 @@ OptimizerSwapper::OptimizerSwapper(const OffloadConfig& offload, const AioConfig
       max_count_ = std::max(max_count_, count);
     }
   }
-  const int nbuf = static_cast<int>(std::max<int64_t>(2, offload.buffer_count));
+  const int nbuf = static_cast<int>(std::max<int64_t>(2, options.buffer_count));
   for (int i = 0; i < nbuf; ++i) {
-    buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), offload.pin_memory);
+    buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), options.pin_memory);
     o.fixed_buffers.emplace_back(buffers_.back().data(), buffers_.back().bytes());
   }
-  // Test hook: ZINC_NVME_FAULT=OPS:ERRNO makes every ring fail its I/O
-  // operation number OPS+1 with ERRNO (0: a short transfer), through the
-  // fault-injecting engine, so that failure paths can be exercised end to end.
-  std::function<std::unique_ptr<offload::IoEngine>(const offload::NvmeOptions&)> factory;
-  if (const char* fault = std::getenv("ZINC_NVME_FAULT")) {
-    long long ops = 0;
-    int err = 0;
-    if (std::sscanf(fault, "%lld:%d", &ops, &err) != 2)
-      throw ConfigError("ZINC_NVME_FAULT", std::string("expected OPS:ERRNO, got \"") + fault + "\"");
-    log_warn("NVMe fault injection: I/O operation " + std::to_string(ops + 1) + " of each ring fails (ZINC_NVME_FAULT)");
-    factory = [ops, err](const offload::NvmeOptions& opt) {
-      return offload::make_faulty_engine(offload::make_uring_engine(opt), ops, err);
-    };
-  }
-  store_ = std::make_unique<offload::NvmeStore>(o, rank, factory);
+  store_ = std::make_unique<NvmeStore>(o, rank, options.engine_factory);
   file_ = store_->create("optimizer_states", file_bytes);
 }
 
@@ -75,7 +51,7 @@ void OptimizerSwapper::init_block(int block, const float* master) {
 
 void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*, float*, float*)>& fn) {
   const size_t n = groups_.size(), nb = buffers_.size();
-  std::vector<offload::IoTicket> reads(n), writes(n);
+  std::vector<IoTicket> reads(n), writes(n);
   auto buf = [&](size_t i) { return buffers_[i % nb].as<float>(); };
   auto bytes = [&](size_t i) { return 3 * groups_[i].count * 4; };
   // Buffer i % nb is free for sub-group i once sub-group i - nb is written.
@@ -117,4 +93,4 @@ int64_t OptimizerSwapper::buffer_bytes() const {
 }
 const std::string& OptimizerSwapper::folder() const { return store_->folder(); }
 
-}  // namespace zinc
+}  // namespace zinc::offload
