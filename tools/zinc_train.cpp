@@ -100,8 +100,27 @@ void maybe_inject_error(int rank, int64_t step) {
     throw zinc::Error("injected failure at step " + std::to_string(step) + " (ZINC_INJECT_ERROR)");
 }
 
+// FNV-1a (64-bit) over the bits of every block's full fp32 master weights, in
+// block order: a digest that changes with any bit of any weight. A
+// collective at ZeRO stages 1 and 2 (Engine::full_params): every rank calls it.
+std::string weights_digest(zinc::Engine& engine) {
+  uint64_t h = 1469598103934665603ull;
+  const int nblocks = static_cast<int>(engine.model().blocks().size());
+  for (int b = 0; b < nblocks; ++b) {
+    const std::vector<float> w = engine.full_params(b);
+    const auto* bytes = reinterpret_cast<const unsigned char*>(w.data());
+    for (size_t i = 0; i < w.size() * sizeof(float); ++i) {
+      h ^= bytes[i];
+      h *= 1099511628211ull;
+    }
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
-        bool json) {
+        bool json, bool digest) {
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
@@ -207,6 +226,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
   const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / engine.timings().step_s / 1e9 : 0;
+  const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   if (quiet) return 0;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
@@ -226,6 +246,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
     sum["kernel_paths"] = zinc::tools::kernel_paths();
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
+    if (digest) sum["weights_digest"] = digest_hex;
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -249,6 +270,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
     std::printf("\n");
+    if (digest) std::printf("weights digest (FNV-1a of the fp32 master weights): %s\n", digest_hex.c_str());
     if (nvme)
       std::printf("optimizer states on NVMe: %.1f MiB read and %.1f MiB written per step per rank, %.2f GB/s "
                   "during optimizer steps\n",
@@ -270,6 +292,9 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
                                 "a bare word as a string); repeatable");
   app.add_flag("--json", json, "print one JSON object per line instead of human progress");
+  bool digest = false;
+  app.add_flag("--weights-digest", digest,
+               "end with a digest of the final fp32 weights (to compare runs bit for bit)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -300,7 +325,7 @@ int main(int argc, char** argv) {
     }
     zinc::set_log_rank(comm->rank());
     if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
-    return run(comm, doc, config_path, json);
+    return run(comm, doc, config_path, json, digest);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank
