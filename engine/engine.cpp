@@ -13,42 +13,16 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/grad_reducer.h"
 #include "engine/partition.h"
+#include "engine/shard.h"
 #include "offload/swapper.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 
-// Note [ZeRO stages]
-// ------------------
-// Every block is one flat vector split into world_size equal shards
-// (engine/partition.h). What a rank keeps, per block:
-//
-//   stage | compute params | gradients                        | master, m, v
-//   0     | full           | full; reduced to full            | full
-//   1     | full           | full; reduced into own shard     | own shard
-//   2     | full           | own shard; full buffer only from | own shard
-//         |                | its block's backward until its   |
-//         |                | reduce-scatter has run           |
-//
-// The reduction is the same for every stage: at the micro-step that ends a
-// global batch, each block's full gradient is reduce-scattered into the
-// rank's shard as soon as the model reports it ready (grads_ready), in
-// buckets of reduce_bucket_size elements; with overlap_comm the bucket runs
-// on the CommStream while backward continues, without it backward waits for
-// each bucket's reduction. Stage 0 then all-gathers the reduced shards back into the
-// full gradient (an all-reduce with the same summation order as the other
-// stages) and every rank updates every element; stages 1 and 2 update their
-// shard and all-gather the new compute parameters. The gradient norm is the
-// sum over ranks of each rank's own-shard squares for every stage. So, at one
-// world size, stages 0, 1 and 2 and overlap on or off compute bit-identical
-// weights.
-//
-// No-sync: micro-steps that do not end a global batch accumulate into the
-// full gradient buffers with no communication. At stage 2 that means the full
-// buffers live from the first micro-step's backward to the boundary's
-// reduce-scatter: with gradient_accumulation_steps > 1, stage 2 holds full
-// fp32 gradients (4 bytes per parameter) during the whole accumulation, as
-// stage 1 does; with 1 it holds only the buckets in flight.
+// The step in DESIGN.md's order: forward, backward (GradReducer), step
+// (norm, clip, AdamW over the owned shards, parameter all-gather). What each
+// stage keeps: Note [ZeRO stages] in engine/shard.h.
 
 namespace zinc {
 namespace {
@@ -57,27 +31,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-// One block's state on this rank.
-struct BlockState {
-  BlockLayout layout;
-  Partition part;
-  AlignedBuffer compute;     // 1-D, part.padded_numel, compute dtype (empty at stage 0 in fp32: master is it)
-  // fp32 master weights and Adam m, v of this rank's optimizer span
-  // (opt_numel elements: the whole padded block at stage 0, else the shard).
-  // In RAM (offload none), in page-locked RAM (offload cpu, one buffer of
-  // 3 x opt_numel), or on NVMe (the swapper's; the pointers are null).
-  int64_t opt_numel = 0;
-  AlignedBuffer master, exp_avg, exp_avg_sq;
-  offload::PinnedBuffer pinned;
-  float* master_p = nullptr;
-  float* m_p = nullptr;
-  float* v_p = nullptr;
-  AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (stage 2: released after reduction)
-  AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (stages 1, 2 with world > 1)
-  bool grads_reported = false;
-  comm::CommHandle reduction;  // the reduce-scatter of this step, while in flight
-};
 
 // The NVMe swapper's options from the config. Test hook: ZINC_NVME_FAULT=
 // OPS:ERRNO makes every ring fail its I/O operation number OPS+1 with ERRNO
@@ -131,10 +84,11 @@ struct Engine::Impl final : StepContext {
   std::shared_ptr<Model> model;
   std::shared_ptr<comm::Communicator> comm;
   std::unique_ptr<comm::CommStream> stream;  // world > 1 only
-  int world = 1, rank = 0, stage = 0;
+  int world = 1, rank = 0;
+  StagePlan plan;
   DType dtype;
-  bool wire_bf16 = false;
-  std::vector<BlockState> blocks;
+  std::vector<BlockShard> blocks;
+  std::unique_ptr<GradReducer> reducer;
   optim::AdamParams adam;
   optim::LrSchedule schedule;
   int64_t num_params = 0;
@@ -146,29 +100,14 @@ struct Engine::Impl final : StepContext {
   double grad_norm = 0;
   double lr = 0;
   bool forward_pending = false;  // a forward whose backward has not run
-  bool in_boundary_backward = false;
   double loss_sum = 0;           // this rank's sum of micro-batch losses in the current global batch
   int64_t loss_count = 0;
   double last_loss = NAN;
   StepTimings timings;
-  int64_t state_bytes = 0, state_peak_bytes = 0;
+  StateMemory memory;
   std::unique_ptr<offload::OptimizerSwapper> swapper;  // offload_optimizer.device "nvme"
   std::string offload_device;
 
-  // Blocks reported ready in the current boundary backward, not yet submitted.
-  std::vector<int> bucket;
-  int64_t bucket_numel = 0;
-  // Reductions submitted and not yet known to be finished, oldest first. At
-  // most kMaxInflight buckets are in flight: the next submission waits for the
-  // oldest, which bounds the full gradients alive at stage 2.
-  static constexpr size_t kMaxInflight = 2;
-  std::deque<comm::CommHandle> inflight;
-  // Scratch of the comm thread, sized for the largest block and reused by
-  // every block in turn (the stream runs one task at a time): the reduced
-  // shard at stage 0, and the bf16 wire copies (full + shard) with
-  // communication_data_type bf16.
-  AlignedBuffer scratch_shard;  // fp32, max shard_numel (stage 0)
-  AlignedBuffer scratch_wire;   // bf16, max (padded_numel + shard_numel)
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
       : cfg(c), model(std::move(m)), comm(std::move(cm)), dtype(c.bf16 ? DType::kBF16 : DType::kF32),
@@ -177,9 +116,8 @@ struct Engine::Impl final : StepContext {
       world = comm->size();
       rank = comm->rank();
     }
-    stage = c.zero.stage;
+    plan = StagePlan::make(c.zero.stage, world);
     offload_device = c.zero.offload_optimizer.device;
-    wire_bf16 = c.communication_data_type == "bf16" && world > 1;
     if (world > 1) stream = std::make_unique<comm::CommStream>(*comm);
     adam.lr = c.optimizer.lr;
     adam.beta1 = c.optimizer.beta1;
@@ -203,27 +141,16 @@ struct Engine::Impl final : StepContext {
     }
   }
 
-  AlignedBuffer alloc(size_t bytes) {
-    state_bytes += static_cast<int64_t>(bytes);
-    state_peak_bytes = std::max(state_peak_bytes, state_bytes);
-    return AlignedBuffer(bytes);
-  }
-  void release(AlignedBuffer& b) {
-    state_bytes -= static_cast<int64_t>(b.bytes());
-    b = AlignedBuffer();
-  }
-
   void allocate_and_init() {
     const std::vector<BlockSpec>& specs = model->blocks();
     if (specs.empty()) throw Error("model '" + model->name() + "' has no parameter blocks");
     blocks.resize(specs.size());
     for (size_t b = 0; b < specs.size(); ++b) {
-      BlockState& s = blocks[b];
+      BlockShard& s = blocks[b];
       s.layout = BlockLayout::from_spec(specs[b]);
       s.part = Partition::make(s.layout.numel, world, rank);
       const size_t padded = static_cast<size_t>(s.part.padded_numel);
-      const size_t shard = static_cast<size_t>(s.part.shard_numel);
-      const size_t opt_numel = stage == 0 ? padded : shard;
+      const size_t opt_numel = static_cast<size_t>(plan.optimizer_numel(s.part));
       // Every rank builds the full initial weights from the same seed and
       // keeps what its stage needs.
       AlignedBuffer full = make_buffer<float>(padded);
@@ -245,18 +172,18 @@ struct Engine::Impl final : StepContext {
         }
       }
       s.opt_numel = static_cast<int64_t>(opt_numel);
-      const float* init = w + (stage == 0 ? 0 : s.part.own_offset());
+      const float* init = w + (plan.optimizer_spans_block ? 0 : s.part.own_offset());
       if (offload_device == "cpu") {
         s.pinned = offload::PinnedBuffer(3 * opt_numel * 4, cfg.zero.offload_optimizer.pin_memory);
-        state_bytes += static_cast<int64_t>(s.pinned.bytes());
+        memory.add(static_cast<int64_t>(s.pinned.bytes()));
         s.master_p = s.pinned.as<float>();
         s.m_p = s.master_p + opt_numel;
         s.v_p = s.m_p + opt_numel;
         std::memcpy(s.master_p, init, opt_numel * 4);
       } else if (offload_device == "none") {
-        s.master = alloc(opt_numel * 4);
-        s.exp_avg = alloc(opt_numel * 4);
-        s.exp_avg_sq = alloc(opt_numel * 4);
+        s.master = memory.alloc(opt_numel * 4);
+        s.exp_avg = memory.alloc(opt_numel * 4);
+        s.exp_avg_sq = memory.alloc(opt_numel * 4);
         s.master_p = s.master.as<float>();
         s.m_p = s.exp_avg.as<float>();
         s.v_p = s.exp_avg_sq.as<float>();
@@ -265,30 +192,23 @@ struct Engine::Impl final : StepContext {
         pending_init.emplace_back(init, init + opt_numel);
       }
       if (dtype == DType::kBF16) {
-        s.compute = alloc(padded * 2);
+        s.compute = memory.alloc(padded * 2);
         convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
-      } else if (stage > 0) {
-        s.compute = alloc(padded * 4);
+      } else if (plan.compute_copy(dtype)) {
+        s.compute = memory.alloc(padded * 4);
         std::memcpy(s.compute.data(), w, padded * 4);
       }
-      // Stage 2 allocates a block's full gradient when backward first asks
-      // for it (grads()) and frees it once reduced.
-      if (!(stage == 2 && world > 1)) s.grad = alloc(padded * 4);
-      if (world > 1 && stage > 0) s.grad_shard = alloc(shard * 4);
     }
-    int64_t max_padded = 0, max_shard = 0;
-    for (const BlockState& s : blocks) {
-      max_padded = std::max(max_padded, s.part.padded_numel);
-      max_shard = std::max(max_shard, s.part.shard_numel);
-    }
-    if (world > 1 && stage == 0) scratch_shard = alloc(static_cast<size_t>(max_shard) * 4);
-    if (wire_bf16) scratch_wire = alloc(static_cast<size_t>(max_padded + max_shard) * 2);
+    GradReducer::Options ro;
+    ro.bucket_numel = cfg.zero.reduce_bucket_size;
+    ro.overlap = cfg.zero.overlap_comm;
+    ro.wire_bf16 = cfg.communication_data_type == "bf16";
+    reducer = std::make_unique<GradReducer>(plan, blocks, stream.get(), memory, ro);
     if (offload_device == "nvme") {
       std::vector<int64_t> spans;
-      for (const BlockState& s : blocks) spans.push_back(s.opt_numel);
+      for (const BlockShard& s : blocks) spans.push_back(s.opt_numel);
       swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options(cfg), rank, spans);
-      state_bytes += swapper->buffer_bytes();
-      state_peak_bytes = std::max(state_peak_bytes, state_bytes);
+      memory.add(swapper->buffer_bytes());
       for (size_t b = 0; b < blocks.size(); ++b) swapper->init_block(static_cast<int>(b), pending_init[b].data());
       pending_init.clear();
     }
@@ -298,100 +218,29 @@ struct Engine::Impl final : StepContext {
   // ---- StepContext --------------------------------------------------------------
   DType compute_dtype() const override { return dtype; }
   BlockParams acquire(int block) override {
-    BlockState& s = state(block);
+    BlockShard& s = state(block);
     const void* base = s.compute.empty() ? static_cast<const void*>(s.master_p) : s.compute.data();
     return BlockParams{base, dtype, &s.layout};
   }
   void release(int block) override { state(block); }
   BlockGrads grads(int block) override {
-    BlockState& s = state(block);
-    if (s.grad.empty()) {  // stage 2 released it after the last reduction
-      s.reduction.wait();
-      s.grad = alloc(static_cast<size_t>(s.part.padded_numel) * 4);
-    }
-    return BlockGrads{s.grad.as<float>(), &s.layout};
+    BlockShard& s = state(block);
+    return BlockGrads{reducer->grads(block), &s.layout};
   }
   void grads_ready(int block) override {
-    BlockState& s = state(block);
+    BlockShard& s = state(block);
     if (s.grads_reported)
       throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                   " twice in one backward");
     s.grads_reported = true;
-    if (!in_boundary_backward) return;  // no-sync: accumulate locally
-    bucket.push_back(block);
-    bucket_numel += s.part.padded_numel;
-    if (bucket_numel >= cfg.zero.reduce_bucket_size) flush_bucket();
-    reap_reductions();
+    reducer->ready(block);
   }
 
-  BlockState& state(int block) {
+  BlockShard& state(int block) {
     if (block < 0 || block >= static_cast<int>(blocks.size()))
       throw Error("model '" + model->name() + "' asked for block " + std::to_string(block) + " of " +
                   std::to_string(blocks.size()));
     return blocks[block];
-  }
-
-  // ---- reduction --------------------------------------------------------------------
-  // The shard of the reduced gradient this rank owns (valid after reduction).
-  // Stage 0 all-gathers the reduced shards back into the full gradient, so
-  // its own range of the full buffer holds it.
-  float* reduced_shard(BlockState& s) {
-    return world > 1 && stage > 0 ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
-  }
-
-  // A full bucket goes to the comm stream. With overlap_comm backward goes
-  // on meanwhile; without it backward waits here, as DeepSpeed's
-  // non-overlapped reduction does (and stage 2 still frees as it goes).
-  void flush_bucket() {
-    if (bucket.empty()) return;
-    submit_reduction(bucket);
-    if (stream && (!cfg.zero.overlap_comm || inflight.size() > kMaxInflight)) {
-      const size_t keep = cfg.zero.overlap_comm ? kMaxInflight : 0;
-      while (inflight.size() > keep) {
-        inflight.front().wait();
-        inflight.pop_front();
-      }
-    }
-    reap_reductions();
-    bucket.clear();
-    bucket_numel = 0;
-  }
-
-  void submit_reduction(const std::vector<int>& ids) {
-    if (world == 1) return;  // one rank: the gradient is already the sum
-    std::vector<BlockState*> bs;
-    for (int id : ids) bs.push_back(&blocks[id]);
-    const bool stage0 = stage == 0;
-    float* shard_scratch = scratch_shard.empty() ? nullptr : scratch_shard.as<float>();
-    bf16* wire = scratch_wire.empty() ? nullptr : scratch_wire.as<bf16>();
-    comm::CommHandle h = stream->submit([bs, stage0, shard_scratch, wire](comm::Communicator& c) {
-      for (BlockState* s : bs) {
-        const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
-        float* shard_out = stage0 ? shard_scratch : s->grad_shard.as<float>();
-        if (wire) {
-          bf16* shard16 = wire + padded;
-          convert_f32_to_bf16(s->grad.as<float>(), wire, static_cast<size_t>(padded));
-          c.reduce_scatter(wire, shard16, shard, DType::kBF16);
-          convert_bf16_to_f32(shard16, shard_out, static_cast<size_t>(shard));
-        } else {
-          c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
-        }
-        if (stage0) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
-      }
-    });
-    for (BlockState* s : bs) s->reduction = h;
-    inflight.push_back(h);
-  }
-
-  // Stage 2: free the full gradient of every block whose reduction finished.
-  void reap_reductions() {
-    if (stage != 2 || world == 1) return;
-    for (BlockState& s : blocks)
-      if (s.reduction.valid() && s.reduction.done() && !s.grad.empty()) {
-        s.reduction.wait();  // rethrows a failure
-        s.reduction = comm::CommHandle();
-        release(s.grad);
-      }
   }
 
   // ---- training ---------------------------------------------------------------------
@@ -418,15 +267,13 @@ struct Engine::Impl final : StepContext {
   void backward() {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
     auto t0 = Clock::now();
-    for (BlockState& s : blocks) s.grads_reported = false;
-    in_boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
+    reducer->begin_backward((micro_steps + 1) % cfg.gradient_accumulation_steps == 0);
     model->backward(*this, 1.0f);
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
         throw Error("model '" + model->name() + "' did not call grads_ready for block " +
                     std::to_string(b) + " during backward");
-    if (in_boundary_backward) flush_bucket();
-    in_boundary_backward = false;
+    reducer->end_backward();
     forward_pending = false;
     micro_steps += 1;
     timings.backward_s += seconds_since(t0);
@@ -441,11 +288,11 @@ struct Engine::Impl final : StepContext {
     auto t0 = Clock::now();
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
     const double inv_world = 1.0 / static_cast<double>(world);
-    if (stream) stream->synchronize();  // every reduction of this step
-    inflight.clear();
+    reducer->wait_all();  // every reduction of this step
     // Own-shard squares and the loss, summed over ranks in one collective.
     double sums[2] = {0.0, loss_sum};
-    for (BlockState& s : blocks) sums[0] += optim::grad_squared_norm(reduced_shard(s), DType::kF32, s.part.shard_numel);
+    for (BlockShard& s : blocks)
+      sums[0] += optim::grad_squared_norm(reducer->reduced_shard(s), DType::kF32, s.part.shard_numel);
     if (stream) {
       stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
     }
@@ -465,23 +312,17 @@ struct Engine::Impl final : StepContext {
       adam.lr = lr;
       optimizer_steps += 1;
       update_all(grad_scale);
-      if (stage > 0 && stream) gather_params();
+      if (plan.gather_params_after_step) gather_params();
     }
-    for (BlockState& s : blocks) {
-      s.reduction = comm::CommHandle();
-      if (stage == 2 && world > 1)
-        release(s.grad);
-      else if (!s.grad.empty())
-        std::memset(s.grad.data(), 0, s.grad.bytes());
-    }
+    reducer->reset_after_step();
     last_loss = sums[1] / static_cast<double>(loss_count * world);
     loss_sum = 0;
     loss_count = 0;
     timings.step_s += seconds_since(t0);
   }
 
-  void update_block(BlockState& s, float grad_scale) {
-    if (stage == 0) {  // every rank updates the whole block
+  void update_block(BlockShard& s, float grad_scale) {
+    if (plan.optimizer_spans_block) {  // every rank updates the whole block
       const int64_t n = s.part.padded_numel;
       bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
       optim::adam_step(adam, optimizer_steps, grad_scale,
@@ -494,11 +335,11 @@ struct Engine::Impl final : StepContext {
   // Stages 1, 2: Adam over elements [off, off + n) of the rank's shard, whose
   // master, m, v are at the given pointers; the new weights go to the
   // compute copy (bf16 in the same pass, fp32 copied).
-  void update_span(BlockState& s, int64_t off, int64_t n, float* master, float* m, float* v, float grad_scale) {
+  void update_span(BlockShard& s, int64_t off, int64_t n, float* master, float* m, float* v, float grad_scale) {
     const int64_t at = s.part.own_offset() + off;
     bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + at : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
-                     optim::AdamSpan{master, reduced_shard(s) + off, DType::kF32, m, v, out, n});
+                     optim::AdamSpan{master, reducer->reduced_shard(s) + off, DType::kF32, m, v, out, n});
     if (dtype == DType::kF32) std::memcpy(s.compute.as<float>() + at, master, static_cast<size_t>(n) * 4);
   }
 
@@ -509,19 +350,19 @@ struct Engine::Impl final : StepContext {
       });
       return;
     }
-    for (BlockState& s : blocks) update_block(s, grad_scale);
+    for (BlockShard& s : blocks) update_block(s, grad_scale);
   }
 
   // Stages 1 and 2: every rank's updated shard to every rank, in buckets of
   // allgather_bucket_size elements, in place in the compute copy.
   void gather_params() {
-    std::vector<BlockState*> group;
+    std::vector<BlockShard*> group;
     int64_t group_numel = 0;
     const DType dt = dtype;
     auto submit = [&] {
       if (group.empty()) return;
       stream->submit([group, dt](comm::Communicator& c) {
-        for (BlockState* s : group) {
+        for (BlockShard* s : group) {
           const size_t es = dtype_bytes(dt);
           char* base = s->compute.as<char>();
           c.all_gather(base + static_cast<size_t>(s->part.own_offset()) * es, base, s->part.shard_numel, dt);
@@ -530,7 +371,7 @@ struct Engine::Impl final : StepContext {
       group.clear();
       group_numel = 0;
     };
-    for (BlockState& s : blocks) {
+    for (BlockShard& s : blocks) {
       group.push_back(&s);
       group_numel += s.part.padded_numel;
       if (group_numel >= cfg.zero.allgather_bucket_size) submit();
@@ -540,13 +381,13 @@ struct Engine::Impl final : StepContext {
   }
 
   std::vector<float> full_params(int block) {
-    BlockState& s = state(block);
+    BlockShard& s = state(block);
     std::vector<float> own(static_cast<size_t>(s.opt_numel));
     if (swapper)
       swapper->read_master(block, own.data());
     else
       std::memcpy(own.data(), s.master_p, own.size() * 4);
-    if (stage == 0 || world == 1) return own;
+    if (plan.optimizer_spans_block || world == 1) return own;
     std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
     stream->submit([&](comm::Communicator& c) {
       c.all_gather(own.data(), out.data(), s.part.shard_numel, DType::kF32);
@@ -622,7 +463,7 @@ std::vector<float> Engine::full_params(int block) const { return impl_->full_par
 int64_t Engine::offload_bytes_read() const { return impl_->swapper ? impl_->swapper->bytes_read() : 0; }
 int64_t Engine::offload_bytes_written() const { return impl_->swapper ? impl_->swapper->bytes_written() : 0; }
 
-int64_t Engine::model_state_bytes() const { return impl_->state_bytes; }
-int64_t Engine::model_state_peak_bytes() const { return impl_->state_peak_bytes; }
+int64_t Engine::model_state_bytes() const { return impl_->memory.bytes(); }
+int64_t Engine::model_state_peak_bytes() const { return impl_->memory.peak_bytes(); }
 
 }  // namespace zinc

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Records what a training run computes, bit for bit, over the matrix of ways
 # to run it: 1, 2 and 4 ranks; ZeRO stages 0, 1, 2; optimizer states in RAM,
-# pinned RAM and on NVMe (stages 1, 2); fp32 and bf16. Each case trains the
+# pinned RAM and on NVMe (stages 1, 2); fp32 and bf16; plus, at 2 and 4
+# ranks, small buckets with overlap_comm, bf16 on the wire, and gradient
+# accumulation with no-sync. Each case trains the
 # default experiment for a few steps and keeps its per-step loss, gradient
 # norm and learning rate and the digest of the final weights (timings
 # dropped). Two recordings of the same code must be identical; a refactor
@@ -21,22 +23,16 @@ mpi=(mpirun --oversubscribe)
 [ "$(id -u)" -eq 0 ] && mpi+=(--allow-run-as-root)
 export OMP_NUM_THREADS=1
 n=0
-for np in 1 2 4; do
-  for stage in 0 1 2; do
-    for offload in none cpu nvme; do
-      [ "$stage" -eq 0 ] && [ "$offload" != none ] && continue
-      for bf16 in false true; do
-        name="np${np}-stage${stage}-${offload}-bf16_${bf16}"
-        args=(configs/default.json --steps "$steps" --json --weights-digest --set steps_per_print=1
-              --set run.eval_interval=0 --set zero_optimization.stage="$stage" --set bf16.enabled="$bf16"
-              --set zero_optimization.offload_optimizer.device="$offload")
-        [ "$offload" = nvme ] && args+=(--set "zero_optimization.offload_optimizer.nvme_path=$nvme")
-        if [ "$np" -eq 1 ]; then
-          ./build/tools/zinc-train "${args[@]}" >"$out/$name.raw" 2>"$out/$name.err"
-        else
-          "${mpi[@]}" -np "$np" ./build/tools/zinc-train "${args[@]}" >"$out/$name.raw" 2>"$out/$name.err"
-        fi
-        python3 - "$out/$name.raw" >"$out/$name.jsonl" <<'PY'
+# one NAME NP STAGE ARGS...: trains the default experiment on NP ranks at
+# STAGE with the extra zinc-train ARGS and keeps NAME.jsonl without timings.
+one() {
+  local name="$1" np="$2" stage="$3"
+  shift 3
+  local cmd=(./build/tools/zinc-train configs/default.json --steps "$steps" --json --weights-digest
+             --set steps_per_print=1 --set run.eval_interval=0 --set zero_optimization.stage="$stage" "$@")
+  [ "$np" -gt 1 ] && cmd=("${mpi[@]}" -np "$np" "${cmd[@]}")
+  "${cmd[@]}" >"$out/$name.raw" 2>"$out/$name.err"
+  python3 - "$out/$name.raw" >"$out/$name.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     e = json.loads(line)
@@ -45,9 +41,32 @@ for line in open(sys.argv[1]):
     elif e["event"] == "summary":
         print(json.dumps({k: e[k] for k in ("final_loss", "weights_digest", "skipped_steps")}))
 PY
-        rm -f "$out/$name.raw" "$out/$name.err"
-        n=$((n + 1))
+  rm -f "$out/$name.raw" "$out/$name.err"
+  n=$((n + 1))
+}
+for np in 1 2 4; do
+  for stage in 0 1 2; do
+    for offload in none cpu nvme; do
+      [ "$stage" -eq 0 ] && [ "$offload" != none ] && continue
+      for bf16 in false true; do
+        extra=(--set bf16.enabled="$bf16" --set zero_optimization.offload_optimizer.device="$offload")
+        [ "$offload" = nvme ] && extra+=(--set "zero_optimization.offload_optimizer.nvme_path=$nvme")
+        one "np${np}-stage${stage}-${offload}-bf16_${bf16}" "$np" "$stage" "${extra[@]}"
       done
+    done
+  done
+done
+# Reduction variants: many small buckets overlapped with backward, bf16 on
+# the wire, and 2 accumulated micro-batches per step.
+for np in 2 4; do
+  for stage in 0 1 2; do
+    for variant in buckets wire gas; do
+      case "$variant" in
+        buckets) extra=(--set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=40000) ;;
+        wire) extra=(--set communication_data_type=bf16) ;;
+        gas) extra=(--set gradient_accumulation_steps=2) ;;
+      esac
+      one "np${np}-stage${stage}-${variant}" "$np" "$stage" "${extra[@]}"
     done
   done
 done

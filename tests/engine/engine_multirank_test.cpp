@@ -18,9 +18,11 @@
 #include "tests/engine/tiny_models.h"
 
 namespace zinc {
-namespace {
 
+// The world every test of this binary runs on (also grad_reducer_test.cpp).
 std::shared_ptr<comm::Communicator> g_world;
+
+namespace {
 
 std::shared_ptr<Model> make_model(const std::string& kind) {
   return kind == "gpt" ? testing_models::tiny_gpt() : testing_models::tiny_mlp();

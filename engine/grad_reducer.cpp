@@ -1,0 +1,147 @@
+#include "engine/grad_reducer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace zinc {
+
+GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks, comm::CommStream* stream,
+                         StateMemory& memory, const Options& options)
+    : plan_(plan), blocks_(blocks), stream_(stream), memory_(memory), options_(options) {
+  if (plan_.world > 1 && !stream_) throw Error("GradReducer: several ranks need a comm stream");
+  options_.wire_bf16 = options_.wire_bf16 && plan_.world > 1;
+  int64_t max_padded = 0, max_shard = 0;
+  for (BlockShard& s : blocks_) {
+    const size_t padded = static_cast<size_t>(s.part.padded_numel);
+    if (plan_.grad_always_allocated) {
+      s.grad = memory_.alloc(padded * 4);
+      s.grad_state = GradState::kAccumulating;
+    } else {
+      s.grad_state = GradState::kFreed;  // allocated when backward first asks (grads())
+    }
+    if (plan_.grad_shard_buffer) s.grad_shard = memory_.alloc(static_cast<size_t>(s.part.shard_numel) * 4);
+    max_padded = std::max(max_padded, s.part.padded_numel);
+    max_shard = std::max(max_shard, s.part.shard_numel);
+  }
+  if (plan_.gather_reduced_grads) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
+  if (options_.wire_bf16) scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
+}
+
+void GradReducer::begin_backward(bool boundary) {
+  boundary_ = boundary;
+  for (BlockShard& s : blocks_) s.grads_reported = false;
+}
+
+float* GradReducer::grads(int block) {
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  if (s.grad_state == GradState::kFreed) {
+    s.reduction.wait();
+    s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4);
+    s.grad_state = GradState::kAccumulating;
+  }
+  return s.grad.as<float>();
+}
+
+void GradReducer::ready(int block) {
+  if (!boundary_) return;  // no-sync: accumulate locally
+  bucket_.push_back(block);
+  bucket_numel_ += blocks_[static_cast<size_t>(block)].part.padded_numel;
+  if (bucket_numel_ >= options_.bucket_numel) flush_bucket();
+  reap();
+}
+
+void GradReducer::end_backward() {
+  if (boundary_) flush_bucket();
+  boundary_ = false;
+}
+
+// A full bucket goes to the comm stream. With overlap_comm backward goes on
+// meanwhile; without it backward waits here, as DeepSpeed's non-overlapped
+// reduction does (and stage 2 still frees as it goes).
+void GradReducer::flush_bucket() {
+  if (bucket_.empty()) return;
+  submit(bucket_);
+  if (stream_ && (!options_.overlap || inflight_.size() > kMaxInflight)) {
+    const size_t keep = options_.overlap ? kMaxInflight : 0;
+    while (inflight_.size() > keep) {
+      inflight_.front().wait();
+      inflight_.pop_front();
+    }
+  }
+  reap();
+  bucket_.clear();
+  bucket_numel_ = 0;
+}
+
+void GradReducer::submit(const std::vector<int>& ids) {
+  std::vector<BlockShard*> bs;
+  for (int id : ids) bs.push_back(&blocks_[static_cast<size_t>(id)]);
+  if (plan_.world == 1) {  // one rank: the gradient already is the sum
+    for (BlockShard* s : bs) s->grad_state = GradState::kReduced;
+    return;
+  }
+  const bool gather = plan_.gather_reduced_grads;
+  float* shard_scratch = scratch_shard_.empty() ? nullptr : scratch_shard_.as<float>();
+  bf16* wire = scratch_wire_.empty() ? nullptr : scratch_wire_.as<bf16>();
+  comm::CommHandle h = stream_->submit([bs, gather, shard_scratch, wire](comm::Communicator& c) {
+    for (BlockShard* s : bs) {
+      const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
+      float* shard_out = gather ? shard_scratch : s->grad_shard.as<float>();
+      if (wire) {
+        bf16* shard16 = wire + padded;
+        convert_f32_to_bf16(s->grad.as<float>(), wire, static_cast<size_t>(padded));
+        c.reduce_scatter(wire, shard16, shard, DType::kBF16);
+        convert_bf16_to_f32(shard16, shard_out, static_cast<size_t>(shard));
+      } else {
+        c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
+      }
+      if (gather) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
+    }
+  });
+  for (BlockShard* s : bs) {
+    s->reduction = h;
+    s->grad_state = GradState::kReducing;
+  }
+  inflight_.push_back(h);
+  buckets_submitted_ += 1;
+}
+
+// Stage 2: free the full gradient of every block whose reduction finished.
+void GradReducer::reap() {
+  if (plan_.grad_always_allocated) return;
+  for (BlockShard& s : blocks_)
+    if (s.grad_state == GradState::kReducing && s.reduction.done()) {
+      s.reduction.wait();  // rethrows a failure
+      s.reduction = comm::CommHandle();
+      memory_.free(s.grad);
+      s.grad_state = GradState::kFreed;
+    }
+}
+
+void GradReducer::wait_all() {
+  if (stream_) stream_->synchronize();
+  inflight_.clear();
+  for (BlockShard& s : blocks_)
+    if (s.grad_state == GradState::kReducing) s.grad_state = GradState::kReduced;
+}
+
+float* GradReducer::reduced_shard(BlockShard& s) {
+  return plan_.grad_shard_buffer ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
+}
+
+void GradReducer::reset_after_step() {
+  for (BlockShard& s : blocks_) {
+    s.reduction = comm::CommHandle();
+    if (!plan_.grad_always_allocated) {
+      memory_.free(s.grad);
+      s.grad_state = GradState::kFreed;
+    } else {
+      if (!s.grad.empty()) std::memset(s.grad.data(), 0, s.grad.bytes());
+      s.grad_state = GradState::kAccumulating;
+    }
+  }
+}
+
+}  // namespace zinc

@@ -1,0 +1,84 @@
+// zinc engine, private: the gradient reducer (DESIGN.md's GradReducer).
+//
+// Owns the reduction of every block's gradient across ranks: the buckets of
+// reduce_bucket_size elements, the reduce-scatter into each rank's shard (and
+// at stage 0 the all-gather back into the full gradient), bf16 on the wire
+// (communication_data_type), no-sync inside a gradient accumulation, the
+// bound on reductions in flight, and at stage 2 freeing each block's full
+// gradient once its reduction has run (Note [ZeRO stages] in shard.h).
+//
+// Order: the model reports blocks ready in the same order on every rank, so
+// every rank submits the same collectives in the same order.
+// Threading: called by the training thread; the collectives run on the
+// CommStream's thread and read the blocks' buffers until they finish.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "comm/comm.h"
+#include "engine/shard.h"
+
+namespace zinc {
+
+class GradReducer {
+ public:
+  struct Options {
+    int64_t bucket_numel = 500000000;  // zero_optimization.reduce_bucket_size (elements)
+    bool overlap = false;              // overlap_comm: backward goes on while a bucket reduces
+    bool wire_bf16 = false;            // communication_data_type bf16 (several ranks only)
+  };
+  // At most this many buckets are in flight: the next submission waits for
+  // the oldest, which bounds the full gradients alive at stage 2.
+  static constexpr size_t kMaxInflight = 2;
+
+  // Allocates the gradient buffers the plan keeps from the start and the
+  // comm scratch (sized for the largest block). `blocks` must have their
+  // partitions set and outlive the reducer; `stream` is null for one rank.
+  GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks, comm::CommStream* stream,
+              StateMemory& memory, const Options& options);
+
+  // A backward starts; `boundary`: it ends a global batch (so it reduces).
+  void begin_backward(bool boundary);
+  // The block's full gradient buffer, allocated if the plan freed it.
+  float* grads(int block);
+  // The model is done with the block's gradient in this backward: at a
+  // boundary it joins the bucket, which is submitted once full.
+  void ready(int block);
+  // Submits the last, partial bucket of a boundary backward.
+  void end_backward();
+  // Waits until every reduction of this step has run (rethrows a failure);
+  // every block is then kReduced.
+  void wait_all();
+  // The rank's shard of the block's reduced gradient (valid after wait_all).
+  float* reduced_shard(BlockShard& s);
+  // After the step: the full gradients are zeroed, or freed where the plan
+  // frees them.
+  void reset_after_step();
+
+  int64_t buckets_submitted() const { return buckets_submitted_; }
+
+ private:
+  void flush_bucket();
+  void submit(const std::vector<int>& ids);
+  void reap();
+
+  StagePlan plan_;
+  std::vector<BlockShard>& blocks_;
+  comm::CommStream* stream_;
+  StateMemory& memory_;
+  Options options_;
+  bool boundary_ = false;
+  std::vector<int> bucket_;  // blocks reported ready, not yet submitted
+  int64_t bucket_numel_ = 0;
+  std::deque<comm::CommHandle> inflight_;  // submitted, not yet known finished, oldest first
+  int64_t buckets_submitted_ = 0;
+  // Scratch of the comm thread, reused by every block in turn (the stream
+  // runs one task at a time): the reduced shard at stage 0, and the bf16
+  // wire copies (full + shard).
+  AlignedBuffer scratch_shard_;  // fp32, max shard_numel (stage 0, several ranks)
+  AlignedBuffer scratch_wire_;   // bf16, max (padded_numel + shard_numel)
+};
+
+}  // namespace zinc

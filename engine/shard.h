@@ -1,0 +1,141 @@
+// zinc engine, private: a block's shard on this rank, what a ZeRO stage keeps
+// of it (computed once), and the accounting of model-state memory.
+//
+// Note [ZeRO stages]
+// ------------------
+// Every block is one flat vector split into world_size equal shards
+// (engine/partition.h). What a rank keeps, per block (StagePlan):
+//
+//   stage | compute params | gradients                        | master, m, v
+//   0     | full           | full; reduced to full            | full
+//   1     | full           | full; reduced into own shard     | own shard
+//   2     | full           | own shard; full buffer only from | own shard
+//         |                | its block's backward until its   |
+//         |                | reduce-scatter has run           |
+//
+// The reduction is the same for every stage (GradReducer, grad_reducer.h):
+// at the micro-step that ends a global batch, each block's full gradient is
+// reduce-scattered into the rank's shard as soon as the model reports it
+// ready, in buckets of reduce_bucket_size elements. Stage 0 then all-gathers
+// the reduced shards back into the full gradient (an all-reduce with the same
+// summation order as the other stages) and every rank updates every element;
+// stages 1 and 2 update their shard and all-gather the new compute
+// parameters. The gradient norm is the sum over ranks of each rank's
+// own-shard squares for every stage. So, at one world size, stages 0, 1 and 2
+// and overlap on or off compute bit-identical weights.
+//
+// No-sync: micro-steps that do not end a global batch accumulate into the
+// full gradient buffers with no communication. At stage 2 that means the full
+// buffers live from the first micro-step's backward to the boundary's
+// reduce-scatter: with gradient_accumulation_steps > 1, stage 2 holds full
+// fp32 gradients (4 bytes per parameter) during the whole accumulation, as
+// stage 1 does; with 1 it holds only the buckets in flight.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "comm/comm.h"
+#include "core/alloc.h"
+#include "core/dtype.h"
+#include "engine/model.h"
+#include "engine/partition.h"
+#include "offload/offload.h"
+
+namespace zinc {
+
+// What a stage keeps, from (stage, world size) alone. Every "which stage am
+// I" question of the engine is one of these fields.
+struct StagePlan {
+  int stage = 0;
+  int world = 1;
+  // Optimizer state (master, m, v) spans the whole padded block (stage 0)
+  // rather than the rank's shard.
+  bool optimizer_spans_block = true;
+  // The full gradient buffer exists from start to end (false: stage 2 with
+  // several ranks allocates it in backward and frees it once reduced).
+  bool grad_always_allocated = true;
+  // The reduced own shard lives in a buffer of its own (stages 1, 2 with
+  // several ranks); else it is the own range of the full gradient.
+  bool grad_shard_buffer = false;
+  // The reduced shards are all-gathered back into the full gradient (stage 0
+  // with several ranks: an all-reduce in the same summation order).
+  bool gather_reduced_grads = false;
+  // After the update the new compute shards are all-gathered (stages 1, 2
+  // with several ranks).
+  bool gather_params_after_step = false;
+
+  static StagePlan make(int stage, int world) {
+    StagePlan p;
+    p.stage = stage;
+    p.world = world;
+    p.optimizer_spans_block = stage == 0;
+    p.grad_always_allocated = !(stage == 2 && world > 1);
+    p.grad_shard_buffer = world > 1 && stage > 0;
+    p.gather_reduced_grads = world > 1 && stage == 0;
+    p.gather_params_after_step = world > 1 && stage > 0;
+    return p;
+  }
+  // A separate compute copy of the parameters: bf16 always; fp32 at stages
+  // 1, 2 (at stage 0 in fp32 the master weights are the compute weights).
+  bool compute_copy(DType compute) const { return compute == DType::kBF16 || stage > 0; }
+  int64_t optimizer_numel(const Partition& p) const {
+    return optimizer_spans_block ? p.padded_numel : p.shard_numel;
+  }
+};
+
+// Bytes of model state held now and at most; every state buffer is
+// allocated and freed through it.
+class StateMemory {
+ public:
+  AlignedBuffer alloc(size_t bytes) {
+    add(static_cast<int64_t>(bytes));
+    return AlignedBuffer(bytes);
+  }
+  void free(AlignedBuffer& b) {
+    bytes_ -= static_cast<int64_t>(b.bytes());
+    b = AlignedBuffer();
+  }
+  void add(int64_t bytes) {
+    bytes_ += bytes;
+    peak_ = std::max(peak_, bytes_);
+  }
+  int64_t bytes() const { return bytes_; }
+  int64_t peak_bytes() const { return peak_; }
+
+ private:
+  int64_t bytes_ = 0, peak_ = 0;
+};
+
+// Where a block's gradient is in the step (FSDP2's sharded-state idea: what
+// is held is a value, not inferred from empty buffers).
+enum class GradState {
+  kFreed,         // no full gradient buffer (stage 2 between reductions)
+  kAccumulating,  // the full buffer holds this accumulation's sum so far
+  kReducing,      // its reduce-scatter is submitted and may be in flight
+  kReduced,       // the own shard holds the reduced sum (until the step)
+};
+
+// One block on this rank: its partition, its buffers and their state.
+struct BlockShard {
+  BlockLayout layout;
+  Partition part;
+  AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it)
+  // fp32 master weights and Adam m, v of this rank's optimizer span
+  // (opt_numel elements). In RAM (offload none), in page-locked RAM (offload
+  // cpu, one buffer of 3 x opt_numel), or on NVMe (the swapper's; the
+  // pointers are null).
+  int64_t opt_numel = 0;
+  AlignedBuffer master, exp_avg, exp_avg_sq;
+  offload::PinnedBuffer pinned;
+  float* master_p = nullptr;
+  float* m_p = nullptr;
+  float* v_p = nullptr;
+  AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (when not kFreed)
+  AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (StagePlan::grad_shard_buffer)
+  GradState grad_state = GradState::kAccumulating;
+  bool grads_reported = false;  // grads_ready called in the current backward
+  comm::CommHandle reduction;   // the reduce-scatter of this step, while kReducing
+};
+
+}  // namespace zinc
