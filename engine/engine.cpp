@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/grad_reducer.h"
+#include "engine/param_coordinator.h"
 #include "engine/partition.h"
 #include "engine/shard.h"
 #include "offload/swapper.h"
@@ -89,6 +90,7 @@ struct Engine::Impl final : StepContext {
   DType dtype;
   std::vector<BlockShard> blocks;
   std::unique_ptr<GradReducer> reducer;
+  std::unique_ptr<ParamCoordinator> params;
   optim::AdamParams adam;
   optim::LrSchedule schedule;
   int64_t num_params = 0;
@@ -204,6 +206,7 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == "bf16";
     reducer = std::make_unique<GradReducer>(plan, blocks, stream.get(), memory, ro);
+    params = std::make_unique<ParamCoordinator>(blocks, dtype);
     if (offload_device == "nvme") {
       std::vector<int64_t> spans;
       for (const BlockShard& s : blocks) spans.push_back(s.opt_numel);
@@ -217,12 +220,11 @@ struct Engine::Impl final : StepContext {
 
   // ---- StepContext --------------------------------------------------------------
   DType compute_dtype() const override { return dtype; }
-  BlockParams acquire(int block) override {
-    BlockShard& s = state(block);
-    const void* base = s.compute.empty() ? static_cast<const void*>(s.master_p) : s.compute.data();
-    return BlockParams{base, dtype, &s.layout};
+  BlockParams acquire_params(int block) override {
+    state(block);  // a block number outside the model is the model's error
+    return params->acquire(block);
   }
-  void release(int block) override { state(block); }
+  void release_params(int block) noexcept override { params->release(block); }
   BlockGrads grads(int block) override {
     BlockShard& s = state(block);
     return BlockGrads{reducer->grads(block), &s.layout};
@@ -234,6 +236,14 @@ struct Engine::Impl final : StepContext {
                   " twice in one backward");
     s.grads_reported = true;
     reducer->ready(block);
+  }
+
+  // A model that keeps a HeldParams past its forward or backward.
+  void check_released(const char* phase) const {
+    const int b = params->first_held();
+    if (b >= 0)
+      throw Error("model '" + model->name() + "' still holds the parameters of block " + std::to_string(b) +
+                  " after " + phase + " (release its HeldParams before returning)");
   }
 
   BlockShard& state(int block) {
@@ -257,6 +267,7 @@ struct Engine::Impl final : StepContext {
     check_batch(batch);
     auto t0 = Clock::now();
     float loss = model->forward(*this, batch);
+    check_released("forward");
     timings.forward_s += seconds_since(t0);
     forward_pending = true;
     loss_sum += loss;
@@ -269,6 +280,7 @@ struct Engine::Impl final : StepContext {
     auto t0 = Clock::now();
     reducer->begin_backward((micro_steps + 1) % cfg.gradient_accumulation_steps == 0);
     model->backward(*this, 1.0f);
+    check_released("backward");
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
         throw Error("model '" + model->name() + "' did not call grads_ready for block " +

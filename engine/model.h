@@ -76,6 +76,44 @@ struct BlockGrads {
   float* operator[](int i) const { return base + layout->offsets[i]; }
 };
 
+class StepContext;
+
+// A block's parameters held by the model: valid until release() or until the
+// handle goes out of scope (an exception included), whichever comes first.
+// Move-only; releasing twice is a no-op. A handle lives inside one forward or
+// backward: the engine refuses a model that still holds one when it returns,
+// and a handle must never outlive the engine that issued it.
+class HeldParams {
+ public:
+  HeldParams() = default;
+  HeldParams(StepContext* ctx, int block, BlockParams params) : ctx_(ctx), block_(block), params_(params) {}
+  ~HeldParams() { release(); }
+  HeldParams(HeldParams&& o) noexcept : ctx_(o.ctx_), block_(o.block_), params_(o.params_) { o.ctx_ = nullptr; }
+  HeldParams& operator=(HeldParams&& o) noexcept {
+    if (this != &o) {
+      release();
+      ctx_ = o.ctx_;
+      block_ = o.block_;
+      params_ = o.params_;
+      o.ctx_ = nullptr;
+    }
+    return *this;
+  }
+  HeldParams(const HeldParams&) = delete;
+  HeldParams& operator=(const HeldParams&) = delete;
+
+  kernels::CView operator[](int i) const { return params_[i]; }
+  const BlockParams& params() const { return params_; }
+  int block() const { return block_; }
+  bool held() const { return ctx_ != nullptr; }
+  inline void release() noexcept;
+
+ private:
+  StepContext* ctx_ = nullptr;
+  int block_ = -1;
+  BlockParams params_;
+};
+
 // The engine's side of a step, as the model sees it. The engine's
 // implementation guarantees that every rank issues the same collectives in
 // the same order; the model only has to call these at block boundaries.
@@ -83,14 +121,25 @@ class StepContext {
  public:
   virtual ~StepContext() = default;
   virtual DType compute_dtype() const = 0;
-  // Full compute-precision parameters of `block`, valid until release().
-  virtual BlockParams acquire(int block) = 0;
-  virtual void release(int block) = 0;
+  // Full compute-precision parameters of `block`, held until the handle is
+  // released (ZeRO-3 gathers them here and may free them on release).
+  HeldParams acquire(int block) { return HeldParams(this, block, acquire_params(block)); }
   // The block's fp32 gradient buffers to accumulate (+=) into.
   virtual BlockGrads grads(int block) = 0;
   // The block's gradients for this micro-batch are complete.
   virtual void grads_ready(int block) = 0;
+
+ protected:
+  friend class HeldParams;
+  virtual BlockParams acquire_params(int block) = 0;
+  // Must not throw: it runs from HeldParams' destructor.
+  virtual void release_params(int block) noexcept = 0;
 };
+
+inline void HeldParams::release() noexcept {
+  if (ctx_) ctx_->release_params(block_);
+  ctx_ = nullptr;
+}
 
 class Model {
  public:

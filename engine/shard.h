@@ -107,6 +107,11 @@ class StateMemory {
   int64_t bytes_ = 0, peak_ = 0;
 };
 
+// Whether a block's compute parameters are present in full on this rank
+// (FSDP2's ShardedState). Stages 0-2 keep every block gathered; ZeRO-3 will
+// gather on acquire and free on release.
+enum class ParamState { kSharded, kGathering, kGathered };
+
 // Where a block's gradient is in the step (FSDP2's sharded-state idea: what
 // is held is a value, not inferred from empty buffers).
 enum class GradState {
@@ -133,6 +138,8 @@ struct BlockShard {
   float* v_p = nullptr;
   AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (when not kFreed)
   AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (StagePlan::grad_shard_buffer)
+  ParamState param_state = ParamState::kGathered;
+  int held = 0;  // HeldParams handles the model holds now (ParamCoordinator)
   GradState grad_state = GradState::kAccumulating;
   bool grads_reported = false;  // grads_ready called in the current backward
   comm::CommHandle reduction;   // the reduce-scatter of this step, while kReducing

@@ -104,15 +104,15 @@ class Gpt final : public Model {
     const DType dt = ctx.compute_dtype();
     tokens_ = batch.inputs;
 
-    BlockParams emb = ctx.acquire(0);
+    HeldParams emb = ctx.acquire(0);
     kernels::embedding_forward(layers_[0].x_in.as<float>(), batch.inputs.data(), emb[kWte], emb[kWpe], B, T,
                                C, V);
-    ctx.release(0);
+    emb.release();
 
     for (int64_t l = 0; l < c_.n_layer; ++l) {
       LayerActs& a = layers_[l];
       float* x_out = l + 1 < c_.n_layer ? layers_[l + 1].x_in.as<float>() : x_final_.as<float>();
-      BlockParams p = ctx.acquire(static_cast<int>(l + 1));
+      HeldParams p = ctx.acquire(static_cast<int>(l + 1));
       kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
                                  a.x_in.as<float>(), p[kLn1W], p[kLn1B], N, C);
       a.ln1_in = detail::matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
@@ -129,21 +129,21 @@ class Gpt final : public Model {
       a.gelu_in = detail::matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
       detail::linear_forward(x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
       kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
-      ctx.release(static_cast<int>(l + 1));
+      p.release();
     }
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
-    BlockParams nf = ctx.acquire(norm_block);
+    HeldParams nf = ctx.acquire(norm_block);
     kernels::layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
                                x_final_.as<float>(), nf[kLnfW], nf[kLnfB], N, C);
-    ctx.release(norm_block);
+    nf.release();
 
     // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
     // gradient of the mean loss straight away; backward scales it.
-    BlockParams head = ctx.acquire(0);
+    HeldParams head = ctx.acquire(0);
     lnf_in_ = detail::matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
     detail::linear_forward(logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
-    ctx.release(0);
+    head.release();
     double loss = kernels::cross_entropy(logits_.as<float>(), batch.targets.data(), N, V,
                                          dlogits_.as<float>(), 1.0f);
     return static_cast<float>(loss);
@@ -155,19 +155,19 @@ class Gpt final : public Model {
     if (loss_scale != 1.0f) kernels::scale(dlogits_.as<float>(), loss_scale, N * V);
 
     // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
-    BlockParams emb = ctx.acquire(0);
+    HeldParams emb = ctx.acquire(0);
     BlockGrads gemb = ctx.grads(0);
     detail::linear_backward(dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()), lnf_in_,
                             emb[kWte], N, C, V, dt);
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
-    BlockParams nf = ctx.acquire(norm_block);
+    HeldParams nf = ctx.acquire(norm_block);
     BlockGrads gnf = ctx.grads(norm_block);
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     std::memset(dx, 0, static_cast<size_t>(N * C) * sizeof(float));
     kernels::layernorm_backward(dx, gnf[kLnfW], gnf[kLnfB], dlnf_.as<float>(), x_final_.as<float>(), nf[kLnfW],
                                 lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
-    ctx.release(norm_block);
+    nf.release();
     ctx.grads_ready(norm_block);
 
     float* dbig = dbig_.as<float>();   // (N,4C) scratch
@@ -175,7 +175,7 @@ class Gpt final : public Model {
     for (int64_t l = c_.n_layer - 1; l >= 0; --l) {
       LayerActs& a = layers_[l];
       const int blk = static_cast<int>(l + 1);
-      BlockParams p = ctx.acquire(blk);
+      HeldParams p = ctx.acquire(blk);
       BlockGrads g = ctx.grads(blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
       // becomes d x_mid by accumulating the branch's gradient.
@@ -194,12 +194,12 @@ class Gpt final : public Model {
                               3 * C, dt);
       kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, a.x_in.as<float>(), p[kLn1W],
                                   a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
-      ctx.release(blk);
+      p.release();
       ctx.grads_ready(blk);
     }
 
     kernels::embedding_backward(gemb[kWte], gemb[kWpe], dx, tokens_.data(), B, T, C, V);
-    ctx.release(0);
+    emb.release();
     ctx.grads_ready(0);
   }
 

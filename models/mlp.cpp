@@ -50,7 +50,7 @@ class Mlp final : public Model {
     const DType dt = ctx.compute_dtype();
 
     // Gather the context window: row (b,t), slot j holds token t-context+1+j.
-    BlockParams emb = ctx.acquire(0);
+    HeldParams emb = ctx.acquire(0);
     CView wte = emb[0];
     float* x0 = x_[0].as<float>();
     for (int64_t k = 0; k < N; ++k) {  // validate before the parallel gather
@@ -75,20 +75,20 @@ class Mlp final : public Model {
         }
       }
     });
-    ctx.release(0);
+    emb.release();
 
     for (int64_t l = 0; l < c_.n_layer; ++l) {
       const int blk = static_cast<int>(l + 1);
-      BlockParams p = ctx.acquire(blk);
+      HeldParams p = ctx.acquire(blk);
       int64_t in = l == 0 ? X : Hd;
       detail::linear_forward(pre_[l].as<float>(), f32(x_[l].as<float>()), p[0], p[1], N, in, Hd, dt);
       kernels::gelu_forward(x_[l + 1].as<float>(), pre_[l].as<float>(), N * Hd);
-      ctx.release(blk);
+      p.release();
     }
     const int head = static_cast<int>(c_.n_layer + 1);
-    BlockParams ph = ctx.acquire(head);
+    HeldParams ph = ctx.acquire(head);
     detail::linear_forward(logits_.as<float>(), f32(x_[c_.n_layer].as<float>()), ph[0], ph[1], N, Hd, V, dt);
-    ctx.release(head);
+    ph.release();
     return static_cast<float>(kernels::cross_entropy(logits_.as<float>(), batch.targets.data(), N, V,
                                                      dlogits_.as<float>(), 1.0f));
   }
@@ -100,24 +100,24 @@ class Mlp final : public Model {
     if (loss_scale != 1.0f) kernels::scale(dlogits_.as<float>(), loss_scale, N * V);
 
     const int head = static_cast<int>(c_.n_layer + 1);
-    BlockParams ph = ctx.acquire(head);
+    HeldParams ph = ctx.acquire(head);
     BlockGrads gh = ctx.grads(head);
     float* dh = dh_.as<float>();  // (N, Hd)
     detail::linear_backward(dh, gh[0], gh[1], f32(dlogits_.as<float>()), f32(x_[c_.n_layer].as<float>()), ph[0],
                             N, Hd, V, dt);
-    ctx.release(head);
+    ph.release();
     ctx.grads_ready(head);
 
     for (int64_t l = c_.n_layer - 1; l >= 0; --l) {
       const int blk = static_cast<int>(l + 1);
-      BlockParams p = ctx.acquire(blk);
+      HeldParams p = ctx.acquire(blk);
       BlockGrads g = ctx.grads(blk);
       int64_t in = l == 0 ? X : Hd;
       kernels::gelu_backward(dpre_.as<float>(), pre_[l].as<float>(), dh, N * Hd);
       float* dx = l == 0 ? dx0_.as<float>() : dh;
       detail::linear_backward(dx, g[0], g[1], f32(dpre_.as<float>()), f32(x_[l].as<float>()), p[0], N, in, Hd,
                               dt);
-      ctx.release(blk);
+      p.release();
       ctx.grads_ready(blk);
     }
 

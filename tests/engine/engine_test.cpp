@@ -34,13 +34,13 @@ class ToyModel final : public Model {
     double loss = 0;
     int64_t j = 0;
     for (int blk = 0; blk < 2; ++blk) {
-      BlockParams p = ctx.acquire(blk);
+      HeldParams p = ctx.acquire(blk);
       for (size_t i = 0; i < specs_[blk].params.size(); ++i)
-        for (int64_t k = 0; k < p.layout->numels[i]; ++k, ++j) {
+        for (int64_t k = 0; k < p.params().layout->numels[i]; ++k, ++j) {
           double d = p[static_cast<int>(i)].at(k) - target(batch, j);
           loss += 0.5 * d * d;
         }
-      ctx.release(blk);
+      p.release();
     }
     return static_cast<float>(loss);
   }
@@ -48,15 +48,15 @@ class ToyModel final : public Model {
     int64_t j = 0;
     std::vector<std::pair<float*, float>> updates;
     for (int blk = 0; blk < 2; ++blk) {
-      BlockParams p = ctx.acquire(blk);
+      HeldParams p = ctx.acquire(blk);
       BlockGrads g = ctx.grads(blk);
       for (size_t i = 0; i < specs_[blk].params.size(); ++i)
-        for (int64_t k = 0; k < p.layout->numels[i]; ++k, ++j) {
+        for (int64_t k = 0; k < p.params().layout->numels[i]; ++k, ++j) {
           float grad = scale * (p[static_cast<int>(i)].at(k) - target(last_, j));
           if (poison_) grad = std::numeric_limits<float>::quiet_NaN();
           g[static_cast<int>(i)][k] += grad;
         }
-      ctx.release(blk);
+      p.release();
     }
     if (report_twice_) ctx.grads_ready(1);
     ctx.grads_ready(1);

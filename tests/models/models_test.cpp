@@ -30,8 +30,8 @@ class TestContext final : public StepContext {
     ready.assign(params.size(), 0);
   }
   DType compute_dtype() const override { return DType::kF32; }
-  BlockParams acquire(int b) override { return {params[b].data(), DType::kF32, &layouts[b]}; }
-  void release(int) override {}
+  BlockParams acquire_params(int b) override { return {params[b].data(), DType::kF32, &layouts[b]}; }
+  void release_params(int) noexcept override {}
   BlockGrads grads(int b) override { return {grad_bufs[b].data(), &layouts[b]}; }
   void grads_ready(int b) override { ready[b] += 1; }
 
