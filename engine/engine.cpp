@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/grad_reducer.h"
+#include "engine/optimizer_state.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
 #include "engine/shard.h"
@@ -107,7 +108,7 @@ struct Engine::Impl final : StepContext {
   double last_loss = NAN;
   StepTimings timings;
   StateMemory memory;
-  std::unique_ptr<offload::OptimizerSwapper> swapper;  // offload_optimizer.device "nvme"
+  std::unique_ptr<OptimizerState> opt_state;  // master, m, v: RAM, pinned RAM or NVMe
   std::string offload_device;
 
 
@@ -147,12 +148,20 @@ struct Engine::Impl final : StepContext {
     const std::vector<BlockSpec>& specs = model->blocks();
     if (specs.empty()) throw Error("model '" + model->name() + "' has no parameter blocks");
     blocks.resize(specs.size());
+    std::vector<int64_t> spans;
     for (size_t b = 0; b < specs.size(); ++b) {
       BlockShard& s = blocks[b];
       s.layout = BlockLayout::from_spec(specs[b]);
       s.part = Partition::make(s.layout.numel, world, rank);
+      s.opt_numel = plan.optimizer_numel(s.part);
+      spans.push_back(s.opt_numel);
+    }
+    const offload::SwapperOptions nvme = offload_device == "nvme" ? swapper_options(cfg) : offload::SwapperOptions{};
+    opt_state = make_optimizer_state(offload_device, spans, cfg.zero.offload_optimizer.pin_memory, nvme, rank,
+                                     memory);
+    for (size_t b = 0; b < specs.size(); ++b) {
+      BlockShard& s = blocks[b];
       const size_t padded = static_cast<size_t>(s.part.padded_numel);
-      const size_t opt_numel = static_cast<size_t>(plan.optimizer_numel(s.part));
       // Every rank builds the full initial weights from the same seed and
       // keeps what its stage needs.
       AlignedBuffer full = make_buffer<float>(padded);
@@ -173,32 +182,15 @@ struct Engine::Impl final : StepContext {
           }
         }
       }
-      s.opt_numel = static_cast<int64_t>(opt_numel);
-      const float* init = w + (plan.optimizer_spans_block ? 0 : s.part.own_offset());
-      if (offload_device == "cpu") {
-        s.pinned = offload::PinnedBuffer(3 * opt_numel * 4, cfg.zero.offload_optimizer.pin_memory);
-        memory.add(static_cast<int64_t>(s.pinned.bytes()));
-        s.master_p = s.pinned.as<float>();
-        s.m_p = s.master_p + opt_numel;
-        s.v_p = s.m_p + opt_numel;
-        std::memcpy(s.master_p, init, opt_numel * 4);
-      } else if (offload_device == "none") {
-        s.master = memory.alloc(opt_numel * 4);
-        s.exp_avg = memory.alloc(opt_numel * 4);
-        s.exp_avg_sq = memory.alloc(opt_numel * 4);
-        s.master_p = s.master.as<float>();
-        s.m_p = s.exp_avg.as<float>();
-        s.v_p = s.exp_avg_sq.as<float>();
-        std::memcpy(s.master_p, init, opt_numel * 4);
-      } else {
-        pending_init.emplace_back(init, init + opt_numel);
-      }
+      opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
       if (dtype == DType::kBF16) {
         s.compute = memory.alloc(padded * 2);
         convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
       } else if (plan.compute_copy(dtype)) {
         s.compute = memory.alloc(padded * 4);
         std::memcpy(s.compute.data(), w, padded * 4);
+      } else {
+        s.master_compute = opt_state->master_in_memory(static_cast<int>(b));
       }
     }
     GradReducer::Options ro;
@@ -207,16 +199,7 @@ struct Engine::Impl final : StepContext {
     ro.wire_bf16 = cfg.communication_data_type == "bf16";
     reducer = std::make_unique<GradReducer>(plan, blocks, stream.get(), memory, ro);
     params = std::make_unique<ParamCoordinator>(blocks, dtype);
-    if (offload_device == "nvme") {
-      std::vector<int64_t> spans;
-      for (const BlockShard& s : blocks) spans.push_back(s.opt_numel);
-      swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options(cfg), rank, spans);
-      memory.add(swapper->buffer_bytes());
-      for (size_t b = 0; b < blocks.size(); ++b) swapper->init_block(static_cast<int>(b), pending_init[b].data());
-      pending_init.clear();
-    }
   }
-  std::vector<std::vector<float>> pending_init;  // nvme: initial master spans until the swapper exists
 
   // ---- StepContext --------------------------------------------------------------
   DType compute_dtype() const override { return dtype; }
@@ -333,36 +316,23 @@ struct Engine::Impl final : StepContext {
     timings.step_s += seconds_since(t0);
   }
 
-  void update_block(BlockShard& s, float grad_scale) {
-    if (plan.optimizer_spans_block) {  // every rank updates the whole block
-      const int64_t n = s.part.padded_numel;
-      bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() : nullptr;
-      optim::adam_step(adam, optimizer_steps, grad_scale,
-                       optim::AdamSpan{s.master_p, s.grad.data(), DType::kF32, s.m_p, s.v_p, out, n});
-      return;
-    }
-    update_span(s, 0, s.part.shard_numel, s.master_p, s.m_p, s.v_p, grad_scale);
-  }
-
-  // Stages 1, 2: Adam over elements [off, off + n) of the rank's shard, whose
-  // master, m, v are at the given pointers; the new weights go to the
-  // compute copy (bf16 in the same pass, fp32 copied).
-  void update_span(BlockShard& s, int64_t off, int64_t n, float* master, float* m, float* v, float grad_scale) {
-    const int64_t at = s.part.own_offset() + off;
+  // AdamW over one span of the optimizer state: the gradient is the full
+  // reduced gradient (the optimizer spans the block, stage 0) or the rank's
+  // reduced shard; the new weights go to the compute copy (bf16 in the same
+  // pass, fp32 copied) unless the master weights are the compute weights.
+  void update_span(const StateSpan& sp, float grad_scale) {
+    BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+    const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+    const float* grad = (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
     bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + at : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
-                     optim::AdamSpan{master, reducer->reduced_shard(s) + off, DType::kF32, m, v, out, n});
-    if (dtype == DType::kF32) std::memcpy(s.compute.as<float>() + at, master, static_cast<size_t>(n) * 4);
+                     optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out, sp.count});
+    if (dtype == DType::kF32 && !s.compute.empty())
+      std::memcpy(s.compute.as<float>() + at, sp.master, static_cast<size_t>(sp.count) * 4);
   }
 
   void update_all(float grad_scale) {
-    if (swapper) {
-      swapper->for_each([&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
-        update_span(blocks[g.block], g.offset, g.count, master, m, v, grad_scale);
-      });
-      return;
-    }
-    for (BlockShard& s : blocks) update_block(s, grad_scale);
+    opt_state->for_each([&](const StateSpan& sp) { update_span(sp, grad_scale); });
   }
 
   // Stages 1 and 2: every rank's updated shard to every rank, in buckets of
@@ -395,10 +365,7 @@ struct Engine::Impl final : StepContext {
   std::vector<float> full_params(int block) {
     BlockShard& s = state(block);
     std::vector<float> own(static_cast<size_t>(s.opt_numel));
-    if (swapper)
-      swapper->read_master(block, own.data());
-    else
-      std::memcpy(own.data(), s.master_p, own.size() * 4);
+    opt_state->read_master(block, own.data());
     if (plan.optimizer_spans_block || world == 1) return own;
     std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
     stream->submit([&](comm::Communicator& c) {
@@ -472,8 +439,8 @@ int64_t Engine::num_parameters() const { return impl_->num_params; }
 StepTimings Engine::timings() const { return impl_->timings; }
 std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
 
-int64_t Engine::offload_bytes_read() const { return impl_->swapper ? impl_->swapper->bytes_read() : 0; }
-int64_t Engine::offload_bytes_written() const { return impl_->swapper ? impl_->swapper->bytes_written() : 0; }
+int64_t Engine::offload_bytes_read() const { return impl_->opt_state->bytes_read(); }
+int64_t Engine::offload_bytes_written() const { return impl_->opt_state->bytes_written(); }
 
 int64_t Engine::model_state_bytes() const { return impl_->memory.bytes(); }
 int64_t Engine::model_state_peak_bytes() const { return impl_->memory.peak_bytes(); }

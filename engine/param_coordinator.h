@@ -27,7 +27,7 @@ class ParamCoordinator {
     ZINC_CHECK(s.param_state == ParamState::kGathered, "stages 0-2 keep every block gathered");
     s.held += 1;
     // At stage 0 in fp32 the master weights are the compute weights.
-    const void* base = s.compute.empty() ? static_cast<const void*>(s.master_p) : s.compute.data();
+    const void* base = s.compute.empty() ? static_cast<const void*>(s.master_compute) : s.compute.data();
     return BlockParams{base, compute_, &s.layout};
   }
   // No-throw (it runs from HeldParams' destructor): a release without an

@@ -40,7 +40,6 @@
 #include "core/dtype.h"
 #include "engine/model.h"
 #include "engine/partition.h"
-#include "offload/offload.h"
 
 namespace zinc {
 
@@ -126,16 +125,12 @@ struct BlockShard {
   BlockLayout layout;
   Partition part;
   AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it)
-  // fp32 master weights and Adam m, v of this rank's optimizer span
-  // (opt_numel elements). In RAM (offload none), in page-locked RAM (offload
-  // cpu, one buffer of 3 x opt_numel), or on NVMe (the swapper's; the
-  // pointers are null).
+  // Elements of this rank's optimizer span (the whole padded block at stage
+  // 0, else the shard); the state itself is the OptimizerState's.
   int64_t opt_numel = 0;
-  AlignedBuffer master, exp_avg, exp_avg_sq;
-  offload::PinnedBuffer pinned;
-  float* master_p = nullptr;
-  float* m_p = nullptr;
-  float* v_p = nullptr;
+  // The master weights when they are the compute weights (stage 0 in fp32,
+  // optimizer state in memory); else null.
+  float* master_compute = nullptr;
   AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (when not kFreed)
   AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (StagePlan::grad_shard_buffer)
   ParamState param_state = ParamState::kGathered;

@@ -80,7 +80,7 @@ TEST(ParamCoordinator, HandsOutTheComputeCopyAndCountsHolds) {
     s.layout.numels = {64};
     s.layout.numel = 64;
   }
-  blocks[0].master_p = master.data();                // stage 0, fp32: the master is the compute copy
+  blocks[0].master_compute = master.data();                // stage 0, fp32: the master is the compute copy
   blocks[1].compute = AlignedBuffer(64 * sizeof(float));  // a separate compute copy
   ParamCoordinator pc(blocks, DType::kF32);
   BlockParams p0 = pc.acquire(0);

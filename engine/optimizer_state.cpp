@@ -1,0 +1,113 @@
+#include "engine/optimizer_state.h"
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace zinc {
+namespace {
+
+// master, m, v of one block side by side in memory.
+struct InMemorySpan {
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+};
+
+// RAM ("none"): three aligned buffers per block.
+class RamState final : public OptimizerState {
+ public:
+  RamState(const std::vector<int64_t>& span_numel, StateMemory& memory) : numel_(span_numel) {
+    for (int64_t n : span_numel) {
+      const size_t bytes = static_cast<size_t>(n) * 4;
+      master_.push_back(memory.alloc(bytes));
+      m_.push_back(memory.alloc(bytes));
+      v_.push_back(memory.alloc(bytes));
+    }
+  }
+  void init_block(int b, const float* master) override {
+    std::memcpy(master_[b].data(), master, static_cast<size_t>(numel_[b]) * 4);
+  }
+  void for_each(const std::function<void(const StateSpan&)>& fn) override {
+    for (size_t b = 0; b < numel_.size(); ++b)
+      fn({static_cast<int>(b), 0, numel_[b], master_[b].as<float>(), m_[b].as<float>(), v_[b].as<float>()});
+  }
+  void read_master(int b, float* out) override {
+    std::memcpy(out, master_[b].data(), static_cast<size_t>(numel_[b]) * 4);
+  }
+  float* master_in_memory(int b) override { return master_[b].as<float>(); }
+
+ private:
+  std::vector<int64_t> numel_;
+  std::vector<AlignedBuffer> master_, m_, v_;
+};
+
+// Page-locked RAM ("cpu"): one pinned buffer of 3 x span per block.
+class PinnedState final : public OptimizerState {
+ public:
+  PinnedState(const std::vector<int64_t>& span_numel, bool pin_memory, StateMemory& memory) : numel_(span_numel) {
+    for (int64_t n : span_numel) {
+      buffers_.emplace_back(static_cast<size_t>(3 * n) * 4, pin_memory);
+      memory.add(static_cast<int64_t>(buffers_.back().bytes()));
+    }
+  }
+  void init_block(int b, const float* master) override {
+    std::memcpy(span(b).master, master, static_cast<size_t>(numel_[b]) * 4);
+  }
+  void for_each(const std::function<void(const StateSpan&)>& fn) override {
+    for (size_t b = 0; b < numel_.size(); ++b) {
+      InMemorySpan s = span(static_cast<int>(b));
+      fn({static_cast<int>(b), 0, numel_[b], s.master, s.m, s.v});
+    }
+  }
+  void read_master(int b, float* out) override {
+    std::memcpy(out, span(b).master, static_cast<size_t>(numel_[b]) * 4);
+  }
+  float* master_in_memory(int b) override { return span(b).master; }
+
+ private:
+  InMemorySpan span(int b) {
+    float* base = buffers_[static_cast<size_t>(b)].as<float>();
+    return {base, base + numel_[b], base + 2 * numel_[b]};
+  }
+  std::vector<int64_t> numel_;
+  std::vector<offload::PinnedBuffer> buffers_;
+};
+
+// NVMe ("nvme"): the offload swapper streams sub-groups through pinned
+// buffers.
+class NvmeState final : public OptimizerState {
+ public:
+  NvmeState(const std::vector<int64_t>& span_numel, const offload::SwapperOptions& options, int rank,
+            StateMemory& memory)
+      : swapper_(options, rank, span_numel) {
+    memory.add(swapper_.buffer_bytes());
+  }
+  void init_block(int b, const float* master) override { swapper_.init_block(b, master); }
+  void for_each(const std::function<void(const StateSpan&)>& fn) override {
+    swapper_.for_each([&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+      fn({g.block, g.offset, g.count, master, m, v});
+    });
+  }
+  void read_master(int b, float* out) override { swapper_.read_master(b, out); }
+  float* master_in_memory(int) override { return nullptr; }
+  int64_t bytes_read() const override { return swapper_.bytes_read(); }
+  int64_t bytes_written() const override { return swapper_.bytes_written(); }
+
+ private:
+  offload::OptimizerSwapper swapper_;
+};
+
+}  // namespace
+
+std::unique_ptr<OptimizerState> make_optimizer_state(const std::string& device,
+                                                     const std::vector<int64_t>& span_numel, bool pin_memory,
+                                                     const offload::SwapperOptions& nvme, int rank,
+                                                     StateMemory& memory) {
+  if (device == "none") return std::make_unique<RamState>(span_numel, memory);
+  if (device == "cpu") return std::make_unique<PinnedState>(span_numel, pin_memory, memory);
+  if (device == "nvme") return std::make_unique<NvmeState>(span_numel, nvme, rank, memory);
+  throw Error("optimizer state: unknown device '" + device + "' (expected none, cpu or nvme)");
+}
+
+}  // namespace zinc

@@ -1,0 +1,62 @@
+// zinc engine, private: where the optimizer state lives (DESIGN.md's
+// optimizer-state interface). Each rank's fp32 master weights and Adam
+// moments m, v of its optimizer spans (one per block: the whole padded block
+// at stage 0, else the rank's shard) live in RAM, in page-locked RAM
+// (offload_optimizer.device "cpu") or on NVMe ("nvme", streamed through the
+// offload swapper). One visitor, for_each, walks every span wherever it
+// lives; the Adam update uses it, and checkpoints will.
+// Threading: the training thread only.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/shard.h"
+#include "offload/swapper.h"
+
+namespace zinc {
+
+// A piece of one block's optimizer span, in memory for the visitor.
+struct StateSpan {
+  int block = 0;
+  int64_t offset = 0;  // elements, within the block's span
+  int64_t count = 0;   // elements
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+};
+
+class OptimizerState {
+ public:
+  virtual ~OptimizerState() = default;
+  // Sets a block's master weights (span_numel[block] elements) and zeroes
+  // its moments.
+  virtual void init_block(int block, const float* master) = 0;
+  // Calls fn on every span in block order (NVMe: sub-group by sub-group, the
+  // next read and the previous written while fn runs); what fn leaves in
+  // master, m and v is kept.
+  virtual void for_each(const std::function<void(const StateSpan&)>& fn) = 0;
+  // Copies a block's master weights (span_numel[block] elements) to out.
+  virtual void read_master(int block, float* out) = 0;
+  // The block's master weights where they stay in memory (RAM, pinned RAM),
+  // null on NVMe.
+  virtual float* master_in_memory(int block) = 0;
+  // NVMe traffic so far (0 in memory).
+  virtual int64_t bytes_read() const { return 0; }
+  virtual int64_t bytes_written() const { return 0; }
+};
+
+// device: "none" (RAM), "cpu" (page-locked RAM; pin_memory false or a
+// refused mlock gives ordinary memory) or "nvme" (the swapper with `nvme`
+// options). span_numel[b]: the elements of block b's span on this rank. The
+// memory the state holds is added to `memory`. Throws IoError for an NVMe
+// folder that cannot be used.
+std::unique_ptr<OptimizerState> make_optimizer_state(const std::string& device,
+                                                     const std::vector<int64_t>& span_numel, bool pin_memory,
+                                                     const offload::SwapperOptions& nvme, int rank,
+                                                     StateMemory& memory);
+
+}  // namespace zinc
