@@ -653,8 +653,16 @@ void parse_zero(Reader& root, ZeroConfig& z) {
     r.warn(r.path_of("contiguous_gradients"),
            "false is ignored: zinc's gradients always live in flat per-block buffers");
   }
-  r.get_bool("reduce_scatter", z.reduce_scatter);
-  r.get_bool("allgather_partitions", z.allgather_partitions);
+  // Both false forms ask DeepSpeed for a different collective with the same
+  // result; zinc keeps its own (Note [ZeRO stages] in engine/shard.h).
+  if (r.get_bool("reduce_scatter", z.reduce_scatter) && !z.reduce_scatter) {
+    r.warn(r.path_of("reduce_scatter"),
+           "false is ignored: zinc reduce-scatters every bucket (the same sums an all-reduce gives)");
+  }
+  if (r.get_bool("allgather_partitions", z.allgather_partitions) && !z.allgather_partitions) {
+    r.warn(r.path_of("allgather_partitions"),
+           "false is ignored: zinc all-gathers the updated partitions (broadcasts would move the same data)");
+  }
   r.get_int("reduce_bucket_size", z.reduce_bucket_size, at_least(1));
   r.get_int("allgather_bucket_size", z.allgather_bucket_size, at_least(1));
   r.get_int("sub_group_size", z.sub_group_size, at_least(1));
@@ -923,8 +931,9 @@ void parse_run(Reader& root, RunConfig& run) {
   r.get_int("eval_interval", run.eval_interval, at_least(0));
   r.get_int("eval_batches", run.eval_batches, at_least(1));
   r.get_int("checkpoint_interval", run.checkpoint_interval, at_least(0));
-  if (r.get_string("output_dir", run.output_dir) && run.output_dir.empty()) {
-    throw ConfigError(r.last_path(), "must not be empty");
+  if (r.get_string("output_dir", run.output_dir)) {
+    if (run.output_dir.empty()) throw ConfigError(r.last_path(), "must not be empty");
+    r.warn(r.last_path(), "ignored: zinc-train writes nothing there yet (checkpoints are not implemented)");
   }
   r.finish();
 }

@@ -424,6 +424,16 @@ TEST(ConfigAccepts, Schedulers) {
 // ---------------------------------------------------------------------------
 // Warnings: known DeepSpeed keys that zinc ignores, logged and recorded.
 
+TEST(ConfigWarnings, ParsedKeysWithoutAnEffectAreWarnedAbout) {
+  Config c = Config::parse(with({{"zero_optimization", {{"stage", 2}, {"reduce_scatter", false}, {"allgather_partitions", false}}}}));
+  EXPECT_TRUE(any_warning_has(c, "zero_optimization.reduce_scatter: false is ignored"));
+  EXPECT_TRUE(any_warning_has(c, "zero_optimization.allgather_partitions: false is ignored"));
+  Config d = Config::parse(with({{"zero_optimization", {{"stage", 2}, {"reduce_scatter", true}, {"allgather_partitions", true}}}}));
+  EXPECT_TRUE(d.warnings.empty());
+  Config r = Config::parse(with({{"run", {{"output_dir", "out"}}}}));
+  EXPECT_TRUE(any_warning_has(r, "run.output_dir: ignored"));
+}
+
 TEST(ConfigWarnings, IgnoredFeaturesAreRecorded) {
   Config c = Config::parse(with({{"tensorboard", {{"enabled", true}, {"output_path", "tb/"}}}}));
   ASSERT_EQ(c.warnings.size(), 1u);
