@@ -1,0 +1,116 @@
+// zinc engine: Config::validate, the rules that span several keys (the batch
+// triad, stage and offload combinations, ...), for parsed configs and for
+// configs built in code alike.
+#include "engine/config.h"
+#include "engine/detail/config_reader.h"
+
+namespace zinc {
+
+using namespace config_detail;
+
+void Config::validate() const {
+  // The batch triad, for configs built in code as well as parsed ones.
+  if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
+  if (train_batch_size < 1 || train_micro_batch_size_per_gpu < 1 || gradient_accumulation_steps < 1 ||
+      train_micro_batch_size_per_gpu > kMaxBatch || gradient_accumulation_steps > kMaxBatch ||
+      static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * world_size !=
+          train_batch_size) {
+    throw ConfigError("train_batch_size",
+                      "the batch triad does not multiply out: train_batch_size " +
+                          std::to_string(train_batch_size) + " != train_micro_batch_size_per_gpu " +
+                          std::to_string(train_micro_batch_size_per_gpu) + " * gradient_accumulation_steps " +
+                          std::to_string(gradient_accumulation_steps) + " * world size " +
+                          std::to_string(world_size));
+  }
+  if (!(gradient_clipping >= 0)) {
+    throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));
+  }
+  if (steps_per_print < 1) {
+    throw ConfigError("steps_per_print", "must be >= 1, got " + std::to_string(steps_per_print));
+  }
+  if (grad_accum_dtype != "fp32") {
+    throw ConfigError("data_types.grad_accum_dtype",
+                      "only \"fp32\" is implemented, got \"" + grad_accum_dtype + "\"");
+  }
+  if (!communication_data_type.empty() && communication_data_type != "fp32" &&
+      communication_data_type != "bf16") {
+    throw ConfigError("communication_data_type", "must be \"fp32\" or \"bf16\" on the CPU build, got \"" +
+                                                     communication_data_type + "\"");
+  }
+  if (optimizer.type != "Adam" && optimizer.type != "AdamW") {
+    throw ConfigError("optimizer.type",
+                      "\"" + optimizer.type + "\" is not implemented in zinc; supported: Adam, AdamW");
+  }
+  if (optimizer.type == "AdamW" && !optimizer.adam_w_mode) {
+    throw ConfigError("optimizer.params.adam_w_mode", "type AdamW needs adam_w_mode true");
+  }
+  if (!scheduler.type.empty() && scheduler.type != "WarmupLR" && scheduler.type != "WarmupDecayLR" &&
+      scheduler.type != "WarmupCosineLR") {
+    throw ConfigError("scheduler.type",
+                      "\"" + scheduler.type +
+                          "\" is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
+                          "WarmupCosineLR");
+  }
+  if ((scheduler.type == "WarmupDecayLR" || scheduler.type == "WarmupCosineLR") &&
+      scheduler.total_num_steps < 1) {
+    throw ConfigError("scheduler.params.total_num_steps",
+                      "required for " + scheduler.type + " (the step at which the decay ends)");
+  }
+
+  // zinc's own sections.
+  if (model.type == "gpt") {
+    if (model.n_embd % model.n_head != 0) {
+      throw ConfigError("model.n_embd", "must be divisible by n_head " + std::to_string(model.n_head) +
+                                            ", got " + std::to_string(model.n_embd));
+    }
+    if (model.block_size > 0 && model.block_size < data.seq_len) {
+      throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
+                                                ", got " + std::to_string(model.block_size));
+    }
+  }
+  int64_t data_vocab = data.type == "synthetic" ? data.vocab_size : data.type == "text" ? 256 : 0;
+  if (model.vocab_size > 0 && data_vocab > 0 && model.vocab_size < data_vocab) {
+    throw ConfigError("model.vocab_size", "must be >= the data's vocabulary " + std::to_string(data_vocab) +
+                                              " (or 0 to take it from the data), got " +
+                                              std::to_string(model.vocab_size));
+  }
+  if ((data.type == "text" || data.type == "tokens") && data.path.empty()) {
+    throw ConfigError("data.path", "required for type \"" + data.type + "\" (the file to read)");
+  }
+
+  // ZeRO: inconsistent combinations first, then what zinc does not do yet.
+  const auto& oo = zero.offload_optimizer;
+  const auto& op = zero.offload_param;
+  if (op.device != "none" && zero.stage != 3) {
+    throw ConfigError(
+        "zero_optimization.offload_param",
+        "parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage " +
+            std::to_string(zero.stage));
+  }
+  if (oo.device != "none" && zero.stage == 0) {
+    throw ConfigError("zero_optimization.offload_optimizer",
+                      "optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0");
+  }
+  if (oo.ratio < 1.0 && zero.stage != 3) {
+    throw ConfigError("zero_optimization.offload_optimizer.ratio",
+                      "partial offload (ratio < 1) needs ZeRO stage 3, got ratio " + num(oo.ratio) +
+                          " at stage " + std::to_string(zero.stage));
+  }
+  for (const auto* o : {&oo, &op}) {
+    const char* name = o == &oo ? "offload_optimizer" : "offload_param";
+    if (o->device == "nvme" && o->nvme_path.empty()) {
+      throw ConfigError(std::string("zero_optimization.") + name + ".nvme_path",
+                        "required for device \"nvme\"");
+    }
+  }
+  if (op.device != "none") {
+    throw ConfigError("zero_optimization.offload_param.device",
+                      "parameter offload (\"" + op.device + "\") is not implemented yet in zinc; set \"none\"");
+  }
+  if (zero.stage == 3) {
+    throw ConfigError("zero_optimization.stage",
+                      "ZeRO stage 3 is not implemented yet in zinc (stages 0, 1 and 2 are); set 0, 1 or 2");
+  }
+}
+
+}  // namespace zinc
