@@ -153,6 +153,11 @@ struct Config {
   // Parses and validates; world_size is the data-parallel size the batch
   // triad must fit. Throws ConfigError.
   static Config parse(const nlohmann::json& j, int world_size = 1);
+  // Only the `comm` section, strictly (ConfigError naming the path), for
+  // picking the transport before the world size and so the rest of the
+  // config are known. A document that is not an object gives the defaults
+  // (parse() reports it).
+  static CommConfig parse_comm(const nlohmann::json& j);
   // Reads the file (IoError if missing/unreadable, ConfigError with line and
   // column on a JSON syntax error) and parses it.
   static Config load(const std::string& path, int world_size = 1);

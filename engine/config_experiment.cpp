@@ -75,3 +75,16 @@ void parse_comm(Reader& root, CommConfig& comm) {
 }
 
 }  // namespace zinc::config_detail
+
+namespace zinc {
+
+CommConfig Config::parse_comm(const nlohmann::json& j) {
+  CommConfig c;
+  if (!j.is_object()) return c;
+  std::vector<std::string> warnings;
+  config_detail::Reader root(j, "", warnings);
+  config_detail::parse_comm(root, c);
+  return c;  // no root.finish(): the other keys are parse()'s
+}
+
+}  // namespace zinc

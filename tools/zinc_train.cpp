@@ -308,17 +308,10 @@ int main(int argc, char** argv) {
     const nlohmann::json doc = zinc::tools::load_document(config_path, overrides);
     if (zinc::comm::launched_with_mpi()) {
       // The backend is needed before the config can be parsed (the batch
-      // triad depends on the world size); parse() validates the key later.
-      // Values of the wrong type or range fall back to the defaults here and
-      // are reported by parse().
-      std::string backend = "auto";
-      double timeout = zinc::comm::kCommTimeoutSeconds;
-      if (doc.is_object() && doc.contains("comm") && doc["comm"].is_object()) {
-        const nlohmann::json& c = doc["comm"];
-        if (c.contains("backend") && c["backend"].is_string()) backend = c["backend"].get<std::string>();
-        if (c.contains("timeout_seconds") && c["timeout_seconds"].is_number() && c["timeout_seconds"].get<double>() > 0)
-          timeout = c["timeout_seconds"].get<double>();
-      }
+      // triad depends on the world size): the comm section alone, strictly.
+      const zinc::CommConfig cc = zinc::Config::parse_comm(doc);
+      const std::string backend = cc.backend;
+      const double timeout = cc.timeout_seconds;
       comm = zinc::comm::make_communicator(backend, timeout);
     } else {
       comm = zinc::comm::make_single_communicator();
