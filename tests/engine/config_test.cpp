@@ -193,6 +193,23 @@ TEST(ConfigComm, BackendAndTimeout) {
   EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout", 5}}}}), "comm.timeout", "timeout_seconds");
 }
 
+// The comm section alone (zinc-train needs the transport before the world
+// size, and so the rest of the config, is known): the same rules, strictly.
+TEST(ConfigComm, SectionAloneIsParsedStrictly) {
+  const CommConfig c = Config::parse_comm(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}}));
+  EXPECT_EQ(c.backend, "shm");
+  EXPECT_EQ(c.timeout_seconds, 2.5);
+  EXPECT_EQ(Config::parse_comm(with(json::object())).backend, "auto");
+  EXPECT_EQ(Config::parse_comm(json::array({1})).backend, "auto");  // parse() reports the top level
+  try {
+    Config::parse_comm(with({{"comm", {{"backend", "nccl"}}}}));
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "comm.backend");
+  }
+  EXPECT_THROW(Config::parse_comm(with({{"comm", {{"timeout_seconds", "x"}}}})), ConfigError);
+}
+
 TEST(ConfigErrors, TopLevelMustBeAnObject) {
   EXPECT_CONFIG_ERROR(json::array({1, 2}), "top level", "JSON object");
 }
