@@ -6,7 +6,6 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
 
 #include "core/cpu.h"
 #include "core/alloc.h"
