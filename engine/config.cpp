@@ -586,6 +586,7 @@ Config Config::parse(const json& j, int world_size) {
   parse_model(r, c.model);
   parse_data(r, c.data);
   parse_run(r, c.run);
+  c.seed = c.run.seed;
   config_detail::parse_comm(r, c.comm);
   r.finish();
   c.validate();

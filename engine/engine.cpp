@@ -172,7 +172,7 @@ struct Engine::Impl final : StepContext {
         num_params += cnt;
         // Each parameter has its own stream, so adding a parameter or a block
         // does not change the initial values of the others.
-        Rng rng(mix_seed(cfg.run.seed, (static_cast<uint64_t>(b) << 20) + p));
+        Rng rng(mix_seed(cfg.seed, (static_cast<uint64_t>(b) << 20) + p));
         for (int64_t i = 0; i < cnt; ++i) {
           switch (ps.init) {
             case Init::kZeros: dst[i] = 0.0f; break;
