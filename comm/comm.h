@@ -16,7 +16,8 @@
 // Threading: a Communicator is used by one thread at a time. CommStream owns
 // one background thread that runs submitted work in order; while a stream
 // exists, only the stream's thread may use its communicator (submit the work
-// instead of calling the communicator directly).
+// instead of calling the communicator directly). Two streams that must not
+// wait for each other run over a communicator and its duplicate().
 #pragma once
 
 #include <condition_variable>
@@ -58,6 +59,14 @@ class Communicator {
   virtual void barrier() = 0;
   // Prints "zinc: [rank r] fatal: msg" and ends every rank of the job with `code`.
   [[noreturn]] virtual void abort(int code, const std::string& msg) = 0;
+  // A new communicator over the same ranks, with the same backend, whose
+  // collectives are independent of this one's: two threads may each drive
+  // one of them at the same time, and each keeps its own order (the engine
+  // runs parameter gathers and gradient reductions on two streams this way).
+  // Collective: every rank calls it at the same point. Returns null when the
+  // transport cannot run two communicators at once (MPI initialised below
+  // MPI_THREAD_MULTIPLE); the caller then shares this one.
+  virtual std::unique_ptr<Communicator> duplicate() = 0;
 };
 
 // Initialises MPI (thread level: at least serialized) unless the process has

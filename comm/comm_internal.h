@@ -64,6 +64,14 @@ std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes);
 // node, so one machine can exercise it.
 std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size);
 
+// The shared-memory (or, with `hierarchical`, the hierarchical) backend over
+// an MPI communicator of the same ranks, which it keeps for broadcast, the
+// f64 reductions, barrier and abort (make_communicator, comm_select.cpp).
+// Collective. fake_node_size > 0: each group of that many consecutive ranks
+// acts as a node. timeout_s: the longest wait for a peer in a collective.
+std::unique_ptr<Communicator> make_shm_backend(std::unique_ptr<Communicator> mpi, size_t slot_bytes,
+                                               int fake_node_size, bool hierarchical, double timeout_s);
+
 // Threads of this process blocked in CommHandle::wait or
 // CommStream::synchronize right now (any stream). While it is non-zero the
 // shm backend polls instead of sleeping: the caller has given up its core.

@@ -10,7 +10,8 @@
 // Threads: like every Communicator, one thread at a time (CommStream's thread
 // while a stream exists). MPI is initialised with MPI_THREAD_MULTIPLE
 // requested and at least MPI_THREAD_SERIALIZED required: the collectives run
-// on the stream's thread, not the thread that initialised MPI.
+// on the stream's thread, not the thread that initialised MPI. duplicate()
+// needs MPI_THREAD_MULTIPLE (two streams' threads in MPI at once).
 #include <mpi.h>
 
 #include <algorithm>
@@ -104,6 +105,13 @@ class MpiRuntime {
       throw err;
     }
     ++s.live;
+    s.thread_level = provided;
+  }
+
+  // The thread level MPI provides (valid while a communicator lives).
+  static int thread_level() {
+    std::scoped_lock lock(mu());
+    return state().thread_level;
   }
 
   static void release() {
@@ -118,6 +126,7 @@ class MpiRuntime {
  private:
   struct State {
     int live = 0;
+    int thread_level = MPI_THREAD_SINGLE;
     bool we_initialised = false;
   };
   // Never destroyed: a communicator released during static destruction must
@@ -225,6 +234,14 @@ class MpiCommunicator final : public Communicator {
   }
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+
+  // Another MPI_Comm_dup of MPI_COMM_WORLD: its own message space, so its
+  // collectives never match this one's. Two threads in MPI at once need
+  // MPI_THREAD_MULTIPLE.
+  std::unique_ptr<Communicator> duplicate() override {
+    if (MpiRuntime::thread_level() < MPI_THREAD_MULTIPLE) return nullptr;
+    return std::make_unique<MpiCommunicator>(chunk_count_, max_count_);
+  }
 
   [[noreturn]] void abort(int code, const std::string& msg) override {
     std::fprintf(stderr, "zinc: [rank %d] fatal: %s\n", rank_, msg.c_str());

@@ -1,7 +1,8 @@
-// Shared-memory backend of Communicator for the ranks of one machine, its
-// hierarchical variant for several machines (shm inside each, MPI between
-// them; Note [shm collectives: hierarchical layout]), and make_communicator
-// (backend selection).
+// Shared-memory backend of Communicator for the ranks of one machine, and
+// its hierarchical variant for several machines (shm inside each, MPI
+// between them; Note [shm collectives: hierarchical layout]). Its arithmetic
+// is in shm_reduce.cpp; make_communicator (backend selection) in
+// comm_select.cpp.
 //
 // Ownership: a ShmCommunicator owns an MPI communicator (make_mpi_communicator:
 // it keeps MPI initialised and serves broadcast, the f64 reductions, barrier
@@ -13,9 +14,9 @@
 //
 // Threads: like every Communicator, one thread at a time.
 //
-// Arithmetic: every element of a reduction is summed in fp32 in local rank
-// order 0..L-1, ((x0 + x1) + x2) + ..., independent of chunking, so results
-// are deterministic for a given world size. bf16 inputs are widened to fp32,
+// Arithmetic (shm_reduce.h): every element of a reduction is summed in fp32
+// in local rank order 0..L-1, ((x0 + x1) + x2) + ..., independent of
+// chunking, so results are deterministic for a given world size. bf16 inputs are widened to fp32,
 // summed in fp32 and rounded with zinc::float_to_bf16 once at the end (the MPI
 // backend rounds after every pairwise combination instead, so bf16 results of
 // the two backends may differ in the last bit).
@@ -38,122 +39,21 @@
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
-#include "core/cpu.h"
+#include "comm/shm_reduce.h"
 #include "core/log.h"
 
 namespace zinc::comm {
 namespace {
 
 using detail::comm_error;
+using detail::copy_out;
+using detail::kStreamMinBytes;
 using detail::mpi_error;
+using detail::reduce_sum;
 
 void check(int rc, const char* mpi_fn) {
   if (rc != MPI_SUCCESS) throw mpi_error(mpi_fn, rc);
 }
-
-// ---------------------------------------------------------------------------
-// Reduction kernels. The scalar loops are the reference and the only code:
-// contiguous, __restrict, no calls, so GCC vectorises each ISA variant
-// (ZINC_ISA_VARIANTS, core/cpu.h: chosen at run time, capped by
-// ONEDNN_MAX_CPU_ISA).
-
-constexpr int64_t kTile = 2048;  // fp32 accumulator elements per tile (8 KiB, stays in L1)
-
-ZINC_ALWAYS_INLINE void add_f32_body(float* __restrict acc, const float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
-}
-ZINC_ISA_VARIANTS(void, add_f32, (float* __restrict acc, const float* __restrict x, int64_t n), (acc, x, n))
-ZINC_ALWAYS_INLINE void add2_f32_body(float* __restrict acc, const float* __restrict a, const float* __restrict b,
-                              int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
-}
-ZINC_ISA_VARIANTS(void, add2_f32, (float* __restrict acc, const float* __restrict a, const float* __restrict b, int64_t n), (acc, a, b, n))
-ZINC_ALWAYS_INLINE void widen_bf16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = bits_float(static_cast<uint32_t>(x[i]) << 16);
-}
-ZINC_ISA_VARIANTS(void, widen_bf16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
-ZINC_ALWAYS_INLINE void add_bf16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += bits_float(static_cast<uint32_t>(x[i]) << 16);
-}
-ZINC_ISA_VARIANTS(void, add_bf16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
-ZINC_ALWAYS_INLINE void round_bf16_body(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(acc[i]).bits;
-}
-ZINC_ISA_VARIANTS(void, round_bf16, (uint16_t* __restrict out, const float* __restrict acc, int64_t n), (out, acc, n))
-
-// Outputs of at least this many bytes per call are written with
-// non-temporal stores: they leave the caches before they are read again, so
-// streaming skips the read-for-ownership of every output line (a third of the
-// memory traffic of a copy; bench/RESULTS.md, shared memory).
-constexpr size_t kStreamMinBytes = size_t{4} << 20;
-
-// memcpy through non-temporal 16-byte stores (SSE2, every x86-64) where dst
-// is aligned, ordinary copies for the unaligned head and the tail. The stores
-// are weakly ordered: a collective that streamed ends with an sfence (see
-// Note [shm collectives: memory ordering]).
-void stream_copy(void* dst, const void* src, size_t bytes) {
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(d) & 15));
-  std::memcpy(d, s, head);
-  d += head, s += head, bytes -= head;
-  for (; bytes >= 64; bytes -= 64, d += 64, s += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-  }
-  for (; bytes >= 16; bytes -= 16, d += 16, s += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-  }
-  std::memcpy(d, s, bytes);
-}
-
-void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
-  if (stream) {
-    stream_copy(dst, src, bytes);
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
-}
-
-// dst[i] = src[0][i] + src[1][i] + ... + src[L-1][i] (left to right, fp32),
-// i < n, and the same into dst2 unless it is null (dst2 streamed when
-// stream2). dst or dst2 may be one of the sources (the same elements): each
-// tile is read before it is written.
-void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int64_t n, DType dtype,
-                bool stream = false, bool stream2 = false) {
-  const size_t L = src.size();
-  alignas(64) float acc[kTile];
-  for (int64_t t = 0; t < n; t += kTile) {
-    const int64_t m = std::min(kTile, n - t);
-    if (dtype == DType::kF32) {
-      auto at = [&](size_t q) { return reinterpret_cast<const float*>(src[q]) + t; };
-      if (L == 1) {
-        std::memcpy(acc, at(0), static_cast<size_t>(m) * 4);
-      } else {
-        add2_f32(acc, at(0), at(1), m);
-        for (size_t q = 2; q < L; ++q) add_f32(acc, at(q), m);
-      }
-      copy_out(static_cast<float*>(dst) + t, acc, static_cast<size_t>(m) * 4, stream);
-      if (dst2) copy_out(static_cast<float*>(dst2) + t, acc, static_cast<size_t>(m) * 4, stream2);
-    } else {
-      auto at = [&](size_t q) { return reinterpret_cast<const uint16_t*>(src[q]) + t; };
-      alignas(64) uint16_t rounded[kTile];
-      widen_bf16(acc, at(0), m);
-      for (size_t q = 1; q < L; ++q) add_bf16(acc, at(q), m);
-      round_bf16(rounded, acc, m);
-      copy_out(static_cast<uint16_t*>(dst) + t, rounded, static_cast<size_t>(m) * 2, stream);
-      if (dst2) copy_out(static_cast<uint16_t*>(dst2) + t, rounded, static_cast<size_t>(m) * 2, stream2);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------
 
 // Note [shm collectives: memory ordering]
 // Each local rank q owns one 64-bit sequence flag (in its control line) and
@@ -260,7 +160,11 @@ class ShmCommunicator final : public Communicator {
   // timeout_s: the longest wait for a peer inside a collective.
   ShmCommunicator(std::unique_ptr<Communicator> mpi, size_t slot_bytes, int fake_node_size, bool hierarchical,
                   double timeout_s)
-      : mpi_(std::move(mpi)), hierarchical_(hierarchical), timeout_s_(timeout_s) {
+      : mpi_(std::move(mpi)),
+        hierarchical_(hierarchical),
+        slot_bytes_(slot_bytes),
+        fake_node_size_(fake_node_size),
+        timeout_s_(timeout_s) {
     const int rank = mpi_->rank(), size = mpi_->size();
     try {
       check(MPI_Comm_dup(MPI_COMM_WORLD, &world_), "MPI_Comm_dup");
@@ -405,6 +309,15 @@ class ShmCommunicator final : public Communicator {
   [[noreturn]] void abort(int code, const std::string& msg) override {
     mpi_->abort(code, msg);
     std::_Exit(code);  // not reached: the MPI backend's abort does not return
+  }
+  // A second window and node/cross communicators over a duplicate of the
+  // MPI communicator: its flags and slots are its own, so its collectives
+  // never wait for this one's.
+  std::unique_ptr<Communicator> duplicate() override {
+    std::unique_ptr<Communicator> mpi = mpi_->duplicate();
+    if (!mpi) return nullptr;
+    return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_, fake_node_size_, hierarchical_,
+                                             timeout_s_);
   }
 
  private:
@@ -639,6 +552,8 @@ class ShmCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> mpi_;  // declared first: destroyed last (it may finalise MPI)
   const bool hierarchical_;
+  const size_t slot_bytes_;     // as constructed (duplicate)
+  const int fake_node_size_;    // as constructed (duplicate)
   MPI_Comm world_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;  // hierarchical only
   MPI_Op bf16_sum_ = MPI_OP_NULL;               // hierarchical only
@@ -655,82 +570,14 @@ class ShmCommunicator final : public Communicator {
   const char* op_ = "";           // the collective running (error messages)
 };
 
-std::string env_or(const char* var, const std::string& fallback) {
-  const char* v = std::getenv(var);
-  return v && *v ? std::string(v) : fallback;
-}
-
-size_t slot_bytes_from_env() {
-  const char* v = std::getenv("ZINC_SHM_SLOT_BYTES");
-  return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 0)) : detail::kShmSlotBytes;
-}
-
-// ZINC_COMM_TIMEOUT (seconds) when set, else `fallback`.
-double timeout_from_env(double fallback) {
-  const char* v = std::getenv("ZINC_COMM_TIMEOUT");
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const double t = std::strtod(v, &end);
-  if (*end != '\0' || !(t > 0)) {
-    throw CommError(std::string("rank ?: make_communicator: ZINC_COMM_TIMEOUT=\"") + v +
-                    "\" is not a positive number of seconds");
-  }
-  return t;
-}
-
-int fake_node_size_from_env() {
-  const char* v = std::getenv("ZINC_COMM_FAKE_NODE_SIZE");
-  return v && *v ? std::atoi(v) : 0;
-}
-
 }  // namespace
 
 namespace detail {
 
-std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes) {
-  return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size_from_env(),
-                                           /*hierarchical=*/false, timeout_from_env(kCommTimeoutSeconds));
-}
-
-std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size) {
-  return std::make_unique<ShmCommunicator>(comm::make_mpi_communicator(), slot_bytes, fake_node_size,
-                                           /*hierarchical=*/true, timeout_from_env(kCommTimeoutSeconds));
+std::unique_ptr<Communicator> make_shm_backend(std::unique_ptr<Communicator> mpi, size_t slot_bytes,
+                                               int fake_node_size, bool hierarchical, double timeout_s) {
+  return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes, fake_node_size, hierarchical, timeout_s);
 }
 
 }  // namespace detail
-
-std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, double timeout_seconds) {
-  const char* env = std::getenv("ZINC_COMM_BACKEND");
-  const bool from_env = env && *env;
-  std::string mode = env_or("ZINC_COMM_BACKEND", mode_arg);
-  if (mode != "mpi" && mode != "shm" && mode != "hierarchical" && mode != "auto") {
-    throw CommError("rank ?: make_communicator: unknown backend \"" + mode +
-                    "\" (expected mpi, shm, hierarchical or auto; from " +
-                    (from_env ? "ZINC_COMM_BACKEND" : "the argument") + ")");
-  }
-  if (!(timeout_seconds > 0)) {
-    throw CommError("rank ?: make_communicator: the timeout must be a positive number of seconds, not " +
-                    std::to_string(timeout_seconds));
-  }
-  const double timeout = timeout_from_env(timeout_seconds);
-  std::unique_ptr<Communicator> mpi = make_mpi_communicator();
-  if (mode == "mpi") return mpi;
-  const int fake = fake_node_size_from_env();
-  if (mode == "auto") {
-    if (mpi->size() == 1) return mpi;
-    // From the topology alone: shm when every rank is on this machine,
-    // hierarchical when some are not. (Session 1 kept MPI on machines with
-    // fewer cores than two threads per rank; the engine measurements in
-    // bench/RESULTS.md, shared memory, show Open MPI no faster there, its
-    // polling only hides its waiting in the compute thread's lost CPU time.)
-    // Every rank reaches the same answer through a max-reduction.
-    const int node_size = fake > 0 ? fake : mpi->local_size();
-    double several_nodes = node_size != mpi->size() ? 1.0 : 0.0;
-    mpi->all_reduce_max_f64(&several_nodes, 1);
-    mode = several_nodes > 0 ? "hierarchical" : "shm";
-  }
-  return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical",
-                                           timeout);
-}
-
 }  // namespace zinc::comm

@@ -52,6 +52,7 @@ class SingleCommunicator final : public Communicator {
     // threads still run, and static destructors must not race them.
     std::_Exit(code);
   }
+  std::unique_ptr<Communicator> duplicate() override { return std::make_unique<SingleCommunicator>(); }
 };
 
 }  // namespace

@@ -133,6 +133,10 @@ TEST(CommStream, WaitSecondsCountOnlyTheTimeCallersAreBlocked) {
   EXPECT_GE(stream.wait_seconds(), 0.05);
 }
 
+TEST(CommStream, StreamsOverACommunicatorAndItsDuplicateDoNotWaitForEachOther) {
+  expect_duplicate_streams_independent(world());
+}
+
 TEST(CommStream, DestructorRunsEverythingQueued) {
   std::atomic<int> ran{0};
   {

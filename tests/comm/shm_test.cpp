@@ -211,6 +211,17 @@ TEST(ShmCollective, ZeroCountsReturnWithoutCommunicating) {
   EXPECT_EQ(x, 1.5f);
 }
 
+// Each duplicate has its own window: collectives on two streams at once,
+// chunked through small slots, stay correct (comm_test_util.h).
+TEST(ShmDuplicate, StreamsOnTheCommunicatorAndItsDuplicateDoNotWaitForEachOther) {
+  expect_duplicate_streams_independent(*g_shm);
+  expect_duplicate_streams_independent(*g_tiny);
+}
+
+TEST(Hierarchical, StreamsOnTheCommunicatorAndItsDuplicateDoNotWaitForEachOther) {
+  expect_duplicate_streams_independent(*g_hier);
+}
+
 TEST(ShmCollective, DelegatedCollectivesWork) {
   Communicator& c = *g_shm;
   double v[2] = {1.0, static_cast<double>(c.rank())};

@@ -65,6 +65,11 @@ TEST(SingleCommunicator, RejectsTheSameArgumentsAsMpi) {
             "rank 0: all_reduce: count must be >= 0, got -5");
 }
 
+TEST(SingleCommunicator, DuplicateDrivesAnIndependentStream) {
+  auto c = make_single_communicator();
+  expect_duplicate_streams_independent(*c);
+}
+
 TEST(SingleCommunicator, DrivesACommStream) {
   auto c = make_single_communicator();
   CommStream stream(*c);

@@ -1,0 +1,90 @@
+// make_communicator: picks the backend for a job (MPI, shared memory,
+// hierarchical) from the argument, the topology and the environment
+// (comm.h), and the test factories of comm_internal.h.
+#include <cstdlib>
+#include <string>
+
+#include "comm/comm.h"
+#include "comm/comm_internal.h"
+
+namespace zinc::comm {
+namespace {
+
+std::string env_or(const char* var, const std::string& fallback) {
+  const char* v = std::getenv(var);
+  return v && *v ? std::string(v) : fallback;
+}
+
+size_t slot_bytes_from_env() {
+  const char* v = std::getenv("ZINC_SHM_SLOT_BYTES");
+  return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 0)) : detail::kShmSlotBytes;
+}
+
+// ZINC_COMM_TIMEOUT (seconds) when set, else `fallback`.
+double timeout_from_env(double fallback) {
+  const char* v = std::getenv("ZINC_COMM_TIMEOUT");
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const double t = std::strtod(v, &end);
+  if (*end != '\0' || !(t > 0)) {
+    throw CommError(std::string("rank ?: make_communicator: ZINC_COMM_TIMEOUT=\"") + v +
+                    "\" is not a positive number of seconds");
+  }
+  return t;
+}
+
+int fake_node_size_from_env() {
+  const char* v = std::getenv("ZINC_COMM_FAKE_NODE_SIZE");
+  return v && *v ? std::atoi(v) : 0;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes) {
+  return make_shm_backend(comm::make_mpi_communicator(), slot_bytes, fake_node_size_from_env(),
+                          /*hierarchical=*/false, timeout_from_env(kCommTimeoutSeconds));
+}
+
+std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size) {
+  return make_shm_backend(comm::make_mpi_communicator(), slot_bytes, fake_node_size,
+                          /*hierarchical=*/true, timeout_from_env(kCommTimeoutSeconds));
+}
+
+}  // namespace detail
+
+std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, double timeout_seconds) {
+  const char* env = std::getenv("ZINC_COMM_BACKEND");
+  const bool from_env = env && *env;
+  std::string mode = env_or("ZINC_COMM_BACKEND", mode_arg);
+  if (mode != "mpi" && mode != "shm" && mode != "hierarchical" && mode != "auto") {
+    throw CommError("rank ?: make_communicator: unknown backend \"" + mode +
+                    "\" (expected mpi, shm, hierarchical or auto; from " +
+                    (from_env ? "ZINC_COMM_BACKEND" : "the argument") + ")");
+  }
+  if (!(timeout_seconds > 0)) {
+    throw CommError("rank ?: make_communicator: the timeout must be a positive number of seconds, not " +
+                    std::to_string(timeout_seconds));
+  }
+  const double timeout = timeout_from_env(timeout_seconds);
+  std::unique_ptr<Communicator> mpi = make_mpi_communicator();
+  if (mode == "mpi") return mpi;
+  const int fake = fake_node_size_from_env();
+  if (mode == "auto") {
+    if (mpi->size() == 1) return mpi;
+    // From the topology alone: shm when every rank is on this machine,
+    // hierarchical when some are not. (Session 1 kept MPI on machines with
+    // fewer cores than two threads per rank; the engine measurements in
+    // bench/RESULTS.md, shared memory, show Open MPI no faster there, its
+    // polling only hides its waiting in the compute thread's lost CPU time.)
+    // Every rank reaches the same answer through a max-reduction.
+    const int node_size = fake > 0 ? fake : mpi->local_size();
+    double several_nodes = node_size != mpi->size() ? 1.0 : 0.0;
+    mpi->all_reduce_max_f64(&several_nodes, 1);
+    mode = several_nodes > 0 ? "hierarchical" : "shm";
+  }
+  return detail::make_shm_backend(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical", timeout);
+}
+
+}  // namespace zinc::comm
