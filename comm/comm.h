@@ -17,7 +17,7 @@
 // one background thread that runs submitted work in order; while a stream
 // exists, only the stream's thread may use its communicator (submit the work
 // instead of calling the communicator directly). Two streams that must not
-// wait for each other run over a communicator and its duplicate().
+// wait for each other run over a communicator and its twin().
 #pragma once
 
 #include <condition_variable>
@@ -61,12 +61,25 @@ class Communicator {
   [[noreturn]] virtual void abort(int code, const std::string& msg) = 0;
   // A new communicator over the same ranks, with the same backend, whose
   // collectives are independent of this one's: two threads may each drive
-  // one of them at the same time, and each keeps its own order (the engine
-  // runs parameter gathers and gradient reductions on two streams this way).
-  // Collective: every rank calls it at the same point. Returns null when the
-  // transport cannot run two communicators at once (MPI initialised below
-  // MPI_THREAD_MULTIPLE); the caller then shares this one.
+  // one of them at the same time, and each keeps its own order. Collective:
+  // every rank calls it at the same point, and destroys the result at the
+  // same point (the shm backend's teardown synchronises the ranks). Returns
+  // null when the transport cannot run two communicators at once (MPI
+  // initialised below MPI_THREAD_MULTIPLE); the caller then shares this one.
   virtual std::unique_ptr<Communicator> duplicate() = 0;
+
+  // This communicator's own duplicate, made by the first call (collective,
+  // like duplicate()) and kept until this communicator goes. The engine
+  // runs parameter gathers on it and gradient reductions on this one, two
+  // streams that never wait for each other. Owned here rather than by the
+  // engine so that an engine torn down by an exception on one rank never
+  // waits in a teardown for ranks that are elsewhere (they are ended by
+  // abort()). Null where duplicate() is.
+  Communicator* twin();
+
+ private:
+  std::unique_ptr<Communicator> twin_;
+  bool twin_made_ = false;
 };
 
 // Initialises MPI (thread level: at least serialized) unless the process has

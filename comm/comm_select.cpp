@@ -1,6 +1,6 @@
 // make_communicator: picks the backend for a job (MPI, shared memory,
 // hierarchical) from the argument, the topology and the environment
-// (comm.h), and the test factories of comm_internal.h.
+// (comm.h), and the test factories of comm_internal.h; Communicator::twin.
 #include <cstdlib>
 #include <string>
 
@@ -85,6 +85,14 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
     mode = several_nodes > 0 ? "hierarchical" : "shm";
   }
   return detail::make_shm_backend(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical", timeout);
+}
+
+Communicator* Communicator::twin() {
+  if (!twin_made_) {
+    twin_ = duplicate();
+    twin_made_ = true;
+  }
+  return twin_.get();
 }
 
 }  // namespace zinc::comm

@@ -84,7 +84,13 @@ struct Engine::Impl final : StepContext {
   Config cfg;
   std::shared_ptr<Model> model;
   std::shared_ptr<comm::Communicator> comm;
-  std::unique_ptr<comm::CommStream> stream;  // world > 1 only
+  // Two ordered streams (world > 1 only): gradient reductions and the
+  // gradient-norm sum on `reduce_stream` over `comm`; parameter gathers on
+  // `gather_stream` over comm's twin (Communicator::twin), so a gather never
+  // queues behind a reduction. Where the transport has no twin (MPI below
+  // MPI_THREAD_MULTIPLE) both are the one stream.
+  std::unique_ptr<comm::CommStream> reduce_stream, own_gather_stream;
+  comm::CommStream* gather_stream = nullptr;
   int world = 1, rank = 0;
   StagePlan plan;
   DType dtype;
@@ -120,7 +126,7 @@ struct Engine::Impl final : StepContext {
     }
     plan = StagePlan::make(c.zero.stage, world);
     offload_device = c.zero.offload_optimizer.device;
-    if (world > 1) stream = std::make_unique<comm::CommStream>(*comm);
+    if (world > 1) make_streams();
     adam.lr = c.optimizer.lr;
     adam.beta1 = c.optimizer.beta1;
     adam.beta2 = c.optimizer.beta2;
@@ -134,12 +140,28 @@ struct Engine::Impl final : StepContext {
 
   ~Impl() override {
     // Work in flight refers to our buffers: let it finish before they go.
-    if (stream) {
+    for (comm::CommStream* st : {reduce_stream.get(), own_gather_stream.get()}) {
+      if (!st) continue;
       try {
-        stream->synchronize();
+        st->synchronize();
       } catch (const std::exception& e) {
         log_error(std::string("engine shutdown: a collective failed: ") + e.what());
       }
+    }
+  }
+
+  void make_streams() {
+    reduce_stream = std::make_unique<comm::CommStream>(*comm);
+    comm::Communicator* twin = comm->twin();  // collective the first time: every rank, here
+    if (twin) {
+      own_gather_stream = std::make_unique<comm::CommStream>(*twin);
+      gather_stream = own_gather_stream.get();
+    } else {
+      if (rank == 0)
+        log_warn("the " + comm->backend() +
+                 " transport cannot run two communicators at once (MPI without MPI_THREAD_MULTIPLE): "
+                 "parameter gathers share the gradient reductions' stream");
+      gather_stream = reduce_stream.get();
     }
   }
 
@@ -196,8 +218,8 @@ struct Engine::Impl final : StepContext {
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == "bf16";
-    reducer = std::make_unique<GradReducer>(plan, blocks, stream.get(), memory, ro);
-    params = std::make_unique<ParamCoordinator>(blocks, dtype);
+    reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
+    params = std::make_unique<ParamCoordinator>(blocks, dtype, gather_stream, cfg.zero.allgather_bucket_size);
   }
 
   // ---- StepContext --------------------------------------------------------------
@@ -287,8 +309,8 @@ struct Engine::Impl final : StepContext {
     double sums[2] = {0.0, loss_sum};
     for (BlockShard& s : blocks)
       sums[0] += optim::grad_squared_norm(reducer->reduced_shard(s), DType::kF32, s.part.shard_numel);
-    if (stream) {
-      stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
+    if (reduce_stream) {
+      reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
     }
     // Gradients are sums over ranks and micro-batches of per-micro-batch
     // mean-loss gradients: the mean is 1/(world * gas) of that.
@@ -306,7 +328,7 @@ struct Engine::Impl final : StepContext {
       adam.lr = lr;
       optimizer_steps += 1;
       update_all(grad_scale);
-      if (plan.gather_params_after_step) gather_params();
+      if (plan.gather_params_after_step) params->gather_after_step();
     }
     reducer->reset_after_step();
     last_loss = sums[1] / static_cast<double>(loss_count * world);
@@ -334,40 +356,13 @@ struct Engine::Impl final : StepContext {
     opt_state->for_each([&](const StateSpan& sp) { update_span(sp, grad_scale); });
   }
 
-  // Stages 1 and 2: every rank's updated shard to every rank, in buckets of
-  // allgather_bucket_size elements, in place in the compute copy.
-  void gather_params() {
-    std::vector<BlockShard*> group;
-    int64_t group_numel = 0;
-    const DType dt = dtype;
-    auto submit = [&] {
-      if (group.empty()) return;
-      stream->submit([group, dt](comm::Communicator& c) {
-        for (BlockShard* s : group) {
-          const size_t es = dtype_bytes(dt);
-          char* base = s->compute.as<char>();
-          c.all_gather(base + static_cast<size_t>(s->part.own_offset()) * es, base, s->part.shard_numel, dt);
-        }
-      });
-      group.clear();
-      group_numel = 0;
-    };
-    for (BlockShard& s : blocks) {
-      group.push_back(&s);
-      group_numel += s.part.padded_numel;
-      if (group_numel >= cfg.zero.allgather_bucket_size) submit();
-    }
-    submit();
-    stream->synchronize();
-  }
-
   std::vector<float> full_params(int block) {
     BlockShard& s = state(block);
     std::vector<float> own(static_cast<size_t>(s.opt_numel));
     opt_state->read_master(block, own.data());
     if (plan.optimizer_spans_block || world == 1) return own;
     std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
-    stream->submit([&](comm::Communicator& c) {
+    gather_stream->submit([&](comm::Communicator& c) {
       c.all_gather(own.data(), out.data(), s.part.shard_numel, DType::kF32);
     }).wait();
     return out;
@@ -429,8 +424,18 @@ int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
 int Engine::rank() const { return impl_->rank; }
 int Engine::world_size() const { return impl_->world; }
-double Engine::comm_wait_seconds() const { return impl_->stream ? impl_->stream->wait_seconds() : 0.0; }
-double Engine::comm_busy_seconds() const { return impl_->stream ? impl_->stream->busy_seconds() : 0.0; }
+double Engine::comm_wait_seconds() const {
+  double s = 0;
+  for (const comm::CommStream* st : {impl_->reduce_stream.get(), impl_->own_gather_stream.get()})
+    if (st) s += st->wait_seconds();
+  return s;
+}
+double Engine::comm_busy_seconds() const {
+  double s = 0;
+  for (const comm::CommStream* st : {impl_->reduce_stream.get(), impl_->own_gather_stream.get()})
+    if (st) s += st->busy_seconds();
+  return s;
+}
 const Config& Engine::config() const { return impl_->cfg; }
 Model& Engine::model() { return *impl_->model; }
 DType Engine::compute_dtype() const { return impl_->dtype; }

@@ -87,7 +87,8 @@ class Engine {
   int rank() const;
   int world_size() const;
   // Seconds the training thread spent blocked on communication (exposed,
-  // not overlapped), and seconds the comm thread spent in collectives.
+  // not overlapped), and seconds the comm threads spent in collectives (the
+  // reduction and the gather stream together).
   double comm_wait_seconds() const;
   double comm_busy_seconds() const;
 

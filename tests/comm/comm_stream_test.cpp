@@ -137,6 +137,17 @@ TEST(CommStream, StreamsOverACommunicatorAndItsDuplicateDoNotWaitForEachOther) {
   expect_duplicate_streams_independent(world());
 }
 
+TEST(CommStream, TheTwinIsMadeOnceAndKeptByItsCommunicator) {
+  Communicator* t = world().twin();
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(world().twin(), t);
+  EXPECT_EQ(t->size(), world().size());
+  EXPECT_EQ(t->backend(), world().backend());
+  double x = 1.0;
+  t->all_reduce_f64(&x, 1);
+  EXPECT_EQ(x, static_cast<double>(world().size()));
+}
+
 TEST(CommStream, DestructorRunsEverythingQueued) {
   std::atomic<int> ran{0};
   {
