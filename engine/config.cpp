@@ -1,6 +1,6 @@
 // zinc engine: the config's section parsers and Config::parse (see
 // config.h). Every section parser walks its JSON object through a Reader
-// (engine/detail/config_reader.h). Cross-field rules live in
+// (engine/config_reader.h). Cross-field rules live in
 // Config::validate() (config_validate.cpp), which parse() calls last; files
 // and --set overrides are config_file.cpp's.
 #include "engine/config.h"
@@ -17,13 +17,12 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/detail/config_experiment.h"
-#include "engine/detail/config_reader.h"
+#include "engine/config_reader.h"
 
 namespace zinc {
 namespace {
 
-using namespace config_detail;
+using namespace config;
 
 // ---------------------------------------------------------------------------
 // Section parsers, one per struct.
@@ -41,8 +40,9 @@ void parse_batch(Reader& r, Config& c) {
   for (auto [name, v] : {std::pair{"train_batch_size", tbs},
                          {"train_micro_batch_size_per_gpu", mbs},
                          {"gradient_accumulation_steps", gas}}) {
-    if (v > kMaxBatch) {
-      throw ConfigError(name, "must be <= " + std::to_string(kMaxBatch) + ", got " + std::to_string(v));
+    if (v > Config::kMaxBatch) {
+      throw ConfigError(name,
+                        "must be <= " + std::to_string(Config::kMaxBatch) + ", got " + std::to_string(v));
     }
   }
   const int64_t ws = c.world_size;
@@ -567,7 +567,7 @@ void parse_unimplemented(Reader& r) {
 
 // ---------------------------------------------------------------------------
 
-Config Config::parse(const json& j, int world_size) {
+Config Config::parse(const json& j, int world_size, const std::vector<std::string>& caller_sections) {
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   Config c;
   c.world_size = world_size;
@@ -583,11 +583,7 @@ Config Config::parse(const json& j, int world_size) {
   parse_aio(r, c.aio);
   parse_monitors(r, c.csv_monitor);
   parse_unimplemented(r);
-  parse_model(r, c.model);
-  parse_data(r, c.data);
-  parse_run(r, c.run);
-  c.seed = c.run.seed;
-  config_detail::parse_comm(r, c.comm);
+  for (const std::string& key : caller_sections) r.skip(key);
   r.finish();
   c.validate();
   return c;

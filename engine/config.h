@@ -1,5 +1,4 @@
-// zinc engine: the run configuration (DeepSpeed's ds_config JSON plus zinc's
-// `model`, `data` and `run` sections for config-only experiments).
+// zinc engine: the run configuration, DeepSpeed's ds_config JSON.
 //
 // Keys, defaults and meanings follow DeepSpeed (0.19 where its docs and code
 // disagree). Parsing is strict: a wrong type, an out-of-range value, an
@@ -7,6 +6,11 @@
 // suggested) throws zinc::ConfigError naming the JSON path, the value and the
 // rule. A DeepSpeed key zinc knows but does not implement is a warning that
 // says it is ignored, or an error where ignoring it would change the result.
+// A document may carry sections of its own beside the DeepSpeed ones (such as
+// zinc-train's `model`, `data`, `run` and `comm`, parsed by
+// tools/experiment_config.h): the caller names them to parse(), which leaves
+// them to it and still rejects every other unknown key. Parsers of such
+// sections use the engine's reader (engine/config_reader.h).
 // Plain data; thread-compatible.
 #pragma once
 
@@ -16,8 +20,6 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
-
-#include "data/data.h"
 
 namespace zinc {
 
@@ -88,41 +90,6 @@ struct CsvMonitorConfig {
   std::string job_name = "DeepSpeedJobName";
 };
 
-// zinc's `model` section: the built-in model to train.
-struct ModelConfig {
-  std::string type = "gpt";  // "gpt" | "mlp"
-  int64_t vocab_size = 0;    // 0 = take the data source's vocabulary
-  int64_t block_size = 0;    // gpt: max sequence length (0 = data.seq_len)
-  int64_t n_layer = 4;
-  int64_t n_head = 4;
-  int64_t n_embd = 128;
-  // mlp: next-token MLP over the previous `context` tokens' embeddings
-  int64_t context = 4;
-  int64_t hidden = 512;
-};
-
-// zinc's `run` section: how long and what to log/save.
-struct RunConfig {
-  int64_t steps = 100;       // optimizer steps
-  uint64_t seed = 42;        // model init and data order
-  int64_t eval_interval = 0; // 0 = no evaluation
-  int64_t eval_batches = 4;
-  int64_t checkpoint_interval = 0;  // 0 = none
-  std::string output_dir = "runs/default";
-};
-
-// zinc's `comm` section: how ranks talk.
-struct CommConfig {
-  // "auto": shared memory between the ranks of one machine, hierarchical
-  // (shared memory inside machines, MPI between them) across machines;
-  // "mpi", "shm", "hierarchical" force one (for comparison). The environment
-  // variable ZINC_COMM_BACKEND overrides it.
-  std::string backend = "auto";
-  // The longest a shared-memory collective waits for another rank before it
-  // fails with an error naming that rank (ZINC_COMM_TIMEOUT overrides it).
-  double timeout_seconds = 600;
-};
-
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -145,25 +112,23 @@ struct Config {
   AioConfig aio;
   CsvMonitorConfig csv_monitor;
 
-  // zinc sections
-  ModelConfig model;
-  DataConfig data;
-  RunConfig run;
-  CommConfig comm;
-
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
+  // The largest batch size (and factor of it) a config may give: products of
+  // the batch triad stay far from int64 overflow.
+  static constexpr int64_t kMaxBatch = int64_t{1} << 40;
+
   // Parses and validates; world_size is the data-parallel size the batch
-  // triad must fit. Throws ConfigError.
-  static Config parse(const nlohmann::json& j, int world_size = 1);
-  // Only the `comm` section, strictly (ConfigError naming the path), for
-  // picking the transport before the world size and so the rest of the
-  // config are known. A document that is not an object gives the defaults
-  // (parse() reports it).
-  static CommConfig parse_comm(const nlohmann::json& j);
+  // triad must fit. `caller_sections` names top-level keys that the caller
+  // parses itself (keys the engine does not read): parse() leaves them alone
+  // but counts them as known, so a misspelt one still gets "did you mean".
+  // Any other key the engine does not know is an error. Throws ConfigError.
+  static Config parse(const nlohmann::json& j, int world_size = 1,
+                      const std::vector<std::string>& caller_sections = {});
   // Reads the file (IoError if missing/unreadable, ConfigError with line and
   // column on a JSON syntax error) and parses it.
-  static Config load(const std::string& path, int world_size = 1);
+  static Config load(const std::string& path, int world_size = 1,
+                     const std::vector<std::string>& caller_sections = {});
   // Cross-field checks (called by parse).
   void validate() const;
 };

@@ -7,11 +7,11 @@
 #include <sstream>
 
 #include "engine/config.h"
-#include "engine/detail/config_reader.h"
+#include "engine/config_reader.h"
 
 namespace zinc {
 
-using namespace config_detail;
+using namespace config;
 
 namespace {
 
@@ -82,7 +82,9 @@ json read_json_file(const std::string& path) {
   return j;
 }
 
-Config Config::load(const std::string& path, int world_size) { return parse(read_json_file(path), world_size); }
+Config Config::load(const std::string& path, int world_size, const std::vector<std::string>& caller_sections) {
+  return parse(read_json_file(path), world_size, caller_sections);
+}
 
 void apply_override(json& j, const std::string& assignment) {
   auto eq = assignment.find('=');

@@ -2,11 +2,11 @@
 // triad, stage and offload combinations, ...), for parsed configs and for
 // configs built in code alike.
 #include "engine/config.h"
-#include "engine/detail/config_reader.h"
+#include "engine/config_reader.h"
 
 namespace zinc {
 
-using namespace config_detail;
+using namespace config;
 
 void Config::validate() const {
   // The batch triad, for configs built in code as well as parsed ones.
@@ -55,27 +55,6 @@ void Config::validate() const {
       scheduler.total_num_steps < 1) {
     throw ConfigError("scheduler.params.total_num_steps",
                       "required for " + scheduler.type + " (the step at which the decay ends)");
-  }
-
-  // zinc's own sections.
-  if (model.type == "gpt") {
-    if (model.n_embd % model.n_head != 0) {
-      throw ConfigError("model.n_embd", "must be divisible by n_head " + std::to_string(model.n_head) +
-                                            ", got " + std::to_string(model.n_embd));
-    }
-    if (model.block_size > 0 && model.block_size < data.seq_len) {
-      throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
-                                                ", got " + std::to_string(model.block_size));
-    }
-  }
-  int64_t data_vocab = data.type == "synthetic" ? data.vocab_size : data.type == "text" ? 256 : 0;
-  if (model.vocab_size > 0 && data_vocab > 0 && model.vocab_size < data_vocab) {
-    throw ConfigError("model.vocab_size", "must be >= the data's vocabulary " + std::to_string(data_vocab) +
-                                              " (or 0 to take it from the data), got " +
-                                              std::to_string(model.vocab_size));
-  }
-  if ((data.type == "text" || data.type == "tokens") && data.path.empty()) {
-    throw ConfigError("data.path", "required for type \"" + data.type + "\" (the file to read)");
   }
 
   // ZeRO: inconsistent combinations first, then what zinc does not do yet.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "core/alloc.h"
 #include "core/error.h"
@@ -48,12 +49,7 @@ struct LayerActs {
 class Gpt final : public Model {
  public:
   explicit Gpt(const GptConfig& c) : c_(c) {
-    if (c.vocab_size < 2) throw Error("gpt: vocab_size must be >= 2, got " + std::to_string(c.vocab_size));
-    if (c.n_layer < 1 || c.n_head < 1 || c.n_embd < 1 || c.block_size < 1)
-      throw Error("gpt: n_layer, n_head, n_embd and block_size must be >= 1");
-    if (c.n_embd % c.n_head != 0)
-      throw Error("gpt: n_embd (" + std::to_string(c.n_embd) + ") must be divisible by n_head (" +
-                  std::to_string(c.n_head) + ")");
+    if (auto bad = size_error(c)) throw Error("gpt: " + bad->field + ": " + bad->message);
     const int64_t C = c.n_embd, V = c.vocab_size;
     const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
     specs_.push_back({"embed", {{"wte", {V, C}}, {"wpe", {c.block_size, C}}}});
@@ -248,6 +244,22 @@ class Gpt final : public Model {
 };
 
 }  // namespace
+
+std::optional<SizeError> size_error(const GptConfig& c) {
+  if (c.vocab_size < 2) return SizeError{"vocab_size", "must be >= 2, got " + std::to_string(c.vocab_size)};
+  for (auto [field, v] : {std::pair<const char*, int64_t>{"n_layer", c.n_layer},
+                          {"n_head", c.n_head},
+                          {"n_embd", c.n_embd},
+                          {"block_size", c.block_size}}) {
+    if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
+  }
+  // Attention splits the embedding evenly across the heads.
+  if (c.n_embd % c.n_head != 0) {
+    return SizeError{"n_embd", "must be divisible by n_head " + std::to_string(c.n_head) + ", got " +
+                                   std::to_string(c.n_embd)};
+  }
+  return std::nullopt;
+}
 
 std::shared_ptr<Model> make_gpt(const GptConfig& cfg) { return std::make_shared<Gpt>(cfg); }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "core/alloc.h"
 #include "core/error.h"
@@ -19,8 +20,7 @@ using kernels::CView;
 class Mlp final : public Model {
  public:
   explicit Mlp(const MlpConfig& c) : c_(c) {
-    if (c.vocab_size < 2 || c.context < 1 || c.n_embd < 1 || c.hidden < 1 || c.n_layer < 1)
-      throw Error("mlp: vocab_size must be >= 2 and context, n_embd, hidden, n_layer >= 1");
+    if (auto bad = size_error(c)) throw Error("mlp: " + bad->field + ": " + bad->message);
     specs_.push_back({"embed", {{"wte", {c.vocab_size, c.n_embd}}}});
     for (int64_t l = 0; l < c.n_layer; ++l) {
       int64_t in = l == 0 ? c.context * c.n_embd : c.hidden;
@@ -172,6 +172,17 @@ class Mlp final : public Model {
 };
 
 }  // namespace
+
+std::optional<SizeError> size_error(const MlpConfig& c) {
+  if (c.vocab_size < 2) return SizeError{"vocab_size", "must be >= 2, got " + std::to_string(c.vocab_size)};
+  for (auto [field, v] : {std::pair<const char*, int64_t>{"context", c.context},
+                          {"n_embd", c.n_embd},
+                          {"hidden", c.hidden},
+                          {"n_layer", c.n_layer}}) {
+    if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
+  }
+  return std::nullopt;
+}
 
 std::shared_ptr<Model> make_mlp(const MlpConfig& cfg) { return std::make_shared<Mlp>(cfg); }
 

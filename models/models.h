@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "engine/model.h"
 
@@ -39,7 +41,22 @@ struct MlpConfig {
   int64_t n_layer = 2;
 };
 
-// Throw zinc::Error for inconsistent sizes (e.g. n_embd % n_head != 0).
+// A size rule a model config breaks: the field, named as in the struct (and
+// in zinc-train's `model` section), and what is wrong with it, e.g.
+// {"n_embd", "must be divisible by n_head 3, got 100"}.
+struct SizeError {
+  std::string field;
+  std::string message;
+};
+
+// The first size rule `cfg` breaks, or nothing: the one place the models'
+// size rules live. make_gpt / make_mlp throw it; zinc-train reports it at
+// the JSON path of the field.
+std::optional<SizeError> size_error(const GptConfig& cfg);
+std::optional<SizeError> size_error(const MlpConfig& cfg);
+
+// Throw zinc::Error("gpt: FIELD: MESSAGE") (or "mlp: ...") for the first
+// rule size_error() finds broken.
 std::shared_ptr<Model> make_gpt(const GptConfig& cfg);
 std::shared_ptr<Model> make_mlp(const MlpConfig& cfg);
 

@@ -2,6 +2,8 @@
 
 #include <sys/resource.h>
 
+#include <utility>
+
 #include "core/cpu.h"
 #include "core/error.h"
 #include "kernels/kernels.h"
@@ -12,11 +14,13 @@ namespace zinc::tools {
 
 Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   Experiment e;
-  e.config = Config::parse(doc, world_size);
-  const ModelConfig& m = e.config.model;
-  e.data = make_data_source(e.config.data);
-  if (e.config.run.eval_interval > 0) {
-    e.eval_data = make_eval_data_source(e.config.data);
+  ParsedExperiment parsed = parse_experiment(doc, world_size);
+  e.config = std::move(parsed.config);
+  e.experiment = std::move(parsed.experiment);
+  const ModelConfig& m = e.experiment.model;
+  e.data = make_data_source(e.experiment.data);
+  if (e.experiment.run.eval_interval > 0) {
+    e.eval_data = make_eval_data_source(e.experiment.data);
     if (!e.eval_data)
       throw ConfigError("run.eval_interval", "evaluation needs held-out data: set data.eval_fraction > 0");
   }

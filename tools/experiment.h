@@ -1,6 +1,8 @@
-// zinc tools: building a config-only experiment (the `model`, `data` and
-// `run` sections of a config) into a model, a data source and an engine.
-// Shared by zinc-train, zinc-bench and the tests. Single-threaded use.
+// zinc tools: building a config-only experiment into a model, a data source
+// and an engine config. The document is a ds_config plus the experiment
+// sections `model`, `data`, `run` and `comm`, parsed by parse_experiment
+// (tools/experiment_config.h). Shared by zinc-train, zinc-bench and the
+// tests. Single-threaded use.
 #pragma once
 
 #include <memory>
@@ -9,27 +11,31 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/config.h"
 #include "data/data.h"
+#include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "tools/experiment_config.h"
 
 namespace zinc::tools {
 
 struct Experiment {
-  Config config;
+  Config config;                // the engine's (DeepSpeed sections); seed = experiment.run.seed
+  ExperimentConfig experiment;  // model, data, run, comm
   std::shared_ptr<const DataSource> data;
   std::shared_ptr<const DataSource> eval_data;  // held-out samples; null without evaluation
   std::shared_ptr<Model> model;
 };
 
-// Reads the config file, applies `--set` overrides in order, parses it, opens
-// the data source and builds the model the `model` section names (vocabulary
-// and block size default to the data's). Throws ConfigError / IoError.
+// Reads the config file, applies `--set` overrides in order, parses it
+// (parse_experiment), opens the data source and builds the model the `model`
+// section names (vocabulary and block size default to the data's). Throws
+// ConfigError / IoError.
 Experiment load_experiment(const std::string& path, const std::vector<std::string>& overrides,
                            int world_size = 1);
 // The config file with `--set` overrides applied, unparsed (zinc-train reads
-// comm.backend from it before the world size is known).
+// its comm section, ExperimentConfig::parse_comm, before the world size is
+// known).
 nlohmann::json load_document(const std::string& path, const std::vector<std::string>& overrides);
 // Same from an in-memory document.
 Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);

@@ -124,20 +124,21 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
-  if (cfg.run.checkpoint_interval > 0)
+  const zinc::tools::RunConfig& run = ex.experiment.run;
+  if (run.checkpoint_interval > 0)
     throw zinc::ConfigError("run.checkpoint_interval",
                             "checkpoints are not implemented yet in zinc; set it to 0");
 
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-                          world, rank, cfg.run.seed);
+                          world, rank, run.seed);
   zinc::CsvMonitorConfig monitor_cfg = cfg.csv_monitor;
   monitor_cfg.enabled = monitor_cfg.enabled && rank == 0;
   CsvMonitor monitor(monitor_cfg);
   if (rank != 0) json = false;
   const bool quiet = rank != 0;
   const std::optional<double> floor = ex.data->loss_floor();
-  const int64_t steps = cfg.run.steps;
+  const int64_t steps = run.steps;
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
   if (!json && !quiet) {
@@ -193,8 +194,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       }
       std::fflush(stdout);
     }
-    if (ex.eval_data && (s % cfg.run.eval_interval == 0 || s == steps)) {
-      eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, cfg.run.eval_batches,
+    if (ex.eval_data && (s % run.eval_interval == 0 || s == steps)) {
+      eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, run.eval_batches,
                                         cfg.train_micro_batch_size_per_gpu);
       if (json)
         std::printf("%s\n", nlohmann::json{{"event", "eval"}, {"step", s}, {"loss", eval_loss}}.dump().c_str());
@@ -309,7 +310,7 @@ int main(int argc, char** argv) {
     if (zinc::comm::launched_with_mpi()) {
       // The backend is needed before the config can be parsed (the batch
       // triad depends on the world size): the comm section alone, strictly.
-      const zinc::CommConfig cc = zinc::Config::parse_comm(doc);
+      const zinc::tools::CommConfig cc = zinc::tools::ExperimentConfig::parse_comm(doc);
       const std::string backend = cc.backend;
       const double timeout = cc.timeout_seconds;
       comm = zinc::comm::make_communicator(backend, timeout);

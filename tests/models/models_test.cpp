@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -126,6 +127,37 @@ TEST(Gpt, BlocksAreEmbeddingsLayersAndFinalNormWithGpt2Init) {
     }
   }
   EXPECT_THROW(models::make_gpt({50, 32, 3, 5, 16}), Error);  // 16 % 5 != 0
+}
+
+// One place for the size rules: size_error names the field (zinc-train
+// reports it at model.FIELD) and make_gpt / make_mlp throw the same rule.
+TEST(ModelSizes, SizeErrorNamesTheFieldAndMakeThrowsIt) {
+  models::GptConfig g;
+  EXPECT_FALSE(models::size_error(g).has_value());
+  g.n_embd = 100;
+  g.n_head = 3;
+  auto bad = models::size_error(g);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->field, "n_embd");
+  EXPECT_EQ(bad->message, "must be divisible by n_head 3, got 100");
+  try {
+    models::make_gpt(g);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "gpt: n_embd: must be divisible by n_head 3, got 100");
+  }
+  g = {};
+  g.vocab_size = 1;
+  EXPECT_EQ(models::size_error(g)->field, "vocab_size");
+  g = {};
+  g.block_size = 0;
+  EXPECT_EQ(models::size_error(g)->message, "must be >= 1, got 0");
+
+  models::MlpConfig m;
+  EXPECT_FALSE(models::size_error(m).has_value());
+  m.hidden = 0;
+  EXPECT_EQ(models::size_error(m)->field, "hidden");
+  EXPECT_THROW(models::make_mlp(m), Error);
 }
 
 TEST(Gpt, TokenOutsideTheVocabularyIsAnError) {

@@ -1,10 +1,17 @@
-// zinc engine, private: the path-keeping JSON reader that every config
-// section parser uses (config.cpp, config_validate.cpp, config_file.cpp).
+// zinc engine: the path-keeping JSON reader behind every config parser: the
+// engine's DeepSpeed sections (config.cpp) and the sections other modules
+// own, such as zinc-train's experiment sections (tools/experiment_config.cpp).
 //
 // A Reader walks one JSON object at a known path: it converts and
 // range-checks values, and remembers which keys it was asked about, so that
 // finish() turns every other key into an "unknown key" error with the
-// nearest known key suggested.
+// nearest known key suggested. Every error is a zinc::ConfigError naming the
+// JSON path, the value and the rule; warnings are logged and appended to the
+// caller's list. The converters (to_int, to_choice, ...) and message helpers
+// (show, num) below serve parsers that read a value outside a Reader.
+//
+// A Reader refers to the JSON and the warning list it was given: both must
+// outlive it. Single-threaded use.
 #pragma once
 
 #include <algorithm>
@@ -24,13 +31,9 @@
 #include "core/log.h"
 #include "engine/config.h"
 
-namespace zinc::config_detail {
+namespace zinc::config {
 
 using nlohmann::json;
-
-// The largest batch size (and factor of it) a config may give: products of
-// the batch triad stay far from int64 overflow.
-constexpr int64_t kMaxBatch = int64_t{1} << 40;
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -221,6 +224,9 @@ class Reader {
   }
   const std::string& last_path() const { return last_path_; }
   bool has(const Name& name) { return find(name) != nullptr; }
+  // A key another parser reads (a section the caller owns): not read here,
+  // but known, so finish() accepts it and offers it for "did you mean".
+  void skip(std::string_view key) { remember(key); }
 
   // Typed getters: if present, convert and check, store in `out`, return true.
   bool get_int(const Name& n, int64_t& out, const Range& r = any()) {
@@ -347,4 +353,4 @@ class Reader {
   std::string last_path_;
 };
 
-}  // namespace zinc::config_detail
+}  // namespace zinc::config

@@ -1,0 +1,188 @@
+// Tests for tools/experiment_config: zinc-train's experiment sections (model,
+// data, run, comm) parsed beside the engine's DeepSpeed sections: defaults,
+// strict validation with messages that name the path and the rule, the
+// models' size rules at their JSON paths, warnings, the comm section alone,
+// and every shipped config.
+#include "tools/experiment_config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace zinc::tools {
+namespace {
+
+using nlohmann::json;
+
+// A minimal valid config: one micro-batch of 8 per rank.
+json base() { return json{{"train_micro_batch_size_per_gpu", 8}}; }
+
+// base() with `patch` merged in (RFC 7396: nested objects merge).
+json with(const json& patch) {
+  json j = base();
+  j.merge_patch(patch);
+  return j;
+}
+
+// The ConfigError message of parsing the whole document `j`, or a test
+// failure if it parses.
+std::string config_error(const json& j, int world_size = 1) {
+  try {
+    parse_experiment(j, world_size);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError for " << j.dump();
+  return "";
+}
+
+// Every part occurs in `text`.
+void expect_parts(const std::string& text, const std::vector<std::string>& parts) {
+  for (const auto& p : parts)
+    EXPECT_NE(text.find(p), std::string::npos) << "missing \"" << p << "\" in: " << text;
+}
+
+#define EXPECT_CONFIG_ERROR(j, ...) expect_parts(config_error(j), {__VA_ARGS__})
+
+bool any_warning_has(const ExperimentConfig& c, const std::string& part) {
+  for (const auto& w : c.warnings) {
+    if (w.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(ExperimentConfigDefaults, MatchTheHeader) {
+  const ParsedExperiment p = parse_experiment(base());
+  EXPECT_EQ(p.experiment.model.type, "gpt");
+  EXPECT_EQ(p.experiment.data.type, "synthetic");
+  EXPECT_EQ(p.experiment.run.steps, 100);
+  EXPECT_TRUE(p.experiment.warnings.empty());
+  EXPECT_TRUE(p.config.warnings.empty());
+  EXPECT_EQ(p.config.train_micro_batch_size_per_gpu, 8);
+}
+
+TEST(ExperimentConfigDefaults, RunSeedIsTheEnginesInitSeed) {
+  EXPECT_EQ(parse_experiment(base()).config.seed, 42u);
+  EXPECT_EQ(parse_experiment(with({{"run", {{"seed", 7}}}})).config.seed, 7u);
+}
+
+TEST(ExperimentConfigErrors, WrongTypesShowTheValue) {
+  EXPECT_CONFIG_ERROR(with({{"run", {{"steps", 2.5}}}}), "run.steps: expected an integer, got 2.5");
+}
+
+TEST(ExperimentConfigErrors, OutOfRange) {
+  EXPECT_CONFIG_ERROR(with({{"data", {{"vocab_size", 1}}}}), "data.vocab_size: must be in [2, 65536], got 1");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"eval_fraction", 1.0}}}}),
+                      "data.eval_fraction: must be in [0, 1), got 1.0");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"seed", -1}}}}), "data.seed: must be >= 0, got -1");
+}
+
+TEST(ExperimentConfigErrors, UnknownKeys) {
+  // Nothing close: small sections list what they accept.
+  EXPECT_CONFIG_ERROR(with({{"run", {{"zzzzzzzz", 1}}}}),
+                      "run.zzzzzzzz: unknown key; known keys here:", "steps");
+  // A misspelt section is the engine's unknown top-level key, with the
+  // experiment's sections among the suggestions.
+  EXPECT_EQ(config_error(with({{"modle", {{"n_embd", 64}}}})), "modle: unknown key (did you mean 'model'?)");
+  EXPECT_CONFIG_ERROR(with({{"gradient_clipings", 1.0}}),
+                      "gradient_clipings: unknown key (did you mean 'gradient_clipping'?)");
+}
+
+TEST(ExperimentConfigErrors, ZincSections) {
+  EXPECT_CONFIG_ERROR(with({{"model", {{"n_embd", 100}, {"n_head", 3}}}}),
+                      "model.n_embd: must be divisible by n_head 3, got 100");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"block_size", 64}}}, {"data", {{"seq_len", 128}}}}),
+                      "model.block_size: must be >= data.seq_len 128, got 64");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"type", "text"}}}}), "data.path: required for type \"text\"");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"type", "csv"}}}}),
+                      "data.type: must be one of synthetic, text, tokens");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"type", "gtp"}}}}),
+                      "model.type: must be one of gpt, mlp, got \"gtp\"", "did you mean 'gpt'");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"vocab_size", 32}}}, {"data", {{"vocab_size", 64}}}}),
+                      "model.vocab_size: must be >= the data's vocabulary 64");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"output_dir", ""}}}}), "run.output_dir: must not be empty");
+  // mlp does not care about heads.
+  EXPECT_NO_THROW(parse_experiment(with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}})));
+}
+
+TEST(ExperimentConfigErrors, ValidateChecksConfigsBuiltInCode) {
+  ExperimentConfig e;
+  e.model.n_embd = 100;
+  e.model.n_head = 3;
+  try {
+    e.validate();
+    FAIL() << "no error";
+  } catch (const ConfigError& err) {
+    EXPECT_EQ(std::string(err.what()), "model.n_embd: must be divisible by n_head 3, got 100");
+  }
+}
+
+TEST(ExperimentConfigWarnings, IgnoredKeysAreRecorded) {
+  const ParsedExperiment p = parse_experiment(with({{"run", {{"output_dir", "out"}}}}));
+  EXPECT_TRUE(any_warning_has(p.experiment, "run.output_dir: ignored"));
+  EXPECT_TRUE(p.config.warnings.empty());
+}
+
+// ---------------------------------------------------------------------------
+// The comm section
+
+TEST(ExperimentConfigComm, BackendAndTimeout) {
+  const ExperimentConfig d = parse_experiment(with(json::object())).experiment;
+  EXPECT_EQ(d.comm.backend, "auto");
+  EXPECT_EQ(d.comm.timeout_seconds, 600);
+  const ExperimentConfig c =
+      parse_experiment(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}})).experiment;
+  EXPECT_EQ(c.comm.backend, "shm");
+  EXPECT_EQ(c.comm.timeout_seconds, 2.5);
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"backend", "nccl"}}}}), "comm.backend", "\"nccl\"");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout_seconds", 0}}}}), "comm.timeout_seconds", "0");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout", 5}}}}), "comm.timeout", "timeout_seconds");
+}
+
+// The comm section alone (zinc-train needs the transport before the world
+// size, and so the rest of the config, is known): the same rules, strictly.
+TEST(ExperimentConfigComm, SectionAloneIsParsedStrictly) {
+  const CommConfig c =
+      ExperimentConfig::parse_comm(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}}));
+  EXPECT_EQ(c.backend, "shm");
+  EXPECT_EQ(c.timeout_seconds, 2.5);
+  EXPECT_EQ(ExperimentConfig::parse_comm(with(json::object())).backend, "auto");
+  EXPECT_EQ(ExperimentConfig::parse_comm(json::array({1})).backend, "auto");  // parse_experiment reports it
+  try {
+    ExperimentConfig::parse_comm(with({{"comm", {{"backend", "nccl"}}}}));
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "comm.backend");
+  }
+  EXPECT_THROW(ExperimentConfig::parse_comm(with({{"comm", {{"timeout_seconds", "x"}}}})), ConfigError);
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(ExperimentConfigLoad, EveryShippedConfigParses) {
+  // configs/ sits two folders above this file.
+  std::filesystem::path dir =
+      std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "configs";
+  if (!std::filesystem::is_directory(dir)) GTEST_SKIP() << "no configs/ folder at " << dir;
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".json") continue;
+    SCOPED_TRACE(entry.path().string());
+    EXPECT_NO_THROW({
+      const ParsedExperiment p = parse_experiment(read_json_file(entry.path().string()), 1);
+      EXPECT_TRUE(p.config.warnings.empty()) << p.config.warnings.front();
+      EXPECT_TRUE(p.experiment.warnings.empty()) << p.experiment.warnings.front();
+    });
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+}
+
+}  // namespace
+}  // namespace zinc::tools

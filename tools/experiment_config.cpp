@@ -1,0 +1,158 @@
+// zinc tools: the parsers of the experiment sections (model, data, run,
+// comm) and their cross-field checks; see experiment_config.h. Each section
+// walks its JSON object through the engine's Reader, as the DeepSpeed
+// sections do in engine/config.cpp.
+#include "tools/experiment_config.h"
+
+#include <optional>
+
+#include "core/error.h"
+#include "engine/config_reader.h"
+#include "models/models.h"
+
+namespace zinc::tools {
+namespace {
+
+using namespace config;
+
+void parse_model(Reader& root, ModelConfig& m) {
+  Reader r = root.section("model");
+  r.get_choice("type", m.type, {"gpt", "mlp"});
+  r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24));
+  r.get_int("block_size", m.block_size, at_least(0));
+  r.get_int("n_layer", m.n_layer, at_least(1));
+  r.get_int("n_head", m.n_head, at_least(1));
+  r.get_int("n_embd", m.n_embd, at_least(1));
+  r.get_int("context", m.context, at_least(1));
+  r.get_int("hidden", m.hidden, at_least(1));
+  r.finish();
+}
+
+void parse_data(Reader& root, DataConfig& d) {
+  Reader r = root.section("data");
+  r.get_choice("type", d.type, {"synthetic", "text", "tokens"});
+  bool has_path = r.get_string("path", d.path);
+  r.get_int("seq_len", d.seq_len, at_least(1));
+  bool has_vocab = r.get_int("vocab_size", d.vocab_size, closed(2, 65536));
+  bool has_det = r.get_number("determinism", d.determinism, closed(0, 1));
+  r.get_u64("seed", d.seed);
+  bool has_eval = r.get_number("eval_fraction", d.eval_fraction, lo_closed(0, 1));
+  r.finish();
+  if (d.type == "synthetic") {
+    if (has_path) r.warn(r.path_of("path"), "ignored for type \"synthetic\"");
+    if (has_eval && d.eval_fraction > 0) {
+      r.warn(r.path_of("eval_fraction"), "ignored for type \"synthetic\" (an endless stream)");
+    }
+  } else {
+    if (d.path.empty()) {
+      throw ConfigError(r.path_of("path"), "required for type \"" + d.type + "\" (the file to read)");
+    }
+    if (d.type == "tokens") {
+      // A token file's vocabulary comes from the file unless the config
+      // states it (then every token is checked against it).
+      if (!has_vocab) d.vocab_size = 0;
+    } else if (has_vocab) {
+      r.warn(r.path_of("vocab_size"), "ignored for type \"text\" (bytes: the vocabulary is 256)");
+    }
+    if (has_det) {
+      r.warn(r.path_of("determinism"), "ignored for type \"" + d.type + "\" (only synthetic data takes it)");
+    }
+  }
+}
+
+void parse_run(Reader& root, RunConfig& run) {
+  Reader r = root.section("run");
+  r.get_int("steps", run.steps, at_least(1));
+  r.get_u64("seed", run.seed);
+  r.get_int("eval_interval", run.eval_interval, at_least(0));
+  r.get_int("eval_batches", run.eval_batches, at_least(1));
+  r.get_int("checkpoint_interval", run.checkpoint_interval, at_least(0));
+  if (r.get_string("output_dir", run.output_dir)) {
+    if (run.output_dir.empty()) throw ConfigError(r.last_path(), "must not be empty");
+    r.warn(r.last_path(), "ignored: zinc-train writes nothing there yet (checkpoints are not implemented)");
+  }
+  r.finish();
+}
+
+void parse_comm(Reader& root, CommConfig& comm) {
+  Reader r = root.section("comm");
+  r.get_choice("backend", comm.backend, {"auto", "mpi", "shm", "hierarchical"});
+  r.get_number("timeout_seconds", comm.timeout_seconds, above(0));
+  r.finish();
+}
+
+}  // namespace
+
+const std::vector<std::string>& ExperimentConfig::sections() {
+  static const std::vector<std::string> kSections = {"model", "data", "run", "comm"};
+  return kSections;
+}
+
+ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc) {
+  ExperimentConfig e;
+  Reader root(doc, "", e.warnings);
+  parse_model(root, e.model);
+  parse_data(root, e.data);
+  parse_run(root, e.run);
+  tools::parse_comm(root, e.comm);
+  // No root.finish(): the other top-level keys are Config::parse's.
+  e.validate();
+  return e;
+}
+
+CommConfig ExperimentConfig::parse_comm(const nlohmann::json& doc) {
+  CommConfig c;
+  if (!doc.is_object()) return c;
+  std::vector<std::string> warnings;
+  Reader root(doc, "", warnings);
+  tools::parse_comm(root, c);
+  return c;  // no root.finish(): the other keys are parse_experiment()'s
+}
+
+void ExperimentConfig::validate() const {
+  // The model's own size rules (models/), at the section's JSON paths. The
+  // vocabulary, and a block size of 0, come from the data when the model is
+  // built (build_experiment); the models' defaults stand in for them here.
+  std::optional<models::SizeError> bad;
+  if (model.type == "gpt") {
+    models::GptConfig g;
+    if (model.block_size > 0) g.block_size = model.block_size;
+    g.n_layer = model.n_layer;
+    g.n_head = model.n_head;
+    g.n_embd = model.n_embd;
+    bad = models::size_error(g);
+  } else if (model.type == "mlp") {
+    models::MlpConfig m;
+    m.context = model.context;
+    m.n_embd = model.n_embd;
+    m.hidden = model.hidden;
+    m.n_layer = model.n_layer;
+    bad = models::size_error(m);
+  }
+  if (bad) throw ConfigError("model." + bad->field, bad->message);
+
+  // The model against the data.
+  if (model.type == "gpt" && model.block_size > 0 && model.block_size < data.seq_len) {
+    throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
+                                              ", got " + std::to_string(model.block_size));
+  }
+  const int64_t data_vocab = data.type == "synthetic" ? data.vocab_size : data.type == "text" ? 256 : 0;
+  if (model.vocab_size > 0 && data_vocab > 0 && model.vocab_size < data_vocab) {
+    throw ConfigError("model.vocab_size", "must be >= the data's vocabulary " + std::to_string(data_vocab) +
+                                              " (or 0 to take it from the data), got " +
+                                              std::to_string(model.vocab_size));
+  }
+  if ((data.type == "text" || data.type == "tokens") && data.path.empty()) {
+    throw ConfigError("data.path", "required for type \"" + data.type + "\" (the file to read)");
+  }
+}
+
+ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
+  ParsedExperiment p;
+  p.config = Config::parse(doc, world_size, ExperimentConfig::sections());
+  p.experiment = ExperimentConfig::parse(doc);
+  p.config.seed = p.experiment.run.seed;
+  return p;
+}
+
+}  // namespace zinc::tools

@@ -1,0 +1,98 @@
+// zinc tools: the experiment sections of a config, `model`, `data`, `run` and
+// `comm`, which zinc-train (and zinc-bench, and the tests) read beside the
+// DeepSpeed sections that the engine's zinc::Config parses.
+//
+// One document holds both. parse_experiment() parses it whole: the engine's
+// sections through Config::parse, told that ExperimentConfig::sections() are
+// the caller's (so an unknown or misspelt top-level key is still an error,
+// with "did you mean"), then these four through ExperimentConfig::parse, with
+// the same strictness and the same kind of messages (engine/config_reader.h).
+// Plain data; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/data.h"
+#include "engine/config.h"
+
+namespace zinc::tools {
+
+// The `model` section: the built-in model to train (models/models.h).
+struct ModelConfig {
+  std::string type = "gpt";  // "gpt" | "mlp"
+  int64_t vocab_size = 0;    // 0 = take the data source's vocabulary
+  int64_t block_size = 0;    // gpt: max sequence length (0 = data.seq_len)
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  // mlp: next-token MLP over the previous `context` tokens' embeddings
+  int64_t context = 4;
+  int64_t hidden = 512;
+};
+
+// The `run` section: how long and what to log/save.
+struct RunConfig {
+  int64_t steps = 100;       // optimizer steps
+  uint64_t seed = 42;        // model init (Config::seed) and data order
+  int64_t eval_interval = 0; // 0 = no evaluation
+  int64_t eval_batches = 4;
+  int64_t checkpoint_interval = 0;  // 0 = none
+  std::string output_dir = "runs/default";
+};
+
+// The `comm` section: how ranks talk.
+struct CommConfig {
+  // "auto": shared memory between the ranks of one machine, hierarchical
+  // (shared memory inside machines, MPI between them) across machines;
+  // "mpi", "shm", "hierarchical" force one (for comparison). The environment
+  // variable ZINC_COMM_BACKEND overrides it.
+  std::string backend = "auto";
+  // The longest a shared-memory collective waits for another rank before it
+  // fails with an error naming that rank (ZINC_COMM_TIMEOUT overrides it).
+  double timeout_seconds = 600;
+};
+
+struct ExperimentConfig {
+  ModelConfig model;
+  DataConfig data;  // the `data` section (data/data.h)
+  RunConfig run;
+  CommConfig comm;
+
+  std::vector<std::string> warnings;  // ignored keys in these sections, already logged
+
+  // The top-level keys these sections take ("model", "data", "run",
+  // "comm"): the caller_sections to give Config::parse.
+  static const std::vector<std::string>& sections();
+
+  // Parses and validates the four sections of `doc` and nothing else (the
+  // other keys are Config::parse's). Throws ConfigError naming the path.
+  static ExperimentConfig parse(const nlohmann::json& doc);
+  // Only the `comm` section, strictly, for picking the transport before the
+  // world size and so the rest of the config are known. A document that is
+  // not an object gives the defaults (parse_experiment reports it).
+  static CommConfig parse_comm(const nlohmann::json& doc);
+
+  // Cross-field checks (called by parse), for parsed configs and for
+  // configs built in code alike: the model's size rules (models::size_error,
+  // reported at model.FIELD), the model against the data (block_size,
+  // vocab_size) and a file for file data. Sizes the data fills in are
+  // checked when the model is built (build_experiment).
+  void validate() const;
+};
+
+// A whole experiment document, parsed.
+struct ParsedExperiment {
+  Config config;                // the DeepSpeed sections; config.seed = experiment.run.seed
+  ExperimentConfig experiment;  // model, data, run, comm
+};
+
+// Config::parse(doc, world_size, ExperimentConfig::sections()), then
+// ExperimentConfig::parse(doc): every key of the document checked once.
+// Throws ConfigError.
+ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size = 1);
+
+}  // namespace zinc::tools
