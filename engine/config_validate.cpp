@@ -86,9 +86,10 @@ void Config::validate() const {
     throw ConfigError("zero_optimization.offload_param.device",
                       "parameter offload (\"" + op.device + "\") is not implemented yet in zinc; set \"none\"");
   }
-  if (zero.stage == 3) {
-    throw ConfigError("zero_optimization.stage",
-                      "ZeRO stage 3 is not implemented yet in zinc (stages 0, 1 and 2 are); set 0, 1 or 2");
+  if (oo.ratio < 1.0) {
+    throw ConfigError("zero_optimization.offload_optimizer.ratio",
+                      "partial optimizer offload (ratio < 1) is not implemented yet in zinc; set 1, got " +
+                          num(oo.ratio));
   }
 }
 

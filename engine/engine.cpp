@@ -204,7 +204,14 @@ struct Engine::Impl final : StepContext {
         }
       }
       opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
-      if (dtype == DType::kBF16) {
+      if (plan.params_sharded) {
+        // Stage 3: only the own shard (the coordinator gathers the rest).
+        const size_t shard = static_cast<size_t>(s.part.shard_numel);
+        const float* own = w + s.part.own_offset();
+        s.compute_shard = memory.alloc(shard * dtype_bytes(dtype));
+        if (dtype == DType::kBF16) convert_f32_to_bf16(own, s.compute_shard.as<bf16>(), shard);
+        else std::memcpy(s.compute_shard.data(), own, shard * 4);
+      } else if (dtype == DType::kBF16) {
         s.compute = memory.alloc(padded * 2);
         convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
       } else if (plan.compute_copy(dtype)) {
@@ -219,7 +226,13 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == "bf16";
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
-    params = std::make_unique<ParamCoordinator>(blocks, dtype, gather_stream, cfg.zero.allgather_bucket_size);
+    ParamCoordinator::Options po;
+    po.allgather_bucket_numel = cfg.zero.allgather_bucket_size;
+    po.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
+    po.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
+    po.max_live_numel = cfg.zero.stage3_max_live_parameters;
+    po.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
+    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, po);
   }
 
   // ---- StepContext --------------------------------------------------------------
@@ -270,6 +283,7 @@ struct Engine::Impl final : StepContext {
   float forward(const Batch& batch) {
     check_batch(batch);
     auto t0 = Clock::now();
+    params->begin_pass(ParamCoordinator::Pass::kTrain);
     float loss = model->forward(*this, batch);
     check_released("forward");
     timings.forward_s += seconds_since(t0);
@@ -285,6 +299,7 @@ struct Engine::Impl final : StepContext {
     reducer->begin_backward((micro_steps + 1) % cfg.gradient_accumulation_steps == 0);
     model->backward(*this, 1.0f);
     check_released("backward");
+    params->end_pass();
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
         throw Error("model '" + model->name() + "' did not call grads_ready for block " +
@@ -327,8 +342,9 @@ struct Engine::Impl final : StepContext {
       lr = schedule.lr_at(optimizer_steps);
       adam.lr = lr;
       optimizer_steps += 1;
+      params->before_update();
       update_all(grad_scale);
-      if (plan.gather_params_after_step) params->gather_after_step();
+      params->gather_after_step();
     }
     reducer->reset_after_step();
     last_loss = sums[1] / static_cast<double>(loss_count * world);
@@ -339,17 +355,23 @@ struct Engine::Impl final : StepContext {
 
   // AdamW over one span of the optimizer state: the gradient is the full
   // reduced gradient (the optimizer spans the block, stage 0) or the rank's
-  // reduced shard; the new weights go to the compute copy (bf16 in the same
-  // pass, fp32 copied) unless the master weights are the compute weights.
+  // reduced shard; the new weights go to the compute copy, or at stage 3 the
+  // compute shard (bf16 in the same pass, fp32 copied), unless the master
+  // weights are the compute weights.
   void update_span(const StateSpan& sp, float grad_scale) {
     BlockShard& s = blocks[static_cast<size_t>(sp.block)];
-    const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
     const float* grad = (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
-    bf16* out = dtype == DType::kBF16 ? s.compute.as<bf16>() + at : nullptr;
+    char* out = nullptr;  // where the span's new compute weights go
+    if (plan.params_sharded) {
+      out = s.compute_shard.as<char>() + static_cast<size_t>(sp.offset) * dtype_bytes(dtype);
+    } else if (!s.compute.empty()) {
+      const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+      out = s.compute.as<char>() + static_cast<size_t>(at) * dtype_bytes(dtype);
+    }
+    bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
-                     optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out, sp.count});
-    if (dtype == DType::kF32 && !s.compute.empty())
-      std::memcpy(s.compute.as<float>() + at, sp.master, static_cast<size_t>(sp.count) * 4);
+                     optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out16, sp.count});
+    if (dtype == DType::kF32 && out) std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
   }
 
   void update_all(float grad_scale) {
@@ -412,7 +434,11 @@ float Engine::train_batch(DataLoader& loader) {
 
 float Engine::evaluate(const Batch& batch) {
   impl_->check_batch(batch);
-  return impl_->model->forward(*impl_, batch);
+  impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
+  const float loss = impl_->model->forward(*impl_, batch);
+  impl_->check_released("evaluate");
+  impl_->params->end_pass();
+  return loss;
 }
 
 bool Engine::is_gradient_accumulation_boundary() const { return impl_->at_boundary(); }
@@ -441,6 +467,7 @@ Model& Engine::model() { return *impl_->model; }
 DType Engine::compute_dtype() const { return impl_->dtype; }
 int64_t Engine::num_parameters() const { return impl_->num_params; }
 StepTimings Engine::timings() const { return impl_->timings; }
+ParamGatherStats Engine::param_gather_stats() const { return impl_->params->stats(); }
 std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
 
 int64_t Engine::offload_bytes_read() const { return impl_->opt_state->bytes_read(); }

@@ -41,6 +41,18 @@ struct StepTimings {
   double forward_s = 0, backward_s = 0, step_s = 0;
 };
 
+// ZeRO-3's parameter gathers since the engine started (all zero below stage
+// 3 or with one rank). Sizes in elements.
+struct ParamGatherStats {
+  int64_t live_numel = 0;       // elements of the blocks gathered or gathering now
+  int64_t peak_live_numel = 0;  // ... at most
+  int64_t gathers = 0;          // all-gathers of a block submitted
+  int64_t prefetched = 0;       // ... of which by a prefetch along the trace, ahead of the acquire
+  int64_t waited = 0;           // acquires that found their block's gather still running
+  int64_t trace_length = 0;     // acquires per training pass in the recorded order (0: none yet)
+  int64_t departures = 0;       // training passes that left the recorded order
+};
+
 class Engine {
  public:
   // Validates the config against the model and allocates all state.
@@ -97,6 +109,7 @@ class Engine {
   DType compute_dtype() const;
   int64_t num_parameters() const;  // unpadded
   StepTimings timings() const;
+  ParamGatherStats param_gather_stats() const;
 
   // The full fp32 master weights of one block in its flat layout (padding
   // included). At stages 1 and 2 each rank holds only its shard, so this is a

@@ -1,11 +1,127 @@
 #include "engine/param_coordinator.h"
 
+#include <algorithm>
+
+#include "core/log.h"
+
 namespace zinc {
+
+// Note [ZeRO-3 parameter coordination]
+// -------------------------------------
+// At stage 3 a rank keeps its shard of each block's compute parameters
+// (BlockShard::compute_shard, written by the optimizer). A block is in full
+// (`compute`) only while gathered; its state is a value (ParamState):
+//   kSharded --start_gather--> kGathering --wait--> kGathered --free--> kSharded
+//
+// Trace. The acquires of a training pass (one micro-step's forward and
+// backward) are the same every pass for a model whose control flow does not
+// change. The first pass records them (kRecording): each acquire gathers on
+// demand, and every rank checks with one small collective that all ranks
+// acquire the same block at the same position, so ranks that take
+// different paths fail at once with an error naming the position and the
+// blocks, on every rank, instead of issuing mismatched collectives (a hang).
+// end_pass() checks the end the same way (a rank with extra acquires) and the
+// pass becomes the trace (kFollowing). The check costs one all-reduce of two
+// doubles per acquire, and only in recording passes.
+//
+// Prefetch. While following, each acquire submits the gathers of the blocks
+// the trace needs next, walking forward from the acquire's position until
+// stage3_prefetch_bucket_size elements are in flight ahead or gathering one
+// more block would put more than stage3_max_live_parameters elements in
+// full on this rank. An acquire waits only if its block's gather has not
+// finished. Prefetch stops at the end of the trace: the next pass's first
+// blocks are prefetched when it begins (or right after the optimizer step),
+// never before an update that would make them stale.
+//
+// Release. A block goes back to kSharded when the model releases it, unless
+// it persists (its elements <= stage3_param_persistence_threshold: gathered
+// once, kept for the whole run) or the trace uses it again within
+// stage3_max_reuse_distance elements of other blocks' acquires (counted
+// cyclically: the next pass's first acquires follow this pass's last). An
+// acquire that must gather while the live elements would pass
+// stage3_max_live_parameters first frees kept, unheld blocks (lowest block
+// number first), so the live elements never exceed the limit by more than
+// the block being acquired (and the blocks the model holds at once).
+//
+// Departure. A following pass whose acquire differs from the trace (or that
+// ends early) warns once per run, not once per pass, waits for the gathers in
+// flight, frees the unheld prefetched blocks, and records again from there:
+// the pass so far matched the checked trace, so every rank has the same
+// prefix. Every rank decides the same way from the same state, so the ranks
+// submit the same gathers in the same order. (A departure on one rank only,
+// a model bug, can leave the ranks in different collectives; the shm
+// backend's timeout names the peer.)
+//
+// The optimizer writes compute_shard, so before_update() waits for every
+// gather in flight, and after the update gather_after_step() gathers the
+// persistent blocks again, frees the rest, and prefetches the trace's start.
+// The weights are the all-gather of the same shards that stage 2 gathers
+// after its update, so stages 2 and 3 give bit-identical results.
+
+ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
+                                   comm::CommStream* gather, StateMemory& memory, const Options& options)
+    : plan_(plan),
+      blocks_(blocks),
+      compute_(compute),
+      gather_(gather),
+      memory_(&memory),
+      options_(options),
+      last_pos_(blocks.size(), 0) {
+  if (!plan_.params_sharded) return;
+  ZINC_CHECK(gather_ != nullptr, "stage 3 with several ranks needs the gather stream");
+  for (BlockShard& s : blocks_) {
+    ZINC_CHECK(!s.compute_shard.empty(), "stage 3: the compute shard is set before the coordinator");
+    s.param_state = ParamState::kSharded;
+    s.persistent = s.layout.numel <= options_.persistence_numel;
+    if (s.persistent) start_gather(s, /*prefetch=*/false);
+  }
+}
+
+ParamCoordinator::ParamCoordinator(std::vector<BlockShard>& blocks, DType compute)
+    : blocks_(blocks), compute_(compute), last_pos_(blocks.size(), 0) {}
+
+// ---- acquire and release ------------------------------------------------------
 
 BlockParams ParamCoordinator::acquire(int block) {
   BlockShard& s = blocks_[static_cast<size_t>(block)];
-  ZINC_CHECK(s.param_state == ParamState::kGathered, "stages 0-2 keep every block gathered");
+  if (plan_.params_sharded && pass_ == Pass::kTrain) {
+    const size_t pos = current_.size();
+    if (mode_ == Mode::kFollowing && (pos >= trace_.size() || trace_[pos] != block)) {
+      stats_.departures += 1;
+      if (!warned_departure_) {
+        warned_departure_ = true;
+        log_warn("ZeRO-3: a training pass acquired block " + std::to_string(block) + " at position " +
+                 std::to_string(pos) + " where the recorded order has " +
+                 (pos < trace_.size() ? "block " + std::to_string(trace_[pos]) : std::string("no more acquires")) +
+                 "; prefetching stops, the gathers in flight finish, and the order is recorded again "
+                 "(printed once per run)");
+      }
+      drain_prefetches();
+      mode_ = Mode::kRecording;
+    }
+    if (mode_ == Mode::kRecording) check_agreement(block, pos);
+    current_.push_back(block);
+    last_pos_[static_cast<size_t>(block)] = pos;
+  }
+  if (plan_.params_sharded) {
+    if (s.param_state == ParamState::kSharded) {
+      // On demand: make room first, so that the live elements pass the limit
+      // by at most this block.
+      for (size_t b = 0; b < blocks_.size() && stats_.live_numel + s.part.padded_numel > options_.max_live_numel;
+           ++b) {
+        BlockShard& k = blocks_[b];
+        if (k.param_state == ParamState::kGathered && k.held == 0 && !k.persistent) free_gathered(k);
+      }
+      start_gather(s, /*prefetch=*/false);
+    }
+    if (s.param_state == ParamState::kGathering) {
+      if (!s.gather.done()) stats_.waited += 1;
+      wait_gather(s);
+    }
+  }
+  ZINC_CHECK(s.param_state == ParamState::kGathered, "an acquired block is gathered");
   s.held += 1;
+  if (plan_.params_sharded && pass_ == Pass::kTrain && mode_ == Mode::kFollowing) prefetch_from(current_.size());
   // At stage 0 in fp32 the master weights are the compute weights.
   const void* base = s.compute.empty() ? static_cast<const void*>(s.master_compute) : s.compute.data();
   return BlockParams{base, compute_, &s.layout};
@@ -15,6 +131,15 @@ void ParamCoordinator::release(int block) noexcept {
   BlockShard& s = blocks_[static_cast<size_t>(block)];
   ZINC_CHECK(s.held > 0, "release of block " + std::to_string(block) + ", which is not held");
   s.held -= 1;
+  if (plan_.params_sharded && s.held == 0 && !keep_after_release(block)) free_gathered(s);
+}
+
+bool ParamCoordinator::keep_after_release(int block) const {
+  const BlockShard& s = blocks_[static_cast<size_t>(block)];
+  if (s.persistent) return true;
+  if (pass_ != Pass::kTrain || mode_ != Mode::kFollowing) return false;
+  const size_t pos = last_pos_[static_cast<size_t>(block)];
+  return pos < reuse_at_.size() && reuse_at_[pos] <= options_.max_reuse_distance;
 }
 
 int ParamCoordinator::first_held() const {
@@ -23,7 +148,144 @@ int ParamCoordinator::first_held() const {
   return -1;
 }
 
+// ---- passes and the trace -------------------------------------------------------
+
+void ParamCoordinator::begin_pass(Pass pass) {
+  pass_ = pass;
+  current_.clear();
+  if (plan_.params_sharded && pass == Pass::kTrain && mode_ == Mode::kFollowing) prefetch_from(0);
+}
+
+void ParamCoordinator::end_pass() {
+  if (plan_.params_sharded && pass_ == Pass::kTrain) {
+    if (mode_ == Mode::kFollowing && current_.size() != trace_.size()) {
+      // Ended before the trace did: record this shorter pass instead.
+      stats_.departures += 1;
+      if (!warned_departure_) {
+        warned_departure_ = true;
+        log_warn("ZeRO-3: a training pass ended after " + std::to_string(current_.size()) + " acquires where the "
+                 "recorded order has " + std::to_string(trace_.size()) + "; the order is recorded again "
+                 "(printed once per run)");
+      }
+      drain_prefetches();
+      mode_ = Mode::kRecording;
+    }
+    if (mode_ == Mode::kRecording) {
+      check_agreement(static_cast<int>(blocks_.size()), current_.size());  // the end: a rank with more acquires
+      finish_trace();
+    }
+  }
+  pass_ = Pass::kNone;
+}
+
+// Every rank must acquire `value` (a block, or blocks_.size() for the end of
+// the pass) at position `pos`: one all-reduce of (value, -value) for the
+// maximum gives the largest and the smallest value over the ranks.
+void ParamCoordinator::check_agreement(int value, size_t pos) {
+  if (!gather_) return;
+  double v[2] = {static_cast<double>(value), -static_cast<double>(value)};
+  gather_->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(v, 2); }).wait();
+  const int hi = static_cast<int>(v[0]), lo = static_cast<int>(-v[1]);
+  if (hi == lo) return;
+  const int end = static_cast<int>(blocks_.size());
+  auto what = [end](int x) { return x == end ? std::string("the end of the pass") : "block " + std::to_string(x); };
+  throw Error("ZeRO-3: the ranks' parameter acquires part at position " + std::to_string(pos) +
+              " of the training pass (forward and backward): " + what(lo) + " on one rank, " + what(hi) +
+              " on another; every rank must acquire the same blocks in the same order (does the model's control "
+              "flow depend on the rank or its data?)");
+}
+
+void ParamCoordinator::finish_trace() {
+  trace_ = current_;
+  mode_ = Mode::kFollowing;
+  stats_.trace_length = static_cast<int64_t>(trace_.size());
+  // reuse_at_[p]: elements of the other acquires between p and the next use
+  // of the same block, cyclically (the next pass repeats the trace).
+  const size_t n = trace_.size();
+  reuse_at_.assign(n, 0);
+  for (size_t p = 0; p < n; ++p) {
+    int64_t between = 0;
+    for (size_t k = 1; k < n; ++k) {
+      const int b = trace_[(p + k) % n];
+      if (b == trace_[p]) break;
+      between += blocks_[static_cast<size_t>(b)].part.padded_numel;
+    }
+    reuse_at_[p] = between;
+  }
+}
+
+// ---- gathers ------------------------------------------------------------------------
+
+void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
+  const size_t es = dtype_bytes(compute_);
+  s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
+  s.param_state = ParamState::kGathering;
+  BlockShard* sp = &s;
+  const DType dt = compute_;
+  s.gather = gather_->submit([sp, dt](comm::Communicator& c) {
+    c.all_gather(sp->compute_shard.data(), sp->compute.data(), sp->part.shard_numel, dt);
+  });
+  stats_.gathers += 1;
+  if (prefetch) stats_.prefetched += 1;
+  stats_.live_numel += s.part.padded_numel;
+  stats_.peak_live_numel = std::max(stats_.peak_live_numel, stats_.live_numel);
+}
+
+void ParamCoordinator::wait_gather(BlockShard& s) {
+  s.gather.wait();
+  s.gather = comm::CommHandle();
+  s.param_state = ParamState::kGathered;
+}
+
+void ParamCoordinator::free_gathered(BlockShard& s) {
+  if (s.param_state == ParamState::kSharded) return;
+  if (s.param_state == ParamState::kGathering) wait_gather(s);  // the stream still writes it
+  memory_->free(s.compute);
+  s.param_state = ParamState::kSharded;
+  stats_.live_numel -= s.part.padded_numel;
+}
+
+void ParamCoordinator::prefetch_from(size_t pos) {
+  int64_t ahead = 0;
+  for (size_t q = pos; q < trace_.size(); ++q) {
+    BlockShard& s = blocks_[static_cast<size_t>(trace_[q])];
+    const int64_t n = s.part.padded_numel;
+    if (s.param_state == ParamState::kGathering) ahead += n;
+    if (s.param_state != ParamState::kSharded) continue;
+    if (ahead + n > options_.prefetch_numel || stats_.live_numel + n > options_.max_live_numel) break;
+    start_gather(s, /*prefetch=*/true);
+    ahead += n;
+  }
+}
+
+// Every gather in flight finishes; the unheld, non-persistent blocks it
+// brought are freed (their positions in the trace no longer hold).
+void ParamCoordinator::drain_prefetches() {
+  for (BlockShard& s : blocks_) {
+    if (s.param_state == ParamState::kGathering) wait_gather(s);
+    if (s.param_state == ParamState::kGathered && s.held == 0 && !s.persistent) free_gathered(s);
+  }
+}
+
+void ParamCoordinator::before_update() {
+  if (!plan_.params_sharded) return;
+  for (BlockShard& s : blocks_)
+    if (s.param_state == ParamState::kGathering) wait_gather(s);
+}
+
 void ParamCoordinator::gather_after_step() {
+  if (plan_.gather_params_after_step) return gather_all_stages_1_2();
+  if (!plan_.params_sharded) return;
+  for (BlockShard& s : blocks_) {
+    ZINC_CHECK(s.held == 0, "no block is held at the optimizer step");
+    if (s.param_state == ParamState::kSharded) continue;
+    free_gathered(s);
+    if (s.persistent) start_gather(s, /*prefetch=*/false);
+  }
+  if (mode_ == Mode::kFollowing) prefetch_from(0);
+}
+
+void ParamCoordinator::gather_all_stages_1_2() {
   ZINC_CHECK(gather_ != nullptr, "gather_after_step needs the gather stream (several ranks)");
   const DType dt = compute_;
   std::vector<BlockShard*> group;
@@ -43,7 +305,7 @@ void ParamCoordinator::gather_after_step() {
   for (BlockShard& s : blocks_) {
     group.push_back(&s);
     group_numel += s.part.padded_numel;
-    if (group_numel >= bucket_numel_) submit();
+    if (group_numel >= options_.allgather_bucket_numel) submit();
   }
   submit();
   gather_->synchronize();

@@ -2,16 +2,19 @@
 // ParamCoordinator). acquire(block) hands the model the block's full
 // compute-precision parameters and release(block) takes them back; the model
 // holds them through a HeldParams handle (engine/model.h), so an exception
-// cannot leave a block held. Stages 0-2 keep every block gathered, so here
-// acquire only counts and release only checks, and after each update
-// gather_after_step() all-gathers the ranks' new shards (stages 1, 2).
-// ZeRO-3 will gather on acquire (waiting on a prefetch), record the order of
-// acquires, and free on release.
+// cannot leave a block held.
+//
+// Stages 0-2 keep every block gathered: acquire only counts, release only
+// checks, and after each update gather_after_step() all-gathers the ranks'
+// new shards (stages 1, 2). Stage 3 (StagePlan::params_sharded) keeps only
+// the rank's shard of each block; Note [ZeRO-3 parameter coordination]
+// (param_coordinator.cpp) says how blocks are gathered, prefetched along a
+// trace, kept and freed.
 //
 // Streams: the coordinator's collectives run on the gather stream, which is
-// not the GradReducer's stream (over a duplicate communicator, see
-// Communicator::duplicate), so a gather never queues behind a reduction.
-// Every rank issues the same gathers in the same order.
+// not the GradReducer's stream (it runs over the communicator's twin, see
+// Communicator::twin), so a gather never queues behind a reduction. Every
+// rank issues the same gathers in the same order.
 // Threading: the training thread only; the gathers run on the stream's
 // thread and write the compute copies until they finish.
 #pragma once
@@ -22,6 +25,7 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
+#include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/shard.h"
 
@@ -29,12 +33,27 @@ namespace zinc {
 
 class ParamCoordinator {
  public:
-  // `blocks` must outlive the coordinator. `gather` (null for one rank) runs
-  // the parameter all-gathers, in buckets of `allgather_bucket_numel`
-  // elements (zero_optimization.allgather_bucket_size).
-  ParamCoordinator(std::vector<BlockShard>& blocks, DType compute, comm::CommStream* gather = nullptr,
-                   int64_t allgather_bucket_numel = 500000000)
-      : blocks_(blocks), compute_(compute), gather_(gather), bucket_numel_(allgather_bucket_numel) {}
+  // Sizes in elements; defaults are DeepSpeed's.
+  struct Options {
+    int64_t allgather_bucket_numel = 500000000;  // allgather_bucket_size (stages 1, 2)
+    // Stage 3 only:
+    int64_t prefetch_numel = 50000000;        // stage3_prefetch_bucket_size: elements gathered ahead
+    int64_t persistence_numel = 100000;       // stage3_param_persistence_threshold: blocks this small stay
+    int64_t max_live_numel = 1000000000;      // stage3_max_live_parameters: elements gathered at once
+    int64_t max_reuse_distance = 1000000000;  // stage3_max_reuse_distance: elements until the next use
+  };
+
+  // Where acquires come from: a training micro-step (forward and backward,
+  // traced and prefetched) or an evaluation forward (gathered on demand).
+  enum class Pass { kNone, kTrain, kEval };
+
+  // `blocks` (partitions and, at stage 3, compute shards set) and `memory`
+  // must outlive the coordinator. `gather` (null for one rank) runs the
+  // parameter all-gathers.
+  ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
+                   comm::CommStream* gather, StateMemory& memory, const Options& options);
+  // Stages 0-2 only (tests): every block gathered, no communication.
+  ParamCoordinator(std::vector<BlockShard>& blocks, DType compute);
 
   BlockParams acquire(int block);
   // No-throw (it runs from HeldParams' destructor): a release without an
@@ -45,16 +64,57 @@ class ParamCoordinator {
   // model's forward and backward.
   int first_held() const;
 
-  // Stages 1 and 2, after the update: every rank's new shard of every block
-  // to every rank, in place in the compute copies, in buckets; returns when
-  // all have arrived. Needs the gather stream.
+  // A training micro-step's forward starts (kTrain: the acquires up to
+  // end_pass() are one pass of the trace) or an evaluation forward (kEval).
+  void begin_pass(Pass pass);
+  // The pass ended (after backward, or after the evaluation forward). The
+  // first training pass, and any that departed from the trace, become the
+  // trace, once every rank is checked to have made the same acquires.
+  void end_pass();
+
+  // Before the optimizer writes the compute shards: waits for every gather
+  // in flight (stage 3).
+  void before_update();
+  // After the update. Stages 1, 2: every rank's new shard of every block to
+  // every rank, in place in the compute copies, in buckets. Stage 3: the
+  // blocks that stay gathered are gathered again (their copies are stale),
+  // others are freed, and the start of the trace is prefetched. Returns when
+  // the stage 1, 2 gathers have arrived.
   void gather_after_step();
 
+  // Observations for tests and benchmarks (stage 3).
+  using Stats = ParamGatherStats;
+  const Stats& stats() const { return stats_; }
+  // The recorded order of a training pass's acquires (block numbers).
+  const std::vector<int>& trace() const { return trace_; }
+
  private:
+  enum class Mode { kRecording, kFollowing };
+  void gather_all_stages_1_2();
+  void start_gather(BlockShard& s, bool prefetch);
+  void wait_gather(BlockShard& s);
+  void free_gathered(BlockShard& s);
+  void prefetch_from(size_t pos);
+  void drain_prefetches();
+  void check_agreement(int value, size_t pos);
+  void finish_trace();
+  bool keep_after_release(int block) const;
+
+  StagePlan plan_;
   std::vector<BlockShard>& blocks_;
   DType compute_;
-  comm::CommStream* gather_;
-  int64_t bucket_numel_;
+  comm::CommStream* gather_ = nullptr;
+  StateMemory* memory_ = nullptr;
+  Options options_;
+
+  Pass pass_ = Pass::kNone;
+  Mode mode_ = Mode::kRecording;
+  std::vector<int> trace_;         // block acquired at each position of a training pass
+  std::vector<int64_t> reuse_at_;  // per trace position: elements acquired until the same block's next use
+  std::vector<int> current_;       // this training pass's acquires so far
+  std::vector<size_t> last_pos_;   // per block: the position of its latest acquire in this pass
+  bool warned_departure_ = false;
+  Stats stats_;
 };
 
 }  // namespace zinc

@@ -6,12 +6,15 @@
 // Every block is one flat vector split into world_size equal shards
 // (engine/partition.h). What a rank keeps, per block (StagePlan):
 //
-//   stage | compute params | gradients                        | master, m, v
-//   0     | full           | full; reduced to full            | full
-//   1     | full           | full; reduced into own shard     | own shard
-//   2     | full           | own shard; full buffer only from | own shard
-//         |                | its block's backward until its   |
-//         |                | reduce-scatter has run           |
+//   stage | compute params        | gradients                        | master, m, v
+//   0     | full                  | full; reduced to full            | full
+//   1     | full                  | full; reduced into own shard     | own shard
+//   2     | full                  | own shard; full buffer only from | own shard
+//         |                       | its block's backward until its   |
+//         |                       | reduce-scatter has run           |
+//   3     | own shard; full only  | as stage 2                       | own shard
+//         | while gathered        |                                  |
+//         | (ParamCoordinator)    |                                  |
 //
 // The reduction is the same for every stage (GradReducer, grad_reducer.h):
 // at the micro-step that ends a global batch, each block's full gradient is
@@ -20,9 +23,12 @@
 // the reduced shards back into the full gradient (an all-reduce with the same
 // summation order as the other stages) and every rank updates every element;
 // stages 1 and 2 update their shard and all-gather the new compute
-// parameters. The gradient norm is the sum over ranks of each rank's
-// own-shard squares for every stage. So, at one world size, stages 0, 1 and 2
-// and overlap on or off compute bit-identical weights.
+// parameters; stage 3 updates its compute shard and gathers a block when the
+// model acquires it (the same all-gather of the same shards, later). The
+// gradient norm is the sum over ranks of each rank's own-shard squares for
+// every stage. So, at one world size, stages 0-3 and overlap on or off
+// compute bit-identical weights. With one rank stage 3 keeps everything, as
+// stage 2 does (there is nothing to shard).
 //
 // No-sync: micro-steps that do not end a global batch accumulate into the
 // full gradient buffers with no communication. At stage 2 that means the full
@@ -63,16 +69,20 @@ struct StagePlan {
   // After the update the new compute shards are all-gathered (stages 1, 2
   // with several ranks).
   bool gather_params_after_step = false;
+  // The compute parameters are sharded: a rank keeps its shard and holds a
+  // block in full only while gathered (stage 3 with several ranks).
+  bool params_sharded = false;
 
   static StagePlan make(int stage, int world) {
     StagePlan p;
     p.stage = stage;
     p.world = world;
     p.optimizer_spans_block = stage == 0;
-    p.grad_always_allocated = !(stage == 2 && world > 1);
+    p.grad_always_allocated = !(stage >= 2 && world > 1);
     p.grad_shard_buffer = world > 1 && stage > 0;
     p.gather_reduced_grads = world > 1 && stage == 0;
-    p.gather_params_after_step = world > 1 && stage > 0;
+    p.gather_params_after_step = world > 1 && (stage == 1 || stage == 2);
+    p.params_sharded = world > 1 && stage == 3;
     return p;
   }
   // A separate compute copy of the parameters: bf16 always; fp32 at stages
@@ -107,9 +117,13 @@ class StateMemory {
 };
 
 // Whether a block's compute parameters are present in full on this rank
-// (FSDP2's ShardedState). Stages 0-2 keep every block gathered; ZeRO-3 will
-// gather on acquire and free on release.
-enum class ParamState { kSharded, kGathering, kGathered };
+// (FSDP2's ShardedState). Stages 0-2 keep every block gathered; stage 3
+// gathers on acquire or ahead of it (prefetch) and frees on release.
+enum class ParamState {
+  kSharded,   // only the own shard (compute_shard); `compute` is empty
+  kGathering, // `compute` allocated; its all-gather is submitted (gather handle)
+  kGathered,  // `compute` holds the full block
+};
 
 // Where a block's gradient is in the step (FSDP2's sharded-state idea: what
 // is held is a value, not inferred from empty buffers).
@@ -124,7 +138,8 @@ enum class GradState {
 struct BlockShard {
   BlockLayout layout;
   Partition part;
-  AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it)
+  AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it, or kSharded)
+  AlignedBuffer compute_shard;  // stage 3: 1-D, part.shard_numel, compute dtype: the rank's own shard
   // Elements of this rank's optimizer span (the whole padded block at stage
   // 0, else the shard); the state itself is the OptimizerState's.
   int64_t opt_numel = 0;
@@ -135,6 +150,8 @@ struct BlockShard {
   AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (StagePlan::grad_shard_buffer)
   ParamState param_state = ParamState::kGathered;
   int held = 0;  // HeldParams handles the model holds now (ParamCoordinator)
+  bool persistent = false;    // stage 3: stays gathered (stage3_param_persistence_threshold)
+  comm::CommHandle gather;    // stage 3: the all-gather of `compute`, while kGathering
   GradState grad_state = GradState::kAccumulating;
   bool grads_reported = false;  // grads_ready called in the current backward
   comm::CommHandle reduction;   // the reduce-scatter of this step, while kReducing

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Records what a training run computes, bit for bit, over the matrix of ways
-# to run it: 1, 2 and 4 ranks; ZeRO stages 0, 1, 2; optimizer states in RAM,
+# to run it: 1, 2 and 4 ranks; ZeRO stages 0, 1, 2 (and 3 at 2 and 4 ranks,
+# which must equal stage 2); optimizer states in RAM,
 # pinned RAM and on NVMe (stages 1, 2); fp32 and bf16; plus, at 2 and 4
 # ranks, small buckets with overlap_comm, bf16 on the wire, and gradient
 # accumulation with no-sync. Each case trains the
@@ -67,6 +68,25 @@ for np in 2 4; do
         gas) extra=(--set gradient_accumulation_steps=2) ;;
       esac
       one "np${np}-stage${stage}-${variant}" "$np" "$stage" "${extra[@]}"
+    done
+  done
+done
+# ZeRO-3 at 2 and 4 ranks, with blocks gathered per use (reuse distance 0),
+# a small prefetch window and the final norm persisting; every file must
+# equal the stage-2 file of the same name (checked below).
+for np in 2 4; do
+  for offload in none cpu nvme; do
+    for bf16 in false true; do
+      extra=(--set bf16.enabled="$bf16" --set zero_optimization.offload_optimizer.device="$offload"
+             --set zero_optimization.stage3_max_reuse_distance=0
+             --set zero_optimization.stage3_prefetch_bucket_size=300000
+             --set zero_optimization.stage3_param_persistence_threshold=1000)
+      [ "$offload" = nvme ] && extra+=(--set "zero_optimization.offload_optimizer.nvme_path=$nvme")
+      one "np${np}-stage3-${offload}-bf16_${bf16}" "$np" 3 "${extra[@]}"
+      if ! cmp -s "$out/np${np}-stage3-${offload}-bf16_${bf16}.jsonl" "$out/np${np}-stage2-${offload}-bf16_${bf16}.jsonl"; then
+        echo "fingerprint: stage 3 differs from stage 2 at np${np} ${offload} bf16 ${bf16}" >&2
+        exit 1
+      fi
     done
   done
 done

@@ -99,15 +99,14 @@ TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
   EXPECT_TRUE(c.warnings.empty());
 }
 
-TEST(ConfigDefaults, OverlapCommDefaultFollowsStageButStage3IsRefusedForNow) {
-  // overlap_comm defaults to (stage == 3); stage 3 itself is refused until
-  // it is implemented, so the reachable default is stage 0's.
+TEST(ConfigDefaults, OverlapCommDefaultFollowsStage) {
+  // overlap_comm defaults to (stage == 3), as in DeepSpeed.
   EXPECT_FALSE(Config::parse(with({{"zero_optimization", {{"stage", 0}}}})).zero.overlap_comm);
   EXPECT_TRUE(
       Config::parse(with({{"zero_optimization", {{"stage", 0}, {"overlap_comm", true}}}})).zero.overlap_comm);
-  EXPECT_CONFIG_ERROR(
-      with({{"zero_optimization", {{"stage", 3}}}}),
-      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc (stages 0, 1 and 2 are)");
+  EXPECT_TRUE(Config::parse(with({{"zero_optimization", {{"stage", 3}}}})).zero.overlap_comm);
+  EXPECT_FALSE(
+      Config::parse(with({{"zero_optimization", {{"stage", 3}, {"overlap_comm", false}}}})).zero.overlap_comm);
   EXPECT_FALSE(Config::parse(with({{"zero_optimization", {{"stage", 2}}}})).zero.overlap_comm);
 }
 
@@ -238,8 +237,22 @@ TEST(ConfigErrors, PrecisionModes) {
 
 TEST(ConfigErrors, ZeroStagesAndOffload) {
   EXPECT_EQ(Config::parse(with({{"zero_optimization", {{"stage", 1}}}})).zero.stage, 1);
-  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}}}}),
-                      "zero_optimization.stage: ZeRO stage 3 is not implemented yet in zinc");
+  const Config z3 = Config::parse(with({{"zero_optimization",
+                                        {{"stage", 3},
+                                         {"stage3_prefetch_bucket_size", 1000},
+                                         {"stage3_param_persistence_threshold", 10},
+                                         {"stage3_max_live_parameters", 5000},
+                                         {"stage3_max_reuse_distance", 0}}}}));
+  EXPECT_EQ(z3.zero.stage, 3);
+  EXPECT_EQ(z3.zero.stage3_prefetch_bucket_size, 1000);
+  EXPECT_EQ(z3.zero.stage3_param_persistence_threshold, 10);
+  EXPECT_EQ(z3.zero.stage3_max_live_parameters, 5000);
+  EXPECT_EQ(z3.zero.stage3_max_reuse_distance, 0);
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}}}}),
+                      "zero_optimization.offload_param.device: parameter offload (\"cpu\") is not implemented yet");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.5}}}}}}),
+      "zero_optimization.offload_optimizer.ratio: partial optimizer offload (ratio < 1) is not implemented yet");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 2}, {"offload_param", {{"device", "cpu"}}}}}}),
                       "zero_optimization.offload_param: parameter offload needs ZeRO stage 3", "got stage 2");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
@@ -540,8 +553,8 @@ TEST(ConfigOverride, MalformedAssignmentsAreErrors) {
 
 TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
   json j = base();
-  apply_override(j, "zero_optimization.stage=3");
-  EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: ZeRO stage 3 is not implemented yet");
+  apply_override(j, "zero_optimization.stage=4");
+  EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: must be");
 }
 
 // ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
+#include "tests/engine/train_util.h"
 
 namespace zinc {
 
@@ -24,94 +25,9 @@ std::shared_ptr<comm::Communicator> g_world;
 
 namespace {
 
-std::shared_ptr<Model> make_model(const std::string& kind) {
-  return kind == "gpt" ? testing_models::tiny_gpt() : testing_models::tiny_mlp();
-}
-
-struct RunSpec {
-  std::string model = "gpt";
-  int stage = 0;
-  bool overlap = false;
-  int64_t global_batch = 8;
-  int64_t gas = 1;
-  bool bf16 = false;
-  std::string wire = "";
-  int64_t bucket = 500000000;
-  int steps = 20;
-  std::string offload = "none";
-};
-
-// Trains and returns all full fp32 weights (padding dropped by comparing
-// only the block layouts' used elements is unnecessary: padding stays zero).
-std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communicator> comm, std::vector<double>* losses = nullptr) {
-  const int world = comm ? comm->size() : 1;
-  const int rank = comm ? comm->rank() : 0;
-  nlohmann::json cfg = {{"train_batch_size", r.global_batch},
-                        {"gradient_accumulation_steps", r.gas},
-                        {"gradient_clipping", 1.0},
-                        {"bf16", {{"enabled", r.bf16}}},
-                        {"zero_optimization",
-                         {{"stage", r.stage},
-                          {"overlap_comm", r.overlap},
-                          {"reduce_bucket_size", r.bucket},
-                          {"allgather_bucket_size", r.bucket}}},
-                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
-  if (!r.wire.empty()) cfg["communication_data_type"] = r.wire;
-  if (r.offload != "none") {
-    cfg["zero_optimization"]["sub_group_size"] = 2048;
-    cfg["zero_optimization"]["offload_optimizer"] = {
-        {"device", r.offload}, {"nvme_path", ::testing::TempDir()}, {"buffer_count", 4}};
-    cfg["aio"] = {{"block_size", 8192}, {"queue_depth", 4}};
-  }
-  auto model = make_model(r.model);
-  Engine e = Engine::initialize(model, cfg, comm);
-  DataConfig dc;
-  dc.vocab_size = 13;
-  dc.seq_len = 9;
-  auto src = std::shared_ptr<const DataSource>(make_data_source(dc));
-  DataLoader loader(src, r.global_batch / r.gas / world, r.gas, world, rank, 7);
-  for (int s = 0; s < r.steps; ++s) {
-    double l = e.train_batch(loader);
-    if (losses) losses->push_back(l);
-  }
-  std::vector<float> out;
-  for (size_t b = 0; b < model->blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    // Padding depends on the world size; compare the used elements only.
-    BlockLayout l = BlockLayout::from_spec(model->blocks()[b]);
-    out.insert(out.end(), p.begin(), p.begin() + l.numel);
-  }
-  return out;
-}
-
-// Weights of two runs that differ only in summation order (across ranks or
-// micro-batches). Two measures, both tight:
-// - relative difference over weights with |w| >= 1e-2, which must stay below
-//   1e-4 after 20 Adam steps (fp32 rounding, compounded);
-// - absolute difference over all weights, below 2e-4: a few weights have a
-//   gradient that is zero in exact arithmetic and pure rounding noise in
-//   practice (the attention key bias: softmax ignores a constant added to
-//   every score), and Adam turns noise of either sign into steps of up to lr;
-//   with lr 1e-2 they drift by ~1e-4 between any two summation orders.
-struct Diff {
-  double rel = 0, abs = 0;
-};
-Diff diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  Diff d;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    const double e = std::fabs(double(a[i]) - b[i]);
-    d.abs = std::max(d.abs, e);
-    if (std::fabs(b[i]) >= 1e-2) d.rel = std::max(d.rel, e / std::fabs(double(b[i])));
-  }
-  return d;
-}
-#define EXPECT_CLOSE_WEIGHTS(a, b, what)                 \
-  do {                                                   \
-    Diff d_ = diff((a), (b));                            \
-    EXPECT_LT(d_.rel, 1e-4) << what;                     \
-    EXPECT_LT(d_.abs, 2e-4) << what;                     \
-  } while (0)
+using testing_train::make_model;
+using testing_train::RunSpec;
+using testing_train::train;
 
 class ZeroStages : public ::testing::TestWithParam<std::string> {};
 

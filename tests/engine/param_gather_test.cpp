@@ -72,7 +72,10 @@ TEST(ParamCoordinator, GatherAfterStepBringsEveryRanksShardInFp32AndBf16) {
   for (DType dt : {DType::kF32, DType::kBF16})
     for (int64_t bucket : {int64_t{1}, int64_t{1} << 30}) {
       Blocks f(dt);
-      ParamCoordinator pc(f.blocks, dt, &gather, bucket);
+      StateMemory memory;
+      ParamCoordinator::Options o;
+      o.allgather_bucket_numel = bucket;
+      ParamCoordinator pc(StagePlan::make(1, g_world->size()), f.blocks, dt, &gather, memory, o);
       pc.gather_after_step();
       f.expect_gathered(std::string(dtype_name(dt)) + " bucket " + std::to_string(bucket));
     }
@@ -93,7 +96,10 @@ TEST(ParamCoordinator, GathersFinishWhileTheReductionStreamIsBusy) {
     c.all_reduce_f64(&sum, 1);
   });
   Blocks f(DType::kBF16);
-  ParamCoordinator pc(f.blocks, DType::kBF16, &gather, 1);
+  StateMemory memory;
+  ParamCoordinator::Options o;
+  o.allgather_bucket_numel = 1;
+  ParamCoordinator pc(StagePlan::make(2, g_world->size()), f.blocks, DType::kBF16, &gather, memory, o);
   pc.gather_after_step();
   gathered.set_value();
   busy.wait();

@@ -34,7 +34,7 @@ check_error missing-config "No such file or directory" /nonexistent/config.json
 check_error unknown-key "did you mean 'optimizer'" "$CFG" --set optimzer.type=Adam
 check_error wrong-type 'optimizer.params.lr: expected a number, got "abc"' "$CFG" --set optimizer.params.lr=abc
 check_error fp16 'bf16' "$CFG" --set bf16.enabled=false --set fp16.enabled=true
-check_error zero-stage "ZeRO stage 3 is not implemented yet" "$CFG" --set zero_optimization.stage=3
+check_error zero-stage "zero_optimization.stage: must be" "$CFG" --set zero_optimization.stage=4
 check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
 check_error bad-override "key.path=value" "$CFG" --set foo
