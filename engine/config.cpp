@@ -148,21 +148,23 @@ void parse_precision(Reader& r, Config& c) {
   }
 
   Reader dt = r.section("data_types");
-  if (dt.get_choice("grad_accum_dtype", c.grad_accum_dtype, {"fp32", "bf16", "fp16"}) &&
-      c.grad_accum_dtype != "fp32") {
-    throw ConfigError(dt.last_path(), "\"" + c.grad_accum_dtype +
+  std::string accum;
+  if (dt.get_choice("grad_accum_dtype", accum, {"fp32", "bf16", "fp16"}) && accum != "fp32") {
+    throw ConfigError(dt.last_path(), "\"" + accum +
                                           "\" is not implemented in zinc (gradients accumulate in fp32; a "
                                           "narrower accumulator would change the result); use \"fp32\"");
   }
+  c.grad_accum_dtype = DType::kF32;
   dt.finish();
 
   const json* comm = r.find("communication_data_type");
   if (comm && !comm->is_null()) {
-    c.communication_data_type = to_choice(*comm, "communication_data_type", {"fp32", "bf16", "fp16"}, false);
-    if (c.communication_data_type == "fp16") {
+    const std::string wire = to_choice(*comm, "communication_data_type", {"fp32", "bf16", "fp16"}, false);
+    if (wire == "fp16") {
       throw ConfigError("communication_data_type",
                         "\"fp16\" is not supported on the CPU build; use \"fp32\" or \"bf16\"");
     }
+    c.communication_data_type = wire == "bf16" ? DType::kBF16 : DType::kF32;
   }
   const json* sp = r.find("seq_parallel_comm_data_type");
   if (sp && !sp->is_null()) r.warn_ignored("seq_parallel_comm_data_type", "zinc has no sequence parallelism");
@@ -177,9 +179,9 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   }
   std::string type = to_string(*t, "optimizer.type");
   if (lower(type) == "adam") {
-    o.type = "Adam";
+    o.type = OptimizerType::kAdam;
   } else if (lower(type) == "adamw") {
-    o.type = "AdamW";
+    o.type = OptimizerType::kAdamW;
   } else {
     // DeepSpeed's other built-in optimizers (lower case, as it compares them).
     static const std::vector<std::string> kDeepSpeedOnly = {"adagrad",    "lamb", "onebitadam", "zerooneadam",
@@ -208,7 +210,7 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   p.get_bool("bias_correction", o.bias_correction);
   bool w_mode = o.adam_w_mode;
   bool has_w_mode = p.get_bool("adam_w_mode", w_mode);
-  if (o.type == "AdamW") {
+  if (o.type == OptimizerType::kAdamW) {
     // As in DeepSpeed, type AdamW means decoupled weight decay whatever adam_w_mode says.
     if (has_w_mode && !w_mode) {
       p.warn(p.path_of("adam_w_mode"),
@@ -240,9 +242,12 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
         "scheduler.type",
         show(*t) + " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, WarmupCosineLR");
   }
-  s.type = to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, false);
-  const bool cosine = s.type == "WarmupCosineLR";
-  const bool decays = s.type != "WarmupLR";
+  const std::string name = to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, false);
+  s.type = name == "WarmupLR"        ? SchedulerType::kWarmupLR
+           : name == "WarmupDecayLR" ? SchedulerType::kWarmupDecayLR
+                                     : SchedulerType::kWarmupCosineLR;
+  const bool cosine = s.type == SchedulerType::kWarmupCosineLR;
+  const bool decays = s.type != SchedulerType::kWarmupLR;
 
   Reader p = r.section("params");
   // Keys that belong to another of the three schedules get a precise message.
@@ -254,7 +259,7 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
     }
   }
   for (const char* k : {"warmup_min_ratio", "cos_min_ratio"}) {
-    if (!cosine && p.has(k)) throw ConfigError(p.path_of(k), "only used by WarmupCosineLR, not " + s.type);
+    if (!cosine && p.has(k)) throw ConfigError(p.path_of(k), std::string("only used by WarmupCosineLR, not ") + scheduler_type_name(s.type));
   }
   if (!decays && p.has("total_num_steps")) {
     throw ConfigError(p.path_of("total_num_steps"),
@@ -269,18 +274,18 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
     p.get_number("warmup_max_lr", s.warmup_max_lr, at_least(0));
   }
   p.get_int("warmup_num_steps", s.warmup_num_steps, at_least(0));
-  p.get_choice("warmup_type", s.warmup_type, {"log", "linear"});
+  p.get_enum<WarmupType>("warmup_type", s.warmup_type, {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}});
   bool has_total = decays && p.get_int("total_num_steps", s.total_num_steps, at_least(1));
   int64_t last = -1;
   if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
-    p.warn_ignored(p.last_path(), "the schedule starts at step 0, or at the checkpoint's step when resuming");
+    p.warn_ignored(p.last_path(), "the schedule starts at step 0 (zinc cannot resume from a checkpoint yet)");
   }
   p.finish();
   r.finish();
 
   if (decays && !has_total) {
     throw ConfigError("scheduler.params.total_num_steps",
-                      "required for " + s.type + " (the step at which the decay ends)");
+                      std::string("required for ") + scheduler_type_name(s.type) + " (the step at which the decay ends)");
   }
   if (has_total && s.total_num_steps < s.warmup_num_steps) {
     p.warn("scheduler.params.total_num_steps",
@@ -295,7 +300,8 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
 
 void parse_offload(Reader& zero, const char* key, OffloadConfig& o, bool is_param) {
   Reader r = zero.section(key);
-  r.get_choice("device", o.device, {"none", "cpu", "nvme"});
+  r.get_enum<OffloadDevice>("device", o.device,
+                            {{"none", OffloadDevice::kNone}, {"cpu", OffloadDevice::kCpu}, {"nvme", OffloadDevice::kNvme}});
   const json* path = r.find("nvme_path");
   if (path && !path->is_null()) o.nvme_path = to_string(*path, r.last_path());
   r.get_bool("pin_memory", o.pin_memory);
@@ -356,6 +362,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
             z.stage3_param_persistence_threshold, at_least(0));
   r.get_int({"max_live_parameters", "stage3_max_live_parameters"}, z.stage3_max_live_parameters, at_least(1));
   r.get_int({"max_reuse_distance", "stage3_max_reuse_distance"}, z.stage3_max_reuse_distance, at_least(0));
+  r.get_int({"model_persistence_threshold", "stage3_model_persistence_threshold"},
+            z.stage3_model_persistence_threshold, at_least(0));
 
   const bool new_opt = r.has("offload_optimizer"), new_param = r.has("offload_param");
   parse_offload(r, "offload_optimizer", z.offload_optimizer, false);
@@ -368,14 +376,14 @@ void parse_zero(Reader& root, ZeroConfig& z) {
                         "deprecated and set together with offload_optimizer; keep offload_optimizer");
     }
     r.warn(r.last_path(), "deprecated; use \"offload_optimizer\": {\"device\": \"cpu\"}");
-    if (dep) z.offload_optimizer.device = "cpu";
+    if (dep) z.offload_optimizer.device = OffloadDevice::kCpu;
   }
   if (r.get_bool("cpu_offload_param", dep)) {
     if (new_param) {
       throw ConfigError(r.last_path(), "deprecated and set together with offload_param; keep offload_param");
     }
     r.warn(r.last_path(), "deprecated; use \"offload_param\": {\"device\": \"cpu\"}");
-    if (dep) z.offload_param.device = "cpu";
+    if (dep) z.offload_param.device = OffloadDevice::kCpu;
   }
   if (r.get_bool("cpu_offload_use_pin_memory", dep)) {
     r.warn(r.last_path(), "deprecated; use pin_memory in offload_optimizer / offload_param");
@@ -384,17 +392,15 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   }
 
   // Known DeepSpeed keys without an effect in zinc: harmless ones warn...
-  r.ignore_bool("load_from_fp32_weights", true, "zinc's checkpoints always hold fp32 master weights");
+  r.ignore_bool("load_from_fp32_weights", true, "zinc does not load checkpoints yet");
   r.ignore_bool("elastic_checkpoint", false);
   r.ignore_bool("ignore_unused_parameters", true, "every zinc model parameter receives a gradient");
   r.ignore_bool("legacy_stage1", false);
   r.ignore_bool("round_robin_gradients", false);
   r.ignore_bool("use_multi_rank_bucket_allreduce", true);
   r.ignore_bool({"gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"}, false,
-                "zinc's checkpoints hold fp32 weights");
-  r.ignore_bool("stage3_gather_fp16_weights_on_model_save", false, "zinc's checkpoints hold fp32 weights");
-  r.ignore_int({"model_persistence_threshold", "stage3_model_persistence_threshold"},
-               std::numeric_limits<int64_t>::max());
+                "zinc does not save models yet");
+  r.ignore_bool("stage3_gather_fp16_weights_on_model_save", false, "zinc does not save models yet");
   r.ignore_int({"module_granularity_threshold", "stage3_module_granularity_threshold"}, 0);
   r.ignore_bool({"use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params"}, false);
   r.ignore_bool({"allgather_sequential", "stage3_allgather_sequential"}, false);
@@ -553,7 +559,7 @@ void parse_unimplemented(Reader& r) {
   Reader ck = r.section("checkpoint");
   std::string tag = "Warn";
   if (ck.get_choice("tag_validation", tag, {"Ignore", "Warn", "Fail"}, true) && tag != "Warn") {
-    ck.warn_ignored(ck.last_path(), "zinc does not validate checkpoint tags across ranks");
+    ck.warn_ignored(ck.last_path(), "zinc does not write checkpoints yet");
   }
   ck.ignore_bool("load_universal", false);
   ck.ignore_bool("use_node_local_storage", false);
@@ -587,6 +593,27 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   r.finish();
   c.validate();
   return c;
+}
+
+const char* optimizer_type_name(OptimizerType t) { return t == OptimizerType::kAdam ? "Adam" : "AdamW"; }
+
+const char* scheduler_type_name(SchedulerType t) {
+  switch (t) {
+    case SchedulerType::kConstant: return "constant";
+    case SchedulerType::kWarmupLR: return "WarmupLR";
+    case SchedulerType::kWarmupDecayLR: return "WarmupDecayLR";
+    case SchedulerType::kWarmupCosineLR: return "WarmupCosineLR";
+  }
+  return "?";
+}
+
+const char* offload_device_name(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone: return "none";
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
+  }
+  return "?";
 }
 
 }  // namespace zinc

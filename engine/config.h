@@ -15,73 +15,138 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
+
 namespace zinc {
 
+// Each option below carries DeepSpeed's JSON name, its default (the
+// initialiser) and, where it has one, its cost: what a larger or smaller
+// value spends in memory, time or communication. Sizes are in elements
+// unless a name says bytes.
+
+// optimizer.type (case-insensitive in the JSON).
+enum class OptimizerType { kAdam, kAdamW };
+const char* optimizer_type_name(OptimizerType t);  // "Adam" | "AdamW"
+
 struct OptimizerConfig {
-  std::string type = "AdamW";  // "Adam" | "AdamW" (case-insensitive in the JSON)
-  double lr = 1e-3;
-  double beta1 = 0.9, beta2 = 0.999;  // "betas": [b1, b2]
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  // Decoupled (AdamW) weight decay. DeepSpeed's "Adam" defaults to
-  // adam_w_mode true as well; "adam_w_mode": false gives L2-style Adam.
+  OptimizerType type = OptimizerType::kAdamW;
+  double lr = 1e-3;                   // params.lr (the schedule's base for WarmupCosineLR)
+  double beta1 = 0.9, beta2 = 0.999;  // params.betas: [b1, b2]
+  double eps = 1e-8;                  // params.eps
+  double weight_decay = 0.0;          // params.weight_decay
+  // params.adam_w_mode: decoupled (AdamW) weight decay. DeepSpeed's "Adam"
+  // defaults to true as well; false gives L2-style Adam.
   bool adam_w_mode = true;
-  bool bias_correction = true;
+  bool bias_correction = true;  // params.bias_correction
 };
 
+// scheduler.type; kConstant when there is no scheduler section.
+enum class SchedulerType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+// "constant" | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+const char* scheduler_type_name(SchedulerType t);
+
+// scheduler.params.warmup_type
+enum class WarmupType { kLog, kLinear };
+
 struct SchedulerConfig {
-  std::string type;  // "" (constant lr) | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
-  // WarmupLR / WarmupDecayLR
+  SchedulerType type = SchedulerType::kConstant;
+  // WarmupLR / WarmupDecayLR: the lr rises from warmup_min_lr to
+  // warmup_max_lr over warmup_num_steps optimizer steps.
   double warmup_min_lr = 0.0;
   double warmup_max_lr = 0.001;
   int64_t warmup_num_steps = 1000;
-  std::string warmup_type = "log";  // "log" | "linear"
-  // WarmupDecayLR / WarmupCosineLR (required for those)
+  WarmupType warmup_type = WarmupType::kLog;
+  // WarmupDecayLR / WarmupCosineLR: the step at which the decay ends
+  // (required for those, no default).
   int64_t total_num_steps = 0;
-  // WarmupCosineLR (ratios of the optimizer's lr)
+  // WarmupCosineLR: ratios of the optimizer's lr.
   double warmup_min_ratio = 0.0;
   double cos_min_ratio = 0.0001;
 };
 
+// Where a ZeRO state lives (offload_optimizer.device, offload_param.device).
+enum class OffloadDevice {
+  kNone,  // "none": the engine's own RAM. Fastest; RAM holds all of it.
+  kCpu,   // "cpu": host RAM, page-locked when pin_memory. On the CPU build the
+          // same RAM as "none" (pinning only matters for GPU copies).
+  kNvme,  // "nvme": files under nvme_path, streamed through io_uring
+          // sub-group by sub-group. RAM holds only the buffers in flight;
+          // each step reads and writes the whole state (disk bandwidth).
+};
+const char* offload_device_name(OffloadDevice d);  // "none" | "cpu" | "nvme"
+
 struct OffloadConfig {
-  std::string device = "none";  // "none" | "cpu" | "nvme"
-  std::string nvme_path;        // required for nvme
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;  // the folder for the state files (required for nvme)
+  // Page-locked host buffers. Costs locked RAM (RLIMIT_MEMLOCK); refused
+  // locks fall back to ordinary memory with a warning.
   bool pin_memory = false;
+  // nvme: sub-group buffers in flight (read ahead, update, write behind).
+  // More: deeper overlap of I/O with the update; each costs sub_group_size x
+  // 12 bytes (master, m, v) of RAM.
   int64_t buffer_count = 4;
-  int64_t buffer_size = 100000000;  // offload_param only
-  int64_t max_in_cpu = 1000000000;  // offload_param only
-  double ratio = 1.0;               // offload_optimizer only
+  int64_t buffer_size = 100000000;  // offload_param only (not implemented yet)
+  int64_t max_in_cpu = 1000000000;  // offload_param only (not implemented yet)
+  double ratio = 1.0;               // offload_optimizer: share offloaded (only 1 is implemented)
 };
 
 struct ZeroConfig {
+  // 0: plain data parallel; 1: optimizer states partitioned; 2: and
+  // gradients; 3: and parameters (Note [ZeRO stages], engine/shard.h).
+  // Each stage saves memory per rank and adds no traffic over stage 1 except
+  // stage 3's gathers (parameters cross the wire once per use).
   int stage = 0;
-  bool overlap_comm = false;  // default: true for stage 3, else false
-  bool contiguous_gradients = true;
-  bool reduce_scatter = true;
+  // Reduce each gradient bucket on the comm thread while backward goes on.
+  // Default: true at stage 3, else false. Costs up to GradReducer's two
+  // buckets of full gradients alive at once.
+  bool overlap_comm = false;
+  bool contiguous_gradients = true;  // zinc's gradients are always contiguous (flat blocks)
+  bool reduce_scatter = true;        // false is warned and ignored: zinc always reduce-scatters
+  // Gradient elements per reduction. Larger: fewer, larger collectives (less
+  // latency), more gradient memory alive at stage 2/3 and less overlap.
   int64_t reduce_bucket_size = 500000000;
+  // Parameter elements per all-gather after the step (stages 1, 2). Same
+  // trade as reduce_bucket_size, in the step instead of backward.
   int64_t allgather_bucket_size = 500000000;
-  bool allgather_partitions = true;
+  bool allgather_partitions = true;  // false is warned and ignored
   OffloadConfig offload_optimizer;
-  OffloadConfig offload_param;  // buffer_count default 5
+  OffloadConfig offload_param;  // stage 3 only; buffer_count default 5
+  // Optimizer elements updated per NVMe sub-group: the unit the swapper
+  // reads, updates and writes. Larger: longer I/O, fewer waits, more RAM.
   int64_t sub_group_size = 1000000000;
+  // Stage 3 (engine/param_coordinator.cpp, Note [ZeRO-3 parameter coordination]):
+  // Elements gathered ahead of use along the recorded order. Larger: more
+  // overlap of gathers with compute, more memory.
   int64_t stage3_prefetch_bucket_size = 50000000;
+  // Blocks of at most this many elements stay gathered for the whole run:
+  // their memory is spent for good, their gathers only once per step.
   int64_t stage3_param_persistence_threshold = 100000;
+  // The most elements of persistent blocks in the whole model (blocks taken
+  // in order until the next would pass it). Default: no limit.
+  int64_t stage3_model_persistence_threshold = std::numeric_limits<int64_t>::max();
+  // The most elements gathered at once on a rank (plus the block an acquire
+  // needs): the bound on stage 3's parameter memory.
   int64_t stage3_max_live_parameters = 1000000000;
+  // A released block stays gathered if the recorded order uses it again
+  // within this many elements of other blocks: a gather saved for memory.
   int64_t stage3_max_reuse_distance = 1000000000;
 };
 
+// aio: the NVMe store's io_uring settings (offload/nvme_store.h).
 struct AioConfig {
+  // Bytes per read or write request. Larger: fewer requests; a multiple of 4096.
   int64_t block_size = 1048576;
-  int64_t queue_depth = 8;
-  int64_t intra_op_parallelism = 1;  // alias: thread_count
-  bool single_submit = false;
-  bool overlap_events = true;
+  int64_t queue_depth = 8;            // requests in flight per ring
+  int64_t intra_op_parallelism = 1;   // rings (threads) per transfer; alias thread_count
+  bool single_submit = false;         // submit requests one by one instead of in batches
+  bool overlap_events = true;         // submit the next requests while completions are reaped
 };
 
 struct CsvMonitorConfig {
@@ -103,9 +168,14 @@ struct Config {
   double gradient_clipping = 1.0;  // 0 = off
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
-  bool bf16 = false;  // bf16.enabled
-  std::string grad_accum_dtype = "fp32";        // data_types.grad_accum_dtype (only fp32 here)
-  std::string communication_data_type;          // "" = same as gradients
+  // bf16.enabled: compute in bf16 (fp32 master weights and gradients).
+  // Halves the compute copy and activations; on CPUs without native bf16
+  // matmuls the matmuls run in fp32 (README, Any CPU).
+  bool bf16 = false;
+  DType grad_accum_dtype = DType::kF32;  // data_types.grad_accum_dtype (only fp32 is implemented)
+  // communication_data_type: the gradients' dtype on the wire (unset: fp32,
+  // as accumulated). bf16 halves the reduction traffic and rounds each sum.
+  std::optional<DType> communication_data_type;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   ZeroConfig zero;

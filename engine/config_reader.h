@@ -23,6 +23,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -265,6 +266,19 @@ class Reader {
     const json* v = find(n);
     if (v) out = to_choice(*v, last_path_, choices, case_insensitive);
     return v;
+  }
+
+  // A choice kept as an enum: `names` pairs each spelling with its value.
+  template <typename E>
+  bool get_enum(const Name& n, E& out, const std::vector<std::pair<std::string, E>>& names,
+                bool case_insensitive = false) {
+    std::vector<std::string> choices;
+    for (const auto& nv : names) choices.push_back(nv.first);
+    std::string s;
+    if (!get_choice(n, s, choices, case_insensitive)) return false;
+    for (const auto& nv : names)
+      if (nv.first == s) out = nv.second;
+    return true;
   }
 
   // A nested object; absent or null gives an empty object (the defaults).

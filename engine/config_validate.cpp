@@ -28,45 +28,30 @@ void Config::validate() const {
   if (steps_per_print < 1) {
     throw ConfigError("steps_per_print", "must be >= 1, got " + std::to_string(steps_per_print));
   }
-  if (grad_accum_dtype != "fp32") {
-    throw ConfigError("data_types.grad_accum_dtype",
-                      "only \"fp32\" is implemented, got \"" + grad_accum_dtype + "\"");
+  if (grad_accum_dtype != DType::kF32) {
+    throw ConfigError("data_types.grad_accum_dtype", "only \"fp32\" is implemented, got \"" +
+                                                         std::string(dtype_name(grad_accum_dtype)) + "\"");
   }
-  if (!communication_data_type.empty() && communication_data_type != "fp32" &&
-      communication_data_type != "bf16") {
-    throw ConfigError("communication_data_type", "must be \"fp32\" or \"bf16\" on the CPU build, got \"" +
-                                                     communication_data_type + "\"");
-  }
-  if (optimizer.type != "Adam" && optimizer.type != "AdamW") {
-    throw ConfigError("optimizer.type",
-                      "\"" + optimizer.type + "\" is not implemented in zinc; supported: Adam, AdamW");
-  }
-  if (optimizer.type == "AdamW" && !optimizer.adam_w_mode) {
+  if (optimizer.type == OptimizerType::kAdamW && !optimizer.adam_w_mode) {
     throw ConfigError("optimizer.params.adam_w_mode", "type AdamW needs adam_w_mode true");
   }
-  if (!scheduler.type.empty() && scheduler.type != "WarmupLR" && scheduler.type != "WarmupDecayLR" &&
-      scheduler.type != "WarmupCosineLR") {
-    throw ConfigError("scheduler.type",
-                      "\"" + scheduler.type +
-                          "\" is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
-                          "WarmupCosineLR");
-  }
-  if ((scheduler.type == "WarmupDecayLR" || scheduler.type == "WarmupCosineLR") &&
+  if ((scheduler.type == SchedulerType::kWarmupDecayLR || scheduler.type == SchedulerType::kWarmupCosineLR) &&
       scheduler.total_num_steps < 1) {
-    throw ConfigError("scheduler.params.total_num_steps",
-                      "required for " + scheduler.type + " (the step at which the decay ends)");
+    throw ConfigError("scheduler.params.total_num_steps", std::string("required for ") +
+                                                              scheduler_type_name(scheduler.type) +
+                                                              " (the step at which the decay ends)");
   }
 
   // ZeRO: inconsistent combinations first, then what zinc does not do yet.
   const auto& oo = zero.offload_optimizer;
   const auto& op = zero.offload_param;
-  if (op.device != "none" && zero.stage != 3) {
+  if (op.device != OffloadDevice::kNone && zero.stage != 3) {
     throw ConfigError(
         "zero_optimization.offload_param",
         "parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage " +
             std::to_string(zero.stage));
   }
-  if (oo.device != "none" && zero.stage == 0) {
+  if (oo.device != OffloadDevice::kNone && zero.stage == 0) {
     throw ConfigError("zero_optimization.offload_optimizer",
                       "optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0");
   }
@@ -77,14 +62,15 @@ void Config::validate() const {
   }
   for (const auto* o : {&oo, &op}) {
     const char* name = o == &oo ? "offload_optimizer" : "offload_param";
-    if (o->device == "nvme" && o->nvme_path.empty()) {
+    if (o->device == OffloadDevice::kNvme && o->nvme_path.empty()) {
       throw ConfigError(std::string("zero_optimization.") + name + ".nvme_path",
                         "required for device \"nvme\"");
     }
   }
-  if (op.device != "none") {
+  if (op.device != OffloadDevice::kNone) {
     throw ConfigError("zero_optimization.offload_param.device",
-                      "parameter offload (\"" + op.device + "\") is not implemented yet in zinc; set \"none\"");
+                      std::string("parameter offload (\"") + offload_device_name(op.device) +
+                          "\") is not implemented yet in zinc; set \"none\"");
   }
   if (oo.ratio < 1.0) {
     throw ConfigError("zero_optimization.offload_optimizer.ratio",

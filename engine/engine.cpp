@@ -66,12 +66,12 @@ offload::SwapperOptions swapper_options(const Config& c) {
 optim::ScheduleParams schedule_params(const Config& c) {
   optim::ScheduleParams p;
   const SchedulerConfig& s = c.scheduler;
-  p.type = s.type;
+  p.type = s.type == SchedulerType::kConstant ? "" : scheduler_type_name(s.type);
   p.base_lr = c.optimizer.lr;
   p.warmup_min_lr = s.warmup_min_lr;
   p.warmup_max_lr = s.warmup_max_lr;
   p.warmup_num_steps = s.warmup_num_steps;
-  p.warmup_type = s.warmup_type;
+  p.warmup_type = s.warmup_type == WarmupType::kLinear ? "linear" : "log";
   p.total_num_steps = s.total_num_steps;
   p.warmup_min_ratio = s.warmup_min_ratio;
   p.cos_min_ratio = s.cos_min_ratio;
@@ -114,7 +114,7 @@ struct Engine::Impl final : StepContext {
   StepTimings timings;
   StateMemory memory;
   std::unique_ptr<OptimizerState> opt_state;  // master, m, v: RAM, pinned RAM or NVMe
-  std::string offload_device;
+  OffloadDevice offload_device = OffloadDevice::kNone;
 
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
@@ -177,7 +177,8 @@ struct Engine::Impl final : StepContext {
       s.opt_numel = plan.optimizer_numel(s.part);
       spans.push_back(s.opt_numel);
     }
-    const offload::SwapperOptions nvme = offload_device == "nvme" ? swapper_options(cfg) : offload::SwapperOptions{};
+    const offload::SwapperOptions nvme =
+        offload_device == OffloadDevice::kNvme ? swapper_options(cfg) : offload::SwapperOptions{};
     opt_state = make_optimizer_state(offload_device, spans, cfg.zero.offload_optimizer.pin_memory, nvme, rank,
                                      memory);
     for (size_t b = 0; b < specs.size(); ++b) {
@@ -224,12 +225,13 @@ struct Engine::Impl final : StepContext {
     GradReducer::Options ro;
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;
-    ro.wire_bf16 = cfg.communication_data_type == "bf16";
+    ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
     ParamCoordinator::Options po;
     po.allgather_bucket_numel = cfg.zero.allgather_bucket_size;
     po.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
     po.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
+    po.model_persistence_numel = cfg.zero.stage3_model_persistence_threshold;
     po.max_live_numel = cfg.zero.stage3_max_live_parameters;
     po.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
     params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, po);

@@ -57,6 +57,12 @@ struct BlockLayout {
     l.numel = off;
     return l;
   }
+  // Elements of the parameters themselves (numel less the alignment gaps).
+  int64_t param_numel() const {
+    int64_t n = 0;
+    for (int64_t k : numels) n += k;
+    return n;
+  }
 };
 
 // A block's parameters in compute precision (fp32, or bf16 with bf16 on).

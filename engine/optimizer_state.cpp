@@ -100,14 +100,16 @@ class NvmeState final : public OptimizerState {
 
 }  // namespace
 
-std::unique_ptr<OptimizerState> make_optimizer_state(const std::string& device,
+std::unique_ptr<OptimizerState> make_optimizer_state(OffloadDevice device,
                                                      const std::vector<int64_t>& span_numel, bool pin_memory,
                                                      const offload::SwapperOptions& nvme, int rank,
                                                      StateMemory& memory) {
-  if (device == "none") return std::make_unique<RamState>(span_numel, memory);
-  if (device == "cpu") return std::make_unique<PinnedState>(span_numel, pin_memory, memory);
-  if (device == "nvme") return std::make_unique<NvmeState>(span_numel, nvme, rank, memory);
-  throw Error("optimizer state: unknown device '" + device + "' (expected none, cpu or nvme)");
+  switch (device) {
+    case OffloadDevice::kNone: return std::make_unique<RamState>(span_numel, memory);
+    case OffloadDevice::kCpu: return std::make_unique<PinnedState>(span_numel, pin_memory, memory);
+    case OffloadDevice::kNvme: return std::make_unique<NvmeState>(span_numel, nvme, rank, memory);
+  }
+  throw Error("optimizer state: unknown device");
 }
 
 }  // namespace zinc

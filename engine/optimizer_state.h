@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/config.h"
 #include "engine/shard.h"
 #include "offload/swapper.h"
 
@@ -49,12 +50,12 @@ class OptimizerState {
   virtual int64_t bytes_written() const { return 0; }
 };
 
-// device: "none" (RAM), "cpu" (page-locked RAM; pin_memory false or a
-// refused mlock gives ordinary memory) or "nvme" (the swapper with `nvme`
+// device: kNone (RAM), kCpu (page-locked RAM; pin_memory false or a
+// refused mlock gives ordinary memory) or kNvme (the swapper with `nvme`
 // options). span_numel[b]: the elements of block b's span on this rank. The
 // memory the state holds is added to `memory`. Throws IoError for an NVMe
 // folder that cannot be used.
-std::unique_ptr<OptimizerState> make_optimizer_state(const std::string& device,
+std::unique_ptr<OptimizerState> make_optimizer_state(OffloadDevice device,
                                                      const std::vector<int64_t>& span_numel, bool pin_memory,
                                                      const offload::SwapperOptions& nvme, int rank,
                                                      StateMemory& memory);

@@ -34,8 +34,10 @@ namespace zinc {
 // never before an update that would make them stale.
 //
 // Release. A block goes back to kSharded when the model releases it, unless
-// it persists (its elements <= stage3_param_persistence_threshold: gathered
-// once, kept for the whole run) or the trace uses it again within
+// it persists (its elements <= stage3_param_persistence_threshold, while the
+// persistent blocks so far, in block order, stay within
+// stage3_model_persistence_threshold: gathered at the start and after each
+// step, kept for the whole run) or the trace uses it again within
 // stage3_max_reuse_distance elements of other blocks' acquires (counted
 // cyclically: the next pass's first acquires follow this pass's last). An
 // acquire that must gather while the live elements would pass
@@ -69,11 +71,15 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
       last_pos_(blocks.size(), 0) {
   if (!plan_.params_sharded) return;
   ZINC_CHECK(gather_ != nullptr, "stage 3 with several ranks needs the gather stream");
+  int64_t persisting = 0;  // elements of the persistent blocks so far, in block order
   for (BlockShard& s : blocks_) {
     ZINC_CHECK(!s.compute_shard.empty(), "stage 3: the compute shard is set before the coordinator");
     s.param_state = ParamState::kSharded;
-    s.persistent = s.layout.numel <= options_.persistence_numel;
-    if (s.persistent) start_gather(s, /*prefetch=*/false);
+    const int64_t n = s.layout.param_numel();  // as DeepSpeed counts: the parameters' own elements
+    s.persistent = n <= options_.persistence_numel && n <= options_.model_persistence_numel - persisting;
+    if (!s.persistent) continue;
+    persisting += n;
+    start_gather(s, /*prefetch=*/false);
   }
 }
 

@@ -39,6 +39,7 @@ class ParamCoordinator {
     // Stage 3 only:
     int64_t prefetch_numel = 50000000;        // stage3_prefetch_bucket_size: elements gathered ahead
     int64_t persistence_numel = 100000;       // stage3_param_persistence_threshold: blocks this small stay
+    int64_t model_persistence_numel = INT64_MAX;  // stage3_model_persistence_threshold: all persistent blocks
     int64_t max_live_numel = 1000000000;      // stage3_max_live_parameters: elements gathered at once
     int64_t max_reuse_distance = 1000000000;  // stage3_max_reuse_distance: elements until the next use
   };

@@ -223,7 +223,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double wait_share = shares[0], off_cpu_share = shares[1];
   // NVMe traffic of the optimizer swapper (this rank's; every rank moves the
   // same amount), per step and over the time spent in optimizer steps.
-  const bool nvme = cfg.zero.offload_optimizer.device == "nvme";
+  const bool nvme = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
   const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
   const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / engine.timings().step_s / 1e9 : 0;

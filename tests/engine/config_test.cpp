@@ -72,21 +72,21 @@ TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
   EXPECT_EQ(c.steps_per_print, 10);
   EXPECT_FALSE(c.wall_clock_breakdown);
   EXPECT_FALSE(c.bf16);
-  EXPECT_EQ(c.grad_accum_dtype, "fp32");
-  EXPECT_EQ(c.communication_data_type, "");
-  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_EQ(c.grad_accum_dtype, DType::kF32);
+  EXPECT_FALSE(c.communication_data_type.has_value());
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
   EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
   EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
   EXPECT_TRUE(c.optimizer.adam_w_mode);
   EXPECT_TRUE(c.optimizer.bias_correction);
-  EXPECT_EQ(c.scheduler.type, "");
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kConstant);
   EXPECT_EQ(c.zero.stage, 0);
   EXPECT_FALSE(c.zero.overlap_comm);  // stage 0: DeepSpeed's default is false
   EXPECT_TRUE(c.zero.contiguous_gradients);
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
-  EXPECT_EQ(c.zero.offload_optimizer.device, "none");
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kNone);
   EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
   EXPECT_EQ(c.zero.offload_param.buffer_count, 5);
   EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 50000000);
@@ -259,7 +259,7 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
                       "zero_optimization.offload_param.nvme_path: required for device \"nvme\"");
   EXPECT_EQ(Config::parse(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}}}))
                 .zero.offload_optimizer.device,
-            "cpu");
+            OffloadDevice::kCpu);
   EXPECT_CONFIG_ERROR(
       with({{"zero_optimization", {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}}}),
       "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0");
@@ -372,7 +372,7 @@ TEST(ConfigAccepts, DeepSpeedSpellingsAndForms) {
       {"fp16", {{"enabled", false}, {"loss_scale", 0}, {"initial_scale_power", 16}}},
   }));
   EXPECT_TRUE(c.bf16);
-  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
   EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 20000000);
@@ -380,14 +380,14 @@ TEST(ConfigAccepts, DeepSpeedSpellingsAndForms) {
   EXPECT_EQ(c.aio.intra_op_parallelism, 2);
   EXPECT_TRUE(c.csv_monitor.enabled);
   EXPECT_EQ(c.csv_monitor.output_path, "out/");
-  EXPECT_EQ(c.communication_data_type, "bf16");
+  EXPECT_EQ(c.communication_data_type, DType::kBF16);
   EXPECT_TRUE(c.warnings.empty());
 }
 
 TEST(ConfigAccepts, AdamWModeFollowsTheType) {
   Config adam =
       Config::parse(with({{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}}));
-  EXPECT_EQ(adam.optimizer.type, "Adam");
+  EXPECT_EQ(adam.optimizer.type, OptimizerType::kAdam);
   EXPECT_FALSE(adam.optimizer.adam_w_mode);
   EXPECT_TRUE(Config::parse(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam_w_mode);
   Config adamw =
@@ -404,10 +404,10 @@ TEST(ConfigAccepts, Schedulers) {
                                      {"warmup_max_lr", 0.01},
                                      {"warmup_num_steps", 50},
                                      {"warmup_type", "linear"}}}}}}));
-  EXPECT_EQ(w.scheduler.type, "WarmupLR");
+  EXPECT_EQ(w.scheduler.type, SchedulerType::kWarmupLR);
   EXPECT_DOUBLE_EQ(w.scheduler.warmup_max_lr, 0.01);
   EXPECT_EQ(w.scheduler.warmup_num_steps, 50);
-  EXPECT_EQ(w.scheduler.warmup_type, "linear");
+  EXPECT_EQ(w.scheduler.warmup_type, WarmupType::kLinear);
   Config cos = Config::parse(with({{"scheduler",
                                     {{"type", "WarmupCosineLR"},
                                      {"params",

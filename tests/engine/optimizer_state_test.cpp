@@ -18,7 +18,7 @@ const std::vector<int64_t> kSpans = {2048, 1024, 4096};
 
 float init_value(int block, int64_t i) { return static_cast<float>(block) * 10000.0f + static_cast<float>(i); }
 
-class OptimizerStatePlaces : public testing::TestWithParam<std::string> {
+class OptimizerStatePlaces : public testing::TestWithParam<OffloadDevice> {
  protected:
   void SetUp() override {
     std::string tmpl = (std::filesystem::temp_directory_path() / "zinc-optstate-XXXXXX").string();
@@ -44,7 +44,7 @@ TEST_P(OptimizerStatePlaces, VisitorSeesEverySpanAndKeepsWhatItLeaves) {
     std::vector<float> w(static_cast<size_t>(kSpans[b]));
     for (int64_t i = 0; i < kSpans[b]; ++i) w[i] = init_value(b, i);
     state->init_block(b, w.data());
-    EXPECT_EQ(state->master_in_memory(b) == nullptr, GetParam() == "nvme");
+    EXPECT_EQ(state->master_in_memory(b) == nullptr, GetParam() == OffloadDevice::kNvme);
   }
   std::vector<int64_t> covered(3, 0);
   int last_block = 0;
@@ -73,15 +73,14 @@ TEST_P(OptimizerStatePlaces, VisitorSeesEverySpanAndKeepsWhatItLeaves) {
   std::vector<float> out(static_cast<size_t>(kSpans[2]));
   state->read_master(2, out.data());
   for (int64_t i = 0; i < kSpans[2]; ++i) ASSERT_EQ(out[i], -init_value(2, i));
-  EXPECT_EQ(state->bytes_read() > 0, GetParam() == "nvme");
+  EXPECT_EQ(state->bytes_read() > 0, GetParam() == OffloadDevice::kNvme);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, OptimizerStatePlaces, testing::Values("none", "cpu", "nvme"));
-
-TEST(OptimizerState, UnknownDeviceIsAnError) {
-  StateMemory memory;
-  EXPECT_THROW(make_optimizer_state("gpu", kSpans, false, {}, 0, memory), Error);
-}
+INSTANTIATE_TEST_SUITE_P(Engine, OptimizerStatePlaces,
+                         testing::Values(OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme),
+                         [](const testing::TestParamInfo<OffloadDevice>& i) {
+                           return std::string(offload_device_name(i.param));
+                         });
 
 }  // namespace
 }  // namespace zinc
