@@ -78,6 +78,29 @@ optim::ScheduleParams schedule_params(const Config& c) {
   return p;
 }
 
+optim::AdamParams adam_params(const Config& c) {
+  optim::AdamParams a;
+  a.lr = c.optimizer.lr;
+  a.beta1 = c.optimizer.beta1;
+  a.beta2 = c.optimizer.beta2;
+  a.eps = c.optimizer.eps;
+  a.weight_decay = c.optimizer.weight_decay;
+  a.adam_w_mode = c.optimizer.adam_w_mode;
+  a.bias_correction = c.optimizer.bias_correction;
+  return a;
+}
+
+ParamCoordinator::Options coordinator_options(const Config& c) {
+  ParamCoordinator::Options o;
+  o.allgather_bucket_numel = c.zero.allgather_bucket_size;
+  o.prefetch_numel = c.zero.stage3_prefetch_bucket_size;
+  o.persistence_numel = c.zero.stage3_param_persistence_threshold;
+  o.model_persistence_numel = c.zero.stage3_model_persistence_threshold;
+  o.max_live_numel = c.zero.stage3_max_live_parameters;
+  o.max_reuse_distance = c.zero.stage3_max_reuse_distance;
+  return o;
+}
+
 }  // namespace
 
 struct Engine::Impl final : StepContext {
@@ -127,13 +150,7 @@ struct Engine::Impl final : StepContext {
     plan = StagePlan::make(c.zero.stage, world);
     offload_device = c.zero.offload_optimizer.device;
     if (world > 1) make_streams();
-    adam.lr = c.optimizer.lr;
-    adam.beta1 = c.optimizer.beta1;
-    adam.beta2 = c.optimizer.beta2;
-    adam.eps = c.optimizer.eps;
-    adam.weight_decay = c.optimizer.weight_decay;
-    adam.adam_w_mode = c.optimizer.adam_w_mode;
-    adam.bias_correction = c.optimizer.bias_correction;
+    adam = adam_params(c);
     lr = schedule.lr_at(0);
     allocate_and_init();
   }
@@ -227,14 +244,7 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
-    ParamCoordinator::Options po;
-    po.allgather_bucket_numel = cfg.zero.allgather_bucket_size;
-    po.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
-    po.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
-    po.model_persistence_numel = cfg.zero.stage3_model_persistence_threshold;
-    po.max_live_numel = cfg.zero.stage3_max_live_parameters;
-    po.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
-    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, po);
+    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg));
   }
 
   // ---- StepContext --------------------------------------------------------------

@@ -13,46 +13,20 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tests/engine/config_test_util.h"
 
 namespace zinc {
 namespace {
 
 using nlohmann::json;
-
-// A minimal valid config: one micro-batch of 8 per rank.
-json base() { return json{{"train_micro_batch_size_per_gpu", 8}}; }
-
-// base() with `patch` merged in (RFC 7396: nested objects merge).
-json with(const json& patch) {
-  json j = base();
-  j.merge_patch(patch);
-  return j;
-}
+using testing_config::any_warning_has;
+using testing_config::base;
+using testing_config::expect_parts;
+using testing_config::with;
 
 // The ConfigError message of parsing `j`, or a test failure if it parses.
 std::string config_error(const json& j, int world_size = 1) {
-  try {
-    Config::parse(j, world_size);
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a ConfigError for " << j.dump();
-  return "";
-}
-
-// Every part occurs in `text`.
-void expect_parts(const std::string& text, const std::vector<std::string>& parts) {
-  for (const auto& p : parts)
-    EXPECT_NE(text.find(p), std::string::npos) << "missing \"" << p << "\" in: " << text;
-}
-
-#define EXPECT_CONFIG_ERROR(j, ...) expect_parts(config_error(j), {__VA_ARGS__})
-
-bool any_warning_has(const Config& c, const std::string& part) {
-  for (const auto& w : c.warnings) {
-    if (w.find(part) != std::string::npos) return true;
-  }
-  return false;
+  return testing_config::error_of_parse([world_size](const json& d) { Config::parse(d, world_size); }, j);
 }
 
 std::string temp_path(const std::string& name) {
