@@ -327,15 +327,17 @@ std::unique_ptr<DataSource> make_source(const DataConfig& cfg, bool eval) {
     throw ConfigError("data.seq_len", "must be >= 1, got " + std::to_string(cfg.seq_len));
   if (!(cfg.eval_fraction >= 0.0 && cfg.eval_fraction < 1.0))
     throw ConfigError("data.eval_fraction", "must be in [0, 1), got " + fmt_double(cfg.eval_fraction));
-  if (cfg.type == "synthetic") return std::make_unique<SyntheticSource>(cfg, eval);
-  if (cfg.type == "text" || cfg.type == "tokens") {
+  if (cfg.type == DataType::kSynthetic) return std::make_unique<SyntheticSource>(cfg, eval);
+  if (cfg.type == DataType::kText || cfg.type == DataType::kTokens) {
     if (cfg.path.empty())
-      throw ConfigError("data.path", "is required for data type \"" + cfg.type + "\"");
-    if (cfg.type == "text") return std::make_unique<TextSource>(cfg, eval);
+      throw ConfigError("data.path",
+                        "is required for data type \"" + std::string(data_type_name(cfg.type)) + "\"");
+    if (cfg.type == DataType::kText) return std::make_unique<TextSource>(cfg, eval);
     return std::make_unique<TokenSource>(cfg, eval);
   }
-  throw ConfigError("data.type",
-                    "must be \"synthetic\", \"text\" or \"tokens\", got \"" + cfg.type + "\"");
+  // Only reachable with a value cast from outside the enum.
+  throw ConfigError("data.type", "must be \"synthetic\", \"text\" or \"tokens\", got \"" +
+                                     std::string(data_type_name(cfg.type)) + "\"");
 }
 
 // Seeded bijection of [0, n) for large n: three rounds of (odd multiply,
@@ -366,10 +368,19 @@ int64_t permute_large(int64_t x, int64_t n, uint64_t key_seed) {
 
 }  // namespace
 
+const char* data_type_name(DataType t) {
+  switch (t) {
+    case DataType::kSynthetic: return "synthetic";
+    case DataType::kText: return "text";
+    case DataType::kTokens: return "tokens";
+  }
+  return "?";
+}
+
 std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg) { return make_source(cfg, false); }
 
 std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg) {
-  if (cfg.type != "synthetic" && cfg.eval_fraction <= 0.0) return nullptr;
+  if (cfg.type != DataType::kSynthetic && cfg.eval_fraction <= 0.0) return nullptr;
   return make_source(cfg, true);
 }
 

@@ -30,8 +30,12 @@ struct Batch {
   std::vector<int32_t> targets;
 };
 
+// The kind of source (see the list above).
+enum class DataType { kSynthetic, kText, kTokens };
+const char* data_type_name(DataType t);  // "synthetic" | "text" | "tokens"
+
 struct DataConfig {
-  std::string type = "synthetic";  // "synthetic" | "text" | "tokens"
+  DataType type = DataType::kSynthetic;
   std::string path;                // text / tokens: the file
   int64_t seq_len = 256;           // T: tokens per sample (inputs; targets shifted by one)
   // synthetic: V (2..8192). tokens: if > 0, every token must be < V (checked

@@ -29,7 +29,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     throw ConfigError("model.vocab_size", "must be >= the data's vocabulary (" +
                                               std::to_string(e.data->vocab_size()) + "), got " +
                                               std::to_string(V));
-  if (m.type == "gpt") {
+  if (m.type == ModelType::kGpt) {
     models::GptConfig g;
     g.vocab_size = V;
     g.block_size = m.block_size > 0 ? m.block_size : e.data->seq_len();
@@ -41,7 +41,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     g.n_head = m.n_head;
     g.n_embd = m.n_embd;
     e.model = models::make_gpt(g);
-  } else if (m.type == "mlp") {
+  } else if (m.type == ModelType::kMlp) {
     models::MlpConfig c;
     c.vocab_size = V;
     c.context = m.context;
@@ -50,7 +50,9 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     c.n_layer = m.n_layer;
     e.model = models::make_mlp(c);
   } else {
-    throw ConfigError("model.type", "unknown model '" + m.type + "' (expected \"gpt\" or \"mlp\")");
+    // Only reachable with a value cast from outside the enum.
+    throw ConfigError("model.type", "unknown model '" + std::string(model_type_name(m.type)) +
+                                        "' (expected \"gpt\" or \"mlp\")");
   }
   return e;
 }

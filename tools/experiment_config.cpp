@@ -17,7 +17,7 @@ using namespace config;
 
 void parse_model(Reader& root, ModelConfig& m) {
   Reader r = root.section("model");
-  r.get_choice("type", m.type, {"gpt", "mlp"});
+  r.get_enum("type", m.type, {{"gpt", ModelType::kGpt}, {"mlp", ModelType::kMlp}});
   r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24));
   r.get_int("block_size", m.block_size, at_least(0));
   r.get_int("n_layer", m.n_layer, at_least(1));
@@ -30,7 +30,8 @@ void parse_model(Reader& root, ModelConfig& m) {
 
 void parse_data(Reader& root, DataConfig& d) {
   Reader r = root.section("data");
-  r.get_choice("type", d.type, {"synthetic", "text", "tokens"});
+  r.get_enum("type", d.type,
+             {{"synthetic", DataType::kSynthetic}, {"text", DataType::kText}, {"tokens", DataType::kTokens}});
   bool has_path = r.get_string("path", d.path);
   r.get_int("seq_len", d.seq_len, at_least(1));
   bool has_vocab = r.get_int("vocab_size", d.vocab_size, closed(2, 65536));
@@ -38,16 +39,17 @@ void parse_data(Reader& root, DataConfig& d) {
   r.get_u64("seed", d.seed);
   bool has_eval = r.get_number("eval_fraction", d.eval_fraction, lo_closed(0, 1));
   r.finish();
-  if (d.type == "synthetic") {
+  if (d.type == DataType::kSynthetic) {
     if (has_path) r.warn(r.path_of("path"), "ignored for type \"synthetic\"");
     if (has_eval && d.eval_fraction > 0) {
       r.warn(r.path_of("eval_fraction"), "ignored for type \"synthetic\" (an endless stream)");
     }
   } else {
     if (d.path.empty()) {
-      throw ConfigError(r.path_of("path"), "required for type \"" + d.type + "\" (the file to read)");
+      throw ConfigError(r.path_of("path"),
+                        "required for type \"" + std::string(data_type_name(d.type)) + "\" (the file to read)");
     }
-    if (d.type == "tokens") {
+    if (d.type == DataType::kTokens) {
       // A token file's vocabulary comes from the file unless the config
       // states it (then every token is checked against it).
       if (!has_vocab) d.vocab_size = 0;
@@ -55,7 +57,8 @@ void parse_data(Reader& root, DataConfig& d) {
       r.warn(r.path_of("vocab_size"), "ignored for type \"text\" (bytes: the vocabulary is 256)");
     }
     if (has_det) {
-      r.warn(r.path_of("determinism"), "ignored for type \"" + d.type + "\" (only synthetic data takes it)");
+      r.warn(r.path_of("determinism"),
+             "ignored for type \"" + std::string(data_type_name(d.type)) + "\" (only synthetic data takes it)");
     }
   }
 }
@@ -76,12 +79,34 @@ void parse_run(Reader& root, RunConfig& run) {
 
 void parse_comm(Reader& root, CommConfig& comm) {
   Reader r = root.section("comm");
-  r.get_choice("backend", comm.backend, {"auto", "mpi", "shm", "hierarchical"});
+  r.get_enum("backend", comm.backend,
+             {{"auto", CommBackend::kAuto},
+              {"mpi", CommBackend::kMpi},
+              {"shm", CommBackend::kShm},
+              {"hierarchical", CommBackend::kHierarchical}});
   r.get_number("timeout_seconds", comm.timeout_seconds, above(0));
   r.finish();
 }
 
 }  // namespace
+
+const char* model_type_name(ModelType t) {
+  switch (t) {
+    case ModelType::kGpt: return "gpt";
+    case ModelType::kMlp: return "mlp";
+  }
+  return "?";
+}
+
+const char* comm_backend_name(CommBackend b) {
+  switch (b) {
+    case CommBackend::kAuto: return "auto";
+    case CommBackend::kMpi: return "mpi";
+    case CommBackend::kShm: return "shm";
+    case CommBackend::kHierarchical: return "hierarchical";
+  }
+  return "?";
+}
 
 const std::vector<std::string>& ExperimentConfig::sections() {
   static const std::vector<std::string> kSections = {"model", "data", "run", "comm"};
@@ -114,14 +139,14 @@ void ExperimentConfig::validate() const {
   // vocabulary, and a block size of 0, come from the data when the model is
   // built (build_experiment); the models' defaults stand in for them here.
   std::optional<models::SizeError> bad;
-  if (model.type == "gpt") {
+  if (model.type == ModelType::kGpt) {
     models::GptConfig g;
     if (model.block_size > 0) g.block_size = model.block_size;
     g.n_layer = model.n_layer;
     g.n_head = model.n_head;
     g.n_embd = model.n_embd;
     bad = models::size_error(g);
-  } else if (model.type == "mlp") {
+  } else if (model.type == ModelType::kMlp) {
     models::MlpConfig m;
     m.context = model.context;
     m.n_embd = model.n_embd;
@@ -132,18 +157,21 @@ void ExperimentConfig::validate() const {
   if (bad) throw ConfigError("model." + bad->field, bad->message);
 
   // The model against the data.
-  if (model.type == "gpt" && model.block_size > 0 && model.block_size < data.seq_len) {
+  if (model.type == ModelType::kGpt && model.block_size > 0 && model.block_size < data.seq_len) {
     throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
                                               ", got " + std::to_string(model.block_size));
   }
-  const int64_t data_vocab = data.type == "synthetic" ? data.vocab_size : data.type == "text" ? 256 : 0;
+  const int64_t data_vocab = data.type == DataType::kSynthetic ? data.vocab_size
+                             : data.type == DataType::kText    ? 256
+                                                               : 0;
   if (model.vocab_size > 0 && data_vocab > 0 && model.vocab_size < data_vocab) {
     throw ConfigError("model.vocab_size", "must be >= the data's vocabulary " + std::to_string(data_vocab) +
                                               " (or 0 to take it from the data), got " +
                                               std::to_string(model.vocab_size));
   }
-  if ((data.type == "text" || data.type == "tokens") && data.path.empty()) {
-    throw ConfigError("data.path", "required for type \"" + data.type + "\" (the file to read)");
+  if ((data.type == DataType::kText || data.type == DataType::kTokens) && data.path.empty()) {
+    throw ConfigError("data.path",
+                      "required for type \"" + std::string(data_type_name(data.type)) + "\" (the file to read)");
   }
 }
 

@@ -21,9 +21,13 @@
 
 namespace zinc::tools {
 
+// The built-in models (models/models.h).
+enum class ModelType { kGpt, kMlp };
+const char* model_type_name(ModelType t);  // "gpt" | "mlp"
+
 // The `model` section: the built-in model to train (models/models.h).
 struct ModelConfig {
-  std::string type = "gpt";  // "gpt" | "mlp"
+  ModelType type = ModelType::kGpt;
   int64_t vocab_size = 0;    // 0 = take the data source's vocabulary
   int64_t block_size = 0;    // gpt: max sequence length (0 = data.seq_len)
   int64_t n_layer = 4;
@@ -44,13 +48,17 @@ struct RunConfig {
   std::string output_dir = "runs/default";
 };
 
+// The transport between ranks: the spellings comm::make_communicator takes.
+enum class CommBackend { kAuto, kMpi, kShm, kHierarchical };
+const char* comm_backend_name(CommBackend b);  // "auto" | "mpi" | "shm" | "hierarchical"
+
 // The `comm` section: how ranks talk.
 struct CommConfig {
   // "auto": shared memory between the ranks of one machine, hierarchical
   // (shared memory inside machines, MPI between them) across machines;
   // "mpi", "shm", "hierarchical" force one (for comparison). The environment
   // variable ZINC_COMM_BACKEND overrides it.
-  std::string backend = "auto";
+  CommBackend backend = CommBackend::kAuto;
   // The longest a shared-memory collective waits for another rank before it
   // fails with an error naming that rank (ZINC_COMM_TIMEOUT overrides it).
   double timeout_seconds = 600;

@@ -311,7 +311,7 @@ int main(int argc, char** argv) {
       // The backend is needed before the config can be parsed (the batch
       // triad depends on the world size): the comm section alone, strictly.
       const zinc::tools::CommConfig cc = zinc::tools::ExperimentConfig::parse_comm(doc);
-      const std::string backend = cc.backend;
+      const std::string backend = zinc::tools::comm_backend_name(cc.backend);
       const double timeout = cc.timeout_seconds;
       comm = zinc::comm::make_communicator(backend, timeout);
     } else {

@@ -34,8 +34,8 @@ std::string config_error(const json& j, int world_size = 1) {
 
 TEST(ExperimentConfigDefaults, MatchTheHeader) {
   const ParsedExperiment p = parse_experiment(base());
-  EXPECT_EQ(p.experiment.model.type, "gpt");
-  EXPECT_EQ(p.experiment.data.type, "synthetic");
+  EXPECT_EQ(p.experiment.model.type, ModelType::kGpt);
+  EXPECT_EQ(p.experiment.data.type, DataType::kSynthetic);
   EXPECT_EQ(p.experiment.run.steps, 100);
   EXPECT_TRUE(p.experiment.warnings.empty());
   EXPECT_TRUE(p.config.warnings.empty());
@@ -109,11 +109,11 @@ TEST(ExperimentConfigWarnings, IgnoredKeysAreRecorded) {
 
 TEST(ExperimentConfigComm, BackendAndTimeout) {
   const ExperimentConfig d = parse_experiment(with(json::object())).experiment;
-  EXPECT_EQ(d.comm.backend, "auto");
+  EXPECT_EQ(d.comm.backend, CommBackend::kAuto);
   EXPECT_EQ(d.comm.timeout_seconds, 600);
   const ExperimentConfig c =
       parse_experiment(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}})).experiment;
-  EXPECT_EQ(c.comm.backend, "shm");
+  EXPECT_EQ(c.comm.backend, CommBackend::kShm);
   EXPECT_EQ(c.comm.timeout_seconds, 2.5);
   EXPECT_CONFIG_ERROR(with({{"comm", {{"backend", "nccl"}}}}), "comm.backend", "\"nccl\"");
   EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout_seconds", 0}}}}), "comm.timeout_seconds", "0");
@@ -125,10 +125,10 @@ TEST(ExperimentConfigComm, BackendAndTimeout) {
 TEST(ExperimentConfigComm, SectionAloneIsParsedStrictly) {
   const CommConfig c =
       ExperimentConfig::parse_comm(with({{"comm", {{"backend", "shm"}, {"timeout_seconds", 2.5}}}}));
-  EXPECT_EQ(c.backend, "shm");
+  EXPECT_EQ(c.backend, CommBackend::kShm);
   EXPECT_EQ(c.timeout_seconds, 2.5);
-  EXPECT_EQ(ExperimentConfig::parse_comm(with(json::object())).backend, "auto");
-  EXPECT_EQ(ExperimentConfig::parse_comm(json::array({1})).backend, "auto");  // parse_experiment reports it
+  EXPECT_EQ(ExperimentConfig::parse_comm(with(json::object())).backend, CommBackend::kAuto);
+  EXPECT_EQ(ExperimentConfig::parse_comm(json::array({1})).backend, CommBackend::kAuto);  // parse_experiment reports it
   try {
     ExperimentConfig::parse_comm(with({{"comm", {{"backend", "nccl"}}}}));
     FAIL() << "no error";
