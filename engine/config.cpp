@@ -305,11 +305,20 @@ void parse_offload(Reader& zero, const char* key, OffloadConfig& o, bool is_para
   const json* path = r.find("nvme_path");
   if (path && !path->is_null()) o.nvme_path = to_string(*path, r.last_path());
   r.get_bool("pin_memory", o.pin_memory);
-  r.get_int("buffer_count", o.buffer_count, at_least(2));
   if (is_param) {
-    r.get_int("buffer_size", o.buffer_size, at_least(1));
-    r.get_int("max_in_cpu", o.max_in_cpu, at_least(0));
+    // DeepSpeed's pool of parameter buffers; zinc's gathered blocks are
+    // bounded by stage3_max_live_parameters and its NVMe read buffers by
+    // the blocks gathered, so these size nothing here.
+    const char* why = "zinc bounds parameter buffers by stage3_max_live_parameters";
+    const OffloadConfig d;
+    if (r.get_int("buffer_count", o.buffer_count, at_least(2)) && o.buffer_count != 5)
+      r.warn_ignored(r.last_path(), why);
+    if (r.get_int("buffer_size", o.buffer_size, at_least(1)) && o.buffer_size != d.buffer_size)
+      r.warn_ignored(r.last_path(), why);
+    if (r.get_int("max_in_cpu", o.max_in_cpu, at_least(0)) && o.max_in_cpu != d.max_in_cpu)
+      r.warn_ignored(r.last_path(), why);
   } else {
+    r.get_int("buffer_count", o.buffer_count, at_least(2));
     r.get_number("ratio", o.ratio, hi_closed(0, 1));
     r.ignore_bool("pipeline_read", false);
     r.ignore_bool("pipeline_write", false);

@@ -92,8 +92,11 @@ struct OffloadConfig {
   // More: deeper overlap of I/O with the update; each costs sub_group_size x
   // 12 bytes (master, m, v) of RAM.
   int64_t buffer_count = 4;
-  int64_t buffer_size = 100000000;  // offload_param only (not implemented yet)
-  int64_t max_in_cpu = 1000000000;  // offload_param only (not implemented yet)
+  // offload_param only, accepted and warned about when not the default:
+  // zinc bounds its parameter buffers by stage3_max_live_parameters (and
+  // offload_param's buffer_count, default 5, likewise).
+  int64_t buffer_size = 100000000;
+  int64_t max_in_cpu = 1000000000;
   double ratio = 1.0;               // offload_optimizer: share offloaded (only 1 is implemented)
 };
 
@@ -117,7 +120,13 @@ struct ZeroConfig {
   int64_t allgather_bucket_size = 500000000;
   bool allgather_partitions = true;  // false is warned and ignored
   OffloadConfig offload_optimizer;
-  OffloadConfig offload_param;  // stage 3 only; buffer_count default 5
+  // Stage 3 only: where the compute-parameter shards live. "cpu": page-locked
+  // host RAM when pin_memory (the same RAM on the CPU build); "nvme": the
+  // shards of blocks that do not persist live in a file under nvme_path and
+  // are read just ahead of their gathers (RAM then holds only the gathered
+  // blocks); each gather reads the shard again (forward and backward, unless
+  // the block stays gathered between them) and each step writes it once.
+  OffloadConfig offload_param;
   // Optimizer elements updated per NVMe sub-group: the unit the swapper
   // reads, updates and writes. Larger: longer I/O, fewer waits, more RAM.
   int64_t sub_group_size = 1000000000;

@@ -67,11 +67,6 @@ void Config::validate() const {
                         "required for device \"nvme\"");
     }
   }
-  if (op.device != OffloadDevice::kNone) {
-    throw ConfigError("zero_optimization.offload_param.device",
-                      std::string("parameter offload (\"") + offload_device_name(op.device) +
-                          "\") is not implemented yet in zinc; set \"none\"");
-  }
   if (oo.ratio < 1.0) {
     throw ConfigError("zero_optimization.offload_optimizer.ratio",
                       "partial optimizer offload (ratio < 1) is not implemented yet in zinc; set 1, got " +

@@ -37,15 +37,22 @@ double seconds_since(Clock::time_point t0) {
 // OPS:ERRNO makes every ring fail its I/O operation number OPS+1 with ERRNO
 // (0: a short transfer), through the fault-injecting engine, so that failure
 // paths can be exercised end to end.
+// The NVMe store's options: the aio section and a folder.
+offload::NvmeOptions nvme_options(const Config& c, const std::string& path) {
+  offload::NvmeOptions o;
+  o.path = path;
+  o.block_size = c.aio.block_size;
+  o.queue_depth = static_cast<int>(c.aio.queue_depth);
+  o.threads = static_cast<int>(c.aio.intra_op_parallelism);
+  o.single_submit = c.aio.single_submit;
+  o.overlap_events = c.aio.overlap_events;
+  return o;
+}
+
 offload::SwapperOptions swapper_options(const Config& c) {
   offload::SwapperOptions o;
   const OffloadConfig& off = c.zero.offload_optimizer;
-  o.nvme.path = off.nvme_path;
-  o.nvme.block_size = c.aio.block_size;
-  o.nvme.queue_depth = static_cast<int>(c.aio.queue_depth);
-  o.nvme.threads = static_cast<int>(c.aio.intra_op_parallelism);
-  o.nvme.single_submit = c.aio.single_submit;
-  o.nvme.overlap_events = c.aio.overlap_events;
+  o.nvme = nvme_options(c, off.nvme_path);
   o.buffer_count = off.buffer_count;
   o.pin_memory = off.pin_memory;
   o.sub_group_size = c.zero.sub_group_size;
@@ -226,9 +233,15 @@ struct Engine::Impl final : StepContext {
         // Stage 3: only the own shard (the coordinator gathers the rest).
         const size_t shard = static_cast<size_t>(s.part.shard_numel);
         const float* own = w + s.part.own_offset();
-        s.compute_shard = memory.alloc(shard * dtype_bytes(dtype));
-        if (dtype == DType::kBF16) convert_f32_to_bf16(own, s.compute_shard.as<bf16>(), shard);
-        else std::memcpy(s.compute_shard.data(), own, shard * 4);
+        const size_t bytes = shard * dtype_bytes(dtype);
+        if (cfg.zero.offload_param.device == OffloadDevice::kCpu) {
+          s.compute_shard_pinned = offload::PinnedBuffer(bytes, cfg.zero.offload_param.pin_memory);
+          memory.add(static_cast<int64_t>(bytes));
+        } else {
+          s.compute_shard = memory.alloc(bytes);
+        }
+        if (dtype == DType::kBF16) convert_f32_to_bf16(own, reinterpret_cast<bf16*>(s.own_compute()), shard);
+        else std::memcpy(s.own_compute(), own, shard * 4);
       } else if (dtype == DType::kBF16) {
         s.compute = memory.alloc(padded * 2);
         convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
@@ -244,7 +257,12 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
-    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg));
+    const OffloadConfig& op = cfg.zero.offload_param;
+    std::unique_ptr<offload::NvmeStore> param_store;
+    if (plan.params_sharded && op.device == OffloadDevice::kNvme)
+      param_store = std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank);
+    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg),
+                                                std::move(param_store), op.pin_memory);
   }
 
   // ---- StepContext --------------------------------------------------------------
@@ -375,7 +393,7 @@ struct Engine::Impl final : StepContext {
     const float* grad = (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
     char* out = nullptr;  // where the span's new compute weights go
     if (plan.params_sharded) {
-      out = s.compute_shard.as<char>() + static_cast<size_t>(sp.offset) * dtype_bytes(dtype);
+      out = params->shard_to_update(sp.block) + static_cast<size_t>(sp.offset) * dtype_bytes(dtype);
     } else if (!s.compute.empty()) {
       const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
       out = s.compute.as<char>() + static_cast<size_t>(at) * dtype_bytes(dtype);
@@ -482,8 +500,12 @@ StepTimings Engine::timings() const { return impl_->timings; }
 ParamGatherStats Engine::param_gather_stats() const { return impl_->params->stats(); }
 std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
 
-int64_t Engine::offload_bytes_read() const { return impl_->opt_state->bytes_read(); }
-int64_t Engine::offload_bytes_written() const { return impl_->opt_state->bytes_written(); }
+int64_t Engine::offload_bytes_read() const {
+  return impl_->opt_state->bytes_read() + impl_->params->nvme_bytes_read();
+}
+int64_t Engine::offload_bytes_written() const {
+  return impl_->opt_state->bytes_written() + impl_->params->nvme_bytes_written();
+}
 
 int64_t Engine::model_state_bytes() const { return impl_->memory.bytes(); }
 int64_t Engine::model_state_peak_bytes() const { return impl_->memory.peak_bytes(); }

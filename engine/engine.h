@@ -115,8 +115,9 @@ class Engine {
   // included). At stages 1 and 2 each rank holds only its shard, so this is a
   // collective there: every rank must call it, for the same block.
   std::vector<float> full_params(int block) const;
-  // Bytes the optimizer swapper read from and wrote to NVMe so far
-  // (offload_optimizer.device "nvme"; 0 otherwise).
+  // Bytes read from and written to NVMe so far: the optimizer swapper's
+  // (offload_optimizer.device "nvme") and the parameter shards'
+  // (offload_param.device "nvme" at stage 3); 0 without NVMe.
   int64_t offload_bytes_read() const;
   int64_t offload_bytes_written() const;
   // Bytes of model state (parameters, gradients, optimizer state) this rank

@@ -1,10 +1,17 @@
 #include "engine/param_coordinator.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/log.h"
 
 namespace zinc {
+namespace {
+
+// O_DIRECT transfers are whole 4 KiB pages.
+int64_t round_up_4k(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+}  // namespace
 
 // Note [ZeRO-3 parameter coordination]
 // -------------------------------------
@@ -57,12 +64,25 @@ namespace zinc {
 // The optimizer writes compute_shard, so before_update() waits for every
 // gather in flight, and after the update gather_after_step() gathers the
 // persistent blocks again, frees the rest, and prefetches the trace's start.
+//
+// Parameter offload to NVMe (offload_param "nvme"): the shards of the blocks
+// that do not persist live in one file of an NvmeStore, not in RAM. A gather
+// of such a block first reads its shard into a page-locked buffer, on the
+// gather stream's thread, so a prefetch reads from disk ahead of use as it
+// gathers ahead; the buffer goes when the block is freed. The optimizer
+// writes the new shard into a buffer of its own (shard_to_update), which
+// gather_after_step() writes back on the same stream, in block order: the
+// stream is FIFO, so every later read of the shard sees the new bytes. RAM
+// then holds the persistent blocks and what the live-element bound allows.
 // The weights are the all-gather of the same shards that stage 2 gathers
 // after its update, so stages 2 and 3 give bit-identical results.
 
 ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
-                                   comm::CommStream* gather, StateMemory& memory, const Options& options)
-    : plan_(plan),
+                                   comm::CommStream* gather, StateMemory& memory, const Options& options,
+                                   std::unique_ptr<offload::NvmeStore> nvme, bool pin)
+    : nvme_(std::move(nvme)),
+      pin_(pin),
+      plan_(plan),
       blocks_(blocks),
       compute_(compute),
       gather_(gather),
@@ -73,7 +93,7 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
   ZINC_CHECK(gather_ != nullptr, "stage 3 with several ranks needs the gather stream");
   int64_t persisting = 0;  // elements of the persistent blocks so far, in block order
   for (BlockShard& s : blocks_) {
-    ZINC_CHECK(!s.compute_shard.empty(), "stage 3: the compute shard is set before the coordinator");
+    ZINC_CHECK(s.own_compute() != nullptr, "stage 3: the compute shard is set before the coordinator");
     s.param_state = ParamState::kSharded;
     const int64_t n = s.layout.param_numel();  // as DeepSpeed counts: the parameters' own elements
     s.persistent = n <= options_.persistence_numel && n <= options_.model_persistence_numel - persisting;
@@ -81,7 +101,36 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
     persisting += n;
     start_gather(s, /*prefetch=*/false);
   }
+  if (nvme_) move_shards_to_nvme();
 }
+
+// Every non-persistent block's shard to one file, at 4 KiB-aligned offsets
+// (O_DIRECT), and out of RAM.
+void ParamCoordinator::move_shards_to_nvme() {
+  const size_t es = dtype_bytes(compute_);
+  int64_t bytes = 0;
+  for (BlockShard& s : blocks_) {
+    if (s.persistent) continue;
+    s.nvme_offset = bytes;
+    bytes += round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+  }
+  if (bytes == 0) return;
+  nvme_file_ = nvme_->create("compute parameter shards", bytes);
+  for (BlockShard& s : blocks_) {
+    if (s.nvme_offset < 0) continue;
+    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+    offload::PinnedBuffer staging(static_cast<size_t>(n), pin_);
+    std::memcpy(staging.data(), s.own_compute(), static_cast<size_t>(s.part.shard_numel) * es);
+    nvme_->write(nvme_file_, s.nvme_offset, staging.data(), n).wait();
+    memory_->free(s.compute_shard);
+    if (s.compute_shard_pinned.data()) {
+      memory_->add(-static_cast<int64_t>(s.compute_shard_pinned.bytes()));
+      s.compute_shard_pinned = offload::PinnedBuffer();
+    }
+  }
+}
+
+ParamCoordinator::~ParamCoordinator() = default;
 
 ParamCoordinator::ParamCoordinator(std::vector<BlockShard>& blocks, DType compute)
     : blocks_(blocks), compute_(compute), last_pos_(blocks.size(), 0) {}
@@ -157,6 +206,11 @@ int ParamCoordinator::first_held() const {
 // ---- passes and the trace -------------------------------------------------------
 
 void ParamCoordinator::begin_pass(Pass pass) {
+  // The last step's write-backs: a failed one is an error here, before any
+  // pass could read a stale shard (the stream already runs them before any
+  // later read).
+  for (comm::CommHandle& h : pending_writes_) h.wait();
+  pending_writes_.clear();
   pass_ = pass;
   current_.clear();
   if (plan_.params_sharded && pass == Pass::kTrain && mode_ == Mode::kFollowing) prefetch_from(0);
@@ -228,9 +282,23 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
   s.param_state = ParamState::kGathering;
   BlockShard* sp = &s;
   const DType dt = compute_;
-  s.gather = gather_->submit([sp, dt](comm::Communicator& c) {
-    c.all_gather(sp->compute_shard.data(), sp->compute.data(), sp->part.shard_numel, dt);
-  });
+  if (s.nvme_offset >= 0) {
+    // The read runs on the gather stream's thread, before the gather that
+    // needs it and after any write-back of this shard submitted earlier.
+    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+    s.nvme_read = offload::PinnedBuffer(static_cast<size_t>(n), pin_);
+    memory_->add(n);
+    offload::NvmeStore* store = nvme_.get();
+    const int file = nvme_file_;
+    s.gather = gather_->submit([sp, dt, store, file, n](comm::Communicator& c) {
+      store->read(file, sp->nvme_offset, sp->nvme_read.data(), n).wait();
+      c.all_gather(sp->nvme_read.data(), sp->compute.data(), sp->part.shard_numel, dt);
+    });
+  } else {
+    s.gather = gather_->submit([sp, dt](comm::Communicator& c) {
+      c.all_gather(sp->own_compute(), sp->compute.data(), sp->part.shard_numel, dt);
+    });
+  }
   stats_.gathers += 1;
   if (prefetch) stats_.prefetched += 1;
   stats_.live_numel += s.part.padded_numel;
@@ -247,6 +315,10 @@ void ParamCoordinator::free_gathered(BlockShard& s) {
   if (s.param_state == ParamState::kSharded) return;
   if (s.param_state == ParamState::kGathering) wait_gather(s);  // the stream still writes it
   memory_->free(s.compute);
+  if (s.nvme_read.data()) {
+    memory_->add(-static_cast<int64_t>(s.nvme_read.bytes()));
+    s.nvme_read = offload::PinnedBuffer();
+  }
   s.param_state = ParamState::kSharded;
   stats_.live_numel -= s.part.padded_numel;
 }
@@ -279,9 +351,33 @@ void ParamCoordinator::before_update() {
     if (s.param_state == ParamState::kGathering) wait_gather(s);
 }
 
+char* ParamCoordinator::shard_to_update(int block) {
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  if (s.nvme_offset < 0) return s.own_compute();
+  if (!s.nvme_update) {
+    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * dtype_bytes(compute_)));
+    s.nvme_update = std::make_shared<offload::PinnedBuffer>(static_cast<size_t>(n), pin_);
+    memory_->add(n);
+  }
+  return s.nvme_update->as<char>();
+}
+
 void ParamCoordinator::gather_after_step() {
   if (plan_.gather_params_after_step) return gather_all_stages_1_2();
   if (!plan_.params_sharded) return;
+  // New shards on NVMe go back to disk on the gather stream, in block order,
+  // ahead of any later read of them; each buffer is freed by its task.
+  for (BlockShard& s : blocks_) {
+    if (!s.nvme_update) continue;
+    std::shared_ptr<offload::PinnedBuffer> buf = std::move(s.nvme_update);
+    offload::NvmeStore* store = nvme_.get();
+    const int file = nvme_file_;
+    const int64_t offset = s.nvme_offset;
+    memory_->add(-static_cast<int64_t>(buf->bytes()));
+    pending_writes_.push_back(gather_->submit([buf, store, file, offset](comm::Communicator&) {
+      store->write(file, offset, buf->data(), static_cast<int64_t>(buf->bytes())).wait();
+    }));
+  }
   for (BlockShard& s : blocks_) {
     ZINC_CHECK(s.held == 0, "no block is held at the optimizer step");
     if (s.param_state == ParamState::kSharded) continue;

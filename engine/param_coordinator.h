@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,9 +51,14 @@ class ParamCoordinator {
 
   // `blocks` (partitions and, at stage 3, compute shards set) and `memory`
   // must outlive the coordinator. `gather` (null for one rank) runs the
-  // parameter all-gathers.
+  // parameter all-gathers. `nvme` (stage 3, offload_param "nvme"): the store
+  // the shards of the blocks that do not persist move to; the coordinator
+  // owns it and, after the constructor, uses it only from the gather
+  // stream's thread. `pin` page-locks the buffers shards are read into.
   ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
-                   comm::CommStream* gather, StateMemory& memory, const Options& options);
+                   comm::CommStream* gather, StateMemory& memory, const Options& options,
+                   std::unique_ptr<offload::NvmeStore> nvme = nullptr, bool pin = false);
+  ~ParamCoordinator();
   // Stages 0-2 only (tests): every block gathered, no communication.
   ParamCoordinator(std::vector<BlockShard>& blocks, DType compute);
 
@@ -76,6 +82,9 @@ class ParamCoordinator {
   // Before the optimizer writes the compute shards: waits for every gather
   // in flight (stage 3).
   void before_update();
+  // Where the optimizer writes block's new compute shard: the shard itself,
+  // or for a shard on NVMe a buffer that gather_after_step() writes back.
+  char* shard_to_update(int block);
   // After the update. Stages 1, 2: every rank's new shard of every block to
   // every rank, in place in the compute copies, in buckets. Stage 3: the
   // blocks that stay gathered are gathered again (their copies are stale),
@@ -86,11 +95,15 @@ class ParamCoordinator {
   // Observations for tests and benchmarks (stage 3).
   using Stats = ParamGatherStats;
   const Stats& stats() const { return stats_; }
+  // Bytes moved by the parameter store (offload_param "nvme"; else 0).
+  int64_t nvme_bytes_read() const { return nvme_ ? nvme_->bytes_read() : 0; }
+  int64_t nvme_bytes_written() const { return nvme_ ? nvme_->bytes_written() : 0; }
   // The recorded order of a training pass's acquires (block numbers).
   const std::vector<int>& trace() const { return trace_; }
 
  private:
   enum class Mode { kRecording, kFollowing };
+  void move_shards_to_nvme();
   void gather_all_stages_1_2();
   void start_gather(BlockShard& s, bool prefetch);
   void wait_gather(BlockShard& s);
@@ -101,6 +114,9 @@ class ParamCoordinator {
   void finish_trace();
   bool keep_after_release(int block) const;
 
+  std::unique_ptr<offload::NvmeStore> nvme_;
+  int nvme_file_ = -1;
+  bool pin_ = false;
   StagePlan plan_;
   std::vector<BlockShard>& blocks_;
   DType compute_;
@@ -115,6 +131,7 @@ class ParamCoordinator {
   std::vector<int> current_;       // this training pass's acquires so far
   std::vector<size_t> last_pos_;   // per block: the position of its latest acquire in this pass
   bool warned_departure_ = false;
+  std::vector<comm::CommHandle> pending_writes_;  // NVMe write-backs of the last step
   Stats stats_;
 };
 

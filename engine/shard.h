@@ -40,12 +40,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "comm/comm.h"
 #include "core/alloc.h"
 #include "core/dtype.h"
 #include "engine/model.h"
 #include "engine/partition.h"
+#include "offload/offload.h"
 
 namespace zinc {
 
@@ -139,7 +141,19 @@ struct BlockShard {
   BlockLayout layout;
   Partition part;
   AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it, or kSharded)
-  AlignedBuffer compute_shard;  // stage 3: 1-D, part.shard_numel, compute dtype: the rank's own shard
+  // Stage 3: the rank's own shard of the compute parameters (1-D,
+  // part.shard_numel, compute dtype), written by the optimizer: in the
+  // engine's RAM, or with offload_param "cpu" in page-locked host memory.
+  AlignedBuffer compute_shard;
+  offload::PinnedBuffer compute_shard_pinned;
+  // With offload_param "nvme" a block that does not persist keeps its shard
+  // on disk instead (ParamCoordinator): own_compute() is then null.
+  char* own_compute() const {
+    return compute_shard_pinned.data() ? compute_shard_pinned.as<char>() : compute_shard.as<char>();
+  }
+  int64_t nvme_offset = -1;              // byte offset of the shard in the parameter file (-1: in RAM)
+  offload::PinnedBuffer nvme_read;       // the shard read from disk, while the block is gathered
+  std::shared_ptr<offload::PinnedBuffer> nvme_update;  // the optimizer's new shard, until written back
   // Elements of this rank's optimizer span (the whole padded block at stage
   // 0, else the shard); the state itself is the OptimizerState's.
   int64_t opt_numel = 0;

@@ -221,12 +221,18 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     comm->all_reduce_max_f64(shares, 2);
   }
   const double wait_share = shares[0], off_cpu_share = shares[1];
-  // NVMe traffic of the optimizer swapper (this rank's; every rank moves the
-  // same amount), per step and over the time spent in optimizer steps.
-  const bool nvme = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
+  // NVMe traffic (this rank's; every rank moves the same amount) per step:
+  // the optimizer swapper's, over the time spent in optimizer steps; with
+  // ZeRO-3 parameter offload also the parameter shards', over the whole
+  // training time (they are read during forward and backward).
+  const bool nvme_opt = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
+  const bool nvme_param = cfg.zero.stage == 3 && world > 1 && cfg.zero.offload_param.device == zinc::OffloadDevice::kNvme;
+  const bool nvme = nvme_opt || nvme_param;
   const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
   const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);
-  const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / engine.timings().step_s / 1e9 : 0;
+  const zinc::StepTimings tm = engine.timings();
+  const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
+  const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / nvme_time / 1e9 : 0;
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   if (quiet) return 0;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
@@ -273,9 +279,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     std::printf("\n");
     if (digest) std::printf("weights digest (FNV-1a of the fp32 master weights): %s\n", digest_hex.c_str());
     if (nvme)
-      std::printf("optimizer states on NVMe: %.1f MiB read and %.1f MiB written per step per rank, %.2f GB/s "
-                  "during optimizer steps\n",
-                  nvme_read / (1 << 20), nvme_written / (1 << 20), nvme_gbs);
+      std::printf("%s on NVMe: %.1f MiB read and %.1f MiB written per step per rank, %.2f GB/s during %s\n",
+                  nvme_opt && nvme_param ? "optimizer states and parameters"
+                  : nvme_opt             ? "optimizer states"
+                                         : "parameters",
+                  nvme_read / (1 << 20), nvme_written / (1 << 20), nvme_gbs,
+                  nvme_param ? "training" : "optimizer steps");
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // ZeRO-3 across ranks (part of engine_multirank_test, run under mpirun -np 2
 // and -np 4 over MPI, shared memory and hierarchical): stage 3 computes
-// exactly what stage 2 computes, with every optimizer offload, in fp32 and
+// exactly what stage 2 computes, with every optimizer offload and the
+// parameter shards in RAM, page-locked (offload_param cpu) or on NVMe, in fp32 and
 // bf16, with overlap and with no-sync accumulation; persistent blocks stay
 // gathered; prefetching runs ahead within the live-element bound; a change
 // of acquire order warns once and still trains correctly; and ranks that
@@ -81,8 +82,8 @@ TEST(Zero3, BitIdenticalToStage2InFp32AndBf16WithAndWithoutOverlap) {
       }
 }
 
-TEST(Zero3, BitIdenticalToStage2WithOptimizerOffloadCpuAndNvme) {
-  for (const char* device : {"cpu", "nvme"}) {
+TEST(Zero3, BitIdenticalToStage2WithEveryOptimizerAndParameterOffload) {
+  for (const char* device : {"none", "cpu", "nvme"}) {
     RunSpec r;
     r.bf16 = true;
     r.overlap = true;
@@ -91,8 +92,11 @@ TEST(Zero3, BitIdenticalToStage2WithOptimizerOffloadCpuAndNvme) {
     r.stage = 2;
     const std::vector<float> stage2 = train(r, g_world);
     r.stage = 3;
-    r.zero_extra = stage3_keys();
-    EXPECT_EQ(train(r, g_world), stage2) << device;
+    for (const char* param : {"none", "cpu", "nvme"}) {
+      r.zero_extra = stage3_keys(2048 * g_world->size());  // read and gather one block ahead
+      r.zero_extra["offload_param"] = {{"device", param}, {"pin_memory", true}, {"nvme_path", ::testing::TempDir()}};
+      EXPECT_EQ(train(r, g_world), stage2) << "offload_optimizer " << device << ", offload_param " << param;
+    }
   }
 }
 
