@@ -6,6 +6,7 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 
 #include "core/cpu.h"
 #include "core/alloc.h"
@@ -33,10 +34,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The NVMe swapper's options from the config. Test hook: ZINC_NVME_FAULT=
-// OPS:ERRNO makes every ring fail its I/O operation number OPS+1 with ERRNO
-// (0: a short transfer), through the fault-injecting engine, so that failure
-// paths can be exercised end to end.
 // The NVMe store's options: the aio section and a folder.
 offload::NvmeOptions nvme_options(const Config& c, const std::string& path) {
   offload::NvmeOptions o;
@@ -49,6 +46,25 @@ offload::NvmeOptions nvme_options(const Config& c, const std::string& path) {
   return o;
 }
 
+// Test hook: ZINC_NVME_FAULT=OPS:ERRNO makes every ring of every NVMe store
+// (optimizer states and parameter shards) fail its I/O operation number
+// OPS+1 with ERRNO (0: a short transfer), through the fault-injecting
+// engine, so that failure paths can be exercised end to end. Null when unset.
+using EngineFactory = std::function<std::unique_ptr<offload::IoEngine>(const offload::NvmeOptions&)>;
+EngineFactory nvme_fault_factory() {
+  const char* fault = std::getenv("ZINC_NVME_FAULT");
+  if (!fault) return nullptr;
+  long long ops = 0;
+  int err = 0;
+  if (std::sscanf(fault, "%lld:%d", &ops, &err) != 2)
+    throw ConfigError("ZINC_NVME_FAULT", std::string("expected OPS:ERRNO, got \"") + fault + "\"");
+  log_warn("NVMe fault injection: I/O operation " + std::to_string(ops + 1) + " of each ring fails (ZINC_NVME_FAULT)");
+  return [ops, err](const offload::NvmeOptions& opt) {
+    return offload::make_faulty_engine(offload::make_uring_engine(opt), ops, err);
+  };
+}
+
+// The NVMe swapper's options from the config.
 offload::SwapperOptions swapper_options(const Config& c) {
   offload::SwapperOptions o;
   const OffloadConfig& off = c.zero.offload_optimizer;
@@ -56,17 +72,7 @@ offload::SwapperOptions swapper_options(const Config& c) {
   o.buffer_count = off.buffer_count;
   o.pin_memory = off.pin_memory;
   o.sub_group_size = c.zero.sub_group_size;
-  if (const char* fault = std::getenv("ZINC_NVME_FAULT")) {
-    long long ops = 0;
-    int err = 0;
-    if (std::sscanf(fault, "%lld:%d", &ops, &err) != 2)
-      throw ConfigError("ZINC_NVME_FAULT", std::string("expected OPS:ERRNO, got \"") + fault + "\"");
-    log_warn("NVMe fault injection: I/O operation " + std::to_string(ops + 1) +
-             " of each ring fails (ZINC_NVME_FAULT)");
-    o.engine_factory = [ops, err](const offload::NvmeOptions& opt) {
-      return offload::make_faulty_engine(offload::make_uring_engine(opt), ops, err);
-    };
-  }
+  o.engine_factory = nvme_fault_factory();
   return o;
 }
 
@@ -260,7 +266,7 @@ struct Engine::Impl final : StepContext {
     const OffloadConfig& op = cfg.zero.offload_param;
     std::unique_ptr<offload::NvmeStore> param_store;
     if (plan.params_sharded && op.device == OffloadDevice::kNvme)
-      param_store = std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank);
+      param_store = std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
     params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg),
                                                 std::move(param_store), op.pin_memory);
   }

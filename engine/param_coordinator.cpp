@@ -115,7 +115,7 @@ void ParamCoordinator::move_shards_to_nvme() {
     bytes += round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
   }
   if (bytes == 0) return;
-  nvme_file_ = nvme_->create("compute parameter shards", bytes);
+  nvme_file_ = nvme_->create("compute_params", bytes);
   for (BlockShard& s : blocks_) {
     if (s.nvme_offset < 0) continue;
     const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));

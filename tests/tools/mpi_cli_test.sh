@@ -46,5 +46,26 @@ else
   echo "FAIL failing rank: rc=$rc after ${elapsed}s"; cat "$TMP/err"
 fi
 
+# ZeRO-3 with the parameter shards on NVMe, on a disk that fails (EIO on
+# every ring after 40 operations, during the first steps): the job ends
+# within seconds with an error naming the parameter file. (A rank that
+# MPI_Abort kills before it unwinds leaves its store folder behind: scratch,
+# named per process, that no later store reads.)
+mkdir -p "$TMP/nv"
+start=$(date +%s)
+ZINC_NVME_FAULT=40:5 timeout 60 "${MPIRUN[@]}" -x ZINC_NVME_FAULT "$ZT" "$CFG" --steps 20 \
+  --set zero_optimization.stage=3 --set zero_optimization.stage3_max_reuse_distance=0 \
+  --set zero_optimization.offload_param.device=nvme --set "zero_optimization.offload_param.nvme_path=$TMP/nv" \
+  >"$TMP/out" 2>"$TMP/err"
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$elapsed" -lt 30 ] &&
+   grep -q "compute_params.*Input/output error" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL nvme parameter fault: rc=$rc after ${elapsed}s"; cat "$TMP/err"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
