@@ -125,6 +125,7 @@ struct Engine::Impl final : StepContext {
   // `gather_stream` over comm's twin (Communicator::twin), so a gather never
   // queues behind a reduction. Where the transport has no twin (MPI below
   // MPI_THREAD_MULTIPLE) both are the one stream.
+  std::unique_ptr<comm::Communicator> local_comm;  // one rank, parameters offloaded (below)
   std::unique_ptr<comm::CommStream> reduce_stream, own_gather_stream;
   comm::CommStream* gather_stream = nullptr;
   int world = 1, rank = 0;
@@ -160,9 +161,17 @@ struct Engine::Impl final : StepContext {
       world = comm->size();
       rank = comm->rank();
     }
-    plan = StagePlan::make(c.zero.stage, world);
+    plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone);
     offload_device = c.zero.offload_optimizer.device;
-    if (world > 1) make_streams();
+    if (world > 1) {
+      make_streams();
+    } else if (plan.params_sharded) {
+      // One rank with offloaded parameters: its reads and one-rank "gathers"
+      // (copies) still run on a stream of their own, ahead of use.
+      local_comm = comm::make_single_communicator();
+      own_gather_stream = std::make_unique<comm::CommStream>(*local_comm);
+      gather_stream = own_gather_stream.get();
+    }
     adam = adam_params(c);
     lr = schedule.lr_at(0);
     allocate_and_init();

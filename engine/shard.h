@@ -28,7 +28,8 @@
 // gradient norm is the sum over ranks of each rank's own-shard squares for
 // every stage. So, at one world size, stages 0-3 and overlap on or off
 // compute bit-identical weights. With one rank stage 3 keeps everything, as
-// stage 2 does (there is nothing to shard).
+// stage 2 does (there is nothing to shard), unless offload_param moves the
+// parameters out of RAM: then a block is read into RAM while in use.
 //
 // No-sync: micro-steps that do not end a global batch accumulate into the
 // full gradient buffers with no communication. At stage 2 that means the full
@@ -72,10 +73,12 @@ struct StagePlan {
   // with several ranks).
   bool gather_params_after_step = false;
   // The compute parameters are sharded: a rank keeps its shard and holds a
-  // block in full only while gathered (stage 3 with several ranks).
+  // block in full only while gathered (stage 3 with several ranks, or with
+  // one rank whose parameters are offloaded: its "shard" is the whole block,
+  // kept on NVMe or page-locked, and "gathered" into RAM while in use).
   bool params_sharded = false;
 
-  static StagePlan make(int stage, int world) {
+  static StagePlan make(int stage, int world, bool params_offloaded = false) {
     StagePlan p;
     p.stage = stage;
     p.world = world;
@@ -84,7 +87,7 @@ struct StagePlan {
     p.grad_shard_buffer = world > 1 && stage > 0;
     p.gather_reduced_grads = world > 1 && stage == 0;
     p.gather_params_after_step = world > 1 && (stage == 1 || stage == 2);
-    p.params_sharded = world > 1 && stage == 3;
+    p.params_sharded = stage == 3 && (world > 1 || params_offloaded);
     return p;
   }
   // A separate compute copy of the parameters: bf16 always; fp32 at stages

@@ -226,7 +226,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // ZeRO-3 parameter offload also the parameter shards', over the whole
   // training time (they are read during forward and backward).
   const bool nvme_opt = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
-  const bool nvme_param = cfg.zero.stage == 3 && world > 1 && cfg.zero.offload_param.device == zinc::OffloadDevice::kNvme;
+  const bool nvme_param = cfg.zero.stage == 3 && cfg.zero.offload_param.device == zinc::OffloadDevice::kNvme;
   const bool nvme = nvme_opt || nvme_param;
   const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
   const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);

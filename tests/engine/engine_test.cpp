@@ -336,7 +336,8 @@ namespace {
 
 // ---- optimizer-state offload: where the states live must not change a bit ----
 
-std::vector<float> train_offload(int stage, const std::string& device, bool bf16, const std::string& dir) {
+std::vector<float> train_offload(int stage, const std::string& device, bool bf16, const std::string& dir,
+                                 const std::string& param_device = "none") {
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                         {"gradient_accumulation_steps", 2},
                         {"bf16", {{"enabled", bf16}}},
@@ -348,6 +349,12 @@ std::vector<float> train_offload(int stage, const std::string& device, bool bf16
                         {"aio", {{"block_size", 8192}, {"queue_depth", 4}}},
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   if (device == "none") cfg["zero_optimization"].erase("offload_optimizer");
+  if (param_device != "none") {
+    cfg["zero_optimization"]["offload_param"] = {{"device", param_device}, {"nvme_path", dir}, {"pin_memory", true}};
+    cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0;  // read every block from disk at each use
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 2048;
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;  // every block offloaded
+  }
   auto model = testing_models::tiny_gpt();
   Engine e = Engine::initialize(model, cfg);
   DataConfig dc;
@@ -355,9 +362,12 @@ std::vector<float> train_offload(int stage, const std::string& device, bool bf16
   dc.seq_len = 9;
   DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), 4, 2, 1, 0, 7);
   for (int s = 0; s < 20; ++s) e.train_batch(loader);
-  if (device == "nvme") {
+  if (device == "nvme" || param_device == "nvme") {
     EXPECT_GT(e.offload_bytes_read(), 0);
     EXPECT_GT(e.offload_bytes_written(), 0);
+  }
+  if (param_device != "none") {
+    EXPECT_GT(e.param_gather_stats().prefetched, 0);  // read and copied ahead of use
   }
   return params_of(e, static_cast<int>(model->blocks().size()));
 }
@@ -370,6 +380,20 @@ TEST(EngineOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
       EXPECT_EQ(train_offload(stage, "cpu", bf16, dir), none) << "cpu, stage " << stage << " bf16 " << bf16;
       EXPECT_EQ(train_offload(stage, "nvme", bf16, dir), none) << "nvme, stage " << stage << " bf16 " << bf16;
     }
+}
+
+// One rank at stage 3 with its parameters offloaded: each block is read
+// from NVMe (or page-locked RAM) into RAM while in use, and the weights are
+// those of stage 2.
+TEST(EngineOffload, OneRankStage3WithOffloadedParametersTrainsLikeStage2) {
+  const std::string dir = ::testing::TempDir();
+  for (bool bf16 : {false, true}) {
+    const std::vector<float> stage2 = train_offload(2, "none", bf16, dir);
+    for (const char* param : {"cpu", "nvme"})
+      for (const char* opt : {"none", "nvme"})
+        EXPECT_EQ(train_offload(3, opt, bf16, dir, param), stage2)
+            << "offload_param " << param << ", offload_optimizer " << opt << ", bf16 " << bf16;
+  }
 }
 
 }  // namespace
