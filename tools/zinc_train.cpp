@@ -234,6 +234,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / nvme_time / 1e9 : 0;
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
+  // ZeRO-3's gathers (this rank's; every rank makes the same ones).
+  const zinc::ParamGatherStats zs = engine.param_gather_stats();
+  const bool zero3 = zs.gathers > 0;
   if (quiet) return 0;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
@@ -254,6 +257,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     sum["kernel_paths"] = zinc::tools::kernel_paths();
     if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
     if (digest) sum["weights_digest"] = digest_hex;
+    if (zero3) {
+      sum["zero3"] = {{"gathers", zs.gathers},           {"prefetched", zs.prefetched},
+                      {"waited", zs.waited},             {"peak_live_elements", zs.peak_live_numel},
+                      {"trace_length", zs.trace_length}, {"departures", zs.departures}};
+    }
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -278,6 +286,14 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
     std::printf("\n");
     if (digest) std::printf("weights digest (FNV-1a of the fp32 master weights): %s\n", digest_hex.c_str());
+    if (zero3)
+      std::printf("ZeRO-3: %.1f block gathers per step, %.0f%% of them prefetched, %lld acquires waited for "
+                  "their gather, at most %.2fM elements gathered at once%s\n",
+                  static_cast<double>(zs.gathers) / static_cast<double>(steps),
+                  100.0 * static_cast<double>(zs.prefetched) / static_cast<double>(zs.gathers),
+                  static_cast<long long>(zs.waited), static_cast<double>(zs.peak_live_numel) / 1e6,
+                  zs.departures > 0 ? (", " + std::to_string(zs.departures) + " passes left the recorded order").c_str()
+                                    : "");
     if (nvme)
       std::printf("%s on NVMe: %.1f MiB read and %.1f MiB written per step per rank, %.2f GB/s during %s\n",
                   nvme_opt && nvme_param ? "optimizer states and parameters"
