@@ -22,9 +22,13 @@
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 
-// The step in DESIGN.md's order: forward, backward (GradReducer), step
-// (norm, clip, AdamW over the owned shards, parameter all-gather). What each
-// stage keeps: Note [ZeRO stages] in engine/shard.h.
+// The step in DESIGN.md's order: forward (blocks acquired through the
+// ParamCoordinator: gathered, prefetched and freed at stage 3), backward
+// (GradReducer: bucketed reduce-scatter on the reduction stream), step (norm,
+// clip, AdamW over the owned shards through the OptimizerState, then the
+// coordinator's parameter all-gather on the gather stream). What each stage
+// keeps: Note [ZeRO stages] in engine/shard.h; the two streams:
+// Communicator::twin in comm/comm.h.
 
 namespace zinc {
 namespace {
