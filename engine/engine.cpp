@@ -271,17 +271,19 @@ struct Engine::Impl final : StepContext {
         s.master_compute = opt_state->master_in_memory(static_cast<int>(b));
       }
     }
-    GradReducer::Options ro;
-    ro.bucket_numel = cfg.zero.reduce_bucket_size;
-    ro.overlap = cfg.zero.overlap_comm;
-    ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
-    reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
+    // The coordinator first: with offload_param "nvme" it moves the compute
+    // shards out of RAM before the gradient buffers come in.
     const OffloadConfig& op = cfg.zero.offload_param;
     std::unique_ptr<offload::NvmeStore> param_store;
     if (plan.params_sharded && op.device == OffloadDevice::kNvme)
       param_store = std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
     params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg),
                                                 std::move(param_store), op.pin_memory);
+    GradReducer::Options ro;
+    ro.bucket_numel = cfg.zero.reduce_bucket_size;
+    ro.overlap = cfg.zero.overlap_comm;
+    ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
+    reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
   }
 
   // ---- StepContext --------------------------------------------------------------
@@ -423,8 +425,16 @@ struct Engine::Impl final : StepContext {
     if (dtype == DType::kF32 && out) std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
   }
 
+  // The spans come block by block: once the visitor moves past a block, its
+  // new compute shard is complete and (on NVMe) goes back to disk.
   void update_all(float grad_scale) {
-    opt_state->for_each([&](const StateSpan& sp) { update_span(sp, grad_scale); });
+    int last = -1;
+    opt_state->for_each([&](const StateSpan& sp) {
+      if (sp.block != last && last >= 0) params->finish_update(last);
+      last = sp.block;
+      update_span(sp, grad_scale);
+    });
+    if (last >= 0) params->finish_update(last);
   }
 
   std::vector<float> full_params(int block) {

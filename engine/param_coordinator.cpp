@@ -71,7 +71,8 @@ int64_t round_up_4k(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 // gather stream's thread, so a prefetch reads from disk ahead of use as it
 // gathers ahead; the buffer goes when the block is freed. The optimizer
 // writes the new shard into a buffer of its own (shard_to_update), which
-// gather_after_step() writes back on the same stream, in block order: the
+// finish_update() writes back on the same stream as soon as the optimizer
+// is done with the block, in block order: the
 // stream is FIFO, so every later read of the shard sees the new bytes. RAM
 // then holds the persistent blocks and what the live-element bound allows.
 // The weights are the all-gather of the same shards that stage 2 gathers
@@ -362,22 +363,23 @@ char* ParamCoordinator::shard_to_update(int block) {
   return s.nvme_update->as<char>();
 }
 
+void ParamCoordinator::finish_update(int block) {
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  if (!s.nvme_update) return;
+  std::shared_ptr<offload::PinnedBuffer> buf = std::move(s.nvme_update);
+  offload::NvmeStore* store = nvme_.get();
+  const int file = nvme_file_;
+  const int64_t offset = s.nvme_offset;
+  memory_->add(-static_cast<int64_t>(buf->bytes()));
+  pending_writes_.push_back(gather_->submit([buf, store, file, offset](comm::Communicator&) {
+    store->write(file, offset, buf->data(), static_cast<int64_t>(buf->bytes())).wait();
+  }));
+}
+
 void ParamCoordinator::gather_after_step() {
   if (plan_.gather_params_after_step) return gather_all_stages_1_2();
   if (!plan_.params_sharded) return;
-  // New shards on NVMe go back to disk on the gather stream, in block order,
-  // ahead of any later read of them; each buffer is freed by its task.
-  for (BlockShard& s : blocks_) {
-    if (!s.nvme_update) continue;
-    std::shared_ptr<offload::PinnedBuffer> buf = std::move(s.nvme_update);
-    offload::NvmeStore* store = nvme_.get();
-    const int file = nvme_file_;
-    const int64_t offset = s.nvme_offset;
-    memory_->add(-static_cast<int64_t>(buf->bytes()));
-    pending_writes_.push_back(gather_->submit([buf, store, file, offset](comm::Communicator&) {
-      store->write(file, offset, buf->data(), static_cast<int64_t>(buf->bytes())).wait();
-    }));
-  }
+  for (size_t b = 0; b < blocks_.size(); ++b) finish_update(static_cast<int>(b));  // any left
   for (BlockShard& s : blocks_) {
     ZINC_CHECK(s.held == 0, "no block is held at the optimizer step");
     if (s.param_state == ParamState::kSharded) continue;

@@ -83,8 +83,12 @@ class ParamCoordinator {
   // in flight (stage 3).
   void before_update();
   // Where the optimizer writes block's new compute shard: the shard itself,
-  // or for a shard on NVMe a buffer that gather_after_step() writes back.
+  // or for a shard on NVMe a buffer that finish_update() writes back.
   char* shard_to_update(int block);
+  // The optimizer is done with the block: a new shard on NVMe goes back to
+  // disk on the gather stream (ahead of any later read of it), and its
+  // buffer is freed when written, so RAM holds about one block's update.
+  void finish_update(int block);
   // After the update. Stages 1, 2: every rank's new shard of every block to
   // every rank, in place in the compute copies, in buckets. Stage 3: the
   // blocks that stay gathered are gathered again (their copies are stale),

@@ -130,6 +130,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                             "checkpoints are not implemented yet in zinc; set it to 0");
 
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
+  // Bytes the NVMe stores moved to set up (the initial states): not a step's.
+  const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
   zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           world, rank, run.seed);
   zinc::CsvMonitorConfig monitor_cfg = cfg.csv_monitor;
@@ -228,8 +230,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const bool nvme_opt = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
   const bool nvme_param = cfg.zero.stage == 3 && cfg.zero.offload_param.device == zinc::OffloadDevice::kNvme;
   const bool nvme = nvme_opt || nvme_param;
-  const double nvme_read = static_cast<double>(engine.offload_bytes_read()) / static_cast<double>(steps);
-  const double nvme_written = static_cast<double>(engine.offload_bytes_written()) / static_cast<double>(steps);
+  const double nvme_read = static_cast<double>(engine.offload_bytes_read() - init_read) / static_cast<double>(steps);
+  const double nvme_written =
+      static_cast<double>(engine.offload_bytes_written() - init_written) / static_cast<double>(steps);
   const zinc::StepTimings tm = engine.timings();
   const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / nvme_time / 1e9 : 0;
