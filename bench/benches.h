@@ -68,5 +68,6 @@ int bench_zero_memory(const BenchOptions& o);   // under mpirun
 int bench_overlap(const BenchOptions& o);       // under mpirun
 int bench_nvme(const BenchOptions& o);
 int bench_offload_step(const BenchOptions& o);
+int bench_capacity(const BenchOptions& o);      // root: a cgroup memory cap
 
 }  // namespace zinc::bench

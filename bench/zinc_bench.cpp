@@ -18,6 +18,9 @@
 //               with the same block size and queue depth in the same folder.
 //   offload-step the optimizer step with optimizer states on NVMe over the
 //               bytes-over-bandwidth bound (fio, same run).
+//   capacity    (root) a GPT with model states twice a cgroup memory cap,
+//               trained at stage 3 with everything on NVMe: losses equal to
+//               an uncapped stage-0 run; step time over the fio bound.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -28,7 +31,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -51,7 +54,8 @@ int main(int argc, char** argv) {
     if (name == "overlap") return zinc::bench::bench_overlap(o);
     if (name == "nvme") return zinc::bench::bench_nvme(o);
     if (name == "offload-step") return zinc::bench::bench_offload_step(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step)\n", name.c_str());
+    if (name == "capacity") return zinc::bench::bench_capacity(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());
