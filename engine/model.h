@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,16 @@ inline void HeldParams::release() noexcept {
   ctx_ = nullptr;
 }
 
+// What a model holds for micro-batches of B sequences of T tokens, in bytes
+// (Model::activation_memory; zinc-train --estimate).
+struct ActivationMemory {
+  // Activations forward keeps for backward and the buffers backward computes
+  // activation gradients in; held from the first forward on.
+  int64_t saved = 0;
+  // The kernels' grow-only scratch for the pass (kernels::ScratchTally).
+  int64_t workspace = 0;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -162,6 +173,12 @@ class Model {
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }
+  // The memory the model's forward and backward hold for micro-batches of
+  // (B, T) in this compute dtype, from the same sizes it allocates; nothing
+  // if the model cannot say (the estimate then lacks activations).
+  virtual std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType compute) const {
+    return std::nullopt;
+  }
 };
 
 }  // namespace zinc

@@ -92,17 +92,34 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
       last_pos_(blocks.size(), 0) {
   if (!plan_.params_sharded) return;
   ZINC_CHECK(gather_ != nullptr, "stage 3 with several ranks needs the gather stream");
-  int64_t persisting = 0;  // elements of the persistent blocks so far, in block order
-  for (BlockShard& s : blocks_) {
+  std::vector<BlockLayout> layouts;
+  for (const BlockShard& s : blocks_) layouts.push_back(s.layout);
+  const std::vector<bool> keep = persistent_blocks(layouts, options_);
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    BlockShard& s = blocks_[b];
     ZINC_CHECK(s.own_compute() != nullptr, "stage 3: the compute shard is set before the coordinator");
     s.param_state = ParamState::kSharded;
-    const int64_t n = s.layout.param_numel();  // as DeepSpeed counts: the parameters' own elements
-    s.persistent = n <= options_.persistence_numel && n <= options_.model_persistence_numel - persisting;
-    if (!s.persistent) continue;
-    persisting += n;
-    start_gather(s, /*prefetch=*/false);
+    s.persistent = keep[b];
+    if (s.persistent) start_gather(s, /*prefetch=*/false);
   }
   if (nvme_) move_shards_to_nvme();
+}
+
+std::vector<bool> ParamCoordinator::persistent_blocks(const std::vector<BlockLayout>& layouts,
+                                                      const Options& options) {
+  std::vector<bool> keep;
+  int64_t persisting = 0;  // elements of the persistent blocks so far, in block order
+  for (const BlockLayout& l : layouts) {
+    const int64_t n = l.param_numel();  // as DeepSpeed counts: the parameters' own elements
+    const bool k = n <= options.persistence_numel && n <= options.model_persistence_numel - persisting;
+    if (k) persisting += n;
+    keep.push_back(k);
+  }
+  return keep;
+}
+
+int64_t ParamCoordinator::nvme_shard_bytes(const Partition& part, DType compute) {
+  return round_up_4k(part.shard_numel * static_cast<int64_t>(dtype_bytes(compute)));
 }
 
 // Every non-persistent block's shard to one file, at 4 KiB-aligned offsets
@@ -113,13 +130,13 @@ void ParamCoordinator::move_shards_to_nvme() {
   for (BlockShard& s : blocks_) {
     if (s.persistent) continue;
     s.nvme_offset = bytes;
-    bytes += round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+    bytes += nvme_shard_bytes(s.part, compute_);
   }
   if (bytes == 0) return;
   nvme_file_ = nvme_->create("compute_params", bytes);
   for (BlockShard& s : blocks_) {
     if (s.nvme_offset < 0) continue;
-    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+    const int64_t n = nvme_shard_bytes(s.part, compute_);
     offload::PinnedBuffer staging(static_cast<size_t>(n), pin_);
     std::memcpy(staging.data(), s.own_compute(), static_cast<size_t>(s.part.shard_numel) * es);
     nvme_->write(nvme_file_, s.nvme_offset, staging.data(), n).wait();
@@ -286,7 +303,7 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
   if (s.nvme_offset >= 0) {
     // The read runs on the gather stream's thread, before the gather that
     // needs it and after any write-back of this shard submitted earlier.
-    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * es));
+    const int64_t n = nvme_shard_bytes(s.part, compute_);
     s.nvme_read = offload::PinnedBuffer(static_cast<size_t>(n), pin_);
     memory_->add(n);
     offload::NvmeStore* store = nvme_.get();
@@ -356,7 +373,7 @@ char* ParamCoordinator::shard_to_update(int block) {
   BlockShard& s = blocks_[static_cast<size_t>(block)];
   if (s.nvme_offset < 0) return s.own_compute();
   if (!s.nvme_update) {
-    const int64_t n = round_up_4k(static_cast<int64_t>(s.part.shard_numel * dtype_bytes(compute_)));
+    const int64_t n = nvme_shard_bytes(s.part, compute_);
     s.nvme_update = std::make_shared<offload::PinnedBuffer>(static_cast<size_t>(n), pin_);
     memory_->add(n);
   }

@@ -59,6 +59,14 @@ class ParamCoordinator {
                    comm::CommStream* gather, StateMemory& memory, const Options& options,
                    std::unique_ptr<offload::NvmeStore> nvme = nullptr, bool pin = false);
   ~ParamCoordinator();
+  // Stage 3: which blocks stay gathered (stage3_param_persistence_threshold,
+  // and stage3_model_persistence_threshold over the blocks in order), from
+  // their layouts alone.
+  static std::vector<bool> persistent_blocks(const std::vector<BlockLayout>& layouts, const Options& options);
+  // Bytes a block's compute shard takes in the parameter file and in each
+  // buffer it is read into or written from (4 KiB-aligned for O_DIRECT).
+  static int64_t nvme_shard_bytes(const Partition& part, DType compute);
+
   // Stages 0-2 only (tests): every block gathered, no communication.
   ParamCoordinator(std::vector<BlockShard>& blocks, DType compute);
 

@@ -1,5 +1,6 @@
 // GPT-2-style decoder over the zinc model interface. Shapes in comments:
 // B batch, T sequence, C n_embd, H heads, V vocabulary, N = B*T rows.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -88,6 +89,38 @@ class Gpt final : public Model {
     // forward, x3 for forward + backward (causal masking not discounted).
     const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * C;
     return 6.0 * matmul_params + attention;
+  }
+
+  // The buffers ensure_buffers and forward allocate, and the kernel calls of
+  // forward and backward by shape (keep in step with both).
+  std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
+    using detail::buffer_bytes;
+    using detail::matmul_input_bytes;
+    const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
+    const kernels::AttentionShape as{B, T, C, c_.n_head};
+    ActivationMemory m;
+    // Per layer: x_in ln1 att x_mid ln2, qkv, fc gelu, the four norm
+    // statistics, the bf16 copies of the matmul inputs, the probabilities.
+    const int64_t layer = 5 * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) + 2 * buffer_bytes(N * 4 * C) +
+                          4 * buffer_bytes(N) + 3 * matmul_input_bytes(N * C, dt) +
+                          matmul_input_bytes(N * 4 * C, dt) + kernels::attention_workspace_bytes(as);
+    // Once: x_final lnf dlnf dres dsmall, dbig, lnf's statistics, logits and
+    // dlogits, lnf's bf16 copy, the input tokens.
+    m.saved = L * layer;
+    m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) + 2 * buffer_bytes(N * V) +
+               matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+    kernels::ScratchTally t;
+    const detail::OperandKind x = detail::matmul_input_kind(dt);
+    int64_t dy_copy = 0;
+    for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}}) {
+      detail::tally_linear_forward(t, x, N, in, out, true, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+    }
+    t.attention(as, dt);
+    detail::tally_linear_forward(t, x, N, C, V, false, dt);
+    dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    m.workspace = t.bytes() + dy_copy;
+    return m;
   }
 
   float forward(StepContext& ctx, const Batch& batch) override {

@@ -1,5 +1,6 @@
 // Next-token MLP over the zinc model interface. Shapes: B batch, T sequence,
 // N = B*T rows, E n_embd, X = context*E input width, Hd hidden, V vocabulary.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -40,6 +41,26 @@ class Mlp final : public Model {
                static_cast<double>((c_.n_layer - 1) * c_.hidden * c_.hidden) +
                static_cast<double>(c_.hidden * c_.vocab_size);
     return 6.0 * p;
+  }
+
+  // The buffers ensure_buffers allocates and the linear layers' kernel
+  // calls by shape (keep in step with both).
+  std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
+    using detail::buffer_bytes;
+    const int64_t N = B * T, X = c_.context * c_.n_embd, Hd = c_.hidden, V = c_.vocab_size, L = c_.n_layer;
+    ActivationMemory m;
+    m.saved = 2 * buffer_bytes(N * X) + (2 * L + 2) * buffer_bytes(N * Hd) + 2 * buffer_bytes(N * V) +
+              N * static_cast<int64_t>(sizeof(int32_t));
+    kernels::ScratchTally t;
+    const detail::OperandKind x;  // the layers' inputs go to the matmuls as plain fp32
+    int64_t dy_copy = 0;
+    for (int64_t l = 0; l <= L; ++l) {
+      const int64_t in = l == 0 ? X : Hd, out = l == L ? V : Hd;
+      detail::tally_linear_forward(t, x, N, in, out, true, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+    }
+    m.workspace = t.bytes() + dy_copy;
+    return m;
   }
 
   float forward(StepContext& ctx, const Batch& batch) override {

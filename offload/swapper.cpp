@@ -12,28 +12,36 @@ constexpr int64_t kAlign = 1024;  // elements: 4 KiB of fp32
 int64_t round_up_elems(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-OptimizerSwapper::OptimizerSwapper(const SwapperOptions& options, int rank,
-                                   const std::vector<int64_t>& span_numel)
-    : span_numel_(span_numel) {
-  NvmeOptions o = options.nvme;
+OptimizerSwapper::Plan OptimizerSwapper::plan(const SwapperOptions& options, const std::vector<int64_t>& span_numel) {
+  Plan p;
   const int64_t group = std::max<int64_t>(kAlign, options.sub_group_size / kAlign * kAlign);
-  int64_t file_bytes = 0;
   for (size_t b = 0; b < span_numel.size(); ++b) {
     // Every span is a multiple of 1024 elements (engine/partition.h).
     for (int64_t off = 0; off < span_numel[b]; off += group) {
       const int64_t count = round_up_elems(std::min(group, span_numel[b] - off));
-      groups_.push_back({static_cast<int>(b), off, count, file_bytes});
-      file_bytes += 3 * count * 4;
-      max_count_ = std::max(max_count_, count);
+      p.groups.push_back({static_cast<int>(b), off, count, p.file_bytes});
+      p.file_bytes += 3 * count * 4;
+      p.max_count = std::max(p.max_count, count);
     }
   }
-  const int nbuf = static_cast<int>(std::max<int64_t>(2, options.buffer_count));
-  for (int i = 0; i < nbuf; ++i) {
+  p.buffer_count = std::max<int64_t>(2, options.buffer_count);
+  p.buffer_bytes = p.buffer_count * 3 * p.max_count * 4;
+  return p;
+}
+
+OptimizerSwapper::OptimizerSwapper(const SwapperOptions& options, int rank,
+                                   const std::vector<int64_t>& span_numel)
+    : span_numel_(span_numel) {
+  NvmeOptions o = options.nvme;
+  Plan p = plan(options, span_numel);
+  groups_ = std::move(p.groups);
+  max_count_ = p.max_count;
+  for (int64_t i = 0; i < p.buffer_count; ++i) {
     buffers_.emplace_back(static_cast<size_t>(3 * max_count_ * 4), options.pin_memory);
     o.fixed_buffers.emplace_back(buffers_.back().data(), buffers_.back().bytes());
   }
   store_ = std::make_unique<NvmeStore>(o, rank, options.engine_factory);
-  file_ = store_->create("optimizer_states", file_bytes);
+  file_ = store_->create("optimizer_states", p.file_bytes);
 }
 
 OptimizerSwapper::~OptimizerSwapper() = default;

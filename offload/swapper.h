@@ -53,6 +53,18 @@ class OptimizerSwapper {
     int64_t count;   // elements, a multiple of 1024
     int64_t file_offset;  // bytes
   };
+  // The layout a swapper takes for these spans, without building it: its
+  // sub-groups, its file's size and the pinned RAM of its buffers (what
+  // zinc-train --estimate reports).
+  struct Plan {
+    std::vector<SubGroup> groups;
+    int64_t max_count = 0;     // elements of the largest sub-group
+    int64_t file_bytes = 0;    // the optimizer_states file: 12 bytes per element of every sub-group
+    int64_t buffer_count = 0;  // pinned buffers
+    int64_t buffer_bytes = 0;  // all of them together
+  };
+  static Plan plan(const SwapperOptions& options, const std::vector<int64_t>& span_numel);
+
   // span_numel[b]: elements of block b's optimizer span on this rank.
   // Throws IoError naming the path when the store cannot be created.
   OptimizerSwapper(const SwapperOptions& options, int rank, const std::vector<int64_t>& span_numel);

@@ -53,5 +53,7 @@ std::string kernel_paths();
 
 // Peak resident set size of this process in bytes (getrusage).
 int64_t peak_rss_bytes();
+// Resident set size of this process now, in bytes (/proc/self/statm).
+int64_t current_rss_bytes();
 
 }  // namespace zinc::tools

@@ -2,6 +2,8 @@
 //
 //   zinc-train CONFIG.json [--steps N] [--set json.path=value ...] [--json]
 //   mpirun -np 4 zinc-train CONFIG.json ...      (four data-parallel ranks)
+//   zinc-train CONFIG.json --estimate [--ranks N] [--json]
+//                                     (RAM and disk per rank; trains nothing)
 //
 // Under an MPI launcher every rank trains on its part of each global batch;
 // rank 0 prints. A rank that fails prints its error and ends the whole job.
@@ -29,6 +31,7 @@
 #include "comm/comm.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/memory_estimate.h"
 #include "tools/experiment.h"
 
 namespace {
@@ -117,6 +120,107 @@ std::string weights_digest(zinc::Engine& engine) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
+}
+
+std::string format_bytes(int64_t b) {
+  char buf[32];
+  const double x = static_cast<double>(b);
+  if (b >= (int64_t{1} << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", x / (1 << 30));
+  else if (b >= (1 << 20)) std::snprintf(buf, sizeof buf, "%.1f MiB", x / (1 << 20));
+  else if (b >= (1 << 10)) std::snprintf(buf, sizeof buf, "%.1f KiB", x / (1 << 10));
+  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  return buf;
+}
+
+nlohmann::json parts_json(const std::vector<zinc::MemoryPart>& parts) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const zinc::MemoryPart& p : parts) a.push_back({{"name", p.name}, {"bytes", p.bytes}, {"note", p.note}});
+  return a;
+}
+
+void print_parts(const std::vector<zinc::MemoryPart>& parts) {
+  for (const zinc::MemoryPart& p : parts)
+    std::printf("    %-46s %11s   %s\n", p.name.c_str(), format_bytes(p.bytes).c_str(), p.note.c_str());
+}
+
+// The config's stage with another stage's keys: offload_param only at stage
+// 3, offload_optimizer from stage 1 (as the config rules allow).
+zinc::Config at_stage(zinc::Config c, int stage) {
+  c.zero.stage = stage;
+  if (stage < 3) c.zero.offload_param.device = zinc::OffloadDevice::kNone;
+  if (stage < 1) c.zero.offload_optimizer.device = zinc::OffloadDevice::kNone;
+  return c;
+}
+
+std::string offload_words(const zinc::Config& c) {
+  std::string s = std::string("offload_optimizer ") + zinc::offload_device_name(c.zero.offload_optimizer.device);
+  if (c.zero.stage == 3) s += std::string(", offload_param ") + zinc::offload_device_name(c.zero.offload_param.device);
+  return s;
+}
+
+// --estimate: what one rank will need, from the engine's plan and the
+// model's activations, plus this process as it stands (code, libraries,
+// the data source, MPI when launched under it).
+int estimate(int world, const nlohmann::json& doc, const std::string& config_path, bool json, bool quiet) {
+  zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
+  const zinc::Config& cfg = ex.config;
+  const int64_t T = ex.data->seq_len();
+  zinc::MemoryEstimate e = zinc::estimate_memory(*ex.model, cfg, T);
+  std::vector<std::pair<int, zinc::MemoryEstimate>> others;
+  for (int st = 0; st <= 3; ++st)
+    if (st != cfg.zero.stage) others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
+  // Measured after the estimates: their matmul primitives (oneDNN's code)
+  // are part of the process from here on, as they will be in training.
+  const int64_t process = zinc::tools::current_rss_bytes();
+  e.process_bytes = process;
+  for (auto& [st, o] : others) o.process_bytes = process;
+  if (quiet) return 0;
+  int64_t params = 0;
+  for (const zinc::BlockSpec& b : ex.model->blocks())
+    for (const zinc::ParamSpec& p : b.params) params += p.shape.numel();
+  if (json) {
+    nlohmann::json out = {{"event", "estimate"},
+                          {"ram_bytes", e.ram_bytes()},
+                          {"disk_bytes", e.disk_bytes()},
+                          {"world_size", world},
+                          {"zero_stage", cfg.zero.stage},
+                          {"parameters", params},
+                          {"model_state_bytes", e.model_state_bytes()},
+                          {"activations_known", !e.activations_unknown},
+                          {"breakdown",
+                           {{"process", process},
+                            {"setup", parts_json(e.setup)},
+                            {"training", parts_json(e.training)},
+                            {"disk", parts_json(e.disk)}}}};
+    nlohmann::json st = nlohmann::json::array();
+    for (const auto& [s, o] : others)
+      st.push_back({{"zero_stage", s}, {"ram_bytes", o.ram_bytes()}, {"disk_bytes", o.disk_bytes()}});
+    out["other_stages"] = st;
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  }
+  std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | micro-batch %lld x %lld tokens | %d rank%s\n",
+              config_path.c_str(), ex.model->name().c_str(), static_cast<double>(params) / 1e6,
+              cfg.bf16 ? "bf16" : "fp32", static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+              static_cast<long long>(T), world, world == 1 ? "" : "s");
+  std::printf("memory per rank at ZeRO stage %d (%s), estimated without training:\n", cfg.zero.stage,
+              offload_words(cfg).c_str());
+  std::printf("  while the engine starts: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.setup)).c_str());
+  print_parts(e.setup);
+  std::printf("  at the peak of a training step: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.training)).c_str());
+  print_parts(e.training);
+  if (e.activations_unknown) std::printf("    (model %s does not say what its activations take)\n",
+                                         ex.model->name().c_str());
+  std::printf("  the process itself (code, libraries, data; measured now): %s\n", format_bytes(process).c_str());
+  std::printf("RAM per rank: %s | disk per rank: %s\n", format_bytes(e.ram_bytes()).c_str(),
+              format_bytes(e.disk_bytes()).c_str());
+  for (const zinc::MemoryPart& p : e.disk)
+    std::printf("    %-46s %11s   %s\n", p.name.c_str(), format_bytes(p.bytes).c_str(), p.note.c_str());
+  std::printf("other stages, same model and batch:\n");
+  for (const auto& [st, o] : others)
+    std::printf("  stage %d (%s): RAM %s, disk %s\n", st, offload_words(at_stage(cfg, st)).c_str(),
+                format_bytes(o.ram_bytes()).c_str(), format_bytes(o.disk_bytes()).c_str());
+  return 0;
 }
 
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
@@ -321,6 +425,12 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
                                 "a bare word as a string); repeatable");
   app.add_flag("--json", json, "print one JSON object per line instead of human progress");
+  bool estimate_only = false;
+  int ranks = 0;
+  app.add_flag("--estimate", estimate_only,
+               "print the RAM and disk each rank will need (this stage and the others) and exit without training");
+  app.add_option("--ranks", ranks, "with --estimate outside an MPI launcher: the number of ranks to plan for")
+      ->check(CLI::PositiveNumber);
   bool digest = false;
   app.add_flag("--weights-digest", digest,
                "end with a digest of the final fp32 weights (to compare runs bit for bit)");
@@ -347,6 +457,19 @@ int main(int argc, char** argv) {
     }
     zinc::set_log_rank(comm->rank());
     if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
+    if (ranks > 0 && !estimate_only) {
+      std::fprintf(stderr, "zinc-train: --ranks needs --estimate (mpirun decides the ranks of a training run)\n");
+      return 2;
+    }
+    if (estimate_only) {
+      if (ranks > 0 && comm->size() > 1 && ranks != comm->size()) {
+        std::fprintf(stderr, "zinc-train: --ranks %d differs from the %d ranks mpirun started\n", ranks,
+                     comm->size());
+        return 2;
+      }
+      const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
+      return estimate(world, doc, config_path, json, comm->rank() != 0);
+    }
     return run(comm, doc, config_path, json, digest);
   } catch (const std::exception& e) {
     std::fflush(stdout);

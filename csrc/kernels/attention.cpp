@@ -258,3 +258,43 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
 }
 
 }  // namespace zinc::kernels
+
+namespace zinc::kernels {
+
+int64_t attention_workspace_bytes(AttentionShape s) {
+  return s.B * s.H * s.T * s.T * static_cast<int64_t>(sizeof(float));
+}
+
+// The slots and matmuls of attention_forward and attention_backward above,
+// by shape.
+void ScratchTally::attention(AttentionShape s, DType compute) {
+  if (s.B == 0 || s.T == 0) return;
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const size_t n_head = static_cast<size_t>(BH * T * hs), n_att = static_cast<size_t>(BH * T * T);
+  const size_t esz = dtype_bytes(compute);
+  const bool f32 = compute == DType::kF32;
+  auto grow = [this](Slot slot, size_t bytes) {
+    attention_[slot] = std::max(attention_[slot], static_cast<int64_t>(round_up(bytes, 4096)));
+  };
+  for (Slot sl : {kQ, kK, kV, kDO}) grow(sl, n_head * esz);
+  grow(kY, n_head * sizeof(float));
+  grow(kDP, n_att * sizeof(float));
+  if (!f32) {
+    grow(kPc, n_att * esz);
+    grow(kDS, n_att * esz);
+  }
+  for (Slot sl : {kDQ, kDK, kDV}) grow(sl, n_head * sizeof(float));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const DType dt = compute;
+  // P's bf16 copy (pc) and dS are compute dtype; with fp32 compute pc is P.
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = dt}, dt, false, dt,
+         false);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .compute = dt}, dt, false, dt, false);
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = dt}, dt, false, dt, false);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = dt}, dt, false, dt, false);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = dt}, dt, false, dt, false);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = dt}, dt, false, dt,
+         false);
+}
+
+}  // namespace zinc::kernels

@@ -83,6 +83,10 @@ std::string matmul_paths_summary();
 // grows as needed and must outlive the returned view.
 CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch);
 CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch);
+// Whether bf16 operands are converted to bf16 (true: the CPU multiplies
+// bf16 natively) or rounded in fp32 (false: the fallback), as the two
+// functions above decide.
+bool bf16_operands_native();
 
 // Tests: kViaF32 makes every bf16 matmul created from now on take the fp32
 // fallback, also where oneDNN has native bf16 kernels.
@@ -125,6 +129,34 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
 // dqkv(B,T,3C) is written.
 void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute);
+
+// Bytes of one workspace (the softmax probabilities backward reads).
+int64_t attention_workspace_bytes(AttentionShape s);
+
+// ---- memory estimates ------------------------------------------------------------
+// The kernels keep grow-only thread-local scratch (converted matmul operands,
+// oneDNN scratchpads, attention's head-major copies): after a training pass
+// each slot holds the largest size any call asked of it. A tally replays a
+// pass's kernel calls by shape alone, with the sizing rules the kernels
+// themselves use (and, for matmuls, oneDNN's own answer for the primitive and
+// its scratchpad), to say how many bytes that scratch will hold. Used by
+// models' Model::activation_memory. Not thread-safe.
+class ScratchTally {
+ public:
+  // A matmul whose operands have these dtypes (exact: fp32 values marked
+  // bf16_exact) and, with d.bias, a bias of bias_dtype.
+  void matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, bool b_exact, DType bias_dtype = DType::kF32);
+  // attention_forward and attention_backward of one shape (their matmuls included).
+  void attention(AttentionShape s, DType compute);
+  // bf16_operand_copy / bf16_operand_in_place of n elements into a scratch
+  // buffer of its own (returns its bytes; 0 when nothing is copied).
+  static int64_t bf16_operand_bytes(int64_t n, bool in_place);
+  int64_t bytes() const;
+
+ private:
+  int64_t matmul_[4] = {};
+  int64_t attention_[11] = {};
+};
 
 // ---- softmax cross-entropy over the vocabulary -----------------------------------
 // logits(N,V), targets(N) in [0,V). Returns the mean loss over the N rows.

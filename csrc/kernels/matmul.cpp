@@ -45,6 +45,7 @@
 // scratch costs about as much as the gap, so none is done.
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstring>
@@ -131,6 +132,7 @@ void* thread_scratch(int slot, size_t bytes) {
   if (b.bytes() < bytes) b = AlignedBuffer(round_up(bytes, 4096));
   return b.data();
 }
+int64_t scratch_size(size_t bytes) { return static_cast<int64_t>(round_up(bytes, 4096)); }
 
 dnnl::memory::data_type dnnl_type(DType t) {
   return t == DType::kF32 ? dnnl::memory::data_type::f32 : dnnl::memory::data_type::bf16;
@@ -226,9 +228,12 @@ std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
 // converting into thread-local scratch slot `slot` when needed. With the bf16
 // fallback (compute bf16, multiply fp32) fp32 operands are rounded through
 // bf16 so that they carry the values the native path would multiply.
+bool converts(DType dtype, bool exact, DType compute, DType multiply) {
+  return !(dtype == multiply && !(compute == DType::kBF16 && dtype == DType::kF32 && !exact));
+}
+
 const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
-  if (v.dtype == multiply && !(compute == DType::kBF16 && v.dtype == DType::kF32 && !v.bf16_exact))
-    return v.data;
+  if (!converts(v.dtype, v.bf16_exact, compute, multiply)) return v.data;
   void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
   if (multiply == DType::kBF16) {
     convert_f32_to_bf16(static_cast<const float*>(v.data), static_cast<bf16*>(dst), n);
@@ -322,6 +327,33 @@ CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch) {
   if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
   round_to_bf16(x, scratch.as<float>(), static_cast<size_t>(n));
   return {scratch.as<float>(), DType::kF32, true};
+}
+
+bool bf16_operands_native() { return bf16_native(); }
+
+int64_t ScratchTally::bf16_operand_bytes(int64_t n, bool in_place) {
+  const size_t un = static_cast<size_t>(n);
+  if (bf16_native()) return scratch_size(un * sizeof(bf16));
+  return in_place ? 0 : scratch_size(un * sizeof(float));
+}
+
+void ScratchTally::matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, bool b_exact, DType bias_dtype) {
+  if (d.batch == 0 || d.M == 0 || d.N == 0 || d.K == 0) return;
+  auto cached = lookup(d);
+  const DType mul = cached->multiply;
+  auto grow = [this](int slot, int64_t bytes) { matmul_[slot] = std::max(matmul_[slot], bytes); };
+  const size_t es = dtype_bytes(mul);
+  if (converts(a, a_exact, d.compute, mul)) grow(0, scratch_size(static_cast<size_t>(d.batch * d.M * d.K) * es));
+  if (converts(b, b_exact, d.compute, mul)) grow(1, scratch_size(static_cast<size_t>(d.batch * d.K * d.N) * es));
+  if (cached->scratch_bytes > 0) grow(2, scratch_size(cached->scratch_bytes));
+  if (d.bias && bias_dtype != DType::kF32) grow(3, scratch_size(static_cast<size_t>(d.N) * sizeof(float)));
+}
+
+int64_t ScratchTally::bytes() const {
+  int64_t n = 0;
+  for (int64_t b : matmul_) n += b;
+  for (int64_t b : attention_) n += b;
+  return n;
 }
 
 CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch) {

@@ -58,6 +58,66 @@ inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, 
 
 inline CView f32(const float* p) { return CView{p, DType::kF32}; }
 
+// ---- memory estimates (Model::activation_memory) ------------------------------
+// How the functions here hand a layer's input to the matmuls: the dtype and
+// bf16-exactness of what matmul_input returns.
+struct OperandKind {
+  DType dtype = DType::kF32;
+  bool exact = false;
+};
+inline OperandKind matmul_input_kind(DType compute) {
+  if (compute != DType::kBF16) return {};
+  return kernels::bf16_operands_native() ? OperandKind{DType::kBF16, false} : OperandKind{DType::kF32, true};
+}
+// Bytes of the scratch matmul_input fills for an n-element activation.
+inline int64_t matmul_input_bytes(int64_t n, DType compute) {
+  return compute == DType::kBF16 ? kernels::ScratchTally::bf16_operand_bytes(n, /*in_place=*/true) : 0;
+}
+// The kernel scratch linear_forward asks for (parameters in compute dtype).
+inline void tally_linear_forward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
+                                 bool bias, DType compute) {
+  kernels::MatmulDesc d;
+  d.M = N;
+  d.N = out;
+  d.K = in;
+  d.trans_b = true;
+  d.compute = compute;
+  d.bias = bias;
+  t.matmul(d, x.dtype, x.exact, compute, false, compute);
+}
+// ... and linear_backward with an fp32 dy (returns the bytes of the dy copy
+// it makes, which its one thread-local scratch holds at most of).
+inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
+                                     bool dx, DType compute) {
+  OperandKind dy;
+  int64_t copy = 0;
+  if (compute == DType::kBF16) {
+    dy = kernels::bf16_operands_native() ? OperandKind{DType::kBF16, false} : OperandKind{DType::kF32, true};
+    copy = kernels::ScratchTally::bf16_operand_bytes(N * out, /*in_place=*/false);
+  }
+  if (dx) {
+    kernels::MatmulDesc d;
+    d.M = N;
+    d.N = in;
+    d.K = out;
+    d.compute = compute;
+    t.matmul(d, dy.dtype, dy.exact, compute, false);
+  }
+  kernels::MatmulDesc g;
+  g.M = out;
+  g.N = in;
+  g.K = N;
+  g.trans_a = true;
+  g.accumulate = true;
+  g.compute = compute;
+  t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);
+  return copy;
+}
+// An AlignedBuffer's bytes as allocated (64-byte aligned blocks).
+inline int64_t buffer_bytes(int64_t n, int64_t elem_bytes = 4) {
+  return static_cast<int64_t>(round_up(static_cast<size_t>(n * elem_bytes), kSimdAlign));
+}
+
 // The view of an activation that only matmuls read (a layer's input): with
 // bf16 compute converted once for its forward and weight-gradient matmuls
 // (kernels::bf16_operand_in_place; `scratch` holds the bf16 copy where one

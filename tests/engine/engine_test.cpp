@@ -3,7 +3,10 @@
 // accumulation equivalence on the built-in models.
 #include <gtest/gtest.h>
 
+#include <malloc.h>
+
 #include <cmath>
+#include <thread>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -12,6 +15,7 @@
 #include "engine/engine.h"
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
+#include "tests/engine/estimate_util.h"
 
 namespace zinc {
 namespace {
@@ -394,6 +398,98 @@ TEST(EngineOffload, OneRankStage3WithOffloadedParametersTrainsLikeStage2) {
         EXPECT_EQ(train_offload(3, opt, bf16, dir, param), stage2)
             << "offload_param " << param << ", offload_optimizer " << opt << ", bf16 " << bf16;
   }
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+// One rank: zinc-train --estimate's model state is the engine's peak, for
+// every stage and offload (ZeRO-3 shards only with its parameters offloaded).
+TEST(MemoryEstimate, OneRankModelStateEqualsTheEnginesPeak) {
+  using testing_train::RunSpec;
+  for (const std::string model : {"gpt", "mlp"})
+    for (bool bf16 : {false, true})
+      for (int stage : {0, 1, 2, 3})
+        for (const std::string offload : {"none", "cpu", "nvme"}) {
+          if (stage == 0 && offload != "none") continue;
+          RunSpec r;
+          r.model = model;
+          r.bf16 = bf16;
+          r.stage = stage;
+          r.offload = offload;
+          testing_train::expect_estimate_exact(r, nullptr,
+                                               model + (bf16 ? " bf16" : " fp32") + " stage " +
+                                                   std::to_string(stage) + " offload " + offload);
+        }
+  for (const std::string param : {"cpu", "nvme"}) {
+    RunSpec r;
+    r.bf16 = true;
+    r.stage = 3;
+    r.offload = "nvme";
+    r.zero_extra = {{"offload_param", {{"device", param}, {"nvme_path", ::testing::TempDir()}}},
+                    {"stage3_param_persistence_threshold", 100}};
+    testing_train::expect_estimate_exact(r, nullptr, "one rank, offload_param " + param);
+  }
+}
+
+// The models' activation memory is what their forward and backward
+// allocate. The pass runs on a fresh thread, whose thread-local kernel
+// scratch starts empty, so the heap grows by the activations and the
+// scratch together (within the allocator's own overhead).
+int64_t heap_bytes() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate) {
+  models::GptConfig g;
+  g.vocab_size = 200;
+  g.block_size = 64;
+  g.n_layer = 2;
+  g.n_head = 4;
+  g.n_embd = 128;
+  models::MlpConfig m;
+  m.vocab_size = 200;
+  m.context = 4;
+  m.n_embd = 32;
+  m.hidden = 256;
+  for (bool bf16 : {false, true})
+    for (const bool gpt : {true, false}) {
+      const std::string what = std::string(gpt ? "gpt" : "mlp") + (bf16 ? " bf16" : " fp32");
+      const nlohmann::json cfg = {{"train_batch_size", 4},
+                                  {"bf16", {{"enabled", bf16}}},
+                                  {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
+      Batch batch;
+      batch.B = 4;
+      batch.T = 64;
+      for (int64_t i = 0; i < batch.B * batch.T; ++i) {
+        batch.inputs.push_back(static_cast<int32_t>(i * 7 % 200));
+        batch.targets.push_back(static_cast<int32_t>(i * 13 % 200));
+      }
+      // A pass of the heap growth on a fresh thread; the first of two
+      // warms what a process allocates once (a kernel's first call).
+      int64_t grew = 0;
+      ActivationMemory want;
+      for (int round = 0; round < 2; ++round) {
+        std::shared_ptr<Model> model = gpt ? models::make_gpt(g) : models::make_mlp(m);
+        Engine e = Engine::initialize(model, cfg);
+        want = *model->activation_memory(batch.B, batch.T, e.compute_dtype());
+        std::thread pass([&] {
+          const int64_t before = heap_bytes();
+          e.forward(batch);
+          e.backward();
+          grew = heap_bytes() - before;
+        });
+        pass.join();
+      }
+      const double expect = static_cast<double>(want.saved + want.workspace);
+      EXPECT_GT(want.saved, 0) << what;
+      EXPECT_NEAR(static_cast<double>(grew), expect, 0.02 * expect)
+          << what << ": saved " << want.saved << " + scratch " << want.workspace;
+    }
 }
 
 }  // namespace

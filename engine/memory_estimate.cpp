@@ -1,0 +1,216 @@
+#include "engine/memory_estimate.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "engine/grad_reducer.h"
+#include "engine/param_coordinator.h"
+#include "engine/partition.h"
+#include "engine/shard.h"
+#include "offload/swapper.h"
+
+namespace zinc {
+namespace {
+
+std::string millions(int64_t n) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fM", static_cast<double>(n) / 1e6);
+  return buf;
+}
+
+}  // namespace
+
+int64_t MemoryEstimate::sum(const std::vector<MemoryPart>& parts) {
+  int64_t n = 0;
+  for (const MemoryPart& p : parts) n += p.bytes;
+  return n;
+}
+
+namespace {
+int64_t state_sum(const std::vector<MemoryPart>& parts) {
+  int64_t n = 0;
+  for (const MemoryPart& p : parts)
+    if (p.model_state) n += p.bytes;
+  return n;
+}
+}  // namespace
+
+int64_t MemoryEstimate::training_state_bytes() const { return state_sum(training); }
+
+int64_t MemoryEstimate::model_state_bytes() const { return std::max(state_sum(setup), state_sum(training)); }
+
+int64_t MemoryEstimate::ram_bytes() const { return process_bytes + std::max(sum(setup), sum(training)); }
+
+MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_len) {
+  MemoryEstimate e;
+  const int world = c.world_size;
+  const ZeroConfig& z = c.zero;
+  const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
+  const StagePlan plan = StagePlan::make(z.stage, world, param_offload);
+  const DType dtype = c.bf16 ? DType::kBF16 : DType::kF32;
+  const int64_t es = static_cast<int64_t>(dtype_bytes(dtype));
+  e.stage = z.stage;
+  e.world = world;
+
+  // The blocks as the engine lays them out (Engine::Impl::allocate_and_init).
+  std::vector<BlockLayout> layouts;
+  std::vector<Partition> parts;
+  std::vector<int64_t> spans;
+  int64_t padded_all = 0, shard_all = 0, span_all = 0, max_padded = 0, max_shard = 0;
+  for (const BlockSpec& spec : model.blocks()) {
+    layouts.push_back(BlockLayout::from_spec(spec));
+    parts.push_back(Partition::make(layouts.back().numel, world, 0));
+    const Partition& p = parts.back();
+    spans.push_back(plan.optimizer_numel(p));
+    padded_all += p.padded_numel;
+    shard_all += p.shard_numel;
+    span_all += spans.back();
+    max_padded = std::max(max_padded, p.padded_numel);
+    max_shard = std::max(max_shard, p.shard_numel);
+  }
+  const char* dname = dtype == DType::kBF16 ? "bf16" : "fp32";
+
+  // ---- optimizer states: master, m, v ----
+  MemoryPart opt{"optimizer states (fp32 master, Adam m, v)", 12 * span_all,
+                 "12 B x " + millions(span_all) + (plan.optimizer_spans_block ? " elements (every block)" :
+                                                                                 " elements (this rank's shards)")};
+  switch (z.offload_optimizer.device) {
+    case OffloadDevice::kNone: break;
+    case OffloadDevice::kCpu: opt.name += ", page-locked"; break;
+    case OffloadDevice::kNvme: {
+      offload::SwapperOptions so;
+      so.buffer_count = z.offload_optimizer.buffer_count;
+      so.sub_group_size = z.sub_group_size;
+      const offload::OptimizerSwapper::Plan sp = offload::OptimizerSwapper::plan(so, spans);
+      opt = {"optimizer swap buffers", sp.buffer_bytes,
+             std::to_string(sp.buffer_count) + " x 12 B x " + millions(sp.max_count) +
+                 " elements (the largest sub-group, sub_group_size)"};
+      e.disk.push_back({"optimizer states (" + z.offload_optimizer.nvme_path + ")", sp.file_bytes,
+                        std::to_string(sp.groups.size()) + " sub-groups of master, m, v"});
+      break;
+    }
+  }
+
+  // ---- compute parameters ----
+  std::vector<MemoryPart> setup_params, train_params;
+  int64_t update_bytes = 0;  // ZeRO-3 with parameters on NVMe: a new shard in RAM during the step
+  if (!plan.params_sharded) {
+    if (plan.compute_copy(dtype))
+      train_params.push_back({std::string("parameters (") + dname + " compute copy)", es * padded_all,
+                              std::to_string(es) + " B x " + millions(padded_all) + " elements"});
+  } else {
+    ParamCoordinator::Options co;
+    co.persistence_numel = z.stage3_param_persistence_threshold;
+    co.model_persistence_numel = z.stage3_model_persistence_threshold;
+    const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, co);
+    int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, max_np_file = 0,
+            max_np_padded = 0;
+    for (size_t b = 0; b < parts.size(); ++b) {
+      if (keep[b]) {
+        persist_padded += parts[b].padded_numel;
+        persist_shard += parts[b].shard_numel;
+      } else {
+        np_padded += parts[b].padded_numel;
+        np_shard += parts[b].shard_numel;
+        const int64_t f = ParamCoordinator::nvme_shard_bytes(parts[b], dtype);
+        np_file += f;
+        max_np_file = std::max(max_np_file, f);
+        max_np_padded = std::max(max_np_padded, parts[b].padded_numel);
+      }
+    }
+    const bool nvme = z.offload_param.device == OffloadDevice::kNvme;
+    const std::string shard_name = std::string("parameter shards (") + dname +
+                                   (z.offload_param.device == OffloadDevice::kCpu ? ", page-locked)" : ")");
+    // Every shard is built in RAM first; with NVMe the coordinator then
+    // writes the non-persistent ones out and frees them.
+    setup_params.push_back({shard_name, es * shard_all, std::to_string(es) + " B x " + millions(shard_all) +
+                                                            " elements" + (nvme ? " (until written to NVMe)" : "")});
+    if (persist_padded > 0)
+      setup_params.push_back({"persistent blocks, gathered", es * persist_padded,
+                              millions(persist_padded) + " elements (stage3_param_persistence_threshold)"});
+    const int64_t ram_shard = nvme ? persist_shard : shard_all;
+    if (ram_shard > 0)
+      train_params.push_back({shard_name, es * ram_shard, std::to_string(es) + " B x " + millions(ram_shard) +
+                                                              " elements" + (nvme ? " (persistent blocks)" : "")});
+    if (nvme && np_file > 0)
+      e.disk.push_back({"parameter shards (" + z.offload_param.nvme_path + ")", np_file,
+                        "the non-persistent blocks' " + std::string(dname) + " shards, 4 KiB-aligned"});
+    // Gathered at once (ParamCoordinator): with a reuse distance that spans
+    // the whole trace every block stays gathered once the trace is known;
+    // otherwise the prefetch window and the held blocks (the built-in models
+    // hold at most two), never more than max_live plus one block.
+    int64_t gathered = np_padded;
+    std::string why = "every block: stage3_max_reuse_distance covers the whole pass";
+    if (z.stage3_max_reuse_distance < padded_all) {
+      gathered = std::min({np_padded, z.stage3_prefetch_bucket_size + 2 * max_np_padded,
+                           std::max<int64_t>(0, z.stage3_max_live_parameters - persist_padded) + max_np_padded});
+      why = "at most the prefetch window and two held blocks, within stage3_max_live_parameters plus one block";
+    }
+    train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
+                            millions(persist_padded + gathered) + " elements: " + why});
+    if (nvme && np_padded > 0) {
+      // One read buffer per gathered block on NVMe; during the step also one
+      // block's new shard on its way back (update_bytes, added below).
+      const int64_t reads = np_file * gathered / np_padded;
+      train_params.push_back({"parameter read buffers", reads, "a shard per gathered block"});
+      update_bytes = max_np_file;
+    }
+  }
+
+  // ---- gradients (GradReducer) ----
+  std::vector<MemoryPart> grads;
+  if (plan.grad_always_allocated) {
+    grads.push_back({"gradients (fp32, full)", 4 * padded_all, "4 B x " + millions(padded_all) + " elements"});
+  } else {
+    int64_t full = padded_all;
+    std::string why = "every block: gradient_accumulation_steps > 1 keeps them (no-sync)";
+    if (c.gradient_accumulation_steps == 1) {
+      const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
+      full = std::min(padded_all, in_flight * (z.reduce_bucket_size + max_padded) + max_padded);
+      why = full == padded_all ? "every block: reduce_bucket_size holds the whole model"
+                               : "the buckets in flight (reduce_bucket_size) and the block being computed";
+    }
+    grads.push_back({"gradients (fp32, full, in backward)", 4 * full, millions(full) + " elements: " + why});
+  }
+  if (update_bytes > 0) {
+    // The step's peak is the backward's without the full gradients where
+    // they are gone by then (stage >= 2 with several ranks and no overlap:
+    // the last bucket is waited for and freed before backward returns),
+    // plus the update buffer.
+    const int64_t full = grads.front().bytes;
+    const bool freed = !plan.grad_always_allocated && !z.overlap_comm;
+    const int64_t extra = freed ? std::max<int64_t>(0, update_bytes - full) : update_bytes;
+    if (extra > 0)
+      grads.push_back({"parameter update buffer (in the step)", extra, "one block's new shard, written back to NVMe"});
+  }
+  if (plan.grad_shard_buffer)
+    grads.push_back({"gradient shards (fp32, reduced)", 4 * shard_all, "4 B x " + millions(shard_all) + " elements"});
+  if (plan.gather_reduced_grads)
+    grads.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
+  if (c.communication_data_type == DType::kBF16 && world > 1)
+    grads.push_back({"bf16 wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, bf16"});
+
+  // ---- the two phases ----
+  e.setup.push_back(opt);
+  for (MemoryPart& p : setup_params) e.setup.push_back(p);
+  if (!plan.params_sharded) e.setup.insert(e.setup.end(), train_params.begin(), train_params.end());
+  // Every rank builds a block's full fp32 initial weights, one at a time.
+  e.setup.push_back({"initial weights (fp32, one block at a time)", 4 * max_padded, "the largest block", false});
+  e.training.push_back(opt);
+  e.training.insert(e.training.end(), train_params.begin(), train_params.end());
+  e.training.insert(e.training.end(), grads.begin(), grads.end());
+  const std::optional<ActivationMemory> act =
+      model.activation_memory(c.train_micro_batch_size_per_gpu, seq_len, dtype);
+  if (act) {
+    e.training.push_back({"activations", act->saved,
+                          "micro-batch " + std::to_string(c.train_micro_batch_size_per_gpu) + " x " +
+                              std::to_string(seq_len) + " tokens, kept for backward",
+                          false});
+    e.training.push_back({"kernel scratch", act->workspace, "converted operands, attention buffers, oneDNN", false});
+  } else {
+    e.activations_unknown = true;
+  }
+  return e;
+}
+
+}  // namespace zinc
