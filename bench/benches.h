@@ -61,6 +61,9 @@ inline void emit(bool json, const nlohmann::json& line, const std::string& human
 void require_fio();
 double fio_bw(const std::string& file, int64_t bytes, bool write);
 
+// zinc-train beside this zinc-bench (build tree); throws if it is missing.
+std::string zinc_train_path();
+
 int bench_train_step(const BenchOptions& o);
 int bench_adamw(const BenchOptions& o);
 int bench_collectives(const BenchOptions& o);   // under mpirun
@@ -69,5 +72,6 @@ int bench_overlap(const BenchOptions& o);       // under mpirun
 int bench_nvme(const BenchOptions& o);
 int bench_offload_step(const BenchOptions& o);
 int bench_capacity(const BenchOptions& o);      // root: a cgroup memory cap
+int bench_estimate(const BenchOptions& o);      // runs mpirun itself
 
 }  // namespace zinc::bench

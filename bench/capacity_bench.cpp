@@ -143,22 +143,22 @@ Run train(const std::string& zinc_train, const std::string& config, int steps, c
   return r;
 }
 
-std::string self_dir() {
+}  // namespace
+
+std::string zinc_train_path() {
   char buf[4096];
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw Error("capacity bench: cannot read /proc/self/exe");
+  if (n <= 0) throw Error("zinc-bench: cannot read /proc/self/exe");
   std::string p(buf, static_cast<size_t>(n));
-  return p.substr(0, p.rfind('/'));
+  p = p.substr(0, p.rfind('/')) + "/../tools/zinc-train";
+  if (::access(p.c_str(), X_OK) != 0) throw Error("zinc-bench: " + p + " not found (build the zinc-train target)");
+  return p;
 }
-
-}  // namespace
 
 int bench_capacity(const BenchOptions& o) {
   const char* env = std::getenv("ZINC_BENCH_NVME_PATH");
   const std::string folder = env && *env ? env : "/tmp";
-  const std::string zinc_train = self_dir() + "/../tools/zinc-train";
-  if (::access(zinc_train.c_str(), X_OK) != 0)
-    throw Error("capacity bench: " + zinc_train + " not found (build the zinc-train target)");
+  const std::string zinc_train = zinc_train_path();
   require_fio();
   // GPT 16 x 768, vocabulary 256, T 64: 113.6M parameters, model states
   // 18 B each = 2.04 GB; the cap is half of that. What the capped run keeps

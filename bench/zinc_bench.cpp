@@ -21,6 +21,9 @@
 //   capacity    (root) a GPT with model states twice a cgroup memory cap,
 //               trained at stage 3 with everything on NVMe: losses equal to
 //               an uncapped stage-0 run; step time over the fio bound.
+//   estimate    zinc-train --estimate's RAM per rank over the peak RSS a
+//               training run of the same config measures (two GPT sizes,
+//               stages 0-3, with and without offload, 2 ranks).
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -31,7 +34,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -55,7 +58,8 @@ int main(int argc, char** argv) {
     if (name == "nvme") return zinc::bench::bench_nvme(o);
     if (name == "offload-step") return zinc::bench::bench_offload_step(o);
     if (name == "capacity") return zinc::bench::bench_capacity(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity)\n", name.c_str());
+    if (name == "estimate") return zinc::bench::bench_estimate(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -255,7 +255,7 @@ struct Engine::Impl final : StepContext {
         const size_t bytes = shard * dtype_bytes(dtype);
         if (cfg.zero.offload_param.device == OffloadDevice::kCpu) {
           s.compute_shard_pinned = offload::PinnedBuffer(bytes, cfg.zero.offload_param.pin_memory);
-          memory.add(static_cast<int64_t>(bytes));
+          memory.add(static_cast<int64_t>(s.compute_shard_pinned.footprint()));
         } else {
           s.compute_shard = memory.alloc(bytes);
         }

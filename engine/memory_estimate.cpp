@@ -57,11 +57,14 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   std::vector<Partition> parts;
   std::vector<int64_t> spans;
   int64_t padded_all = 0, shard_all = 0, span_all = 0, max_padded = 0, max_shard = 0;
+  int64_t pinned_states = 0, pinned_shards = 0;  // page-locked buffers' footprints, one per block
   for (const BlockSpec& spec : model.blocks()) {
     layouts.push_back(BlockLayout::from_spec(spec));
     parts.push_back(Partition::make(layouts.back().numel, world, 0));
     const Partition& p = parts.back();
     spans.push_back(plan.optimizer_numel(p));
+    pinned_states += static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(12 * spans.back())));
+    pinned_shards += static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(p.shard_numel * es)));
     padded_all += p.padded_numel;
     shard_all += p.shard_numel;
     span_all += spans.back();
@@ -76,7 +79,11 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                                                                                  " elements (this rank's shards)")};
   switch (z.offload_optimizer.device) {
     case OffloadDevice::kNone: break;
-    case OffloadDevice::kCpu: opt.name += ", page-locked"; break;
+    case OffloadDevice::kCpu:
+      opt.name += ", page-locked";
+      opt.bytes = pinned_states;
+      opt.note += ", one buffer per block (2 MiB-aligned from 2 MiB)";
+      break;
     case OffloadDevice::kNvme: {
       offload::SwapperOptions so;
       so.buffer_count = z.offload_optimizer.buffer_count;
@@ -103,7 +110,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     co.persistence_numel = z.stage3_param_persistence_threshold;
     co.model_persistence_numel = z.stage3_model_persistence_threshold;
     const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, co);
-    int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, max_np_file = 0,
+    int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, np_read = 0, max_np_read = 0,
             max_np_padded = 0;
     for (size_t b = 0; b < parts.size(); ++b) {
       if (keep[b]) {
@@ -114,7 +121,9 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
         np_shard += parts[b].shard_numel;
         const int64_t f = ParamCoordinator::nvme_shard_bytes(parts[b], dtype);
         np_file += f;
-        max_np_file = std::max(max_np_file, f);
+        const int64_t fp = static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(f)));
+        np_read += fp;
+        max_np_read = std::max(max_np_read, fp);
         max_np_padded = std::max(max_np_padded, parts[b].padded_numel);
       }
     }
@@ -123,15 +132,18 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                                    (z.offload_param.device == OffloadDevice::kCpu ? ", page-locked)" : ")");
     // Every shard is built in RAM first; with NVMe the coordinator then
     // writes the non-persistent ones out and frees them.
-    setup_params.push_back({shard_name, es * shard_all, std::to_string(es) + " B x " + millions(shard_all) +
-                                                            " elements" + (nvme ? " (until written to NVMe)" : "")});
+    const bool pinned = z.offload_param.device == OffloadDevice::kCpu;
+    setup_params.push_back({shard_name, pinned ? pinned_shards : es * shard_all,
+                            std::to_string(es) + " B x " + millions(shard_all) + " elements" +
+                                (nvme ? " (until written to NVMe)" : "")});
     if (persist_padded > 0)
       setup_params.push_back({"persistent blocks, gathered", es * persist_padded,
                               millions(persist_padded) + " elements (stage3_param_persistence_threshold)"});
     const int64_t ram_shard = nvme ? persist_shard : shard_all;
     if (ram_shard > 0)
-      train_params.push_back({shard_name, es * ram_shard, std::to_string(es) + " B x " + millions(ram_shard) +
-                                                              " elements" + (nvme ? " (persistent blocks)" : "")});
+      train_params.push_back({shard_name, pinned ? pinned_shards : es * ram_shard,
+                              std::to_string(es) + " B x " + millions(ram_shard) + " elements" +
+                                  (nvme ? " (persistent blocks)" : "")});
     if (nvme && np_file > 0)
       e.disk.push_back({"parameter shards (" + z.offload_param.nvme_path + ")", np_file,
                         "the non-persistent blocks' " + std::string(dname) + " shards, 4 KiB-aligned"});
@@ -151,9 +163,9 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     if (nvme && np_padded > 0) {
       // One read buffer per gathered block on NVMe; during the step also one
       // block's new shard on its way back (update_bytes, added below).
-      const int64_t reads = np_file * gathered / np_padded;
+      const int64_t reads = np_read * gathered / np_padded;
       train_params.push_back({"parameter read buffers", reads, "a shard per gathered block"});
-      update_bytes = max_np_file;
+      update_bytes = max_np_read;
     }
   }
 

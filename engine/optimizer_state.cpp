@@ -48,7 +48,7 @@ class PinnedState final : public OptimizerState {
   PinnedState(const std::vector<int64_t>& span_numel, bool pin_memory, StateMemory& memory) : numel_(span_numel) {
     for (int64_t n : span_numel) {
       buffers_.emplace_back(static_cast<size_t>(3 * n) * 4, pin_memory);
-      memory.add(static_cast<int64_t>(buffers_.back().bytes()));
+      memory.add(static_cast<int64_t>(buffers_.back().footprint()));
     }
   }
   void init_block(int b, const float* master) override {

@@ -142,7 +142,7 @@ void ParamCoordinator::move_shards_to_nvme() {
     nvme_->write(nvme_file_, s.nvme_offset, staging.data(), n).wait();
     memory_->free(s.compute_shard);
     if (s.compute_shard_pinned.data()) {
-      memory_->add(-static_cast<int64_t>(s.compute_shard_pinned.bytes()));
+      memory_->add(-static_cast<int64_t>(s.compute_shard_pinned.footprint()));
       s.compute_shard_pinned = offload::PinnedBuffer();
     }
   }
@@ -305,7 +305,7 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
     // needs it and after any write-back of this shard submitted earlier.
     const int64_t n = nvme_shard_bytes(s.part, compute_);
     s.nvme_read = offload::PinnedBuffer(static_cast<size_t>(n), pin_);
-    memory_->add(n);
+    memory_->add(static_cast<int64_t>(s.nvme_read.footprint()));
     offload::NvmeStore* store = nvme_.get();
     const int file = nvme_file_;
     s.gather = gather_->submit([sp, dt, store, file, n](comm::Communicator& c) {
@@ -334,7 +334,7 @@ void ParamCoordinator::free_gathered(BlockShard& s) {
   if (s.param_state == ParamState::kGathering) wait_gather(s);  // the stream still writes it
   memory_->free(s.compute);
   if (s.nvme_read.data()) {
-    memory_->add(-static_cast<int64_t>(s.nvme_read.bytes()));
+    memory_->add(-static_cast<int64_t>(s.nvme_read.footprint()));
     s.nvme_read = offload::PinnedBuffer();
   }
   s.param_state = ParamState::kSharded;
@@ -375,7 +375,7 @@ char* ParamCoordinator::shard_to_update(int block) {
   if (!s.nvme_update) {
     const int64_t n = nvme_shard_bytes(s.part, compute_);
     s.nvme_update = std::make_shared<offload::PinnedBuffer>(static_cast<size_t>(n), pin_);
-    memory_->add(n);
+    memory_->add(static_cast<int64_t>(s.nvme_update->footprint()));
   }
   return s.nvme_update->as<char>();
 }
@@ -387,7 +387,7 @@ void ParamCoordinator::finish_update(int block) {
   offload::NvmeStore* store = nvme_.get();
   const int file = nvme_file_;
   const int64_t offset = s.nvme_offset;
-  memory_->add(-static_cast<int64_t>(buf->bytes()));
+  memory_->add(-static_cast<int64_t>(buf->footprint()));
   pending_writes_.push_back(gather_->submit([buf, store, file, offset](comm::Communicator&) {
     store->write(file, offset, buf->data(), static_cast<int64_t>(buf->bytes())).wait();
   }));

@@ -40,6 +40,10 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
+  // The RAM it takes: bytes rounded up to its alignment (a page; 2 MiB, a
+  // huge page, from 2 MiB up), all of it touched.
+  size_t footprint() const { return footprint(bytes_); }
+  static size_t footprint(size_t bytes);
   bool locked() const { return locked_; }
   template <class T>
   T* as() const {

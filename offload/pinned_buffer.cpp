@@ -54,6 +54,8 @@ PinnedBuffer::PinnedBuffer(size_t bytes, bool lock) : bytes_(bytes) {
   }
 }
 
+size_t PinnedBuffer::footprint(size_t bytes) { return bytes == 0 ? 0 : padded_bytes(bytes); }
+
 PinnedBuffer::~PinnedBuffer() {
   if (locked_) ::munlock(data_, padded_bytes(bytes_));
   std::free(data_);

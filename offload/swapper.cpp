@@ -25,7 +25,7 @@ OptimizerSwapper::Plan OptimizerSwapper::plan(const SwapperOptions& options, con
     }
   }
   p.buffer_count = std::max<int64_t>(2, options.buffer_count);
-  p.buffer_bytes = p.buffer_count * 3 * p.max_count * 4;
+  p.buffer_bytes = p.buffer_count * static_cast<int64_t>(PinnedBuffer::footprint(static_cast<size_t>(3 * p.max_count * 4)));
   return p;
 }
 
@@ -96,7 +96,7 @@ int64_t OptimizerSwapper::bytes_read() const { return store_->bytes_read(); }
 int64_t OptimizerSwapper::bytes_written() const { return store_->bytes_written(); }
 int64_t OptimizerSwapper::buffer_bytes() const {
   int64_t s = 0;
-  for (const auto& b : buffers_) s += static_cast<int64_t>(b.bytes());
+  for (const auto& b : buffers_) s += static_cast<int64_t>(b.footprint());
   return s;
 }
 const std::string& OptimizerSwapper::folder() const { return store_->folder(); }

@@ -81,7 +81,7 @@ class OptimizerSwapper {
 
   int64_t bytes_read() const;
   int64_t bytes_written() const;
-  int64_t buffer_bytes() const;  // pinned RAM the swapper holds
+  int64_t buffer_bytes() const;  // pinned RAM the swapper holds (PinnedBuffer::footprint)
   const std::string& folder() const;
   const std::vector<SubGroup>& sub_groups() const { return groups_; }
 

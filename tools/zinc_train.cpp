@@ -161,8 +161,13 @@ std::string offload_words(const zinc::Config& c) {
 // --estimate: what one rank will need, from the engine's plan and the
 // model's activations, plus this process as it stands (code, libraries,
 // the data source, MPI when launched under it).
-int estimate(int world, const nlohmann::json& doc, const std::string& config_path, bool json, bool quiet) {
+int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& doc, const std::string& config_path,
+             bool json) {
+  const bool quiet = comm.rank() != 0;
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
+  // Under mpirun: the engine's second communicator (the gather stream's)
+  // now, so that its buffers are in the process measured below.
+  if (comm.size() > 1) comm.twin();
   const zinc::Config& cfg = ex.config;
   const int64_t T = ex.data->seq_len();
   zinc::MemoryEstimate e = zinc::estimate_memory(*ex.model, cfg, T);
@@ -211,7 +216,9 @@ int estimate(int world, const nlohmann::json& doc, const std::string& config_pat
   print_parts(e.training);
   if (e.activations_unknown) std::printf("    (model %s does not say what its activations take)\n",
                                          ex.model->name().c_str());
-  std::printf("  the process itself (code, libraries, data; measured now): %s\n", format_bytes(process).c_str());
+  std::printf("  the process itself (code, libraries, data%s; measured now): %s\n",
+              comm.size() > 1 ? ", MPI" : world > 1 ? "; not MPI: run under mpirun to count it" : "",
+              format_bytes(process).c_str());
   std::printf("RAM per rank: %s | disk per rank: %s\n", format_bytes(e.ram_bytes()).c_str(),
               format_bytes(e.disk_bytes()).c_str());
   for (const zinc::MemoryPart& p : e.disk)
@@ -468,7 +475,7 @@ int main(int argc, char** argv) {
         return 2;
       }
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
-      return estimate(world, doc, config_path, json, comm->rank() != 0);
+      return estimate(*comm, world, doc, config_path, json);
     }
     return run(comm, doc, config_path, json, digest);
   } catch (const std::exception& e) {

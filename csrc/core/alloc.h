@@ -1,5 +1,6 @@
 // zinc core: aligned host memory. AlignedBuffer owns one 64-byte aligned
-// (optionally 4 KiB aligned, for O_DIRECT) zero-initialised allocation; it is
+// (optionally 4 KiB aligned, for O_DIRECT) zero-initialised allocation
+// (from kMapBytes up a mapping of its own, see below); it is
 // movable, not copyable. Not thread-safe to resize; the contents may be used
 // from any thread.
 #pragma once
@@ -14,19 +15,30 @@ namespace zinc {
 constexpr size_t kSimdAlign = 64;
 constexpr size_t kPageAlign = 4096;
 
+// From this size an allocation is a mapping of its own (mmap), page-aligned
+// and zero-filled by the kernel, and freeing it returns it to the system at
+// once. Below it the C heap serves it. Why: glibc raises its mmap threshold
+// to the size of each mapped block freed, after which the engine's large
+// buffers that come and go every step (stage 2's full gradients, stage 3's
+// gathered blocks) land on the heap, stay resident after they are freed and
+// fragment it, so the process's RSS would drift above what it holds (by
+// 10-15% in a stage 2 run) and no estimate could predict it.
+constexpr size_t kMapBytes = size_t{1} << 20;
+
 void* aligned_alloc_bytes(size_t bytes, size_t align = kSimdAlign);  // throws std::bad_alloc
-void aligned_free(void* p);
+// `bytes` as allocated.
+void aligned_free(void* p, size_t bytes);
 
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
   explicit AlignedBuffer(size_t bytes, size_t align = kSimdAlign);
-  ~AlignedBuffer() { aligned_free(data_); }
+  ~AlignedBuffer() { aligned_free(data_, bytes_); }
   AlignedBuffer(AlignedBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
     if (this != &o) {
-      aligned_free(data_);
+      aligned_free(data_, bytes_);
       data_ = std::exchange(o.data_, nullptr);
       bytes_ = std::exchange(o.bytes_, 0);
     }

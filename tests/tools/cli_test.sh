@@ -103,5 +103,54 @@ else
   cat "$TMP/out" "$TMP/err"
 fi
 
+# --estimate: the human table, and JSON whose RAM is near the peak RSS a
+# real run of the same config measures (zinc-bench estimate measures how
+# near; here only that it is the right figure, not another).
+check_error estimate-triad "train_batch_size" "$CFG" --estimate --ranks 3
+if "$ZT" "$CFG" --estimate >"$TMP/out" 2>"$TMP/err" &&
+   grep -q '^RAM per rank: .* | disk per rank: 0 B' "$TMP/out" &&
+   grep -q '^  stage 3 (offload_optimizer none, offload_param none): RAM ' "$TMP/out" &&
+   grep -q 'activations ' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL estimate table"
+  cat "$TMP/out" "$TMP/err"
+fi
+"$ZT" "$CFG" --steps 2 --set run.eval_interval=0 --json >"$TMP/run" 2>/dev/null
+if "$ZT" "$CFG" --estimate --json >"$TMP/est" 2>"$TMP/err" &&
+   "$ZT" "$NV" --estimate --json --ranks 2 --set zero_optimization.stage=3 \
+     --set zero_optimization.offload_param.device=nvme --set "zero_optimization.offload_param.nvme_path=$TMP" \
+     --set "zero_optimization.offload_optimizer.nvme_path=$TMP" >"$TMP/est3" 2>>"$TMP/err" &&
+   python3 - "$TMP/est" "$TMP/run" "$TMP/est3" <<'PY'
+import json, sys
+est = json.loads(open(sys.argv[1]).read())
+run = [json.loads(l) for l in open(sys.argv[2])][-1]
+ratio = est["ram_bytes"] / run["peak_rss_bytes"]
+assert 0.8 < ratio < 1.1, (est["ram_bytes"], run["peak_rss_bytes"])
+assert est["disk_bytes"] == 0 and est["model_state_bytes"] > 0, est
+assert {p["name"] for p in est["breakdown"]["training"]} >= {"activations", "kernel scratch"}, est
+assert [s["zero_stage"] for s in est["other_stages"]] == [1, 2, 3], est
+e3 = json.loads(open(sys.argv[3]).read())
+assert e3["world_size"] == 2 and e3["zero_stage"] == 3 and e3["disk_bytes"] > 0, e3
+names = [p["name"] for p in e3["breakdown"]["disk"]]
+assert any(n.startswith("parameter shards") for n in names) and any(n.startswith("optimizer states") for n in names), names
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL estimate json"
+  cat "$TMP/est" "$TMP/est3" "$TMP/err"
+fi
+"$ZT" "$CFG" --ranks 2 >"$TMP/out" 2>"$TMP/err"
+if [ $? -eq 2 ] && grep -q -- '--ranks needs --estimate' "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL --ranks without --estimate"
+  cat "$TMP/err"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
