@@ -53,6 +53,22 @@ unset ZINC_NVME_FAULT
 if [ -n "$(ls -A "$TMP/nv")" ]; then
   fail=$((fail + 1)); echo "FAIL nvme-eio: left behind: $(ls "$TMP/nv")"
 fi
+# ZeRO-3 with its parameter shards on NVMe, on a disk that refuses a write
+# (ENOSPC) while a step in the run writes its new shards back: one line naming
+# the parameter file and the error, no store left behind, and what was
+# written before (the csv_monitor rows of the steps done) is intact.
+mkdir -p "$TMP/nv3"
+export ZINC_NVME_FAULT=20:28
+check_error param-enospc "No space left on device" "$ROOT/configs/zero3.json" --steps 4 \
+  --set zero_optimization.offload_optimizer.device=none --set "zero_optimization.offload_param.nvme_path=$TMP/nv3" \
+  --set csv_monitor.enabled=true --set "csv_monitor.output_path=$TMP/csv3" --set csv_monitor.job_name=j
+unset ZINC_NVME_FAULT
+grep -q "write of $TMP/nv3/.*compute_params" <<<"$last" || { fail=$((fail + 1)); echo "FAIL param-enospc: $last"; }
+if [ -n "$(ls -A "$TMP/nv3")" ] || [ "$(cat "$TMP/csv3/j/Train_Samples_train_loss.csv" | head -n 1)" != "step,train_loss" ] ||
+   ! grep -qE '^64,[0-9.]+$' "$TMP/csv3/j/Train_Samples_train_loss.csv" ||
+   [ "$(tail -n +2 "$TMP/csv3/j/Train_Samples_train_loss.csv" | grep -cvE '^[0-9]+,[0-9.]+$')" -ne 0 ]; then
+  fail=$((fail + 1)); echo "FAIL param-enospc: left $(ls -A "$TMP/nv3"); csv:"; cat "$TMP/csv3/j/Train_Samples_train_loss.csv"
+fi
 printf '{"train_batch_size": 4,' >"$TMP/broken.json"
 check_error syntax "JSON syntax error" "$TMP/broken.json"
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# zinc-train on a disk that fills, for real: a 48 MiB ext4 filesystem on a
+# loop device holds the NVMe stores of a ZeRO-3 run with parameters and
+# optimizer states on NVMe.
+# 1. A model whose stores do not fit: the run ends at setup, before any step,
+#    with one line naming the file and ENOSPC, and leaves nothing behind.
+# 2. The disk fills up while a run trains (another process writes until
+#    ENOSPC): the stores were preallocated at setup, so training goes on and
+#    ends with the same weights, bit for bit, as a run on a roomy disk.
+# (A disk that fails a write in the middle of a step, where preallocation
+# cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
+# Needs root and loop devices; exits 77 (skipped) without them.
+# Usage: disk_full_test.sh ZINC_TRAIN REPO_ROOT
+set -u
+ZT="$1"
+ROOT="$2"
+CFG="$ROOT/configs/zero3.json"
+TMP="$(mktemp -d)"
+MNT="$TMP/mnt"
+cleanup() {
+  mountpoint -q "$MNT" && umount "$MNT"
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+if [ "$(id -u)" -ne 0 ]; then echo "skipped: mounting a small filesystem needs root"; exit 77; fi
+mkdir -p "$MNT" "$TMP/roomy"
+if ! { truncate -s 48M "$TMP/disk.img" && mkfs.ext4 -q -F "$TMP/disk.img" && mount -o loop "$TMP/disk.img" "$MNT"; } 2>"$TMP/mount.err"; then
+  echo "skipped: cannot mount a loop filesystem here: $(cat "$TMP/mount.err")"
+  exit 77
+fi
+pass=0
+fail=0
+on() {  # folder: both stores there
+  echo --set "zero_optimization.offload_param.nvme_path=$1" --set "zero_optimization.offload_optimizer.nvme_path=$1"
+}
+
+# 1. Too large for the disk (12.7M parameters: 150 MB of optimizer states).
+"$ZT" "$CFG" --steps 2 $(on "$MNT") --set model.n_layer=4 --set model.n_embd=512 >"$TMP/out" 2>"$TMP/err"
+rc=$?
+last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
+if [ "$rc" -eq 1 ] && grep -q "cannot preallocate .* for $MNT/.*No space left on device" <<<"$last" &&
+   ! grep -q '^step ' "$TMP/out" && [ -z "$(ls -A "$MNT" | grep -v lost+found)" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL too large: rc=$rc; left: $(ls -A "$MNT")"; cat "$TMP/err"
+fi
+
+# 2. Filled while training.
+"$ZT" "$CFG" --steps 40 --set run.eval_interval=0 --weights-digest $(on "$TMP/roomy") >"$TMP/roomy.out" 2>&1
+"$ZT" "$CFG" --steps 40 --set run.eval_interval=0 --weights-digest $(on "$MNT") >"$TMP/full.out" 2>&1 &
+pid=$!
+for _ in $(seq 100); do  # until the stores exist (setup is done)
+  [ -n "$(ls -A "$MNT" | grep -v lost+found)" ] && break
+  sleep 0.1
+done
+dd if=/dev/zero of="$MNT/filler" bs=1M >/dev/null 2>"$TMP/dd.err"
+filled=$?
+wait "$pid"
+rc=$?
+want="$(grep '^weights digest' "$TMP/roomy.out")"
+got="$(grep '^weights digest' "$TMP/full.out")"
+if [ "$filled" -ne 0 ] && grep -q "No space left on device" "$TMP/dd.err" && [ "$rc" -eq 0 ] &&
+   [ -n "$want" ] && [ "$want" = "$got" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL filled while training: dd=$filled rc=$rc"; cat "$TMP/dd.err" "$TMP/full.out"
+  echo "roomy: $want"
+fi
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
