@@ -284,6 +284,7 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
+    memory.release_kept();
   }
 
   // ---- StepContext --------------------------------------------------------------

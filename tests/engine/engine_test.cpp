@@ -6,6 +6,7 @@
 #include <malloc.h>
 
 #include <cmath>
+#include <cstring>
 #include <thread>
 #include <limits>
 #include <memory>
@@ -16,6 +17,7 @@
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
 #include "tests/engine/estimate_util.h"
+#include "engine/shard.h"
 
 namespace zinc {
 namespace {
@@ -490,6 +492,36 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       EXPECT_NEAR(static_cast<double>(grew), expect, 0.02 * expect)
           << what << ": saved " << want.saved << " + scratch " << want.workspace;
     }
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+// A freed state buffer comes back, cleared, for the next request of its
+// size; other sizes get new memory; release_kept returns what is kept.
+TEST(StateMemory, KeepsFreedBuffersForTheSameSizeAndClearsThem) {
+  StateMemory m;
+  AlignedBuffer a = m.alloc(3 << 20);
+  void* where = a.data();
+  std::memset(a.data(), 0x5a, a.bytes());
+  m.free(a);
+  EXPECT_TRUE(a.empty());
+  EXPECT_EQ(m.bytes(), 0);
+  EXPECT_EQ(m.kept_bytes(), 3 << 20);
+  AlignedBuffer other = m.alloc(1 << 20);  // another size: new memory
+  EXPECT_EQ(m.kept_bytes(), 3 << 20);
+  AlignedBuffer b = m.alloc(3 << 20);
+  EXPECT_EQ(b.data(), where);
+  EXPECT_EQ(m.kept_bytes(), 0);
+  for (size_t i = 0; i < b.bytes(); i += 4093) ASSERT_EQ(b.as<unsigned char>()[i], 0) << i;
+  EXPECT_EQ(m.bytes(), (3 << 20) + (1 << 20));
+  EXPECT_EQ(m.peak_bytes(), (3 << 20) + (1 << 20));
+  m.free(other);
+  m.release_kept();
+  EXPECT_EQ(m.kept_bytes(), 0);
 }
 
 }  // namespace
