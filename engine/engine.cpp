@@ -107,6 +107,19 @@ optim::AdamParams adam_params(const Config& c) {
   return a;
 }
 
+// Runs `make`, which sets up an NVMe store; an I/O error there (a folder
+// that is missing or read-only, a disk too small for the preallocated files)
+// comes from the config value that named the folder, so its message starts
+// with that JSON path.
+template <class F>
+auto with_config_path(const char* json_path, F&& make) {
+  try {
+    return make();
+  } catch (const IoError& e) {
+    throw IoError(std::string(json_path) + ": " + e.what());
+  }
+}
+
 ParamCoordinator::Options coordinator_options(const Config& c) {
   ParamCoordinator::Options o;
   o.allgather_bucket_numel = c.zero.allgather_bucket_size;
@@ -222,8 +235,9 @@ struct Engine::Impl final : StepContext {
     }
     const offload::SwapperOptions nvme =
         offload_device == OffloadDevice::kNvme ? swapper_options(cfg) : offload::SwapperOptions{};
-    opt_state = make_optimizer_state(offload_device, spans, cfg.zero.offload_optimizer.pin_memory, nvme, rank,
-                                     memory);
+    opt_state = with_config_path("zero_optimization.offload_optimizer.nvme_path", [&] {
+      return make_optimizer_state(offload_device, spans, cfg.zero.offload_optimizer.pin_memory, nvme, rank, memory);
+    });
     for (size_t b = 0; b < specs.size(); ++b) {
       BlockShard& s = blocks[b];
       const size_t padded = static_cast<size_t>(s.part.padded_numel);
@@ -274,11 +288,14 @@ struct Engine::Impl final : StepContext {
     // The coordinator first: with offload_param "nvme" it moves the compute
     // shards out of RAM before the gradient buffers come in.
     const OffloadConfig& op = cfg.zero.offload_param;
-    std::unique_ptr<offload::NvmeStore> param_store;
-    if (plan.params_sharded && op.device == OffloadDevice::kNvme)
-      param_store = std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
-    params = std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg),
+    params = with_config_path("zero_optimization.offload_param.nvme_path", [&] {
+      std::unique_ptr<offload::NvmeStore> param_store;
+      if (plan.params_sharded && op.device == OffloadDevice::kNvme)
+        param_store =
+            std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
+      return std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, coordinator_options(cfg),
                                                 std::move(param_store), op.pin_memory);
+    });
     GradReducer::Options ro;
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;

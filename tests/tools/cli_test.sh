@@ -41,7 +41,10 @@ check_error bad-override "key.path=value" "$CFG" --set foo
 ONEDNN_MAX_CPU_ISA=avx3 check_error bad-isa-cap "ONEDNN_MAX_CPU_ISA=avx3: unknown ISA" "$CFG"
 check_error heads 'n_head' "$CFG" --set model.n_head=3
 NV="$ROOT/configs/nvme.json"
-check_error nvme-missing-path "$TMP/absent" "$NV" --steps 2 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
+check_error nvme-missing-path "zero_optimization.offload_optimizer.nvme_path: nvme_path $TMP/absent does not exist" "$NV" --steps 2 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
+check_error param-missing-path "zero_optimization.offload_param.nvme_path: nvme_path $TMP/absent does not exist" \
+  "$ROOT/configs/zero3.json" --steps 2 --set zero_optimization.offload_optimizer.device=none \
+  --set "zero_optimization.offload_param.nvme_path=$TMP/absent"
 # An I/O error in the middle of a step ends the run naming the file and the
 # error, and the rank's swap folder is gone afterwards (nothing half-written
 # is left to be taken for state).

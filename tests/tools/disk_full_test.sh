@@ -7,6 +7,7 @@
 # 2. The disk fills up while a run trains (another process writes until
 #    ENOSPC): the stores were preallocated at setup, so training goes on and
 #    ends with the same weights, bit for bit, as a run on a roomy disk.
+# 3. The disk read-only: the run ends at setup naming the config value.
 # (A disk that fails a write in the middle of a step, where preallocation
 # cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
 # Needs root and loop devices; exits 77 (skipped) without them.
@@ -67,6 +68,21 @@ else
   fail=$((fail + 1))
   echo "FAIL filled while training: dd=$filled rc=$rc"; cat "$TMP/dd.err" "$TMP/full.out"
   echo "roomy: $want"
+fi
+
+# 3. The same disk read-only: the run ends at setup with the config value
+# and the error named.
+rm -f "$MNT/filler"
+mount -o remount,ro "$MNT"
+"$ZT" "$CFG" --steps 2 --set zero_optimization.offload_optimizer.device=none \
+  --set "zero_optimization.offload_param.nvme_path=$MNT" >"$TMP/out" 2>"$TMP/err"
+rc=$?
+last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
+if [ "$rc" -eq 1 ] && grep -q "zero_optimization.offload_param.nvme_path: .*$MNT.*Read-only file system" <<<"$last"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL read-only: rc=$rc"; cat "$TMP/err"
 fi
 
 echo "$pass passed, $fail failed"
