@@ -586,6 +586,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   Config c;
   c.world_size = world_size;
+  c.source = j;
   Reader r(j, "", c.warnings);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));

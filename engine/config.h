@@ -170,6 +170,8 @@ struct Config {
   int64_t train_micro_batch_size_per_gpu = 0;
   int64_t gradient_accumulation_steps = 0;
   int world_size = 1;
+  // The document this config was parsed from (checkpoints keep it).
+  nlohmann::json source;
   // Seed of the model's initial weights (not a ds_config key: DeepSpeed
   // leaves initialisation to the model). zinc-train sets it from run.seed.
   uint64_t seed = 42;

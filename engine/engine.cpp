@@ -6,6 +6,8 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 
 #include "core/cpu.h"
@@ -13,6 +15,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/checkpoint.h"
 #include "engine/grad_reducer.h"
 #include "engine/optimizer_state.h"
 #include "engine/param_coordinator.h"
@@ -427,16 +430,22 @@ struct Engine::Impl final : StepContext {
   // reduced shard; the new weights go to the compute copy, or at stage 3 the
   // compute shard (bf16 in the same pass, fp32 copied), unless the master
   // weights are the compute weights.
+  // Where a span's compute weights go: the compute copy's part of it, or at
+  // stage 3 the compute shard's; null where the master weights are the
+  // compute weights.
+  char* compute_out(const StateSpan& sp) {
+    BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+    if (plan.params_sharded)
+      return params->shard_to_update(sp.block) + static_cast<size_t>(sp.offset) * dtype_bytes(dtype);
+    if (s.compute.empty()) return nullptr;
+    const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+    return s.compute.as<char>() + static_cast<size_t>(at) * dtype_bytes(dtype);
+  }
+
   void update_span(const StateSpan& sp, float grad_scale) {
     BlockShard& s = blocks[static_cast<size_t>(sp.block)];
     const float* grad = (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
-    char* out = nullptr;  // where the span's new compute weights go
-    if (plan.params_sharded) {
-      out = params->shard_to_update(sp.block) + static_cast<size_t>(sp.offset) * dtype_bytes(dtype);
-    } else if (!s.compute.empty()) {
-      const int64_t at = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
-      out = s.compute.as<char>() + static_cast<size_t>(at) * dtype_bytes(dtype);
-    }
+    char* out = compute_out(sp);  // where the span's new compute weights go
     bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
                      optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out16, sp.count});
@@ -446,13 +455,201 @@ struct Engine::Impl final : StepContext {
   // The spans come block by block: once the visitor moves past a block, its
   // new compute shard is complete and (on NVMe) goes back to disk.
   void update_all(float grad_scale) {
+    visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
+  }
+  void visit_updating(const std::function<void(const StateSpan&)>& fn) {
     int last = -1;
     opt_state->for_each([&](const StateSpan& sp) {
       if (sp.block != last && last >= 0) params->finish_update(last);
       last = sp.block;
-      update_span(sp, grad_scale);
+      fn(sp);
     });
     if (last >= 0) params->finish_update(last);
+  }
+
+  // ---- checkpoints (Note [checkpoints] in engine/checkpoint.cpp) ---------------------
+  // Whether any rank failed (the largest rank+1 that did, 0 if none): every
+  // rank learns it, so that all fail together or none does.
+  int failed_rank(bool failed) {
+    double v = failed ? rank + 1 : 0;
+    if (reduce_stream) reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
+    return static_cast<int>(v);
+  }
+
+  void check_between_batches(const char* what) const {
+    if (forward_pending || micro_steps % cfg.gradient_accumulation_steps != 0)
+      throw Error(std::string(what) + " must come between global batches (after step() at an accumulation "
+                  "boundary), not after micro-step " + std::to_string(micro_steps));
+  }
+
+  static void check_tag(const std::string& tag) {
+    if (tag.empty() || tag[0] == '.' || tag.find('/') != std::string::npos)
+      throw Error("checkpoint tag \"" + tag + "\": must be a non-empty folder name not starting with '.'");
+  }
+
+  nlohmann::json blocks_json() const {
+    nlohmann::json out = nlohmann::json::array();
+    const std::vector<BlockSpec>& specs = model->blocks();
+    for (size_t b = 0; b < specs.size(); ++b) {
+      nlohmann::json ps = nlohmann::json::array();
+      for (size_t p = 0; p < specs[b].params.size(); ++p)
+        ps.push_back({{"name", specs[b].params[p].name},
+                      {"shape", std::vector<int64_t>(specs[b].params[p].shape.dims.begin(),
+                                                     specs[b].params[p].shape.dims.begin() +
+                                                         specs[b].params[p].shape.ndim)},
+                      {"offset", blocks[b].layout.offsets[p]}});
+      out.push_back({{"name", specs[b].name}, {"numel", blocks[b].layout.numel}, {"params", ps}});
+    }
+    return out;
+  }
+
+  void save_checkpoint(const std::string& dir, std::string tag, const nlohmann::json& client_state) {
+    namespace fs = std::filesystem;
+    check_between_batches("save_checkpoint");
+    if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
+    check_tag(tag);
+    const std::string partial = (fs::path(dir) / ("." + tag + ".partial")).string();
+    std::string error;
+    auto attempt = [&error](const std::function<void()>& fn) {
+      if (!error.empty()) return;
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    };
+    auto agree = [&](const char* phase) {
+      const int bad = failed_rank(!error.empty());
+      if (bad == 0) return;
+      if (rank == 0) {
+        std::error_code ec;
+        fs::remove_all(partial, ec);  // no partial tag is left behind
+      }
+      if (!error.empty()) throw IoError(error);
+      throw IoError("checkpoint " + (fs::path(dir) / tag).string() + ": rank " + std::to_string(bad - 1) +
+                    " failed " + phase + " (its error is on its own output); nothing was committed");
+    };
+    if (rank == 0)
+      attempt([&] {
+        fs::create_directories(dir);
+        fs::remove_all(partial);
+        fs::create_directory(partial);
+      });
+    agree("to create the folder");
+    // Every rank: its spans of master, m, v, streamed span by span (from
+    // NVMe through the swapper's buffers).
+    char name[32];
+    std::snprintf(name, sizeof name, "rank%05d", rank);
+    attempt([&] {
+      std::vector<ckpt::RankWriter::Span> spans;
+      for (size_t b = 0; b < blocks.size(); ++b)
+        spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
+                         blocks[b].opt_numel});
+      ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
+      opt_state->for_each([&](const StateSpan& sp) {
+        w.write(sp.block, ckpt::kMaster, sp.offset, sp.master, sp.count);
+        w.write(sp.block, ckpt::kM, sp.offset, sp.m, sp.count);
+        w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count);
+      });
+      nlohmann::json index = w.finish();
+      index["rank"] = rank;
+      ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
+    });
+    agree("to write its shards");
+    if (rank == 0)
+      attempt([&] {
+        nlohmann::json ranks = nlohmann::json::array();
+        for (int r = 0; r < world; ++r) {
+          std::snprintf(name, sizeof name, "rank%05d.json", r);
+          ranks.push_back(name);
+        }
+        nlohmann::json meta = {
+            {"format", "zinc-checkpoint"},
+            {"version", 1},
+            {"zinc_version", ZINC_VERSION},
+            {"tag", tag},
+            {"world_size", world},
+            {"zero_stage", cfg.zero.stage},
+            {"compute_dtype", dtype_name(dtype)},
+            {"model", model->name()},
+            {"blocks", blocks_json()},
+            {"rank_indexes", ranks},
+            {"training",
+             {{"global_steps", global_steps},
+              {"micro_steps", micro_steps},
+              {"skipped_steps", skipped_steps},
+              {"optimizer_steps", optimizer_steps},
+              {"lr", lr},
+              {"grad_norm", grad_norm},
+              {"last_loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)}}},
+            {"client_state", client_state},
+            {"config", cfg.source}};
+        ckpt::write_file_atomic((fs::path(partial) / "metadata.json").string(), meta.dump(1));
+        ckpt::commit_tag(dir, partial, tag);
+      });
+    agree("to commit");
+  }
+
+  nlohmann::json load_checkpoint(const std::string& dir, std::string tag) {
+    namespace fs = std::filesystem;
+    check_between_batches("load_checkpoint");
+    if (tag.empty()) {
+      const fs::path latest = fs::path(dir) / "latest";
+      std::ifstream f(latest);
+      if (!f) throw IoError("checkpoint: " + latest.string() + " not found (no complete checkpoint in " + dir + ")");
+      std::getline(f, tag);
+    }
+    check_tag(tag);
+    const std::string tag_dir = (fs::path(dir) / tag).string();
+    const nlohmann::json meta = read_json_file((fs::path(tag_dir) / "metadata.json").string());
+    const std::string where = "checkpoint " + tag_dir;
+    if (meta.value("format", "") != "zinc-checkpoint" || meta.value("version", 0) != 1)
+      throw IoError(where + ": not a zinc checkpoint of format version 1");
+    const nlohmann::json mine = blocks_json();
+    const nlohmann::json& theirs = meta.at("blocks");
+    if (theirs.size() != mine.size())
+      throw Error(where + " holds a model of " + std::to_string(theirs.size()) + " blocks; this one has " +
+                  std::to_string(mine.size()));
+    std::vector<std::string> names;
+    for (size_t b = 0; b < mine.size(); ++b) {
+      names.push_back(mine[b]["name"]);
+      if (theirs[b]["params"].size() != mine[b]["params"].size() || theirs[b]["numel"] != mine[b]["numel"])
+        throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' differs from this model's");
+      for (size_t p = 0; p < mine[b]["params"].size(); ++p)
+        if (theirs[b]["params"][p] != mine[b]["params"][p])
+          throw Error(where + ": block '" + names.back() + "' parameter " + theirs[b]["params"][p].dump() +
+                      " differs from this model's " + mine[b]["params"][p].dump());
+    }
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const nlohmann::json& f : meta.at("rank_indexes"))
+      ranks.push_back(read_json_file((fs::path(tag_dir) / f.get<std::string>()).string()));
+    ckpt::CheckpointReader reader(tag_dir, ranks, names);
+    params->before_update();
+    std::vector<float> piece;
+    visit_updating([&](const StateSpan& sp) {
+      const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+      const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+      reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
+      reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
+      reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
+      // The compute weights, as the update writes them: bf16-rounded or copied.
+      char* out = compute_out(sp);
+      if (!out) return;
+      if (dtype == DType::kBF16) convert_f32_to_bf16(sp.master, reinterpret_cast<bf16*>(out), static_cast<size_t>(sp.count));
+      else std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
+    });
+    params->gather_after_step();
+    const nlohmann::json& t = meta.at("training");
+    global_steps = t.at("global_steps");
+    micro_steps = t.at("micro_steps");
+    skipped_steps = t.at("skipped_steps");
+    optimizer_steps = t.at("optimizer_steps");
+    lr = t.at("lr");
+    grad_norm = t.at("grad_norm");
+    last_loss = t.at("last_loss").is_null() ? NAN : t.at("last_loss").get<double>();
+    // At another accumulation: the micro-step count follows the global steps.
+    micro_steps = global_steps * cfg.gradient_accumulation_steps;
+    return meta.value("client_state", nlohmann::json::object());
   }
 
   std::vector<float> full_params(int block) {
@@ -492,6 +689,12 @@ Engine Engine::initialize(std::shared_ptr<Model> model, const nlohmann::json& co
 }
 
 float Engine::forward(const Batch& batch) { return impl_->forward(batch); }
+void Engine::save_checkpoint(const std::string& dir, const std::string& tag, const nlohmann::json& client_state) {
+  impl_->save_checkpoint(dir, tag, client_state);
+}
+nlohmann::json Engine::load_checkpoint(const std::string& dir, const std::string& tag) {
+  return impl_->load_checkpoint(dir, tag);
+}
 void Engine::backward() { impl_->backward(); }
 void Engine::step() { impl_->step(); }
 

@@ -111,6 +111,22 @@ class Engine {
   StepTimings timings() const;
   ParamGatherStats param_gather_stats() const;
 
+  // Checkpoints (Note [checkpoints] in engine/checkpoint.cpp). Both are
+  // collective: every rank calls them, between global batches. Each rank
+  // writes its own shards of the optimizer state (no gather), with
+  // checksums; the tag becomes visible (a folder DIR/TAG, and DIR/latest
+  // naming it) only once complete, so a crash at any point leaves the
+  // previous checkpoint and `latest` intact. tag "" means
+  // "global_step<N>"; client_state is any JSON kept with it (zinc-train keeps
+  // the data loader's position there).
+  void save_checkpoint(const std::string& dir, const std::string& tag = "",
+                       const nlohmann::json& client_state = nlohmann::json::object());
+  // Loads DIR/TAG (tag "": the one DIR/latest names), saved at any world
+  // size and ZeRO stage, into this engine (same model); restores the step
+  // counters and the schedule's position. Returns the client_state. Throws
+  // IoError naming the file and block for a missing, short or corrupted file.
+  nlohmann::json load_checkpoint(const std::string& dir, const std::string& tag = "");
+
   // The full fp32 master weights of one block in its flat layout (padding
   // included). At stages 1 and 2 each rank holds only its shard, so this is a
   // collective there: every rank must call it, for the same block.

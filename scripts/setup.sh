@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 packages=(
   cmake g++ make pkg-config
   nlohmann-json3-dev libdnnl-dev ocl-icd-opencl-dev liburing-dev libopenmpi-dev openmpi-bin
-  libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio
+  libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio libxxhash-dev
   e2fsprogs util-linux  # disk_full_test: mkfs.ext4 and mountpoint for a small loop filesystem
 )
 missing=()

@@ -70,10 +70,12 @@ void parse_run(Reader& root, RunConfig& run) {
   r.get_int("eval_interval", run.eval_interval, at_least(0));
   r.get_int("eval_batches", run.eval_batches, at_least(1));
   r.get_int("checkpoint_interval", run.checkpoint_interval, at_least(0));
-  if (r.get_string("output_dir", run.output_dir)) {
-    if (run.output_dir.empty()) throw ConfigError(r.last_path(), "must not be empty");
-    r.warn(r.last_path(), "ignored: zinc-train writes nothing there yet (checkpoints are not implemented)");
-  }
+  if (r.get_string("output_dir", run.output_dir) && run.output_dir.empty())
+    throw ConfigError(r.last_path(), "must not be empty");
+  if (r.get_string("checkpoint_dir", run.checkpoint_dir) && run.checkpoint_dir.empty())
+    throw ConfigError(r.last_path(), "must not be empty (leave it out for output_dir/checkpoints)");
+  if (run.checkpoint_dir.empty()) run.checkpoint_dir = run.output_dir + "/checkpoints";
+  r.get_int("keep_last", run.keep_last, at_least(0));
   r.finish();
 }
 

@@ -44,8 +44,10 @@ struct RunConfig {
   uint64_t seed = 42;        // model init (Config::seed) and data order
   int64_t eval_interval = 0; // 0 = no evaluation
   int64_t eval_batches = 4;
-  int64_t checkpoint_interval = 0;  // 0 = none
+  int64_t checkpoint_interval = 0;  // 0 = none; else every N steps and at the end
   std::string output_dir = "runs/default";
+  std::string checkpoint_dir;  // "" = output_dir + "/checkpoints"
+  int64_t keep_last = 0;       // 0 = keep every checkpoint; else the newest N (older ones go once a newer is complete)
 };
 
 // The transport between ranks: the spellings comm::make_communicator takes.

@@ -2,6 +2,8 @@
 //
 //   zinc-train CONFIG.json [--steps N] [--set json.path=value ...] [--json]
 //   mpirun -np 4 zinc-train CONFIG.json ...      (four data-parallel ranks)
+//   zinc-train CONFIG.json --resume [DIR]      (continue from DIR/latest;
+//                                     DIR defaults to run.checkpoint_dir)
 //   zinc-train CONFIG.json --estimate [--ranks N] [--json]
 //                                     (RAM and disk per rank; trains nothing)
 //
@@ -13,6 +15,10 @@
 // Any error ends the run with one line on stderr and exit code 1 (2 for a
 // command-line usage error).
 #include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <pthread.h>
+#include <thread>
 #include <chrono>
 #include <ctime>
 #include <cstdlib>
@@ -21,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -230,16 +237,63 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   return 0;
 }
 
+// SIGTERM / SIGINT: stop at the next step boundary with a checkpoint; a
+// second one ends the process at once. The signals are blocked in every
+// thread (main blocks them before any thread exists, and threads inherit
+// the mask) and taken by one thread that waits for them: a handler that ran
+// on a compute thread would push its frame over whatever oneDNN's JIT
+// kernels keep below their stack pointer, and did corrupt the heap (1 run
+// in 6 died in the next matmul).
+std::atomic<int> g_stop_signal{0};
+
+void block_stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+void start_signal_thread() {
+  std::thread([] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&set, &sig) != 0) continue;
+      if (g_stop_signal.exchange(sig) != 0) std::_Exit(128 + sig);  // the second one
+      std::fprintf(stderr, "zinc-train: signal %d: stopping after this step with a checkpoint (again to stop now)\n",
+                   sig);
+    }
+  }).detach();
+}
+
+// keep_last: the newest `keep` global_step<N> tags stay; older ones go (only
+// after a newer one is complete, which is when this runs).
+void prune_checkpoints(const std::string& dir, int64_t keep) {
+  namespace fs = std::filesystem;
+  if (keep <= 0) return;
+  std::vector<std::pair<long long, fs::path>> tags;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || n.rfind("global_step", 0) != 0) continue;
+    char* end = nullptr;
+    const long long step = std::strtoll(n.c_str() + 11, &end, 10);
+    if (end && *end == '\0') tags.emplace_back(step, e.path());
+  }
+  std::sort(tags.begin(), tags.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < tags.size(); ++i) fs::remove_all(tags[i].second, ec);
+}
+
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
-        bool json, bool digest) {
+        bool json, bool digest, const std::optional<std::string>& resume) {
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
-  if (run.checkpoint_interval > 0)
-    throw zinc::ConfigError("run.checkpoint_interval",
-                            "checkpoints are not implemented yet in zinc; set it to 0");
-
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   // Bytes the NVMe stores moved to set up (the initial states): not a step's.
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
@@ -248,6 +302,38 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::CsvMonitorConfig monitor_cfg = cfg.csv_monitor;
   monitor_cfg.enabled = monitor_cfg.enabled && rank == 0;
   CsvMonitor monitor(monitor_cfg);
+  // Resuming: the engine's state and the data loader's position.
+  int64_t first_step = 1;
+  if (resume) {
+    const std::string dir = resume->empty() ? run.checkpoint_dir : *resume;
+    const nlohmann::json client = engine.load_checkpoint(dir);
+    loader.set_position(client.at("samples").get<int64_t>());
+    first_step = engine.global_steps() + 1;
+    if (rank == 0) {
+      if (json)
+        std::printf("%s\n", nlohmann::json{{"event", "resume"}, {"dir", dir}, {"step", engine.global_steps()}}.dump().c_str());
+      else
+        std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(engine.global_steps()));
+    }
+  }
+  // Checkpoints every checkpoint_interval steps, at the end, and on
+  // SIGTERM / SIGINT at the next step boundary.
+  auto save = [&](int64_t step) {
+    const auto c0 = Clock::now();
+    engine.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader.position()}, {"step", step}});
+    if (rank == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last);
+    if (rank != 0) return;
+    const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
+    const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
+    if (json)
+      std::printf("%s\n", nlohmann::json{{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", secs}}
+                               .dump()
+                               .c_str());
+    else
+      std::printf("checkpoint at step %lld: %s (%.2f s)\n", static_cast<long long>(step), path.c_str(), secs);
+    std::fflush(stdout);
+  };
+  start_signal_thread();
   if (rank != 0) json = false;
   const bool quiet = rank != 0;
   const std::optional<double> floor = ex.data->loss_floor();
@@ -271,12 +357,16 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const auto t0 = Clock::now();
   const double cpu0 = thread_cpu_seconds();
   auto t_last = t0;
-  int64_t step_last = 0;
+  int64_t step_last = first_step - 1;
   double loss = NAN;
   double eval_loss = NAN;
-  for (int64_t s = 1; s <= steps; ++s) {
+  int64_t last_saved = resume ? first_step - 1 : 0;
+  int stopped_by = 0;  // the signal that stopped the run early
+  int64_t done_steps = first_step - 1;
+  for (int64_t s = first_step; s <= steps; ++s) {
     maybe_inject_error(rank, s);
     loss = engine.train_batch(loader);
+    done_steps = s;
     const int64_t samples = s * cfg.train_batch_size;
     monitor.write("Train/Samples/train_loss", loss, samples);
     monitor.write("Train/Samples/lr", engine.learning_rate(), samples);
@@ -294,7 +384,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                              {"tokens_per_s", tps},   {"elapsed_s", elapsed}};
         std::printf("%s\n", ev.dump().c_str());
       } else {
-        const double eta = elapsed / static_cast<double>(s) * static_cast<double>(steps - s);
+        const double eta = elapsed / static_cast<double>(s - first_step + 1) * static_cast<double>(steps - s);
         std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s\n",
                     static_cast<long long>(s), static_cast<long long>(steps), loss, engine.learning_rate(),
                     engine.global_grad_norm(), tps, format_duration(elapsed).c_str(),
@@ -316,9 +406,28 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
         std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
       std::fflush(stdout);
     }
+    if (run.checkpoint_interval > 0 && s % run.checkpoint_interval == 0) {
+      save(s);
+      last_saved = s;
+    }
+    // A stop signal on any rank stops every rank at this boundary.
+    double sig = g_stop_signal.load();
+    if (world > 1) comm->all_reduce_max_f64(&sig, 1);
+    if (sig > 0) {
+      stopped_by = static_cast<int>(sig);
+      if (last_saved != s) save(s);
+      last_saved = s;
+      if (rank == 0)
+        std::fprintf(stderr, "zinc-train: stopped by signal %d after step %lld; resume with --resume\n",
+                     static_cast<int>(sig), static_cast<long long>(s));
+      break;
+    }
   }
+  if (run.checkpoint_interval > 0 && last_saved != done_steps && done_steps >= first_step) save(done_steps);
+  const int64_t trained = done_steps - first_step + 1;
+  const double per_step = static_cast<double>(std::max<int64_t>(trained, 1));  // steps this process trained
   const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double tps = static_cast<double>(steps * tokens_per_step) / elapsed;
+  const double tps = static_cast<double>(std::max<int64_t>(trained, 0) * tokens_per_step) / elapsed;
   // Per-rank peak RSS and the exposed communication share, from every rank.
   std::vector<double> rss(static_cast<size_t>(world), 0.0);
   rss[static_cast<size_t>(rank)] = static_cast<double>(zinc::tools::peak_rss_bytes());
@@ -341,21 +450,22 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const bool nvme_opt = cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNvme;
   const bool nvme_param = cfg.zero.stage == 3 && cfg.zero.offload_param.device == zinc::OffloadDevice::kNvme;
   const bool nvme = nvme_opt || nvme_param;
-  const double nvme_read = static_cast<double>(engine.offload_bytes_read() - init_read) / static_cast<double>(steps);
+  const double nvme_read = static_cast<double>(engine.offload_bytes_read() - init_read) / per_step;
   const double nvme_written =
-      static_cast<double>(engine.offload_bytes_written() - init_written) / static_cast<double>(steps);
+      static_cast<double>(engine.offload_bytes_written() - init_written) / per_step;
   const zinc::StepTimings tm = engine.timings();
   const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
-  const double nvme_gbs = nvme ? (nvme_read + nvme_written) * static_cast<double>(steps) / nvme_time / 1e9 : 0;
+  const double nvme_gbs = nvme ? (nvme_read + nvme_written) * per_step / nvme_time / 1e9 : 0;
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
-  if (quiet) return 0;
+  const int exit_code = stopped_by ? 128 + stopped_by : 0;  // as a shell reports a signal
+  if (quiet) return exit_code;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
     nlohmann::json sum = {{"event", "summary"},
-                          {"steps", steps},
+                          {"steps", done_steps},
                           {"final_loss", loss},
                           {"tokens_per_s", tps},
                           {"peak_rss_bytes", static_cast<int64_t>(rss_max)},
@@ -383,7 +493,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     }
     std::printf("%s\n", sum.dump().c_str());
   } else {
-    std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(steps),
+    std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);
     if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
     if (ex.eval_data) std::printf(" | held-out loss %.4f", eval_loss);
@@ -403,7 +513,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     if (zero3)
       std::printf("ZeRO-3: %.1f block gathers per step, %.0f%% of them prefetched, %lld acquires waited for "
                   "their gather, at most %.2fM elements gathered at once%s\n",
-                  static_cast<double>(zs.gathers) / static_cast<double>(steps),
+                  static_cast<double>(zs.gathers) / per_step,
                   100.0 * static_cast<double>(zs.prefetched) / static_cast<double>(zs.gathers),
                   static_cast<long long>(zs.waited), static_cast<double>(zs.peak_live_numel) / 1e6,
                   zs.departures > 0 ? (", " + std::to_string(zs.departures) + " passes left the recorded order").c_str()
@@ -416,12 +526,13 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                   nvme_read / (1 << 20), nvme_written / (1 << 20), nvme_gbs,
                   nvme_param ? "training" : "optimizer steps");
   }
-  return 0;
+  return exit_code;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  block_stop_signals();  // before any thread (OpenMP, MPI, comm streams) starts
   CLI::App app{"zinc-train: train a built-in model from a DeepSpeed-style JSON config"};
   std::string config_path;
   std::vector<std::string> sets;
@@ -438,6 +549,10 @@ int main(int argc, char** argv) {
                "print the RAM and disk each rank will need (this stage and the others) and exit without training");
   app.add_option("--ranks", ranks, "with --estimate outside an MPI launcher: the number of ranks to plan for")
       ->check(CLI::PositiveNumber);
+  std::optional<std::string> resume;
+  app.add_option("--resume", resume,
+                 "continue from a checkpoint folder's latest tag (no value: run.checkpoint_dir)")
+      ->expected(0, 1);
   bool digest = false;
   app.add_flag("--weights-digest", digest,
                "end with a digest of the final fp32 weights (to compare runs bit for bit)");
@@ -477,7 +592,7 @@ int main(int argc, char** argv) {
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
       return estimate(*comm, world, doc, config_path, json);
     }
-    return run(comm, doc, config_path, json, digest);
+    return run(comm, doc, config_path, json, digest, resume);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank

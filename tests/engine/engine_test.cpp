@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 #include <limits>
 #include <memory>
@@ -16,6 +18,7 @@
 #include "engine/engine.h"
 #include "models/models.h"
 #include "tests/engine/tiny_models.h"
+#include "tests/engine/checkpoint_util.h"
 #include "tests/engine/estimate_util.h"
 #include "engine/shard.h"
 
@@ -522,6 +525,79 @@ TEST(StateMemory, KeepsFreedBuffersForTheSameSizeAndClearsThem) {
   m.free(other);
   m.release_kept();
   EXPECT_EQ(m.kept_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "zinc-ckpt-" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// One rank: a resumed run continues bit for bit (stage 3 with its
+// parameters offloaded is the one-rank ZeRO-3).
+TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
+  using testing_train::RunSpec;
+  for (bool bf16 : {false, true})
+    for (int stage : {0, 1, 2, 3})
+      for (const std::string offload : {"none", "cpu", "nvme"}) {
+        if (stage == 0 && offload != "none") continue;
+        RunSpec r;
+        r.bf16 = bf16;
+        r.stage = stage;
+        r.offload = offload;
+        if (stage == 3 && offload != "none")
+          r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
+        testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume"), 3,
+                                               std::string(bf16 ? "bf16" : "fp32") + " stage " +
+                                                   std::to_string(stage) + " offload " + offload);
+      }
+}
+
+// A flipped byte and a cut file are each an error naming the file, the
+// block and the state; so is a checkpoint of another model.
+TEST(Checkpoint, CorruptedTruncatedAndForeignCheckpointsAreNamedErrors) {
+  testing_train::RunSpec r;
+  const std::string dir = fresh_dir("bad");
+  testing_train::train_segment(r, nullptr, 1, "", dir);
+  const std::string bin = dir + "/global_step1/rank00000.bin";
+  const auto size = std::filesystem::file_size(bin);
+  auto expect_load_error = [&](const std::string& want, testing_train::RunSpec spec) {
+    std::string what;
+    try {
+      testing_train::train_segment(spec, nullptr, 1, dir);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find(want), std::string::npos) << "want '" << want << "' in: " << what;
+    return what;
+  };
+  auto flip = [&] {  // one bit of the byte in the middle
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(size / 2));
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(static_cast<std::streamoff>(size / 2));
+    f.write(&c, 1);
+  };
+  flip();
+  const std::string corrupt = expect_load_error("rank00000.bin is corrupted", r);
+  EXPECT_NE(corrupt.find("block '"), std::string::npos) << corrupt;
+  flip();  // back
+  std::filesystem::resize_file(bin, size - 100);
+  const std::string cut = expect_load_error("rank00000.bin is truncated", r);
+  EXPECT_NE(cut.find("Adam v"), std::string::npos) << cut;
+  testing_train::RunSpec mlp = r;
+  mlp.model = "mlp";
+  expect_load_error("differs from this model", mlp);
+  std::filesystem::remove(dir + "/latest");
+  expect_load_error("latest not found", r);
 }
 
 }  // namespace

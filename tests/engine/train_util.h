@@ -44,12 +44,8 @@ struct RunSpec {
   std::function<void(Engine&)> inspect;
 };
 
-// Trains and returns all full fp32 weights (padding dropped by comparing
-// only the block layouts' used elements is unnecessary: padding stays zero).
-inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communicator> comm,
-                                std::vector<double>* losses = nullptr) {
-  const int world = comm ? comm->size() : 1;
-  const int rank = comm ? comm->rank() : 0;
+// The engine config of a RunSpec.
+inline nlohmann::json make_config(const RunSpec& r) {
   nlohmann::json cfg = {{"train_batch_size", r.global_batch},
                         {"gradient_accumulation_steps", r.gas},
                         {"gradient_clipping", 1.0},
@@ -68,6 +64,28 @@ inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communic
     cfg["aio"] = {{"block_size", 8192}, {"queue_depth", 4}};
   }
   for (const auto& [k, v] : r.zero_extra.items()) cfg["zero_optimization"][k] = v;
+  return cfg;
+}
+
+// All full fp32 weights of an engine, the used elements of each block
+// (padding depends on the world size). A collective at stages 1-3.
+inline std::vector<float> all_weights(Engine& e) {
+  std::vector<float> out;
+  const auto& specs = e.model().blocks();
+  for (size_t b = 0; b < specs.size(); ++b) {
+    std::vector<float> p = e.full_params(static_cast<int>(b));
+    BlockLayout l = BlockLayout::from_spec(specs[b]);
+    out.insert(out.end(), p.begin(), p.begin() + l.numel);
+  }
+  return out;
+}
+
+// Trains and returns all full fp32 weights.
+inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communicator> comm,
+                                std::vector<double>* losses = nullptr) {
+  const int world = comm ? comm->size() : 1;
+  const int rank = comm ? comm->rank() : 0;
+  const nlohmann::json cfg = make_config(r);
   auto model = r.make ? r.make() : make_model(r.model);
   Engine e = Engine::initialize(model, cfg, comm);
   DataConfig dc;
@@ -79,13 +97,7 @@ inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communic
     double l = e.train_batch(loader);
     if (losses) losses->push_back(l);
   }
-  std::vector<float> out;
-  for (size_t b = 0; b < model->blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    // Padding depends on the world size; compare the used elements only.
-    BlockLayout l = BlockLayout::from_spec(model->blocks()[b]);
-    out.insert(out.end(), p.begin(), p.begin() + l.numel);
-  }
+  std::vector<float> out = all_weights(e);
   if (r.inspect) r.inspect(e);
   return out;
 }

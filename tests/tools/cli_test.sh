@@ -122,6 +122,52 @@ else
   cat "$TMP/out" "$TMP/err"
 fi
 
+# Checkpoints: 3 steps, a checkpoint, and --resume to 6 give the weights of
+# 6 straight steps bit for bit, and the same JSON loss lines; keep_last
+# keeps the newest tags only.
+CK=(--set run.eval_interval=0 --set steps_per_print=1 --set "run.checkpoint_dir=$TMP/ck" --json --weights-digest)
+"$ZT" "$CFG" --steps 6 "${CK[@]}" >"$TMP/straight" 2>/dev/null
+"$ZT" "$CFG" --steps 3 "${CK[@]}" --set run.checkpoint_interval=1 --set run.keep_last=2 >"$TMP/seg1" 2>/dev/null
+kept="$(ls "$TMP/ck" | tr '\n' ' ')"
+"$ZT" "$CFG" --steps 6 "${CK[@]}" --resume >"$TMP/seg2" 2>"$TMP/err"
+if python3 - "$TMP/straight" "$TMP/seg1" "$TMP/seg2" <<'PY' && [ "$kept" = "global_step2 global_step3 latest " ]; then
+import json, sys
+def lines(p): return [json.loads(l) for l in open(p)]
+a, b, c = (lines(p) for p in sys.argv[1:])
+steps = lambda ls: [(l["step"], l["loss"], l["grad_norm"], l["lr"]) for l in ls if l["event"] == "step"]
+assert steps(b) + steps(c) == steps(a), (steps(a), steps(b), steps(c))
+assert [l for l in c if l["event"] == "resume"][0]["step"] == 3
+assert c[-1]["weights_digest"] == a[-1]["weights_digest"], (a[-1], c[-1])
+assert [l["step"] for l in b if l["event"] == "checkpoint"] == [1, 2, 3], b
+PY
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL resume (kept: $kept)"; cat "$TMP/seg2" "$TMP/err"
+fi
+# SIGTERM stops a run at the next step boundary with a checkpoint (exit
+# 143); resuming it to step N+2 gives the weights of N+2 straight steps.
+rm -rf "$TMP/ck"
+"$ZT" "$CFG" --steps 100000 "${CK[@]}" >"$TMP/long" 2>"$TMP/err" &
+pid=$!
+for _ in $(seq 200); do grep -q '"step":2,' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+n="$(sed -n 's/^global_step//p' "$TMP/ck/latest" 2>/dev/null)"
+if [ "$rc" -eq 143 ] && [ -n "$n" ] && grep -q "stopped by signal 15 after step $n" "$TMP/err"; then
+  "$ZT" "$CFG" --steps $((n + 2)) "${CK[@]}" --resume >"$TMP/after" 2>/dev/null
+  "$ZT" "$CFG" --steps $((n + 2)) "${CK[@]}" >"$TMP/ref" 2>/dev/null
+  if [ "$(tail -n 1 "$TMP/after" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weights_digest"])')" = \
+       "$(tail -n 1 "$TMP/ref" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weights_digest"])')" ]; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL SIGTERM resume digest"; tail -n 1 "$TMP/after" "$TMP/ref"
+  fi
+else
+  fail=$((fail + 1)); echo "FAIL SIGTERM: rc=$rc latest=$n"; cat "$TMP/err"
+fi
+
 # --estimate: the human table, and JSON whose RAM is near the peak RSS a
 # real run of the same config measures (zinc-bench estimate measures how
 # near; here only that it is the right figure, not another).

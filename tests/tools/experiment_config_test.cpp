@@ -99,9 +99,22 @@ TEST(ExperimentConfigErrors, ValidateChecksConfigsBuiltInCode) {
 }
 
 TEST(ExperimentConfigWarnings, IgnoredKeysAreRecorded) {
-  const ParsedExperiment p = parse_experiment(with({{"run", {{"output_dir", "out"}}}}));
-  EXPECT_TRUE(any_warning_has(p.experiment, "run.output_dir: ignored"));
+  const ParsedExperiment p =
+      parse_experiment(with({{"data", {{"type", "text"}, {"path", "x.txt"}, {"determinism", 0.5}}}}));
+  EXPECT_TRUE(any_warning_has(p.experiment, "data.determinism: ignored"));
   EXPECT_TRUE(p.config.warnings.empty());
+}
+
+TEST(ExperimentConfigRun, CheckpointFolderDefaultsUnderTheOutputFolder) {
+  EXPECT_EQ(parse_experiment(with({{"run", {{"output_dir", "out"}}}})).experiment.run.checkpoint_dir,
+            "out/checkpoints");
+  const ParsedExperiment p = parse_experiment(
+      with({{"run", {{"checkpoint_dir", "ck"}, {"checkpoint_interval", 5}, {"keep_last", 2}}}}));
+  EXPECT_EQ(p.experiment.run.checkpoint_dir, "ck");
+  EXPECT_EQ(p.experiment.run.checkpoint_interval, 5);
+  EXPECT_EQ(p.experiment.run.keep_last, 2);
+  EXPECT_CONFIG_ERROR(with({{"run", {{"keep_last", -1}}}}), "run.keep_last");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"checkpoint_dir", ""}}}}), "run.checkpoint_dir: must not be empty");
 }
 
 // ---------------------------------------------------------------------------

@@ -67,5 +67,38 @@ else
   echo "FAIL nvme parameter fault: rc=$rc after ${elapsed}s"; cat "$TMP/err"
 fi
 
+# Checkpoints at 2 ranks, ZeRO-3 with the optimizer states on NVMe: 3 steps
+# and a checkpoint, then --resume to 6 on 2 ranks, gives the weights of 6
+# straight steps bit for bit; a SIGTERM to mpirun stops both ranks at the
+# same step boundary with a complete checkpoint.
+mkdir -p "$TMP/nv2"
+CK=(--set run.eval_interval=0 --set steps_per_print=1 --set "run.checkpoint_dir=$TMP/ck" --weights-digest
+    --set zero_optimization.stage=3 --set zero_optimization.offload_optimizer.device=nvme
+    --set "zero_optimization.offload_optimizer.nvme_path=$TMP/nv2")
+digest() { sed -n 's/^weights digest.*: //p' "$1"; }
+"${MPIRUN[@]}" "$ZT" "$CFG" --steps 6 "${CK[@]}" >"$TMP/straight" 2>/dev/null
+"${MPIRUN[@]}" "$ZT" "$CFG" --steps 3 "${CK[@]}" --set run.checkpoint_interval=3 >/dev/null 2>&1
+"${MPIRUN[@]}" "$ZT" "$CFG" --steps 6 "${CK[@]}" --resume >"$TMP/resumed" 2>"$TMP/err"
+if [ -n "$(digest "$TMP/straight")" ] && [ "$(digest "$TMP/straight")" = "$(digest "$TMP/resumed")" ] &&
+   grep -q "resumed from $TMP/ck at step 3" "$TMP/resumed"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL resume at 2 ranks"; cat "$TMP/straight" "$TMP/resumed" "$TMP/err"
+fi
+rm -rf "$TMP/ck"
+"${MPIRUN[@]}" "$ZT" "$CFG" --steps 100000 "${CK[@]}" >"$TMP/long" 2>"$TMP/err" &
+pid=$!
+for _ in $(seq 400); do grep -q '^step 2/' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+kill -TERM "$pid"
+wait "$pid"
+n="$(sed -n 's/^global_step//p' "$TMP/ck/latest" 2>/dev/null)"
+if [ -n "$n" ] && grep -q "stopped by signal 15 after step $n" "$TMP/err" && [ -f "$TMP/ck/global_step$n/rank00001.bin" ] &&
+   "${MPIRUN[@]}" "$ZT" "$CFG" --steps $((n + 1)) "${CK[@]}" --resume >"$TMP/after" 2>/dev/null &&
+   grep -q "^done: $((n + 1)) steps" "$TMP/after"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL SIGTERM at 2 ranks: latest=$n"; cat "$TMP/err"; ls -R "$TMP/ck"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -1,0 +1,309 @@
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+
+// Note [checkpoints]
+// ------------------
+// A checkpoint is a folder DIR/TAG written by every rank at once, with no
+// gather:
+//   rank00000.bin ...  one per rank: for each block, the rank's span of its
+//                      optimizer state, fp32 master weights then Adam m then
+//                      Adam v (the span is the whole padded block at stage
+//                      0, the rank's shard otherwise; Note [ZeRO stages])
+//   metadata.json      written last, by rank 0: the format version, the
+//                      training state (step counters, the schedule's
+//                      position, the caller's client_state with the data
+//                      loader's position), the config, world size and stage,
+//                      the model's blocks with each parameter's name, shape
+//                      and offset in the flat block, and every rank's index:
+//                      which elements of which block its file holds, at
+//                      which byte offsets, with an XXH3-64 checksum per
+//                      kChunkNumel elements.
+// The compute parameters (the bf16 copy, or the stage 3 shards) are not
+// saved: the engine writes them from the master weights in the same pass as
+// every update (bf16 rounding or a copy), so a load rebuilds them exactly.
+//
+// Reading works in flat-block coordinates: a rank asks for the elements of
+// its own new span and reads them from whichever saved spans overlap it, so
+// a checkpoint loads at any world size and stage (padding, which differs
+// with the world size, is zero on both sides).
+//
+// Crash safety: the ranks write into DIR/.TAG.partial, fsync their files,
+// agree that all succeeded, and rank 0 writes metadata.json, fsyncs the
+// folder, renames it to DIR/TAG and fsyncs DIR; only then does it replace
+// DIR/latest (temporary file, fsync, rename, fsync). A crash before the
+// rename leaves a .partial folder that no load reads (and the next save of
+// that tag removes); a crash between the renames leaves `latest` at the
+// previous complete tag.
+
+namespace zinc::ckpt {
+namespace {
+
+std::string hex64(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016" PRIx64, h);
+  return buf;
+}
+
+std::shared_ptr<void> new_state() {
+  XXH3_state_t* s = XXH3_createState();
+  if (!s) throw std::bad_alloc();
+  XXH3_64bits_reset(s);
+  return std::shared_ptr<void>(s, [](void* p) { XXH3_freeState(static_cast<XXH3_state_t*>(p)); });
+}
+
+[[noreturn]] void throw_errno(const std::string& what, int err) {
+  throw IoError(what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")");
+}
+
+void write_all(int fd, const void* data, size_t bytes, off_t offset, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, p, bytes, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("checkpoint: write of " + path + " at offset " + std::to_string(offset) + " failed", errno);
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += n;
+  }
+}
+
+void fsync_fd(int fd, const std::string& path) {
+  if (::fsync(fd) != 0) throw_errno("checkpoint: fsync of " + path + " failed", errno);
+}
+
+}  // namespace
+
+const char* kind_name(int k) {
+  switch (k) {
+    case kMaster: return "fp32 master weights";
+    case kM: return "Adam m";
+    case kV: return "Adam v";
+  }
+  return "?";
+}
+
+// ---- writing ------------------------------------------------------------------------
+
+RankWriter::RankWriter(std::string path, std::vector<Span> spans) : path_(std::move(path)), spans_(std::move(spans)) {
+  fd_ = UniqueFd(::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd_) throw_errno("checkpoint: cannot create " + path_, errno);
+  int64_t at = 0;
+  for (size_t i = 0; i < spans_.size(); ++i) {
+    index_[spans_[i].block] = i;
+    file_offset_.push_back(at);
+    at += kKinds * spans_[i].count * 4;
+    for (int k = 0; k < kKinds; ++k) streams_.push_back(Stream{0, new_state(), {}});
+  }
+}
+
+RankWriter::Stream& RankWriter::stream(int block, int kind) {
+  return streams_[index_.at(block) * kKinds + static_cast<size_t>(kind)];
+}
+
+void RankWriter::write(int block, int kind, int64_t offset_in_span, const float* data, int64_t count) {
+  const size_t i = index_.at(block);
+  const Span& sp = spans_[i];
+  Stream& st = stream(block, kind);
+  if (offset_in_span != st.written || offset_in_span + count > sp.count)
+    throw Error("checkpoint: block " + std::to_string(block) + " " + kind_name(kind) + ": piece at " +
+                std::to_string(offset_in_span) + " out of order (expected " + std::to_string(st.written) + ")");
+  write_all(fd_.get(), data, static_cast<size_t>(count) * 4,
+            static_cast<off_t>(file_offset_[i] + (kind * sp.count + offset_in_span) * 4), path_);
+  // Checksums per chunk of the span, the piece split at chunk boundaries.
+  auto* s = static_cast<XXH3_state_t*>(st.state.get());
+  int64_t done = 0;
+  while (done < count) {
+    const int64_t pos = st.written + done;
+    const int64_t take = std::min(count - done, kChunkNumel - pos % kChunkNumel);
+    XXH3_64bits_update(s, data + done, static_cast<size_t>(take) * 4);
+    done += take;
+    const int64_t end = pos + take;
+    if (end % kChunkNumel == 0 || end == sp.count) {
+      st.chunks.push_back(hex64(XXH3_64bits_digest(s)));
+      XXH3_64bits_reset(s);
+    }
+  }
+  st.written += count;
+}
+
+nlohmann::json RankWriter::finish() {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (size_t i = 0; i < spans_.size(); ++i) {
+    const Span& sp = spans_[i];
+    nlohmann::json b = {{"block", sp.block}, {"flat_offset", sp.flat_offset}, {"count", sp.count}};
+    for (int k = 0; k < kKinds; ++k) {
+      const Stream& st = streams_[i * kKinds + static_cast<size_t>(k)];
+      if (st.written != sp.count)
+        throw Error("checkpoint: block " + std::to_string(sp.block) + " " + kind_name(k) + ": wrote " +
+                    std::to_string(st.written) + " of " + std::to_string(sp.count) + " elements");
+      b[k == kMaster ? "master" : k == kM ? "m" : "v"] = {
+          {"file_offset", file_offset_[i] + k * sp.count * 4}, {"xxh3_64_per_chunk", st.chunks}};
+    }
+    blocks.push_back(b);
+  }
+  fsync_fd(fd_.get(), path_);
+  if (::close(fd_.release()) != 0) throw_errno("checkpoint: close of " + path_ + " failed", errno);
+  return {{"file", std::filesystem::path(path_).filename().string()},
+          {"chunk_elements", kChunkNumel},
+          {"blocks", blocks}};
+}
+
+// ---- reading ------------------------------------------------------------------------
+
+CheckpointReader::CheckpointReader(std::string dir, const nlohmann::json& ranks, std::vector<std::string> block_names)
+    : dir_(std::move(dir)), names_(std::move(block_names)) {
+  int r = 0;
+  for (const nlohmann::json& rk : ranks) {
+    if (rk.at("chunk_elements").get<int64_t>() != kChunkNumel)
+      throw IoError("checkpoint " + dir_ + ": chunk size " + rk.at("chunk_elements").dump() + " is not zinc's");
+    for (const nlohmann::json& b : rk.at("blocks")) {
+      Saved s;
+      s.block = b.at("block").get<int>();
+      s.rank = r;
+      s.file = rk.at("file").get<std::string>();
+      s.flat_offset = b.at("flat_offset").get<int64_t>();
+      s.count = b.at("count").get<int64_t>();
+      int k = 0;
+      for (const char* key : {"master", "m", "v"}) {
+        s.file_offset[k] = b.at(key).at("file_offset").get<int64_t>();
+        s.chunks[k] = b.at(key).at("xxh3_64_per_chunk").get<std::vector<std::string>>();
+        ++k;
+      }
+      saved_[s.block].push_back(std::move(s));
+    }
+    ++r;
+  }
+}
+
+int CheckpointReader::file(const std::string& name) {
+  auto it = files_.find(name);
+  if (it != files_.end()) return it->second.get();
+  const std::string path = dir_ + "/" + name;
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) throw_errno("checkpoint: cannot open " + path, errno);
+  const int raw = fd.get();
+  files_.emplace(name, std::move(fd));
+  return raw;
+}
+
+const float* CheckpointReader::chunk(const Saved& s, int kind, int64_t c) {
+  const int64_t begin = c * kChunkNumel, n = std::min(kChunkNumel, s.count - begin);
+  const int64_t at = s.file_offset[kind] + begin * 4;
+  const std::string key = s.file + "#" + std::to_string(kind);
+  if (cached_file_ == key && cached_at_ == at) return cached_.data();
+  cached_.resize(static_cast<size_t>(n));
+  const std::string path = dir_ + "/" + s.file;
+  const int fd = file(s.file);
+  char* p = reinterpret_cast<char*>(cached_.data());
+  size_t left = static_cast<size_t>(n) * 4;
+  off_t off = static_cast<off_t>(at);
+  auto where = [&] {
+    const std::string name =
+        static_cast<size_t>(s.block) < names_.size() ? names_[static_cast<size_t>(s.block)] : std::to_string(s.block);
+    return "block '" + name + "' " + kind_name(kind) + ", elements " + std::to_string(s.flat_offset + begin) +
+           ".." + std::to_string(s.flat_offset + begin + n) + " (bytes " + std::to_string(at) + ".." +
+           std::to_string(at + n * 4) + ")";
+  };
+  while (left > 0) {
+    const ssize_t got = ::pread(fd, p, left, off);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("checkpoint: read of " + path + " failed for " + where(), errno);
+    }
+    if (got == 0) throw IoError("checkpoint: " + path + " is truncated: it ends before " + where());
+    p += got;
+    left -= static_cast<size_t>(got);
+    off += got;
+  }
+  bytes_read_ += n * 4;
+  const std::string h = hex64(XXH3_64bits(cached_.data(), static_cast<size_t>(n) * 4));
+  if (static_cast<size_t>(c) >= s.chunks[kind].size() || h != s.chunks[kind][static_cast<size_t>(c)])
+    throw IoError("checkpoint: " + path + " is corrupted: the checksum of " + where() + " does not match");
+  cached_file_ = key;
+  cached_at_ = at;
+  return cached_.data();
+}
+
+void CheckpointReader::read(int block, int kind, int64_t flat_offset, int64_t count, float* out) {
+  std::fill(out, out + count, 0.0f);
+  auto it = saved_.find(block);
+  if (it == saved_.end()) return;
+  const int64_t a = flat_offset, b = flat_offset + count;
+  for (const Saved& s : it->second) {
+    const int64_t lo = std::max(a, s.flat_offset), hi = std::min(b, s.flat_offset + s.count);
+    for (int64_t x = lo; x < hi;) {
+      const int64_t in_span = x - s.flat_offset;
+      const int64_t c = in_span / kChunkNumel;
+      const float* data = chunk(s, kind, c);
+      const int64_t chunk_end = std::min((c + 1) * kChunkNumel, s.count) + s.flat_offset;
+      const int64_t upto = std::min(hi, chunk_end);
+      std::memcpy(out + (x - a), data + (in_span - c * kChunkNumel), static_cast<size_t>(upto - x) * 4);
+      x = upto;
+    }
+  }
+}
+
+// ---- committing ---------------------------------------------------------------------
+
+void fsync_dir(const std::string& dir) {
+  UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) throw_errno("checkpoint: cannot open folder " + dir, errno);
+  fsync_fd(fd.get(), dir);
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) throw_errno("checkpoint: cannot create " + tmp, errno);
+    try {
+      write_all(fd.get(), text.data(), text.size(), 0, tmp);
+      fsync_fd(fd.get(), tmp);
+    } catch (...) {
+      ::unlink(tmp.c_str());
+      throw;
+    }
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw_errno("checkpoint: cannot rename " + tmp + " to " + path, err);
+  }
+}
+
+void commit_tag(const std::string& parent, const std::string& tmp, const std::string& tag) {
+  namespace fs = std::filesystem;
+  fsync_dir(tmp);
+  const fs::path final_dir = fs::path(parent) / tag;
+  const fs::path old = fs::path(parent) / ("." + tag + ".old");
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  if (fs::exists(final_dir)) {
+    if (::rename(final_dir.c_str(), old.c_str()) != 0)
+      throw_errno("checkpoint: cannot move the previous " + final_dir.string() + " aside", errno);
+  }
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
+    throw_errno("checkpoint: cannot rename " + tmp + " to " + final_dir.string(), errno);
+  fsync_dir(parent);
+  fs::remove_all(old, ec);
+  write_file_atomic((fs::path(parent) / "latest").string(), tag + "\n");
+  fsync_dir(parent);
+}
+
+}  // namespace zinc::ckpt
