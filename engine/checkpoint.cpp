@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -87,7 +89,20 @@ void fsync_fd(int fd, const std::string& path) {
   if (::fsync(fd) != 0) throw_errno("checkpoint: fsync of " + path + " failed", errno);
 }
 
+int g_saves = 0;
+
 }  // namespace
+
+void count_save() { ++g_saves; }
+
+void fault_point(const char* phase) {
+  const char* spec = std::getenv("ZINC_CHECKPOINT_FAULT");
+  if (!spec) return;
+  const char* colon = std::strchr(spec, ':');
+  const std::string name = colon ? std::string(spec, colon) : std::string(spec);
+  const int n = colon ? std::atoi(colon + 1) : 1;
+  if (name == phase && n == g_saves) ::kill(::getpid(), SIGKILL);
+}
 
 const char* kind_name(int k) {
   switch (k) {
@@ -125,6 +140,7 @@ void RankWriter::write(int block, int kind, int64_t offset_in_span, const float*
                 std::to_string(offset_in_span) + " out of order (expected " + std::to_string(st.written) + ")");
   write_all(fd_.get(), data, static_cast<size_t>(count) * 4,
             static_cast<off_t>(file_offset_[i] + (kind * sp.count + offset_in_span) * 4), path_);
+  fault_point("shards");
   // Checksums per chunk of the span, the piece split at chunk boundaries.
   auto* s = static_cast<XXH3_state_t*>(st.state.get());
   int64_t done = 0;
@@ -290,6 +306,7 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 void commit_tag(const std::string& parent, const std::string& tmp, const std::string& tag) {
   namespace fs = std::filesystem;
   fsync_dir(tmp);
+  fault_point("before_rename");
   const fs::path final_dir = fs::path(parent) / tag;
   const fs::path old = fs::path(parent) / ("." + tag + ".old");
   std::error_code ec;
@@ -302,6 +319,7 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
     throw_errno("checkpoint: cannot rename " + tmp + " to " + final_dir.string(), errno);
   fsync_dir(parent);
   fs::remove_all(old, ec);
+  fault_point("before_latest");
   write_file_atomic((fs::path(parent) / "latest").string(), tag + "\n");
   fsync_dir(parent);
 }

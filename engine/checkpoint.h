@@ -92,6 +92,15 @@ class CheckpointReader {
   int64_t bytes_read_ = 0;
 };
 
+// Test hook: ZINC_CHECKPOINT_FAULT=PHASE:N kills this process (SIGKILL, as
+// kill -9 would) at PHASE of its N-th save: "shards" (after the first piece
+// of its shard file is written), "before_rename" (the partial folder is
+// complete, metadata included, not yet renamed), "before_latest" (the tag is
+// in place, `latest` not yet moved). Nothing when unset or another phase.
+void fault_point(const char* phase);
+// Counts a save (for fault_point's N).
+void count_save();
+
 // Crash-safe commit of a folder written as `tmp` to `final` (a previous
 // `final` is replaced) and of the file `latest` naming `tag`: fsync of the
 // files inside (done by their writers), of `tmp`, rename, fsync of the

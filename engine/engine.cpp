@@ -508,6 +508,7 @@ struct Engine::Impl final : StepContext {
     check_between_batches("save_checkpoint");
     if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
     check_tag(tag);
+    ckpt::count_save();
     const std::string partial = (fs::path(dir) / ("." + tag + ".partial")).string();
     std::string error;
     auto attempt = [&error](const std::function<void()>& fn) {

@@ -145,6 +145,27 @@ else
   fail=$((fail + 1))
   echo "FAIL resume (kept: $kept)"; cat "$TMP/seg2" "$TMP/err"
 fi
+# kill -9 at each phase of the second save (while writing shards, with the
+# tag complete but not renamed, renamed but `latest` not moved): `latest`
+# names step 1, which resumes to the weights of 2 straight steps; the next
+# save clears what the killed one left.
+"$ZT" "$CFG" --steps 2 "${CK[@]}" >"$TMP/two" 2>/dev/null
+want="$(tail -n 1 "$TMP/two" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weights_digest"])')"
+for phase in shards before_rename before_latest; do
+  rm -rf "$TMP/ck"
+  ZINC_CHECKPOINT_FAULT=$phase:2 "$ZT" "$CFG" --steps 3 "${CK[@]}" --set run.checkpoint_interval=1 >/dev/null 2>&1
+  rc=$?
+  latest="$(cat "$TMP/ck/latest" 2>/dev/null)"
+  "$ZT" "$CFG" --steps 2 "${CK[@]}" --set run.checkpoint_interval=1 --resume >"$TMP/res" 2>"$TMP/err"
+  got="$(tail -n 1 "$TMP/res" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weights_digest"])' 2>/dev/null)"
+  if [ "$rc" -eq 137 ] && [ "$latest" = "global_step1" ] && [ "$got" = "$want" ] &&
+     [ -z "$(ls -A "$TMP/ck" | grep partial)" ] && [ "$(cat "$TMP/ck/latest")" = "global_step2" ]; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL kill at $phase: rc=$rc latest=$latest digest $got vs $want; $(ls -A "$TMP/ck")"; cat "$TMP/err"
+  fi
+done
+
 # SIGTERM stops a run at the next step boundary with a checkpoint (exit
 # 143); resuming it to step N+2 gives the weights of N+2 straight steps.
 rm -rf "$TMP/ck"

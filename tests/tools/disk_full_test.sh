@@ -7,7 +7,9 @@
 # 2. The disk fills up while a run trains (another process writes until
 #    ENOSPC): the stores were preallocated at setup, so training goes on and
 #    ends with the same weights, bit for bit, as a run on a roomy disk.
-# 3. The disk read-only: the run ends at setup naming the config value.
+# 3. A checkpoint save on a full disk fails with the path named and loses
+#    nothing: `latest` stays at the previous checkpoint, which loads.
+# 4. The disk read-only: the run ends at setup naming the config value.
 # (A disk that fails a write in the middle of a step, where preallocation
 # cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
 # Needs root and loop devices; exits 77 (skipped) without them.
@@ -70,9 +72,30 @@ else
   echo "roomy: $want"
 fi
 
-# 3. The same disk read-only: the run ends at setup with the config value
-# and the error named.
+# 3. A checkpoint save on a full disk: one line naming the path and ENOSPC,
+# no partial tag left, `latest` still at the previous checkpoint, which
+# loads once there is room.
 rm -f "$MNT/filler"
+DEF="$ROOT/configs/default.json"
+CK=(--set run.eval_interval=0 --set "run.checkpoint_dir=$MNT/ck" --set run.checkpoint_interval=1)
+"$ZT" "$DEF" --steps 1 "${CK[@]}" >/dev/null 2>&1
+dd if=/dev/zero of="$MNT/filler" bs=64k >/dev/null 2>&1
+"$ZT" "$DEF" --steps 2 "${CK[@]}" --resume >"$TMP/out" 2>"$TMP/err"
+rc=$?
+last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
+rm -f "$MNT/filler"
+if [ "$rc" -eq 1 ] && grep -q "$MNT/ck/.*No space left on device" <<<"$last" &&
+   [ "$(cat "$MNT/ck/latest")" = "global_step1" ] && [ -z "$(ls -A "$MNT/ck" | grep partial)" ] &&
+   "$ZT" "$DEF" --steps 2 "${CK[@]}" --resume >"$TMP/out" 2>"$TMP/err" && grep -q '^done: 2 steps' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL checkpoint on a full disk: rc=$rc; $(ls -A "$MNT/ck")"; cat "$TMP/err"
+fi
+rm -rf "$MNT/ck"
+
+# 4. The same disk read-only: the run ends at setup with the config value
+# and the error named.
 mount -o remount,ro "$MNT"
 "$ZT" "$CFG" --steps 2 --set zero_optimization.offload_optimizer.device=none \
   --set "zero_optimization.offload_param.nvme_path=$MNT" >"$TMP/out" 2>"$TMP/err"
