@@ -10,17 +10,43 @@ namespace zinc::models::detail {
 
 using kernels::CView;
 
-// y(N,out) = x(N,in) W^T + b   (b.data may be null)
-inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
-                           DType compute) {
+// The matmuls of a linear layer (shared with the memory tally below).
+// y = x W^T (+ b fused into the matmul: one pass over y)
+inline kernels::MatmulDesc forward_desc(int64_t N, int64_t in, int64_t out, bool bias, DType compute) {
   kernels::MatmulDesc d;
   d.M = N;
   d.N = out;
   d.K = in;
   d.trans_b = true;
   d.compute = compute;
-  d.bias = b.data != nullptr;  // fused into the matmul: one pass over y
-  kernels::matmul(d, x, w, y, b);
+  d.bias = bias;
+  return d;
+}
+// dx = dy W
+inline kernels::MatmulDesc input_grad_desc(int64_t N, int64_t in, int64_t out, DType compute) {
+  kernels::MatmulDesc d;
+  d.M = N;
+  d.N = in;
+  d.K = out;
+  d.compute = compute;
+  return d;
+}
+// dW += dy^T x
+inline kernels::MatmulDesc weight_grad_desc(int64_t N, int64_t in, int64_t out, DType compute) {
+  kernels::MatmulDesc g;
+  g.M = out;
+  g.N = in;
+  g.K = N;
+  g.trans_a = true;
+  g.accumulate = true;
+  g.compute = compute;
+  return g;
+}
+
+// y(N,out) = x(N,in) W^T + b   (b.data may be null)
+inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
+                           DType compute) {
+  kernels::matmul(forward_desc(N, in, out, b.data != nullptr, compute), x, w, y, b);
 }
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
@@ -34,22 +60,8 @@ inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, 
     thread_local AlignedBuffer scratch;
     dy = kernels::bf16_operand_copy(static_cast<const float*>(dy.data), N * out, scratch);
   }
-  if (dx) {
-    kernels::MatmulDesc d;
-    d.M = N;
-    d.N = in;
-    d.K = out;
-    d.compute = compute;
-    kernels::matmul(d, dy, w, dx);
-  }
-  kernels::MatmulDesc g;
-  g.M = out;
-  g.N = in;
-  g.K = N;
-  g.trans_a = true;
-  g.accumulate = true;
-  g.compute = compute;
-  kernels::matmul(g, dy, x, dw);
+  if (dx) kernels::matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
+  kernels::matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
   if (db) {
     ZINC_CHECK(dy_full.dtype == DType::kF32 && !dy_full.bf16_exact, "bias gradient needs the fp32 dy");
     kernels::bias_backward(db, static_cast<const float*>(dy_full.data), N, out);
@@ -76,14 +88,7 @@ inline int64_t matmul_input_bytes(int64_t n, DType compute) {
 // The kernel scratch linear_forward asks for (parameters in compute dtype).
 inline void tally_linear_forward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
                                  bool bias, DType compute) {
-  kernels::MatmulDesc d;
-  d.M = N;
-  d.N = out;
-  d.K = in;
-  d.trans_b = true;
-  d.compute = compute;
-  d.bias = bias;
-  t.matmul(d, x.dtype, x.exact, compute, false, compute);
+  t.matmul(forward_desc(N, in, out, bias, compute), x.dtype, x.exact, compute, false, compute);
 }
 // ... and linear_backward with an fp32 dy (returns the bytes of the dy copy
 // it makes, which its one thread-local scratch holds at most of).
@@ -95,22 +100,8 @@ inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, in
     dy = kernels::bf16_operands_native() ? OperandKind{DType::kBF16, false} : OperandKind{DType::kF32, true};
     copy = kernels::ScratchTally::bf16_operand_bytes(N * out, /*in_place=*/false);
   }
-  if (dx) {
-    kernels::MatmulDesc d;
-    d.M = N;
-    d.N = in;
-    d.K = out;
-    d.compute = compute;
-    t.matmul(d, dy.dtype, dy.exact, compute, false);
-  }
-  kernels::MatmulDesc g;
-  g.M = out;
-  g.N = in;
-  g.K = N;
-  g.trans_a = true;
-  g.accumulate = true;
-  g.compute = compute;
-  t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);
+  if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
+  t.matmul(weight_grad_desc(N, in, out, compute), dy.dtype, dy.exact, x.dtype, x.exact);
   return copy;
 }
 // An AlignedBuffer's bytes as allocated (64-byte aligned blocks).

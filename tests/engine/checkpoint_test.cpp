@@ -33,21 +33,17 @@ std::string shared_dir(const std::string& name) {
 }
 
 TEST(Checkpoint, ResumesBitExactAtEveryStageAndOffload) {
-  for (bool bf16 : {false, true})
-    for (int stage : {0, 1, 2, 3})
-      for (const std::string offload : {"none", "cpu", "nvme"}) {
-        if (stage == 0 && offload != "none") continue;
-        RunSpec r;
-        r.bf16 = bf16;
-        r.stage = stage;
-        r.offload = offload;
-        if (stage == 3 && offload != "none")
-          r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}},
-                          {"stage3_max_reuse_distance", 0}};
-        const std::string what =
-            std::string(bf16 ? "bf16" : "fp32") + " stage " + std::to_string(stage) + " offload " + offload;
-        testing_train::expect_bit_exact_resume(r, g_world, shared_dir("resume"), 3, what);
-      }
+  testing_train::for_each_stage_and_offload([](bool bf16, int stage, const std::string& offload,
+                                               const std::string& what) {
+    RunSpec r;
+    r.bf16 = bf16;
+    r.stage = stage;
+    r.offload = offload;
+    if (stage == 3 && offload != "none")
+      r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}},
+                      {"stage3_max_reuse_distance", 0}};
+    testing_train::expect_bit_exact_resume(r, g_world, shared_dir("resume"), 3, what);
+  });
 }
 
 TEST(Checkpoint, AccumulationAndTheMlpResumeBitExact) {

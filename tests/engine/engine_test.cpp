@@ -416,19 +416,15 @@ namespace {
 TEST(MemoryEstimate, OneRankModelStateEqualsTheEnginesPeak) {
   using testing_train::RunSpec;
   for (const std::string model : {"gpt", "mlp"})
-    for (bool bf16 : {false, true})
-      for (int stage : {0, 1, 2, 3})
-        for (const std::string offload : {"none", "cpu", "nvme"}) {
-          if (stage == 0 && offload != "none") continue;
-          RunSpec r;
-          r.model = model;
-          r.bf16 = bf16;
-          r.stage = stage;
-          r.offload = offload;
-          testing_train::expect_estimate_exact(r, nullptr,
-                                               model + (bf16 ? " bf16" : " fp32") + " stage " +
-                                                   std::to_string(stage) + " offload " + offload);
-        }
+    testing_train::for_each_stage_and_offload([&](bool bf16, int stage, const std::string& offload,
+                                                  const std::string& what) {
+      RunSpec r;
+      r.model = model;
+      r.bf16 = bf16;
+      r.stage = stage;
+      r.offload = offload;
+      testing_train::expect_estimate_exact(r, nullptr, model + " " + what);
+    });
   for (const std::string param : {"cpu", "nvme"}) {
     RunSpec r;
     r.bf16 = true;
@@ -542,21 +538,16 @@ std::string fresh_dir(const std::string& name) {
 // One rank: a resumed run continues bit for bit (stage 3 with its
 // parameters offloaded is the one-rank ZeRO-3).
 TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
-  using testing_train::RunSpec;
-  for (bool bf16 : {false, true})
-    for (int stage : {0, 1, 2, 3})
-      for (const std::string offload : {"none", "cpu", "nvme"}) {
-        if (stage == 0 && offload != "none") continue;
-        RunSpec r;
-        r.bf16 = bf16;
-        r.stage = stage;
-        r.offload = offload;
-        if (stage == 3 && offload != "none")
-          r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
-        testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume"), 3,
-                                               std::string(bf16 ? "bf16" : "fp32") + " stage " +
-                                                   std::to_string(stage) + " offload " + offload);
-      }
+  testing_train::for_each_stage_and_offload([](bool bf16, int stage, const std::string& offload,
+                                               const std::string& what) {
+    testing_train::RunSpec r;
+    r.bf16 = bf16;
+    r.stage = stage;
+    r.offload = offload;
+    if (stage == 3 && offload != "none")
+      r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume"), 3, what);
+  });
 }
 
 // A flipped byte and a cut file are each an error naming the file, the

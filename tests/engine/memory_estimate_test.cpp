@@ -23,19 +23,15 @@ using testing_train::RunSpec;
 
 TEST(MemoryEstimate, ModelStateEqualsTheEnginesPeakAtEveryStageAndOffload) {
   for (const std::string model : {"gpt", "mlp"})
-    for (bool bf16 : {false, true})
-      for (int stage : {0, 1, 2, 3})
-        for (const std::string offload : {"none", "cpu", "nvme"}) {
-          if (stage == 0 && offload != "none") continue;  // offload needs stage >= 1
-          RunSpec r;
-          r.model = model;
-          r.bf16 = bf16;
-          r.stage = stage;
-          r.offload = offload;
-          testing_train::expect_estimate_exact(r, g_world,
-                                               model + (bf16 ? " bf16" : " fp32") + " stage " +
-                                                   std::to_string(stage) + " offload_optimizer " + offload);
-        }
+    testing_train::for_each_stage_and_offload([&](bool bf16, int stage, const std::string& offload,
+                                                  const std::string& what) {
+      RunSpec r;
+      r.model = model;
+      r.bf16 = bf16;
+      r.stage = stage;
+      r.offload = offload;
+      testing_train::expect_estimate_exact(r, g_world, model + " " + what);
+    });
 }
 
 TEST(MemoryEstimate, Stage3ParameterOffloadAccumulationAndBf16Wire) {

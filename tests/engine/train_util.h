@@ -102,6 +102,19 @@ inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communic
   return out;
 }
 
+// Every (stage, optimizer offload) pair a config allows (offload needs
+// stage >= 1), in fp32 and bf16: fn(bf16, stage, offload, a label).
+template <class Fn>
+void for_each_stage_and_offload(Fn&& fn) {
+  for (bool bf16 : {false, true})
+    for (int stage : {0, 1, 2, 3})
+      for (const char* offload : {"none", "cpu", "nvme"}) {
+        if (stage == 0 && std::string(offload) != "none") continue;
+        fn(bf16, stage, std::string(offload),
+           std::string(bf16 ? "bf16" : "fp32") + " stage " + std::to_string(stage) + " offload " + offload);
+      }
+}
+
 // Weights of two runs that differ only in summation order (across ranks or
 // micro-batches). Two measures, both tight:
 // - relative difference over weights with |w| >= 1e-2, which must stay below
