@@ -830,7 +830,9 @@ TEST_P(Bf16Path, OperandsConvertedOnceGiveTheSameBits) {
   CView ai = bf16_operand_in_place(a_copy.data(), static_cast<int64_t>(a_copy.size()), si);
   matmul(d, ai, view(b), got2.data());
   EXPECT_TRUE(BitEqual(got2, want));
-  if (ai.dtype == DType::kF32) EXPECT_TRUE(BitEqual(a_copy, round_bf16(a)));  // rounded in place
+  if (ai.dtype == DType::kF32) {
+    EXPECT_TRUE(BitEqual(a_copy, round_bf16(a)));  // rounded in place
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Matmul, Bf16Path, testing::Values(MatmulBf16Path::kAuto, MatmulBf16Path::kViaF32),
