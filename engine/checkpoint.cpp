@@ -16,6 +16,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "engine/config.h"  // read_json_file
 
 // Note [checkpoints]
 // ------------------
@@ -273,6 +274,46 @@ void CheckpointReader::read(int block, int kind, int64_t flat_offset, int64_t co
       x = upto;
     }
   }
+}
+
+// ---- opening ------------------------------------------------------------------------
+
+void check_tag(const std::string& tag) {
+  if (tag.empty() || tag[0] == '.' || tag.find('/') != std::string::npos || tag.size() > kMaxTagBytes)
+    throw Error("checkpoint tag \"" + tag + "\": must be a non-empty folder name not starting with '.', of at most " +
+                std::to_string(kMaxTagBytes) + " bytes");
+}
+
+TagFiles open_tag(const std::string& dir, std::string tag) {
+  namespace fs = std::filesystem;
+  if (tag.empty()) {
+    const fs::path latest = fs::path(dir) / "latest";
+    std::FILE* f = std::fopen(latest.c_str(), "rb");
+    if (!f) throw IoError("checkpoint: " + latest.string() + " not found (no complete checkpoint in " + dir + ")");
+    char buf[4096];
+    const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    tag.assign(buf, n);
+    while (!tag.empty() && (tag.back() == '\n' || tag.back() == '\r' || tag.back() == ' ')) tag.pop_back();
+  }
+  check_tag(tag);
+  TagFiles t;
+  t.tag = tag;
+  t.dir = (fs::path(dir) / tag).string();
+  const std::string meta_path = (fs::path(t.dir) / "metadata.json").string();
+  if (!fs::exists(meta_path))
+    throw IoError("checkpoint " + t.dir + ": " + meta_path + " not found (not a complete zinc checkpoint)");
+  t.meta = read_json_file(meta_path);
+  if (t.meta.value("format", "") != "zinc-checkpoint" || t.meta.value("version", 0) != 1)
+    throw IoError("checkpoint " + t.dir + ": not a zinc checkpoint of format version 1");
+  t.ranks = nlohmann::json::array();
+  for (const nlohmann::json& f : t.meta.at("rank_indexes")) {
+    const std::string path = (fs::path(t.dir) / f.get<std::string>()).string();
+    if (!fs::exists(path)) throw IoError("checkpoint " + t.dir + ": " + path + " not found (the checkpoint is incomplete)");
+    t.ranks.push_back(read_json_file(path));
+  }
+  for (const nlohmann::json& b : t.meta.at("blocks")) t.block_names.push_back(b.at("name").get<std::string>());
+  return t;
 }
 
 // ---- committing ---------------------------------------------------------------------

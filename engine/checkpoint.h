@@ -92,6 +92,23 @@ class CheckpointReader {
   int64_t bytes_read_ = 0;
 };
 
+// A complete tag's files: DIR/TAG/metadata.json and every rank's index.
+struct TagFiles {
+  std::string dir;  // DIR/TAG
+  std::string tag;
+  nlohmann::json meta;
+  nlohmann::json ranks;                  // the rank indexes, in rank order
+  std::vector<std::string> block_names;  // from the metadata, for messages
+};
+// Throws zinc::Error unless `tag` is a plain folder name (not empty, no '/',
+// no leading '.', which partial and old folders use).
+constexpr size_t kMaxTagBytes = 200;
+void check_tag(const std::string& tag);
+// Opens DIR/TAG; an empty tag means the one DIR/latest names. Throws IoError
+// naming the file when `latest`, the metadata or an index is missing or the
+// folder is not a zinc checkpoint of this format version.
+TagFiles open_tag(const std::string& dir, std::string tag);
+
 // Test hook: ZINC_CHECKPOINT_FAULT=PHASE:N kills this process (SIGKILL, as
 // kill -9 would) at PHASE of its N-th save: "shards" (after the first piece
 // of its shard file is written), "before_rename" (the partial folder is

@@ -278,7 +278,7 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
   bool has_total = decays && p.get_int("total_num_steps", s.total_num_steps, at_least(1));
   int64_t last = -1;
   if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
-    p.warn_ignored(p.last_path(), "the schedule starts at step 0 (zinc cannot resume from a checkpoint yet)");
+    p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
   }
   p.finish();
   r.finish();
@@ -401,15 +401,16 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   }
 
   // Known DeepSpeed keys without an effect in zinc: harmless ones warn...
-  r.ignore_bool("load_from_fp32_weights", true, "zinc does not load checkpoints yet");
+  r.ignore_bool("load_from_fp32_weights", true, "zinc always restores the fp32 master weights from a checkpoint");
   r.ignore_bool("elastic_checkpoint", false);
   r.ignore_bool("ignore_unused_parameters", true, "every zinc model parameter receives a gradient");
   r.ignore_bool("legacy_stage1", false);
   r.ignore_bool("round_robin_gradients", false);
   r.ignore_bool("use_multi_rank_bucket_allreduce", true);
   r.ignore_bool({"gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"}, false,
-                "zinc does not save models yet");
-  r.ignore_bool("stage3_gather_fp16_weights_on_model_save", false, "zinc does not save models yet");
+                "zinc-export writes the consolidated weights from a checkpoint (--dtype bf16 for 16-bit)");
+  r.ignore_bool("stage3_gather_fp16_weights_on_model_save", false,
+                "zinc-export writes the consolidated weights from a checkpoint");
   r.ignore_int({"module_granularity_threshold", "stage3_module_granularity_threshold"}, 0);
   r.ignore_bool({"use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params"}, false);
   r.ignore_bool({"allgather_sequential", "stage3_allgather_sequential"}, false);
@@ -508,7 +509,7 @@ bool feature_active(const json& v, const std::string& path) {
 
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
-void parse_unimplemented(Reader& r) {
+void parse_unimplemented(Reader& r, Config& c) {
   enum class Act { kWarn, kError };
   struct Feature {
     const char* key;
@@ -565,16 +566,24 @@ void parse_unimplemented(Reader& r) {
   int64_t vocab = 0;
   r.get_int("vocabulary_size", vocab, at_least(1));  // DeepSpeed reads it for nothing zinc does
 
+  // checkpoint: what each DeepSpeed key means for zinc's checkpoints (Note
+  // [checkpoints] in engine/checkpoint.cpp).
   Reader ck = r.section("checkpoint");
-  std::string tag = "Warn";
-  if (ck.get_choice("tag_validation", tag, {"Ignore", "Warn", "Fail"}, true) && tag != "Warn") {
-    ck.warn_ignored(ck.last_path(), "zinc does not write checkpoints yet");
-  }
-  ck.ignore_bool("load_universal", false);
-  ck.ignore_bool("use_node_local_storage", false);
-  for (const char* k : {"parallel_write", "writer"}) {
-    if (const json* w = ck.find(k); w && feature_active(*w, ck.last_path())) ck.warn_ignored(ck.last_path());
-  }
+  ck.get_enum<TagValidation>("tag_validation", c.checkpoint.tag_validation,
+                             {{"Ignore", TagValidation::kIgnore}, {"Warn", TagValidation::kWarn},
+                              {"Fail", TagValidation::kFail}},
+                             true);
+  ck.ignore_bool("load_universal", false,
+                 "zinc's own checkpoints load at any world size and stage without conversion; DeepSpeed's "
+                 "universal checkpoints (PyTorch files) cannot be read");
+  ck.refuse_bool("use_node_local_storage", false,
+                 "zinc commits a checkpoint from rank 0 and any rank may read any rank's shards when it loads, "
+                 "so the checkpoint folder must be one that every rank sees; remove it or set it to false");
+  if (const json* w = ck.find("parallel_write"); w && feature_active(*w, ck.last_path()))
+    ck.warn_ignored(ck.last_path(), "every zinc rank already writes its own shards in parallel, and zinc has no "
+                                    "pipeline stages");
+  if (const json* w = ck.find("writer"); w && feature_active(*w, ck.last_path()))
+    ck.warn_ignored(ck.last_path(), "zinc writes each rank's shards with its own writer (checksummed, fsynced)");
   ck.finish();
 }
 
@@ -598,7 +607,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_zero(r, c.zero);
   parse_aio(r, c.aio);
   parse_monitors(r, c.csv_monitor);
-  parse_unimplemented(r);
+  parse_unimplemented(r, c);
   for (const std::string& key : caller_sections) r.skip(key);
   r.finish();
   c.validate();

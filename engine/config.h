@@ -164,6 +164,14 @@ struct CsvMonitorConfig {
   std::string job_name = "DeepSpeedJobName";
 };
 
+// checkpoint: DeepSpeed's section. tag_validation decides what a save does
+// when the ranks pass different tags (rank 0's tag is used in every case, so
+// that all ranks write one checkpoint).
+enum class TagValidation { kIgnore, kWarn, kFail };
+struct CheckpointConfig {
+  TagValidation tag_validation = TagValidation::kWarn;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -172,6 +180,7 @@ struct Config {
   int world_size = 1;
   // The document this config was parsed from (checkpoints keep it).
   nlohmann::json source;
+  CheckpointConfig checkpoint;
   // Seed of the model's initial weights (not a ds_config key: DeepSpeed
   // leaves initialisation to the model). zinc-train sets it from run.seed.
   uint64_t seed = 42;

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -476,15 +477,34 @@ struct Engine::Impl final : StepContext {
     return static_cast<int>(v);
   }
 
+  // Every rank uses rank 0's tag, so that all write into one checkpoint;
+  // checkpoint.tag_validation says whether a rank that passed another one
+  // is an error (Fail), a warning (Warn) or neither (Ignore).
+  std::string agree_on_tag(const std::string& tag) {
+    if (world == 1) return tag;
+    std::array<char, ckpt::kMaxTagBytes + 2> buf{};  // even: broadcast in 2-byte elements
+    if (rank == 0) std::memcpy(buf.data(), tag.data(), tag.size());
+    gather_stream->submit([&buf](comm::Communicator& c) {
+      c.broadcast(buf.data(), static_cast<int64_t>(buf.size() / 2), DType::kBF16, 0);
+    }).wait();
+    const std::string root_tag(buf.data());
+    const bool differs = root_tag != tag;
+    const int bad = failed_rank(differs);
+    const TagValidation tv = cfg.checkpoint.tag_validation;
+    if (bad == 0 || tv == TagValidation::kIgnore) return root_tag;
+    const std::string what =
+        differs ? "rank " + std::to_string(rank) + " passed checkpoint tag \"" + tag + "\" but rank 0 passed \"" +
+                      root_tag + "\""
+                : "rank " + std::to_string(bad - 1) + " passed another checkpoint tag than rank 0's \"" + root_tag + "\"";
+    if (tv == TagValidation::kFail) throw Error(what + " (checkpoint.tag_validation is Fail; nothing was saved)");
+    if (differs || rank == 0) log_warn(what + "; saving under rank 0's tag (checkpoint.tag_validation: Warn)");
+    return root_tag;
+  }
+
   void check_between_batches(const char* what) const {
     if (forward_pending || micro_steps % cfg.gradient_accumulation_steps != 0)
       throw Error(std::string(what) + " must come between global batches (after step() at an accumulation "
                   "boundary), not after micro-step " + std::to_string(micro_steps));
-  }
-
-  static void check_tag(const std::string& tag) {
-    if (tag.empty() || tag[0] == '.' || tag.find('/') != std::string::npos)
-      throw Error("checkpoint tag \"" + tag + "\": must be a non-empty folder name not starting with '.'");
   }
 
   nlohmann::json blocks_json() const {
@@ -507,7 +527,8 @@ struct Engine::Impl final : StepContext {
     namespace fs = std::filesystem;
     check_between_batches("save_checkpoint");
     if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
-    check_tag(tag);
+    ckpt::check_tag(tag);
+    tag = agree_on_tag(tag);
     ckpt::count_save();
     const std::string partial = (fs::path(dir) / ("." + tag + ".partial")).string();
     std::string error;
@@ -592,20 +613,10 @@ struct Engine::Impl final : StepContext {
   }
 
   nlohmann::json load_checkpoint(const std::string& dir, std::string tag) {
-    namespace fs = std::filesystem;
     check_between_batches("load_checkpoint");
-    if (tag.empty()) {
-      const fs::path latest = fs::path(dir) / "latest";
-      std::ifstream f(latest);
-      if (!f) throw IoError("checkpoint: " + latest.string() + " not found (no complete checkpoint in " + dir + ")");
-      std::getline(f, tag);
-    }
-    check_tag(tag);
-    const std::string tag_dir = (fs::path(dir) / tag).string();
-    const nlohmann::json meta = read_json_file((fs::path(tag_dir) / "metadata.json").string());
-    const std::string where = "checkpoint " + tag_dir;
-    if (meta.value("format", "") != "zinc-checkpoint" || meta.value("version", 0) != 1)
-      throw IoError(where + ": not a zinc checkpoint of format version 1");
+    const ckpt::TagFiles files = ckpt::open_tag(dir, std::move(tag));
+    const nlohmann::json& meta = files.meta;
+    const std::string where = "checkpoint " + files.dir;
     const nlohmann::json mine = blocks_json();
     const nlohmann::json& theirs = meta.at("blocks");
     if (theirs.size() != mine.size())
@@ -621,10 +632,7 @@ struct Engine::Impl final : StepContext {
           throw Error(where + ": block '" + names.back() + "' parameter " + theirs[b]["params"][p].dump() +
                       " differs from this model's " + mine[b]["params"][p].dump());
     }
-    nlohmann::json ranks = nlohmann::json::array();
-    for (const nlohmann::json& f : meta.at("rank_indexes"))
-      ranks.push_back(read_json_file((fs::path(tag_dir) / f.get<std::string>()).string()));
-    ckpt::CheckpointReader reader(tag_dir, ranks, names);
+    ckpt::CheckpointReader reader(files.dir, files.ranks, names);
     params->before_update();
     std::vector<float> piece;
     visit_updating([&](const StateSpan& sp) {

@@ -30,6 +30,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Python packages of the tests: pytest, and the real safetensors package (with
+# numpy) that reads zinc-export's files. Only when a full build is asked for
+# (train.sh builds zinc-train alone and needs none of them).
+if [ $# -eq 0 ]; then
+  pymissing=()
+  for m in pytest numpy safetensors; do
+    python3 -c "import $m" 2>/dev/null || pymissing+=("$m")
+  done
+  if [ ${#pymissing[@]} -gt 0 ]; then
+    echo "setup: installing Python packages ${pymissing[*]}"
+    python3 -m pip install --quiet --disable-pip-version-check "${pymissing[@]}" 2>/dev/null ||
+      python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${pymissing[@]}"
+  fi
+fi
+
 BUILD_TYPE="${ZINC_BUILD_TYPE:-Release}"
 cmake -S . -B build -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
 targets=()

@@ -40,6 +40,7 @@
 #include "core/log.h"
 #include "engine/memory_estimate.h"
 #include "tools/experiment.h"
+#include "tools/safetensors.h"
 
 namespace {
 
@@ -127,6 +128,29 @@ std::string weights_digest(zinc::Engine& engine) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
+}
+
+// The engine's full fp32 weights as one safetensors file, tensors named as
+// zinc-export names them. A collective (Engine::full_params); rank 0 writes.
+void save_weights(zinc::Engine& engine, int rank, const std::string& path) {
+  const std::vector<zinc::BlockSpec>& specs = engine.model().blocks();
+  std::vector<zinc::tools::SafeTensor> tensors;
+  for (const zinc::BlockSpec& b : specs)
+    for (const zinc::ParamSpec& p : b.params)
+      tensors.push_back({b.name + "." + p.name, zinc::DType::kF32,
+                         std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.ndim)});
+  std::unique_ptr<zinc::tools::SafetensorsWriter> w;
+  if (rank == 0)
+    w = std::make_unique<zinc::tools::SafetensorsWriter>(
+        path, tensors, std::map<std::string, std::string>{{"format", "pt"}, {"zinc_model", engine.model().name()}});
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const std::vector<float> flat = engine.full_params(static_cast<int>(b));
+    if (!w) continue;
+    const zinc::BlockLayout layout = zinc::BlockLayout::from_spec(specs[b]);
+    for (size_t p = 0; p < specs[b].params.size(); ++p)
+      w->append(flat.data() + layout.offsets[p], static_cast<size_t>(layout.numels[p]) * 4);
+  }
+  if (w) w->finish();
 }
 
 std::string format_bytes(int64_t b) {
@@ -289,7 +313,7 @@ void prune_checkpoints(const std::string& dir, int64_t keep) {
 }
 
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
-        bool json, bool digest, const std::optional<std::string>& resume) {
+        bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
@@ -457,6 +481,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * per_step / nvme_time / 1e9 : 0;
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
+  if (!weights_out.empty()) save_weights(engine, rank, weights_out);
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
@@ -556,6 +581,9 @@ int main(int argc, char** argv) {
   bool digest = false;
   app.add_flag("--weights-digest", digest,
                "end with a digest of the final fp32 weights (to compare runs bit for bit)");
+  std::string weights_out;
+  app.add_option("--save-weights", weights_out,
+                 "end by writing the final fp32 weights to this .safetensors file (as zinc-export names them)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -579,6 +607,15 @@ int main(int argc, char** argv) {
     }
     zinc::set_log_rank(comm->rank());
     if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
+    if (!weights_out.empty()) {  // checked before training, not after it
+      const std::filesystem::path wp(weights_out);
+      if (wp.extension() != ".safetensors" ||
+          !std::filesystem::is_directory(wp.parent_path().empty() ? "." : wp.parent_path())) {
+        std::fprintf(stderr, "zinc-train: --save-weights %s: must be a .safetensors file in an existing folder\n",
+                     weights_out.c_str());
+        return 2;
+      }
+    }
     if (ranks > 0 && !estimate_only) {
       std::fprintf(stderr, "zinc-train: --ranks needs --estimate (mpirun decides the ranks of a training run)\n");
       return 2;
@@ -592,7 +629,7 @@ int main(int argc, char** argv) {
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
       return estimate(*comm, world, doc, config_path, json);
     }
-    return run(comm, doc, config_path, json, digest, resume);
+    return run(comm, doc, config_path, json, digest, resume, weights_out);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank

@@ -125,5 +125,44 @@ TEST(Checkpoint, ARankThatCannotWriteFailsTheSaveEverywhere) {
   EXPECT_EQ(again.global_steps, 2);
 }
 
+
+// Ranks that pass different tags: with tag_validation Warn (the default) all
+// save under rank 0's tag, which loads; with Fail every rank throws, naming
+// both tags, and nothing is saved.
+TEST(Checkpoint, RanksWithDifferentTagsSaveUnderRankZerosOrFail) {
+  RunSpec r;
+  r.stage = 1;
+  const std::string dir = shared_dir("tags");
+  auto model = testing_train::make_model(r.model);
+  const std::string mine = g_world->rank() == 0 ? "agreed" : "rank" + std::to_string(g_world->rank());
+  {
+    Engine e = Engine::initialize(model, testing_train::make_config(r), g_world);
+    e.save_checkpoint(dir, mine);
+  }
+  g_world->barrier();
+  EXPECT_TRUE(std::filesystem::exists(dir + "/agreed/metadata.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/rank1"));
+  {
+    Engine e = Engine::initialize(model, testing_train::make_config(r), g_world);
+    e.load_checkpoint(dir);
+  }
+  nlohmann::json cfg = testing_train::make_config(r);
+  cfg["checkpoint"] = {{"tag_validation", "Fail"}};
+  Engine e = Engine::initialize(model, cfg, g_world);
+  std::string what;
+  try {
+    e.save_checkpoint(dir, mine == "agreed" ? "second" : mine);
+  } catch (const Error& ex) {
+    what = ex.what();
+  }
+  EXPECT_NE(what.find("tag_validation is Fail"), std::string::npos) << what;
+  if (g_world->rank() == 1) {
+    EXPECT_NE(what.find("\"rank1\" but rank 0 passed \"second\""), std::string::npos) << what;
+  }
+  g_world->barrier();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/second"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/.second.partial"));
+}
+
 }  // namespace
 }  // namespace zinc

@@ -547,5 +547,36 @@ TEST(DidYouMean, NearestWithinTheThreshold) {
   EXPECT_EQ(did_you_mean("x", {}), "");
 }
 
+
+// DeepSpeed's checkpoint section: tag_validation is kept (any case), the
+// others warn or are refused with the reason.
+TEST(ConfigCheckpoint, EachDeepSpeedKeyIsKeptWarnedOrRefused) {
+  EXPECT_EQ(Config::parse(base()).checkpoint.tag_validation, TagValidation::kWarn);
+  EXPECT_EQ(Config::parse(with({{"checkpoint", {{"tag_validation", "fail"}}}})).checkpoint.tag_validation,
+            TagValidation::kFail);
+  Config ig = Config::parse(with({{"checkpoint", {{"tag_validation", "Ignore"}}}}));
+  EXPECT_EQ(ig.checkpoint.tag_validation, TagValidation::kIgnore);
+  EXPECT_TRUE(ig.warnings.empty());
+  expect_parts(config_error(with({{"checkpoint", {{"tag_validation", "Sometimes"}}}})),
+               {"checkpoint.tag_validation", "Sometimes"});
+
+  Config off = Config::parse(with({{"checkpoint",
+                                    {{"load_universal", false},
+                                     {"use_node_local_storage", false},
+                                     {"parallel_write", {{"pipeline_stage", false}}}}}}));
+  EXPECT_TRUE(off.warnings.empty());
+  Config on = Config::parse(with({{"checkpoint",
+                                   {{"load_universal", true},
+                                    {"parallel_write", {{"pipeline_stage", true}}},
+                                    {"writer", {{"type", "fast"}}}}}}));
+  EXPECT_TRUE(any_warning_has(on, "checkpoint.load_universal: ignored"));
+  EXPECT_TRUE(any_warning_has(on, "without conversion"));
+  EXPECT_TRUE(any_warning_has(on, "checkpoint.parallel_write: ignored"));
+  EXPECT_TRUE(any_warning_has(on, "already writes its own shards in parallel"));
+  EXPECT_TRUE(any_warning_has(on, "checkpoint.writer"));
+  expect_parts(config_error(with({{"checkpoint", {{"use_node_local_storage", true}}}})),
+               {"checkpoint.use_node_local_storage", "every rank sees"});
+}
+
 }  // namespace
 }  // namespace zinc

@@ -1,0 +1,268 @@
+#include "tools/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/checkpoint.h"
+
+// Note [safetensors]
+// ------------------
+// zinc-export turns a checkpoint into the weights a user takes elsewhere:
+// the fp32 master weights (the exact values the engine trains; a bf16 export
+// rounds them to nearest-even, the same rounding that makes the engine's
+// bf16 compute weights, so a bf16 export equals them bit for bit). Nothing
+// is gathered in RAM: the checkpoint's reader returns any range of a block's
+// flat vector from whichever rank files hold it (verifying the checksums of
+// what it reads), and each tensor is copied through one buffer of at most a
+// checksum chunk (4 MiB of fp32), so the peak is that buffer, whatever the
+// model's size.
+//
+// Sharding follows the Hugging Face tools: tensors fill a file in model order
+// until the next would pass the limit (a tensor larger than the limit gets a
+// file to itself), files are named NAME-0000k-of-0000n.safetensors, and
+// NAME.safetensors.index.json maps each tensor to its file
+// ({"metadata": {"total_size": bytes}, "weight_map": {...}}). Every file is
+// written as PATH.tmp, fsynced and renamed; the index comes last, so an
+// export that fails midway leaves no file under a final name that a loader
+// would take for complete (files of an earlier export of the same name are
+// replaced only by complete ones).
+//
+// "__metadata__" carries {"format": "pt"}, which the Hugging Face loaders
+// require (it says the layout is PyTorch's: row-major, which zinc's is), and
+// where the weights came from (zinc_checkpoint, zinc_global_steps, zinc_model).
+
+namespace zinc::tools {
+namespace fs = std::filesystem;
+
+int64_t SafeTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+int64_t SafeTensor::bytes() const { return numel() * static_cast<int64_t>(dtype_bytes(dtype)); }
+
+std::string safetensors_header(const std::vector<SafeTensor>& tensors,
+                               const std::map<std::string, std::string>& metadata) {
+  nlohmann::json h = nlohmann::json::object();
+  int64_t at = 0;
+  for (const SafeTensor& t : tensors) {
+    if (h.contains(t.name)) throw Error("safetensors: tensor name '" + t.name + "' appears twice");
+    h[t.name] = {{"dtype", t.dtype == DType::kF32 ? "F32" : "BF16"},
+                 {"shape", t.shape},
+                 {"data_offsets", {at, at + t.bytes()}}};
+    at += t.bytes();
+  }
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  std::string json = h.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);  // little-endian
+  return out + json;
+}
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what, int err) {
+  throw IoError(what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")");
+}
+
+}  // namespace
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafeTensor> tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  const std::string header = safetensors_header(tensors, metadata);
+  for (const SafeTensor& t : tensors) data_bytes_ += t.bytes();
+  fd_ = UniqueFd(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd_) fail("zinc-export: cannot create " + tmp_, errno);
+  buffer_.reserve(size_t{4} << 20);
+  buffer_ = header;
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (!finished_ && fd_) {
+    fd_.reset();
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void SafetensorsWriter::flush() {
+  const char* p = buffer_.data();
+  size_t left = buffer_.size();
+  while (left > 0) {
+    const ssize_t n = ::pwrite(fd_.get(), p, left, static_cast<off_t>(file_offset_));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("zinc-export: write of " + tmp_ + " at byte " + std::to_string(file_offset_) + " failed", errno);
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+    file_offset_ += n;
+  }
+  buffer_.clear();
+}
+
+void SafetensorsWriter::append(const void* data, size_t bytes) {
+  if (appended_ + static_cast<int64_t>(bytes) > data_bytes_)
+    throw Error("safetensors: " + path_ + ": more data than the header's tensors hold");
+  appended_ += static_cast<int64_t>(bytes);
+  if (buffer_.size() + bytes > buffer_.capacity()) flush();
+  if (bytes >= buffer_.capacity()) {
+    buffer_.assign(static_cast<const char*>(data), bytes);
+    flush();
+    return;
+  }
+  buffer_.append(static_cast<const char*>(data), bytes);
+}
+
+void SafetensorsWriter::finish() {
+  if (appended_ != data_bytes_)
+    throw Error("safetensors: " + path_ + ": " + std::to_string(appended_) + " of " + std::to_string(data_bytes_) +
+                " data bytes written");
+  flush();
+  if (::fsync(fd_.get()) != 0) fail("zinc-export: fsync of " + tmp_ + " failed", errno);
+  if (::close(fd_.release()) != 0) fail("zinc-export: close of " + tmp_ + " failed", errno);
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    fail("zinc-export: cannot rename " + tmp_ + " to " + path_, err);
+  }
+  finished_ = true;
+}
+
+int64_t parse_size(const std::string& text, const std::string& what) {
+  size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  size_t j = i;
+  if (j < text.size() && text[j] == '.') {
+    ++j;
+    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+  }
+  std::string unit = text.substr(j);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  static const std::map<std::string, double> kUnits = {
+      {"", 1},       {"B", 1},        {"KB", 1e3},        {"MB", 1e6},        {"GB", 1e9},
+      {"TB", 1e12},  {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+  auto u = kUnits.find(unit);
+  if (i == 0 || u == kUnits.end())
+    throw Error(what + ": '" + text + "' is not a size (a number of bytes, or with a unit: KB, MB, GB, KiB, MiB, GiB)");
+  const double v = std::stod(text.substr(0, j)) * u->second;
+  if (v < 1 || v > 9.0e18) throw Error(what + ": '" + text + "' is out of range (at least 1 byte)");
+  return static_cast<int64_t>(v);
+}
+
+ExportResult export_safetensors(const ExportOptions& opts, const std::function<void(const std::string&)>& progress) {
+  if (opts.out.size() < 12 || opts.out.compare(opts.out.size() - 12, 12, ".safetensors") != 0)
+    throw Error("zinc-export: --out " + opts.out + ": must name a .safetensors file");
+  const ckpt::TagFiles files = ckpt::open_tag(opts.checkpoint_dir, opts.tag);
+  ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
+
+  struct Source {
+    int block;
+    int64_t flat_offset;
+  };
+  std::vector<SafeTensor> tensors;
+  std::vector<Source> sources;
+  const nlohmann::json& blocks = files.meta.at("blocks");
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    for (const nlohmann::json& p : blocks[b].at("params")) {
+      SafeTensor t;
+      t.name = blocks[b].at("name").get<std::string>() + "." + p.at("name").get<std::string>();
+      t.dtype = opts.dtype;
+      t.shape = p.at("shape").get<std::vector<int64_t>>();
+      tensors.push_back(t);
+      sources.push_back({static_cast<int>(b), p.at("offset").get<int64_t>()});
+    }
+  }
+
+  // Shards: tensors in model order, a new file when the next would pass the limit.
+  std::vector<std::vector<size_t>> shards(1);
+  int64_t in_shard = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t b = tensors[i].bytes();
+    if (!shards.back().empty() && in_shard + b > opts.max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(i);
+    in_shard += b;
+  }
+
+  const fs::path out(opts.out);
+  const std::string stem = out.filename().string().substr(0, out.filename().string().size() - 12);
+  auto shard_path = [&](size_t k) {
+    if (shards.size() == 1) return out.string();
+    char name[64];
+    std::snprintf(name, sizeof name, "-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    return (out.parent_path() / (stem + name)).string();
+  };
+  if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
+    throw IoError("zinc-export: --out " + opts.out + ": the folder " + out.parent_path().string() + " does not exist");
+
+  const std::map<std::string, std::string> metadata = {
+      {"format", "pt"},
+      {"zinc_model", files.meta.value("model", "")},
+      {"zinc_checkpoint", files.tag},
+      {"zinc_global_steps", std::to_string(files.meta.at("training").at("global_steps").get<int64_t>())}};
+  ExportResult result;
+  result.tag = files.tag;
+  std::vector<float> piece(static_cast<size_t>(ckpt::kChunkNumel));
+  std::vector<bf16> piece16(opts.dtype == DType::kBF16 ? piece.size() : 0);
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    std::vector<SafeTensor> mine;
+    for (size_t i : shards[k]) mine.push_back(tensors[i]);
+    const std::string path = shard_path(k);
+    SafetensorsWriter w(path, mine, metadata);
+    for (size_t i : shards[k]) {
+      const int64_t n = tensors[i].numel();
+      for (int64_t done = 0; done < n;) {
+        const int64_t take = std::min<int64_t>(n - done, ckpt::kChunkNumel);
+        try {
+          reader.read(sources[i].block, ckpt::kMaster, sources[i].flat_offset + done, take, piece.data());
+        } catch (const IoError& e) {
+          throw IoError(std::string(e.what()) + " (tensor " + tensors[i].name + "; nothing was written to " + path +
+                        ")");
+        }
+        if (opts.dtype == DType::kBF16) {
+          convert_f32_to_bf16(piece.data(), piece16.data(), static_cast<size_t>(take));
+          w.append(piece16.data(), static_cast<size_t>(take) * 2);
+        } else {
+          w.append(piece.data(), static_cast<size_t>(take) * 4);
+        }
+        done += take;
+      }
+      weight_map[tensors[i].name] = fs::path(path).filename().string();
+    }
+    w.finish();
+    result.files.push_back(path);
+    result.tensors += static_cast<int64_t>(mine.size());
+    result.bytes += w.data_bytes();
+    if (progress) {
+      char line[512];
+      std::snprintf(line, sizeof line, "wrote %s: %zu tensors, %.1f MiB", path.c_str(), mine.size(),
+                    static_cast<double>(w.data_bytes()) / (1 << 20));
+      progress(line);
+    }
+  }
+  if (shards.size() > 1) {
+    const nlohmann::json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
+    result.index = out.string() + ".index.json";
+    ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
+    if (progress) progress("wrote " + result.index);
+  }
+  return result;
+}
+
+}  // namespace zinc::tools

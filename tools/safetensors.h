@@ -1,0 +1,86 @@
+// zinc tools: writing the safetensors format, and zinc-export's conversion of
+// a checkpoint into it (Note [safetensors] in safetensors.cpp).
+//
+// The format: an 8-byte little-endian header length N, N bytes of UTF-8 JSON
+// ({"NAME": {"dtype", "shape", "data_offsets": [begin, end)}, ...,
+// "__metadata__": {string: string}}, offsets relative to the data, tensors
+// contiguous), padded with spaces so that the data starts 8-byte aligned,
+// then the tensors' bytes, little-endian, row-major.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/unique_fd.h"
+
+namespace zinc::tools {
+
+struct SafeTensor {
+  std::string name;
+  DType dtype = DType::kF32;  // F32 or BF16
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+  int64_t bytes() const;
+};
+
+// The header's bytes (length prefix, JSON, padding) for these tensors, laid
+// out in the given order.
+std::string safetensors_header(const std::vector<SafeTensor>& tensors,
+                               const std::map<std::string, std::string>& metadata);
+
+// Writes one file: the header at construction, then the tensors' bytes in
+// order through append(); finish() checks that every byte came, fsyncs and
+// renames PATH.tmp to PATH. Destroyed unfinished, it removes PATH.tmp (an
+// export that fails leaves no half-written file under the final name).
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(std::string path, std::vector<SafeTensor> tensors, const std::map<std::string, std::string>& metadata);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void append(const void* data, size_t bytes);
+  void finish();
+  int64_t data_bytes() const { return data_bytes_; }
+
+ private:
+  void flush();
+  std::string path_, tmp_;
+  UniqueFd fd_;
+  int64_t data_bytes_ = 0, appended_ = 0, file_offset_ = 0;
+  std::string buffer_;
+  bool finished_ = false;
+};
+
+// "5GB", "500MB", "2GiB", "123456" (bytes): the decimal units as the Hugging
+// Face tools read them (1 GB = 10^9 bytes), binary ones with an i. Throws
+// zinc::Error naming `what` for anything else.
+int64_t parse_size(const std::string& text, const std::string& what);
+
+struct ExportOptions {
+  std::string checkpoint_dir;
+  std::string tag;          // empty: the one `latest` names
+  std::string out;          // PATH.safetensors
+  DType dtype = DType::kF32;
+  int64_t max_shard_bytes = 5'000'000'000;
+};
+
+struct ExportResult {
+  std::string tag;
+  std::vector<std::string> files;  // the safetensors files written
+  std::string index;               // the index file, when sharded
+  int64_t tensors = 0, bytes = 0;  // tensor data bytes in all files
+};
+
+// Streams the checkpoint's fp32 master weights, tensor by tensor in pieces
+// of at most a checksum chunk, into safetensors files named by the model's
+// parameters ("h.0.attn.c_attn.weight"): one file at opts.out, or, when the
+// tensors exceed max_shard_bytes, NAME-0000k-of-0000n.safetensors beside it
+// with NAME.safetensors.index.json. `progress` gets one line per file.
+ExportResult export_safetensors(const ExportOptions& opts,
+                                const std::function<void(const std::string&)>& progress = nullptr);
+
+}  // namespace zinc::tools
