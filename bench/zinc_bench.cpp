@@ -24,6 +24,8 @@
 //   estimate    zinc-train --estimate's RAM per rank over the peak RSS a
 //               training run of the same config measures (two GPT sizes,
 //               stages 0-3, with and without offload, 2 ranks).
+//   checkpoint  save and load bandwidth of a 101M-parameter model's
+//               checkpoint over fio's write and read on the same disk.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -34,7 +36,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -58,8 +60,9 @@ int main(int argc, char** argv) {
     if (name == "nvme") return zinc::bench::bench_nvme(o);
     if (name == "offload-step") return zinc::bench::bench_offload_step(o);
     if (name == "capacity") return zinc::bench::bench_capacity(o);
+    if (name == "checkpoint") return zinc::bench::bench_checkpoint(o);
     if (name == "estimate") return zinc::bench::bench_estimate(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate)\n", name.c_str());
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/unique_fd.h"
+#include "offload/offload.h"
 
 namespace zinc::ckpt {
 
@@ -21,6 +22,11 @@ namespace zinc::ckpt {
 enum Kind { kMaster = 0, kM = 1, kV = 2 };
 constexpr int kKinds = 3;
 const char* kind_name(int k);  // "fp32 master weights" | "Adam m" | "Adam v"
+
+// Shard files are written in pieces of this many bytes (staging buffers, up
+// to kWriteBuffers of them, written with O_DIRECT through io_uring).
+constexpr int64_t kWriteBytes = int64_t{2} << 20;
+constexpr int kWriteBuffers = 16;
 
 // Checksums cover chunks of this many elements of a span (4 MiB of fp32),
 // so that a reader that needs part of a span verifies only what it reads.
@@ -37,9 +43,14 @@ class RankWriter {
     int64_t flat_offset, count;
   };
   RankWriter(std::string path, std::vector<Span> spans);
-  void write(int block, int kind, int64_t offset_in_span, const float* data, int64_t count);
-  // fsyncs and closes the file; the rank's index (spans, file offsets,
-  // checksums) for the metadata.
+  ~RankWriter();  // waits for writes in flight (their buffers are ours)
+  RankWriter(const RankWriter&) = delete;
+  RankWriter& operator=(const RankWriter&) = delete;
+  // `stable`: data stays valid and unchanged until finish() (states in RAM):
+  // its 4 KiB-aligned part is written from where it is, not copied.
+  void write(int block, int kind, int64_t offset_in_span, const float* data, int64_t count, bool stable = false);
+  // Writes what is staged, waits for every write, fsyncs and closes the
+  // file; the rank's index (spans, file offsets, checksums) for the metadata.
   nlohmann::json finish();
   const std::string& path() const { return path_; }
 
@@ -48,14 +59,32 @@ class RankWriter {
     int64_t written = 0;  // elements so far
     std::shared_ptr<void> state;  // XXH3_state_t of the chunk being hashed
     std::vector<std::string> chunks;
+    int buffer = -1;      // staging buffer being filled, -1: none
+    int64_t fill = 0;     // bytes in it
+    int64_t flushed = 0;  // bytes of the region handed to the kernel
+    int64_t region = 0;   // the region's first byte in the file (4 KiB aligned)
+  };
+  struct Pending {
+    int64_t offset, bytes;
+    const char* data;
   };
   Stream& stream(int block, int kind);
+  void submit(Stream& st);
+  int take_buffer();
+  void reap_one();
   std::string path_;
   UniqueFd fd_;
   std::vector<Span> spans_;
   std::map<int, size_t> index_;           // block -> position in spans_
   std::vector<int64_t> file_offset_;      // per span, bytes of its master; m and v follow
+  std::vector<int64_t> region_bytes_;     // per span: each kind's region, rounded up to 4 KiB
   std::vector<Stream> streams_;           // per span and kind
+  // Staging buffers, written with O_DIRECT through io_uring.
+  std::unique_ptr<offload::IoEngine> io_;
+  std::vector<std::shared_ptr<void>> buffers_;
+  std::vector<int> free_;
+  std::map<uint64_t, Pending> pending_;   // by buffer (writes from the caller's memory: tags from kWriteBuffers)
+  uint64_t next_tag_ = kWriteBuffers;
 };
 
 class CheckpointReader {
@@ -85,10 +114,11 @@ class CheckpointReader {
   std::vector<std::string> names_;
   std::map<int, std::vector<Saved>> saved_;  // block -> spans
   std::map<std::string, UniqueFd> files_;
+  std::map<std::string, UniqueFd> direct_;  // O_DIRECT, where the file system has it
   // The last chunk read and verified (pieces come in order).
   std::string cached_file_;
   int64_t cached_at_ = -1;
-  std::vector<float> cached_;
+  std::shared_ptr<void> cached_;  // kChunkNumel floats, 4 KiB aligned (O_DIRECT reads)
   int64_t bytes_read_ = 0;
 };
 

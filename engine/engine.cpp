@@ -568,10 +568,12 @@ struct Engine::Impl final : StepContext {
         spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
                          blocks[b].opt_numel});
       ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
-      opt_state->for_each([&](const StateSpan& sp) {
-        w.write(sp.block, ckpt::kMaster, sp.offset, sp.master, sp.count);
-        w.write(sp.block, ckpt::kM, sp.offset, sp.m, sp.count);
-        w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count);
+      // States in RAM stay put until finish(): written from where they are.
+      const bool stable = offload_device != OffloadDevice::kNvme;
+      opt_state->for_each_read([&](const StateSpan& sp) {
+        w.write(sp.block, ckpt::kMaster, sp.offset, sp.master, sp.count, stable);
+        w.write(sp.block, ckpt::kM, sp.offset, sp.m, sp.count, stable);
+        w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count, stable);
       });
       nlohmann::json index = w.finish();
       index["rank"] = rank;

@@ -40,6 +40,9 @@ class OptimizerState {
   // next read and the previous written while fn runs); what fn leaves in
   // master, m and v is kept.
   virtual void for_each(const std::function<void(const StateSpan&)>& fn) = 0;
+  // The same walk for a reader (a checkpoint save): fn must not change the
+  // span, and on NVMe nothing is written back.
+  virtual void for_each_read(const std::function<void(const StateSpan&)>& fn) { for_each(fn); }
   // Copies a block's master weights (span_numel[block] elements) to out.
   virtual void read_master(int block, float* out) = 0;
   // The block's master weights where they stay in memory (RAM, pinned RAM),

@@ -57,7 +57,8 @@ void OptimizerSwapper::init_block(int block, const float* master) {
   }
 }
 
-void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*, float*, float*)>& fn) {
+void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*, float*, float*)>& fn,
+                                bool write_back) {
   const size_t n = groups_.size(), nb = buffers_.size();
   std::vector<IoTicket> reads(n), writes(n);
   auto buf = [&](size_t i) { return buffers_[i % nb].as<float>(); };
@@ -76,7 +77,7 @@ void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*
     const SubGroup& g = groups_[i];
     float* b = buf(i);
     fn(g, b, b + g.count, b + 2 * g.count);
-    writes[i] = store_->write(file_, g.file_offset, b, bytes(i));
+    if (write_back) writes[i] = store_->write(file_, g.file_offset, b, bytes(i));
     issue_reads(i + nb);
   }
   for (size_t i = 0; i < n; ++i) writes[i].wait();
