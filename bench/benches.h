@@ -56,10 +56,10 @@ inline void emit(bool json, const nlohmann::json& line, const std::string& human
   std::fflush(stdout);
 }
 
-// fio (io_uring, O_DIRECT, 1 MiB blocks, queue depth 8) on `file` of
+// fio (io_uring, O_DIRECT, 1 MiB blocks or `block`, queue depth 8) on `file` of
 // `bytes`: bytes per second. require_fio throws a clear error without fio.
 void require_fio();
-double fio_bw(const std::string& file, int64_t bytes, bool write);
+double fio_bw(const std::string& file, int64_t bytes, bool write, const std::string& block = "1M");
 
 // zinc-train beside this zinc-bench (build tree); throws if it is missing.
 std::string zinc_train_path();

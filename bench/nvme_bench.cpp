@@ -72,11 +72,11 @@ void require_fio() {
 }
 
 // One fio job with the store's settings; returns bytes per second.
-double fio_bw(const std::string& file, int64_t bytes, bool write) {
+double fio_bw(const std::string& file, int64_t bytes, bool write, const std::string& block) {
   const std::string rw = write ? "write" : "read";
   const std::string out =
       run("fio --name=zinc-nvme --filename=" + shell_quote(file) + " --size=" + std::to_string(bytes) +
-          " --ioengine=io_uring --direct=1 --bs=1M --iodepth=" + std::to_string(kDepth) + " --rw=" + rw +
+          " --ioengine=io_uring --direct=1 --bs=" + block + " --iodepth=" + std::to_string(kDepth) + " --rw=" + rw +
           " --numjobs=1 --output-format=json");
   const size_t start = out.find('{');  // fio may print notes before the JSON
   if (start == std::string::npos) throw Error("nvme bench: no JSON from fio: " + out);

@@ -216,7 +216,7 @@ void RankWriter::write(int block, int kind, int64_t offset_in_span, const float*
     // caller's memory aligned: its whole 4 KiB pages go from where they are.
     for (int64_t direct = left / 4096 * 4096; direct > 0;) {
       while (io_->in_flight() >= kWriteBuffers) reap_one();
-      const int64_t n = std::min(direct, kWriteBytes);
+      const int64_t n = std::min(direct, kDirectWriteBytes);
       const uint64_t tag = next_tag_++;
       pending_[tag] = {st.region + st.flushed, n, p};
       io_->submit_write(fd_.get(), p, n, st.region + st.flushed, tag);

@@ -27,6 +27,8 @@ const char* kind_name(int k);  // "fp32 master weights" | "Adam m" | "Adam v"
 // to kWriteBuffers of them, written with O_DIRECT through io_uring).
 constexpr int64_t kWriteBytes = int64_t{2} << 20;
 constexpr int kWriteBuffers = 16;
+// Memory that stays put (states in RAM) is written in pieces of this size.
+constexpr int64_t kDirectWriteBytes = int64_t{8} << 20;
 
 // Checksums cover chunks of this many elements of a span (4 MiB of fp32),
 // so that a reader that needs part of a span verifies only what it reads.

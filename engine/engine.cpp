@@ -458,13 +458,17 @@ struct Engine::Impl final : StepContext {
   void update_all(float grad_scale) {
     visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
   }
-  void visit_updating(const std::function<void(const StateSpan&)>& fn) {
+  // overwrite: fn sets every element of master, m and v (a load), so states
+  // on NVMe need not be read first.
+  void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false) {
     int last = -1;
-    opt_state->for_each([&](const StateSpan& sp) {
+    auto visit = [&](const StateSpan& sp) {
       if (sp.block != last && last >= 0) params->finish_update(last);
       last = sp.block;
       fn(sp);
-    });
+    };
+    if (overwrite) opt_state->for_each_overwrite(visit);
+    else opt_state->for_each(visit);
     if (last >= 0) params->finish_update(last);
   }
 
@@ -648,7 +652,7 @@ struct Engine::Impl final : StepContext {
       if (!out) return;
       if (dtype == DType::kBF16) convert_f32_to_bf16(sp.master, reinterpret_cast<bf16*>(out), static_cast<size_t>(sp.count));
       else std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
-    });
+    }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
     params->gather_after_step();
     const nlohmann::json& t = meta.at("training");
     global_steps = t.at("global_steps");

@@ -96,6 +96,13 @@ class NvmeState final : public OptimizerState {
         },
         /*write_back=*/false);
   }
+  void for_each_overwrite(const std::function<void(const StateSpan&)>& fn) override {
+    swapper_.for_each(
+        [&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+          fn({g.block, g.offset, g.count, master, m, v});
+        },
+        /*write_back=*/true, /*read=*/false);
+  }
   void read_master(int b, float* out) override { swapper_.read_master(b, out); }
   float* master_in_memory(int) override { return nullptr; }
   int64_t bytes_read() const override { return swapper_.bytes_read(); }

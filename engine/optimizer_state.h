@@ -43,6 +43,9 @@ class OptimizerState {
   // The same walk for a reader (a checkpoint save): fn must not change the
   // span, and on NVMe nothing is written back.
   virtual void for_each_read(const std::function<void(const StateSpan&)>& fn) { for_each(fn); }
+  // The same walk for a writer that sets every element of every span (a
+  // checkpoint load): on NVMe the old values are not read first.
+  virtual void for_each_overwrite(const std::function<void(const StateSpan&)>& fn) { for_each(fn); }
   // Copies a block's master weights (span_numel[block] elements) to out.
   virtual void read_master(int block, float* out) = 0;
   // The block's master weights where they stay in memory (RAM, pinned RAM),

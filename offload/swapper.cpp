@@ -58,7 +58,7 @@ void OptimizerSwapper::init_block(int block, const float* master) {
 }
 
 void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*, float*, float*)>& fn,
-                                bool write_back) {
+                                bool write_back, bool read) {
   const size_t n = groups_.size(), nb = buffers_.size();
   std::vector<IoTicket> reads(n), writes(n);
   auto buf = [&](size_t i) { return buffers_[i % nb].as<float>(); };
@@ -71,14 +71,15 @@ void OptimizerSwapper::for_each(const std::function<void(const SubGroup&, float*
       reads[next_read] = store_->read(file_, groups_[next_read].file_offset, buf(next_read), bytes(next_read));
     }
   };
-  issue_reads(nb - 1);  // keep one buffer for the write of the group in hand
+  if (read) issue_reads(nb - 1);  // keep one buffer for the write of the group in hand
   for (size_t i = 0; i < n; ++i) {
-    reads[i].wait();
+    if (read) reads[i].wait();
+    else if (i >= nb) writes[i - nb].wait();  // the buffer's previous group is on disk
     const SubGroup& g = groups_[i];
     float* b = buf(i);
     fn(g, b, b + g.count, b + 2 * g.count);
     if (write_back) writes[i] = store_->write(file_, g.file_offset, b, bytes(i));
-    issue_reads(i + nb);
+    if (read) issue_reads(i + nb);
   }
   for (size_t i = 0; i < n; ++i) writes[i].wait();
 }

@@ -75,9 +75,10 @@ class OptimizerSwapper {
   void init_block(int block, const float* master);
   // Runs fn on every sub-group in order with its master, m, v in memory; what
   // fn leaves there is written back (write_back false: a reader's pass, which
-  // writes nothing).
+  // writes nothing; read false: a writer's pass, in which fn sets every
+  // element and nothing is read first).
   void for_each(const std::function<void(const SubGroup&, float* master, float* m, float* v)>& fn,
-                bool write_back = true);
+                bool write_back = true, bool read = true);
   // Reads a block's master weights (span_numel[block] elements) into out.
   void read_master(int block, float* out);
 

@@ -551,8 +551,9 @@ TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
 }
 
 // A save reads the optimizer states on NVMe and writes nothing back to the
-// store (the walk is a reader's), and the states it leaves load back.
-TEST(Checkpoint, SavingNvmeStatesWritesNothingToTheStore) {
+// store (the walk is a reader's); a load writes them without reading the old
+// ones first; the weights come back.
+TEST(Checkpoint, NvmeStatesAreOnlyReadBySaveAndOnlyWrittenByLoad) {
   testing_train::RunSpec r;
   r.stage = 1;
   r.offload = "nvme";
@@ -571,7 +572,11 @@ TEST(Checkpoint, SavingNvmeStatesWritesNothingToTheStore) {
   const std::vector<float> before = testing_train::all_weights(e);
   Engine again = Engine::initialize(testing_train::make_model(r.model), testing_train::make_config(r));
   EXPECT_NE(testing_train::all_weights(again), before);
+  // A load writes the states to the store without reading the old ones.
+  const int64_t read1 = again.offload_bytes_read(), written1 = again.offload_bytes_written();
   again.load_checkpoint(dir);
+  EXPECT_EQ(again.offload_bytes_read(), read1);
+  EXPECT_GT(again.offload_bytes_written(), written1);
   EXPECT_EQ(testing_train::all_weights(again), before);
 }
 
