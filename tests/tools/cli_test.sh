@@ -40,6 +40,18 @@ check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set dat
 check_error bad-override "key.path=value" "$CFG" --set foo
 ONEDNN_MAX_CPU_ISA=avx3 check_error bad-isa-cap "ONEDNN_MAX_CPU_ISA=avx3: unknown ISA" "$CFG"
 check_error heads 'n_head' "$CFG" --set model.n_head=3
+# --save-weights is checked before training, not after it (usage error: 2).
+for bad in "$TMP/w.bin" "$TMP/no/such/w.safetensors"; do
+  "$ZT" "$CFG" --steps 1 --save-weights "$bad" >"$TMP/out" 2>"$TMP/err"
+  rc=$?
+  if [ "$rc" -eq 2 ] && grep -qF -- "--save-weights $bad: must be a .safetensors file in an existing folder" "$TMP/err" &&
+     ! grep -q '^step' "$TMP/out"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    echo "FAIL save-weights $bad: rc=$rc"; cat "$TMP/out" "$TMP/err"
+  fi
+done
 NV="$ROOT/configs/nvme.json"
 check_error nvme-missing-path "zero_optimization.offload_optimizer.nvme_path: nvme_path $TMP/absent does not exist" "$NV" --steps 2 --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
 check_error param-missing-path "zero_optimization.offload_param.nvme_path: nvme_path $TMP/absent does not exist" \
