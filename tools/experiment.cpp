@@ -20,6 +20,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   ParsedExperiment parsed = parse_experiment(doc, world_size);
   e.config = std::move(parsed.config);
   e.experiment = std::move(parsed.experiment);
+  e.auto_values = std::move(parsed.auto_values);
   const ModelConfig& m = e.experiment.model;
   e.data = make_data_source(e.experiment.data);
   if (e.experiment.run.eval_interval > 0) {

@@ -25,6 +25,7 @@ struct Experiment {
   std::shared_ptr<const DataSource> data;
   std::shared_ptr<const DataSource> eval_data;  // held-out samples; null without evaluation
   std::shared_ptr<Model> model;
+  std::vector<AutoValue> auto_values;  // "auto" values resolved from the `trainer` section and the rules
 };
 
 // Reads the config file, applies `--set` overrides in order, parses it

@@ -111,7 +111,7 @@ const char* comm_backend_name(CommBackend b) {
 }
 
 const std::vector<std::string>& ExperimentConfig::sections() {
-  static const std::vector<std::string> kSections = {"model", "data", "run", "comm"};
+  static const std::vector<std::string> kSections = {"model", "data", "run", "comm", "trainer"};
   return kSections;
 }
 
@@ -179,8 +179,10 @@ void ExperimentConfig::validate() const {
 
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   ParsedExperiment p;
-  p.config = Config::parse(doc, world_size, ExperimentConfig::sections());
-  p.experiment = ExperimentConfig::parse(doc);
+  ResolvedConfig r = resolve_auto(doc, world_size);
+  p.config = Config::parse(r.doc, world_size, ExperimentConfig::sections());
+  p.experiment = ExperimentConfig::parse(r.doc);
+  p.auto_values = std::move(r.values);
   p.config.seed = p.experiment.run.seed;
   return p;
 }

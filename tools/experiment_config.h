@@ -18,6 +18,7 @@
 
 #include "data/data.h"
 #include "engine/config.h"
+#include "tools/auto_config.h"
 
 namespace zinc::tools {
 
@@ -75,7 +76,8 @@ struct ExperimentConfig {
   std::vector<std::string> warnings;  // ignored keys in these sections, already logged
 
   // The top-level keys these sections take ("model", "data", "run",
-  // "comm"): the caller_sections to give Config::parse.
+  // "comm", and "trainer", which resolve_auto reads): the caller_sections
+  // to give Config::parse.
   static const std::vector<std::string>& sections();
 
   // Parses and validates the four sections of `doc` and nothing else (the
@@ -98,10 +100,12 @@ struct ExperimentConfig {
 struct ParsedExperiment {
   Config config;                // the DeepSpeed sections; config.seed = experiment.run.seed
   ExperimentConfig experiment;  // model, data, run, comm
+  std::vector<AutoValue> auto_values;  // the "auto" values resolved (resolve_auto), in document order
 };
 
-// Config::parse(doc, world_size, ExperimentConfig::sections()), then
-// ExperimentConfig::parse(doc): every key of the document checked once.
+// resolve_auto(doc, world_size), then Config::parse(resolved, world_size,
+// ExperimentConfig::sections()) and ExperimentConfig::parse(resolved): every
+// key of the document checked once.
 // Throws ConfigError.
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size = 1);
 

@@ -364,7 +364,15 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t steps = run.steps;
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
+  if (json && !quiet && !ex.auto_values.empty()) {
+    nlohmann::json values = nlohmann::json::array();
+    for (const zinc::tools::AutoValue& a : ex.auto_values)
+      values.push_back({{"path", a.path}, {"value", a.value}, {"source", a.source}});
+    std::printf("%s\n", nlohmann::json({{"event", "auto"}, {"values", values}}).dump().c_str());
+  }
   if (!json && !quiet) {
+    for (const zinc::tools::AutoValue& a : ex.auto_values)
+      std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
     std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
                 ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
                 cfg.bf16 ? "bf16" : "fp32", ex.data->describe().c_str());

@@ -40,6 +40,30 @@ check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set dat
 check_error bad-override "key.path=value" "$CFG" --set foo
 ONEDNN_MAX_CPU_ISA=avx3 check_error bad-isa-cap "ONEDNN_MAX_CPU_ISA=avx3: unknown ISA" "$CFG"
 check_error heads 'n_head' "$CFG" --set model.n_head=3
+# A Hugging Face-style config full of "auto": each value resolved and said
+# once, from the trainer section or the rules; --json gives one "auto" event.
+if "$ZT" "$ROOT/configs/hf_auto.json" --steps 2 >"$TMP/out" 2>"$TMP/err" &&
+   grep -qF 'config: optimizer.params.lr = 0.003 ("auto": trainer.learning_rate)' "$TMP/out" &&
+   grep -qF 'config: train_batch_size = 64 ("auto": 1 rank x micro-batch 32 x accumulation 2)' "$TMP/out" &&
+   grep -qF 'config: scheduler.params.total_num_steps = 2 ("auto": run.steps)' "$TMP/out" &&
+   "$ZT" "$ROOT/configs/hf_auto.json" --steps 2 --json >"$TMP/out.json" 2>"$TMP/err" &&
+   python3 - "$TMP/out.json" <<'PY'
+import json, sys
+events = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+auto = [e for e in events if e["event"] == "auto"]
+assert len(auto) == 1, auto
+values = {v["path"]: v for v in auto[0]["values"]}
+assert values["zero_optimization.reduce_bucket_size"]["value"] == 128 * 128, values
+assert values["bf16.enabled"]["value"] is True and values["fp16.enabled"]["value"] is False, values
+assert events[-1]["event"] == "summary", events[-1]
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL hf_auto"; cat "$TMP/out" "$TMP/err"
+fi
+
 # --save-weights is checked before training, not after it (usage error: 2).
 for bad in "$TMP/w.bin" "$TMP/no/such/w.safetensors"; do
   "$ZT" "$CFG" --steps 1 --save-weights "$bad" >"$TMP/out" 2>"$TMP/err"

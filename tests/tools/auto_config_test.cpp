@@ -1,0 +1,132 @@
+// "auto" values (tools/auto_config.h): each rule, its source, the `trainer`
+// section's strictness, and an "auto" without a rule left for the parser to
+// report at its path.
+#include "tools/auto_config.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/error.h"
+#include "tests/engine/config_test_util.h"
+#include "tools/experiment_config.h"
+
+namespace zinc::tools {
+namespace {
+
+using nlohmann::json;
+
+// The Hugging Face Trainer's usual ZeRO-2 config, every value "auto".
+json hf_config() {
+  return {{"fp16", {{"enabled", "auto"}, {"loss_scale", 0}, {"initial_scale_power", 16}}},
+          {"bf16", {{"enabled", "auto"}}},
+          {"optimizer",
+           {{"type", "AdamW"}, {"params", {{"lr", "auto"}, {"betas", "auto"}, {"eps", "auto"}, {"weight_decay", "auto"}}}}},
+          {"scheduler",
+           {{"type", "WarmupDecayLR"},
+            {"params",
+             {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"}, {"total_num_steps", "auto"}}}}},
+          {"zero_optimization",
+           {{"stage", 3},
+            {"reduce_bucket_size", "auto"},
+            {"stage3_prefetch_bucket_size", "auto"},
+            {"stage3_param_persistence_threshold", "auto"}}},
+          {"gradient_accumulation_steps", "auto"},
+          {"gradient_clipping", "auto"},
+          {"train_batch_size", "auto"},
+          {"train_micro_batch_size_per_gpu", "auto"},
+          {"model", {{"type", "gpt"}, {"n_layer", 2}, {"n_head", 4}, {"n_embd", 64}}},
+          {"data", {{"type", "synthetic"}, {"vocab_size", 32}, {"seq_len", 16}}},
+          {"run", {{"steps", 200}}}};
+}
+
+const AutoValue* find(const ResolvedConfig& r, const std::string& path) {
+  for (const AutoValue& a : r.values)
+    if (a.path == path) return &a;
+  return nullptr;
+}
+
+TEST(AutoConfig, TheTrainersRulesFromTheTrainerSection) {
+  json doc = hf_config();
+  doc["trainer"] = {{"per_device_train_batch_size", 4}, {"gradient_accumulation_steps", 3}, {"learning_rate", 1e-3},
+                    {"adam_beta1", 0.8},  {"adam_beta2", 0.95},  {"adam_epsilon", 1e-6},
+                    {"weight_decay", 0.1}, {"max_grad_norm", 0.5}, {"warmup_steps", 7}};
+  const ResolvedConfig r = resolve_auto(doc, 2);
+  const json& d = r.doc;
+  EXPECT_EQ(d["train_micro_batch_size_per_gpu"], 4);
+  EXPECT_EQ(d["gradient_accumulation_steps"], 3);
+  EXPECT_EQ(d["train_batch_size"], 24);  // 2 ranks x 4 x 3
+  EXPECT_EQ(d["gradient_clipping"], 0.5);
+  EXPECT_EQ(d["optimizer"]["params"]["lr"], 1e-3);
+  EXPECT_EQ(d["optimizer"]["params"]["betas"], json::array({0.8, 0.95}));
+  EXPECT_EQ(d["optimizer"]["params"]["eps"], 1e-6);
+  EXPECT_EQ(d["optimizer"]["params"]["weight_decay"], 0.1);
+  EXPECT_EQ(d["scheduler"]["params"]["warmup_min_lr"], 0.0);
+  EXPECT_EQ(d["scheduler"]["params"]["warmup_max_lr"], 1e-3);
+  EXPECT_EQ(d["scheduler"]["params"]["warmup_num_steps"], 7);
+  EXPECT_EQ(d["scheduler"]["params"]["total_num_steps"], 200);
+  EXPECT_EQ(d["zero_optimization"]["reduce_bucket_size"], 64 * 64);
+  EXPECT_EQ(d["zero_optimization"]["stage3_prefetch_bucket_size"], static_cast<int64_t>(0.9 * 64 * 64));
+  EXPECT_EQ(d["zero_optimization"]["stage3_param_persistence_threshold"], 640);
+  EXPECT_EQ(d["fp16"]["enabled"], false);
+  EXPECT_EQ(d["bf16"]["enabled"], true);
+  ASSERT_NE(find(r, "optimizer.params.lr"), nullptr);
+  EXPECT_EQ(find(r, "optimizer.params.lr")->source, "trainer.learning_rate");
+  EXPECT_NE(find(r, "train_batch_size")->source.find("2 ranks"), std::string::npos);
+  EXPECT_NE(find(r, "zero_optimization.reduce_bucket_size")->source.find("model.n_embd 64"), std::string::npos);
+  EXPECT_EQ(r.values.size(), 17u);
+  // The resolved document parses, at the world size it was resolved for.
+  const ParsedExperiment p = parse_experiment(doc, 2);
+  EXPECT_EQ(p.config.train_batch_size, 24);
+  EXPECT_EQ(p.config.zero.stage, 3);
+  EXPECT_TRUE(p.config.bf16);
+  EXPECT_EQ(p.auto_values.size(), 17u);
+}
+
+TEST(AutoConfig, TrainerDefaultsWarmupRatioAndPrecision) {
+  json doc = hf_config();
+  ResolvedConfig r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["train_micro_batch_size_per_gpu"], 8);  // the Trainer's defaults
+  EXPECT_EQ(r.doc["train_batch_size"], 8);
+  EXPECT_EQ(r.doc["optimizer"]["params"]["lr"], 5e-5);
+  EXPECT_EQ(r.doc["gradient_clipping"], 1.0);
+  EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 0);
+
+  doc["trainer"] = {{"warmup_ratio", 0.033}};
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 7);  // ceil(0.033 x 200)
+
+  doc["trainer"] = {{"bf16", false}};
+  EXPECT_EQ(resolve_auto(doc, 1).doc["bf16"]["enabled"], false);
+  doc["trainer"] = {{"fp16", true}};
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["fp16"]["enabled"], true);
+  EXPECT_EQ(r.doc["bf16"]["enabled"], false);  // fp16 asked for: bf16 stays off
+  EXPECT_EQ(find(r, "bf16.enabled")->source, "off: fp16 is enabled");
+
+  // Concrete values are kept, and train_batch_size follows them.
+  doc = hf_config();
+  doc["train_micro_batch_size_per_gpu"] = 2;
+  doc["gradient_accumulation_steps"] = 5;
+  r = resolve_auto(doc, 4);
+  EXPECT_EQ(r.doc["train_batch_size"], 40);
+  EXPECT_EQ(find(r, "train_micro_batch_size_per_gpu"), nullptr);
+}
+
+TEST(AutoConfig, TrainerSectionIsStrictAndAnAutoWithoutARuleIsReportedAtItsPath) {
+  json doc = hf_config();
+  doc["trainer"] = {{"learning_rat", 1e-3}};
+  testing_config::expect_parts(
+      testing_config::error_of_parse([](const json& d) { resolve_auto(d, 1); }, doc),
+      {"trainer.learning_rat", "did you mean 'learning_rate'"});
+  doc["trainer"] = {{"per_device_train_batch_size", 0}};
+  testing_config::expect_parts(testing_config::error_of_parse([](const json& d) { resolve_auto(d, 1); }, doc),
+                               {"trainer.per_device_train_batch_size"});
+  doc = hf_config();
+  doc["zero_optimization"]["sub_group_size"] = "auto";
+  testing_config::expect_parts(testing_config::error_of_parse([](const json& d) { parse_experiment(d, 1); }, doc),
+                               {"zero_optimization.sub_group_size", "\"auto\" is a placeholder"});
+}
+
+}  // namespace
+}  // namespace zinc::tools

@@ -1,0 +1,184 @@
+#include "tools/auto_config.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "engine/config_reader.h"
+#include "tools/experiment_config.h"
+
+// Note ["auto"]
+// -------------
+// The rules are the Hugging Face Trainer's, with the `trainer` section (its
+// TrainingArguments, with its names and defaults) as the source:
+//   train_micro_batch_size_per_gpu   trainer.per_device_train_batch_size
+//   gradient_accumulation_steps      trainer.gradient_accumulation_steps
+//   train_batch_size                 world size x micro-batch x accumulation
+//                                    (the concrete values if they are given)
+//   gradient_clipping                trainer.max_grad_norm
+//   optimizer.params lr, betas, eps, weight_decay
+//                                    trainer.learning_rate, [adam_beta1,
+//                                    adam_beta2], adam_epsilon, weight_decay
+//   scheduler.params warmup_min_lr 0, warmup_max_lr trainer.learning_rate,
+//                    warmup_num_steps trainer.warmup_steps (or
+//                    ceil(warmup_ratio x run.steps)), total_num_steps
+//                    run.steps
+//   zero_optimization reduce_bucket_size hidden^2,
+//                     stage3_prefetch_bucket_size 0.9 hidden^2,
+//                     stage3_param_persistence_threshold 10 hidden
+//                    (hidden: model.n_embd)
+//   bf16.enabled / fp16.enabled     trainer.bf16 / trainer.fp16 when given;
+//                                    otherwise bf16 on (zinc runs bf16 on
+//                                    every x86-64 CPU, natively where the CPU
+//                                    has it) unless fp16 is enabled, and fp16
+//                                    off.
+// Resolution happens on the document before any parsing, so the parsed
+// config, its checks and what a checkpoint stores are all the concrete
+// values.
+
+namespace zinc::tools {
+namespace {
+
+using nlohmann::json;
+using namespace zinc::config;
+
+bool is_auto(const json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+TrainerConfig parse_trainer(const json& doc) {
+  TrainerConfig t;
+  if (!doc.is_object()) return t;
+  std::vector<std::string> warnings;
+  Reader root(doc, "", warnings);
+  Reader r = root.section("trainer");
+  r.get_int("per_device_train_batch_size", t.per_device_train_batch_size, at_least(1));
+  r.get_int("gradient_accumulation_steps", t.gradient_accumulation_steps, at_least(1));
+  r.get_number("learning_rate", t.learning_rate, at_least(0));
+  r.get_number("adam_beta1", t.adam_beta1, closed(0, 1));
+  r.get_number("adam_beta2", t.adam_beta2, closed(0, 1));
+  r.get_number("adam_epsilon", t.adam_epsilon, above(0));
+  r.get_number("weight_decay", t.weight_decay, at_least(0));
+  r.get_number("max_grad_norm", t.max_grad_norm, at_least(0));
+  r.get_int("warmup_steps", t.warmup_steps, at_least(0));
+  r.get_number("warmup_ratio", t.warmup_ratio, closed(0, 1));
+  bool b = false;
+  if (r.get_bool("bf16", b)) t.bf16 = b;
+  if (r.get_bool("fp16", b)) t.fp16 = b;
+  r.finish();
+  return t;
+}
+
+ResolvedConfig resolve_auto(const json& doc, int world_size) {
+  ResolvedConfig out;
+  out.doc = doc;
+  if (!doc.is_object()) return out;
+  const TrainerConfig t = parse_trainer(doc);
+  json& d = out.doc;
+  auto set = [&](json& obj, const std::string& key, const std::string& path, const json& v, const std::string& why) {
+    obj[key] = v;
+    out.values.push_back({path, v, why});
+  };
+  auto auto_at = [](json& obj, const std::string& key) {
+    return obj.is_object() && obj.contains(key) && is_auto(obj[key]);
+  };
+
+  // Batch triad: micro-batch and accumulation first, then the product.
+  if (auto_at(d, "train_micro_batch_size_per_gpu"))
+    set(d, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", t.per_device_train_batch_size,
+        "trainer.per_device_train_batch_size");
+  if (auto_at(d, "gradient_accumulation_steps"))
+    set(d, "gradient_accumulation_steps", "gradient_accumulation_steps", t.gradient_accumulation_steps,
+        "trainer.gradient_accumulation_steps");
+  if (auto_at(d, "train_batch_size")) {
+    const json& m = d.value("train_micro_batch_size_per_gpu", json());
+    const json& g = d.value("gradient_accumulation_steps", json());
+    const int64_t micro = m.is_number_integer() ? m.get<int64_t>() : t.per_device_train_batch_size;
+    const int64_t gas = g.is_number_integer() ? g.get<int64_t>() : t.gradient_accumulation_steps;
+    set(d, "train_batch_size", "train_batch_size", micro * gas * world_size,
+        std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " x micro-batch " + std::to_string(micro) + " x accumulation " +
+            std::to_string(gas));
+  }
+  if (auto_at(d, "gradient_clipping"))
+    set(d, "gradient_clipping", "gradient_clipping", t.max_grad_norm, "trainer.max_grad_norm");
+
+  if (d.contains("optimizer") && d["optimizer"].is_object() && d["optimizer"].contains("params")) {
+    json& p = d["optimizer"]["params"];
+    if (auto_at(p, "lr")) set(p, "lr", "optimizer.params.lr", t.learning_rate, "trainer.learning_rate");
+    if (auto_at(p, "betas"))
+      set(p, "betas", "optimizer.params.betas", json::array({t.adam_beta1, t.adam_beta2}),
+          "trainer.adam_beta1, trainer.adam_beta2");
+    if (auto_at(p, "eps")) set(p, "eps", "optimizer.params.eps", t.adam_epsilon, "trainer.adam_epsilon");
+    if (auto_at(p, "weight_decay"))
+      set(p, "weight_decay", "optimizer.params.weight_decay", t.weight_decay, "trainer.weight_decay");
+  }
+
+  // The run's length (the `run` section's default when it is not given).
+  const json run = d.value("run", json::object());
+  const int64_t steps = run.is_object() && run.contains("steps") && run["steps"].is_number_integer()
+                            ? run["steps"].get<int64_t>()
+                            : RunConfig{}.steps;
+  if (d.contains("scheduler") && d["scheduler"].is_object() && d["scheduler"].contains("params")) {
+    json& p = d["scheduler"]["params"];
+    if (auto_at(p, "warmup_min_lr")) set(p, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0.0, "0, as the Trainer sets it");
+    if (auto_at(p, "warmup_max_lr"))
+      set(p, "warmup_max_lr", "scheduler.params.warmup_max_lr", t.learning_rate, "trainer.learning_rate");
+    if (auto_at(p, "warmup_num_steps")) {
+      if (t.warmup_steps > 0 || t.warmup_ratio == 0)
+        set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps", t.warmup_steps, "trainer.warmup_steps");
+      else
+        set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps",
+            static_cast<int64_t>(std::ceil(t.warmup_ratio * static_cast<double>(steps))),
+            "ceil(trainer.warmup_ratio " + num(t.warmup_ratio) + " x run.steps " + std::to_string(steps) + ")");
+    }
+    if (auto_at(p, "total_num_steps")) set(p, "total_num_steps", "scheduler.params.total_num_steps", steps, "run.steps");
+  }
+
+  if (d.contains("zero_optimization") && d["zero_optimization"].is_object()) {
+    const json model = d.value("model", json::object());
+    const int64_t hidden = model.is_object() && model.contains("n_embd") && model["n_embd"].is_number_integer()
+                               ? model["n_embd"].get<int64_t>()
+                               : ModelConfig{}.n_embd;
+    const std::string h = " (model.n_embd " + std::to_string(hidden) + ")";
+    json& z = d["zero_optimization"];
+    if (auto_at(z, "reduce_bucket_size"))
+      set(z, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", hidden * hidden, "hidden^2" + h);
+    if (auto_at(z, "stage3_prefetch_bucket_size"))
+      set(z, "stage3_prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+          static_cast<int64_t>(0.9 * static_cast<double>(hidden * hidden)), "0.9 hidden^2" + h);
+    if (auto_at(z, "stage3_param_persistence_threshold"))
+      set(z, "stage3_param_persistence_threshold", "zero_optimization.stage3_param_persistence_threshold",
+          10 * hidden, "10 hidden" + h);
+  }
+
+  // Precision. fp16 first: whether it is on decides bf16's default.
+  auto enabled = [&](const char* section) -> json* {
+    if (!d.contains(section) || !d[section].is_object()) return nullptr;
+    return d[section].contains("enabled") ? &d[section]["enabled"] : nullptr;
+  };
+  bool fp16_on = false;
+  if (json* e = enabled("fp16")) {
+    if (is_auto(*e)) {
+      fp16_on = t.fp16 == 1;
+      set(d["fp16"], "enabled", "fp16.enabled", fp16_on,
+          t.fp16 >= 0 ? "trainer.fp16" : "off unless trainer.fp16 asks for it");
+    } else {
+      fp16_on = e->is_boolean() && e->get<bool>();
+    }
+  }
+  if (json* e = enabled("bf16"); e && is_auto(*e)) {
+    const bool on = t.bf16 >= 0 ? t.bf16 == 1 : !fp16_on;
+    set(d["bf16"], "enabled", "bf16.enabled", on,
+        t.bf16 >= 0 ? "trainer.bf16"
+                    : fp16_on ? "off: fp16 is enabled"
+                              : "on: zinc runs bf16 on every x86-64 CPU (natively where it has avx512_bf16)");
+  }
+  return out;
+}
+
+}  // namespace zinc::tools

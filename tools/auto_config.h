@@ -1,0 +1,56 @@
+// zinc tools: "auto" values in a ds_config, resolved before the config is
+// parsed (Note ["auto"] in auto_config.cpp).
+//
+// Configs written for the Hugging Face Trainer leave values as "auto" for the
+// Trainer to fill in from its TrainingArguments. zinc's `trainer` section is
+// where those arguments live here (with the Trainer's names and defaults),
+// and resolve_auto() fills every "auto" it has a rule for, saying where each
+// value came from. An "auto" without a rule stays, and the config's parser
+// reports it at its path.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace zinc::tools {
+
+// The `trainer` section: the TrainingArguments that "auto" values come from
+// (Hugging Face's names and defaults).
+struct TrainerConfig {
+  int64_t per_device_train_batch_size = 8;
+  int64_t gradient_accumulation_steps = 1;
+  double learning_rate = 5e-5;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  double weight_decay = 0.0;
+  double max_grad_norm = 1.0;
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;  // used when warmup_steps is 0: ceil(ratio x run.steps)
+  // Precision: unset means "from the CPU and the rest of the config" (bf16,
+  // which zinc runs on every CPU, unless fp16 is asked for).
+  int bf16 = -1, fp16 = -1;  // -1 unset, 0 false, 1 true
+};
+
+// One value that was "auto": its JSON path, what it became and why.
+struct AutoValue {
+  std::string path;
+  nlohmann::json value;
+  std::string source;  // e.g. "trainer.learning_rate", "model.n_embd^2 (n_embd 384)"
+};
+
+struct ResolvedConfig {
+  nlohmann::json doc;
+  std::vector<AutoValue> values;
+};
+
+// Parses the `trainer` section of `doc` strictly (unknown keys are errors
+// with "did you mean"). Throws ConfigError.
+TrainerConfig parse_trainer(const nlohmann::json& doc);
+
+// `doc` with every "auto" that has a rule replaced (world_size: for
+// train_batch_size). Throws ConfigError for a bad `trainer` section.
+ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size);
+
+}  // namespace zinc::tools
