@@ -104,6 +104,10 @@ void parse_precision(Reader& r, Config& c) {
   bf.get_bool("enabled", c.bf16);
   bf.ignore_bool("immediate_grad_update", false);
   bf.ignore_bool("check_grad_overflow", false);
+  // Megatron-DeepSpeed's configs carry fp16's loss_scale into this section;
+  // DeepSpeed never read it there (bf16 needs no loss scaling).
+  if (double ls = 0; bf.get_number("loss_scale", ls, at_least(0)) && ls != 0 && ls != 1)
+    bf.warn_ignored(bf.last_path(), "bf16 trains without loss scaling (DeepSpeed does not read it here either)");
   bf.refuse_bool("bf16_master_weights_and_grads", false,
                  "zinc keeps fp32 master weights and gradients, and bf16 ones would change the result");
   bf.refuse_bool("bf16_optimizer_states", false,

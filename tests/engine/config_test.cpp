@@ -578,5 +578,18 @@ TEST(ConfigCheckpoint, EachDeepSpeedKeyIsKeptWarnedOrRefused) {
                {"checkpoint.use_node_local_storage", "every rank sees"});
 }
 
+
+// Megatron-DeepSpeed's "bfloat16": {"enabled": true, "loss_scale": 1.0}
+// parses (the older spelling, and a loss scale DeepSpeed never read there);
+// a scale other than 0 or 1 is named as ignored.
+TEST(ConfigPrecision, MegatronBfloat16SectionWithLossScale) {
+  Config c = Config::parse(with({{"bfloat16", {{"enabled", true}, {"loss_scale", 1.0}}}}));
+  EXPECT_TRUE(c.bf16);
+  EXPECT_TRUE(c.warnings.empty());
+  Config w = Config::parse(with({{"bf16", {{"enabled", true}, {"loss_scale", 1024}}}}));
+  EXPECT_TRUE(any_warning_has(w, "bf16.loss_scale: ignored"));
+  expect_parts(config_error(with({{"bf16", {{"enabled", true}, {"loss_scale", "big"}}}})), {"bf16.loss_scale"});
+}
+
 }  // namespace
 }  // namespace zinc
