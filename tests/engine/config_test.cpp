@@ -591,5 +591,18 @@ TEST(ConfigPrecision, MegatronBfloat16SectionWithLossScale) {
   expect_parts(config_error(with({{"bf16", {{"enabled", true}, {"loss_scale", "big"}}}})), {"bf16.loss_scale"});
 }
 
+
+// Sections that real configs carry (LLaMA-Factory's ds_z3_config.json) and
+// that change nothing: silent when off, a warning when on.
+TEST(ConfigWarnings, CommsConfigAndMonitorConfig) {
+  Config off = Config::parse(with({{"comms_config", {{"verbose", false}}}}));
+  EXPECT_TRUE(off.warnings.empty());
+  Config on = Config::parse(with({{"comms_config", {{"verbose", true}}},
+                                  {"monitor_config", {{"enabled", true}, {"tag", "DeepSpeedMonitor"},
+                                                      {"csv_monitor", {{"enabled", false}}}}}}));
+  EXPECT_TRUE(any_warning_has(on, "comms_config"));
+  EXPECT_TRUE(any_warning_has(on, "monitor_config"));
+}
+
 }  // namespace
 }  // namespace zinc
