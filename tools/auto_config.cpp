@@ -31,6 +31,9 @@
 //                                    every x86-64 CPU, natively where the CPU
 //                                    has it) unless fp16 is enabled, and fp16
 //                                    off.
+// A config with a `trainer` section and no optimizer (or scheduler) section
+// gets the Trainer's own: AdamW from its arguments, and its linear warmup and
+// linear decay to 0 over run.steps (DeepSpeed's WarmupDecayLR).
 // Resolution happens on the document before any parsing, so the parsed
 // config, its checks and what a checkpoint stores are all the concrete
 // values.
@@ -107,6 +110,21 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
   if (auto_at(d, "gradient_clipping"))
     set(d, "gradient_clipping", "gradient_clipping", t.max_grad_norm, "trainer.max_grad_norm");
 
+  // No optimizer or scheduler section: the Trainer builds its own, AdamW
+  // with a linear warmup and linear decay to 0 (DeepSpeed's WarmupDecayLR),
+  // from its arguments. Only where a `trainer` section says to act as it.
+  const bool trainer_given = d.contains("trainer") && d["trainer"].is_object();
+  if (trainer_given && !d.contains("optimizer")) {
+    d["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", "auto"}, {"betas", "auto"}, {"eps", "auto"}, {"weight_decay", "auto"}}}};
+    out.values.push_back({"optimizer.type", "AdamW", "no optimizer section: the Trainer's own AdamW"});
+  }
+  if (trainer_given && !d.contains("scheduler")) {
+    d["scheduler"] = {{"type", "WarmupDecayLR"},
+                      {"params", {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"},
+                                  {"total_num_steps", "auto"}}}};
+    out.values.push_back({"scheduler.type", "WarmupDecayLR",
+                          "no scheduler section: the Trainer's own linear warmup and decay"});
+  }
   if (d.contains("optimizer") && d["optimizer"].is_object() && d["optimizer"].contains("params")) {
     json& p = d["optimizer"]["params"];
     if (auto_at(p, "lr")) set(p, "lr", "optimizer.params.lr", t.learning_rate, "trainer.learning_rate");

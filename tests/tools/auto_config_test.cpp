@@ -128,5 +128,28 @@ TEST(AutoConfig, TrainerSectionIsStrictAndAnAutoWithoutARuleIsReportedAtItsPath)
                                {"zero_optimization.sub_group_size", "\"auto\" is a placeholder"});
 }
 
+
+// No optimizer or scheduler section (LLaMA-Factory's configs): with a
+// trainer section, the Trainer's own AdamW and linear schedule; without
+// one, nothing is added.
+TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
+  json doc = hf_config();
+  doc.erase("optimizer");
+  doc.erase("scheduler");
+  EXPECT_FALSE(resolve_auto(doc, 1).doc.contains("optimizer"));
+  doc["trainer"] = {{"learning_rate", 2e-3}, {"weight_decay", 0.05}, {"warmup_steps", 10}};
+  const ResolvedConfig r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["optimizer"]["type"], "AdamW");
+  EXPECT_EQ(r.doc["optimizer"]["params"]["lr"], 2e-3);
+  EXPECT_EQ(r.doc["optimizer"]["params"]["weight_decay"], 0.05);
+  EXPECT_EQ(r.doc["scheduler"]["type"], "WarmupDecayLR");
+  EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 10);
+  EXPECT_EQ(r.doc["scheduler"]["params"]["total_num_steps"], 200);
+  ASSERT_NE(find(r, "optimizer.type"), nullptr);
+  EXPECT_NE(find(r, "optimizer.type")->source.find("no optimizer section"), std::string::npos);
+  const ParsedExperiment p = parse_experiment(doc, 1);
+  EXPECT_EQ(p.config.optimizer.lr, 2e-3);
+}
+
 }  // namespace
 }  // namespace zinc::tools
