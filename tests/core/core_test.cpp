@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -84,6 +85,86 @@ TEST(Bf16, RoundToBf16PrecisionIsTheRoundTrip) {
     EXPECT_EQ(float_bits(out[i]), float_bits(bf16_to_float(float_to_bf16(v[i])))) << v[i];
   round_to_bf16(v.data(), v.data(), v.size());  // in place
   EXPECT_EQ(std::memcmp(v.data(), out.data(), v.size() * 4), 0);
+}
+
+// fp16: the integer definition against the CPU's own conversion instruction
+// (F16C, which every AVX2 CPU has), which rounds to nearest even in hardware.
+__attribute__((target("f16c"))) uint16_t hw_f32_to_f16(float f) {
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+__attribute__((target("f16c"))) float hw_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+TEST(Fp16, MatchesTheCpusConversionInstruction) {
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "this CPU has no F16C instruction to compare with";
+  std::vector<float> v = {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 65519.99f, 65520.0f, 65536.0f, 1e6f,
+                          6.1035156e-05f /* 2^-14 */, 6.0975552e-05f, 5.9604645e-08f /* 2^-24 */,
+                          2.9802322e-08f /* 2^-25: tie to 0 */, 2.9802326e-08f, 8.940697e-08f /* 1.5 ulp: tie */,
+                          1e-10f, 1e-40f, std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max()};
+  Rng rng(11);
+  for (int i = 0; i < 200000; ++i) {
+    // Magnitudes from 2^-30 to 2^20 with random mantissas, both signs.
+    double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.uniform() * 50.0) - 30);
+    v.push_back(static_cast<float>(i % 2 ? mag : -mag));
+  }
+  // Every exact tie between two fp16 neighbours in the normal range.
+  for (uint32_t h = 0x0400; h < 0x7bff; h += 37) v.push_back((hw_f16_to_f32(h) + hw_f16_to_f32(h + 1)) / 2);
+  for (float f : v) {
+    ASSERT_EQ(float_to_f16(f).bits, hw_f32_to_f16(f)) << f;
+    f16 h = float_to_f16(f);
+    ASSERT_EQ(float_bits(f16_to_float(h)), float_bits(hw_f16_to_f32(h.bits))) << h.bits;
+  }
+  // Every fp16 bit pattern widens exactly (NaNs only need to stay NaN).
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float w = f16_to_float(f16{static_cast<uint16_t>(b)});
+    if (std::isnan(w)) {
+      ASSERT_TRUE(std::isnan(hw_f16_to_f32(static_cast<uint16_t>(b)))) << b;
+      continue;
+    }
+    ASSERT_EQ(float_bits(w), float_bits(hw_f16_to_f32(static_cast<uint16_t>(b)))) << b;
+    ASSERT_EQ(float_to_f16(w).bits, b) << b;  // and round-trips
+  }
+}
+
+TEST(Fp16, OverflowIsInfinityAndNanStaysNan) {
+  EXPECT_EQ(float_to_f16(65504.0f).bits, 0x7bffu);
+  EXPECT_EQ(float_to_f16(65519.0f).bits, 0x7bffu);
+  EXPECT_EQ(float_to_f16(65520.0f).bits, 0x7c00u);  // the tie rounds to even: Inf
+  EXPECT_EQ(float_to_f16(-1e30f).bits, 0xfc00u);
+  f16 n = float_to_f16(-std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(std::isnan(f16_to_float(n)));
+  EXPECT_EQ(n.bits & 0x8000u, 0x8000u);
+  EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(bits_float(0x7f800001u)))));
+  // Below half the smallest subnormal: zero, sign kept.
+  EXPECT_EQ(float_to_f16(-1e-9f).bits, 0x8000u);
+}
+
+TEST(Fp16, BulkConversionsMatchScalarAtEveryIsaLevel) {
+  Rng rng(3);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
+    std::vector<float> src(n);
+    for (float& x : src) x = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(n % 40) - 20));
+    if (n > 4) {
+      src[1] = std::numeric_limits<float>::quiet_NaN();
+      src[2] = 1e9f;
+      src[3] = 3e-6f;
+    }
+    for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (isa > cpu_isa()) continue;
+      detail::set_dispatch_isa_for_testing(isa);
+      std::vector<f16> dst(n);
+      std::vector<float> back(n), rounded(n);
+      convert_f32_to_f16(src.data(), dst.data(), n);
+      convert_f16_to_f32(dst.data(), back.data(), n);
+      round_to_f16(src.data(), rounded.data(), n);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(dst[i].bits, float_to_f16(src[i]).bits) << i;
+        ASSERT_EQ(float_bits(back[i]), float_bits(f16_to_float(dst[i]))) << i;
+        ASSERT_EQ(float_bits(rounded[i]), float_bits(back[i])) << i;
+      }
+    }
+    detail::reset_dispatch_isa_for_testing();
+  }
 }
 
 // ONEDNN_MAX_CPU_ISA caps zinc's kernels as it caps oneDNN (core/cpu.h).
