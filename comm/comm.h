@@ -4,8 +4,8 @@
 // shared memory between the ranks of one machine, hierarchical (shared memory
 // inside machines, MPI across), or a world of one (make_single_communicator);
 // make_communicator picks one. A NCCL backend will implement the same
-// interface, which therefore names no MPI type. Buffers are fp32 or bf16 (bf16 sums are formed in fp32 and rounded to
-// bf16 once per pairwise combination). For a given world size and backend
+// interface, which therefore names no MPI type. Buffers are fp32, bf16 or fp16 (16-bit sums are formed in fp32 and rounded
+// to the buffer's format once per pairwise combination). For a given world size and backend
 // every collective combines ranks in a fixed order, so results are
 // deterministic run to run.
 //

@@ -150,6 +150,14 @@ void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   for (int i = 0; i < n; ++i) b[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
 }
 
+// The same for fp16.
+void f16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const f16* a = static_cast<const f16*>(in);
+  f16* b = static_cast<f16*>(inout);
+  const int n = *len;
+  for (int i = 0; i < n; ++i) b[i] = float_to_f16(f16_to_float(a[i]) + f16_to_float(b[i]));
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(int64_t chunk_count, int64_t max_count)
@@ -169,6 +177,7 @@ class MpiCommunicator final : public Communicator {
       check(MPI_Type_contiguous(1, MPI_UINT16_T, &bf16_type_), "MPI_Type_contiguous");
       check(MPI_Type_commit(&bf16_type_), "MPI_Type_commit");
       check(MPI_Op_create(&bf16_sum, /*commute=*/1, &bf16_sum_), "MPI_Op_create");
+      check(MPI_Op_create(&f16_sum, /*commute=*/1, &f16_sum_), "MPI_Op_create");
     } catch (...) {
       free_handles();
       MpiRuntime::release();
@@ -275,8 +284,11 @@ class MpiCommunicator final : public Communicator {
                          " elements per MPI call (an int count); use smaller buckets (" + bucket_key + ")");
   }
 
+  // bf16 and fp16 travel as the same 16-bit type; only their sums differ.
   MPI_Datatype type(DType dtype) const { return dtype == DType::kF32 ? MPI_FLOAT : bf16_type_; }
-  MPI_Op sum(DType dtype) const { return dtype == DType::kF32 ? MPI_SUM : bf16_sum_; }
+  MPI_Op sum(DType dtype) const {
+    return dtype == DType::kF32 ? MPI_SUM : dtype == DType::kF16 ? f16_sum_ : bf16_sum_;
+  }
 
   // The one place MPI return codes are checked.
   static void check(int rc, const char* mpi_fn) {
@@ -291,6 +303,7 @@ class MpiCommunicator final : public Communicator {
 
   void free_handles() {
     if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+    if (f16_sum_ != MPI_OP_NULL) MPI_Op_free(&f16_sum_);
     if (bf16_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_type_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
@@ -300,6 +313,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL;
+  MPI_Op f16_sum_ = MPI_OP_NULL;
   int rank_ = 0, size_ = 1, local_size_ = 1;
 };
 

@@ -144,8 +144,13 @@ constexpr size_t kControlBytes = 4096;  // per rank: its flag, futex word and sl
 // agree with it only to rounding (exactly for M = 1 or L = 1, and for sums
 // that are exact).
 
-// bf16 sum as an MPI operation for the cross-node step: like the MPI backend,
+// bf16 (fp16) sum as an MPI operation for the cross-node step: like the MPI backend,
 // each pairwise combination is formed in fp32 and rounded once.
+void f16_pair_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const f16* a = static_cast<const f16*>(in);
+  f16* b = static_cast<f16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = float_to_f16(f16_to_float(a[i]) + f16_to_float(b[i]));
+}
 void bf16_pair_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   const bf16* a = static_cast<const bf16*>(in);
   bf16* b = static_cast<bf16*>(inout);
@@ -209,6 +214,7 @@ class ShmCommunicator final : public Communicator {
         check(MPI_Type_contiguous(1, MPI_UINT16_T, &bf16_type_), "MPI_Type_contiguous");
         check(MPI_Type_commit(&bf16_type_), "MPI_Type_commit");
         check(MPI_Op_create(&bf16_pair_sum, /*commute=*/1, &bf16_sum_), "MPI_Op_create");
+        check(MPI_Op_create(&f16_pair_sum, /*commute=*/1, &f16_sum_), "MPI_Op_create");
       }
       half_bytes_ = (slot_bytes / 2) / 64 * 64;
       if (half_bytes_ < 64 * static_cast<size_t>(local_size_)) {
@@ -439,8 +445,11 @@ class ShmCommunicator final : public Communicator {
                          " elements per MPI call (an int count); use smaller buckets (" + bucket_key + ")");
   }
 
+  // bf16 and fp16 travel as the same 16-bit type; only their sums differ.
   MPI_Datatype type(DType dtype) const { return dtype == DType::kF32 ? MPI_FLOAT : bf16_type_; }
-  MPI_Op sum(DType dtype) const { return dtype == DType::kF32 ? MPI_SUM : bf16_sum_; }
+  MPI_Op sum(DType dtype) const {
+    return dtype == DType::kF32 ? MPI_SUM : dtype == DType::kF16 ? f16_sum_ : bf16_sum_;
+  }
 
   char* scratch(size_t bytes) {
     if (scratch_.size() < bytes) scratch_.resize(bytes);
@@ -544,6 +553,7 @@ class ShmCommunicator final : public Communicator {
       MPI_Win_free(&win_);
     }
     if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+    if (f16_sum_ != MPI_OP_NULL) MPI_Op_free(&f16_sum_);
     if (bf16_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_type_);
     if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
@@ -557,6 +567,7 @@ class ShmCommunicator final : public Communicator {
   MPI_Comm world_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;  // hierarchical only
   MPI_Op bf16_sum_ = MPI_OP_NULL;               // hierarchical only
+  MPI_Op f16_sum_ = MPI_OP_NULL;                // hierarchical only
   MPI_Win win_ = MPI_WIN_NULL;
   bool locked_ = false;
   int local_rank_ = 0, local_size_ = 1, nodes_ = 1;

@@ -36,6 +36,18 @@ ZINC_ALWAYS_INLINE void round_bf16_body(uint16_t* __restrict out, const float* _
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(acc[i]).bits;
 }
 ZINC_ISA_VARIANTS(void, round_bf16, (uint16_t* __restrict out, const float* __restrict acc, int64_t n), (out, acc, n))
+ZINC_ALWAYS_INLINE void widen_f16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = f16_to_float(f16{x[i]});
+}
+ZINC_ISA_VARIANTS(void, widen_f16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
+ZINC_ALWAYS_INLINE void add_f16_body(float* __restrict acc, const uint16_t* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += f16_to_float(f16{x[i]});
+}
+ZINC_ISA_VARIANTS(void, add_f16, (float* __restrict acc, const uint16_t* __restrict x, int64_t n), (acc, x, n))
+ZINC_ALWAYS_INLINE void round_f16_body(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_f16(acc[i]).bits;
+}
+ZINC_ISA_VARIANTS(void, round_f16, (uint16_t* __restrict out, const float* __restrict acc, int64_t n), (out, acc, n))
 
 
 // memcpy through non-temporal 16-byte stores (SSE2, every x86-64) where dst
@@ -97,9 +109,15 @@ void reduce_sum(void* dst, void* dst2, const std::vector<const char*>& src, int6
     } else {
       auto at = [&](size_t q) { return reinterpret_cast<const uint16_t*>(src[q]) + t; };
       alignas(64) uint16_t rounded[kTile];
-      widen_bf16(acc, at(0), m);
-      for (size_t q = 1; q < L; ++q) add_bf16(acc, at(q), m);
-      round_bf16(rounded, acc, m);
+      if (dtype == DType::kF16) {
+        widen_f16(acc, at(0), m);
+        for (size_t q = 1; q < L; ++q) add_f16(acc, at(q), m);
+        round_f16(rounded, acc, m);
+      } else {
+        widen_bf16(acc, at(0), m);
+        for (size_t q = 1; q < L; ++q) add_bf16(acc, at(q), m);
+        round_bf16(rounded, acc, m);
+      }
       copy_out(static_cast<uint16_t*>(dst) + t, rounded, static_cast<size_t>(m) * 2, stream);
       if (dst2) copy_out(static_cast<uint16_t*>(dst2) + t, rounded, static_cast<size_t>(m) * 2, stream2);
     }

@@ -3,8 +3,9 @@
 //
 // Every element of a reduction is summed in fp32 in source order,
 // ((x0 + x1) + x2) + ..., independent of how the caller chunks the buffer,
-// so results are deterministic for a given number of sources. bf16 inputs
-// are widened to fp32, summed in fp32 and rounded to bf16 once at the end.
+// so results are deterministic for a given number of sources. bf16 (fp16)
+// inputs are widened to fp32, summed in fp32 and rounded to bf16 (fp16) once
+// at the end.
 // The vector loops are compiled per ISA (ZINC_ISA_VARIANTS, core/cpu.h) and
 // chosen at run time, capped by ONEDNN_MAX_CPU_ISA.
 #pragma once

@@ -164,14 +164,14 @@ TEST_P(MpiCollective, BroadcastFromLastAndFirstRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Counts, MpiCollective,
-                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                                             ::testing::Values(int64_t{1}, int64_t{3}, int64_t{1001},
                                                               int64_t{65537})),
                          param_name);
 
 TEST(MpiCollectiveEdge, ZeroCountsTouchNothing) {
   Communicator& c = world();
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     c.all_reduce(nullptr, nullptr, 0, dt);
     c.reduce_scatter(nullptr, nullptr, 0, dt);
     c.all_gather(nullptr, nullptr, 0, dt);
@@ -218,6 +218,39 @@ TEST(MpiBf16, SumRoundsOnceToNearestEvenInFp32) {
   }
 }
 
+// fp16: the same rule with fp16's rounding, and a sum beyond 65504 is Inf
+// (the overflow that dynamic loss scaling detects on the wire).
+TEST(MpiF16, SumRoundsToNearestEvenAndOverflowsToInf) {
+  Communicator& c = world();
+  // 1 + 2^-11 is halfway between 1 and 1 + 2^-10; 40000 + 40000 > 65504.
+  std::vector<float> a = {1.0f, 1.0f + 0x1p-10f, 40000.0f, -40000.0f, 0x1p-24f};
+  std::vector<float> b = {0x1p-11f, 0x1p-11f, 40000.0f, -40000.0f, 0x1p-24f};
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  while (a.size() < 2053) {
+    a.push_back(from_16(float_to_16(u(rng), DType::kF16), DType::kF16));
+    b.push_back(from_16(float_to_16(u(rng) * 0.01f, DType::kF16), DType::kF16));
+  }
+  const int64_t n = static_cast<int64_t>(a.size());
+  std::vector<float> mine(n, 0.0f);
+  if (c.rank() == 0) mine = a;
+  if (c.rank() == 1) mine = b;
+  std::vector<char> buf = encode(mine, DType::kF16);
+  c.all_reduce(buf.data(), buf.data(), n, DType::kF16);
+  const std::vector<float> got = decode(buf.data(), n, DType::kF16);
+  if (c.size() > 1) {
+    EXPECT_EQ(got[0], 1.0f);                  // tie to even: down
+    EXPECT_EQ(got[1], 1.0f + 0x1p-9f);        // tie to even: up
+    EXPECT_TRUE(std::isinf(got[2]) && got[2] > 0);
+    EXPECT_TRUE(std::isinf(got[3]) && got[3] < 0);
+    EXPECT_EQ(got[4], 0x1p-23f);              // subnormals add exactly
+  }
+  for (int64_t i = 5; i < n; ++i) {
+    const float expect = c.size() == 1 ? a[i] : from_16(float_to_16(a[i] + b[i], DType::kF16), DType::kF16);
+    EXPECT_EQ(got[i], expect) << "element " << i;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Doubles
 
@@ -252,7 +285,7 @@ std::vector<float> random_floats(uint64_t seed, int rank, int64_t n) {
 TEST(MpiDeterminism, RepeatedCollectivesAreBitIdenticalAndEqualOnEveryRank) {
   Communicator& c = world();
   const int64_t n = 100003;
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const std::vector<char> send = encode(random_floats(42, c.rank(), n * c.size()), dt);
     const size_t elem = dtype_bytes(dt);
     std::vector<char> r1(n * c.size() * elem), r2(r1.size()), from_root(r1.size());
@@ -276,7 +309,7 @@ TEST(MpiDeterminism, RepeatedCollectivesAreBitIdenticalAndEqualOnEveryRank) {
 TEST(MpiLimits, AllReduceBroadcastAndF64SplitIntoCallsWithinTheLimit) {
   std::unique_ptr<Communicator> small = detail::make_mpi_communicator(100);  // a second communicator
   const int64_t n = 1001;
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const std::vector<char> send = encode(rank_values(small->rank(), n), dt);
     std::vector<char> out(send.size()), inplace = send;
     small->all_reduce(send.data(), out.data(), n, dt);

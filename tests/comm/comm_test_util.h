@@ -27,14 +27,14 @@ namespace zinc::comm::testing {
 // The MPI communicator created by main() for the whole run.
 Communicator& world();
 
-// Values as float, stored as bytes of `dtype` (bf16 rounded to nearest even).
+// Values as float, stored as bytes of `dtype` (bf16 / fp16 rounded to nearest even).
 inline std::vector<char> encode(const std::vector<float>& v, DType dtype) {
   std::vector<char> out(v.size() * dtype_bytes(dtype));
   for (size_t i = 0; i < v.size(); ++i) {
     if (dtype == DType::kF32) {
       std::memcpy(out.data() + 4 * i, &v[i], 4);
     } else {
-      const bf16 h = float_to_bf16(v[i]);
+      const uint16_t h = float_to_16(v[i], dtype);
       std::memcpy(out.data() + 2 * i, &h, 2);
     }
   }
@@ -47,9 +47,9 @@ inline std::vector<float> decode(const void* p, size_t n, DType dtype) {
     if (dtype == DType::kF32) {
       std::memcpy(&out[i], static_cast<const char*>(p) + 4 * i, 4);
     } else {
-      bf16 h;
+      uint16_t h;
       std::memcpy(&h, static_cast<const char*>(p) + 2 * i, 2);
-      out[i] = bf16_to_float(h);
+      out[i] = from_16(h, dtype);
     }
   }
   return out;

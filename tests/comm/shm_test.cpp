@@ -58,7 +58,7 @@ float input(uint64_t seed, int rank, int64_t i, DType dtype) {
   const uint64_t h = mix(seed * 1000003u + static_cast<uint64_t>(rank) * 0x100000001b3ull + static_cast<uint64_t>(i));
   const double unit = static_cast<double>(h >> 40) / double(1 << 23) - 1.0;
   const float v = static_cast<float>(std::ldexp(unit, static_cast<int>(h & 15) - 8));
-  return dtype == DType::kF32 ? v : bf16_to_float(float_to_bf16(v));
+  return dtype == DType::kF32 ? v : from_16(float_to_16(v, dtype), dtype);
 }
 
 std::vector<float> inputs(uint64_t seed, int rank, int64_t n, DType dtype) {
@@ -71,7 +71,7 @@ std::vector<float> inputs(uint64_t seed, int rank, int64_t n, DType dtype) {
 float reference_sum(uint64_t seed, int size, int64_t i, DType dtype) {
   float acc = 0;
   for (int r = 0; r < size; ++r) acc = r == 0 ? input(seed, r, i, dtype) : acc + input(seed, r, i, dtype);
-  return dtype == DType::kF32 ? acc : bf16_to_float(float_to_bf16(acc));
+  return dtype == DType::kF32 ? acc : from_16(float_to_16(acc, dtype), dtype);
 }
 
 // Mismatches of got (decoded) against want; prints the first few.
@@ -144,7 +144,7 @@ TEST_P(ShmCollective, AllGatherConcatenatesInRankOrderInAndOutOfPlace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Counts, ShmCollective,
-                         ::testing::Combine(::testing::Bool(), ::testing::Values(DType::kF32, DType::kBF16),
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                                             ::testing::Values(int64_t{1}, int64_t{3}, int64_t{1001},
                                                               int64_t{65537})));
 
@@ -152,7 +152,7 @@ INSTANTIATE_TEST_SUITE_P(Counts, ShmCollective,
 // communicator chunks; all_reduce of 9 Mi + 5 fp32 elements is 36 MiB.
 TEST(ShmChunking, AllReduceLargerThanASlotMatchesTheReference) {
   Communicator& c = *g_shm;
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const int64_t n = (int64_t{9} << 20) + 5;
     const uint64_t seed = 5;
     std::vector<char> buf = encode(inputs(seed, c.rank(), n, dt), dt);
@@ -248,7 +248,7 @@ TEST(ShmCollective, DelegatedCollectivesWork) {
 float tolerance(uint64_t seed, int size, int64_t i, DType dt) {
   float mag = 0;
   for (int r = 0; r < size; ++r) mag += std::fabs(input(seed, r, i, dt));
-  return (dt == DType::kF32 ? 1e-6f : 1.0f / 128) * mag + 1e-30f;
+  return (dt == DType::kF32 ? 1e-6f : dt == DType::kF16 ? 1.0f / 1024 : 1.0f / 128) * mag + 1e-30f;
 }
 
 int64_t outside(const std::vector<float>& got, uint64_t seed, int size, int64_t base, DType dt, const char* what) {
@@ -309,7 +309,7 @@ TEST_P(HierCollective, AgreesWithTheRankOrderSumWithinTolerance) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Counts, HierCollective,
-                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                                             ::testing::Values(int64_t{1}, int64_t{3}, int64_t{1001},
                                                               int64_t{65537})));
 

@@ -23,7 +23,7 @@ TEST(SingleCommunicator, IsAWorldOfOne) {
 
 TEST(SingleCommunicator, CollectivesCopyBitsUnchanged) {
   auto c = make_single_communicator();
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const int64_t n = 1001;
     const size_t bytes = n * dtype_bytes(dt);
     std::vector<char> src(bytes);
