@@ -14,8 +14,8 @@
 // that backward needs (12.6 MB for B=8, H=6, T=256). q, k, v are re-permuted
 // from qkv in backward rather than saved. Everything else (permuted operands,
 // dP, dS, per-head outputs) lives in thread-local grow-only scratch shared by
-// all layers. Operands are written directly in the compute dtype (bf16 when
-// compute is bf16), so matmul never has to convert them.
+// all layers. Operands are written directly in the compute dtype (bf16 or
+// fp16 when compute is), so matmul never has to round them again.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -43,8 +43,10 @@ namespace {
 
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, bf16* p) { *p = float_to_bf16(v); }
+inline void store(float v, f16* p) { *p = float_to_f16(v); }
 inline float load(float v) { return v; }
 inline float load(bf16 v) { return bf16_to_float(v); }
+inline float load(f16 v) { return f16_to_float(v); }
 
 enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
 
@@ -58,8 +60,10 @@ template <class Fn>
 void dispatch(DType t, Fn&& fn) {
   if (t == DType::kF32) {
     fn(float{});
-  } else {
+  } else if (t == DType::kBF16) {
     fn(bf16{});
+  } else {
+    fn(f16{});
   }
 }
 
@@ -176,9 +180,9 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
       const int64_t t = static_cast<int64_t>(r) % T;
       float* row = P + r * T;
       softmax_row_causal(row, t + 1, T);
-      if (compute == DType::kBF16) {
-        bf16* dst = static_cast<bf16*>(pc) + r * T;
-        for (int64_t j = 0; j < T; ++j) dst[j] = float_to_bf16(row[j]);
+      if (compute != DType::kF32) {
+        uint16_t* dst = static_cast<uint16_t*>(pc) + r * T;
+        for (int64_t j = 0; j < T; ++j) dst[j] = float_to_16(row[j], compute);
       }
     }
   });
@@ -235,11 +239,11 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
         for (int64_t j = 0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
         for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
       } else {
-        bf16* d = static_cast<bf16*>(ds) + r * T;
-        bf16* pb = static_cast<bf16*>(const_cast<void*>(pc)) + r * T;
-        for (int64_t j = 0; j < nv; ++j) d[j] = float_to_bf16(p[j] * (dp[j] - dot));
-        for (int64_t j = nv; j < T; ++j) d[j] = bf16{0};
-        for (int64_t j = 0; j < T; ++j) pb[j] = float_to_bf16(p[j]);
+        uint16_t* d = static_cast<uint16_t*>(ds) + r * T;
+        uint16_t* pb = static_cast<uint16_t*>(const_cast<void*>(pc)) + r * T;
+        for (int64_t j = 0; j < nv; ++j) d[j] = float_to_16(p[j] * (dp[j] - dot), compute);
+        for (int64_t j = nv; j < T; ++j) d[j] = 0;
+        for (int64_t j = 0; j < T; ++j) pb[j] = float_to_16(p[j], compute);
       }
     }
   });

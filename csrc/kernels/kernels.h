@@ -3,8 +3,8 @@
 // Conventions (every function):
 // - Activations and gradients are fp32, row-major and contiguous. Shapes are
 //   given in the comments as (B,T,C) etc.
-// - Parameters arrive as a CView: a pointer plus its dtype (fp32 or bf16),
-//   because with bf16 on the model's weights are bf16. Parameter gradients are
+// - Parameters arrive as a CView: a pointer plus its dtype (fp32, bf16 or
+//   fp16), because with bf16 (fp16) on the model's weights are bf16 (fp16). Parameter gradients are
 //   always fp32 and are ACCUMULATED (+=) into, so that gradient accumulation
 //   over micro-batches needs no extra buffer. Activation gradients are written
 //   (=) unless the function says otherwise.
@@ -27,12 +27,13 @@ namespace zinc::kernels {
 struct CView {
   const void* data = nullptr;
   DType dtype = DType::kF32;
-  // fp32 data whose values are all bf16-representable (see bf16_operand):
-  // a bf16 matmul need not round them again.
+  // fp32 data whose values are all representable in the matmul's 16-bit
+  // compute format (bf16, or fp16 with fp16 compute; see bf16_operand and
+  // operand16): a 16-bit matmul need not round them again.
   bool bf16_exact = false;
   float at(int64_t i) const {
     return dtype == DType::kF32 ? static_cast<const float*>(data)[i]
-                                : bf16_to_float(static_cast<const bf16*>(data)[i]);
+                                : from_16(static_cast<const uint16_t*>(data)[i], dtype);
   }
 };
 
@@ -42,7 +43,8 @@ struct CView {
 // op(A) = A stored (M,K), or A stored (K,M) when trans_a. Same for B:
 // (K,N), or stored (N,K) when trans_b.
 // compute: kF32 multiplies in fp32; kBF16 multiplies bf16 values with fp32
-// accumulation. An operand whose dtype differs from `compute` is converted
+// accumulation; kF16 multiplies fp16 values with fp32 accumulation (always
+// through the fp32 primitive: Note [fp16 compute] in matmul.cpp). An operand whose dtype differs from `compute` is converted
 // into scratch first (so a model can pass fp32 activations with bf16 weights).
 // Where oneDNN has no native bf16 kernel for a shape (CPUs without AVX-512),
 // kBF16 runs the fp32 primitive on the bf16 values widened to fp32: the same
@@ -87,6 +89,10 @@ CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch);
 // bf16 natively) or rounded in fp32 (false: the fallback), as the two
 // functions above decide.
 bool bf16_operands_native();
+// The same for either 16-bit compute dtype: bf16 as above; fp16 rounds to
+// fp16 precision in fp32 (Note [fp16 compute] in matmul.cpp).
+CView operand16_copy(const float* x, int64_t n, DType compute, AlignedBuffer& scratch);
+CView operand16_in_place(float* x, int64_t n, DType compute, AlignedBuffer& scratch);
 
 // Tests: kViaF32 makes every bf16 matmul created from now on take the fp32
 // fallback, also where oneDNN has native bf16 kernels.
@@ -151,6 +157,8 @@ class ScratchTally {
   // bf16_operand_copy / bf16_operand_in_place of n elements into a scratch
   // buffer of its own (returns its bytes; 0 when nothing is copied).
   static int64_t bf16_operand_bytes(int64_t n, bool in_place);
+  // operand16_copy / operand16_in_place of n elements for `compute`.
+  static int64_t operand16_bytes(int64_t n, bool in_place, DType compute);
   int64_t bytes() const;
 
  private:

@@ -7,7 +7,7 @@
 // per-thread partial buffers to combine. Vectorisation: see
 // Note [kernel vectorisation] in simd_math.h.
 //
-// Small parameter vectors (bias, layernorm w and b) that arrive as bf16 are
+// Small parameter vectors (bias, layernorm w and b) that arrive as bf16 (fp16) are
 // widened once per call into thread-local scratch; large ones (the token
 // embedding table) are read through a template on the element type, chosen
 // once per call.
@@ -27,14 +27,17 @@ namespace {
 
 inline float load(float v) { return v; }
 inline float load(bf16 v) { return bf16_to_float(v); }
+inline float load(f16 v) { return f16_to_float(v); }
 
-// Calls fn(T{}) with T = float or bf16 according to `t`.
+// Calls fn(T{}) with T = float, bf16 or f16 according to `t`.
 template <class Fn>
 void dispatch(DType t, Fn&& fn) {
   if (t == DType::kF32) {
     fn(float{});
-  } else {
+  } else if (t == DType::kBF16) {
     fn(bf16{});
+  } else {
+    fn(f16{});
   }
 }
 
@@ -44,8 +47,7 @@ const float* param_f32(CView v, int64_t n, int slot) {
   thread_local std::vector<float> bufs[2];
   auto& buf = bufs[slot];
   buf.resize(static_cast<size_t>(n));
-  const bf16* src = static_cast<const bf16*>(v.data);
-  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(src[i]);
+  convert_16_to_f32(v.data, buf.data(), static_cast<size_t>(n), v.dtype);
   return buf.data();
 }
 

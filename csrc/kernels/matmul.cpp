@@ -16,6 +16,16 @@
 // Operands whose dtype differs from desc.compute are converted into
 // thread-local scratch first.
 //
+// Note [fp16 compute]
+// oneDNN 2.6 multiplies fp16 natively only on CPUs with AVX512-FP16, and
+// zinc's fp16 mode exists to behave like fp16 training on a GPU (storage,
+// wire, overflow and loss scaling), so fp16 matmuls always take the fp32
+// route the bf16 fallback takes: fp16 operands are widened (exact), fp32
+// operands are rounded to fp16 first (so a value above 65504 becomes Inf
+// and a tiny one flushes, as in an fp16 GEMM), and the products of two fp16
+// values are exact in fp32, accumulated in fp32. CView::bf16_exact then
+// marks fp32 data that is exactly fp16-representable.
+//
 // Note [bf16 matmul without native bf16]
 // oneDNN 2.6 has bf16 matmul kernels only from avx512_core up; below that it
 // cannot create the primitive at all. So for compute == kBF16 the cache asks
@@ -184,6 +194,12 @@ std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply) {
 // no (or only a reference) bf16 implementation for this shape.
 std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
   if (d.compute == DType::kF32) return create_as(d, DType::kF32);
+  if (d.compute == DType::kF16) {
+    // Note [fp16 compute]: always fp32 multiplies of fp16-exact operands.
+    auto f = create_as(d, DType::kF32);
+    f->why = "zinc multiplies fp16 operands in fp32";
+    return f;
+  }
   std::string why;
   if (static_cast<MatmulBf16Path>(g_bf16_path.load()) == MatmulBf16Path::kViaF32) {
     why = "forced for testing";
@@ -227,9 +243,10 @@ std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
 // Returns a pointer to the operand as the primitive multiplies it (`multiply`),
 // converting into thread-local scratch slot `slot` when needed. With the bf16
 // fallback (compute bf16, multiply fp32) fp32 operands are rounded through
-// bf16 so that they carry the values the native path would multiply.
+// bf16 so that they carry the values the native path would multiply; with
+// fp16 compute they are rounded through fp16 (Note [fp16 compute]).
 bool converts(DType dtype, bool exact, DType compute, DType multiply) {
-  return !(dtype == multiply && !(compute == DType::kBF16 && dtype == DType::kF32 && !exact));
+  return !(dtype == multiply && !(is_16bit(compute) && dtype == DType::kF32 && !exact));
 }
 
 const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
@@ -237,8 +254,10 @@ const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int sl
   void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
   if (multiply == DType::kBF16) {
     convert_f32_to_bf16(static_cast<const float*>(v.data), static_cast<bf16*>(dst), n);
-  } else if (v.dtype == DType::kBF16) {
-    convert_bf16_to_f32(static_cast<const bf16*>(v.data), static_cast<float*>(dst), n);
+  } else if (is_16bit(v.dtype)) {
+    convert_16_to_f32(v.data, static_cast<float*>(dst), n, v.dtype);
+  } else if (compute == DType::kF16) {
+    round_to_f16(static_cast<const float*>(v.data), static_cast<float*>(dst), n);
   } else {
     round_to_bf16(static_cast<const float*>(v.data), static_cast<float*>(dst), n);
   }
@@ -276,7 +295,7 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
     const float* bias_f32 = static_cast<const float*>(bias.data);
     if (bias.dtype != DType::kF32) {
       float* w = static_cast<float*>(thread_scratch(3, static_cast<size_t>(d.N) * sizeof(float)));
-      convert_bf16_to_f32(static_cast<const bf16*>(bias.data), w, static_cast<size_t>(d.N));
+      convert_16_to_f32(bias.data, w, static_cast<size_t>(d.N), bias.dtype);
       bias_f32 = w;
     }
     args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(d), eng, const_cast<float*>(bias_f32)));
@@ -316,6 +335,27 @@ bf16* bf16_scratch(AlignedBuffer& scratch, int64_t n) {
   return scratch.as<bf16>();
 }
 }  // namespace
+
+CView operand16_copy(const float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
+  if (compute == DType::kBF16) return bf16_operand_copy(x, n, scratch);
+  ZINC_CHECK(compute == DType::kF16, "operand16_copy: compute must be bf16 or fp16");
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
+  round_to_f16(x, scratch.as<float>(), static_cast<size_t>(n));
+  return {scratch.as<float>(), DType::kF32, true};
+}
+
+CView operand16_in_place(float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
+  if (compute == DType::kBF16) return bf16_operand_in_place(x, n, scratch);
+  ZINC_CHECK(compute == DType::kF16, "operand16_in_place: compute must be bf16 or fp16");
+  round_to_f16(x, x, static_cast<size_t>(n));
+  return {x, DType::kF32, true};
+}
+
+int64_t ScratchTally::operand16_bytes(int64_t n, bool in_place, DType compute) {
+  if (compute == DType::kBF16) return bf16_operand_bytes(n, in_place);
+  return in_place ? 0 : scratch_size(static_cast<size_t>(n) * sizeof(float));
+}
 
 CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch) {
   if (bf16_native()) {
@@ -382,7 +422,7 @@ std::string matmul_paths_summary() {
     MatmulPath p = matmul_path(d);
     if (!out.empty()) out += " | ";
     out += "matmul " + std::string(dtype_name(t)) + ": ";
-    if (t == DType::kBF16 && p.multiply == DType::kF32)
+    if (t != DType::kF32 && p.multiply == DType::kF32)
       out += "via fp32 (oneDNN " + p.impl + "), " + p.why;
     else
       out += "oneDNN " + p.impl;

@@ -51,14 +51,14 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
 // db(out) += column sums of dy (skipped when db is null).
-// With bf16 compute an fp32 dy is converted once for both matmuls
-// (kernels::bf16_operand_copy); the bias gradient sums the fp32 dy.
+// With bf16 (fp16) compute an fp32 dy is converted once for both matmuls
+// (kernels::operand16_copy); the bias gradient sums the fp32 dy.
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
                             int64_t in, int64_t out, DType compute) {
   const CView dy_full = dy;
-  if (compute == DType::kBF16 && dy.dtype == DType::kF32 && !dy.bf16_exact) {
+  if (is_16bit(compute) && dy.dtype == DType::kF32 && !dy.bf16_exact) {
     thread_local AlignedBuffer scratch;
-    dy = kernels::bf16_operand_copy(static_cast<const float*>(dy.data), N * out, scratch);
+    dy = kernels::operand16_copy(static_cast<const float*>(dy.data), N * out, compute, scratch);
   }
   if (dx) kernels::matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
   kernels::matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
@@ -78,12 +78,13 @@ struct OperandKind {
   bool exact = false;
 };
 inline OperandKind matmul_input_kind(DType compute) {
+  if (compute == DType::kF16) return {DType::kF32, true};
   if (compute != DType::kBF16) return {};
   return kernels::bf16_operands_native() ? OperandKind{DType::kBF16, false} : OperandKind{DType::kF32, true};
 }
 // Bytes of the scratch matmul_input fills for an n-element activation.
 inline int64_t matmul_input_bytes(int64_t n, DType compute) {
-  return compute == DType::kBF16 ? kernels::ScratchTally::bf16_operand_bytes(n, /*in_place=*/true) : 0;
+  return is_16bit(compute) ? kernels::ScratchTally::operand16_bytes(n, /*in_place=*/true, compute) : 0;
 }
 // The kernel scratch linear_forward asks for (parameters in compute dtype).
 inline void tally_linear_forward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
@@ -96,9 +97,9 @@ inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, in
                                      bool dx, DType compute) {
   OperandKind dy;
   int64_t copy = 0;
-  if (compute == DType::kBF16) {
-    dy = kernels::bf16_operands_native() ? OperandKind{DType::kBF16, false} : OperandKind{DType::kF32, true};
-    copy = kernels::ScratchTally::bf16_operand_bytes(N * out, /*in_place=*/false);
+  if (is_16bit(compute)) {
+    dy = matmul_input_kind(compute);
+    copy = kernels::ScratchTally::operand16_bytes(N * out, /*in_place=*/false, compute);
   }
   if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
   t.matmul(weight_grad_desc(N, in, out, compute), dy.dtype, dy.exact, x.dtype, x.exact);
@@ -110,12 +111,12 @@ inline int64_t buffer_bytes(int64_t n, int64_t elem_bytes = 4) {
 }
 
 // The view of an activation that only matmuls read (a layer's input): with
-// bf16 compute converted once for its forward and weight-gradient matmuls
+// bf16 (fp16) compute converted once for its forward and weight-gradient matmuls
 // (kernels::bf16_operand_in_place; `scratch` holds the bf16 copy where one
 // is made), else the fp32 buffer itself.
 inline CView matmul_input(float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
-  if (compute != DType::kBF16) return f32(x);
-  return kernels::bf16_operand_in_place(x, n, scratch);
+  if (!is_16bit(compute)) return f32(x);
+  return kernels::operand16_in_place(x, n, compute, scratch);
 }
 
 }  // namespace zinc::models::detail

@@ -67,19 +67,35 @@ std::vector<float> round_bf16(const std::vector<float>& v) {
 
 std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
+// Either 16-bit format (t = kBF16 or kF16): the stored bits and the values they hold.
+std::vector<uint16_t> to_16(const std::vector<float>& v, DType t) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_16(v[i], t);
+  return out;
+}
+std::vector<float> round_16(const std::vector<float>& v, DType t) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_16(float_to_16(v[i], t), t);
+  return out;
+}
+
 CView view(const std::vector<float>& v) { return {v.data(), DType::kF32}; }
 CView view(const std::vector<bf16>& v) { return {v.data(), DType::kBF16}; }
 
 // A parameter held in one dtype: the view the kernel gets, and the exact fp32
 // values the reference must see.
 struct Param {
-  std::vector<float> f32;  // values as the kernel sees them (bf16-rounded when bf16)
-  std::vector<bf16> b16;
+  std::vector<float> f32;  // values as the kernel sees them (rounded when 16-bit)
+  std::vector<uint16_t> b16;
   DType dtype;
   Param(std::vector<float> v, DType t) : dtype(t) {
-    if (t == DType::kBF16) {
-      b16 = to_bf16(v);
-      f32 = round_bf16(v);
+    if (is_16bit(t)) {
+      b16.resize(v.size());
+      f32.resize(v.size());
+      for (size_t i = 0; i < v.size(); ++i) {
+        b16[i] = float_to_16(v[i], t);
+        f32[i] = from_16(b16[i], t);
+      }
     } else {
       f32 = std::move(v);
     }
@@ -165,12 +181,17 @@ const MmCase kMmCases[] = {{1, 1, 1, 1}, {1, 7, 17, 33}, {1, 33, 7, 17}, {1, 17,
 void check_matmul(MatmulDesc d, DType a_dtype, DType b_dtype, uint64_t seed) {
   const size_t na = d.batch * d.M * d.K, nb = d.batch * d.K * d.N, nc = d.batch * d.M * d.N;
   auto a = randn(na, seed), b = randn(nb, seed + 1), c0 = randn(nc, seed + 2);
-  // The reference sees the values after the conversion to `compute`.
-  auto a_seen = (a_dtype == DType::kBF16 || d.compute == DType::kBF16) ? round_bf16(a) : a;
-  auto b_seen = (b_dtype == DType::kBF16 || d.compute == DType::kBF16) ? round_bf16(b) : b;
-  auto a16 = to_bf16(a), b16 = to_bf16(b);
-  CView av = a_dtype == DType::kF32 ? view(a) : view(a16);
-  CView bv = b_dtype == DType::kF32 ? view(b) : view(b16);
+  // The reference sees the values after the conversion to `compute` (an
+  // operand stored in 16 bits is already rounded to its own format).
+  auto seen = [&](const std::vector<float>& v, DType t) {
+    if (is_16bit(t)) return round_16(v, t);
+    return is_16bit(d.compute) ? round_16(v, d.compute) : v;
+  };
+  auto a_seen = seen(a, a_dtype), b_seen = seen(b, b_dtype);
+  auto a16 = to_16(a, is_16bit(a_dtype) ? a_dtype : DType::kBF16);
+  auto b16 = to_16(b, is_16bit(b_dtype) ? b_dtype : DType::kBF16);
+  CView av = a_dtype == DType::kF32 ? view(a) : CView{a16.data(), a_dtype};
+  CView bv = b_dtype == DType::kF32 ? view(b) : CView{b16.data(), b_dtype};
   std::vector<float> c = c0;
   matmul(d, av, bv, c.data());
   auto ad = to_double(a_seen), bd = to_double(b_seen), cd = to_double(c0);
@@ -202,9 +223,39 @@ TEST(Matmul, Bf16TransposedAgreesWithReferenceOnRoundedInputs) {
       }
 }
 
+// Note [fp16 compute]: fp16 operands widened, fp32 ones rounded to fp16,
+// fp32 accumulation.
+TEST(Matmul, Fp16AgreesWithReferenceOnRoundedInputs) {
+  uint64_t seed = 150;
+  for (const auto& mc : kMmCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        MatmulDesc d{.batch = mc.batch, .M = mc.M, .N = mc.N, .K = mc.K, .trans_a = ta, .trans_b = tb,
+                     .compute = DType::kF16};
+        check_matmul(d, DType::kF16, DType::kF16, seed += 3);
+        check_matmul(d, DType::kF32, DType::kF16, seed += 3);  // fp32 activations, fp16 weights
+      }
+  EXPECT_EQ(matmul_path({.M = 8, .N = 8, .K = 8, .compute = DType::kF16}).multiply, DType::kF32);
+}
+
+// An fp32 operand beyond fp16's range becomes Inf in an fp16 matmul, as in an
+// fp16 GEMM: the overflow dynamic loss scaling exists to catch.
+TEST(Matmul, Fp16OperandAboveTheRangeOverflowsToInf) {
+  MatmulDesc d{.M = 2, .N = 2, .K = 2, .compute = DType::kF16};
+  std::vector<float> a = {70000.0f, 0.0f, 1.0f, 2.0f}, b = {1.0f, 0.0f, 0.0f, 1.0f}, c(4);
+  std::vector<uint16_t> b16 = to_16(b, DType::kF16);
+  matmul(d, view(a), {b16.data(), DType::kF16}, c.data());
+  EXPECT_TRUE(std::isinf(c[0]));
+  EXPECT_EQ(c[2], 1.0f);
+  EXPECT_EQ(c[3], 2.0f);
+  d.compute = DType::kF32;  // the same in fp32 is finite
+  matmul(d, view(a), view(b), c.data());
+  EXPECT_EQ(c[0], 70000.0f);
+}
+
 TEST(Matmul, AccumulateAndAlphaAgreeWithReference) {
   uint64_t seed = 200;
-  for (DType compute : {DType::kF32, DType::kBF16})
+  for (DType compute : {DType::kF32, DType::kBF16, DType::kF16})
     for (const auto& mc : kMmCases)
       for (bool ta : {false, true})
         for (bool tb : {false, true}) {
@@ -264,7 +315,7 @@ TEST(Matmul, ConcurrentCallersShareTheCacheSafely) {
 // ---- bias -------------------------------------------------------------------------------
 
 TEST(Bias, AddBiasAgreesWithReference) {
-  for (DType dt : {DType::kF32, DType::kBF16})
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
     for (auto [M, N] : {std::pair<int64_t, int64_t>{0, 5}, {1, 1}, {7, 17}, {33, 65}, {1000, 33}}) {
       Param bias(randn(N, 10 + M), dt);
       auto y = randn(M * N, 20 + N);
@@ -306,7 +357,7 @@ TEST(Bias, BackwardMatchesFiniteDifferences) {
 // ---- layernorm --------------------------------------------------------------------------
 
 TEST(LayerNorm, ForwardAgreesWithReference) {
-  for (DType dt : {DType::kF32, DType::kBF16})
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
     for (auto [N, C] : {std::pair<int64_t, int64_t>{0, 7}, {1, 1}, {5, 7}, {3, 17}, {9, 33}, {17, 384}}) {
       auto x = randn(N * C, 60 + C, 2.0f);
       for (auto& v : x) v += 3.0f;  // a non-zero mean
@@ -338,7 +389,7 @@ TEST(LayerNorm, ForwardStableForLargeMean) {
 }
 
 TEST(LayerNorm, BackwardAgreesWithReference) {
-  for (DType dt : {DType::kF32, DType::kBF16})
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
     for (auto [N, C] : {std::pair<int64_t, int64_t>{0, 7}, {1, 1}, {5, 7}, {3, 17}, {9, 33}, {17, 384}}) {
       auto x = randn(N * C, 80 + C), dout = randn(N * C, 81 + N);
       Param w(randn(C, 82), dt), b(randn(C, 83), dt);
@@ -501,8 +552,8 @@ TEST(CrossEntropy, TargetOutsideVocabularyThrowsNamingRow) {
 TEST(Embedding, ForwardAgreesWithReference) {
   const int64_t B = 3, T = 7, C = 17, V = 33;
   auto tokens = rand_ints(B * T, V, 180);
-  for (DType te : {DType::kF32, DType::kBF16})
-    for (DType tp : {DType::kF32, DType::kBF16})
+  for (DType te : {DType::kF32, DType::kBF16, DType::kF16})
+    for (DType tp : {DType::kF32, DType::kBF16, DType::kF16})
       for (bool with_pos : {true, false}) {
         Param wte(randn(V * C, 181), te), wpe(randn(T * C, 182), tp);
         std::vector<float> out(B * T * C);
@@ -579,9 +630,9 @@ struct Workspace {
 void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
   const size_t n_qkv = s.B * s.T * 3 * s.C, n_out = s.B * s.T * s.C;
   auto qkv = randn(n_qkv, seed), dout = randn(n_out, seed + 1);
-  // bf16 compute rounds q, k, v (and dout for backward); the reference sees them rounded.
-  auto qkv_seen = compute == DType::kBF16 ? round_bf16(qkv) : qkv;
-  auto dout_seen = compute == DType::kBF16 ? round_bf16(dout) : dout;
+  // 16-bit compute rounds q, k, v (and dout for backward); the reference sees them rounded.
+  auto qkv_seen = is_16bit(compute) ? round_16(qkv, compute) : qkv;
+  auto dout_seen = is_16bit(compute) ? round_16(dout, compute) : dout;
   Workspace w;
   std::vector<float> out(n_out), dqkv(n_qkv, 123.0f);  // dqkv is written, not accumulated
   attention_forward(w.ws, out.data(), qkv.data(), s, compute);
@@ -606,6 +657,12 @@ TEST(Attention, Bf16ForwardAndBackwardAgreeWithReference) {
   // P and dS are rounded to bf16 inside (2^-9 relative each); summed over up
   // to T = 65 terms of N(0,1) size values.
   for (auto s : kAttShapes) check_attention(s, DType::kBF16, seed += 2, 3e-2);
+}
+
+TEST(Attention, Fp16ForwardAndBackwardAgreeWithReference) {
+  uint64_t seed = 450;
+  // As bf16, with fp16's 2^-12 relative rounding of P and dS.
+  for (auto s : kAttShapes) check_attention(s, DType::kF16, seed += 2, 4e-3);
 }
 
 TEST(Attention, BackwardMatchesFiniteDifferences) {
