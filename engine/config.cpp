@@ -108,6 +108,14 @@ void parse_precision(Reader& r, Config& c) {
   // DeepSpeed never read it there (bf16 needs no loss scaling).
   if (double ls = 0; bf.get_number("loss_scale", ls, at_least(0)) && ls != 0 && ls != 1)
     bf.warn_ignored(bf.last_path(), "bf16 trains without loss scaling (DeepSpeed does not read it here either)");
+  // Some configs (DeepSpeedExamples' cifar) copy fp16's other loss-scaling
+  // keys here too; DeepSpeed's bf16 section never read them.
+  for (const char* k : {"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}) {
+    if (double v = 0; bf.get_number(k, v, at_least(0)))
+      bf.warn_ignored(bf.last_path(), "bf16 trains without loss scaling (DeepSpeed does not read it here either)");
+  }
+  if (bool v = false; bf.get_bool("consecutive_hysteresis", v))
+    bf.warn_ignored(bf.last_path(), "bf16 trains without loss scaling (DeepSpeed does not read it here either)");
   bf.refuse_bool("bf16_master_weights_and_grads", false,
                  "zinc keeps fp32 master weights and gradients, and bf16 ones would change the result");
   bf.refuse_bool("bf16_optimizer_states", false,
@@ -115,31 +123,30 @@ void parse_precision(Reader& r, Config& c) {
   bf.finish();
 
   Reader fp = r.section("fp16");
-  bool fp16 = false;
-  fp.get_bool("enabled", fp16);
-  if (fp16 && c.bf16) {
+  Fp16Config& f = c.fp16;
+  fp.get_bool("enabled", f.enabled);
+  if (f.enabled && c.bf16) {
     throw ConfigError("fp16.enabled",
-                      "fp16 and bf16 cannot both be enabled; keep \"bf16\": {\"enabled\": true}");
+                      "fp16 and bf16 cannot both be enabled; keep one of \"fp16\" and \"bf16\"");
   }
-  if (fp16) {
-    throw ConfigError("fp16.enabled",
-                      "fp16 is not supported on the CPU build; use \"bf16\": {\"enabled\": true} instead");
-  }
-  // The rest of the fp16 section only matters when it is enabled; check
-  // types so that a config stays valid for DeepSpeed.
-  bool b = false;
-  int64_t i = 0;
-  double d = 0;
-  fp.get_bool("auto_cast", b);
-  fp.get_number("loss_scale", d, at_least(0));
-  fp.get_int("initial_scale_power", i);
-  fp.get_int("loss_scale_window", i, at_least(1));
-  fp.get_int("hysteresis", i, at_least(1));
-  fp.get_bool("consecutive_hysteresis", b);
-  fp.get_number("min_loss_scale", d, above(0));
-  fp.get_bool("fused_mode", b);
-  fp.get_bool("fp16_master_weights_and_grads", b);
+  // Read (and range-checked) whether or not enabled, so that a config stays
+  // valid for DeepSpeed.
+  fp.get_number("loss_scale", f.loss_scale, at_least(0));
+  fp.get_int("initial_scale_power", f.initial_scale_power, closed(0, 64));
+  fp.get_int("loss_scale_window", f.loss_scale_window, at_least(1));
+  fp.get_int("hysteresis", f.hysteresis, at_least(1));
+  fp.get_bool("consecutive_hysteresis", f.consecutive_hysteresis);
+  fp.get_number("min_loss_scale", f.min_loss_scale, above(0));
+  if (bool ac = false; fp.get_bool("auto_cast", ac) && ac && f.enabled)
+    fp.warn_ignored(fp.last_path(), "zinc's models take token ids, so there are no float inputs to cast");
+  fp.ignore_bool("fused_mode", false);
+  fp.refuse_bool("fp16_master_weights_and_grads", false,
+                 "zinc keeps fp32 master weights and gradients, and fp16 ones would change the result");
   fp.finish();
+  if (f.enabled && f.loss_scale == 0 && std::ldexp(1.0, static_cast<int>(f.initial_scale_power)) < f.min_loss_scale)
+    throw ConfigError("fp16.initial_scale_power",
+                      "2^" + std::to_string(f.initial_scale_power) + " is below fp16.min_loss_scale " +
+                          num(f.min_loss_scale));
 
   // Apex AMP: its other keys are passed to amp.initialize, so any are allowed.
   const json* amp = r.find("amp");
@@ -164,11 +171,7 @@ void parse_precision(Reader& r, Config& c) {
   const json* comm = r.find("communication_data_type");
   if (comm && !comm->is_null()) {
     const std::string wire = to_choice(*comm, "communication_data_type", {"fp32", "bf16", "fp16"}, false);
-    if (wire == "fp16") {
-      throw ConfigError("communication_data_type",
-                        "\"fp16\" is not supported on the CPU build; use \"fp32\" or \"bf16\"");
-    }
-    c.communication_data_type = wire == "bf16" ? DType::kBF16 : DType::kF32;
+    c.communication_data_type = wire == "bf16" ? DType::kBF16 : wire == "fp16" ? DType::kF16 : DType::kF32;
   }
   const json* sp = r.find("seq_parallel_comm_data_type");
   if (sp && !sp->is_null()) r.warn_ignored("seq_parallel_comm_data_type", "zinc has no sequence parallelism");

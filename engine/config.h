@@ -172,6 +172,21 @@ struct CheckpointConfig {
   TagValidation tag_validation = TagValidation::kWarn;
 };
 
+// fp16: DeepSpeed's section (Note [dynamic loss scaling] in
+// optim/loss_scaler.h). With enabled the model's weights are fp16 (fp32
+// master weights in the optimizer), gradients go over the wire in fp16
+// unless communication_data_type says otherwise, and backward runs on the
+// loss times the loss scale.
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0;         // 0: dynamic; > 0: this static scale
+  int64_t initial_scale_power = 16;  // the first dynamic scale is 2^this
+  int64_t loss_scale_window = 1000;  // clean steps before the scale doubles
+  int64_t hysteresis = 2;            // overflows tolerated before the scale halves
+  bool consecutive_hysteresis = false;  // refill the hysteresis after every clean step
+  double min_loss_scale = 1;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -192,9 +207,11 @@ struct Config {
   // Halves the compute copy and activations; on CPUs without native bf16
   // matmuls the matmuls run in fp32 (README, Any CPU).
   bool bf16 = false;
+  Fp16Config fp16;
   DType grad_accum_dtype = DType::kF32;  // data_types.grad_accum_dtype (only fp32 is implemented)
   // communication_data_type: the gradients' dtype on the wire (unset: fp32,
-  // as accumulated). bf16 halves the reduction traffic and rounds each sum.
+  // as accumulated; fp16 with fp16 enabled). bf16 / fp16 halve the reduction
+  // traffic and round each sum.
   std::optional<DType> communication_data_type;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
@@ -221,6 +238,13 @@ struct Config {
                      const std::vector<std::string>& caller_sections = {});
   // Cross-field checks (called by parse).
   void validate() const;
+  // The model's compute dtype: bf16, fp16 or fp32.
+  DType compute_dtype() const { return bf16 ? DType::kBF16 : fp16.enabled ? DType::kF16 : DType::kF32; }
+  // The gradients' dtype on the wire: communication_data_type, else fp16
+  // with fp16 on (as DeepSpeed reduces fp16 gradients), else fp32.
+  DType wire_dtype() const {
+    return communication_data_type ? *communication_data_type : fp16.enabled ? DType::kF16 : DType::kF32;
+  }
 };
 
 // Reads a JSON file: IoError naming the path if it cannot be read,

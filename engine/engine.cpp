@@ -24,6 +24,7 @@
 #include "engine/shard.h"
 #include "offload/swapper.h"
 #include "kernels/kernels.h"
+#include "optim/loss_scaler.h"
 #include "optim/optim.h"
 
 // The step in DESIGN.md's order: forward (blocks acquired through the
@@ -99,6 +100,18 @@ optim::ScheduleParams schedule_params(const Config& c) {
   return p;
 }
 
+optim::LossScaleParams loss_scale_params(const Fp16Config& f) {
+  optim::LossScaleParams p;
+  p.dynamic = f.loss_scale == 0;
+  p.static_scale = f.loss_scale > 0 ? f.loss_scale : 1.0;
+  p.initial_scale_power = static_cast<int>(f.initial_scale_power);
+  p.window = f.loss_scale_window;
+  p.hysteresis = f.hysteresis;
+  p.consecutive_hysteresis = f.consecutive_hysteresis;
+  p.min_scale = f.min_loss_scale;
+  return p;
+}
+
 optim::AdamParams adam_params(const Config& c) {
   optim::AdamParams a;
   a.lr = c.optimizer.lr;
@@ -157,6 +170,10 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<ParamCoordinator> params;
   optim::AdamParams adam;
   optim::LrSchedule schedule;
+  // fp16: Note [dynamic loss scaling] (optim/loss_scaler.h). Without fp16
+  // the scale is 1 and never changes.
+  bool loss_scaling = false;
+  optim::LossScaler scaler;
   int64_t num_params = 0;
 
   int64_t micro_steps = 0;      // backward() calls so far
@@ -176,7 +193,7 @@ struct Engine::Impl final : StepContext {
 
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
-      : cfg(c), model(std::move(m)), comm(std::move(cm)), dtype(c.bf16 ? DType::kBF16 : DType::kF32),
+      : cfg(c), model(std::move(m)), comm(std::move(cm)), dtype(c.compute_dtype()),
         schedule(schedule_params(c)) {
     if (comm) {
       world = comm->size();
@@ -195,6 +212,8 @@ struct Engine::Impl final : StepContext {
     }
     adam = adam_params(c);
     lr = schedule.lr_at(0);
+    loss_scaling = c.fp16.enabled;
+    if (loss_scaling) scaler = optim::LossScaler(loss_scale_params(c.fp16));
     allocate_and_init();
   }
 
@@ -277,11 +296,10 @@ struct Engine::Impl final : StepContext {
         } else {
           s.compute_shard = memory.alloc(bytes);
         }
-        if (dtype == DType::kBF16) convert_f32_to_bf16(own, reinterpret_cast<bf16*>(s.own_compute()), shard);
-        else std::memcpy(s.own_compute(), own, shard * 4);
-      } else if (dtype == DType::kBF16) {
+        convert_f32_to_16(own, s.own_compute(), shard, dtype);
+      } else if (is_16bit(dtype)) {
         s.compute = memory.alloc(padded * 2);
-        convert_f32_to_bf16(w, s.compute.as<bf16>(), padded);
+        convert_f32_to_16(w, s.compute.data(), padded, dtype);
       } else if (plan.compute_copy(dtype)) {
         s.compute = memory.alloc(padded * 4);
         std::memcpy(s.compute.data(), w, padded * 4);
@@ -303,7 +321,7 @@ struct Engine::Impl final : StepContext {
     GradReducer::Options ro;
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;
-    ro.wire_bf16 = cfg.communication_data_type == DType::kBF16;
+    ro.wire = cfg.wire_dtype();
     reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
     memory.release_kept();
   }
@@ -370,7 +388,7 @@ struct Engine::Impl final : StepContext {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
     auto t0 = Clock::now();
     reducer->begin_backward((micro_steps + 1) % cfg.gradient_accumulation_steps == 0);
-    model->backward(*this, 1.0f);
+    model->backward(*this, static_cast<float>(loss_scale()));
     check_released("backward");
     params->end_pass();
     for (size_t b = 0; b < blocks.size(); ++b)
@@ -381,6 +399,13 @@ struct Engine::Impl final : StepContext {
     forward_pending = false;
     micro_steps += 1;
     timings.backward_s += seconds_since(t0);
+  }
+
+  double loss_scale() const { return loss_scaling ? scaler.scale() : 1.0; }
+  static std::string num_text(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return buf;
   }
 
   bool at_boundary() const {
@@ -401,13 +426,19 @@ struct Engine::Impl final : StepContext {
       reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
     }
     // Gradients are sums over ranks and micro-batches of per-micro-batch
-    // mean-loss gradients: the mean is 1/(world * gas) of that.
-    const double scale = inv_gas * inv_world;
+    // mean-loss gradients: the mean is 1/(world * gas) of that, and with
+    // fp16 they are of the loss times the loss scale.
+    const double used_scale = loss_scale();
+    const double scale = inv_gas * inv_world / used_scale;
     grad_norm = std::sqrt(sums[0]) * scale;
     global_steps += 1;
-    if (!std::isfinite(grad_norm)) {
+    const bool overflow = !std::isfinite(grad_norm);
+    if (overflow) {
       skipped_steps += 1;
-      if (rank == 0)
+      if (rank == 0 && loss_scaling)
+        log_info("step " + std::to_string(global_steps) + ": fp16 gradients overflowed at loss scale " +
+                 num_text(used_scale) + "; the update is skipped");
+      else if (rank == 0)
         log_warn("step " + std::to_string(global_steps) + ": gradient norm is not finite; the update is skipped");
     } else {
       const double clip = optim::clip_coefficient(grad_norm, cfg.gradient_clipping);
@@ -420,6 +451,7 @@ struct Engine::Impl final : StepContext {
       params->gather_after_step();
     }
     reducer->reset_after_step();
+    if (loss_scaling) scaler.update(overflow);
     last_loss = sums[1] / static_cast<double>(loss_count * world);
     loss_sum = 0;
     loss_count = 0;
@@ -450,7 +482,9 @@ struct Engine::Impl final : StepContext {
     bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
     optim::adam_step(adam, optimizer_steps, grad_scale,
                      optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out16, sp.count});
-    if (dtype == DType::kF32 && out) std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
+    // fp32 copied; fp16 converted in a second pass (the optimizer's fused
+    // copy-out writes bf16 only).
+    if (dtype != DType::kBF16 && out) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
   }
 
   // The spans come block by block: once the visitor moves past a block, its
@@ -607,6 +641,11 @@ struct Engine::Impl final : StepContext {
               {"micro_steps", micro_steps},
               {"skipped_steps", skipped_steps},
               {"optimizer_steps", optimizer_steps},
+              {"loss_scale",
+               {{"scale", scaler.scale()},
+                {"hysteresis", scaler.hysteresis_left()},
+                {"iteration", scaler.iteration()},
+                {"last_overflow", scaler.last_overflow_iteration()}}},
               {"lr", lr},
               {"grad_norm", grad_norm},
               {"last_loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)}}},
@@ -647,11 +686,10 @@ struct Engine::Impl final : StepContext {
       reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
       reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
       reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
-      // The compute weights, as the update writes them: bf16-rounded or copied.
+      // The compute weights, as the update writes them: rounded to 16 bits or copied.
       char* out = compute_out(sp);
       if (!out) return;
-      if (dtype == DType::kBF16) convert_f32_to_bf16(sp.master, reinterpret_cast<bf16*>(out), static_cast<size_t>(sp.count));
-      else std::memcpy(out, sp.master, static_cast<size_t>(sp.count) * 4);
+      convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
     }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
     params->gather_after_step();
     const nlohmann::json& t = meta.at("training");
@@ -661,6 +699,13 @@ struct Engine::Impl final : StepContext {
     optimizer_steps = t.at("optimizer_steps");
     lr = t.at("lr");
     grad_norm = t.at("grad_norm");
+    // The loss scale continues where it was (a checkpoint without fp16, or
+    // from before zinc kept it, starts the scaler afresh).
+    if (loss_scaling && cfg.fp16.loss_scale == 0 && t.contains("loss_scale") &&
+        meta.value("compute_dtype", "") == "fp16") {
+      const nlohmann::json& ls = t["loss_scale"];
+      scaler.restore(ls.at("scale"), ls.at("hysteresis"), ls.at("iteration"), ls.at("last_overflow"));
+    }
     last_loss = t.at("last_loss").is_null() ? NAN : t.at("last_loss").get<double>();
     // At another accumulation: the micro-step count follows the global steps.
     micro_steps = global_steps * cfg.gradient_accumulation_steps;
@@ -739,6 +784,7 @@ float Engine::evaluate(const Batch& batch) {
 bool Engine::is_gradient_accumulation_boundary() const { return impl_->at_boundary(); }
 double Engine::global_grad_norm() const { return impl_->grad_norm; }
 double Engine::learning_rate() const { return impl_->lr; }
+double Engine::loss_scale() const { return impl_->loss_scale(); }
 int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }

@@ -6,8 +6,8 @@
 //
 // step() updates weights only at a gradient-accumulation boundary (every
 // gradient_accumulation_steps micro-batches), as DeepSpeed's engine does.
-// The engine owns the parameters (fp32 master weights, the bf16 compute copy
-// with bf16 on), the gradient accumulators and the optimizer states, laid out
+// The engine owns the parameters (fp32 master weights, the bf16 / fp16
+// compute copy with bf16 / fp16 on), the gradient accumulators and the optimizer states, laid out
 // as one flat vector per model block (see engine/model.h).
 //
 // Data parallelism (see Note [ZeRO stages] in engine.cpp): with a
@@ -89,6 +89,9 @@ class Engine {
   // Learning rate applied by the most recent optimizer step (before the
   // first step: the one the first step will use).
   double learning_rate() const;
+  // fp16: the loss scale the next backward multiplies the loss by (Note
+  // [dynamic loss scaling] in optim/loss_scaler.h); 1 without fp16.
+  double loss_scale() const;
   // Optimizer steps taken (global batches completed), skipped ones included.
   int64_t global_steps() const;
   int64_t skipped_steps() const;

@@ -11,7 +11,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
                          StateMemory& memory, const Options& options)
     : plan_(plan), blocks_(blocks), stream_(stream), memory_(memory), options_(options) {
   if (plan_.world > 1 && !stream_) throw Error("GradReducer: several ranks need a comm stream");
-  options_.wire_bf16 = options_.wire_bf16 && plan_.world > 1;
+  if (plan_.world == 1) options_.wire = DType::kF32;
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
@@ -26,7 +26,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
     max_shard = std::max(max_shard, s.part.shard_numel);
   }
   if (plan_.gather_reduced_grads) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
-  if (options_.wire_bf16) scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
+  if (is_16bit(options_.wire)) scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
 }
 
 void GradReducer::begin_backward(bool boundary) {
@@ -84,16 +84,17 @@ void GradReducer::submit(const std::vector<int>& ids) {
   }
   const bool gather = plan_.gather_reduced_grads;
   float* shard_scratch = scratch_shard_.empty() ? nullptr : scratch_shard_.as<float>();
-  bf16* wire = scratch_wire_.empty() ? nullptr : scratch_wire_.as<bf16>();
-  comm::CommHandle h = stream_->submit([bs, gather, shard_scratch, wire](comm::Communicator& c) {
+  uint16_t* wire = scratch_wire_.empty() ? nullptr : scratch_wire_.as<uint16_t>();
+  const DType wt = options_.wire;
+  comm::CommHandle h = stream_->submit([bs, gather, shard_scratch, wire, wt](comm::Communicator& c) {
     for (BlockShard* s : bs) {
       const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
       float* shard_out = gather ? shard_scratch : s->grad_shard.as<float>();
       if (wire) {
-        bf16* shard16 = wire + padded;
-        convert_f32_to_bf16(s->grad.as<float>(), wire, static_cast<size_t>(padded));
-        c.reduce_scatter(wire, shard16, shard, DType::kBF16);
-        convert_bf16_to_f32(shard16, shard_out, static_cast<size_t>(shard));
+        uint16_t* shard16 = wire + padded;
+        convert_f32_to_16(s->grad.as<float>(), wire, static_cast<size_t>(padded), wt);
+        c.reduce_scatter(wire, shard16, shard, wt);
+        convert_16_to_f32(shard16, shard_out, static_cast<size_t>(shard), wt);
       } else {
         c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
       }

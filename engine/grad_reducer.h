@@ -2,8 +2,8 @@
 //
 // Owns the reduction of every block's gradient across ranks: the buckets of
 // reduce_bucket_size elements, the reduce-scatter into each rank's shard (and
-// at stage 0 the all-gather back into the full gradient), bf16 on the wire
-// (communication_data_type), no-sync inside a gradient accumulation, the
+// at stage 0 the all-gather back into the full gradient), bf16 or fp16 on
+// the wire (communication_data_type; fp16 by default with fp16 on), no-sync inside a gradient accumulation, the
 // bound on reductions in flight, and at stage 2 freeing each block's full
 // gradient once its reduction has run (Note [ZeRO stages] in shard.h).
 //
@@ -27,7 +27,7 @@ class GradReducer {
   struct Options {
     int64_t bucket_numel = 500000000;  // zero_optimization.reduce_bucket_size (elements)
     bool overlap = false;              // overlap_comm: backward goes on while a bucket reduces
-    bool wire_bf16 = false;            // communication_data_type bf16 (several ranks only)
+    DType wire = DType::kF32;          // the gradients' dtype on the wire (16-bit: several ranks only)
   };
   // At most this many buckets are in flight: the next submission waits for
   // the oldest, which bounds the full gradients alive at stage 2.
@@ -78,7 +78,7 @@ class GradReducer {
   // runs one task at a time): the reduced shard at stage 0, and the bf16
   // wire copies (full + shard).
   AlignedBuffer scratch_shard_;  // fp32, max shard_numel (stage 0, several ranks)
-  AlignedBuffer scratch_wire_;   // bf16, max (padded_numel + shard_numel)
+  AlignedBuffer scratch_wire_;   // 16-bit wire format, max (padded_numel + shard_numel)
 };
 
 }  // namespace zinc

@@ -47,7 +47,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   const ZeroConfig& z = c.zero;
   const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
   const StagePlan plan = StagePlan::make(z.stage, world, param_offload);
-  const DType dtype = c.bf16 ? DType::kBF16 : DType::kF32;
+  const DType dtype = c.compute_dtype();
   const int64_t es = static_cast<int64_t>(dtype_bytes(dtype));
   e.stage = z.stage;
   e.world = world;
@@ -71,7 +71,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     max_padded = std::max(max_padded, p.padded_numel);
     max_shard = std::max(max_shard, p.shard_numel);
   }
-  const char* dname = dtype == DType::kBF16 ? "bf16" : "fp32";
+  const std::string dname(dtype_name(dtype));
 
   // ---- optimizer states: master, m, v ----
   MemoryPart opt{"optimizer states (fp32 master, Adam m, v)", 12 * span_all,
@@ -199,8 +199,10 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     grads.push_back({"gradient shards (fp32, reduced)", 4 * shard_all, "4 B x " + millions(shard_all) + " elements"});
   if (plan.gather_reduced_grads)
     grads.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
-  if (c.communication_data_type == DType::kBF16 && world > 1)
-    grads.push_back({"bf16 wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, bf16"});
+  if (is_16bit(c.wire_dtype()) && world > 1) {
+    const std::string w(dtype_name(c.wire_dtype()));
+    grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
+  }
 
   // ---- the two phases ----
   e.setup.push_back(opt);

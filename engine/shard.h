@@ -92,9 +92,9 @@ struct StagePlan {
     p.params_sharded = stage == 3 && (world > 1 || params_offloaded);
     return p;
   }
-  // A separate compute copy of the parameters: bf16 always; fp32 at stages
-  // 1, 2 (at stage 0 in fp32 the master weights are the compute weights).
-  bool compute_copy(DType compute) const { return compute == DType::kBF16 || stage > 0; }
+  // A separate compute copy of the parameters: bf16 / fp16 always; fp32 at
+  // stages 1, 2 (at stage 0 in fp32 the master weights are the compute weights).
+  bool compute_copy(DType compute) const { return is_16bit(compute) || stage > 0; }
   int64_t optimizer_numel(const Partition& p) const {
     return optimizer_spans_block ? p.padded_numel : p.shard_numel;
   }

@@ -237,7 +237,7 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   }
   std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | micro-batch %lld x %lld tokens | %d rank%s\n",
               config_path.c_str(), ex.model->name().c_str(), static_cast<double>(params) / 1e6,
-              cfg.bf16 ? "bf16" : "fp32", static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+              std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(), static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
               static_cast<long long>(T), world, world == 1 ? "" : "s");
   std::printf("memory per rank at ZeRO stage %d (%s), estimated without training:\n", cfg.zero.stage,
               offload_words(cfg).c_str());
@@ -375,7 +375,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
     std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
                 ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
-                cfg.bf16 ? "bf16" : "fp32", ex.data->describe().c_str());
+                std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(), ex.data->describe().c_str());
     std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
                 static_cast<long long>(cfg.train_batch_size),
                 static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
@@ -414,12 +414,20 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                              {"loss", loss},          {"lr", engine.learning_rate()},
                              {"grad_norm", engine.global_grad_norm()},
                              {"tokens_per_s", tps},   {"elapsed_s", elapsed}};
+        if (cfg.fp16.enabled) {
+          ev["loss_scale"] = engine.loss_scale();
+          ev["skipped_steps"] = engine.skipped_steps();
+        }
         std::printf("%s\n", ev.dump().c_str());
       } else {
         const double eta = elapsed / static_cast<double>(s - first_step + 1) * static_cast<double>(steps - s);
-        std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s\n",
+        std::string scale;
+        if (cfg.fp16.enabled)
+          scale = " | loss scale " + std::to_string(static_cast<long long>(engine.loss_scale())) + ", " +
+                  std::to_string(static_cast<long long>(engine.skipped_steps())) + " skipped";
+        std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %s elapsed | ETA %s\n",
                     static_cast<long long>(s), static_cast<long long>(steps), loss, engine.learning_rate(),
-                    engine.global_grad_norm(), tps, format_duration(elapsed).c_str(),
+                    engine.global_grad_norm(), scale.c_str(), tps, format_duration(elapsed).c_str(),
                     format_duration(eta).c_str());
         if (cfg.wall_clock_breakdown) {
           zinc::StepTimings t = engine.timings();
@@ -540,7 +548,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                   100 * off_cpu_share);
     }
     if (engine.skipped_steps() > 0)
-      std::printf(" | %lld steps skipped (non-finite gradients)", static_cast<long long>(engine.skipped_steps()));
+      std::printf(" | %lld steps skipped (%s)", static_cast<long long>(engine.skipped_steps()),
+                  cfg.fp16.enabled ? "fp16 overflow" : "non-finite gradients");
     std::printf("\n");
     if (digest) std::printf("weights digest (FNV-1a of the fp32 master weights): %s\n", digest_hex.c_str());
     if (zero3)

@@ -195,16 +195,19 @@ TEST(ConfigErrors, AliasAndNameBothSet) {
 }
 
 TEST(ConfigErrors, PrecisionModes) {
-  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}}}}),
-                      "fp16.enabled: fp16 is not supported on the CPU build",
-                      "\"bf16\": {\"enabled\": true}");
   EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}}}, {"bf16", {{"enabled", true}}}}),
                       "fp16.enabled: fp16 and bf16 cannot both be enabled");
   EXPECT_CONFIG_ERROR(with({{"amp", {{"enabled", true}, {"opt_level", "O1"}}}}), "amp.enabled:", "bf16");
   EXPECT_CONFIG_ERROR(with({{"data_types", {{"grad_accum_dtype", "bf16"}}}}),
                       "data_types.grad_accum_dtype: \"bf16\" is not implemented in zinc");
-  EXPECT_CONFIG_ERROR(with({{"communication_data_type", "fp16"}}),
-                      "communication_data_type: \"fp16\" is not supported on the CPU build");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"fp16_master_weights_and_grads", true}}}}),
+                      "fp16.fp16_master_weights_and_grads: not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"initial_scale_power", 2}, {"min_loss_scale", 8}}}}),
+                      "fp16.initial_scale_power: 2^2 is below fp16.min_loss_scale 8");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"loss_scale", -1}}}}), "fp16.loss_scale: must be >= 0");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"hysteresis", 0}}}}), "fp16.hysteresis: must be >= 1");
+  EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"loss_scale_windw", 10}}}}),
+                      "fp16.loss_scale_windw: unknown key", "did you mean 'loss_scale_window'");
   EXPECT_CONFIG_ERROR(with({{"bf16", {{"enabled", true}, {"bf16_master_weights_and_grads", true}}}}),
                       "bf16.bf16_master_weights_and_grads: not implemented in zinc");
 }
@@ -362,6 +365,45 @@ TEST(ConfigAccepts, DeepSpeedSpellingsAndForms) {
   EXPECT_EQ(c.csv_monitor.output_path, "out/");
   EXPECT_EQ(c.communication_data_type, DType::kBF16);
   EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(ConfigAccepts, Fp16SectionWithDeepSpeedsDefaults) {
+  Config d = Config::parse(with({{"fp16", {{"enabled", true}}}}));
+  EXPECT_TRUE(d.fp16.enabled);
+  EXPECT_EQ(d.fp16.loss_scale, 0);
+  EXPECT_EQ(d.fp16.initial_scale_power, 16);
+  EXPECT_EQ(d.fp16.loss_scale_window, 1000);
+  EXPECT_EQ(d.fp16.hysteresis, 2);
+  EXPECT_FALSE(d.fp16.consecutive_hysteresis);
+  EXPECT_EQ(d.fp16.min_loss_scale, 1);
+  EXPECT_FALSE(d.communication_data_type.has_value());  // the engine puts fp16 on the wire
+  Config c = Config::parse(with({{"fp16",
+                                  {{"enabled", true},
+                                   {"loss_scale", 0},
+                                   {"initial_scale_power", 12},
+                                   {"loss_scale_window", 500},
+                                   {"hysteresis", 3},
+                                   {"consecutive_hysteresis", true},
+                                   {"min_loss_scale", 0.5},
+                                   {"auto_cast", false}}},
+                                 {"communication_data_type", "fp32"}}));
+  EXPECT_EQ(c.fp16.initial_scale_power, 12);
+  EXPECT_EQ(c.fp16.loss_scale_window, 500);
+  EXPECT_EQ(c.fp16.hysteresis, 3);
+  EXPECT_TRUE(c.fp16.consecutive_hysteresis);
+  EXPECT_EQ(c.fp16.min_loss_scale, 0.5);
+  EXPECT_EQ(c.communication_data_type, DType::kF32);
+  EXPECT_TRUE(c.warnings.empty());
+  Config wire = Config::parse(with({{"communication_data_type", "fp16"}}));
+  EXPECT_EQ(wire.communication_data_type, DType::kF16);
+}
+
+TEST(ConfigAccepts, LossScalingKeysInTheBf16SectionAreIgnoredWithAWarning) {
+  Config c = Config::parse(with({{"bf16", {{"enabled", true}, {"loss_scale", 0}, {"initial_scale_power", 16},
+                                           {"loss_scale_window", 1000}, {"hysteresis", 2}, {"min_loss_scale", 1}}}}));
+  EXPECT_TRUE(c.bf16);
+  EXPECT_EQ(c.warnings.size(), 4u);
+  for (const std::string& w : c.warnings) EXPECT_NE(w.find("bf16 trains without loss scaling"), std::string::npos) << w;
 }
 
 TEST(ConfigAccepts, AdamWModeFollowsTheType) {

@@ -217,6 +217,110 @@ TEST(EngineStep, NonFiniteGradientSkipsTheUpdate) {
   EXPECT_NE(params_of(e, 2), before);
 }
 
+// ---- fp16: Note [dynamic loss scaling] ----------------------------------------------
+
+nlohmann::json fp16_toy_config(nlohmann::json fp16) {
+  nlohmann::json c = toy_config();
+  fp16["enabled"] = true;
+  c["fp16"] = fp16;
+  return c;
+}
+
+// One global batch of the toy, poisoned (NaN gradients: an injected
+// overflow) or not; returns the loss scale the next batch will use.
+double toy_step(Engine& e, ToyModel& m, bool overflow) {
+  m.poison_ = overflow;
+  e.forward(toy_batch(1));
+  e.backward();
+  e.step();
+  m.poison_ = false;
+  return e.loss_scale();
+}
+
+TEST(LossScale, InjectedOverflowSkipsTheStepAndHysteresisDelaysTheCut) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(
+      model, fp16_toy_config({{"initial_scale_power", 8}, {"hysteresis", 2}, {"loss_scale_window", 3}}));
+  EXPECT_EQ(e.loss_scale(), 256);
+  const std::vector<float> before = params_of(e, 2);
+  const double lr_before = e.learning_rate();
+  // First overflow: skipped, the hysteresis absorbs it (2 -> 1), the scale stays.
+  EXPECT_EQ(toy_step(e, *model, true), 256);
+  EXPECT_EQ(params_of(e, 2), before);
+  EXPECT_EQ(e.skipped_steps(), 1);
+  // Second: skipped, and now the scale halves.
+  EXPECT_EQ(toy_step(e, *model, true), 128);
+  EXPECT_EQ(params_of(e, 2), before);
+  EXPECT_EQ(e.skipped_steps(), 2);
+  EXPECT_EQ(e.learning_rate(), lr_before);  // the schedule did not advance
+  // Clean steps update; the third clean step since the overflow doubles the scale.
+  EXPECT_EQ(toy_step(e, *model, false), 128);
+  EXPECT_NE(params_of(e, 2), before);
+  EXPECT_EQ(toy_step(e, *model, false), 128);
+  EXPECT_EQ(toy_step(e, *model, false), 256);
+  EXPECT_EQ(e.skipped_steps(), 2);
+  EXPECT_EQ(e.global_steps(), 5);
+  // The window restarts: three more clean steps double it again.
+  EXPECT_EQ(toy_step(e, *model, false), 256);
+  EXPECT_EQ(toy_step(e, *model, false), 256);
+  EXPECT_EQ(toy_step(e, *model, false), 512);
+  // The hysteresis was refilled when the scale grew: one overflow is absorbed again.
+  EXPECT_EQ(toy_step(e, *model, true), 512);
+  EXPECT_EQ(toy_step(e, *model, true), 256);
+}
+
+TEST(LossScale, ConsecutiveHysteresisRefillsAfterEveryCleanStep) {
+  for (bool consecutive : {false, true}) {
+    auto model = std::make_shared<ToyModel>();
+    Engine e = Engine::initialize(model, fp16_toy_config({{"initial_scale_power", 10},
+                                                          {"hysteresis", 2},
+                                                          {"loss_scale_window", 100},
+                                                          {"consecutive_hysteresis", consecutive}}));
+    // overflow, clean, overflow: only without consecutive_hysteresis does the
+    // second overflow find the hysteresis spent.
+    toy_step(e, *model, true);
+    toy_step(e, *model, false);
+    EXPECT_EQ(toy_step(e, *model, true), consecutive ? 1024 : 512) << consecutive;
+  }
+}
+
+TEST(LossScale, GradientsAreUnscaledBeforeNormClippingAndTheUpdate) {
+  // The same toy step with and without fp16: the reported norm is the
+  // unscaled one, and the update matches (to fp16's rounding of the weights).
+  auto m32 = std::make_shared<ToyModel>(), m16 = std::make_shared<ToyModel>();
+  Engine e32 = Engine::initialize(m32, toy_config());
+  Engine e16 = Engine::initialize(m16, fp16_toy_config({{"initial_scale_power", 12}}));
+  EXPECT_EQ(e16.loss_scale(), 4096);
+  toy_step(e32, *m32, false);
+  toy_step(e16, *m16, false);
+  EXPECT_NEAR(e16.global_grad_norm(), e32.global_grad_norm(), 1e-3 * e32.global_grad_norm());
+  const std::vector<float> a = params_of(e16, 2), b = params_of(e32, 2);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 2e-3) << i;
+}
+
+TEST(LossScale, StaticScaleNeverChangesButAnOverflowStillSkips) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(model, fp16_toy_config({{"loss_scale", 128}}));
+  const std::vector<float> before = params_of(e, 2);
+  EXPECT_EQ(toy_step(e, *model, true), 128);
+  EXPECT_EQ(params_of(e, 2), before);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(toy_step(e, *model, false), 128);
+  EXPECT_EQ(e.skipped_steps(), 1);
+}
+
+TEST(LossScale, AnOverflowAtTheMinimumScaleIsAnError) {
+  auto model = std::make_shared<ToyModel>();
+  Engine e = Engine::initialize(
+      model, fp16_toy_config({{"initial_scale_power", 1}, {"hysteresis", 1}, {"min_loss_scale", 1}}));
+  EXPECT_EQ(toy_step(e, *model, true), 1);
+  try {
+    toy_step(e, *model, true);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("fp16.min_loss_scale"), std::string::npos) << err.what();
+  }
+}
+
 TEST(EngineProtocol, MisuseIsAnErrorNotACrash) {
   auto model = std::make_shared<ToyModel>();
   Engine e = Engine::initialize(model, toy_config());
@@ -329,6 +433,74 @@ TEST(EngineTraining, Bf16ViaFp32TracksFp32Loss) {
   kernels::set_matmul_bf16_path_for_testing(kernels::MatmulBf16Path::kAuto);
   EXPECT_LT(tail_mean(f32), tail_mean({f32.begin(), f32.begin() + 20}) - 0.3);  // it learned
   EXPECT_NEAR(tail_mean(via), tail_mean(f32), 0.05);
+}
+
+// fp16 on the real GPT: a first scale of 2^40 makes the scaled gradients
+// overflow fp16 inside the matmuls, so the first steps are skipped while the
+// scale falls (hysteresis 1: halved each time); then it learns.
+TEST(EngineTraining, Fp16OverflowsAtAHugeScaleThenLearns) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 16},
+                        {"gradient_clipping", 1.0},
+                        {"fp16", {{"enabled", true}, {"initial_scale_power", 40}, {"hysteresis", 1}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  auto model = tiny_gpt();
+  Engine e = Engine::initialize(model, cfg);
+  EXPECT_EQ(e.compute_dtype(), DType::kF16);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  dc.determinism = 1.0;
+  DataLoader loader(make_data_source(dc), 16, 1, 1, 0, 7);
+  std::vector<float> losses;  // of the steps that updated
+  double scale = e.loss_scale();
+  int64_t skipped = 0;
+  while (e.global_steps() - e.skipped_steps() < 200) {
+    const float loss = e.train_batch(loader);
+    if (e.skipped_steps() > skipped) {
+      EXPECT_EQ(e.loss_scale(), scale / 2) << "step " << e.global_steps();  // hysteresis 1: halved
+      skipped = e.skipped_steps();
+    } else {
+      losses.push_back(loss);
+    }
+    scale = e.loss_scale();
+    ASSERT_LT(e.global_steps(), 400);
+  }
+  EXPECT_GE(e.skipped_steps(), 20);  // 2^40 cannot hold: 20 or more halvings
+  EXPECT_LT(e.loss_scale(), std::ldexp(1.0, 21));
+  for (float w : params_of(e, static_cast<int>(model->blocks().size()))) ASSERT_TRUE(std::isfinite(w));
+  double head = 0, tail = 0;
+  for (size_t i = 0; i < 10; ++i) {
+    head += losses[i] / 10;
+    tail += losses[losses.size() - 1 - i] / 10;
+  }
+  EXPECT_LT(tail, head - 1.0);
+}
+
+// fp16 at DeepSpeed's default first scale (2^16) trains like fp32: mean loss
+// over the last 20 of 200 steps within 0.05 nats.
+TEST(EngineTraining, Fp16TracksFp32Loss) {
+  auto tail_mean = [](const std::vector<float>& l) {
+    double t = 0;
+    for (size_t i = l.size() - 20; i < l.size(); ++i) t += l[i] / 20.0;
+    return t;
+  };
+  std::vector<float> f32;
+  train_steps(tiny_gpt(), 16, 1, false, 200, &f32);
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 16},
+                        {"gradient_clipping", 1.0},
+                        {"fp16", {{"enabled", true}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  Engine e = Engine::initialize(tiny_gpt(), cfg);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  dc.determinism = 0.8;
+  DataLoader loader(make_data_source(dc), 16, 1, 1, 0, 7);
+  std::vector<float> f16;
+  for (int s = 0; s < 200; ++s) f16.push_back(e.train_batch(loader));
+  EXPECT_EQ(e.skipped_steps(), 0);
+  EXPECT_LT(tail_mean(f32), tail_mean({f32.begin(), f32.begin() + 20}) - 0.3);  // it learned
+  EXPECT_NEAR(tail_mean(f16), tail_mean(f32), 0.05);
 }
 
 TEST(EngineTraining, SameSeedSameWeightsBitForBit) {
@@ -548,6 +720,18 @@ TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
       r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
     testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume"), 3, what);
   });
+}
+
+// fp16: the loss scale, its hysteresis and window position come back with
+// the checkpoint (a resumed run that restarted at 2^20 would skip steps the
+// straight run takes). The scale falls from 2^20 and grows every 2 clean steps.
+TEST(Checkpoint, Fp16ResumesBitExactWithItsLossScale) {
+  for (int stage : {0, 3}) {
+    testing_train::RunSpec r;
+    r.stage = stage;
+    r.top_extra = {{"fp16", {{"enabled", true}, {"initial_scale_power", 20}, {"hysteresis", 2}, {"loss_scale_window", 2}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume16"), 6, "fp16 stage " + std::to_string(stage));
+  }
 }
 
 // A save reads the optimizer states on NVMe and writes nothing back to the

@@ -78,14 +78,14 @@ struct Fixture {
 
 std::string name(int stage, const GradReducer::Options& o) {
   return "stage " + std::to_string(stage) + " bucket " + std::to_string(o.bucket_numel) +
-         (o.overlap ? " overlap" : "") + (o.wire_bf16 ? " bf16 wire" : "");
+         (o.overlap ? " overlap" : "") + (is_16bit(o.wire) ? " " + std::string(dtype_name(o.wire)) + " wire" : "");
 }
 
 TEST(GradReducer, EveryStageReducesEveryBlockIntoItsShard) {
   for (int stage : {0, 1, 2})
     for (int64_t bucket : {int64_t{1}, int64_t{1} << 30})
       for (bool overlap : {false, true})
-        for (bool wire : {false, true}) {
+        for (DType wire : {DType::kF32, DType::kBF16, DType::kF16}) {
           GradReducer::Options o{bucket, overlap, wire};
           Fixture f(stage, o);
           f.backward(true);
@@ -115,7 +115,7 @@ TEST(GradReducer, EveryStageReducesEveryBlockIntoItsShard) {
 
 TEST(GradReducer, NoSyncMicroStepsAccumulateWithoutCommunicating) {
   for (int stage : {0, 1, 2}) {
-    GradReducer::Options o{1, true, false};
+    GradReducer::Options o{1, true, DType::kF32};
     Fixture f(stage, o);
     f.backward(false);  // inside an accumulation: local sums only
     EXPECT_EQ(f.reducer->buckets_submitted(), 0) << "stage " << stage;
@@ -132,7 +132,7 @@ TEST(GradReducer, NoSyncMicroStepsAccumulateWithoutCommunicating) {
 }
 
 TEST(GradReducer, Stage2FreesEachFullGradientOnceReduced) {
-  GradReducer::Options o{1, false, false};  // backward waits for each bucket
+  GradReducer::Options o{1, false, DType::kF32};  // backward waits for each bucket
   Fixture f(2, o);
   const int64_t base = f.memory.bytes();
   for (const BlockShard& s : f.blocks)

@@ -38,6 +38,8 @@ struct RunSpec {
   std::string offload = "none";
   // Merged into zero_optimization (stage 3's keys, offload_param, ...).
   nlohmann::json zero_extra = nlohmann::json::object();
+  // Top-level sections set as given (fp16, ...).
+  nlohmann::json top_extra = nlohmann::json::object();
   // Builds the model instead of make_model(model) when set.
   std::function<std::shared_ptr<Model>()> make;
   // Called with the engine after training (its counters).
@@ -64,6 +66,7 @@ inline nlohmann::json make_config(const RunSpec& r) {
     cfg["aio"] = {{"block_size", 8192}, {"queue_depth", 4}};
   }
   for (const auto& [k, v] : r.zero_extra.items()) cfg["zero_optimization"][k] = v;
+  for (const auto& [k, v] : r.top_extra.items()) cfg[k] = v;
   return cfg;
 }
 
