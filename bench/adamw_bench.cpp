@@ -56,7 +56,8 @@ struct Case {
   const char* name;
   DType grad;
   bool out;
-  double bytes;  // per parameter: reads + writes
+  double bytes;  // per parameter: reads + writes (Lamb: both passes)
+  bool lamb = false;
 };
 
 }  // namespace
@@ -86,9 +87,21 @@ int bench_adamw(const BenchOptions& o) {
   for (AlignedBuffer* b : {&pa, &pb, &pc, &pd}) fill(*b, 3, 1.0f);
   for (AlignedBuffer* b : {&m, &v, &out}) std::fill_n(b->as<char>(), b->bytes(), 1);  // fault pages in
 
+  // Lamb: pass 1 reads param, grad, m, v (16, or 14 with bf16 grads); pass
+  // 2 is Adam's traffic (28 + 2 copy-out, or 28 with bf16 grads).
   const Case cases[] = {{"fp32_grads", DType::kF32, false, 28},
                         {"fp32_grads_bf16_out", DType::kF32, true, 30},
-                        {"bf16_grads_bf16_out", DType::kBF16, true, 28}};
+                        {"bf16_grads_bf16_out", DType::kBF16, true, 28},
+                        {"lamb_fp32_grads_bf16_out", DType::kF32, true, 46, true},
+                        {"lamb_bf16_grads_bf16_out", DType::kBF16, true, 42, true}};
+  constexpr int kCases = static_cast<int>(sizeof cases / sizeof cases[0]);
+  // Lamb's tensors: 4M-element pieces (a large layer's matrices), the last shorter.
+  std::vector<optim::LambSegment> segs;
+  for (int64_t b = 0, t = 0; b < n; b += int64_t{1} << 22, ++t)
+    segs.push_back({b, std::min(n, b + (int64_t{1} << 22)), static_cast<int>(t)});
+  optim::LambParams lp;
+  lp.lr = 1e-4;
+  lp.weight_decay = 0.01;
   optim::AdamParams p;
   p.lr = 1e-4;
   p.weight_decay = 0.01;
@@ -96,17 +109,20 @@ int bench_adamw(const BenchOptions& o) {
     optim::AdamSpan span{w.as<float>(), c.grad == DType::kF32 ? g.data() : g16.data(), c.grad,
                          m.as<float>(),  v.as<float>(), c.out ? out.as<bf16>() : nullptr, n};
     double t0 = now_s();
-    optim::adam_step(p, step, 0.5f, span, isa);
+    if (c.lamb)
+      optim::lamb_step(lp, step, 0.5f, span, segs, isa);
+    else
+      optim::adam_step(p, step, 0.5f, span, isa);
     return now_s() - t0;
   };
   std::vector<double> probe_s;
-  std::vector<std::vector<double>> case_s(3);
+  std::vector<std::vector<double>> case_s(kCases);
   probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);  // warm up
-  for (int c = 0; c < 3; ++c) run_case(cases[c], 1);
+  for (int c = 0; c < kCases; ++c) run_case(cases[c], 1);
   // Round-robin: the probe runs right before every case measurement, so the
   // bound and the figure see the same state of the (shared, drifting) host.
   for (int r = 0; r < o.rounds; ++r) {
-    for (int c = 0; c < 3; ++c) {
+    for (int c = 0; c < kCases; ++c) {
       double t0 = now_s();
       probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);
       probe_s.push_back(now_s() - t0);
@@ -114,12 +130,12 @@ int bench_adamw(const BenchOptions& o) {
     }
   }
   const double probe_gbs = 28.0 * static_cast<double>(n) / median(probe_s) / 1e9;
-  for (int c = 0; c < 3; ++c) {
+  for (int c = 0; c < kCases; ++c) {
     const double t = median(case_s[c]);
     const double ups = static_cast<double>(n) / t;
     const double bound_ups = probe_gbs * 1e9 / cases[c].bytes;
     const double ratio = ups / bound_ups;
-    nlohmann::json line = {{"bench", "adamw"},
+    nlohmann::json line = {{"bench", cases[c].lamb ? "lamb" : "adamw"},
                            {"case", cases[c].name},
                            {"figure", ups / 1e9},
                            {"unit", "G updates/s"},
@@ -133,9 +149,9 @@ int bench_adamw(const BenchOptions& o) {
                            {"numel", n}};
     char buf[512];
     std::snprintf(buf, sizeof buf,
-                  "adamw %-20s %s, %d threads, %lld params: %.3f G updates/s (%.1f GB/s at %.0f B/param) | "
+                  "%s %-24s %s, %d threads, %lld params: %.3f G updates/s (%.1f GB/s at %.0f B/param) | "
                   "bound %.3f G updates/s (Adam-pattern probe %.1f GB/s) | ratio %.3f",
-                  cases[c].name, std::string(optim::isa_name(isa)).c_str(), threads, static_cast<long long>(n),
+                  cases[c].lamb ? "lamb " : "adamw", cases[c].name, std::string(optim::isa_name(isa)).c_str(), threads, static_cast<long long>(n),
                   ups / 1e9, ups * cases[c].bytes / 1e9, cases[c].bytes, bound_ups / 1e9, probe_gbs, ratio);
     emit(o.json, line, buf);
   }

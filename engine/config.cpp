@@ -182,28 +182,47 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   if (!r.given()) return;
   const json* t = r.find("type");
   if (!t || t->is_null()) {
-    throw ConfigError("optimizer.type", "missing; set \"Adam\" or \"AdamW\" (zinc has no client optimizer)");
+    throw ConfigError("optimizer.type", "missing; set \"Adam\", \"AdamW\" or \"Lamb\" (zinc has no client optimizer)");
   }
   std::string type = to_string(*t, "optimizer.type");
   if (lower(type) == "adam") {
     o.type = OptimizerType::kAdam;
   } else if (lower(type) == "adamw") {
     o.type = OptimizerType::kAdamW;
+  } else if (lower(type) == "lamb") {
+    o.type = OptimizerType::kLamb;
   } else {
     // DeepSpeed's other built-in optimizers (lower case, as it compares them).
-    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad",    "lamb", "onebitadam", "zerooneadam",
-                                                            "onebitlamb", "lion", "muadam",     "muadamw",
-                                                            "musgd",      "muon"};
-    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW";
+    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad",    "onebitadam", "zerooneadam",
+                                                            "onebitlamb", "lion",       "muadam",
+                                                            "muadamw",    "musgd",      "muon"};
+    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb";
     bool ds_known =
         std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
-    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW"});
+    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb"});
     if (!near.empty()) msg += " (did you mean '" + near + "'?)";
     throw ConfigError("optimizer.type", msg);
   }
+  const bool lamb = o.type == OptimizerType::kLamb;
   r.ignore_bool("legacy_fusion", false);
 
   Reader p = r.section("params");
+  // Keys of the other family get a precise message rather than "unknown key".
+  if (lamb) {
+    for (const char* k : {"adam_w_mode", "torch_adam", "set_grad_none"}) {
+      if (p.has(k)) {
+        throw ConfigError(p.path_of(k), std::string("an Adam parameter; Lamb (DeepSpeed's FusedLamb) has no ") + k +
+                                            " (its weight decay is always part of the trust-ratio update)");
+      }
+    }
+  } else {
+    for (const char* k : {"max_coeff", "min_coeff", "eps_inside_sqrt", "max_grad_norm"}) {
+      if (p.has(k)) {
+        throw ConfigError(p.path_of(k), std::string("a Lamb parameter; type ") + optimizer_type_name(o.type) +
+                                            " does not take it");
+      }
+    }
+  }
   p.get_number("lr", o.lr, above(0));
   if (const json* b = p.find("betas")) {
     if (!b->is_array() || b->size() != 2) {
@@ -215,6 +234,27 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   p.get_number("eps", o.eps, above(0));
   p.get_number("weight_decay", o.weight_decay, at_least(0));
   p.get_bool("bias_correction", o.bias_correction);
+  if (lamb) {
+    p.get_number("max_coeff", o.max_coeff, above(0));
+    p.get_number("min_coeff", o.min_coeff, above(0));
+    p.get_bool("eps_inside_sqrt", o.eps_inside_sqrt);
+    double max_grad_norm = 0;
+    if (p.get_number("max_grad_norm", max_grad_norm, at_least(0)) && max_grad_norm > 0) {
+      throw ConfigError(p.last_path(),
+                        "per-tensor clipping inside FusedLamb is not implemented (DeepSpeed's engine never "
+                        "passes it the norms it needs); use the top-level gradient_clipping, got " +
+                            show(*p.find("max_grad_norm")));
+    }
+    if (o.min_coeff > o.max_coeff) {
+      throw ConfigError(p.path_of("min_coeff"),
+                        "must be <= max_coeff " + num(o.max_coeff) + ", got " + num(o.min_coeff));
+    }
+    o.adam_w_mode = true;  // unused by Lamb
+    p.refuse_bool("amsgrad", false, "FusedLamb does not support the AMSGrad variant; remove it or set it to false");
+    p.finish();
+    r.finish();
+    return;
+  }
   bool w_mode = o.adam_w_mode;
   bool has_w_mode = p.get_bool("adam_w_mode", w_mode);
   if (o.type == OptimizerType::kAdamW) {
@@ -235,6 +275,54 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
   r.finish();
 }
 
+// OneCycle's params (DeepSpeed's names and defaults; cycle_min_lr and
+// cycle_max_lr have none there either).
+void parse_one_cycle(Reader& p, SchedulerConfig& s) {
+  for (const char* k : {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                        "warmup_min_ratio", "cos_min_ratio"}) {
+    if (p.has(k)) {
+      throw ConfigError(p.path_of(k), "a Warmup* schedule's parameter; OneCycle takes cycle_min_lr, cycle_max_lr, "
+                                      "cycle_first_step_size, cycle_second_step_size, decay_step_size, "
+                                      "decay_lr_rate and the momentum keys");
+    }
+  }
+  for (const char* k : {"cycle_min_lr", "cycle_max_lr"}) {
+    if (!p.has(k)) throw ConfigError(p.path_of(k), "required for OneCycle (DeepSpeed has no default)");
+  }
+  p.get_number("cycle_min_lr", s.cycle_min_lr, at_least(0));
+  p.get_number("cycle_max_lr", s.cycle_max_lr, at_least(0));
+  p.get_number("decay_lr_rate", s.decay_lr_rate, at_least(0));
+  p.get_int("cycle_first_step_size", s.cycle_first_step_size, at_least(1));
+  const json* second = p.find("cycle_second_step_size");
+  if (second && !second->is_null()) s.cycle_second_step_size = to_int(*second, p.last_path(), at_least(1));
+  // DeepSpeed stores the stair counts but never reads them: no effect there either.
+  for (const char* k : {"cycle_first_stair_count", "cycle_second_stair_count"}) {
+    const json* v = p.find(k);
+    if (!v || v->is_null()) continue;
+    if (to_int(*v, p.last_path(), at_least(0)) != 0) {
+      p.warn_ignored(p.last_path(), "DeepSpeed's OneCycle stores it but never uses it; the cycle is not a staircase there either");
+    }
+  }
+  p.get_int("decay_step_size", s.decay_step_size, at_least(0));
+  p.get_bool("cycle_momentum", s.cycle_momentum);
+  p.get_number("cycle_min_mom", s.cycle_min_mom, lo_closed(0, 1));
+  p.get_number("cycle_max_mom", s.cycle_max_mom, lo_closed(0, 1));
+  p.get_number("decay_mom_rate", s.decay_mom_rate, at_least(0));
+  int64_t last = -1;
+  if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
+    p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
+  }
+  if (s.cycle_min_lr > s.cycle_max_lr) {
+    p.warn(p.path_of("cycle_min_lr"), num(s.cycle_min_lr) + " is above cycle_max_lr " + num(s.cycle_max_lr) +
+                                          "; the lr falls in the first half of the cycle and rises in the second");
+  }
+  if (s.cycle_momentum && s.decay_step_size > 0 && s.decay_mom_rate > 0) {
+    p.warn(p.path_of("decay_mom_rate"), "beta1 grows after the cycle (cycle_max_mom * (1 + decay_mom_rate * "
+                                        "steps / decay_step_size), as in DeepSpeed); a training step whose beta1 "
+                                        "reaches 1 is an error");
+  }
+}
+
 void parse_scheduler(Reader& root, SchedulerConfig& s) {
   Reader r = root.section("scheduler");
   if (!r.given()) return;
@@ -242,14 +330,23 @@ void parse_scheduler(Reader& root, SchedulerConfig& s) {
   if (!t || t->is_null()) {
     throw ConfigError(
         "scheduler.type",
-        "missing; set WarmupLR, WarmupDecayLR or WarmupCosineLR (or remove 'scheduler' for a constant lr)");
+        "missing; set WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (or remove 'scheduler' for a constant lr)");
   }
-  if (t->is_string() && (*t == "OneCycle" || *t == "LRRangeTest")) {
-    throw ConfigError(
-        "scheduler.type",
-        show(*t) + " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, WarmupCosineLR");
+  if (t->is_string() && *t == "LRRangeTest") {
+    throw ConfigError("scheduler.type", show(*t) +
+                                            " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
+                                            "WarmupCosineLR, OneCycle");
   }
-  const std::string name = to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, false);
+  const std::string name =
+      to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"}, false);
+  if (name == "OneCycle") {
+    s.type = SchedulerType::kOneCycle;
+    Reader p = r.section("params");
+    parse_one_cycle(p, s);
+    p.finish();
+    r.finish();
+    return;
+  }
   s.type = name == "WarmupLR"        ? SchedulerType::kWarmupLR
            : name == "WarmupDecayLR" ? SchedulerType::kWarmupDecayLR
                                      : SchedulerType::kWarmupCosineLR;
@@ -614,6 +711,11 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_precision(r, c);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
+  if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2 != 0.99) {
+    r.warn("scheduler.params.cycle_momentum",
+           "OneCycle sets the optimizer's betas to (momentum, 0.99) as DeepSpeed does: optimizer.params.betas[1] " +
+               num(c.optimizer.beta2) + " is replaced by 0.99 (set cycle_momentum false to keep it)");
+  }
   parse_zero(r, c.zero);
   parse_aio(r, c.aio);
   parse_monitors(r, c.csv_monitor);
@@ -624,7 +726,14 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   return c;
 }
 
-const char* optimizer_type_name(OptimizerType t) { return t == OptimizerType::kAdam ? "Adam" : "AdamW"; }
+const char* optimizer_type_name(OptimizerType t) {
+  switch (t) {
+    case OptimizerType::kAdam: return "Adam";
+    case OptimizerType::kAdamW: return "AdamW";
+    case OptimizerType::kLamb: return "Lamb";
+  }
+  return "?";
+}
 
 const char* scheduler_type_name(SchedulerType t) {
   switch (t) {
@@ -632,6 +741,7 @@ const char* scheduler_type_name(SchedulerType t) {
     case SchedulerType::kWarmupLR: return "WarmupLR";
     case SchedulerType::kWarmupDecayLR: return "WarmupDecayLR";
     case SchedulerType::kWarmupCosineLR: return "WarmupCosineLR";
+    case SchedulerType::kOneCycle: return "OneCycle";
   }
   return "?";
 }

@@ -32,8 +32,8 @@ namespace zinc {
 // unless a name says bytes.
 
 // optimizer.type (case-insensitive in the JSON).
-enum class OptimizerType { kAdam, kAdamW };
-const char* optimizer_type_name(OptimizerType t);  // "Adam" | "AdamW"
+enum class OptimizerType { kAdam, kAdamW, kLamb };
+const char* optimizer_type_name(OptimizerType t);  // "Adam" | "AdamW" | "Lamb"
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
@@ -45,11 +45,19 @@ struct OptimizerConfig {
   // defaults to true as well; false gives L2-style Adam.
   bool adam_w_mode = true;
   bool bias_correction = true;  // params.bias_correction
+  // Lamb only (DeepSpeed's FusedLamb): the per-tensor trust ratio
+  // ||w|| / ||update|| is clamped to [min_coeff, max_coeff]; eps_inside_sqrt
+  // adds eps under the square root (sqrt(v + eps)) instead of after it.
+  // Lamb adds no memory (the same master, m and v as Adam) but reads the
+  // state twice per step: once for the norms, once for the update.
+  double max_coeff = 10.0;      // params.max_coeff
+  double min_coeff = 0.01;      // params.min_coeff
+  bool eps_inside_sqrt = false;  // params.eps_inside_sqrt
 };
 
 // scheduler.type; kConstant when there is no scheduler section.
-enum class SchedulerType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
-// "constant" | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+enum class SchedulerType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
+// "constant" | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle"
 const char* scheduler_type_name(SchedulerType t);
 
 // scheduler.params.warmup_type
@@ -69,6 +77,20 @@ struct SchedulerConfig {
   // WarmupCosineLR: ratios of the optimizer's lr.
   double warmup_min_ratio = 0.0;
   double cos_min_ratio = 0.0001;
+  // OneCycle (formulas: optim/optim.h): the lr climbs from cycle_min_lr to
+  // cycle_max_lr over cycle_first_step_size steps and falls back over
+  // cycle_second_step_size (-1: the same), then decays by decay_lr_rate every
+  // decay_step_size steps (0: holds cycle_min_lr). With cycle_momentum the
+  // optimizer's beta1 moves inversely between cycle_max_mom and
+  // cycle_min_mom (and, as in DeepSpeed, beta2 becomes 0.99).
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0;  // required
+  double decay_lr_rate = 0.0;
+  int64_t cycle_first_step_size = 2000;
+  int64_t cycle_second_step_size = -1;
+  int64_t decay_step_size = 0;
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
 };
 
 // Where a ZeRO state lives (offload_optimizer.device, offload_param.device).

@@ -18,6 +18,7 @@
 #include "core/rng.h"
 #include "engine/checkpoint.h"
 #include "engine/grad_reducer.h"
+#include "engine/lamb_step.h"
 #include "engine/optimizer_state.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
@@ -97,6 +98,16 @@ optim::ScheduleParams schedule_params(const Config& c) {
   p.total_num_steps = s.total_num_steps;
   p.warmup_min_ratio = s.warmup_min_ratio;
   p.cos_min_ratio = s.cos_min_ratio;
+  p.cycle_min_lr = s.cycle_min_lr;
+  p.cycle_max_lr = s.cycle_max_lr;
+  p.decay_lr_rate = s.decay_lr_rate;
+  p.cycle_first_step_size = s.cycle_first_step_size;
+  p.cycle_second_step_size = s.cycle_second_step_size;
+  p.decay_step_size = s.decay_step_size;
+  p.cycle_momentum = s.cycle_momentum;
+  p.cycle_min_mom = s.cycle_min_mom;
+  p.cycle_max_mom = s.cycle_max_mom;
+  p.decay_mom_rate = s.decay_mom_rate;
   return p;
 }
 
@@ -110,6 +121,20 @@ optim::LossScaleParams loss_scale_params(const Fp16Config& f) {
   p.consecutive_hysteresis = f.consecutive_hysteresis;
   p.min_scale = f.min_loss_scale;
   return p;
+}
+
+optim::LambParams lamb_params(const Config& c) {
+  optim::LambParams l;
+  l.lr = c.optimizer.lr;
+  l.beta1 = c.optimizer.beta1;
+  l.beta2 = c.optimizer.beta2;
+  l.eps = c.optimizer.eps;
+  l.weight_decay = c.optimizer.weight_decay;
+  l.bias_correction = c.optimizer.bias_correction;
+  l.eps_inside_sqrt = c.optimizer.eps_inside_sqrt;
+  l.max_coeff = c.optimizer.max_coeff;
+  l.min_coeff = c.optimizer.min_coeff;
+  return l;
 }
 
 optim::AdamParams adam_params(const Config& c) {
@@ -169,6 +194,7 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<GradReducer> reducer;
   std::unique_ptr<ParamCoordinator> params;
   optim::AdamParams adam;
+  optim::LambParams lamb;  // used when cfg.optimizer.type is Lamb
   optim::LrSchedule schedule;
   // fp16: Note [dynamic loss scaling] (optim/loss_scaler.h). Without fp16
   // the scale is 1 and never changes.
@@ -211,6 +237,7 @@ struct Engine::Impl final : StepContext {
       gather_stream = own_gather_stream.get();
     }
     adam = adam_params(c);
+    lamb = lamb_params(c);
     lr = schedule.lr_at(0);
     loss_scaling = c.fp16.enabled;
     if (loss_scaling) scaler = optim::LossScaler(loss_scale_params(c.fp16));
@@ -444,7 +471,7 @@ struct Engine::Impl final : StepContext {
       const double clip = optim::clip_coefficient(grad_norm, cfg.gradient_clipping);
       const float grad_scale = static_cast<float>(scale * clip);
       lr = schedule.lr_at(optimizer_steps);
-      adam.lr = lr;
+      set_hyperparameters(optimizer_steps);
       optimizer_steps += 1;
       params->before_update();
       update_all(grad_scale);
@@ -490,7 +517,74 @@ struct Engine::Impl final : StepContext {
   // The spans come block by block: once the visitor moves past a block, its
   // new compute shard is complete and (on NVMe) goes back to disk.
   void update_all(float grad_scale) {
+    if (cfg.optimizer.type == OptimizerType::kLamb) return lamb_update_all(grad_scale);
     visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
+  }
+
+  // The optimizer's lr for optimizer step `s` (0-based) and, where the
+  // schedule sets them (OneCycle's cycle_momentum, as DeepSpeed writes the
+  // param group's betas), its betas.
+  void set_hyperparameters(int64_t s) {
+    adam.lr = lamb.lr = lr;
+    if (!schedule.sets_betas()) return;
+    const optim::ScheduleBetas b = schedule.betas_at(s);
+    if (!(b.beta1 >= 0 && b.beta1 < 1))
+      throw ConfigError("scheduler.params.decay_mom_rate",
+                        "OneCycle's momentum reached " + std::to_string(b.beta1) + " at optimizer step " +
+                            std::to_string(s) + "; beta1 must stay below 1 (lower decay_mom_rate)");
+    adam.beta1 = lamb.beta1 = b.beta1;
+    adam.beta2 = lamb.beta2 = b.beta2;
+  }
+
+  // ---- Lamb (Note [Lamb arithmetic] in optim/detail/lamb_math.h) ------------------
+  // Tensor t of the model is parameter p of block b at lamb_first_tensor[b] + p.
+  std::vector<int> lamb_first_tensor;
+  int lamb_tensors = 0;
+
+  const float* update_grad(const StateSpan& sp) {
+    BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+    return (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
+  }
+  std::vector<optim::LambSegment> lamb_span_segments(const StateSpan& sp) const {
+    const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+    const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+    return lamb_segments(s.layout, flat, sp.count, lamb_first_tensor[static_cast<size_t>(sp.block)]);
+  }
+
+  // Pass 1 reads every span (from NVMe without writing back) for each
+  // tensor's sums of w^2 and u^2; with sharded optimizer state (stages 1-3)
+  // the ranks' partial sums are added in one all-reduce; pass 2 applies the
+  // update with each tensor's trust ratio.
+  void lamb_update_all(float grad_scale) {
+    if (lamb_first_tensor.empty()) {
+      for (const BlockShard& s : blocks) {
+        lamb_first_tensor.push_back(lamb_tensors);
+        lamb_tensors += static_cast<int>(s.layout.offsets.size());
+      }
+    }
+    std::vector<double> sums(static_cast<size_t>(2 * lamb_tensors), 0.0);
+    opt_state->for_each_read([&](const StateSpan& sp) {
+      const std::vector<optim::LambSegment> segs = lamb_span_segments(sp);
+      optim::lamb_norms(lamb, grad_scale,
+                        optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, nullptr, sp.count}, segs,
+                        sums.data());
+    });
+    if (reduce_stream && !plan.optimizer_spans_block)
+      reduce_stream->submit([&sums](comm::Communicator& c) {
+        c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
+      }).wait();
+    std::vector<double> ratios(static_cast<size_t>(lamb_tensors));
+    for (int t = 0; t < lamb_tensors; ++t)
+      ratios[static_cast<size_t>(t)] =
+          optim::lamb_trust_ratio(sums[2 * t], sums[2 * t + 1], lamb.min_coeff, lamb.max_coeff);
+    visit_updating([&](const StateSpan& sp) {
+      char* out = compute_out(sp);
+      bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
+      optim::lamb_apply(lamb, optimizer_steps, grad_scale,
+                        optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, out16, sp.count},
+                        lamb_span_segments(sp), ratios.data());
+      if (dtype != DType::kBF16 && out) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
+    });
   }
   // overwrite: fn sets every element of master, m and v (a load), so states
   // on NVMe need not be read first.

@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/parallel.h"
 #include "optim/detail/adam_math.h"
+#include "optim/detail/lamb_math.h"
 #include "optim/optim.h"
 
 namespace zinc::optim {
@@ -105,6 +106,7 @@ void set_isa(Isa isa) {
 }
 
 void set_stream_min_bytes(int64_t bytes) { g_stream_min_bytes.store(bytes); }
+int64_t detail::stream_min_bytes() { return g_stream_min_bytes.load(std::memory_order_relaxed); }
 
 void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& s) {
   adam_step(p, step, grad_scale, s, resolve_active());

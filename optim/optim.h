@@ -1,5 +1,5 @@
-// zinc optim: Adam/AdamW over flat fp32 spans, learning-rate schedules and
-// gradient-clipping math.
+// zinc optim: Adam/AdamW and Lamb over flat fp32 spans, learning-rate
+// schedules and gradient-clipping math.
 //
 // The update follows DeepSpeed's CPU/fused Adam (per element, step t counted
 // from 1, g = grad * grad_scale); the exact operation order is
@@ -24,8 +24,10 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -91,29 +93,115 @@ double grad_squared_norm(const void* grad, DType dtype, int64_t n, Isa isa);
 // else 1. max_norm <= 0 disables clipping (factor 1).
 double clip_coefficient(double norm, double max_norm);
 
+// ---- Lamb ------------------------------------------------------------------
+// DeepSpeed's FusedLamb (Note [Lamb arithmetic] in optim/detail/lamb_math.h):
+// Adam's moments, then per parameter tensor a trust ratio ||w|| / ||u||
+// clamped to [min_coeff, max_coeff] (1 where a norm is 0) that scales the
+// step. Because the ratio needs the norms of whole tensors, which may be
+// spread over several spans (NVMe sub-groups) and ranks (ZeRO shards), a
+// step is two passes: lamb_norms over every span (read only), the sums added
+// over ranks by the caller, lamb_trust_ratio per tensor, then lamb_apply over
+// every span. lamb_step does all three for one span holding whole tensors.
+// Same ISA paths, dispatch and determinism rules as adam_step.
+struct LambParams {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  bool eps_inside_sqrt = false;  // eps added under the square root: sqrt(v + eps)
+  double max_coeff = 10.0, min_coeff = 0.01;
+};
+
+// A run of a span's elements [begin, end) that belongs to parameter tensor
+// `tensor` (an index into the caller's sums and ratios), or to no tensor
+// (-1: alignment padding, updated with ratio 1 and left out of the norms).
+// A span's segments must be in order and cover [0, span.n) exactly.
+struct LambSegment {
+  int64_t begin = 0, end = 0;
+  int tensor = -1;
+};
+
+// Pass 1: for each segment of tensor t adds sum(w^2) to sums[2t] and
+// sum(u^2) to sums[2t + 1] (double; each segment summed in fixed
+// 16384-element pieces, so the sums do not depend on the thread count).
+// Reads only.
+void lamb_norms(const LambParams& p, float grad_scale, const AdamSpan& span, std::span<const LambSegment> segs,
+                double* sums);
+void lamb_norms(const LambParams& p, float grad_scale, const AdamSpan& span, std::span<const LambSegment> segs,
+                double* sums, Isa isa);
+// The trust ratio from a tensor's two sums (over all its elements).
+double lamb_trust_ratio(double w_sq, double u_sq, double min_coeff, double max_coeff);
+// Pass 2: the update of step `step` (>= 1) with ratios[t] for tensor t;
+// writes param, m, v and bf16_out.
+void lamb_apply(const LambParams& p, int64_t step, float grad_scale, const AdamSpan& span,
+                std::span<const LambSegment> segs, const double* ratios);
+void lamb_apply(const LambParams& p, int64_t step, float grad_scale, const AdamSpan& span,
+                std::span<const LambSegment> segs, const double* ratios, Isa isa);
+// Both passes over one span whose segments hold whole tensors (tensor
+// indexes < segs.size()). Returns the ratios used, per tensor index.
+std::vector<double> lamb_step(const LambParams& p, int64_t step, float grad_scale, const AdamSpan& span,
+                              std::span<const LambSegment> segs);
+std::vector<double> lamb_step(const LambParams& p, int64_t step, float grad_scale, const AdamSpan& span,
+                              std::span<const LambSegment> segs, Isa isa);
+
 // Learning-rate schedules with DeepSpeed's names and formulas. lr_at(s) is the
 // learning rate used by optimizer step s (s = 0 for the first step), i.e.
 // DeepSpeed's value at last_batch_iteration = s. (DeepSpeed itself runs its
 // very first step at the optimizer's configured lr, before the schedule's
 // first step() call; zinc applies the schedule from the first step, so step
 // 0 of a warmup starts at the warmup minimum.)
+//
+// OneCycle (DeepSpeed's, last_batch_iteration = s): with i = s + 1,
+// T = cycle_first_step_size + cycle_second_step_size and r =
+// cycle_first_step_size / T, x = the fractional part of i / T and scale =
+// x / r while x <= r, else (x - 1) / (r - 1); for s < T
+//   lr = cycle_min_lr + (cycle_max_lr - cycle_min_lr) * scale
+//   beta1 = cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale
+// after it, with d = s - T + 1,
+//   lr = cycle_min_lr / (1 + decay_lr_rate * d / decay_step_size)
+//   beta1 = cycle_max_mom * (1 + decay_mom_rate * d / decay_step_size)
+// (lr stays at cycle_min_lr and beta1 at cycle_max_mom where decay_step_size
+// or the rate is 0). With cycle_momentum DeepSpeed sets the optimizer's betas
+// to (beta1, 0.99): beta2 is 0.99 whatever the optimizer's section says.
+// The stair counts DeepSpeed stores but never uses.
 struct ScheduleParams {
-  std::string type;  // "" = constant base_lr, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
+  std::string type;  // "" = constant base_lr, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"
   double base_lr = 1e-3;  // the optimizer's lr (constant, and WarmupCosineLR's reference)
   double warmup_min_lr = 0.0, warmup_max_lr = 0.001;
   int64_t warmup_num_steps = 1000;
   std::string warmup_type = "log";  // "log" | "linear"
   int64_t total_num_steps = 0;
   double warmup_min_ratio = 0.0, cos_min_ratio = 0.0001;
+  // OneCycle
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0, decay_lr_rate = 0.0;
+  int64_t cycle_first_step_size = 2000;
+  int64_t cycle_second_step_size = -1;  // -1: cycle_first_step_size
+  int64_t decay_step_size = 0;
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
+};
+
+// The Adam/Lamb betas a schedule sets for a step (OneCycle with
+// cycle_momentum); absent otherwise.
+struct ScheduleBetas {
+  double beta1 = 0.9, beta2 = 0.99;
 };
 
 class LrSchedule {
  public:
   explicit LrSchedule(ScheduleParams p);
   double lr_at(int64_t step) const;
+  // True where betas_at gives a value (OneCycle with cycle_momentum).
+  bool sets_betas() const { return p_.type == "OneCycle" && p_.cycle_momentum; }
+  // The betas used by optimizer step `step` where sets_betas().
+  ScheduleBetas betas_at(int64_t step) const;
   const ScheduleParams& params() const { return p_; }
 
  private:
+  double one_cycle_scale(int64_t step) const;  // in [0, 1] within the cycle
+  bool in_cycle(int64_t step) const;
+  int64_t second_step_size() const;
   double warmup_gamma(int64_t step) const;  // in [0, 1) during warmup
   ScheduleParams p_;
   int64_t warmup_steps_;  // max(2, warmup_num_steps), as DeepSpeed

@@ -9,8 +9,44 @@ namespace zinc::optim {
 LrSchedule::LrSchedule(ScheduleParams p) : p_(std::move(p)) {
   warmup_steps_ = std::max<int64_t>(2, p_.warmup_num_steps);
   if (!p_.type.empty() && p_.type != "WarmupLR" && p_.type != "WarmupDecayLR" &&
-      p_.type != "WarmupCosineLR")
+      p_.type != "WarmupCosineLR" && p_.type != "OneCycle")
     throw Error("unknown learning-rate schedule '" + p_.type + "'");
+  if (p_.type == "OneCycle" && p_.cycle_first_step_size + second_step_size() <= 0)
+    throw Error("OneCycle: cycle_first_step_size + cycle_second_step_size must be > 0");
+}
+
+int64_t LrSchedule::second_step_size() const {
+  return p_.cycle_second_step_size < 0 ? p_.cycle_first_step_size : p_.cycle_second_step_size;
+}
+
+// DeepSpeed's OneCycle._get_scale_factor at last_batch_iteration = s, in
+// the same floating-point operations.
+double LrSchedule::one_cycle_scale(int64_t s) const {
+  const double first = static_cast<double>(p_.cycle_first_step_size);
+  const double total = first + static_cast<double>(second_step_size());
+  const double ratio = first / total;
+  const double i = static_cast<double>(s + 1);
+  const double cycle = std::floor(1.0 + i / total);
+  const double x = 1.0 + i / total - cycle;
+  return x <= ratio ? x / ratio : (x - 1.0) / (ratio - 1.0);
+}
+
+bool LrSchedule::in_cycle(int64_t s) const {
+  return static_cast<double>(s) < static_cast<double>(p_.cycle_first_step_size + second_step_size());
+}
+
+ScheduleBetas LrSchedule::betas_at(int64_t s) const {
+  if (!sets_betas()) throw Error("betas_at: the schedule does not set the betas (OneCycle with cycle_momentum only)");
+  ScheduleBetas b;
+  if (in_cycle(s)) {
+    b.beta1 = p_.cycle_max_mom - (p_.cycle_max_mom - p_.cycle_min_mom) * one_cycle_scale(s);
+  } else if (p_.decay_step_size == 0 || p_.decay_mom_rate == 0.0) {
+    b.beta1 = p_.cycle_max_mom;
+  } else {
+    const double d = static_cast<double>(s - p_.cycle_first_step_size - second_step_size() + 1);
+    b.beta1 = p_.cycle_max_mom * (1.0 + p_.decay_mom_rate * (d / static_cast<double>(p_.decay_step_size)));
+  }
+  return b;
 }
 
 double LrSchedule::warmup_gamma(int64_t s) const {
@@ -21,6 +57,12 @@ double LrSchedule::warmup_gamma(int64_t s) const {
 double LrSchedule::lr_at(int64_t s) const {
   const std::string& t = p_.type;
   if (t.empty()) return p_.base_lr;
+  if (t == "OneCycle") {
+    if (in_cycle(s)) return p_.cycle_min_lr + (p_.cycle_max_lr - p_.cycle_min_lr) * one_cycle_scale(s);
+    if (p_.decay_step_size == 0 || p_.decay_lr_rate == 0.0) return p_.cycle_min_lr;
+    const double d = static_cast<double>(s - p_.cycle_first_step_size - second_step_size() + 1);
+    return p_.cycle_min_lr / (1.0 + p_.decay_lr_rate * (d / static_cast<double>(p_.decay_step_size)));
+  }
   if (t == "WarmupLR" || t == "WarmupDecayLR") {
     double gamma;
     if (s < warmup_steps_) {

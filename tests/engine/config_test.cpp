@@ -263,18 +263,19 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
 }
 
 TEST(ConfigErrors, OptimizerAndScheduler) {
-  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lamb"}}}}),
-                      "optimizer.type: \"Lamb\" is not implemented in zinc; supported: Adam, AdamW");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitLamb"}}}}),
+                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc; supported: Adam, AdamW, Lamb");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lam"}}}}), "(did you mean 'Lamb'?)");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),
                       "optimizer.params.amsgrad: not implemented in zinc");
   EXPECT_CONFIG_ERROR(
       with({{"scheduler", {{"type", "WarmupDecayLR"}, {"params", {{"warmup_num_steps", 10}}}}}}),
       "scheduler.params.total_num_steps: required for WarmupDecayLR");
-  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "OneCycle"}, {"params", json::object()}}}}),
-                      "scheduler.type: \"OneCycle\" is not implemented in zinc");
+  EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "LRRangeTest"}, {"params", json::object()}}}}),
+                      "scheduler.type: \"LRRangeTest\" is not implemented in zinc");
   EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "WarmupCosine"}}}}),
-                      "scheduler.type: must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR",
+                      "scheduler.type: must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle",
                       "(did you mean 'WarmupCosineLR'?)");
   EXPECT_CONFIG_ERROR(with({{"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_type", "cosine"}}}}}}),
                       "scheduler.params.warmup_type: must be one of log, linear, got \"cosine\"");
@@ -443,6 +444,126 @@ TEST(ConfigAccepts, Schedulers) {
   EXPECT_DOUBLE_EQ(cos.scheduler.cos_min_ratio, 0.01);
   EXPECT_EQ(cos.scheduler.warmup_num_steps, 0);
   EXPECT_TRUE(cos.warnings.empty());
+}
+
+TEST(ConfigAccepts, LambWithEveryFusedLambParameter) {
+  Config d = Config::parse(with({{"optimizer", {{"type", "lamb"}}}}));
+  EXPECT_EQ(d.optimizer.type, OptimizerType::kLamb);
+  EXPECT_DOUBLE_EQ(d.optimizer.max_coeff, 10.0);  // FusedLamb's defaults
+  EXPECT_DOUBLE_EQ(d.optimizer.min_coeff, 0.01);
+  EXPECT_FALSE(d.optimizer.eps_inside_sqrt);
+  EXPECT_TRUE(d.optimizer.bias_correction);
+  Config c = Config::parse(with({{"optimizer",
+                                  {{"type", "LAMB"},
+                                   {"params",
+                                    {{"lr", 0.002},
+                                     {"betas", {0.8, 0.95}},
+                                     {"eps", 1e-6},
+                                     {"weight_decay", 0.01},
+                                     {"bias_correction", false},
+                                     {"max_coeff", 5.0},
+                                     {"min_coeff", 0.1},
+                                     {"max_grad_norm", 0.0},
+                                     {"eps_inside_sqrt", true},
+                                     {"amsgrad", false}}}}}}));
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kLamb);
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "Lamb");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.002);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
+  EXPECT_FALSE(c.optimizer.bias_correction);
+  EXPECT_DOUBLE_EQ(c.optimizer.max_coeff, 5.0);
+  EXPECT_DOUBLE_EQ(c.optimizer.min_coeff, 0.1);
+  EXPECT_TRUE(c.optimizer.eps_inside_sqrt);
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(ConfigErrors, LambParameters) {
+  auto lamb = [](const json& params) { return with({{"optimizer", {{"type", "Lamb"}, {"params", params}}}}); };
+  EXPECT_CONFIG_ERROR(lamb({{"amsgrad", true}}), "optimizer.params.amsgrad: not implemented in zinc",
+                      "FusedLamb does not support the AMSGrad variant");
+  EXPECT_CONFIG_ERROR(lamb({{"max_grad_norm", 1.0}}), "optimizer.params.max_grad_norm:",
+                      "use the top-level gradient_clipping");
+  EXPECT_CONFIG_ERROR(lamb({{"adam_w_mode", true}}), "optimizer.params.adam_w_mode: an Adam parameter");
+  EXPECT_CONFIG_ERROR(lamb({{"min_coeff", 2.0}, {"max_coeff", 1.0}}), "optimizer.params.min_coeff: must be <= max_coeff 1, got 2");
+  EXPECT_CONFIG_ERROR(lamb({{"max_coeff", 0}}), "optimizer.params.max_coeff: must be > 0, got 0");
+  EXPECT_CONFIG_ERROR(lamb({{"eps_inside_sqrt", 1}}), "optimizer.params.eps_inside_sqrt: expected true or false, got 1");
+  EXPECT_CONFIG_ERROR(lamb({{"max_cof", 1}}), "optimizer.params.max_cof", "did you mean 'max_coeff'");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"max_coeff", 5.0}}}}}}),
+                      "optimizer.params.max_coeff: a Lamb parameter; type AdamW does not take it");
+}
+
+TEST(ConfigAccepts, OneCycleWithDeepSpeedDefaults) {
+  Config d = Config::parse(
+      with({{"scheduler", {{"type", "OneCycle"}, {"params", {{"cycle_min_lr", 1e-4}, {"cycle_max_lr", 1e-3}}}}}}));
+  EXPECT_EQ(d.scheduler.type, SchedulerType::kOneCycle);
+  EXPECT_STREQ(scheduler_type_name(d.scheduler.type), "OneCycle");
+  EXPECT_DOUBLE_EQ(d.scheduler.cycle_min_lr, 1e-4);
+  EXPECT_DOUBLE_EQ(d.scheduler.cycle_max_lr, 1e-3);
+  EXPECT_DOUBLE_EQ(d.scheduler.decay_lr_rate, 0.0);
+  EXPECT_EQ(d.scheduler.cycle_first_step_size, 2000);
+  EXPECT_EQ(d.scheduler.cycle_second_step_size, -1);
+  EXPECT_EQ(d.scheduler.decay_step_size, 0);
+  EXPECT_TRUE(d.scheduler.cycle_momentum);
+  EXPECT_DOUBLE_EQ(d.scheduler.cycle_min_mom, 0.8);
+  EXPECT_DOUBLE_EQ(d.scheduler.cycle_max_mom, 0.9);
+  EXPECT_DOUBLE_EQ(d.scheduler.decay_mom_rate, 0.0);
+  // The default Adam beta2 0.999 is replaced by DeepSpeed's 0.99 while momentum cycles: said once.
+  EXPECT_TRUE(any_warning_has(d, "scheduler.params.cycle_momentum: OneCycle sets the optimizer's betas to (momentum, 0.99)"));
+
+  Config c = Config::parse(with({{"optimizer", {{"type", "Adam"}, {"params", {{"betas", {0.9, 0.99}}}}}},
+                                 {"scheduler",
+                                  {{"type", "OneCycle"},
+                                   {"params",
+                                    {{"cycle_min_lr", 0.001},
+                                     {"cycle_max_lr", 0.01},
+                                     {"decay_lr_rate", 0.5},
+                                     {"cycle_first_step_size", 100},
+                                     {"cycle_second_step_size", nullptr},
+                                     {"cycle_first_stair_count", 0},
+                                     {"cycle_second_stair_count", nullptr},
+                                     {"decay_step_size", 10},
+                                     {"cycle_momentum", true},
+                                     {"cycle_min_mom", 0.85},
+                                     {"cycle_max_mom", 0.95},
+                                     {"decay_mom_rate", 0.0},
+                                     {"last_batch_iteration", -1}}}}}}));
+  EXPECT_EQ(c.scheduler.cycle_first_step_size, 100);
+  EXPECT_EQ(c.scheduler.cycle_second_step_size, -1);
+  EXPECT_EQ(c.scheduler.decay_step_size, 10);
+  EXPECT_DOUBLE_EQ(c.scheduler.decay_lr_rate, 0.5);
+  EXPECT_DOUBLE_EQ(c.scheduler.cycle_min_mom, 0.85);
+  EXPECT_DOUBLE_EQ(c.scheduler.cycle_max_mom, 0.95);
+  EXPECT_TRUE(c.warnings.empty());
+
+  Config stairs = Config::parse(with(
+      {{"scheduler",
+        {{"type", "OneCycle"},
+         {"params", {{"cycle_min_lr", 0}, {"cycle_max_lr", 1}, {"cycle_momentum", false}, {"cycle_first_stair_count", 4}}}}}}));
+  EXPECT_FALSE(stairs.scheduler.cycle_momentum);
+  EXPECT_TRUE(any_warning_has(stairs, "scheduler.params.cycle_first_stair_count: ignored"));
+}
+
+TEST(ConfigErrors, OneCycleParameters) {
+  auto oc = [](const json& params) { return with({{"scheduler", {{"type", "OneCycle"}, {"params", params}}}}); };
+  EXPECT_CONFIG_ERROR(oc({{"cycle_max_lr", 0.1}}), "scheduler.params.cycle_min_lr: required for OneCycle");
+  EXPECT_CONFIG_ERROR(oc({{"cycle_min_lr", 0.1}}), "scheduler.params.cycle_max_lr: required for OneCycle");
+  const json lrs = {{"cycle_min_lr", 0.01}, {"cycle_max_lr", 0.1}};
+  auto plus = [&](const char* k, const json& v) {
+    json p = lrs;
+    p[k] = v;
+    return oc(p);
+  };
+  EXPECT_CONFIG_ERROR(plus("cycle_first_step_size", 0), "scheduler.params.cycle_first_step_size: must be >= 1, got 0");
+  EXPECT_CONFIG_ERROR(plus("cycle_second_step_size", -2), "scheduler.params.cycle_second_step_size: must be >= 1");
+  EXPECT_CONFIG_ERROR(plus("cycle_min_mom", 1.0), "scheduler.params.cycle_min_mom: must be in [0, 1), got 1");
+  EXPECT_CONFIG_ERROR(plus("decay_step_size", -1), "scheduler.params.decay_step_size: must be >= 0");
+  EXPECT_CONFIG_ERROR(plus("cycle_momentum", "yes"), "scheduler.params.cycle_momentum: expected true or false");
+  EXPECT_CONFIG_ERROR(plus("warmup_num_steps", 10), "scheduler.params.warmup_num_steps: a Warmup* schedule's parameter");
+  EXPECT_CONFIG_ERROR(plus("cycle_max_mon", 0.9), "scheduler.params.cycle_max_mon",
+                      "did you mean 'cycle_max_mom'");
 }
 
 // ---------------------------------------------------------------------------

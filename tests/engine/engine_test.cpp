@@ -5,6 +5,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -350,6 +351,81 @@ TEST(EngineSchedule, LearningRateFollowsTheScheduleFromTheFirstStep) {
   }
   std::vector<double> expect = {0.0, 0.125, 0.25, 0.375, 0.5, 0.5};
   for (size_t i = 0; i < expect.size(); ++i) EXPECT_NEAR(seen[i], expect[i], 1e-12) << i;
+}
+
+// Lamb through the engine against a double-precision reference of DeepSpeed's
+// FusedLamb on the toy (gradient = p - target): one trust ratio per tensor
+// (block "b" holds two tensors, "u" and "bias", in one flat vector with
+// padding), with OneCycle moving the lr and beta1 every step and setting
+// beta2 to 0.99.
+TEST(EngineLamb, ToyMatchesDoubleReferencePerTensorWithOneCycleMomentum) {
+  nlohmann::json cfg = toy_config();
+  cfg["optimizer"] = {{"type", "Lamb"},
+                      {"params", {{"lr", 0.1}, {"betas", {0.9, 0.999}}, {"eps", 1e-6}, {"weight_decay", 0.01},
+                                  {"max_coeff", 3.0}, {"min_coeff", 0.05}}}};
+  cfg["scheduler"] = {{"type", "OneCycle"},
+                      {"params", {{"cycle_min_lr", 0.01}, {"cycle_max_lr", 0.1}, {"cycle_first_step_size", 2},
+                                  {"cycle_second_step_size", 3}, {"cycle_min_mom", 0.85}, {"cycle_max_mom", 0.95}}}};
+  Engine e = Engine::initialize(std::make_shared<ToyModel>(), cfg);
+  std::vector<double> p;
+  for (float x : toy_state(e, {toy_batch(0)}).p) p.push_back(x);
+  const std::vector<std::pair<size_t, size_t>> tensors = {{0, 5}, {5, 11}, {11, 12}};  // w, u, bias
+  std::vector<double> m(p.size(), 0.0), v(p.size(), 0.0);
+  const double scale[] = {0.5, 1.0, 2.0 / 3.0, 1.0 / 3.0};  // (i mod 5) / 2 rising, then falling over 3
+  std::vector<double> ratios_seen;
+  for (int s = 0; s < 4; ++s) {
+    const Batch b = toy_batch(s);
+    const std::vector<float> target = toy_state(e, {b}).mean_t;
+    const double lr = 0.01 + 0.09 * scale[s], b1 = 0.95 - 0.1 * scale[s], b2 = 0.99;
+    const int t = s + 1;
+    std::vector<double> u(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      const double g = p[i] - target[i];
+      m[i] = b1 * m[i] + (1 - b1) * g;
+      v[i] = b2 * v[i] + (1 - b2) * g * g;
+      u[i] = m[i] / (std::sqrt(v[i]) + 1e-6) + 0.01 * p[i];
+    }
+    const double step_size = lr * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t));
+    for (auto [lo, hi] : tensors) {
+      double wn = 0, un = 0;
+      for (size_t i = lo; i < hi; ++i) {
+        wn += p[i] * p[i];
+        un += u[i] * u[i];
+      }
+      const double ratio = std::clamp(std::sqrt(wn) / std::sqrt(un), 0.05, 3.0);
+      ratios_seen.push_back(ratio);
+      for (size_t i = lo; i < hi; ++i) p[i] -= step_size * ratio * u[i];
+    }
+    e.forward(b);
+    e.backward();
+    e.step();
+    EXPECT_NEAR(e.learning_rate(), lr, 1e-12) << "step " << s;
+    const std::vector<float> got = toy_state(e, {b}).p;
+    for (size_t i = 0; i < p.size(); ++i) ASSERT_NEAR(got[i], p[i], 2e-6 * (1 + std::fabs(p[i]))) << "step " << s << " i " << i;
+  }
+  // The reference went through the clamps and between them (else it proves less).
+  EXPECT_TRUE(std::count(ratios_seen.begin(), ratios_seen.end(), 3.0) > 0 ||
+              std::count(ratios_seen.begin(), ratios_seen.end(), 0.05) > 0);
+  EXPECT_TRUE(std::any_of(ratios_seen.begin(), ratios_seen.end(), [](double r) { return r > 0.05 && r < 3.0; }));
+}
+
+// A OneCycle whose momentum decays past 1 stops with the key to change.
+TEST(EngineLamb, OneCycleMomentumReachingOneIsAnError) {
+  nlohmann::json cfg = toy_config();
+  cfg["scheduler"] = {{"type", "OneCycle"},
+                      {"params", {{"cycle_min_lr", 0.01}, {"cycle_max_lr", 0.1}, {"cycle_first_step_size", 1},
+                                  {"decay_step_size", 1}, {"decay_mom_rate", 0.5}}}};
+  Engine e = Engine::initialize(std::make_shared<ToyModel>(), cfg);
+  try {
+    for (int s = 0; s < 4; ++s) {
+      e.forward(toy_batch(s));
+      e.backward();
+      e.step();
+    }
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("scheduler.params.decay_mom_rate"), std::string::npos) << err.what();
+  }
 }
 
 // ---- built-in models: k micro-batches of b == one batch of k*b ---------------
@@ -732,6 +808,25 @@ TEST(Checkpoint, Fp16ResumesBitExactWithItsLossScale) {
     r.top_extra = {{"fp16", {{"enabled", true}, {"initial_scale_power", 20}, {"hysteresis", 2}, {"loss_scale_window", 2}}}};
     testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume16"), 6, "fp16 stage " + std::to_string(stage));
   }
+}
+
+// Lamb keeps no state beyond master, m and v: a resumed run continues bit for
+// bit, its OneCycle lr and momentum included.
+TEST(Checkpoint, OneRankLambResumesBitExact) {
+  testing_train::for_each_stage_and_offload([](bool bf16, int stage, const std::string& offload,
+                                               const std::string& what) {
+    if (offload == "cpu") return;  // the same walk as RAM; nvme and none cover both state paths
+    testing_train::RunSpec r;
+    r.bf16 = bf16;
+    r.stage = stage;
+    r.offload = offload;
+    r.optimizer = {{"type", "Lamb"}, {"params", {{"lr", 5e-3}, {"weight_decay", 0.01}}}};
+    r.scheduler = {{"type", "OneCycle"},
+                   {"params", {{"cycle_min_lr", 1e-3}, {"cycle_max_lr", 5e-3}, {"cycle_first_step_size", 2}}}};
+    if (stage == 3 && offload != "none")
+      r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("lamb-resume"), 3, "Lamb " + what);
+  });
 }
 
 // A save reads the optimizer states on NVMe and writes nothing back to the

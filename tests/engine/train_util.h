@@ -36,6 +36,8 @@ struct RunSpec {
   int64_t bucket = 500000000;
   int steps = 20;
   std::string offload = "none";
+  // Replace the optimizer / add a scheduler section when not null.
+  nlohmann::json optimizer, scheduler;
   // Merged into zero_optimization (stage 3's keys, offload_param, ...).
   nlohmann::json zero_extra = nlohmann::json::object();
   // Top-level sections set as given (fp16, ...).
@@ -67,6 +69,8 @@ inline nlohmann::json make_config(const RunSpec& r) {
   }
   for (const auto& [k, v] : r.zero_extra.items()) cfg["zero_optimization"][k] = v;
   for (const auto& [k, v] : r.top_extra.items()) cfg[k] = v;
+  if (!r.optimizer.is_null()) cfg["optimizer"] = r.optimizer;
+  if (!r.scheduler.is_null()) cfg["scheduler"] = r.scheduler;
   return cfg;
 }
 

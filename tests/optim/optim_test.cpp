@@ -189,8 +189,82 @@ TEST(Schedule, WarmupCosineLrIsARatioOfTheOptimizerLr) {
 
 TEST(Schedule, UnknownTypeThrows) {
   ScheduleParams p;
-  p.type = "OneCycle";
+  p.type = "LRRangeTest";
   EXPECT_THROW(LrSchedule{p}, Error);
+}
+
+// DeepSpeed's OneCycle written out plainly at last_batch_iteration = s
+// (scale from the position i = s + 1 within the cycle).
+struct OneCycleRef {
+  double min_lr, max_lr, lr_rate, min_mom, max_mom, mom_rate;
+  int64_t first, second, decay_size;
+  double scale(int64_t s) const {
+    const double total = static_cast<double>(first + second);
+    const double pos = std::fmod(static_cast<double>(s + 1), total) / total;  // x in [0, 1)
+    const double r = static_cast<double>(first) / total;
+    return pos <= r ? pos / r : (1.0 - pos) / (1.0 - r);
+  }
+  double lr(int64_t s) const {
+    if (s < first + second) return min_lr + (max_lr - min_lr) * scale(s);
+    if (decay_size == 0) return min_lr;
+    return min_lr / (1.0 + lr_rate * static_cast<double>(s - first - second + 1) / static_cast<double>(decay_size));
+  }
+  double mom(int64_t s) const {
+    if (s < first + second) return max_mom - (max_mom - min_mom) * scale(s);
+    if (decay_size == 0) return max_mom;
+    return max_mom * (1.0 + mom_rate * static_cast<double>(s - first - second + 1) / static_cast<double>(decay_size));
+  }
+};
+
+ScheduleParams one_cycle(const OneCycleRef& r) {
+  ScheduleParams p;
+  p.type = "OneCycle";
+  p.cycle_min_lr = r.min_lr;
+  p.cycle_max_lr = r.max_lr;
+  p.decay_lr_rate = r.lr_rate;
+  p.cycle_first_step_size = r.first;
+  p.cycle_second_step_size = r.second;
+  p.decay_step_size = r.decay_size;
+  p.cycle_min_mom = r.min_mom;
+  p.cycle_max_mom = r.max_mom;
+  p.decay_mom_rate = r.mom_rate;
+  return p;
+}
+
+TEST(Schedule, OneCycleRisesFallsAndDecaysAsDeepSpeedWithMomentumInverse) {
+  // Uneven halves: 4 steps up, 6 down, then decay every 5 steps.
+  const OneCycleRef r{0.01, 0.1, 0.5, 0.85, 0.95, 0.02, 4, 6, 5};
+  LrSchedule s(one_cycle(r));
+  ASSERT_TRUE(s.sets_betas());
+  for (int64_t k = 0; k < 40; ++k) {
+    EXPECT_NEAR(s.lr_at(k), r.lr(k), 1e-14) << "step " << k;
+    EXPECT_NEAR(s.betas_at(k).beta1, r.mom(k), 1e-14) << "step " << k;
+    EXPECT_EQ(s.betas_at(k).beta2, 0.99);  // DeepSpeed's fixed second beta
+  }
+  // Landmarks: the peak at i = 4 (s = 3), the floor at the cycle's end, the decay.
+  EXPECT_NEAR(s.lr_at(0), 0.01 + 0.09 * 0.25, 1e-14);
+  EXPECT_NEAR(s.lr_at(3), 0.1, 1e-14);
+  EXPECT_NEAR(s.betas_at(3).beta1, 0.85, 1e-14);
+  EXPECT_NEAR(s.lr_at(9), 0.01, 1e-14);  // i = 10 = T: the cycle closes at the minimum
+  EXPECT_NEAR(s.betas_at(9).beta1, 0.95, 1e-14);
+  EXPECT_NEAR(s.lr_at(10), 0.01 / (1 + 0.5 * 1 / 5.0), 1e-14);
+  EXPECT_NEAR(s.lr_at(24), 0.01 / (1 + 0.5 * 15 / 5.0), 1e-14);
+  EXPECT_NEAR(s.betas_at(24).beta1, 0.95 * (1 + 0.02 * 15 / 5.0), 1e-14);
+}
+
+TEST(Schedule, OneCycleWithoutDecayHoldsTheFloorAndDefaultsTheSecondHalf) {
+  OneCycleRef r{0.2, 1.0, 0.0, 0.8, 0.9, 0.0, 5, 5, 0};
+  ScheduleParams p = one_cycle(r);
+  p.cycle_second_step_size = -1;  // = first, as DeepSpeed's None
+  p.decay_lr_rate = 0.7;          // no effect: decay_step_size is 0
+  p.cycle_momentum = false;
+  LrSchedule s(p);
+  EXPECT_FALSE(s.sets_betas());
+  EXPECT_THROW(s.betas_at(0), Error);
+  for (int64_t k = 0; k < 30; ++k) EXPECT_NEAR(s.lr_at(k), r.lr(k), 1e-14) << "step " << k;
+  EXPECT_NEAR(s.lr_at(4), 1.0, 1e-14);
+  EXPECT_NEAR(s.lr_at(7), 0.2 + 0.8 * 0.4, 1e-14);
+  EXPECT_DOUBLE_EQ(s.lr_at(100), 0.2);
 }
 
 }  // namespace
