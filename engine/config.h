@@ -45,6 +45,8 @@ struct OptimizerConfig {
   // defaults to true as well; false gives L2-style Adam.
   bool adam_w_mode = true;
   bool bias_correction = true;  // params.bias_correction
+
+  bool operator==(const OptimizerConfig&) const = default;
 };
 
 // scheduler.type; kConstant when there is no scheduler section.
@@ -69,6 +71,8 @@ struct SchedulerConfig {
   // WarmupCosineLR: ratios of the optimizer's lr.
   double warmup_min_ratio = 0.0;
   double cos_min_ratio = 0.0001;
+
+  bool operator==(const SchedulerConfig&) const = default;
 };
 
 // Where a ZeRO state lives (offload_optimizer.device, offload_param.device).
@@ -98,6 +102,8 @@ struct OffloadConfig {
   int64_t buffer_size = 100000000;
   int64_t max_in_cpu = 1000000000;
   double ratio = 1.0;               // offload_optimizer: share offloaded (only 1 is implemented)
+
+  bool operator==(const OffloadConfig&) const = default;
 };
 
 struct ZeroConfig {
@@ -146,6 +152,8 @@ struct ZeroConfig {
   // A released block stays gathered if the recorded order uses it again
   // within this many elements of other blocks: a gather saved for memory.
   int64_t stage3_max_reuse_distance = 1000000000;
+
+  bool operator==(const ZeroConfig&) const = default;
 };
 
 // aio: the NVMe store's io_uring settings (offload/nvme_store.h).
@@ -156,12 +164,16 @@ struct AioConfig {
   int64_t intra_op_parallelism = 1;   // rings (threads) per transfer; alias thread_count
   bool single_submit = false;         // submit requests one by one instead of in batches
   bool overlap_events = true;         // submit the next requests while completions are reaped
+
+  bool operator==(const AioConfig&) const = default;
 };
 
 struct CsvMonitorConfig {
   bool enabled = false;
   std::string output_path;  // files go to <output_path>/<job_name>/, as DeepSpeed writes them
   std::string job_name = "DeepSpeedJobName";
+
+  bool operator==(const CsvMonitorConfig&) const = default;
 };
 
 // checkpoint: DeepSpeed's section. tag_validation decides what a save does
@@ -170,6 +182,8 @@ struct CsvMonitorConfig {
 enum class TagValidation { kIgnore, kWarn, kFail };
 struct CheckpointConfig {
   TagValidation tag_validation = TagValidation::kWarn;
+
+  bool operator==(const CheckpointConfig&) const = default;
 };
 
 struct Config {
@@ -221,7 +235,18 @@ struct Config {
                      const std::vector<std::string>& caller_sections = {});
   // Cross-field checks (called by parse).
   void validate() const;
+
+  // Every field compares, `source` and `warnings` too (a test of the
+  // serializer clears them to compare only the settings).
+  bool operator==(const Config&) const = default;
 };
+
+// The config as a ds_config document with DeepSpeed's key names: every
+// setting zinc reads, resolved (defaults filled in, aliases under their
+// documented names, the batch triad complete). parse(to_json(c),
+// c.world_size) gives back c's settings (not `source`, `warnings`, `seed`,
+// which are not ds_config keys). engine/config_json.cpp.
+nlohmann::json to_json(const Config& c);
 
 // Reads a JSON file: IoError naming the path if it cannot be read,
 // ConfigError naming the file, line and column on a syntax error.
