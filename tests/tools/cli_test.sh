@@ -364,5 +364,27 @@ else
   echo "FAIL config event"; cat "$TMP/out" "$TMP/err"
 fi
 
+# configs/zero3_offload.json: --check accepts it and it trains (stage 3 with
+# both offloads to cpu: the summary reports ZeRO-3's gathers).
+Z3O="$ROOT/configs/zero3_offload.json"
+if "$ZT" "$Z3O" --check --ranks 2 >"$TMP/out" 2>"$TMP/err" &&
+   grep -qF 'zero_optimization.offload_param.device = "cpu" [file]' "$TMP/out" &&
+   "$ZT" "$Z3O" --steps 2 --set run.eval_interval=0 --set "run.output_dir=$TMP/z3o" --json >"$TMP/out" 2>"$TMP/err" &&
+   python3 - "$TMP/out" <<'PY'
+import json, math, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+s = ev[-1]
+assert s["event"] == "summary" and s["steps"] == 2 and s["zero_stage"] == 3 and math.isfinite(s["final_loss"]), s
+assert s["zero3"]["gathers"] > 0, s
+c = [e for e in ev if e["event"] == "config"][0]["config"]["zero_optimization"]
+assert c["offload_optimizer"]["device"] == "cpu" and c["offload_param"]["device"] == "cpu", c
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL zero3_offload"; cat "$TMP/out" "$TMP/err"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
