@@ -46,6 +46,8 @@ struct DataConfig {
   uint64_t seed = 1234;            // the source's table and samples (not the model's init)
   // text / tokens: fraction of samples held out for evaluation (the tail).
   double eval_fraction = 0.0;
+
+  bool operator==(const DataConfig&) const = default;
 };
 
 class DataSource {

@@ -424,6 +424,8 @@ void parse_offload(Reader& zero, const char* key, OffloadConfig& o, bool is_para
   } else {
     r.get_int("buffer_count", o.buffer_count, at_least(2));
     r.get_number("ratio", o.ratio, hi_closed(0, 1));
+    // "pipeline": DeepSpeed 0.4's switch for pipeline_read or pipeline_write.
+    r.ignore_bool("pipeline", false, "zinc's swapper always overlaps reads and writes with the update");
     r.ignore_bool("pipeline_read", false);
     r.ignore_bool("pipeline_write", false);
     r.ignore_bool("fast_init", false);
@@ -491,7 +493,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
     r.warn(r.last_path(), "deprecated; use \"offload_optimizer\": {\"device\": \"cpu\"}");
     if (dep) z.offload_optimizer.device = OffloadDevice::kCpu;
   }
-  if (r.get_bool("cpu_offload_param", dep)) {
+  // cpu_offload_params: the spelling DeepSpeed 0.4 to 0.5 documented.
+  if (r.get_bool({"cpu_offload_param", "cpu_offload_params"}, dep)) {
     if (new_param) {
       throw ConfigError(r.last_path(), "deprecated and set together with offload_param; keep offload_param");
     }
@@ -508,6 +511,8 @@ void parse_zero(Reader& root, ZeroConfig& z) {
   r.ignore_bool("load_from_fp32_weights", true, "zinc always restores the fp32 master weights from a checkpoint");
   r.ignore_bool("elastic_checkpoint", false);
   r.ignore_bool("ignore_unused_parameters", true, "every zinc model parameter receives a gradient");
+  // DeepSpeed 0.3's name for handling parameters without gradients.
+  r.ignore_bool("find_unused_parameters", false, "every zinc model parameter receives a gradient");
   r.ignore_bool("legacy_stage1", false);
   r.ignore_bool("round_robin_gradients", false);
   r.ignore_bool("use_multi_rank_bucket_allreduce", true);
@@ -611,6 +616,85 @@ bool feature_active(const json& v, const std::string& path) {
   return true;
 }
 
+// Top-level keys of earlier DeepSpeed releases (deepspeed/pt/deepspeed_constants.py
+// and deepspeed/runtime/constants.py across 0.1 to 0.14), and the
+// parallelism sizes deepspeed.initialize reads from the config.
+void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
+  // allgather_size: the bucket of the boolean "zero_optimization": true form
+  // (DeepSpeed maps it onto allgather_bucket_size there and reads it nowhere else).
+  int64_t size = 0;
+  if (r.get_int("allgather_size", size, at_least(1))) {
+    if (zero_bool_form) {
+      c.zero.allgather_bucket_size = size;
+    } else {
+      r.warn_ignored("allgather_size", "it only applies to the boolean \"zero_optimization\": true form; set "
+                                       "zero_optimization.allgather_bucket_size");
+    }
+  }
+  // ZeRO stage 1's keys before the zero_optimization section existed.
+  r.ignore_bool("zero_reduce_scatter", true, "zinc reduce-scatters every bucket (the same sums an all-reduce gives)");
+  int64_t elems = 0;
+  if (r.get_int("zero_max_elements_per_comm", elems, at_least(1)) && elems != 500000000)
+    r.warn_ignored("zero_max_elements_per_comm", "use zero_optimization.reduce_bucket_size");
+  // fp32_allreduce: reduce 16-bit gradients in fp32. zinc's gradients are
+  // fp32 on the wire unless communication_data_type says otherwise.
+  bool fp32_allreduce = false;
+  if (r.get_bool("fp32_allreduce", fp32_allreduce) && fp32_allreduce && c.communication_data_type &&
+      *c.communication_data_type != DType::kF32) {
+    throw ConfigError("fp32_allreduce", "true asks for fp32 reductions and communication_data_type for " +
+                                            std::string(dtype_name(*c.communication_data_type)) + "; keep one");
+  }
+  r.refuse_int("sequence_parallel_size", 1,
+               "sequence parallelism splits each sample across ranks; zinc has none, set it to 1");
+  int64_t dp = 0;
+  if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.world_size) {
+    throw ConfigError("data_parallel_size", std::to_string(dp) + " differs from the " + std::to_string(c.world_size) +
+                                                " ranks of this run (zinc's data-parallel size is the world size)");
+  }
+}
+
+// The 1-bit optimizers (DeepSpeed's OneBitAdam, ZeroOneAdam, OneBitLamb):
+// refused with the reason before the optimizer section is parsed.
+void refuse_compressed_optimizers(const json& j) {
+  if (!j.is_object()) return;
+  auto o = j.find("optimizer");
+  if (o == j.end() || !o->is_object()) return;
+  auto t = o->find("type");
+  if (t == o->end() || !t->is_string()) return;
+  const std::string type = lower(t->get<std::string>());
+  if (type == "onebitadam" || type == "zerooneadam" || type == "onebitlamb") {
+    throw ConfigError("optimizer.type",
+                      show(*t) + " is not implemented in zinc: it compresses the momentum to 1 bit on the wire "
+                                 "(with error feedback) after a warm-up, which changes the update; use \"Adam\" or "
+                                 "\"AdamW\"");
+  }
+}
+
+// data_efficiency: names the part that is on (DeepSpeed's
+// deepspeed/runtime/data_pipeline/constants.py).
+void refuse_data_efficiency(const json& v) {
+  if (!v.is_object()) return;
+  auto on = [](const json& o, const char* key) -> const json* {
+    auto it = o.find(key);
+    if (it == o.end() || !it->is_object()) return nullptr;
+    auto en = it->find("enabled");
+    return en != it->end() && en->is_boolean() && en->get<bool>() ? &*it : nullptr;
+  };
+  if (const json* ds = on(v, "data_sampling")) {
+    if (on(*ds, "curriculum_learning"))
+      Reader::refuse("data_efficiency.data_sampling.curriculum_learning",
+                     "curriculum learning changes the data order and sequence lengths");
+    Reader::refuse("data_efficiency.data_sampling", "it changes which samples each step draws");
+  }
+  if (const json* dr = on(v, "data_routing")) {
+    if (on(*dr, "random_ltd"))
+      Reader::refuse("data_efficiency.data_routing.random_ltd",
+                     "random layerwise token dropping skips tokens in the middle layers, which changes the model's "
+                     "computation");
+    Reader::refuse("data_efficiency.data_routing", "it changes which tokens the layers compute");
+  }
+}
+
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
 void parse_unimplemented(Reader& r, Config& c) {
@@ -657,6 +741,7 @@ void parse_unimplemented(Reader& r, Config& c) {
   for (const Feature& f : kFeatures) {
     const json* v = r.find(f.key);
     if (!v || !feature_active(*v, f.key)) continue;
+    if (std::string_view(f.key) == "data_efficiency") refuse_data_efficiency(*v);
     if (f.act == Act::kWarn) {
       r.warn_ignored(f.key, f.why);
     } else {
@@ -709,14 +794,17 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));
   r.get_bool("wall_clock_breakdown", c.wall_clock_breakdown);
   parse_precision(r, c);
+  refuse_compressed_optimizers(j);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
   if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2 != 0.99) {
     r.warn("scheduler.params.cycle_momentum",
            "OneCycle sets the optimizer's betas to (momentum, 0.99) as DeepSpeed does: optimizer.params.betas[1] " +
                num(c.optimizer.beta2) + " is replaced by 0.99 (set cycle_momentum false to keep it)");
+    c.optimizer.beta2 = 0.99;  // the value training uses (and the serialized config shows)
   }
   parse_zero(r, c.zero);
+  parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
   parse_aio(r, c.aio);
   parse_monitors(r, c.csv_monitor);
   parse_unimplemented(r, c);

@@ -53,6 +53,8 @@ struct OptimizerConfig {
   double max_coeff = 10.0;      // params.max_coeff
   double min_coeff = 0.01;      // params.min_coeff
   bool eps_inside_sqrt = false;  // params.eps_inside_sqrt
+
+  bool operator==(const OptimizerConfig&) const = default;
 };
 
 // scheduler.type; kConstant when there is no scheduler section.
@@ -91,6 +93,8 @@ struct SchedulerConfig {
   bool cycle_momentum = true;
   double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
   double decay_mom_rate = 0.0;
+
+  bool operator==(const SchedulerConfig&) const = default;
 };
 
 // Where a ZeRO state lives (offload_optimizer.device, offload_param.device).
@@ -120,6 +124,8 @@ struct OffloadConfig {
   int64_t buffer_size = 100000000;
   int64_t max_in_cpu = 1000000000;
   double ratio = 1.0;               // offload_optimizer: share offloaded (only 1 is implemented)
+
+  bool operator==(const OffloadConfig&) const = default;
 };
 
 struct ZeroConfig {
@@ -168,6 +174,8 @@ struct ZeroConfig {
   // A released block stays gathered if the recorded order uses it again
   // within this many elements of other blocks: a gather saved for memory.
   int64_t stage3_max_reuse_distance = 1000000000;
+
+  bool operator==(const ZeroConfig&) const = default;
 };
 
 // aio: the NVMe store's io_uring settings (offload/nvme_store.h).
@@ -178,12 +186,16 @@ struct AioConfig {
   int64_t intra_op_parallelism = 1;   // rings (threads) per transfer; alias thread_count
   bool single_submit = false;         // submit requests one by one instead of in batches
   bool overlap_events = true;         // submit the next requests while completions are reaped
+
+  bool operator==(const AioConfig&) const = default;
 };
 
 struct CsvMonitorConfig {
   bool enabled = false;
   std::string output_path;  // files go to <output_path>/<job_name>/, as DeepSpeed writes them
   std::string job_name = "DeepSpeedJobName";
+
+  bool operator==(const CsvMonitorConfig&) const = default;
 };
 
 // checkpoint: DeepSpeed's section. tag_validation decides what a save does
@@ -192,6 +204,8 @@ struct CsvMonitorConfig {
 enum class TagValidation { kIgnore, kWarn, kFail };
 struct CheckpointConfig {
   TagValidation tag_validation = TagValidation::kWarn;
+
+  bool operator==(const CheckpointConfig&) const = default;
 };
 
 // fp16: DeepSpeed's section (Note [dynamic loss scaling] in
@@ -207,6 +221,8 @@ struct Fp16Config {
   int64_t hysteresis = 2;            // overflows tolerated before the scale halves
   bool consecutive_hysteresis = false;  // refill the hysteresis after every clean step
   double min_loss_scale = 1;
+
+  bool operator==(const Fp16Config&) const = default;
 };
 
 struct Config {
@@ -267,7 +283,18 @@ struct Config {
   DType wire_dtype() const {
     return communication_data_type ? *communication_data_type : fp16.enabled ? DType::kF16 : DType::kF32;
   }
+
+  // Every field compares, `source` and `warnings` too (a test of the
+  // serializer clears them to compare only the settings).
+  bool operator==(const Config&) const = default;
 };
+
+// The config as a ds_config document with DeepSpeed's key names: every
+// setting zinc reads, resolved (defaults filled in, aliases under their
+// documented names, the batch triad complete). parse(to_json(c),
+// c.world_size) gives back c's settings (not `source`, `warnings`, `seed`,
+// which are not ds_config keys). engine/config_json.cpp.
+nlohmann::json to_json(const Config& c);
 
 // Reads a JSON file: IoError naming the path if it cannot be read,
 // ConfigError naming the file, line and column on a syntax error.

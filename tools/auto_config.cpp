@@ -1,6 +1,7 @@
 #include "tools/auto_config.h"
 
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 #include "engine/config_reader.h"
@@ -70,11 +71,29 @@ TrainerConfig parse_trainer(const json& doc) {
   r.get_number("max_grad_norm", t.max_grad_norm, at_least(0));
   r.get_int("warmup_steps", t.warmup_steps, at_least(0));
   r.get_number("warmup_ratio", t.warmup_ratio, closed(0, 1));
-  bool b = false;
-  if (r.get_bool("bf16", b)) t.bf16 = b;
-  if (r.get_bool("fp16", b)) t.fp16 = b;
+  // null: unset, as to_json writes it.
+  for (auto [key, out] : {std::pair{"bf16", &t.bf16}, {"fp16", &t.fp16}}) {
+    const json* v = r.find(key);
+    if (v && !v->is_null()) *out = to_bool(*v, r.last_path()) ? 1 : 0;
+  }
   r.finish();
   return t;
+}
+
+json to_json(const TrainerConfig& t) {
+  auto tri = [](int v) { return v < 0 ? json(nullptr) : json(v == 1); };
+  return {{"per_device_train_batch_size", t.per_device_train_batch_size},
+          {"gradient_accumulation_steps", t.gradient_accumulation_steps},
+          {"learning_rate", t.learning_rate},
+          {"adam_beta1", t.adam_beta1},
+          {"adam_beta2", t.adam_beta2},
+          {"adam_epsilon", t.adam_epsilon},
+          {"weight_decay", t.weight_decay},
+          {"max_grad_norm", t.max_grad_norm},
+          {"warmup_steps", t.warmup_steps},
+          {"warmup_ratio", t.warmup_ratio},
+          {"bf16", tri(t.bf16)},
+          {"fp16", tri(t.fp16)}};
 }
 
 ResolvedConfig resolve_auto(const json& doc, int world_size) {

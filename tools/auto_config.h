@@ -31,7 +31,13 @@ struct TrainerConfig {
   // Precision: unset means "from the CPU and the rest of the config" (bf16,
   // which zinc runs on every CPU, unless fp16 is asked for).
   int bf16 = -1, fp16 = -1;  // -1 unset, 0 false, 1 true
+
+  bool operator==(const TrainerConfig&) const = default;
 };
+
+// The `trainer` section with every key (bf16 / fp16 null when unset);
+// parse_trainer reads it back to the same values.
+nlohmann::json to_json(const TrainerConfig& t);
 
 // One value that was "auto": its JSON path, what it became and why.
 struct AutoValue {

@@ -177,6 +177,41 @@ void ExperimentConfig::validate() const {
   }
 }
 
+nlohmann::json to_json(const ExperimentConfig& e) {
+  const ModelConfig& m = e.model;
+  const DataConfig& d = e.data;
+  const RunConfig& r = e.run;
+  nlohmann::json data = {{"type", data_type_name(d.type)}, {"seq_len", d.seq_len}, {"seed", d.seed}};
+  if (d.type == DataType::kSynthetic) {
+    data["vocab_size"] = d.vocab_size;
+    data["determinism"] = d.determinism;
+  } else {
+    data["path"] = d.path;
+    if (d.type == DataType::kTokens && d.vocab_size > 0) data["vocab_size"] = d.vocab_size;
+    data["eval_fraction"] = d.eval_fraction;
+  }
+  return {{"model",
+           {{"type", model_type_name(m.type)},
+            {"vocab_size", m.vocab_size},
+            {"block_size", m.block_size},
+            {"n_layer", m.n_layer},
+            {"n_head", m.n_head},
+            {"n_embd", m.n_embd},
+            {"context", m.context},
+            {"hidden", m.hidden}}},
+          {"data", data},
+          {"run",
+           {{"steps", r.steps},
+            {"seed", r.seed},
+            {"eval_interval", r.eval_interval},
+            {"eval_batches", r.eval_batches},
+            {"checkpoint_interval", r.checkpoint_interval},
+            {"output_dir", r.output_dir},
+            {"checkpoint_dir", r.checkpoint_dir},
+            {"keep_last", r.keep_last}}},
+          {"comm", {{"backend", comm_backend_name(e.comm.backend)}, {"timeout_seconds", e.comm.timeout_seconds}}}};
+}
+
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   ParsedExperiment p;
   ResolvedConfig r = resolve_auto(doc, world_size);

@@ -37,6 +37,8 @@ struct ModelConfig {
   // mlp: next-token MLP over the previous `context` tokens' embeddings
   int64_t context = 4;
   int64_t hidden = 512;
+
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // The `run` section: how long and what to log/save.
@@ -49,6 +51,8 @@ struct RunConfig {
   std::string output_dir = "runs/default";
   std::string checkpoint_dir;  // "" = output_dir + "/checkpoints"
   int64_t keep_last = 0;       // 0 = keep every checkpoint; else the newest N (older ones go once a newer is complete)
+
+  bool operator==(const RunConfig&) const = default;
 };
 
 // The transport between ranks: the spellings comm::make_communicator takes.
@@ -65,6 +69,8 @@ struct CommConfig {
   // The longest a shared-memory collective waits for another rank before it
   // fails with an error naming that rank (ZINC_COMM_TIMEOUT overrides it).
   double timeout_seconds = 600;
+
+  bool operator==(const CommConfig&) const = default;
 };
 
 struct ExperimentConfig {
@@ -94,7 +100,15 @@ struct ExperimentConfig {
   // vocab_size) and a file for file data. Sizes the data fills in are
   // checked when the model is built (build_experiment).
   void validate() const;
+
+  bool operator==(const ExperimentConfig&) const = default;  // warnings too
 };
+
+// The four sections as a document with every key, resolved (defaults filled
+// in, run.checkpoint_dir made concrete); keys a section reads only for
+// another data type are left out, so that ExperimentConfig::parse gives back
+// the same settings without warnings.
+nlohmann::json to_json(const ExperimentConfig& e);
 
 // A whole experiment document, parsed.
 struct ParsedExperiment {

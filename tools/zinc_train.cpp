@@ -6,6 +6,10 @@
 //                                     DIR defaults to run.checkpoint_dir)
 //   zinc-train CONFIG.json --estimate [--ranks N] [--json]
 //                                     (RAM and disk per rank; trains nothing)
+//   zinc-train CONFIG.json --check [--ranks N] [--json]
+//                                     (every key, its value and its source,
+//                                     the warnings, and whether the run would
+//                                     start: exit 0, or 1 with the refusal)
 //
 // Under an MPI launcher every rank trains on its part of each global batch;
 // rank 0 prints. A rank that fails prints its error and ends the whole job.
@@ -39,6 +43,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
+#include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/safetensors.h"
 
@@ -261,6 +266,54 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   return 0;
 }
 
+// --check: the report of tools/config_check.h, printed on rank 0 (every rank
+// checks: a folder may be missing on one node only).
+int check(zinc::comm::Communicator& comm, int world, const std::string& config_path,
+          const std::vector<std::string>& overrides, bool json) {
+  // The report lists the warnings; logging them as well would say each twice.
+  const zinc::LogLevel level = zinc::log_level();
+  zinc::set_log_level(zinc::LogLevel::kError);
+  const zinc::tools::CheckReport rep = zinc::tools::check_config(config_path, overrides, world);
+  zinc::set_log_level(level);
+  int ok = rep.ok ? 1 : 0;
+  if (comm.size() > 1) {
+    double v = rep.ok ? 0 : 1;
+    comm.all_reduce_max_f64(&v, 1);
+    ok = v == 0 ? 1 : 0;
+  }
+  if (comm.rank() != 0) return ok ? 0 : 1;
+  if (json) {
+    nlohmann::json out = rep.to_json();
+    if (rep.ok && !ok) out["ok"] = false, out["refusals"].push_back("another rank refused the config (its error is on its stderr)");
+    std::printf("%s\n", out.dump().c_str());
+    return ok ? 0 : 1;
+  }
+  std::printf("zinc-train --check: %s at %d rank%s\n", config_path.c_str(), world, world == 1 ? "" : "s");
+  if (rep.ok) {
+    std::printf("resolved config (key = value [source]):\n");
+    for (const zinc::tools::ConfigEntry& e : rep.entries)
+      std::printf("  %s = %s [%s%s%s]\n", e.path.c_str(), e.value.dump().c_str(), e.source.c_str(),
+                  e.from.empty() ? "" : ": ", e.from.c_str());
+    if (!rep.unused.empty()) {
+      std::printf("given but not used by zinc:\n");
+      for (const zinc::tools::ConfigEntry& e : rep.unused)
+        std::printf("  %s = %s [%s]\n", e.path.c_str(), e.value.dump().c_str(), e.source.c_str());
+    }
+  }
+  std::printf("warnings: %zu\n", rep.warnings.size());
+  for (const std::string& w : rep.warnings) std::printf("  %s\n", w.c_str());
+  if (!rep.ok) {
+    for (const std::string& r : rep.refusals) std::printf("refused: %s\n", r.c_str());
+    return 1;
+  }
+  if (!ok) {
+    std::printf("refused: another rank refused the config (its error is on its stderr)\n");
+    return 1;
+  }
+  std::printf("ok: the run would start\n");
+  return 0;
+}
+
 // SIGTERM / SIGINT: stop at the next step boundary with a checkpoint; a
 // second one ends the process at once. The signals are blocked in every
 // thread (main blocks them before any thread exists, and threads inherit
@@ -364,6 +417,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t steps = run.steps;
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
+  if (json && !quiet) {
+    const nlohmann::json resolved =
+        zinc::tools::resolved_document(cfg, ex.experiment, zinc::tools::parse_trainer(doc));
+    std::printf("%s\n", nlohmann::json({{"event", "config"}, {"world_size", world}, {"config", resolved}}).dump().c_str());
+  }
   if (json && !quiet && !ex.auto_values.empty()) {
     nlohmann::json values = nlohmann::json::array();
     for (const zinc::tools::AutoValue& a : ex.auto_values)
@@ -585,11 +643,15 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
                                 "a bare word as a string); repeatable");
   app.add_flag("--json", json, "print one JSON object per line instead of human progress");
+  bool check_only = false;
+  app.add_flag("--check", check_only,
+               "validate without training: print every key with its value and source, the warnings, and whether "
+               "the run would start (exit 0) or is refused (exit 1)");
   bool estimate_only = false;
   int ranks = 0;
   app.add_flag("--estimate", estimate_only,
                "print the RAM and disk each rank will need (this stage and the others) and exit without training");
-  app.add_option("--ranks", ranks, "with --estimate outside an MPI launcher: the number of ranks to plan for")
+  app.add_option("--ranks", ranks, "with --estimate or --check outside an MPI launcher: the number of ranks to plan for")
       ->check(CLI::PositiveNumber);
   std::optional<std::string> resume;
   app.add_option("--resume", resume,
@@ -611,7 +673,12 @@ int main(int argc, char** argv) {
     std::vector<std::string> overrides = sets;
     if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
     zinc::cpu_isa();  // an unknown ONEDNN_MAX_CPU_ISA ends the run here with one line
-    const nlohmann::json doc = zinc::tools::load_document(config_path, overrides);
+    nlohmann::json doc;
+    try {
+      doc = zinc::tools::load_document(config_path, overrides);
+    } catch (const zinc::Error&) {
+      if (!check_only) throw;  // --check reports it as its refusal
+    }
     if (zinc::comm::launched_with_mpi()) {
       // The backend is needed before the config can be parsed (the batch
       // triad depends on the world size): the comm section alone, strictly.
@@ -633,17 +700,23 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (ranks > 0 && !estimate_only) {
-      std::fprintf(stderr, "zinc-train: --ranks needs --estimate (mpirun decides the ranks of a training run)\n");
+    if (ranks > 0 && !estimate_only && !check_only) {
+      std::fprintf(stderr,
+                   "zinc-train: --ranks needs --estimate or --check (mpirun decides the ranks of a training run)\n");
       return 2;
     }
-    if (estimate_only) {
+    if (estimate_only && check_only) {
+      std::fprintf(stderr, "zinc-train: --estimate and --check are separate runs; give one\n");
+      return 2;
+    }
+    if (estimate_only || check_only) {
       if (ranks > 0 && comm->size() > 1 && ranks != comm->size()) {
         std::fprintf(stderr, "zinc-train: --ranks %d differs from the %d ranks mpirun started\n", ranks,
                      comm->size());
         return 2;
       }
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
+      if (check_only) return check(*comm, world, config_path, overrides, json);
       return estimate(*comm, world, doc, config_path, json);
     }
     return run(comm, doc, config_path, json, digest, resume, weights_out);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 namespace zinc {
 namespace {
@@ -21,6 +22,9 @@ LogLevel level_from_env() {
 
 std::atomic<int> g_level{static_cast<int>(level_from_env())};
 
+std::mutex g_capture_mu;
+LogCapture* g_capture = nullptr;  // guarded by g_capture_mu
+
 }  // namespace
 
 void set_log_rank(int rank) { g_rank = rank; }
@@ -28,7 +32,26 @@ int log_rank() { return g_rank; }
 void set_log_level(LogLevel level) { g_level = static_cast<int>(level); }
 LogLevel log_level() { return static_cast<LogLevel>(g_level.load()); }
 
+LogCapture::LogCapture(LogLevel min) : min_(min) {
+  std::scoped_lock lock(g_capture_mu);
+  g_capture = this;
+}
+
+LogCapture::~LogCapture() {
+  std::scoped_lock lock(g_capture_mu);
+  if (g_capture == this) g_capture = nullptr;
+}
+
+std::vector<std::string> LogCapture::messages() const {
+  std::scoped_lock lock(g_capture_mu);
+  return messages_;
+}
+
 void log(LogLevel level, const std::string& msg) {
+  {
+    std::scoped_lock lock(g_capture_mu);
+    if (g_capture && level >= g_capture->min_) g_capture->messages_.push_back(msg);
+  }
   if (static_cast<int>(level) < g_level) return;
   static const char* names[] = {"debug", "info", "warning", "error"};
   std::fprintf(stderr, "zinc[%d] %s: %s\n", g_rank.load(), names[static_cast<int>(level)], msg.c_str());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace zinc {
 
@@ -19,5 +20,23 @@ inline void log_debug(const std::string& m) { log(LogLevel::kDebug, m); }
 inline void log_info(const std::string& m) { log(LogLevel::kInfo, m); }
 inline void log_warn(const std::string& m) { log(LogLevel::kWarn, m); }
 inline void log_error(const std::string& m) { log(LogLevel::kError, m); }
+
+// While a LogCapture lives, every message at `min` or above is also kept in
+// messages(), whatever the level printed (zinc-train --check reports the
+// warnings a parse logged, even one that then failed). At most one at a
+// time; not copyable; messages may come from any thread.
+class LogCapture {
+ public:
+  explicit LogCapture(LogLevel min);
+  ~LogCapture();
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  std::vector<std::string> messages() const;
+
+ private:
+  friend void log(LogLevel level, const std::string& msg);
+  LogLevel min_;
+  std::vector<std::string> messages_;  // guarded by the log's capture mutex
+};
 
 }  // namespace zinc

@@ -264,7 +264,7 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
 
 TEST(ConfigErrors, OptimizerAndScheduler) {
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitLamb"}}}}),
-                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc; supported: Adam, AdamW, Lamb");
+                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc: it compresses the momentum to 1 bit");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lam"}}}}), "(did you mean 'Lamb'?)");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),

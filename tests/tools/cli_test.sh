@@ -266,12 +266,124 @@ else
   cat "$TMP/est" "$TMP/est3" "$TMP/err"
 fi
 "$ZT" "$CFG" --ranks 2 >"$TMP/out" 2>"$TMP/err"
-if [ $? -eq 2 ] && grep -q -- '--ranks needs --estimate' "$TMP/err"; then
+if [ $? -eq 2 ] && grep -q -- '--ranks needs --estimate or --check' "$TMP/err"; then
   pass=$((pass + 1))
 else
   fail=$((fail + 1))
   echo "FAIL --ranks without --estimate"
   cat "$TMP/err"
+fi
+
+# --check: every key with its value and source, the warnings, and the
+# verdict; exit 0 when the run would start, 1 with the refusal otherwise.
+HF="$ROOT/configs/hf_auto.json"
+"$ZT" "$HF" --check --ranks 2 --set run.steps=10 --set tensorboard.enabled=true >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 0 ] && grep -qF 'zinc-train --check:' "$TMP/out" && grep -qF 'at 2 ranks' "$TMP/out" &&
+   grep -qF 'optimizer.params.lr = 0.003 [auto: trainer.learning_rate]' "$TMP/out" &&
+   grep -qF 'train_batch_size = 128 [auto: 2 ranks x micro-batch 32 x accumulation 2]' "$TMP/out" &&
+   grep -qF 'zero_optimization.stage = 2 [file]' "$TMP/out" &&
+   grep -qF 'run.steps = 10 [--set]' "$TMP/out" &&
+   grep -qF 'aio.queue_depth = 8 [default]' "$TMP/out" &&
+   grep -qF 'fp16.loss_scale_window = 1000 [file]' "$TMP/out" &&
+   grep -qF 'tensorboard.enabled: ignored' "$TMP/out" &&
+   grep -qF 'ok: the run would start' "$TMP/out" && ! grep -q '^step' "$TMP/out" && [ ! -s "$TMP/err" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL --check human (rc=$rc)"; cat "$TMP/out" "$TMP/err"
+fi
+# The batch triad's member the file leaves out is derived from the other two.
+if "$ZT" "$CFG" --check --json >"$TMP/out" 2>"$TMP/err" && python3 - "$TMP/out" "$CFG" <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+assert len(lines) == 1, lines  # one object
+r = json.loads(lines[0])
+assert r["event"] == "check" and r["ok"] is True and r["refusals"] == [] and r["world_size"] == 1, r
+keys = {k["path"]: k for k in r["keys"]}
+cfg = json.load(open(sys.argv[2]))
+# every leaf of the resolved config has an entry, and the file's values are "file"
+assert keys["train_batch_size"]["source"] == "file" and keys["train_batch_size"]["value"] == cfg["train_batch_size"]
+assert keys["train_micro_batch_size_per_gpu"]["source"] == "derived", keys["train_micro_batch_size_per_gpu"]
+assert keys["zero_optimization.sub_group_size"]["source"] == "default"
+assert r["config"]["model"]["n_layer"] == cfg["model"]["n_layer"] and keys["model.n_layer"]["source"] == "file"
+assert set(keys) >= {"bf16.enabled", "optimizer.params.betas", "aio.block_size", "run.output_dir", "trainer.learning_rate"}
+assert all(k["source"] in ("file", "default", "derived", "auto", "--set") for k in r["keys"])
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL --check json"; cat "$TMP/out" "$TMP/err"
+fi
+# Refusals: exit 1, the ConfigError line, and training refuses the same.
+check_refused() {  # name, expected substring, args...
+  local name="$1" want="$2"
+  shift 2
+  "$ZT" "$@" --check >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  "$ZT" "$@" --check --json >"$TMP/out.json" 2>>"$TMP/err"
+  local rcj=$?
+  "$ZT" "$@" --steps 1 >"$TMP/out.train" 2>>"$TMP/err"
+  local rct=$?
+  if [ "$rc" -eq 1 ] && [ "$rcj" -eq 1 ] && [ "$rct" -eq 1 ] && grep '^refused: ' "$TMP/out" | grep -qF -- "$want" &&
+     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); assert not r["ok"] and sys.argv[2] in r["refusals"][0] and r["config"] is None, r' "$TMP/out.json" "$want"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    echo "FAIL --check refuses $name: rc=$rc json rc=$rcj train rc=$rct, want 'refused: $want'"
+    cat "$TMP/out" "$TMP/out.json" "$TMP/err"
+  fi
+}
+check_refused misspelt "zero_optimization.stag: unknown key (did you mean 'stage'?)" "$CFG" --set zero_optimization.stag=1
+check_refused triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
+check_refused missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
+check_refused nvme-path "zero_optimization.offload_optimizer.nvme_path: nvme_path $TMP/absent does not exist" \
+  "$NV" --set "zero_optimization.offload_optimizer.nvme_path=$TMP/absent"
+check_refused heads "model.n_embd: must be divisible by n_head 3" "$CFG" --set model.n_head=3
+check_refused curriculum "curriculum_learning" "$CFG" --set 'curriculum_learning={"enabled":true}'
+touch "$TMP/file"
+check_refused csv-folder "csv_monitor.output_path" "$CFG" --set csv_monitor.enabled=true --set "csv_monitor.output_path=$TMP/file/x"
+printf '{"train_batch_size": 4,}' >"$TMP/bad.json"
+check_refused bad-json "JSON syntax error at line 1" "$TMP/bad.json"
+
+# A training run with --json says its whole resolved config once, at the start.
+if "$ZT" "$HF" --steps 1 --json >"$TMP/out" 2>"$TMP/err" && python3 - "$TMP/out" <<'PY'
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+cfgs = [e for e in ev if e["event"] == "config"]
+assert len(cfgs) == 1 and ev.index(cfgs[0]) < min(i for i, e in enumerate(ev) if e["event"] == "step"), ev
+c = cfgs[0]["config"]
+assert c["train_batch_size"] == 64 and c["optimizer"]["params"]["lr"] == 0.003 and c["run"]["steps"] == 1, c
+assert c["scheduler"]["type"] == "WarmupDecayLR" and c["zero_optimization"]["stage"] == 2 and "trainer" in c, c
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL config event"; cat "$TMP/out" "$TMP/err"
+fi
+
+# configs/zero3_offload.json: --check accepts it and it trains (stage 3 with
+# both offloads to cpu: the summary reports ZeRO-3's gathers).
+Z3O="$ROOT/configs/zero3_offload.json"
+if "$ZT" "$Z3O" --check --ranks 2 >"$TMP/out" 2>"$TMP/err" &&
+   grep -qF 'zero_optimization.offload_param.device = "cpu" [file]' "$TMP/out" &&
+   "$ZT" "$Z3O" --steps 2 --set run.eval_interval=0 --set "run.output_dir=$TMP/z3o" --json >"$TMP/out" 2>"$TMP/err" &&
+   python3 - "$TMP/out" <<'PY'
+import json, math, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+s = ev[-1]
+assert s["event"] == "summary" and s["steps"] == 2 and s["zero_stage"] == 3 and math.isfinite(s["final_loss"]), s
+assert s["zero3"]["gathers"] > 0, s
+c = [e for e in ev if e["event"] == "config"][0]["config"]["zero_optimization"]
+assert c["offload_optimizer"]["device"] == "cpu" and c["offload_param"]["device"] == "cpu", c
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL zero3_offload"; cat "$TMP/out" "$TMP/err"
 fi
 
 echo "$pass passed, $fail failed"

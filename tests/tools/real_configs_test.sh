@@ -1,25 +1,52 @@
 #!/usr/bin/env bash
-# Every config in tests/configs/real/ (real ds_configs, sources in its
-# README) trains 2 steps on 1 and on 2 ranks, with zinc's experiment
-# sections added by --set, and says where each "auto" value came from.
+# The real ds_configs in tests/configs/real/ (sources in its README) do what
+# its expect.json says, with zinc's experiment sections added by --set:
+#   "train": --check accepts it at 1 and 2 ranks, and it trains 2 steps on 1
+#            and on 2 ranks, saying where each "auto" value came from;
+#   "refuse": training ends with one error line "KEY: ...REASON..." and exit
+#            1, and --check refuses it with that line at 1 and 2 ranks.
+# Every config in the folder must have an entry (and every entry a file).
 # Usage: real_configs_test.sh ZINC_TRAIN REPO_ROOT
 set -u
 ZT="$1"
 ROOT="$2"
+DIR="$ROOT/tests/configs/real"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 MPIRUN=(mpirun --oversubscribe -np 2 -x OMP_NUM_THREADS=1)
 [ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
 SETS=(--set 'model={"type":"gpt","n_layer":2,"n_head":4,"n_embd":64}'
       --set 'data={"type":"synthetic","vocab_size":32,"seq_len":32}'
-      --set run.steps=2 --set 'trainer={"per_device_train_batch_size":4,"learning_rate":0.001}' --json)
+      --set run.steps=2 --set 'trainer={"per_device_train_batch_size":4,"learning_rate":0.001}')
 pass=0
 fail=0
-for cfg in "$ROOT"/tests/configs/real/*.json; do
-  for np in 1 2; do
-    if [ "$np" -eq 1 ]; then cmd=("$ZT"); else cmd=("${MPIRUN[@]}" "$ZT"); fi
-    if OMP_NUM_THREADS=1 "${cmd[@]}" "$cfg" "${SETS[@]}" >"$TMP/out" 2>"$TMP/err" &&
-       python3 - "$TMP/out" "$np" <<'PY'
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL $*"; }
+
+# The manifest and the folder list the same files.
+python3 - "$DIR" <<'PY' || bad "expect.json and the folder disagree"
+import json, os, sys
+d = sys.argv[1]
+m = {k: v for k, v in json.load(open(os.path.join(d, "expect.json"))).items() if not k.startswith("_")}
+files = {f for f in os.listdir(d) if f.endswith(".json") and f != "expect.json"}
+assert set(m) == files, (sorted(set(m) ^ files))
+for k, v in m.items():
+    assert v["expect"] in ("train", "refuse") and (v["expect"] == "train" or v["key"] and v["reason"]), (k, v)
+PY
+
+expect() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]].get(sys.argv[3], ""))' \
+             "$DIR/expect.json" "$1" "$2"; }
+for cfg in "$DIR"/*.json; do
+  name="$(basename "$cfg")"
+  [ "$name" = expect.json ] && continue
+  want="$(expect "$name" expect)"
+  if [ "$want" = train ]; then
+    for np in 1 2; do
+      if OMP_NUM_THREADS=1 "$ZT" "$cfg" "${SETS[@]}" --check --ranks "$np" >"$TMP/check" 2>"$TMP/err" &&
+         grep -q '^ok: the run would start' "$TMP/check"; then ok; else bad "$name: --check at $np rank(s)"; cat "$TMP/check" "$TMP/err" | tail -5; fi
+      if [ "$np" -eq 1 ]; then cmd=("$ZT"); else cmd=("${MPIRUN[@]}" "$ZT"); fi
+      if OMP_NUM_THREADS=1 "${cmd[@]}" "$cfg" "${SETS[@]}" --json >"$TMP/out" 2>"$TMP/err" &&
+         python3 - "$TMP/out" "$np" <<'PY'
 import json, sys
 events = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 np = int(sys.argv[2])
@@ -28,15 +55,34 @@ assert steps and steps[-1]["step"] == 2, events
 s = events[-1]
 assert s["event"] == "summary" and s["world_size"] == np and s["final_loss"] > 0, s
 auto = [e for e in events if e["event"] == "auto"]
-assert len(auto) == 1 and all(v["source"] for v in auto[0]["values"]), auto
+assert len(auto) <= 1 and all(v["source"] for a in auto for v in a["values"]), auto
+cfg = [e for e in events if e["event"] == "config"]
+assert len(cfg) == 1 and cfg[0]["world_size"] == np, cfg
 PY
-    then
-      pass=$((pass + 1))
+      then ok; else bad "$name: training on $np rank(s)"; tail -5 "$TMP/out"; tail -5 "$TMP/err"; fi
+    done
+  else
+    key="$(expect "$name" key)"
+    reason="$(expect "$name" reason)"
+    OMP_NUM_THREADS=1 "$ZT" "$cfg" "${SETS[@]}" >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    line="$(grep -v '^zinc\[' "$TMP/err")"
+    if [ "$rc" -eq 1 ] && [ "$(grep -vc '^zinc\[' "$TMP/err")" -eq 1 ] &&
+       grep -qF -- "error: $key: " <<<"$line" && grep -qF -- "$reason" <<<"$line" && ! grep -q '^step' "$TMP/out"; then
+      ok
     else
-      fail=$((fail + 1))
-      echo "FAIL $(basename "$cfg") on $np rank(s)"; tail -5 "$TMP/out"; tail -5 "$TMP/err"
+      bad "$name: want a refusal naming '$key' with '$reason', rc=$rc: $line"
     fi
-  done
+    for np in 1 2; do
+      OMP_NUM_THREADS=1 "$ZT" "$cfg" "${SETS[@]}" --check --ranks "$np" >"$TMP/check" 2>"$TMP/err"
+      rc=$?
+      if [ "$rc" -eq 1 ] && grep -qF -- "refused: $key: " "$TMP/check" && grep '^refused' "$TMP/check" | grep -qF -- "$reason"; then
+        ok
+      else
+        bad "$name: --check at $np rank(s) rc=$rc"; cat "$TMP/check" | tail -3
+      fi
+    done
+  fi
 done
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

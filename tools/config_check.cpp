@@ -1,0 +1,261 @@
+#include "tools/config_check.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <utility>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/config.h"
+
+// Note [--check]
+// --------------
+// `zinc-train CONFIG --check` answers "would this run start, and with what?"
+// without training. It does what a start does up to the engine: reads the
+// file, applies --set, resolves "auto", parses every section, opens the data
+// and builds the model (build_experiment), and then checks what the engine
+// and the run would otherwise find out later, where that is cheap and leaves
+// nothing behind: each nvme_path is a folder this process may write, and the
+// folders the run creates (csv_monitor's, the checkpoints') can be created.
+// So a config that --check accepts also starts; what it cannot see is what
+// only running tells (memory, disk space, the peers under mpirun).
+//
+// The resolved config is to_json(Config) (DeepSpeed's key names) with the
+// experiment and trainer sections. Each leaf's source is found by looking
+// the leaf up, in this order, in the "auto" values resolve_auto filled, in
+// the --set overrides (applied to an empty document), and in the file (under
+// either spelling of a key that has an alias, such as bfloat16 for bf16); a
+// member of the batch triad that none of these gives was derived from the
+// other two; everything else is a default.
+
+namespace zinc::tools {
+namespace {
+
+using nlohmann::json;
+
+// Other spellings zinc's parser accepts for a documented name, per section
+// ("" is the top level).
+const std::map<std::pair<std::string, std::string>, std::string>& aliases() {
+  static const std::map<std::pair<std::string, std::string>, std::string> kAliases = {
+      {{"", "bf16"}, "bfloat16"},
+      {{"zero_optimization", "stage3_prefetch_bucket_size"}, "prefetch_bucket_size"},
+      {{"zero_optimization", "stage3_param_persistence_threshold"}, "param_persistence_threshold"},
+      {{"zero_optimization", "stage3_model_persistence_threshold"}, "model_persistence_threshold"},
+      {{"zero_optimization", "stage3_max_live_parameters"}, "max_live_parameters"},
+      {{"zero_optimization", "stage3_max_reuse_distance"}, "max_reuse_distance"},
+      {{"aio", "intra_op_parallelism"}, "thread_count"},
+  };
+  return kAliases;
+}
+
+std::vector<std::string> split(const std::string& path) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (;;) {
+    const size_t dot = path.find('.', start);
+    parts.push_back(path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    if (dot == std::string::npos) return parts;
+    start = dot + 1;
+  }
+}
+
+// The value at a documented path in `doc`, trying each key's alias.
+const json* find_path(const json& doc, const std::string& path) {
+  const json* cur = &doc;
+  std::string section;
+  for (const std::string& key : split(path)) {
+    if (!cur->is_object()) return nullptr;
+    auto it = cur->find(key);
+    if (it == cur->end()) {
+      auto a = aliases().find({section, key});
+      if (a != aliases().end()) it = cur->find(a->second);
+    }
+    if (it == cur->end()) return nullptr;
+    cur = &*it;
+    section = section.empty() ? key : section + "." + key;
+  }
+  return cur;
+}
+
+// A path with each alias spelling replaced by its documented name.
+std::string documented(const std::string& path) {
+  std::string out, section;
+  for (const std::string& key : split(path)) {
+    std::string name = key;
+    for (const auto& [k, alias] : aliases())
+      if (k.first == section && alias == key) name = k.second;
+    out = out.empty() ? name : out + "." + name;
+    section = section.empty() ? key : section + "." + key;
+  }
+  return out;
+}
+
+void leaves(const json& j, const std::string& path, std::vector<std::pair<std::string, json>>& out) {
+  if (j.is_object() && !j.empty()) {
+    for (auto it = j.begin(); it != j.end(); ++it) leaves(*it, path.empty() ? it.key() : path + "." + it.key(), out);
+  } else {
+    out.emplace_back(path, j);
+  }
+}
+
+std::string ranks_words(int world) { return std::to_string(world) + (world == 1 ? " rank" : " ranks"); }
+
+// A folder the run creates (with create_directories): it exists as a folder
+// this process may write, or its nearest existing ancestor is one.
+void check_creatable(const std::string& key, const std::string& folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = fs::absolute(folder, ec);
+  if (ec) throw ConfigError(key, "cannot resolve " + folder + ": " + ec.message());
+  while (!fs::exists(p, ec) && p.has_parent_path() && p != p.parent_path()) p = p.parent_path();
+  if (!fs::is_directory(p, ec))
+    throw ConfigError(key, folder + ": " + p.string() + " exists and is not a folder");
+  if (::access(p.c_str(), W_OK | X_OK) != 0)
+    throw ConfigError(key, folder + ": cannot create it, " + p.string() + " is not writable");
+}
+
+}  // namespace
+
+json resolved_document(const Config& c, const ExperimentConfig& e, const TrainerConfig& t) {
+  json j = to_json(c);
+  j.update(to_json(e));
+  j["trainer"] = to_json(t);
+  return j;
+}
+
+std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_doc, const json& set_doc,
+                                        const std::vector<AutoValue>& autos, int world) {
+  std::vector<std::pair<std::string, json>> flat;
+  leaves(resolved, "", flat);
+  std::vector<ConfigEntry> out;
+  const char* kTriad[] = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"};
+  auto given = [&](const std::string& p) {
+    for (const AutoValue& a : autos)
+      if (a.path == p) return true;
+    return find_path(set_doc, p) || find_path(file_doc, p);
+  };
+  int triad_given = 0;
+  for (const char* k : kTriad) triad_given += given(k) ? 1 : 0;
+  for (auto& [path, value] : flat) {
+    ConfigEntry e{path, value, "default", ""};
+    const AutoValue* a = nullptr;
+    for (const AutoValue& v : autos)
+      if (v.path == path) a = &v;
+    if (a) {
+      e.source = "auto";
+      e.from = a->source;
+    } else if (find_path(set_doc, path)) {
+      e.source = "--set";
+    } else if (find_path(file_doc, path)) {
+      e.source = "file";
+    } else if (path == kTriad[0] || path == kTriad[1] || (path == kTriad[2] && triad_given == 2)) {
+      const json& r = resolved;
+      e.source = "derived";
+      if (path == kTriad[0])
+        e.from = "micro-batch " + r[kTriad[1]].dump() + " x accumulation " + r[kTriad[2]].dump() + " x " +
+                 ranks_words(world);
+      else if (path == kTriad[1])
+        e.from = "train_batch_size " + r[kTriad[0]].dump() + " / (accumulation " + r[kTriad[2]].dump() + " x " +
+                 ranks_words(world) + ")";
+      else
+        e.from = "train_batch_size " + r[kTriad[0]].dump() + " / (micro-batch " + r[kTriad[1]].dump() + " x " +
+                 ranks_words(world) + ")";
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc, const json& set_doc) {
+  std::vector<ConfigEntry> out;
+  for (const auto& [doc, source] : {std::pair<const json*, const char*>{&file_doc, "file"}, {&set_doc, "--set"}}) {
+    std::vector<std::pair<std::string, json>> flat;
+    if (doc->is_object()) leaves(*doc, "", flat);
+    for (auto& [path, value] : flat) {
+      // A leaf under a key the resolved config holds as a leaf (an array
+      // given as an object, a null section) is used through that key.
+      std::string p = documented(path);
+      bool used = false;
+      for (std::string q = p;; q = q.substr(0, q.rfind('.'))) {
+        if (const json* r = find_path(resolved, q)) {
+          used = !r->is_object() || q == p;
+          break;
+        }
+        if (q.find('.') == std::string::npos) break;
+      }
+      if (!used && !(source == std::string("file") && find_path(set_doc, path)))
+        out.push_back({path, value, source, ""});
+    }
+  }
+  return out;
+}
+
+void check_startable(const Experiment& ex) {
+  namespace fs = std::filesystem;
+  const Config& c = ex.config;
+  const auto nvme = [](const char* key, const OffloadConfig& o) {
+    const std::string k = std::string("zero_optimization.") + key + ".nvme_path";
+    std::error_code ec;
+    if (!fs::exists(o.nvme_path, ec)) throw ConfigError(k, "nvme_path " + o.nvme_path + " does not exist");
+    if (!fs::is_directory(o.nvme_path, ec)) throw ConfigError(k, "nvme_path " + o.nvme_path + " is not a folder");
+    if (::access(o.nvme_path.c_str(), W_OK | X_OK) != 0)
+      throw ConfigError(k, "nvme_path " + o.nvme_path + " is not writable by this user");
+  };
+  if (c.zero.stage >= 1 && c.zero.offload_optimizer.device == OffloadDevice::kNvme)
+    nvme("offload_optimizer", c.zero.offload_optimizer);
+  if (c.zero.stage == 3 && c.zero.offload_param.device == OffloadDevice::kNvme)
+    nvme("offload_param", c.zero.offload_param);
+  if (c.csv_monitor.enabled)
+    check_creatable("csv_monitor.output_path", (fs::path(c.csv_monitor.output_path) / c.csv_monitor.job_name).string());
+  if (ex.experiment.run.checkpoint_interval > 0) check_creatable("run.checkpoint_dir", ex.experiment.run.checkpoint_dir);
+}
+
+CheckReport check_config(const std::string& path, const std::vector<std::string>& overrides, int world) {
+  CheckReport rep;
+  rep.world_size = world;
+  LogCapture capture(LogLevel::kWarn);
+  try {
+    const json file_doc = read_json_file(path);
+    json doc = file_doc, set_doc = json::object();
+    for (const std::string& o : overrides) {
+      apply_override(doc, o);
+      apply_override(set_doc, o);
+    }
+    const Experiment ex = build_experiment(doc, world);
+    check_startable(ex);
+    rep.resolved = resolved_document(ex.config, ex.experiment, parse_trainer(doc));
+    rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
+    rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
+    for (ConfigEntry& u : rep.unused)  // such as fp16.enabled "auto" with bf16 chosen
+      for (const AutoValue& a : ex.auto_values)
+        if (a.path == u.path) u = {u.path, a.value, "auto", a.source};
+    rep.ok = true;
+  } catch (const std::exception& e) {
+    rep.refusals.push_back(e.what());
+  }
+  for (std::string w : capture.messages()) {
+    if (w.rfind("config: ", 0) == 0) w = w.substr(8);
+    rep.warnings.push_back(std::move(w));
+  }
+  return rep;
+}
+
+json CheckReport::to_json() const {
+  auto entries_json = [](const std::vector<ConfigEntry>& v) {
+    json a = json::array();
+    for (const ConfigEntry& e : v) {
+      json o = {{"path", e.path}, {"value", e.value}, {"source", e.source}};
+      if (!e.from.empty()) o["from"] = e.from;
+      a.push_back(std::move(o));
+    }
+    return a;
+  };
+  return {{"event", "check"},        {"ok", ok},
+          {"world_size", world_size}, {"config", resolved},
+          {"keys", entries_json(entries)}, {"unused", entries_json(unused)},
+          {"warnings", warnings},    {"refusals", refusals}};
+}
+
+}  // namespace zinc::tools
