@@ -60,6 +60,10 @@ TEST_P(ZeroStages, EveryStageMatchesTheSingleRankRunAndEachOtherBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Models, ZeroStages, ::testing::Values("gpt", "mlp"));
 
+TEST(GradientCheckpointing, LossesNormsAndWeightsAreBitIdenticalAcrossRanks) {
+  testing_train::expect_gradient_checkpointing_bit_identical(g_world);
+}
+
 TEST(ZeroAccumulation, NoSyncAccumulationEqualsTheSameGlobalBatchWithout) {
   for (int stage : {0, 2}) {
     RunSpec a, b;
