@@ -73,6 +73,7 @@ TrainerConfig parse_trainer(const json& doc) {
   bool b = false;
   if (r.get_bool("bf16", b)) t.bf16 = b;
   if (r.get_bool("fp16", b)) t.fp16 = b;
+  if (r.get_bool("gradient_checkpointing", b)) t.gradient_checkpointing = b;
   r.finish();
   return t;
 }
