@@ -73,6 +73,7 @@ int bench_nvme(const BenchOptions& o);
 int bench_offload_step(const BenchOptions& o);
 int bench_capacity(const BenchOptions& o);      // root: a cgroup memory cap
 int bench_estimate(const BenchOptions& o);      // runs mpirun itself
+int bench_activation_checkpointing(const BenchOptions& o);  // runs zinc-train itself
 int bench_checkpoint(const BenchOptions& o);
 
 }  // namespace zinc::bench

@@ -24,6 +24,10 @@
 //   estimate    zinc-train --estimate's RAM per rank over the peak RSS a
 //               training run of the same config measures (two GPT sizes,
 //               stages 0-3, with and without offload, 2 ranks).
+//   activation-checkpointing  peak RSS saved by the GPT's
+//               gradient_checkpointing (fresh zinc-train processes) over the
+//               saving the estimate predicts, and the step-time overhead over
+//               the share of FLOPs the recomputation adds.
 //   checkpoint  save and load bandwidth of a 101M-parameter model's
 //               checkpoint over fio's write and read on the same disk.
 // --json prints one line per case:
@@ -36,12 +40,12 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint")->required();
+  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "train-step: training steps per round")->check(CLI::PositiveNumber);
-  app.add_flag("--fp32", o.fp32, "train-step: fp32 instead of bf16");
+  app.add_option("--steps", o.steps, "train-step, activation-checkpointing: training steps per round")->check(CLI::PositiveNumber);
+  app.add_flag("--fp32", o.fp32, "train-step, estimate, activation-checkpointing: fp32 instead of bf16");
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");
@@ -62,7 +66,8 @@ int main(int argc, char** argv) {
     if (name == "capacity") return zinc::bench::bench_capacity(o);
     if (name == "checkpoint") return zinc::bench::bench_checkpoint(o);
     if (name == "estimate") return zinc::bench::bench_estimate(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint)\n", name.c_str());
+    if (name == "activation-checkpointing") return zinc::bench::bench_activation_checkpointing(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

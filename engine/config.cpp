@@ -695,6 +695,35 @@ void refuse_data_efficiency(const json& v) {
   }
 }
 
+// activation_checkpointing: DeepSpeed's keys and defaults
+// (ActivationCheckpointingConfig says what each means here). Each key set to
+// other than its default is a warning saying why it changes nothing.
+void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig& a) {
+  Reader r = root.section("activation_checkpointing");
+  a.given = r.given();
+  if (r.get_bool("partition_activations", a.partition_activations) && a.partition_activations)
+    r.warn_ignored(r.last_path(), "it splits checkpoints across model-parallel ranks, and zinc has no model "
+                                  "parallelism");
+  if (r.get_bool("contiguous_memory_optimization", a.contiguous_memory_optimization) &&
+      a.contiguous_memory_optimization)
+    r.warn_ignored(r.last_path(), "it packs partitioned checkpoints (partition_activations, model parallelism); "
+                                  "zinc's GPT allocates its layer inputs once and reuses them");
+  if (const json* v = r.find("number_checkpoints"); v && !v->is_null() && !(v->is_boolean() && !v->get<bool>())) {
+    a.number_checkpoints = to_int(*v, r.last_path(), at_least(1));
+    r.warn_ignored(r.last_path(), "DeepSpeed uses it only to size contiguous_memory_optimization's buffers; "
+                                  "zinc's GPT checkpoints every layer's input");
+  }
+  if (r.get_bool("cpu_checkpointing", a.cpu_checkpointing) && a.cpu_checkpointing)
+    r.warn(r.last_path(), "no effect: on the CPU build the checkpoints already live in host RAM");
+  if (r.get_bool("synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary) &&
+      a.synchronize_checkpoint_boundary)
+    r.warn(r.last_path(), "no effect: zinc's CPU kernels are synchronous, there is no device to synchronize");
+  if (r.get_bool("profile", a.profile) && a.profile)
+    r.warn_ignored(r.last_path(), "zinc times whole forward and backward passes (wall_clock_breakdown), not "
+                                  "each checkpoint");
+  r.finish();
+}
+
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
 void parse_unimplemented(Reader& r, Config& c) {
@@ -706,7 +735,6 @@ void parse_unimplemented(Reader& r, Config& c) {
   };
   const Feature kFeatures[] = {
       {"flops_profiler", Act::kWarn, nullptr},
-      {"activation_checkpointing", Act::kWarn, "zinc's models do not use DeepSpeed's checkpointing API"},
       {"comms_logger", Act::kWarn, nullptr},
       {"comms_config", Act::kWarn, "it only sets how DeepSpeed's communication layer logs"},
       {"monitor_config", Act::kWarn,
@@ -807,6 +835,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
   parse_aio(r, c.aio);
   parse_monitors(r, c.csv_monitor);
+  parse_activation_checkpointing(r, c.activation_checkpointing);
   parse_unimplemented(r, c);
   for (const std::string& key : caller_sections) r.skip(key);
   r.finish();

@@ -225,6 +225,39 @@ struct Fp16Config {
   bool operator==(const Fp16Config&) const = default;
 };
 
+// activation_checkpointing: DeepSpeed's section, with its keys and defaults.
+// In DeepSpeed it configures the checkpointing API
+// (deepspeed.checkpointing.checkpoint) that a model opts into; it does not
+// switch checkpointing on. zinc likewise: the built-in GPT recomputes its
+// layers when the experiment's model.gradient_checkpointing (or
+// trainer.gradient_checkpointing) says so. The keys are parsed, checked and
+// kept; none changes what zinc does (each set one is warned about, saying why).
+struct ActivationCheckpointingConfig {
+  bool given = false;  // the section is present (and not null)
+  // Splits each checkpoint across the model-parallel ranks. zinc has no
+  // model parallelism: ignored.
+  bool partition_activations = false;
+  // Copies partitioned checkpoints into preallocated contiguous buffers
+  // (DeepSpeed requires partition_activations with it). Ignored with
+  // partition_activations; zinc's GPT allocates its layer inputs once anyway.
+  bool contiguous_memory_optimization = false;
+  // Moves checkpoints to host memory. On the CPU build they are in host RAM
+  // already: no effect.
+  bool cpu_checkpointing = false;
+  // The number of checkpoints, used by DeepSpeed only to size the contiguous
+  // buffers of contiguous_memory_optimization. Unset: null (or false, which
+  // DeepSpeed's own defaults use and configs carry).
+  std::optional<int64_t> number_checkpoints;
+  // Synchronizes the device at each checkpoint boundary. zinc's CPU kernels
+  // are synchronous: no effect.
+  bool synchronize_checkpoint_boundary = false;
+  // Logs forward and backward time per checkpoint. Not implemented (zinc
+  // times whole passes: wall_clock_breakdown).
+  bool profile = false;
+
+  bool operator==(const ActivationCheckpointingConfig&) const = default;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -256,6 +289,7 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   CsvMonitorConfig csv_monitor;
+  ActivationCheckpointingConfig activation_checkpointing;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 

@@ -132,6 +132,16 @@ json to_json(const Config& c) {
                       {"output_path", c.csv_monitor.output_path},
                       {"job_name", c.csv_monitor.job_name}};
   j["checkpoint"] = {{"tag_validation", tag_validation_name(c.checkpoint.tag_validation)}};
+  if (c.activation_checkpointing.given) {
+    const ActivationCheckpointingConfig& ac = c.activation_checkpointing;
+    j["activation_checkpointing"] = {
+        {"partition_activations", ac.partition_activations},
+        {"contiguous_memory_optimization", ac.contiguous_memory_optimization},
+        {"cpu_checkpointing", ac.cpu_checkpointing},
+        {"number_checkpoints", ac.number_checkpoints ? json(*ac.number_checkpoints) : json(nullptr)},
+        {"synchronize_checkpoint_boundary", ac.synchronize_checkpoint_boundary},
+        {"profile", ac.profile}};
+  }
   return j;
 }
 

@@ -25,9 +25,28 @@ enum LayerParam {
 enum EmbedParam { kWte, kWpe };
 enum NormParam { kLnfW, kLnfB };
 
-// Activations of one layer kept from forward for backward.
+// Note [activation checkpointing]
+// With GptConfig::gradient_checkpointing, forward keeps only each layer's
+// input (the residual stream x_in, (N,C) per layer) and runs every layer into
+// one shared set of layer activations (LayerActs, attention workspace
+// included). Backward, for layer l, acquires its parameters as it always
+// does, recomputes the layer's forward from x_in[l] into the shared set with
+// the same kernels, the same parameters (at ZeRO-3 gathered again, the same
+// bits) and the same bf16 operand conversions (detail::matmul_input), then
+// runs the unchanged backward. Every kernel is deterministic for fixed shapes
+// and thread count, so the recomputed activations, and with them the
+// gradients, are bit-identical to the run that kept them. Two savings on the
+// recomputation: the layer's last matmul (the MLP projection, a third of its
+// matmul FLOPs) is skipped, since backward never reads the layer's output,
+// and the last layer is not recomputed at all, since the shared set still
+// holds it from forward. Memory: L x (N,C) inputs plus one set instead of L
+// sets (activation_memory); time: about one extra forward of the layers.
+// HF's gradient_checkpointing does the same per decoder layer through
+// torch.utils.checkpoint.
+
+// Activations of one layer that its backward reads (besides its input, the
+// residual stream x_in, which Gpt keeps per layer in either mode).
 struct LayerActs {
-  AlignedBuffer x_in;      // (N,C) residual stream entering the layer
   AlignedBuffer ln1;       // (N,C)
   AlignedBuffer ln1_mean;  // (N)
   AlignedBuffer ln1_rstd;  // (N)
@@ -72,11 +91,14 @@ class Gpt final : public Model {
                         }});
     }
     specs_.push_back({"ln_f", {{"weight", {C}, Init::kOnes}, {"bias", {C}, Init::kZeros}}});
-    layers_.resize(static_cast<size_t>(c.n_layer));
-    for (LayerActs& a : layers_) a.ws = kernels::attention_workspace_create();
+    // Note [activation checkpointing]: one shared set of layer activations
+    // instead of one per layer.
+    acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.n_layer));
+    for (LayerActs& a : acts_) a.ws = kernels::attention_workspace_create();
+    x_in_.resize(static_cast<size_t>(c.n_layer));
   }
   ~Gpt() override {
-    for (LayerActs& a : layers_) kernels::attention_workspace_destroy(a.ws);
+    for (LayerActs& a : acts_) kernels::attention_workspace_destroy(a.ws);
   }
 
   std::string name() const override { return "gpt"; }
@@ -99,14 +121,17 @@ class Gpt final : public Model {
     const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
     const kernels::AttentionShape as{B, T, C, c_.n_head};
     ActivationMemory m;
-    // Per layer: x_in ln1 att x_mid ln2, qkv, fc gelu, the four norm
-    // statistics, the bf16 copies of the matmul inputs, the probabilities.
-    const int64_t layer = 5 * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) + 2 * buffer_bytes(N * 4 * C) +
-                          4 * buffer_bytes(N) + 3 * matmul_input_bytes(N * C, dt) +
-                          matmul_input_bytes(N * 4 * C, dt) + kernels::attention_workspace_bytes(as);
+    // Per layer: its input x_in. Per set of layer activations (one per layer,
+    // or one shared with gradient_checkpointing): ln1 att x_mid ln2, qkv,
+    // fc gelu, the four norm statistics, the bf16 copies of the matmul
+    // inputs, the probabilities.
+    const int64_t acts = 4 * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) + 2 * buffer_bytes(N * 4 * C) +
+                         4 * buffer_bytes(N) + 3 * matmul_input_bytes(N * C, dt) +
+                         matmul_input_bytes(N * 4 * C, dt) + kernels::attention_workspace_bytes(as);
+    const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
     // Once: x_final lnf dlnf dres dsmall, dbig, lnf's statistics, logits and
     // dlogits, lnf's bf16 copy, the input tokens.
-    m.saved = L * layer;
+    m.saved = L * buffer_bytes(N * C) + act_sets * acts;
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) + 2 * buffer_bytes(N * V) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     kernels::ScratchTally t;
@@ -134,32 +159,16 @@ class Gpt final : public Model {
     tokens_ = batch.inputs;
 
     HeldParams emb = ctx.acquire(0);
-    kernels::embedding_forward(layers_[0].x_in.as<float>(), batch.inputs.data(), emb[kWte], emb[kWpe], B, T,
-                               C, V);
+    kernels::embedding_forward(x_in_[0].as<float>(), batch.inputs.data(), emb[kWte], emb[kWpe], B, T, C, V);
     emb.release();
 
     for (int64_t l = 0; l < c_.n_layer; ++l) {
-      LayerActs& a = layers_[l];
-      float* x_out = l + 1 < c_.n_layer ? layers_[l + 1].x_in.as<float>() : x_final_.as<float>();
+      float* x_out = l + 1 < c_.n_layer ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
-      kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
-                                 a.x_in.as<float>(), p[kLn1W], p[kLn1B], N, C);
-      a.ln1_in = detail::matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
-      detail::linear_forward(a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
-      kernels::attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
-      a.att_in = detail::matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
-      detail::linear_forward(a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
-      kernels::add(a.x_mid.as<float>(), a.x_mid.as<float>(), a.x_in.as<float>(), N * C);
-      kernels::layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
-                                 a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
-      a.ln2_in = detail::matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
-      detail::linear_forward(a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
-      kernels::gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
-      a.gelu_in = detail::matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
-      detail::linear_forward(x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
-      kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
+      layer_forward(p, acts(l), x_in_[l].as<float>(), x_out, B, T, dt);
       p.release();
     }
+    acts_hold_ = c_.n_layer - 1;  // the shared set (if any) holds the last layer's
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
@@ -202,9 +211,17 @@ class Gpt final : public Model {
     float* dbig = dbig_.as<float>();   // (N,4C) scratch
     float* dsmall = dsmall_.as<float>();  // (N,C) scratch
     for (int64_t l = c_.n_layer - 1; l >= 0; --l) {
-      LayerActs& a = layers_[l];
+      LayerActs& a = acts(l);
+      const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
+      if (c_.gradient_checkpointing && acts_hold_ != l) {
+        // Recompute the layer's activations from its saved input with the
+        // same kernels on the same values (Note [activation checkpointing]);
+        // its output, the next layer's input, is not needed again.
+        layer_forward(p, a, x_in, nullptr, B, T, dt);
+        acts_hold_ = l;
+      }
       BlockGrads g = ctx.grads(blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
       // becomes d x_mid by accumulating the branch's gradient.
@@ -221,7 +238,7 @@ class Gpt final : public Model {
       kernels::attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
       detail::linear_backward(dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
                               3 * C, dt);
-      kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, a.x_in.as<float>(), p[kLn1W],
+      kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, x_in, p[kLn1W],
                                   a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
       p.release();
       ctx.grads_ready(blk);
@@ -233,12 +250,41 @@ class Gpt final : public Model {
   }
 
  private:
+  // The activations layer l's backward reads: its own set, or the shared one.
+  LayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
+
+  // One transformer layer's forward from x_in into `a`, and, unless x_out is
+  // null, its output: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))) with x_mid
+  // = x_in + proj(attn(qkv(ln1(x_in)))). Deterministic: the same parameters
+  // and x_in give the same bits in `a` (the checkpointed backward relies on it).
+  void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
+                     DType dt) {
+    const int64_t C = c_.n_embd, N = B * T;
+    kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), x_in,
+                               p[kLn1W], p[kLn1B], N, C);
+    a.ln1_in = detail::matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    detail::linear_forward(a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
+    kernels::attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+    a.att_in = detail::matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
+    detail::linear_forward(a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
+    kernels::add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
+    kernels::layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
+                               a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
+    a.ln2_in = detail::matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    detail::linear_forward(a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
+    kernels::gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
+    a.gelu_in = detail::matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
+    if (!x_out) return;
+    detail::linear_forward(x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
+    kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
+  }
+
   void ensure_buffers(int64_t B, int64_t T) {
     if (B == B_ && T == T_) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t V = static_cast<size_t>(c_.vocab_size);
-    for (LayerActs& a : layers_) {
-      a.x_in = make_buffer<float>(N * C);
+    for (AlignedBuffer& x : x_in_) x = make_buffer<float>(N * C);
+    for (LayerActs& a : acts_) {
       a.ln1 = make_buffer<float>(N * C);
       a.ln1_mean = make_buffer<float>(N);
       a.ln1_rstd = make_buffer<float>(N);
@@ -267,7 +313,9 @@ class Gpt final : public Model {
 
   GptConfig c_;
   std::vector<BlockSpec> specs_;
-  std::vector<LayerActs> layers_;
+  std::vector<AlignedBuffer> x_in_;  // (N,C) per layer: the residual stream entering it
+  std::vector<LayerActs> acts_;      // one per layer, or one shared (gradient_checkpointing)
+  int64_t acts_hold_ = -1;           // the layer whose activations the shared set holds
   std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
   int64_t B_ = 0, T_ = 0;
   AlignedBuffer x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;

@@ -6,7 +6,8 @@
 //   GPT-2 initialisation: weights N(0, 0.02), the two residual projections of
 //   each layer N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1.
 //   Blocks: 0 = embeddings {wte (V,C), wpe (block_size,C)}, 1..n_layer = the
-//   transformer layers, n_layer+1 = the final LayerNorm.
+//   transformer layers, n_layer+1 = the final LayerNorm. Optionally
+//   recomputes each layer's activations in backward (gradient_checkpointing).
 // - MLP: a next-token MLP. Position t sees the embeddings of tokens
 //   t-context+1..t (zeros before the sequence start), concatenated, then
 //   n_layer GELU layers of width `hidden`, then a linear head to V logits.
@@ -31,6 +32,13 @@ struct GptConfig {
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
+  // Activation checkpointing (Hugging Face's name): keep only each layer's
+  // input in forward and recompute the layer's activations in its backward.
+  // Saves (n_layer - 1) sets of layer activations, about 14 (N,C) fp32
+  // buffers plus the attention probabilities (B,H,T,T) per layer, at the
+  // cost of about one extra forward of the layers per step. Gradients are
+  // bit-identical to the run without it.
+  bool gradient_checkpointing = false;
 };
 
 struct MlpConfig {

@@ -72,7 +72,8 @@ TrainerConfig parse_trainer(const json& doc) {
   r.get_int("warmup_steps", t.warmup_steps, at_least(0));
   r.get_number("warmup_ratio", t.warmup_ratio, closed(0, 1));
   // null: unset, as to_json writes it.
-  for (auto [key, out] : {std::pair{"bf16", &t.bf16}, {"fp16", &t.fp16}}) {
+  for (auto [key, out] : {std::pair{"bf16", &t.bf16}, {"fp16", &t.fp16},
+                          {"gradient_checkpointing", &t.gradient_checkpointing}}) {
     const json* v = r.find(key);
     if (v && !v->is_null()) *out = to_bool(*v, r.last_path()) ? 1 : 0;
   }
@@ -93,7 +94,8 @@ json to_json(const TrainerConfig& t) {
           {"warmup_steps", t.warmup_steps},
           {"warmup_ratio", t.warmup_ratio},
           {"bf16", tri(t.bf16)},
-          {"fp16", tri(t.fp16)}};
+          {"fp16", tri(t.fp16)},
+          {"gradient_checkpointing", tri(t.gradient_checkpointing)}};
 }
 
 ResolvedConfig resolve_auto(const json& doc, int world_size) {

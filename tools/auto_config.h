@@ -31,6 +31,11 @@ struct TrainerConfig {
   // Precision: unset means "from the CPU and the rest of the config" (bf16,
   // which zinc runs on every CPU, unless fp16 is asked for).
   int bf16 = -1, fp16 = -1;  // -1 unset, 0 false, 1 true
+  // Activation checkpointing for the built-in GPT (TrainingArguments'
+  // gradient_checkpointing, default false): -1 unset, 0 false, 1 true. Not an
+  // "auto" rule: ExperimentConfig::parse combines it with
+  // model.gradient_checkpointing.
+  int gradient_checkpointing = -1;
 
   bool operator==(const TrainerConfig&) const = default;
 };

@@ -44,6 +44,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     g.n_layer = m.n_layer;
     g.n_head = m.n_head;
     g.n_embd = m.n_embd;
+    g.gradient_checkpointing = m.gradient_checkpointing;
     e.model = models::make_gpt(g);
   } else if (m.type == ModelType::kMlp) {
     models::MlpConfig c;

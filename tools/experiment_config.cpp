@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/config_reader.h"
 #include "models/models.h"
 
@@ -25,7 +26,31 @@ void parse_model(Reader& root, ModelConfig& m) {
   r.get_int("n_embd", m.n_embd, at_least(1));
   r.get_int("context", m.context, at_least(1));
   r.get_int("hidden", m.hidden, at_least(1));
+  r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
   r.finish();
+}
+
+// model.gradient_checkpointing and the trainer section's TrainingArguments
+// flag switch the same thing: either turns it on; both given and different
+// is an error naming both paths (neither silently wins).
+void combine_gradient_checkpointing(const nlohmann::json& doc, ModelConfig& m) {
+  const TrainerConfig t = parse_trainer(doc);
+  if (t.gradient_checkpointing < 0) return;
+  const bool model_given = doc.contains("model") && doc["model"].is_object() &&
+                           doc["model"].contains("gradient_checkpointing");
+  const bool trainer_on = t.gradient_checkpointing == 1;
+  if (model_given && m.gradient_checkpointing != trainer_on) {
+    throw ConfigError("model.gradient_checkpointing",
+                      std::string(m.gradient_checkpointing ? "true" : "false") +
+                          " conflicts with trainer.gradient_checkpointing " + (trainer_on ? "true" : "false") +
+                          "; give one of them, or both the same");
+  }
+  if (trainer_on && m.type != ModelType::kGpt) {
+    throw ConfigError("trainer.gradient_checkpointing",
+                      std::string("not supported by model.type \"") + model_type_name(m.type) +
+                          "\" (only the gpt recomputes its layers); set it to false");
+  }
+  m.gradient_checkpointing = m.gradient_checkpointing || trainer_on;
 }
 
 void parse_data(Reader& root, DataConfig& d) {
@@ -119,6 +144,7 @@ ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc) {
   ExperimentConfig e;
   Reader root(doc, "", e.warnings);
   parse_model(root, e.model);
+  combine_gradient_checkpointing(doc, e.model);
   parse_data(root, e.data);
   parse_run(root, e.run);
   tools::parse_comm(root, e.comm);
@@ -157,6 +183,11 @@ void ExperimentConfig::validate() const {
     bad = models::size_error(m);
   }
   if (bad) throw ConfigError("model." + bad->field, bad->message);
+  if (model.gradient_checkpointing && model.type != ModelType::kGpt) {
+    throw ConfigError("model.gradient_checkpointing", std::string("not supported by model.type \"") +
+                                                          model_type_name(model.type) +
+                                                          "\" (only the gpt recomputes its layers); remove it");
+  }
 
   // The model against the data.
   if (model.type == ModelType::kGpt && model.block_size > 0 && model.block_size < data.seq_len) {
@@ -198,7 +229,8 @@ nlohmann::json to_json(const ExperimentConfig& e) {
             {"n_head", m.n_head},
             {"n_embd", m.n_embd},
             {"context", m.context},
-            {"hidden", m.hidden}}},
+            {"hidden", m.hidden},
+            {"gradient_checkpointing", m.gradient_checkpointing}}},
           {"data", data},
           {"run",
            {{"steps", r.steps},
@@ -219,6 +251,15 @@ ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   p.experiment = ExperimentConfig::parse(r.doc);
   p.auto_values = std::move(r.values);
   p.config.seed = p.experiment.run.seed;
+  // DeepSpeed's activation_checkpointing section configures checkpointing
+  // but does not switch it on (models opt in); say so when it is the only
+  // sign that checkpointing was wanted.
+  if (p.config.activation_checkpointing.given && !p.experiment.model.gradient_checkpointing) {
+    const std::string w = "activation_checkpointing: does not switch checkpointing on (in DeepSpeed, neither); "
+                          "set model.gradient_checkpointing or trainer.gradient_checkpointing to true";
+    log_warn("config: " + w);
+    p.experiment.warnings.push_back(w);
+  }
   return p;
 }
 

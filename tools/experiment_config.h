@@ -37,6 +37,13 @@ struct ModelConfig {
   // mlp: next-token MLP over the previous `context` tokens' embeddings
   int64_t context = 4;
   int64_t hidden = 512;
+  // gpt: recompute each layer's activations in backward instead of keeping
+  // them (models::GptConfig::gradient_checkpointing): less activation memory
+  // for about one extra forward per step; bit-identical gradients. On when
+  // model.gradient_checkpointing or trainer.gradient_checkpointing is true;
+  // both given with different values is an error naming both. The mlp
+  // refuses it.
+  bool gradient_checkpointing = false;
 
   bool operator==(const ModelConfig&) const = default;
 };

@@ -226,6 +226,7 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
                           {"world_size", world},
                           {"zero_stage", cfg.zero.stage},
                           {"parameters", params},
+                          {"gradient_checkpointing", ex.experiment.model.gradient_checkpointing},
                           {"model_state_bytes", e.model_state_bytes()},
                           {"activations_known", !e.activations_unknown},
                           {"breakdown",
@@ -240,8 +241,10 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
-  std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | micro-batch %lld x %lld tokens | %d rank%s\n",
-              config_path.c_str(), ex.model->name().c_str(), static_cast<double>(params) / 1e6,
+  std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s | micro-batch %lld x %lld tokens | %d rank%s\n",
+              config_path.c_str(), ex.model->name().c_str(),
+              ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
+              static_cast<double>(params) / 1e6,
               std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(), static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
               static_cast<long long>(T), world, world == 1 ? "" : "s");
   std::printf("memory per rank at ZeRO stage %d (%s), estimated without training:\n", cfg.zero.stage,
@@ -431,8 +434,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   if (!json && !quiet) {
     for (const zinc::tools::AutoValue& a : ex.auto_values)
       std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
-    std::printf("zinc-train: %s | model %s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
-                ex.model->name().c_str(), static_cast<double>(engine.num_parameters()) / 1e6,
+    std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s | data %s\n", config_path.c_str(),
+                ex.model->name().c_str(),
+                ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
+                static_cast<double>(engine.num_parameters()) / 1e6,
                 std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(), ex.data->describe().c_str());
     std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
                 static_cast<long long>(cfg.train_batch_size),

@@ -767,5 +767,67 @@ TEST(ConfigWarnings, CommsConfigAndMonitorConfig) {
   EXPECT_TRUE(any_warning_has(on, "monitor_config"));
 }
 
+
+// activation_checkpointing: DeepSpeed's keys and defaults are parsed and
+// kept; a section of defaults (the form configs carry, number_checkpoints
+// null or false included) is silent; each key set is a warning naming its
+// path and why it changes nothing; wrong types, ranges and unknown keys are
+// errors with the path.
+TEST(ConfigActivationCheckpointing, DeepSpeedKeysParsedDefaultsSilentSetKeysWarned) {
+  const ActivationCheckpointingConfig d = Config::parse(base()).activation_checkpointing;
+  EXPECT_FALSE(d.given);
+  EXPECT_FALSE(d.partition_activations);
+  EXPECT_FALSE(d.contiguous_memory_optimization);
+  EXPECT_FALSE(d.cpu_checkpointing);
+  EXPECT_FALSE(d.number_checkpoints.has_value());
+  EXPECT_FALSE(d.synchronize_checkpoint_boundary);
+  EXPECT_FALSE(d.profile);
+
+  for (const json& n : {json(nullptr), json(false)}) {
+    Config off = Config::parse(with({{"activation_checkpointing",
+                                      {{"partition_activations", false},
+                                       {"cpu_checkpointing", false},
+                                       {"contiguous_memory_optimization", false},
+                                       {"number_checkpoints", n},
+                                       {"synchronize_checkpoint_boundary", false},
+                                       {"profile", false}}}}));
+    EXPECT_TRUE(off.activation_checkpointing.given);
+    EXPECT_FALSE(off.activation_checkpointing.number_checkpoints.has_value());
+    EXPECT_TRUE(off.warnings.empty()) << off.warnings.front();
+  }
+
+  Config on = Config::parse(with({{"activation_checkpointing",
+                                   {{"partition_activations", true},
+                                    {"cpu_checkpointing", true},
+                                    {"contiguous_memory_optimization", true},
+                                    {"number_checkpoints", 24},
+                                    {"synchronize_checkpoint_boundary", true},
+                                    {"profile", true}}}}));
+  const ActivationCheckpointingConfig& a = on.activation_checkpointing;
+  EXPECT_TRUE(a.partition_activations && a.cpu_checkpointing && a.contiguous_memory_optimization &&
+              a.synchronize_checkpoint_boundary && a.profile);
+  EXPECT_EQ(a.number_checkpoints, 24);
+  EXPECT_EQ(on.warnings.size(), 6u);
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.partition_activations: ignored"));
+  EXPECT_TRUE(any_warning_has(on, "no model parallelism"));
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.contiguous_memory_optimization: ignored"));
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.number_checkpoints: ignored"));
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.cpu_checkpointing: no effect"));
+  EXPECT_TRUE(any_warning_has(on, "already live in host RAM"));
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.synchronize_checkpoint_boundary: no effect"));
+  EXPECT_TRUE(any_warning_has(on, "activation_checkpointing.profile: ignored"));
+
+  EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", {{"partition_activation", true}}}}),
+                      "activation_checkpointing.partition_activation", "did you mean 'partition_activations'");
+  EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", {{"number_checkpoints", 0}}}}),
+                      "activation_checkpointing.number_checkpoints", "must be >= 1, got 0");
+  EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", {{"number_checkpoints", true}}}}),
+                      "activation_checkpointing.number_checkpoints", "expected an integer");
+  EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", {{"cpu_checkpointing", "yes"}}}}),
+                      "activation_checkpointing.cpu_checkpointing", "expected true or false");
+  EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", true}}), "activation_checkpointing",
+                      "expected an object");
+}
+
 }  // namespace
 }  // namespace zinc

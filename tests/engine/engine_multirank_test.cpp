@@ -100,6 +100,10 @@ TEST(ZeroLamb, EveryStageMatchesTheSingleRankRun) {
     }
 }
 
+TEST(GradientCheckpointing, LossesNormsAndWeightsAreBitIdenticalAcrossRanks) {
+  testing_train::expect_gradient_checkpointing_bit_identical(g_world);
+}
+
 TEST(ZeroAccumulation, NoSyncAccumulationEqualsTheSameGlobalBatchWithout) {
   for (int stage : {0, 2}) {
     RunSpec a, b;

@@ -693,11 +693,14 @@ int64_t heap_bytes() {
   return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
 }
 
+// The GPT with gradient_checkpointing is counted as well, and its measured
+// growth must be below the plain GPT's by about n_layer - 1 sets of layer
+// activations.
 TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate) {
   models::GptConfig g;
   g.vocab_size = 200;
   g.block_size = 64;
-  g.n_layer = 2;
+  g.n_layer = 3;
   g.n_head = 4;
   g.n_embd = 128;
   models::MlpConfig m;
@@ -705,9 +708,13 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
   m.context = 4;
   m.n_embd = 32;
   m.hidden = 256;
-  for (bool bf16 : {false, true})
-    for (const bool gpt : {true, false}) {
-      const std::string what = std::string(gpt ? "gpt" : "mlp") + (bf16 ? " bf16" : " fp32");
+  for (bool bf16 : {false, true}) {
+    int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
+    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp"}) {
+      const bool gpt = kind != "mlp";
+      const std::string what = kind + (bf16 ? " bf16" : " fp32");
+      models::GptConfig gk = g;
+      gk.gradient_checkpointing = kind == "gpt checkpointed";
       const nlohmann::json cfg = {{"train_batch_size", 4},
                                   {"bf16", {{"enabled", bf16}}},
                                   {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
@@ -723,7 +730,7 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       int64_t grew = 0;
       ActivationMemory want;
       for (int round = 0; round < 2; ++round) {
-        std::shared_ptr<Model> model = gpt ? models::make_gpt(g) : models::make_mlp(m);
+        std::shared_ptr<Model> model = gpt ? models::make_gpt(gk) : models::make_mlp(m);
         Engine e = Engine::initialize(model, cfg);
         want = *model->activation_memory(batch.B, batch.T, e.compute_dtype());
         std::thread pass([&] {
@@ -738,7 +745,17 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       EXPECT_GT(want.saved, 0) << what;
       EXPECT_NEAR(static_cast<double>(grew), expect, 0.02 * expect)
           << what << ": saved " << want.saved << " + scratch " << want.workspace;
+      if (gpt) gpt_grew[gk.gradient_checkpointing ? 1 : 0] = grew;
     }
+    // Two sets of layer activations fewer: (N,C) is 4*64*128*4 = 128 KiB,
+    // a set is 15 of them plus the probabilities (4*4*64*64*4 = 256 KiB).
+    EXPECT_LT(gpt_grew[1], gpt_grew[0] - 2 * (15 * 128 + 256) * 1024 * 9 / 10)
+        << (bf16 ? "bf16" : "fp32") << ": checkpointed " << gpt_grew[1] << " vs plain " << gpt_grew[0];
+  }
+}
+
+TEST(GradientCheckpointing, LossesNormsAndWeightsAreBitIdenticalOnOneRank) {
+  testing_train::expect_gradient_checkpointing_bit_identical(nullptr);
 }
 
 }  // namespace

@@ -12,11 +12,12 @@ namespace zinc::testing_models {
 constexpr int64_t kVocab = 13;
 constexpr int64_t kSeq = 9;
 
-inline std::shared_ptr<Model> tiny_gpt() {
+inline std::shared_ptr<Model> tiny_gpt(int64_t n_layer = 2, bool gradient_checkpointing = false) {
   models::GptConfig g;
   g.vocab_size = kVocab;
   g.block_size = kSeq;
-  g.n_layer = 2;
+  g.gradient_checkpointing = gradient_checkpointing;
+  g.n_layer = n_layer;
   g.n_head = 2;
   g.n_embd = 12;
   return models::make_gpt(g);

@@ -385,6 +385,38 @@ else
   fail=$((fail + 1))
   echo "FAIL zero3_offload"; cat "$TMP/out" "$TMP/err"
 fi
+# Activation checkpointing: the same losses step by step with it on (from the
+# model section or the trainer section); --estimate counts fewer activation
+# bytes; the two sections disagreeing is one error naming both.
+check_error ckpt-conflict "model.gradient_checkpointing: false conflicts with trainer.gradient_checkpointing true" \
+  "$CFG" --set model.gradient_checkpointing=false --set trainer.gradient_checkpointing=true
+if "$ZT" "$CFG" --steps 3 --set run.eval_interval=0 --set steps_per_print=1 --json >"$TMP/ck0" 2>"$TMP/err" &&
+   "$ZT" "$CFG" --steps 3 --set run.eval_interval=0 --set steps_per_print=1 --set model.gradient_checkpointing=true --json >"$TMP/ck1" 2>>"$TMP/err" &&
+   "$ZT" "$CFG" --steps 3 --set run.eval_interval=0 --set steps_per_print=1 --set trainer.gradient_checkpointing=true --json >"$TMP/ck2" 2>>"$TMP/err" &&
+   "$ZT" "$CFG" --estimate --json >"$TMP/cke0" 2>>"$TMP/err" &&
+   "$ZT" "$CFG" --estimate --json --set model.gradient_checkpointing=true >"$TMP/cke1" 2>>"$TMP/err" &&
+   python3 - "$TMP/ck0" "$TMP/ck1" "$TMP/ck2" "$TMP/cke0" "$TMP/cke1" <<'PY'
+import json, sys
+def losses(path):
+    return [e["loss"] for e in map(json.loads, open(path)) if e["event"] == "step"]
+plain = losses(sys.argv[1])
+assert len(plain) == 3, plain
+assert losses(sys.argv[2]) == plain and losses(sys.argv[3]) == plain, (plain, losses(sys.argv[2]), losses(sys.argv[3]))
+def act(path):
+    e = json.loads(open(path).read())
+    return e, {p["name"]: p["bytes"] for p in e["breakdown"]["training"]}["activations"]
+e0, a0 = act(sys.argv[4])
+e1, a1 = act(sys.argv[5])
+assert e0["gradient_checkpointing"] is False and e1["gradient_checkpointing"] is True
+assert a1 < a0 and e1["ram_bytes"] < e0["ram_bytes"], (a0, a1)
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL gradient checkpointing"
+  cat "$TMP/err"
+fi
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -6,6 +6,7 @@
 // real configs in tests/configs/real/ with zinc's sections added.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 
@@ -29,8 +30,17 @@ void expect_round_trip(const json& doc, int world, const std::string& what) {
   if (doc.contains("trainer")) out["trainer"] = to_json(parse_trainer(doc));
   ParsedExperiment b = parse_experiment(out, world);
   EXPECT_TRUE(b.auto_values.empty()) << "the serialized config has no \"auto\" left";
-  EXPECT_TRUE(b.config.warnings.empty()) << "warnings on the serialized config: " << json(b.config.warnings).dump();
-  EXPECT_TRUE(b.experiment.warnings.empty()) << json(b.experiment.warnings).dump();
+  // The serialized config warns about nothing the original did not (a key
+  // that is warned about by nature, such as activation_checkpointing's
+  // partition_activations, warns in both).
+  auto subset = [](const std::vector<std::string>& x, const std::vector<std::string>& of) {
+    for (const std::string& w : x)
+      if (std::find(of.begin(), of.end(), w) == of.end()) return false;
+    return true;
+  };
+  EXPECT_TRUE(subset(b.config.warnings, a.config.warnings))
+      << "new warnings on the serialized config: " << json(b.config.warnings).dump();
+  EXPECT_TRUE(subset(b.experiment.warnings, a.experiment.warnings)) << json(b.experiment.warnings).dump();
   Config ca = a.config, cb = b.config;
   ca.source = cb.source = json();
   ca.warnings.clear();

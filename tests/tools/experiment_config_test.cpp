@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tools/experiment.h"
 #include "tests/engine/config_test_util.h"
 
 namespace zinc::tools {
@@ -170,6 +171,61 @@ TEST(ExperimentConfigLoad, EveryShippedConfigParses) {
     ++n;
   }
   EXPECT_GT(n, 0);
+}
+
+
+// Activation checkpointing is switched on by model.gradient_checkpointing or
+// by the trainer section's TrainingArguments flag; either alone turns it on,
+// both given and different is an error naming both paths, and the mlp
+// refuses it at whichever path asked. The built model holds less.
+TEST(ExperimentConfigModel, GradientCheckpointingFromTheModelOrTheTrainerSection) {
+  auto on = [](const json& patch) { return parse_experiment(with(patch)).experiment.model.gradient_checkpointing; };
+  EXPECT_FALSE(on(json::object()));
+  EXPECT_TRUE(on({{"model", {{"gradient_checkpointing", true}}}}));
+  EXPECT_TRUE(on({{"trainer", {{"gradient_checkpointing", true}}}}));
+  EXPECT_TRUE(on({{"model", {{"gradient_checkpointing", true}}}, {"trainer", {{"gradient_checkpointing", true}}}}));
+  EXPECT_FALSE(on({{"trainer", {{"gradient_checkpointing", false}}}}));
+  EXPECT_FALSE(on({{"model", {{"gradient_checkpointing", false}}}, {"trainer", {{"gradient_checkpointing", false}}}}));
+  EXPECT_EQ(config_error(with({{"model", {{"gradient_checkpointing", false}}},
+                               {"trainer", {{"gradient_checkpointing", true}}}})),
+            "model.gradient_checkpointing: false conflicts with trainer.gradient_checkpointing true; give one of "
+            "them, or both the same");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"gradient_checkpointing", true}}},
+                            {"trainer", {{"gradient_checkpointing", false}}}}),
+                      "model.gradient_checkpointing: true conflicts with trainer.gradient_checkpointing false");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"type", "mlp"}, {"gradient_checkpointing", true}}}}),
+                      "model.gradient_checkpointing: not supported by model.type \"mlp\"");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"type", "mlp"}}}, {"trainer", {{"gradient_checkpointing", true}}}}),
+                      "trainer.gradient_checkpointing: not supported by model.type \"mlp\"");
+  EXPECT_NO_THROW(parse_experiment(with({{"model", {{"type", "mlp"}, {"gradient_checkpointing", false}}}})));
+  EXPECT_CONFIG_ERROR(with({{"model", {{"gradient_checkpointing", "yes"}}}}),
+                      "model.gradient_checkpointing: expected true or false");
+  EXPECT_CONFIG_ERROR(with({{"trainer", {{"gradient_checkpointing", 1}}}}),
+                      "trainer.gradient_checkpointing: expected true or false");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"gradient_checkpoint", true}}}}),
+                      "model.gradient_checkpoint: unknown key (did you mean 'gradient_checkpointing'?)");
+
+  // DeepSpeed's section alone does not switch it on, and says so.
+  const json ds = {{"activation_checkpointing", {{"partition_activations", false}}}};
+  const ParsedExperiment alone = parse_experiment(with(ds));
+  EXPECT_FALSE(alone.experiment.model.gradient_checkpointing);
+  EXPECT_TRUE(any_warning_has(alone.experiment, "activation_checkpointing: does not switch checkpointing on"));
+  json both = ds;
+  both["model"] = {{"gradient_checkpointing", true}};
+  const ParsedExperiment with_model = parse_experiment(with(both));
+  EXPECT_TRUE(with_model.experiment.warnings.empty());
+  EXPECT_TRUE(with_model.config.warnings.empty());
+
+  // The flag reaches the model: a model section of 4 layers with it holds
+  // 3 sets of layer activations fewer.
+  const json m = {{"model", {{"n_layer", 4}, {"n_embd", 32}, {"n_head", 2}}}, {"data", {{"seq_len", 16}}}};
+  json mc = m;
+  mc["trainer"] = {{"gradient_checkpointing", true}};
+  const Experiment plain = build_experiment(with(m)), ck = build_experiment(with(mc));
+  const int64_t a = plain.model->activation_memory(8, 16, DType::kF32)->saved;
+  const int64_t b = ck.model->activation_memory(8, 16, DType::kF32)->saved;
+  EXPECT_LT(b, a);
+  EXPECT_GT(a - b, 3 * 14 * 8 * 16 * 32 * 4);  // 3 sets of at least 14 (N,C) buffers
 }
 
 }  // namespace
