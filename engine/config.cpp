@@ -468,14 +468,18 @@ void parse_zero(Reader& root, ZeroConfig& z) {
     r.warn(r.path_of("allgather_partitions"),
            "false is ignored: zinc all-gathers the updated partitions (broadcasts would move the same data)");
   }
-  r.get_int("reduce_bucket_size", z.reduce_bucket_size, at_least(1));
+  // 0 (DeepSpeed allows it): every block is its own bucket.
+  r.get_int("reduce_bucket_size", z.reduce_bucket_size, at_least(0));
   r.get_int("allgather_bucket_size", z.allgather_bucket_size, at_least(1));
-  r.get_int("sub_group_size", z.sub_group_size, at_least(1));
+  // 0 (DeepSpeed: one sub-group per parameter): the smallest sub-groups zinc
+  // makes (4 KiB of elements).
+  r.get_int("sub_group_size", z.sub_group_size, at_least(0));
   r.get_int({"prefetch_bucket_size", "stage3_prefetch_bucket_size"}, z.stage3_prefetch_bucket_size,
             at_least(0));
   r.get_int({"param_persistence_threshold", "stage3_param_persistence_threshold"},
             z.stage3_param_persistence_threshold, at_least(0));
-  r.get_int({"max_live_parameters", "stage3_max_live_parameters"}, z.stage3_max_live_parameters, at_least(1));
+  // 0: nothing gathered beyond the block an acquire needs.
+  r.get_int({"max_live_parameters", "stage3_max_live_parameters"}, z.stage3_max_live_parameters, at_least(0));
   r.get_int({"max_reuse_distance", "stage3_max_reuse_distance"}, z.stage3_max_reuse_distance, at_least(0));
   r.get_int({"model_persistence_threshold", "stage3_model_persistence_threshold"},
             z.stage3_model_persistence_threshold, at_least(0));

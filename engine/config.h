@@ -141,7 +141,8 @@ struct ZeroConfig {
   bool contiguous_gradients = true;  // zinc's gradients are always contiguous (flat blocks)
   bool reduce_scatter = true;        // false is warned and ignored: zinc always reduce-scatters
   // Gradient elements per reduction. Larger: fewer, larger collectives (less
-  // latency), more gradient memory alive at stage 2/3 and less overlap.
+  // latency), more gradient memory alive at stage 2/3 and less overlap. 0:
+  // one block per bucket.
   int64_t reduce_bucket_size = 500000000;
   // Parameter elements per all-gather after the step (stages 1, 2). Same
   // trade as reduce_bucket_size, in the step instead of backward.
@@ -157,6 +158,7 @@ struct ZeroConfig {
   OffloadConfig offload_param;
   // Optimizer elements updated per NVMe sub-group: the unit the swapper
   // reads, updates and writes. Larger: longer I/O, fewer waits, more RAM.
+  // 0 (DeepSpeed: a sub-group per parameter): the smallest, 1024 elements.
   int64_t sub_group_size = 1000000000;
   // Stage 3 (engine/param_coordinator.cpp, Note [ZeRO-3 parameter coordination]):
   // Elements gathered ahead of use along the recorded order. Larger: more
@@ -169,7 +171,7 @@ struct ZeroConfig {
   // in order until the next would pass it). Default: no limit.
   int64_t stage3_model_persistence_threshold = std::numeric_limits<int64_t>::max();
   // The most elements gathered at once on a rank (plus the block an acquire
-  // needs): the bound on stage 3's parameter memory.
+  // needs): the bound on stage 3's parameter memory. 0: only that block.
   int64_t stage3_max_live_parameters = 1000000000;
   // A released block stays gathered if the recorded order uses it again
   // within this many elements of other blocks: a gather saved for memory.
