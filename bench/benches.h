@@ -23,6 +23,7 @@ struct BenchOptions {
   int rounds = 7;      // alternating measurement rounds; medians are reported
   int steps = 3;       // train-step: training steps per round
   bool fp32 = false;   // train-step: fp32 instead of bf16
+  bool fp16 = false;   // train-step: fp16 with loss scaling instead of bf16
   int threads = 0;     // adamw: OpenMP threads (0 = default)
   std::string isa;     // adamw: force an optimizer path ("" = the dispatcher's choice)
   int64_t numel = int64_t{1} << 27;  // adamw: parameters (128M)

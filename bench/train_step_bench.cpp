@@ -87,7 +87,9 @@ std::vector<MatmulCase> gpt_matmuls(int64_t B, int64_t T, int64_t C, int64_t H, 
 }  // namespace
 
 int bench_train_step(const BenchOptions& o) {
-  const bool json = o.json, bf16 = !o.fp32;
+  const bool json = o.json, fp16 = o.fp16 && !o.fp32, bf16 = !o.fp32 && !fp16;
+  const bool half = bf16 || fp16;  // timed against fp32 in the same rounds
+  const char* case_name = bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
   const int steps = o.steps, rounds = o.rounds;
   const int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
   nlohmann::json doc = {
@@ -96,6 +98,7 @@ int bench_train_step(const BenchOptions& o) {
       {"gradient_clipping", 1.0},
       {"steps_per_print", 1000000},
       {"bf16", {{"enabled", bf16}}},
+      {"fp16", {{"enabled", fp16}}},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
       {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}}},
       {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
@@ -107,13 +110,15 @@ int bench_train_step(const BenchOptions& o) {
   // "bf16 against fp32" compares two figures taken in the same machine state.
   nlohmann::json doc32 = doc;
   doc32["bf16"]["enabled"] = false;
+  doc32["fp16"]["enabled"] = false;
   zinc::tools::Experiment ex32 = zinc::tools::build_experiment(doc32, 1);
   std::optional<zinc::Engine> engine32;
-  if (bf16) engine32.emplace(zinc::Engine::initialize(ex32.model, ex32.config));
+  if (half) engine32.emplace(zinc::Engine::initialize(ex32.model, ex32.config));
   zinc::DataLoader loader32(ex32.data, B, 1, 1, 0, 1);
   // The bound multiplies in what the hardware can: bf16 where oneDNN has
   // native bf16 kernels, else fp32 (zinc's bf16 fallback multiplies in fp32
-  // too, Note [bf16 matmul without native bf16]).
+  // too, Note [bf16 matmul without native bf16]; fp16 always does, Note
+  // [fp16 compute]).
   zinc::DType dt = bf16 ? zinc::DType::kBF16 : zinc::DType::kF32;
   bool bound_via_f32 = false;
   if (bf16) {
@@ -204,7 +209,7 @@ int bench_train_step(const BenchOptions& o) {
   const double bound = mm_flops / t_mm;
   const double ratio = model_flops / bound;
   nlohmann::json line = {{"bench", "train-step"},
-                         {"case", bf16 ? "bf16" : "fp32"},
+                         {"case", case_name},
                          {"figure", model_flops / 1e9},
                          {"unit", "GFLOP/s"},
                          {"bound", bound / 1e9},
@@ -223,10 +228,11 @@ int bench_train_step(const BenchOptions& o) {
   if (engine32) {
     const double tps32 = static_cast<double>(B * T) / median(step32_s);
     line["fp32_tokens_per_s"] = tps32;
-    line["bf16_over_fp32"] = tokens_per_s / tps32;
+    line[std::string(case_name) + "_over_fp32"] = tokens_per_s / tps32;
+    if (fp16) line["skipped_steps"] = engine.skipped_steps();
     char part[160];
-    std::snprintf(part, sizeof part, "\n  fp32:   %.0f tokens/s in the same rounds; bf16 / fp32 = %.3f", tps32,
-                  tokens_per_s / tps32);
+    std::snprintf(part, sizeof part, "\n  fp32:   %.0f tokens/s in the same rounds; %s / fp32 = %.3f", tps32,
+                  case_name, tokens_per_s / tps32);
     vs_fp32 = part;
   }
   char buf[2048];
@@ -237,7 +243,7 @@ int bench_train_step(const BenchOptions& o) {
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
                 "  where the time goes (profiled round, share of the step): %s%s",
-                bf16 ? "bf16" : "fp32", (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
+                case_name, (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
                 std::string(zinc::dtype_name(dt)).c_str(), t_mm,
                 bound_via_f32 ? " (no native bf16 matmul here)" : "",

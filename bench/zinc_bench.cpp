@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "train-step, activation-checkpointing: training steps per round")->check(CLI::PositiveNumber);
   app.add_flag("--fp32", o.fp32, "train-step, estimate, activation-checkpointing: fp32 instead of bf16");
+  app.add_flag("--fp16", o.fp16, "train-step: fp16 with dynamic loss scaling instead of bf16 (timed against fp32)");
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");

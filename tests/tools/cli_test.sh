@@ -33,7 +33,32 @@ check_error() {  # name, expected substring, args...
 check_error missing-config "No such file or directory" /nonexistent/config.json
 check_error unknown-key "did you mean 'optimizer'" "$CFG" --set optimzer.type=Adam
 check_error wrong-type 'optimizer.params.lr: expected a number, got "abc"' "$CFG" --set optimizer.params.lr=abc
-check_error fp16 'bf16' "$CFG" --set bf16.enabled=false --set fp16.enabled=true
+check_error fp16-and-bf16 'fp16.enabled: fp16 and bf16 cannot both be enabled' "$CFG" --set fp16.enabled=true
+# fp16 with a first loss scale of 2^30 and hysteresis 1: the first steps
+# overflow and are skipped while the scale halves; the step events say so.
+if "$ZT" "$CFG" --steps 20 --set run.eval_interval=0 --set steps_per_print=1 --set bf16.enabled=false \
+     --set 'fp16={"enabled":true,"initial_scale_power":30,"hysteresis":1}' --json >"$TMP/fp16" 2>"$TMP/err" &&
+   python3 - "$TMP/fp16" <<'PY'
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1])]
+steps = [e for e in ev if e["event"] == "step"]
+assert len(steps) == 20, len(steps)
+scales = [e["loss_scale"] for e in steps]
+skipped = [e["skipped_steps"] for e in steps]
+assert skipped[0] == 1 and scales[0] == 2.0 ** 29, (skipped[:3], scales[:3])
+# every skipped step halves the scale; a clean step keeps it (window 1000)
+for prev, cur, sp, sc in zip(scales, scales[1:], skipped, skipped[1:]):
+    assert cur == (prev / 2 if sc == sp + 1 else prev), (prev, cur, sp, sc)
+assert skipped[:3] == [1, 2, 3] and skipped[-1] < 20, skipped  # 2^30..2^28 cannot hold
+summary = [e for e in ev if e["event"] == "summary"][0]
+assert summary["skipped_steps"] == skipped[-1]
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL fp16 loss scaling"; cat "$TMP/err"
+fi
 check_error zero-stage "zero_optimization.stage: must be" "$CFG" --set zero_optimization.stage=4
 check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
