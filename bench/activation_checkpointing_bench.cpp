@@ -29,22 +29,6 @@
 namespace zinc::bench {
 namespace {
 
-// The last JSON line of `command`'s stdout whose "event" is `event`.
-nlohmann::json event_of(const std::string& command, const std::string& event) {
-  std::FILE* p = ::popen(command.c_str(), "r");
-  if (!p) throw Error("activation-checkpointing bench: cannot run " + command);
-  nlohmann::json found;
-  char line[1 << 16];
-  while (std::fgets(line, sizeof line, p)) {
-    if (line[0] != '{') continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.value("event", "") == event) found = j;
-  }
-  const int rc = ::pclose(p);
-  if (rc != 0 || found.is_null())
-    throw Error("activation-checkpointing bench: `" + command + "` failed (status " + std::to_string(rc) + ")");
-  return found;
-}
 
 }  // namespace
 
@@ -76,8 +60,8 @@ int bench_activation_checkpointing(const BenchOptions& o) {
     std::fprintf(f, "%s\n", doc_for(ck == 1).dump(2).c_str());
     std::fclose(f);
     const std::string base = "'" + zinc_train + "' '" + config + "'";
-    const nlohmann::json e = event_of(base + " --estimate --json 2>/dev/null", "estimate");
-    const nlohmann::json run = event_of(base + " --steps 2 --json 2>/dev/null", "summary");
+    const nlohmann::json e = last_json_event(base + " --estimate --json 2>/dev/null", "estimate", "activation-checkpointing");
+    const nlohmann::json run = last_json_event(base + " --steps 2 --json 2>/dev/null", "summary", "activation-checkpointing");
     est[ck] = e["ram_bytes"].get<double>();
     act[ck] = 0;
     for (const auto& p : e["breakdown"]["training"])

@@ -64,6 +64,10 @@ double fio_bw(const std::string& file, int64_t bytes, bool write, const std::str
 
 // zinc-train beside this zinc-bench (build tree); throws if it is missing.
 std::string zinc_train_path();
+// The last JSON line of `command`'s stdout whose "event" is `event` (zinc-train
+// --json runs); throws zinc::Error naming `bench` and the command when the
+// command fails or prints no such line.
+nlohmann::json last_json_event(const std::string& command, const std::string& event, const std::string& bench);
 
 int bench_train_step(const BenchOptions& o);
 int bench_adamw(const BenchOptions& o);

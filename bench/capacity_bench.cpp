@@ -155,6 +155,22 @@ std::string zinc_train_path() {
   return p;
 }
 
+nlohmann::json last_json_event(const std::string& command, const std::string& event, const std::string& bench) {
+  std::FILE* p = ::popen(command.c_str(), "r");
+  if (!p) throw Error(bench + " bench: cannot run " + command);
+  nlohmann::json found;
+  char line[1 << 16];
+  while (std::fgets(line, sizeof line, p)) {
+    if (line[0] != '{') continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.value("event", "") == event) found = j;
+  }
+  const int rc = ::pclose(p);
+  if (rc != 0 || found.is_null())
+    throw Error(bench + " bench: `" + command + "` failed (status " + std::to_string(rc) + ")");
+  return found;
+}
+
 int bench_capacity(const BenchOptions& o) {
   const char* env = std::getenv("ZINC_BENCH_NVME_PATH");
   const std::string folder = env && *env ? env : "/tmp";

@@ -21,22 +21,6 @@
 namespace zinc::bench {
 namespace {
 
-// The JSON line of `command`'s stdout whose "event" is `event`.
-nlohmann::json last_event(const std::string& command, const std::string& event) {
-  std::FILE* p = ::popen(command.c_str(), "r");
-  if (!p) throw Error("estimate bench: cannot run " + command);
-  nlohmann::json found;
-  char line[1 << 16];
-  while (std::fgets(line, sizeof line, p)) {
-    if (line[0] != '{') continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.value("event", "") == event) found = j;
-  }
-  const int rc = ::pclose(p);
-  if (rc != 0 || found.is_null())
-    throw Error("estimate bench: `" + command + "` failed (status " + std::to_string(rc) + ")");
-  return found;
-}
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
@@ -91,8 +75,8 @@ int bench_estimate(const BenchOptions& o) {
       std::fprintf(f, "%s\n", doc.dump(2).c_str());
       std::fclose(f);
       const std::string base = "OMP_NUM_THREADS=1 " + launcher + quote(zinc_train) + " " + quote(config);
-      const nlohmann::json est = last_event(base + " --estimate --json 2>/dev/null", "estimate");
-      const nlohmann::json run = last_event(base + " --steps 3 --json 2>/dev/null", "summary");
+      const nlohmann::json est = last_json_event(base + " --estimate --json 2>/dev/null", "estimate", "estimate");
+      const nlohmann::json run = last_json_event(base + " --steps 3 --json 2>/dev/null", "summary", "estimate");
       const double ram = est["ram_bytes"].get<double>();
       const double rss = run["peak_rss_bytes"].get<double>();
       const double ratio = ram / rss;
