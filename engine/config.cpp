@@ -173,8 +173,20 @@ void parse_precision(Reader& r, Config& c) {
     const std::string wire = to_choice(*comm, "communication_data_type", {"fp32", "bf16", "fp16"}, false);
     c.communication_data_type = wire == "bf16" ? DType::kBF16 : wire == "fp16" ? DType::kF16 : DType::kF32;
   }
-  const json* sp = r.find("seq_parallel_comm_data_type");
-  if (sp && !sp->is_null()) r.warn_ignored("seq_parallel_comm_data_type", "zinc has no sequence parallelism");
+  // DeepSpeed reads "seq_parallel_comm_data_type"; its constants.py documents
+  // the key as "seq_parallel_communication_data_type", and configs copied from
+  // there (Accelerate's ALST example) carry that spelling, which DeepSpeed
+  // never reads. Either way it only sets the wire type of sequence-parallel
+  // collectives.
+  for (const char* key : {"seq_parallel_comm_data_type", "seq_parallel_communication_data_type"}) {
+    const json* sp = r.find(key);
+    if (!sp || sp->is_null()) continue;
+    to_choice(*sp, key, {"fp32", "bf16", "fp16"}, false);
+    r.warn_ignored(key, std::string_view(key) == "seq_parallel_comm_data_type"
+                            ? "zinc has no sequence parallelism"
+                            : "zinc has no sequence parallelism (and DeepSpeed reads this type from "
+                              "seq_parallel_comm_data_type, the spelling its documentation does not give)");
+  }
 }
 
 void parse_optimizer(Reader& root, OptimizerConfig& o) {
@@ -730,14 +742,13 @@ void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig&
 
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
-void parse_unimplemented(Reader& r, Config& c) {
-  enum class Act { kWarn, kError };
-  struct Feature {
-    const char* key;
-    Act act;
-    const char* why;
-  };
-  const Feature kFeatures[] = {
+enum class Act { kWarn, kError };
+struct Feature {
+  const char* key;
+  Act act;
+  const char* why;
+};
+const Feature kFeatures[] = {
       {"flops_profiler", Act::kWarn, nullptr},
       {"comms_logger", Act::kWarn, nullptr},
       {"comms_config", Act::kWarn, "it only sets how DeepSpeed's communication layer logs"},
@@ -769,16 +780,28 @@ void parse_unimplemented(Reader& r, Config& c) {
       {"sparse_attention", Act::kError, "it changes the attention pattern"},
       {"weight_quantization", Act::kError, "it quantizes the weights"},
       {"torch_autocast", Act::kError, "autocast changes the numerics; use \"bf16\": {\"enabled\": true}"},
-  };
+};
+
+// The features zinc refuses (and the 1-bit optimizers), checked before
+// anything else: they do not depend on the world size, so a config that asks
+// for one is refused for it at every world size, before a batch triad
+// written for another world size is.
+void refuse_features(Reader& r, const json& j) {
+  refuse_compressed_optimizers(j);
   for (const Feature& f : kFeatures) {
+    if (f.act != Act::kError) continue;
     const json* v = r.find(f.key);
     if (!v || !feature_active(*v, f.key)) continue;
     if (std::string_view(f.key) == "data_efficiency") refuse_data_efficiency(*v);
-    if (f.act == Act::kWarn) {
-      r.warn_ignored(f.key, f.why);
-    } else {
-      Reader::refuse(f.key, f.why);
-    }
+    Reader::refuse(f.key, f.why);
+  }
+}
+
+void parse_unimplemented(Reader& r, Config& c) {
+  for (const Feature& f : kFeatures) {
+    const json* v = r.find(f.key);
+    if (!v || !feature_active(*v, f.key)) continue;
+    if (f.act == Act::kWarn) r.warn_ignored(f.key, f.why);
   }
   double predivide = 1.0;
   if (r.get_number("gradient_predivide_factor", predivide, above(0)) && predivide != 1.0) {
@@ -821,12 +844,12 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   c.world_size = world_size;
   c.source = j;
   Reader r(j, "", c.warnings);
+  refuse_features(r, j);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));
   r.get_bool("wall_clock_breakdown", c.wall_clock_breakdown);
   parse_precision(r, c);
-  refuse_compressed_optimizers(j);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
   if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2 != 0.99) {

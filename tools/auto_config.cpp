@@ -26,7 +26,9 @@
 //   zero_optimization reduce_bucket_size hidden^2,
 //                     stage3_prefetch_bucket_size 0.9 hidden^2,
 //                     stage3_param_persistence_threshold 10 hidden
-//                    (hidden: model.n_embd)
+//                    (hidden: model.n_embd);
+//                    stage3_gather_16bit_weights_on_model_save false
+//                    (Accelerate's zero3_save_16bit_model default)
 //   bf16.enabled / fp16.enabled     trainer.bf16 / trainer.fp16 when given;
 //                                    otherwise bf16 on (zinc runs bf16 on
 //                                    every x86-64 CPU, natively where the CPU
@@ -193,6 +195,12 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
     if (auto_at(z, "stage3_param_persistence_threshold"))
       set(z, "stage3_param_persistence_threshold", "zero_optimization.stage3_param_persistence_threshold",
           10 * hidden, "10 hidden" + h);
+    // Accelerate fills it from its zero3_save_16bit_model (default false);
+    // it only decides what a model save writes, never the training.
+    for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"})
+      if (auto_at(z, key))
+        set(z, key, std::string("zero_optimization.") + key, false,
+            "false, Accelerate's zero3_save_16bit_model default");
   }
 
   // Precision. fp16 first: whether it is on decides bf16's default.

@@ -51,6 +51,17 @@ TEST(ConfigLegacy, HarmlessKeysWarnAsIgnored) {
     Config ref = Config::parse(plain);
     EXPECT_EQ(to_json(cfg), to_json(ref));
   }
+  // DeepSpeed reads the sequence-parallel wire type from
+  // seq_parallel_comm_data_type; its constants.py documents it as
+  // seq_parallel_communication_data_type, which configs copy (Accelerate's
+  // ALST example) and DeepSpeed never reads. zinc has no sequence
+  // parallelism: both spellings are warned about as ignored.
+  for (const char* key : {"seq_parallel_comm_data_type", "seq_parallel_communication_data_type"}) {
+    Config cfg = Config::parse(with({{key, "bf16"}}));
+    EXPECT_TRUE(any_warning_has(cfg, std::string(key) + ": ignored")) << json(cfg.warnings).dump();
+    EXPECT_EQ(to_json(cfg), to_json(Config::parse(with(json::object()))));
+    testing_config::expect_parts(config_error(with({{key, "int8"}})), {key, "int8"});
+  }
   // At DeepSpeed's defaults they say nothing.
   Config quiet = Config::parse(with({{"zero_reduce_scatter", true}, {"zero_max_elements_per_comm", 500000000},
                                      {"fp32_allreduce", false}, {"sequence_parallel_size", 1}}));
@@ -102,6 +113,20 @@ TEST(ConfigLegacy, KeysThatChangeTrainingAreRefusedWithTheReason) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.patch.dump());
     testing_config::expect_parts(config_error(with(c.patch)), c.parts);
+  }
+  // They are refused for what they ask at every world size, before a batch
+  // triad written for one rank is (DeepSpeedExamples' random-LTD and
+  // compression configs: train_batch_size = micro-batch = 32).
+  for (int ws : {1, 2, 4}) {
+    testing_config::expect_parts(
+        config_error({{"train_batch_size", 32},
+                      {"train_micro_batch_size_per_gpu", 32},
+                      {"compression_training", {{"weight_quantization", {{"shared_parameters", {{"enabled", true}}}}}}}},
+                     ws),
+        {"compression_training: not implemented in zinc"});
+    testing_config::expect_parts(
+        config_error({{"train_batch_size", 32}, {"optimizer", {{"type", "OneBitLamb"}}}}, ws),
+        {"optimizer.type: \"OneBitLamb\"", "1 bit"});
   }
   // Switched off, they parse.
   EXPECT_NO_THROW(Config::parse(with({{"curriculum_learning", {{"enabled", false}}},

@@ -151,5 +151,23 @@ TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
   EXPECT_EQ(p.config.optimizer.lr, 2e-3);
 }
 
+// Accelerate's ZeRO-3 templates leave stage3_gather_16bit_weights_on_model_save
+// "auto"; Accelerate fills it from zero3_save_16bit_model (default false).
+// It only decides what a model save writes, so the run parses with it off.
+TEST(AutoConfig, Gather16BitWeightsOnSaveIsAcceleratesDefault) {
+  json doc = hf_config();
+  doc["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = "auto";
+  const ResolvedConfig r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"], false);
+  const AutoValue* a = find(r, "zero_optimization.stage3_gather_16bit_weights_on_model_save");
+  ASSERT_NE(a, nullptr);
+  EXPECT_NE(a->source.find("zero3_save_16bit_model"), std::string::npos);
+  EXPECT_EQ(parse_experiment(doc, 1).config.zero.stage, 3);
+  // The newer spelling resolves the same way.
+  doc["zero_optimization"].erase("stage3_gather_16bit_weights_on_model_save");
+  doc["zero_optimization"]["gather_16bit_weights_on_model_save"] = "auto";
+  EXPECT_EQ(resolve_auto(doc, 1).doc["zero_optimization"]["gather_16bit_weights_on_model_save"], false);
+}
+
 }  // namespace
 }  // namespace zinc::tools

@@ -5,6 +5,9 @@
 #            and on 2 ranks, saying where each "auto" value came from;
 #   "refuse": training ends with one error line "KEY: ...REASON..." and exit
 #            1, and --check refuses it with that line at 1 and 2 ranks.
+# A "train" entry may name, under "refuse_at", a world size at which it is
+# refused instead (a batch triad written for one rank): there --check and
+# training both refuse it with that key and reason.
 # Every config in the folder must have an entry (and every entry a file).
 # Usage: real_configs_test.sh ZINC_TRAIN REPO_ROOT
 set -u
@@ -42,6 +45,27 @@ for cfg in "$DIR"/*.json; do
   want="$(expect "$name" expect)"
   if [ "$want" = train ]; then
     for np in 1 2; do
+      # A batch triad written for one world size is refused at another, as
+      # DeepSpeed refuses it: "refuse_at": {"2": {"key": ..., "reason": ...}}.
+      rkey="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]].get("refuse_at", {}).get(sys.argv[3], {}).get("key", ""))' "$DIR/expect.json" "$name" "$np")"
+      if [ -n "$rkey" ]; then
+        rreason="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]]["refuse_at"][sys.argv[3]]["reason"])' "$DIR/expect.json" "$name" "$np")"
+        OMP_NUM_THREADS=1 "$ZT" "$cfg" "${SETS[@]}" --check --ranks "$np" >"$TMP/check" 2>"$TMP/err"
+        rc=$?
+        if [ "$rc" -eq 1 ] && grep -qF -- "refused: $rkey: " "$TMP/check" && grep '^refused' "$TMP/check" | grep -qF -- "$rreason"; then
+          ok
+        else
+          bad "$name: --check at $np rank(s) should refuse '$rkey', rc=$rc"; tail -3 "$TMP/check"
+        fi
+        if [ "$np" -eq 1 ]; then cmd=("$ZT"); else cmd=("${MPIRUN[@]}" "$ZT"); fi
+        if ! OMP_NUM_THREADS=1 "${cmd[@]}" "$cfg" "${SETS[@]}" >"$TMP/out" 2>"$TMP/err" &&
+           grep -F -- " $rkey: " "$TMP/err" | grep -qF -- "$rreason" && ! grep -q '^step' "$TMP/out"; then
+          ok
+        else
+          bad "$name: training at $np rank(s) should refuse '$rkey'"; tail -3 "$TMP/err"
+        fi
+        continue
+      fi
       if OMP_NUM_THREADS=1 "$ZT" "$cfg" "${SETS[@]}" --check --ranks "$np" >"$TMP/check" 2>"$TMP/err" &&
          grep -q '^ok: the run would start' "$TMP/check"; then ok; else bad "$name: --check at $np rank(s)"; cat "$TMP/check" "$TMP/err" | tail -5; fi
       if [ "$np" -eq 1 ]; then cmd=("$ZT"); else cmd=("${MPIRUN[@]}" "$ZT"); fi
