@@ -46,6 +46,7 @@
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/safetensors.h"
+#include "tools/train_events.h"
 
 namespace {
 
@@ -391,7 +392,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     first_step = engine.global_steps() + 1;
     if (rank == 0) {
       if (json)
-        std::printf("%s\n", nlohmann::json{{"event", "resume"}, {"dir", dir}, {"step", engine.global_steps()}}.dump().c_str());
+        std::printf("%s\n", zinc::tools::resume_event(dir, engine.global_steps()).dump().c_str());
       else
         std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(engine.global_steps()));
     }
@@ -406,9 +407,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
     const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
     if (json)
-      std::printf("%s\n", nlohmann::json{{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", secs}}
-                               .dump()
-                               .c_str());
+      std::printf("%s\n", zinc::tools::checkpoint_event(step, path, secs).dump().c_str());
     else
       std::printf("checkpoint at step %lld: %s (%.2f s)\n", static_cast<long long>(step), path.c_str(), secs);
     std::fflush(stdout);
@@ -421,15 +420,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
   if (json && !quiet) {
-    const nlohmann::json resolved =
-        zinc::tools::resolved_document(cfg, ex.experiment, zinc::tools::parse_trainer(doc));
-    std::printf("%s\n", nlohmann::json({{"event", "config"}, {"world_size", world}, {"config", resolved}}).dump().c_str());
-  }
-  if (json && !quiet && !ex.auto_values.empty()) {
-    nlohmann::json values = nlohmann::json::array();
-    for (const zinc::tools::AutoValue& a : ex.auto_values)
-      values.push_back({{"path", a.path}, {"value", a.value}, {"source", a.source}});
-    std::printf("%s\n", nlohmann::json({{"event", "auto"}, {"values", values}}).dump().c_str());
+    std::printf("%s\n", zinc::tools::config_event(ex, doc, world).dump().c_str());
+    if (const std::optional<nlohmann::json> a = zinc::tools::auto_event(ex)) std::printf("%s\n", a->dump().c_str());
   }
   if (!json && !quiet) {
     for (const zinc::tools::AutoValue& a : ex.auto_values)
@@ -473,15 +465,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       t_last = now;
       step_last = s;
       if (json) {
-        nlohmann::json ev = {{"event", "step"},       {"step", s},
-                             {"loss", loss},          {"lr", engine.learning_rate()},
-                             {"grad_norm", engine.global_grad_norm()},
-                             {"tokens_per_s", tps},   {"elapsed_s", elapsed}};
-        if (cfg.fp16.enabled) {
-          ev["loss_scale"] = engine.loss_scale();
-          ev["skipped_steps"] = engine.skipped_steps();
-        }
-        std::printf("%s\n", ev.dump().c_str());
+        std::printf("%s\n", zinc::tools::step_event(engine, s, loss, tps, elapsed).dump().c_str());
       } else {
         const double eta = elapsed / static_cast<double>(s - first_step + 1) * static_cast<double>(steps - s);
         std::string scale;
@@ -504,7 +488,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, run.eval_batches,
                                         cfg.train_micro_batch_size_per_gpu);
       if (json)
-        std::printf("%s\n", nlohmann::json{{"event", "eval"}, {"step", s}, {"loss", eval_loss}}.dump().c_str());
+        std::printf("%s\n", zinc::tools::eval_event(s, eval_loss).dump().c_str());
       else if (!quiet)
         std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
       std::fflush(stdout);

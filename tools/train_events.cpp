@@ -1,0 +1,42 @@
+#include "tools/train_events.h"
+
+#include "tools/auto_config.h"
+#include "tools/config_check.h"
+
+namespace zinc::tools {
+
+nlohmann::json config_event(const Experiment& ex, const nlohmann::json& doc, int world_size) {
+  const nlohmann::json resolved = resolved_document(ex.config, ex.experiment, parse_trainer(doc));
+  return {{"event", "config"}, {"world_size", world_size}, {"config", resolved}};
+}
+
+std::optional<nlohmann::json> auto_event(const Experiment& ex) {
+  if (ex.auto_values.empty()) return std::nullopt;
+  nlohmann::json values = nlohmann::json::array();
+  for (const AutoValue& a : ex.auto_values) values.push_back({{"path", a.path}, {"value", a.value}, {"source", a.source}});
+  return nlohmann::json{{"event", "auto"}, {"values", values}};
+}
+
+nlohmann::json resume_event(const std::string& dir, int64_t step) {
+  return {{"event", "resume"}, {"dir", dir}, {"step", step}};
+}
+
+nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s) {
+  nlohmann::json ev = {{"event", "step"},         {"step", step},
+                       {"loss", loss},            {"lr", engine.learning_rate()},
+                       {"grad_norm", engine.global_grad_norm()},
+                       {"tokens_per_s", tokens_per_s}, {"elapsed_s", elapsed_s}};
+  if (engine.config().fp16.enabled) {
+    ev["loss_scale"] = engine.loss_scale();
+    ev["skipped_steps"] = engine.skipped_steps();
+  }
+  return ev;
+}
+
+nlohmann::json eval_event(int64_t step, double loss) { return {{"event", "eval"}, {"step", step}, {"loss", loss}}; }
+
+nlohmann::json checkpoint_event(int64_t step, const std::string& path, double seconds) {
+  return {{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", seconds}};
+}
+
+}  // namespace zinc::tools
