@@ -1,5 +1,11 @@
 #include "tools/train_events.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
 
@@ -37,6 +43,22 @@ nlohmann::json eval_event(int64_t step, double loss) { return {{"event", "eval"}
 
 nlohmann::json checkpoint_event(int64_t step, const std::string& path, double seconds) {
   return {{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", seconds}};
+}
+
+void prune_checkpoints(const std::string& dir, int64_t keep) {
+  namespace fs = std::filesystem;
+  if (keep <= 0) return;
+  std::vector<std::pair<long long, fs::path>> tags;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || n.rfind("global_step", 0) != 0) continue;
+    char* end = nullptr;
+    const long long step = std::strtoll(n.c_str() + 11, &end, 10);
+    if (end && *end == '\0') tags.emplace_back(step, e.path());
+  }
+  std::sort(tags.begin(), tags.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < tags.size(); ++i) fs::remove_all(tags[i].second, ec);
 }
 
 }  // namespace zinc::tools

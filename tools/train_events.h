@@ -35,3 +35,12 @@ nlohmann::json eval_event(int64_t step, double loss);
 nlohmann::json checkpoint_event(int64_t step, const std::string& path, double seconds);
 
 }  // namespace zinc::tools
+
+namespace zinc::tools {
+
+// run.keep_last: the newest `keep` global_step<N> tags in `dir` stay; older
+// ones go. Run only after a newer checkpoint is complete. keep <= 0: nothing
+// goes.
+void prune_checkpoints(const std::string& dir, int64_t keep);
+
+}  // namespace zinc::tools

@@ -351,24 +351,6 @@ void start_signal_thread() {
   }).detach();
 }
 
-// keep_last: the newest `keep` global_step<N> tags stay; older ones go (only
-// after a newer one is complete, which is when this runs).
-void prune_checkpoints(const std::string& dir, int64_t keep) {
-  namespace fs = std::filesystem;
-  if (keep <= 0) return;
-  std::vector<std::pair<long long, fs::path>> tags;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_directory() || n.rfind("global_step", 0) != 0) continue;
-    char* end = nullptr;
-    const long long step = std::strtoll(n.c_str() + 11, &end, 10);
-    if (end && *end == '\0') tags.emplace_back(step, e.path());
-  }
-  std::sort(tags.begin(), tags.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < tags.size(); ++i) fs::remove_all(tags[i].second, ec);
-}
-
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
         bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
   const int world = comm->size(), rank = comm->rank();
@@ -402,7 +384,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   auto save = [&](int64_t step) {
     const auto c0 = Clock::now();
     engine.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader.position()}, {"step", step}});
-    if (rank == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last);
+    if (rank == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last);
     if (rank != 0) return;
     const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
     const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
