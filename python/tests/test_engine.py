@@ -139,9 +139,21 @@ def test_ctrl_c_stops_between_steps_and_engine_stays_usable(tmp_path):
         engine.train_batch()
         assert engine.global_steps == n + 1
         print("stopped after", n, "steps")
+        # zinc.train: the generator stops with KeyboardInterrupt between steps.
+        seen = []
+        run = zinc.train(default_doc(steps=100000))
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            for ev in run:
+                seen.append(ev)
+        except KeyboardInterrupt:
+            pass
+        steps = [e["step"] for e in seen if e["event"] == "step"]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) < 100000, steps[-3:]
+        print("train stopped after", len(steps), "steps")
         """
         % str(pathlib.Path(__file__).parent)
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "stopped after" in r.stdout
+    assert "stopped after" in r.stdout and "train stopped after" in r.stdout
