@@ -44,6 +44,8 @@
 namespace py = pybind11;
 using json = nlohmann::json;
 
+void bind_optim(py::module_& m);  // optim.cpp: zinc.optim
+
 #ifndef ZINC_VERSION
 #error "ZINC_VERSION must be defined by the build (python/CMakeLists.txt)"
 #endif
@@ -611,4 +613,6 @@ cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
     py::gil_scoped_release release;
     g_comm.reset();
   }, "Closes every engine and lets MPI finalise (registered with atexit).");
+
+  bind_optim(m);
 }

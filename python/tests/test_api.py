@@ -18,6 +18,8 @@ def stub_names():
             engine = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
         if isinstance(node, ast.AnnAssign):
             top.add(node.target.id)
+        if isinstance(node, ast.ImportFrom):
+            top.update(a.asname or a.name for a in node.names)
     return top, engine
 
 
@@ -35,3 +37,13 @@ def test_help_documents_every_engine_member():
         doc = getattr(zinc.Engine, name).__doc__
         assert doc and len(doc.strip()) > 10, name
     assert "ConfigError" in zinc.initialize.__doc__ and "on_step" in zinc.train.__doc__
+    assert "in place" in zinc.optim.AdamW.__doc__ and "bf16_out" in zinc.optim.AdamW.step.__doc__
+
+
+def test_optim_stub_covers_adamw():
+    tree = ast.parse(STUB.with_name("optim.pyi").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdamW"]
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    names |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    public = {n for n in dir(zinc.optim.AdamW) if not n.startswith("_")}
+    assert public <= names, public - names

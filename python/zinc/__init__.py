@@ -9,6 +9,9 @@
     for event in zinc.train("configs/default.json", steps=20):
         print(event)                                   # zinc-train --json's events
 
+    opt = zinc.optim.AdamW(lr=1e-3)                    # zinc's AdamW kernels on NumPy arrays
+    opt.step(1, param, grad, exp_avg, exp_avg_sq)      # in place
+
 Errors: zinc.ConfigError (a ValueError, with .path) for a wrong config value,
 OSError for files, zinc.CommError between ranks, zinc.Error otherwise; a bad
 argument is a TypeError or ValueError naming it.
@@ -25,8 +28,9 @@ from ._zinc import (  # noqa: F401
     initialize,
 )
 from . import _zinc
+from . import optim
 
-__all__ = ["CommError", "ConfigError", "Engine", "Error", "__version__", "initialize", "train"]
+__all__ = ["CommError", "ConfigError", "Engine", "Error", "__version__", "initialize", "optim", "train"]
 
 
 def _events(config, steps):

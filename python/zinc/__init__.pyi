@@ -5,6 +5,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import numpy as np
 import numpy.typing as npt
 
+from . import optim as optim
+
 __version__: str
 
 Config = Union[Mapping[str, Any], str, "os.PathLike[str]"]
