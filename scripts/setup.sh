@@ -18,6 +18,11 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio libxxhash-dev
   e2fsprogs util-linux  # disk_full_test: mkfs.ext4 and mountpoint for a small loop filesystem
 )
+# The Python module (ZINC_PYTHON, full builds) compiles against the headers
+# of the python3 on PATH; a Debian system python3 has them in python3-dev.
+if [ $# -eq 0 ] && ! python3 -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+  packages+=(python3-dev)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -31,11 +36,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # Python packages of the tests: pytest, and the real safetensors package (with
-# numpy) that reads zinc-export's files. Only when a full build is asked for
-# (train.sh builds zinc-train alone and needs none of them).
+# numpy) that reads zinc-export's files; pybind11 for the module `zinc`
+# (python/). Only when a full build is asked for (train.sh builds zinc-train
+# alone and needs none of them).
+cmake_args=()
 if [ $# -eq 0 ]; then
   pymissing=()
-  for m in pytest numpy safetensors; do
+  for m in pytest numpy safetensors pybind11; do
     python3 -c "import $m" 2>/dev/null || pymissing+=("$m")
   done
   if [ ${#pymissing[@]} -gt 0 ]; then
@@ -43,10 +50,12 @@ if [ $# -eq 0 ]; then
     python3 -m pip install --quiet --disable-pip-version-check "${pymissing[@]}" 2>/dev/null ||
       python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${pymissing[@]}"
   fi
+  # The module for the python3 on PATH (a pyenv shim resolves to the real one).
+  cmake_args+=(-DZINC_PYTHON=ON "-DPython_EXECUTABLE=$(python3 -c 'import sys; print(sys.executable)')")
 fi
 
 BUILD_TYPE="${ZINC_BUILD_TYPE:-Release}"
-cmake -S . -B build -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE="$BUILD_TYPE" ${cmake_args[@]+"${cmake_args[@]}"} >/dev/null
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done
 cmake --build build -j"${ZINC_JOBS:-2}" "${targets[@]}"

@@ -3,8 +3,8 @@
 # suites through CTest (multi-rank ones under mpirun included) twice, first
 # with the best code paths this CPU has, then capped at AVX2 through
 # ONEDNN_MAX_CPU_ISA (zinc's kernels and oneDNN together), so that a machine
-# with AVX-512 also proves the paths of a CPU without it; then the pytest
-# suite when the Python module is present.
+# with AVX-512 also proves the paths of a CPU without it. The Python module's
+# pytest suite (python/tests) is one of the CTest tests (python_test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,6 +14,3 @@ echo "== tests, native paths: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f
 ctest --test-dir build --output-on-failure -j1 --timeout 600
 echo "== tests again, capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) =="
 ONEDNN_MAX_CPU_ISA=AVX2 ctest --test-dir build --output-on-failure -j1 --timeout 600
-if [ -d python/tests ] && ls python/tests/test_*.py >/dev/null 2>&1; then
-  python3 -m pytest -q python/tests
-fi

@@ -46,6 +46,7 @@
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/safetensors.h"
+#include "tools/train_events.h"
 
 namespace {
 
@@ -350,24 +351,6 @@ void start_signal_thread() {
   }).detach();
 }
 
-// keep_last: the newest `keep` global_step<N> tags stay; older ones go (only
-// after a newer one is complete, which is when this runs).
-void prune_checkpoints(const std::string& dir, int64_t keep) {
-  namespace fs = std::filesystem;
-  if (keep <= 0) return;
-  std::vector<std::pair<long long, fs::path>> tags;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_directory() || n.rfind("global_step", 0) != 0) continue;
-    char* end = nullptr;
-    const long long step = std::strtoll(n.c_str() + 11, &end, 10);
-    if (end && *end == '\0') tags.emplace_back(step, e.path());
-  }
-  std::sort(tags.begin(), tags.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < tags.size(); ++i) fs::remove_all(tags[i].second, ec);
-}
-
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
         bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
   const int world = comm->size(), rank = comm->rank();
@@ -391,7 +374,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     first_step = engine.global_steps() + 1;
     if (rank == 0) {
       if (json)
-        std::printf("%s\n", nlohmann::json{{"event", "resume"}, {"dir", dir}, {"step", engine.global_steps()}}.dump().c_str());
+        std::printf("%s\n", zinc::tools::resume_event(dir, engine.global_steps()).dump().c_str());
       else
         std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(engine.global_steps()));
     }
@@ -401,14 +384,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   auto save = [&](int64_t step) {
     const auto c0 = Clock::now();
     engine.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader.position()}, {"step", step}});
-    if (rank == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last);
+    if (rank == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last);
     if (rank != 0) return;
     const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
     const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
     if (json)
-      std::printf("%s\n", nlohmann::json{{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", secs}}
-                               .dump()
-                               .c_str());
+      std::printf("%s\n", zinc::tools::checkpoint_event(step, path, secs).dump().c_str());
     else
       std::printf("checkpoint at step %lld: %s (%.2f s)\n", static_cast<long long>(step), path.c_str(), secs);
     std::fflush(stdout);
@@ -421,15 +402,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
 
   if (json && !quiet) {
-    const nlohmann::json resolved =
-        zinc::tools::resolved_document(cfg, ex.experiment, zinc::tools::parse_trainer(doc));
-    std::printf("%s\n", nlohmann::json({{"event", "config"}, {"world_size", world}, {"config", resolved}}).dump().c_str());
-  }
-  if (json && !quiet && !ex.auto_values.empty()) {
-    nlohmann::json values = nlohmann::json::array();
-    for (const zinc::tools::AutoValue& a : ex.auto_values)
-      values.push_back({{"path", a.path}, {"value", a.value}, {"source", a.source}});
-    std::printf("%s\n", nlohmann::json({{"event", "auto"}, {"values", values}}).dump().c_str());
+    std::printf("%s\n", zinc::tools::config_event(ex, doc, world).dump().c_str());
+    if (const std::optional<nlohmann::json> a = zinc::tools::auto_event(ex)) std::printf("%s\n", a->dump().c_str());
   }
   if (!json && !quiet) {
     for (const zinc::tools::AutoValue& a : ex.auto_values)
@@ -473,15 +447,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       t_last = now;
       step_last = s;
       if (json) {
-        nlohmann::json ev = {{"event", "step"},       {"step", s},
-                             {"loss", loss},          {"lr", engine.learning_rate()},
-                             {"grad_norm", engine.global_grad_norm()},
-                             {"tokens_per_s", tps},   {"elapsed_s", elapsed}};
-        if (cfg.fp16.enabled) {
-          ev["loss_scale"] = engine.loss_scale();
-          ev["skipped_steps"] = engine.skipped_steps();
-        }
-        std::printf("%s\n", ev.dump().c_str());
+        std::printf("%s\n", zinc::tools::step_event(engine, s, loss, tps, elapsed).dump().c_str());
       } else {
         const double eta = elapsed / static_cast<double>(s - first_step + 1) * static_cast<double>(steps - s);
         std::string scale;
@@ -504,7 +470,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, run.eval_batches,
                                         cfg.train_micro_batch_size_per_gpu);
       if (json)
-        std::printf("%s\n", nlohmann::json{{"event", "eval"}, {"step", s}, {"loss", eval_loss}}.dump().c_str());
+        std::printf("%s\n", zinc::tools::eval_event(s, eval_loss).dump().c_str());
       else if (!quiet)
         std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
       std::fflush(stdout);

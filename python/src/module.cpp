@@ -1,0 +1,618 @@
+// zinc Python module (_zinc, re-exported by the package `zinc`): the engine
+// and config-only training runs over the same C++ code as zinc-train.
+//
+// Threads and signals: every call that computes (initialize, forward,
+// backward, step, train_batch, evaluate, checkpoints) runs inside a
+// ComputeScope: the GIL released and SIGINT / SIGTERM blocked on the calling
+// thread. Threads the engine starts (OpenMP pool, comm streams, I/O reapers)
+// are started inside such a scope and inherit the blocked mask, so a Ctrl-C
+// is never delivered onto a thread running oneDNN's JIT code (zinc-train's
+// comment on its signal thread says why that matters); it stays pending until
+// the scope ends, Python's handler then sets its flag, and the
+// KeyboardInterrupt is raised at that call boundary, between steps, with the
+// engine intact. One Engine is driven from one Python thread at a time.
+//
+// MPI (Note [MPI lifetime] in comm/mpi_communicator.cpp): under mpirun the
+// first initialize() makes the process's communicator and keeps it for the
+// life of the process, because MPI cannot start again once finalised;
+// zinc._shutdown (registered with atexit) closes every engine and lets it go.
+#include <csignal>
+#include <pthread.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "data/data.h"
+#include "engine/engine.h"
+#include "tools/experiment.h"
+#include "tools/train_events.h"
+
+namespace py = pybind11;
+using json = nlohmann::json;
+
+void bind_optim(py::module_& m);  // optim.cpp: zinc.optim
+
+#ifndef ZINC_VERSION
+#error "ZINC_VERSION must be defined by the build (python/CMakeLists.txt)"
+#endif
+
+namespace {
+
+// ---- exceptions ----------------------------------------------------------
+
+PyObject* g_error = nullptr;         // zinc.Error(RuntimeError)
+PyObject* g_config_error = nullptr;  // zinc.ConfigError(ValueError), .path
+PyObject* g_comm_error = nullptr;    // zinc.CommError(zinc.Error)
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const zinc::ConfigError& e) {
+    py::object exc = py::reinterpret_borrow<py::object>(g_config_error)(e.what());
+    exc.attr("path") = e.path();
+    PyErr_SetObject(g_config_error, exc.ptr());
+  } catch (const zinc::IoError& e) {
+    PyErr_SetString(PyExc_OSError, e.what());
+  } catch (const zinc::CommError& e) {
+    PyErr_SetString(g_comm_error, e.what());
+  } catch (const zinc::Error& e) {
+    PyErr_SetString(g_error, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    // A document that is not what the config parser expects at a place it
+    // did not check by path (should be rare): still a config error.
+    py::object exc = py::reinterpret_borrow<py::object>(g_config_error)(std::string("config: ") + e.what());
+    exc.attr("path") = "";
+    PyErr_SetObject(g_config_error, exc.ptr());
+  }
+}
+
+// ---- GIL and signals -----------------------------------------------------
+
+// See the header comment: GIL released, SIGINT / SIGTERM blocked on this
+// thread for the scope. Destruction restores the mask (a pending Ctrl-C is
+// taken by Python's handler here) and then takes the GIL back.
+class ComputeScope {
+ public:
+  ComputeScope() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, &old_);
+    release_.emplace();
+  }
+  ~ComputeScope() {
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    release_.reset();
+  }
+  ComputeScope(const ComputeScope&) = delete;
+  ComputeScope& operator=(const ComputeScope&) = delete;
+
+ private:
+  sigset_t old_{};
+  std::optional<py::gil_scoped_release> release_;
+};
+
+// Raises KeyboardInterrupt (or whatever a Python signal handler raised) now,
+// at a step boundary, with the GIL held.
+void check_signals() {
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+
+// ---- JSON <-> Python -----------------------------------------------------
+
+py::object to_py(const json& j) {
+  switch (j.type()) {
+    case json::value_t::null: return py::none();
+    case json::value_t::boolean: return py::bool_(j.get<bool>());
+    case json::value_t::number_integer: return py::int_(j.get<int64_t>());
+    case json::value_t::number_unsigned: return py::int_(j.get<uint64_t>());
+    case json::value_t::number_float: return py::float_(j.get<double>());
+    case json::value_t::string: return py::str(j.get_ref<const std::string&>());
+    case json::value_t::array: {
+      py::list l;
+      for (const json& x : j) l.append(to_py(x));
+      return l;
+    }
+    case json::value_t::object: {
+      py::dict d;
+      for (auto it = j.begin(); it != j.end(); ++it) d[py::str(it.key())] = to_py(it.value());
+      return d;
+    }
+    default: return py::none();
+  }
+}
+
+// A config given as a dict: JSON values only. path: where in the document
+// (for the error).
+json from_py(py::handle h, const std::string& path) {
+  if (h.is_none()) return nullptr;
+  if (py::isinstance<py::bool_>(h)) return h.cast<bool>();
+  if (py::isinstance<py::int_>(h)) return h.cast<int64_t>();
+  if (py::isinstance<py::float_>(h)) return h.cast<double>();
+  if (py::isinstance<py::str>(h)) return h.cast<std::string>();
+  if (py::isinstance<py::dict>(h)) {
+    json o = json::object();
+    for (auto kv : py::reinterpret_borrow<py::dict>(h)) {
+      if (!py::isinstance<py::str>(kv.first))
+        throw zinc::ConfigError(path.empty() ? "config" : path,
+                                "keys must be strings, got " + std::string(py::str(py::repr(kv.first))));
+      const std::string k = kv.first.cast<std::string>();
+      o[k] = from_py(kv.second, path.empty() ? k : path + "." + k);
+    }
+    return o;
+  }
+  if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
+    json a = json::array();
+    size_t i = 0;
+    for (py::handle x : h) a.push_back(from_py(x, path + "[" + std::to_string(i++) + "]"));
+    return a;
+  }
+  throw zinc::ConfigError(path.empty() ? "config" : path,
+                          "expected a JSON value (dict, list, str, int, float, bool or None), got " +
+                              type_name(h));
+}
+
+// The experiment document from `config` (a dict, or a str / os.PathLike
+// naming a JSON file), with run.steps replaced when steps is given.
+json load_config(py::handle config, std::optional<int64_t> steps, const char* fn) {
+  json doc;
+  if (py::isinstance<py::dict>(config)) {
+    doc = from_py(config, "");
+  } else if (py::isinstance<py::str>(config) || py::hasattr(config, "__fspath__")) {
+    const std::string path = py::module_::import("os").attr("fspath")(config).cast<std::string>();
+    doc = zinc::tools::load_document(path, {});
+  } else {
+    throw py::type_error(std::string(fn) + ": config must be a dict or a path to a JSON file, got " +
+                         type_name(config));
+  }
+  if (steps) {
+    if (*steps <= 0) throw py::value_error(std::string(fn) + ": steps must be positive, got " + std::to_string(*steps));
+    if (!doc.contains("run")) doc["run"] = json::object();
+    if (doc["run"].is_object()) doc["run"]["steps"] = *steps;
+  }
+  return doc;
+}
+
+// ---- the process's communicator ------------------------------------------
+
+std::shared_ptr<zinc::comm::Communicator> g_comm;  // under mpirun: kept for the process (MPI starts once)
+
+// The communicator for an engine: null with one rank; under an MPI launcher
+// the process's, made from the first document's comm section.
+std::shared_ptr<zinc::comm::Communicator> communicator_for(const json& doc) {
+  if (!zinc::comm::launched_with_mpi()) return nullptr;
+  if (!g_comm) {
+    const zinc::tools::CommConfig cc = zinc::tools::ExperimentConfig::parse_comm(doc);
+    g_comm = zinc::comm::make_communicator(zinc::tools::comm_backend_name(cc.backend), cc.timeout_seconds);
+    zinc::set_log_rank(g_comm->rank());
+    if (g_comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
+  }
+  return g_comm;
+}
+
+// ---- batches from NumPy --------------------------------------------------
+
+// One (B,T) int32 array, checked: the argument's name in every error.
+py::array_t<int32_t> token_array(py::handle h, const std::string& fn, const char* name) {
+  if (!py::isinstance<py::array>(h))
+    throw py::type_error(fn + ": " + name + " must be a numpy.ndarray of int32 with shape (B, T), got " +
+                         type_name(h));
+  py::array a = py::reinterpret_borrow<py::array>(h);
+  if (a.dtype().kind() != 'i' || a.itemsize() != 4)
+    throw py::type_error(fn + ": " + name + " must have dtype int32, got " + std::string(py::str(a.dtype())));
+  if (a.ndim() != 2)
+    throw py::value_error(fn + ": " + name + " must have 2 dimensions (B, T), got " + std::to_string(a.ndim()));
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(fn + ": " + name +
+                          " must be C-contiguous (numpy.ascontiguousarray makes a contiguous copy)");
+  if (a.shape(0) <= 0 || a.shape(1) <= 0)
+    throw py::value_error(fn + ": " + name + " must not be empty, got shape (" + std::to_string(a.shape(0)) + ", " +
+                          std::to_string(a.shape(1)) + ")");
+  return py::reinterpret_borrow<py::array_t<int32_t>>(a);
+}
+
+// ---- Engine --------------------------------------------------------------
+
+class PyEngine;
+class TrainRun;
+std::set<PyEngine*> g_engines;  // open engines and runs, closed by _shutdown
+std::set<TrainRun*> g_runs;
+
+class PyEngine {
+ public:
+  explicit PyEngine(py::handle config, std::optional<int64_t> steps = std::nullopt,
+                    const char* fn = "zinc.initialize") {
+    doc_ = load_config(config, steps, fn);
+    comm_ = communicator_for(doc_);
+    const int world = comm_ ? comm_->size() : 1;
+    {
+      ComputeScope scope;
+      ex_ = zinc::tools::build_experiment(doc_, world);
+      engine_.emplace(zinc::Engine::initialize(ex_.model, ex_.config, world > 1 ? comm_ : nullptr));
+      loader_ = std::make_unique<zinc::DataLoader>(ex_.data, ex_.config.train_micro_batch_size_per_gpu,
+                                                   ex_.config.gradient_accumulation_steps, world,
+                                                   comm_ ? comm_->rank() : 0, ex_.experiment.run.seed);
+    }
+    const zinc::tools::ModelConfig& m = ex_.experiment.model;
+    vocab_ = m.vocab_size > 0 ? m.vocab_size : ex_.data->vocab_size();
+    max_t_ = m.type == zinc::tools::ModelType::kGpt ? (m.block_size > 0 ? m.block_size : ex_.data->seq_len()) : 0;
+    g_engines.insert(this);
+  }
+  ~PyEngine() {
+    g_engines.erase(this);
+    close();
+  }
+
+  zinc::Engine& engine(const char* what) {
+    if (!engine_) throw py::value_error(std::string("zinc.Engine.") + what + ": the engine is closed");
+    return *engine_;
+  }
+
+  void close() {
+    if (!engine_) return;
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check()) release.emplace();
+    engine_.reset();
+    loader_.reset();
+  }
+  bool closed() const { return !engine_; }
+
+  float forward(py::object batch) {
+    zinc::Engine& e = engine("forward");
+    if (batch.is_none()) {
+      ComputeScope scope;
+      return e.forward(loader_->next());
+    }
+    zinc::Batch b = to_batch(batch, "zinc.Engine.forward");
+    ComputeScope scope;
+    return e.forward(b);
+  }
+  void backward() {
+    zinc::Engine& e = engine("backward");
+    ComputeScope scope;
+    e.backward();
+  }
+  void step() {
+    zinc::Engine& e = engine("step");
+    ComputeScope scope;
+    e.step();
+  }
+  // One global batch: from the config's data (data None), or from an
+  // iterable of gradient_accumulation_steps batches.
+  double train_batch(py::object data) {
+    zinc::Engine& e = engine("train_batch");
+    if (data.is_none()) {
+      ComputeScope scope;
+      return e.train_batch(*loader_);
+    }
+    const int64_t ga = ex_.config.gradient_accumulation_steps;
+    std::vector<zinc::Batch> batches;
+    for (py::handle b : data) batches.push_back(to_batch(b, "zinc.Engine.train_batch"));
+    if (static_cast<int64_t>(batches.size()) != ga)
+      throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
+                            std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
+    ComputeScope scope;
+    for (const zinc::Batch& b : batches) {
+      e.forward(b);
+      e.backward();
+      e.step();
+    }
+    return e.last_batch_loss();
+  }
+  double evaluate(py::object batch) {
+    zinc::Engine& e = engine("evaluate");
+    if (batch.is_none()) {
+      if (!ex_.eval_data)
+        throw py::value_error(
+            "zinc.Engine.evaluate: the config has no held-out data (set run.eval_interval > 0), so pass a batch");
+      ComputeScope scope;
+      return zinc::tools::evaluate(e, *ex_.eval_data, ex_.experiment.run.eval_batches,
+                                   ex_.config.train_micro_batch_size_per_gpu);
+    }
+    zinc::Batch b = to_batch(batch, "zinc.Engine.evaluate");
+    ComputeScope scope;
+    return e.evaluate(b);
+  }
+
+  // zinc-train's client state, so that either can resume the other's
+  // checkpoints: the data loader's position and the step.
+  void save_checkpoint(const std::string& dir, std::optional<std::string> tag, py::object client_state) {
+    zinc::Engine& e = engine("save_checkpoint");
+    json client = client_state.is_none() ? json::object() : from_py(client_state, "client_state");
+    if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
+    client["samples"] = loader_->position();
+    client["step"] = e.global_steps();
+    ComputeScope scope;
+    e.save_checkpoint(dir, tag.value_or(""), client);
+  }
+  py::object load_checkpoint(const std::string& dir, std::optional<std::string> tag) {
+    zinc::Engine& e = engine("load_checkpoint");
+    json client;
+    {
+      ComputeScope scope;
+      client = e.load_checkpoint(dir, tag.value_or(""));
+    }
+    if (client.is_object() && client.contains("samples") && client["samples"].is_number_integer())
+      loader_->set_position(client["samples"].get<int64_t>());
+    return to_py(client);
+  }
+
+  py::object config() const { return to_py(zinc::tools::config_event(ex_, doc_, world())["config"]); }
+  int world() const { return comm_ ? comm_->size() : 1; }
+  const zinc::tools::Experiment& experiment() const { return ex_; }
+  const json& document() const { return doc_; }
+  zinc::DataLoader& loader() { return *loader_; }
+
+ private:
+  // A batch: (inputs, targets) as a tuple or list, or a dict with those keys.
+  zinc::Batch to_batch(py::handle batch, const std::string& fn) const {
+    py::object in, tg;
+    if (py::isinstance<py::dict>(batch)) {
+      py::dict d = py::reinterpret_borrow<py::dict>(batch);
+      if (!d.contains("inputs") || !d.contains("targets"))
+        throw py::value_error(fn + ": batch must have the keys 'inputs' and 'targets'");
+      in = d["inputs"];
+      tg = d["targets"];
+    } else if ((py::isinstance<py::tuple>(batch) || py::isinstance<py::list>(batch)) && py::len(batch) == 2) {
+      in = batch[py::int_(0)];
+      tg = batch[py::int_(1)];
+    } else {
+      throw py::type_error(fn + ": batch must be an (inputs, targets) pair or a dict of them, got " +
+                           type_name(batch));
+    }
+    py::array_t<int32_t> a = token_array(in, fn, "inputs");
+    py::array_t<int32_t> t = token_array(tg, fn, "targets");
+    if (a.shape(0) != t.shape(0) || a.shape(1) != t.shape(1))
+      throw py::value_error(fn + ": targets must have the shape of inputs (" + std::to_string(a.shape(0)) + ", " +
+                            std::to_string(a.shape(1)) + "), got (" + std::to_string(t.shape(0)) + ", " +
+                            std::to_string(t.shape(1)) + ")");
+    zinc::Batch b;
+    b.B = a.shape(0);
+    b.T = a.shape(1);
+    if (max_t_ > 0 && b.T > max_t_)
+      throw py::value_error(fn + ": inputs has T = " + std::to_string(b.T) + " tokens per sample; the model's block_size is " +
+                            std::to_string(max_t_));
+    const size_t n = static_cast<size_t>(b.B * b.T);
+    b.inputs.assign(a.data(), a.data() + n);
+    b.targets.assign(t.data(), t.data() + n);
+    check_tokens(b.inputs, b.T, fn, "inputs");
+    check_tokens(b.targets, b.T, fn, "targets");
+    return b;
+  }
+  void check_tokens(const std::vector<int32_t>& v, int64_t T, const std::string& fn, const char* name) const {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0 || v[i] >= vocab_)
+        throw py::value_error(fn + ": " + name + "[" + std::to_string(static_cast<int64_t>(i) / T) + ", " +
+                              std::to_string(static_cast<int64_t>(i) % T) + "] = " + std::to_string(v[i]) +
+                              " is outside the vocabulary [0, " + std::to_string(vocab_) + ")");
+  }
+
+  json doc_;
+  std::shared_ptr<zinc::comm::Communicator> comm_;
+  zinc::tools::Experiment ex_;
+  std::optional<zinc::Engine> engine_;
+  std::unique_ptr<zinc::DataLoader> loader_;
+  int64_t vocab_ = 0, max_t_ = 0;
+};
+
+// ---- zinc.train ----------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+
+// One config-only run, step by step: the events zinc-train --json prints
+// (tools/train_events.h), for zinc.train's generator. Every rank returns the
+// same events (zinc-train prints rank 0's).
+class TrainRun {
+ public:
+  TrainRun(py::handle config, std::optional<int64_t> steps) : engine_(config, steps, "zinc.train") {
+    const zinc::tools::Experiment& ex = engine_.experiment();
+    steps_ = ex.experiment.run.steps;
+    tokens_per_step_ = ex.config.train_batch_size * ex.data->seq_len();
+    g_runs.insert(this);
+  }
+  ~TrainRun() { g_runs.erase(this); }
+  PyEngine& engine() { return engine_; }
+
+  py::list start() {
+    py::list evs;
+    const zinc::tools::Experiment& ex = engine_.experiment();
+    evs.append(to_py(zinc::tools::config_event(ex, engine_.document(), engine_.world())));
+    if (std::optional<json> a = zinc::tools::auto_event(ex)) evs.append(to_py(*a));
+    t0_ = t_last_ = Clock::now();
+    return evs;
+  }
+
+  // The events of the next step, or None after the last one.
+  py::object step() {
+    check_signals();
+    zinc::Engine& e = engine_.engine("train");
+    if (step_ >= steps_) return py::none();
+    const zinc::tools::Experiment& ex = engine_.experiment();
+    const zinc::Config& cfg = ex.config;
+    const zinc::tools::RunConfig& run = ex.experiment.run;
+    const int64_t s = ++step_;
+    py::list evs;
+    {
+      ComputeScope scope;
+      loss_ = e.train_batch(engine_.loader());
+    }
+    if (s % cfg.steps_per_print == 0 || s == steps_) {
+      const auto now = Clock::now();
+      const double elapsed = std::chrono::duration<double>(now - t0_).count();
+      const double window = std::chrono::duration<double>(now - t_last_).count();
+      const double tps = window > 0 ? static_cast<double>((s - step_last_) * tokens_per_step_) / window : 0;
+      t_last_ = now;
+      step_last_ = s;
+      evs.append(to_py(zinc::tools::step_event(e, s, loss_, tps, elapsed)));
+    }
+    if (ex.eval_data && (s % run.eval_interval == 0 || s == steps_)) {
+      {
+        ComputeScope scope;
+        eval_loss_ = zinc::tools::evaluate(e, *ex.eval_data, run.eval_batches, cfg.train_micro_batch_size_per_gpu);
+      }
+      evs.append(to_py(zinc::tools::eval_event(s, eval_loss_)));
+    }
+    if (run.checkpoint_interval > 0 && (s % run.checkpoint_interval == 0 || s == steps_)) {
+      const auto c0 = Clock::now();
+      engine_.save_checkpoint(run.checkpoint_dir, std::nullopt, py::none());
+      if (e.rank() == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last);
+      const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
+      evs.append(to_py(zinc::tools::checkpoint_event(s, run.checkpoint_dir + "/global_step" + std::to_string(s), secs)));
+    }
+    return evs;
+  }
+
+  // What zinc-train's summary says that does not need the whole process's
+  // accounting (peak RSS per rank, communication shares, NVMe traffic).
+  py::dict summary() {
+    zinc::Engine& e = engine_.engine("train");
+    const zinc::tools::Experiment& ex = engine_.experiment();
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
+    json sum = {{"event", "summary"},
+                {"steps", step_},
+                {"final_loss", loss_},
+                {"tokens_per_s", static_cast<double>(step_ * tokens_per_step_) / elapsed},
+                {"elapsed_s", elapsed},
+                {"world_size", engine_.world()},
+                {"zero_stage", ex.config.zero.stage},
+                {"skipped_steps", e.skipped_steps()}};
+    const std::optional<double> floor = ex.data->loss_floor();
+    sum["loss_floor"] = floor ? json(*floor) : json(nullptr);
+    if (ex.eval_data) sum["final_eval_loss"] = eval_loss_;
+    return to_py(sum);
+  }
+
+ private:
+  PyEngine engine_;
+  int64_t steps_ = 0, step_ = 0, step_last_ = 0, tokens_per_step_ = 0;
+  double loss_ = NAN, eval_loss_ = NAN;
+  Clock::time_point t0_, t_last_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_zinc, m) {
+  m.doc() = "zinc's C++ engine (use the package `zinc`, which re-exports it).";
+  m.attr("__version__") = ZINC_VERSION;
+
+  g_error = PyErr_NewExceptionWithDoc("zinc.Error", "An error from zinc's engine (the base of CommError).",
+                                      PyExc_RuntimeError, nullptr);
+  g_config_error = PyErr_NewExceptionWithDoc(
+      "zinc.ConfigError",
+      "A config value that is wrong. A ValueError; .path is the JSON path of the value (\"\" when the error "
+      "is not about one value), and the message starts with it.",
+      PyExc_ValueError, nullptr);
+  g_comm_error = PyErr_NewExceptionWithDoc("zinc.CommError", "A collective between ranks that failed.", g_error, nullptr);
+  m.attr("Error") = py::handle(g_error);
+  m.attr("ConfigError") = py::handle(g_config_error);
+  m.attr("CommError") = py::handle(g_comm_error);
+  py::register_exception_translator(&translate);
+
+  py::class_<PyEngine>(m, "Engine", R"doc(
+A training engine over one of zinc's built-in models: ZeRO stages 0-3,
+bf16 / fp16, gradient accumulation, offload, as the config says. Make one
+with zinc.initialize(config).
+
+Batches: None takes the next micro-batch from the config's data section (the
+order zinc-train uses); otherwise (inputs, targets), or a dict with those
+keys, where both are C-contiguous numpy int32 arrays of shape (B, T) with
+token ids below the model's vocabulary. Under mpirun every rank makes the
+same calls in the same order, each with its own part of the global batch.
+
+Every call that computes releases the GIL. A Ctrl-C arriving during a call
+is raised as KeyboardInterrupt when the call returns, so the engine is
+always left between calls and stays usable. close() (or a with block)
+frees the engine; any call after it raises ValueError.
+)doc")
+      .def("forward", &PyEngine::forward, py::arg("batch") = py::none(),
+           "forward(batch=None) -> float\n\nOne micro-batch forward; returns its mean loss.")
+      .def("backward", &PyEngine::backward, "backward()\n\nBackward of the last forward; gradients accumulate.")
+      .def("step", &PyEngine::step,
+           "step()\n\nAt a gradient-accumulation boundary: global norm, clipping, the optimizer step and the "
+           "schedule's advance; elsewhere nothing (as DeepSpeed's engine.step()).")
+      .def("train_batch", &PyEngine::train_batch, py::arg("data") = py::none(),
+           "train_batch(data=None) -> float\n\nOne global batch (gradient_accumulation_steps x forward, backward, "
+           "step); returns its mean loss over all micro-batches and ranks. data: None for the config's data, or "
+           "an iterable of gradient_accumulation_steps batches.")
+      .def("evaluate", &PyEngine::evaluate, py::arg("batch") = py::none(),
+           "evaluate(batch=None) -> float\n\nForward only. None: the mean loss over run.eval_batches held-out "
+           "micro-batches, as zinc-train's eval events report it (needs run.eval_interval > 0); a batch: its "
+           "mean loss.")
+      .def("save_checkpoint", &PyEngine::save_checkpoint, py::arg("save_dir"), py::arg("tag") = py::none(),
+           py::arg("client_state") = py::none(),
+           "save_checkpoint(save_dir, tag=None, client_state=None)\n\nWrites save_dir/tag (None: "
+           "'global_step<N>') and points save_dir/latest at it once complete. client_state (a JSON-able dict) is "
+           "kept with it, together with the data position, so zinc-train --resume can continue it. Collective "
+           "under mpirun. OSError when a file cannot be written.")
+      .def("load_checkpoint", &PyEngine::load_checkpoint, py::arg("load_dir"), py::arg("tag") = py::none(),
+           "load_checkpoint(load_dir, tag=None) -> dict\n\nLoads load_dir/tag (None: the tag load_dir/latest "
+           "names), saved at any world size and ZeRO stage, restores the step counters, the schedule and the "
+           "data position; returns the client_state. OSError naming the file for a missing or corrupt one.")
+      .def("close", &PyEngine::close, "close()\n\nFrees the engine's memory and files. Idempotent.")
+      .def("__enter__", [](PyEngine& e) -> PyEngine& { return e; }, py::return_value_policy::reference)
+      .def("__exit__", [](PyEngine& e, py::args) { e.close(); })
+      .def_property_readonly("closed", &PyEngine::closed, "True after close().")
+      .def_property_readonly("global_steps", [](PyEngine& e) { return e.engine("global_steps").global_steps(); },
+                             "Optimizer steps taken (global batches completed), skipped ones included.")
+      .def_property_readonly("skipped_steps", [](PyEngine& e) { return e.engine("skipped_steps").skipped_steps(); },
+                             "Steps skipped for non-finite gradients (fp16 overflow).")
+      .def_property_readonly("micro_steps", [](PyEngine& e) { return e.engine("micro_steps").micro_steps(); },
+                             "Micro-batches run through backward.")
+      .def_property_readonly("learning_rate", [](PyEngine& e) { return e.engine("learning_rate").learning_rate(); },
+                             "Learning rate of the most recent optimizer step (before the first: the first's).")
+      .def_property_readonly("grad_norm", [](PyEngine& e) { return e.engine("grad_norm").global_grad_norm(); },
+                             "Global L2 norm of the averaged gradient at the last step, before clipping.")
+      .def_property_readonly("last_loss", [](PyEngine& e) { return e.engine("last_loss").last_batch_loss(); },
+                             "Mean loss of the last completed global batch, over its micro-batches and all ranks.")
+      .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine("loss_scale").loss_scale(); },
+                             "fp16: the loss scale of the next backward; 1.0 without fp16.")
+      .def_property_readonly("rank", [](PyEngine& e) { return e.engine("rank").rank(); }, "This process's rank.")
+      .def_property_readonly("world_size", [](PyEngine& e) { return e.engine("world_size").world_size(); },
+                             "Data-parallel ranks (1 outside mpirun).")
+      .def_property_readonly("num_parameters", [](PyEngine& e) { return e.engine("num_parameters").num_parameters(); },
+                             "Parameters of the model (unpadded).")
+      .def_property_readonly("config", &PyEngine::config,
+                             "The resolved config: every key with the value it takes (zinc-train's config event).");
+
+  m.def("initialize", [](py::object config) { return std::make_unique<PyEngine>(config); }, py::arg("config"),
+        R"doc(initialize(config) -> Engine
+
+Builds the experiment a config describes, as zinc-train does: config is a
+dict or a path (str or os.PathLike) to a JSON file, a DeepSpeed config plus
+zinc's `model`, `data`, `run` and `comm` sections. Raises zinc.ConfigError
+(a ValueError, with .path) for a wrong value and OSError for a file that
+cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
+
+  py::class_<TrainRun>(m, "_TrainRun", "One zinc.train run, step by step (use zinc.train).")
+      .def(py::init<py::object, std::optional<int64_t>>(), py::arg("config"), py::arg("steps") = py::none())
+      .def("start", &TrainRun::start, "The config (and auto) events.")
+      .def("step", &TrainRun::step, "Trains one step; its events, or None after the last step.")
+      .def("summary", &TrainRun::summary, "The summary event.")
+      .def_property_readonly("engine", &TrainRun::engine, py::return_value_policy::reference_internal);
+
+  m.def("_shutdown", [] {
+    for (TrainRun* r : std::set<TrainRun*>(g_runs)) r->engine().close();
+    for (PyEngine* e : std::set<PyEngine*>(g_engines)) e->close();
+    py::gil_scoped_release release;
+    g_comm.reset();
+  }, "Closes every engine and lets MPI finalise (registered with atexit).");
+
+  bind_optim(m);
+}

@@ -1,0 +1,159 @@
+"""zinc.Engine against zinc-train: same losses bit for bit; checkpoints."""
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import zinc
+from conftest import REPO, run_zinc_train
+
+
+def test_version_is_the_projects():
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    assert zinc.__version__ == re.search(r"project\(zinc LANGUAGES CXX VERSION ([0-9.]+)\)", cmake).group(1)
+
+
+def test_python_loop_reproduces_zinc_train_bit_for_bit(doc, tmp_path):
+    events = run_zinc_train(doc, tmp_path)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 21))
+    with zinc.initialize(doc) as engine:
+        assert (engine.rank, engine.world_size) == (0, 1)
+        for e in steps:
+            loss = engine.train_batch()
+            # Exact equality: the same float from the same computation.
+            assert (loss, engine.learning_rate, engine.grad_norm) == (e["loss"], e["lr"], e["grad_norm"]), e["step"]
+            assert engine.global_steps == e["step"]
+        assert engine.last_loss == pytest.approx(steps[-1]["loss"], rel=1e-6)
+        [ev] = [e for e in events if e["event"] == "eval"]
+        assert engine.evaluate() == ev["loss"]
+
+
+def test_forward_backward_step_equals_train_batch(doc):
+    doc["run"]["steps"] = 3
+    with zinc.initialize(doc) as a, zinc.initialize(doc) as b:
+        rng = np.random.default_rng(0)
+        B, T = doc["train_batch_size"], doc["data"]["seq_len"]
+        for _ in range(3):
+            x = rng.integers(0, 64, size=(B, T), dtype=np.int32)
+            y = rng.integers(0, 64, size=(B, T), dtype=np.int32)
+            loss = a.forward((x, y))
+            a.backward()
+            a.step()
+            assert b.train_batch([{"inputs": x, "targets": y}]) == loss
+        assert a.global_steps == b.global_steps == 3
+        assert a.evaluate((x, y)) == b.evaluate((x, y))
+
+
+def test_train_yields_zinc_trains_events(doc, tmp_path):
+    want = run_zinc_train(doc, tmp_path)
+    got = list(zinc.train(doc))
+    timing = {"elapsed_s", "tokens_per_s"}
+    strip = lambda e: {k: v for k, v in e.items() if k not in timing}
+    assert [e["event"] for e in got] == [e["event"] for e in want]
+    for g, w in zip(got[:-1], want[:-1]):
+        assert strip(g) == strip(w)
+    g, w = got[-1], want[-1]
+    assert set(g) - set(w) == set()
+    for k in ("steps", "final_loss", "world_size", "zero_stage", "skipped_steps", "loss_floor", "final_eval_loss"):
+        assert g[k] == w[k], k
+
+
+def test_train_with_callback_and_steps(doc):
+    seen = []
+    summary = zinc.train(doc, steps=2, on_step=seen.append)
+    assert summary is seen[-1] and summary["event"] == "summary" and summary["steps"] == 2
+    assert [e["step"] for e in seen if e["event"] == "step"] == [1, 2]
+    assert seen[0]["event"] == "config" and seen[0]["config"]["run"]["steps"] == 2
+
+
+def test_config_path_and_pathlike(tmp_path, doc):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(doc))
+    with zinc.initialize(p) as a, zinc.initialize(str(p)) as b:
+        assert a.train_batch() == b.train_batch()
+        assert a.config["run"]["steps"] == 20
+
+
+def test_checkpoint_round_trip(doc, tmp_path):
+    ck = str(tmp_path / "ck")
+    with zinc.initialize(doc) as a:
+        for _ in range(3):
+            a.train_batch()
+        a.save_checkpoint(ck, client_state={"note": "three"})
+        a.save_checkpoint(ck, tag="named")
+        after = [a.train_batch() for _ in range(2)]
+    assert sorted(os.listdir(ck)) == ["global_step3", "latest", "named"]
+    with zinc.initialize(doc) as b:
+        client = b.load_checkpoint(ck, tag="global_step3")
+        assert client["note"] == "three" and client["step"] == 3
+        assert b.global_steps == 3
+        assert [b.train_batch() for _ in range(2)] == after
+    with zinc.initialize(doc) as c:
+        c.load_checkpoint(ck)  # latest: "named", also after step 3
+        assert c.global_steps == 3 and c.train_batch() == after[0]
+
+
+def test_python_checkpoint_resumes_in_zinc_train(doc, tmp_path):
+    ck = tmp_path / "ck"
+    doc["run"]["checkpoint_dir"] = str(ck)
+    doc["run"]["eval_interval"] = 0
+    with zinc.initialize(doc) as a:
+        for _ in range(3):
+            a.train_batch()
+        a.save_checkpoint(str(ck))
+        after = [a.train_batch() for _ in range(2)]
+    events = run_zinc_train(doc, tmp_path, "--steps", "5", "--resume")
+    assert [e["loss"] for e in events if e["event"] == "step"] == after
+
+
+def test_ctrl_c_stops_between_steps_and_engine_stays_usable(tmp_path):
+    # In a child process: the test runner must not see the KeyboardInterrupt.
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, threading, time, json
+        sys.path.insert(0, %r)
+        import zinc
+        from conftest import default_doc
+        engine = zinc.initialize(default_doc())
+        engine.train_batch()
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        done = 1
+        try:
+            while True:
+                engine.train_batch()
+                done += 1
+        except KeyboardInterrupt:
+            pass
+        # The interrupt comes when a train_batch returns: that step is
+        # complete (the loop may not have counted it yet) and no later one began.
+        n = engine.global_steps
+        assert n in (done, done + 1) and engine.micro_steps == n, (n, done, engine.micro_steps)
+        engine.train_batch()
+        assert engine.global_steps == n + 1
+        print("stopped after", n, "steps")
+        # zinc.train: the generator stops with KeyboardInterrupt between steps.
+        seen = []
+        run = zinc.train(default_doc(steps=100000))
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            for ev in run:
+                seen.append(ev)
+        except KeyboardInterrupt:
+            pass
+        steps = [e["step"] for e in seen if e["event"] == "step"]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) < 100000, steps[-3:]
+        print("train stopped after", len(steps), "steps")
+        """
+        % str(pathlib.Path(__file__).parent)
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "stopped after" in r.stdout and "train stopped after" in r.stdout

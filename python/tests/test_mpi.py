@@ -1,0 +1,51 @@
+"""Two ranks from Python under mpirun: the same losses as zinc-train under mpirun."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import default_doc, run_zinc_train
+
+MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpirun")
+
+
+def launcher(np_):
+    flags = ["--oversubscribe"]
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    env_flags = []
+    for k in ("PYTHONPATH", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA"):
+        if k in os.environ:
+            env_flags += ["-x", k]
+    return [MPIEXEC, *flags, *env_flags, "-np", str(np_)]
+
+
+@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
+def test_two_ranks_reproduce_zinc_train_bit_for_bit(tmp_path):
+    doc = default_doc(steps=8)
+    doc["run"]["eval_interval"] = 0
+    want = run_zinc_train(doc, tmp_path, launcher=launcher(2))
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        import zinc
+        with zinc.initialize(sys.argv[1]) as engine:
+            assert engine.world_size == 2, engine.world_size
+            losses = [engine.train_batch() for _ in range(8)]
+            rows = {"rank": engine.rank, "loss": losses, "lr": engine.learning_rate, "grad_norm": engine.grad_norm}
+        print(json.dumps(rows), flush=True)
+    """))
+    r = subprocess.run([*launcher(2), sys.executable, str(script), str(tmp_path / "cfg.json")], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(row["rank"] for row in rows) == [0, 1]
+    steps = [e for e in want if e["event"] == "step"]
+    for row in rows:  # every rank sees the mean over all ranks
+        assert row["loss"] == [e["loss"] for e in steps]
+        assert (row["lr"], row["grad_norm"]) == (steps[-1]["lr"], steps[-1]["grad_norm"])

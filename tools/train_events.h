@@ -1,0 +1,46 @@
+// zinc tools: the JSON events of a training run, one function per event, as
+// zinc-train --json prints them (one object per line) and the Python module's
+// zinc.train yields them (as dicts). Building them in one place keeps the two
+// identical. Pure functions of their arguments; any thread.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+#include "tools/experiment.h"
+
+namespace zinc::tools {
+
+// {"event":"config","world_size":W,"config":<the resolved document>}: every
+// key of the run with the value it takes. doc: the document as given (its
+// `trainer` section).
+nlohmann::json config_event(const Experiment& ex, const nlohmann::json& doc, int world_size);
+// {"event":"auto","values":[{"path","value","source"}...]}: the "auto" values
+// resolved; nullopt when the document has none.
+std::optional<nlohmann::json> auto_event(const Experiment& ex);
+// {"event":"resume","dir":DIR,"step":N}
+nlohmann::json resume_event(const std::string& dir, int64_t step);
+// {"event":"step","step","loss","lr","grad_norm","tokens_per_s","elapsed_s"}
+// (+ "loss_scale" and "skipped_steps" with fp16): after optimizer step
+// `step`, whose global batch had mean loss `loss`. tokens_per_s and
+// elapsed_s are the caller's clock.
+nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s);
+// {"event":"eval","step":N,"loss":L}: held-out loss after step N.
+nlohmann::json eval_event(int64_t step, double loss);
+// {"event":"checkpoint","step":N,"path":P,"seconds":S}
+nlohmann::json checkpoint_event(int64_t step, const std::string& path, double seconds);
+
+}  // namespace zinc::tools
+
+namespace zinc::tools {
+
+// run.keep_last: the newest `keep` global_step<N> tags in `dir` stay; older
+// ones go. Run only after a newer checkpoint is complete. keep <= 0: nothing
+// goes.
+void prune_checkpoints(const std::string& dir, int64_t keep);
+
+}  // namespace zinc::tools
