@@ -8,7 +8,8 @@
 // finite 65504, subnormals down to 2^-24). Conversion from fp32 rounds to
 // nearest, ties to even, with subnormal results; finite values of 65520 and
 // above round to +-Inf (so an fp16 gradient overflows where a GPU's would);
-// NaN becomes the quiet NaN 0x7e00 with the sign kept. fp16 -> fp32 is exact.
+// NaN stays NaN (quiet, sign and the top of the payload kept, as the F16C
+// instruction does). fp16 -> fp32 is exact.
 // All functions are pure and thread-safe.
 #pragma once
 
@@ -65,46 +66,40 @@ inline bf16 float_to_bf16(float f) {
 inline float bf16_to_float(bf16 h) { return bits_float(static_cast<uint32_t>(h.bits) << 16); }
 
 // Round-to-nearest-even fp32 -> fp16 by integer arithmetic, the definition
-// every bulk path matches bit for bit. Normal results: the exponent is
+// every bulk path matches bit for bit (and the CPU's F16C instruction gives
+// the same bits, NaN payloads included). Normal results: the exponent is
 // rebiased (127 -> 15) and the 13 dropped mantissa bits rounded with the
 // carry running into the exponent (which also turns 65520 and above into
 // Inf). Subnormal results (|f| < 2^-14): adding 0.5f, whose unit in the last
 // place is 2^-24, makes the fp32 adder round |f| to a multiple of 2^-24, the
 // fp16 subnormal step; the low mantissa bits of the sum are then the fp16
-// bits.
+// bits. NaN: quiet, the top of the payload kept. Every case is computed and
+// one selected, without branches, so that loops over it vectorise.
 inline f16 float_to_f16(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7fffffffu;
-  uint32_t h;
-  if (a > 0x7f800000u) {
-    h = 0x7e00u;  // NaN
-  } else if (a >= 0x47800000u) {
-    h = 0x7c00u;  // >= 65536 and Inf (65520 up to 65536 reach Inf by rounding below)
-  } else if (a >= 0x38800000u) {  // >= 2^-14: a normal fp16
-    const uint32_t t = a - (112u << 23);
-    h = (t + 0xfffu + ((t >> 13) & 1u)) >> 13;
-  } else {
-    h = float_bits(bits_float(a) + 0.5f) - 0x3f000000u;
-  }
+  const uint32_t t = a - (112u << 23);
+  const uint32_t normal = (t + 0xfffu + ((t >> 13) & 1u)) >> 13;
+  const uint32_t subnormal = float_bits(bits_float(a) + 0.5f) - 0x3f000000u;
+  uint32_t h = a >= 0x38800000u ? normal : subnormal;  // >= 2^-14: a normal fp16
+  h = a >= 0x47800000u ? 0x7c00u : h;  // >= 65536 and Inf (65520 up to 65536 reach Inf by rounding)
+  h = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : h;  // NaN
   return f16{static_cast<uint16_t>(sign | h)};
 }
 
 // Exact fp16 -> fp32. Normal values rebias the exponent (15 -> 127);
 // subnormals are (bits) * 2^-24, formed exactly as a float product; Inf and
-// NaN keep an all-ones exponent.
+// NaN keep an all-ones exponent. Branch-free like float_to_f16.
 inline float f16_to_float(f16 h) {
   const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
   const uint32_t e = (h.bits >> 10) & 0x1fu;
   const uint32_t m = h.bits & 0x3ffu;
-  uint32_t u;
-  if (e == 0x1fu) {
-    u = 0x7f800000u | (m << 13);
-  } else if (e != 0) {
-    u = ((e + 112u) << 23) | (m << 13);
-  } else {
-    u = float_bits(static_cast<float>(m) * 5.9604644775390625e-8f);  // m * 2^-24, exact
-  }
+  const uint32_t normal = ((e + 112u) << 23) | (m << 13);
+  const uint32_t special = 0x7f800000u | (m << 13);
+  const uint32_t subnormal = float_bits(static_cast<float>(static_cast<int32_t>(m)) * 5.9604644775390625e-8f);
+  uint32_t u = e == 0x1fu ? special : normal;
+  u = e == 0 ? subnormal : u;
   return bits_float(sign | u);
 }
 

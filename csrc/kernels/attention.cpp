@@ -14,8 +14,9 @@
 // that backward needs (12.6 MB for B=8, H=6, T=256). q, k, v are re-permuted
 // from qkv in backward rather than saved. Everything else (permuted operands,
 // dP, dS, per-head outputs) lives in thread-local grow-only scratch shared by
-// all layers. Operands are written directly in the compute dtype (bf16 or
-// fp16 when compute is), so matmul never has to round them again.
+// all layers. Operands are written directly as the matmuls read them (bf16
+// for bf16 compute; fp16-exact fp32 values for fp16 compute, which multiplies
+// in fp32), so matmul never has to convert them.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -43,10 +44,15 @@ namespace {
 
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, bf16* p) { *p = float_to_bf16(v); }
-inline void store(float v, f16* p) { *p = float_to_f16(v); }
+// fp16 compute (Note [fp16 compute] in matmul.cpp): operands are kept as fp32
+// holding fp16-exact values, so the fp32 matmuls read them without widening.
+struct f16x {
+  float v;
+};
+inline void store(float v, f16x* p) { p->v = f16_to_float(float_to_f16(v)); }
 inline float load(float v) { return v; }
 inline float load(bf16 v) { return bf16_to_float(v); }
-inline float load(f16 v) { return f16_to_float(v); }
+inline float load(f16x v) { return v.v; }
 
 enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
 
@@ -63,7 +69,25 @@ void dispatch(DType t, Fn&& fn) {
   } else if (t == DType::kBF16) {
     fn(bf16{});
   } else {
-    fn(f16{});
+    fn(f16x{});
+  }
+}
+
+// Bytes of one operand element in scratch, and the view matmul gets of it.
+size_t operand_bytes(DType compute) { return compute == DType::kF16 ? sizeof(float) : dtype_bytes(compute); }
+CView operand(const void* p, DType compute) {
+  return compute == DType::kF16 ? CView{p, DType::kF32, true} : CView{p, compute};
+}
+// Row r of P or dS (n values of f(j)) written as the 16-bit compute dtype's
+// operand at base + r * n: fp16-exact fp32 for fp16, the 16 bits for bf16.
+template <class F>
+inline void store_operand_row(void* base, size_t r, int64_t n, DType compute, F&& f) {
+  if (compute == DType::kF16) {
+    float* d = static_cast<float*>(base) + r * static_cast<size_t>(n);
+    for (int64_t j = 0; j < n; ++j) d[j] = f16_to_float(float_to_f16(f(j)));
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(base) + r * static_cast<size_t>(n);
+    for (int64_t j = 0; j < n; ++j) d[j] = float_to_bf16(f(j)).bits;
   }
 }
 
@@ -157,7 +181,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   const size_t n_att = static_cast<size_t>(BH * T * T);
   if (ws->probs.bytes() < n_att * sizeof(float)) ws->probs = AlignedBuffer(n_att * sizeof(float));
   float* P = ws->probs.as<float>();
-  const size_t esz = dtype_bytes(compute);
+  const size_t esz = operand_bytes(compute);
   void* q = scratch(kQ, n_head * esz);
   void* k = scratch(kK, n_head * esz);
   void* v = scratch(kV, n_head * esz);
@@ -172,7 +196,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale,
                 .compute = compute};
-  matmul(sd, {q, compute}, {k, compute}, P);
+  matmul(sd, operand(q, compute), operand(k, compute), P);
   // Softmax in place; with bf16 compute also write the bf16 copy for P V.
   void* pc = compute == DType::kF32 ? static_cast<void*>(P) : scratch(kPc, n_att * esz);
   parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
@@ -181,14 +205,13 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
       float* row = P + r * T;
       softmax_row_causal(row, t + 1, T);
       if (compute != DType::kF32) {
-        uint16_t* dst = static_cast<uint16_t*>(pc) + r * T;
-        for (int64_t j = 0; j < T; ++j) dst[j] = float_to_16(row[j], compute);
+        store_operand_row(pc, r, T, compute, [&](int64_t j) { return row[j]; });
       }
     }
   });
   float* y = static_cast<float*>(scratch(kY, n_head * sizeof(float)));
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
-  matmul(yd, {pc, compute}, {v, compute}, y);
+  matmul(yd, operand(pc, compute), operand(v, compute), y);
   const float* parts[] = {y};
   permute_out(out, s.C, parts, 1, s);
 }
@@ -207,7 +230,7 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t n_att = static_cast<size_t>(BH * T * T);
   const float* P = ws->probs.as<float>();
-  const size_t esz = dtype_bytes(compute);
+  const size_t esz = operand_bytes(compute);
   void* q = scratch(kQ, n_head * esz);
   void* k = scratch(kK, n_head * esz);
   void* v = scratch(kV, n_head * esz);
@@ -223,7 +246,7 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   });
   float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
   matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
-         {dO, compute}, {v, compute}, dP);
+         operand(dO, compute), operand(v, compute), dP);
   // dS (and, for bf16, a bf16 copy of P for dV). With fp32 compute dS
   // overwrites dP in place and P is used as is.
   const bool f32 = compute == DType::kF32;
@@ -239,11 +262,8 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
         for (int64_t j = 0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
         for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
       } else {
-        uint16_t* d = static_cast<uint16_t*>(ds) + r * T;
-        uint16_t* pb = static_cast<uint16_t*>(const_cast<void*>(pc)) + r * T;
-        for (int64_t j = 0; j < nv; ++j) d[j] = float_to_16(p[j] * (dp[j] - dot), compute);
-        for (int64_t j = nv; j < T; ++j) d[j] = 0;
-        for (int64_t j = 0; j < T; ++j) pb[j] = float_to_16(p[j], compute);
+        store_operand_row(ds, r, T, compute, [&](int64_t j) { return j < nv ? p[j] * (dp[j] - dot) : 0.0f; });
+        store_operand_row(const_cast<void*>(pc), r, T, compute, [&](int64_t j) { return p[j]; });
       }
     }
   });
@@ -252,11 +272,11 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   float* dq = static_cast<float*>(scratch(kDQ, n_head * sizeof(float)));
   float* dk = static_cast<float*>(scratch(kDK, n_head * sizeof(float)));
   matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = compute},
-         {pc, compute}, {dO, compute}, dv);
+         operand(pc, compute), operand(dO, compute), dv);
   matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = compute},
-         {ds, compute}, {k, compute}, dq);
+         operand(ds, compute), operand(k, compute), dq);
   matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute},
-         {ds, compute}, {q, compute}, dk);
+         operand(ds, compute), operand(q, compute), dk);
   const float* parts[] = {dq, dk, dv};
   permute_out(dqkv, 3 * s.C, parts, 3, s);
 }
@@ -275,7 +295,7 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   if (s.B == 0 || s.T == 0) return;
   const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
   const size_t n_head = static_cast<size_t>(BH * T * hs), n_att = static_cast<size_t>(BH * T * T);
-  const size_t esz = dtype_bytes(compute);
+  const size_t esz = operand_bytes(compute);
   const bool f32 = compute == DType::kF32;
   auto grow = [this](Slot slot, size_t bytes) {
     attention_[slot] = std::max(attention_[slot], static_cast<int64_t>(round_up(bytes, 4096)));
@@ -290,15 +310,17 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   for (Slot sl : {kDQ, kDK, kDV}) grow(sl, n_head * sizeof(float));
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const DType dt = compute;
-  // P's bf16 copy (pc) and dS are compute dtype; with fp32 compute pc is P.
-  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = dt}, dt, false, dt,
-         false);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .compute = dt}, dt, false, dt, false);
-  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = dt}, dt, false, dt, false);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = dt}, dt, false, dt, false);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = dt}, dt, false, dt, false);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = dt}, dt, false, dt,
-         false);
+  // P's 16-bit copy (pc) and dS are compute dtype operands (fp16: fp16-exact
+  // fp32); with fp32 compute pc is P.
+  const CView o = operand(nullptr, compute);
+  const DType od = o.dtype;
+  const bool ex = o.bf16_exact;
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .compute = dt}, od, ex, od, ex);
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = dt}, od, ex, od, ex);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = dt}, od, ex, od, ex);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = dt}, od, ex, od, ex);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
 }
 
 }  // namespace zinc::kernels

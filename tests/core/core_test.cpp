@@ -100,7 +100,9 @@ TEST(Fp16, MatchesTheCpusConversionInstruction) {
                           6.1035156e-05f /* 2^-14 */, 6.0975552e-05f, 5.9604645e-08f /* 2^-24 */,
                           2.9802322e-08f /* 2^-25: tie to 0 */, 2.9802326e-08f, 8.940697e-08f /* 1.5 ulp: tie */,
                           1e-10f, 1e-40f, std::numeric_limits<float>::infinity(),
-                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max()};
+                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                          bits_float(0x7f800001u), bits_float(0xffc12345u), bits_float(0x7fbfe000u)};
   Rng rng(11);
   for (int i = 0; i < 200000; ++i) {
     // Magnitudes from 2^-30 to 2^20 with random mantissas, both signs.

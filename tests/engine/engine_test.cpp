@@ -708,15 +708,17 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
   m.context = 4;
   m.n_embd = 32;
   m.hidden = 256;
-  for (bool bf16 : {false, true}) {
+  for (const std::string precision : {"fp32", "bf16", "fp16"}) {
+    const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
     for (const std::string kind : {"gpt", "gpt checkpointed", "mlp"}) {
       const bool gpt = kind != "mlp";
-      const std::string what = kind + (bf16 ? " bf16" : " fp32");
+      const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
       const nlohmann::json cfg = {{"train_batch_size", 4},
                                   {"bf16", {{"enabled", bf16}}},
+                                  {"fp16", {{"enabled", fp16}}},
                                   {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
       Batch batch;
       batch.B = 4;
@@ -750,7 +752,7 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
     // Two sets of layer activations fewer: (N,C) is 4*64*128*4 = 128 KiB,
     // a set is 15 of them plus the probabilities (4*4*64*64*4 = 256 KiB).
     EXPECT_LT(gpt_grew[1], gpt_grew[0] - 2 * (15 * 128 + 256) * 1024 * 9 / 10)
-        << (bf16 ? "bf16" : "fp32") << ": checkpointed " << gpt_grew[1] << " vs plain " << gpt_grew[0];
+        << precision << ": checkpointed " << gpt_grew[1] << " vs plain " << gpt_grew[0];
   }
 }
 
