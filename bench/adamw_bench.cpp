@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/adam_probe.h"
 #include "core/alloc.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -16,41 +17,7 @@
 
 namespace zinc::bench {
 
-void probe_range_avx512(float* a, const float* b, float* c, float* d, int64_t lo, int64_t hi);
-
 namespace {
-
-// The Adam-pattern probe: per element read 4 fp32 arrays and write 3 of them
-// back in place, with trivial arithmetic; threads split the range like the
-// optimizer does. With AVX-512 it uses explicit 512-bit accesses (GCC's
-// auto-vectoriser prefers 256-bit ones), else the compiler's best clone.
-__attribute__((target_clones("default", "avx2"))) void probe_range_generic(float* __restrict a,
-                                                                          const float* __restrict b,
-                                                                          float* __restrict c,
-                                                                          float* __restrict d, int64_t lo,
-                                                                          int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) {
-    const float x = b[i];
-    a[i] += x;
-    c[i] -= x;
-    d[i] = d[i] * 0.5f + x;
-  }
-}
-
-void probe_range(float* a, const float* b, float* c, float* d, int64_t lo, int64_t hi) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512)
-    probe_range_avx512(a, b, c, d, lo, hi);
-  else
-    probe_range_generic(a, b, c, d, lo, hi);
-}
-
-void probe(float* a, const float* b, float* c, float* d, int64_t n) {
-  const int64_t blocks = (n + 15) / 16;
-  parallel_for(static_cast<size_t>(blocks), 1 << 12, [&](size_t lo, size_t hi) {
-    probe_range(a, b, c, d, static_cast<int64_t>(lo) * 16, std::min(n, static_cast<int64_t>(hi) * 16));
-  });
-}
 
 struct Case {
   const char* name;
@@ -117,19 +84,19 @@ int bench_adamw(const BenchOptions& o) {
   };
   std::vector<double> probe_s;
   std::vector<std::vector<double>> case_s(kCases);
-  probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);  // warm up
+  adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);  // warm up
   for (int c = 0; c < kCases; ++c) run_case(cases[c], 1);
   // Round-robin: the probe runs right before every case measurement, so the
   // bound and the figure see the same state of the (shared, drifting) host.
   for (int r = 0; r < o.rounds; ++r) {
     for (int c = 0; c < kCases; ++c) {
       double t0 = now_s();
-      probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);
+      adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);
       probe_s.push_back(now_s() - t0);
       case_s[c].push_back(run_case(cases[c], 2 + r));
     }
   }
-  const double probe_gbs = 28.0 * static_cast<double>(n) / median(probe_s) / 1e9;
+  const double probe_gbs = kAdamProbeBytes * static_cast<double>(n) / median(probe_s) / 1e9;
   for (int c = 0; c < kCases; ++c) {
     const double t = median(case_s[c]);
     const double ups = static_cast<double>(n) / t;

@@ -45,6 +45,7 @@ namespace py = pybind11;
 using json = nlohmann::json;
 
 void bind_optim(py::module_& m);  // optim.cpp: zinc.optim
+void bind_bench(py::module_& m);  // bench.cpp: zinc._zinc._bench (private)
 
 #ifndef ZINC_VERSION
 #error "ZINC_VERSION must be defined by the build (python/CMakeLists.txt)"
@@ -615,4 +616,5 @@ cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
   }, "Closes every engine and lets MPI finalise (registered with atexit).");
 
   bind_optim(m);
+  bind_bench(m);
 }

@@ -1,4 +1,6 @@
 """zinc.optim.AdamW: PyTorch's AdamW formula, in place, zero-copy, checked arguments."""
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -128,3 +130,9 @@ def test_read_only_aliasing_and_values():
     opt.lr = 0.5
     assert opt.lr == 0.5
     assert zinc.optim.isa() in ("scalar", "avx2", "avx512", "avx512_bf16")
+
+
+def test_import_zinc_does_not_import_torch():
+    # zinc does not depend on torch: only zinc.torch imports it.
+    code = "import sys, zinc, zinc.optim; assert 'torch' not in sys.modules, 'zinc imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,6 +12,9 @@
     opt = zinc.optim.AdamW(lr=1e-3)                    # zinc's AdamW kernels on NumPy arrays
     opt.step(1, param, grad, exp_avg, exp_avg_sq)      # in place
 
+    import zinc.torch                                  # where torch is installed
+    opt = zinc.torch.CPUAdamW(model.parameters())      # DeepSpeedCPUAdam's arguments
+
 Errors: zinc.ConfigError (a ValueError, with .path) for a wrong config value,
 OSError for files, zinc.CommError between ranks, zinc.Error otherwise; a bad
 argument is a TypeError or ValueError naming it.

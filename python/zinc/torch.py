@@ -1,0 +1,166 @@
+"""zinc.torch: zinc's CPU AdamW as a torch.optim.Optimizer (importable where torch is).
+
+    import zinc.torch
+    opt = zinc.torch.CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+CPUAdamW takes DeepSpeedCPUAdam's constructor arguments and follows its
+semantics (PyTorch's AdamW with adamw_mode=True, Adam with L2 decay with
+adamw_mode=False), and keeps torch's optimizer conventions: param groups,
+state "exp_avg", "exp_avg_sq" and "step" per parameter, state_dict and
+load_state_dict (a state_dict loads into torch.optim.AdamW and back). The
+update runs zinc's kernels (zinc.optim.AdamW: vectorised, threaded, the GIL
+released) directly on the tensors' memory: tensor.numpy() of a CPU tensor
+shares its storage, so nothing is copied.
+
+zinc does not depend on torch: `import zinc` never imports it, and importing
+zinc.torch without torch raises ImportError.
+"""
+
+import numbers
+
+import torch  # the top-level torch (absolute import), not this module
+
+from . import optim as _optim
+
+__all__ = ["CPUAdamW"]
+
+_NAME = "zinc.torch.CPUAdamW"
+
+
+def _check_tensor(t, what):
+    """A CPU, dense, C-contiguous float32 tensor, or an exception naming `what`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_NAME, what, type(t).__name__))
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError("%s: %s is sparse (layout %s); only dense tensors are supported" % (_NAME, what, t.layout))
+    if t.device.type != "cpu":
+        raise ValueError("%s: %s must be on the CPU, got device %s (use torch.optim.AdamW for device tensors)" %
+                         (_NAME, what, t.device))
+    if t.dtype != torch.float32:
+        raise TypeError("%s: %s must have dtype torch.float32, got %s" % (_NAME, what, t.dtype))
+    if not t.is_contiguous():
+        raise ValueError("%s: %s must be contiguous (the update works in place on its memory; "
+                         "a contiguous copy would not be the parameter)" % (_NAME, what))
+
+
+def _array(t):
+    """The tensor's memory as a NumPy array (shared, no copy)."""
+    return t.detach().numpy()
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW on CPU float32 tensors with zinc's kernels; DeepSpeedCPUAdam's arguments.
+
+    model_params: an iterable of tensors or of param-group dicts.
+    lr, betas, eps, weight_decay: as in torch.optim.AdamW (weight_decay
+        defaults to 0, as in DeepSpeedCPUAdam).
+    bias_correction: divide the moments by 1 - beta^step (False: do not).
+    amsgrad: must be False (True raises ValueError: not supported, as in
+        DeepSpeedCPUAdam).
+    adamw_mode: True: decoupled decay (torch.optim.AdamW); False: L2 decay
+        added to the gradient (torch.optim.Adam's weight_decay).
+    fp32_optimizer_states: accepted for DeepSpeedCPUAdam's signature; the
+        parameters are float32, so the states are float32 either way.
+
+    Parameters and gradients must be dense, contiguous float32 tensors on the
+    CPU; anything else raises TypeError or ValueError naming the parameter
+    (or its gradient). Each group's lr, betas, eps, weight_decay,
+    bias_correction and adamw_mode may be changed between steps (schedulers
+    set group["lr"]).
+    """
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        amsgrad=amsgrad, adamw_mode=adamw_mode)
+        self.fp32_optimizer_states = bool(fp32_optimizer_states)
+        super().__init__(model_params, defaults)
+
+    def add_param_group(self, param_group):
+        """Adds a group (torch's rules), checking its parameters and settings."""
+        super().add_param_group(param_group)
+        g = len(self.param_groups) - 1
+        group = self.param_groups[g]
+        _check_group(group, g)
+        for i, p in enumerate(group["params"]):
+            _check_tensor(p, "params[%d] of param group %d" % (i, g))
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    @torch.no_grad()
+    def step(self, closure=None, fp16_param_groups=None):
+        """One update of every parameter that has a gradient; returns closure()'s loss.
+
+        closure: re-evaluates the model and returns the loss (run with grad
+        enabled before the update). fp16_param_groups (DeepSpeedCPUAdam's
+        copy-out to half-precision parameters) is not supported: it must be
+        None.
+        """
+        if fp16_param_groups is not None:
+            raise NotImplementedError("%s.step: fp16_param_groups is not supported; copy the float32 parameters "
+                                      "yourself (or use zinc.optim.AdamW's bf16_out on NumPy arrays)" % _NAME)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, group in enumerate(self.param_groups):
+            _check_group(group, g)
+            beta1, beta2 = group["betas"]
+            kernel = _optim.AdamW(lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+                                  weight_decay=float(group["weight_decay"]),
+                                  bias_correction=bool(group["bias_correction"]), adamw_mode=bool(group["adamw_mode"]))
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                what = "params[%d] of param group %d" % (i, g)
+                _check_tensor(p, what)
+                _check_tensor(p.grad, "the gradient of " + what)
+                if p.grad.shape != p.shape:
+                    raise ValueError("%s: the gradient of %s has shape %s; the parameter has %s" %
+                                     (_NAME, what, tuple(p.grad.shape), tuple(p.shape)))
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    s = state[key]
+                    if s.dtype != torch.float32 or s.device.type != "cpu" or not s.is_contiguous():
+                        # Loaded from a state_dict in another form: made ours once, then updated in place.
+                        state[key] = s = s.to(device="cpu", dtype=torch.float32).contiguous()
+                    if s.shape != p.shape:
+                        raise ValueError("%s: state %r of %s has shape %s; the parameter has %s" %
+                                         (_NAME, key, what, tuple(s.shape), tuple(p.shape)))
+                # torch keeps "step" as a float32 tensor (DeepSpeed as an int): both are read.
+                step = state["step"]
+                t = int(step.item() if isinstance(step, torch.Tensor) else step) + 1
+                if isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.dim() == 0:
+                    step.fill_(t)
+                else:
+                    state["step"] = torch.tensor(float(t), dtype=torch.float32)
+                kernel.step(t, _array(p), _array(p.grad), _array(state["exp_avg"]), _array(state["exp_avg_sq"]))
+        return loss
+
+
+def _check_group(group, g):
+    where = "%s: param group %d" % (_NAME, g)
+    if group.get("amsgrad", False):
+        raise ValueError("%s: amsgrad=True is not supported (nor is it by DeepSpeedCPUAdam); "
+                         "use torch.optim.AdamW(amsgrad=True)" % where)
+    lr = group["lr"]
+    lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+    if not lr >= 0:
+        raise ValueError("%s: lr must be >= 0, got %r" % (where, lr))
+    betas = group["betas"]
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2 or
+            not all(isinstance(b, numbers.Real) and 0 <= b < 1 for b in betas)):
+        raise ValueError("%s: betas must be two numbers in [0, 1), got %r" % (where, betas))
+    if not float(group["eps"]) >= 0:
+        raise ValueError("%s: eps must be >= 0, got %r" % (where, group["eps"]))
+    if not float(group["weight_decay"]) >= 0:
+        raise ValueError("%s: weight_decay must be >= 0, got %r" % (where, group["weight_decay"]))
