@@ -160,8 +160,13 @@ def test_bad_input_names_the_argument():
     p.grad = torch.ones(4, 3).t()
     with pytest.raises(ValueError, match=r"the gradient of params\[0\] of param group 0 must be contiguous"):
         opt.step()
-    with pytest.raises(NotImplementedError, match="fp16_param_groups"):
-        opt.step(fp16_param_groups=[[torch.zeros(3, 4, dtype=torch.float16)]])
+    p.grad = torch.ones(3, 4)
+    with pytest.raises(TypeError, match=r"fp16_param_groups\[0\]\[0\] is torch.float32; expected float16 or bfloat16"):
+        opt.step(fp16_param_groups=[[torch.zeros(3, 4)]])
+    with pytest.raises(ValueError, match=r"fp16_param_groups\[0\]\[0\] has shape \(4, 3\)"):
+        opt.step(fp16_param_groups=[[torch.zeros(4, 3, dtype=torch.float16)]])
+    with pytest.raises(ValueError, match=r"fp16_param_groups has 2 groups; the optimizer has 1"):
+        opt.step(fp16_param_groups=[[], []])
     assert torch.equal(p, torch.zeros(3, 4))  # nothing was updated by the failed steps
 
 
@@ -179,3 +184,23 @@ def test_closure_and_params_without_grad():
 
     loss = opt.step(closure)
     assert isinstance(loss, torch.Tensor) and frozen not in opt.state and len(opt.state) == 6
+
+
+def test_fp16_param_groups_receive_the_updated_parameters():
+    # DeepSpeedCPUAdam's copy-out: after each step the 16-bit tensors hold
+    # the new float32 parameters rounded to nearest even; a parameter without
+    # a gradient leaves its tensor alone.
+    torch.manual_seed(3)
+    a = torch.randn(7, 5, requires_grad=True)
+    b = torch.randn(11, requires_grad=True)
+    c = torch.randn(4, requires_grad=True)  # no gradient
+    opt = zinc.torch.CPUAdamW([{"params": [a, c]}, {"params": [b], "lr": 0.01}], lr=0.05, weight_decay=0.1)
+    ha, hc = torch.zeros(7, 5, dtype=torch.float16), torch.full((4,), 7.0, dtype=torch.float16)
+    hb = torch.zeros(11, dtype=torch.bfloat16)
+    for _ in range(3):
+        a.grad = torch.randn(7, 5)
+        b.grad = torch.randn(11)
+        opt.step(fp16_param_groups=[[ha, hc], [hb]])
+        assert torch.equal(ha, a.detach().half())
+        assert torch.equal(hb, b.detach().bfloat16())
+        assert torch.equal(hc, torch.full((4,), 7.0, dtype=torch.float16))

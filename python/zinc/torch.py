@@ -97,13 +97,13 @@ class CPUAdamW(torch.optim.Optimizer):
         """One update of every parameter that has a gradient; returns closure()'s loss.
 
         closure: re-evaluates the model and returns the loss (run with grad
-        enabled before the update). fp16_param_groups (DeepSpeedCPUAdam's
-        copy-out to half-precision parameters) is not supported: it must be
-        None.
+        enabled before the update). fp16_param_groups: as DeepSpeedCPUAdam's,
+        a list per param group of 16-bit tensors (float16 or bfloat16, on any
+        device), indexed like the group's params; each updated parameter is
+        copied into its tensor (rounded to nearest even).
         """
         if fp16_param_groups is not None:
-            raise NotImplementedError("%s.step: fp16_param_groups is not supported; copy the float32 parameters "
-                                      "yourself (or use zinc.optim.AdamW's bf16_out on NumPy arrays)" % _NAME)
+            _check_fp16_groups(fp16_param_groups, self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -144,7 +144,29 @@ class CPUAdamW(torch.optim.Optimizer):
                 else:
                     state["step"] = torch.tensor(float(t), dtype=torch.float32)
                 kernel.step(t, _array(p), _array(p.grad), _array(state["exp_avg"]), _array(state["exp_avg_sq"]))
+                if fp16_param_groups is not None:
+                    fp16_param_groups[g][i].copy_(p)
         return loss
+
+
+def _check_fp16_groups(groups, param_groups):
+    """fp16_param_groups[g][i] must be a 16-bit tensor shaped like param_groups[g]["params"][i]."""
+    if len(groups) != len(param_groups):
+        raise ValueError("%s.step: fp16_param_groups has %d groups; the optimizer has %d" %
+                         (_NAME, len(groups), len(param_groups)))
+    for g, (half, group) in enumerate(zip(groups, param_groups)):
+        if len(half) != len(group["params"]):
+            raise ValueError("%s.step: fp16_param_groups[%d] has %d tensors; param group %d has %d parameters" %
+                             (_NAME, g, len(half), g, len(group["params"])))
+        for i, (h, p) in enumerate(zip(half, group["params"])):
+            what = "fp16_param_groups[%d][%d]" % (g, i)
+            if not isinstance(h, torch.Tensor):
+                raise TypeError("%s.step: %s is a %s, not a tensor" % (_NAME, what, type(h).__name__))
+            if h.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError("%s.step: %s is %s; expected float16 or bfloat16" % (_NAME, what, h.dtype))
+            if h.shape != p.shape:
+                raise ValueError("%s.step: %s has shape %s; params[%d] of param group %d has %s" %
+                                 (_NAME, what, tuple(h.shape), i, g, tuple(p.shape)))
 
 
 def _check_group(group, g):

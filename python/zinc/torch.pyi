@@ -1,5 +1,5 @@
 # Type stubs of zinc.torch (importable only where torch is).
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Sequence, Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -20,5 +20,5 @@ class CPUAdamW(torch.optim.Optimizer):
         fp32_optimizer_states: bool = True,
     ) -> None: ...
     def step(  # type: ignore[override]
-        self, closure: Optional[Callable[[], Any]] = None, fp16_param_groups: None = None
+        self, closure: Optional[Callable[[], Any]] = None, fp16_param_groups: Optional[Sequence[Sequence[Any]]] = None
     ) -> Optional[Any]: ...
