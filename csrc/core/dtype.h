@@ -10,13 +10,16 @@
 // above round to +-Inf (so an fp16 gradient overflows where a GPU's would);
 // NaN stays NaN (quiet, sign and the top of the payload kept, as the F16C
 // instruction does). fp16 -> fp32 is exact.
-// All functions are pure and thread-safe.
+// All functions are pure and thread-safe. The scalar conversions are
+// ZINC_HD (core/hd.h): the CUDA kernels convert with the same code.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+
+#include "core/hd.h"
 
 namespace zinc {
 
@@ -41,20 +44,9 @@ struct f16 {
 };
 static_assert(sizeof(f16) == 2);
 
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Round-to-nearest-even fp32 -> bf16. This is the definition every vector
 // path (kernels, optimizer copy-out) must match bit for bit.
-inline bf16 float_to_bf16(float f) {
+ZINC_HD bf16 float_to_bf16(float f) {
   uint32_t u = float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep sign and top payload, force quiet
     return bf16{static_cast<uint16_t>((u >> 16) | 0x0040u)};
@@ -63,7 +55,7 @@ inline bf16 float_to_bf16(float f) {
   return bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
 }
 
-inline float bf16_to_float(bf16 h) { return bits_float(static_cast<uint32_t>(h.bits) << 16); }
+ZINC_HD float bf16_to_float(bf16 h) { return bits_float(static_cast<uint32_t>(h.bits) << 16); }
 
 // Round-to-nearest-even fp32 -> fp16 by integer arithmetic, the definition
 // every bulk path matches bit for bit (and the CPU's F16C instruction gives
@@ -75,7 +67,7 @@ inline float bf16_to_float(bf16 h) { return bits_float(static_cast<uint32_t>(h.b
 // fp16 subnormal step; the low mantissa bits of the sum are then the fp16
 // bits. NaN: quiet, the top of the payload kept. Every case is computed and
 // one selected, without branches, so that loops over it vectorise.
-inline f16 float_to_f16(float f) {
+ZINC_HD f16 float_to_f16(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7fffffffu;
@@ -91,7 +83,7 @@ inline f16 float_to_f16(float f) {
 // Exact fp16 -> fp32. Normal values rebias the exponent (15 -> 127);
 // subnormals are (bits) * 2^-24, formed exactly as a float product; Inf and
 // NaN keep an all-ones exponent. Branch-free like float_to_f16.
-inline float f16_to_float(f16 h) {
+ZINC_HD float f16_to_float(f16 h) {
   const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
   const uint32_t e = (h.bits >> 10) & 0x1fu;
   const uint32_t m = h.bits & 0x3ffu;
@@ -104,10 +96,10 @@ inline float f16_to_float(f16 h) {
 }
 
 // The 16-bit formats by DType (kBF16 or kF16).
-inline uint16_t float_to_16(float f, DType t) {
+ZINC_HD uint16_t float_to_16(float f, DType t) {
   return t == DType::kF16 ? float_to_f16(f).bits : float_to_bf16(f).bits;
 }
-inline float from_16(uint16_t bits, DType t) {
+ZINC_HD float from_16(uint16_t bits, DType t) {
   return t == DType::kF16 ? f16_to_float(f16{bits}) : bf16_to_float(bf16{bits});
 }
 

@@ -71,13 +71,12 @@ ZINC_ALWAYS_INLINE void layernorm_row_forward_body(float* __restrict out, float*
                                        const float* __restrict b, int64_t C, float eps) {
   const float mean = detail::lane_sum<float>(C, [&](int64_t c) { return x[c]; }) / static_cast<float>(C);
   // Two-pass variance: no cancellation when |mean| >> std.
-  const float var = detail::lane_sum<float>(C, [&](int64_t c) {
-                      const float d = x[c] - mean;
-                      return d * d;
-                    }) /
-                    static_cast<float>(C);
-  const float rstd = 1.0f / std::sqrt(var + eps);
-  for (int64_t c = 0; c < C; ++c) out[c] = (x[c] - mean) * rstd * w[c] + b[c];
+  const float var_sum = detail::lane_sum<float>(C, [&](int64_t c) {
+    const float d = x[c] - mean;
+    return d * d;
+  });
+  const float rstd = math::layernorm_rstd(var_sum, C, eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = math::layernorm_out(x[c], mean, rstd, w[c], b[c]);
   *mean_out = mean;
   *rstd_out = rstd;
 }
@@ -91,13 +90,11 @@ ZINC_ALWAYS_INLINE void layernorm_row_backward_body(float* __restrict dx, const 
   const float mg = detail::lane_sum<float>(C, [&](int64_t c) { return dout[c] * w[c]; }) /
                    static_cast<float>(C);
   const float mgx = detail::lane_sum<float>(C, [&](int64_t c) {
-                      return dout[c] * w[c] * ((x[c] - mean) * rstd);
+                      return dout[c] * w[c] * math::layernorm_xhat(x[c], mean, rstd);
                     }) /
                     static_cast<float>(C);
-  for (int64_t c = 0; c < C; ++c) {
-    const float xhat = (x[c] - mean) * rstd;
-    dx[c] += rstd * (dout[c] * w[c] - mg - xhat * mgx);
-  }
+  for (int64_t c = 0; c < C; ++c)
+    dx[c] += math::layernorm_dx(dout[c], w[c], math::layernorm_xhat(x[c], mean, rstd), rstd, mg, mgx);
 }
 ZINC_ISA_VARIANTS(void, layernorm_row_backward, (float* __restrict dx, const float* __restrict dout, const float* __restrict x, const float* __restrict w, float mean, float rstd, int64_t C), (dx, dout, x, w, mean, rstd, C))
 
@@ -105,25 +102,14 @@ ZINC_ISA_VARIANTS(void, layernorm_row_backward, (float* __restrict dx, const flo
 
 ZINC_ALWAYS_INLINE void gelu_forward_range_body(float* __restrict out, const float* __restrict x, size_t n) {
   using namespace detail;
-  for (size_t i = 0; i < n; ++i) {
-    float v = x[i];
-    float t = tanh_f(kGeluC * (v + kGeluA * v * v * v));
-    out[i] = 0.5f * v * (1.0f + t);
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = math::gelu(x[i]);
 }
 ZINC_ISA_VARIANTS(void, gelu_forward_range, (float* __restrict out, const float* __restrict x, size_t n), (out, x, n))
 
 ZINC_ALWAYS_INLINE void gelu_backward_range_body(float* __restrict dx, const float* __restrict x,
                                      const float* __restrict dout, size_t n) {
   using namespace detail;
-  for (size_t i = 0; i < n; ++i) {
-    float v = x[i];
-    float v2 = v * v;
-    float t = tanh_f(kGeluC * (v + kGeluA * v2 * v));
-    float dudx = kGeluC * (1.0f + 3.0f * kGeluA * v2);
-    float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * dudx;
-    dx[i] = g * dout[i];
-  }
+  for (size_t i = 0; i < n; ++i) dx[i] = math::gelu_grad(x[i]) * dout[i];
 }
 ZINC_ISA_VARIANTS(void, gelu_backward_range, (float* __restrict dx, const float* __restrict x, const float* __restrict dout, size_t n), (dx, x, dout, n))
 
@@ -288,7 +274,7 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
       const double sum = row_sum(e, V);
       row_loss[i] = std::log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
       if (dlogits) {
-        row_scale(e, static_cast<float>(grad_scale / sum), V);
+        row_scale(e, math::cross_entropy_factor(grad_scale, sum), V);
         e[tgt] -= static_cast<float>(grad_scale);
       }
     }

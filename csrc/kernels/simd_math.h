@@ -32,45 +32,20 @@
 #include <cstring>
 
 #include "core/cpu.h"
+#include "kernels/math.h"
 
 namespace zinc::kernels::detail {
 
-// Independent partial sums per reduction (one zmm of floats).
-constexpr int kLanes = 16;
-
-// exp(x) in float, ~2 ulp over the whole range; 0 below -87.3 (where the true
-// value is subnormal), saturates at exp(88.7). Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial (truncation
-// error r^8/8! < 1e-8 relative).
-inline float exp_f(float x) {
-  float xc = x > 88.7f ? 88.7f : x;
-  xc = xc < -87.3f ? -87.3f : xc;
-  float nf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = xc - nf * 0.693359375f;  // ln2 split into an exactly representable head
-  r = r + nf * 2.12194440e-4f;       // and a tail: ln2 = 0.693359375 - 2.12194440e-4
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(nf) + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, 4);
-  return x < -87.3f ? 0.0f : p * s;
-}
-
-// tanh(u) = sign(u) (1 - 2 / (exp(2|u|) + 1)); absolute error ~1e-7.
-inline float tanh_f(float u) {
-  float a = u < 0.0f ? -u : u;
-  float t = 1.0f - 2.0f / (exp_f(2.0f * a) + 1.0f);
-  return u < 0.0f ? -t : t;
-}
+// The shared math (kernels/math.h), under the names the CPU kernels use.
+constexpr int kLanes = math::kLanes;
+using math::exp_f;
+using math::tanh_f;
+using math::kGeluA;
+using math::kGeluC;
 
 // Sum of f(i) for i in [0, n), accumulated in Acc over kLanes lanes (lane
-// i % kLanes) and combined in lane order. f must be cheap and inlinable.
+// i % kLanes) and combined in lane order (Note [lane order] in math.h: the
+// CUDA kernels sum in the same order). f must be cheap and inlinable.
 template <class Acc, class F>
 inline Acc lane_sum(int64_t n, F&& f) {
   Acc acc[kLanes] = {};
@@ -90,8 +65,5 @@ inline float max_of(const float* __restrict x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
   return m;
 }
-
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluA = 0.044715f;
 
 }  // namespace zinc::kernels::detail

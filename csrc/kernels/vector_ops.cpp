@@ -20,7 +20,7 @@ constexpr size_t kGrain = size_t{1} << 15;
 // interleaved double accumulators, then adds the chunk sums in index order.
 // The summation tree depends only on n, so the result is bit-identical for any
 // thread count (gradient clipping must not change with OMP_NUM_THREADS).
-constexpr int64_t kNormChunk = int64_t{1} << 16;
+constexpr int64_t kNormChunk = math::kNormChunk;
 
 ZINC_ALWAYS_INLINE double chunk_squared_norm_body(const float* __restrict x, int64_t n) {
   return detail::lane_sum<double>(n, [&](int64_t i) {

@@ -1,0 +1,153 @@
+// zinc core: small RAII wrappers over the CUDA runtime, for CUDA builds only
+// (include only from targets built when ZINC_WITH_CUDA is on).
+//
+// Every CUDA call that can fail goes through ZINC_CUDA_CHECK(call, what),
+// which throws zinc::Error("what: <CUDA's error name and text> (file:line)"),
+// so a failure names the operation rather than surfacing later as a
+// corrupted result. Destructors never throw: they free and drop errors.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+
+namespace zinc::cuda {
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t e, const char* what, const char* file, int line) {
+  throw Error(std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) + " (" + file +
+              ":" + std::to_string(line) + ")");
+}
+
+#define ZINC_CUDA_CHECK(call, what)                                                   \
+  do {                                                                                \
+    const cudaError_t zinc_cuda_err_ = (call);                                        \
+    if (zinc_cuda_err_ != cudaSuccess)                                                \
+      ::zinc::cuda::throw_cuda_error(zinc_cuda_err_, (what), __FILE__, __LINE__);    \
+  } while (0)
+
+// Owns `bytes` of device memory on the current device (cudaMalloc), or none.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes) ZINC_CUDA_CHECK(cudaMalloc(&data_, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
+  }
+  ~DeviceBuffer() {
+    if (data_) cudaFree(data_);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      if (data_) cudaFree(data_);
+      data_ = std::exchange(o.data_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  // Grows (never shrinks) to at least `bytes`; the contents are lost when it grows.
+  void reserve(size_t bytes) {
+    if (bytes > bytes_) *this = DeviceBuffer(bytes);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Page-locked host memory (cudaHostAlloc): the source and target of
+// asynchronous copies that overlap with compute.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes)
+      ZINC_CUDA_CHECK(cudaHostAlloc(&data_, bytes, cudaHostAllocDefault),
+                      ("cudaHostAlloc of " + std::to_string(bytes) + " bytes").c_str());
+  }
+  ~PinnedBuffer() {
+    if (data_) cudaFreeHost(data_);
+  }
+  PinnedBuffer(PinnedBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      if (data_) cudaFreeHost(data_);
+      data_ = std::exchange(o.data_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A non-blocking stream of its own.
+class Stream {
+ public:
+  Stream() { ZINC_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+  void synchronize(const char* what = "cudaStreamSynchronize") const {
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(s_), what);
+  }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// An event without timing, to order streams (record on one, wait on another).
+class Event {
+ public:
+  Event() { ZINC_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreate"); }
+  ~Event() {
+    if (e_) cudaEventDestroy(e_);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  cudaEvent_t get() const { return e_; }
+  void record(cudaStream_t s) { ZINC_CUDA_CHECK(cudaEventRecord(e_, s), "cudaEventRecord"); }
+  // Work submitted to `s` after this call waits for the recorded point.
+  void wait_on(cudaStream_t s) const { ZINC_CUDA_CHECK(cudaStreamWaitEvent(s, e_, 0), "cudaStreamWaitEvent"); }
+  void synchronize() const { ZINC_CUDA_CHECK(cudaEventSynchronize(e_), "cudaEventSynchronize"); }
+  bool done() const { return cudaEventQuery(e_) == cudaSuccess; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+// Copies (blocking helpers for setup and tests; the training paths use the async calls).
+inline void copy_to_device(void* dst, const void* src, size_t bytes) {
+  ZINC_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy host to device");
+}
+inline void copy_to_host(void* dst, const void* src, size_t bytes) {
+  ZINC_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
+}
+
+}  // namespace zinc::cuda

@@ -1,0 +1,42 @@
+#include "core/device.h"
+
+#if defined(ZINC_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace zinc {
+
+std::string CudaStatus::summary() const {
+  if (!built) return "CUDA: not built (ZINC_CUDA off or no nvcc at build time)";
+  if (devices == 0) return "CUDA: built, no GPU (" + why + ")";
+  return "CUDA: " + std::to_string(devices) + " GPU(s)";
+}
+
+namespace {
+CudaStatus probe() {
+  CudaStatus s;
+#if defined(ZINC_WITH_CUDA)
+  s.built = true;
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    s.why = cudaGetErrorString(e);
+    (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    n = 0;
+  } else if (n == 0) {
+    s.why = "the CUDA runtime reports 0 devices";
+  }
+  s.devices = n;
+#else
+  s.why = "zinc was built without CUDA";
+#endif
+  return s;
+}
+}  // namespace
+
+const CudaStatus& cuda_status() {
+  static const CudaStatus s = probe();
+  return s;
+}
+
+}  // namespace zinc

@@ -1,0 +1,21 @@
+// zinc core: which devices this process can compute on.
+//
+// cuda_status() answers whether zinc was built with CUDA and how many GPUs
+// the CUDA runtime sees, with the runtime's reason when it sees none (no
+// driver, no device, CUDA_VISIBLE_DEVICES empty). It never throws and is
+// cheap after the first call. Without a CUDA build it says so.
+#pragma once
+
+#include <string>
+
+namespace zinc {
+
+struct CudaStatus {
+  bool built = false;  // zinc was compiled with ZINC_CUDA (the kernels and NCCL exist)
+  int devices = 0;     // GPUs visible to this process
+  std::string why;     // when devices == 0: why (one line)
+  std::string summary() const;  // "CUDA: 1 GPU(s)" / "CUDA: built, no GPU (...)" / "CUDA: not built"
+};
+const CudaStatus& cuda_status();
+
+}  // namespace zinc

@@ -1,0 +1,91 @@
+// zinc kernels on the GPU: the CUDA twins of kernels.h (CUDA builds only).
+//
+// Same conventions as kernels.h (shapes, dtypes, += for parameter
+// gradients, = for activation gradients), with these differences:
+// - Every pointer, and the data of every CView, is DEVICE memory on the
+//   current device. Token and target arrays are device int32 too.
+// - Every function enqueues its work on `stream` and returns at once; the
+//   caller orders streams with events. Errors in launching throw zinc::Error
+//   naming the kernel. Values are NOT range-checked on the device (a token
+//   outside [0,V) is the caller's bug; the engine checks batches on the host
+//   before uploading them).
+// - Per-element and per-row math is kernels/math.h, the code the CPU kernels
+//   run; the row sums follow Note [lane order]. So layernorm, GELU, bias,
+//   embeddings, cross-entropy, the conversions and the vector ops give the
+//   CPU's bits exactly; matmul (cuBLAS) and attention (built on cuBLAS) do
+//   not, since cuBLAS and oneDNN block their sums differently.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kernels/kernels.h"
+
+namespace zinc::kernels::cuda {
+
+// ---- conversions -------------------------------------------------------------
+// dst(n) = float_to_16(src) (kBF16 / kF16), bit for bit as core/dtype.h; kF32 copies.
+void convert_f32_to_16(const float* src, void* dst, int64_t n, DType t, cudaStream_t stream);
+void convert_16_to_f32(const void* src, float* dst, int64_t n, DType t, cudaStream_t stream);
+
+// ---- matmul (cuBLAS) -------------------------------------------------------------
+// kernels::matmul's contract (MatmulDesc, CView operands, fp32 C, fused bias)
+// on device pointers. compute kF32: fp32 multiply-add (no TF32); kBF16 / kF16:
+// 16-bit operands with fp32 accumulation. An operand whose dtype differs from
+// `compute` is converted into device scratch first (owned by the calling
+// thread, grow-only).
+void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias = {});
+
+// ---- bias ------------------------------------------------------------------------------
+void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream);
+// dbias(N) += column sums of dy(M,N), rows added in order in double (as the CPU).
+void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStream_t stream);
+
+// ---- layernorm ----------------------------------------------------------------------------
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                       int64_t C, cudaStream_t stream, float eps = 1e-5f);
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C, cudaStream_t stream);
+
+// ---- GELU -----------------------------------------------------------------------------------
+void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream);
+void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream);
+
+// ---- causal attention ------------------------------------------------------------------------
+// kernels::attention_forward/backward on the GPU; the workspace holds P
+// (B,H,T,T) fp32 in device memory between forward and backward.
+class CudaAttentionWorkspace;
+CudaAttentionWorkspace* attention_workspace_create();
+void attention_workspace_destroy(CudaAttentionWorkspace* ws);
+void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
+                       cudaStream_t stream);
+void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
+                        AttentionShape s, DType compute, cudaStream_t stream);
+
+// ---- softmax cross-entropy -------------------------------------------------------------------
+// Per-row losses (double, N) into row_loss; dlogits as kernels::cross_entropy
+// (may alias logits, may be null). The mean loss is the sum of row_loss in
+// row order / N: cross_entropy_mean reads it back (synchronises `stream`).
+void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
+                   float dloss_scale, double* row_loss, cudaStream_t stream);
+double cross_entropy_mean(const double* row_loss, int64_t N, cudaStream_t stream);
+
+// ---- embeddings --------------------------------------------------------------------------------
+void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
+                       cudaStream_t stream);
+// Deterministic: one thread per column adds the rows in token order (the CPU's order).
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, cudaStream_t stream);
+
+// ---- vector ops --------------------------------------------------------------------------------
+void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream);
+void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream);
+void scale(float* x, float alpha, int64_t n, cudaStream_t stream);
+void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream);
+// sum x^2 in double in kernels::squared_norm's chunk and lane order, written
+// to *out (device). Bit-identical to the CPU.
+void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream);
+
+}  // namespace zinc::kernels::cuda

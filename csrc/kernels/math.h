@@ -1,0 +1,120 @@
+// zinc kernels: the per-element and per-row math shared by the CPU kernels
+// (layers.cpp, attention.cpp, vector_ops.cpp) and their CUDA twins (*.cu).
+//
+// Every function here is ZINC_HD (core/hd.h): compiled for the host and,
+// under nvcc, for the device. The CPU kernels call these functions inside
+// their vectorised loops, so the CPU tests exercise the formulas the GPU
+// runs; with the flags named in core/hd.h both sides compute the same bits.
+//
+// Note [lane order]
+// A sum over a row is not associative in floating point, so "the same
+// formula" must include the order. Every row sum in zinc (lane_sum in
+// simd_math.h on the CPU) is defined as: kLanes partial sums, lane l adding
+// f(l), f(l + kLanes), f(l + 2 kLanes), ... in that order from zero, then
+// the partials added in lane order from zero. The CPU keeps the lanes in one
+// vector register; a GPU kernel gives a row kLanes threads, thread l
+// computing lane_partial(l) and every thread adding the partials in lane
+// order (lane_combine). Both are the same sequence of roundings.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/hd.h"
+
+namespace zinc::kernels::math {
+
+// Independent partial sums per row reduction (one zmm of floats).
+constexpr int kLanes = 16;
+
+// Lane l's partial sum (Note [lane order]).
+template <class Acc, class F>
+ZINC_HD Acc lane_partial(int64_t n, int l, F f) {
+  Acc a = 0;
+  for (int64_t i = l; i < n; i += kLanes) a += static_cast<Acc>(f(i));
+  return a;
+}
+
+// kernels::squared_norm sums fixed chunks of kNormChunk elements, each in
+// lane order in double, then adds the chunk sums in index order (Note
+// [squared_norm order] in vector_ops.cpp): the summation tree depends only on n.
+constexpr int64_t kNormChunk = int64_t{1} << 16;
+
+// exp(x) in float, ~2 ulp over the whole range; 0 below -87.3 (where the true
+// value is subnormal), saturates at exp(88.7). Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial (truncation
+// error r^8/8! < 1e-8 relative). Plain + and * only (no libm), so that the
+// CPU loops vectorise and the GPU computes the same bits.
+ZINC_HD float exp_f(float x) {
+  float xc = x > 88.7f ? 88.7f : x;
+  xc = xc < -87.3f ? -87.3f : xc;
+  float nf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - nf * 0.693359375f;  // ln2 split into an exactly representable head
+  r = r + nf * 2.12194440e-4f;       // and a tail: ln2 = 0.693359375 - 2.12194440e-4
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float s = bits_float(static_cast<uint32_t>(static_cast<int32_t>(nf) + 127) << 23);
+  return x < -87.3f ? 0.0f : p * s;
+}
+
+// tanh(u) = sign(u) (1 - 2 / (exp(2|u|) + 1)); absolute error ~1e-7.
+ZINC_HD float tanh_f(float u) {
+  float a = u < 0.0f ? -u : u;
+  float t = 1.0f - 2.0f / (exp_f(2.0f * a) + 1.0f);
+  return u < 0.0f ? -t : t;
+}
+
+// ---- GELU, tanh form ----------------------------------------------------------
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluA = 0.044715f;
+
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ZINC_HD float gelu(float v) {
+  float t = tanh_f(kGeluC * (v + kGeluA * v * v * v));
+  return 0.5f * v * (1.0f + t);
+}
+
+// d gelu(v) / dv
+ZINC_HD float gelu_grad(float v) {
+  float v2 = v * v;
+  float t = tanh_f(kGeluC * (v + kGeluA * v2 * v));
+  float dudx = kGeluC * (1.0f + 3.0f * kGeluA * v2);
+  return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * dudx;
+}
+
+// ---- layernorm ------------------------------------------------------------------
+// Forward of one row of C: mean = sum(x) / C, then the two-pass variance
+// var = sum((x - mean)^2) / C (both sums in lane order), rstd = 1 / sqrt(var + eps),
+// out = layernorm_out(...).
+ZINC_HD float layernorm_rstd(float var_sum, int64_t C, float eps) {
+  const float var = var_sum / static_cast<float>(C);
+  return 1.0f / sqrtf(var + eps);
+}
+ZINC_HD float layernorm_out(float x, float mean, float rstd, float w, float b) {
+  return (x - mean) * rstd * w + b;
+}
+// Backward, with g = dout * w and xhat = (x - mean) rstd:
+//   dx += rstd (g - mean(g) - xhat mean(g xhat)),
+// mg = sum(dout w) / C and mgx = sum(dout w xhat) / C in lane order.
+ZINC_HD float layernorm_xhat(float x, float mean, float rstd) { return (x - mean) * rstd; }
+ZINC_HD float layernorm_dx(float dout, float w, float xhat, float rstd, float mg, float mgx) {
+  return rstd * (dout * w - mg - xhat * mgx);
+}
+
+// ---- softmax cross-entropy (one row of V logits) ----------------------------------
+// mx = max(x); e_j = exp_f(x_j - mx); sum = sum_j e_j in double, lane order;
+// loss = log(sum) + mx - x[target];
+// dlogits_j = e_j * cross_entropy_factor(grad_scale, sum), then
+// dlogits[target] -= float(grad_scale), with grad_scale = dloss_scale / N.
+ZINC_HD float cross_entropy_factor(double grad_scale, double sum) {
+  return static_cast<float>(grad_scale / sum);
+}
+
+}  // namespace zinc::kernels::math
