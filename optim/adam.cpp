@@ -13,6 +13,7 @@
 #include "optim/detail/adam_math.h"
 #include "optim/detail/lamb_math.h"
 #include "optim/optim.h"
+#include "optim/detail/adam_args.h"
 
 namespace zinc::optim {
 namespace {
@@ -108,13 +109,7 @@ void set_isa(Isa isa) {
 void set_stream_min_bytes(int64_t bytes) { g_stream_min_bytes.store(bytes); }
 int64_t detail::stream_min_bytes() { return g_stream_min_bytes.load(std::memory_order_relaxed); }
 
-void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& s) {
-  adam_step(p, step, grad_scale, s, resolve_active());
-}
-
-void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& s, Isa isa) {
-  if (s.n == 0) return;
-  if (step < 1) throw Error("adam_step: step must be >= 1, got " + std::to_string(step));
+detail::AdamArgs detail::make_adam_args(const AdamParams& p, int64_t step, float grad_scale) {
   detail::AdamArgs a{};
   const double bc1 = p.bias_correction ? 1.0 - std::pow(p.beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = p.bias_correction ? 1.0 - std::pow(p.beta2, static_cast<double>(step)) : 1.0;
@@ -128,9 +123,24 @@ void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSp
   a.neg_lr_wd = -static_cast<float>(p.lr) * static_cast<float>(p.weight_decay);
   a.wd = static_cast<float>(p.weight_decay);
   a.neg_step_size = -static_cast<float>(p.lr / bc1);
-  detail::Decay decay = p.weight_decay == 0.0 ? detail::Decay::kNone
+  return a;
+}
+
+detail::Decay detail::adam_decay(const AdamParams& p) {
+  return p.weight_decay == 0.0 ? detail::Decay::kNone
                         : p.adam_w_mode       ? detail::Decay::kAdamW
                                               : detail::Decay::kL2;
+}
+
+void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& s) {
+  adam_step(p, step, grad_scale, s, resolve_active());
+}
+
+void adam_step(const AdamParams& p, int64_t step, float grad_scale, const AdamSpan& s, Isa isa) {
+  if (s.n == 0) return;
+  if (step < 1) throw Error("adam_step: step must be >= 1, got " + std::to_string(step));
+  const detail::AdamArgs a = detail::make_adam_args(p, step, grad_scale);
+  const detail::Decay decay = detail::adam_decay(p);
   // Stream the bf16 copy past the caches when the span is far larger than
   // them (and aligned for it): plain stores would first read every line.
   const bool stream = s.bf16_out && s.n * 2 >= g_stream_min_bytes.load(std::memory_order_relaxed) && reinterpret_cast<uintptr_t>(s.bf16_out) % 64 == 0;

@@ -19,34 +19,9 @@
 #include <type_traits>
 
 #include "core/dtype.h"
+#include "optim/detail/adam_update.h"
 
 namespace zinc::optim::detail {
-
-struct AdamArgs {
-  float grad_scale;
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float inv_sqrt_bc2;  // 1 / sqrt(1 - b2^t), or 1 without bias correction
-  float eps;
-  float neg_lr_wd;      // -lr * weight_decay (AdamW mode)
-  float wd;             // weight_decay (L2 mode)
-  float neg_step_size;  // -lr / (1 - b1^t)
-};
-
-enum class Decay { kNone, kAdamW, kL2 };
-
-// The whole per-element update on one register of V.
-template <class V, Decay kDecay>
-inline void adam_update(const AdamArgs& a, typename V::F& w, typename V::F g, typename V::F& m,
-                        typename V::F& v) {
-  g = V::mul(g, V::set1(a.grad_scale));
-  if constexpr (kDecay == Decay::kL2) g = V::fma(V::set1(a.wd), w, g);
-  m = V::fma(V::set1(a.beta1), m, V::mul(V::set1(a.one_minus_beta1), g));
-  v = V::fma(V::set1(a.beta2), v, V::mul(V::mul(V::set1(a.one_minus_beta2), g), g));
-  typename V::F denom = V::fma(V::sqrt(v), V::set1(a.inv_sqrt_bc2), V::set1(a.eps));
-  if constexpr (kDecay == Decay::kAdamW) w = V::fma(V::set1(a.neg_lr_wd), w, w);
-  w = V::fma(V::set1(a.neg_step_size), V::div(m, denom), w);
-}
 
 // Elements [lo, hi) of one span: V over whole registers, then T (the same
 // arithmetic at width 1) for the rest.

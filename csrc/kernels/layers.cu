@@ -1,0 +1,253 @@
+// The CUDA twins of layers.cpp: bias, layernorm, GELU, cross-entropy and
+// embeddings (kernels_cuda.h). Per-element and per-row math comes from
+// kernels/math.h and row sums follow Note [lane order], so each result is the
+// CPU's bit for bit. Parameter-gradient reductions (bias, layernorm w/b,
+// embeddings) give each thread one column and add the rows in order, in
+// double where the CPU does: the CPU's order, no atomics, deterministic.
+#include <vector>
+
+#include "kernels/cuda_common.cuh"
+#include "kernels/kernels_cuda.h"
+
+namespace zinc::kernels::cuda {
+namespace {
+
+using detail::kRowsPerBlock;
+using detail::kRowThreads;
+using detail::lane_combine;
+using detail::load_param;
+
+// ---- bias ---------------------------------------------------------------------------
+__global__ void add_bias_kernel(float* y, const void* bias, DType bt, int64_t M, int64_t N) {
+  const int64_t total = M * N;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x)
+    y[i] += load_param(bias, bt, i % N);
+}
+
+// dbias[j] = float(dbias[j] + sum_i double(dy[i,j])), rows in order.
+__global__ void bias_backward_kernel(float* dbias, const float* dy, int64_t M, int64_t N) {
+  const int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (j >= N) return;
+  double acc = 0;
+  for (int64_t i = 0; i < M; ++i) acc += dy[i * N + j];
+  dbias[j] = static_cast<float>(dbias[j] + acc);
+}
+
+// ---- layernorm -------------------------------------------------------------------------
+__global__ void layernorm_forward_kernel(float* out, float* mean_out, float* rstd_out, const float* x, const void* w,
+                                         DType wt, const void* b, DType bt, int64_t N, int64_t C, float eps) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = row < N;
+  const int64_t n = valid ? C : 0;
+  const float* xr = x + (valid ? row : 0) * C;
+  const float mean = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) { return xr[c]; })) /
+                     static_cast<float>(C);
+  const float var_sum = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) {
+    const float d = xr[c] - mean;
+    return d * d;
+  }));
+  const float rstd = math::layernorm_rstd(var_sum, C, eps);
+  if (!valid) return;
+  float* o = out + row * C;
+  for (int64_t c = lane; c < C; c += math::kLanes)
+    o[c] = math::layernorm_out(xr[c], mean, rstd, load_param(w, wt, c), load_param(b, bt, c));
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+__global__ void layernorm_backward_dx_kernel(float* dx, const float* dout, const float* x, const void* w, DType wt,
+                                             const float* mean, const float* rstd, int64_t N, int64_t C) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = row < N;
+  const int64_t n = valid ? C : 0;
+  const int64_t r = valid ? row : 0;
+  const float* xr = x + r * C;
+  const float* g = dout + r * C;
+  const float m = mean[r], rs = rstd[r];
+  const float mg = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) { return g[c] * load_param(w, wt, c); })) /
+                   static_cast<float>(C);
+  const float mgx = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) {
+                      return g[c] * load_param(w, wt, c) * math::layernorm_xhat(xr[c], m, rs);
+                    })) /
+                    static_cast<float>(C);
+  if (!valid) return;
+  float* d = dx + row * C;
+  for (int64_t c = lane; c < C; c += math::kLanes)
+    d[c] += math::layernorm_dx(g[c], load_param(w, wt, c), math::layernorm_xhat(xr[c], m, rs), rs, mg, mgx);
+}
+
+// dw[c] += sum_i g xhat, db[c] += sum_i g (double, rows in order), one thread per column.
+__global__ void layernorm_backward_dw_kernel(float* dw, float* db, const float* dout, const float* x, const float* mean,
+                                             const float* rstd, int64_t N, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  double aw = 0, ab = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float g = dout[i * C + c];
+    aw += g * math::layernorm_xhat(x[i * C + c], mean[i], rstd[i]);
+    ab += g;
+  }
+  dw[c] = static_cast<float>(dw[c] + aw);
+  db[c] = static_cast<float>(db[c] + ab);
+}
+
+// ---- GELU ---------------------------------------------------------------------------------
+__global__ void gelu_forward_kernel(float* out, const float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = math::gelu(x[i]);
+}
+__global__ void gelu_backward_kernel(float* dx, const float* x, const float* dout, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dx[i] = math::gelu_grad(x[i]) * dout[i];
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------
+// One row per 16 threads. dlogits may alias logits: each thread reads and
+// writes only its own lane's elements, and the target logit is read by every
+// thread of the row before the row's first write (__syncwarp).
+__global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
+                                     double grad_scale, double* row_loss) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = row < N;
+  const int64_t n = valid ? V : 0;
+  const int64_t r = valid ? row : 0;
+  const float* x = logits + r * V;
+  const int32_t tgt = valid ? targets[r] : 0;
+  const float x_tgt = valid ? x[tgt] : 0.0f;
+  // Maximum (exact in any order; NaNs ignored as max_of does).
+  float mx = -__int_as_float(0x7f800000);
+  for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
+  for (int off = math::kLanes / 2; off > 0; off /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, mx, off, math::kLanes);
+    mx = o > mx ? o : mx;
+  }
+  __syncwarp();
+  float* e = dlogits ? dlogits + r * V : nullptr;
+  const double sum = lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) {
+    const float v = math::exp_f(x[j] - mx);
+    if (e) e[j] = v;
+    return v;
+  }));
+  if (!valid) return;
+  if (lane == 0) row_loss[row] = log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
+  if (e) {
+    const float f = math::cross_entropy_factor(grad_scale, sum);
+    for (int64_t j = lane; j < V; j += math::kLanes) e[j] *= f;
+    if (tgt % math::kLanes == lane) e[tgt] -= static_cast<float>(grad_scale);
+  }
+}
+
+// ---- embeddings ---------------------------------------------------------------------------------
+__global__ void embedding_forward_kernel(float* out, const int32_t* tokens, const void* wte, DType et, const void* wpe,
+                                         DType pt, int64_t rows, int64_t T, int64_t C) {
+  const int64_t total = rows * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / C, c = i % C;
+    const float v = load_param(wte, et, static_cast<int64_t>(tokens[r]) * C + c);
+    out[i] = wpe ? v + load_param(wpe, pt, (r % T) * C + c) : v;
+  }
+}
+
+// One thread per column; rows in token order as the CPU's column blocks.
+__global__ void embedding_backward_kernel(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                                          int64_t rows, int64_t T, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = dout[r * C + c];
+    dwte[static_cast<int64_t>(tokens[r]) * C + c] += g;
+    if (dwpe) dwpe[(r % T) * C + c] += g;
+  }
+}
+
+unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
+unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
+
+}  // namespace
+
+void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream) {
+  if (M <= 0 || N <= 0) return;
+  add_bias_kernel<<<detail::blocks_for(M * N), detail::kThreads, 0, stream>>>(y, bias.data, bias.dtype, M, N);
+  detail::check_launch("add_bias");
+}
+
+void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
+  if (M <= 0 || N <= 0) return;
+  bias_backward_kernel<<<column_blocks(N), 128, 0, stream>>>(dbias, dy, M, N);
+  detail::check_launch("bias_backward");
+}
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N, int64_t C,
+                       cudaStream_t stream, float eps) {
+  if (N <= 0) return;
+  if (C <= 0) throw Error("cuda::layernorm_forward: C must be > 0, got " + std::to_string(C));
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, x, w.data, w.dtype, b.data,
+                                                                      b.dtype, N, C, eps);
+  detail::check_launch("layernorm_forward");
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  layernorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, mean, rstd, N,
+                                                                          C);
+  detail::check_launch("layernorm_backward (dx)");
+  layernorm_backward_dw_kernel<<<column_blocks(C), 128, 0, stream>>>(dw, db, dout, x, mean, rstd, N, C);
+  detail::check_launch("layernorm_backward (dw, db)");
+}
+
+void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  gelu_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n);
+  detail::check_launch("gelu_forward");
+}
+
+void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  gelu_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, x, dout, n);
+  detail::check_launch("gelu_backward");
+}
+
+void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
+                   float dloss_scale, double* row_loss, cudaStream_t stream) {
+  if (N <= 0) return;
+  const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
+  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, V, dlogits, grad_scale,
+                                                                  row_loss);
+  detail::check_launch("cross_entropy");
+}
+
+double cross_entropy_mean(const double* row_loss, int64_t N, cudaStream_t stream) {
+  if (N <= 0) return 0.0;
+  std::vector<double> host(static_cast<size_t>(N));
+  ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), row_loss, host.size() * sizeof(double), cudaMemcpyDeviceToHost, stream),
+                  "cross_entropy_mean: copy of the row losses");
+  ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "cross_entropy_mean: synchronize");
+  double total = 0;
+  for (double l : host) total += l;  // row order, as the CPU
+  return total / static_cast<double>(N);
+}
+
+void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
+                       cudaStream_t stream) {
+  const int64_t rows = B * T;
+  if (rows <= 0 || C <= 0) return;
+  embedding_forward_kernel<<<detail::blocks_for(rows * C), detail::kThreads, 0, stream>>>(
+      out, tokens, wte.data, wte.dtype, wpe.data, wpe.dtype, rows, T, C);
+  detail::check_launch("embedding_forward");
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, cudaStream_t stream) {
+  const int64_t rows = B * T;
+  if (rows <= 0 || C <= 0) return;
+  embedding_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dwpe, dout, tokens, rows, T, C);
+  detail::check_launch("embedding_backward");
+}
+
+}  // namespace zinc::kernels::cuda

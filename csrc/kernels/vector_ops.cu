@@ -1,0 +1,85 @@
+// The CUDA twins of vector_ops.cpp. squared_norm keeps the CPU's summation
+// tree (math::kNormChunk chunks, each in lane order in double, chunk sums in
+// index order), so its result is the CPU's bit for bit.
+#include "kernels/cuda_common.cuh"
+#include "kernels/kernels_cuda.h"
+
+namespace zinc::kernels::cuda {
+namespace {
+
+#define ZINC_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
+
+__global__ void add_kernel(float* out, const float* a, const float* b, int64_t n) {
+  ZINC_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+__global__ void accumulate_kernel(float* y, const float* x, int64_t n) {
+  ZINC_GRID_STRIDE(i, n) y[i] += x[i];
+}
+__global__ void scale_kernel(float* x, float alpha, int64_t n) {
+  ZINC_GRID_STRIDE(i, n) x[i] *= alpha;
+}
+__global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
+  ZINC_GRID_STRIDE(i, n) y[i] += alpha * x[i];
+}
+
+// Two chunks per warp (16 lanes each), kRowsPerBlock chunks per block.
+__global__ void chunk_norm_kernel(const float* x, int64_t n, int64_t nchunks, double* partial) {
+  const int64_t chunk = blockIdx.x * int64_t{detail::kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = chunk < nchunks;
+  const int64_t begin = valid ? chunk * math::kNormChunk : 0;
+  const int64_t len = valid ? (n - begin < math::kNormChunk ? n - begin : math::kNormChunk) : 0;
+  const float* xc = x + begin;
+  const double s = detail::lane_combine(math::lane_partial<double>(len, lane, [&](int64_t i) {
+    const double v = xc[i];
+    return v * v;
+  }));
+  if (valid && lane == 0) partial[chunk] = s;
+}
+
+__global__ void sum_in_order_kernel(const double* partial, int64_t nchunks, double* out) {
+  double s = 0;
+  for (int64_t c = 0; c < nchunks; ++c) s += partial[c];
+  *out = s;
+}
+
+}  // namespace
+
+void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  add_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, a, b, n);
+  detail::check_launch("add");
+}
+void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  accumulate_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, x, n);
+  detail::check_launch("accumulate");
+}
+void scale(float* x, float alpha, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  scale_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(x, alpha, n);
+  detail::check_launch("scale");
+}
+void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  axpy_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, alpha, x, n);
+  detail::check_launch("axpy");
+}
+
+void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream) {
+  if (n <= 0) {
+    ZINC_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream), "squared_norm (empty)");
+    return;
+  }
+  const int64_t nchunks = (n + math::kNormChunk - 1) / math::kNormChunk;
+  thread_local ::zinc::cuda::DeviceBuffer partial;
+  partial.reserve(static_cast<size_t>(nchunks) * sizeof(double));
+  const unsigned blocks = static_cast<unsigned>((nchunks + detail::kRowsPerBlock - 1) / detail::kRowsPerBlock);
+  chunk_norm_kernel<<<blocks, detail::kRowThreads, 0, stream>>>(x, n, nchunks, partial.as<double>());
+  detail::check_launch("squared_norm (chunks)");
+  sum_in_order_kernel<<<1, 1, 0, stream>>>(partial.as<double>(), nchunks, out);
+  detail::check_launch("squared_norm (sum)");
+}
+
+}  // namespace zinc::kernels::cuda

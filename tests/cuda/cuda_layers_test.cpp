@@ -1,0 +1,212 @@
+// The GPU layer kernels against the CPU kernels on the same inputs. These
+// kernels share their math with the CPU (kernels/math.h, Note [lane order]),
+// so the comparison is bit for bit. Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/rng.h"
+#include "kernels/kernels.h"
+#include "kernels/kernels_cuda.h"
+#include "kernels/math.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace zinc::kernels {
+namespace {
+
+using zinc::cuda::DeviceBuffer;
+using zinc::cuda::testing::download;
+using zinc::cuda::testing::upload;
+
+std::vector<float> randn(size_t n, uint64_t seed, double scale = 1.0) {
+  Rng rng(seed);
+  std::vector<float> v(n);
+  for (float& x : v) x = static_cast<float>(rng.normal() * scale);
+  return v;
+}
+
+// A parameter vector in `t`, as host bytes and the matching CView on each side.
+struct Param {
+  std::vector<uint16_t> h16;
+  std::vector<float> h32;
+  DeviceBuffer d;
+  DType t;
+  Param(const std::vector<float>& v, DType dt) : t(dt) {
+    if (t == DType::kF32) {
+      h32 = v;
+      d = upload(h32);
+    } else {
+      for (float x : v) h16.push_back(float_to_16(x, t));
+      d = upload(h16);
+    }
+  }
+  CView host() const { return {t == DType::kF32 ? static_cast<const void*>(h32.data()) : h16.data(), t}; }
+  CView dev() const { return {d.data(), t}; }
+};
+
+void expect_same_bits(const std::vector<float>& cpu, const std::vector<float>& gpu, const char* what) {
+  ASSERT_EQ(cpu.size(), gpu.size()) << what;
+  for (size_t i = 0; i < cpu.size(); ++i)
+    ASSERT_EQ(float_bits(cpu[i]), float_bits(gpu[i])) << what << " at " << i << ": cpu " << cpu[i] << " gpu " << gpu[i];
+}
+
+const DType kParamTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+
+TEST(CudaLayers, ConversionsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  std::vector<float> x = randn(100003, 1, 1000.0);
+  x[0] = 65520.0f;  // fp16 overflow to Inf
+  x[1] = 1e-7f;     // fp16 subnormal
+  x[2] = -0.0f;
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> cpu(x.size());
+    convert_f32_to_16(x.data(), cpu.data(), x.size(), t);
+    DeviceBuffer dx = upload(x), d16(x.size() * 2);
+    cuda::convert_f32_to_16(dx.as<float>(), d16.data(), static_cast<int64_t>(x.size()), t, nullptr);
+    std::vector<uint16_t> gpu = download<uint16_t>(d16, x.size());
+    ASSERT_EQ(cpu, gpu) << dtype_name(t);
+    std::vector<float> back_cpu(x.size());
+    convert_16_to_f32(cpu.data(), back_cpu.data(), x.size(), t);
+    DeviceBuffer dback(x.size() * 4);
+    cuda::convert_16_to_f32(d16.data(), dback.as<float>(), static_cast<int64_t>(x.size()), t, nullptr);
+    expect_same_bits(back_cpu, download<float>(dback, x.size()), "widen");
+  }
+}
+
+TEST(CudaLayers, BiasForwardAndBackwardMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  const int64_t M = 37, N = 203;
+  for (DType t : kParamTypes) {
+    std::vector<float> y = randn(M * N, 2), b = randn(N, 3), dy = randn(M * N, 4), db = randn(N, 5);
+    Param bias(b, t);
+    DeviceBuffer dyv = upload(y), ddy = upload(dy), ddb = upload(db);
+    add_bias(y.data(), bias.host(), M, N);
+    cuda::add_bias(dyv.as<float>(), bias.dev(), M, N, nullptr);
+    expect_same_bits(y, download<float>(dyv, y.size()), "add_bias");
+    bias_backward(db.data(), dy.data(), M, N);
+    cuda::bias_backward(ddb.as<float>(), ddy.as<float>(), M, N, nullptr);
+    expect_same_bits(db, download<float>(ddb, db.size()), "bias_backward");
+  }
+}
+
+TEST(CudaLayers, LayernormMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t C : {1, 15, 16, 17, 768}) {
+    const int64_t N = 29;  // not a multiple of the rows per block
+    for (DType t : kParamTypes) {
+      std::vector<float> x = randn(N * C, 6, 3.0), w = randn(C, 7), b = randn(C, 8), dout = randn(N * C, 9);
+      for (int64_t i = 0; i < N * C; ++i) x[i] += 5.0f;  // |mean| >> std
+      Param pw(w, t), pb(b, t);
+      std::vector<float> out(N * C), mean(N), rstd(N);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), pw.host(), pb.host(), N, C);
+      DeviceBuffer dx = upload(x), dout_d(N * C * 4), dmean(N * 4), drstd(N * 4);
+      cuda::layernorm_forward(dout_d.as<float>(), dmean.as<float>(), drstd.as<float>(), dx.as<float>(), pw.dev(),
+                              pb.dev(), N, C, nullptr);
+      expect_same_bits(out, download<float>(dout_d, out.size()), "layernorm out");
+      expect_same_bits(mean, download<float>(dmean, N), "layernorm mean");
+      expect_same_bits(rstd, download<float>(drstd, N), "layernorm rstd");
+
+      std::vector<float> gx = randn(N * C, 10), gw = randn(C, 11), gb = randn(C, 12);  // accumulated into
+      DeviceBuffer dgx = upload(gx), dgw = upload(gw), dgb = upload(gb), ddout = upload(dout);
+      layernorm_backward(gx.data(), gw.data(), gb.data(), dout.data(), x.data(), pw.host(), mean.data(), rstd.data(),
+                         N, C);
+      cuda::layernorm_backward(dgx.as<float>(), dgw.as<float>(), dgb.as<float>(), ddout.as<float>(), dx.as<float>(),
+                               pw.dev(), dmean.as<float>(), drstd.as<float>(), N, C, nullptr);
+      expect_same_bits(gx, download<float>(dgx, gx.size()), "layernorm dx");
+      expect_same_bits(gw, download<float>(dgw, gw.size()), "layernorm dw");
+      expect_same_bits(gb, download<float>(dgb, gb.size()), "layernorm db");
+    }
+  }
+}
+
+TEST(CudaLayers, GeluMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  const int64_t n = 70001;
+  std::vector<float> x = randn(n, 13, 4.0), dout = randn(n, 14), y(n), dx(n);
+  gelu_forward(y.data(), x.data(), n);
+  gelu_backward(dx.data(), x.data(), dout.data(), n);
+  DeviceBuffer d_x = upload(x), d_dout = upload(dout), d_y(n * 4), d_dx(n * 4);
+  cuda::gelu_forward(d_y.as<float>(), d_x.as<float>(), n, nullptr);
+  cuda::gelu_backward(d_dx.as<float>(), d_x.as<float>(), d_dout.as<float>(), n, nullptr);
+  expect_same_bits(y, download<float>(d_y, n), "gelu");
+  expect_same_bits(dx, download<float>(d_dx, n), "gelu backward");
+}
+
+TEST(CudaLayers, CrossEntropyMatchesTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t V : {5, 16, 257, 50257}) {
+    const int64_t N = 13;
+    std::vector<float> logits = randn(N * V, 15, 3.0);
+    std::vector<int32_t> targets(N);
+    for (int64_t i = 0; i < N; ++i) targets[i] = static_cast<int32_t>((i * 7919) % V);
+    std::vector<float> dl(N * V);
+    const double loss = cross_entropy(logits.data(), targets.data(), N, V, dl.data(), 0.5f);
+    DeviceBuffer d_logits = upload(logits), d_t = upload(targets), d_dl(N * V * 4), d_rows(N * 8);
+    cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_dl.as<float>(), 0.5f, d_rows.as<double>(),
+                        nullptr);
+    const double gloss = cuda::cross_entropy_mean(d_rows.as<double>(), N, nullptr);
+    // The loss goes through log(), whose last bit may differ between glibc and CUDA.
+    EXPECT_NEAR(loss, gloss, 1e-12 * std::max(1.0, std::fabs(loss))) << "V=" << V;
+    expect_same_bits(dl, download<float>(d_dl, dl.size()), "dlogits");
+    // In place (dlogits aliasing logits), as the models call it.
+    cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_logits.as<float>(), 0.5f,
+                        d_rows.as<double>(), nullptr);
+    expect_same_bits(dl, download<float>(d_logits, dl.size()), "dlogits in place");
+  }
+}
+
+TEST(CudaLayers, EmbeddingsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  const int64_t B = 3, T = 11, C = 48, V = 97;
+  for (DType t : kParamTypes) {
+    std::vector<float> wte = randn(V * C, 16), wpe = randn(T * C, 17);
+    Param pte(wte, t), ppe(wpe, t);
+    std::vector<int32_t> tok(B * T);
+    for (int64_t i = 0; i < B * T; ++i) tok[i] = static_cast<int32_t>((i * 31) % 5);  // repeated tokens
+    DeviceBuffer d_tok = upload(tok);
+    for (bool pos : {true, false}) {
+      std::vector<float> out(B * T * C);
+      embedding_forward(out.data(), tok.data(), pte.host(), pos ? ppe.host() : CView{}, B, T, C, V);
+      DeviceBuffer d_out(out.size() * 4);
+      cuda::embedding_forward(d_out.as<float>(), d_tok.as<int32_t>(), pte.dev(), pos ? ppe.dev() : CView{}, B, T, C,
+                              nullptr);
+      expect_same_bits(out, download<float>(d_out, out.size()), "embedding forward");
+    }
+    std::vector<float> dout = randn(B * T * C, 18), dwte = randn(V * C, 19), dwpe = randn(T * C, 20);
+    DeviceBuffer d_dout = upload(dout), d_dwte = upload(dwte), d_dwpe = upload(dwpe);
+    embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, V);
+    cuda::embedding_backward(d_dwte.as<float>(), d_dwpe.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), B, T, C,
+                             nullptr);
+    expect_same_bits(dwte, download<float>(d_dwte, dwte.size()), "dwte");
+    expect_same_bits(dwpe, download<float>(d_dwpe, dwpe.size()), "dwpe");
+  }
+}
+
+TEST(CudaLayers, VectorOpsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{1000}, kernels::math::kNormChunk * 3 + 17}) {
+    std::vector<float> a = randn(n, 21), b = randn(n, 22);
+    DeviceBuffer da = upload(a), db = upload(b), dout(n * 4), dnorm(8);
+    std::vector<float> out(n);
+    add(out.data(), a.data(), b.data(), n);
+    cuda::add(dout.as<float>(), da.as<float>(), db.as<float>(), n, nullptr);
+    expect_same_bits(out, download<float>(dout, n), "add");
+    axpy(out.data(), 0.3f, a.data(), n);
+    cuda::axpy(dout.as<float>(), 0.3f, da.as<float>(), n, nullptr);
+    expect_same_bits(out, download<float>(dout, n), "axpy");
+    accumulate(out.data(), b.data(), n);
+    cuda::accumulate(dout.as<float>(), db.as<float>(), n, nullptr);
+    expect_same_bits(out, download<float>(dout, n), "accumulate");
+    scale(out.data(), 1.7f, n);
+    cuda::scale(dout.as<float>(), 1.7f, n, nullptr);
+    expect_same_bits(out, download<float>(dout, n), "scale");
+    const double norm = squared_norm(out.data(), n);
+    cuda::squared_norm(dout.as<float>(), n, dnorm.as<double>(), nullptr);
+    const double gnorm = download<double>(dnorm, 1)[0];
+    EXPECT_EQ(0, std::memcmp(&norm, &gnorm, 8)) << "squared_norm n=" << n << ": " << norm << " vs " << gnorm;
+  }
+}
+
+}  // namespace
+}  // namespace zinc::kernels
