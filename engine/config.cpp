@@ -5,6 +5,8 @@
 // and --set overrides are config_file.cpp's.
 #include "engine/config.h"
 
+#include "core/device.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -838,6 +840,45 @@ void parse_unimplemented(Reader& r, Config& c) {
 
 // ---------------------------------------------------------------------------
 
+// "device": cpu | cuda | auto (Config::device). cuda is refused here, at its
+// JSON path, where zinc was built without CUDA or no GPU is visible, and
+// where the GPU path does not cover the rest of the config (checked after
+// the zero section: check_device).
+namespace {
+void parse_device(Reader& r, Config& c) {
+  std::string d = "cpu";
+  if (!r.get_string("device", d)) return;
+  if (d == "cpu") {
+    c.device = Device::kCpu;
+  } else if (d == "auto") {
+    c.device = cuda_status().devices > 0 ? Device::kCuda : Device::kCpu;
+  } else if (d == "cuda") {
+    const CudaStatus& st = cuda_status();
+    if (!st.built)
+      throw ConfigError("device", "\"cuda\" needs a CUDA build of zinc; this one was built without CUDA "
+                                  "(no nvcc at configure time, or -DZINC_CUDA=OFF)");
+    if (st.devices == 0) throw ConfigError("device", "\"cuda\" but no GPU is visible: " + st.why);
+    c.device = Device::kCuda;
+  } else {
+    throw ConfigError("device", "expected \"cpu\", \"cuda\" or \"auto\", got \"" + d + "\"");
+  }
+}
+
+// What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
+// ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
+// optimizer) at stages 0-2.
+void check_device(const Config& c) {
+  if (c.device != Device::kCuda) return;
+  if (c.zero.offload_optimizer.device == OffloadDevice::kNone)
+    throw ConfigError("zero_optimization.offload_optimizer.device",
+                      "with \"device\": \"cuda\" zinc trains with ZeRO-Offload: set it to \"cpu\" or \"nvme\" "
+                      "(GPU-resident optimizer states are not in the engine yet)");
+  if (c.zero.stage >= 3)
+    throw ConfigError("zero_optimization.stage",
+                      "stage 3 does not run on the GPU yet (\"device\": \"cuda\" covers stages 0-2)");
+}
+}  // namespace
+
 Config Config::parse(const json& j, int world_size, const std::vector<std::string>& caller_sections) {
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   Config c;
@@ -849,6 +890,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));
   r.get_bool("wall_clock_breakdown", c.wall_clock_breakdown);
+  parse_device(r, c);
   parse_precision(r, c);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
@@ -867,6 +909,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   for (const std::string& key : caller_sections) r.skip(key);
   r.finish();
   c.validate();
+  check_device(c);
   return c;
 }
 

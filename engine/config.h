@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "engine/model.h"
 
 namespace zinc {
 
@@ -272,6 +273,13 @@ struct Config {
   // Seed of the model's initial weights (not a ds_config key: DeepSpeed
   // leaves initialisation to the model). zinc-train sets it from run.seed.
   uint64_t seed = 42;
+
+  // "device" (zinc's key): where the model computes and the engine keeps the
+  // compute parameters and gradient buffers. "cpu" (default) or "cuda"
+  // (CUDA builds with a GPU: ZeRO-Offload, the optimizer states stay on the
+  // host); "auto" resolves to cuda where zinc was built with CUDA and a GPU is
+  // visible, else cpu. Resolved at parse time.
+  Device device = Device::kCpu;
 
   double gradient_clipping = 1.0;  // 0 = off
   int64_t steps_per_print = 10;

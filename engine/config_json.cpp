@@ -128,6 +128,7 @@ json to_json(const Config& c) {
               {"intra_op_parallelism", c.aio.intra_op_parallelism},
               {"single_submit", c.aio.single_submit},
               {"overlap_events", c.aio.overlap_events}};
+  j["device"] = device_name(c.device);
   j["csv_monitor"] = {{"enabled", c.csv_monitor.enabled},
                       {"output_path", c.csv_monitor.output_path},
                       {"job_name", c.csv_monitor.job_name}};

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,6 +18,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/checkpoint.h"
+#include "engine/device_mirror.h"
 #include "engine/grad_reducer.h"
 #include "engine/lamb_step.h"
 #include "engine/optimizer_state.h"
@@ -35,6 +37,30 @@
 // coordinator's parameter all-gather on the gather stream). What each stage
 // keeps: Note [ZeRO stages] in engine/shard.h; the two streams:
 // Communicator::twin in comm/comm.h.
+//
+// Note [the GPU path]
+// With "device": "cuda" the model computes on the GPU and the engine runs
+// ZeRO-Offload: everything the CPU path keeps stays where it is (fp32 master
+// weights and Adam states in host RAM, pinned RAM or on NVMe; the host compute
+// copy; the host gradient buffers the GradReducer reduces over the
+// communicator), and a DeviceMirror (device_mirror.h) adds the GPU's copy of
+// every block's compute parameters and a GPU gradient accumulator. So the
+// optimizer step, clipping, loss scaling, the reductions and checkpoints are
+// the CPU path's code, unchanged. Per step:
+// - acquire(block) waits for the host copy as on the CPU (at stages 1-2 for
+//   the all-gather after the last step), uploads it if the last step changed
+//   it, and hands the model the GPU copy;
+// - backward accumulates into the GPU buffers; at an accumulation boundary
+//   grads_ready(block) starts the block's copy to pinned host memory on a copy
+//   stream while backward goes on with earlier blocks, and blocks whose
+//   copies have finished join the GradReducer's buckets in the order the
+//   model reported them (the same on every rank);
+// - step() is the CPU path's; every updated block is marked for upload.
+// Not yet: reductions on the GPU over NCCL (the NCCL communicator exists,
+// comm/nccl_communicator.cpp, but the GradReducer reduces host buffers),
+// GPU-resident optimizer states (optim_cuda.h has the AdamW; config refuses
+// offload_optimizer "none" with cuda), stage 3, and overlapping the uploads
+// with the CPU update sub-group by sub-group.
 
 namespace zinc {
 namespace {
@@ -216,6 +242,13 @@ struct Engine::Impl final : StepContext {
   StateMemory memory;
   std::unique_ptr<OptimizerState> opt_state;  // master, m, v: RAM, pinned RAM or NVMe
   OffloadDevice offload_device = OffloadDevice::kNone;
+  // "device": "cuda" (Note [the GPU path]): the GPU copies, which blocks the
+  // last step changed (upload at the next acquire), and the blocks whose
+  // gradient copies are in flight, in the order the model reported them.
+  std::unique_ptr<DeviceMirror> gpu;
+  std::vector<char> gpu_stale;
+  std::deque<int> gpu_copies;
+  bool boundary_backward = false;
 
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
@@ -242,9 +275,25 @@ struct Engine::Impl final : StepContext {
     loss_scaling = c.fp16.enabled;
     if (loss_scaling) scaler = optim::LossScaler(loss_scale_params(c.fp16));
     allocate_and_init();
+    if (c.device != model->device())
+      throw ConfigError("device", std::string("the config says \"") + device_name(c.device) + "\" but model '" +
+                                      model->name() + "' computes on " + device_name(model->device()));
+    if (c.device == Device::kCuda) {
+      std::vector<int64_t> padded;
+      for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
+      gpu = DeviceMirror::make(padded, dtype);
+      gpu_stale.assign(blocks.size(), 1);
+    }
   }
 
   ~Impl() override {
+    if (gpu) {
+      try {
+        gpu->synchronize();
+      } catch (const std::exception& e) {
+        log_error(std::string("engine shutdown: the GPU failed: ") + e.what());
+      }
+    }
     // Work in flight refers to our buffers: let it finish before they go.
     for (comm::CommStream* st : {reduce_stream.get(), own_gather_stream.get()}) {
       if (!st) continue;
@@ -357,12 +406,20 @@ struct Engine::Impl final : StepContext {
   DType compute_dtype() const override { return dtype; }
   BlockParams acquire_params(int block) override {
     state(block);  // a block number outside the model is the model's error
-    return params->acquire(block);
+    BlockParams p = params->acquire(block);
+    if (gpu) {
+      if (gpu_stale[static_cast<size_t>(block)]) {
+        gpu->upload_params(block, p.base);
+        gpu_stale[static_cast<size_t>(block)] = 0;
+      }
+      p.base = gpu->params(block);
+    }
+    return p;
   }
   void release_params(int block) noexcept override { params->release(block); }
   BlockGrads grads(int block) override {
     BlockShard& s = state(block);
-    return BlockGrads{reducer->grads(block), &s.layout};
+    return BlockGrads{gpu ? gpu->grads(block) : reducer->grads(block), &s.layout};
   }
   void grads_ready(int block) override {
     BlockShard& s = state(block);
@@ -370,7 +427,24 @@ struct Engine::Impl final : StepContext {
       throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                   " twice in one backward");
     s.grads_reported = true;
+    if (gpu && boundary_backward) {
+      gpu->start_grads_copy(block);
+      gpu_copies.push_back(block);
+      hand_over_gpu_grads(/*wait=*/false);
+      return;
+    }
     reducer->ready(block);
+  }
+
+  // Blocks whose gradient copies have finished (all of them with wait) go
+  // to the GradReducer, in the order the model reported them.
+  void hand_over_gpu_grads(bool wait) {
+    while (!gpu_copies.empty() && (wait || gpu->grads_copied(gpu_copies.front()))) {
+      const int b = gpu_copies.front();
+      gpu->finish_grads_copy(b, reducer->grads(b));
+      reducer->ready(b);
+      gpu_copies.pop_front();
+    }
   }
 
   // A model that keeps a HeldParams past its forward or backward.
@@ -414,9 +488,11 @@ struct Engine::Impl final : StepContext {
   void backward() {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
     auto t0 = Clock::now();
-    reducer->begin_backward((micro_steps + 1) % cfg.gradient_accumulation_steps == 0);
+    boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
+    reducer->begin_backward(boundary_backward);
     model->backward(*this, static_cast<float>(loss_scale()));
     check_released("backward");
+    if (gpu) hand_over_gpu_grads(/*wait=*/true);
     params->end_pass();
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
@@ -476,6 +552,7 @@ struct Engine::Impl final : StepContext {
       params->before_update();
       update_all(grad_scale);
       params->gather_after_step();
+      if (gpu) gpu_stale.assign(blocks.size(), 1);
     }
     reducer->reset_after_step();
     if (loss_scaling) scaler.update(overflow);
@@ -786,6 +863,7 @@ struct Engine::Impl final : StepContext {
       convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
     }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
     params->gather_after_step();
+    if (gpu) gpu_stale.assign(blocks.size(), 1);
     const nlohmann::json& t = meta.at("training");
     global_steps = t.at("global_steps");
     micro_steps = t.at("micro_steps");

@@ -27,6 +27,12 @@ namespace zinc {
 
 enum class Init { kZeros, kOnes, kNormal };
 
+// Where a model computes: its activations and the parameter and gradient
+// views the engine hands it (StepContext) live on the host (kCpu) or in GPU
+// memory (kCuda; CUDA builds).
+enum class Device { kCpu, kCuda };
+inline const char* device_name(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+
 struct ParamSpec {
   std::string name;  // e.g. "attn.qkv.weight"
   Shape shape;
@@ -163,6 +169,9 @@ class Model {
   virtual ~Model() = default;
   virtual std::string name() const = 0;
   virtual const std::vector<BlockSpec>& blocks() const = 0;
+  // Where forward and backward run; the engine places the parameters and
+  // gradient buffers it hands out there (config key "device").
+  virtual Device device() const { return Device::kCpu; }
   // Forward one micro-batch; keeps what backward needs. Returns the mean loss
   // over the batch's B*T targets.
   virtual float forward(StepContext& ctx, const Batch& batch) = 0;

@@ -9,11 +9,13 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "models/detail/linear.h"
+#include "models/detail/ops.h"
 #include "models/models.h"
 
 namespace zinc::models {
 namespace {
 
+using detail::Buf;
 using detail::f32;
 using kernels::CView;
 
@@ -47,28 +49,28 @@ enum NormParam { kLnfW, kLnfB };
 // Activations of one layer that its backward reads (besides its input, the
 // residual stream x_in, which Gpt keeps per layer in either mode).
 struct LayerActs {
-  AlignedBuffer ln1;       // (N,C)
-  AlignedBuffer ln1_mean;  // (N)
-  AlignedBuffer ln1_rstd;  // (N)
-  AlignedBuffer qkv;       // (N,3C)
-  AlignedBuffer att;       // (N,C) attention output before its projection
-  AlignedBuffer x_mid;     // (N,C) residual stream after attention
-  AlignedBuffer ln2;       // (N,C)
-  AlignedBuffer ln2_mean;  // (N)
-  AlignedBuffer ln2_rstd;  // (N)
-  AlignedBuffer fc;        // (N,4C) before GELU
-  AlignedBuffer gelu;      // (N,4C)
+  Buf ln1;       // (N,C)
+  Buf ln1_mean;  // (N)
+  Buf ln1_rstd;  // (N)
+  Buf qkv;       // (N,3C)
+  Buf att;       // (N,C) attention output before its projection
+  Buf x_mid;     // (N,C) residual stream after attention
+  Buf ln2;       // (N,C)
+  Buf ln2_mean;  // (N)
+  Buf ln2_rstd;  // (N)
+  Buf fc;        // (N,4C) before GELU
+  Buf gelu;      // (N,4C)
   // What the matmuls read of ln1, att, ln2 and gelu (detail::matmul_input:
   // with bf16 compute converted once in forward, read again by the
   // weight-gradient matmuls in backward) and the bf16 copies behind them.
   CView ln1_in, att_in, ln2_in, gelu_in;
-  AlignedBuffer ln1_16, att_16, ln2_16, gelu_16;
-  kernels::AttentionWorkspace* ws = nullptr;
+  Buf ln1_16, att_16, ln2_16, gelu_16;
+  void* ws = nullptr;  // Ops::attention_create
 };
 
 class Gpt final : public Model {
  public:
-  explicit Gpt(const GptConfig& c) : c_(c) {
+  explicit Gpt(const GptConfig& c) : c_(c), ops_(&detail::ops_for(c.device)) {
     if (auto bad = size_error(c)) throw Error("gpt: " + bad->field + ": " + bad->message);
     const int64_t C = c.n_embd, V = c.vocab_size;
     const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
@@ -94,14 +96,15 @@ class Gpt final : public Model {
     // Note [activation checkpointing]: one shared set of layer activations
     // instead of one per layer.
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.n_layer));
-    for (LayerActs& a : acts_) a.ws = kernels::attention_workspace_create();
+    for (LayerActs& a : acts_) a.ws = ops_->attention_create();
     x_in_.resize(static_cast<size_t>(c.n_layer));
   }
   ~Gpt() override {
-    for (LayerActs& a : acts_) kernels::attention_workspace_destroy(a.ws);
+    for (LayerActs& a : acts_) ops_->attention_destroy(a.ws);
   }
 
   std::string name() const override { return "gpt"; }
+  Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
 
   double flops_per_token(int64_t T) const override {
@@ -157,9 +160,11 @@ class Gpt final : public Model {
     const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
     tokens_ = batch.inputs;
+    tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
+    const int32_t* targets = ops_->tokens(batch.targets, V, "cross_entropy", targets_store_);
 
     HeldParams emb = ctx.acquire(0);
-    kernels::embedding_forward(x_in_[0].as<float>(), batch.inputs.data(), emb[kWte], emb[kWpe], B, T, C, V);
+    ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V);
     emb.release();
 
     for (int64_t l = 0; l < c_.n_layer; ++l) {
@@ -172,38 +177,37 @@ class Gpt final : public Model {
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
-    kernels::layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
+    ops_->layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
                                x_final_.as<float>(), nf[kLnfW], nf[kLnfB], N, C);
     nf.release();
 
     // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
     // gradient of the mean loss straight away; backward scales it.
     HeldParams head = ctx.acquire(0);
-    lnf_in_ = detail::matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
-    detail::linear_forward(logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
+    lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
+    detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
     head.release();
-    double loss = kernels::cross_entropy(logits_.as<float>(), batch.targets.data(), N, V,
-                                         dlogits_.as<float>(), 1.0f);
+    double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     return static_cast<float>(loss);
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
     const int64_t B = B_, T = T_, C = c_.n_embd, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
-    if (loss_scale != 1.0f) kernels::scale(dlogits_.as<float>(), loss_scale, N * V);
+    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
 
     // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
     HeldParams emb = ctx.acquire(0);
     BlockGrads gemb = ctx.grads(0);
-    detail::linear_backward(dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()), lnf_in_,
+    detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()), lnf_in_,
                             emb[kWte], N, C, V, dt);
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
     BlockGrads gnf = ctx.grads(norm_block);
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
-    std::memset(dx, 0, static_cast<size_t>(N * C) * sizeof(float));
-    kernels::layernorm_backward(dx, gnf[kLnfW], gnf[kLnfB], dlnf_.as<float>(), x_final_.as<float>(), nf[kLnfW],
+    ops_->zero(dx, N * C);
+    ops_->layernorm_backward(dx, gnf[kLnfW], gnf[kLnfB], dlnf_.as<float>(), x_final_.as<float>(), nf[kLnfW],
                                 lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
     nf.release();
     ctx.grads_ready(norm_block);
@@ -225,26 +229,26 @@ class Gpt final : public Model {
       BlockGrads g = ctx.grads(blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
       // becomes d x_mid by accumulating the branch's gradient.
-      detail::linear_backward(dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), a.gelu_in,
+      detail::linear_backward(*ops_, dy16_, dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), a.gelu_in,
                               p[kMlpProjW], N, 4 * C, C, dt);
-      kernels::gelu_backward(dbig, a.fc.as<float>(), dbig, N * 4 * C);
-      detail::linear_backward(dsmall, g[kFcW], g[kFcB], f32(dbig), a.ln2_in, p[kFcW], N, C,
+      ops_->gelu_backward(dbig, a.fc.as<float>(), dbig, N * 4 * C);
+      detail::linear_backward(*ops_, dy16_, dsmall, g[kFcW], g[kFcB], f32(dbig), a.ln2_in, p[kFcW], N, C,
                               4 * C, dt);
-      kernels::layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
+      ops_->layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
                                   a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
-      detail::linear_backward(dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), a.att_in,
+      detail::linear_backward(*ops_, dy16_, dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), a.att_in,
                               p[kAttnProjW], N, C, C, dt);
-      kernels::attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
-      detail::linear_backward(dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
+      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
                               3 * C, dt);
-      kernels::layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, x_in, p[kLn1W],
+      ops_->layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, x_in, p[kLn1W],
                                   a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
       p.release();
       ctx.grads_ready(blk);
     }
 
-    kernels::embedding_backward(gemb[kWte], gemb[kWpe], dx, tokens_.data(), B, T, C, V);
+    ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V);
     emb.release();
     ctx.grads_ready(0);
   }
@@ -260,68 +264,72 @@ class Gpt final : public Model {
   void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
                      DType dt) {
     const int64_t C = c_.n_embd, N = B * T;
-    kernels::layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), x_in,
+    ops_->layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), x_in,
                                p[kLn1W], p[kLn1B], N, C);
-    a.ln1_in = detail::matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
-    detail::linear_forward(a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
-    kernels::attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
-    a.att_in = detail::matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
-    detail::linear_forward(a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
-    kernels::add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
-    kernels::layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
+    a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+    a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
+    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
+    ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
+    ops_->layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
-    a.ln2_in = detail::matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
-    detail::linear_forward(a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
-    kernels::gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
-    a.gelu_in = detail::matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
+    a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
+    ops_->gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
+    a.gelu_in = ops_->matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
     if (!x_out) return;
-    detail::linear_forward(x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
-    kernels::add(x_out, x_out, a.x_mid.as<float>(), N * C);
+    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
+    ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
   }
 
   void ensure_buffers(int64_t B, int64_t T) {
     if (B == B_ && T == T_) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t V = static_cast<size_t>(c_.vocab_size);
-    for (AlignedBuffer& x : x_in_) x = make_buffer<float>(N * C);
+    for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
     for (LayerActs& a : acts_) {
-      a.ln1 = make_buffer<float>(N * C);
-      a.ln1_mean = make_buffer<float>(N);
-      a.ln1_rstd = make_buffer<float>(N);
-      a.qkv = make_buffer<float>(N * 3 * C);
-      a.att = make_buffer<float>(N * C);
-      a.x_mid = make_buffer<float>(N * C);
-      a.ln2 = make_buffer<float>(N * C);
-      a.ln2_mean = make_buffer<float>(N);
-      a.ln2_rstd = make_buffer<float>(N);
-      a.fc = make_buffer<float>(N * 4 * C);
-      a.gelu = make_buffer<float>(N * 4 * C);
+      a.ln1 = ops_->alloc_f32(N * C);
+      a.ln1_mean = ops_->alloc_f32(N);
+      a.ln1_rstd = ops_->alloc_f32(N);
+      a.qkv = ops_->alloc_f32(N * 3 * C);
+      a.att = ops_->alloc_f32(N * C);
+      a.x_mid = ops_->alloc_f32(N * C);
+      a.ln2 = ops_->alloc_f32(N * C);
+      a.ln2_mean = ops_->alloc_f32(N);
+      a.ln2_rstd = ops_->alloc_f32(N);
+      a.fc = ops_->alloc_f32(N * 4 * C);
+      a.gelu = ops_->alloc_f32(N * 4 * C);
     }
-    x_final_ = make_buffer<float>(N * C);
-    lnf_ = make_buffer<float>(N * C);
-    lnf_mean_ = make_buffer<float>(N);
-    lnf_rstd_ = make_buffer<float>(N);
-    logits_ = make_buffer<float>(N * V);
-    dlogits_ = make_buffer<float>(N * V);
-    dlnf_ = make_buffer<float>(N * C);
-    dres_ = make_buffer<float>(N * C);
-    dsmall_ = make_buffer<float>(N * C);
-    dbig_ = make_buffer<float>(N * 4 * C);
+    x_final_ = ops_->alloc_f32(N * C);
+    lnf_ = ops_->alloc_f32(N * C);
+    lnf_mean_ = ops_->alloc_f32(N);
+    lnf_rstd_ = ops_->alloc_f32(N);
+    logits_ = ops_->alloc_f32(N * V);
+    dlogits_ = ops_->alloc_f32(N * V);
+    dlnf_ = ops_->alloc_f32(N * C);
+    dres_ = ops_->alloc_f32(N * C);
+    dsmall_ = ops_->alloc_f32(N * C);
+    dbig_ = ops_->alloc_f32(N * 4 * C);
     B_ = B;
     T_ = T;
   }
 
   GptConfig c_;
+  detail::Ops* ops_;  // the device's kernels (models/detail/ops.h)
   std::vector<BlockSpec> specs_;
-  std::vector<AlignedBuffer> x_in_;  // (N,C) per layer: the residual stream entering it
+  std::vector<Buf> x_in_;  // (N,C) per layer: the residual stream entering it
   std::vector<LayerActs> acts_;      // one per layer, or one shared (gradient_checkpointing)
   int64_t acts_hold_ = -1;           // the layer whose activations the shared set holds
   std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
+  const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
+  Buf tokens_store_, targets_store_;  // device copies (GPU)
   int64_t B_ = 0, T_ = 0;
-  AlignedBuffer x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
-  AlignedBuffer dlnf_, dres_, dsmall_, dbig_;
+  Buf x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
+  Buf dlnf_, dres_, dsmall_, dbig_;
+  Buf dy16_;  // linear_backward's 16-bit copy of dy
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
-  AlignedBuffer lnf_16_;
+  Buf lnf_16_;
 };
 
 }  // namespace

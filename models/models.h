@@ -39,6 +39,9 @@ struct GptConfig {
   // cost of about one extra forward of the layers per step. Gradients are
   // bit-identical to the run without it.
   bool gradient_checkpointing = false;
+  // Where forward and backward run (zinc-train: the config's "device"). kCuda
+  // needs a CUDA build and a GPU; make_gpt throws naming the reason otherwise.
+  Device device = Device::kCpu;
 };
 
 struct MlpConfig {

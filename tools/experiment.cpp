@@ -45,6 +45,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     g.n_head = m.n_head;
     g.n_embd = m.n_embd;
     g.gradient_checkpointing = m.gradient_checkpointing;
+    g.device = e.config.device;
     e.model = models::make_gpt(g);
   } else if (m.type == ModelType::kMlp) {
     models::MlpConfig c;
@@ -53,6 +54,8 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     c.n_embd = m.n_embd;
     c.hidden = m.hidden;
     c.n_layer = m.n_layer;
+    if (e.config.device != Device::kCpu)
+      throw ConfigError("device", "model \"mlp\" computes on the CPU only (the GPU path has the GPT)");
     e.model = models::make_mlp(c);
   } else {
     // Only reachable with a value cast from outside the enum.

@@ -5,6 +5,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "kernels/kernels.h"
+#include "models/detail/ops.h"
 
 namespace zinc::models::detail {
 
@@ -44,28 +45,36 @@ inline kernels::MatmulDesc weight_grad_desc(int64_t N, int64_t in, int64_t out, 
 }
 
 // y(N,out) = x(N,in) W^T + b   (b.data may be null)
+inline void linear_forward(Ops& ops, float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
+                           DType compute) {
+  ops.matmul(forward_desc(N, in, out, b.data != nullptr, compute), x, w, y, b);
+}
 inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
                            DType compute) {
-  kernels::matmul(forward_desc(N, in, out, b.data != nullptr, compute), x, w, y, b);
+  linear_forward(cpu_ops(), y, x, w, b, N, in, out, compute);
 }
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
 // db(out) += column sums of dy (skipped when db is null).
 // With bf16 (fp16) compute an fp32 dy is converted once for both matmuls
 // (kernels::operand16_copy); the bias gradient sums the fp32 dy.
-inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
-                            int64_t in, int64_t out, DType compute) {
+// `scratch` holds the 16-bit copy of dy (grown as needed).
+inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float* db, CView dy, CView x, CView w,
+                            int64_t N, int64_t in, int64_t out, DType compute) {
   const CView dy_full = dy;
-  if (is_16bit(compute) && dy.dtype == DType::kF32 && !dy.bf16_exact) {
-    thread_local AlignedBuffer scratch;
-    dy = kernels::operand16_copy(static_cast<const float*>(dy.data), N * out, compute, scratch);
-  }
-  if (dx) kernels::matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
-  kernels::matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
+  if (is_16bit(compute) && dy.dtype == DType::kF32 && !dy.bf16_exact)
+    dy = ops.operand16_copy(static_cast<const float*>(dy.data), N * out, compute, scratch);
+  if (dx) ops.matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
+  ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
   if (db) {
     ZINC_CHECK(dy_full.dtype == DType::kF32 && !dy_full.bf16_exact, "bias gradient needs the fp32 dy");
-    kernels::bias_backward(db, static_cast<const float*>(dy_full.data), N, out);
+    ops.bias_backward(db, static_cast<const float*>(dy_full.data), N, out);
   }
+}
+inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
+                            int64_t in, int64_t out, DType compute) {
+  thread_local Buf scratch;
+  linear_backward(cpu_ops(), scratch, dx, dw, db, dy, x, w, N, in, out, compute);
 }
 
 inline CView f32(const float* p) { return CView{p, DType::kF32}; }

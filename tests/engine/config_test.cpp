@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "tests/engine/config_test_util.h"
 
@@ -827,6 +828,50 @@ TEST(ConfigActivationCheckpointing, DeepSpeedKeysParsedDefaultsSilentSetKeysWarn
                       "activation_checkpointing.cpu_checkpointing", "expected true or false");
   EXPECT_CONFIG_ERROR(with({{"activation_checkpointing", true}}), "activation_checkpointing",
                       "expected an object");
+}
+
+}  // namespace
+}  // namespace zinc
+
+// ---- "device" ------------------------------------------------------------------
+namespace zinc {
+namespace {
+using testing_config::with;
+
+TEST(ConfigDevice, DefaultsToCpuAndAcceptsCpuAndAuto) {
+  EXPECT_EQ(Config::parse(testing_config::base()).device, Device::kCpu);
+  EXPECT_EQ(Config::parse(with({{"device", "cpu"}})).device, Device::kCpu);
+  const Device autod = Config::parse(with({{"device", "auto"}})).device;
+  EXPECT_EQ(autod, cuda_status().devices > 0 ? Device::kCuda : Device::kCpu);
+}
+
+TEST(ConfigDevice, UnknownValueIsAnErrorNamingTheChoices) {
+  const std::string e = testing_config::error_of_parse([](const json& j) { Config::parse(j); }, with({{"device", "gpu"}}));
+  testing_config::expect_parts(e, {"device", "\"cpu\", \"cuda\" or \"auto\"", "gpu"});
+}
+
+TEST(ConfigDevice, CudaWithoutAGpuSaysWhy) {
+  if (cuda_status().devices > 0) GTEST_SKIP() << "this machine has a GPU";
+  const std::string e = testing_config::error_of_parse(
+      [](const json& j) { Config::parse(j); },
+      with({{"device", "cuda"}, {"zero_optimization", {{"offload_optimizer", {{"device", "cpu"}}}}}}));
+  testing_config::expect_parts(e, {"device"});
+  if (cuda_status().built)
+    testing_config::expect_parts(e, {"no GPU is visible"});
+  else
+    testing_config::expect_parts(e, {"built without CUDA"});
+}
+
+TEST(ConfigDevice, CudaNeedsZeroOffloadAndAStageBelow3) {
+  if (cuda_status().devices == 0) GTEST_SKIP() << "needs a GPU: " << cuda_status().why;
+  auto err = [](const json& j) { return testing_config::error_of_parse([](const json& d) { Config::parse(d); }, j); };
+  testing_config::expect_parts(err(with({{"device", "cuda"}})), {"zero_optimization.offload_optimizer.device", "\"cpu\" or \"nvme\""});
+  testing_config::expect_parts(
+      err(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}})),
+      {"zero_optimization.stage", "stage 3"});
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"offload_optimizer", {{"device", "cpu"}}}}}}))
+                .device,
+            Device::kCuda);
 }
 
 }  // namespace

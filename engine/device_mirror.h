@@ -1,0 +1,49 @@
+// zinc engine, private: the GPU side of a "device": "cuda" run (Note [the
+// GPU path] in engine.cpp). The engine keeps every piece of its host state
+// as on the CPU (master weights and optimizer states, the host compute copy,
+// the host gradient buffers the GradReducer reduces); the mirror adds, per
+// block, the full compute parameters and an fp32 gradient accumulator in GPU
+// memory, and moves data between the two:
+// - upload_params: host compute copy -> GPU, ordered before the model's next
+//   kernels on the compute stream (the legacy default stream, models/detail/ops.h);
+// - start_grads_copy: at an accumulation boundary, once the compute stream
+//   has produced the block's gradients, copy them to pinned host memory on
+//   a copy stream of their own (backward goes on meanwhile) and zero the GPU
+//   accumulator for the next global batch; grads_copied / finish_grads_copy
+//   hand them to the host buffer.
+// No CUDA type appears here: the implementation is device_mirror_cuda.cpp in
+// CUDA builds, else make() throws.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace zinc {
+
+class DeviceMirror {
+ public:
+  // padded_numel: each block's flat length (compute params and gradients alike).
+  static std::unique_ptr<DeviceMirror> make(const std::vector<int64_t>& padded_numel, DType compute);
+  virtual ~DeviceMirror() = default;
+
+  virtual const void* params(int block) const = 0;
+  // The block's GPU gradient accumulator; the compute stream first waits for
+  // the copy and zeroing of the last boundary.
+  virtual float* grads(int block) = 0;
+  // Copies the block's host compute parameters (compute dtype, padded) to the GPU.
+  virtual void upload_params(int block, const void* host) = 0;
+  virtual void start_grads_copy(int block) = 0;
+  virtual bool grads_copied(int block) = 0;
+  // Waits for the copy and writes the block's gradients into `host` (padded fp32).
+  virtual void finish_grads_copy(int block, float* host) = 0;
+  // Waits for everything the mirror and the compute stream have queued.
+  virtual void synchronize() = 0;
+  // Bytes of GPU memory and of pinned host memory the mirror holds.
+  virtual int64_t device_bytes() const = 0;
+  virtual int64_t pinned_bytes() const = 0;
+};
+
+}  // namespace zinc

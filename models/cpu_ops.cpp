@@ -1,0 +1,86 @@
+// The CPU's Ops: kernels.h on host memory.
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+#include "models/detail/ops.h"
+
+namespace zinc::models::detail {
+namespace {
+
+class CpuOps final : public Ops {
+ public:
+  Device device() const override { return Device::kCpu; }
+  Buf alloc(size_t bytes) override { return Buf(AlignedBuffer(bytes)); }
+  void zero(float* x, int64_t n) override { std::memset(x, 0, static_cast<size_t>(n) * sizeof(float)); }
+  const int32_t* tokens(const std::vector<int32_t>& host, int64_t V, const char* what, Buf& store) override {
+    return host.data();  // the kernels check the range themselves
+  }
+  void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias) override {
+    kernels::matmul(d, a, b, c, bias);
+  }
+  void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) override {
+    kernels::bias_backward(dbias, dy, M, N);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                         int64_t C) override {
+    kernels::layernorm_forward(out, mean, rstd, x, w, b, N, C);
+  }
+  void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                          const float* mean, const float* rstd, int64_t N, int64_t C) override {
+    kernels::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, N, C);
+  }
+  void gelu_forward(float* out, const float* x, int64_t n) override { kernels::gelu_forward(out, x, n); }
+  void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) override {
+    kernels::gelu_backward(dx, x, dout, n);
+  }
+  void add(float* out, const float* a, const float* b, int64_t n) override { kernels::add(out, a, b, n); }
+  void scale(float* x, float alpha, int64_t n) override { kernels::scale(x, alpha, n); }
+  void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
+                         int64_t V) override {
+    kernels::embedding_forward(out, tokens, wte, wpe, B, T, C, V);
+  }
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                          int64_t C, int64_t V) override {
+    kernels::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, V);
+  }
+  double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
+                       float dloss_scale) override {
+    return kernels::cross_entropy(logits, targets, N, V, dlogits, dloss_scale);
+  }
+  void* attention_create() override { return kernels::attention_workspace_create(); }
+  void attention_destroy(void* ws) override {
+    kernels::attention_workspace_destroy(static_cast<kernels::AttentionWorkspace*>(ws));
+  }
+  void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) override {
+    kernels::attention_forward(static_cast<kernels::AttentionWorkspace*>(ws), out, qkv, s, compute);
+  }
+  void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv, kernels::AttentionShape s,
+                          DType compute) override {
+    kernels::attention_backward(static_cast<kernels::AttentionWorkspace*>(ws), dqkv, dout, qkv, s, compute);
+  }
+  CView matmul_input(float* x, int64_t n, DType compute, Buf& scratch) override {
+    if (!is_16bit(compute)) return CView{x, DType::kF32};
+    return kernels::operand16_in_place(x, n, compute, scratch.host());
+  }
+  CView operand16_copy(const float* dy, int64_t n, DType compute, Buf& scratch) override {
+    return kernels::operand16_copy(dy, n, compute, scratch.host());
+  }
+};
+
+}  // namespace
+
+Ops& cpu_ops() {
+  static CpuOps ops;
+  return ops;
+}
+
+#if !defined(ZINC_MODELS_CUDA)
+Ops& cuda_ops() {
+  throw Error("device \"cuda\": zinc was built without CUDA (configure with nvcc present, or -DZINC_CUDA=ON)");
+}
+#endif
+
+Ops& ops_for(Device d) { return d == Device::kCuda ? cuda_ops() : cpu_ops(); }
+
+}  // namespace zinc::models::detail

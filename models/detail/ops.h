@@ -1,0 +1,116 @@
+// zinc models, private: the kernels a built-in model calls, on the CPU or
+// the GPU. The GPT is written once against Ops; cpu_ops() runs kernels.h on
+// host memory, cuda_ops() (CUDA builds, models/cuda_ops.cpp) runs
+// kernels_cuda.h on device memory, enqueued on the legacy default stream,
+// the one compute stream the engine orders its copies against.
+//
+// Buffers come from Ops::alloc (zero-filled; host AlignedBuffer or device
+// memory), so the model never touches its activations with host code: every
+// access goes through a kernel of the same Ops.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/alloc.h"
+#include "engine/model.h"
+#include "kernels/kernels.h"
+
+namespace zinc::models::detail {
+
+using kernels::CView;
+
+// A zero-filled buffer of an Ops: host memory (an AlignedBuffer, 64-byte
+// aligned, so the memory estimates' sizes hold) or device memory.
+class Buf {
+ public:
+  Buf() = default;
+  explicit Buf(AlignedBuffer host) : host_(std::move(host)) {}
+  Buf(void* dev, size_t bytes, void (*dev_free)(void*)) : dev_(dev), dev_bytes_(bytes), dev_free_(dev_free) {}
+  ~Buf() {
+    if (dev_) dev_free_(dev_);
+  }
+  Buf(Buf&& o) noexcept { *this = std::move(o); }
+  Buf& operator=(Buf&& o) noexcept {
+    if (this != &o) {
+      if (dev_) dev_free_(dev_);
+      host_ = std::move(o.host_);
+      dev_ = std::exchange(o.dev_, nullptr);
+      dev_bytes_ = std::exchange(o.dev_bytes_, 0);
+      dev_free_ = o.dev_free_;
+    }
+    return *this;
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  void* data() const { return dev_ ? dev_ : host_.data(); }
+  size_t bytes() const { return dev_ ? dev_bytes_ : host_.bytes(); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data());
+  }
+  AlignedBuffer& host() { return host_; }  // CPU Ops only
+
+ private:
+  AlignedBuffer host_;
+  void* dev_ = nullptr;
+  size_t dev_bytes_ = 0;
+  void (*dev_free_)(void*) = nullptr;
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual Device device() const = 0;
+  virtual Buf alloc(size_t bytes) = 0;
+  Buf alloc_f32(size_t n) { return alloc(n * sizeof(float)); }
+  virtual void zero(float* x, int64_t n) = 0;
+
+  // The batch's tokens (or targets) where the kernels read them: the host
+  // vector itself, or a copy in `store` on the device. Checks every value
+  // is in [0, V) first and throws zinc::Error naming the position.
+  virtual const int32_t* tokens(const std::vector<int32_t>& host, int64_t V, const char* what, Buf& store) = 0;
+
+  virtual void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias = {}) = 0;
+  virtual void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) = 0;
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                                 int64_t C) = 0;
+  virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
+                                  const float* mean, const float* rstd, int64_t N, int64_t C) = 0;
+  virtual void gelu_forward(float* out, const float* x, int64_t n) = 0;
+  virtual void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) = 0;
+  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
+  virtual void scale(float* x, float alpha, int64_t n) = 0;
+  virtual void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
+                                 int64_t C, int64_t V) = 0;
+  virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
+                                  int64_t T, int64_t C, int64_t V) = 0;
+  // Mean loss over the N rows (kernels::cross_entropy); `targets` from tokens().
+  virtual double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
+                               float dloss_scale) = 0;
+
+  // Attention with a workspace per layer (opaque; create/destroy pair).
+  virtual void* attention_create() = 0;
+  virtual void attention_destroy(void* ws) = 0;
+  virtual void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) = 0;
+  virtual void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv,
+                                  kernels::AttentionShape s, DType compute) = 0;
+
+  // An activation that only matmuls read, as they read it (see
+  // linear.h's matmul_input): the fp32 buffer itself for fp32 compute, else
+  // converted once into `scratch` (or rounded in place on the CPU fallback).
+  virtual CView matmul_input(float* x, int64_t n, DType compute, Buf& scratch) = 0;
+  // An fp32 dy converted for 16-bit matmuls (a copy; dy itself is kept for
+  // the bias gradient).
+  virtual CView operand16_copy(const float* dy, int64_t n, DType compute, Buf& scratch) = 0;
+};
+
+// The CPU's Ops (kernels.h; one instance per process).
+Ops& cpu_ops();
+// The GPU's Ops (kernels_cuda.h on the legacy default stream); throws
+// zinc::Error when zinc was built without CUDA or no GPU is visible.
+Ops& cuda_ops();
+Ops& ops_for(Device d);
+
+}  // namespace zinc::models::detail
