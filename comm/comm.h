@@ -2,12 +2,15 @@
 //
 // Communicator is the transport: MPI between processes (make_mpi_communicator),
 // shared memory between the ranks of one machine, hierarchical (shared memory
-// inside machines, MPI across), or a world of one (make_single_communicator);
-// make_communicator picks one. A NCCL backend will implement the same
-// interface, which therefore names no MPI type. Buffers are fp32, bf16 or fp16 (16-bit sums are formed in fp32 and rounded
-// to the buffer's format once per pairwise combination). For a given world size and backend
-// every collective combines ranks in a fixed order, so results are
-// deterministic run to run.
+// inside machines, MPI across), NCCL between GPUs (make_nccl_communicator;
+// its buffers are device pointers), or a world of one
+// (make_single_communicator); make_communicator picks one. The interface
+// names no MPI, CUDA or NCCL type. Buffers are fp32, bf16 or fp16 (16-bit
+// sums are formed in fp32 and rounded to the buffer's format once per
+// pairwise combination; NCCL rounds the same way per combination but groups
+// the ranks by its own algorithm, see nccl_communicator.cpp). For a given
+// world size and backend every collective combines ranks in a fixed order,
+// so results are deterministic run to run.
 //
 // Failures throw zinc::CommError naming the rank and the operation. abort()
 // brings the whole job down (every rank exits) after printing its message:
@@ -88,12 +91,51 @@ class Communicator {
 std::unique_ptr<Communicator> make_mpi_communicator();
 // A world of one rank: collectives copy; no MPI.
 std::unique_ptr<Communicator> make_single_communicator();
+
+// The NCCL backend over the ranks of `bootstrap` (an MPI communicator, or any
+// host backend over the same ranks). Collective over bootstrap's ranks: rank
+// 0 creates NCCL's unique id and broadcasts it over `bootstrap`, which must
+// outlive the result (its abort() ends the job; make_communicator("nccl")
+// keeps its own MPI communicator inside the result instead).
+//
+// device: the GPU of this rank; -1 picks (rank % local_size) % GPUs, and
+// refuses (CommError naming the rank) when the machine has fewer GPUs than
+// ranks: NCCL cannot put two ranks on one GPU. Without CUDA or NCCL in the
+// build, or without a visible GPU (zinc::cuda_status()), it throws CommError
+// "[rank r] nccl backend: <why>"; every rank learns of a failure on any rank
+// before NCCL starts, so none is left waiting.
+//
+// Buffers of the collectives are DEVICE pointers of that GPU; the f64
+// reductions take HOST doubles (norms, losses). Each communicator owns one
+// CUDA stream; a collective is enqueued on it and the call returns when it
+// has completed on the GPU, so the interface stays synchronous and a
+// CommStream over this communicator blocks its own thread, never the
+// caller's compute stream. The caller must make the input complete before
+// the call: work submitted to a CommStream first calls wait_cuda_event()
+// with an event the compute stream recorded after producing the data.
+// Output is complete (and visible to any stream) when the call returns.
+// duplicate() is ncclCommSplit (NCCL >= 2.18; null before), with a stream
+// of its own. Destruction is collective, like the shm backend's: every rank
+// destroys its NCCL communicators at the same point.
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device = -1);
+
+// Orders the next collectives of `comm` after `cuda_event` (a cudaEvent_t,
+// passed as void* so that this header names no CUDA type) recorded on a
+// producer stream. NCCL backend: the communicator's stream waits for the
+// event on the GPU (cudaStreamWaitEvent; the host does not block). Other
+// backends (host buffers): the calling thread waits until the event has
+// completed. Null event: nothing to wait for. Errors: CommError naming the
+// rank; without CUDA in the build a non-null event is an error.
+void wait_cuda_event(Communicator& comm, void* cuda_event);
+
 // The backend for this job. mode: "mpi" (make_mpi_communicator), "shm"
 // (shared memory between the ranks of one machine; CommError when the ranks
 // span several machines), "hierarchical" (shm inside each machine, MPI
 // between machines; needs the same number of ranks on every machine,
-// numbered consecutively) or "auto" (one rank: mpi; several ranks on one
-// machine: shm; several machines: hierarchical). The environment variable
+// numbered consecutively), "nccl" (make_nccl_communicator over an MPI
+// bootstrap kept inside it; GPU buffers) or "auto" (one rank: mpi; several
+// ranks on one machine: shm; several machines: hierarchical; never nccl,
+// whose buffers live elsewhere). The environment variable
 // ZINC_COMM_BACKEND, when set, overrides mode; ZINC_COMM_FAKE_NODE_SIZE=k
 // (tests) treats each k consecutive ranks as one machine. backend() names
 // the choice. The shm backend sums bf16 in fp32 over the ranks of a machine

@@ -72,6 +72,13 @@ std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, 
 std::unique_ptr<Communicator> make_shm_backend(std::unique_ptr<Communicator> mpi, size_t slot_bytes,
                                                int fake_node_size, bool hierarchical, double timeout_s);
 
+// The NCCL backend over `bootstrap`, which it keeps alive inside it
+// (make_communicator("nccl")). Built without NCCL: throws, like
+// make_nccl_communicator.
+std::unique_ptr<Communicator> make_nccl_backend(std::unique_ptr<Communicator> bootstrap, int device);
+// CommError("[rank R] nccl backend: why"), the refusals of make_nccl_communicator.
+CommError nccl_backend_error(int rank, const std::string& why);
+
 // Threads of this process blocked in CommHandle::wait or
 // CommStream::synchronize right now (any stream). While it is non-zero the
 // shm backend polls instead of sleeping: the caller has given up its core.

@@ -1,5 +1,5 @@
 // make_communicator: picks the backend for a job (MPI, shared memory,
-// hierarchical) from the argument, the topology and the environment
+// hierarchical, NCCL) from the argument, the topology and the environment
 // (comm.h), and the test factories of comm_internal.h; Communicator::twin.
 #include <cstdlib>
 #include <string>
@@ -58,9 +58,9 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
   const char* env = std::getenv("ZINC_COMM_BACKEND");
   const bool from_env = env && *env;
   std::string mode = env_or("ZINC_COMM_BACKEND", mode_arg);
-  if (mode != "mpi" && mode != "shm" && mode != "hierarchical" && mode != "auto") {
+  if (mode != "mpi" && mode != "shm" && mode != "hierarchical" && mode != "nccl" && mode != "auto") {
     throw CommError("rank ?: make_communicator: unknown backend \"" + mode +
-                    "\" (expected mpi, shm, hierarchical or auto; from " +
+                    "\" (expected mpi, shm, hierarchical, nccl or auto; from " +
                     (from_env ? "ZINC_COMM_BACKEND" : "the argument") + ")");
   }
   if (!(timeout_seconds > 0)) {
@@ -70,6 +70,8 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
   const double timeout = timeout_from_env(timeout_seconds);
   std::unique_ptr<Communicator> mpi = make_mpi_communicator();
   if (mode == "mpi") return mpi;
+  // NCCL bootstraps over MPI and keeps it (abort, and the ranks' lifetime).
+  if (mode == "nccl") return detail::make_nccl_backend(std::move(mpi), /*device=*/-1);
   const int fake = fake_node_size_from_env();
   if (mode == "auto") {
     if (mpi->size() == 1) return mpi;

@@ -21,6 +21,7 @@
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
 #include "comm_test_util.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "tests/comm/mpi_test_main.h"
 
@@ -53,6 +54,24 @@ TEST(MpiWorld, RankSizeAndBackendAreConsistent) {
   EXPECT_GE(c.local_size(), 1);
   EXPECT_LE(m[1], c.size());
   EXPECT_EQ(launched_with_mpi(), c.size() > 1);
+}
+
+// In every build (nccl_test, built only with NCCL, covers the backend
+// itself): where NCCL cannot start, make_nccl_communicator refuses with one
+// line naming the rank and the reason, on every rank, and leaves nobody waiting.
+TEST(MpiWorld, NcclBackendRefusesWhereItCannotStart) {
+  const CudaStatus& cuda = cuda_status();
+  if (cuda.built && cuda.devices >= world().local_size()) {
+    GTEST_SKIP() << "a GPU for every rank on this machine: nccl_test covers the NCCL backend";
+  }
+  const std::string got = message_of([] { make_nccl_communicator(world()); });
+  world().barrier();
+  const std::string prefix = "[rank " + std::to_string(world().rank()) + "] nccl backend: ";
+  EXPECT_EQ(got.rfind(prefix, 0), 0u) << got;
+  EXPECT_EQ(got.find('\n'), std::string::npos) << got;
+  if (!cuda.built) {
+    EXPECT_NE(got.find("built without CUDA"), std::string::npos) << got;
+  }
 }
 
 TEST(MpiWorld, BarrierHoldsRanksUntilTheLastArrives) {

@@ -1,0 +1,496 @@
+// NCCL backend of Communicator (built when ZINC_WITH_NCCL; otherwise
+// nccl_unavailable.cpp defines the same functions, which refuse).
+//
+// Ownership: an NcclCommunicator owns its ncclComm_t, one non-blocking CUDA
+// stream, one completion event, a small device scratch and a small pinned
+// host scratch (the f64 reductions and barrier), and, when made by
+// make_communicator("nccl"), the MPI communicator it bootstrapped over. It
+// refers to the bootstrap communicator for abort() only, so the bootstrap
+// must outlive it (Note [NCCL bootstrap]).
+//
+// Synchrony: every collective is enqueued on the communicator's own stream,
+// an event is recorded after it, and the call returns only when the event
+// has completed (Note [NCCL completion]). The interface therefore stays as
+// synchronous as the host backends': CommStream and CommHandle work
+// unchanged over device buffers, the CommStream's thread blocks while the
+// caller's compute stream runs on. Inputs: the caller orders them before
+// the call (wait_cuda_event, comm.h).
+//
+// Threads: one thread at a time per communicator, like every backend. The
+// CUDA device is per thread, so every call sets this communicator's device
+// for its duration and restores the caller's (DeviceGuard).
+//
+// Errors: argument errors are the shared checks of comm_internal.h ("rank R:
+// op: ..."), identical on every backend; a failing NCCL or CUDA call throws
+// CommError("[rank R] nccl <op>: <what failed>").
+//
+// Note [NCCL 16-bit sums]
+// NCCL sums fp16 and bf16 in the buffer's own format, one rounding per
+// pairwise combination: its FuncSum specialisations use __hadd/__hadd2 for
+// half (sm_53 and later) and for __nv_bfloat16 (sm_80 and later), and
+// convert through float and back on older GPUs (src/device/reduce_kernel.h
+// in NVIDIA/nccl). A correctly rounded 16-bit add gives the same bits as
+// zinc's MPI backend's "add in fp32, round once" (fp32 has at least 2p+2
+// significand bits for both formats, so the double rounding is harmless);
+// per combination the two backends agree. What differs is the grouping:
+// MPI's order is Open MPI's, NCCL's depends on the algorithm it picks for the
+// size and topology (ring: a running sum that takes one rank at a time; tree:
+// partial sums of equal weight, NVIDIA/nccl issue #1026), and on Hopper with
+// NVLink SHARP (NVLS) the switch reduces with multimem.ld_reduce
+// .acc::f32, summing every rank in fp32 and rounding once. Sums that are not
+// exact in the 16-bit format can therefore differ in the last bits between
+// the backends, and between NCCL algorithms; every rank still receives the
+// same result (NCCL broadcasts the finished sum), and the same algorithm
+// repeats the same bits. fp32 sums differ only by grouping, as between any
+// two MPI implementations.
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "comm/comm.h"
+#include "comm/comm_internal.h"
+#include "core/device.h"
+#include "core/log.h"
+
+namespace zinc::comm {
+namespace {
+
+using detail::nccl_backend_error;
+
+// "[rank R] nccl op: text".
+CommError nccl_failure(int rank, const std::string& op, const std::string& text) {
+  return CommError("[rank " + std::to_string(rank) + "] nccl " + op + ": " + text);
+}
+
+std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
+  std::string s = ncclGetErrorString(r);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+  const char* last = ncclGetLastError(comm);
+  if (last && *last) s += std::string(" ") + last;
+#endif
+  return s;
+}
+
+std::string cuda_text(const char* fn, cudaError_t e) {
+  return std::string(fn) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+}
+
+// Sets `device` as the calling thread's current device for the scope and
+// restores the previous one (CUDA keeps the current device per thread, and
+// a communicator may be driven by a thread that computes on another GPU).
+class DeviceGuard {
+ public:
+  DeviceGuard(int rank, int device, const std::string& op) : device_(device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      prev_ = -1;
+    }
+    if (prev_ != device_) {
+      const cudaError_t e = cudaSetDevice(device_);
+      if (e != cudaSuccess) throw nccl_failure(rank, op, cuda_text("cudaSetDevice", e));
+    }
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0 && prev_ != device_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int prev_ = -1;
+};
+
+std::string describe(const char* what, int64_t count, DType dtype) {
+  return std::string(what) + " of " + std::to_string(count) + " " + std::string(dtype_name(dtype));
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm` (may be null: init() makes it) and creates the
+  // stream, the event and the scratch buffers on `device`.
+  NcclCommunicator(Communicator& bootstrap, int device, ncclComm_t comm)
+      : bootstrap_(bootstrap),
+        rank_(bootstrap.rank()),
+        size_(bootstrap.size()),
+        local_size_(bootstrap.local_size()),
+        device_(device),
+        comm_(comm) {
+    try {
+      DeviceGuard g(rank_, device_, "backend");
+      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "backend", "cudaStreamCreateWithFlags");
+      cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "backend", "cudaEventCreateWithFlags");
+      reserve_scratch(64, "backend");
+    } catch (...) {
+      release(/*abort_comm=*/true);
+      throw;
+    }
+  }
+
+  // A communicator whose NCCL or CUDA call failed is aborted, not finalised:
+  // a finalize waits for peers that may never arrive.
+  ~NcclCommunicator() override { release(/*abort_comm=*/broken_); }
+
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  // ncclCommInitRank with the id every rank received (collective in NCCL).
+  void init(const ncclUniqueId& id) {
+    DeviceGuard g(rank_, device_, "backend");
+    const ncclResult_t r = ncclCommInitRank(&comm_, size_, id, rank_);
+    if (r != ncclSuccess) {
+      const std::string text = nccl_text(r, comm_);
+      if (comm_) ncclCommAbort(comm_);
+      comm_ = nullptr;
+      throw nccl_failure(rank_, "backend", "ncclCommInitRank failed: " + text);
+    }
+  }
+
+  // make_communicator("nccl"): keep the bootstrap MPI communicator (which
+  // `bootstrap_` refers to) for as long as this one lives.
+  void adopt_bootstrap(std::unique_ptr<Communicator> owned) { owned_bootstrap_ = std::move(owned); }
+
+  int device() const { return device_; }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+  int local_size() const override { return local_size_; }
+
+  void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
+    detail::check_all_reduce(rank_, send, recv, count, dtype);
+    const ncclDataType_t type = nccl_type(dtype, "all_reduce");
+    if (count == 0) return;
+    const std::string op = describe("all_reduce", count, dtype);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(ncclAllReduce(send, recv, static_cast<size_t>(count), type, ncclSum, comm_, stream_), op,
+               "ncclAllReduce");
+    complete(op);
+  }
+
+  void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
+    detail::check_reduce_scatter(rank_, size_, send, recv, recv_count, dtype);
+    const ncclDataType_t type = nccl_type(dtype, "reduce_scatter");
+    if (recv_count == 0) return;
+    const std::string op = describe("reduce_scatter", recv_count, dtype);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count), type, ncclSum, comm_, stream_), op,
+               "ncclReduceScatter");
+    complete(op);
+  }
+
+  // In place when send == recv + rank * send_count, which NCCL recognises
+  // by the same rule (its in-place all-gather), so send passes unchanged.
+  void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
+    detail::check_all_gather(rank_, size_, send, recv, send_count, dtype);
+    const ncclDataType_t type = nccl_type(dtype, "all_gather");
+    if (send_count == 0) return;
+    const std::string op = describe("all_gather", send_count, dtype);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(ncclAllGather(send, recv, static_cast<size_t>(send_count), type, comm_, stream_), op, "ncclAllGather");
+    complete(op);
+  }
+
+  void broadcast(void* buf, int64_t count, DType dtype, int root) override {
+    detail::check_broadcast(rank_, size_, count, root);
+    const ncclDataType_t type = nccl_type(dtype, "broadcast");
+    if (count == 0) return;
+    const std::string op = describe("broadcast", count, dtype);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), op, "ncclBroadcast");
+    complete(op);
+  }
+
+  void all_reduce_f64(double* buf, int64_t count) override { reduce_host_f64(buf, count, ncclSum, "all_reduce_f64"); }
+  void all_reduce_max_f64(double* buf, int64_t count) override {
+    reduce_host_f64(buf, count, ncclMax, "all_reduce_max_f64");
+  }
+
+  // A one-element all-reduce, completed: no rank leaves before every rank
+  // has entered (NCCL has no barrier of its own before 2.29's device API).
+  void barrier() override {
+    DeviceGuard g(rank_, device_, "barrier");
+    nccl_check(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier", "ncclAllReduce");
+    complete("barrier");
+  }
+
+  // ncclCommSplit with one colour keeps every rank in its order: a new
+  // communicator of the same ranks and GPUs, independent of this one, with
+  // its own stream. NCCL's user guide warns that collectives of two
+  // communicators running at once on the same GPUs can wait for each other
+  // when the ranks launch them in different orders (NCCL kernels block
+  // until their peers arrive); each stream here issues the same sequence on
+  // every rank, and the GPU runs the two streams' kernels side by side.
+  std::unique_ptr<Communicator> duplicate() override {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    DeviceGuard g(rank_, device_, "duplicate");
+    ncclComm_t child = nullptr;
+    nccl_check(ncclCommSplit(comm_, /*color=*/0, /*key=*/rank_, &child, /*config=*/nullptr), "duplicate",
+               "ncclCommSplit");
+    return std::make_unique<NcclCommunicator>(bootstrap_, device_, child);
+#else
+    return nullptr;  // no ncclCommSplit: the caller shares this communicator
+#endif
+  }
+
+  // Stops this rank's NCCL work (a peer that died would otherwise leave it
+  // waiting on the GPU), then ends the job through the bootstrap. Called
+  // while a CommStream's thread polls this communicator, that thread may
+  // see the freed communicator; the process is ending either way.
+  [[noreturn]] void abort(int code, const std::string& msg) override {
+    if (comm_) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    bootstrap_.abort(code, msg);
+    std::_Exit(code);  // not reached: a backend's abort does not return
+  }
+
+  // wait_cuda_event: the stream waits on the GPU.
+  void stream_wait(void* event) {
+    DeviceGuard g(rank_, device_, "wait_cuda_event");
+    cuda_check(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(event), 0), "wait_cuda_event",
+               "cudaStreamWaitEvent");
+  }
+
+ private:
+  // Before any communication, so every rank (passing the same arguments)
+  // refuses alike.
+  ncclDataType_t nccl_type(DType dtype, const std::string& op) const {
+    switch (dtype) {
+      case DType::kF32: return ncclFloat32;
+      case DType::kBF16: return ncclBfloat16;
+      case DType::kF16: return ncclFloat16;
+    }
+    throw detail::comm_error(rank_, op, "unknown dtype " + std::to_string(static_cast<int>(dtype)));
+  }
+
+  void nccl_check(ncclResult_t r, const std::string& op, const char* fn) const {
+    if (r == ncclSuccess) return;
+    broken_ = true;
+    throw nccl_failure(rank_, op, std::string(fn) + " failed: " + nccl_text(r, comm_));
+  }
+  void cuda_check(cudaError_t e, const std::string& op, const char* fn) const {
+    if (e == cudaSuccess) return;
+    broken_ = true;
+    throw nccl_failure(rank_, op, cuda_text(fn, e));
+  }
+
+  // Note [NCCL completion]
+  // Records the event after the enqueued work and waits for it, polling so
+  // that an asynchronous NCCL error (a peer that failed, a network error)
+  // is reported instead of waiting forever: cudaEventSynchronize would wait
+  // for kernels that never finish. The first 100 us yield, then each poll
+  // sleeps 50 us, which costs a long collective at most that much latency.
+  void complete(const std::string& op) {
+    cuda_check(cudaEventRecord(done_, stream_), op, "cudaEventRecord");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      const cudaError_t e = cudaEventQuery(done_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) cuda_check(e, op, "cudaEventQuery");
+      ncclResult_t async = ncclSuccess;
+      nccl_check(ncclCommGetAsyncError(comm_, &async), op, "ncclCommGetAsyncError");
+      if (async != ncclSuccess && async != ncclInProgress) {
+        broken_ = true;
+        throw nccl_failure(rank_, op, std::string("asynchronous error: ") + nccl_text(async, comm_));
+      }
+      if (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(100)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  // Host doubles through the pinned and device scratch: copy in, reduce in
+  // fp64 on the GPU, copy out, completed before returning.
+  void reduce_host_f64(double* buf, int64_t count, ncclRedOp_t red, const char* what) {
+    detail::check_count(rank_, what, count);
+    if (count == 0) return;
+    const std::string op = std::string(what) + " of " + std::to_string(count) + " f64";
+    const size_t bytes = static_cast<size_t>(count) * sizeof(double);
+    DeviceGuard g(rank_, device_, op);
+    reserve_scratch(bytes, op);
+    std::memcpy(host_scratch_, buf, bytes);
+    cuda_check(cudaMemcpyAsync(scratch_, host_scratch_, bytes, cudaMemcpyHostToDevice, stream_), op,
+               "cudaMemcpyAsync host to device");
+    nccl_check(ncclAllReduce(scratch_, scratch_, static_cast<size_t>(count), ncclFloat64, red, comm_, stream_), op,
+               "ncclAllReduce");
+    cuda_check(cudaMemcpyAsync(host_scratch_, scratch_, bytes, cudaMemcpyDeviceToHost, stream_), op,
+               "cudaMemcpyAsync device to host");
+    complete(op);
+    std::memcpy(buf, host_scratch_, bytes);
+  }
+
+  // Grows both scratch buffers to at least `bytes` (after finishing the
+  // stream's work, which may still read them).
+  void reserve_scratch(size_t bytes, const std::string& op) {
+    if (bytes <= scratch_bytes_) return;
+    if (stream_) cuda_check(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+    if (scratch_) cudaFree(scratch_);
+    if (host_scratch_) cudaFreeHost(host_scratch_);
+    scratch_ = nullptr;
+    host_scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    cuda_check(cudaMalloc(&scratch_, bytes), op, "cudaMalloc");
+    cuda_check(cudaHostAlloc(&host_scratch_, bytes, cudaHostAllocDefault), op, "cudaHostAlloc");
+    scratch_bytes_ = bytes;
+  }
+
+  // Frees everything this communicator holds. ncclCommFinalize flushes the
+  // communicator's work and waits until the peers are quiescent, which is
+  // why destruction is collective (comm.h); ncclCommAbort instead when the
+  // construction failed half way (no peer waits for a finalize then).
+  void release(bool abort_comm) noexcept {
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) (void)cudaGetLastError();
+    cudaSetDevice(device_);
+    if (comm_) {
+      if (abort_comm) {
+        ncclCommAbort(comm_);
+      } else {
+        if (stream_) cudaStreamSynchronize(stream_);
+        const ncclResult_t f = ncclCommFinalize(comm_);
+        const ncclResult_t d = ncclCommDestroy(comm_);
+        if (f != ncclSuccess || d != ncclSuccess) {
+          log_warn("[rank " + std::to_string(rank_) +
+                   "] nccl teardown: " + nccl_text(f != ncclSuccess ? f : d, nullptr));
+        }
+      }
+      comm_ = nullptr;
+    }
+    if (done_) cudaEventDestroy(done_);
+    if (stream_) cudaStreamDestroy(stream_);
+    if (scratch_) cudaFree(scratch_);
+    if (host_scratch_) cudaFreeHost(host_scratch_);
+    done_ = nullptr;
+    stream_ = nullptr;
+    scratch_ = nullptr;
+    host_scratch_ = nullptr;
+    if (prev >= 0 && prev != device_) cudaSetDevice(prev);
+  }
+
+  // Note [NCCL bootstrap]
+  // Declared first, so destroyed last: the MPI communicator that
+  // make_communicator("nccl") made (null when the caller owns the bootstrap).
+  std::unique_ptr<Communicator> owned_bootstrap_;
+  Communicator& bootstrap_;
+  const int rank_, size_, local_size_, device_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  void* scratch_ = nullptr;       // device
+  void* host_scratch_ = nullptr;  // pinned host, same size
+  size_t scratch_bytes_ = 0;
+  mutable bool broken_ = false;  // an NCCL or CUDA call failed
+};
+
+// Picks this rank's GPU and builds the communicator's local parts (stream,
+// event, scratch), and on rank 0 creates the unique id. Throws CommError
+// naming the rank and the reason.
+std::unique_ptr<NcclCommunicator> prepare(Communicator& bootstrap, int device, ncclUniqueId& id) {
+  const int rank = bootstrap.rank();
+  const CudaStatus& cuda = cuda_status();
+  if (cuda.devices == 0) throw nccl_backend_error(rank, "no GPU visible (" + cuda.why + ")");
+  const int local = bootstrap.local_size();
+  int dev = device;
+  if (device < 0) {
+    if (cuda.devices < local) {
+      throw nccl_backend_error(rank, std::to_string(local) + " ranks run on this machine but it has only " +
+                                         std::to_string(cuda.devices) +
+                                         " visible GPU(s); NCCL cannot put two ranks on one GPU (run at most " +
+                                         std::to_string(cuda.devices) + " ranks per machine)");
+    }
+    dev = (rank % local) % cuda.devices;
+  } else if (device >= cuda.devices) {
+    throw nccl_backend_error(rank, "device " + std::to_string(device) + " is not one of the " +
+                                       std::to_string(cuda.devices) + " visible GPU(s)");
+  }
+  auto c = std::make_unique<NcclCommunicator>(bootstrap, dev, nullptr);
+  if (rank == 0) {
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+      throw nccl_backend_error(rank, std::string("ncclGetUniqueId failed: ") + nccl_text(r, nullptr));
+    }
+  }
+  return c;
+}
+
+// `owned`, when not null, is `bootstrap` itself; it passes to the result only
+// once that is complete, so that `bootstrap` lives through every failure path.
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, std::unique_ptr<Communicator> owned, int device) {
+  const int rank = bootstrap.rank();
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  std::unique_ptr<NcclCommunicator> c;
+  std::string why;
+  try {
+    c = prepare(bootstrap, device, id);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  // Every rank learns whether any rank failed before the broadcast and NCCL's
+  // own (collective) initialisation, so a failure on one rank ends them all
+  // with an error instead of leaving the others waiting.
+  double failed = why.empty() ? 0.0 : 1.0;
+  bootstrap.all_reduce_f64(&failed, 1);
+  if (!why.empty()) throw CommError(why);
+  if (failed > 0) {
+    throw nccl_backend_error(rank, std::to_string(static_cast<int>(failed)) +
+                                       " other rank(s) could not start NCCL (their errors name the reason)");
+  }
+  static_assert(sizeof(ncclUniqueId) % 2 == 0, "the id travels as 16-bit elements");
+  // bf16 only as a 16-bit carrier: a broadcast does no arithmetic.
+  bootstrap.broadcast(&id, static_cast<int64_t>(sizeof(id) / 2), DType::kBF16, 0);
+  c->init(id);
+  c->adopt_bootstrap(std::move(owned));
+  if (rank == 0) {
+    int v = 0;
+    ncclGetVersion(&v);
+    log_info("nccl backend: NCCL " + std::to_string(v) + " over " + std::to_string(c->size()) +
+             " rank(s); rank 0 on GPU " + std::to_string(c->device()));
+  }
+  return c;
+}
+
+}  // namespace
+
+namespace detail {
+
+CommError nccl_backend_error(int rank, const std::string& why) {
+  return CommError("[rank " + std::to_string(rank) + "] nccl backend: " + why);
+}
+
+std::unique_ptr<Communicator> make_nccl_backend(std::unique_ptr<Communicator> bootstrap, int device) {
+  Communicator& b = *bootstrap;
+  return make_nccl(b, std::move(bootstrap), device);
+}
+
+}  // namespace detail
+
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device) {
+  return make_nccl(bootstrap, nullptr, device);
+}
+
+void wait_cuda_event(Communicator& comm, void* cuda_event) {
+  if (!cuda_event) return;
+  if (auto* nccl = dynamic_cast<NcclCommunicator*>(&comm)) {
+    nccl->stream_wait(cuda_event);
+    return;
+  }
+  const cudaError_t e = cudaEventSynchronize(static_cast<cudaEvent_t>(cuda_event));
+  if (e != cudaSuccess) {
+    throw detail::comm_error(comm.rank(), "wait_cuda_event", cuda_text("cudaEventSynchronize", e));
+  }
+}
+
+}  // namespace zinc::comm
