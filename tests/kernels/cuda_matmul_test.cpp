@@ -1,4 +1,4 @@
-// Tests for the CUDA matmul (csrc/kernels/matmul.cu):
+// Tests for the CUDA matmul and attention (csrc/kernels/{matmul,attention}.cu):
 // every GPU kernel against the CPU kernel of kernels.h on the same random
 // inputs (upload, run, download, compare). Tests that need a GPU skip, saying
 // why, where the CUDA runtime sees none (ZINC_REQUIRE_GPU,
@@ -18,6 +18,21 @@
 //   16-bit compute both sides multiply the very same 16-bit values (the CPU
 //   rounds fp32 operands to them, the GPU converts), so the products are
 //   exact on both and only the sums differ.
+// - attention with random inputs: S and dP come from the two GEMMs and
+//   differ in the last bits, which P, Y and the gradients inherit. fp32: the
+//   CPU kernel is within 1e-4 (abs + rel) of the double reference on
+//   kernels_test's sizes; GPU vs CPU is allowed 2e-4. bf16 / fp16: P and dS are rounded to
+//   16 bits on both sides, and a last-bit difference in S can move a value
+//   across a rounding boundary, changing that element by one 16-bit ulp
+//   (2^-8 bf16, 2^-11 fp16 relative) on one side only. At these sizes such
+//   flips happen (~1e-3 of the elements) and each moves an output by up to
+//   ulp * |p| * |dp or v| * |k| * scale, about 1e-2 (bf16) and 1.5e-3 (fp16)
+//   at worst; allowed: 2e-2 and 3e-3 (abs + rel), inside the CPU's own
+//   distance from the double reference (3e-2 and 4e-3 in kernels_test).
+//   Any indexing or order bug gives O(1) errors.
+// - attention with S and dP exact (one-hot K and V, see
+//   SoftmaxRowsMatchTheCpuBitForBit): the GPU's per-row kernels must give
+//   the CPU's P and dS exactly (compared with ==, so +0 and -0 are equal).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -330,6 +345,150 @@ TEST(CudaMatmul, BadArgumentsThrowBeforeTouchingTheDevice) {
   EXPECT_THROW(cuda::matmul({.M = 2, .N = 2, .K = 2, .bias = true}, v, v, &dummy, nullptr), zinc::Error);
   EXPECT_THROW(cuda::matmul({.M = 2, .N = 2, .K = 2, .bias = true, .alpha = 2.0f}, v, v, &dummy, nullptr, v),
                zinc::Error);
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+struct CpuWs {
+  AttentionWorkspace* ws = attention_workspace_create();
+  ~CpuWs() { attention_workspace_destroy(ws); }
+};
+struct GpuWs {
+  cuda::CudaAttentionWorkspace* ws = cuda::attention_workspace_create();
+  ~GpuWs() { cuda::attention_workspace_destroy(ws); }
+};
+
+struct AttResult {
+  std::vector<float> out, dqkv;
+};
+
+AttResult cpu_attention(AttentionShape s, DType compute, const std::vector<float>& qkv,
+                        const std::vector<float>& dout) {
+  CpuWs w;
+  AttResult r{std::vector<float>(s.B * s.T * s.C), std::vector<float>(qkv.size())};
+  attention_forward(w.ws, r.out.data(), qkv.data(), s, compute);
+  attention_backward(w.ws, r.dqkv.data(), dout.data(), qkv.data(), s, compute);
+  return r;
+}
+
+AttResult gpu_attention(AttentionShape s, DType compute, const std::vector<float>& qkv,
+                        const std::vector<float>& dout) {
+  GpuWs w;
+  zinc::cuda::Stream stream;
+  DeviceBuffer q = upload(qkv), g = upload(dout);
+  DeviceBuffer out(s.B * s.T * s.C * sizeof(float));
+  // dqkv is written, not accumulated: start from garbage.
+  DeviceBuffer dqkv = upload(std::vector<float>(qkv.size(), 123.0f));
+  cuda::attention_forward(w.ws, out.as<float>(), q.as<float>(), s, compute, stream.get());
+  cuda::attention_backward(w.ws, dqkv.as<float>(), g.as<float>(), q.as<float>(), s, compute, stream.get());
+  stream.synchronize();
+  return {download<float>(out, s.B * s.T * s.C), download<float>(dqkv, qkv.size())};
+}
+
+std::string describe(AttentionShape s, DType compute) {
+  return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+         " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute));
+}
+
+void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
+  const auto qkv = randn(s.B * s.T * 3 * s.C, seed), dout = randn(s.B * s.T * s.C, seed + 1);
+  const AttResult cpu = cpu_attention(s, compute, qkv, dout);
+  const AttResult gpu = gpu_attention(s, compute, qkv, dout);
+  EXPECT_TRUE(AllClose(gpu.out, cpu.out, tol, tol)) << "forward " << describe(s, compute);
+  EXPECT_TRUE(AllClose(gpu.dqkv, cpu.dqkv, tol, tol)) << "backward " << describe(s, compute);
+}
+
+const AttentionShape kAttShapes[] = {{2, 37, 64, 4}, {1, 128, 128, 2}, {1, 1, 4, 1}, {2, 17, 12, 3}};
+
+TEST(CudaAttention, F32ForwardAndBackwardAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5000;
+  for (auto s : kAttShapes) check_attention(s, DType::kF32, seed += 2, 2e-4);
+}
+
+TEST(CudaAttention, Bf16ForwardAndBackwardAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5100;
+  for (auto s : kAttShapes) check_attention(s, DType::kBF16, seed += 2, 2e-2);
+}
+
+TEST(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5200;
+  for (auto s : kAttShapes) check_attention(s, DType::kF16, seed += 2, 3e-3);
+}
+
+// With K and V one-hot along the head dimension (k_t' = v_t' = e_t', which
+// needs hs >= T), every GEMM whose result the row kernels read has a single
+// nonzero term per element, so it is exact on both sides whatever the
+// summation order:
+//   S = scale Q K^T has S[t,t'] = scale q[t,t'] (scale = 1/8 for hs = 64),
+//   Y = P V has Y[t,i] = P[t,i]        -> out shows P,
+//   dP = dO V^T has dP[t,t'] = dO[t,t'],
+//   dQ = scale dS K has dQ[t,i] = scale dS[t,i] -> dq shows dS.
+// So out and the dq part of dqkv must equal the CPU's exactly: the softmax
+// (max, exp_f, lane-order sum, 1/sum) and rowsum(P * dP) kernels reproduce
+// the CPU's formulas and order (Note [GPU softmax rows] in attention.cu).
+// dk and dv are real sums and are checked with the tolerances above. (TF32
+// in the fp32 GEMMs would also show here: it would round q and dO.)
+TEST(CudaAttention, SoftmaxRowsMatchTheCpuBitForBit) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5300;
+  for (AttentionShape s : {AttentionShape{2, 37, 128, 2}, AttentionShape{1, 64, 192, 3}})
+    for (DType compute : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const int64_t hs = s.C / s.H;
+      ASSERT_GE(hs, s.T);
+      auto qkv = randn(s.B * s.T * 3 * s.C, seed += 2, 3.0f);
+      const auto dout = randn(s.B * s.T * s.C, seed + 1);
+      for (int64_t r = 0; r < s.B * s.T; ++r) {
+        const int64_t t = r % s.T;
+        for (int64_t h = 0; h < s.H; ++h)
+          for (int64_t i = 0; i < hs; ++i) {
+            const float onehot = i == t ? 1.0f : 0.0f;
+            qkv[r * 3 * s.C + s.C + h * hs + i] = onehot;      // k
+            qkv[r * 3 * s.C + 2 * s.C + h * hs + i] = onehot;  // v
+          }
+      }
+      const AttResult cpu = cpu_attention(s, compute, qkv, dout);
+      const AttResult gpu = gpu_attention(s, compute, qkv, dout);
+      size_t out_bad = 0, dq_bad = 0;
+      for (size_t i = 0; i < cpu.out.size(); ++i) out_bad += !(gpu.out[i] == cpu.out[i]);
+      for (int64_t r = 0; r < s.B * s.T; ++r)
+        for (int64_t c = 0; c < s.C; ++c) dq_bad += !(gpu.dqkv[r * 3 * s.C + c] == cpu.dqkv[r * 3 * s.C + c]);
+      EXPECT_EQ(out_bad, 0u) << "P differs: " << describe(s, compute);
+      EXPECT_EQ(dq_bad, 0u) << "dS differs: " << describe(s, compute);
+      const double tol = compute == DType::kF32 ? 2e-4 : compute == DType::kBF16 ? 2e-2 : 3e-3;
+      EXPECT_TRUE(AllClose(gpu.dqkv, cpu.dqkv, tol, tol)) << "dk, dv: " << describe(s, compute);
+    }
+}
+
+TEST(CudaAttention, EachLayerKeepsItsOwnWorkspace) {
+  ZINC_REQUIRE_GPU();
+  const AttentionShape s{2, 37, 64, 4};
+  const auto qkv1 = randn(s.B * s.T * 3 * s.C, 5400), qkv2 = randn(s.B * s.T * 3 * s.C, 5401);
+  const auto dout = randn(s.B * s.T * s.C, 5402);
+  const AttResult want = cpu_attention(s, DType::kF32, qkv1, dout);
+  GpuWs w1, w2;
+  zinc::cuda::Stream stream;
+  DeviceBuffer q1 = upload(qkv1), q2 = upload(qkv2), g = upload(dout);
+  DeviceBuffer out(s.B * s.T * s.C * sizeof(float)), dqkv(qkv1.size() * sizeof(float));
+  cuda::attention_forward(w1.ws, out.as<float>(), q1.as<float>(), s, DType::kF32, stream.get());
+  cuda::attention_forward(w2.ws, out.as<float>(), q2.as<float>(), s, DType::kF32, stream.get());
+  cuda::attention_backward(w1.ws, dqkv.as<float>(), g.as<float>(), q1.as<float>(), s, DType::kF32, stream.get());
+  stream.synchronize();
+  EXPECT_TRUE(AllClose(download<float>(dqkv, qkv1.size()), want.dqkv, 2e-4, 2e-4));
+}
+
+// The shape checks come before any device work: this runs without a GPU.
+TEST(CudaAttention, BackwardWithoutMatchingForwardThrows) {
+  GpuWs w;
+  const AttentionShape s{1, 4, 8, 2};
+  EXPECT_THROW(cuda::attention_backward(w.ws, nullptr, nullptr, nullptr, s, DType::kF32, nullptr), zinc::Error);
+  EXPECT_THROW(cuda::attention_forward(w.ws, nullptr, nullptr, {1, 4, 9, 2}, DType::kF32, nullptr), zinc::Error);
+  // B = 0 records the (empty) forward without touching the device; another shape still throws.
+  cuda::attention_forward(w.ws, nullptr, nullptr, {0, 4, 8, 2}, DType::kF32, nullptr);
+  cuda::attention_backward(w.ws, nullptr, nullptr, nullptr, {0, 4, 8, 2}, DType::kF32, nullptr);
+  EXPECT_THROW(cuda::attention_backward(w.ws, nullptr, nullptr, nullptr, s, DType::kF32, nullptr), zinc::Error);
 }
 
 // ---- the shared row-sum order ----------------------------------------------------------------------
