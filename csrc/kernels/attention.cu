@@ -1,0 +1,359 @@
+// Causal multi-head self-attention on the GPU (kernels_cuda.h): the CPU
+// algorithm of attention.cpp (Note [attention layout and memory]) step for
+// step, with cuBLAS strided-batched GEMMs (cuda::matmul) for the products:
+//   forward   q, k, v permuted head-major into (B*H, T, hs) scratch,
+//             S = scale Q K^T, P = causal_softmax(S) (in the workspace), Y = P V
+//   backward  dP = dO V^T, dV = P^T dO, dS = P * (dP - rowsum(P * dP)),
+//             dQ = scale dS K, dK = scale dS^T Q
+// Operands are written in the compute dtype: fp32, bf16 or fp16 (the CPU
+// keeps fp16 operands as fp16-exact fp32 for its fp32 GEMM; here they are the
+// same values as fp16 for cuBLAS).
+//
+// Note [GPU softmax rows]
+// The softmax and the rowsum of backward are per-row kernels with
+// math::kLanes = 16 threads per row (two rows per warp). Thread l visits
+// columns l, l + 16, ...; the row's max is the max of the 16 lane maxima (the
+// CPU's max_of; max is exact in any order), exp is math::exp_f, and the row
+// sum is Note [lane order]: thread l's math::lane_partial, then every thread
+// adds the 16 partials in lane order from zero (__shfl_sync, width 16). The
+// formula is the CPU's softmax_row_causal (mx, e = exp_f(x - mx), inv =
+// 1 / sum, e * inv, zeros above the diagonal) and softmax_row_dot, so given
+// the same S (dP) the GPU writes the CPU's P (dS) bit for bit; S and dP come
+// from cuBLAS and differ from oneDNN's in the last bits, so the end results
+// are close, not equal.
+//
+// Scratch: the head-major operands, dP, dS and the per-head outputs live in
+// grow-only device buffers owned by the calling thread, one set per (device,
+// stream) so that two streams of one thread never share them (at most
+// kMaxStreams sets per device); the only state that outlives a call is P in
+// the CudaAttentionWorkspace.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_util.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda_common.cuh"
+#include "kernels/kernels.h"
+#include "kernels/kernels_cuda.h"
+#include "kernels/math.h"
+
+namespace zinc::kernels::cuda {
+
+using zinc::cuda::DeviceBuffer;
+
+class CudaAttentionWorkspace {
+ public:
+  DeviceBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal
+  AttentionShape shape{};
+  bool has_forward = false;
+};
+
+CudaAttentionWorkspace* attention_workspace_create() { return new CudaAttentionWorkspace(); }
+void attention_workspace_destroy(CudaAttentionWorkspace* ws) { delete ws; }
+
+namespace {
+
+using detail::blocks_for;
+using detail::check_launch;
+using detail::kRowsPerBlock;
+using detail::kRowThreads;
+using detail::kThreads;
+using detail::lane_combine;
+static_assert(kRowThreads % 32 == 0 && 32 % math::kLanes == 0, "rows must tile whole warps");
+
+// One block per kRowsPerBlock rows (the row kernels do not stride).
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+
+// ---- permutes -----------------------------------------------------------------------
+
+// Up to four (B,T) row-major fp32 sources (row stride stride[p] floats,
+// columns col0[p] .. col0[p] + C) into head-major (B*H, T, hs) operands in
+// dtype t.
+struct PermuteIn {
+  int n = 0;
+  void* dst[4];
+  const float* src[4];
+  int64_t stride[4], col0[4];
+  void add(void* d, const float* s, int64_t st, int64_t c0) {
+    dst[n] = d, src[n] = s, stride[n] = st, col0[n] = c0;
+    ++n;
+  }
+};
+
+__global__ void attn_permute_in_kernel(PermuteIn p, DType t, int64_t B, int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H, per = B * T * C, total = per * p.n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int part = static_cast<int>(i / per);
+    const int64_t rem = i - part * per, r = rem / C, c = rem - r * C;
+    const int64_t b = r / T, tt = r - b * T, h = c / hs, e = c - h * hs;
+    const float x = p.src[part][r * p.stride[part] + p.col0[part] + c];
+    const int64_t o = ((b * H + h) * T + tt) * hs + e;
+    if (t == DType::kF32)
+      static_cast<float*>(p.dst[part])[o] = x;
+    else
+      static_cast<uint16_t*>(p.dst[part])[o] = float_to_16(x, t);
+  }
+}
+
+// The inverse: srcs[p] (B*H, T, hs) fp32 into columns p*C + h*hs + e of the
+// (B,T) rows of dst (row stride `stride` floats), for p < nparts.
+struct PermuteOut {
+  const float* src[3];
+};
+
+__global__ void attn_permute_out_kernel(float* __restrict__ dst, int64_t stride, PermuteOut p, int nparts,
+                                        int64_t B, int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H, width = nparts * C, total = B * T * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, cc = i - r * width;
+    const int part = static_cast<int>(cc / C);
+    const int64_t c = cc - part * C, b = r / T, tt = r - b * T, h = c / hs, e = c - h * hs;
+    dst[r * stride + cc] = p.src[part][((b * H + h) * T + tt) * hs + e];
+  }
+}
+
+// ---- per-row kernels (Note [GPU softmax rows]) ----------------------------------------------
+
+// Row r of P(rows, T) (query t = r % T): p[0..t] = softmax(p[0..t]) as the
+// CPU's softmax_row_causal, p[t+1..] = 0; with pc, also the row in the 16-bit
+// compute dtype t16.
+__global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __restrict__ pc, DType t16,
+                                           int64_t rows, int64_t T) {
+  const int lane = static_cast<int>(threadIdx.x % math::kLanes);
+  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
+  const bool live = r < rows;  // dead lanes still join the shuffles
+  float* p = P + (live ? r : 0) * T;
+  const int64_t nv = live ? r % T + 1 : 0;
+  float m = -INFINITY;
+  for (int64_t j = lane; j < nv; j += math::kLanes) m = p[j] > m ? p[j] : m;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < math::kLanes; ++k) {
+    const float v = __shfl_sync(0xffffffffu, m, k, math::kLanes);
+    mx = v > mx ? v : mx;
+  }
+  const float part = math::lane_partial<float>(nv, lane, [&](int64_t j) {
+    const float e = math::exp_f(p[j] - mx);
+    p[j] = e;
+    return e;
+  });
+  const float inv = 1.0f / lane_combine<float>(part);
+  if (!live) return;
+  for (int64_t j = lane; j < nv; j += math::kLanes) p[j] *= inv;
+  for (int64_t j = nv + lane; j < T; j += math::kLanes) p[j] = 0.0f;
+  if (pc) {
+    uint16_t* d = pc + r * T;
+    for (int64_t j = lane; j < T; j += math::kLanes) d[j] = float_to_16(j < nv ? p[j] : 0.0f, t16);
+  }
+}
+
+// dS = P * (dP - dot), dot = sum_j<=t p[j] dp[j] in lane order (the CPU's
+// softmax_row_dot), zero above the diagonal. fp32 compute (ds == nullptr):
+// dS overwrites dP. 16-bit compute: dS and a copy of P into ds, pc in t16.
+__global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float* __restrict__ dP,
+                                             uint16_t* __restrict__ ds, uint16_t* __restrict__ pc, DType t16,
+                                             int64_t rows, int64_t T) {
+  const int lane = static_cast<int>(threadIdx.x % math::kLanes);
+  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
+  const bool live = r < rows;
+  const float* p = P + (live ? r : 0) * T;
+  float* dp = dP + (live ? r : 0) * T;
+  const int64_t nv = live ? r % T + 1 : 0;
+  const float part = math::lane_partial<float>(nv, lane, [&](int64_t j) { return p[j] * dp[j]; });
+  const float dot = lane_combine<float>(part);
+  if (!live) return;
+  if (!ds) {
+    for (int64_t j = lane; j < nv; j += math::kLanes) dp[j] = p[j] * (dp[j] - dot);
+    for (int64_t j = nv + lane; j < T; j += math::kLanes) dp[j] = 0.0f;
+    return;
+  }
+  uint16_t* dsr = ds + r * T;
+  uint16_t* pcr = pc + r * T;
+  for (int64_t j = lane; j < T; j += math::kLanes) {
+    dsr[j] = float_to_16(j < nv ? p[j] * (dp[j] - dot) : 0.0f, t16);
+    pcr[j] = float_to_16(p[j], t16);
+  }
+}
+
+// ---- scratch ------------------------------------------------------------------------------
+
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
+
+struct Scratch {
+  DeviceBuffer bufs[kNumSlots];
+};
+
+// Grow-only scratch of the calling thread for (current device, stream). At
+// most kMaxStreams streams per thread keep scratch; a further one drops the
+// least recently used set after waiting for the device (work queued on that
+// stream, which may be gone, may still use it).
+constexpr size_t kMaxStreams = 8;
+
+Scratch& stream_scratch(cudaStream_t stream) {
+  int dev = 0;
+  ZINC_CUDA_CHECK(cudaGetDevice(&dev), "attention: cudaGetDevice");
+  struct Entry {
+    int device;
+    cudaStream_t stream;
+    uint64_t used;
+    std::unique_ptr<Scratch> scratch;
+  };
+  thread_local std::vector<Entry> all;
+  thread_local uint64_t clock = 0;
+  ++clock;
+  size_t on_device = 0;
+  for (Entry& e : all) {
+    if (e.device != dev) continue;
+    if (e.stream == stream) {
+      e.used = clock;
+      return *e.scratch;
+    }
+    ++on_device;
+  }
+  if (on_device >= kMaxStreams) {
+    auto oldest = all.end();
+    for (auto it = all.begin(); it != all.end(); ++it)
+      if (it->device == dev && (oldest == all.end() || it->used < oldest->used)) oldest = it;
+    ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "attention: cudaDeviceSynchronize before dropping a stream's scratch");
+    all.erase(oldest);
+  }
+  all.push_back({dev, stream, clock, std::make_unique<Scratch>()});
+  return *all.back().scratch;
+}
+
+// Grows buf (never shrinks); work already queued on `stream` may still read
+// the old buffer, so growing waits for the stream first.
+void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
+  if (buf.bytes() < bytes) {
+    if (buf.data())
+      ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "attention: cudaStreamSynchronize before growing scratch");
+    buf = DeviceBuffer(bytes);
+  }
+  return buf.data();
+}
+
+CView operand(const void* p, DType compute) { return CView{p, compute}; }
+
+void check_shape(const char* fn, AttentionShape s) {
+  if (s.B < 0 || s.T < 0 || s.C <= 0 || s.H <= 0 || s.C % s.H != 0) {
+    throw Error(std::string(fn) + ": bad shape B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) +
+                " C=" + std::to_string(s.C) + " H=" + std::to_string(s.H) +
+                " (need C > 0, H > 0 and C divisible by H)");
+  }
+}
+
+void permute_in(const PermuteIn& p, DType t, AttentionShape s, cudaStream_t stream) {
+  attn_permute_in_kernel<<<blocks_for(p.n * s.B * s.T * s.C, kThreads), kThreads, 0, stream>>>(p, t, s.B, s.T, s.C,
+                                                                                                s.H);
+  check_launch("attention: attn_permute_in_kernel");
+}
+
+void permute_out(float* dst, int64_t stride, PermuteOut p, int nparts, AttentionShape s, cudaStream_t stream) {
+  attn_permute_out_kernel<<<blocks_for(nparts * s.B * s.T * s.C, kThreads), kThreads, 0, stream>>>(
+      dst, stride, p, nparts, s.B, s.T, s.C, s.H);
+  check_launch("attention: attn_permute_out_kernel");
+}
+
+}  // namespace
+
+void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
+                       cudaStream_t stream) {
+  check_shape("cuda::attention_forward", s);
+  if (s.B == 0 || s.T == 0) {
+    ws->shape = s;
+    ws->has_forward = true;
+    return;
+  }
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const size_t n_head = static_cast<size_t>(BH * T * hs);
+  const size_t n_att = static_cast<size_t>(BH * T * T);
+  float* P = static_cast<float*>(grow(ws->probs, n_att * sizeof(float), stream));
+  ws->shape = s;
+  ws->has_forward = true;
+  Scratch& sc = stream_scratch(stream);
+  const size_t esz = dtype_bytes(compute);
+  void* q = grow(sc.bufs[kQ], n_head * esz, stream);
+  void* k = grow(sc.bufs[kK], n_head * esz, stream);
+  void* v = grow(sc.bufs[kV], n_head * esz, stream);
+  PermuteIn pin;
+  pin.add(q, qkv, 3 * s.C, 0);
+  pin.add(k, qkv, 3 * s.C, s.C);
+  pin.add(v, qkv, 3 * s.C, 2 * s.C);
+  permute_in(pin, compute, s, stream);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = compute};
+  matmul(sd, operand(q, compute), operand(k, compute), P, stream);
+  // Softmax in place; with 16-bit compute also the 16-bit copy of P for P V.
+  const bool f32 = compute == DType::kF32;
+  uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
+  attn_causal_softmax_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
+      P, pc, compute, BH * T, T);
+  check_launch("attention: attn_causal_softmax_kernel");
+  float* y = static_cast<float*>(grow(sc.bufs[kY], n_head * sizeof(float), stream));
+  MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
+  matmul(yd, f32 ? operand(P, compute) : operand(pc, compute), operand(v, compute), y, stream);
+  PermuteOut po{{y, nullptr, nullptr}};
+  permute_out(out, s.C, po, 1, s, stream);
+}
+
+void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
+                        AttentionShape s, DType compute, cudaStream_t stream) {
+  check_shape("cuda::attention_backward", s);
+  if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C || ws->shape.H != s.H) {
+    throw Error("cuda::attention_backward: the workspace holds no forward pass of this shape "
+                "(call attention_forward with the same workspace first)");
+  }
+  if (s.B == 0 || s.T == 0) return;
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const size_t n_head = static_cast<size_t>(BH * T * hs);
+  const size_t n_att = static_cast<size_t>(BH * T * T);
+  const float* P = ws->probs.as<float>();
+  Scratch& sc = stream_scratch(stream);
+  const size_t esz = dtype_bytes(compute);
+  void* q = grow(sc.bufs[kQ], n_head * esz, stream);
+  void* k = grow(sc.bufs[kK], n_head * esz, stream);
+  void* v = grow(sc.bufs[kV], n_head * esz, stream);
+  void* dO = grow(sc.bufs[kDO], n_head * esz, stream);
+  PermuteIn pin;
+  pin.add(q, qkv, 3 * s.C, 0);
+  pin.add(k, qkv, 3 * s.C, s.C);
+  pin.add(v, qkv, 3 * s.C, 2 * s.C);
+  pin.add(dO, dout, s.C, 0);
+  permute_in(pin, compute, s, stream);
+  float* dP = static_cast<float*>(grow(sc.bufs[kDP], n_att * sizeof(float), stream));
+  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute}, operand(dO, compute),
+         operand(v, compute), dP, stream);
+  // dS (and, for 16-bit compute, a 16-bit copy of P for dV). With fp32
+  // compute dS overwrites dP in place and P is used as is.
+  const bool f32 = compute == DType::kF32;
+  uint16_t* ds = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kDS], n_att * esz, stream));
+  uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
+  attn_softmax_backward_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
+      P, dP, ds, pc, compute, BH * T, T);
+  check_launch("attention: attn_softmax_backward_kernel");
+  const CView pv = f32 ? operand(P, compute) : operand(pc, compute);
+  const CView dsv = f32 ? operand(dP, compute) : operand(ds, compute);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* dv = static_cast<float*>(grow(sc.bufs[kDV], n_head * sizeof(float), stream));
+  float* dq = static_cast<float*>(grow(sc.bufs[kDQ], n_head * sizeof(float), stream));
+  float* dk = static_cast<float*>(grow(sc.bufs[kDK], n_head * sizeof(float), stream));
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = compute}, pv, operand(dO, compute), dv,
+         stream);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = compute}, dsv, operand(k, compute), dq,
+         stream);
+  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute}, dsv,
+         operand(q, compute), dk, stream);
+  PermuteOut po{{dq, dk, dv}};
+  permute_out(dqkv, 3 * s.C, po, 3, s, stream);
+}
+
+}  // namespace zinc::kernels::cuda

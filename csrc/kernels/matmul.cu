@@ -1,0 +1,240 @@
+// matmul on the GPU through cuBLAS (kernels_cuda.h).
+//
+// Note [cuBLAS matmul layout]
+// cuBLAS is column-major; zinc's matrices are row-major. A row-major (R,C)
+// matrix is the column-major (C,R) matrix of the same bytes, i.e. its
+// transpose. So the row-major C = op(A) op(B) is computed as the column-major
+// C^T = op(B)^T op(A)^T: cuBLAS's first operand is B, its second A, with
+// m = N, n = M, k = K and
+//   B: trans_b ? stored (N,K) -> op T, ld K : stored (K,N) -> op N, ld N
+//   A: trans_a ? stored (K,M) -> op T, ld M : stored (M,K) -> op N, ld K
+//   C: ld N.
+// Batches are contiguous as in the CPU contract (strides M*K, K*N, M*N), one
+// cublasGemmStridedBatchedEx call for all of them. alpha is cuBLAS's alpha;
+// accumulate is beta = 1 (else 0).
+//
+// Precision: CUBLAS_COMPUTE_32F for every dtype, math mode CUBLAS_DEFAULT_MATH
+// (no TF32: fp32 operands are multiplied in fp32). kBF16 / kF16 pass 16-bit
+// operands (CUDA_R_16BF / CUDA_R_16F) with fp32 C, so products of two 16-bit
+// values are exact and accumulated in fp32, as on the CPU (Note [fp16
+// compute] in matmul.cpp: the CPU rounds fp32 operands to fp16 and multiplies
+// the fp16 values in fp32; here the same fp16 values go to the tensor cores:
+// the same products, a different summation order). The results are therefore
+// close to the CPU's, not bit-identical.
+//
+// Operands whose dtype differs from `compute` are converted into device
+// scratch by convert_operand below (float_to_16 / from_16 of core/dtype.h, the
+// CPU's bits): fp32 -> the 16-bit compute dtype (rounded, as the CPU rounds
+// them), 16-bit -> fp32 for fp32 compute (exact), and the other 16-bit format
+// -> compute (through fp32).
+//
+// Bias: cuda::add_bias (layers.cu) after the GEMM, c[r, j] += bias[j] (bias
+// in any dtype), on the same stream. cuBLASLt's BIAS epilogue would fuse it but
+// needs a Lt matmul descriptor per shape and a bias in C's dtype; the extra
+// pass over C is cheap next to the GEMM. With accumulate the GEMM adds C
+// first (beta = 1), then the bias.
+//
+// Handles and scratch: one cuBLAS handle per (calling thread, device), math
+// mode and pointer mode set once. Each call sets the handle to its stream;
+// cublasSetStream resets cuBLAS's workspace, so the call then hands it a
+// workspace of its own for that stream, together with the grow-only
+// conversion scratch (also per stream: two streams of one thread may run
+// at once, and must not share scratch; at most kMaxStreams streams per
+// thread and device keep scratch). Growing a buffer first waits for its
+// stream, since the old buffer may still be read there.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/cuda_util.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda_common.cuh"
+#include "kernels/kernels.h"
+#include "kernels/kernels_cuda.h"
+
+namespace zinc::kernels::cuda {
+namespace {
+
+using zinc::cuda::DeviceBuffer;
+
+std::string shape_str(const MatmulDesc& d) {
+  return "batch=" + std::to_string(d.batch) + " M=" + std::to_string(d.M) + " N=" + std::to_string(d.N) +
+         " K=" + std::to_string(d.K) + " trans_a=" + std::to_string(d.trans_a) +
+         " trans_b=" + std::to_string(d.trans_b) + " compute=" + std::string(dtype_name(d.compute));
+}
+
+void check_cublas(cublasStatus_t st, const char* what, const std::string& ctx = {}) {
+  if (st == CUBLAS_STATUS_SUCCESS) return;
+  throw Error(std::string("cuBLAS ") + what + ": " + cublasGetStatusName(st) + ": " + cublasGetStatusString(st) +
+              (ctx.empty() ? "" : " (" + ctx + ")"));
+}
+
+// ---- kernels ------------------------------------------------------------------------
+
+// dst(n) in `to` = src(n) in `from` (from != to), through fp32 with core/dtype.h's conversions.
+__global__ void matmul_convert_operand_kernel(const void* __restrict__ src, DType from, void* __restrict__ dst,
+                                              DType to, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = detail::load_param(src, from, i);
+    if (to == DType::kF32)
+      static_cast<float*>(dst)[i] = v;
+    else
+      static_cast<uint16_t*>(dst)[i] = float_to_16(v, to);
+  }
+}
+
+// ---- per (thread, device) state ---------------------------------------------------------
+
+// cuBLAS's recommended user workspace: 32 MiB on Hopper and later, 4 MiB before.
+size_t workspace_bytes(int device) {
+  int major = 0;
+  ZINC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                  "cudaDeviceGetAttribute(compute capability)");
+  return major >= 9 ? (size_t{32} << 20) : (size_t{4} << 20);
+}
+
+struct StreamScratch {
+  DeviceBuffer workspace;
+  DeviceBuffer operand[2];  // converted A, B
+};
+
+// A thread keeps scratch for at most this many streams per device; binding a
+// further stream drops the least recently used one, after waiting for the
+// device (work queued on that stream, which may be gone, may still use it).
+constexpr size_t kMaxStreams = 8;
+
+struct DeviceState {
+  struct Entry {
+    cudaStream_t stream;
+    uint64_t used;
+    std::unique_ptr<StreamScratch> scratch;
+  };
+  cublasHandle_t handle = nullptr;
+  size_t ws_bytes = 0;
+  uint64_t clock = 0;
+  std::vector<Entry> streams;
+
+  explicit DeviceState(int dev) {
+    check_cublas(cublasCreate(&handle), "cublasCreate", "device " + std::to_string(dev));
+    check_cublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    check_cublas(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+    ws_bytes = workspace_bytes(dev);
+  }
+  ~DeviceState() {
+    // Thread-local: destroyed at thread exit, before the runtime's own
+    // teardown. Errors are dropped (destructors never throw).
+    if (handle) cublasDestroy(handle);
+  }
+  DeviceState(const DeviceState&) = delete;
+  DeviceState& operator=(const DeviceState&) = delete;
+
+  StreamScratch& scratch_for(cudaStream_t stream) {
+    ++clock;
+    for (Entry& e : streams)
+      if (e.stream == stream) {
+        e.used = clock;
+        return *e.scratch;
+      }
+    if (streams.size() >= kMaxStreams) {
+      auto oldest = std::min_element(streams.begin(), streams.end(),
+                                     [](const Entry& x, const Entry& y) { return x.used < y.used; });
+      ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "matmul: cudaDeviceSynchronize before dropping a stream's scratch");
+      streams.erase(oldest);
+    }
+    auto sc = std::make_unique<StreamScratch>();
+    sc->workspace = DeviceBuffer(ws_bytes);
+    streams.push_back({stream, clock, std::move(sc)});
+    return *streams.back().scratch;
+  }
+
+  // Binds the handle to `stream` with that stream's workspace.
+  StreamScratch& bind(cudaStream_t stream) {
+    StreamScratch& sc = scratch_for(stream);
+    check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
+    check_cublas(cublasSetWorkspace(handle, sc.workspace.data(), sc.workspace.bytes()), "cublasSetWorkspace");
+    return sc;
+  }
+};
+
+DeviceState& device_state() {
+  int dev = 0;
+  ZINC_CUDA_CHECK(cudaGetDevice(&dev), "matmul: cudaGetDevice");
+  thread_local std::unordered_map<int, std::unique_ptr<DeviceState>> states;
+  auto& s = states[dev];
+  if (!s) s = std::make_unique<DeviceState>(dev);
+  return *s;
+}
+
+// Grows a stream's scratch buffer (never shrinks); waits for the stream first,
+// since work already queued there may still read the old buffer.
+void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
+  if (buf.bytes() < bytes) {
+    if (buf.data()) ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "matmul: cudaStreamSynchronize before growing scratch");
+    buf = DeviceBuffer(bytes);
+  }
+  return buf.data();
+}
+
+cudaDataType cuda_type(DType t) {
+  return t == DType::kF32 ? CUDA_R_32F : t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+// The operand as cuBLAS reads it (dtype `compute`), converted into `buf` when needed.
+const void* as_compute(CView v, DType compute, int64_t n, DeviceBuffer& buf, cudaStream_t stream) {
+  if (v.dtype == compute) return v.data;
+  void* dst = grow(buf, static_cast<size_t>(n) * dtype_bytes(compute), stream);
+  matmul_convert_operand_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(v.data, v.dtype, dst,
+                                                                                         compute, n);
+  detail::check_launch("matmul_convert_operand_kernel");
+  return dst;
+}
+
+bool fits_int(int64_t v) { return v <= std::numeric_limits<int>::max(); }
+
+}  // namespace
+
+void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias) {
+  if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
+  if (d.bias && (!bias.data || d.alpha != 1.0f))
+    throw Error("cuda::matmul: a fused bias needs a bias view and alpha == 1");
+  if (d.batch == 0 || d.M == 0 || d.N == 0) return;
+  const int64_t rows = d.batch * d.M;
+  if (d.K == 0) {  // empty sum: alpha * 0 (+ C) (+ bias)
+    if (!d.accumulate)
+      ZINC_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(rows * d.N) * sizeof(float), stream),
+                      "cuda::matmul: cudaMemsetAsync");
+    if (d.bias) add_bias(c, bias, rows, d.N, stream);
+    return;
+  }
+  if (!fits_int(d.M) || !fits_int(d.N) || !fits_int(d.K) || !fits_int(d.batch))
+    throw Error("cuda::matmul: a dimension exceeds cuBLAS's int range (" + shape_str(d) + ")");
+  DeviceState& st = device_state();
+  StreamScratch& sc = st.bind(stream);
+  const void* a_ptr = as_compute(a, d.compute, d.batch * d.M * d.K, sc.operand[0], stream);
+  const void* b_ptr = as_compute(b, d.compute, d.batch * d.K * d.N, sc.operand[1], stream);
+  const cudaDataType t = cuda_type(d.compute);
+  const float alpha = d.alpha, beta = d.accumulate ? 1.0f : 0.0f;
+  const int m = static_cast<int>(d.N), n = static_cast<int>(d.M), k = static_cast<int>(d.K);
+  // Note [cuBLAS matmul layout]
+  const cublasOperation_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int ld_b = static_cast<int>(d.trans_b ? d.K : d.N);
+  const int ld_a = static_cast<int>(d.trans_a ? d.M : d.K);
+  check_cublas(cublasGemmStridedBatchedEx(st.handle, op_b, op_a, m, n, k, &alpha, b_ptr, t, ld_b,
+                                          static_cast<long long>(d.K * d.N), a_ptr, t, ld_a,
+                                          static_cast<long long>(d.M * d.K), &beta, c, CUDA_R_32F, m,
+                                          static_cast<long long>(d.M * d.N), static_cast<int>(d.batch),
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx", shape_str(d));
+  if (d.bias) add_bias(c, bias, rows, d.N, stream);
+}
+
+}  // namespace zinc::kernels::cuda
