@@ -1,5 +1,7 @@
 #include "tools/experiment.h"
 
+#include "core/device.h"
+
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -110,7 +112,7 @@ int64_t current_rss_bytes() {
 
 std::string kernel_paths() {
   return cpu_isa_summary() + " | " + kernels::matmul_paths_summary() + " | optimizer: " +
-         std::string(optim::isa_name(optim::active_isa()));
+         std::string(optim::isa_name(optim::active_isa())) + " | " + cuda_status().summary();
 }
 
 }  // namespace zinc::tools

@@ -14,12 +14,12 @@
 namespace zinc {
 namespace {
 
-struct Run {
+struct TrainRun {
   std::vector<float> losses;
   std::vector<float> weights;  // block 1's master weights at the end
 };
 
-Run train(const std::string& device, const std::string& precision, int stage, int gas, int steps) {
+TrainRun train(const std::string& device, const std::string& precision, int stage, int gas, int steps) {
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 8},
                         {"gradient_accumulation_steps", gas},
                         {"gradient_clipping", 1.0},
@@ -42,7 +42,7 @@ Run train(const std::string& device, const std::string& precision, int stage, in
   dc.seq_len = 32;
   dc.determinism = 0.9;
   DataLoader loader(make_data_source(dc), 8, gas, 1, 0, 7);
-  Run r;
+  TrainRun r;
   for (int s = 0; s < steps; ++s) r.losses.push_back(e.train_batch(loader));
   r.weights = e.full_params(1);
   return r;
@@ -54,7 +54,7 @@ TEST(CudaEngine, Fp32TrainsLikeTheCpu) {
   ZINC_REQUIRE_GPU();
   for (int stage : {0, 2})
     for (int gas : {1, 2}) {
-      const Run cpu = train("cpu", "fp32", stage, gas, 30), gpu = train("cuda", "fp32", stage, gas, 30);
+      const TrainRun cpu = train("cpu", "fp32", stage, gas, 30), gpu = train("cuda", "fp32", stage, gas, 30);
       for (size_t i = 0; i < cpu.losses.size(); ++i)
         EXPECT_NEAR(cpu.losses[i], gpu.losses[i], 1e-3 * std::fabs(cpu.losses[i])) << "step " << i;
       double diff = 0, norm = 0;
@@ -71,7 +71,7 @@ TEST(CudaEngine, Fp32TrainsLikeTheCpu) {
 TEST(CudaEngine, Bf16AndFp16TrainToTheCpuLoss) {
   ZINC_REQUIRE_GPU();
   for (const char* prec : {"bf16", "fp16"}) {
-    const Run cpu = train("cpu", prec, 1, 1, 100), gpu = train("cuda", prec, 1, 1, 100);
+    const TrainRun cpu = train("cpu", prec, 1, 1, 100), gpu = train("cuda", prec, 1, 1, 100);
     double tc = 0, tg = 0;
     for (size_t i = 90; i < 100; ++i) {
       tc += cpu.losses[i] / 10;

@@ -15,6 +15,8 @@
 #include "core/rng.h"
 #include "engine/model.h"
 #include "models/models.h"
+#include "core/device.h"
+#include "core/error.h"
 
 namespace zinc {
 namespace {
@@ -301,3 +303,24 @@ TEST(GptCheckpointing, HoldsOneSetOfLayerActivationsAndAgreesWithFiniteDifferenc
 
 }  // namespace
 }  // namespace zinc
+
+// A GPT on the GPU without one (or without a CUDA build) is refused at
+// construction with the reason; with a GPU it reports the device.
+TEST(GptDevice, CudaNeedsAGpu) {
+  zinc::models::GptConfig g;
+  g.device = zinc::Device::kCuda;
+  if (zinc::cuda_status().devices > 0) {
+    EXPECT_EQ(zinc::models::make_gpt(g)->device(), zinc::Device::kCuda);
+    return;
+  }
+  try {
+    zinc::models::make_gpt(g);
+    FAIL() << "expected an error";
+  } catch (const zinc::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("device \"cuda\""), std::string::npos) << m;
+    EXPECT_NE(m.find(zinc::cuda_status().built ? "no GPU is visible" : "built without CUDA"), std::string::npos) << m;
+  }
+  g.device = zinc::Device::kCpu;
+  EXPECT_EQ(zinc::models::make_gpt(g)->device(), zinc::Device::kCpu);
+}
