@@ -118,6 +118,11 @@ std::unique_ptr<Communicator> make_single_communicator();
 // of its own. Destruction is collective, like the shm backend's: every rank
 // destroys its NCCL communicators at the same point.
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device = -1);
+// Opens libnccl (on first use; it is never linked, see core/dynlib.h) and
+// returns the file it loaded and NCCL's version, e.g. "libnccl.so.2 (NCCL
+// 22703)". Throws zinc::Error naming what it tried where it cannot, and
+// CommError in a build without NCCL. Needs no GPU.
+std::string nccl_library();
 
 // Orders the next collectives of `comm` after `cuda_event` (a cudaEvent_t,
 // passed as void* so that this header names no CUDA type) recorded on a

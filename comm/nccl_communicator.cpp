@@ -58,10 +58,54 @@
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
 #include "core/device.h"
+#include "core/dynlib.h"
 #include "core/log.h"
 
 namespace zinc::comm {
 namespace {
+
+// NCCL's functions, from libnccl.so.2 opened on first use (core/dynlib.h:
+// linking it would load it into every zinc process, and into PyTorch's).
+struct NcclApi {
+  DynLib lib;
+  decltype(&::ncclGetErrorString) GetErrorString;
+  decltype(&::ncclGetLastError) GetLastError;
+  decltype(&::ncclCommInitRank) CommInitRank;
+  decltype(&::ncclCommAbort) CommAbort;
+  decltype(&::ncclAllReduce) AllReduce;
+  decltype(&::ncclReduceScatter) ReduceScatter;
+  decltype(&::ncclAllGather) AllGather;
+  decltype(&::ncclBroadcast) Broadcast;
+  decltype(&::ncclCommSplit) CommSplit;
+  decltype(&::ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&::ncclCommFinalize) CommFinalize;
+  decltype(&::ncclCommDestroy) CommDestroy;
+  decltype(&::ncclGetUniqueId) GetUniqueId;
+  decltype(&::ncclGetVersion) GetVersion;
+
+  NcclApi()
+      : lib(DynLib::open({"libnccl.so.2", ZINC_CUDA_LIB_DIR "/libnccl.so.2"}, "NCCL (the nccl backend)")) {
+    GetErrorString = lib.get<decltype(&::ncclGetErrorString)>("ncclGetErrorString");
+    GetLastError = lib.get<decltype(&::ncclGetLastError)>("ncclGetLastError");
+    CommInitRank = lib.get<decltype(&::ncclCommInitRank)>("ncclCommInitRank");
+    CommAbort = lib.get<decltype(&::ncclCommAbort)>("ncclCommAbort");
+    AllReduce = lib.get<decltype(&::ncclAllReduce)>("ncclAllReduce");
+    ReduceScatter = lib.get<decltype(&::ncclReduceScatter)>("ncclReduceScatter");
+    AllGather = lib.get<decltype(&::ncclAllGather)>("ncclAllGather");
+    Broadcast = lib.get<decltype(&::ncclBroadcast)>("ncclBroadcast");
+    CommSplit = lib.get<decltype(&::ncclCommSplit)>("ncclCommSplit");
+    CommGetAsyncError = lib.get<decltype(&::ncclCommGetAsyncError)>("ncclCommGetAsyncError");
+    CommFinalize = lib.get<decltype(&::ncclCommFinalize)>("ncclCommFinalize");
+    CommDestroy = lib.get<decltype(&::ncclCommDestroy)>("ncclCommDestroy");
+    GetUniqueId = lib.get<decltype(&::ncclGetUniqueId)>("ncclGetUniqueId");
+    GetVersion = lib.get<decltype(&::ncclGetVersion)>("ncclGetVersion");
+  }
+};
+const NcclApi& nccl() {
+  static const NcclApi api;
+  return api;
+}
+
 
 using detail::nccl_backend_error;
 
@@ -71,9 +115,9 @@ CommError nccl_failure(int rank, const std::string& op, const std::string& text)
 }
 
 std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
-  std::string s = ncclGetErrorString(r);
+  std::string s = nccl().GetErrorString(r);
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
-  const char* last = ncclGetLastError(comm);
+  const char* last = nccl().GetLastError(comm);
   if (last && *last) s += std::string(" ") + last;
 #endif
   return s;
@@ -145,10 +189,10 @@ class NcclCommunicator final : public Communicator {
   // ncclCommInitRank with the id every rank received (collective in NCCL).
   void init(const ncclUniqueId& id) {
     DeviceGuard g(rank_, device_, "backend");
-    const ncclResult_t r = ncclCommInitRank(&comm_, size_, id, rank_);
+    const ncclResult_t r = nccl().CommInitRank(&comm_, size_, id, rank_);
     if (r != ncclSuccess) {
       const std::string text = nccl_text(r, comm_);
-      if (comm_) ncclCommAbort(comm_);
+      if (comm_) nccl().CommAbort(comm_);
       comm_ = nullptr;
       throw nccl_failure(rank_, "backend", "ncclCommInitRank failed: " + text);
     }
@@ -171,7 +215,7 @@ class NcclCommunicator final : public Communicator {
     if (count == 0) return;
     const std::string op = describe("all_reduce", count, dtype);
     DeviceGuard g(rank_, device_, op);
-    nccl_check(ncclAllReduce(send, recv, static_cast<size_t>(count), type, ncclSum, comm_, stream_), op,
+    nccl_check(nccl().AllReduce(send, recv, static_cast<size_t>(count), type, ncclSum, comm_, stream_), op,
                "ncclAllReduce");
     complete(op);
   }
@@ -182,7 +226,7 @@ class NcclCommunicator final : public Communicator {
     if (recv_count == 0) return;
     const std::string op = describe("reduce_scatter", recv_count, dtype);
     DeviceGuard g(rank_, device_, op);
-    nccl_check(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count), type, ncclSum, comm_, stream_), op,
+    nccl_check(nccl().ReduceScatter(send, recv, static_cast<size_t>(recv_count), type, ncclSum, comm_, stream_), op,
                "ncclReduceScatter");
     complete(op);
   }
@@ -195,7 +239,7 @@ class NcclCommunicator final : public Communicator {
     if (send_count == 0) return;
     const std::string op = describe("all_gather", send_count, dtype);
     DeviceGuard g(rank_, device_, op);
-    nccl_check(ncclAllGather(send, recv, static_cast<size_t>(send_count), type, comm_, stream_), op, "ncclAllGather");
+    nccl_check(nccl().AllGather(send, recv, static_cast<size_t>(send_count), type, comm_, stream_), op, "ncclAllGather");
     complete(op);
   }
 
@@ -205,7 +249,7 @@ class NcclCommunicator final : public Communicator {
     if (count == 0) return;
     const std::string op = describe("broadcast", count, dtype);
     DeviceGuard g(rank_, device_, op);
-    nccl_check(ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), op, "ncclBroadcast");
+    nccl_check(nccl().Broadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), op, "ncclBroadcast");
     complete(op);
   }
 
@@ -218,7 +262,7 @@ class NcclCommunicator final : public Communicator {
   // has entered (NCCL has no barrier of its own before 2.29's device API).
   void barrier() override {
     DeviceGuard g(rank_, device_, "barrier");
-    nccl_check(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier", "ncclAllReduce");
+    nccl_check(nccl().AllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier", "ncclAllReduce");
     complete("barrier");
   }
 
@@ -233,7 +277,7 @@ class NcclCommunicator final : public Communicator {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
     DeviceGuard g(rank_, device_, "duplicate");
     ncclComm_t child = nullptr;
-    nccl_check(ncclCommSplit(comm_, /*color=*/0, /*key=*/rank_, &child, /*config=*/nullptr), "duplicate",
+    nccl_check(nccl().CommSplit(comm_, /*color=*/0, /*key=*/rank_, &child, /*config=*/nullptr), "duplicate",
                "ncclCommSplit");
     return std::make_unique<NcclCommunicator>(bootstrap_, device_, child);
 #else
@@ -247,7 +291,7 @@ class NcclCommunicator final : public Communicator {
   // see the freed communicator; the process is ending either way.
   [[noreturn]] void abort(int code, const std::string& msg) override {
     if (comm_) {
-      ncclCommAbort(comm_);
+      nccl().CommAbort(comm_);
       comm_ = nullptr;
     }
     bootstrap_.abort(code, msg);
@@ -298,7 +342,7 @@ class NcclCommunicator final : public Communicator {
       if (e == cudaSuccess) return;
       if (e != cudaErrorNotReady) cuda_check(e, op, "cudaEventQuery");
       ncclResult_t async = ncclSuccess;
-      nccl_check(ncclCommGetAsyncError(comm_, &async), op, "ncclCommGetAsyncError");
+      nccl_check(nccl().CommGetAsyncError(comm_, &async), op, "ncclCommGetAsyncError");
       if (async != ncclSuccess && async != ncclInProgress) {
         broken_ = true;
         throw nccl_failure(rank_, op, std::string("asynchronous error: ") + nccl_text(async, comm_));
@@ -323,7 +367,7 @@ class NcclCommunicator final : public Communicator {
     std::memcpy(host_scratch_, buf, bytes);
     cuda_check(cudaMemcpyAsync(scratch_, host_scratch_, bytes, cudaMemcpyHostToDevice, stream_), op,
                "cudaMemcpyAsync host to device");
-    nccl_check(ncclAllReduce(scratch_, scratch_, static_cast<size_t>(count), ncclFloat64, red, comm_, stream_), op,
+    nccl_check(nccl().AllReduce(scratch_, scratch_, static_cast<size_t>(count), ncclFloat64, red, comm_, stream_), op,
                "ncclAllReduce");
     cuda_check(cudaMemcpyAsync(host_scratch_, scratch_, bytes, cudaMemcpyDeviceToHost, stream_), op,
                "cudaMemcpyAsync device to host");
@@ -356,11 +400,11 @@ class NcclCommunicator final : public Communicator {
     cudaSetDevice(device_);
     if (comm_) {
       if (abort_comm) {
-        ncclCommAbort(comm_);
+        nccl().CommAbort(comm_);
       } else {
         if (stream_) cudaStreamSynchronize(stream_);
-        const ncclResult_t f = ncclCommFinalize(comm_);
-        const ncclResult_t d = ncclCommDestroy(comm_);
+        const ncclResult_t f = nccl().CommFinalize(comm_);
+        const ncclResult_t d = nccl().CommDestroy(comm_);
         if (f != ncclSuccess || d != ncclSuccess) {
           log_warn("[rank " + std::to_string(rank_) +
                    "] nccl teardown: " + nccl_text(f != ncclSuccess ? f : d, nullptr));
@@ -417,7 +461,7 @@ std::unique_ptr<NcclCommunicator> prepare(Communicator& bootstrap, int device, n
   }
   auto c = std::make_unique<NcclCommunicator>(bootstrap, dev, nullptr);
   if (rank == 0) {
-    const ncclResult_t r = ncclGetUniqueId(&id);
+    const ncclResult_t r = nccl().GetUniqueId(&id);
     if (r != ncclSuccess) {
       throw nccl_backend_error(rank, std::string("ncclGetUniqueId failed: ") + nccl_text(r, nullptr));
     }
@@ -455,7 +499,7 @@ std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, std::unique_ptr
   c->adopt_bootstrap(std::move(owned));
   if (rank == 0) {
     int v = 0;
-    ncclGetVersion(&v);
+    nccl().GetVersion(&v);
     log_info("nccl backend: NCCL " + std::to_string(v) + " over " + std::to_string(c->size()) +
              " rank(s); rank 0 on GPU " + std::to_string(c->device()));
   }
@@ -476,6 +520,12 @@ std::unique_ptr<Communicator> make_nccl_backend(std::unique_ptr<Communicator> bo
 }
 
 }  // namespace detail
+
+std::string nccl_library() {
+  int v = 0;
+  nccl().GetVersion(&v);
+  return nccl().lib.name() + " (NCCL " + std::to_string(v) + ")";
+}
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device) {
   return make_nccl(bootstrap, nullptr, device);

@@ -35,6 +35,8 @@ std::unique_ptr<Communicator> make_nccl_backend(std::unique_ptr<Communicator> bo
 
 }  // namespace detail
 
+std::string nccl_library() { throw CommError("nccl backend: zinc was built without CUDA, so without NCCL"); }
+
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device) {
   throw detail::nccl_backend_error(bootstrap.rank(), why_unavailable());
 }

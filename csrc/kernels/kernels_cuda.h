@@ -19,11 +19,16 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 #include "kernels/kernels.h"
 
 namespace zinc::kernels::cuda {
+
+// cuBLAS is opened on first use, never linked (core/dynlib.h). Opens it and
+// returns the file loaded; throws zinc::Error naming what it tried. Needs no GPU.
+std::string cublas_library();
 
 // ---- conversions -------------------------------------------------------------
 // dst(n) = float_to_16(src) (kBF16 / kF16), bit for bit as core/dtype.h; kF32 copies.

@@ -57,11 +57,55 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda_common.cuh"
+#include "core/dynlib.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_cuda.h"
 
 namespace zinc::kernels::cuda {
 namespace {
+
+// cuBLAS's functions, from libcublas opened on first use (core/dynlib.h:
+// linking it would load it into every zinc process, GPU or not). The names
+// go through cublas_v2.h's macros (cublasCreate is cublasCreate_v2).
+#define ZINC_STR_(x) #x
+#define ZINC_STR(x) ZINC_STR_(x)
+// The C entry point (the header adds a C++ overload of the same name).
+using GemmStridedBatchedExFn = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                                  const void*, const void*, cudaDataType, int, long long int,
+                                                  const void*, cudaDataType, int, long long int, const void*, void*,
+                                                  cudaDataType, int, long long int, int, cublasComputeType_t,
+                                                  cublasGemmAlgo_t);
+struct CublasApi {
+  DynLib lib;
+  decltype(&::cublasGetStatusName) GetStatusName;
+  decltype(&::cublasGetStatusString) GetStatusString;
+  decltype(&::cublasCreate) Create;
+  decltype(&::cublasSetMathMode) SetMathMode;
+  decltype(&::cublasSetPointerMode) SetPointerMode;
+  decltype(&::cublasDestroy) Destroy;
+  decltype(&::cublasSetStream) SetStream;
+  decltype(&::cublasSetWorkspace) SetWorkspace;
+  GemmStridedBatchedExFn GemmStridedBatchedEx;
+
+  CublasApi()
+      : lib(DynLib::open({"libcublas.so." ZINC_STR(CUBLAS_VER_MAJOR), ZINC_CUDA_LIB_DIR "/libcublas.so." ZINC_STR(CUBLAS_VER_MAJOR)},
+                         "cuBLAS (the GPU matmuls)")) {
+    GetStatusName = lib.get<decltype(&::cublasGetStatusName)>(ZINC_STR(cublasGetStatusName));
+    GetStatusString = lib.get<decltype(&::cublasGetStatusString)>(ZINC_STR(cublasGetStatusString));
+    Create = lib.get<decltype(&::cublasCreate)>(ZINC_STR(cublasCreate));
+    SetMathMode = lib.get<decltype(&::cublasSetMathMode)>(ZINC_STR(cublasSetMathMode));
+    SetPointerMode = lib.get<decltype(&::cublasSetPointerMode)>(ZINC_STR(cublasSetPointerMode));
+    Destroy = lib.get<decltype(&::cublasDestroy)>(ZINC_STR(cublasDestroy));
+    SetStream = lib.get<decltype(&::cublasSetStream)>(ZINC_STR(cublasSetStream));
+    SetWorkspace = lib.get<decltype(&::cublasSetWorkspace)>(ZINC_STR(cublasSetWorkspace));
+    GemmStridedBatchedEx = lib.get<GemmStridedBatchedExFn>(ZINC_STR(cublasGemmStridedBatchedEx));
+  }
+};
+const CublasApi& cublas() {
+  static const CublasApi api;
+  return api;
+}
+
 
 using zinc::cuda::DeviceBuffer;
 
@@ -73,7 +117,7 @@ std::string shape_str(const MatmulDesc& d) {
 
 void check_cublas(cublasStatus_t st, const char* what, const std::string& ctx = {}) {
   if (st == CUBLAS_STATUS_SUCCESS) return;
-  throw Error(std::string("cuBLAS ") + what + ": " + cublasGetStatusName(st) + ": " + cublasGetStatusString(st) +
+  throw Error(std::string("cuBLAS ") + what + ": " + cublas().GetStatusName(st) + ": " + cublas().GetStatusString(st) +
               (ctx.empty() ? "" : " (" + ctx + ")"));
 }
 
@@ -123,15 +167,15 @@ struct DeviceState {
   std::vector<Entry> streams;
 
   explicit DeviceState(int dev) {
-    check_cublas(cublasCreate(&handle), "cublasCreate", "device " + std::to_string(dev));
-    check_cublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-    check_cublas(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+    check_cublas(cublas().Create(&handle), "cublasCreate", "device " + std::to_string(dev));
+    check_cublas(cublas().SetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    check_cublas(cublas().SetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
     ws_bytes = workspace_bytes(dev);
   }
   ~DeviceState() {
     // Thread-local: destroyed at thread exit, before the runtime's own
     // teardown. Errors are dropped (destructors never throw).
-    if (handle) cublasDestroy(handle);
+    if (handle) cublas().Destroy(handle);
   }
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
@@ -158,8 +202,8 @@ struct DeviceState {
   // Binds the handle to `stream` with that stream's workspace.
   StreamScratch& bind(cudaStream_t stream) {
     StreamScratch& sc = scratch_for(stream);
-    check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
-    check_cublas(cublasSetWorkspace(handle, sc.workspace.data(), sc.workspace.bytes()), "cublasSetWorkspace");
+    check_cublas(cublas().SetStream(handle, stream), "cublasSetStream");
+    check_cublas(cublas().SetWorkspace(handle, sc.workspace.data(), sc.workspace.bytes()), "cublasSetWorkspace");
     return sc;
   }
 };
@@ -201,6 +245,8 @@ bool fits_int(int64_t v) { return v <= std::numeric_limits<int>::max(); }
 
 }  // namespace
 
+std::string cublas_library() { return cublas().lib.name(); }
+
 void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias) {
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
   if (d.bias && (!bias.data || d.alpha != 1.0f))
@@ -228,7 +274,7 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   const cublasOperation_t op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int ld_b = static_cast<int>(d.trans_b ? d.K : d.N);
   const int ld_a = static_cast<int>(d.trans_a ? d.M : d.K);
-  check_cublas(cublasGemmStridedBatchedEx(st.handle, op_b, op_a, m, n, k, &alpha, b_ptr, t, ld_b,
+  check_cublas(cublas().GemmStridedBatchedEx(st.handle, op_b, op_a, m, n, k, &alpha, b_ptr, t, ld_b,
                                           static_cast<long long>(d.K * d.N), a_ptr, t, ld_a,
                                           static_cast<long long>(d.M * d.K), &beta, c, CUDA_R_32F, m,
                                           static_cast<long long>(d.M * d.N), static_cast<int>(d.batch),

@@ -82,6 +82,14 @@ std::string expected_refusal(int rank) {
   return "";
 }
 
+// libnccl is opened at run time (core/dynlib.h): it must load wherever the
+// toolkit is, GPU or not.
+TEST(NcclLibrary, LoadsWithoutAGpu) {
+  const std::string lib = nccl_library();
+  EXPECT_NE(lib.find("libnccl.so.2"), std::string::npos) << lib;
+  EXPECT_NE(lib.find("(NCCL 2"), std::string::npos) << lib;
+}
+
 TEST(NcclRefusal, MakeNcclCommunicatorNamesTheRankAndTheReason) {
   const std::string want = expected_refusal(world().rank());
   if (want.empty()) GTEST_SKIP() << "NCCL starts on this machine (the GPU tests cover it)";

@@ -295,3 +295,30 @@ TEST(Errors, PosixErrorNamesContextAndErrno) {
 
 }  // namespace
 }  // namespace zinc
+
+// ---- DynLib (core/dynlib.h) ----------------------------------------------------
+#include "core/dynlib.h"
+
+TEST(DynLib, OpensTheFirstCandidateThatLoadsAndFindsSymbols) {
+  zinc::DynLib lib = zinc::DynLib::open({"libzinc-no-such-library.so.9", "libc.so.6"}, "libc");
+  EXPECT_EQ(lib.name(), "libc.so.6");
+  auto atoi_fn = lib.get<int (*)(const char*)>("atoi");
+  EXPECT_EQ(atoi_fn("42"), 42);
+  try {
+    lib.get<void (*)()>("zinc_no_such_symbol");
+    FAIL() << "expected an error";
+  } catch (const zinc::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("zinc_no_such_symbol"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DynLib, NamesEveryCandidateWhenNoneLoads) {
+  try {
+    zinc::DynLib::open({"libzinc-a.so.1", "/nowhere/libzinc-b.so.2"}, "the thing");
+    FAIL() << "expected an error";
+  } catch (const zinc::Error& e) {
+    const std::string m = e.what();
+    for (const char* part : {"the thing", "libzinc-a.so.1", "/nowhere/libzinc-b.so.2", "LD_LIBRARY_PATH"})
+      EXPECT_NE(m.find(part), std::string::npos) << part << " in " << m;
+  }
+}

@@ -210,3 +210,14 @@ TEST(CudaLayers, VectorOpsMatchTheCpuBits) {
 
 }  // namespace
 }  // namespace zinc::kernels
+
+namespace zinc::kernels {
+namespace {
+// cuBLAS is opened at run time (core/dynlib.h): the library the GPU matmuls
+// will use must load on every machine with the toolkit, GPU or not.
+TEST(CudaLibraries, CublasLoadsWithoutAGpu) {
+  const std::string lib = cuda::cublas_library();
+  EXPECT_NE(lib.find("libcublas.so."), std::string::npos) << lib;
+}
+}  // namespace
+}  // namespace zinc::kernels
