@@ -252,10 +252,23 @@ bool converts(DType dtype, bool exact, DType compute, DType multiply) {
 const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
   if (!converts(v.dtype, v.bf16_exact, compute, multiply)) return v.data;
   void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
-  if (multiply == DType::kBF16) {
+  if (multiply == DType::kBF16 && v.dtype == DType::kF16) {
+    // An fp16 operand of a bf16 matmul: its values rounded to bf16.
+    const f16* src = static_cast<const f16*>(v.data);
+    bf16* out = static_cast<bf16*>(dst);
+    for (size_t i = 0; i < n; ++i) out[i] = float_to_bf16(f16_to_float(src[i]));
+  } else if (multiply == DType::kBF16) {
     convert_f32_to_bf16(static_cast<const float*>(v.data), static_cast<bf16*>(dst), n);
   } else if (is_16bit(v.dtype)) {
     convert_16_to_f32(v.data, static_cast<float*>(dst), n, v.dtype);
+    // The other 16-bit format than the compute's: its values rounded to the
+    // compute format, as the native path and the GPU multiply them.
+    if (is_16bit(compute) && compute != v.dtype) {
+      if (compute == DType::kF16)
+        round_to_f16(static_cast<const float*>(dst), static_cast<float*>(dst), n);
+      else
+        round_to_bf16(static_cast<const float*>(dst), static_cast<float*>(dst), n);
+    }
   } else if (compute == DType::kF16) {
     round_to_f16(static_cast<const float*>(v.data), static_cast<float*>(dst), n);
   } else {

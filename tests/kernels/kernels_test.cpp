@@ -283,6 +283,24 @@ TEST(Matmul, MixedOperandDtypesAreConvertedToCompute) {
   EXPECT_TRUE(BitEqual(c1, c2));
 }
 
+// An fp16 operand of a bf16 matmul multiplies its values rounded to bf16:
+// the same bits as passing those bf16 values (on the native bf16 path it was
+// once read as fp32).
+TEST(Matmul, Fp16OperandOfABf16MatmulIsRoundedToBf16) {
+  MatmulDesc d{.batch = 1, .M = 9, .N = 11, .K = 37, .trans_b = true, .compute = DType::kBF16};
+  auto a = randn(9 * 37, 310), b = randn(11 * 37, 311);
+  std::vector<uint16_t> a_f16(a.size());
+  std::vector<bf16> a_bf16(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    a_f16[i] = float_to_f16(a[i]).bits;
+    a_bf16[i] = float_to_bf16(f16_to_float(f16{a_f16[i]}));
+  }
+  std::vector<float> c1(9 * 11), c2(c1.size());
+  matmul(d, CView{a_f16.data(), DType::kF16}, view(b), c1.data());
+  matmul(d, CView{a_bf16.data(), DType::kBF16}, view(b), c2.data());
+  EXPECT_TRUE(BitEqual(c1, c2));
+}
+
 TEST(Matmul, ZeroSizedDimensions) {
   std::vector<float> c(12, 5.0f), a(12, 1.0f), b(12, 1.0f);
   // K = 0: the empty product is zero, plus C when accumulating.
