@@ -14,6 +14,7 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "kernels/kernels.h"
 #include "tools/experiment.h"
 
 namespace zinc::bench {
@@ -27,7 +28,54 @@ struct BenchOptions {
   int threads = 0;     // adamw: OpenMP threads (0 = default)
   std::string isa;     // adamw: force an optimizer path ("" = the dispatcher's choice)
   int64_t numel = int64_t{1} << 27;  // adamw: parameters (128M)
+  bool large = false;  // gpu-train-step: a GPT sized for an 80 GB GPU instead of the reference one
+  int64_t gas = 4;     // gpu-train-step: micro-batches per step (amortise the CPU optimizer step)
 };
+
+// The matmuls of one training step of the built-in GPT (forward and
+// backward of every linear layer, the tied head, and attention's batched
+// products), in compute dtype dt: the bound of train-step (oneDNN) and
+// gpu-train-step (cuBLAS).
+inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L,
+                                                                int64_t V, zinc::DType dt) {
+  std::vector<zinc::kernels::MatmulDesc> descs;
+  const int64_t N = B * T, hs = C / H;
+  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t K, bool ta, bool tb, bool acc, int64_t times) {
+    for (int64_t i = 0; i < times; ++i) {
+      zinc::kernels::MatmulDesc d;
+      d.batch = batch;
+      d.M = M;
+      d.N = Nn;
+      d.K = K;
+      d.trans_a = ta;
+      d.trans_b = tb;
+      d.accumulate = acc;
+      d.compute = dt;
+      descs.push_back(d);
+    }
+  };
+  // Linear layers y = x W^T: forward, dX = dY W, dW += dY^T X.
+  auto linear = [&](int64_t in, int64_t out, int64_t times) {
+    add(1, N, out, in, false, true, false, times);
+    add(1, N, in, out, false, false, false, times);
+    add(1, out, in, N, true, false, true, times);
+  };
+  linear(C, 3 * C, L);
+  linear(C, C, L);
+  linear(C, 4 * C, L);
+  linear(4 * C, C, L);
+  linear(C, V, 1);
+  // Attention per layer: S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO,
+  // dQ = dS K, dK = dS^T Q.
+  const int64_t BH = B * H;
+  add(BH, T, T, hs, false, true, false, L);
+  add(BH, T, hs, T, false, false, false, L);
+  add(BH, T, T, hs, false, true, false, L);
+  add(BH, T, hs, T, true, false, false, L);
+  add(BH, T, hs, T, false, false, false, L);
+  add(BH, T, hs, T, true, false, false, L);
+  return descs;
+}
 
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -70,6 +118,7 @@ std::string zinc_train_path();
 nlohmann::json last_json_event(const std::string& command, const std::string& event, const std::string& bench);
 
 int bench_train_step(const BenchOptions& o);
+int bench_gpu_train_step(const BenchOptions& o);  // CUDA builds; skips without a GPU
 int bench_adamw(const BenchOptions& o);
 int bench_collectives(const BenchOptions& o);   // under mpirun
 int bench_zero_memory(const BenchOptions& o);   // under mpirun

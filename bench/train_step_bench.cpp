@@ -24,50 +24,21 @@ struct MatmulCase {
   double flops() const { return 2.0 * d.batch * d.M * d.N * d.K; }
 };
 
-// The matmuls of one training step of the GPT, with operands already in the
-// compute precision: what oneDNN can do at these shapes is the bound.
+// The matmuls of one training step of the GPT (gpt_matmul_descs), with
+// operands already in the compute precision: what oneDNN can do at these
+// shapes is the bound.
 std::vector<MatmulCase> gpt_matmuls(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L, int64_t V,
                                     zinc::DType dt) {
   std::vector<MatmulCase> cases;
-  const int64_t N = B * T, hs = C / H;
-  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t K, bool ta, bool tb, bool acc, int64_t times) {
-    for (int64_t i = 0; i < times; ++i) {
-      MatmulCase mc;
-      mc.d.batch = batch;
-      mc.d.M = M;
-      mc.d.N = Nn;
-      mc.d.K = K;
-      mc.d.trans_a = ta;
-      mc.d.trans_b = tb;
-      mc.d.accumulate = acc;
-      mc.d.compute = dt;
-      const size_t es = zinc::dtype_bytes(dt);
-      mc.a = zinc::AlignedBuffer(static_cast<size_t>(batch * M * K) * es);
-      mc.b = zinc::AlignedBuffer(static_cast<size_t>(batch * K * Nn) * es);
-      mc.c = zinc::AlignedBuffer(static_cast<size_t>(batch * M * Nn) * 4);
-      cases.push_back(std::move(mc));
-    }
-  };
-  // Linear layers y = x W^T: forward, dX = dY W, dW += dY^T X.
-  auto linear = [&](int64_t in, int64_t out, int64_t times) {
-    add(1, N, out, in, false, true, false, times);
-    add(1, N, in, out, false, false, false, times);
-    add(1, out, in, N, true, false, true, times);
-  };
-  linear(C, 3 * C, L);
-  linear(C, C, L);
-  linear(C, 4 * C, L);
-  linear(4 * C, C, L);
-  linear(C, V, 1);
-  // Attention per layer: S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO,
-  // dQ = dS K, dK = dS^T Q.
-  const int64_t BH = B * H;
-  add(BH, T, T, hs, false, true, false, L);
-  add(BH, T, hs, T, false, false, false, L);
-  add(BH, T, T, hs, false, true, false, L);
-  add(BH, T, hs, T, true, false, false, L);
-  add(BH, T, hs, T, false, false, false, L);
-  add(BH, T, hs, T, true, false, false, L);
+  for (const zinc::kernels::MatmulDesc& d : gpt_matmul_descs(B, T, C, H, L, V, dt)) {
+    MatmulCase mc;
+    mc.d = d;
+    const size_t es = zinc::dtype_bytes(dt);
+    mc.a = zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.M * d.K) * es);
+    mc.b = zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.K * d.N) * es);
+    mc.c = zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.M * d.N) * 4);
+    cases.push_back(std::move(mc));
+  }
   zinc::Rng rng(1);
   for (MatmulCase& mc : cases) {
     // Small random values: keeps the accumulate cases finite over many reps.

@@ -28,6 +28,9 @@
 //               gradient_checkpointing (fresh zinc-train processes) over the
 //               saving the estimate predicts, and the step-time overhead over
 //               the share of FLOPs the recomputation adds.
+//   gpu-train-step (CUDA builds, a GPU) a ZeRO-Offload step of the GPT on
+//               the GPU: model FLOP/s over cuBLAS at the model's shapes, and
+//               the CPU optimizer step's share (--large, --gas).
 //   checkpoint  save and load bandwidth of a 101M-parameter model's
 //               checkpoint over fio's write and read on the same disk.
 // --json prints one line per case:
@@ -40,7 +43,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing")->required();
+  app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -50,6 +53,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");
+  app.add_flag("--large", o.large, "gpu-train-step: a GPT sized for an 80 GB GPU");
+  app.add_option("--gas", o.gas, "gpu-train-step: micro-batches per step")->check(CLI::PositiveNumber);
   app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
@@ -58,6 +63,14 @@ int main(int argc, char** argv) {
   }
   try {
     if (name == "train-step") return zinc::bench::bench_train_step(o);
+    if (name == "gpu-train-step") {
+#if defined(ZINC_BENCH_CUDA)
+      return zinc::bench::bench_gpu_train_step(o);
+#else
+      std::printf("gpu-train-step: skipped: zinc-bench was built without CUDA\n");
+      return 0;
+#endif
+    }
     if (name == "adamw") return zinc::bench::bench_adamw(o);
     if (name == "collectives") return zinc::bench::bench_collectives(o);
     if (name == "zero-memory") return zinc::bench::bench_zero_memory(o);
@@ -68,7 +81,7 @@ int main(int argc, char** argv) {
     if (name == "checkpoint") return zinc::bench::bench_checkpoint(o);
     if (name == "estimate") return zinc::bench::bench_estimate(o);
     if (name == "activation-checkpointing") return zinc::bench::bench_activation_checkpointing(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing)\n", name.c_str());
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, gpu-train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

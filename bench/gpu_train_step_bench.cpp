@@ -1,0 +1,133 @@
+// zinc-bench gpu-train-step: a ZeRO-Offload training step of the GPT on the
+// GPU ("device": "cuda", bf16, optimizer states in pinned host memory
+// updated by the CPU AdamW): model FLOP/s over cuBLAS's rate at the model's
+// matmul shapes, timed in the same rounds, and the share of the step spent
+// in the optimizer step (gradient norm, CPU AdamW) and in waiting for the
+// gradients' device-to-host copies; the parameter uploads are inside
+// forward. --large picks a GPT sized to fill an 80 GB GPU's compute rather
+// than the reference one. The peer (PyTorch on the same model) is
+// bench/torch_gpt_peer.py, run by bench/gpu_compare.sh in the same job.
+//
+// Has never run: no machine this project has used had a GPU (README, GPU).
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench/benches.h"
+#include "core/cuda_util.h"
+#include "core/device.h"
+#include "kernels/kernels_cuda.h"
+#include "tools/experiment.h"
+
+namespace zinc::bench {
+
+int bench_gpu_train_step(const BenchOptions& o) {
+  const CudaStatus& st = cuda_status();
+  if (st.devices == 0) {
+    std::printf("gpu-train-step: skipped: %s\n", st.summary().c_str());
+    return 0;
+  }
+  int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
+  if (o.large) {
+    B = 8;
+    T = 1024;
+    C = 1024;
+    H = 16;
+    L = 24;
+    V = 50304;
+  }
+  const int64_t gas = o.gas;
+  nlohmann::json doc = {
+      {"train_micro_batch_size_per_gpu", B},
+      {"gradient_accumulation_steps", gas},
+      {"gradient_clipping", 1.0},
+      {"steps_per_print", 1000000},
+      {"device", "cuda"},
+      {"bf16", {{"enabled", true}}},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
+      {"zero_optimization", {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}},
+      {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}, {"block_size", T}}},
+      {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
+  };
+  tools::Experiment ex = tools::build_experiment(doc, 1);
+  Engine engine = Engine::initialize(ex.model, ex.config);
+  DataLoader loader(ex.data, B, gas, 1, 0, 1);
+
+  // cuBLAS at the model's shapes, bf16 operands, fp32 accumulation.
+  std::vector<kernels::MatmulDesc> descs = gpt_matmul_descs(B, T, C, H, L, V, DType::kBF16);
+  size_t max_a = 0, max_b = 0, max_c = 0;
+  double mm_flops = 0;
+  for (const kernels::MatmulDesc& d : descs) {
+    max_a = std::max<size_t>(max_a, static_cast<size_t>(d.batch * d.M * d.K));
+    max_b = std::max<size_t>(max_b, static_cast<size_t>(d.batch * d.K * d.N));
+    max_c = std::max<size_t>(max_c, static_cast<size_t>(d.batch * d.M * d.N));
+    mm_flops += 2.0 * static_cast<double>(d.batch * d.M * d.N * d.K);
+  }
+  cuda::DeviceBuffer a(max_a * 2), b(max_b * 2), c(max_c * 4);
+  ZINC_CUDA_CHECK(cudaMemset(a.data(), 0, a.bytes()), "bench operands");
+  ZINC_CUDA_CHECK(cudaMemset(b.data(), 0, b.bytes()), "bench operands");
+  auto run_matmuls = [&] {
+    for (const kernels::MatmulDesc& d : descs)
+      kernels::cuda::matmul(d, {a.data(), DType::kBF16}, {b.data(), DType::kBF16}, c.as<float>(), nullptr);
+    ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "bench matmuls");
+  };
+
+  run_matmuls();
+  engine.train_batch(loader);
+  engine.train_batch(loader);
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s;
+  for (int r = 0; r < o.rounds; ++r) {
+    double t0 = now_s();
+    run_matmuls();
+    mm_s.push_back(now_s() - t0);
+    StepTimings before = engine.timings();
+    t0 = now_s();
+    for (int s = 0; s < o.steps; ++s) engine.train_batch(loader);
+    step_s.push_back((now_s() - t0) / o.steps);
+    StepTimings after = engine.timings();
+    fwd_s.push_back((after.forward_s - before.forward_s) / o.steps);
+    bwd_s.push_back((after.backward_s - before.backward_s) / o.steps);
+    opt_s.push_back((after.step_s - before.step_s) / o.steps);
+  }
+  const double t_step = median(step_s), t_mm = median(mm_s);
+  const double tokens = static_cast<double>(B * T * gas);
+  const double tokens_per_s = tokens / t_step;
+  const double model_flops = ex.model->flops_per_token(T) * tokens_per_s;
+  const double bound = mm_flops / t_mm;  // one micro-batch's matmuls
+  int dev = 0;
+  cudaDeviceProp prop{};
+  ZINC_CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
+  ZINC_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  nlohmann::json line = {{"bench", "gpu-train-step"},
+                         {"case", o.large ? "large" : "reference"},
+                         {"gpu", prop.name},
+                         {"figure", model_flops / 1e12},
+                         {"unit", "TFLOP/s"},
+                         {"bound", bound / 1e12},
+                         {"ratio", model_flops / bound},
+                         {"tokens_per_s", tokens_per_s},
+                         {"step_s", t_step},
+                         {"forward_s", median(fwd_s)},
+                         {"backward_s", median(bwd_s)},
+                         {"optimizer_s", median(opt_s)},
+                         {"optimizer_share", median(opt_s) / t_step},
+                         {"gradient_accumulation_steps", gas},
+                         {"params", engine.num_parameters()}};
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "gpu-train-step (%s: %s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %lld micro-batches, ZeRO-Offload)\n"
+                "  figure: %.1f TFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
+                "  bound:  %.1f TFLOP/s cuBLAS bf16 at the model's shapes\n"
+                "  ratio:  %.3f\n"
+                "  step:   forward %.3f s | backward (with the gradient copies) %.3f s | CPU optimizer step %.3f s "
+                "(%.0f%% of the step)",
+                o.large ? "large" : "reference", prop.name, (long long)L, (long long)C, (long long)H, (long long)T,
+                (long long)B, (long long)V, (long long)gas, model_flops / 1e12, tokens_per_s, t_step, bound / 1e12,
+                model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step);
+  emit(o.json, line, buf);
+  return 0;
+}
+
+}  // namespace zinc::bench

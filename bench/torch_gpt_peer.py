@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""The peer of zinc-bench gpu-train-step: the same GPT trained by PyTorch.
+
+Same architecture as zinc's built-in GPT (learned token and position
+embeddings, pre-LayerNorm blocks with causal attention and a 4x tanh-GELU
+MLP, final LayerNorm, head tied to the token embedding), the same sizes,
+batch and accumulation, bf16 autocast with fp32 master weights, AdamW
+(lr 3e-4, weight decay 0.1, clipping 1.0). Prints tokens/s and model FLOP/s
+with zinc's FLOP count (6 x matmul parameters + attention), one JSON line
+with --json. With --offload the optimizer runs on the CPU over fp32 copies,
+as zinc's ZeRO-Offload does; without it the optimizer runs on the device
+(PyTorch's usual setup, the faster peer where the states fit).
+
+  python3 bench/torch_gpt_peer.py [--large] [--gas 4] [--rounds 5] [--steps 3] [--device cuda] [--json]
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, C, H):
+        super().__init__()
+        self.H = H
+        self.ln_1 = nn.LayerNorm(C)
+        self.c_attn = nn.Linear(C, 3 * C)
+        self.c_proj = nn.Linear(C, C)
+        self.ln_2 = nn.LayerNorm(C)
+        self.c_fc = nn.Linear(C, 4 * C)
+        self.mlp_proj = nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, V, T, C, H, L):
+        super().__init__()
+        self.wte = nn.Embedding(V, C)
+        self.wpe = nn.Embedding(T, C)
+        self.h = nn.ModuleList(Block(C, H) for _ in range(L))
+        self.ln_f = nn.LayerNorm(C)
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for b in self.h:
+            x = b(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--large", action="store_true")
+    ap.add_argument("--gas", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--offload", action="store_true", help="AdamW on the CPU over fp32 copies (ZeRO-Offload's split)")
+    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script on a CPU")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    B, T, C, H, L, V = (8, 1024, 1024, 16, 24, 50304) if a.large else (8, 256, 384, 6, 6, 256)
+    if a.tiny:
+        B, T, C, H, L, V = 2, 32, 64, 4, 2, 64
+    dev = torch.device(a.device)
+    torch.manual_seed(0)
+    model = GPT(V, T, C, H, L).to(dev)
+    if a.offload:
+        master = [p.detach().to("cpu", copy=True).float() for p in model.parameters()]
+        for m in master:
+            m.grad = torch.zeros_like(m)
+        opt = torch.optim.AdamW(master, lr=3e-4, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                                fused=dev.type == "cuda")
+    amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def step():
+        for _ in range(a.gas):
+            idx = torch.randint(0, V, (B, T + 1), generator=g).to(dev)
+            with amp:
+                loss = model(idx[:, :-1], idx[:, 1:]) / a.gas
+            loss.backward()
+        params = list(model.parameters())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if a.offload:
+            for p, m in zip(params, master):
+                m.grad.copy_(p.grad, non_blocking=False)
+            opt.step()
+            for p, m in zip(params, master):
+                p.data.copy_(m, non_blocking=False)
+        else:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    step()
+    times = []
+    for _ in range(a.rounds):
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        times.append((time.perf_counter() - t0) / a.steps)
+    t = sorted(times)[len(times) // 2]
+    tokens_per_s = B * T * a.gas / t
+    matmul_params = L * 12 * C * C + V * C
+    flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
+    line = {"bench": "torch-gpt-peer", "case": "large" if a.large else ("tiny" if a.tiny else "reference"),
+            "device": str(dev) + (" " + torch.cuda.get_device_name() if dev.type == "cuda" else ""),
+            "torch": torch.__version__, "offload": a.offload, "tokens_per_s": tokens_per_s,
+            "model_tflops": flops_per_token * tokens_per_s / 1e12, "step_s": t,
+            "gradient_accumulation_steps": a.gas}
+    if a.json:
+        print(json.dumps(line))
+    else:
+        print(f"torch-gpt-peer ({line['case']}, {line['device']}, torch {torch.__version__}, "
+              f"optimizer on {'cpu' if a.offload else a.device}): {tokens_per_s:.0f} tokens/s, "
+              f"{line['model_tflops']:.2f} TFLOP/s model FLOPs, {t:.3f} s/step")
+
+
+if __name__ == "__main__":
+    main()
