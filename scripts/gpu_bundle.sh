@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Packs what a GPU machine without this project's Debian packages needs to
+# run zinc's GPU tests and benchmarks: the GPU test binaries, zinc-train and
+# zinc-bench from BUILD (a CUDA build: scripts/setup.sh where nvcc is found),
+# the shared libraries they load that are not part of the C runtime or the
+# CUDA toolkit (oneDNN, Open MPI's libraries, liburing, ...), the configs, the
+# PyTorch peer, and run.sh, which runs all of it with the libraries found
+# beside it; then OUT.tar.xz of it (about 11 MB: the folder is near 60 MB,
+# too close to the 64 MiB a device machine's working tree may carry).
+#   bash scripts/gpu_bundle.sh BUILD OUT      # e.g. build gpu-bundle
+#   tar -xJf OUT.tar.xz && bash OUT/run.sh [RESULTS_DIR]   # on the GPU machine
+# The multi-rank NCCL tests need mpirun and Open MPI's plugins and are left
+# out; nccl_test np 1 runs (MPI as a singleton).
+set -euo pipefail
+build="${1:?usage: scripts/gpu_bundle.sh BUILD OUT}"
+out="${2:?usage: scripts/gpu_bundle.sh BUILD OUT}"
+cd "$(dirname "$0")/.."
+for t in tests/cuda_kernels_test tests/cuda_optim_test tests/cuda_engine_test bench/zinc-bench tools/zinc-train; do
+  [ -x "$build/$t" ] || { echo "gpu_bundle: $build/$t is missing: build with CUDA first (scripts/setup.sh)" >&2; exit 1; }
+done
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib" "$out/configs" "$out/bench"
+bins=(tests/cuda_kernels_test tests/cuda_optim_test tests/cuda_engine_test bench/zinc-bench tools/zinc-train)
+[ -x "$build/tests/nccl_test" ] && bins+=(tests/nccl_test)
+for t in "${bins[@]}"; do cp "$build/$t" "$out/bin/"; done
+# Every library a binary loads, less the C runtime, the compiler's runtime
+# and anything of the CUDA toolkit or driver (the GPU machine has its own).
+for b in "$out"/bin/*; do
+  ldd "$b" | awk '/=> \//{print $3}'
+done | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|libcuda*|libnvidia*|libnccl*|libcublas*) ;;
+    *) cp -L "$lib" "$out/lib/" ;;
+  esac
+done
+cp configs/*.json "$out/configs/"
+cp bench/torch_gpt_peer.py bench/gpu_compare.sh "$out/bench/"
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# zinc's GPU checks on a machine with a GPU: the GPU tests, a ZeRO-Offload
+# training run, and the benchmarks with the PyTorch peer. Results go to
+# stdout and, with an argument, into that folder.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+res="${1:-}"
+[ -n "$res" ] && mkdir -p "$res"
+nvidia-smi -L || true
+rc=0
+for t in cuda_kernels_test cuda_optim_test cuda_engine_test; do
+  echo "== $t"
+  "$here/bin/$t" ${res:+--gtest_output=xml:$res/$t.xml} || rc=1
+done
+if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; "$here/bin/nccl_test" || rc=1; fi
+echo "== zinc-train, ZeRO-Offload on the GPU"
+"$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
+  --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
+echo "== benchmarks"
+ZINC_BENCH="$here/bin/zinc-bench"
+"$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
+python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}
+python3 "$here/bench/torch_gpt_peer.py" --json --large --offload | tee -a ${res:+$res/torch-peer.jsonl}
+python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torch-peer.jsonl}
+exit $rc
+RUN
+chmod +x "$out/run.sh"
+strip --strip-unneeded "$out"/bin/* 2>/dev/null || true
+tar -cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")"
+echo "gpu_bundle: $(du -sh "$out" | cut -f1) in $out, $(du -sh "$out.tar.xz" | cut -f1) in $out.tar.xz"
