@@ -866,13 +866,18 @@ void parse_device(Reader& r, Config& c) {
 
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
-// optimizer) at stages 0-2.
+// optimizer) at stages 0-2, and on one rank AdamW over GPU-resident states.
 void check_device(const Config& c) {
   if (c.device != Device::kCuda) return;
-  if (c.zero.offload_optimizer.device == OffloadDevice::kNone)
+  if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.world_size > 1)
     throw ConfigError("zero_optimization.offload_optimizer.device",
-                      "with \"device\": \"cuda\" zinc trains with ZeRO-Offload: set it to \"cpu\" or \"nvme\" "
-                      "(GPU-resident optimizer states are not in the engine yet)");
+                      "\"none\" (optimizer states on the GPU) with \"device\": \"cuda\" runs on one rank only "
+                      "(the reduction of GPU gradients over NCCL is not in the engine yet); with " +
+                          std::to_string(c.world_size) + " ranks set it to \"cpu\" or \"nvme\" (ZeRO-Offload)");
+  if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.optimizer.type == OptimizerType::kLamb)
+    throw ConfigError("optimizer.type",
+                      "Lamb over GPU-resident states is not implemented; with \"device\": \"cuda\" use AdamW, "
+                      "or Lamb with zero_optimization.offload_optimizer.device \"cpu\"");
   if (c.zero.stage >= 3)
     throw ConfigError("zero_optimization.stage",
                       "stage 3 does not run on the GPU yet (\"device\": \"cuda\" covers stages 0-2)");

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "optim/optim.h"
 
 namespace zinc {
 
@@ -39,6 +40,25 @@ class DeviceMirror {
   virtual bool grads_copied(int block) = 0;
   // Waits for the copy and writes the block's gradients into `host` (padded fp32).
   virtual void finish_grads_copy(int block, float* host) = 0;
+  // ---- GPU-resident optimizer states (offload_optimizer "none" with
+  // "device": "cuda", one rank): fp32 master weights, m and v per block in
+  // GPU memory, updated by optim::adam_step_cuda, which writes the compute
+  // parameters in the same pass. ----
+  virtual void enable_states() = 0;
+  virtual bool has_states() const = 0;
+  // Elements [offset, offset + count) of a block's states from / to host
+  // memory (synchronous; m or v may be null to skip them).
+  virtual void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
+                             const float* v) = 0;
+  virtual void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) = 0;
+  // Sum of squares of every block's GPU gradient accumulator, blocks in
+  // order, each in kernels::squared_norm's order (waits for the result).
+  virtual double grad_squared_norm() = 0;
+  // One AdamW step of a block over its GPU states and accumulator.
+  virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) = 0;
+  // Zeroes every GPU gradient accumulator (after a step).
+  virtual void zero_grads() = 0;
+
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;
   // Bytes of GPU memory and of pinned host memory the mirror holds.

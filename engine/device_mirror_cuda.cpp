@@ -3,11 +3,14 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/cuda_util.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "engine/device_mirror.h"
+#include "kernels/kernels_cuda.h"
+#include "optim/optim_cuda.h"
 
 namespace zinc {
 namespace {
@@ -69,6 +72,67 @@ class CudaMirror final : public DeviceMirror {
     std::memcpy(host, k.staging.data(), k.staging.bytes());
   }
 
+  void enable_states() override {
+    for (Block& k : blocks_) {
+      const size_t bytes = static_cast<size_t>(k.numel) * sizeof(float);
+      for (cuda::DeviceBuffer* b : {&k.master, &k.m, &k.v}) {
+        *b = cuda::DeviceBuffer(bytes);
+        ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
+      }
+      device_bytes_ += static_cast<int64_t>(3 * bytes);
+    }
+    norms_ = cuda::DeviceBuffer(blocks_.size() * sizeof(double));
+    states_ = true;
+  }
+  bool has_states() const override { return states_; }
+
+  void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
+                     const float* v) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    const size_t at = static_cast<size_t>(offset) * sizeof(float), bytes = static_cast<size_t>(count) * sizeof(float);
+    if (master) cuda::copy_to_device(k.master.as<char>() + at, master, bytes);
+    if (m) cuda::copy_to_device(k.m.as<char>() + at, m, bytes);
+    if (v) cuda::copy_to_device(k.v.as<char>() + at, v, bytes);
+  }
+
+  void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) override {
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize before reading the GPU optimizer states");
+    Block& k = blocks_[static_cast<size_t>(block)];
+    const size_t at = static_cast<size_t>(offset) * sizeof(float), bytes = static_cast<size_t>(count) * sizeof(float);
+    if (master) cuda::copy_to_host(master, k.master.as<char>() + at, bytes);
+    if (m) cuda::copy_to_host(m, k.m.as<char>() + at, bytes);
+    if (v) cuda::copy_to_host(v, k.v.as<char>() + at, bytes);
+  }
+
+  double grad_squared_norm() override {
+    for (size_t b = 0; b < blocks_.size(); ++b)
+      kernels::cuda::squared_norm(blocks_[b].grads.as<float>(), blocks_[b].numel, norms_.as<double>() + b, kCompute);
+    std::vector<double> host(blocks_.size());
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                                    kCompute),
+                    "copy of the gradient norms");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
+    double s = 0;
+    for (double x : host) s += x;
+    return s;
+  }
+
+  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    const bool half = is_16bit(compute_);
+    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), k.grads.data(), DType::kF32, k.m.as<float>(),
+                          k.v.as<float>(), half ? k.params.data() : nullptr, compute_, k.numel, kCompute);
+    if (!half)
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), k.master.data(), k.params.bytes(), cudaMemcpyDeviceToDevice,
+                                      kCompute),
+                      "copy of the updated fp32 weights");
+  }
+
+  void zero_grads() override {
+    for (Block& k : blocks_)
+      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), kCompute), "zeroing the GPU gradients");
+  }
+
   void synchronize() override {
     copy_.synchronize("synchronize the gradient copies");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize the compute stream");
@@ -81,6 +145,7 @@ class CudaMirror final : public DeviceMirror {
   struct Block {
     int64_t numel = 0;
     cuda::DeviceBuffer params, grads;
+    cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
     cuda::PinnedBuffer staging;
     std::unique_ptr<cuda::Event> produced, copied;
     bool copy_pending = false;
@@ -88,6 +153,8 @@ class CudaMirror final : public DeviceMirror {
   DType compute_;
   cuda::Stream copy_;
   std::vector<Block> blocks_;
+  cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
+  bool states_ = false;
   int64_t device_bytes_ = 0, pinned_bytes_ = 0;
 };
 

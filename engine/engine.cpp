@@ -56,11 +56,17 @@
 //   copies have finished join the GradReducer's buckets in the order the
 //   model reported them (the same on every rank);
 // - step() is the CPU path's; every updated block is marked for upload.
+// With offload_optimizer "none" on one rank the states live on the GPU
+// instead (DeviceMirror::enable_states): gradients stay there, the norm is
+// kernels::cuda::squared_norm's, optim::adam_step_cuda updates master, m, v
+// and writes the compute parameters in place, and the host OptimizerState
+// is only refreshed for checkpoints and full_params. Its arithmetic is the
+// CPU AdamW's (optim/detail/adam_update.h), so without clipping the two
+// modes give the same weights.
 // Not yet: reductions on the GPU over NCCL (the NCCL communicator exists,
-// comm/nccl_communicator.cpp, but the GradReducer reduces host buffers),
-// GPU-resident optimizer states (optim_cuda.h has the AdamW; config refuses
-// offload_optimizer "none" with cuda), stage 3, and overlapping the uploads
-// with the CPU update sub-group by sub-group.
+// comm/nccl_communicator.cpp, but the GradReducer reduces host buffers, so
+// GPU-resident states are one-rank only), stage 3, and overlapping the
+// uploads with the CPU update sub-group by sub-group.
 
 namespace zinc {
 namespace {
@@ -246,6 +252,7 @@ struct Engine::Impl final : StepContext {
   // last step changed (upload at the next acquire), and the blocks whose
   // gradient copies are in flight, in the order the model reported them.
   std::unique_ptr<DeviceMirror> gpu;
+  bool gpu_states = false;  // offload_optimizer "none": master, m, v on the GPU (one rank)
   std::vector<char> gpu_stale;
   std::deque<int> gpu_copies;
   bool boundary_backward = false;
@@ -283,6 +290,15 @@ struct Engine::Impl final : StepContext {
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
       gpu = DeviceMirror::make(padded, dtype);
       gpu_stale.assign(blocks.size(), 1);
+      if (offload_device == OffloadDevice::kNone) {
+        // GPU-resident states: the initial master weights go up once; m
+        // and v start at zero there as here.
+        gpu_states = true;
+        gpu->enable_states();
+        for_each_host_span([&](const StateSpan& sp) {
+          gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, nullptr, nullptr);
+        });
+      }
     }
   }
 
@@ -427,13 +443,24 @@ struct Engine::Impl final : StepContext {
       throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                   " twice in one backward");
     s.grads_reported = true;
-    if (gpu && boundary_backward) {
+    if (gpu && boundary_backward && !gpu_states) {
       gpu->start_grads_copy(block);
       gpu_copies.push_back(block);
       hand_over_gpu_grads(/*wait=*/false);
       return;
     }
     reducer->ready(block);
+  }
+
+  // GPU-resident states (one rank, so every span is a whole block's from
+  // offset 0): the host OptimizerState is their copy for checkpoints and
+  // full_params, refreshed from the GPU before either reads it.
+  static int64_t state_offset(const StateSpan& sp) { return sp.offset; }
+  void for_each_host_span(const std::function<void(const StateSpan&)>& fn) { opt_state->for_each(fn); }
+  void states_to_host() {
+    opt_state->for_each([&](const StateSpan& sp) {
+      gpu->download_states(sp.block, state_offset(sp), sp.count, sp.master, sp.m, sp.v);
+    });
   }
 
   // Blocks whose gradient copies have finished (all of them with wait) go
@@ -523,8 +550,12 @@ struct Engine::Impl final : StepContext {
     reducer->wait_all();  // every reduction of this step
     // Own-shard squares and the loss, summed over ranks in one collective.
     double sums[2] = {0.0, loss_sum};
-    for (BlockShard& s : blocks)
-      sums[0] += optim::grad_squared_norm(reducer->reduced_shard(s), DType::kF32, s.part.shard_numel);
+    if (gpu_states) {
+      sums[0] = gpu->grad_squared_norm();
+    } else {
+      for (BlockShard& s : blocks)
+        sums[0] += optim::grad_squared_norm(reducer->reduced_shard(s), DType::kF32, s.part.shard_numel);
+    }
     if (reduce_stream) {
       reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
     }
@@ -549,12 +580,17 @@ struct Engine::Impl final : StepContext {
       lr = schedule.lr_at(optimizer_steps);
       set_hyperparameters(optimizer_steps);
       optimizer_steps += 1;
-      params->before_update();
-      update_all(grad_scale);
-      params->gather_after_step();
-      if (gpu) gpu_stale.assign(blocks.size(), 1);
+      if (gpu_states) {
+        for (size_t b = 0; b < blocks.size(); ++b) gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale);
+      } else {
+        params->before_update();
+        update_all(grad_scale);
+        params->gather_after_step();
+        if (gpu) gpu_stale.assign(blocks.size(), 1);
+      }
     }
     reducer->reset_after_step();
+    if (gpu_states) gpu->zero_grads();
     if (loss_scaling) scaler.update(overflow);
     last_loss = sums[1] / static_cast<double>(loss_count * world);
     loss_sum = 0;
@@ -735,6 +771,7 @@ struct Engine::Impl final : StepContext {
   void save_checkpoint(const std::string& dir, std::string tag, const nlohmann::json& client_state) {
     namespace fs = std::filesystem;
     check_between_batches("save_checkpoint");
+    if (gpu_states) states_to_host();
     if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
     ckpt::check_tag(tag);
     tag = agree_on_tag(tag);
@@ -864,6 +901,10 @@ struct Engine::Impl final : StepContext {
     }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
     params->gather_after_step();
     if (gpu) gpu_stale.assign(blocks.size(), 1);
+    if (gpu_states)
+      for_each_host_span([&](const StateSpan& sp) {
+        gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, sp.m, sp.v);
+      });
     const nlohmann::json& t = meta.at("training");
     global_steps = t.at("global_steps");
     micro_steps = t.at("micro_steps");
@@ -886,6 +927,7 @@ struct Engine::Impl final : StepContext {
 
   std::vector<float> full_params(int block) {
     BlockShard& s = state(block);
+    if (gpu_states) states_to_host();
     std::vector<float> own(static_cast<size_t>(s.opt_numel));
     opt_state->read_master(block, own.data());
     if (plan.optimizer_spans_block || world == 1) return own;

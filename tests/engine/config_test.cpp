@@ -862,10 +862,14 @@ TEST(ConfigDevice, CudaWithoutAGpuSaysWhy) {
     testing_config::expect_parts(e, {"built without CUDA"});
 }
 
-TEST(ConfigDevice, CudaNeedsZeroOffloadAndAStageBelow3) {
+TEST(ConfigDevice, CudaCoversZeroOffloadAndOneRankGpuStatesBelowStage3) {
   if (cuda_status().devices == 0) GTEST_SKIP() << "needs a GPU: " << cuda_status().why;
   auto err = [](const json& j) { return testing_config::error_of_parse([](const json& d) { Config::parse(d); }, j); };
-  testing_config::expect_parts(err(with({{"device", "cuda"}})), {"zero_optimization.offload_optimizer.device", "\"cpu\" or \"nvme\""});
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"}})).device, Device::kCuda);  // GPU-resident states, one rank
+  testing_config::expect_parts(
+      testing_config::error_of_parse([](const json& d) { Config::parse(d, 2); }, with({{"device", "cuda"}})),
+      {"zero_optimization.offload_optimizer.device", "one rank only"});
+  testing_config::expect_parts(err(with({{"device", "cuda"}, {"optimizer", {{"type", "Lamb"}}}})), {"optimizer.type", "Lamb"});
   testing_config::expect_parts(
       err(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}})),
       {"zero_optimization.stage", "stage 3"});
