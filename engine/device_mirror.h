@@ -30,12 +30,23 @@ class DeviceMirror {
   static std::unique_ptr<DeviceMirror> make(const std::vector<int64_t>& padded_numel, DType compute);
   virtual ~DeviceMirror() = default;
 
-  virtual const void* params(int block) const = 0;
+  // The block's GPU compute parameters, for the model's kernels: the compute
+  // stream first waits for an upload in flight (upload_params_async).
+  virtual const void* params(int block) = 0;
   // The block's GPU gradient accumulator; the compute stream first waits for
   // the copy and zeroing of the last boundary.
   virtual float* grads(int block) = 0;
   // Copies the block's host compute parameters (compute dtype, padded) to the GPU.
   virtual void upload_params(int block, const void* host) = 0;
+  // The same on the copy stream, overlapping whatever the host does next
+  // (ZeRO-Offload uploads block b while the CPU updates block b + 1). Truly
+  // asynchronous where `host` was registered (register_host).
+  virtual void upload_params_async(int block, const void* host) = 0;
+  // Waits until no upload reads host memory (before the host rewrites it).
+  virtual void wait_uploads() = 0;
+  // Page-locks [p, p + bytes) for asynchronous copies (cudaHostRegister)
+  // until the mirror goes.
+  virtual void register_host(void* p, size_t bytes) = 0;
   virtual void start_grads_copy(int block) = 0;
   virtual bool grads_copied(int block) = 0;
   // Waits for the copy and writes the block's gradients into `host` (padded fp32).

@@ -30,12 +30,46 @@ class CudaMirror final : public DeviceMirror {
       k.staging = cuda::PinnedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
       k.produced = std::make_unique<cuda::Event>();
       k.copied = std::make_unique<cuda::Event>();
+      k.uploaded = std::make_unique<cuda::Event>();
       device_bytes_ += static_cast<int64_t>(k.params.bytes() + k.grads.bytes());
       pinned_bytes_ += static_cast<int64_t>(k.staging.bytes());
     }
   }
 
-  const void* params(int block) const override { return blocks_[static_cast<size_t>(block)].params.data(); }
+  ~CudaMirror() override {
+    cudaDeviceSynchronize();  // nothing in flight reads what goes below
+    for (void* p : registered_) cudaHostUnregister(p);
+  }
+
+  const void* params(int block) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    if (k.upload_pending) {
+      k.uploaded->wait_on(kCompute);
+      k.upload_pending = false;
+    }
+    return k.params.data();
+  }
+
+  void upload_params_async(int block, const void* host) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    // After everything the compute stream has queued (the last backward
+    // still reads these parameters), then on the copy stream.
+    k.produced->record(kCompute);
+    k.produced->wait_on(copy_.get());
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), host, k.params.bytes(), cudaMemcpyHostToDevice, copy_.get()),
+                    ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    k.uploaded->record(copy_.get());
+    k.upload_pending = true;
+  }
+
+  void wait_uploads() override { copy_.synchronize("wait for the parameter uploads"); }
+
+  void register_host(void* p, size_t bytes) override {
+    if (!p || !bytes) return;
+    ZINC_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterDefault),
+                    ("page-locking " + std::to_string(bytes) + " bytes of host compute parameters").c_str());
+    registered_.push_back(p);
+  }
 
   float* grads(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
@@ -48,6 +82,10 @@ class CudaMirror final : public DeviceMirror {
 
   void upload_params(int block, const void* host) override {
     Block& k = blocks_[static_cast<size_t>(block)];
+    if (k.upload_pending) {  // an older upload must not land after this one
+      k.uploaded->wait_on(kCompute);
+      k.upload_pending = false;
+    }
     ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), host, k.params.bytes(), cudaMemcpyHostToDevice, kCompute),
                     ("upload of block " + std::to_string(block) + "'s parameters").c_str());
   }
@@ -147,13 +185,14 @@ class CudaMirror final : public DeviceMirror {
     cuda::DeviceBuffer params, grads;
     cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
     cuda::PinnedBuffer staging;
-    std::unique_ptr<cuda::Event> produced, copied;
-    bool copy_pending = false;
+    std::unique_ptr<cuda::Event> produced, copied, uploaded;
+    bool copy_pending = false, upload_pending = false;
   };
   DType compute_;
   cuda::Stream copy_;
   std::vector<Block> blocks_;
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
+  std::vector<void*> registered_;
   bool states_ = false;
   int64_t device_bytes_ = 0, pinned_bytes_ = 0;
 };

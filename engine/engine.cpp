@@ -290,6 +290,11 @@ struct Engine::Impl final : StepContext {
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
       gpu = DeviceMirror::make(padded, dtype);
       gpu_stale.assign(blocks.size(), 1);
+      // The host compute copies the CPU update writes are page-locked, so
+      // that each block's upload overlaps the update of the next.
+      if (offload_device != OffloadDevice::kNone)
+        for (BlockShard& s : blocks)
+          if (!s.compute.empty()) gpu->register_host(s.compute.data(), s.compute.bytes());
       if (offload_device == OffloadDevice::kNone) {
         // GPU-resident states: the initial master weights go up once; m
         // and v start at zero there as here.
@@ -583,10 +588,13 @@ struct Engine::Impl final : StepContext {
       if (gpu_states) {
         for (size_t b = 0; b < blocks.size(); ++b) gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale);
       } else {
+        if (gpu) {
+          gpu->wait_uploads();  // the last step's uploads have read the host copies
+          gpu_stale.assign(blocks.size(), 1);  // upload_after_update clears what it uploads
+        }
         params->before_update();
         update_all(grad_scale);
         params->gather_after_step();
-        if (gpu) gpu_stale.assign(blocks.size(), 1);
       }
     }
     reducer->reset_after_step();
@@ -703,14 +711,31 @@ struct Engine::Impl final : StepContext {
   // on NVMe need not be read first.
   void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false) {
     int last = -1;
+    auto finish = [&](int b) {
+      params->finish_update(b);
+      upload_after_update(b);
+    };
     auto visit = [&](const StateSpan& sp) {
-      if (sp.block != last && last >= 0) params->finish_update(last);
+      if (sp.block != last && last >= 0) finish(last);
       last = sp.block;
       fn(sp);
     };
     if (overwrite) opt_state->for_each_overwrite(visit);
     else opt_state->for_each(visit);
-    if (last >= 0) params->finish_update(last);
+    if (last >= 0) finish(last);
+  }
+
+  // ZeRO-Offload on the GPU: a block whose host compute copy is complete
+  // once its own update is (stage 0, or one rank: no all-gather to wait
+  // for) goes up at once, on the copy stream, while the CPU updates the
+  // next; otherwise the next acquire uploads it after the gather.
+  void upload_after_update(int b) {
+    if (!gpu || gpu_states || !(plan.optimizer_spans_block || world == 1)) return;
+    BlockShard& s = blocks[static_cast<size_t>(b)];
+    const void* host = !s.compute.empty() ? s.compute.data() : static_cast<const void*>(s.master_compute);
+    if (!host) return;
+    gpu->upload_params_async(b, host);
+    gpu_stale[static_cast<size_t>(b)] = 0;
   }
 
   // ---- checkpoints (Note [checkpoints] in engine/checkpoint.cpp) ---------------------
@@ -886,6 +911,7 @@ struct Engine::Impl final : StepContext {
                       " differs from this model's " + mine[b]["params"][p].dump());
     }
     ckpt::CheckpointReader reader(files.dir, files.ranks, names);
+    if (gpu) gpu->wait_uploads();
     params->before_update();
     std::vector<float> piece;
     visit_updating([&](const StateSpan& sp) {
