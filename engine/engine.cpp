@@ -55,7 +55,11 @@
 //   stream while backward goes on with earlier blocks, and blocks whose
 //   copies have finished join the GradReducer's buckets in the order the
 //   model reported them (the same on every rank);
-// - step() is the CPU path's; every updated block is marked for upload.
+// - step() is the CPU path's. At stage 0 or on one rank each block goes
+//   up on the copy stream as soon as its update is done, from the
+//   page-locked host compute copy, while the CPU updates the next block
+//   (upload_after_update); otherwise the next acquire uploads it once the
+//   all-gather has brought it.
 // With offload_optimizer "none" on one rank the states live on the GPU
 // instead (DeviceMirror::enable_states): gradients stay there, the norm is
 // kernels::cuda::squared_norm's, optim::adam_step_cuda updates master, m, v
@@ -65,8 +69,7 @@
 // modes give the same weights.
 // Not yet: reductions on the GPU over NCCL (the NCCL communicator exists,
 // comm/nccl_communicator.cpp, but the GradReducer reduces host buffers, so
-// GPU-resident states are one-rank only), stage 3, and overlapping the
-// uploads with the CPU update sub-group by sub-group.
+// GPU-resident states are one-rank only), and stage 3.
 
 namespace zinc {
 namespace {
