@@ -47,7 +47,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
       {"device", "cuda"},
       {"bf16", {{"enabled", true}}},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
-      {"zero_optimization", {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}},
+      {"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}},
       {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}, {"block_size", T}}},
       {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
   };

@@ -852,6 +852,9 @@ void parse_device(Reader& r, Config& c) {
     c.device = Device::kCpu;
   } else if (d == "auto") {
     c.device = cuda_status().devices > 0 ? Device::kCuda : Device::kCpu;
+  } else if (d == "cuda" && gpu_emulated()) {
+    r.warn("device", "\"cuda\" is emulated on the CPU (ZINC_EMULATE_GPU=1: a test of the GPU path's engine logic)");
+    c.device = Device::kCuda;
   } else if (d == "cuda") {
     const CudaStatus& st = cuda_status();
     if (!st.built)

@@ -1,12 +1,113 @@
-// DeviceMirror without CUDA: nothing to mirror onto.
-#include "engine/device_mirror.h"
+// The host-memory DeviceMirror of ZINC_EMULATE_GPU (core/device.h), and
+// DeviceMirror::make without CUDA. The "GPU" buffers are host memory, the
+// copies memcpy, the GPU-resident AdamW optim::adam_step, the norm
+// kernels::squared_norm (whose order the GPU's follows): the engine's GPU
+// path runs end to end on the CPU, every step as the GPU would order it.
+#include <cstring>
+#include <vector>
 
+#include "core/alloc.h"
+#include "core/device.h"
 #include "core/error.h"
+#include "engine/device_mirror.h"
+#include "kernels/kernels.h"
 
 namespace zinc {
+namespace {
 
-std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>&, DType) {
+class HostMirror final : public DeviceMirror {
+ public:
+  HostMirror(const std::vector<int64_t>& padded, DType compute) : compute_(compute) {
+    for (int64_t n : padded) {
+      Block k;
+      k.numel = n;
+      k.params = AlignedBuffer(static_cast<size_t>(n) * dtype_bytes(compute));
+      k.grads = AlignedBuffer(static_cast<size_t>(n) * sizeof(float));
+      blocks_.push_back(std::move(k));
+    }
+  }
+  const void* params(int block) override { return b(block).params.data(); }
+  float* grads(int block) override { return b(block).grads.as<float>(); }
+  void upload_params(int block, const void* host) override {
+    std::memcpy(b(block).params.data(), host, b(block).params.bytes());
+  }
+  void upload_params_async(int block, const void* host) override { upload_params(block, host); }
+  void wait_uploads() override {}
+  void register_host(void*, size_t) override {}
+  void start_grads_copy(int block) override { b(block).copied = true; }
+  bool grads_copied(int block) override { return b(block).copied; }
+  void finish_grads_copy(int block, float* host) override {
+    Block& k = b(block);
+    ZINC_CHECK(k.copied, "finish_grads_copy without start_grads_copy");
+    std::memcpy(host, k.grads.data(), k.grads.bytes());
+    std::memset(k.grads.data(), 0, k.grads.bytes());  // as the GPU zeroes after its copy
+    k.copied = false;
+  }
+  void enable_states() override {
+    for (Block& k : blocks_)
+      for (AlignedBuffer* a : {&k.master, &k.m, &k.v}) *a = AlignedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
+    states_ = true;
+  }
+  bool has_states() const override { return states_; }
+  void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
+                     const float* v) override {
+    Block& k = b(block);
+    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+    if (master) std::memcpy(k.master.as<float>() + offset, master, bytes);
+    if (m) std::memcpy(k.m.as<float>() + offset, m, bytes);
+    if (v) std::memcpy(k.v.as<float>() + offset, v, bytes);
+  }
+  void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) override {
+    Block& k = b(block);
+    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+    if (master) std::memcpy(master, k.master.as<float>() + offset, bytes);
+    if (m) std::memcpy(m, k.m.as<float>() + offset, bytes);
+    if (v) std::memcpy(v, k.v.as<float>() + offset, bytes);
+  }
+  double grad_squared_norm() override {
+    double s = 0;
+    for (Block& k : blocks_) s += kernels::squared_norm(k.grads.as<float>(), k.numel);
+    return s;
+  }
+  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
+    Block& k = b(block);
+    bf16* out = compute_ == DType::kBF16 ? k.params.as<bf16>() : nullptr;
+    optim::adam_step(p, step, grad_scale,
+                     optim::AdamSpan{k.master.as<float>(), k.grads.data(), DType::kF32, k.m.as<float>(),
+                                     k.v.as<float>(), out, k.numel});
+    if (compute_ != DType::kBF16)
+      convert_f32_to_16(k.master.as<float>(), k.params.data(), static_cast<size_t>(k.numel), compute_);
+  }
+  void zero_grads() override {
+    for (Block& k : blocks_) std::memset(k.grads.data(), 0, k.grads.bytes());
+  }
+  void synchronize() override {}
+  int64_t device_bytes() const override { return 0; }
+  int64_t pinned_bytes() const override { return 0; }
+
+ private:
+  struct Block {
+    int64_t numel = 0;
+    AlignedBuffer params, grads, master, m, v;
+    bool copied = false;
+  };
+  Block& b(int block) { return blocks_[static_cast<size_t>(block)]; }
+  DType compute_;
+  std::vector<Block> blocks_;
+  bool states_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute) {
+  return std::make_unique<HostMirror>(padded_numel, compute);
+}
+
+#if !defined(ZINC_WITH_CUDA)
+std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>& padded_numel, DType compute) {
+  if (gpu_emulated()) return make_host_mirror(padded_numel, compute);
   throw Error("device \"cuda\": zinc was built without CUDA");
 }
+#endif
 
 }  // namespace zinc

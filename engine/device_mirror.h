@@ -12,7 +12,8 @@
 //   accumulator for the next global batch; grads_copied / finish_grads_copy
 //   hand them to the host buffer.
 // No CUDA type appears here: the implementation is device_mirror_cuda.cpp in
-// CUDA builds, else make() throws.
+// CUDA builds, else make() throws; device_mirror.cpp has a host-memory one
+// for ZINC_EMULATE_GPU.
 #pragma once
 
 #include <cstdint>
@@ -76,5 +77,9 @@ class DeviceMirror {
   virtual int64_t device_bytes() const = 0;
   virtual int64_t pinned_bytes() const = 0;
 };
+
+// The host-memory mirror of ZINC_EMULATE_GPU (core/device.h); make()
+// returns it when the emulation is on.
+std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute);
 
 }  // namespace zinc

@@ -200,6 +200,7 @@ class CudaMirror final : public DeviceMirror {
 }  // namespace
 
 std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>& padded_numel, DType compute) {
+  if (gpu_emulated()) return make_host_mirror(padded_numel, compute);
   if (cuda_status().devices == 0) throw Error("device \"cuda\": no GPU is visible (" + cuda_status().why + ")");
   return std::make_unique<CudaMirror>(padded_numel, compute);
 }

@@ -2,13 +2,14 @@
 #include <cstring>
 #include <string>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "models/detail/ops.h"
 
 namespace zinc::models::detail {
 namespace {
 
-class CpuOps final : public Ops {
+class CpuOps : public Ops {
  public:
   Device device() const override { return Device::kCpu; }
   Buf alloc(size_t bytes) override { return Buf(AlignedBuffer(bytes)); }
@@ -68,10 +69,21 @@ class CpuOps final : public Ops {
   }
 };
 
+// ZINC_EMULATE_GPU (core/device.h): the CPU's kernels under the name "cuda".
+class EmulatedCudaOps final : public CpuOps {
+ public:
+  Device device() const override { return Device::kCuda; }
+};
+
 }  // namespace
 
 Ops& cpu_ops() {
   static CpuOps ops;
+  return ops;
+}
+
+Ops& emulated_cuda_ops() {
+  static EmulatedCudaOps ops;
   return ops;
 }
 
@@ -81,6 +93,9 @@ Ops& cuda_ops() {
 }
 #endif
 
-Ops& ops_for(Device d) { return d == Device::kCuda ? cuda_ops() : cpu_ops(); }
+Ops& ops_for(Device d) {
+  if (d == Device::kCpu) return cpu_ops();
+  return gpu_emulated() ? emulated_cuda_ops() : cuda_ops();
+}
 
 }  // namespace zinc::models::detail

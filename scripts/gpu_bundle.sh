@@ -55,7 +55,7 @@ done
 if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; "$here/bin/nccl_test" || rc=1; fi
 echo "== zinc-train, ZeRO-Offload on the GPU"
 "$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
-  --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
+  --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
 echo "== benchmarks"
 ZINC_BENCH="$here/bin/zinc-bench"
 "$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}

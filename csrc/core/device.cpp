@@ -1,5 +1,7 @@
 #include "core/device.h"
 
+#include <cstdlib>
+
 #if defined(ZINC_WITH_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -33,6 +35,11 @@ CudaStatus probe() {
   return s;
 }
 }  // namespace
+
+bool gpu_emulated() {
+  const char* e = std::getenv("ZINC_EMULATE_GPU");
+  return e && std::string(e) == "1";
+}
 
 const CudaStatus& cuda_status() {
   static const CudaStatus s = probe();

@@ -69,7 +69,7 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
 // part by rounding only: every loss within 1e-3 relative after 30 steps.
 TEST(CudaEngine, Fp32TrainsLikeTheCpu) {
   ZINC_REQUIRE_GPU();
-  for (int stage : {0, 2})
+  for (int stage : {1, 2})
     for (int gas : {1, 2}) {
       const TrainRun cpu = train("cpu", "fp32", stage, gas, 30), gpu = train("cuda", "fp32", stage, gas, 30);
       for (size_t i = 0; i < cpu.losses.size(); ++i)
@@ -109,15 +109,15 @@ TEST(CudaEngine, ZeroOffloadEqualsGpuResidentAdamWBitForBit) {
   if (optim::detect_isa() == optim::Isa::kScalar) GTEST_SKIP() << "the CPU AdamW has no FMA path here";
   for (const char* prec : {"fp32", "bf16"})
     for (int gas : {1, 2}) {
-      const TrainRun off = train("cuda", prec, 0, gas, 20, "cpu", 0.0);
-      const TrainRun gpu = train("cuda", prec, 0, gas, 20, "none", 0.0);
+      const TrainRun off = train("cuda", prec, 1, gas, 20, "cpu", 0.0);
+      const TrainRun gpu = train("cuda", prec, 1, gas, 20, "none", 0.0);
       ASSERT_EQ(off.weights.size(), gpu.weights.size());
       EXPECT_EQ(0, std::memcmp(off.weights.data(), gpu.weights.data(), off.weights.size() * 4))
           << prec << " gas " << gas;
       for (size_t i = 0; i < off.losses.size(); ++i) EXPECT_EQ(off.losses[i], gpu.losses[i]) << "step " << i;
       // With clipping the coefficient may differ in its last bit: close, not equal.
-      const TrainRun offc = train("cuda", prec, 0, gas, 20, "cpu", 1.0);
-      const TrainRun gpuc = train("cuda", prec, 0, gas, 20, "none", 1.0);
+      const TrainRun offc = train("cuda", prec, 1, gas, 20, "cpu", 1.0);
+      const TrainRun gpuc = train("cuda", prec, 1, gas, 20, "none", 1.0);
       for (size_t i = 0; i < offc.weights.size(); ++i)
         ASSERT_NEAR(offc.weights[i], gpuc.weights[i], 1e-5 + 1e-4 * std::fabs(offc.weights[i])) << i;
     }
@@ -128,8 +128,8 @@ TEST(CudaEngine, GpuResidentStatesResumeBitForBit) {
   ZINC_REQUIRE_GPU();
   char tmpl[] = "/tmp/zinc_cuda_ckpt_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  const TrainRun straight = train("cuda", "bf16", 0, 1, 12, "none");
-  const TrainRun resumed = train("cuda", "bf16", 0, 1, 12, "none", 1.0, dir, 6);
+  const TrainRun straight = train("cuda", "bf16", 1, 1, 12, "none");
+  const TrainRun resumed = train("cuda", "bf16", 1, 1, 12, "none", 1.0, dir, 6);
   EXPECT_EQ(0, std::memcmp(straight.weights.data(), resumed.weights.data(), straight.weights.size() * 4));
   std::filesystem::remove_all(dir);
 }

@@ -1,0 +1,180 @@
+// The GPU path's engine logic (Note [the GPU path] in engine/engine.cpp) on
+// the CPU, through ZINC_EMULATE_GPU (core/device.h): the GPT's kernels are the
+// CPU's, the "GPU" buffers host memory, the copies memcpy. The uploads, the
+// gradient hand-over at accumulation boundaries, GPU-resident states and
+// their checkpoints then run exactly as on a GPU, and must give the CPU
+// path's results bit for bit where the arithmetic is the same. No CUDA code
+// runs here (tests/cuda has the GPU's own tests).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "data/data.h"
+#include "engine/engine.h"
+#include "models/models.h"
+
+namespace zinc {
+namespace {
+
+class GpuEmulation : public ::testing::Test {
+ protected:
+  void SetUp() override { setenv("ZINC_EMULATE_GPU", "1", 1); }
+  void TearDown() override { unsetenv("ZINC_EMULATE_GPU"); }
+};
+
+struct TrainRun {
+  std::vector<float> losses;
+  std::vector<double> norms;
+  std::vector<std::vector<float>> weights;  // every block's master weights at the end
+};
+
+struct Case {
+  std::string device = "cpu", precision = "fp32", offload = "cpu";
+  int stage = 1, gas = 1, steps = 8;  // optimizer offload needs stage >= 1
+  double clipping = 1.0;
+  std::string ckpt_dir;  // with resume_at: save there at that step and continue in a new engine
+  int resume_at = -1;
+};
+
+TrainRun train(const Case& c) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
+                        {"gradient_accumulation_steps", c.gas},
+                        {"gradient_clipping", c.clipping},
+                        {"device", c.device},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
+                        {"zero_optimization", {{"stage", c.stage}, {"offload_optimizer", {{"device", c.offload}}}}}};
+  if (c.precision == "bf16") cfg["bf16"] = {{"enabled", true}};
+  if (c.precision == "fp16") cfg["fp16"] = {{"enabled", true}};
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 16;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 32;
+  g.device = c.device == "cuda" ? Device::kCuda : Device::kCpu;
+  std::shared_ptr<Model> model = models::make_gpt(g);
+  Engine e = Engine::initialize(model, cfg);
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  dc.determinism = 0.9;
+  DataLoader loader(make_data_source(dc), 4, c.gas, 1, 0, 7);
+  TrainRun r;
+  for (int s = 0; s < c.steps; ++s) {
+    if (s == c.resume_at) {
+      e.save_checkpoint(c.ckpt_dir, "t");
+      std::shared_ptr<Model> m2 = models::make_gpt(g);
+      Engine e2 = Engine::initialize(m2, cfg);
+      e2.load_checkpoint(c.ckpt_dir, "t");
+      e = std::move(e2);
+      model = m2;
+    }
+    r.losses.push_back(e.train_batch(loader));
+    r.norms.push_back(e.global_grad_norm());
+  }
+  for (size_t b = 0; b < model->blocks().size(); ++b) r.weights.push_back(e.full_params(static_cast<int>(b)));
+  return r;
+}
+
+void expect_same(const TrainRun& a, const TrainRun& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << " loss at step " << i;
+  ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
+  for (size_t k = 0; k < a.weights.size(); ++k)
+    EXPECT_EQ(0, std::memcmp(a.weights[k].data(), b.weights[k].data(), a.weights[k].size() * 4))
+        << what << " block " << k;
+}
+
+// ZeRO-Offload through the GPU path's engine logic equals the CPU path: the
+// gradients come back at the boundary, the CPU update runs, every block goes
+// up again.
+TEST_F(GpuEmulation, ZeroOffloadEqualsTheCpuPathBitForBit) {
+  for (const char* prec : {"fp32", "bf16", "fp16"})
+    for (int stage : {1, 2})
+      for (int gas : {1, 3}) {
+        Case cpu;
+        cpu.precision = prec;
+        cpu.stage = stage;
+        cpu.gas = gas;
+        Case gpu = cpu;
+        gpu.device = "cuda";
+        expect_same(train(cpu), train(gpu),
+                    std::string(prec) + " stage " + std::to_string(stage) + " gas " + std::to_string(gas));
+      }
+}
+
+// GPU-resident states: the gradients stay on the "GPU", the norm is summed
+// there (kernels::squared_norm's order), the update writes the compute
+// parameters in place. Without clipping the norm does not enter the update:
+// the CPU path's bits. With clipping: the CPU path's result up to the norm's
+// summation order.
+TEST_F(GpuEmulation, GpuResidentStatesEqualTheCpuPath) {
+  for (const char* prec : {"fp32", "bf16"})
+    for (int gas : {1, 2}) {
+      Case cpu;
+      cpu.precision = prec;
+      cpu.gas = gas;
+      cpu.offload = "none";
+      cpu.clipping = 0.0;
+      Case gpu = cpu;
+      gpu.device = "cuda";
+      expect_same(train(cpu), train(gpu), std::string(prec) + " gas " + std::to_string(gas) + " no clipping");
+      cpu.clipping = gpu.clipping = 0.05;  // clips every step
+      const TrainRun a = train(cpu), b = train(gpu);
+      for (size_t i = 0; i < a.norms.size(); ++i) EXPECT_NEAR(a.norms[i], b.norms[i], 1e-9 * a.norms[i]);
+      for (size_t k = 0; k < a.weights.size(); ++k)
+        for (size_t i = 0; i < a.weights[k].size(); ++i)
+          ASSERT_NEAR(a.weights[k][i], b.weights[k][i], 1e-6 + 1e-5 * std::fabs(a.weights[k][i]));
+    }
+}
+
+// A checkpoint of GPU-resident states, and of the ZeRO-Offload path, resumes
+// bit for bit (the host copy is refreshed before the save and the states go
+// back up after the load).
+TEST_F(GpuEmulation, CheckpointsResumeBitForBit) {
+  const std::string dir = (std::filesystem::temp_directory_path() / "zinc_gpu_emulation_ckpt").string();
+  for (const char* offload : {"none", "cpu"}) {
+    std::filesystem::remove_all(dir);
+    Case straight;
+    straight.device = "cuda";
+    straight.precision = "bf16";
+    straight.offload = offload;
+    straight.steps = 10;
+    Case resumed = straight;
+    resumed.ckpt_dir = dir;
+    resumed.resume_at = 5;
+    expect_same(train(straight), train(resumed), std::string("resume, offload ") + offload);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(GpuEmulation, TheConfigSaysItIsEmulated) {
+  const Config c = Config::parse(nlohmann::json{{"train_micro_batch_size_per_gpu", 2}, {"device", "cuda"}});
+  EXPECT_EQ(c.device, Device::kCuda);
+  bool said = false;
+  for (const std::string& w : c.warnings) said |= w.find("emulated on the CPU") != std::string::npos;
+  EXPECT_TRUE(said);
+}
+
+TEST_F(GpuEmulation, ModelAndConfigMustAgreeOnTheDevice) {
+  models::GptConfig g;
+  g.device = Device::kCuda;
+  try {
+    Engine::initialize(models::make_gpt(g), nlohmann::json{{"train_micro_batch_size_per_gpu", 2}});
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("device"), std::string::npos) << m;
+    EXPECT_NE(m.find("computes on cuda"), std::string::npos) << m;
+  }
+}
+
+}  // namespace
+}  // namespace zinc
