@@ -45,6 +45,9 @@ class Communicator {
   virtual std::string backend() const = 0;
   // Ranks that share this machine with this rank (including itself).
   virtual int local_size() const = 0;
+  // This rank's index among them, in [0, local_size()) (MPI's shared-memory
+  // split: right however the launcher places ranks). Picks its GPU.
+  virtual int local_rank() const = 0;
 
   // recv[i] = sum over ranks of send[i], i < count. send == recv is in place.
   virtual void all_reduce(const void* send, void* recv, int64_t count, DType dtype) = 0;

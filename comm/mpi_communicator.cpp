@@ -171,9 +171,10 @@ class MpiCommunicator final : public Communicator {
       MPI_Comm node = MPI_COMM_NULL;
       check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
             "MPI_Comm_split_type");
-      const int rc = MPI_Comm_size(node, &local_size_);
+      int rc = MPI_Comm_size(node, &local_size_);
+      if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(node, &local_rank_);
       MPI_Comm_free(&node);
-      check(rc, "MPI_Comm_size");
+      check(rc, "MPI_Comm_size/rank (node)");
       check(MPI_Type_contiguous(1, MPI_UINT16_T, &bf16_type_), "MPI_Type_contiguous");
       check(MPI_Type_commit(&bf16_type_), "MPI_Type_commit");
       check(MPI_Op_create(&bf16_sum, /*commute=*/1, &bf16_sum_), "MPI_Op_create");
@@ -198,6 +199,7 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
   int local_size() const override { return local_size_; }
+  int local_rank() const override { return local_rank_; }
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank_, send, recv, count, dtype);
@@ -314,7 +316,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL;
   MPI_Op f16_sum_ = MPI_OP_NULL;
-  int rank_ = 0, size_ = 1, local_size_ = 1;
+  int rank_ = 0, size_ = 1, local_size_ = 1, local_rank_ = 0;
 };
 
 }  // namespace

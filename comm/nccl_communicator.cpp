@@ -166,6 +166,7 @@ class NcclCommunicator final : public Communicator {
         rank_(bootstrap.rank()),
         size_(bootstrap.size()),
         local_size_(bootstrap.local_size()),
+        local_rank_(bootstrap.local_rank()),
         device_(device),
         comm_(comm) {
     try {
@@ -208,6 +209,7 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
   int local_size() const override { return local_size_; }
+  int local_rank() const override { return local_rank_; }
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank_, send, recv, count, dtype);
@@ -428,7 +430,7 @@ class NcclCommunicator final : public Communicator {
   // make_communicator("nccl") made (null when the caller owns the bootstrap).
   std::unique_ptr<Communicator> owned_bootstrap_;
   Communicator& bootstrap_;
-  const int rank_, size_, local_size_, device_;
+  const int rank_, size_, local_size_, local_rank_, device_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;
@@ -454,7 +456,7 @@ std::unique_ptr<NcclCommunicator> prepare(Communicator& bootstrap, int device, n
                                          " visible GPU(s); NCCL cannot put two ranks on one GPU (run at most " +
                                          std::to_string(cuda.devices) + " ranks per machine)");
     }
-    dev = (rank % local) % cuda.devices;
+    dev = bootstrap.local_rank() % cuda.devices;
   } else if (device >= cuda.devices) {
     throw nccl_backend_error(rank, "device " + std::to_string(device) + " is not one of the " +
                                        std::to_string(cuda.devices) + " visible GPU(s)");

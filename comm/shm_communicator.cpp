@@ -258,6 +258,7 @@ class ShmCommunicator final : public Communicator {
   int size() const override { return mpi_->size(); }
   std::string backend() const override { return hierarchical_ ? "hierarchical" : "shm"; }
   int local_size() const override { return local_size_; }
+  int local_rank() const override { return local_rank_; }
 
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
     detail::check_reduce_scatter(rank(), size(), send, recv, recv_count, dtype);

@@ -23,6 +23,7 @@ class SingleCommunicator final : public Communicator {
   int size() const override { return 1; }
   std::string backend() const override { return "single"; }
   int local_size() const override { return 1; }
+  int local_rank() const override { return 0; }
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(0, send, recv, count, dtype);

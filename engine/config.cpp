@@ -869,7 +869,8 @@ void parse_device(Reader& r, Config& c) {
 
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
-// optimizer) at stages 0-2, and on one rank AdamW over GPU-resident states.
+// optimizer) at stages 1-2 (optimizer offload needs stage >= 1), and on one
+// rank AdamW over GPU-resident states at stages 0-2.
 void check_device(const Config& c) {
   if (c.device != Device::kCuda) return;
   if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.world_size > 1)
@@ -883,7 +884,8 @@ void check_device(const Config& c) {
                       "or Lamb with zero_optimization.offload_optimizer.device \"cpu\"");
   if (c.zero.stage >= 3)
     throw ConfigError("zero_optimization.stage",
-                      "stage 3 does not run on the GPU yet (\"device\": \"cuda\" covers stages 0-2)");
+                      "stage 3 does not run on the GPU yet (\"device\": \"cuda\" covers ZeRO-Offload at stages 1-2 "
+                      "and GPU-resident optimizer states on one rank)");
 }
 }  // namespace
 

@@ -43,7 +43,8 @@ class DeviceMirror {
   // (ZeRO-Offload uploads block b while the CPU updates block b + 1). Truly
   // asynchronous where `host` was registered (register_host).
   virtual void upload_params_async(int block, const void* host) = 0;
-  // Waits until no upload reads host memory (before the host rewrites it).
+  // Waits until no upload (async or on the compute stream) reads host
+  // memory, before the host rewrites it.
   virtual void wait_uploads() = 0;
   // Page-locks [p, p + bytes) for asynchronous copies (cudaHostRegister)
   // until the mirror goes.

@@ -62,7 +62,12 @@ class CudaMirror final : public DeviceMirror {
     k.upload_pending = true;
   }
 
-  void wait_uploads() override { copy_.synchronize("wait for the parameter uploads"); }
+  // Both streams: the acquire-path uploads (upload_params) run on the
+  // compute stream and read the page-locked host copies asynchronously too.
+  void wait_uploads() override {
+    copy_.synchronize("wait for the parameter uploads");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "wait for the parameter uploads (compute stream)");
+  }
 
   void register_host(void* p, size_t bytes) override {
     if (!p || !bytes) return;

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "core/device.h"
 #include "engine/checkpoint.h"
 #include "engine/device_mirror.h"
 #include "engine/grad_reducer.h"
@@ -289,6 +290,11 @@ struct Engine::Impl final : StepContext {
       throw ConfigError("device", std::string("the config says \"") + device_name(c.device) + "\" but model '" +
                                       model->name() + "' computes on " + device_name(model->device()));
     if (c.device == Device::kCuda) {
+      if (!gpu_emulated()) {
+        const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+        if (rank == 0 || world <= 8)
+          log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
+      }
       std::vector<int64_t> padded;
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
       gpu = DeviceMirror::make(padded, dtype);
@@ -979,6 +985,11 @@ Engine Engine::initialize(std::shared_ptr<Model> model, const Config& config,
   config.validate();
   cpu_isa();  // a bad ONEDNN_MAX_CPU_ISA is an error here, not inside a kernel
   const int world = comm ? comm->size() : 1;
+  if (comm && comm->backend() == "nccl")
+    throw ConfigError("comm.backend",
+                      "the engine reduces gradients and gathers parameters in host memory, which NCCL cannot "
+                      "address: use \"mpi\", \"shm\", \"hierarchical\" or \"auto\" (with \"device\": \"cuda\" "
+                      "too; reductions on the GPU over NCCL are not in the engine yet)");
   if (config.world_size != world)
     throw ConfigError("", "the config was parsed for world size " + std::to_string(config.world_size) +
                               " but the communicator has " + std::to_string(world) + " ranks");

@@ -44,6 +44,8 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+export ZINC_EXPECT_GPU=1  # a GPU test that finds no GPU fails here instead of skipping
+[ -d /usr/local/cuda/lib64 ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"  # cuBLAS, NCCL
 res="${1:-}"
 [ -n "$res" ] && mkdir -p "$res"
 nvidia-smi -L || true

@@ -143,8 +143,12 @@ class Event {
 };
 
 // Copies (blocking helpers for setup and tests; the training paths use the async calls).
+// cudaMemcpy from pageable memory returns once the data is staged, before
+// the DMA lands: only the legacy stream is ordered after it. The device is
+// synchronised so that work on any stream sees the data.
 inline void copy_to_device(void* dst, const void* src, size_t bytes) {
   ZINC_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy host to device");
+  ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize after a copy to the device");
 }
 inline void copy_to_host(void* dst, const void* src, size_t bytes) {
   ZINC_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy device to host");

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 
+#include "core/error.h"
+
 #if defined(ZINC_WITH_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -35,6 +37,21 @@ CudaStatus probe() {
   return s;
 }
 }  // namespace
+
+int use_cuda_device(int local_rank) {
+  const CudaStatus& st = cuda_status();
+  if (st.devices == 0) throw Error("device \"cuda\": no GPU is visible (" + st.why + ")");
+#if defined(ZINC_WITH_CUDA)
+  const int dev = local_rank % st.devices;
+  const cudaError_t e = cudaSetDevice(dev);
+  if (e != cudaSuccess)
+    throw Error("cudaSetDevice(" + std::to_string(dev) + "): " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  return dev;
+#else
+  (void)local_rank;
+  return 0;
+#endif
+}
 
 bool gpu_emulated() {
   const char* e = std::getenv("ZINC_EMULATE_GPU");

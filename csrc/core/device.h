@@ -27,4 +27,9 @@ const CudaStatus& cuda_status();
 // Read on every call, so a test can switch it.
 bool gpu_emulated();
 
+// Makes GPU (local_rank % visible GPUs) this thread's current device
+// (cudaSetDevice) and returns its index: the ranks of one machine spread
+// over its GPUs. Throws zinc::Error without a CUDA build or a GPU.
+int use_cuda_device(int local_rank);
+
 }  // namespace zinc

@@ -41,8 +41,9 @@ ZINC_HD Acc lane_partial(int64_t n, int l, F f) {
 // [squared_norm order] in vector_ops.cpp): the summation tree depends only on n.
 constexpr int64_t kNormChunk = int64_t{1} << 16;
 
-// exp(x) in float, ~2 ulp over the whole range; 0 below -87.3 (where the true
-// value is subnormal), saturates at exp(88.7). Cody-Waite reduction
+// exp(x) in float, ~2 ulp for x <= 88.3; 0 below -87.3 (where the true
+// value is subnormal); +Inf from about 88.4 up (every caller passes x <= 0,
+// or 2|u| to tanh_f, where Inf gives 1). Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial (truncation
 // error r^8/8! < 1e-8 relative). Plain + and * only (no libm), so that the
 // CPU loops vectorise and the GPU computes the same bits.

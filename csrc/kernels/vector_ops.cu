@@ -1,6 +1,8 @@
 // The CUDA twins of vector_ops.cpp. squared_norm keeps the CPU's summation
 // tree (math::kNormChunk chunks, each in lane order in double, chunk sums in
 // index order), so its result is the CPU's bit for bit.
+#include <unordered_map>
+
 #include "kernels/cuda_common.cuh"
 #include "kernels/kernels_cuda.h"
 
@@ -73,8 +75,14 @@ void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream) {
     return;
   }
   const int64_t nchunks = (n + math::kNormChunk - 1) / math::kNormChunk;
-  thread_local ::zinc::cuda::DeviceBuffer partial;
-  partial.reserve(static_cast<size_t>(nchunks) * sizeof(double));
+  // Scratch per (thread, stream): two streams of one thread must not share
+  // the partial sums between the chunk and the summing kernels.
+  thread_local std::unordered_map<cudaStream_t, ::zinc::cuda::DeviceBuffer> scratch;
+  ::zinc::cuda::DeviceBuffer& partial = scratch[stream];
+  if (partial.bytes() < static_cast<size_t>(nchunks) * sizeof(double)) {
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "squared_norm: synchronize before growing its scratch");
+    partial.reserve(static_cast<size_t>(nchunks) * sizeof(double));
+  }
   const unsigned blocks = static_cast<unsigned>((nchunks + detail::kRowsPerBlock - 1) / detail::kRowsPerBlock);
   chunk_norm_kernel<<<blocks, detail::kRowThreads, 0, stream>>>(x, n, nchunks, partial.as<double>());
   detail::check_launch("squared_norm (chunks)");

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "core/cuda_util.h"
@@ -10,10 +12,17 @@
 
 namespace zinc::cuda::testing {
 
+// Skips without a GPU; fails instead where ZINC_EXPECT_GPU=1 says one must
+// be there (gpu-bundle/run.sh sets it: a driver too old for the CUDA
+// runtime must not pass as "no GPU").
 #define ZINC_REQUIRE_GPU()                                                                   \
   do {                                                                                       \
-    if (::zinc::cuda_status().devices == 0)                                                  \
+    if (::zinc::cuda_status().devices == 0) {                                                \
+      const char* zinc_expect_ = std::getenv("ZINC_EXPECT_GPU");                             \
+      if (zinc_expect_ && std::string(zinc_expect_) == "1")                                  \
+        FAIL() << "ZINC_EXPECT_GPU=1 but no GPU: " << ::zinc::cuda_status().why;              \
       GTEST_SKIP() << "no GPU on this machine: " << ::zinc::cuda_status().why;               \
+    }                                                                                        \
   } while (0)
 
 template <class T>
