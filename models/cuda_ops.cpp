@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <unordered_map>
 
 #include "core/cuda_util.h"
 #include "core/device.h"
@@ -43,6 +44,11 @@ class CudaOps final : public Ops {
     if (store.bytes() < bytes) store = alloc(bytes);
     ZINC_CUDA_CHECK(cudaMemcpyAsync(store.data(), host.data(), bytes, cudaMemcpyHostToDevice, kStream),
                     "upload of the batch's tokens");
+    // The embedding's inputs also get their rows grouped by token, for a
+    // parallel embedding backward (kernels::cuda::TokenIndex), kept per
+    // device copy (so per model).
+    if (std::string(what) == "embedding_forward")
+      indexes_[store.data()].build(host.data(), static_cast<int64_t>(host.size()), V, kStream);
     return store.as<int32_t>();
   }
   void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias) override {
@@ -71,7 +77,9 @@ class CudaOps final : public Ops {
   }
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                           int64_t C, int64_t V) override {
-    kernels::cuda::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, kStream);
+    auto it = indexes_.find(tokens);
+    kernels::cuda::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, kStream,
+                                      it == indexes_.end() ? nullptr : &it->second);
   }
   double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                        float dloss_scale) override {
@@ -107,6 +115,7 @@ class CudaOps final : public Ops {
 
  private:
   Buf row_loss_;
+  std::unordered_map<const void*, kernels::cuda::TokenIndex> indexes_;
 };
 
 }  // namespace

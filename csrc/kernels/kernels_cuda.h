@@ -20,7 +20,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "core/cuda_util.h"
 #include "core/dtype.h"
 #include "kernels/kernels.h"
 
@@ -80,9 +82,36 @@ double cross_entropy_mean(const double* row_loss, int64_t N, cudaStream_t stream
 // ---- embeddings --------------------------------------------------------------------------------
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                        cudaStream_t stream);
-// Deterministic: one thread per column adds the rows in token order (the CPU's order).
+// The rows of a token array grouped by token (a counting sort on the host,
+// rows in increasing order within a token), in device memory. With it
+// embedding_backward gives a thread to each (distinct token, column) pair
+// instead of one to each column, and each still adds its token's rows in
+// the CPU's order. build() enqueues the uploads on `stream`; the index
+// must live until the kernels that read it ran.
+class TokenIndex {
+ public:
+  void build(const int32_t* host_tokens, int64_t n, int64_t V, cudaStream_t stream);
+  // The host half of build (no GPU needed): throws zinc::Error for a token
+  // outside [0, V), naming its position.
+  static void group(const int32_t* tokens, int64_t n, int64_t V, std::vector<int32_t>& ids,
+                    std::vector<int32_t>& starts, std::vector<int32_t>& rows);
+  int64_t distinct() const { return distinct_; }
+  const int32_t* ids() const;     // (distinct) the tokens that occur, ascending
+  const int32_t* starts() const;  // (distinct + 1) where each token's rows begin in rows()
+  const int32_t* rows() const;    // (n) row indexes grouped by token
+
+ private:
+  ::zinc::cuda::DeviceBuffer ids_, starts_, rows_;
+  std::vector<int32_t> host_ids_, host_starts_, host_rows_;
+  int64_t distinct_ = 0;
+};
+
+// Deterministic and bit-identical to the CPU: every element of dwte and
+// dwpe gets its rows added in token order. Without `index`, one thread per
+// column walks every row; with it, one thread per (distinct token, column)
+// for dwte and per (position, column) for dwpe.
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, cudaStream_t stream);
+                        int64_t C, cudaStream_t stream, const TokenIndex* index = nullptr);
 
 // ---- vector ops --------------------------------------------------------------------------------
 void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream);

@@ -165,6 +165,29 @@ __global__ void embedding_backward_kernel(float* dwte, float* dwpe, const float*
   }
 }
 
+// dwte[ids[k]][c] += dout rows of token ids[k], in row order; thread per (k, c).
+__global__ void embedding_backward_indexed_kernel(float* dwte, const float* dout, const int32_t* ids,
+                                                  const int32_t* starts, const int32_t* rows, int64_t distinct,
+                                                  int64_t C) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= distinct * C) return;
+  const int64_t k = i / C, c = i % C;
+  float* out = dwte + static_cast<int64_t>(ids[k]) * C + c;
+  float v = *out;
+  for (int32_t j = starts[k]; j < starts[k + 1]; ++j) v += dout[static_cast<int64_t>(rows[j]) * C + c];
+  *out = v;
+}
+
+// dwpe[t][c] += dout[b*T + t][c] for b in order; thread per (t, c).
+__global__ void position_backward_kernel(float* dwpe, const float* dout, int64_t B, int64_t T, int64_t C) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= T * C) return;
+  const int64_t t = i / C, c = i % C;
+  float v = dwpe[i];
+  for (int64_t b = 0; b < B; ++b) v += dout[(b * T + t) * C + c];
+  dwpe[i] = v;
+}
+
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
 
@@ -242,10 +265,72 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
   detail::check_launch("embedding_forward");
 }
 
+void TokenIndex::group(const int32_t* tokens, int64_t n, int64_t V, std::vector<int32_t>& ids,
+                       std::vector<int32_t>& starts, std::vector<int32_t>& rows) {
+  // A stable counting sort: rows grouped by token, increasing within each.
+  std::vector<int32_t> next(static_cast<size_t>(V), 0);
+  for (int64_t r = 0; r < n; ++r) {
+    if (tokens[r] < 0 || tokens[r] >= V)
+      throw Error("TokenIndex: token " + std::to_string(tokens[r]) + " at position " + std::to_string(r) +
+                  " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    ++next[static_cast<size_t>(tokens[r])];  // counts first
+  }
+  ids.clear();
+  starts.clear();
+  int32_t at = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const int32_t count = next[static_cast<size_t>(v)];
+    if (count == 0) continue;
+    ids.push_back(static_cast<int32_t>(v));
+    starts.push_back(at);
+    next[static_cast<size_t>(v)] = at;  // now: where its next row goes
+    at += count;
+  }
+  starts.push_back(at);
+  rows.resize(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) rows[static_cast<size_t>(next[static_cast<size_t>(tokens[r])]++)] = static_cast<int32_t>(r);
+}
+
+void TokenIndex::build(const int32_t* tokens, int64_t n, int64_t V, cudaStream_t stream) {
+  group(tokens, n, V, host_ids_, host_starts_, host_rows_);
+  distinct_ = static_cast<int64_t>(host_ids_.size());
+  // The device copies are read by kernels queued later on `stream`: wait
+  // for earlier readers before growing or overwriting them.
+  ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "TokenIndex: synchronize before rewriting");
+  ids_.reserve(host_ids_.size() * 4);
+  starts_.reserve(host_starts_.size() * 4);
+  rows_.reserve(host_rows_.size() * 4 + 4);
+  ZINC_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host_ids_.data(), host_ids_.size() * 4, cudaMemcpyHostToDevice, stream),
+                  "TokenIndex upload");
+  ZINC_CUDA_CHECK(cudaMemcpyAsync(starts_.data(), host_starts_.data(), host_starts_.size() * 4,
+                                  cudaMemcpyHostToDevice, stream),
+                  "TokenIndex upload");
+  if (n > 0)
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(rows_.data(), host_rows_.data(), host_rows_.size() * 4, cudaMemcpyHostToDevice,
+                                    stream),
+                    "TokenIndex upload");
+}
+const int32_t* TokenIndex::ids() const { return ids_.as<int32_t>(); }
+const int32_t* TokenIndex::starts() const { return starts_.as<int32_t>(); }
+const int32_t* TokenIndex::rows() const { return rows_.as<int32_t>(); }
+
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, cudaStream_t stream) {
+                        int64_t C, cudaStream_t stream, const TokenIndex* index) {
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
+  if (index) {
+    const int64_t work = index->distinct() * C;
+    if (work > 0) {
+      embedding_backward_indexed_kernel<<<static_cast<unsigned>((work + 255) / 256), 256, 0, stream>>>(
+          dwte, dout, index->ids(), index->starts(), index->rows(), index->distinct(), C);
+      detail::check_launch("embedding_backward (tokens)");
+    }
+    if (dwpe) {
+      position_backward_kernel<<<static_cast<unsigned>((T * C + 255) / 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
+      detail::check_launch("embedding_backward (positions)");
+    }
+    return;
+  }
   embedding_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dwpe, dout, tokens, rows, T, C);
   detail::check_launch("embedding_backward");
 }

@@ -175,11 +175,20 @@ TEST(CudaLayers, EmbeddingsMatchTheCpuBits) {
     }
     std::vector<float> dout = randn(B * T * C, 18), dwte = randn(V * C, 19), dwpe = randn(T * C, 20);
     DeviceBuffer d_dout = upload(dout), d_dwte = upload(dwte), d_dwpe = upload(dwpe);
+    DeviceBuffer d_dwte2 = upload(dwte), d_dwpe2 = upload(dwpe);
     embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, V);
     cuda::embedding_backward(d_dwte.as<float>(), d_dwpe.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), B, T, C,
                              nullptr);
     expect_same_bits(dwte, download<float>(d_dwte, dwte.size()), "dwte");
     expect_same_bits(dwpe, download<float>(d_dwpe, dwpe.size()), "dwpe");
+    // The same through the token index (a thread per token and column).
+    cuda::TokenIndex index;
+    index.build(tok.data(), B * T, V, nullptr);
+    EXPECT_EQ(index.distinct(), 5);
+    cuda::embedding_backward(d_dwte2.as<float>(), d_dwpe2.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), B, T,
+                             C, nullptr, &index);
+    expect_same_bits(dwte, download<float>(d_dwte2, dwte.size()), "dwte (indexed)");
+    expect_same_bits(dwpe, download<float>(d_dwpe2, dwpe.size()), "dwpe (indexed)");
   }
 }
 
@@ -218,6 +227,23 @@ namespace {
 TEST(CudaLibraries, CublasLoadsWithoutAGpu) {
   const std::string lib = cuda::cublas_library();
   EXPECT_NE(lib.find("libcublas.so."), std::string::npos) << lib;
+}
+}  // namespace
+}  // namespace zinc::kernels
+
+namespace zinc::kernels {
+namespace {
+// TokenIndex's grouping (host side, no GPU): every row once, grouped by token
+// in ascending token order, rows increasing within a token.
+TEST(CudaLibraries, TokenIndexGroupsRowsByTokenInOrder) {
+  const std::vector<int32_t> tok = {3, 1, 3, 0, 1, 3, 7};
+  std::vector<int32_t> ids, starts, rows;
+  cuda::TokenIndex::group(tok.data(), static_cast<int64_t>(tok.size()), 8, ids, starts, rows);
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 3, 7}));
+  EXPECT_EQ(starts, (std::vector<int32_t>{0, 1, 3, 6, 7}));
+  EXPECT_EQ(rows, (std::vector<int32_t>{3, 1, 4, 0, 2, 5, 6}));
+  const std::vector<int32_t> bad = {0, 9};
+  EXPECT_THROW(cuda::TokenIndex::group(bad.data(), 2, 8, ids, starts, rows), Error);
 }
 }  // namespace
 }  // namespace zinc::kernels
