@@ -213,16 +213,37 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   e.training.push_back(opt);
   e.training.insert(e.training.end(), train_params.begin(), train_params.end());
   e.training.insert(e.training.end(), grads.begin(), grads.end());
+  const bool on_gpu = c.device == Device::kCuda;
+  std::vector<MemoryPart>& acts_at = on_gpu ? e.gpu : e.training;
   const std::optional<ActivationMemory> act =
       model.activation_memory(c.train_micro_batch_size_per_gpu, seq_len, dtype);
   if (act) {
-    e.training.push_back({"activations", act->saved,
-                          "micro-batch " + std::to_string(c.train_micro_batch_size_per_gpu) + " x " +
-                              std::to_string(seq_len) + " tokens, kept for backward",
-                          false});
-    e.training.push_back({"kernel scratch", act->workspace, "converted operands, attention buffers, oneDNN", false});
+    acts_at.push_back({"activations", act->saved,
+                       "micro-batch " + std::to_string(c.train_micro_batch_size_per_gpu) + " x " +
+                           std::to_string(seq_len) + " tokens, kept for backward" +
+                           (on_gpu ? " (the CPU kernels' buffers; the GPU's are alike)" : ""),
+                       false});
+    acts_at.push_back({"kernel scratch", act->workspace,
+                       on_gpu ? "the CPU kernels' scratch as a guide; cuBLAS's workspaces come on top"
+                              : "converted operands, attention buffers, oneDNN",
+                       false});
   } else {
     e.activations_unknown = true;
+  }
+  if (on_gpu) {
+    // The DeviceMirror: full compute parameters and fp32 accumulators of
+    // every block, and with offload_optimizer "none" master, m and v (the
+    // host keeps its copy for checkpoints); the gradients' page-locked
+    // staging on the host.
+    e.gpu.insert(e.gpu.begin(), {{std::string("parameters (") + dname + ")", es * padded_all,
+                                  std::to_string(es) + " B x " + millions(padded_all) + " elements"},
+                                 {"gradient accumulators (fp32)", 4 * padded_all,
+                                  "4 B x " + millions(padded_all) + " elements"}});
+    if (z.offload_optimizer.device == OffloadDevice::kNone)
+      e.gpu.insert(e.gpu.begin() + 2, {"optimizer states (fp32 master, Adam m, v)", 12 * padded_all,
+                                       "12 B x " + millions(padded_all) + " elements"});
+    e.training.push_back({"gradient staging (fp32, page-locked)", 4 * padded_all,
+                          "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
   }
   return e;
 }

@@ -42,6 +42,12 @@ struct MemoryEstimate {
   std::vector<MemoryPart> training;
   // This rank's files on NVMe.
   std::vector<MemoryPart> disk;
+  // GPU memory ("device": "cuda", Note [the GPU path]): the compute
+  // parameters and gradient accumulators of every block, GPU-resident
+  // optimizer states, and the model's activations and scratch (then not in
+  // training). Sized from the same plan; cuBLAS's workspaces and the CUDA
+  // context come on top.
+  std::vector<MemoryPart> gpu;
   // The model could not say what its activations take (training lacks them).
   bool activations_unknown = false;
   // The process before any of the above (measured by the caller; 0 if not).
@@ -54,6 +60,7 @@ struct MemoryEstimate {
   int64_t model_state_bytes() const;
   int64_t ram_bytes() const;
   int64_t disk_bytes() const { return sum(disk); }
+  int64_t gpu_bytes() const { return sum(gpu); }
 };
 
 // One rank's needs for `model` under `config` (its world size, stage,

@@ -210,7 +210,8 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   zinc::MemoryEstimate e = zinc::estimate_memory(*ex.model, cfg, T);
   std::vector<std::pair<int, zinc::MemoryEstimate>> others;
   for (int st = 0; st <= 3; ++st)
-    if (st != cfg.zero.stage) others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
+    if (st != cfg.zero.stage && !(st == 3 && cfg.device == zinc::Device::kCuda))  // no stage 3 on the GPU
+      others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
   // Measured after the estimates: their matmul primitives (oneDNN's code)
   // are part of the process from here on, as they will be in training.
   const int64_t process = zinc::tools::current_rss_bytes();
@@ -224,6 +225,7 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
     nlohmann::json out = {{"event", "estimate"},
                           {"ram_bytes", e.ram_bytes()},
                           {"disk_bytes", e.disk_bytes()},
+                          {"gpu_bytes", e.gpu_bytes()},
                           {"world_size", world},
                           {"zero_stage", cfg.zero.stage},
                           {"parameters", params},
@@ -234,7 +236,8 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
                            {{"process", process},
                             {"setup", parts_json(e.setup)},
                             {"training", parts_json(e.training)},
-                            {"disk", parts_json(e.disk)}}}};
+                            {"disk", parts_json(e.disk)},
+                            {"gpu", parts_json(e.gpu)}}}};
     nlohmann::json st = nlohmann::json::array();
     for (const auto& [s, o] : others)
       st.push_back({{"zero_stage", s}, {"ram_bytes", o.ram_bytes()}, {"disk_bytes", o.disk_bytes()}});
@@ -259,8 +262,13 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   std::printf("  the process itself (code, libraries, data%s; measured now): %s\n",
               comm.size() > 1 ? ", MPI" : world > 1 ? "; not MPI: run under mpirun to count it" : "",
               format_bytes(process).c_str());
-  std::printf("RAM per rank: %s | disk per rank: %s\n", format_bytes(e.ram_bytes()).c_str(),
-              format_bytes(e.disk_bytes()).c_str());
+  if (!e.gpu.empty()) {
+    std::printf("  on the GPU: %s\n", format_bytes(e.gpu_bytes()).c_str());
+    print_parts(e.gpu);
+  }
+  std::printf("RAM per rank: %s | disk per rank: %s%s\n", format_bytes(e.ram_bytes()).c_str(),
+              format_bytes(e.disk_bytes()).c_str(),
+              e.gpu.empty() ? "" : (" | GPU per rank: " + format_bytes(e.gpu_bytes()) + " and the CUDA context").c_str());
   for (const zinc::MemoryPart& p : e.disk)
     std::printf("    %-46s %11s   %s\n", p.name.c_str(), format_bytes(p.bytes).c_str(), p.note.c_str());
   std::printf("other stages, same model and batch:\n");

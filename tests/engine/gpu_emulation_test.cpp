@@ -178,3 +178,50 @@ TEST_F(GpuEmulation, ModelAndConfigMustAgreeOnTheDevice) {
 
 }  // namespace
 }  // namespace zinc
+
+#include "engine/memory_estimate.h"
+#include "engine/partition.h"
+
+namespace zinc {
+namespace {
+// --estimate with "device": "cuda": the activations move to the GPU's part,
+// which holds every block's compute parameters and fp32 accumulators (and
+// with GPU-resident states master, m and v); the host keeps the staging.
+TEST_F(GpuEmulation, TheEstimateSplitsRamAndGpu) {
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 16;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 32;
+  auto cpu_model = models::make_gpt(g);
+  int64_t padded = 0;
+  for (const BlockSpec& b : cpu_model->blocks()) padded += Partition::make(BlockLayout::from_spec(b).numel, 1, 0).padded_numel;
+  auto cfg = [&](const char* device, const char* offload, int stage) {
+    return Config::parse(nlohmann::json{{"train_micro_batch_size_per_gpu", 4},
+                                        {"device", device},
+                                        {"bf16", {{"enabled", true}}},
+                                        {"zero_optimization", {{"stage", stage}, {"offload_optimizer", {{"device", offload}}}}}});
+  };
+  const MemoryEstimate cpu = estimate_memory(*cpu_model, cfg("cpu", "cpu", 2), 16);
+  const MemoryEstimate off = estimate_memory(*cpu_model, cfg("cuda", "cpu", 2), 16);
+  const MemoryEstimate res = estimate_memory(*cpu_model, cfg("cuda", "none", 0), 16);
+  EXPECT_TRUE(cpu.gpu.empty());
+  auto find = [](const std::vector<MemoryPart>& parts, const std::string& name) -> const MemoryPart* {
+    for (const MemoryPart& p : parts)
+      if (p.name.find(name) != std::string::npos) return &p;
+    return nullptr;
+  };
+  ASSERT_TRUE(find(cpu.training, "activations"));
+  EXPECT_FALSE(find(off.training, "activations"));
+  ASSERT_TRUE(find(off.gpu, "activations"));
+  EXPECT_EQ(find(off.gpu, "activations")->bytes, find(cpu.training, "activations")->bytes);
+  EXPECT_EQ(find(off.gpu, "parameters")->bytes, 2 * padded);
+  EXPECT_EQ(find(off.gpu, "gradient accumulators")->bytes, 4 * padded);
+  EXPECT_FALSE(find(off.gpu, "optimizer states"));
+  EXPECT_EQ(find(res.gpu, "optimizer states")->bytes, 12 * padded);
+  EXPECT_EQ(find(off.training, "gradient staging")->bytes, 4 * padded);
+  EXPECT_LT(off.ram_bytes(), cpu.ram_bytes());
+}
+}  // namespace
+}  // namespace zinc
