@@ -3,6 +3,7 @@
 // copies memcpy, the GPU-resident AdamW optim::adam_step, the norm
 // kernels::squared_norm (whose order the GPU's follows): the engine's GPU
 // path runs end to end on the CPU, every step as the GPU would order it.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -81,6 +82,26 @@ class HostMirror final : public DeviceMirror {
   void zero_grads() override {
     for (Block& k : blocks_) std::memset(k.grads.data(), 0, k.grads.bytes());
   }
+  void enable_device_reduce(DType wire, int64_t max_shard) override {
+    wire_ = wire;
+    if (is_16bit(wire)) wire_buf_ = AlignedBuffer(static_cast<size_t>(max_padded() + max_shard) * 2);
+  }
+  void start_device_reduce(int) override {}
+  // The GradReducer's host reduction on the "GPU" buffer, the same calls in
+  // the same order (so the emulated run equals the CPU path bit for bit).
+  void device_reduce(comm::Communicator& c, int block, int64_t shard, float* out) override {
+    Block& k = b(block);
+    if (is_16bit(wire_)) {
+      uint16_t* full = wire_buf_.as<uint16_t>();
+      uint16_t* shard16 = full + k.numel;
+      convert_f32_to_16(k.grads.as<float>(), full, static_cast<size_t>(k.numel), wire_);
+      c.reduce_scatter(full, shard16, shard, wire_);
+      convert_16_to_f32(shard16, out, static_cast<size_t>(shard), wire_);
+    } else {
+      c.reduce_scatter(k.grads.data(), out, shard, DType::kF32);
+    }
+    std::memset(k.grads.data(), 0, k.grads.bytes());
+  }
   void synchronize() override {}
   int64_t device_bytes() const override { return 0; }
   int64_t pinned_bytes() const override { return 0; }
@@ -92,6 +113,13 @@ class HostMirror final : public DeviceMirror {
     bool copied = false;
   };
   Block& b(int block) { return blocks_[static_cast<size_t>(block)]; }
+  int64_t max_padded() const {
+    int64_t m = 0;
+    for (const Block& k : blocks_) m = std::max(m, k.numel);
+    return m;
+  }
+  DType wire_ = DType::kF32;
+  AlignedBuffer wire_buf_;
   DType compute_;
   std::vector<Block> blocks_;
   bool states_ = false;

@@ -20,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/dtype.h"
 #include "optim/optim.h"
 
@@ -71,6 +72,23 @@ class DeviceMirror {
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) = 0;
   // Zeroes every GPU gradient accumulator (after a step).
   virtual void zero_grads() = 0;
+
+  // ---- reductions on the GPU (several ranks, stages 1-2): the GradReducer
+  // calls device_reduce for each block of a bucket on its stream's thread,
+  // whose communicator reaches GPU memory (NCCL; in the emulation a host
+  // one). ----
+  // wire: the dtype on the wire; max_shard: the largest shard (elements).
+  virtual void enable_device_reduce(DType wire, int64_t max_shard) = 0;
+  // Training thread, at a boundary's grads_ready: (16-bit wire) converts the
+  // accumulator on the compute stream, and marks the point the reduction
+  // waits for.
+  virtual void start_device_reduce(int block) = 0;
+  // Comm thread: waits for that point, reduce-scatters the block over `c`,
+  // writes the rank's shard (shard_numel elements) into host `shard_out` as
+  // fp32, and zeroes the accumulator for the next global batch (the compute
+  // stream waits for that at the next grads(); the engine waits for every
+  // reduction before the next backward).
+  virtual void device_reduce(comm::Communicator& c, int block, int64_t shard_numel, float* shard_out) = 0;
 
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;

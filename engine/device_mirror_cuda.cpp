@@ -20,6 +20,7 @@ constexpr cudaStream_t kCompute = nullptr;  // the models' compute stream (model
 class CudaMirror final : public DeviceMirror {
  public:
   CudaMirror(const std::vector<int64_t>& padded, DType compute) : compute_(compute) {
+    ZINC_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
     blocks_.resize(padded.size());
     for (size_t b = 0; b < padded.size(); ++b) {
       Block& k = blocks_[b];
@@ -176,8 +177,48 @@ class CudaMirror final : public DeviceMirror {
       ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), kCompute), "zeroing the GPU gradients");
   }
 
+  void enable_device_reduce(DType wire, int64_t max_shard) override {
+    wire_ = wire;
+    shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+    if (is_16bit(wire))
+      for (Block& k : blocks_) {
+        k.wire = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * 2);
+        device_bytes_ += static_cast<int64_t>(k.wire.bytes());
+      }
+    device_bytes_ += static_cast<int64_t>(shard_scratch_.bytes());
+  }
+
+  void start_device_reduce(int block) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    if (is_16bit(wire_)) kernels::cuda::convert_f32_to_16(k.grads.as<float>(), k.wire.data(), k.numel, wire_, kCompute);
+    k.produced->record(kCompute);
+    k.copy_pending = true;  // the next grads() waits for `copied`, recorded by device_reduce before the step ends
+  }
+
+  void device_reduce(comm::Communicator& c, int block, int64_t shard, float* shard_out) override {
+    // The comm thread's current device is its own: make it the mirror's.
+    ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice on the reduction thread");
+    Block& k = blocks_[static_cast<size_t>(block)];
+    comm::wait_cuda_event(c, k.produced->get());
+    const bool w16 = is_16bit(wire_);
+    c.reduce_scatter(w16 ? k.wire.data() : k.grads.data(), shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
+    const size_t bytes = static_cast<size_t>(shard) * (w16 ? 2 : 4);
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost,
+                                    reduce_copy_.get()),
+                    "copy of a reduced gradient shard to the host");
+    ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
+                    "zeroing a GPU gradient buffer");
+    k.copied->record(reduce_copy_.get());
+    reduce_copy_.synchronize("copy of a reduced gradient shard to the host");
+    if (w16)
+      convert_16_to_f32(k.staging.data(), shard_out, static_cast<size_t>(shard), wire_);
+    else
+      std::memcpy(shard_out, k.staging.data(), bytes);
+  }
+
   void synchronize() override {
     copy_.synchronize("synchronize the gradient copies");
+    reduce_copy_.synchronize("synchronize the reduced-shard copies");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize the compute stream");
   }
 
@@ -189,13 +230,18 @@ class CudaMirror final : public DeviceMirror {
     int64_t numel = 0;
     cuda::DeviceBuffer params, grads;
     cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
+    cuda::DeviceBuffer wire;           // 16-bit copy for the reduction (enable_device_reduce)
     cuda::PinnedBuffer staging;
     std::unique_ptr<cuda::Event> produced, copied, uploaded;
     bool copy_pending = false, upload_pending = false;
   };
   DType compute_;
   cuda::Stream copy_;
+  cuda::Stream reduce_copy_;  // the comm thread's copies (device_reduce)
   std::vector<Block> blocks_;
+  cuda::DeviceBuffer shard_scratch_;
+  DType wire_ = DType::kF32;
+  int device_ = 0;
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
   std::vector<void*> registered_;
   bool states_ = false;

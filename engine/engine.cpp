@@ -68,9 +68,18 @@
 // is only refreshed for checkpoints and full_params. Its arithmetic is the
 // CPU AdamW's (optim/detail/adam_update.h), so without clipping the two
 // modes give the same weights.
-// Not yet: reductions on the GPU over NCCL (the NCCL communicator exists,
-// comm/nccl_communicator.cpp, but the GradReducer reduces host buffers, so
-// GPU-resident states are one-rank only), and stage 3.
+// On several ranks the gradients are reduced on the GPU: at a boundary
+// grads_ready(block) marks the point on the compute stream
+// (start_device_reduce, with the 16-bit wire copy made there), and the
+// GradReducer's buckets, in the same order on every rank, call
+// DeviceMirror::device_reduce on a stream of their own over a second
+// communicator that reaches GPU memory (NCCL; emulated, a duplicate of the
+// host one): a reduce-scatter on the GPU, then only the rank's shard comes
+// back to the host shard buffer the CPU update reads. Every other
+// collective (norm, parameter all-gather, checkpoints) stays on the host
+// communicator.
+// Not yet: GPU-resident states on several ranks (they would need the
+// all-gather on the GPU too), and stage 3.
 
 namespace zinc {
 namespace {
@@ -257,6 +266,12 @@ struct Engine::Impl final : StepContext {
   // gradient copies are in flight, in the order the model reported them.
   std::unique_ptr<DeviceMirror> gpu;
   bool gpu_states = false;  // offload_optimizer "none": master, m, v on the GPU (one rank)
+  // Several ranks: gradients reduced on the GPU, over a communicator that
+  // reaches GPU memory (NCCL; a duplicate of the host one when emulated),
+  // on a stream of their own; only the rank's shard comes back to the host.
+  bool gpu_reduce = false;
+  std::unique_ptr<comm::Communicator> gpu_comm;
+  std::unique_ptr<comm::CommStream> gpu_reduce_stream;
   std::vector<char> gpu_stale;
   std::deque<int> gpu_copies;
   bool boundary_backward = false;
@@ -280,6 +295,14 @@ struct Engine::Impl final : StepContext {
       own_gather_stream = std::make_unique<comm::CommStream>(*local_comm);
       gather_stream = own_gather_stream.get();
     }
+    if (c.device == Device::kCuda) {
+      if (!gpu_emulated()) {
+        const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+        if (rank == 0 || world <= 8)
+          log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
+      }
+      if (world > 1) make_gpu_reduction();
+    }
     adam = adam_params(c);
     lamb = lamb_params(c);
     lr = schedule.lr_at(0);
@@ -290,15 +313,15 @@ struct Engine::Impl final : StepContext {
       throw ConfigError("device", std::string("the config says \"") + device_name(c.device) + "\" but model '" +
                                       model->name() + "' computes on " + device_name(model->device()));
     if (c.device == Device::kCuda) {
-      if (!gpu_emulated()) {
-        const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
-        if (rank == 0 || world <= 8)
-          log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
-      }
       std::vector<int64_t> padded;
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
       gpu = DeviceMirror::make(padded, dtype);
       gpu_stale.assign(blocks.size(), 1);
+      if (gpu_reduce) {
+        int64_t max_shard = 0;
+        for (const BlockShard& s : blocks) max_shard = std::max(max_shard, s.part.shard_numel);
+        gpu->enable_device_reduce(c.wire_dtype(), max_shard);
+      }
       // The host compute copies the CPU update writes are page-locked, so
       // that each block's upload overlaps the update of the next.
       if (offload_device != OffloadDevice::kNone)
@@ -325,7 +348,7 @@ struct Engine::Impl final : StepContext {
       }
     }
     // Work in flight refers to our buffers: let it finish before they go.
-    for (comm::CommStream* st : {reduce_stream.get(), own_gather_stream.get()}) {
+    for (comm::CommStream* st : {gpu_reduce_stream.get(), reduce_stream.get(), own_gather_stream.get()}) {
       if (!st) continue;
       try {
         st->synchronize();
@@ -333,6 +356,27 @@ struct Engine::Impl final : StepContext {
         log_error(std::string("engine shutdown: a collective failed: ") + e.what());
       }
     }
+  }
+
+  // Collective (every rank, at the same point): the communicator and stream
+  // of the reductions on the GPU. NCCL on a GPU; emulated, a duplicate of the
+  // host communicator (the "GPU" buffers are host memory). Where the
+  // transport cannot run a second communicator, the host reduction stays.
+  void make_gpu_reduction() {
+    if (gpu_emulated()) {
+      gpu_comm = comm->duplicate();
+    } else {
+      gpu_comm = comm::make_nccl_communicator(*comm);
+    }
+    if (!gpu_comm) {
+      if (rank == 0)
+        log_warn("no second communicator over " + comm->backend() +
+                 ": gradients are reduced in host memory, not on the GPU");
+      return;
+    }
+    gpu_reduce_stream = std::make_unique<comm::CommStream>(*gpu_comm);
+    gpu_reduce = true;
+    if (rank == 0) log_info("gradients are reduced on the GPU over " + gpu_comm->backend());
   }
 
   void make_streams() {
@@ -428,7 +472,12 @@ struct Engine::Impl final : StepContext {
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire = cfg.wire_dtype();
-    reducer = std::make_unique<GradReducer>(plan, blocks, reduce_stream.get(), memory, ro);
+    if (gpu_reduce)
+      ro.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
+        gpu->device_reduce(c, block, blocks[static_cast<size_t>(block)].part.shard_numel, shard_out);
+      };
+    reducer = std::make_unique<GradReducer>(plan, blocks, gpu_reduce ? gpu_reduce_stream.get() : reduce_stream.get(),
+                                            memory, ro);
     memory.release_kept();
   }
 
@@ -457,6 +506,11 @@ struct Engine::Impl final : StepContext {
       throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                   " twice in one backward");
     s.grads_reported = true;
+    if (gpu && boundary_backward && gpu_reduce) {
+      gpu->start_device_reduce(block);
+      reducer->ready(block);
+      return;
+    }
     if (gpu && boundary_backward && !gpu_states) {
       gpu->start_grads_copy(block);
       gpu_copies.push_back(block);

@@ -83,6 +83,22 @@ void GradReducer::submit(const std::vector<int>& ids) {
     return;
   }
   const bool gather = plan_.gather_reduced_grads;
+  if (options_.device_reduce) {
+    if (gather) throw Error("GradReducer: reductions on the GPU need stage 1 or 2");
+    std::vector<std::pair<int, float*>> jobs;
+    for (int id : ids) jobs.emplace_back(id, blocks_[static_cast<size_t>(id)].grad_shard.as<float>());
+    auto reduce = options_.device_reduce;
+    comm::CommHandle h = stream_->submit([jobs, reduce](comm::Communicator& c) {
+      for (const auto& [id, out] : jobs) reduce(c, id, out);
+    });
+    for (BlockShard* s : bs) {
+      s->reduction = h;
+      s->grad_state = GradState::kReducing;
+    }
+    inflight_.push_back(h);
+    buckets_submitted_ += 1;
+    return;
+  }
   float* shard_scratch = scratch_shard_.empty() ? nullptr : scratch_shard_.as<float>();
   uint16_t* wire = scratch_wire_.empty() ? nullptr : scratch_wire_.as<uint16_t>();
   const DType wt = options_.wire;

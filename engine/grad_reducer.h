@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <vector>
 
 #include "comm/comm.h"
@@ -28,6 +29,12 @@ class GradReducer {
     int64_t bucket_numel = 500000000;  // zero_optimization.reduce_bucket_size (elements)
     bool overlap = false;              // overlap_comm: backward goes on while a bucket reduces
     DType wire = DType::kF32;          // the gradients' dtype on the wire (16-bit: several ranks only)
+    // The GPU path with reductions on the GPU (Note [the GPU path] in
+    // engine.cpp): when set, each block of a bucket is reduced by this call,
+    // on the stream's thread and communicator, in the same order, writing
+    // the rank's reduced fp32 shard into `shard_out` (stages 1-2 only); the
+    // host full gradient is not read.
+    std::function<void(comm::Communicator&, int block, float* shard_out)> device_reduce;
   };
   // At most this many buckets are in flight: the next submission waits for
   // the oldest, which bounds the full gradients alive at stage 2.
