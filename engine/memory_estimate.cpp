@@ -242,6 +242,12 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     if (z.offload_optimizer.device == OffloadDevice::kNone)
       e.gpu.insert(e.gpu.begin() + 2, {"optimizer states (fp32 master, Adam m, v)", 12 * padded_all,
                                        "12 B x " + millions(padded_all) + " elements"});
+    if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
+      e.gpu.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
+      if (is_16bit(c.wire_dtype()))
+        e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * padded_all,
+                         "2 B x " + millions(padded_all) + " elements"});
+    }
     e.training.push_back({"gradient staging (fp32, page-locked)", 4 * padded_all,
                           "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
   }
