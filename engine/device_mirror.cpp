@@ -28,6 +28,7 @@ class HostMirror final : public DeviceMirror {
     }
   }
   const void* params(int block) override { return b(block).params.data(); }
+  void make_current() override {}
   float* grads(int block) override { return b(block).grads.as<float>(); }
   void upload_params(int block, const void* host) override {
     std::memcpy(b(block).params.data(), host, b(block).params.bytes());

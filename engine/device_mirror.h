@@ -35,6 +35,10 @@ class DeviceMirror {
   // The block's GPU compute parameters, for the model's kernels: the compute
   // stream first waits for an upload in flight (upload_params_async).
   virtual const void* params(int block) = 0;
+  // Makes the mirror's GPU the calling thread's current device (the engine
+  // calls it at each entry point: a thread other than the constructor's may
+  // drive it).
+  virtual void make_current() = 0;
   // The block's GPU gradient accumulator; the compute stream first waits for
   // the copy and zeroing of the last boundary.
   virtual float* grads(int block) = 0;

@@ -28,12 +28,10 @@ class CudaMirror final : public DeviceMirror {
       k.params = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * dtype_bytes(compute));
       k.grads = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * sizeof(float));
       ZINC_CUDA_CHECK(cudaMemset(k.grads.data(), 0, k.grads.bytes()), "zeroing the GPU gradient buffers");
-      k.staging = cuda::PinnedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
       k.produced = std::make_unique<cuda::Event>();
       k.copied = std::make_unique<cuda::Event>();
       k.uploaded = std::make_unique<cuda::Event>();
       device_bytes_ += static_cast<int64_t>(k.params.bytes() + k.grads.bytes());
-      pinned_bytes_ += static_cast<int64_t>(k.staging.bytes());
     }
   }
 
@@ -50,6 +48,8 @@ class CudaMirror final : public DeviceMirror {
     }
     return k.params.data();
   }
+
+  void make_current() override { ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice (the engine's GPU)"); }
 
   void upload_params_async(int block, const void* host) override {
     Block& k = blocks_[static_cast<size_t>(block)];
@@ -98,6 +98,10 @@ class CudaMirror final : public DeviceMirror {
 
   void start_grads_copy(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
+    if (k.staging.bytes() == 0) {  // page-locked staging only where copies of whole blocks happen (one rank)
+      k.staging = cuda::PinnedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
+      pinned_bytes_ += static_cast<int64_t>(k.staging.bytes());
+    }
     k.produced->record(kCompute);
     k.produced->wait_on(copy_.get());
     ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), k.grads.data(), k.grads.bytes(), cudaMemcpyDeviceToHost,
@@ -180,6 +184,8 @@ class CudaMirror final : public DeviceMirror {
   void enable_device_reduce(DType wire, int64_t max_shard) override {
     wire_ = wire;
     shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+    shard_staging_ = cuda::PinnedBuffer(static_cast<size_t>(max_shard) * 4);
+    pinned_bytes_ += static_cast<int64_t>(shard_staging_.bytes());
     if (is_16bit(wire))
       for (Block& k : blocks_) {
         k.wire = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * 2);
@@ -203,7 +209,7 @@ class CudaMirror final : public DeviceMirror {
     const bool w16 = is_16bit(wire_);
     c.reduce_scatter(w16 ? k.wire.data() : k.grads.data(), shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
     const size_t bytes = static_cast<size_t>(shard) * (w16 ? 2 : 4);
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost,
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(shard_staging_.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost,
                                     reduce_copy_.get()),
                     "copy of a reduced gradient shard to the host");
     ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
@@ -211,9 +217,9 @@ class CudaMirror final : public DeviceMirror {
     k.copied->record(reduce_copy_.get());
     reduce_copy_.synchronize("copy of a reduced gradient shard to the host");
     if (w16)
-      convert_16_to_f32(k.staging.data(), shard_out, static_cast<size_t>(shard), wire_);
+      convert_16_to_f32(shard_staging_.data(), shard_out, static_cast<size_t>(shard), wire_);
     else
-      std::memcpy(shard_out, k.staging.data(), bytes);
+      std::memcpy(shard_out, shard_staging_.data(), bytes);
   }
 
   void synchronize() override {
@@ -240,6 +246,7 @@ class CudaMirror final : public DeviceMirror {
   cuda::Stream reduce_copy_;  // the comm thread's copies (device_reduce)
   std::vector<Block> blocks_;
   cuda::DeviceBuffer shard_scratch_;
+  cuda::PinnedBuffer shard_staging_;  // one reduced shard on its way to the host (the comm thread's)
   DType wire_ = DType::kF32;
   int device_ = 0;
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm

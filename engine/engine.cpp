@@ -296,12 +296,13 @@ struct Engine::Impl final : StepContext {
       gather_stream = own_gather_stream.get();
     }
     if (c.device == Device::kCuda) {
+      int dev = 0;
       if (!gpu_emulated()) {
-        const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+        dev = use_cuda_device(comm ? comm->local_rank() : 0);
         if (rank == 0 || world <= 8)
           log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
       }
-      if (world > 1) make_gpu_reduction();
+      if (world > 1) make_gpu_reduction(dev);
     }
     adam = adam_params(c);
     lamb = lamb_params(c);
@@ -362,11 +363,19 @@ struct Engine::Impl final : StepContext {
   // of the reductions on the GPU. NCCL on a GPU; emulated, a duplicate of the
   // host communicator (the "GPU" buffers are host memory). Where the
   // transport cannot run a second communicator, the host reduction stays.
-  void make_gpu_reduction() {
+  void make_gpu_reduction(int device) {
     if (gpu_emulated()) {
       gpu_comm = comm->duplicate();
     } else {
-      gpu_comm = comm::make_nccl_communicator(*comm);
+      // The mirror's GPU (a rank that sees one GPU of its own under a
+      // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
+      // before NCCL starts (make_nccl_communicator), so all fall back together.
+      try {
+        gpu_comm = comm::make_nccl_communicator(*comm, device);
+      } catch (const Error& e) {  // no GPU for it, or no libnccl
+        if (rank == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
+        gpu_comm.reset();
+      }
     }
     if (!gpu_comm) {
       if (rank == 0)
@@ -568,6 +577,7 @@ struct Engine::Impl final : StepContext {
   }
 
   float forward(const Batch& batch) {
+    if (gpu) gpu->make_current();
     check_batch(batch);
     auto t0 = Clock::now();
     params->begin_pass(ParamCoordinator::Pass::kTrain);
@@ -582,6 +592,7 @@ struct Engine::Impl final : StepContext {
 
   void backward() {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
+    if (gpu) gpu->make_current();
     auto t0 = Clock::now();
     boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
     reducer->begin_backward(boundary_backward);
@@ -612,6 +623,7 @@ struct Engine::Impl final : StepContext {
 
   void step() {
     if (!at_boundary() || loss_count == 0) return;
+    if (gpu) gpu->make_current();
     auto t0 = Clock::now();
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
     const double inv_world = 1.0 / static_cast<double>(world);
@@ -838,6 +850,11 @@ struct Engine::Impl final : StepContext {
     if (forward_pending || micro_steps % cfg.gradient_accumulation_steps != 0)
       throw Error(std::string(what) + " must come between global batches (after step() at an accumulation "
                   "boundary), not after micro-step " + std::to_string(micro_steps));
+    // A boundary backward whose step() has not run: its gradients and losses
+    // (and on the GPU its reductions in flight) belong to that step.
+    if (loss_count != 0)
+      throw Error(std::string(what) + " must come after step(): the global batch ending at micro-step " +
+                  std::to_string(micro_steps) + " has not been stepped");
   }
 
   nlohmann::json blocks_json() const {
@@ -859,6 +876,7 @@ struct Engine::Impl final : StepContext {
   void save_checkpoint(const std::string& dir, std::string tag, const nlohmann::json& client_state) {
     namespace fs = std::filesystem;
     check_between_batches("save_checkpoint");
+    if (gpu) gpu->make_current();
     if (gpu_states) states_to_host();
     if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
     ckpt::check_tag(tag);
@@ -943,7 +961,7 @@ struct Engine::Impl final : StepContext {
                 {"iteration", scaler.iteration()},
                 {"last_overflow", scaler.last_overflow_iteration()}}},
               {"lr", lr},
-              {"grad_norm", grad_norm},
+              {"grad_norm", std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr)},
               {"last_loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)}}},
             {"client_state", client_state},
             {"config", cfg.source}};
@@ -955,6 +973,7 @@ struct Engine::Impl final : StepContext {
 
   nlohmann::json load_checkpoint(const std::string& dir, std::string tag) {
     check_between_batches("load_checkpoint");
+    if (gpu) gpu->make_current();
     const ckpt::TagFiles files = ckpt::open_tag(dir, std::move(tag));
     const nlohmann::json& meta = files.meta;
     const std::string where = "checkpoint " + files.dir;
@@ -1000,7 +1019,7 @@ struct Engine::Impl final : StepContext {
     skipped_steps = t.at("skipped_steps");
     optimizer_steps = t.at("optimizer_steps");
     lr = t.at("lr");
-    grad_norm = t.at("grad_norm");
+    grad_norm = t.at("grad_norm").is_null() ? NAN : t.at("grad_norm").get<double>();  // null: an overflowed step
     // The loss scale continues where it was (a checkpoint without fp16, or
     // from before zinc kept it, starts the scaler afresh).
     if (loss_scaling && cfg.fp16.loss_scale == 0 && t.contains("loss_scale") &&
@@ -1016,7 +1035,13 @@ struct Engine::Impl final : StepContext {
 
   std::vector<float> full_params(int block) {
     BlockShard& s = state(block);
-    if (gpu_states) states_to_host();
+    if (gpu) gpu->make_current();
+    if (gpu_states) {
+      if (float* hm = opt_state->master_in_memory(block))
+        gpu->download_states(block, 0, s.opt_numel, hm, nullptr, nullptr);
+      else
+        states_to_host();
+    }
     std::vector<float> own(static_cast<size_t>(s.opt_numel));
     opt_state->read_master(block, own.data());
     if (plan.optimizer_spans_block || world == 1) return own;
@@ -1082,6 +1107,7 @@ float Engine::train_batch(DataLoader& loader) {
 
 float Engine::evaluate(const Batch& batch) {
   impl_->check_batch(batch);
+  if (impl_->gpu) impl_->gpu->make_current();
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
   const float loss = impl_->model->forward(*impl_, batch);
   impl_->check_released("evaluate");
@@ -1101,13 +1127,15 @@ int Engine::rank() const { return impl_->rank; }
 int Engine::world_size() const { return impl_->world; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
-  for (const comm::CommStream* st : {impl_->reduce_stream.get(), impl_->own_gather_stream.get()})
+  for (const comm::CommStream* st :
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
     if (st) s += st->wait_seconds();
   return s;
 }
 double Engine::comm_busy_seconds() const {
   double s = 0;
-  for (const comm::CommStream* st : {impl_->reduce_stream.get(), impl_->own_gather_stream.get()})
+  for (const comm::CommStream* st :
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
     if (st) s += st->busy_seconds();
   return s;
 }

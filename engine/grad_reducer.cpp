@@ -15,7 +15,9 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
-    if (plan_.grad_always_allocated) {
+    if (options_.device_reduce) {
+      s.grad_state = GradState::kAccumulating;  // the full gradient lives on the GPU only
+    } else if (plan_.grad_always_allocated) {
       s.grad = memory_.alloc(padded * 4);
       s.grad_state = GradState::kAccumulating;
     } else {
@@ -26,7 +28,8 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
     max_shard = std::max(max_shard, s.part.shard_numel);
   }
   if (plan_.gather_reduced_grads) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
-  if (is_16bit(options_.wire)) scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
+  if (is_16bit(options_.wire) && !options_.device_reduce)
+    scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
 }
 
 void GradReducer::begin_backward(bool boundary) {
@@ -151,7 +154,7 @@ float* GradReducer::reduced_shard(BlockShard& s) {
 void GradReducer::reset_after_step() {
   for (BlockShard& s : blocks_) {
     s.reduction = comm::CommHandle();
-    if (!plan_.grad_always_allocated) {
+    if (!plan_.grad_always_allocated && !options_.device_reduce) {
       memory_.free(s.grad);
       s.grad_state = GradState::kFreed;
     } else {

@@ -170,8 +170,13 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   }
 
   // ---- gradients (GradReducer) ----
+  // On the GPU with several ranks the full gradients are reduced there
+  // (Note [the GPU path]): the host holds only the reduced shards.
+  const bool gpu_reduce = c.device == Device::kCuda && world > 1;
   std::vector<MemoryPart> grads;
-  if (plan.grad_always_allocated) {
+  if (gpu_reduce) {
+    // nothing full on the host
+  } else if (plan.grad_always_allocated) {
     grads.push_back({"gradients (fp32, full)", 4 * padded_all, "4 B x " + millions(padded_all) + " elements"});
   } else {
     int64_t full = padded_all;
@@ -184,7 +189,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     }
     grads.push_back({"gradients (fp32, full, in backward)", 4 * full, millions(full) + " elements: " + why});
   }
-  if (update_bytes > 0) {
+  if (update_bytes > 0 && !grads.empty()) {
     // The step's peak is the backward's without the full gradients where
     // they are gone by then (stage >= 2 with several ranks and no overlap:
     // the last bucket is waited for and freed before backward returns),
@@ -199,7 +204,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     grads.push_back({"gradient shards (fp32, reduced)", 4 * shard_all, "4 B x " + millions(shard_all) + " elements"});
   if (plan.gather_reduced_grads)
     grads.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
-  if (is_16bit(c.wire_dtype()) && world > 1) {
+  if (is_16bit(c.wire_dtype()) && world > 1 && !gpu_reduce) {
     const std::string w(dtype_name(c.wire_dtype()));
     grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
   }
@@ -248,8 +253,12 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
         e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * padded_all,
                          "2 B x " + millions(padded_all) + " elements"});
     }
-    e.training.push_back({"gradient staging (fp32, page-locked)", 4 * padded_all,
-                          "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
+    if (world > 1)
+      e.training.push_back({"reduced-shard staging (page-locked)", 4 * max_shard,
+                            "the largest shard on its way back from the GPU", false});
+    else if (z.offload_optimizer.device != OffloadDevice::kNone)
+      e.training.push_back({"gradient staging (fp32, page-locked)", 4 * padded_all,
+                            "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
   }
   return e;
 }
