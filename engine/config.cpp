@@ -845,13 +845,15 @@ void parse_unimplemented(Reader& r, Config& c) {
 // where the GPU path does not cover the rest of the config (checked after
 // the zero section: check_device).
 namespace {
-void parse_device(Reader& r, Config& c) {
+// Returns whether the value was "auto" (check_device may then fall back).
+bool parse_device(Reader& r, Config& c) {
   std::string d = "cpu";
-  if (!r.get_string("device", d)) return;
+  if (!r.get_string("device", d)) return false;
   if (d == "cpu") {
     c.device = Device::kCpu;
   } else if (d == "auto") {
-    c.device = cuda_status().devices > 0 ? Device::kCuda : Device::kCpu;
+    c.device = cuda_status().devices > 0 || gpu_emulated() ? Device::kCuda : Device::kCpu;
+    return true;
   } else if (d == "cuda" && gpu_emulated()) {
     r.warn("device", "\"cuda\" is emulated on the CPU (ZINC_EMULATE_GPU=1: a test of the GPU path's engine logic)");
     c.device = Device::kCuda;
@@ -865,13 +867,14 @@ void parse_device(Reader& r, Config& c) {
   } else {
     throw ConfigError("device", "expected \"cpu\", \"cuda\" or \"auto\", got \"" + d + "\"");
   }
+  return false;
 }
 
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
 // optimizer) at stages 1-2 (optimizer offload needs stage >= 1), and on one
 // rank AdamW over GPU-resident states at stages 0-2.
-void check_device(const Config& c) {
+void check_device_covered(const Config& c) {
   if (c.device != Device::kCuda) return;
   if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.world_size > 1)
     throw ConfigError("zero_optimization.offload_optimizer.device",
@@ -887,6 +890,19 @@ void check_device(const Config& c) {
                       "stage 3 does not run on the GPU yet (\"device\": \"cuda\" covers ZeRO-Offload at stages 1-2 "
                       "and GPU-resident optimizer states on one rank)");
 }
+
+// "auto" picks the GPU only where the GPU path covers the rest of the
+// config; elsewhere it says why and stays on the CPU. An explicit "cuda"
+// that is not covered is an error.
+void check_device(Reader& r, Config& c, bool chosen_by_auto) {
+  if (!chosen_by_auto) return check_device_covered(c);
+  try {
+    check_device_covered(c);
+  } catch (const ConfigError& e) {
+    r.warn("device", std::string("\"auto\" stays on the CPU: ") + e.what());
+    c.device = Device::kCpu;
+  }
+}
 }  // namespace
 
 Config Config::parse(const json& j, int world_size, const std::vector<std::string>& caller_sections) {
@@ -900,7 +916,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));
   r.get_bool("wall_clock_breakdown", c.wall_clock_breakdown);
-  parse_device(r, c);
+  const bool device_auto = parse_device(r, c);
   parse_precision(r, c);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
@@ -919,7 +935,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   for (const std::string& key : caller_sections) r.skip(key);
   r.finish();
   c.validate();
-  check_device(c);
+  check_device(r, c, device_auto);
   return c;
 }
 

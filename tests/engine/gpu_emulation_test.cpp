@@ -163,6 +163,21 @@ TEST_F(GpuEmulation, TheConfigSaysItIsEmulated) {
   EXPECT_TRUE(said);
 }
 
+// "auto" takes the GPU where the GPU path covers the config, and otherwise
+// stays on the CPU saying why; an explicit "cuda" is then an error.
+TEST_F(GpuEmulation, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
+  auto parse = [](const nlohmann::json& zero, const char* device) {
+    return Config::parse(nlohmann::json{{"train_micro_batch_size_per_gpu", 2}, {"device", device}, {"zero_optimization", zero}});
+  };
+  EXPECT_EQ(parse({{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
+  const Config c = parse({{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto");
+  EXPECT_EQ(c.device, Device::kCpu);
+  bool said = false;
+  for (const std::string& w : c.warnings) said |= w.find("\"auto\" stays on the CPU") != std::string::npos;
+  EXPECT_TRUE(said);
+  EXPECT_THROW(parse({{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}, "cuda"), ConfigError);
+}
+
 TEST_F(GpuEmulation, ModelAndConfigMustAgreeOnTheDevice) {
   models::GptConfig g;
   g.device = Device::kCuda;
