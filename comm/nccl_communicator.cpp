@@ -349,6 +349,14 @@ class NcclCommunicator final : public Communicator {
         broken_ = true;
         throw nccl_failure(rank_, op, std::string("asynchronous error: ") + nccl_text(async, comm_));
       }
+      // A peer that died or took another path never joins: give up after
+      // the communication timeout (kCommTimeoutSeconds, ZINC_COMM_TIMEOUT),
+      // as the shared-memory backend does, instead of spinning forever.
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(timeout_s_)) {
+        broken_ = true;
+        throw nccl_failure(rank_, op, "no completion after " + std::to_string(static_cast<int>(timeout_s_)) +
+                                          " s (a peer rank stopped? ZINC_COMM_TIMEOUT sets the limit)");
+      }
       if (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(100)) {
         std::this_thread::yield();
       } else {
@@ -438,6 +446,13 @@ class NcclCommunicator final : public Communicator {
   void* host_scratch_ = nullptr;  // pinned host, same size
   size_t scratch_bytes_ = 0;
   mutable bool broken_ = false;  // an NCCL or CUDA call failed
+  // How long a collective may take before it is given up (complete()).
+  double timeout_s_ = [] {
+    const char* v = std::getenv("ZINC_COMM_TIMEOUT");
+    char* end = nullptr;
+    const double t = v ? std::strtod(v, &end) : 0.0;
+    return v && end != v && t > 0 ? t : kCommTimeoutSeconds;
+  }();
 };
 
 // Picks this rank's GPU and builds the communicator's local parts (stream,
