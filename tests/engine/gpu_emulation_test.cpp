@@ -29,6 +29,18 @@ class GpuEmulation : public ::testing::Test {
   void TearDown() override { unsetenv("ZINC_EMULATE_GPU"); }
 };
 
+// The GPT of these tests, on `device`.
+models::GptConfig small_gpt(Device device = Device::kCpu, int64_t layers = 2, int64_t width = 32) {
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 16;
+  g.n_layer = layers;
+  g.n_head = 2;
+  g.n_embd = width;
+  g.device = device;
+  return g;
+}
+
 struct TrainRun {
   std::vector<float> losses;
   std::vector<double> norms;
@@ -52,13 +64,7 @@ TrainRun train(const Case& c) {
                         {"zero_optimization", {{"stage", c.stage}, {"offload_optimizer", {{"device", c.offload}}}}}};
   if (c.precision == "bf16") cfg["bf16"] = {{"enabled", true}};
   if (c.precision == "fp16") cfg["fp16"] = {{"enabled", true}};
-  models::GptConfig g;
-  g.vocab_size = 29;
-  g.block_size = 16;
-  g.n_layer = 2;
-  g.n_head = 2;
-  g.n_embd = 32;
-  g.device = c.device == "cuda" ? Device::kCuda : Device::kCpu;
+  const models::GptConfig g = small_gpt(c.device == "cuda" ? Device::kCuda : Device::kCpu);
   std::shared_ptr<Model> model = models::make_gpt(g);
   Engine e = Engine::initialize(model, cfg);
   DataConfig dc;
@@ -203,13 +209,7 @@ namespace {
 // which holds every block's compute parameters and fp32 accumulators (and
 // with GPU-resident states master, m and v); the host keeps the staging.
 TEST_F(GpuEmulation, TheEstimateSplitsRamAndGpu) {
-  models::GptConfig g;
-  g.vocab_size = 29;
-  g.block_size = 16;
-  g.n_layer = 2;
-  g.n_head = 2;
-  g.n_embd = 32;
-  auto cpu_model = models::make_gpt(g);
+  auto cpu_model = models::make_gpt(small_gpt());
   int64_t padded = 0;
   for (const BlockSpec& b : cpu_model->blocks()) padded += Partition::make(BlockLayout::from_spec(b).numel, 1, 0).padded_numel;
   auto cfg = [&](const char* device, const char* offload, int stage) {
@@ -251,12 +251,7 @@ TEST(CheckpointEdges, SavedAfterAnOverflowSkippedStepLoads) {
   std::filesystem::remove_all(dir);
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                         {"fp16", {{"enabled", true}, {"initial_scale_power", 40}, {"hysteresis", 1}}}};
-  models::GptConfig g;
-  g.vocab_size = 29;
-  g.block_size = 16;
-  g.n_layer = 1;
-  g.n_head = 2;
-  g.n_embd = 16;
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   Engine e = Engine::initialize(models::make_gpt(g), cfg);
   DataConfig dc;
   dc.vocab_size = 29;
@@ -279,12 +274,7 @@ TEST(CheckpointEdges, SavedAfterAnOverflowSkippedStepLoads) {
 TEST(CheckpointEdges, RefusedBetweenABoundaryBackwardAndItsStep) {
   const std::string dir = (std::filesystem::temp_directory_path() / "zinc_ckpt_pending").string();
   std::filesystem::remove_all(dir);
-  models::GptConfig g;
-  g.vocab_size = 29;
-  g.block_size = 16;
-  g.n_layer = 1;
-  g.n_head = 2;
-  g.n_embd = 16;
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   Engine e = Engine::initialize(models::make_gpt(g), nlohmann::json{{"train_micro_batch_size_per_gpu", 4}});
   DataConfig dc;
   dc.vocab_size = 29;
