@@ -872,15 +872,15 @@ bool parse_device(Reader& r, Config& c) {
 
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
-// optimizer) at stages 1-2 (optimizer offload needs stage >= 1), and on one
-// rank AdamW over GPU-resident states at stages 0-2.
+// optimizer) at stages 1-2 (optimizer offload needs stage >= 1), and AdamW
+// over GPU-resident states at stages 0-2 on one rank, 1-2 on several.
 void check_device_covered(const Config& c) {
   if (c.device != Device::kCuda) return;
-  if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.world_size > 1)
-    throw ConfigError("zero_optimization.offload_optimizer.device",
-                      "\"none\" (optimizer states on the GPU) with \"device\": \"cuda\" runs on one rank only "
-                      "(the reduction of GPU gradients over NCCL is not in the engine yet); with " +
-                          std::to_string(c.world_size) + " ranks set it to \"cpu\" or \"nvme\" (ZeRO-Offload)");
+  if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.world_size > 1 && c.zero.stage == 0)
+    throw ConfigError("zero_optimization.stage",
+                      "optimizer states on the GPU (offload_optimizer \"none\") on " + std::to_string(c.world_size) +
+                          " ranks need stage 1 or 2 (each rank updates its shard; stage 0's all-reduce of whole "
+                          "gradients is not on the GPU)");
   if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.optimizer.type == OptimizerType::kLamb)
     throw ConfigError("optimizer.type",
                       "Lamb over GPU-resident states is not implemented; with \"device\": \"cuda\" use AdamW, "

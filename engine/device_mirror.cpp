@@ -45,9 +45,14 @@ class HostMirror final : public DeviceMirror {
     std::memset(k.grads.data(), 0, k.grads.bytes());  // as the GPU zeroes after its copy
     k.copied = false;
   }
-  void enable_states() override {
-    for (Block& k : blocks_)
-      for (AlignedBuffer* a : {&k.master, &k.m, &k.v}) *a = AlignedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
+  void enable_states(const std::vector<int64_t>& numel, const std::vector<int64_t>& offset) override {
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      Block& k = blocks_[i];
+      k.state_numel = numel[i];
+      k.state_offset = offset[i];
+      for (AlignedBuffer* a : {&k.master, &k.m, &k.v}) *a = AlignedBuffer(static_cast<size_t>(k.state_numel) * 4);
+      if (k.state_numel != k.numel) k.gshard = AlignedBuffer(static_cast<size_t>(k.state_numel) * 4);
+    }
     states_ = true;
   }
   bool has_states() const override { return states_; }
@@ -68,17 +73,26 @@ class HostMirror final : public DeviceMirror {
   }
   double grad_squared_norm() override {
     double s = 0;
-    for (Block& k : blocks_) s += kernels::squared_norm(k.grads.as<float>(), k.numel);
+    for (Block& k : blocks_)
+      s += k.gshard.empty() ? kernels::squared_norm(k.grads.as<float>(), k.numel)
+                            : kernels::squared_norm(k.gshard.as<float>(), k.state_numel);
     return s;
   }
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
     Block& k = b(block);
-    bf16* out = compute_ == DType::kBF16 ? k.params.as<bf16>() : nullptr;
+    char* out = k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    const void* grad = k.gshard.empty() ? k.grads.data() : k.gshard.data();
     optim::adam_step(p, step, grad_scale,
-                     optim::AdamSpan{k.master.as<float>(), k.grads.data(), DType::kF32, k.m.as<float>(),
-                                     k.v.as<float>(), out, k.numel});
+                     optim::AdamSpan{k.master.as<float>(), grad, DType::kF32, k.m.as<float>(), k.v.as<float>(),
+                                     compute_ == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr,
+                                     k.state_numel});
     if (compute_ != DType::kBF16)
-      convert_f32_to_16(k.master.as<float>(), k.params.data(), static_cast<size_t>(k.numel), compute_);
+      convert_f32_to_16(k.master.as<float>(), out, static_cast<size_t>(k.state_numel), compute_);
+  }
+  void gather_params(comm::Communicator& c, int block) override {
+    Block& k = b(block);
+    c.all_gather(k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_), k.params.data(),
+                 k.state_numel, compute_);
   }
   void zero_grads() override {
     for (Block& k : blocks_) std::memset(k.grads.data(), 0, k.grads.bytes());
@@ -97,9 +111,9 @@ class HostMirror final : public DeviceMirror {
       uint16_t* shard16 = full + k.numel;
       convert_f32_to_16(k.grads.as<float>(), full, static_cast<size_t>(k.numel), wire_);
       c.reduce_scatter(full, shard16, shard, wire_);
-      convert_16_to_f32(shard16, out, static_cast<size_t>(shard), wire_);
+      convert_16_to_f32(shard16, out ? out : k.gshard.as<float>(), static_cast<size_t>(shard), wire_);
     } else {
-      c.reduce_scatter(k.grads.data(), out, shard, DType::kF32);
+      c.reduce_scatter(k.grads.data(), out ? out : k.gshard.as<float>(), shard, DType::kF32);
     }
     std::memset(k.grads.data(), 0, k.grads.bytes());
   }
@@ -110,7 +124,8 @@ class HostMirror final : public DeviceMirror {
  private:
   struct Block {
     int64_t numel = 0;
-    AlignedBuffer params, grads, master, m, v;
+    AlignedBuffer params, grads, master, m, v, gshard;
+    int64_t state_numel = 0, state_offset = 0;
     bool copied = false;
   };
   Block& b(int block) { return blocks_[static_cast<size_t>(block)]; }

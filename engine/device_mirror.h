@@ -62,20 +62,28 @@ class DeviceMirror {
   // "device": "cuda", one rank): fp32 master weights, m and v per block in
   // GPU memory, updated by optim::adam_step_cuda, which writes the compute
   // parameters in the same pass. ----
-  virtual void enable_states() = 0;
+  // Per block: the states' length (the padded block on one rank, the rank's
+  // shard on several) and where they start in the block (0, or the shard's
+  // offset). On several ranks the reduced gradient shard also stays on the GPU.
+  virtual void enable_states(const std::vector<int64_t>& numel, const std::vector<int64_t>& offset) = 0;
   virtual bool has_states() const = 0;
   // Elements [offset, offset + count) of a block's states from / to host
   // memory (synchronous; m or v may be null to skip them).
   virtual void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
                              const float* v) = 0;
   virtual void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) = 0;
-  // Sum of squares of every block's GPU gradient accumulator, blocks in
-  // order, each in kernels::squared_norm's order (waits for the result).
+  // Sum of squares of every block's GPU gradient (the accumulator on one
+  // rank, the reduced shard on several), blocks in order, each in
+  // kernels::squared_norm's order (waits for the result; this rank's part).
   virtual double grad_squared_norm() = 0;
-  // One AdamW step of a block over its GPU states and accumulator.
+  // One AdamW step of a block over its GPU states and gradient, writing the
+  // compute parameters of its range (then gather_params on several ranks).
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) = 0;
   // Zeroes every GPU gradient accumulator (after a step).
   virtual void zero_grads() = 0;
+  // Several ranks, comm thread: all-gathers the block's updated compute
+  // shards over `c` (in place on the GPU), after the step's updates.
+  virtual void gather_params(comm::Communicator& c, int block) = 0;
 
   // ---- reductions on the GPU (several ranks, stages 1-2): the GradReducer
   // calls device_reduce for each block of a bucket on its stream's thread,
@@ -92,6 +100,7 @@ class DeviceMirror {
   // fp32, and zeroes the accumulator for the next global batch (the compute
   // stream waits for that at the next grads(); the engine waits for every
   // reduction before the next backward).
+  // With shard_out null (GPU-resident states) the shard stays on the GPU.
   virtual void device_reduce(comm::Communicator& c, int block, int64_t shard_numel, float* shard_out) = 0;
 
   // Waits for everything the mirror and the compute stream have queued.

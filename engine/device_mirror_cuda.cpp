@@ -120,14 +120,19 @@ class CudaMirror final : public DeviceMirror {
     std::memcpy(host, k.staging.data(), k.staging.bytes());
   }
 
-  void enable_states() override {
-    for (Block& k : blocks_) {
-      const size_t bytes = static_cast<size_t>(k.numel) * sizeof(float);
-      for (cuda::DeviceBuffer* b : {&k.master, &k.m, &k.v}) {
+  void enable_states(const std::vector<int64_t>& numel, const std::vector<int64_t>& offset) override {
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      Block& k = blocks_[i];
+      k.state_numel = numel[i];
+      k.state_offset = offset[i];
+      const size_t bytes = static_cast<size_t>(k.state_numel) * sizeof(float);
+      std::vector<cuda::DeviceBuffer*> bufs = {&k.master, &k.m, &k.v};
+      if (k.state_numel != k.numel) bufs.push_back(&k.gshard);  // several ranks: the reduced shard stays here
+      for (cuda::DeviceBuffer* b : bufs) {
         *b = cuda::DeviceBuffer(bytes);
         ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
+        device_bytes_ += static_cast<int64_t>(bytes);
       }
-      device_bytes_ += static_cast<int64_t>(3 * bytes);
     }
     norms_ = cuda::DeviceBuffer(blocks_.size() * sizeof(double));
     states_ = true;
@@ -153,8 +158,12 @@ class CudaMirror final : public DeviceMirror {
   }
 
   double grad_squared_norm() override {
-    for (size_t b = 0; b < blocks_.size(); ++b)
-      kernels::cuda::squared_norm(blocks_[b].grads.as<float>(), blocks_[b].numel, norms_.as<double>() + b, kCompute);
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      const Block& k = blocks_[b];
+      const bool shard = k.gshard.bytes() > 0;
+      kernels::cuda::squared_norm(shard ? k.gshard.as<float>() : k.grads.as<float>(), shard ? k.state_numel : k.numel,
+                                  norms_.as<double>() + b, kCompute);
+    }
     std::vector<double> host(blocks_.size());
     ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
                                     kCompute),
@@ -168,17 +177,30 @@ class CudaMirror final : public DeviceMirror {
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
     Block& k = blocks_[static_cast<size_t>(block)];
     const bool half = is_16bit(compute_);
-    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), k.grads.data(), DType::kF32, k.m.as<float>(),
-                          k.v.as<float>(), half ? k.params.data() : nullptr, compute_, k.numel, kCompute);
+    const bool shard = k.gshard.bytes() > 0;
+    char* out = k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.data(),
+                          DType::kF32, k.m.as<float>(), k.v.as<float>(), half ? out : nullptr, compute_,
+                          k.state_numel, kCompute);
     if (!half)
-      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), k.master.data(), k.params.bytes(), cudaMemcpyDeviceToDevice,
-                                      kCompute),
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(out, k.master.data(), static_cast<size_t>(k.state_numel) * 4,
+                                      cudaMemcpyDeviceToDevice, kCompute),
                       "copy of the updated fp32 weights");
+    k.produced->record(kCompute);  // gather_params waits for the update
   }
 
   void zero_grads() override {
     for (Block& k : blocks_)
       ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), kCompute), "zeroing the GPU gradients");
+  }
+
+  void gather_params(comm::Communicator& c, int block) override {
+    ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice on the reduction thread");
+    Block& k = blocks_[static_cast<size_t>(block)];
+    comm::wait_cuda_event(c, k.produced->get());
+    const size_t es = dtype_bytes(compute_);
+    c.all_gather(k.params.as<char>() + static_cast<size_t>(k.state_offset) * es, k.params.data(), k.state_numel,
+                 compute_);
   }
 
   void enable_device_reduce(DType wire, int64_t max_shard) override {
@@ -207,7 +229,23 @@ class CudaMirror final : public DeviceMirror {
     Block& k = blocks_[static_cast<size_t>(block)];
     comm::wait_cuda_event(c, k.produced->get());
     const bool w16 = is_16bit(wire_);
+    if (!shard_out && !w16) {  // GPU-resident states: straight into the shard they update
+      c.reduce_scatter(k.grads.data(), k.gshard.data(), shard, DType::kF32);
+      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
+                      "zeroing a GPU gradient buffer");
+      k.copied->record(reduce_copy_.get());
+      reduce_copy_.synchronize("zeroing a GPU gradient buffer");
+      return;
+    }
     c.reduce_scatter(w16 ? k.wire.data() : k.grads.data(), shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
+    if (!shard_out) {  // GPU-resident states, 16-bit wire: widened on the GPU
+      kernels::cuda::convert_16_to_f32(shard_scratch_.data(), k.gshard.as<float>(), shard, wire_, reduce_copy_.get());
+      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
+                      "zeroing a GPU gradient buffer");
+      k.copied->record(reduce_copy_.get());
+      reduce_copy_.synchronize("widening a reduced gradient shard");
+      return;
+    }
     const size_t bytes = static_cast<size_t>(shard) * (w16 ? 2 : 4);
     ZINC_CUDA_CHECK(cudaMemcpyAsync(shard_staging_.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost,
                                     reduce_copy_.get()),
@@ -237,6 +275,8 @@ class CudaMirror final : public DeviceMirror {
     cuda::DeviceBuffer params, grads;
     cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
     cuda::DeviceBuffer wire;           // 16-bit copy for the reduction (enable_device_reduce)
+    cuda::DeviceBuffer gshard;         // GPU-resident states on several ranks: the reduced fp32 shard
+    int64_t state_numel = 0, state_offset = 0;
     cuda::PinnedBuffer staging;
     std::unique_ptr<cuda::Event> produced, copied, uploaded;
     bool copy_pending = false, upload_pending = false;

@@ -61,11 +61,14 @@
 //   page-locked host compute copy, while the CPU updates the next block
 //   (upload_after_update); otherwise the next acquire uploads it once the
 //   all-gather has brought it.
-// With offload_optimizer "none" on one rank the states live on the GPU
-// instead (DeviceMirror::enable_states): gradients stay there, the norm is
-// kernels::cuda::squared_norm's, optim::adam_step_cuda updates master, m, v
-// and writes the compute parameters in place, and the host OptimizerState
-// is only refreshed for checkpoints and full_params. Its arithmetic is the
+// With offload_optimizer "none" the states live on the GPU instead
+// (DeviceMirror::enable_states; the rank's shard on several ranks):
+// gradients stay there (on several ranks reduce-scattered into the shard),
+// the norm is kernels::cuda::squared_norm's (summed over ranks on the host),
+// optim::adam_step_cuda updates master, m, v and writes the compute
+// parameters in place (on several ranks the rank's shard, then
+// gather_params all-gathers the shards on the GPU), and the host
+// OptimizerState is only refreshed for checkpoints and full_params. Its arithmetic is the
 // CPU AdamW's (optim/detail/adam_update.h), so without clipping the two
 // modes give the same weights.
 // On several ranks the gradients are reduced on the GPU: at a boundary
@@ -78,8 +81,7 @@
 // back to the host shard buffer the CPU update reads. Every other
 // collective (norm, parameter all-gather, checkpoints) stays on the host
 // communicator.
-// Not yet: GPU-resident states on several ranks (they would need the
-// all-gather on the GPU too), and stage 3.
+// Not yet: stage 3, and stage 0 with GPU-resident states on several ranks.
 
 namespace zinc {
 namespace {
@@ -332,7 +334,16 @@ struct Engine::Impl final : StepContext {
         // GPU-resident states: the initial master weights go up once; m
         // and v start at zero there as here.
         gpu_states = true;
-        gpu->enable_states();
+        if (world > 1 && !gpu_reduce)
+          throw Error("GPU-resident optimizer states on several ranks need the reduction on the GPU (NCCL), "
+                      "which did not start (see the warning above); set "
+                      "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload)");
+        std::vector<int64_t> numel, offset;
+        for (const BlockShard& s : blocks) {
+          numel.push_back(s.opt_numel);
+          offset.push_back(plan.optimizer_spans_block ? 0 : s.part.own_offset());
+        }
+        gpu->enable_states(numel, offset);
         for_each_host_span([&](const StateSpan& sp) {
           gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, nullptr, nullptr);
         });
@@ -483,7 +494,9 @@ struct Engine::Impl final : StepContext {
     ro.wire = cfg.wire_dtype();
     if (gpu_reduce)
       ro.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
-        gpu->device_reduce(c, block, blocks[static_cast<size_t>(block)].part.shard_numel, shard_out);
+        // GPU-resident states keep the reduced shard on the GPU.
+        gpu->device_reduce(c, block, blocks[static_cast<size_t>(block)].part.shard_numel,
+                           gpu_states ? nullptr : shard_out);
       };
     reducer = std::make_unique<GradReducer>(plan, blocks, gpu_reduce ? gpu_reduce_stream.get() : reduce_stream.get(),
                                             memory, ro);
@@ -662,6 +675,12 @@ struct Engine::Impl final : StepContext {
       optimizer_steps += 1;
       if (gpu_states) {
         for (size_t b = 0; b < blocks.size(); ++b) gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale);
+        // Several ranks: every rank's new compute shards, all-gathered on the
+        // GPU in block order (before the next forward reads them).
+        if (gpu_reduce)
+          gpu_reduce_stream->submit([this](comm::Communicator& c) {
+            for (size_t b = 0; b < blocks.size(); ++b) gpu->gather_params(c, static_cast<int>(b));
+          }).wait();
       } else {
         if (gpu) {
           gpu->wait_uploads();  // the last step's uploads have read the host copies
