@@ -244,9 +244,14 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                                   std::to_string(es) + " B x " + millions(padded_all) + " elements"},
                                  {"gradient accumulators (fp32)", 4 * padded_all,
                                   "4 B x " + millions(padded_all) + " elements"}});
-    if (z.offload_optimizer.device == OffloadDevice::kNone)
-      e.gpu.insert(e.gpu.begin() + 2, {"optimizer states (fp32 master, Adam m, v)", 12 * padded_all,
-                                       "12 B x " + millions(padded_all) + " elements"});
+    if (z.offload_optimizer.device == OffloadDevice::kNone) {
+      // The rank's span (the padded blocks on one rank, its shards on several).
+      e.gpu.insert(e.gpu.begin() + 2, {"optimizer states (fp32 master, Adam m, v)", 12 * span_all,
+                                       "12 B x " + millions(span_all) + " elements"});
+      if (world > 1)
+        e.gpu.insert(e.gpu.begin() + 3, {"reduced gradient shards (fp32)", 4 * span_all,
+                                         "4 B x " + millions(span_all) + " elements"});
+    }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
       e.gpu.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
       if (is_16bit(c.wire_dtype()))
