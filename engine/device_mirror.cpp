@@ -53,9 +53,7 @@ class HostMirror final : public DeviceMirror {
       for (AlignedBuffer* a : {&k.master, &k.m, &k.v}) *a = AlignedBuffer(static_cast<size_t>(k.state_numel) * 4);
       if (k.state_numel != k.numel) k.gshard = AlignedBuffer(static_cast<size_t>(k.state_numel) * 4);
     }
-    states_ = true;
   }
-  bool has_states() const override { return states_; }
   void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
                      const float* v) override {
     Block& k = b(block);
@@ -118,8 +116,6 @@ class HostMirror final : public DeviceMirror {
     std::memset(k.grads.data(), 0, k.grads.bytes());
   }
   void synchronize() override {}
-  int64_t device_bytes() const override { return 0; }
-  int64_t pinned_bytes() const override { return 0; }
 
  private:
   struct Block {
@@ -138,7 +134,6 @@ class HostMirror final : public DeviceMirror {
   AlignedBuffer wire_buf_;
   DType compute_;
   std::vector<Block> blocks_;
-  bool states_ = false;
 };
 
 }  // namespace

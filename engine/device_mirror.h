@@ -66,7 +66,6 @@ class DeviceMirror {
   // shard on several) and where they start in the block (0, or the shard's
   // offset). On several ranks the reduced gradient shard also stays on the GPU.
   virtual void enable_states(const std::vector<int64_t>& numel, const std::vector<int64_t>& offset) = 0;
-  virtual bool has_states() const = 0;
   // Elements [offset, offset + count) of a block's states from / to host
   // memory (synchronous; m or v may be null to skip them).
   virtual void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
@@ -105,9 +104,6 @@ class DeviceMirror {
 
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;
-  // Bytes of GPU memory and of pinned host memory the mirror holds.
-  virtual int64_t device_bytes() const = 0;
-  virtual int64_t pinned_bytes() const = 0;
 };
 
 // The host-memory mirror of ZINC_EMULATE_GPU (core/device.h); make()

@@ -31,7 +31,6 @@ class CudaMirror final : public DeviceMirror {
       k.produced = std::make_unique<cuda::Event>();
       k.copied = std::make_unique<cuda::Event>();
       k.uploaded = std::make_unique<cuda::Event>();
-      device_bytes_ += static_cast<int64_t>(k.params.bytes() + k.grads.bytes());
     }
   }
 
@@ -100,7 +99,6 @@ class CudaMirror final : public DeviceMirror {
     Block& k = blocks_[static_cast<size_t>(block)];
     if (k.staging.bytes() == 0) {  // page-locked staging only where copies of whole blocks happen (one rank)
       k.staging = cuda::PinnedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
-      pinned_bytes_ += static_cast<int64_t>(k.staging.bytes());
     }
     k.produced->record(kCompute);
     k.produced->wait_on(copy_.get());
@@ -131,13 +129,10 @@ class CudaMirror final : public DeviceMirror {
       for (cuda::DeviceBuffer* b : bufs) {
         *b = cuda::DeviceBuffer(bytes);
         ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
-        device_bytes_ += static_cast<int64_t>(bytes);
       }
     }
     norms_ = cuda::DeviceBuffer(blocks_.size() * sizeof(double));
-    states_ = true;
   }
-  bool has_states() const override { return states_; }
 
   void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
                      const float* v) override {
@@ -207,13 +202,10 @@ class CudaMirror final : public DeviceMirror {
     wire_ = wire;
     shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
     shard_staging_ = cuda::PinnedBuffer(static_cast<size_t>(max_shard) * 4);
-    pinned_bytes_ += static_cast<int64_t>(shard_staging_.bytes());
     if (is_16bit(wire))
       for (Block& k : blocks_) {
         k.wire = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * 2);
-        device_bytes_ += static_cast<int64_t>(k.wire.bytes());
       }
-    device_bytes_ += static_cast<int64_t>(shard_scratch_.bytes());
   }
 
   void start_device_reduce(int block) override {
@@ -266,8 +258,6 @@ class CudaMirror final : public DeviceMirror {
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize the compute stream");
   }
 
-  int64_t device_bytes() const override { return device_bytes_; }
-  int64_t pinned_bytes() const override { return pinned_bytes_; }
 
  private:
   struct Block {
@@ -291,8 +281,6 @@ class CudaMirror final : public DeviceMirror {
   int device_ = 0;
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
   std::vector<void*> registered_;
-  bool states_ = false;
-  int64_t device_bytes_ = 0, pinned_bytes_ = 0;
 };
 
 }  // namespace
