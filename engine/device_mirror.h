@@ -11,6 +11,12 @@
 //   a copy stream of their own (backward goes on meanwhile) and zero the GPU
 //   accumulator for the next global batch; grads_copied / finish_grads_copy
 //   hand them to the host buffer.
+// At stage 3 and stage 2 the GPU keeps less (MirrorOptions): a block's
+// parameters only while the engine holds it gathered (upload_params to
+// drop_params), and its gradient accumulator only from the first grads() of
+// a global batch to its boundary copy or reduction. The CUDA mirror takes
+// these buffers from the stream-ordered pool (cudaMallocAsync), so coming
+// and going every step costs no device-wide synchronisation.
 // No CUDA type appears here: the implementation is device_mirror_cuda.cpp in
 // CUDA builds, else make() throws; device_mirror.cpp has a host-memory one
 // for ZINC_EMULATE_GPU.
@@ -26,10 +32,21 @@
 
 namespace zinc {
 
+// What the GPU keeps between uses (the engine sets these from the stage).
+struct MirrorOptions {
+  // Stage 3 (StagePlan::params_sharded): a block's GPU parameters exist from
+  // upload_params to drop_params only.
+  bool transient_params = false;
+  // Stages 2-3: a block's GPU gradient accumulator is allocated (zeroed) by
+  // grads() and freed once its boundary copy or reduction has read it.
+  bool transient_grads = false;
+};
+
 class DeviceMirror {
  public:
   // padded_numel: each block's flat length (compute params and gradients alike).
-  static std::unique_ptr<DeviceMirror> make(const std::vector<int64_t>& padded_numel, DType compute);
+  static std::unique_ptr<DeviceMirror> make(const std::vector<int64_t>& padded_numel, DType compute,
+                                            const MirrorOptions& options = {});
   virtual ~DeviceMirror() = default;
 
   // The block's GPU compute parameters, for the model's kernels: the compute
@@ -42,8 +59,19 @@ class DeviceMirror {
   // The block's GPU gradient accumulator; the compute stream first waits for
   // the copy and zeroing of the last boundary.
   virtual float* grads(int block) = 0;
-  // Copies the block's host compute parameters (compute dtype, padded) to the GPU.
+  // Copies the block's host compute parameters (compute dtype, padded) to
+  // the GPU (with transient_params: allocating them there first, and `host`
+  // may be rewritten or freed as soon as this returns).
   virtual void upload_params(int block, const void* host) = 0;
+  // transient_params: whether the block's parameters are on the GPU now,
+  // and freeing them once the kernels queued so far have read them. No-throw
+  // (the engine calls it from a release): a failure is logged.
+  virtual bool has_params(int block) = 0;
+  virtual void drop_params(int block) noexcept = 0;
+  // Bytes of GPU memory the mirror holds now and at most so far (parameters,
+  // gradients, states, wire copies and scratch; not the activations).
+  virtual int64_t bytes() const = 0;
+  virtual int64_t peak_bytes() const = 0;
   // The same on the copy stream, overlapping whatever the host does next
   // (ZeRO-Offload uploads block b while the CPU updates block b + 1). Truly
   // asynchronous where `host` was registered (register_host).
@@ -59,7 +87,7 @@ class DeviceMirror {
   // Waits for the copy and writes the block's gradients into `host` (padded fp32).
   virtual void finish_grads_copy(int block, float* host) = 0;
   // ---- GPU-resident optimizer states (offload_optimizer "none" with
-  // "device": "cuda", one rank): fp32 master weights, m and v per block in
+  // "device": "cuda", stages 0-2): fp32 master weights, m and v per block in
   // GPU memory, updated by optim::adam_step_cuda, which writes the compute
   // parameters in the same pass. ----
   // Per block: the states' length (the padded block on one rank, the rank's
@@ -72,7 +100,8 @@ class DeviceMirror {
                              const float* v) = 0;
   virtual void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) = 0;
   // Sum of squares of every block's GPU gradient (the accumulator on one
-  // rank, the reduced shard on several), blocks in order, each in
+  // rank, the reduced shard on several, with gather_back the rank's shard of
+  // the accumulator), blocks in order, each in
   // kernels::squared_norm's order (waits for the result; this rank's part).
   virtual double grad_squared_norm() = 0;
   // One AdamW step of a block over its GPU states and gradient, writing the
@@ -89,7 +118,10 @@ class DeviceMirror {
   // whose communicator reaches GPU memory (NCCL; in the emulation a host
   // one). ----
   // wire: the dtype on the wire; max_shard: the largest shard (elements).
-  virtual void enable_device_reduce(DType wire, int64_t max_shard) = 0;
+  // gather_back (stage 0, GPU-resident states): device_reduce all-gathers the
+  // reduced shards back into the full accumulator, which the update reads;
+  // the norm then covers the rank's shard of it.
+  virtual void enable_device_reduce(DType wire, int64_t max_shard, bool gather_back = false) = 0;
   // Training thread, at a boundary's grads_ready: (16-bit wire) converts the
   // accumulator on the compute stream, and marks the point the reduction
   // waits for.
@@ -99,7 +131,8 @@ class DeviceMirror {
   // fp32, and zeroes the accumulator for the next global batch (the compute
   // stream waits for that at the next grads(); the engine waits for every
   // reduction before the next backward).
-  // With shard_out null (GPU-resident states) the shard stays on the GPU.
+  // With shard_out null (GPU-resident states) the shard stays on the GPU;
+  // with gather_back the full reduced gradient does (zeroed after the step).
   virtual void device_reduce(comm::Communicator& c, int block, int64_t shard_numel, float* shard_out) = 0;
 
   // Waits for everything the mirror and the compute stream have queued.
@@ -108,6 +141,7 @@ class DeviceMirror {
 
 // The host-memory mirror of ZINC_EMULATE_GPU (core/device.h); make()
 // returns it when the emulation is on.
-std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute);
+std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute,
+                                               const MirrorOptions& options);
 
 }  // namespace zinc

@@ -1,6 +1,25 @@
 // The GPU mirror of device_mirror.h (CUDA builds).
+//
+// Streams: the models' kernels run on the compute stream (the legacy default
+// stream, models/detail/ops.h); `copy_` carries the gradients' copies to
+// the host and the stage 0-2 uploads after an update; `upload_` the stage 3
+// uploads (so the parameters of the next block come up while the gradients
+// of the last go down); `reduce_copy_` the comm thread's copies around a
+// reduction. Events order them (Block::produced, copied, uploaded).
+//
+// Memory: the parameters and gradient accumulators come from the device's
+// stream-ordered pool (cudaMallocAsync), whose release threshold is raised
+// so freed memory stays in the pool: with MirrorOptions' transient buffers a
+// block's come and go every step without cudaFree's device-wide
+// synchronisation (which would stall a reduction in flight). A buffer is
+// used only on its allocating stream or after an event recorded there after
+// the allocation, and freed on a stream that has seen its last use (the
+// pool itself orders a later reuse: its default reuse policies).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -8,6 +27,7 @@
 #include "core/cuda_util.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/device_mirror.h"
 #include "kernels/kernels_cuda.h"
 #include "optim/optim_cuda.h"
@@ -17,35 +37,67 @@ namespace {
 
 constexpr cudaStream_t kCompute = nullptr;  // the models' compute stream (models/detail/ops.h)
 
+// Device memory from the stream-ordered pool; the mirror frees it.
+struct PoolMem {
+  void* p = nullptr;
+  size_t bytes = 0;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
 class CudaMirror final : public DeviceMirror {
  public:
-  CudaMirror(const std::vector<int64_t>& padded, DType compute) : compute_(compute) {
+  CudaMirror(const std::vector<int64_t>& padded, DType compute, const MirrorOptions& options)
+      : compute_(compute), options_(options) {
     ZINC_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
+    int pools = 0;
+    ZINC_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_),
+                    "cudaDeviceGetAttribute(MemoryPoolsSupported)");
+    if (!pools)
+      throw Error("device \"cuda\": GPU " + std::to_string(device_) +
+                  " has no stream-ordered memory pool (cudaMallocAsync), which zinc's GPU path uses");
+    cudaMemPool_t pool = nullptr;
+    ZINC_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool");
+    uint64_t keep = UINT64_MAX;  // freed blocks stay in the pool for the next step
+    ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+                    "cudaMemPoolSetAttribute(ReleaseThreshold)");
     blocks_.resize(padded.size());
     for (size_t b = 0; b < padded.size(); ++b) {
       Block& k = blocks_[b];
       k.numel = padded[b];
-      k.params = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * dtype_bytes(compute));
-      k.grads = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * sizeof(float));
-      ZINC_CUDA_CHECK(cudaMemset(k.grads.data(), 0, k.grads.bytes()), "zeroing the GPU gradient buffers");
+      if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute);
+      if (!options_.transient_grads) {
+        alloc(k.grads, grad_bytes(k), kCompute);
+        ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradient buffers");
+      }
       k.produced = std::make_unique<cuda::Event>();
       k.copied = std::make_unique<cuda::Event>();
       k.uploaded = std::make_unique<cuda::Event>();
     }
+    // The buffers that stay are used from every stream: their allocation
+    // completes before anything else is queued.
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "allocating the GPU parameters and gradients");
   }
 
   ~CudaMirror() override {
     cudaDeviceSynchronize();  // nothing in flight reads what goes below
+    for (Block& k : blocks_)
+      for (PoolMem* m : {&k.params, &k.grads, &k.wire})
+        if (m->p) cudaFreeAsync(m->p, kCompute);
+    cudaStreamSynchronize(kCompute);
     for (void* p : registered_) cudaHostUnregister(p);
   }
 
   const void* params(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
+    if (!k.params.p) throw Error("GPU path: block " + std::to_string(block) + "'s parameters are not on the GPU");
     if (k.upload_pending) {
       k.uploaded->wait_on(kCompute);
       k.upload_pending = false;
     }
-    return k.params.data();
+    return k.params.p;
   }
 
   void make_current() override { ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice (the engine's GPU)"); }
@@ -56,16 +108,18 @@ class CudaMirror final : public DeviceMirror {
     // still reads these parameters), then on the copy stream.
     k.produced->record(kCompute);
     k.produced->wait_on(copy_.get());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), host, k.params.bytes(), cudaMemcpyHostToDevice, copy_.get()),
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, copy_.get()),
                     ("upload of block " + std::to_string(block) + "'s parameters").c_str());
     k.uploaded->record(copy_.get());
     k.upload_pending = true;
   }
 
-  // Both streams: the acquire-path uploads (upload_params) run on the
-  // compute stream and read the page-locked host copies asynchronously too.
+  // Every stream that reads host memory for an upload: the acquire-path
+  // uploads (upload_params) run on the compute stream and read the
+  // page-locked host copies asynchronously too.
   void wait_uploads() override {
     copy_.synchronize("wait for the parameter uploads");
+    upload_.synchronize("wait for the parameter uploads (stage 3)");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "wait for the parameter uploads (compute stream)");
   }
 
@@ -79,33 +133,56 @@ class CudaMirror final : public DeviceMirror {
   float* grads(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
     if (k.copy_pending) {
-      k.copied->wait_on(kCompute);  // the accumulator was copied out and zeroed
+      k.copied->wait_on(kCompute);  // the accumulator was copied out and zeroed (or freed)
       k.copy_pending = false;
+    }
+    if (!k.grads.p) {  // transient_grads: a new global batch's accumulator
+      alloc(k.grads, grad_bytes(k), kCompute);
+      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing a GPU gradient buffer");
     }
     return k.grads.as<float>();
   }
 
   void upload_params(int block, const void* host) override {
+    if (options_.transient_params) return upload_transient(block, host);
     Block& k = blocks_[static_cast<size_t>(block)];
     if (k.upload_pending) {  // an older upload must not land after this one
       k.uploaded->wait_on(kCompute);
       k.upload_pending = false;
     }
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.data(), host, k.params.bytes(), cudaMemcpyHostToDevice, kCompute),
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, kCompute),
                     ("upload of block " + std::to_string(block) + "'s parameters").c_str());
   }
+
+  bool has_params(int block) override { return blocks_[static_cast<size_t>(block)].params.p != nullptr; }
+
+  void drop_params(int block) noexcept override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    if (!options_.transient_params || !k.params.p) return;
+    try {
+      if (k.upload_pending) {  // uploaded but never read: the free still comes after the copy
+        k.uploaded->wait_on(kCompute);
+        k.upload_pending = false;
+      }
+      release(k.params, kCompute);  // after the kernels queued so far, which read it
+    } catch (const std::exception& e) {
+      log_error("GPU path: freeing block " + std::to_string(block) + "'s GPU parameters failed: " + e.what());
+    }
+  }
+
+  int64_t bytes() const override { return bytes_.load(); }
+  int64_t peak_bytes() const override { return peak_.load(); }
 
   void start_grads_copy(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
     if (k.staging.bytes() == 0) {  // page-locked staging only where copies of whole blocks happen (one rank)
-      k.staging = cuda::PinnedBuffer(static_cast<size_t>(k.numel) * sizeof(float));
+      k.staging = cuda::PinnedBuffer(grad_bytes(k));
     }
     k.produced->record(kCompute);
     k.produced->wait_on(copy_.get());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), k.grads.data(), k.grads.bytes(), cudaMemcpyDeviceToHost,
-                                    copy_.get()),
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), k.grads.p, k.grads.bytes, cudaMemcpyDeviceToHost, copy_.get()),
                     ("copy of block " + std::to_string(block) + "'s gradients to the host").c_str());
-    ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), copy_.get()), "zeroing a GPU gradient buffer");
+    done_with_grads(k, copy_.get());
     k.copied->record(copy_.get());
     k.copy_pending = true;
   }
@@ -128,6 +205,7 @@ class CudaMirror final : public DeviceMirror {
       if (k.state_numel != k.numel) bufs.push_back(&k.gshard);  // several ranks: the reduced shard stays here
       for (cuda::DeviceBuffer* b : bufs) {
         *b = cuda::DeviceBuffer(bytes);
+        count(static_cast<int64_t>(bytes));
         ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
       }
     }
@@ -155,9 +233,11 @@ class CudaMirror final : public DeviceMirror {
   double grad_squared_norm() override {
     for (size_t b = 0; b < blocks_.size(); ++b) {
       const Block& k = blocks_[b];
-      const bool shard = k.gshard.bytes() > 0;
-      kernels::cuda::squared_norm(shard ? k.gshard.as<float>() : k.grads.as<float>(), shard ? k.state_numel : k.numel,
-                                  norms_.as<double>() + b, kCompute);
+      const float* g = k.gshard.bytes() > 0 ? k.gshard.as<float>()
+                       : gather_back_      ? k.grads.as<float>() + k.norm_offset
+                                           : k.grads.as<float>();
+      const int64_t n = k.gshard.bytes() > 0 ? k.state_numel : gather_back_ ? k.norm_numel : k.numel;
+      kernels::cuda::squared_norm(g, n, norms_.as<double>() + b, kCompute);
     }
     std::vector<double> host(blocks_.size());
     ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
@@ -174,7 +254,7 @@ class CudaMirror final : public DeviceMirror {
     const bool half = is_16bit(compute_);
     const bool shard = k.gshard.bytes() > 0;
     char* out = k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
-    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.data(),
+    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.p,
                           DType::kF32, k.m.as<float>(), k.v.as<float>(), half ? out : nullptr, compute_,
                           k.state_numel, kCompute);
     if (!half)
@@ -186,7 +266,8 @@ class CudaMirror final : public DeviceMirror {
 
   void zero_grads() override {
     for (Block& k : blocks_)
-      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), kCompute), "zeroing the GPU gradients");
+      if (k.grads.p)
+        ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradients");
   }
 
   void gather_params(comm::Communicator& c, int block) override {
@@ -194,23 +275,28 @@ class CudaMirror final : public DeviceMirror {
     Block& k = blocks_[static_cast<size_t>(block)];
     comm::wait_cuda_event(c, k.produced->get());
     const size_t es = dtype_bytes(compute_);
-    c.all_gather(k.params.as<char>() + static_cast<size_t>(k.state_offset) * es, k.params.data(), k.state_numel,
+    c.all_gather(k.params.as<char>() + static_cast<size_t>(k.state_offset) * es, k.params.p, k.state_numel,
                  compute_);
   }
 
-  void enable_device_reduce(DType wire, int64_t max_shard) override {
+  void enable_device_reduce(DType wire, int64_t max_shard, bool gather_back) override {
     wire_ = wire;
+    gather_back_ = gather_back;
     shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+    count(static_cast<int64_t>(shard_scratch_.bytes()));
+    if (gather_back && is_16bit(wire)) {  // the widened shard, all-gathered from here
+      gather_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+      count(static_cast<int64_t>(gather_scratch_.bytes()));
+    }
     shard_staging_ = cuda::PinnedBuffer(static_cast<size_t>(max_shard) * 4);
-    if (is_16bit(wire))
-      for (Block& k : blocks_) {
-        k.wire = cuda::DeviceBuffer(static_cast<size_t>(k.numel) * 2);
-      }
   }
 
   void start_device_reduce(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
-    if (is_16bit(wire_)) kernels::cuda::convert_f32_to_16(k.grads.as<float>(), k.wire.data(), k.numel, wire_, kCompute);
+    if (is_16bit(wire_)) {
+      if (!k.wire.p) alloc(k.wire, static_cast<size_t>(k.numel) * 2, kCompute);  // transient_grads frees it with them
+      kernels::cuda::convert_f32_to_16(k.grads.as<float>(), k.wire.p, k.numel, wire_, kCompute);
+    }
     k.produced->record(kCompute);
     k.copy_pending = true;  // the next grads() waits for `copied`, recorded by device_reduce before the step ends
   }
@@ -221,30 +307,40 @@ class CudaMirror final : public DeviceMirror {
     Block& k = blocks_[static_cast<size_t>(block)];
     comm::wait_cuda_event(c, k.produced->get());
     const bool w16 = is_16bit(wire_);
+    cudaStream_t s = reduce_copy_.get();
+    if (gather_back_) {  // stage 0, GPU-resident states: the full reduced gradient stays in the accumulator
+      float* shard_f32 = w16 ? gather_scratch_.as<float>() : shard_scratch_.as<float>();
+      c.reduce_scatter(w16 ? k.wire.p : k.grads.p, shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
+      if (w16) {
+        kernels::cuda::convert_16_to_f32(shard_scratch_.data(), shard_f32, shard, wire_, s);
+        reduce_copy_.synchronize("widening a reduced gradient shard");
+      }
+      c.all_gather(shard_f32, k.grads.p, shard, DType::kF32);
+      k.norm_offset = static_cast<int64_t>(c.rank()) * shard;
+      k.norm_numel = shard;
+      k.copied->record(s);
+      return;
+    }
     if (!shard_out && !w16) {  // GPU-resident states: straight into the shard they update
-      c.reduce_scatter(k.grads.data(), k.gshard.data(), shard, DType::kF32);
-      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
-                      "zeroing a GPU gradient buffer");
-      k.copied->record(reduce_copy_.get());
+      c.reduce_scatter(k.grads.p, k.gshard.data(), shard, DType::kF32);
+      done_with_grads(k, s);
+      k.copied->record(s);
       reduce_copy_.synchronize("zeroing a GPU gradient buffer");
       return;
     }
-    c.reduce_scatter(w16 ? k.wire.data() : k.grads.data(), shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
+    c.reduce_scatter(w16 ? k.wire.p : k.grads.p, shard_scratch_.data(), shard, w16 ? wire_ : DType::kF32);
     if (!shard_out) {  // GPU-resident states, 16-bit wire: widened on the GPU
-      kernels::cuda::convert_16_to_f32(shard_scratch_.data(), k.gshard.as<float>(), shard, wire_, reduce_copy_.get());
-      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
-                      "zeroing a GPU gradient buffer");
-      k.copied->record(reduce_copy_.get());
+      kernels::cuda::convert_16_to_f32(shard_scratch_.data(), k.gshard.as<float>(), shard, wire_, s);
+      done_with_grads(k, s);
+      k.copied->record(s);
       reduce_copy_.synchronize("widening a reduced gradient shard");
       return;
     }
     const size_t bytes = static_cast<size_t>(shard) * (w16 ? 2 : 4);
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(shard_staging_.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost,
-                                    reduce_copy_.get()),
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(shard_staging_.data(), shard_scratch_.data(), bytes, cudaMemcpyDeviceToHost, s),
                     "copy of a reduced gradient shard to the host");
-    ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.data(), 0, k.grads.bytes(), reduce_copy_.get()),
-                    "zeroing a GPU gradient buffer");
-    k.copied->record(reduce_copy_.get());
+    done_with_grads(k, s);
+    k.copied->record(s);
     reduce_copy_.synchronize("copy of a reduced gradient shard to the host");
     if (w16)
       convert_16_to_f32(shard_staging_.data(), shard_out, static_cast<size_t>(shard), wire_);
@@ -254,41 +350,120 @@ class CudaMirror final : public DeviceMirror {
 
   void synchronize() override {
     copy_.synchronize("synchronize the gradient copies");
+    upload_.synchronize("synchronize the parameter uploads");
     reduce_copy_.synchronize("synchronize the reduced-shard copies");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize the compute stream");
   }
 
-
  private:
   struct Block {
     int64_t numel = 0;
-    cuda::DeviceBuffer params, grads;
+    PoolMem params, grads;  // from the pool; null while transient and absent
+    PoolMem wire;           // 16-bit copy for the reduction (start_device_reduce)
     cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
-    cuda::DeviceBuffer wire;           // 16-bit copy for the reduction (enable_device_reduce)
-    cuda::DeviceBuffer gshard;         // GPU-resident states on several ranks: the reduced fp32 shard
+    cuda::DeviceBuffer gshard;        // GPU-resident states on several ranks: the reduced fp32 shard
     int64_t state_numel = 0, state_offset = 0;
+    int64_t norm_offset = 0, norm_numel = 0;  // gather_back: the rank's shard of the accumulator
     cuda::PinnedBuffer staging;
     std::unique_ptr<cuda::Event> produced, copied, uploaded;
     bool copy_pending = false, upload_pending = false;
   };
+  // A page-locked buffer a stage 3 upload goes through, and the end of the
+  // last copy that read it.
+  struct Staging {
+    cuda::PinnedBuffer buf;
+    cuda::Event free;
+    bool used = false;
+  };
+
+  size_t param_bytes(const Block& k) const { return static_cast<size_t>(k.numel) * dtype_bytes(compute_); }
+  static size_t grad_bytes(const Block& k) { return static_cast<size_t>(k.numel) * sizeof(float); }
+  void count(int64_t bytes) {
+    const int64_t now = bytes_.fetch_add(bytes) + bytes;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+  }
+  void alloc(PoolMem& m, size_t bytes, cudaStream_t s) {
+    ZINC_CUDA_CHECK(cudaMallocAsync(&m.p, bytes, s), ("cudaMallocAsync of " + std::to_string(bytes) + " bytes").c_str());
+    m.bytes = bytes;
+    count(static_cast<int64_t>(bytes));
+  }
+  // Freed once `s` reaches this point, which must follow every use.
+  void release(PoolMem& m, cudaStream_t s) {
+    if (!m.p) return;
+    ZINC_CUDA_CHECK(cudaFreeAsync(m.p, s), "cudaFreeAsync");
+    bytes_.fetch_sub(static_cast<int64_t>(m.bytes));
+    m = PoolMem{};
+  }
+  // After a boundary's copy or reduction, queued on `s`: the accumulator is
+  // zeroed for the next global batch, or (transient_grads) freed with its
+  // wire copy.
+  void done_with_grads(Block& k, cudaStream_t s) {
+    if (options_.transient_grads) {
+      release(k.grads, s);
+      release(k.wire, s);
+    } else {
+      ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, s), "zeroing a GPU gradient buffer");
+    }
+  }
+
+  // Stage 3: the host copy (pageable, and freed by the engine right after)
+  // goes through one of two page-locked buffers on the upload stream, so
+  // the copy neither waits for the compute stream nor blocks the host on it.
+  void upload_transient(int block, const void* host) {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    const size_t bytes = param_bytes(k);
+    Staging& st = staging_[next_staging_];
+    next_staging_ ^= 1;
+    if (st.buf.bytes() < bytes) {
+      if (st.used) st.free.synchronize();
+      size_t most = 0;
+      for (const Block& o : blocks_) most = std::max(most, param_bytes(o));
+      st.buf = cuda::PinnedBuffer(most);
+    } else if (st.used) {
+      st.free.synchronize();  // the copy that last read this buffer has finished
+    }
+    std::memcpy(st.buf.data(), host, bytes);
+    if (!k.params.p) {
+      alloc(k.params, bytes, upload_.get());
+    } else {  // a block kept on the GPU whose values changed: after the compute stream's reads of the old
+      k.produced->record(kCompute);
+      k.produced->wait_on(upload_.get());
+    }
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, st.buf.data(), bytes, cudaMemcpyHostToDevice, upload_.get()),
+                    ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    st.free.record(upload_.get());
+    st.used = true;
+    k.uploaded->record(upload_.get());  // params() makes the compute stream wait for it
+    k.upload_pending = true;
+  }
+
   DType compute_;
+  MirrorOptions options_;
   cuda::Stream copy_;
+  cuda::Stream upload_;       // stage 3 uploads (upload_transient)
   cuda::Stream reduce_copy_;  // the comm thread's copies (device_reduce)
   std::vector<Block> blocks_;
-  cuda::DeviceBuffer shard_scratch_;
+  Staging staging_[2];
+  int next_staging_ = 0;
+  cuda::DeviceBuffer shard_scratch_, gather_scratch_;
   cuda::PinnedBuffer shard_staging_;  // one reduced shard on its way to the host (the comm thread's)
   DType wire_ = DType::kF32;
+  bool gather_back_ = false;
   int device_ = 0;
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
   std::vector<void*> registered_;
+  std::atomic<int64_t> bytes_{0}, peak_{0};  // freed on the comm thread too
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>& padded_numel, DType compute) {
-  if (gpu_emulated()) return make_host_mirror(padded_numel, compute);
+std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>& padded_numel, DType compute,
+                                                 const MirrorOptions& options) {
+  if (gpu_emulated()) return make_host_mirror(padded_numel, compute, options);
   if (cuda_status().devices == 0) throw Error("device \"cuda\": no GPU is visible (" + cuda_status().why + ")");
-  return std::make_unique<CudaMirror>(padded_numel, compute);
+  return std::make_unique<CudaMirror>(padded_numel, compute, options);
 }
 
 }  // namespace zinc

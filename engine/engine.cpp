@@ -81,7 +81,18 @@
 // back to the host shard buffer the CPU update reads. Every other
 // collective (norm, parameter all-gather, checkpoints) stays on the host
 // communicator.
-// Not yet: stage 3, and stage 0 with GPU-resident states on several ranks.
+// At stage 0 with GPU-resident states on several ranks the reduced shards
+// are all-gathered back into the full accumulator on the GPU (as the CPU's
+// stage 0 does on the host), and every rank updates every block.
+// Stage 3 is ZeRO-Offload with the coordinator's host gathers: acquire
+// uploads the gathered block (through page-locked staging on an upload
+// stream of its own) and the GPU copy goes when the coordinator frees the
+// host one (drop_freed_gpu_params), so the stage3_* limits bound the GPU's
+// parameters as the host's. From stage 2 the GPU accumulators exist only
+// from a global batch's first backward to its reduction or copy
+// (MirrorOptions), as the host's full gradients at stage 2. GPU-resident
+// states at stage 3 are not implemented (the parameters would need gathers
+// over the GPU communicator).
 
 namespace zinc {
 namespace {
@@ -267,7 +278,7 @@ struct Engine::Impl final : StepContext {
   // last step changed (upload at the next acquire), and the blocks whose
   // gradient copies are in flight, in the order the model reported them.
   std::unique_ptr<DeviceMirror> gpu;
-  bool gpu_states = false;  // offload_optimizer "none": master, m, v on the GPU (one rank)
+  bool gpu_states = false;  // offload_optimizer "none": master, m, v on the GPU (the rank's span)
   // Several ranks: gradients reduced on the GPU, over a communicator that
   // reaches GPU memory (NCCL; a duplicate of the host one when emulated),
   // on a stream of their own; only the rank's shard comes back to the host.
@@ -318,22 +329,30 @@ struct Engine::Impl final : StepContext {
     if (c.device == Device::kCuda) {
       std::vector<int64_t> padded;
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
-      gpu = DeviceMirror::make(padded, dtype);
+      // The GPU keeps what the host keeps (Note [ZeRO stages] in shard.h):
+      // at stage 3 a block's parameters only while gathered, from stage 2
+      // the gradients only until reduced or copied out.
+      MirrorOptions mo;
+      mo.transient_params = plan.params_sharded;
+      mo.transient_grads = c.zero.stage >= 2;
+      gpu = DeviceMirror::make(padded, dtype, mo);
       gpu_stale.assign(blocks.size(), 1);
+      gpu_states = offload_device == OffloadDevice::kNone;
       if (gpu_reduce) {
         int64_t max_shard = 0;
         for (const BlockShard& s : blocks) max_shard = std::max(max_shard, s.part.shard_numel);
-        gpu->enable_device_reduce(c.wire_dtype(), max_shard);
+        // Stage 0's GPU-resident states update whole blocks: the reduced
+        // shards come back into the full accumulator there.
+        gpu->enable_device_reduce(c.wire_dtype(), max_shard, gpu_states && plan.optimizer_spans_block);
       }
       // The host compute copies the CPU update writes are page-locked, so
       // that each block's upload overlaps the update of the next.
       if (offload_device != OffloadDevice::kNone)
         for (BlockShard& s : blocks)
           if (!s.compute.empty()) gpu->register_host(s.compute.data(), s.compute.bytes());
-      if (offload_device == OffloadDevice::kNone) {
+      if (gpu_states) {
         // GPU-resident states: the initial master weights go up once; m
         // and v start at zero there as here.
-        gpu_states = true;
         if (world > 1 && !gpu_reduce)
           throw Error("GPU-resident optimizer states on several ranks need the reduction on the GPU (NCCL), "
                       "which did not start (see the warning above); set "
@@ -509,7 +528,8 @@ struct Engine::Impl final : StepContext {
     state(block);  // a block number outside the model is the model's error
     BlockParams p = params->acquire(block);
     if (gpu) {
-      if (gpu_stale[static_cast<size_t>(block)]) {
+      drop_freed_gpu_params();  // making room may have freed others
+      if (gpu_stale[static_cast<size_t>(block)] || !gpu->has_params(block)) {
         gpu->upload_params(block, p.base);
         gpu_stale[static_cast<size_t>(block)] = 0;
       }
@@ -517,7 +537,20 @@ struct Engine::Impl final : StepContext {
     }
     return p;
   }
-  void release_params(int block) noexcept override { params->release(block); }
+  void release_params(int block) noexcept override {
+    params->release(block);
+    if (gpu) drop_freed_gpu_params();
+  }
+  // Stage 3 on the GPU: a block's GPU parameters go when the coordinator
+  // frees its host copy (at a release, or making room, or after the step),
+  // so the GPU holds the blocks the coordinator holds gathered: the
+  // stage3_* limits bound both.
+  void drop_freed_gpu_params() noexcept {
+    if (!plan.params_sharded) return;
+    for (size_t b = 0; b < blocks.size(); ++b)
+      if (blocks[b].param_state == ParamState::kSharded && gpu->has_params(static_cast<int>(b)))
+        gpu->drop_params(static_cast<int>(b));
+  }
   BlockGrads grads(int block) override {
     BlockShard& s = state(block);
     return BlockGrads{gpu ? gpu->grads(block) : reducer->grads(block), &s.layout};
@@ -613,6 +646,7 @@ struct Engine::Impl final : StepContext {
     check_released("backward");
     if (gpu) hand_over_gpu_grads(/*wait=*/true);
     params->end_pass();
+    if (gpu) drop_freed_gpu_params();
     for (size_t b = 0; b < blocks.size(); ++b)
       if (!blocks[b].grads_reported)
         throw Error("model '" + model->name() + "' did not call grads_ready for block " +
@@ -677,7 +711,7 @@ struct Engine::Impl final : StepContext {
         for (size_t b = 0; b < blocks.size(); ++b) gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale);
         // Several ranks: every rank's new compute shards, all-gathered on the
         // GPU in block order (before the next forward reads them).
-        if (gpu_reduce)
+        if (gpu_reduce && !plan.optimizer_spans_block)
           gpu_reduce_stream->submit([this](comm::Communicator& c) {
             for (size_t b = 0; b < blocks.size(); ++b) gpu->gather_params(c, static_cast<int>(b));
           }).wait();
@@ -689,6 +723,7 @@ struct Engine::Impl final : StepContext {
         params->before_update();
         update_all(grad_scale);
         params->gather_after_step();
+        if (gpu) drop_freed_gpu_params();
       }
     }
     reducer->reset_after_step();
@@ -824,7 +859,9 @@ struct Engine::Impl final : StepContext {
   // for) goes up at once, on the copy stream, while the CPU updates the
   // next; otherwise the next acquire uploads it after the gather.
   void upload_after_update(int b) {
-    if (!gpu || gpu_states || !(plan.optimizer_spans_block || world == 1)) return;
+    // (Stage 3's host copy, where there is one, is the old gathered block:
+    // the next acquire uploads the new one.)
+    if (!gpu || gpu_states || plan.params_sharded || !(plan.optimizer_spans_block || world == 1)) return;
     BlockShard& s = blocks[static_cast<size_t>(b)];
     const void* host = !s.compute.empty() ? s.compute.data() : static_cast<const void*>(s.master_compute);
     if (!host) return;
@@ -1027,7 +1064,10 @@ struct Engine::Impl final : StepContext {
       convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
     }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
     params->gather_after_step();
-    if (gpu) gpu_stale.assign(blocks.size(), 1);
+    if (gpu) {
+      gpu_stale.assign(blocks.size(), 1);
+      drop_freed_gpu_params();
+    }
     if (gpu_states)
       for_each_host_span([&](const StateSpan& sp) {
         gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, sp.m, sp.v);
@@ -1131,6 +1171,7 @@ float Engine::evaluate(const Batch& batch) {
   const float loss = impl_->model->forward(*impl_, batch);
   impl_->check_released("evaluate");
   impl_->params->end_pass();
+  if (impl_->gpu) impl_->drop_freed_gpu_params();
   return loss;
 }
 
@@ -1175,5 +1216,7 @@ int64_t Engine::offload_bytes_written() const {
 
 int64_t Engine::model_state_bytes() const { return impl_->memory.bytes(); }
 int64_t Engine::model_state_peak_bytes() const { return impl_->memory.peak_bytes(); }
+int64_t Engine::gpu_state_bytes() const { return impl_->gpu ? impl_->gpu->bytes() : 0; }
+int64_t Engine::gpu_state_peak_bytes() const { return impl_->gpu ? impl_->gpu->peak_bytes() : 0; }
 
 }  // namespace zinc

@@ -143,6 +143,12 @@ class Engine {
   // holds now, and the most it has held.
   int64_t model_state_bytes() const;
   int64_t model_state_peak_bytes() const;
+  // With "device": "cuda": bytes of GPU memory held for model state now and
+  // at most (parameters, gradient accumulators, GPU-resident optimizer
+  // states, reduction buffers; not activations or cuBLAS workspaces). 0 on
+  // the CPU.
+  int64_t gpu_state_bytes() const;
+  int64_t gpu_state_peak_bytes() const;
 
  private:
   struct Impl;

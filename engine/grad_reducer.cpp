@@ -27,7 +27,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
     max_padded = std::max(max_padded, s.part.padded_numel);
     max_shard = std::max(max_shard, s.part.shard_numel);
   }
-  if (plan_.gather_reduced_grads) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
+  if (plan_.gather_reduced_grads && !options_.device_reduce) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
   if (is_16bit(options_.wire) && !options_.device_reduce)
     scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
 }
@@ -87,9 +87,8 @@ void GradReducer::submit(const std::vector<int>& ids) {
   }
   const bool gather = plan_.gather_reduced_grads;
   if (options_.device_reduce) {
-    if (gather) throw Error("GradReducer: reductions on the GPU need stage 1 or 2");
     std::vector<std::pair<int, float*>> jobs;
-    for (int id : ids) jobs.emplace_back(id, blocks_[static_cast<size_t>(id)].grad_shard.as<float>());
+    for (int id : ids) jobs.emplace_back(id, blocks_[static_cast<size_t>(id)].grad_shard.as<float>());  // null at stage 0
     auto reduce = options_.device_reduce;
     comm::CommHandle h = stream_->submit([jobs, reduce](comm::Communicator& c) {
       for (const auto& [id, out] : jobs) reduce(c, id, out);

@@ -32,8 +32,9 @@ class GradReducer {
     // The GPU path with reductions on the GPU (Note [the GPU path] in
     // engine.cpp): when set, each block of a bucket is reduced by this call,
     // on the stream's thread and communicator, in the same order, writing
-    // the rank's reduced fp32 shard into `shard_out` (stages 1-2 only); the
-    // host full gradient is not read.
+    // the rank's reduced fp32 shard into `shard_out` (stages 1-3; null at
+    // stage 0, whose GPU-resident states have the callback all-gather the
+    // reduced shards back on the GPU); the host full gradient is not read.
     std::function<void(comm::Communicator&, int block, float* shard_out)> device_reduce;
   };
   // At most this many buckets are in flight: the next submission waits for

@@ -100,6 +100,10 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
 
   // ---- compute parameters ----
   std::vector<MemoryPart> setup_params, train_params;
+  // The compute parameters present in full at once (the GPU holds the same:
+  // DeviceMirror's transient parameters at stage 3).
+  int64_t full_params = padded_all;
+  std::string full_params_why = millions(padded_all) + " elements";
   int64_t update_bytes = 0;  // ZeRO-3 with parameters on NVMe: a new shard in RAM during the step
   if (!plan.params_sharded) {
     if (plan.compute_copy(dtype))
@@ -160,6 +164,8 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     }
     train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
                             millions(persist_padded + gathered) + " elements: " + why});
+    full_params = persist_padded + gathered;
+    full_params_why = millions(full_params) + " elements, the gathered blocks";
     if (nvme && np_padded > 0) {
       // One read buffer per gathered block on NVMe; during the step also one
       // block's new shard on its way back (update_bytes, added below).
@@ -174,20 +180,24 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   // (Note [the GPU path]): the host holds only the reduced shards.
   const bool gpu_reduce = c.device == Device::kCuda && world > 1;
   std::vector<MemoryPart> grads;
+  // Full gradients that exist only in backward (stage 2 and up on several
+  // ranks on the host; from stage 2 on the GPU): the elements at most.
+  int64_t transient_full = padded_all;
+  std::string transient_why = "every block: gradient_accumulation_steps > 1 keeps them (no-sync)";
+  if (c.gradient_accumulation_steps == 1) {
+    const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
+    transient_full = std::min(padded_all, in_flight * (z.reduce_bucket_size + max_padded) + max_padded);
+    transient_why = transient_full == padded_all
+                        ? "every block: reduce_bucket_size holds the whole model"
+                        : "the buckets in flight (reduce_bucket_size) and the block being computed";
+  }
   if (gpu_reduce) {
     // nothing full on the host
   } else if (plan.grad_always_allocated) {
     grads.push_back({"gradients (fp32, full)", 4 * padded_all, "4 B x " + millions(padded_all) + " elements"});
   } else {
-    int64_t full = padded_all;
-    std::string why = "every block: gradient_accumulation_steps > 1 keeps them (no-sync)";
-    if (c.gradient_accumulation_steps == 1) {
-      const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
-      full = std::min(padded_all, in_flight * (z.reduce_bucket_size + max_padded) + max_padded);
-      why = full == padded_all ? "every block: reduce_bucket_size holds the whole model"
-                               : "the buckets in flight (reduce_bucket_size) and the block being computed";
-    }
-    grads.push_back({"gradients (fp32, full, in backward)", 4 * full, millions(full) + " elements: " + why});
+    grads.push_back({"gradients (fp32, full, in backward)", 4 * transient_full,
+                     millions(transient_full) + " elements: " + transient_why});
   }
   if (update_bytes > 0 && !grads.empty()) {
     // The step's peak is the backward's without the full gradients where
@@ -236,28 +246,36 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     e.activations_unknown = true;
   }
   if (on_gpu) {
-    // The DeviceMirror: full compute parameters and fp32 accumulators of
-    // every block, and with offload_optimizer "none" master, m and v (the
-    // host keeps its copy for checkpoints); the gradients' page-locked
-    // staging on the host.
-    e.gpu.insert(e.gpu.begin(), {{std::string("parameters (") + dname + ")", es * padded_all,
-                                  std::to_string(es) + " B x " + millions(padded_all) + " elements"},
-                                 {"gradient accumulators (fp32)", 4 * padded_all,
-                                  "4 B x " + millions(padded_all) + " elements"}});
+    // The DeviceMirror: the compute parameters (at stage 3 the gathered
+    // blocks only) and fp32 accumulators (from stage 2 only in backward),
+    // and with offload_optimizer "none" master, m and v (the host keeps its
+    // copy for checkpoints); the gradients' page-locked staging on the host.
+    const int64_t gpu_grads = z.stage >= 2 ? transient_full : padded_all;
+    const std::string gpu_grads_why =
+        z.stage >= 2 ? millions(gpu_grads) + " elements, in backward: " + transient_why
+                     : "4 B x " + millions(padded_all) + " elements";
+    e.gpu.insert(e.gpu.begin(), {{std::string("parameters (") + dname + ")", es * full_params, full_params_why},
+                                 {"gradient accumulators (fp32)", 4 * gpu_grads, gpu_grads_why}});
     if (z.offload_optimizer.device == OffloadDevice::kNone) {
-      // The rank's span (the padded blocks on one rank, its shards on several).
+      // The rank's span (the padded blocks on one rank or at stage 0, its
+      // shards on several).
       e.gpu.insert(e.gpu.begin() + 2, {"optimizer states (fp32 master, Adam m, v)", 12 * span_all,
                                        "12 B x " + millions(span_all) + " elements"});
-      if (world > 1)
+      if (world > 1 && !plan.optimizer_spans_block)
         e.gpu.insert(e.gpu.begin() + 3, {"reduced gradient shards (fp32)", 4 * span_all,
                                          "4 B x " + millions(span_all) + " elements"});
     }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
-      e.gpu.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
+      const bool gather_back = plan.optimizer_spans_block && is_16bit(c.wire_dtype());
+      e.gpu.push_back({"reduction scratch", (gather_back ? 8 : 4) * max_shard,
+                       gather_back ? "the largest shard, twice (wire and widened)" : "the largest shard, fp32"});
       if (is_16bit(c.wire_dtype()))
-        e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * padded_all,
-                         "2 B x " + millions(padded_all) + " elements"});
+        e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * gpu_grads,
+                         "2 B per gradient element"});
     }
+    if (plan.params_sharded)
+      e.training.push_back({"parameter upload staging (page-locked)", 2 * es * max_padded,
+                            "two of the largest block, on their way to the GPU", false});
     if (world > 1)
       e.training.push_back({"reduced-shard staging (page-locked)", 4 * max_shard,
                             "the largest shard on its way back from the GPU", false});

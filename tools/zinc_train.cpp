@@ -210,7 +210,8 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
   zinc::MemoryEstimate e = zinc::estimate_memory(*ex.model, cfg, T);
   std::vector<std::pair<int, zinc::MemoryEstimate>> others;
   for (int st = 0; st <= 3; ++st)
-    if (st != cfg.zero.stage && !(st == 3 && cfg.device == zinc::Device::kCuda))  // no stage 3 on the GPU
+    if (st != cfg.zero.stage && !(st == 3 && cfg.device == zinc::Device::kCuda &&
+                                  cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone))  // not on the GPU
       others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
   // Measured after the estimates: their matmul primitives (oneDNN's code)
   // are part of the process from here on, as they will be in training.
@@ -569,6 +570,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                       {"waited", zs.waited},             {"peak_live_elements", zs.peak_live_numel},
                       {"trace_length", zs.trace_length}, {"departures", zs.departures}};
     }
+    if (cfg.device == zinc::Device::kCuda) sum["gpu_state_peak_bytes"] = engine.gpu_state_peak_bytes();
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -589,6 +591,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::printf(" MiB | waiting for communication %.1f%% of the time, not running %.1f%%", 100 * wait_share,
                   100 * off_cpu_share);
     }
+    if (cfg.device == zinc::Device::kCuda)
+      std::printf(" | GPU model state peak %.1f MiB (this rank)",
+                  static_cast<double>(engine.gpu_state_peak_bytes()) / (1 << 20));
     if (engine.skipped_steps() > 0)
       std::printf(" | %lld steps skipped (%s)", static_cast<long long>(engine.skipped_steps()),
                   cfg.fp16.enabled ? "fp16 overflow" : "non-finite gradients");

@@ -21,11 +21,12 @@ namespace {
 struct TrainRun {
   std::vector<float> losses;
   std::vector<float> weights;  // block 1's master weights at the end
+  int64_t gpu_peak = 0;        // Engine::gpu_state_peak_bytes
 };
 
 TrainRun train(const std::string& device, const std::string& precision, int stage, int gas, int steps,
                const std::string& offload = "cpu", double clipping = 1.0, const std::string& ckpt_dir = "",
-               int resume_at = -1) {
+               int resume_at = -1, const std::string& offload_param = "") {
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 8},
                         {"gradient_accumulation_steps", gas},
                         {"gradient_clipping", clipping},
@@ -34,6 +35,12 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
                         {"zero_optimization", {{"stage", stage}, {"offload_optimizer", {{"device", offload}}}}}};
   if (precision == "bf16") cfg["bf16"] = {{"enabled", true}};
   if (precision == "fp16") cfg["fp16"] = {{"enabled", true}};
+  if (!offload_param.empty()) {  // stage 3, one block gathered at a time
+    cfg["zero_optimization"]["offload_param"] = {{"device", offload_param},
+                                                 {"nvme_path", std::filesystem::temp_directory_path().string()}};
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 0;
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+  }
   models::GptConfig g;
   g.vocab_size = 37;
   g.block_size = 32;
@@ -62,6 +69,7 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
     r.losses.push_back(e.train_batch(loader));
   }
   r.weights = e.full_params(1);
+  r.gpu_peak = e.gpu_state_peak_bytes();
   return r;
 }
 
@@ -121,6 +129,25 @@ TEST(CudaEngine, ZeroOffloadEqualsGpuResidentAdamWBitForBit) {
       for (size_t i = 0; i < offc.weights.size(); ++i)
         ASSERT_NEAR(offc.weights[i], gpuc.weights[i], 1e-5 + 1e-4 * std::fabs(offc.weights[i])) << i;
     }
+}
+
+// Stage 3 on the GPU (the parameters in page-locked RAM or on NVMe, one
+// block gathered at a time, uploaded at its acquire and freed at its
+// release) runs the same kernels on the same values as stage 2: the same
+// bits, with less GPU memory held.
+TEST(CudaEngine, Stage3EqualsStage2BitForBitWithLessGpuMemory) {
+  ZINC_REQUIRE_GPU();
+  for (const char* where : {"cpu", "nvme"})
+    for (const char* prec : {"fp32", "bf16"})
+      for (int gas : {1, 2}) {
+        const TrainRun s2 = train("cuda", prec, 2, gas, 10);
+        const TrainRun s3 = train("cuda", prec, 3, gas, 10, "cpu", 1.0, "", -1, where);
+        const std::string what = std::string(where) + " " + prec + " gas " + std::to_string(gas);
+        ASSERT_EQ(s2.weights.size(), s3.weights.size());
+        EXPECT_EQ(0, std::memcmp(s2.weights.data(), s3.weights.data(), s2.weights.size() * 4)) << what;
+        for (size_t i = 0; i < s2.losses.size(); ++i) EXPECT_EQ(s2.losses[i], s3.losses[i]) << what << " step " << i;
+        EXPECT_LT(s3.gpu_peak, s2.gpu_peak) << what;
+      }
 }
 
 // A checkpoint of GPU-resident states resumes bit for bit.
