@@ -873,17 +873,13 @@ bool parse_device(Reader& r, Config& c) {
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
 // optimizer) at stages 1-3 (optimizer offload needs stage >= 1), and AdamW
-// over GPU-resident states at stages 0-2.
+// over GPU-resident states at stages 0-3; not Lamb over GPU-resident states.
 void check_device_covered(const Config& c) {
   if (c.device != Device::kCuda) return;
   if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.optimizer.type == OptimizerType::kLamb)
     throw ConfigError("optimizer.type",
                       "Lamb over GPU-resident states is not implemented; with \"device\": \"cuda\" use AdamW, "
                       "or Lamb with zero_optimization.offload_optimizer.device \"cpu\"");
-  if (c.zero.stage >= 3 && c.zero.offload_optimizer.device == OffloadDevice::kNone)
-    throw ConfigError("zero_optimization.offload_optimizer.device",
-                      "stage 3 on the GPU keeps the optimizer states on the host (ZeRO-Offload): set it to \"cpu\" "
-                      "or \"nvme\" (GPU-resident states at stage 3 are not implemented)");
 }
 
 // "auto" picks the GPU only where the GPU path covers the rest of the

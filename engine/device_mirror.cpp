@@ -107,9 +107,10 @@ class HostMirror final : public DeviceMirror {
     }
     return s;
   }
-  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
+  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
     Block& k = b(block);
-    char* out = k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    char* out = host_out ? static_cast<char*>(host_out)
+                         : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
     const void* grad = k.gshard.empty() ? k.grads.data() : k.gshard.data();
     optim::adam_step(p, step, grad_scale,
                      optim::AdamSpan{k.master.as<float>(), grad, DType::kF32, k.m.as<float>(), k.v.as<float>(),

@@ -105,8 +105,11 @@ class DeviceMirror {
   // kernels::squared_norm's order (waits for the result; this rank's part).
   virtual double grad_squared_norm() = 0;
   // One AdamW step of a block over its GPU states and gradient, writing the
-  // compute parameters of its range (then gather_params on several ranks).
-  virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) = 0;
+  // compute parameters of its range (then gather_params on several ranks),
+  // or with `host_out` (stage 3, whose GPU parameters come and go) to host
+  // memory instead: the state range's compute values, synchronously.
+  virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale,
+                         void* host_out = nullptr) = 0;
   // Zeroes every GPU gradient accumulator (after a step).
   virtual void zero_grads() = 0;
   // Several ranks, comm thread: all-gathers the block's updated compute

@@ -249,14 +249,27 @@ class CudaMirror final : public DeviceMirror {
     return s;
   }
 
-  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale) override {
+  void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
     Block& k = blocks_[static_cast<size_t>(block)];
     const bool half = is_16bit(compute_);
     const bool shard = k.gshard.bytes() > 0;
-    char* out = k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    const size_t out_bytes = static_cast<size_t>(k.state_numel) * dtype_bytes(compute_);
+    if (host_out && half && update_out_.bytes() < out_bytes) {
+      count(static_cast<int64_t>(out_bytes) - static_cast<int64_t>(update_out_.bytes()));
+      update_out_ = cuda::DeviceBuffer(out_bytes);
+    }
+    char* out = host_out ? update_out_.as<char>()
+                         : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
     optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.p,
                           DType::kF32, k.m.as<float>(), k.v.as<float>(), half ? out : nullptr, compute_,
                           k.state_numel, kCompute);
+    if (host_out) {  // stage 3: the new compute values go to the host shard (fp32: the master itself)
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(host_out, half ? update_out_.data() : k.master.data(), out_bytes,
+                                      cudaMemcpyDeviceToHost, kCompute),
+                      ("copy of block " + std::to_string(block) + "'s updated parameters to the host").c_str());
+      ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "waiting for the updated parameters");
+      return;
+    }
     if (!half)
       ZINC_CUDA_CHECK(cudaMemcpyAsync(out, k.master.data(), static_cast<size_t>(k.state_numel) * 4,
                                       cudaMemcpyDeviceToDevice, kCompute),
@@ -448,6 +461,7 @@ class CudaMirror final : public DeviceMirror {
   Staging staging_[2];
   int next_staging_ = 0;
   cuda::DeviceBuffer shard_scratch_, gather_scratch_;
+  cuda::DeviceBuffer update_out_;  // stage 3, GPU-resident states: 16-bit new values on their way to the host
   cuda::PinnedBuffer shard_staging_;  // one reduced shard on its way to the host (the comm thread's)
   DType wire_ = DType::kF32;
   bool gather_back_ = false;

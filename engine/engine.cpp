@@ -91,8 +91,10 @@
 // parameters as the host's. From stage 2 the GPU accumulators exist only
 // from a global batch's first backward to its reduction or copy
 // (MirrorOptions), as the host's full gradients at stage 2. GPU-resident
-// states at stage 3 are not implemented (the parameters would need gathers
-// over the GPU communicator).
+// states at stage 3 keep the rank's shard of master, m, v (and the reduced
+// gradient shard) on the GPU; the update sends the new compute shard down
+// to the coordinator's host shard, and the blocks go up as above (a gather
+// over the GPU communicator from GPU shards is not implemented).
 
 namespace zinc {
 namespace {
@@ -511,6 +513,8 @@ struct Engine::Impl final : StepContext {
     ro.bucket_numel = cfg.zero.reduce_bucket_size;
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire = cfg.wire_dtype();
+    // GPU-resident states on one rank: the gradients stay on the GPU.
+    ro.host_grads = !(cfg.device == Device::kCuda && offload_device == OffloadDevice::kNone && world == 1);
     if (gpu_reduce)
       ro.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
         // GPU-resident states keep the reduced shard on the GPU.
@@ -707,7 +711,20 @@ struct Engine::Impl final : StepContext {
       lr = schedule.lr_at(optimizer_steps);
       set_hyperparameters(optimizer_steps);
       optimizer_steps += 1;
-      if (gpu_states) {
+      if (gpu_states && plan.params_sharded) {
+        // Stage 3: the update writes each block's new compute shard back to
+        // the host (or its NVMe write buffer), where the coordinator gathers
+        // it; the next acquire uploads the gathered block.
+        params->before_update();
+        for (size_t b = 0; b < blocks.size(); ++b) {
+          gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale,
+                         params->shard_to_update(static_cast<int>(b)));
+          params->finish_update(static_cast<int>(b));
+        }
+        gpu_stale.assign(blocks.size(), 1);
+        params->gather_after_step();
+        drop_freed_gpu_params();
+      } else if (gpu_states) {
         for (size_t b = 0; b < blocks.size(); ++b) gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale);
         // Several ranks: every rank's new compute shards, all-gathered on the
         // GPU in block order (before the next forward reads them).

@@ -15,7 +15,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
-    if (options_.device_reduce) {
+    if (options_.device_reduce || !options_.host_grads) {
       s.grad_state = GradState::kAccumulating;  // the full gradient lives on the GPU only
     } else if (plan_.grad_always_allocated) {
       s.grad = memory_.alloc(padded * 4);
@@ -153,7 +153,7 @@ float* GradReducer::reduced_shard(BlockShard& s) {
 void GradReducer::reset_after_step() {
   for (BlockShard& s : blocks_) {
     s.reduction = comm::CommHandle();
-    if (!plan_.grad_always_allocated && !options_.device_reduce) {
+    if (!plan_.grad_always_allocated && !options_.device_reduce && options_.host_grads) {
       memory_.free(s.grad);
       s.grad_state = GradState::kFreed;
     } else {

@@ -36,6 +36,9 @@ class GradReducer {
     // stage 0, whose GPU-resident states have the callback all-gather the
     // reduced shards back on the GPU); the host full gradient is not read.
     std::function<void(comm::Communicator&, int block, float* shard_out)> device_reduce;
+    // False where the gradients never reach host memory (GPU-resident
+    // optimizer states on one rank): no host gradient buffers at all.
+    bool host_grads = true;
   };
   // At most this many buckets are in flight: the next submission waits for
   // the oldest, which bounds the full gradients alive at stage 2.

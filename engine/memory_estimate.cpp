@@ -179,6 +179,8 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   // On the GPU with several ranks the full gradients are reduced there
   // (Note [the GPU path]): the host holds only the reduced shards.
   const bool gpu_reduce = c.device == Device::kCuda && world > 1;
+  // GPU-resident states on one rank: no gradient reaches the host.
+  const bool gpu_only_grads = c.device == Device::kCuda && world == 1 && z.offload_optimizer.device == OffloadDevice::kNone;
   std::vector<MemoryPart> grads;
   // Full gradients that exist only in backward (stage 2 and up on several
   // ranks on the host; from stage 2 on the GPU): the elements at most.
@@ -191,7 +193,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                         ? "every block: reduce_bucket_size holds the whole model"
                         : "the buckets in flight (reduce_bucket_size) and the block being computed";
   }
-  if (gpu_reduce) {
+  if (gpu_reduce || gpu_only_grads) {
     // nothing full on the host
   } else if (plan.grad_always_allocated) {
     grads.push_back({"gradients (fp32, full)", 4 * padded_all, "4 B x " + millions(padded_all) + " elements"});
@@ -264,6 +266,8 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       if (world > 1 && !plan.optimizer_spans_block)
         e.gpu.insert(e.gpu.begin() + 3, {"reduced gradient shards (fp32)", 4 * span_all,
                                          "4 B x " + millions(span_all) + " elements"});
+      if (plan.params_sharded && is_16bit(dtype))
+        e.gpu.push_back({"update output", es * max_shard, "the largest shard's new compute values, on their way to RAM"});
     }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
       const bool gather_back = plan.optimizer_spans_block && is_16bit(c.wire_dtype());

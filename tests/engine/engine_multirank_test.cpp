@@ -282,9 +282,10 @@ TEST(GpuEmulationRanks, ZeroOffloadEqualsTheCpuPathBitForBit) {
 // "GPU", the gradients reduce-scattered there and kept there, the update
 // writing the rank's compute shard, then the compute shards all-gathered on
 // the "GPU". Stage 0: the reduced shards all-gathered back into the full
-// gradient there, and every rank updating whole blocks.
+// gradient there, and every rank updating whole blocks. Stage 3: the new
+// compute shards sent down to the host, gathered there by the coordinator.
 TEST(GpuEmulationRanks, GpuResidentStatesEqualTheCpuPathBitForBit) {
-  expect_emulated_gpu_equals_cpu("none", 0.0, {0, 1, 2});
+  expect_emulated_gpu_equals_cpu("none", 0.0, {0, 1, 2, 3});
 }
 }  // namespace
 }  // namespace zinc

@@ -133,44 +133,54 @@ TEST_F(GpuEmulation, ZeroOffloadEqualsTheCpuPathBitForBit) {
 
 // Stage 3 on one rank with the parameters offloaded (to page-locked RAM or
 // NVMe): each block is read into RAM, uploaded at its acquire and dropped
-// from the "GPU" when the coordinator frees it; the gradients are copied out
-// at the boundary and freed there. Same weights as the CPU path, and with
-// stage3_max_live_parameters holding about one block, the GPU holds far less
-// than the whole model's parameters and accumulators.
-TEST_F(GpuEmulation, Stage3ZeroOffloadEqualsTheCpuPathBitForBit) {
-  for (const char* where : {"cpu", "nvme"})
-    for (const char* prec : {"fp32", "bf16"})
-      for (int gas : {1, 2}) {
-        Case cpu;
-        cpu.precision = prec;
-        cpu.stage = 3;
-        cpu.gas = gas;
-        cpu.steps = 5;
-        cpu.offload_param = where;
-        cpu.max_live = 1;  // one block at a time
-        cpu.layers = 6;
-        Case gpu = cpu;
-        gpu.device = "cuda";
-        const TrainRun a = train(cpu), b = train(gpu);
-        const std::string what = std::string(where) + " " + prec + " gas " + std::to_string(gas);
-        expect_same(a, b, what);
-        EXPECT_EQ(a.gpu_peak, 0) << what;
-        int64_t padded = 0, largest = 0;
-        for (const BlockSpec& spec : models::make_gpt(small_gpt(Device::kCpu, cpu.layers))->blocks()) {
-          const int64_t n = Partition::make(BlockLayout::from_spec(spec).numel, 1, 0).padded_numel;
-          padded += n;
-          largest = std::max(largest, n);
+// from the "GPU" when the coordinator frees it. ZeRO-Offload copies the
+// gradients out at the boundary and frees them there; GPU-resident states
+// update on the "GPU" and send each new compute shard down to the host,
+// where the coordinator gathers it (without clipping, whose norm the GPU
+// sums in another order: the CPU path's bits). Same weights as the CPU
+// path, and with stage3_max_live_parameters holding about one block the
+// GPU holds far less than the whole model's parameters and accumulators.
+TEST_F(GpuEmulation, Stage3EqualsTheCpuPathBitForBit) {
+  for (const char* states : {"cpu", "none"})
+    for (const char* where : {"cpu", "nvme"})
+      for (const char* prec : {"fp32", "bf16"})
+        for (int gas : {1, 2}) {
+          Case cpu;
+          cpu.precision = prec;
+          cpu.stage = 3;
+          cpu.gas = gas;
+          cpu.steps = 5;
+          cpu.offload = states;
+          cpu.clipping = std::string(states) == "none" ? 0.0 : 1.0;
+          cpu.offload_param = where;
+          cpu.max_live = 1;  // one block at a time
+          cpu.layers = 6;
+          Case gpu = cpu;
+          gpu.device = "cuda";
+          const TrainRun a = train(cpu), b = train(gpu);
+          const std::string what =
+              std::string("states ") + states + ", parameters " + where + " " + prec + " gas " + std::to_string(gas);
+          expect_same(a, b, what);
+          EXPECT_EQ(a.gpu_peak, 0) << what;
+          int64_t padded = 0, largest = 0;
+          for (const BlockSpec& spec : models::make_gpt(small_gpt(Device::kCpu, cpu.layers))->blocks()) {
+            const int64_t n = Partition::make(BlockLayout::from_spec(spec).numel, 1, 0).padded_numel;
+            padded += n;
+            largest = std::max(largest, n);
+          }
+          const int64_t es = std::string(prec) == "bf16" ? 2 : 4;
+          // Parameters: about one block (plus the one being uploaded while
+          // the last is read). Gradients: with one micro-batch per step and
+          // states on the host only the blocks between backward and their
+          // copy; otherwise all of them (no-sync keeps them, as on the host;
+          // GPU-resident states read them in the step). States: 12 B each.
+          const bool resident = std::string(states) == "none";
+          const int64_t params_most = 2 * es * largest;
+          const int64_t grads_most = gas == 1 && !resident ? 2 * 4 * largest : 4 * padded;
+          const int64_t states_bytes = resident ? 12 * padded : 0;
+          EXPECT_LE(b.gpu_peak, params_most + grads_most + states_bytes) << what;
+          EXPECT_LT(b.gpu_peak, (es + 4) * padded + states_bytes) << what << ": the whole model's parameters and gradients";
         }
-        const int64_t es = std::string(prec) == "bf16" ? 2 : 4;
-        // Parameters: about one block (plus the one being uploaded while the
-        // last is read). Gradients: with one micro-batch per step only the
-        // blocks between backward and their copy; with two, all of them
-        // (no-sync keeps them, as on the host).
-        const int64_t params_most = 2 * es * largest;
-        const int64_t grads_most = gas == 1 ? 2 * 4 * largest : 4 * padded;
-        EXPECT_LE(b.gpu_peak, params_most + grads_most) << what;
-        EXPECT_LT(b.gpu_peak, (es + 4) * padded) << what << ": the whole model's parameters and gradients";
-      }
 }
 
 // GPU-resident states: the gradients stay on the "GPU", the norm is summed
@@ -234,16 +244,23 @@ TEST_F(GpuEmulation, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
   };
   EXPECT_EQ(parse({{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
   EXPECT_EQ(parse({{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
-  const Config c = parse({{"stage", 3}, {"offload_optimizer", {{"device", "none"}}}}, "auto");
+  EXPECT_EQ(parse({{"stage", 3}}, "auto").device, Device::kCuda);
+  auto lamb = [](const char* device) {
+    return Config::parse(nlohmann::json{{"train_micro_batch_size_per_gpu", 2},
+                                        {"device", device},
+                                        {"optimizer", {{"type", "Lamb"}}},
+                                        {"zero_optimization", {{"stage", 1}}}});
+  };
+  const Config c = lamb("auto");  // Lamb over GPU-resident states: not on the GPU
   EXPECT_EQ(c.device, Device::kCpu);
   bool said = false;
   for (const std::string& w : c.warnings) said |= w.find("\"auto\" stays on the CPU") != std::string::npos;
   EXPECT_TRUE(said);
   try {
-    parse({{"stage", 3}, {"offload_optimizer", {{"device", "none"}}}}, "cuda");
+    lamb("cuda");
     ADD_FAILURE() << "expected a ConfigError";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("zero_optimization.offload_optimizer.device"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("optimizer.type"), std::string::npos) << e.what();
   }
 }
 
