@@ -213,18 +213,22 @@ TEST_F(GpuEmulation, GpuResidentStatesEqualTheCpuPath) {
 // back up after the load).
 TEST_F(GpuEmulation, CheckpointsResumeBitForBit) {
   const std::string dir = (std::filesystem::temp_directory_path() / "zinc_gpu_emulation_ckpt").string();
-  for (const char* offload : {"none", "cpu"}) {
-    std::filesystem::remove_all(dir);
-    Case straight;
-    straight.device = "cuda";
-    straight.precision = "bf16";
-    straight.offload = offload;
-    straight.steps = 10;
-    Case resumed = straight;
-    resumed.ckpt_dir = dir;
-    resumed.resume_at = 5;
-    expect_same(train(straight), train(resumed), std::string("resume, offload ") + offload);
-  }
+  for (int stage : {1, 3})
+    for (const char* offload : {"none", "cpu"}) {
+      std::filesystem::remove_all(dir);
+      Case straight;
+      straight.device = "cuda";
+      straight.precision = "bf16";
+      straight.offload = offload;
+      straight.stage = stage;
+      if (stage == 3) straight.offload_param = "cpu";
+      straight.steps = 10;
+      Case resumed = straight;
+      resumed.ckpt_dir = dir;
+      resumed.resume_at = 5;
+      expect_same(train(straight), train(resumed),
+                  std::string("resume, stage ") + std::to_string(stage) + ", offload " + offload);
+    }
   std::filesystem::remove_all(dir);
 }
 
