@@ -8,6 +8,10 @@
 // than the reference one. The peer (PyTorch on the same model) is
 // bench/torch_gpt_peer.py, run by bench/gpu_compare.sh in the same job.
 //
+// --stage 3 keeps the parameters in page-locked RAM with one block on the
+// GPU at a time; --resident keeps the optimizer states on the GPU, the step
+// without PCIe traffic or the CPU optimizer to set the offload case against.
+//
 // Has never run: no machine this project has used had a GPU (README, GPU).
 #include <cuda_runtime_api.h>
 
@@ -47,10 +51,18 @@ int bench_gpu_train_step(const BenchOptions& o) {
       {"device", "cuda"},
       {"bf16", {{"enabled", true}}},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
-      {"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}},
+      {"zero_optimization",
+       {{"stage", o.stage}, {"offload_optimizer", {{"device", o.resident ? "none" : "cpu"}, {"pin_memory", true}}}}},
       {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}, {"block_size", T}}},
       {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
   };
+  if (o.stage == 3) {  // one block gathered (and on the GPU) at a time
+    doc["zero_optimization"]["offload_param"] = {{"device", "cpu"}, {"pin_memory", true}};
+    doc["zero_optimization"]["stage3_max_live_parameters"] = 0;
+    doc["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+  }
+  const std::string what = std::string(o.resident ? "GPU-resident states" : "ZeRO-Offload") + ", stage " +
+                           std::to_string(o.stage);
   tools::Experiment ex = tools::build_experiment(doc, 1);
   Engine engine = Engine::initialize(ex.model, ex.config);
   DataLoader loader(ex.data, B, gas, 1, 0, 1);
@@ -114,18 +126,22 @@ int bench_gpu_train_step(const BenchOptions& o) {
                          {"optimizer_s", median(opt_s)},
                          {"optimizer_share", median(opt_s) / t_step},
                          {"gradient_accumulation_steps", gas},
+                         {"zero_stage", o.stage},
+                         {"optimizer_states", o.resident ? "gpu" : "cpu"},
+                         {"gpu_state_peak_bytes", engine.gpu_state_peak_bytes()},
                          {"params", engine.num_parameters()}};
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "gpu-train-step (%s: %s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %lld micro-batches, ZeRO-Offload)\n"
+                "gpu-train-step (%s: %s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %lld micro-batches, %s)\n"
                 "  figure: %.1f TFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
                 "  bound:  %.1f TFLOP/s cuBLAS bf16 at the model's shapes\n"
                 "  ratio:  %.3f\n"
-                "  step:   forward %.3f s | backward (with the gradient copies) %.3f s | CPU optimizer step %.3f s "
-                "(%.0f%% of the step)",
+                "  step:   forward %.3f s | backward (with the gradient copies) %.3f s | optimizer step %.3f s "
+                "(%.0f%% of the step) | GPU model state peak %.2f GiB",
                 o.large ? "large" : "reference", prop.name, (long long)L, (long long)C, (long long)H, (long long)T,
-                (long long)B, (long long)V, (long long)gas, model_flops / 1e12, tokens_per_s, t_step, bound / 1e12,
-                model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step);
+                (long long)B, (long long)V, (long long)gas, what.c_str(), model_flops / 1e12, tokens_per_s, t_step, bound / 1e12,
+                model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step,
+                static_cast<double>(engine.gpu_state_peak_bytes()) / (1 << 30));
   emit(o.json, line, buf);
   return 0;
 }

@@ -55,6 +55,11 @@ int main(int argc, char** argv) {
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");
   app.add_flag("--large", o.large, "gpu-train-step: a GPT sized for an 80 GB GPU");
   app.add_option("--gas", o.gas, "gpu-train-step: micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--stage", o.stage, "gpu-train-step: ZeRO stage 1-3 (3: parameters in page-locked RAM)")
+      ->check(CLI::Range(1, 3));
+  app.add_flag("--resident", o.resident,
+               "gpu-train-step: optimizer states on the GPU instead of ZeRO-Offload (the step without PCIe and the "
+               "CPU optimizer, to compare)");
   app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);

@@ -58,10 +58,14 @@ if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; "$here/bin/n
 echo "== zinc-train, ZeRO-Offload on the GPU"
 "$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
   --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
+echo "== zinc-train, stage 3 on the GPU (parameters in page-locked RAM)"
+"$here/bin/zinc-train" "$here/configs/zero3_offload.json" --set device=cuda --set run.steps=100 || rc=1
 echo "== benchmarks"
 ZINC_BENCH="$here/bin/zinc-bench"
 "$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --large --stage 3 | tee -a ${res:+$res/gpu-train-step.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large --offload | tee -a ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torch-peer.jsonl}
