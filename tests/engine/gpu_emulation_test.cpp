@@ -68,7 +68,11 @@ TrainRun train(const Case& c) {
                         {"gradient_clipping", c.clipping},
                         {"device", c.device},
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
-                        {"zero_optimization", {{"stage", c.stage}, {"offload_optimizer", {{"device", c.offload}}}}}};
+                        {"zero_optimization",
+                         {{"stage", c.stage},
+                          {"sub_group_size", 4096},
+                          {"offload_optimizer",
+                           {{"device", c.offload}, {"nvme_path", std::filesystem::temp_directory_path().string()}}}}}};
   if (!c.offload_param.empty())
     cfg["zero_optimization"]["offload_param"] = {{"device", c.offload_param},
                                                  {"nvme_path", std::filesystem::temp_directory_path().string()}};
@@ -115,7 +119,23 @@ void expect_same(const TrainRun& a, const TrainRun& b, const std::string& what) 
 
 // ZeRO-Offload through the GPU path's engine logic equals the CPU path: the
 // gradients come back at the boundary, the CPU update runs, every block goes
-// up again.
+// up again. With the states on NVMe the swapper streams them under the update.
+TEST_F(GpuEmulation, ZeroOffloadToNvmeEqualsTheCpuPathBitForBit) {
+  for (const char* prec : {"fp32", "bf16"})
+    for (int stage : {2, 3}) {
+      Case cpu;
+      cpu.precision = prec;
+      cpu.stage = stage;
+      cpu.gas = 2;
+      cpu.steps = 4;
+      cpu.offload = "nvme";
+      if (stage == 3) cpu.offload_param = "nvme";
+      Case gpu = cpu;
+      gpu.device = "cuda";
+      expect_same(train(cpu), train(gpu), std::string(prec) + " stage " + std::to_string(stage) + " on NVMe");
+    }
+}
+
 TEST_F(GpuEmulation, ZeroOffloadEqualsTheCpuPathBitForBit) {
   for (const char* prec : {"fp32", "bf16", "fp16"})
     for (int stage : {1, 2})
