@@ -59,8 +59,9 @@
 // - step() is the CPU path's. At stage 0 or on one rank each block goes
 //   up on the copy stream as soon as its update is done, from the
 //   page-locked host compute copy, while the CPU updates the next block
-//   (upload_after_update); otherwise the next acquire uploads it once the
-//   all-gather has brought it.
+//   (upload_after_update); at stages 1-2 on several ranks every block goes
+//   up on the copy stream once the all-gather has brought it
+//   (upload_after_gather); at stage 3 the next acquire uploads it.
 // With offload_optimizer "none" the states live on the GPU instead
 // (DeviceMirror::enable_states; the rank's shard on several ranks):
 // gradients stay there (on several ranks reduce-scattered into the shard),
@@ -740,7 +741,10 @@ struct Engine::Impl final : StepContext {
         params->before_update();
         update_all(grad_scale);
         params->gather_after_step();
-        if (gpu) drop_freed_gpu_params();
+        if (gpu) {
+          drop_freed_gpu_params();
+          upload_after_gather();
+        }
       }
     }
     reducer->reset_after_step();
@@ -874,7 +878,7 @@ struct Engine::Impl final : StepContext {
   // ZeRO-Offload on the GPU: a block whose host compute copy is complete
   // once its own update is (stage 0, or one rank: no all-gather to wait
   // for) goes up at once, on the copy stream, while the CPU updates the
-  // next; otherwise the next acquire uploads it after the gather.
+  // next; otherwise upload_after_gather or the next acquire uploads it.
   void upload_after_update(int b) {
     // (Stage 3's host copy, where there is one, is the old gathered block:
     // the next acquire uploads the new one.)
@@ -884,6 +888,21 @@ struct Engine::Impl final : StepContext {
     if (!host) return;
     gpu->upload_params_async(b, host);
     gpu_stale[static_cast<size_t>(b)] = 0;
+  }
+
+  // Stages 1-2 on several ranks: once the all-gather has brought every
+  // rank's new shards, each block goes up on the copy stream from its
+  // page-locked host copy, all of them queued now, so the next forward's
+  // first blocks wait only for their own upload and the rest overlap its
+  // kernels (at the acquire, an upload on the compute stream would wait for
+  // every kernel before it).
+  void upload_after_gather() {
+    if (gpu_states || !plan.gather_params_after_step) return;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (!gpu_stale[b] || blocks[b].compute.empty()) continue;
+      gpu->upload_params_async(static_cast<int>(b), blocks[b].compute.data());
+      gpu_stale[b] = 0;
+    }
   }
 
   // ---- checkpoints (Note [checkpoints] in engine/checkpoint.cpp) ---------------------
