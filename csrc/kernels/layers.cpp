@@ -182,12 +182,20 @@ void add_bias(float* y, CView bias, int64_t M, int64_t N) {
   });
 }
 
+// Column sums in Note [column sums]'s order (kernels/math.h): rows in chunks.
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
   ProfileScope profile_scope(Op::kBias);
   if (M <= 0 || N <= 0) return;
   for_column_blocks(N, [&](int64_t c0, int64_t c1, double* __restrict acc) {
     const int64_t w = c1 - c0;
-    for (int64_t i = 0; i < M; ++i) add_row_f64(acc, dy + i * N + c0, w);
+    std::vector<double> partv(static_cast<size_t>(w));
+    double* __restrict part = partv.data();
+    for (int64_t r0 = 0; r0 < M; r0 += math::kColumnChunk) {
+      std::fill(partv.begin(), partv.end(), 0.0);
+      const int64_t r1 = std::min(M, r0 + math::kColumnChunk);
+      for (int64_t i = r0; i < r1; ++i) add_row_f64(part, dy + i * N + c0, w);
+      for (int64_t j = 0; j < w; ++j) acc[j] += part[j];
+    }
     for (int64_t j = 0; j < w; ++j) dbias[c0 + j] = static_cast<float>(dbias[c0 + j] + acc[j]);
   });
 }
@@ -216,13 +224,25 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
     for (size_t i = lo; i < hi; ++i)
       layernorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, mean[i], rstd[i], C);
   });
-  // dw += sum_i dout * xhat, db += sum_i dout; column-parallel, rows in order.
+  // dw += sum_i dout * xhat, db += sum_i dout; column-parallel, rows in
+  // Note [column sums]'s chunks.
   for_column_blocks(C, [&](int64_t c0, int64_t c1, double* __restrict aw) {
     const int64_t wd = c1 - c0;
-    std::vector<double> abv(static_cast<size_t>(wd), 0.0);
+    std::vector<double> abv(static_cast<size_t>(wd), 0.0), pwv(static_cast<size_t>(wd)), pbv(static_cast<size_t>(wd));
     double* __restrict ab = abv.data();
-    for (int64_t i = 0; i < N; ++i)
-      layernorm_dw_row(aw, ab, dout + i * C + c0, x + i * C + c0, mean[i], rstd[i], wd);
+    double* __restrict pw = pwv.data();
+    double* __restrict pb = pbv.data();
+    for (int64_t r0 = 0; r0 < N; r0 += math::kColumnChunk) {
+      std::fill(pwv.begin(), pwv.end(), 0.0);
+      std::fill(pbv.begin(), pbv.end(), 0.0);
+      const int64_t r1 = std::min(N, r0 + math::kColumnChunk);
+      for (int64_t i = r0; i < r1; ++i)
+        layernorm_dw_row(pw, pb, dout + i * C + c0, x + i * C + c0, mean[i], rstd[i], wd);
+      for (int64_t j = 0; j < wd; ++j) {
+        aw[j] += pw[j];
+        ab[j] += pb[j];
+      }
+    }
     for (int64_t j = 0; j < wd; ++j) {
       dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
       db[c0 + j] = static_cast<float>(db[c0 + j] + ab[j]);

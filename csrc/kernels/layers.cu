@@ -1,9 +1,11 @@
 // The CUDA twins of layers.cpp: bias, layernorm, GELU, cross-entropy and
 // embeddings (kernels_cuda.h). Per-element and per-row math comes from
 // kernels/math.h and row sums follow Note [lane order], so each result is the
-// CPU's bit for bit. Parameter-gradient reductions (bias, layernorm w/b,
-// embeddings) give each thread one column and add the rows in order, in
-// double where the CPU does: the CPU's order, no atomics, deterministic.
+// CPU's bit for bit. Parameter-gradient reductions add in the CPU's order,
+// in double where the CPU does, with no atomics: the bias and layernorm
+// weight and bias follow Note [column sums] (math.h: a thread per column and
+// chunk of rows, the chunks' sums added in order), the embeddings give each
+// thread one column and add the rows in order.
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
@@ -24,13 +26,40 @@ __global__ void add_bias_kernel(float* y, const void* bias, DType bt, int64_t M,
     y[i] += load_param(bias, bt, i % N);
 }
 
-// dbias[j] = float(dbias[j] + sum_i double(dy[i,j])), rows in order.
+// Column sums (Note [column sums]): a block of kSumCols x kSumChunks
+// threads owns kSumCols columns; in each wave thread (x, y) adds chunk
+// wave * kSumChunks + y of column x (its rows in order), and thread y = 0
+// then adds the wave's chunk sums in chunk order. A warp reads kSumCols
+// consecutive floats of one row.
+constexpr int kSumCols = 32, kSumChunks = 32;
+
+// One chunk of column c: rows [r0, min(r0 + kColumnChunk, M)) in order; the
+// per-row term is `term(i)`.
+template <class Term>
+__device__ double chunk_sum(int64_t r0, int64_t M, Term term) {
+  double p = 0;
+  const int64_t r1 = r0 + math::kColumnChunk < M ? r0 + math::kColumnChunk : M;
+  for (int64_t i = r0; i < r1; ++i) p += term(i);
+  return p;
+}
+
+// dbias[j] = float(dbias[j] + sum_i double(dy[i,j])).
 __global__ void bias_backward_kernel(float* dbias, const float* dy, int64_t M, int64_t N) {
-  const int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (j >= N) return;
+  __shared__ double part[kSumChunks][kSumCols];
+  const int64_t j = blockIdx.x * int64_t{kSumCols} + threadIdx.x;
+  const int64_t chunks = (M + math::kColumnChunk - 1) / math::kColumnChunk;
   double acc = 0;
-  for (int64_t i = 0; i < M; ++i) acc += dy[i * N + j];
-  dbias[j] = static_cast<float>(dbias[j] + acc);
+  for (int64_t k0 = 0; k0 < chunks; k0 += kSumChunks) {
+    const int64_t k = k0 + threadIdx.y;
+    if (j < N && k < chunks)
+      part[threadIdx.y][threadIdx.x] =
+          chunk_sum(k * math::kColumnChunk, M, [&](int64_t i) { return static_cast<double>(dy[i * N + j]); });
+    __syncthreads();
+    if (threadIdx.y == 0 && j < N)
+      for (int64_t y = 0; y < kSumChunks && k0 + y < chunks; ++y) acc += part[y][threadIdx.x];
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && j < N) dbias[j] = static_cast<float>(dbias[j] + acc);
 }
 
 // ---- layernorm -------------------------------------------------------------------------
@@ -81,18 +110,40 @@ __global__ void layernorm_backward_dx_kernel(float* dx, const float* dout, const
 }
 
 // dw[c] += sum_i g xhat, db[c] += sum_i g (double, rows in order), one thread per column.
+// dw += sum_i dout * xhat, db += sum_i dout, in Note [column sums]'s order
+// (the same block shape as bias_backward_kernel).
 __global__ void layernorm_backward_dw_kernel(float* dw, float* db, const float* dout, const float* x, const float* mean,
                                              const float* rstd, int64_t N, int64_t C) {
-  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (c >= C) return;
+  __shared__ double pw[kSumChunks][kSumCols], pb[kSumChunks][kSumCols];
+  const int64_t c = blockIdx.x * int64_t{kSumCols} + threadIdx.x;
+  const int64_t chunks = (N + math::kColumnChunk - 1) / math::kColumnChunk;
   double aw = 0, ab = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const float g = dout[i * C + c];
-    aw += g * math::layernorm_xhat(x[i * C + c], mean[i], rstd[i]);
-    ab += g;
+  for (int64_t k0 = 0; k0 < chunks; k0 += kSumChunks) {
+    const int64_t k = k0 + threadIdx.y;
+    if (c < C && k < chunks) {
+      double w = 0, b = 0;
+      const int64_t r0 = k * math::kColumnChunk;
+      const int64_t r1 = r0 + math::kColumnChunk < N ? r0 + math::kColumnChunk : N;
+      for (int64_t i = r0; i < r1; ++i) {
+        const float g = dout[i * C + c];
+        w += g * math::layernorm_xhat(x[i * C + c], mean[i], rstd[i]);
+        b += g;
+      }
+      pw[threadIdx.y][threadIdx.x] = w;
+      pb[threadIdx.y][threadIdx.x] = b;
+    }
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C)
+      for (int64_t y = 0; y < kSumChunks && k0 + y < chunks; ++y) {
+        aw += pw[y][threadIdx.x];
+        ab += pb[y][threadIdx.x];
+      }
+    __syncthreads();
   }
-  dw[c] = static_cast<float>(dw[c] + aw);
-  db[c] = static_cast<float>(db[c] + ab);
+  if (threadIdx.y == 0 && c < C) {
+    dw[c] = static_cast<float>(dw[c] + aw);
+    db[c] = static_cast<float>(db[c] + ab);
+  }
 }
 
 // ---- GELU ---------------------------------------------------------------------------------
@@ -190,6 +241,7 @@ __global__ void position_backward_kernel(float* dwpe, const float* dout, int64_t
 
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
+unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1) / kSumCols); }
 
 }  // namespace
 
@@ -201,7 +253,7 @@ void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream) {
 
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
   if (M <= 0 || N <= 0) return;
-  bias_backward_kernel<<<column_blocks(N), 128, 0, stream>>>(dbias, dy, M, N);
+  bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(dbias, dy, M, N);
   detail::check_launch("bias_backward");
 }
 
@@ -220,7 +272,8 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   layernorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, mean, rstd, N,
                                                                           C);
   detail::check_launch("layernorm_backward (dx)");
-  layernorm_backward_dw_kernel<<<column_blocks(C), 128, 0, stream>>>(dw, db, dout, x, mean, rstd, N, C);
+  layernorm_backward_dw_kernel<<<sum_blocks(C), dim3(kSumCols, kSumChunks), 0, stream>>>(dw, db, dout, x, mean,
+                                                                                         rstd, N, C);
   detail::check_launch("layernorm_backward (dw, db)");
 }
 

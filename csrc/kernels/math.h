@@ -41,6 +41,17 @@ ZINC_HD Acc lane_partial(int64_t n, int l, F f) {
 // [squared_norm order] in vector_ops.cpp): the summation tree depends only on n.
 constexpr int64_t kNormChunk = int64_t{1} << 16;
 
+// Note [column sums]
+// A parameter gradient that sums a column over M rows (the bias, the
+// layernorm weight and bias) adds the rows in chunks of kColumnChunk rows:
+// each chunk's rows in order, in double, from 0; then the chunks' sums in
+// chunk order, in double, from 0; then that total once into the float
+// gradient. The CPU's column blocks and the GPU's threads (one per column
+// and chunk) follow the same tree, so both give the same bits, and the GPU
+// runs M / kColumnChunk times more threads than there are columns (adding
+// all M rows in one thread per column left most of a large GPU idle).
+constexpr int64_t kColumnChunk = 64;
+
 // exp(x) in float, ~2 ulp for x <= 88.3; 0 below -87.3 (where the true
 // value is subnormal); +Inf from about 88.4 up (every caller passes x <= 0,
 // or 2|u| to tanh_f, where Inf gives 1). Cody-Waite reduction

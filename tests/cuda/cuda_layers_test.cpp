@@ -74,9 +74,12 @@ TEST(CudaLayers, ConversionsMatchTheCpuBits) {
   }
 }
 
+// M: within one chunk of rows, exactly one, one and a bit, and more chunks
+// than one wave of a block's threads takes (Note [column sums]).
 TEST(CudaLayers, BiasForwardAndBackwardMatchTheCpuBits) {
   ZINC_REQUIRE_GPU();
-  const int64_t M = 37, N = 203;
+  const int64_t N = 203;
+  for (int64_t M : {37, 64, 65, 4099})
   for (DType t : kParamTypes) {
     std::vector<float> y = randn(M * N, 2), b = randn(N, 3), dy = randn(M * N, 4), db = randn(N, 5);
     Param bias(b, t);
@@ -92,8 +95,8 @@ TEST(CudaLayers, BiasForwardAndBackwardMatchTheCpuBits) {
 
 TEST(CudaLayers, LayernormMatchesTheCpuBits) {
   ZINC_REQUIRE_GPU();
-  for (int64_t C : {1, 15, 16, 17, 768}) {
-    const int64_t N = 29;  // not a multiple of the rows per block
+  for (int64_t C : {1, 15, 16, 17, 768})
+  for (int64_t N : {29, 2113}) {  // not a multiple of the rows per block; more than a wave of chunks
     for (DType t : kParamTypes) {
       std::vector<float> x = randn(N * C, 6, 3.0), w = randn(C, 7), b = randn(C, 8), dout = randn(N * C, 9);
       for (int64_t i = 0; i < N * C; ++i) x[i] += 5.0f;  // |mean| >> std
