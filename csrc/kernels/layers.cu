@@ -109,7 +109,6 @@ __global__ void layernorm_backward_dx_kernel(float* dx, const float* dout, const
     d[c] += math::layernorm_dx(g[c], load_param(w, wt, c), math::layernorm_xhat(xr[c], m, rs), rs, mg, mgx);
 }
 
-// dw[c] += sum_i g xhat, db[c] += sum_i g (double, rows in order), one thread per column.
 // dw += sum_i dout * xhat, db += sum_i dout, in Note [column sums]'s order
 // (the same block shape as bias_backward_kernel).
 __global__ void layernorm_backward_dw_kernel(float* dw, float* db, const float* dout, const float* x, const float* mean,
