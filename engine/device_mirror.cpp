@@ -4,6 +4,7 @@
 // kernels::squared_norm (whose order the GPU's follows): the engine's GPU
 // path runs end to end on the CPU, every step as the GPU would order it.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -53,8 +54,8 @@ class HostMirror final : public DeviceMirror {
   void drop_params(int block) noexcept override {
     if (options_.transient_params) release(b(block).params);
   }
-  int64_t bytes() const override { return bytes_; }
-  int64_t peak_bytes() const override { return peak_; }
+  int64_t bytes() const override { return bytes_.load(); }
+  int64_t peak_bytes() const override { return peak_.load(); }
   void upload_params_async(int block, const void* host) override { upload_params(block, host); }
   void wait_uploads() override {}
   void register_host(void*, size_t) override {}
@@ -172,14 +173,18 @@ class HostMirror final : public DeviceMirror {
   Block& b(int block) { return blocks_[static_cast<size_t>(block)]; }
   size_t param_bytes(const Block& k) const { return static_cast<size_t>(k.numel) * dtype_bytes(compute_); }
   static size_t grad_bytes(const Block& k) { return static_cast<size_t>(k.numel) * sizeof(float); }
+  // The comm thread frees (device_reduce) while the training thread
+  // allocates: the counts are atomic, as the CUDA mirror's.
   void alloc(AlignedBuffer& a, size_t n) {
     a = AlignedBuffer(n);
     std::memset(a.data(), 0, n);
-    bytes_ += static_cast<int64_t>(n);
-    peak_ = std::max(peak_, bytes_);
+    const int64_t now = bytes_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
   }
   void release(AlignedBuffer& a) noexcept {
-    bytes_ -= static_cast<int64_t>(a.bytes());
+    bytes_.fetch_sub(static_cast<int64_t>(a.bytes()));
     a = AlignedBuffer();
   }
   // After a boundary's copy or reduction: zeroed for the next global batch,
@@ -201,7 +206,7 @@ class HostMirror final : public DeviceMirror {
   DType compute_;
   MirrorOptions options_;
   std::vector<Block> blocks_;
-  int64_t bytes_ = 0, peak_ = 0;
+  std::atomic<int64_t> bytes_{0}, peak_{0};
 };
 
 }  // namespace

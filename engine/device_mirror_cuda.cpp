@@ -7,9 +7,10 @@
 // of the last go down); `reduce_copy_` the comm thread's copies around a
 // reduction. Events order them (Block::produced, copied, uploaded).
 //
-// Memory: the parameters and gradient accumulators come from the device's
-// stream-ordered pool (cudaMallocAsync), whose release threshold is raised
-// so freed memory stays in the pool: with MirrorOptions' transient buffers a
+// Memory: the parameters and gradient accumulators come from a
+// stream-ordered pool of the mirror's own (cudaMallocFromPoolAsync), whose
+// release threshold is raised so freed memory stays in the pool until the
+// mirror goes: with MirrorOptions' transient buffers a
 // block's come and go every step without cudaFree's device-wide
 // synchronisation (which would stall a reduction in flight). A buffer is
 // used only on its allocating stream or after an event recorded there after
@@ -58,10 +59,16 @@ class CudaMirror final : public DeviceMirror {
     if (!pools)
       throw Error("device \"cuda\": GPU " + std::to_string(device_) +
                   " has no stream-ordered memory pool (cudaMallocAsync), which zinc's GPU path uses");
-    cudaMemPool_t pool = nullptr;
-    ZINC_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool");
-    uint64_t keep = UINT64_MAX;  // freed blocks stay in the pool for the next step
-    ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+    // A pool of the mirror's own: freed blocks stay in it for the next step
+    // (the release threshold), and it all goes back when the mirror does,
+    // leaving the device's default pool and other allocators alone.
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device_;
+    ZINC_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
+    uint64_t keep = UINT64_MAX;
+    ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep),
                     "cudaMemPoolSetAttribute(ReleaseThreshold)");
     blocks_.resize(padded.size());
     for (size_t b = 0; b < padded.size(); ++b) {
@@ -87,6 +94,7 @@ class CudaMirror final : public DeviceMirror {
       for (PoolMem* m : {&k.params, &k.grads, &k.wire})
         if (m->p) cudaFreeAsync(m->p, kCompute);
     cudaStreamSynchronize(kCompute);
+    if (pool_) cudaMemPoolDestroy(pool_);  // its memory goes back to the device
     for (void* p : registered_) cudaHostUnregister(p);
   }
 
@@ -175,6 +183,7 @@ class CudaMirror final : public DeviceMirror {
 
   void start_grads_copy(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
+    ZINC_CHECK(k.grads.p != nullptr, "start_grads_copy of block " + std::to_string(block) + " without gradients");
     if (k.staging.bytes() == 0) {  // page-locked staging only where copies of whole blocks happen (one rank)
       k.staging = cuda::PinnedBuffer(grad_bytes(k));
     }
@@ -210,6 +219,7 @@ class CudaMirror final : public DeviceMirror {
       }
     }
     norms_ = cuda::DeviceBuffer(blocks_.size() * sizeof(double));
+    count(static_cast<int64_t>(norms_.bytes()));
   }
 
   void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
@@ -306,6 +316,7 @@ class CudaMirror final : public DeviceMirror {
 
   void start_device_reduce(int block) override {
     Block& k = blocks_[static_cast<size_t>(block)];
+    ZINC_CHECK(k.grads.p != nullptr, "start_device_reduce of block " + std::to_string(block) + " without gradients");
     if (is_16bit(wire_)) {
       if (!k.wire.p) alloc(k.wire, static_cast<size_t>(k.numel) * 2, kCompute);  // transient_grads frees it with them
       kernels::cuda::convert_f32_to_16(k.grads.as<float>(), k.wire.p, k.numel, wire_, kCompute);
@@ -398,7 +409,8 @@ class CudaMirror final : public DeviceMirror {
     }
   }
   void alloc(PoolMem& m, size_t bytes, cudaStream_t s) {
-    ZINC_CUDA_CHECK(cudaMallocAsync(&m.p, bytes, s), ("cudaMallocAsync of " + std::to_string(bytes) + " bytes").c_str());
+    ZINC_CUDA_CHECK(cudaMallocFromPoolAsync(&m.p, bytes, pool_, s),
+                    ("cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes").c_str());
     m.bytes = bytes;
     count(static_cast<int64_t>(bytes));
   }
@@ -466,6 +478,7 @@ class CudaMirror final : public DeviceMirror {
   DType wire_ = DType::kF32;
   bool gather_back_ = false;
   int device_ = 0;
+  cudaMemPool_t pool_ = nullptr;  // the stream-ordered pool of the parameters, gradients and wire copies
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
   std::vector<void*> registered_;
   std::atomic<int64_t> bytes_{0}, peak_{0};  // freed on the comm thread too

@@ -291,6 +291,7 @@ struct Engine::Impl final : StepContext {
   std::vector<char> gpu_stale;
   std::deque<int> gpu_copies;
   bool boundary_backward = false;
+  bool step_pending = false;  // a boundary backward ran; its step() has not
 
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm)
@@ -334,10 +335,11 @@ struct Engine::Impl final : StepContext {
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
       // The GPU keeps what the host keeps (Note [ZeRO stages] in shard.h):
       // at stage 3 a block's parameters only while gathered, from stage 2
-      // the gradients only until reduced or copied out.
+      // the gradients only until reduced or copied out (GPU-resident states
+      // on one rank read them in place: they stay).
       MirrorOptions mo;
       mo.transient_params = plan.params_sharded;
-      mo.transient_grads = c.zero.stage >= 2;
+      mo.transient_grads = c.zero.stage >= 2 && !(offload_device == OffloadDevice::kNone && world == 1);
       gpu = DeviceMirror::make(padded, dtype, mo);
       gpu_stale.assign(blocks.size(), 1);
       gpu_states = offload_device == OffloadDevice::kNone;
@@ -349,8 +351,10 @@ struct Engine::Impl final : StepContext {
         gpu->enable_device_reduce(c.wire_dtype(), max_shard, gpu_states && plan.optimizer_spans_block);
       }
       // The host compute copies the CPU update writes are page-locked, so
-      // that each block's upload overlaps the update of the next.
-      if (offload_device != OffloadDevice::kNone)
+      // that each block's upload overlaps the update of the next. (Stage
+      // 3's gathered copies come and go; its uploads go through the mirror's
+      // own page-locked staging.)
+      if (offload_device != OffloadDevice::kNone && !plan.params_sharded)
         for (BlockShard& s : blocks)
           if (!s.compute.empty()) gpu->register_host(s.compute.data(), s.compute.bytes());
       if (gpu_states) {
@@ -627,7 +631,18 @@ struct Engine::Impl final : StepContext {
                   " inputs and " + std::to_string(batch.targets.size()) + " targets");
   }
 
+  // A boundary backward's step() must run before the next micro-batch: its
+  // reductions may still be in flight (on the GPU, freeing the gradient
+  // buffers the next backward would write), and its losses belong to it.
+  void check_stepped(const char* what) const {
+    if (step_pending)
+      throw Error(std::string("Engine::") + what + "(): the global batch ending at micro-step " +
+                  std::to_string(micro_steps) + " has not been stepped; call step() after every backward() "
+                  "(it updates the weights at accumulation boundaries and does nothing elsewhere)");
+  }
+
   float forward(const Batch& batch) {
+    check_stepped("forward");
     if (gpu) gpu->make_current();
     check_batch(batch);
     auto t0 = Clock::now();
@@ -643,6 +658,7 @@ struct Engine::Impl final : StepContext {
 
   void backward() {
     if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
+    check_stepped("backward");
     if (gpu) gpu->make_current();
     auto t0 = Clock::now();
     boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
@@ -659,6 +675,7 @@ struct Engine::Impl final : StepContext {
     reducer->end_backward();
     forward_pending = false;
     micro_steps += 1;
+    step_pending = boundary_backward;
     timings.backward_s += seconds_since(t0);
   }
 
@@ -675,6 +692,7 @@ struct Engine::Impl final : StepContext {
 
   void step() {
     if (!at_boundary() || loss_count == 0) return;
+    step_pending = false;
     if (gpu) gpu->make_current();
     auto t0 = Clock::now();
     const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);

@@ -252,10 +252,12 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     // blocks only) and fp32 accumulators (from stage 2 only in backward),
     // and with offload_optimizer "none" master, m and v (the host keeps its
     // copy for checkpoints); the gradients' page-locked staging on the host.
-    const int64_t gpu_grads = z.stage >= 2 ? transient_full : padded_all;
+    // (As the engine's MirrorOptions: GPU-resident states on one rank keep them.)
+    const bool transient = z.stage >= 2 && !gpu_only_grads;
+    const int64_t gpu_grads = transient ? transient_full : padded_all;
     const std::string gpu_grads_why =
-        z.stage >= 2 ? millions(gpu_grads) + " elements, in backward: " + transient_why
-                     : "4 B x " + millions(padded_all) + " elements";
+        transient ? millions(gpu_grads) + " elements, in backward: " + transient_why
+                  : "4 B x " + millions(padded_all) + " elements";
     e.gpu.insert(e.gpu.begin(), {{std::string("parameters (") + dname + ")", es * full_params, full_params_why},
                                  {"gradient accumulators (fp32)", 4 * gpu_grads, gpu_grads_why}});
     if (z.offload_optimizer.device == OffloadDevice::kNone) {

@@ -401,5 +401,34 @@ TEST(CheckpointEdges, RefusedBetweenABoundaryBackwardAndItsStep) {
   e.load_checkpoint(dir, "ok");  // and fine again after the step
   std::filesystem::remove_all(dir);
 }
+
+// The next micro-batch after a boundary backward needs that step() first
+// (its reductions may be in flight, its losses belong to it); inside an
+// accumulation, step() is optional and does nothing.
+TEST(EngineStepOrder, AMicroBatchAfterABoundaryBackwardNeedsItsStep) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  Engine e = Engine::initialize(models::make_gpt(g),
+                                nlohmann::json{{"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}});
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  DataLoader loader(make_data_source(dc), 4, 2, 1, 0, 7);
+  e.forward(loader.next());
+  e.backward();  // inside the accumulation: no step needed
+  e.forward(loader.next());
+  e.backward();  // the boundary
+  try {
+    e.forward(loader.next());
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("has not been stepped"), std::string::npos) << err.what();
+  }
+  e.step();
+  EXPECT_EQ(e.global_steps(), 1);
+  e.forward(loader.next());
+  e.backward();
+  e.step();  // inside the accumulation: nothing
+  EXPECT_EQ(e.global_steps(), 1);
+}
 }  // namespace
 }  // namespace zinc
