@@ -15,7 +15,8 @@
 // each global batch; zero_optimization.stage picks what each rank keeps:
 // 0 everything (gradients all-reduced), 1 the optimizer state of its own
 // shard of every block, 2 also only its own shard of the reduced gradients.
-// Every rank must make the same calls in the same order.
+// Every rank must make the same calls in the same order. After the backward
+// that ends a global batch, step() must run before the next forward().
 //
 // Threading: one Engine is driven from one thread. Kernels inside use the
 // OpenMP pool; collectives run on the engine's CommStream thread.
