@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -74,9 +75,9 @@ class CudaMirror final : public DeviceMirror {
     for (size_t b = 0; b < padded.size(); ++b) {
       Block& k = blocks_[b];
       k.numel = padded[b];
-      if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute);
+      if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute, "parameters", b);
       if (!options_.transient_grads) {
-        alloc(k.grads, grad_bytes(k), kCompute);
+        alloc(k.grads, grad_bytes(k), kCompute, "gradient accumulator", b);
         ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradient buffers");
       }
       k.produced = std::make_unique<cuda::Event>();
@@ -145,7 +146,7 @@ class CudaMirror final : public DeviceMirror {
       k.copy_pending = false;
     }
     if (!k.grads.p) {  // transient_grads: a new global batch's accumulator
-      alloc(k.grads, grad_bytes(k), kCompute);
+      alloc(k.grads, grad_bytes(k), kCompute, "gradient accumulator", block);
       ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing a GPU gradient buffer");
     }
     return k.grads.as<float>();
@@ -318,7 +319,7 @@ class CudaMirror final : public DeviceMirror {
     Block& k = blocks_[static_cast<size_t>(block)];
     ZINC_CHECK(k.grads.p != nullptr, "start_device_reduce of block " + std::to_string(block) + " without gradients");
     if (is_16bit(wire_)) {
-      if (!k.wire.p) alloc(k.wire, static_cast<size_t>(k.numel) * 2, kCompute);  // transient_grads frees it with them
+      if (!k.wire.p) alloc(k.wire, static_cast<size_t>(k.numel) * 2, kCompute, "16-bit wire copy", block);  // transient_grads frees it with them
       kernels::cuda::convert_f32_to_16(k.grads.as<float>(), k.wire.p, k.numel, wire_, kCompute);
     }
     k.produced->record(kCompute);
@@ -400,6 +401,11 @@ class CudaMirror final : public DeviceMirror {
     bool used = false;
   };
 
+  static std::string mib(double bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1 << 20));
+    return buf;
+  }
   size_t param_bytes(const Block& k) const { return static_cast<size_t>(k.numel) * dtype_bytes(compute_); }
   static size_t grad_bytes(const Block& k) { return static_cast<size_t>(k.numel) * sizeof(float); }
   void count(int64_t bytes) {
@@ -408,9 +414,21 @@ class CudaMirror final : public DeviceMirror {
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
   }
-  void alloc(PoolMem& m, size_t bytes, cudaStream_t s) {
-    ZINC_CUDA_CHECK(cudaMallocFromPoolAsync(&m.p, bytes, pool_, s),
-                    ("cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes").c_str());
+  // `what` and `block` name the buffer in an error: out of GPU memory, the
+  // message says what the mirror holds and what would lower it.
+  void alloc(PoolMem& m, size_t bytes, cudaStream_t s, const char* what, size_t block) {
+    const cudaError_t e = cudaMallocFromPoolAsync(&m.p, bytes, pool_, s);
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear it: the engine may report and go on
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      throw Error("GPU " + std::to_string(device_) + " is out of memory for block " + std::to_string(block) + "'s " +
+                  what + " (" + mib(bytes) + "; model state on the GPU now " + mib(bytes_.load()) + ", free " +
+                  mib(free_b) + " of " + mib(total_b) + "). Lower the micro-batch, or keep less on the GPU: ZeRO "
+                  "stage 2 or 3 (gradients only in backward), stage 3 with offload_param (a block at a time, "
+                  "stage3_max_live_parameters), optimizer states offloaded (offload_optimizer.device \"cpu\")");
+    }
+    ZINC_CUDA_CHECK(e, ("cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes").c_str());
     m.bytes = bytes;
     count(static_cast<int64_t>(bytes));
   }
@@ -451,7 +469,7 @@ class CudaMirror final : public DeviceMirror {
     }
     std::memcpy(st.buf.data(), host, bytes);
     if (!k.params.p) {
-      alloc(k.params, bytes, upload_.get());
+      alloc(k.params, bytes, upload_.get(), "parameters", block);
     } else {  // a block kept on the GPU whose values changed: after the compute stream's reads of the old
       k.produced->record(kCompute);
       k.produced->wait_on(upload_.get());
