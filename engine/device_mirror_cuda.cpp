@@ -68,35 +68,53 @@ class CudaMirror final : public DeviceMirror {
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = device_;
     ZINC_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
-    uint64_t keep = UINT64_MAX;
-    ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep),
-                    "cudaMemPoolSetAttribute(ReleaseThreshold)");
-    blocks_.resize(padded.size());
-    for (size_t b = 0; b < padded.size(); ++b) {
-      Block& k = blocks_[b];
-      k.numel = padded[b];
-      if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute, "parameters", b);
-      if (!options_.transient_grads) {
-        alloc(k.grads, grad_bytes(k), kCompute, "gradient accumulator", b);
-        ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradient buffers");
+    try {
+      uint64_t keep = UINT64_MAX;
+      ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep),
+                      "cudaMemPoolSetAttribute(ReleaseThreshold)");
+      // A block freed on the compute stream (drop_params) is not handed to
+      // an allocation on the upload stream by making that stream wait for
+      // the compute stream: stage 3's next uploads would queue behind the
+      // kernels. The pool reuses it once the free has run, or grows.
+      int no = 0;
+      ZINC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowInternalDependencies, &no),
+                      "cudaMemPoolSetAttribute(ReuseAllowInternalDependencies)");
+      blocks_.resize(padded.size());
+      for (size_t b = 0; b < padded.size(); ++b) {
+        Block& k = blocks_[b];
+        k.numel = padded[b];
+        if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute, "parameters", b);
+        if (!options_.transient_grads) {
+          alloc(k.grads, grad_bytes(k), kCompute, "gradient accumulator", b);
+          ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradient buffers");
+        }
+        k.produced = std::make_unique<cuda::Event>();
+        k.copied = std::make_unique<cuda::Event>();
+        k.uploaded = std::make_unique<cuda::Event>();
       }
-      k.produced = std::make_unique<cuda::Event>();
-      k.copied = std::make_unique<cuda::Event>();
-      k.uploaded = std::make_unique<cuda::Event>();
+      // The buffers that stay are used from every stream: their allocation
+      // completes before anything else is queued.
+      ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "allocating the GPU parameters and gradients");
+    } catch (...) {
+      free_pool();  // the destructor does not run: nothing stays reserved after a failed start
+      throw;
     }
-    // The buffers that stay are used from every stream: their allocation
-    // completes before anything else is queued.
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "allocating the GPU parameters and gradients");
   }
 
   ~CudaMirror() override {
-    cudaDeviceSynchronize();  // nothing in flight reads what goes below
+    free_pool();
+    for (void* p : registered_) cudaHostUnregister(p);
+  }
+
+  // Every pool buffer and the pool itself, once nothing in flight reads them.
+  void free_pool() noexcept {
+    cudaDeviceSynchronize();
     for (Block& k : blocks_)
       for (PoolMem* m : {&k.params, &k.grads, &k.wire})
         if (m->p) cudaFreeAsync(m->p, kCompute);
     cudaStreamSynchronize(kCompute);
     if (pool_) cudaMemPoolDestroy(pool_);  // its memory goes back to the device
-    for (void* p : registered_) cudaHostUnregister(p);
+    pool_ = nullptr;
   }
 
   const void* params(int block) override {
@@ -417,7 +435,12 @@ class CudaMirror final : public DeviceMirror {
   // `what` and `block` name the buffer in an error: out of GPU memory, the
   // message says what the mirror holds and what would lower it.
   void alloc(PoolMem& m, size_t bytes, cudaStream_t s, const char* what, size_t block) {
-    const cudaError_t e = cudaMallocFromPoolAsync(&m.p, bytes, pool_, s);
+    cudaError_t e = cudaMallocFromPoolAsync(&m.p, bytes, pool_, s);
+    if (e == cudaErrorMemoryAllocation) {  // frees still queued on other streams may make room: once more after them
+      cudaGetLastError();
+      ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "waiting for pending frees");
+      e = cudaMallocFromPoolAsync(&m.p, bytes, pool_, s);
+    }
     if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear it: the engine may report and go on
       size_t free_b = 0, total_b = 0;

@@ -1143,6 +1143,7 @@ struct Engine::Impl final : StepContext {
     last_loss = t.at("last_loss").is_null() ? NAN : t.at("last_loss").get<double>();
     // At another accumulation: the micro-step count follows the global steps.
     micro_steps = global_steps * cfg.gradient_accumulation_steps;
+    step_pending = false;
     return meta.value("client_state", nlohmann::json::object());
   }
 

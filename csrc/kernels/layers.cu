@@ -44,7 +44,8 @@ __device__ double chunk_sum(int64_t r0, int64_t M, Term term) {
 }
 
 // dbias[j] = float(dbias[j] + sum_i double(dy[i,j])).
-__global__ void bias_backward_kernel(float* dbias, const float* dy, int64_t M, int64_t N) {
+__global__ void __launch_bounds__(kSumCols* kSumChunks) bias_backward_kernel(float* dbias, const float* dy, int64_t M,
+                                                                              int64_t N) {
   __shared__ double part[kSumChunks][kSumCols];
   const int64_t j = blockIdx.x * int64_t{kSumCols} + threadIdx.x;
   const int64_t chunks = (M + math::kColumnChunk - 1) / math::kColumnChunk;
@@ -111,8 +112,9 @@ __global__ void layernorm_backward_dx_kernel(float* dx, const float* dout, const
 
 // dw += sum_i dout * xhat, db += sum_i dout, in Note [column sums]'s order
 // (the same block shape as bias_backward_kernel).
-__global__ void layernorm_backward_dw_kernel(float* dw, float* db, const float* dout, const float* x, const float* mean,
-                                             const float* rstd, int64_t N, int64_t C) {
+__global__ void __launch_bounds__(kSumCols* kSumChunks)
+    layernorm_backward_dw_kernel(float* dw, float* db, const float* dout, const float* x, const float* mean,
+                                 const float* rstd, int64_t N, int64_t C) {
   __shared__ double pw[kSumChunks][kSumCols], pb[kSumChunks][kSumCols];
   const int64_t c = blockIdx.x * int64_t{kSumCols} + threadIdx.x;
   const int64_t chunks = (N + math::kColumnChunk - 1) / math::kColumnChunk;
