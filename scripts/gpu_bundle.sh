@@ -46,6 +46,17 @@ export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 export ZINC_EXPECT_GPU=1  # a GPU test that finds no GPU fails here instead of skipping
 [ -d /usr/local/cuda/lib64 ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"  # cuBLAS, NCCL
+# Where the toolkit has no cuBLAS or NCCL, the Python packages' copies
+# (nvidia-cublas, nvidia-nccl beside PyTorch) are searched after it.
+pylibs="$(python3 -c '
+import glob, os, site
+dirs = []
+for sp in site.getsitepackages():
+    for d in sorted(glob.glob(os.path.join(sp, "nvidia", "**", "lib"), recursive=True)):
+        if glob.glob(os.path.join(d, "libcublas.so*")) + glob.glob(os.path.join(d, "libnccl.so*")):
+            dirs.append(d)
+print(":".join(dirs))' 2>/dev/null || true)"
+[ -n "$pylibs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylibs"
 res="${1:-}"
 [ -n "$res" ] && mkdir -p "$res"
 nvidia-smi -L || true
