@@ -37,9 +37,12 @@ cp configs/*.json "$out/configs/"
 cp bench/torch_gpt_peer.py bench/gpu_compare.sh "$out/bench/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# zinc's GPU checks on a machine with a GPU: the GPU tests, a ZeRO-Offload
-# training run, and the benchmarks with the PyTorch peer. Results go to
-# stdout and, with an argument, into that folder.
+# zinc's GPU checks on a machine with a GPU: the GPU tests, ZeRO-Offload
+# training runs, and the benchmarks with the PyTorch peer. Results go to
+# stdout and, with a first argument, into that folder. A second argument
+# picks one part (tests, train or bench; default all), so that the parts
+# can go in separate calls where a call's time is limited.
+#   bash run.sh [RESULTS_DIR] [tests|train|bench|all]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -58,19 +61,30 @@ for sp in site.getsitepackages():
 print(":".join(dirs))' 2>/dev/null || true)"
 [ -n "$pylibs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylibs"
 res="${1:-}"
+part="${2:-all}"
+case "$part" in tests|train|bench|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench or all)" >&2; exit 2 ;; esac
+want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 [ -n "$res" ] && mkdir -p "$res"
 nvidia-smi -L || true
 rc=0
+SECONDS=0
+if want tests; then
 for t in cuda_kernels_test cuda_optim_test cuda_engine_test; do
   echo "== $t"
   "$here/bin/$t" ${res:+--gtest_output=xml:$res/$t.xml} || rc=1
 done
 if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; "$here/bin/nccl_test" || rc=1; fi
+echo "== tests done at ${SECONDS} s"
+fi
+if want train; then
 echo "== zinc-train, ZeRO-Offload on the GPU"
 "$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
   --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
 echo "== zinc-train, stage 3 on the GPU (parameters in page-locked RAM)"
 "$here/bin/zinc-train" "$here/configs/zero3_offload.json" --set device=cuda --set run.steps=100 || rc=1
+echo "== training runs done at ${SECONDS} s"
+fi
+if want bench; then
 echo "== benchmarks"
 ZINC_BENCH="$here/bin/zinc-bench"
 "$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}
@@ -80,6 +94,8 @@ ZINC_BENCH="$here/bin/zinc-bench"
 python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large --offload | tee -a ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torch-peer.jsonl}
+echo "== benchmarks done at ${SECONDS} s"
+fi
 exit $rc
 RUN
 chmod +x "$out/run.sh"
