@@ -110,8 +110,11 @@ class HostMirror final : public DeviceMirror {
   }
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
     Block& k = b(block);
-    char* out = host_out ? static_cast<char*>(host_out)
-                         : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    // With GPU shards (stage 3, gathers on the GPU) the update writes the
+    // shard there, then the host's copy.
+    char* out = host_out && !k.pshard.empty() ? k.pshard.as<char>()
+                : host_out                    ? static_cast<char*>(host_out)
+                                              : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
     const void* grad = k.gshard.empty() ? k.grads.data() : k.gshard.data();
     optim::adam_step(p, step, grad_scale,
                      optim::AdamSpan{k.master.as<float>(), grad, DType::kF32, k.m.as<float>(), k.v.as<float>(),
@@ -119,6 +122,27 @@ class HostMirror final : public DeviceMirror {
                                      k.state_numel});
     if (compute_ != DType::kBF16)
       convert_f32_to_16(k.master.as<float>(), out, static_cast<size_t>(k.state_numel), compute_);
+    if (host_out && !k.pshard.empty()) std::memcpy(host_out, k.pshard.data(), k.pshard.bytes());
+  }
+  void enable_param_shards(const std::vector<int64_t>& shard_numel) override {
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      blocks_[i].shard_numel = shard_numel[i];
+      alloc(blocks_[i].pshard, static_cast<size_t>(shard_numel[i]) * dtype_bytes(compute_));
+    }
+  }
+  void upload_shard(int block, const void* host) override {
+    Block& k = b(block);
+    ZINC_CHECK(!k.pshard.empty(), "upload_shard without enable_param_shards");
+    std::memcpy(k.pshard.data(), host, k.pshard.bytes());
+  }
+  void begin_gather(int block) override {
+    Block& k = b(block);
+    if (k.params.empty()) alloc(k.params, param_bytes(k));
+  }
+  void gather_block(comm::Communicator& c, int block) override {
+    Block& k = b(block);
+    ZINC_CHECK(!k.params.empty(), "gather_block without begin_gather");
+    c.all_gather(k.pshard.data(), k.params.data(), k.shard_numel, compute_);
   }
   void gather_params(comm::Communicator& c, int block) override {
     Block& k = b(block);
@@ -166,6 +190,8 @@ class HostMirror final : public DeviceMirror {
   struct Block {
     int64_t numel = 0;
     AlignedBuffer params, grads, master, m, v, gshard;
+    AlignedBuffer pshard;  // enable_param_shards: the rank's compute shard
+    int64_t shard_numel = 0;
     int64_t state_numel = 0, state_offset = 0;
     int64_t norm_offset = 0, norm_numel = 0;  // gather_back: the rank's shard of the accumulator
     bool copied = false;

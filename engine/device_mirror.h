@@ -107,7 +107,8 @@ class DeviceMirror {
   // One AdamW step of a block over its GPU states and gradient, writing the
   // compute parameters of its range (then gather_params on several ranks),
   // or with `host_out` (stage 3, whose GPU parameters come and go) to host
-  // memory instead: the state range's compute values, synchronously.
+  // memory instead: the state range's compute values, synchronously (and
+  // with enable_param_shards to the GPU shard too).
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale,
                          void* host_out = nullptr) = 0;
   // Zeroes every GPU gradient accumulator (after a step).
@@ -137,6 +138,21 @@ class DeviceMirror {
   // With shard_out null (GPU-resident states) the shard stays on the GPU;
   // with gather_back the full reduced gradient does (zeroed after the step).
   virtual void device_reduce(comm::Communicator& c, int block, int64_t shard_numel, float* shard_out) = 0;
+
+  // ---- stage 3 gathers on the GPU (several ranks, shards in RAM): each
+  // block's compute shard also lives on the GPU, and a gather fills the
+  // block's (transient) parameters there. ----
+  // Per block: the shard's length (elements).
+  virtual void enable_param_shards(const std::vector<int64_t>& shard_numel) = 0;
+  // The rank's compute shard from host memory (synchronous), after the
+  // host wrote it (the CPU update, a checkpoint load).
+  virtual void upload_shard(int block, const void* host) = 0;
+  // Training thread: the block's GPU parameters, before gather_block is
+  // submitted (drop_params frees them).
+  virtual void begin_gather(int block) = 0;
+  // Comm thread: all-gathers every rank's shard into the block's GPU
+  // parameters over `c` (a communicator that reaches GPU memory).
+  virtual void gather_block(comm::Communicator& c, int block) = 0;
 
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;

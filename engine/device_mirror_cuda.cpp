@@ -283,17 +283,23 @@ class CudaMirror final : public DeviceMirror {
     const bool half = is_16bit(compute_);
     const bool shard = k.gshard.bytes() > 0;
     const size_t out_bytes = static_cast<size_t>(k.state_numel) * dtype_bytes(compute_);
-    if (host_out && half && update_out_.bytes() < out_bytes) {
+    if (host_out && half && k.pshard.bytes() == 0 && update_out_.bytes() < out_bytes) {
       count(static_cast<int64_t>(out_bytes) - static_cast<int64_t>(update_out_.bytes()));
       update_out_ = cuda::DeviceBuffer(out_bytes);
     }
-    char* out = host_out ? update_out_.as<char>()
-                         : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
+    // With GPU shards (stage 3, gathers on the GPU) a 16-bit update writes
+    // the shard there, then the host's copy comes from it.
+    char* out = host_out && k.pshard.bytes() > 0 ? k.pshard.as<char>()
+                : host_out                        ? update_out_.as<char>()
+                                                  : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
     optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.p,
                           DType::kF32, k.m.as<float>(), k.v.as<float>(), half ? out : nullptr, compute_,
                           k.state_numel, kCompute);
     if (host_out) {  // stage 3: the new compute values go to the host shard (fp32: the master itself)
-      ZINC_CUDA_CHECK(cudaMemcpyAsync(host_out, half ? update_out_.data() : k.master.data(), out_bytes,
+      if (!half && k.pshard.bytes() > 0)
+        ZINC_CUDA_CHECK(cudaMemcpyAsync(k.pshard.data(), k.master.data(), out_bytes, cudaMemcpyDeviceToDevice, kCompute),
+                        "copy of the updated fp32 weights to the GPU shard");
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(host_out, half ? static_cast<const void*>(out) : k.master.data(), out_bytes,
                                       cudaMemcpyDeviceToHost, kCompute),
                       ("copy of block " + std::to_string(block) + "'s updated parameters to the host").c_str());
       ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "waiting for the updated parameters");
@@ -391,6 +397,39 @@ class CudaMirror final : public DeviceMirror {
       std::memcpy(shard_out, shard_staging_.data(), bytes);
   }
 
+  void enable_param_shards(const std::vector<int64_t>& shard_numel) override {
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      Block& k = blocks_[b];
+      k.shard_numel = shard_numel[b];
+      k.pshard = cuda::DeviceBuffer(static_cast<size_t>(k.shard_numel) * dtype_bytes(compute_));
+      count(static_cast<int64_t>(k.pshard.bytes()));
+      k.allocated = std::make_unique<cuda::Event>();
+    }
+  }
+
+  // Synchronous (cuda::copy_to_device waits for the device): the gathers
+  // that read the shard run on another stream after this returns.
+  void upload_shard(int block, const void* host) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    ZINC_CHECK(k.pshard.bytes() > 0, "upload_shard without enable_param_shards");
+    cuda::copy_to_device(k.pshard.data(), host, k.pshard.bytes());
+  }
+
+  void begin_gather(int block) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    if (!k.params.p) alloc(k.params, param_bytes(k), kCompute, "parameters", static_cast<size_t>(block));
+    // After the allocation, and after every kernel queued so far: a block
+    // kept on the GPU is rewritten only once its last readers are done.
+    k.allocated->record(kCompute);
+  }
+
+  void gather_block(comm::Communicator& c, int block) override {
+    ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice on the gather thread");
+    Block& k = blocks_[static_cast<size_t>(block)];
+    comm::wait_cuda_event(c, k.allocated->get());
+    c.all_gather(k.pshard.data(), k.params.p, k.shard_numel, compute_);  // returns once it has landed
+  }
+
   void synchronize() override {
     copy_.synchronize("synchronize the gradient copies");
     upload_.synchronize("synchronize the parameter uploads");
@@ -405,6 +444,9 @@ class CudaMirror final : public DeviceMirror {
     PoolMem wire;           // 16-bit copy for the reduction (start_device_reduce)
     cuda::DeviceBuffer master, m, v;  // GPU-resident states (enable_states)
     cuda::DeviceBuffer gshard;        // GPU-resident states on several ranks: the reduced fp32 shard
+    cuda::DeviceBuffer pshard;        // enable_param_shards: the rank's compute shard
+    int64_t shard_numel = 0;
+    std::unique_ptr<cuda::Event> allocated;  // begin_gather: the gather waits for it
     int64_t state_numel = 0, state_offset = 0;
     int64_t norm_offset = 0, norm_numel = 0;  // gather_back: the rank's shard of the accumulator
     cuda::PinnedBuffer staging;

@@ -85,17 +85,23 @@
 // At stage 0 with GPU-resident states on several ranks the reduced shards
 // are all-gathered back into the full accumulator on the GPU (as the CPU's
 // stage 0 does on the host), and every rank updates every block.
-// Stage 3 is ZeRO-Offload with the coordinator's host gathers: acquire
-// uploads the gathered block (through page-locked staging on an upload
-// stream of its own) and the GPU copy goes when the coordinator frees the
-// host one (drop_freed_gpu_params), so the stage3_* limits bound the GPU's
-// parameters as the host's. From stage 2 the GPU accumulators exist only
+// Stage 3 keeps the coordinator's state machine, trace, prefetch and
+// limits. On one rank (the parameters offloaded) and with the shards on
+// NVMe, its gathers are the host's: acquire uploads the gathered block
+// (through page-locked staging on an upload stream of its own) and the GPU
+// copy goes when the coordinator frees the host one
+// (drop_freed_gpu_params). On several ranks with the shards in RAM each
+// rank's compute shard also lives on the GPU (uploaded after every update
+// and load) and the coordinator's gathers are all-gathers on the GPU, over
+// a third communicator on a stream of its own (start_device_gathers,
+// ParamCoordinator::DeviceGather); a block's GPU copy comes and goes with
+// the gather. Either way the stage3_* limits bound the GPU's parameters. From stage 2 the GPU accumulators exist only
 // from a global batch's first backward to its reduction or copy
 // (MirrorOptions), as the host's full gradients at stage 2. GPU-resident
 // states at stage 3 keep the rank's shard of master, m, v (and the reduced
-// gradient shard) on the GPU; the update sends the new compute shard down
-// to the coordinator's host shard, and the blocks go up as above (a gather
-// over the GPU communicator from GPU shards is not implemented).
+// gradient shard) on the GPU; the update writes the new compute shard to
+// the GPU shard (with device gathers) and sends it down to the
+// coordinator's host shard, and the blocks are gathered as above.
 
 namespace zinc {
 namespace {
@@ -288,6 +294,12 @@ struct Engine::Impl final : StepContext {
   bool gpu_reduce = false;
   std::unique_ptr<comm::Communicator> gpu_comm;
   std::unique_ptr<comm::CommStream> gpu_reduce_stream;
+  // Stage 3 on several ranks (start_device_gathers): the parameter gathers
+  // on the GPU, over a third communicator (declared before its stream, so
+  // the stream goes first).
+  std::unique_ptr<comm::Communicator> gpu_gather_comm;
+  std::unique_ptr<comm::CommStream> gpu_gather_stream;
+  bool device_gathers = false;
   std::vector<char> gpu_stale;
   std::deque<int> gpu_copies;
   bool boundary_backward = false;
@@ -320,6 +332,15 @@ struct Engine::Impl final : StepContext {
           log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
       }
       if (world > 1) make_gpu_reduction(dev);
+      // Collective like the line above: every rank has the same config.
+      if (gpu_reduce && plan.params_sharded && c.zero.offload_param.device != OffloadDevice::kNvme) {
+        gpu_gather_comm = gpu_comm->duplicate();
+        if (gpu_gather_comm)
+          gpu_gather_stream = std::make_unique<comm::CommStream>(*gpu_gather_comm);
+        else if (rank == 0)
+          log_warn("ZeRO-3: " + gpu_comm->backend() + " cannot make a second communicator here: parameters are "
+                   "gathered in host memory and uploaded whole");
+      }
     }
     adam = adam_params(c);
     lamb = lamb_params(c);
@@ -374,7 +395,31 @@ struct Engine::Impl final : StepContext {
           gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, nullptr, nullptr);
         });
       }
+      if (gpu_gather_stream) start_device_gathers();
     }
+  }
+
+  // Stage 3 on several ranks with the reduction on the GPU and the shards
+  // in RAM: the compute shards go up once (and after every update), and the
+  // coordinator's gathers become all-gathers on the GPU over a third
+  // communicator that reaches GPU memory, on a stream of their own (so a
+  // gather never queues behind a reduction).
+  void start_device_gathers() {
+    std::vector<int64_t> shard;
+    for (const BlockShard& s : blocks) shard.push_back(s.part.shard_numel);
+    gpu->enable_param_shards(shard);
+    upload_shards();
+    ParamCoordinator::DeviceGather g;
+    g.stream = gpu_gather_stream.get();
+    g.begin = [this](int b) { gpu->begin_gather(b); };
+    g.gather = [this](comm::Communicator& c, int b) { gpu->gather_block(c, b); };
+    g.end = [this](int b) { gpu->drop_params(b); };
+    params->use_device_gather(std::move(g));
+    device_gathers = true;
+    if (rank == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + gpu_gather_comm->backend());
+  }
+  void upload_shards() {
+    for (size_t b = 0; b < blocks.size(); ++b) gpu->upload_shard(static_cast<int>(b), blocks[b].own_compute());
   }
 
   ~Impl() override {
@@ -386,7 +431,8 @@ struct Engine::Impl final : StepContext {
       }
     }
     // Work in flight refers to our buffers: let it finish before they go.
-    for (comm::CommStream* st : {gpu_reduce_stream.get(), reduce_stream.get(), own_gather_stream.get()}) {
+    for (comm::CommStream* st :
+         {gpu_gather_stream.get(), gpu_reduce_stream.get(), reduce_stream.get(), own_gather_stream.get()}) {
       if (!st) continue;
       try {
         st->synchronize();
@@ -536,6 +582,10 @@ struct Engine::Impl final : StepContext {
   BlockParams acquire_params(int block) override {
     state(block);  // a block number outside the model is the model's error
     BlockParams p = params->acquire(block);
+    if (device_gathers) {  // gathered on the GPU by the coordinator
+      p.base = gpu->params(block);
+      return p;
+    }
     if (gpu) {
       drop_freed_gpu_params();  // making room may have freed others
       if (gpu_stale[static_cast<size_t>(block)] || !gpu->has_params(block)) {
@@ -758,6 +808,7 @@ struct Engine::Impl final : StepContext {
         }
         params->before_update();
         update_all(grad_scale);
+        if (device_gathers) upload_shards();
         params->gather_after_step();
         if (gpu) {
           drop_freed_gpu_params();
@@ -1117,6 +1168,10 @@ struct Engine::Impl final : StepContext {
       if (!out) return;
       convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
     }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
+    if (device_gathers) {
+      params->before_update();  // no gather in flight reads the GPU shards
+      upload_shards();
+    }
     params->gather_after_step();
     if (gpu) {
       gpu_stale.assign(blocks.size(), 1);
@@ -1243,14 +1298,16 @@ int Engine::world_size() const { return impl_->world; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :
-       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get(),
+        impl_->gpu_gather_stream.get()})
     if (st) s += st->wait_seconds();
   return s;
 }
 double Engine::comm_busy_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :
-       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get(),
+        impl_->gpu_gather_stream.get()})
     if (st) s += st->busy_seconds();
   return s;
 }

@@ -162,8 +162,11 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                            std::max<int64_t>(0, z.stage3_max_live_parameters - persist_padded) + max_np_padded});
       why = "at most the prefetch window and two held blocks, within stage3_max_live_parameters plus one block";
     }
-    train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
-                            millions(persist_padded + gathered) + " elements: " + why});
+    // On the GPU on several ranks the gathers land in GPU memory (the
+    // engine's device gathers), not in RAM.
+    if (!(c.device == Device::kCuda && world > 1 && !nvme))
+      train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
+                              millions(persist_padded + gathered) + " elements: " + why});
     full_params = persist_padded + gathered;
     full_params_why = millions(full_params) + " elements, the gathered blocks";
     if (nvme && np_padded > 0) {
@@ -279,7 +282,13 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
         e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * gpu_grads,
                          "2 B per gradient element"});
     }
-    if (plan.params_sharded)
+    const bool device_gathers =
+        plan.params_sharded && world > 1 && z.offload_param.device != OffloadDevice::kNvme;
+    if (device_gathers)
+      e.gpu.insert(e.gpu.begin() + 1, {std::string("parameter shards (") + dname + ")", es * shard_all,
+                                       std::to_string(es) + " B x " + millions(shard_all) +
+                                           " elements: the rank's, which the gathers read"});
+    else if (plan.params_sharded)
       e.training.push_back({"parameter upload staging (page-locked)", 2 * es * max_padded,
                             "two of the largest block, on their way to the GPU", false});
     if (world > 1)

@@ -294,13 +294,31 @@ void ParamCoordinator::finish_trace() {
 
 // ---- gathers ------------------------------------------------------------------------
 
+void ParamCoordinator::use_device_gather(DeviceGather g) {
+  ZINC_CHECK(plan_.params_sharded && !nvme_, "device gathers: stage 3 with the shards in RAM");
+  for (BlockShard& s : blocks_) ZINC_CHECK(s.held == 0, "device gathers: no block is held");
+  std::vector<bool> regather;
+  for (BlockShard& s : blocks_) {
+    regather.push_back(s.param_state != ParamState::kSharded);
+    free_gathered(s);
+  }
+  device_ = std::move(g);
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    if (regather[b]) start_gather(blocks_[b], /*prefetch=*/false);
+}
+
 void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
   const size_t es = dtype_bytes(compute_);
-  s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
   s.param_state = ParamState::kGathering;
   BlockShard* sp = &s;
   const DType dt = compute_;
-  if (s.nvme_offset >= 0) {
+  if (device_.stream) {
+    const int block = static_cast<int>(&s - blocks_.data());
+    device_.begin(block);
+    auto gather = device_.gather;
+    s.gather = device_.stream->submit([gather, block](comm::Communicator& c) { gather(c, block); });
+  } else if (s.nvme_offset >= 0) {
+    s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
     // The read runs on the gather stream's thread, before the gather that
     // needs it and after any write-back of this shard submitted earlier.
     const int64_t n = nvme_shard_bytes(s.part, compute_);
@@ -313,6 +331,7 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
       c.all_gather(sp->nvme_read.data(), sp->compute.data(), sp->part.shard_numel, dt);
     });
   } else {
+    s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
     s.gather = gather_->submit([sp, dt](comm::Communicator& c) {
       c.all_gather(sp->own_compute(), sp->compute.data(), sp->part.shard_numel, dt);
     });
@@ -332,6 +351,7 @@ void ParamCoordinator::wait_gather(BlockShard& s) {
 void ParamCoordinator::free_gathered(BlockShard& s) {
   if (s.param_state == ParamState::kSharded) return;
   if (s.param_state == ParamState::kGathering) wait_gather(s);  // the stream still writes it
+  if (device_.stream) device_.end(static_cast<int>(&s - blocks_.data()));
   memory_->free(s.compute);
   if (s.nvme_read.data()) {
     memory_->add(-static_cast<int64_t>(s.nvme_read.footprint()));

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,22 @@ class ParamCoordinator {
 
   // Stages 0-2 only (tests): every block gathered, no communication.
   ParamCoordinator(std::vector<BlockShard>& blocks, DType compute);
+
+  // Stage 3 with the gathers on the GPU (the engine's GPU path on several
+  // ranks, Note [the GPU path] in engine.cpp): the state machine, trace,
+  // prefetch and limits stay the coordinator's, but a block's gather is
+  // `gather` on `stream` (whose communicator reaches GPU memory) into the
+  // GPU's copy, and nothing is allocated in RAM for it; acquire() then hands
+  // out a null base (the engine substitutes the GPU's).
+  struct DeviceGather {
+    comm::CommStream* stream = nullptr;
+    std::function<void(int block)> begin;                        // training thread, before the submit
+    std::function<void(comm::Communicator&, int block)> gather;  // the stream's thread
+    std::function<void(int block)> end;                          // training thread: the block is freed
+  };
+  // Switches to device gathers (no offload_param "nvme"): the persistent
+  // blocks gathered in RAM so far are freed and gathered again that way.
+  void use_device_gather(DeviceGather g);
 
   BlockParams acquire(int block);
   // No-throw (it runs from HeldParams' destructor): a release without an
@@ -128,6 +145,7 @@ class ParamCoordinator {
 
   std::unique_ptr<offload::NvmeStore> nvme_;
   int nvme_file_ = -1;
+  DeviceGather device_;  // device_.stream set: gathers on the GPU
   bool pin_ = false;
   StagePlan plan_;
   std::vector<BlockShard>& blocks_;

@@ -6,6 +6,7 @@
 // every rank and leaves the previous checkpoint as `latest`.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -13,7 +14,9 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
+#include "models/models.h"
 #include "tests/engine/checkpoint_util.h"
+#include "tests/engine/tiny_models.h"
 
 namespace zinc {
 
@@ -44,6 +47,34 @@ TEST(Checkpoint, ResumesBitExactAtEveryStageAndOffload) {
                       {"stage3_max_reuse_distance", 0}};
     testing_train::expect_bit_exact_resume(r, g_world, shared_dir("resume"), 3, what);
   });
+}
+
+// The GPU path emulated on the CPU (ZINC_EMULATE_GPU, core/device.h) at
+// stage 3, where the parameters are gathered on the "GPU" from shards kept
+// there: a load writes the host shards, which go up again before the next
+// gather. States on the host (ZeRO-Offload) and on the "GPU".
+TEST(Checkpoint, EmulatedGpuStage3ResumesBitExact) {
+  setenv("ZINC_EMULATE_GPU", "1", 1);
+  for (const char* offload : {"cpu", "none"}) {
+    RunSpec r;
+    r.stage = 3;
+    r.bf16 = true;
+    r.offload = offload;
+    r.top_extra["device"] = "cuda";
+    r.make = [] {
+      models::GptConfig g;
+      g.vocab_size = testing_models::kVocab;
+      g.block_size = testing_models::kSeq;
+      g.n_layer = 2;
+      g.n_head = 2;
+      g.n_embd = 16;
+      g.device = Device::kCuda;
+      return models::make_gpt(g);
+    };
+    testing_train::expect_bit_exact_resume(r, g_world, shared_dir("gpu3"), 3,
+                                           std::string("emulated GPU, stage 3, offload ") + offload);
+  }
+  unsetenv("ZINC_EMULATE_GPU");
 }
 
 TEST(Checkpoint, AccumulationAndTheMlpResumeBitExact) {
