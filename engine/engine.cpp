@@ -92,8 +92,8 @@
 // copy goes when the coordinator frees the host one
 // (drop_freed_gpu_params). On several ranks with the shards in RAM each
 // rank's compute shard also lives on the GPU (uploaded after every update
-// and load) and the coordinator's gathers are all-gathers on the GPU, over
-// a third communicator on a stream of its own (start_device_gathers,
+// and load) and the coordinator's gathers are all-gathers on the GPU, on
+// the reductions' stream (start_device_gathers,
 // ParamCoordinator::DeviceGather); a block's GPU copy comes and goes with
 // the gather. Either way the stage3_* limits bound the GPU's parameters. From stage 2 the GPU accumulators exist only
 // from a global batch's first backward to its reduction or copy
@@ -295,10 +295,7 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<comm::Communicator> gpu_comm;
   std::unique_ptr<comm::CommStream> gpu_reduce_stream;
   // Stage 3 on several ranks (start_device_gathers): the parameter gathers
-  // on the GPU, over a third communicator (declared before its stream, so
-  // the stream goes first).
-  std::unique_ptr<comm::Communicator> gpu_gather_comm;
-  std::unique_ptr<comm::CommStream> gpu_gather_stream;
+  // run on the GPU, on the reductions' stream.
   bool device_gathers = false;
   std::vector<char> gpu_stale;
   std::deque<int> gpu_copies;
@@ -332,15 +329,6 @@ struct Engine::Impl final : StepContext {
           log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
       }
       if (world > 1) make_gpu_reduction(dev);
-      // Collective like the line above: every rank has the same config.
-      if (gpu_reduce && plan.params_sharded && c.zero.offload_param.device != OffloadDevice::kNvme) {
-        gpu_gather_comm = gpu_comm->duplicate();
-        if (gpu_gather_comm)
-          gpu_gather_stream = std::make_unique<comm::CommStream>(*gpu_gather_comm);
-        else if (rank == 0)
-          log_warn("ZeRO-3: " + gpu_comm->backend() + " cannot make a second communicator here: parameters are "
-                   "gathered in host memory and uploaded whole");
-      }
     }
     adam = adam_params(c);
     lamb = lamb_params(c);
@@ -395,28 +383,32 @@ struct Engine::Impl final : StepContext {
           gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, nullptr, nullptr);
         });
       }
-      if (gpu_gather_stream) start_device_gathers();
+      if (gpu_reduce && plan.params_sharded && c.zero.offload_param.device != OffloadDevice::kNvme)
+        start_device_gathers();
     }
   }
 
   // Stage 3 on several ranks with the reduction on the GPU and the shards
   // in RAM: the compute shards go up once (and after every update), and the
-  // coordinator's gathers become all-gathers on the GPU over a third
-  // communicator that reaches GPU memory, on a stream of their own (so a
-  // gather never queues behind a reduction).
+  // coordinator's gathers become all-gathers on the GPU, over the
+  // reductions' communicator and on their stream. Not a communicator and
+  // thread of their own, as the host's gathers have: NCCL calls on two
+  // communicators of one GPU from two threads may deadlock (NCCL's thread
+  // safety rules), so gathers and reductions go in one order, the same on
+  // every rank; a gather can wait behind a reduction bucket.
   void start_device_gathers() {
     std::vector<int64_t> shard;
     for (const BlockShard& s : blocks) shard.push_back(s.part.shard_numel);
     gpu->enable_param_shards(shard);
     upload_shards();
     ParamCoordinator::DeviceGather g;
-    g.stream = gpu_gather_stream.get();
+    g.stream = gpu_reduce_stream.get();
     g.begin = [this](int b) { gpu->begin_gather(b); };
     g.gather = [this](comm::Communicator& c, int b) { gpu->gather_block(c, b); };
     g.end = [this](int b) { gpu->drop_params(b); };
     params->use_device_gather(std::move(g));
     device_gathers = true;
-    if (rank == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + gpu_gather_comm->backend());
+    if (rank == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + gpu_comm->backend());
   }
   void upload_shards() {
     for (size_t b = 0; b < blocks.size(); ++b) gpu->upload_shard(static_cast<int>(b), blocks[b].own_compute());
@@ -431,8 +423,7 @@ struct Engine::Impl final : StepContext {
       }
     }
     // Work in flight refers to our buffers: let it finish before they go.
-    for (comm::CommStream* st :
-         {gpu_gather_stream.get(), gpu_reduce_stream.get(), reduce_stream.get(), own_gather_stream.get()}) {
+    for (comm::CommStream* st : {gpu_reduce_stream.get(), reduce_stream.get(), own_gather_stream.get()}) {
       if (!st) continue;
       try {
         st->synchronize();
@@ -1298,16 +1289,14 @@ int Engine::world_size() const { return impl_->world; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :
-       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get(),
-        impl_->gpu_gather_stream.get()})
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
     if (st) s += st->wait_seconds();
   return s;
 }
 double Engine::comm_busy_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :
-       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get(),
-        impl_->gpu_gather_stream.get()})
+       {impl_->reduce_stream.get(), impl_->own_gather_stream.get(), impl_->gpu_reduce_stream.get()})
     if (st) s += st->busy_seconds();
   return s;
 }
