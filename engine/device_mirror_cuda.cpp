@@ -407,12 +407,14 @@ class CudaMirror final : public DeviceMirror {
     }
   }
 
-  // Synchronous (cuda::copy_to_device waits for the device): the gathers
-  // that read the shard run on another stream after this returns.
+  // On the compute stream: the host copy is staged before this returns
+  // (pageable memory), and a gather reading the shard waits for the
+  // `allocated` event, recorded on the compute stream after this.
   void upload_shard(int block, const void* host) override {
     Block& k = blocks_[static_cast<size_t>(block)];
     ZINC_CHECK(k.pshard.bytes() > 0, "upload_shard without enable_param_shards");
-    cuda::copy_to_device(k.pshard.data(), host, k.pshard.bytes());
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.pshard.data(), host, k.pshard.bytes(), cudaMemcpyHostToDevice, kCompute),
+                    ("upload of block " + std::to_string(block) + "'s compute shard").c_str());
   }
 
   void begin_gather(int block) override {

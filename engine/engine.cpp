@@ -395,7 +395,9 @@ struct Engine::Impl final : StepContext {
   // thread of their own, as the host's gathers have: NCCL calls on two
   // communicators of one GPU from two threads may deadlock (NCCL's thread
   // safety rules), so gathers and reductions go in one order, the same on
-  // every rank; a gather can wait behind a reduction bucket.
+  // every rank; a gather can wait behind a reduction bucket. That order
+  // includes where grads_ready falls among the acquires, which every rank's
+  // model must keep alike (the coordinator checks the acquires only).
   void start_device_gathers() {
     std::vector<int64_t> shard;
     for (const BlockShard& s : blocks) shard.push_back(s.part.shard_numel);
@@ -407,6 +409,7 @@ struct Engine::Impl final : StepContext {
     g.gather = [this](comm::Communicator& c, int b) { gpu->gather_block(c, b); };
     g.end = [this](int b) { gpu->drop_params(b); };
     params->use_device_gather(std::move(g));
+    memory.release_kept();  // the persistent blocks' RAM copies: no RAM gather comes again
     device_gathers = true;
     if (rank == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + gpu_comm->backend());
   }
@@ -773,8 +776,8 @@ struct Engine::Impl final : StepContext {
       optimizer_steps += 1;
       if (gpu_states && plan.params_sharded) {
         // Stage 3: the update writes each block's new compute shard back to
-        // the host (or its NVMe write buffer), where the coordinator gathers
-        // it; the next acquire uploads the gathered block.
+        // the host (or its NVMe write buffer), and with device gathers to the
+        // GPU shard, from where the coordinator gathers it.
         params->before_update();
         for (size_t b = 0; b < blocks.size(); ++b) {
           gpu->adam_step(static_cast<int>(b), adam, optimizer_steps, grad_scale,
@@ -1163,15 +1166,17 @@ struct Engine::Impl final : StepContext {
       params->before_update();  // no gather in flight reads the GPU shards
       upload_shards();
     }
+    // The GPU states before the gathers start (their synchronous copies
+    // would otherwise wait for the gathers in flight).
+    if (gpu_states)
+      for_each_host_span([&](const StateSpan& sp) {
+        gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, sp.m, sp.v);
+      });
     params->gather_after_step();
     if (gpu) {
       gpu_stale.assign(blocks.size(), 1);
       drop_freed_gpu_params();
     }
-    if (gpu_states)
-      for_each_host_span([&](const StateSpan& sp) {
-        gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, sp.m, sp.v);
-      });
     const nlohmann::json& t = meta.at("training");
     global_steps = t.at("global_steps");
     micro_steps = t.at("micro_steps");

@@ -271,7 +271,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       if (world > 1 && !plan.optimizer_spans_block)
         e.gpu.insert(e.gpu.begin() + 3, {"reduced gradient shards (fp32)", 4 * span_all,
                                          "4 B x " + millions(span_all) + " elements"});
-      if (plan.params_sharded && is_16bit(dtype))
+      if (plan.params_sharded && is_16bit(dtype) && !(world > 1 && z.offload_param.device != OffloadDevice::kNvme))
         e.gpu.push_back({"update output", es * max_shard, "the largest shard's new compute values, on their way to RAM"});
     }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)

@@ -304,21 +304,27 @@ void ParamCoordinator::use_device_gather(DeviceGather g) {
   }
   device_ = std::move(g);
   for (size_t b = 0; b < blocks_.size(); ++b)
-    if (regather[b]) start_gather(blocks_[b], /*prefetch=*/false);
+    if (regather[b]) {
+      stats_.gathers -= 1;  // the same gather, on the device now
+      start_gather(blocks_[b], /*prefetch=*/false);
+    }
 }
 
+// The buffers first (an allocation that fails leaves the block sharded),
+// then the state, then the submission.
 void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
   const size_t es = dtype_bytes(compute_);
-  s.param_state = ParamState::kGathering;
   BlockShard* sp = &s;
   const DType dt = compute_;
   if (device_.stream) {
     const int block = static_cast<int>(&s - blocks_.data());
     device_.begin(block);
+    s.param_state = ParamState::kGathering;
     auto gather = device_.gather;
     s.gather = device_.stream->submit([gather, block](comm::Communicator& c) { gather(c, block); });
   } else if (s.nvme_offset >= 0) {
     s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
+    s.param_state = ParamState::kGathering;
     // The read runs on the gather stream's thread, before the gather that
     // needs it and after any write-back of this shard submitted earlier.
     const int64_t n = nvme_shard_bytes(s.part, compute_);
@@ -332,6 +338,7 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
     });
   } else {
     s.compute = memory_->alloc(static_cast<size_t>(s.part.padded_numel) * es);
+    s.param_state = ParamState::kGathering;
     s.gather = gather_->submit([sp, dt](comm::Communicator& c) {
       c.all_gather(sp->own_compute(), sp->compute.data(), sp->part.shard_numel, dt);
     });

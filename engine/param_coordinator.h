@@ -14,7 +14,9 @@
 // Streams: the coordinator's collectives run on the gather stream, which is
 // not the GradReducer's stream (it runs over the communicator's twin, see
 // Communicator::twin), so a gather never queues behind a reduction. Every
-// rank issues the same gathers in the same order.
+// rank issues the same gathers in the same order. (Device gathers,
+// DeviceGather below, run on the stream they are given: the engine's GPU
+// reduction stream, where they do queue behind reductions.)
 // Threading: the training thread only; the gathers run on the stream's
 // thread and write the compute copies until they finish.
 #pragma once
