@@ -14,7 +14,6 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
-#include "models/models.h"
 #include "tests/engine/checkpoint_util.h"
 #include "tests/engine/tiny_models.h"
 
@@ -61,16 +60,7 @@ TEST(Checkpoint, EmulatedGpuStage3ResumesBitExact) {
     r.bf16 = true;
     r.offload = offload;
     r.top_extra["device"] = "cuda";
-    r.make = [] {
-      models::GptConfig g;
-      g.vocab_size = testing_models::kVocab;
-      g.block_size = testing_models::kSeq;
-      g.n_layer = 2;
-      g.n_head = 2;
-      g.n_embd = 16;
-      g.device = Device::kCuda;
-      return models::make_gpt(g);
-    };
+    r.make = [] { return testing_models::small_gpt(16, Device::kCuda); };
     testing_train::expect_bit_exact_resume(r, g_world, shared_dir("gpu3"), 3,
                                            std::string("emulated GPU, stage 3, offload ") + offload);
   }

@@ -69,15 +69,7 @@ TEST(ZeroLamb, EveryStageMatchesTheSingleRankRun) {
   RunSpec base;
   // Wider than tiny_gpt so that a layer's flat block (about 7,000 elements)
   // is cut between the ranks' 4 KiB-aligned shards inside its tensors.
-  base.make = [] {
-    models::GptConfig g;
-    g.vocab_size = testing_models::kVocab;
-    g.block_size = testing_models::kSeq;
-    g.n_layer = 2;
-    g.n_head = 2;
-    g.n_embd = 24;
-    return models::make_gpt(g);
-  };
+  base.make = [] { return testing_models::small_gpt(24); };
   base.steps = 12;
   base.optimizer = {{"type", "Lamb"}, {"params", {{"lr", 5e-3}, {"weight_decay", 0.01}, {"max_coeff", 2.0}}}};
   base.scheduler = {{"type", "OneCycle"},
@@ -242,14 +234,7 @@ void expect_emulated_gpu_equals_cpu(const std::string& offload, double clipping,
     for (const std::string prec : {"fp32", "bf16", "bf16-wire"}) {
       testing_train::RunSpec r;
       r.make = [] {
-        models::GptConfig g;
-        g.vocab_size = testing_models::kVocab;
-        g.block_size = testing_models::kSeq;
-        g.n_layer = 2;
-        g.n_head = 2;
-        g.n_embd = 16;
-        if (std::getenv("ZINC_EMULATE_GPU")) g.device = Device::kCuda;
-        return models::make_gpt(g);
+        return testing_models::small_gpt(16, std::getenv("ZINC_EMULATE_GPU") ? Device::kCuda : Device::kCpu);
       };
       r.stage = stage;
       r.bf16 = prec != "fp32";

@@ -23,6 +23,21 @@ inline std::shared_ptr<Model> tiny_gpt(int64_t n_layer = 2, bool gradient_checkp
   return models::make_gpt(g);
 }
 
+// A two-layer GPT of the tiny vocabulary and sequence, `n_embd` wide (wider
+// than tiny_gpt where a layer must be cut between ranks' shards inside its
+// tensors), on `device` (Device::kCuda: the GPU path, emulated on the CPU
+// under ZINC_EMULATE_GPU).
+inline std::shared_ptr<Model> small_gpt(int64_t n_embd, Device device = Device::kCpu) {
+  models::GptConfig g;
+  g.vocab_size = kVocab;
+  g.block_size = kSeq;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = n_embd;
+  g.device = device;
+  return models::make_gpt(g);
+}
+
 inline std::shared_ptr<Model> tiny_mlp() {
   models::MlpConfig m;
   m.vocab_size = kVocab;
