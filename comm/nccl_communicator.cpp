@@ -213,51 +213,50 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank_, send, recv, count, dtype);
-    const ncclDataType_t type = nccl_type(dtype, "all_reduce");
-    if (count == 0) return;
-    const std::string op = describe("all_reduce", count, dtype);
-    DeviceGuard g(rank_, device_, op);
-    nccl_check(nccl().AllReduce(send, recv, static_cast<size_t>(count), type, ncclSum, comm_, stream_), op,
-               "ncclAllReduce");
-    complete(op);
+    collective("all_reduce", count, dtype, "ncclAllReduce", [&](ncclDataType_t t) {
+      return nccl().AllReduce(send, recv, static_cast<size_t>(count), t, ncclSum, comm_, stream_);
+    });
   }
 
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
     detail::check_reduce_scatter(rank_, size_, send, recv, recv_count, dtype);
-    const ncclDataType_t type = nccl_type(dtype, "reduce_scatter");
-    if (recv_count == 0) return;
-    const std::string op = describe("reduce_scatter", recv_count, dtype);
-    DeviceGuard g(rank_, device_, op);
-    nccl_check(nccl().ReduceScatter(send, recv, static_cast<size_t>(recv_count), type, ncclSum, comm_, stream_), op,
-               "ncclReduceScatter");
-    complete(op);
+    collective("reduce_scatter", recv_count, dtype, "ncclReduceScatter", [&](ncclDataType_t t) {
+      return nccl().ReduceScatter(send, recv, static_cast<size_t>(recv_count), t, ncclSum, comm_, stream_);
+    });
   }
 
   // In place when send == recv + rank * send_count, which NCCL recognises
   // by the same rule (its in-place all-gather), so send passes unchanged.
   void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
     detail::check_all_gather(rank_, size_, send, recv, send_count, dtype);
-    const ncclDataType_t type = nccl_type(dtype, "all_gather");
-    if (send_count == 0) return;
-    const std::string op = describe("all_gather", send_count, dtype);
-    DeviceGuard g(rank_, device_, op);
-    nccl_check(nccl().AllGather(send, recv, static_cast<size_t>(send_count), type, comm_, stream_), op, "ncclAllGather");
-    complete(op);
+    collective("all_gather", send_count, dtype, "ncclAllGather", [&](ncclDataType_t t) {
+      return nccl().AllGather(send, recv, static_cast<size_t>(send_count), t, comm_, stream_);
+    });
   }
 
   void broadcast(void* buf, int64_t count, DType dtype, int root) override {
     detail::check_broadcast(rank_, size_, count, root);
-    const ncclDataType_t type = nccl_type(dtype, "broadcast");
-    if (count == 0) return;
-    const std::string op = describe("broadcast", count, dtype);
-    DeviceGuard g(rank_, device_, op);
-    nccl_check(nccl().Broadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), op, "ncclBroadcast");
-    complete(op);
+    collective("broadcast", count, dtype, "ncclBroadcast", [&](ncclDataType_t t) {
+      return nccl().Broadcast(buf, buf, static_cast<size_t>(count), t, root, comm_, stream_);
+    });
   }
 
   void all_reduce_f64(double* buf, int64_t count) override { reduce_host_f64(buf, count, ncclSum, "all_reduce_f64"); }
   void all_reduce_max_f64(double* buf, int64_t count) override {
     reduce_host_f64(buf, count, ncclMax, "all_reduce_max_f64");
+  }
+
+  // The shared part of every collective: the dtype (refused before any
+  // communication), nothing for a count of 0, this communicator's device,
+  // the call (`call(type)` returns NCCL's result), its completion.
+  template <class Call>
+  void collective(const char* name, int64_t count, DType dtype, const char* fn, Call call) {
+    const ncclDataType_t type = nccl_type(dtype, name);
+    if (count == 0) return;
+    const std::string op = describe(name, count, dtype);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(call(type), op, fn);
+    complete(op);
   }
 
   // A one-element all-reduce, completed: no rank leaves before every rank
@@ -270,11 +269,11 @@ class NcclCommunicator final : public Communicator {
 
   // ncclCommSplit with one colour keeps every rank in its order: a new
   // communicator of the same ranks and GPUs, independent of this one, with
-  // its own stream. NCCL's user guide warns that collectives of two
-  // communicators running at once on the same GPUs can wait for each other
-  // when the ranks launch them in different orders (NCCL kernels block
-  // until their peers arrive); each stream here issues the same sequence on
-  // every rank, and the GPU runs the two streams' kernels side by side.
+  // its own stream. NCCL's thread-safety rules forbid calls on two
+  // communicators of one GPU from two threads at once (NCCL kernels block
+  // until their peers arrive, and two communicators' kernels need not run
+  // side by side), so the duplicate must not be driven concurrently with
+  // this one; the engine drives one NCCL communicator from one thread.
   std::unique_ptr<Communicator> duplicate() override {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
     DeviceGuard g(rank_, device_, "duplicate");

@@ -12,6 +12,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "engine/device_mirror.h"
+#include "engine/shard.h"
 #include "kernels/kernels.h"
 
 namespace zinc {
@@ -236,6 +237,22 @@ class HostMirror final : public DeviceMirror {
 };
 
 }  // namespace
+
+GpuPlan GpuPlan::make(const Config& c, int world) {
+  const ZeroConfig& z = c.zero;
+  const bool states_on_gpu = z.offload_optimizer.device == OffloadDevice::kNone;
+  const bool params_sharded = StagePlan::make(z.stage, world, z.offload_param.device != OffloadDevice::kNone).params_sharded;
+  GpuPlan g;
+  // The GPU keeps what the host keeps (Note [ZeRO stages] in shard.h): at
+  // stage 3 a block's parameters only while gathered, from stage 2 the
+  // gradients only until reduced or copied out (GPU-resident states on one
+  // rank read them in place: they stay).
+  g.mirror.transient_params = params_sharded;
+  g.mirror.transient_grads = z.stage >= 2 && !(states_on_gpu && world == 1);
+  g.host_grads = !(states_on_gpu && world == 1);
+  g.device_gathers = params_sharded && world > 1 && z.offload_param.device != OffloadDevice::kNvme;
+  return g;
+}
 
 std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute,
                                                const MirrorOptions& options) {

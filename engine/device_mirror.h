@@ -28,6 +28,7 @@
 
 #include "comm/comm.h"
 #include "core/dtype.h"
+#include "engine/config.h"
 #include "optim/optim.h"
 
 namespace zinc {
@@ -40,6 +41,20 @@ struct MirrorOptions {
   // Stages 2-3: a block's GPU gradient accumulator is allocated (zeroed) by
   // grads() and freed once its boundary copy or reduction has read it.
   bool transient_grads = false;
+};
+
+// What the GPU path keeps where, from the config and the world size alone
+// ("device": "cuda"): the engine and --estimate (memory_estimate.cpp) both
+// ask here, so the two cannot disagree.
+struct GpuPlan {
+  MirrorOptions mirror;
+  // The gradients reach host memory (not so with GPU-resident optimizer
+  // states on one rank: the update reads them on the GPU).
+  bool host_grads = true;
+  // Stage 3 on several ranks with the shards in RAM: the parameter gathers
+  // run on the GPU (when the GPU reduction starts; else in host memory).
+  bool device_gathers = false;
+  static GpuPlan make(const Config& c, int world);
 };
 
 class DeviceMirror {

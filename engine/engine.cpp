@@ -342,14 +342,7 @@ struct Engine::Impl final : StepContext {
     if (c.device == Device::kCuda) {
       std::vector<int64_t> padded;
       for (const BlockShard& s : blocks) padded.push_back(s.part.padded_numel);
-      // The GPU keeps what the host keeps (Note [ZeRO stages] in shard.h):
-      // at stage 3 a block's parameters only while gathered, from stage 2
-      // the gradients only until reduced or copied out (GPU-resident states
-      // on one rank read them in place: they stay).
-      MirrorOptions mo;
-      mo.transient_params = plan.params_sharded;
-      mo.transient_grads = c.zero.stage >= 2 && !(offload_device == OffloadDevice::kNone && world == 1);
-      gpu = DeviceMirror::make(padded, dtype, mo);
+      gpu = DeviceMirror::make(padded, dtype, GpuPlan::make(c, world).mirror);
       gpu_stale.assign(blocks.size(), 1);
       gpu_states = offload_device == OffloadDevice::kNone;
       if (gpu_reduce) {
@@ -383,8 +376,7 @@ struct Engine::Impl final : StepContext {
           gpu->upload_states(sp.block, state_offset(sp), sp.count, sp.master, nullptr, nullptr);
         });
       }
-      if (gpu_reduce && plan.params_sharded && c.zero.offload_param.device != OffloadDevice::kNvme)
-        start_device_gathers();
+      if (gpu_reduce && GpuPlan::make(c, world).device_gathers) start_device_gathers();
     }
   }
 
@@ -559,7 +551,7 @@ struct Engine::Impl final : StepContext {
     ro.overlap = cfg.zero.overlap_comm;
     ro.wire = cfg.wire_dtype();
     // GPU-resident states on one rank: the gradients stay on the GPU.
-    ro.host_grads = !(cfg.device == Device::kCuda && offload_device == OffloadDevice::kNone && world == 1);
+    ro.host_grads = cfg.device != Device::kCuda || GpuPlan::make(cfg, world).host_grads;
     if (gpu_reduce)
       ro.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
         // GPU-resident states keep the reduced shard on the GPU.

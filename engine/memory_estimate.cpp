@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "engine/device_mirror.h"
 #include "engine/grad_reducer.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
@@ -47,6 +48,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   const ZeroConfig& z = c.zero;
   const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
   const StagePlan plan = StagePlan::make(z.stage, world, param_offload);
+  const GpuPlan gpu_plan = GpuPlan::make(c, world);  // used where "device" is "cuda"
   const DType dtype = c.compute_dtype();
   const int64_t es = static_cast<int64_t>(dtype_bytes(dtype));
   e.stage = z.stage;
@@ -164,7 +166,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     }
     // On the GPU on several ranks the gathers land in GPU memory (the
     // engine's device gathers), not in RAM.
-    if (!(c.device == Device::kCuda && world > 1 && !nvme))
+    if (!(c.device == Device::kCuda && gpu_plan.device_gathers))
       train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
                               millions(persist_padded + gathered) + " elements: " + why});
     full_params = persist_padded + gathered;
@@ -183,7 +185,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   // (Note [the GPU path]): the host holds only the reduced shards.
   const bool gpu_reduce = c.device == Device::kCuda && world > 1;
   // GPU-resident states on one rank: no gradient reaches the host.
-  const bool gpu_only_grads = c.device == Device::kCuda && world == 1 && z.offload_optimizer.device == OffloadDevice::kNone;
+  const bool gpu_only_grads = c.device == Device::kCuda && !gpu_plan.host_grads;
   std::vector<MemoryPart> grads;
   // Full gradients that exist only in backward (stage 2 and up on several
   // ranks on the host; from stage 2 on the GPU): the elements at most.
@@ -256,7 +258,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     // and with offload_optimizer "none" master, m and v (the host keeps its
     // copy for checkpoints); the gradients' page-locked staging on the host.
     // (As the engine's MirrorOptions: GPU-resident states on one rank keep them.)
-    const bool transient = z.stage >= 2 && !gpu_only_grads;
+    const bool transient = gpu_plan.mirror.transient_grads;
     const int64_t gpu_grads = transient ? transient_full : padded_all;
     const std::string gpu_grads_why =
         transient ? millions(gpu_grads) + " elements, in backward: " + transient_why
@@ -271,7 +273,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       if (world > 1 && !plan.optimizer_spans_block)
         e.gpu.insert(e.gpu.begin() + 3, {"reduced gradient shards (fp32)", 4 * span_all,
                                          "4 B x " + millions(span_all) + " elements"});
-      if (plan.params_sharded && is_16bit(dtype) && !(world > 1 && z.offload_param.device != OffloadDevice::kNvme))
+      if (plan.params_sharded && is_16bit(dtype) && !gpu_plan.device_gathers)
         e.gpu.push_back({"update output", es * max_shard, "the largest shard's new compute values, on their way to RAM"});
     }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
@@ -282,9 +284,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
         e.gpu.push_back({std::string(dtype_name(c.wire_dtype())) + " wire copies", 2 * gpu_grads,
                          "2 B per gradient element"});
     }
-    const bool device_gathers =
-        plan.params_sharded && world > 1 && z.offload_param.device != OffloadDevice::kNvme;
-    if (device_gathers)
+    if (gpu_plan.device_gathers)
       e.gpu.insert(e.gpu.begin() + 1, {std::string("parameter shards (") + dname + ")", es * shard_all,
                                        std::to_string(es) + " B x " + millions(shard_all) +
                                            " elements: the rank's, which the gathers read"});
