@@ -1,0 +1,369 @@
+// Kernel emulation on the CPU: the fiber scheduler and the runtime API (Note
+// [kernel emulation] in cuda_emu.h).
+#include "tests/cuda_emu/cuda_emu.h"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "tests/cuda_emu/include/cuda_runtime_api.h"
+
+namespace zinc_emu {
+namespace {
+
+enum class St { kRun, kBlock, kWarp, kDone };
+
+struct Fiber {
+  ucontext_t ctx{};
+  uint3 tid{};
+  St st = St::kDone;
+  bool shuffle = false;  // waiting in a shuffle: needs every lane of its warp
+  int phase = 0;         // which of the warp's two exchange buffers it writes next
+};
+
+constexpr size_t kStackBytes = 256 << 10;
+constexpr int kMaxThreads = 1024;
+
+struct Grid {
+  std::mutex launch;  // one launch at a time, from any host thread
+  const char* name = "";
+  dim3 grid, block;
+  uint3 bid{};
+  const Body* body = nullptr;
+  std::vector<Fiber> fibers = std::vector<Fiber>(kMaxThreads);
+  std::vector<std::array<std::array<uint64_t, 32>, 2>> exchange =
+      std::vector<std::array<std::array<uint64_t, 32>, 2>>(kMaxThreads / 32);
+  char* stacks = nullptr;  // kMaxThreads stacks, each above a guard page
+  int threads = 0;
+  int cur = -1;
+  ucontext_t sched{};
+  std::exception_ptr error;
+};
+
+Grid& grid_state() {
+  static Grid g;
+  return g;
+}
+
+Fiber& running(const char* what) {
+  Grid& g = grid_state();
+  if (g.cur < 0) {
+    std::fprintf(stderr, "zinc_emu: %s called outside a kernel\n", what);
+    std::abort();
+  }
+  return g.fibers[static_cast<size_t>(g.cur)];
+}
+
+void yield(St st) {
+  Grid& g = grid_state();
+  Fiber& f = g.fibers[static_cast<size_t>(g.cur)];
+  f.st = st;
+  swapcontext(&f.ctx, &g.sched);
+}
+
+void fiber_entry() {
+  Grid& g = grid_state();
+  try {
+    (*g.body)();
+  } catch (...) {
+    if (!g.error) g.error = std::current_exception();
+  }
+  g.fibers[static_cast<size_t>(g.cur)].st = St::kDone;
+  // returning resumes uc_link, the scheduler
+}
+
+std::string where(const Grid& g, int i) {
+  const uint3 t = g.fibers[static_cast<size_t>(i)].tid;
+  return std::string("kernel ") + g.name + ", block (" + std::to_string(g.bid.x) + "," + std::to_string(g.bid.y) + "," +
+         std::to_string(g.bid.z) + "), thread (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," +
+         std::to_string(t.z) + ")";
+}
+
+// Releases the warps whose live lanes all wait at a warp operation, else the
+// block when every live thread waits at __syncthreads. False: nothing can go on.
+bool release(Grid& g) {
+  bool any = false;
+  for (int w0 = 0; w0 < g.threads; w0 += 32) {
+    const int w1 = std::min(w0 + 32, g.threads);
+    int alive = 0, waiting = 0, exited = -1, shuffling = -1;
+    for (int i = w0; i < w1; ++i) {
+      const Fiber& f = g.fibers[static_cast<size_t>(i)];
+      if (f.st == St::kDone) {
+        exited = i;
+        continue;
+      }
+      ++alive;
+      if (f.st == St::kWarp) {
+        ++waiting;
+        if (f.shuffle) shuffling = i;
+      }
+    }
+    if (alive == 0 || waiting != alive) continue;
+    if (shuffling >= 0 && exited >= 0)
+      throw zinc::Error("kernel emulation: " + where(g, shuffling) + " shuffles with lane " +
+                        std::to_string(exited % 32) + " of its warp, which has returned (undefined on a GPU)");
+    for (int i = w0; i < w1; ++i)
+      if (g.fibers[static_cast<size_t>(i)].st == St::kWarp) g.fibers[static_cast<size_t>(i)].st = St::kRun;
+    any = true;
+  }
+  if (any) return true;
+  int alive = 0, at_barrier = 0, other = -1, barrier = -1;
+  for (int i = 0; i < g.threads; ++i) {
+    const St st = g.fibers[static_cast<size_t>(i)].st;
+    if (st == St::kDone) continue;
+    ++alive;
+    if (st == St::kBlock) {
+      ++at_barrier;
+      barrier = i;
+    } else {
+      other = i;
+    }
+  }
+  if (alive == 0) return false;
+  if (at_barrier != alive)
+    throw zinc::Error("kernel emulation: deadlock: " + where(g, barrier >= 0 ? barrier : other) +
+                      (barrier >= 0 ? " waits at __syncthreads while " + where(g, other) + " waits at a warp operation"
+                                    : " waits at a warp operation its warp never reaches"));
+  for (int i = 0; i < g.threads; ++i)
+    if (g.fibers[static_cast<size_t>(i)].st == St::kBlock) g.fibers[static_cast<size_t>(i)].st = St::kRun;
+  return true;
+}
+
+void run_block(Grid& g) {
+  for (int i = 0; i < g.threads; ++i) {
+    Fiber& f = g.fibers[static_cast<size_t>(i)];
+    const unsigned bx = g.block.x, by = g.block.y;
+    f.tid = uint3{static_cast<unsigned>(i) % bx, static_cast<unsigned>(i) / bx % by, static_cast<unsigned>(i) / (bx * by)};
+    f.st = St::kRun;
+    f.shuffle = false;
+    f.phase = 0;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = g.stacks + static_cast<size_t>(i) * (kStackBytes + 4096) + 4096;
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = &g.sched;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
+  for (;;) {
+    bool ran = false;
+    for (int i = 0; i < g.threads; ++i) {
+      if (g.fibers[static_cast<size_t>(i)].st != St::kRun) continue;
+      g.cur = i;
+      swapcontext(&g.sched, &g.fibers[static_cast<size_t>(i)].ctx);
+      g.cur = -1;
+      ran = true;
+      if (g.error) std::rethrow_exception(g.error);
+    }
+    if (!ran && !release(g)) return;
+  }
+}
+
+}  // namespace
+
+const uint3& thread_idx() { return running("threadIdx").tid; }
+const uint3& block_idx() {
+  running("blockIdx");
+  return grid_state().bid;
+}
+const dim3& block_dim() {
+  running("blockDim");
+  return grid_state().block;
+}
+const dim3& grid_dim() {
+  running("gridDim");
+  return grid_state().grid;
+}
+int lane_id() {
+  Grid& g = grid_state();
+  running("a warp operation");
+  return g.cur % 32;
+}
+
+void syncthreads() {
+  running("__syncthreads");
+  yield(St::kBlock);
+}
+void syncwarp() {
+  running("__syncwarp");
+  yield(St::kWarp);
+}
+
+uint64_t warp_exchange(uint64_t bits, int src) {
+  Grid& g = grid_state();
+  Fiber& f = running("a shuffle");
+  const int me = g.cur, w0 = me / 32 * 32;
+  auto& buf = g.exchange[static_cast<size_t>(me / 32)][static_cast<size_t>(f.phase)];
+  buf[static_cast<size_t>(me % 32)] = bits;
+  f.shuffle = true;
+  yield(St::kWarp);
+  f.shuffle = false;
+  f.phase ^= 1;
+  if (src < 0 || src >= 32 || w0 + src >= g.threads)
+    throw zinc::Error("kernel emulation: " + where(g, me) + " shuffles from lane " + std::to_string(src) +
+                      ", outside its warp");
+  return buf[static_cast<size_t>(src)];
+}
+
+void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, const Body& body) {
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+    set_last_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (shared_bytes)
+    throw zinc::Error(std::string("kernel emulation: ") + name + ": dynamic shared memory is not emulated");
+  Grid& g = grid_state();
+  std::lock_guard<std::mutex> lock(g.launch);
+  if (!g.stacks) {
+    const size_t bytes = static_cast<size_t>(kMaxThreads) * (kStackBytes + 4096);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw zinc::Error("kernel emulation: cannot map the fibers' stacks");
+    g.stacks = static_cast<char*>(p);
+    for (int i = 0; i < kMaxThreads; ++i)  // a guard page below each stack: an overflow faults
+      mprotect(g.stacks + static_cast<size_t>(i) * (kStackBytes + 4096), 4096, PROT_NONE);
+  }
+  g.name = name;
+  g.grid = grid;
+  g.block = block;
+  g.body = &body;
+  g.threads = static_cast<int>(threads);
+  g.error = nullptr;
+  try {
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          g.bid = uint3{x, y, z};
+          run_block(g);
+        }
+  } catch (...) {
+    g.cur = -1;
+    g.body = nullptr;
+    throw;
+  }
+  g.body = nullptr;
+}
+
+namespace {
+thread_local cudaError_t last_error = cudaSuccess;
+
+struct Allocations {
+  std::mutex mu;
+  std::map<void*, size_t> live;
+};
+Allocations& allocations() {
+  static Allocations a;
+  return a;
+}
+cudaError_t allocate(void** p, size_t bytes) {
+  if (!p) return cudaErrorInvalidValue;
+  void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+  if (!q) return cudaErrorMemoryAllocation;
+  // Fresh device memory is not zero on a GPU: fill it with NaN bytes so that
+  // a kernel reading what it never wrote shows.
+  std::memset(q, 0xff, bytes);
+  Allocations& a = allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.live[q] = bytes;
+  *p = q;
+  return cudaSuccess;
+}
+cudaError_t release_memory(void* p) {
+  if (!p) return cudaSuccess;
+  Allocations& a = allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.live.find(p);
+  if (it == a.live.end()) return cudaErrorInvalidValue;
+  a.live.erase(it);
+  std::free(p);
+  return cudaSuccess;
+}
+}  // namespace
+
+void set_last_error(cudaError_t e) { last_error = e; }
+
+}  // namespace zinc_emu
+
+using zinc_emu::last_error;
+
+cudaError_t cudaGetLastError() { return std::exchange(last_error, cudaSuccess); }
+cudaError_t cudaPeekAtLastError() { return last_error; }
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    default: return "cudaErrorLaunchFailure";
+  }
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    default: return "unspecified launch failure";
+  }
+}
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, bytes); }
+cudaError_t cudaFree(void* p) { return zinc_emu::release_memory(p); }
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return zinc_emu::allocate(p, bytes); }
+cudaError_t cudaFreeHost(void* p) { return zinc_emu::release_memory(p); }
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (bytes) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  if (bytes) std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = reinterpret_cast<cudaStream_t>(new char(0));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete reinterpret_cast<char*>(s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = reinterpret_cast<cudaEvent_t>(new char(0));
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete reinterpret_cast<char*>(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }

@@ -1,0 +1,164 @@
+// zinc's CUDA kernels run on the CPU, for machines without a GPU (tests only).
+//
+// Note [kernel emulation]
+// No project machine has a GPU, so the .cu files were only ever compiled.
+// This harness compiles their source a second time as plain C++ and runs
+// every launch on the host, so that the kernels' indexing, their block and
+// warp cooperation and their math are checked against the CPU kernels on
+// every CI run (tests/CMakeLists.txt: cuda_emu_test, with the same test files
+// as the real GPU tests). What it models:
+// - A launch runs its blocks one after another. Each thread of a block is a
+//   fiber (ucontext) with its own stack; a fiber runs until it reaches
+//   __syncthreads, a warp operation, or its end. threadIdx, blockIdx,
+//   blockDim and gridDim are those of the fiber running.
+// - __syncthreads releases the block when every thread still running has
+//   reached it (threads that returned count as arrived, as on sm_70+).
+// - __shfl_sync / __shfl_xor_sync exchange values among the 32 lanes of a
+//   warp; a lane that returned while its warp still shuffles is an error
+//   (undefined behaviour on a GPU), as is any state where no thread can go on
+//   (a __syncthreads some threads never reach): both throw zinc::Error
+//   naming the kernel, block and thread.
+// - __shared__ is a function-local static: one copy, which the blocks reuse
+//   in turn (the launches of all host threads are serialised).
+// - Device memory is host memory; streams and events exist but every call
+//   completes before it returns, so cross-stream ordering is NOT checked here.
+// - Launch limits (1024 threads per block, grid sizes) are checked as the
+//   driver does and reported through cudaGetLastError.
+// What it cannot model: timing, memory coalescing, races between threads of
+// one block that real hardware could interleave differently, and cuBLAS
+// (cuda_emu_test stands a CPU GEMM in for it, see emu_cublas.cpp).
+//
+// The .cu files reach this header through -include; tests/cuda_emu/
+// translate.py rewrites their kernel<<<grid, block, smem, stream>>>(args)
+// into ::zinc_emu::launcher("kernel", kernel, grid, block, smem, stream)(args), the
+// only syntax C++ lacks.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <utility>
+
+// ---- the CUDA keywords ----------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __constant__ static
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+
+namespace zinc_emu {
+
+// The running fiber's coordinates.
+const uint3& thread_idx();
+const uint3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+
+void syncthreads();
+void syncwarp();
+// Every lane of the running fiber's warp deposits `bits`; returns lane
+// `src`'s deposit (src is a lane of the warp).
+uint64_t warp_exchange(uint64_t bits, int src);
+int lane_id();
+
+template <class T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <class T>
+T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+using Body = std::function<void()>;
+// Runs `body` as every thread of the grid (see the Note). `name` is for errors.
+void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, const Body& body);
+
+template <class Kernel>
+struct Launch {
+  const char* name;
+  Kernel* kernel;
+  dim3 grid, block;
+  size_t shared_bytes;
+  template <class... Args>
+  void operator()(Args&&... args) const {
+    // Arguments are copied once, as a launch copies them into the kernel's
+    // parameter space, then every thread gets them by value.
+    auto bound = std::make_tuple(std::forward<Args>(args)...);
+    run_grid(name, grid, block, shared_bytes, [&] { std::apply(*kernel, bound); });
+  }
+};
+
+template <class Kernel, class Stream = void*>
+Launch<Kernel> launcher(const char* name, Kernel* kernel, dim3 grid, dim3 block, size_t shared_bytes = 0,
+                        Stream = {}) {
+  return Launch<Kernel>{name, kernel, grid, block, shared_bytes};
+}
+
+}  // namespace zinc_emu
+
+#define threadIdx (::zinc_emu::thread_idx())
+#define blockIdx (::zinc_emu::block_idx())
+#define blockDim (::zinc_emu::block_dim())
+#define gridDim (::zinc_emu::grid_dim())
+constexpr int warpSize = 32;
+
+// ---- device intrinsics ---------------------------------------------------------------
+inline void __syncthreads() { ::zinc_emu::syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ::zinc_emu::syncwarp(); }
+
+template <class T>
+T __shfl_sync(unsigned, T v, int src, int width = 32) {
+  const int lane = ::zinc_emu::lane_id();
+  const int base = lane / width * width;
+  return ::zinc_emu::from_bits<T>(::zinc_emu::warp_exchange(::zinc_emu::to_bits(v), base + (src % width)));
+}
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+  const int lane = ::zinc_emu::lane_id();
+  const int base = lane / width * width;
+  return ::zinc_emu::from_bits<T>(
+      ::zinc_emu::warp_exchange(::zinc_emu::to_bits(v), base + ((lane - base) ^ mask) % width));
+}
+template <class T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const int lane = ::zinc_emu::lane_id();
+  const int base = lane / width * width;
+  const int src = lane - base + static_cast<int>(delta);
+  return ::zinc_emu::from_bits<T>(::zinc_emu::warp_exchange(::zinc_emu::to_bits(v), src < width ? base + src : lane));
+}
+
+inline float __int_as_float(int i) { return ::zinc_emu::from_bits<float>(static_cast<uint32_t>(i)); }
+inline float __uint_as_float(unsigned u) { return ::zinc_emu::from_bits<float>(u); }
+inline int __float_as_int(float f) { return static_cast<int>(static_cast<uint32_t>(::zinc_emu::to_bits(f))); }
+inline unsigned __float_as_uint(float f) { return static_cast<uint32_t>(::zinc_emu::to_bits(f)); }
+// Blocks run one at a time on one host thread: plain read-modify-writes are atomic.
+template <class T>
+T atomicAdd(T* p, T v) {
+  const T old = *p;
+  *p = old + v;
+  return old;
+}
+template <class T>
+T __ldg(const T* p) {
+  return *p;
+}

@@ -1,0 +1,106 @@
+// The cuBLAS of kernel emulation (Note [kernel emulation] in cuda_emu.h): a
+// shared library with the C entry points matmul.cu opens, computing
+// cublasGemmStridedBatchedEx by its documented definition (column-major,
+//   C_b = alpha op(A_b) op(B_b) + beta C_b,  op(X) = X or X^T,
+// C not read when beta == 0) with the argument checks cuBLAS documents, so
+// that zinc's row-major mapping (Note [cuBLAS matmul layout]) and its
+// leading dimensions and strides are checked without a GPU. 16-bit operands
+// are widened exactly; products are summed in fp32 in k order (cuBLAS sums in
+// another order: results are close to it, not equal).
+#include <algorithm>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "tests/cuda_emu/include/cublas_v2.h"
+
+namespace {
+
+struct Handle {
+  bool workspace_set = false;
+};
+
+float load(const void* p, cudaDataType t, long long i) {
+  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return zinc::from_16(h, t == CUDA_R_16BF ? zinc::DType::kBF16 : zinc::DType::kF16);
+}
+
+bool known(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16F || t == CUDA_R_16BF; }
+
+}  // namespace
+
+extern "C" {
+
+const char* cublasGetStatusName(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    default: return "CUBLAS_STATUS_NOT_SUPPORTED";
+  }
+}
+const char* cublasGetStatusString(cublasStatus_t s) {
+  return s == CUBLAS_STATUS_SUCCESS ? "success" : "an invalid or unsupported argument (kernel emulation)";
+}
+cublasStatus_t cublasCreate_v2(cublasHandle_t* h) {
+  *h = reinterpret_cast<cublasHandle_t>(new Handle());
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+  delete reinterpret_cast<Handle*>(h);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t) {
+  return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+}
+cublasStatus_t cublasSetPointerMode_v2(cublasHandle_t h, cublasPointerMode_t mode) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  return mode == CUBLAS_POINTER_MODE_HOST ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
+}
+cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  reinterpret_cast<Handle*>(h)->workspace_set = false;  // as cuBLAS: a new stream resets the workspace
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* ws, size_t bytes) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (bytes && !ws) return CUBLAS_STATUS_INVALID_VALUE;
+  reinterpret_cast<Handle*>(h)->workspace_set = true;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                          int k, const void* alpha_p, const void* A, cudaDataType at, int lda,
+                                          long long sa, const void* B, cudaDataType bt, int ldb, long long sb,
+                                          const void* beta_p, void* C, cudaDataType ct, int ldc, long long sc,
+                                          int batch, cublasComputeType_t compute, cublasGemmAlgo_t) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  // The documented checks.
+  if (m < 0 || n < 0 || k < 0 || batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  if (lda < std::max(1, ta == CUBLAS_OP_N ? m : k) || ldb < std::max(1, tb == CUBLAS_OP_N ? k : n) ||
+      ldc < std::max(1, m))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  if (!known(at) || !known(bt) || ct != CUDA_R_32F || at != bt || compute != CUBLAS_COMPUTE_32F)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
+  float* c = static_cast<float*>(C);
+  for (long long b = 0; b < batch; ++b)
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        float s = 0;
+        for (int l = 0; l < k; ++l) {
+          const float x = load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda
+                                                                  : l + static_cast<long long>(i) * lda));
+          const float y = load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
+                                                                  : j + static_cast<long long>(l) * ldb));
+          s += x * y;
+        }
+        float& out = c[b * sc + i + static_cast<long long>(j) * ldc];
+        out = beta == 0.0f ? alpha * s : alpha * s + beta * out;
+      }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // extern "C"
