@@ -3,7 +3,6 @@
 #include "tests/cuda_emu/cuda_emu.h"
 
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <array>
@@ -18,13 +17,47 @@
 #include "core/error.h"
 #include "tests/cuda_emu/include/cuda_runtime_api.h"
 
+// Fibers switch with a few instructions of their own rather than ucontext's
+// swapcontext, which makes a system call (the signal mask) on every switch:
+// a launch switches twice per thread and once more per barrier, and the
+// engine tests launch tens of thousands of threads per step.
+// zinc_emu_switch(save, load): pushes the callee-saved registers, stores
+// the stack pointer in *save, continues on the stack `load` (System V
+// x86-64). The FPU and SSE control words are not switched: all fibers run
+// with the launching thread's, and kernels do not change them.
+extern "C" void zinc_emu_switch(void** save, void* load);
+asm(R"(
+  .text
+  .globl zinc_emu_switch
+  .type zinc_emu_switch, @function
+zinc_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size zinc_emu_switch, .-zinc_emu_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+
 namespace zinc_emu {
 namespace {
 
 enum class St { kRun, kBlock, kWarp, kDone };
 
 struct Fiber {
-  ucontext_t ctx{};
+  void* sp = nullptr;  // its saved stack pointer while suspended
   uint3 tid{};
   St st = St::kDone;
   bool shuffle = false;  // waiting in a shuffle: needs every lane of its warp
@@ -46,14 +79,12 @@ struct Grid {
   char* stacks = nullptr;  // kMaxThreads stacks, each above a guard page
   int threads = 0;
   int cur = -1;
-  ucontext_t sched{};
+  void* sched = nullptr;  // the scheduler's saved stack pointer
   std::exception_ptr error;
 };
 
-Grid& grid_state() {
-  static Grid g;
-  return g;
-}
+Grid& grid = *new Grid();  // one (launches are serialised), never destroyed (see allocations())
+inline Grid& grid_state() { return grid; }
 
 Fiber& running(const char* what) {
   Grid& g = grid_state();
@@ -68,18 +99,34 @@ void yield(St st) {
   Grid& g = grid_state();
   Fiber& f = g.fibers[static_cast<size_t>(g.cur)];
   f.st = st;
-  swapcontext(&f.ctx, &g.sched);
+  zinc_emu_switch(&f.sp, g.sched);
 }
 
-void fiber_entry() {
+// The bottom of every fiber's stack (entered by zinc_emu_switch's ret):
+// runs the thread, then hands back to the scheduler for good.
+[[noreturn]] void fiber_main() {
   Grid& g = grid_state();
   try {
     (*g.body)();
   } catch (...) {
     if (!g.error) g.error = std::current_exception();
   }
-  g.fibers[static_cast<size_t>(g.cur)].st = St::kDone;
-  // returning resumes uc_link, the scheduler
+  Fiber& f = g.fibers[static_cast<size_t>(g.cur)];
+  f.st = St::kDone;
+  zinc_emu_switch(&f.sp, g.sched);
+  std::abort();  // a finished fiber is never resumed
+}
+
+// A fresh stack for zinc_emu_switch to start fiber_main on: from the
+// 16-aligned top, a zero return address (fiber_main never returns; this
+// aligns its frame as a call would), fiber_main's address for the ret and
+// zeros for the six callee-saved registers.
+void* fresh_stack(char* top) {
+  auto* p = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t{15});
+  *--p = 0;
+  *--p = reinterpret_cast<uint64_t>(&fiber_main);
+  for (int r = 0; r < 6; ++r) *--p = 0;
+  return p;
 }
 
 std::string where(const Grid& g, int i) {
@@ -147,18 +194,14 @@ void run_block(Grid& g) {
     f.st = St::kRun;
     f.shuffle = false;
     f.phase = 0;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = g.stacks + static_cast<size_t>(i) * (kStackBytes + 4096) + 4096;
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = &g.sched;
-    makecontext(&f.ctx, fiber_entry, 0);
+    f.sp = fresh_stack(g.stacks + static_cast<size_t>(i + 1) * (kStackBytes + 4096));
   }
   for (;;) {
     bool ran = false;
     for (int i = 0; i < g.threads; ++i) {
       if (g.fibers[static_cast<size_t>(i)].st != St::kRun) continue;
       g.cur = i;
-      swapcontext(&g.sched, &g.fibers[static_cast<size_t>(i)].ctx);
+      zinc_emu_switch(&g.sched, g.fibers[static_cast<size_t>(i)].sp);
       g.cur = -1;
       ran = true;
       if (g.error) std::rethrow_exception(g.error);
@@ -232,6 +275,13 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cons
     for (int i = 0; i < kMaxThreads; ++i)  // a guard page below each stack: an overflow faults
       mprotect(g.stacks + static_cast<size_t>(i) * (kStackBytes + 4096), 4096, PROT_NONE);
   }
+  static const bool trace = [] {
+    const char* e = std::getenv("ZINC_EMU_TRACE");
+    return e && std::string(e) == "1";
+  }();
+  if (trace)
+    std::fprintf(stderr, "zinc_emu: %s grid (%u,%u,%u) block (%u,%u,%u)\n", name, grid.x, grid.y, grid.z, block.x,
+                 block.y, block.z);
   g.name = name;
   g.grid = grid;
   g.block = block;
@@ -259,10 +309,13 @@ thread_local cudaError_t last_error = cudaSuccess;
 struct Allocations {
   std::mutex mu;
   std::map<void*, size_t> live;
+  std::map<void*, size_t> registered;  // cudaHostRegister
 };
+// Never destroyed: static destructors elsewhere (thread- and function-local
+// caches of device buffers) may still free memory during exit.
 Allocations& allocations() {
-  static Allocations a;
-  return a;
+  static Allocations* a = new Allocations();
+  return *a;
 }
 cudaError_t allocate(void** p, size_t bytes) {
   if (!p) return cudaErrorInvalidValue;
@@ -325,7 +378,7 @@ cudaError_t cudaGetDevice(int* d) {
 }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
@@ -367,3 +420,39 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  *free_bytes = *total_bytes = size_t{80} << 30;
+  return cudaSuccess;
+}
+// Host memory needs no page-locking here; registering twice is an error, as on a GPU.
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  if (!p || !bytes || !a.registered.emplace(p, bytes).second) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void* p) {
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  return a.registered.erase(p) ? cudaSuccess : cudaErrorInvalidValue;
+}
+cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return cudaFree(p); }
+cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {
+  if (!props || props->allocType != cudaMemAllocationTypePinned || props->location.type != cudaMemLocationTypeDevice ||
+      props->location.id != 0)
+    return cudaErrorInvalidValue;
+  *pool = reinterpret_cast<cudaMemPool_t>(new char(0));
+  return cudaSuccess;
+}
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool) {
+  delete reinterpret_cast<char*>(pool);
+  return cudaSuccess;
+}
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr, void* value) {
+  return pool && value ? cudaSuccess : cudaErrorInvalidValue;
+}
+cudaError_t cudaMallocFromPoolAsync(void** p, size_t bytes, cudaMemPool_t pool, cudaStream_t) {
+  return pool ? cudaMalloc(p, bytes) : cudaErrorInvalidValue;
+}

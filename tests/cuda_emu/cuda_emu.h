@@ -8,7 +8,7 @@
 // every CI run (tests/CMakeLists.txt: cuda_emu_test, with the same test files
 // as the real GPU tests). What it models:
 // - A launch runs its blocks one after another. Each thread of a block is a
-//   fiber (ucontext) with its own stack; a fiber runs until it reaches
+//   fiber with its own stack; a fiber runs until it reaches
 //   __syncthreads, a warp operation, or its end. threadIdx, blockIdx,
 //   blockDim and gridDim are those of the fiber running.
 // - __syncthreads releases the block when every thread still running has

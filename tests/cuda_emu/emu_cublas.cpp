@@ -9,6 +9,7 @@
 // another order: results are close to it, not equal).
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/dtype.h"
 #include "tests/cuda_emu/include/cublas_v2.h"
@@ -86,20 +87,27 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     return CUBLAS_STATUS_NOT_SUPPORTED;
   const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
   float* c = static_cast<float*>(C);
-  for (long long b = 0; b < batch; ++b)
+  // op(A_b) as (m,k) and op(B_b)^T as (n,k), widened, so that each sum reads two rows.
+  std::vector<float> a(static_cast<size_t>(m) * k), bt_(static_cast<size_t>(n) * k);
+  for (long long b = 0; b < batch; ++b) {
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < k; ++l)
+        a[static_cast<size_t>(i) * k + l] =
+            load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda : l + static_cast<long long>(i) * lda));
+    for (int j = 0; j < n; ++j)
+      for (int l = 0; l < k; ++l)
+        bt_[static_cast<size_t>(j) * k + l] =
+            load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb : j + static_cast<long long>(l) * ldb));
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < m; ++i) {
+        const float* x = &a[static_cast<size_t>(i) * k];
+        const float* y = &bt_[static_cast<size_t>(j) * k];
         float s = 0;
-        for (int l = 0; l < k; ++l) {
-          const float x = load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda
-                                                                  : l + static_cast<long long>(i) * lda));
-          const float y = load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
-                                                                  : j + static_cast<long long>(l) * ldb));
-          s += x * y;
-        }
+        for (int l = 0; l < k; ++l) s += x[l] * y[l];
         float& out = c[b * sc + i + static_cast<long long>(j) * ldc];
         out = beta == 0.0f ? alpha * s : alpha * s + beta * out;
       }
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 

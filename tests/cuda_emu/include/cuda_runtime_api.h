@@ -22,7 +22,36 @@ enum cudaMemcpyKind : int {
   cudaMemcpyDeviceToDevice = 3,
   cudaMemcpyDefault = 4
 };
-enum cudaDeviceAttr : int { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 };
+enum cudaDeviceAttr : int {
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrMemoryPoolsSupported = 115
+};
+// Stream-ordered pools: allocations are plain allocations here.
+struct CUmemPoolHandle_st;
+using cudaMemPool_t = CUmemPoolHandle_st*;
+enum cudaMemAllocationType : int { cudaMemAllocationTypeInvalid = 0, cudaMemAllocationTypePinned = 1 };
+enum cudaMemLocationType : int { cudaMemLocationTypeInvalid = 0, cudaMemLocationTypeDevice = 1 };
+struct cudaMemLocation {
+  cudaMemLocationType type;
+  int id;
+};
+struct cudaMemPoolProps {
+  cudaMemAllocationType allocType;
+  int handleTypes;
+  cudaMemLocation location;
+  void* win32SecurityAttributes;
+  size_t maxSize;
+  unsigned short usage;
+  unsigned char reserved[54];
+};
+enum cudaMemPoolAttr : int {
+  cudaMemPoolReuseFollowEventDependencies = 1,
+  cudaMemPoolReuseAllowOpportunistic = 2,
+  cudaMemPoolReuseAllowInternalDependencies = 3,
+  cudaMemPoolAttrReleaseThreshold = 4
+};
+constexpr unsigned cudaHostRegisterDefault = 0;
 struct CUstream_st;
 struct CUevent_st;
 using cudaStream_t = CUstream_st*;
@@ -46,6 +75,16 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
 cudaError_t cudaFreeHost(void* p);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s = nullptr);
+cudaError_t cudaMemset(void* p, int value, size_t bytes);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned flags);
+cudaError_t cudaHostUnregister(void* p);
+cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t s);
+cudaError_t cudaFreeAsync(void* p, cudaStream_t s);
+cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props);
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool);
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value);
+cudaError_t cudaMallocFromPoolAsync(void** p, size_t bytes, cudaMemPool_t pool, cudaStream_t s);
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s = nullptr);
 cudaError_t cudaStreamCreate(cudaStream_t* s);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
