@@ -64,8 +64,11 @@
 namespace zinc::comm {
 namespace {
 
-// NCCL's functions, from libnccl.so.2 opened on first use (core/dynlib.h:
-// linking it would load it into every zinc process, and into PyTorch's).
+// NCCL's functions, from libnccl.so.<NCCL_MAJOR> (libnccl.so.2) opened on
+// first use (core/dynlib.h: linking it would load it into every zinc
+// process, and into PyTorch's).
+#define ZINC_NCCL_STR_(x) #x
+#define ZINC_NCCL_STR(x) ZINC_NCCL_STR_(x)
 struct NcclApi {
   DynLib lib;
   decltype(&::ncclGetErrorString) GetErrorString;
@@ -84,7 +87,8 @@ struct NcclApi {
   decltype(&::ncclGetVersion) GetVersion;
 
   NcclApi()
-      : lib(DynLib::open({"libnccl.so.2", ZINC_CUDA_LIB_DIR "/libnccl.so.2"}, "NCCL (the nccl backend)")) {
+      : lib(DynLib::open({"libnccl.so." ZINC_NCCL_STR(NCCL_MAJOR), ZINC_CUDA_LIB_DIR "/libnccl.so." ZINC_NCCL_STR(NCCL_MAJOR)},
+                         "NCCL (the nccl backend)")) {
     GetErrorString = lib.get<decltype(&::ncclGetErrorString)>("ncclGetErrorString");
     GetLastError = lib.get<decltype(&::ncclGetLastError)>("ncclGetLastError");
     CommInitRank = lib.get<decltype(&::ncclCommInitRank)>("ncclCommInitRank");

@@ -368,15 +368,34 @@ const char* cudaGetErrorString(cudaError_t e) {
     default: return "unspecified launch failure";
   }
 }
+// The emulated GPUs: ZINC_EMU_GPUS (default 1), so that several ranks of one
+// machine each get their own, as NCCL needs. They share the host's memory.
+namespace zinc_emu {
+namespace {
+int device_count() {
+  static const int n = [] {
+    const char* e = std::getenv("ZINC_EMU_GPUS");
+    const int v = e ? std::atoi(e) : 1;
+    return v > 0 ? v : 1;
+  }();
+  return n;
+}
+thread_local int current_device = 0;  // per host thread, as CUDA's current device
+}  // namespace
+}  // namespace zinc_emu
 cudaError_t cudaGetDeviceCount(int* n) {
-  *n = 1;
+  *n = zinc_emu::device_count();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  *d = zinc_emu::current_device;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= zinc_emu::device_count()) return cudaErrorInvalidValue;
+  zinc_emu::current_device = d;
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
   return cudaSuccess;
@@ -441,7 +460,7 @@ cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaM
 cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return cudaFree(p); }
 cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {
   if (!props || props->allocType != cudaMemAllocationTypePinned || props->location.type != cudaMemLocationTypeDevice ||
-      props->location.id != 0)
+      props->location.id < 0 || props->location.id >= zinc_emu::device_count())
     return cudaErrorInvalidValue;
   *pool = reinterpret_cast<cudaMemPool_t>(new char(0));
   return cudaSuccess;

@@ -1,0 +1,206 @@
+// The NCCL of kernel emulation (Note [kernel emulation] in cuda_emu.h): a
+// shared library with the C entry points comm/nccl_communicator.cpp opens,
+// running each collective over MPI on host memory (the emulated device
+// memory) before it returns. Each communicator is an MPI communicator of its
+// own (ncclCommInitRank: the whole MPI world, in rank order; ncclCommSplit:
+// MPI_Comm_split of its parent), so collectives on two of them never mix.
+// Reductions gather every rank's data and add it in rank order (fp32 in
+// fp32, fp64 in fp64, 16-bit values in fp32 rounded once), so every rank
+// gets the same bits; real NCCL adds in its own ring or tree order.
+// It needs MPI initialised with MPI_THREAD_MULTIPLE, as zinc's MPI backend does.
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "tests/cuda_emu/include/nccl.h"
+
+struct ncclComm {
+  MPI_Comm mpi = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+};
+
+namespace {
+
+size_t type_bytes(ncclDataType_t t) {
+  switch (t) {
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclFloat32: return 4;
+    case ncclFloat64: return 8;
+  }
+  return 0;
+}
+
+double load(const char* p, ncclDataType_t t, size_t i) {
+  switch (t) {
+    case ncclFloat16: return zinc::from_16(reinterpret_cast<const uint16_t*>(p)[i], zinc::DType::kF16);
+    case ncclBfloat16: return zinc::from_16(reinterpret_cast<const uint16_t*>(p)[i], zinc::DType::kBF16);
+    case ncclInt32: return reinterpret_cast<const int32_t*>(p)[i];
+    case ncclFloat32: return reinterpret_cast<const float*>(p)[i];
+    case ncclFloat64: return reinterpret_cast<const double*>(p)[i];
+  }
+  return 0;
+}
+
+// Adds (or takes the max of) ranks' values in rank order: in fp64 for fp64,
+// in fp32 for the others, rounding 16-bit results once at the end.
+void reduce_into(char* out, const std::vector<const char*>& in, ncclDataType_t t, ncclRedOp_t op, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (t == ncclFloat64) {
+      double s = load(in[0], t, i);
+      for (size_t r = 1; r < in.size(); ++r) {
+        const double v = load(in[r], t, i);
+        s = op == ncclMax ? (v > s ? v : s) : s + v;
+      }
+      reinterpret_cast<double*>(out)[i] = s;
+      continue;
+    }
+    float s = static_cast<float>(load(in[0], t, i));
+    for (size_t r = 1; r < in.size(); ++r) {
+      const float v = static_cast<float>(load(in[r], t, i));
+      s = op == ncclMax ? (v > s ? v : s) : s + v;
+    }
+    switch (t) {
+      case ncclFloat16: reinterpret_cast<uint16_t*>(out)[i] = zinc::float_to_16(s, zinc::DType::kF16); break;
+      case ncclBfloat16: reinterpret_cast<uint16_t*>(out)[i] = zinc::float_to_16(s, zinc::DType::kBF16); break;
+      case ncclInt32: reinterpret_cast<int32_t*>(out)[i] = static_cast<int32_t>(s); break;
+      default: reinterpret_cast<float*>(out)[i] = s;
+    }
+  }
+}
+
+// Every rank's `bytes` from `send`, in rank order.
+ncclResult_t gather_all(const ncclComm* c, const void* send, size_t bytes, std::vector<char>& all) {
+  if (bytes > static_cast<size_t>(INT32_MAX)) return ncclInvalidArgument;
+  std::vector<char> mine(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+  all.resize(bytes * static_cast<size_t>(c->size));
+  return MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes), MPI_BYTE,
+                       c->mpi) == MPI_SUCCESS
+             ? ncclSuccess
+             : ncclSystemError;
+}
+
+ncclResult_t check(const ncclComm* c, ncclDataType_t t, ncclRedOp_t op = ncclSum) {
+  if (!c || c->mpi == MPI_COMM_NULL) return ncclInvalidArgument;
+  if (type_bytes(t) == 0 || (op != ncclSum && op != ncclMax)) return ncclInvalidArgument;
+  return ncclSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclInvalidArgument: return "invalid argument (kernel emulation)";
+    case ncclInvalidUsage: return "invalid usage (kernel emulation: communicators span the MPI world)";
+    case ncclSystemError: return "system error (kernel emulation: an MPI call failed)";
+    default: return "internal error (kernel emulation)";
+  }
+}
+const char* ncclGetLastError(ncclComm_t) { return ""; }
+ncclResult_t ncclGetVersion(int* v) {
+  *v = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  std::random_device rd;
+  for (char& ch : id->internal) ch = static_cast<char>(rd());
+  return ncclSuccess;
+}
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId, int rank) {
+  int inited = 0, world = 0, me = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return ncclInvalidUsage;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (nranks != world || rank != me) return ncclInvalidUsage;
+  auto* c = new ncclComm();
+  if (MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi) != MPI_SUCCESS) {
+    delete c;
+    return ncclSystemError;
+  }
+  c->rank = rank;
+  c->size = nranks;
+  *comm = c;
+  return ncclSuccess;
+}
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* child, ncclConfig_t*) {
+  if (!comm || comm->mpi == MPI_COMM_NULL) return ncclInvalidArgument;
+  auto* c = new ncclComm();
+  if (MPI_Comm_split(comm->mpi, color, key, &c->mpi) != MPI_SUCCESS) {
+    delete c;
+    return ncclSystemError;
+  }
+  MPI_Comm_rank(c->mpi, &c->rank);
+  MPI_Comm_size(c->mpi, &c->size);
+  *child = c;
+  return ncclSuccess;
+}
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* result) {
+  if (!comm) return ncclInvalidArgument;
+  *result = ncclSuccess;  // every call has finished when it returns
+  return ncclSuccess;
+}
+ncclResult_t ncclCommFinalize(ncclComm_t comm) { return comm ? ncclSuccess : ncclInvalidArgument; }
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (!comm) return ncclInvalidArgument;
+  if (comm->mpi != MPI_COMM_NULL) MPI_Comm_free(&comm->mpi);
+  delete comm;
+  return ncclSuccess;
+}
+// The peers may be gone: the MPI communicator is dropped without a collective free.
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t) {
+  if (ncclResult_t r = check(comm, t, op)) return r;
+  const size_t bytes = count * type_bytes(t);
+  std::vector<char> all;
+  if (ncclResult_t r = gather_all(comm, send, bytes, all)) return r;
+  std::vector<const char*> in;
+  for (int q = 0; q < comm->size; ++q) in.push_back(all.data() + static_cast<size_t>(q) * bytes);
+  reduce_into(static_cast<char*>(recv), in, t, op, count);
+  return ncclSuccess;
+}
+ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t t, ncclRedOp_t op,
+                               ncclComm_t comm, cudaStream_t) {
+  if (ncclResult_t r = check(comm, t, op)) return r;
+  const size_t seg = recvcount * type_bytes(t), bytes = seg * static_cast<size_t>(comm->size);
+  std::vector<char> all;
+  if (ncclResult_t r = gather_all(comm, send, bytes, all)) return r;
+  std::vector<const char*> in;
+  for (int q = 0; q < comm->size; ++q)
+    in.push_back(all.data() + static_cast<size_t>(q) * bytes + static_cast<size_t>(comm->rank) * seg);
+  reduce_into(static_cast<char*>(recv), in, t, op, recvcount);
+  return ncclSuccess;
+}
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t t, ncclComm_t comm,
+                           cudaStream_t) {
+  if (ncclResult_t r = check(comm, t)) return r;
+  std::vector<char> all;
+  if (ncclResult_t r = gather_all(comm, send, sendcount * type_bytes(t), all)) return r;
+  std::memcpy(recv, all.data(), all.size());
+  return ncclSuccess;
+}
+ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
+                           cudaStream_t) {
+  if (ncclResult_t r = check(comm, t)) return r;
+  if (root < 0 || root >= comm->size) return ncclInvalidArgument;
+  const size_t bytes = count * type_bytes(t);
+  if (bytes > static_cast<size_t>(INT32_MAX)) return ncclInvalidArgument;
+  if (comm->rank == root && send != recv && bytes) std::memmove(recv, send, bytes);
+  return MPI_Bcast(recv, static_cast<int>(bytes), MPI_BYTE, root, comm->mpi) == MPI_SUCCESS ? ncclSuccess
+                                                                                           : ncclSystemError;
+}
+
+}  // extern "C"
