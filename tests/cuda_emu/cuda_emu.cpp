@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
+#include <iterator>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -256,15 +259,10 @@ uint64_t warp_exchange(uint64_t bits, int src) {
   return buf[static_cast<size_t>(src)];
 }
 
-void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, const Body& body) {
-  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
-  if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-      grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
-    set_last_error(cudaErrorInvalidConfiguration);
-    return;
-  }
-  if (shared_bytes)
-    throw zinc::Error(std::string("kernel emulation: ") + name + ": dynamic shared memory is not emulated");
+namespace {
+
+// Runs a launch now (every check done by launch()).
+void run_grid(const char* name, dim3 grid, dim3 block, const Body& body) {
   Grid& g = grid_state();
   std::lock_guard<std::mutex> lock(g.launch);
   if (!g.stacks) {
@@ -275,18 +273,11 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cons
     for (int i = 0; i < kMaxThreads; ++i)  // a guard page below each stack: an overflow faults
       mprotect(g.stacks + static_cast<size_t>(i) * (kStackBytes + 4096), 4096, PROT_NONE);
   }
-  static const bool trace = [] {
-    const char* e = std::getenv("ZINC_EMU_TRACE");
-    return e && std::string(e) == "1";
-  }();
-  if (trace)
-    std::fprintf(stderr, "zinc_emu: %s grid (%u,%u,%u) block (%u,%u,%u)\n", name, grid.x, grid.y, grid.z, block.x,
-                 block.y, block.z);
   g.name = name;
   g.grid = grid;
   g.block = block;
   g.body = &body;
-  g.threads = static_cast<int>(threads);
+  g.threads = static_cast<int>(block.x * block.y * block.z);
   g.error = nullptr;
   try {
     for (unsigned z = 0; z < grid.z; ++z)
@@ -303,13 +294,112 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cons
   g.body = nullptr;
 }
 
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e && std::string(e) == value;
+}
+
+// ---- streams ----------------------------------------------------------------------------
+// Note [emulated streams]
+// Work queued on a stream (launches, asynchronous copies and sets, waits on
+// events, stream-ordered frees) runs only when something needs it done:
+// cudaStreamSynchronize, cudaEventSynchronize or cudaEventQuery of an event
+// recorded after it, cudaDeviceSynchronize, a wait of another stream that
+// runs, or a collective on the stream (emulated NCCL flushes its stream, then
+// runs at once). So a consumer that forgot to wait, on the host or on another
+// stream, reads what was there before (fresh device memory reads as NaN), and
+// the tests that compare with the CPU fail. As on a GPU, a copy from pageable
+// host memory reads the source when called, and a copy to pageable memory
+// returns once done; cudaMemcpy and cudaMemset go on the legacy stream, which
+// does NOT order zinc's streams (they are non-blocking). ZINC_EMU_SYNC=1 runs
+// everything when called instead (to tell an ordering bug from another one).
+struct Queue {
+  std::deque<std::function<void()>> ops;
+  uint64_t queued = 0, done = 0;
+};
+struct EventState {
+  Queue* q = nullptr;  // where it was last recorded
+  uint64_t at = 0;     // done when q->done reaches this
+};
+struct Runtime {
+  std::recursive_mutex mu;
+  Queue legacy;
+  std::vector<Queue*> queues{&legacy};  // never freed: waits may name a destroyed stream
+};
+Runtime& runtime() {
+  static Runtime* r = new Runtime();  // never destroyed (see allocations())
+  return *r;
+}
+Queue* queue_of(const void* stream) {
+  return stream ? static_cast<Queue*>(const_cast<void*>(stream)) : &runtime().legacy;
+}
+const bool kImmediate = env_is("ZINC_EMU_SYNC", "1");
+
+// Runs q's work up to position `at` (runtime().mu held).
+void run_until(Queue* q, uint64_t at) {
+  while (q->done < at && !q->ops.empty()) {
+    std::function<void()> op = std::move(q->ops.front());
+    q->ops.pop_front();
+    ++q->done;
+    op();
+  }
+}
+void run_all() {
+  Runtime& r = runtime();
+  for (bool again = true; again;) {
+    again = false;
+    for (Queue* q : r.queues)
+      if (q->done < q->queued) {
+        run_until(q, q->queued);
+        again = true;
+      }
+  }
+}
+void enqueue(const void* stream, std::function<void()> op) {
+  Runtime& r = runtime();
+  std::lock_guard<std::recursive_mutex> lock(r.mu);
+  Queue* q = queue_of(stream);
+  if (kImmediate) {
+    run_until(q, q->queued);
+    op();
+    return;
+  }
+  q->ops.push_back(std::move(op));
+  ++q->queued;
+}
+void flush(const void* stream) {
+  Runtime& r = runtime();
+  std::lock_guard<std::recursive_mutex> lock(r.mu);
+  Queue* q = queue_of(stream);
+  run_until(q, q->queued);
+}
+
+}  // namespace
+
+void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, void* stream, Body body) {
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+    set_last_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (shared_bytes)
+    throw zinc::Error(std::string("kernel emulation: ") + name + ": dynamic shared memory is not emulated");
+  static const bool trace = env_is("ZINC_EMU_TRACE", "1");
+  if (trace)
+    std::fprintf(stderr, "zinc_emu: %s grid (%u,%u,%u) block (%u,%u,%u) stream %p\n", name, grid.x, grid.y, grid.z,
+                 block.x, block.y, block.z, stream);
+  enqueue(stream, [name, grid, block, body = std::move(body)] { run_grid(name, grid, block, body); });
+}
+
 namespace {
 thread_local cudaError_t last_error = cudaSuccess;
 
+enum class Kind { kDevice, kPinned };
 struct Allocations {
   std::mutex mu;
-  std::map<void*, size_t> live;
-  std::map<void*, size_t> registered;  // cudaHostRegister
+  std::map<const char*, std::pair<size_t, Kind>> live;  // cudaMalloc*, cudaHostAlloc
+  std::map<const char*, size_t> registered;             // cudaHostRegister
 };
 // Never destroyed: static destructors elsewhere (thread- and function-local
 // caches of device buffers) may still free memory during exit.
@@ -317,7 +407,7 @@ Allocations& allocations() {
   static Allocations* a = new Allocations();
   return *a;
 }
-cudaError_t allocate(void** p, size_t bytes) {
+cudaError_t allocate(void** p, size_t bytes, Kind kind) {
   if (!p) return cudaErrorInvalidValue;
   void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
   if (!q) return cudaErrorMemoryAllocation;
@@ -326,7 +416,7 @@ cudaError_t allocate(void** p, size_t bytes) {
   std::memset(q, 0xff, bytes);
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  a.live[q] = bytes;
+  a.live[static_cast<const char*>(q)] = {bytes, kind};
   *p = q;
   return cudaSuccess;
 }
@@ -334,17 +424,35 @@ cudaError_t release_memory(void* p) {
   if (!p) return cudaSuccess;
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  auto it = a.live.find(p);
+  auto it = a.live.find(static_cast<const char*>(p));
   if (it == a.live.end()) return cudaErrorInvalidValue;
   a.live.erase(it);
   std::free(p);
   return cudaSuccess;
+}
+// Whether the host memory at p is page-locked (cudaHostAlloc or cudaHostRegister)
+// or device memory: copies from or to it are asynchronous.
+bool async_capable(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  Allocations& a = allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.live.upper_bound(c);
+  if (it != a.live.begin() && c < std::prev(it)->first + std::prev(it)->second.first) return true;
+  auto r = a.registered.upper_bound(c);
+  return r != a.registered.begin() && c < std::prev(r)->first + std::prev(r)->second;
 }
 }  // namespace
 
 void set_last_error(cudaError_t e) { last_error = e; }
 
 }  // namespace zinc_emu
+
+// For the emulated cuBLAS and NCCL libraries (tests/cuda_emu/emu_*.cpp),
+// which find them in the test executable (ENABLE_EXPORTS).
+extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg) {
+  zinc_emu::enqueue(stream, [fn, arg] { fn(arg); });
+}
+extern "C" void zinc_emu_flush(cudaStream_t stream) { zinc_emu::flush(stream); }
 
 using zinc_emu::last_error;
 
@@ -356,6 +464,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
     default: return "cudaErrorLaunchFailure";
   }
 }
@@ -365,6 +474,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNotReady: return "device not ready";
     default: return "unspecified launch failure";
   }
 }
@@ -381,6 +491,7 @@ int device_count() {
   return n;
 }
 thread_local int current_device = 0;  // per host thread, as CUDA's current device
+std::unique_lock<std::recursive_mutex> lock_runtime() { return std::unique_lock<std::recursive_mutex>(runtime().mu); }
 }  // namespace
 }  // namespace zinc_emu
 cudaError_t cudaGetDeviceCount(int* n) {
@@ -400,64 +511,121 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, bytes); }
-cudaError_t cudaFree(void* p) { return zinc_emu::release_memory(p); }
-cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return zinc_emu::allocate(p, bytes); }
-cudaError_t cudaFreeHost(void* p) { return zinc_emu::release_memory(p); }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
-  if (bytes) std::memmove(dst, src, bytes);
+cudaError_t cudaDeviceSynchronize() {
+  auto lock = zinc_emu::lock_runtime();
+  zinc_emu::run_all();
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, bytes, zinc_emu::Kind::kDevice); }
+// cudaFree and cudaFreeHost wait for the device first, as CUDA's do.
+cudaError_t cudaFree(void* p) {
+  cudaDeviceSynchronize();
+  return zinc_emu::release_memory(p);
 }
-cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
-  if (bytes) std::memset(p, value, bytes);
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
+  return zinc_emu::allocate(p, bytes, zinc_emu::Kind::kPinned);
+}
+cudaError_t cudaFreeHost(void* p) {
+  cudaDeviceSynchronize();
+  return zinc_emu::release_memory(p);
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
+  if (!bytes) return cudaSuccess;
+  if (!zinc_emu::async_capable(src)) {  // pageable source: read now
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    zinc_emu::enqueue(s, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+    return cudaSuccess;
+  }
+  if (!zinc_emu::async_capable(dst)) {  // pageable destination: done on return
+    auto lock = zinc_emu::lock_runtime();
+    zinc_emu::flush(s);
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  }
+  zinc_emu::enqueue(s, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
+  zinc_emu::flush(nullptr);  // synchronous with the host (the legacy stream only)
+  return e;
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
+  if (bytes) zinc_emu::enqueue(s, [p, value, bytes] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  *s = reinterpret_cast<cudaStream_t>(new char(0));
+  auto lock = zinc_emu::lock_runtime();
+  auto* q = new zinc_emu::Queue();
+  zinc_emu::runtime().queues.push_back(q);
+  *s = reinterpret_cast<cudaStream_t>(q);
   return cudaSuccess;
 }
+// Work already queued still runs, as on a GPU; the queue stays (empty) for
+// waits recorded on it.
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  delete reinterpret_cast<char*>(s);
+  zinc_emu::flush(s);
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  zinc_emu::flush(s);
+  return cudaSuccess;
+}
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-  *e = reinterpret_cast<cudaEvent_t>(new char(0));
+  *e = reinterpret_cast<cudaEvent_t>(new zinc_emu::EventState());
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  delete reinterpret_cast<char*>(e);
+  auto lock = zinc_emu::lock_runtime();
+  delete reinterpret_cast<zinc_emu::EventState*>(e);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  auto lock = zinc_emu::lock_runtime();
+  zinc_emu::Queue* q = zinc_emu::queue_of(s);
+  if (zinc_emu::kImmediate) zinc_emu::run_until(q, q->queued);
+  *reinterpret_cast<zinc_emu::EventState*>(e) = {q, q->queued};
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
+  if (at.q) zinc_emu::enqueue(s, [at] { zinc_emu::run_until(at.q, at.at); });
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  auto lock = zinc_emu::lock_runtime();
+  const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
+  if (at.q) zinc_emu::run_until(at.q, at.at);
+  return cudaSuccess;
+}
+// Runs the work before the event, then reports it done: polling loops end.
+cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaEventSynchronize(e); }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = size_t{80} << 30;
   return cudaSuccess;
 }
-// Host memory needs no page-locking here; registering twice is an error, as on a GPU.
+// Host memory needs no page-locking here; it is recorded so that copies from
+// and to it are asynchronous. Registering twice is an error, as on a GPU.
 cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
   zinc_emu::Allocations& a = zinc_emu::allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  if (!p || !bytes || !a.registered.emplace(p, bytes).second) return cudaErrorInvalidValue;
+  if (!p || !bytes || !a.registered.emplace(static_cast<const char*>(p), bytes).second) return cudaErrorInvalidValue;
   return cudaSuccess;
 }
 cudaError_t cudaHostUnregister(void* p) {
   zinc_emu::Allocations& a = zinc_emu::allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  return a.registered.erase(p) ? cudaSuccess : cudaErrorInvalidValue;
+  return a.registered.erase(static_cast<const char*>(p)) ? cudaSuccess : cudaErrorInvalidValue;
 }
 cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
-cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return cudaFree(p); }
+// Freed in stream order: work queued before it may still use the memory.
+cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
+  if (p) zinc_emu::enqueue(s, [p] { zinc_emu::release_memory(p); });
+  return cudaSuccess;
+}
 cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {
   if (!props || props->allocType != cudaMemAllocationTypePinned || props->location.type != cudaMemLocationTypeDevice ||
       props->location.id < 0 || props->location.id >= zinc_emu::device_count())

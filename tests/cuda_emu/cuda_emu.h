@@ -40,6 +40,7 @@
 #include <cstring>
 #include <functional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 // ---- the CUDA keywords ----------------------------------------------------------------
@@ -90,8 +91,10 @@ T from_bits(uint64_t b) {
 }
 
 using Body = std::function<void()>;
-// Runs `body` as every thread of the grid (see the Note). `name` is for errors.
-void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, const Body& body);
+// Queues a launch of `body` as every thread of the grid on `stream` (see the
+// Note); a grid or block beyond the limits sets cudaErrorInvalidConfiguration
+// instead. `name` is for errors.
+void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, void* stream, Body body);
 
 template <class Kernel>
 struct Launch {
@@ -99,19 +102,23 @@ struct Launch {
   Kernel* kernel;
   dim3 grid, block;
   size_t shared_bytes;
+  void* stream;
   template <class... Args>
   void operator()(Args&&... args) const {
-    // Arguments are copied once, as a launch copies them into the kernel's
-    // parameter space, then every thread gets them by value.
-    auto bound = std::make_tuple(std::forward<Args>(args)...);
-    run_grid(name, grid, block, shared_bytes, [&] { std::apply(*kernel, bound); });
+    // The arguments are copied at the launch, as a launch copies them into
+    // the kernel's parameter space; every thread then gets them by value.
+    Kernel* k = kernel;
+    launch(name, grid, block, shared_bytes, stream,
+           [k, bound = std::make_tuple(std::decay_t<Args>(std::forward<Args>(args))...)] { std::apply(*k, bound); });
   }
 };
 
 template <class Kernel, class Stream = void*>
 Launch<Kernel> launcher(const char* name, Kernel* kernel, dim3 grid, dim3 block, size_t shared_bytes = 0,
-                        Stream = {}) {
-  return Launch<Kernel>{name, kernel, grid, block, shared_bytes};
+                        Stream stream = {}) {
+  void* s = nullptr;
+  if constexpr (std::is_pointer_v<Stream>) s = reinterpret_cast<void*>(stream);
+  return Launch<Kernel>{name, kernel, grid, block, shared_bytes, s};
 }
 
 }  // namespace zinc_emu

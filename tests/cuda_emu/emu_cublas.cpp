@@ -9,6 +9,7 @@
 // another order: results are close to it, not equal).
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/dtype.h"
@@ -18,6 +19,19 @@ namespace {
 
 struct Handle {
   bool workspace_set = false;
+  cudaStream_t stream = nullptr;
+};
+
+// One GEMM call's arguments, alpha and beta read at the call (host pointer mode).
+struct Gemm {
+  cublasOperation_t ta, tb;
+  int m, n, k, lda, ldb, ldc, batch;
+  long long sa, sb, sc;
+  const void *A, *B;
+  cudaDataType at, bt;
+  float alpha, beta;
+  float* C;
+  void run() const;
 };
 
 float load(const void* p, cudaDataType t, long long i) {
@@ -29,6 +43,35 @@ float load(const void* p, cudaDataType t, long long i) {
 bool known(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16F || t == CUDA_R_16BF; }
 
 }  // namespace
+
+// In the test executable (tests/cuda_emu/cuda_emu.cpp, exported).
+extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg);
+
+void Gemm::run() const {
+  const cublasOperation_t ta = this->ta, tb = this->tb;
+  float* c = C;
+  // op(A_b) as (m,k) and op(B_b)^T as (n,k), widened, so that each sum reads two rows.
+  std::vector<float> a(static_cast<size_t>(m) * k), bt_(static_cast<size_t>(n) * k);
+  for (long long b = 0; b < batch; ++b) {
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < k; ++l)
+        a[static_cast<size_t>(i) * k + l] =
+            load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda : l + static_cast<long long>(i) * lda));
+    for (int j = 0; j < n; ++j)
+      for (int l = 0; l < k; ++l)
+        bt_[static_cast<size_t>(j) * k + l] =
+            load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb : j + static_cast<long long>(l) * ldb));
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        const float* x = &a[static_cast<size_t>(i) * k];
+        const float* y = &bt_[static_cast<size_t>(j) * k];
+        float s = 0;
+        for (int l = 0; l < k; ++l) s += x[l] * y[l];
+        float& out = c[b * sc + i + static_cast<long long>(j) * ldc];
+        out = beta == 0.0f ? alpha * s : alpha * s + beta * out;
+      }
+  }
+}
 
 extern "C" {
 
@@ -58,9 +101,10 @@ cublasStatus_t cublasSetPointerMode_v2(cublasHandle_t h, cublasPointerMode_t mod
   if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
   return mode == CUBLAS_POINTER_MODE_HOST ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
 }
-cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t) {
+cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t stream) {
   if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
   reinterpret_cast<Handle*>(h)->workspace_set = false;  // as cuBLAS: a new stream resets the workspace
+  reinterpret_cast<Handle*>(h)->stream = stream;
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* ws, size_t bytes) {
@@ -85,29 +129,13 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     return CUBLAS_STATUS_INVALID_VALUE;
   if (!known(at) || !known(bt) || ct != CUDA_R_32F || at != bt || compute != CUBLAS_COMPUTE_32F)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
-  float* c = static_cast<float*>(C);
-  // op(A_b) as (m,k) and op(B_b)^T as (n,k), widened, so that each sum reads two rows.
-  std::vector<float> a(static_cast<size_t>(m) * k), bt_(static_cast<size_t>(n) * k);
-  for (long long b = 0; b < batch; ++b) {
-    for (int i = 0; i < m; ++i)
-      for (int l = 0; l < k; ++l)
-        a[static_cast<size_t>(i) * k + l] =
-            load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda : l + static_cast<long long>(i) * lda));
-    for (int j = 0; j < n; ++j)
-      for (int l = 0; l < k; ++l)
-        bt_[static_cast<size_t>(j) * k + l] =
-            load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb : j + static_cast<long long>(l) * ldb));
-    for (int j = 0; j < n; ++j)
-      for (int i = 0; i < m; ++i) {
-        const float* x = &a[static_cast<size_t>(i) * k];
-        const float* y = &bt_[static_cast<size_t>(j) * k];
-        float s = 0;
-        for (int l = 0; l < k; ++l) s += x[l] * y[l];
-        float& out = c[b * sc + i + static_cast<long long>(j) * ldc];
-        out = beta == 0.0f ? alpha * s : alpha * s + beta * out;
-      }
-  }
+  auto* g = new Gemm{ta, tb, m, n, k, lda, ldb, ldc, batch, sa, sb, sc, A, B, at, bt,
+                     *static_cast<const float*>(alpha_p), *static_cast<const float*>(beta_p), static_cast<float*>(C)};
+  // In order on the handle's stream (Note [emulated streams] in cuda_emu.cpp).
+  zinc_emu_enqueue(reinterpret_cast<Handle*>(h)->stream, [](void* p) {
+    std::unique_ptr<Gemm> g(static_cast<Gemm*>(p));
+    g->run();
+  }, g);
   return CUBLAS_STATUS_SUCCESS;
 }
 

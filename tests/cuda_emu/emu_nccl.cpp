@@ -4,6 +4,7 @@
 // memory) before it returns. Each communicator is an MPI communicator of its
 // own (ncclCommInitRank: the whole MPI world, in rank order; ncclCommSplit:
 // MPI_Comm_split of its parent), so collectives on two of them never mix.
+// A collective first runs the work queued on its stream, then runs at once.
 // Reductions gather every rank's data and add it in rank order (fp32 in
 // fp32, fp64 in fp64, 16-bit values in fp32 rounded once), so every rank
 // gets the same bits; real NCCL adds in its own ring or tree order.
@@ -17,6 +18,11 @@
 
 #include "core/dtype.h"
 #include "tests/cuda_emu/include/nccl.h"
+
+// In the test executable (tests/cuda_emu/cuda_emu.cpp, exported): runs the
+// work queued on a stream, so that a collective sees what came before it on
+// its stream (Note [emulated streams]).
+extern "C" void zinc_emu_flush(cudaStream_t stream);
 
 struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
@@ -162,7 +168,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
-                           ncclComm_t comm, cudaStream_t) {
+                           ncclComm_t comm, cudaStream_t stream) {
+  zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t, op)) return r;
   const size_t bytes = count * type_bytes(t);
   std::vector<char> all;
@@ -173,7 +180,8 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   return ncclSuccess;
 }
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t t, ncclRedOp_t op,
-                               ncclComm_t comm, cudaStream_t) {
+                               ncclComm_t comm, cudaStream_t stream) {
+  zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t, op)) return r;
   const size_t seg = recvcount * type_bytes(t), bytes = seg * static_cast<size_t>(comm->size);
   std::vector<char> all;
@@ -185,7 +193,8 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   return ncclSuccess;
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t t, ncclComm_t comm,
-                           cudaStream_t) {
+                           cudaStream_t stream) {
+  zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t)) return r;
   std::vector<char> all;
   if (ncclResult_t r = gather_all(comm, send, sendcount * type_bytes(t), all)) return r;
@@ -193,7 +202,8 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   return ncclSuccess;
 }
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
-                           cudaStream_t) {
+                           cudaStream_t stream) {
+  zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t)) return r;
   if (root < 0 || root >= comm->size) return ncclInvalidArgument;
   const size_t bytes = count * type_bytes(t);
