@@ -4,7 +4,8 @@
 // memory) before it returns. Each communicator is an MPI communicator of its
 // own (ncclCommInitRank: the whole MPI world, in rank order; ncclCommSplit:
 // MPI_Comm_split of its parent), so collectives on two of them never mix.
-// A collective first runs the work queued on its stream, then runs at once.
+// A collective first runs the work queued on its stream, then exchanges at
+// once; its result lands in recv in stream order (Landing).
 // Reductions gather every rank's data and add it in rank order (fp32 in
 // fp32, fp64 in fp64, 16-bit values in fp32 rounded once), so every rank
 // gets the same bits; real NCCL adds in its own ring or tree order.
@@ -13,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -23,6 +25,7 @@
 // work queued on a stream, so that a collective sees what came before it on
 // its stream (Note [emulated streams]).
 extern "C" void zinc_emu_flush(cudaStream_t stream);
+extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg);
 
 struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
@@ -89,6 +92,22 @@ ncclResult_t gather_all(const ncclComm* c, const void* send, size_t bytes, std::
                        c->mpi) == MPI_SUCCESS
              ? ncclSuccess
              : ncclSystemError;
+}
+
+// A collective's result, written into recv when its stream gets there: a
+// reader on another stream or the host that does not wait for it sees what
+// was there before, as on a GPU.
+struct Landing {
+  void* recv;
+  std::vector<char> data;
+};
+void land(cudaStream_t stream, void* recv, std::vector<char> data) {
+  if (data.empty()) return;
+  auto* l = new Landing{recv, std::move(data)};
+  zinc_emu_enqueue(stream, [](void* p) {
+    std::unique_ptr<Landing> l(static_cast<Landing*>(p));
+    std::memcpy(l->recv, l->data.data(), l->data.size());
+  }, l);
 }
 
 ncclResult_t check(const ncclComm* c, ncclDataType_t t, ncclRedOp_t op = ncclSum) {
@@ -176,7 +195,9 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (ncclResult_t r = gather_all(comm, send, bytes, all)) return r;
   std::vector<const char*> in;
   for (int q = 0; q < comm->size; ++q) in.push_back(all.data() + static_cast<size_t>(q) * bytes);
-  reduce_into(static_cast<char*>(recv), in, t, op, count);
+  std::vector<char> out(bytes);
+  reduce_into(out.data(), in, t, op, count);
+  land(stream, recv, std::move(out));
   return ncclSuccess;
 }
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t t, ncclRedOp_t op,
@@ -189,7 +210,9 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   std::vector<const char*> in;
   for (int q = 0; q < comm->size; ++q)
     in.push_back(all.data() + static_cast<size_t>(q) * bytes + static_cast<size_t>(comm->rank) * seg);
-  reduce_into(static_cast<char*>(recv), in, t, op, recvcount);
+  std::vector<char> out(seg);
+  reduce_into(out.data(), in, t, op, recvcount);
+  land(stream, recv, std::move(out));
   return ncclSuccess;
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t t, ncclComm_t comm,
@@ -198,7 +221,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   if (ncclResult_t r = check(comm, t)) return r;
   std::vector<char> all;
   if (ncclResult_t r = gather_all(comm, send, sendcount * type_bytes(t), all)) return r;
-  std::memcpy(recv, all.data(), all.size());
+  land(stream, recv, std::move(all));
   return ncclSuccess;
 }
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
@@ -208,9 +231,11 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   if (root < 0 || root >= comm->size) return ncclInvalidArgument;
   const size_t bytes = count * type_bytes(t);
   if (bytes > static_cast<size_t>(INT32_MAX)) return ncclInvalidArgument;
-  if (comm->rank == root && send != recv && bytes) std::memmove(recv, send, bytes);
-  return MPI_Bcast(recv, static_cast<int>(bytes), MPI_BYTE, root, comm->mpi) == MPI_SUCCESS ? ncclSuccess
-                                                                                           : ncclSystemError;
+  std::vector<char> data(bytes);
+  if (comm->rank == root && bytes) std::memcpy(data.data(), send, bytes);
+  if (MPI_Bcast(data.data(), static_cast<int>(bytes), MPI_BYTE, root, comm->mpi) != MPI_SUCCESS) return ncclSystemError;
+  land(stream, recv, std::move(data));
+  return ncclSuccess;
 }
 
 }  // extern "C"
