@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <deque>
 #include <iterator>
 #include <memory>
@@ -199,9 +200,18 @@ void run_block(Grid& g) {
     f.phase = 0;
     f.sp = fresh_stack(g.stacks + static_cast<size_t>(i + 1) * (kStackBytes + 4096));
   }
+  // The order threads take turns in: ascending, or with ZINC_EMU_ORDER=reverse
+  // descending, so that a race inside a block that one order hides (a
+  // thread reading shared memory before another has written it, a missing
+  // __syncthreads) shows in the other. CTest runs the kernel tests both ways.
+  static const bool reverse = [] {
+    const char* e = std::getenv("ZINC_EMU_ORDER");
+    return e && std::string(e) == "reverse";
+  }();
   for (;;) {
     bool ran = false;
-    for (int i = 0; i < g.threads; ++i) {
+    for (int n = 0; n < g.threads; ++n) {
+      const int i = reverse ? g.threads - 1 - n : n;
       if (g.fibers[static_cast<size_t>(i)].st != St::kRun) continue;
       g.cur = i;
       zinc_emu_switch(&g.sched, g.fibers[static_cast<size_t>(i)].sp);
@@ -336,14 +346,28 @@ Queue* queue_of(const void* stream) {
 const bool kImmediate = env_is("ZINC_EMU_SYNC", "1");
 
 // Runs q's work up to position `at` (runtime().mu held).
+// A failure inside queued work (a kernel's deadlock or bad shuffle) is, as
+// on a GPU, a sticky error: printed once, then every call that waits for the
+// device returns cudaErrorLaunchFailure, which zinc's checks turn into an
+// error naming the operation. (Thrown from whatever call ran the queue, it
+// could escape through a destructor or a noexcept function.)
+std::atomic<bool> sticky_failure{false};
+
 void run_until(Queue* q, uint64_t at) {
   while (q->done < at && !q->ops.empty()) {
     std::function<void()> op = std::move(q->ops.front());
     q->ops.pop_front();
     ++q->done;
-    op();
+    if (sticky_failure) continue;  // the device is lost: later work does not run
+    try {
+      op();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "zinc_emu: queued work failed: %s\n", e.what());
+      sticky_failure = true;
+    }
   }
 }
+cudaError_t status() { return sticky_failure ? cudaErrorLaunchFailure : cudaSuccess; }
 void run_all() {
   Runtime& r = runtime();
   for (bool again = true; again;) {
@@ -432,6 +456,14 @@ cudaError_t release_memory(void* p) {
 }
 // Whether the host memory at p is page-locked (cudaHostAlloc or cudaHostRegister)
 // or device memory: copies from or to it are asynchronous.
+bool is_device(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  Allocations& a = allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.live.upper_bound(c);
+  return it != a.live.begin() && std::prev(it)->second.second == Kind::kDevice &&
+         c < std::prev(it)->first + std::prev(it)->second.first;
+}
 bool async_capable(const void* p) {
   const char* c = static_cast<const char*>(p);
   Allocations& a = allocations();
@@ -514,7 +546,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
 cudaError_t cudaDeviceSynchronize() {
   auto lock = zinc_emu::lock_runtime();
   zinc_emu::run_all();
-  return cudaSuccess;
+  return zinc_emu::status();
 }
 cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, bytes, zinc_emu::Kind::kDevice); }
 // cudaFree and cudaFreeHost wait for the device first, as CUDA's do.
@@ -545,10 +577,15 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   zinc_emu::enqueue(s, [dst, src, bytes] { std::memmove(dst, src, bytes); });
   return cudaSuccess;
 }
+// On the legacy stream, returning as CUDA documents: device to device at
+// once, without waiting; from pageable memory to the device once the source
+// is staged (the copy itself lands in stream order); otherwise once done.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
-  zinc_emu::flush(nullptr);  // synchronous with the host (the legacy stream only)
-  return e;
+  const bool to_device = zinc_emu::is_device(dst);
+  if (to_device && (zinc_emu::is_device(src) || !zinc_emu::async_capable(src))) return e;
+  zinc_emu::flush(nullptr);
+  return e != cudaSuccess ? e : zinc_emu::status();
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   if (bytes) zinc_emu::enqueue(s, [p, value, bytes] { std::memset(p, value, bytes); });
@@ -570,7 +607,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   zinc_emu::flush(s);
-  return cudaSuccess;
+  return zinc_emu::status();
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
@@ -590,6 +627,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  auto lock = zinc_emu::lock_runtime();
   const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
   if (at.q) zinc_emu::enqueue(s, [at] { zinc_emu::run_until(at.q, at.at); });
   return cudaSuccess;
@@ -598,10 +636,19 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   auto lock = zinc_emu::lock_runtime();
   const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
   if (at.q) zinc_emu::run_until(at.q, at.at);
-  return cudaSuccess;
+  return zinc_emu::status();
 }
-// Runs the work before the event, then reports it done: polling loops end.
-cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaEventSynchronize(e); }
+// Work still queued before the event: reports cudaErrorNotReady and runs
+// it, so the caller's not-ready branch runs and the next query succeeds
+// (polling loops end).
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  auto lock = zinc_emu::lock_runtime();
+  const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
+  const bool pending = at.q && at.q->done < at.at;
+  if (pending) zinc_emu::run_until(at.q, at.at);
+  if (zinc_emu::status() != cudaSuccess) return zinc_emu::status();
+  return pending ? cudaErrorNotReady : cudaSuccess;
+}
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = size_t{80} << 30;

@@ -1,32 +1,40 @@
 // zinc's CUDA kernels run on the CPU, for machines without a GPU (tests only).
 //
 // Note [kernel emulation]
-// No project machine has a GPU, so the .cu files were only ever compiled.
-// This harness compiles their source a second time as plain C++ and runs
-// every launch on the host, so that the kernels' indexing, their block and
-// warp cooperation and their math are checked against the CPU kernels on
-// every CI run (tests/CMakeLists.txt: cuda_emu_test, with the same test files
-// as the real GPU tests). What it models:
+// No project machine has a GPU, so the CUDA code was only ever compiled.
+// This harness compiles its source a second time as plain C++ against an
+// emulated runtime and runs it on the host: the kernels against the CPU
+// kernels, the engine's GPU path against the CPU path, and the NCCL backend,
+// on every CI run (tests/CMakeLists.txt; the CTest names start with
+// "emulated."; the test files are the real GPU tests). What it models:
 // - A launch runs its blocks one after another. Each thread of a block is a
-//   fiber with its own stack; a fiber runs until it reaches
-//   __syncthreads, a warp operation, or its end. threadIdx, blockIdx,
-//   blockDim and gridDim are those of the fiber running.
+//   fiber with its own stack; a fiber runs until it reaches __syncthreads,
+//   a warp operation, or its end. threadIdx, blockIdx, blockDim and gridDim
+//   are those of the fiber running. Threads take turns in ascending order,
+//   or descending with ZINC_EMU_ORDER=reverse (CTest runs the kernel tests
+//   both ways): a race inside a block that one order hides shows in the other.
 // - __syncthreads releases the block when every thread still running has
 //   reached it (threads that returned count as arrived, as on sm_70+).
 // - __shfl_sync / __shfl_xor_sync exchange values among the 32 lanes of a
 //   warp; a lane that returned while its warp still shuffles is an error
 //   (undefined behaviour on a GPU), as is any state where no thread can go on
-//   (a __syncthreads some threads never reach): both throw zinc::Error
-//   naming the kernel, block and thread.
+//   (a __syncthreads some threads never reach). Both name the kernel, block
+//   and thread, and the device then fails every later wait
+//   (cudaErrorLaunchFailure), as after a fault on a GPU.
 // - __shared__ is a function-local static: one copy, which the blocks reuse
-//   in turn (the launches of all host threads are serialised).
-// - Device memory is host memory; streams and events exist but every call
-//   completes before it returns, so cross-stream ordering is NOT checked here.
+//   in turn (the launches of all host threads are serialised). It is not
+//   cleared between blocks, and its size is not checked against 48 KiB.
+// - Device memory is host memory, filled with NaN bytes when allocated.
+//   Streams are queues whose work runs only when something waits for it
+//   (Note [emulated streams] in cuda_emu.cpp), so a missing wait shows.
+// - cuBLAS and NCCL are stand-in libraries (emu_cublas.cpp, emu_nccl.cpp)
+//   opened by zinc's own dlopen: the GEMM by its documented definition, the
+//   collectives over MPI.
 // - Launch limits (1024 threads per block, grid sizes) are checked as the
 //   driver does and reported through cudaGetLastError.
-// What it cannot model: timing, memory coalescing, races between threads of
-// one block that real hardware could interleave differently, and cuBLAS
-// (cuda_emu_test stands a CPU GEMM in for it, see emu_cublas.cpp).
+// What it cannot model: timing and overlap, memory coalescing, the GPU's
+// memory model, cuBLAS's and NCCL's own code (and their summation orders),
+// and shuffle masks (every lane of the warp takes part).
 //
 // The .cu files reach this header through -include; tests/cuda_emu/
 // translate.py rewrites their kernel<<<grid, block, smem, stream>>>(args)

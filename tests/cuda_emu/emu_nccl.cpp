@@ -170,7 +170,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* chil
 }
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* result) {
   if (!comm) return ncclInvalidArgument;
-  *result = ncclSuccess;  // every call has finished when it returns
+  *result = ncclSuccess;  // the exchange itself finished in the call
   return ncclSuccess;
 }
 ncclResult_t ncclCommFinalize(ncclComm_t comm) { return comm ? ncclSuccess : ncclInvalidArgument; }

@@ -1,6 +1,6 @@
 // The CUDA runtime API as kernel emulation provides it (Note [kernel
 // emulation] in tests/cuda_emu/cuda_emu.h): device memory is host memory and
-// every call has finished when it returns. Only what zinc's kernels, their
+// streams are queues (Note [emulated streams]). Only what zinc's kernels, their
 // host wrappers and the GPU tests call is here. These are C++ functions, so
 // they never collide with the real runtime linked into the same binary.
 #pragma once
