@@ -3,6 +3,9 @@
 #include "tests/cuda_emu/cuda_emu.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <array>
@@ -271,11 +274,34 @@ uint64_t warp_exchange(uint64_t bits, int src) {
 
 namespace {
 
+// A fault inside a kernel (past an allocation's end, after its free, or a
+// fiber's stack overflowing into its guard page) names the kernel, block and
+// thread before the process ends.
+void on_fault(int sig) {
+  const Grid& g = grid_state();
+  char msg[256];
+  int n;
+  if (g.cur >= 0) {
+    const uint3 t = g.fibers[static_cast<size_t>(g.cur)].tid;
+    n = std::snprintf(msg, sizeof msg,
+                      "kernel emulation: memory fault (signal %d) in kernel %s, block (%u,%u,%u), thread (%u,%u,%u): "
+                      "an access outside every live allocation\n",
+                      sig, g.name, g.bid.x, g.bid.y, g.bid.z, t.x, t.y, t.z);
+  } else {
+    n = std::snprintf(msg, sizeof msg, "kernel emulation: memory fault (signal %d) outside a kernel\n", sig);
+  }
+  if (n > 0) (void)!write(2, msg, static_cast<size_t>(n));
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 // Runs a launch now (every check done by launch()).
 void run_grid(const char* name, dim3 grid, dim3 block, const Body& body) {
   Grid& g = grid_state();
   std::lock_guard<std::mutex> lock(g.launch);
   if (!g.stacks) {
+    signal(SIGSEGV, on_fault);
+    signal(SIGBUS, on_fault);
     const size_t bytes = static_cast<size_t>(kMaxThreads) * (kStackBytes + 4096);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) throw zinc::Error("kernel emulation: cannot map the fibers' stacks");
@@ -420,10 +446,16 @@ namespace {
 thread_local cudaError_t last_error = cudaSuccess;
 
 enum class Kind { kDevice, kPinned };
+struct Allocation {
+  size_t bytes;
+  Kind kind;
+  char* map;  // the mapping: a guard page, the data's pages, a guard page
+  size_t map_bytes;
+};
 struct Allocations {
   std::mutex mu;
-  std::map<const char*, std::pair<size_t, Kind>> live;  // cudaMalloc*, cudaHostAlloc
-  std::map<const char*, size_t> registered;             // cudaHostRegister
+  std::map<const char*, Allocation> live;  // cudaMalloc*, cudaHostAlloc
+  std::map<const char*, size_t> registered;  // cudaHostRegister
 };
 // Never destroyed: static destructors elsewhere (thread- and function-local
 // caches of device buffers) may still free memory during exit.
@@ -431,27 +463,45 @@ Allocations& allocations() {
   static Allocations* a = new Allocations();
   return *a;
 }
+// Each allocation is a mapping of its own, its end (rounded up to 256 bytes,
+// CUDA's alignment) against a page that faults, with another below its
+// start; freeing unmaps it. So an access past either end or after the free
+// faults instead of reading a neighbour. Fresh memory is NaN bytes (it is
+// not zero on a GPU), so reading what was never written shows.
 cudaError_t allocate(void** p, size_t bytes, Kind kind) {
   if (!p) return cudaErrorInvalidValue;
-  void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
-  if (!q) return cudaErrorMemoryAllocation;
-  // Fresh device memory is not zero on a GPU: fill it with NaN bytes so that
-  // a kernel reading what it never wrote shows.
-  std::memset(q, 0xff, bytes);
+  if (bytes == 0) {
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  constexpr size_t kPage = 4096;
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  const size_t data_pages = (rounded + kPage - 1) / kPage;
+  const size_t map_bytes = (data_pages + 2) * kPage;
+  void* m = mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return cudaErrorMemoryAllocation;
+  char* map = static_cast<char*>(m);
+  if (mprotect(map + kPage, data_pages * kPage, PROT_READ | PROT_WRITE) != 0) {
+    munmap(m, map_bytes);
+    return cudaErrorMemoryAllocation;
+  }
+  char* q = map + kPage + data_pages * kPage - rounded;
+  std::memset(q, 0xff, rounded);
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  a.live[static_cast<const char*>(q)] = {bytes, kind};
+  a.live[q] = {bytes, kind, map, map_bytes};
   *p = q;
   return cudaSuccess;
 }
-cudaError_t release_memory(void* p) {
+// cudaFree of host memory, or cudaFreeHost of device memory, is an error, as in CUDA.
+cudaError_t release_memory(void* p, Kind kind) {
   if (!p) return cudaSuccess;
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   auto it = a.live.find(static_cast<const char*>(p));
-  if (it == a.live.end()) return cudaErrorInvalidValue;
+  if (it == a.live.end() || it->second.kind != kind) return cudaErrorInvalidValue;
+  munmap(it->second.map, it->second.map_bytes);
   a.live.erase(it);
-  std::free(p);
   return cudaSuccess;
 }
 // Whether the host memory at p is page-locked (cudaHostAlloc or cudaHostRegister)
@@ -461,15 +511,15 @@ bool is_device(const void* p) {
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   auto it = a.live.upper_bound(c);
-  return it != a.live.begin() && std::prev(it)->second.second == Kind::kDevice &&
-         c < std::prev(it)->first + std::prev(it)->second.first;
+  return it != a.live.begin() && std::prev(it)->second.kind == Kind::kDevice &&
+         c < std::prev(it)->first + std::prev(it)->second.bytes;
 }
 bool async_capable(const void* p) {
   const char* c = static_cast<const char*>(p);
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   auto it = a.live.upper_bound(c);
-  if (it != a.live.begin() && c < std::prev(it)->first + std::prev(it)->second.first) return true;
+  if (it != a.live.begin() && c < std::prev(it)->first + std::prev(it)->second.bytes) return true;
   auto r = a.registered.upper_bound(c);
   return r != a.registered.begin() && c < std::prev(r)->first + std::prev(r)->second;
 }
@@ -552,14 +602,14 @@ cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, by
 // cudaFree and cudaFreeHost wait for the device first, as CUDA's do.
 cudaError_t cudaFree(void* p) {
   cudaDeviceSynchronize();
-  return zinc_emu::release_memory(p);
+  return zinc_emu::release_memory(p, zinc_emu::Kind::kDevice);
 }
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
   return zinc_emu::allocate(p, bytes, zinc_emu::Kind::kPinned);
 }
 cudaError_t cudaFreeHost(void* p) {
   cudaDeviceSynchronize();
-  return zinc_emu::release_memory(p);
+  return zinc_emu::release_memory(p, zinc_emu::Kind::kPinned);
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
   if (!bytes) return cudaSuccess;
@@ -670,7 +720,11 @@ cudaError_t cudaHostUnregister(void* p) {
 cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
 // Freed in stream order: work queued before it may still use the memory.
 cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
-  if (p) zinc_emu::enqueue(s, [p] { zinc_emu::release_memory(p); });
+  if (p)
+    zinc_emu::enqueue(s, [p] {
+      if (zinc_emu::release_memory(p, zinc_emu::Kind::kDevice) != cudaSuccess)
+        throw zinc::Error("kernel emulation: cudaFreeAsync of memory that is not a live device allocation");
+    });
   return cudaSuccess;
 }
 cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {

@@ -24,7 +24,9 @@
 // - __shared__ is a function-local static: one copy, which the blocks reuse
 //   in turn (the launches of all host threads are serialised). It is not
 //   cleared between blocks, and its size is not checked against 48 KiB.
-// - Device memory is host memory, filled with NaN bytes when allocated.
+// - Device memory is host memory, filled with NaN bytes when allocated,
+//   each allocation between pages that fault (so are freed ones): an access
+//   past an end or after the free stops the test naming kernel and thread.
 //   Streams are queues whose work runs only when something waits for it
 //   (Note [emulated streams] in cuda_emu.cpp), so a missing wait shows.
 // - cuBLAS and NCCL are stand-in libraries (emu_cublas.cpp, emu_nccl.cpp)
