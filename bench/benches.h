@@ -29,6 +29,7 @@ struct BenchOptions {
   std::string isa;     // adamw: force an optimizer path ("" = the dispatcher's choice)
   int64_t numel = int64_t{1} << 27;  // adamw: parameters (128M)
   bool large = false;  // gpu-train-step: a GPT sized for an 80 GB GPU instead of the reference one
+  bool tiny = false;   // gpu-train-step: a GPT small enough for kernel emulation (a smoke test; no figure)
   int64_t gas = 4;     // gpu-train-step: micro-batches per step (amortise the CPU optimizer step)
   int stage = 2;       // gpu-train-step: ZeRO stage (3: the parameters in page-locked RAM, one block gathered at a time)
   bool resident = false;  // gpu-train-step: optimizer states on the GPU (the step without PCIe or the CPU optimizer)

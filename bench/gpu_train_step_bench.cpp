@@ -34,7 +34,14 @@ int bench_gpu_train_step(const BenchOptions& o) {
     return 0;
   }
   int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
-  if (o.large) {
+  if (o.tiny) {  // kernel emulation's smoke test of this code (README, GPU)
+    B = 2;
+    T = 16;
+    C = 32;
+    H = 2;
+    L = 2;
+    V = 64;
+  } else if (o.large) {
     B = 8;
     T = 1024;
     C = 1024;
@@ -113,7 +120,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
   ZINC_CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
   ZINC_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   nlohmann::json line = {{"bench", "gpu-train-step"},
-                         {"case", o.large ? "large" : "reference"},
+                         {"case", o.tiny ? "tiny" : o.large ? "large" : "reference"},
                          {"gpu", prop.name},
                          {"figure", model_flops / 1e12},
                          {"unit", "TFLOP/s"},
@@ -138,7 +145,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward (with the gradient copies) %.3f s | optimizer step %.3f s "
                 "(%.0f%% of the step) | GPU model state peak %.2f GiB",
-                o.large ? "large" : "reference", prop.name, (long long)L, (long long)C, (long long)H, (long long)T,
+                o.tiny ? "tiny" : o.large ? "large" : "reference", prop.name, (long long)L, (long long)C, (long long)H, (long long)T,
                 (long long)B, (long long)V, (long long)gas, what.c_str(), model_flops / 1e12, tokens_per_s, t_step, bound / 1e12,
                 model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step,
                 static_cast<double>(engine.gpu_state_peak_bytes()) / (1 << 30));

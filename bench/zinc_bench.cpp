@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");
   app.add_flag("--large", o.large, "gpu-train-step: a GPT sized for an 80 GB GPU");
+  app.add_flag("--tiny", o.tiny,
+               "gpu-train-step: a tiny GPT, for running the benchmark's code under kernel emulation (tests/cuda_emu); "
+               "its figures mean nothing");
   app.add_option("--gas", o.gas, "gpu-train-step: micro-batches per step")->check(CLI::PositiveNumber);
   app.add_option("--stage", o.stage, "gpu-train-step: ZeRO stage 1-3 (3: parameters in page-locked RAM)")
       ->check(CLI::Range(1, 3));

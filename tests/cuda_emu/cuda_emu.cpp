@@ -593,6 +593,15 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
   return cudaSuccess;
 }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (!prop || device < 0 || device >= zinc_emu::device_count()) return cudaErrorInvalidValue;
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof prop->name, "zinc kernel emulation (no GPU)");
+  prop->totalGlobalMem = size_t{80} << 30;
+  prop->major = 9;
+  prop->multiProcessorCount = 1;
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceSynchronize() {
   auto lock = zinc_emu::lock_runtime();
   zinc_emu::run_all();

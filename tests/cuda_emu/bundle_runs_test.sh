@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# What gpu-bundle/run.sh runs on a GPU machine (its "train" and "bench"
+# parts), shortened, under kernel emulation (Note [kernel emulation] in
+# cuda_emu.h): zinc-train on the GPU path with the bundle's two configs, and
+# zinc-bench gpu-train-step on a tiny GPT in each of its modes. Each run must
+# end with status 0 and print what a user reads; the figures mean nothing.
+# usage: bundle_runs_test.sh ZINC_TRAIN_EMU ZINC_BENCH_EMU SOURCE_DIR
+set -u
+train=$1 bench=$2 src=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+expect() {  # expect NAME PATTERN FILE
+  if ! grep -q -- "$2" "$3"; then
+    echo "FAIL: $1: no line matching '$2' in its output:"
+    sed 's/^/  | /' "$3" | tail -20
+    fail=1
+  fi
+}
+run() {  # run NAME CMD...: status 0 wanted
+  local name=$1
+  shift
+  echo "== $name"
+  if ! "$@" >"$tmp/out" 2>&1; then
+    echo "FAIL: $name: exit status $?"
+    sed 's/^/  | /' "$tmp/out" | tail -30
+    fail=1
+  fi
+  cp "$tmp/out" "$tmp/last"
+}
+
+run "zinc-train, ZeRO-Offload on the GPU (stage 2)" "$train" "$src/configs/default.json" --set device=cuda \
+  --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=3 \
+  --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/default"
+expect "zinc-train stage 2" "GPU model state peak" "$tmp/last"
+gpu_loss=$(sed -n 's/.*final loss \([0-9.]*\).*/\1/p' "$tmp/last")
+run "zinc-train, the same on the CPU" "$train" "$src/configs/default.json" --set device=cpu \
+  --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=3 \
+  --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/default_cpu"
+cpu_loss=$(sed -n 's/.*final loss \([0-9.]*\).*/\1/p' "$tmp/last")
+# bf16 on both; the GPU's GEMMs add in another order: the same loss to 1e-2.
+if ! awk -v g="$gpu_loss" -v c="$cpu_loss" 'BEGIN { d = g - c; if (d < 0) d = -d; exit !(g != "" && c != "" && d < 1e-2) }'; then
+  echo "FAIL: final loss on the GPU path '$gpu_loss' and on the CPU '$cpu_loss' differ by 1e-2 or more"
+  fail=1
+else
+  echo "   final loss: GPU path $gpu_loss, CPU $cpu_loss"
+fi
+
+run "zinc-train, stage 3 on the GPU" "$train" "$src/configs/zero3_offload.json" --set device=cuda --set run.steps=2 \
+  --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/zero3"
+expect "zinc-train stage 3" "loss" "$tmp/last"
+
+for mode in "" "--resident" "--stage 3"; do
+  # shellcheck disable=SC2086
+  run "zinc-bench gpu-train-step --tiny $mode" "$bench" gpu-train-step --tiny --rounds 1 --steps 1 --gas 2 $mode
+  expect "gpu-train-step $mode" "gpu-train-step (tiny: zinc kernel emulation" "$tmp/last"
+  expect "gpu-train-step $mode" "ratio:" "$tmp/last"
+done
+exit $fail
