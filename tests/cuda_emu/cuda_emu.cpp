@@ -193,7 +193,21 @@ bool release(Grid& g) {
   return true;
 }
 
+struct SharedArray {
+  void* p;
+  size_t bytes;
+};
+std::vector<SharedArray>& shared_arrays() {
+  static auto* v = new std::vector<SharedArray>();
+  return *v;
+}
+std::map<std::string, size_t>& shared_bytes_by_kernel() {
+  static auto* m = new std::map<std::string, size_t>();
+  return *m;
+}
+
 void run_block(Grid& g) {
+  for (const SharedArray& a : shared_arrays()) std::memset(a.p, 0xff, a.bytes);
   for (int i = 0; i < g.threads; ++i) {
     Fiber& f = g.fibers[static_cast<size_t>(i)];
     const unsigned bx = g.block.x, by = g.block.y;
@@ -227,6 +241,17 @@ void run_block(Grid& g) {
 }
 
 }  // namespace
+
+bool register_shared(void* p, size_t bytes) {
+  Grid& g = grid_state();  // called by a thread of a running kernel (launches are serialised)
+  shared_arrays().push_back({p, bytes});
+  size_t& total = shared_bytes_by_kernel()[g.name];
+  total += bytes;
+  if (total > 48 * 1024)
+    throw zinc::Error(std::string("kernel emulation: kernel ") + g.name + " declares " + std::to_string(total) +
+                      " bytes of __shared__ memory, more than the 48 KiB a block may declare statically");
+  return true;
+}
 
 const uint3& thread_idx() { return running("threadIdx").tid; }
 const uint3& block_idx() {

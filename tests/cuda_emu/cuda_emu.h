@@ -22,8 +22,9 @@
 //   and thread, and the device then fails every later wait
 //   (cudaErrorLaunchFailure), as after a fault on a GPU.
 // - __shared__ is a function-local static: one copy, which the blocks reuse
-//   in turn (the launches of all host threads are serialised). It is not
-//   cleared between blocks, and its size is not checked against 48 KiB.
+//   in turn (the launches of all host threads are serialised), refilled with
+//   NaN bytes before each block after the kernel's first (register_shared).
+//   A kernel declaring more than 48 KiB of it is an error.
 // - Device memory is host memory, filled with NaN bytes when allocated,
 //   each allocation between pages that fault (so are freed ones): an access
 //   past an end or after the free stops the test naming kernel and thread.
@@ -100,6 +101,11 @@ T from_bits(uint64_t b) {
   return v;
 }
 
+// A kernel's __shared__ array (translate.py adds the call after each
+// declaration): refilled with NaN bytes before every block; a kernel
+// declaring more than 48 KiB is an error, as at a real launch.
+bool register_shared(void* p, size_t bytes);
+
 using Body = std::function<void()>;
 // Queues a launch of `body` as every thread of the grid on `stream` (see the
 // Note); a grid or block beyond the limits sets cudaErrorInvalidConfiguration
@@ -133,6 +139,9 @@ Launch<Kernel> launcher(const char* name, Kernel* kernel, dim3 grid, dim3 block,
 
 }  // namespace zinc_emu
 
+#define ZINC_EMU_SHARED(name) \
+  static const bool zinc_emu_shared_##name = ::zinc_emu::register_shared(&name, sizeof(name)); \
+  (void)zinc_emu_shared_##name
 #define threadIdx (::zinc_emu::thread_idx())
 #define blockIdx (::zinc_emu::block_idx())
 #define blockDim (::zinc_emu::block_dim())

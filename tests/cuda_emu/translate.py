@@ -13,6 +13,40 @@ import sys
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;{}]*>)?)\s*<<<(.*?)>>>", re.S)
 
 
+# A __shared__ declaration on one line: each array it declares is registered
+# with the runtime (on the same line, so line numbers hold), which refills it
+# with NaN bytes before every block and checks the kernel's total against
+# the 48 KiB a block may declare statically.
+SHARED = re.compile(r"^(\s*__shared__\s+[^;]*;)(.*)$", re.M)
+DECLARATOR = re.compile(r"([A-Za-z_]\w*)\s*(?:\[|$)")
+
+
+def shared(m):
+    decl = m.group(1)
+    body = decl.strip()[len("__shared__"):].rstrip(";")
+    # The declarators after the type: split at top-level commas.
+    parts, depth, cur = [], 0, ""
+    for ch in body:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    names = []
+    # The first part holds the type too: its declarator is the last word before any [.
+    head = parts[0].split("[")[0].split()
+    names.append(head[-1])
+    for p in parts[1:]:
+        names.append(p.split("[")[0].strip())
+    regs = " ".join("ZINC_EMU_SHARED(%s);" % n for n in names)
+    return decl + " " + regs + m.group(2)
+
+
 def main():
     src, dst = sys.argv[1], sys.argv[2]
     text = open(src, encoding="utf-8").read()
@@ -25,6 +59,7 @@ def main():
         return '::zinc_emu::launcher("%s", %s, %s)' % (name.replace('"', ""), name, m.group(2))
 
     out = LAUNCH.sub(launch, text)
+    out = SHARED.sub(shared, out)
     if "<<<" in out:
         sys.exit("translate.py: %s: a launch the rewrite does not understand is left" % src)
     with open(dst, "w", encoding="utf-8") as f:
