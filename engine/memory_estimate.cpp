@@ -275,6 +275,9 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                                          "4 B x " + millions(span_all) + " elements"});
       if (plan.params_sharded && is_16bit(dtype) && !gpu_plan.device_gathers)
         e.gpu.push_back({"update output", es * max_shard, "the largest shard's new compute values, on their way to RAM"});
+      const int64_t nblocks = static_cast<int64_t>(layouts.size());
+      e.gpu.push_back({"gradient norms (fp64)", 8 * nblocks,
+                       "one per block (" + std::to_string(nblocks) + "), for clipping"});
     }
     if (world > 1) {  // the reduction on the GPU (DeviceMirror::enable_device_reduce)
       const bool gather_back = plan.optimizer_spans_block && is_16bit(c.wire_dtype());
