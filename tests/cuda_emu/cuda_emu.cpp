@@ -529,24 +529,20 @@ cudaError_t release_memory(void* p, Kind kind) {
   a.live.erase(it);
   return cudaSuccess;
 }
-// Whether the host memory at p is page-locked (cudaHostAlloc or cudaHostRegister)
-// or device memory: copies from or to it are asynchronous.
-bool is_device(const void* p) {
+// Where p points: device memory, page-locked host memory (cudaHostAlloc or
+// cudaHostRegister; copies from and to both are asynchronous), or pageable
+// host memory.
+enum class Where { kPageable, kDevice, kPinned };
+Where where(const void* p) {
   const char* c = static_cast<const char*>(p);
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   auto it = a.live.upper_bound(c);
-  return it != a.live.begin() && std::prev(it)->second.kind == Kind::kDevice &&
-         c < std::prev(it)->first + std::prev(it)->second.bytes;
-}
-bool async_capable(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  Allocations& a = allocations();
-  std::lock_guard<std::mutex> lock(a.mu);
-  auto it = a.live.upper_bound(c);
-  if (it != a.live.begin() && c < std::prev(it)->first + std::prev(it)->second.bytes) return true;
+  if (it != a.live.begin() && c < std::prev(it)->first + std::prev(it)->second.bytes)
+    return std::prev(it)->second.kind == Kind::kDevice ? Where::kDevice : Where::kPinned;
   auto r = a.registered.upper_bound(c);
-  return r != a.registered.begin() && c < std::prev(r)->first + std::prev(r)->second;
+  if (r != a.registered.begin() && c < std::prev(r)->first + std::prev(r)->second) return Where::kPinned;
+  return Where::kPageable;
 }
 }  // namespace
 
@@ -647,12 +643,12 @@ cudaError_t cudaFreeHost(void* p) {
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
   if (!bytes) return cudaSuccess;
-  if (!zinc_emu::async_capable(src)) {  // pageable source: read now
+  if (zinc_emu::where(src) == zinc_emu::Where::kPageable) {  // pageable source: read now
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
     zinc_emu::enqueue(s, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
     return cudaSuccess;
   }
-  if (!zinc_emu::async_capable(dst)) {  // pageable destination: done on return
+  if (zinc_emu::where(dst) == zinc_emu::Where::kPageable) {  // pageable destination: done on return
     auto lock = zinc_emu::lock_runtime();
     zinc_emu::flush(s);
     std::memmove(dst, src, bytes);
@@ -665,9 +661,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 // once, without waiting; from pageable memory to the device once the source
 // is staged (the copy itself lands in stream order); otherwise once done.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  const zinc_emu::Where from = zinc_emu::where(src);
   const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
-  const bool to_device = zinc_emu::is_device(dst);
-  if (to_device && (zinc_emu::is_device(src) || !zinc_emu::async_capable(src))) return e;
+  if (zinc_emu::where(dst) == zinc_emu::Where::kDevice && from != zinc_emu::Where::kPinned) return e;
   zinc_emu::flush(nullptr);
   return e != cudaSuccess ? e : zinc_emu::status();
 }
