@@ -21,7 +21,6 @@
 #include "data/data.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -56,55 +55,70 @@ std::string fmt_double(double v) {
 // ---------------------------------------------------------------------------
 // Files.
 
-// A read-only view of a whole file: mmap'ed, or empty for an empty file.
-// Owns the mapping; movable, not copyable.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
-    struct stat st;
-    if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
-    if (!S_ISREG(st.st_mode)) throw IoError("data.path: " + path + " is not a regular file");
-    size_ = static_cast<int64_t>(st.st_size);
-    if (size_ == 0) return;
-    void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, fd.get(), 0);
-    if (p == MAP_FAILED) throw posix_error("mmap " + path, errno);
-    data_ = static_cast<const unsigned char*>(p);
-  }
-  MappedFile(MappedFile&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  MappedFile& operator=(MappedFile&&) = delete;
-  MappedFile(const MappedFile&) = delete;
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<unsigned char*>(data_), static_cast<size_t>(size_));
-  }
-  const unsigned char* data() const { return data_; }
-  int64_t size() const { return size_; }
-
- private:
-  const unsigned char* data_ = nullptr;
-  int64_t size_ = 0;
+// A data file opened for reading: a regular file, or an IoError naming it.
+// open() uses O_NONBLOCK so that a FIFO (or a tty) cannot block it waiting
+// for a writer; fstat on the open descriptor then refuses everything but a
+// regular file (no race between the check and the file read). O_NONBLOCK
+// has no effect on reads from a regular file.
+struct DataFile {
+  UniqueFd fd;
+  int64_t size = 0;
 };
 
-std::vector<unsigned char> read_whole_file(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+DataFile open_data_file(const std::string& path) {
+  DataFile f;
+  f.fd = UniqueFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (f.fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) throw posix_error("stat " + path, errno);
-  if (!S_ISREG(st.st_mode)) throw IoError("data.path: " + path + " is not a regular file");
-  std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+  if (::fstat(f.fd.get(), &st) != 0) throw posix_error("data.path: stat " + path, errno);
+  if (!S_ISREG(st.st_mode))
+    throw IoError("data.path: " + path + " is " + file_kind(st.st_mode) +
+                  "; a data file must be a regular file (it is read by offset, more than once)");
+  f.size = static_cast<int64_t>(st.st_size);
+  return f;
+}
+
+// Reads exactly `len` bytes at `offset`. The file may have shrunk since it
+// was opened (truncated or rewritten under a running job): that is an
+// IoError naming the file, the bytes wanted and its size now. This is why
+// the data files are read with pread and not mapped: a mapped page past the
+// new end of file is a SIGBUS, which no caller can catch, and the process
+// dies with no message and no checkpoint.
+void read_at(const DataFile& f, const std::string& path, int64_t offset, unsigned char* dst, int64_t len) {
+  int64_t done = 0;
+  while (done < len) {
+    const ssize_t n = ::pread(f.fd.get(), dst + done, static_cast<size_t>(len - done),
+                              static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw posix_error("read " + path, errno);
+      throw posix_error("data.path: read " + path + " at offset " + std::to_string(offset + done), errno);
     }
-    if (n == 0) break;  // file shrank while reading
-    done += static_cast<size_t>(n);
+    if (n == 0) {
+      struct stat st;
+      const std::string now =
+          ::fstat(f.fd.get(), &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown";
+      throw IoError("data.path: " + path + " shrank while in use: reading bytes [" +
+                    std::to_string(offset) + ", " + std::to_string(offset + len) +
+                    ") but the file is now " + now + " (it was " + std::to_string(f.size) +
+                    " when opened); was it truncated or rewritten during training?");
+    }
+    done += n;
   }
-  bytes.resize(done);
+}
+
+std::vector<unsigned char> read_whole_file(const std::string& path) {
+  const DataFile f = open_data_file(path);
+  std::vector<unsigned char> bytes(static_cast<size_t>(f.size));
+  read_at(f, path, 0, bytes.data(), f.size);
   return bytes;
 }
 
@@ -166,15 +180,20 @@ class TextSource final : public DataSource {
   WindowRange range_;
 };
 
+// Tokens are read with pread (read_at says why not mmap): one read of the
+// sample's T+1 tokens per sample, into a buffer on the stack, so sample()
+// allocates nothing and may run on several threads at once.
 class TokenSource final : public DataSource {
  public:
-  TokenSource(const DataConfig& cfg, bool eval) : path_(cfg.path), T_(cfg.seq_len), file_(cfg.path) {
-    const int64_t size = file_.size();
-    int64_t offset = 0;
-    if (size >= kTokenHeaderBytes && read_i32(0) == kTokenFileMagic) {
+  TokenSource(const DataConfig& cfg, bool eval)
+      : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)) {
+    const int64_t size = file_.size;
+    unsigned char header[kTokenHeaderBytes];
+    if (size >= kTokenHeaderBytes) read_at(file_, path_, 0, header, kTokenHeaderBytes);
+    if (size >= kTokenHeaderBytes && le_i32(header) == kTokenFileMagic) {
       header_ = true;
-      const int32_t version = read_i32(1);
-      const int64_t count = read_i32(2);
+      const int32_t version = le_i32(header + 4);
+      const int64_t count = le_i32(header + 8);
       if (version != 1)
         throw ConfigError("data.path", path_ + ": token file header version " +
                                            std::to_string(version) +
@@ -186,25 +205,39 @@ class TokenSource final : public DataSource {
                                            " bytes after the 1024-byte header (" +
                                            std::to_string(body / 2) +
                                            " tokens); the file is truncated or corrupt");
-      offset = kTokenHeaderBytes;
+      offset_ = kTokenHeaderBytes;
     } else if (size % 2 != 0) {
       throw ConfigError("data.path", path_ + " is " + std::to_string(size) +
                                          " bytes, an odd size; a token file holds uint16 tokens "
                                          "(optionally after a 1024-byte header)");
     }
-    tokens_ = file_.data() + offset;
-    num_tokens_ = (size - offset) / 2;
+    num_tokens_ = (size - offset_) / 2;
     check_window_file(path_, num_tokens_, T_, "tokens");
 
+    // One pass over the file in large reads: the largest token, and the
+    // first one outside a given vocabulary.
     int32_t max_token = 0;
-    for (int64_t i = 0; i < num_tokens_; ++i) max_token = std::max(max_token, token(i));
+    int64_t first_bad = -1;
+    std::vector<unsigned char> buf(static_cast<size_t>(2 * kScanTokens));
+    for (int64_t i0 = 0; i0 < num_tokens_; i0 += kScanTokens) {
+      const int64_t n = std::min(kScanTokens, num_tokens_ - i0);
+      read_at(file_, path_, offset_ + 2 * i0, buf.data(), 2 * n);
+      int32_t chunk_max = 0;  // a loop the compiler vectorises; the search below runs once at most
+      for (int64_t k = 0; k < n; ++k) chunk_max = std::max(chunk_max, le_u16(buf.data() + 2 * k));
+      if (first_bad < 0 && cfg.vocab_size > 0 && chunk_max >= cfg.vocab_size) {
+        int64_t k = 0;
+        while (le_u16(buf.data() + 2 * k) < cfg.vocab_size) ++k;
+        first_bad = i0 + k;
+      }
+      max_token = std::max(max_token, chunk_max);
+    }
     if (cfg.vocab_size > 0) {
-      if (max_token >= cfg.vocab_size) {
-        int64_t i = 0;
-        while (token(i) < cfg.vocab_size) ++i;
+      if (first_bad >= 0) {
+        unsigned char b[2];
+        read_at(file_, path_, offset_ + 2 * first_bad, b, 2);
         throw ConfigError("data.vocab_size",
                           "is " + std::to_string(cfg.vocab_size) + " but " + path_ + " token " +
-                              std::to_string(i) + " is " + std::to_string(token(i)) +
+                              std::to_string(first_bad) + " is " + std::to_string(le_u16(b)) +
                               " (max token " + std::to_string(max_token) +
                               "); raise vocab_size, or set it to 0 to take max token + 1");
       }
@@ -221,29 +254,43 @@ class TokenSource final : public DataSource {
   int64_t vocab_size() const override { return V_; }
   int64_t seq_len() const override { return T_; }
   int64_t num_samples() const override { return range_.count; }
+  // Throws IoError when the file has shrunk since it was opened.
   void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
     ZINC_CHECK(index >= 0 && index < range_.count, "token sample index out of range");
     const int64_t start = (range_.first + index) * T_;
-    for (int64_t t = 0; t < T_; ++t) inputs[t] = token(start + t);
-    for (int64_t t = 0; t < T_; ++t) targets[t] = token(start + t + 1);
+    // Tokens start .. start+T: token j is inputs[j] (j < T) and targets[j-1]
+    // (j >= 1). One read for T < kSampleTokens, the usual case.
+    unsigned char buf[2 * kSampleTokens];
+    for (int64_t j0 = 0; j0 <= T_; j0 += kSampleTokens) {
+      const int64_t n = std::min(kSampleTokens, T_ + 1 - j0);
+      read_at(file_, path_, offset_ + 2 * (start + j0), buf, 2 * n);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t j = j0 + k;
+        const int32_t t = le_u16(buf + 2 * k);
+        if (j < T_) inputs[j] = t;
+        if (j >= 1) targets[j - 1] = t;
+      }
+    }
   }
 
  private:
+  static constexpr int64_t kScanTokens = int64_t{1} << 19;  // 1 MiB reads for the scan at open
+  static constexpr int64_t kSampleTokens = 4096;            // 8 KiB on the stack per sample()
+
   // Little-endian decoding byte by byte: correct on any host, and cheap.
-  int32_t read_i32(int64_t word) const {
-    const unsigned char* b = file_.data() + 4 * word;
+  static int32_t le_i32(const unsigned char* b) {
     return static_cast<int32_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 |
                                 uint32_t{b[3]} << 24);
   }
-  int32_t token(int64_t i) const {
-    return static_cast<int32_t>(tokens_[2 * i]) | static_cast<int32_t>(tokens_[2 * i + 1]) << 8;
+  static int32_t le_u16(const unsigned char* b) {
+    return static_cast<int32_t>(b[0]) | static_cast<int32_t>(b[1]) << 8;
   }
 
   std::string path_;
   int64_t T_;
-  MappedFile file_;
+  DataFile file_;
   bool header_ = false;
-  const unsigned char* tokens_ = nullptr;
+  int64_t offset_ = 0;  // bytes before the first token (the header)
   int64_t num_tokens_ = 0;
   int64_t V_ = 0;
   WindowRange range_;

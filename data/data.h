@@ -8,11 +8,17 @@
 //   then x_t depends on (x_{t-2}, x_{t-1}) through a seeded table (see
 //   SyntheticSource). A model reaches the floor only by using both previous
 //   tokens.
-// - text: the bytes of a file are the tokens (vocabulary 256).
+// - text: the bytes of a file are the tokens (vocabulary 256), read whole
+//   at open.
 // - tokens: a flat file of little-endian uint16 tokens, as the common GPT
 //   training scripts write (optionally with their 256 x int32 header whose
-//   first word is 20240520; detected and skipped).
-// Thread-safety: a DataLoader is used from one thread.
+//   first word is 20240520; detected and skipped). Read with pread, one read
+//   per sample, never mapped: a file truncated under a running job is an
+//   IoError naming it at the next sample, not a SIGBUS.
+// Data files must be regular files: a FIFO, device or directory is refused
+// at open, without blocking.
+// Thread-safety: a DataLoader is used from one thread; a source's sample()
+// may be called from several.
 #pragma once
 
 #include <cstdint>
@@ -60,12 +66,15 @@ class DataSource {
   // large fixed epoch (its samples are indexed, not stored).
   virtual int64_t num_samples() const = 0;
   // Writes sample `index` (0 <= index < num_samples()): T inputs, T targets.
+  // Throws IoError when the file behind the source has shrunk since it was
+  // opened, naming the file, the bytes wanted and its size now.
   virtual void sample(int64_t index, int32_t* inputs, int32_t* targets) const = 0;
   // Exact entropy floor of the mean next-token loss in nats, if known.
   virtual std::optional<double> loss_floor() const { return std::nullopt; }
 };
 
-// Throws zinc::IoError (missing/unreadable file, naming it) or zinc::ConfigError.
+// Throws zinc::IoError (a missing, unreadable or not regular file, naming it
+// and "data.path") or zinc::ConfigError.
 // text / tokens: the head of the file, without the eval_fraction tail.
 std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg);
 // The held-out evaluation samples: text / tokens, the eval_fraction tail of

@@ -2,16 +2,22 @@
 // data-parallel loader (Note [data order] in engine/data.cpp).
 #include "data/data.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <future>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -426,6 +432,96 @@ TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find(c.path), std::string::npos) << e.what();
   }
+}
+
+// A token file cut short under a running job (rewritten by a preprocessing
+// script, a full disk, a truncate): the next read is an IoError naming the
+// file, the bytes it wanted and the size now. With the file mmap'ed this
+// test died of SIGBUS: the pages past the new end of file fault.
+TEST(TokenSource, FileTruncatedAfterOpenIsIoErrorNamingItNotASignal) {
+  std::string bytes;
+  for (uint32_t i = 0; i < 65536; ++i) put_u16(bytes, i % 50000);  // 128 KiB: 32 pages
+  TempFile f("tokens_truncated.bin", bytes);
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = f.path();
+  c.seq_len = 16;
+  c.vocab_size = 0;
+  std::shared_ptr<const DataSource> s = make_data_source(c);
+  const int64_t last = s->num_samples() - 1;
+  ASSERT_EQ(last, 4094);  // (65536 - 1) / 16 windows; the last reads tokens 65504..65520
+  EXPECT_EQ(get_sample(*s, last).inputs[0], 65504 % 50000);
+  DataLoader loader(s, s->num_samples(), 1, 1, 0, 7);  // one micro-batch reads every sample
+
+  ASSERT_EQ(::truncate(f.path().c_str(), 4096), 0) << f.path();
+  try {
+    get_sample(*s, last);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("data.path"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(f.path()), std::string::npos) << msg;
+    EXPECT_NE(msg.find("bytes [131008, 131042)"), std::string::npos) << msg;  // 2 * 65504, 17 tokens
+    EXPECT_NE(msg.find("now 4096 bytes"), std::string::npos) << msg;
+  }
+  try {
+    loader.next();
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(f.path()), std::string::npos) << e.what();
+  }
+  // Samples still inside the file read as before.
+  EXPECT_EQ(get_sample(*s, 0).inputs[5], 5);
+}
+
+// make_data_source on `path` from another thread; the error it threw, or
+// an empty string. A blocked open fails the test and is released (a writer
+// opens the FIFO), so a regression fails instead of hanging the suite.
+std::string open_error_within_seconds(DataType type, const std::string& path, int seconds) {
+  auto result = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> done = result->get_future();
+  std::thread t([type, path, result] {
+    DataConfig c;
+    c.type = type;
+    c.path = path;
+    c.seq_len = 4;
+    c.vocab_size = 0;
+    try {
+      make_data_source(c);
+      result->set_value("");
+    } catch (const IoError& e) {
+      result->set_value(e.what());
+    } catch (const std::exception& e) {
+      result->set_value(std::string("not an IoError: ") + e.what());
+    }
+  });
+  if (done.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready) {
+    ADD_FAILURE() << "opening " << path << " blocked for " << seconds << " s";
+    const int w = ::open(path.c_str(), O_WRONLY | O_NONBLOCK);  // lets the reader's open return
+    if (w >= 0) ::close(w);
+  }
+  t.join();
+  return done.get();
+}
+
+TEST(DataFiles, FifoIsRefusedAtOnceNamingIt) {
+  const std::string path =
+      testing::TempDir() + "zinc_data_test_" + std::to_string(::getpid()) + "_fifo";
+  ::unlink(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << path;
+  for (DataType type : {DataType::kTokens, DataType::kText}) {
+    const std::string msg = open_error_within_seconds(type, path, 5);
+    EXPECT_NE(msg.find("data.path"), std::string::npos) << data_type_name(type) << ": " << msg;
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("is a FIFO"), std::string::npos) << msg;
+  }
+  ::unlink(path.c_str());
+}
+
+TEST(DataFiles, DirectoryIsRefusedNamingIt) {
+  const std::string msg = open_error_within_seconds(DataType::kTokens, testing::TempDir(), 5);
+  EXPECT_NE(msg.find(testing::TempDir()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("is a directory"), std::string::npos) << msg;
 }
 
 // ---------------------------------------------------------------------------
