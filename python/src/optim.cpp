@@ -5,7 +5,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +19,25 @@ namespace py = pybind11;
 namespace {
 
 std::string type_of(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// A hyperparameter the kernels compute with in float32 (optim/adam.cpp
+// casts each one). NaN, an infinity, or a double beyond float32's range
+// (which the cast makes an infinity) would write NaN or inf into every
+// parameter of the span, so each is refused here, naming it. Zero is
+// allowed everywhere (grad_scale 0: a step on zero gradients, which only
+// decays); a negative value nowhere (a negative grad_scale or lr would
+// ascend the loss).
+void check_hyper(const char* where, const char* name, double v) {
+  if (std::isfinite(v) && std::isfinite(static_cast<float>(v)) && v >= 0) return;
+  throw py::value_error(std::string(where) + ": " + name + " must be a finite number >= 0 (a float32), got " +
+                        num(v));
+}
 
 struct Arg {
   const char* name;
@@ -45,13 +66,12 @@ class AdamW {
  public:
   AdamW(double lr, std::pair<double, double> betas, double eps, double weight_decay, bool bias_correction,
         bool adamw_mode) {
-    if (!(lr >= 0)) throw py::value_error("zinc.optim.AdamW: lr must be >= 0, got " + std::to_string(lr));
+    check_hyper("zinc.optim.AdamW", "lr", lr);
     if (!(betas.first >= 0 && betas.first < 1) || !(betas.second >= 0 && betas.second < 1))
-      throw py::value_error("zinc.optim.AdamW: betas must be in [0, 1), got (" + std::to_string(betas.first) + ", " +
-                            std::to_string(betas.second) + ")");
-    if (!(eps >= 0)) throw py::value_error("zinc.optim.AdamW: eps must be >= 0, got " + std::to_string(eps));
-    if (!(weight_decay >= 0))
-      throw py::value_error("zinc.optim.AdamW: weight_decay must be >= 0, got " + std::to_string(weight_decay));
+      throw py::value_error("zinc.optim.AdamW: betas must be in [0, 1), got (" + num(betas.first) + ", " +
+                            num(betas.second) + ")");
+    check_hyper("zinc.optim.AdamW", "eps", eps);
+    check_hyper("zinc.optim.AdamW", "weight_decay", weight_decay);
     p_.lr = lr;
     p_.beta1 = betas.first;
     p_.beta2 = betas.second;
@@ -65,6 +85,7 @@ class AdamW {
             py::handle bf16_out, double grad_scale) {
     if (step < 1) throw py::value_error("zinc.optim.AdamW.step: step must be >= 1 (counted from 1), got " +
                                         std::to_string(step));
+    check_hyper("zinc.optim.AdamW.step", "grad_scale", grad_scale);
     std::vector<Arg> args;
     args.push_back({"param", array_arg(param, "param", 'f', 4, "float32", true)});
     zinc::DType grad_dtype = zinc::DType::kF32;
@@ -120,6 +141,10 @@ AdamW (DeepSpeed's CPU Adam), in optim/optim.h.
     opt = zinc.optim.AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     for t in range(1, steps + 1):
         opt.step(t, param, grad, exp_avg, exp_avg_sq)   # float32 arrays, same size
+
+lr, eps and weight_decay must be finite and >= 0, betas in [0, 1): anything
+else (NaN, inf, a value beyond float32) is a ValueError naming it, as NaN
+would otherwise be written into every parameter.
 )doc")
       .def(py::init<double, std::pair<double, double>, double, double, bool, bool>(), py::arg("lr") = 1e-3,
            py::arg("betas") = std::make_pair(0.9, 0.999), py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
@@ -131,13 +156,14 @@ AdamW (DeepSpeed's CPU Adam), in optim/optim.h.
 One update of param, exp_avg and exp_avg_sq in place. step: the step
 number, from 1 (bias correction). param, exp_avg, exp_avg_sq: C-contiguous,
 writeable float32 arrays of one size; grad: float32, or uint16 holding bf16,
-of that size (multiplied by grad_scale first); bf16_out: a uint16 array that
-receives the new param rounded to bf16. No two may share memory. Releases
-the GIL.)doc")
+of that size (multiplied by grad_scale first, which must be finite and
+>= 0: ValueError otherwise, before anything is written); bf16_out: a uint16
+array that receives the new param rounded to bf16. No two may share memory.
+Releases the GIL.)doc")
       .def_property(
           "lr", [](const AdamW& a) { return a.p_.lr; },
           [](AdamW& a, double lr) {
-            if (!(lr >= 0)) throw py::value_error("zinc.optim.AdamW.lr: must be >= 0, got " + std::to_string(lr));
+            check_hyper("zinc.optim.AdamW", "lr", lr);
             a.p_.lr = lr;
           },
           "The learning rate of the next step (settable, for schedules).")

@@ -132,6 +132,48 @@ def test_read_only_aliasing_and_values():
     assert zinc.optim.isa() in ("scalar", "avx2", "avx512", "avx512_bf16")
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("scale, shown", [(NAN, "nan"), (INF, "inf"), (-INF, "-inf"), (-0.5, "-0.5"),
+                                          (1e39, "1e+39")])  # 1e39 is inf as a float32
+def test_bad_grad_scale_is_refused_before_anything_is_written(scale, shown):
+    # Before the check, grad_scale=nan wrote NaN into every parameter.
+    opt = zinc.optim.AdamW(lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(5)
+    p, g, m, v = (rng.standard_normal(33).astype(np.float32) for _ in range(4))
+    v = np.abs(v)
+    before = [x.copy() for x in (p, g, m, v)]
+    with pytest.raises(ValueError) as e:
+        opt.step(1, p, g, m, v, grad_scale=scale)
+    assert str(e.value) == ("zinc.optim.AdamW.step: grad_scale must be a finite number >= 0 (a float32), got "
+                            + shown)
+    for x, y in zip((p, g, m, v), before):
+        assert np.array_equal(x, y)
+    opt.step(1, p, g, m, v, grad_scale=0.0)  # zero gradients: allowed, a decay-only step
+    assert np.all(np.isfinite(p)) and not np.array_equal(p, before[0])
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(lr=NAN), "lr"), (dict(lr=INF), "lr"), (dict(lr=1e39), "lr"),
+    (dict(eps=NAN), "eps"), (dict(eps=INF), "eps"),
+    (dict(weight_decay=NAN), "weight_decay"), (dict(weight_decay=INF), "weight_decay"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(betas=(NAN, 0.9)), "betas"), (dict(betas=(0.9, INF)), "betas"),
+])
+def test_non_finite_hyperparameters_are_refused_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match="zinc.optim.AdamW: " + name + " must be"):
+        zinc.optim.AdamW(**kwargs)
+
+
+@pytest.mark.parametrize("lr", [NAN, INF, -INF, 1e39])
+def test_lr_setter_refuses_non_finite(lr):
+    opt = zinc.optim.AdamW(lr=0.25)
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+        opt.lr = lr
+    assert opt.lr == 0.25
+
+
 def test_import_zinc_does_not_import_torch():
     # zinc does not depend on torch: only zinc.torch imports it.
     code = "import sys, zinc, zinc.optim; assert 'torch' not in sys.modules, 'zinc imported torch'"

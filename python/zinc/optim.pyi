@@ -4,7 +4,11 @@ import numpy as np
 import numpy.typing as npt
 
 class AdamW:
-    """AdamW / Adam (adamw_mode=False) with zinc's kernels, in place on NumPy arrays."""
+    """AdamW / Adam (adamw_mode=False) with zinc's kernels, in place on NumPy arrays.
+
+    lr, eps, weight_decay and step's grad_scale must be finite and >= 0, betas
+    in [0, 1): ValueError naming the argument otherwise.
+    """
 
     def __init__(
         self,
