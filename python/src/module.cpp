@@ -10,7 +10,24 @@
 // comment on its signal thread says why that matters); it stays pending until
 // the scope ends, Python's handler then sets its flag, and the
 // KeyboardInterrupt is raised at that call boundary, between steps, with the
-// engine intact. One Engine is driven from one Python thread at a time.
+// engine intact.
+//
+// Note [one call at a time]
+// The engine is not thread-safe, and a call that released the GIL leaves
+// every other Python thread free to call in (or to close it) meanwhile, which
+// crashed the interpreter. So every call that touches an engine holds its
+// PyEngine::Call for its whole length, and a second call while one is in
+// (from another thread, or from the same thread, e.g. out of the data
+// iterable train_batch reads) is refused with RuntimeError: "zinc.Engine.
+// forward: another thread is inside Engine.train_batch; an engine is driven
+// by one thread at a time". Refused, not queued: a queued call would
+// interleave two threads' forward/backward/step sequences, which trains
+// nonsense silently. zinc.train's run holds the same Call for each step.
+// close() never fails and never frees an engine under a running call: with
+// a call in, it marks the engine closed (every later call raises
+// ValueError, `closed` is True) and returns at once, and the running call
+// frees the engine as it returns. close() must not raise because it runs
+// from __exit__, from the destructor and from _shutdown at exit.
 //
 // MPI (Note [MPI lifetime] in comm/mpi_communicator.cpp): under mpirun the
 // first initialize() makes the process's communicator and keeps it for the
@@ -22,9 +39,11 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <pybind11/numpy.h>
@@ -256,24 +275,82 @@ class PyEngine {
     max_t_ = m.type == zinc::tools::ModelType::kGpt ? (m.block_size > 0 ? m.block_size : ex_.data->seq_len()) : 0;
     g_engines.insert(this);
   }
+  // No call can be in flight here: a running call's frame holds a reference
+  // to the Python object, so the destructor waits for it.
   ~PyEngine() {
     g_engines.erase(this);
     close();
   }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
 
+  // The one call in flight on this engine (Note [one call at a time]): taken
+  // with the GIL held before the call touches the engine, and held until it
+  // returns, through its GIL-free ComputeScope. `name` is what the refusals
+  // print, e.g. "zinc.Engine.forward".
+  class Call {
+   public:
+    Call(PyEngine& e, std::string name) : e_(e) {
+      std::lock_guard<std::mutex> lock(e.call_mu_);
+      if (!e.in_call_.empty()) {
+        if (e.call_thread_ == std::this_thread::get_id())
+          throw std::runtime_error(name + ": called from inside " + e.in_call_ +
+                                   " on the same thread (e.g. from the data it iterates); an engine runs "
+                                   "one call at a time");
+        throw std::runtime_error(name + ": another thread is inside " + e.in_call_ +
+                                 "; an engine is driven by one thread at a time");
+      }
+      e.in_call_ = std::move(name);
+      e.call_thread_ = std::this_thread::get_id();
+    }
+    ~Call() { e_.end_call(); }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    PyEngine& e_;
+  };
+
+  // The engine, for a call that holds this engine's Call on this thread.
   zinc::Engine& engine(const char* what) {
+    {
+      std::lock_guard<std::mutex> lock(call_mu_);
+      ZINC_CHECK(!in_call_.empty() && call_thread_ == std::this_thread::get_id(),
+                 std::string("zinc.Engine.") + what + " touches the engine without its Call");
+    }
     if (!engine_) throw py::value_error(std::string("zinc.Engine.") + what + ": the engine is closed");
     return *engine_;
   }
-
-  void close() {
-    if (!engine_) return;
-    std::optional<py::gil_scoped_release> release;
-    if (PyGILState_Check()) release.emplace();
-    engine_.reset();
-    loader_.reset();
+  // The properties: one read of the engine under a Call.
+  template <class F>
+  auto read(const char* what, F f) {
+    Call call(*this, std::string("zinc.Engine.") + what);
+    return f(engine(what));
   }
-  bool closed() const { return !engine_; }
+
+  // Frees the engine now, or, with a call in flight, when that call returns
+  // (Note [one call at a time]). Never raises.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(call_mu_);
+      if (!engine_) return;
+      if (!in_call_.empty()) {
+        close_pending_ = true;
+        return;
+      }
+      in_call_ = "zinc.Engine.close";  // no call starts while the engine is freed
+      call_thread_ = std::this_thread::get_id();
+    }
+    free_engine();
+    std::lock_guard<std::mutex> lock(call_mu_);
+    in_call_.clear();
+    call_thread_ = {};
+    close_pending_ = false;
+  }
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(call_mu_);
+    return !engine_ || close_pending_;
+  }
 
   float forward(py::object batch) {
     zinc::Engine& e = engine("forward");
@@ -405,13 +482,55 @@ class PyEngine {
                               " is outside the vocabulary [0, " + std::to_string(vocab_) + ")");
   }
 
+  // The end of a Call: a close() that came during it frees the engine now,
+  // before the next call may start.
+  void end_call() {
+    std::unique_lock<std::mutex> lock(call_mu_);
+    if (close_pending_) {
+      lock.unlock();
+      free_engine();
+      lock.lock();
+      close_pending_ = false;
+    }
+    in_call_.clear();
+    call_thread_ = {};
+  }
+  void free_engine() {
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check()) release.emplace();
+    engine_.reset();
+    loader_.reset();
+  }
+
   json doc_;
   std::shared_ptr<zinc::comm::Communicator> comm_;
   zinc::tools::Experiment ex_;
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;
   int64_t vocab_ = 0, max_t_ = 0;
+  // Note [one call at a time]. call_mu_ guards the three below, only ever
+  // for a few instructions (never across a computation, so never waited on
+  // for long; try-locking is not needed).
+  mutable std::mutex call_mu_;
+  std::string in_call_;  // the name of the call in flight; empty: none
+  std::thread::id call_thread_;
+  bool close_pending_ = false;
 };
+
+// A binding of a PyEngine method that holds the engine's Call around it
+// (Note [one call at a time]).
+template <class R, class... A>
+auto one_call(const char* name, R (PyEngine::*f)(A...)) {
+  return [name, f](PyEngine& e, A... a) -> R {
+    PyEngine::Call call(e, std::string("zinc.Engine.") + name);
+    return (e.*f)(std::forward<A>(a)...);
+  };
+}
+// A property reading the engine under a Call.
+template <class R>
+auto engine_property(const char* name, R (zinc::Engine::*getter)() const) {
+  return [name, getter](PyEngine& e) { return e.read(name, [getter](zinc::Engine& x) { return (x.*getter)(); }); };
+}
 
 // ---- zinc.train ----------------------------------------------------------
 
@@ -443,6 +562,7 @@ class TrainRun {
   // The events of the next step, or None after the last one.
   py::object step() {
     check_signals();
+    PyEngine::Call call(engine_, "zinc.train");  // the whole step, its checkpoint included
     zinc::Engine& e = engine_.engine("train");
     if (step_ >= steps_) return py::none();
     const zinc::tools::Experiment& ex = engine_.experiment();
@@ -483,6 +603,7 @@ class TrainRun {
   // What zinc-train's summary says that does not need the whole process's
   // accounting (peak RSS per rank, communication shares, NVMe traffic).
   py::dict summary() {
+    PyEngine::Call call(engine_, "zinc.train");
     zinc::Engine& e = engine_.engine("train");
     const zinc::tools::Experiment& ex = engine_.experiment();
     const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
@@ -541,53 +662,62 @@ Every call that computes releases the GIL. A Ctrl-C arriving during a call
 is raised as KeyboardInterrupt when the call returns, so the engine is
 always left between calls and stays usable. close() (or a with block)
 frees the engine; any call after it raises ValueError.
+
+One call at a time: a call made while another is running on the same
+engine (from another thread, or from inside it) raises RuntimeError at
+once instead of waiting. close() during a running call from another thread
+marks the engine closed and returns; the running call finishes and frees it.
 )doc")
-      .def("forward", &PyEngine::forward, py::arg("batch") = py::none(),
+      .def("forward", one_call("forward", &PyEngine::forward), py::arg("batch") = py::none(),
            "forward(batch=None) -> float\n\nOne micro-batch forward; returns its mean loss.")
-      .def("backward", &PyEngine::backward, "backward()\n\nBackward of the last forward; gradients accumulate.")
-      .def("step", &PyEngine::step,
+      .def("backward", one_call("backward", &PyEngine::backward),
+           "backward()\n\nBackward of the last forward; gradients accumulate.")
+      .def("step", one_call("step", &PyEngine::step),
            "step()\n\nAt a gradient-accumulation boundary: global norm, clipping, the optimizer step and the "
            "schedule's advance; elsewhere nothing (as DeepSpeed's engine.step()).")
-      .def("train_batch", &PyEngine::train_batch, py::arg("data") = py::none(),
+      .def("train_batch", one_call("train_batch", &PyEngine::train_batch), py::arg("data") = py::none(),
            "train_batch(data=None) -> float\n\nOne global batch (gradient_accumulation_steps x forward, backward, "
            "step); returns its mean loss over all micro-batches and ranks. data: None for the config's data, or "
            "an iterable of gradient_accumulation_steps batches.")
-      .def("evaluate", &PyEngine::evaluate, py::arg("batch") = py::none(),
+      .def("evaluate", one_call("evaluate", &PyEngine::evaluate), py::arg("batch") = py::none(),
            "evaluate(batch=None) -> float\n\nForward only. None: the mean loss over run.eval_batches held-out "
            "micro-batches, as zinc-train's eval events report it (needs run.eval_interval > 0); a batch: its "
            "mean loss.")
-      .def("save_checkpoint", &PyEngine::save_checkpoint, py::arg("save_dir"), py::arg("tag") = py::none(),
-           py::arg("client_state") = py::none(),
+      .def("save_checkpoint", one_call("save_checkpoint", &PyEngine::save_checkpoint), py::arg("save_dir"),
+           py::arg("tag") = py::none(), py::arg("client_state") = py::none(),
            "save_checkpoint(save_dir, tag=None, client_state=None)\n\nWrites save_dir/tag (None: "
            "'global_step<N>') and points save_dir/latest at it once complete. client_state (a JSON-able dict) is "
            "kept with it, together with the data position, so zinc-train --resume can continue it. Collective "
            "under mpirun. OSError when a file cannot be written.")
-      .def("load_checkpoint", &PyEngine::load_checkpoint, py::arg("load_dir"), py::arg("tag") = py::none(),
+      .def("load_checkpoint", one_call("load_checkpoint", &PyEngine::load_checkpoint), py::arg("load_dir"),
+           py::arg("tag") = py::none(),
            "load_checkpoint(load_dir, tag=None) -> dict\n\nLoads load_dir/tag (None: the tag load_dir/latest "
            "names), saved at any world size and ZeRO stage, restores the step counters, the schedule and the "
            "data position; returns the client_state. OSError naming the file for a missing or corrupt one.")
-      .def("close", &PyEngine::close, "close()\n\nFrees the engine's memory and files. Idempotent.")
+      .def("close", &PyEngine::close,
+           "close()\n\nFrees the engine's memory and files. Idempotent; never raises. While another thread is "
+           "inside a call on this engine, marks it closed and returns at once: that call finishes, then frees it.")
       .def("__enter__", [](PyEngine& e) -> PyEngine& { return e; }, py::return_value_policy::reference)
       .def("__exit__", [](PyEngine& e, py::args) { e.close(); })
       .def_property_readonly("closed", &PyEngine::closed, "True after close().")
-      .def_property_readonly("global_steps", [](PyEngine& e) { return e.engine("global_steps").global_steps(); },
+      .def_property_readonly("global_steps", engine_property("global_steps", &zinc::Engine::global_steps),
                              "Optimizer steps taken (global batches completed), skipped ones included.")
-      .def_property_readonly("skipped_steps", [](PyEngine& e) { return e.engine("skipped_steps").skipped_steps(); },
+      .def_property_readonly("skipped_steps", engine_property("skipped_steps", &zinc::Engine::skipped_steps),
                              "Steps skipped for non-finite gradients (fp16 overflow).")
-      .def_property_readonly("micro_steps", [](PyEngine& e) { return e.engine("micro_steps").micro_steps(); },
+      .def_property_readonly("micro_steps", engine_property("micro_steps", &zinc::Engine::micro_steps),
                              "Micro-batches run through backward.")
-      .def_property_readonly("learning_rate", [](PyEngine& e) { return e.engine("learning_rate").learning_rate(); },
+      .def_property_readonly("learning_rate", engine_property("learning_rate", &zinc::Engine::learning_rate),
                              "Learning rate of the most recent optimizer step (before the first: the first's).")
-      .def_property_readonly("grad_norm", [](PyEngine& e) { return e.engine("grad_norm").global_grad_norm(); },
+      .def_property_readonly("grad_norm", engine_property("grad_norm", &zinc::Engine::global_grad_norm),
                              "Global L2 norm of the averaged gradient at the last step, before clipping.")
-      .def_property_readonly("last_loss", [](PyEngine& e) { return e.engine("last_loss").last_batch_loss(); },
+      .def_property_readonly("last_loss", engine_property("last_loss", &zinc::Engine::last_batch_loss),
                              "Mean loss of the last completed global batch, over its micro-batches and all ranks.")
-      .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine("loss_scale").loss_scale(); },
+      .def_property_readonly("loss_scale", engine_property("loss_scale", &zinc::Engine::loss_scale),
                              "fp16: the loss scale of the next backward; 1.0 without fp16.")
-      .def_property_readonly("rank", [](PyEngine& e) { return e.engine("rank").rank(); }, "This process's rank.")
-      .def_property_readonly("world_size", [](PyEngine& e) { return e.engine("world_size").world_size(); },
+      .def_property_readonly("rank", engine_property("rank", &zinc::Engine::rank), "This process's rank.")
+      .def_property_readonly("world_size", engine_property("world_size", &zinc::Engine::world_size),
                              "Data-parallel ranks (1 outside mpirun).")
-      .def_property_readonly("num_parameters", [](PyEngine& e) { return e.engine("num_parameters").num_parameters(); },
+      .def_property_readonly("num_parameters", engine_property("num_parameters", &zinc::Engine::num_parameters),
                              "Parameters of the model (unpadded).")
       .def_property_readonly("config", &PyEngine::config,
                              "The resolved config: every key with the value it takes (zinc-train's config event).");

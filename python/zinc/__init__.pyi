@@ -34,7 +34,12 @@ class CommError(Error):
     """A collective between ranks that failed."""
 
 class Engine:
-    """A training engine over a built-in model (see help(zinc.Engine))."""
+    """A training engine over a built-in model (see help(zinc.Engine)).
+
+    One call at a time: a call while another thread is inside one on the same
+    engine raises RuntimeError; close() then marks it closed and the running
+    call frees it when it returns.
+    """
 
     def forward(self, batch: Optional[Batch] = None) -> float: ...
     def backward(self) -> None: ...
