@@ -52,7 +52,8 @@ class RankWriter {
   // its 4 KiB-aligned part is written from where it is, not copied.
   void write(int block, int kind, int64_t offset_in_span, const float* data, int64_t count, bool stable = false);
   // Writes what is staged, waits for every write, fsyncs and closes the
-  // file; the rank's index (spans, file offsets, checksums) for the metadata.
+  // file; the rank's index (spans, file offsets, checksums, the file's size)
+  // for the metadata.
   nlohmann::json finish();
   const std::string& path() const { return path_; }
 
@@ -80,6 +81,7 @@ class RankWriter {
   std::map<int, size_t> index_;           // block -> position in spans_
   std::vector<int64_t> file_offset_;      // per span, bytes of its master; m and v follow
   std::vector<int64_t> region_bytes_;     // per span: each kind's region, rounded up to 4 KiB
+  int64_t file_bytes_ = 0;                // the whole file, allocated up front
   std::vector<Stream> streams_;           // per span and kind
   // Staging buffers, written with O_DIRECT through io_uring.
   std::unique_ptr<offload::IoEngine> io_;
@@ -124,7 +126,8 @@ class CheckpointReader {
   int64_t bytes_read_ = 0;
 };
 
-// A complete tag's files: DIR/TAG/metadata.json and every rank's index.
+// A complete tag's files: DIR/TAG/metadata.json and every rank's index,
+// verified (open_tag) before anything is read from the shard files.
 struct TagFiles {
   std::string dir;  // DIR/TAG
   std::string tag;
@@ -132,20 +135,68 @@ struct TagFiles {
   nlohmann::json ranks;                  // the rank indexes, in rank order
   std::vector<std::string> block_names;  // from the metadata, for messages
 };
-// Throws zinc::Error unless `tag` is a plain folder name (not empty, no '/',
-// no leading '.', which partial and old folders use).
+// A tag is one path component that every file system and shell takes as it
+// is: 1 to kMaxTagBytes characters from [A-Za-z0-9._+-], the first a letter,
+// a digit or '_' (partial and old folders start with '.'), and not "latest"
+// (the file naming the newest tag). Throws zinc::Error naming the tag
+// (escaped) and the rule otherwise.
 constexpr size_t kMaxTagBytes = 200;
 void check_tag(const std::string& tag);
-// Opens DIR/TAG; an empty tag means the one DIR/latest names. Throws IoError
-// naming the file when `latest`, the metadata or an index is missing or the
-// folder is not a zinc checkpoint of this format version.
+// Opens DIR/TAG; an empty tag means the one DIR/latest names. Verifies,
+// before anything is loaded: metadata.json's own checksum (every key but the
+// checksum, as compact JSON), each rank index against the checksum and size
+// the metadata holds for it, the type and range of every field, that the
+// rank files' regions lie inside the files as they are now and do not
+// overlap, and that every element of every block is saved (spans that tile
+// the block; identical spans on several ranks are stage 0's copies). Throws
+// IoError naming the file (and the JSON path) otherwise.
 TagFiles open_tag(const std::string& dir, std::string tag);
+
+// The text of a JSON document sealed with its own checksum (the XXH3-64 of
+// its compact dump without the key kSealKey, stored under that key), dumped
+// with `indent`; verify_seal checks and removes it, throwing IoError naming
+// `path` when it does not match.
+constexpr const char* kSealKey = "xxh3_64_of_the_rest";
+std::string sealed_dump(nlohmann::json doc, int indent);
+void verify_seal(nlohmann::json& doc, const std::string& path);
+// XXH3-64 of bytes, as 16 hex digits.
+std::string xxh3_hex(const void* data, size_t bytes);
+
+// An exclusive lock on a checkpoint folder (flock on DIR/.zinc.lock, which
+// holds the owner's pid and host), for as long as the object lives: two runs
+// writing one folder would replace each other's tags. Within one process
+// the lock is shared (a save inside a run that holds it takes it again for
+// free). Throws IoError naming the folder and the holder's pid when another
+// process holds it, or when the folder cannot be created or written.
+class DirLock {
+ public:
+  explicit DirLock(const std::string& dir);
+  ~DirLock();
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+ private:
+  std::string key_;
+};
+
+// run.keep_last: after the save of `saved` (a global_step<N> tag, now
+// `latest`), keeps it and the newest keep - 1 older global_step<M> tags
+// (M < N) and removes the older ones. Tags with a higher step (another run's,
+// or ones this run resumed before) and the tag `latest` names are never
+// removed; only complete zinc checkpoints are (a folder is renamed to
+// .TAG.pruned first, so a crash mid-removal leaves no half tag under its
+// name). Returns the tags removed.
+std::vector<std::string> prune(const std::string& dir, int64_t keep, const std::string& saved);
 
 // Test hook: ZINC_CHECKPOINT_FAULT=PHASE:N kills this process (SIGKILL, as
 // kill -9 would) at PHASE of its N-th save: "shards" (after the first piece
-// of its shard file is written), "before_rename" (the partial folder is
-// complete, metadata included, not yet renamed), "before_latest" (the tag is
-// in place, `latest` not yet moved). Nothing when unset or another phase.
+// of its shard file is written), "index" (its shard file and index are
+// written), "metadata" (metadata.json written, the folder not yet fsynced),
+// "before_rename" (the partial folder is complete and fsynced, not yet
+// renamed), "old_aside" (a previous folder of the same tag moved aside),
+// "before_latest" (the tag is in place, `latest` not yet moved),
+// "after_latest" (`latest` moved, nothing pruned), "prune" (a pruned tag
+// renamed, not yet removed). Nothing when unset or another phase.
 void fault_point(const char* phase);
 // Counts a save (for fault_point's N).
 void count_save();

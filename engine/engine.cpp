@@ -11,6 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <optional>
+#include <set>
 
 #include "core/cpu.h"
 #include "core/alloc.h"
@@ -310,6 +313,7 @@ struct Engine::Impl final : StepContext {
       world = comm->size();
       rank = comm->rank();
     }
+    if (world > 1) agree_on_config();
     plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone);
     offload_device = c.zero.offload_optimizer.device;
     if (world > 1) {
@@ -678,6 +682,7 @@ struct Engine::Impl final : StepContext {
   }
 
   float forward(const Batch& batch) {
+    check_loaded("forward");
     check_stepped("forward");
     if (gpu) gpu->make_current();
     check_batch(batch);
@@ -960,6 +965,92 @@ struct Engine::Impl final : StepContext {
     }
   }
 
+  // ---- ranks agree on what they train -------------------------------------------------
+  // Every rank must be given the same config and model: ranks that differ
+  // train diverging shards and save a checkpoint whose metadata names one
+  // config. One all-reduce compares a digest (a cut 64-bit hash in two exact
+  // halves, as max(x) == -max(-x) only when all are equal); where they
+  // differ, rank 0's and the lowest differing rank's documents go to every
+  // rank, which all stop with the same error naming the first differing key.
+  nlohmann::json what_we_train() const {
+    nlohmann::json blocks_spec = nlohmann::json::object();
+    for (const BlockSpec& b : model->blocks()) {
+      nlohmann::json ps = nlohmann::json::object();
+      for (const ParamSpec& p : b.params)
+        ps[p.name] = std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.ndim);
+      blocks_spec[b.name] = ps;  // object keys: a difference is named by block and parameter
+    }
+    return {{"config", cfg.source}, {"model", {{"name", model->name()}, {"blocks", blocks_spec}}}};
+  }
+
+  // `text` of rank `root` on every rank.
+  std::string broadcast_text(const std::string& text, int root) {
+    double len = rank == root ? static_cast<double>(text.size()) : 0.0;
+    comm->all_reduce_max_f64(&len, 1);
+    std::string buf(static_cast<size_t>(len) + (static_cast<size_t>(len) & 1), '\0');  // 2-byte elements
+    if (rank == root) std::memcpy(buf.data(), text.data(), text.size());
+    comm->broadcast(buf.data(), static_cast<int64_t>(buf.size() / 2), DType::kBF16, root);
+    buf.resize(static_cast<size_t>(len));
+    return buf;
+  }
+
+  void agree_on_config() {
+    const nlohmann::json mine = what_we_train();
+    const std::string text = mine.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    const uint64_t h = std::strtoull(ckpt::xxh3_hex(text.data(), text.size()).c_str(), nullptr, 16);
+    const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
+    double v[4] = {hi, lo, -hi, -lo};
+    comm->all_reduce_max_f64(v, 4);
+    if (v[0] == -v[2] && v[1] == -v[3]) return;
+    const std::string root_text = broadcast_text(text, 0);
+    double lowest = root_text != text ? world - rank : 0;  // the lowest differing rank has the largest
+    comm->all_reduce_max_f64(&lowest, 1);
+    const int other = world - static_cast<int>(lowest);
+    const nlohmann::json a = nlohmann::json::parse(root_text);
+    const nlohmann::json b = nlohmann::json::parse(broadcast_text(text, other));
+    std::string path, va, vb;
+    first_difference(a, b, "", path, va, vb);
+    if (path.rfind("config.", 0) == 0) path = path.substr(7);  // the config's own JSON path
+    throw ConfigError(path, "the ranks were given different configs: rank " + std::to_string(other) + " has " + vb +
+                                ", rank 0 has " + va + " (every rank must train the same config and model; nothing "
+                                "was trained)");
+  }
+
+  // The first place where a and b differ (depth first, keys in order), the
+  // path in the config's dotted form and both values (cut short).
+  static bool first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& at,
+                               std::string& path, std::string& va, std::string& vb) {
+    auto brief = [](const nlohmann::json* j) {
+      if (!j) return std::string("nothing");
+      std::string d = j->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      return d.size() > 80 ? d.substr(0, 77) + "..." : d;
+    };
+    auto join = [&](const std::string& k) { return at.empty() ? k : at + "." + k; };
+    if (a.is_object() && b.is_object()) {
+      std::set<std::string> keys;
+      for (auto it = a.begin(); it != a.end(); ++it) keys.insert(it.key());
+      for (auto it = b.begin(); it != b.end(); ++it) keys.insert(it.key());
+      for (const std::string& k : keys) {
+        const nlohmann::json* x = a.contains(k) ? &a[k] : nullptr;
+        const nlohmann::json* y = b.contains(k) ? &b[k] : nullptr;
+        if (x && y) {
+          if (*x != *y) return first_difference(*x, *y, join(k), path, va, vb);
+        } else {
+          path = join(k), va = brief(x), vb = brief(y);
+          return true;
+        }
+      }
+      return false;
+    }
+    if (a.is_array() && b.is_array() && a.size() == b.size()) {
+      for (size_t i = 0; i < a.size(); ++i)
+        if (a[i] != b[i]) return first_difference(a[i], b[i], at + "[" + std::to_string(i) + "]", path, va, vb);
+      return false;
+    }
+    path = at, va = brief(&a), vb = brief(&b);
+    return true;
+  }
+
   // ---- checkpoints (Note [checkpoints] in engine/checkpoint.cpp) ---------------------
   // Whether any rank failed (the largest rank+1 that did, 0 if none): every
   // rank learns it, so that all fail together or none does.
@@ -1022,6 +1113,7 @@ struct Engine::Impl final : StepContext {
 
   void save_checkpoint(const std::string& dir, std::string tag, const nlohmann::json& client_state) {
     namespace fs = std::filesystem;
+    check_loaded("save_checkpoint");
     check_between_batches("save_checkpoint");
     if (gpu) gpu->make_current();
     if (gpu_states) states_to_host();
@@ -1050,9 +1142,12 @@ struct Engine::Impl final : StepContext {
       throw IoError("checkpoint " + (fs::path(dir) / tag).string() + ": rank " + std::to_string(bad - 1) +
                     " failed " + phase + " (its error is on its own output); nothing was committed");
     };
+    // Rank 0 holds the folder's lock for the save (zinc-train holds it for
+    // its whole run): another run's save could otherwise replace our tags.
+    std::optional<ckpt::DirLock> lock;
     if (rank == 0)
       attempt([&] {
-        fs::create_directories(dir);
+        lock.emplace(dir);
         fs::remove_all(partial);
         fs::create_directory(partial);
       });
@@ -1077,18 +1172,26 @@ struct Engine::Impl final : StepContext {
       nlohmann::json index = w.finish();
       index["rank"] = rank;
       ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
+      ckpt::fault_point("index");
     });
     agree("to write its shards");
     if (rank == 0)
       attempt([&] {
+        // Each rank's index by its size and checksum: the metadata (sealed
+        // with its own checksum) vouches for every file of the tag.
         nlohmann::json ranks = nlohmann::json::array();
         for (int r = 0; r < world; ++r) {
           std::snprintf(name, sizeof name, "rank%05d.json", r);
-          ranks.push_back(name);
+          std::ifstream in(fs::path(partial) / name, std::ios::binary);
+          const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+          if (!in.good() && !in.eof()) throw IoError("checkpoint: cannot read " + (fs::path(partial) / name).string());
+          ranks.push_back({{"file", name},
+                           {"bytes", static_cast<int64_t>(text.size())},
+                           {"xxh3_64", ckpt::xxh3_hex(text.data(), text.size())}});
         }
         nlohmann::json meta = {
             {"format", "zinc-checkpoint"},
-            {"version", 1},
+            {"version", 2},
             {"zinc_version", ZINC_VERSION},
             {"tag", tag},
             {"world_size", world},
@@ -1112,24 +1215,22 @@ struct Engine::Impl final : StepContext {
               {"last_loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)}}},
             {"client_state", client_state},
             {"config", cfg.source}};
-        ckpt::write_file_atomic((fs::path(partial) / "metadata.json").string(), meta.dump(1));
+        ckpt::write_file_atomic((fs::path(partial) / "metadata.json").string(), ckpt::sealed_dump(meta, 1));
+        ckpt::fault_point("metadata");
         ckpt::commit_tag(dir, partial, tag);
       });
     agree("to commit");
   }
 
-  nlohmann::json load_checkpoint(const std::string& dir, std::string tag) {
-    check_between_batches("load_checkpoint");
-    if (gpu) gpu->make_current();
-    const ckpt::TagFiles files = ckpt::open_tag(dir, std::move(tag));
-    const nlohmann::json& meta = files.meta;
+  // Throws unless the checkpoint holds this model's blocks (names, sizes,
+  // parameters); `names` gets the block names for the reader's messages.
+  void check_same_model(const ckpt::TagFiles& files, std::vector<std::string>& names) const {
     const std::string where = "checkpoint " + files.dir;
     const nlohmann::json mine = blocks_json();
-    const nlohmann::json& theirs = meta.at("blocks");
+    const nlohmann::json& theirs = files.meta.at("blocks");
     if (theirs.size() != mine.size())
       throw Error(where + " holds a model of " + std::to_string(theirs.size()) + " blocks; this one has " +
                   std::to_string(mine.size()));
-    std::vector<std::string> names;
     for (size_t b = 0; b < mine.size(); ++b) {
       names.push_back(mine[b]["name"]);
       if (theirs[b]["params"].size() != mine[b]["params"].size() || theirs[b]["numel"] != mine[b]["numel"])
@@ -1139,21 +1240,75 @@ struct Engine::Impl final : StepContext {
           throw Error(where + ": block '" + names.back() + "' parameter " + theirs[b]["params"][p].dump() +
                       " differs from this model's " + mine[b]["params"][p].dump());
     }
+  }
+
+  // Note [a failed load]
+  // ---------------------
+  // A load is verified before it changes anything: open_tag checks every
+  // file of the tag (checksums of the metadata and indexes, their structure,
+  // the shard files' sizes), then the checkpoint's blocks are compared with
+  // this model's. Only what shows while reading (a chunk of a shard file
+  // that fails its checksum, a read error) is found after some states were
+  // overwritten. Then the engine refuses forward, backward, step,
+  // save_checkpoint and full_params until a load succeeds: training on from
+  // half-loaded states would look like a resumed run and is not one. The
+  // ranks agree on the outcome of each phase (failed_rank) before any
+  // collective, so all fail together and none waits for another.
+  std::string failed_load;  // the failed load's error while the state is incomplete
+
+  void check_loaded(const char* what) const {
+    if (!failed_load.empty())
+      throw Error(std::string(what) + ": the engine's state is incomplete after a failed load (" + failed_load +
+                  "); load a whole checkpoint first");
+  }
+
+  // Runs `fn` on every rank; if it failed on any, every rank throws (the
+  // failing one its own error, the others one naming that rank).
+  void on_every_rank(const std::string& what, const std::function<void()>& fn) {
+    std::exception_ptr err;
+    try {
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    const int bad = failed_rank(err != nullptr);
+    if (err) std::rethrow_exception(err);
+    if (bad != 0)
+      throw IoError(what + ": rank " + std::to_string(bad - 1) + " failed (its error is on its own output)");
+  }
+
+  nlohmann::json load_checkpoint(const std::string& dir, std::string tag) {
+    check_between_batches("load_checkpoint");
+    if (gpu) gpu->make_current();
+    ckpt::TagFiles files;
+    std::vector<std::string> names;
+    on_every_rank("checkpoint " + dir + (tag.empty() ? "" : "/" + tag) + ": nothing was loaded", [&] {
+      files = ckpt::open_tag(dir, std::move(tag));
+      check_same_model(files, names);
+    });
+    const nlohmann::json& meta = files.meta;
     ckpt::CheckpointReader reader(files.dir, files.ranks, names);
     if (gpu) gpu->wait_uploads();
     params->before_update();
-    std::vector<float> piece;
-    visit_updating([&](const StateSpan& sp) {
-      const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
-      const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
-      reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
-      reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
-      reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
-      // The compute weights, as the update writes them: rounded to 16 bits or copied.
-      char* out = compute_out(sp);
-      if (!out) return;
-      convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
-    }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
+    try {
+    on_every_rank("checkpoint " + files.dir + ": the load failed", [&] {
+      visit_updating([&](const StateSpan& sp) {
+        const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+        const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+        reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
+        reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
+        reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
+        // The compute weights, as the update writes them: rounded to 16 bits or copied.
+        char* out = compute_out(sp);
+        if (!out) return;
+        convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
+      }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
+    });
+    } catch (const std::exception& e) {
+      failed_load = e.what();
+      throw;
+    }
+    failed_load.clear();
     if (device_gathers) {
       params->before_update();  // no gather in flight reads the GPU shards
       upload_shards();
@@ -1191,6 +1346,7 @@ struct Engine::Impl final : StepContext {
   }
 
   std::vector<float> full_params(int block) {
+    check_loaded("full_params");
     BlockShard& s = state(block);
     if (gpu) gpu->make_current();
     if (gpu_states) {
@@ -1263,6 +1419,7 @@ float Engine::train_batch(DataLoader& loader) {
 }
 
 float Engine::evaluate(const Batch& batch) {
+  impl_->check_loaded("evaluate");
   impl_->check_batch(batch);
   if (impl_->gpu) impl_->gpu->make_current();
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);

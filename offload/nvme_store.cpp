@@ -16,20 +16,25 @@
 // piece's ticket, which counts down its pieces and wakes the waiter at zero.
 #include <algorithm>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <utility>
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "core/exit_cleanup.h"
 #include "core/log.h"
 #include "offload/detail/io_detail.h"
 #include "offload/offload.h"
@@ -246,10 +251,40 @@ void validate(const NvmeOptions& o) {
   if (o.path.empty()) throw IoError("NvmeStore: no nvme_path given (zero_optimization.offload_*.nvme_path)");
 }
 
+// Scratch folders zinc-rank<R>-<pid>[-<n>] under `path` whose process is no
+// longer running (killed with -9, or ended by MPI_Abort before it could
+// remove them) are removed, each with a line saying so. A pid that is alive
+// may be another process that reuses it: its folder stays.
+void remove_stale_folders(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("zinc-rank", 0) != 0) continue;
+    const size_t dash = n.find('-', 9);
+    if (dash == std::string::npos || dash == 9 || n.find_first_not_of("0123456789", 9) != dash) continue;
+    const size_t end = n.find_first_not_of("0123456789", dash + 1);
+    if (end == dash + 1 || (end != std::string::npos && n[end] != '-')) continue;
+    const long pid = std::strtol(n.c_str() + dash + 1, nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    // Its owner holds a lock on the folder while it lives (a path shared
+    // between machines may hold a live process of another host, whose pid
+    // means nothing here).
+    detail::UniqueFd dfd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!dfd || ::flock(dfd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    std::error_code rm;
+    const uintmax_t removed = fs::remove_all(e.path(), rm);
+    if (!rm && removed > 0)
+      log_warn("NvmeStore: removed " + e.path().string() + ", scratch left by process " + std::to_string(pid) +
+               ", which is no longer running");
+  }
+}
+
 // mkdir <path>/zinc-rank<R>-<pid>, or with a -<n> suffix if that exists (a
 // second store of this rank in this process, or scratch a crashed process
 // with a recycled pid left behind).
 std::string make_folder(const std::string& path, int rank) {
+  remove_stale_folders(path);
   const std::string base = join_path(path, "zinc-rank" + std::to_string(rank) + "-" + std::to_string(::getpid()));
   for (int n = 0;; ++n) {
     const std::string folder = n == 0 ? base : base + "-" + std::to_string(n);
@@ -288,6 +323,7 @@ struct NvmeStore::Impl {
 
   NvmeOptions options;
   std::string folder;  // empty until created
+  detail::UniqueFd folder_lock;  // flock on the folder, for remove_stale_folders
   bool direct = true;
   std::deque<File> files;  // deque: Piece::path points into it while files are added
   Counters counters;
@@ -303,6 +339,7 @@ struct NvmeStore::Impl {
     }
     if (!folder.empty() && ::rmdir(folder.c_str()) != 0)
       log_warn("NvmeStore: cannot remove " + folder + ": " + std::strerror(errno));
+    if (!folder.empty()) unregister_exit_folder(folder);
   }
 
   void fell_back_to_buffered(const std::string& path) {
@@ -375,6 +412,10 @@ NvmeStore::NvmeStore(const NvmeOptions& options, int rank,
   validate(options);
   impl_->options = options;
   impl_->folder = make_folder(options.path, rank);  // from here on ~Impl removes it
+  register_exit_folder(impl_->folder);                // and an exit that skips destructors
+  // Locked while this process lives: remove_stale_folders leaves it alone.
+  impl_->folder_lock = detail::UniqueFd(::open(impl_->folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (impl_->folder_lock) ::flock(impl_->folder_lock.get(), LOCK_EX | LOCK_NB);
   impl_->probe();
   std::vector<std::unique_ptr<IoEngine>> engines;
   for (int i = 0; i < options.threads; ++i)

@@ -1,13 +1,10 @@
 #include "tools/train_events.h"
 
-#include <algorithm>
-#include <cstdlib>
-#include <filesystem>
-#include <utility>
-#include <vector>
+#include <string>
 
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
+#include "core/error.h"
 
 namespace zinc::tools {
 
@@ -45,20 +42,27 @@ nlohmann::json checkpoint_event(int64_t step, const std::string& path, double se
   return {{"event", "checkpoint"}, {"step", step}, {"path", path}, {"seconds", seconds}};
 }
 
-void prune_checkpoints(const std::string& dir, int64_t keep) {
-  namespace fs = std::filesystem;
-  if (keep <= 0) return;
-  std::vector<std::pair<long long, fs::path>> tags;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_directory() || n.rfind("global_step", 0) != 0) continue;
-    char* end = nullptr;
-    const long long step = std::strtoll(n.c_str() + 11, &end, 10);
-    if (end && *end == '\0') tags.emplace_back(step, e.path());
+void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step) {
+  ckpt::prune(dir, keep, "global_step" + std::to_string(step));
+}
+
+std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
+  std::unique_ptr<ckpt::DirLock> lock;
+  std::string error;
+  if (comm.rank() == 0) {
+    try {
+      lock = std::make_unique<ckpt::DirLock>(run.checkpoint_dir);
+    } catch (const Error& e) {
+      error = e.what();
+    }
   }
-  std::sort(tags.begin(), tags.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < tags.size(); ++i) fs::remove_all(tags[i].second, ec);
+  double failed = error.empty() ? 0 : 1;
+  if (comm.size() > 1) comm.all_reduce_max_f64(&failed, 1);
+  if (!error.empty()) throw IoError("run.checkpoint_dir: " + error);
+  if (failed > 0)
+    throw IoError("run.checkpoint_dir: rank 0 could not take the checkpoint folder " + run.checkpoint_dir +
+                  " (its error is on its output)");
+  return lock;
 }
 
 }  // namespace zinc::tools

@@ -5,11 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
+#include "engine/checkpoint.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
 
@@ -38,9 +41,16 @@ nlohmann::json checkpoint_event(int64_t step, const std::string& path, double se
 
 namespace zinc::tools {
 
-// run.keep_last: the newest `keep` global_step<N> tags in `dir` stay; older
-// ones go. Run only after a newer checkpoint is complete. keep <= 0: nothing
-// goes.
-void prune_checkpoints(const std::string& dir, int64_t keep);
+// run.keep_last after the save of global_step<step> (rank 0): ckpt::prune,
+// which never removes the newest save, the tag `latest` names, or a tag of a
+// higher step.
+void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step);
+
+// The run's hold on run.checkpoint_dir from its start: created, proved
+// writable and locked by rank 0 (ckpt::DirLock) for as long as the result
+// lives, so an unwritable folder fails before any training and a second run
+// on the folder is refused naming the holder's pid. Every rank learns the
+// outcome (one all-reduce) and throws if rank 0 could not take it.
+std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm);
 
 }  // namespace zinc::tools

@@ -41,6 +41,7 @@
 #include "core/cpu.h"
 #include "comm/comm.h"
 #include "core/error.h"
+#include "core/exit_cleanup.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
 #include "tools/config_check.h"
@@ -327,33 +328,37 @@ int check(zinc::comm::Communicator& comm, int world, const std::string& config_p
   return 0;
 }
 
-// SIGTERM / SIGINT: stop at the next step boundary with a checkpoint; a
-// second one ends the process at once. The signals are blocked in every
-// thread (main blocks them before any thread exists, and threads inherit
-// the mask) and taken by one thread that waits for them: a handler that ran
-// on a compute thread would push its frame over whatever oneDNN's JIT
-// kernels keep below their stack pointer, and did corrupt the heap (1 run
-// in 6 died in the next matmul).
+// SIGTERM / SIGINT, from the first instruction to the last: while training,
+// stop at the next step boundary with a checkpoint, and a second one ends
+// the process at once; before training starts (parsing, --check,
+// --estimate, initialisation, a resume load, an open that blocks) and after
+// it ends, there is nothing to save and the first one ends the process at
+// once. Either way the NVMe scratch folders go first (core/exit_cleanup.h).
+// The signals are blocked in every thread (main blocks them before any
+// thread exists, and threads inherit the mask) and taken by one thread that
+// waits for them: a handler that ran on a compute thread would push its frame
+// over whatever oneDNN's JIT kernels keep below their stack pointer, and did
+// corrupt the heap (1 run in 6 died in the next matmul).
 std::atomic<int> g_stop_signal{0};
+std::atomic<bool> g_training{false};  // between the first step and the last save
 
-void block_stop_signals() {
+void start_signal_thread() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
-void start_signal_thread() {
-  std::thread([] {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
+  std::thread([set] {
     for (;;) {
       int sig = 0;
       if (sigwait(&set, &sig) != 0) continue;
-      if (g_stop_signal.exchange(sig) != 0) std::_Exit(128 + sig);  // the second one
+      const bool again = g_stop_signal.exchange(sig) != 0;
+      if (again || !g_training.load()) {
+        std::fprintf(stderr, "zinc-train: signal %d: stopping now%s\n", sig,
+                     again ? "" : " (not training: nothing to save)");
+        zinc::remove_exit_folders();
+        std::_Exit(128 + sig);
+      }
       std::fprintf(stderr, "zinc-train: signal %d: stopping after this step with a checkpoint (again to stop now)\n",
                    sig);
     }
@@ -366,6 +371,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
+  // The checkpoint folder is ours for the whole run (a stop signal saves
+  // into it even without checkpoint_interval): checked before any work.
+  const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   // Bytes the NVMe stores moved to set up (the initial states): not a step's.
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
@@ -393,7 +401,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   auto save = [&](int64_t step) {
     const auto c0 = Clock::now();
     engine.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader.position()}, {"step", step}});
-    if (rank == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last);
+    if (rank == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last, step);
     if (rank != 0) return;
     const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
     const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
@@ -403,7 +411,6 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::printf("checkpoint at step %lld: %s (%.2f s)\n", static_cast<long long>(step), path.c_str(), secs);
     std::fflush(stdout);
   };
-  start_signal_thread();
   if (rank != 0) json = false;
   const bool quiet = rank != 0;
   const std::optional<double> floor = ex.data->loss_floor();
@@ -446,6 +453,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   int64_t last_saved = resume ? first_step - 1 : 0;
   int stopped_by = 0;  // the signal that stopped the run early
   int64_t done_steps = first_step - 1;
+  g_training = true;
   for (int64_t s = first_step; s <= steps; ++s) {
     maybe_inject_error(rank, s);
     loss = engine.train_batch(loader);
@@ -507,6 +515,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     }
   }
   if (run.checkpoint_interval > 0 && last_saved != done_steps && done_steps >= first_step) save(done_steps);
+  g_training = false;  // from here a signal ends the process at once
+  if (stopped_by == 0) stopped_by = g_stop_signal.load();  // one that came during the last save
   const int64_t trained = done_steps - first_step + 1;
   const double per_step = static_cast<double>(std::max<int64_t>(trained, 1));  // steps this process trained
   const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -621,7 +631,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
 }  // namespace
 
 int main(int argc, char** argv) {
-  block_stop_signals();  // before any thread (OpenMP, MPI, comm streams) starts
+  start_signal_thread();  // before any other thread (OpenMP, MPI, comm streams) starts
   CLI::App app{"zinc-train: train a built-in model from a DeepSpeed-style JSON config"};
   std::string config_path;
   std::vector<std::string> sets;
@@ -711,6 +721,7 @@ int main(int argc, char** argv) {
     return run(comm, doc, config_path, json, digest, resume, weights_out);
   } catch (const std::exception& e) {
     std::fflush(stdout);
+    zinc::remove_exit_folders();  // MPI_Abort skips destructors
     if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank
     std::fprintf(stderr, "zinc-train: error: %s\n", e.what());
     return 1;

@@ -593,7 +593,7 @@ class TrainRun {
     if (run.checkpoint_interval > 0 && (s % run.checkpoint_interval == 0 || s == steps_)) {
       const auto c0 = Clock::now();
       engine_.save_checkpoint(run.checkpoint_dir, std::nullopt, py::none());
-      if (e.rank() == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last);
+      if (e.rank() == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last, s);
       const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
       evs.append(to_py(zinc::tools::checkpoint_event(s, run.checkpoint_dir + "/global_step" + std::to_string(s), secs)));
     }
