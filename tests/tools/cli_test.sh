@@ -443,5 +443,72 @@ else
   cat "$TMP/err"
 fi
 
+# Issue 27, through zinc-train.
+# keep_last into a folder holding later steps of another run: the new save
+# stays and `latest` names it (before, step 4 was pruned at once and
+# `latest` dangled); the other run's tags stay.
+rm -rf "$TMP/ck"
+"$ZT" "$CFG" --steps 2 "${CK[@]}" --set run.checkpoint_interval=1 >/dev/null 2>&1
+mv "$TMP/ck/global_step1" "$TMP/ck/global_step38"; mv "$TMP/ck/global_step2" "$TMP/ck/global_step40"
+"$ZT" "$CFG" --steps 4 "${CK[@]}" --set run.checkpoint_interval=2 --set run.keep_last=2 >/dev/null 2>"$TMP/err"
+if [ "$(cat "$TMP/ck/latest")" = "global_step4" ] && [ -f "$TMP/ck/global_step4/metadata.json" ] &&
+   [ -d "$TMP/ck/global_step38" ] && [ -d "$TMP/ck/global_step40" ] && [ -d "$TMP/ck/global_step2" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL keep_last beside later steps: $(ls -A "$TMP/ck")"; cat "$TMP/err"
+fi
+# Two runs on one checkpoint folder: the second is refused at start, naming
+# the folder and the first one's pid, and the first one's tags are its own.
+rm -rf "$TMP/ck"
+"$ZT" "$CFG" --steps 100000 "${CK[@]}" >"$TMP/long" 2>/dev/null &
+pid=$!
+for _ in $(seq 200); do grep -q '"step":1,' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+check_error second-run "is in use by another run (pid $pid on" "$CFG" --steps 3 "${CK[@]}" --set run.checkpoint_interval=1
+kill -KILL "$pid"; wait "$pid" 2>/dev/null
+# An unwritable run.checkpoint_dir fails at start, before any step, naming
+# the key (before, at the first save, after checkpoint_interval steps).
+start=$(date +%s%N)
+check_error unwritable-ckpt-dir "run.checkpoint_dir: checkpoint folder /proc/zinc-nowhere/ck cannot be created" \
+  "$CFG" --steps 1000 --set run.checkpoint_dir=/proc/zinc-nowhere/ck --set run.checkpoint_interval=1000
+if grep -q '^step' "$TMP/out" || [ $(( ($(date +%s%N) - start) / 1000000 )) -gt 5000 ]; then
+  fail=$((fail + 1)); echo "FAIL unwritable checkpoint dir: trained first"; cat "$TMP/out"
+fi
+# Signals from the first instruction: SIGINT while zinc-train still scans
+# its data (an 8 GiB sparse token file) ends it at once with 130 (before,
+# the signal was blocked until training began).
+truncate -s 8G "$TMP/huge.bin"
+"$ZT" "$CFG" --set data.type=tokens --set "data.path=$TMP/huge.bin" >"$TMP/out" 2>"$TMP/err" &
+pid=$!
+sleep 0.5
+t0=$(date +%s%N)
+kill -INT "$pid"
+wait "$pid"
+rc=$?
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+rm -f "$TMP/huge.bin"
+if [ "$rc" -eq 130 ] && [ "$ms" -lt 1000 ] && grep -q "signal 2: stopping now" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL SIGINT during start: rc=$rc after ${ms} ms"; cat "$TMP/err"
+fi
+# NVMe scratch: a folder left by a dead process is removed at the next
+# start, with a line saying so; a second Ctrl-C during training removes the
+# run's own before it ends.
+mkdir -p "$TMP/nvme"
+sh -c 'exit 0' & dead=$!; wait "$dead"
+mkdir -p "$TMP/nvme/zinc-rank0-$dead" && touch "$TMP/nvme/zinc-rank0-$dead/optimizer_states"
+NV=(--set "zero_optimization.offload_optimizer.nvme_path=$TMP/nvme" --set run.eval_interval=0)
+"$ZT" "$ROOT/configs/nvme.json" --steps 100000 "${NV[@]}" --set steps_per_print=1 >"$TMP/long" 2>"$TMP/err" &
+pid=$!
+for _ in $(seq 400); do grep -q '^step 1/' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+kill -INT "$pid"; sleep 0.05; kill -INT "$pid"
+wait "$pid"
+rc=$?
+if [ "$rc" -eq 130 ] && [ -z "$(ls -A "$TMP/nvme")" ] && grep -q "zinc-rank0-$dead, scratch left by process $dead" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL NVMe scratch: rc=$rc left: $(ls -A "$TMP/nvme")"; cat "$TMP/err"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

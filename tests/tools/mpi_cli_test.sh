@@ -100,5 +100,19 @@ else
   fail=$((fail + 1)); echo "FAIL SIGTERM at 2 ranks: latest=$n"; cat "$TMP/err"; ls -R "$TMP/ck"
 fi
 
+# Ranks given different configs stop at start with one error naming the
+# first differing key and both values (before, they trained diverging
+# shards and saved a checkpoint whose metadata named one lr).
+start=$(date +%s)
+mpirun --oversubscribe $( [ "$(id -u)" -eq 0 ] && echo --allow-run-as-root ) -x OMP_NUM_THREADS=1 \
+  -np 1 "$ZT" "$CFG" --steps 5 : -np 1 "$ZT" "$CFG" --steps 5 --set optimizer.params.lr=0.3 >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -ne 0 ] && ! grep -q '^step' "$TMP/out" && [ $(( $(date +%s) - start )) -lt 30 ] &&
+   grep -q "optimizer.params.lr: the ranks were given different configs: rank 1 has 0.3, rank 0 has 0.003" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL ranks with different configs: rc=$rc"; cat "$TMP/out" "$TMP/err"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
