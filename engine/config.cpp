@@ -421,7 +421,7 @@ void parse_offload(Reader& zero, const char* key, OffloadConfig& o, bool is_para
   r.get_enum<OffloadDevice>("device", o.device,
                             {{"none", OffloadDevice::kNone}, {"cpu", OffloadDevice::kCpu}, {"nvme", OffloadDevice::kNvme}});
   const json* path = r.find("nvme_path");
-  if (path && !path->is_null()) o.nvme_path = to_string(*path, r.last_path());
+  if (path && !path->is_null()) o.nvme_path = to_file_name(*path, r.last_path());
   r.get_bool("pin_memory", o.pin_memory);
   if (is_param) {
     // DeepSpeed's pool of parameter buffers; zinc's gathered blocks are
@@ -589,8 +589,8 @@ void parse_aio(Reader& root, AioConfig& a) {
 void parse_monitors(Reader& root, CsvMonitorConfig& csv) {
   Reader c = root.section("csv_monitor");
   c.get_bool("enabled", csv.enabled);
-  c.get_string("output_path", csv.output_path);
-  c.get_string("job_name", csv.job_name);
+  c.get_file_name("output_path", csv.output_path);
+  c.get_file_name("job_name", csv.job_name);
   c.finish();
 
   struct Monitor {
@@ -865,7 +865,7 @@ bool parse_device(Reader& r, Config& c) {
     if (st.devices == 0) throw ConfigError("device", "\"cuda\" but no GPU is visible: " + st.why);
     c.device = Device::kCuda;
   } else {
-    throw ConfigError("device", "expected \"cpu\", \"cuda\" or \"auto\", got \"" + d + "\"");
+    throw ConfigError("device", "expected \"cpu\", \"cuda\" or \"auto\", got " + show(json(d)));
   }
   return false;
 }

@@ -15,9 +15,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -340,14 +342,50 @@ struct Config {
 // which are not ds_config keys). engine/config_json.cpp.
 nlohmann::json to_json(const Config& c);
 
+// The deepest nesting of objects and lists a config document may have. A
+// ds_config needs four or five levels; the limit keeps every recursive walk
+// of a document (copying, comparing, dumping, the section parsers) far from
+// the end of the stack, where a 100,000-deep document used to crash zinc.
+// Files, --set overrides and Python dicts are held to it alike.
+inline constexpr int kMaxConfigDepth = 64;
+
 // Reads a JSON file: IoError naming the path if it cannot be read,
-// ConfigError naming the file, line and column on a syntax error.
+// ConfigError naming the file, line and column on a syntax error, and
+// naming the file, the position and the JSON path of a duplicate key, a
+// number out of the double's range (1e400) or nesting deeper than
+// kMaxConfigDepth (Note [reading config JSON] in config_file.cpp).
 nlohmann::json read_json_file(const std::string& path);
+// The same for JSON text; `origin` names it in errors.
+nlohmann::json parse_json_text(const std::string& text, const std::string& origin);
 
 // Applies a "--set a.b.c=value" override to a JSON document: value parsed as
 // JSON, a bare word as a string; intermediate objects are created. Throws
-// ConfigError for a malformed assignment.
+// ConfigError for a malformed assignment, a list index out of range, text
+// that is not UTF-8, and a path and value nested deeper than
+// kMaxConfigDepth together.
 void apply_override(nlohmann::json& j, const std::string& assignment);
+
+namespace config {
+// A key as a JSON path or a message shows it: control characters as JSON
+// escapes (\u0000). A NUL would end the C string that what() hands to
+// printf or to Python and cut the message short; a newline would break the
+// one-line error.
+inline std::string key_text(std::string_view key) {
+  std::string out;
+  out.reserve(key.size());
+  for (char ch : key) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+}  // namespace config
 
 // The nearest of `candidates` to `key` by edit distance, or "" if none is close.
 std::string did_you_mean(const std::string& key, const std::vector<std::string>& candidates);

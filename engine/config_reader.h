@@ -46,8 +46,16 @@ inline std::string lower(std::string_view s) {
 }
 
 // The offending value as it appeared in the JSON, shortened for messages.
+// Never throws: bytes that are not UTF-8 show as U+FFFD instead of ending
+// the message with nlohmann's type_error.316. A NaN or an infinity (a Python
+// dict can hold them; JSON text cannot) shows as Python writes it, not as
+// the "null" dump() writes.
 inline std::string show(const json& v) {
-  std::string s = v.dump();
+  if (v.is_number_float() && !std::isfinite(v.get<double>())) {
+    const double d = v.get<double>();
+    return std::isnan(d) ? "nan" : d > 0 ? "inf" : "-inf";
+  }
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
   if (s.size() > 80) s = s.substr(0, 77) + "...";
   return s;
 }
@@ -68,8 +76,9 @@ inline std::string join(const std::vector<std::string>& items, const char* sep =
   return out;
 }
 
+// `path` is already shown (escaped); `key` is a raw key.
 inline std::string join_path(const std::string& path, std::string_view key) {
-  return path.empty() ? std::string(key) : path + "." + std::string(key);
+  return path.empty() ? key_text(key) : path + "." + key_text(key);
 }
 
 // Type errors say what was expected and show the value; "auto" gets a hint
@@ -158,6 +167,17 @@ inline bool to_bool(const json& v, const std::string& path) {
 inline std::string to_string(const json& v, const std::string& path) {
   if (!v.is_string()) type_error(path, "a string", v);
   return v.get<std::string>();
+}
+
+// A string that names a file or folder. A NUL byte would end the name where
+// the system reads it (open, mkdir), so that another file than the one
+// shown would be used.
+inline std::string to_file_name(const json& v, const std::string& path) {
+  std::string s = to_string(v, path);
+  if (s.find('\0') != std::string::npos) {
+    throw ConfigError(path, "a file or folder name cannot contain a NUL byte, got " + show(v));
+  }
+  return s;
 }
 
 // A string that must be one of `choices`; returns the choice's spelling.
@@ -259,6 +279,11 @@ class Reader {
   bool get_string(const Name& n, std::string& out) {
     const json* v = find(n);
     if (v) out = to_string(*v, last_path_);
+    return v;
+  }
+  bool get_file_name(const Name& n, std::string& out) {
+    const json* v = find(n);
+    if (v) out = to_file_name(*v, last_path_);
     return v;
   }
   bool get_choice(const Name& n, std::string& out, const std::vector<std::string>& choices,

@@ -57,7 +57,7 @@ void parse_data(Reader& root, DataConfig& d) {
   Reader r = root.section("data");
   r.get_enum("type", d.type,
              {{"synthetic", DataType::kSynthetic}, {"text", DataType::kText}, {"tokens", DataType::kTokens}});
-  bool has_path = r.get_string("path", d.path);
+  bool has_path = r.get_file_name("path", d.path);
   r.get_int("seq_len", d.seq_len, at_least(1));
   bool has_vocab = r.get_int("vocab_size", d.vocab_size, closed(2, 65536));
   bool has_det = r.get_number("determinism", d.determinism, closed(0, 1));
@@ -95,9 +95,9 @@ void parse_run(Reader& root, RunConfig& run) {
   r.get_int("eval_interval", run.eval_interval, at_least(0));
   r.get_int("eval_batches", run.eval_batches, at_least(1));
   r.get_int("checkpoint_interval", run.checkpoint_interval, at_least(0));
-  if (r.get_string("output_dir", run.output_dir) && run.output_dir.empty())
+  if (r.get_file_name("output_dir", run.output_dir) && run.output_dir.empty())
     throw ConfigError(r.last_path(), "must not be empty");
-  if (r.get_string("checkpoint_dir", run.checkpoint_dir) && run.checkpoint_dir.empty())
+  if (r.get_file_name("checkpoint_dir", run.checkpoint_dir) && run.checkpoint_dir.empty())
     throw ConfigError(r.last_path(), "must not be empty (leave it out for output_dir/checkpoints)");
   if (run.checkpoint_dir.empty()) run.checkpoint_dir = run.output_dir + "/checkpoints";
   r.get_int("keep_last", run.keep_last, at_least(0));

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "core/device.h"
@@ -648,7 +650,7 @@ TEST(ConfigLoad, DuplicateKeysAreRefused) {
     Config::load(path);
     FAIL() << "expected ConfigError";
   } catch (const ConfigError& e) {
-    expect_parts(e.what(), {path, "duplicate key 'stage'"});
+    expect_parts(e.what(), {path, "zero_optimization.stage: duplicate key 'stage'"});
   }
   std::remove(path.c_str());
 }
@@ -700,6 +702,136 @@ TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
   json j = base();
   apply_override(j, "zero_optimization.stage=4");
   EXPECT_CONFIG_ERROR(j, "zero_optimization.stage: must be");
+}
+
+// ---------------------------------------------------------------------------
+// Hostile files and overrides (issue 27): each ends in a ConfigError naming
+// the file or override, the place and the rule; never in a crash or in an
+// exception of another type.
+
+// The ConfigError message of `f`, or a test failure: an exception of
+// another type fails the test with its message instead of ending the run.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a ConfigError, got " << typeid(e).name() << ": " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected a ConfigError";
+  return "";
+}
+
+std::string nested_lists(size_t depth) { return std::string(depth, '[') + "1" + std::string(depth, ']'); }
+
+std::string nested_objects(size_t depth) {
+  std::string s;
+  for (size_t i = 0; i < depth; ++i) s += "{\"a\": ";
+  return s + "1" + std::string(depth, '}');
+}
+
+TEST(ConfigLoad, NestingPastTheLimitIsRefusedWithItsPlace) {
+  // 100,000 levels overflowed the stack where the document was copied.
+  const std::string path = temp_path("deep.json");
+  write_file(path, nested_lists(100000));
+  expect_parts(error_of([&] { Config::load(path); }),
+               {path, "line 1, column 65", "[0][0][0]", "nested deeper than 64 levels"});
+  write_file(path, "{\"train_batch_size\": 8,\n \"amp\": " + nested_objects(100) + "}");
+  expect_parts(error_of([&] { Config::load(path); }), {path, "line 2, column ", "amp.a.a.a", "nested deeper than 64"});
+  // The limit itself is a document like any other: it copies, compares,
+  // dumps and goes away.
+  write_file(path, nested_lists(kMaxConfigDepth));
+  const json j = read_json_file(path);
+  json copy = j;
+  EXPECT_EQ(copy, j);
+  EXPECT_EQ(copy.dump(), nested_lists(kMaxConfigDepth));
+  write_file(path, nested_lists(kMaxConfigDepth + 1));
+  expect_parts(error_of([&] { read_json_file(path); }), {"line 1, column 65", "nested deeper than 64"});
+  std::remove(path.c_str());
+}
+
+TEST(ConfigLoad, NumberPastADoubleNamesFileLinePathAndRule) {
+  // json::parse threw a bare [json.exception.out_of_range.406].
+  const std::string path = temp_path("huge.json");
+  const std::string line3 = R"(  "optimizer": {"type": "AdamW", "params": {"lr": 1e400, "betas": [0.9, -1e999]}})";
+  write_file(path, "{\n  \"train_batch_size\": 8,\n" + line3 + "\n}\n");
+  expect_parts(error_of([&] { Config::load(path); }),
+               {path, "line 3, column " + std::to_string(line3.find("1e400") + 1), "optimizer.params.lr",
+                "number 1e400 is out of range", "fit in a double"});
+  write_file(path, R"({"optimizer": {"params": {"betas": [0.9, -1e999]}}})");
+  expect_parts(error_of([&] { Config::load(path); }), {path, "optimizer.params.betas[1]", "-1e999"});
+  std::remove(path.c_str());
+}
+
+TEST(ConfigOverride, NumbersPastADoubleAndDeepValuesAreRefused) {
+  json j = base();
+  expect_parts(error_of([&] { apply_override(j, "optimizer.params.lr=1e400"); }),
+               {"--set optimizer.params.lr=1e400", "optimizer.params.lr", "number 1e400 is out of range"});
+  expect_parts(error_of([&] { apply_override(j, "a.b=" + nested_lists(100000)); }),
+               {"a.b[0][0]", "nested deeper than 64"});
+  // The path's components and the value's nesting share the limit: 63
+  // components leave room for one list.
+  std::string path = "k";
+  for (int i = 1; i < 63; ++i) path += ".k";
+  apply_override(j, path + "=[1]");
+  expect_parts(error_of([&] { apply_override(j, path + "=[[1]]"); }), {"nested deeper than 64"});
+  std::string long_path = "a";
+  for (int i = 0; i < 100000; ++i) long_path += ".a";
+  expect_parts(error_of([&] { apply_override(j, long_path + "=1"); }), {"100001 components", "64 levels"});
+  // A syntax error is still a bare word.
+  apply_override(j, "csv_monitor.job_name=[1, 2");
+  EXPECT_EQ(j["csv_monitor"]["job_name"], "[1, 2");
+}
+
+TEST(ConfigOverride, ListIndexPastSizeTIsOutOfRange) {
+  // std::stoul threw std::out_of_range ("stoul").
+  json j = base();
+  apply_override(j, "x=[1,2]");
+  expect_parts(error_of([&] { apply_override(j, "x.99999999999999999999=1"); }),
+               {"x.99999999999999999999", "index 99999999999999999999 is out of range for a list of 2"});
+}
+
+TEST(ConfigOverride, TextThatIsNotUtf8IsRefused) {
+  // A bare word of any bytes was stored, and the first dump() of the
+  // document threw nlohmann's type_error.316.
+  json j = base();
+  expect_parts(error_of([&] { apply_override(j, "csv_monitor.job_name=\xff\xfe"); }),
+               {"csv_monitor.job_name", "value is not UTF-8"});
+  expect_parts(error_of([&] { apply_override(j, "csv_\xc3monitor.x=1"); }), {"path is not UTF-8"});
+  apply_override(j, "csv_monitor.job_name=caf\xc3\xa9");  // UTF-8 is fine
+  EXPECT_NO_THROW(j.dump());
+}
+
+TEST(ConfigErrors, ControlCharactersInKeysAreEscapedInMessages) {
+  // A NUL in a key ended what() there: zinc-train and Python printed a
+  // message cut short (or an empty one).
+  const std::vector<std::pair<std::string, std::string>> keys = {
+      {std::string("optim\0izer", 10), "optim\\u0000izer"}, {std::string("\0zero", 5), "\\u0000zero"},
+      {"a\nb", "a\\u000ab"}};
+  for (const auto& [key, shown] : keys) {
+    const std::string e = config_error(with({{key, 1}}));
+    expect_parts(e, {shown + ": unknown key"});
+  }
+  expect_parts(config_error(with({{"zero_optimization", {{std::string("st\0age", 6), 1}}}})),
+               {"zero_optimization.st\\u0000age: unknown key (did you mean 'stage'?)"});
+  const std::string path = temp_path("nul_key.json");
+  write_file(path, R"({"zero_optimization": {"st\u0000age": 0, "st\u0000age": 1}})");
+  expect_parts(error_of([&] { Config::load(path); }),
+               {path, "zero_optimization.st\\u0000age: duplicate key 'st\\u0000age'"});
+  std::remove(path.c_str());
+}
+
+TEST(ConfigErrors, FileNamesCannotHoldANulByte) {
+  // The system reads a name up to its first NUL: "/tmp\0/x" would be /tmp.
+  const std::string name("/tmp\0/x", 7);
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization",
+                             {{"stage", 1}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", name}}}}}}),
+                      "zero_optimization.offload_optimizer.nvme_path", "NUL byte", "\"/tmp\\u0000/x\"");
+  EXPECT_CONFIG_ERROR(with({{"csv_monitor", {{"output_path", name}}}}), "csv_monitor.output_path", "NUL byte");
+  EXPECT_CONFIG_ERROR(with({{"csv_monitor", {{"job_name", name}}}}), "csv_monitor.job_name", "NUL byte");
 }
 
 // ---------------------------------------------------------------------------
