@@ -1,6 +1,9 @@
 #include "tools/auto_config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "core/error.h"
@@ -53,6 +56,16 @@ std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", v);
   return buf;
+}
+
+// An integer the document gives at `key` of `obj`, if it holds one that fits
+// in int64 (a larger one is left to the parser, which refuses it at its path).
+std::optional<int64_t> int_at(const json& obj, const char* key) {
+  if (!obj.is_object()) return std::nullopt;
+  auto it = obj.find(key);
+  if (it == obj.end() || !it->is_number_integer()) return std::nullopt;
+  if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) return std::nullopt;
+  return it->get<int64_t>();
 }
 
 }  // namespace
@@ -122,13 +135,15 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
     set(d, "gradient_accumulation_steps", "gradient_accumulation_steps", t.gradient_accumulation_steps,
         "trainer.gradient_accumulation_steps");
   if (auto_at(d, "train_batch_size")) {
-    const json& m = d.value("train_micro_batch_size_per_gpu", json());
-    const json& g = d.value("gradient_accumulation_steps", json());
-    const int64_t micro = m.is_number_integer() ? m.get<int64_t>() : t.per_device_train_batch_size;
-    const int64_t gas = g.is_number_integer() ? g.get<int64_t>() : t.gradient_accumulation_steps;
-    set(d, "train_batch_size", "train_batch_size", micro * gas * world_size,
-        std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " x micro-batch " + std::to_string(micro) + " x accumulation " +
-            std::to_string(gas));
+    const int64_t micro = int_at(d, "train_micro_batch_size_per_gpu").value_or(t.per_device_train_batch_size);
+    const int64_t gas = int_at(d, "gradient_accumulation_steps").value_or(t.gradient_accumulation_steps);
+    const std::string why = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " x micro-batch " +
+                            std::to_string(micro) + " x accumulation " + std::to_string(gas);
+    // In 128 bits: the factors are any int64 the document gives.
+    const __int128 product = static_cast<__int128>(micro) * gas * world_size;
+    if (product > INT64_MAX || product < INT64_MIN)
+      throw ConfigError("train_batch_size", "\"auto\" is " + why + ", which does not fit in a 64-bit integer");
+    set(d, "train_batch_size", "train_batch_size", static_cast<int64_t>(product), why);
   }
   if (auto_at(d, "gradient_clipping"))
     set(d, "gradient_clipping", "gradient_clipping", t.max_grad_norm, "trainer.max_grad_norm");
@@ -160,10 +175,7 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
   }
 
   // The run's length (the `run` section's default when it is not given).
-  const json run = d.value("run", json::object());
-  const int64_t steps = run.is_object() && run.contains("steps") && run["steps"].is_number_integer()
-                            ? run["steps"].get<int64_t>()
-                            : RunConfig{}.steps;
+  const int64_t steps = int_at(d.value("run", json::object()), "steps").value_or(RunConfig{}.steps);
   if (d.contains("scheduler") && d["scheduler"].is_object() && d["scheduler"].contains("params")) {
     json& p = d["scheduler"]["params"];
     if (auto_at(p, "warmup_min_lr")) set(p, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0.0, "0, as the Trainer sets it");
@@ -174,19 +186,24 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
         set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps", t.warmup_steps, "trainer.warmup_steps");
       else
         set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps",
-            static_cast<int64_t>(std::ceil(t.warmup_ratio * static_cast<double>(steps))),
+            // ratio <= 1 (parse_trainer), but 2^63 - 1 steps round up to 2^63 as a double
+            static_cast<int64_t>(std::min(std::ceil(t.warmup_ratio * static_cast<double>(steps)), 9.2e18)),
             "ceil(trainer.warmup_ratio " + num(t.warmup_ratio) + " x run.steps " + std::to_string(steps) + ")");
     }
     if (auto_at(p, "total_num_steps")) set(p, "total_num_steps", "scheduler.params.total_num_steps", steps, "run.steps");
   }
 
   if (d.contains("zero_optimization") && d["zero_optimization"].is_object()) {
-    const json model = d.value("model", json::object());
-    const int64_t hidden = model.is_object() && model.contains("n_embd") && model["n_embd"].is_number_integer()
-                               ? model["n_embd"].get<int64_t>()
-                               : ModelConfig{}.n_embd;
+    const int64_t hidden = int_at(d.value("model", json::object()), "n_embd").value_or(ModelConfig{}.n_embd);
     const std::string h = " (model.n_embd " + std::to_string(hidden) + ")";
     json& z = d["zero_optimization"];
+    // hidden^2 must fit in an int64; a width that large (or below 1) is
+    // refused at model.n_embd rather than sizing a bucket from it.
+    const bool hidden_rule = auto_at(z, "reduce_bucket_size") || auto_at(z, "stage3_prefetch_bucket_size") ||
+                             auto_at(z, "stage3_param_persistence_threshold");
+    if (hidden_rule && (hidden < 1 || hidden > 3037000499))
+      throw ConfigError("model.n_embd", "must be in [1, 3037000499] to size the \"auto\" ZeRO buckets from it "
+                                        "(hidden^2), got " + std::to_string(hidden));
     if (auto_at(z, "reduce_bucket_size"))
       set(z, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", hidden * hidden, "hidden^2" + h);
     if (auto_at(z, "stage3_prefetch_bucket_size"))

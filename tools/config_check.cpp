@@ -185,8 +185,9 @@ std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc,
         }
         if (q.find('.') == std::string::npos) break;
       }
+      // The path as messages show keys (a NUL in a key would end the line printed).
       if (!used && !(source == std::string("file") && find_path(set_doc, path)))
-        out.push_back({path, value, source, ""});
+        out.push_back({config::key_text(path), value, source, ""});
     }
   }
   return out;
