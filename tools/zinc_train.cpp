@@ -637,8 +637,31 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   int64_t steps = 0;
   bool json = false;
+  // --steps and --ranks take a positive integer; anything else ends the run
+  // with one line saying so (CLI11's PositiveNumber printed "Value 0 not in
+  // range 0.000000 to 1.797...e308") and exit code 2, as zinc-train's other
+  // usage errors do.
+  const auto positive_integer = [](const char* name, int64_t max, auto& out) {
+    return [name, max, &out](const std::string& s) {
+      int64_t v = 0;
+      bool ok = !s.empty() && s.size() <= 18;  // 18 digits cannot overflow
+      for (char c : s) {
+        ok = ok && c >= '0' && c <= '9';
+        if (ok) v = v * 10 + (c - '0');
+      }
+      if (!ok || v < 1 || v > max) {
+        throw CLI::ValidationError(std::string(name) + " must be a positive integer" +
+                                       (max < 999999999999999999 ? " up to " + std::to_string(max) : "") +
+                                       ", got " + s,
+                                   2);
+      }
+      out = static_cast<std::remove_reference_t<decltype(out)>>(v);
+    };
+  };
   app.add_option("config", config_path, "experiment config (JSON)")->required();
-  app.add_option("--steps", steps, "optimizer steps (overrides run.steps)")->check(CLI::PositiveNumber);
+  app.add_option_function<std::string>("--steps", positive_integer("--steps", 999999999999999999, steps),
+                                        "optimizer steps (overrides run.steps)")
+      ->type_name("INT");
   app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
                                 "a bare word as a string); repeatable");
   app.add_flag("--json", json, "print one JSON object per line instead of human progress");
@@ -650,8 +673,10 @@ int main(int argc, char** argv) {
   int ranks = 0;
   app.add_flag("--estimate", estimate_only,
                "print the RAM and disk each rank will need (this stage and the others) and exit without training");
-  app.add_option("--ranks", ranks, "with --estimate or --check outside an MPI launcher: the number of ranks to plan for")
-      ->check(CLI::PositiveNumber);
+  app.add_option_function<std::string>(
+         "--ranks", positive_integer("--ranks", 2147483647, ranks),
+         "with --estimate or --check outside an MPI launcher: the number of ranks to plan for")
+      ->type_name("INT");
   std::optional<std::string> resume;
   app.add_option("--resume", resume,
                  "continue from a checkpoint folder's latest tag (no value: run.checkpoint_dir)")
