@@ -1,4 +1,6 @@
 """Bad input: an exception of the right type naming what was wrong, never a crash."""
+import os
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,92 @@ def test_evaluate_without_held_out_data():
     with zinc.initialize(d) as e:
         with pytest.raises(ValueError, match="no held-out data"):
             e.evaluate()
+
+
+# ---- configs no input may crash or leave unnamed (issue 27, items 7 and 14) ----
+
+
+def _config_error(doc):
+    with pytest.raises(zinc.ConfigError) as e:
+        zinc.initialize(doc)
+    return e.value
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**400])
+def test_int_past_64_bits_is_a_config_error_naming_the_path(doc, value):
+    # pybind11 said "Unable to cast Python instance of type int" (not a ConfigError).
+    doc["run"]["seed"] = value
+    e = _config_error(doc)
+    assert e.path == "run.seed"
+    assert "does not fit in 64 bits" in str(e)
+
+
+def test_ints_of_64_bits_are_numbers(doc):
+    doc["run"]["seed"] = 2**64 - 1  # uint64, as a file may say
+    doc["run"]["eval_interval"] = 0
+    with zinc.initialize(doc) as eng:
+        assert eng.global_steps == 0
+
+
+def test_dict_that_contains_itself_names_the_path(doc):
+    # The recursion of the conversion overflowed the C++ stack.
+    doc["model"]["again"] = doc
+    e = _config_error(doc)
+    assert e.path == "model.again"
+    assert str(e).startswith("model.again: refers to config, which contains it")
+
+
+def test_list_that_contains_itself_names_the_path(doc):
+    betas = [0.9]
+    betas.append(betas)
+    doc["optimizer"]["params"]["betas"] = betas
+    e = _config_error(doc)
+    assert e.path == "optimizer.params.betas[1]"
+    assert "refers to optimizer.params.betas, which contains it" in str(e)
+
+
+def test_deep_nesting_is_refused_at_the_limit(doc):
+    deep = 1
+    for _ in range(100000):
+        deep = {"a": deep}
+    doc["amp"] = deep
+    e = _config_error(doc)
+    assert e.path.startswith("amp.a.a.") and e.path.count(".") == 63
+    assert "nested deeper than 64 levels" in str(e)
+
+
+def test_shared_lists_that_expand_past_a_million_values_are_refused(doc):
+    # 40 levels of a list holding the next one twice: 2**40 values to convert.
+    shared = [0]
+    for _ in range(40):
+        shared = [shared, shared]
+    doc["amp"] = shared
+    e = _config_error(doc)
+    assert "more than 1000000 values" in str(e)
+
+
+def test_string_that_is_not_unicode_text_names_the_path(doc):
+    doc["run"]["output_dir"] = "runs/\ud800"
+    e = _config_error(doc)
+    assert e.path == "run.output_dir" and "lone surrogate" in str(e)
+
+
+def test_key_with_a_nul_is_shown_escaped(doc):
+    # A NUL ended the message there: "optim".
+    doc["optim\0izer"] = {}
+    e = _config_error(doc)
+    assert e.path == "optim\\u0000izer"
+    assert str(e) == "optim\\u0000izer: unknown key (did you mean 'optimizer'?)"
+
+
+def test_nan_is_shown_as_nan(doc):
+    doc["optimizer"]["params"]["lr"] = float("nan")
+    e = _config_error(doc)
+    assert e.path == "optimizer.params.lr" and str(e).endswith("must be a finite number, got nan")
+
+
+def test_config_path_that_is_not_utf8_is_read_by_its_bytes(tmp_path):
+    # os.fspath gave a str with a surrogate escape, which pybind11 could not cast.
+    path = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.json")
+    with pytest.raises(OSError, match=r"cannot open config file .*/caf\\xe9\.json: No such file"):
+        zinc.initialize(path)
