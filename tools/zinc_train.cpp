@@ -46,6 +46,7 @@
 #include "engine/memory_estimate.h"
 #include "tools/config_check.h"
 #include "tools/experiment.h"
+#include "tools/resources.h"
 #include "tools/safetensors.h"
 #include "tools/train_events.h"
 
@@ -283,11 +284,19 @@ int estimate(zinc::comm::Communicator& comm, int world, const nlohmann::json& do
 // --check: the report of tools/config_check.h, printed on rank 0 (every rank
 // checks: a folder may be missing on one node only).
 int check(zinc::comm::Communicator& comm, int world, const std::string& config_path,
-          const std::vector<std::string>& overrides, bool json) {
+          const std::vector<std::string>& overrides, bool json, bool ignore_resources) {
   // The report lists the warnings; logging them as well would say each twice.
   const zinc::LogLevel level = zinc::log_level();
   zinc::set_log_level(zinc::LogLevel::kError);
-  const zinc::tools::CheckReport rep = zinc::tools::check_config(config_path, overrides, world);
+  zinc::tools::CheckReport rep = zinc::tools::check_config(config_path, overrides, world);
+  // Room for the run on this host (tools/resources.h): as the run checks it.
+  if (rep.ok && !ignore_resources) {
+    const int local = comm.size() > 1 ? comm.local_size() : world;
+    const zinc::tools::Experiment ex =
+        zinc::tools::build_experiment(zinc::tools::load_document(config_path, overrides), world);
+    for (std::string& r : zinc::tools::resource_refusals(ex, local)) rep.refusals.push_back(std::move(r));
+    rep.ok = rep.refusals.empty();
+  }
   zinc::set_log_level(level);
   int ok = rep.ok ? 1 : 0;
   if (comm.size() > 1) {
@@ -366,11 +375,20 @@ void start_signal_thread() {
 }
 
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
+        bool ignore_resources,
         bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
+  if (!ignore_resources) {  // refused in a second, not by the OOM killer hours in
+    const std::vector<std::string> no_room = zinc::tools::resource_refusals(ex, comm->local_size());
+    if (!no_room.empty()) {
+      std::string what = "no room for this run: " + no_room[0];
+      for (size_t i = 1; i < no_room.size(); ++i) what += " | " + no_room[i];
+      throw zinc::Error(what);
+    }
+  }
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
@@ -687,6 +705,10 @@ int main(int argc, char** argv) {
   std::string weights_out;
   app.add_option("--save-weights", weights_out,
                  "end by writing the final fp32 weights to this .safetensors file (as zinc-export names them)");
+  bool ignore_resources = false;
+  app.add_flag("--ignore-resources", ignore_resources,
+               "start even when --estimate's RAM exceeds what this host grants (cgroup limit, MemAvailable) or the "
+               "NVMe or checkpoint files exceed their disk's free space");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -740,10 +762,10 @@ int main(int argc, char** argv) {
         return 2;
       }
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
-      if (check_only) return check(*comm, world, config_path, overrides, json);
+      if (check_only) return check(*comm, world, config_path, overrides, json, ignore_resources);
       return estimate(*comm, world, doc, config_path, json);
     }
-    return run(comm, doc, config_path, json, digest, resume, weights_out);
+    return run(comm, doc, config_path, ignore_resources, json, digest, resume, weights_out);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     zinc::remove_exit_folders();  // MPI_Abort skips destructors

@@ -492,8 +492,8 @@ else
   fail=$((fail + 1)); echo "FAIL SIGINT during start: rc=$rc after ${ms} ms"; cat "$TMP/err"
 fi
 # NVMe scratch: a folder left by a dead process is removed at the next
-# start, with a line saying so; a second Ctrl-C during training removes the
-# run's own before it ends.
+# start, with a line saying so; a second stop signal during training
+# removes the run's own before it ends the process.
 mkdir -p "$TMP/nvme"
 sh -c 'exit 0' & dead=$!; wait "$dead"
 mkdir -p "$TMP/nvme/zinc-rank0-$dead" && touch "$TMP/nvme/zinc-rank0-$dead/optimizer_states"
@@ -501,13 +501,59 @@ NV=(--set "zero_optimization.offload_optimizer.nvme_path=$TMP/nvme" --set run.ev
 "$ZT" "$ROOT/configs/nvme.json" --steps 100000 "${NV[@]}" --set steps_per_print=1 >"$TMP/long" 2>"$TMP/err" &
 pid=$!
 for _ in $(seq 400); do grep -q '^step 1/' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
-kill -INT "$pid"; sleep 0.05; kill -INT "$pid"
+kill -INT "$pid"; kill -TERM "$pid"  # two signals: the second ends it at once (exit 143), scratch removed first
 wait "$pid"
 rc=$?
-if [ "$rc" -eq 130 ] && [ -z "$(ls -A "$TMP/nvme")" ] && grep -q "zinc-rank0-$dead, scratch left by process $dead" "$TMP/err"; then
+if [ "$rc" -eq 143 ] && grep -q "signal 15: stopping now" "$TMP/err" && [ -z "$(ls -A "$TMP/nvme")" ] && grep -q "zinc-rank0-$dead, scratch left by process $dead" "$TMP/err"; then
   pass=$((pass + 1))
 else
   fail=$((fail + 1)); echo "FAIL NVMe scratch: rc=$rc left: $(ls -A "$TMP/nvme")"; cat "$TMP/err"
+fi
+
+# Room for the run (tools/resources.h): a model whose --estimate needs far
+# more RAM than this machine has, with its NVMe files larger than the disk,
+# is refused by --check and by a run within a second, naming the figures
+# (before, --check passed and the run died by the OOM killer).
+BIG=(--set model.n_layer=48 --set model.n_embd=8192 --set model.n_head=64)
+NVME=(--set zero_optimization.stage=3 --set zero_optimization.offload_optimizer.device=nvme
+      --set "zero_optimization.offload_optimizer.nvme_path=$TMP" --set zero_optimization.offload_param.device=nvme
+      --set "zero_optimization.offload_param.nvme_path=$TMP")
+start=$(date +%s%N)
+"$ZT" "$CFG" "${BIG[@]}" "${NVME[@]}" --check >"$TMP/out" 2>"$TMP/err"
+rc=$?
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: this rank will need .* GiB more .* but the process may take .* GiB" "$TMP/out" &&
+   grep -q "^refused: disk: zero_optimization.offload_optimizer.nvme_path, zero_optimization.offload_param.nvme_path $TMP: .* GiB .* has .* GiB free" "$TMP/out" &&
+   [ "$ms" -lt 1000 ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL no room: rc=$rc ${ms} ms"; cat "$TMP/out" "$TMP/err"
+fi
+check_error no-room "no room for this run: RAM: this rank will need" "$CFG" "${BIG[@]}" "${NVME[@]}"
+grep -q " | disk: zero_optimization" "$TMP/err" || { fail=$((fail + 1)); echo "FAIL no room (run): no disk figure"; }
+"$ZT" "$CFG" "${BIG[@]}" --check --ignore-resources >"$TMP/out" 2>&1 && grep -q "^ok: the run would start" "$TMP/out" &&
+  pass=$((pass + 1)) || { fail=$((fail + 1)); echo "FAIL --ignore-resources"; cat "$TMP/out"; }
+# Under a cgroup memory cap (a child of this process's memory cgroup, v1 or
+# v2, where this machine lets us make one): GPT-2 small fits the machine but
+# not 256 MiB, and the refusal names the cgroup's limit.
+cg=""
+line="$(grep -E '^[0-9]+:memory:' /proc/self/cgroup | head -n 1)"
+if [ -n "$line" ]; then cg="/sys/fs/cgroup/memory${line#*:memory:}"; lim=memory.limit_in_bytes
+elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then cg="/sys/fs/cgroup$(sed -n 's/^0:://p' /proc/self/cgroup)"; lim=memory.max; fi
+child="${cg%/}/zinc-cli-$$"
+if [ -n "$cg" ] && mkdir "$child" 2>/dev/null && echo $((256 << 20)) >"$child/$lim" 2>/dev/null; then
+  sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$child" "$ZT" "$CFG" --set model.n_layer=12 \
+    --set model.n_embd=768 --set model.n_head=12 --check >"$TMP/out" 2>&1
+  rc=$?
+  if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: .*(cgroup $child/$lim = 0.25 GiB" "$TMP/out"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL cgroup cap: rc=$rc"; cat "$TMP/out"
+  fi
+  rmdir "$child" 2>/dev/null
+else
+  rmdir "$child" 2>/dev/null
+  echo "SKIP cgroup cap: cannot make a memory cgroup here (not counted)"
 fi
 
 echo "$pass passed, $fail failed"

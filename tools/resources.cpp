@@ -1,0 +1,150 @@
+#include "tools/resources.h"
+
+#include <sys/statvfs.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "engine/memory_estimate.h"
+
+namespace zinc::tools {
+namespace {
+
+std::string gib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return buf;
+}
+
+// The first line of a small file, or "".
+std::string first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+int64_t parse_bytes(const std::string& s) {
+  if (s.empty() || s == "max") return -1;
+  try {
+    return static_cast<int64_t>(std::stoll(s));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+int64_t Room::ram() const {
+  if (mem_available < 0) return cgroup_room;
+  if (cgroup_room < 0) return mem_available;
+  return std::min(mem_available, cgroup_room);
+}
+
+Room memory_room() {
+  Room r;
+  std::ifstream mi("/proc/meminfo");
+  for (std::string line; std::getline(mi, line);)
+    if (line.rfind("MemAvailable:", 0) == 0) r.mem_available = parse_bytes(line.substr(13)) * 1024;
+  // cgroup v2: "0::/path"; the limit that binds is the tightest over the
+  // ancestors. v1: the memory controller's own line.
+  std::ifstream cg("/proc/self/cgroup");
+  for (std::string line; std::getline(cg, line);) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    std::filesystem::path p = line.substr(b + 1);
+    const bool v2 = line.rfind("0::", 0) == 0;
+    if (!v2 && controllers.find("memory") == std::string::npos) continue;
+    // v2 alone at /sys/fs/cgroup; beside v1 (hybrid) at /sys/fs/cgroup/unified.
+    const std::string root = !v2 ? "/sys/fs/cgroup/memory"
+                             : std::filesystem::exists("/sys/fs/cgroup/cgroup.controllers") ? "/sys/fs/cgroup"
+                                                                                            : "/sys/fs/cgroup/unified";
+    for (;;) {
+      const std::string dir = root + (p.string() == "/" ? "" : p.string());
+      const int64_t limit = parse_bytes(first_line(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes")));
+      const int64_t used = parse_bytes(first_line(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")));
+      if (limit > 0 && limit < (int64_t{1} << 60) && used >= 0) {
+        const int64_t room = std::max<int64_t>(0, limit - used);
+        if (r.cgroup_room < 0 || room < r.cgroup_room) {
+          r.cgroup_room = room;
+          r.cgroup_where = dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes") + " = " + gib(limit) + ", " +
+                           gib(used) + " in use";
+        }
+      }
+      if (p.string() == "/" || p.empty() || !p.has_parent_path() || p.parent_path() == p) break;
+      p = p.parent_path();
+    }
+  }
+  return r;
+}
+
+int64_t free_disk_bytes(const std::string& path) {
+  std::filesystem::path p = std::filesystem::absolute(path);
+  for (;;) {
+    struct statvfs st;
+    if (::statvfs(p.c_str(), &st) == 0)  // no blocks at all: a pseudo file system (proc, sys), size unknown
+      return st.f_blocks == 0 ? -1 : static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+    if (!p.has_parent_path() || p.parent_path() == p) return -1;
+    p = p.parent_path();
+  }
+}
+
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
+  std::vector<std::string> out;
+  const Config& cfg = ex.config;
+  MemoryEstimate e = estimate_memory(*ex.model, cfg, ex.data->seq_len());
+  const int64_t rss = current_rss_bytes();
+  e.process_bytes = rss;
+  const std::string ranks = local_ranks == 1 ? "this rank" : std::to_string(local_ranks) + " ranks on this host";
+  const Room room = memory_room();
+  // What the run will still allocate (the process so far is in use already).
+  const int64_t more = std::max<int64_t>(0, e.ram_bytes() - rss) * local_ranks;
+  if (room.ram() >= 0 && more > room.ram())
+    out.push_back("RAM: " + ranks + " will need " + gib(more) + " more (--estimate: " + gib(e.ram_bytes()) +
+                  " per rank, " + gib(rss) + " of it in use), but the process may take " + gib(room.ram()) +
+                  " (" + (room.ram() == room.cgroup_room ? "cgroup " + room.cgroup_where
+                                                         : "MemAvailable " + gib(room.mem_available)) +
+                  "); lower the model, micro-batch or stage's memory (offload_optimizer, offload_param, "
+                  "gradient checkpointing), or pass --ignore-resources");
+  // Disk: the NVMe files, per path (the two offloads may share one), and
+  // one checkpoint (each rank's master, m, v; at stage 0 each rank saves
+  // the whole model) in the checkpoint folder.
+  std::map<std::string, std::pair<int64_t, std::string>> per_fs;  // path -> bytes, JSON paths
+  auto add = [&](const OffloadConfig& o, const char* key, int64_t bytes) {
+    if (o.device != OffloadDevice::kNvme || bytes <= 0) return;
+    auto& [b, keys] = per_fs[o.nvme_path];
+    b += bytes * local_ranks;
+    keys += std::string(keys.empty() ? "" : ", ") + key;
+  };
+  int64_t opt_disk = 0, param_disk = 0;
+  for (const MemoryPart& p : e.disk) (p.name.rfind("parameter shards", 0) == 0 ? param_disk : opt_disk) += p.bytes;
+  add(cfg.zero.offload_optimizer, "zero_optimization.offload_optimizer.nvme_path", opt_disk);
+  add(cfg.zero.offload_param, "zero_optimization.offload_param.nvme_path", param_disk);
+  for (const auto& [path, need] : per_fs) {
+    const int64_t free = free_disk_bytes(path);
+    if (free >= 0 && need.first > free)
+      out.push_back("disk: " + need.second + " " + path + ": " + ranks + " will write " + gib(need.first) +
+                    " of optimizer and parameter files, but its file system has " + gib(free) +
+                    " free; use a larger disk or pass --ignore-resources");
+  }
+  const RunConfig& run = ex.experiment.run;
+  if (run.checkpoint_interval > 0) {
+    int64_t params = 0;
+    for (const BlockSpec& b : ex.model->blocks())
+      for (const ParamSpec& p : b.params) params += p.shape.numel();
+    const int64_t copies = cfg.zero.stage == 0 ? cfg.world_size : 1;
+    const int64_t need = 12 * params * copies;  // fp32 master, Adam m and v
+    const int64_t free = free_disk_bytes(run.checkpoint_dir);
+    if (free >= 0 && need > free)
+      out.push_back("disk: run.checkpoint_dir " + run.checkpoint_dir + ": one checkpoint takes " + gib(need) +
+                    " (12 B per parameter" + (copies > 1 ? ", on each of the " + std::to_string(copies) + " ranks at stage 0" : std::string()) +
+                    "), but its file system has " + gib(free) + " free; use a larger disk or pass --ignore-resources");
+  }
+  return out;
+}
+
+}  // namespace zinc::tools

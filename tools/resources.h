@@ -1,0 +1,36 @@
+// zinc tools: is there room for the run? --check and the start of every
+// zinc-train run compare --estimate's figures with what this machine grants
+// before any work, instead of letting the OOM killer or a full disk end the
+// run hours in: RAM against what the process may still take (the cgroup's
+// memory.max less its usage, where a cgroup limits it, and MemAvailable),
+// each NVMe path's files and one checkpoint against the free space of their
+// file systems. Ranks on one host share both, so each need is counted once
+// per local rank. --ignore-resources skips the check for those who know
+// better (memory the estimate cannot see, a disk that will be emptied).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tools/experiment.h"
+
+namespace zinc::tools {
+
+// What the machine grants this process now (bytes; -1 where unknown).
+struct Room {
+  int64_t mem_available = -1;  // /proc/meminfo MemAvailable
+  int64_t cgroup_room = -1;    // the tightest cgroup memory.max less memory.current, over the cgroup's ancestors
+  std::string cgroup_where;    // the cgroup file of that limit
+  int64_t ram() const;         // the smaller known figure, -1 if neither
+};
+Room memory_room();
+// Free bytes for an unprivileged writer on the file system of `path` (its
+// nearest existing ancestor); -1 if none can be found.
+int64_t free_disk_bytes(const std::string& path);
+
+// One line per need that does not fit, naming the need, the limit and the
+// JSON path or file involved; empty when everything fits. local_ranks: the
+// ranks of this run on this host.
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks);
+
+}  // namespace zinc::tools
