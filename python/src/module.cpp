@@ -345,6 +345,15 @@ class PyEngine {
     {
       ComputeScope scope;
       ex_ = zinc::tools::build_experiment(doc_, world);
+      // zinc.train's run that saves holds its checkpoint folder from the
+      // start, as zinc-train does: an unwritable folder fails now, and a
+      // second run on it is refused naming the holder's pid. Before the
+      // engine exists, so that the ranks' agreement is the only collective.
+      if (std::string(fn) == "zinc.train" && ex_.experiment.run.checkpoint_interval > 0) {
+        std::unique_ptr<zinc::comm::Communicator> single;
+        zinc::comm::Communicator* c = comm_ ? comm_.get() : (single = zinc::comm::make_single_communicator()).get();
+        folder_lock_ = zinc::tools::hold_checkpoint_dir(ex_.experiment.run, *c);
+      }
       engine_.emplace(zinc::Engine::initialize(ex_.model, ex_.config, world > 1 ? comm_ : nullptr));
       loader_ = std::make_unique<zinc::DataLoader>(ex_.data, ex_.config.train_micro_batch_size_per_gpu,
                                                    ex_.config.gradient_accumulation_steps, world,
@@ -584,6 +593,7 @@ class PyEngine {
 
   json doc_;
   std::shared_ptr<zinc::comm::Communicator> comm_;
+  std::unique_ptr<zinc::ckpt::DirLock> folder_lock_;  // zinc.train's checkpoint folder
   zinc::tools::Experiment ex_;
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;

@@ -177,3 +177,45 @@ def test_ctrl_c_stops_between_steps_and_engine_stays_usable(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "stopped after" in r.stdout and "train stopped after" in r.stdout
+
+
+def test_unsafe_tags_are_refused_and_nothing_is_removed(doc, tmp_path):
+    """Issue 27: a NUL in a tag cut the partial folder's path to the checkpoint
+    folder itself and the save removed every checkpoint in it; "latest"
+    replaced the `latest` file by a folder. Both are refused, in Python as in
+    C++, and the folder's checkpoints stay."""
+    ck = str(tmp_path / "ck")
+    with zinc.initialize(doc) as e:
+        e.train_batch()
+        e.save_checkpoint(ck)
+        before = sorted(os.listdir(ck))
+        for bad in ["a\0b", "\0", "latest", "step1 ", "../x", ".hidden"]:
+            with pytest.raises(zinc.Error, match="checkpoint tag .*A-Z a-z 0-9"):
+                e.save_checkpoint(ck, tag=bad)
+            assert sorted(os.listdir(ck)) == before
+        e.load_checkpoint(ck)
+
+
+def test_train_holds_its_checkpoint_folder(doc, tmp_path):
+    """Issue 27: two runs on one checkpoint_dir both ended with every tag from
+    the second. zinc.train holds the folder from its start, as zinc-train does;
+    a second run is refused naming the holder's pid."""
+    ck = tmp_path / "ck"
+    doc["run"].update({"checkpoint_dir": str(ck), "checkpoint_interval": 1, "eval_interval": 0})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import json, sys, zinc
+            it = zinc.train(json.loads({json.dumps(json.dumps(doc))}), steps=1000)
+            next(it)
+            print("holding", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(OSError, match=rf"is in use by another run \(pid {holder.pid} on"):
+            zinc.train(doc, steps=1, on_step=lambda event: None)
+    finally:
+        holder.kill()
+        holder.wait()
+    summary = zinc.train(doc, steps=1, on_step=lambda event: None)  # free again once the holder is gone
+    assert summary["steps"] == 1 and os.path.isdir(ck / "global_step1")
