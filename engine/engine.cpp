@@ -1249,8 +1249,8 @@ struct Engine::Impl final : StepContext {
   // the shard files' sizes), then the checkpoint's blocks are compared with
   // this model's. Only what shows while reading (a chunk of a shard file
   // that fails its checksum, a read error) is found after some states were
-  // overwritten. Then the engine refuses forward, backward, step,
-  // save_checkpoint and full_params until a load succeeds: training on from
+  // overwritten. Then the engine refuses forward (so backward and step),
+  // evaluate, save_checkpoint and full_params until a load succeeds: training on from
   // half-loaded states would look like a resumed run and is not one. The
   // ranks agree on the outcome of each phase (failed_rank) before any
   // collective, so all fail together and none waits for another.
@@ -1290,8 +1290,7 @@ struct Engine::Impl final : StepContext {
     ckpt::CheckpointReader reader(files.dir, files.ranks, names);
     if (gpu) gpu->wait_uploads();
     params->before_update();
-    try {
-    on_every_rank("checkpoint " + files.dir + ": the load failed", [&] {
+    auto read_states = [&] {
       visit_updating([&](const StateSpan& sp) {
         const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
         const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
@@ -1303,9 +1302,11 @@ struct Engine::Impl final : StepContext {
         if (!out) return;
         convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
       }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
-    });
+    };
+    try {
+      on_every_rank("checkpoint " + files.dir + ": the load failed", read_states);
     } catch (const std::exception& e) {
-      failed_load = e.what();
+      failed_load = e.what();  // Note [a failed load]
       throw;
     }
     failed_load.clear();

@@ -122,13 +122,21 @@ class Engine {
   // naming it) only once complete, so a crash at any point leaves the
   // previous checkpoint and `latest` intact. tag "" means
   // "global_step<N>"; client_state is any JSON kept with it (zinc-train keeps
-  // the data loader's position there).
+  // the data loader's position there). A tag is one folder name
+  // (ckpt::check_tag: [A-Za-z0-9._+-], not "latest"); rank 0 holds the
+  // folder's lock (ckpt::DirLock) while it saves.
   void save_checkpoint(const std::string& dir, const std::string& tag = "",
                        const nlohmann::json& client_state = nlohmann::json::object());
   // Loads DIR/TAG (tag "": the one DIR/latest names), saved at any world
   // size and ZeRO stage, into this engine (same model); restores the step
   // counters and the schedule's position. Returns the client_state. Throws
-  // IoError naming the file and block for a missing, short or corrupted file.
+  // IoError naming the file (and block) for a missing, short, edited or
+  // corrupted file. Every file is verified before anything is loaded, so
+  // such a failure leaves the engine as it was; only a shard chunk whose
+  // checksum fails while it is read leaves it partly loaded, and then
+  // forward, evaluate, save_checkpoint and full_params throw until a load
+  // succeeds (Note [a failed load] in engine.cpp). Every rank calls it; all
+  // fail together.
   nlohmann::json load_checkpoint(const std::string& dir, const std::string& tag = "");
 
   // The full fp32 master weights of one block in its flat layout (padding
