@@ -677,7 +677,8 @@ void check_tag(const std::string& tag) {
 
 TagFiles open_tag(const std::string& dir, std::string tag) {
   namespace fs = std::filesystem;
-  if (tag.empty()) {
+  const bool from_latest = tag.empty();
+  if (from_latest) {
     const std::string latest = (fs::path(dir) / "latest").string();
     if (!fs::exists(latest)) throw IoError("checkpoint: " + latest + " not found (no complete checkpoint in " + dir + ")");
     tag = read_bytes(latest);
@@ -694,6 +695,9 @@ TagFiles open_tag(const std::string& dir, std::string tag) {
   t.tag = tag;
   t.dir = (fs::path(dir) / tag).string();
   const std::string meta_path = (fs::path(t.dir) / "metadata.json").string();
+  if (from_latest && !fs::exists(t.dir))  // `latest` is only ever written naming a complete tag
+    throw IoError("checkpoint: " + (fs::path(dir) / "latest").string() + " names " + escaped(tag) +
+                  ", which is not a checkpoint in " + dir + " (the file was edited or damaged, or the tag removed)");
   if (!fs::exists(meta_path))
     throw IoError("checkpoint " + t.dir + ": " + meta_path + " not found (not a complete zinc checkpoint)");
   t.meta = parse_file(meta_path, read_bytes(meta_path));

@@ -189,6 +189,14 @@ TEST(CheckpointSafety, AnEditOfAnyFileIsAnErrorNamingIt) {
   Trainer whole;
   EXPECT_NO_THROW(whole.engine.load_checkpoint(dir));
   EXPECT_EQ(testing_train::all_weights(whole.engine), testing_train::all_weights(run.engine));
+  // `latest` cut or edited into another valid tag name (found by
+  // crash_consistency.py): named as the damaged file, not as a missing tag.
+  for (const std::string bad : {"global_st\n", "wlobal_step2\n", "g"}) {
+    write_text(dir + "/latest", bad);
+    const std::string err = error_of([&] { ckpt::open_tag(dir, ""); });
+    EXPECT_NE(err.find(dir + "/latest names \""), std::string::npos) << err;
+    EXPECT_NE(err.find("edited or damaged"), std::string::npos) << err;
+  }
 }
 
 // Item 4: a load that fails while reading (a chunk whose checksum does not
@@ -212,10 +220,10 @@ TEST(CheckpointSafety, AFailedLoadIsAllOrNothing) {
   run.train(1);
   const std::vector<float> before = testing_train::all_weights(run.engine);
   // A verification failure (a missing index) changes nothing: training goes on.
-  fs::copy(bad, bad + "-noindex", fs::copy_options::recursive);
-  fs::remove(bad + "-noindex/global_step2/rank00000.json");
-  EXPECT_NE(error_of([&] { run.engine.load_checkpoint(bad + "-noindex"); }).find("rank00000.json not found"),
-            std::string::npos);
+  const std::string noindex = fresh("load-noindex");
+  fs::copy(bad, noindex, fs::copy_options::recursive);
+  fs::remove(noindex + "/global_step2/rank00000.json");
+  EXPECT_NE(error_of([&] { run.engine.load_checkpoint(noindex); }).find("rank00000.json not found"), std::string::npos);
   EXPECT_EQ(testing_train::all_weights(run.engine), before);
   // A chunk that fails while reading: the engine refuses until a good load.
   const std::string err = error_of([&] { run.engine.load_checkpoint(bad); });
