@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -769,8 +770,14 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fflush(stdout);
     zinc::remove_exit_folders();  // MPI_Abort skips destructors
-    if (comm && comm->size() > 1) comm->abort(1, e.what());  // ends every rank
-    std::fprintf(stderr, "zinc-train: error: %s\n", e.what());
+    // An allocation that failed (past the start's room check, or with
+    // --ignore-resources) says what it means rather than "std::bad_alloc".
+    const std::string what = dynamic_cast<const std::bad_alloc*>(&e)
+                                 ? "out of memory: an allocation failed (" + std::string(e.what()) +
+                                       "); `zinc-train CONFIG --estimate` says what this config needs per rank"
+                                 : e.what();
+    if (comm && comm->size() > 1) comm->abort(1, what);  // ends every rank
+    std::fprintf(stderr, "zinc-train: error: %s\n", what.c_str());
     return 1;
   }
 }

@@ -533,6 +533,14 @@ check_error no-room "no room for this run: RAM: this rank will need" "$CFG" "${B
 grep -q " | disk: zero_optimization" "$TMP/err" || { fail=$((fail + 1)); echo "FAIL no room (run): no disk figure"; }
 "$ZT" "$CFG" "${BIG[@]}" --check --ignore-resources >"$TMP/out" 2>&1 && grep -q "^ok: the run would start" "$TMP/out" &&
   pass=$((pass + 1)) || { fail=$((fail + 1)); echo "FAIL --ignore-resources"; cat "$TMP/out"; }
+# Past the room check (--ignore-resources), an allocation that fails says
+# so, not "std::bad_alloc". Only where the kernel refuses an allocation far
+# past RAM (overcommit 0 or 2; with 1 it would be granted and the OOM killer
+# would end the test instead).
+if [ "$(cat /proc/sys/vm/overcommit_memory 2>/dev/null)" != 1 ]; then
+  check_error out-of-memory "out of memory: an allocation failed (std::bad_alloc); \`zinc-train CONFIG --estimate\`" \
+    "$CFG" --set model.n_layer=1 --set model.n_embd=65536 --set model.n_head=64 --ignore-resources
+fi
 # Under a cgroup memory cap (a child of this process's memory cgroup, v1 or
 # v2, where this machine lets us make one): GPT-2 small fits the machine but
 # not 256 MiB, and the refusal names the cgroup's limit.
