@@ -393,6 +393,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
+  if (std::string latest; rank == 0 && !resume && std::getline(std::ifstream(run.checkpoint_dir + "/latest"), latest))
+    zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
+                   latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "
+                   "continues from the folder instead)");
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   // Bytes the NVMe stores moved to set up (the initial states): not a step's.
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
