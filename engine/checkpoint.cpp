@@ -774,15 +774,21 @@ DirLock::DirLock(const std::string& dir) {
   }
   if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    held_locks().erase(key_);
-    if (err != EWOULDBLOCK) throw_errno("checkpoint folder " + dir + ": cannot lock " + path, err);
-    char buf[256] = {};
-    const ssize_t n = ::pread(fd.get(), buf, sizeof buf - 1, 0);
-    std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
-    throw IoError("checkpoint folder " + dir + " is in use by another run (" +
-                  (holder.empty() ? std::string("a process") : holder) + " holds " + path +
-                  "): two runs writing one folder would replace each other's checkpoints");
+    if (err == ENOLCK || err == EOPNOTSUPP) {
+      // A file system without locks: the run goes on, unguarded, and says so.
+      log_warn("checkpoint folder " + dir + ": its file system cannot lock " + path + " (" + std::strerror(err) +
+               "); a second run on this folder would not be refused");
+    } else {
+      held_locks().erase(key_);
+      if (err != EWOULDBLOCK) throw_errno("checkpoint folder " + dir + ": cannot lock " + path, err);
+      char buf[256] = {};
+      const ssize_t n = ::pread(fd.get(), buf, sizeof buf - 1, 0);
+      std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      throw IoError("checkpoint folder " + dir + " is in use by another run (" +
+                    (holder.empty() ? std::string("a process") : holder) + " holds " + path +
+                    "): two runs writing one folder would replace each other's checkpoints");
+    }
   }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
