@@ -2,8 +2,10 @@
 # zinc-train on a disk that fills, for real: a 48 MiB ext4 filesystem on a
 # loop device holds the NVMe stores of a ZeRO-3 run with parameters and
 # optimizer states on NVMe.
-# 1. A model whose stores do not fit: the run ends at setup, before any step,
-#    with one line naming the file and ENOSPC, and leaves nothing behind.
+# 1. A model whose stores do not fit: refused at start by the room check
+#    (tools/resources.h) naming the path and both figures; with
+#    --ignore-resources the run ends at setup, before any step, with one line
+#    naming the file and ENOSPC. Either way nothing is left behind.
 # 2. The disk fills up while a run trains (another process writes until
 #    ENOSPC): the stores were preallocated at setup, so training goes on and
 #    ends with the same weights, bit for bit, as a run on a roomy disk.
@@ -41,6 +43,16 @@ on() {  # folder: both stores there
 "$ZT" "$CFG" --steps 2 $(on "$MNT") --set model.n_layer=4 --set model.n_embd=512 >"$TMP/out" 2>"$TMP/err"
 rc=$?
 last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
+if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: .*nvme_path $MNT: this rank will write .* GiB .* but its file system has .* GiB free" <<<"$last" &&
+   ! grep -q '^step ' "$TMP/out" && [ -z "$(ls -A "$MNT" | grep -v lost+found)" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL too large (room check): rc=$rc; left: $(ls -A "$MNT")"; cat "$TMP/err"
+fi
+"$ZT" "$CFG" --steps 2 $(on "$MNT") --set model.n_layer=4 --set model.n_embd=512 --ignore-resources >"$TMP/out" 2>"$TMP/err"
+rc=$?
+last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
 if [ "$rc" -eq 1 ] && grep -q "cannot preallocate .* for $MNT/.*No space left on device" <<<"$last" &&
    ! grep -q '^step ' "$TMP/out" && [ -z "$(ls -A "$MNT" | grep -v lost+found)" ]; then
   pass=$((pass + 1))
@@ -72,15 +84,23 @@ else
   echo "roomy: $want"
 fi
 
-# 3. A checkpoint save on a full disk: one line naming the path and ENOSPC,
-# no partial tag left, `latest` still at the previous checkpoint, which
-# loads once there is room.
+# 3. A checkpoint save on a full disk: refused at start by the room check;
+# with --ignore-resources the save itself fails with one line naming the
+# path and ENOSPC, no partial tag left, `latest` still at the previous
+# checkpoint, which loads once there is room.
 rm -f "$MNT/filler"
 DEF="$ROOT/configs/default.json"
 CK=(--set run.eval_interval=0 --set "run.checkpoint_dir=$MNT/ck" --set run.checkpoint_interval=1)
 "$ZT" "$DEF" --steps 1 "${CK[@]}" >/dev/null 2>&1
 dd if=/dev/zero of="$MNT/filler" bs=64k >/dev/null 2>&1
 "$ZT" "$DEF" --steps 2 "${CK[@]}" --resume >"$TMP/out" 2>"$TMP/err"
+if [ $? -eq 1 ] && grep -q "no room for this run: disk: run.checkpoint_dir $MNT/ck: one checkpoint takes" "$TMP/err" &&
+   [ "$(cat "$MNT/ck/latest")" = "global_step1" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL checkpoint folder on a full disk (room check)"; cat "$TMP/err"
+fi
+"$ZT" "$DEF" --steps 2 "${CK[@]}" --resume --ignore-resources >"$TMP/out" 2>"$TMP/err"
 rc=$?
 last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
 rm -f "$MNT/filler"
