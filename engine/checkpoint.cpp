@@ -591,8 +591,8 @@ void check_structure(const TagFiles& t) {
     const int64_t size_now = st.st_size;
     // Written by this version: the size the writer allocated. Version 1
     // indexes have none; their regions are checked against the file alone.
-    const int64_t file_bytes =
-        rk.contains("file_bytes") ? f.integer(rk, "", "file_bytes", 0, int64_t{1} << 56) : size_now;
+    const bool sized = rk.contains("file_bytes");
+    const int64_t file_bytes = sized ? f.integer(rk, "", "file_bytes", 0, int64_t{1} << 56) : INT64_MAX;
     const nlohmann::json& bl = f.array(rk, "", "blocks");
     std::set<int64_t> seen;
     std::vector<std::pair<int64_t, int64_t>> regions;  // [begin, end) in the file
@@ -633,7 +633,7 @@ void check_structure(const TagFiles& t) {
       }
       if (count > 0) ++spans[static_cast<size_t>(b)][{off, count}];
     }
-    if (size_now < file_bytes || !past_end.empty())
+    if ((sized && size_now < file_bytes) || !past_end.empty())
       throw IoError("checkpoint: " + bin_path + " is truncated: it has " + std::to_string(size_now) +
                     " bytes" + (past_end.empty() ? ", its index says " + std::to_string(file_bytes) : ", and " + past_end) +
                     " (nothing was loaded)");
