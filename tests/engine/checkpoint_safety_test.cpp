@@ -199,6 +199,31 @@ TEST(CheckpointSafety, AnEditOfAnyFileIsAnErrorNamingIt) {
   }
 }
 
+// Checkpoints of format version 1 (before every file was checksummed) still
+// load, with their structure checked; a cut shard file is named as cut.
+TEST(CheckpointSafety, VersionOneCheckpointsStillLoad) {
+  const std::string dir = fresh("v1");
+  Trainer run;
+  run.train(2);
+  run.engine.save_checkpoint(dir);
+  const std::string tag = dir + "/global_step2";
+  nlohmann::json meta = read_json_file(tag + "/metadata.json");
+  meta.erase(ckpt::kSealKey);
+  meta["version"] = 1;
+  meta["rank_indexes"] = nlohmann::json::array({"rank00000.json"});
+  write_text(tag + "/metadata.json", meta.dump(1));
+  nlohmann::json index = read_json_file(tag + "/rank00000.json");
+  index.erase("file_bytes");
+  write_text(tag + "/rank00000.json", index.dump());
+  Trainer loaded;
+  loaded.engine.load_checkpoint(dir);
+  EXPECT_EQ(testing_train::all_weights(loaded.engine), testing_train::all_weights(run.engine));
+  fs::resize_file(tag + "/rank00000.bin", 5000);
+  Trainer other;
+  const std::string err = error_of([&] { other.engine.load_checkpoint(dir); });
+  EXPECT_NE(err.find("rank00000.bin is truncated: it has 5000 bytes, and block '"), std::string::npos) << err;
+}
+
 // Item 4: a load that fails while reading (a chunk whose checksum does not
 // match) leaves an engine that refuses to train or save until a load
 // succeeds; one that fails in the verification changes nothing.
