@@ -905,8 +905,9 @@ std::vector<std::string> prune(const std::string& dir, int64_t keep, const std::
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() > 8 && n[0] == '.' && n.compare(n.size() - 7, 7, ".pruned") == 0) {
-      fs::remove_all(e.path(), ec);  // a removal a crash interrupted
+    if (n.size() > 8 && n[0] == '.' && n.compare(n.size() - 7, 7, ".pruned") == 0 &&
+        tag_step(n.substr(1, n.size() - 8)) >= 0) {
+      fs::remove_all(e.path(), ec);  // .global_step<M>.pruned: a removal a crash interrupted
       continue;
     }
     const int64_t step = tag_step(n);

@@ -118,11 +118,16 @@ TEST(CheckpointSafety, KeepLastNeverRemovesTheNewestSave) {
   write_text(dir + "/latest", "global_step3\n");
   EXPECT_TRUE(ckpt::prune(dir, 1, "global_step4").empty());
   EXPECT_TRUE(fs::exists(dir + "/global_step3"));
-  // A folder that is not a complete checkpoint is not pruned.
+  // A folder that is not a complete checkpoint is not pruned, nor one of
+  // the user's that happens to end in ".pruned"; a crash's leftover is.
   fs::create_directory(dir + "/global_step0");
+  fs::create_directory(dir + "/.mine.pruned");
+  fs::create_directory(dir + "/.global_step7.pruned");
   write_text(dir + "/latest", "global_step4\n");
   EXPECT_EQ(ckpt::prune(dir, 1, "global_step4"), std::vector<std::string>{"global_step3"});
   EXPECT_TRUE(fs::exists(dir + "/global_step0"));
+  EXPECT_TRUE(fs::exists(dir + "/.mine.pruned"));
+  EXPECT_FALSE(fs::exists(dir + "/.global_step7.pruned"));
 }
 
 // Item 3: every file is checksummed and the indexes are checked before a
