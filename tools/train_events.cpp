@@ -4,6 +4,7 @@
 
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
+#include "tools/resources.h"
 #include "core/error.h"
 
 namespace zinc::tools {
@@ -44,6 +45,20 @@ nlohmann::json checkpoint_event(int64_t step, const std::string& path, double se
 
 void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step) {
   ckpt::prune(dir, keep, "global_step" + std::to_string(step));
+}
+
+void check_room(const Experiment& ex, comm::Communicator& comm) {
+  const std::vector<std::string> no_room = resource_refusals(ex, comm.local_size());
+  double failed = no_room.empty() ? 0 : comm.rank() + 1;
+  if (comm.size() > 1) comm.all_reduce_max_f64(&failed, 1);
+  if (!no_room.empty()) {
+    std::string what = "no room for this run: " + no_room[0];
+    for (size_t i = 1; i < no_room.size(); ++i) what += " | " + no_room[i];
+    throw Error(what);
+  }
+  if (failed > 0)
+    throw Error("no room for this run on rank " + std::to_string(static_cast<int>(failed) - 1) +
+                "'s host (its error is on its output)");
 }
 
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {

@@ -382,14 +382,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
-  if (!ignore_resources) {  // refused in a second, not by the OOM killer hours in
-    const std::vector<std::string> no_room = zinc::tools::resource_refusals(ex, comm->local_size());
-    if (!no_room.empty()) {
-      std::string what = "no room for this run: " + no_room[0];
-      for (size_t i = 1; i < no_room.size(); ++i) what += " | " + no_room[i];
-      throw zinc::Error(what);
-    }
-  }
+  if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);

@@ -338,7 +338,7 @@ std::set<TrainRun*> g_runs;
 class PyEngine {
  public:
   explicit PyEngine(py::handle config, std::optional<int64_t> steps = std::nullopt,
-                    const char* fn = "zinc.initialize") {
+                    const char* fn = "zinc.initialize", bool ignore_resources = true) {
     doc_ = load_config(config, steps, fn);
     comm_ = communicator_for(doc_);
     const int world = comm_ ? comm_->size() : 1;
@@ -349,10 +349,13 @@ class PyEngine {
       // start, as zinc-train does: an unwritable folder fails now, and a
       // second run on it is refused naming the holder's pid. Before the
       // engine exists, so that the ranks' agreement is the only collective.
-      if (std::string(fn) == "zinc.train" && ex_.experiment.run.checkpoint_interval > 0) {
+      // It also checks the room for the run first, as zinc-train does.
+      if (std::string(fn) == "zinc.train") {
         std::unique_ptr<zinc::comm::Communicator> single;
         zinc::comm::Communicator* c = comm_ ? comm_.get() : (single = zinc::comm::make_single_communicator()).get();
-        folder_lock_ = zinc::tools::hold_checkpoint_dir(ex_.experiment.run, *c);
+        if (!ignore_resources) zinc::tools::check_room(ex_, *c);
+        if (ex_.experiment.run.checkpoint_interval > 0)
+          folder_lock_ = zinc::tools::hold_checkpoint_dir(ex_.experiment.run, *c);
       }
       engine_.emplace(zinc::Engine::initialize(ex_.model, ex_.config, world > 1 ? comm_ : nullptr));
       loader_ = std::make_unique<zinc::DataLoader>(ex_.data, ex_.config.train_micro_batch_size_per_gpu,
@@ -631,7 +634,8 @@ using Clock = std::chrono::steady_clock;
 // same events (zinc-train prints rank 0's).
 class TrainRun {
  public:
-  TrainRun(py::handle config, std::optional<int64_t> steps) : engine_(config, steps, "zinc.train") {
+  TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
+      : engine_(config, steps, "zinc.train", ignore_resources) {
     const zinc::tools::Experiment& ex = engine_.experiment();
     steps_ = ex.experiment.run.steps;
     tokens_per_step_ = ex.config.train_batch_size * ex.data->seq_len();
@@ -822,7 +826,8 @@ zinc's `model`, `data`, `run` and `comm` sections. Raises zinc.ConfigError
 cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
 
   py::class_<TrainRun>(m, "_TrainRun", "One zinc.train run, step by step (use zinc.train).")
-      .def(py::init<py::object, std::optional<int64_t>>(), py::arg("config"), py::arg("steps") = py::none())
+      .def(py::init<py::object, std::optional<int64_t>, bool>(), py::arg("config"), py::arg("steps") = py::none(),
+           py::arg("ignore_resources") = false)
       .def("start", &TrainRun::start, "The config (and auto) events.")
       .def("step", &TrainRun::step, "Trains one step; its events, or None after the last step.")
       .def("summary", &TrainRun::summary, "The summary event.")

@@ -219,3 +219,24 @@ def test_train_holds_its_checkpoint_folder(doc, tmp_path):
         holder.wait()
     summary = zinc.train(doc, steps=1, on_step=lambda event: None)  # free again once the holder is gone
     assert summary["steps"] == 1 and os.path.isdir(ck / "global_step1")
+
+
+def test_train_refuses_a_run_that_cannot_fit(doc):
+    """Issue 27: zinc.train checks the room for the run at its start, as
+    zinc-train does: a model whose estimate is hundreds of GiB is refused at
+    once naming the figures, not killed by the OOM killer."""
+    doc["model"].update({"n_layer": 48, "n_embd": 8192, "n_head": 64})
+    with pytest.raises(zinc.Error, match=r"no room for this run: RAM: this rank will need .* GiB more"):
+        zinc.train(doc, steps=1, on_step=lambda event: None)
+    # ignore_resources=True skips the check: a model with one 200 GB block
+    # then fails at its first allocation (where the kernel refuses one far
+    # past RAM; with overcommit 1 it would be granted and the OOM killer
+    # would end the test instead).
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":
+            return
+    doc["model"].update({"n_layer": 1, "n_embd": 65536, "n_head": 64})
+    with pytest.raises(zinc.Error, match="no room for this run"):
+        zinc.train(doc, steps=1, on_step=lambda event: None)
+    with pytest.raises(MemoryError):
+        zinc.train(doc, steps=1, on_step=lambda event: None, ignore_resources=True)

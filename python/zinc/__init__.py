@@ -36,8 +36,8 @@ from . import optim
 __all__ = ["CommError", "ConfigError", "Engine", "Error", "__version__", "initialize", "optim", "train"]
 
 
-def _events(config, steps):
-    run = _zinc._TrainRun(config, steps)
+def _events(config, steps, ignore_resources=False):
+    run = _zinc._TrainRun(config, steps, ignore_resources)
     try:
         yield from run.start()
         while True:
@@ -50,7 +50,7 @@ def _events(config, steps):
         run.engine.close()
 
 
-def train(config, steps=None, on_step=None):
+def train(config, steps=None, on_step=None, *, ignore_resources=False):
     """Runs the experiment a config describes, as ``zinc-train CONFIG --json`` does.
 
     config: a dict or a path to a JSON file (see zinc.initialize). steps: the
@@ -68,8 +68,13 @@ def train(config, steps=None, on_step=None):
     summary event.
 
     A Ctrl-C stops the run at the next step boundary with KeyboardInterrupt.
+
+    As zinc-train, a run whose estimated RAM exceeds what this host grants
+    (cgroup limit, MemAvailable), or whose NVMe or checkpoint files exceed
+    their disk's free space, is refused at the start with zinc.Error naming
+    the need and the limit; ignore_resources=True skips that check.
     """
-    events = _events(config, steps)
+    events = _events(config, steps, ignore_resources)
     if on_step is None:
         return events
     summary = None
