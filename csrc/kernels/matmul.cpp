@@ -36,10 +36,29 @@
 // through bf16 (what the native path's conversion does), so the multiplier
 // sees exactly the values the native path sees: products of two bf16 values
 // are exact in fp32 and both paths accumulate in fp32, so they differ only in
-// summation order. The decision is per shape and comes from oneDNN's own
-// answer, never from a list of CPU names; it is logged once per process.
+// summation order. It is logged once per process.
 // set_matmul_bf16_path_for_testing forces the fallback on a CPU that has the
 // native kernels, so one machine tests both.
+//
+// Native means bf16 arithmetic in the CPU: the native primitive is asked for
+// only at zinc's avx512_bf16 level (AVX512-BF16, under the cap). On
+// AVX-512 without BF16 (Skylake-SP to Ice Lake) oneDNN 2.6 does return a
+// non-reference bf16 primitive (gemm:jit), but it emulates bf16 products with
+// integer instructions and ran the reference GPT's step about 4x slower than
+// fp32 (issue 28), so there the fp32 route is taken for every shape. Below
+// AVX-512 oneDNN has no bf16 primitive at all. At the avx512_bf16 level the
+// decision is still per shape, from oneDNN's own answer (a reference-only
+// shape takes the fp32 route).
+//
+// Note [no AMX]
+// oneDNN 2.6.3's AMX kernels (brg:avx512_core_amx_bf16) gave wrong bf16
+// products: on an H100 machine's Xeon (amx_bf16), 2026-11-25, a batch-2
+// 37x53x19 product with B transposed and one operand converted from fp32
+// differed from the GPU in a third of its elements, by a different count
+// in each run; capped at AVX512_CORE_BF16 the same test passed
+// (bench/RESULTS.md, "GPU"). No 2-core CI machine has AMX, so nothing here
+// could keep that path honest: zinc caps oneDNN at avx512_core_bf16 unless
+// ONEDNN_MAX_CPU_ISA asks for AMX by name (then a warning says why not).
 //
 // The cap: before the first primitive, the ONEDNN_MAX_CPU_ISA value zinc
 // parsed (core/cpu.h) is handed to dnnl::set_max_cpu_isa, so oneDNN and
@@ -112,17 +131,24 @@ dnnl::cpu_isa dnnl_cap(const std::string& raw) {
   return dnnl::cpu_isa::all;
 }
 
+bool cpu_has_amx() { return cpu_model_and_flags().find("amx_bf16") != std::string::npos; }
+
 dnnl::engine& cpu_engine() {
   static dnnl::engine eng = [] {
     const std::string cap = cpu_isa_cap_env();
-    if (!cap.empty()) {
-      cpu_isa_cap();  // throws for a value zinc does not know
-      // Fails only if oneDNN already created JIT code (then its own reading
-      // of the same variable applies).
-      try {
-        dnnl::set_max_cpu_isa(dnnl_cap(cap));
-      } catch (const dnnl::error&) {
-      }
+    if (!cap.empty()) cpu_isa_cap();  // throws for a value zinc does not know
+    // Note [no AMX]: without a cap that names AMX, oneDNN stops below it.
+    dnnl::cpu_isa isa = cap.empty() ? dnnl::cpu_isa::all : dnnl_cap(cap);
+    if (isa == dnnl::cpu_isa::all) isa = dnnl::cpu_isa::avx512_core_bf16;
+    if (isa == dnnl::cpu_isa::avx512_core_amx && cpu_has_amx())
+      log_warn("ONEDNN_MAX_CPU_ISA=" + cap +
+               ": oneDNN's AMX matmul kernels are on; oneDNN 2.6.3's gave wrong bf16 products on an AMX "
+               "Xeon (Note [no AMX] in kernels/matmul.cpp); unset it to use AVX512-BF16 instead");
+    // Fails only if oneDNN already created JIT code (then its own reading
+    // of the same variable applies).
+    try {
+      dnnl::set_max_cpu_isa(isa);
+    } catch (const dnnl::error&) {
     }
     return dnnl::engine(dnnl::engine::kind::cpu, 0);
   }();
@@ -203,6 +229,12 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
   std::string why;
   if (static_cast<MatmulBf16Path>(g_bf16_path.load()) == MatmulBf16Path::kViaF32) {
     why = "forced for testing";
+  } else if (cpu_isa() < CpuIsa::kAvx512Bf16) {
+    // Note [bf16 matmul without native bf16]: no bf16 arithmetic here.
+    why = cpu_isa_detected() >= CpuIsa::kAvx512Bf16
+              ? "no bf16 arithmetic under ONEDNN_MAX_CPU_ISA=" + cpu_isa_cap_env()
+              : cpu_isa() == CpuIsa::kAvx512 ? "the CPU has no bf16 arithmetic (AVX-512 without AVX512-BF16)"
+                                             : "no native bf16 on this CPU";
   } else {
     try {
       auto native = create_as(d, DType::kBF16);

@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -173,8 +174,10 @@ constexpr double kFdAtol = 1e-4, kFdRtol = 1e-3;
 struct MmCase {
   int64_t batch, M, N, K;
 };
-const MmCase kMmCases[] = {{1, 1, 1, 1}, {1, 7, 17, 33}, {1, 33, 7, 17}, {1, 17, 33, 1},
-                           {1, 65, 130, 97}, {3, 7, 17, 33}, {2, 33, 1, 7}};
+// {2, 37, 53, 19} is the shape whose products oneDNN's AMX kernels got wrong
+// (Note [no AMX] in kernels/matmul.cpp).
+const MmCase kMmCases[] = {{1, 1, 1, 1},     {1, 7, 17, 33}, {1, 33, 7, 17}, {1, 17, 33, 1},
+                           {1, 65, 130, 97}, {3, 7, 17, 33}, {2, 33, 1, 7},  {2, 37, 53, 19}};
 
 // Runs the fast matmul with operands in dtypes (ta, tb) and compute `compute`
 // and checks it against the double reference on the values the kernel sees.
@@ -907,6 +910,27 @@ TEST_P(Bf16Path, OperandsConvertedOnceGiveTheSameBits) {
   EXPECT_TRUE(BitEqual(got2, want));
   if (ai.dtype == DType::kF32) {
     EXPECT_TRUE(BitEqual(a_copy, round_bf16(a)));  // rounded in place
+  }
+}
+
+// Note [bf16 matmul without native bf16]: bf16 is multiplied as bf16 only
+// where the CPU has bf16 arithmetic (zinc's avx512_bf16 level, under the
+// cap); on AVX-512 without it oneDNN's bf16 kernels emulate it, slowly. And
+// Note [no AMX]: unless ONEDNN_MAX_CPU_ISA names AMX, oneDNN stays below it.
+TEST(Matmul, Bf16IsMultipliedAsBf16OnlyWithBf16Arithmetic) {
+  const MatmulPath p = matmul_path({.M = 256, .N = 256, .K = 256, .trans_b = true, .compute = DType::kBF16});
+  if (cpu_isa() >= CpuIsa::kAvx512Bf16) {
+    EXPECT_EQ(p.multiply, DType::kBF16) << p.impl << ": " << p.why;
+  } else {
+    EXPECT_EQ(p.multiply, DType::kF32) << p.impl;
+    EXPECT_NE(p.why, "") << p.impl;
+  }
+  std::string cap = cpu_isa_cap_env();
+  for (char& c : cap) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (cap != "AVX512_CORE_AMX") {
+    EXPECT_EQ(p.impl.find("amx"), std::string::npos) << p.impl;
+    EXPECT_EQ(matmul_path({.M = 256, .N = 256, .K = 256, .compute = DType::kF32}).impl.find("amx"),
+              std::string::npos);
   }
 }
 
