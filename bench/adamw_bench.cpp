@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/adam_probe.h"
+#include "optim/adam_probe.h"
 #include "core/alloc.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -84,19 +84,19 @@ int bench_adamw(const BenchOptions& o) {
   };
   std::vector<double> probe_s;
   std::vector<std::vector<double>> case_s(kCases);
-  adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);  // warm up
+  optim::adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);  // warm up
   for (int c = 0; c < kCases; ++c) run_case(cases[c], 1);
   // Round-robin: the probe runs right before every case measurement, so the
   // bound and the figure see the same state of the (shared, drifting) host.
   for (int r = 0; r < o.rounds; ++r) {
     for (int c = 0; c < kCases; ++c) {
       double t0 = now_s();
-      adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);
+      optim::adam_probe(pa.as<float>(), pb.as<float>(), pc.as<float>(), pd.as<float>(), n);
       probe_s.push_back(now_s() - t0);
       case_s[c].push_back(run_case(cases[c], 2 + r));
     }
   }
-  const double probe_gbs = kAdamProbeBytes * static_cast<double>(n) / median(probe_s) / 1e9;
+  const double probe_gbs = optim::kAdamProbeBytes * static_cast<double>(n) / median(probe_s) / 1e9;
   for (int c = 0; c < kCases; ++c) {
     const double t = median(case_s[c]);
     const double ups = static_cast<double>(n) / t;

@@ -3,7 +3,7 @@
 
 One AdamW step (weight decay on, bias correction on) over 2^27 = 134M float32
 parameters, measured in rounds; in every round, right before each case, the
-Adam-pattern streaming probe (bench/adam_probe.h, the one zinc-bench adamw
+Adam-pattern streaming probe (optim/adam_probe.h, the one zinc-bench adamw
 runs; here through zinc._zinc._bench) runs on its own four arrays in this same
 process. Bound = median probe GB/s / 28 bytes per parameter (read param, grad,
 m, v; write param, m, v). Figures and bound are medians over the rounds.

@@ -237,21 +237,26 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
       }
     }
   }
-  p.get_number("lr", o.lr, above(0));
-  if (const json* b = p.find("betas")) {
-    if (!b->is_array() || b->size() != 2) {
-      type_error(p.last_path(), "a list of two numbers [beta1, beta2]", *b);
+  // The keys Adam and Lamb share, into the struct of the section's type.
+  auto shared = [&](auto& x) {
+    p.get_number("lr", x.lr, above(0));
+    if (const json* b = p.find("betas")) {
+      if (!b->is_array() || b->size() != 2) {
+        type_error(p.last_path(), "a list of two numbers [beta1, beta2]", *b);
+      }
+      x.beta1 = to_number((*b)[0], p.last_path() + "[0]", lo_closed(0, 1));
+      x.beta2 = to_number((*b)[1], p.last_path() + "[1]", lo_closed(0, 1));
     }
-    o.beta1 = to_number((*b)[0], p.last_path() + "[0]", lo_closed(0, 1));
-    o.beta2 = to_number((*b)[1], p.last_path() + "[1]", lo_closed(0, 1));
-  }
-  p.get_number("eps", o.eps, above(0));
-  p.get_number("weight_decay", o.weight_decay, at_least(0));
-  p.get_bool("bias_correction", o.bias_correction);
+    p.get_number("eps", x.eps, above(0));
+    p.get_number("weight_decay", x.weight_decay, at_least(0));
+    p.get_bool("bias_correction", x.bias_correction);
+  };
   if (lamb) {
-    p.get_number("max_coeff", o.max_coeff, above(0));
-    p.get_number("min_coeff", o.min_coeff, above(0));
-    p.get_bool("eps_inside_sqrt", o.eps_inside_sqrt);
+    optim::LambParams& l = o.lamb;
+    shared(l);
+    p.get_number("max_coeff", l.max_coeff, above(0));
+    p.get_number("min_coeff", l.min_coeff, above(0));
+    p.get_bool("eps_inside_sqrt", l.eps_inside_sqrt);
     double max_grad_norm = 0;
     if (p.get_number("max_grad_norm", max_grad_norm, at_least(0)) && max_grad_norm > 0) {
       throw ConfigError(p.last_path(),
@@ -259,17 +264,17 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
                         "passes it the norms it needs); use the top-level gradient_clipping, got " +
                             show(*p.find("max_grad_norm")));
     }
-    if (o.min_coeff > o.max_coeff) {
+    if (l.min_coeff > l.max_coeff) {
       throw ConfigError(p.path_of("min_coeff"),
-                        "must be <= max_coeff " + num(o.max_coeff) + ", got " + num(o.min_coeff));
+                        "must be <= max_coeff " + num(l.max_coeff) + ", got " + num(l.min_coeff));
     }
-    o.adam_w_mode = true;  // unused by Lamb
     p.refuse_bool("amsgrad", false, "FusedLamb does not support the AMSGrad variant; remove it or set it to false");
     p.finish();
     r.finish();
     return;
   }
-  bool w_mode = o.adam_w_mode;
+  shared(o.adam);
+  bool w_mode = o.adam.adam_w_mode;
   bool has_w_mode = p.get_bool("adam_w_mode", w_mode);
   if (o.type == OptimizerType::kAdamW) {
     // As in DeepSpeed, type AdamW means decoupled weight decay whatever adam_w_mode says.
@@ -277,9 +282,9 @@ void parse_optimizer(Reader& root, OptimizerConfig& o) {
       p.warn(p.path_of("adam_w_mode"),
              "false is overridden by type \"AdamW\" (as in DeepSpeed); use type \"Adam\" for L2-style decay");
     }
-    o.adam_w_mode = true;
+    o.adam.adam_w_mode = true;
   } else {
-    o.adam_w_mode = w_mode;
+    o.adam.adam_w_mode = w_mode;
   }
   bool unused = false;
   p.get_bool("torch_adam", unused);     // torch's and DeepSpeed's Adam compute the same update
@@ -911,11 +916,12 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_precision(r, c);
   parse_optimizer(r, c.optimizer);
   parse_scheduler(r, c.scheduler);
-  if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2 != 0.99) {
+  if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2() != 0.99) {
     r.warn("scheduler.params.cycle_momentum",
            "OneCycle sets the optimizer's betas to (momentum, 0.99) as DeepSpeed does: optimizer.params.betas[1] " +
-               num(c.optimizer.beta2) + " is replaced by 0.99 (set cycle_momentum false to keep it)");
-    c.optimizer.beta2 = 0.99;  // the value training uses (and the serialized config shows)
+               num(c.optimizer.beta2()) + " is replaced by 0.99 (set cycle_momentum false to keep it)");
+    // The value training uses (and the serialized config shows).
+    (c.optimizer.type == OptimizerType::kLamb ? c.optimizer.lamb.beta2 : c.optimizer.adam.beta2) = 0.99;
   }
   parse_zero(r, c.zero);
   parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
@@ -935,17 +941,6 @@ const char* optimizer_type_name(OptimizerType t) {
     case OptimizerType::kAdam: return "Adam";
     case OptimizerType::kAdamW: return "AdamW";
     case OptimizerType::kLamb: return "Lamb";
-  }
-  return "?";
-}
-
-const char* scheduler_type_name(SchedulerType t) {
-  switch (t) {
-    case SchedulerType::kConstant: return "constant";
-    case SchedulerType::kWarmupLR: return "WarmupLR";
-    case SchedulerType::kWarmupDecayLR: return "WarmupDecayLR";
-    case SchedulerType::kWarmupCosineLR: return "WarmupCosineLR";
-    case SchedulerType::kOneCycle: return "OneCycle";
   }
   return "?";
 }

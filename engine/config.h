@@ -25,7 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "engine/config_text.h"
 #include "engine/model.h"
+#include "optim/optim.h"
 
 namespace zinc {
 
@@ -40,65 +42,29 @@ const char* optimizer_type_name(OptimizerType t);  // "Adam" | "AdamW" | "Lamb"
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
-  double lr = 1e-3;                   // params.lr (the schedule's base for WarmupCosineLR)
-  double beta1 = 0.9, beta2 = 0.999;  // params.betas: [b1, b2]
-  double eps = 1e-8;                  // params.eps
-  double weight_decay = 0.0;          // params.weight_decay
-  // params.adam_w_mode: decoupled (AdamW) weight decay. DeepSpeed's "Adam"
-  // defaults to true as well; false gives L2-style Adam.
-  bool adam_w_mode = true;
-  bool bias_correction = true;  // params.bias_correction
-  // Lamb only (DeepSpeed's FusedLamb): the per-tensor trust ratio
-  // ||w|| / ||update|| is clamped to [min_coeff, max_coeff]; eps_inside_sqrt
-  // adds eps under the square root (sqrt(v + eps)) instead of after it.
-  // Lamb adds no memory (the same master, m and v as Adam) but reads the
-  // state twice per step: once for the norms, once for the update.
-  double max_coeff = 10.0;      // params.max_coeff
-  double min_coeff = 0.01;      // params.min_coeff
-  bool eps_inside_sqrt = false;  // params.eps_inside_sqrt
+  // optimizer.params: optim's own parameters (optim/optim.h, DeepSpeed's
+  // names and defaults there). The section fills the struct of its type;
+  // the other keeps its defaults and is not used.
+  optim::AdamParams adam;  // Adam, AdamW
+  optim::LambParams lamb;  // Lamb
+
+  // The keys both share, as the section's type has them.
+  double lr() const { return type == OptimizerType::kLamb ? lamb.lr : adam.lr; }
+  double beta1() const { return type == OptimizerType::kLamb ? lamb.beta1 : adam.beta1; }
+  double beta2() const { return type == OptimizerType::kLamb ? lamb.beta2 : adam.beta2; }
+  double eps() const { return type == OptimizerType::kLamb ? lamb.eps : adam.eps; }
+  double weight_decay() const { return type == OptimizerType::kLamb ? lamb.weight_decay : adam.weight_decay; }
+  bool bias_correction() const { return type == OptimizerType::kLamb ? lamb.bias_correction : adam.bias_correction; }
 
   bool operator==(const OptimizerConfig&) const = default;
 };
 
-// scheduler.type; kConstant when there is no scheduler section.
-enum class SchedulerType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
+// scheduler: optim's own parameters (optim/optim.h), parsed straight into.
+using SchedulerType = optim::ScheduleType;  // kConstant when there is no scheduler section
+using WarmupType = optim::WarmupType;       // scheduler.params.warmup_type
+using SchedulerConfig = optim::ScheduleParams;
 // "constant" | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle"
-const char* scheduler_type_name(SchedulerType t);
-
-// scheduler.params.warmup_type
-enum class WarmupType { kLog, kLinear };
-
-struct SchedulerConfig {
-  SchedulerType type = SchedulerType::kConstant;
-  // WarmupLR / WarmupDecayLR: the lr rises from warmup_min_lr to
-  // warmup_max_lr over warmup_num_steps optimizer steps.
-  double warmup_min_lr = 0.0;
-  double warmup_max_lr = 0.001;
-  int64_t warmup_num_steps = 1000;
-  WarmupType warmup_type = WarmupType::kLog;
-  // WarmupDecayLR / WarmupCosineLR: the step at which the decay ends
-  // (required for those, no default).
-  int64_t total_num_steps = 0;
-  // WarmupCosineLR: ratios of the optimizer's lr.
-  double warmup_min_ratio = 0.0;
-  double cos_min_ratio = 0.0001;
-  // OneCycle (formulas: optim/optim.h): the lr climbs from cycle_min_lr to
-  // cycle_max_lr over cycle_first_step_size steps and falls back over
-  // cycle_second_step_size (-1: the same), then decays by decay_lr_rate every
-  // decay_step_size steps (0: holds cycle_min_lr). With cycle_momentum the
-  // optimizer's beta1 moves inversely between cycle_max_mom and
-  // cycle_min_mom (and, as in DeepSpeed, beta2 becomes 0.99).
-  double cycle_min_lr = 0.0, cycle_max_lr = 0.0;  // required
-  double decay_lr_rate = 0.0;
-  int64_t cycle_first_step_size = 2000;
-  int64_t cycle_second_step_size = -1;
-  int64_t decay_step_size = 0;
-  bool cycle_momentum = true;
-  double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
-  double decay_mom_rate = 0.0;
-
-  bool operator==(const SchedulerConfig&) const = default;
-};
+inline const char* scheduler_type_name(SchedulerType t) { return optim::schedule_type_name(t); }
 
 // Where a ZeRO state lives (offload_optimizer.device, offload_param.device).
 enum class OffloadDevice {
@@ -364,30 +330,5 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& origi
 // that is not UTF-8, and a path and value nested deeper than
 // kMaxConfigDepth together.
 void apply_override(nlohmann::json& j, const std::string& assignment);
-
-namespace config {
-// A key as a JSON path or a message shows it: control characters as JSON
-// escapes (\u0000). A NUL would end the C string that what() hands to
-// printf or to Python and cut the message short; a newline would break the
-// one-line error.
-inline std::string key_text(std::string_view key) {
-  std::string out;
-  out.reserve(key.size());
-  for (char ch : key) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c < 0x20 || c == 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out;
-}
-}  // namespace config
-
-// The nearest of `candidates` to `key` by edit distance, or "" if none is close.
-std::string did_you_mean(const std::string& key, const std::vector<std::string>& candidates);
 
 }  // namespace zinc

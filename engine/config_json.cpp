@@ -92,17 +92,17 @@ json to_json(const Config& c) {
   j["data_types"] = {{"grad_accum_dtype", std::string(dtype_name(c.grad_accum_dtype))}};
   j["communication_data_type"] =
       c.communication_data_type ? json(std::string(dtype_name(*c.communication_data_type))) : json(nullptr);
-  json op = {{"lr", o.lr},
-             {"betas", {o.beta1, o.beta2}},
-             {"eps", o.eps},
-             {"weight_decay", o.weight_decay},
-             {"bias_correction", o.bias_correction}};
+  json op = {{"lr", o.lr()},
+             {"betas", {o.beta1(), o.beta2()}},
+             {"eps", o.eps()},
+             {"weight_decay", o.weight_decay()},
+             {"bias_correction", o.bias_correction()}};
   if (o.type == OptimizerType::kLamb) {
-    op["max_coeff"] = o.max_coeff;
-    op["min_coeff"] = o.min_coeff;
-    op["eps_inside_sqrt"] = o.eps_inside_sqrt;
+    op["max_coeff"] = o.lamb.max_coeff;
+    op["min_coeff"] = o.lamb.min_coeff;
+    op["eps_inside_sqrt"] = o.lamb.eps_inside_sqrt;
   } else {
-    op["adam_w_mode"] = o.adam_w_mode;
+    op["adam_w_mode"] = o.adam.adam_w_mode;
   }
   j["optimizer"] = {{"type", optimizer_type_name(o.type)}, {"params", op}};
   j["scheduler"] = scheduler_json(c.scheduler);

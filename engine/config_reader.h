@@ -30,7 +30,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/config.h"
+#include "engine/config_text.h"
 
 namespace zinc::config {
 

@@ -32,7 +32,7 @@ void Config::validate() const {
     throw ConfigError("data_types.grad_accum_dtype", "only \"fp32\" is implemented, got \"" +
                                                          std::string(dtype_name(grad_accum_dtype)) + "\"");
   }
-  if (optimizer.type == OptimizerType::kAdamW && !optimizer.adam_w_mode) {
+  if (optimizer.type == OptimizerType::kAdamW && !optimizer.adam.adam_w_mode) {
     throw ConfigError("optimizer.params.adam_w_mode", "type AdamW needs adam_w_mode true");
   }
   if ((scheduler.type == SchedulerType::kWarmupDecayLR || scheduler.type == SchedulerType::kWarmupCosineLR) &&

@@ -10,11 +10,15 @@
 // compute copy with bf16 / fp16 on), the gradient accumulators and the optimizer states, laid out
 // as one flat vector per model block (see engine/model.h).
 //
-// Data parallelism (see Note [ZeRO stages] in engine.cpp): with a
+// Data parallelism (Note [ZeRO stages] in engine/shard.h): with a
 // communicator of N ranks every rank runs the same model on its own part of
 // each global batch; zero_optimization.stage picks what each rank keeps:
 // 0 everything (gradients all-reduced), 1 the optimizer state of its own
-// shard of every block, 2 also only its own shard of the reduced gradients.
+// shard of every block, 2 also only its own shard of the reduced gradients,
+// 3 also only its own shard of the parameters, gathered block by block
+// while the model uses them. Optimizer states can live in RAM, page-locked
+// RAM or on NVMe, and with "device": "cuda" the model computes on the GPU
+// (ZeRO-Offload, or the states on the GPU).
 // Every rank must make the same calls in the same order. After the backward
 // that ends a global batch, step() must run before the next forward().
 //
@@ -31,28 +35,12 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
-#include "engine/config.h"
 #include "data/data.h"
+#include "engine/config.h"
+#include "engine/engine_stats.h"
 #include "engine/model.h"
 
 namespace zinc {
-
-// Time spent per phase since the engine started (wall_clock_breakdown).
-struct StepTimings {
-  double forward_s = 0, backward_s = 0, step_s = 0;
-};
-
-// ZeRO-3's parameter gathers since the engine started (all zero below stage
-// 3 or with one rank). Sizes in elements.
-struct ParamGatherStats {
-  int64_t live_numel = 0;       // elements of the blocks gathered or gathering now
-  int64_t peak_live_numel = 0;  // ... at most
-  int64_t gathers = 0;          // all-gathers of a block submitted
-  int64_t prefetched = 0;       // ... of which by a prefetch along the trace, ahead of the acquire
-  int64_t waited = 0;           // acquires that found their block's gather still running
-  int64_t trace_length = 0;     // acquires per training pass in the recorded order (0: none yet)
-  int64_t departures = 0;       // training passes that left the recorded order
-};
 
 class Engine {
  public:

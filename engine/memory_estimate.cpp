@@ -112,10 +112,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       train_params.push_back({std::string("parameters (") + dname + " compute copy)", es * padded_all,
                               std::to_string(es) + " B x " + millions(padded_all) + " elements"});
   } else {
-    ParamCoordinator::Options co;
-    co.persistence_numel = z.stage3_param_persistence_threshold;
-    co.model_persistence_numel = z.stage3_model_persistence_threshold;
-    const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, co);
+    const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, z);
     int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, np_read = 0, max_np_read = 0,
             max_np_padded = 0;
     for (size_t b = 0; b < parts.size(); ++b) {

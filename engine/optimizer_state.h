@@ -4,7 +4,7 @@
 // at stage 0, else the rank's shard) live in RAM, in page-locked RAM
 // (offload_optimizer.device "cpu") or on NVMe ("nvme", streamed through the
 // offload swapper). One visitor, for_each, walks every span wherever it
-// lives; the Adam update uses it, and checkpoints will.
+// lives; the Adam update and checkpoints (their save and load) use it.
 // Threading: the training thread only.
 #pragma once
 

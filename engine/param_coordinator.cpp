@@ -79,7 +79,7 @@ int64_t round_up_4k(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 // after its update, so stages 2 and 3 give bit-identical results.
 
 ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
-                                   comm::CommStream* gather, StateMemory& memory, const Options& options,
+                                   comm::CommStream* gather, StateMemory& memory, const ZeroConfig& zero,
                                    std::unique_ptr<offload::NvmeStore> nvme, bool pin)
     : nvme_(std::move(nvme)),
       pin_(pin),
@@ -88,13 +88,13 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
       compute_(compute),
       gather_(gather),
       memory_(&memory),
-      options_(options),
+      zero_(zero),
       last_pos_(blocks.size(), 0) {
   if (!plan_.params_sharded) return;
   ZINC_CHECK(gather_ != nullptr, "stage 3 with several ranks needs the gather stream");
   std::vector<BlockLayout> layouts;
   for (const BlockShard& s : blocks_) layouts.push_back(s.layout);
-  const std::vector<bool> keep = persistent_blocks(layouts, options_);
+  const std::vector<bool> keep = persistent_blocks(layouts, zero_);
   for (size_t b = 0; b < blocks_.size(); ++b) {
     BlockShard& s = blocks_[b];
     ZINC_CHECK(s.own_compute() != nullptr, "stage 3: the compute shard is set before the coordinator");
@@ -106,12 +106,13 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
 }
 
 std::vector<bool> ParamCoordinator::persistent_blocks(const std::vector<BlockLayout>& layouts,
-                                                      const Options& options) {
+                                                      const ZeroConfig& zero) {
   std::vector<bool> keep;
   int64_t persisting = 0;  // elements of the persistent blocks so far, in block order
   for (const BlockLayout& l : layouts) {
     const int64_t n = l.param_numel();  // as DeepSpeed counts: the parameters' own elements
-    const bool k = n <= options.persistence_numel && n <= options.model_persistence_numel - persisting;
+    const bool k = n <= zero.stage3_param_persistence_threshold &&
+                   n <= zero.stage3_model_persistence_threshold - persisting;
     if (k) persisting += n;
     keep.push_back(k);
   }
@@ -180,7 +181,7 @@ BlockParams ParamCoordinator::acquire(int block) {
     if (s.param_state == ParamState::kSharded) {
       // On demand: make room first, so that the live elements pass the limit
       // by at most this block.
-      for (size_t b = 0; b < blocks_.size() && stats_.live_numel + s.part.padded_numel > options_.max_live_numel;
+      for (size_t b = 0; b < blocks_.size() && stats_.live_numel + s.part.padded_numel > zero_.stage3_max_live_parameters;
            ++b) {
         BlockShard& k = blocks_[b];
         if (k.param_state == ParamState::kGathered && k.held == 0 && !k.persistent) free_gathered(k);
@@ -212,7 +213,7 @@ bool ParamCoordinator::keep_after_release(int block) const {
   if (s.persistent) return true;
   if (pass_ != Pass::kTrain || mode_ != Mode::kFollowing) return false;
   const size_t pos = last_pos_[static_cast<size_t>(block)];
-  return pos < reuse_at_.size() && reuse_at_[pos] <= options_.max_reuse_distance;
+  return pos < reuse_at_.size() && reuse_at_[pos] <= zero_.stage3_max_reuse_distance;
 }
 
 int ParamCoordinator::first_held() const {
@@ -375,7 +376,7 @@ void ParamCoordinator::prefetch_from(size_t pos) {
     const int64_t n = s.part.padded_numel;
     if (s.param_state == ParamState::kGathering) ahead += n;
     if (s.param_state != ParamState::kSharded) continue;
-    if (ahead + n > options_.prefetch_numel || stats_.live_numel + n > options_.max_live_numel) break;
+    if (ahead + n > zero_.stage3_prefetch_bucket_size || stats_.live_numel + n > zero_.stage3_max_live_parameters) break;
     start_gather(s, /*prefetch=*/true);
     ahead += n;
   }
@@ -453,7 +454,7 @@ void ParamCoordinator::gather_all_stages_1_2() {
   for (BlockShard& s : blocks_) {
     group.push_back(&s);
     group_numel += s.part.padded_numel;
-    if (group_numel >= options_.allgather_bucket_numel) submit();
+    if (group_numel >= zero_.allgather_bucket_size) submit();
   }
   submit();
   gather_->synchronize();

@@ -29,7 +29,8 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
-#include "engine/engine.h"
+#include "engine/config.h"
+#include "engine/engine_stats.h"
 #include "engine/model.h"
 #include "engine/shard.h"
 
@@ -38,15 +39,9 @@ namespace zinc {
 class ParamCoordinator {
  public:
   // Sizes in elements; defaults are DeepSpeed's.
-  struct Options {
-    int64_t allgather_bucket_numel = 500000000;  // allgather_bucket_size (stages 1, 2)
-    // Stage 3 only:
-    int64_t prefetch_numel = 50000000;        // stage3_prefetch_bucket_size: elements gathered ahead
-    int64_t persistence_numel = 100000;       // stage3_param_persistence_threshold: blocks this small stay
-    int64_t model_persistence_numel = INT64_MAX;  // stage3_model_persistence_threshold: all persistent blocks
-    int64_t max_live_numel = 1000000000;      // stage3_max_live_parameters: elements gathered at once
-    int64_t max_reuse_distance = 1000000000;  // stage3_max_reuse_distance: elements until the next use
-  };
+  // Its settings are zero_optimization's own (engine/config.h, where each
+  // default and cost is written): allgather_bucket_size (stages 1-2) and the
+  // stage3_* limits.
 
   // Where acquires come from: a training micro-step (forward and backward,
   // traced and prefetched) or an evaluation forward (gathered on demand).
@@ -59,13 +54,13 @@ class ParamCoordinator {
   // owns it and, after the constructor, uses it only from the gather
   // stream's thread. `pin` page-locks the buffers shards are read into.
   ParamCoordinator(const StagePlan& plan, std::vector<BlockShard>& blocks, DType compute,
-                   comm::CommStream* gather, StateMemory& memory, const Options& options,
+                   comm::CommStream* gather, StateMemory& memory, const ZeroConfig& zero,
                    std::unique_ptr<offload::NvmeStore> nvme = nullptr, bool pin = false);
   ~ParamCoordinator();
   // Stage 3: which blocks stay gathered (stage3_param_persistence_threshold,
   // and stage3_model_persistence_threshold over the blocks in order), from
   // their layouts alone.
-  static std::vector<bool> persistent_blocks(const std::vector<BlockLayout>& layouts, const Options& options);
+  static std::vector<bool> persistent_blocks(const std::vector<BlockLayout>& layouts, const ZeroConfig& zero);
   // Bytes a block's compute shard takes in the parameter file and in each
   // buffer it is read into or written from (4 KiB-aligned for O_DIRECT).
   static int64_t nvme_shard_bytes(const Partition& part, DType compute);
@@ -154,7 +149,7 @@ class ParamCoordinator {
   DType compute_;
   comm::CommStream* gather_ = nullptr;
   StateMemory* memory_ = nullptr;
-  Options options_;
+  ZeroConfig zero_;
 
   Pass pass_ = Pass::kNone;
   Mode mode_ = Mode::kRecording;

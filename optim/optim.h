@@ -33,13 +33,19 @@
 
 namespace zinc::optim {
 
+// DeepSpeed's optimizer.params for Adam and AdamW (the config parses straight
+// into them: engine/config.h's OptimizerConfig), with DeepSpeed's defaults.
 struct AdamParams {
-  double lr = 1e-3;
-  double beta1 = 0.9, beta2 = 0.999;
+  double lr = 1e-3;                   // lr (the schedule's base for WarmupCosineLR)
+  double beta1 = 0.9, beta2 = 0.999;  // betas: [b1, b2]
   double eps = 1e-8;
   double weight_decay = 0.0;
+  // adam_w_mode: decoupled (AdamW) weight decay. DeepSpeed's "Adam"
+  // defaults to true as well; false gives L2-style Adam.
   bool adam_w_mode = true;
   bool bias_correction = true;
+
+  bool operator==(const AdamParams&) const = default;
 };
 
 enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
@@ -103,6 +109,11 @@ double clip_coefficient(double norm, double max_norm);
 // over ranks by the caller, lamb_trust_ratio per tensor, then lamb_apply over
 // every span. lamb_step does all three for one span holding whole tensors.
 // Same ISA paths, dispatch and determinism rules as adam_step.
+// DeepSpeed's optimizer.params for Lamb (its FusedLamb, the defaults its
+// own): the per-tensor trust ratio ||w|| / ||update|| is clamped to
+// [min_coeff, max_coeff]. Lamb adds no memory over Adam (the same master, m
+// and v) but reads the state twice per step: once for the norms, once for
+// the update.
 struct LambParams {
   double lr = 1e-3;
   double beta1 = 0.9, beta2 = 0.999;
@@ -111,6 +122,8 @@ struct LambParams {
   bool bias_correction = true;
   bool eps_inside_sqrt = false;  // eps added under the square root: sqrt(v + eps)
   double max_coeff = 10.0, min_coeff = 0.01;
+
+  bool operator==(const LambParams&) const = default;
 };
 
 // A run of a span's elements [begin, end) that belongs to parameter tensor
@@ -165,21 +178,47 @@ std::vector<double> lamb_step(const LambParams& p, int64_t step, float grad_scal
 // or the rate is 0). With cycle_momentum DeepSpeed sets the optimizer's betas
 // to (beta1, 0.99): beta2 is 0.99 whatever the optimizer's section says.
 // The stair counts DeepSpeed stores but never uses.
+
+// scheduler.type; kConstant when there is no scheduler section.
+enum class ScheduleType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
+// "constant" | "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle"
+const char* schedule_type_name(ScheduleType t);
+
+// scheduler.params.warmup_type
+enum class WarmupType { kLog, kLinear };
+
+// DeepSpeed's scheduler section (the config parses straight into it:
+// engine/config.h's SchedulerConfig); defaults as DeepSpeed's.
 struct ScheduleParams {
-  std::string type;  // "" = constant base_lr, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"
-  double base_lr = 1e-3;  // the optimizer's lr (constant, and WarmupCosineLR's reference)
-  double warmup_min_lr = 0.0, warmup_max_lr = 0.001;
+  ScheduleType type = ScheduleType::kConstant;
+  // WarmupLR / WarmupDecayLR: the lr rises from warmup_min_lr to
+  // warmup_max_lr over warmup_num_steps optimizer steps.
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 0.001;
   int64_t warmup_num_steps = 1000;
-  std::string warmup_type = "log";  // "log" | "linear"
+  WarmupType warmup_type = WarmupType::kLog;
+  // WarmupDecayLR / WarmupCosineLR: the step at which the decay ends
+  // (required for those, no default).
   int64_t total_num_steps = 0;
-  double warmup_min_ratio = 0.0, cos_min_ratio = 0.0001;
-  // OneCycle
-  double cycle_min_lr = 0.0, cycle_max_lr = 0.0, decay_lr_rate = 0.0;
+  // WarmupCosineLR: ratios of the optimizer's lr.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 0.0001;
+  // OneCycle (formulas above): the lr climbs from cycle_min_lr to
+  // cycle_max_lr over cycle_first_step_size steps and falls back over
+  // cycle_second_step_size (-1: the same), then decays by decay_lr_rate every
+  // decay_step_size steps (0: holds cycle_min_lr). With cycle_momentum the
+  // optimizer's beta1 moves inversely between cycle_max_mom and
+  // cycle_min_mom (and, as in DeepSpeed, beta2 becomes 0.99).
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0;  // required
+  double decay_lr_rate = 0.0;
   int64_t cycle_first_step_size = 2000;
-  int64_t cycle_second_step_size = -1;  // -1: cycle_first_step_size
+  int64_t cycle_second_step_size = -1;
   int64_t decay_step_size = 0;
   bool cycle_momentum = true;
-  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
+
+  bool operator==(const ScheduleParams&) const = default;
 };
 
 // The Adam/Lamb betas a schedule sets for a step (OneCycle with
@@ -190,10 +229,12 @@ struct ScheduleBetas {
 
 class LrSchedule {
  public:
-  explicit LrSchedule(ScheduleParams p);
+  // base_lr: the optimizer's lr (the constant schedule's, and
+  // WarmupCosineLR's reference).
+  LrSchedule(ScheduleParams p, double base_lr);
   double lr_at(int64_t step) const;
   // True where betas_at gives a value (OneCycle with cycle_momentum).
-  bool sets_betas() const { return p_.type == "OneCycle" && p_.cycle_momentum; }
+  bool sets_betas() const { return p_.type == ScheduleType::kOneCycle && p_.cycle_momentum; }
   // The betas used by optimizer step `step` where sets_betas().
   ScheduleBetas betas_at(int64_t step) const;
   const ScheduleParams& params() const { return p_; }
@@ -204,6 +245,7 @@ class LrSchedule {
   int64_t second_step_size() const;
   double warmup_gamma(int64_t step) const;  // in [0, 1) during warmup
   ScheduleParams p_;
+  double base_lr_;
   int64_t warmup_steps_;  // max(2, warmup_num_steps), as DeepSpeed
 };
 

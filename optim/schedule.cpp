@@ -6,12 +6,20 @@
 
 namespace zinc::optim {
 
-LrSchedule::LrSchedule(ScheduleParams p) : p_(std::move(p)) {
+const char* schedule_type_name(ScheduleType t) {
+  switch (t) {
+    case ScheduleType::kConstant: return "constant";
+    case ScheduleType::kWarmupLR: return "WarmupLR";
+    case ScheduleType::kWarmupDecayLR: return "WarmupDecayLR";
+    case ScheduleType::kWarmupCosineLR: return "WarmupCosineLR";
+    case ScheduleType::kOneCycle: return "OneCycle";
+  }
+  return "?";
+}
+
+LrSchedule::LrSchedule(ScheduleParams p, double base_lr) : p_(std::move(p)), base_lr_(base_lr) {
   warmup_steps_ = std::max<int64_t>(2, p_.warmup_num_steps);
-  if (!p_.type.empty() && p_.type != "WarmupLR" && p_.type != "WarmupDecayLR" &&
-      p_.type != "WarmupCosineLR" && p_.type != "OneCycle")
-    throw Error("unknown learning-rate schedule '" + p_.type + "'");
-  if (p_.type == "OneCycle" && p_.cycle_first_step_size + second_step_size() <= 0)
+  if (p_.type == ScheduleType::kOneCycle && p_.cycle_first_step_size + second_step_size() <= 0)
     throw Error("OneCycle: cycle_first_step_size + cycle_second_step_size must be > 0");
 }
 
@@ -50,24 +58,24 @@ ScheduleBetas LrSchedule::betas_at(int64_t s) const {
 }
 
 double LrSchedule::warmup_gamma(int64_t s) const {
-  if (p_.warmup_type == "linear") return static_cast<double>(s) / static_cast<double>(warmup_steps_);
+  if (p_.warmup_type == WarmupType::kLinear) return static_cast<double>(s) / static_cast<double>(warmup_steps_);
   return std::log(static_cast<double>(s + 1)) / std::log(static_cast<double>(warmup_steps_));
 }
 
 double LrSchedule::lr_at(int64_t s) const {
-  const std::string& t = p_.type;
-  if (t.empty()) return p_.base_lr;
-  if (t == "OneCycle") {
+  const ScheduleType t = p_.type;
+  if (t == ScheduleType::kConstant) return base_lr_;
+  if (t == ScheduleType::kOneCycle) {
     if (in_cycle(s)) return p_.cycle_min_lr + (p_.cycle_max_lr - p_.cycle_min_lr) * one_cycle_scale(s);
     if (p_.decay_step_size == 0 || p_.decay_lr_rate == 0.0) return p_.cycle_min_lr;
     const double d = static_cast<double>(s - p_.cycle_first_step_size - second_step_size() + 1);
     return p_.cycle_min_lr / (1.0 + p_.decay_lr_rate * (d / static_cast<double>(p_.decay_step_size)));
   }
-  if (t == "WarmupLR" || t == "WarmupDecayLR") {
+  if (t == ScheduleType::kWarmupLR || t == ScheduleType::kWarmupDecayLR) {
     double gamma;
     if (s < warmup_steps_) {
       gamma = warmup_gamma(s);
-    } else if (t == "WarmupLR") {
+    } else if (t == ScheduleType::kWarmupLR) {
       gamma = 1.0;
     } else {
       double span = std::max<double>(1.0, static_cast<double>(p_.total_num_steps - warmup_steps_));
@@ -86,7 +94,7 @@ double LrSchedule::lr_at(int64_t s) const {
     double c = (1.0 + std::cos(M_PI * real_step / real_total)) / 2.0;
     ratio = std::max(0.0, p_.cos_min_ratio + (1.0 - p_.cos_min_ratio) * c);
   }
-  return p_.base_lr * ratio;
+  return base_lr_ * ratio;
 }
 
 }  // namespace zinc::optim

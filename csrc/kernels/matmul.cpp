@@ -231,10 +231,10 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
     why = "forced for testing";
   } else if (cpu_isa() < CpuIsa::kAvx512Bf16) {
     // Note [bf16 matmul without native bf16]: no bf16 arithmetic here.
-    why = cpu_isa_detected() >= CpuIsa::kAvx512Bf16
-              ? "no bf16 arithmetic under ONEDNN_MAX_CPU_ISA=" + cpu_isa_cap_env()
-              : cpu_isa() == CpuIsa::kAvx512 ? "the CPU has no bf16 arithmetic (AVX-512 without AVX512-BF16)"
-                                             : "no native bf16 on this CPU";
+    why = cpu_isa_detected() > cpu_isa() ? "no native bf16 under ONEDNN_MAX_CPU_ISA=" + cpu_isa_cap_env()
+          : cpu_isa() == CpuIsa::kAvx512
+              ? "no native bf16 on this CPU (AVX-512 without AVX512-BF16: oneDNN would emulate it, ~4x slower)"
+              : "no native bf16 on this CPU";
   } else {
     try {
       auto native = create_as(d, DType::kBF16);

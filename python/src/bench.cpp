@@ -1,13 +1,13 @@
 // zinc._zinc._bench: what bench/python_adamw_bench.py needs to measure its
 // bound in the same process as the figure: the Adam-pattern streaming probe
-// (bench/adam_probe.h), the one zinc-bench adamw runs. Private: not part of
+// (optim/adam_probe.h), the one zinc-bench adamw runs. Private: not part of
 // the package's API.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <string>
 
-#include "bench/adam_probe.h"
+#include "optim/adam_probe.h"
 
 namespace py = pybind11;
 
@@ -44,10 +44,10 @@ void bind_bench(py::module_& m) {
         float* pc = static_cast<float*>(ca.mutable_data());
         float* pd = static_cast<float*>(da.mutable_data());
         py::gil_scoped_release release;
-        zinc::bench::adam_probe(pa, pb, pc, pd, n);
+        zinc::optim::adam_probe(pa, pb, pc, pd, n);
       },
       py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"),
       "adam_probe(a, b, c, d): per element a += b; c -= b; d = 0.5 d + b (read 4 float32 arrays, write 3: "
       "28 bytes), threaded like the optimizer; zinc-bench adamw's bound. Releases the GIL.");
-  b.attr("ADAM_PROBE_BYTES") = zinc::bench::kAdamProbeBytes;
+  b.attr("ADAM_PROBE_BYTES") = zinc::optim::kAdamProbeBytes;
 }

@@ -84,7 +84,7 @@ TEST(CheckpointSafety, UnsafeTagsAreRefusedAndNothingIsRemoved) {
   run.train(1);
   run.engine.save_checkpoint(dir);
   const std::set<std::string> before = entries(dir);
-  for (const std::string bad :
+  for (const std::string& bad :
        {std::string("\0", 1), std::string("a\0b", 3), std::string("latest"), std::string("step1 "), std::string(" x"),
         std::string("../escape"), std::string("a/b"), std::string(".hidden"), std::string("-x"), std::string(""),
         std::string(201, 'a'), std::string("caf\xc3\xa9"), std::string("tab\there")}) {

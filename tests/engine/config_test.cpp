@@ -53,12 +53,12 @@ TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
   EXPECT_EQ(c.grad_accum_dtype, DType::kF32);
   EXPECT_FALSE(c.communication_data_type.has_value());
   EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
-  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
-  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
-  EXPECT_TRUE(c.optimizer.adam_w_mode);
-  EXPECT_TRUE(c.optimizer.bias_correction);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.eps, 1e-8);
+  EXPECT_TRUE(c.optimizer.adam.adam_w_mode);
+  EXPECT_TRUE(c.optimizer.adam.bias_correction);
   EXPECT_EQ(c.scheduler.type, SchedulerType::kConstant);
   EXPECT_EQ(c.zero.stage, 0);
   EXPECT_FALSE(c.zero.overlap_comm);  // stage 0: DeepSpeed's default is false
@@ -361,7 +361,7 @@ TEST(ConfigAccepts, DeepSpeedSpellingsAndForms) {
   }));
   EXPECT_TRUE(c.bf16);
   EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.beta2, 0.95);
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
   EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 20000000);
   EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 10000);
@@ -415,11 +415,11 @@ TEST(ConfigAccepts, AdamWModeFollowsTheType) {
   Config adam =
       Config::parse(with({{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}}));
   EXPECT_EQ(adam.optimizer.type, OptimizerType::kAdam);
-  EXPECT_FALSE(adam.optimizer.adam_w_mode);
-  EXPECT_TRUE(Config::parse(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam_w_mode);
+  EXPECT_FALSE(adam.optimizer.adam.adam_w_mode);
+  EXPECT_TRUE(Config::parse(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam.adam_w_mode);
   Config adamw =
       Config::parse(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"adam_w_mode", false}}}}}}));
-  EXPECT_TRUE(adamw.optimizer.adam_w_mode);
+  EXPECT_TRUE(adamw.optimizer.adam.adam_w_mode);
   EXPECT_TRUE(any_warning_has(adamw, "optimizer.params.adam_w_mode"));
 }
 
@@ -453,10 +453,10 @@ TEST(ConfigAccepts, Schedulers) {
 TEST(ConfigAccepts, LambWithEveryFusedLambParameter) {
   Config d = Config::parse(with({{"optimizer", {{"type", "lamb"}}}}));
   EXPECT_EQ(d.optimizer.type, OptimizerType::kLamb);
-  EXPECT_DOUBLE_EQ(d.optimizer.max_coeff, 10.0);  // FusedLamb's defaults
-  EXPECT_DOUBLE_EQ(d.optimizer.min_coeff, 0.01);
-  EXPECT_FALSE(d.optimizer.eps_inside_sqrt);
-  EXPECT_TRUE(d.optimizer.bias_correction);
+  EXPECT_DOUBLE_EQ(d.optimizer.lamb.max_coeff, 10.0);  // FusedLamb's defaults
+  EXPECT_DOUBLE_EQ(d.optimizer.lamb.min_coeff, 0.01);
+  EXPECT_FALSE(d.optimizer.lamb.eps_inside_sqrt);
+  EXPECT_TRUE(d.optimizer.lamb.bias_correction);
   Config c = Config::parse(with({{"optimizer",
                                   {{"type", "LAMB"},
                                    {"params",
@@ -472,15 +472,15 @@ TEST(ConfigAccepts, LambWithEveryFusedLambParameter) {
                                      {"amsgrad", false}}}}}}));
   EXPECT_EQ(c.optimizer.type, OptimizerType::kLamb);
   EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "Lamb");
-  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.002);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
-  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
-  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
-  EXPECT_FALSE(c.optimizer.bias_correction);
-  EXPECT_DOUBLE_EQ(c.optimizer.max_coeff, 5.0);
-  EXPECT_DOUBLE_EQ(c.optimizer.min_coeff, 0.1);
-  EXPECT_TRUE(c.optimizer.eps_inside_sqrt);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.lr, 0.002);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.weight_decay, 0.01);
+  EXPECT_FALSE(c.optimizer.lamb.bias_correction);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.max_coeff, 5.0);
+  EXPECT_DOUBLE_EQ(c.optimizer.lamb.min_coeff, 0.1);
+  EXPECT_TRUE(c.optimizer.lamb.eps_inside_sqrt);
   EXPECT_TRUE(c.warnings.empty());
 }
 
@@ -672,8 +672,8 @@ TEST(ConfigOverride, ParsesJsonValuesAndBareWords) {
   apply_override(j, "optimizer.params.betas.1=0.95");
   EXPECT_DOUBLE_EQ(j["optimizer"]["params"]["betas"][1].get<double>(), 0.95);
   Config c = Config::parse(j);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
-  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.adam.beta2, 0.95);
   EXPECT_TRUE(c.bf16);
   EXPECT_EQ(c.csv_monitor.output_path, "runs/a=b");
 }

@@ -73,8 +73,8 @@ TEST(ParamCoordinator, GatherAfterStepBringsEveryRanksShardInFp32AndBf16) {
     for (int64_t bucket : {int64_t{1}, int64_t{1} << 30}) {
       Blocks f(dt);
       StateMemory memory;
-      ParamCoordinator::Options o;
-      o.allgather_bucket_numel = bucket;
+      ZeroConfig o;
+      o.allgather_bucket_size = bucket;
       ParamCoordinator pc(StagePlan::make(1, g_world->size()), f.blocks, dt, &gather, memory, o);
       pc.gather_after_step();
       f.expect_gathered(std::string(dtype_name(dt)) + " bucket " + std::to_string(bucket));
@@ -97,8 +97,8 @@ TEST(ParamCoordinator, GathersFinishWhileTheReductionStreamIsBusy) {
   });
   Blocks f(DType::kBF16);
   StateMemory memory;
-  ParamCoordinator::Options o;
-  o.allgather_bucket_numel = 1;
+  ZeroConfig o;
+  o.allgather_bucket_size = 1;
   ParamCoordinator pc(StagePlan::make(2, g_world->size()), f.blocks, DType::kBF16, &gather, memory, o);
   pc.gather_after_step();
   gathered.set_value();

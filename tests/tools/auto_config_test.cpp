@@ -148,7 +148,7 @@ TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
   ASSERT_NE(find(r, "optimizer.type"), nullptr);
   EXPECT_NE(find(r, "optimizer.type")->source.find("no optimizer section"), std::string::npos);
   const ParsedExperiment p = parse_experiment(doc, 1);
-  EXPECT_EQ(p.config.optimizer.lr, 2e-3);
+  EXPECT_EQ(p.config.optimizer.lr(), 2e-3);
 }
 
 // Accelerate's ZeRO-3 templates leave stage3_gather_16bit_weights_on_model_save

@@ -1,10 +1,10 @@
-#include "bench/adam_probe.h"
+#include "optim/adam_probe.h"
 
 #include <algorithm>
 
 #include "core/parallel.h"
 
-namespace zinc::bench {
+namespace zinc::optim {
 
 void probe_range_avx512(float* a, const float* b, float* c, float* d, int64_t lo, int64_t hi);
 
@@ -40,4 +40,4 @@ void adam_probe(float* a, const float* b, float* c, float* d, int64_t n) {
   });
 }
 
-}  // namespace zinc::bench
+}  // namespace zinc::optim

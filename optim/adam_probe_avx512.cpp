@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace zinc::bench {
+namespace zinc::optim {
 
 void probe_range_avx512(float* a, const float* b, float* c, float* d, int64_t lo, int64_t hi) {
   const __m512 half = _mm512_set1_ps(0.5f);
@@ -23,4 +23,4 @@ void probe_range_avx512(float* a, const float* b, float* c, float* d, int64_t lo
   }
 }
 
-}  // namespace zinc::bench
+}  // namespace zinc::optim

@@ -1,0 +1,283 @@
+// The checkpoint protocol of Engine::Impl (engine_impl.h): every rank
+// writes its spans of the optimizer states, rank 0 seals the metadata and
+// commits the tag, and a load verifies everything before it changes
+// anything. The format, its checks and the commit are checkpoint.cpp's
+// (Note [checkpoints] there).
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/checkpoint.h"
+#include "engine/engine_impl.h"
+#include "kernels/kernels.h"
+
+namespace zinc {
+
+int Engine::Impl::failed_rank(bool failed) {
+  double v = failed ? rank + 1 : 0;
+  if (reduce_stream) reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
+  return static_cast<int>(v);
+}
+
+std::string Engine::Impl::agree_on_tag(const std::string& tag) {
+  if (world == 1) return tag;
+  std::array<char, ckpt::kMaxTagBytes + 2> buf{};  // even: broadcast in 2-byte elements
+  if (rank == 0) std::memcpy(buf.data(), tag.data(), tag.size());
+  gather_stream->submit([&buf](comm::Communicator& c) {
+    c.broadcast(buf.data(), static_cast<int64_t>(buf.size() / 2), DType::kBF16, 0);
+  }).wait();
+  const std::string root_tag(buf.data());
+  const bool differs = root_tag != tag;
+  const int bad = failed_rank(differs);
+  const TagValidation tv = cfg.checkpoint.tag_validation;
+  if (bad == 0 || tv == TagValidation::kIgnore) return root_tag;
+  const std::string what =
+      differs ? "rank " + std::to_string(rank) + " passed checkpoint tag \"" + tag + "\" but rank 0 passed \"" +
+                    root_tag + "\""
+              : "rank " + std::to_string(bad - 1) + " passed another checkpoint tag than rank 0's \"" + root_tag + "\"";
+  if (tv == TagValidation::kFail) throw Error(what + " (checkpoint.tag_validation is Fail; nothing was saved)");
+  if (differs || rank == 0) log_warn(what + "; saving under rank 0's tag (checkpoint.tag_validation: Warn)");
+  return root_tag;
+}
+
+void Engine::Impl::check_between_batches(const char* what) const {
+  if (forward_pending || micro_steps % cfg.gradient_accumulation_steps != 0)
+    throw Error(std::string(what) + " must come between global batches (after step() at an accumulation "
+                "boundary), not after micro-step " + std::to_string(micro_steps));
+  // A boundary backward whose step() has not run: its gradients and losses
+  // (and on the GPU its reductions in flight) belong to that step.
+  if (loss_count != 0)
+    throw Error(std::string(what) + " must come after step(): the global batch ending at micro-step " +
+                std::to_string(micro_steps) + " has not been stepped");
+}
+
+nlohmann::json Engine::Impl::blocks_json() const {
+  nlohmann::json out = nlohmann::json::array();
+  const std::vector<BlockSpec>& specs = model->blocks();
+  for (size_t b = 0; b < specs.size(); ++b) {
+    nlohmann::json ps = nlohmann::json::array();
+    for (size_t p = 0; p < specs[b].params.size(); ++p)
+      ps.push_back({{"name", specs[b].params[p].name},
+                    {"shape", std::vector<int64_t>(specs[b].params[p].shape.dims.begin(),
+                                                   specs[b].params[p].shape.dims.begin() +
+                                                       specs[b].params[p].shape.ndim)},
+                    {"offset", blocks[b].layout.offsets[p]}});
+    out.push_back({{"name", specs[b].name}, {"numel", blocks[b].layout.numel}, {"params", ps}});
+  }
+  return out;
+}
+
+void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, const nlohmann::json& client_state) {
+  namespace fs = std::filesystem;
+  check_loaded("save_checkpoint");
+  check_between_batches("save_checkpoint");
+  device->make_current();
+  device->states_to_host();
+  if (tag.empty()) tag = "global_step" + std::to_string(global_steps);
+  ckpt::check_tag(tag);
+  tag = agree_on_tag(tag);
+  ckpt::count_save();
+  const std::string partial = (fs::path(dir) / ("." + tag + ".partial")).string();
+  std::string error;
+  auto attempt = [&error](const std::function<void()>& fn) {
+    if (!error.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+  auto agree = [&](const char* phase) {
+    const int bad = failed_rank(!error.empty());
+    if (bad == 0) return;
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(partial, ec);  // no partial tag is left behind
+    }
+    if (!error.empty()) throw IoError(error);
+    throw IoError("checkpoint " + (fs::path(dir) / tag).string() + ": rank " + std::to_string(bad - 1) +
+                  " failed " + phase + " (its error is on its own output); nothing was committed");
+  };
+  // Rank 0 holds the folder's lock for the save (zinc-train holds it for
+  // its whole run): another run's save could otherwise replace our tags.
+  std::optional<ckpt::DirLock> lock;
+  if (rank == 0)
+    attempt([&] {
+      lock.emplace(dir);
+      fs::remove_all(partial);
+      fs::create_directory(partial);
+    });
+  agree("to create the folder");
+  // Every rank: its spans of master, m, v, streamed span by span (from
+  // NVMe through the swapper's buffers).
+  char name[32];
+  std::snprintf(name, sizeof name, "rank%05d", rank);
+  attempt([&] {
+    std::vector<ckpt::RankWriter::Span> spans;
+    for (size_t b = 0; b < blocks.size(); ++b)
+      spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
+                       blocks[b].opt_numel});
+    ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
+    // States in RAM stay put until finish(): written from where they are.
+    const bool stable = offload_device != OffloadDevice::kNvme;
+    opt_state->for_each_read([&](const StateSpan& sp) {
+      w.write(sp.block, ckpt::kMaster, sp.offset, sp.master, sp.count, stable);
+      w.write(sp.block, ckpt::kM, sp.offset, sp.m, sp.count, stable);
+      w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count, stable);
+    });
+    nlohmann::json index = w.finish();
+    index["rank"] = rank;
+    ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
+    ckpt::fault_point("index");
+  });
+  agree("to write its shards");
+  if (rank == 0)
+    attempt([&] {
+      // Each rank's index by its size and checksum: the metadata (sealed
+      // with its own checksum) vouches for every file of the tag.
+      nlohmann::json ranks = nlohmann::json::array();
+      for (int r = 0; r < world; ++r) {
+        std::snprintf(name, sizeof name, "rank%05d.json", r);
+        std::ifstream in(fs::path(partial) / name, std::ios::binary);
+        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        if (!in.good() && !in.eof()) throw IoError("checkpoint: cannot read " + (fs::path(partial) / name).string());
+        ranks.push_back({{"file", name},
+                         {"bytes", static_cast<int64_t>(text.size())},
+                         {"xxh3_64", ckpt::xxh3_hex(text.data(), text.size())}});
+      }
+      nlohmann::json meta = {
+          {"format", "zinc-checkpoint"},
+          {"version", 2},
+          {"zinc_version", ZINC_VERSION},
+          {"tag", tag},
+          {"world_size", world},
+          {"zero_stage", cfg.zero.stage},
+          {"compute_dtype", dtype_name(dtype)},
+          {"model", model->name()},
+          {"blocks", blocks_json()},
+          {"rank_indexes", ranks},
+          {"training",
+           {{"global_steps", global_steps},
+            {"micro_steps", micro_steps},
+            {"skipped_steps", skipped_steps},
+            {"optimizer_steps", optimizer_steps},
+            {"loss_scale",
+             {{"scale", scaler.scale()},
+              {"hysteresis", scaler.hysteresis_left()},
+              {"iteration", scaler.iteration()},
+              {"last_overflow", scaler.last_overflow_iteration()}}},
+            {"lr", lr},
+            {"grad_norm", std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr)},
+            {"last_loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)}}},
+          {"client_state", client_state},
+          {"config", cfg.source}};
+      ckpt::write_file_atomic((fs::path(partial) / "metadata.json").string(), ckpt::sealed_dump(meta, 1));
+      ckpt::fault_point("metadata");
+      ckpt::commit_tag(dir, partial, tag);
+    });
+  agree("to commit");
+}
+
+void Engine::Impl::check_same_model(const ckpt::TagFiles& files, std::vector<std::string>& names) const {
+  const std::string where = "checkpoint " + files.dir;
+  const nlohmann::json mine = blocks_json();
+  const nlohmann::json& theirs = files.meta.at("blocks");
+  if (theirs.size() != mine.size())
+    throw Error(where + " holds a model of " + std::to_string(theirs.size()) + " blocks; this one has " +
+                std::to_string(mine.size()));
+  for (size_t b = 0; b < mine.size(); ++b) {
+    names.push_back(mine[b]["name"]);
+    if (theirs[b]["params"].size() != mine[b]["params"].size() || theirs[b]["numel"] != mine[b]["numel"])
+      throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' differs from this model's");
+    for (size_t p = 0; p < mine[b]["params"].size(); ++p)
+      if (theirs[b]["params"][p] != mine[b]["params"][p])
+        throw Error(where + ": block '" + names.back() + "' parameter " + theirs[b]["params"][p].dump() +
+                    " differs from this model's " + mine[b]["params"][p].dump());
+  }
+}
+
+void Engine::Impl::check_loaded(const char* what) const {
+  if (!failed_load.empty())
+    throw Error(std::string(what) + ": the engine's state is incomplete after a failed load (" + failed_load +
+                "); load a whole checkpoint first");
+}
+
+void Engine::Impl::on_every_rank(const std::string& what, const std::function<void()>& fn) {
+  std::exception_ptr err;
+  try {
+    fn();
+  } catch (...) {
+    err = std::current_exception();
+  }
+  const int bad = failed_rank(err != nullptr);
+  if (err) std::rethrow_exception(err);
+  if (bad != 0)
+    throw IoError(what + ": rank " + std::to_string(bad - 1) + " failed (its error is on its own output)");
+}
+
+nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string tag) {
+  check_between_batches("load_checkpoint");
+  device->make_current();
+  ckpt::TagFiles files;
+  std::vector<std::string> names;
+  on_every_rank("checkpoint " + dir + (tag.empty() ? "" : "/" + tag) + ": nothing was loaded", [&] {
+    files = ckpt::open_tag(dir, std::move(tag));
+    check_same_model(files, names);
+  });
+  const nlohmann::json& meta = files.meta;
+  ckpt::CheckpointReader reader(files.dir, files.ranks, names);
+  device->before_load();
+  params->before_update();
+  auto read_states = [&] {
+    visit_updating([&](const StateSpan& sp) {
+      const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
+      const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+      reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
+      reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
+      reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
+      // The compute weights, as the update writes them: rounded to 16 bits or copied.
+      char* out = compute_out(sp);
+      if (!out) return;
+      convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
+    }, /*overwrite=*/true);  // every element is read from the checkpoint (zeros where none was saved)
+  };
+  try {
+    on_every_rank("checkpoint " + files.dir + ": the load failed", read_states);
+  } catch (const std::exception& e) {
+    failed_load = e.what();  // Note [a failed load]
+    throw;
+  }
+  failed_load.clear();
+  device->after_load_states();
+  params->gather_after_step();
+  device->after_load_gather();
+  const nlohmann::json& t = meta.at("training");
+  global_steps = t.at("global_steps");
+  micro_steps = t.at("micro_steps");
+  skipped_steps = t.at("skipped_steps");
+  optimizer_steps = t.at("optimizer_steps");
+  lr = t.at("lr");
+  grad_norm = t.at("grad_norm").is_null() ? NAN : t.at("grad_norm").get<double>();  // null: an overflowed step
+  // The loss scale continues where it was (a checkpoint without fp16, or
+  // from before zinc kept it, starts the scaler afresh).
+  if (loss_scaling && cfg.fp16.loss_scale == 0 && t.contains("loss_scale") &&
+      meta.value("compute_dtype", "") == "fp16") {
+    const nlohmann::json& ls = t["loss_scale"];
+    scaler.restore(ls.at("scale"), ls.at("hysteresis"), ls.at("iteration"), ls.at("last_overflow"));
+  }
+  last_loss = t.at("last_loss").is_null() ? NAN : t.at("last_loss").get<double>();
+  // At another accumulation: the micro-step count follows the global steps.
+  micro_steps = global_steps * cfg.gradient_accumulation_steps;
+  step_pending = false;
+  return meta.value("client_state", nlohmann::json::object());
+}
+
+}  // namespace zinc

@@ -1,0 +1,416 @@
+// The GPU path of the engine as one component (gpu_offload.h).
+//
+// Note [the GPU path]
+// With "device": "cuda" the model computes on the GPU and the engine runs
+// ZeRO-Offload: everything the CPU path keeps stays where it is (fp32 master
+// weights and Adam states in host RAM, pinned RAM or on NVMe; the host compute
+// copy; the host gradient buffers the GradReducer reduces over the
+// communicator), and a DeviceMirror (device_mirror.h) adds the GPU's copy of
+// every block's compute parameters and a GPU gradient accumulator. So the
+// optimizer step, clipping, loss scaling, the reductions and checkpoints are
+// the CPU path's code, unchanged. Per step:
+// - acquire(block) waits for the host copy as on the CPU (at stages 1-2 for
+//   the all-gather after the last step), uploads it if the last step changed
+//   it, and hands the model the GPU copy;
+// - backward accumulates into the GPU buffers; at an accumulation boundary
+//   grads_ready(block) starts the block's copy to pinned host memory on a copy
+//   stream while backward goes on with earlier blocks, and blocks whose
+//   copies have finished join the GradReducer's buckets in the order the
+//   model reported them (the same on every rank);
+// - step() is the CPU path's. At stage 0 or on one rank each block goes
+//   up on the copy stream as soon as its update is done, from the
+//   page-locked host compute copy, while the CPU updates the next block
+//   (block_updated); at stages 1-2 on several ranks every block goes
+//   up on the copy stream once the all-gather has brought it
+//   (after_gather); at stage 3 the next acquire uploads it.
+// With offload_optimizer "none" the states live on the GPU instead
+// (DeviceMirror::enable_states; the rank's shard on several ranks):
+// gradients stay there (on several ranks reduce-scattered into the shard),
+// the norm is kernels::cuda::squared_norm's (summed over ranks on the host),
+// optim::adam_step_cuda updates master, m, v and writes the compute
+// parameters in place (on several ranks the rank's shard, then
+// gather_params all-gathers the shards on the GPU), and the host
+// OptimizerState is only refreshed for checkpoints and full_params. Its
+// arithmetic is the CPU AdamW's (optim/detail/adam_update.h), so without
+// clipping the two modes give the same weights.
+// On several ranks the gradients are reduced on the GPU: at a boundary
+// grads_ready(block) marks the point on the compute stream
+// (start_device_reduce, with the 16-bit wire copy made there), and the
+// GradReducer's buckets, in the same order on every rank, call
+// DeviceMirror::device_reduce on a stream of their own over a second
+// communicator that reaches GPU memory (NCCL; emulated, a duplicate of the
+// host one): a reduce-scatter on the GPU, then only the rank's shard comes
+// back to the host shard buffer the CPU update reads. Every other
+// collective (norm, parameter all-gather, checkpoints) stays on the host
+// communicator.
+// At stage 0 with GPU-resident states on several ranks the reduced shards
+// are all-gathered back into the full accumulator on the GPU (as the CPU's
+// stage 0 does on the host), and every rank updates every block.
+// Stage 3 keeps the coordinator's state machine, trace, prefetch and
+// limits. On one rank (the parameters offloaded) and with the shards on
+// NVMe, its gathers are the host's: acquire uploads the gathered block
+// (through page-locked staging on an upload stream of its own) and the GPU
+// copy goes when the coordinator frees the host one (drop_freed_params). On
+// several ranks with the shards in RAM each rank's compute shard also lives
+// on the GPU (uploaded after every update and load) and the coordinator's
+// gathers are all-gathers on the GPU, on the reductions' stream
+// (start_device_gathers, ParamCoordinator::DeviceGather); a block's GPU copy
+// comes and goes with the gather. Either way the stage3_* limits bound the
+// GPU's parameters. From stage 2 the GPU accumulators exist only from a
+// global batch's first backward to its reduction or copy (MirrorOptions), as
+// the host's full gradients at stage 2. GPU-resident states at stage 3 keep
+// the rank's shard of master, m, v (and the reduced gradient shard) on the
+// GPU; the update writes the new compute shard to the GPU shard (with device
+// gathers) and sends it down to the coordinator's host shard, and the blocks
+// are gathered as above.
+#include "engine/gpu_offload.h"
+
+#include <algorithm>
+#include <deque>
+#include <string>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/device_mirror.h"
+
+namespace zinc {
+namespace {
+
+class CpuPath final : public DevicePath {};
+
+class GpuOffload final : public DevicePath {
+ public:
+  GpuOffload(const Config& c, comm::Communicator* comm, int world, int rank, DType dtype)
+      : cfg_(c), world_(world), rank_(rank), dtype_(dtype), gplan_(GpuPlan::make(c, world)),
+        states_(c.zero.offload_optimizer.device == OffloadDevice::kNone) {
+    int dev = 0;
+    if (!gpu_emulated()) {
+      dev = use_cuda_device(comm ? comm->local_rank() : 0);
+      if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
+    }
+    if (world > 1) make_gpu_reduction(*comm, dev);
+  }
+
+  void configure_reducer(GradReducer::Options& o) override {
+    // GPU-resident states on one rank: the gradients stay on the GPU.
+    o.host_grads = gplan_.host_grads;
+    if (reduce_)
+      o.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
+        // GPU-resident states keep the reduced shard on the GPU.
+        gpu_->device_reduce(c, block, blocks()[static_cast<size_t>(block)].part.shard_numel,
+                            states_ ? nullptr : shard_out);
+      };
+  }
+  comm::CommStream* reduce_stream() const override { return reduce_ ? reduce_stream_.get() : nullptr; }
+
+  void attach(const DeviceContext& ctx) override {
+    ctx_ = ctx;
+    std::vector<int64_t> padded;
+    for (const BlockShard& s : blocks()) padded.push_back(s.part.padded_numel);
+    gpu_ = DeviceMirror::make(padded, dtype_, gplan_.mirror);
+    stale_.assign(blocks().size(), 1);
+    if (reduce_) {
+      int64_t max_shard = 0;
+      for (const BlockShard& s : blocks()) max_shard = std::max(max_shard, s.part.shard_numel);
+      // Stage 0's GPU-resident states update whole blocks: the reduced
+      // shards come back into the full accumulator there.
+      gpu_->enable_device_reduce(cfg_.wire_dtype(), max_shard, states_ && plan().optimizer_spans_block);
+    }
+    // The host compute copies the CPU update writes are page-locked, so
+    // that each block's upload overlaps the update of the next. (Stage
+    // 3's gathered copies come and go; its uploads go through the mirror's
+    // own page-locked staging.)
+    if (!states_ && !plan().params_sharded)
+      for (BlockShard& s : blocks())
+        if (!s.compute.empty()) gpu_->register_host(s.compute.data(), s.compute.bytes());
+    if (states_) {
+      // GPU-resident states: the initial master weights go up once; m
+      // and v start at zero there as here.
+      if (world_ > 1 && !reduce_)
+        throw Error("GPU-resident optimizer states on several ranks need the reduction on the GPU (NCCL), "
+                    "which did not start (see the warning above); set "
+                    "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload)");
+      std::vector<int64_t> numel, offset;
+      for (const BlockShard& s : blocks()) {
+        numel.push_back(s.opt_numel);
+        offset.push_back(plan().optimizer_spans_block ? 0 : s.part.own_offset());
+      }
+      gpu_->enable_states(numel, offset);
+      ctx_.opt_state->for_each([&](const StateSpan& sp) {
+        gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, nullptr, nullptr);
+      });
+    }
+    if (reduce_ && gplan_.device_gathers) start_device_gathers();
+  }
+
+  void make_current() override { gpu_->make_current(); }
+
+  void on_acquire(int block, BlockParams& p) override {
+    if (device_gathers_) {  // gathered on the GPU by the coordinator
+      p.base = gpu_->params(block);
+      return;
+    }
+    drop_freed_params();  // making room may have freed others
+    if (stale_[static_cast<size_t>(block)] || !gpu_->has_params(block)) {
+      gpu_->upload_params(block, p.base);
+      stale_[static_cast<size_t>(block)] = 0;
+    }
+    p.base = gpu_->params(block);
+  }
+  void on_release() noexcept override { drop_freed_params(); }
+  float* grads(int block) override { return gpu_->grads(block); }
+  bool grads_ready(int block, bool boundary) override {
+    if (boundary && reduce_) {
+      gpu_->start_device_reduce(block);
+      ctx_.reducer->ready(block);
+      return true;
+    }
+    if (boundary && !states_) {
+      gpu_->start_grads_copy(block);
+      copies_.push_back(block);
+      hand_over_grads(/*wait=*/false);
+      return true;
+    }
+    return false;
+  }
+  void end_backward() override { hand_over_grads(/*wait=*/true); }
+
+  bool grad_squared_norm(double& sum) override {
+    if (!states_) return false;
+    sum = gpu_->grad_squared_norm();
+    return true;
+  }
+  bool update(const optim::AdamParams& adam, int64_t step, float grad_scale) override {
+    if (!states_) return false;
+    const int n = static_cast<int>(blocks().size());
+    if (plan().params_sharded) {
+      // Stage 3: the update writes each block's new compute shard back to
+      // the host (or its NVMe write buffer), and with device gathers to the
+      // GPU shard, from where the coordinator gathers it.
+      ParamCoordinator& params = *ctx_.params;
+      params.before_update();
+      for (int b = 0; b < n; ++b) {
+        gpu_->adam_step(b, adam, step, grad_scale, params.shard_to_update(b));
+        params.finish_update(b);
+      }
+      stale_.assign(blocks().size(), 1);
+      params.gather_after_step();
+      drop_freed_params();
+      return true;
+    }
+    for (int b = 0; b < n; ++b) gpu_->adam_step(b, adam, step, grad_scale);
+    // Several ranks: every rank's new compute shards, all-gathered on the
+    // GPU in block order (before the next forward reads them).
+    if (reduce_ && !plan().optimizer_spans_block)
+      reduce_stream_->submit([this, n](comm::Communicator& c) {
+        for (int b = 0; b < n; ++b) gpu_->gather_params(c, b);
+      }).wait();
+    return true;
+  }
+  void before_host_update() override {
+    gpu_->wait_uploads();              // the last step's uploads have read the host copies
+    stale_.assign(blocks().size(), 1);  // block_updated clears what it uploads
+  }
+  // ZeRO-Offload: a block whose host compute copy is complete once its own
+  // update is (stage 0, or one rank: no all-gather to wait for) goes up at
+  // once, on the copy stream, while the CPU updates the next; otherwise
+  // after_gather or the next acquire uploads it. (Stage 3's host copy,
+  // where there is one, is the old gathered block: the next acquire uploads
+  // the new one.)
+  void block_updated(int b) override {
+    if (states_ || plan().params_sharded || !(plan().optimizer_spans_block || world_ == 1)) return;
+    BlockShard& s = blocks()[static_cast<size_t>(b)];
+    const void* host = !s.compute.empty() ? s.compute.data() : static_cast<const void*>(s.master_compute);
+    if (!host) return;
+    gpu_->upload_params_async(b, host);
+    stale_[static_cast<size_t>(b)] = 0;
+  }
+  void after_host_update() override {
+    if (device_gathers_) upload_shards();
+  }
+  // Stages 1-2 on several ranks: once the all-gather has brought every
+  // rank's new shards, each block goes up on the copy stream from its
+  // page-locked host copy, all of them queued now, so the next forward's
+  // first blocks wait only for their own upload and the rest overlap its
+  // kernels (at the acquire, an upload on the compute stream would wait for
+  // every kernel before it).
+  void after_gather() override {
+    drop_freed_params();
+    if (states_ || !plan().gather_params_after_step) return;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      if (!stale_[b] || blocks()[b].compute.empty()) continue;
+      gpu_->upload_params_async(static_cast<int>(b), blocks()[b].compute.data());
+      stale_[b] = 0;
+    }
+  }
+  void after_step() override {
+    if (states_) gpu_->zero_grads();
+  }
+
+  // GPU-resident states: the host OptimizerState is their copy for
+  // checkpoints and full_params, refreshed from the GPU before either reads it.
+  void states_to_host() override {
+    if (!states_) return;
+    ctx_.opt_state->for_each([&](const StateSpan& sp) {
+      gpu_->download_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
+    });
+  }
+  void before_load() override { gpu_->wait_uploads(); }
+  void after_load_states() override {
+    if (device_gathers_) {
+      ctx_.params->before_update();  // no gather in flight reads the GPU shards
+      upload_shards();
+    }
+    // The GPU states before the gathers start (their synchronous copies
+    // would otherwise wait for the gathers in flight).
+    if (states_)
+      ctx_.opt_state->for_each([&](const StateSpan& sp) {
+        gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
+      });
+  }
+  void after_load_gather() override {
+    stale_.assign(blocks().size(), 1);
+    drop_freed_params();
+  }
+  void master_to_host(int block) override {
+    if (!states_) return;
+    if (float* hm = ctx_.opt_state->master_in_memory(block))
+      gpu_->download_states(block, 0, blocks()[static_cast<size_t>(block)].opt_numel, hm, nullptr, nullptr);
+    else
+      states_to_host();
+  }
+
+  void shutdown() noexcept override {
+    if (gpu_) {
+      try {
+        gpu_->synchronize();
+      } catch (const std::exception& e) {
+        log_error(std::string("engine shutdown: the GPU failed: ") + e.what());
+      }
+    }
+    if (reduce_stream_) {
+      try {
+        reduce_stream_->synchronize();
+      } catch (const std::exception& e) {
+        log_error(std::string("engine shutdown: a collective failed: ") + e.what());
+      }
+    }
+  }
+  int64_t bytes() const override { return gpu_ ? gpu_->bytes() : 0; }
+  int64_t peak_bytes() const override { return gpu_ ? gpu_->peak_bytes() : 0; }
+
+ private:
+  std::vector<BlockShard>& blocks() { return *ctx_.blocks; }
+  const StagePlan& plan() const { return *ctx_.plan; }
+
+  // Collective (every rank, at the same point): the communicator and stream
+  // of the reductions on the GPU. NCCL on a GPU; emulated, a duplicate of the
+  // host communicator (the "GPU" buffers are host memory). Where the
+  // transport cannot run a second communicator, the host reduction stays.
+  void make_gpu_reduction(comm::Communicator& comm, int device) {
+    if (gpu_emulated()) {
+      comm_ = comm.duplicate();
+    } else {
+      // The mirror's GPU (a rank that sees one GPU of its own under a
+      // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
+      // before NCCL starts (make_nccl_communicator), so all fall back together.
+      try {
+        comm_ = comm::make_nccl_communicator(comm, device);
+      } catch (const Error& e) {  // no GPU for it, or no libnccl
+        if (rank_ == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
+        comm_.reset();
+      }
+    }
+    if (!comm_) {
+      if (rank_ == 0)
+        log_warn("no second communicator over " + comm.backend() +
+                 ": gradients are reduced in host memory, not on the GPU");
+      return;
+    }
+    reduce_stream_ = std::make_unique<comm::CommStream>(*comm_);
+    reduce_ = true;
+    if (rank_ == 0) log_info("gradients are reduced on the GPU over " + comm_->backend());
+  }
+
+  // Stage 3 on several ranks with the reduction on the GPU and the shards
+  // in RAM: the compute shards go up once (and after every update), and the
+  // coordinator's gathers become all-gathers on the GPU, over the
+  // reductions' communicator and on their stream. Not a communicator and
+  // thread of their own, as the host's gathers have: NCCL calls on two
+  // communicators of one GPU from two threads may deadlock (NCCL's thread
+  // safety rules), so gathers and reductions go in one order, the same on
+  // every rank; a gather can wait behind a reduction bucket. That order
+  // includes where grads_ready falls among the acquires, which every rank's
+  // model must keep alike (the coordinator checks the acquires only).
+  void start_device_gathers() {
+    std::vector<int64_t> shard;
+    for (const BlockShard& s : blocks()) shard.push_back(s.part.shard_numel);
+    gpu_->enable_param_shards(shard);
+    upload_shards();
+    ParamCoordinator::DeviceGather g;
+    g.stream = reduce_stream_.get();
+    g.begin = [this](int b) { gpu_->begin_gather(b); };
+    g.gather = [this](comm::Communicator& c, int b) { gpu_->gather_block(c, b); };
+    g.end = [this](int b) { gpu_->drop_params(b); };
+    ctx_.params->use_device_gather(std::move(g));
+    ctx_.memory->release_kept();  // the persistent blocks' RAM copies: no RAM gather comes again
+    device_gathers_ = true;
+    if (rank_ == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + comm_->backend());
+  }
+  void upload_shards() {
+    for (size_t b = 0; b < blocks().size(); ++b)
+      gpu_->upload_shard(static_cast<int>(b), blocks()[b].own_compute());
+  }
+
+  // Stage 3 on the GPU: a block's GPU parameters go when the coordinator
+  // frees its host copy (at a release, or making room, or after the step),
+  // so the GPU holds the blocks the coordinator holds gathered: the
+  // stage3_* limits bound both.
+  void drop_freed_params() noexcept {
+    if (!plan().params_sharded) return;
+    for (size_t b = 0; b < blocks().size(); ++b)
+      if (blocks()[b].param_state == ParamState::kSharded && gpu_->has_params(static_cast<int>(b)))
+        gpu_->drop_params(static_cast<int>(b));
+  }
+
+  // Blocks whose gradient copies have finished (all of them with wait) go
+  // to the GradReducer, in the order the model reported them.
+  void hand_over_grads(bool wait) {
+    while (!copies_.empty() && (wait || gpu_->grads_copied(copies_.front()))) {
+      const int b = copies_.front();
+      gpu_->finish_grads_copy(b, ctx_.reducer->grads(b));
+      ctx_.reducer->ready(b);
+      copies_.pop_front();
+    }
+  }
+
+  const Config& cfg_;
+  const int world_, rank_;
+  const DType dtype_;
+  const GpuPlan gplan_;  // what the GPU keeps where (also --estimate's)
+  const bool states_;    // offload_optimizer "none": master, m, v on the GPU (the rank's span)
+  DeviceContext ctx_;
+  std::unique_ptr<DeviceMirror> gpu_;
+  // Several ranks: gradients reduced on the GPU, over a communicator that
+  // reaches GPU memory (NCCL; a duplicate of the host one when emulated),
+  // on a stream of their own; only the rank's shard comes back to the host.
+  bool reduce_ = false;
+  std::unique_ptr<comm::Communicator> comm_;
+  std::unique_ptr<comm::CommStream> reduce_stream_;
+  // Stage 3 on several ranks (start_device_gathers): the parameter gathers
+  // run on the GPU, on the reductions' stream.
+  bool device_gathers_ = false;
+  std::vector<char> stale_;  // blocks the last step changed: uploaded at the next acquire
+  std::deque<int> copies_;   // blocks whose gradient copies are in flight, in the order reported
+};
+
+}  // namespace
+
+std::unique_ptr<DevicePath> make_device_path(const Config& c, comm::Communicator* comm, int world, int rank,
+                                             DType dtype) {
+  if (c.device == Device::kCuda) return std::make_unique<GpuOffload>(c, comm, world, rank, dtype);
+  return std::make_unique<CpuPath>();
+}
+
+}  // namespace zinc

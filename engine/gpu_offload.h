@@ -1,0 +1,108 @@
+// zinc engine, private: where the model computes, as the engine's step sees
+// it. The engine calls its DevicePath at a few fixed points of the step
+// (acquire and release, grads and grads_ready, the end of backward, the
+// update, after the gather, save, load, full_params) and never asks which
+// device it is: the CPU's DevicePath does nothing at any of them, and
+// GpuOffload ("device": "cuda", Note [the GPU path] in gpu_offload.cpp) is
+// all of the GPU path's state and logic. So engine.cpp reads as the CPU's
+// step in DESIGN.md's order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/dtype.h"
+#include "engine/config.h"
+#include "engine/grad_reducer.h"
+#include "engine/model.h"
+#include "engine/optimizer_state.h"
+#include "engine/param_coordinator.h"
+#include "engine/shard.h"
+#include "optim/optim.h"
+
+namespace zinc {
+
+// The engine's state the device path works on, once the engine has
+// allocated it (DevicePath::attach). Everything outlives the device path.
+struct DeviceContext {
+  const StagePlan* plan = nullptr;
+  std::vector<BlockShard>* blocks = nullptr;
+  ParamCoordinator* params = nullptr;
+  GradReducer* reducer = nullptr;
+  OptimizerState* opt_state = nullptr;
+  StateMemory* memory = nullptr;
+};
+
+// Every hook's default is the CPU's: nothing.
+class DevicePath {
+ public:
+  virtual ~DevicePath() = default;
+
+  // ---- set-up, in this order ----
+  // Before the engine allocates: the GradReducer's options, and the stream
+  // its reductions run on (null: the engine's own reduce stream).
+  virtual void configure_reducer(GradReducer::Options&) {}
+  virtual comm::CommStream* reduce_stream() const { return nullptr; }
+  // After it has allocated and initialised every block.
+  virtual void attach(const DeviceContext&) {}
+
+  // Makes the device current for the calling thread (every entry point).
+  virtual void make_current() {}
+
+  // ---- forward and backward ----
+  // The block's parameters as the model reads them (`p` is the host's).
+  virtual void on_acquire(int /*block*/, BlockParams& /*p*/) {}
+  // After the coordinator released or freed blocks (a release, the end of a pass).
+  virtual void on_release() noexcept {}
+  // The block's gradient accumulator; null: the host's (the GradReducer's).
+  virtual float* grads(int /*block*/) { return nullptr; }
+  // The model reported the block's gradients; false: the engine hands the
+  // block to the GradReducer itself.
+  virtual bool grads_ready(int /*block*/, bool /*boundary*/) { return false; }
+  // After the model's backward, before the coordinator's end of the pass.
+  virtual void end_backward() {}
+
+  // ---- the step ----
+  // This rank's sum of squared gradients where the device holds them
+  // (false: the host's reduced gradients are summed).
+  virtual bool grad_squared_norm(double& /*sum*/) { return false; }
+  // Applies the AdamW update where the device holds the optimizer states
+  // (false: the host updates, between before_host_update and after_gather).
+  virtual bool update(const optim::AdamParams& /*adam*/, int64_t /*step*/, float /*grad_scale*/) { return false; }
+  // Around the host update: before the coordinator's before_update, after
+  // each block's update (and each block a load has read), after all, and
+  // after the coordinator's gather.
+  virtual void before_host_update() {}
+  virtual void block_updated(int /*block*/) {}
+  virtual void after_host_update() {}
+  virtual void after_gather() {}
+  // After the reducer's reset, at the end of every step.
+  virtual void after_step() {}
+
+  // ---- checkpoints and reads ----
+  // Before a save reads the host's optimizer states.
+  virtual void states_to_host() {}
+  // Around a load: before the coordinator's before_update; after the states
+  // are read; after the coordinator's gather.
+  virtual void before_load() {}
+  virtual void after_load_states() {}
+  virtual void after_load_gather() {}
+  // Before full_params reads a block's master weights from the host.
+  virtual void master_to_host(int /*block*/) {}
+
+  // Waits for the device's work (the engine's shutdown); logs failures.
+  virtual void shutdown() noexcept {}
+  // Bytes of device memory held for model state now and at most so far.
+  virtual int64_t bytes() const { return 0; }
+  virtual int64_t peak_bytes() const { return 0; }
+};
+
+// The CPU's DevicePath, or (c.device cuda) GpuOffload: collective on
+// several ranks (the GPU's communicator starts here), so every rank calls it
+// at the same point.
+std::unique_ptr<DevicePath> make_device_path(const Config& c, comm::Communicator* comm, int world, int rank,
+                                             DType dtype);
+
+}  // namespace zinc
