@@ -15,6 +15,8 @@
 // rank 0 prints. A rank that fails prints its error and ends the whole job.
 //
 // Human output: a progress line every steps_per_print steps and a summary.
+// The run loop itself (cadences, checkpoints, a stop at a step boundary) is
+// tools/run_loop.h's, shared with the Python module's zinc.train.
 // --json: one JSON object per line on stdout (step events, then a summary).
 // Any error ends the run with one line on stderr and exit code 1 (2 for a
 // command-line usage error).

@@ -652,13 +652,11 @@ class TrainRun {
     check_signals();
     PyEngine::Call call(engine_, "zinc.train");  // the whole step, its checkpoint included
     engine_.engine("train");                     // raises once the engine is closed
-    std::optional<std::vector<json>> evs;
-    {
+    const std::optional<std::vector<json>> evs = [&] {
       ComputeScope scope;
-      evs = loop_->step();
-    }
-    if (!evs) return py::none();
-    return to_list(*evs);
+      return loop_->step();
+    }();
+    return evs ? py::object(to_list(*evs)) : py::none();
   }
 
   // The loop's summary: what zinc-train's says that does not need the whole
