@@ -1,7 +1,8 @@
 // zinc tools: the JSON events of a training run, one function per event, as
 // zinc-train --json prints them (one object per line) and the Python module's
 // zinc.train yields them (as dicts). Building them in one place keeps the two
-// identical. Pure functions of their arguments; any thread.
+// identical; tools/run_loop.h makes them, for both. Pure functions of their
+// arguments; any thread.
 #pragma once
 
 #include <cstdint>

@@ -15,6 +15,8 @@
 // rank 0 prints. A rank that fails prints its error and ends the whole job.
 //
 // Human output: a progress line every steps_per_print steps and a summary.
+// The run loop itself (cadences, checkpoints, a stop at a step boundary) is
+// tools/run_loop.h's, shared with the Python module's zinc.train.
 // --json: one JSON object per line on stdout (step events, then a summary).
 // Any error ends the run with one line on stderr and exit code 1 (2 for a
 // command-line usage error).
@@ -23,7 +25,6 @@
 #include <csignal>
 #include <pthread.h>
 #include <thread>
-#include <chrono>
 #include <ctime>
 #include <cstdlib>
 #include <cmath>
@@ -48,6 +49,7 @@
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/resources.h"
+#include "tools/run_loop.h"
 #include "tools/safetensors.h"
 #include "tools/train_events.h"
 
@@ -60,8 +62,6 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
-using Clock = std::chrono::steady_clock;
-
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   long total = std::lround(s);
@@ -71,53 +71,6 @@ std::string format_duration(double s) {
   else
     std::snprintf(buf, sizeof buf, "%ld:%02ld", total / 60, total % 60);
   return buf;
-}
-
-// DeepSpeed's csv_monitor layout: <output_path>/<job_name>/<event with '/'
-// and ' ' replaced by '_'>.csv, rows "step,value" under a "step,<last part of
-// the event name>" header written the first time this process writes a file.
-// The step column is the number of samples seen, as DeepSpeed's engine logs it.
-class CsvMonitor {
- public:
-  explicit CsvMonitor(const zinc::CsvMonitorConfig& c) : enabled_(c.enabled) {
-    if (!enabled_) return;
-    dir_ = std::filesystem::path(c.output_path) / c.job_name;
-    std::error_code ec;
-    std::filesystem::create_directories(dir_, ec);
-    if (ec) throw zinc::IoError("csv_monitor: cannot create " + dir_.string() + ": " + ec.message());
-  }
-  void write(const std::string& event, double value, int64_t step) {
-    if (!enabled_) return;
-    std::string file = event;
-    for (char& ch : file)
-      if (ch == '/' || ch == ' ') ch = '_';
-    std::filesystem::path path = dir_ / (file + ".csv");
-    std::ofstream out(path, std::ios::app);
-    if (!out) throw zinc::IoError("csv_monitor: cannot write " + path.string());
-    if (!written_[file]) {
-      written_[file] = true;
-      out << "step," << event.substr(event.rfind('/') + 1) << "\n";
-    }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.9g", value);
-    out << step << "," << buf << "\n";
-    if (!out) throw zinc::IoError("csv_monitor: write failed on " + path.string());
-  }
-
- private:
-  bool enabled_;
-  std::filesystem::path dir_;
-  std::map<std::string, bool> written_;
-};
-
-// Test hook: ZINC_INJECT_ERROR=RANK:STEP makes that rank throw at that step.
-void maybe_inject_error(int rank, int64_t step) {
-  const char* spec = std::getenv("ZINC_INJECT_ERROR");
-  if (!spec) return;
-  int r = -1;
-  long long st = -1;
-  if (std::sscanf(spec, "%d:%lld", &r, &st) == 2 && r == rank && st == step)
-    throw zinc::Error("injected failure at step " + std::to_string(step) + " (ZINC_INJECT_ERROR)");
 }
 
 // FNV-1a (64-bit) over the bits of every block's full fp32 master weights, in
@@ -375,6 +328,71 @@ void start_signal_thread() {
   }).detach();
 }
 
+// Human progress (rank 0): a line per step event, with the ETA and, with
+// wall_clock_breakdown, the time so far in each phase; a line per held-out
+// loss and per checkpoint. With --json the events themselves, one per line.
+void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, const zinc::Engine& engine,
+                 const zinc::Config& cfg, bool json) {
+  if (json) {
+    std::printf("%s\n", ev.dump().c_str());
+    std::fflush(stdout);
+    return;
+  }
+  const std::string& kind = ev.at("event").get_ref<const std::string&>();
+  const auto step = ev.at("step").get<long long>();
+  if (kind == "step") {
+    const double elapsed = ev.at("elapsed_s").get<double>();
+    const double eta = elapsed / static_cast<double>(step - loop.first_step() + 1) *
+                       static_cast<double>(loop.steps() - step);
+    std::string scale;
+    if (ev.contains("loss_scale"))  // fp16
+      scale = " | loss scale " + std::to_string(static_cast<long long>(ev.at("loss_scale").get<double>())) + ", " +
+              std::to_string(ev.at("skipped_steps").get<long long>()) + " skipped";
+    std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %s elapsed | ETA %s\n", step,
+                static_cast<long long>(loop.steps()), ev.at("loss").get<double>(), ev.at("lr").get<double>(),
+                ev.at("grad_norm").get<double>(), scale.c_str(), ev.at("tokens_per_s").get<double>(),
+                format_duration(elapsed).c_str(), format_duration(eta).c_str());
+    if (cfg.wall_clock_breakdown) {
+      zinc::StepTimings t = engine.timings();
+      std::printf("  time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs\n", t.forward_s,
+                  t.backward_s, t.step_s);
+    }
+  } else if (kind == "eval") {
+    std::printf("eval at step %lld | held-out loss %.4f\n", step, ev.at("loss").get<double>());
+  } else if (kind == "checkpoint") {
+    std::printf("checkpoint at step %lld: %s (%.2f s)\n", step, ev.at("path").get_ref<const std::string&>().c_str(),
+                ev.at("seconds").get<double>());
+  }
+  std::fflush(stdout);
+}
+
+// The human header: the "auto" values resolved, the model, the batch, the
+// kernels.
+void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine, const zinc::comm::Communicator& comm,
+                  const std::string& config_path) {
+  const zinc::Config& cfg = ex.config;
+  const std::optional<double> floor = ex.data->loss_floor();
+  for (const zinc::tools::AutoValue& a : ex.auto_values)
+    std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
+  std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s%s | data %s\n", config_path.c_str(),
+              ex.model->name().c_str(), ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
+              static_cast<double>(engine.num_parameters()) / 1e6,
+              std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(),
+              cfg.device == zinc::Device::kCuda
+                  ? (cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone ? " on the GPU"
+                                                                                     : " on the GPU (ZeRO-Offload)")
+                  : "",
+              ex.data->describe().c_str());
+  std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
+              static_cast<long long>(cfg.train_batch_size), static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+              static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),
+              cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
+              static_cast<long long>(ex.experiment.run.steps));
+  if (floor) std::printf(" | loss floor %.4f nats", *floor);
+  std::printf("\n%s\n", zinc::tools::kernel_paths().c_str());
+  std::fflush(stdout);
+}
+
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
         bool ignore_resources,
         bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
@@ -395,148 +413,51 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
   zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           world, rank, run.seed);
-  zinc::CsvMonitorConfig monitor_cfg = cfg.csv_monitor;
-  monitor_cfg.enabled = monitor_cfg.enabled && rank == 0;
-  CsvMonitor monitor(monitor_cfg);
-  // Resuming: the engine's state and the data loader's position.
-  int64_t first_step = 1;
-  if (resume) {
-    const std::string dir = resume->empty() ? run.checkpoint_dir : *resume;
-    const nlohmann::json client = engine.load_checkpoint(dir);
-    loader.set_position(client.at("samples").get<int64_t>());
-    first_step = engine.global_steps() + 1;
-    if (rank == 0) {
-      if (json)
-        std::printf("%s\n", zinc::tools::resume_event(dir, engine.global_steps()).dump().c_str());
-      else
-        std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(engine.global_steps()));
-    }
-  }
-  // Checkpoints every checkpoint_interval steps, at the end, and on
-  // SIGTERM / SIGINT at the next step boundary.
-  auto save = [&](int64_t step) {
-    const auto c0 = Clock::now();
-    engine.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader.position()}, {"step", step}});
-    if (rank == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last, step);
-    if (rank != 0) return;
-    const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
-    const std::string path = run.checkpoint_dir + "/global_step" + std::to_string(step);
-    if (json)
-      std::printf("%s\n", zinc::tools::checkpoint_event(step, path, secs).dump().c_str());
-    else
-      std::printf("checkpoint at step %lld: %s (%.2f s)\n", static_cast<long long>(step), path.c_str(), secs);
-    std::fflush(stdout);
-  };
   if (rank != 0) json = false;
   const bool quiet = rank != 0;
-  const std::optional<double> floor = ex.data->loss_floor();
-  const int64_t steps = run.steps;
-  const int64_t tokens_per_step = cfg.train_batch_size * ex.data->seq_len();
-
-  if (json && !quiet) {
-    std::printf("%s\n", zinc::tools::config_event(ex, doc, world).dump().c_str());
-    if (const std::optional<nlohmann::json> a = zinc::tools::auto_event(ex)) std::printf("%s\n", a->dump().c_str());
-  }
-  if (!json && !quiet) {
-    for (const zinc::tools::AutoValue& a : ex.auto_values)
-      std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
-    std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s%s | data %s\n", config_path.c_str(),
-                ex.model->name().c_str(),
-                ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
-                static_cast<double>(engine.num_parameters()) / 1e6,
-                std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(),
-                cfg.device == zinc::Device::kCuda
-                    ? (cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone ? " on the GPU"
-                                                                                       : " on the GPU (ZeRO-Offload)")
-                    : "",
-                ex.data->describe().c_str());
-    std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
-                static_cast<long long>(cfg.train_batch_size),
-                static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
-                static_cast<long long>(cfg.gradient_accumulation_steps), world, comm->backend().c_str(), cfg.zero.stage,
-                cfg.zero.overlap_comm ? " (overlap_comm)" : "", static_cast<long long>(steps));
-    if (floor) std::printf(" | loss floor %.4f nats", *floor);
-    std::printf("\n%s\n", zinc::tools::kernel_paths().c_str());
-    std::fflush(stdout);
-  }
-
-  const auto t0 = Clock::now();
-  const double cpu0 = thread_cpu_seconds();
-  auto t_last = t0;
-  int64_t step_last = first_step - 1;
-  double loss = NAN;
-  double eval_loss = NAN;
-  int64_t last_saved = resume ? first_step - 1 : 0;
-  int stopped_by = 0;  // the signal that stopped the run early
-  int64_t done_steps = first_step - 1;
-  g_training = true;
-  for (int64_t s = first_step; s <= steps; ++s) {
-    maybe_inject_error(rank, s);
-    loss = engine.train_batch(loader);
-    done_steps = s;
-    const int64_t samples = s * cfg.train_batch_size;
-    monitor.write("Train/Samples/train_loss", loss, samples);
-    monitor.write("Train/Samples/lr", engine.learning_rate(), samples);
-    if (!quiet && (s % cfg.steps_per_print == 0 || s == steps)) {
-      const auto now = Clock::now();
-      const double elapsed = std::chrono::duration<double>(now - t0).count();
-      const double window = std::chrono::duration<double>(now - t_last).count();
-      const double tps = window > 0 ? static_cast<double>((s - step_last) * tokens_per_step) / window : 0;
-      t_last = now;
-      step_last = s;
-      if (json) {
-        std::printf("%s\n", zinc::tools::step_event(engine, s, loss, tps, elapsed).dump().c_str());
-      } else {
-        const double eta = elapsed / static_cast<double>(s - first_step + 1) * static_cast<double>(steps - s);
-        std::string scale;
-        if (cfg.fp16.enabled)
-          scale = " | loss scale " + std::to_string(static_cast<long long>(engine.loss_scale())) + ", " +
-                  std::to_string(static_cast<long long>(engine.skipped_steps())) + " skipped";
-        std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %s elapsed | ETA %s\n",
-                    static_cast<long long>(s), static_cast<long long>(steps), loss, engine.learning_rate(),
-                    engine.global_grad_norm(), scale.c_str(), tps, format_duration(elapsed).c_str(),
-                    format_duration(eta).c_str());
-        if (cfg.wall_clock_breakdown) {
-          zinc::StepTimings t = engine.timings();
-          std::printf("  time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs\n", t.forward_s,
-                      t.backward_s, t.step_s);
-        }
-      }
-      std::fflush(stdout);
-    }
-    if (ex.eval_data && (s % run.eval_interval == 0 || s == steps)) {
-      eval_loss = zinc::tools::evaluate(engine, *ex.eval_data, run.eval_batches,
-                                        cfg.train_micro_batch_size_per_gpu);
+  // The run loop (tools/run_loop.h): rank 0 prints its events as they come;
+  // a stop signal stops it at the next step boundary with a checkpoint.
+  zinc::tools::RunLoop::Hooks hooks;
+  const zinc::tools::RunLoop* loop_ptr = nullptr;
+  hooks.on_event = [&](const nlohmann::json& ev) {
+    if (!quiet) print_event(ev, *loop_ptr, engine, cfg, json);
+  };
+  hooks.stop_requested = [] { return g_stop_signal.load(); };
+  zinc::tools::RunLoop loop(engine, loader, ex, doc, comm.get(), std::move(hooks));
+  loop_ptr = &loop;
+  if (resume) {
+    const std::string dir = resume->empty() ? run.checkpoint_dir : *resume;
+    const nlohmann::json ev = loop.resume(dir);
+    if (!quiet) {
       if (json)
-        std::printf("%s\n", zinc::tools::eval_event(s, eval_loss).dump().c_str());
-      else if (!quiet)
-        std::printf("eval at step %lld | held-out loss %.4f\n", static_cast<long long>(s), eval_loss);
-      std::fflush(stdout);
-    }
-    if (run.checkpoint_interval > 0 && s % run.checkpoint_interval == 0) {
-      save(s);
-      last_saved = s;
-    }
-    // A stop signal on any rank stops every rank at this boundary.
-    double sig = g_stop_signal.load();
-    if (world > 1) comm->all_reduce_max_f64(&sig, 1);
-    if (sig > 0) {
-      stopped_by = static_cast<int>(sig);
-      if (last_saved != s) save(s);
-      last_saved = s;
-      if (rank == 0)
-        std::fprintf(stderr, "zinc-train: stopped by signal %d after step %lld; resume with --resume\n",
-                     static_cast<int>(sig), static_cast<long long>(s));
-      break;
+        std::printf("%s\n", ev.dump().c_str());
+      else
+        std::printf("resumed from %s at step %lld\n", dir.c_str(), ev.at("step").get<long long>());
     }
   }
-  if (run.checkpoint_interval > 0 && last_saved != done_steps && done_steps >= first_step) save(done_steps);
+  const std::vector<nlohmann::json> start = loop.start();
+  if (json && !quiet)
+    for (const nlohmann::json& ev : start) std::printf("%s\n", ev.dump().c_str());
+  if (!json && !quiet) print_header(ex, engine, *comm, config_path);
+
+  const double cpu0 = thread_cpu_seconds();
+  g_training = true;
+  while (loop.step()) {
+    if (loop.stopped_by() != 0 && rank == 0)
+      std::fprintf(stderr, "zinc-train: stopped by signal %d after step %lld; resume with --resume\n",
+                   loop.stopped_by(), static_cast<long long>(loop.done_steps()));
+  }
   g_training = false;  // from here a signal ends the process at once
+  int stopped_by = loop.stopped_by();
   if (stopped_by == 0) stopped_by = g_stop_signal.load();  // one that came during the last save
-  const int64_t trained = done_steps - first_step + 1;
+  nlohmann::json sum = loop.summary();
+  const int64_t done_steps = loop.done_steps();
+  const int64_t trained = done_steps - loop.first_step() + 1;
   const double per_step = static_cast<double>(std::max<int64_t>(trained, 1));  // steps this process trained
-  const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double tps = static_cast<double>(std::max<int64_t>(trained, 0) * tokens_per_step) / elapsed;
+  const double elapsed = sum.at("elapsed_s").get<double>();
+  const double tps = sum.at("tokens_per_s").get<double>();
+  const double loss = loop.loss(), eval_loss = loop.eval_loss();
+  const std::optional<double> floor = ex.data->loss_floor();
   // Per-rank peak RSS and the exposed communication share, from every rank.
   std::vector<double> rss(static_cast<size_t>(world), 0.0);
   rss[static_cast<size_t>(rank)] = static_cast<double>(zinc::tools::peak_rss_bytes());
@@ -574,22 +495,13 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   if (quiet) return exit_code;
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
-    nlohmann::json sum = {{"event", "summary"},
-                          {"steps", done_steps},
-                          {"final_loss", loss},
-                          {"tokens_per_s", tps},
-                          {"peak_rss_bytes", static_cast<int64_t>(rss_max)},
-                          {"peak_rss_bytes_per_rank", rss},
-                          {"elapsed_s", elapsed},
-                          {"world_size", world},
-                          {"comm_backend", comm->backend()},
-                          {"zero_stage", cfg.zero.stage},
-                          {"comm_wait_share", wait_share},
-                          {"compute_off_cpu_share", off_cpu_share},
-                          {"skipped_steps", engine.skipped_steps()}};
-    sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
+    // The loop's summary and what only the whole process can say.
+    sum["peak_rss_bytes"] = static_cast<int64_t>(rss_max);
+    sum["peak_rss_bytes_per_rank"] = rss;
+    sum["comm_backend"] = comm->backend();
+    sum["comm_wait_share"] = wait_share;
+    sum["compute_off_cpu_share"] = off_cpu_share;
     sum["kernel_paths"] = zinc::tools::kernel_paths();
-    if (ex.eval_data) sum["final_eval_loss"] = eval_loss;
     if (digest) sum["weights_digest"] = digest_hex;
     if (zero3) {
       sum["zero3"] = {{"gathers", zs.gathers},           {"prefetched", zs.prefetched},

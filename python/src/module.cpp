@@ -36,7 +36,6 @@
 #include <csignal>
 #include <pthread.h>
 
-#include <chrono>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -58,6 +57,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
+#include "tools/run_loop.h"
 #include "tools/train_events.h"
 
 namespace py = pybind11;
@@ -529,6 +529,7 @@ class PyEngine {
   const zinc::tools::Experiment& experiment() const { return ex_; }
   const json& document() const { return doc_; }
   zinc::DataLoader& loader() { return *loader_; }
+  zinc::comm::Communicator* communicator() const { return comm_.get(); }
 
  private:
   // A batch: (inputs, targets) as a tuple or list, or a dict with those keys.
@@ -627,99 +628,55 @@ auto engine_property(const char* name, R (zinc::Engine::*getter)() const) {
 
 // ---- zinc.train ----------------------------------------------------------
 
-using Clock = std::chrono::steady_clock;
-
-// One config-only run, step by step: the events zinc-train --json prints
-// (tools/train_events.h), for zinc.train's generator. Every rank returns the
-// same events (zinc-train prints rank 0's).
+// One config-only run, step by step: tools/run_loop.h's loop (zinc-train's),
+// its events returned as dicts for zinc.train's generator. Every rank returns
+// the same events (zinc-train prints rank 0's). A Ctrl-C is raised as
+// KeyboardInterrupt before the next step begins (the loop has no stop hook
+// here: nothing is saved).
 class TrainRun {
  public:
   TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
       : engine_(config, steps, "zinc.train", ignore_resources) {
-    const zinc::tools::Experiment& ex = engine_.experiment();
-    steps_ = ex.experiment.run.steps;
-    tokens_per_step_ = ex.config.train_batch_size * ex.data->seq_len();
+    PyEngine::Call call(engine_, "zinc.train");
+    loop_.emplace(engine_.engine("train"), engine_.loader(), engine_.experiment(), engine_.document(),
+                  engine_.communicator(), zinc::tools::RunLoop::Hooks{});
     g_runs.insert(this);
   }
   ~TrainRun() { g_runs.erase(this); }
   PyEngine& engine() { return engine_; }
 
-  py::list start() {
-    py::list evs;
-    const zinc::tools::Experiment& ex = engine_.experiment();
-    evs.append(to_py(zinc::tools::config_event(ex, engine_.document(), engine_.world())));
-    if (std::optional<json> a = zinc::tools::auto_event(ex)) evs.append(to_py(*a));
-    t0_ = t_last_ = Clock::now();
-    return evs;
-  }
+  py::list start() { return to_list(loop_->start()); }
 
   // The events of the next step, or None after the last one.
   py::object step() {
     check_signals();
     PyEngine::Call call(engine_, "zinc.train");  // the whole step, its checkpoint included
-    zinc::Engine& e = engine_.engine("train");
-    if (step_ >= steps_) return py::none();
-    const zinc::tools::Experiment& ex = engine_.experiment();
-    const zinc::Config& cfg = ex.config;
-    const zinc::tools::RunConfig& run = ex.experiment.run;
-    const int64_t s = ++step_;
-    py::list evs;
-    {
+    engine_.engine("train");                     // raises once the engine is closed
+    const std::optional<std::vector<json>> evs = [&] {
       ComputeScope scope;
-      loss_ = e.train_batch(engine_.loader());
-    }
-    if (s % cfg.steps_per_print == 0 || s == steps_) {
-      const auto now = Clock::now();
-      const double elapsed = std::chrono::duration<double>(now - t0_).count();
-      const double window = std::chrono::duration<double>(now - t_last_).count();
-      const double tps = window > 0 ? static_cast<double>((s - step_last_) * tokens_per_step_) / window : 0;
-      t_last_ = now;
-      step_last_ = s;
-      evs.append(to_py(zinc::tools::step_event(e, s, loss_, tps, elapsed)));
-    }
-    if (ex.eval_data && (s % run.eval_interval == 0 || s == steps_)) {
-      {
-        ComputeScope scope;
-        eval_loss_ = zinc::tools::evaluate(e, *ex.eval_data, run.eval_batches, cfg.train_micro_batch_size_per_gpu);
-      }
-      evs.append(to_py(zinc::tools::eval_event(s, eval_loss_)));
-    }
-    if (run.checkpoint_interval > 0 && (s % run.checkpoint_interval == 0 || s == steps_)) {
-      const auto c0 = Clock::now();
-      engine_.save_checkpoint(run.checkpoint_dir, std::nullopt, py::none());
-      if (e.rank() == 0) zinc::tools::prune_checkpoints(run.checkpoint_dir, run.keep_last, s);
-      const double secs = std::chrono::duration<double>(Clock::now() - c0).count();
-      evs.append(to_py(zinc::tools::checkpoint_event(s, run.checkpoint_dir + "/global_step" + std::to_string(s), secs)));
-    }
-    return evs;
+      return loop_->step();
+    }();
+    return evs ? py::object(to_list(*evs)) : py::none();
   }
 
-  // What zinc-train's summary says that does not need the whole process's
-  // accounting (peak RSS per rank, communication shares, NVMe traffic).
+  // The loop's summary: what zinc-train's says that does not need the whole
+  // process's accounting (peak RSS per rank, communication shares, NVMe
+  // traffic).
   py::dict summary() {
     PyEngine::Call call(engine_, "zinc.train");
-    zinc::Engine& e = engine_.engine("train");
-    const zinc::tools::Experiment& ex = engine_.experiment();
-    const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
-    json sum = {{"event", "summary"},
-                {"steps", step_},
-                {"final_loss", loss_},
-                {"tokens_per_s", static_cast<double>(step_ * tokens_per_step_) / elapsed},
-                {"elapsed_s", elapsed},
-                {"world_size", engine_.world()},
-                {"zero_stage", ex.config.zero.stage},
-                {"skipped_steps", e.skipped_steps()}};
-    const std::optional<double> floor = ex.data->loss_floor();
-    sum["loss_floor"] = floor ? json(*floor) : json(nullptr);
-    if (ex.eval_data) sum["final_eval_loss"] = eval_loss_;
-    return to_py(sum);
+    engine_.engine("train");
+    return to_py(loop_->summary());
   }
 
  private:
+  static py::list to_list(const std::vector<json>& evs) {
+    py::list l;
+    for (const json& ev : evs) l.append(to_py(ev));
+    return l;
+  }
+
   PyEngine engine_;
-  int64_t steps_ = 0, step_ = 0, step_last_ = 0, tokens_per_step_ = 0;
-  double loss_ = NAN, eval_loss_ = NAN;
-  Clock::time_point t0_, t_last_;
+  std::optional<zinc::tools::RunLoop> loop_;  // refers to engine_'s engine: used only while it is open
 };
 
 }  // namespace
