@@ -80,9 +80,9 @@
 // (start_device_reduce, with the 16-bit wire copy made there), and the
 // GradReducer's buckets, in the same order on every rank, call
 // DeviceMirror::device_reduce on a stream of their own over a second
-// communicator that reaches GPU memory (NCCL; emulated, a duplicate of the
-// host one): a reduce-scatter on the GPU, then only the rank's shard comes
-// back to the host shard buffer the CPU update reads. Every other
+// communicator that reaches GPU memory (NCCL): a reduce-scatter on the
+// GPU, then only the rank's shard comes back to the host shard buffer the
+// CPU update reads. Every other
 // collective (norm, parameter all-gather, checkpoints) stays on the host
 // communicator.
 // At stage 0 with GPU-resident states on several ranks the reduced shards
@@ -292,7 +292,7 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<DeviceMirror> gpu;
   bool gpu_states = false;  // offload_optimizer "none": master, m, v on the GPU (the rank's span)
   // Several ranks: gradients reduced on the GPU, over a communicator that
-  // reaches GPU memory (NCCL; a duplicate of the host one when emulated),
+  // reaches GPU memory (NCCL),
   // on a stream of their own; only the rank's shard comes back to the host.
   bool gpu_reduce = false;
   std::unique_ptr<comm::Communicator> gpu_comm;
@@ -326,12 +326,8 @@ struct Engine::Impl final : StepContext {
       gather_stream = own_gather_stream.get();
     }
     if (c.device == Device::kCuda) {
-      int dev = 0;
-      if (!gpu_emulated()) {
-        dev = use_cuda_device(comm ? comm->local_rank() : 0);
-        if (rank == 0 || world <= 8)
-          log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
-      }
+      const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+      if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
       if (world > 1) make_gpu_reduction(dev);
     }
     adam = adam_params(c);
@@ -433,22 +429,17 @@ struct Engine::Impl final : StepContext {
   }
 
   // Collective (every rank, at the same point): the communicator and stream
-  // of the reductions on the GPU. NCCL on a GPU; emulated, a duplicate of the
-  // host communicator (the "GPU" buffers are host memory). Where the
-  // transport cannot run a second communicator, the host reduction stays.
+  // of the reductions on the GPU (NCCL). Where NCCL cannot start, the host
+  // reduction stays.
   void make_gpu_reduction(int device) {
-    if (gpu_emulated()) {
-      gpu_comm = comm->duplicate();
-    } else {
-      // The mirror's GPU (a rank that sees one GPU of its own under a
-      // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
-      // before NCCL starts (make_nccl_communicator), so all fall back together.
-      try {
-        gpu_comm = comm::make_nccl_communicator(*comm, device);
-      } catch (const Error& e) {  // no GPU for it, or no libnccl
-        if (rank == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
-        gpu_comm.reset();
-      }
+    // The mirror's GPU (a rank that sees one GPU of its own under a
+    // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
+    // before NCCL starts (make_nccl_communicator), so all fall back together.
+    try {
+      gpu_comm = comm::make_nccl_communicator(*comm, device);
+    } catch (const Error& e) {  // no GPU for it, or no libnccl
+      if (rank == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
+      gpu_comm.reset();
     }
     if (!gpu_comm) {
       if (rank == 0)
