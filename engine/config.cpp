@@ -857,11 +857,8 @@ bool parse_device(Reader& r, Config& c) {
   if (d == "cpu") {
     c.device = Device::kCpu;
   } else if (d == "auto") {
-    c.device = cuda_status().devices > 0 || gpu_emulated() ? Device::kCuda : Device::kCpu;
+    c.device = cuda_status().devices > 0 ? Device::kCuda : Device::kCpu;
     return true;
-  } else if (d == "cuda" && gpu_emulated()) {
-    r.warn("device", "\"cuda\" is emulated on the CPU (ZINC_EMULATE_GPU=1: a test of the GPU path's engine logic)");
-    c.device = Device::kCuda;
   } else if (d == "cuda") {
     const CudaStatus& st = cuda_status();
     if (!st.built)

@@ -18,8 +18,8 @@
 // these buffers from the stream-ordered pool (cudaMallocAsync), so coming
 // and going every step costs no device-wide synchronisation.
 // No CUDA type appears here: the implementation is device_mirror_cuda.cpp in
-// CUDA builds, else make() throws; device_mirror.cpp has a host-memory one
-// for ZINC_EMULATE_GPU.
+// CUDA builds, else make() throws (device_mirror.cpp). Without a GPU, kernel
+// emulation (tests/cuda_emu) runs device_mirror_cuda.cpp itself on the CPU.
 #pragma once
 
 #include <cstdint>
@@ -134,8 +134,7 @@ class DeviceMirror {
 
   // ---- reductions on the GPU (several ranks, stages 1-2): the GradReducer
   // calls device_reduce for each block of a bucket on its stream's thread,
-  // whose communicator reaches GPU memory (NCCL; in the emulation a host
-  // one). ----
+  // whose communicator reaches GPU memory (NCCL). ----
   // wire: the dtype on the wire; max_shard: the largest shard (elements).
   // gather_back (stage 0, GPU-resident states): device_reduce all-gathers the
   // reduced shards back into the full accumulator, which the update reads;
@@ -172,10 +171,5 @@ class DeviceMirror {
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;
 };
-
-// The host-memory mirror of ZINC_EMULATE_GPU (core/device.h); make()
-// returns it when the emulation is on.
-std::unique_ptr<DeviceMirror> make_host_mirror(const std::vector<int64_t>& padded_numel, DType compute,
-                                               const MirrorOptions& options);
 
 }  // namespace zinc

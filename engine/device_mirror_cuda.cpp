@@ -573,7 +573,6 @@ class CudaMirror final : public DeviceMirror {
 
 std::unique_ptr<DeviceMirror> DeviceMirror::make(const std::vector<int64_t>& padded_numel, DType compute,
                                                  const MirrorOptions& options) {
-  if (gpu_emulated()) return make_host_mirror(padded_numel, compute, options);
   if (cuda_status().devices == 0) throw Error("device \"cuda\": no GPU is visible (" + cuda_status().why + ")");
   return std::make_unique<CudaMirror>(padded_numel, compute, options);
 }

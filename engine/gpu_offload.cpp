@@ -38,9 +38,9 @@
 // (start_device_reduce, with the 16-bit wire copy made there), and the
 // GradReducer's buckets, in the same order on every rank, call
 // DeviceMirror::device_reduce on a stream of their own over a second
-// communicator that reaches GPU memory (NCCL; emulated, a duplicate of the
-// host one): a reduce-scatter on the GPU, then only the rank's shard comes
-// back to the host shard buffer the CPU update reads. Every other
+// communicator that reaches GPU memory (NCCL): a reduce-scatter on the
+// GPU, then only the rank's shard comes back to the host shard buffer the
+// CPU update reads. Every other
 // collective (norm, parameter all-gather, checkpoints) stays on the host
 // communicator.
 // At stage 0 with GPU-resident states on several ranks the reduced shards
@@ -84,11 +84,8 @@ class GpuOffload final : public DevicePath {
   GpuOffload(const Config& c, comm::Communicator* comm, int world, int rank, DType dtype)
       : cfg_(c), world_(world), rank_(rank), dtype_(dtype), gplan_(GpuPlan::make(c, world)),
         states_(c.zero.offload_optimizer.device == OffloadDevice::kNone) {
-    int dev = 0;
-    if (!gpu_emulated()) {
-      dev = use_cuda_device(comm ? comm->local_rank() : 0);
-      if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
-    }
+    const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+    if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
     if (world > 1) make_gpu_reduction(*comm, dev);
   }
 
@@ -305,22 +302,17 @@ class GpuOffload final : public DevicePath {
   const StagePlan& plan() const { return *ctx_.plan; }
 
   // Collective (every rank, at the same point): the communicator and stream
-  // of the reductions on the GPU. NCCL on a GPU; emulated, a duplicate of the
-  // host communicator (the "GPU" buffers are host memory). Where the
-  // transport cannot run a second communicator, the host reduction stays.
+  // of the reductions on the GPU (NCCL). Where NCCL cannot start, the host
+  // reduction stays.
   void make_gpu_reduction(comm::Communicator& comm, int device) {
-    if (gpu_emulated()) {
-      comm_ = comm.duplicate();
-    } else {
-      // The mirror's GPU (a rank that sees one GPU of its own under a
-      // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
-      // before NCCL starts (make_nccl_communicator), so all fall back together.
-      try {
-        comm_ = comm::make_nccl_communicator(comm, device);
-      } catch (const Error& e) {  // no GPU for it, or no libnccl
-        if (rank_ == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
-        comm_.reset();
-      }
+    // The mirror's GPU (a rank that sees one GPU of its own under a
+    // per-rank CUDA_VISIBLE_DEVICES uses device 0). Every rank agrees
+    // before NCCL starts (make_nccl_communicator), so all fall back together.
+    try {
+      comm_ = comm::make_nccl_communicator(comm, device);
+    } catch (const Error& e) {  // no GPU for it, or no libnccl
+      if (rank_ == 0) log_warn(std::string("NCCL did not start (") + e.what() + ")");
+      comm_.reset();
     }
     if (!comm_) {
       if (rank_ == 0)
@@ -393,8 +385,8 @@ class GpuOffload final : public DevicePath {
   DeviceContext ctx_;
   std::unique_ptr<DeviceMirror> gpu_;
   // Several ranks: gradients reduced on the GPU, over a communicator that
-  // reaches GPU memory (NCCL; a duplicate of the host one when emulated),
-  // on a stream of their own; only the rank's shard comes back to the host.
+  // reaches GPU memory (NCCL), on a stream of their own; only the rank's
+  // shard comes back to the host.
   bool reduce_ = false;
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<comm::CommStream> reduce_stream_;

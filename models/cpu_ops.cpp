@@ -2,7 +2,6 @@
 #include <cstring>
 #include <string>
 
-#include "core/device.h"
 #include "core/error.h"
 #include "models/detail/ops.h"
 
@@ -69,21 +68,10 @@ class CpuOps : public Ops {
   }
 };
 
-// ZINC_EMULATE_GPU (core/device.h): the CPU's kernels under the name "cuda".
-class EmulatedCudaOps final : public CpuOps {
- public:
-  Device device() const override { return Device::kCuda; }
-};
-
 }  // namespace
 
 Ops& cpu_ops() {
   static CpuOps ops;
-  return ops;
-}
-
-Ops& emulated_cuda_ops() {
-  static EmulatedCudaOps ops;
   return ops;
 }
 
@@ -95,7 +83,7 @@ Ops& cuda_ops() {
 
 Ops& ops_for(Device d) {
   if (d == Device::kCpu) return cpu_ops();
-  return gpu_emulated() ? emulated_cuda_ops() : cuda_ops();
+  return cuda_ops();
 }
 
 }  // namespace zinc::models::detail

@@ -53,11 +53,6 @@ int use_cuda_device(int local_rank) {
 #endif
 }
 
-bool gpu_emulated() {
-  const char* e = std::getenv("ZINC_EMULATE_GPU");
-  return e && std::string(e) == "1";
-}
-
 const CudaStatus& cuda_status() {
   static const CudaStatus s = probe();
   return s;

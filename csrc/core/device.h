@@ -18,15 +18,6 @@ struct CudaStatus {
 };
 const CudaStatus& cuda_status();
 
-// Test seam: with ZINC_EMULATE_GPU=1 in the environment, "device": "cuda"
-// runs the GPU path's engine logic on the CPU: the config accepts it without
-// a GPU (saying so), the GPT's Ops are the CPU's under the name "cuda", and
-// the engine's DeviceMirror keeps its "GPU" buffers in host memory
-// (engine/device_mirror.cpp). What it proves is the orchestration (uploads,
-// gradient hand-over, GPU-resident states, checkpoints), not any CUDA code.
-// Read on every call, so a test can switch it.
-bool gpu_emulated();
-
 // Makes GPU (local_rank % visible GPUs) this thread's current device
 // (cudaSetDevice) and returns its index: the ranks of one machine spread
 // over its GPUs. Throws zinc::Error without a CUDA build or a GPU.

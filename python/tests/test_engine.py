@@ -37,10 +37,13 @@ def test_python_loop_reproduces_zinc_train_bit_for_bit(doc, tmp_path):
 
 
 @pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "cpu"), (1, "none")])
-def test_device_cuda_reaches_the_gpu_path(doc, monkeypatch, stage, offload):
-    """"device": "cuda" from Python runs the engine's GPU path; here it is
-    emulated on the CPU (ZINC_EMULATE_GPU=1: the CPU's kernels, host-memory
-    "GPU" buffers), which gives the CPU path's bits."""
+def test_device_cuda_reaches_the_gpu_path(doc, stage, offload):
+    """"device": "cuda" from Python reaches the engine's GPU path. Without a
+    GPU the config refuses it, naming "device" and why; on a GPU the run
+    trains like the CPU path (bf16 here: every loss within 0.05 nats, the
+    bound of tests/cuda/cuda_engine_test.cpp; the GPU sums in another
+    order). The GPU path itself is checked by the C++ GPU tests, which kernel
+    emulation (tests/cuda_emu) runs on machines without a GPU."""
     doc["run"]["steps"] = 4
     doc["gradient_clipping"] = 0.0  # GPU-resident states sum the norm in another order
     doc["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": offload}}
@@ -48,11 +51,16 @@ def test_device_cuda_reaches_the_gpu_path(doc, monkeypatch, stage, offload):
         doc["zero_optimization"]["offload_param"] = {"device": "cpu"}
     with zinc.initialize(doc) as cpu:
         want = [cpu.train_batch() for _ in range(4)]
-    monkeypatch.setenv("ZINC_EMULATE_GPU", "1")
     doc["device"] = "cuda"
-    with zinc.initialize(doc) as gpu:
+    try:
+        gpu = zinc.initialize(doc)
+    except zinc.ConfigError as e:
+        assert e.path == "device", str(e)
+        assert "no GPU is visible" in str(e) or "built without CUDA" in str(e), str(e)
+        return
+    with gpu:
         got = [gpu.train_batch() for _ in range(4)]
-    assert got == want
+    assert got == pytest.approx(want, abs=0.05)
 
 
 def test_forward_backward_step_equals_train_batch(doc):

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include "data/data.h"
@@ -167,13 +168,21 @@ TEST(CudaEngine, GpuResidentStatesResumeBitForBit) {
   std::filesystem::remove_all(dir);
 }
 
-// A model on one device and a config naming the other is refused.
+// A model on one device and a config naming the other is refused, naming
+// "device" and the model's device.
 TEST(CudaEngine, ModelAndConfigMustAgreeOnTheDevice) {
   ZINC_REQUIRE_GPU();
   models::GptConfig g;
   g.device = Device::kCuda;
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 2}};
-  EXPECT_THROW(Engine::initialize(models::make_gpt(g), cfg), ConfigError);
+  try {
+    Engine::initialize(models::make_gpt(g), cfg);
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("device"), std::string::npos) << m;
+    EXPECT_NE(m.find("computes on cuda"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

@@ -48,25 +48,6 @@ TEST(Checkpoint, ResumesBitExactAtEveryStageAndOffload) {
   });
 }
 
-// The GPU path emulated on the CPU (ZINC_EMULATE_GPU, core/device.h) at
-// stage 3, where the parameters are gathered on the "GPU" from shards kept
-// there: a load writes the host shards, which go up again before the next
-// gather. States on the host (ZeRO-Offload) and on the "GPU".
-TEST(Checkpoint, EmulatedGpuStage3ResumesBitExact) {
-  setenv("ZINC_EMULATE_GPU", "1", 1);
-  for (const char* offload : {"cpu", "none"}) {
-    RunSpec r;
-    r.stage = 3;
-    r.bf16 = true;
-    r.offload = offload;
-    r.top_extra["device"] = "cuda";
-    r.make = [] { return testing_models::small_gpt(16, Device::kCuda); };
-    testing_train::expect_bit_exact_resume(r, g_world, shared_dir("gpu3"), 3,
-                                           std::string("emulated GPU, stage 3, offload ") + offload);
-  }
-  unsetenv("ZINC_EMULATE_GPU");
-}
-
 TEST(Checkpoint, AccumulationAndTheMlpResumeBitExact) {
   RunSpec r;
   r.model = "mlp";

@@ -995,35 +995,5 @@ TEST(ConfigDevice, CudaWithoutAGpuSaysWhy) {
     testing_config::expect_parts(e, {"built without CUDA"});
 }
 
-// What "device": "cuda" covers is decided from the config alone; a GPU, or
-// the emulation (ZINC_EMULATE_GPU), only lets "cuda" through the first check.
-TEST(ConfigDevice, CudaCoversZeroOffloadAndGpuStatesAtEveryStage) {
-  struct Emulate {
-    bool on = cuda_status().devices == 0;
-    Emulate() {
-      if (on) setenv("ZINC_EMULATE_GPU", "1", 1);
-    }
-    ~Emulate() {
-      if (on) unsetenv("ZINC_EMULATE_GPU");
-    }
-  } emulate;
-  auto err = [](const json& j) { return testing_config::error_of_parse([](const json& d) { Config::parse(d); }, j); };
-  EXPECT_EQ(Config::parse(with({{"device", "cuda"}})).device, Device::kCuda);  // GPU-resident states, one rank
-  EXPECT_EQ(Config::parse(with({{"device", "cuda"}}), 2).device, Device::kCuda);  // ... stage 0 on two ranks
-  testing_config::expect_parts(err(with({{"device", "cuda"}, {"optimizer", {{"type", "Lamb"}}}})), {"optimizer.type", "Lamb"});
-  for (const char* where : {"cpu", "nvme"}) {
-    const json off = {{"device", where}, {"nvme_path", "/tmp"}};
-    EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}, {"offload_optimizer", off}}}}))
-                  .device,
-              Device::kCuda)
-        << where;
-  }
-  EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}}}}), 2).device, Device::kCuda);
-  EXPECT_EQ(Config::parse(with({{"device", "cuda"},
-                                {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", "cpu"}}}}}}), 2)
-                .device,
-            Device::kCuda);
-}
-
 }  // namespace
 }  // namespace zinc

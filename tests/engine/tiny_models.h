@@ -25,8 +25,8 @@ inline std::shared_ptr<Model> tiny_gpt(int64_t n_layer = 2, bool gradient_checkp
 
 // A two-layer GPT of the tiny vocabulary and sequence, `n_embd` wide (wider
 // than tiny_gpt where a layer must be cut between ranks' shards inside its
-// tensors), on `device` (Device::kCuda: the GPU path, emulated on the CPU
-// under ZINC_EMULATE_GPU).
+// tensors), on `device` (Device::kCuda: the GPU path, on a GPU or under
+// kernel emulation: tests/cuda_emu).
 inline std::shared_ptr<Model> small_gpt(int64_t n_embd, Device device = Device::kCpu) {
   models::GptConfig g;
   g.vocab_size = kVocab;

@@ -1,0 +1,127 @@
+// What the config and the memory estimate say about "device": "cuda" where
+// a GPU is visible (on a GPU, or under kernel emulation: tests/cuda_emu).
+// Skipped without a GPU; tests/engine/config_test.cpp has the CPU side
+// ("cuda" refused, saying why).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/config.h"
+#include "engine/memory_estimate.h"
+#include "engine/model.h"
+#include "engine/partition.h"
+#include "models/models.h"
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/engine/config_test_util.h"
+
+namespace zinc {
+namespace {
+
+using nlohmann::json;
+using testing_config::with;
+
+// "cuda" parses to the GPU, with no warning about the device.
+TEST(CudaConfig, CudaIsTheGpuWithoutAWarning) {
+  ZINC_REQUIRE_GPU();
+  const Config c = Config::parse(json{{"train_micro_batch_size_per_gpu", 2}, {"device", "cuda"}});
+  EXPECT_EQ(c.device, Device::kCuda);
+  for (const std::string& w : c.warnings) EXPECT_EQ(w.find("device"), std::string::npos) << w;
+  EXPECT_EQ(Config::parse(with({{"device", "auto"}})).device, Device::kCuda);
+}
+
+// What "device": "cuda" covers is decided from the config alone, once a GPU
+// lets "cuda" through the first check.
+TEST(CudaConfig, CudaCoversZeroOffloadAndGpuStatesAtEveryStage) {
+  ZINC_REQUIRE_GPU();
+  auto err = [](const json& j) { return testing_config::error_of_parse([](const json& d) { Config::parse(d); }, j); };
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"}})).device, Device::kCuda);  // GPU-resident states, one rank
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"}}), 2).device, Device::kCuda);  // ... stage 0 on two ranks
+  testing_config::expect_parts(err(with({{"device", "cuda"}, {"optimizer", {{"type", "Lamb"}}}})), {"optimizer.type", "Lamb"});
+  for (const char* where : {"cpu", "nvme"}) {
+    const json off = {{"device", where}, {"nvme_path", "/tmp"}};
+    EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}, {"offload_optimizer", off}}}}))
+                  .device,
+              Device::kCuda)
+        << where;
+  }
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}}}}), 2).device, Device::kCuda);
+  EXPECT_EQ(Config::parse(with({{"device", "cuda"},
+                                {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", "cpu"}}}}}}), 2)
+                .device,
+            Device::kCuda);
+}
+
+// "auto" takes the GPU where the GPU path covers the config, and otherwise
+// stays on the CPU saying why; an explicit "cuda" is then an error.
+TEST(CudaConfig, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
+  ZINC_REQUIRE_GPU();
+  auto parse = [](const json& zero, const char* device) {
+    return Config::parse(json{{"train_micro_batch_size_per_gpu", 2}, {"device", device}, {"zero_optimization", zero}});
+  };
+  EXPECT_EQ(parse({{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
+  EXPECT_EQ(parse({{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
+  EXPECT_EQ(parse({{"stage", 3}}, "auto").device, Device::kCuda);
+  auto lamb = [](const char* device) {
+    return Config::parse(json{{"train_micro_batch_size_per_gpu", 2},
+                              {"device", device},
+                              {"optimizer", {{"type", "Lamb"}}},
+                              {"zero_optimization", {{"stage", 1}}}});
+  };
+  const Config c = lamb("auto");  // Lamb over GPU-resident states: not on the GPU
+  EXPECT_EQ(c.device, Device::kCpu);
+  EXPECT_TRUE(testing_config::any_warning_has(c, "\"auto\" stays on the CPU"));
+  testing_config::expect_parts(testing_config::error_of_parse([&](const json&) { lamb("cuda"); }, json::object()),
+                               {"optimizer.type"});
+}
+
+// --estimate with "device": "cuda": the activations move to the GPU's part,
+// which holds every block's compute parameters and fp32 accumulators (and
+// with GPU-resident states master, m and v); the host keeps the staging.
+TEST(CudaConfig, TheEstimateSplitsRamAndGpu) {
+  ZINC_REQUIRE_GPU();
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 16;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 32;
+  auto cpu_model = models::make_gpt(g);
+  int64_t padded = 0;
+  for (const BlockSpec& b : cpu_model->blocks()) padded += Partition::make(BlockLayout::from_spec(b).numel, 1, 0).padded_numel;
+  auto cfg = [&](const char* device, const char* offload, int stage) {
+    return Config::parse(json{{"train_micro_batch_size_per_gpu", 4},
+                              {"device", device},
+                              {"bf16", {{"enabled", true}}},
+                              {"zero_optimization", {{"stage", stage}, {"offload_optimizer", {{"device", offload}}}}}});
+  };
+  const MemoryEstimate cpu = estimate_memory(*cpu_model, cfg("cpu", "cpu", 2), 16);
+  const MemoryEstimate off = estimate_memory(*cpu_model, cfg("cuda", "cpu", 2), 16);
+  const MemoryEstimate res = estimate_memory(*cpu_model, cfg("cuda", "none", 0), 16);
+  EXPECT_TRUE(cpu.gpu.empty());
+  auto find = [](const std::vector<MemoryPart>& parts, const std::string& name) -> const MemoryPart* {
+    for (const MemoryPart& p : parts)
+      if (p.name.find(name) != std::string::npos) return &p;
+    return nullptr;
+  };
+  ASSERT_TRUE(find(cpu.training, "activations"));
+  EXPECT_FALSE(find(off.training, "activations"));
+  ASSERT_TRUE(find(off.gpu, "activations"));
+  EXPECT_EQ(find(off.gpu, "activations")->bytes, find(cpu.training, "activations")->bytes);
+  ASSERT_TRUE(find(off.gpu, "parameters"));
+  EXPECT_EQ(find(off.gpu, "parameters")->bytes, 2 * padded);
+  ASSERT_TRUE(find(off.gpu, "gradient accumulators"));
+  EXPECT_EQ(find(off.gpu, "gradient accumulators")->bytes, 4 * padded);
+  EXPECT_FALSE(find(off.gpu, "optimizer states"));
+  ASSERT_TRUE(find(res.gpu, "optimizer states"));
+  EXPECT_EQ(find(res.gpu, "optimizer states")->bytes, 12 * padded);
+  ASSERT_TRUE(find(off.training, "gradient staging"));
+  EXPECT_EQ(find(off.training, "gradient staging")->bytes, 4 * padded);
+  EXPECT_LT(off.ram_bytes(), cpu.ram_bytes());
+}
+
+}  // namespace
+}  // namespace zinc

@@ -1,0 +1,344 @@
+// The engine's GPU path (Note [the GPU path] in engine/engine.cpp) on one
+// GPU, configuration by configuration: ZeRO-Offload with the optimizer
+// states in RAM or on NVMe, GPU-resident states, stage 3 with the
+// parameters offloaded, accumulation, checkpoints. Skipped without a GPU;
+// kernel emulation (tests/cuda_emu) runs it on every CI machine.
+//
+// Two kinds of check:
+// - GPU against GPU, bit for bit: two configurations that must do the same
+//   arithmetic on the same values (stage 2 and stage 3, states in RAM and on
+//   NVMe, ZeRO-Offload and GPU-resident states without clipping, a run and
+//   its resumed twin). What differs between them is only the engine's
+//   orchestration (uploads, drops, gradient hand-over at the boundary, the
+//   swapper, checkpoints), so any slip in it shows as a bit.
+// - GPU against CPU, within the tolerance of tests/cuda/cuda_engine_test.cpp:
+//   the GPU's matmuls and layer kernels sum in another order than the CPU's
+//   (oneDNN; under kernel emulation the stand-in cuBLAS sums in k order), so
+//   the paths part by rounding only. fp32: every loss within 1e-3 relative
+//   and the weights within 1e-3 relative RMS (CudaEngine.Fp32TrainsLikeTheCpu).
+//   16-bit: every loss within 0.05 nats (CudaEngine.Bf16AndFp16TrainToTheCpuLoss's
+//   bound, here per step) and the weights within 1e-2 relative RMS.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "data/data.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/partition.h"
+#include "models/models.h"
+#include "optim/optim.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace zinc {
+namespace {
+
+// The GPT of these tests, on `device`.
+models::GptConfig small_gpt(Device device, int64_t layers = 2) {
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 16;
+  g.n_layer = layers;
+  g.n_head = 2;
+  g.n_embd = 32;
+  g.device = device;
+  return g;
+}
+
+struct TrainRun {
+  std::vector<float> losses;
+  std::vector<double> norms;
+  std::vector<std::vector<float>> weights;  // every block's master weights at the end
+  int64_t gpu_peak = 0;                      // Engine::gpu_state_peak_bytes
+};
+
+struct Case {
+  std::string device = "cpu", precision = "fp32", offload = "cpu";
+  std::string offload_param;  // "cpu" or "nvme": stage 3 keeps the parameters there (one rank)
+  int64_t max_live = -1;      // stage3_max_live_parameters (-1: the default)
+  int layers = 2;
+  int stage = 1, gas = 1, steps = 8;  // optimizer offload needs stage >= 1
+  double clipping = 1.0;
+  std::string ckpt_dir;  // with resume_at: save there at that step and continue in a new engine
+  int resume_at = -1;
+  std::string what() const {
+    std::string w = device + " " + precision + " stage " + std::to_string(stage) + " gas " + std::to_string(gas) +
+                    " states " + offload;
+    if (!offload_param.empty()) w += " parameters " + offload_param;
+    if (clipping == 0) w += " no clipping";
+    return w;
+  }
+};
+
+TrainRun train(const Case& c) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
+                        {"gradient_accumulation_steps", c.gas},
+                        {"gradient_clipping", c.clipping},
+                        {"device", c.device},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
+                        {"zero_optimization",
+                         {{"stage", c.stage},
+                          {"sub_group_size", 4096},
+                          {"offload_optimizer",
+                           {{"device", c.offload}, {"nvme_path", std::filesystem::temp_directory_path().string()}}}}}};
+  if (!c.offload_param.empty())
+    cfg["zero_optimization"]["offload_param"] = {{"device", c.offload_param},
+                                                 {"nvme_path", std::filesystem::temp_directory_path().string()}};
+  if (c.max_live >= 0) {
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = c.max_live;
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+  }
+  if (c.precision == "bf16") cfg["bf16"] = {{"enabled", true}};
+  if (c.precision == "fp16") cfg["fp16"] = {{"enabled", true}};
+  const models::GptConfig g = small_gpt(c.device == "cuda" ? Device::kCuda : Device::kCpu, c.layers);
+  std::shared_ptr<Model> model = models::make_gpt(g);
+  Engine e = Engine::initialize(model, cfg);
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  dc.determinism = 0.9;
+  DataLoader loader(make_data_source(dc), 4, c.gas, 1, 0, 7);
+  TrainRun r;
+  for (int s = 0; s < c.steps; ++s) {
+    if (s == c.resume_at) {
+      e.save_checkpoint(c.ckpt_dir, "t");
+      std::shared_ptr<Model> m2 = models::make_gpt(g);
+      Engine e2 = Engine::initialize(m2, cfg);
+      e2.load_checkpoint(c.ckpt_dir, "t");
+      e = std::move(e2);
+      model = m2;
+    }
+    r.losses.push_back(e.train_batch(loader));
+    r.norms.push_back(e.global_grad_norm());
+  }
+  for (size_t b = 0; b < model->blocks().size(); ++b) r.weights.push_back(e.full_params(static_cast<int>(b)));
+  r.gpu_peak = e.gpu_state_peak_bytes();
+  return r;
+}
+
+Case on_gpu(Case c) {
+  c.device = "cuda";
+  return c;
+}
+
+// The same losses and weights, bit for bit.
+void expect_same(const TrainRun& a, const TrainRun& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << " loss at step " << i;
+  ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
+  for (size_t k = 0; k < a.weights.size(); ++k) {
+    ASSERT_EQ(a.weights[k].size(), b.weights[k].size()) << what << " block " << k;
+    EXPECT_EQ(0, std::memcmp(a.weights[k].data(), b.weights[k].data(), a.weights[k].size() * 4))
+        << what << " block " << k;
+  }
+}
+
+// The GPU run against the CPU run of the same case, within the tolerance of
+// the file's Note.
+void expect_like_cpu(const TrainRun& cpu, const TrainRun& gpu, const std::string& precision, const std::string& what) {
+  const bool wide = precision == "fp32";
+  ASSERT_EQ(cpu.losses.size(), gpu.losses.size()) << what;
+  double worst_loss = 0;
+  for (size_t i = 0; i < cpu.losses.size(); ++i) {
+    const double d = std::fabs(cpu.losses[i] - gpu.losses[i]);
+    worst_loss = std::max(worst_loss, wide ? d / std::fabs(cpu.losses[i]) : d);
+    if (wide)
+      EXPECT_NEAR(cpu.losses[i], gpu.losses[i], 1e-3 * std::fabs(cpu.losses[i])) << what << " loss at step " << i;
+    else
+      EXPECT_NEAR(cpu.losses[i], gpu.losses[i], 0.05) << what << " loss at step " << i;
+  }
+  ASSERT_EQ(cpu.weights.size(), gpu.weights.size()) << what;
+  double diff = 0, norm = 0;
+  for (size_t k = 0; k < cpu.weights.size(); ++k) {
+    ASSERT_EQ(cpu.weights[k].size(), gpu.weights[k].size()) << what << " block " << k;
+    for (size_t i = 0; i < cpu.weights[k].size(); ++i) {
+      const double d = cpu.weights[k][i] - gpu.weights[k][i];
+      diff += d * d;
+      norm += static_cast<double>(cpu.weights[k][i]) * cpu.weights[k][i];
+    }
+  }
+  const double rel = std::sqrt(diff / norm);
+  EXPECT_LT(rel, wide ? 1e-3 : 1e-2) << what << ": weights, relative RMS";
+  if (std::getenv("ZINC_TEST_PRINT_DIFFS"))
+    std::printf("GPU against CPU, %s: losses %.3g (%s), weights %.3g relative RMS\n", what.c_str(), worst_loss,
+                wide ? "relative" : "nats", rel);
+}
+
+bool cpu_adam_has_fma_path() { return optim::detect_isa() != optim::Isa::kScalar; }
+
+// ZeRO-Offload with the states on NVMe: the swapper streams them under the
+// CPU update between the gradients' download and the uploads. The same bits
+// as with the states in RAM, and the CPU path's result.
+TEST(CudaEnginePath, ZeroOffloadToNvmeEqualsRamAndTrainsLikeTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (const char* prec : {"fp32", "bf16"})
+    for (int stage : {2, 3}) {
+      Case nvme;
+      nvme.precision = prec;
+      nvme.stage = stage;
+      nvme.gas = 2;
+      nvme.steps = 4;
+      nvme.offload = "nvme";
+      if (stage == 3) nvme.offload_param = "nvme";
+      Case ram = nvme;
+      ram.offload = "cpu";
+      if (stage == 3) ram.offload_param = "cpu";
+      const TrainRun gpu = train(on_gpu(nvme));
+      expect_same(gpu, train(on_gpu(ram)), on_gpu(nvme).what() + " against RAM");
+      expect_like_cpu(train(nvme), gpu, prec, on_gpu(nvme).what());
+    }
+}
+
+// ZeRO-Offload (stages 1 and 2): the gradients come back at the boundary,
+// the CPU update runs, every block goes up again. Stage 2 frees the GPU's
+// gradient accumulators at each boundary, stage 1 zeroes them: the same bits.
+TEST(CudaEnginePath, ZeroOffloadStagesAgreeBitForBitAndTrainLikeTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (const char* prec : {"fp32", "bf16", "fp16"})
+    for (int gas : {1, 3}) {
+      Case c;
+      c.precision = prec;
+      c.gas = gas;
+      std::vector<TrainRun> gpu;
+      for (int stage : {1, 2}) {
+        c.stage = stage;
+        gpu.push_back(train(on_gpu(c)));
+        expect_like_cpu(train(c), gpu.back(), prec, on_gpu(c).what());
+      }
+      expect_same(gpu[0], gpu[1], on_gpu(c).what() + " against stage 1");
+    }
+}
+
+// Stage 3 on one rank with the parameters offloaded (to page-locked RAM or
+// NVMe) and stage3_max_live_parameters holding about one block: each block
+// is read into RAM, uploaded at its acquire and dropped from the GPU when
+// the coordinator frees it. ZeRO-Offload copies the gradients out at the
+// boundary and frees them there; GPU-resident states update on the GPU and
+// send each new compute shard down to the host, where the coordinator
+// gathers it (without clipping, whose norm the GPU sums in another order).
+// The same bits as stage 2 (every block on the GPU throughout), the CPU
+// path's result, and the GPU holds far less than the whole model's
+// parameters and accumulators.
+TEST(CudaEnginePath, Stage3EqualsStage2BitForBitAndHoldsAboutOneBlock) {
+  ZINC_REQUIRE_GPU();
+  for (const char* states : {"cpu", "none"})
+    for (const char* prec : {"fp32", "bf16"})
+      for (int gas : {1, 2}) {
+        Case c;
+        c.precision = prec;
+        c.gas = gas;
+        c.steps = 5;
+        c.offload = states;
+        c.clipping = std::string(states) == "none" ? 0.0 : 1.0;
+        c.layers = 6;
+        c.stage = 2;
+        const TrainRun s2 = train(on_gpu(c));
+        for (const char* where : {"cpu", "nvme"}) {
+          c.stage = 3;
+          c.offload_param = where;
+          c.max_live = 1;  // one block at a time
+          const std::string what = on_gpu(c).what();
+          const TrainRun cpu = train(c), gpu = train(on_gpu(c));
+          expect_same(s2, gpu, what + " against stage 2");
+          expect_like_cpu(cpu, gpu, prec, what);
+          EXPECT_EQ(cpu.gpu_peak, 0) << what;
+          int64_t padded = 0, largest = 0;
+          for (const BlockSpec& spec : models::make_gpt(small_gpt(Device::kCpu, c.layers))->blocks()) {
+            const int64_t n = Partition::make(BlockLayout::from_spec(spec).numel, 1, 0).padded_numel;
+            padded += n;
+            largest = std::max(largest, n);
+          }
+          const int64_t es = std::string(prec) == "bf16" ? 2 : 4;
+          // Parameters: about one block (plus the one being uploaded while
+          // the last is read). Gradients: with one micro-batch per step and
+          // states on the host only the blocks between backward and their
+          // copy; otherwise all of them (no-sync keeps them, as on the host;
+          // GPU-resident states read them in the step). States: 12 B each,
+          // with the CUDA mirror's two small buffers beside them: a norm
+          // (8 B) per block and, in 16 bits, one block's new compute values
+          // on their way to the host shard.
+          const bool resident = std::string(states) == "none";
+          const int64_t params_most = 2 * es * largest;
+          const int64_t grads_most = gas == 1 && !resident ? 2 * 4 * largest : 4 * padded;
+          const int64_t blocks = static_cast<int64_t>(s2.weights.size());
+          const int64_t states_bytes = resident ? 12 * padded + 8 * blocks + (es == 2 ? es * largest : 0) : 0;
+          EXPECT_GT(gpu.gpu_peak, 0) << what;
+          EXPECT_LE(gpu.gpu_peak, params_most + grads_most + states_bytes) << what;
+          EXPECT_LT(gpu.gpu_peak, (es + 4) * padded + states_bytes)
+              << what << ": the whole model's parameters and gradients";
+          EXPECT_LT(gpu.gpu_peak, s2.gpu_peak) << what;
+        }
+      }
+}
+
+// GPU-resident states: the gradients stay on the GPU, the norm is summed
+// there, the update (adam_step_cuda) writes the compute parameters in
+// place. Without clipping the norm does not enter the update: ZeRO-Offload's
+// bits (the CPU AdamW, the same arithmetic in the same roundings:
+// optim/detail/adam_update.h). With clipping: the same norms up to their
+// summation order, and ZeRO-Offload's weights up to the clip coefficient's
+// last bit. Both train like the CPU path.
+TEST(CudaEnginePath, GpuResidentStatesEqualZeroOffloadAndTrainLikeTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (const char* prec : {"fp32", "bf16"})
+    for (int gas : {1, 2}) {
+      Case c;
+      c.precision = prec;
+      c.gas = gas;
+      c.offload = "none";
+      for (double clipping : {0.0, 0.05}) {  // 0.05 clips every step
+        c.clipping = clipping;
+        Case off = c;
+        off.offload = "cpu";
+        const TrainRun res = train(on_gpu(c)), host = train(on_gpu(off));
+        const std::string what = on_gpu(c).what();
+        expect_like_cpu(train(c), res, prec, what);
+        if (!cpu_adam_has_fma_path()) continue;  // the CPU AdamW rounds otherwise
+        if (clipping == 0) {
+          expect_same(host, res, what + " against ZeRO-Offload");
+          continue;
+        }
+        for (size_t i = 0; i < res.norms.size(); ++i)
+          EXPECT_NEAR(res.norms[i], host.norms[i], 1e-9 * host.norms[i]) << what << " norm at step " << i;
+        for (size_t k = 0; k < res.weights.size(); ++k)
+          for (size_t i = 0; i < res.weights[k].size(); ++i)
+            ASSERT_NEAR(host.weights[k][i], res.weights[k][i], 1e-6 + 1e-5 * std::fabs(host.weights[k][i]))
+                << what << " block " << k << " element " << i;
+      }
+    }
+}
+
+// A checkpoint of GPU-resident states, and of the ZeRO-Offload path, at
+// stages 1 and 3 resumes bit for bit (the host copy is refreshed before the
+// save and the states go back up after the load).
+TEST(CudaEnginePath, CheckpointsResumeBitForBit) {
+  ZINC_REQUIRE_GPU();
+  char tmpl[] = "/tmp/zinc_cuda_path_ckpt_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  for (int stage : {1, 3})
+    for (const char* offload : {"none", "cpu"}) {
+      std::filesystem::remove_all(dir);
+      Case straight;
+      straight.device = "cuda";
+      straight.precision = "bf16";
+      straight.offload = offload;
+      straight.stage = stage;
+      if (stage == 3) straight.offload_param = "cpu";
+      straight.steps = 10;
+      Case resumed = straight;
+      resumed.ckpt_dir = dir;
+      resumed.resume_at = 5;
+      expect_same(train(straight), train(resumed), "resume, " + straight.what());
+    }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace zinc
