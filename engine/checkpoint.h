@@ -210,5 +210,8 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
 void fsync_dir(const std::string& dir);
 // Writes `text` to `path` through path + ".tmp", fsync, rename.
 void write_file_atomic(const std::string& path, const std::string& text);
+// The whole of a small regular file (metadata, an index, `latest`); an
+// IoError names the file.
+std::string read_bytes(const std::string& path);
 
 }  // namespace zinc::ckpt
