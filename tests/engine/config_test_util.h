@@ -5,12 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/config.h"
 
 namespace zinc::testing_config {
 
@@ -52,6 +55,18 @@ bool any_warning_has(const Parsed& c, const std::string& part) {
   }
   return false;
 }
+
+// The ConfigError message of Config::parse(j), or a test failure if it parses.
+inline std::string config_error(const json& j, int world_size = 1) {
+  return error_of_parse([world_size](const json& d) { Config::parse(d, world_size); }, j);
+}
+
+inline std::string temp_path(const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/zinc_config_test_" + name;
+}
+
+inline void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
 }  // namespace zinc::testing_config
 

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
+#include "engine/engine.h"
 #include "models/models.h"
 
 namespace zinc::testing_models {
@@ -46,6 +48,16 @@ inline std::shared_ptr<Model> tiny_mlp() {
   m.hidden = 20;
   m.n_layer = 2;
   return models::make_mlp(m);
+}
+
+// All parameters of an engine, in block order (padding included).
+inline std::vector<float> params_of(const Engine& e, int blocks) {
+  std::vector<float> out;
+  for (int b = 0; b < blocks; ++b) {
+    std::vector<float> s = e.full_params(b);
+    out.insert(out.end(), s.begin(), s.end());
+  }
+  return out;
 }
 
 }  // namespace zinc::testing_models

@@ -1,0 +1,364 @@
+// Engine behaviour on one rank, continued (engine_test.cpp has the step
+// arithmetic and training): where the optimizer states live must not change
+// a bit, the memory estimate against the engine, StateMemory, and one-rank
+// checkpoints.
+#include <gtest/gtest.h>
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "engine/engine.h"
+#include "models/models.h"
+#include "tests/engine/tiny_models.h"
+#include "tests/engine/checkpoint_util.h"
+#include "tests/engine/estimate_util.h"
+#include "engine/shard.h"
+
+namespace zinc {
+namespace {
+
+using testing_models::params_of;
+
+// ---- optimizer-state offload: where the states live must not change a bit ----
+
+std::vector<float> train_offload(int stage, const std::string& device, bool bf16, const std::string& dir,
+                                 const std::string& param_device = "none") {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
+                        {"gradient_accumulation_steps", 2},
+                        {"bf16", {{"enabled", bf16}}},
+                        {"zero_optimization",
+                         {{"stage", stage},
+                          {"sub_group_size", 2048},
+                          {"offload_optimizer",
+                           {{"device", device}, {"nvme_path", dir}, {"buffer_count", 3}, {"pin_memory", true}}}}},
+                        {"aio", {{"block_size", 8192}, {"queue_depth", 4}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  if (device == "none") cfg["zero_optimization"].erase("offload_optimizer");
+  if (param_device != "none") {
+    cfg["zero_optimization"]["offload_param"] = {{"device", param_device}, {"nvme_path", dir}, {"pin_memory", true}};
+    cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0;  // read every block from disk at each use
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 2048;
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;  // every block offloaded
+  }
+  auto model = testing_models::tiny_gpt();
+  Engine e = Engine::initialize(model, cfg);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), 4, 2, 1, 0, 7);
+  for (int s = 0; s < 20; ++s) e.train_batch(loader);
+  if (device == "nvme" || param_device == "nvme") {
+    EXPECT_GT(e.offload_bytes_read(), 0);
+    EXPECT_GT(e.offload_bytes_written(), 0);
+  }
+  if (param_device != "none") {
+    EXPECT_GT(e.param_gather_stats().prefetched, 0);  // read and copied ahead of use
+  }
+  return params_of(e, static_cast<int>(model->blocks().size()));
+}
+
+TEST(EngineOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
+  const std::string dir = ::testing::TempDir();
+  for (int stage : {1, 2})
+    for (bool bf16 : {false, true}) {
+      std::vector<float> none = train_offload(stage, "none", bf16, dir);
+      EXPECT_EQ(train_offload(stage, "cpu", bf16, dir), none) << "cpu, stage " << stage << " bf16 " << bf16;
+      EXPECT_EQ(train_offload(stage, "nvme", bf16, dir), none) << "nvme, stage " << stage << " bf16 " << bf16;
+    }
+}
+
+// One rank at stage 3 with its parameters offloaded: each block is read
+// from NVMe (or page-locked RAM) into RAM while in use, and the weights are
+// those of stage 2.
+TEST(EngineOffload, OneRankStage3WithOffloadedParametersTrainsLikeStage2) {
+  const std::string dir = ::testing::TempDir();
+  for (bool bf16 : {false, true}) {
+    const std::vector<float> stage2 = train_offload(2, "none", bf16, dir);
+    for (const char* param : {"cpu", "nvme"})
+      for (const char* opt : {"none", "nvme"})
+        EXPECT_EQ(train_offload(3, opt, bf16, dir, param), stage2)
+            << "offload_param " << param << ", offload_optimizer " << opt << ", bf16 " << bf16;
+  }
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+// One rank: zinc-train --estimate's model state is the engine's peak, for
+// every stage and offload (ZeRO-3 shards only with its parameters offloaded).
+TEST(MemoryEstimate, OneRankModelStateEqualsTheEnginesPeak) {
+  using testing_train::RunSpec;
+  for (const std::string model : {"gpt", "mlp"})
+    testing_train::for_each_stage_and_offload([&](bool bf16, int stage, const std::string& offload,
+                                                  const std::string& what) {
+      RunSpec r;
+      r.model = model;
+      r.bf16 = bf16;
+      r.stage = stage;
+      r.offload = offload;
+      testing_train::expect_estimate_exact(r, nullptr, model + " " + what);
+    });
+  for (const std::string param : {"cpu", "nvme"}) {
+    RunSpec r;
+    r.bf16 = true;
+    r.stage = 3;
+    r.offload = "nvme";
+    r.zero_extra = {{"offload_param", {{"device", param}, {"nvme_path", ::testing::TempDir()}}},
+                    {"stage3_param_persistence_threshold", 100}};
+    testing_train::expect_estimate_exact(r, nullptr, "one rank, offload_param " + param);
+  }
+}
+
+// The models' activation memory is what their forward and backward
+// allocate. The pass runs on a fresh thread, whose thread-local kernel
+// scratch starts empty, so the heap grows by the activations and the
+// scratch together (within the allocator's own overhead).
+int64_t heap_bytes() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+// The GPT with gradient_checkpointing is counted as well, and its measured
+// growth must be below the plain GPT's by about n_layer - 1 sets of layer
+// activations.
+TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate) {
+  models::GptConfig g;
+  g.vocab_size = 200;
+  g.block_size = 64;
+  g.n_layer = 3;
+  g.n_head = 4;
+  g.n_embd = 128;
+  models::MlpConfig m;
+  m.vocab_size = 200;
+  m.context = 4;
+  m.n_embd = 32;
+  m.hidden = 256;
+  for (const std::string precision : {"fp32", "bf16", "fp16"}) {
+    const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
+    int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
+    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp"}) {
+      const bool gpt = kind != "mlp";
+      const std::string what = kind + " " + precision;
+      models::GptConfig gk = g;
+      gk.gradient_checkpointing = kind == "gpt checkpointed";
+      const nlohmann::json cfg = {{"train_batch_size", 4},
+                                  {"bf16", {{"enabled", bf16}}},
+                                  {"fp16", {{"enabled", fp16}}},
+                                  {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
+      Batch batch;
+      batch.B = 4;
+      batch.T = 64;
+      for (int64_t i = 0; i < batch.B * batch.T; ++i) {
+        batch.inputs.push_back(static_cast<int32_t>(i * 7 % 200));
+        batch.targets.push_back(static_cast<int32_t>(i * 13 % 200));
+      }
+      // A pass of the heap growth on a fresh thread; the first of two
+      // warms what a process allocates once (a kernel's first call).
+      int64_t grew = 0;
+      ActivationMemory want;
+      for (int round = 0; round < 2; ++round) {
+        std::shared_ptr<Model> model = gpt ? models::make_gpt(gk) : models::make_mlp(m);
+        Engine e = Engine::initialize(model, cfg);
+        want = *model->activation_memory(batch.B, batch.T, e.compute_dtype());
+        std::thread pass([&] {
+          const int64_t before = heap_bytes();
+          e.forward(batch);
+          e.backward();
+          grew = heap_bytes() - before;
+        });
+        pass.join();
+      }
+      const double expect = static_cast<double>(want.saved + want.workspace);
+      EXPECT_GT(want.saved, 0) << what;
+      EXPECT_NEAR(static_cast<double>(grew), expect, 0.02 * expect)
+          << what << ": saved " << want.saved << " + scratch " << want.workspace;
+      if (gpt) gpt_grew[gk.gradient_checkpointing ? 1 : 0] = grew;
+    }
+    // Two sets of layer activations fewer: (N,C) is 4*64*128*4 = 128 KiB,
+    // a set is 15 of them plus the probabilities (4*4*64*64*4 = 256 KiB).
+    EXPECT_LT(gpt_grew[1], gpt_grew[0] - 2 * (15 * 128 + 256) * 1024 * 9 / 10)
+        << precision << ": checkpointed " << gpt_grew[1] << " vs plain " << gpt_grew[0];
+  }
+}
+
+TEST(GradientCheckpointing, LossesNormsAndWeightsAreBitIdenticalOnOneRank) {
+  testing_train::expect_gradient_checkpointing_bit_identical(nullptr);
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+// A freed state buffer comes back, cleared, for the next request of its
+// size; other sizes get new memory; release_kept returns what is kept.
+TEST(StateMemory, KeepsFreedBuffersForTheSameSizeAndClearsThem) {
+  StateMemory m;
+  AlignedBuffer a = m.alloc(3 << 20);
+  void* where = a.data();
+  std::memset(a.data(), 0x5a, a.bytes());
+  m.free(a);
+  EXPECT_TRUE(a.empty());
+  EXPECT_EQ(m.bytes(), 0);
+  EXPECT_EQ(m.kept_bytes(), 3 << 20);
+  AlignedBuffer other = m.alloc(1 << 20);  // another size: new memory
+  EXPECT_EQ(m.kept_bytes(), 3 << 20);
+  AlignedBuffer b = m.alloc(3 << 20);
+  EXPECT_EQ(b.data(), where);
+  EXPECT_EQ(m.kept_bytes(), 0);
+  for (size_t i = 0; i < b.bytes(); i += 4093) ASSERT_EQ(b.as<unsigned char>()[i], 0) << i;
+  EXPECT_EQ(m.bytes(), (3 << 20) + (1 << 20));
+  EXPECT_EQ(m.peak_bytes(), (3 << 20) + (1 << 20));
+  m.free(other);
+  m.release_kept();
+  EXPECT_EQ(m.kept_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace zinc
+
+namespace zinc {
+namespace {
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "zinc-ckpt-" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// One rank: a resumed run continues bit for bit (stage 3 with its
+// parameters offloaded is the one-rank ZeRO-3).
+TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
+  testing_train::for_each_stage_and_offload([](bool bf16, int stage, const std::string& offload,
+                                               const std::string& what) {
+    testing_train::RunSpec r;
+    r.bf16 = bf16;
+    r.stage = stage;
+    r.offload = offload;
+    if (stage == 3 && offload != "none")
+      r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume"), 3, what);
+  });
+}
+
+// fp16: the loss scale, its hysteresis and window position come back with
+// the checkpoint (a resumed run that restarted at 2^20 would skip steps the
+// straight run takes). The scale falls from 2^20 and grows every 2 clean steps.
+TEST(Checkpoint, Fp16ResumesBitExactWithItsLossScale) {
+  for (int stage : {0, 3}) {
+    testing_train::RunSpec r;
+    r.stage = stage;
+    r.top_extra = {{"fp16", {{"enabled", true}, {"initial_scale_power", 20}, {"hysteresis", 2}, {"loss_scale_window", 2}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("resume16"), 6, "fp16 stage " + std::to_string(stage));
+  }
+}
+
+// Lamb keeps no state beyond master, m and v: a resumed run continues bit for
+// bit, its OneCycle lr and momentum included.
+TEST(Checkpoint, OneRankLambResumesBitExact) {
+  testing_train::for_each_stage_and_offload([](bool bf16, int stage, const std::string& offload,
+                                               const std::string& what) {
+    if (offload == "cpu") return;  // the same walk as RAM; nvme and none cover both state paths
+    testing_train::RunSpec r;
+    r.bf16 = bf16;
+    r.stage = stage;
+    r.offload = offload;
+    r.optimizer = {{"type", "Lamb"}, {"params", {{"lr", 5e-3}, {"weight_decay", 0.01}}}};
+    r.scheduler = {{"type", "OneCycle"},
+                   {"params", {{"cycle_min_lr", 1e-3}, {"cycle_max_lr", 5e-3}, {"cycle_first_step_size", 2}}}};
+    if (stage == 3 && offload != "none")
+      r.zero_extra = {{"offload_param", {{"device", offload}, {"nvme_path", ::testing::TempDir()}}}};
+    testing_train::expect_bit_exact_resume(r, nullptr, fresh_dir("lamb-resume"), 3, "Lamb " + what);
+  });
+}
+
+// A save reads the optimizer states on NVMe and writes nothing back to the
+// store (the walk is a reader's); a load writes them without reading the old
+// ones first; the weights come back.
+TEST(Checkpoint, NvmeStatesAreOnlyReadBySaveAndOnlyWrittenByLoad) {
+  testing_train::RunSpec r;
+  r.stage = 1;
+  r.offload = "nvme";
+  const std::string dir = fresh_dir("nvme-read-only");
+  auto model = testing_train::make_model(r.model);
+  Engine e = Engine::initialize(model, testing_train::make_config(r));
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), r.global_batch, 1, 1, 0, 7);
+  for (int s = 0; s < 2; ++s) e.train_batch(loader);  // weights that a fresh engine does not have
+  const int64_t read0 = e.offload_bytes_read(), written0 = e.offload_bytes_written();
+  e.save_checkpoint(dir);
+  EXPECT_GT(e.offload_bytes_read(), read0);
+  EXPECT_EQ(e.offload_bytes_written(), written0);
+  const std::vector<float> before = testing_train::all_weights(e);
+  Engine again = Engine::initialize(testing_train::make_model(r.model), testing_train::make_config(r));
+  EXPECT_NE(testing_train::all_weights(again), before);
+  // A load writes the states to the store without reading the old ones.
+  const int64_t read1 = again.offload_bytes_read(), written1 = again.offload_bytes_written();
+  again.load_checkpoint(dir);
+  EXPECT_EQ(again.offload_bytes_read(), read1);
+  EXPECT_GT(again.offload_bytes_written(), written1);
+  EXPECT_EQ(testing_train::all_weights(again), before);
+}
+
+// A flipped byte and a cut file are each an error naming the file, the
+// block and the state; so is a checkpoint of another model.
+TEST(Checkpoint, CorruptedTruncatedAndForeignCheckpointsAreNamedErrors) {
+  testing_train::RunSpec r;
+  const std::string dir = fresh_dir("bad");
+  testing_train::train_segment(r, nullptr, 1, "", dir);
+  const std::string bin = dir + "/global_step1/rank00000.bin";
+  auto expect_load_error = [&](const std::string& want, testing_train::RunSpec spec) {
+    std::string what;
+    try {
+      testing_train::train_segment(spec, nullptr, 1, dir);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find(want), std::string::npos) << "want '" << want << "' in: " << what;
+    return what;
+  };
+  auto flip = [&] {  // one bit of a byte of the first block's master weights
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(100);
+    f.write(&c, 1);
+  };
+  flip();
+  const std::string corrupt = expect_load_error("rank00000.bin is corrupted", r);
+  EXPECT_NE(corrupt.find("block '"), std::string::npos) << corrupt;
+  flip();  // back
+  // Cut 100 bytes into the last block's Adam v (its place from the index:
+  // regions start 4 KiB aligned, so the file's end is padding).
+  const nlohmann::json index = read_json_file(dir + "/global_step1/rank00000.json");
+  std::filesystem::resize_file(bin, index["blocks"].back()["v"]["file_offset"].get<uint64_t>() + 100);
+  const std::string cut = expect_load_error("rank00000.bin is truncated", r);
+  EXPECT_NE(cut.find("Adam v"), std::string::npos) << cut;
+  testing_train::train_segment(r, nullptr, 1, "", dir);  // whole again (the tag saved anew replaces the cut one)
+  testing_train::RunSpec mlp = r;
+  mlp.model = "mlp";
+  expect_load_error("differs from this model", mlp);
+  std::filesystem::remove(dir + "/latest");
+  expect_load_error("latest not found", r);
+}
+
+}  // namespace
+}  // namespace zinc
