@@ -1,19 +1,12 @@
 #include "engine/engine.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
-#include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
-#include <optional>
-#include <set>
 
 #include "core/cpu.h"
 #include "core/alloc.h"
