@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The heavy peers' virtual environment: PyTorch and Hugging Face transformers,
+# for the scripts that produce reference data from the real libraries
+# (tests/fixtures/hf/make_fixtures.py). The test command never uses it: the
+# committed fixtures are read with numpy and safetensors only, so CI passes
+# without torch and without network. Pinned to the versions that produced the
+# committed fixtures (tests/fixtures/hf/README.md).
+#   bash bench/peers/setup.sh            # venv at bench/peers/.venv, or $ZINC_PEERS_VENV
+#   bench/peers/.venv/bin/python tests/fixtures/hf/make_fixtures.py
+# Idempotent: does nothing where the venv already holds these versions. From
+# PyPI, torch brings its CUDA libraries (several GB); the CPU-only wheel of the
+# same version (2.15.0+cpu) satisfies the pin too and should be picked with
+# PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
+# PIP_EXTRA_INDEX_URL=https://pypi.org/simple (not tried here).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+venv="${ZINC_PEERS_VENV:-bench/peers/.venv}"
+python="${PYTHON:-python3}"
+pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6)
+
+installed() {
+  [ -x "$venv/bin/python" ] || return 1
+  "$venv/bin/python" - "${pins[@]}" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for pin in sys.argv[1:]:
+    name, want = pin.split("==")
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        sys.exit(1)
+    if have.split("+")[0] != want:  # torch 2.15.0+cpu is 2.15.0
+        sys.exit(1)
+PY
+}
+
+if installed; then
+  echo "peers venv $venv: up to date (${pins[*]})"
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install --disable-pip-version-check --quiet "${pins[@]}"
+installed || { echo "peers venv $venv: the pinned versions did not install" >&2; exit 1; }
+echo "peers venv $venv: installed ${pins[*]}"
