@@ -31,32 +31,18 @@ json offload_json(const OffloadConfig& o, bool is_param) {
   return j;
 }
 
+// The params of the schedule's type, from optim's key table.
 json scheduler_json(const SchedulerConfig& s) {
   if (s.type == SchedulerType::kConstant) return nullptr;
-  json p;
-  if (s.type == SchedulerType::kOneCycle) {
-    p = {{"cycle_min_lr", s.cycle_min_lr},
-         {"cycle_max_lr", s.cycle_max_lr},
-         {"decay_lr_rate", s.decay_lr_rate},
-         {"cycle_first_step_size", s.cycle_first_step_size},
-         {"cycle_second_step_size", s.cycle_second_step_size < 0 ? json(nullptr) : json(s.cycle_second_step_size)},
-         {"decay_step_size", s.decay_step_size},
-         {"cycle_momentum", s.cycle_momentum},
-         {"cycle_min_mom", s.cycle_min_mom},
-         {"cycle_max_mom", s.cycle_max_mom},
-         {"decay_mom_rate", s.decay_mom_rate}};
-    return {{"type", scheduler_type_name(s.type)}, {"params", p}};
+  json p = json::object();
+  for (const optim::ScheduleKey& k : optim::schedule_keys()) {
+    if (!k.takes(s.type)) continue;
+    json& v = p[k.name];
+    if (k.number) v = s.*k.number;
+    if (k.integer) v = k.nullable && s.*k.integer == k.null_value ? json(nullptr) : json(s.*k.integer);
+    if (k.flag) v = s.*k.flag;
+    if (k.warmup) v = optim::warmup_type_name(s.*k.warmup);
   }
-  if (s.type == SchedulerType::kWarmupCosineLR) {
-    p["warmup_min_ratio"] = s.warmup_min_ratio;
-    p["cos_min_ratio"] = s.cos_min_ratio;
-  } else {
-    p["warmup_min_lr"] = s.warmup_min_lr;
-    p["warmup_max_lr"] = s.warmup_max_lr;
-  }
-  p["warmup_num_steps"] = s.warmup_num_steps;
-  p["warmup_type"] = s.warmup_type == WarmupType::kLog ? "log" : "linear";
-  if (s.type != SchedulerType::kWarmupLR) p["total_num_steps"] = s.total_num_steps;
   return {{"type", scheduler_type_name(s.type)}, {"params", p}};
 }
 

@@ -15,26 +15,59 @@ using namespace config;
 
 namespace {
 
-// OneCycle's params (DeepSpeed's names and defaults; cycle_min_lr and
-// cycle_max_lr have none there either).
-void parse_one_cycle(Reader& p, SchedulerConfig& s) {
-  for (const char* k : {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
-                        "warmup_min_ratio", "cos_min_ratio"}) {
-    if (p.has(k)) {
-      throw ConfigError(p.path_of(k), "a Warmup* schedule's parameter; OneCycle takes cycle_min_lr, cycle_max_lr, "
-                                      "cycle_first_step_size, cycle_second_step_size, decay_step_size, "
-                                      "decay_lr_rate and the momentum keys");
+// The schedules that take a key, for messages ("WarmupLR, WarmupDecayLR").
+std::string schedules_taking(const optim::ScheduleKey& k) {
+  std::string out;
+  for (SchedulerType t : {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
+                          SchedulerType::kOneCycle}) {
+    if (k.takes(t)) out += (out.empty() ? "" : ", ") + std::string(scheduler_type_name(t));
+  }
+  return out;
+}
+
+// scheduler.params, from optim's key table: each key of the schedule's type
+// with its bounds; a key of another type gets a precise message.
+void parse_schedule_params(Reader& p, SchedulerConfig& s) {
+  std::string own;
+  for (const optim::ScheduleKey& k : optim::schedule_keys()) {
+    if (k.takes(s.type)) own += (own.empty() ? "" : ", ") + std::string(k.name);
+  }
+  for (const optim::ScheduleKey& k : optim::schedule_keys()) {
+    if (k.takes(s.type) || !p.has(k.name)) continue;
+    throw ConfigError(p.path_of(k.name), std::string("not a ") + scheduler_type_name(s.type) + " parameter (used by " +
+                                             schedules_taking(k) + "); " + scheduler_type_name(s.type) +
+                                             " takes " + own);
+  }
+  for (const optim::ScheduleKey& k : optim::schedule_keys()) {
+    if (!k.takes(s.type)) continue;
+    const json* v = p.find(k.name);
+    if (!v || (k.nullable && v->is_null())) {
+      if (v) s.*k.integer = k.null_value;
+      if (!v && k.required) {
+        throw ConfigError(p.path_of(k.name),
+                          std::string("required for ") + scheduler_type_name(s.type) + " (DeepSpeed has no default)");
+      }
+      continue;
+    }
+    const Range range{k.lo, k.hi, k.lo_open, k.hi_open};
+    if (k.number) s.*k.number = to_number(*v, p.last_path(), range);
+    if (k.integer) s.*k.integer = to_int(*v, p.last_path(), range);
+    if (k.flag) s.*k.flag = to_bool(*v, p.last_path());
+    if (k.warmup) {
+      std::vector<std::pair<std::string, WarmupType>> names;
+      for (WarmupType w : {WarmupType::kLog, WarmupType::kLinear}) names.emplace_back(optim::warmup_type_name(w), w);
+      p.get_enum<WarmupType>(k.name, s.*k.warmup, names);
     }
   }
-  for (const char* k : {"cycle_min_lr", "cycle_max_lr"}) {
-    if (!p.has(k)) throw ConfigError(p.path_of(k), "required for OneCycle (DeepSpeed has no default)");
+}
+
+// The keys DeepSpeed reads but that change nothing: warned about.
+void warn_ignored_schedule_keys(Reader& p, const SchedulerConfig& s) {
+  int64_t last = -1;
+  if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
+    p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
   }
-  p.get_number("cycle_min_lr", s.cycle_min_lr, at_least(0));
-  p.get_number("cycle_max_lr", s.cycle_max_lr, at_least(0));
-  p.get_number("decay_lr_rate", s.decay_lr_rate, at_least(0));
-  p.get_int("cycle_first_step_size", s.cycle_first_step_size, at_least(1));
-  const json* second = p.find("cycle_second_step_size");
-  if (second && !second->is_null()) s.cycle_second_step_size = to_int(*second, p.last_path(), at_least(1));
+  if (s.type != SchedulerType::kOneCycle) return;
   // DeepSpeed stores the stair counts but never reads them: no effect there either.
   for (const char* k : {"cycle_first_stair_count", "cycle_second_stair_count"}) {
     const json* v = p.find(k);
@@ -43,23 +76,31 @@ void parse_one_cycle(Reader& p, SchedulerConfig& s) {
       p.warn_ignored(p.last_path(), "DeepSpeed's OneCycle stores it but never uses it; the cycle is not a staircase there either");
     }
   }
-  p.get_int("decay_step_size", s.decay_step_size, at_least(0));
-  p.get_bool("cycle_momentum", s.cycle_momentum);
-  p.get_number("cycle_min_mom", s.cycle_min_mom, lo_closed(0, 1));
-  p.get_number("cycle_max_mom", s.cycle_max_mom, lo_closed(0, 1));
-  p.get_number("decay_mom_rate", s.decay_mom_rate, at_least(0));
-  int64_t last = -1;
-  if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
-    p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
+}
+
+// Settings that parse but probably are not what was meant.
+void warn_odd_schedule(Reader& p, const SchedulerConfig& s) {
+  if (s.type == SchedulerType::kOneCycle) {
+    if (s.cycle_min_lr > s.cycle_max_lr) {
+      p.warn(p.path_of("cycle_min_lr"), num(s.cycle_min_lr) + " is above cycle_max_lr " + num(s.cycle_max_lr) +
+                                            "; the lr falls in the first half of the cycle and rises in the second");
+    }
+    if (s.cycle_momentum && s.decay_step_size > 0 && s.decay_mom_rate > 0) {
+      p.warn(p.path_of("decay_mom_rate"), "beta1 grows after the cycle (cycle_max_mom * (1 + decay_mom_rate * "
+                                          "steps / decay_step_size), as in DeepSpeed); a training step whose beta1 "
+                                          "reaches 1 is an error");
+    }
+    return;
   }
-  if (s.cycle_min_lr > s.cycle_max_lr) {
-    p.warn(p.path_of("cycle_min_lr"), num(s.cycle_min_lr) + " is above cycle_max_lr " + num(s.cycle_max_lr) +
-                                          "; the lr falls in the first half of the cycle and rises in the second");
+  const bool decays = s.type != SchedulerType::kWarmupLR;
+  if (decays && s.total_num_steps < s.warmup_num_steps) {
+    p.warn(p.path_of("total_num_steps"), std::to_string(s.total_num_steps) + " is less than warmup_num_steps " +
+                                             std::to_string(s.warmup_num_steps) +
+                                             "; the lr drops to its floor right after warmup");
   }
-  if (s.cycle_momentum && s.decay_step_size > 0 && s.decay_mom_rate > 0) {
-    p.warn(p.path_of("decay_mom_rate"), "beta1 grows after the cycle (cycle_max_mom * (1 + decay_mom_rate * "
-                                        "steps / decay_step_size), as in DeepSpeed); a training step whose beta1 "
-                                        "reaches 1 is an error");
+  if (s.type != SchedulerType::kWarmupCosineLR && s.warmup_min_lr > s.warmup_max_lr) {
+    p.warn(p.path_of("warmup_min_lr"), num(s.warmup_min_lr) + " is above warmup_max_lr " + num(s.warmup_max_lr) +
+                                           "; the lr decreases during warmup");
   }
 }
 
@@ -183,69 +224,18 @@ void parse_scheduler(config::Reader& root, SchedulerConfig& s) {
                                             " is not implemented in zinc; supported: WarmupLR, WarmupDecayLR, "
                                             "WarmupCosineLR, OneCycle");
   }
-  const std::string name =
-      to_choice(*t, "scheduler.type", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"}, false);
-  if (name == "OneCycle") {
-    s.type = SchedulerType::kOneCycle;
-    Reader p = r.section("params");
-    parse_one_cycle(p, s);
-    p.finish();
-    r.finish();
-    return;
+  std::vector<std::pair<std::string, SchedulerType>> types;
+  for (SchedulerType k : {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
+                          SchedulerType::kOneCycle}) {
+    types.emplace_back(scheduler_type_name(k), k);
   }
-  s.type = name == "WarmupLR"        ? SchedulerType::kWarmupLR
-           : name == "WarmupDecayLR" ? SchedulerType::kWarmupDecayLR
-                                     : SchedulerType::kWarmupCosineLR;
-  const bool cosine = s.type == SchedulerType::kWarmupCosineLR;
-  const bool decays = s.type != SchedulerType::kWarmupLR;
-
+  r.get_enum<SchedulerType>("type", s.type, types);
   Reader p = r.section("params");
-  // Keys that belong to another of the three schedules get a precise message.
-  for (const char* k : {"warmup_min_lr", "warmup_max_lr"}) {
-    if (cosine && p.has(k)) {
-      throw ConfigError(p.path_of(k),
-                        "not a WarmupCosineLR parameter: it scales the optimizer's lr by "
-                        "warmup_min_ratio and cos_min_ratio instead");
-    }
-  }
-  for (const char* k : {"warmup_min_ratio", "cos_min_ratio"}) {
-    if (!cosine && p.has(k)) throw ConfigError(p.path_of(k), std::string("only used by WarmupCosineLR, not ") + scheduler_type_name(s.type));
-  }
-  if (!decays && p.has("total_num_steps")) {
-    throw ConfigError(p.path_of("total_num_steps"),
-                      "not a WarmupLR parameter (WarmupLR holds the lr after warmup); use WarmupDecayLR or "
-                      "WarmupCosineLR to decay");
-  }
-  if (cosine) {
-    p.get_number("warmup_min_ratio", s.warmup_min_ratio, closed(0, 1));
-    p.get_number("cos_min_ratio", s.cos_min_ratio, closed(0, 1));
-  } else {
-    p.get_number("warmup_min_lr", s.warmup_min_lr, at_least(0));
-    p.get_number("warmup_max_lr", s.warmup_max_lr, at_least(0));
-  }
-  p.get_int("warmup_num_steps", s.warmup_num_steps, at_least(0));
-  p.get_enum<WarmupType>("warmup_type", s.warmup_type, {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}});
-  bool has_total = decays && p.get_int("total_num_steps", s.total_num_steps, at_least(1));
-  int64_t last = -1;
-  if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
-    p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
-  }
+  parse_schedule_params(p, s);
+  warn_ignored_schedule_keys(p, s);
   p.finish();
   r.finish();
-
-  if (decays && !has_total) {
-    throw ConfigError("scheduler.params.total_num_steps",
-                      std::string("required for ") + scheduler_type_name(s.type) + " (the step at which the decay ends)");
-  }
-  if (has_total && s.total_num_steps < s.warmup_num_steps) {
-    p.warn("scheduler.params.total_num_steps",
-           std::to_string(s.total_num_steps) + " is less than warmup_num_steps " +
-               std::to_string(s.warmup_num_steps) + "; the lr drops to its floor right after warmup");
-  }
-  if (!cosine && s.warmup_min_lr > s.warmup_max_lr) {
-    p.warn("scheduler.params.warmup_min_lr", num(s.warmup_min_lr) + " is above warmup_max_lr " +
-                                                 num(s.warmup_max_lr) + "; the lr decreases during warmup");
-  }
+  warn_odd_schedule(p, s);
 }
 
 }  // namespace zinc::detail

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -220,6 +221,32 @@ struct ScheduleParams {
 
   bool operator==(const ScheduleParams&) const = default;
 };
+
+// One key of scheduler.params: the field it fills, the schedules that take
+// it, its allowed interval and whether it is required. The config reads and
+// writes the section from this table alone (engine/config_optim.cpp and
+// config_json.cpp), so a new key is a field of ScheduleParams, a row of the
+// table (schedule.cpp) and its use in LrSchedule.
+struct ScheduleKey {
+  const char* name;
+  // Exactly one is set: the field the key fills.
+  double ScheduleParams::*number = nullptr;
+  int64_t ScheduleParams::*integer = nullptr;
+  bool ScheduleParams::*flag = nullptr;
+  WarmupType ScheduleParams::*warmup = nullptr;
+  unsigned types = 0;  // bit (1 << ScheduleType) for each schedule that takes it
+  double lo = 0, hi = std::numeric_limits<double>::infinity();  // allowed interval; lo is open where lo_open, hi where hi_open
+  bool lo_open = false, hi_open = false;
+  bool required = false;  // required by each schedule that takes it (DeepSpeed has no default)
+  // JSON null keeps the field at `null_value` (written back as null).
+  bool nullable = false;
+  int64_t null_value = 0;
+
+  bool takes(ScheduleType t) const { return (types >> static_cast<unsigned>(t)) & 1u; }
+};
+std::span<const ScheduleKey> schedule_keys();
+// warmup_type's spellings, as DeepSpeed's.
+const char* warmup_type_name(WarmupType t);
 
 // The Adam/Lamb betas a schedule sets for a step (OneCycle with
 // cycle_momentum); absent otherwise.

@@ -1,5 +1,9 @@
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "core/error.h"
 #include "optim/optim.h"
@@ -16,6 +20,67 @@ const char* schedule_type_name(ScheduleType t) {
   }
   return "?";
 }
+
+const char* warmup_type_name(WarmupType t) { return t == WarmupType::kLog ? "log" : "linear"; }
+
+namespace {
+
+constexpr unsigned bit(ScheduleType t) { return 1u << static_cast<unsigned>(t); }
+constexpr unsigned kWarmupLrs = bit(ScheduleType::kWarmupLR) | bit(ScheduleType::kWarmupDecayLR);
+constexpr unsigned kWarmups = kWarmupLrs | bit(ScheduleType::kWarmupCosineLR);
+constexpr unsigned kDecays = bit(ScheduleType::kWarmupDecayLR) | bit(ScheduleType::kWarmupCosineLR);
+constexpr unsigned kCosine = bit(ScheduleType::kWarmupCosineLR);
+constexpr unsigned kOneCycle = bit(ScheduleType::kOneCycle);
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+ScheduleKey number(const char* name, double ScheduleParams::*f, unsigned types, double lo, double hi = kInf,
+                   bool hi_open = false) {
+  ScheduleKey k{.name = name, .number = f, .types = types, .lo = lo, .hi = hi};
+  k.hi_open = hi_open;
+  return k;
+}
+ScheduleKey integer(const char* name, int64_t ScheduleParams::*f, unsigned types, double lo) {
+  return ScheduleKey{.name = name, .integer = f, .types = types, .lo = lo};
+}
+
+ScheduleKey required(ScheduleKey k) {
+  k.required = true;
+  return k;
+}
+ScheduleKey null_means(ScheduleKey k, int64_t v) {
+  k.nullable = true;
+  k.null_value = v;
+  return k;
+}
+
+// DeepSpeed's keys and bounds; the order is the order of error messages.
+const std::vector<ScheduleKey>& key_table() {
+  using P = ScheduleParams;
+  static const std::vector<ScheduleKey> keys = {
+        number("warmup_min_lr", &P::warmup_min_lr, kWarmupLrs, 0),
+        number("warmup_max_lr", &P::warmup_max_lr, kWarmupLrs, 0),
+        number("warmup_min_ratio", &P::warmup_min_ratio, kCosine, 0, 1),
+        number("cos_min_ratio", &P::cos_min_ratio, kCosine, 0, 1),
+        integer("warmup_num_steps", &P::warmup_num_steps, kWarmups, 0),
+        ScheduleKey{.name = "warmup_type", .warmup = &P::warmup_type, .types = kWarmups},
+        required(integer("total_num_steps", &P::total_num_steps, kDecays, 1)),
+        required(number("cycle_min_lr", &P::cycle_min_lr, kOneCycle, 0)),
+        required(number("cycle_max_lr", &P::cycle_max_lr, kOneCycle, 0)),
+        number("decay_lr_rate", &P::decay_lr_rate, kOneCycle, 0),
+        integer("cycle_first_step_size", &P::cycle_first_step_size, kOneCycle, 1),
+        null_means(integer("cycle_second_step_size", &P::cycle_second_step_size, kOneCycle, 1), -1),
+        integer("decay_step_size", &P::decay_step_size, kOneCycle, 0),
+        ScheduleKey{.name = "cycle_momentum", .flag = &P::cycle_momentum, .types = kOneCycle},
+        number("cycle_min_mom", &P::cycle_min_mom, kOneCycle, 0, 1, true),
+        number("cycle_max_mom", &P::cycle_max_mom, kOneCycle, 0, 1, true),
+        number("decay_mom_rate", &P::decay_mom_rate, kOneCycle, 0),
+  };
+  return keys;
+}
+
+}  // namespace
+
+std::span<const ScheduleKey> schedule_keys() { return key_table(); }
 
 LrSchedule::LrSchedule(ScheduleParams p, double base_lr) : p_(std::move(p)), base_lr_(base_lr) {
   warmup_steps_ = std::max<int64_t>(2, p_.warmup_num_steps);

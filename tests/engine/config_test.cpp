@@ -557,7 +557,7 @@ TEST(ConfigErrors, OneCycleParameters) {
   EXPECT_CONFIG_ERROR(plus("cycle_min_mom", 1.0), "scheduler.params.cycle_min_mom: must be in [0, 1), got 1");
   EXPECT_CONFIG_ERROR(plus("decay_step_size", -1), "scheduler.params.decay_step_size: must be >= 0");
   EXPECT_CONFIG_ERROR(plus("cycle_momentum", "yes"), "scheduler.params.cycle_momentum: expected true or false");
-  EXPECT_CONFIG_ERROR(plus("warmup_num_steps", 10), "scheduler.params.warmup_num_steps: a Warmup* schedule's parameter");
+  EXPECT_CONFIG_ERROR(plus("warmup_num_steps", 10), "scheduler.params.warmup_num_steps: not a OneCycle parameter (used by WarmupLR, WarmupDecayLR, WarmupCosineLR)");
   EXPECT_CONFIG_ERROR(plus("cycle_max_mon", 0.9), "scheduler.params.cycle_max_mon",
                       "did you mean 'cycle_max_mom'");
 }
