@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -182,6 +183,20 @@ class Model {
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }
+  // The logits of the last forward, (B*T, V) fp32 rows, where the model
+  // keeps them in host memory; empty otherwise (the GPU). Valid until the
+  // next forward.
+  virtual std::span<const float> logits() const { return {}; }
+  // Initial values from outside, e.g. a pretrained checkpoint: writes
+  // elements [first, first + count) of parameter `param` of block `block`
+  // (flat, row-major) to out as fp32 and returns true; false when the model
+  // has none, and the engine initialises from the specs' Init and the seed.
+  // The engine asks, per block, only for the elements the rank keeps (at
+  // ZeRO-3 its own shard), so no rank needs to read the whole model. Throws
+  // zinc::Error naming what could not be read.
+  virtual bool initial_values(int block, int param, int64_t first, int64_t count, float* out) const {
+    return false;
+  }
   // The memory the model's forward and backward hold for micro-batches of
   // (B, T) in this compute dtype, from the same sizes it allocates; nothing
   // if the model cannot say (the estimate then lacks activations).

@@ -48,6 +48,32 @@ class CpuOps : public Ops {
                        float dloss_scale) override {
     return kernels::cross_entropy(logits, targets, N, V, dlogits, dloss_scale);
   }
+  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
+    kernels::rmsnorm_forward(out, rstd, x, w, N, C, eps);
+  }
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
+                        int64_t N, int64_t C) override {
+    kernels::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+  }
+  void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::swiglu_forward(out, gate_up, N, I);
+  }
+  void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::swiglu_backward(dgate_up, dout, gate_up, N, I);
+  }
+  void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) override {
+    kernels::rope(x, cos, sin, s, inverse);
+  }
+  void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
+    kernels::gqa_expand(qkv, q_kv, N, H, Hkv, hd);
+  }
+  void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
+    kernels::gqa_reduce(dq_kv, dqkv, N, H, Hkv, hd);
+  }
+  void copy_in(Buf& dst, const float* host, int64_t n) override {
+    dst = alloc_f32(static_cast<size_t>(n));
+    std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(float));
+  }
   void* attention_create() override { return kernels::attention_workspace_create(); }
   void attention_destroy(void* ws) override {
     kernels::attention_workspace_destroy(static_cast<kernels::AttentionWorkspace*>(ws));

@@ -106,6 +106,10 @@ class Gpt final : public Model {
   std::string name() const override { return "gpt"; }
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  std::span<const float> logits() const override {
+    if (ops_->device() != Device::kCpu || B_ == 0) return {};
+    return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
+  }
 
   double flops_per_token(int64_t T) const override {
     const double C = static_cast<double>(c_.n_embd), L = static_cast<double>(c_.n_layer);

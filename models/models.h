@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "engine/model.h"
 
@@ -44,6 +45,52 @@ struct GptConfig {
   Device device = Device::kCpu;
 };
 
+// rope_scaling of a Llama-family config.json: none ("default"), "linear"
+// (positions divided by factor) or "llama3" (Llama 3.1's frequency-band
+// rescaling). Others are refused by whoever reads the config.
+struct RopeScaling {
+  enum class Type { kNone, kLinear, kLlama3 } type = Type::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
+  int64_t original_max_position_embeddings = 8192;       // llama3
+};
+
+// transformers' LlamaForCausalLM (also Mistral and Qwen2), with its
+// config.json names: RMSNorm, rotary embeddings, grouped-query attention, a
+// SiLU-gated MLP. One block per layer as for the GPT: 0 = the token
+// embedding, 1..n = the layers, n+1 = the final norm (and the untied head).
+// q, k and v are one fused projection ((heads + 2 kv heads) * head_dim rows,
+// in that order) and gate and up another (2 * intermediate rows): Hugging
+// Face's separate tensors are row ranges of them.
+struct LlamaConfig {
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 128;
+  int64_t intermediate_size = 344;
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  int64_t num_key_value_heads = 0;  // 0: num_attention_heads
+  int64_t head_dim = 0;             // 0: hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 256;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool qkv_bias = false;  // biases on q, k, v (Llama's attention_bias; Qwen2 always)
+  bool o_bias = false;    // a bias on the output projection (Llama's attention_bias)
+  bool mlp_bias = false;
+  bool tie_word_embeddings = false;
+  int64_t sliding_window = 0;  // Mistral; 0: none. A longer sequence is refused.
+  bool gradient_checkpointing = false;
+  Device device = Device::kCpu;
+  float init_std = 0.02f;  // transformers' initializer_range
+
+  int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
+  int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+};
+
+// The rope inverse frequencies (head_dim / 2 floats) of a config, computed in
+// fp32 as transformers computes them, rope_scaling included.
+std::vector<float> rope_inv_freq(const LlamaConfig& cfg);
+
 struct MlpConfig {
   int64_t vocab_size = 256;
   int64_t context = 4;
@@ -65,10 +112,12 @@ struct SizeError {
 // the JSON path of the field.
 std::optional<SizeError> size_error(const GptConfig& cfg);
 std::optional<SizeError> size_error(const MlpConfig& cfg);
+std::optional<SizeError> size_error(const LlamaConfig& cfg);
 
 // Throw zinc::Error("gpt: FIELD: MESSAGE") (or "mlp: ...") for the first
 // rule size_error() finds broken.
 std::shared_ptr<Model> make_gpt(const GptConfig& cfg);
 std::shared_ptr<Model> make_mlp(const MlpConfig& cfg);
+std::shared_ptr<Model> make_llama(const LlamaConfig& cfg);
 
 }  // namespace zinc::models

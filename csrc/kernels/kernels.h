@@ -166,6 +166,40 @@ class ScratchTally {
   int64_t attention_[11] = {};
 };
 
+// ---- Llama-family layers (llama_layers.cpp) ----------------------------------------
+// RMSNorm over the last dim: out(N,C) = w * (x * rstd), rstd(N) =
+// 1 / sqrt(mean(x^2) + eps) saved for backward (kernels/math.h).
+void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps);
+// dx(N,C) += ..., dw(C) += ...
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
+                      int64_t N, int64_t C);
+
+// SiLU-gated MLP activation on an (N, 2I) buffer whose rows are [gate | up]:
+// out(N,I) = silu(gate) * up.
+void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I);
+// d gate_up(N, 2I) = [d gate | d up] (written).
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I);
+
+// Rotary position embedding, in place, on x(B,T,W) whose rows hold `heads`
+// heads of head_dim (even) values starting at column `col` (the q or the k
+// part of a fused row: W >= col + heads * head_dim). cos, sin: (T, head_dim/2),
+// the angle of frequency i at position t (the model builds them, with its
+// rope scaling). Backward (inverse = true) rotates by the negated angle,
+// which maps d out to d x.
+struct RopeShape {
+  int64_t B = 0, T = 0, W = 0, col = 0, heads = 0, head_dim = 0;
+};
+void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse);
+
+// Grouped-query attention through the multi-head kernel: from a fused
+// projection row [q (H hd) | k (Hkv hd) | v (Hkv hd)] (N rows) builds the
+// attention kernel's row [q | k | v], each H hd wide, repeating kv head j for
+// heads j g .. j g + g - 1 (g = H / Hkv), as transformers' repeat_kv.
+void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd);
+// The transposed map: d q_kv(N, (H + 2 Hkv) hd) from d qkv(N, 3 H hd), the
+// g heads of a group summed in head order (written).
+void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd);
+
 // ---- softmax cross-entropy over the vocabulary -----------------------------------
 // logits(N,V), targets(N) in [0,V). Returns the mean loss over the N rows.
 // If dlogits is not null, writes dlogits(N,V) = (softmax - onehot) * dloss_scale / N,

@@ -129,4 +129,39 @@ ZINC_HD float cross_entropy_factor(double grad_scale, double sum) {
   return static_cast<float>(grad_scale / sum);
 }
 
+// ---- RMSNorm (Llama) ----------------------------------------------------------------
+// Forward of one row of C: rstd = 1 / sqrt(sum(x^2) / C + eps) (sum in lane
+// order), out = w * (x * rstd), in that order, as transformers' LlamaRMSNorm
+// (which normalises in fp32 and then multiplies by the weight).
+ZINC_HD float rmsnorm_rstd(float sq_sum, int64_t C, float eps) {
+  return 1.0f / sqrtf(sq_sum / static_cast<float>(C) + eps);
+}
+ZINC_HD float rmsnorm_out(float x, float rstd, float w) { return w * (x * rstd); }
+// Backward, with g = dout * w and xhat = x rstd:
+//   dx += rstd (g - xhat mean(g xhat)),  mgx = sum(dout w xhat) / C in lane order;
+//   dw += dout xhat (a column sum, Note [column sums]).
+ZINC_HD float rmsnorm_dx(float dout, float w, float xhat, float rstd, float mgx) {
+  return rstd * (dout * w - xhat * mgx);
+}
+
+// ---- SiLU-gated MLP (SwiGLU) ----------------------------------------------------------
+// h = silu(gate) * up with silu(g) = g sigmoid(g) = g / (1 + exp(-g)).
+ZINC_HD float sigmoid(float g) { return 1.0f / (1.0f + exp_f(-g)); }
+ZINC_HD float swiglu(float gate, float up) { return gate * sigmoid(gate) * up; }
+// d h / d gate = up silu'(g), silu'(g) = s (1 + g (1 - s)); d h / d up = silu(g).
+ZINC_HD float swiglu_dgate(float dout, float gate, float up) {
+  const float s = sigmoid(gate);
+  return dout * up * (s * (1.0f + gate * (1.0f - s)));
+}
+ZINC_HD float swiglu_dup(float dout, float gate) { return dout * (gate * sigmoid(gate)); }
+
+// ---- rotary position embedding ----------------------------------------------------------
+// transformers' rotate_half convention: a head of d = 2h values pairs element
+// i with i + h, both rotated by the angle of frequency i at the position:
+//   out[i]     = x[i] cos - x[i + h] sin
+//   out[i + h] = x[i + h] cos + x[i] sin
+// Backward applies the transposed rotation (the angle negated).
+ZINC_HD float rope_lo(float x_lo, float x_hi, float c, float s) { return x_lo * c - x_hi * s; }
+ZINC_HD float rope_hi(float x_lo, float x_hi, float c, float s) { return x_hi * c + x_lo * s; }
+
 }  // namespace zinc::kernels::math

@@ -71,4 +71,22 @@ double squared_norm(const T* x, int64_t n);
 template <class T>
 bool all_finite(const T* x, int64_t n);
 
+// Llama-family layers (llama_reference.cpp).
+template <class T>
+void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int64_t N, int64_t C, double eps);
+// dx += ..., dw += ... (recomputes rstd from x).
+template <class T>
+void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, int64_t N, int64_t C, double eps);
+template <class T>
+void swiglu_forward(T* out, const T* gate_up, int64_t N, int64_t I);
+template <class T>
+void swiglu_backward(T* dgate_up, const T* dout, const T* gate_up, int64_t N, int64_t I);
+// cos, sin: (T, head_dim/2) as for kernels::rope.
+template <class T>
+void rope(T* x, const T* cos, const T* sin, RopeShape s, bool inverse);
+template <class T>
+void gqa_expand(T* qkv, const T* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd);
+template <class T>
+void gqa_reduce(T* dq_kv, const T* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd);
+
 }  // namespace zinc::kernels::ref

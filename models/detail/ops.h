@@ -90,6 +90,20 @@ class Ops {
   virtual double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                float dloss_scale) = 0;
 
+  // The Llama family's layers (kernels.h). A backend without them throws
+  // zinc::Error naming the kernel (the CUDA twins are not written yet).
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) = 0;
+  virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
+                                int64_t N, int64_t C) = 0;
+  virtual void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) = 0;
+  virtual void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) = 0;
+  // cos, sin: (T, head_dim/2) tables where the kernels read them (copy_in).
+  virtual void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) = 0;
+  virtual void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) = 0;
+  virtual void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) = 0;
+  // Host floats into a buffer of this Ops (small tables: the rope angles).
+  virtual void copy_in(Buf& dst, const float* host, int64_t n) = 0;
+
   // Attention with a workspace per layer (opaque; create/destroy pair).
   virtual void* attention_create() = 0;
   virtual void attention_destroy(void* ws) = 0;

@@ -99,6 +99,81 @@ TEST(GptBackward, AgreesWithFiniteDifferencesPerBlock) {
   check_model_gradients(*m, random_batch(3, 5, 11, 1));  // T < block_size on purpose
 }
 
+TEST(LlamaBackward, AgreesWithFiniteDifferencesPerBlock) {
+  // GQA 4:2 with head_dim 4 != hidden / heads, every bias, llama3 rope scaling, untied head.
+  models::LlamaConfig c;
+  c.vocab_size = 11;
+  c.hidden_size = 9;
+  c.intermediate_size = 7;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 4;
+  c.max_position_embeddings = 8;
+  c.qkv_bias = c.o_bias = c.mlp_bias = true;
+  c.rope_scaling.type = models::RopeScaling::Type::kLlama3;
+  c.rope_scaling.factor = 4.0;
+  c.rope_scaling.original_max_position_embeddings = 4;
+  auto m = models::make_llama(c);
+  check_model_gradients(*m, random_batch(2, 6, 11, 3));
+  // Tied, no biases, multi-head (kv heads = heads), linear scaling.
+  models::LlamaConfig t;
+  t.vocab_size = 13;
+  t.hidden_size = 8;
+  t.intermediate_size = 12;
+  t.num_hidden_layers = 1;
+  t.num_attention_heads = 2;
+  t.max_position_embeddings = 8;
+  t.tie_word_embeddings = true;
+  t.rope_scaling.type = models::RopeScaling::Type::kLinear;
+  t.rope_scaling.factor = 2.0;
+  auto tied = models::make_llama(t);
+  EXPECT_EQ(tied->blocks().back().params.size(), 1u);  // no lm_head
+  check_model_gradients(*tied, random_batch(3, 5, 13, 4));
+}
+
+TEST(LlamaBackward, CheckpointedLayersGiveTheSameGradients) {
+  models::LlamaConfig c;
+  c.vocab_size = 11;
+  c.hidden_size = 8;
+  c.intermediate_size = 10;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.max_position_embeddings = 8;
+  auto plain = models::make_llama(c);
+  c.gradient_checkpointing = true;
+  auto ckpt = models::make_llama(c);
+  Batch batch = random_batch(2, 7, 11, 5);
+  TestContext a(*plain, 7), b(*ckpt, 7);
+  EXPECT_EQ(plain->forward(a, batch), ckpt->forward(b, batch));
+  plain->backward(a, 1.0f);
+  ckpt->backward(b, 1.0f);
+  for (size_t k = 0; k < a.grad_bufs.size(); ++k)
+    EXPECT_EQ(std::memcmp(a.grad_bufs[k].data(), b.grad_bufs[k].data(), a.grad_bufs[k].size() * 4), 0) << "block " << k;
+}
+
+TEST(LlamaConfig, SizeRulesNameTheField) {
+  models::LlamaConfig c;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 3;
+  ASSERT_TRUE(models::size_error(c));
+  EXPECT_EQ(models::size_error(c)->field, "num_key_value_heads");
+  c.num_key_value_heads = 2;
+  c.hidden_size = 10;
+  EXPECT_EQ(models::size_error(c)->field, "hidden_size");
+  c.head_dim = 5;
+  EXPECT_EQ(models::size_error(c)->field, "head_dim");
+  c.head_dim = 6;
+  EXPECT_FALSE(models::size_error(c));
+  EXPECT_THROW(models::make_llama([] {
+                 models::LlamaConfig d;
+                 d.num_attention_heads = 0;
+                 return d;
+               }()),
+               Error);
+}
+
 TEST(MlpBackward, AgreesWithFiniteDifferencesPerBlock) {
   models::MlpConfig c;
   c.vocab_size = 11;

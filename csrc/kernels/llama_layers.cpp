@@ -1,0 +1,216 @@
+// Llama-family layer kernels: RMSNorm, the SiLU-gated MLP activation, rotary
+// position embeddings and the grouped-query head mapping. Threading and
+// vectorisation as in layers.cpp: rows split over threads, parameter
+// gradients summed column-parallel in Note [column sums]'s order, the
+// compute loops written once and compiled per ISA (Note [kernel
+// vectorisation] in simd_math.h), so every result is bit-identical across
+// thread counts and ISA levels. The per-element formulas are kernels/math.h's.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/kernels.h"
+#include "kernels/layer_util.h"
+#include "kernels/profile.h"
+#include "kernels/simd_math.h"
+
+namespace zinc::kernels {
+namespace {
+
+using detail::for_column_blocks;
+using detail::param_f32;
+using detail::row_grain;
+
+// ---- RMSNorm rows -----------------------------------------------------------------
+
+ZINC_ALWAYS_INLINE void rmsnorm_row_forward_body(float* __restrict out, float* rstd_out, const float* __restrict x,
+                                                 const float* __restrict w, int64_t C, float eps) {
+  const float sq = detail::lane_sum<float>(C, [&](int64_t c) { return x[c] * x[c]; });
+  const float rstd = math::rmsnorm_rstd(sq, C, eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = math::rmsnorm_out(x[c], rstd, w[c]);
+  *rstd_out = rstd;
+}
+ZINC_ISA_VARIANTS(void, rmsnorm_row_forward, (float* __restrict out, float* rstd_out, const float* __restrict x, const float* __restrict w, int64_t C, float eps), (out, rstd_out, x, w, C, eps))
+
+ZINC_ALWAYS_INLINE void rmsnorm_row_backward_body(float* __restrict dx, const float* __restrict dout,
+                                                  const float* __restrict x, const float* __restrict w, float rstd,
+                                                  int64_t C) {
+  const float mgx =
+      detail::lane_sum<float>(C, [&](int64_t c) { return dout[c] * w[c] * (x[c] * rstd); }) / static_cast<float>(C);
+  for (int64_t c = 0; c < C; ++c) dx[c] += math::rmsnorm_dx(dout[c], w[c], x[c] * rstd, rstd, mgx);
+}
+ZINC_ISA_VARIANTS(void, rmsnorm_row_backward, (float* __restrict dx, const float* __restrict dout, const float* __restrict x, const float* __restrict w, float rstd, int64_t C), (dx, dout, x, w, rstd, C))
+
+// RMSNorm weight gradient of one row: aw += dout xhat (double).
+ZINC_ALWAYS_INLINE void rmsnorm_dw_row_body(double* __restrict aw, const float* __restrict g,
+                                            const float* __restrict x, float r, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) aw[j] += g[j] * (x[j] * r);
+}
+ZINC_ISA_VARIANTS(void, rmsnorm_dw_row, (double* __restrict aw, const float* __restrict g, const float* __restrict x, float r, int64_t n), (aw, g, x, r, n))
+
+// ---- SwiGLU ---------------------------------------------------------------------------
+
+ZINC_ALWAYS_INLINE void swiglu_row_forward_body(float* __restrict out, const float* __restrict gate,
+                                                const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = math::swiglu(gate[j], up[j]);
+}
+ZINC_ISA_VARIANTS(void, swiglu_row_forward, (float* __restrict out, const float* __restrict gate, const float* __restrict up, int64_t n), (out, gate, up, n))
+
+ZINC_ALWAYS_INLINE void swiglu_row_backward_body(float* __restrict dgate, float* __restrict dup,
+                                                 const float* __restrict dout, const float* __restrict gate,
+                                                 const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    dgate[j] = math::swiglu_dgate(dout[j], gate[j], up[j]);
+    dup[j] = math::swiglu_dup(dout[j], gate[j]);
+  }
+}
+ZINC_ISA_VARIANTS(void, swiglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
+
+// ---- RoPE -------------------------------------------------------------------------------
+
+// One head of 2h values at one position; s_sign = -1 for the inverse.
+ZINC_ALWAYS_INLINE void rope_head_body(float* __restrict x, const float* __restrict c, const float* __restrict s,
+                                       float s_sign, int64_t h) {
+  float* __restrict lo = x;
+  float* __restrict hi = x + h;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = lo[i], b = hi[i], sn = s_sign * s[i];
+    lo[i] = math::rope_lo(a, b, c[i], sn);
+    hi[i] = math::rope_hi(a, b, c[i], sn);
+  }
+}
+ZINC_ISA_VARIANTS(void, rope_head, (float* __restrict x, const float* __restrict c, const float* __restrict s, float s_sign, int64_t h), (x, c, s, s_sign, h))
+
+// y[j] += x[j]
+ZINC_ALWAYS_INLINE void add_head_body(float* __restrict y, const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += x[j];
+}
+ZINC_ISA_VARIANTS(void, add_head, (float* __restrict y, const float* __restrict x, int64_t n), (y, x, n))
+
+}  // namespace
+
+// ---- RMSNorm ------------------------------------------------------------------------
+
+void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) {
+  ProfileScope profile_scope(Op::kLayerNorm);
+  if (N <= 0) return;
+  if (C <= 0) throw Error("rmsnorm_forward: C must be > 0, got " + std::to_string(C));
+  const float* ww = param_f32(w, C, 0);
+  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) rmsnorm_row_forward(out + i * C, rstd + i, x + i * C, ww, C, eps);
+  });
+}
+
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
+                      int64_t N, int64_t C) {
+  ProfileScope profile_scope(Op::kLayerNorm);
+  if (N <= 0 || C <= 0) return;
+  const float* ww = param_f32(w, C, 0);
+  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) rmsnorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, rstd[i], C);
+  });
+  // dw += sum_i dout * xhat, column-parallel, rows in Note [column sums]'s chunks.
+  for_column_blocks(C, [&](int64_t c0, int64_t c1, double* __restrict aw) {
+    const int64_t wd = c1 - c0;
+    std::vector<double> pwv(static_cast<size_t>(wd));
+    double* __restrict pw = pwv.data();
+    for (int64_t r0 = 0; r0 < N; r0 += math::kColumnChunk) {
+      std::fill(pwv.begin(), pwv.end(), 0.0);
+      const int64_t r1 = std::min(N, r0 + math::kColumnChunk);
+      for (int64_t i = r0; i < r1; ++i) rmsnorm_dw_row(pw, dout + i * C + c0, x + i * C + c0, rstd[i], wd);
+      for (int64_t j = 0; j < wd; ++j) aw[j] += pw[j];
+    }
+    for (int64_t j = 0; j < wd; ++j) dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
+  });
+}
+
+// ---- SwiGLU ---------------------------------------------------------------------------
+
+void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) swiglu_row_forward(out + i * I, gate_up + i * 2 * I, gate_up + i * 2 * I + I, I);
+  });
+}
+
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const size_t r = i * 2 * static_cast<size_t>(I);
+      swiglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
+    }
+  });
+}
+
+// ---- RoPE -------------------------------------------------------------------------------
+
+void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse) {
+  ProfileScope profile_scope(Op::kAttention);
+  if (s.head_dim <= 0 || s.head_dim % 2 != 0)
+    throw Error("rope: head_dim must be even and > 0, got " + std::to_string(s.head_dim));
+  if (s.col < 0 || s.col + s.heads * s.head_dim > s.W)
+    throw Error("rope: heads " + std::to_string(s.heads) + " x " + std::to_string(s.head_dim) + " from column " +
+                std::to_string(s.col) + " exceed the row width " + std::to_string(s.W));
+  const int64_t h = s.head_dim / 2, N = s.B * s.T;
+  const float sign = inverse ? -1.0f : 1.0f;
+  parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(s.heads * s.head_dim), [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const int64_t t = static_cast<int64_t>(r) % s.T;
+      float* row = x + static_cast<int64_t>(r) * s.W + s.col;
+      for (int64_t k = 0; k < s.heads; ++k) rope_head(row + k * s.head_dim, cos + t * h, sin + t * h, sign, h);
+    }
+  });
+}
+
+// ---- grouped-query heads ------------------------------------------------------------------
+
+void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) {
+  ProfileScope profile_scope(Op::kAttention);
+  if (Hkv <= 0 || H % Hkv != 0)
+    throw Error("gqa_expand: heads " + std::to_string(H) + " not a multiple of kv heads " + std::to_string(Hkv));
+  const int64_t g = H / Hkv, in_w = (H + 2 * Hkv) * hd, out_w = 3 * H * hd;
+  const size_t head_bytes = static_cast<size_t>(hd) * sizeof(float);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(out_w), [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const float* in = q_kv + static_cast<int64_t>(r) * in_w;
+      float* out = qkv + static_cast<int64_t>(r) * out_w;
+      std::memcpy(out, in, static_cast<size_t>(H) * head_bytes);
+      for (int part = 1; part <= 2; ++part) {
+        const float* src = in + H * hd + (part - 1) * Hkv * hd;
+        float* dst = out + part * H * hd;
+        for (int64_t k = 0; k < H; ++k) std::memcpy(dst + k * hd, src + (k / g) * hd, head_bytes);
+      }
+    }
+  });
+}
+
+void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) {
+  ProfileScope profile_scope(Op::kAttention);
+  if (Hkv <= 0 || H % Hkv != 0)
+    throw Error("gqa_reduce: heads " + std::to_string(H) + " not a multiple of kv heads " + std::to_string(Hkv));
+  const int64_t g = H / Hkv, out_w = (H + 2 * Hkv) * hd, in_w = 3 * H * hd;
+  parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(in_w), [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r) {
+      const float* in = dqkv + static_cast<int64_t>(r) * in_w;
+      float* out = dq_kv + static_cast<int64_t>(r) * out_w;
+      std::memcpy(out, in, static_cast<size_t>(H * hd) * sizeof(float));
+      for (int part = 1; part <= 2; ++part) {
+        const float* src = in + part * H * hd;
+        float* dst = out + H * hd + (part - 1) * Hkv * hd;
+        for (int64_t j = 0; j < Hkv; ++j) {
+          float* d = dst + j * hd;
+          std::memcpy(d, src + j * g * hd, static_cast<size_t>(hd) * sizeof(float));
+          for (int64_t m = 1; m < g; ++m) add_head(d, src + (j * g + m) * hd, hd);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace zinc::kernels

@@ -1,0 +1,426 @@
+// The Llama-family decoder (transformers' LlamaForCausalLM; Mistral and
+// Qwen2 are the same graph with other options) over the zinc model
+// interface. Shapes in comments: B batch, T sequence, C hidden_size, H heads,
+// K kv heads, D head_dim, I intermediate_size, V vocabulary, N = B*T rows,
+// A = H*D the attention width, Q = (H + 2K) D the fused q|k|v projection.
+//
+// One layer, as transformers computes it:
+//   h    = x + o_proj(attn(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_1(x))
+//   out  = h + down_proj(silu(gate) * up)          with gate|up = gate_up_proj(rms_2(h))
+// Grouped-query attention runs through the multi-head kernel: the kv heads
+// are repeated to H heads (kernels::gqa_expand, transformers' repeat_kv) and
+// their gradients summed back (gqa_reduce).
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/error.h"
+#include "models/detail/linear.h"
+#include "models/detail/ops.h"
+#include "models/models.h"
+
+namespace zinc::models {
+namespace {
+
+using detail::Buf;
+using detail::f32;
+using kernels::CView;
+
+// Where each parameter sits in a layer block (-1: absent, a bias not configured).
+struct LayerIdx {
+  int ln1 = -1, qkv_w = -1, qkv_b = -1, o_w = -1, o_b = -1;
+  int ln2 = -1, gu_w = -1, gu_b = -1, down_w = -1, down_b = -1;
+};
+
+// Activations of one layer that its backward reads (besides its input x_in).
+struct LayerActs {
+  Buf ln1, rstd1;   // (N,C), (N)
+  Buf qkv;          // (N,3A) rotated q, k and v repeated to H heads: attention's input
+  Buf att;          // (N,A) attention output before o_proj
+  Buf x_mid;        // (N,C) residual stream after attention
+  Buf ln2, rstd2;   // (N,C), (N)
+  Buf gate_up;      // (N,2I)
+  Buf act;          // (N,I) silu(gate) * up
+  CView ln1_in, att_in, ln2_in, act_in;  // what the matmuls read (detail::matmul_input)
+  Buf ln1_16, att_16, ln2_16, act_16;
+  void* ws = nullptr;  // Ops::attention_create
+};
+
+class Llama final : public Model {
+ public:
+  explicit Llama(const LlamaConfig& c) : c_(c) {
+    if (auto bad = size_error(c)) throw Error("llama: " + bad->field + ": " + bad->message);
+    if (c.device == Device::kCuda)
+      throw Error("llama: device \"cuda\": the llama model has no CUDA kernels yet; run it with device \"cpu\"");
+    ops_ = &detail::ops_for(c.device);
+    H_ = c.num_attention_heads;
+    K_ = c.kv_heads();
+    D_ = c.head_size();
+    const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const float sd = c.init_std;
+    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}});
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      BlockSpec b{"layers." + std::to_string(l), {}};
+      auto add = [&](ParamSpec p) {
+        b.params.push_back(std::move(p));
+        return static_cast<int>(b.params.size()) - 1;
+      };
+      LayerIdx x;
+      x.ln1 = add({"input_layernorm.weight", {C}, Init::kOnes});
+      x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
+      if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
+      x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd});
+      if (c.o_bias) x.o_b = add({"self_attn.o_proj.bias", {C}, Init::kZeros});
+      x.ln2 = add({"post_attention_layernorm.weight", {C}, Init::kOnes});
+      x.gu_w = add({"mlp.gate_up_proj.weight", {2 * I, C}, Init::kNormal, sd});
+      if (c.mlp_bias) x.gu_b = add({"mlp.gate_up_proj.bias", {2 * I}, Init::kZeros});
+      x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
+      if (c.mlp_bias) x.down_b = add({"mlp.down_proj.bias", {C}, Init::kZeros});
+      idx_ = x;
+      specs_.push_back(std::move(b));
+    }
+    BlockSpec fin{"final", {{"norm.weight", {C}, Init::kOnes}}};
+    if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
+    specs_.push_back(std::move(fin));
+    acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
+    for (LayerActs& a : acts_) a.ws = ops_->attention_create();
+    x_in_.resize(static_cast<size_t>(c.num_hidden_layers));
+  }
+  ~Llama() override {
+    for (LayerActs& a : acts_) ops_->attention_destroy(a.ws);
+  }
+
+  std::string name() const override { return "llama"; }
+  Device device() const override { return ops_->device(); }
+  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  std::span<const float> logits() const override {
+    if (ops_->device() != Device::kCpu || B_ == 0) return {};
+    return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
+  }
+
+  double flops_per_token(int64_t T) const override {
+    const double C = static_cast<double>(c_.hidden_size), L = static_cast<double>(c_.num_hidden_layers);
+    const double A = static_cast<double>(H_ * D_), Q = static_cast<double>((H_ + 2 * K_) * D_);
+    const double I = static_cast<double>(c_.intermediate_size);
+    const double matmul_params = L * (C * Q + A * C + 3.0 * C * I) + static_cast<double>(c_.vocab_size) * C;
+    // attention scores and weighted sum: 2 matmuls of 2*T*A flops per token
+    // forward, x3 for forward + backward (causal masking not discounted).
+    const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * A;
+    return 6.0 * matmul_params + attention;
+  }
+
+  // The buffers ensure_buffers allocates and the kernel calls of forward and
+  // backward by shape (keep in step with both).
+  std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
+    using detail::buffer_bytes;
+    using detail::matmul_input_bytes;
+    const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
+    const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const kernels::AttentionShape as{B, T, A, H_};
+    ActivationMemory m;
+    const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
+                         buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
+                         2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
+                         matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as);
+    const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
+    m.saved = L * buffer_bytes(N * C) + act_sets * acts;
+    // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
+    // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
+    m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
+               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + 2 * buffer_bytes(N * V) +
+               matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+    kernels::ScratchTally t;
+    const detail::OperandKind x = detail::matmul_input_kind(dt);
+    int64_t dy_copy = 0;
+    for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
+                                 {C, 2 * I, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
+      detail::tally_linear_forward(t, x, N, in, out, bias, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+    }
+    t.attention(as, dt);
+    detail::tally_linear_forward(t, x, N, C, V, false, dt);
+    dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    m.workspace = t.bytes() + dy_copy;
+    return m;
+  }
+
+  float forward(StepContext& ctx, const Batch& batch) override {
+    const int64_t B = batch.B, T = batch.T, C = c_.hidden_size, V = c_.vocab_size;
+    if (T > c_.max_position_embeddings)
+      throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
+                  std::to_string(c_.max_position_embeddings));
+    if (c_.sliding_window > 0 && T > c_.sliding_window)
+      throw Error("llama: sequence length " + std::to_string(T) + " exceeds sliding_window " +
+                  std::to_string(c_.sliding_window) + " (sliding-window attention is not implemented)");
+    ensure_buffers(B, T);
+    const int64_t N = B * T;
+    const DType dt = ctx.compute_dtype();
+    tokens_ = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
+    tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
+    const int32_t* targets = ops_->tokens(batch.targets, V, "cross_entropy", targets_store_);
+
+    {
+      HeldParams emb = ctx.acquire(0);
+      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V);
+    }
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
+      HeldParams p = ctx.acquire(static_cast<int>(l + 1));
+      layer_forward(p, acts(l), x_in_[l].as<float>(), x_out, B, T, dt);
+    }
+    acts_hold_ = c_.num_hidden_layers - 1;
+
+    const int fin = final_block();
+    HeldParams nf = ctx.acquire(fin);
+    ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps());
+    lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
+    if (c_.tie_word_embeddings) {
+      nf.release();
+      HeldParams emb = ctx.acquire(0);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, V, dt);
+    } else {
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[1], CView{}, N, C, V, dt);
+    }
+    double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+    return static_cast<float>(loss);
+  }
+
+  void backward(StepContext& ctx, float loss_scale) override {
+    const int64_t B = B_, T = T_, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
+    const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const DType dt = ctx.compute_dtype();
+    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+
+    const int fin = final_block();
+    HeldParams emb;
+    BlockGrads gemb = ctx.grads(0);
+    HeldParams nf = ctx.acquire(fin);
+    BlockGrads gnf = ctx.grads(fin);
+    // Head: dlnf = dlogits W; dW += dlogits^T lnf (W = lm_head, or the tied embedding).
+    if (c_.tie_word_embeddings) {
+      emb = ctx.acquire(0);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gemb[0], nullptr, f32(dlogits_.as<float>()), lnf_in_,
+                              emb[0], N, C, V, dt);
+    } else {
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gnf[1], nullptr, f32(dlogits_.as<float>()), lnf_in_,
+                              nf[1], N, C, V, dt);
+    }
+    float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
+    ops_->zero(dx, N * C);
+    ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C);
+    nf.release();
+    ctx.grads_ready(fin);
+
+    float* dbig = dbig_.as<float>();      // (N, max(2I, 3A))
+    float* dmid = dmid_.as<float>();      // (N, max(A, I))
+    float* dsmall = dsmall_.as<float>();  // (N,C)
+    float* dproj = proj_.as<float>();     // (N,Q)
+    const LayerIdx& x = idx_;
+    for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) {
+      LayerActs& a = acts(l);
+      const float* x_in = x_in_[l].as<float>();
+      const int blk = static_cast<int>(l + 1);
+      HeldParams p = ctx.acquire(blk);
+      if (c_.gradient_checkpointing && acts_hold_ != l) {
+        layer_forward(p, a, x_in, nullptr, B, T, dt);
+        acts_hold_ = l;
+      }
+      BlockGrads g = ctx.grads(blk);
+      // MLP: dx holds d out and becomes d h.
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dx), a.act_in,
+                              p[x.down_w], N, I, C, dt);
+      ops_->swiglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
+      detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
+                              p[x.gu_w], N, C, 2 * I, dt);
+      ops_->rmsnorm_backward(dx, g[x.ln2], dsmall, a.x_mid.as<float>(), p[x.ln2], a.rstd2.as<float>(), N, C);
+      // Attention: dx holds d h and becomes d x.
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dx), a.att_in, p[x.o_w], N, A,
+                              C, dt);
+      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_}, dt);
+      ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
+      ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_}, true);
+      detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
+                              p[x.qkv_w], N, C, Q, dt);
+      ops_->rmsnorm_backward(dx, g[x.ln1], dsmall, x_in, p[x.ln1], a.rstd1.as<float>(), N, C);
+      p.release();
+      ctx.grads_ready(blk);
+    }
+    ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V);
+    emb.release();
+    ctx.grads_ready(0);
+  }
+
+ private:
+  int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
+  float eps() const { return static_cast<float>(c_.rms_norm_eps); }
+  LayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
+  static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
+  static float* bias_grad(const BlockGrads& g, int i) { return i < 0 ? nullptr : g[i]; }
+
+  // One layer's forward from x_in into `a` and, unless x_out is null, its
+  // output. Deterministic (the checkpointed backward relies on it).
+  void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
+                     DType dt) {
+    const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const LayerIdx& x = idx_;
+    ops_->rmsnorm_forward(a.ln1.as<float>(), a.rstd1.as<float>(), x_in, p[x.ln1], N, C, eps());
+    a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    float* proj = proj_.as<float>();
+    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
+    // q and k are adjacent in the row: one call rotates H + K heads.
+    ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_}, false);
+    ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_}, dt);
+    a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
+    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[x.o_w], bias(p, x.o_b), N, A, C, dt);
+    ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
+    ops_->rmsnorm_forward(a.ln2.as<float>(), a.rstd2.as<float>(), a.x_mid.as<float>(), p[x.ln2], N, C, eps());
+    a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, 2 * I, dt);
+    ops_->swiglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
+    a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
+    if (!x_out) return;
+    detail::linear_forward(*ops_, x_out, a.act_in, p[x.down_w], bias(p, x.down_b), N, I, C, dt);
+    ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
+  }
+
+  // The (T, D/2) cos and sin of the rope angles t * inv_freq[i], each angle
+  // rounded to fp32 as transformers forms it (fp32 product of fp32 values).
+  void build_rope_tables(int64_t T) {
+    const std::vector<float> inv = rope_inv_freq(c_);
+    const int64_t h = D_ / 2;
+    std::vector<float> cs(static_cast<size_t>(T * h)), sn(cs.size());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < h; ++i) {
+        const float angle = static_cast<float>(t) * inv[static_cast<size_t>(i)];
+        cs[static_cast<size_t>(t * h + i)] = static_cast<float>(std::cos(static_cast<double>(angle)));
+        sn[static_cast<size_t>(t * h + i)] = static_cast<float>(std::sin(static_cast<double>(angle)));
+      }
+    ops_->copy_in(rope_cos_, cs.data(), T * h);
+    ops_->copy_in(rope_sin_, sn.data(), T * h);
+  }
+
+  void ensure_buffers(int64_t B, int64_t T) {
+    if (B == B_ && T == T_) return;
+    if (T != T_) build_rope_tables(T);
+    const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
+    const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
+    const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
+    for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
+    for (LayerActs& a : acts_) {
+      a.ln1 = ops_->alloc_f32(N * C);
+      a.rstd1 = ops_->alloc_f32(N);
+      a.qkv = ops_->alloc_f32(N * 3 * A);
+      a.att = ops_->alloc_f32(N * A);
+      a.x_mid = ops_->alloc_f32(N * C);
+      a.ln2 = ops_->alloc_f32(N * C);
+      a.rstd2 = ops_->alloc_f32(N);
+      a.gate_up = ops_->alloc_f32(N * 2 * I);
+      a.act = ops_->alloc_f32(N * I);
+    }
+    x_final_ = ops_->alloc_f32(N * C);
+    lnf_ = ops_->alloc_f32(N * C);
+    lnf_rstd_ = ops_->alloc_f32(N);
+    logits_ = ops_->alloc_f32(N * V);
+    dlogits_ = ops_->alloc_f32(N * V);
+    dlnf_ = ops_->alloc_f32(N * C);
+    dres_ = ops_->alloc_f32(N * C);
+    dsmall_ = ops_->alloc_f32(N * C);
+    proj_ = ops_->alloc_f32(N * Q);
+    dbig_ = ops_->alloc_f32(N * std::max(2 * I, 3 * A));
+    dmid_ = ops_->alloc_f32(N * std::max(A, I));
+    B_ = B;
+    T_ = T;
+  }
+
+  LlamaConfig c_;
+  detail::Ops* ops_ = nullptr;
+  int64_t H_ = 0, K_ = 0, D_ = 0;
+  LayerIdx idx_;  // the same in every layer block
+  std::vector<BlockSpec> specs_;
+  std::vector<Buf> x_in_;
+  std::vector<LayerActs> acts_;
+  int64_t acts_hold_ = -1;
+  std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
+  const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
+  Buf tokens_store_, targets_store_;
+  int64_t B_ = 0, T_ = 0;
+  Buf rope_cos_, rope_sin_;  // (T, D/2)
+  Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
+  Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
+  Buf dy16_;
+  CView lnf_in_;
+  Buf lnf_16_;
+};
+
+}  // namespace
+
+std::vector<float> rope_inv_freq(const LlamaConfig& c) {
+  const int64_t D = c.head_size(), h = D / 2;
+  std::vector<float> inv(static_cast<size_t>(h));
+  const float base = static_cast<float>(c.rope_theta);
+  for (int64_t i = 0; i < h; ++i) {
+    // transformers: 1 / base ** (arange(0, D, 2).float() / D), in fp32.
+    const float e = static_cast<float>(2 * i) / static_cast<float>(D);
+    inv[static_cast<size_t>(i)] = 1.0f / std::pow(base, e);
+  }
+  const RopeScaling& s = c.rope_scaling;
+  const float factor = static_cast<float>(s.factor);
+  if (s.type == RopeScaling::Type::kLinear) {
+    for (float& f : inv) f = f / factor;
+  } else if (s.type == RopeScaling::Type::kLlama3) {
+    // Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the
+    // band between interpolated smoothly.
+    const float old_len = static_cast<float>(s.original_max_position_embeddings);
+    const float lo = static_cast<float>(s.low_freq_factor), hi = static_cast<float>(s.high_freq_factor);
+    const float low_freq_wavelen = old_len / lo, high_freq_wavelen = old_len / hi;
+    for (float& f : inv) {
+      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+      float g = wavelen > low_freq_wavelen ? f / factor : f;
+      const float smooth = (old_len / wavelen - lo) / (hi - lo);
+      const float smoothed = (1.0f - smooth) * g / factor + smooth * g;
+      const bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      f = medium ? smoothed : g;
+    }
+  }
+  return inv;
+}
+
+std::optional<SizeError> size_error(const LlamaConfig& c) {
+  if (c.vocab_size < 2) return SizeError{"vocab_size", "must be >= 2, got " + std::to_string(c.vocab_size)};
+  for (auto [field, v] : {std::pair<const char*, int64_t>{"hidden_size", c.hidden_size},
+                          {"intermediate_size", c.intermediate_size},
+                          {"num_hidden_layers", c.num_hidden_layers},
+                          {"num_attention_heads", c.num_attention_heads},
+                          {"max_position_embeddings", c.max_position_embeddings}}) {
+    if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
+  }
+  if (c.num_key_value_heads < 0)
+    return SizeError{"num_key_value_heads", "must be >= 1, got " + std::to_string(c.num_key_value_heads)};
+  if (c.num_attention_heads % c.kv_heads() != 0) {
+    return SizeError{"num_key_value_heads", "must divide num_attention_heads " + std::to_string(c.num_attention_heads) +
+                                                ", got " + std::to_string(c.kv_heads())};
+  }
+  if (c.head_dim < 0) return SizeError{"head_dim", "must be >= 1, got " + std::to_string(c.head_dim)};
+  if (c.head_dim == 0 && c.hidden_size % c.num_attention_heads != 0) {
+    return SizeError{"hidden_size", "must be divisible by num_attention_heads " +
+                                        std::to_string(c.num_attention_heads) + " (or head_dim given), got " +
+                                        std::to_string(c.hidden_size)};
+  }
+  if (c.head_size() % 2 != 0)
+    return SizeError{"head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_size())};
+  if (!(c.rms_norm_eps > 0)) return SizeError{"rms_norm_eps", "must be > 0"};
+  if (!(c.rope_theta > 0)) return SizeError{"rope_theta", "must be > 0"};
+  if (c.rope_scaling.type != RopeScaling::Type::kNone && !(c.rope_scaling.factor > 0))
+    return SizeError{"rope_scaling.factor", "must be > 0"};
+  if (c.rope_scaling.type == RopeScaling::Type::kLlama3 &&
+      !(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor))
+    return SizeError{"rope_scaling.high_freq_factor", "must be above low_freq_factor"};
+  return std::nullopt;
+}
+
+std::shared_ptr<Model> make_llama(const LlamaConfig& cfg) { return std::make_shared<Llama>(cfg); }
+
+}  // namespace zinc::models
