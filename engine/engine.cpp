@@ -193,15 +193,21 @@ void Engine::Impl::allocate_and_init() {
   for (size_t b = 0; b < specs.size(); ++b) {
     BlockShard& s = blocks[b];
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
-    // Every rank builds the full initial weights from the same seed and
-    // keeps what its stage needs.
+    // Every rank builds the initial weights of the elements its stage keeps
+    // (at stage 3 its own shard, else the whole block), from the model's
+    // initial_values (a pretrained checkpoint) or from the seed.
     AlignedBuffer full = make_buffer<float>(padded);
     float* w = full.as<float>();
+    const int64_t keep_lo = plan.params_sharded ? s.part.own_offset() : 0;
+    const int64_t keep_hi = plan.params_sharded ? keep_lo + s.part.shard_numel : s.layout.numel;
     for (size_t p = 0; p < specs[b].params.size(); ++p) {
       const ParamSpec& ps = specs[b].params[p];
       float* dst = w + s.layout.offsets[p];
       int64_t cnt = s.layout.numels[p];
       num_params += cnt;
+      const int64_t lo = std::max<int64_t>(0, keep_lo - s.layout.offsets[p]);
+      const int64_t hi = std::min<int64_t>(cnt, keep_hi - s.layout.offsets[p]);
+      if (hi > lo && model->initial_values(static_cast<int>(b), static_cast<int>(p), lo, hi - lo, dst + lo)) continue;
       // Each parameter has its own stream, so adding a parameter or a block
       // does not change the initial values of the others.
       Rng rng(mix_seed(cfg.seed, (static_cast<uint64_t>(b) << 20) + p));

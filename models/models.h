@@ -8,6 +8,8 @@
 //   Blocks: 0 = embeddings {wte (V,C), wpe (block_size,C)}, 1..n_layer = the
 //   transformer layers, n_layer+1 = the final LayerNorm. Optionally
 //   recomputes each layer's activations in backward (gradient_checkpointing).
+// - Llama: transformers' LlamaForCausalLM (also Mistral and Qwen2; see
+//   LlamaConfig below). CPU only for now.
 // - MLP: a next-token MLP. Position t sees the embeddings of tokens
 //   t-context+1..t (zeros before the sequence start), concatenated, then
 //   n_layer GELU layers of width `hidden`, then a linear head to V logits.

@@ -190,7 +190,9 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
             static_cast<int64_t>(std::min(std::ceil(t.warmup_ratio * static_cast<double>(steps)), 9.2e18)),
             "ceil(trainer.warmup_ratio " + num(t.warmup_ratio) + " x run.steps " + std::to_string(steps) + ")");
     }
-    if (auto_at(p, "total_num_steps")) set(p, "total_num_steps", "scheduler.params.total_num_steps", steps, "run.steps");
+    // A run of 0 steps (a load-and-save) never steps the schedule; its length must still be >= 1.
+    if (auto_at(p, "total_num_steps"))
+      set(p, "total_num_steps", "scheduler.params.total_num_steps", std::max<int64_t>(steps, 1), "run.steps");
   }
 
   if (d.contains("zero_optimization") && d["zero_optimization"].is_object()) {

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 
+#include <algorithm>
 #include <utility>
 
 #include "core/cpu.h"
@@ -14,8 +15,67 @@
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 #include "models/models.h"
+#include "tools/hf_model.h"
 
 namespace zinc::tools {
+
+namespace {
+
+// model.from_pretrained: the folder's model, after checking that the
+// section's size keys and the data agree with its config.json.
+std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSource& data, Device device,
+                                            std::optional<HfConfig>& out) {
+  const HfConfig& hf = out.emplace(read_hf_config(m.from_pretrained));
+  const std::string file = m.from_pretrained + "/config.json";
+  const ModelType type = hf.kind == HfKind::kGpt ? ModelType::kGpt : ModelType::kLlama;
+  auto given = [&](const char* k) { return std::find(m.given.begin(), m.given.end(), k) != m.given.end(); };
+  if (given("type") && m.type != type) {
+    throw ConfigError("model.type", std::string("\"") + model_type_name(m.type) + "\" disagrees with " + file +
+                                        ": architectures \"" + hf.architecture + "\" (a " + model_type_name(type) +
+                                        "); leave model.type out");
+  }
+  // Each size key the section gave, against config.json's value of the same name.
+  const nlohmann::json& raw = hf.raw;
+  for (const std::string& k : m.given) {
+    if (k == "type") continue;
+    const std::string hf_key = k == "block_size" ? "n_positions" : k;
+    nlohmann::json mine;
+    if (k == "vocab_size") mine = m.vocab_size;
+    else if (k == "block_size") mine = m.block_size;
+    else if (k == "n_layer") mine = m.n_layer;
+    else if (k == "n_head") mine = m.n_head;
+    else if (k == "n_embd") mine = m.n_embd;
+    else if (k == "hidden_size") mine = m.hidden_size;
+    else if (k == "intermediate_size") mine = m.intermediate_size;
+    else if (k == "num_hidden_layers") mine = m.num_hidden_layers;
+    else if (k == "num_attention_heads") mine = m.num_attention_heads;
+    else if (k == "num_key_value_heads") mine = m.num_key_value_heads;
+    else if (k == "head_dim") mine = m.head_dim;
+    else if (k == "max_position_embeddings") mine = m.max_position_embeddings;
+    else if (k == "rms_norm_eps") mine = m.rms_norm_eps;
+    else if (k == "rope_theta") mine = m.rope_theta;
+    else if (k == "tie_word_embeddings") mine = m.tie_word_embeddings;
+    else throw ConfigError("model." + k, "not a size of a " + hf.architecture + " (from " + file + ")");
+    const bool has = raw.contains(hf_key) && !raw[hf_key].is_null();
+    if (!has || raw[hf_key] != mine) {
+      throw ConfigError("model." + k, mine.dump() + " disagrees with " + file + ": " + hf_key + " " +
+                                          (has ? raw[hf_key].dump() : "(not given)") +
+                                          "; leave model." + k + " out to take the folder's");
+    }
+  }
+  const int64_t V = hf.kind == HfKind::kGpt ? hf.gpt.vocab_size : hf.llama.vocab_size;
+  if (data.vocab_size() > V)
+    throw ConfigError("model.from_pretrained", "the data's vocabulary " + std::to_string(data.vocab_size()) +
+                                                   " exceeds the model's vocab_size " + std::to_string(V) + " (" + file + ")");
+  const int64_t max_T = hf.kind == HfKind::kGpt ? hf.gpt.block_size : hf.llama.max_position_embeddings;
+  if (data.seq_len() > max_T)
+    throw ConfigError("data.seq_len", std::to_string(data.seq_len()) + " exceeds the model's " +
+                                          (hf.kind == HfKind::kGpt ? "n_positions " : "max_position_embeddings ") +
+                                          std::to_string(max_T) + " (" + file + ")");
+  return load_pretrained(hf, device, m.gradient_checkpointing);
+}
+
+}  // namespace
 
 Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   Experiment e;
@@ -35,7 +95,14 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     throw ConfigError("model.vocab_size", "must be >= the data's vocabulary (" +
                                               std::to_string(e.data->vocab_size()) + "), got " +
                                               std::to_string(V));
-  if (m.type == ModelType::kGpt) {
+  if (!m.from_pretrained.empty()) {
+    e.model = load_from_pretrained(m, *e.data, e.config.device, e.hf);
+  } else if (m.type == ModelType::kLlama) {
+    models::LlamaConfig c = llama_config(m, V, e.data->seq_len());
+    c.device = e.config.device;
+    e.model = models::make_llama(c);
+    e.hf = hf_config_of(c);
+  } else if (m.type == ModelType::kGpt) {
     models::GptConfig g;
     g.vocab_size = V;
     g.block_size = m.block_size > 0 ? m.block_size : e.data->seq_len();
@@ -49,6 +116,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     g.gradient_checkpointing = m.gradient_checkpointing;
     g.device = e.config.device;
     e.model = models::make_gpt(g);
+    e.hf = hf_config_of(g);
   } else if (m.type == ModelType::kMlp) {
     models::MlpConfig c;
     c.vocab_size = V;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "tools/experiment_config.h"
+#include "tools/hf_model.h"
 
 namespace zinc::tools {
 
@@ -26,6 +28,10 @@ struct Experiment {
   std::shared_ptr<const DataSource> eval_data;  // held-out samples; null without evaluation
   std::shared_ptr<Model> model;
   std::vector<AutoValue> auto_values;  // "auto" values resolved from the `trainer` section and the rules
+  // The model in Hugging Face terms, for --save-pretrained: the folder's
+  // config.json (model.from_pretrained) or one written for a gpt or llama
+  // zinc built; empty for the mlp.
+  std::optional<HfConfig> hf;
 };
 
 // Reads the config file, applies `--set` overrides in order, parses it

@@ -4,6 +4,7 @@
 // sections do in engine/config.cpp.
 #include "tools/experiment_config.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "core/error.h"
@@ -16,18 +17,59 @@ namespace {
 
 using namespace config;
 
+// The size keys of each model type (any other type's are refused by name).
+const std::vector<std::string>& type_keys(ModelType t) {
+  static const std::vector<std::string> kGpt = {"block_size", "n_layer", "n_head", "n_embd"};
+  static const std::vector<std::string> kMlp = {"context", "n_embd", "hidden", "n_layer"};
+  static const std::vector<std::string> kLlama = {
+      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "head_dim",    "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings"};
+  return t == ModelType::kGpt ? kGpt : t == ModelType::kMlp ? kMlp : kLlama;
+}
+
 void parse_model(Reader& root, ModelConfig& m) {
   Reader r = root.section("model");
-  r.get_enum("type", m.type, {{"gpt", ModelType::kGpt}, {"mlp", ModelType::kMlp}});
-  r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24));
-  r.get_int("block_size", m.block_size, at_least(0));
-  r.get_int("n_layer", m.n_layer, at_least(1));
-  r.get_int("n_head", m.n_head, at_least(1));
-  r.get_int("n_embd", m.n_embd, at_least(1));
-  r.get_int("context", m.context, at_least(1));
-  r.get_int("hidden", m.hidden, at_least(1));
+  const bool type_given = r.get_enum("type", m.type, {{"gpt", ModelType::kGpt}, {"mlp", ModelType::kMlp}, {"llama", ModelType::kLlama}});
+  if (type_given) m.given.push_back("type");
+  if (r.get_file_name("from_pretrained", m.from_pretrained) && m.from_pretrained.empty())
+    throw ConfigError(r.last_path(), "must not be empty (a Hugging Face model folder)");
+  auto note = [&](bool got, const char* k) {
+    if (got) m.given.push_back(k);
+  };
+  note(r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24)), "vocab_size");
+  note(r.get_int("block_size", m.block_size, at_least(0)), "block_size");
+  note(r.get_int("n_layer", m.n_layer, at_least(1)), "n_layer");
+  note(r.get_int("n_head", m.n_head, at_least(1)), "n_head");
+  note(r.get_int("n_embd", m.n_embd, at_least(1)), "n_embd");
+  note(r.get_int("context", m.context, at_least(1)), "context");
+  note(r.get_int("hidden", m.hidden, at_least(1)), "hidden");
+  note(r.get_int("hidden_size", m.hidden_size, at_least(1)), "hidden_size");
+  note(r.get_int("intermediate_size", m.intermediate_size, at_least(1)), "intermediate_size");
+  note(r.get_int("num_hidden_layers", m.num_hidden_layers, at_least(1)), "num_hidden_layers");
+  note(r.get_int("num_attention_heads", m.num_attention_heads, at_least(1)), "num_attention_heads");
+  note(r.get_int("num_key_value_heads", m.num_key_value_heads, at_least(0)), "num_key_value_heads");
+  note(r.get_int("head_dim", m.head_dim, at_least(0)), "head_dim");
+  note(r.get_int("max_position_embeddings", m.max_position_embeddings, at_least(0)), "max_position_embeddings");
+  note(r.get_number("rms_norm_eps", m.rms_norm_eps, above(0)), "rms_norm_eps");
+  note(r.get_number("rope_theta", m.rope_theta, above(0)), "rope_theta");
+  note(r.get_bool("tie_word_embeddings", m.tie_word_embeddings), "tie_word_embeddings");
   r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
   r.finish();
+  // With a folder the type comes from its architecture (checked when it is
+  // read); without one, a size key of another type changes nothing: said.
+  if (!m.from_pretrained.empty()) return;
+  const std::vector<std::string>& own = type_keys(m.type);
+  for (const std::string& k : m.given) {
+    if (k == "type" || k == "vocab_size" || std::find(own.begin(), own.end(), k) != own.end()) continue;
+    std::string owners;
+    for (ModelType t : {ModelType::kGpt, ModelType::kMlp, ModelType::kLlama}) {
+      const auto& keys = type_keys(t);
+      if (std::find(keys.begin(), keys.end(), k) != keys.end())
+        owners += (owners.empty() ? "" : ", ") + std::string(model_type_name(t));
+    }
+    r.warn("model." + k, std::string("ignored: not a size of model.type \"") + model_type_name(m.type) +
+                             "\" (it is " + owners + "'s)");
+  }
 }
 
 // model.gradient_checkpointing and the trainer section's TrainingArguments
@@ -45,10 +87,10 @@ void combine_gradient_checkpointing(const nlohmann::json& doc, ModelConfig& m) {
                           " conflicts with trainer.gradient_checkpointing " + (trainer_on ? "true" : "false") +
                           "; give one of them, or both the same");
   }
-  if (trainer_on && m.type != ModelType::kGpt) {
+  if (trainer_on && m.type == ModelType::kMlp) {
     throw ConfigError("trainer.gradient_checkpointing",
                       std::string("not supported by model.type \"") + model_type_name(m.type) +
-                          "\" (only the gpt recomputes its layers); set it to false");
+                          "\" (the gpt and the llama recompute their layers); set it to false");
   }
   m.gradient_checkpointing = m.gradient_checkpointing || trainer_on;
 }
@@ -90,7 +132,7 @@ void parse_data(Reader& root, DataConfig& d) {
 
 void parse_run(Reader& root, RunConfig& run) {
   Reader r = root.section("run");
-  r.get_int("steps", run.steps, at_least(1));
+  r.get_int("steps", run.steps, at_least(0));  // 0: load (and --save-pretrained) without training
   r.get_u64("seed", run.seed);
   r.get_int("eval_interval", run.eval_interval, at_least(0));
   r.get_int("eval_batches", run.eval_batches, at_least(1));
@@ -121,6 +163,7 @@ const char* model_type_name(ModelType t) {
   switch (t) {
     case ModelType::kGpt: return "gpt";
     case ModelType::kMlp: return "mlp";
+    case ModelType::kLlama: return "llama";
   }
   return "?";
 }
@@ -162,12 +205,33 @@ CommConfig ExperimentConfig::parse_comm(const nlohmann::json& doc) {
   return c;  // no root.finish(): the other keys are parse_experiment()'s
 }
 
+models::LlamaConfig llama_config(const ModelConfig& m, int64_t vocab_size, int64_t seq_len) {
+  models::LlamaConfig c;
+  if (vocab_size > 0) c.vocab_size = vocab_size;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_hidden_layers = m.num_hidden_layers;
+  c.num_attention_heads = m.num_attention_heads;
+  c.num_key_value_heads = m.num_key_value_heads;
+  c.head_dim = m.head_dim;
+  c.max_position_embeddings = m.max_position_embeddings > 0 ? m.max_position_embeddings : std::max<int64_t>(seq_len, 1);
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.rope_theta = m.rope_theta;
+  c.tie_word_embeddings = m.tie_word_embeddings;
+  c.gradient_checkpointing = m.gradient_checkpointing;
+  return c;
+}
+
 void ExperimentConfig::validate() const {
   // The model's own size rules (models/), at the section's JSON paths. The
   // vocabulary, and a block size of 0, come from the data when the model is
   // built (build_experiment); the models' defaults stand in for them here.
   std::optional<models::SizeError> bad;
-  if (model.type == ModelType::kGpt) {
+  if (!model.from_pretrained.empty()) {
+    // The sizes are config.json's, checked when the folder is read.
+  } else if (model.type == ModelType::kLlama) {
+    bad = models::size_error(llama_config(model, 0, 0));
+  } else if (model.type == ModelType::kGpt) {
     models::GptConfig g;
     if (model.block_size > 0) g.block_size = model.block_size;
     g.n_layer = model.n_layer;
@@ -183,10 +247,15 @@ void ExperimentConfig::validate() const {
     bad = models::size_error(m);
   }
   if (bad) throw ConfigError("model." + bad->field, bad->message);
-  if (model.gradient_checkpointing && model.type != ModelType::kGpt) {
+  if (model.gradient_checkpointing && model.type == ModelType::kMlp && model.from_pretrained.empty()) {
     throw ConfigError("model.gradient_checkpointing", std::string("not supported by model.type \"") +
                                                           model_type_name(model.type) +
-                                                          "\" (only the gpt recomputes its layers); remove it");
+                                                          "\" (the gpt and the llama recompute their layers); remove it");
+  }
+  if (model.type == ModelType::kLlama && model.max_position_embeddings > 0 &&
+      model.max_position_embeddings < data.seq_len) {
+    throw ConfigError("model.max_position_embeddings", "must be >= data.seq_len " + std::to_string(data.seq_len) +
+                                                           ", got " + std::to_string(model.max_position_embeddings));
   }
 
   // The model against the data.
@@ -221,16 +290,31 @@ nlohmann::json to_json(const ExperimentConfig& e) {
     if (d.type == DataType::kTokens && d.vocab_size > 0) data["vocab_size"] = d.vocab_size;
     data["eval_fraction"] = d.eval_fraction;
   }
-  return {{"model",
-           {{"type", model_type_name(m.type)},
-            {"vocab_size", m.vocab_size},
-            {"block_size", m.block_size},
-            {"n_layer", m.n_layer},
-            {"n_head", m.n_head},
-            {"n_embd", m.n_embd},
-            {"context", m.context},
-            {"hidden", m.hidden},
-            {"gradient_checkpointing", m.gradient_checkpointing}}},
+  nlohmann::json model = {{"type", model_type_name(m.type)},
+                           {"vocab_size", m.vocab_size},
+                           {"gradient_checkpointing", m.gradient_checkpointing}};
+  if (!m.from_pretrained.empty()) {
+    // The sizes are the folder's: only the keys the section gave (they agree with it).
+    model["from_pretrained"] = m.from_pretrained;
+    if (std::find(m.given.begin(), m.given.end(), "type") == m.given.end()) model.erase("type");
+    if (std::find(m.given.begin(), m.given.end(), "vocab_size") == m.given.end()) model.erase("vocab_size");
+  } else if (m.type == ModelType::kLlama) {
+    model.update({{"hidden_size", m.hidden_size},
+                  {"intermediate_size", m.intermediate_size},
+                  {"num_hidden_layers", m.num_hidden_layers},
+                  {"num_attention_heads", m.num_attention_heads},
+                  {"num_key_value_heads", m.num_key_value_heads},
+                  {"head_dim", m.head_dim},
+                  {"max_position_embeddings", m.max_position_embeddings},
+                  {"rms_norm_eps", m.rms_norm_eps},
+                  {"rope_theta", m.rope_theta},
+                  {"tie_word_embeddings", m.tie_word_embeddings}});
+  } else if (m.type == ModelType::kGpt) {
+    model.update({{"block_size", m.block_size}, {"n_layer", m.n_layer}, {"n_head", m.n_head}, {"n_embd", m.n_embd}});
+  } else {
+    model.update({{"context", m.context}, {"n_embd", m.n_embd}, {"hidden", m.hidden}, {"n_layer", m.n_layer}});
+  }
+  return {{"model", model},
           {"data", data},
           {"run",
            {{"steps", r.steps},

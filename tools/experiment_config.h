@@ -18,13 +18,14 @@
 
 #include "data/data.h"
 #include "engine/config.h"
+#include "models/models.h"
 #include "tools/auto_config.h"
 
 namespace zinc::tools {
 
 // The built-in models (models/models.h).
-enum class ModelType { kGpt, kMlp };
-const char* model_type_name(ModelType t);  // "gpt" | "mlp"
+enum class ModelType { kGpt, kMlp, kLlama };
+const char* model_type_name(ModelType t);  // "gpt" | "mlp" | "llama"
 
 // The `model` section: the built-in model to train (models/models.h).
 struct ModelConfig {
@@ -44,9 +45,36 @@ struct ModelConfig {
   // both given with different values is an error naming both. The mlp
   // refuses it.
   bool gradient_checkpointing = false;
+  // llama (models::LlamaConfig, transformers' names): n_embd, n_layer and
+  // n_head are the gpt's; these are the llama's.
+  int64_t hidden_size = 128;
+  int64_t intermediate_size = 344;
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  int64_t num_key_value_heads = 0;  // 0: num_attention_heads
+  int64_t head_dim = 0;             // 0: hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 0;  // 0: data.seq_len
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  // A Hugging Face model folder (config.json + safetensors) to start from:
+  // the architecture picks the type (GPT2LMHeadModel: gpt; Llama, Mistral,
+  // Qwen2: llama), config.json gives the sizes and the weights the initial
+  // values (tools/hf_model.h). A size key given here too must agree with
+  // config.json.
+  std::string from_pretrained;
+  // The keys the section gave (for that check). Not a setting: equal
+  // configs may have come from documents that spelt defaults out or not.
+  struct GivenKeys : std::vector<std::string> {
+    bool operator==(const GivenKeys&) const { return true; }
+  } given;
 
   bool operator==(const ModelConfig&) const = default;
 };
+
+// The llama of a `model` section without from_pretrained, for a data
+// source's vocabulary and sequence length (0: the models' defaults).
+models::LlamaConfig llama_config(const ModelConfig& m, int64_t vocab_size, int64_t seq_len);
 
 // The `run` section: how long and what to log/save.
 struct RunConfig {

@@ -56,7 +56,7 @@ std::string safetensors_header(const std::vector<SafeTensor>& tensors,
   int64_t at = 0;
   for (const SafeTensor& t : tensors) {
     if (h.contains(t.name)) throw Error("safetensors: tensor name '" + t.name + "' appears twice");
-    h[t.name] = {{"dtype", t.dtype == DType::kF32 ? "F32" : "BF16"},
+    h[t.name] = {{"dtype", t.dtype == DType::kF32 ? "F32" : t.dtype == DType::kBF16 ? "BF16" : "F16"},
                  {"shape", t.shape},
                  {"data_offsets", {at, at + t.bytes()}}};
     at += t.bytes();

@@ -21,7 +21,7 @@ namespace zinc::tools {
 
 struct SafeTensor {
   std::string name;
-  DType dtype = DType::kF32;  // F32 or BF16
+  DType dtype = DType::kF32;  // F32, BF16 or F16
   std::vector<int64_t> shape;
   int64_t numel() const;
   int64_t bytes() const;

@@ -115,6 +115,36 @@ void save_weights(zinc::Engine& engine, int rank, const std::string& path) {
   if (w) w->finish();
 }
 
+// --save-pretrained and its options.
+struct SavePretrained {
+  std::string dir;
+  std::optional<zinc::DType> dtype;
+  int64_t max_shard_bytes = 5'000'000'000;
+};
+
+// The engine's final weights in the Hugging Face layout (export_hf). A
+// collective (Engine::full_params); rank 0 writes.
+void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, int rank, const SavePretrained& sp,
+                     bool json) {
+  if (!ex.hf) throw zinc::Error("--save-pretrained: model \"" + ex.model->name() + "\" has no Hugging Face architecture");
+  zinc::tools::HfExportOptions o;
+  o.out_dir = sp.dir;
+  o.dtype = sp.dtype;
+  o.max_shard_bytes = sp.max_shard_bytes;
+  o.copy_from = ex.experiment.model.from_pretrained;
+  o.rank = rank;
+  const zinc::tools::HfExportResult r = zinc::tools::export_hf(
+      *ex.hf, engine.model(), [&](int b) { return engine.full_params(b); }, o,
+      [&](const std::string& line) {
+        if (!json) std::printf("save-pretrained: %s\n", line.c_str());
+      });
+  if (rank == 0 && !json)
+    std::printf("save-pretrained: %s: %s, %lld tensors, %.1f MiB of %s in %zu file%s%s\n", sp.dir.c_str(),
+                ex.hf->architecture.c_str(), static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
+                std::string(zinc::dtype_name(r.dtype)).c_str(), r.files.size(), r.files.size() == 1 ? "" : "s",
+                r.copied.empty() ? "" : (", " + std::to_string(r.copied.size()) + " tokenizer/generation files copied").c_str());
+}
+
 std::string format_bytes(int64_t b) {
   char buf[32];
   const double x = static_cast<double>(b);
@@ -395,7 +425,8 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
 
 int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& doc, const std::string& config_path,
         bool ignore_resources,
-        bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out) {
+        bool json, bool digest, const std::optional<std::string>& resume, const std::string& weights_out,
+        const SavePretrained& pretrained) {
   const int world = comm->size(), rank = comm->rank();
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
@@ -488,6 +519,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * per_step / nvme_time / 1e9 : 0;
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   if (!weights_out.empty()) save_weights(engine, rank, weights_out);
+  if (!pretrained.dir.empty()) save_pretrained(ex, engine, rank, pretrained, json);
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
@@ -515,6 +547,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       sum["nvme_GBps"] = nvme_gbs;
     }
     std::printf("%s\n", sum.dump().c_str());
+  } else if (done_steps == 0) {
+    // --steps 0: a load (and a save); no loss, throughput or gathers to report.
+    std::printf("done: 0 steps (the model loaded; nothing trained) | peak RSS %.0f MiB\n", rss_max / (1 << 20));
   } else {
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);
@@ -563,22 +598,22 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-train: train a built-in model from a DeepSpeed-style JSON config"};
   std::string config_path;
   std::vector<std::string> sets;
-  int64_t steps = 0;
+  int64_t steps = -1;  // -1: run.steps
   bool json = false;
   // --steps and --ranks take a positive integer; anything else ends the run
   // with one line saying so (CLI11's PositiveNumber printed "Value 0 not in
   // range 0.000000 to 1.797...e308") and exit code 2, as zinc-train's other
   // usage errors do.
-  const auto positive_integer = [](const char* name, int64_t max, auto& out) {
-    return [name, max, &out](const std::string& s) {
+  const auto integer_in = [](const char* name, int64_t min, int64_t max, auto& out) {
+    return [name, min, max, &out](const std::string& s) {
       int64_t v = 0;
       bool ok = !s.empty() && s.size() <= 18;  // 18 digits cannot overflow
       for (char c : s) {
         ok = ok && c >= '0' && c <= '9';
         if (ok) v = v * 10 + (c - '0');
       }
-      if (!ok || v < 1 || v > max) {
-        throw CLI::ValidationError(std::string(name) + " must be a positive integer" +
+      if (!ok || v < min || v > max) {
+        throw CLI::ValidationError(std::string(name) + (min > 0 ? " must be a positive integer" : " must be an integer >= 0") +
                                        (max < 999999999999999999 ? " up to " + std::to_string(max) : "") +
                                        ", got " + s,
                                    2);
@@ -587,8 +622,8 @@ int main(int argc, char** argv) {
     };
   };
   app.add_option("config", config_path, "experiment config (JSON)")->required();
-  app.add_option_function<std::string>("--steps", positive_integer("--steps", 999999999999999999, steps),
-                                        "optimizer steps (overrides run.steps)")
+  app.add_option_function<std::string>("--steps", integer_in("--steps", 0, 999999999999999999, steps),
+                                        "optimizer steps (overrides run.steps; 0 loads, saves what is asked and exits)")
       ->type_name("INT");
   app.add_option("--set", sets, "override a config value: json.path=value (value parsed as JSON, "
                                 "a bare word as a string); repeatable");
@@ -602,7 +637,7 @@ int main(int argc, char** argv) {
   app.add_flag("--estimate", estimate_only,
                "print the RAM and disk each rank will need (this stage and the others) and exit without training");
   app.add_option_function<std::string>(
-         "--ranks", positive_integer("--ranks", 2147483647, ranks),
+         "--ranks", integer_in("--ranks", 1, 2147483647, ranks),
          "with --estimate or --check outside an MPI launcher: the number of ranks to plan for")
       ->type_name("INT");
   std::optional<std::string> resume;
@@ -615,6 +650,16 @@ int main(int argc, char** argv) {
   std::string weights_out;
   app.add_option("--save-weights", weights_out,
                  "end by writing the final fp32 weights to this .safetensors file (as zinc-export names them)");
+  SavePretrained pretrained;
+  std::string save_dtype, max_shard = "5GB";
+  app.add_option("--save-pretrained", pretrained.dir,
+                 "end by writing the model in the Hugging Face layout to this folder (config.json, safetensors, "
+                 "and the tokenizer files of model.from_pretrained's folder): transformers' from_pretrained reads it");
+  app.add_option("--save-dtype", save_dtype, "dtype of --save-pretrained's weights (default: the source folder's "
+                                             "torch_dtype, else bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--max-shard-size", max_shard, "--save-pretrained: largest safetensors file before sharding "
+                                                "(bytes, or with a unit: KB, MB, GB, KiB, MiB, GiB)");
   bool ignore_resources = false;
   app.add_flag("--ignore-resources", ignore_resources,
                "start even when --estimate's RAM exceeds what this host grants (cgroup limit, MemAvailable) or the "
@@ -627,7 +672,7 @@ int main(int argc, char** argv) {
   std::shared_ptr<zinc::comm::Communicator> comm;
   try {
     std::vector<std::string> overrides = sets;
-    if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
+    if (steps >= 0) overrides.push_back("run.steps=" + std::to_string(steps));
     zinc::cpu_isa();  // an unknown ONEDNN_MAX_CPU_ISA ends the run here with one line
     nlohmann::json doc;
     try {
@@ -656,6 +701,13 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
+    if (!save_dtype.empty() && pretrained.dir.empty()) {
+      std::fprintf(stderr, "zinc-train: --save-dtype needs --save-pretrained\n");
+      return 2;
+    }
+    if (!save_dtype.empty())
+      pretrained.dtype = save_dtype == "fp32" ? zinc::DType::kF32 : save_dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF16;
+    pretrained.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");
     if (ranks > 0 && !estimate_only && !check_only) {
       std::fprintf(stderr,
                    "zinc-train: --ranks needs --estimate or --check (mpirun decides the ranks of a training run)\n");
@@ -675,7 +727,7 @@ int main(int argc, char** argv) {
       if (check_only) return check(*comm, world, config_path, overrides, json, ignore_resources);
       return estimate(*comm, world, doc, config_path, json);
     }
-    return run(comm, doc, config_path, ignore_resources, json, digest, resume, weights_out);
+    return run(comm, doc, config_path, ignore_resources, json, digest, resume, weights_out, pretrained);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     zinc::remove_exit_folders();  // MPI_Abort skips destructors

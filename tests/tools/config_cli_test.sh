@@ -63,8 +63,8 @@ for mode in run check; do
   expect "set-deep-$mode" 1 "nested deeper than 64 levels" \
     "$CFG" --set "run.x=$(printf '[%.0s' $(seq 1 100))1$(printf ']%.0s' $(seq 1 100))" "${extra[@]}"
 done
-for bad in 0 -3 abc 1.5 99999999999999999999; do
-  expect "steps-$bad" 2 "--steps must be a positive integer, got $bad" "$CFG" --steps "$bad"
+for bad in -3 abc 1.5 99999999999999999999; do
+  expect "steps-$bad" 2 "--steps must be an integer >= 0, got $bad" "$CFG" --steps "$bad"
 done
 expect "ranks-0" 2 "--ranks must be a positive integer up to 2147483647, got 0" "$CFG" --check --ranks 0
 

@@ -79,12 +79,14 @@ TEST(ExperimentConfigErrors, ZincSections) {
   EXPECT_CONFIG_ERROR(with({{"data", {{"type", "csv"}}}}),
                       "data.type: must be one of synthetic, text, tokens");
   EXPECT_CONFIG_ERROR(with({{"model", {{"type", "gtp"}}}}),
-                      "model.type: must be one of gpt, mlp, got \"gtp\"", "did you mean 'gpt'");
+                      "model.type: must be one of gpt, mlp, llama, got \"gtp\"", "did you mean 'gpt'");
   EXPECT_CONFIG_ERROR(with({{"model", {{"vocab_size", 32}}}, {"data", {{"vocab_size", 64}}}}),
                       "model.vocab_size: must be >= the data's vocabulary 64");
   EXPECT_CONFIG_ERROR(with({{"run", {{"output_dir", ""}}}}), "run.output_dir: must not be empty");
-  // mlp does not care about heads.
-  EXPECT_NO_THROW(parse_experiment(with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}})));
+  // mlp does not care about heads: the key is ignored, and said so.
+  ParsedExperiment mlp = parse_experiment(with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}}));
+  ASSERT_EQ(mlp.experiment.warnings.size(), 1u);
+  EXPECT_EQ(mlp.experiment.warnings[0], "model.n_head: ignored: not a size of model.type \"mlp\" (it is gpt's)");
 }
 
 TEST(ExperimentConfigErrors, ValidateChecksConfigsBuiltInCode) {

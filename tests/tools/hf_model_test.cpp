@@ -1,0 +1,385 @@
+// Hugging Face checkpoints against transformers itself: each fixture of
+// tests/fixtures/hf (made by make_fixtures.py with the real transformers,
+// references in float64) is loaded by zinc, which must reproduce
+// transformers' logits (max abs 1e-4), loss (relative 1e-5) and every
+// parameter's gradient (relative L2 1e-4), in fp32; through the engine at
+// every stage the loaded weights must be the file's and the loss and the
+// gradient norm transformers'. Bad folders give one error naming the file.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "tools/experiment.h"
+#include "tools/hf_model.h"
+#include "tools/safetensors_read.h"
+
+namespace zinc::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fixture(const std::string& name) { return std::string(ZINC_SOURCE_DIR) + "/tests/fixtures/hf/" + name; }
+
+const std::vector<std::string> kFixtures = {"gpt2", "llama_gqa", "qwen2_tied", "llama_bias_hd", "mistral"};
+
+// reference.safetensors: input_ids and targets (I32), logits, loss, grad.NAME.
+struct Reference {
+  explicit Reference(const std::string& dir) : file(dir + "/reference.safetensors") {
+    ids = ints("input_ids", B, T);
+    targets = ints("targets", B, T);
+    logits = floats("logits");
+    loss = floats("loss").at(0);
+  }
+  std::vector<float> floats(const std::string& name) const {
+    const StoredTensor* t = file.find(name);
+    if (!t) throw Error("reference has no " + name);
+    std::vector<float> v(static_cast<size_t>(t->numel()));
+    file.read_f32(*t, 0, t->numel(), v.data());
+    return v;
+  }
+  std::vector<int32_t> ints(const std::string& name, int64_t& b, int64_t& t) const {
+    const StoredTensor* e = file.find(name);
+    if (!e || e->stored_dtype != "I32" || e->shape.size() != 2) throw Error("reference: bad " + name);
+    b = e->shape[0];
+    t = e->shape[1];
+    std::vector<int32_t> v(static_cast<size_t>(e->numel()));
+    std::ifstream in(file.path(), std::ios::binary);
+    in.seekg(e->begin);
+    in.read(reinterpret_cast<char*>(v.data()), e->bytes());
+    return v;
+  }
+  Batch batch() const {
+    Batch b;
+    b.B = B;
+    b.T = T;
+    b.inputs = ids;
+    b.targets = targets;
+    return b;
+  }
+  SafetensorsFile file;
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> ids, targets;
+  std::vector<float> logits;
+  float loss = 0;
+};
+
+// fp32 parameters of a model filled from its initial_values, and gradients.
+class HostContext final : public StepContext {
+ public:
+  explicit HostContext(const Model& m) {
+    for (size_t b = 0; b < m.blocks().size(); ++b) {
+      const BlockSpec& s = m.blocks()[b];
+      layouts.push_back(BlockLayout::from_spec(s));
+      params.emplace_back(static_cast<size_t>(layouts.back().numel), 0.0f);
+      grads_.emplace_back(static_cast<size_t>(layouts.back().numel), 0.0f);
+      for (size_t p = 0; p < s.params.size(); ++p)
+        EXPECT_TRUE(m.initial_values(static_cast<int>(b), static_cast<int>(p), 0, layouts[b].numels[p],
+                                     params[b].data() + layouts[b].offsets[p]));
+    }
+  }
+  DType compute_dtype() const override { return DType::kF32; }
+  BlockParams acquire_params(int b) override { return {params[b].data(), DType::kF32, &layouts[b]}; }
+  void release_params(int) noexcept override {}
+  BlockGrads grads(int b) override { return {grads_[b].data(), &layouts[b]}; }
+  void grads_ready(int) override {}
+
+  std::vector<BlockLayout> layouts;
+  std::vector<std::vector<float>> params, grads_;
+};
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+// A zinc parameter (rows, cols) split back into the file's tensors, each in
+// the file's layout: name -> values.
+std::map<std::string, std::vector<float>> to_hf(const std::vector<HfPiece>& pieces, const float* zinc, int64_t numel) {
+  int64_t rows = 0;
+  for (const HfPiece& p : pieces) rows += p.rows;
+  const int64_t cols = numel / rows;
+  std::map<std::string, std::vector<float>> out;
+  int64_t r0 = 0;
+  for (const HfPiece& p : pieces) {
+    std::vector<float> v(static_cast<size_t>(p.rows * cols));
+    for (int64_t r = 0; r < p.rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float x = zinc[(r0 + r) * cols + c];
+        v[static_cast<size_t>(p.transposed ? c * p.rows + r : r * cols + c)] = x;
+      }
+    out[p.name] = std::move(v);
+    r0 += p.rows;
+  }
+  return out;
+}
+
+class HfFixture : public testing::TestWithParam<std::string> {};
+
+TEST_P(HfFixture, LogitsLossAndGradientsMatchTransformers) {
+  const std::string dir = fixture(GetParam());
+  HfConfig cfg = read_hf_config(dir);
+  auto model = load_pretrained(cfg);
+  Reference ref(dir);
+  HostContext ctx(*model);
+  const float loss = model->forward(ctx, ref.batch());
+  std::vector<float> logits(model->logits().begin(), model->logits().end());
+  ASSERT_EQ(logits.size(), ref.logits.size());
+  EXPECT_LE(max_abs_diff(logits, ref.logits), 1e-4) << GetParam();
+  EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam();
+  model->backward(ctx, 1.0f);
+
+  // Every transformers parameter's gradient, from zinc's gradient buffers.
+  const std::string prefix = cfg.kind == HfKind::kGpt ? "transformer." : "model.";
+  auto pieces = hf_pieces(cfg, *model, prefix);
+  size_t compared = 0;
+  for (size_t b = 0; b < pieces.size(); ++b)
+    for (size_t p = 0; p < pieces[b].size(); ++p) {
+      auto hf = to_hf(pieces[b][p], ctx.grads_[b].data() + ctx.layouts[b].offsets[p], ctx.layouts[b].numels[p]);
+      for (const auto& [name, got] : hf) {
+        std::vector<float> want = ref.floats("grad." + name);
+        ASSERT_EQ(got.size(), want.size()) << name;
+        double num = 0, den = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+          den += static_cast<double>(want[i]) * want[i];
+        }
+        EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-4) << GetParam() << " " << name;
+        ++compared;
+      }
+    }
+  // As many gradients as transformers' named_parameters.
+  size_t grads = 0;
+  for (const StoredTensor& t : ref.file.tensors()) grads += t.name.rfind("grad.", 0) == 0;
+  EXPECT_EQ(compared, grads) << GetParam();
+}
+
+// Through the engine: the weights a rank holds are the file's (stage 3
+// reads only its shard), and the loss and the gradient norm are
+// transformers'.
+TEST_P(HfFixture, EngineLoadsTheWeightsAtEveryStage) {
+  const std::string dir = fixture(GetParam());
+  HfConfig cfg = read_hf_config(dir);
+  Reference ref(dir);
+  // The reference gradient norm over transformers' parameters (a tied
+  // embedding counted once, as zinc holds it once).
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors()) {
+    if (t.name.rfind("grad.", 0) != 0) continue;
+    for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  }
+  for (int stage : {0, 1, 2, 3}) {
+    auto model = load_pretrained(cfg);
+    HostContext want(*model);
+    nlohmann::json ds = {{"train_batch_size", ref.B},
+                         {"train_micro_batch_size_per_gpu", ref.B},
+                         {"gradient_clipping", 0.0},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                         {"zero_optimization", {{"stage", stage}}}};
+    if (stage == 3) ds["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+    Engine engine = Engine::initialize(model, ds);
+    for (size_t b = 0; b < want.params.size(); ++b) {
+      std::vector<float> got = engine.full_params(static_cast<int>(b));
+      got.resize(want.params[b].size());
+      EXPECT_EQ(std::memcmp(got.data(), want.params[b].data(), got.size() * 4), 0)
+          << GetParam() << " stage " << stage << " block " << b;
+    }
+    const float loss = engine.forward(ref.batch());
+    EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
+    engine.backward();
+    engine.step();
+    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfFixture, testing::ValuesIn(kFixtures),
+                         [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+
+TEST(HfModel, Bf16TrainsWithinBf16Tolerance) {
+  // bf16 weights and matmul operands: the loss within bf16's relative
+  // precision (2^-8) of a few roundings per layer.
+  for (const std::string& name : {std::string("llama_gqa"), std::string("gpt2")}) {
+    const std::string dir = fixture(name);
+    HfConfig cfg = read_hf_config(dir);
+    Reference ref(dir);
+    Engine engine = Engine::initialize(load_pretrained(cfg), nlohmann::json{{"train_batch_size", ref.B},
+                                                                            {"train_micro_batch_size_per_gpu", ref.B},
+                                                                            {"bf16", {{"enabled", true}}}});
+    const float loss = engine.forward(ref.batch());
+    EXPECT_NEAR(loss, ref.loss, 2e-2 * std::fabs(ref.loss)) << name;
+  }
+}
+
+TEST(HfModel, ConfigReadsBothRopeSpellings) {
+  HfConfig c = read_hf_config(fixture("llama_gqa"));  // transformers 5: rope_parameters
+  EXPECT_EQ(c.kind, HfKind::kLlama);
+  EXPECT_EQ(c.llama.rope_scaling.type, models::RopeScaling::Type::kLlama3);
+  EXPECT_EQ(c.llama.rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_EQ(c.llama.kv_heads(), 2);
+  EXPECT_FALSE(c.llama.tie_word_embeddings);
+  EXPECT_EQ(c.dtype, DType::kF32);
+  EXPECT_EQ(read_hf_config(fixture("qwen2_tied")).dtype, DType::kBF16);
+  EXPECT_TRUE(read_hf_config(fixture("qwen2_tied")).llama.qkv_bias);
+  EXPECT_FALSE(read_hf_config(fixture("qwen2_tied")).llama.o_bias);
+  EXPECT_EQ(read_hf_config(fixture("llama_bias_hd")).llama.head_dim, 12);
+}
+
+// A copy of a fixture folder in a temp dir, for editing.
+class TempFolder {
+ public:
+  explicit TempFolder(const std::string& from) {
+    dir = fs::temp_directory_path() / ("zinc_hf_" + std::to_string(::getpid()) + "_" + std::to_string(n_++));
+    fs::remove_all(dir);
+    fs::copy(fixture(from), dir, fs::copy_options::recursive);
+  }
+  ~TempFolder() { fs::remove_all(dir); }
+  nlohmann::json config() const {
+    std::ifstream in(dir / "config.json");
+    return nlohmann::json::parse(in);
+  }
+  void write_config(const nlohmann::json& j) const { std::ofstream(dir / "config.json") << j.dump(2); }
+  fs::path dir;
+
+ private:
+  static inline int n_ = 0;
+};
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one with " << parts[0];
+  } catch (const Error& e) {
+    for (const std::string& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+// The tolerances discriminate: the same weights with llama3's rope scaling
+// dropped (positions up to 12, original context 16) move the logits far
+// beyond 1e-4.
+TEST(HfModel, TheComparisonSeesAWrongRopeScaling) {
+  TempFolder t("llama_gqa");
+  auto j = t.config();
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
+  t.write_config(j);
+  auto model = load_pretrained(read_hf_config(t.dir.string()));
+  Reference ref(fixture("llama_gqa"));
+  HostContext ctx(*model);
+  model->forward(ctx, ref.batch());
+  std::vector<float> logits(model->logits().begin(), model->logits().end());
+  EXPECT_GT(max_abs_diff(logits, ref.logits), 1e-3);
+}
+
+TEST(HfModel, BadFoldersGiveOneLineNamingTheFile) {
+  {
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["architectures"] = {"FalconForCausalLM"};
+    t.write_config(j);
+    expect_error([&] { read_hf_config(t.dir.string()); },
+                 {"config.json: architectures", "\"FalconForCausalLM\" is not supported", "LlamaForCausalLM"});
+  }
+  {
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["rope_parameters"]["rope_type"] = "yarn";
+    t.write_config(j);
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"rope_parameters.rope_type", "\"yarn\" is not supported"});
+  }
+  {
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["hidden_act"] = "gelu";
+    t.write_config(j);
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: hidden_act", "\"gelu\""});
+  }
+  {
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["num_key_value_heads"] = 3;
+    t.write_config(j);
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: num_key_value_heads", "must divide"});
+  }
+  {
+    // A config that disagrees with the weights: a shape error naming the tensor and the file.
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["intermediate_size"] = 64;
+    t.write_config(j);
+    expect_error([&] { load_pretrained(read_hf_config(t.dir.string())); },
+                 {"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape [80, 32]", "[64, 32]"});
+  }
+  {
+    // One layer fewer in config.json: the last layer's tensors are left over.
+    TempFolder t("llama_gqa");
+    auto j = t.config();
+    j["num_hidden_layers"] = 1;
+    t.write_config(j);
+    expect_error([&] { load_pretrained(read_hf_config(t.dir.string())); },
+                 {"model.safetensors: tensor model.layers.1.", "unexpected tensor"});
+  }
+  {
+    // Untied in config.json but the file has no lm_head: missing tensor.
+    TempFolder t("qwen2_tied");
+    auto j = t.config();
+    j["tie_word_embeddings"] = false;
+    t.write_config(j);
+    expect_error([&] { load_pretrained(read_hf_config(t.dir.string())); }, {"tensor lm_head.weight [96, 32] is missing"});
+  }
+  {
+    TempFolder t("gpt2");
+    fs::remove(t.dir / "config.json");
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: cannot open"});
+  }
+  {
+    TempFolder t("gpt2");
+    std::ofstream(t.dir / "config.json") << "{\"architectures\": [";
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: not valid JSON"});
+  }
+}
+
+// zinc-train's model.from_pretrained: the folder's model, sizes agreeing.
+TEST(HfModel, ExperimentFromPretrained) {
+  auto doc = [](nlohmann::json model, int64_t seq_len = 12) {
+    return nlohmann::json{{"train_batch_size", 2},
+                          {"model", std::move(model)},
+                          {"data", {{"type", "synthetic"}, {"vocab_size", 96}, {"seq_len", seq_len}}},
+                          {"run", {{"steps", 1}}}};
+  };
+  const std::string dir = fixture("llama_gqa");
+  Experiment e = build_experiment(doc({{"from_pretrained", dir}, {"num_key_value_heads", 2}}));
+  EXPECT_EQ(e.model->name(), "llama");
+  EXPECT_EQ(e.model->blocks().size(), 4u);
+  // The engine starts from the folder's weights.
+  Engine engine = Engine::initialize(e.model, e.config);
+  HostContext want(*e.model);
+  std::vector<float> got = engine.full_params(0);
+  EXPECT_EQ(std::memcmp(got.data(), want.params[0].data(), want.params[0].size() * 4), 0);
+  expect_error([&] { build_experiment(doc({{"from_pretrained", dir}, {"num_hidden_layers", 3}})); },
+               {"model.num_hidden_layers: 3 disagrees with", "llama_gqa/config.json: num_hidden_layers 2"});
+  expect_error([&] { build_experiment(doc({{"from_pretrained", dir}, {"type", "gpt"}})); },
+               {"model.type: \"gpt\" disagrees with", "LlamaForCausalLM"});
+  expect_error([&] { build_experiment(doc({{"from_pretrained", dir}}, 100)); },
+               {"data.seq_len: 100 exceeds the model's max_position_embeddings 64"});
+  expect_error([&] { build_experiment(doc({{"from_pretrained", fixture("nope")}})); }, {"nope/config.json: cannot open"});
+  // A llama from scratch, by transformers' names.
+  Experiment s = build_experiment(doc({{"type", "llama"}, {"hidden_size", 16}, {"intermediate_size", 24},
+                                       {"num_hidden_layers", 1}, {"num_attention_heads", 2}}));
+  EXPECT_EQ(s.model->name(), "llama");
+  expect_error([&] { build_experiment(doc({{"type", "llama"}, {"hidden_size", 15}, {"num_attention_heads", 2}})); },
+               {"model.hidden_size: must be divisible by num_attention_heads 2"});
+}
+
+}  // namespace
+}  // namespace zinc::tools

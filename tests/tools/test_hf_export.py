@@ -1,0 +1,160 @@
+"""zinc-train --save-pretrained, checked with the real `safetensors` package
+and, where it is installed, with transformers itself.
+
+A run of 0 steps from a Hugging Face folder (model.from_pretrained) that
+saves in fp32 is a format conversion: every tensor must come back bit for
+bit, under the same names and shapes, with config.json's architecture and
+sizes and the tokenizer files copied unchanged; at one rank and at two ranks
+under ZeRO-3 with NVMe parameter offload (each rank reading only its shard).
+Saved in bf16, a bf16 source comes back bit for bit too. When `transformers`
+and `torch` import (bench/peers/setup.sh's venv), AutoModelForCausalLM must
+load the export with no missing or unexpected keys; the test command's
+Python has neither, and that test skips saying so.
+
+Run by CTest (export_hf) with ZINC_TRAIN and ZINC_ROOT set.
+"""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = os.environ.get("ZINC_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+ZINC_TRAIN = os.environ.get("ZINC_TRAIN", os.path.join(ROOT, "build", "tools", "zinc-train"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+
+
+def mpirun(n):
+    cmd = ["mpirun", "--oversubscribe", "-np", str(n), "-x", "OMP_NUM_THREADS=1"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+class Raw:
+    """A tensor as stored: dtype string, shape and bytes (numpy has no bfloat16)."""
+
+    def __init__(self, dtype, shape, data):
+        self.dtype, self.shape, self.data = dtype, tuple(shape), data
+
+    def tobytes(self):
+        return self.data
+
+
+def read_raw(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    header.pop("__metadata__", None)
+    return {k: Raw(v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()}
+
+
+def weights(folder):
+    """Every tensor of a folder (model.safetensors or its index's shards), raw."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for name in files:
+        out.update(read_raw(os.path.join(folder, name)))
+    # The real package reads what zinc wrote (fp32 files; numpy has no bfloat16).
+    if all(t.dtype == "F32" for t in out.values()):
+        for name in files:
+            for k, v in load_file(os.path.join(folder, name)).items():
+                assert v.tobytes() == out[k].data, k
+    return out
+
+
+def config(tmp, fixture, stage, nvme=None):
+    ds = {"train_batch_size": 2, "zero_optimization": {"stage": stage},
+          "model": {"from_pretrained": os.path.join(FIXTURES, fixture)},
+          "data": {"type": "synthetic", "vocab_size": 96, "seq_len": 12},
+          "run": {"steps": 1, "output_dir": str(tmp / "run")}}
+    if nvme:
+        ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme}
+    path = tmp / "cfg.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None):
+    out = tmp / "out"
+    cmd = ([] if ranks == 1 else mpirun(ranks)) + [
+        ZINC_TRAIN, config(tmp, fixture, stage, nvme), "--steps", "0", "--save-pretrained", str(out), *extra]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return str(out), r.stdout
+
+
+@pytest.mark.parametrize("fixture,stage,ranks", [
+    ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1),
+    ("llama_gqa", 3, 2), ("gpt2", 3, 2)])
+def test_zero_steps_fp32_round_trip_is_bit_identical(tmp_path, fixture, stage, ranks):
+    nvme = str(tmp_path / "nvme") if stage == 3 else None
+    if nvme:
+        os.makedirs(nvme)
+    out, stdout = save(tmp_path, fixture, stage, ranks, ("--save-dtype", "fp32"), nvme)
+    src, got = weights(os.path.join(FIXTURES, fixture)), weights(out)
+    assert sorted(got) == sorted(src)
+    for name, want in src.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert got[name].tobytes() == want.tobytes(), name
+    with open(os.path.join(FIXTURES, fixture, "config.json")) as f:
+        want_cfg = json.load(f)
+    with open(os.path.join(out, "config.json")) as f:
+        got_cfg = json.load(f)
+    assert got_cfg["architectures"] == want_cfg["architectures"]
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "n_embd", "n_layer"):
+        assert got_cfg.get(k) == want_cfg.get(k), k
+    assert got_cfg["torch_dtype"] == "float32"
+    # The tokenizer files, unchanged.
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        src_file = os.path.join(FIXTURES, fixture, name)
+        if os.path.exists(src_file):
+            with open(src_file, "rb") as a, open(os.path.join(out, name), "rb") as b:
+                assert a.read() == b.read(), name
+
+
+def test_bf16_source_saved_in_its_own_dtype_is_bit_identical(tmp_path):
+    out, _ = save(tmp_path, "qwen2_tied")  # no --save-dtype: the folder's bfloat16
+    src, got = weights(os.path.join(FIXTURES, "qwen2_tied")), weights(out)
+    assert sorted(got) == sorted(src)
+    for name, want in src.items():
+        assert got[name].tobytes() == want.tobytes(), name
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+
+
+def test_sharded_export_writes_an_index(tmp_path):
+    out, _ = save(tmp_path, "llama_gqa", extra=("--save-dtype", "fp32", "--max-shard-size", "30KB"))
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(os.path.exists(os.path.join(out, n)) for n in files)
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))
+    src = weights(os.path.join(FIXTURES, "llama_gqa"))
+    assert sorted(index["weight_map"]) == sorted(src)
+    got = weights(out)
+    for name, want in src.items():
+        assert got[name].tobytes() == want.tobytes(), name
+
+
+def test_transformers_loads_the_export(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed here (bench/peers/setup.sh has it)")
+    torch = pytest.importorskip("torch")
+    for fixture in ("gpt2", "llama_gqa", "qwen2_tied", "llama_bias_hd", "mistral"):
+        os.makedirs(tmp_path / fixture)
+        out, _ = save(tmp_path / fixture, fixture, extra=("--save-dtype", "fp32"))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (fixture, info)
+        ref = load_file(os.path.join(FIXTURES, fixture, "reference.safetensors"))
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ref["input_ids"].astype(np.int64))).logits.float().numpy()
+        assert np.abs(logits - ref["logits"]).max() < 1e-4, fixture

@@ -1,0 +1,220 @@
+// Writing a zinc model in the Hugging Face layout (hf_model.h: export_hf),
+// and the config.json of a model zinc built itself.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+#include "engine/checkpoint.h"
+#include "tools/hf_model.h"
+#include "tools/safetensors.h"
+
+namespace zinc::tools {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* torch_dtype_name(DType t) {
+  return t == DType::kF32 ? "float32" : t == DType::kBF16 ? "bfloat16" : "float16";
+}
+
+// The files of a model folder that are not its weights or config and that
+// an export carries over unchanged: the tokenizer's and generation's.
+const std::vector<std::string>& side_files() {
+  static const std::vector<std::string> kFiles = {
+      "tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+      "vocab.json",      "merges.txt",            "added_tokens.json",       "generation_config.json",
+      "chat_template.jinja", "chat_template.json"};
+  return kFiles;
+}
+
+void copy_file_atomic(const fs::path& from, const fs::path& to) {
+  std::ifstream in(from, std::ios::binary);
+  if (!in) throw IoError("export: cannot read " + from.string());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ckpt::write_file_atomic(to.string(), text);
+}
+
+}  // namespace
+
+HfConfig hf_config_of(const models::GptConfig& c) {
+  HfConfig h;
+  h.architecture = "GPT2LMHeadModel";
+  h.kind = HfKind::kGpt;
+  h.gpt = c;
+  h.raw = {{"architectures", {"GPT2LMHeadModel"}},
+           {"model_type", "gpt2"},
+           {"vocab_size", c.vocab_size},
+           {"n_positions", c.block_size},
+           {"n_ctx", c.block_size},
+           {"n_embd", c.n_embd},
+           {"n_layer", c.n_layer},
+           {"n_head", c.n_head},
+           {"n_inner", nullptr},
+           {"activation_function", "gelu_new"},
+           {"layer_norm_epsilon", 1e-5},
+           {"initializer_range", 0.02},
+           {"resid_pdrop", 0.0},
+           {"embd_pdrop", 0.0},
+           {"attn_pdrop", 0.0},
+           {"tie_word_embeddings", true}};
+  return h;
+}
+
+HfConfig hf_config_of(const models::LlamaConfig& c) {
+  HfConfig h;
+  h.architecture = "LlamaForCausalLM";
+  h.kind = HfKind::kLlama;
+  h.llama = c;
+  if (c.qkv_bias != c.o_bias)
+    throw Error("export: a llama with biases on q, k, v but not on o is a Qwen2; zinc writes it only from a Qwen2 folder");
+  json rope = nullptr;
+  const models::RopeScaling& s = c.rope_scaling;
+  if (s.type == models::RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
+  if (s.type == models::RopeScaling::Type::kLlama3)
+    rope = {{"rope_type", "llama3"},
+            {"factor", s.factor},
+            {"low_freq_factor", s.low_freq_factor},
+            {"high_freq_factor", s.high_freq_factor},
+            {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  h.raw = {{"architectures", {"LlamaForCausalLM"}},
+           {"model_type", "llama"},
+           {"vocab_size", c.vocab_size},
+           {"hidden_size", c.hidden_size},
+           {"intermediate_size", c.intermediate_size},
+           {"num_hidden_layers", c.num_hidden_layers},
+           {"num_attention_heads", c.num_attention_heads},
+           {"num_key_value_heads", c.kv_heads()},
+           {"head_dim", c.head_size()},
+           {"max_position_embeddings", c.max_position_embeddings},
+           {"rms_norm_eps", c.rms_norm_eps},
+           {"rope_theta", c.rope_theta},
+           {"rope_scaling", rope},
+           {"hidden_act", "silu"},
+           {"attention_bias", c.qkv_bias},
+           {"mlp_bias", c.mlp_bias},
+           {"tie_word_embeddings", c.tie_word_embeddings},
+           {"initializer_range", c.init_std}};
+  return h;
+}
+
+HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
+                         const std::function<void(const std::string&)>& progress) {
+  HfExportResult result;
+  result.dtype = opts.dtype ? *opts.dtype : cfg.dtype ? *cfg.dtype : DType::kBF16;
+  const std::string prefix = cfg.kind == HfKind::kGpt ? "transformer." : "model.";
+  const auto pieces = hf_pieces(cfg, model, prefix);
+  const fs::path out(opts.out_dir);
+  const bool writer = opts.rank == 0;
+  if (writer) {
+    std::error_code ec;
+    fs::create_directories(out, ec);
+    if (ec || !fs::is_directory(out)) throw IoError("export: cannot create the folder " + out.string() + ": " + ec.message());
+  }
+
+  // Every tensor in model order, then shards: a new file when the next
+  // tensor would pass the limit.
+  std::vector<SafeTensor> tensors;
+  for (const auto& block : pieces)
+    for (const auto& param : block)
+      for (const HfPiece& pc : param) tensors.push_back({pc.name, result.dtype, pc.shape});
+  std::vector<size_t> shard_of(tensors.size());
+  std::vector<std::vector<SafeTensor>> shards(1);
+  int64_t in_shard = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!shards.back().empty() && in_shard + tensors[i].bytes() > opts.max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(tensors[i]);
+    shard_of[i] = shards.size() - 1;
+    in_shard += tensors[i].bytes();
+  }
+  auto shard_name = [&](size_t k) {
+    if (shards.size() == 1) return std::string("model.safetensors");
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    return std::string(name);
+  };
+
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  std::unique_ptr<SafetensorsWriter> w;
+  size_t open_shard = 0, t = 0;
+  json weight_map = json::object();
+  std::vector<uint16_t> half;
+  auto finish_shard = [&] {
+    if (!w) return;
+    w->finish();
+    result.bytes += w->data_bytes();
+    result.files.push_back((out / shard_name(open_shard)).string());
+    if (progress) progress("wrote " + result.files.back());
+    w.reset();
+  };
+  for (size_t b = 0; b < pieces.size(); ++b) {
+    const std::vector<float> flat = read(static_cast<int>(b));
+    if (!writer) continue;
+    const BlockSpec& spec = model.blocks()[b];
+    const BlockLayout layout = BlockLayout::from_spec(spec);
+    for (size_t p = 0; p < pieces[b].size(); ++p) {
+      const float* src = flat.data() + layout.offsets[p];
+      int64_t rows = 0;
+      for (const HfPiece& pc : pieces[b][p]) rows += pc.rows;
+      const int64_t cols = layout.numels[p] / std::max<int64_t>(rows, 1);
+      int64_t r0 = 0;
+      for (const HfPiece& pc : pieces[b][p]) {
+        if (!w || shard_of[t] != open_shard) {
+          finish_shard();
+          open_shard = shard_of[t];
+          w = std::make_unique<SafetensorsWriter>((out / shard_name(open_shard)).string(), shards[open_shard], metadata);
+        }
+        std::vector<float> v(static_cast<size_t>(pc.rows * cols));
+        if (pc.transposed) {
+          for (int64_t r = 0; r < pc.rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) v[static_cast<size_t>(c * pc.rows + r)] = src[(r0 + r) * cols + c];
+        } else {
+          std::copy(src + r0 * cols, src + (r0 + pc.rows) * cols, v.begin());
+        }
+        if (result.dtype == DType::kF32) {
+          w->append(v.data(), v.size() * 4);
+        } else {
+          half.resize(v.size());
+          convert_f32_to_16(v.data(), half.data(), v.size(), result.dtype);
+          w->append(half.data(), half.size() * 2);
+        }
+        weight_map[pc.name] = shard_name(open_shard);
+        r0 += pc.rows;
+        ++t;
+        ++result.tensors;
+      }
+    }
+  }
+  if (!writer) return result;
+  finish_shard();
+  if (shards.size() > 1) {
+    const json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
+    result.index = (out / "model.safetensors.index.json").string();
+    ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
+  } else {
+    // A single file replaces an earlier sharded export's index, which would win otherwise.
+    std::error_code ec;
+    fs::remove(out / "model.safetensors.index.json", ec);
+  }
+  json config = cfg.raw;
+  config.erase("dtype");
+  config["torch_dtype"] = torch_dtype_name(result.dtype);
+  ckpt::write_file_atomic((out / "config.json").string(), config.dump(2) + "\n");
+  if (!opts.copy_from.empty() && fs::path(opts.copy_from) != out) {
+    for (const std::string& f : side_files()) {
+      const fs::path from = fs::path(opts.copy_from) / f;
+      if (!fs::is_regular_file(from)) continue;
+      copy_file_atomic(from, out / f);
+      result.copied.push_back(f);
+    }
+  }
+  if (progress) progress("wrote " + (out / "config.json").string());
+  return result;
+}
+
+}  // namespace zinc::tools

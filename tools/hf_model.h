@@ -1,0 +1,113 @@
+// zinc tools: Hugging Face model folders (config.json + safetensors) as
+// zinc models, and the map between zinc's parameters and transformers'
+// tensors (Note [Hugging Face names] in hf_model.cpp).
+//
+// Supported architectures: GPT2LMHeadModel (zinc's gpt) and
+// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (zinc's llama).
+// Anything else is refused with one line naming the architecture.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "engine/model.h"
+#include "models/models.h"
+
+namespace zinc::tools {
+
+enum class HfKind { kGpt, kLlama };
+
+// A folder's config.json as zinc reads it.
+struct HfConfig {
+  std::string dir;
+  std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
+  HfKind kind = HfKind::kLlama;
+  models::GptConfig gpt;      // kind kGpt
+  models::LlamaConfig llama;  // kind kLlama
+  // The weights' dtype as config.json states it ("torch_dtype", or "dtype"
+  // since transformers 5): the default dtype of an export.
+  std::optional<DType> dtype;
+  nlohmann::json raw;  // the document itself
+};
+
+// Reads and checks DIR/config.json. Throws zinc::Error naming the file and
+// the key: an unsupported architecture, activation or rope scaling, a size
+// that breaks the model's rules.
+HfConfig read_hf_config(const std::string& dir);
+
+// One transformers tensor that makes up rows of a zinc parameter: `rows`
+// rows of the zinc parameter, stored in the file as `name` of `shape`
+// (transposed: GPT-2's Conv1D keeps (in, out) where zinc keeps (out, in)).
+struct HfPiece {
+  std::string name;
+  std::vector<int64_t> shape;  // as in the file
+  int64_t rows = 0;            // rows of the zinc parameter it fills
+  bool transposed = false;
+};
+
+// The pieces of every parameter of a zinc model built from `cfg`, per block
+// and parameter in the model's order, with the prefix the folder uses
+// ("transformer." / "model." or none). Tensor names zinc never reads (a tied
+// lm_head.weight, GPT-2's attention-mask buffers, rotary inv_freq) are
+// listed by hf_ignored_tensor.
+std::vector<std::vector<std::vector<HfPiece>>> hf_pieces(const HfConfig& cfg, const Model& model,
+                                                        const std::string& prefix);
+bool hf_ignored_tensor(const HfConfig& cfg, const std::string& name);
+
+// The model of `cfg` with the folder's weights as its initial values
+// (Model::initial_values), checked up front: every tensor present with its
+// shape and a readable dtype, and no tensor left over. `device` and
+// `gradient_checkpointing` as the models' configs take them.
+std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device = Device::kCpu,
+                                       bool gradient_checkpointing = false);
+
+}  // namespace zinc::tools
+
+namespace zinc::tools {
+
+// The HfConfig of a model zinc built itself (no folder): config.json written
+// for GPT2LMHeadModel or LlamaForCausalLM from its sizes.
+HfConfig hf_config_of(const models::GptConfig& c);
+HfConfig hf_config_of(const models::LlamaConfig& c);
+
+// Reads block `block` whole: its flat fp32 vector in the BlockLayout (as
+// Engine::full_params returns it).
+using BlockReader = std::function<std::vector<float>(int block)>;
+
+struct HfExportOptions {
+  std::string out_dir;             // created if missing
+  std::optional<DType> dtype;      // default: cfg.dtype, else bf16
+  int64_t max_shard_bytes = 5'000'000'000;
+  std::string copy_from;           // a source folder whose tokenizer and generation files are copied unchanged
+  int rank = 0;                    // only rank 0 writes
+};
+
+struct HfExportResult {
+  std::vector<std::string> files;  // the safetensors files
+  std::string index;               // model.safetensors.index.json when sharded
+  std::vector<std::string> copied; // files copied from copy_from
+  int64_t tensors = 0, bytes = 0;
+  DType dtype = DType::kBF16;
+};
+
+// Writes `model`'s weights, read through `read`, into out_dir in the Hugging
+// Face layout that transformers' from_pretrained reads: config.json
+// (cfg.raw with the dtype updated), model.safetensors (or
+// model-0000k-of-0000n.safetensors and model.safetensors.index.json above
+// max_shard_bytes) with transformers' names and layouts (Note [Hugging Face
+// names]), and the tokenizer and generation files of copy_from. Every file
+// is written under a temporary name and renamed when complete. `read` is
+// called once per block in model order (a collective read, e.g.
+// Engine::full_params, may be behind it; with rank != 0 every block is
+// read and nothing written, so that all ranks take part).
+HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
+                         const std::function<void(const std::string&)>& progress = nullptr);
+
+}  // namespace zinc::tools
