@@ -33,6 +33,8 @@ struct BenchOptions {
   int64_t gas = 4;     // gpu-train-step: micro-batches per step (amortise the CPU optimizer step)
   int stage = 2;       // gpu-train-step: ZeRO stage (3: the parameters in page-locked RAM, one block gathered at a time)
   bool resident = false;  // gpu-train-step: optimizer states on the GPU (the step without PCIe or the CPU optimizer)
+  std::string model = "gpt";  // train-step: "gpt" (the reference GPT) or "llama" (a ~107M Llama, GQA 4:1, seq 512)
+  bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
 };
 
 // The matmuls of one training step of the built-in GPT (forward and
@@ -77,6 +79,49 @@ inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_
   add(BH, T, hs, T, true, false, false, L);
   add(BH, T, hs, T, false, false, false, L);
   add(BH, T, hs, T, true, false, false, L);
+  return descs;
+}
+
+// The same for the built-in llama (models/llama.cpp): the fused q|k|v
+// projection of (H + 2K) D rows, the output projection from H D, the fused
+// gate|up projection of 2I rows and the down projection, the head, and
+// attention over H heads of D (the kv heads repeated).
+inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t K,
+                                                                  int64_t D, int64_t I, int64_t L, int64_t V,
+                                                                  zinc::DType dt) {
+  std::vector<zinc::kernels::MatmulDesc> descs;
+  const int64_t N = B * T;
+  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t Kk, bool ta, bool tb, bool acc, int64_t times) {
+    for (int64_t i = 0; i < times; ++i) {
+      zinc::kernels::MatmulDesc d;
+      d.batch = batch;
+      d.M = M;
+      d.N = Nn;
+      d.K = Kk;
+      d.trans_a = ta;
+      d.trans_b = tb;
+      d.accumulate = acc;
+      d.compute = dt;
+      descs.push_back(d);
+    }
+  };
+  auto linear = [&](int64_t in, int64_t out, int64_t times) {
+    add(1, N, out, in, false, true, false, times);
+    add(1, N, in, out, false, false, false, times);
+    add(1, out, in, N, true, false, true, times);
+  };
+  linear(C, (H + 2 * K) * D, L);
+  linear(H * D, C, L);
+  linear(C, 2 * I, L);
+  linear(I, C, L);
+  linear(C, V, 1);
+  const int64_t BH = B * H;
+  add(BH, T, T, D, false, true, false, L);
+  add(BH, T, D, T, false, false, false, L);
+  add(BH, T, T, D, false, true, false, L);
+  add(BH, T, D, T, true, false, false, L);
+  add(BH, T, D, T, false, false, false, L);
+  add(BH, T, D, T, true, false, false, L);
   return descs;
 }
 

@@ -27,10 +27,9 @@ struct MatmulCase {
 // The matmuls of one training step of the GPT (gpt_matmul_descs), with
 // operands already in the compute precision: what oneDNN can do at these
 // shapes is the bound.
-std::vector<MatmulCase> gpt_matmuls(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L, int64_t V,
-                                    zinc::DType dt) {
+std::vector<MatmulCase> matmul_cases(const std::vector<zinc::kernels::MatmulDesc>& descs, zinc::DType dt) {
   std::vector<MatmulCase> cases;
-  for (const zinc::kernels::MatmulDesc& d : gpt_matmul_descs(B, T, C, H, L, V, dt)) {
+  for (const zinc::kernels::MatmulDesc& d : descs) {
     MatmulCase mc;
     mc.d = d;
     const size_t es = zinc::dtype_bytes(dt);
@@ -62,7 +61,19 @@ int bench_train_step(const BenchOptions& o) {
   const bool half = bf16 || fp16;  // timed against fp32 in the same rounds
   const char* case_name = bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
   const int steps = o.steps, rounds = o.rounds;
-  const int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
+  // The reference GPT (6 x 384, seq 256), or a Llama of about 100M
+  // parameters (8 x 1024, 16 heads over 4 kv heads, MLP 2816, seq 512,
+  // vocabulary 8192, the synthetic source's largest; untied head), or
+  // (--wide) the GPT at the Llama's width, depth, vocabulary and sequence.
+  const bool llama = o.model == "llama", wide = !llama && o.wide;
+  const int64_t B = llama || wide ? 2 : 8, T = llama || wide ? 512 : 256, C = llama || wide ? 1024 : 384;
+  const int64_t H = llama || wide ? 16 : 6, L = llama || wide ? 8 : 6, V = llama || wide ? 8192 : 256;
+  const int64_t KV = 4, I = 2816, D = C / H;
+  nlohmann::json model = {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}};
+  if (llama)
+    model = {{"type", "llama"},           {"hidden_size", C},          {"intermediate_size", I},
+             {"num_hidden_layers", L},    {"num_attention_heads", H},  {"num_key_value_heads", KV},
+             {"vocab_size", V}};
   nlohmann::json doc = {
       {"train_micro_batch_size_per_gpu", B},
       {"gradient_accumulation_steps", 1},
@@ -71,7 +82,7 @@ int bench_train_step(const BenchOptions& o) {
       {"bf16", {{"enabled", bf16}}},
       {"fp16", {{"enabled", fp16}}},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
-      {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}}},
+      {"model", model},
       {"data", {{"type", "synthetic"}, {"vocab_size", V}, {"seq_len", T}}},
   };
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, 1);
@@ -104,7 +115,8 @@ int bench_train_step(const BenchOptions& o) {
       bound_via_f32 = true;
     }
   }
-  std::vector<MatmulCase> mm = gpt_matmuls(B, T, C, H, L, V, dt);
+  std::vector<MatmulCase> mm = matmul_cases(
+      llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt) : gpt_matmul_descs(B, T, C, H, L, V, dt), dt);
   double mm_flops = 0;
   for (const MatmulCase& m : mm) mm_flops += m.flops();
   auto run_matmuls = [&] {
@@ -181,6 +193,7 @@ int bench_train_step(const BenchOptions& o) {
   const double ratio = model_flops / bound;
   nlohmann::json line = {{"bench", "train-step"},
                          {"case", case_name},
+                         {"model", llama ? "llama" : wide ? "gpt-wide" : "gpt"},
                          {"figure", model_flops / 1e9},
                          {"unit", "GFLOP/s"},
                          {"bound", bound / 1e9},
@@ -208,13 +221,14 @@ int bench_train_step(const BenchOptions& o) {
   }
   char buf[2048];
   std::snprintf(buf, sizeof buf,
-                "train-step (%s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %d threads)\n"
+                "train-step (%s, %s L=%lld C=%lld H=%lld%s T=%lld B=%lld V=%lld, %d threads)\n"
                 "  figure: %.1f GFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
                 "  bound:  %.1f GFLOP/s oneDNN %s matmul at the model's shapes (%.3f s for one step's matmuls)%s\n"
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
                 "  where the time goes (profiled round, share of the step): %s%s",
-                case_name, (long long)L, (long long)C, (long long)H, (long long)T, (long long)B,
+                case_name, llama ? "Llama" : "GPT", (long long)L, (long long)C, (long long)H,
+                llama ? (" KV=" + std::to_string(KV) + " I=" + std::to_string(I)).c_str() : "", (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
                 std::string(zinc::dtype_name(dt)).c_str(), t_mm,
                 bound_via_f32 ? " (no native bf16 matmul here)" : "",
