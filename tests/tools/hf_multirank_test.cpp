@@ -1,0 +1,93 @@
+// Hugging Face checkpoints across ranks (mpirun -np 2 by CTest): every rank
+// loads the fixture through the engine (at ZeRO-3 each reads only its own
+// shard, with the shards on NVMe), runs its part of transformers' reference
+// batch, and the weights, the mean loss and the gradient norm must be
+// transformers' at every stage.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "engine/engine.h"
+#include "tests/comm/mpi_test_main.h"
+#include "tests/tools/hf_test_util.h"
+#include "tools/hf_model.h"
+
+namespace zinc::tools {
+
+std::shared_ptr<comm::Communicator> g_world;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+class HfRanks : public testing::TestWithParam<std::string> {};
+
+TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm) {
+  const int world = g_world->size(), rank = g_world->rank();
+  const std::string dir = fixture(GetParam());
+  HfConfig cfg = read_hf_config(dir);
+  Reference ref(dir);
+  ASSERT_EQ(ref.B % world, 0) << "the reference batch must split over the ranks";
+  const int64_t rows = ref.B / world;
+  Batch mine;
+  mine.B = rows;
+  mine.T = ref.T;
+  mine.inputs.assign(ref.ids.begin() + rank * rows * ref.T, ref.ids.begin() + (rank + 1) * rows * ref.T);
+  mine.targets.assign(ref.targets.begin() + rank * rows * ref.T, ref.targets.begin() + (rank + 1) * rows * ref.T);
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors())
+    if (t.name.rfind("grad.", 0) == 0)
+      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  // One NVMe folder for all ranks (each keeps its own files in it).
+  const fs::path nvme = fs::temp_directory_path() / ("zinc_hf_mr_" + std::to_string(::getppid()));
+  for (int stage : {0, 1, 2, 3}) {
+    auto model = load_pretrained(cfg);
+    HostContext want(*model);
+    nlohmann::json ds = {{"train_batch_size", ref.B},
+                         {"train_micro_batch_size_per_gpu", rows},
+                         {"gradient_clipping", 0.0},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                         {"zero_optimization", {{"stage", stage}}}};
+    if (stage == 3) {
+      fs::create_directories(nvme);
+      ds["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme.string()}};
+    }
+    Engine engine = Engine::initialize(model, ds, g_world);
+    for (size_t b = 0; b < want.params.size(); ++b) {
+      std::vector<float> got = engine.full_params(static_cast<int>(b));
+      got.resize(want.params[b].size());
+      EXPECT_EQ(std::memcmp(got.data(), want.params[b].data(), got.size() * 4), 0)
+          << GetParam() << " stage " << stage << " block " << b << " rank " << rank;
+    }
+    double loss = engine.forward(mine);
+    g_world->all_reduce_f64(&loss, 1);
+    loss /= world;
+    EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
+    engine.backward();
+    engine.step();
+    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+  }
+  g_world->barrier();
+  if (rank == 0) fs::remove_all(nvme);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfRanks, testing::Values("gpt2", "llama_gqa", "qwen2_tied", "mistral"),
+                         [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace zinc::tools
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  zinc::tools::g_world = zinc::comm::make_communicator("mpi");
+  const int rc = zinc::comm::testing::run_all_tests_on_every_rank(*zinc::tools::g_world);
+  zinc::tools::g_world.reset();
+  return rc;
+}
