@@ -217,4 +217,45 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   return result;
 }
 
+HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std::string& tag, HfExportOptions opts,
+                                    const std::function<void(const std::string&)>& progress) {
+  const ckpt::TagFiles files = ckpt::open_tag(checkpoint_dir, tag);
+  const json client = files.meta.value("client_state", json::object());
+  if (!client.is_object() || !client.contains("hf_config"))
+    throw Error(files.dir + ": the checkpoint holds no Hugging Face config (zinc-train stores one for a gpt or llama "
+                            "model; this one is model \"" + files.meta.value("model", std::string("?")) +
+                "\" or was saved before it did); use the default --format safetensors");
+  const HfConfig cfg = parse_hf_config(client.at("hf_config"), files.dir + ": client_state.hf_config");
+  const std::shared_ptr<Model> model = make_hf_model(cfg);
+  // The checkpoint's blocks must be this model's, parameter for parameter.
+  const json& blocks = files.meta.at("blocks");
+  const auto& specs = model->blocks();
+  bool same = blocks.size() == specs.size();
+  for (size_t b = 0; same && b < specs.size(); ++b) {
+    same = blocks[b].at("name") == specs[b].name && blocks[b].at("params").size() == specs[b].params.size();
+    for (size_t p = 0; same && p < specs[b].params.size(); ++p) {
+      const Shape& sh = specs[b].params[p].shape;
+      same = blocks[b]["params"][p].at("name") == specs[b].params[p].name &&
+             blocks[b]["params"][p].at("shape").get<std::vector<int64_t>>() ==
+                 std::vector<int64_t>(sh.dims.begin(), sh.dims.begin() + sh.ndim);
+    }
+  }
+  if (!same)
+    throw Error(files.dir + ": the checkpoint's parameters are not those of the " + cfg.architecture +
+                " its client_state.hf_config describes");
+  if (opts.copy_from.empty() && client.contains("hf_source") && client["hf_source"].is_string() &&
+      fs::is_directory(client["hf_source"].get<std::string>()))
+    opts.copy_from = client["hf_source"].get<std::string>();
+  ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
+  return export_hf(
+      cfg, *model,
+      [&](int b) {
+        const BlockLayout layout = BlockLayout::from_spec(specs[static_cast<size_t>(b)]);
+        std::vector<float> flat(static_cast<size_t>(layout.numel));
+        reader.read(b, ckpt::kMaster, 0, layout.numel, flat.data());
+        return flat;
+      },
+      opts, progress);
+}
+
 }  // namespace zinc::tools

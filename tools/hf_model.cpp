@@ -260,13 +260,20 @@ HfConfig read_hf_config(const std::string& dir) {
   if (!in) throw Error(path + ": cannot open (is " + dir + " a Hugging Face model folder?)");
   std::stringstream ss;
   ss << in.rdbuf();
-  HfConfig cfg;
-  cfg.dir = dir;
+  json raw;
   try {
-    cfg.raw = json::parse(ss.str());
+    raw = json::parse(ss.str());
   } catch (const json::parse_error& e) {
     throw Error(path + ": not valid JSON (" + e.what() + ")");
   }
+  HfConfig cfg = parse_hf_config(raw, path);
+  cfg.dir = dir;
+  return cfg;
+}
+
+HfConfig parse_hf_config(const nlohmann::json& raw, const std::string& path) {
+  HfConfig cfg;
+  cfg.raw = raw;
   if (!cfg.raw.is_object()) throw Error(path + ": expected a JSON object");
   ConfigFile f(path, cfg.raw);
   if (!f.has("architectures") || !cfg.raw["architectures"].is_array() || cfg.raw["architectures"].empty() ||
@@ -351,19 +358,21 @@ std::vector<std::vector<std::vector<HfPiece>>> hf_pieces(const HfConfig& cfg, co
   return out;
 }
 
-std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool gradient_checkpointing) {
-  std::shared_ptr<Model> inner;
+std::shared_ptr<Model> make_hf_model(const HfConfig& cfg, Device device, bool gradient_checkpointing) {
   if (cfg.kind == HfKind::kGpt) {
     models::GptConfig g = cfg.gpt;
     g.device = device;
     g.gradient_checkpointing = gradient_checkpointing;
-    inner = models::make_gpt(g);
-  } else {
-    models::LlamaConfig l = cfg.llama;
-    l.device = device;
-    l.gradient_checkpointing = gradient_checkpointing;
-    inner = models::make_llama(l);
+    return models::make_gpt(g);
   }
+  models::LlamaConfig l = cfg.llama;
+  l.device = device;
+  l.gradient_checkpointing = gradient_checkpointing;
+  return models::make_llama(l);
+}
+
+std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool gradient_checkpointing) {
+  std::shared_ptr<Model> inner = make_hf_model(cfg, device, gradient_checkpointing);
   auto folder = std::make_unique<SafetensorsFolder>(cfg.dir);
   // The prefix from the token embedding's name.
   const std::string embed = cfg.kind == HfKind::kGpt ? "wte.weight" : "embed_tokens.weight";

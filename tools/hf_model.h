@@ -41,6 +41,12 @@ struct HfConfig {
 // the key: an unsupported architecture, activation or rope scaling, a size
 // that breaks the model's rules.
 HfConfig read_hf_config(const std::string& dir);
+// The same checks on a config.json document already read; `path` names it
+// in errors. HfConfig::dir is left empty.
+HfConfig parse_hf_config(const nlohmann::json& raw, const std::string& path);
+// The model of `cfg` with the specs' initial values (no weights read).
+std::shared_ptr<Model> make_hf_model(const HfConfig& cfg, Device device = Device::kCpu,
+                                     bool gradient_checkpointing = false);
 
 // One transformers tensor that makes up rows of a zinc parameter: `rows`
 // rows of the zinc parameter, stored in the file as `name` of `shape`
@@ -109,5 +115,12 @@ struct HfExportResult {
 // read and nothing written, so that all ranks take part).
 HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
                          const std::function<void(const std::string&)>& progress = nullptr);
+
+// zinc-export --format hf: a zinc-train checkpoint (which stores the model's
+// config.json and source folder in its client_state) as export_hf writes
+// it, from the checkpoint's fp32 master weights. Throws zinc::Error naming
+// the checkpoint when it holds no such config or its parameters differ.
+HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std::string& tag, HfExportOptions opts,
+                                    const std::function<void(const std::string&)>& progress = nullptr);
 
 }  // namespace zinc::tools

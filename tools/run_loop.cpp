@@ -112,7 +112,14 @@ void RunLoop::emit(std::vector<nlohmann::json>& evs, nlohmann::json ev) {
 void RunLoop::save(int64_t step, std::vector<nlohmann::json>& evs) {
   const RunConfig& run = ex_.experiment.run;
   const auto c0 = Clock::now();
-  engine_.save_checkpoint(run.checkpoint_dir, "", {{"samples", loader_.position()}, {"step", step}});
+  nlohmann::json client = {{"samples", loader_.position()}, {"step", step}};
+  // What zinc-export --format hf needs to write the model in the Hugging
+  // Face layout: its config.json, and the folder it came from (tokenizer files).
+  if (ex_.hf) {
+    client["hf_config"] = ex_.hf->raw;
+    if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
+  }
+  engine_.save_checkpoint(run.checkpoint_dir, "", client);
   if (rank_ == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last, step);
   last_saved_ = step;
   const double secs = std::chrono::duration<double>(Clock::now() - c0).count();

@@ -3,26 +3,34 @@
 //
 //   zinc-export CHECKPOINT_DIR [--tag T] --out model.safetensors
 //               [--dtype fp32|bf16] [--max-shard-size 5GB]
+//   zinc-export CHECKPOINT_DIR [--tag T] --format hf --out DIR [--dtype fp32|bf16|fp16]
 #include <cstdio>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "core/error.h"
+#include "tools/hf_model.h"
 #include "tools/safetensors.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"zinc-export: write a zinc checkpoint's weights (the fp32 master weights, consolidated over "
                "every rank's shards) as safetensors, one tensor per model parameter"};
   zinc::tools::ExportOptions opts;
-  std::string dtype = "fp32", max_shard = "5GB";
+  std::string dtype, max_shard = "5GB", format = "safetensors";
   app.add_option("checkpoint_dir", opts.checkpoint_dir, "checkpoint folder (holds `latest` and the tags)")->required();
   app.add_option("--tag", opts.tag, "the tag to export (default: the one `latest` names)");
   app.add_option("--out", opts.out, "output file, NAME.safetensors (sharded: NAME-0000k-of-0000n.safetensors "
                                     "and NAME.safetensors.index.json beside it)")
       ->required();
-  app.add_option("--dtype", dtype, "fp32 (the master weights as trained) or bf16 (rounded to nearest even)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--format", format, "safetensors (zinc's names, one file or shards; the default) or hf (a Hugging "
+                                     "Face model folder at --out: config.json, transformers' names and layouts, the "
+                                     "source folder's tokenizer files; for checkpoints of zinc-train's gpt and llama)")
+      ->check(CLI::IsMember({"safetensors", "hf"}));
+  app.add_option("--dtype", dtype, "fp32 (the master weights as trained), bf16 (rounded to nearest even) or fp16 "
+                                   "(hf only); default fp32, with --format hf the source folder's torch_dtype "
+                                   "else bf16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_option("--max-shard-size", max_shard, "largest file before sharding: bytes or with a unit (KB, MB, GB, "
                                                 "KiB, MiB, GiB; GB = 10^9 bytes as the Hugging Face tools count)");
   try {
@@ -31,10 +39,27 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    auto progress = [](const std::string& line) { std::printf("zinc-export: %s\n", line.c_str()); };
+    if (format == "hf") {
+      zinc::tools::HfExportOptions ho;
+      ho.out_dir = opts.out;
+      if (!dtype.empty())
+        ho.dtype = dtype == "fp32" ? zinc::DType::kF32 : dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF16;
+      ho.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");
+      const zinc::tools::HfExportResult r =
+          zinc::tools::export_checkpoint_hf(opts.checkpoint_dir, opts.tag, ho, progress);
+      std::printf("zinc-export: %s: %lld tensors, %.1f MiB of %s in %zu file%s, %zu tokenizer/generation files copied\n",
+                  opts.out.c_str(), static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
+                  std::string(zinc::dtype_name(r.dtype)).c_str(), r.files.size(), r.files.size() == 1 ? "" : "s",
+                  r.copied.size());
+      return 0;
+    }
+    if (dtype.empty()) dtype = "fp32";
+    if (dtype == "fp16") throw zinc::Error("--dtype fp16: only with --format hf");
     opts.dtype = dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF32;
     opts.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");
     const zinc::tools::ExportResult r =
-        zinc::tools::export_safetensors(opts, [](const std::string& line) { std::printf("zinc-export: %s\n", line.c_str()); });
+        zinc::tools::export_safetensors(opts, progress);
     std::printf("zinc-export: %s/%s: %lld tensors, %.1f MiB of %s in %zu file%s\n", opts.checkpoint_dir.c_str(),
                 r.tag.c_str(), static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
                 dtype.c_str(), r.files.size(), r.files.size() == 1 ? "" : "s");

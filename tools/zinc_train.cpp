@@ -431,6 +431,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
+  if (!pretrained.dir.empty() && !ex.hf)  // refused before training, not after it
+    throw zinc::Error("--save-pretrained: model \"" + ex.model->name() + "\" has no Hugging Face architecture "
+                      "(the gpt and the llama have)");
   if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.

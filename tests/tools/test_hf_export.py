@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 
 ROOT = os.environ.get("ZINC_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
 ZINC_TRAIN = os.environ.get("ZINC_TRAIN", os.path.join(ROOT, "build", "tools", "zinc-train"))
+ZINC_EXPORT = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 
@@ -84,10 +85,10 @@ def config(tmp, fixture, stage, nvme=None):
     return str(path)
 
 
-def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None):
+def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None, steps=0):
     out = tmp / "out"
     cmd = ([] if ranks == 1 else mpirun(ranks)) + [
-        ZINC_TRAIN, config(tmp, fixture, stage, nvme), "--steps", "0", "--save-pretrained", str(out), *extra]
+        ZINC_TRAIN, config(tmp, fixture, stage, nvme), "--steps", str(steps), "--save-pretrained", str(out), *extra]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     return str(out), r.stdout
@@ -158,3 +159,43 @@ def test_transformers_loads_the_export(tmp_path):
         with torch.no_grad():
             logits = model(torch.from_numpy(ref["input_ids"].astype(np.int64))).logits.float().numpy()
         assert np.abs(logits - ref["logits"]).max() < 1e-4, fixture
+
+
+@pytest.mark.parametrize("fixture,stage,ranks", [("llama_gqa", 0, 1), ("gpt2", 2, 2)])
+def test_zinc_export_format_hf_equals_save_pretrained(tmp_path, fixture, stage, ranks):
+    """After training, the checkpoint exported with --format hf is what the run itself saved."""
+    ck = str(tmp_path / "ck")
+    out, _ = save(tmp_path, fixture, stage, ranks, steps=3,
+                  extra=("--save-dtype", "fp32", "--set", "run.checkpoint_interval=3", "--set", f"run.checkpoint_dir={ck}"))
+    exported = str(tmp_path / "exported")
+    r = subprocess.run([ZINC_EXPORT, ck, "--format", "hf", "--out", exported, "--dtype", "fp32"],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = weights(out), weights(exported)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tobytes() == b[name].tobytes(), name
+    # Trained: not the fixture's weights any more.
+    src = weights(os.path.join(FIXTURES, fixture))
+    assert any(a[n].tobytes() != src[n].tobytes() for n in src)
+    for name in ("config.json", "tokenizer_config.json"):
+        with open(os.path.join(out, name), "rb") as x, open(os.path.join(exported, name), "rb") as y:
+            assert x.read() == y.read(), name
+
+
+def test_zinc_export_format_hf_refuses_a_checkpoint_without_a_config(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = tmp_path / "mlp.json"
+    cfg.write_text(json.dumps({"train_batch_size": 2, "model": {"type": "mlp"},
+                               "data": {"type": "synthetic", "vocab_size": 16, "seq_len": 8},
+                               "run": {"steps": 1, "checkpoint_interval": 1, "checkpoint_dir": ck,
+                                       "output_dir": str(tmp_path / "run")}}))
+    r = subprocess.run([ZINC_TRAIN, str(cfg)], env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([ZINC_EXPORT, ck, "--format", "hf", "--out", str(tmp_path / "x")],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "holds no Hugging Face config" in r.stderr and 'model "mlp"' in r.stderr, r.stderr
+    r = subprocess.run([ZINC_TRAIN, str(cfg), "--steps", "0", "--save-pretrained", str(tmp_path / "y")],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and 'has no Hugging Face architecture' in r.stderr, r.stderr
