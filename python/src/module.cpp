@@ -57,6 +57,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
+#include "tools/safetensors.h"
 #include "tools/run_loop.h"
 #include "tools/train_events.h"
 
@@ -509,8 +510,42 @@ class PyEngine {
     if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
     client["samples"] = loader_->position();
     client["step"] = e.global_steps();
+    if (ex_.hf) {  // for zinc-export --format hf, as zinc-train keeps them
+      client["hf_config"] = ex_.hf->raw;
+      if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
+    }
     ComputeScope scope;
     e.save_checkpoint(dir, tag.value_or(""), client);
+  }
+  py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard) {
+    zinc::Engine& e = engine("save_pretrained");
+    if (!ex_.hf)
+      throw zinc::Error("zinc.Engine.save_pretrained: model \"" + ex_.model->name() +
+                        "\" has no Hugging Face architecture (the gpt and the llama have)");
+    zinc::tools::HfExportOptions o;
+    o.out_dir = dir;
+    if (dtype) {
+      if (*dtype == "fp32" || *dtype == "float32") o.dtype = zinc::DType::kF32;
+      else if (*dtype == "bf16" || *dtype == "bfloat16") o.dtype = zinc::DType::kBF16;
+      else if (*dtype == "fp16" || *dtype == "float16") o.dtype = zinc::DType::kF16;
+      else throw py::value_error("zinc.Engine.save_pretrained: dtype must be fp32, bf16 or fp16, got '" + *dtype + "'");
+    }
+    o.max_shard_bytes = zinc::tools::parse_size(max_shard, "max_shard_size");
+    o.copy_from = ex_.experiment.model.from_pretrained;
+    o.rank = comm_ ? comm_->rank() : 0;
+    zinc::tools::HfExportResult r;
+    {
+      ComputeScope scope;
+      r = zinc::tools::export_hf(*ex_.hf, e.model(), [&](int b) { return e.full_params(b); }, o);
+    }
+    py::dict out;
+    out["files"] = r.files;
+    out["index"] = r.index;
+    out["copied"] = r.copied;
+    out["tensors"] = r.tensors;
+    out["bytes"] = r.bytes;
+    out["dtype"] = std::string(zinc::dtype_name(r.dtype));
+    return std::move(out);
   }
   py::object load_checkpoint(const std::string& dir, std::optional<std::string> tag) {
     zinc::Engine& e = engine("load_checkpoint");
@@ -740,6 +775,13 @@ marks the engine closed and returns; the running call finishes and frees it.
            "'global_step<N>') and points save_dir/latest at it once complete. client_state (a JSON-able dict) is "
            "kept with it, together with the data position, so zinc-train --resume can continue it. Collective "
            "under mpirun. OSError when a file cannot be written.")
+      .def("save_pretrained", one_call("save_pretrained", &PyEngine::save_pretrained), py::arg("save_dir"),
+           py::arg("dtype") = py::none(), py::arg("max_shard_size") = "5GB",
+           "save_pretrained(save_dir, dtype=None, max_shard_size='5GB') -> dict\n\nWrites the model in the "
+           "Hugging Face layout transformers' from_pretrained reads: config.json, the weights under transformers' "
+           "names (sharded with an index above max_shard_size) in dtype ('fp32', 'bf16', 'fp16'; None: the "
+           "source folder's torch_dtype, else bf16), and model.from_pretrained's tokenizer files. Collective "
+           "under mpirun (rank 0 writes). Returns what was written.")
       .def("load_checkpoint", one_call("load_checkpoint", &PyEngine::load_checkpoint), py::arg("load_dir"),
            py::arg("tag") = py::none(),
            "load_checkpoint(load_dir, tag=None) -> dict\n\nLoads load_dir/tag (None: the tag load_dir/latest "
