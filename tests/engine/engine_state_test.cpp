@@ -131,7 +131,7 @@ int64_t heap_bytes() {
   return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
 }
 
-// The GPT with gradient_checkpointing is counted as well, and its measured
+// The GPT and the llama with gradient_checkpointing are counted as well, and the GPT's measured
 // growth must be below the plain GPT's by about n_layer - 1 sets of layer
 // activations.
 TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate) {
@@ -146,11 +146,20 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
   m.context = 4;
   m.n_embd = 32;
   m.hidden = 256;
+  models::LlamaConfig l;  // GQA 4:2, untied, every bias
+  l.vocab_size = 200;
+  l.hidden_size = 128;
+  l.intermediate_size = 344;
+  l.num_hidden_layers = 3;
+  l.num_attention_heads = 4;
+  l.num_key_value_heads = 2;
+  l.max_position_embeddings = 64;
+  l.qkv_bias = l.o_bias = l.mlp_bias = true;
   for (const std::string precision : {"fp32", "bf16", "fp16"}) {
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
-    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp"}) {
-      const bool gpt = kind != "mlp";
+    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed"}) {
+      const bool gpt = kind.rfind("gpt", 0) == 0, llama = kind.rfind("llama", 0) == 0;
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -170,7 +179,10 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       int64_t grew = 0;
       ActivationMemory want;
       for (int round = 0; round < 2; ++round) {
-        std::shared_ptr<Model> model = gpt ? models::make_gpt(gk) : models::make_mlp(m);
+        models::LlamaConfig lk = l;
+        lk.gradient_checkpointing = kind == "llama checkpointed";
+        std::shared_ptr<Model> model =
+            gpt ? models::make_gpt(gk) : llama ? models::make_llama(lk) : models::make_mlp(m);
         Engine e = Engine::initialize(model, cfg);
         want = *model->activation_memory(batch.B, batch.T, e.compute_dtype());
         std::thread pass([&] {
