@@ -8,10 +8,9 @@
 #   bash bench/peers/setup.sh            # venv at bench/peers/.venv, or $ZINC_PEERS_VENV
 #   bench/peers/.venv/bin/python tests/fixtures/hf/make_fixtures.py
 # Idempotent: does nothing where the venv already holds these versions. From
-# PyPI, torch brings its CUDA libraries (several GB); the CPU-only wheel of the
-# same version (2.15.0+cpu) satisfies the pin too and should be picked with
-# PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
-# PIP_EXTRA_INDEX_URL=https://pypi.org/simple (not tried here).
+# the Python package index, torch brings its CUDA libraries (several GB); a
+# CPU-only build of the same version satisfies the pin too, where an index
+# that serves one is reachable (not here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${ZINC_PEERS_VENV:-bench/peers/.venv}"
