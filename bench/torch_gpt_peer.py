@@ -11,7 +11,7 @@ with --json. With --offload the optimizer runs on the CPU over fp32 copies,
 as zinc's ZeRO-Offload does; without it the optimizer runs on the device
 (PyTorch's usual setup, the faster peer where the states fit).
 
-  python3 bench/torch_gpt_peer.py [--large] [--gas 4] [--rounds 5] [--steps 3] [--device cuda] [--json]
+  python3 bench/torch_gpt_peer.py [--large] [--gas 4] [--rounds 5] [--steps 3] [--device cuda] [--fp32] [--json]
 """
 import argparse
 import json
@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--offload", action="store_true", help="AdamW on the CPU over fp32 copies (ZeRO-Offload's split)")
     ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script on a CPU")
+    ap.add_argument("--fp32", action="store_true", help="fp32 throughout (no bf16 autocast): zinc-bench train-step --fp32's peer")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     B, T, C, H, L, V = (8, 1024, 1024, 16, 24, 50304) if a.large else (8, 256, 384, 6, 6, 256)
@@ -85,7 +86,7 @@ def main():
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 fused=dev.type == "cuda")
-    amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+    amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=not a.fp32)
     g = torch.Generator(device="cpu").manual_seed(1)
 
     def step():
@@ -122,7 +123,8 @@ def main():
     flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
     line = {"bench": "torch-gpt-peer", "case": "large" if a.large else ("tiny" if a.tiny else "reference"),
             "device": str(dev) + (" " + torch.cuda.get_device_name() if dev.type == "cuda" else ""),
-            "torch": torch.__version__, "offload": a.offload, "tokens_per_s": tokens_per_s,
+            "torch": torch.__version__, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
+            "threads": torch.get_num_threads(), "tokens_per_s": tokens_per_s,
             "model_tflops": flops_per_token * tokens_per_s / 1e12, "step_s": t,
             "gradient_accumulation_steps": a.gas}
     if a.json:
