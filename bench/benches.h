@@ -37,15 +37,15 @@ struct BenchOptions {
   bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
 };
 
-// The matmuls of one training step of the built-in GPT (forward and
-// backward of every linear layer, the tied head, and attention's batched
-// products), in compute dtype dt: the bound of train-step (oneDNN) and
-// gpu-train-step (cuBLAS).
-inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L,
-                                                                int64_t V, zinc::DType dt) {
+// The matmuls of one training step, by shape: the bounds of train-step
+// (oneDNN) and gpu-train-step (cuBLAS) are what the hardware does on exactly
+// these, in compute dtype dt.
+struct StepMatmuls {
+  int64_t N;  // rows: micro-batch x sequence
+  zinc::DType dt;
   std::vector<zinc::kernels::MatmulDesc> descs;
-  const int64_t N = B * T, hs = C / H;
-  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t K, bool ta, bool tb, bool acc, int64_t times) {
+
+  void add(int64_t batch, int64_t M, int64_t Nn, int64_t K, bool ta, bool tb, bool acc, int64_t times) {
     for (int64_t i = 0; i < times; ++i) {
       zinc::kernels::MatmulDesc d;
       d.batch = batch;
@@ -58,71 +58,53 @@ inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_
       d.compute = dt;
       descs.push_back(d);
     }
-  };
-  // Linear layers y = x W^T: forward, dX = dY W, dW += dY^T X.
-  auto linear = [&](int64_t in, int64_t out, int64_t times) {
+  }
+  // A linear layer y = x W^T, `times` over: forward, dX = dY W, dW += dY^T X.
+  void linear(int64_t in, int64_t out, int64_t times) {
     add(1, N, out, in, false, true, false, times);
     add(1, N, in, out, false, false, false, times);
     add(1, out, in, N, true, false, true, times);
-  };
-  linear(C, 3 * C, L);
-  linear(C, C, L);
-  linear(C, 4 * C, L);
-  linear(4 * C, C, L);
-  linear(C, V, 1);
-  // Attention per layer: S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO,
-  // dQ = dS K, dK = dS^T Q.
-  const int64_t BH = B * H;
-  add(BH, T, T, hs, false, true, false, L);
-  add(BH, T, hs, T, false, false, false, L);
-  add(BH, T, T, hs, false, true, false, L);
-  add(BH, T, hs, T, true, false, false, L);
-  add(BH, T, hs, T, false, false, false, L);
-  add(BH, T, hs, T, true, false, false, L);
-  return descs;
+  }
+  // Causal attention over BH (batch x heads) heads of hs, `times` layers:
+  // S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+  void attention(int64_t BH, int64_t T, int64_t hs, int64_t times) {
+    add(BH, T, T, hs, false, true, false, times);
+    add(BH, T, hs, T, false, false, false, times);
+    add(BH, T, T, hs, false, true, false, times);
+    add(BH, T, hs, T, true, false, false, times);
+    add(BH, T, hs, T, false, false, false, times);
+    add(BH, T, hs, T, true, false, false, times);
+  }
+};
+
+// The built-in GPT: every linear layer, the tied head, attention's batched products.
+inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t L,
+                                                                int64_t V, zinc::DType dt) {
+  StepMatmuls m{B * T, dt, {}};
+  m.linear(C, 3 * C, L);
+  m.linear(C, C, L);
+  m.linear(C, 4 * C, L);
+  m.linear(4 * C, C, L);
+  m.linear(C, V, 1);
+  m.attention(B * H, T, C / H, L);
+  return m.descs;
 }
 
-// The same for the built-in llama (models/llama.cpp): the fused q|k|v
-// projection of (H + 2K) D rows, the output projection from H D, the fused
-// gate|up projection of 2I rows and the down projection, the head, and
-// attention over H heads of D (the kv heads repeated).
+// The built-in llama (models/llama.cpp): the fused q|k|v projection of
+// (H + 2K) D rows, the output projection from H D, the fused gate|up
+// projection of 2I rows and the down projection, the head, and attention
+// over H heads of D (the kv heads repeated).
 inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t K,
                                                                   int64_t D, int64_t I, int64_t L, int64_t V,
                                                                   zinc::DType dt) {
-  std::vector<zinc::kernels::MatmulDesc> descs;
-  const int64_t N = B * T;
-  auto add = [&](int64_t batch, int64_t M, int64_t Nn, int64_t Kk, bool ta, bool tb, bool acc, int64_t times) {
-    for (int64_t i = 0; i < times; ++i) {
-      zinc::kernels::MatmulDesc d;
-      d.batch = batch;
-      d.M = M;
-      d.N = Nn;
-      d.K = Kk;
-      d.trans_a = ta;
-      d.trans_b = tb;
-      d.accumulate = acc;
-      d.compute = dt;
-      descs.push_back(d);
-    }
-  };
-  auto linear = [&](int64_t in, int64_t out, int64_t times) {
-    add(1, N, out, in, false, true, false, times);
-    add(1, N, in, out, false, false, false, times);
-    add(1, out, in, N, true, false, true, times);
-  };
-  linear(C, (H + 2 * K) * D, L);
-  linear(H * D, C, L);
-  linear(C, 2 * I, L);
-  linear(I, C, L);
-  linear(C, V, 1);
-  const int64_t BH = B * H;
-  add(BH, T, T, D, false, true, false, L);
-  add(BH, T, D, T, false, false, false, L);
-  add(BH, T, T, D, false, true, false, L);
-  add(BH, T, D, T, true, false, false, L);
-  add(BH, T, D, T, false, false, false, L);
-  add(BH, T, D, T, true, false, false, L);
-  return descs;
+  StepMatmuls m{B * T, dt, {}};
+  m.linear(C, (H + 2 * K) * D, L);
+  m.linear(H * D, C, L);
+  m.linear(C, 2 * I, L);
+  m.linear(I, C, L);
+  m.linear(C, V, 1);
+  m.attention(B * H, T, D, L);
+  return m.descs;
 }
 
 inline double now_s() {
