@@ -711,6 +711,11 @@ int main(int argc, char** argv) {
     if (!save_dtype.empty())
       pretrained.dtype = save_dtype == "fp32" ? zinc::DType::kF32 : save_dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF16;
     pretrained.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");
+    if (!pretrained.dir.empty() && std::filesystem::exists(pretrained.dir) &&
+        !std::filesystem::is_directory(pretrained.dir)) {  // checked before training, not after it
+      std::fprintf(stderr, "zinc-train: --save-pretrained %s: exists and is not a folder\n", pretrained.dir.c_str());
+      return 2;
+    }
     if (ranks > 0 && !estimate_only && !check_only) {
       std::fprintf(stderr,
                    "zinc-train: --ranks needs --estimate or --check (mpirun decides the ranks of a training run)\n");

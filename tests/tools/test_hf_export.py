@@ -199,3 +199,15 @@ def test_zinc_export_format_hf_refuses_a_checkpoint_without_a_config(tmp_path):
     r = subprocess.run([ZINC_TRAIN, str(cfg), "--steps", "0", "--save-pretrained", str(tmp_path / "y")],
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and 'has no Hugging Face architecture' in r.stderr, r.stderr
+
+
+def test_save_pretrained_onto_a_file_is_refused_before_training(tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("keep me")
+    cmd = [ZINC_TRAIN, config(tmp_path, "llama_gqa", 0), "--steps", "1", "--save-pretrained", str(target)]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "exists and is not a folder" in r.stderr, r.stderr
+    assert "step 1" not in r.stdout and target.read_text() == "keep me"
+    r = subprocess.run(cmd[:-2] + ["--save-pretrained", str(tmp_path / "o"), "--max-shard-size", "lots"],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--max-shard-size: 'lots' is not a size" in r.stderr, r.stderr
