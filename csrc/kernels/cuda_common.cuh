@@ -1,5 +1,6 @@
-// zinc kernels, private to the .cu files: launch helpers and the lane-order
-// row reduction (Note [lane order] in kernels/math.h).
+// zinc kernels, private to the .cu files: launch helpers, the lane-order
+// row reduction (Note [lane order] in kernels/math.h) and the column sums
+// (Note [column sums]).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,6 +48,23 @@ __device__ __forceinline__ Acc lane_combine(Acc partial) {
 #pragma unroll
   for (int l = 0; l < math::kLanes; ++l) s += __shfl_sync(0xffffffffu, partial, l, math::kLanes);
   return s;
+}
+
+// Column sums (Note [column sums]): a block of kSumCols x kSumChunks
+// threads owns kSumCols columns; in each wave thread (x, y) adds chunk
+// wave * kSumChunks + y of column x (its rows in order), and thread y = 0
+// then adds the wave's chunk sums in chunk order. A warp reads kSumCols
+// consecutive floats of one row.
+constexpr int kSumCols = 32, kSumChunks = 32;
+
+// One chunk of a column: rows [r0, min(r0 + kColumnChunk, M)) in order, in
+// double from zero; the per-row term is `term(i)`.
+template <class Term>
+__device__ double chunk_sum(int64_t r0, int64_t M, Term term) {
+  double p = 0;
+  const int64_t r1 = r0 + math::kColumnChunk < M ? r0 + math::kColumnChunk : M;
+  for (int64_t i = r0; i < r1; ++i) p += term(i);
+  return p;
 }
 
 }  // namespace zinc::kernels::cuda::detail

@@ -11,8 +11,9 @@
 //   before uploading them).
 // - Per-element and per-row math is kernels/math.h, the code the CPU kernels
 //   run; the row sums follow Note [lane order]. So layernorm, GELU, bias,
-//   embeddings, cross-entropy, the conversions and the vector ops give the
-//   CPU's bits exactly; matmul (cuBLAS) and attention (built on cuBLAS) do
+//   embeddings, cross-entropy, the Llama layers (RMSNorm, SwiGLU, RoPE, the
+//   grouped-query heads), the conversions and the vector ops give the CPU's
+//   bits exactly; matmul (cuBLAS) and attention (built on cuBLAS) do
 //   not, since cuBLAS and oneDNN block their sums differently.
 #pragma once
 
@@ -59,6 +60,25 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
 // ---- GELU -----------------------------------------------------------------------------------
 void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream);
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream);
+
+// ---- Llama-family layers (llama_layers.cu) -------------------------------------------------
+// kernels::rmsnorm_forward/backward, swiglu_forward/backward, rope and
+// gqa_expand/gqa_reduce (kernels.h) on device pointers, bit for bit the
+// CPU's: the rows of RMSNorm in lane order, its dw(C) += in Note [column
+// sums]'s order (double, no atomics). The rope tables cos, sin (T,
+// head_dim/2) are device memory; rope scaling is in the tables only. The
+// argument checks are the CPU's (zinc::Error naming the cuda:: twin);
+// gqa_* with H == 0 write nothing.
+void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                     cudaStream_t stream);
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
+                      int64_t C, cudaStream_t stream);
+void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream);
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
+                     cudaStream_t stream);
+void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream);
+void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);
+void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);
 
 // ---- causal attention ------------------------------------------------------------------------
 // kernels::attention_forward/backward on the GPU; the workspace holds P

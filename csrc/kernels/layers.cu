@@ -14,8 +14,11 @@
 namespace zinc::kernels::cuda {
 namespace {
 
+using detail::chunk_sum;
 using detail::kRowsPerBlock;
 using detail::kRowThreads;
+using detail::kSumChunks;
+using detail::kSumCols;
 using detail::lane_combine;
 using detail::load_param;
 
@@ -24,23 +27,6 @@ __global__ void add_bias_kernel(float* y, const void* bias, DType bt, int64_t M,
   const int64_t total = M * N;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x)
     y[i] += load_param(bias, bt, i % N);
-}
-
-// Column sums (Note [column sums]): a block of kSumCols x kSumChunks
-// threads owns kSumCols columns; in each wave thread (x, y) adds chunk
-// wave * kSumChunks + y of column x (its rows in order), and thread y = 0
-// then adds the wave's chunk sums in chunk order. A warp reads kSumCols
-// consecutive floats of one row.
-constexpr int kSumCols = 32, kSumChunks = 32;
-
-// One chunk of column c: rows [r0, min(r0 + kColumnChunk, M)) in order; the
-// per-row term is `term(i)`.
-template <class Term>
-__device__ double chunk_sum(int64_t r0, int64_t M, Term term) {
-  double p = 0;
-  const int64_t r1 = r0 + math::kColumnChunk < M ? r0 + math::kColumnChunk : M;
-  for (int64_t i = r0; i < r1; ++i) p += term(i);
-  return p;
 }
 
 // dbias[j] = float(dbias[j] + sum_i double(dy[i,j])).

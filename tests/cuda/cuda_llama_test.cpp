@@ -1,0 +1,202 @@
+// The GPU Llama-family kernels (kernels/llama_layers.cu) against the CPU
+// kernels (kernels/llama_layers.cpp) on the same inputs, bit for bit: they
+// share kernels/math.h, RMSNorm's row sums follow Note [lane order] and its
+// weight gradient Note [column sums]. Skipped without a GPU; run on the CPU
+// by kernel emulation (tests/cuda_emu) on every build.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "kernels/kernels.h"
+#include "kernels/kernels_cuda.h"
+#include "kernels/math.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace zinc::kernels {
+namespace {
+
+using zinc::cuda::DeviceBuffer;
+using zinc::cuda::testing::download;
+using zinc::cuda::testing::upload;
+
+std::vector<float> randn(int64_t n, uint64_t seed, double scale = 1.0) {
+  Rng rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = static_cast<float>(rng.normal() * scale);
+  return v;
+}
+
+// A parameter vector stored in `t`: the host bytes and a device copy.
+struct Param {
+  std::vector<uint16_t> h16;
+  std::vector<float> h32;
+  DeviceBuffer d;
+  DType t;
+  Param(const std::vector<float>& v, DType dt) : t(dt) {
+    if (t == DType::kF32) {
+      h32 = v;
+      d = upload(h32);
+    } else {
+      for (float x : v) h16.push_back(float_to_16(x, t));
+      d = upload(h16);
+    }
+  }
+  CView host() const { return {t == DType::kF32 ? static_cast<const void*>(h32.data()) : h16.data(), t}; }
+  CView dev() const { return {d.data(), t}; }
+};
+
+void expect_same_bits(const std::vector<float>& cpu, const std::vector<float>& gpu, const std::string& what) {
+  ASSERT_EQ(cpu.size(), gpu.size()) << what;
+  for (size_t i = 0; i < cpu.size(); ++i)
+    ASSERT_EQ(float_bits(cpu[i]), float_bits(gpu[i])) << what << " at " << i << ": cpu " << cpu[i] << " gpu " << gpu[i];
+}
+
+// C: one element, under, at and over the 16 lanes, a width that is no
+// multiple of them, a model's; N: under one block of rows, and more chunks
+// of rows than a wave of the dw kernel's threads takes (Note [column sums]).
+TEST(CudaLlama, RmsNormMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t C : {1, 15, 16, 17, 133, 768})
+  for (int64_t N : {29, 2113})
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const std::string at = "C=" + std::to_string(C) + " N=" + std::to_string(N) + " " + std::string(dtype_name(t));
+    const float eps = C == 133 ? 1e-6f : 1e-5f;
+    std::vector<float> x = randn(N * C, 101, 2.0), w = randn(C, 102, 0.5), dout = randn(N * C, 103);
+    for (float& v : w) v += 1.0f;
+    Param pw(w, t);
+    std::vector<float> out(N * C), rstd(N);
+    rmsnorm_forward(out.data(), rstd.data(), x.data(), pw.host(), N, C, eps);
+    DeviceBuffer d_x = upload(x), d_out(N * C * 4), d_rstd(N * 4);
+    cuda::rmsnorm_forward(d_out.as<float>(), d_rstd.as<float>(), d_x.as<float>(), pw.dev(), N, C, eps, nullptr);
+    expect_same_bits(out, download<float>(d_out, out.size()), "rmsnorm out " + at);
+    expect_same_bits(rstd, download<float>(d_rstd, rstd.size()), "rmsnorm rstd " + at);
+
+    std::vector<float> dx = randn(N * C, 104), dw = randn(C, 105);  // accumulated into
+    DeviceBuffer d_dx = upload(dx), d_dw = upload(dw), d_dout = upload(dout);
+    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), pw.host(), rstd.data(), N, C);
+    cuda::rmsnorm_backward(d_dx.as<float>(), d_dw.as<float>(), d_dout.as<float>(), d_x.as<float>(), pw.dev(),
+                           d_rstd.as<float>(), N, C, nullptr);
+    expect_same_bits(dx, download<float>(d_dx, dx.size()), "rmsnorm dx " + at);
+    expect_same_bits(dw, download<float>(d_dw, dw.size()), "rmsnorm dw " + at);
+  }
+}
+
+TEST(CudaLlama, SwiGluMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t I : {1, 77, 1000})
+  for (int64_t N : {1, 13, 37}) {
+    const std::string at = "I=" + std::to_string(I) + " N=" + std::to_string(N);
+    std::vector<float> gu = randn(N * 2 * I, 111, 4.0), dout = randn(N * I, 112);
+    gu[0] = 40.0f;  // sigmoid saturates at 1 (gate 0 of row 0) ...
+    gu[N * 2 * I - 1] = -40.0f;  // ... and an up value far out
+    if (I > 1) gu[1] = -95.0f;   // exp_f's clamp
+    std::vector<float> out(N * I), dgu(gu.size());
+    swiglu_forward(out.data(), gu.data(), N, I);
+    swiglu_backward(dgu.data(), dout.data(), gu.data(), N, I);
+    DeviceBuffer d_gu = upload(gu), d_dout = upload(dout), d_out(N * I * 4), d_dgu(gu.size() * 4);
+    cuda::swiglu_forward(d_out.as<float>(), d_gu.as<float>(), N, I, nullptr);
+    cuda::swiglu_backward(d_dgu.as<float>(), d_dout.as<float>(), d_gu.as<float>(), N, I, nullptr);
+    expect_same_bits(out, download<float>(d_out, out.size()), "swiglu " + at);
+    expect_same_bits(dgu, download<float>(d_dgu, dgu.size()), "swiglu backward " + at);
+  }
+}
+
+// The kernels take the (T, hd/2) cos and sin tables and know nothing of rope
+// scaling: the model folds it into the inverse frequencies. These tables
+// follow models/llama.cpp's rope_inv_freq for each rope_scaling type (none,
+// "linear" and "llama3"), so the kernels see the angles a scaled model gives them.
+enum class Scaling { kNone, kLinear, kLlama3 };
+
+void rope_tables(int64_t T, int64_t hd, Scaling scaling, std::vector<float>& c, std::vector<float>& s) {
+  const int64_t h = hd / 2;
+  std::vector<float> inv(static_cast<size_t>(h));
+  for (int64_t i = 0; i < h; ++i)
+    inv[i] = 1.0f / std::pow(500000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
+  const float factor = 8.0f, old_len = 16.0f, lo = 1.0f, hi = 4.0f;  // a context short enough to reach the bands
+  for (float& f : inv) {
+    if (scaling == Scaling::kLinear) {
+      f = f / factor;
+    } else if (scaling == Scaling::kLlama3) {
+      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+      const float g = wavelen > old_len / lo ? f / factor : f;
+      const float smooth = (old_len / wavelen - lo) / (hi - lo);
+      const bool medium = !(wavelen < old_len / hi) && !(wavelen > old_len / lo);
+      f = medium ? (1.0f - smooth) * g / factor + smooth * g : g;
+    }
+  }
+  c.resize(static_cast<size_t>(T * h));
+  s.resize(c.size());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < h; ++i) {
+      const float angle = static_cast<float>(t) * inv[i];
+      c[t * h + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      s[t * h + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+}
+
+// A fused projection row [q (H heads) | k (Hkv) | v (Hkv)], rotated as the
+// model does: q, k, and q and k together; forward and inverse. head_dim 2
+// and 38 and 10 leave the last lanes of a warp partly idle (h = 1, 19, 5).
+TEST(CudaLlama, RopeMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  struct Case {
+    int64_t B, T, H, Hkv, hd;
+  };
+  for (Case k : {Case{1, 1, 1, 1, 2}, Case{2, 7, 3, 1, 10}, Case{3, 33, 4, 2, 38}, Case{1, 40, 8, 2, 64}})
+  for (Scaling scaling : {Scaling::kNone, Scaling::kLinear, Scaling::kLlama3}) {
+    std::vector<float> c, s;
+    rope_tables(k.T, k.hd, scaling, c, s);
+    DeviceBuffer d_c = upload(c), d_s = upload(s);
+    const int64_t W = (k.H + 2 * k.Hkv) * k.hd;
+    for (RopeShape sh : {RopeShape{k.B, k.T, W, 0, k.H, k.hd}, RopeShape{k.B, k.T, W, k.H * k.hd, k.Hkv, k.hd},
+                         RopeShape{k.B, k.T, W, 0, k.H + k.Hkv, k.hd}})
+    for (bool inverse : {false, true}) {
+      const std::string at = "B=" + std::to_string(k.B) + " T=" + std::to_string(k.T) + " hd=" + std::to_string(k.hd) +
+                             " col=" + std::to_string(sh.col) + " heads=" + std::to_string(sh.heads) +
+                             " scaling=" + std::to_string(static_cast<int>(scaling)) + (inverse ? " inverse" : "");
+      std::vector<float> x = randn(k.B * k.T * W, 121, 3.0);
+      DeviceBuffer d_x = upload(x);
+      rope(x.data(), c.data(), s.data(), sh, inverse);
+      cuda::rope(d_x.as<float>(), d_c.as<float>(), d_s.as<float>(), sh, inverse, nullptr);
+      expect_same_bits(x, download<float>(d_x, x.size()), "rope " + at);  // untouched columns included
+    }
+  }
+  float* none = nullptr;
+  EXPECT_THROW(cuda::rope(none, none, none, RopeShape{1, 1, 10, 0, 1, 9}, false, nullptr), Error);
+  EXPECT_THROW(cuda::rope(none, none, none, RopeShape{1, 1, 10, 2, 1, 10}, false, nullptr), Error);
+  cuda::rope(none, none, none, RopeShape{0, 5, 10, 0, 1, 10}, false, nullptr);  // no rows: nothing launched
+}
+
+// GQA ratios 1, 2 and 4 (and 3), head_dim under, over and not a multiple of
+// the lane width. The outputs start as NaN on the device and 7 on the host:
+// every element is written on both sides.
+TEST(CudaLlama, GroupedQueryHeadsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {4, 2}, {8, 2}, {6, 2}, {4, 1}})
+  for (int64_t hd : {1, 6, 38, 64})
+  for (int64_t N : {1, 31}) {
+    const std::string at = "H=" + std::to_string(H) + " Hkv=" + std::to_string(Hkv) + " hd=" + std::to_string(hd) +
+                           " N=" + std::to_string(N);
+    std::vector<float> in = randn(N * (H + 2 * Hkv) * hd, 131), d = randn(N * 3 * H * hd, 132);
+    std::vector<float> out(d.size(), 7.0f), red(in.size(), 7.0f);
+    gqa_expand(out.data(), in.data(), N, H, Hkv, hd);
+    gqa_reduce(red.data(), d.data(), N, H, Hkv, hd);
+    DeviceBuffer d_in = upload(in), d_d = upload(d), d_out(d.size() * 4), d_red(in.size() * 4);
+    std::vector<float> nan(d.size(), std::nanf(""));
+    zinc::cuda::copy_to_device(d_out.data(), nan.data(), nan.size() * 4);
+    zinc::cuda::copy_to_device(d_red.data(), nan.data(), in.size() * 4);
+    cuda::gqa_expand(d_out.as<float>(), d_in.as<float>(), N, H, Hkv, hd, nullptr);
+    cuda::gqa_reduce(d_red.as<float>(), d_d.as<float>(), N, H, Hkv, hd, nullptr);
+    expect_same_bits(out, download<float>(d_out, out.size()), "gqa_expand " + at);
+    expect_same_bits(red, download<float>(d_red, red.size()), "gqa_reduce " + at);
+  }
+  float* none = nullptr;
+  EXPECT_THROW(cuda::gqa_expand(none, none, 1, 3, 2, 2, nullptr), Error);
+  EXPECT_THROW(cuda::gqa_reduce(none, none, 1, 4, 0, 2, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace zinc::kernels
