@@ -295,6 +295,14 @@ struct Config {
   DType wire_dtype() const {
     return communication_data_type ? *communication_data_type : fp16.enabled ? DType::kF16 : DType::kF32;
   }
+  // ZeRO-3 with the optimizer states on NVMe keeps the reduced gradients
+  // there too (as DeepSpeed's stage 3 swaps them), written as backward
+  // reduces each block and read with their sub-group's states: no rank holds
+  // the fp32 gradients of all its shards (StagePlan::grads_on_nvme). On the
+  // GPU path the gradients are the DevicePath's.
+  bool gradients_on_nvme() const {
+    return zero.stage == 3 && zero.offload_optimizer.device == OffloadDevice::kNvme && device == Device::kCpu;
+  }
 
   // Every field compares, `source` and `warnings` too (a test of the
   // serializer clears them to compare only the settings).

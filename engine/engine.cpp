@@ -82,6 +82,7 @@ offload::SwapperOptions swapper_options(const Config& c) {
   o.buffer_count = off.buffer_count;
   o.pin_memory = off.pin_memory;
   o.sub_group_size = c.zero.sub_group_size;
+  o.gradients = c.gradients_on_nvme();
   o.engine_factory = nvme_fault_factory();
   return o;
 }
@@ -121,16 +122,21 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     rank = comm->rank();
   }
   if (world > 1) agree_on_config();
-  plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone);
+  plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone,
+                         c.gradients_on_nvme());
   offload_device = c.zero.offload_optimizer.device;
   if (world > 1) {
     make_streams();
-  } else if (plan.params_sharded) {
+  } else if (plan.params_sharded || plan.grads_on_nvme) {
     // One rank with offloaded parameters: its reads and one-rank "gathers"
-    // (copies) still run on a stream of their own, ahead of use.
+    // (copies) still run on a stream of their own, ahead of use; with the
+    // gradients on NVMe their writes too (the reducer's stream).
     local_comm = comm::make_single_communicator();
-    own_gather_stream = std::make_unique<comm::CommStream>(*local_comm);
-    gather_stream = own_gather_stream.get();
+    if (plan.params_sharded) {
+      own_gather_stream = std::make_unique<comm::CommStream>(*local_comm);
+      gather_stream = own_gather_stream.get();
+    }
+    if (plan.grads_on_nvme) reduce_stream = std::make_unique<comm::CommStream>(*local_comm);
   }
   device = make_device_path(cfg, comm.get(), world, rank, dtype);
   adam = c.optimizer.adam;
@@ -190,6 +196,18 @@ void Engine::Impl::allocate_and_init() {
   opt_state = with_config_path("zero_optimization.offload_optimizer.nvme_path", [&] {
     return make_optimizer_state(offload_device, spans, cfg.zero.offload_optimizer.pin_memory, nvme, rank, memory);
   });
+  // The coordinator before the weights: at stage 3 it takes each block's
+  // initial shard as it is built (with offload_param "nvme" straight to
+  // disk), so setup never holds every shard at once.
+  const OffloadConfig& op = cfg.zero.offload_param;
+  params = with_config_path("zero_optimization.offload_param.nvme_path", [&] {
+    std::unique_ptr<offload::NvmeStore> param_store;
+    if (plan.params_sharded && op.device == OffloadDevice::kNvme)
+      param_store =
+          std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
+    return std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, cfg.zero,
+                                              std::move(param_store), op.pin_memory);
+  });
   for (size_t b = 0; b < specs.size(); ++b) {
     BlockShard& s = blocks[b];
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
@@ -222,16 +240,7 @@ void Engine::Impl::allocate_and_init() {
     opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
     if (plan.params_sharded) {
       // Stage 3: only the own shard (the coordinator gathers the rest).
-      const size_t shard = static_cast<size_t>(s.part.shard_numel);
-      const float* own = w + s.part.own_offset();
-      const size_t bytes = shard * dtype_bytes(dtype);
-      if (cfg.zero.offload_param.device == OffloadDevice::kCpu) {
-        s.compute_shard_pinned = offload::PinnedBuffer(bytes, cfg.zero.offload_param.pin_memory);
-        memory.add(static_cast<int64_t>(s.compute_shard_pinned.footprint()));
-      } else {
-        s.compute_shard = memory.alloc(bytes);
-      }
-      convert_f32_to_16(own, s.own_compute(), shard, dtype);
+      params->set_initial_shard(static_cast<int>(b), w + s.part.own_offset());
     } else if (is_16bit(dtype)) {
       s.compute = memory.alloc(padded * 2);
       convert_f32_to_16(w, s.compute.data(), padded, dtype);
@@ -242,21 +251,16 @@ void Engine::Impl::allocate_and_init() {
       s.master_compute = opt_state->master_in_memory(static_cast<int>(b));
     }
   }
-  // The coordinator first: with offload_param "nvme" it moves the compute
-  // shards out of RAM before the gradient buffers come in.
-  const OffloadConfig& op = cfg.zero.offload_param;
-  params = with_config_path("zero_optimization.offload_param.nvme_path", [&] {
-    std::unique_ptr<offload::NvmeStore> param_store;
-    if (plan.params_sharded && op.device == OffloadDevice::kNvme)
-      param_store =
-          std::make_unique<offload::NvmeStore>(nvme_options(cfg, op.nvme_path), rank, nvme_fault_factory());
-    return std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, cfg.zero,
-                                              std::move(param_store), op.pin_memory);
-  });
+  opt_state->finish_init();
+  params->start();
   GradReducer::Options ro;
   ro.bucket_numel = cfg.zero.reduce_bucket_size;
   ro.overlap = cfg.zero.overlap_comm;
   ro.wire = cfg.wire_dtype();
+  if (plan.grads_on_nvme) {
+    OptimizerState* st = opt_state.get();
+    ro.spill = [st](int block, const float* shard) { st->write_gradients(block, shard); };
+  }
   device->configure_reducer(ro);
   comm::CommStream* rs = device->reduce_stream();
   reducer = std::make_unique<GradReducer>(plan, blocks, rs ? rs : reduce_stream.get(), memory, ro);
@@ -380,8 +384,7 @@ void Engine::Impl::step() {
   // Own-shard squares and the loss, summed over ranks in one collective.
   double sums[2] = {0.0, loss_sum};
   if (!device->grad_squared_norm(sums[0]))
-    for (BlockShard& s : blocks)
-      sums[0] += optim::grad_squared_norm(reducer->reduced_shard(s), DType::kF32, s.part.shard_numel);
+    for (BlockShard& s : blocks) sums[0] += reducer->squared_norm(s);
   if (reduce_stream) {
     reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
   }
@@ -434,8 +437,7 @@ char* Engine::Impl::compute_out(const StateSpan& sp) {
 }
 
 void Engine::Impl::update_span(const StateSpan& sp, float grad_scale) {
-  BlockShard& s = blocks[static_cast<size_t>(sp.block)];
-  const float* grad = (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
+  const float* grad = update_grad(sp);
   char* out = compute_out(sp);  // where the span's new compute weights go
   bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
   optim::adam_step(adam, optimizer_steps, grad_scale,
@@ -463,6 +465,10 @@ void Engine::Impl::set_hyperparameters(int64_t s) {
 }
 
 const float* Engine::Impl::update_grad(const StateSpan& sp) {
+  if (plan.grads_on_nvme) {
+    ZINC_CHECK(sp.grad != nullptr, "the optimizer state read no gradient for a span");
+    return sp.grad;
+  }
   BlockShard& s = blocks[static_cast<size_t>(sp.block)];
   return (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
 }
@@ -481,12 +487,14 @@ void Engine::Impl::lamb_update_all(float grad_scale) {
     }
   }
   std::vector<double> sums(static_cast<size_t>(2 * lamb_tensors), 0.0);
-  opt_state->for_each_read([&](const StateSpan& sp) {
-    const std::vector<optim::LambSegment> segs = lamb_span_segments(sp);
-    optim::lamb_norms(lamb, grad_scale,
-                      optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, nullptr, sp.count}, segs,
-                      sums.data());
-  });
+  opt_state->for_each_read(
+      [&](const StateSpan& sp) {
+        const std::vector<optim::LambSegment> segs = lamb_span_segments(sp);
+        optim::lamb_norms(lamb, grad_scale,
+                          optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, nullptr, sp.count},
+                          segs, sums.data());
+      },
+      /*grads=*/plan.grads_on_nvme);
   if (reduce_stream && !plan.optimizer_spans_block)
     reduce_stream->submit([&sums](comm::Communicator& c) {
       c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));

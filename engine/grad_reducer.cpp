@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "optim/optim.h"
 
 namespace zinc {
 
@@ -11,6 +12,10 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
                          StateMemory& memory, const Options& options)
     : plan_(plan), blocks_(blocks), stream_(stream), memory_(memory), options_(options) {
   if (plan_.world > 1 && !stream_) throw Error("GradReducer: several ranks need a comm stream");
+  if (plan_.grads_on_nvme) {
+    ZINC_CHECK(stream_ != nullptr && options_.spill != nullptr && !options_.device_reduce && options_.host_grads,
+               "GradReducer: gradients on NVMe need a stream and a spill, on the host");
+  }
   if (plan_.world == 1) options_.wire = DType::kF32;
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
@@ -27,7 +32,8 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
     max_padded = std::max(max_padded, s.part.padded_numel);
     max_shard = std::max(max_shard, s.part.shard_numel);
   }
-  if (plan_.gather_reduced_grads && !options_.device_reduce) scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
+  if ((plan_.gather_reduced_grads || (plan_.grads_on_nvme && plan_.world > 1)) && !options_.device_reduce)
+    scratch_shard_ = memory_.alloc(static_cast<size_t>(max_shard) * 4);
   if (is_16bit(options_.wire) && !options_.device_reduce)
     scratch_wire_ = memory_.alloc(static_cast<size_t>(max_padded + max_shard) * 2);
 }
@@ -51,7 +57,9 @@ void GradReducer::ready(int block) {
   if (!boundary_) return;  // no-sync: accumulate locally
   bucket_.push_back(block);
   bucket_numel_ += blocks_[static_cast<size_t>(block)].part.padded_numel;
-  if (bucket_numel_ >= options_.bucket_numel) flush_bucket();
+  // One rank with the gradients on NVMe has no collective to batch: each
+  // block is written as soon as it is ready.
+  if (bucket_numel_ >= options_.bucket_numel || (plan_.world == 1 && plan_.grads_on_nvme)) flush_bucket();
   reap();
 }
 
@@ -81,7 +89,7 @@ void GradReducer::flush_bucket() {
 void GradReducer::submit(const std::vector<int>& ids) {
   std::vector<BlockShard*> bs;
   for (int id : ids) bs.push_back(&blocks_[static_cast<size_t>(id)]);
-  if (plan_.world == 1) {  // one rank: the gradient already is the sum
+  if (plan_.world == 1 && !plan_.grads_on_nvme) {  // one rank: the gradient already is the sum
     for (BlockShard* s : bs) s->grad_state = GradState::kReduced;
     return;
   }
@@ -104,11 +112,18 @@ void GradReducer::submit(const std::vector<int>& ids) {
   float* shard_scratch = scratch_shard_.empty() ? nullptr : scratch_shard_.as<float>();
   uint16_t* wire = scratch_wire_.empty() ? nullptr : scratch_wire_.as<uint16_t>();
   const DType wt = options_.wire;
-  comm::CommHandle h = stream_->submit([bs, gather, shard_scratch, wire, wt](comm::Communicator& c) {
-    for (BlockShard* s : bs) {
+  // Gradients on NVMe: the reduced shard goes to the scratch (on one rank it
+  // is the full gradient itself), its squares are summed, and it is stored.
+  std::function<void(int, const float*)> spill = plan_.grads_on_nvme ? options_.spill : nullptr;
+  const bool reduce = plan_.world > 1;
+  comm::CommHandle h = stream_->submit([bs, ids, gather, shard_scratch, wire, wt, spill, reduce](comm::Communicator& c) {
+    for (size_t k = 0; k < bs.size(); ++k) {
+      BlockShard* s = bs[k];
       const int64_t padded = s->part.padded_numel, shard = s->part.shard_numel;
-      float* shard_out = gather ? shard_scratch : s->grad_shard.as<float>();
-      if (wire) {
+      float* shard_out = gather || (spill && reduce) ? shard_scratch : spill ? s->grad.as<float>() : s->grad_shard.as<float>();
+      if (!reduce) {
+        // one rank: nothing to reduce
+      } else if (wire) {
         uint16_t* shard16 = wire + padded;
         convert_f32_to_16(s->grad.as<float>(), wire, static_cast<size_t>(padded), wt);
         c.reduce_scatter(wire, shard16, shard, wt);
@@ -117,6 +132,10 @@ void GradReducer::submit(const std::vector<int>& ids) {
         c.reduce_scatter(s->grad.data(), shard_out, shard, DType::kF32);
       }
       if (gather) c.all_gather(shard_out, s->grad.data(), shard, DType::kF32);
+      if (spill) {
+        s->grad_squares = optim::grad_squared_norm(shard_out, DType::kF32, shard);
+        spill(ids[k], shard_out);
+      }
     }
   });
   for (BlockShard* s : bs) {
@@ -143,11 +162,20 @@ void GradReducer::wait_all() {
   if (stream_) stream_->synchronize();
   inflight_.clear();
   for (BlockShard& s : blocks_)
-    if (s.grad_state == GradState::kReducing) s.grad_state = GradState::kReduced;
+    if (s.grad_state == GradState::kReducing) {
+      s.grad_state = GradState::kReduced;
+      if (plan_.grads_on_nvme) memory_.free(s.grad);  // stored: the optimizer reads it from NVMe
+    }
 }
 
 float* GradReducer::reduced_shard(BlockShard& s) {
+  ZINC_CHECK(!plan_.grads_on_nvme, "GradReducer::reduced_shard: the reduced gradients are on NVMe");
   return plan_.grad_shard_buffer ? s.grad_shard.as<float>() : s.grad.as<float>() + s.part.own_offset();
+}
+
+double GradReducer::squared_norm(BlockShard& s) {
+  if (plan_.grads_on_nvme) return s.grad_squares;
+  return optim::grad_squared_norm(reduced_shard(s), DType::kF32, s.part.shard_numel);
 }
 
 void GradReducer::reset_after_step() {

@@ -39,6 +39,12 @@ class GradReducer {
     // False where the gradients never reach host memory (GPU-resident
     // optimizer states on one rank): no host gradient buffers at all.
     bool host_grads = true;
+    // StagePlan::grads_on_nvme: stores a block's reduced shard (fp32,
+    // shard_numel elements) and returns when it is stored, on the stream's
+    // thread, in the order the blocks are reduced; the buffer it read is
+    // then freed. Required with grads_on_nvme (which also needs a stream on
+    // one rank: the reduction there is the write).
+    std::function<void(int block, const float* shard)> spill;
   };
   // At most this many buckets are in flight: the next submission waits for
   // the oldest, which bounds the full gradients alive at stage 2.
@@ -55,15 +61,21 @@ class GradReducer {
   // The block's full gradient buffer, allocated if the plan freed it.
   float* grads(int block);
   // The model is done with the block's gradient in this backward: at a
-  // boundary it joins the bucket, which is submitted once full.
+  // boundary it joins the bucket, which is submitted once full (on one rank
+  // with grads_on_nvme at once: its reduction is the write).
   void ready(int block);
   // Submits the last, partial bucket of a boundary backward.
   void end_backward();
   // Waits until every reduction of this step has run (rethrows a failure);
   // every block is then kReduced.
   void wait_all();
-  // The rank's shard of the block's reduced gradient (valid after wait_all).
+  // The rank's shard of the block's reduced gradient (valid after wait_all;
+  // not with grads_on_nvme, where the optimizer state has it).
   float* reduced_shard(BlockShard& s);
+  // The sum of squares of the rank's shard of the block's reduced gradient
+  // (after wait_all): with grads_on_nvme computed before the shard was
+  // stored, by the same function, so the norm is the same bit for bit.
+  double squared_norm(BlockShard& s);
   // After the step: the full gradients are zeroed, or freed where the plan
   // frees them.
   void reset_after_step();
@@ -88,7 +100,7 @@ class GradReducer {
   // Scratch of the comm thread, reused by every block in turn (the stream
   // runs one task at a time): the reduced shard at stage 0, and the bf16
   // wire copies (full + shard).
-  AlignedBuffer scratch_shard_;  // fp32, max shard_numel (stage 0, several ranks)
+  AlignedBuffer scratch_shard_;  // fp32, max shard_numel (stage 0, or grads_on_nvme, several ranks)
   AlignedBuffer scratch_wire_;   // 16-bit wire format, max (padded_numel + shard_numel)
 };
 

@@ -47,7 +47,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   const int world = c.world_size;
   const ZeroConfig& z = c.zero;
   const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
-  const StagePlan plan = StagePlan::make(z.stage, world, param_offload);
+  const StagePlan plan = StagePlan::make(z.stage, world, param_offload, c.gradients_on_nvme());
   const GpuPlan gpu_plan = GpuPlan::make(c, world);  // used where "device" is "cuda"
   const DType dtype = c.compute_dtype();
   const int64_t es = static_cast<int64_t>(dtype_bytes(dtype));
@@ -90,12 +90,16 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       offload::SwapperOptions so;
       so.buffer_count = z.offload_optimizer.buffer_count;
       so.sub_group_size = z.sub_group_size;
+      so.gradients = plan.grads_on_nvme;
       const offload::OptimizerSwapper::Plan sp = offload::OptimizerSwapper::plan(so, spans);
       opt = {"optimizer swap buffers", sp.buffer_bytes,
-             std::to_string(sp.buffer_count) + " x 12 B x " + millions(sp.max_count) +
-                 " elements (the largest sub-group, sub_group_size)"};
+             std::to_string(sp.buffer_count) + (so.gradients ? " x 16 B x " : " x 12 B x ") + millions(sp.max_count) +
+                 " elements (the largest sub-group, sub_group_size" + (so.gradients ? "; states and gradient)" : ")")};
       e.disk.push_back({"optimizer states (" + z.offload_optimizer.nvme_path + ")", sp.file_bytes,
                         std::to_string(sp.groups.size()) + " sub-groups of master, m, v"});
+      if (so.gradients)
+        e.disk.push_back({"gradients (" + z.offload_optimizer.nvme_path + ")", sp.grad_file_bytes,
+                          "4 B x " + millions(span_all) + " elements: the reduced fp32 gradients (ZeRO-3)"});
       break;
     }
   }
@@ -133,12 +137,17 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     const bool nvme = z.offload_param.device == OffloadDevice::kNvme;
     const std::string shard_name = std::string("parameter shards (") + dname +
                                    (z.offload_param.device == OffloadDevice::kCpu ? ", page-locked)" : ")");
-    // Every shard is built in RAM first; with NVMe the coordinator then
-    // writes the non-persistent ones out and frees them.
+    // Each block's shard is built in turn (ParamCoordinator::set_initial_shard):
+    // kept in RAM, or with NVMe written out through one staging buffer.
     const bool pinned = z.offload_param.device == OffloadDevice::kCpu;
-    setup_params.push_back({shard_name, pinned ? pinned_shards : es * shard_all,
-                            std::to_string(es) + " B x " + millions(shard_all) + " elements" +
-                                (nvme ? " (until written to NVMe)" : "")});
+    const int64_t setup_ram_shard = nvme ? persist_shard : shard_all;
+    if (setup_ram_shard > 0)
+      setup_params.push_back({shard_name, pinned ? pinned_shards : es * setup_ram_shard,
+                              std::to_string(es) + " B x " + millions(setup_ram_shard) + " elements" +
+                                  (nvme ? " (persistent blocks)" : "")});
+    if (nvme && max_np_read > 0)
+      setup_params.push_back({"parameter write staging (page-locked)", max_np_read,
+                              "the largest shard on NVMe, on its way to disk"});
     if (persist_padded > 0)
       setup_params.push_back({"persistent blocks, gathered", es * persist_padded,
                               millions(persist_padded) + " elements (stage3_param_persistence_threshold)"});
@@ -190,10 +199,13 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   std::string transient_why = "every block: gradient_accumulation_steps > 1 keeps them (no-sync)";
   if (c.gradient_accumulation_steps == 1) {
     const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
-    transient_full = std::min(padded_all, in_flight * (z.reduce_bucket_size + max_padded) + max_padded);
-    transient_why = transient_full == padded_all
-                        ? "every block: reduce_bucket_size holds the whole model"
-                        : "the buckets in flight (reduce_bucket_size) and the block being computed";
+    // One rank with the gradients on NVMe writes each block as it is ready
+    // (GradReducer::ready): a bucket of one block.
+    const int64_t bucket = world == 1 && plan.grads_on_nvme ? 1 : z.reduce_bucket_size;
+    transient_full = std::min(padded_all, in_flight * (bucket + max_padded) + max_padded);
+    transient_why = transient_full == padded_all ? "every block: reduce_bucket_size holds the whole model"
+                    : bucket == 1 ? "the blocks on their way to NVMe and the block being computed"
+                                  : "the buckets in flight (reduce_bucket_size) and the block being computed";
   }
   if (gpu_reduce || gpu_only_grads) {
     // nothing full on the host
@@ -206,18 +218,20 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   if (update_bytes > 0 && !grads.empty()) {
     // The step's peak is the backward's without the full gradients where
     // they are gone by then (stage >= 2 with several ranks and no overlap:
-    // the last bucket is waited for and freed before backward returns),
+    // the last bucket is waited for and freed before backward returns; with
+    // the gradients on NVMe the step's wait frees the last stored ones),
     // plus the update buffer.
     const int64_t full = grads.front().bytes;
-    const bool freed = !plan.grad_always_allocated && !z.overlap_comm;
+    const bool freed = !plan.grad_always_allocated && (!z.overlap_comm || plan.grads_on_nvme);
     const int64_t extra = freed ? std::max<int64_t>(0, update_bytes - full) : update_bytes;
     if (extra > 0)
       grads.push_back({"parameter update buffer (in the step)", extra, "one block's new shard, written back to NVMe"});
   }
   if (plan.grad_shard_buffer)
     grads.push_back({"gradient shards (fp32, reduced)", 4 * shard_all, "4 B x " + millions(shard_all) + " elements"});
-  if (plan.gather_reduced_grads)
-    grads.push_back({"reduction scratch", 4 * max_shard, "the largest shard, fp32"});
+  if (plan.gather_reduced_grads || (plan.grads_on_nvme && world > 1))
+    grads.push_back({"reduction scratch", 4 * max_shard,
+                     plan.grads_on_nvme ? "the largest shard, fp32, on its way to NVMe" : "the largest shard, fp32"});
   if (is_16bit(c.wire_dtype()) && world > 1 && !gpu_reduce) {
     const std::string w(dtype_name(c.wire_dtype()));
     grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});

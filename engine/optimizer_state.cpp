@@ -84,31 +84,29 @@ class NvmeState final : public OptimizerState {
     memory.add(swapper_.buffer_bytes());
   }
   void init_block(int b, const float* master) override { swapper_.init_block(b, master); }
+  void finish_init() override { swapper_.finish_init(); }
   void for_each(const std::function<void(const StateSpan&)>& fn) override {
-    swapper_.for_each([&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
-      fn({g.block, g.offset, g.count, master, m, v});
-    });
+    swapper_.for_each(visitor(fn), /*write_back=*/true, /*read=*/true, /*grads=*/true);
   }
-  void for_each_read(const std::function<void(const StateSpan&)>& fn) override {
-    swapper_.for_each(
-        [&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
-          fn({g.block, g.offset, g.count, master, m, v});
-        },
-        /*write_back=*/false);
+  void for_each_read(const std::function<void(const StateSpan&)>& fn, bool grads) override {
+    swapper_.for_each(visitor(fn), /*write_back=*/false, /*read=*/true, grads);
   }
   void for_each_overwrite(const std::function<void(const StateSpan&)>& fn) override {
-    swapper_.for_each(
-        [&](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
-          fn({g.block, g.offset, g.count, master, m, v});
-        },
-        /*write_back=*/true, /*read=*/false);
+    swapper_.for_each(visitor(fn), /*write_back=*/true, /*read=*/false);
   }
+  bool keeps_gradients() const override { return swapper_.keeps_gradients(); }
+  void write_gradients(int block, const float* grad) override { swapper_.write_gradients(block, grad); }
   void read_master(int b, float* out) override { swapper_.read_master(b, out); }
   float* master_in_memory(int) override { return nullptr; }
   int64_t bytes_read() const override { return swapper_.bytes_read(); }
   int64_t bytes_written() const override { return swapper_.bytes_written(); }
 
  private:
+  static offload::OptimizerSwapper::Visitor visitor(const std::function<void(const StateSpan&)>& fn) {
+    return [&fn](const offload::OptimizerSwapper::SubGroup& g, float* master, float* m, float* v, const float* grad) {
+      fn({g.block, g.offset, g.count, master, m, v, grad});
+    };
+  }
   offload::OptimizerSwapper swapper_;
 };
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "engine/config.h"
 #include "engine/shard.h"
 #include "offload/swapper.h"
@@ -28,6 +29,10 @@ struct StateSpan {
   float* master = nullptr;
   float* m = nullptr;
   float* v = nullptr;
+  // The span's reduced gradient where the state keeps the gradients (ZeRO-3
+  // with the optimizer on NVMe: OptimizerState::keeps_gradients) and the
+  // walk reads them; else null (the gradient is the GradReducer's).
+  const float* grad = nullptr;
 };
 
 class OptimizerState {
@@ -36,13 +41,20 @@ class OptimizerState {
   // Sets a block's master weights (span_numel[block] elements) and zeroes
   // its moments.
   virtual void init_block(int block, const float* master) = 0;
+  // After the last init_block: waits for writes still in flight (NVMe) and
+  // rethrows a failed one.
+  virtual void finish_init() {}
   // Calls fn on every span in block order (NVMe: sub-group by sub-group, the
   // next read and the previous written while fn runs); what fn leaves in
   // master, m and v is kept.
   virtual void for_each(const std::function<void(const StateSpan&)>& fn) = 0;
-  // The same walk for a reader (a checkpoint save): fn must not change the
-  // span, and on NVMe nothing is written back.
-  virtual void for_each_read(const std::function<void(const StateSpan&)>& fn) { for_each(fn); }
+  // The same walk for a reader (a checkpoint save; Lamb's norms, which ask
+  // for the gradients too): fn must not change the span, and on NVMe
+  // nothing is written back.
+  virtual void for_each_read(const std::function<void(const StateSpan&)>& fn, bool grads = false) {
+    (void)grads;
+    for_each(fn);
+  }
   // The same walk for a writer that sets every element of every span (a
   // checkpoint load): on NVMe the old values are not read first.
   virtual void for_each_overwrite(const std::function<void(const StateSpan&)>& fn) { for_each(fn); }
@@ -51,6 +63,19 @@ class OptimizerState {
   // The block's master weights where they stay in memory (RAM, pinned RAM),
   // null on NVMe.
   virtual float* master_in_memory(int block) = 0;
+  // Whether the state keeps the reduced gradients too (on NVMe, with
+  // SwapperOptions::gradients): then write_gradients stores a block's, and
+  // for_each (and for_each_read asked for them) hands them over in
+  // StateSpan::grad.
+  virtual bool keeps_gradients() const { return false; }
+  // Stores block's reduced gradient (span_numel[block] fp32 elements). May
+  // run on the reduction stream's thread while the training thread leaves
+  // the state alone.
+  virtual void write_gradients(int block, const float* grad) {
+    (void)block;
+    (void)grad;
+    throw Error("OptimizerState: this state keeps no gradients");
+  }
   // NVMe traffic so far (0 in memory).
   virtual int64_t bytes_read() const { return 0; }
   virtual int64_t bytes_written() const { return 0; }

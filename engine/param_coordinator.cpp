@@ -96,13 +96,43 @@ ParamCoordinator::ParamCoordinator(const StagePlan& plan, std::vector<BlockShard
   for (const BlockShard& s : blocks_) layouts.push_back(s.layout);
   const std::vector<bool> keep = persistent_blocks(layouts, zero_);
   for (size_t b = 0; b < blocks_.size(); ++b) {
-    BlockShard& s = blocks_[b];
-    ZINC_CHECK(s.own_compute() != nullptr, "stage 3: the compute shard is set before the coordinator");
-    s.param_state = ParamState::kSharded;
-    s.persistent = keep[b];
+    blocks_[b].param_state = ParamState::kSharded;
+    blocks_[b].persistent = keep[b];
+  }
+  if (nvme_) lay_out_nvme_file();
+}
+
+void ParamCoordinator::set_initial_shard(int block, const float* own) {
+  ZINC_CHECK(plan_.params_sharded && !started_, "ParamCoordinator::set_initial_shard: stage 3, before start()");
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  const size_t n = static_cast<size_t>(s.part.shard_numel);
+  if (s.nvme_offset >= 0) {
+    convert_f32_to_16(own, staging_.data(), n, compute_);
+    nvme_->write(nvme_file_, s.nvme_offset, staging_.data(), nvme_shard_bytes(s.part, compute_)).wait();
+    return;
+  }
+  const size_t bytes = n * dtype_bytes(compute_);
+  if (zero_.offload_param.device == OffloadDevice::kCpu) {
+    s.compute_shard_pinned = offload::PinnedBuffer(bytes, zero_.offload_param.pin_memory);
+    memory_->add(static_cast<int64_t>(s.compute_shard_pinned.footprint()));
+  } else {
+    s.compute_shard = memory_->alloc(bytes);
+  }
+  convert_f32_to_16(own, s.own_compute(), n, compute_);
+}
+
+void ParamCoordinator::start() {
+  if (!plan_.params_sharded) return;
+  ZINC_CHECK(!started_, "ParamCoordinator::start: twice");
+  for (BlockShard& s : blocks_) {
+    ZINC_CHECK(s.nvme_offset >= 0 || s.own_compute() != nullptr, "stage 3: every initial shard is set before start()");
     if (s.persistent) start_gather(s, /*prefetch=*/false);
   }
-  if (nvme_) move_shards_to_nvme();
+  started_ = true;
+  if (staging_.data()) {
+    memory_->add(-static_cast<int64_t>(staging_.footprint()));
+    staging_ = offload::PinnedBuffer();
+  }
 }
 
 std::vector<bool> ParamCoordinator::persistent_blocks(const std::vector<BlockLayout>& layouts,
@@ -123,30 +153,20 @@ int64_t ParamCoordinator::nvme_shard_bytes(const Partition& part, DType compute)
   return round_up_4k(part.shard_numel * static_cast<int64_t>(dtype_bytes(compute)));
 }
 
-// Every non-persistent block's shard to one file, at 4 KiB-aligned offsets
-// (O_DIRECT), and out of RAM.
-void ParamCoordinator::move_shards_to_nvme() {
-  const size_t es = dtype_bytes(compute_);
-  int64_t bytes = 0;
+// Every non-persistent block's shard in one file, at 4 KiB-aligned offsets
+// (O_DIRECT); set_initial_shard writes them through the staging buffer.
+void ParamCoordinator::lay_out_nvme_file() {
+  int64_t bytes = 0, largest = 0;
   for (BlockShard& s : blocks_) {
     if (s.persistent) continue;
     s.nvme_offset = bytes;
     bytes += nvme_shard_bytes(s.part, compute_);
+    largest = std::max(largest, nvme_shard_bytes(s.part, compute_));
   }
   if (bytes == 0) return;
   nvme_file_ = nvme_->create("compute_params", bytes);
-  for (BlockShard& s : blocks_) {
-    if (s.nvme_offset < 0) continue;
-    const int64_t n = nvme_shard_bytes(s.part, compute_);
-    offload::PinnedBuffer staging(static_cast<size_t>(n), pin_);
-    std::memcpy(staging.data(), s.own_compute(), static_cast<size_t>(s.part.shard_numel) * es);
-    nvme_->write(nvme_file_, s.nvme_offset, staging.data(), n).wait();
-    memory_->free(s.compute_shard);
-    if (s.compute_shard_pinned.data()) {
-      memory_->add(-static_cast<int64_t>(s.compute_shard_pinned.footprint()));
-      s.compute_shard_pinned = offload::PinnedBuffer();
-    }
-  }
+  staging_ = offload::PinnedBuffer(static_cast<size_t>(largest), pin_);
+  memory_->add(static_cast<int64_t>(staging_.footprint()));
 }
 
 ParamCoordinator::~ParamCoordinator() = default;

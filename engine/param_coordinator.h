@@ -47,8 +47,9 @@ class ParamCoordinator {
   // traced and prefetched) or an evaluation forward (gathered on demand).
   enum class Pass { kNone, kTrain, kEval };
 
-  // `blocks` (partitions and, at stage 3, compute shards set) and `memory`
-  // must outlive the coordinator. `gather` (null for one rank) runs the
+  // `blocks` (partitions set) and `memory` must outlive the coordinator. At
+  // stage 3 the engine then hands it every block's initial shard
+  // (set_initial_shard) and calls start(). `gather` (null for one rank) runs the
   // parameter all-gathers. `nvme` (stage 3, offload_param "nvme"): the store
   // the shards of the blocks that do not persist move to; the coordinator
   // owns it and, after the constructor, uses it only from the gather
@@ -64,6 +65,17 @@ class ParamCoordinator {
   // Bytes a block's compute shard takes in the parameter file and in each
   // buffer it is read into or written from (4 KiB-aligned for O_DIRECT).
   static int64_t nvme_shard_bytes(const Partition& part, DType compute);
+
+  // Stage 3: block's initial compute shard from its own fp32 elements
+  // (part.shard_numel): kept in RAM (page-locked with offload_param "cpu"),
+  // or, with offload_param "nvme" for a block that does not persist,
+  // converted into a staging buffer and written straight to the parameter
+  // file, so that no rank ever holds all its shards (Note [ZeRO-3 parameter
+  // coordination]). Every block once, before start().
+  void set_initial_shard(int block, const float* own);
+  // Stage 3, after every initial shard: the persistent blocks are gathered
+  // and the staging buffer goes.
+  void start();
 
   // Stages 0-2 only (tests): every block gathered, no communication.
   ParamCoordinator(std::vector<BlockShard>& blocks, DType compute);
@@ -129,7 +141,7 @@ class ParamCoordinator {
 
  private:
   enum class Mode { kRecording, kFollowing };
-  void move_shards_to_nvme();
+  void lay_out_nvme_file();
   void gather_all_stages_1_2();
   void start_gather(BlockShard& s, bool prefetch);
   void wait_gather(BlockShard& s);
@@ -142,6 +154,8 @@ class ParamCoordinator {
 
   std::unique_ptr<offload::NvmeStore> nvme_;
   int nvme_file_ = -1;
+  offload::PinnedBuffer staging_;  // stage 3 with NVMe, until start(): an initial shard on its way to disk
+  bool started_ = false;
   DeviceGather device_;  // device_.stream set: gathers on the GPU
   bool pin_ = false;
   StagePlan plan_;

@@ -31,6 +31,13 @@
 // stage 2 does (there is nothing to shard), unless offload_param moves the
 // parameters out of RAM: then a block is read into RAM while in use.
 //
+// Stage 3 with the optimizer states on NVMe (StagePlan::grads_on_nvme): the
+// reduced shard of each block goes to NVMe as soon as its reduction has run
+// (on one rank, as soon as backward reports it), its sum of squares taken
+// first for the norm, and the update reads it with its sub-group's master,
+// m and v (OptimizerSwapper): no reduced-shard buffer, and the full buffer
+// only in backward, on one rank too.
+//
 // No-sync: micro-steps that do not end a global batch accumulate into the
 // full gradient buffers with no communication. At stage 2 that means the full
 // buffers live from the first micro-step's backward to the boundary's
@@ -79,8 +86,13 @@ struct StagePlan {
   // one rank whose parameters are offloaded: its "shard" is the whole block,
   // kept on NVMe or page-locked, and "gathered" into RAM while in use).
   bool params_sharded = false;
+  // The reduced gradients go to NVMe block by block (Config::gradients_on_nvme):
+  // the full gradient buffer exists only from its block's backward until
+  // its reduction has run and the rank's shard is written (as at stage 2 on
+  // several ranks, also on one rank), and there is no reduced-shard buffer.
+  bool grads_on_nvme = false;
 
-  static StagePlan make(int stage, int world, bool params_offloaded = false) {
+  static StagePlan make(int stage, int world, bool params_offloaded = false, bool grads_to_nvme = false) {
     StagePlan p;
     p.stage = stage;
     p.world = world;
@@ -90,6 +102,11 @@ struct StagePlan {
     p.gather_reduced_grads = world > 1 && stage == 0;
     p.gather_params_after_step = world > 1 && (stage == 1 || stage == 2);
     p.params_sharded = stage == 3 && (world > 1 || params_offloaded);
+    if (grads_to_nvme && stage == 3) {
+      p.grads_on_nvme = true;
+      p.grad_always_allocated = false;
+      p.grad_shard_buffer = false;
+    }
     return p;
   }
   // A separate compute copy of the parameters: bf16 / fp16 always; fp32 at
@@ -193,6 +210,7 @@ struct BlockShard {
   float* master_compute = nullptr;
   AlignedBuffer grad;        // 1-D, part.padded_numel fp32 accumulators (when not kFreed)
   AlignedBuffer grad_shard;  // 1-D, part.shard_numel fp32 reduced gradient (StagePlan::grad_shard_buffer)
+  double grad_squares = 0;   // StagePlan::grads_on_nvme: the stored shard's sum of squares
   ParamState param_state = ParamState::kGathered;
   int held = 0;  // HeldParams handles the model holds now (ParamCoordinator)
   bool persistent = false;    // stage 3: stays gathered (stage3_param_persistence_threshold)

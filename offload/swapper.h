@@ -13,7 +13,16 @@
 // is scratch of this run, removed at exit, never read by a new run). The
 // buffers are registered with the store's rings (fixed-buffer I/O).
 //
-// Threading: used by the training thread only.
+// Gradients (SwapperOptions::gradients; ZeRO-3 with the optimizer on NVMe,
+// as DeepSpeed's stage 3 swaps them): each span's reduced fp32 gradient
+// goes to a second file, in a store of its own, as soon as backward has it
+// (write_gradients), so no rank holds the gradients of all its shards at
+// once; each sub-group's gradient is read with its states into a fourth
+// region of the buffer. The buffers then hold 16 bytes per element.
+//
+// Threading: used by the training thread only, except write_gradients,
+// which may run on another thread (the engine's reduction stream) while the
+// training thread does not use the swapper.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +49,9 @@ struct SwapperOptions {
   // Elements per sub-group, rounded down to a multiple of 1024 (at least
   // 1024): larger sub-groups mean fewer, larger transfers and more RAM.
   int64_t sub_group_size = 1000000000;
+  // The spans' gradients live on NVMe too (write_gradients; for_each hands
+  // each sub-group's gradient to fn).
+  bool gradients = false;
   // Makes each ring's I/O engine (tests: a fault-injecting one); null means
   // io_uring.
   std::function<std::unique_ptr<IoEngine>(const NvmeOptions&)> engine_factory;
@@ -52,6 +64,7 @@ class OptimizerSwapper {
     int64_t offset;  // within the block's optimizer span (elements)
     int64_t count;   // elements, a multiple of 1024
     int64_t file_offset;  // bytes
+    int64_t grad_offset;  // bytes, in the gradient file (SwapperOptions::gradients)
   };
   // The layout a swapper takes for these spans, without building it: its
   // sub-groups, its file's size and the pinned RAM of its buffers (what
@@ -60,6 +73,7 @@ class OptimizerSwapper {
     std::vector<SubGroup> groups;
     int64_t max_count = 0;     // elements of the largest sub-group
     int64_t file_bytes = 0;    // the optimizer_states file: 12 bytes per element of every sub-group
+    int64_t grad_file_bytes = 0;  // the gradients file: 4 bytes per element (0 without gradients)
     int64_t buffer_count = 0;  // pinned buffers
     int64_t buffer_bytes = 0;  // all of them together
   };
@@ -71,14 +85,24 @@ class OptimizerSwapper {
   ~OptimizerSwapper();
 
   // Writes a block's initial master weights (span_numel[block] elements) and
-  // zero moments.
+  // zero moments; `master` may be reused on return, the writes may still be
+  // in flight (for_each and read_master wait for them first; finish_init
+  // waits and rethrows a failed one).
   void init_block(int block, const float* master);
+  void finish_init();
   // Runs fn on every sub-group in order with its master, m, v in memory; what
   // fn leaves there is written back (write_back false: a reader's pass, which
   // writes nothing; read false: a writer's pass, in which fn sets every
-  // element and nothing is read first).
-  void for_each(const std::function<void(const SubGroup&, float* master, float* m, float* v)>& fn,
-                bool write_back = true, bool read = true);
+  // element and nothing is read first). `grad` is the sub-group's gradient
+  // as write_gradients left it when `grads` is set and the swapper keeps
+  // gradients, else null.
+  using Visitor = std::function<void(const SubGroup&, float* master, float* m, float* v, const float* grad)>;
+  void for_each(const Visitor& fn, bool write_back = true, bool read = true, bool grads = false);
+  // Writes block's gradient (span_numel[block] fp32 elements) to the
+  // gradient file and waits. `grad` need not be aligned (an unaligned one is
+  // copied through a staging page). Throws IoError.
+  void write_gradients(int block, const float* grad);
+  bool keeps_gradients() const { return grad_store_ != nullptr; }
   // Reads a block's master weights (span_numel[block] elements) into out.
   void read_master(int block, float* out);
 
@@ -94,9 +118,16 @@ class OptimizerSwapper {
   std::vector<PinnedBuffer> buffers_;  // buffer_count x 3 * max sub-group
   std::unique_ptr<NvmeStore> store_;
   int file_ = -1;
+  std::unique_ptr<NvmeStore> grad_store_;  // SwapperOptions::gradients
+  int grad_file_ = -1;
   std::vector<SubGroup> groups_;
   std::vector<int64_t> span_numel_;
   int64_t max_count_ = 0;
+  int64_t region_ = 3;  // fp32 regions per buffer: master, m, v (and the gradient)
+  // init_block's writes in flight, one per buffer (last: destroyed, so
+  // waited for, before the stores).
+  std::vector<IoTicket> init_writes_;
+  size_t next_init_ = 0;
 };
 
 }  // namespace zinc::offload

@@ -172,8 +172,8 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
 
 void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) {
   ProfileScope profile_scope(Op::kAttention);
-  if (Hkv <= 0 || H % Hkv != 0)
-    throw Error("gqa_expand: heads " + std::to_string(H) + " not a multiple of kv heads " + std::to_string(Hkv));
+  if (H <= 0 || Hkv <= 0 || H % Hkv != 0)
+    throw Error("gqa_expand: heads " + std::to_string(H) + " not a positive multiple of kv heads " + std::to_string(Hkv));
   const int64_t g = H / Hkv, in_w = (H + 2 * Hkv) * hd, out_w = 3 * H * hd;
   const size_t head_bytes = static_cast<size_t>(hd) * sizeof(float);
   parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(out_w), [&](size_t lo, size_t hi) {
@@ -192,8 +192,8 @@ void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv
 
 void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) {
   ProfileScope profile_scope(Op::kAttention);
-  if (Hkv <= 0 || H % Hkv != 0)
-    throw Error("gqa_reduce: heads " + std::to_string(H) + " not a multiple of kv heads " + std::to_string(Hkv));
+  if (H <= 0 || Hkv <= 0 || H % Hkv != 0)
+    throw Error("gqa_reduce: heads " + std::to_string(H) + " not a positive multiple of kv heads " + std::to_string(Hkv));
   const int64_t g = H / Hkv, out_w = (H + 2 * Hkv) * hd, in_w = 3 * H * hd;
   parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(in_w), [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {

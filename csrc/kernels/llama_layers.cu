@@ -162,8 +162,8 @@ unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1)
 
 // The CPU's check of a head layout (llama_layers.cpp), under the twin's name.
 void check_gqa(const char* what, int64_t H, int64_t Hkv) {
-  if (Hkv <= 0 || H % Hkv != 0)
-    throw Error(std::string(what) + ": heads " + std::to_string(H) + " not a multiple of kv heads " +
+  if (H <= 0 || Hkv <= 0 || H % Hkv != 0)
+    throw Error(std::string(what) + ": heads " + std::to_string(H) + " not a positive multiple of kv heads " +
                 std::to_string(Hkv));
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/alloc.h"
 #include "core/error.h"
 #include "offload/offload.h"
 #include "offload/swapper.h"
@@ -64,7 +65,7 @@ TEST(Swapper, UpdatesRoundTripThroughTheFileForAnyBufferCount) {
     for (int b = 0; b < 3; ++b) s.init_block(b, initial(b, kSpans[b]).data());
     // First pass: the initial master, zero moments; write an update.
     int visited = 0;
-    s.for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+    s.for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v, const float*) {
       const std::vector<float> want = initial(g.block, kSpans[g.block]);
       for (int64_t i = 0; i < g.count; ++i) {
         ASSERT_EQ(master[i], want[g.offset + i]) << "block " << g.block << " element " << g.offset + i;
@@ -78,7 +79,7 @@ TEST(Swapper, UpdatesRoundTripThroughTheFileForAnyBufferCount) {
     });
     EXPECT_EQ(visited, static_cast<int>(s.sub_groups().size()));
     // Second pass sees the update of the first.
-    s.for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v) {
+    s.for_each([&](const OptimizerSwapper::SubGroup& g, float* master, float* m, float* v, const float*) {
       const std::vector<float> want = initial(g.block, kSpans[g.block]);
       for (int64_t i = 0; i < g.count; ++i) {
         ASSERT_EQ(master[i], want[g.offset + i] + 0.5f) << "buffers " << buffers;
@@ -97,6 +98,90 @@ TEST(Swapper, UpdatesRoundTripThroughTheFileForAnyBufferCount) {
   }
 }
 
+// Gradients (ZeRO-3 with the optimizer on NVMe): each block's gradient,
+// written from an aligned or a heap (64-byte aligned) buffer, comes back
+// beside its sub-group's states; a pass that does not ask for them gets
+// none, and the states are unaffected.
+TEST(Swapper, GradientsComeBackWithTheirSubGroups) {
+  for (int64_t buffers : {2, 4}) {
+    TempDir dir;
+    SwapperOptions o = options(dir.path(), 2048, buffers);
+    o.gradients = true;
+    OptimizerSwapper s(o, 0, kSpans);
+    ASSERT_TRUE(s.keeps_gradients());
+    EXPECT_EQ(OptimizerSwapper::plan(o, kSpans).grad_file_bytes, (3072 + 1024 + 5120) * 4);
+    for (int b = 0; b < 3; ++b) s.init_block(b, initial(b, kSpans[b]).data());
+    auto grad_of = [](int block, int64_t i) { return 0.25f * static_cast<float>(i) - static_cast<float>(block); };
+    for (int b = 0; b < 3; ++b) {
+      const int64_t n = kSpans[b];
+      // Block 1 from a page-aligned buffer, the others one float past an
+      // aligned start (not 4 KiB-aligned: copied through a staging page).
+      const int64_t shift = b == 1 ? 0 : 1;
+      AlignedBuffer buf(static_cast<size_t>(n + 1024) * 4, kPageAlign);
+      float* g = buf.as<float>() + shift;
+      for (int64_t i = 0; i < n; ++i) g[i] = grad_of(b, i);
+      s.write_gradients(b, g);
+    }
+    int visited = 0;
+    s.for_each(
+        [&](const OptimizerSwapper::SubGroup& g, float* master, float*, float*, const float* grad) {
+          ASSERT_NE(grad, nullptr);
+          const std::vector<float> want = initial(g.block, kSpans[g.block]);
+          for (int64_t i = 0; i < g.count; ++i) {
+            ASSERT_EQ(grad[i], grad_of(g.block, g.offset + i)) << "block " << g.block << " element " << g.offset + i;
+            ASSERT_EQ(master[i], want[g.offset + i]);
+            master[i] -= grad[i];
+          }
+          ++visited;
+        },
+        /*write_back=*/true, /*read=*/true, /*grads=*/true);
+    EXPECT_EQ(visited, static_cast<int>(s.sub_groups().size()));
+    s.for_each(
+        [&](const OptimizerSwapper::SubGroup& g, float* master, float*, float*, const float* grad) {
+          EXPECT_EQ(grad, nullptr);
+          const std::vector<float> want = initial(g.block, kSpans[g.block]);
+          for (int64_t i = 0; i < g.count; ++i)
+            ASSERT_EQ(master[i], want[g.offset + i] - grad_of(g.block, g.offset + i)) << "buffers " << buffers;
+        },
+        /*write_back=*/false);
+  }
+}
+
+TEST(Swapper, WithoutGradientsThereAreNone) {
+  TempDir dir;
+  OptimizerSwapper s(options(dir.path(), 2048, 2), 0, kSpans);
+  EXPECT_FALSE(s.keeps_gradients());
+  EXPECT_EQ(OptimizerSwapper::plan(options(dir.path(), 2048, 2), kSpans).grad_file_bytes, 0);
+  s.for_each([](const OptimizerSwapper::SubGroup&, float*, float*, float*, const float* grad) { EXPECT_EQ(grad, nullptr); },
+             /*write_back=*/false, /*read=*/true, /*grads=*/true);
+}
+
+// A gradient write that fails (the disk is full) is an IoError naming the
+// gradients file, on the thread that wrote, and the states are untouched.
+TEST(Swapper, FailedGradientWriteIsAnIoErrorNamingTheFile) {
+  TempDir dir;
+  SwapperOptions o = options(dir.path(), 2048, 2);
+  o.gradients = true;
+  // The gradient store is the one without registered buffers.
+  o.engine_factory = [](const NvmeOptions& opt) {
+    std::unique_ptr<IoEngine> e = make_uring_engine(opt);
+    return opt.fixed_buffers.empty() ? make_faulty_engine(std::move(e), 0, ENOSPC) : std::move(e);
+  };
+  OptimizerSwapper s(o, 0, kSpans);
+  for (int b = 0; b < 3; ++b) s.init_block(b, initial(b, kSpans[b]).data());
+  AlignedBuffer g(static_cast<size_t>(kSpans[0]) * 4, kPageAlign);
+  try {
+    s.write_gradients(0, g.as<float>());
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("gradients"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+  std::vector<float> out(static_cast<size_t>(kSpans[2]));
+  s.read_master(2, out.data());
+  EXPECT_EQ(out, initial(2, kSpans[2]));
+}
+
 TEST(Swapper, FailedReadEndsThePassWithIoError) {
   TempDir dir;
   SwapperOptions o = options(dir.path(), 1024, 2);
@@ -107,7 +192,7 @@ TEST(Swapper, FailedReadEndsThePassWithIoError) {
   OptimizerSwapper s(o, 0, kSpans);
   for (int b = 0; b < 3; ++b) s.init_block(b, initial(b, kSpans[b]).data());
   try {
-    s.for_each([](const OptimizerSwapper::SubGroup&, float*, float*, float*) {});
+    s.for_each([](const OptimizerSwapper::SubGroup&, float*, float*, float*, const float*) {});
     FAIL() << "no error";
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("read of "), std::string::npos) << e.what();
