@@ -35,6 +35,8 @@ struct BenchOptions {
   bool resident = false;  // gpu-train-step: optimizer states on the GPU (the step without PCIe or the CPU optimizer)
   std::string model = "gpt";  // train-step: "gpt" (the reference GPT) or "llama" (a ~107M Llama, GQA 4:1, seq 512)
   bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
+  std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT
+  int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
 };
 
 // The matmuls of one training step, by shape: the bounds of train-step

@@ -11,10 +11,19 @@
 // same run: the bytes one step reads and writes on NVMe over fio's io_uring
 // read and write rates on the same folder.
 //
+// --pretrained DIR: a Hugging Face folder instead (model.from_pretrained,
+// e.g. the 500M Llama of tests/fixtures/hf/make_fixtures.py --big), under a
+// cap of --cap-mib (default 3072): the load alone (--steps 0) and 2 steps
+// run capped, the 2 steps again uncapped (the losses and weights must be the
+// same); each run's peak RSS and the group's peak, and the load time against
+// the disk's bound from fio in the same run (the folder's safetensors read,
+// the optimizer states and parameter shards written).
+//
 // Needs root and a writable memory controller (cgroup v1 memory, or v2 with
 // memory enabled in the root's subtree); otherwise it says so and skips.
 // Folder: ZINC_BENCH_NVME_PATH (default /tmp).
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,7 +31,9 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -51,8 +62,8 @@ std::string read_text(const std::string& path) {
 // (memory.max). Removed by the destructor (after its processes ended).
 class MemoryCap {
  public:
-  explicit MemoryCap(int64_t bytes) {
-    const std::string name = "zinc-capacity-" + std::to_string(::getpid());
+  explicit MemoryCap(int64_t bytes, const std::string& suffix = "") {
+    const std::string name = "zinc-capacity-" + std::to_string(::getpid()) + suffix;
     const std::string v1 = "/sys/fs/cgroup/memory";
     if (::access((v1 + "/memory.limit_in_bytes").c_str(), F_OK) == 0) {
       dir_ = v1 + "/" + name;
@@ -99,12 +110,15 @@ struct Run {
   std::string digest;
   double nvme_read = 0, nvme_write = 0;  // bytes per step
   int64_t peak_rss = 0;
+  int64_t child_max_rss = 0;  // the process's peak RSS from wait4 (also when it trains no step)
+  double wall_s = 0;          // fork to exit
 };
 
 // zinc-train CONFIG --json, in a child that first joins `cap` (if given);
 // its JSON lines go to `out`.
 Run train(const std::string& zinc_train, const std::string& config, int steps, const std::string& out,
           const MemoryCap* cap) {
+  const auto t0 = std::chrono::steady_clock::now();
   const pid_t pid = ::fork();
   if (pid < 0) throw Error("capacity bench: fork failed");
   if (pid == 0) {
@@ -121,11 +135,14 @@ Run train(const std::string& zinc_train, const std::string& config, int steps, c
     ::_exit(5);
   }
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  struct rusage ru {};
+  ::wait4(pid, &status, 0, &ru);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     throw Error("capacity bench: zinc-train " + config + (cap ? " (capped)" : "") +
                 " failed (status " + std::to_string(status) + "); its output is in " + out);
   Run r;
+  r.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.child_max_rss = static_cast<int64_t>(ru.ru_maxrss) * 1024;
   std::ifstream f(out);
   for (std::string line; std::getline(f, line);) {
     if (line.empty() || line[0] != '{') continue;
@@ -171,7 +188,117 @@ nlohmann::json last_json_event(const std::string& command, const std::string& ev
   return found;
 }
 
+namespace {
+
+double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+// A pretrained folder under a cap (see the top of the file).
+int bench_capacity_pretrained(const BenchOptions& o) {
+  namespace fs = std::filesystem;
+  const char* env = std::getenv("ZINC_BENCH_NVME_PATH");
+  const std::string folder = env && *env ? env : "/tmp";
+  const std::string zinc_train = zinc_train_path();
+  require_fio();
+  if (!fs::is_directory(o.pretrained)) throw Error("capacity bench: --pretrained " + o.pretrained + " is not a folder");
+  int64_t weight_bytes = 0;  // what the load reads
+  for (const auto& e : fs::directory_iterator(o.pretrained))
+    if (e.path().extension() == ".safetensors") weight_bytes += static_cast<int64_t>(e.file_size());
+  const int64_t cap_bytes = o.cap_mib << 20;
+  const int steps = 2;
+  char tmpl[] = "/tmp/zinc-capacity-XXXXXX";
+  if (!::mkdtemp(tmpl)) throw Error("capacity bench: mkdtemp failed");
+  const std::string work = tmpl;
+  const nlohmann::json cfg = {
+      {"train_micro_batch_size_per_gpu", 1},
+      {"gradient_accumulation_steps", 1},
+      {"gradient_clipping", 1.0},
+      {"bf16", {{"enabled", true}}},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}}}}},
+      {"model", {{"from_pretrained", o.pretrained}}},
+      {"data", {{"type", "synthetic"}, {"vocab_size", 8192}, {"seq_len", 128}}},
+      {"run", {{"eval_interval", 0}}},
+      {"aio", {{"block_size", 1048576}, {"queue_depth", 8}}},
+      {"zero_optimization",
+       {{"stage", 3},
+        {"overlap_comm", true},
+        {"stage3_max_reuse_distance", 0},
+        {"sub_group_size", 5000000},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", folder}, {"buffer_count", 4}}},
+        {"offload_param", {{"device", "nvme"}, {"nvme_path", folder}}}}}};
+  const std::string config = work + "/pretrained.json";
+  write_text(config, cfg.dump(2));
+  // What the load writes: the estimate's NVMe files (optimizer states and
+  // parameter shards; the gradients file is only preallocated).
+  const nlohmann::json est =
+      last_json_event(zinc_train + " " + config + " --estimate --json 2>/dev/null", "estimate", "capacity");
+  int64_t load_writes = 0;
+  for (const auto& part : est["breakdown"]["disk"])
+    if (part.value("name", "").rfind("gradients", 0) != 0) load_writes += part.value("bytes", int64_t{0});
+
+  MemoryCap load_cap(cap_bytes, "-load");
+  if (!load_cap.ok()) {
+    std::printf("capacity: skipped: the memory controller is not writable here (%s)\n", load_cap.why().c_str());
+    return 0;
+  }
+  const Run load = train(zinc_train, config, 0, work + "/load.out", &load_cap);
+  const int64_t load_group_peak = load_cap.peak();
+  MemoryCap train_cap(cap_bytes, "-train");
+  const Run capped = train(zinc_train, config, steps, work + "/capped.out", &train_cap);
+  const int64_t train_group_peak = train_cap.peak();
+  const Run full = train(zinc_train, config, steps, work + "/full.out", nullptr);
+  const std::string fio_file = folder + "/zinc-capacity-fio.dat";
+  const double fio_w = fio_bw(fio_file, int64_t{1} << 30, true);
+  const double fio_r = fio_bw(fio_file, int64_t{1} << 30, false);
+  ::unlink(fio_file.c_str());
+  const bool same = capped.losses == full.losses && capped.digest == full.digest && !capped.digest.empty() &&
+                    static_cast<int>(capped.losses.size()) == steps;
+  const double read_bound = static_cast<double>(weight_bytes) / fio_r;
+  const double load_bound = read_bound + static_cast<double>(load_writes) / fio_w;
+  nlohmann::json line = {{"bench", "capacity"},
+                         {"case", "pretrained/stage3-nvme"},
+                         {"figure", load.wall_s},
+                         {"unit", "s to load"},
+                         {"bound", load_bound},
+                         {"ratio", load.wall_s / load_bound},
+                         {"pretrained", o.pretrained},
+                         {"parameters", est.value("parameters", int64_t{0})},
+                         {"cap_bytes", cap_bytes},
+                         {"load_peak_rss_bytes", load.child_max_rss},
+                         {"load_cgroup_peak_bytes", load_group_peak},
+                         {"train_peak_rss_bytes", capped.child_max_rss},
+                         {"train_cgroup_peak_bytes", train_group_peak},
+                         {"uncapped_peak_rss_bytes", full.child_max_rss},
+                         {"weights_read_bytes", weight_bytes},
+                         {"load_nvme_write_bytes", load_writes},
+                         {"load_read_bound_s", read_bound},
+                         {"fio_read_Bps", fio_r},
+                         {"fio_write_Bps", fio_w},
+                         {"train_wall_s", capped.wall_s},
+                         {"losses", capped.losses},
+                         {"uncapped_losses", full.losses},
+                         {"losses_equal_uncapped", same},
+                         {"digest", capped.digest}};
+  char buf[1400];
+  std::snprintf(buf, sizeof buf,
+                "capacity: %s, %.1fM parameters, cap %.0f MiB, stage 3 on NVMe | load: peak RSS %.0f MiB (group %.0f "
+                "MiB), %.1f s against a disk bound of %.1f s (%.0f MiB read at %.2f GB/s = %.1f s, %.0f MiB written at "
+                "%.2f GB/s), ratio %.2f | %d steps capped: peak RSS %.0f MiB (group %.0f MiB), %.1f s, losses %s the "
+                "uncapped run's (peak RSS %.0f MiB)",
+                o.pretrained.c_str(), static_cast<double>(est.value("parameters", int64_t{0})) / 1e6, mib(cap_bytes),
+                mib(load.child_max_rss), mib(load_group_peak), load.wall_s, load_bound, mib(weight_bytes), fio_r / 1e9,
+                read_bound, mib(load_writes), fio_w / 1e9, load.wall_s / load_bound, steps, mib(capped.child_max_rss),
+                mib(train_group_peak), capped.wall_s, same ? "bit-identical to" : "DIFFERENT FROM",
+                mib(full.child_max_rss));
+  emit(o.json, line, buf);
+  for (const char* f : {"/pretrained.json", "/load.out", "/capped.out", "/full.out"}) std::remove((work + f).c_str());
+  ::rmdir(work.c_str());
+  return same ? 0 : 1;
+}
+
+}  // namespace
+
 int bench_capacity(const BenchOptions& o) {
+  if (!o.pretrained.empty()) return bench_capacity_pretrained(o);
   const char* env = std::getenv("ZINC_BENCH_NVME_PATH");
   const std::string folder = env && *env ? env : "/tmp";
   const std::string zinc_train = zinc_train_path();

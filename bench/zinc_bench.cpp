@@ -66,6 +66,11 @@ int main(int argc, char** argv) {
   app.add_flag("--resident", o.resident,
                "gpu-train-step: optimizer states on the GPU instead of ZeRO-Offload (the step without PCIe and the "
                "CPU optimizer, to compare)");
+  app.add_option("--pretrained", o.pretrained,
+                 "capacity: load this Hugging Face folder (model.from_pretrained) at stage 3 on NVMe under --cap-mib "
+                 "and train 2 steps, instead of the GPT");
+  app.add_option("--cap-mib", o.cap_mib, "capacity --pretrained: the memory cap in MiB (default 3072)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
