@@ -51,20 +51,29 @@ class CudaOps final : public Ops {
       indexes_[store.data()].build(host.data(), static_cast<int64_t>(host.size()), V, kStream);
     return store.as<int32_t>();
   }
-  // The Llama kernels have no CUDA twins yet: make_llama refuses device
-  // "cuda" before any of these is reached.
-  [[noreturn]] static void no_llama(const char* k) {
-    throw Error(std::string("device \"cuda\": ") + k + " has no CUDA kernel yet (the llama model runs on the CPU)");
+  // The Llama kernels' CUDA twins (llama_layers.cu), bit for bit the CPU's.
+  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
+    kernels::cuda::rmsnorm_forward(out, rstd, x, w, N, C, eps, kStream);
   }
-  void rmsnorm_forward(float*, float*, const float*, CView, int64_t, int64_t, float) override { no_llama("rmsnorm_forward"); }
-  void rmsnorm_backward(float*, float*, const float*, const float*, CView, const float*, int64_t, int64_t) override {
-    no_llama("rmsnorm_backward");
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
+                        int64_t C) override {
+    kernels::cuda::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, kStream);
   }
-  void swiglu_forward(float*, const float*, int64_t, int64_t) override { no_llama("swiglu_forward"); }
-  void swiglu_backward(float*, const float*, const float*, int64_t, int64_t) override { no_llama("swiglu_backward"); }
-  void rope(float*, const float*, const float*, kernels::RopeShape, bool) override { no_llama("rope"); }
-  void gqa_expand(float*, const float*, int64_t, int64_t, int64_t, int64_t) override { no_llama("gqa_expand"); }
-  void gqa_reduce(float*, const float*, int64_t, int64_t, int64_t, int64_t) override { no_llama("gqa_reduce"); }
+  void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::cuda::swiglu_forward(out, gate_up, N, I, kStream);
+  }
+  void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::cuda::swiglu_backward(dgate_up, dout, gate_up, N, I, kStream);
+  }
+  void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) override {
+    kernels::cuda::rope(x, cos, sin, s, inverse, kStream);
+  }
+  void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
+    kernels::cuda::gqa_expand(qkv, q_kv, N, H, Hkv, hd, kStream);
+  }
+  void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
+    kernels::cuda::gqa_reduce(dq_kv, dqkv, N, H, Hkv, hd, kStream);
+  }
   void copy_in(Buf& dst, const float* host, int64_t n) override {
     dst = alloc(static_cast<size_t>(n) * sizeof(float));
     ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice,

@@ -52,8 +52,6 @@ class Llama final : public Model {
  public:
   explicit Llama(const LlamaConfig& c) : c_(c) {
     if (auto bad = size_error(c)) throw Error("llama: " + bad->field + ": " + bad->message);
-    if (c.device == Device::kCuda)
-      throw Error("llama: device \"cuda\": the llama model has no CUDA kernels yet; run it with device \"cpu\"");
     ops_ = &detail::ops_for(c.device);
     H_ = c.num_attention_heads;
     K_ = c.kv_heads();
