@@ -339,6 +339,37 @@ TEST(Checkpoint, OneRankResumesBitExactAtEveryStageAndOffload) {
   });
 }
 
+// The Llama (GQA 4:2, tied, biases on q, k, v) resumes bit for bit too: in
+// fp16 at stage 2, and in bf16 at ZeRO-3 with its parameters, optimizer
+// states and gradients on NVMe.
+TEST(Checkpoint, LlamaResumesBitExact) {
+  auto llama = [] {
+    models::LlamaConfig c;
+    c.vocab_size = 13;
+    c.hidden_size = 32;
+    c.intermediate_size = 48;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.max_position_embeddings = 16;
+    c.qkv_bias = true;
+    c.tie_word_embeddings = true;
+    return models::make_llama(c);
+  };
+  testing_train::RunSpec fp16;
+  fp16.make = llama;
+  fp16.stage = 2;
+  fp16.top_extra = {{"fp16", {{"enabled", true}, {"initial_scale_power", 12}}}};
+  testing_train::expect_bit_exact_resume(fp16, nullptr, fresh_dir("llama16"), 3, "llama fp16 stage 2");
+  testing_train::RunSpec nvme;
+  nvme.make = llama;
+  nvme.bf16 = true;
+  nvme.stage = 3;
+  nvme.offload = "nvme";
+  nvme.zero_extra = {{"offload_param", {{"device", "nvme"}, {"nvme_path", ::testing::TempDir()}}}};
+  testing_train::expect_bit_exact_resume(nvme, nullptr, fresh_dir("llama3"), 3, "llama bf16 stage 3 on NVMe");
+}
+
 // fp16: the loss scale, its hysteresis and window position come back with
 // the checkpoint (a resumed run that restarted at 2^20 would skip steps the
 // straight run takes). The scale falls from 2^20 and grows every 2 clean steps.
