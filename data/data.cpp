@@ -43,7 +43,9 @@ constexpr int64_t kSyntheticEpoch = int64_t{1} << 40;  // samples per synthetic 
 constexpr int64_t kSyntheticEvalBase = int64_t{1} << 41;
 constexpr int64_t kMaxSyntheticTable = int64_t{1} << 26;  // V*V entries (256 MiB of int32)
 constexpr int64_t kMaxMaterialisedOrder = int64_t{1} << 24;  // 128 MiB of int64 indices
-constexpr int32_t kTokenFileMagic = 20240520;  // first int32 of the GPT-2 scripts' header
+constexpr int32_t kTokenFileMagic = 20240520;    // first int32 of the GPT-2 scripts' header: uint16, version 1
+constexpr int32_t kTokenFileMagic32 = 20240801;  // the same scripts' Llama 3 files: uint32, version 7
+constexpr int64_t kMaxTokenVocab = int64_t{1} << 24;  // the largest vocabulary a model takes
 constexpr int64_t kTokenHeaderBytes = 256 * 4;
 
 std::string fmt_double(double v) {
@@ -188,67 +190,85 @@ class TokenSource final : public DataSource {
   TokenSource(const DataConfig& cfg, bool eval)
       : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)) {
     const int64_t size = file_.size;
+    if (cfg.token_bytes != 0 && cfg.token_bytes != 2 && cfg.token_bytes != 4)
+      throw ConfigError("data.token_dtype", "must be uint16 or uint32");
     unsigned char header[kTokenHeaderBytes];
     if (size >= kTokenHeaderBytes) read_at(file_, path_, 0, header, kTokenHeaderBytes);
-    if (size >= kTokenHeaderBytes && le_i32(header) == kTokenFileMagic) {
+    const int32_t magic = size >= kTokenHeaderBytes ? le_i32(header) : 0;
+    w_ = cfg.token_bytes > 0 ? cfg.token_bytes : 2;
+    if (magic == kTokenFileMagic || magic == kTokenFileMagic32) {
       header_ = true;
-      const int32_t version = le_i32(header + 4);
+      const bool wide = magic == kTokenFileMagic32;
+      const int32_t version = le_i32(header + 4), want = wide ? 7 : 1;
       const int64_t count = le_i32(header + 8);
-      if (version != 1)
-        throw ConfigError("data.path", path_ + ": token file header version " +
-                                           std::to_string(version) +
-                                           " is not supported (only version 1: uint16 tokens)");
+      if (version != want)
+        throw ConfigError("data.path", path_ + ": token file header (magic " + std::to_string(magic) + ") version " +
+                                           std::to_string(version) + " is not supported (only version " +
+                                           std::to_string(want) + (wide ? ": uint32 tokens)" : ": uint16 tokens)"));
+      const int64_t hw = wide ? 4 : 2;
+      if (cfg.token_bytes > 0 && cfg.token_bytes != hw)
+        throw ConfigError("data.token_dtype", std::string("is ") + (cfg.token_bytes == 4 ? "uint32" : "uint16") +
+                                                  " but the header of " + path_ + " says " +
+                                                  (wide ? "uint32" : "uint16") + " tokens");
+      w_ = hw;
       const int64_t body = size - kTokenHeaderBytes;
-      if (body % 2 != 0 || count != body / 2)
+      if (body % w_ != 0 || count != body / w_)
         throw ConfigError("data.path", path_ + ": header says " + std::to_string(count) +
                                            " tokens but the file holds " + std::to_string(body) +
-                                           " bytes after the 1024-byte header (" +
-                                           std::to_string(body / 2) +
+                                           " bytes after the 1024-byte header (" + std::to_string(body / w_) +
+                                           (w_ == 4 ? " uint32" : " uint16") +
                                            " tokens); the file is truncated or corrupt");
       offset_ = kTokenHeaderBytes;
-    } else if (size % 2 != 0) {
-      throw ConfigError("data.path", path_ + " is " + std::to_string(size) +
-                                         " bytes, an odd size; a token file holds uint16 tokens "
-                                         "(optionally after a 1024-byte header)");
+    } else if (size % w_ != 0) {
+      throw ConfigError("data.path", path_ + " is " + std::to_string(size) + " bytes, not a multiple of " +
+                                         std::to_string(w_) + "; a token file holds " +
+                                         (w_ == 4 ? "uint32" : "uint16") +
+                                         " tokens (data.token_dtype; optionally after a 1024-byte header)");
     }
-    num_tokens_ = (size - offset_) / 2;
+    num_tokens_ = (size - offset_) / w_;
     check_window_file(path_, num_tokens_, T_, "tokens");
 
     // One pass over the file in large reads: the largest token, and the
-    // first one outside a given vocabulary.
-    int32_t max_token = 0;
+    // first one outside the vocabulary (the config's, else the largest a
+    // model takes).
+    const int64_t limit = cfg.vocab_size > 0 ? cfg.vocab_size : kMaxTokenVocab;
+    int64_t max_token = 0;
     int64_t first_bad = -1;
-    std::vector<unsigned char> buf(static_cast<size_t>(2 * kScanTokens));
+    std::vector<unsigned char> buf(static_cast<size_t>(w_ * kScanTokens));
     for (int64_t i0 = 0; i0 < num_tokens_; i0 += kScanTokens) {
       const int64_t n = std::min(kScanTokens, num_tokens_ - i0);
-      read_at(file_, path_, offset_ + 2 * i0, buf.data(), 2 * n);
-      int32_t chunk_max = 0;  // a loop the compiler vectorises; the search below runs once at most
-      for (int64_t k = 0; k < n; ++k) chunk_max = std::max(chunk_max, le_u16(buf.data() + 2 * k));
-      if (first_bad < 0 && cfg.vocab_size > 0 && chunk_max >= cfg.vocab_size) {
+      read_at(file_, path_, offset_ + w_ * i0, buf.data(), w_ * n);
+      int64_t chunk_max = 0;  // a loop the compiler vectorises; the search below runs once at most
+      if (w_ == 2) {
+        for (int64_t k = 0; k < n; ++k) chunk_max = std::max<int64_t>(chunk_max, le_u16(buf.data() + 2 * k));
+      } else {
+        for (int64_t k = 0; k < n; ++k) chunk_max = std::max<int64_t>(chunk_max, le_u32(buf.data() + 4 * k));
+      }
+      if (first_bad < 0 && chunk_max >= limit) {
         int64_t k = 0;
-        while (le_u16(buf.data() + 2 * k) < cfg.vocab_size) ++k;
+        while (token_at(buf.data(), k) < limit) ++k;
         first_bad = i0 + k;
       }
       max_token = std::max(max_token, chunk_max);
     }
-    if (cfg.vocab_size > 0) {
-      if (first_bad >= 0) {
-        unsigned char b[2];
-        read_at(file_, path_, offset_ + 2 * first_bad, b, 2);
-        throw ConfigError("data.vocab_size",
-                          "is " + std::to_string(cfg.vocab_size) + " but " + path_ + " token " +
-                              std::to_string(first_bad) + " is " + std::to_string(le_u16(b)) +
-                              " (max token " + std::to_string(max_token) +
-                              "); raise vocab_size, or set it to 0 to take max token + 1");
-      }
-      V_ = cfg.vocab_size;
-    } else {
-      V_ = int64_t{max_token} + 1;
+    if (first_bad >= 0) {
+      unsigned char b[4];
+      read_at(file_, path_, offset_ + w_ * first_bad, b, w_);
+      const std::string where = path_ + " token " + std::to_string(first_bad) + " is " +
+                                std::to_string(token_at(b, 0)) + " (byte offset " +
+                                std::to_string(offset_ + w_ * first_bad) + ", max token " +
+                                std::to_string(max_token) + ")";
+      if (cfg.vocab_size > 0)
+        throw ConfigError("data.vocab_size", "is " + std::to_string(cfg.vocab_size) + " but " + where +
+                                                 "; raise vocab_size, or set it to 0 to take max token + 1");
+      throw ConfigError("data.path", where + ", beyond the largest vocabulary a model takes (" +
+                                         std::to_string(kMaxTokenVocab) + "); is data.token_dtype right?");
     }
+    V_ = cfg.vocab_size > 0 ? cfg.vocab_size : max_token + 1;
     range_ = split_windows((num_tokens_ - 1) / T_, cfg.eval_fraction, eval);
   }
   std::string describe() const override {
-    return "tokens(" + path_ + ", " + std::to_string(num_tokens_) + " tokens, V=" +
+    return "tokens(" + path_ + ", " + std::to_string(num_tokens_) + (w_ == 4 ? " uint32" : "") + " tokens, V=" +
            std::to_string(V_) + (header_ ? ", header)" : ")");
   }
   int64_t vocab_size() const override { return V_; }
@@ -260,13 +280,13 @@ class TokenSource final : public DataSource {
     const int64_t start = (range_.first + index) * T_;
     // Tokens start .. start+T: token j is inputs[j] (j < T) and targets[j-1]
     // (j >= 1). One read for T < kSampleTokens, the usual case.
-    unsigned char buf[2 * kSampleTokens];
+    unsigned char buf[4 * kSampleTokens];
     for (int64_t j0 = 0; j0 <= T_; j0 += kSampleTokens) {
       const int64_t n = std::min(kSampleTokens, T_ + 1 - j0);
-      read_at(file_, path_, offset_ + 2 * (start + j0), buf, 2 * n);
+      read_at(file_, path_, offset_ + w_ * (start + j0), buf, w_ * n);
       for (int64_t k = 0; k < n; ++k) {
         const int64_t j = j0 + k;
-        const int32_t t = le_u16(buf + 2 * k);
+        const int32_t t = static_cast<int32_t>(token_at(buf, k));
         if (j < T_) inputs[j] = t;
         if (j >= 1) targets[j - 1] = t;
       }
@@ -275,7 +295,7 @@ class TokenSource final : public DataSource {
 
  private:
   static constexpr int64_t kScanTokens = int64_t{1} << 19;  // 1 MiB reads for the scan at open
-  static constexpr int64_t kSampleTokens = 4096;            // 8 KiB on the stack per sample()
+  static constexpr int64_t kSampleTokens = 4096;            // 16 KiB at most on the stack per sample()
 
   // Little-endian decoding byte by byte: correct on any host, and cheap.
   static int32_t le_i32(const unsigned char* b) {
@@ -285,11 +305,18 @@ class TokenSource final : public DataSource {
   static int32_t le_u16(const unsigned char* b) {
     return static_cast<int32_t>(b[0]) | static_cast<int32_t>(b[1]) << 8;
   }
+  static int64_t le_u32(const unsigned char* b) {
+    return static_cast<int64_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24);
+  }
+  // Token k of a buffer of this file's tokens (checked < 2^24 at open, so it
+  // fits an int32).
+  int64_t token_at(const unsigned char* b, int64_t k) const { return w_ == 2 ? le_u16(b + 2 * k) : le_u32(b + 4 * k); }
 
   std::string path_;
   int64_t T_;
   DataFile file_;
   bool header_ = false;
+  int64_t w_ = 2;       // bytes per token: 2 (uint16) or 4 (uint32)
   int64_t offset_ = 0;  // bytes before the first token (the header)
   int64_t num_tokens_ = 0;
   int64_t V_ = 0;

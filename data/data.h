@@ -10,11 +10,14 @@
 //   tokens.
 // - text: the bytes of a file are the tokens (vocabulary 256), read whole
 //   at open.
-// - tokens: a flat file of little-endian uint16 tokens, as the common GPT
-//   training scripts write (optionally with their 256 x int32 header whose
-//   first word is 20240520; detected and skipped). Read with pread, one read
-//   per sample, never mapped: a file truncated under a running job is an
-//   IoError naming it at the next sample, not a SIGBUS.
+// - tokens: a flat file of little-endian uint16 or uint32 tokens, as the
+//   common GPT training scripts write, optionally after their 256 x int32
+//   header, which states the width: magic 20240520 version 1 is uint16 (the
+//   GPT-2 files), magic 20240801 version 7 is uint32 (the Llama 3 files,
+//   whose 128k vocabulary does not fit 16 bits). A file without a header
+//   holds data.token_dtype tokens (uint16 unless stated). Read with pread,
+//   one read per sample, never mapped: a file truncated under a running job
+//   is an IoError naming it at the next sample, not a SIGBUS.
 // Data files must be regular files: a FIFO, device or directory is refused
 // at open, without blocking.
 // Thread-safety: a DataLoader is used from one thread; a source's sample()
@@ -47,6 +50,9 @@ struct DataConfig {
   // synthetic: V (2..8192). tokens: if > 0, every token must be < V (checked
   // at load); <= 0 takes max token + 1 from the file. text: ignored (256).
   int64_t vocab_size = 64;         // V
+  // tokens: bytes per token, 2 (uint16) or 4 (uint32); 0: the header's, else
+  // 2. A width that disagrees with the file's header is an error.
+  int64_t token_bytes = 0;
   // synthetic only:
   double determinism = 0.8;        // p: probability that x_t = table(x_{t-2}, x_{t-1})
   uint64_t seed = 1234;            // the source's table and samples (not the model's init)

@@ -101,13 +101,15 @@ void parse_data(Reader& root, DataConfig& d) {
              {{"synthetic", DataType::kSynthetic}, {"text", DataType::kText}, {"tokens", DataType::kTokens}});
   bool has_path = r.get_file_name("path", d.path);
   r.get_int("seq_len", d.seq_len, at_least(1));
-  bool has_vocab = r.get_int("vocab_size", d.vocab_size, closed(2, 65536));
+  bool has_vocab = r.get_int("vocab_size", d.vocab_size, closed(2, int64_t{1} << 24));
+  const bool has_width = r.get_enum("token_dtype", d.token_bytes, {{"uint16", int64_t{2}}, {"uint32", int64_t{4}}});
   bool has_det = r.get_number("determinism", d.determinism, closed(0, 1));
   r.get_u64("seed", d.seed);
   bool has_eval = r.get_number("eval_fraction", d.eval_fraction, lo_closed(0, 1));
   r.finish();
   if (d.type == DataType::kSynthetic) {
     if (has_path) r.warn(r.path_of("path"), "ignored for type \"synthetic\"");
+    if (has_width) r.warn(r.path_of("token_dtype"), "ignored for type \"synthetic\"");
     if (has_eval && d.eval_fraction > 0) {
       r.warn(r.path_of("eval_fraction"), "ignored for type \"synthetic\" (an endless stream)");
     }
@@ -123,6 +125,8 @@ void parse_data(Reader& root, DataConfig& d) {
     } else if (has_vocab) {
       r.warn(r.path_of("vocab_size"), "ignored for type \"text\" (bytes: the vocabulary is 256)");
     }
+    if (has_width && d.type != DataType::kTokens)
+      r.warn(r.path_of("token_dtype"), "ignored for type \"text\" (bytes)");
     if (has_det) {
       r.warn(r.path_of("determinism"),
              "ignored for type \"" + std::string(data_type_name(d.type)) + "\" (only synthetic data takes it)");
@@ -288,6 +292,7 @@ nlohmann::json to_json(const ExperimentConfig& e) {
   } else {
     data["path"] = d.path;
     if (d.type == DataType::kTokens && d.vocab_size > 0) data["vocab_size"] = d.vocab_size;
+    if (d.type == DataType::kTokens && d.token_bytes > 0) data["token_dtype"] = d.token_bytes == 4 ? "uint32" : "uint16";
     data["eval_fraction"] = d.eval_fraction;
   }
   nlohmann::json model = {{"type", model_type_name(m.type)},

@@ -422,6 +422,94 @@ TEST(TokenSource, TokenOutsideVocabularyIsNamed) {
   EXPECT_EQ(make_data_source(c)->vocab_size(), 100);  // max token + 1
 }
 
+void put_u32(std::string& s, uint32_t v) {
+  for (int k = 0; k < 4; ++k) s.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+
+// uint32 token files (Llama 3's and Qwen's vocabularies pass 65,536): with
+// the Llama 3 scripts' header (magic 20240801, version 7) the width comes
+// from the file; without one, from data.token_dtype. A width the header
+// contradicts, a size that is no multiple of it, and a token past the
+// vocabulary are errors naming the file (and the token's byte offset).
+TEST(TokenSource, ReadsUint32TokensWithAndWithoutTheHeader) {
+  const std::vector<uint32_t> toks = {1, 128000, 2, 151642, 70000, 5, 6};
+  std::string plain;
+  for (uint32_t t : toks) put_u32(plain, t);
+  std::string headed;
+  put_i32(headed, 20240801);
+  put_i32(headed, 7);
+  put_i32(headed, static_cast<int32_t>(toks.size()));
+  headed.resize(1024, '\0');
+  headed += plain;
+  for (const bool header : {false, true}) {
+    TempFile f(header ? "tokens32_header.bin" : "tokens32_plain.bin", header ? headed : plain);
+    DataConfig c;
+    c.type = DataType::kTokens;
+    c.path = f.path();
+    c.seq_len = 2;
+    c.vocab_size = 0;
+    if (!header) c.token_bytes = 4;
+    auto s = make_data_source(c);
+    EXPECT_EQ(s->vocab_size(), 151643);
+    ASSERT_EQ(s->num_samples(), 3);
+    for (int i = 0; i < 3; ++i) {
+      Sample x = get_sample(*s, i);
+      for (int t = 0; t < 2; ++t) {
+        EXPECT_EQ(x.inputs[t], static_cast<int32_t>(toks[2 * i + t])) << header;
+        EXPECT_EQ(x.targets[t], static_cast<int32_t>(toks[2 * i + t + 1])) << header;
+      }
+    }
+    EXPECT_NE(s->describe().find("uint32"), std::string::npos) << s->describe();
+    // A token past the stated vocabulary, by index and byte offset.
+    c.vocab_size = 151642;
+    try {
+      make_data_source(c);
+      FAIL() << "expected ConfigError";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.path(), "data.vocab_size");
+      const std::string want = "token 3 is 151642 (byte offset " + std::to_string(header ? 1024 + 12 : 12);
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    if (header) {
+      c.vocab_size = 0;
+      c.token_bytes = 2;  // the header says uint32
+      try {
+        make_data_source(c);
+        FAIL() << "expected ConfigError";
+      } catch (const ConfigError& e) {
+        EXPECT_EQ(e.path(), "data.token_dtype");
+        EXPECT_NE(std::string(e.what()).find("says uint32"), std::string::npos) << e.what();
+      }
+    }
+  }
+  // Read as uint16, the same bytes hold 14 tokens; as uint32 a 6-byte file is refused.
+  TempFile six("tokens32_six.bin", std::string(6, '\1'));
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = six.path();
+  c.seq_len = 1;
+  c.token_bytes = 4;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a multiple of 4"), std::string::npos) << e.what();
+  }
+  // A uint32 token beyond any vocabulary a model takes (2^24), with none stated.
+  std::string huge;
+  for (uint32_t t : {1u, 2u, 0x7fffffffu, 3u}) put_u32(huge, t);
+  TempFile h("tokens32_huge.bin", huge);
+  c.path = h.path();
+  c.vocab_size = 0;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.path");
+    EXPECT_NE(std::string(e.what()).find("token 2 is 2147483647"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
   DataConfig c;
   c.type = DataType::kTokens;

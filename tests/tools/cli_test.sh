@@ -63,6 +63,26 @@ check_error zero-stage "zero_optimization.stage: must be" "$CFG" --set zero_opti
 check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
 check_error bad-override "key.path=value" "$CFG" --set foo
+# uint32 token files (vocabularies past 65,536): the Llama 3 scripts' header
+# states the width and a Llama of that vocabulary trains on it (its first
+# loss is about ln 70000 = 11.16, above ln 65536 = 11.09); a config that
+# says uint16 for it is one line naming data.token_dtype and the file.
+python3 - "$TMP/t32.bin" <<'PY'
+import struct, sys
+toks = [(i * 7919) % 70000 for i in range(4000)]
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
+    f.write(struct.pack("<%dI" % len(toks), *toks))
+PY
+T32=(--set "data={\"type\":\"tokens\",\"path\":\"$TMP/t32.bin\",\"seq_len\":32}" --set run.eval_interval=0 --set steps_per_print=1
+     --set 'model={"type":"llama","hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":2,"max_position_embeddings":64}')
+if "$ZT" "$CFG" --steps 2 "${T32[@]}" --json >"$TMP/out" 2>"$TMP/err" &&
+   python3 -c "import json,sys; s=[json.loads(l) for l in open(sys.argv[1])]; l=[e['loss'] for e in s if e['event']=='step']; assert len(l)==2 and l[0]>11.1, l" "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL uint32 tokens"; cat "$TMP/err"
+fi
+check_error uint32-as-uint16 "data.token_dtype: is uint16 but the header of $TMP/t32.bin says uint32" "$CFG" --steps 2 "${T32[@]}" --set data.token_dtype=uint16
 ONEDNN_MAX_CPU_ISA=avx3 check_error bad-isa-cap "ONEDNN_MAX_CPU_ISA=avx3: unknown ISA" "$CFG"
 check_error heads 'n_head' "$CFG" --set model.n_head=3
 # A Hugging Face-style config full of "auto": each value resolved and said

@@ -53,10 +53,26 @@ TEST(ExperimentConfigErrors, WrongTypesShowTheValue) {
 }
 
 TEST(ExperimentConfigErrors, OutOfRange) {
-  EXPECT_CONFIG_ERROR(with({{"data", {{"vocab_size", 1}}}}), "data.vocab_size: must be in [2, 65536], got 1");
+  EXPECT_CONFIG_ERROR(with({{"data", {{"vocab_size", 1}}}}), "data.vocab_size: must be in [2, 16777216], got 1");
   EXPECT_CONFIG_ERROR(with({{"data", {{"eval_fraction", 1.0}}}}),
                       "data.eval_fraction: must be in [0, 1), got 1.0");
   EXPECT_CONFIG_ERROR(with({{"data", {{"seed", -1}}}}), "data.seed: must be >= 0, got -1");
+}
+
+// data.token_dtype: the width of a headerless token file, round-tripped in
+// the resolved config; anything but uint16 or uint32 is refused naming both.
+TEST(ExperimentConfigData, TokenDtype) {
+  const json d = {{"type", "tokens"}, {"path", "train.bin"}, {"token_dtype", "uint32"}};
+  const ParsedExperiment p = parse_experiment(with({{"data", d}}));
+  EXPECT_EQ(p.experiment.data.token_bytes, 4);
+  EXPECT_EQ(to_json(p.experiment)["data"]["token_dtype"], "uint32");
+  EXPECT_EQ(parse_experiment(with({{"data", {{"type", "tokens"}, {"path", "train.bin"}}}})).experiment.data.token_bytes, 0);
+  const std::string e = config_error(with({{"data", {{"type", "tokens"}, {"path", "x"}, {"token_dtype", "int8"}}}}));
+  EXPECT_NE(e.find("data.token_dtype"), std::string::npos) << e;
+  EXPECT_NE(e.find("uint32"), std::string::npos) << e;
+  EXPECT_EQ(parse_experiment(with({{"data", {{"type", "tokens"}, {"path", "x"}, {"vocab_size", 152064}}}}))
+                .experiment.data.vocab_size,
+            152064);
 }
 
 TEST(ExperimentConfigErrors, UnknownKeys) {
