@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <limits>
 #include <set>
+#include <utility>
 #include <string_view>
 
 #include "core/error.h"
@@ -362,23 +363,27 @@ void parse_aio(Reader& root, AioConfig& a) {
   r.finish();
 }
 
-void parse_monitors(Reader& root, CsvMonitorConfig& csv) {
-  Reader c = root.section("csv_monitor");
-  c.get_bool("enabled", csv.enabled);
-  c.get_file_name("output_path", csv.output_path);
-  c.get_file_name("job_name", csv.job_name);
-  c.finish();
+void parse_monitors(Reader& root, Config& c) {
+  for (auto [key, m] : {std::pair<const char*, MonitorConfig*>{"csv_monitor", &c.csv_monitor},
+                        std::pair<const char*, MonitorConfig*>{"tensorboard", &c.tensorboard}}) {
+    Reader r = root.section(key);
+    r.get_bool("enabled", m->enabled);
+    r.get_file_name("output_path", m->output_path);
+    r.get_file_name("job_name", m->job_name);
+    r.finish();
+  }
 
-  struct Monitor {
+  // DeepSpeed's monitors that log to a network service: their keys are
+  // checked, and enabled is refused (zinc runs talk to no service).
+  struct Online {
     const char* key;
     std::vector<const char*> string_keys;
   };
-  const Monitor kIgnored[] = {
-      {"tensorboard", {"output_path", "job_name"}},
+  const Online kOnline[] = {
       {"wandb", {"group", "team", "project"}},
       {"comet", {"project", "workspace", "api_key", "experiment_name", "experiment_key", "mode"}},
   };
-  for (const Monitor& m : kIgnored) {
+  for (const Online& m : kOnline) {
     Reader r = root.section(m.key);
     bool enabled = false;
     r.get_bool("enabled", enabled);
@@ -390,7 +395,10 @@ void parse_monitors(Reader& root, CsvMonitorConfig& csv) {
       r.get_bool("online", online);
     }
     r.finish();
-    if (enabled) r.warn_ignored(r.path_of("enabled"), "use csv_monitor");
+    if (enabled)
+      throw ConfigError(r.path_of("enabled"), std::string(m.key) +
+                                                  " logs to a network service, which zinc does not use; for curves "
+                                                  "offline use tensorboard or csv_monitor (files under their output_path)");
   }
 }
 
@@ -694,7 +702,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_zero(r, c.zero);
   parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
   parse_aio(r, c.aio);
-  parse_monitors(r, c.csv_monitor);
+  parse_monitors(r, c);
   parse_activation_checkpointing(r, c.activation_checkpointing);
   parse_unimplemented(r, c);
   for (const std::string& key : caller_sections) r.skip(key);

@@ -161,13 +161,20 @@ struct AioConfig {
   bool operator==(const AioConfig&) const = default;
 };
 
-struct CsvMonitorConfig {
+// csv_monitor and tensorboard: DeepSpeed's monitor sections, with the same
+// keys and defaults for both. Rank 0 writes the curves (tools/monitor.h):
+// csv_monitor one CSV file per scalar, tensorboard one TensorBoard event
+// file. Each costs a few small writes per step. wandb and comet, DeepSpeed's
+// other monitors, log to a network service and are refused when enabled.
+struct MonitorConfig {
   bool enabled = false;
   std::string output_path;  // files go to <output_path>/<job_name>/, as DeepSpeed writes them
   std::string job_name = "DeepSpeedJobName";
 
-  bool operator==(const CsvMonitorConfig&) const = default;
+  bool operator==(const MonitorConfig&) const = default;
 };
+using CsvMonitorConfig = MonitorConfig;
+using TensorBoardConfig = MonitorConfig;
 
 // checkpoint: DeepSpeed's section. tag_validation decides what a save does
 // when the ranks pass different tags (rank 0's tag is used in every case, so
@@ -267,6 +274,7 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   CsvMonitorConfig csv_monitor;
+  TensorBoardConfig tensorboard;
   ActivationCheckpointingConfig activation_checkpointing;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged

@@ -118,6 +118,9 @@ json to_json(const Config& c) {
   j["csv_monitor"] = {{"enabled", c.csv_monitor.enabled},
                       {"output_path", c.csv_monitor.output_path},
                       {"job_name", c.csv_monitor.job_name}};
+  j["tensorboard"] = {{"enabled", c.tensorboard.enabled},
+                      {"output_path", c.tensorboard.output_path},
+                      {"job_name", c.tensorboard.job_name}};
   j["checkpoint"] = {{"tag_validation", tag_validation_name(c.checkpoint.tag_validation)}};
   if (c.activation_checkpointing.given) {
     const ActivationCheckpointingConfig& ac = c.activation_checkpointing;

@@ -18,7 +18,8 @@
 // and builds the model (build_experiment), and then checks what the engine
 // and the run would otherwise find out later, where that is cheap and leaves
 // nothing behind: each nvme_path is a folder this process may write, and the
-// folders the run creates (csv_monitor's, the checkpoints') can be created.
+// folders the run creates (csv_monitor's, tensorboard's, the checkpoints') can
+// be created.
 // So a config that --check accepts also starts; what it cannot see is what
 // only running tells (memory, disk space, the peers under mpirun).
 //
@@ -210,6 +211,8 @@ void check_startable(const Experiment& ex) {
     nvme("offload_param", c.zero.offload_param);
   if (c.csv_monitor.enabled)
     check_creatable("csv_monitor.output_path", (fs::path(c.csv_monitor.output_path) / c.csv_monitor.job_name).string());
+  if (c.tensorboard.enabled)
+    check_creatable("tensorboard.output_path", (fs::path(c.tensorboard.output_path) / c.tensorboard.job_name).string());
   if (ex.experiment.run.checkpoint_interval > 0) check_creatable("run.checkpoint_dir", ex.experiment.run.checkpoint_dir);
 }
 

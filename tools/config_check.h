@@ -56,7 +56,8 @@ struct CheckReport {
 // Parses the config file with the --set overrides at `world` ranks and runs
 // the start-up checks that cost little and change nothing: the data file
 // opens, the model builds, each nvme_path is a writable folder, and the
-// folders the run would create (csv_monitor, checkpoints) can be created.
+// folders the run would create (csv_monitor, tensorboard, checkpoints) can be
+// created.
 // Never throws for a config problem: the refusal is in the report.
 CheckReport check_config(const std::string& path, const std::vector<std::string>& overrides, int world);
 

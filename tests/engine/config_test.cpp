@@ -66,6 +66,9 @@ TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
   EXPECT_TRUE(c.aio.overlap_events);
   EXPECT_FALSE(c.csv_monitor.enabled);
   EXPECT_EQ(c.csv_monitor.job_name, "DeepSpeedJobName");
+  EXPECT_FALSE(c.tensorboard.enabled);
+  EXPECT_EQ(c.tensorboard.output_path, "");
+  EXPECT_EQ(c.tensorboard.job_name, "DeepSpeedJobName");
   EXPECT_TRUE(c.warnings.empty());
 }
 
@@ -574,11 +577,11 @@ TEST(ConfigWarnings, ParsedKeysWithoutAnEffectAreWarnedAbout) {
 }
 
 TEST(ConfigWarnings, IgnoredFeaturesAreRecorded) {
-  Config c = Config::parse(with({{"tensorboard", {{"enabled", true}, {"output_path", "tb/"}}}}));
+  Config c = Config::parse(with({{"comms_logger", {{"enabled", true}}}}));
   ASSERT_EQ(c.warnings.size(), 1u);
-  expect_parts(c.warnings[0], {"tensorboard.enabled", "ignored: not implemented in zinc"});
+  expect_parts(c.warnings[0], {"comms_logger", "ignored"});
 
-  Config off = Config::parse(with({{"tensorboard", {{"enabled", false}}}, {"wandb", {{"enabled", false}}}}));
+  Config off = Config::parse(with({{"comms_logger", {{"enabled", false}}}, {"wandb", {{"enabled", false}}}}));
   EXPECT_TRUE(off.warnings.empty());
 
   Config many = Config::parse(with({{"prescale_gradients", true},
@@ -591,6 +594,31 @@ TEST(ConfigWarnings, IgnoredFeaturesAreRecorded) {
   EXPECT_TRUE(any_warning_has(many, "flops_profiler: ignored"));
   EXPECT_TRUE(any_warning_has(many, "zero_optimization.load_from_fp32_weights: ignored"));
   EXPECT_TRUE(any_warning_has(many, "bf16.immediate_grad_update: ignored"));
+}
+
+TEST(ConfigMonitors, TensorBoardIsParsedAsDeepSpeedNamesIt) {
+  Config c = Config::parse(with({{"tensorboard", {{"enabled", true}, {"output_path", "tb/"}, {"job_name", "j"}}}}));
+  EXPECT_TRUE(c.tensorboard.enabled);
+  EXPECT_EQ(c.tensorboard.output_path, "tb/");
+  EXPECT_EQ(c.tensorboard.job_name, "j");
+  EXPECT_FALSE(c.csv_monitor.enabled);
+  EXPECT_TRUE(c.warnings.empty());
+  EXPECT_CONFIG_ERROR(with({{"tensorboard", {{"job_nam", "j"}}}}), "tensorboard.job_nam: unknown key",
+                      "job_name");
+  EXPECT_CONFIG_ERROR(with({{"tensorboard", {{"enabled", "yes"}}}}), "tensorboard.enabled", "expected");
+}
+
+TEST(ConfigMonitors, OnlineMonitorsAreRefusedWhenEnabled) {
+  for (const char* key : {"wandb", "comet"}) {
+    SCOPED_TRACE(key);
+    const std::string e = config_error(with({{key, {{"enabled", true}, {"project", "p"}}}}));
+    expect_parts(e, {std::string(key) + ".enabled", "network service", "tensorboard", "csv_monitor"});
+    EXPECT_EQ(e.find('\n'), std::string::npos);  // one line
+    Config off = Config::parse(with({{key, {{"enabled", false}, {"project", "p"}}}}));
+    EXPECT_TRUE(off.warnings.empty());
+  }
+  EXPECT_CONFIG_ERROR(with({{"wandb", {{"enabled", false}, {"projekt", "p"}}}}), "wandb.projekt: unknown key",
+                      "project");
 }
 
 TEST(ConfigWarnings, ScheduleShorterThanWarmup) {

@@ -78,6 +78,7 @@ json every_field_set() {
     "aio": {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": true,
             "overlap_events": false},
     "csv_monitor": {"enabled": true, "output_path": "/tmp/csv", "job_name": "j"},
+    "tensorboard": {"enabled": true, "output_path": "/tmp/tb", "job_name": "t"},
     "checkpoint": {"tag_validation": "Fail"},
     "model": {"type": "gpt", "vocab_size": 100, "block_size": 64, "n_layer": 3, "n_head": 2, "n_embd": 32},
     "data": {"type": "synthetic", "seq_len": 32, "vocab_size": 50, "determinism": 0.5, "seed": 9},
@@ -101,6 +102,7 @@ TEST(ConfigJson, EveryFieldAwayFromItsDefaultRoundTrips) {
   EXPECT_NE(c.zero, d.zero);
   EXPECT_NE(c.aio, d.aio);
   EXPECT_NE(c.csv_monitor, d.csv_monitor);
+  EXPECT_NE(c.tensorboard, d.tensorboard);
   EXPECT_NE(c.checkpoint, d.checkpoint);
 }
 
