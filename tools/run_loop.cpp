@@ -4,51 +4,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <map>
 
 #include "core/error.h"
+#include "tools/monitor.h"
 #include "tools/train_events.h"
 
 namespace zinc::tools {
-
-// DeepSpeed's csv_monitor layout: <output_path>/<job_name>/<event with '/'
-// and ' ' replaced by '_'>.csv, rows "step,value" under a "step,<last part of
-// the event name>" header written the first time this process writes a file.
-// The step column is the number of samples seen, as DeepSpeed's engine logs it.
-class CsvMonitor {
- public:
-  explicit CsvMonitor(const CsvMonitorConfig& c) : enabled_(c.enabled) {
-    if (!enabled_) return;
-    dir_ = std::filesystem::path(c.output_path) / c.job_name;
-    std::error_code ec;
-    std::filesystem::create_directories(dir_, ec);
-    if (ec) throw IoError("csv_monitor: cannot create " + dir_.string() + ": " + ec.message());
-  }
-  void write(const std::string& event, double value, int64_t step) {
-    if (!enabled_) return;
-    std::string file = event;
-    for (char& ch : file)
-      if (ch == '/' || ch == ' ') ch = '_';
-    std::filesystem::path path = dir_ / (file + ".csv");
-    std::ofstream out(path, std::ios::app);
-    if (!out) throw IoError("csv_monitor: cannot write " + path.string());
-    if (!written_[file]) {
-      written_[file] = true;
-      out << "step," << event.substr(event.rfind('/') + 1) << "\n";
-    }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.9g", value);
-    out << step << "," << buf << "\n";
-    if (!out) throw IoError("csv_monitor: write failed on " + path.string());
-  }
-
- private:
-  bool enabled_;
-  std::filesystem::path dir_;
-  std::map<std::string, bool> written_;
-};
 
 namespace {
 
@@ -64,6 +25,21 @@ void maybe_inject_error(int rank, int64_t step) {
 
 }  // namespace
 
+// Note [monitor scalars]
+// ----------------------
+// What the monitors (csv_monitor, tensorboard; tools/monitor.h) get, with x
+// the samples trained (step x train_batch_size), as DeepSpeed's engine
+// writes them:
+//   every step: DeepSpeed's Train/Samples/train_loss, Train/Samples/lr, and
+//     with fp16 Train/Samples/loss_scale (the scale after the step); zinc's
+//     Train/Samples/grad_norm;
+//   at each step event (every steps_per_print steps and the last):
+//     Train/Samples/tokens_per_s, and under several ranks
+//     Train/Samples/comm_wait_share (rank 0's), the values the event carries;
+//   at each eval event: Eval/Samples/eval_loss.
+// So with steps_per_print 1 every scalar is one of the step and eval
+// events' values.
+
 RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, nlohmann::json doc,
                  comm::Communicator* comm, Hooks hooks)
     : engine_(engine),
@@ -78,9 +54,7 @@ RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, nlohm
       tokens_per_step_(ex.config.train_batch_size * ex.data->seq_len()),
       loss_(NAN),
       eval_loss_(NAN) {
-  CsvMonitorConfig monitor = ex.config.csv_monitor;
-  monitor.enabled = monitor.enabled && rank_ == 0;  // one writer
-  monitor_ = std::make_unique<CsvMonitor>(monitor);
+  monitor_ = std::make_unique<Monitors>(ex.config, rank_);
 }
 
 RunLoop::~RunLoop() = default;
@@ -98,6 +72,7 @@ std::vector<nlohmann::json> RunLoop::start() {
   evs.push_back(config_event(ex_, doc_, world_));
   if (std::optional<nlohmann::json> a = auto_event(ex_)) evs.push_back(std::move(*a));
   t0_ = t_last_ = Clock::now();
+  comm_wait_last_ = engine_.comm_wait_seconds();
   return evs;
 }
 
@@ -135,22 +110,37 @@ std::optional<std::vector<nlohmann::json>> RunLoop::step() {
   maybe_inject_error(rank_, s);
   loss_ = engine_.train_batch(loader_);
   done_ = s;
+  // The monitors' curves (Note [monitor scalars]): x is the samples trained.
   const int64_t samples = s * cfg.train_batch_size;
   monitor_->write("Train/Samples/train_loss", loss_, samples);
   monitor_->write("Train/Samples/lr", engine_.learning_rate(), samples);
+  if (cfg.fp16.enabled) monitor_->write("Train/Samples/loss_scale", engine_.loss_scale(), samples);
+  monitor_->write("Train/Samples/grad_norm", engine_.global_grad_norm(), samples);
   if (s % cfg.steps_per_print == 0 || s == steps_) {
     const auto now = Clock::now();
     const double elapsed = std::chrono::duration<double>(now - t0_).count();
     const double window = std::chrono::duration<double>(now - t_last_).count();
     const double tps = window > 0 ? static_cast<double>((s - step_last_) * tokens_per_step_) / window : 0;
+    // This rank's time blocked on communication over the window's time.
+    std::optional<double> wait_share;
+    if (world_ > 1) {
+      const double wait = engine_.comm_wait_seconds();
+      wait_share = window > 0 ? (wait - comm_wait_last_) / window : 0;
+      comm_wait_last_ = wait;
+    }
     t_last_ = now;
     step_last_ = s;
-    emit(evs, step_event(engine_, s, loss_, tps, elapsed));
+    emit(evs, step_event(engine_, s, loss_, tps, elapsed, wait_share));
+    monitor_->write("Train/Samples/tokens_per_s", tps, samples);
+    if (wait_share) monitor_->write("Train/Samples/comm_wait_share", *wait_share, samples);
   }
   if (ex_.eval_data && (s % run.eval_interval == 0 || s == steps_)) {
     eval_loss_ = evaluate(engine_, *ex_.eval_data, run.eval_batches, cfg.train_micro_batch_size_per_gpu);
     emit(evs, eval_event(s, eval_loss_));
+    monitor_->write("Eval/Samples/eval_loss", eval_loss_, samples);
   }
+  // Out before the save: a crash while saving keeps this step's curve.
+  monitor_->flush();
   if (run.checkpoint_interval > 0 && s % run.checkpoint_interval == 0) save(s, evs);
   // A stop requested on any rank stops every rank at this boundary, saved.
   if (hooks_.stop_requested) {

@@ -7,7 +7,8 @@
 // held-out loss every eval_interval steps and at the last step, the
 // checkpoints every checkpoint_interval steps and at the last step (with
 // run.keep_last's pruning), a stop requested at a step boundary (saved
-// before it ends the run), the csv_monitor files, and the summary's figures
+// before it ends the run), the monitors' curves (csv_monitor, tensorboard:
+// tools/monitor.h), and the summary's figures
 // that both report. The events are tools/train_events.h's, the objects
 // zinc-train --json prints one per line and zinc.train yields as dicts.
 //
@@ -39,7 +40,7 @@
 
 namespace zinc::tools {
 
-class CsvMonitor;
+class Monitors;
 
 class RunLoop {
  public:
@@ -101,12 +102,13 @@ class RunLoop {
   nlohmann::json doc_;
   comm::Communicator* comm_;
   Hooks hooks_;
-  std::unique_ptr<CsvMonitor> monitor_;
+  std::unique_ptr<Monitors> monitor_;
   int world_ = 1, rank_ = 0;
   int64_t steps_ = 0, tokens_per_step_ = 0;
   int64_t first_step_ = 1, done_ = 0, last_saved_ = 0, step_last_ = 0;
   int stopped_by_ = 0;
   double loss_, eval_loss_;
+  double comm_wait_last_ = 0;  // engine.comm_wait_seconds() at the last step event
   Clock::time_point t0_, t_last_;
 };
 

@@ -25,7 +25,8 @@ nlohmann::json resume_event(const std::string& dir, int64_t step) {
   return {{"event", "resume"}, {"dir", dir}, {"step", step}};
 }
 
-nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s) {
+nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s,
+                          std::optional<double> comm_wait_share) {
   nlohmann::json ev = {{"event", "step"},         {"step", step},
                        {"loss", loss},            {"lr", engine.learning_rate()},
                        {"grad_norm", engine.global_grad_norm()},
@@ -34,6 +35,7 @@ nlohmann::json step_event(const Engine& engine, int64_t step, double loss, doubl
     ev["loss_scale"] = engine.loss_scale();
     ev["skipped_steps"] = engine.skipped_steps();
   }
+  if (comm_wait_share) ev["comm_wait_share"] = *comm_wait_share;
   return ev;
 }
 

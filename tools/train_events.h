@@ -29,10 +29,13 @@ std::optional<nlohmann::json> auto_event(const Experiment& ex);
 // {"event":"resume","dir":DIR,"step":N}
 nlohmann::json resume_event(const std::string& dir, int64_t step);
 // {"event":"step","step","loss","lr","grad_norm","tokens_per_s","elapsed_s"}
-// (+ "loss_scale" and "skipped_steps" with fp16): after optimizer step
-// `step`, whose global batch had mean loss `loss`. tokens_per_s and
-// elapsed_s are the caller's clock.
-nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s);
+// (+ "loss_scale" and "skipped_steps" with fp16, + "comm_wait_share" when
+// given): after optimizer step `step`, whose global batch had mean loss
+// `loss`. tokens_per_s, elapsed_s and comm_wait_share (the share of the time
+// since the last step event this rank sat blocked on communication; runs of
+// several ranks) are the caller's.
+nlohmann::json step_event(const Engine& engine, int64_t step, double loss, double tokens_per_s, double elapsed_s,
+                          std::optional<double> comm_wait_share = std::nullopt);
 // {"event":"eval","step":N,"loss":L}: held-out loss after step N.
 nlohmann::json eval_event(int64_t step, double loss);
 // {"event":"checkpoint","step":N,"path":P,"seconds":S}
