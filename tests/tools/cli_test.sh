@@ -322,7 +322,8 @@ fi
 # --check: every key with its value and source, the warnings, and the
 # verdict; exit 0 when the run would start, 1 with the refusal otherwise.
 HF="$ROOT/configs/hf_auto.json"
-"$ZT" "$HF" --check --ranks 2 --set run.steps=10 --set tensorboard.enabled=true >"$TMP/out" 2>"$TMP/err"
+"$ZT" "$HF" --check --ranks 2 --set run.steps=10 --set comms_logger.enabled=true \
+  --set tensorboard.enabled=true --set "tensorboard.output_path=$TMP/tb" >"$TMP/out" 2>"$TMP/err"
 rc=$?
 if [ "$rc" -eq 0 ] && grep -qF 'zinc-train --check:' "$TMP/out" && grep -qF 'at 2 ranks' "$TMP/out" &&
    grep -qF 'optimizer.params.lr = 0.003 [auto: trainer.learning_rate]' "$TMP/out" &&
@@ -331,7 +332,8 @@ if [ "$rc" -eq 0 ] && grep -qF 'zinc-train --check:' "$TMP/out" && grep -qF 'at 
    grep -qF 'run.steps = 10 [--set]' "$TMP/out" &&
    grep -qF 'aio.queue_depth = 8 [default]' "$TMP/out" &&
    grep -qF 'fp16.loss_scale_window = 1000 [file]' "$TMP/out" &&
-   grep -qF 'tensorboard.enabled: ignored' "$TMP/out" &&
+   grep -qF 'comms_logger: ignored' "$TMP/out" && grep -qF 'tensorboard.enabled = true [--set]' "$TMP/out" &&
+   grep -qF 'tensorboard.job_name = "DeepSpeedJobName" [default]' "$TMP/out" && [ ! -e "$TMP/tb" ] &&
    grep -qF 'ok: the run would start' "$TMP/out" && ! grep -q '^step' "$TMP/out" && [ ! -s "$TMP/err" ]; then
   pass=$((pass + 1))
 else
@@ -389,6 +391,10 @@ check_refused heads "model.n_embd: must be divisible by n_head 3" "$CFG" --set m
 check_refused curriculum "curriculum_learning" "$CFG" --set 'curriculum_learning={"enabled":true}'
 touch "$TMP/file"
 check_refused csv-folder "csv_monitor.output_path" "$CFG" --set csv_monitor.enabled=true --set "csv_monitor.output_path=$TMP/file/x"
+check_refused tb-folder "tensorboard.output_path: $TMP/file/x/DeepSpeedJobName" "$CFG" --set tensorboard.enabled=true \
+  --set "tensorboard.output_path=$TMP/file/x"
+check_refused wandb "wandb.enabled: wandb logs to a network service" "$CFG" --set wandb.enabled=true
+check_refused comet "use tensorboard or csv_monitor" "$CFG" --set comet.enabled=true
 printf '{"train_batch_size": 4,}' >"$TMP/bad.json"
 check_refused bad-json "JSON syntax error at line 1" "$TMP/bad.json"
 

@@ -1,0 +1,189 @@
+// tools/monitor.h: CRC-32C and TFRecord framing against their published
+// check values (and the values of TensorBoard's own Python reader), and the
+// TensorBoard writer's file: its name, its records decoded back with the
+// protobuf library, and the refusal of a folder it cannot create.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "tools/monitor.h"
+#include "tools/tb_event.pb.h"
+
+namespace zinc::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The little-endian integer of `bytes` bytes at `at`.
+uint64_t le(const std::string& s, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(s.at(at + static_cast<size_t>(i)));
+  return v;
+}
+uint64_t le64(const std::string& s, size_t at) { return le(s, at, 8); }
+uint32_t le32(const std::string& s, size_t at) { return static_cast<uint32_t>(le(s, at, 4)); }
+
+// Splits a file's bytes into its records' data, checking the framing.
+std::vector<std::string> split_records(const std::string& blob) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < blob.size()) {
+    EXPECT_LE(at + 12, blob.size());
+    const uint64_t n = le64(blob, at);
+    EXPECT_EQ(le32(blob, at + 8), tfrecord_masked_crc(blob.data() + at, 8));
+    EXPECT_LE(at + 16 + n, blob.size());
+    std::string data = blob.substr(at + 12, n);
+    EXPECT_EQ(le32(blob, at + 12 + n), tfrecord_masked_crc(data.data(), data.size()));
+    out.push_back(std::move(data));
+    at += 16 + n;
+  }
+  return out;
+}
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    char tmpl[] = "/tmp/zinc_monitor_test_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+TEST(Crc32c, StandardCheckValue) {
+  // The CRC-32C check value (RFC 3720, the iSCSI CRC): "123456789".
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c("", 0), 0u);
+  // 32 bytes of zeros, RFC 3720 B.4.
+  const std::string zeros(32, '\0');
+  EXPECT_EQ(crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+}
+
+TEST(TfRecord, MaskedCrcMatchesTensorBoardsReader) {
+  // Values of tensorboard's masked_crc32c (its Python record reader).
+  EXPECT_EQ(tfrecord_masked_crc("123456789", 9), 0xC78AB0E5u);
+  EXPECT_EQ(tfrecord_masked_crc("", 0), 0xA282EAD8u);
+  EXPECT_EQ(tfrecord_masked_crc("abc", 3), 0x21F1576Eu);
+}
+
+TEST(TfRecord, FramingIsLengthCrcDataCrc) {
+  std::string out = "x";  // appends after what is there
+  tfrecord_append(out, "abc");
+  ASSERT_EQ(out.size(), 1u + 8 + 4 + 3 + 4);
+  EXPECT_EQ(le64(out, 1), 3u);
+  EXPECT_EQ(le32(out, 9), 0x0E4999B0u);  // masked CRC of the 8 length bytes (tensorboard's value)
+  EXPECT_EQ(out.substr(13, 3), "abc");
+  EXPECT_EQ(le32(out, 16), 0x21F1576Eu);
+}
+
+TEST(TensorBoardWriter, WritesVersionThenOneEventPerScalar) {
+  TempDir tmp;
+  TensorBoardConfig c;
+  c.enabled = true;
+  c.output_path = (tmp.path / "tb").string();
+  c.job_name = "job";
+  std::string path;
+  {
+    TensorBoardWriter w(c);
+    path = w.path();
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::string name = fs::path(path).filename().string();
+    const std::string prefix = "events.out.tfevents.";
+    ASSERT_EQ(fs::path(path).parent_path(), tmp.path / "tb" / "job");
+    ASSERT_EQ(name.rfind(prefix, 0), 0u) << name;
+    EXPECT_EQ(name.substr(prefix.size() + 10), std::string(".") + host) << name;
+    // The version record is on disk before any scalar.
+    EXPECT_EQ(split_records(read_all(path)).size(), 1u);
+    w.add_scalar("Train/Samples/train_loss", 2.5, 64);
+    w.add_scalar("Train/Samples/lr", 0.0, 64);  // a zero is still a scalar
+    EXPECT_EQ(split_records(read_all(path)).size(), 1u);  // encoded, not yet written
+    w.flush();
+    EXPECT_EQ(split_records(read_all(path)).size(), 3u);
+    w.add_scalar("Train/Samples/train_loss", 1.25, 128);
+  }  // the destructor writes what was pending
+  const std::vector<std::string> recs = split_records(read_all(path));
+  ASSERT_EQ(recs.size(), 4u);
+  tb::Event ev;
+  ASSERT_TRUE(ev.ParseFromString(recs[0]));
+  EXPECT_EQ(ev.file_version(), "brain.Event:2");
+  EXPECT_GT(ev.wall_time(), 1.6e9);
+  const struct {
+    const char* tag;
+    float value;
+    int64_t step;
+  } want[] = {{"Train/Samples/train_loss", 2.5f, 64}, {"Train/Samples/lr", 0.0f, 64},
+              {"Train/Samples/train_loss", 1.25f, 128}};
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(ev.ParseFromString(recs[i + 1]));
+    ASSERT_TRUE(ev.has_summary());
+    ASSERT_EQ(ev.summary().value_size(), 1);
+    EXPECT_EQ(ev.step(), want[i].step);
+    EXPECT_EQ(ev.summary().value(0).tag(), want[i].tag);
+    EXPECT_TRUE(ev.summary().value(0).has_simple_value());
+    EXPECT_EQ(ev.summary().value(0).simple_value(), want[i].value);
+  }
+  // Written on the wire even when 0 (a oneof member): field 2, fixed32.
+  EXPECT_NE(recs[2].find(std::string("\x15\0\0\0\0", 5)), std::string::npos);
+}
+
+TEST(TensorBoardWriter, UncreatableFolderIsRefusedNamingIt) {
+  TempDir tmp;
+  std::ofstream(tmp.path / "file") << "x";
+  TensorBoardConfig c;
+  c.enabled = true;
+  c.output_path = (tmp.path / "file" / "x").string();
+  try {
+    TensorBoardWriter w(c);
+    FAIL() << "created " << w.path();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensorboard: cannot create " + c.output_path), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Monitors, OnlyRankZeroWrites) {
+  TempDir tmp;
+  Config c;
+  c.tensorboard.enabled = true;
+  c.tensorboard.output_path = (tmp.path / "tb").string();
+  c.csv_monitor.enabled = true;
+  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  {
+    Monitors other(c, 1);
+    EXPECT_FALSE(other.enabled());
+    other.write("Train/Samples/lr", 1.0, 8);
+    other.flush();
+  }
+  EXPECT_FALSE(fs::exists(tmp.path / "tb"));
+  EXPECT_FALSE(fs::exists(tmp.path / "csv"));
+  Monitors zero(c, 0);
+  EXPECT_TRUE(zero.enabled());
+  zero.write("Train/Samples/lr", 1.0, 8);
+  zero.flush();
+  EXPECT_EQ(read_all(tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv"), "step,lr\n8,1\n");
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(tmp.path / "tb" / "DeepSpeedJobName")) {
+    ++files;
+    EXPECT_EQ(split_records(read_all(e.path())).size(), 2u);
+  }
+  EXPECT_EQ(files, 1);
+}
+
+}  // namespace
+}  // namespace zinc::tools
