@@ -17,6 +17,7 @@ packages=(
   nlohmann-json3-dev libdnnl-dev ocl-icd-opencl-dev liburing-dev libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio libxxhash-dev
   e2fsprogs util-linux  # disk_full_test: mkfs.ext4 and mountpoint for a small loop filesystem
+  libprotobuf-dev protobuf-compiler libisal-dev  # the tensorboard monitor: event records and their CRC-32C
 )
 # The Python module (ZINC_PYTHON, full builds) compiles against the headers
 # of the python3 on PATH; a Debian system python3 has them in python3-dev.
@@ -35,14 +36,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# Python packages of the tests: pytest, and the real safetensors package (with
-# numpy) that reads zinc-export's files; pybind11 for the module `zinc`
+# Python packages of the tests: pytest, the real safetensors package (with
+# numpy) that reads zinc-export's files, and tensorboard, whose own reader
+# reads the tensorboard monitor's event files; pybind11 for the module `zinc`
 # (python/). Only when a full build is asked for (train.sh builds zinc-train
 # alone and needs none of them).
 cmake_args=()
 if [ $# -eq 0 ]; then
   pymissing=()
-  for m in pytest numpy safetensors pybind11; do
+  for m in pytest numpy safetensors pybind11 tensorboard; do
     python3 -c "import $m" 2>/dev/null || pymissing+=("$m")
   done
   if [ ${#pymissing[@]} -gt 0 ]; then
