@@ -248,3 +248,25 @@ def test_train_refuses_a_run_that_cannot_fit(doc):
         zinc.train(doc, steps=1, on_step=lambda event: None)
     with pytest.raises(MemoryError):
         zinc.train(doc, steps=1, on_step=lambda event: None, ignore_resources=True)
+
+
+def test_train_writes_the_tensorboard_monitor(doc, tmp_path):
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    doc["run"]["steps"] = 3
+    doc["run"]["eval_interval"] = 0
+    doc["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "py"}
+    events = list(zinc.train(doc))
+    acc = ea.EventAccumulator(str(tmp_path / "tb" / "py"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    got = [(s.step, s.value) for s in acc.Scalars("Train/Samples/train_loss")]
+    B = doc["train_batch_size"]
+    f32 = lambda x: float(np.float32(x))
+    assert got == [(e["step"] * B, f32(e["loss"])) for e in events if e["event"] == "step"]
+
+
+def test_online_monitors_are_refused(doc):
+    for key in ("wandb", "comet"):
+        doc[key] = {"enabled": True}
+        with pytest.raises(ValueError, match="tensorboard or csv_monitor"):
+            list(zinc.train(doc))
+        doc[key] = {"enabled": False}
