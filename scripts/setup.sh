@@ -44,7 +44,7 @@ fi
 cmake_args=()
 if [ $# -eq 0 ]; then
   pymissing=()
-  for m in pytest numpy safetensors pybind11 tensorboard; do
+  for m in pytest numpy safetensors pybind11 tensorboard tokenizers jinja2; do
     python3 -c "import $m" 2>/dev/null || pymissing+=("$m")
   done
   if [ ${#pymissing[@]} -gt 0 ]; then

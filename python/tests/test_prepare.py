@@ -1,0 +1,363 @@
+"""python -m zinc.prepare against the fixtures of tests/fixtures/prepare (made by
+make_fixtures.py there): token ids equal to the tokenizers package's own encode,
+exact masks, document offsets, the manifest, bad records by line, truncation,
+uint16 and uint32 files, and nothing half-written after a failed or interrupted
+run. Chat renderings are checked against the committed output of transformers'
+apply_chat_template (expected_chat.json), and against transformers itself
+where it is installed. Needs tokenizers and jinja2; no torch, no network."""
+import array
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+tokenizers = pytest.importorskip("tokenizers", reason="zinc.prepare needs the tokenizers package (setup.sh)")
+pytest.importorskip("jinja2", reason="zinc.prepare renders chat templates with jinja2 (setup.sh)")
+from tokenizers import Tokenizer  # noqa: E402
+
+from zinc import prepare  # noqa: E402
+
+FIX = REPO / "tests" / "fixtures" / "prepare"
+LLAMA3, CHATML = FIX / "llama3", FIX / "chatml"
+EXPECTED = json.loads((FIX / "expected_chat.json").read_text(encoding="utf-8"))
+
+
+def tok(folder):
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def run_prepare(tmp_path, capsys, *args, tokenizer=LLAMA3, seq_len=256, name="out"):
+    """Runs main() in this process; returns (exit status, stderr, prefix)."""
+    prefix = tmp_path / name
+    rc = prepare.main([*map(str, args), "--tokenizer", str(tokenizer), "--seq-len", str(seq_len),
+                       "--out", str(prefix)])
+    return rc, capsys.readouterr().err, prefix
+
+
+def read_outputs(prefix):
+    """(tokens, mask, docs, manifest, header) of PREFIX.*, checking the layout."""
+    raw = open(f"{prefix}.bin", "rb").read()
+    header = array.array("i", raw[:1024])
+    typecode = {(20240520, 1): "H", (20240801, 7): "I"}[(header[0], header[1])]
+    tokens = array.array(typecode, raw[1024:])
+    assert len(tokens) == header[2] and list(header[3:]) == [0] * 253
+    mask = list(open(f"{prefix}.mask", "rb").read())
+    docs = list(array.array("Q", open(f"{prefix}.docs", "rb").read()))
+    manifest = json.loads(open(f"{prefix}.json").read())
+    assert len(mask) == len(tokens) and set(mask) <= {0, 1}
+    assert docs[0] == 0 and all(a < b for a, b in zip(docs, docs[1:])) and docs[-1] < len(tokens)
+    return list(tokens), mask, docs, manifest, header
+
+
+def split_docs(tokens, mask, docs):
+    bounds = docs + [len(tokens)]
+    return [(tokens[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def bad_lines(err):
+    return [int(line.split(":")[2]) for line in err.splitlines() if ": bad record " in line]
+
+
+def test_text_files_one_document_per_file(tmp_path, capsys):
+    t = tok(LLAMA3)
+    eos = t.token_to_id("<|eot_id|>")
+    files = [FIX / "docs" / "a.txt", FIX / "docs" / "b.txt"]
+    rc, err, prefix = run_prepare(tmp_path, capsys, *files)
+    assert rc == 0, err
+    assert "format text (inferred" in err
+    tokens, mask, docs, manifest, header = read_outputs(prefix)
+    expected = [t.encode(f.read_text(encoding="utf-8")).ids + [eos] for f in files]
+    assert expected[0][0] == t.token_to_id("<|begin_of_text|>")  # the post-processor's BOS
+    assert [d for d, _ in split_docs(tokens, mask, docs)] == expected
+    assert docs == [0, len(expected[0])]
+    assert mask == [1] * len(tokens) and manifest["masked_share"] == 0.0
+    assert (header[0], header[1]) == (20240520, 1) and os.path.getsize(f"{prefix}.bin") == 1024 + 2 * len(tokens)
+
+
+@pytest.mark.parametrize("split,texts", [
+    ("paragraphs", ["The quick brown fox jumps over the lazy dog.\nIt was a bright cold day in April.",
+                    "First paragraph of the second file:\nit has two lines.",
+                    "Second paragraph, naïve café, 日本語.", "Third paragraph."]),
+    ("lines", ["The quick brown fox jumps over the lazy dog.", "It was a bright cold day in April.",
+               "First paragraph of the second file:", "it has two lines.", "Second paragraph, naïve café, 日本語.",
+               "Third paragraph."]),
+])
+def test_text_split(tmp_path, capsys, split, texts):
+    t = tok(LLAMA3)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "docs" / "a.txt", FIX / "docs" / "b.txt",
+                                  "--format", "text", "--split", split)
+    assert rc == 0, err
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    eos = t.token_to_id("<|eot_id|>")
+    assert [d for d, _ in split_docs(tokens, mask, docs)] == [t.encode(x).ids + [eos] for x in texts]
+    assert [s["records"] for s in manifest["sources"]] == ([1, 3] if split == "paragraphs" else [2, 4])
+
+
+def test_jsonl_text_and_bad_records(tmp_path, capsys):
+    t = tok(CHATML)  # no BOS, eos <|im_end|> (a serialized AddedToken in tokenizer_config.json)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", tokenizer=CHATML)
+    assert rc == 0, err
+    assert "format jsonl (inferred" in err
+    assert bad_lines(err) == [3, 5, 6, 7, 8]
+    assert "text.jsonl:3: invalid JSON" in err and "text.jsonl:5: missing field 'text'" in err
+    assert "text.jsonl:6: field 'text' is a int, not a string" in err and "text.jsonl:7: empty" in err
+    assert "text.jsonl:8: a JSON list, not an object" in err
+    lines = (FIX / "text.jsonl").read_text(encoding="utf-8").splitlines()
+    texts = [json.loads(lines[i])["text"] for i in (0, 1, 8)]
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    eos = t.token_to_id("<|im_end|>")
+    expected = [t.encode(x).ids + [eos] for x in texts]
+    assert [d for d, _ in split_docs(tokens, mask, docs)] == expected
+    assert docs == [0, len(expected[0]), len(expected[0]) + len(expected[1])]
+    assert manifest["sources"][0]["records"] == 3 and manifest["sources"][0]["bad_records"] == 5
+    assert manifest["bad_records"] == 5 and manifest["format_used"] == "jsonl"
+
+
+def alpaca_records():
+    return [json.loads(x) for x in (FIX / "alpaca.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def test_alpaca_masks_exactly_the_prompt(tmp_path, capsys):
+    t = tok(LLAMA3)
+    eos = t.token_to_id("<|eot_id|>")
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
+    assert rc == 0, err
+    assert "format alpaca (inferred" in err
+    assert bad_lines(err) == [5, 6, 7]
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    got = split_docs(tokens, mask, docs)
+    assert len(got) == 4
+    for r, (ids, m) in zip(alpaca_records(), got):
+        form = prepare.ALPACA_PROMPT_INPUT if r.get("input") else prepare.ALPACA_PROMPT
+        prompt = t.encode(form.format(instruction=r["instruction"], input=r.get("input"))).ids
+        response = t.encode(r["output"], add_special_tokens=False).ids + [eos]
+        assert prompt[0] == t.token_to_id("<|begin_of_text|>")
+        assert ids == prompt + response
+        assert m == [0] * len(prompt) + [1] * len(response)
+        assert t.decode([i for i, k in zip(ids, m) if k], skip_special_tokens=False) == r["output"] + "<|eot_id|>"
+    assert manifest["masked_share"] == pytest.approx(mask.count(0) / len(mask))
+
+
+def expected_rows(folder, source):
+    return [r for r in EXPECTED[folder] if r["source"] == source]
+
+
+@pytest.mark.parametrize("folder", [LLAMA3, CHATML], ids=["llama3", "chatml"])
+def test_chat_equals_transformers_committed(tmp_path, capsys, folder):
+    """Tokens and mask of every chat record equal transformers' apply_chat_template(tokenize=True,
+    return_assistant_tokens_mask=True) as committed; the records transformers refuses are bad records."""
+    t = tok(folder)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=folder)
+    assert rc == 0, err
+    assert "format chat (inferred" in err
+    rows = expected_rows(folder.name, "chat")
+    good = [r for r in rows if "error" in r or sum(r["assistant_masks"]) > 0]
+    refused = [r["line"] for r in rows if "error" in r]
+    no_assistant = [r["line"] for r in rows if "error" not in r and sum(r["assistant_masks"]) == 0]
+    assert bad_lines(err) == sorted(refused + no_assistant + [5, 7])
+    for line in refused:
+        assert f"chat.jsonl:{line}: the chat template failed" in err
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    got = split_docs(tokens, mask, docs)
+    want = [r for r in good if "error" not in r]
+    assert len(got) == len(want) == manifest["documents"]
+    renderer = prepare.ChatRenderer(prepare.load_tokenizer(str(folder)))
+    records = [json.loads(x) for x in (FIX / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
+    for r, (ids, m) in zip(want, got):
+        text, _ = renderer.render_with_spans(prepare.normalize_messages(records[r["line"] - 1]["messages"]))
+        assert text == r["text"]
+        assert ids == r["ids"] == t.encode(text, add_special_tokens=False).ids
+        assert m == r["assistant_masks"]
+
+
+@pytest.mark.parametrize("folder,labels", [
+    (LLAMA3, ["Yes, naïve café 日本語.<|eot_id|>", "You are welcome.<|eot_id|>"]),
+    (CHATML, ["  Yes, naïve café 日本語.  <|im_end|>\n", "You are welcome.<|im_end|>\n"]),
+], ids=["llama3", "chatml"])
+def test_chat_mask_covers_the_assistant_turns(tmp_path, capsys, folder, labels):
+    """What a label is, spelled out: each assistant turn's content and what the template writes after it
+    (end-of-turn, ChatML's newline); never the system, user or assistant header tokens."""
+    t = tok(folder)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=folder)
+    assert rc == 0, err
+    ids, m = split_docs(*read_outputs(prefix)[:3])[1]  # record 2: system, user, assistant, user, assistant
+    runs, current = [], []
+    for i, k in zip(ids, m):
+        if k:
+            current.append(i)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    assert [t.decode(r, skip_special_tokens=False) for r in runs] == labels
+
+
+@pytest.mark.parametrize("folder", [LLAMA3, CHATML], ids=["llama3", "chatml"])
+def test_alpaca_with_chat_template(tmp_path, capsys, folder):
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--use-chat-template", tokenizer=folder)
+    assert rc == 0, err
+    got = split_docs(*read_outputs(prefix)[:3])
+    want = expected_rows(folder.name, "alpaca")
+    assert [ids for ids, _ in got] == [r["ids"] for r in want]
+    assert [m for _, m in got] == [r["assistant_masks"] for r in want]
+
+
+@pytest.mark.parametrize("folder", [LLAMA3, CHATML], ids=["llama3", "chatml"])
+def test_chat_rendering_equals_live_transformers(folder):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed; "
+                                       "expected_chat.json (made with it) is checked instead")
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    renderer = prepare.ChatRenderer(prepare.load_tokenizer(str(folder)))
+    for line in (FIX / "chat.jsonl").read_text(encoding="utf-8").splitlines():
+        messages = json.loads(line).get("messages")
+        if not isinstance(messages, list):
+            continue
+        try:
+            want = hf.apply_chat_template(messages, tokenize=False)
+        except Exception:
+            with pytest.raises(Exception):
+                renderer.render(prepare.normalize_messages(messages))
+            continue
+        assert renderer.render([{k: v for k, v in m.items() if v is not None} for m in messages]) == want
+        for gen in (False, True):
+            assert renderer.render(messages[:1], add_generation_prompt=gen) == \
+                hf.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=gen)
+
+
+def test_committed_expectations_were_made_by_transformers():
+    assert EXPECTED["transformers"] and set(EXPECTED) == {"transformers", "llama3", "chatml"}
+
+
+def test_truncation_off_and_on(tmp_path, capsys):
+    t = tok(LLAMA3)
+    eos = t.token_to_id("<|eot_id|>")
+    seq_len = 12
+    lines = (FIX / "text.jsonl").read_text(encoding="utf-8").splitlines()
+    full = [t.encode(json.loads(lines[i])["text"]).ids + [eos] for i in (0, 1, 8)]
+    assert all(len(f) > seq_len + 1 for f in full)
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "text.jsonl", seq_len=seq_len, name="off")
+    assert rc == 1 and "more than --seq-len + 1 = 13" in err and "error: nothing usable" in err
+    assert not list(tmp_path.iterdir())
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", "--truncate", seq_len=seq_len, name="on")
+    assert rc == 0, err
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    assert [d for d, _ in split_docs(tokens, mask, docs)] == [f[:seq_len + 1] for f in full]
+    assert manifest["truncate"] is True and manifest["seq_len"] == seq_len
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", "--chunk", seq_len=seq_len, name="chunk")
+    assert rc == 0, err
+    tokens, mask, docs, _, _ = read_outputs(prefix)
+    chunks = [f[i:i + seq_len + 1] for f in full for i in range(0, len(f), seq_len + 1)]
+    assert [d for d, _ in split_docs(tokens, mask, docs)] == chunks
+
+
+def test_alpaca_truncated_to_no_label_is_bad(tmp_path, capsys):
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--truncate", seq_len=8)
+    assert rc == 1 and "no training label left" in err
+
+
+def test_manifest(tmp_path, capsys):
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=CHATML, seq_len=160)
+    assert rc == 0, err
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    sha = lambda p: hashlib.sha256(open(p, "rb").read()).hexdigest()  # noqa: E731
+    assert manifest["format"] == "zinc.prepare/1" and manifest["format_used"] == "chat"
+    assert manifest["tokenizer"] == str(CHATML / "tokenizer.json")
+    assert manifest["tokenizer_sha256"] == sha(CHATML / "tokenizer.json")
+    assert manifest["vocab_size"] == tok(CHATML).get_vocab_size(with_added_tokens=True)
+    assert manifest["token_dtype"] == "uint16"
+    assert (manifest["tokens"], manifest["documents"]) == (len(tokens), len(docs))
+    assert manifest["masked_share"] == pytest.approx(mask.count(0) / len(mask)) and 0 < manifest["masked_share"] < 1
+    assert manifest["sources"] == [{"path": str(FIX / "chat.jsonl"), "sha256": sha(FIX / "chat.jsonl"),
+                                    "records": len(docs), "bad_records": 4}]
+    assert manifest["files"] == {"tokens": "out.bin", "mask": "out.mask", "documents": "out.docs"}
+    assert manifest["data"] == {"type": "tokens", "path": f"{prefix}.bin", "mask_path": f"{prefix}.mask",
+                                "documents_path": f"{prefix}.docs", "vocab_size": manifest["vocab_size"],
+                                "seq_len": 160}
+    assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.docs", "out.json", "out.mask"]
+
+
+def test_uint32_tokens_for_a_large_vocabulary(tmp_path, capsys):
+    from tokenizers import models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(70000)}
+    vocab["<eos>"] = 70000
+    big = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder = tmp_path / "big"
+    folder.mkdir()
+    big.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    data = tmp_path / "big.jsonl"
+    data.write_text('{"text": "w69999 w3 w65536 w65535"}\n{"text": "w1"}\n')
+    rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=folder)
+    assert rc == 0, err
+    tokens, mask, docs, manifest, header = read_outputs(prefix)
+    assert (header[0], header[1], header[2]) == (20240801, 7, 7)
+    assert tokens == [69999, 3, 65536, 65535, 70000, 1, 70000] and docs == [0, 5]
+    assert manifest["token_dtype"] == "uint32" and manifest["vocab_size"] == 70001
+    assert os.path.getsize(f"{prefix}.bin") == 1024 + 4 * 7
+
+
+def snapshot(folder):
+    return {p: open(os.path.join(folder, p), "rb").read() for p in sorted(os.listdir(folder))}
+
+
+def test_failed_run_keeps_earlier_outputs(tmp_path, capsys):
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
+    assert rc == 0, err
+    before = snapshot(tmp_path)
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "text.jsonl", "--max-bad", "0")
+    assert rc == 1 and err.strip().splitlines()[-1].startswith("zinc.prepare: error: more than --max-bad 0")
+    assert snapshot(tmp_path) == before  # the old outputs, and no temporaries
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", "--format", "alpaca")
+    assert rc == 1 and "error: nothing usable" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch):
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
+    before = snapshot(tmp_path)
+    written = []
+
+    def interrupted(self, docs):  # Ctrl-C once documents are in the temporaries
+        original(self, docs)
+        written.append(self.files["bin"].tell())
+        raise KeyboardInterrupt
+    original = prepare.Outputs.add
+    monkeypatch.setattr(prepare.Outputs, "add", interrupted)
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "text.jsonl")
+    assert rc == 130 and "interrupted" in err and written and written[0] > 1024
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_records_listed_then_counted(tmp_path, capsys):
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join("{broken\n" if i % 2 else '{"text": "ok"}\n' for i in range(30)))
+    rc, err, prefix = run_prepare(tmp_path, capsys, data)
+    assert rc == 0, err
+    assert bad_lines(err) == list(range(2, 21, 2)) and "5 more bad records not listed" in err
+    assert read_outputs(prefix)[3]["sources"][0]["bad_records"] == 15
+
+
+def test_progress_line(tmp_path, capsys):
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "text.jsonl", "--progress")
+    assert rc == 0 and "tokens/s" in err
+
+
+def test_command_line(tmp_path):
+    """python -m zinc.prepare in a fresh interpreter (the environment the other tests get: PYTHONPATH)."""
+    help_out = subprocess.run([sys.executable, "-m", "zinc.prepare", "--help"], capture_output=True, text=True)
+    assert help_out.returncode == 0 and "--tokenizer" in help_out.stdout
+    run = subprocess.run([sys.executable, "-m", "zinc.prepare", "--tokenizer", str(LLAMA3 / "tokenizer.json"),
+                          "--seq-len", "128", "--out", str(tmp_path / "cli"), str(FIX / "chat.jsonl")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert read_outputs(tmp_path / "cli")[3]["documents"] == 3
+    fail = subprocess.run([sys.executable, "-m", "zinc.prepare", "--tokenizer", str(LLAMA3), "--seq-len", "128",
+                           "--out", str(tmp_path / "none"), str(tmp_path / "missing.jsonl")],
+                          capture_output=True, text=True)
+    assert fail.returncode == 1 and fail.stderr.count("\n") == 1 and "missing.jsonl: no such file" in fail.stderr

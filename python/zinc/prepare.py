@@ -1,0 +1,751 @@
+"""zinc.prepare: a data set -> zinc token files, with the model's own tokenizer.
+
+    python -m zinc.prepare --tokenizer MODEL_DIR --seq-len 1024 --out data/sft train.jsonl [more.jsonl ...]
+
+writes data/sft.bin, data/sft.mask, data/sft.docs and data/sft.json (the
+manifest, whose "data" object is a ready-to-paste zinc config `data` section).
+Needs the Hugging Face `tokenizers` package, and `jinja2` for chat templates
+(neither torch nor transformers). Run it where `import zinc` works (an
+installed wheel, or PYTHONPATH=build/python in a build tree).
+
+Input (--format, inferred from the first file when not given, and said):
+  text    plain text files (any extension but .jsonl/.json/.ndjson). --split
+          file (default: one document per file), paragraphs (blank-line
+          separated) or lines (one document per non-empty line).
+  jsonl   one JSON object per line with a string "text".
+  alpaca  one JSON object per line: "instruction", optional "input", "output".
+          Prompt (see ALPACA_PROMPT / ALPACA_PROMPT_INPUT, Stanford Alpaca's
+          format) or, with --use-chat-template, the chat template applied to
+          [user: instruction + "\\n\\n" + input, assistant: output].
+  chat    one JSON object per line with "messages": [{"role", "content"}, ...],
+          rendered with the model's chat template as transformers'
+          apply_chat_template renders it (same jinja2 environment, the
+          special tokens as variables, tokenized without adding special tokens).
+Blank lines in JSONL files are skipped.
+
+Tokens and BOS/EOS, per format (what transformers does for the same input):
+  text, jsonl  encode(text) with the tokenizer's special tokens (a Llama-style
+               post-processor adds BOS), then EOS appended unless the
+               encoding already ends with it. Every token is a label (mask 1).
+  alpaca       encode(prompt) with special tokens (BOS), mask 0; then
+               encode(output) without special tokens + EOS, mask 1. The two
+               parts are tokenized separately (as LLaMA-Factory does), so the
+               boundary is exact.
+  chat         the rendering (the template writes BOS itself) tokenized once
+               without special tokens; no EOS appended. Mask 1 on the tokens
+               of each assistant turn: for assistant message i, the characters
+               between render(messages[:i], add_generation_prompt=True) and
+               render(messages[:i+1]), i.e. the content plus whatever the
+               template writes after it before the next message (the
+               end-of-turn token, and e.g. ChatML's newline). A token that
+               overlaps such a span is a label (transformers' rule for
+               assistant_masks). The rest (system, user, tool turns, the
+               assistant header) is 0. A template whose renderings of the
+               prefixes are not prefixes of the whole conversation cannot be
+               split this way: such a record is bad.
+EOS is the tokenizer config's eos_token (--eos overrides it).
+
+Lengths: --seq-len N is the training sequence length; a record of more than
+N+1 tokens is a bad record unless --truncate (cut to its first N+1 tokens)
+or, for text and jsonl, --chunk (cut into documents of N+1 tokens).
+A record left with no label (mask all 0) is bad as well.
+
+Output (read by zinc's `tokens` data source):
+  PREFIX.bin   llm.c's token file: 256 little-endian int32 header (magic,
+               version, token count; 20240520/1 = uint16 tokens, 20240801/7 =
+               uint32 tokens, uint16 when the vocabulary with added tokens is
+               <= 65536), then the tokens, little-endian.
+  PREFIX.mask  one uint8 per token: 1 = a training label, 0 = not.
+  PREFIX.docs  little-endian uint64 token index at which each document starts
+               (first 0, strictly increasing). Documents are packed back to
+               back, unpadded.
+  PREFIX.json  the manifest: tokenizer, checksums, counts, masked share, and
+               "data", whose paths are absolute (paste it anywhere); "files"
+               holds the basenames, relative to the manifest's folder.
+Each file is written to a temporary name in the destination folder, fsynced
+and renamed, the manifest last. On an error or Ctrl-C the temporaries are
+removed and existing files of the same prefix are left as they were.
+
+Bad records (invalid JSON or UTF-8, missing or wrongly typed fields, a
+template that raises, too long, empty) are skipped, counted per source and
+reported on stderr with file and line (the first 10). --max-bad N stops at
+the (N+1)th. Exit status 1 with one line when nothing usable remains, on any
+other error, and 130 on Ctrl-C. A progress line goes to stderr when it is a
+terminal, or with --progress.
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+from datetime import datetime
+from typing import Any, Callable, Iterator, Optional
+
+MANIFEST_FORMAT = "zinc.prepare/1"
+HEADER_INTS = 256
+TOKEN_FORMATS = {"uint16": (20240520, 1, "H"), "uint32": (20240801, 7, "I")}  # magic, version, array typecode
+JSON_EXTENSIONS = (".jsonl", ".json", ".ndjson")
+MAX_LISTED_BAD = 10
+BATCH_CHARS = 1 << 20  # records are tokenized in batches of about this many characters
+
+ALPACA_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                 "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA_PROMPT_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                       "context. Write a response that appropriately completes the request.\n\n"
+                       "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+
+# The named special tokens transformers passes to a chat template (PreTrainedTokenizerBase.special_tokens_map).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class PrepareError(Exception):
+    """A failure of the whole run: printed as one line, exit status 1."""
+
+
+class BadRecord(Exception):
+    """One record that cannot be used: counted, skipped, reported with its place."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tokenizer and its chat template
+
+
+def _token_text(value: Any) -> Optional[str]:
+    # tokenizer_config.json stores a special token as a string or as a serialized AddedToken {"content": ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def compile_chat_template(source: str) -> Any:
+    """The template compiled in the jinja2 environment transformers' apply_chat_template uses
+    (transformers/utils/chat_template_utils.py, _compile_jinja_template): a sandbox with trim_blocks and
+    lstrip_blocks, loop controls, tojson without HTML escaping, raise_exception, strftime_now, and the
+    {% generation %} tag (rendered as its body: the assistant spans are found from prefixes instead)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class TemplateDict:
+        # As transformers: dict(...) and dict.fromkeys(...) without the type itself.
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        # As transformers: no underscore-prefixed attributes on a namespace.
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            for name in dict(*args, **kwargs):
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, *args, **kwargs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"underscore-prefixed namespace attribute {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(source)
+
+
+@dataclasses.dataclass
+class TokenizerInfo:
+    tokenizer: Any  # tokenizers.Tokenizer
+    path: str  # tokenizer.json
+    sha256: str  # of tokenizer.json
+    vocab_size: int  # with added tokens
+    special_tokens: dict  # name -> text, the chat template's variables
+    eos_id: Optional[int]
+    chat_template: Optional[str]
+
+    @property
+    def token_dtype(self) -> str:
+        return "uint16" if self.vocab_size <= 65536 else "uint32"
+
+
+def load_tokenizer(path: str, eos: Optional[str] = None, chat_template_path: Optional[str] = None) -> TokenizerInfo:
+    """A model folder (tokenizer.json, tokenizer_config.json, optionally chat_template.jinja) or a tokenizer.json
+    (its folder's tokenizer_config.json is read when present). chat_template.jinja wins over the config's
+    chat_template, as in transformers; a list of named templates uses "default"."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise PrepareError("the Hugging Face tokenizers package is missing: python3 -m pip install tokenizers")
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    tok_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(tok_file):
+        raise PrepareError(f"{tok_file}: no such file (--tokenizer takes a model folder or a tokenizer.json)")
+    with open(tok_file, "rb") as f:
+        raw = f.read()
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:
+        raise PrepareError(f"{tok_file}: not a tokenizers file: {e}")
+    config: dict = {}
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise PrepareError(f"{config_file}: {e}")
+    special = {name: t for name in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(name))) is not None}
+    if eos is not None:
+        special["eos_token"] = eos
+    eos_id = None
+    if "eos_token" in special:
+        eos_id = tokenizer.token_to_id(special["eos_token"])
+        if eos_id is None:
+            raise PrepareError(f"the eos token {special['eos_token']!r} is not in {tok_file}'s vocabulary")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    for candidate in ([chat_template_path] if chat_template_path else [os.path.join(folder, "chat_template.jinja")]):
+        if os.path.isfile(candidate):
+            with open(candidate, encoding="utf-8") as f:
+                template = f.read()
+        elif chat_template_path:
+            raise PrepareError(f"{candidate}: no such file")
+    return TokenizerInfo(tokenizer, os.path.abspath(tok_file), hashlib.sha256(raw).hexdigest(),
+                         tokenizer.get_vocab_size(with_added_tokens=True), special, eos_id,
+                         template if isinstance(template, str) else None)
+
+
+class ChatRenderer:
+    """Renders a conversation and finds the character spans of its assistant turns."""
+
+    def __init__(self, info: TokenizerInfo):
+        if info.chat_template is None:
+            raise PrepareError("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); "
+                               "pass --chat-template FILE")
+        try:
+            self.template = compile_chat_template(info.chat_template)
+        except Exception as e:
+            raise PrepareError(f"the chat template does not compile: {e}")
+        self.variables = dict(info.special_tokens)
+
+    def render(self, messages: list, add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, tools=None, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = full if i == len(messages) - 1 else self.render(messages[:i + 1])
+            if not (full.startswith(through) and through.startswith(before)):
+                raise BadRecord(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's, "
+                                f"so assistant turn {i} cannot be located")
+            if len(through) > len(before):
+                spans.append((len(before), len(through)))
+        return full, spans
+
+
+def normalize_messages(messages: Any) -> list:
+    """Checks a chat record's messages and applies transformers' normalisation: keys whose value is None are
+    dropped, and a message's reasoning is copied under each name templates read it by."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("'messages' is not a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRecord(f"messages[{i}] is not an object with a string 'role'")
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecord("no assistant message")
+    return out
+
+
+def mask_from_spans(offsets: list, spans: list[tuple[int, int]]) -> bytearray:
+    """1 for every token whose character range overlaps a span (spans and offsets are both in order)."""
+    mask = bytearray(len(offsets))
+    s = 0
+    for t, (start, end) in enumerate(offsets):
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        if end > spans[s][0]:
+            mask[t] = 1
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading records
+
+
+@dataclasses.dataclass
+class Source:
+    path: str
+    sha256: str = ""
+    records: int = 0
+    bad_records: int = 0
+
+
+def _read_lines(src: Source) -> Iterator[tuple[int, bytes]]:
+    # Hashes the file while reading it: one pass.
+    h = hashlib.sha256()
+    with open(src.path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            h.update(raw)
+            yield number, raw
+    src.sha256 = h.hexdigest()
+
+
+def read_json_records(src: Source) -> Iterator[tuple[int, Any]]:
+    """(line, object or BadRecord) for every non-blank line."""
+    for number, raw in _read_lines(src):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            yield number, json.loads(line)
+        except UnicodeDecodeError as e:
+            yield number, BadRecord(f"invalid UTF-8: {e.reason} at byte {e.start}")
+        except ValueError as e:
+            yield number, BadRecord(f"invalid JSON: {e}")
+
+
+def read_text_records(src: Source, split: str) -> Iterator[tuple[int, Any]]:
+    """(first line, text or BadRecord): the whole file, each paragraph or each non-empty line."""
+    if split == "lines":
+        for number, raw in _read_lines(src):
+            if raw.strip():
+                try:
+                    yield number, raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as e:
+                    yield number, BadRecord(f"invalid UTF-8: {e.reason}")
+        return
+    data = b"".join(raw for _, raw in _read_lines(src))
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        yield 1, BadRecord(f"invalid UTF-8 at byte {e.start}: {e.reason}")
+        return
+    if split == "file":
+        yield 1, text
+        return
+    # paragraphs: runs of non-blank lines; the text keeps its inner newlines, not the blank lines around it.
+    for m in re.finditer(r"(?:[^\n]*\S[^\n]*(?:\n|$))+", text):
+        yield text.count("\n", 0, m.start()) + 1, m.group().rstrip("\n")
+
+
+def infer_format(path: str) -> tuple[str, str]:
+    """(format, reason) from the extension and the keys of the first record."""
+    if not path.lower().endswith(JSON_EXTENSIONS):
+        return "text", f"{os.path.basename(path)} is not .jsonl/.json/.ndjson"
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                raise PrepareError(f"{path}:{number}: invalid JSON in the first record; pass --format")
+            keys = obj.keys() if isinstance(obj, dict) else ()
+            for fmt, key in (("chat", "messages"), ("alpaca", "instruction"), ("jsonl", "text")):
+                if key in keys:
+                    return fmt, f"{os.path.basename(path)} line {number} has the key {key!r}"
+            raise PrepareError(f"{path}:{number}: no 'messages', 'instruction' or 'text' key; pass --format")
+    raise PrepareError(f"{path}: no records")
+
+
+def _string_field(obj: dict, key: str, required: bool = True) -> str:
+    value = obj.get(key)
+    if value is None and not required:
+        return ""
+    if value is None:
+        raise BadRecord(f"missing field {key!r}")
+    if not isinstance(value, str):
+        raise BadRecord(f"field {key!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records -> tokens and masks, a batch at a time (tokenizers' encode_batch runs on every core)
+
+
+@dataclasses.dataclass
+class Item:
+    source: int  # index into the sources
+    line: int
+    text: str = ""  # text, jsonl: the document; alpaca: the prompt; chat: the rendering
+    response: str = ""  # alpaca: the output
+    spans: Optional[list] = None  # chat: assistant character spans
+
+
+class Encoder:
+    """Turns a record (parsed JSON or text) into an Item, and batches of Items into (ids, mask) pairs."""
+
+    def __init__(self, info: TokenizerInfo, fmt: str, use_chat_template: bool):
+        self.info, self.fmt = info, fmt
+        # Where only the ids are needed: encode_batch_fast (tokenizers >= 0.21) skips the offsets.
+        self.encode_ids = getattr(info.tokenizer, "encode_batch_fast", info.tokenizer.encode_batch)
+        self.chat = ChatRenderer(info) if fmt == "chat" or (fmt == "alpaca" and use_chat_template) else None
+        if fmt == "alpaca" and self.chat is None and info.eos_id is None:
+            raise PrepareError("the tokenizer config names no eos_token, which ends an alpaca response; pass --eos")
+
+    def item(self, source: int, line: int, record: Any) -> Item:
+        if self.fmt == "text":
+            if not record.strip():
+                raise BadRecord("empty document")
+            return Item(source, line, record)
+        if not isinstance(record, dict):
+            raise BadRecord(f"a JSON {type(record).__name__}, not an object")
+        if self.fmt == "jsonl":
+            text = _string_field(record, "text")
+            if not text.strip():
+                raise BadRecord("empty 'text'")
+            return Item(source, line, text)
+        if self.fmt == "alpaca":
+            instruction, output = _string_field(record, "instruction"), _string_field(record, "output")
+            extra = _string_field(record, "input", required=False)
+            if not instruction.strip() or not output.strip():
+                raise BadRecord("empty 'instruction' or 'output'")
+            if self.chat is None:
+                prompt = (ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT).format(instruction=instruction,
+                                                                                           input=extra)
+                return Item(source, line, prompt, output)
+            user = instruction + ("\n\n" + extra if extra.strip() else "")
+            record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": output}]}
+        if "messages" not in record:
+            raise BadRecord("missing field 'messages'")
+        messages = normalize_messages(record["messages"])
+        try:
+            text, spans = self.chat.render_with_spans(messages)
+        except BadRecord:
+            raise
+        except Exception as e:  # a template's raise_exception, or any error inside the template
+            raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}")
+        return Item(source, line, text, spans=spans)
+
+    def encode(self, items: list[Item]) -> list[tuple[list, Optional[bytearray]]]:
+        """(token ids, mask) per item; a mask of None means all 1."""
+        tok, eos = self.info.tokenizer, self.info.eos_id
+        texts = [it.text for it in items]
+        if self.chat is not None:
+            out = []
+            for it, enc in zip(items, tok.encode_batch(texts, add_special_tokens=False)):
+                out.append((enc.ids, mask_from_spans(enc.offsets, it.spans)))
+            return out
+        if self.fmt == "alpaca":
+            prompts = self.encode_ids(texts, add_special_tokens=True)
+            responses = self.encode_ids([it.response for it in items], add_special_tokens=False)
+            out = []
+            for p, r in zip(prompts, responses):
+                p_ids, r_ids = p.ids, r.ids
+                r_ids.append(eos)
+                out.append((p_ids + r_ids, bytearray(len(p_ids)) + b"\x01" * len(r_ids)))
+            return out
+        out = []
+        for enc in self.encode_ids(texts, add_special_tokens=True):
+            ids = enc.ids
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids.append(eos)
+            out.append((ids, None))  # None: every token a label
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output: temporaries in the destination folder, renamed at the end
+
+
+class Outputs:
+    """PREFIX.{bin,mask,docs} written under temporary names; commit() fsyncs and renames them, then writes the
+    manifest the same way; discard() removes whatever is left."""
+
+    def __init__(self, prefix: str, token_dtype: str):
+        self.prefix = os.path.abspath(prefix)
+        folder = os.path.dirname(self.prefix)
+        if not os.path.isdir(folder):
+            raise PrepareError(f"{folder}: no such folder (the --out prefix's folder must exist)")
+        self.final = {ext: f"{self.prefix}.{ext}" for ext in ("bin", "mask", "docs", "json")}
+        self.temp = {ext: f"{os.path.dirname(p)}/.{os.path.basename(p)}.tmp-{os.getpid()}"
+                     for ext, p in self.final.items()}
+        self.magic, self.version, self.typecode = TOKEN_FORMATS[token_dtype]
+        self.files = {}
+        for ext in ("bin", "mask", "docs"):
+            self.files[ext] = open(self.temp[ext], "wb")
+        self.files["bin"].write(bytes(4 * HEADER_INTS))  # the header is written at commit, with the count
+        self.tokens = 0
+        self.documents = 0
+        self.masked = 0
+
+    def add(self, docs: list[tuple[list, Optional[bytearray]]]) -> None:
+        """Appends documents: (token ids, mask or None for all 1), one write per file."""
+        tokens, starts, mask = array.array(self.typecode), array.array("Q"), bytearray()
+        for ids, m in docs:
+            starts.append(self.tokens + len(tokens))
+            tokens.extend(ids)
+            mask += b"\x01" * len(ids) if m is None else m
+        self.files["bin"].write(_little_endian(tokens).tobytes())
+        self.files["mask"].write(mask)
+        self.files["docs"].write(_little_endian(starts).tobytes())
+        self.tokens += len(tokens)
+        self.documents += len(starts)
+        self.masked += len(mask) - mask.count(1)
+
+    def commit(self, manifest: dict) -> None:
+        header = array.array("i", [0] * HEADER_INTS)
+        header[0], header[1], header[2] = self.magic, self.version, self.tokens
+        self.files["bin"].seek(0)
+        self.files["bin"].write(_little_endian(header).tobytes())
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        with open(self.temp["json"], "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for ext in ("bin", "mask", "docs", "json"):  # the manifest last: it vouches for the other three
+            os.replace(self.temp[ext], self.final[ext])
+        fd = os.open(os.path.dirname(self.prefix), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def discard(self) -> None:
+        for f in self.files.values():
+            f.close()
+        for path in self.temp.values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _little_endian(a: array.array) -> array.array:
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+
+
+class Progress:
+    """One line on stderr, rewritten at most 4 times a second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.start, self.last = enabled, time.monotonic(), 0.0
+
+    def update(self, records: int, tokens: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 0.25):
+            return
+        self.last = now
+        rate = tokens / max(now - self.start, 1e-9)
+        sys.stderr.write(f"\rzinc.prepare: {records:,} records, {tokens:,} tokens, {rate:,.0f} tokens/s")
+        sys.stderr.write("\n" if final else "")
+        sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Prepares the data set; returns the manifest. Raises PrepareError for a failed run."""
+    inputs = [os.path.abspath(p) for p in args.inputs]
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise PrepareError(f"{p}: no such file")
+    if args.seq_len < 1:
+        raise PrepareError("--seq-len must be at least 1")
+    fmt = args.format
+    if fmt is None:
+        fmt, why = infer_format(inputs[0])
+        print(f"zinc.prepare: format {fmt} (inferred: {why}; --format sets it)", file=sys.stderr)
+    if args.chunk and fmt not in ("text", "jsonl"):
+        raise PrepareError("--chunk is for text and jsonl (it would cut a prompt from its response)")
+    if args.use_chat_template and fmt != "alpaca":
+        raise PrepareError("--use-chat-template is for --format alpaca (chat always uses the template)")
+    info = load_tokenizer(args.tokenizer, args.eos, args.chat_template)
+    encoder = Encoder(info, fmt, args.use_chat_template)
+    limit = args.seq_len + 1
+    sources = [Source(p) for p in inputs]
+    bad_total = 0
+    progress = Progress(args.progress or sys.stderr.isatty())
+    records = 0
+
+    def bad(src: Source, line: int, why: str) -> None:
+        nonlocal bad_total
+        src.bad_records += 1
+        bad_total += 1
+        if bad_total <= MAX_LISTED_BAD:
+            print(f"zinc.prepare: bad record {os.path.relpath(src.path)}:{line}: {why}", file=sys.stderr)
+        if args.max_bad is not None and bad_total > args.max_bad:
+            raise PrepareError(f"more than --max-bad {args.max_bad} bad records (the last: "
+                               f"{os.path.relpath(src.path)}:{line}: {why})")
+
+    def flush(batch: list[Item]) -> None:
+        nonlocal records
+        docs = []
+        for it, (ids, mask) in zip(batch, encoder.encode(batch)):
+            src = sources[it.source]
+            if len(ids) > limit:
+                if not (args.truncate or args.chunk):
+                    bad(src, it.line, f"{len(ids)} tokens, more than --seq-len + 1 = {limit} (--truncate cuts it)")
+                    continue
+                if args.chunk:  # text and jsonl only: mask None
+                    docs += [(ids[i:i + limit], None) for i in range(0, len(ids), limit)]
+                    src.records += 1
+                    continue
+                ids, mask = ids[:limit], None if mask is None else mask[:limit]
+            if not ids or (mask is not None and 1 not in mask):
+                bad(src, it.line, "no training label left (nothing to learn)" if ids else "no tokens")
+                continue
+            docs.append((ids, mask))
+            src.records += 1
+        out.add(docs)
+        records += len(batch)
+        progress.update(records, out.tokens)
+
+    out = Outputs(args.out, info.token_dtype)
+    try:
+        for index, src in enumerate(sources):
+            reader = read_text_records(src, args.split) if fmt == "text" else read_json_records(src)
+            batch: list[Item] = []
+            chars = 0
+            for line, record in reader:
+                try:
+                    if isinstance(record, BadRecord):
+                        raise record
+                    it = encoder.item(index, line, record)
+                except BadRecord as e:
+                    bad(src, line, str(e))
+                    continue
+                batch.append(it)
+                chars += len(it.text) + len(it.response)
+                if chars >= BATCH_CHARS:
+                    flush(batch)
+                    batch, chars = [], 0
+            flush(batch)
+        progress.update(records, out.tokens, final=True)
+        if bad_total > MAX_LISTED_BAD:
+            print(f"zinc.prepare: ... {bad_total - MAX_LISTED_BAD} more bad records not listed", file=sys.stderr)
+        if out.documents == 0:
+            raise PrepareError(f"nothing usable: {bad_total} bad records and no good one in {len(sources)} file(s)")
+        base = os.path.basename(out.prefix)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "tokenizer": info.path,
+            "tokenizer_sha256": info.sha256,
+            "vocab_size": info.vocab_size,
+            "token_dtype": info.token_dtype,
+            "tokens": out.tokens,
+            "documents": out.documents,
+            "masked_share": out.masked / out.tokens,
+            "sources": [dataclasses.asdict(s) for s in sources],
+            "bad_records": bad_total,
+            "format_used": fmt,
+            "seq_len": args.seq_len,
+            "truncate": bool(args.truncate),
+            "chunk": bool(args.chunk),
+            "files": {"tokens": base + ".bin", "mask": base + ".mask", "documents": base + ".docs"},
+            "data": {"type": "tokens", "path": out.final["bin"], "mask_path": out.final["mask"],
+                     "documents_path": out.final["docs"], "vocab_size": info.vocab_size, "seq_len": args.seq_len},
+        }
+        out.commit(manifest)
+    except BaseException:
+        out.discard()
+        raise
+    print(f"zinc.prepare: wrote {out.prefix}.{{bin,mask,docs,json}}: {out.tokens:,} {info.token_dtype} tokens, "
+          f"{out.documents:,} documents, {manifest['masked_share']:.1%} masked, {bad_total} bad records",
+          file=sys.stderr)
+    return manifest
+
+
+def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zinc.prepare",
+                                description="Tokenize a data set with a model's tokenizer into zinc token, mask "
+                                            "and document files (see the module docstring for the rules).")
+    p.add_argument("inputs", nargs="+", metavar="FILE", help="input files, all of one format")
+    p.add_argument("--tokenizer", required=True, metavar="PATH",
+                   help="a model folder (tokenizer.json, tokenizer_config.json) or a tokenizer.json")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin, .mask, .docs and .json")
+    p.add_argument("--seq-len", type=int, required=True, metavar="N", help="the training sequence length")
+    p.add_argument("--format", choices=("text", "jsonl", "alpaca", "chat"),
+                   help="default: inferred from the first file (extension, then the first record's keys)")
+    p.add_argument("--split", choices=("file", "paragraphs", "lines"), default="file",
+                   help="text: one document per file (default), per blank-line-separated paragraph, or per line")
+    p.add_argument("--truncate", action="store_true", help="cut a record longer than N+1 tokens to N+1")
+    p.add_argument("--chunk", action="store_true",
+                   help="text, jsonl: cut a record longer than N+1 tokens into documents of N+1 tokens")
+    p.add_argument("--use-chat-template", action="store_true",
+                   help="alpaca: render instruction and output with the chat template")
+    p.add_argument("--chat-template", metavar="FILE", help="a jinja file to use instead of the model's template")
+    p.add_argument("--eos", metavar="TOKEN", help="the end-of-sequence token (default: the config's eos_token)")
+    p.add_argument("--max-bad", type=int, metavar="N", help="fail when more than N records are bad (default: "
+                   "no limit; a run with no good record always fails)")
+    p.add_argument("--progress", action="store_true", help="a progress line on stderr even when it is no terminal")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM unwinds like an error, so that the temporaries are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        run(args)
+    except PrepareError as e:
+        print(f"zinc.prepare: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nzinc.prepare: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"zinc.prepare: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
