@@ -76,14 +76,14 @@ const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
-DataFile open_data_file(const std::string& path) {
+DataFile open_data_file(const std::string& path, const std::string& key = "data.path") {
   DataFile f;
   f.fd = UniqueFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  if (f.fd.get() < 0) throw posix_error("data.path: cannot open " + path, errno);
+  if (f.fd.get() < 0) throw posix_error(key + ": cannot open " + path, errno);
   struct stat st;
-  if (::fstat(f.fd.get(), &st) != 0) throw posix_error("data.path: stat " + path, errno);
+  if (::fstat(f.fd.get(), &st) != 0) throw posix_error(key + ": stat " + path, errno);
   if (!S_ISREG(st.st_mode))
-    throw IoError("data.path: " + path + " is " + file_kind(st.st_mode) +
+    throw IoError(key + ": " + path + " is " + file_kind(st.st_mode) +
                   "; a data file must be a regular file (it is read by offset, more than once)");
   f.size = static_cast<int64_t>(st.st_size);
   return f;
@@ -188,7 +188,7 @@ class TextSource final : public DataSource {
 class TokenSource final : public DataSource {
  public:
   TokenSource(const DataConfig& cfg, bool eval)
-      : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)) {
+      : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)), mask_path_(cfg.mask_path) {
     const int64_t size = file_.size;
     if (cfg.token_bytes != 0 && cfg.token_bytes != 2 && cfg.token_bytes != 4)
       throw ConfigError("data.token_dtype", "must be uint16 or uint32");
@@ -266,10 +266,29 @@ class TokenSource final : public DataSource {
     }
     V_ = cfg.vocab_size > 0 ? cfg.vocab_size : max_token + 1;
     range_ = split_windows((num_tokens_ - 1) / T_, cfg.eval_fraction, eval);
+    if (!cfg.mask_path.empty()) open_mask();
+    if (!cfg.documents_path.empty()) read_documents(cfg.documents_path);
   }
   std::string describe() const override {
+    std::string extra;
+    if (mask_) extra += ", mask " + fmt_percent(masked_share_) + " masked";
+    if (has_docs_) extra += ", " + std::to_string(doc_starts_.size()) + " documents";
     return "tokens(" + path_ + ", " + std::to_string(num_tokens_) + (w_ == 4 ? " uint32" : "") + " tokens, V=" +
-           std::to_string(V_) + (header_ ? ", header)" : ")");
+           std::to_string(V_) + (header_ ? ", header" : "") + extra + ")";
+  }
+  bool has_positions() const override { return has_docs_; }
+  void positions(int64_t index, int32_t* out) const override {
+    const int64_t start = (range_.first + index) * T_;
+    // Documents beginning at tokens start+1 .. start+T-1 restart the count.
+    auto it = std::upper_bound(doc_starts_.begin(), doc_starts_.end(), static_cast<uint64_t>(start));
+    int32_t p = 0;
+    for (int64_t j = 0; j < T_; ++j, ++p) {
+      if (it != doc_starts_.end() && static_cast<int64_t>(*it) == start + j) {
+        p = 0;
+        ++it;
+      }
+      out[j] = p;
+    }
   }
   int64_t vocab_size() const override { return V_; }
   int64_t seq_len() const override { return T_; }
@@ -290,6 +309,20 @@ class TokenSource final : public DataSource {
         if (j < T_) inputs[j] = t;
         if (j >= 1) targets[j - 1] = t;
       }
+    }
+    if (mask_) {
+      unsigned char m[kSampleTokens];
+      for (int64_t j0 = 1; j0 <= T_; j0 += kSampleTokens) {
+        const int64_t n = std::min(kSampleTokens, T_ + 1 - j0);
+        read_at(*mask_, mask_path_, start + j0, m, n);
+        for (int64_t k = 0; k < n; ++k)
+          if (m[k] == 0) targets[j0 + k - 1] = kIgnoreTarget;
+      }
+    }
+    if (has_docs_) {  // the target that is the first token of a document
+      auto it = std::upper_bound(doc_starts_.begin(), doc_starts_.end(), static_cast<uint64_t>(start));
+      for (; it != doc_starts_.end() && static_cast<int64_t>(*it) <= start + T_; ++it)
+        targets[static_cast<int64_t>(*it) - start - 1] = kIgnoreTarget;
     }
   }
 
@@ -312,9 +345,67 @@ class TokenSource final : public DataSource {
   // fits an int32).
   int64_t token_at(const unsigned char* b, int64_t k) const { return w_ == 2 ? le_u16(b + 2 * k) : le_u32(b + 4 * k); }
 
+  static std::string fmt_percent(double f) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f%%", 100.0 * f);
+    return b;
+  }
+
+  // The mask: one byte per token, each 0 or 1 (checked here in one pass).
+  void open_mask() {
+    DataFile f = open_data_file(mask_path_, "data.mask_path");
+    if (f.size != num_tokens_)
+      throw ConfigError("data.mask_path", mask_path_ + " is " + std::to_string(f.size) + " bytes but " + path_ +
+                                              " holds " + std::to_string(num_tokens_) +
+                                              " tokens; a mask has one byte per token (is it another file's?)");
+    std::vector<unsigned char> buf(static_cast<size_t>(kScanTokens));
+    int64_t masked = 0;
+    for (int64_t i0 = 0; i0 < num_tokens_; i0 += kScanTokens) {
+      const int64_t n = std::min(kScanTokens, num_tokens_ - i0);
+      read_at(f, mask_path_, i0, buf.data(), n);
+      for (int64_t k = 0; k < n; ++k) {
+        if (buf[static_cast<size_t>(k)] > 1)
+          throw ConfigError("data.mask_path", mask_path_ + " byte " + std::to_string(i0 + k) + " is " +
+                                                  std::to_string(buf[static_cast<size_t>(k)]) +
+                                                  "; a mask byte is 1 (a target) or 0 (not one)");
+        masked += buf[static_cast<size_t>(k)] == 0;
+      }
+    }
+    masked_share_ = num_tokens_ > 0 ? static_cast<double>(masked) / static_cast<double>(num_tokens_) : 0.0;
+    mask_ = std::make_unique<DataFile>(std::move(f));
+  }
+
+  // The document starts, read whole (8 bytes per document).
+  void read_documents(const std::string& path) {
+    const DataFile f = open_data_file(path, "data.documents_path");
+    if (f.size % 8 != 0)
+      throw ConfigError("data.documents_path", path + " is " + std::to_string(f.size) +
+                                                   " bytes, not a multiple of 8; it holds little-endian uint64 "
+                                                   "token indices");
+    std::vector<unsigned char> bytes(static_cast<size_t>(f.size));
+    read_at(f, path, 0, bytes.data(), f.size);
+    doc_starts_.resize(bytes.size() / 8);
+    for (size_t i = 0; i < doc_starts_.size(); ++i) {
+      uint64_t v = 0;
+      for (int k = 7; k >= 0; --k) v = v << 8 | bytes[i * 8 + static_cast<size_t>(k)];
+      if (v >= static_cast<uint64_t>(num_tokens_) || (i > 0 && v <= doc_starts_[i - 1]))
+        throw ConfigError("data.documents_path",
+                          path + " entry " + std::to_string(i) + " (byte offset " + std::to_string(i * 8) + ") is " +
+                              std::to_string(v) + "; entries are token indices below " +
+                              std::to_string(num_tokens_) + " (" + path_ + "), strictly increasing");
+      doc_starts_[i] = v;
+    }
+    has_docs_ = true;
+  }
+
   std::string path_;
   int64_t T_;
   DataFile file_;
+  std::string mask_path_;
+  std::unique_ptr<DataFile> mask_;  // null without a mask
+  double masked_share_ = 0;
+  bool has_docs_ = false;
+  std::vector<uint64_t> doc_starts_;
   bool header_ = false;
   int64_t w_ = 2;       // bytes per token: 2 (uint16) or 4 (uint32)
   int64_t offset_ = 0;  // bytes before the first token (the header)
@@ -406,7 +497,12 @@ std::unique_ptr<DataSource> make_source(const DataConfig& cfg, bool eval) {
     if (cfg.path.empty())
       throw ConfigError("data.path",
                         "is required for data type \"" + std::string(data_type_name(cfg.type)) + "\"");
-    if (cfg.type == DataType::kText) return std::make_unique<TextSource>(cfg, eval);
+    if (cfg.type == DataType::kText) {
+      if (!cfg.mask_path.empty() || !cfg.documents_path.empty())
+        throw ConfigError(cfg.mask_path.empty() ? "data.documents_path" : "data.mask_path",
+                          "is for type \"tokens\" only");
+      return std::make_unique<TextSource>(cfg, eval);
+    }
     return std::make_unique<TokenSource>(cfg, eval);
   }
   // Only reachable with a value cast from outside the enum.
@@ -452,6 +548,12 @@ const char* data_type_name(DataType t) {
 }
 
 std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg) { return make_source(cfg, false); }
+
+void read_sample(const DataSource& source, int64_t index, Batch& batch, int64_t b) {
+  const int64_t T = batch.T;
+  source.sample(index, batch.inputs.data() + b * T, batch.targets.data() + b * T);
+  if (!batch.positions.empty()) source.positions(index, batch.positions.data() + b * T);
+}
 
 std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg) {
   if (cfg.type != DataType::kSynthetic && cfg.eval_fraction <= 0.0) return nullptr;
@@ -513,6 +615,7 @@ Batch DataLoader::next() {
   batch.T = T;
   batch.inputs.resize(static_cast<size_t>(micro_batch_ * T));
   batch.targets.resize(static_cast<size_t>(micro_batch_ * T));
+  if (source_->has_positions()) batch.positions.resize(static_cast<size_t>(micro_batch_ * T));
   for (int64_t b = 0; b < micro_batch_; ++b) {
     const int64_t pos = first + b;
     const int64_t e = pos / n;
@@ -524,7 +627,7 @@ Batch DataLoader::next() {
     const int64_t index =
         order_.empty() ? permute_large(slot, n, mix_seed(shuffle_seed_, static_cast<uint64_t>(e)))
                        : order_[static_cast<size_t>(slot)];
-    source_->sample(index, batch.inputs.data() + b * T, batch.targets.data() + b * T);
+    read_sample(*source_, index, batch, b);
   }
   position_ += micro_batch_ * world_size_;
   return batch;

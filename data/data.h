@@ -18,6 +18,14 @@
 //   holds data.token_dtype tokens (uint16 unless stated). Read with pread,
 //   one read per sample, never mapped: a file truncated under a running job
 //   is an IoError naming it at the next sample, not a SIGBUS.
+//   Two optional files beside it, as `python -m zinc.prepare` writes them:
+//   - a mask (data.mask_path): one byte per token, 1 where the token is a
+//     target, 0 where it is not (a prompt); a target whose token has 0
+//     becomes kIgnoreTarget;
+//   - documents (data.documents_path): little-endian uint64 indices of the
+//     tokens that begin a document, strictly increasing. A sample that
+//     spans several documents gets Batch::positions restarting at each,
+//     and the target crossing into a document is kIgnoreTarget.
 // Data files must be regular files: a FIFO, device or directory is refused
 // at open, without blocking.
 // Thread-safety: a DataLoader is used from one thread; a source's sample()
@@ -32,11 +40,24 @@
 
 namespace zinc {
 
+// A target that is not one (transformers' ignore_index): the position adds
+// nothing to the loss or the gradients, and the loss is the mean over the
+// targets that remain (the engine's normaliser is their count over the
+// whole global batch, all ranks and micro-batches, as the HF Trainer's).
+constexpr int32_t kIgnoreTarget = -100;
+
 // One micro-batch of token sequences: inputs and next-token targets, (B,T).
 struct Batch {
   int64_t B = 0, T = 0;
   std::vector<int32_t> inputs;
-  std::vector<int32_t> targets;
+  std::vector<int32_t> targets;    // in [0, V), or kIgnoreTarget
+  // Packed documents: empty (each row is one sequence), or B*T positions,
+  // transformers' position_ids: each row starts at 0, and each next one is
+  // 0 (a new document begins at that token) or the previous + 1. Attention
+  // stays inside a document and positions (learned or rotary) restart at
+  // each. The target crossing into the next document is the caller's to
+  // mask (the token sources do).
+  std::vector<int32_t> positions;
 };
 
 // The kind of source (see the list above).
@@ -53,6 +74,8 @@ struct DataConfig {
   // tokens: bytes per token, 2 (uint16) or 4 (uint32); 0: the header's, else
   // 2. A width that disagrees with the file's header is an error.
   int64_t token_bytes = 0;
+  std::string mask_path;           // tokens: the per-token mask file; "" for none
+  std::string documents_path;      // tokens: the document starts file; "" for none
   // synthetic only:
   double determinism = 0.8;        // p: probability that x_t = table(x_{t-2}, x_{t-1})
   uint64_t seed = 1234;            // the source's table and samples (not the model's init)
@@ -74,7 +97,13 @@ class DataSource {
   // Writes sample `index` (0 <= index < num_samples()): T inputs, T targets.
   // Throws IoError when the file behind the source has shrunk since it was
   // opened, naming the file, the bytes wanted and its size now.
+  // A target that is not one (a masked prompt token, the first token of a
+  // document) is kIgnoreTarget.
   virtual void sample(int64_t index, int32_t* inputs, int32_t* targets) const = 0;
+  // Whether samples carry document positions (Batch::positions); then
+  // positions(index, out) writes sample index's T of them.
+  virtual bool has_positions() const { return false; }
+  virtual void positions(int64_t index, int32_t* out) const {}
   // Exact entropy floor of the mean next-token loss in nats, if known.
   virtual std::optional<double> loss_floor() const { return std::nullopt; }
 };
@@ -87,6 +116,10 @@ std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg);
 // the file (nullptr when eval_fraction is 0); synthetic, a disjoint seeded
 // range of samples from the same distribution. Same errors as above.
 std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg);
+
+// Sample `index` of `source` as row b of `batch` (B*T inputs, targets and,
+// where the source has them, positions, sized by the caller).
+void read_sample(const DataSource& source, int64_t index, Batch& batch, int64_t b);
 
 // Walks a DataSource in global batches of `global_batch` samples, each split
 // into `world_size` equal parts; rank r takes part r, in micro-batches of

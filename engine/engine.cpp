@@ -308,13 +308,30 @@ BlockShard& Engine::Impl::state(int block) {
   return blocks[block];
 }
 
-void Engine::Impl::check_batch(const Batch& batch) const {
+int64_t Engine::Impl::check_batch(const Batch& batch) const {
   if (batch.B <= 0 || batch.T <= 0 ||
       batch.inputs.size() != static_cast<size_t>(batch.B * batch.T) ||
       batch.targets.size() != batch.inputs.size())
     throw Error("batch: expected B*T inputs and targets, got B=" + std::to_string(batch.B) +
                 " T=" + std::to_string(batch.T) + " with " + std::to_string(batch.inputs.size()) +
                 " inputs and " + std::to_string(batch.targets.size()) + " targets");
+  if (!batch.positions.empty()) {
+    if (batch.positions.size() != batch.inputs.size())
+      throw Error("batch.positions: expected none or B*T = " + std::to_string(batch.B * batch.T) + ", got " +
+                  std::to_string(batch.positions.size()));
+    for (int64_t b = 0; b < batch.B; ++b)
+      for (int64_t t = 0; t < batch.T; ++t) {
+        const int32_t p = batch.positions[static_cast<size_t>(b * batch.T + t)];
+        const int32_t prev = t > 0 ? batch.positions[static_cast<size_t>(b * batch.T + t - 1)] : -1;
+        if (p != 0 && p != prev + 1)
+          throw Error("batch.positions: row " + std::to_string(b) + ", token " + std::to_string(t) + " has position " +
+                      std::to_string(p) + "; each row starts at 0 and each next position is 0 (a new document) or " +
+                      "the previous + 1");
+      }
+  }
+  int64_t n = 0;
+  for (int32_t t : batch.targets) n += t != kIgnoreTarget;
+  return n;
 }
 
 void Engine::Impl::check_stepped(const char* what) const {
@@ -328,7 +345,7 @@ float Engine::Impl::forward(const Batch& batch) {
   check_loaded("forward");
   check_stepped("forward");
   device->make_current();
-  check_batch(batch);
+  const int64_t targets = check_batch(batch);
   auto t0 = Clock::now();
   params->begin_pass(ParamCoordinator::Pass::kTrain);
   float loss = model->forward(*this, batch);
@@ -337,6 +354,11 @@ float Engine::Impl::forward(const Batch& batch) {
   forward_pending = true;
   loss_sum += loss;
   loss_count += 1;
+  const double positions = static_cast<double>(batch.B * batch.T);
+  target_count += static_cast<double>(targets);
+  position_count += positions;
+  position_sq += positions * positions;
+  target_loss_sum += static_cast<double>(loss) * static_cast<double>(targets);
   return loss;
 }
 
@@ -381,22 +403,44 @@ void Engine::Impl::step() {
   const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
   const double inv_world = 1.0 / static_cast<double>(world);
   reducer->wait_all();  // every reduction of this step
-  // Own-shard squares and the loss, summed over ranks in one collective.
-  double sums[2] = {0.0, loss_sum};
+  // Own-shard squares, the loss and the normaliser's counts, summed over
+  // ranks in one collective.
+  double sums[7] = {0.0, loss_sum, target_count, position_count, position_sq, static_cast<double>(loss_count),
+                    target_loss_sum};
   if (!device->grad_squared_norm(sums[0]))
     for (BlockShard& s : blocks) sums[0] += reducer->squared_norm(s);
   if (reduce_stream) {
-    reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 2); }).wait();
+    reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
   }
-  // Gradients are sums over ranks and micro-batches of per-micro-batch
-  // mean-loss gradients: the mean is 1/(world * gas) of that, and with
-  // fp16 they are of the loss times the loss scale.
+  // Note [the loss normaliser]
+  // Gradients are sums over ranks and micro-batches of each micro-batch's
+  // gradient of (sum of its targets' losses) / (B*T), times the loss scale
+  // with fp16. Every position a target: that is the mean loss of each, and
+  // the global mean is 1/(world * gas) of the sum. Some targets masked: the
+  // loss is the mean over the global batch's targets, as the HF Trainer
+  // computes it (num_items_in_batch over all ranks and micro-batches), so
+  // the sum is scaled by (B*T) / targets; that needs one B*T for all the
+  // global batch's micro-batches (sum of squares times count equals the
+  // square of the sum only then). Every rank decides from the same sums.
   const double used_scale = loss_scale();
-  const double scale = inv_gas * inv_world / used_scale;
+  const double n_micro = sums[5], targets_all = sums[2];
+  const bool masked = targets_all != sums[3];
+  if (masked && sums[4] * n_micro != sums[3] * sums[3])
+    throw Error("step: the micro-batches of this global batch differ in B*T while some targets are masked; the mean "
+                "over the targets needs one micro-batch shape per global batch");
+  const bool no_targets = masked && targets_all == 0;
+  const double scale = !masked ? inv_gas * inv_world / used_scale
+                       : no_targets ? 0.0
+                                    : (sums[3] / n_micro) / (targets_all * used_scale);
   grad_norm = std::sqrt(sums[0]) * scale;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);
-  if (overflow) {
+  if (no_targets) {
+    skipped_steps += 1;
+    if (rank == 0)
+      log_warn("step " + std::to_string(global_steps) + ": every target of the global batch is masked; the update "
+               "is skipped");
+  } else if (overflow) {
     skipped_steps += 1;
     if (rank == 0 && loss_scaling)
       log_info("step " + std::to_string(global_steps) + ": fp16 gradients overflowed at loss scale " +
@@ -420,10 +464,13 @@ void Engine::Impl::step() {
   }
   reducer->reset_after_step();
   device->after_step();
-  if (loss_scaling) scaler.update(overflow);
-  last_loss = sums[1] / static_cast<double>(loss_count * world);
+  if (loss_scaling && !no_targets) scaler.update(overflow);
+  last_loss = !masked ? sums[1] / static_cast<double>(loss_count * world)
+              : no_targets ? 0.0
+                           : sums[6] / targets_all;
   loss_sum = 0;
   loss_count = 0;
+  target_count = position_count = position_sq = target_loss_sum = 0;
   timings.step_s += seconds_since(t0);
 }
 

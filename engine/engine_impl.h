@@ -70,6 +70,12 @@ struct Engine::Impl final : StepContext {
   bool forward_pending = false;  // a forward whose backward has not run
   double loss_sum = 0;           // this rank's sum of micro-batch losses in the current global batch
   int64_t loss_count = 0;
+  // This rank's part of the normaliser (Note [the loss normaliser] in
+  // engine.cpp), over the micro-batches of the current global batch:
+  double target_count = 0;       // targets (positions not kIgnoreTarget)
+  double position_count = 0;     // B*T summed
+  double position_sq = 0;        // (B*T)^2 summed
+  double target_loss_sum = 0;    // mean loss x targets, summed
   double last_loss = NAN;
   StepTimings timings;
   StateMemory memory;
@@ -98,7 +104,8 @@ struct Engine::Impl final : StepContext {
   BlockShard& state(int block);
 
   // ---- training ---------------------------------------------------------------------
-  void check_batch(const Batch& batch) const;
+  // Returns the batch's target count.
+  int64_t check_batch(const Batch& batch) const;
 
   // A boundary backward's step() must run before the next micro-batch: its
   // reductions may still be in flight (on the GPU, freeing the gradient

@@ -174,9 +174,12 @@ class Model {
   // gradient buffers it hands out there (config key "device").
   virtual Device device() const { return Device::kCpu; }
   // Forward one micro-batch; keeps what backward needs. Returns the mean loss
-  // over the batch's B*T targets.
+  // over the batch's targets (those not kIgnoreTarget; 0 when none), with
+  // attention and positions following batch.positions when given.
   virtual float forward(StepContext& ctx, const Batch& batch) = 0;
-  // Backward of the last forward, for the objective loss_scale * mean loss.
+  // Backward of the last forward, for the objective loss_scale * (sum of
+  // the targets' losses) / (B*T): loss_scale * mean loss when every
+  // position has a target. The engine normalises by the target count.
   // Accumulates into ctx.grads() and calls grads_ready(block) once per block,
   // last block first.
   virtual void backward(StepContext& ctx, float loss_scale) = 0;

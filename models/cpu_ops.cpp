@@ -16,6 +16,10 @@ class CpuOps : public Ops {
   const int32_t* tokens(const std::vector<int32_t>& host, int64_t V, const char* what, Buf& store) override {
     return host.data();  // the kernels check the range themselves
   }
+  const int32_t* targets(const std::vector<int32_t>& host, int64_t V, Buf& store) override { return host.data(); }
+  const int32_t* positions(const std::vector<int32_t>& host, Buf& store) override {
+    return host.empty() ? nullptr : host.data();
+  }
   void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias) override {
     kernels::matmul(d, a, b, c, bias);
   }
@@ -37,12 +41,12 @@ class CpuOps : public Ops {
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::add(out, a, b, n); }
   void scale(float* x, float alpha, int64_t n) override { kernels::scale(x, alpha, n); }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
-                         int64_t V) override {
-    kernels::embedding_forward(out, tokens, wte, wpe, B, T, C, V);
+                         int64_t V, const int32_t* positions) override {
+    kernels::embedding_forward(out, tokens, wte, wpe, B, T, C, V, positions);
   }
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                          int64_t C, int64_t V) override {
-    kernels::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, V);
+                          int64_t C, int64_t V, const int32_t* positions) override {
+    kernels::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, V, positions);
   }
   double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                        float dloss_scale) override {

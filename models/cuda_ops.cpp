@@ -51,6 +51,19 @@ class CudaOps final : public Ops {
       indexes_[store.data()].build(host.data(), static_cast<int64_t>(host.size()), V, kStream);
     return store.as<int32_t>();
   }
+  // Masked targets and packed documents are refused until their CUDA
+  // twins exist (issue 31), with one line naming the batch field.
+  const int32_t* targets(const std::vector<int32_t>& host, int64_t V, Buf& store) override {
+    for (size_t i = 0; i < host.size(); ++i)
+      if (host[i] == kernels::kIgnoreTarget)
+        throw Error("batch.targets: masked targets (" + std::to_string(kernels::kIgnoreTarget) + " at position " +
+                    std::to_string(i) + ") are not supported with \"device\": \"cuda\" yet");
+    return tokens(host, V, "cross_entropy", store);
+  }
+  const int32_t* positions(const std::vector<int32_t>& host, Buf& store) override {
+    if (host.empty()) return nullptr;
+    throw Error("batch.positions: packed documents are not supported with \"device\": \"cuda\" yet");
+  }
   // The Llama kernels' CUDA twins (llama_layers.cu), bit for bit the CPU's.
   void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
     kernels::cuda::rmsnorm_forward(out, rstd, x, w, N, C, eps, kStream);
@@ -102,11 +115,11 @@ class CudaOps final : public Ops {
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::cuda::add(out, a, b, n, kStream); }
   void scale(float* x, float alpha, int64_t n) override { kernels::cuda::scale(x, alpha, n, kStream); }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
-                         int64_t V) override {
+                         int64_t V, const int32_t* positions) override {
     kernels::cuda::embedding_forward(out, tokens, wte, wpe, B, T, C, kStream);
   }
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                          int64_t C, int64_t V) override {
+                          int64_t C, int64_t V, const int32_t* positions) override {
     auto it = indexes_.find(tokens);
     kernels::cuda::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, kStream,
                                       it == indexes_.end() ? nullptr : &it->second);

@@ -165,10 +165,12 @@ class Gpt final : public Model {
     const DType dt = ctx.compute_dtype();
     tokens_ = batch.inputs;
     tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
-    const int32_t* targets = ops_->tokens(batch.targets, V, "cross_entropy", targets_store_);
+    const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
+    positions_ = batch.positions;  // backward reads them too
+    pos_ = ops_->positions(positions_, positions_store_);
 
     HeldParams emb = ctx.acquire(0);
-    ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V);
+    ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V, pos_);
     emb.release();
 
     for (int64_t l = 0; l < c_.n_layer; ++l) {
@@ -243,7 +245,7 @@ class Gpt final : public Model {
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
       detail::linear_backward(*ops_, dy16_, dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), a.att_in,
                               p[kAttnProjW], N, C, C, dt);
-      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
                               3 * C, dt);
       ops_->layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, x_in, p[kLn1W],
@@ -252,7 +254,7 @@ class Gpt final : public Model {
       ctx.grads_ready(blk);
     }
 
-    ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V);
+    ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
     emb.release();
     ctx.grads_ready(0);
   }
@@ -272,7 +274,7 @@ class Gpt final : public Model {
                                p[kLn1W], p[kLn1B], N, C);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
@@ -327,7 +329,9 @@ class Gpt final : public Model {
   int64_t acts_hold_ = -1;           // the layer whose activations the shared set holds
   std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
   const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
-  Buf tokens_store_, targets_store_;  // device copies (GPU)
+  Buf tokens_store_, targets_store_, positions_store_;
+  std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
+  const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without  // device copies (GPU)
   int64_t B_ = 0, T_ = 0;
   Buf x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, dbig_;

@@ -157,11 +157,13 @@ class Llama final : public Model {
     const DType dt = ctx.compute_dtype();
     tokens_ = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
     tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
-    const int32_t* targets = ops_->tokens(batch.targets, V, "cross_entropy", targets_store_);
+    const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
+    positions_ = batch.positions;  // backward reads them too
+    pos_ = ops_->positions(positions_, positions_store_);
 
     {
       HeldParams emb = ctx.acquire(0);
-      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V);
+      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
     }
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
@@ -236,16 +238,16 @@ class Llama final : public Model {
       // Attention: dx holds d h and becomes d x.
       detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dx), a.att_in, p[x.o_w], N, A,
                               C, dt);
-      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_}, dt);
+      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
-      ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_}, true);
+      ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
       ops_->rmsnorm_backward(dx, g[x.ln1], dsmall, x_in, p[x.ln1], a.rstd1.as<float>(), N, C);
       p.release();
       ctx.grads_ready(blk);
     }
-    ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V);
+    ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
     emb.release();
     ctx.grads_ready(0);
   }
@@ -268,9 +270,9 @@ class Llama final : public Model {
     float* proj = proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
     // q and k are adjacent in the row: one call rotates H + K heads.
-    ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_}, false);
+    ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[x.o_w], bias(p, x.o_b), N, A, C, dt);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
@@ -343,7 +345,9 @@ class Llama final : public Model {
   int64_t acts_hold_ = -1;
   std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
   const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
-  Buf tokens_store_, targets_store_;
+  Buf tokens_store_, targets_store_, positions_store_;
+  std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
+  const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without
   int64_t B_ = 0, T_ = 0;
   Buf rope_cos_, rope_sin_;  // (T, D/2)
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;

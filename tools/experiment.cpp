@@ -147,8 +147,10 @@ Experiment load_experiment(const std::string& path, const std::vector<std::strin
 }
 
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro) {
+  // The mean over every target of the batches (a batch's loss is the mean
+  // over its own targets, so each is weighted by their count).
   const int64_t T = source.seq_len();
-  double total = 0;
+  double total = 0, targets = 0;
   int64_t next = 0;
   for (int64_t b = 0; b < batches; ++b) {
     Batch batch;
@@ -156,11 +158,14 @@ double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64
     batch.T = T;
     batch.inputs.resize(static_cast<size_t>(micro * T));
     batch.targets.resize(static_cast<size_t>(micro * T));
-    for (int64_t i = 0; i < micro; ++i, ++next)
-      source.sample(next % source.num_samples(), batch.inputs.data() + i * T, batch.targets.data() + i * T);
-    total += engine.evaluate(batch);
+    if (source.has_positions()) batch.positions.resize(static_cast<size_t>(micro * T));
+    for (int64_t i = 0; i < micro; ++i, ++next) read_sample(source, next % source.num_samples(), batch, i);
+    int64_t n = 0;
+    for (int32_t t : batch.targets) n += t != kIgnoreTarget;
+    total += static_cast<double>(engine.evaluate(batch)) * static_cast<double>(n);
+    targets += static_cast<double>(n);
   }
-  return total / static_cast<double>(batches);
+  return targets > 0 ? total / targets : 0.0;
 }
 
 int64_t peak_rss_bytes() {

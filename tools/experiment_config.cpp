@@ -106,7 +106,13 @@ void parse_data(Reader& root, DataConfig& d) {
   bool has_det = r.get_number("determinism", d.determinism, closed(0, 1));
   r.get_u64("seed", d.seed);
   bool has_eval = r.get_number("eval_fraction", d.eval_fraction, lo_closed(0, 1));
+  const bool has_mask = r.get_file_name("mask_path", d.mask_path);
+  const bool has_docs = r.get_file_name("documents_path", d.documents_path);
   r.finish();
+  for (auto [has, key] : {std::pair{has_mask, "mask_path"}, std::pair{has_docs, "documents_path"}})
+    if (has && d.type != DataType::kTokens)
+      throw ConfigError(r.path_of(key), std::string("is for type \"tokens\" only (a file beside the token file), not \"") +
+                                            data_type_name(d.type) + "\"");
   if (d.type == DataType::kSynthetic) {
     if (has_path) r.warn(r.path_of("path"), "ignored for type \"synthetic\"");
     if (has_width) r.warn(r.path_of("token_dtype"), "ignored for type \"synthetic\"");
@@ -293,6 +299,8 @@ nlohmann::json to_json(const ExperimentConfig& e) {
     data["path"] = d.path;
     if (d.type == DataType::kTokens && d.vocab_size > 0) data["vocab_size"] = d.vocab_size;
     if (d.type == DataType::kTokens && d.token_bytes > 0) data["token_dtype"] = d.token_bytes == 4 ? "uint32" : "uint16";
+    if (!d.mask_path.empty()) data["mask_path"] = d.mask_path;
+    if (!d.documents_path.empty()) data["documents_path"] = d.documents_path;
     data["eval_fraction"] = d.eval_fraction;
   }
   nlohmann::json model = {{"type", model_type_name(m.type)},

@@ -10,6 +10,14 @@
 // The full (T,T) score matrices are computed and the upper triangle thrown
 // away: at T = 256, hs = 64 a masked brgemm still beats a hand-written
 // triangular loop, and it keeps the code to a few calls.
+//
+// Note [document boundaries]
+// With AttentionShape::positions, a row packs several documents and query t
+// sees only keys lo..t of its own, lo = t - positions[t] (a block-diagonal
+// causal mask, as transformers builds from packed position_ids). The
+// scores are still computed in full; the softmax runs over lo..t and
+// writes 0 elsewhere, and backward's row dot and dS cover lo..t alone, so
+// nothing crosses a boundary in either direction.
 // Memory: the only per-layer state is P (B,H,T,T) fp32, the softmax output
 // that backward needs (12.6 MB for B=8, H=6, T=256). q, k, v are re-permuted
 // from qkv in backward rather than saved. Everything else (permuted operands,
@@ -97,6 +105,21 @@ void check_shape(const char* fn, AttentionShape s) {
                 " C=" + std::to_string(s.C) + " H=" + std::to_string(s.H) +
                 " (need C > 0, H > 0 and C divisible by H)");
   }
+  if (!s.positions) return;
+  for (int64_t r = 0; r < s.B * s.T; ++r) {
+    const int64_t t = r % s.T;
+    if (s.positions[r] < 0 || s.positions[r] > t)
+      throw Error(std::string(fn) + ": position " + std::to_string(s.positions[r]) + " of row " +
+                  std::to_string(r / s.T) + ", token " + std::to_string(t) + " is outside [0, " + std::to_string(t) +
+                  "] (a document cannot begin before its row)");
+  }
+}
+
+// The first key query row r of the (B*H, T) score rows may see.
+inline int64_t first_key(AttentionShape s, size_t r) {
+  if (!s.positions) return 0;
+  const int64_t t = static_cast<int64_t>(r) % s.T, b = static_cast<int64_t>(r) / s.T / s.H;
+  return t - s.positions[b * s.T + t];
 }
 
 // Up to four head-major copies in one parallel region (each region is a
@@ -201,9 +224,10 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   void* pc = compute == DType::kF32 ? static_cast<void*>(P) : scratch(kPc, n_att * esz);
   parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {
-      const int64_t t = static_cast<int64_t>(r) % T;
+      const int64_t t = static_cast<int64_t>(r) % T, k0 = first_key(s, r);
       float* row = P + r * T;
-      softmax_row_causal(row, t + 1, T);
+      for (int64_t j = 0; j < k0; ++j) row[j] = 0.0f;
+      softmax_row_causal(row + k0, t + 1 - k0, T - k0);
       if (compute != DType::kF32) {
         store_operand_row(pc, r, T, compute, [&](int64_t j) { return row[j]; });
       }
@@ -254,15 +278,17 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   const void* pc = f32 ? static_cast<const void*>(P) : scratch(kPc, n_att * esz);
   parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {
-      const int64_t nv = static_cast<int64_t>(r) % T + 1;
+      const int64_t nv = static_cast<int64_t>(r) % T + 1, k0 = first_key(s, r);
       const float* p = P + r * T;
       float* dp = dP + r * T;
-      const float dot = softmax_row_dot(p, dp, nv);
+      const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
       if (f32) {
-        for (int64_t j = 0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
+        for (int64_t j = 0; j < k0; ++j) dp[j] = 0.0f;
+        for (int64_t j = k0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
         for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
       } else {
-        store_operand_row(ds, r, T, compute, [&](int64_t j) { return j < nv ? p[j] * (dp[j] - dot) : 0.0f; });
+        store_operand_row(ds, r, T, compute,
+                          [&](int64_t j) { return j >= k0 && j < nv ? p[j] * (dp[j] - dot) : 0.0f; });
         store_operand_row(const_cast<void*>(pc), r, T, compute, [&](int64_t j) { return p[j]; });
       }
     }

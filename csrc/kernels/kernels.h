@@ -124,9 +124,15 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n);
 // with a causal mask. The workspace keeps what backward needs; it must live
 // from forward to backward and may be reused across layers only if each layer
 // has its own.
+// Packed documents (Note [document boundaries] in attention.cpp): with
+// `positions` (B*T, each row 0,1,.. restarting at 0 where a document
+// begins; the first of a row is 0), query t attends only to keys
+// t - positions[t] .. t, its own document: a block-diagonal causal mask.
+// nullptr: one document per row. Backward must get the same positions.
 class AttentionWorkspace;
 struct AttentionShape {
   int64_t B = 0, T = 0, C = 0, H = 0;
+  const int32_t* positions = nullptr;  // (B*T) or nullptr; device memory for the CUDA twins
 };
 AttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(AttentionWorkspace* ws);
@@ -186,8 +192,11 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
 // the angle of frequency i at position t (the model builds them, with its
 // rope scaling). Backward (inverse = true) rotates by the negated angle,
 // which maps d out to d x.
+// With `positions` (B*T; nullptr: row b's token t is at position t) the
+// token at (b,t) is rotated by the angle of positions[b*T+t] (< T).
 struct RopeShape {
   int64_t B = 0, T = 0, W = 0, col = 0, heads = 0, head_dim = 0;
+  const int32_t* positions = nullptr;
 };
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse);
 
@@ -201,22 +210,30 @@ void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv
 void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd);
 
 // ---- softmax cross-entropy over the vocabulary -----------------------------------
-// logits(N,V), targets(N) in [0,V). Returns the mean loss over the N rows.
-// If dlogits is not null, writes dlogits(N,V) = (softmax - onehot) * dloss_scale / N,
-// i.e. the gradient of (dloss_scale * mean loss). dlogits may alias logits.
-// A target outside [0,V) throws zinc::Error naming the row.
+// A target of kIgnoreTarget (transformers' ignore_index) is not a target:
+// its row adds nothing to the loss and its dlogits row is zero.
+constexpr int32_t kIgnoreTarget = -100;
+// logits(N,V), targets(N) in [0,V) or kIgnoreTarget. Returns the mean loss
+// over the rows with a target (0 when there are none). If dlogits is not
+// null, writes dlogits(N,V) = (softmax - onehot) * dloss_scale / N for the
+// rows with a target, 0 for the others: the gradient of dloss_scale * (the
+// sum of the targets' losses) / N, which is dloss_scale * mean loss when
+// every row has a target (the engine divides by the count of targets over
+// the global batch at the step). dlogits may alias logits.
+// Any other target outside [0,V) throws zinc::Error naming the row.
 double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V,
                      float* dlogits, float dloss_scale);
 
 // ---- embeddings ----------------------------------------------------------------
-// out(B,T,C) = wte[tokens[b,t]] + wpe[t]   (wpe may have data == nullptr: no positions)
-// A token outside [0,V) throws zinc::Error.
+// out(B,T,C) = wte[tokens[b,t]] + wpe[p(b,t)]   (wpe may have data == nullptr:
+// no positions), p(b,t) = positions[b*T+t] (in [0,T)), or t when positions is null.
+// A token outside [0,V) or a position outside [0,T) throws zinc::Error.
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
-                       int64_t C, int64_t V);
-// dwte(V,C) += scatter of dout rows, dwpe(T,C) += sum over batch (dwpe may be null).
+                       int64_t C, int64_t V, const int32_t* positions = nullptr);
+// dwte(V,C) += scatter of dout rows, dwpe(T,C) += scatter by position (dwpe may be null).
 // Deterministic: each output row is summed in token order.
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
-                        int64_t T, int64_t C, int64_t V);
+                        int64_t T, int64_t C, int64_t V, const int32_t* positions = nullptr);
 
 // ---- vector ops -------------------------------------------------------------------
 void add(float* out, const float* a, const float* b, int64_t n);  // out = a + b (out may alias)

@@ -12,6 +12,7 @@
 // embedding table) are read through a template on the element type, chosen
 // once per call.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -240,11 +241,15 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
                      float* dlogits, float dloss_scale) {
   ProfileScope profile_scope(Op::kCrossEntropy);
   if (N <= 0) return 0.0;
+  int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) {
+    if (targets[i] == kIgnoreTarget) continue;
     if (targets[i] < 0 || targets[i] >= V) {
       throw Error("cross_entropy: target " + std::to_string(targets[i]) + " at row " +
-                  std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+                  std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(V) + ") (" +
+                  std::to_string(kIgnoreTarget) + " marks a position without a target)");
     }
+    ++counted;
   }
   // Per-row losses summed in row order afterwards: thread-count independent.
   std::vector<double> row_loss(static_cast<size_t>(N));
@@ -253,6 +258,11 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
     for (size_t i = lo; i < hi; ++i) {
       const float* x = logits + i * V;
       const int32_t tgt = targets[i];
+      if (tgt == kIgnoreTarget) {
+        row_loss[i] = 0.0;
+        if (dlogits) std::memset(dlogits + i * V, 0, static_cast<size_t>(V) * sizeof(float));
+        continue;
+      }
       const float x_tgt = x[tgt];  // read before dlogits (which may alias) overwrites it
       const float mx = row_max(x, V);
       // The exponentials go to dlogits when there is one (row-sized, so the
@@ -269,7 +279,7 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
   });
   double total = 0;
   for (double l : row_loss) total += l;
-  return total / static_cast<double>(N);
+  return counted > 0 ? total / static_cast<double>(counted) : 0.0;
 }
 
 // ---- embeddings -----------------------------------------------------------------------------
@@ -283,14 +293,27 @@ void check_tokens(const char* fn, const int32_t* tokens, int64_t n, int64_t V) {
     }
   }
 }
+void check_positions(const char* fn, const int32_t* positions, int64_t n, int64_t T) {
+  if (!positions) return;
+  for (int64_t i = 0; i < n; ++i) {
+    if (positions[i] < 0 || positions[i] >= T) {
+      throw Error(std::string(fn) + ": position " + std::to_string(positions[i]) + " at row " +
+                  std::to_string(i) + " is outside [0, " + std::to_string(T) + ")");
+    }
+  }
+}
+inline int64_t position_of(const int32_t* positions, int64_t r, int64_t T) {
+  return positions ? static_cast<int64_t>(positions[r]) : r % T;
+}
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
-                       int64_t C, int64_t V) {
+                       int64_t C, int64_t V, const int32_t* positions) {
   ProfileScope profile_scope(Op::kEmbedding);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   check_tokens("embedding_forward", tokens, rows, V);
+  if (wpe.data) check_positions("embedding_forward", positions, rows, T);
   dispatch(wte.dtype, [&](auto te) {
     using TE = decltype(te);
     const TE* E = static_cast<const TE*>(wte.data);
@@ -310,7 +333,7 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
       parallel_for(static_cast<size_t>(rows), row_grain(C), [&](size_t lo, size_t hi) {
         for (size_t r = lo; r < hi; ++r) {
           const TE* __restrict e = E + static_cast<int64_t>(tokens[r]) * C;
-          const TP* __restrict p = P + (static_cast<int64_t>(r) % T) * C;
+          const TP* __restrict p = P + position_of(positions, static_cast<int64_t>(r), T) * C;
           float* __restrict o = out + r * C;
           for (int64_t c = 0; c < C; ++c) o[c] = load(e[c]) + load(p[c]);
         }
@@ -320,11 +343,12 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
 }
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
-                        int64_t T, int64_t C, int64_t V) {
+                        int64_t T, int64_t C, int64_t V, const int32_t* positions) {
   ProfileScope profile_scope(Op::kEmbedding);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   check_tokens("embedding_backward", tokens, rows, V);
+  if (dwpe) check_positions("embedding_backward", positions, rows, T);
   // Column blocks: each thread owns columns [c0, c1) of every row of dwte and
   // dwpe and adds the dout rows in token order, so the result is the same for
   // any thread count and needs no atomics.
@@ -333,7 +357,7 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = dout + r * C + c0;
       add_row(dwte + static_cast<int64_t>(tokens[r]) * C + c0, g, w);
-      if (dwpe) add_row(dwpe + (r % T) * C + c0, g, w);
+      if (dwpe) add_row(dwpe + position_of(positions, r, T) * C + c0, g, w);
     }
   });
 }

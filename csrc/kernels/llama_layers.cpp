@@ -158,10 +158,15 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
     throw Error("rope: heads " + std::to_string(s.heads) + " x " + std::to_string(s.head_dim) + " from column " +
                 std::to_string(s.col) + " exceed the row width " + std::to_string(s.W));
   const int64_t h = s.head_dim / 2, N = s.B * s.T;
+  if (s.positions)
+    for (int64_t r = 0; r < N; ++r)
+      if (s.positions[r] < 0 || s.positions[r] >= s.T)
+        throw Error("rope: position " + std::to_string(s.positions[r]) + " at row " + std::to_string(r) +
+                    " is outside [0, " + std::to_string(s.T) + ")");
   const float sign = inverse ? -1.0f : 1.0f;
   parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(s.heads * s.head_dim), [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {
-      const int64_t t = static_cast<int64_t>(r) % s.T;
+      const int64_t t = s.positions ? static_cast<int64_t>(s.positions[r]) : static_cast<int64_t>(r) % s.T;
       float* row = x + static_cast<int64_t>(r) * s.W + s.col;
       for (int64_t k = 0; k < s.heads; ++k) rope_head(row + k * s.head_dim, cos + t * h, sin + t * h, sign, h);
     }

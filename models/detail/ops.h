@@ -71,6 +71,11 @@ class Ops {
   // vector itself, or a copy in `store` on the device. Checks every value
   // is in [0, V) first and throws zinc::Error naming the position.
   virtual const int32_t* tokens(const std::vector<int32_t>& host, int64_t V, const char* what, Buf& store) = 0;
+  // The batch's targets likewise, each in [0, V) or kernels::kIgnoreTarget.
+  virtual const int32_t* targets(const std::vector<int32_t>& host, int64_t V, Buf& store) = 0;
+  // The batch's positions (Batch::positions, checked by the engine) where
+  // the kernels read them; nullptr when the batch has none.
+  virtual const int32_t* positions(const std::vector<int32_t>& host, Buf& store) = 0;
 
   virtual void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias = {}) = 0;
   virtual void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) = 0;
@@ -83,10 +88,10 @@ class Ops {
   virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
   virtual void scale(float* x, float alpha, int64_t n) = 0;
   virtual void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T,
-                                 int64_t C, int64_t V) = 0;
+                                 int64_t C, int64_t V, const int32_t* positions) = 0;
   virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
-                                  int64_t T, int64_t C, int64_t V) = 0;
-  // Mean loss over the N rows (kernels::cross_entropy); `targets` from tokens().
+                                  int64_t T, int64_t C, int64_t V, const int32_t* positions) = 0;
+  // Mean loss over the rows with a target (kernels::cross_entropy); `targets` from targets().
   virtual double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                float dloss_scale) = 0;
 

@@ -567,15 +567,17 @@ class PyEngine {
   zinc::comm::Communicator* communicator() const { return comm_.get(); }
 
  private:
-  // A batch: (inputs, targets) as a tuple or list, or a dict with those keys.
+  // A batch: (inputs, targets) as a tuple or list, or a dict with those keys
+  // and optionally 'positions' (packed documents, Batch::positions).
   zinc::Batch to_batch(py::handle batch, const std::string& fn) const {
-    py::object in, tg;
+    py::object in, tg, pos;
     if (py::isinstance<py::dict>(batch)) {
       py::dict d = py::reinterpret_borrow<py::dict>(batch);
       if (!d.contains("inputs") || !d.contains("targets"))
         throw py::value_error(fn + ": batch must have the keys 'inputs' and 'targets'");
       in = d["inputs"];
       tg = d["targets"];
+      if (d.contains("positions") && !d["positions"].is_none()) pos = d["positions"];
     } else if ((py::isinstance<py::tuple>(batch) || py::isinstance<py::list>(batch)) && py::len(batch) == 2) {
       in = batch[py::int_(0)];
       tg = batch[py::int_(1)];
@@ -598,13 +600,22 @@ class PyEngine {
     const size_t n = static_cast<size_t>(b.B * b.T);
     b.inputs.assign(a.data(), a.data() + n);
     b.targets.assign(t.data(), t.data() + n);
+    if (pos) {
+      py::array_t<int32_t> p = token_array(pos, fn, "positions");
+      if (p.shape(0) != a.shape(0) || p.shape(1) != a.shape(1))
+        throw py::value_error(fn + ": positions must have the shape of inputs (" + std::to_string(a.shape(0)) + ", " +
+                              std::to_string(a.shape(1)) + ")");
+      b.positions.assign(p.data(), p.data() + n);
+    }
     check_tokens(b.inputs, b.T, fn, "inputs");
-    check_tokens(b.targets, b.T, fn, "targets");
+    check_tokens(b.targets, b.T, fn, "targets", true);
     return b;
   }
-  void check_tokens(const std::vector<int32_t>& v, int64_t T, const std::string& fn, const char* name) const {
+  // Targets may also be -100 (zinc::kIgnoreTarget): no target there.
+  void check_tokens(const std::vector<int32_t>& v, int64_t T, const std::string& fn, const char* name,
+                    bool targets = false) const {
     for (size_t i = 0; i < v.size(); ++i)
-      if (v[i] < 0 || v[i] >= vocab_)
+      if ((v[i] < 0 || v[i] >= vocab_) && !(targets && v[i] == zinc::kIgnoreTarget))
         throw py::value_error(fn + ": " + name + "[" + std::to_string(static_cast<int64_t>(i) / T) + ", " +
                               std::to_string(static_cast<int64_t>(i) % T) + "] = " + std::to_string(v[i]) +
                               " is outside the vocabulary [0, " + std::to_string(vocab_) + ")");

@@ -270,3 +270,31 @@ def test_online_monitors_are_refused(doc):
         with pytest.raises(ValueError, match="tensorboard or csv_monitor"):
             list(zinc.train(doc))
         doc[key] = {"enabled": False}
+
+
+def test_masked_targets_and_packed_positions(doc):
+    """-100 targets count for nothing; positions pack documents: a document
+    packed behind another gets the loss it has alone."""
+    doc["bf16"]["enabled"] = False  # fp32: the two shapes agree to rounding
+    rng = np.random.default_rng(3)
+    T = doc["data"]["seq_len"]
+    a, b = 5, T - 5  # two documents in one row
+    x = rng.integers(0, 64, size=(1, T), dtype=np.int32)
+    y = rng.integers(0, 64, size=(1, T), dtype=np.int32)
+    y_second = y.copy()
+    y_second[0, :a] = -100  # only the second document's targets
+    pos = np.concatenate([np.arange(a), np.arange(b)]).astype(np.int32)[None, :]
+    with zinc.initialize(doc) as engine:
+        packed = engine.evaluate({"inputs": x, "targets": y_second, "positions": pos})
+        alone = engine.evaluate((np.ascontiguousarray(x[:, a:]), np.ascontiguousarray(y[:, a:])))
+        assert packed == pytest.approx(alone, rel=1e-5)
+        flat = engine.evaluate((x, y_second))  # without positions it sees the first document
+        assert abs(flat - alone) > 1e-4
+        with pytest.raises(ValueError, match=r"targets\[0, 1\] = -1 "):
+            y_bad = y.copy()
+            y_bad[0, 1] = -1
+            engine.evaluate((x, y_bad))
+        bad = pos.copy()
+        bad[0, 3] = 7
+        with pytest.raises(zinc.Error, match="row 0, token 3 has position 7"):
+            engine.evaluate({"inputs": x, "targets": y, "positions": bad})

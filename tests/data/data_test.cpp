@@ -510,6 +510,105 @@ TEST(TokenSource, ReadsUint32TokensWithAndWithoutTheHeader) {
   }
 }
 
+// A mask and document starts beside the token file, as zinc.prepare
+// writes them: a target whose token has mask 0 and the target crossing into
+// a document are kIgnoreTarget; positions restart at each document inside
+// a sample (and at 0 at every sample's start).
+TEST(TokenSource, MaskAndDocumentsMaskTargetsAndRestartPositions) {
+  // 13 tokens 0..12; documents start at 0, 4, 6; tokens 1, 2 and 7 are prompt.
+  std::string toks;
+  for (uint32_t t = 0; t < 13; ++t) put_u16(toks, t);
+  std::string mask(13, '\1');
+  mask[1] = mask[2] = mask[7] = '\0';
+  std::string docs;
+  for (uint64_t d : {0ull, 4ull, 6ull})
+    for (int k = 0; k < 8; ++k) docs.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
+  TempFile ft("md_tokens.bin", toks), fm("md_tokens.mask", mask), fd("md_tokens.docs", docs);
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = ft.path();
+  c.seq_len = 4;
+  c.mask_path = fm.path();
+  c.documents_path = fd.path();
+  auto s = make_data_source(c);
+  EXPECT_TRUE(s->has_positions());
+  EXPECT_NE(s->describe().find("3 documents"), std::string::npos) << s->describe();
+  EXPECT_NE(s->describe().find("23.1% masked"), std::string::npos) << s->describe();
+  ASSERT_EQ(s->num_samples(), 3);  // windows [0,4], [4,8], [8,12]
+  const int32_t I = kIgnoreTarget;
+  const std::vector<std::vector<int32_t>> want_targets = {{I, I, 3, I}, {5, I, I, 8}, {9, 10, 11, 12}};
+  const std::vector<std::vector<int32_t>> want_pos = {{0, 1, 2, 3}, {0, 1, 0, 1}, {0, 1, 2, 3}};
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> in(4), tg(4), pos(4);
+    s->sample(i, in.data(), tg.data());
+    s->positions(i, pos.data());
+    EXPECT_EQ(tg, want_targets[static_cast<size_t>(i)]) << "sample " << i;
+    EXPECT_EQ(pos, want_pos[static_cast<size_t>(i)]) << "sample " << i;
+    for (int t = 0; t < 4; ++t) EXPECT_EQ(in[static_cast<size_t>(t)], 4 * i + t);
+  }
+  // The loader fills Batch::positions.
+  DataLoader loader(std::shared_ptr<const DataSource>(std::move(s)), 3, 1, 1, 0, 1);
+  Batch b = loader.next();
+  EXPECT_EQ(b.positions.size(), 12u);
+}
+
+TEST(TokenSource, BadMaskAndDocumentFilesAreNamed) {
+  std::string toks;
+  for (uint32_t t = 0; t < 9; ++t) put_u16(toks, t);
+  TempFile ft("bad_md.bin", toks);
+  auto error_of = [&](const std::string& mask, const std::string& docs) -> std::pair<std::string, std::string> {
+    TempFile fm("bad_md.mask", mask), fd("bad_md.docs", docs);
+    DataConfig c;
+    c.type = DataType::kTokens;
+    c.path = ft.path();
+    c.seq_len = 4;
+    if (!mask.empty()) c.mask_path = fm.path();
+    if (!docs.empty()) c.documents_path = fd.path();
+    try {
+      make_data_source(c);
+    } catch (const ConfigError& e) {
+      return {e.path(), e.what()};
+    }
+    return {"", ""};
+  };
+  auto u64s = [](std::vector<uint64_t> v) {
+    std::string s;
+    for (uint64_t d : v)
+      for (int k = 0; k < 8; ++k) s.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
+    return s;
+  };
+  auto [p1, m1] = error_of(std::string(8, '\1'), "");
+  EXPECT_EQ(p1, "data.mask_path");
+  EXPECT_NE(m1.find("is 8 bytes but"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("holds 9 tokens"), std::string::npos) << m1;
+  std::string m = std::string(9, '\1');
+  m[5] = '\2';
+  auto [p2, m2] = error_of(m, "");
+  EXPECT_EQ(p2, "data.mask_path");
+  EXPECT_NE(m2.find("byte 5 is 2"), std::string::npos) << m2;
+  auto [p3, m3] = error_of("", u64s({0, 5, 5}));
+  EXPECT_EQ(p3, "data.documents_path");
+  EXPECT_NE(m3.find("entry 2 (byte offset 16) is 5"), std::string::npos) << m3;
+  auto [p4, m4] = error_of("", u64s({0, 9}));
+  EXPECT_NE(m4.find("entry 1 (byte offset 8) is 9"), std::string::npos) << m4;
+  auto [p5, m5] = error_of("", u64s({0}) + "abc");
+  EXPECT_EQ(p5, "data.documents_path");
+  EXPECT_NE(m5.find("not a multiple of 8"), std::string::npos) << m5;
+  EXPECT_EQ(error_of(std::string(9, '\0'), u64s({0, 3})).first, "");  // good files
+  // A text source takes neither.
+  DataConfig c;
+  c.type = DataType::kText;
+  c.path = ft.path();
+  c.seq_len = 4;
+  c.mask_path = ft.path();
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.path(), "data.mask_path");
+  }
+}
+
 TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
   DataConfig c;
   c.type = DataType::kTokens;

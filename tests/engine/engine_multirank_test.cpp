@@ -111,6 +111,55 @@ TEST(ZeroAccumulation, NoSyncAccumulationEqualsTheSameGlobalBatchWithout) {
   }
 }
 
+// The synthetic samples with most targets masked, unevenly: sample i keeps
+// only its first 1 + (i * 5) % T targets, so micro-batches and ranks hold
+// very different counts.
+class UnevenlyMaskedSource final : public DataSource {
+ public:
+  UnevenlyMaskedSource() {
+    DataConfig dc;
+    dc.vocab_size = testing_models::kVocab;
+    dc.seq_len = testing_models::kSeq;
+    inner_ = make_data_source(dc);
+  }
+  std::string describe() const override { return "masked " + inner_->describe(); }
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  int64_t seq_len() const override { return inner_->seq_len(); }
+  int64_t num_samples() const override { return inner_->num_samples(); }
+  void sample(int64_t index, int32_t* inputs, int32_t* targets) const override {
+    inner_->sample(index, inputs, targets);
+    const int64_t T = seq_len(), keep = 1 + (index * 5) % T;
+    for (int64_t t = keep; t < T; ++t) targets[t] = kIgnoreTarget;
+  }
+
+ private:
+  std::unique_ptr<DataSource> inner_;
+};
+
+// The loss is the mean over the global batch's unmasked targets, wherever
+// they are: 2 (or 4) ranks with 2 micro-batches each give the single-rank
+// run of the same global batch in one micro-batch. A mean of per-micro-batch
+// means would weigh a target of a nearly empty micro-batch up to 9x more.
+TEST(LossNormaliser, RanksAndAccumulationEqualOneMicroBatchOfTheSameGlobalBatch) {
+  for (const std::string kind : {"gpt", "mlp"})
+    for (int stage : {0, 2, 3}) {
+      RunSpec ref, r;
+      ref.model = r.model = kind;
+      ref.source = r.source = [] { return std::make_shared<UnevenlyMaskedSource>(); };
+      ref.global_batch = r.global_batch = 8;
+      ref.gas = 1;
+      r.gas = 2;
+      r.stage = stage;
+      r.overlap = true;
+      ref.steps = r.steps = 10;
+      std::vector<double> lr, lm;
+      const std::vector<float> w_ref = train(ref, nullptr, &lr), w = train(r, g_world, &lm);
+      EXPECT_CLOSE_WEIGHTS(w, w_ref, kind << " stage " << stage);
+      ASSERT_EQ(lm.size(), lr.size());
+      for (size_t i = 0; i < lm.size(); ++i) EXPECT_NEAR(lm[i], lr[i], 1e-5) << kind << " stage " << stage << " step " << i;
+    }
+}
+
 TEST(ZeroOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
   for (int stage : {1, 2}) {
     RunSpec r;

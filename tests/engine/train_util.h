@@ -46,6 +46,8 @@ struct RunSpec {
   std::function<std::shared_ptr<Model>()> make;
   // Called with the engine after training (its counters).
   std::function<void(Engine&)> inspect;
+  // The data instead of the synthetic source below when set.
+  std::function<std::shared_ptr<const DataSource>()> source;
 };
 
 // The engine config of a RunSpec.
@@ -98,7 +100,7 @@ inline std::vector<float> train(const RunSpec& r, std::shared_ptr<comm::Communic
   DataConfig dc;
   dc.vocab_size = 13;
   dc.seq_len = 9;
-  auto src = std::shared_ptr<const DataSource>(make_data_source(dc));
+  auto src = r.source ? r.source() : std::shared_ptr<const DataSource>(make_data_source(dc));
   DataLoader loader(src, r.global_batch / r.gas / world, r.gas, world, rank, 7);
   for (int s = 0; s < r.steps; ++s) {
     double l = e.train_batch(loader);
