@@ -37,6 +37,7 @@ struct BenchOptions {
   bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
   std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT
   int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
+  bool packed = false;  // train-step: also time packed documents with masked prompts, against plain rows
 };
 
 // The matmuls of one training step, by shape: the bounds of train-step

@@ -52,6 +52,9 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model, "train-step: gpt (the reference GPT) or llama (a ~100M Llama, GQA 4:1, seq 512)")
       ->check(CLI::IsMember({"gpt", "llama"}));
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");
+  app.add_flag("--packed", o.packed,
+               "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
+               "document's targets masked, in the same rounds; reports packed / plain");
   app.add_flag("--fp16", o.fp16, "train-step: fp16 with dynamic loss scaling instead of bf16 (timed against fp32)");
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
