@@ -5,8 +5,10 @@
 // (cross_entropy synchronises the stream to return it).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "core/cuda_util.h"
 #include "core/device.h"
@@ -40,10 +42,7 @@ class CudaOps final : public Ops {
       if (host[i] < 0 || host[i] >= V)
         throw Error(std::string(what) + ": token " + std::to_string(host[i]) + " at position " + std::to_string(i) +
                     " is outside the vocabulary [0, " + std::to_string(V) + ")");
-    const size_t bytes = host.size() * sizeof(int32_t);
-    if (store.bytes() < bytes) store = alloc(bytes);
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(store.data(), host.data(), bytes, cudaMemcpyHostToDevice, kStream),
-                    "upload of the batch's tokens");
+    upload(host, store, "upload of the batch's tokens");
     // The embedding's inputs also get their rows grouped by token, for a
     // parallel embedding backward (kernels::cuda::TokenIndex), kept per
     // device copy (so per model).
@@ -51,18 +50,45 @@ class CudaOps final : public Ops {
       indexes_[store.data()].build(host.data(), static_cast<int64_t>(host.size()), V, kStream);
     return store.as<int32_t>();
   }
-  // Masked targets and packed documents are refused until their CUDA
-  // twins exist (issue 31), with one line naming the batch field.
+  // Targets in [0, V) or kIgnoreTarget, checked and counted here (the
+  // kernel reads no count and checks nothing): cross_entropy divides by the
+  // count kept beside the device copy. The message is the CPU kernel's.
   const int32_t* targets(const std::vector<int32_t>& host, int64_t V, Buf& store) override {
-    for (size_t i = 0; i < host.size(); ++i)
-      if (host[i] == kernels::kIgnoreTarget)
-        throw Error("batch.targets: masked targets (" + std::to_string(kernels::kIgnoreTarget) + " at position " +
-                    std::to_string(i) + ") are not supported with \"device\": \"cuda\" yet");
-    return tokens(host, V, "cross_entropy", store);
+    int64_t counted = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (host[i] == kernels::kIgnoreTarget) continue;
+      if (host[i] < 0 || host[i] >= V)
+        throw Error("cross_entropy: target " + std::to_string(host[i]) + " at row " + std::to_string(i) +
+                    " is outside the vocabulary [0, " + std::to_string(V) + ") (" +
+                    std::to_string(kernels::kIgnoreTarget) + " marks a position without a target)");
+      ++counted;
+    }
+    upload(host, store, "upload of the batch's targets");
+    target_counts_[store.data()] = counted;
+    return store.as<int32_t>();
   }
+  // Packed documents: the positions go up with their rows grouped by
+  // position (a TokenIndex over [0, max], for the GPT's parallel dwpe
+  // scatter) and a host copy. The engine's check_batch has checked their
+  // structure (each row from 0, each next 0 or the previous + 1); the
+  // kernels index wpe, the rope tables and P's rows with them unchecked, so
+  // every call that passes them checks them against its T first
+  // (check_positions: once per shape, a scan of B*T on the host).
   const int32_t* positions(const std::vector<int32_t>& host, Buf& store) override {
     if (host.empty()) return nullptr;
-    throw Error("batch.positions: packed documents are not supported with \"device\": \"cuda\" yet");
+    int32_t top = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (host[i] < 0)
+        throw Error("batch.positions: position " + std::to_string(host[i]) + " at index " + std::to_string(i) +
+                    " is negative");
+      top = std::max(top, host[i]);
+    }
+    upload(host, store, "upload of the batch's positions");
+    DevicePositions& d = positions_[store.data()];
+    d.host = host;
+    d.checked_B = d.checked_T = -1;
+    d.index.build(host.data(), static_cast<int64_t>(host.size()), int64_t{top} + 1, kStream);
+    return store.as<int32_t>();
   }
   // The Llama kernels' CUDA twins (llama_layers.cu), bit for bit the CPU's.
   void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
@@ -79,6 +105,7 @@ class CudaOps final : public Ops {
     kernels::cuda::swiglu_backward(dgate_up, dout, gate_up, N, I, kStream);
   }
   void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) override {
+    check_positions(s.positions, s.B, s.T, "rope");
     kernels::cuda::rope(x, cos, sin, s, inverse, kStream);
   }
   void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
@@ -116,31 +143,41 @@ class CudaOps final : public Ops {
   void scale(float* x, float alpha, int64_t n) override { kernels::cuda::scale(x, alpha, n, kStream); }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                          int64_t V, const int32_t* positions) override {
-    kernels::cuda::embedding_forward(out, tokens, wte, wpe, B, T, C, kStream);
+    if (!wpe.data) positions = nullptr;  // no positions without a position table (the CPU's rule)
+    check_positions(positions, B, T, "embedding_forward");
+    kernels::cuda::embedding_forward(out, tokens, wte, wpe, B, T, C, kStream, positions);
   }
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                           int64_t C, int64_t V, const int32_t* positions) override {
     auto it = indexes_.find(tokens);
+    if (!dwpe) positions = nullptr;
+    check_positions(positions, B, T, "embedding_backward");
     kernels::cuda::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, kStream,
-                                      it == indexes_.end() ? nullptr : &it->second);
+                                      it == indexes_.end() ? nullptr : &it->second, positions,
+                                      positions ? &positions_.at(positions).index : nullptr);
   }
   double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                        float dloss_scale) override {
     const size_t bytes = static_cast<size_t>(N) * sizeof(double);
     if (row_loss_.bytes() < bytes) row_loss_ = alloc(bytes);
+    auto counted = target_counts_.find(targets);
+    if (counted == target_counts_.end())
+      throw Error("cross_entropy: targets that targets() did not upload (their count is not known)");
     kernels::cuda::cross_entropy(logits, targets, N, V, dlogits, dloss_scale, row_loss_.as<double>(), kStream);
-    return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, kStream);
+    return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, counted->second, kStream);
   }
   void* attention_create() override { return kernels::cuda::attention_workspace_create(); }
   void attention_destroy(void* ws) override {
     kernels::cuda::attention_workspace_destroy(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws));
   }
   void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) override {
+    check_positions(s.positions, s.B, s.T, "attention_forward");
     kernels::cuda::attention_forward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), out, qkv, s, compute,
                                      kStream);
   }
   void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv, kernels::AttentionShape s,
                           DType compute) override {
+    check_positions(s.positions, s.B, s.T, "attention_backward");
     kernels::cuda::attention_backward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), dqkv, dout, qkv, s,
                                       compute, kStream);
   }
@@ -157,8 +194,47 @@ class CudaOps final : public Ops {
   }
 
  private:
+  // A device copy of a batch's positions, as positions() left it.
+  struct DevicePositions {
+    std::vector<int32_t> host;        // (B*T) what was uploaded
+    kernels::cuda::TokenIndex index;  // its rows grouped by position
+    int64_t checked_B = -1, checked_T = -1;  // the shape check_positions last passed
+  };
+
+  void upload(const std::vector<int32_t>& host, Buf& store, const char* what) {
+    const size_t bytes = host.size() * sizeof(int32_t);
+    if (store.bytes() < bytes) store = alloc(bytes);
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(store.data(), host.data(), bytes, cudaMemcpyHostToDevice, kStream), what);
+  }
+
+  // Each position of the (B,T) batch in [0, t] for its token t: the CPU
+  // kernels' checks (attention's, which implies rope's and the embedding's
+  // [0, T)), done on the host copy since the kernels get device memory.
+  void check_positions(const int32_t* pos, int64_t B, int64_t T, const char* fn) {
+    if (!pos) return;
+    auto it = positions_.find(pos);
+    if (it == positions_.end())
+      throw Error(std::string(fn) + ": positions that positions() did not upload (they cannot be checked)");
+    DevicePositions& d = it->second;
+    if (d.checked_B == B && d.checked_T == T) return;
+    if (static_cast<int64_t>(d.host.size()) != B * T)
+      throw Error(std::string(fn) + ": " + std::to_string(d.host.size()) + " positions for B*T = " +
+                  std::to_string(B * T) + " tokens");
+    for (int64_t r = 0; r < B * T; ++r) {
+      const int64_t t = r % T, p = d.host[static_cast<size_t>(r)];
+      if (p < 0 || p > t)
+        throw Error(std::string(fn) + ": position " + std::to_string(p) + " of row " + std::to_string(r / T) +
+                    ", token " + std::to_string(t) + " is outside [0, " + std::to_string(t) +
+                    "] (a document cannot begin before its row)");
+    }
+    d.checked_B = B;
+    d.checked_T = T;
+  }
+
   Buf row_loss_;
   std::unordered_map<const void*, kernels::cuda::TokenIndex> indexes_;
+  std::unordered_map<const void*, int64_t> target_counts_;  // device targets -> how many are not kIgnoreTarget
+  std::unordered_map<const void*, DevicePositions> positions_;
 };
 
 }  // namespace

@@ -17,7 +17,8 @@
 // sum is Note [lane order]: thread l's math::lane_partial, then every thread
 // adds the 16 partials in lane order from zero (__shfl_sync, width 16). The
 // formula is the CPU's softmax_row_causal (mx, e = exp_f(x - mx), inv =
-// 1 / sum, e * inv, zeros above the diagonal) and softmax_row_dot, so given
+// 1 / sum, e * inv, zeros above the diagonal; with packed documents the
+// row from its first key on, zeros before it) and softmax_row_dot, so given
 // the same S (dP) the GPU writes the CPU's P (dS) bit for bit; S and dP come
 // from cuBLAS and differ from oneDNN's in the last bits, so the end results
 // are close, not equal.
@@ -50,7 +51,7 @@ using zinc::cuda::DeviceBuffer;
 
 class CudaAttentionWorkspace {
  public:
-  DeviceBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal
+  DeviceBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal (and before a document)
   AttentionShape shape{};
   bool has_forward = false;
 };
@@ -123,16 +124,31 @@ __global__ void attn_permute_out_kernel(float* __restrict__ dst, int64_t stride,
 
 // ---- per-row kernels (Note [GPU softmax rows]) ----------------------------------------------
 
-// Row r of P(rows, T) (query t = r % T): p[0..t] = softmax(p[0..t]) as the
-// CPU's softmax_row_causal, p[t+1..] = 0; with pc, also the row in the 16-bit
-// compute dtype t16.
+// The first key row r of the (B*H*T) score rows may see: 0, or with packed
+// documents t - positions[b*T + t] (Note [document boundaries] in
+// attention.cpp). The row kernels then run the CPU's row functions on the
+// row from k0 on (softmax_row_causal(row + k0, ...), softmax_row_dot(p + k0,
+// ...)), so lane l visits columns k0 + l, k0 + l + 16, ... as the CPU's
+// lane l does, and the bits stay the CPU's.
+__device__ inline int64_t first_key(const int32_t* positions, int64_t r, int64_t T, int64_t H) {
+  if (!positions) return 0;
+  const int64_t t = r % T, b = r / T / H;
+  return t - positions[b * T + t];
+}
+
+// Row r of P(rows, T) (query t = r % T, first key k0): p[k0..t] =
+// softmax(p[k0..t]) as the CPU's softmax_row_causal, 0 elsewhere; with pc,
+// also the row in the 16-bit compute dtype t16.
 __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __restrict__ pc, DType t16,
-                                           int64_t rows, int64_t T) {
+                                           const int32_t* __restrict__ positions, int64_t rows, int64_t T,
+                                           int64_t H) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;  // dead lanes still join the shuffles
-  float* p = P + (live ? r : 0) * T;
-  const int64_t nv = live ? r % T + 1 : 0;
+  const int64_t t = live ? r % T : 0, k0 = live ? first_key(positions, r, T, H) : 0;
+  float* row = P + (live ? r : 0) * T;
+  float* p = row + k0;                      // the keys k0..t
+  const int64_t nv = live ? t + 1 - k0 : 0;  // how many
   float m = -INFINITY;
   for (int64_t j = lane; j < nv; j += math::kLanes) m = p[j] > m ? p[j] : m;
   float mx = -INFINITY;
@@ -149,37 +165,49 @@ __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __re
   const float inv = 1.0f / lane_combine<float>(part);
   if (!live) return;
   for (int64_t j = lane; j < nv; j += math::kLanes) p[j] *= inv;
-  for (int64_t j = nv + lane; j < T; j += math::kLanes) p[j] = 0.0f;
+  for (int64_t j = lane; j < k0; j += math::kLanes) row[j] = 0.0f;
+  for (int64_t j = t + 1 + lane; j < T; j += math::kLanes) row[j] = 0.0f;
   if (pc) {
+    // Each thread converts the p[j] it wrote itself (no other thread's
+    // store is read without a barrier); the zeros need no read.
     uint16_t* d = pc + r * T;
-    for (int64_t j = lane; j < T; j += math::kLanes) d[j] = float_to_16(j < nv ? p[j] : 0.0f, t16);
+    const uint16_t zero = float_to_16(0.0f, t16);
+    for (int64_t j = lane; j < nv; j += math::kLanes) d[k0 + j] = float_to_16(p[j], t16);
+    for (int64_t j = lane; j < k0; j += math::kLanes) d[j] = zero;
+    for (int64_t j = t + 1 + lane; j < T; j += math::kLanes) d[j] = zero;
   }
 }
 
-// dS = P * (dP - dot), dot = sum_j<=t p[j] dp[j] in lane order (the CPU's
-// softmax_row_dot), zero above the diagonal. fp32 compute (ds == nullptr):
-// dS overwrites dP. 16-bit compute: dS and a copy of P into ds, pc in t16.
+// dS = P * (dP - dot), dot = sum_{k0<=j<=t} p[j] dp[j] in lane order from
+// k0 (the CPU's softmax_row_dot(p + k0, dp + k0, ...)), zero outside
+// k0..t. fp32 compute (ds == nullptr): dS overwrites dP. 16-bit compute: dS
+// and a copy of P into ds, pc in t16.
 __global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float* __restrict__ dP,
                                              uint16_t* __restrict__ ds, uint16_t* __restrict__ pc, DType t16,
-                                             int64_t rows, int64_t T) {
+                                             const int32_t* __restrict__ positions, int64_t rows, int64_t T,
+                                             int64_t H) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;
   const float* p = P + (live ? r : 0) * T;
   float* dp = dP + (live ? r : 0) * T;
+  const int64_t k0 = live ? first_key(positions, r, T, H) : 0;
   const int64_t nv = live ? r % T + 1 : 0;
-  const float part = math::lane_partial<float>(nv, lane, [&](int64_t j) { return p[j] * dp[j]; });
+  const float part =
+      math::lane_partial<float>(nv - k0, lane, [&](int64_t j) { return p[k0 + j] * dp[k0 + j]; });
   const float dot = lane_combine<float>(part);
   if (!live) return;
   if (!ds) {
-    for (int64_t j = lane; j < nv; j += math::kLanes) dp[j] = p[j] * (dp[j] - dot);
+    // dp[k0 + j] is rewritten by the thread that read it for the dot.
+    for (int64_t j = lane; j < k0; j += math::kLanes) dp[j] = 0.0f;
+    for (int64_t j = k0 + lane; j < nv; j += math::kLanes) dp[j] = p[j] * (dp[j] - dot);
     for (int64_t j = nv + lane; j < T; j += math::kLanes) dp[j] = 0.0f;
     return;
   }
   uint16_t* dsr = ds + r * T;
   uint16_t* pcr = pc + r * T;
   for (int64_t j = lane; j < T; j += math::kLanes) {
-    dsr[j] = float_to_16(j < nv ? p[j] * (dp[j] - dot) : 0.0f, t16);
+    dsr[j] = float_to_16(j >= k0 && j < nv ? p[j] * (dp[j] - dot) : 0.0f, t16);
     pcr[j] = float_to_16(p[j], t16);
   }
 }
@@ -296,7 +324,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   const bool f32 = compute == DType::kF32;
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_causal_softmax_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, pc, compute, BH * T, T);
+      P, pc, compute, s.positions, BH * T, T, s.H);
   check_launch("attention: attn_causal_softmax_kernel");
   float* y = static_cast<float*>(grow(sc.bufs[kY], n_head * sizeof(float), stream));
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
@@ -338,7 +366,7 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
   uint16_t* ds = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kDS], n_att * esz, stream));
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_softmax_backward_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, dP, ds, pc, compute, BH * T, T);
+      P, dP, ds, pc, compute, s.positions, BH * T, T, s.H);
   check_launch("attention: attn_softmax_backward_kernel");
   const CView pv = f32 ? operand(P, compute) : operand(pc, compute);
   const CView dsv = f32 ? operand(dP, compute) : operand(ds, compute);

@@ -69,6 +69,8 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cuda
 // head_dim/2) are device memory; rope scaling is in the tables only. The
 // argument checks are the CPU's (zinc::Error naming the cuda:: twin);
 // gqa_* with H == 0 write nothing.
+// rope's RopeShape::positions, when set, are device memory (B*T, each in
+// [0, T)) and not checked here: the caller checks them on the host.
 void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
                      cudaStream_t stream);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
@@ -83,6 +85,10 @@ void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t H
 // ---- causal attention ------------------------------------------------------------------------
 // kernels::attention_forward/backward on the GPU; the workspace holds P
 // (B,H,T,T) fp32 in device memory between forward and backward.
+// AttentionShape::positions (packed documents, Note [document boundaries]
+// in attention.cpp), when set, are device memory and NOT checked here (the
+// CPU's check reads them): the caller checks on the host that each is in
+// [0, t] for its token t, as models/cuda_ops.cpp does before the upload.
 class CudaAttentionWorkspace;
 CudaAttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(CudaAttentionWorkspace* ws);
@@ -93,15 +99,21 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
 
 // ---- softmax cross-entropy -------------------------------------------------------------------
 // Per-row losses (double, N) into row_loss; dlogits as kernels::cross_entropy
-// (may alias logits, may be null). The mean loss is the sum of row_loss in
-// row order / N: cross_entropy_mean reads it back (synchronises `stream`).
+// (may alias logits, may be null): a row whose target is kIgnoreTarget gets
+// a row loss of 0 and a zero dlogits row, the others (softmax - onehot) *
+// dloss_scale / N. The targets are not range-checked (the caller counts and
+// checks them on the host). The mean loss is the sum of row_loss in row
+// order / `targets`, the count of rows with a target (0 when there are
+// none): cross_entropy_mean reads it back (synchronises `stream`).
 void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                    float dloss_scale, double* row_loss, cudaStream_t stream);
-double cross_entropy_mean(const double* row_loss, int64_t N, cudaStream_t stream);
+double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cudaStream_t stream);
 
 // ---- embeddings --------------------------------------------------------------------------------
+// Packed documents: `positions` (device, B*T, each in [0, T), unchecked;
+// nullptr: row r is at position r % T) index wpe as kernels::embedding_forward's.
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const int32_t* positions = nullptr);
 // The rows of a token array grouped by token (a counting sort on the host,
 // rows in increasing order within a token), in device memory. With it
 // embedding_backward gives a thread to each (distinct token, column) pair
@@ -129,9 +141,14 @@ class TokenIndex {
 // Deterministic and bit-identical to the CPU: every element of dwte and
 // dwpe gets its rows added in token order. Without `index`, one thread per
 // column walks every row; with it, one thread per (distinct token, column)
-// for dwte and per (position, column) for dwpe.
+// for dwte and per (position, column) for dwpe. With `positions` (as
+// embedding_forward's) dwpe rows are scattered by position; next to
+// `index`, `position_index` (a TokenIndex of the host positions, built with
+// V > every position) gives one thread per (position that occurs, column),
+// and without it one thread per column walks every row for dwpe.
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, cudaStream_t stream, const TokenIndex* index = nullptr);
+                        int64_t C, cudaStream_t stream, const TokenIndex* index = nullptr,
+                        const int32_t* positions = nullptr, const TokenIndex* position_index = nullptr);
 
 // ---- vector ops --------------------------------------------------------------------------------
 void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream);

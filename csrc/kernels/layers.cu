@@ -147,16 +147,21 @@ __global__ void gelu_backward_kernel(float* dx, const float* x, const float* dou
 // One row per 16 threads. dlogits may alias logits: each thread reads and
 // writes only its own lane's elements, and the target logit is read by every
 // thread of the row before the row's first write (__syncwarp).
+// A row whose target is kIgnoreTarget is no row to the loss (kernels.h): its
+// threads still join every shuffle (two rows share a warp, the masks are
+// full) but visit no column (n = 0), never read x[tgt], then write a row
+// loss of 0 and a zero dlogits row, as the CPU's memset.
 __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                      double grad_scale, double* row_loss) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
-  const int64_t n = valid ? V : 0;
   const int64_t r = valid ? row : 0;
-  const float* x = logits + r * V;
   const int32_t tgt = valid ? targets[r] : 0;
-  const float x_tgt = valid ? x[tgt] : 0.0f;
+  const bool ignored = tgt == kIgnoreTarget;
+  const int64_t n = valid && !ignored ? V : 0;
+  const float* x = logits + r * V;
+  const float x_tgt = n > 0 ? x[tgt] : 0.0f;
   // Maximum (exact in any order; NaNs ignored as max_of does).
   float mx = -__int_as_float(0x7f800000);
   for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
@@ -172,6 +177,12 @@ __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets
     return v;
   }));
   if (!valid) return;
+  if (ignored) {
+    if (lane == 0) row_loss[row] = 0.0;
+    if (e)
+      for (int64_t j = lane; j < V; j += math::kLanes) e[j] = 0.0f;
+    return;
+  }
   if (lane == 0) row_loss[row] = log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
   if (e) {
     const float f = math::cross_entropy_factor(grad_scale, sum);
@@ -181,29 +192,36 @@ __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets
 }
 
 // ---- embeddings ---------------------------------------------------------------------------------
+// The position of row r: positions[r] for packed documents, else r % T.
+__device__ inline int64_t position_of(const int32_t* positions, int64_t r, int64_t T) {
+  return positions ? static_cast<int64_t>(positions[r]) : r % T;
+}
+
 __global__ void embedding_forward_kernel(float* out, const int32_t* tokens, const void* wte, DType et, const void* wpe,
-                                         DType pt, int64_t rows, int64_t T, int64_t C) {
+                                         DType pt, const int32_t* positions, int64_t rows, int64_t T, int64_t C) {
   const int64_t total = rows * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = i / C, c = i % C;
     const float v = load_param(wte, et, static_cast<int64_t>(tokens[r]) * C + c);
-    out[i] = wpe ? v + load_param(wpe, pt, (r % T) * C + c) : v;
+    out[i] = wpe ? v + load_param(wpe, pt, position_of(positions, r, T) * C + c) : v;
   }
 }
 
 // One thread per column; rows in token order as the CPU's column blocks.
+// dwte may be null (the positions alone, next to the token index).
 __global__ void embedding_backward_kernel(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
-                                          int64_t rows, int64_t T, int64_t C) {
+                                          const int32_t* positions, int64_t rows, int64_t T, int64_t C) {
   const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (c >= C) return;
   for (int64_t r = 0; r < rows; ++r) {
     const float g = dout[r * C + c];
-    dwte[static_cast<int64_t>(tokens[r]) * C + c] += g;
-    if (dwpe) dwpe[(r % T) * C + c] += g;
+    if (dwte) dwte[static_cast<int64_t>(tokens[r]) * C + c] += g;
+    if (dwpe) dwpe[position_of(positions, r, T) * C + c] += g;
   }
 }
 
 // dwte[ids[k]][c] += dout rows of token ids[k], in row order; thread per (k, c).
+// Also dwpe by an index of the positions (the rows of each position).
 __global__ void embedding_backward_indexed_kernel(float* dwte, const float* dout, const int32_t* ids,
                                                   const int32_t* starts, const int32_t* rows, int64_t distinct,
                                                   int64_t C) {
@@ -285,23 +303,23 @@ void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64
   detail::check_launch("cross_entropy");
 }
 
-double cross_entropy_mean(const double* row_loss, int64_t N, cudaStream_t stream) {
-  if (N <= 0) return 0.0;
+double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cudaStream_t stream) {
+  if (N <= 0 || targets <= 0) return 0.0;
   std::vector<double> host(static_cast<size_t>(N));
   ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), row_loss, host.size() * sizeof(double), cudaMemcpyDeviceToHost, stream),
                   "cross_entropy_mean: copy of the row losses");
   ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "cross_entropy_mean: synchronize");
   double total = 0;
-  for (double l : host) total += l;  // row order, as the CPU
-  return total / static_cast<double>(N);
+  for (double l : host) total += l;  // row order, as the CPU (ignored rows add 0)
+  return total / static_cast<double>(targets);
 }
 
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const int32_t* positions) {
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   embedding_forward_kernel<<<detail::blocks_for(rows * C), detail::kThreads, 0, stream>>>(
-      out, tokens, wte.data, wte.dtype, wpe.data, wpe.dtype, rows, T, C);
+      out, tokens, wte.data, wte.dtype, wpe.data, wpe.dtype, positions, rows, T, C);
   detail::check_launch("embedding_forward");
 }
 
@@ -355,7 +373,8 @@ const int32_t* TokenIndex::starts() const { return starts_.as<int32_t>(); }
 const int32_t* TokenIndex::rows() const { return rows_.as<int32_t>(); }
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, cudaStream_t stream, const TokenIndex* index) {
+                        int64_t C, cudaStream_t stream, const TokenIndex* index, const int32_t* positions,
+                        const TokenIndex* position_index) {
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   if (index) {
@@ -365,13 +384,25 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
           dwte, dout, index->ids(), index->starts(), index->rows(), index->distinct(), C);
       detail::check_launch("embedding_backward (tokens)");
     }
-    if (dwpe) {
+    if (!dwpe) return;
+    if (!positions) {
       position_backward_kernel<<<static_cast<unsigned>((T * C + 255) / 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
-      detail::check_launch("embedding_backward (positions)");
+    } else if (position_index) {
+      // The rows of each position that occurs, in row order: the token
+      // kernel's (position, column) threads.
+      const int64_t pwork = position_index->distinct() * C;
+      if (pwork > 0)
+        embedding_backward_indexed_kernel<<<static_cast<unsigned>((pwork + 255) / 256), 256, 0, stream>>>(
+            dwpe, dout, position_index->ids(), position_index->starts(), position_index->rows(),
+            position_index->distinct(), C);
+    } else {
+      embedding_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(nullptr, dwpe, dout, tokens, positions, rows,
+                                                                      T, C);
     }
+    detail::check_launch("embedding_backward (positions)");
     return;
   }
-  embedding_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dwpe, dout, tokens, rows, T, C);
+  embedding_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dwpe, dout, tokens, positions, rows, T, C);
   detail::check_launch("embedding_backward");
 }
 

@@ -108,14 +108,15 @@ __global__ void swiglu_backward_kernel(float* dgate_up, const float* dout, const
 
 // ---- RoPE -------------------------------------------------------------------------------
 // A thread per pair (row r, head k, frequency i): x[i] and x[i + h] of head k
-// rotated by the angle of frequency i at position r % T. s_sign = -1 for the
-// inverse, applied to sin as the CPU does (an exact negation).
-__global__ void rope_kernel(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t W, int64_t col,
-                            int64_t heads, int64_t h, float s_sign) {
+// rotated by the angle of frequency i at position r % T, or positions[r]
+// with packed documents. s_sign = -1 for the inverse, applied to sin as the
+// CPU does (an exact negation).
+__global__ void rope_kernel(float* x, const float* cos, const float* sin, const int32_t* positions, int64_t N,
+                            int64_t T, int64_t W, int64_t col, int64_t heads, int64_t h, float s_sign) {
   const int64_t per_row = heads * h, total = N * per_row;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / per_row, k = (e % per_row) / h, i = e % h;
-    const int64_t t = r % T;
+    const int64_t t = positions ? static_cast<int64_t>(positions[r]) : r % T;
     float* head = x + r * W + col + k * 2 * h;
     const float a = head[i], b = head[h + i], c = cos[t * h + i], sn = s_sign * sin[t * h + i];
     head[i] = math::rope_lo(a, b, c, sn);
@@ -208,7 +209,7 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
   const int64_t N = s.B * s.T, h = s.head_dim / 2;
   if (N <= 0 || s.heads <= 0) return;
   rope_kernel<<<detail::blocks_for(N * s.heads * h), detail::kThreads, 0, stream>>>(
-      x, cos, sin, N, s.T, s.W, s.col, s.heads, h, inverse ? -1.0f : 1.0f);
+      x, cos, sin, s.positions, N, s.T, s.W, s.col, s.heads, h, inverse ? -1.0f : 1.0f);
   detail::check_launch("rope");
 }
 

@@ -3,7 +3,9 @@
 // so the comparison is bit for bit. Skipped without a GPU.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -148,7 +150,7 @@ TEST(CudaLayers, CrossEntropyMatchesTheCpu) {
     DeviceBuffer d_logits = upload(logits), d_t = upload(targets), d_dl(N * V * 4), d_rows(N * 8);
     cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_dl.as<float>(), 0.5f, d_rows.as<double>(),
                         nullptr);
-    const double gloss = cuda::cross_entropy_mean(d_rows.as<double>(), N, nullptr);
+    const double gloss = cuda::cross_entropy_mean(d_rows.as<double>(), N, N, nullptr);
     // The loss goes through log(), whose last bit may differ between glibc and CUDA.
     EXPECT_NEAR(loss, gloss, 1e-12 * std::max(1.0, std::fabs(loss))) << "V=" << V;
     expect_same_bits(dl, download<float>(d_dl, dl.size()), "dlogits");
@@ -157,6 +159,52 @@ TEST(CudaLayers, CrossEntropyMatchesTheCpu) {
                         d_rows.as<double>(), nullptr);
     expect_same_bits(dl, download<float>(d_logits, dl.size()), "dlogits in place");
   }
+}
+
+// Masked targets (kIgnoreTarget): ignored rows next to counted ones in the
+// same warp (two rows per warp), a first and last row ignored, an odd N, and
+// every row ignored (loss 0, dlogits all zero). The device dlogits start as
+// NaN, so the ignored rows' zeros must be written.
+TEST(CudaLayers, CrossEntropyWithIgnoredTargetsMatchesTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t V : {5, 16, 257, 50257})
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      const int64_t N = 13;
+      std::vector<float> logits = randn(N * V, 21, 3.0);
+      std::vector<int32_t> targets(N);
+      int64_t counted = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        const bool ignore = pattern == 2 || (pattern == 0 ? i % 3 == 0 : (i == 0 || i == N - 1 || i % 2 == 1));
+        targets[i] = ignore ? kIgnoreTarget : static_cast<int32_t>((i * 7919) % V);
+        counted += !ignore;
+      }
+      const std::string at = "V=" + std::to_string(V) + " pattern " + std::to_string(pattern);
+      std::vector<float> dl(N * V);
+      const double loss = cross_entropy(logits.data(), targets.data(), N, V, dl.data(), 0.5f);
+      DeviceBuffer d_logits = upload(logits), d_t = upload(targets), d_rows(N * 8);
+      DeviceBuffer d_dl = upload(std::vector<float>(N * V, std::nanf("")));
+      cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_dl.as<float>(), 0.5f, d_rows.as<double>(),
+                          nullptr);
+      const double gloss = cuda::cross_entropy_mean(d_rows.as<double>(), N, counted, nullptr);
+      if (counted == 0) {
+        EXPECT_EQ(loss, 0.0) << at;
+        EXPECT_EQ(gloss, 0.0) << at;
+      } else {
+        EXPECT_NEAR(loss, gloss, 1e-12 * std::max(1.0, std::fabs(loss))) << at;
+      }
+      const std::vector<double> rows = download<double>(d_rows, N);
+      for (int64_t i = 0; i < N; ++i)
+        if (targets[i] == kIgnoreTarget) {
+          EXPECT_EQ(rows[i], 0.0) << at << " row " << i;
+        }
+      expect_same_bits(dl, download<float>(d_dl, dl.size()), ("dlogits " + at).c_str());
+      cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_logits.as<float>(), 0.5f,
+                          d_rows.as<double>(), nullptr);
+      expect_same_bits(dl, download<float>(d_logits, dl.size()), ("dlogits in place " + at).c_str());
+      // Without dlogits: the losses alone.
+      cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, nullptr, 0.5f, d_rows.as<double>(), nullptr);
+    }
+  EXPECT_EQ(cuda::cross_entropy_mean(nullptr, 0, 0, nullptr), 0.0);
 }
 
 TEST(CudaLayers, EmbeddingsMatchTheCpuBits) {
@@ -192,6 +240,47 @@ TEST(CudaLayers, EmbeddingsMatchTheCpuBits) {
                              C, nullptr, &index);
     expect_same_bits(dwte, download<float>(d_dwte2, dwte.size()), "dwte (indexed)");
     expect_same_bits(dwpe, download<float>(d_dwpe2, dwpe.size()), "dwpe (indexed)");
+  }
+}
+
+// Packed documents: wpe indexed and dwpe scattered by position (documents
+// of length 1 and ones longer than 16 tokens, different in each row; an
+// odd C), on each backward path: one thread per column, the token index
+// with the position index, and the token index without it.
+TEST(CudaLayers, EmbeddingsWithPositionsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  const int64_t B = 3, T = 41, C = 37, V = 97;
+  const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(B, T);
+  for (DType t : kParamTypes) {
+    std::vector<float> wte = randn(V * C, 22), wpe = randn(T * C, 23);
+    Param pte(wte, t), ppe(wpe, t);
+    std::vector<int32_t> tok(B * T);
+    for (int64_t i = 0; i < B * T; ++i) tok[i] = static_cast<int32_t>((i * 31) % 7);
+    DeviceBuffer d_tok = upload(tok), d_pos = upload(pos);
+    std::vector<float> out(B * T * C);
+    embedding_forward(out.data(), tok.data(), pte.host(), ppe.host(), B, T, C, V, pos.data());
+    DeviceBuffer d_out(out.size() * 4);
+    cuda::embedding_forward(d_out.as<float>(), d_tok.as<int32_t>(), pte.dev(), ppe.dev(), B, T, C, nullptr,
+                            d_pos.as<int32_t>());
+    expect_same_bits(out, download<float>(d_out, out.size()), "embedding forward with positions");
+
+    std::vector<float> dout = randn(B * T * C, 24), dwte = randn(V * C, 25), dwpe = randn(T * C, 26);
+    const std::vector<float> dwte0 = dwte, dwpe0 = dwpe;
+    embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, V, pos.data());
+    cuda::TokenIndex index, pindex;
+    index.build(tok.data(), B * T, V, nullptr);
+    pindex.build(pos.data(), B * T, T, nullptr);
+    EXPECT_EQ(pindex.distinct(), 33);  // the longest document
+    DeviceBuffer d_dout = upload(dout);
+    for (int path = 0; path < 3; ++path) {
+      const std::string at = std::string(dtype_name(t)) + " path " + std::to_string(path);
+      DeviceBuffer d_dwte = upload(dwte0), d_dwpe = upload(dwpe0);
+      cuda::embedding_backward(d_dwte.as<float>(), d_dwpe.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), B, T,
+                               C, nullptr, path == 0 ? nullptr : &index, d_pos.as<int32_t>(),
+                               path == 1 ? &pindex : nullptr);
+      expect_same_bits(dwte, download<float>(d_dwte, dwte.size()), ("dwte " + at).c_str());
+      expect_same_bits(dwpe, download<float>(d_dwpe, dwpe.size()), ("dwpe " + at).c_str());
+    }
   }
 }
 

@@ -170,6 +170,34 @@ TEST(CudaLlama, RopeMatchesTheCpuBits) {
   cuda::rope(none, none, none, RopeShape{0, 5, 10, 0, 1, 10}, false, nullptr);  // no rows: nothing launched
 }
 
+// Packed documents: each token rotated by its position in its document
+// (documents of length 1 and longer than a warp, different in each row).
+TEST(CudaLlama, RopeWithPositionsMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  struct Case {
+    int64_t B, T, H, Hkv, hd;
+  };
+  for (Case k : {Case{1, 1, 1, 1, 2}, Case{2, 7, 3, 1, 10}, Case{3, 41, 4, 2, 38}})
+  for (Scaling scaling : {Scaling::kNone, Scaling::kLlama3}) {
+    std::vector<float> c, s;
+    rope_tables(k.T, k.hd, scaling, c, s);
+    const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(k.B, k.T);
+    DeviceBuffer d_c = upload(c), d_s = upload(s), d_pos = upload(pos);
+    const int64_t W = (k.H + 2 * k.Hkv) * k.hd;
+    for (bool inverse : {false, true}) {
+      const std::string at = "B=" + std::to_string(k.B) + " T=" + std::to_string(k.T) + " hd=" + std::to_string(k.hd) +
+                             " scaling=" + std::to_string(static_cast<int>(scaling)) + (inverse ? " inverse" : "");
+      std::vector<float> x = randn(k.B * k.T * W, 122, 3.0);
+      DeviceBuffer d_x = upload(x);
+      RopeShape sh{k.B, k.T, W, 0, k.H + k.Hkv, k.hd, pos.data()};
+      rope(x.data(), c.data(), s.data(), sh, inverse);
+      sh.positions = d_pos.as<int32_t>();
+      cuda::rope(d_x.as<float>(), d_c.as<float>(), d_s.as<float>(), sh, inverse, nullptr);
+      expect_same_bits(x, download<float>(d_x, x.size()), "rope with positions " + at);
+    }
+  }
+}
+
 // GQA ratios 1, 2 and 4 (and 3), head_dim under, over and not a multiple of
 // the lane width. The outputs start as NaN on the device and 7 on the host:
 // every element is written on both sides.

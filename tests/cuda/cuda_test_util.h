@@ -32,6 +32,30 @@ namespace zinc::cuda::testing {
   } while (0)
 #endif
 
+// Packed-document positions (Batch::positions, Note [document boundaries]
+// in csrc/kernels/attention.cpp) for B rows of T tokens: each row is cut
+// into documents of lengths taken in turn from a list that mixes length 1,
+// short ones and ones longer than a row's 16 lanes, from another start in
+// each row (so the rows' boundaries differ and the last is cut by T).
+inline std::vector<int32_t> packed_positions(int64_t B, int64_t T) {
+  static const int64_t kLengths[] = {1, 1, 4, 2, 1, 19, 3, 33, 5, 1, 17};
+  const int64_t n = static_cast<int64_t>(sizeof(kLengths) / sizeof(kLengths[0]));
+  std::vector<int32_t> pos;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t k = (3 * b) % n, left = kLengths[k], p = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (left == 0) {
+        k = (k + 1) % n;
+        left = kLengths[k];
+        p = 0;
+      }
+      pos.push_back(static_cast<int32_t>(p++));
+      --left;
+    }
+  }
+  return pos;
+}
+
 template <class T>
 DeviceBuffer upload(const std::vector<T>& v) {
   DeviceBuffer d(v.size() * sizeof(T));

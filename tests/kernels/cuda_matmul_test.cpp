@@ -371,9 +371,15 @@ AttResult cpu_attention(AttentionShape s, DType compute, const std::vector<float
   return r;
 }
 
+// s.positions, if any, are host memory here (the CPU kernel's); the GPU gets a device copy.
 AttResult gpu_attention(AttentionShape s, DType compute, const std::vector<float>& qkv,
                         const std::vector<float>& dout) {
   GpuWs w;
+  DeviceBuffer pos;
+  if (s.positions) {
+    pos = upload(std::vector<int32_t>(s.positions, s.positions + s.B * s.T));
+    s.positions = pos.as<int32_t>();
+  }
   zinc::cuda::Stream stream;
   DeviceBuffer q = upload(qkv), g = upload(dout);
   DeviceBuffer out(s.B * s.T * s.C * sizeof(float));
@@ -387,7 +393,7 @@ AttResult gpu_attention(AttentionShape s, DType compute, const std::vector<float
 
 std::string describe(AttentionShape s, DType compute) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
-         " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute));
+         " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute)) + (s.positions ? " packed" : "");
 }
 
 void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
@@ -418,6 +424,21 @@ TEST(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
   for (auto s : kAttShapes) check_attention(s, DType::kF16, seed += 2, 3e-3);
 }
 
+// Packed documents (Note [document boundaries] in attention.cpp): several
+// documents per row, of length 1 and longer than 16 lanes, cut differently
+// in each row; the tolerances above.
+TEST(CudaAttention, PackedDocumentsAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5250;
+  for (AttentionShape s : kAttShapes) {
+    const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(s.B, s.T);
+    s.positions = pos.data();
+    check_attention(s, DType::kF32, seed += 2, 2e-4);
+    check_attention(s, DType::kBF16, seed += 2, 2e-2);
+    check_attention(s, DType::kF16, seed += 2, 3e-3);
+  }
+}
+
 // With K and V one-hot along the head dimension (k_t' = v_t' = e_t', which
 // needs hs >= T), every GEMM whose result the row kernels read has a single
 // nonzero term per element, so it is exact on both sides whatever the
@@ -430,12 +451,16 @@ TEST(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
 // (max, exp_f, lane-order sum, 1/sum) and rowsum(P * dP) kernels reproduce
 // the CPU's formulas and order (Note [GPU softmax rows] in attention.cu).
 // dk and dv are real sums and are checked with the tolerances above. (TF32
-// in the fp32 GEMMs would also show here: it would round q and dO.)
+// in the fp32 GEMMs would also show here: it would round q and dO.) With
+// packed documents too: the rows from their first key on, zeros elsewhere.
 TEST(CudaAttention, SoftmaxRowsMatchTheCpuBitForBit) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5300;
   for (AttentionShape s : {AttentionShape{2, 37, 128, 2}, AttentionShape{1, 64, 192, 3}})
+    for (bool packed : {false, true})
     for (DType compute : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(s.B, s.T);
+      s.positions = packed ? pos.data() : nullptr;
       const int64_t hs = s.C / s.H;
       ASSERT_GE(hs, s.T);
       auto qkv = randn(s.B * s.T * 3 * s.C, seed += 2, 3.0f);
