@@ -18,6 +18,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev fio libxxhash-dev
   e2fsprogs util-linux  # disk_full_test: mkfs.ext4 and mountpoint for a small loop filesystem
   libprotobuf-dev protobuf-compiler libisal-dev  # the tensorboard monitor: event records and their CRC-32C
+  fortunes wordnet-base  # the fine-tuning walk-through's corpora (scripts/finetune_demo.sh and its test)
 )
 # The Python module (ZINC_PYTHON, full builds) compiles against the headers
 # of the python3 on PATH; a Debian system python3 has them in python3-dev.

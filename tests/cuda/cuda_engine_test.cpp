@@ -233,7 +233,9 @@ TEST(CudaEngine, MaskedTargetsAndPackedDocumentsTrainLikeTheCpu) {
     for (size_t i = 0; i < cpu.losses.size(); ++i) {
       ASSERT_TRUE(std::isfinite(gpu.losses[i])) << what << " micro-batch " << i;
       EXPECT_NEAR(cpu.losses[i], gpu.losses[i], 1e-3 * std::fabs(cpu.losses[i])) << what << " micro-batch " << i;
-      if (i % 8 == 7) EXPECT_EQ(gpu.losses[i], 0.0f) << what << ": no targets, no loss";
+      if (i % 8 == 7) {
+        EXPECT_EQ(gpu.losses[i], 0.0f) << what << ": no targets, no loss";
+      }
     }
     double diff = 0, norm = 0;
     for (size_t i = 0; i < cpu.weights.size(); ++i) {
