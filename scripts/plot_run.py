@@ -1,0 +1,100 @@
+"""Draws a run's loss curves (train and held-out) into a PNG.
+
+    python3 scripts/plot_run.py RUN --out loss.png [--title TEXT]
+
+RUN is what a zinc-train (or zinc.train) run's monitors wrote:
+  - a tensorboard event file (events.out.tfevents.*), or the folder holding
+    one (tensorboard.output_path/job_name): read with the tensorboard
+    package's own EventAccumulator;
+  - a csv_monitor folder (csv_monitor.output_path/job_name), whose
+    Train_Samples_train_loss.csv and Eval_Samples_eval_loss.csv it reads.
+The x axis is the samples trained, as both monitors write it (DeepSpeed's
+convention). Needs matplotlib (scripts/setup.sh installs it), and
+tensorboard for event files.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import os
+import sys
+
+TRAIN, EVAL = "Train/Samples/train_loss", "Eval/Samples/eval_loss"
+
+
+def _from_events(path: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(path, size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in (TRAIN, EVAL) if t in tags}
+
+
+def _from_csv(folder: str) -> dict[str, list[tuple[int, float]]]:
+    out = {}
+    for tag in (TRAIN, EVAL):
+        path = os.path.join(folder, tag.replace("/", "_") + ".csv")
+        if not os.path.isfile(path):
+            continue
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if r and r[0] != "step"]
+        out[tag] = [(int(r[0]), float(r[1])) for r in rows]
+    return out
+
+
+def read_curves(run: str) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(samples, loss), ...]} of the run's train and held-out loss."""
+    if os.path.isdir(run):
+        events = sorted(glob.glob(os.path.join(run, "events.out.tfevents.*")))
+        if events:
+            curves = _from_events(events[-1])
+        else:
+            curves = _from_csv(run)
+    elif os.path.basename(run).startswith("events.out.tfevents."):
+        curves = _from_events(run)
+    else:
+        raise SystemExit(f"plot_run: {run} is neither an event file nor a folder of one or of csv_monitor files")
+    if TRAIN not in curves or not curves[TRAIN]:
+        raise SystemExit(f"plot_run: {run} holds no {TRAIN} scalars (was a monitor enabled, and did a step finish?)")
+    return curves
+
+
+def plot(curves: dict, out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    x, y = zip(*curves[TRAIN])
+    ax.plot(x, y, lw=1, label="train loss (each step's global batch)")
+    if curves.get(EVAL):
+        ex, ey = zip(*curves[EVAL])
+        ax.plot(ex, ey, "o-", lw=1.5, ms=4, label="held-out loss")
+    ax.set_xlabel("samples trained")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="an event file, or a tensorboard or csv_monitor folder")
+    ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument("--title", default=None, help="default: the run's path")
+    a = ap.parse_args(argv)
+    curves = read_curves(a.run)
+    plot(curves, a.out, a.title or a.run)
+    n_eval = len(curves.get(EVAL, []))
+    print(f"plot_run: {a.out}: {len(curves[TRAIN])} train points, {n_eval} held-out points")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
