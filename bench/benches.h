@@ -38,6 +38,7 @@ struct BenchOptions {
   std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT
   int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
   bool packed = false;  // train-step: also time packed documents with masked prompts, against plain rows
+  bool monitor = false;  // train-step: also time the step with the tensorboard and csv monitors writing
 };
 
 // The matmuls of one training step, by shape: the bounds of train-step

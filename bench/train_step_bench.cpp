@@ -1,6 +1,9 @@
 // zinc-bench train-step: model FLOP/s of a training step of a reference GPT
 // over oneDNN's matmul rate at the model's shapes, in the same run.
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -8,11 +11,13 @@
 
 #include "bench/benches.h"
 #include "core/alloc.h"
+#include "core/error.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "kernels/kernels.h"
 #include "kernels/profile.h"
 #include "tools/experiment.h"
+#include "tools/monitor.h"
 
 namespace zinc::bench {
 namespace {
@@ -159,6 +164,32 @@ int bench_train_step(const BenchOptions& o) {
     engine_pk->step();
   };
 
+  // --monitor: the same engine's steps followed by what zinc-train's loop
+  // writes to the monitors every step (Note [monitor scalars] in
+  // run_loop.cpp), tensorboard and csv_monitor both on, into a temporary
+  // folder, in the same rounds.
+  std::unique_ptr<zinc::tools::Monitors> monitors;
+  std::string monitor_dir;
+  if (o.monitor) {
+    char tmpl[] = "/tmp/zinc_bench_monitor_XXXXXX";
+    if (!mkdtemp(tmpl)) throw zinc::IoError("train-step --monitor: cannot make a folder in /tmp");
+    monitor_dir = tmpl;
+    zinc::Config mc = ex.config;
+    mc.tensorboard = {true, monitor_dir, "tb"};
+    mc.csv_monitor = {true, monitor_dir, "csv"};
+    monitors = std::make_unique<zinc::tools::Monitors>(mc, 0);
+  }
+  int64_t monitored_samples = 0;
+  auto monitored_step = [&] {
+    const float loss = engine.train_batch(loader);
+    monitored_samples += B;
+    monitors->write("Train/Samples/train_loss", loss, monitored_samples);
+    monitors->write("Train/Samples/lr", engine.learning_rate(), monitored_samples);
+    monitors->write("Train/Samples/grad_norm", engine.global_grad_norm(), monitored_samples);
+    monitors->write("Train/Samples/tokens_per_s", 1.0, monitored_samples);
+    monitors->flush();
+  };
+
   // Warm up both (primitive creation, page faults), then alternate rounds so
   // that both figures see the same machine state.
   run_matmuls();
@@ -172,7 +203,7 @@ int bench_train_step(const BenchOptions& o) {
     engine32->train_batch(loader32);
     engine32->train_batch(loader32);
   }
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, step32_s, step_pk_s;
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, step32_s, step_pk_s, step_mon_s;
   for (int r = 0; r < rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
@@ -191,6 +222,11 @@ int bench_train_step(const BenchOptions& o) {
       t0 = now_s();
       for (int s = 0; s < steps; ++s) packed_step();
       step_pk_s.push_back((now_s() - t0) / steps);
+    }
+    if (monitors) {
+      t0 = now_s();
+      for (int s = 0; s < steps; ++s) monitored_step();
+      step_mon_s.push_back((now_s() - t0) / steps);
     }
     zinc::StepTimings after = engine.timings();
     fwd_s.push_back((after.forward_s - before.forward_s) / steps);
@@ -273,6 +309,20 @@ int bench_train_step(const BenchOptions& o) {
                   "masked); packed / plain = %.3f",
                   tps_pk, tps_pk / tokens_per_s);
     vs_fp32 += part;
+  }
+  if (monitors) {
+    const double tps_mon = static_cast<double>(B * T) / median(step_mon_s);
+    line["monitored_tokens_per_s"] = tps_mon;
+    line["monitored_over_plain"] = tps_mon / tokens_per_s;
+    char part[200];
+    std::snprintf(part, sizeof part,
+                  "\n  monitored: %.0f tokens/s in the same rounds (tensorboard and csv_monitor on); monitored / "
+                  "plain = %.3f",
+                  tps_mon, tps_mon / tokens_per_s);
+    vs_fp32 += part;
+    monitors.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(monitor_dir, ec);
   }
   char buf[2048];
   std::snprintf(buf, sizeof buf,

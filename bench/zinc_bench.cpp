@@ -55,6 +55,10 @@ int main(int argc, char** argv) {
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
                "document's targets masked, in the same rounds; reports packed / plain");
+  app.add_flag("--monitor", o.monitor,
+               "train-step: also time the same engine's steps with the tensorboard and csv_monitor monitors writing "
+               "zinc-train's scalars after each (files in a temporary folder), in the same rounds; reports "
+               "monitored / plain");
   app.add_flag("--fp16", o.fp16, "train-step: fp16 with dynamic loss scaling instead of bf16 (timed against fp32)");
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
