@@ -86,7 +86,7 @@ TEST(GradReducer, EveryStageReducesEveryBlockIntoItsShard) {
     for (int64_t bucket : {int64_t{1}, int64_t{1} << 30})
       for (bool overlap : {false, true})
         for (DType wire : {DType::kF32, DType::kBF16, DType::kF16}) {
-          GradReducer::Options o{bucket, overlap, wire, {}, {}};
+          GradReducer::Options o{bucket, overlap, wire, {}, true, {}};
           Fixture f(stage, o);
           f.backward(true);
           f.reducer->wait_all();
@@ -115,7 +115,7 @@ TEST(GradReducer, EveryStageReducesEveryBlockIntoItsShard) {
 
 TEST(GradReducer, NoSyncMicroStepsAccumulateWithoutCommunicating) {
   for (int stage : {0, 1, 2}) {
-    GradReducer::Options o{1, true, DType::kF32, {}, {}};
+    GradReducer::Options o{1, true, DType::kF32, {}, true, {}};
     Fixture f(stage, o);
     f.backward(false);  // inside an accumulation: local sums only
     EXPECT_EQ(f.reducer->buckets_submitted(), 0) << "stage " << stage;
@@ -132,7 +132,7 @@ TEST(GradReducer, NoSyncMicroStepsAccumulateWithoutCommunicating) {
 }
 
 TEST(GradReducer, Stage2FreesEachFullGradientOnceReduced) {
-  GradReducer::Options o{1, false, DType::kF32, {}, {}};  // backward waits for each bucket
+  GradReducer::Options o{1, false, DType::kF32, {}, true, {}};  // backward waits for each bucket
   Fixture f(2, o);
   const int64_t base = f.memory.bytes();
   for (const BlockShard& s : f.blocks)
