@@ -19,7 +19,9 @@ Per form, alternating rounds, both in this process:
 Both rates count the bound's tokens (the preparer adds one EOS per record),
 so the ratio is the ratio of the times. Medians and bests (the least
 disturbed round on a shared host) over the rounds are printed, with
-encode_batch_fast's rate (no offsets) for reference.
+encode_batch_fast's rate (no offsets) for reference, and the median of the
+rounds' own ratios (each round's bound and prepare run back to back, so a
+slow spell of a shared host tends to slow both).
 """
 import argparse
 import glob
@@ -113,6 +115,8 @@ def main():
                 print(f"{name} ({label} of {args.rounds}): {len(records):,} records, {tokens:,} tokens; "
                       f"encode_batch {tokens / b:,.0f} tokens/s, encode_batch_fast {tokens / f_:,.0f} tokens/s, "
                       f"zinc.prepare {tokens / p:,.0f} tokens/s; ratio prepare / encode_batch = {b / p:.2f}")
+            paired = statistics.median(b / p for b, p in zip(bound, prep))
+            print(f"{name}: median of the {args.rounds} rounds' ratios prepare / encode_batch = {paired:.2f}")
 
 
 if __name__ == "__main__":

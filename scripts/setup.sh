@@ -40,13 +40,14 @@ fi
 # Python packages of the tests: pytest, the real safetensors package (with
 # numpy) that reads zinc-export's files, and tensorboard, whose own reader
 # reads the tensorboard monitor's event files; matplotlib, which draws
-# scripts/plot_run.py's curves; pybind11 for the module `zinc`
+# scripts/plot_run.py's curves; tokenizers, jinja2 and orjson (its fast JSON
+# path) for zinc.prepare; pybind11 for the module `zinc`
 # (python/). Only when a full build is asked for (train.sh builds zinc-train
 # alone and needs none of them).
 cmake_args=()
 if [ $# -eq 0 ]; then
   pymissing=()
-  for m in pytest numpy safetensors pybind11 tensorboard tokenizers jinja2 matplotlib; do
+  for m in pytest numpy safetensors pybind11 tensorboard tokenizers jinja2 orjson matplotlib; do
     python3 -c "import $m" 2>/dev/null || pymissing+=("$m")
   done
   if [ ${#pymissing[@]} -gt 0 ]; then

@@ -63,6 +63,11 @@ def bad_lines(err):
     return [int(line.split(":")[2]) for line in err.splitlines() if ": bad record " in line]
 
 
+def reports(err):
+    """The bad-record lines and the count of those not listed."""
+    return [line for line in err.splitlines() if ": bad record " in line or "not listed" in line]
+
+
 def test_text_files_one_document_per_file(tmp_path, capsys):
     t = tok(LLAMA3)
     eos = t.token_to_id("<|eot_id|>")
@@ -361,3 +366,52 @@ def test_command_line(tmp_path):
                            "--out", str(tmp_path / "none"), str(tmp_path / "missing.jsonl")],
                           capture_output=True, text=True)
     assert fail.returncode == 1 and fail.stderr.count("\n") == 1 and "missing.jsonl: no such file" in fail.stderr
+
+
+def test_pipelined_batches_equal_one_thread(tmp_path, capsys, monkeypatch):
+    """Many small batches on the worker thread give the same files and the same reports, in line order, as one
+    thread; with lines that orjson refuses and the standard library takes (NaN), a BOM, CRLF endings, a record
+    too long (found after encoding), a bad record of each kind and no newline at the end."""
+    lines = ['\ufeff{"text": "first, after a byte order mark"}']
+    for i in range(60):
+        kind = i % 6
+        if kind == 0:
+            lines.append('{"text": "long ' + "word " * 300 + '"}')  # more than --seq-len + 1 tokens
+        elif kind == 1:
+            lines.append("{broken")
+        elif kind == 2:
+            lines.append('{"text": "a NaN beside it", "score": NaN}\r')
+        elif kind == 3:
+            lines.append('{"title": "no text"}')
+        else:
+            lines.append(json.dumps({"text": f"record {i}: " + "abc " * (i % 7)}))
+    data = tmp_path / "mixed.jsonl"
+    data.write_bytes("\n".join(lines).encode())  # no newline after the last line
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 64)  # a few records per batch
+    outputs = {}
+    for pipeline in (False, True):
+        monkeypatch.setattr(prepare, "PIPELINE", pipeline)
+        rc, err, prefix = run_prepare(tmp_path, capsys, data, "--max-bad", "100", name=f"p{pipeline}")
+        assert rc == 0, err
+        tokens, mask, docs, manifest, _ = read_outputs(prefix)
+        outputs[pipeline] = (tokens, mask, docs, bad_lines(err), reports(err))
+        assert manifest["bad_records"] == 30 and manifest["sources"][0]["records"] == 31
+    assert outputs[False] == outputs[True]
+    assert outputs[True][3] == sorted(outputs[True][3])[:10] and outputs[True][3][:3] == [2, 3, 5]
+    t = tok(LLAMA3)
+    first = t.encode("first, after a byte order mark").ids
+    assert outputs[True][0][:len(first)] == first  # the BOM is no token
+    nan_doc = t.encode("a NaN beside it").ids
+    assert outputs[True][0][len(first) + 1:len(first) + 1 + len(nan_doc)] == nan_doc
+
+
+def test_orjson_and_the_standard_library_agree(tmp_path, capsys, monkeypatch):
+    """The same files and reports with orjson's fast path and without it."""
+    pytest.importorskip("orjson")
+    results = []
+    for fast in (prepare._fast_loads, None):
+        monkeypatch.setattr(prepare, "_fast_loads", fast)
+        rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", tokenizer=CHATML, name=f"o{fast is None}")
+        assert rc == 0, err
+        results.append((read_outputs(prefix)[:3], reports(err)))
+    assert results[0] == results[1]

@@ -72,6 +72,13 @@ reported on stderr with file and line (the first 10). --max-bad N stops at
 the (N+1)th. Exit status 1 with one line when nothing usable remains, on any
 other error, and 130 on Ctrl-C. A progress line goes to stderr when it is a
 terminal, or with --progress.
+
+Speed: a worker thread runs tokenizers' batch encode (which releases the GIL
+and uses every core) on one batch of records while this thread parses the
+next batch and writes out the previous one; JSON lines are parsed by orjson
+where it is installed, and by the standard library whenever orjson refuses a
+line, so that what is accepted and the error messages are the standard
+library's.
 """
 from __future__ import annotations
 
@@ -85,8 +92,14 @@ import re
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, Callable, Iterator, Optional
+
+try:  # a fast path for JSONL parsing; the standard library's json decides whatever orjson refuses
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - orjson is optional
+    _fast_loads = None
 
 MANIFEST_FORMAT = "zinc.prepare/1"
 HEADER_INTS = 256
@@ -94,6 +107,8 @@ TOKEN_FORMATS = {"uint16": (20240520, 1, "H"), "uint32": (20240801, 7, "I")}  # 
 JSON_EXTENSIONS = (".jsonl", ".json", ".ndjson")
 MAX_LISTED_BAD = 10
 BATCH_CHARS = 1 << 20  # records are tokenized in batches of about this many characters
+BATCH_BAD = 1024  # ... or of this many bad records (reported, and --max-bad checked, a batch at a time)
+PIPELINE = True  # encode on a worker thread, overlapped with parsing and writing (False: one thread, in turn)
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                  "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -329,28 +344,66 @@ class Source:
     bad_records: int = 0
 
 
+READ_BLOCK = 8 << 20  # bytes per read: the file is hashed and split into lines a block at a time
+
+
 def _read_lines(src: Source) -> Iterator[tuple[int, bytes]]:
-    # Hashes the file while reading it: one pass.
+    """(line number, the line without its b"\\n") for every line of the file; hashes the file on the way."""
     h = hashlib.sha256()
+    number, rest = 0, b""
     with open(src.path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            h.update(raw)
-            yield number, raw
+        while True:
+            block = f.read(READ_BLOCK)
+            if not block:
+                break
+            h.update(block)
+            lines = (rest + block).split(b"\n") if rest else block.split(b"\n")
+            rest = lines.pop()  # the unfinished last line (b"" when the block ends with a newline)
+            for raw in lines:
+                number += 1
+                yield number, raw
+    if rest:
+        yield number + 1, rest
     src.sha256 = h.hexdigest()
 
 
+def _read_all(src: Source) -> bytes:
+    with open(src.path, "rb") as f:
+        data = f.read()
+    src.sha256 = hashlib.sha256(data).hexdigest()
+    return data
+
+
+def _json_slow(number: int, raw: bytes) -> Any:
+    """The standard library's parse of one line: the object, or a BadRecord that says what is wrong."""
+    try:
+        return json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+    except UnicodeDecodeError as e:
+        return BadRecord(f"invalid UTF-8: {e.reason} at byte {e.start}")
+    except ValueError as e:
+        return BadRecord(f"invalid JSON: {e}")
+    except RecursionError:
+        return BadRecord("invalid JSON: nested too deeply")
+
+
 def read_json_records(src: Source) -> Iterator[tuple[int, Any]]:
-    """(line, object or BadRecord) for every non-blank line."""
+    """(line, object or BadRecord) for every non-blank line.
+
+    orjson, where it is installed, parses each line (3-4x the standard library's speed); a line it refuses goes
+    to the standard library, so that what is accepted (NaN, big integers) and the error messages stay the
+    standard library's."""
     for number, raw in _read_lines(src):
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
         if not raw.strip():
             continue
-        try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            yield number, json.loads(line)
-        except UnicodeDecodeError as e:
-            yield number, BadRecord(f"invalid UTF-8: {e.reason} at byte {e.start}")
-        except ValueError as e:
-            yield number, BadRecord(f"invalid JSON: {e}")
+        if _fast_loads is not None:
+            try:
+                yield number, _fast_loads(raw)
+                continue
+            except ValueError:
+                pass
+        yield number, _json_slow(number, raw)
 
 
 def read_text_records(src: Source, split: str) -> Iterator[tuple[int, Any]]:
@@ -359,11 +412,11 @@ def read_text_records(src: Source, split: str) -> Iterator[tuple[int, Any]]:
         for number, raw in _read_lines(src):
             if raw.strip():
                 try:
-                    yield number, raw.decode("utf-8").rstrip("\r\n")
+                    yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r")
                 except UnicodeDecodeError as e:
                     yield number, BadRecord(f"invalid UTF-8: {e.reason}")
         return
-    data = b"".join(raw for _, raw in _read_lines(src))
+    data = _read_all(src)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -625,14 +678,17 @@ def run(args: argparse.Namespace) -> dict:
             raise PrepareError(f"more than --max-bad {args.max_bad} bad records (the last: "
                                f"{os.path.relpath(src.path)}:{line}: {why})")
 
-    def flush(batch: list[Item]) -> None:
+    def finish(batch: list[Item], skipped: list, encoded: list) -> None:
+        """Writes a batch's documents; reports its bad records, those found while parsing (skipped) and those
+        found here, in line order."""
         nonlocal records
-        docs = []
-        for it, (ids, mask) in zip(batch, encoder.encode(batch)):
+        docs, bads = [], list(skipped)
+        for it, (ids, mask) in zip(batch, encoded):
             src = sources[it.source]
             if len(ids) > limit:
                 if not (args.truncate or args.chunk):
-                    bad(src, it.line, f"{len(ids)} tokens, more than --seq-len + 1 = {limit} (--truncate cuts it)")
+                    bads.append((it.source, it.line,
+                                 f"{len(ids)} tokens, more than --seq-len + 1 = {limit} (--truncate cuts it)"))
                     continue
                 if args.chunk:  # text and jsonl only: mask None
                     docs += [(ids[i:i + limit], None) for i in range(0, len(ids), limit)]
@@ -640,19 +696,38 @@ def run(args: argparse.Namespace) -> dict:
                     continue
                 ids, mask = ids[:limit], None if mask is None else mask[:limit]
             if not ids or (mask is not None and 1 not in mask):
-                bad(src, it.line, "no training label left (nothing to learn)" if ids else "no tokens")
+                bads.append((it.source, it.line, "no training label left (nothing to learn)" if ids else "no tokens"))
                 continue
             docs.append((ids, mask))
             src.records += 1
+        for source, line, why in sorted(bads):
+            bad(sources[source], line, why)
         out.add(docs)
-        records += len(batch)
+        records += len(batch) + len(skipped)
         progress.update(records, out.tokens)
+
+    # Two batches in flight: a worker thread encodes one (tokenizers releases the GIL and runs on every core)
+    # while this thread parses the records of the next and writes out the one before. Output and reports are
+    # those of the one-thread order (PIPELINE = False).
+    pool = ThreadPoolExecutor(1) if PIPELINE else None
+    pending: Optional[tuple] = None
+
+    def flush(batch: list[Item], skipped: list) -> None:
+        nonlocal pending
+        if pool is None:
+            finish(batch, skipped, encoder.encode(batch))
+            return
+        started = (batch, skipped, pool.submit(encoder.encode, batch))
+        if pending is not None:
+            finish(pending[0], pending[1], pending[2].result())
+        pending = started
 
     out = Outputs(args.out, info.token_dtype)
     try:
         for index, src in enumerate(sources):
             reader = read_text_records(src, args.split) if fmt == "text" else read_json_records(src)
             batch: list[Item] = []
+            skipped: list[tuple[int, int, str]] = []  # (source, line, why) of the batch's bad records
             chars = 0
             for line, record in reader:
                 try:
@@ -660,14 +735,20 @@ def run(args: argparse.Namespace) -> dict:
                         raise record
                     it = encoder.item(index, line, record)
                 except BadRecord as e:
-                    bad(src, line, str(e))
-                    continue
-                batch.append(it)
-                chars += len(it.text) + len(it.response)
-                if chars >= BATCH_CHARS:
-                    flush(batch)
-                    batch, chars = [], 0
-            flush(batch)
+                    skipped.append((index, line, str(e)))
+                    if len(skipped) < BATCH_BAD:
+                        continue
+                else:
+                    batch.append(it)
+                    chars += len(it.text) + len(it.response)
+                if chars >= BATCH_CHARS or len(skipped) >= BATCH_BAD:
+                    flush(batch, skipped)
+                    batch, skipped, chars = [], [], 0
+            if batch or skipped:
+                flush(batch, skipped)
+        if pending is not None:
+            finish(pending[0], pending[1], pending[2].result())
+            pending = None
         progress.update(records, out.tokens, final=True)
         if bad_total > MAX_LISTED_BAD:
             print(f"zinc.prepare: ... {bad_total - MAX_LISTED_BAD} more bad records not listed", file=sys.stderr)
@@ -697,6 +778,9 @@ def run(args: argparse.Namespace) -> dict:
     except BaseException:
         out.discard()
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     print(f"zinc.prepare: wrote {out.prefix}.{{bin,mask,docs,json}}: {out.tokens:,} {info.token_dtype} tokens, "
           f"{out.documents:,} documents, {manifest['masked_share']:.1%} masked, {bad_total} bad records",
           file=sys.stderr)
