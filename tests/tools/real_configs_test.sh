@@ -8,7 +8,13 @@
 # A "train" entry may name, under "refuse_at", a world size at which it is
 # refused instead (a batch triad written for one rank): there --check and
 # training both refuse it with that key and reason.
-# Every config in the folder must have an entry (and every entry a file).
+# Every config in the folder must have an entry (and every entry a file),
+# and a row in the folder's README table (at least 40 sources).
+# DeepSpeed's own verdicts (deepspeed_accepts.json, written by
+# deepspeed_accepts.py; read here, so no torch is needed): where DeepSpeed
+# accepts a config at a world size, zinc must train it there, or refuse it
+# with a reason naming a feature that changes training (expect.json's
+# _deepspeed_accepts_refusals_allowed lists them).
 # Usage: real_configs_test.sh ZINC_TRAIN REPO_ROOT
 set -u
 ZT="$1"
@@ -31,17 +37,77 @@ python3 - "$DIR" <<'PY' || bad "expect.json and the folder disagree"
 import json, os, sys
 d = sys.argv[1]
 m = {k: v for k, v in json.load(open(os.path.join(d, "expect.json"))).items() if not k.startswith("_")}
-files = {f for f in os.listdir(d) if f.endswith(".json") and f != "expect.json"}
+files = {f for f in os.listdir(d) if f.endswith(".json") and f not in ("expect.json", "deepspeed_accepts.json")}
 assert set(m) == files, (sorted(set(m) ^ files))
 for k, v in m.items():
     assert v["expect"] in ("train", "refuse") and (v["expect"] == "train" or v["key"] and v["reason"]), (k, v)
+PY
+
+# The README's table names exactly the configs present, at least 40 sources.
+python3 - "$DIR" <<'PY' || bad "README.md's source table and the folder disagree"
+import os, re, sys
+d = sys.argv[1]
+rows = re.findall(r"^\| `([^`]+\.json)` \| (.+) \|$", open(os.path.join(d, "README.md")).read(), re.M)
+named = [r[0] for r in rows]
+files = {f for f in os.listdir(d) if f.endswith(".json") and f not in ("expect.json", "deepspeed_accepts.json")}
+ok = True
+for f in sorted(set(named) ^ files):
+    print("FAIL %s: %s" % (f, "in README.md's table, no such file" if f in named else "no row in README.md's table"))
+    ok = False
+for f in sorted({f for f in named if named.count(f) > 1}):
+    print("FAIL %s: more than one row in README.md's table" % f)
+    ok = False
+for f, src in rows:
+    if not re.search(r"^\S+/\S+, `[^`]+` \(commit [0-9a-f]{7,40}", src):
+        print("FAIL %s: its row does not give repository, `path` (commit ...)" % f)
+        ok = False
+if len(files) < 40:
+    print("FAIL %d sources, want at least 40" % len(files))
+    ok = False
+sys.exit(0 if ok else 1)
+PY
+
+# Where DeepSpeed accepts a config, zinc trains it or refuses it for a
+# feature that changes training; one line per offending config.
+python3 - "$DIR" <<'PY' || bad "expect.json refuses configs DeepSpeed accepts, for no feature that changes training"
+import json, os, sys
+d = sys.argv[1]
+m = json.load(open(os.path.join(d, "expect.json")))
+allowed = {k: v for k, v in m["_deepspeed_accepts_refusals_allowed"].items() if not k.startswith("_")}
+ds = json.load(open(os.path.join(d, "deepspeed_accepts.json")))
+ok = True
+for name, e in sorted(m.items()):
+    if name.startswith("_"):
+        continue
+    if name not in ds:
+        print("FAIL %s: no DeepSpeed verdict in deepspeed_accepts.json (rerun deepspeed_accepts.py)" % name)
+        ok = False
+        continue
+    for ws in ("1", "2"):
+        if ds[name][ws]["verdict"] != "accepted":
+            continue
+        if e["expect"] == "refuse":
+            key, reason = e["key"], e["reason"]
+        elif ws in e.get("refuse_at", {}):
+            key, reason = e["refuse_at"][ws]["key"], e["refuse_at"][ws]["reason"]
+        else:
+            continue
+        if not any(w.lower() in reason.lower() for ws_ in allowed.values() for w in ws_):
+            print("FAIL %s: DeepSpeed accepts it at %s rank(s) (triad %s) but expect.json refuses '%s' (\"%s\"), not a feature that changes training"
+                  % (name, ws, ds[name][ws]["triad"], key, reason))
+            ok = False
+for name in sorted(set(ds) - set(m)):
+    if not name.startswith("_"):
+        print("FAIL %s: in deepspeed_accepts.json, not in expect.json" % name)
+        ok = False
+sys.exit(0 if ok else 1)
 PY
 
 expect() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]].get(sys.argv[3], ""))' \
              "$DIR/expect.json" "$1" "$2"; }
 for cfg in "$DIR"/*.json; do
   name="$(basename "$cfg")"
-  [ "$name" = expect.json ] && continue
+  [ "$name" = expect.json ] || [ "$name" = deepspeed_accepts.json ] && continue
   want="$(expect "$name" expect)"
   if [ "$want" = train ]; then
     for np in 1 2; do
