@@ -62,20 +62,12 @@ void parse_schedule_params(Reader& p, SchedulerConfig& s) {
 }
 
 // The keys DeepSpeed reads but that change nothing: warned about.
-void warn_ignored_schedule_keys(Reader& p, const SchedulerConfig& s) {
+void warn_ignored_schedule_keys(Reader& p) {
   int64_t last = -1;
   if (p.get_int("last_batch_iteration", last, at_least(-1)) && last != -1) {
     p.warn_ignored(p.last_path(), "the schedule's position comes from the checkpoint when a run resumes");
   }
-  if (s.type != SchedulerType::kOneCycle) return;
-  // DeepSpeed stores the stair counts but never reads them: no effect there either.
-  for (const char* k : {"cycle_first_stair_count", "cycle_second_stair_count"}) {
-    const json* v = p.find(k);
-    if (!v || v->is_null()) continue;
-    if (to_int(*v, p.last_path(), at_least(0)) != 0) {
-      p.warn_ignored(p.last_path(), "DeepSpeed's OneCycle stores it but never uses it; the cycle is not a staircase there either");
-    }
-  }
+  // (OneCycle's stair counts are schedule keys in optim's table: they shape the cycle.)
 }
 
 // Settings that parse but probably are not what was meant.
@@ -232,7 +224,7 @@ void parse_scheduler(config::Reader& root, SchedulerConfig& s) {
   r.get_enum<SchedulerType>("type", s.type, types);
   Reader p = r.section("params");
   parse_schedule_params(p, s);
-  warn_ignored_schedule_keys(p, s);
+  warn_ignored_schedule_keys(p);
   p.finish();
   r.finish();
   warn_odd_schedule(p, s);

@@ -178,7 +178,15 @@ std::vector<double> lamb_step(const LambParams& p, int64_t step, float grad_scal
 // (lr stays at cycle_min_lr and beta1 at cycle_max_mom where decay_step_size
 // or the rate is 0). With cycle_momentum DeepSpeed sets the optimizer's betas
 // to (beta1, 0.99): beta2 is 0.99 whatever the optimizer's section says.
-// The stair counts DeepSpeed stores but never uses.
+// Stairs (DeepSpeed 0.19): where the half of the cycle that x falls in has a
+// stair count n > 0 (cycle_first_stair_count for the rise,
+// cycle_second_stair_count for the fall; the second defaults to the first),
+// the scale is quantised from the integer position c = fmod(i, T) in the
+// cycle: scale = floor(c * n / first) / n while c <= first, else
+// floor((T - c) * n / second) / n. lr and beta1 then hold flat across each
+// of the n stairs of that half instead of moving every step.
+// tests/deepspeed_parity checks every schedule here against DeepSpeed 0.19.8
+// step by step.
 
 // scheduler.type; kConstant when there is no scheduler section.
 enum class ScheduleType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
@@ -206,14 +214,19 @@ struct ScheduleParams {
   double cos_min_ratio = 0.0001;
   // OneCycle (formulas above): the lr climbs from cycle_min_lr to
   // cycle_max_lr over cycle_first_step_size steps and falls back over
-  // cycle_second_step_size (-1: the same), then decays by decay_lr_rate every
-  // decay_step_size steps (0: holds cycle_min_lr). With cycle_momentum the
+  // cycle_second_step_size (-1: the same), in stairs where the stair counts
+  // say so, then decays by decay_lr_rate every decay_step_size steps (0:
+  // holds cycle_min_lr). With cycle_momentum the
   // optimizer's beta1 moves inversely between cycle_max_mom and
   // cycle_min_mom (and, as in DeepSpeed, beta2 becomes 0.99).
   double cycle_min_lr = 0.0, cycle_max_lr = 0.0;  // required
   double decay_lr_rate = 0.0;
   int64_t cycle_first_step_size = 2000;
   int64_t cycle_second_step_size = -1;
+  // Stairs per half of the cycle (0: continuous); second -1: the same as the
+  // first, as DeepSpeed's None.
+  int64_t cycle_first_stair_count = 0;
+  int64_t cycle_second_stair_count = -1;
   int64_t decay_step_size = 0;
   bool cycle_momentum = true;
   double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
@@ -270,6 +283,7 @@ class LrSchedule {
   double one_cycle_scale(int64_t step) const;  // in [0, 1] within the cycle
   bool in_cycle(int64_t step) const;
   int64_t second_step_size() const;
+  int64_t second_stair_count() const;
   double warmup_gamma(int64_t step) const;  // in [0, 1) during warmup
   ScheduleParams p_;
   double base_lr_;

@@ -69,6 +69,8 @@ const std::vector<ScheduleKey>& key_table() {
         number("decay_lr_rate", &P::decay_lr_rate, kOneCycle, 0),
         integer("cycle_first_step_size", &P::cycle_first_step_size, kOneCycle, 1),
         null_means(integer("cycle_second_step_size", &P::cycle_second_step_size, kOneCycle, 1), -1),
+        integer("cycle_first_stair_count", &P::cycle_first_stair_count, kOneCycle, 0),
+        null_means(integer("cycle_second_stair_count", &P::cycle_second_stair_count, kOneCycle, 0), -1),
         integer("decay_step_size", &P::decay_step_size, kOneCycle, 0),
         ScheduleKey{.name = "cycle_momentum", .flag = &P::cycle_momentum, .types = kOneCycle},
         number("cycle_min_mom", &P::cycle_min_mom, kOneCycle, 0, 1, true),
@@ -92,16 +94,29 @@ int64_t LrSchedule::second_step_size() const {
   return p_.cycle_second_step_size < 0 ? p_.cycle_first_step_size : p_.cycle_second_step_size;
 }
 
+int64_t LrSchedule::second_stair_count() const {
+  return p_.cycle_second_stair_count < 0 ? p_.cycle_first_stair_count : p_.cycle_second_stair_count;
+}
+
 // DeepSpeed's OneCycle._get_scale_factor at last_batch_iteration = s, in
-// the same floating-point operations.
+// the same floating-point operations (0.19: with its stairs).
 double LrSchedule::one_cycle_scale(int64_t s) const {
   const double first = static_cast<double>(p_.cycle_first_step_size);
-  const double total = first + static_cast<double>(second_step_size());
+  const double second = static_cast<double>(second_step_size());
+  const double total = first + second;
   const double ratio = first / total;
   const double i = static_cast<double>(s + 1);
   const double cycle = std::floor(1.0 + i / total);
   const double x = 1.0 + i / total - cycle;
-  return x <= ratio ? x / ratio : (x - 1.0) / (ratio - 1.0);
+  const bool rising = x <= ratio;
+  const int64_t stairs = rising ? p_.cycle_first_stair_count : second_stair_count();
+  if (stairs <= 0) return rising ? x / ratio : (x - 1.0) / (ratio - 1.0);
+  // Quantised from the integer position in the cycle, not from the scale
+  // (which can land 1e-16 under a stair at the peak), as DeepSpeed does.
+  const double n = static_cast<double>(stairs);
+  const double c = std::fmod(i, total);
+  const double position = c <= first ? c * n / first : (total - c) * n / second;
+  return std::floor(position) / n;
 }
 
 bool LrSchedule::in_cycle(int64_t s) const {
@@ -122,9 +137,11 @@ ScheduleBetas LrSchedule::betas_at(int64_t s) const {
   return b;
 }
 
+// DeepSpeed's operations: log warmup multiplies by 1 / log(warmup steps).
 double LrSchedule::warmup_gamma(int64_t s) const {
   if (p_.warmup_type == WarmupType::kLinear) return static_cast<double>(s) / static_cast<double>(warmup_steps_);
-  return std::log(static_cast<double>(s + 1)) / std::log(static_cast<double>(warmup_steps_));
+  const double inverse_log_warm_up = 1.0 / std::log(static_cast<double>(warmup_steps_));
+  return inverse_log_warm_up * std::log(static_cast<double>(s + 1));
 }
 
 double LrSchedule::lr_at(int64_t s) const {
@@ -156,7 +173,7 @@ double LrSchedule::lr_at(int64_t s) const {
     double real_total = static_cast<double>(std::max<int64_t>(1, p_.total_num_steps - warmup_steps_));
     // Past total_num_steps the ratio stays at its minimum instead of rising again.
     double real_step = std::min(real_total, static_cast<double>(s - warmup_steps_ + 1));
-    double c = (1.0 + std::cos(M_PI * real_step / real_total)) / 2.0;
+    double c = (1.0 + std::cos(M_PI * (real_step / real_total))) / 2.0;  // DeepSpeed's pi * progress
     ratio = std::max(0.0, p_.cos_min_ratio + (1.0 - p_.cos_min_ratio) * c);
   }
   return base_lr_ * ratio;
