@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The heavy peers' virtual environment: PyTorch and Hugging Face transformers,
-# for the scripts that produce reference data from the real libraries
-# (tests/fixtures/hf/make_fixtures.py). The test command never uses it: the
+# The heavy peers' virtual environment: PyTorch, Hugging Face transformers and
+# DeepSpeed, for the scripts that produce reference data from the real
+# libraries (tests/fixtures/hf/make_fixtures.py,
+# tests/deepspeed_parity/make_expected.py). The test command never uses it: the
 # committed fixtures are read with numpy and safetensors only, so CI passes
 # without torch and without network. Pinned to the versions that produced the
 # committed fixtures (tests/fixtures/hf/README.md).
 #   bash bench/peers/setup.sh            # venv at bench/peers/.venv, or $ZINC_PEERS_VENV
 #   bench/peers/.venv/bin/python tests/fixtures/hf/make_fixtures.py
+#   DS_ACCELERATOR=cpu bench/peers/.venv/bin/python tests/deepspeed_parity/make_expected.py
+# DeepSpeed installs with DS_BUILD_OPS=0 (no extension built at install time;
+# make_expected.py builds its CPU Adam just in time, with ninja, where it can).
 # Idempotent: does nothing where the venv already holds these versions. From
 # the Python package index, torch brings its CUDA libraries (several GB); a
 # CPU-only build of the same version satisfies the pin too, where an index
@@ -15,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${ZINC_PEERS_VENV:-bench/peers/.venv}"
 python="${PYTHON:-python3}"
-pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6)
+pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 deepspeed==0.19.8)
 
 installed() {
   [ -x "$venv/bin/python" ] || return 1
@@ -38,6 +42,6 @@ if installed; then
   exit 0
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --disable-pip-version-check --quiet "${pins[@]}"
+DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --disable-pip-version-check --quiet "${pins[@]}"
 installed || { echo "peers venv $venv: the pinned versions did not install" >&2; exit 1; }
 echo "peers venv $venv: installed ${pins[*]}"
