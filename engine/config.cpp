@@ -556,6 +556,8 @@ const Feature kFeatures[] = {
       {"nebula", Act::kWarn, nullptr},
       {"graph_harvesting", Act::kWarn, nullptr},
       {"use_data_before_expert_parallelism", Act::kWarn, "zinc has no expert parallelism"},
+      {"expert_parallel", Act::kError, "it configures expert parallelism for mixture-of-experts (MoE) layers, and "
+                                       "zinc has neither MoE layers nor expert parallelism"},
       {"elasticity", Act::kError, "elastic training changes the batch size with the world size; remove it"},
       {"compression_training", Act::kError, "it quantizes or prunes the model, which changes the result"},
       {"sparse_gradients", Act::kError, "zinc reduces dense gradients; set it to false"},
@@ -692,6 +694,15 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_precision(r, c);
   detail::parse_optimizer(r, c.optimizer);
   detail::parse_scheduler(r, c.scheduler);
+  // DeepSpeed 0.19's WarmupLR (not its subclasses, whose default is 0.001)
+  // warms up to the optimizer's lr when warmup_max_lr is not given.
+  if (c.scheduler.type == SchedulerType::kWarmupLR) {
+    const json* params = j.contains("scheduler") && j["scheduler"].is_object() && j["scheduler"].contains("params")
+                             ? &j["scheduler"]["params"]
+                             : nullptr;
+    if (!params || !params->is_object() || !params->contains("warmup_max_lr") || (*params)["warmup_max_lr"].is_null())
+      c.scheduler.warmup_max_lr = c.optimizer.lr();
+  }
   if (c.scheduler.type == SchedulerType::kOneCycle && c.scheduler.cycle_momentum && c.optimizer.beta2() != 0.99) {
     r.warn("scheduler.params.cycle_momentum",
            "OneCycle sets the optimizer's betas to (momentum, 0.99) as DeepSpeed does: optimizer.params.betas[1] " +
@@ -706,7 +717,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_activation_checkpointing(r, c.activation_checkpointing);
   parse_unimplemented(r, c);
   for (const std::string& key : caller_sections) r.skip(key);
-  r.finish();
+  r.finish_top_level();
   c.validate();
   check_device(r, c, device_auto);
   return c;

@@ -371,4 +371,27 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
   return best;
 }
 
+std::string one_edit_from(const std::string& key, const std::vector<std::string>& candidates) {
+  const std::string k = lower(key);
+  auto one_edit = [](const std::string& a, const std::string& b) {
+    if (a == b) return true;
+    if (a.size() == b.size()) {
+      size_t i = 0;
+      while (a[i] == b[i]) ++i;  // a != b: stops inside
+      if (a.compare(i + 1, std::string::npos, b, i + 1, std::string::npos) == 0) return true;  // replaced
+      return i + 1 < a.size() && a[i] == b[i + 1] && a[i + 1] == b[i] &&
+             a.compare(i + 2, std::string::npos, b, i + 2, std::string::npos) == 0;  // swapped
+    }
+    const std::string& longer = a.size() > b.size() ? a : b;
+    const std::string& shorter = a.size() > b.size() ? b : a;
+    if (longer.size() != shorter.size() + 1) return false;
+    size_t i = 0;
+    while (i < shorter.size() && shorter[i] == longer[i]) ++i;
+    return shorter.compare(i, std::string::npos, longer, i + 1, std::string::npos) == 0;  // inserted
+  };
+  for (const auto& cand : candidates)
+    if (one_edit(k, lower(cand))) return cand;
+  return "";
+}
+
 }  // namespace zinc

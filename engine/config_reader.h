@@ -358,6 +358,31 @@ class Reader {
     throw ConfigError(path, std::string("not implemented in zinc; ") + why);
   }
 
+  // The top level of a ds_config, where DeepSpeed reads the keys it knows
+  // and ignores the rest (other tools' keys: `_comment`, Accelerate's `fp8`,
+  // Megatron-DeepSpeed's `dynamic_train`): a key nobody asked about is
+  // warned about and ignored, unless it is one edit from a known key (a
+  // typo, which would silently drop a setting: an error with "did you
+  // mean") or holds a control character (a damaged file, not a key anyone
+  // typed).
+  void finish_top_level() {
+    for (auto it = j_.begin(); it != j_.end(); ++it) {
+      const std::string& key = it.key();
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      const std::string near = one_edit_from(key, known_);
+      const bool damaged = std::any_of(key.begin(), key.end(), [](char ch) {
+        return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f;
+      });
+      if (!near.empty() || damaged) {
+        throw ConfigError(path_of(key), "unknown key" + (near.empty() ? std::string() : " (did you mean '" + near + "'?)"));
+      }
+      std::string msg = "not a DeepSpeed key; ignored";
+      if (std::string nearest = did_you_mean(key, known_); !nearest.empty())
+        msg += " (if you meant '" + nearest + "', correct it)";
+      warn(path_of(key), msg);
+    }
+  }
+
   // Every key nobody asked about is an error, with the nearest known key.
   void finish() const {
     for (auto it = j_.begin(); it != j_.end(); ++it) {

@@ -35,4 +35,9 @@ inline std::string key_text(std::string_view key) {
 // The nearest of `candidates` to `key` by edit distance, or "" if none is close.
 std::string did_you_mean(const std::string& key, const std::vector<std::string>& candidates);
 
+// The first of `candidates` at most one edit from `key` (ignoring case; an
+// edit is one character inserted, deleted or replaced, or two neighbours
+// swapped), or "".
+std::string one_edit_from(const std::string& key, const std::vector<std::string>& candidates);
+
 }  // namespace zinc

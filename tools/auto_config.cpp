@@ -237,12 +237,22 @@ ResolvedConfig resolve_auto(const json& doc, int world_size) {
       fp16_on = e->is_boolean() && e->get<bool>();
     }
   }
-  if (json* e = enabled("bf16"); e && is_auto(*e)) {
-    const bool on = t.bf16 >= 0 ? t.bf16 == 1 : !fp16_on;
-    set(d["bf16"], "enabled", "bf16.enabled", on,
-        t.bf16 >= 0 ? "trainer.bf16"
-                    : fp16_on ? "off: fp16 is enabled"
-                              : "on: zinc runs bf16 on every x86-64 CPU (natively where it has avx512_bf16)");
+  // "bfloat16" is DeepSpeed's older spelling of the same section (transformers' ZeRO-3 bf16 template uses it).
+  for (const char* section : {"bf16", "bfloat16"}) {
+    if (json* e = enabled(section); e && is_auto(*e)) {
+      const bool on = t.bf16 >= 0 ? t.bf16 == 1 : !fp16_on;
+      set(d[section], "enabled", std::string(section) + ".enabled", on,
+          t.bf16 >= 0 ? "trainer.bf16"
+                      : fp16_on ? "off: fp16 is enabled"
+                                : "on: zinc runs bf16 on every x86-64 CPU (natively where it has avx512_bf16)");
+    }
+  }
+  // Without a `trainer` section the values above are TrainingArguments' defaults: say so.
+  if (!trainer_given) {
+    for (AutoValue& v : out.values) {
+      if (v.source.rfind("trainer.", 0) == 0)
+        v.source += " (the Trainer's default: the config has no trainer section)";
+    }
   }
   return out;
 }

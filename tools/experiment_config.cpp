@@ -203,6 +203,21 @@ ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc) {
   tools::parse_comm(root, e.comm);
   // No root.finish(): the other top-level keys are Config::parse's.
   e.validate();
+  e.model_given = doc.is_object() && doc.contains("model");
+  e.data_given = doc.is_object() && doc.contains("data");
+  if (!e.model_given) {
+    const std::string w = "model: no model section: zinc-train trains its default model, a " +
+                          std::string(model_type_name(e.model.type)) + " of " + std::to_string(e.model.n_layer) +
+                          " layers of " + std::to_string(e.model.n_embd) +
+                          " from random weights (set model, or model.from_pretrained)";
+    log_warn("config: " + w);
+    e.warnings.push_back(w);
+  }
+  if (!e.data_given) {
+    const std::string w = "data: no data section: zinc-train trains on synthetic tokens (set data.type and data.path)";
+    log_warn("config: " + w);
+    e.warnings.push_back(w);
+  }
   return e;
 }
 

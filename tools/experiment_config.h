@@ -115,6 +115,10 @@ struct ExperimentConfig {
   CommConfig comm;
 
   std::vector<std::string> warnings;  // ignored keys in these sections, already logged
+  // Whether the document has a `model` / `data` section. A plain ds_config
+  // has neither: zinc-train then trains its default GPT on synthetic tokens,
+  // and says so in a warning and in its header.
+  bool model_given = true, data_given = true;
 
   // The top-level keys these sections take ("model", "data", "run",
   // "comm", and "trainer", which resolve_auto reads): the caller_sections

@@ -404,15 +404,17 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
   const std::optional<double> floor = ex.data->loss_floor();
   for (const zinc::tools::AutoValue& a : ex.auto_values)
     std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
-  std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s%s | data %s\n", config_path.c_str(),
+  std::printf("zinc-train: %s | model %s%s%s, %.2fM parameters, %s%s | data %s%s\n", config_path.c_str(),
               ex.model->name().c_str(), ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
+              ex.experiment.model_given ? "" : " (the default: the config has no model section)",
               static_cast<double>(engine.num_parameters()) / 1e6,
               std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(),
               cfg.device == zinc::Device::kCuda
                   ? (cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone ? " on the GPU"
                                                                                      : " on the GPU (ZeRO-Offload)")
                   : "",
-              ex.data->describe().c_str());
+              ex.data->describe().c_str(),
+              ex.experiment.data_given ? "" : " (the default: the config has no data section)");
   std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
               static_cast<long long>(cfg.train_batch_size), static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
               static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),

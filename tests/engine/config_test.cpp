@@ -172,8 +172,8 @@ TEST(ConfigErrors, OutOfRange) {
 }
 
 TEST(ConfigErrors, UnknownKeysSuggestTheNearestKnownKey) {
-  EXPECT_CONFIG_ERROR(with({{"gradient_clipings", 1.0}}),
-                      "gradient_clipings: unknown key (did you mean 'gradient_clipping'?)");
+  EXPECT_CONFIG_ERROR(with({{"gradient_cliping", 1.0}}),
+                      "gradient_cliping: unknown key (did you mean 'gradient_clipping'?)");
   EXPECT_CONFIG_ERROR(
       with({{"zero_optimization", {{"offload_optimizer", {{"buffer_cout", 4}}}}}}),
       "zero_optimization.offload_optimizer.buffer_cout: unknown key (did you mean 'buffer_count'?)");
@@ -185,6 +185,59 @@ TEST(ConfigErrors, UnknownKeysSuggestTheNearestKnownKey) {
   // DeepSpeed splits the offload keys: ratio is not an offload_param key.
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"offload_param", {{"ratio", 0.5}}}}}}),
                       "zero_optimization.offload_param.ratio: unknown key");
+}
+
+// Issue 32: at the top level DeepSpeed reads the keys it knows and ignores
+// the rest, and real files carry other tools' keys there. zinc warns about
+// each and goes on, except for a key one edit from a known one (a typo that
+// would drop a setting without a word) and a key with a control character.
+TEST(ConfigTopLevel, KeysDeepSpeedDoesNotReadAreWarnedAboutTyposRefused) {
+  const Config c = Config::parse(with({{"_comment", "LLaMA-Factory's note"},
+                                       {"fp8", {{"enabled", true}}},
+                                       {"dynamic_train", true},
+                                       {"gradient_clipings", 0.0}}));
+  auto warned = [&](const std::string& key) {
+    for (const std::string& w : c.warnings)
+      if (w.rfind(key + ": not a DeepSpeed key; ignored", 0) == 0) return w;
+    return std::string();
+  };
+  EXPECT_NE(warned("_comment"), "");
+  EXPECT_NE(warned("fp8"), "");
+  EXPECT_NE(warned("dynamic_train"), "");
+  // Two edits from gradient_clipping: warned, with the nearest key named.
+  EXPECT_NE(warned("gradient_clipings").find("if you meant 'gradient_clipping'"), std::string::npos);
+  EXPECT_EQ(c.warnings.size(), 4u);
+  EXPECT_EQ(c.gradient_clipping, 1.0);  // the default: the misspelt 0 was ignored
+  // One edit (inserted, deleted, replaced, swapped, or case): refused.
+  EXPECT_CONFIG_ERROR(with({{"train_batch_sise", 8}}), "train_batch_sise: unknown key (did you mean 'train_batch_size'?)");
+  EXPECT_CONFIG_ERROR(with({{"steps_per_prin", 8}}), "steps_per_prin: unknown key (did you mean 'steps_per_print'?)");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimziation", {{"stage", 1}}}}),
+                      "zero_optimziation: unknown key (did you mean 'zero_optimization'?)");
+  EXPECT_CONFIG_ERROR(with({{"Gradient_Clipping", 1.0}}),
+                      "Gradient_Clipping: unknown key (did you mean 'gradient_clipping'?)");
+  EXPECT_CONFIG_ERROR(with({{"fp166", {{"enabled", true}}}}), "fp166: unknown key (did you mean 'fp16'?)");
+  // Nested sections stay strict, as DeepSpeed's are.
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"_comment", "x"}}}}), "zero_optimization._comment: unknown key");
+  // Mixture-of-experts is named for what it is.
+  EXPECT_CONFIG_ERROR(with({{"expert_parallel", {{"enabled", true}, {"autoep_size", 2}}}}),
+                      "expert_parallel: not implemented in zinc", "expert parallelism");
+  EXPECT_NO_THROW(Config::parse(with({{"expert_parallel", {{"enabled", false}}}})));
+}
+
+// DeepSpeed 0.19's WarmupLR warms up to the optimizer's lr when warmup_max_lr
+// is absent; WarmupDecayLR keeps its 0.001.
+TEST(ConfigScheduler, WarmupLrPeaksAtTheOptimizersLrByDefault) {
+  const json opt = {{"type", "AdamW"}, {"params", {{"lr", 4e-3}}}};
+  EXPECT_EQ(Config::parse(with({{"optimizer", opt}, {"scheduler", {{"type", "WarmupLR"}}}})).scheduler.warmup_max_lr,
+            4e-3);
+  EXPECT_EQ(Config::parse(with({{"optimizer", opt},
+                                {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 1e-2}}}}}}))
+                .scheduler.warmup_max_lr,
+            1e-2);
+  EXPECT_EQ(Config::parse(with({{"optimizer", opt},
+                                {"scheduler", {{"type", "WarmupDecayLR"}, {"params", {{"total_num_steps", 10}}}}}}))
+                .scheduler.warmup_max_lr,
+            0.001);
 }
 
 TEST(ConfigErrors, AliasAndNameBothSet) {
@@ -295,12 +348,15 @@ TEST(ConfigErrors, UnimplementedFeaturesThatChangeTheResult) {
 }
 
 // Sections a caller parses itself (zinc-train's experiment sections):
-// without caller_sections they are unknown keys like any other; named, the
-// engine leaves them alone and still suggests them for a misspelt key.
-TEST(ConfigCallerSections, SkippedWhenNamedUnknownOtherwise) {
+// without caller_sections they are top-level keys DeepSpeed does not read
+// (warned about, ignored); named, the engine leaves them alone and still
+// suggests them for a misspelt key.
+TEST(ConfigCallerSections, SkippedWhenNamedWarnedAboutOtherwise) {
   const json doc = with({{"model", {{"n_embd", 100}}}, {"extra", {{"anything", 1}}}});
-  EXPECT_CONFIG_ERROR(doc, "extra: unknown key");
-  EXPECT_CONFIG_ERROR(with({{"model", {{"n_embd", 100}}}}), "model: unknown key");
+  const Config unnamed = Config::parse(doc);
+  ASSERT_EQ(unnamed.warnings.size(), 2u);
+  EXPECT_EQ(unnamed.warnings[0].rfind("extra: not a DeepSpeed key; ignored", 0), 0u) << unnamed.warnings[0];
+  EXPECT_EQ(unnamed.warnings[1].rfind("model: not a DeepSpeed key; ignored", 0), 0u) << unnamed.warnings[1];
   const Config c = Config::parse(doc, 1, {"model", "extra"});
   EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
   EXPECT_TRUE(c.warnings.empty());
@@ -559,7 +615,8 @@ TEST(ConfigErrors, OneCycleParameters) {
     return oc(p);
   };
   EXPECT_CONFIG_ERROR(plus("cycle_first_step_size", 0), "scheduler.params.cycle_first_step_size: must be >= 1, got 0");
-  EXPECT_CONFIG_ERROR(plus("cycle_second_step_size", -2), "scheduler.params.cycle_second_step_size: must be >= 1");
+  // 0 is allowed (DeepSpeed 0.19: non-negative): a cycle that only rises.
+  EXPECT_CONFIG_ERROR(plus("cycle_second_step_size", -2), "scheduler.params.cycle_second_step_size: must be >= 0");
   EXPECT_CONFIG_ERROR(plus("cycle_min_mom", 1.0), "scheduler.params.cycle_min_mom: must be in [0, 1), got 1");
   EXPECT_CONFIG_ERROR(plus("decay_step_size", -1), "scheduler.params.decay_step_size: must be >= 0");
   EXPECT_CONFIG_ERROR(plus("cycle_momentum", "yes"), "scheduler.params.cycle_momentum: expected true or false");

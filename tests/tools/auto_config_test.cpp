@@ -113,6 +113,32 @@ TEST(AutoConfig, TrainerDefaultsWarmupRatioAndPrecision) {
   EXPECT_EQ(find(r, "train_micro_batch_size_per_gpu"), nullptr);
 }
 
+// Issue 32: without a `trainer` section the values are TrainingArguments'
+// defaults, and each says so; DeepSpeed's older section name `bfloat16`
+// (transformers' ZeRO-3 bf16 template) resolves like `bf16`.
+TEST(AutoConfig, DefaultsAreNamedAsDefaultsAndBfloat16IsBf16) {
+  json doc = hf_config();
+  ResolvedConfig r = resolve_auto(doc, 1);
+  EXPECT_EQ(find(r, "optimizer.params.lr")->source,
+            "trainer.learning_rate (the Trainer's default: the config has no trainer section)");
+  EXPECT_EQ(find(r, "train_micro_batch_size_per_gpu")->source,
+            "trainer.per_device_train_batch_size (the Trainer's default: the config has no trainer section)");
+  doc["trainer"] = {{"learning_rate", 1e-4}};
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(find(r, "optimizer.params.lr")->source, "trainer.learning_rate");
+  EXPECT_EQ(find(r, "train_micro_batch_size_per_gpu")->source, "trainer.per_device_train_batch_size");
+
+  doc = hf_config();
+  doc.erase("bf16");
+  doc["bfloat16"] = {{"enabled", "auto"}};
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["bfloat16"]["enabled"], true);  // fp16 "auto" resolves off, so bf16 is on
+  ASSERT_NE(find(r, "bfloat16.enabled"), nullptr);
+  EXPECT_TRUE(parse_experiment(doc, 1).config.bf16);
+  doc["trainer"] = {{"bf16", false}};
+  EXPECT_FALSE(parse_experiment(doc, 1).config.bf16);
+}
+
 TEST(AutoConfig, TrainerSectionIsStrictAndAnAutoWithoutARuleIsReportedAtItsPath) {
   json doc = hf_config();
   doc["trainer"] = {{"learning_rat", 1e-3}};

@@ -63,6 +63,19 @@ check_error zero-stage "zero_optimization.stage: must be" "$CFG" --set zero_opti
 check_error triad "train_batch_size" "$CFG" --set gradient_accumulation_steps=3
 check_error missing-data "data.path: cannot open $TMP/none.txt" "$CFG" --set data.type=text --set "data.path=$TMP/none.txt"
 check_error bad-override "key.path=value" "$CFG" --set foo
+# A plain ds_config (no model, no data section) with a key DeepSpeed does not
+# read: zinc-train warns about the key and says in its header that it
+# trains its default model on synthetic tokens (issue 32).
+echo '{"train_batch_size": 4, "_comment": "a plain ds_config", "zero_optimization": {"stage": 1}}' >"$TMP/plain.json"
+if "$ZT" "$TMP/plain.json" --steps 1 >"$TMP/out" 2>"$TMP/err" &&
+   grep -qF '_comment: not a DeepSpeed key; ignored' "$TMP/err" &&
+   grep -qF 'model: no model section' "$TMP/err" && grep -qF 'data: no data section' "$TMP/err" &&
+   grep -q '^zinc-train: .* (the default: the config has no model section), .* (the default: the config has no data section)$' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL plain-ds-config"; cat "$TMP/out" "$TMP/err"
+fi
 # uint32 token files (vocabularies past 65,536): the Llama 3 scripts' header
 # states the width and a Llama of that vocabulary trains on it (its first
 # loss is about ln 70000 = 11.16, above ln 65536 = 11.09); a config that

@@ -38,8 +38,18 @@ TEST(ExperimentConfigDefaults, MatchTheHeader) {
   EXPECT_EQ(p.experiment.model.type, ModelType::kGpt);
   EXPECT_EQ(p.experiment.data.type, DataType::kSynthetic);
   EXPECT_EQ(p.experiment.run.steps, 100);
-  EXPECT_TRUE(p.experiment.warnings.empty());
+  // A plain ds_config: the defaulted model and data are said (issue 32).
+  EXPECT_FALSE(p.experiment.model_given);
+  EXPECT_FALSE(p.experiment.data_given);
+  ASSERT_EQ(p.experiment.warnings.size(), 2u);
+  EXPECT_EQ(p.experiment.warnings[0], "model: no model section: zinc-train trains its default model, a gpt of 4 "
+                                      "layers of 128 from random weights (set model, or model.from_pretrained)");
+  EXPECT_EQ(p.experiment.warnings[1],
+            "data: no data section: zinc-train trains on synthetic tokens (set data.type and data.path)");
   EXPECT_TRUE(p.config.warnings.empty());
+  const ParsedExperiment given = parse_experiment(with({{"model", json::object()}, {"data", json::object()}}));
+  EXPECT_TRUE(given.experiment.model_given && given.experiment.data_given);
+  EXPECT_TRUE(given.experiment.warnings.empty());
   EXPECT_EQ(p.config.train_micro_batch_size_per_gpu, 8);
 }
 
@@ -82,8 +92,9 @@ TEST(ExperimentConfigErrors, UnknownKeys) {
   // A misspelt section is the engine's unknown top-level key, with the
   // experiment's sections among the suggestions.
   EXPECT_EQ(config_error(with({{"modle", {{"n_embd", 64}}}})), "modle: unknown key (did you mean 'model'?)");
-  EXPECT_CONFIG_ERROR(with({{"gradient_clipings", 1.0}}),
-                      "gradient_clipings: unknown key (did you mean 'gradient_clipping'?)");
+  EXPECT_CONFIG_ERROR(with({{"gradient_cliping", 1.0}}),
+                      "gradient_cliping: unknown key (did you mean 'gradient_clipping'?)");
+  EXPECT_CONFIG_ERROR(with({{"traner", json::object()}}), "traner: unknown key (did you mean 'trainer'?)");
 }
 
 TEST(ExperimentConfigErrors, ZincSections) {
@@ -100,7 +111,8 @@ TEST(ExperimentConfigErrors, ZincSections) {
                       "model.vocab_size: must be >= the data's vocabulary 64");
   EXPECT_CONFIG_ERROR(with({{"run", {{"output_dir", ""}}}}), "run.output_dir: must not be empty");
   // mlp does not care about heads: the key is ignored, and said so.
-  ParsedExperiment mlp = parse_experiment(with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}}));
+  ParsedExperiment mlp = parse_experiment(
+      with({{"model", {{"type", "mlp"}, {"n_embd", 100}, {"n_head", 3}}}, {"data", json::object()}}));
   ASSERT_EQ(mlp.experiment.warnings.size(), 1u);
   EXPECT_EQ(mlp.experiment.warnings[0], "model.n_head: ignored: not a size of model.type \"mlp\" (it is gpt's)");
 }
@@ -230,6 +242,7 @@ TEST(ExperimentConfigModel, GradientCheckpointingFromTheModelOrTheTrainerSection
   EXPECT_TRUE(any_warning_has(alone.experiment, "activation_checkpointing: does not switch checkpointing on"));
   json both = ds;
   both["model"] = {{"gradient_checkpointing", true}};
+  both["data"] = json::object();
   const ParsedExperiment with_model = parse_experiment(with(both));
   EXPECT_TRUE(with_model.experiment.warnings.empty());
   EXPECT_TRUE(with_model.config.warnings.empty());
