@@ -70,7 +70,9 @@ class LossScaler {
       last_overflow_ = iter_;
     } else {
       if (p_.consecutive_hysteresis) hysteresis_ = p_.hysteresis;
-      if ((iter_ - last_overflow_) % p_.window == 0) {
+      // DeepSpeed 0.19's rule: the steps since the last overflow, not
+      // counting this one, a positive multiple of the window.
+      if (const int64_t stable = iter_ - last_overflow_ - 1; stable > 0 && stable % p_.window == 0) {
         if (!p_.consecutive_hysteresis) hysteresis_ = p_.hysteresis;
         scale_ *= 2;
       }

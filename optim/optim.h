@@ -201,7 +201,9 @@ enum class WarmupType { kLog, kLinear };
 struct ScheduleParams {
   ScheduleType type = ScheduleType::kConstant;
   // WarmupLR / WarmupDecayLR: the lr rises from warmup_min_lr to
-  // warmup_max_lr over warmup_num_steps optimizer steps.
+  // warmup_max_lr over warmup_num_steps optimizer steps. (Config::parse
+  // sets WarmupLR's to the optimizer's lr when the config does not give it,
+  // as DeepSpeed 0.19 does; WarmupDecayLR keeps 0.001.)
   double warmup_min_lr = 0.0;
   double warmup_max_lr = 0.001;
   int64_t warmup_num_steps = 1000;

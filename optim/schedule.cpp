@@ -68,7 +68,7 @@ const std::vector<ScheduleKey>& key_table() {
         required(number("cycle_max_lr", &P::cycle_max_lr, kOneCycle, 0)),
         number("decay_lr_rate", &P::decay_lr_rate, kOneCycle, 0),
         integer("cycle_first_step_size", &P::cycle_first_step_size, kOneCycle, 1),
-        null_means(integer("cycle_second_step_size", &P::cycle_second_step_size, kOneCycle, 1), -1),
+        null_means(integer("cycle_second_step_size", &P::cycle_second_step_size, kOneCycle, 0), -1),
         integer("cycle_first_stair_count", &P::cycle_first_stair_count, kOneCycle, 0),
         null_means(integer("cycle_second_stair_count", &P::cycle_second_stair_count, kOneCycle, 0), -1),
         integer("decay_step_size", &P::decay_step_size, kOneCycle, 0),

@@ -152,6 +152,10 @@ def schedules():
     cases.append(schedule_case("OneCycle_stairs_uneven_division", "OneCycle",
                                dict(one, cycle_first_step_size=7, cycle_second_step_size=11,
                                     cycle_first_stair_count=3, cycle_second_stair_count=4), 1e-3, 60))
+    # A second half of 0 steps, which DeepSpeed 0.19 allows (non-negative): a sawtooth.
+    cases.append(schedule_case("OneCycle_second_step_size_zero", "OneCycle",
+                               dict(one, cycle_first_step_size=6, cycle_second_step_size=0,
+                                    cycle_momentum=False), 1e-3, 20))
     return cases
 
 

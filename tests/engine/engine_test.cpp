@@ -246,13 +246,16 @@ TEST(LossScale, InjectedOverflowSkipsTheStepAndHysteresisDelaysTheCut) {
   EXPECT_EQ(params_of(e, 2), before);
   EXPECT_EQ(e.skipped_steps(), 2);
   EXPECT_EQ(e.learning_rate(), lr_before);  // the schedule did not advance
-  // Clean steps update; the third clean step since the overflow doubles the scale.
+  // Clean steps update; as in DeepSpeed 0.19 the scale doubles once the
+  // clean steps since the overflow, not counting the current one, are a
+  // multiple of the window (3): at the fourth clean step.
   EXPECT_EQ(toy_step(e, *model, false), 128);
   EXPECT_NE(params_of(e, 2), before);
   EXPECT_EQ(toy_step(e, *model, false), 128);
+  EXPECT_EQ(toy_step(e, *model, false), 128);
   EXPECT_EQ(toy_step(e, *model, false), 256);
   EXPECT_EQ(e.skipped_steps(), 2);
-  EXPECT_EQ(e.global_steps(), 5);
+  EXPECT_EQ(e.global_steps(), 6);
   // The window restarts: three more clean steps double it again.
   EXPECT_EQ(toy_step(e, *model, false), 256);
   EXPECT_EQ(toy_step(e, *model, false), 256);
