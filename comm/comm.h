@@ -57,6 +57,12 @@ class Communicator {
   // recv (size() * send_count elements) = the ranks' send blocks in rank
   // order. send may point at this rank's block inside recv (in place).
   virtual void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) = 0;
+  // send holds size() blocks of count_per_rank elements; block j goes to rank
+  // j. recv (size() * count_per_rank elements) = block rank() of every
+  // rank's send, in rank order. No arithmetic: the dtype only sizes the
+  // elements (the 1-bit all-reduce, comm/onebit.h, sends packed bits as f32
+  // words). send and recv must not overlap. NCCL backend: not yet (CommError).
+  virtual void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) = 0;
   virtual void broadcast(void* buf, int64_t count, DType dtype, int root) = 0;
   // In-place sum of doubles (norms, losses, counters).
   virtual void all_reduce_f64(double* buf, int64_t count) = 0;

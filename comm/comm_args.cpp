@@ -70,4 +70,13 @@ void check_broadcast(int rank, int size, int64_t count, int root) {
   }
 }
 
+void check_all_to_all(int rank, int size, const void* send, const void* recv, int64_t count_per_rank,
+                      DType dtype) {
+  check_count(rank, "all_to_all", count_per_rank);
+  const size_t bytes = static_cast<size_t>(count_per_rank) * dtype_bytes(dtype) * static_cast<size_t>(size);
+  if (overlaps(send, bytes, recv, bytes)) {
+    throw comm_error(rank, "all_to_all", "send and recv overlap; all_to_all is not in place");
+  }
+}
+
 }  // namespace zinc::comm::detail

@@ -36,6 +36,8 @@ void check_reduce_scatter(int rank, int size, const void* send, const void* recv
 bool check_all_gather(int rank, int size, const void* send, const void* recv, int64_t send_count,
                       DType dtype);
 void check_broadcast(int rank, int size, int64_t count, int root);
+void check_all_to_all(int rank, int size, const void* send, const void* recv, int64_t count_per_rank,
+                      DType dtype);
 
 // Translates an MPI return code: CommError("rank R: <op> failed: <MPI_Error_string> (MPI error
 // class C)"). R is the rank in MPI_COMM_WORLD, or "?" when MPI is not running.

@@ -229,6 +229,17 @@ class MpiCommunicator final : public Communicator {
           "MPI_Allgather", "all_gather", send_count, dtype);
   }
 
+  // One MPI_Alltoall, within the same int limit as all_gather (size *
+  // count_per_rank elements: MPI implementations index the full buffer).
+  void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) override {
+    detail::check_all_to_all(rank_, size_, send, recv, count_per_rank, dtype);
+    if (count_per_rank == 0) return;
+    check_limit("all_to_all", count_per_rank, "the 1-bit buffer size");
+    const int n = static_cast<int>(count_per_rank);
+    check(MPI_Alltoall(send, n, type(dtype), recv, n, type(dtype), comm_), "MPI_Alltoall", "all_to_all",
+          count_per_rank, dtype);
+  }
+
   void broadcast(void* buf, int64_t count, DType dtype, int root) override {
     detail::check_broadcast(rank_, size_, count, root);
     const size_t elem = dtype_bytes(dtype);
@@ -273,7 +284,7 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  // reduce_scatter and all_gather are not split: their blocks interleave in
+  // reduce_scatter, all_gather and all_to_all are not split: their blocks interleave in
   // the full buffer, and MPI's predefined sum does not take the derived
   // datatypes that a split would need. Both the per-rank count and the full
   // buffer stay within one int, since MPI implementations index the full

@@ -309,6 +309,18 @@ class ShmCommunicator final : public Communicator {
     }
   }
 
+  // One machine: through the slots (a2a_node). Several (hierarchical): the
+  // MPI backend's MPI_Alltoall over all ranks; a two-level exchange (shm
+  // inside machines, one message per machine pair) is not written yet.
+  void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) override {
+    detail::check_all_to_all(rank(), size(), send, recv, count_per_rank, dtype);
+    op_ = "all_to_all";
+    if (count_per_rank == 0) return;
+    if (nodes_ > 1) return mpi_->all_to_all(send, recv, count_per_rank, dtype);
+    a2a_node(static_cast<const char*>(send), static_cast<char*>(recv),
+             count_per_rank * static_cast<int64_t>(dtype_bytes(dtype)));
+  }
+
   void broadcast(void* buf, int64_t count, DType dtype, int root) override { mpi_->broadcast(buf, count, dtype, root); }
   void all_reduce_f64(double* buf, int64_t count) override { mpi_->all_reduce_f64(buf, count); }
   void all_reduce_max_f64(double* buf, int64_t count) override { mpi_->all_reduce_max_f64(buf, count); }
@@ -388,6 +400,36 @@ class ShmCommunicator final : public Communicator {
       }
     }
     if (stream) _mm_sfence();
+  }
+
+  // All-to-all inside the node (one machine), in bytes: block b of this
+  // rank's send (n bytes at in + b * n) goes to out + l * n on local rank b.
+  // The slot layout of rs_node: each chunk, this rank copies bytes
+  // [off, off + k) of every other rank's block into segment b of its slot
+  // half and posts; every rank then copies segment l of slot q to its place
+  // out + q * n + off (its own block straight from in).
+  void a2a_node(const char* in, char* out, int64_t n) {
+    const int L = local_size_;
+    // Segments of a multiple of 64 bytes (cache lines), at least one byte.
+    const int64_t fit = static_cast<int64_t>(half_bytes_ / static_cast<size_t>(L));
+    const int64_t k_max = std::max<int64_t>(fit & ~int64_t{63}, 1);
+    std::memcpy(out + local_rank_ * n, in + local_rank_ * n, static_cast<size_t>(n));
+    if (L == 1) return;
+    for (int64_t off = 0; off < n; off += k_max) {
+      const int64_t k = std::min(k_max, n - off);
+      const int h = begin_chunk();
+      char* mine = slot(local_rank_, h);
+      for (int b = 0; b < L; ++b) {
+        if (b != local_rank_) std::memcpy(mine + b * k_max, in + b * n + off, static_cast<size_t>(k));
+      }
+      post_data(h);
+      wait_all(seq_);
+      for (int q = 0; q < L; ++q) {
+        if (q != local_rank_) {
+          std::memcpy(out + q * n + off, slot(q, h) + local_rank_ * k_max, static_cast<size_t>(k));
+        }
+      }
+    }
   }
 
   // All-reduce inside the node. Chunk: each rank copies elements

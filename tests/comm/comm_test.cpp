@@ -169,6 +169,23 @@ TEST_P(MpiCollective, AllGatherInPlaceFromOwnBlock) {
     for (int64_t i = 0; i < n; ++i) EXPECT_EQ(got[r * n + i], small_int(r, i)) << "rank " << r << " element " << i;
 }
 
+// Rank r sends block j (elements small_int(r, j * n + i)) to rank j, so rank
+// me receives small_int(r, me * n + i) from every r, in rank order.
+TEST_P(MpiCollective, AllToAllSendsBlockJToRankJ) {
+  Communicator& c = world();
+  const int64_t n = count();
+  const std::vector<char> send = encode(rank_values(c.rank(), n * c.size()), dtype());
+  std::vector<char> recv(send.size(), 0x55);
+  c.all_to_all(send.data(), recv.data(), n, dtype());
+  const std::vector<float> got = decode(recv.data(), n * c.size(), dtype());
+  for (int r = 0; r < c.size(); ++r)
+    for (int64_t i = 0; i < n; ++i)
+      EXPECT_EQ(got[r * n + i], small_int(r, c.rank() * n + i)) << "from rank " << r << " element " << i;
+  std::vector<char> overlap(send.size() * 2);
+  EXPECT_NE(message_of([&] { c.all_to_all(overlap.data(), overlap.data() + 1, n, dtype()); }).find("overlap"),
+            std::string::npos);
+}
+
 TEST_P(MpiCollective, BroadcastFromLastAndFirstRank) {
   Communicator& c = world();
   const int64_t n = count();

@@ -148,6 +148,28 @@ INSTANTIATE_TEST_SUITE_P(Counts, ShmCollective,
                                             ::testing::Values(int64_t{1}, int64_t{3}, int64_t{1001},
                                                               int64_t{65537})));
 
+// all_to_all moves bytes: exact on the default slots, the 4 KiB slots (many
+// chunks per call) and the hierarchical backend (MPI between fake nodes),
+// for odd byte counts (bf16 x 3) and blocks larger than a half slot.
+TEST(ShmAllToAll, SendsBlockJToRankJOnEveryShmBackend) {
+  for (Communicator* c : {g_shm.get(), g_tiny.get(), g_hier.get()}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{300001}}) {
+        const int p = c->size();
+        const uint64_t seed = 91 + static_cast<uint64_t>(n);
+        const std::vector<char> send = encode(inputs(seed, c->rank(), n * p, dt), dt);
+        std::vector<char> recv(send.size(), 0x7f);
+        c->all_to_all(send.data(), recv.data(), n, dt);
+        auto want = [&](int64_t i) { return input(seed, static_cast<int>(i / n), c->rank() * n + i % n, dt); };
+        EXPECT_EQ(mismatches(decode(recv.data(), n * p, dt), want, "all_to_all"), 0)
+            << c->backend() << " " << dtype_name(dt) << " n=" << n;
+      }
+    }
+    std::vector<float> none;
+    c->all_to_all(none.data(), none.data(), 0, DType::kF32);  // zero counts: no communication, no error
+  }
+}
+
 // Larger than a 32 MiB slot per rank (the default slot is 1 MiB), so every
 // communicator chunks; all_reduce of 9 Mi + 5 fp32 elements is 36 MiB.
 TEST(ShmChunking, AllReduceLargerThanASlotMatchesTheReference) {

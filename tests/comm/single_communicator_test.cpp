@@ -37,6 +37,9 @@ TEST(SingleCommunicator, CollectivesCopyBitsUnchanged) {
     std::fill(out.begin(), out.end(), 0);
     c->all_gather(src.data(), out.data(), n, dt);
     EXPECT_EQ(std::memcmp(out.data(), src.data(), bytes), 0) << "all_gather " << dtype_name(dt);
+    std::fill(out.begin(), out.end(), 0);
+    c->all_to_all(src.data(), out.data(), n, dt);
+    EXPECT_EQ(std::memcmp(out.data(), src.data(), bytes), 0) << "all_to_all " << dtype_name(dt);
     std::vector<char> in_place = src;
     c->all_reduce(in_place.data(), in_place.data(), n, dt);
     c->all_gather(in_place.data(), in_place.data(), n, dt);
