@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""zinc's reference GPT trained by DeepSpeed on CPU ranks: the peer of `zinc-bench train-step`.
+
+The model is bench/torch_gpt_peer.py's (zinc's GPT architecture and sizes:
+6 x 384, 6 heads, seq 256, micro-batch 8, vocabulary 256), the optimizer
+DeepSpeed's AdamW (DeepSpeedCPUAdam where it JIT-builds, lr 3e-4, weight decay
+0.1), clipping 1.0, at the ZeRO stage and offload asked for. DeepSpeed runs on
+CPU ranks with DS_ACCELERATOR=cpu over gloo. Prints tokens/s (global) and the
+peak RSS of this rank; one JSON line with --json.
+
+  # the peers venv: bash bench/peers/setup.sh
+  DS_ACCELERATOR=cpu bench/peers/.venv/bin/python bench/peers/deepspeed_gpt_peer.py --stage 2 [--fp32] [--offload cpu]
+  # 2 ranks
+  DS_ACCELERATOR=cpu bench/peers/.venv/bin/torchrun --nproc_per_node 2 bench/peers/deepspeed_gpt_peer.py --stage 2
+
+Run one rank's threads as zinc's run uses them (OMP_NUM_THREADS=2 at one
+rank, 1 per rank at two on a 2-core machine).
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+from torch_gpt_peer import GPT  # noqa: E402  (bench/torch_gpt_peer.py)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
+    ap.add_argument("--offload", choices=("none", "cpu"), default="none",
+                    help="offload_optimizer (and at stage 3 offload_param) device")
+    ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 with fp32 master weights)")
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    B, T, C, H, L, V = (2, 32, 64, 4, 2, 64) if a.tiny else (8, 256, 384, 6, 6, 256)
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = GPT(V, T, C, H, L)
+    zero = {"stage": a.stage}
+    if a.offload != "none":
+        zero["offload_optimizer"] = {"device": a.offload}
+        if a.stage == 3:
+            zero["offload_param"] = {"device": a.offload}
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": a.gas,
+           "gradient_clipping": 1.0, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+           "bf16": {"enabled": not a.fp32}, "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(1 + rank)
+
+    def step():
+        for _ in range(a.gas):
+            idx = torch.randint(0, V, (B, T + 1), generator=g)
+            loss = engine(idx[:, :-1], idx[:, 1:])
+            engine.backward(loss)
+            engine.step()
+
+    step()
+    step()
+    times = []
+    for _ in range(a.rounds):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        torch.distributed.barrier()
+        times.append((time.perf_counter() - t0) / a.steps)
+    t = sorted(times)[len(times) // 2]
+    tokens_per_s = world * B * T * a.gas / t
+    line = {"bench": "deepspeed-gpt-peer", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+            "ranks": world, "stage": a.stage, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
+            "threads_per_rank": torch.get_num_threads(), "optimizer": type(engine.optimizer).__name__,
+            "tokens_per_s": tokens_per_s, "step_s": t,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if rank == 0:
+        if a.json:
+            print(json.dumps(line))
+        else:
+            print(f"deepspeed-gpt-peer (DeepSpeed {deepspeed.__version__}, {world} rank(s) x "
+                  f"{line['threads_per_rank']} threads, stage {a.stage}, offload {a.offload}, {line['dtype']}): "
+                  f"{tokens_per_s:.0f} tokens/s, {t:.3f} s/step, peak RSS {line['peak_rss_mib']:.0f} MiB (rank 0)")
+
+
+if __name__ == "__main__":
+    main()
