@@ -415,3 +415,13 @@ def test_orjson_and_the_standard_library_agree(tmp_path, capsys, monkeypatch):
         assert rc == 0, err
         results.append((read_outputs(prefix)[:3], reports(err)))
     assert results[0] == results[1]
+
+
+def test_a_line_nested_too_deeply_is_a_bad_record(tmp_path, capsys):
+    """A hostile line (100,000 nested lists) is one bad record, not a crash of the run (RecursionError)."""
+    data = tmp_path / "deep.jsonl"
+    data.write_text('{"text": "fine"}\n' + "[" * 100000 + "]" * 100000 + '\n{"text": "also fine"}\n')
+    rc, err, prefix = run_prepare(tmp_path, capsys, data, "--format", "jsonl")
+    assert rc == 0, err
+    assert bad_lines(err) == [2]  # invalid JSON or "a JSON list", as the json module gets through it
+    assert read_outputs(prefix)[3]["documents"] == 2
