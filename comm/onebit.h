@@ -12,6 +12,7 @@
 // every level gives the same bits and floats.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -61,6 +62,12 @@ class CompressedAllReduce {
 
   const std::vector<float>& worker_error() const { return worker_error_; }
   const std::vector<float>& server_error() const { return server_error_; }
+  // Restores the error feedback (from a checkpoint): padded_size() and
+  // chunk_size() elements.
+  void set_errors(const float* worker, const float* server) {
+    std::copy(worker, worker + padded_, worker_error_.begin());
+    std::copy(server, server + padded_ / p_, server_error_.begin());
+  }
 
  private:
   int64_t n_, padded_;

@@ -135,6 +135,8 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
     });
     nlohmann::json index = w.finish();
     index["rank"] = rank;
+    // OneBitAdam's error feedback: this rank's own (Note [1-bit Adam]).
+    if (nlohmann::json onebit = onebit_save(partial); !onebit.is_null()) index["onebit"] = onebit;
     ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
     ckpt::fault_point("index");
   });
@@ -228,9 +230,11 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   device->make_current();
   ckpt::TagFiles files;
   std::vector<std::string> names;
+  std::string onebit_bytes, onebit_why;
   on_every_rank("checkpoint " + dir + (tag.empty() ? "" : "/" + tag) + ": nothing was loaded", [&] {
     files = ckpt::open_tag(dir, std::move(tag));
     check_same_model(files, names);
+    onebit_bytes = onebit_read(files, onebit_why);
   });
   const nlohmann::json& meta = files.meta;
   ckpt::CheckpointReader reader(files.dir, files.ranks, names);
@@ -264,6 +268,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   micro_steps = t.at("micro_steps");
   skipped_steps = t.at("skipped_steps");
   optimizer_steps = t.at("optimizer_steps");
+  onebit_restore(onebit_bytes, onebit_why);
   lr = t.at("lr");
   grad_norm = t.at("grad_norm").is_null() ? NAN : t.at("grad_norm").get<double>();  // null: an overflowed step
   // The loss scale continues where it was (a checkpoint without fp16, or

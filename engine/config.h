@@ -37,8 +37,26 @@ namespace zinc {
 // unless a name says bytes.
 
 // optimizer.type (case-insensitive in the JSON).
-enum class OptimizerType { kAdam, kAdamW, kLamb };
-const char* optimizer_type_name(OptimizerType t);  // "Adam" | "AdamW" | "Lamb"
+enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam };
+// "Adam" | "AdamW" | "Lamb" | "OneBitAdam"
+const char* optimizer_type_name(OptimizerType t);
+
+// OneBitAdam's own keys (DeepSpeed's deepspeed/runtime/fp16/onebit/adam.py;
+// Note [1-bit Adam] in engine/onebit_step.cpp). Its lr, betas, eps and
+// weight_decay are `adam`'s; its update has no bias correction and decoupled
+// weight decay, as DeepSpeed's has.
+struct OneBitConfig {
+  // Optimizer steps of plain Adam (gradients averaged in full) before the
+  // variance freezes and the momentum goes over the wire at 1 bit per
+  // element. Cost: each warm-up step sends 32x the bytes of a compressed
+  // one; too few leave the frozen variance a poor estimate.
+  int64_t freeze_step = 100000;
+  // Accepted for DeepSpeed's configs: zinc's compressed all-reduce runs on
+  // the engine's own transport (comm.backend) whatever these say.
+  bool cuda_aware = false;
+  std::string comm_backend_name = "nccl";
+  bool operator==(const OneBitConfig&) const = default;
+};
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
@@ -47,6 +65,7 @@ struct OptimizerConfig {
   // the other keeps its defaults and is not used.
   optim::AdamParams adam;  // Adam, AdamW
   optim::LambParams lamb;  // Lamb
+  OneBitConfig onebit;     // OneBitAdam (with `adam`)
 
   // The keys both share, as the section's type has them.
   double lr() const { return type == OptimizerType::kLamb ? lamb.lr : adam.lr; }

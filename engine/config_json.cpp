@@ -87,6 +87,10 @@ json to_json(const Config& c) {
     op["max_coeff"] = o.lamb.max_coeff;
     op["min_coeff"] = o.lamb.min_coeff;
     op["eps_inside_sqrt"] = o.lamb.eps_inside_sqrt;
+  } else if (o.type == OptimizerType::kOneBitAdam) {
+    op["freeze_step"] = o.onebit.freeze_step;
+    op["cuda_aware"] = o.onebit.cuda_aware;
+    op["comm_backend_name"] = o.onebit.comm_backend_name;
   } else {
     op["adam_w_mode"] = o.adam.adam_w_mode;
   }

@@ -96,6 +96,42 @@ void warn_odd_schedule(Reader& p, const SchedulerConfig& s) {
   }
 }
 
+// OneBitAdam's own keys, after the ones it shares with Adam. DeepSpeed's
+// update has no bias correction and decoupled weight decay whatever the
+// config says (Note [1-bit Adam] in engine/onebit_step.cpp).
+void parse_onebit(Reader& p, OptimizerConfig& o) {
+  OneBitConfig& b = o.onebit;
+  if (const json* bc = p.find("bias_correction"); bc && bc->is_boolean() && bc->get<bool>()) {
+    p.warn(p.path_of("bias_correction"), "true has no effect: DeepSpeed's OnebitAdam applies no bias correction "
+                                         "whatever it says, and zinc's OneBitAdam follows it");
+  }
+  o.adam.bias_correction = false;
+  o.adam.adam_w_mode = true;
+  p.get_int("freeze_step", b.freeze_step, at_least(1));
+  p.get_bool("cuda_aware", b.cuda_aware);
+  if (const json* v = p.find("comm_backend_name")) {
+    const std::string name = to_string(*v, p.last_path());
+    if (name != "nccl" && name != "mpi" && name != "compressed") {
+      throw ConfigError(p.last_path(), show(*v) + (name == "hccl" ? " (Ascend NPUs) is not a transport zinc has"
+                                                                  : " is not one of DeepSpeed's")
+                                           + "; use \"nccl\", \"mpi\" or \"compressed\" (on CPU ranks each "
+                                             "maps to zinc's comm.backend)");
+    }
+    b.comm_backend_name = name;
+  }
+  bool inside = false;
+  if (p.get_bool("eps_inside_sqrt", inside) && inside) {
+    p.warn(p.last_path(), "true has no effect: DeepSpeed's OnebitAdam adds eps outside the square root whatever "
+                          "it says, and zinc's OneBitAdam follows it");
+  }
+  double max_grad_norm = 0;
+  if (p.get_number("max_grad_norm", max_grad_norm, at_least(0)) && max_grad_norm > 0) {
+    p.warn(p.last_path(), "has no effect (DeepSpeed's OnebitAdam stores it and never reads it); clip with the "
+                          "top-level gradient_clipping");
+  }
+  p.refuse_bool("amsgrad", false, "1-bit Adam does not support the AMSGrad variant; remove it or set it to false");
+}
+
 }  // namespace
 
 void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
@@ -112,19 +148,21 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
     o.type = OptimizerType::kAdamW;
   } else if (lower(type) == "lamb") {
     o.type = OptimizerType::kLamb;
+  } else if (lower(type) == "onebitadam") {
+    o.type = OptimizerType::kOneBitAdam;
   } else {
     // DeepSpeed's other built-in optimizers (lower case, as it compares them).
-    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad",    "onebitadam", "zerooneadam",
-                                                            "onebitlamb", "lion",       "muadam",
-                                                            "muadamw",    "musgd",      "muon"};
-    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb";
+    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad", "zerooneadam", "onebitlamb", "lion",
+                                                            "muadam",  "muadamw",     "musgd",      "muon"};
+    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam";
     bool ds_known =
         std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
-    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb"});
+    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb", "OneBitAdam"});
     if (!near.empty()) msg += " (did you mean '" + near + "'?)";
     throw ConfigError("optimizer.type", msg);
   }
   const bool lamb = o.type == OptimizerType::kLamb;
+  const bool onebit = o.type == OptimizerType::kOneBitAdam;
   r.ignore_bool("legacy_fusion", false);
 
   Reader p = r.section("params");
@@ -134,6 +172,16 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
       if (p.has(k)) {
         throw ConfigError(p.path_of(k), std::string("an Adam parameter; Lamb (DeepSpeed's FusedLamb) has no ") + k +
                                             " (its weight decay is always part of the trust-ratio update)");
+      }
+    }
+  } else if (onebit) {
+    for (const char* k : {"adam_w_mode", "torch_adam", "set_grad_none", "max_coeff", "min_coeff"}) {
+      if (p.has(k)) {
+        throw ConfigError(p.path_of(k), std::string("not a OneBitAdam parameter (DeepSpeed's OnebitAdam takes "
+                                                    "lr, freeze_step, bias_correction, betas, eps, "
+                                                    "eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad, "
+                                                    "cuda_aware, comm_backend_name); its weight decay is always "
+                                                    "decoupled"));
       }
     }
   } else {
@@ -181,6 +229,12 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
     return;
   }
   shared(o.adam);
+  if (onebit) {
+    parse_onebit(p, o);
+    p.finish();
+    r.finish();
+    return;
+  }
   bool w_mode = o.adam.adam_w_mode;
   bool has_w_mode = p.get_bool("adam_w_mode", w_mode);
   if (o.type == OptimizerType::kAdamW) {

@@ -35,6 +35,15 @@ void Config::validate() const {
   if (optimizer.type == OptimizerType::kAdamW && !optimizer.adam.adam_w_mode) {
     throw ConfigError("optimizer.params.adam_w_mode", "type AdamW needs adam_w_mode true");
   }
+  // DeepSpeed's engine asserts "1bit-Adam is not compatible with ZeRO" at
+  // any stage above 0: after the freeze every rank keeps the whole momentum
+  // and updates every weight, which partitioned states cannot.
+  if (optimizer.type == OptimizerType::kOneBitAdam && zero.stage != 0) {
+    throw ConfigError("zero_optimization.stage",
+                      "OneBitAdam is not compatible with ZeRO (as in DeepSpeed, which refuses every stage above 0): "
+                      "after the freeze each rank keeps the whole momentum and updates every weight; set stage 0, "
+                      "got " + std::to_string(zero.stage));
+  }
   if ((scheduler.type == SchedulerType::kWarmupDecayLR || scheduler.type == SchedulerType::kWarmupCosineLR) &&
       scheduler.total_num_steps < 1) {
     throw ConfigError("scheduler.params.total_num_steps", std::string("required for ") +

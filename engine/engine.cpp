@@ -368,7 +368,8 @@ void Engine::Impl::backward() {
   device->make_current();
   auto t0 = Clock::now();
   boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
-  reducer->begin_backward(boundary_backward);
+  // OneBitAdam past its warm-up: the boundary keeps its gradients local.
+  reducer->begin_backward(boundary_backward && !onebit_compressing());
   model->backward(*this, static_cast<float>(loss_scale()));
   check_released("backward");
   device->end_backward();
@@ -403,11 +404,18 @@ void Engine::Impl::step() {
   const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
   const double inv_world = 1.0 / static_cast<double>(world);
   reducer->wait_all();  // every reduction of this step
+  // OneBitAdam past its warm-up: each rank's gradient is its own (Note [1-bit
+  // Adam] in onebit_step.cpp); it stands for the average, so it is scaled by
+  // the world size, and the norm is the root mean square over ranks.
+  const bool compressing = onebit_compressing();
+  const double local = compressing ? static_cast<double>(world) : 1.0;
   // Own-shard squares, the loss and the normaliser's counts, summed over
   // ranks in one collective.
   double sums[7] = {0.0, loss_sum, target_count, position_count, position_sq, static_cast<double>(loss_count),
                     target_loss_sum};
-  if (!device->grad_squared_norm(sums[0]))
+  if (compressing)
+    sums[0] = onebit_local_squares();
+  else if (!device->grad_squared_norm(sums[0]))
     for (BlockShard& s : blocks) sums[0] += reducer->squared_norm(s);
   if (reduce_stream) {
     reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
@@ -432,7 +440,7 @@ void Engine::Impl::step() {
   const double scale = !masked ? inv_gas * inv_world / used_scale
                        : no_targets ? 0.0
                                     : (sums[3] / n_micro) / (targets_all * used_scale);
-  grad_norm = std::sqrt(sums[0]) * scale;
+  grad_norm = std::sqrt(sums[0] / local) * scale * local;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);
   if (no_targets) {
@@ -449,11 +457,12 @@ void Engine::Impl::step() {
       log_warn("step " + std::to_string(global_steps) + ": gradient norm is not finite; the update is skipped");
   } else {
     const double clip = optim::clip_coefficient(grad_norm, cfg.gradient_clipping);
-    const float grad_scale = static_cast<float>(scale * clip);
+    const float grad_scale = static_cast<float>(scale * local * clip);
     lr = schedule.lr_at(optimizer_steps);
     set_hyperparameters(optimizer_steps);
     optimizer_steps += 1;
-    if (!device->update(adam, optimizer_steps, grad_scale)) {  // else the states on the device are updated
+    onebit_step_now = compressing;
+    if (compressing || !device->update(adam, optimizer_steps, grad_scale)) {  // else the states on the device are updated
       device->before_host_update();
       params->before_update();
       update_all(grad_scale);
@@ -496,6 +505,7 @@ void Engine::Impl::update_span(const StateSpan& sp, float grad_scale) {
 
 void Engine::Impl::update_all(float grad_scale) {
   if (cfg.optimizer.type == OptimizerType::kLamb) return lamb_update_all(grad_scale);
+  if (onebit_step_now) return onebit_update_all(grad_scale);
   visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
 }
 

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
+#include "comm/onebit.h"
 #include "core/dtype.h"
 #include "engine/checkpoint.h"
 #include "engine/config.h"
@@ -154,6 +155,29 @@ struct Engine::Impl final : StepContext {
   // overwrite: fn sets every element of master, m and v (a load), so states
   // on NVMe need not be read first.
   void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false);
+
+  // ---- OneBitAdam (Note [1-bit Adam] in onebit_step.cpp) -----------------------------
+  // Past the warm-up: the variance is frozen, gradients stay local (no
+  // reduction at the boundary) and the momentum is averaged compressed.
+  bool onebit_compressing() const;
+  bool onebit_step_now = false;  // the step being applied is a compressed one
+  // One compressed all-reduce per parameter tensor, [block][param], made at
+  // the first compressed step (world > 1), with their error feedback.
+  std::vector<std::vector<comm::CompressedAllReduce>> onebit_ar;
+  bool onebit_announced = false;
+  // This rank's sum of squares of its own (unreduced) gradients.
+  double onebit_local_squares();
+  void onebit_update_all(float grad_scale);
+  void onebit_span(const StateSpan& sp, float grad_scale);
+  void onebit_make_compressors();
+  // The error feedback in a checkpoint: every rank's own file beside its
+  // shard file (nothing when no compressed step has run, or on one rank).
+  nlohmann::json onebit_save(const std::string& partial_dir);
+  // Reads and verifies this rank's errors (before anything is loaded);
+  // empty when the checkpoint has none usable here (`why` says why).
+  std::string onebit_read(const ckpt::TagFiles& files, std::string& why) const;
+  // Applies what onebit_read returned, after the states are loaded.
+  void onebit_restore(const std::string& bytes, const std::string& why);
 
   // ---- ranks agree on what they train -------------------------------------------------
   // Every rank must be given the same config and model: ranks that differ

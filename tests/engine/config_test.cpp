@@ -316,7 +316,8 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
 
 TEST(ConfigErrors, OptimizerAndScheduler) {
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitLamb"}}}}),
-                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc: it compresses the momentum to 1 bit");
+                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc yet: it compresses its "
+                      "communication to 1 bit", "\"OneBitAdam\" is implemented");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lam"}}}}), "(did you mean 'Lamb'?)");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),
@@ -686,6 +687,45 @@ TEST(ConfigWarnings, ScheduleShorterThanWarmup) {
       {{"scheduler",
         {{"type", "WarmupDecayLR"}, {"params", {{"total_num_steps", 10}, {"warmup_num_steps", 100}}}}}}));
   EXPECT_TRUE(any_warning_has(c, "scheduler.params.total_num_steps: 10 is less than warmup_num_steps 100"));
+}
+
+// OneBitAdam: DeepSpeed's keys and defaults (deepspeed/runtime/fp16/onebit/
+// adam.py), its update's fixed settings, and its refusals.
+TEST(ConfigOneBitAdam, KeysDefaultsAndRefusals) {
+  auto onebit = [](const json& params) {
+    return with({{"optimizer", {{"type", "OneBitAdam"}, {"params", params}}}});
+  };
+  Config c = Config::parse(onebit({{"lr", 4e-4}, {"weight_decay", 0.01}, {"bias_correction", false},
+                                   {"cuda_aware", false}, {"comm_backend_name", "mpi"}}));
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kOneBitAdam);
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "OneBitAdam");
+  EXPECT_EQ(c.optimizer.onebit.freeze_step, 100000);  // DeepSpeed's default
+  EXPECT_EQ(c.optimizer.onebit.comm_backend_name, "mpi");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr(), 4e-4);
+  EXPECT_FALSE(c.optimizer.adam.bias_correction);
+  EXPECT_TRUE(c.optimizer.adam.adam_w_mode);
+  EXPECT_TRUE(c.warnings.empty());
+  // DeepSpeed spells it both ways in its own examples.
+  EXPECT_NO_THROW(Config::parse(with({{"optimizer", {{"type", "OnebitAdam"}}}})));
+  // The config round trip keeps it.
+  EXPECT_EQ(Config::parse(to_json(c)).optimizer, c.optimizer);
+  // Settings DeepSpeed's OnebitAdam accepts and ignores: a warning each.
+  Config w = Config::parse(onebit({{"bias_correction", true}, {"eps_inside_sqrt", true}, {"max_grad_norm", 1.0}}));
+  EXPECT_TRUE(any_warning_has(w, "optimizer.params.bias_correction: true has no effect"));
+  EXPECT_TRUE(any_warning_has(w, "optimizer.params.eps_inside_sqrt: true has no effect"));
+  EXPECT_TRUE(any_warning_has(w, "optimizer.params.max_grad_norm: has no effect"));
+  EXPECT_CONFIG_ERROR(onebit({{"freeze_step", 0}}), "optimizer.params.freeze_step");
+  EXPECT_CONFIG_ERROR(onebit({{"amsgrad", true}}), "optimizer.params.amsgrad", "AMSGrad");
+  EXPECT_CONFIG_ERROR(onebit({{"adam_w_mode", false}}), "optimizer.params.adam_w_mode: not a OneBitAdam parameter");
+  EXPECT_CONFIG_ERROR(onebit({{"comm_backend_name", "hccl"}}), "optimizer.params.comm_backend_name: \"hccl\"",
+                      "Ascend");
+  EXPECT_CONFIG_ERROR(onebit({{"comm_backend_name", "gloo"}}), "not one of DeepSpeed's");
+  EXPECT_CONFIG_ERROR(onebit({{"var_freeze_step", 10}}), "optimizer.params.var_freeze_step");
+  // ZeRO: DeepSpeed asserts "1bit-Adam is not compatible with ZeRO" above stage 0.
+  for (int stage : {1, 2, 3})
+    EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitAdam"}}}, {"zero_optimization", {{"stage", stage}}}}),
+                        "zero_optimization.stage: OneBitAdam is not compatible with ZeRO",
+                        "got " + std::to_string(stage));
 }
 
 }  // namespace

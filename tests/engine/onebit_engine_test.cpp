@@ -1,0 +1,268 @@
+// OneBitAdam in the engine (Note [1-bit Adam] in engine/onebit_step.cpp),
+// under mpirun -np 2 and -np 4 (engine_multirank_test) over MPI, the
+// shared-memory transport and the hierarchical one:
+// - the warm-up equals zinc's AdamW without bias correction bit for bit;
+// - the compressed steps equal a reference written here from the paper's
+//   equations (each rank's own gradient from the model at the current
+//   weights, its momentum, the two-phase compression of
+//   tests/comm/onebit_reference.h, the frozen-variance update) bit for bit;
+// - a checkpoint resumes bit-exact on either side of the freeze;
+// - training reaches the loss of uncompressed Adam within a tolerance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "engine/checkpoint.h"
+#include "engine/engine.h"
+#include "tests/comm/onebit_reference.h"
+#include "tests/engine/checkpoint_util.h"
+#include "tests/engine/tiny_models.h"
+#include "tests/engine/train_util.h"
+
+namespace zinc {
+
+extern std::shared_ptr<comm::Communicator> g_world;
+
+namespace {
+
+using testing_train::RunSpec;
+
+// TrainsToTheLossOfUncompressedAdam's run and tolerance.
+constexpr int kSteps = 300;
+constexpr double kLr = 3e-3;
+constexpr double kTolerance = 0.10;
+
+nlohmann::json onebit(int64_t freeze_step, double lr = 1e-2) {
+  return {{"type", "OneBitAdam"},
+          {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"freeze_step", freeze_step}, {"comm_backend_name", "mpi"}}}};
+}
+nlohmann::json adamw_no_bias_correction(double lr = 1e-2) {
+  return {{"type", "AdamW"}, {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"bias_correction", false}}}};
+}
+
+std::string shared_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "zinc-onebit-" + name + "-np" + std::to_string(g_world->size());
+  g_world->barrier();
+  if (g_world->rank() == 0) std::filesystem::remove_all(dir);
+  g_world->barrier();
+  return dir;
+}
+
+TEST(OneBitAdam, WarmUpEqualsAdamWWithoutBiasCorrectionBitForBit) {
+  for (auto comm : {g_world, std::shared_ptr<comm::Communicator>()}) {
+    const std::string where = comm ? "world " + std::to_string(comm->size()) : std::string("one rank");
+    RunSpec a, b, c;
+    a.steps = b.steps = c.steps = 12;
+    a.gas = b.gas = c.gas = 2;
+    a.optimizer = adamw_no_bias_correction();
+    b.optimizer = onebit(12);  // every step a warm-up step
+    c.optimizer = onebit(6);   // compressed (or frozen) from step 7
+    std::vector<double> la, lb, lc;
+    const std::vector<float> wa = testing_train::train(a, comm, &la);
+    const std::vector<float> wb = testing_train::train(b, comm, &lb);
+    const std::vector<float> wc = testing_train::train(c, comm, &lc);
+    EXPECT_EQ(la, lb) << where;
+    EXPECT_TRUE(wa == wb) << where << ": the warm-up differs from AdamW";
+    // Past the freeze the update is another one: the first six losses agree,
+    // the weights do not.
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(lc[i], la[i]) << where << " step " << i;
+    EXPECT_FALSE(wa == wc) << where << ": the steps after the freeze changed nothing";
+  }
+}
+
+// The gradient a model computes at given fp32 weights for one micro-batch,
+// outside any engine: the test's own StepContext.
+class GradProbe final : public StepContext {
+ public:
+  explicit GradProbe(std::shared_ptr<Model> m) : model_(std::move(m)) {
+    for (const BlockSpec& s : model_->blocks()) {
+      layouts_.push_back(BlockLayout::from_spec(s));
+      w_.emplace_back(layouts_.back().numel, 0.0f);
+      g_.emplace_back(layouts_.back().numel, 0.0f);
+    }
+  }
+  // weights: every block's used elements, in block order (all_weights).
+  std::vector<float> grad(const std::vector<float>& weights, const Batch& batch) {
+    size_t at = 0;
+    for (size_t b = 0; b < w_.size(); ++b) {
+      std::copy(weights.begin() + at, weights.begin() + at + w_[b].size(), w_[b].begin());
+      std::fill(g_[b].begin(), g_[b].end(), 0.0f);
+      at += w_[b].size();
+    }
+    model_->forward(*this, batch);
+    model_->backward(*this, 1.0f);
+    std::vector<float> out;
+    for (const auto& g : g_) out.insert(out.end(), g.begin(), g.end());
+    return out;
+  }
+  const std::vector<BlockLayout>& layouts() const { return layouts_; }
+  DType compute_dtype() const override { return DType::kF32; }
+  BlockGrads grads(int b) override { return {g_[b].data(), &layouts_[b]}; }
+  void grads_ready(int) override {}
+
+ protected:
+  BlockParams acquire_params(int b) override { return {w_[b].data(), DType::kF32, &layouts_[b]}; }
+  void release_params(int) noexcept override {}
+
+ private:
+  std::shared_ptr<Model> model_;
+  std::vector<BlockLayout> layouts_;
+  std::vector<std::vector<float>> w_, g_;
+};
+
+// One state (master, m or v) of every block from a checkpoint, used elements.
+std::vector<float> read_state(const std::string& dir, int kind, const std::vector<BlockLayout>& layouts) {
+  ckpt::TagFiles f = ckpt::open_tag(dir, "");
+  ckpt::CheckpointReader reader(f.dir, f.ranks, f.block_names);
+  std::vector<float> out;
+  for (size_t b = 0; b < layouts.size(); ++b) {
+    std::vector<float> part(layouts[b].numel);
+    reader.read(static_cast<int>(b), kind, 0, layouts[b].numel, part.data());
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
+TEST(OneBitAdam, CompressedStepsEqualTheReferenceBitForBit) {
+  const int p = g_world->size(), rank = g_world->rank();
+  constexpr int kFreeze = 3, kCompressed = 4;
+  const double lr = 1e-2, wd = 0.1, b1 = 0.9, eps = 1e-8;
+  RunSpec r;
+  r.optimizer = onebit(kFreeze, lr);
+  r.top_extra = {{"gradient_clipping", 0.0}};  // the clip factor's double norm is not the reference's business
+  const std::string dir = shared_dir("reference");
+  // The engine: the warm-up, a checkpoint (the state the reference starts
+  // from), then the compressed steps.
+  auto model = testing_models::tiny_gpt();
+  Engine e = Engine::initialize(model, testing_train::make_config(r), g_world);
+  DataConfig dc;
+  dc.vocab_size = testing_models::kVocab;
+  dc.seq_len = testing_models::kSeq;
+  std::shared_ptr<const DataSource> src(make_data_source(dc));
+  const int64_t micro = r.global_batch / p;
+  DataLoader loader(src, micro, 1, p, rank, 7);
+  for (int s = 0; s < kFreeze; ++s) e.train_batch(loader);
+  e.save_checkpoint(dir);
+  std::vector<double> losses;
+  for (int s = 0; s < kCompressed; ++s) losses.push_back(e.train_batch(loader));
+  const std::vector<float> engine_w = testing_train::all_weights(e);
+
+  // The reference, every rank simulating all of them.
+  GradProbe probe(testing_models::tiny_gpt());
+  std::vector<float> w = read_state(dir, ckpt::kMaster, probe.layouts());
+  std::vector<float> m = read_state(dir, ckpt::kM, probe.layouts());
+  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
+  std::vector<DataLoader> loaders;
+  for (int q = 0; q < p; ++q) {
+    loaders.emplace_back(src, micro, 1, p, q, 7);
+    loaders.back().set_position(kFreeze * r.global_batch);
+  }
+  // One compression per parameter tensor, at its offset in the flat weights.
+  struct Tensor {
+    int64_t at, n;
+    comm::testing::OnebitReference ref;
+  };
+  std::vector<Tensor> tensors;
+  int64_t base = 0;
+  for (const BlockLayout& l : probe.layouts()) {
+    for (size_t t = 0; t < l.offsets.size(); ++t)
+      tensors.push_back({base + l.offsets[t], l.numels[t], comm::testing::OnebitReference(l.numels[t], p)});
+    base += l.numel;
+  }
+  // Each rank's gradient is the mean over its micro-batch; the engine's
+  // scale (1 / world) times the world size leaves it as it is.
+  const float gs = static_cast<float>(1.0 / p * p);
+  for (int s = 0; s < kCompressed; ++s) {
+    std::vector<std::vector<float>> mq(p);
+    for (int q = 0; q < p; ++q) {
+      const std::vector<float> g = probe.grad(w, loaders[q].next());
+      mq[q] = m;
+      for (size_t i = 0; i < m.size(); ++i)
+        mq[q][i] = float(b1) * mq[q][i] + float(1.0 - b1) * (g[i] * gs);
+    }
+    for (Tensor& t : tensors) {
+      std::vector<std::vector<float>> in(p);
+      for (int q = 0; q < p; ++q) in[q].assign(mq[q].begin() + t.at, mq[q].begin() + t.at + t.n);
+      const std::vector<float> avg = t.ref.step(in);
+      std::copy(avg.begin(), avg.end(), m.begin() + t.at);
+    }
+    // Alignment gaps between tensors: zero gradients, so m stays zero there.
+    for (size_t i = 0; i < w.size(); ++i) {
+      w[i] = float(-lr * wd) * w[i] + w[i];
+      w[i] = -float(lr) * (m[i] / (std::sqrt(v[i]) + float(eps))) + w[i];
+    }
+  }
+  ASSERT_EQ(w.size(), engine_w.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < w.size(); ++i) differ += w[i] != engine_w[i];
+  EXPECT_EQ(differ, 0u) << "of " << w.size() << " weights differ from the reference at world " << p;
+  // The compression is not the identity: the result is not uncompressed Adam's.
+  EXPECT_TRUE(std::isfinite(losses.back()));
+}
+
+TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
+  for (int freeze : {2, 4}) {  // the save after 3 steps: past the freeze, or before it
+    RunSpec r;
+    r.gas = 2;
+    r.optimizer = onebit(freeze);
+    const std::string dir = shared_dir("resume" + std::to_string(freeze));
+    testing_train::expect_bit_exact_resume(r, g_world, dir, 3, "freeze_step " + std::to_string(freeze));
+    // Past the freeze every rank saved its own error feedback beside its shard.
+    if (freeze == 2) {
+      std::ifstream in(dir + "/latest");
+      std::string tag;
+      in >> tag;
+      char name[32];
+      std::snprintf(name, sizeof name, "/onebit%05d.bin", g_world->rank());
+      EXPECT_TRUE(std::filesystem::exists(dir + "/" + tag + name)) << dir << "/" << tag << name;
+    }
+  }
+}
+
+TEST(OneBitAdam, TrainsToTheLossOfUncompressedAdam) {
+  // The tiny GPT on a source where every token follows from the two before
+  // (the loss can fall from log 13 = 2.56 to about 0.28), the variance
+  // frozen after a third of the run. Three runs on the same global batches:
+  // AdamW without bias correction (the same warm-up), OneBitAdam on one
+  // rank (the frozen variance alone: nothing to compress) and OneBitAdam on
+  // this world (compressed). Compared on the mean loss of the last 50 steps.
+  RunSpec a, b;
+  a.source = b.source = [] {
+    DataConfig dc;
+    dc.vocab_size = testing_models::kVocab;
+    dc.seq_len = testing_models::kSeq;
+    dc.determinism = 1.0;
+    return std::shared_ptr<const DataSource>(make_data_source(dc));
+  };
+  a.global_batch = b.global_batch = 16;
+  a.steps = b.steps = kSteps;
+  a.optimizer = adamw_no_bias_correction(kLr);
+  b.optimizer = onebit(kSteps / 3, kLr);
+  std::vector<double> la, lb, l1;
+  testing_train::train(a, g_world, &la);
+  testing_train::train(b, g_world, &lb);
+  testing_train::train(b, nullptr, &l1);
+  auto tail = [](const std::vector<double>& l) {
+    double t = 0;
+    for (size_t i = l.size() - 50; i < l.size(); ++i) t += l[i] / 50;
+    return t;
+  };
+  const double ta = tail(la), tb = tail(lb), t1 = tail(l1);
+  if (g_world->rank() == 0)
+    std::printf("OneBitAdam at %d ranks: last-50 mean loss %.4f; on one rank (uncompressed) %.4f; AdamW %.4f; "
+                "first %.4f\n", g_world->size(), tb, t1, ta, la[0]);
+  EXPECT_LT(ta, la[0] - 1.0) << "AdamW did not learn: the comparison means nothing";
+  EXPECT_NEAR(tb, t1, kTolerance * t1) << "the compression changed what 1-bit Adam learns";
+  EXPECT_NEAR(tb, ta, kTolerance * ta) << "1-bit Adam fell behind Adam";
+}
+
+}  // namespace
+}  // namespace zinc
