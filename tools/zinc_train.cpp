@@ -420,6 +420,12 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
               static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),
               cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
               static_cast<long long>(ex.experiment.run.steps));
+  if (cfg.optimizer.type == zinc::OptimizerType::kOneBitAdam)
+    std::printf(" | OneBitAdam: Adam for %lld steps, then the momentum at 1 bit per element over %s%s",
+                static_cast<long long>(cfg.optimizer.onebit.freeze_step), comm.backend().c_str(),
+                comm.size() == 1 ? " (one rank: nothing to compress, the variance frozen)"
+                                 : (" (comm_backend_name \"" + cfg.optimizer.onebit.comm_backend_name +
+                                    "\" maps to it)").c_str());
   if (floor) std::printf(" | loss floor %.4f nats", *floor);
   std::printf("\n%s\n", zinc::tools::kernel_paths().c_str());
   std::fflush(stdout);
