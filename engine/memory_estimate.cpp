@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "comm/onebit.h"
 #include "engine/device_mirror.h"
 #include "engine/grad_reducer.h"
 #include "engine/param_coordinator.h"
@@ -235,6 +236,20 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   if (is_16bit(c.wire_dtype()) && world > 1 && !gpu_reduce) {
     const std::string w(dtype_name(c.wire_dtype()));
     grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
+  }
+
+  // OneBitAdam past its warm-up (Note [1-bit Adam] in onebit_step.cpp): per
+  // tensor, a worker error of its padded size, a server error of a chunk,
+  // and the same again as the all-reduce's scratch.
+  if (c.optimizer.type == OptimizerType::kOneBitAdam && world > 1) {
+    int64_t errors = 0;
+    for (const BlockLayout& l : layouts)
+      for (int64_t n : l.numels) {
+        const int64_t padded = comm::onebit_padded_size(n, world);
+        errors += 2 * (padded + padded / world);
+      }
+    grads.push_back({"1-bit error feedback and scratch (fp32)", 4 * errors,
+                     "from the first compressed step: worker and server errors per tensor, and the scratch"});
   }
 
   // ---- the two phases ----
