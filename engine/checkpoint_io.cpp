@@ -230,11 +230,11 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   device->make_current();
   ckpt::TagFiles files;
   std::vector<std::string> names;
-  std::string onebit_bytes, onebit_why;
+  OneBitSaved onebit;
   on_every_rank("checkpoint " + dir + (tag.empty() ? "" : "/" + tag) + ": nothing was loaded", [&] {
     files = ckpt::open_tag(dir, std::move(tag));
     check_same_model(files, names);
-    onebit_bytes = onebit_read(files, onebit_why);
+    onebit = onebit_read(files);
   });
   const nlohmann::json& meta = files.meta;
   ckpt::CheckpointReader reader(files.dir, files.ranks, names);
@@ -247,6 +247,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
       reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
       reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
       reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
+      onebit_overwrite_span(onebit, sp);  // 0/1 Adam between synchronisations: this rank's own
       // The compute weights, as the update writes them: rounded to 16 bits or copied.
       char* out = compute_out(sp);
       if (!out) return;
@@ -268,7 +269,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   micro_steps = t.at("micro_steps");
   skipped_steps = t.at("skipped_steps");
   optimizer_steps = t.at("optimizer_steps");
-  onebit_restore(onebit_bytes, onebit_why);
+  onebit_restore(onebit);
   lr = t.at("lr");
   grad_norm = t.at("grad_norm").is_null() ? NAN : t.at("grad_norm").get<double>();  // null: an overflowed step
   // The loss scale continues where it was (a checkpoint without fp16, or

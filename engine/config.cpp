@@ -455,9 +455,9 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
   }
 }
 
-// DeepSpeed's other 1-bit optimizers (ZeroOneAdam, OneBitLamb): refused
-// with the reason before the optimizer section is parsed (OneBitAdam is
-// parsed with the others: config_optim.cpp).
+// DeepSpeed's 1-bit Lamb: refused with the reason before the optimizer
+// section is parsed (OneBitAdam and ZeroOneAdam are parsed with the
+// others: config_optim.cpp).
 void refuse_compressed_optimizers(const json& j) {
   if (!j.is_object()) return;
   auto o = j.find("optimizer");
@@ -465,10 +465,11 @@ void refuse_compressed_optimizers(const json& j) {
   auto t = o->find("type");
   if (t == o->end() || !t->is_string()) return;
   const std::string type = lower(t->get<std::string>());
-  if (type == "zerooneadam" || type == "onebitlamb") {
+  if (type == "onebitlamb") {
     throw ConfigError("optimizer.type",
                       show(*t) + " is not implemented in zinc yet: it compresses its communication to 1 bit "
-                                 "(with error feedback) on its own schedule; \"OneBitAdam\" is implemented, or use "
+                                 "(with error feedback) on its own schedule; \"OneBitAdam\" and \"ZeroOneAdam\" are "
+                                 "implemented, or use "
                                  "\"Adam\", \"AdamW\" or \"Lamb\"");
   }
 }
@@ -660,9 +661,10 @@ bool parse_device(Reader& r, Config& c) {
 // over GPU-resident states at stages 0-3; not Lamb over GPU-resident states.
 void check_device_covered(const Config& c) {
   if (c.device != Device::kCuda) return;
-  if (c.optimizer.type == OptimizerType::kOneBitAdam)
-    throw ConfigError("optimizer.type", "OneBitAdam runs on CPU ranks only in zinc (its compressed all-reduce has "
-                                        "no NCCL path yet); use \"device\": \"cpu\", or AdamW on the GPU");
+  if (c.optimizer.one_bit())
+    throw ConfigError("optimizer.type", std::string(optimizer_type_name(c.optimizer.type)) +
+                                            " runs on CPU ranks only in zinc (its compressed all-reduce has no NCCL "
+                                            "path yet); use \"device\": \"cpu\", or AdamW on the GPU");
   if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.optimizer.type == OptimizerType::kLamb)
     throw ConfigError("optimizer.type",
                       "Lamb over GPU-resident states is not implemented; with \"device\": \"cuda\" use AdamW, "
@@ -733,6 +735,7 @@ const char* optimizer_type_name(OptimizerType t) {
     case OptimizerType::kAdamW: return "AdamW";
     case OptimizerType::kLamb: return "Lamb";
     case OptimizerType::kOneBitAdam: return "OneBitAdam";
+    case OptimizerType::kZeroOneAdam: return "ZeroOneAdam";
   }
   return "?";
 }

@@ -37,8 +37,8 @@ namespace zinc {
 // unless a name says bytes.
 
 // optimizer.type (case-insensitive in the JSON).
-enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam };
-// "Adam" | "AdamW" | "Lamb" | "OneBitAdam"
+enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam, kZeroOneAdam };
+// "Adam" | "AdamW" | "Lamb" | "OneBitAdam" | "ZeroOneAdam"
 const char* optimizer_type_name(OptimizerType t);
 
 // OneBitAdam's own keys (DeepSpeed's deepspeed/runtime/fp16/onebit/adam.py;
@@ -51,6 +51,18 @@ struct OneBitConfig {
   // element. Cost: each warm-up step sends 32x the bytes of a compressed
   // one; too few leave the frozen variance a poor estimate.
   int64_t freeze_step = 100000;
+  // ZeroOneAdam (deepspeed/runtime/fp16/onebit/zoadam.py): the variance is
+  // updated (gradients averaged in full) at steps that are multiples of an
+  // interval that starts at 1 and doubles after every var_update_scaler
+  // updates; between them the gradient goes over the wire at 1 bit. After
+  // var_freeze_step the variance freezes and ranks take local steps,
+  // synchronising (1 bit) every local_step_interval steps, an interval that
+  // starts at 1 and doubles every local_step_scaler steps up to
+  // local_step_clipper.
+  int64_t var_freeze_step = 100000;
+  int64_t var_update_scaler = 16;
+  int64_t local_step_scaler = 32678;
+  int64_t local_step_clipper = 16;
   // Accepted for DeepSpeed's configs: zinc's compressed all-reduce runs on
   // the engine's own transport (comm.backend) whatever these say.
   bool cuda_aware = false;
@@ -65,7 +77,8 @@ struct OptimizerConfig {
   // the other keeps its defaults and is not used.
   optim::AdamParams adam;  // Adam, AdamW
   optim::LambParams lamb;  // Lamb
-  OneBitConfig onebit;     // OneBitAdam (with `adam`)
+  OneBitConfig onebit;     // OneBitAdam, ZeroOneAdam (with `adam`)
+  bool one_bit() const { return type == OptimizerType::kOneBitAdam || type == OptimizerType::kZeroOneAdam; }
 
   // The keys both share, as the section's type has them.
   double lr() const { return type == OptimizerType::kLamb ? lamb.lr : adam.lr; }

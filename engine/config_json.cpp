@@ -87,8 +87,15 @@ json to_json(const Config& c) {
     op["max_coeff"] = o.lamb.max_coeff;
     op["min_coeff"] = o.lamb.min_coeff;
     op["eps_inside_sqrt"] = o.lamb.eps_inside_sqrt;
-  } else if (o.type == OptimizerType::kOneBitAdam) {
-    op["freeze_step"] = o.onebit.freeze_step;
+  } else if (o.one_bit()) {
+    if (o.type == OptimizerType::kZeroOneAdam) {
+      op["var_freeze_step"] = o.onebit.var_freeze_step;
+      op["var_update_scaler"] = o.onebit.var_update_scaler;
+      op["local_step_scaler"] = o.onebit.local_step_scaler;
+      op["local_step_clipper"] = o.onebit.local_step_clipper;
+    } else {
+      op["freeze_step"] = o.onebit.freeze_step;
+    }
     op["cuda_aware"] = o.onebit.cuda_aware;
     op["comm_backend_name"] = o.onebit.comm_backend_name;
   } else {

@@ -96,18 +96,36 @@ void warn_odd_schedule(Reader& p, const SchedulerConfig& s) {
   }
 }
 
-// OneBitAdam's own keys, after the ones it shares with Adam. DeepSpeed's
+// The keys DeepSpeed's class takes, for messages.
+std::string onebit_keys(OptimizerType t) {
+  return t == OptimizerType::kZeroOneAdam
+             ? "DeepSpeed's ZeroOneAdam takes lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, "
+               "max_grad_norm, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper, amsgrad, "
+               "cuda_aware, comm_backend_name"
+             : "DeepSpeed's OnebitAdam takes lr, freeze_step, bias_correction, betas, eps, eps_inside_sqrt, "
+               "weight_decay, max_grad_norm, amsgrad, cuda_aware, comm_backend_name";
+}
+
+// OneBitAdam's and ZeroOneAdam's own keys, after the ones they share with Adam. DeepSpeed's
 // update has no bias correction and decoupled weight decay whatever the
 // config says (Note [1-bit Adam] in engine/onebit_step.cpp).
 void parse_onebit(Reader& p, OptimizerConfig& o) {
   OneBitConfig& b = o.onebit;
+  const char* ds_name = o.type == OptimizerType::kZeroOneAdam ? "ZeroOneAdam" : "OnebitAdam";
   if (const json* bc = p.find("bias_correction"); bc && bc->is_boolean() && bc->get<bool>()) {
-    p.warn(p.path_of("bias_correction"), "true has no effect: DeepSpeed's OnebitAdam applies no bias correction "
-                                         "whatever it says, and zinc's OneBitAdam follows it");
+    p.warn(p.path_of("bias_correction"), std::string("true has no effect: DeepSpeed's ") + ds_name +
+                                             " applies no bias correction whatever it says, and zinc follows it");
   }
   o.adam.bias_correction = false;
   o.adam.adam_w_mode = true;
-  p.get_int("freeze_step", b.freeze_step, at_least(1));
+  if (o.type == OptimizerType::kZeroOneAdam) {
+    p.get_int("var_freeze_step", b.var_freeze_step, at_least(1));
+    p.get_int("var_update_scaler", b.var_update_scaler, at_least(1));
+    p.get_int("local_step_scaler", b.local_step_scaler, at_least(1));
+    p.get_int("local_step_clipper", b.local_step_clipper, at_least(1));
+  } else {
+    p.get_int("freeze_step", b.freeze_step, at_least(1));
+  }
   p.get_bool("cuda_aware", b.cuda_aware);
   if (const json* v = p.find("comm_backend_name")) {
     const std::string name = to_string(*v, p.last_path());
@@ -121,15 +139,17 @@ void parse_onebit(Reader& p, OptimizerConfig& o) {
   }
   bool inside = false;
   if (p.get_bool("eps_inside_sqrt", inside) && inside) {
-    p.warn(p.last_path(), "true has no effect: DeepSpeed's OnebitAdam adds eps outside the square root whatever "
-                          "it says, and zinc's OneBitAdam follows it");
+    p.warn(p.last_path(), std::string("true has no effect: DeepSpeed's ") + ds_name +
+                              " adds eps outside the square root whatever it says, and zinc follows it");
   }
   double max_grad_norm = 0;
   if (p.get_number("max_grad_norm", max_grad_norm, at_least(0)) && max_grad_norm > 0) {
-    p.warn(p.last_path(), "has no effect (DeepSpeed's OnebitAdam stores it and never reads it); clip with the "
-                          "top-level gradient_clipping");
+    p.warn(p.last_path(), std::string("has no effect (DeepSpeed's ") + ds_name +
+                              " stores it and never reads it); clip with the top-level gradient_clipping");
   }
-  p.refuse_bool("amsgrad", false, "1-bit Adam does not support the AMSGrad variant; remove it or set it to false");
+  const std::string no_amsgrad =
+      std::string(ds_name) + " does not support the AMSGrad variant; remove it or set it to false";
+  p.refuse_bool("amsgrad", false, no_amsgrad.c_str());
 }
 
 }  // namespace
@@ -150,19 +170,21 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
     o.type = OptimizerType::kLamb;
   } else if (lower(type) == "onebitadam") {
     o.type = OptimizerType::kOneBitAdam;
+  } else if (lower(type) == "zerooneadam") {
+    o.type = OptimizerType::kZeroOneAdam;
   } else {
     // DeepSpeed's other built-in optimizers (lower case, as it compares them).
-    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad", "zerooneadam", "onebitlamb", "lion",
-                                                            "muadam",  "muadamw",     "musgd",      "muon"};
-    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam";
+    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad", "onebitlamb", "lion", "muadam",
+                                                            "muadamw", "musgd",      "muon"};
+    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam, ZeroOneAdam";
     bool ds_known =
         std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
-    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb", "OneBitAdam"});
+    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam"});
     if (!near.empty()) msg += " (did you mean '" + near + "'?)";
     throw ConfigError("optimizer.type", msg);
   }
   const bool lamb = o.type == OptimizerType::kLamb;
-  const bool onebit = o.type == OptimizerType::kOneBitAdam;
+  const bool onebit = o.one_bit();
   r.ignore_bool("legacy_fusion", false);
 
   Reader p = r.section("params");
@@ -175,13 +197,14 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
       }
     }
   } else if (onebit) {
-    for (const char* k : {"adam_w_mode", "torch_adam", "set_grad_none", "max_coeff", "min_coeff"}) {
+    const bool zo = o.type == OptimizerType::kZeroOneAdam;
+    for (const char* k : {"adam_w_mode", "torch_adam", "set_grad_none", "max_coeff", "min_coeff",
+                          zo ? "freeze_step" : "var_freeze_step", zo ? "freeze_step" : "var_update_scaler",
+                          zo ? "freeze_step" : "local_step_scaler", zo ? "freeze_step" : "local_step_clipper"}) {
       if (p.has(k)) {
-        throw ConfigError(p.path_of(k), std::string("not a OneBitAdam parameter (DeepSpeed's OnebitAdam takes "
-                                                    "lr, freeze_step, bias_correction, betas, eps, "
-                                                    "eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad, "
-                                                    "cuda_aware, comm_backend_name); its weight decay is always "
-                                                    "decoupled"));
+        throw ConfigError(p.path_of(k), std::string("not a ") + optimizer_type_name(o.type) +
+                                            " parameter (" + onebit_keys(o.type) +
+                                            "); its weight decay is always decoupled");
       }
     }
   } else {

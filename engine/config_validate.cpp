@@ -38,9 +38,10 @@ void Config::validate() const {
   // DeepSpeed's engine asserts "1bit-Adam is not compatible with ZeRO" at
   // any stage above 0: after the freeze every rank keeps the whole momentum
   // and updates every weight, which partitioned states cannot.
-  if (optimizer.type == OptimizerType::kOneBitAdam && zero.stage != 0) {
+  if (optimizer.one_bit() && zero.stage != 0) {
     throw ConfigError("zero_optimization.stage",
-                      "OneBitAdam is not compatible with ZeRO (as in DeepSpeed, which refuses every stage above 0): "
+                      std::string(optimizer_type_name(optimizer.type)) +
+                      " is not compatible with ZeRO (as in DeepSpeed, which refuses every stage above 0): "
                       "after the freeze each rank keeps the whole momentum and updates every weight; set stage 0, "
                       "got " + std::to_string(zero.stage));
   }

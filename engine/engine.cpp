@@ -369,7 +369,7 @@ void Engine::Impl::backward() {
   auto t0 = Clock::now();
   boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
   // OneBitAdam past its warm-up: the boundary keeps its gradients local.
-  reducer->begin_backward(boundary_backward && !onebit_compressing());
+  reducer->begin_backward(boundary_backward && !onebit_local_grads());
   model->backward(*this, static_cast<float>(loss_scale()));
   check_released("backward");
   device->end_backward();
@@ -407,7 +407,7 @@ void Engine::Impl::step() {
   // OneBitAdam past its warm-up: each rank's gradient is its own (Note [1-bit
   // Adam] in onebit_step.cpp); it stands for the average, so it is scaled by
   // the world size, and the norm is the root mean square over ranks.
-  const bool compressing = onebit_compressing();
+  const bool compressing = onebit_local_grads();
   const double local = compressing ? static_cast<double>(world) : 1.0;
   // Own-shard squares, the loss and the normaliser's counts, summed over
   // ranks in one collective.
@@ -460,6 +460,7 @@ void Engine::Impl::step() {
     const float grad_scale = static_cast<float>(scale * local * clip);
     lr = schedule.lr_at(optimizer_steps);
     set_hyperparameters(optimizer_steps);
+    onebit_now = onebit_mode();  // of this step, before the count moves
     optimizer_steps += 1;
     onebit_step_now = compressing;
     if (compressing || !device->update(adam, optimizer_steps, grad_scale)) {  // else the states on the device are updated
@@ -470,6 +471,7 @@ void Engine::Impl::step() {
       params->gather_after_step();
       device->after_gather();
     }
+    if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) zero_one_after_step(optimizer_steps);
   }
   reducer->reset_after_step();
   device->after_step();

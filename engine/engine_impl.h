@@ -156,28 +156,56 @@ struct Engine::Impl final : StepContext {
   // on NVMe need not be read first.
   void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false);
 
-  // ---- OneBitAdam (Note [1-bit Adam] in onebit_step.cpp) -----------------------------
-  // Past the warm-up: the variance is frozen, gradients stay local (no
-  // reduction at the boundary) and the momentum is averaged compressed.
-  bool onebit_compressing() const;
-  bool onebit_step_now = false;  // the step being applied is a compressed one
+  // ---- OneBitAdam and ZeroOneAdam (Notes [1-bit Adam], [0/1 Adam] in onebit_step.cpp) ----
+  // What the step about to run (optimizer step optimizer_steps + 1) does.
+  enum class OneBitMode {
+    kFull,                // plain Adam on the averaged gradient (warm-up; 0/1 Adam's variance steps)
+    kCompressedMomentum,  // 1-bit Adam past the freeze: local momentum, averaged at 1 bit
+    kCompressedGrad,      // 0/1 Adam between variance steps: the gradient averaged at 1 bit
+    kLocal,               // 0/1 Adam past the freeze: local steps, synchronised at 1 bit
+  };
+  OneBitMode onebit_mode() const;
+  // Gradients stay local at the boundary (any mode but kFull).
+  bool onebit_local_grads() const;
+  bool onebit_step_now = false;  // the step being applied is one of onebit_update_all's
+  OneBitMode onebit_now = OneBitMode::kFull;
   // One compressed all-reduce per parameter tensor, [block][param], made at
   // the first compressed step (world > 1), with their error feedback.
   std::vector<std::vector<comm::CompressedAllReduce>> onebit_ar;
   bool onebit_announced = false;
+  // 0/1 Adam's schedule (replayed from the step count on a load) and, past
+  // the freeze, each rank's accumulated local updates (per block) and the
+  // sum of their learning rates since the last synchronisation.
+  int64_t zo_var_interval = 1, zo_var_counter = 0, zo_local_interval = 1, zo_local_counter = 0;
+  bool zo_errors_reset = false;
+  double zo_lrs = 0;
+  std::vector<std::vector<float>> zo_accum;
+  void zero_one_after_step(int64_t t);
   // This rank's sum of squares of its own (unreduced) gradients.
   double onebit_local_squares();
   void onebit_update_all(float grad_scale);
-  void onebit_span(const StateSpan& sp, float grad_scale);
+  void onebit_span(const StateSpan& sp, float grad_scale, bool sync);
   void onebit_make_compressors();
-  // The error feedback in a checkpoint: every rank's own file beside its
-  // shard file (nothing when no compressed step has run, or on one rank).
+  // The average of buf (a block's span) over ranks at 1 bit, tensor by
+  // tensor, on the reduce stream.
+  void onebit_average(int block, float* buf);
+  // The rank's own part of a checkpoint: the error feedback and, with 0/1
+  // Adam past the freeze, its weights, momentum and accumulated updates
+  // (which differ between ranks between synchronisations), in a file beside
+  // its shard (nothing when none of it exists, or on one rank).
   nlohmann::json onebit_save(const std::string& partial_dir);
-  // Reads and verifies this rank's errors (before anything is loaded);
-  // empty when the checkpoint has none usable here (`why` says why).
-  std::string onebit_read(const ckpt::TagFiles& files, std::string& why) const;
-  // Applies what onebit_read returned, after the states are loaded.
-  void onebit_restore(const std::string& bytes, const std::string& why);
+  struct OneBitSaved {
+    std::string why;             // empty when the rest holds this rank's state
+    std::vector<float> errors;   // worker then server error, tensor by tensor
+    std::vector<float> accum, master, m;  // 0/1 Adam's, per block span, concatenated
+    double lrs = 0;
+  };
+  // Reads and verifies this rank's part (before anything is loaded).
+  OneBitSaved onebit_read(const ckpt::TagFiles& files) const;
+  // While the states load: a span's rank-specific weights and momentum.
+  void onebit_overwrite_span(const OneBitSaved& saved, const StateSpan& sp) const;
+  // After the states and step counters are loaded.
+  void onebit_restore(const OneBitSaved& saved);
 
   // ---- ranks agree on what they train -------------------------------------------------
   // Every rank must be given the same config and model: ranks that differ

@@ -238,10 +238,14 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
   }
 
-  // OneBitAdam past its warm-up (Note [1-bit Adam] in onebit_step.cpp): per
+  // The 1-bit optimizers past their warm-up (Notes [1-bit Adam], [0/1 Adam]
+  // in onebit_step.cpp): per
   // tensor, a worker error of its padded size, a server error of a chunk,
   // and the same again as the all-reduce's scratch.
-  if (c.optimizer.type == OptimizerType::kOneBitAdam && world > 1) {
+  if (c.optimizer.type == OptimizerType::kZeroOneAdam)
+    grads.push_back({"0/1 Adam update accumulator (fp32)", 4 * span_all,
+                     "after var_freeze_step: each rank's local updates since the last synchronisation"});
+  if (c.optimizer.one_bit() && world > 1) {
     int64_t errors = 0;
     for (const BlockLayout& l : layouts)
       for (int64_t n : l.numels) {

@@ -420,6 +420,10 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
               static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),
               cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
               static_cast<long long>(ex.experiment.run.steps));
+  if (cfg.optimizer.type == zinc::OptimizerType::kZeroOneAdam)
+    std::printf(" | ZeroOneAdam: the variance updated at growing intervals (1 bit between them) until step %lld, "
+                "then local steps synchronised at 1 bit over %s",
+                static_cast<long long>(cfg.optimizer.onebit.var_freeze_step), comm.backend().c_str());
   if (cfg.optimizer.type == zinc::OptimizerType::kOneBitAdam)
     std::printf(" | OneBitAdam: Adam for %lld steps, then the momentum at 1 bit per element over %s%s",
                 static_cast<long long>(cfg.optimizer.onebit.freeze_step), comm.backend().c_str(),

@@ -93,7 +93,6 @@ TEST(ConfigLegacy, KeysThatChangeTrainingAreRefusedWithTheReason) {
     std::vector<std::string> parts;
   };
   const Case cases[] = {
-      {{{"optimizer", {{"type", "ZeroOneAdam"}}}}, {"optimizer.type: \"ZeroOneAdam\"", "1 bit"}},
       {{{"optimizer", {{"type", "OneBitLamb"}}}}, {"optimizer.type: \"OneBitLamb\"", "1 bit"}},
       {{{"sequence_parallel_size", 2}}, {"sequence_parallel_size: not implemented in zinc", "sequence parallelism"}},
       {{{"curriculum_learning", {{"enabled", true}, {"curriculum_type", "seqlen"}}}},

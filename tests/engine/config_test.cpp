@@ -317,7 +317,7 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
 TEST(ConfigErrors, OptimizerAndScheduler) {
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitLamb"}}}}),
                       "optimizer.type: \"OneBitLamb\" is not implemented in zinc yet: it compresses its "
-                      "communication to 1 bit", "\"OneBitAdam\" is implemented");
+                      "communication to 1 bit", "\"OneBitAdam\" and \"ZeroOneAdam\" are implemented");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lam"}}}}), "(did you mean 'Lamb'?)");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),
@@ -721,6 +721,25 @@ TEST(ConfigOneBitAdam, KeysDefaultsAndRefusals) {
                       "Ascend");
   EXPECT_CONFIG_ERROR(onebit({{"comm_backend_name", "gloo"}}), "not one of DeepSpeed's");
   EXPECT_CONFIG_ERROR(onebit({{"var_freeze_step", 10}}), "optimizer.params.var_freeze_step");
+  EXPECT_CONFIG_ERROR(onebit({{"local_step_scaler", 10}}), "optimizer.params.local_step_scaler: not a OneBitAdam");
+  // ZeroOneAdam: its own keys and DeepSpeed's defaults.
+  auto zero_one = [](const json& params) {
+    return with({{"optimizer", {{"type", "ZeroOneAdam"}, {"params", params}}}});
+  };
+  Config z = Config::parse(zero_one({{"lr", 4e-4}, {"var_freeze_step", 12500}, {"local_step_scaler", 32678}}));
+  EXPECT_EQ(z.optimizer.type, OptimizerType::kZeroOneAdam);
+  EXPECT_EQ(z.optimizer.onebit.var_freeze_step, 12500);
+  EXPECT_EQ(z.optimizer.onebit.var_update_scaler, 16);
+  EXPECT_EQ(z.optimizer.onebit.local_step_scaler, 32678);
+  EXPECT_EQ(z.optimizer.onebit.local_step_clipper, 16);
+  EXPECT_FALSE(z.optimizer.adam.bias_correction);
+  EXPECT_EQ(Config::parse(to_json(z)).optimizer, z.optimizer);
+  EXPECT_EQ(Config::parse(zero_one(json::object())).optimizer.onebit.var_freeze_step, 100000);
+  EXPECT_CONFIG_ERROR(zero_one({{"freeze_step", 10}}), "optimizer.params.freeze_step: not a ZeroOneAdam parameter");
+  EXPECT_CONFIG_ERROR(zero_one({{"var_update_scaler", 0}}), "optimizer.params.var_update_scaler");
+  EXPECT_CONFIG_ERROR(zero_one({{"local_step_clipper", 0}}), "optimizer.params.local_step_clipper");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "ZeroOneAdam"}}}, {"zero_optimization", {{"stage", 1}}}}),
+                      "zero_optimization.stage: ZeroOneAdam is not compatible with ZeRO");
   // ZeRO: DeepSpeed asserts "1bit-Adam is not compatible with ZeRO" above stage 0.
   for (int stage : {1, 2, 3})
     EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitAdam"}}}, {"zero_optimization", {{"stage", stage}}}}),

@@ -10,6 +10,7 @@
 // - training reaches the loss of uncompressed Adam within a tolerance.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -44,6 +45,17 @@ nlohmann::json onebit(int64_t freeze_step, double lr = 1e-2) {
   return {{"type", "OneBitAdam"},
           {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"freeze_step", freeze_step}, {"comm_backend_name", "mpi"}}}};
 }
+nlohmann::json zero_one(int64_t var_freeze_step, int64_t var_update_scaler = 16, int64_t local_step_scaler = 32678,
+                        int64_t local_step_clipper = 16, double lr = 1e-2) {
+  return {{"type", "ZeroOneAdam"},
+          {"params",
+           {{"lr", lr},
+            {"weight_decay", 0.1},
+            {"var_freeze_step", var_freeze_step},
+            {"var_update_scaler", var_update_scaler},
+            {"local_step_scaler", local_step_scaler},
+            {"local_step_clipper", local_step_clipper}}}};
+}
 nlohmann::json adamw_no_bias_correction(double lr = 1e-2) {
   return {{"type", "AdamW"}, {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"bias_correction", false}}}};
 }
@@ -75,6 +87,14 @@ TEST(OneBitAdam, WarmUpEqualsAdamWWithoutBiasCorrectionBitForBit) {
     // the weights do not.
     for (size_t i = 0; i < 6; ++i) EXPECT_EQ(lc[i], la[i]) << where << " step " << i;
     EXPECT_FALSE(wa == wc) << where << ": the steps after the freeze changed nothing";
+    // 0/1 Adam's first var_update_scaler (16) steps all update the variance
+    // on the averaged gradient: Adam's steps.
+    RunSpec d = a;
+    d.optimizer = zero_one(100);
+    std::vector<double> ld;
+    const std::vector<float> wd = testing_train::train(d, comm, &ld);
+    EXPECT_EQ(la, ld) << where;
+    EXPECT_TRUE(wa == wd) << where << ": 0/1 Adam's variance steps differ from AdamW";
   }
 }
 
@@ -208,6 +228,149 @@ TEST(OneBitAdam, CompressedStepsEqualTheReferenceBitForBit) {
   EXPECT_TRUE(std::isfinite(losses.back()));
 }
 
+// 0/1 Adam's schedule, from DeepSpeed's rules (zoadam.py), with t the
+// optimizer step just applied.
+struct ZeroOneSchedule {
+  int64_t var_freeze, var_scaler, local_scaler, local_clipper;
+  int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0;
+  void after(int64_t t) {
+    if (t <= var_freeze) {
+      if (t % var_interval == 0 && ++var_counter == var_scaler) {
+        var_counter = 0;
+        var_interval *= 2;
+      }
+    } else if (++local_counter == local_scaler) {
+      local_counter = 0;
+      local_interval = std::min(local_clipper, 2 * local_interval);
+    }
+  }
+};
+
+TEST(ZeroOneAdam, CompressedAndLocalStepsEqualTheReferenceBitForBit) {
+  const int p = g_world->size(), rank = g_world->rank();
+  // Steps 1-4 update the variance (Adam); 5 averages the gradient at 1 bit;
+  // from 6 the variance is frozen and ranks step locally, synchronising at
+  // 6, 7, 8 and 12 (the interval doubles every 2 steps up to 4), so the run
+  // ends two local steps past a synchronisation.
+  constexpr int kSaved = 4, kSteps = 10;
+  ZeroOneSchedule sched{5, 4, 2, 4};
+  const double lr = 1e-2, wd = 0.1, b1 = 0.9, eps = 1e-8;
+  RunSpec r;
+  r.optimizer = zero_one(sched.var_freeze, sched.var_scaler, sched.local_scaler, sched.local_clipper, lr);
+  r.top_extra = {{"gradient_clipping", 0.0}};
+  const std::string dir = shared_dir("zero-one-reference");
+  Engine e = Engine::initialize(testing_models::tiny_gpt(), testing_train::make_config(r), g_world);
+  DataConfig dc;
+  dc.vocab_size = testing_models::kVocab;
+  dc.seq_len = testing_models::kSeq;
+  std::shared_ptr<const DataSource> src(make_data_source(dc));
+  const int64_t micro = r.global_batch / p;
+  DataLoader loader(src, micro, 1, p, rank, 7);
+  for (int s = 0; s < kSaved; ++s) e.train_batch(loader);
+  e.save_checkpoint(dir);
+  for (int s = 0; s < kSteps; ++s) e.train_batch(loader);
+  const std::vector<float> engine_w = testing_train::all_weights(e);
+
+  GradProbe probe(testing_models::tiny_gpt());
+  const std::vector<float> w0 = read_state(dir, ckpt::kMaster, probe.layouts());
+  const std::vector<float> m0 = read_state(dir, ckpt::kM, probe.layouts());
+  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
+  std::vector<DataLoader> loaders;
+  for (int q = 0; q < p; ++q) {
+    loaders.emplace_back(src, micro, 1, p, q, 7);
+    loaders.back().set_position(kSaved * r.global_batch);
+  }
+  struct Tensor {
+    int64_t at, n;
+  };
+  std::vector<Tensor> tensors;
+  int64_t base = 0;
+  for (const BlockLayout& l : probe.layouts()) {
+    for (size_t t = 0; t < l.offsets.size(); ++t) tensors.push_back({base + l.offsets[t], l.numels[t]});
+    base += l.numel;
+  }
+  auto fresh_errors = [&] {
+    std::vector<comm::testing::OnebitReference> refs;
+    for (const Tensor& t : tensors) refs.emplace_back(t.n, p);
+    return refs;
+  };
+  std::vector<comm::testing::OnebitReference> refs = fresh_errors();
+  // Average over ranks at 1 bit, tensor by tensor: in[q] is rank q's buffer.
+  auto average = [&](std::vector<std::vector<float>>& in) {
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      std::vector<std::vector<float>> part(p);
+      for (int q = 0; q < p; ++q) part[q].assign(in[q].begin() + tensors[k].at, in[q].begin() + tensors[k].at + tensors[k].n);
+      const std::vector<float> avg = refs[k].step(part);
+      for (int q = 0; q < p; ++q) std::copy(avg.begin(), avg.end(), in[q].begin() + tensors[k].at);
+    }
+  };
+  for (int64_t t = 1; t <= kSaved; ++t) sched.after(t);
+  std::vector<std::vector<float>> w(p, w0), m(p, m0), acc(p, std::vector<float>(w0.size(), 0.0f));
+  double lrs = 0;
+  bool reset = false;
+  for (int64_t t = kSaved + 1; t <= kSaved + kSteps; ++t) {
+    const bool frozen = t > sched.var_freeze;
+    ASSERT_TRUE(frozen || t % sched.var_interval != 0) << "step " << t << " is a variance step: not in this test";
+    std::vector<std::vector<float>> g(p);
+    for (int q = 0; q < p; ++q) g[q] = probe.grad(w[q], loaders[q].next());  // the scale is 1 / p * p = 1
+    if (!frozen) {  // the gradient averaged at 1 bit; the same weights on every rank
+      average(g);
+      for (int q = 0; q < p; ++q)
+        for (size_t i = 0; i < w0.size(); ++i) {
+          m[q][i] = float(b1) * m[q][i] + float(1.0 - b1) * g[q][i];
+          w[q][i] = float(-lr * wd) * w[q][i] + w[q][i];
+          w[q][i] = -float(lr) * (m[q][i] / (std::sqrt(v[i]) + float(eps))) + w[q][i];
+        }
+    } else {
+      lrs += lr;
+      for (int q = 0; q < p; ++q)
+        for (size_t i = 0; i < w0.size(); ++i) {
+          m[q][i] = float(b1) * m[q][i] + float(1.0 - b1) * g[q][i];
+          const float u = m[q][i] / (std::sqrt(v[i]) + float(eps)) + float(wd) * w[q][i];
+          w[q][i] = w[q][i] + -float(lr) * u;
+          acc[q][i] = acc[q][i] + -float(lr) * u;
+        }
+      if (t % sched.local_interval == 0) {  // undo the local steps, average them, apply the average
+        for (int q = 0; q < p; ++q)
+          for (size_t i = 0; i < w0.size(); ++i) {
+            w[q][i] = w[q][i] - acc[q][i];
+            acc[q][i] = acc[q][i] * (std::sqrt(v[i]) + float(eps));
+          }
+        average(acc);
+        for (int q = 0; q < p; ++q)
+          for (size_t i = 0; i < w0.size(); ++i) {
+            m[q][i] = -(acc[q][i] / float(lrs));
+            w[q][i] = w[q][i] + acc[q][i] / (std::sqrt(v[i]) + float(eps));
+            acc[q][i] = 0.0f;
+          }
+        lrs = 0;
+      }
+    }
+    sched.after(t);
+    if (t >= sched.var_freeze && !reset) {  // the error feedback restarts at the freeze
+      reset = true;
+      refs = fresh_errors();
+    }
+  }
+  ASSERT_EQ(engine_w.size(), w[rank].size());
+  size_t differ = 0;
+  for (size_t i = 0; i < engine_w.size(); ++i) differ += engine_w[i] != w[rank][i];
+  EXPECT_EQ(differ, 0u) << "of " << engine_w.size() << " weights of rank " << rank << " differ from the reference";
+  // Two local steps past the last synchronisation the ranks' weights differ.
+  if (p > 1) EXPECT_FALSE(w[0] == w[1]);
+}
+
+TEST(ZeroOneAdam, ResumesBitExactBeforeTheFreezeAndBetweenSynchronisations) {
+  // Steps 1-2 variance steps, 3 a 1-bit gradient step, 4 on local, synchronised
+  // at 4 and then every 4 steps: saves after 2 and after 5.
+  for (int k : {2, 5}) {
+    RunSpec r;
+    r.optimizer = zero_one(3, 2, 1, 4);
+    const std::string dir = shared_dir("zero-one-resume" + std::to_string(k));
+    testing_train::expect_bit_exact_resume(r, g_world, dir, k, "save after step " + std::to_string(k));
+  }
+}
+
 TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
   for (int freeze : {2, 4}) {  // the save after 3 steps: past the freeze, or before it
     RunSpec r;
@@ -230,10 +393,11 @@ TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
 TEST(OneBitAdam, TrainsToTheLossOfUncompressedAdam) {
   // The tiny GPT on a source where every token follows from the two before
   // (the loss can fall from log 13 = 2.56 to about 0.28), the variance
-  // frozen after a third of the run. Three runs on the same global batches:
-  // AdamW without bias correction (the same warm-up), OneBitAdam on one
-  // rank (the frozen variance alone: nothing to compress) and OneBitAdam on
-  // this world (compressed). Compared on the mean loss of the last 50 steps.
+  // frozen after a third of the run. Runs on the same global batches:
+  // AdamW without bias correction (the same warm-up), OneBitAdam and
+  // ZeroOneAdam on one rank (their variance rules alone: nothing to
+  // compress) and on this world (compressed). Compared on the mean loss of
+  // the last 50 steps.
   RunSpec a, b;
   a.source = b.source = [] {
     DataConfig dc;
@@ -246,19 +410,28 @@ TEST(OneBitAdam, TrainsToTheLossOfUncompressedAdam) {
   a.steps = b.steps = kSteps;
   a.optimizer = adamw_no_bias_correction(kLr);
   b.optimizer = onebit(kSteps / 3, kLr);
-  std::vector<double> la, lb, l1;
+  RunSpec c = b;
+  c.optimizer = zero_one(kSteps / 3, 16, 32678, 16, kLr);
+  std::vector<double> la, lb, l1, lc, lc1;
   testing_train::train(a, g_world, &la);
   testing_train::train(b, g_world, &lb);
   testing_train::train(b, nullptr, &l1);
+  testing_train::train(c, g_world, &lc);
+  testing_train::train(c, nullptr, &lc1);
   auto tail = [](const std::vector<double>& l) {
     double t = 0;
     for (size_t i = l.size() - 50; i < l.size(); ++i) t += l[i] / 50;
     return t;
   };
-  const double ta = tail(la), tb = tail(lb), t1 = tail(l1);
+  const double ta = tail(la), tb = tail(lb), t1 = tail(l1), tc = tail(lc), tc1 = tail(lc1);
   if (g_world->rank() == 0)
-    std::printf("OneBitAdam at %d ranks: last-50 mean loss %.4f; on one rank (uncompressed) %.4f; AdamW %.4f; "
-                "first %.4f\n", g_world->size(), tb, t1, ta, la[0]);
+    std::printf("at %d ranks, last-50 mean loss: OneBitAdam %.4f (one rank, uncompressed: %.4f); ZeroOneAdam %.4f "
+                "(one rank: %.4f); AdamW %.4f; first %.4f\n", g_world->size(), tb, t1, tc, tc1, ta, la[0]);
+  EXPECT_NEAR(tc, tc1, kTolerance * tc1) << "the compression changed what 0/1 Adam learns";
+  // 0/1 Adam's variance, updated at growing intervals and frozen at step
+  // 100, costs this short run more than 1-bit Adam's does, on one rank as
+  // on several (measured 13-16% above AdamW): a wider bound.
+  EXPECT_NEAR(tc, ta, 2 * kTolerance * ta) << "0/1 Adam fell behind Adam";
   EXPECT_LT(ta, la[0] - 1.0) << "AdamW did not learn: the comparison means nothing";
   EXPECT_NEAR(tb, t1, kTolerance * t1) << "the compression changed what 1-bit Adam learns";
   EXPECT_NEAR(tb, ta, kTolerance * ta) << "1-bit Adam fell behind Adam";
