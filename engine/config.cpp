@@ -455,25 +455,6 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
   }
 }
 
-// DeepSpeed's 1-bit Lamb: refused with the reason before the optimizer
-// section is parsed (OneBitAdam and ZeroOneAdam are parsed with the
-// others: config_optim.cpp).
-void refuse_compressed_optimizers(const json& j) {
-  if (!j.is_object()) return;
-  auto o = j.find("optimizer");
-  if (o == j.end() || !o->is_object()) return;
-  auto t = o->find("type");
-  if (t == o->end() || !t->is_string()) return;
-  const std::string type = lower(t->get<std::string>());
-  if (type == "onebitlamb") {
-    throw ConfigError("optimizer.type",
-                      show(*t) + " is not implemented in zinc yet: it compresses its communication to 1 bit "
-                                 "(with error feedback) on its own schedule; \"OneBitAdam\" and \"ZeroOneAdam\" are "
-                                 "implemented, or use "
-                                 "\"Adam\", \"AdamW\" or \"Lamb\"");
-  }
-}
-
 // data_efficiency: names the part that is on (DeepSpeed's
 // deepspeed/runtime/data_pipeline/constants.py).
 void refuse_data_efficiency(const json& v) {
@@ -572,12 +553,11 @@ const Feature kFeatures[] = {
       {"torch_autocast", Act::kError, "autocast changes the numerics; use \"bf16\": {\"enabled\": true}"},
 };
 
-// The features zinc refuses (and the 1-bit optimizers), checked before
+// The features zinc refuses, checked before
 // anything else: they do not depend on the world size, so a config that asks
 // for one is refused for it at every world size, before a batch triad
 // written for another world size is.
 void refuse_features(Reader& r, const json& j) {
-  refuse_compressed_optimizers(j);
   for (const Feature& f : kFeatures) {
     if (f.act != Act::kError) continue;
     const json* v = r.find(f.key);
@@ -714,7 +694,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
            "OneCycle sets the optimizer's betas to (momentum, 0.99) as DeepSpeed does: optimizer.params.betas[1] " +
                num(c.optimizer.beta2()) + " is replaced by 0.99 (set cycle_momentum false to keep it)");
     // The value training uses (and the serialized config shows).
-    (c.optimizer.type == OptimizerType::kLamb ? c.optimizer.lamb.beta2 : c.optimizer.adam.beta2) = 0.99;
+    (c.optimizer.lamb_family() ? c.optimizer.lamb.beta2 : c.optimizer.adam.beta2) = 0.99;
   }
   parse_zero(r, c.zero);
   parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
@@ -736,6 +716,7 @@ const char* optimizer_type_name(OptimizerType t) {
     case OptimizerType::kLamb: return "Lamb";
     case OptimizerType::kOneBitAdam: return "OneBitAdam";
     case OptimizerType::kZeroOneAdam: return "ZeroOneAdam";
+    case OptimizerType::kOneBitLamb: return "OneBitLamb";
   }
   return "?";
 }

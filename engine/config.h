@@ -37,8 +37,8 @@ namespace zinc {
 // unless a name says bytes.
 
 // optimizer.type (case-insensitive in the JSON).
-enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam, kZeroOneAdam };
-// "Adam" | "AdamW" | "Lamb" | "OneBitAdam" | "ZeroOneAdam"
+enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam, kZeroOneAdam, kOneBitLamb };
+// "Adam" | "AdamW" | "Lamb" | "OneBitAdam" | "ZeroOneAdam" | "OneBitLamb"
 const char* optimizer_type_name(OptimizerType t);
 
 // OneBitAdam's own keys (DeepSpeed's deepspeed/runtime/fp16/onebit/adam.py;
@@ -63,6 +63,13 @@ struct OneBitConfig {
   int64_t var_update_scaler = 16;
   int64_t local_step_scaler = 32678;
   int64_t local_step_clipper = 16;
+  // OneBitLamb (deepspeed/runtime/fp16/onebit/lamb.py; also freeze_step):
+  // the trust ratio after the freeze is the warm-up's moving average of it
+  // (coeff_beta) times a factor from a fresh variance estimate, clamped to
+  // [factor_min, factor_max] and to within factor_threshold of the last
+  // step's factor.
+  double coeff_beta = 0.9;
+  double factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
   // Accepted for DeepSpeed's configs: zinc's compressed all-reduce runs on
   // the engine's own transport (comm.backend) whatever these say.
   bool cuda_aware = false;
@@ -76,17 +83,21 @@ struct OptimizerConfig {
   // names and defaults there). The section fills the struct of its type;
   // the other keeps its defaults and is not used.
   optim::AdamParams adam;  // Adam, AdamW
-  optim::LambParams lamb;  // Lamb
-  OneBitConfig onebit;     // OneBitAdam, ZeroOneAdam (with `adam`)
-  bool one_bit() const { return type == OptimizerType::kOneBitAdam || type == OptimizerType::kZeroOneAdam; }
+  optim::LambParams lamb;  // Lamb, OneBitLamb
+  OneBitConfig onebit;     // OneBitAdam, ZeroOneAdam (with `adam`), OneBitLamb (with `lamb`)
+  bool one_bit() const {
+    return type == OptimizerType::kOneBitAdam || type == OptimizerType::kZeroOneAdam ||
+           type == OptimizerType::kOneBitLamb;
+  }
+  bool lamb_family() const { return type == OptimizerType::kLamb || type == OptimizerType::kOneBitLamb; }
 
   // The keys both share, as the section's type has them.
-  double lr() const { return type == OptimizerType::kLamb ? lamb.lr : adam.lr; }
-  double beta1() const { return type == OptimizerType::kLamb ? lamb.beta1 : adam.beta1; }
-  double beta2() const { return type == OptimizerType::kLamb ? lamb.beta2 : adam.beta2; }
-  double eps() const { return type == OptimizerType::kLamb ? lamb.eps : adam.eps; }
-  double weight_decay() const { return type == OptimizerType::kLamb ? lamb.weight_decay : adam.weight_decay; }
-  bool bias_correction() const { return type == OptimizerType::kLamb ? lamb.bias_correction : adam.bias_correction; }
+  double lr() const { return lamb_family() ? lamb.lr : adam.lr; }
+  double beta1() const { return lamb_family() ? lamb.beta1 : adam.beta1; }
+  double beta2() const { return lamb_family() ? lamb.beta2 : adam.beta2; }
+  double eps() const { return lamb_family() ? lamb.eps : adam.eps; }
+  double weight_decay() const { return lamb_family() ? lamb.weight_decay : adam.weight_decay; }
+  bool bias_correction() const { return lamb_family() ? lamb.bias_correction : adam.bias_correction; }
 
   bool operator==(const OptimizerConfig&) const = default;
 };

@@ -96,6 +96,14 @@ json to_json(const Config& c) {
     } else {
       op["freeze_step"] = o.onebit.freeze_step;
     }
+    if (o.type == OptimizerType::kOneBitLamb) {
+      op["max_coeff"] = o.lamb.max_coeff;
+      op["min_coeff"] = o.lamb.min_coeff;
+      op["coeff_beta"] = o.onebit.coeff_beta;
+      op["factor_max"] = o.onebit.factor_max;
+      op["factor_min"] = o.onebit.factor_min;
+      op["factor_threshold"] = o.onebit.factor_threshold;
+    }
     op["cuda_aware"] = o.onebit.cuda_aware;
     op["comm_backend_name"] = o.onebit.comm_backend_name;
   } else {

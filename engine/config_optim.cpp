@@ -96,14 +96,39 @@ void warn_odd_schedule(Reader& p, const SchedulerConfig& s) {
   }
 }
 
-// The keys DeepSpeed's class takes, for messages.
+// The keys DeepSpeed's classes take (their constructors' arguments).
+const std::vector<std::string>& onebit_key_list(OptimizerType t) {
+  static const std::vector<std::string> adam = {"lr", "freeze_step", "bias_correction", "betas", "eps",
+                                                "eps_inside_sqrt", "weight_decay", "max_grad_norm", "amsgrad",
+                                                "cuda_aware", "comm_backend_name"};
+  static const std::vector<std::string> zero_one = {
+      "lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm",
+      "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "amsgrad", "cuda_aware",
+      "comm_backend_name"};
+  static const std::vector<std::string> lamb = {
+      "lr", "freeze_step", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm",
+      "max_coeff", "min_coeff", "amsgrad", "cuda_aware", "comm_backend_name", "coeff_beta", "factor_max",
+      "factor_min", "factor_threshold"};
+  return t == OptimizerType::kZeroOneAdam ? zero_one : t == OptimizerType::kOneBitLamb ? lamb : adam;
+}
+bool onebit_takes(OptimizerType t, const std::string& key) {
+  const std::vector<std::string>& ks = onebit_key_list(t);
+  return std::find(ks.begin(), ks.end(), key) != ks.end();
+}
+// A key of some optimizer zinc knows (another one's: a precise message; a
+// typo falls through to "unknown key" with its nearest match).
+bool onebit_family_key(const std::string& key) {
+  for (OptimizerType t : {OptimizerType::kOneBitAdam, OptimizerType::kZeroOneAdam, OptimizerType::kOneBitLamb})
+    if (onebit_takes(t, key)) return true;
+  return key == "adam_w_mode" || key == "torch_adam" || key == "set_grad_none";
+}
 std::string onebit_keys(OptimizerType t) {
-  return t == OptimizerType::kZeroOneAdam
-             ? "DeepSpeed's ZeroOneAdam takes lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, "
-               "max_grad_norm, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper, amsgrad, "
-               "cuda_aware, comm_backend_name"
-             : "DeepSpeed's OnebitAdam takes lr, freeze_step, bias_correction, betas, eps, eps_inside_sqrt, "
-               "weight_decay, max_grad_norm, amsgrad, cuda_aware, comm_backend_name";
+  std::string out = std::string("DeepSpeed's ") +
+                    (t == OptimizerType::kZeroOneAdam ? "ZeroOneAdam" : t == OptimizerType::kOneBitLamb ? "OnebitLamb" : "OnebitAdam") +
+                    " takes ";
+  const std::vector<std::string>& ks = onebit_key_list(t);
+  for (size_t i = 0; i < ks.size(); ++i) out += (i ? ", " : "") + ks[i];
+  return out;
 }
 
 // OneBitAdam's and ZeroOneAdam's own keys, after the ones they share with Adam. DeepSpeed's
@@ -111,13 +136,31 @@ std::string onebit_keys(OptimizerType t) {
 // config says (Note [1-bit Adam] in engine/onebit_step.cpp).
 void parse_onebit(Reader& p, OptimizerConfig& o) {
   OneBitConfig& b = o.onebit;
-  const char* ds_name = o.type == OptimizerType::kZeroOneAdam ? "ZeroOneAdam" : "OnebitAdam";
+  const char* ds_name = o.type == OptimizerType::kZeroOneAdam  ? "ZeroOneAdam"
+                        : o.type == OptimizerType::kOneBitLamb ? "OnebitLamb"
+                                                               : "OnebitAdam";
   if (const json* bc = p.find("bias_correction"); bc && bc->is_boolean() && bc->get<bool>()) {
     p.warn(p.path_of("bias_correction"), std::string("true has no effect: DeepSpeed's ") + ds_name +
                                              " applies no bias correction whatever it says, and zinc follows it");
   }
   o.adam.bias_correction = false;
   o.adam.adam_w_mode = true;
+  o.lamb.bias_correction = false;
+  o.lamb.eps_inside_sqrt = false;
+  if (o.type == OptimizerType::kOneBitLamb) {
+    optim::LambParams& l = o.lamb;
+    p.get_number("max_coeff", l.max_coeff, above(0));
+    p.get_number("min_coeff", l.min_coeff, above(0));
+    if (l.min_coeff > l.max_coeff)
+      throw ConfigError(p.path_of("min_coeff"), "must be <= max_coeff " + num(l.max_coeff) + ", got " + num(l.min_coeff));
+    p.get_number("coeff_beta", b.coeff_beta, lo_closed(0, 1));
+    p.get_number("factor_max", b.factor_max, above(0));
+    p.get_number("factor_min", b.factor_min, above(0));
+    p.get_number("factor_threshold", b.factor_threshold, at_least(0));
+    if (b.factor_min > b.factor_max)
+      throw ConfigError(p.path_of("factor_min"),
+                        "must be <= factor_max " + num(b.factor_max) + ", got " + num(b.factor_min));
+  }
   if (o.type == OptimizerType::kZeroOneAdam) {
     p.get_int("var_freeze_step", b.var_freeze_step, at_least(1));
     p.get_int("var_update_scaler", b.var_update_scaler, at_least(1));
@@ -172,18 +215,20 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
     o.type = OptimizerType::kOneBitAdam;
   } else if (lower(type) == "zerooneadam") {
     o.type = OptimizerType::kZeroOneAdam;
+  } else if (lower(type) == "onebitlamb") {
+    o.type = OptimizerType::kOneBitLamb;
   } else {
     // DeepSpeed's other built-in optimizers (lower case, as it compares them).
-    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad", "onebitlamb", "lion", "muadam",
-                                                            "muadamw", "musgd",      "muon"};
-    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam, ZeroOneAdam";
+    static const std::vector<std::string> kDeepSpeedOnly = {"adagrad", "lion", "muadam", "muadamw", "musgd", "muon"};
+    std::string msg = show(*t) + " is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam, "
+                                 "ZeroOneAdam, OneBitLamb";
     bool ds_known =
         std::find(kDeepSpeedOnly.begin(), kDeepSpeedOnly.end(), lower(type)) != kDeepSpeedOnly.end();
-    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam"});
+    std::string near = ds_known ? "" : did_you_mean(type, {"Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"});
     if (!near.empty()) msg += " (did you mean '" + near + "'?)";
     throw ConfigError("optimizer.type", msg);
   }
-  const bool lamb = o.type == OptimizerType::kLamb;
+  const bool lamb = o.type == OptimizerType::kLamb;  // OneBitLamb is parsed with the 1-bit optimizers
   const bool onebit = o.one_bit();
   r.ignore_bool("legacy_fusion", false);
 
@@ -197,14 +242,10 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
       }
     }
   } else if (onebit) {
-    const bool zo = o.type == OptimizerType::kZeroOneAdam;
-    for (const char* k : {"adam_w_mode", "torch_adam", "set_grad_none", "max_coeff", "min_coeff",
-                          zo ? "freeze_step" : "var_freeze_step", zo ? "freeze_step" : "var_update_scaler",
-                          zo ? "freeze_step" : "local_step_scaler", zo ? "freeze_step" : "local_step_clipper"}) {
-      if (p.has(k)) {
+    for (const std::string& k : p.keys()) {
+      if (onebit_family_key(k) && !onebit_takes(o.type, k)) {
         throw ConfigError(p.path_of(k), std::string("not a ") + optimizer_type_name(o.type) +
-                                            " parameter (" + onebit_keys(o.type) +
-                                            "); its weight decay is always decoupled");
+                                            " parameter (" + onebit_keys(o.type) + ")");
       }
     }
   } else {
@@ -251,7 +292,10 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
     r.finish();
     return;
   }
-  shared(o.adam);
+  if (o.type == OptimizerType::kOneBitLamb)
+    shared(o.lamb);
+  else
+    shared(o.adam);
   if (onebit) {
     parse_onebit(p, o);
     p.finish();

@@ -245,6 +245,12 @@ class Reader {
   }
   const std::string& last_path() const { return last_path_; }
   bool has(const Name& name) { return find(name) != nullptr; }
+  // The keys the section holds, in order (none is marked known).
+  std::vector<std::string> keys() const {
+    std::vector<std::string> out;
+    for (auto it = j_.begin(); it != j_.end(); ++it) out.push_back(it.key());
+    return out;
+  }
   // A key another parser reads (a section the caller owns): not read here,
   // but known, so finish() accepts it and offers it for "did you mean".
   void skip(std::string_view key) { remember(key); }

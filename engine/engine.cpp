@@ -472,6 +472,8 @@ void Engine::Impl::step() {
       device->after_gather();
     }
     if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) zero_one_after_step(optimizer_steps);
+    if (cfg.optimizer.type == OptimizerType::kOneBitLamb && onebit_now == OneBitMode::kFull)
+      onebit_lamb_after_full(optimizer_steps);
   }
   reducer->reset_after_step();
   device->after_step();
@@ -506,8 +508,8 @@ void Engine::Impl::update_span(const StateSpan& sp, float grad_scale) {
 }
 
 void Engine::Impl::update_all(float grad_scale) {
-  if (cfg.optimizer.type == OptimizerType::kLamb) return lamb_update_all(grad_scale);
   if (onebit_step_now) return onebit_update_all(grad_scale);
+  if (cfg.optimizer.lamb_family()) return lamb_update_all(grad_scale);
   visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
 }
 
@@ -558,7 +560,8 @@ void Engine::Impl::lamb_update_all(float grad_scale) {
     reduce_stream->submit([&sums](comm::Communicator& c) {
       c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
     }).wait();
-  std::vector<double> ratios(static_cast<size_t>(lamb_tensors));
+  std::vector<double>& ratios = lamb_ratios;
+  ratios.assign(static_cast<size_t>(lamb_tensors), 0.0);
   for (int t = 0; t < lamb_tensors; ++t)
     ratios[static_cast<size_t>(t)] =
         optim::lamb_trust_ratio(sums[2 * t], sums[2 * t + 1], lamb.min_coeff, lamb.max_coeff);

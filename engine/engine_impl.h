@@ -163,6 +163,7 @@ struct Engine::Impl final : StepContext {
     kCompressedMomentum,  // 1-bit Adam past the freeze: local momentum, averaged at 1 bit
     kCompressedGrad,      // 0/1 Adam between variance steps: the gradient averaged at 1 bit
     kLocal,               // 0/1 Adam past the freeze: local steps, synchronised at 1 bit
+    kLambCompressed,      // 1-bit Lamb past the freeze: scaled momentum averaged at 1 bit
   };
   OneBitMode onebit_mode() const;
   // Gradients stay local at the boundary (any mode but kFull).
@@ -181,6 +182,18 @@ struct Engine::Impl final : StepContext {
   double zo_lrs = 0;
   std::vector<std::vector<float>> zo_accum;
   void zero_one_after_step(int64_t t);
+  // 1-bit Lamb (Note [1-bit Lamb]): per tensor (in block and layout order)
+  // the warm-up's moving average of the trust ratio, the last factor and
+  // the momentum scaling (set at the first compressed step); the fresh
+  // variance estimate per block span; one compressed all-reduce over every
+  // tensor's momentum, concatenated.
+  std::vector<double> ob_lamb_coeff, ob_last_factor, ob_scaling;
+  std::vector<std::vector<float>> ob_v_fresh;
+  std::unique_ptr<comm::CompressedAllReduce> ob_flat;
+  std::vector<double> lamb_ratios;  // the trust ratios of lamb_update_all's last step, per tensor
+  void onebit_lamb_after_full(int64_t t);
+  void onebit_lamb_update_all(float grad_scale);
+  int64_t onebit_tensor_count() const;
   // This rank's sum of squares of its own (unreduced) gradients.
   double onebit_local_squares();
   void onebit_update_all(float grad_scale);
@@ -195,10 +208,13 @@ struct Engine::Impl final : StepContext {
   // its shard (nothing when none of it exists, or on one rank).
   nlohmann::json onebit_save(const std::string& partial_dir);
   struct OneBitSaved {
-    std::string why;             // empty when the rest holds this rank's state
-    std::vector<float> errors;   // worker then server error, tensor by tensor
+    std::string why;             // why the rank-specific part is not used (empty: it is)
+    std::vector<float> errors;   // worker then server error, tensor by tensor (1-bit Lamb: the one flat buffer)
     std::vector<float> accum, master, m;  // 0/1 Adam's, per block span, concatenated
     double lrs = 0;
+    bool lamb = false;           // 1-bit Lamb's state (the same on every rank; any world size)
+    std::vector<float> v_fresh;  // per block span, concatenated
+    std::vector<double> lamb_coeff, last_factor, scaling;
   };
   // Reads and verifies this rank's part (before anything is loaded).
   OneBitSaved onebit_read(const ckpt::TagFiles& files) const;

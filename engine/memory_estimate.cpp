@@ -245,6 +245,8 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   if (c.optimizer.type == OptimizerType::kZeroOneAdam)
     grads.push_back({"0/1 Adam update accumulator (fp32)", 4 * span_all,
                      "after var_freeze_step: each rank's local updates since the last synchronisation"});
+  if (c.optimizer.type == OptimizerType::kOneBitLamb)
+    grads.push_back({"1-bit Lamb fresh variance (fp32)", 4 * span_all, "from freeze_step on: a second variance estimate"});
   if (c.optimizer.one_bit() && world > 1) {
     int64_t errors = 0;
     for (const BlockLayout& l : layouts)

@@ -70,6 +70,30 @@
 //    step, so its variance and synchronisation steps fall at t + 1 where
 //    zinc's fall at t; on one rank DeepSpeed leaves the momentum unchanged at
 //    the steps between variance updates, where zinc folds in the gradient.
+// Note [1-bit Lamb]
+// ~~~~~~~~~~~~~~~~~
+// DeepSpeed's OnebitLamb (deepspeed/runtime/fp16/onebit/lamb.py; Li et al.
+// 2021), with zinc's t as above:
+//  - Warm-up, t <= freeze_step: Lamb on the averaged gradient with no bias
+//    correction (zinc's Lamb kernel: equal to zinc's "Lamb" with
+//    bias_correction false bit for bit), and per tensor a moving average of
+//    the trust ratio, c = coeff_beta c + (1 - coeff_beta) ratio, wherever the
+//    ratio is not exactly 1; at t = freeze_step a copy of the variance
+//    starts the "fresh" variance.
+//  - After: at the first such step each tensor's momentum gets a scale
+//    s_t = (mean over tensors of rms(m)) / rms(m_t) (1 where rms(m_t) is
+//    0, where DeepSpeed divides by zero). Every step: m_t = (b1 m_t + (1 -
+//    b1) g_t) s_t on each rank's own gradient; all tensors' m concatenated
+//    (no alignment gaps) are averaged at 1 bit in one buffer, as DeepSpeed
+//    does; m_t /= s_t; the gradient is reconstructed as (m - b1 m_last) / (1
+//    - b1) and folded into the fresh variance; u = m / (sqrt(v) + eps) + wd
+//    w with the frozen v; the factor is max(denom / (sqrt(v_fresh) + eps))
+//    over the tensor, blended towards 1 by |m / denom| / |u| with weight
+//    decay, clamped to [factor_min, factor_max] and to within
+//    factor_threshold of the last factor; w -= lr c factor u.
+//  - The same state on every rank except the error feedback; a checkpoint
+//    keeps it (the fresh variance, c, the factors, the scales) and restores
+//    it at any world size, the error feedback only at the same one.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -95,6 +119,8 @@ Engine::Impl::OneBitMode Engine::Impl::onebit_mode() const {
     if (t > b.var_freeze_step) return OneBitMode::kLocal;
     return t % zo_var_interval == 0 ? OneBitMode::kFull : OneBitMode::kCompressedGrad;
   }
+  if (cfg.optimizer.type == OptimizerType::kOneBitLamb)
+    return t <= b.freeze_step ? OneBitMode::kFull : OneBitMode::kLambCompressed;
   return OneBitMode::kFull;
 }
 
@@ -144,7 +170,157 @@ void Engine::Impl::onebit_average(int block, float* buf) {
   }).wait();
 }
 
+int64_t Engine::Impl::onebit_tensor_count() const {
+  int64_t n = 0;
+  for (const BlockShard& s : blocks) n += static_cast<int64_t>(s.layout.numels.size());
+  return n;
+}
+
+void Engine::Impl::onebit_lamb_after_full(int64_t t) {
+  const int64_t tensors = onebit_tensor_count();
+  if (ob_lamb_coeff.empty()) {
+    ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
+    ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
+  }
+  ZINC_CHECK(static_cast<int64_t>(lamb_ratios.size()) == tensors, "1-bit Lamb: no trust ratios from the step");
+  const double cb = cfg.optimizer.onebit.coeff_beta;
+  for (size_t k = 0; k < lamb_ratios.size(); ++k)
+    if (lamb_ratios[k] != 1.0) ob_lamb_coeff[k] = cb * ob_lamb_coeff[k] + (1.0 - cb) * lamb_ratios[k];
+  if (t == cfg.optimizer.onebit.freeze_step) {
+    ob_v_fresh.clear();
+    opt_state->for_each_read([&](const StateSpan& sp) { ob_v_fresh.emplace_back(sp.v, sp.v + sp.count); });
+  }
+}
+
+void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
+  ZINC_CHECK(offload_device == OffloadDevice::kNone, "1-bit Lamb: the optimizer states must be in RAM (stage 0)");
+  const OneBitConfig& ob = cfg.optimizer.onebit;
+  const int64_t tensors = onebit_tensor_count();
+  if (ob_lamb_coeff.empty()) {  // resumed past the freeze from a checkpoint of another optimizer
+    ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
+    ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
+  }
+  std::vector<StateSpan> spans;  // every block's whole span, in RAM: the pointers stay valid
+  opt_state->for_each_read([&](const StateSpan& sp) { spans.push_back(sp); });
+  ZINC_CHECK(spans.size() == blocks.size(), "1-bit Lamb: a span that is not a whole block (stage 0 keeps whole blocks)");
+  if (ob_v_fresh.empty())  // resumed past the freeze without it: start from the frozen variance
+    for (const StateSpan& sp : spans) ob_v_fresh.emplace_back(sp.v, sp.v + sp.count);
+  const float b1 = static_cast<float>(lamb.beta1), one_minus_b1 = static_cast<float>(1.0 - lamb.beta1);
+  const float b2 = static_cast<float>(lamb.beta2), one_minus_b2 = static_cast<float>(1.0 - lamb.beta2);
+  const float eps = static_cast<float>(lamb.eps), wd = static_cast<float>(lamb.weight_decay);
+  // The momentum scales, once.
+  if (ob_scaling.empty()) {
+    std::vector<double> rms;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const BlockLayout& l = blocks[b].layout;
+      for (size_t t = 0; t < l.offsets.size(); ++t) {
+        double sq = 0;
+        const float* m = spans[b].m + l.offsets[t];
+        for (int64_t i = 0; i < l.numels[t]; ++i) sq += double(m[i]) * double(m[i]);
+        rms.push_back(std::sqrt(sq) / std::sqrt(static_cast<double>(l.numels[t])));
+      }
+    }
+    double united = 0;
+    for (double r : rms) united += r;
+    united /= static_cast<double>(rms.size());
+    for (double r : rms) ob_scaling.push_back(r > 0 ? united / r : 1.0);
+  }
+  // Local momentum, scaled, into one flat buffer.
+  int64_t total = 0;
+  for (const BlockShard& s : blocks) total += s.layout.param_numel();
+  std::vector<float> flat(static_cast<size_t>(total));
+  std::vector<std::vector<float>> m_last(blocks.size());
+  {
+    int64_t at = 0;
+    size_t k = 0;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const BlockLayout& l = blocks[b].layout;
+      const float* g = blocks[b].grad.as<float>();
+      float* m = spans[b].m;
+      m_last[b].assign(m, m + spans[b].count);
+      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+        const float sc = static_cast<float>(ob_scaling[k]);
+        for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
+          m[i] = (b1 * m[i] + one_minus_b1 * (g[i] * grad_scale)) * sc;
+          flat[static_cast<size_t>(at++)] = m[i];
+        }
+      }
+    }
+  }
+  if (world > 1) {
+    if (!ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
+    reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average(c, flat.data(), total); }).wait();
+  }
+  // Per tensor: the averaged momentum, the fresh variance, the coefficient.
+  std::vector<float> coeff(static_cast<size_t>(tensors));
+  {
+    int64_t at = 0;
+    size_t k = 0;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const BlockLayout& l = blocks[b].layout;
+      float* m = spans[b].m;
+      const float* v = spans[b].v;
+      const float* w = spans[b].master;
+      float* vf = ob_v_fresh[b].data();
+      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+        const float sc = static_cast<float>(ob_scaling[k]);
+        double u_sq = 0, prelim_sq = 0;
+        float factor_max = 0;
+        for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
+          m[i] = flat[static_cast<size_t>(at++)] / sc;
+          const float gr = (m[i] - m_last[b][i] * b1) / one_minus_b1;
+          vf[i] = b2 * vf[i] + (one_minus_b2 * gr) * gr;
+          const float denom = std::sqrt(v[i]) + eps;
+          const float prelim = m[i] / denom;
+          const float u = prelim + wd * w[i];
+          u_sq += double(u) * double(u);
+          prelim_sq += double(prelim) * double(prelim);
+          factor_max = std::max(factor_max, denom / (std::sqrt(vf[i]) + eps));
+        }
+        double factor = factor_max;
+        if (lamb.weight_decay > 0) {
+          const double ratio = u_sq > 0 ? std::min(1.0, std::sqrt(prelim_sq) / std::sqrt(u_sq)) : 1.0;
+          factor = factor * ratio + (1.0 - ratio);
+        }
+        factor = std::clamp(factor, ob.factor_min, ob.factor_max);
+        factor = std::min(factor, ob_last_factor[k] * (1.0 + ob.factor_threshold));
+        factor = std::max(factor, ob_last_factor[k] * (1.0 - ob.factor_threshold));
+        ob_last_factor[k] = factor;
+        coeff[k] = static_cast<float>(-lamb.lr * (ob_lamb_coeff[k] * factor));
+      }
+    }
+  }
+  // The update, block by block (the compute copy follows each).
+  size_t first = 0;
+  visit_updating([&](const StateSpan& sp) {
+    const BlockLayout& l = blocks[static_cast<size_t>(sp.block)].layout;
+    size_t k = first;
+    for (size_t t = 0; t < l.offsets.size(); ++t, ++k)
+      for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
+        const float u = sp.m[i] / (std::sqrt(sp.v[i]) + eps) + wd * sp.master[i];
+        sp.master[i] = sp.master[i] + coeff[k] * u;
+      }
+    first = k;
+    if (char* out = compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
+  });
+}
+
 void Engine::Impl::onebit_update_all(float grad_scale) {
+  if (onebit_now == OneBitMode::kLambCompressed) {
+    onebit_lamb_update_all(grad_scale);
+    if (!onebit_announced && rank == 0) {
+      int64_t total = 0;
+      for (const BlockShard& s : blocks) total += s.layout.param_numel();
+      log_info("OneBitLamb: the variance is frozen after " + std::to_string(cfg.optimizer.onebit.freeze_step) +
+               " Lamb steps; from optimizer step " + std::to_string(optimizer_steps) +
+               " each rank sends its scaled momentum at 1 bit per element (" +
+               std::to_string(ob_flat ? ob_flat->wire_bytes_per_rank() : 0) + " bytes per rank, against " +
+               std::to_string(world > 1 ? 2 * total * 4 * (world - 1) / world : 0) +
+               " for the fp32 gradient all-reduce)");
+    }
+    onebit_announced = true;
+    return;
+  }
   if (world > 1 && onebit_ar.empty()) onebit_make_compressors();
   if (!onebit_announced && rank == 0) {
     int64_t full = 0, compressed = 0;
@@ -225,7 +401,8 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
       return;
     }
     case OneBitMode::kFull:
-      ZINC_CHECK(false, "1-bit optimizers: a full step reached the compressed update");
+    case OneBitMode::kLambCompressed:
+      ZINC_CHECK(false, "1-bit optimizers: a step reached the wrong update");
   }
   // The frozen-variance update, in zinc's AdamW order (the decay first).
   const float decay = static_cast<float>(-adam.lr * adam.weight_decay);
@@ -248,93 +425,144 @@ void append(std::string& bytes, const float* p, size_t n) {
 }
 }  // namespace
 
+// The file holds up to three sections, in this order, each listed in the
+// rank index with its length in bytes: "errors" (the error feedback: every
+// tensor's worker then server error, or 1-bit Lamb's one flat pair) and
+// "zero_one" (0/1 Adam's accumulator, weights and momentum, per block span)
+// are this rank's and this world size's; "lamb" (1-bit Lamb's fresh
+// variance per block span, then per tensor the trust-ratio average, the
+// last factor and the momentum scale as doubles) is the same on every rank.
 nlohmann::json Engine::Impl::onebit_save(const std::string& partial_dir) {
-  if (world == 1 || (onebit_ar.empty() && zo_accum.empty())) return nullptr;
-  std::string bytes;
-  int64_t tensors = 0;
+  if (!cfg.optimizer.one_bit()) return nullptr;
+  std::string errors, zero_one, lamb_part;
   for (const auto& per : onebit_ar)
     for (const comm::CompressedAllReduce& ar : per) {
-      append(bytes, ar.worker_error().data(), ar.worker_error().size());
-      append(bytes, ar.server_error().data(), ar.server_error().size());
-      tensors += 1;
+      append(errors, ar.worker_error().data(), ar.worker_error().size());
+      append(errors, ar.server_error().data(), ar.server_error().size());
     }
-  const bool local = !zo_accum.empty();
-  if (local) {
-    for (const auto& a : zo_accum) append(bytes, a.data(), a.size());
-    opt_state->for_each_read([&](const StateSpan& sp) { append(bytes, sp.master, static_cast<size_t>(sp.count)); });
-    opt_state->for_each_read([&](const StateSpan& sp) { append(bytes, sp.m, static_cast<size_t>(sp.count)); });
+  if (ob_flat) {
+    append(errors, ob_flat->worker_error().data(), ob_flat->worker_error().size());
+    append(errors, ob_flat->server_error().data(), ob_flat->server_error().size());
   }
+  if (!zo_accum.empty()) {
+    for (const auto& a : zo_accum) append(zero_one, a.data(), a.size());
+    opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.master, static_cast<size_t>(sp.count)); });
+    opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.m, static_cast<size_t>(sp.count)); });
+  }
+  const bool lamb_state = cfg.optimizer.type == OptimizerType::kOneBitLamb && !ob_lamb_coeff.empty();
+  if (lamb_state) {
+    for (const auto& v : ob_v_fresh) append(lamb_part, v.data(), v.size());
+    for (const std::vector<double>* d : {&ob_lamb_coeff, &ob_last_factor, &ob_scaling})
+      lamb_part.append(reinterpret_cast<const char*>(d->data()), d->size() * sizeof(double));
+  }
+  if (errors.empty() && zero_one.empty() && lamb_part.empty()) return nullptr;
+  const std::string bytes = errors + zero_one + lamb_part;
   const std::string name = onebit_file(rank);
   ckpt::write_file_atomic((std::filesystem::path(partial_dir) / name).string(), bytes);
   nlohmann::json j = {{"file", name},
                       {"bytes", static_cast<int64_t>(bytes.size())},
                       {"xxh3_64", ckpt::xxh3_hex(bytes.data(), bytes.size())},
                       {"world_size", world},
-                      {"tensors", tensors},
-                      {"local_state", local}};
-  if (local) j["lr_sum"] = zo_lrs;
+                      {"sections",
+                       {{"errors", static_cast<int64_t>(errors.size())},
+                        {"zero_one", static_cast<int64_t>(zero_one.size())},
+                        {"lamb", static_cast<int64_t>(lamb_part.size())}}}};
+  if (!zero_one.empty()) j["lr_sum"] = zo_lrs;
+  if (lamb_state) j["lamb"] = {{"v_fresh", !ob_v_fresh.empty()}, {"scaling", !ob_scaling.empty()}};
   return j;
 }
 
 Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files) const {
   OneBitSaved out;
-  if (!cfg.optimizer.one_bit() || world == 1) return out;
+  if (!cfg.optimizer.one_bit()) return out;
   const int saved_world = files.meta.at("world_size").get<int>();
-  const nlohmann::json& index = files.ranks.at(static_cast<size_t>(std::min(rank, saved_world - 1)));
+  const int from = std::min(rank, saved_world - 1);
+  const nlohmann::json& index = files.ranks.at(static_cast<size_t>(from));
   if (!index.contains("onebit") || index["onebit"].is_null()) {
     out.why = "the checkpoint holds no 1-bit state (saved before any compressed step, or by another optimizer)";
     return out;
   }
-  if (saved_world != world) {
-    out.why = "the checkpoint's 1-bit state is for " + std::to_string(saved_world) + " ranks, this run has " +
-              std::to_string(world);
-    return out;
-  }
   const nlohmann::json& e = index["onebit"];
-  const std::string where = files.dir + "/" + onebit_file(rank);
-  auto malformed = [&] {
-    throw IoError("checkpoint: the rank index of rank " + std::to_string(rank) + " in " + files.dir +
-                  " has a malformed \"onebit\" entry (nothing was loaded)");
+  const std::string where = files.dir + "/" + onebit_file(from);
+  auto malformed = [&](const std::string& what) {
+    throw IoError("checkpoint: the rank index of rank " + std::to_string(from) + " in " + files.dir +
+                  " has a malformed \"onebit\" entry (" + what + "; nothing was loaded)");
   };
-  if (!e.is_object() || e.value("file", "") != onebit_file(rank) || !e.contains("bytes") ||
-      !e["bytes"].is_number_integer() || !e.contains("xxh3_64") || !e["xxh3_64"].is_string() ||
-      !e.contains("tensors") || !e["tensors"].is_number_integer())
-    malformed();
-  const bool local = e.value("local_state", false);
-  if (local && (!e.contains("lr_sum") || !e["lr_sum"].is_number())) malformed();
-  int64_t errors = 0, tensors = 0, span = 0;
-  for (const BlockShard& s : blocks) {
-    span += s.opt_numel;
-    for (int64_t n : s.layout.numels) {
-      const int64_t padded = comm::onebit_padded_size(n, world);
-      errors += padded + padded / world;
-      tensors += 1;
-    }
-  }
-  const int64_t saved_tensors = e["tensors"].get<int64_t>();
-  if (saved_tensors != 0 && saved_tensors != tensors) malformed();
-  const int64_t want = (saved_tensors != 0 ? errors : 0) + (local ? 3 * span : 0);
+  if (!e.is_object() || e.value("file", "") != onebit_file(from)) malformed("file");
+  auto int_at = [&](const nlohmann::json& o, const char* k) {
+    if (!o.is_object() || !o.contains(k) || !o[k].is_number_integer() || o[k].get<int64_t>() < 0) malformed(k);
+    return o[k].get<int64_t>();
+  };
+  if (!e.contains("xxh3_64") || !e["xxh3_64"].is_string()) malformed("xxh3_64");
+  if (!e.contains("sections")) malformed("sections");
+  const int64_t n_bytes = int_at(e, "bytes"), n_errors = int_at(e["sections"], "errors"),
+                n_zero_one = int_at(e["sections"], "zero_one"), n_lamb = int_at(e["sections"], "lamb");
+  if (n_errors + n_zero_one + n_lamb != n_bytes) malformed("the sections do not add up to the file");
   const std::string bytes = ckpt::read_bytes(where);
-  if (static_cast<int64_t>(bytes.size()) != e["bytes"].get<int64_t>() ||
+  if (static_cast<int64_t>(bytes.size()) != n_bytes ||
       ckpt::xxh3_hex(bytes.data(), bytes.size()) != e["xxh3_64"].get<std::string>())
     throw IoError("checkpoint: " + where + " is corrupted: its size or checksum is not the one its rank index "
                   "holds (edited, damaged or from another checkpoint; nothing was loaded)");
-  if (static_cast<int64_t>(bytes.size()) != want * 4)
-    throw IoError("checkpoint: " + where + " has " + std::to_string(bytes.size()) + " bytes of 1-bit state; this "
-                  "model at " + std::to_string(world) + " ranks needs " + std::to_string(want * 4) +
+  // What this model needs of each section.
+  int64_t errors = 0, span = 0, total = 0;
+  const int64_t tensors = onebit_tensor_count();
+  for (const BlockShard& s : blocks) {
+    span += s.opt_numel;
+    total += s.layout.param_numel();
+    for (int64_t n : s.layout.numels) {
+      const int64_t padded = comm::onebit_padded_size(n, world);
+      errors += padded + padded / world;
+    }
+  }
+  if (cfg.optimizer.type == OptimizerType::kOneBitLamb) {
+    const int64_t padded = comm::onebit_padded_size(total, world);
+    errors = padded + padded / world;
+  }
+  auto wrong = [&](const char* section, int64_t have, int64_t want) {
+    throw IoError("checkpoint: " + where + " has " + std::to_string(have) + " bytes of 1-bit " + section +
+                  " state; this model at " + std::to_string(world) + " ranks needs " + std::to_string(want) +
                   " (nothing was loaded)");
-  auto take = [&](std::vector<float>& v, int64_t count, int64_t& at) {
-    v.resize(static_cast<size_t>(count));
-    std::memcpy(v.data(), bytes.data() + at * 4, static_cast<size_t>(count) * 4);
-    at += count;
   };
-  int64_t at = 0;
-  if (saved_tensors != 0) take(out.errors, errors, at);
-  if (local) {
-    take(out.accum, span, at);
-    take(out.master, span, at);
-    take(out.m, span, at);
+  auto floats = [&](int64_t at, int64_t count) {
+    std::vector<float> v(static_cast<size_t>(count));
+    std::memcpy(v.data(), bytes.data() + at, static_cast<size_t>(count) * 4);
+    return v;
+  };
+  const bool same_world = saved_world == world;
+  if (!same_world)
+    out.why = "the checkpoint's error feedback is for " + std::to_string(saved_world) + " ranks, this run has " +
+              std::to_string(world);
+  if (same_world && n_errors > 0) {
+    if (n_errors != errors * 4) wrong("error feedback", n_errors, errors * 4);
+    out.errors = floats(0, errors);
+  }
+  if (same_world && n_zero_one > 0) {
+    if (n_zero_one != 3 * span * 4) wrong("0/1 Adam", n_zero_one, 3 * span * 4);
+    if (!e.contains("lr_sum") || !e["lr_sum"].is_number()) malformed("lr_sum");
+    out.accum = floats(n_errors, span);
+    out.master = floats(n_errors + span * 4, span);
+    out.m = floats(n_errors + 2 * span * 4, span);
     out.lrs = e["lr_sum"].get<double>();
+  }
+  if (n_lamb > 0 && cfg.optimizer.type == OptimizerType::kOneBitLamb) {
+    if (!e.contains("lamb") || !e["lamb"].is_object()) malformed("lamb");
+    const bool v_fresh = e["lamb"].value("v_fresh", false), scaling = e["lamb"].value("scaling", false);
+    const int64_t want = (v_fresh ? span * 4 : 0) + (scaling ? 3 : 2) * tensors * 8;
+    if (n_lamb != want) wrong("Lamb", n_lamb, want);
+    int64_t at = n_errors + n_zero_one;
+    if (v_fresh) {
+      out.v_fresh = floats(at, span);
+      at += span * 4;
+    }
+    auto doubles = [&](std::vector<double>& d) {
+      d.resize(static_cast<size_t>(tensors));
+      std::memcpy(d.data(), bytes.data() + at, static_cast<size_t>(tensors) * 8);
+      at += tensors * 8;
+    };
+    doubles(out.lamb_coeff);
+    doubles(out.last_factor);
+    if (scaling) doubles(out.scaling);
+    out.lamb = true;
   }
   return out;
 }
@@ -350,8 +578,13 @@ void Engine::Impl::onebit_overwrite_span(const OneBitSaved& saved, const StateSp
 
 void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
   onebit_ar.clear();
+  ob_flat.reset();
   zo_accum.clear();
   zo_lrs = 0;
+  ob_lamb_coeff.clear();
+  ob_last_factor.clear();
+  ob_scaling.clear();
+  ob_v_fresh.clear();
   onebit_announced = false;
   if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) {  // the schedule is a function of the step count
     zo_var_interval = 1;
@@ -360,15 +593,33 @@ void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
     zo_errors_reset = false;
     for (int64_t t = 1; t <= optimizer_steps; ++t) zero_one_after_step(t);
   }
-  if (!cfg.optimizer.one_bit() || world == 1) return;
-  if (!saved.errors.empty()) {
-    onebit_make_compressors();
-    const float* at = saved.errors.data();
-    for (auto& per : onebit_ar)
-      for (comm::CompressedAllReduce& ar : per) {
-        ar.set_errors(at, at + ar.padded_size());
-        at += ar.padded_size() + ar.chunk_size();
+  if (!cfg.optimizer.one_bit()) return;
+  if (saved.lamb) {
+    ob_lamb_coeff = saved.lamb_coeff;
+    ob_last_factor = saved.last_factor;
+    ob_scaling = saved.scaling;
+    const float* at = saved.v_fresh.data();
+    if (!saved.v_fresh.empty())
+      for (const BlockShard& s : blocks) {
+        ob_v_fresh.emplace_back(at, at + s.opt_numel);
+        at += s.opt_numel;
       }
+  }
+  if (!saved.errors.empty() && world > 1) {
+    if (cfg.optimizer.type == OptimizerType::kOneBitLamb) {
+      int64_t total = 0;
+      for (const BlockShard& s : blocks) total += s.layout.param_numel();
+      ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
+      ob_flat->set_errors(saved.errors.data(), saved.errors.data() + ob_flat->padded_size());
+    } else {
+      onebit_make_compressors();
+      const float* at = saved.errors.data();
+      for (auto& per : onebit_ar)
+        for (comm::CompressedAllReduce& ar : per) {
+          ar.set_errors(at, at + ar.padded_size());
+          at += ar.padded_size() + ar.chunk_size();
+        }
+    }
   }
   if (!saved.accum.empty()) {
     const float* at = saved.accum.data();
@@ -378,7 +629,7 @@ void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
     }
     zo_lrs = saved.lrs;
   }
-  if (!saved.why.empty() && onebit_local_grads() && rank == 0)
+  if (!saved.why.empty() && onebit_local_grads() && world > 1 && rank == 0)
     log_warn(std::string(optimizer_type_name(cfg.optimizer.type)) + ": " + saved.why +
              "; the error feedback restarts from zero (as DeepSpeed's does at every load)");
 }

@@ -424,8 +424,10 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
     std::printf(" | ZeroOneAdam: the variance updated at growing intervals (1 bit between them) until step %lld, "
                 "then local steps synchronised at 1 bit over %s",
                 static_cast<long long>(cfg.optimizer.onebit.var_freeze_step), comm.backend().c_str());
-  if (cfg.optimizer.type == zinc::OptimizerType::kOneBitAdam)
-    std::printf(" | OneBitAdam: Adam for %lld steps, then the momentum at 1 bit per element over %s%s",
+  if (cfg.optimizer.type == zinc::OptimizerType::kOneBitAdam || cfg.optimizer.type == zinc::OptimizerType::kOneBitLamb)
+    std::printf(" | %s: %s for %lld steps, then the momentum at 1 bit per element over %s%s",
+                zinc::optimizer_type_name(cfg.optimizer.type),
+                cfg.optimizer.type == zinc::OptimizerType::kOneBitLamb ? "Lamb" : "Adam",
                 static_cast<long long>(cfg.optimizer.onebit.freeze_step), comm.backend().c_str(),
                 comm.size() == 1 ? " (one rank: nothing to compress, the variance frozen)"
                                  : (" (comm_backend_name \"" + cfg.optimizer.onebit.comm_backend_name +

@@ -93,7 +93,6 @@ TEST(ConfigLegacy, KeysThatChangeTrainingAreRefusedWithTheReason) {
     std::vector<std::string> parts;
   };
   const Case cases[] = {
-      {{{"optimizer", {{"type", "OneBitLamb"}}}}, {"optimizer.type: \"OneBitLamb\"", "1 bit"}},
       {{{"sequence_parallel_size", 2}}, {"sequence_parallel_size: not implemented in zinc", "sequence parallelism"}},
       {{{"curriculum_learning", {{"enabled", true}, {"curriculum_type", "seqlen"}}}},
        {"curriculum_learning: not implemented in zinc", "sequence lengths"}},
@@ -121,9 +120,6 @@ TEST(ConfigLegacy, KeysThatChangeTrainingAreRefusedWithTheReason) {
                       {"compression_training", {{"weight_quantization", {{"shared_parameters", {{"enabled", true}}}}}}}},
                      ws),
         {"compression_training: not implemented in zinc"});
-    testing_config::expect_parts(
-        config_error({{"train_batch_size", 32}, {"optimizer", {{"type", "OneBitLamb"}}}}, ws),
-        {"optimizer.type: \"OneBitLamb\"", "1 bit"});
   }
   // Switched off, they parse.
   EXPECT_NO_THROW(Config::parse(with({{"curriculum_learning", {{"enabled", false}}},

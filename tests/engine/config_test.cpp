@@ -315,9 +315,9 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
 }
 
 TEST(ConfigErrors, OptimizerAndScheduler) {
-  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitLamb"}}}}),
-                      "optimizer.type: \"OneBitLamb\" is not implemented in zinc yet: it compresses its "
-                      "communication to 1 bit", "\"OneBitAdam\" and \"ZeroOneAdam\" are implemented");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lion"}}}}),
+                      "optimizer.type: \"Lion\" is not implemented in zinc; supported: Adam, AdamW, Lamb, OneBitAdam, "
+                      "ZeroOneAdam, OneBitLamb");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Lam"}}}}), "(did you mean 'Lamb'?)");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", 1e-3}}}}}}), "optimizer.type: missing");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}),
@@ -740,6 +740,30 @@ TEST(ConfigOneBitAdam, KeysDefaultsAndRefusals) {
   EXPECT_CONFIG_ERROR(zero_one({{"local_step_clipper", 0}}), "optimizer.params.local_step_clipper");
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "ZeroOneAdam"}}}, {"zero_optimization", {{"stage", 1}}}}),
                       "zero_optimization.stage: ZeroOneAdam is not compatible with ZeRO");
+  // OneBitLamb: Lamb's coefficient bounds and its own factor keys.
+  auto lamb = [](const json& params) {
+    return with({{"optimizer", {{"type", "OneBitLamb"}, {"params", params}}}});
+  };
+  Config l = Config::parse(lamb({{"lr", 5e-3}, {"max_coeff", 0.3}, {"min_coeff", 0.01}, {"freeze_step", 1000},
+                                 {"coeff_beta", 0.9}, {"factor_max", 2.0}, {"factor_min", 0.5},
+                                 {"factor_threshold", 0.1}}));
+  EXPECT_EQ(l.optimizer.type, OptimizerType::kOneBitLamb);
+  EXPECT_DOUBLE_EQ(l.optimizer.lr(), 5e-3);
+  EXPECT_DOUBLE_EQ(l.optimizer.lamb.max_coeff, 0.3);
+  EXPECT_EQ(l.optimizer.onebit.freeze_step, 1000);
+  EXPECT_DOUBLE_EQ(l.optimizer.onebit.factor_max, 2.0);
+  EXPECT_FALSE(l.optimizer.lamb.bias_correction);
+  EXPECT_EQ(Config::parse(to_json(l)).optimizer, l.optimizer);
+  const Config ld = Config::parse(lamb(json::object()));  // DeepSpeed's defaults
+  EXPECT_DOUBLE_EQ(ld.optimizer.lamb.max_coeff, 10.0);
+  EXPECT_DOUBLE_EQ(ld.optimizer.onebit.factor_max, 4.0);
+  EXPECT_DOUBLE_EQ(ld.optimizer.onebit.factor_min, 0.5);
+  EXPECT_DOUBLE_EQ(ld.optimizer.onebit.coeff_beta, 0.9);
+  EXPECT_CONFIG_ERROR(lamb({{"factor_min", 3.0}, {"factor_max", 2.0}}), "optimizer.params.factor_min: must be <= factor_max");
+  EXPECT_CONFIG_ERROR(lamb({{"min_coeff", 3.0}, {"max_coeff", 2.0}}), "optimizer.params.min_coeff: must be <= max_coeff");
+  EXPECT_CONFIG_ERROR(lamb({{"var_freeze_step", 3}}), "optimizer.params.var_freeze_step: not a OneBitLamb parameter");
+  EXPECT_CONFIG_ERROR(onebit({{"coeff_beta", 0.5}}), "optimizer.params.coeff_beta: not a OneBitAdam parameter");
+  EXPECT_CONFIG_ERROR(lamb({{"freeze_stpe", 3}}), "optimizer.params.freeze_stpe: unknown key (did you mean 'freeze_step'?)");
   // ZeRO: DeepSpeed asserts "1bit-Adam is not compatible with ZeRO" above stage 0.
   for (int stage : {1, 2, 3})
     EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", "OneBitAdam"}}}, {"zero_optimization", {{"stage", stage}}}}),

@@ -39,7 +39,12 @@ using testing_train::RunSpec;
 // TrainsToTheLossOfUncompressedAdam's run and tolerance.
 constexpr int kSteps = 300;
 constexpr double kLr = 3e-3;
+constexpr double kLambLr = 3e-2;  // Lamb's steps are lr times the trust ratio (at most max_coeff 2 here)
 constexpr double kTolerance = 0.10;
+// Against the same optimizer on one rank (nothing to compress): the runs
+// part ways at the first compressed step, and the error feedback's noise
+// moves the end by up to 12.4% (1-bit Lamb, either way in other settings).
+constexpr double kCompressionTolerance = 0.15;
 
 nlohmann::json onebit(int64_t freeze_step, double lr = 1e-2) {
   return {{"type", "OneBitAdam"},
@@ -55,6 +60,15 @@ nlohmann::json zero_one(int64_t var_freeze_step, int64_t var_update_scaler = 16,
             {"var_update_scaler", var_update_scaler},
             {"local_step_scaler", local_step_scaler},
             {"local_step_clipper", local_step_clipper}}}};
+}
+nlohmann::json onebit_lamb(int64_t freeze_step, double lr = 1e-2) {
+  return {{"type", "OneBitLamb"},
+          {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"freeze_step", freeze_step}, {"max_coeff", 2.0},
+                      {"factor_threshold", 0.2}}}};
+}
+nlohmann::json lamb_no_bias_correction(double lr = 1e-2) {
+  return {{"type", "Lamb"},
+          {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"bias_correction", false}, {"max_coeff", 2.0}}}};
 }
 nlohmann::json adamw_no_bias_correction(double lr = 1e-2) {
   return {{"type", "AdamW"}, {"params", {{"lr", lr}, {"weight_decay", 0.1}, {"bias_correction", false}}}};
@@ -95,6 +109,15 @@ TEST(OneBitAdam, WarmUpEqualsAdamWWithoutBiasCorrectionBitForBit) {
     const std::vector<float> wd = testing_train::train(d, comm, &ld);
     EXPECT_EQ(la, ld) << where;
     EXPECT_TRUE(wa == wd) << where << ": 0/1 Adam's variance steps differ from AdamW";
+    // 1-bit Lamb's warm-up is Lamb's.
+    RunSpec f = a, h = a;
+    f.optimizer = lamb_no_bias_correction();
+    h.optimizer = onebit_lamb(12);
+    std::vector<double> lf, lh;
+    const std::vector<float> wf = testing_train::train(f, comm, &lf);
+    const std::vector<float> wh = testing_train::train(h, comm, &lh);
+    EXPECT_EQ(lf, lh) << where;
+    EXPECT_TRUE(wf == wh) << where << ": 1-bit Lamb's warm-up differs from Lamb";
   }
 }
 
@@ -371,6 +394,134 @@ TEST(ZeroOneAdam, ResumesBitExactBeforeTheFreezeAndBetweenSynchronisations) {
   }
 }
 
+TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
+  const int p = g_world->size(), rank = g_world->rank();
+  constexpr int kFreeze = 3, kCompressed = 5;
+  const double lr = 1e-2, wd = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const double factor_max = 4.0, factor_min = 0.5, threshold = 0.2;  // DeepSpeed's, but the threshold
+  RunSpec r;
+  r.optimizer = onebit_lamb(kFreeze, lr);
+  r.top_extra = {{"gradient_clipping", 0.0}};
+  const std::string dir = shared_dir("lamb-reference");
+  Engine e = Engine::initialize(testing_models::tiny_gpt(), testing_train::make_config(r), g_world);
+  DataConfig dc;
+  dc.vocab_size = testing_models::kVocab;
+  dc.seq_len = testing_models::kSeq;
+  std::shared_ptr<const DataSource> src(make_data_source(dc));
+  const int64_t micro = r.global_batch / p;
+  DataLoader loader(src, micro, 1, p, rank, 7);
+  for (int s = 0; s < kFreeze; ++s) e.train_batch(loader);
+  e.save_checkpoint(dir);
+  for (int s = 0; s < kCompressed; ++s) e.train_batch(loader);
+  const std::vector<float> engine_w = testing_train::all_weights(e);
+
+  GradProbe probe(testing_models::tiny_gpt());
+  std::vector<float> w = read_state(dir, ckpt::kMaster, probe.layouts());
+  std::vector<float> m = read_state(dir, ckpt::kM, probe.layouts());
+  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
+  std::vector<float> v_fresh = v;  // the variance at the freeze
+  struct Tensor {
+    int64_t at, n;
+  };
+  std::vector<Tensor> tensors;
+  int64_t base = 0, total = 0;
+  for (const BlockLayout& l : probe.layouts()) {
+    for (size_t t = 0; t < l.offsets.size(); ++t) {
+      tensors.push_back({base + l.offsets[t], l.numels[t]});
+      total += l.numels[t];
+    }
+    base += l.numel;
+  }
+  const size_t T = tensors.size();
+  // The warm-up's trust-ratio averages: the last 2T doubles of rank 0's
+  // 1-bit file (the averages, then the last factors; no scales yet).
+  std::vector<double> coeff(T), last(T, 1.0), scale;
+  {
+    std::ifstream in(dir + "/latest");
+    std::string tag;
+    in >> tag;
+    std::ifstream f(dir + "/" + tag + "/onebit00000.bin", std::ios::binary);
+    ASSERT_TRUE(f.good()) << "no 1-bit file in the checkpoint";
+    f.seekg(-static_cast<std::streamoff>(2 * T * 8), std::ios::end);
+    f.read(reinterpret_cast<char*>(coeff.data()), static_cast<std::streamsize>(T * 8));
+    ASSERT_TRUE(f.good());
+  }
+  for (double c : coeff) EXPECT_GT(c, 0.0);
+  std::vector<DataLoader> loaders;
+  for (int q = 0; q < p; ++q) {
+    loaders.emplace_back(src, micro, 1, p, q, 7);
+    loaders.back().set_position(kFreeze * r.global_batch);
+  }
+  comm::testing::OnebitReference flat_ref(total, p);
+  for (int s = 0; s < kCompressed; ++s) {
+    if (scale.empty()) {  // the momentum scales, from the momentum at the freeze
+      std::vector<double> rms;
+      for (const Tensor& t : tensors) {
+        double sq = 0;
+        for (int64_t i = t.at; i < t.at + t.n; ++i) sq += double(m[i]) * double(m[i]);
+        rms.push_back(std::sqrt(sq) / std::sqrt(double(t.n)));
+      }
+      double united = 0;
+      for (double x : rms) united += x;
+      united /= double(rms.size());
+      for (double x : rms) scale.push_back(x > 0 ? united / x : 1.0);
+    }
+    const std::vector<float> m_last = m;
+    std::vector<std::vector<float>> flat(p);
+    for (int q = 0; q < p; ++q) {
+      const std::vector<float> g = probe.grad(w, loaders[q].next());
+      for (size_t k = 0; k < T; ++k)
+        for (int64_t i = tensors[k].at; i < tensors[k].at + tensors[k].n; ++i)
+          flat[q].push_back((float(b1) * m[i] + float(1.0 - b1) * g[i]) * float(scale[k]));
+    }
+    const std::vector<float> avg = flat_ref.step(flat);
+    size_t at = 0;
+    std::vector<float> c(T);
+    for (size_t k = 0; k < T; ++k) {
+      double u_sq = 0, pre_sq = 0;
+      float fmax = 0;
+      for (int64_t i = tensors[k].at; i < tensors[k].at + tensors[k].n; ++i) {
+        m[i] = avg[at++] / float(scale[k]);
+        const float gr = (m[i] - m_last[i] * float(b1)) / float(1.0 - b1);
+        v_fresh[i] = float(b2) * v_fresh[i] + (float(1.0 - b2) * gr) * gr;
+        const float denom = std::sqrt(v[i]) + float(eps);
+        const float pre = m[i] / denom;
+        const float u = pre + float(wd) * w[i];
+        u_sq += double(u) * u;
+        pre_sq += double(pre) * pre;
+        fmax = std::max(fmax, denom / (std::sqrt(v_fresh[i]) + float(eps)));
+      }
+      double factor = fmax;
+      const double ratio = u_sq > 0 ? std::min(1.0, std::sqrt(pre_sq) / std::sqrt(u_sq)) : 1.0;
+      factor = factor * ratio + (1.0 - ratio);
+      factor = std::min(std::max(factor, factor_min), factor_max);
+      factor = std::min(factor, last[k] * (1.0 + threshold));
+      factor = std::max(factor, last[k] * (1.0 - threshold));
+      last[k] = factor;
+      c[k] = float(-lr * (coeff[k] * factor));
+    }
+    for (size_t k = 0; k < T; ++k)
+      for (int64_t i = tensors[k].at; i < tensors[k].at + tensors[k].n; ++i) {
+        const float u = m[i] / (std::sqrt(v[i]) + float(eps)) + float(wd) * w[i];
+        w[i] = w[i] + c[k] * u;
+      }
+  }
+  ASSERT_EQ(engine_w.size(), w.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < w.size(); ++i) differ += engine_w[i] != w[i];
+  EXPECT_EQ(differ, 0u) << "of " << w.size() << " weights differ from the reference at world " << p;
+}
+
+TEST(OneBitLamb, ResumesBitExactOnEitherSideOfTheFreeze) {
+  for (int freeze : {2, 4}) {
+    RunSpec r;
+    r.gas = 2;
+    r.optimizer = onebit_lamb(freeze);
+    const std::string dir = shared_dir("lamb-resume" + std::to_string(freeze));
+    testing_train::expect_bit_exact_resume(r, g_world, dir, 3, "1-bit Lamb, freeze_step " + std::to_string(freeze));
+  }
+}
+
 TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
   for (int freeze : {2, 4}) {  // the save after 3 steps: past the freeze, or before it
     RunSpec r;
@@ -412,28 +563,41 @@ TEST(OneBitAdam, TrainsToTheLossOfUncompressedAdam) {
   b.optimizer = onebit(kSteps / 3, kLr);
   RunSpec c = b;
   c.optimizer = zero_one(kSteps / 3, 16, 32678, 16, kLr);
-  std::vector<double> la, lb, l1, lc, lc1;
+  RunSpec d = b, f = b;
+  d.optimizer = onebit_lamb(kSteps / 3, kLambLr);
+  f.optimizer = lamb_no_bias_correction(kLambLr);
+  std::vector<double> la, lb, l1, lc, lc1, ld, ld1, lf;
   testing_train::train(a, g_world, &la);
   testing_train::train(b, g_world, &lb);
   testing_train::train(b, nullptr, &l1);
   testing_train::train(c, g_world, &lc);
   testing_train::train(c, nullptr, &lc1);
+  testing_train::train(d, g_world, &ld);
+  testing_train::train(d, nullptr, &ld1);
+  testing_train::train(f, g_world, &lf);
   auto tail = [](const std::vector<double>& l) {
     double t = 0;
     for (size_t i = l.size() - 50; i < l.size(); ++i) t += l[i] / 50;
     return t;
   };
-  const double ta = tail(la), tb = tail(lb), t1 = tail(l1), tc = tail(lc), tc1 = tail(lc1);
+  const double ta = tail(la), tb = tail(lb), t1 = tail(l1), tc = tail(lc), tc1 = tail(lc1), td = tail(ld),
+               td1 = tail(ld1), tf = tail(lf);
   if (g_world->rank() == 0)
     std::printf("at %d ranks, last-50 mean loss: OneBitAdam %.4f (one rank, uncompressed: %.4f); ZeroOneAdam %.4f "
                 "(one rank: %.4f); AdamW %.4f; first %.4f\n", g_world->size(), tb, t1, tc, tc1, ta, la[0]);
-  EXPECT_NEAR(tc, tc1, kTolerance * tc1) << "the compression changed what 0/1 Adam learns";
+  if (g_world->rank() == 0)
+    std::printf("at %d ranks, last-50 mean loss: OneBitLamb %.4f (one rank: %.4f); Lamb %.4f\n", g_world->size(), td,
+                td1, tf);
+  EXPECT_LT(tf, la[0] - 1.0) << "Lamb did not learn: the comparison means nothing";
+  EXPECT_NEAR(td, td1, kCompressionTolerance * td1) << "the compression changed what 1-bit Lamb learns";
+  EXPECT_NEAR(td, tf, kTolerance * tf) << "1-bit Lamb fell behind Lamb";
+  EXPECT_NEAR(tc, tc1, kCompressionTolerance * tc1) << "the compression changed what 0/1 Adam learns";
   // 0/1 Adam's variance, updated at growing intervals and frozen at step
   // 100, costs this short run more than 1-bit Adam's does, on one rank as
   // on several (measured 13-16% above AdamW): a wider bound.
   EXPECT_NEAR(tc, ta, 2 * kTolerance * ta) << "0/1 Adam fell behind Adam";
   EXPECT_LT(ta, la[0] - 1.0) << "AdamW did not learn: the comparison means nothing";
-  EXPECT_NEAR(tb, t1, kTolerance * t1) << "the compression changed what 1-bit Adam learns";
+  EXPECT_NEAR(tb, t1, kCompressionTolerance * t1) << "the compression changed what 1-bit Adam learns";
   EXPECT_NEAR(tb, ta, kTolerance * ta) << "1-bit Adam fell behind Adam";
 }
 
