@@ -537,6 +537,25 @@ TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
       char name[32];
       std::snprintf(name, sizeof name, "/onebit%05d.bin", g_world->rank());
       EXPECT_TRUE(std::filesystem::exists(dir + "/" + tag + name)) << dir << "/" << tag << name;
+      // A damaged 1-bit file is found before anything is loaded, on every rank.
+      g_world->barrier();
+      if (g_world->rank() == 0) {
+        std::fstream f(dir + "/" + tag + "/onebit00000.bin", std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(5);
+        f.put('\x7f');
+      }
+      g_world->barrier();
+      Engine e = Engine::initialize(testing_train::make_model("gpt"), testing_train::make_config(r), g_world);
+      const std::vector<float> before = testing_train::all_weights(e);
+      std::string err;
+      try {
+        e.load_checkpoint(dir);
+      } catch (const std::exception& x) {
+        err = x.what();
+      }
+      EXPECT_NE(err.find(g_world->rank() == 0 ? "onebit00000.bin is corrupted" : "rank 0 failed"), std::string::npos)
+          << err;
+      EXPECT_TRUE(testing_train::all_weights(e) == before) << "a failed load changed the weights";
     }
   }
 }
