@@ -110,6 +110,20 @@
 
 namespace zinc {
 
+namespace {
+// Sum of squares in double, element i into partial sum i % 8, combined
+// ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): a fixed order (the
+// tests' reference sums the same way) whose eight chains run side by side.
+double sum_squares8(const float* x, int64_t n) {
+  double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) s[k] += double(x[i + k]) * double(x[i + k]);
+  for (int k = 0; i < n; ++i, ++k) s[k] += double(x[i]) * double(x[i]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+}  // namespace
+
 Engine::Impl::OneBitMode Engine::Impl::onebit_mode() const {
   const OneBitConfig& b = cfg.optimizer.onebit;
   const int64_t t = optimizer_steps + 1;
@@ -253,6 +267,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   }
   // Per tensor: the averaged momentum, the fresh variance, the coefficient.
   std::vector<float> coeff(static_cast<size_t>(tensors));
+  std::vector<float> tmp_u, tmp_pre, tmp_ratio;  // one tensor's u, m / denom and denom ratios
   {
     int64_t at = 0;
     size_t k = 0;
@@ -264,19 +279,32 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
       float* vf = ob_v_fresh[b].data();
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const float sc = static_cast<float>(ob_scaling[k]);
-        double u_sq = 0, prelim_sq = 0;
-        float factor_max = 0;
-        for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
-          m[i] = flat[static_cast<size_t>(at++)] / sc;
-          const float gr = (m[i] - m_last[b][i] * b1) / one_minus_b1;
-          vf[i] = b2 * vf[i] + (one_minus_b2 * gr) * gr;
-          const float denom = std::sqrt(v[i]) + eps;
-          const float prelim = m[i] / denom;
-          const float u = prelim + wd * w[i];
-          u_sq += double(u) * double(u);
-          prelim_sq += double(prelim) * double(prelim);
-          factor_max = std::max(factor_max, denom / (std::sqrt(vf[i]) + eps));
+        const int64_t off = l.offsets[t], n = l.numels[t];
+        tmp_u.resize(static_cast<size_t>(n));
+        tmp_pre.resize(static_cast<size_t>(n));
+        tmp_ratio.resize(static_cast<size_t>(n));
+        float* tu = tmp_u.data();
+        float* tp = tmp_pre.data();
+        float* tr = tmp_ratio.data();
+        const float* fl = flat.data() + at;
+        const float* ml = m_last[b].data() + off;
+        float* mt = m + off;
+        float* vft = vf + off;
+        const float* vt = v + off;
+        const float* wt = w + off;
+        for (int64_t i = 0; i < n; ++i) {  // elementwise: vectorised
+          mt[i] = fl[i] / sc;
+          const float gr = (mt[i] - ml[i] * b1) / one_minus_b1;
+          vft[i] = b2 * vft[i] + (one_minus_b2 * gr) * gr;
+          const float denom = std::sqrt(vt[i]) + eps;
+          tp[i] = mt[i] / denom;
+          tu[i] = tp[i] + wd * wt[i];
+          tr[i] = denom / (std::sqrt(vft[i]) + eps);
         }
+        at += n;
+        const double u_sq = sum_squares8(tu, n), prelim_sq = sum_squares8(tp, n);
+        float factor_max = 0;
+        for (int64_t i = 0; i < n; ++i) factor_max = std::max(factor_max, tr[i]);
         double factor = factor_max;
         if (lamb.weight_decay > 0) {
           const double ratio = u_sq > 0 ? std::min(1.0, std::sqrt(prelim_sq) / std::sqrt(u_sq)) : 1.0;

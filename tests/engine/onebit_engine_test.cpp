@@ -478,7 +478,7 @@ TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
     size_t at = 0;
     std::vector<float> c(T);
     for (size_t k = 0; k < T; ++k) {
-      double u_sq = 0, pre_sq = 0;
+      double u8[8] = {}, pre8[8] = {};  // element j of the tensor into partial sum j % 8
       float fmax = 0;
       for (int64_t i = tensors[k].at; i < tensors[k].at + tensors[k].n; ++i) {
         m[i] = avg[at++] / float(scale[k]);
@@ -487,10 +487,12 @@ TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
         const float denom = std::sqrt(v[i]) + float(eps);
         const float pre = m[i] / denom;
         const float u = pre + float(wd) * w[i];
-        u_sq += double(u) * u;
-        pre_sq += double(pre) * pre;
+        u8[(i - tensors[k].at) % 8] += double(u) * u;
+        pre8[(i - tensors[k].at) % 8] += double(pre) * pre;
         fmax = std::max(fmax, denom / (std::sqrt(v_fresh[i]) + float(eps)));
       }
+      auto total = [](const double* q) { return ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7])); };
+      const double u_sq = total(u8), pre_sq = total(pre8);
       double factor = fmax;
       const double ratio = u_sq > 0 ? std::min(1.0, std::sqrt(pre_sq) / std::sqrt(u_sq)) : 1.0;
       factor = factor * ratio + (1.0 - ratio);
