@@ -191,6 +191,9 @@ struct Engine::Impl final : StepContext {
   std::vector<std::vector<float>> ob_v_fresh;
   std::unique_ptr<comm::CompressedAllReduce> ob_flat;
   std::vector<double> lamb_ratios;  // the trust ratios of lamb_update_all's last step, per tensor
+  std::vector<std::vector<float>> ob_m_last;  // 1-bit Lamb: the momentum before the step, per block
+  std::vector<float> onebit_scratch;           // a block's or the model's buffer to average, reused
+  std::vector<float> ob_tmp[3];                // 1-bit Lamb: one tensor's per-element terms, reused
   void onebit_lamb_after_full(int64_t t);
   void onebit_lamb_update_all(float grad_scale);
   int64_t onebit_tensor_count() const;

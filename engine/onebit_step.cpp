@@ -122,6 +122,24 @@ double sum_squares8(const float* x, int64_t n) {
   for (int k = 0; i < n; ++i, ++k) s[k] += double(x[i]) * double(x[i]);
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
+// 1-bit Lamb's elementwise pass over one tensor (Note [1-bit Lamb]): the
+// averaged momentum unscaled, the reconstructed gradient into the fresh
+// variance, and per element m / denom, u and the denominators' ratio. The
+// buffers never overlap (restrict), so it vectorises.
+void lamb_elementwise(int64_t n, const float* __restrict fl, const float* __restrict ml, float* __restrict mt,
+                      float* __restrict vft, const float* __restrict vt, const float* __restrict wt,
+                      float* __restrict tu, float* __restrict tp, float* __restrict tr, float sc, float b1,
+                      float one_minus_b1, float b2, float one_minus_b2, float eps, float wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    mt[i] = fl[i] / sc;
+    const float gr = (mt[i] - ml[i] * b1) / one_minus_b1;
+    vft[i] = b2 * vft[i] + (one_minus_b2 * gr) * gr;
+    const float denom = std::sqrt(vt[i]) + eps;
+    tp[i] = mt[i] / denom;
+    tu[i] = tp[i] + wd * wt[i];
+    tr[i] = denom / (std::sqrt(vft[i]) + eps);
+  }
+}
 }  // namespace
 
 Engine::Impl::OneBitMode Engine::Impl::onebit_mode() const {
@@ -242,8 +260,10 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   // Local momentum, scaled, into one flat buffer.
   int64_t total = 0;
   for (const BlockShard& s : blocks) total += s.layout.param_numel();
-  std::vector<float> flat(static_cast<size_t>(total));
-  std::vector<std::vector<float>> m_last(blocks.size());
+  std::vector<float>& flat = onebit_scratch;  // kept from step to step: no page faults
+  flat.resize(static_cast<size_t>(total));
+  std::vector<std::vector<float>>& m_last = ob_m_last;
+  m_last.resize(blocks.size());
   {
     int64_t at = 0;
     size_t k = 0;
@@ -267,7 +287,9 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   }
   // Per tensor: the averaged momentum, the fresh variance, the coefficient.
   std::vector<float> coeff(static_cast<size_t>(tensors));
-  std::vector<float> tmp_u, tmp_pre, tmp_ratio;  // one tensor's u, m / denom and denom ratios
+  std::vector<float>& tmp_u = ob_tmp[0];  // one tensor's u, m / denom and denominators' ratios,
+  std::vector<float>& tmp_pre = ob_tmp[1];  // kept from step to step (no page faults)
+  std::vector<float>& tmp_ratio = ob_tmp[2];
   {
     int64_t at = 0;
     size_t k = 0;
@@ -292,15 +314,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
         float* vft = vf + off;
         const float* vt = v + off;
         const float* wt = w + off;
-        for (int64_t i = 0; i < n; ++i) {  // elementwise: vectorised
-          mt[i] = fl[i] / sc;
-          const float gr = (mt[i] - ml[i] * b1) / one_minus_b1;
-          vft[i] = b2 * vft[i] + (one_minus_b2 * gr) * gr;
-          const float denom = std::sqrt(vt[i]) + eps;
-          tp[i] = mt[i] / denom;
-          tu[i] = tp[i] + wd * wt[i];
-          tr[i] = denom / (std::sqrt(vft[i]) + eps);
-        }
+        lamb_elementwise(n, fl, ml, mt, vft, vt, wt, tu, tp, tr, sc, b1, one_minus_b1, b2, one_minus_b2, eps, wd);
         at += n;
         const double u_sq = sum_squares8(tu, n), prelim_sq = sum_squares8(tp, n);
         float factor_max = 0;
@@ -398,7 +412,8 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
       break;
     }
     case OneBitMode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze
-      std::vector<float> avg(static_cast<size_t>(n));
+      std::vector<float>& avg = onebit_scratch;  // kept from step to step: no page faults
+      avg.resize(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) avg[i] = g[i] * grad_scale;
       onebit_average(sp.block, avg.data());
       for (int64_t i = 0; i < n; ++i) m[i] = b1 * m[i] + one_minus_b1 * avg[i];
