@@ -174,67 +174,88 @@ std::vector<float> read_state(const std::string& dir, int kind, const std::vecto
   return out;
 }
 
-TEST(OneBitAdam, CompressedStepsEqualTheReferenceBitForBit) {
-  const int p = g_world->size(), rank = g_world->rank();
-  constexpr int kFreeze = 3, kCompressed = 4;
-  const double lr = 1e-2, wd = 0.1, b1 = 0.9, eps = 1e-8;
-  RunSpec r;
-  r.optimizer = onebit(kFreeze, lr);
-  r.top_extra = {{"gradient_clipping", 0.0}};  // the clip factor's double norm is not the reference's business
-  const std::string dir = shared_dir("reference");
-  // The engine: the warm-up, a checkpoint (the state the reference starts
-  // from), then the compressed steps.
-  auto model = testing_models::tiny_gpt();
-  Engine e = Engine::initialize(model, testing_train::make_config(r), g_world);
+// A parameter tensor at its offset in the flat weights (all_weights' order).
+struct Tensor {
+  int64_t at, n;
+};
+
+// What a reference test starts from: the engine trains `saved` steps of
+// `r` (the tiny GPT), saves a checkpoint, trains `steps` more; the
+// reference then takes the checkpoint's state and every rank's data from
+// that point and repeats the steps from the equations.
+struct ReferenceStart {
+  std::string dir;
+  std::vector<float> engine_w;  // this rank's weights at the end of the engine's run
+  std::vector<float> w, m, v;   // the checkpoint's (rank 0's) state, used elements
+  std::unique_ptr<GradProbe> probe;
+  std::vector<DataLoader> loaders;  // every rank's, at the checkpoint's position
+  std::vector<Tensor> tensors;
+};
+
+ReferenceStart run_then_reference(const RunSpec& r, int saved, int steps, const std::string& name) {
+  const int p = g_world->size();
+  ReferenceStart out;
+  out.dir = shared_dir(name);
+  Engine e = Engine::initialize(testing_models::tiny_gpt(), testing_train::make_config(r), g_world);
   DataConfig dc;
   dc.vocab_size = testing_models::kVocab;
   dc.seq_len = testing_models::kSeq;
   std::shared_ptr<const DataSource> src(make_data_source(dc));
   const int64_t micro = r.global_batch / p;
-  DataLoader loader(src, micro, 1, p, rank, 7);
-  for (int s = 0; s < kFreeze; ++s) e.train_batch(loader);
-  e.save_checkpoint(dir);
-  std::vector<double> losses;
-  for (int s = 0; s < kCompressed; ++s) losses.push_back(e.train_batch(loader));
-  const std::vector<float> engine_w = testing_train::all_weights(e);
-
-  // The reference, every rank simulating all of them.
-  GradProbe probe(testing_models::tiny_gpt());
-  std::vector<float> w = read_state(dir, ckpt::kMaster, probe.layouts());
-  std::vector<float> m = read_state(dir, ckpt::kM, probe.layouts());
-  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
-  std::vector<DataLoader> loaders;
+  DataLoader loader(src, micro, 1, p, g_world->rank(), 7);
+  for (int s = 0; s < saved; ++s) e.train_batch(loader);
+  e.save_checkpoint(out.dir);
+  for (int s = 0; s < steps; ++s) e.train_batch(loader);
+  out.engine_w = testing_train::all_weights(e);
+  out.probe = std::make_unique<GradProbe>(testing_models::tiny_gpt());
+  out.w = read_state(out.dir, ckpt::kMaster, out.probe->layouts());
+  out.m = read_state(out.dir, ckpt::kM, out.probe->layouts());
+  out.v = read_state(out.dir, ckpt::kV, out.probe->layouts());
   for (int q = 0; q < p; ++q) {
-    loaders.emplace_back(src, micro, 1, p, q, 7);
-    loaders.back().set_position(kFreeze * r.global_batch);
+    out.loaders.emplace_back(src, micro, 1, p, q, 7);
+    out.loaders.back().set_position(saved * r.global_batch);
   }
-  // One compression per parameter tensor, at its offset in the flat weights.
-  struct Tensor {
-    int64_t at, n;
-    comm::testing::OnebitReference ref;
-  };
-  std::vector<Tensor> tensors;
   int64_t base = 0;
-  for (const BlockLayout& l : probe.layouts()) {
-    for (size_t t = 0; t < l.offsets.size(); ++t)
-      tensors.push_back({base + l.offsets[t], l.numels[t], comm::testing::OnebitReference(l.numels[t], p)});
+  for (const BlockLayout& l : out.probe->layouts()) {
+    for (size_t t = 0; t < l.offsets.size(); ++t) out.tensors.push_back({base + l.offsets[t], l.numels[t]});
     base += l.numel;
   }
+  return out;
+}
+
+TEST(OneBitAdam, CompressedStepsEqualTheReferenceBitForBit) {
+  const int p = g_world->size();
+  constexpr int kFreeze = 3, kCompressed = 4;
+  const double lr = 1e-2, wd = 0.1, b1 = 0.9, eps = 1e-8;
+  RunSpec r;
+  r.optimizer = onebit(kFreeze, lr);
+  r.top_extra = {{"gradient_clipping", 0.0}};  // the clip factor's double norm is not the reference's business
+  // The engine: the warm-up, a checkpoint (the state the reference starts
+  // from), then the compressed steps; the reference, every rank simulating
+  // all of them.
+  ReferenceStart st = run_then_reference(r, kFreeze, kCompressed, "reference");
+  std::vector<float>& w = st.w;
+  std::vector<float>& m = st.m;
+  const std::vector<float>& v = st.v;
+  // One compression per parameter tensor.
+  std::vector<comm::testing::OnebitReference> refs;
+  for (const Tensor& t : st.tensors) refs.emplace_back(t.n, p);
   // Each rank's gradient is the mean over its micro-batch; the engine's
   // scale (1 / world) times the world size leaves it as it is.
   const float gs = static_cast<float>(1.0 / p * p);
   for (int s = 0; s < kCompressed; ++s) {
     std::vector<std::vector<float>> mq(p);
     for (int q = 0; q < p; ++q) {
-      const std::vector<float> g = probe.grad(w, loaders[q].next());
+      const std::vector<float> g = st.probe->grad(w, st.loaders[q].next());
       mq[q] = m;
       for (size_t i = 0; i < m.size(); ++i)
         mq[q][i] = float(b1) * mq[q][i] + float(1.0 - b1) * (g[i] * gs);
     }
-    for (Tensor& t : tensors) {
+    for (size_t k = 0; k < st.tensors.size(); ++k) {
+      const Tensor& t = st.tensors[k];
       std::vector<std::vector<float>> in(p);
       for (int q = 0; q < p; ++q) in[q].assign(mq[q].begin() + t.at, mq[q].begin() + t.at + t.n);
-      const std::vector<float> avg = t.ref.step(in);
+      const std::vector<float> avg = refs[k].step(in);
       std::copy(avg.begin(), avg.end(), m.begin() + t.at);
     }
     // Alignment gaps between tensors: zero gradients, so m stays zero there.
@@ -243,12 +264,10 @@ TEST(OneBitAdam, CompressedStepsEqualTheReferenceBitForBit) {
       w[i] = -float(lr) * (m[i] / (std::sqrt(v[i]) + float(eps))) + w[i];
     }
   }
-  ASSERT_EQ(w.size(), engine_w.size());
+  ASSERT_EQ(w.size(), st.engine_w.size());
   size_t differ = 0;
-  for (size_t i = 0; i < w.size(); ++i) differ += w[i] != engine_w[i];
+  for (size_t i = 0; i < w.size(); ++i) differ += w[i] != st.engine_w[i];
   EXPECT_EQ(differ, 0u) << "of " << w.size() << " weights differ from the reference at world " << p;
-  // The compression is not the identity: the result is not uncompressed Adam's.
-  EXPECT_TRUE(std::isfinite(losses.back()));
 }
 
 // 0/1 Adam's schedule, from DeepSpeed's rules (zoadam.py), with t the
@@ -281,37 +300,11 @@ TEST(ZeroOneAdam, CompressedAndLocalStepsEqualTheReferenceBitForBit) {
   RunSpec r;
   r.optimizer = zero_one(sched.var_freeze, sched.var_scaler, sched.local_scaler, sched.local_clipper, lr);
   r.top_extra = {{"gradient_clipping", 0.0}};
-  const std::string dir = shared_dir("zero-one-reference");
-  Engine e = Engine::initialize(testing_models::tiny_gpt(), testing_train::make_config(r), g_world);
-  DataConfig dc;
-  dc.vocab_size = testing_models::kVocab;
-  dc.seq_len = testing_models::kSeq;
-  std::shared_ptr<const DataSource> src(make_data_source(dc));
-  const int64_t micro = r.global_batch / p;
-  DataLoader loader(src, micro, 1, p, rank, 7);
-  for (int s = 0; s < kSaved; ++s) e.train_batch(loader);
-  e.save_checkpoint(dir);
-  for (int s = 0; s < kSteps; ++s) e.train_batch(loader);
-  const std::vector<float> engine_w = testing_train::all_weights(e);
-
-  GradProbe probe(testing_models::tiny_gpt());
-  const std::vector<float> w0 = read_state(dir, ckpt::kMaster, probe.layouts());
-  const std::vector<float> m0 = read_state(dir, ckpt::kM, probe.layouts());
-  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
-  std::vector<DataLoader> loaders;
-  for (int q = 0; q < p; ++q) {
-    loaders.emplace_back(src, micro, 1, p, q, 7);
-    loaders.back().set_position(kSaved * r.global_batch);
-  }
-  struct Tensor {
-    int64_t at, n;
-  };
-  std::vector<Tensor> tensors;
-  int64_t base = 0;
-  for (const BlockLayout& l : probe.layouts()) {
-    for (size_t t = 0; t < l.offsets.size(); ++t) tensors.push_back({base + l.offsets[t], l.numels[t]});
-    base += l.numel;
-  }
+  ReferenceStart st = run_then_reference(r, kSaved, kSteps, "zero-one-reference");
+  const std::vector<float>& w0 = st.w;
+  const std::vector<float>& m0 = st.m;
+  const std::vector<float>& v = st.v;
+  const std::vector<Tensor>& tensors = st.tensors;
   auto fresh_errors = [&] {
     std::vector<comm::testing::OnebitReference> refs;
     for (const Tensor& t : tensors) refs.emplace_back(t.n, p);
@@ -335,7 +328,7 @@ TEST(ZeroOneAdam, CompressedAndLocalStepsEqualTheReferenceBitForBit) {
     const bool frozen = t > sched.var_freeze;
     ASSERT_TRUE(frozen || t % sched.var_interval != 0) << "step " << t << " is a variance step: not in this test";
     std::vector<std::vector<float>> g(p);
-    for (int q = 0; q < p; ++q) g[q] = probe.grad(w[q], loaders[q].next());  // the scale is 1 / p * p = 1
+    for (int q = 0; q < p; ++q) g[q] = st.probe->grad(w[q], st.loaders[q].next());  // the scale is 1 / p * p = 1
     if (!frozen) {  // the gradient averaged at 1 bit; the same weights on every rank
       average(g);
       for (int q = 0; q < p; ++q)
@@ -375,12 +368,14 @@ TEST(ZeroOneAdam, CompressedAndLocalStepsEqualTheReferenceBitForBit) {
       refs = fresh_errors();
     }
   }
-  ASSERT_EQ(engine_w.size(), w[rank].size());
+  ASSERT_EQ(st.engine_w.size(), w[rank].size());
   size_t differ = 0;
-  for (size_t i = 0; i < engine_w.size(); ++i) differ += engine_w[i] != w[rank][i];
-  EXPECT_EQ(differ, 0u) << "of " << engine_w.size() << " weights of rank " << rank << " differ from the reference";
+  for (size_t i = 0; i < st.engine_w.size(); ++i) differ += st.engine_w[i] != w[rank][i];
+  EXPECT_EQ(differ, 0u) << "of " << st.engine_w.size() << " weights of rank " << rank << " differ from the reference";
   // Two local steps past the last synchronisation the ranks' weights differ.
-  if (p > 1) EXPECT_FALSE(w[0] == w[1]);
+  if (p > 1) {
+    EXPECT_FALSE(w[0] == w[1]);
+  }
 }
 
 TEST(ZeroOneAdam, ResumesBitExactBeforeTheFreezeAndBetweenSynchronisations) {
@@ -395,43 +390,22 @@ TEST(ZeroOneAdam, ResumesBitExactBeforeTheFreezeAndBetweenSynchronisations) {
 }
 
 TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
-  const int p = g_world->size(), rank = g_world->rank();
+  const int p = g_world->size();
   constexpr int kFreeze = 3, kCompressed = 5;
   const double lr = 1e-2, wd = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8;
   const double factor_max = 4.0, factor_min = 0.5, threshold = 0.2;  // DeepSpeed's, but the threshold
   RunSpec r;
   r.optimizer = onebit_lamb(kFreeze, lr);
   r.top_extra = {{"gradient_clipping", 0.0}};
-  const std::string dir = shared_dir("lamb-reference");
-  Engine e = Engine::initialize(testing_models::tiny_gpt(), testing_train::make_config(r), g_world);
-  DataConfig dc;
-  dc.vocab_size = testing_models::kVocab;
-  dc.seq_len = testing_models::kSeq;
-  std::shared_ptr<const DataSource> src(make_data_source(dc));
-  const int64_t micro = r.global_batch / p;
-  DataLoader loader(src, micro, 1, p, rank, 7);
-  for (int s = 0; s < kFreeze; ++s) e.train_batch(loader);
-  e.save_checkpoint(dir);
-  for (int s = 0; s < kCompressed; ++s) e.train_batch(loader);
-  const std::vector<float> engine_w = testing_train::all_weights(e);
-
-  GradProbe probe(testing_models::tiny_gpt());
-  std::vector<float> w = read_state(dir, ckpt::kMaster, probe.layouts());
-  std::vector<float> m = read_state(dir, ckpt::kM, probe.layouts());
-  const std::vector<float> v = read_state(dir, ckpt::kV, probe.layouts());
+  ReferenceStart st = run_then_reference(r, kFreeze, kCompressed, "lamb-reference");
+  const std::string& dir = st.dir;
+  std::vector<float>& w = st.w;
+  std::vector<float>& m = st.m;
+  const std::vector<float>& v = st.v;
   std::vector<float> v_fresh = v;  // the variance at the freeze
-  struct Tensor {
-    int64_t at, n;
-  };
-  std::vector<Tensor> tensors;
-  int64_t base = 0, total = 0;
-  for (const BlockLayout& l : probe.layouts()) {
-    for (size_t t = 0; t < l.offsets.size(); ++t) {
-      tensors.push_back({base + l.offsets[t], l.numels[t]});
-      total += l.numels[t];
-    }
-    base += l.numel;
-  }
+  const std::vector<Tensor>& tensors = st.tensors;
+  int64_t total = 0;
+  for (const Tensor& t : tensors) total += t.n;
   const size_t T = tensors.size();
   // The warm-up's trust-ratio averages: the last 2T doubles of rank 0's
   // 1-bit file (the averages, then the last factors; no scales yet).
@@ -447,11 +421,6 @@ TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
     ASSERT_TRUE(f.good());
   }
   for (double c : coeff) EXPECT_GT(c, 0.0);
-  std::vector<DataLoader> loaders;
-  for (int q = 0; q < p; ++q) {
-    loaders.emplace_back(src, micro, 1, p, q, 7);
-    loaders.back().set_position(kFreeze * r.global_batch);
-  }
   comm::testing::OnebitReference flat_ref(total, p);
   for (int s = 0; s < kCompressed; ++s) {
     if (scale.empty()) {  // the momentum scales, from the momentum at the freeze
@@ -469,7 +438,7 @@ TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
     const std::vector<float> m_last = m;
     std::vector<std::vector<float>> flat(p);
     for (int q = 0; q < p; ++q) {
-      const std::vector<float> g = probe.grad(w, loaders[q].next());
+      const std::vector<float> g = st.probe->grad(w, st.loaders[q].next());
       for (size_t k = 0; k < T; ++k)
         for (int64_t i = tensors[k].at; i < tensors[k].at + tensors[k].n; ++i)
           flat[q].push_back((float(b1) * m[i] + float(1.0 - b1) * g[i]) * float(scale[k]));
@@ -508,9 +477,9 @@ TEST(OneBitLamb, CompressedStepsEqualTheReferenceBitForBit) {
         w[i] = w[i] + c[k] * u;
       }
   }
-  ASSERT_EQ(engine_w.size(), w.size());
+  ASSERT_EQ(st.engine_w.size(), w.size());
   size_t differ = 0;
-  for (size_t i = 0; i < w.size(); ++i) differ += engine_w[i] != w[i];
+  for (size_t i = 0; i < w.size(); ++i) differ += st.engine_w[i] != w[i];
   EXPECT_EQ(differ, 0u) << "of " << w.size() << " weights differ from the reference at world " << p;
 }
 
