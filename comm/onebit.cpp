@@ -145,24 +145,192 @@ void check_level(CpuIsa isa) {
   }
 }
 
-// ||v||_2 / sqrt(n) as DeepSpeed's scale, in double (Note [1-bit all-reduce]):
-// eight partial sums, element i into sum i % 8, added as ((s0 + s1) + (s2 +
-// s3)) + ((s4 + s5) + (s6 + s7)). Independent sums keep the adder busy (one
-// sum waits on the previous addition's latency each element); plain code, so
-// every ISA level gives the same bits.
-float rms_scale(const float* v, int64_t n) {
-  double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// The worker's and the server's two passes over a buffer (Note [1-bit
+// all-reduce]), each fused so that the buffer is read once per pass:
+//  - compensate: x[i] += e[i], returning the sum of the squares of the new
+//    x[i] in double, element i into partial sum i % 8, the partial sums
+//    added as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Eight
+//    independent sums keep the adder busy, and the fixed order gives the
+//    same bits at every ISA level (the vector forms keep lane k = sum k and
+//    multiply and add separately: the file is built with -ffp-contract=off).
+//  - error_pack: e[i] = x[i] - scale * s(x[i]) and the sign bits of x.
+double combine8(const double* s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); }
+
+double compensate_scalar(float* x, const float* e, int64_t n, double* s) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) s[k] += static_cast<double>(v[i + k]) * static_cast<double>(v[i + k]);
-  for (int k = 0; i < n; ++i, ++k) s[k] += static_cast<double>(v[i]) * static_cast<double>(v[i]);
-  const double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (int k = 0; k < 8; ++k) {
+      x[i + k] += e[i + k];
+      s[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
+    }
+  for (int k = 0; i < n; ++i, ++k) {
+    x[i] += e[i];
+    s[k] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  }
+  return combine8(s);
+}
+
+ZINC_TARGET_AVX2 double compensate_avx2(float* x, const float* e, int64_t n) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  const int64_t full = n / 8 * 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    _mm256_storeu_ps(x + i, v);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+    hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+  }
+  alignas(32) double s[8];
+  _mm256_store_pd(s, lo);
+  _mm256_store_pd(s + 4, hi);
+  return compensate_scalar(x + full, e + full, n - full, s);
+}
+
+ZINC_TARGET_AVX512 double compensate_avx512(float* x, const float* e, int64_t n) {
+  __m512d acc = _mm512_setzero_pd();
+  const int64_t full = n / 8 * 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    _mm256_storeu_ps(x + i, v);
+    const __m512d a = _mm512_cvtps_pd(v);
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(a, a));
+  }
+  alignas(64) double s[8];
+  _mm512_store_pd(s, acc);
+  return compensate_scalar(x + full, e + full, n - full, s);
+}
+
+void error_pack_tail(const float* x, int64_t from, int64_t n, float scale, float* e, uint8_t* bits) {
+  for (int64_t i = from; i < n; ++i) e[i] = x[i] - (x[i] < 0.0f ? -scale : scale);
+  pack_tail(x, from, n, bits);
+}
+
+ZINC_TARGET_AVX2 void error_pack_avx2(const float* x, int64_t n, float scale, float* e, uint8_t* bits) {
+  const int64_t full = n / 8 * 8;
+  const __m256 zero = _mm256_setzero_ps(), pos = _mm256_set1_ps(scale), neg = _mm256_set1_ps(-scale);
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 lt = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+    _mm256_storeu_ps(e + i, _mm256_sub_ps(v, _mm256_blendv_ps(pos, neg, lt)));
+    bits[i / 8] = kReverse[static_cast<size_t>(~_mm256_movemask_ps(lt) & 0xFF)];
+  }
+  error_pack_tail(x, full, n, scale, e, bits);
+}
+
+ZINC_TARGET_AVX512 void error_pack_avx512(const float* x, int64_t n, float scale, float* e, uint8_t* bits) {
+  const int64_t full = n / 16 * 16;
+  const __m512 zero = _mm512_setzero_ps(), pos = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-scale);
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 lt = _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ);
+    _mm512_storeu_ps(e + i, _mm512_sub_ps(v, _mm512_mask_blend_ps(lt, pos, neg)));
+    const unsigned p = ~static_cast<unsigned>(lt);
+    bits[i / 8] = kReverse[p & 0xFF];
+    bits[i / 8 + 1] = kReverse[(p >> 8) & 0xFF];
+  }
+  error_pack_tail(x, full, n, scale, e, bits);
+}
+
+// The server's first pass, fused: y[i] = the sum over q in rank order of
+// (bit i of bits[q] ? scale[q] : -scale[q]), plus e[i]; returns the sum of
+// the squares of y as compensate does (lane i % 8). The same operations in
+// the same order as unpacking each chunk, accumulating, and compensating.
+double server_sum_scalar(const uint8_t* const* bits, const float* scale, int p, const float* e, float* y, int64_t from,
+                         int64_t n, double* s) {
+  for (int64_t i = from; i < n; ++i) {
+    float v = (bits[0][i / 8] >> (7 - i % 8)) & 1 ? scale[0] : -scale[0];
+    for (int q = 1; q < p; ++q) v += (bits[q][i / 8] >> (7 - i % 8)) & 1 ? scale[q] : -scale[q];
+    v += e[i];
+    y[i] = v;
+    s[(i - from) % 8] += static_cast<double>(v) * static_cast<double>(v);
+  }
+  return combine8(s);
+}
+
+ZINC_TARGET_AVX2 double server_sum_avx2(const uint8_t* const* bits, const float* scale, int p, const float* e,
+                                        float* y, int64_t n) {
+  const __m256i lane_bit = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  const int64_t full = n / 8 * 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    __m256 v = _mm256_setzero_ps();
+    for (int q = 0; q < p; ++q) {
+      const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[q][i / 8]), lane_bit);
+      const __m256 pos = _mm256_set1_ps(scale[q]), neg = _mm256_set1_ps(-scale[q]);
+      const __m256 t = _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lane_bit)));
+      v = q == 0 ? t : _mm256_add_ps(v, t);
+    }
+    v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
+    _mm256_storeu_ps(y + i, v);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+    hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+  }
+  alignas(32) double s[8];
+  _mm256_store_pd(s, lo);
+  _mm256_store_pd(s + 4, hi);
+  return server_sum_scalar(bits, scale, p, e, y, full, n, s);
+}
+
+ZINC_TARGET_AVX512 double server_sum_avx512(const uint8_t* const* bits, const float* scale, int p, const float* e,
+                                            float* y, int64_t n) {
+  __m512d acc = _mm512_setzero_pd();
+  const int64_t full = n / 16 * 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    __m512 v = _mm512_setzero_ps();
+    for (int q = 0; q < p; ++q) {
+      const auto m = static_cast<__mmask16>(kReverse[bits[q][i / 8]] | (kReverse[bits[q][i / 8 + 1]] << 8));
+      const __m512 t = _mm512_mask_blend_ps(m, _mm512_set1_ps(-scale[q]), _mm512_set1_ps(scale[q]));
+      v = q == 0 ? t : _mm512_add_ps(v, t);
+    }
+    v = _mm512_add_ps(v, _mm512_loadu_ps(e + i));
+    _mm512_storeu_ps(y + i, v);
+    const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(a, a));
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(b, b));
+  }
+  alignas(64) double s[8];
+  _mm512_store_pd(s, acc);
+  return server_sum_scalar(bits, scale, p, e, y, full, n, s);
+}
+
+// y[0, n) := the sum of the p decompressed chunks plus e; returns the server's scale.
+float server_sum_scale(const uint8_t* const* bits, const float* scale, int p, const float* e, float* y, int64_t n) {
+  double sum = 0;
+  switch (detail::dispatch_isa()) {
+    case CpuIsa::kBaseline: {
+      double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      sum = server_sum_scalar(bits, scale, p, e, y, 0, n, s);
+      break;
+    }
+    case CpuIsa::kAvx2: sum = server_sum_avx2(bits, scale, p, e, y, n); break;
+    default: sum = server_sum_avx512(bits, scale, p, e, y, n);
+  }
   return static_cast<float>(std::sqrt(sum) / std::sqrt(static_cast<double>(n)));
 }
 
-// error = v - scale * s(v), s(v) = +1 unless v < 0.
-void update_error(const float* v, int64_t n, float scale, float* error) {
-  for (int64_t i = 0; i < n; ++i) error[i] = v[i] - (v[i] < 0.0f ? -scale : scale);
+// x[0, n) += e; returns sqrt(sum of squares) / sqrt(n), DeepSpeed's scale.
+float compensate_scale(float* x, const float* e, int64_t n) {
+  double sum = 0;
+  switch (detail::dispatch_isa()) {
+    case CpuIsa::kBaseline: {
+      double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      sum = compensate_scalar(x, e, n, s);
+      break;
+    }
+    case CpuIsa::kAvx2: sum = compensate_avx2(x, e, n); break;
+    default: sum = compensate_avx512(x, e, n);
+  }
+  return static_cast<float>(std::sqrt(sum) / std::sqrt(static_cast<double>(n)));
+}
+
+void error_pack(const float* x, int64_t n, float scale, float* e, uint8_t* bits) {
+  switch (detail::dispatch_isa()) {
+    case CpuIsa::kBaseline: return error_pack_tail(x, 0, n, scale, e, bits);
+    case CpuIsa::kAvx2: return error_pack_avx2(x, n, scale, e, bits);
+    default: return error_pack_avx512(x, n, scale, e, bits);
+  }
 }
 
 }  // namespace
@@ -208,51 +376,65 @@ CompressedAllReduce::CompressedAllReduce(int64_t n, int world_size)
   y_.resize(static_cast<size_t>(chunk));
   send_.resize(static_cast<size_t>(p_ * words_));
   recv_.resize(static_cast<size_t>(p_ * words_));
+  bits_.resize(static_cast<size_t>(p_));
+  scales_.resize(static_cast<size_t>(p_));
 }
 
 void CompressedAllReduce::average(Communicator& comm, float* buf, int64_t n) {
+  check_call(comm, n);
+  if (n == 0) return;
+  if (buf != x_.data()) std::memcpy(x_.data(), buf, static_cast<size_t>(n) * sizeof(float));
+  average_input(comm, buf);
+}
+
+void CompressedAllReduce::check_call(const Communicator& comm, int64_t n) const {
   if (n != n_ || comm.size() != p_) {
     throw Error("CompressedAllReduce::average: made for " + std::to_string(n_) + " elements over " +
                 std::to_string(p_) + " ranks, called with " + std::to_string(n) + " over " +
                 std::to_string(comm.size()));
   }
-  if (n == 0) return;
+}
+
+void CompressedAllReduce::average_input(Communicator& comm, float* out) {
+  check_call(comm, n_);
+  if (n_ == 0) return;
   const int64_t chunk = padded_ / p_;
   auto message = [&](std::vector<float>& v, int q) { return v.data() + q * words_; };
   auto message_bits = [&](std::vector<float>& v, int q) { return reinterpret_cast<uint8_t*>(message(v, q) + 1); };
 
-  // Worker: compensate, scale, error, signs; message j = (scale, chunk j's signs).
+  // Worker: compensate (the padding is 0 + error) and scale in one pass;
+  // error and signs in a second; message j = (scale, chunk j's signs).
   float* x = x_.data();
-  const float* we = worker_error_.data();
-  for (int64_t i = 0; i < n; ++i) x[i] = buf[i] + we[i];
-  for (int64_t i = n; i < padded_; ++i) x[i] = 0.0f + we[i];
-  const float worker_scale = rms_scale(x, padded_);
-  update_error(x, padded_, worker_scale, worker_error_.data());
+  std::fill(x + n_, x + padded_, 0.0f);
+  const float worker_scale = compensate_scale(x, worker_error_.data(), padded_);
   std::fill(send_.begin(), send_.end(), 0.0f);
   for (int j = 0; j < p_; ++j) {
     message(send_, j)[0] = worker_scale;
-    pack_signs(x + j * chunk, chunk, message_bits(send_, j));
+    error_pack(x + j * chunk, chunk, worker_scale, worker_error_.data() + j * chunk, message_bits(send_, j));
   }
   comm.all_to_all(send_.data(), recv_.data(), words_, DType::kF32);
 
   // Server (this rank's chunk): average of the decompressed chunks, compensate, compress.
   float* y = y_.data();
   const float inv_p = 1.0f / static_cast<float>(p_);
+  std::vector<const uint8_t*>& bits = bits_;
+  std::vector<float>& scales = scales_;
   for (int q = 0; q < p_; ++q) {
-    unpack_signs_scaled(message_bits(recv_, q), chunk, message(recv_, q)[0] * inv_p, y, /*accumulate=*/q > 0);
+    bits[static_cast<size_t>(q)] = message_bits(recv_, q);
+    scales[static_cast<size_t>(q)] = message(recv_, q)[0] * inv_p;
   }
-  for (int64_t i = 0; i < chunk; ++i) y[i] += server_error_[static_cast<size_t>(i)];
-  const float server_scale = rms_scale(y, chunk);
-  update_error(y, chunk, server_scale, server_error_.data());
+  const float server_scale = server_sum_scale(bits.data(), scales.data(), p_, server_error_.data(), y, chunk);
   const int me = comm.rank();
   std::fill(send_.begin(), send_.end(), 0.0f);
   message(send_, me)[0] = server_scale;
-  pack_signs(y, chunk, message_bits(send_, me));
+  error_pack(y, chunk, server_scale, server_error_.data(), message_bits(send_, me));
   comm.all_gather(message(send_, me), send_.data(), words_, DType::kF32);
 
-  // Every rank: decompress all chunks.
-  for (int q = 0; q < p_; ++q) unpack_signs_scaled(message_bits(send_, q), chunk, message(send_, q)[0], x + q * chunk);
-  std::memcpy(buf, x, static_cast<size_t>(n) * sizeof(float));
+  // Every rank: decompress the chunks straight into out[0, n) (the padding is dropped).
+  for (int q = 0; q < p_; ++q) {
+    const int64_t from = q * chunk, count = std::min(chunk, n_ - from);
+    if (count > 0) unpack_signs_scaled(message_bits(send_, q), count, message(send_, q)[0], out + from);
+  }
 }
 
 }  // namespace zinc::comm

@@ -50,6 +50,12 @@ class CompressedAllReduce {
   // (every rank ends with the same values).
   void average(Communicator& comm, float* buf, int64_t n);
 
+  // The same without the copy in: the caller writes the n elements into
+  // input() (padded_size() floats; the compressor fills the padding), then
+  // average_input() leaves the average in out[0, n), which may be input().
+  float* input() { return x_.data(); }
+  void average_input(Communicator& comm, float* out);
+
   int64_t size() const { return n_; }
   int64_t padded_size() const { return padded_; }
   int64_t chunk_size() const { return padded_ / p_; }
@@ -70,6 +76,7 @@ class CompressedAllReduce {
   }
 
  private:
+  void check_call(const Communicator& comm, int64_t n) const;
   int64_t n_, padded_;
   int p_;
   int64_t words_;
@@ -77,6 +84,8 @@ class CompressedAllReduce {
   std::vector<float> server_error_;  // chunk_size() elements
   std::vector<float> x_, y_;         // scratch: padded_ and chunk_size()
   std::vector<float> send_, recv_;   // scratch: p * words_ each
+  std::vector<const uint8_t*> bits_;  // the server's view of the p messages
+  std::vector<float> scales_;
 };
 
 }  // namespace zinc::comm

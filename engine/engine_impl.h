@@ -191,9 +191,7 @@ struct Engine::Impl final : StepContext {
   std::vector<std::vector<float>> ob_v_fresh;
   std::unique_ptr<comm::CompressedAllReduce> ob_flat;
   std::vector<double> lamb_ratios;  // the trust ratios of lamb_update_all's last step, per tensor
-  std::vector<std::vector<float>> ob_m_last;  // 1-bit Lamb: the momentum before the step, per block
-  std::vector<float> onebit_scratch;           // a block's or the model's buffer to average, reused
-  std::vector<float> ob_tmp[3];                // 1-bit Lamb: one tensor's per-element terms, reused
+  std::vector<float> onebit_scratch;  // 0/1 Adam: a block's averaged gradient; 1-bit Lamb on one rank: the flat momentum
   void onebit_lamb_after_full(int64_t t);
   void onebit_lamb_update_all(float grad_scale);
   int64_t onebit_tensor_count() const;
@@ -202,9 +200,6 @@ struct Engine::Impl final : StepContext {
   void onebit_update_all(float grad_scale);
   void onebit_span(const StateSpan& sp, float grad_scale, bool sync);
   void onebit_make_compressors();
-  // The average of buf (a block's span) over ranks at 1 bit, tensor by
-  // tensor, on the reduce stream.
-  void onebit_average(int block, float* buf);
   // The rank's own part of a checkpoint: the error feedback and, with 0/1
   // Adam past the freeze, its weights, momentum and accumulated updates
   // (which differ between ranks between synchronisations), in a file beside

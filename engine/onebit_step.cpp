@@ -103,6 +103,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/cpu.h"
 #include "core/log.h"
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
@@ -111,34 +112,101 @@
 namespace zinc {
 
 namespace {
-// Sum of squares in double, element i into partial sum i % 8, combined
-// ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): a fixed order (the
-// tests' reference sums the same way) whose eight chains run side by side.
-double sum_squares8(const float* x, int64_t n) {
-  double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) s[k] += double(x[i + k]) * double(x[i + k]);
-  for (int k = 0; i < n; ++i, ++k) s[k] += double(x[i]) * double(x[i]);
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-// 1-bit Lamb's elementwise pass over one tensor (Note [1-bit Lamb]): the
-// averaged momentum unscaled, the reconstructed gradient into the fresh
-// variance, and per element m / denom, u and the denominators' ratio. The
-// buffers never overlap (restrict), so it vectorises.
-void lamb_elementwise(int64_t n, const float* __restrict fl, const float* __restrict ml, float* __restrict mt,
-                      float* __restrict vft, const float* __restrict vt, const float* __restrict wt,
-                      float* __restrict tu, float* __restrict tp, float* __restrict tr, float sc, float b1,
-                      float one_minus_b1, float b2, float one_minus_b2, float eps, float wd) {
-  for (int64_t i = 0; i < n; ++i) {
-    mt[i] = fl[i] / sc;
-    const float gr = (mt[i] - ml[i] * b1) / one_minus_b1;
-    vft[i] = b2 * vft[i] + (one_minus_b2 * gr) * gr;
-    const float denom = std::sqrt(vt[i]) + eps;
-    tp[i] = mt[i] / denom;
-    tu[i] = tp[i] + wd * wt[i];
-    tr[i] = denom / (std::sqrt(vft[i]) + eps);
+// 1-bit Lamb's elementwise pass over one tensor (Note [1-bit Lamb]), one
+// read of each array: the averaged momentum (fl, scaled) unscaled into m,
+// the gradient reconstructed from it and the momentum before the step (m's
+// old value) folded into the fresh variance vf, and the three reductions the
+// factor needs: the sums of squares of u = m / denom + wd w and of m / denom
+// (in double, element i into partial sum i % 8, combined ((s0 + s1) + (s2 +
+// s3)) + ((s4 + s5) + (s6 + s7))) and the largest denom / (sqrt(vf) + eps), in element order.
+//
+// Written for GCC's vectoriser (Note [kernel vectorisation] in
+// kernels/simd_math.h): per chunk of kChunk elements, one elementwise loop
+// into three small buffers that stay in the L1 cache, then the reductions as
+// eight lanes over whole blocks of 8 (lane k = element i % 8, so the chunks
+// change no order). Compiled at each ISA level by ZINC_ISA_VARIANTS;
+// -ffp-contract=off (engine/CMakeLists.txt) keeps every level's bits equal.
+// The lane-wise maxima give the element-order maximum's bits: max skips NaN
+// and keeps the first of equal values either way, and every lane starts at
+// +0.
+struct LambSums {
+  double u_sq, prelim_sq;
+  float ratio_max;
+};
+struct LambConsts {
+  float sc, b1, one_minus_b1, b2, one_minus_b2, eps, wd;
+};
+constexpr int64_t kLambChunk = 1024;  // a multiple of 8
+ZINC_ALWAYS_INLINE LambSums lamb_elementwise_body(int64_t n, const float* __restrict fl, float* __restrict m,
+                                                  float* __restrict vf, const float* __restrict v,
+                                                  const float* __restrict w, LambConsts c) {
+  double su[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float rmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  alignas(64) float p[kLambChunk], u[kLambChunk], r[kLambChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kLambChunk) {
+    const int64_t len = std::min(kLambChunk, n - c0);
+    const float* __restrict flc = fl + c0;
+    float* __restrict mc = m + c0;
+    float* __restrict vfc = vf + c0;
+    const float* __restrict vc = v + c0;
+    const float* __restrict wc = w + c0;
+    for (int64_t i = 0; i < len; ++i) {
+      const float last = mc[i];
+      const float mt = flc[i] / c.sc;
+      mc[i] = mt;
+      const float gr = (mt - last * c.b1) / c.one_minus_b1;
+      const float vfn = c.b2 * vfc[i] + (c.one_minus_b2 * gr) * gr;
+      vfc[i] = vfn;
+      const float denom = std::sqrt(vc[i]) + c.eps;
+      p[i] = mt / denom;
+      u[i] = p[i] + c.wd * wc[i];
+      r[i] = denom / (std::sqrt(vfn) + c.eps);
+    }
+    const int64_t full = len / 8 * 8;
+    for (int64_t b = 0; b < full; b += 8)
+      for (int k = 0; k < 8; ++k) su[k] += double(u[b + k]) * double(u[b + k]);
+    for (int64_t b = 0; b < full; b += 8)
+      for (int k = 0; k < 8; ++k) sp[k] += double(p[b + k]) * double(p[b + k]);
+    for (int64_t b = 0; b < full; b += 8)
+      for (int k = 0; k < 8; ++k) rmax[k] = rmax[k] < r[b + k] ? r[b + k] : rmax[k];
+    for (int64_t i = full; i < len; ++i) {  // the last chunk's tail: lane i - full
+      su[i - full] += double(u[i]) * double(u[i]);
+      sp[i - full] += double(p[i]) * double(p[i]);
+      rmax[i - full] = rmax[i - full] < r[i] ? r[i] : rmax[i - full];
+    }
   }
+  float ratio_max = 0;
+  for (int k = 0; k < 8; ++k) ratio_max = ratio_max < rmax[k] ? rmax[k] : ratio_max;
+  auto combine = [](const double* s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); };
+  return {combine(su), combine(sp), ratio_max};
+}
+ZINC_ISA_VARIANTS(LambSums, lamb_elementwise,
+                  (int64_t n, const float* fl, float* m, float* vf, const float* v, const float* w, LambConsts c),
+                  (n, fl, m, vf, v, w, c))
+
+// f(from, to) for each alignment gap of a block span of n elements: after
+// each tensor up to the next one (or n). The compressors see the tensors
+// only; the elementwise passes treat the gaps as the tensors.
+template <class F>
+void for_each_gap(const BlockLayout& l, int64_t n, F&& f) {
+  for (size_t t = 0; t < l.offsets.size(); ++t) {
+    const int64_t from = l.offsets[t] + l.numels[t], to = t + 1 < l.offsets.size() ? l.offsets[t + 1] : n;
+    if (to > from) f(from, to);
+  }
+}
+
+// Averages each tensor of a block at 1 bit on the reduce stream: fill(offset,
+// n, x) writes the tensor's n elements (at offset in the block) into the
+// compressor's input x, and the average lands in out + offset.
+template <class Fill>
+void average_tensors(comm::CommStream& stream, std::vector<comm::CompressedAllReduce>& per, const BlockLayout& l,
+                     float* out, Fill&& fill) {
+  stream.submit([&](comm::Communicator& c) {
+    for (size_t t = 0; t < per.size(); ++t) {
+      fill(l.offsets[t], l.numels[t], per[t].input());
+      per[t].average_input(c, out + l.offsets[t]);
+    }
+  }).wait();
 }
 }  // namespace
 
@@ -190,16 +258,6 @@ void Engine::Impl::onebit_make_compressors() {
     for (int64_t n : s.layout.numels) per.emplace_back(n, world);
     onebit_ar.push_back(std::move(per));
   }
-}
-
-void Engine::Impl::onebit_average(int block, float* buf) {
-  if (world == 1) return;
-  if (onebit_ar.empty()) onebit_make_compressors();
-  std::vector<comm::CompressedAllReduce>& per = onebit_ar[static_cast<size_t>(block)];
-  const BlockLayout& l = blocks[static_cast<size_t>(block)].layout;
-  reduce_stream->submit([&](comm::Communicator& c) {
-    for (size_t t = 0; t < per.size(); ++t) per[t].average(c, buf + l.offsets[t], l.numels[t]);
-  }).wait();
 }
 
 int64_t Engine::Impl::onebit_tensor_count() const {
@@ -257,71 +315,48 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
     united /= static_cast<double>(rms.size());
     for (double r : rms) ob_scaling.push_back(r > 0 ? united / r : 1.0);
   }
-  // Local momentum, scaled, into one flat buffer.
+  // Local momentum, scaled, into one flat buffer: the compressor's input (or
+  // a scratch buffer on one rank). m keeps the momentum before the step,
+  // which the gradient's reconstruction needs, until the elementwise pass.
   int64_t total = 0;
   for (const BlockShard& s : blocks) total += s.layout.param_numel();
-  std::vector<float>& flat = onebit_scratch;  // kept from step to step: no page faults
-  flat.resize(static_cast<size_t>(total));
-  std::vector<std::vector<float>>& m_last = ob_m_last;
-  m_last.resize(blocks.size());
+  if (world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
+  if (world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
+  float* flat = world > 1 ? ob_flat->input() : onebit_scratch.data();
   {
     int64_t at = 0;
     size_t k = 0;
     for (size_t b = 0; b < blocks.size(); ++b) {
       const BlockLayout& l = blocks[b].layout;
       const float* g = blocks[b].grad.as<float>();
-      float* m = spans[b].m;
-      m_last[b].assign(m, m + spans[b].count);
+      const float* m = spans[b].m;
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const float sc = static_cast<float>(ob_scaling[k]);
-        for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
-          m[i] = (b1 * m[i] + one_minus_b1 * (g[i] * grad_scale)) * sc;
-          flat[static_cast<size_t>(at++)] = m[i];
-        }
+        const int64_t off = l.offsets[t], n = l.numels[t];
+        float* out = flat + at;
+        for (int64_t i = 0; i < n; ++i) out[i] = (b1 * m[off + i] + one_minus_b1 * (g[off + i] * grad_scale)) * sc;
+        at += n;
       }
     }
   }
-  if (world > 1) {
-    if (!ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
-    reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average(c, flat.data(), total); }).wait();
-  }
+  if (world > 1) reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average_input(c, flat); }).wait();
   // Per tensor: the averaged momentum, the fresh variance, the coefficient.
   std::vector<float> coeff(static_cast<size_t>(tensors));
-  std::vector<float>& tmp_u = ob_tmp[0];  // one tensor's u, m / denom and denominators' ratios,
-  std::vector<float>& tmp_pre = ob_tmp[1];  // kept from step to step (no page faults)
-  std::vector<float>& tmp_ratio = ob_tmp[2];
   {
     int64_t at = 0;
     size_t k = 0;
     for (size_t b = 0; b < blocks.size(); ++b) {
       const BlockLayout& l = blocks[b].layout;
-      float* m = spans[b].m;
-      const float* v = spans[b].v;
-      const float* w = spans[b].master;
       float* vf = ob_v_fresh[b].data();
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
-        const float sc = static_cast<float>(ob_scaling[k]);
         const int64_t off = l.offsets[t], n = l.numels[t];
-        tmp_u.resize(static_cast<size_t>(n));
-        tmp_pre.resize(static_cast<size_t>(n));
-        tmp_ratio.resize(static_cast<size_t>(n));
-        float* tu = tmp_u.data();
-        float* tp = tmp_pre.data();
-        float* tr = tmp_ratio.data();
-        const float* fl = flat.data() + at;
-        const float* ml = m_last[b].data() + off;
-        float* mt = m + off;
-        float* vft = vf + off;
-        const float* vt = v + off;
-        const float* wt = w + off;
-        lamb_elementwise(n, fl, ml, mt, vft, vt, wt, tu, tp, tr, sc, b1, one_minus_b1, b2, one_minus_b2, eps, wd);
+        const LambConsts lc{static_cast<float>(ob_scaling[k]), b1, one_minus_b1, b2, one_minus_b2, eps, wd};
+        const LambSums r =
+            lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
         at += n;
-        const double u_sq = sum_squares8(tu, n), prelim_sq = sum_squares8(tp, n);
-        float factor_max = 0;
-        for (int64_t i = 0; i < n; ++i) factor_max = std::max(factor_max, tr[i]);
-        double factor = factor_max;
+        double factor = r.ratio_max;
         if (lamb.weight_decay > 0) {
-          const double ratio = u_sq > 0 ? std::min(1.0, std::sqrt(prelim_sq) / std::sqrt(u_sq)) : 1.0;
+          const double ratio = r.u_sq > 0 ? std::min(1.0, std::sqrt(r.prelim_sq) / std::sqrt(r.u_sq)) : 1.0;
           factor = factor * ratio + (1.0 - ratio);
         }
         factor = std::clamp(factor, ob.factor_min, ob.factor_max);
@@ -405,18 +440,37 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
   const float b1 = static_cast<float>(adam.beta1), one_minus_b1 = static_cast<float>(1.0 - adam.beta1);
   const float lr = static_cast<float>(adam.lr), eps = static_cast<float>(adam.eps);
   const float wd = static_cast<float>(adam.weight_decay);
+  std::vector<comm::CompressedAllReduce>* per =
+      world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
   switch (onebit_now) {
-    case OneBitMode::kCompressedMomentum: {  // Note [1-bit Adam]
-      for (int64_t i = 0; i < n; ++i) m[i] = b1 * m[i] + one_minus_b1 * (g[i] * grad_scale);
-      onebit_average(sp.block, m);
+    case OneBitMode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
+      auto fill = [&](int64_t off, int64_t nt, float* x) {
+        for (int64_t i = 0; i < nt; ++i) x[i] = b1 * m[off + i] + one_minus_b1 * (g[off + i] * grad_scale);
+      };
+      if (per) {
+        average_tensors(*reduce_stream, *per, s.layout, m, fill);
+        for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, m + from); });
+      } else {
+        fill(0, n, m);
+      }
       break;
     }
-    case OneBitMode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze
-      std::vector<float>& avg = onebit_scratch;  // kept from step to step: no page faults
-      avg.resize(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) avg[i] = g[i] * grad_scale;
-      onebit_average(sp.block, avg.data());
-      for (int64_t i = 0; i < n; ++i) m[i] = b1 * m[i] + one_minus_b1 * avg[i];
+    case OneBitMode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze: the gradient averaged, folded into m
+      auto fold = [&](int64_t off, int64_t nt, const float* avg) {
+        for (int64_t i = 0; i < nt; ++i) m[off + i] = b1 * m[off + i] + one_minus_b1 * avg[i];
+      };
+      if (per) {
+        std::vector<float>& avg = onebit_scratch;  // kept from step to step: no page faults
+        avg.resize(static_cast<size_t>(n));
+        auto fill = [&](int64_t off, int64_t nt, float* x) {
+          for (int64_t i = 0; i < nt; ++i) x[i] = g[off + i] * grad_scale;
+        };
+        average_tensors(*reduce_stream, *per, s.layout, avg.data(), fill);
+        for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, avg.data() + from); });
+        fold(0, n, avg.data());
+      } else {
+        for (int64_t i = 0; i < n; ++i) m[i] = b1 * m[i] + one_minus_b1 * (g[i] * grad_scale);
+      }
       break;
     }
     case OneBitMode::kLocal: {  // Note [0/1 Adam], after the freeze
@@ -429,11 +483,19 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
       }
       if (sync) {
         const float lrs = static_cast<float>(zo_lrs);
-        for (int64_t i = 0; i < n; ++i) {
-          w[i] = w[i] - acc[i];
-          acc[i] = acc[i] * (std::sqrt(v[i]) + eps);
+        // Undo the local steps; the accumulated updates times sqrt(v) + eps are averaged into acc.
+        auto undo = [&](int64_t off, int64_t nt, float* x) {
+          for (int64_t i = off; i < off + nt; ++i) {
+            w[i] = w[i] - acc[i];
+            x[i - off] = acc[i] * (std::sqrt(v[i]) + eps);
+          }
+        };
+        if (per) {
+          average_tensors(*reduce_stream, *per, s.layout, acc, undo);
+          for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { undo(from, to - from, acc + from); });
+        } else {
+          undo(0, n, acc);
         }
-        onebit_average(sp.block, acc);
         for (int64_t i = 0; i < n; ++i) {
           m[i] = -(acc[i] / lrs);
           w[i] = w[i] + acc[i] / (std::sqrt(v[i]) + eps);
@@ -447,11 +509,16 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
     case OneBitMode::kLambCompressed:
       ZINC_CHECK(false, "1-bit optimizers: a step reached the wrong update");
   }
-  // The frozen-variance update, in zinc's AdamW order (the decay first).
+  // The frozen-variance update, in zinc's AdamW order (the decay first), in one pass.
   const float decay = static_cast<float>(-adam.lr * adam.weight_decay);
-  if (adam.weight_decay > 0)
-    for (int64_t i = 0; i < n; ++i) w[i] = decay * w[i] + w[i];
-  for (int64_t i = 0; i < n; ++i) w[i] = -lr * (m[i] / (std::sqrt(v[i]) + eps)) + w[i];
+  if (adam.weight_decay > 0) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float decayed = decay * w[i] + w[i];
+      w[i] = -lr * (m[i] / (std::sqrt(v[i]) + eps)) + decayed;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) w[i] = -lr * (m[i] / (std::sqrt(v[i]) + eps)) + w[i];
+  }
   if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
 }
 

@@ -5,6 +5,7 @@
 // large values, over the MPI and the shared-memory backends.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +14,7 @@
 
 #include "comm/comm.h"
 #include "comm/onebit.h"
+#include "core/cpu.h"
 #include "comm_test_util.h"
 #include "tests/comm/mpi_test_main.h"
 #include "tests/comm/onebit_reference.h"
@@ -26,7 +28,11 @@ Communicator& world() { return *g_mpi; }
 
 namespace {
 
-void check_against_reference(Communicator& c, int kind, int64_t n, int steps) {
+// How the buffer goes in: average(buf), or written into input() and
+// averaged with average_input into input() itself or into another buffer.
+enum class Call { kAverage, kInputInPlace, kInputToOther };
+
+void check_against_reference(Communicator& c, int kind, int64_t n, int steps, Call call = Call::kAverage) {
   const int p = c.size();
   CompressedAllReduce car(n, p);
   OnebitReference ref(n, p);
@@ -36,7 +42,15 @@ void check_against_reference(Communicator& c, int kind, int64_t n, int steps) {
       for (int64_t i = 0; i < n; ++i) in[r][i] = onebit_input(kind, step, r, i);
     const std::vector<float> want = ref.step(in);
     std::vector<float> buf = in[c.rank()];
-    car.average(c, buf.data(), n);
+    if (call == Call::kAverage) {
+      car.average(c, buf.data(), n);
+    } else {
+      std::memcpy(car.input(), buf.data(), n * sizeof(float));
+      std::fill(buf.begin(), buf.end(), -7.0f);
+      float* out = call == Call::kInputInPlace ? car.input() : buf.data();
+      car.average_input(c, out);
+      if (out != buf.data()) std::memcpy(buf.data(), out, n * sizeof(float));
+    }
     EXPECT_EQ(std::memcmp(buf.data(), want.data(), n * sizeof(float)), 0)
         << c.backend() << " kind " << kind << " n=" << n << " step " << step;
     EXPECT_EQ(car.worker_error(), ref.worker_error[c.rank()]) << "worker error, step " << step;
@@ -51,6 +65,19 @@ TEST(OnebitMulti, EqualsTheReferenceBitForBitOverStepsOnMpiAndShm) {
         check_against_reference(*c, kind, n, 4);
       }
     }
+  }
+}
+
+// The fused form (the caller writes input(); the average goes to input() or
+// to another buffer), at every ISA level this CPU runs: the same bits.
+TEST(OnebitMulti, InputFormEqualsTheReferenceAtEveryIsaLevel) {
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (isa > cpu_isa()) continue;
+    detail::set_dispatch_isa_for_testing(isa);
+    for (Communicator* c : {g_mpi.get(), g_shm.get()})
+      for (Call call : {Call::kAverage, Call::kInputInPlace, Call::kInputToOther})
+        for (int64_t n : {int64_t{13}, int64_t{1001}, int64_t{65537}}) check_against_reference(*c, 0, n, 3, call);
+    detail::reset_dispatch_isa_for_testing();
   }
 }
 

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
+#include "core/cpu.h"
 #include "engine/checkpoint.h"
 #include "engine/engine.h"
 #include "tests/comm/onebit_reference.h"
@@ -527,6 +528,28 @@ TEST(OneBitAdam, ResumesBitExactOnEitherSideOfTheFreeze) {
       EXPECT_NE(err.find(g_world->rank() == 0 ? "onebit00000.bin is corrupted" : "rank 0 failed"), std::string::npos)
           << err;
       EXPECT_TRUE(testing_train::all_weights(e) == before) << "a failed load changed the weights";
+    }
+  }
+}
+
+// The compressed steps' loops and the compressor run at the dispatched ISA
+// level: every level this CPU runs gives the same weights and losses, bit
+// for bit (the reference tests above run at the CPU's own level).
+TEST(OneBitAdam, EveryIsaLevelGivesTheSameBits) {
+  for (const nlohmann::json& opt : {onebit(2), zero_one(3, 1, 1), onebit_lamb(2)}) {
+    RunSpec r;
+    r.optimizer = opt;
+    r.steps = 8;
+    std::vector<double> want_losses;
+    const std::vector<float> want = testing_train::train(r, g_world, &want_losses);
+    for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2}) {
+      if (isa >= cpu_isa()) continue;  // the native level made `want`
+      detail::set_dispatch_isa_for_testing(isa);
+      std::vector<double> losses;
+      const std::vector<float> got = testing_train::train(r, g_world, &losses);
+      detail::reset_dispatch_isa_for_testing();
+      EXPECT_TRUE(got == want) << opt["type"] << " at " << cpu_isa_name(isa);
+      EXPECT_EQ(losses, want_losses) << opt["type"] << " at " << cpu_isa_name(isa);
     }
   }
 }
