@@ -184,6 +184,91 @@ ZINC_ISA_VARIANTS(LambSums, lamb_elementwise,
                   (int64_t n, const float* fl, float* m, float* vf, const float* v, const float* w, LambConsts c),
                   (n, fl, m, vf, v, w, c))
 
+// The other element loops of the compressed steps, each compiled at every
+// ISA level the same way (plain loops, no a*b+c fused: every level gives the
+// same bits).
+struct AdamConsts {
+  float b1, one_minus_b1, lr, eps, wd, decay, grad_scale;
+  bool decays;  // weight_decay > 0
+};
+// x = b1 m + (1 - b1) (g grad_scale) (x may be m).
+ZINC_ALWAYS_INLINE void momentum_into_body(int64_t n, const float* m, const float* __restrict g, float* x,
+                                           AdamConsts c) {
+  for (int64_t i = 0; i < n; ++i) x[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
+}
+ZINC_ISA_VARIANTS(void, momentum_into, (int64_t n, const float* m, const float* g, float* x, AdamConsts c),
+                  (n, m, g, x, c))
+// The frozen-variance update in zinc's AdamW order: w = decay w + w (with
+// weight decay), then w = -lr (m / (sqrt(v) + eps)) + w.
+ZINC_ALWAYS_INLINE void frozen_update_body(int64_t n, float* __restrict w, const float* __restrict m,
+                                           const float* __restrict v, AdamConsts c) {
+  if (c.decays) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float decayed = c.decay * w[i] + w[i];
+      w[i] = -c.lr * (m[i] / (std::sqrt(v[i]) + c.eps)) + decayed;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) w[i] = -c.lr * (m[i] / (std::sqrt(v[i]) + c.eps)) + w[i];
+  }
+}
+ZINC_ISA_VARIANTS(void, frozen_update, (int64_t n, float* w, const float* m, const float* v, AdamConsts c),
+                  (n, w, m, v, c))
+// 0/1 Adam's local step: m = b1 m + (1 - b1) g, u = m / (sqrt(v) + eps) +
+// wd w, w += -lr u, acc += -lr u.
+ZINC_ALWAYS_INLINE void local_step_body(int64_t n, float* __restrict m, const float* __restrict g,
+                                        const float* __restrict v, float* __restrict w, float* __restrict acc,
+                                        AdamConsts c) {
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
+    const float u = m[i] / (std::sqrt(v[i]) + c.eps) + c.wd * w[i];
+    w[i] = w[i] + -c.lr * u;
+    acc[i] = acc[i] + -c.lr * u;
+  }
+}
+ZINC_ISA_VARIANTS(void, local_step,
+                  (int64_t n, float* m, const float* g, const float* v, float* w, float* acc, AdamConsts c),
+                  (n, m, g, v, w, acc, c))
+// 0/1 Adam's synchronisation, before the average: w -= acc, x = acc (sqrt(v)
+// + eps) (x may be acc); after it: m = -(avg / lrs), w += avg / (sqrt(v) +
+// eps), acc = 0 (avg is acc).
+ZINC_ALWAYS_INLINE void sync_undo_body(int64_t n, float* __restrict w, const float* acc, const float* __restrict v,
+                                       float* x, float eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = w[i] - acc[i];
+    x[i] = acc[i] * (std::sqrt(v[i]) + eps);
+  }
+}
+ZINC_ISA_VARIANTS(void, sync_undo, (int64_t n, float* w, const float* acc, const float* v, float* x, float eps),
+                  (n, w, acc, v, x, eps))
+ZINC_ALWAYS_INLINE void sync_apply_body(int64_t n, float* __restrict m, float* __restrict w, float* __restrict acc,
+                                        const float* __restrict v, float lrs, float eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = -(acc[i] / lrs);
+    w[i] = w[i] + acc[i] / (std::sqrt(v[i]) + eps);
+    acc[i] = 0.0f;
+  }
+}
+ZINC_ISA_VARIANTS(void, sync_apply, (int64_t n, float* m, float* w, float* acc, const float* v, float lrs, float eps),
+                  (n, m, w, acc, v, lrs, eps))
+// 1-bit Lamb: x = (b1 m + (1 - b1) (g grad_scale)) sc; and the update w = w +
+// coeff (m / (sqrt(v) + eps) + wd w).
+ZINC_ALWAYS_INLINE void lamb_momentum_body(int64_t n, const float* __restrict m, const float* __restrict g,
+                                           float* __restrict x, float sc, AdamConsts c) {
+  for (int64_t i = 0; i < n; ++i) x[i] = (c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale)) * sc;
+}
+ZINC_ISA_VARIANTS(void, lamb_momentum, (int64_t n, const float* m, const float* g, float* x, float sc, AdamConsts c),
+                  (n, m, g, x, sc, c))
+ZINC_ALWAYS_INLINE void lamb_apply_body(int64_t n, float* __restrict w, const float* __restrict m,
+                                        const float* __restrict v, float coeff, float eps, float wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = m[i] / (std::sqrt(v[i]) + eps) + wd * w[i];
+    w[i] = w[i] + coeff * u;
+  }
+}
+ZINC_ISA_VARIANTS(void, lamb_apply, (int64_t n, float* w, const float* m, const float* v, float coeff, float eps,
+                                     float wd),
+                  (n, w, m, v, coeff, eps, wd))
+
 // f(from, to) for each alignment gap of a block span of n elements: after
 // each tensor up to the next one (or n). The compressors see the tensors
 // only; the elementwise passes treat the gaps as the tensors.
@@ -323,6 +408,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   if (world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
   if (world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
   float* flat = world > 1 ? ob_flat->input() : onebit_scratch.data();
+  const AdamConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb.weight_decay > 0};
   {
     int64_t at = 0;
     size_t k = 0;
@@ -333,8 +419,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const float sc = static_cast<float>(ob_scaling[k]);
         const int64_t off = l.offsets[t], n = l.numels[t];
-        float* out = flat + at;
-        for (int64_t i = 0; i < n; ++i) out[i] = (b1 * m[off + i] + one_minus_b1 * (g[off + i] * grad_scale)) * sc;
+        lamb_momentum(n, m + off, g + off, flat + at, sc, ac);
         at += n;
       }
     }
@@ -372,11 +457,10 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   visit_updating([&](const StateSpan& sp) {
     const BlockLayout& l = blocks[static_cast<size_t>(sp.block)].layout;
     size_t k = first;
-    for (size_t t = 0; t < l.offsets.size(); ++t, ++k)
-      for (int64_t i = l.offsets[t]; i < l.offsets[t] + l.numels[t]; ++i) {
-        const float u = sp.m[i] / (std::sqrt(sp.v[i]) + eps) + wd * sp.master[i];
-        sp.master[i] = sp.master[i] + coeff[k] * u;
-      }
+    for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+      const int64_t off = l.offsets[t];
+      lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
+    }
     first = k;
     if (char* out = compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
   });
@@ -442,11 +526,11 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
   const float wd = static_cast<float>(adam.weight_decay);
   std::vector<comm::CompressedAllReduce>* per =
       world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
+  const AdamConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam.lr * adam.weight_decay),
+                     grad_scale, adam.weight_decay > 0};
   switch (onebit_now) {
     case OneBitMode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
-      auto fill = [&](int64_t off, int64_t nt, float* x) {
-        for (int64_t i = 0; i < nt; ++i) x[i] = b1 * m[off + i] + one_minus_b1 * (g[off + i] * grad_scale);
-      };
+      auto fill = [&](int64_t off, int64_t nt, float* x) { momentum_into(nt, m + off, g + off, x, c); };
       if (per) {
         average_tensors(*reduce_stream, *per, s.layout, m, fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, m + from); });
@@ -456,9 +540,6 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
       break;
     }
     case OneBitMode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze: the gradient averaged, folded into m
-      auto fold = [&](int64_t off, int64_t nt, const float* avg) {
-        for (int64_t i = 0; i < nt; ++i) m[off + i] = b1 * m[off + i] + one_minus_b1 * avg[i];
-      };
       if (per) {
         std::vector<float>& avg = onebit_scratch;  // kept from step to step: no page faults
         avg.resize(static_cast<size_t>(n));
@@ -467,40 +548,27 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
         };
         average_tensors(*reduce_stream, *per, s.layout, avg.data(), fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, avg.data() + from); });
-        fold(0, n, avg.data());
+        AdamConsts unscaled = c;  // the average is already scaled
+        unscaled.grad_scale = 1.0f;
+        momentum_into(n, m, avg.data(), m, unscaled);
       } else {
-        for (int64_t i = 0; i < n; ++i) m[i] = b1 * m[i] + one_minus_b1 * (g[i] * grad_scale);
+        momentum_into(n, m, g, m, c);
       }
       break;
     }
     case OneBitMode::kLocal: {  // Note [0/1 Adam], after the freeze
       float* acc = zo_accum[static_cast<size_t>(sp.block)].data();
-      for (int64_t i = 0; i < n; ++i) {
-        m[i] = b1 * m[i] + one_minus_b1 * (g[i] * grad_scale);
-        const float u = m[i] / (std::sqrt(v[i]) + eps) + wd * w[i];
-        w[i] = w[i] + -lr * u;
-        acc[i] = acc[i] + -lr * u;
-      }
+      local_step(n, m, g, v, w, acc, c);
       if (sync) {
-        const float lrs = static_cast<float>(zo_lrs);
         // Undo the local steps; the accumulated updates times sqrt(v) + eps are averaged into acc.
-        auto undo = [&](int64_t off, int64_t nt, float* x) {
-          for (int64_t i = off; i < off + nt; ++i) {
-            w[i] = w[i] - acc[i];
-            x[i - off] = acc[i] * (std::sqrt(v[i]) + eps);
-          }
-        };
+        auto undo = [&](int64_t off, int64_t nt, float* x) { sync_undo(nt, w + off, acc + off, v + off, x, eps); };
         if (per) {
           average_tensors(*reduce_stream, *per, s.layout, acc, undo);
           for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { undo(from, to - from, acc + from); });
         } else {
           undo(0, n, acc);
         }
-        for (int64_t i = 0; i < n; ++i) {
-          m[i] = -(acc[i] / lrs);
-          w[i] = w[i] + acc[i] / (std::sqrt(v[i]) + eps);
-          acc[i] = 0.0f;
-        }
+        sync_apply(n, m, w, acc, v, static_cast<float>(zo_lrs), eps);
       }
       if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
       return;
@@ -509,16 +577,7 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
     case OneBitMode::kLambCompressed:
       ZINC_CHECK(false, "1-bit optimizers: a step reached the wrong update");
   }
-  // The frozen-variance update, in zinc's AdamW order (the decay first), in one pass.
-  const float decay = static_cast<float>(-adam.lr * adam.weight_decay);
-  if (adam.weight_decay > 0) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float decayed = decay * w[i] + w[i];
-      w[i] = -lr * (m[i] / (std::sqrt(v[i]) + eps)) + decayed;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) w[i] = -lr * (m[i] / (std::sqrt(v[i]) + eps)) + w[i];
-  }
+  frozen_update(n, w, m, v, c);  // the frozen-variance update, in zinc's AdamW order (the decay first)
   if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
 }
 
