@@ -36,6 +36,12 @@ nlohmann::json step_event(const Engine& engine, int64_t step, double loss, doubl
     ev["skipped_steps"] = engine.skipped_steps();
   }
   if (comm_wait_share) ev["comm_wait_share"] = *comm_wait_share;
+  if (engine.config().wall_clock_breakdown) {  // this rank's seconds so far in each phase
+    const StepTimings t = engine.timings();
+    ev["forward_s"] = t.forward_s;
+    ev["backward_s"] = t.backward_s;
+    ev["optimizer_step_s"] = t.step_s;
+  }
   return ev;
 }
 

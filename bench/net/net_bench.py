@@ -22,6 +22,9 @@ run's own children's rusage), because the machine is not guaranteed quiet.
       --case compute --case 2:0:1gbit --case 2:0:none --case 2:2:1gbit ...
       [--steps 10] [--repeat 2] [--threads 1] [-- EXTRA zinc-train args]
 
+With `-- --set wall_clock_breakdown=true` each case also gives the medians of
+rank 0's forward, backward and optimizer-step seconds per step.
+
 A case is `compute` or RANKS:STAGE:RATE; the stage goes in with
 --set zero_optimization.stage=STAGE (any other config works the same:
 OneBitAdam later is just another --config or --set).
@@ -171,6 +174,14 @@ def main():
                    "comm_wait_share": summary.get("comm_wait_share"),
                    "wall_s": round(wall, 2), "foreign_cpu_s": round(foreign, 2), "loadavg_before": load,
                    "quiet_wait_s": round(waited, 1), "attempts": attempt + 1}
+            # With --set wall_clock_breakdown=true the step events carry rank 0's
+            # cumulative forward / backward / optimizer-step seconds: their
+            # per-step medians split the step into compute and the update.
+            for key in ("forward_s", "backward_s", "optimizer_step_s"):
+                if steps and key in steps[0]:
+                    v = [s[key] for s in steps]
+                    row[key + "_median"] = round(statistics.median(
+                        v[i] - v[i - 1] for i in range(max(1, a.warmup), len(v))), 4)
             if net_cmd is not None:
                 if not a.no_bytes and (ranks, stage, rate) not in base_bytes:
                     rc0, out0, _, _ = run(net_cmd + ["--steps", "0"], env)

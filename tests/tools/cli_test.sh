@@ -169,6 +169,29 @@ fi
 printf '{"train_batch_size": 4,' >"$TMP/broken.json"
 check_error syntax "JSON syntax error" "$TMP/broken.json"
 
+# wall_clock_breakdown: each step event carries the seconds so far in the
+# forward, backward and optimizer-step phases, growing, within the elapsed
+# time; without it the step events do not.
+if "$ZT" "$CFG" --steps 3 --set steps_per_print=1 --set wall_clock_breakdown=true --json >"$TMP/wcb" 2>"$TMP/err" &&
+   "$ZT" "$CFG" --steps 1 --json >"$TMP/nowcb" 2>>"$TMP/err" &&
+   python3 - "$TMP/wcb" "$TMP/nowcb" <<'PY'
+import json, sys
+steps = [e for e in map(json.loads, open(sys.argv[1])) if e["event"] == "step"]
+keys = ("forward_s", "backward_s", "optimizer_step_s")
+for a, b in zip(steps, steps[1:]):
+    assert all(0 < a[k] < b[k] for k in keys), (a, b)
+assert len(steps) == 3, steps
+for s in steps:
+    assert sum(s[k] for k in keys) <= s["elapsed_s"] + 1e-6, s
+plain = [e for e in map(json.loads, open(sys.argv[2])) if e["event"] == "step"]
+assert plain and not any(k in plain[0] for k in keys), plain
+PY
+then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL wall_clock_breakdown step events"; cat "$TMP/err" | tail -5
+fi
+
 # A good run: JSON lines with the documented fields, and csv_monitor files.
 if "$ZT" "$CFG" --steps 4 --set steps_per_print=2 --set csv_monitor.enabled=true \
      --set "csv_monitor.output_path=$TMP/csv" --set csv_monitor.job_name=job --json >"$TMP/out" 2>"$TMP/err" &&
