@@ -1,6 +1,7 @@
 #include "core/device.h"
 
 #include <cstdlib>
+#include <filesystem>
 
 #include "core/error.h"
 
@@ -12,8 +13,16 @@ namespace zinc {
 
 std::string CudaStatus::summary() const {
   if (!built) return "CUDA: not built (ZINC_CUDA off or no nvcc at build time)";
-  if (devices == 0) return "CUDA: built, no GPU (" + why + ")";
+  if (devices == 0 && none_here) return "CUDA: built, no GPU found";
+  if (devices == 0) return "CUDA: built, no usable GPU (" + why + ")";
   return "CUDA: " + std::to_string(devices) + " GPU(s)";
+}
+
+bool nvidia_driver_present() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  return fs::exists("/proc/driver/nvidia/version", ec) || fs::exists("/dev/nvidiactl", ec) ||
+         fs::exists("/dev/nvidia0", ec);
 }
 
 namespace {
@@ -24,7 +33,12 @@ CudaStatus probe() {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    s.why = cudaGetErrorString(e);
+    // Without a driver the runtime answers "CUDA driver version is
+    // insufficient" (or "no CUDA-capable device"), which reads like a
+    // version problem: where no NVIDIA driver or device node exists, say
+    // plainly that there is no GPU.
+    s.none_here = (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) && !nvidia_driver_present();
+    s.why = s.none_here ? "no NVIDIA GPU or driver on this machine" : cudaGetErrorString(e);
     (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
     n = 0;
   } else if (n == 0) {

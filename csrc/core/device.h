@@ -14,9 +14,15 @@ struct CudaStatus {
   bool built = false;  // zinc was compiled with ZINC_CUDA (the kernels and NCCL exist)
   int devices = 0;     // GPUs visible to this process
   std::string why;     // when devices == 0: why (one line)
-  std::string summary() const;  // "CUDA: 1 GPU(s)" / "CUDA: built, no GPU (...)" / "CUDA: not built"
+  bool none_here = false;  // devices == 0 because the machine has no NVIDIA driver or device at all
+  // "CUDA: 1 GPU(s)" / "CUDA: built, no GPU found" / "CUDA: built, no usable
+  // GPU (the runtime's reason)" / "CUDA: not built (...)"
+  std::string summary() const;
 };
 const CudaStatus& cuda_status();
+// Whether an NVIDIA driver or device node is on this machine
+// (/proc/driver/nvidia/version, /dev/nvidiactl, /dev/nvidia0).
+bool nvidia_driver_present();
 
 // Makes GPU (local_rank % visible GPUs) this thread's current device
 // (cudaSetDevice) and returns its index: the ranks of one machine spread

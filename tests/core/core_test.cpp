@@ -11,6 +11,7 @@
 
 #include "core/alloc.h"
 #include "core/cpu.h"
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
@@ -230,6 +231,27 @@ TEST(CpuIsa, MissingInstructionsAreNamed) {
     EXPECT_EQ(cpu_isa_missing(i).rfind("the CPU lacks ", 0), 0u) << cpu_isa_missing(i);
   }
   EXPECT_NE(cpu_model_and_flags().find(" | "), std::string::npos);
+}
+
+// The header's CUDA line: on a machine with no NVIDIA driver or device it
+// says plainly "no GPU found" (not the runtime's "driver version is
+// insufficient"); with a driver but no usable GPU it gives the runtime's
+// reason.
+TEST(CudaStatus, SaysNoGpuFoundPlainlyWithoutADriver) {
+  const CudaStatus& st = cuda_status();
+  const std::string line = st.summary();
+  if (!st.built) {
+    EXPECT_EQ(line.rfind("CUDA: not built", 0), 0u) << line;
+  } else if (st.devices > 0) {
+    EXPECT_EQ(line, "CUDA: " + std::to_string(st.devices) + " GPU(s)");
+  } else if (!nvidia_driver_present()) {
+    EXPECT_TRUE(st.none_here);
+    EXPECT_EQ(line, "CUDA: built, no GPU found");
+    EXPECT_EQ(line.find("insufficient"), std::string::npos) << line;
+  } else {
+    EXPECT_FALSE(st.none_here);
+    EXPECT_EQ(line, "CUDA: built, no usable GPU (" + st.why + ")");
+  }
 }
 
 TEST(AlignedBuffer, IsAlignedZeroedAndMovable) {
