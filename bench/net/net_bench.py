@@ -3,7 +3,8 @@
 on one machine (issue 34, part). Python 3 stdlib only.
 
 Every case runs `zinc-train CONFIG --json --steps N [EXTRA...]` either
- - compute-only: one rank, no MPI launcher, no network, or
+ - compute-only: one rank pinned to core 0 (mpirun binds each rank to a
+   core too), no MPI launcher, no network, or
  - through bench/net/throttled_net.sh at --ranks R and --rate RATE (each rank
    in its own network namespace, Open MPI over TCP on the veths, comm backend
    "mpi"), once with --steps N and once with --steps 0 so that the bytes the
@@ -25,7 +26,8 @@ run's own children's rusage), because the machine is not guaranteed quiet.
 With `-- --set wall_clock_breakdown=true` each case also gives the medians of
 rank 0's forward, backward and optimizer-step seconds per step.
 
-A case is `compute` or RANKS:STAGE:RATE; the stage goes in with
+A case is `compute`, `compute2` (two compute-only runs at once, one per
+core: the bound for two ranks that share this machine) or RANKS:STAGE:RATE; the stage goes in with
 --set zero_optimization.stage=STAGE (any other config works the same:
 OneBitAdam later is just another --config or --set).
 """
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import resource
 import statistics
 import subprocess
@@ -135,8 +138,18 @@ def main():
         for case in cases:
             zargs = [a.config, "--json"] + a.extra
             if case == "compute":
+                # Pinned to one core, as mpirun binds each rank to one.
                 ranks, stage, rate = 1, None, "-"
-                cmd = [train] + zargs + ["--steps", str(a.steps)]
+                cmd = ["taskset", "-c", "0", train] + zargs + ["--steps", str(a.steps)]
+                net_cmd = None
+            elif case == "compute2":
+                # Two compute-only runs at once, one per core, nothing
+                # exchanged: what two ranks sharing this machine's cores and
+                # memory can do at best (rank 0's twin is the one timed).
+                ranks, stage, rate = 1, None, "-"
+                one = " ".join(shlex.quote(x) for x in [train] + zargs + ["--steps", str(a.steps)])
+                other = one + " --set run.output_dir=" + shlex.quote("/tmp/zinc-net-compute2-%d" % os.getpid())
+                cmd = ["bash", "-c", "taskset -c 1 %s >/dev/null 2>&1 & taskset -c 0 %s; wait" % (other, one)]
                 net_cmd = None
             else:
                 r, stage, rate = case.split(":")
