@@ -12,6 +12,8 @@ enum cudaError_t : int {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorNoDevice = 100,
   cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719,
 };
