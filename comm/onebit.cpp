@@ -170,15 +170,21 @@ double compensate_scalar(float* x, const float* e, int64_t n, double* s) {
   return combine8(s);
 }
 
+// The squares of v's eight floats, in double, added to lanes 0-3 (lo) and
+// 4-7 (hi): lane k holds element i % 8 == k, as compensate_scalar's s[k].
+ZINC_TARGET_AVX2 inline void add_squares_avx2(__m256 v, __m256d& lo, __m256d& hi) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+  hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+}
+
 ZINC_TARGET_AVX2 double compensate_avx2(float* x, const float* e, int64_t n) {
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   const int64_t full = n / 8 * 8;
   for (int64_t i = 0; i < full; i += 8) {
     const __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
     _mm256_storeu_ps(x + i, v);
-    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
-    hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    add_squares_avx2(v, lo, hi);
   }
   alignas(32) double s[8];
   _mm256_store_pd(s, lo);
@@ -262,9 +268,7 @@ ZINC_TARGET_AVX2 double server_sum_avx2(const uint8_t* const* bits, const float*
     }
     v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
     _mm256_storeu_ps(y + i, v);
-    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
-    hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    add_squares_avx2(v, lo, hi);
   }
   alignas(32) double s[8];
   _mm256_store_pd(s, lo);
