@@ -228,18 +228,31 @@ ZINC_ALWAYS_INLINE void local_step_body(int64_t n, float* __restrict m, const fl
 ZINC_ISA_VARIANTS(void, local_step,
                   (int64_t n, float* m, const float* g, const float* v, float* w, float* acc, AdamConsts c),
                   (n, m, g, v, w, acc, c))
-// 0/1 Adam's synchronisation, before the average: w -= acc, x = acc (sqrt(v)
-// + eps) (x may be acc); after it: m = -(avg / lrs), w += avg / (sqrt(v) +
-// eps), acc = 0 (avg is acc).
-ZINC_ALWAYS_INLINE void sync_undo_body(int64_t n, float* __restrict w, const float* acc, const float* __restrict v,
-                                       float* x, float eps) {
+// A synchronising step's local step and undo in one pass (the two above,
+// the same operations in the same order as a local step followed by the
+// undo, so the same bits): m, w move as in local_step, then the local steps
+// are undone, w -= acc + -lr u, and x = (acc + -lr u) (sqrt(v) + eps).
+// acc itself is not written: x is either acc (an alignment gap) or the
+// compressor's input, whose average then lands in acc.
+ZINC_ALWAYS_INLINE void local_sync_body(int64_t n, float* __restrict m, const float* __restrict g,
+                                        const float* __restrict v, float* __restrict w, const float* acc, float* x,
+                                        AdamConsts c) {
   for (int64_t i = 0; i < n; ++i) {
-    w[i] = w[i] - acc[i];
-    x[i] = acc[i] * (std::sqrt(v[i]) + eps);
+    m[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
+    const float den = std::sqrt(v[i]) + c.eps;
+    const float u = m[i] / den + c.wd * w[i];
+    const float stepped = w[i] + -c.lr * u;
+    const float a = acc[i] + -c.lr * u;
+    w[i] = stepped - a;
+    x[i] = a * den;
   }
 }
-ZINC_ISA_VARIANTS(void, sync_undo, (int64_t n, float* w, const float* acc, const float* v, float* x, float eps),
-                  (n, w, acc, v, x, eps))
+ZINC_ISA_VARIANTS(void, local_sync,
+                  (int64_t n, float* m, const float* g, const float* v, float* w, const float* acc, float* x,
+                   AdamConsts c),
+                  (n, m, g, v, w, acc, x, c))
+// 0/1 Adam's synchronisation, after the average: m = -(avg / lrs), w +=
+// avg / (sqrt(v) + eps), acc = 0 (avg is acc).
 ZINC_ALWAYS_INLINE void sync_apply_body(int64_t n, float* __restrict m, float* __restrict w, float* __restrict acc,
                                         const float* __restrict v, float lrs, float eps) {
   for (int64_t i = 0; i < n; ++i) {
@@ -558,10 +571,14 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
     }
     case OneBitMode::kLocal: {  // Note [0/1 Adam], after the freeze
       float* acc = zo_accum[static_cast<size_t>(sp.block)].data();
-      local_step(n, m, g, v, w, acc, c);
-      if (sync) {
-        // Undo the local steps; the accumulated updates times sqrt(v) + eps are averaged into acc.
-        auto undo = [&](int64_t off, int64_t nt, float* x) { sync_undo(nt, w + off, acc + off, v + off, x, eps); };
+      if (!sync) {
+        local_step(n, m, g, v, w, acc, c);
+      } else {
+        // This step's local step, then undo all of them; the accumulated
+        // updates times sqrt(v) + eps are averaged into acc.
+        auto undo = [&](int64_t off, int64_t nt, float* x) {
+          local_sync(nt, m + off, g + off, v + off, w + off, acc + off, x, c);
+        };
         if (per) {
           average_tensors(*reduce_stream, *per, s.layout, acc, undo);
           for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { undo(from, to - from, acc + from); });

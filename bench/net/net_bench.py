@@ -26,8 +26,9 @@ run's own children's rusage), because the machine is not guaranteed quiet.
 With `-- --set wall_clock_breakdown=true` each case also gives the medians of
 rank 0's forward, backward and optimizer-step seconds per step.
 
-A case is `compute`, `compute2` (two compute-only runs at once, one per
-core: the bound for two ranks that share this machine) or RANKS:STAGE:RATE; the stage goes in with
+A case is `compute`, `computeN` (N compute-only runs at once, N = 2..9:
+one per core up to the core count, unpinned beyond it; the bound for N
+ranks that share this machine) or RANKS:STAGE:RATE; the stage goes in with
 --set zero_optimization.stage=STAGE (any other config works the same:
 OneBitAdam later is just another --config or --set).
 """
@@ -142,14 +143,21 @@ def main():
                 ranks, stage, rate = 1, None, "-"
                 cmd = ["taskset", "-c", "0", train] + zargs + ["--steps", str(a.steps)]
                 net_cmd = None
-            elif case == "compute2":
-                # Two compute-only runs at once, one per core, nothing
-                # exchanged: what two ranks sharing this machine's cores and
-                # memory can do at best (rank 0's twin is the one timed).
+            elif re.fullmatch(r"compute[2-9]", case):
+                # N compute-only runs at once, nothing exchanged: what N ranks
+                # sharing this machine's cores and memory can do at best (the
+                # first run is the one timed). Up to one per core each run is
+                # pinned to its own core, as mpirun binds ranks; beyond that
+                # none is pinned, as mpirun --oversubscribe binds none.
+                n = int(case[len("compute"):])
                 ranks, stage, rate = 1, None, "-"
                 one = " ".join(shlex.quote(x) for x in [train] + zargs + ["--steps", str(a.steps)])
-                other = one + " --set run.output_dir=" + shlex.quote("/tmp/zinc-net-compute2-%d" % os.getpid())
-                cmd = ["bash", "-c", "taskset -c 1 %s >/dev/null 2>&1 & taskset -c 0 %s; wait" % (other, one)]
+                ncpu = os.cpu_count() or 1
+                pin = (lambda i: "taskset -c %d " % i) if n <= ncpu else (lambda i: "")
+                others = "".join("%s%s --set run.output_dir=%s >/dev/null 2>&1 & " % (
+                    pin(i), one, shlex.quote("/tmp/zinc-net-compute%d-%d-%d" % (n, os.getpid(), i)))
+                    for i in range(1, n))
+                cmd = ["bash", "-c", "%s%s%s; wait" % (others, pin(0), one)]
                 net_cmd = None
             else:
                 r, stage, rate = case.split(":")
