@@ -39,6 +39,8 @@ struct BenchOptions {
   int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
   bool packed = false;  // train-step: also time packed documents with masked prompts, against plain rows
   bool monitor = false;  // train-step: also time the step with the tensorboard and csv monitors writing
+  std::string mkl;      // gemm: libmkl_rt to load (default: the dynamic linker's libmkl_rt.so.3, .so.2, .so)
+  bool shapes = false;  // gemm: print the step's matmul shapes as JSON and stop
 };
 
 // The matmuls of one training step, by shape: the bounds of train-step
@@ -111,6 +113,24 @@ inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int6
   return m.descs;
 }
 
+// The sizes train-step and gemm run: the reference GPT (6 x 384, seq 256,
+// micro-batch 8), or a Llama of about 100M parameters (8 x 1024, 16 heads
+// over 4 kv heads, MLP 2816, seq 512, vocabulary 8192; untied head), or
+// (--wide) the GPT at the Llama's width, depth, vocabulary and sequence.
+struct StepSizes {
+  bool llama, wide;
+  int64_t B, T, C, H, L, V, KV, I, D;
+  const char* name() const { return llama ? "llama" : wide ? "gpt-wide" : "gpt"; }
+  std::vector<zinc::kernels::MatmulDesc> matmuls(zinc::DType dt) const {
+    return llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt) : gpt_matmul_descs(B, T, C, H, L, V, dt);
+  }
+};
+inline StepSizes step_sizes(const BenchOptions& o) {
+  const bool llama = o.model == "llama", wide = !llama && o.wide, big = llama || wide;
+  const int64_t C = big ? 1024 : 384, H = big ? 16 : 6;
+  return {llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H};
+}
+
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -163,5 +183,6 @@ int bench_capacity(const BenchOptions& o);      // root: a cgroup memory cap
 int bench_estimate(const BenchOptions& o);      // runs mpirun itself
 int bench_activation_checkpointing(const BenchOptions& o);  // runs zinc-train itself
 int bench_checkpoint(const BenchOptions& o);
+int bench_gemm(const BenchOptions& o);  // oneDNN against MKL (dlopen) at the step's shapes
 
 }  // namespace zinc::bench

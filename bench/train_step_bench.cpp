@@ -88,14 +88,9 @@ int bench_train_step(const BenchOptions& o) {
   const bool half = bf16 || fp16;  // timed against fp32 in the same rounds
   const char* case_name = bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
   const int steps = o.steps, rounds = o.rounds;
-  // The reference GPT (6 x 384, seq 256), or a Llama of about 100M
-  // parameters (8 x 1024, 16 heads over 4 kv heads, MLP 2816, seq 512,
-  // vocabulary 8192, the synthetic source's largest; untied head), or
-  // (--wide) the GPT at the Llama's width, depth, vocabulary and sequence.
-  const bool llama = o.model == "llama", wide = !llama && o.wide;
-  const int64_t B = llama || wide ? 2 : 8, T = llama || wide ? 512 : 256, C = llama || wide ? 1024 : 384;
-  const int64_t H = llama || wide ? 16 : 6, L = llama || wide ? 8 : 6, V = llama || wide ? 8192 : 256;
-  const int64_t KV = 4, I = 2816, D = C / H;
+  const StepSizes sz = step_sizes(o);
+  const bool llama = sz.llama;
+  const int64_t B = sz.B, T = sz.T, C = sz.C, H = sz.H, L = sz.L, V = sz.V, KV = sz.KV, I = sz.I;
   nlohmann::json model = {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}};
   if (llama)
     model = {{"type", "llama"},           {"hidden_size", C},          {"intermediate_size", I},
@@ -142,8 +137,7 @@ int bench_train_step(const BenchOptions& o) {
       bound_via_f32 = true;
     }
   }
-  std::vector<MatmulCase> mm = matmul_cases(
-      llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt) : gpt_matmul_descs(B, T, C, H, L, V, dt), dt);
+  std::vector<MatmulCase> mm = matmul_cases(sz.matmuls(dt), dt);
   double mm_flops = 0;
   for (const MatmulCase& m : mm) mm_flops += m.flops();
   auto run_matmuls = [&] {
@@ -273,7 +267,7 @@ int bench_train_step(const BenchOptions& o) {
   const double ratio = model_flops / bound;
   nlohmann::json line = {{"bench", "train-step"},
                          {"case", case_name},
-                         {"model", llama ? "llama" : wide ? "gpt-wide" : "gpt"},
+                         {"model", sz.name()},
                          {"figure", model_flops / 1e9},
                          {"unit", "GFLOP/s"},
                          {"bound", bound / 1e9},

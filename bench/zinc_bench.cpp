@@ -33,6 +33,10 @@
 //               the CPU optimizer step's share (--large, --gas).
 //   checkpoint  save and load bandwidth of a 101M-parameter model's
 //               checkpoint over fio's write and read on the same disk.
+//   gemm        oneDNN's fp32 rate at one training step's matmul shapes
+//               (train-step's bound; --model, --wide as there) against
+//               Intel MKL's cblas_sgemm on the same shapes, loaded with
+//               dlopen (--mkl PATH); --shapes prints the shapes as JSON.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -43,7 +47,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing")->required();
+  app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing | gemm")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -78,6 +82,9 @@ int main(int argc, char** argv) {
                  "and train 2 steps, instead of the GPT");
   app.add_option("--cap-mib", o.cap_mib, "capacity --pretrained: the memory cap in MiB (default 3072)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--mkl", o.mkl,
+                 "gemm: the libmkl_rt to load (default: libmkl_rt.so.3, .so.2 or .so on the dynamic linker's path)");
+  app.add_flag("--shapes", o.shapes, "gemm: print the step's matmul shapes as one JSON line and stop");
   app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
@@ -104,7 +111,8 @@ int main(int argc, char** argv) {
     if (name == "checkpoint") return zinc::bench::bench_checkpoint(o);
     if (name == "estimate") return zinc::bench::bench_estimate(o);
     if (name == "activation-checkpointing") return zinc::bench::bench_activation_checkpointing(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, gpu-train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing)\n", name.c_str());
+    if (name == "gemm") return zinc::bench::bench_gemm(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, gpu-train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing, gemm)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The heavy peers' virtual environment: PyTorch, Hugging Face transformers and
-# DeepSpeed, for the scripts that produce reference data from the real
-# libraries (tests/fixtures/hf/make_fixtures.py,
-# tests/deepspeed_parity/make_expected.py). The test command never uses it: the
+# The heavy peers' virtual environment: PyTorch, Hugging Face transformers,
+# DeepSpeed and Intel MKL, for the scripts that produce reference data from
+# the real libraries (tests/fixtures/hf/make_fixtures.py,
+# tests/deepspeed_parity/make_expected.py) and the peer benchmarks
+# (bench/peers/*_peer.py, bench/torch_gpt_peer.py; MKL for gemm_peer.py). The test command never uses it: the
 # committed fixtures are read with numpy and safetensors only, so CI passes
 # without torch and without network. Pinned to the versions that produced the
 # committed fixtures (tests/fixtures/hf/README.md).
@@ -19,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${ZINC_PEERS_VENV:-bench/peers/.venv}"
 python="${PYTHON:-python3}"
-pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 deepspeed==0.19.8)
+pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 deepspeed==0.19.8 mkl==2026.2.0)
 
 installed() {
   [ -x "$venv/bin/python" ] || return 1
