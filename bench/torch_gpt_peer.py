@@ -16,6 +16,7 @@ as zinc's ZeRO-Offload does; without it the optimizer runs on the device
 import argparse
 import json
 import math
+import resource
 import time
 
 import torch
@@ -60,6 +61,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+# (micro-batch B, seq T, width C, heads H, layers L, vocabulary V) of the
+# sizes the peers run: zinc-bench train-step's reference GPT, and
+# configs/default.json's (global batch 64: B is per rank, 64 / ranks).
+SIZES = {"reference": lambda world: (8, 256, 384, 6, 6, 256),
+         "default": lambda world: (64 // world, 64, 128, 4, 2, 64),
+         "tiny": lambda world: (2, 32, 64, 4, 2, 64)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--large", action="store_true")
@@ -69,12 +78,14 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--offload", action="store_true", help="AdamW on the CPU over fp32 copies (ZeRO-Offload's split)")
     ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script on a CPU")
+    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
+                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's")
     ap.add_argument("--fp32", action="store_true", help="fp32 throughout (no bf16 autocast): zinc-bench train-step --fp32's peer")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     B, T, C, H, L, V = (8, 1024, 1024, 16, 24, 50304) if a.large else (8, 256, 384, 6, 6, 256)
-    if a.tiny:
-        B, T, C, H, L, V = 2, 32, 64, 4, 2, 64
+    if a.tiny or a.size != "reference":
+        B, T, C, H, L, V = SIZES["tiny" if a.tiny else a.size](1)
     dev = torch.device(a.device)
     torch.manual_seed(0)
     model = GPT(V, T, C, H, L).to(dev)
@@ -85,7 +96,7 @@ def main():
         opt = torch.optim.AdamW(master, lr=3e-4, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
-                                fused=dev.type == "cuda")
+                                fused=dev.type in ("cuda", "cpu"))  # fused CPU AdamW since PyTorch 2.4
     amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=not a.fp32)
     g = torch.Generator(device="cpu").manual_seed(1)
 
@@ -121,12 +132,13 @@ def main():
     tokens_per_s = B * T * a.gas / t
     matmul_params = L * 12 * C * C + V * C
     flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
-    line = {"bench": "torch-gpt-peer", "case": "large" if a.large else ("tiny" if a.tiny else "reference"),
+    line = {"bench": "torch-gpt-peer", "case": "large" if a.large else ("tiny" if a.tiny else a.size),
             "device": str(dev) + (" " + torch.cuda.get_device_name() if dev.type == "cuda" else ""),
             "torch": torch.__version__, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
             "threads": torch.get_num_threads(), "tokens_per_s": tokens_per_s,
             "model_tflops": flops_per_token * tokens_per_s / 1e12, "step_s": t,
-            "gradient_accumulation_steps": a.gas}
+            "gradient_accumulation_steps": a.gas,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if a.json:
         print(json.dumps(line))
     else:

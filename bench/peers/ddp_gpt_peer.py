@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torch_gpt_peer import GPT  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
@@ -34,14 +34,16 @@ def main():
     ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 autocast over fp32 weights)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
+    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
+                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's (global batch 64)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    B, T, C, H, L, V = (2, 32, 64, 4, 2, 64) if a.tiny else (8, 256, 384, 6, 6, 256)
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29534"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
+    B, T, C, H, L, V = SIZES["tiny" if a.tiny else a.size](world)
     torch.manual_seed(0)
     model = DDP(GPT(V, T, C, H, L))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
@@ -72,7 +74,7 @@ def main():
     tokens_per_s = world * B * T / t
     line = {"bench": "ddp-gpt-peer", "torch": torch.__version__, "ranks": world,
             "dtype": "fp32" if a.fp32 else "bf16", "threads_per_rank": torch.get_num_threads(),
-            "tokens_per_s": tokens_per_s, "step_s": t, "loss": float(loss),
+            "tokens_per_s": tokens_per_s, "step_s": t, "loss": loss.item(), "size": "tiny" if a.tiny else a.size, "micro_batch": B,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if rank == 0:
         if a.json:

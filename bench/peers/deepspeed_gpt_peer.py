@@ -29,27 +29,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from torch_gpt_peer import GPT  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
-    ap.add_argument("--offload", choices=("none", "cpu"), default="none",
+    ap.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                     help="offload_optimizer (and at stage 3 offload_param) device")
+    ap.add_argument("--nvme-path", default="/tmp/ds_peer_nvme", help="--offload nvme: the folder DeepSpeed swaps to")
     ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 with fp32 master weights)")
     ap.add_argument("--gas", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
+    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
+                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's (global batch 64)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    B, T, C, H, L, V = (2, 32, 64, 4, 2, 64) if a.tiny else (8, 256, 384, 6, 6, 256)
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
+    B, T, C, H, L, V = SIZES["tiny" if a.tiny else a.size](world)
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = GPT(V, T, C, H, L)
@@ -58,6 +61,10 @@ def main():
         zero["offload_optimizer"] = {"device": a.offload}
         if a.stage == 3:
             zero["offload_param"] = {"device": a.offload}
+        if a.offload == "nvme":
+            os.makedirs(a.nvme_path, exist_ok=True)
+            for k in [k for k in ("offload_optimizer", "offload_param") if k in zero]:
+                zero[k]["nvme_path"] = a.nvme_path
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": a.gas,
            "gradient_clipping": 1.0, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
@@ -86,7 +93,7 @@ def main():
     tokens_per_s = world * B * T * a.gas / t
     line = {"bench": "deepspeed-gpt-peer", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
             "ranks": world, "stage": a.stage, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
-            "threads_per_rank": torch.get_num_threads(), "optimizer": type(engine.optimizer).__name__,
+            "threads_per_rank": torch.get_num_threads(), "size": "tiny" if a.tiny else a.size, "micro_batch": B, "optimizer": type(engine.optimizer).__name__,
             "tokens_per_s": tokens_per_s, "step_s": t,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if rank == 0:

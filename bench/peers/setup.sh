@@ -38,6 +38,17 @@ for pin in sys.argv[1:]:
 PY
 }
 
+# DeepSpeed's NVMe offload JIT-builds its async_io op against libaio; without
+# the headers it refuses nvme ("Unable to JIT load the async_io op"). zinc
+# itself uses io_uring (liburing), not libaio.
+if ! [ -e /usr/include/libaio.h ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libaio-dev >/dev/null
+  else
+    echo "peers venv: DeepSpeed's nvme offload needs libaio-dev (apt-get install libaio-dev, as root)" >&2
+  fi
+fi
+
 if installed; then
   echo "peers venv $venv: up to date (${pins[*]})"
   exit 0
