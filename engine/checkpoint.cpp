@@ -468,13 +468,13 @@ std::map<std::string, HeldLock>& held_locks() {
 }
 }  // namespace
 
-DirLock::DirLock(const std::string& dir) {
+DirLock::DirLock(const std::string& dir, const std::string& what) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) throw IoError("checkpoint folder " + dir + " cannot be created: " + ec.message());
+  if (ec) throw IoError(what + " " + dir + " cannot be created: " + ec.message());
   key_ = fs::canonical(dir, ec).string();
-  if (ec) throw IoError("checkpoint folder " + dir + ": " + ec.message());
+  if (ec) throw IoError(what + " " + dir + ": " + ec.message());
   std::lock_guard<std::mutex> g(g_locks_mutex);
   HeldLock& h = held_locks()[key_];
   if (h.users++ > 0) return;
@@ -483,22 +483,22 @@ DirLock::DirLock(const std::string& dir) {
   if (!fd) {
     const int err = errno;
     held_locks().erase(key_);
-    throw IoError("checkpoint folder " + dir + " is not writable: cannot create " + path + ": " + std::strerror(err));
+    throw IoError(what + " " + dir + " is not writable: cannot create " + path + ": " + std::strerror(err));
   }
   if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     if (err == ENOLCK || err == EOPNOTSUPP) {
       // A file system without locks: the run goes on, unguarded, and says so.
-      log_warn("checkpoint folder " + dir + ": its file system cannot lock " + path + " (" + std::strerror(err) +
+      log_warn(what + " " + dir + ": its file system cannot lock " + path + " (" + std::strerror(err) +
                "); a second run on this folder would not be refused");
     } else {
       held_locks().erase(key_);
-      if (err != EWOULDBLOCK) throw_errno("checkpoint folder " + dir + ": cannot lock " + path, err);
+      if (err != EWOULDBLOCK) throw_errno(what + " " + dir + ": cannot lock " + path, err);
       char buf[256] = {};
       const ssize_t n = ::pread(fd.get(), buf, sizeof buf - 1, 0);
       std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
       while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
-      throw IoError("checkpoint folder " + dir + " is in use by another run (" +
+      throw IoError(what + " " + dir + " is in use by another run (" +
                     (holder.empty() ? std::string("a process") : holder) + " holds " + path +
                     "): two runs writing one folder would replace each other's checkpoints");
     }
@@ -509,7 +509,7 @@ DirLock::DirLock(const std::string& dir) {
   if (::ftruncate(fd.get(), 0) != 0 || ::pwrite(fd.get(), who.data(), who.size(), 0) != static_cast<ssize_t>(who.size())) {
     const int err = errno;
     held_locks().erase(key_);
-    throw IoError("checkpoint folder " + dir + " is not writable: cannot write " + path + ": " + std::strerror(err));
+    throw IoError(what + " " + dir + " is not writable: cannot write " + path + ": " + std::strerror(err));
   }
   h.fd = std::move(fd);
 }

@@ -167,10 +167,11 @@ std::string xxh3_hex(const void* data, size_t bytes);
 // writing one folder would replace each other's tags. Within one process
 // the lock is shared (a save inside a run that holds it takes it again for
 // free). Throws IoError naming the folder and the holder's pid when another
-// process holds it, or when the folder cannot be created or written.
+// process holds it, or when the folder cannot be created or written. `what`
+// names the folder in those messages (an export folder locks the same way).
 class DirLock {
  public:
-  explicit DirLock(const std::string& dir);
+  explicit DirLock(const std::string& dir, const std::string& what = "checkpoint folder");
   ~DirLock();
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;

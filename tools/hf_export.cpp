@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "core/error.h"
 #include "engine/checkpoint.h"
@@ -108,10 +109,15 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   const auto pieces = hf_pieces(cfg, model, prefix);
   const fs::path out(opts.out_dir);
   const bool writer = opts.rank == 0;
+  // Two exports into one folder would mix their shards and index: the
+  // writer holds the folder's lock (ckpt::DirLock, shared with a run of this
+  // process that already holds it) until every file is in place.
+  std::optional<ckpt::DirLock> lock;
   if (writer) {
     std::error_code ec;
     fs::create_directories(out, ec);
     if (ec || !fs::is_directory(out)) throw IoError("export: cannot create the folder " + out.string() + ": " + ec.message());
+    lock.emplace(out.string(), "export folder");
   }
 
   // Every tensor in model order, then shards: a new file when the next

@@ -69,23 +69,27 @@ void check_room(const Experiment& ex, comm::Communicator& comm) {
                 "'s host (its error is on its output)");
 }
 
-std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
+std::unique_ptr<ckpt::DirLock> hold_folder(const std::string& dir, const std::string& key, const std::string& what,
+                                           comm::Communicator& comm) {
   std::unique_ptr<ckpt::DirLock> lock;
   std::string error;
   if (comm.rank() == 0) {
     try {
-      lock = std::make_unique<ckpt::DirLock>(run.checkpoint_dir);
+      lock = std::make_unique<ckpt::DirLock>(dir, what);
     } catch (const Error& e) {
       error = e.what();
     }
   }
   double failed = error.empty() ? 0 : 1;
   if (comm.size() > 1) comm.all_reduce_max_f64(&failed, 1);
-  if (!error.empty()) throw IoError("run.checkpoint_dir: " + error);
+  if (!error.empty()) throw IoError(key + ": " + error);
   if (failed > 0)
-    throw IoError("run.checkpoint_dir: rank 0 could not take the checkpoint folder " + run.checkpoint_dir +
-                  " (its error is on its output)");
+    throw IoError(key + ": rank 0 could not take the " + what + " " + dir + " (its error is on its output)");
   return lock;
+}
+
+std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
+  return hold_folder(run.checkpoint_dir, "run.checkpoint_dir", "checkpoint folder", comm);
 }
 
 }  // namespace zinc::tools

@@ -61,5 +61,9 @@ void check_room(const Experiment& ex, comm::Communicator& comm);
 // on the folder is refused naming the holder's pid. Every rank learns the
 // outcome (one all-reduce) and throws if rank 0 could not take it.
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm);
+// The same hold on any folder the run will write (--save-pretrained's):
+// errors begin with `key`, and name the folder as `what`.
+std::unique_ptr<ckpt::DirLock> hold_folder(const std::string& dir, const std::string& key, const std::string& what,
+                                           comm::Communicator& comm);
 
 }  // namespace zinc::tools

@@ -452,6 +452,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
+  // So is --save-pretrained's: a second run writing the same folder at its
+  // end would mix its shards with this run's; it is refused now, not after
+  // its training.
+  const std::unique_ptr<zinc::ckpt::DirLock> pretrained_lock =
+      pretrained.dir.empty() ? nullptr
+                             : zinc::tools::hold_folder(pretrained.dir, "--save-pretrained", "export folder", *comm);
   if (std::string latest; rank == 0 && !resume && std::getline(std::ifstream(run.checkpoint_dir + "/latest"), latest))
     zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
                    latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "

@@ -111,6 +111,10 @@ def run_peer(a, peer, ranks, dtype, stage, offload, tmp):
     else:
         script = os.path.join(HERE, "deepspeed_gpt_peer.py")
         args += ["--stage", str(stage), "--offload", offload, "--nvme-path", os.path.join(tmp, "ds_nvme")]
+    # Each peer times --peer-rounds rounds of --peer-steps steps after 2
+    # warm-up steps (bf16 on a CPU without bf16 arithmetic runs PyTorch's
+    # matmuls 10-30x slower than fp32: fewer steps keep such a case in minutes).
+    args += ["--rounds", str(a.peer_rounds), "--steps", str(a.peer_steps)]
     env = dict(os.environ, OMP_NUM_THREADS=str(2 // ranks if ranks <= 2 else 1), DS_ACCELERATOR="cpu")
     if ranks > 1:
         cmd = [os.path.join(a.venv, "bin", "torchrun"), "--nproc_per_node", str(ranks), "--master_port", "29561",
@@ -133,6 +137,8 @@ def main():
     ap.add_argument("--size", choices=("reference", "default"), default="reference")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=11, help="zinc-train steps per run (2 warm-up steps left out)")
+    ap.add_argument("--peer-rounds", type=int, default=3, help="rounds each peer times (their median is its figure)")
+    ap.add_argument("--peer-steps", type=int, default=3, help="steps per peer round")
     ap.add_argument("--case", action="append", default=[])
     ap.add_argument("--venv", default=os.environ.get("ZINC_PEERS_VENV", os.path.join(HERE, ".venv")))
     ap.add_argument("--json", action="store_true")

@@ -545,7 +545,7 @@ class PyEngine {
     out["tensors"] = r.tensors;
     out["bytes"] = r.bytes;
     out["dtype"] = std::string(zinc::dtype_name(r.dtype));
-    return std::move(out);
+    return out;
   }
   py::object load_checkpoint(const std::string& dir, std::optional<std::string> tag) {
     zinc::Engine& e = engine("load_checkpoint");

@@ -527,6 +527,24 @@ pid=$!
 for _ in $(seq 200); do grep -q '"step":1,' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
 check_error second-run "is in use by another run (pid $pid on" "$CFG" --steps 3 "${CK[@]}" --set run.checkpoint_interval=1
 kill -KILL "$pid"; wait "$pid" 2>/dev/null
+# Two runs exporting to one --save-pretrained folder: the second is refused
+# at start, before its training, naming the folder and the first one's pid
+# (before, both trained and then wrote their shards over each other's). A
+# killed holder leaves its lock file but no lock: the next export goes ahead.
+rm -rf "$TMP/hfout"
+"$ZT" "$CFG" --steps 100000 --set run.eval_interval=0 --set steps_per_print=1 --json \
+  --set "run.checkpoint_dir=$TMP/ck_a" --save-pretrained "$TMP/hfout" >"$TMP/long" 2>/dev/null &
+pid=$!
+for _ in $(seq 200); do grep -q '"step":1,' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+check_error second-export "--save-pretrained: export folder $TMP/hfout is in use by another run (pid $pid on" \
+  "$CFG" --steps 3 --set "run.checkpoint_dir=$TMP/ck_b" --save-pretrained "$TMP/hfout"
+kill -KILL "$pid"; wait "$pid" 2>/dev/null
+if "$ZT" "$CFG" --steps 1 --set run.eval_interval=0 --set "run.checkpoint_dir=$TMP/ck_b" \
+     --save-pretrained "$TMP/hfout" >"$TMP/out" 2>"$TMP/err" && [ -f "$TMP/hfout/config.json" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL export after its holder was killed"; cat "$TMP/err"
+fi
 # An unwritable run.checkpoint_dir fails at start, before any step, naming
 # the key (before, at the first save, after checkpoint_interval steps).
 start=$(date +%s%N)
