@@ -15,7 +15,6 @@ as zinc's ZeRO-Offload does; without it the optimizer runs on the device
 """
 import argparse
 import json
-import math
 import resource
 import time
 
@@ -59,6 +58,30 @@ class GPT(nn.Module):
             x = b(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def timed_steps(step, rounds, steps, barrier=None):
+    """Two warm-up steps, then `rounds` rounds of `steps` steps: the median
+    seconds per step (barrier, if given, lines the ranks up around each round)."""
+    step()
+    step()
+    times = []
+    for _ in range(rounds):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if barrier:
+            barrier()
+        times.append((time.perf_counter() - t0) / steps)
+    return sorted(times)[len(times) // 2]
+
+
+def report(line, text, as_json):
+    """Adds this process's peak RSS to the result and prints it: one JSON line, or `text` and the RSS."""
+    line["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(line) if as_json else "%s, peak RSS %.0f MiB" % (text, line["peak_rss_mib"]), flush=True)
 
 
 # (micro-batch B, seq T, width C, heads H, layers L, vocabulary V) of the
@@ -120,15 +143,7 @@ def main():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    step()
-    step()
-    times = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            step()
-        times.append((time.perf_counter() - t0) / a.steps)
-    t = sorted(times)[len(times) // 2]
+    t = timed_steps(step, a.rounds, a.steps)
     tokens_per_s = B * T * a.gas / t
     matmul_params = L * 12 * C * C + V * C
     flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
@@ -137,15 +152,10 @@ def main():
             "torch": torch.__version__, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
             "threads": torch.get_num_threads(), "tokens_per_s": tokens_per_s,
             "model_tflops": flops_per_token * tokens_per_s / 1e12, "step_s": t,
-            "gradient_accumulation_steps": a.gas,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if a.json:
-        print(json.dumps(line))
-    else:
-        print(f"torch-gpt-peer ({line['case']}, {line['device']}, torch {torch.__version__}, "
-              f"optimizer on {'cpu' if a.offload else a.device}): {tokens_per_s:.0f} tokens/s, "
-              f"{line['model_tflops']:.2f} TFLOP/s model FLOPs, {t:.3f} s/step")
-
+            "gradient_accumulation_steps": a.gas}
+    report(line, f"torch-gpt-peer ({line['case']}, {line['device']}, torch {torch.__version__}, "
+                 f"optimizer on {'cpu' if a.offload else a.device}): {tokens_per_s:.0f} tokens/s, "
+                 f"{line['model_tflops']:.2f} TFLOP/s model FLOPs, {t:.3f} s/step", a.json)
 
 if __name__ == "__main__":
     main()

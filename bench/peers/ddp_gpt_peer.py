@@ -15,18 +15,15 @@ Run the ranks' threads as zinc's ranks use them (1 per rank on a 2-core
 machine). --tiny checks the script at a toy size.
 """
 import argparse
-import json
 import os
-import resource
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torch_gpt_peer import GPT, SIZES  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
@@ -50,6 +47,8 @@ def main():
     amp = torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=not a.fp32)
     g = torch.Generator().manual_seed(1 + rank)
 
+    losses = []
+
     def step():
         idx = torch.randint(0, V, (B, T + 1), generator=g)
         with amp:
@@ -58,31 +57,18 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        losses.append(loss.item())
 
-    step()
-    step()
-    times = []
-    for _ in range(a.rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            loss = step()
-        dist.barrier()
-        times.append((time.perf_counter() - t0) / a.steps)
-    t = sorted(times)[len(times) // 2]
+    t = timed_steps(step, a.rounds, a.steps, dist.barrier)
     tokens_per_s = world * B * T / t
     line = {"bench": "ddp-gpt-peer", "torch": torch.__version__, "ranks": world,
             "dtype": "fp32" if a.fp32 else "bf16", "threads_per_rank": torch.get_num_threads(),
-            "tokens_per_s": tokens_per_s, "step_s": t, "loss": loss.item(), "size": "tiny" if a.tiny else a.size, "micro_batch": B,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "tokens_per_s": tokens_per_s, "step_s": t, "loss": losses[-1], "size": "tiny" if a.tiny else a.size,
+            "micro_batch": B}
     if rank == 0:
-        if a.json:
-            print(json.dumps(line))
-        else:
-            print(f"ddp-gpt-peer (PyTorch {torch.__version__} DDP over gloo, {world} rank(s) x "
-                  f"{line['threads_per_rank']} threads, {line['dtype']}): {tokens_per_s:.0f} tokens/s, "
-                  f"{t:.3f} s/step, peak RSS {line['peak_rss_mib']:.0f} MiB (rank 0)")
+        report(line, f"ddp-gpt-peer (PyTorch {torch.__version__} DDP over gloo, {world} rank(s) x "
+                     f"{line['threads_per_rank']} threads, {line['dtype']}): {tokens_per_s:.0f} tokens/s, "
+                     f"{t:.3f} s/step (rank 0)", a.json)
     dist.destroy_process_group()
 
 

@@ -17,11 +17,8 @@ Run one rank's threads as zinc's run uses them (OMP_NUM_THREADS=2 at one
 rank, 1 per rank at two on a 2-core machine).
 """
 import argparse
-import json
 import os
-import resource
 import sys
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -29,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from torch_gpt_peer import GPT, SIZES  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
@@ -79,31 +76,16 @@ def main():
             engine.backward(loss)
             engine.step()
 
-    step()
-    step()
-    times = []
-    for _ in range(a.rounds):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            step()
-        torch.distributed.barrier()
-        times.append((time.perf_counter() - t0) / a.steps)
-    t = sorted(times)[len(times) // 2]
+    t = timed_steps(step, a.rounds, a.steps, torch.distributed.barrier)
     tokens_per_s = world * B * T * a.gas / t
     line = {"bench": "deepspeed-gpt-peer", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
             "ranks": world, "stage": a.stage, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
-            "threads_per_rank": torch.get_num_threads(), "size": "tiny" if a.tiny else a.size, "micro_batch": B, "optimizer": type(engine.optimizer).__name__,
-            "tokens_per_s": tokens_per_s, "step_s": t,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "threads_per_rank": torch.get_num_threads(), "size": "tiny" if a.tiny else a.size, "micro_batch": B,
+            "optimizer": type(engine.optimizer).__name__, "tokens_per_s": tokens_per_s, "step_s": t}
     if rank == 0:
-        if a.json:
-            print(json.dumps(line))
-        else:
-            print(f"deepspeed-gpt-peer (DeepSpeed {deepspeed.__version__}, {world} rank(s) x "
-                  f"{line['threads_per_rank']} threads, stage {a.stage}, offload {a.offload}, {line['dtype']}): "
-                  f"{tokens_per_s:.0f} tokens/s, {t:.3f} s/step, peak RSS {line['peak_rss_mib']:.0f} MiB (rank 0)")
-
+        report(line, f"deepspeed-gpt-peer (DeepSpeed {deepspeed.__version__}, {world} rank(s) x "
+                     f"{line['threads_per_rank']} threads, stage {a.stage}, offload {a.offload}, {line['dtype']}): "
+                     f"{tokens_per_s:.0f} tokens/s, {t:.3f} s/step (rank 0)", a.json)
 
 if __name__ == "__main__":
     main()
