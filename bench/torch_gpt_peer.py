@@ -60,6 +60,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def add_run_args(ap):
+    """The options every CPU-rank peer shares: precision, timing, size and output."""
+    ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 over fp32 master weights)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
+    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
+                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's (global batch 64)")
+    ap.add_argument("--json", action="store_true")
+
+
 def timed_steps(step, rounds, steps, barrier=None):
     """Two warm-up steps, then `rounds` rounds of `steps` steps: the median
     seconds per step (barrier, if given, lines the ranks up around each round)."""

@@ -500,7 +500,7 @@ DirLock::DirLock(const std::string& dir, const std::string& what) {
       while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
       throw IoError(what + " " + dir + " is in use by another run (" +
                     (holder.empty() ? std::string("a process") : holder) + " holds " + path +
-                    "): two runs writing one folder would replace each other's checkpoints");
+                    "): two runs writing one folder would replace each other's files");
     }
   }
   char host[256] = {};

@@ -228,9 +228,9 @@ ZINC_ALWAYS_INLINE void local_step_body(int64_t n, float* __restrict m, const fl
 ZINC_ISA_VARIANTS(void, local_step,
                   (int64_t n, float* m, const float* g, const float* v, float* w, float* acc, AdamConsts c),
                   (n, m, g, v, w, acc, c))
-// A synchronising step's local step and undo in one pass (the two above,
-// the same operations in the same order as a local step followed by the
-// undo, so the same bits): m, w move as in local_step, then the local steps
+// A synchronising step's local step and undo in one pass (the same
+// operations in the same order as local_step followed by a separate undo
+// pass, so the same bits): m, w move as in local_step, then the local steps
 // are undone, w -= acc + -lr u, and x = (acc + -lr u) (sqrt(v) + eps).
 // acc itself is not written: x is either acc (an alignment gap) or the
 // compressor's input, whose average then lands in acc.

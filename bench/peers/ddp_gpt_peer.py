@@ -23,18 +23,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torch_gpt_peer import GPT, SIZES, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES, add_run_args, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 autocast over fp32 weights)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
-    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
-                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's (global batch 64)")
-    ap.add_argument("--json", action="store_true")
+    add_run_args(ap)
     a = ap.parse_args()
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29534"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from torch_gpt_peer import GPT, SIZES, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
+from torch_gpt_peer import GPT, SIZES, add_run_args, report, timed_steps  # noqa: E402  (bench/torch_gpt_peer.py)
 
 
 def main():
@@ -35,14 +35,8 @@ def main():
     ap.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                     help="offload_optimizer (and at stage 3 offload_param) device")
     ap.add_argument("--nvme-path", default="/tmp/ds_peer_nvme", help="--offload nvme: the folder DeepSpeed swaps to")
-    ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 with fp32 master weights)")
+    add_run_args(ap)
     ap.add_argument("--gas", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true", help="a toy size for checking the script")
-    ap.add_argument("--size", choices=sorted(SIZES), default="reference",
-                    help="reference: zinc-bench train-step's GPT; default: configs/default.json's (global batch 64)")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
