@@ -35,7 +35,7 @@ struct LayerIdx {
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
-struct LayerActs {
+struct LlamaLayerActs {
   Buf ln1, rstd1;   // (N,C), (N)
   Buf qkv;          // (N,3A) rotated q, k and v repeated to H heads: attention's input
   Buf att;          // (N,A) attention output before o_proj
@@ -83,11 +83,11 @@ class Llama final : public Model {
     if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
     specs_.push_back(std::move(fin));
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
-    for (LayerActs& a : acts_) a.ws = ops_->attention_create();
+    for (LlamaLayerActs& a : acts_) a.ws = ops_->attention_create();
     x_in_.resize(static_cast<size_t>(c.num_hidden_layers));
   }
   ~Llama() override {
-    for (LayerActs& a : acts_) ops_->attention_destroy(a.ws);
+    for (LlamaLayerActs& a : acts_) ops_->attention_destroy(a.ws);
   }
 
   std::string name() const override { return "llama"; }
@@ -219,7 +219,7 @@ class Llama final : public Model {
     float* dproj = proj_.as<float>();     // (N,Q)
     const LayerIdx& x = idx_;
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) {
-      LayerActs& a = acts(l);
+      LlamaLayerActs& a = acts(l);
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
@@ -255,13 +255,13 @@ class Llama final : public Model {
  private:
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
-  LayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
+  LlamaLayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
   static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
   static float* bias_grad(const BlockGrads& g, int i) { return i < 0 ? nullptr : g[i]; }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
   // output. Deterministic (the checkpointed backward relies on it).
-  void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
+  void layer_forward(const HeldParams& p, LlamaLayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
                      DType dt) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_;
@@ -309,7 +309,7 @@ class Llama final : public Model {
     const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
     for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
-    for (LayerActs& a : acts_) {
+    for (LlamaLayerActs& a : acts_) {
       a.ln1 = ops_->alloc_f32(N * C);
       a.rstd1 = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * A);
@@ -341,7 +341,7 @@ class Llama final : public Model {
   LayerIdx idx_;  // the same in every layer block
   std::vector<BlockSpec> specs_;
   std::vector<Buf> x_in_;
-  std::vector<LayerActs> acts_;
+  std::vector<LlamaLayerActs> acts_;
   int64_t acts_hold_ = -1;
   std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
   const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)

@@ -58,9 +58,6 @@ struct f16x {
   float v;
 };
 inline void store(float v, f16x* p) { p->v = f16_to_float(float_to_f16(v)); }
-inline float load(float v) { return v; }
-inline float load(bf16 v) { return bf16_to_float(v); }
-inline float load(f16x v) { return v.v; }
 
 enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
 
@@ -71,7 +68,7 @@ void* scratch(Slot slot, size_t bytes) {
 }
 
 template <class Fn>
-void dispatch(DType t, Fn&& fn) {
+void dispatch_compute(DType t, Fn&& fn) {
   if (t == DType::kF32) {
     fn(float{});
   } else if (t == DType::kBF16) {
@@ -208,7 +205,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   void* q = scratch(kQ, n_head * esz);
   void* k = scratch(kK, n_head * esz);
   void* v = scratch(kV, n_head * esz);
-  dispatch(compute, [&](auto tag) {
+  dispatch_compute(compute, [&](auto tag) {
     using E = decltype(tag);
     PermuteIn<E> p;
     p.add(static_cast<E*>(q), qkv, 3 * s.C, 0);
@@ -259,7 +256,7 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   void* k = scratch(kK, n_head * esz);
   void* v = scratch(kV, n_head * esz);
   void* dO = scratch(kDO, n_head * esz);
-  dispatch(compute, [&](auto tag) {
+  dispatch_compute(compute, [&](auto tag) {
     using E = decltype(tag);
     PermuteIn<E> p;
     p.add(static_cast<E*>(q), qkv, 3 * s.C, 0);
