@@ -65,6 +65,7 @@ std::string fmt_double(double v) {
 struct DataFile {
   UniqueFd fd;
   int64_t size = 0;
+  std::string key;  // the config key that named it (data.path, data.mask_path, ...), for errors
 };
 
 const char* file_kind(mode_t mode) {
@@ -78,6 +79,7 @@ const char* file_kind(mode_t mode) {
 
 DataFile open_data_file(const std::string& path, const std::string& key = "data.path") {
   DataFile f;
+  f.key = key;
   f.fd = UniqueFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (f.fd.get() < 0) throw posix_error(key + ": cannot open " + path, errno);
   struct stat st;
@@ -102,13 +104,13 @@ void read_at(const DataFile& f, const std::string& path, int64_t offset, unsigne
                               static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw posix_error("data.path: read " + path + " at offset " + std::to_string(offset + done), errno);
+      throw posix_error(f.key + ": read " + path + " at offset " + std::to_string(offset + done), errno);
     }
     if (n == 0) {
       struct stat st;
       const std::string now =
           ::fstat(f.fd.get(), &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown";
-      throw IoError("data.path: " + path + " shrank while in use: reading bytes [" +
+      throw IoError(f.key + ": " + path + " shrank while in use: reading bytes [" +
                     std::to_string(offset) + ", " + std::to_string(offset + len) +
                     ") but the file is now " + now + " (it was " + std::to_string(f.size) +
                     " when opened); was it truncated or rewritten during training?");

@@ -661,6 +661,43 @@ TEST(TokenSource, FileTruncatedAfterOpenIsIoErrorNamingItNotASignal) {
   EXPECT_EQ(get_sample(*s, 0).inputs[5], 5);
 }
 
+// The mask cut short under a running job: the same IoError, naming the
+// mask's key and file, not data.path (the token file is whole).
+TEST(TokenSource, MaskTruncatedAfterOpenIsIoErrorNamingTheMask) {
+  std::string toks, mask;
+  for (uint32_t i = 0; i < 8192; ++i) {
+    put_u16(toks, i % 1000);
+    mask.push_back(i % 3 == 0 ? '\0' : '\1');
+  }
+  TempFile ft("mask_truncated.bin", toks), fm("mask_truncated.mask", mask);
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = ft.path();
+  c.mask_path = fm.path();
+  c.seq_len = 16;
+  c.vocab_size = 0;
+  std::shared_ptr<const DataSource> s = make_data_source(c);
+  const int64_t last = s->num_samples() - 1;  // 510: tokens 8160..8176, targets 8161..8176
+  ASSERT_EQ(last, 510);
+  EXPECT_EQ(get_sample(*s, last).targets[2], kIgnoreTarget);  // token 8163 = 3 * 2721: mask 0
+  EXPECT_EQ(get_sample(*s, last).targets[1], 162);            // token 8162: mask 1
+
+  ASSERT_EQ(::truncate(fm.path().c_str(), 1024), 0) << fm.path();
+  try {
+    get_sample(*s, last);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("data.mask_path: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(fm.path()), std::string::npos) << msg;
+    EXPECT_NE(msg.find("now 1024 bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("it was 8192"), std::string::npos) << msg;
+  }
+  // Samples whose mask bytes are still there read as before.
+  EXPECT_EQ(get_sample(*s, 0).targets[2], kIgnoreTarget);  // token 3
+  EXPECT_EQ(get_sample(*s, 0).targets[0], 1);
+}
+
 // make_data_source on `path` from another thread; the error it threw, or
 // an empty string. A blocked open fails the test and is released (a writer
 // opens the FIFO), so a regression fails instead of hanging the suite.
