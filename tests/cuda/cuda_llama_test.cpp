@@ -21,32 +21,8 @@ namespace {
 using zinc::cuda::DeviceBuffer;
 using zinc::cuda::testing::download;
 using zinc::cuda::testing::upload;
-
-std::vector<float> randn(int64_t n, uint64_t seed, double scale = 1.0) {
-  Rng rng(seed);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = static_cast<float>(rng.normal() * scale);
-  return v;
-}
-
-// A parameter vector stored in `t`: the host bytes and a device copy.
-struct Param {
-  std::vector<uint16_t> h16;
-  std::vector<float> h32;
-  DeviceBuffer d;
-  DType t;
-  Param(const std::vector<float>& v, DType dt) : t(dt) {
-    if (t == DType::kF32) {
-      h32 = v;
-      d = upload(h32);
-    } else {
-      for (float x : v) h16.push_back(float_to_16(x, t));
-      d = upload(h16);
-    }
-  }
-  CView host() const { return {t == DType::kF32 ? static_cast<const void*>(h32.data()) : h16.data(), t}; }
-  CView dev() const { return {d.data(), t}; }
-};
+using zinc::cuda::testing::Param;
+using zinc::cuda::testing::randn;
 
 void expect_same_bits(const std::vector<float>& cpu, const std::vector<float>& gpu, const std::string& what) {
   ASSERT_EQ(cpu.size(), gpu.size()) << what;

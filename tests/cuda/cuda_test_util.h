@@ -9,6 +9,8 @@
 
 #include "core/cuda_util.h"
 #include "core/device.h"
+#include "core/rng.h"
+#include "kernels/kernels.h"
 
 namespace zinc::cuda::testing {
 
@@ -70,5 +72,35 @@ std::vector<T> download(const DeviceBuffer& d, size_t n) {
   if (n) copy_to_host(v.data(), d.data(), n * sizeof(T));
   return v;
 }
+
+// n normal values times `scale`, from `seed`.
+inline std::vector<float> randn(int64_t n, uint64_t seed, double scale = 1.0) {
+  Rng rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = static_cast<float>(rng.normal() * scale);
+  return v;
+}
+
+// A parameter vector stored in `t`: the host bytes, a device copy, and the
+// CView of each.
+struct Param {
+  std::vector<uint16_t> h16;
+  std::vector<float> h32;
+  DeviceBuffer d;
+  DType t;
+  Param(const std::vector<float>& v, DType dt) : t(dt) {
+    if (t == DType::kF32) {
+      h32 = v;
+      d = upload(h32);
+    } else {
+      for (float x : v) h16.push_back(float_to_16(x, t));
+      d = upload(h16);
+    }
+  }
+  kernels::CView host() const {
+    return {t == DType::kF32 ? static_cast<const void*>(h32.data()) : h16.data(), t};
+  }
+  kernels::CView dev() const { return {d.data(), t}; }
+};
 
 }  // namespace zinc::cuda::testing
