@@ -52,7 +52,7 @@ models::GptConfig small_gpt(Device device, int64_t layers = 2) {
   return g;
 }
 
-struct TrainRun {
+struct PathRun {
   std::vector<float> losses;
   std::vector<double> norms;
   std::vector<std::vector<float>> weights;  // every block's master weights at the end
@@ -77,7 +77,7 @@ struct Case {
   }
 };
 
-TrainRun train(const Case& c) {
+PathRun train(const Case& c) {
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                         {"gradient_accumulation_steps", c.gas},
                         {"gradient_clipping", c.clipping},
@@ -105,7 +105,7 @@ TrainRun train(const Case& c) {
   dc.seq_len = 16;
   dc.determinism = 0.9;
   DataLoader loader(make_data_source(dc), 4, c.gas, 1, 0, 7);
-  TrainRun r;
+  PathRun r;
   for (int s = 0; s < c.steps; ++s) {
     if (s == c.resume_at) {
       e.save_checkpoint(c.ckpt_dir, "t");
@@ -129,7 +129,7 @@ Case on_gpu(Case c) {
 }
 
 // The same losses and weights, bit for bit.
-void expect_same(const TrainRun& a, const TrainRun& b, const std::string& what) {
+void expect_same(const PathRun& a, const PathRun& b, const std::string& what) {
   ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
   for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << " loss at step " << i;
   ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
@@ -142,7 +142,7 @@ void expect_same(const TrainRun& a, const TrainRun& b, const std::string& what) 
 
 // The GPU run against the CPU run of the same case, within the tolerance of
 // the file's Note.
-void expect_like_cpu(const TrainRun& cpu, const TrainRun& gpu, const std::string& precision, const std::string& what) {
+void expect_like_cpu(const PathRun& cpu, const PathRun& gpu, const std::string& precision, const std::string& what) {
   const bool wide = precision == "fp32";
   ASSERT_EQ(cpu.losses.size(), gpu.losses.size()) << what;
   double worst_loss = 0;
@@ -190,7 +190,7 @@ TEST(CudaEnginePath, ZeroOffloadToNvmeEqualsRamAndTrainsLikeTheCpu) {
       Case ram = nvme;
       ram.offload = "cpu";
       if (stage == 3) ram.offload_param = "cpu";
-      const TrainRun gpu = train(on_gpu(nvme));
+      const PathRun gpu = train(on_gpu(nvme));
       expect_same(gpu, train(on_gpu(ram)), on_gpu(nvme).what() + " against RAM");
       expect_like_cpu(train(nvme), gpu, prec, on_gpu(nvme).what());
     }
@@ -206,7 +206,7 @@ TEST(CudaEnginePath, ZeroOffloadStagesAgreeBitForBitAndTrainLikeTheCpu) {
       Case c;
       c.precision = prec;
       c.gas = gas;
-      std::vector<TrainRun> gpu;
+      std::vector<PathRun> gpu;
       for (int stage : {1, 2}) {
         c.stage = stage;
         gpu.push_back(train(on_gpu(c)));
@@ -239,13 +239,13 @@ TEST(CudaEnginePath, Stage3EqualsStage2BitForBitAndHoldsAboutOneBlock) {
         c.clipping = std::string(states) == "none" ? 0.0 : 1.0;
         c.layers = 6;
         c.stage = 2;
-        const TrainRun s2 = train(on_gpu(c));
+        const PathRun s2 = train(on_gpu(c));
         for (const char* where : {"cpu", "nvme"}) {
           c.stage = 3;
           c.offload_param = where;
           c.max_live = 1;  // one block at a time
           const std::string what = on_gpu(c).what();
-          const TrainRun cpu = train(c), gpu = train(on_gpu(c));
+          const PathRun cpu = train(c), gpu = train(on_gpu(c));
           expect_same(s2, gpu, what + " against stage 2");
           expect_like_cpu(cpu, gpu, prec, what);
           EXPECT_EQ(cpu.gpu_peak, 0) << what;
@@ -297,7 +297,7 @@ TEST(CudaEnginePath, GpuResidentStatesEqualZeroOffloadAndTrainLikeTheCpu) {
         c.clipping = clipping;
         Case off = c;
         off.offload = "cpu";
-        const TrainRun res = train(on_gpu(c)), host = train(on_gpu(off));
+        const PathRun res = train(on_gpu(c)), host = train(on_gpu(off));
         const std::string what = on_gpu(c).what();
         expect_like_cpu(train(c), res, prec, what);
         if (!cpu_adam_has_fma_path()) continue;  // the CPU AdamW rounds otherwise

@@ -103,7 +103,7 @@ TEST(ConfigOverride, ParsesJsonValuesAndBareWords) {
 
 TEST(ConfigOverride, MalformedAssignmentsAreErrors) {
   json j = base();
-  auto error_of = [&](const std::string& a) {
+  auto config_error_of = [&](const std::string& a) {
     try {
       apply_override(j, a);
     } catch (const ConfigError& e) {
@@ -112,13 +112,13 @@ TEST(ConfigOverride, MalformedAssignmentsAreErrors) {
     ADD_FAILURE() << "expected a ConfigError for " << a;
     return std::string();
   };
-  expect_parts(error_of("optimizer.type"), {"optimizer.type", "key.path=value"});
-  expect_parts(error_of("a..b=1"), {"empty component"});
-  expect_parts(error_of("train_micro_batch_size_per_gpu.x=1"),
+  expect_parts(config_error_of("optimizer.type"), {"optimizer.type", "key.path=value"});
+  expect_parts(config_error_of("a..b=1"), {"empty component"});
+  expect_parts(config_error_of("train_micro_batch_size_per_gpu.x=1"),
                {"train_micro_batch_size_per_gpu", "not an object"});
   apply_override(j, "list=[1,2]");
-  expect_parts(error_of("list.5=3"), {"list.5", "out of range"});
-  expect_parts(error_of("list.x=3"), {"list.x", "index it with a number"});
+  expect_parts(config_error_of("list.5=3"), {"list.5", "out of range"});
+  expect_parts(config_error_of("list.x=3"), {"list.x", "index it with a number"});
 }
 
 TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
@@ -135,7 +135,7 @@ TEST(ConfigOverride, OverriddenValuesAreValidatedByParse) {
 // The ConfigError message of `f`, or a test failure: an exception of
 // another type fails the test with its message instead of ending the run.
 template <typename F>
-std::string error_of(F&& f) {
+std::string config_error_of(F&& f) {
   try {
     f();
   } catch (const ConfigError& e) {
@@ -160,10 +160,10 @@ TEST(ConfigLoad, NestingPastTheLimitIsRefusedWithItsPlace) {
   // 100,000 levels overflowed the stack where the document was copied.
   const std::string path = temp_path("deep.json");
   write_file(path, nested_lists(100000));
-  expect_parts(error_of([&] { Config::load(path); }),
+  expect_parts(config_error_of([&] { Config::load(path); }),
                {path, "line 1, column 65", "[0][0][0]", "nested deeper than 64 levels"});
   write_file(path, "{\"train_batch_size\": 8,\n \"amp\": " + nested_objects(100) + "}");
-  expect_parts(error_of([&] { Config::load(path); }), {path, "line 2, column ", "amp.a.a.a", "nested deeper than 64"});
+  expect_parts(config_error_of([&] { Config::load(path); }), {path, "line 2, column ", "amp.a.a.a", "nested deeper than 64"});
   // The limit itself is a document like any other: it copies, compares,
   // dumps and goes away.
   write_file(path, nested_lists(kMaxConfigDepth));
@@ -172,7 +172,7 @@ TEST(ConfigLoad, NestingPastTheLimitIsRefusedWithItsPlace) {
   EXPECT_EQ(copy, j);
   EXPECT_EQ(copy.dump(), nested_lists(kMaxConfigDepth));
   write_file(path, nested_lists(kMaxConfigDepth + 1));
-  expect_parts(error_of([&] { read_json_file(path); }), {"line 1, column 65", "nested deeper than 64"});
+  expect_parts(config_error_of([&] { read_json_file(path); }), {"line 1, column 65", "nested deeper than 64"});
   std::remove(path.c_str());
 }
 
@@ -181,29 +181,29 @@ TEST(ConfigLoad, NumberPastADoubleNamesFileLinePathAndRule) {
   const std::string path = temp_path("huge.json");
   const std::string line3 = R"(  "optimizer": {"type": "AdamW", "params": {"lr": 1e400, "betas": [0.9, -1e999]}})";
   write_file(path, "{\n  \"train_batch_size\": 8,\n" + line3 + "\n}\n");
-  expect_parts(error_of([&] { Config::load(path); }),
+  expect_parts(config_error_of([&] { Config::load(path); }),
                {path, "line 3, column " + std::to_string(line3.find("1e400") + 1), "optimizer.params.lr",
                 "number 1e400 is out of range", "fit in a double"});
   write_file(path, R"({"optimizer": {"params": {"betas": [0.9, -1e999]}}})");
-  expect_parts(error_of([&] { Config::load(path); }), {path, "optimizer.params.betas[1]", "-1e999"});
+  expect_parts(config_error_of([&] { Config::load(path); }), {path, "optimizer.params.betas[1]", "-1e999"});
   std::remove(path.c_str());
 }
 
 TEST(ConfigOverride, NumbersPastADoubleAndDeepValuesAreRefused) {
   json j = base();
-  expect_parts(error_of([&] { apply_override(j, "optimizer.params.lr=1e400"); }),
+  expect_parts(config_error_of([&] { apply_override(j, "optimizer.params.lr=1e400"); }),
                {"--set optimizer.params.lr=1e400", "optimizer.params.lr", "number 1e400 is out of range"});
-  expect_parts(error_of([&] { apply_override(j, "a.b=" + nested_lists(100000)); }),
+  expect_parts(config_error_of([&] { apply_override(j, "a.b=" + nested_lists(100000)); }),
                {"a.b[0][0]", "nested deeper than 64"});
   // The path's components and the value's nesting share the limit: 63
   // components leave room for one list.
   std::string path = "k";
   for (int i = 1; i < 63; ++i) path += ".k";
   apply_override(j, path + "=[1]");
-  expect_parts(error_of([&] { apply_override(j, path + "=[[1]]"); }), {"nested deeper than 64"});
+  expect_parts(config_error_of([&] { apply_override(j, path + "=[[1]]"); }), {"nested deeper than 64"});
   std::string long_path = "a";
   for (int i = 0; i < 100000; ++i) long_path += ".a";
-  expect_parts(error_of([&] { apply_override(j, long_path + "=1"); }), {"100001 components", "64 levels"});
+  expect_parts(config_error_of([&] { apply_override(j, long_path + "=1"); }), {"100001 components", "64 levels"});
   // A syntax error is still a bare word.
   apply_override(j, "csv_monitor.job_name=[1, 2");
   EXPECT_EQ(j["csv_monitor"]["job_name"], "[1, 2");
@@ -213,7 +213,7 @@ TEST(ConfigOverride, ListIndexPastSizeTIsOutOfRange) {
   // std::stoul threw std::out_of_range ("stoul").
   json j = base();
   apply_override(j, "x=[1,2]");
-  expect_parts(error_of([&] { apply_override(j, "x.99999999999999999999=1"); }),
+  expect_parts(config_error_of([&] { apply_override(j, "x.99999999999999999999=1"); }),
                {"x.99999999999999999999", "index 99999999999999999999 is out of range for a list of 2"});
 }
 
@@ -221,9 +221,9 @@ TEST(ConfigOverride, TextThatIsNotUtf8IsRefused) {
   // A bare word of any bytes was stored, and the first dump() of the
   // document threw nlohmann's type_error.316.
   json j = base();
-  expect_parts(error_of([&] { apply_override(j, "csv_monitor.job_name=\xff\xfe"); }),
+  expect_parts(config_error_of([&] { apply_override(j, "csv_monitor.job_name=\xff\xfe"); }),
                {"csv_monitor.job_name", "value is not UTF-8"});
-  expect_parts(error_of([&] { apply_override(j, "csv_\xc3monitor.x=1"); }), {"path is not UTF-8"});
+  expect_parts(config_error_of([&] { apply_override(j, "csv_\xc3monitor.x=1"); }), {"path is not UTF-8"});
   apply_override(j, "csv_monitor.job_name=caf\xc3\xa9");  // UTF-8 is fine
   EXPECT_NO_THROW(j.dump());
 }
@@ -242,7 +242,7 @@ TEST(ConfigErrors, ControlCharactersInKeysAreEscapedInMessages) {
                {"zero_optimization.st\\u0000age: unknown key (did you mean 'stage'?)"});
   const std::string path = temp_path("nul_key.json");
   write_file(path, R"({"zero_optimization": {"st\u0000age": 0, "st\u0000age": 1}})");
-  expect_parts(error_of([&] { Config::load(path); }),
+  expect_parts(config_error_of([&] { Config::load(path); }),
                {path, "zero_optimization.st\\u0000age: duplicate key 'st\\u0000age'"});
   std::remove(path.c_str());
 }

@@ -16,11 +16,8 @@ namespace {
 
 using nlohmann::json;
 using testing_config::any_warning_has;
+using testing_config::config_error;
 using testing_config::with;
-
-std::string config_error(const json& j, int world_size = 1) {
-  return testing_config::error_of_parse([world_size](const json& d) { Config::parse(d, world_size); }, j);
-}
 
 TEST(ConfigLegacy, HarmlessKeysWarnAsIgnored) {
   struct Case {

@@ -59,15 +59,9 @@ namespace {
 using zinc::cuda::DeviceBuffer;
 using zinc::cuda::testing::download;
 using zinc::cuda::testing::upload;
+using zinc::cuda::testing::randn;
 
 // ---- helpers ------------------------------------------------------------------------------
-
-std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  Rng rng(seed);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(rng.normal()) * scale;
-  return v;
-}
 
 std::vector<uint16_t> to_16(const std::vector<float>& v, DType t) {
   std::vector<uint16_t> out(v.size());

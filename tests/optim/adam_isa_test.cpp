@@ -23,13 +23,13 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "optim/optim.h"
+#include "tests/optim/isa_test_util.h"
 
 namespace zinc::optim {
 namespace {
 
-const Isa kAll[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
-
-double ulp(double x) { return std::nextafter(static_cast<float>(std::fabs(x)), INFINITY) - static_cast<float>(std::fabs(x)); }
+using testing::kAll;
+using testing::ulp;
 
 struct State {
   std::vector<float> w, m, v, g32;

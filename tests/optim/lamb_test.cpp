@@ -19,25 +19,22 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "optim/optim.h"
+#include "tests/optim/isa_test_util.h"
 
 namespace zinc::optim {
 namespace {
 
-const Isa kAll[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+using testing::kAll;
+using testing::ulp;
 
-double ulp(double x) {
-  const float f = static_cast<float>(std::fabs(x));
-  return std::nextafter(f, INFINITY) - f;
-}
-
-struct State {
+struct LambState {
   std::vector<float> w, m, v, g;
   std::vector<bf16> g16, out;
 };
 
 // One tensor's initial values: weights ~ w_std * N(0,1), gradients ~ g_std *
 // N(0,1), moments as after a few steps (or zero).
-void fill(State& s, int64_t b, int64_t e, double w_std, double g_std, bool moments, Rng& rng) {
+void fill(LambState& s, int64_t b, int64_t e, double w_std, double g_std, bool moments, Rng& rng) {
   for (int64_t i = b; i < e; ++i) {
     s.w[i] = static_cast<float>(rng.normal() * w_std);
     s.g[i] = static_cast<float>(rng.normal() * g_std);
@@ -46,8 +43,8 @@ void fill(State& s, int64_t b, int64_t e, double w_std, double g_std, bool momen
   }
 }
 
-State make_state(int64_t n) {
-  State s;
+LambState make_state(int64_t n) {
+  LambState s;
   s.w.assign(n, 0.0f);
   s.m.assign(n, 0.0f);
   s.v.assign(n, 0.0f);
@@ -56,7 +53,7 @@ State make_state(int64_t n) {
   return s;
 }
 
-AdamSpan span_of(State& s, bool grad_bf16 = false, bool out = true) {
+AdamSpan span_of(LambState& s, bool grad_bf16 = false, bool out = true) {
   if (grad_bf16) {
     s.g16.resize(s.g.size());
     for (size_t i = 0; i < s.g.size(); ++i) s.g16[i] = float_to_bf16(s.g[i]);
@@ -68,7 +65,7 @@ AdamSpan span_of(State& s, bool grad_bf16 = false, bool out = true) {
 
 // The reference: DeepSpeed's FusedLamb in double, from the same inputs
 // (bf16 gradients as the values they hold). Returns the ratios.
-std::vector<double> reference_step(const LambParams& p, int64_t step, double grad_scale, State& s,
+std::vector<double> reference_step(const LambParams& p, int64_t step, double grad_scale, LambState& s,
                                    const std::vector<LambSegment>& segs, bool grad_bf16 = false) {
   const size_t n = s.w.size();
   std::vector<double> m(n), v(n), u(n);
@@ -109,7 +106,7 @@ std::vector<double> reference_step(const LambParams& p, int64_t step, double gra
 // (their sums can cancel); each weight's change against the largest change
 // in its segment (u carries m's cancellation, so its error scales with the
 // tensor's typical update, not with its own).
-void expect_state_near(const State& got, const State& want, const State& before,
+void expect_state_near(const LambState& got, const LambState& want, const LambState& before,
                        const std::vector<LambSegment>& segs, const char* what) {
   for (const LambSegment& sg : segs) {
     double max_delta = 0;
@@ -129,14 +126,14 @@ void expect_state_near(const State& got, const State& want, const State& before,
 // (tiny weights), an all-zero tensor (||w|| = 0: ratio 1), an unclamped one,
 // and one whose gradient and moments are zero (||u|| = 0 without weight
 // decay: ratio 1).
-struct Case {
-  State s;
+struct LambCase {
+  LambState s;
   std::vector<LambSegment> segs;
 };
-Case five_tensors(bool moments, uint64_t seed) {
+LambCase five_tensors(bool moments, uint64_t seed) {
   const int64_t len[] = {37, 50, 33, 11, 101, 19};
   const int tensor[] = {0, 1, 2, -1, 3, 4};
-  Case c;
+  LambCase c;
   int64_t n = 0;
   for (int64_t l : len) n += l;
   c.s = make_state(n);
@@ -179,10 +176,10 @@ TEST(Lamb, MatchesDoubleReferenceOverStepsWithEveryClampBranch) {
       p.weight_decay = mode.wd;
       p.bias_correction = mode.bias_correction;
       p.eps_inside_sqrt = mode.eps_inside_sqrt;
-      Case c = five_tensors(true, 11);
-      State ref = c.s;
+      LambCase c = five_tensors(true, 11);
+      LambState ref = c.s;
       for (int64_t step = 1; step <= 4; ++step) {
-        const State before = c.s;
+        const LambState before = c.s;
         const std::vector<double> want = reference_step(p, step, 0.5, ref, c.segs, mode.grad_bf16);
         const std::vector<double> got = lamb_step(p, step, 0.5f, span_of(c.s, mode.grad_bf16), c.segs, isa);
         ASSERT_EQ(got.size(), want.size());
@@ -223,18 +220,18 @@ TEST(Lamb, EveryPathAgreesWithScalarOnOddLengthsAndUnalignedBoundaries) {
       set_stream_min_bytes(stream_min);
       std::vector<LambSegment> segs;
       for (size_t k = 0; k + 1 < cuts.size(); ++k) segs.push_back({cuts[k], cuts[k + 1], static_cast<int>(k)});
-      State base = make_state(cuts.back());
+      LambState base = make_state(cuts.back());
       Rng rng(5);
       for (size_t k = 0; k + 1 < cuts.size(); ++k) fill(base, cuts[k], cuts[k + 1], 0.5 + k, 0.02, true, rng);
       LambParams p;
       p.weight_decay = 0.02;
-      State scalar = base;
+      LambState scalar = base;
       const std::vector<double> r0 = lamb_step(p, 3, 0.9f, span_of(scalar, grad_bf16), segs, Isa::kScalar);
       for (Isa isa : kAll) {
         if (isa == Isa::kScalar || !isa_supported(isa)) continue;
         SCOPED_TRACE(std::string(isa_name(isa)) + " bf16grad=" + std::to_string(grad_bf16) +
                      " stream=" + std::to_string(stream_min == 1));
-        State s = base;
+        LambState s = base;
         const std::vector<double> r = lamb_step(p, 3, 0.9f, span_of(s, grad_bf16), segs, isa);
         for (size_t t = 0; t < r.size(); ++t) EXPECT_NEAR(r[t], r0[t], 1e-6 * r0[t]);
         expect_state_near(s, scalar, base, segs, "vs scalar");
@@ -246,18 +243,18 @@ TEST(Lamb, EveryPathAgreesWithScalarOnOddLengthsAndUnalignedBoundaries) {
 
 TEST(Lamb, ResultDoesNotDependOnTheThreadCount) {
   const std::vector<LambSegment> segs = {{0, 50001, 0}, {50001, 50040, -1}, {50040, 123457, 1}};
-  State base = make_state(123457);
+  LambState base = make_state(123457);
   Rng rng(9);
   fill(base, 0, 50001, 1.0, 0.01, true, rng);
   fill(base, 50040, 123457, 0.3, 0.02, true, rng);
   LambParams p;
   p.weight_decay = 0.01;
   const int saved = omp_get_max_threads();
-  std::vector<State> results;
+  std::vector<LambState> results;
   std::vector<std::vector<double>> ratios;
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
-    State s = base;
+    LambState s = base;
     ratios.push_back(lamb_step(p, 2, 1.0f, span_of(s), segs));
     results.push_back(s);
   }
@@ -273,13 +270,13 @@ TEST(Lamb, ResultDoesNotDependOnTheThreadCount) {
 TEST(Lamb, NormsSummedOverTwoSpansGiveTheOneSpanUpdate) {
   // A tensor split between two spans (two ranks' shards, or two NVMe
   // sub-groups): each span's pass-1 sums added, then each span applied.
-  Case c = five_tensors(true, 3);
+  LambCase c = five_tensors(true, 3);
   LambParams p;
   p.weight_decay = 0.01;
-  State whole = c.s;
+  LambState whole = c.s;
   lamb_step(p, 1, 1.0f, span_of(whole), c.segs);
   const int64_t cut = 60;  // inside tensor 1
-  State a = c.s;
+  LambState a = c.s;
   AdamSpan full = span_of(a);
   AdamSpan left = full, right = full;
   left.n = cut;
@@ -304,7 +301,7 @@ TEST(Lamb, NormsSummedOverTwoSpansGiveTheOneSpanUpdate) {
 }
 
 TEST(Lamb, RejectsSegmentsThatDoNotTileTheSpan) {
-  State s = make_state(10);
+  LambState s = make_state(10);
   LambParams p;
   const std::vector<LambSegment> gap = {{0, 4, 0}, {5, 10, 1}};
   const std::vector<LambSegment> short_cover = {{0, 4, 0}};
