@@ -96,6 +96,44 @@ class CpuOps : public Ops {
   CView operand16_copy(const float* dy, int64_t n, DType compute, Buf& scratch) override {
     return kernels::operand16_copy(dy, n, compute, scratch.host());
   }
+
+  // With native bf16 matmuls the fused kernels write the bf16 operand in the
+  // same pass (the fp32 output of the forward ones is never written).
+  CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                                int64_t C, DType compute, Buf& scratch) override {
+    if (!native_bf16(compute)) return Ops::layernorm_forward_input(out, mean, rstd, x, w, b, N, C, compute, scratch);
+    bf16* dst = bf16_scratch(scratch, N * C);
+    kernels::layernorm_forward_bf16(dst, mean, rstd, x, w, b, N, C);
+    return CView{dst, DType::kBF16};
+  }
+  CView gelu_forward_input(float* out, const float* x, int64_t n, DType compute, Buf& scratch) override {
+    if (!native_bf16(compute)) return Ops::gelu_forward_input(out, x, n, compute, scratch);
+    bf16* dst = bf16_scratch(scratch, n);
+    kernels::gelu_forward_bf16(dst, x, n);
+    return CView{dst, DType::kBF16};
+  }
+  CView dy_operand(const float* dy, float* db, int64_t M, int64_t N, DType compute, Buf& scratch) override {
+    if (!db || !native_bf16(compute)) return Ops::dy_operand(dy, db, M, N, compute, scratch);
+    bf16* dst = bf16_scratch(scratch, M * N);
+    kernels::bias_backward_bf16(db, dst, dy, M, N);
+    return CView{dst, DType::kBF16};
+  }
+  CView gelu_backward_operand(float* dx, float* db, const float* x, const float* dout, int64_t M, int64_t N,
+                              DType compute, Buf& scratch) override {
+    if (!db || !native_bf16(compute)) return Ops::gelu_backward_operand(dx, db, x, dout, M, N, compute, scratch);
+    bf16* dst = bf16_scratch(scratch, M * N);
+    kernels::gelu_backward_bias_bf16(db, dst, x, dout, M, N);
+    return CView{dst, DType::kBF16};
+  }
+
+ private:
+  static bool native_bf16(DType compute) { return compute == DType::kBF16 && kernels::bf16_operands_native(); }
+  static bf16* bf16_scratch(Buf& scratch, int64_t n) {
+    AlignedBuffer& h = scratch.host();
+    const size_t bytes = static_cast<size_t>(n) * sizeof(bf16);
+    if (h.bytes() < bytes) h = AlignedBuffer(round_up(bytes, 4096));
+    return h.as<bf16>();
+  }
 };
 
 }  // namespace

@@ -183,14 +183,13 @@ class Gpt final : public Model {
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
-    ops_->layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
-                               x_final_.as<float>(), nf[kLnfW], nf[kLnfB], N, C);
+    lnf_in_ = ops_->layernorm_forward_input(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(),
+                                            x_final_.as<float>(), nf[kLnfW], nf[kLnfB], N, C, dt, lnf_16_);
     nf.release();
 
     // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
     // gradient of the mean loss straight away; backward scales it.
     HeldParams head = ctx.acquire(0);
-    lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
     detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
     head.release();
     double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
@@ -237,9 +236,9 @@ class Gpt final : public Model {
       // becomes d x_mid by accumulating the branch's gradient.
       detail::linear_backward(*ops_, dy16_, dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), a.gelu_in,
                               p[kMlpProjW], N, 4 * C, C, dt);
-      ops_->gelu_backward(dbig, a.fc.as<float>(), dbig, N * 4 * C);
-      detail::linear_backward(*ops_, dy16_, dsmall, g[kFcW], g[kFcB], f32(dbig), a.ln2_in, p[kFcW], N, C,
-                              4 * C, dt);
+      const CView dfc = ops_->gelu_backward_operand(dbig, g[kFcB], a.fc.as<float>(), dbig, N, 4 * C, dt, dy16_);
+      detail::linear_backward(*ops_, dy16_, dsmall, g[kFcW], nullptr, f32(dbig), a.ln2_in, p[kFcW], N, C,
+                              4 * C, dt, dfc);
       ops_->layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
                                   a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
@@ -270,20 +269,17 @@ class Gpt final : public Model {
   void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
                      DType dt) {
     const int64_t C = c_.n_embd, N = B * T;
-    ops_->layernorm_forward(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), x_in,
-                               p[kLn1W], p[kLn1B], N, C);
-    a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    a.ln1_in = ops_->layernorm_forward_input(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
+                                             x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
     detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
-    ops_->layernorm_forward(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
-                               a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C);
-    a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    a.ln2_in = ops_->layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
+                                             a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
     detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
-    ops_->gelu_forward(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C);
-    a.gelu_in = ops_->matmul_input(a.gelu.as<float>(), N * 4 * C, dt, a.gelu_16);
+    a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C, dt, a.gelu_16);
     if (!x_out) return;
     detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);

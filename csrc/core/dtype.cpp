@@ -132,6 +132,9 @@ void convert_f32_to_bf16(const float* src, bf16* dst, size_t n) {
   parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) { f32_to_bf16_range(src + lo, dst + lo, hi - lo); });
 }
 
+void convert_f32_to_bf16_serial(const float* src, bf16* dst, size_t n) { f32_to_bf16_range(src, dst, n); }
+void round_to_f16_serial(const float* src, float* dst, size_t n) { round_f16_range(src, dst, n); }
+
 void convert_bf16_to_f32(const bf16* src, float* dst, size_t n) {
   parallel_for(n, 1 << 14, [&](size_t lo, size_t hi) { bf16_to_f32_range(src + lo, dst + lo, hi - lo); });
 }

@@ -113,6 +113,10 @@ void convert_f32_to_f16(const float* src, f16* dst, size_t n);
 void convert_f16_to_f32(const f16* src, float* dst, size_t n);
 // dst = f16_to_float(float_to_f16(src)) (dst may equal src).
 void round_to_f16(const float* src, float* dst, size_t n);
+// The same, vectorised but on the calling thread only: for a kernel that
+// converts rows inside its own parallel loop.
+void convert_f32_to_bf16_serial(const float* src, bf16* dst, size_t n);
+void round_to_f16_serial(const float* src, float* dst, size_t n);
 // By DType: kBF16 or kF16 (16-bit data as uint16_t); kF32 copies.
 void convert_f32_to_16(const float* src, void* dst, size_t n, DType t);
 void convert_16_to_f32(const void* src, float* dst, size_t n, DType t);

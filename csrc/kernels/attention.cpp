@@ -50,14 +50,21 @@ void attention_workspace_destroy(AttentionWorkspace* ws) { delete ws; }
 
 namespace {
 
-inline void store(float v, float* p) { *p = v; }
-inline void store(float v, bf16* p) { *p = float_to_bf16(v); }
 // fp16 compute (Note [fp16 compute] in matmul.cpp): operands are kept as fp32
 // holding fp16-exact values, so the fp32 matmuls read them without widening.
 struct f16x {
   float v;
 };
-inline void store(float v, f16x* p) { p->v = f16_to_float(float_to_f16(v)); }
+static_assert(sizeof(f16x) == sizeof(float));
+// n fp32 values as the compute dtype's operand, on the calling thread with
+// the vectorised conversions (the rounding of float_to_bf16 / float_to_f16).
+inline void store_row(const float* x, float* d, int64_t n) { std::copy(x, x + n, d); }
+inline void store_row(const float* x, bf16* d, int64_t n) {
+  convert_f32_to_bf16_serial(x, d, static_cast<size_t>(n));
+}
+inline void store_row(const float* x, f16x* d, int64_t n) {
+  round_to_f16_serial(x, reinterpret_cast<float*>(d), static_cast<size_t>(n));
+}
 
 enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
 
@@ -83,17 +90,15 @@ size_t operand_bytes(DType compute) { return compute == DType::kF16 ? sizeof(flo
 CView operand(const void* p, DType compute) {
   return compute == DType::kF16 ? CView{p, DType::kF32, true} : CView{p, compute};
 }
-// Row r of P or dS (n values of f(j)) written as the 16-bit compute dtype's
-// operand at base + r * n: fp16-exact fp32 for fp16, the 16 bits for bf16.
-template <class F>
-inline void store_operand_row(void* base, size_t r, int64_t n, DType compute, F&& f) {
-  if (compute == DType::kF16) {
-    float* d = static_cast<float*>(base) + r * static_cast<size_t>(n);
-    for (int64_t j = 0; j < n; ++j) d[j] = f16_to_float(float_to_f16(f(j)));
-  } else {
-    uint16_t* d = static_cast<uint16_t*>(base) + r * static_cast<size_t>(n);
-    for (int64_t j = 0; j < n; ++j) d[j] = float_to_bf16(f(j)).bits;
-  }
+// Row r of P or dS (the n fp32 values at x) written as the 16-bit compute
+// dtype's operand at base + r * n: fp16-exact fp32 for fp16, the 16 bits
+// for bf16.
+inline void store_operand_row(void* base, size_t r, const float* x, int64_t n, DType compute) {
+  const size_t off = r * static_cast<size_t>(n);
+  if (compute == DType::kF16)
+    store_row(x, reinterpret_cast<f16x*>(static_cast<float*>(base) + off), n);
+  else
+    store_row(x, static_cast<bf16*>(base) + off, n);
 }
 
 void check_shape(const char* fn, AttentionShape s) {
@@ -143,11 +148,7 @@ void permute_in(const PermuteIn<To>& p, AttentionShape s) {
       for (size_t r = lo; r < hi; ++r) {
         const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
         const float* row = p.src[part] + static_cast<int64_t>(r) * p.stride[part] + p.col0[part];
-        for (int64_t h = 0; h < s.H; ++h) {
-          To* __restrict d = p.dst[part] + ((b * s.H + h) * s.T + t) * hs;
-          const float* __restrict x = row + h * hs;
-          for (int64_t i = 0; i < hs; ++i) store(x[i], d + i);
-        }
+        for (int64_t h = 0; h < s.H; ++h) store_row(row + h * hs, p.dst[part] + ((b * s.H + h) * s.T + t) * hs, hs);
       }
   });
 }
@@ -225,9 +226,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
       float* row = P + r * T;
       for (int64_t j = 0; j < k0; ++j) row[j] = 0.0f;
       softmax_row_causal(row + k0, t + 1 - k0, T - k0);
-      if (compute != DType::kF32) {
-        store_operand_row(pc, r, T, compute, [&](int64_t j) { return row[j]; });
-      }
+      if (compute != DType::kF32) store_operand_row(pc, r, row, T, compute);
     }
   });
   float* y = static_cast<float*>(scratch(kY, n_head * sizeof(float)));
@@ -268,8 +267,8 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
   matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
          operand(dO, compute), operand(v, compute), dP);
-  // dS (and, for bf16, a bf16 copy of P for dV). With fp32 compute dS
-  // overwrites dP in place and P is used as is.
+  // dS overwrites dP in place; with 16-bit compute it and P are then written
+  // as the compute dtype's operands (for dQ, dK and dV), row by row.
   const bool f32 = compute == DType::kF32;
   void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_att * esz);
   const void* pc = f32 ? static_cast<const void*>(P) : scratch(kPc, n_att * esz);
@@ -279,14 +278,12 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
       const float* p = P + r * T;
       float* dp = dP + r * T;
       const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
-      if (f32) {
-        for (int64_t j = 0; j < k0; ++j) dp[j] = 0.0f;
-        for (int64_t j = k0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
-        for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
-      } else {
-        store_operand_row(ds, r, T, compute,
-                          [&](int64_t j) { return j >= k0 && j < nv ? p[j] * (dp[j] - dot) : 0.0f; });
-        store_operand_row(const_cast<void*>(pc), r, T, compute, [&](int64_t j) { return p[j]; });
+      for (int64_t j = 0; j < k0; ++j) dp[j] = 0.0f;
+      for (int64_t j = k0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
+      for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
+      if (!f32) {
+        store_operand_row(ds, r, dp, T, compute);
+        store_operand_row(const_cast<void*>(pc), r, p, T, compute);
       }
     }
   });

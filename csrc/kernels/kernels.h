@@ -103,6 +103,8 @@ void set_matmul_bf16_path_for_testing(MatmulBf16Path path);
 void add_bias(float* y, CView bias, int64_t M, int64_t N);
 // dbias(N) += sum over rows of dy(M,N).
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N);
+// bias_backward (the same bits) and dy16 = dy as bf16 in one pass over dy.
+void bias_backward_bf16(float* dbias, bf16* dy16, const float* dy, int64_t M, int64_t N);
 
 // ---- layernorm over the last dim ---------------------------------------------
 // out(N,C) = (x - mean) * rstd * w + b; saves mean(N), rstd(N) for backward.
@@ -111,11 +113,24 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CVi
 // dx(N,C) += ..., dw(C) += ..., db(C) += ...
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                         const float* mean, const float* rstd, int64_t N, int64_t C);
+// layernorm_forward's out written as bf16 only (the operand a native bf16
+// matmul reads), without the fp32 pass: each row is normalised in a
+// thread's scratch and converted from there. Same bits as
+// convert_f32_to_bf16 of layernorm_forward's out; mean and rstd as there.
+void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                            int64_t C, float eps = 1e-5f);
 
 // ---- GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) --------
 void gelu_forward(float* out, const float* x, int64_t n);
 // dx = dout * gelu'(x)   (written, not accumulated)
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n);
+// gelu_forward written as bf16 only (a native bf16 matmul's operand), in
+// one pass: the same bits as convert_f32_to_bf16 of gelu_forward's out.
+void gelu_forward_bf16(bf16* out, const float* x, int64_t n);
+// gelu_backward's dx(M,N) written as bf16 only (dx16), with dbias(N) +=
+// the column sums of the fp32 dx in bias_backward's order and bits, in one
+// pass over x and dout.
+void gelu_backward_bias_bf16(float* dbias, bf16* dx16, const float* x, const float* dout, int64_t M, int64_t N);
 
 // ---- causal multi-head self-attention ------------------------------------------
 // qkv(B,T,3C) holds q, k, v side by side in the last dim, each C = H*hs wide

@@ -140,6 +140,54 @@ float* exp_scratch(int64_t n) {
   return buf.data();
 }
 
+namespace {
+// The fp32 values of a row (or a chunk) before their bf16 conversion: a
+// thread's grow-only scratch, small enough to stay in cache.
+float* row_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(n)) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+constexpr size_t kBf16Chunk = 2048;  // values per conversion in the GELU kernels
+
+// Rows 0..M-1 of an (M,N) fp32 matrix, each made by row(i, tmp) (which
+// returns the row, in tmp or elsewhere), written as bf16 into out, with
+// dbias(N) += their column sums in Note [column sums]'s order: each chunk's
+// sums in doubles from 0, row by row, then the chunks added in order, then
+// added to dbias, which is what bias_backward computes, bit for bit. Here
+// the threads split the chunks (rows) instead of the columns, so that each
+// row is read once, converted and summed while in cache; the chunk sums
+// meet in a (chunks, N) table that is added up per column at the end.
+template <class RowFn>
+void rows_bf16_with_column_sums(float* dbias, bf16* out, int64_t M, int64_t N, RowFn&& row) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t chunks = (M + math::kColumnChunk - 1) / math::kColumnChunk;
+  thread_local std::vector<double> table;
+  table.assign(static_cast<size_t>(chunks * N), 0.0);
+  double* sums = table.data();
+  parallel_for(static_cast<size_t>(chunks), 1, [&](size_t c_lo, size_t c_hi) {
+    float* tmp = row_scratch(N);
+    for (size_t c = c_lo; c < c_hi; ++c) {
+      double* __restrict part = sums + c * static_cast<size_t>(N);
+      const int64_t r0 = static_cast<int64_t>(c) * math::kColumnChunk;
+      const int64_t r1 = std::min(M, r0 + math::kColumnChunk);
+      for (int64_t i = r0; i < r1; ++i) {
+        const float* r = row(i, tmp);
+        add_row_f64(part, r, N);
+        convert_f32_to_bf16_serial(r, out + i * N, static_cast<size_t>(N));
+      }
+    }
+  });
+  parallel_for(static_cast<size_t>(N), 16, [&](size_t j0, size_t j1) {
+    for (size_t j = j0; j < j1; ++j) {
+      double acc = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) acc += sums[static_cast<size_t>(c * N) + j];
+      dbias[j] = static_cast<float>(dbias[j] + acc);
+    }
+  });
+}
+}  // namespace
+
 // ---- bias -------------------------------------------------------------------------
 
 void add_bias(float* y, CView bias, int64_t M, int64_t N) {
@@ -167,6 +215,11 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) {
     }
     for (int64_t j = 0; j < w; ++j) dbias[c0 + j] = static_cast<float>(dbias[c0 + j] + acc[j]);
   });
+}
+
+void bias_backward_bf16(float* dbias, bf16* dy16, const float* dy, int64_t M, int64_t N) {
+  ProfileScope profile_scope(Op::kBias);
+  rows_bf16_with_column_sums(dbias, dy16, M, N, [&](int64_t i, float*) { return dy + i * N; });
 }
 
 // ---- layernorm ----------------------------------------------------------------------
@@ -219,6 +272,23 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   });
 }
 
+
+void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                            int64_t C, float eps) {
+  ProfileScope profile_scope(Op::kLayerNorm);
+  if (N <= 0) return;
+  if (C <= 0) throw Error("layernorm_forward: C must be > 0, got " + std::to_string(C));
+  const float* ww = param_f32(w, C, 0);
+  const float* bb = param_f32(b, C, 1);
+  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
+    float* row = row_scratch(C);
+    for (size_t i = lo; i < hi; ++i) {
+      layernorm_row_forward(row, mean + i, rstd + i, x + i * C, ww, bb, C, eps);
+      convert_f32_to_bf16_serial(row, out + i * C, static_cast<size_t>(C));
+    }
+  });
+}
+
 // ---- GELU -----------------------------------------------------------------------------
 
 void gelu_forward(float* out, const float* x, int64_t n) {
@@ -232,6 +302,26 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n) {
   ProfileScope profile_scope(Op::kGelu);
   parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
     gelu_backward_range(dx + lo, x + lo, dout + lo, hi - lo);
+  });
+}
+
+void gelu_forward_bf16(bf16* out, const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kGelu);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), 1 << 13, [&](size_t lo, size_t hi) {
+    float* tmp = row_scratch(kBf16Chunk);
+    for (size_t i = lo; i < hi; i += kBf16Chunk) {
+      const size_t m = std::min(kBf16Chunk, hi - i);
+      gelu_forward_range(tmp, x + i, m);
+      convert_f32_to_bf16_serial(tmp, out + i, m);
+    }
+  });
+}
+
+void gelu_backward_bias_bf16(float* dbias, bf16* dx16, const float* x, const float* dout, int64_t M, int64_t N) {
+  ProfileScope profile_scope(Op::kGelu);
+  rows_bf16_with_column_sums(dbias, dx16, M, N, [&](int64_t i, float* tmp) {
+    gelu_backward_range(tmp, x + i * N, dout + i * N, static_cast<size_t>(N));
+    return static_cast<const float*>(tmp);
   });
 }
 

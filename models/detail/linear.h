@@ -56,20 +56,23 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 
 // dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
 // db(out) += column sums of dy (skipped when db is null).
-// With bf16 (fp16) compute an fp32 dy is converted once for both matmuls
-// (kernels::operand16_copy); the bias gradient sums the fp32 dy.
-// `scratch` holds the 16-bit copy of dy (grown as needed).
+// dy is fp32; Ops::dy_operand sums the bias gradient and, with bf16 (fp16)
+// compute, converts dy once for both matmuls (one pass where the backend
+// fuses them). `scratch` holds the 16-bit copy of dy (grown as needed).
+// `dy_op`, where given, is dy as the matmuls read it, made by dy's producer
+// together with the bias gradient (Ops::gelu_backward_operand); db is then
+// null.
 inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float* db, CView dy, CView x, CView w,
-                            int64_t N, int64_t in, int64_t out, DType compute) {
-  const CView dy_full = dy;
-  if (is_16bit(compute) && dy.dtype == DType::kF32 && !dy.bf16_exact)
-    dy = ops.operand16_copy(static_cast<const float*>(dy.data), N * out, compute, scratch);
+                            int64_t N, int64_t in, int64_t out, DType compute, CView dy_op = {}) {
+  if (dy_op.data) {
+    ZINC_CHECK(!db, "linear_backward: a ready dy operand comes with its bias gradient summed");
+    dy = dy_op;
+  } else {
+    ZINC_CHECK(dy.dtype == DType::kF32 && !dy.bf16_exact, "linear_backward needs the fp32 dy");
+    dy = ops.dy_operand(static_cast<const float*>(dy.data), db, N, out, compute, scratch);
+  }
   if (dx) ops.matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
   ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
-  if (db) {
-    ZINC_CHECK(dy_full.dtype == DType::kF32 && !dy_full.bf16_exact, "bias gradient needs the fp32 dy");
-    ops.bias_backward(db, static_cast<const float*>(dy_full.data), N, out);
-  }
 }
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
                             int64_t in, int64_t out, DType compute) {

@@ -123,6 +123,38 @@ class Ops {
   // An fp32 dy converted for 16-bit matmuls (a copy; dy itself is kept for
   // the bias gradient).
   virtual CView operand16_copy(const float* dy, int64_t n, DType compute, Buf& scratch) = 0;
+
+  // Fused forms of the above where a matmul reads a kernel's output (or
+  // dy), each with the same values as the unfused calls. A backend may fuse
+  // them; these defaults just call the two steps.
+  // layernorm_forward then matmul_input of `out`. Where the returned view is
+  // a 16-bit copy the backend may leave `out` unwritten.
+  virtual CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
+                                        int64_t N, int64_t C, DType compute, Buf& scratch) {
+    layernorm_forward(out, mean, rstd, x, w, b, N, C);
+    return matmul_input(out, N * C, compute, scratch);
+  }
+  // gelu_forward then matmul_input of `out` (the same licence).
+  virtual CView gelu_forward_input(float* out, const float* x, int64_t n, DType compute, Buf& scratch) {
+    gelu_forward(out, x, n);
+    return matmul_input(out, n, compute, scratch);
+  }
+  // dy(M,N) as linear_backward's matmuls read it (dy itself for fp32
+  // compute, else operand16_copy's), with db += its column sums
+  // (bias_backward) where db is not null.
+  virtual CView dy_operand(const float* dy, float* db, int64_t M, int64_t N, DType compute, Buf& scratch) {
+    if (db) bias_backward(db, dy, M, N);
+    if (!is_16bit(compute)) return CView{dy, DType::kF32};
+    return operand16_copy(dy, M * N, compute, scratch);
+  }
+  // gelu_backward's dx(M,N) = dout * gelu'(x), then dy_operand of it (with
+  // db). Where the returned view is a 16-bit copy the backend may leave dx
+  // unwritten.
+  virtual CView gelu_backward_operand(float* dx, float* db, const float* x, const float* dout, int64_t M, int64_t N,
+                                      DType compute, Buf& scratch) {
+    gelu_backward(dx, x, dout, M * N);
+    return dy_operand(dx, db, M, N, compute, scratch);
+  }
 };
 
 // The CPU's Ops (kernels.h; one instance per process).

@@ -157,6 +157,21 @@ KernelOutputs run_vector_kernels() {
   gelu_backward(dg.data(), x.data(), dout.data(), static_cast<int64_t>(x.size()));
   o.f.push_back(g);
   o.f.push_back(dg);
+  // The fused bf16 forms (cpu_ops with native bf16 matmuls).
+  auto push16 = [&o](const std::vector<bf16>& h) {
+    for (bf16 v : h) o.h.push_back(v.bits);
+  };
+  {
+    const int64_t M = 97, W = 103;  // x as (M, W) for the column sums
+    std::vector<bf16> g16(x.size()), dg16(M * W), dy16(M * W);
+    std::vector<float> gdb(W, 0.5f), ddb(W, 0.5f);
+    gelu_forward_bf16(g16.data(), x.data(), static_cast<int64_t>(x.size()));
+    gelu_backward_bias_bf16(gdb.data(), dg16.data(), x.data(), dout.data(), M, W);
+    bias_backward_bf16(ddb.data(), dy16.data(), dout.data(), M, W);
+    for (auto* h : {&g16, &dg16, &dy16}) push16(*h);
+    o.f.push_back(gdb);
+    o.f.push_back(ddb);
+  }
   // Layernorm forward and backward, odd sizes.
   const int64_t N = 37, C = 133;
   auto lx = randn(N * C, 1002), w = randn(C, 1003), b = randn(C, 1004), ldo = randn(N * C, 1005);
@@ -165,6 +180,9 @@ KernelOutputs run_vector_kernels() {
   layernorm_backward(ldx.data(), ldw.data(), ldb.data(), ldo.data(), lx.data(), view(w), mean.data(),
                      rstd.data(), N, C);
   for (auto* v : {&ly, &mean, &rstd, &ldx, &ldw, &ldb}) o.f.push_back(*v);
+  std::vector<bf16> ly16(N * C);
+  layernorm_forward_bf16(ly16.data(), mean.data(), rstd.data(), lx.data(), view(w), view(b), N, C);
+  push16(ly16);
   // Cross-entropy with its gradient.
   const int64_t R = 29, V = 517;
   auto logits = randn(R * V, 1006, 3.0f);

@@ -333,6 +333,87 @@ TEST(Gelu, BackwardMatchesFiniteDifferences) {
   EXPECT_TRUE(AllClose(dx.data(), fd.data(), n, kFdAtol, kFdRtol));
 }
 
+// ---- the fused bf16 kernels -----------------------------------------------------------------
+// Where bf16 matmuls are native the CPU's Ops (models/cpu_ops.cpp) writes a
+// layer's bf16 matmul operand in the same pass as the layer: they must give
+// exactly the two-step kernels' bits (the kernel, then convert_f32_to_bf16,
+// and bias_backward's column sums), at any thread count, and with row
+// counts that do not fill the last column chunk.
+
+std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
+  std::vector<bf16> h(v.size());
+  convert_f32_to_bf16(v.data(), h.data(), v.size());
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = h[i].bits;
+  return out;
+}
+std::vector<uint16_t> bits_of(const std::vector<bf16>& h) {
+  std::vector<uint16_t> out(h.size());
+  for (size_t i = 0; i < h.size(); ++i) out[i] = h[i].bits;
+  return out;
+}
+
+TEST(FusedBf16, LayerNormForwardEqualsLayerNormThenConversion) {
+  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 1}, {37, 133}, {130, 384}}) {
+    auto x = randn(N * C, 140 + N, 3.0f), w = randn(C, 141), b = randn(C, 142);
+    std::vector<float> y(N * C), mean(N), rstd(N);
+    layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), view(w), view(b), N, C);
+    for (int nt : {1, 2}) {
+      std::vector<bf16> y16(N * C);
+      std::vector<float> mean2(N), rstd2(N);
+      with_threads(nt, [&] {
+        layernorm_forward_bf16(y16.data(), mean2.data(), rstd2.data(), x.data(), view(w), view(b), N, C);
+      });
+      EXPECT_EQ(bits_of(y16), bf16_bits(y)) << N << "x" << C << ", " << nt << " threads";
+      EXPECT_TRUE(BitEqual(mean2, mean) && BitEqual(rstd2, rstd)) << N << "x" << C << ", " << nt << " threads";
+    }
+  }
+}
+
+TEST(FusedBf16, GeluForwardEqualsGeluThenConversion) {
+  for (int64_t n : {1, 2047, 2049, 3 * 8192 + 5}) {
+    auto x = gelu_inputs(static_cast<size_t>(n), 143);
+    std::vector<float> y(n);
+    gelu_forward(y.data(), x.data(), n);
+    for (int nt : {1, 2}) {
+      std::vector<bf16> y16(n);
+      with_threads(nt, [&] { gelu_forward_bf16(y16.data(), x.data(), n); });
+      EXPECT_EQ(bits_of(y16), bf16_bits(y)) << "n=" << n << ", " << nt << " threads";
+    }
+  }
+}
+
+TEST(FusedBf16, BiasBackwardEqualsColumnSumsAndConversion) {
+  for (auto [M, N] : {std::pair<int64_t, int64_t>{1, 3}, {64, 17}, {200, 45}, {2048, 96}}) {
+    auto dy = randn(M * N, 144 + M, 2.0f);
+    std::vector<float> want(N, 0.5f);
+    bias_backward(want.data(), dy.data(), M, N);
+    for (int nt : {1, 2}) {
+      std::vector<float> db(N, 0.5f);
+      std::vector<bf16> dy16(M * N);
+      with_threads(nt, [&] { bias_backward_bf16(db.data(), dy16.data(), dy.data(), M, N); });
+      EXPECT_TRUE(BitEqual(db, want)) << M << "x" << N << ", " << nt << " threads";
+      EXPECT_EQ(bits_of(dy16), bf16_bits(dy)) << M << "x" << N << ", " << nt << " threads";
+    }
+  }
+}
+
+TEST(FusedBf16, GeluBackwardEqualsGeluBackwardThenBiasAndConversion) {
+  for (auto [M, N] : {std::pair<int64_t, int64_t>{1, 3}, {65, 40}, {300, 1536}}) {
+    auto x = gelu_inputs(static_cast<size_t>(M * N), 145), dout = randn(M * N, 146);
+    std::vector<float> dx(M * N), want(N, -1.0f);
+    gelu_backward(dx.data(), x.data(), dout.data(), M * N);
+    bias_backward(want.data(), dx.data(), M, N);
+    for (int nt : {1, 2}) {
+      std::vector<float> db(N, -1.0f);
+      std::vector<bf16> dx16(M * N);
+      with_threads(nt, [&] { gelu_backward_bias_bf16(db.data(), dx16.data(), x.data(), dout.data(), M, N); });
+      EXPECT_TRUE(BitEqual(db, want)) << M << "x" << N << ", " << nt << " threads";
+      EXPECT_EQ(bits_of(dx16), bf16_bits(dx)) << M << "x" << N << ", " << nt << " threads";
+    }
+  }
+}
+
 // ---- cross-entropy ---------------------------------------------------------------------------
 
 TEST(CrossEntropy, LossAndGradientAgreeWithReference) {
