@@ -12,7 +12,15 @@
 namespace zinc {
 
 std::string CudaStatus::summary() const {
-  if (!built) return "CUDA: not built (ZINC_CUDA off or no nvcc at build time)";
+  if (!built) {
+#if defined(ZINC_CUDA_DEFERRED)
+    return "CUDA: no GPU found (this first build left the CUDA kernels out; the full build, scripts/setup.sh, "
+           "adds them)";
+#else
+    return nvidia_driver_present() ? "CUDA: not built (ZINC_CUDA off or no nvcc at build time)"
+                                   : "CUDA: not built (ZINC_CUDA off or no nvcc at build time); no GPU found";
+#endif
+  }
   if (devices == 0 && none_here) return "CUDA: built, no GPU found";
   if (devices == 0) return "CUDA: built, no usable GPU (" + why + ")";
   return "CUDA: " + std::to_string(devices) + " GPU(s)";

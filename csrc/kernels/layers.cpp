@@ -150,41 +150,58 @@ float* row_scratch(int64_t n) {
 }
 constexpr size_t kBf16Chunk = 2048;  // values per conversion in the GELU kernels
 
-// Rows 0..M-1 of an (M,N) fp32 matrix, each made by row(i, tmp) (which
-// returns the row, in tmp or elsewhere), written as bf16 into out, with
-// dbias(N) += their column sums in Note [column sums]'s order: each chunk's
-// sums in doubles from 0, row by row, then the chunks added in order, then
-// added to dbias, which is what bias_backward computes, bit for bit. Here
-// the threads split the chunks (rows) instead of the columns, so that each
-// row is read once, converted and summed while in cache; the chunk sums
-// meet in a (chunks, N) table that is added up per column at the end.
-template <class RowFn>
-void rows_bf16_with_column_sums(float* dbias, bf16* out, int64_t M, int64_t N, RowFn&& row) {
+// Note [column sums by row chunks]
+// A row-parallel pass that also sums K columns-wide quantities over the
+// rows in Note [column sums]'s order (kernels/math.h), bit for bit: each
+// 64-row chunk's sums in doubles from 0, row by row; the chunks' sums added
+// in order from 0; then added to the fp32 output. bias_backward and the
+// first layernorm_backward split the columns between the threads instead;
+// here the threads split the chunks, so that each row is read once, for its
+// own output and the sums together, while it is in cache. The chunk sums
+// meet in a (K, chunks, N) table that finish(j, sums) adds up per column.
+// row(i, parts) handles row i, where parts[k] is the chunk's row of table k.
+template <int K, class RowFn, class FinishFn>
+void rows_with_column_sums(int64_t M, int64_t N, RowFn&& row, FinishFn&& finish) {
   if (M <= 0 || N <= 0) return;
   const int64_t chunks = (M + math::kColumnChunk - 1) / math::kColumnChunk;
+  const size_t per_table = static_cast<size_t>(chunks * N);
   thread_local std::vector<double> table;
-  table.assign(static_cast<size_t>(chunks * N), 0.0);
+  table.assign(K * per_table, 0.0);
   double* sums = table.data();
   parallel_for(static_cast<size_t>(chunks), 1, [&](size_t c_lo, size_t c_hi) {
-    float* tmp = row_scratch(N);
     for (size_t c = c_lo; c < c_hi; ++c) {
-      double* __restrict part = sums + c * static_cast<size_t>(N);
+      double* parts[K];
+      for (int k = 0; k < K; ++k) parts[k] = sums + k * per_table + c * static_cast<size_t>(N);
       const int64_t r0 = static_cast<int64_t>(c) * math::kColumnChunk;
       const int64_t r1 = std::min(M, r0 + math::kColumnChunk);
-      for (int64_t i = r0; i < r1; ++i) {
-        const float* r = row(i, tmp);
-        add_row_f64(part, r, N);
-        convert_f32_to_bf16_serial(r, out + i * N, static_cast<size_t>(N));
-      }
+      for (int64_t i = r0; i < r1; ++i) row(i, parts);
     }
   });
   parallel_for(static_cast<size_t>(N), 16, [&](size_t j0, size_t j1) {
     for (size_t j = j0; j < j1; ++j) {
-      double acc = 0.0;
-      for (int64_t c = 0; c < chunks; ++c) acc += sums[static_cast<size_t>(c * N) + j];
-      dbias[j] = static_cast<float>(dbias[j] + acc);
+      double acc[K];
+      for (int k = 0; k < K; ++k) {
+        acc[k] = 0.0;
+        for (int64_t c = 0; c < chunks; ++c) acc[k] += sums[k * per_table + static_cast<size_t>(c * N) + j];
+      }
+      finish(j, acc);
     }
   });
+}
+
+// Rows of an (M,N) fp32 matrix, each made by row(i, tmp) (which returns it,
+// in tmp or elsewhere), written as bf16 into out, with dbias(N) += their
+// column sums (bias_backward's bits; Note [column sums by row chunks]).
+template <class RowFn>
+void rows_bf16_with_column_sums(float* dbias, bf16* out, int64_t M, int64_t N, RowFn&& row) {
+  rows_with_column_sums<1>(
+      M, N,
+      [&](int64_t i, double* const* parts) {
+        const float* r = row(i, row_scratch(N));
+        add_row_f64(parts[0], r, N);
+        convert_f32_to_bf16_serial(r, out + i * N, static_cast<size_t>(N));
+      },
+      [&](size_t j, const double* acc) { dbias[j] = static_cast<float>(dbias[j] + acc[0]); });
 }
 }  // namespace
 
@@ -242,34 +259,18 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0 || C <= 0) return;
   const float* ww = param_f32(w, C, 0);
-  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i)
-      layernorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, mean[i], rstd[i], C);
-  });
-  // dw += sum_i dout * xhat, db += sum_i dout; column-parallel, rows in
-  // Note [column sums]'s chunks.
-  for_column_blocks(C, [&](int64_t c0, int64_t c1, double* __restrict aw) {
-    const int64_t wd = c1 - c0;
-    std::vector<double> abv(static_cast<size_t>(wd), 0.0), pwv(static_cast<size_t>(wd)), pbv(static_cast<size_t>(wd));
-    double* __restrict ab = abv.data();
-    double* __restrict pw = pwv.data();
-    double* __restrict pb = pbv.data();
-    for (int64_t r0 = 0; r0 < N; r0 += math::kColumnChunk) {
-      std::fill(pwv.begin(), pwv.end(), 0.0);
-      std::fill(pbv.begin(), pbv.end(), 0.0);
-      const int64_t r1 = std::min(N, r0 + math::kColumnChunk);
-      for (int64_t i = r0; i < r1; ++i)
-        layernorm_dw_row(pw, pb, dout + i * C + c0, x + i * C + c0, mean[i], rstd[i], wd);
-      for (int64_t j = 0; j < wd; ++j) {
-        aw[j] += pw[j];
-        ab[j] += pb[j];
-      }
-    }
-    for (int64_t j = 0; j < wd; ++j) {
-      dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
-      db[c0 + j] = static_cast<float>(db[c0 + j] + ab[j]);
-    }
-  });
+  // dx row by row; dw += sum_i dout * xhat and db += sum_i dout in the same
+  // pass (Note [column sums by row chunks]). dx must not overlap dout or x.
+  rows_with_column_sums<2>(
+      N, C,
+      [&](int64_t i, double* const* parts) {
+        layernorm_dw_row(parts[0], parts[1], dout + i * C, x + i * C, mean[i], rstd[i], C);
+        layernorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, mean[i], rstd[i], C);
+      },
+      [&](size_t j, const double* acc) {
+        dw[j] = static_cast<float>(dw[j] + acc[0]);
+        db[j] = static_cast<float>(db[j] + acc[1]);
+      });
 }
 
 

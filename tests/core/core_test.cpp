@@ -241,7 +241,13 @@ TEST(CudaStatus, SaysNoGpuFoundPlainlyWithoutADriver) {
   const CudaStatus& st = cuda_status();
   const std::string line = st.summary();
   if (!st.built) {
-    EXPECT_EQ(line.rfind("CUDA: not built", 0), 0u) << line;
+    // scripts/setup.sh's first partial build on a machine without a GPU
+    // leaves CUDA out and says so (ZINC_CUDA_DEFERRED).
+    EXPECT_TRUE(line.rfind("CUDA: not built", 0) == 0 || line.rfind("CUDA: no GPU found (this first build", 0) == 0)
+        << line;
+    if (!nvidia_driver_present()) {
+      EXPECT_NE(line.find("no GPU found"), std::string::npos) << line;
+    }
   } else if (st.devices > 0) {
     EXPECT_EQ(line, "CUDA: " + std::to_string(st.devices) + " GPU(s)");
   } else if (!nvidia_driver_present()) {

@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/kernels.h"
+#include "kernels/math.h"
 #include "kernels/reference.h"
 
 #include "kernels_test_util.h"
@@ -261,6 +262,44 @@ TEST(LayerNorm, BackwardAgreesWithReference) {
       EXPECT_TRUE(AllClose(dw.data(), rdw.data(), C, 1e-4, 1e-4)) << N << "x" << C;
       EXPECT_TRUE(AllClose(db.data(), rdb.data(), C, 1e-4, 1e-4)) << N << "x" << C;
     }
+}
+
+// Note [column sums]: dw and db add the rows in chunks of kColumnChunk,
+// each chunk from 0 in doubles, the chunks in order; the row-parallel pass
+// (Note [column sums by row chunks]) must give exactly that at any thread
+// count, also when the last chunk is short.
+TEST(LayerNorm, BackwardColumnSumsFollowTheChunkOrderAtAnyThreadCount) {
+  const int64_t N = 200, C = 45;
+  auto x = randn(N * C, 92, 2.0f), g = randn(N * C, 93), w = randn(C, 94), b = randn(C, 95);
+  std::vector<float> y(N * C), mean(N), rstd(N);
+  layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), view(w), view(b), N, C);
+  std::vector<float> want_w(C, 0.5f), want_b(C, -0.5f);
+  for (int64_t j = 0; j < C; ++j) {
+    double aw = 0.0, ab = 0.0;
+    for (int64_t r0 = 0; r0 < N; r0 += math::kColumnChunk) {
+      double pw = 0.0, pb = 0.0;
+      for (int64_t i = r0; i < std::min(N, r0 + math::kColumnChunk); ++i) {
+        const float gi = g[i * C + j];
+        pw += gi * ((x[i * C + j] - mean[i]) * rstd[i]);
+        pb += gi;
+      }
+      aw += pw;
+      ab += pb;
+    }
+    want_w[j] = static_cast<float>(want_w[j] + aw);
+    want_b[j] = static_cast<float>(want_b[j] + ab);
+  }
+  std::vector<float> dx1;
+  for (int nt : {1, 2}) {
+    std::vector<float> dx(N * C, 0.25f), dw(C, 0.5f), db(C, -0.5f);
+    with_threads(nt, [&] {
+      layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), view(w), mean.data(), rstd.data(), N, C);
+    });
+    EXPECT_TRUE(BitEqual(dw, want_w)) << nt << " threads";
+    EXPECT_TRUE(BitEqual(db, want_b)) << nt << " threads";
+    if (nt == 1) dx1 = dx;
+    EXPECT_TRUE(BitEqual(dx, dx1)) << nt << " threads";
+  }
 }
 
 TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
