@@ -27,7 +27,9 @@
 // in fp32), so matmul never has to convert them.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/alloc.h"
 #include "core/error.h"
@@ -144,11 +146,19 @@ template <class To>
 void permute_in(const PermuteIn<To>& p, AttentionShape s) {
   const int64_t hs = s.C / s.H;
   parallel_for(static_cast<size_t>(s.B * s.T), 16, [&](size_t lo, size_t hi) {
+    // A row's C values are converted in one call (into a small buffer that
+    // stays in cache), then copied out head by head: a conversion call per
+    // head of 64 values costs more in calls than in conversion.
+    thread_local std::vector<To> row_buf;
+    if (row_buf.size() < static_cast<size_t>(s.C)) row_buf.resize(static_cast<size_t>(s.C));
+    To* conv = row_buf.data();
     for (int part = 0; part < p.n; ++part)
       for (size_t r = lo; r < hi; ++r) {
         const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
         const float* row = p.src[part] + static_cast<int64_t>(r) * p.stride[part] + p.col0[part];
-        for (int64_t h = 0; h < s.H; ++h) store_row(row + h * hs, p.dst[part] + ((b * s.H + h) * s.T + t) * hs, hs);
+        store_row(row, conv, s.C);
+        for (int64_t h = 0; h < s.H; ++h)
+          std::memcpy(p.dst[part] + ((b * s.H + h) * s.T + t) * hs, conv + h * hs, static_cast<size_t>(hs) * sizeof(To));
       }
   });
 }
@@ -267,22 +277,28 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
   matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
          operand(dO, compute), operand(v, compute), dP);
-  // dS overwrites dP in place; with 16-bit compute it and P are then written
-  // as the compute dtype's operands (for dQ, dK and dV), row by row.
+  // dS overwrites dP in place for fp32 compute; with 16-bit compute each
+  // row of it and of P is written as the compute dtype's operand (for dQ,
+  // dK and dV).
   const bool f32 = compute == DType::kF32;
   void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_att * esz);
   const void* pc = f32 ? static_cast<const void*>(P) : scratch(kPc, n_att * esz);
   parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
+    thread_local std::vector<float> row_buf;
+    if (!f32 && row_buf.size() < static_cast<size_t>(T)) row_buf.resize(static_cast<size_t>(T));
     for (size_t r = lo; r < hi; ++r) {
       const int64_t nv = static_cast<int64_t>(r) % T + 1, k0 = first_key(s, r);
       const float* p = P + r * T;
       float* dp = dP + r * T;
       const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
-      for (int64_t j = 0; j < k0; ++j) dp[j] = 0.0f;
-      for (int64_t j = k0; j < nv; ++j) dp[j] = p[j] * (dp[j] - dot);
-      for (int64_t j = nv; j < T; ++j) dp[j] = 0.0f;
+      // The fp32 row of dS: over dP itself for fp32 compute, else in a
+      // small buffer that stays in cache until its conversion.
+      float* d = f32 ? dp : row_buf.data();
+      for (int64_t j = 0; j < k0; ++j) d[j] = 0.0f;
+      for (int64_t j = k0; j < nv; ++j) d[j] = p[j] * (dp[j] - dot);
+      for (int64_t j = nv; j < T; ++j) d[j] = 0.0f;
       if (!f32) {
-        store_operand_row(ds, r, dp, T, compute);
+        store_operand_row(ds, r, d, T, compute);
         store_operand_row(const_cast<void*>(pc), r, p, T, compute);
       }
     }
