@@ -99,6 +99,7 @@ class CpuOps : public Ops {
 
   // With native bf16 matmuls the fused kernels write the bf16 operand in the
   // same pass (the fp32 output of the forward ones is never written).
+  bool fuses_operand16(DType compute) const override { return native_bf16(compute); }
   CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
                                 int64_t C, DType compute, Buf& scratch) override {
     if (!native_bf16(compute)) return Ops::layernorm_forward_input(out, mean, rstd, x, w, b, N, C, compute, scratch);

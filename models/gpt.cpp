@@ -132,15 +132,19 @@ class Gpt final : public Model {
     // or one shared with gradient_checkpointing): ln1 att x_mid ln2, qkv,
     // fc gelu, the four norm statistics, the bf16 copies of the matmul
     // inputs, the probabilities.
-    const int64_t acts = 4 * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) + 2 * buffer_bytes(N * 4 * C) +
-                         4 * buffer_bytes(N) + 3 * matmul_input_bytes(N * C, dt) +
-                         matmul_input_bytes(N * 4 * C, dt) + kernels::attention_workspace_bytes(as);
+    // Where the Ops fuses the bf16 operands (Ops::fuses_operand16) ln1, ln2,
+    // gelu and lnf have no fp32 buffers.
+    const bool fused = ops_->fuses_operand16(dt);
+    const int64_t acts = (fused ? 2 : 4) * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) +
+                         (fused ? 1 : 2) * buffer_bytes(N * 4 * C) + 4 * buffer_bytes(N) +
+                         3 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * 4 * C, dt) +
+                         kernels::attention_workspace_bytes(as);
     const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
-    // Once: x_final lnf dlnf dres dsmall, dbig, lnf's statistics, logits and
+    // Once: x_final lnf (not when fused) dlnf dres dsmall, dbig, lnf's statistics, logits and
     // dlogits, lnf's bf16 copy, the input tokens.
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
-    m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) + 2 * buffer_bytes(N * V) +
-               matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+    m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) +
+               2 * buffer_bytes(N * V) + matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -160,9 +164,9 @@ class Gpt final : public Model {
     if (T > c_.block_size)
       throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
                   std::to_string(c_.block_size));
-    ensure_buffers(B, T);
-    const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
+    ensure_buffers(B, T, ops_->fuses_operand16(dt));
+    const int64_t N = B * T;
     tokens_ = batch.inputs;
     tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
@@ -285,26 +289,28 @@ class Gpt final : public Model {
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
   }
 
-  void ensure_buffers(int64_t B, int64_t T) {
-    if (B == B_ && T == T_) return;
+  // fused: the Ops writes ln1, ln2, gelu and lnf as bf16 operands only
+  // (Ops::fuses_operand16), so their fp32 buffers stay empty.
+  void ensure_buffers(int64_t B, int64_t T, bool fused) {
+    if (B == B_ && T == T_ && fused == fused_) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t V = static_cast<size_t>(c_.vocab_size);
     for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
     for (LayerActs& a : acts_) {
-      a.ln1 = ops_->alloc_f32(N * C);
+      a.ln1 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln1_mean = ops_->alloc_f32(N);
       a.ln1_rstd = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * C);
       a.att = ops_->alloc_f32(N * C);
       a.x_mid = ops_->alloc_f32(N * C);
-      a.ln2 = ops_->alloc_f32(N * C);
+      a.ln2 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln2_mean = ops_->alloc_f32(N);
       a.ln2_rstd = ops_->alloc_f32(N);
       a.fc = ops_->alloc_f32(N * 4 * C);
-      a.gelu = ops_->alloc_f32(N * 4 * C);
+      a.gelu = fused ? Buf() : ops_->alloc_f32(N * 4 * C);
     }
     x_final_ = ops_->alloc_f32(N * C);
-    lnf_ = ops_->alloc_f32(N * C);
+    lnf_ = fused ? Buf() : ops_->alloc_f32(N * C);
     lnf_mean_ = ops_->alloc_f32(N);
     lnf_rstd_ = ops_->alloc_f32(N);
     logits_ = ops_->alloc_f32(N * V);
@@ -315,6 +321,7 @@ class Gpt final : public Model {
     dbig_ = ops_->alloc_f32(N * 4 * C);
     B_ = B;
     T_ = T;
+    fused_ = fused;
   }
 
   GptConfig c_;
@@ -329,6 +336,7 @@ class Gpt final : public Model {
   std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
   const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without  // device copies (GPU)
   int64_t B_ = 0, T_ = 0;
+  bool fused_ = false;  // ensure_buffers' last `fused`
   Buf x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, dbig_;
   Buf dy16_;  // linear_backward's 16-bit copy of dy

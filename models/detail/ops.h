@@ -127,8 +127,12 @@ class Ops {
   // Fused forms of the above where a matmul reads a kernel's output (or
   // dy), each with the same values as the unfused calls. A backend may fuse
   // them; these defaults just call the two steps.
+  // Whether the forward ones below leave `out` unwritten for this compute
+  // dtype (they write the 16-bit operand only): then a model need not
+  // allocate `out` at all and passes nullptr.
+  virtual bool fuses_operand16(DType compute) const { return false; }
   // layernorm_forward then matmul_input of `out`. Where the returned view is
-  // a 16-bit copy the backend may leave `out` unwritten.
+  // a 16-bit copy the backend may leave `out` unwritten (fuses_operand16).
   virtual CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
                                         int64_t N, int64_t C, DType compute, Buf& scratch) {
     layernorm_forward(out, mean, rstd, x, w, b, N, C);
