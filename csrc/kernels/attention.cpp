@@ -158,7 +158,8 @@ void permute_in(const PermuteIn<To>& p, AttentionShape s) {
         const float* row = p.src[part] + static_cast<int64_t>(r) * p.stride[part] + p.col0[part];
         store_row(row, conv, s.C);
         for (int64_t h = 0; h < s.H; ++h)
-          std::memcpy(p.dst[part] + ((b * s.H + h) * s.T + t) * hs, conv + h * hs, static_cast<size_t>(hs) * sizeof(To));
+          std::memcpy(p.dst[part] + ((b * s.H + h) * s.T + t) * hs, conv + h * hs,
+                      static_cast<size_t>(hs) * sizeof(To));
       }
   });
 }

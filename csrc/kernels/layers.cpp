@@ -154,9 +154,9 @@ constexpr size_t kBf16Chunk = 2048;  // values per conversion in the GELU kernel
 // A row-parallel pass that also sums K columns-wide quantities over the
 // rows in Note [column sums]'s order (kernels/math.h), bit for bit: each
 // 64-row chunk's sums in doubles from 0, row by row; the chunks' sums added
-// in order from 0; then added to the fp32 output. bias_backward and the
-// first layernorm_backward split the columns between the threads instead;
-// here the threads split the chunks, so that each row is read once, for its
+// in order from 0; then added to the fp32 output. bias_backward (and
+// rmsnorm_backward) split the columns between the threads instead; here
+// the threads split the chunks, so that each row is read once, for its
 // own output and the sums together, while it is in cache. The chunk sums
 // meet in a (K, chunks, N) table that finish(j, sums) adds up per column.
 // row(i, parts) handles row i, where parts[k] is the chunk's row of table k.
@@ -272,7 +272,6 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
         db[j] = static_cast<float>(db[j] + acc[1]);
       });
 }
-
 
 void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
                             int64_t C, float eps) {
