@@ -2,7 +2,8 @@
 //
 // Note [attention layout and memory]
 // q, k, v are permuted from qkv(B,T,3C) into head-major (B*H, T, hs) scratch
-// so that every product is one batched oneDNN matmul over B*H:
+// so that every product is a batched oneDNN matmul over a group of heads
+// (Note [attention by head groups]):
 //   forward   S = scale Q K^T (trans_b), P = causal_softmax(S), Y = P V
 //   backward  dP = dO V^T (trans_b), dV = P^T dO (trans_a),
 //             dS = P * (dP - rowsum(P * dP)) (zero above the diagonal),
@@ -20,13 +21,15 @@
 // nothing crosses a boundary in either direction.
 // Memory: the only per-layer state is P (B,H,T,T) fp32, the softmax output
 // that backward needs (12.6 MB for B=8, H=6, T=256). q, k, v are re-permuted
-// from qkv in backward rather than saved. Everything else (permuted operands,
-// dP, dS, per-head outputs) lives in thread-local grow-only scratch shared by
-// all layers. Operands are written directly as the matmuls read them (bf16
-// for bf16 compute; fp16-exact fp32 values for fp16 compute, which multiplies
-// in fp32), so matmul never has to convert them.
+// from qkv in backward rather than saved. Everything else lives in
+// thread-local grow-only scratch shared by all layers: the permuted operands
+// (on the calling thread), and one head group's dP, dS, P copy and outputs
+// on each thread that runs groups. Operands are written directly as the
+// matmuls read them (bf16 for bf16 compute; fp16-exact fp32 values for fp16
+// compute, which multiplies in fp32), so matmul never has to convert them.
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -68,7 +71,8 @@ inline void store_row(const float* x, f16x* d, int64_t n) {
   round_to_f16_serial(x, reinterpret_cast<float*>(d), static_cast<size_t>(n));
 }
 
-enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kRow, kNumSlots };
+static_assert(kNumSlots == ScratchTally::kAttentionSlots);
 
 void* scratch(Slot slot, size_t bytes) {
   thread_local AlignedBuffer bufs[kNumSlots];
@@ -164,23 +168,17 @@ void permute_in(const PermuteIn<To>& p, AttentionShape s) {
   });
 }
 
-// The inverse: srcs[p] (B*H, T, hs) fp32 into columns p*C + h*hs .. of the
-// (B,T) rows of dst (row stride `stride` floats), for p < nparts.
-void permute_out(float* dst, int64_t stride, const float* const* srcs, int nparts, AttentionShape s) {
+// The inverse for the heads [h0, h0 + nh): src (nh, T, hs) fp32 into
+// columns h*hs .. of the (B,T) rows of dst (row stride `stride` floats),
+// h the head's index within its batch row.
+void heads_out(float* dst, int64_t stride, const float* src, int64_t h0, int64_t nh, AttentionShape s) {
   const int64_t hs = s.C / s.H;
-  parallel_for(static_cast<size_t>(s.B * s.T), 16, [&](size_t lo, size_t hi) {
-    for (size_t r = lo; r < hi; ++r) {
-      const int64_t b = static_cast<int64_t>(r) / s.T, t = static_cast<int64_t>(r) % s.T;
-      for (int part = 0; part < nparts; ++part) {
-        float* row = dst + static_cast<int64_t>(r) * stride + part * s.C;
-        for (int64_t h = 0; h < s.H; ++h) {
-          const float* __restrict x = srcs[part] + ((b * s.H + h) * s.T + t) * hs;
-          float* __restrict d = row + h * hs;
-          for (int64_t i = 0; i < hs; ++i) d[i] = x[i];
-        }
-      }
-    }
-  });
+  for (int64_t j = 0; j < nh; ++j) {
+    const int64_t b = (h0 + j) / s.H, h = (h0 + j) % s.H;
+    for (int64_t t = 0; t < s.T; ++t)
+      std::memcpy(dst + (b * s.T + t) * stride + h * hs, src + (j * s.T + t) * hs,
+                  static_cast<size_t>(hs) * sizeof(float));
+  }
 }
 
 // Causal softmax of one row (query t): p[0..t] = softmax(p[0..t]), p[t+1..] = 0.
@@ -199,7 +197,53 @@ ZINC_ALWAYS_INLINE float softmax_row_dot_body(const float* __restrict p, const f
 }
 ZINC_ISA_VARIANTS(float, softmax_row_dot, (const float* __restrict p, const float* __restrict dp, int64_t n), (p, dp, n))
 
+// Note [attention by head groups]
+// The (T,T) products of one head are small (256 KB of fp32 scores at T =
+// 256) and each is used by the very next pass: the softmax reads the
+// scores the Q K^T product wrote, P V reads the probabilities, and backward
+// chains dP = dO V^T, dS and three products over dS and P in the same way.
+// Run over all B*H heads at once, every one of those intermediates (12.6 MB
+// for the reference GPT) goes out to memory and comes back. So the heads are
+// taken in groups small enough that a group's intermediates stay in a
+// core's L2 cache: each thread runs whole groups, its matmuls single-threaded
+// (oneDNN runs a primitive called inside a parallel region on the calling
+// thread), and copies the group's outputs into their columns of out or dqkv
+// while they are still in cache. Only P itself, which backward needs, goes
+// out to memory, and the scratch the whole-batch form kept for dP, dS, the
+// copy of P and the head outputs (38 MB for the reference GPT) shrinks to
+// one group's per thread (1.5 MB). A
+// matmul over a group computes each head exactly as the matmul over all
+// heads does (the same kernel; heads are independent and nothing is split
+// along K), so the results are bit for bit those of one call over all heads
+// at any thread count.
+constexpr size_t kGroupScoreBytes = size_t{512} << 10;
+std::atomic<int64_t> g_heads_per_group{0};  // set_attention_heads_per_group_for_testing
+
+int64_t heads_per_group(AttentionShape s) {
+  const int64_t BH = s.B * s.H, nt = num_threads();
+  const int64_t by_cache = std::max<int64_t>(1, static_cast<int64_t>(kGroupScoreBytes / (sizeof(float) * s.T * s.T)));
+  const int64_t forced = g_heads_per_group.load(std::memory_order_relaxed);
+  if (forced > 0) return std::min(forced, std::max<int64_t>(BH, 1));
+  // At least one group per thread.
+  return std::max<int64_t>(1, std::min(by_cache, (BH + nt - 1) / nt));
+}
+
+// fn(h0, nh) for the groups of heads [h0, h0 + nh), split across the threads.
+template <class Fn>
+void for_head_groups(AttentionShape s, Fn&& fn) {
+  const int64_t BH = s.B * s.H, g = heads_per_group(s);
+  const int64_t n_groups = (BH + g - 1) / g;
+  parallel_for(static_cast<size_t>(n_groups), 1, [&](size_t lo, size_t hi) {
+    for (size_t gi = lo; gi < hi; ++gi) {
+      const int64_t h0 = static_cast<int64_t>(gi) * g;
+      fn(h0, std::min(g, BH - h0));
+    }
+  });
+}
+
 }  // namespace
+
+void set_attention_heads_per_group_for_testing(int64_t g) { g_heads_per_group.store(std::max<int64_t>(g, 0)); }
 
 void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s,
                        DType compute) {
@@ -226,25 +270,29 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
     permute_in(p, s);
   });
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale,
-                .compute = compute};
-  matmul(sd, operand(q, compute), operand(k, compute), P);
-  // Softmax in place; with bf16 compute also write the bf16 copy for P V.
-  void* pc = compute == DType::kF32 ? static_cast<void*>(P) : scratch(kPc, n_att * esz);
-  parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
-    for (size_t r = lo; r < hi; ++r) {
-      const int64_t t = static_cast<int64_t>(r) % T, k0 = first_key(s, r);
-      float* row = P + r * T;
+  const bool f32 = compute == DType::kF32;
+  // Note [attention by head groups]: each thread takes whole groups of
+  // heads and runs their matmuls on its own.
+  for_head_groups(s, [&](int64_t h0, int64_t nh) {
+    float* Pg = P + h0 * T * T;
+    const size_t off = static_cast<size_t>(h0 * T * hs) * esz;
+    matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = compute},
+           operand(static_cast<char*>(q) + off, compute), operand(static_cast<char*>(k) + off, compute), Pg);
+    // Softmax in place; with 16-bit compute also the operand copy for P V.
+    void* pc = f32 ? static_cast<void*>(Pg) : scratch(kPc, static_cast<size_t>(nh * T * T) * esz);
+    float* y = static_cast<float*>(scratch(kY, static_cast<size_t>(nh * T * hs) * sizeof(float)));
+    for (int64_t i = 0; i < nh * T; ++i) {
+      const size_t r = static_cast<size_t>(h0 * T + i);
+      const int64_t t = i % T, k0 = first_key(s, r);
+      float* row = Pg + i * T;
       for (int64_t j = 0; j < k0; ++j) row[j] = 0.0f;
       softmax_row_causal(row + k0, t + 1 - k0, T - k0);
-      if (compute != DType::kF32) store_operand_row(pc, r, row, T, compute);
+      if (!f32) store_operand_row(pc, static_cast<size_t>(i), row, T, compute);
     }
+    matmul({.batch = nh, .M = T, .N = hs, .K = T, .compute = compute}, operand(pc, compute),
+           operand(static_cast<char*>(v) + off, compute), y);
+    heads_out(out, s.C, y, h0, nh, s);
   });
-  float* y = static_cast<float*>(scratch(kY, n_head * sizeof(float)));
-  MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
-  matmul(yd, operand(pc, compute), operand(v, compute), y);
-  const float* parts[] = {y};
-  permute_out(out, s.C, parts, 1, s);
 }
 
 void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
@@ -259,7 +307,6 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   if (s.B == 0 || s.T == 0) return;
   const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
   const size_t n_head = static_cast<size_t>(BH * T * hs);
-  const size_t n_att = static_cast<size_t>(BH * T * T);
   const float* P = ws->probs.as<float>();
   const size_t esz = operand_bytes(compute);
   void* q = scratch(kQ, n_head * esz);
@@ -275,47 +322,52 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
     p.add(static_cast<E*>(dO), dout, s.C, 0);
     permute_in(p, s);
   });
-  float* dP = static_cast<float*>(scratch(kDP, n_att * sizeof(float)));
-  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute},
-         operand(dO, compute), operand(v, compute), dP);
-  // dS overwrites dP in place for fp32 compute; with 16-bit compute each
-  // row of it and of P is written as the compute dtype's operand (for dQ,
-  // dK and dV).
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const bool f32 = compute == DType::kF32;
-  void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_att * esz);
-  const void* pc = f32 ? static_cast<const void*>(P) : scratch(kPc, n_att * esz);
-  parallel_for(static_cast<size_t>(BH * T), 16, [&](size_t lo, size_t hi) {
-    thread_local std::vector<float> row_buf;
-    if (!f32 && row_buf.size() < static_cast<size_t>(T)) row_buf.resize(static_cast<size_t>(T));
-    for (size_t r = lo; r < hi; ++r) {
-      const int64_t nv = static_cast<int64_t>(r) % T + 1, k0 = first_key(s, r);
-      const float* p = P + r * T;
-      float* dp = dP + r * T;
+  // Note [attention by head groups].
+  for_head_groups(s, [&](int64_t h0, int64_t nh) {
+    const size_t n_g = static_cast<size_t>(nh * T * T);
+    const size_t off = static_cast<size_t>(h0 * T * hs) * esz;
+    auto at = [&](void* base) { return operand(static_cast<char*>(base) + off, compute); };
+    float* dP = static_cast<float*>(scratch(kDP, n_g * sizeof(float)));
+    matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .compute = compute}, at(dO), at(v), dP);
+    // dS overwrites dP in place for fp32 compute; with 16-bit compute each
+    // row of it and of P is written as the compute dtype's operand (for dQ,
+    // dK and dV), the fp32 row of dS going through a small buffer that
+    // stays in cache until its conversion.
+    const float* Pg = P + h0 * T * T;
+    void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_g * esz);
+    void* pc = f32 ? const_cast<float*>(Pg) : scratch(kPc, n_g * esz);
+    float* row_buf = f32 ? nullptr : static_cast<float*>(scratch(kRow, static_cast<size_t>(T) * sizeof(float)));
+    for (int64_t i = 0; i < nh * T; ++i) {
+      const size_t r = static_cast<size_t>(h0 * T + i);
+      const int64_t nv = i % T + 1, k0 = first_key(s, r);
+      const float* p = Pg + i * T;
+      float* dp = dP + i * T;
       const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
-      // The fp32 row of dS: over dP itself for fp32 compute, else in a
-      // small buffer that stays in cache until its conversion.
-      float* d = f32 ? dp : row_buf.data();
+      float* d = f32 ? dp : row_buf;
       for (int64_t j = 0; j < k0; ++j) d[j] = 0.0f;
       for (int64_t j = k0; j < nv; ++j) d[j] = p[j] * (dp[j] - dot);
       for (int64_t j = nv; j < T; ++j) d[j] = 0.0f;
       if (!f32) {
-        store_operand_row(ds, r, d, T, compute);
-        store_operand_row(const_cast<void*>(pc), r, p, T, compute);
+        store_operand_row(ds, static_cast<size_t>(i), d, T, compute);
+        store_operand_row(pc, static_cast<size_t>(i), p, T, compute);
       }
     }
+    const size_t n_gh = static_cast<size_t>(nh * T * hs) * sizeof(float);
+    float* dv = static_cast<float*>(scratch(kDV, n_gh));
+    float* dq = static_cast<float*>(scratch(kDQ, n_gh));
+    float* dk = static_cast<float*>(scratch(kDK, n_gh));
+    matmul({.batch = nh, .M = T, .N = hs, .K = T, .trans_a = true, .compute = compute}, operand(pc, compute),
+           at(dO), dv);
+    matmul({.batch = nh, .M = T, .N = hs, .K = T, .alpha = scale, .compute = compute}, operand(ds, compute),
+           at(k), dq);
+    matmul({.batch = nh, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute},
+           operand(ds, compute), at(q), dk);
+    heads_out(dqkv, 3 * s.C, dq, h0, nh, s);
+    heads_out(dqkv + s.C, 3 * s.C, dk, h0, nh, s);
+    heads_out(dqkv + 2 * s.C, 3 * s.C, dv, h0, nh, s);
   });
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  float* dv = static_cast<float*>(scratch(kDV, n_head * sizeof(float)));
-  float* dq = static_cast<float*>(scratch(kDQ, n_head * sizeof(float)));
-  float* dk = static_cast<float*>(scratch(kDK, n_head * sizeof(float)));
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = compute},
-         operand(pc, compute), operand(dO, compute), dv);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = compute},
-         operand(ds, compute), operand(k, compute), dq);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = compute},
-         operand(ds, compute), operand(q, compute), dk);
-  const float* parts[] = {dq, dk, dv};
-  permute_out(dqkv, 3 * s.C, parts, 3, s);
 }
 
 }  // namespace zinc::kernels
@@ -327,24 +379,31 @@ int64_t attention_workspace_bytes(AttentionShape s) {
 }
 
 // The slots and matmuls of attention_forward and attention_backward above,
-// by shape.
+// by shape: the calling thread's, and those of every other thread that runs
+// head groups (Note [attention by head groups]), each of which keeps its
+// own group buffers and oneDNN scratchpad.
 void ScratchTally::attention(AttentionShape s, DType compute) {
   if (s.B == 0 || s.T == 0) return;
   const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
-  const size_t n_head = static_cast<size_t>(BH * T * hs), n_att = static_cast<size_t>(BH * T * T);
+  const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t esz = operand_bytes(compute);
   const bool f32 = compute == DType::kF32;
-  auto grow = [this](Slot slot, size_t bytes) {
-    attention_[slot] = std::max(attention_[slot], static_cast<int64_t>(round_up(bytes, 4096)));
+  auto grow = [](ScratchTally& t, Slot slot, size_t bytes) {
+    t.attention_[slot] = std::max(t.attention_[slot], static_cast<int64_t>(round_up(bytes, 4096)));
   };
-  for (Slot sl : {kQ, kK, kV, kDO}) grow(sl, n_head * esz);
-  grow(kY, n_head * sizeof(float));
-  grow(kDP, n_att * sizeof(float));
+  for (Slot sl : {kQ, kK, kV, kDO}) grow(*this, sl, n_head * esz);
+  // One group-running thread's buffers and matmuls (the group of most heads;
+  // a last, smaller group fits in them).
+  const int64_t g = heads_per_group(s), n_groups = (BH + g - 1) / g;
+  ScratchTally w;
+  const size_t n_g = static_cast<size_t>(g * T * T);
+  grow(w, kDP, n_g * sizeof(float));
+  for (Slot sl : {kY, kDQ, kDK, kDV}) grow(w, sl, static_cast<size_t>(g * T * hs) * sizeof(float));
   if (!f32) {
-    grow(kPc, n_att * esz);
-    grow(kDS, n_att * esz);
+    grow(w, kPc, n_g * esz);
+    grow(w, kDS, n_g * esz);
+    grow(w, kRow, static_cast<size_t>(T) * sizeof(float));
   }
-  for (Slot sl : {kDQ, kDK, kDV}) grow(sl, n_head * sizeof(float));
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const DType dt = compute;
   // P's 16-bit copy (pc) and dS are compute dtype operands (fp16: fp16-exact
@@ -352,12 +411,20 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   const CView o = operand(nullptr, compute);
   const DType od = o.dtype;
   const bool ex = o.bf16_exact;
-  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .compute = dt}, od, ex, od, ex);
-  matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .compute = dt}, od, ex, od, ex);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .compute = dt}, od, ex, od, ex);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .alpha = scale, .compute = dt}, od, ex, od, ex);
-  matmul({.batch = BH, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
+  for (int64_t nh : {g, BH - (n_groups - 1) * g}) {
+    w.matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
+    w.matmul({.batch = nh, .M = T, .N = hs, .K = T, .compute = dt}, od, ex, od, ex);
+    w.matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .compute = dt}, od, ex, od, ex);
+    w.matmul({.batch = nh, .M = T, .N = hs, .K = T, .trans_a = true, .compute = dt}, od, ex, od, ex);
+    w.matmul({.batch = nh, .M = T, .N = hs, .K = T, .alpha = scale, .compute = dt}, od, ex, od, ex);
+    w.matmul({.batch = nh, .M = T, .N = hs, .K = T, .trans_a = true, .alpha = scale, .compute = dt}, od, ex, od, ex);
+  }
+  // The calling thread's group slots are its own attention_ slots; its
+  // matmul scratchpad is the slot every matmul on it shares.
+  for (int sl = 0; sl < kNumSlots; ++sl) attention_[sl] = std::max(attention_[sl], w.attention_[sl]);
+  for (int sl = 0; sl < 4; ++sl) matmul_[sl] = std::max(matmul_[sl], w.matmul_[sl]);
+  const int64_t group_threads = std::min<int64_t>(num_threads(), n_groups);
+  other_threads_ = std::max(other_threads_, (group_threads - 1) * w.bytes());
 }
 
 }  // namespace zinc::kernels

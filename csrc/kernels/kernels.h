@@ -159,6 +159,9 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
 
 // Bytes of one workspace (the softmax probabilities backward reads).
 int64_t attention_workspace_bytes(AttentionShape s);
+// Heads per group in attention (Note [attention by head groups]); 0 (the
+// default) chooses by the cache. The result is the same bits at any value.
+void set_attention_heads_per_group_for_testing(int64_t g);
 
 // ---- memory estimates ------------------------------------------------------------
 // The kernels keep grow-only thread-local scratch (converted matmul operands,
@@ -181,10 +184,12 @@ class ScratchTally {
   // operand16_copy / operand16_in_place of n elements for `compute`.
   static int64_t operand16_bytes(int64_t n, bool in_place, DType compute);
   int64_t bytes() const;
+  static constexpr int kAttentionSlots = 12;  // attention.cpp's scratch slots
 
  private:
   int64_t matmul_[4] = {};
-  int64_t attention_[11] = {};
+  int64_t attention_[kAttentionSlots] = {};
+  int64_t other_threads_ = 0;  // what threads other than the caller keep
 };
 
 // ---- Llama-family layers (llama_layers.cpp) ----------------------------------------

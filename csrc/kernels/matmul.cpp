@@ -438,7 +438,7 @@ int64_t ScratchTally::bytes() const {
   int64_t n = 0;
   for (int64_t b : matmul_) n += b;
   for (int64_t b : attention_) n += b;
-  return n;
+  return n + other_threads_;
 }
 
 CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch) {

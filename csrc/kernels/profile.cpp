@@ -1,5 +1,7 @@
 #include "kernels/profile.h"
 
+#include <omp.h>
+
 #include <atomic>
 
 namespace zinc::kernels {
@@ -39,6 +41,14 @@ ProfileTotals profile_read() {
 
 ProfileScope::ProfileScope(Op op) : op_(op), active_(g_enabled.load(std::memory_order_relaxed)) {
   if (!active_) return;
+  // Inside a parallel region only the first thread records: the wall time
+  // it splits between kinds stands for the region's other threads, so the
+  // totals add up to wall time (a kernel that runs matmuls on every thread,
+  // Note [attention by head groups], would otherwise count them twice).
+  if (omp_in_parallel() && omp_get_thread_num() != 0) {
+    active_ = false;
+    return;
+  }
   start_ = Clock::now();
   parent_ = t_current;
   if (parent_) parent_->exclusive_s_ += secs(start_ - parent_->start_);

@@ -611,6 +611,44 @@ TEST(Attention, Fp16ForwardAndBackwardAgreeWithReference) {
   for (auto s : kAttShapes) check_attention(s, DType::kF16, seed += 2, 4e-3);
 }
 
+// Note [attention by head groups]: the heads are run in groups, each
+// thread's matmuls on its own; any group size, at any thread count, gives
+// the bits of one group of all heads on one thread.
+TEST(Attention, HeadGroupsGiveTheSameBitsAtAnySizeAndThreadCount) {
+  const AttentionShape shapes[] = {{3, 37, 24, 3}, {2, 64, 32, 2}};
+  uint64_t seed = 470;
+  for (AttentionShape s : shapes)
+    for (bool packed : {false, true})
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+        std::vector<int32_t> pos(static_cast<size_t>(s.B * s.T));
+        for (int64_t r = 0; r < s.B; ++r)
+          for (int64_t t = 0, p = 0; t < s.T; ++t, p = (p + 1) % (11 + r)) pos[r * s.T + t] = static_cast<int32_t>(p);
+        if (packed) s.positions = pos.data();
+        auto qkv = randn(s.B * s.T * 3 * s.C, seed++), dout = randn(s.B * s.T * s.C, seed++);
+        auto run = [&](int64_t g, int nt, std::vector<float>& out, std::vector<float>& dqkv) {
+          out.assign(dout.size(), 0.0f);
+          dqkv.assign(qkv.size(), 0.0f);
+          set_attention_heads_per_group_for_testing(g);
+          with_threads(nt, [&] {
+            Workspace w;
+            attention_forward(w.ws, out.data(), qkv.data(), s, dt);
+            attention_backward(w.ws, dqkv.data(), dout.data(), qkv.data(), s, dt);
+          });
+          set_attention_heads_per_group_for_testing(0);
+        };
+        std::vector<float> want_out, want_dqkv, out, dqkv;
+        run(s.B * s.H, 1, want_out, want_dqkv);
+        for (int64_t g : {int64_t{0}, int64_t{1}, int64_t{4}, s.B * s.H})
+          for (int nt : {1, 2}) {
+            run(g, nt, out, dqkv);
+            const std::string what = std::string(dtype_name(dt)) + (packed ? " packed" : "") + ", " +
+                                     std::to_string(g) + " heads per group, " + std::to_string(nt) + " threads";
+            EXPECT_TRUE(BitEqual(out, want_out)) << what;
+            EXPECT_TRUE(BitEqual(dqkv, want_dqkv)) << what;
+          }
+      }
+}
+
 TEST(Attention, BackwardMatchesFiniteDifferences) {
   const AttentionShape s{2, 5, 6, 2};
   auto qkv = to_double(randn(s.B * s.T * 3 * s.C, 500));
