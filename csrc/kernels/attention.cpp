@@ -28,8 +28,8 @@
 // matmuls read them (bf16 for bf16 compute; fp16-exact fp32 values for fp16
 // compute, which multiplies in fp32), so matmul never has to convert them.
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -211,11 +211,10 @@ ZINC_ISA_VARIANTS(float, softmax_row_dot, (const float* __restrict p, const floa
 // while they are still in cache. Only P itself, which backward needs, goes
 // out to memory, and the scratch the whole-batch form kept for dP, dS, the
 // copy of P and the head outputs (38 MB for the reference GPT) shrinks to
-// one group's per thread (1.5 MB). A
-// matmul over a group computes each head exactly as the matmul over all
-// heads does (the same kernel; heads are independent and nothing is split
-// along K), so the results are bit for bit those of one call over all heads
-// at any thread count.
+// one group's per thread (1.5 MB). A matmul over a group computes each head
+// exactly as the matmul over all heads does (the same kernel; heads are
+// independent and nothing is split along K), so the results are bit for bit
+// those of one call over all heads at any thread count.
 constexpr size_t kGroupScoreBytes = size_t{512} << 10;
 std::atomic<int64_t> g_heads_per_group{0};  // set_attention_heads_per_group_for_testing
 

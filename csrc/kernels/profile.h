@@ -2,6 +2,8 @@
 // kernel, in exclusive wall time (a matmul inside attention counts as
 // matmul, not attention). Off by default; when off a kernel call pays one
 // relaxed atomic load. Totals are process-wide; scopes nest per thread.
+// Inside a parallel region only its first thread records, standing for the
+// others, so the totals add up to wall time.
 #pragma once
 
 #include <chrono>
