@@ -227,22 +227,17 @@ int64_t heads_per_group(AttentionShape s) {
   return std::max<int64_t>(1, std::min(by_cache, (BH + nt - 1) / nt));
 }
 
-// fn(h0, nh) for the groups of heads [h0, h0 + nh), handed to the threads
-// one at a time as each finishes its last (on a shared host one core is
-// often slowed for a while; a fixed split would leave the other waiting).
-// Which thread runs a group changes no bit of its results.
+// fn(h0, nh) for the groups of heads [h0, h0 + nh), split across the threads.
 template <class Fn>
 void for_head_groups(AttentionShape s, Fn&& fn) {
   const int64_t BH = s.B * s.H, g = heads_per_group(s);
   const int64_t n_groups = (BH + g - 1) / g;
-  const int nt = static_cast<int>(std::min<int64_t>(num_threads(), n_groups));
-  auto run = [&](int64_t gi) { fn(gi * g, std::min(g, BH - gi * g)); };
-  if (nt <= 1 || omp_in_parallel()) {
-    for (int64_t gi = 0; gi < n_groups; ++gi) run(gi);
-    return;
-  }
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-  for (int64_t gi = 0; gi < n_groups; ++gi) run(gi);
+  parallel_for(static_cast<size_t>(n_groups), 1, [&](size_t lo, size_t hi) {
+    for (size_t gi = lo; gi < hi; ++gi) {
+      const int64_t h0 = static_cast<int64_t>(gi) * g;
+      fn(h0, std::min(g, BH - h0));
+    }
+  });
 }
 
 }  // namespace
