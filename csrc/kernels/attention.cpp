@@ -227,7 +227,11 @@ int64_t heads_per_group(AttentionShape s) {
   return std::max<int64_t>(1, std::min(by_cache, (BH + nt - 1) / nt));
 }
 
-// fn(h0, nh) for the groups of heads [h0, h0 + nh), split across the threads.
+// fn(h0, nh) for the groups of heads [h0, h0 + nh), split across the threads
+// in fixed contiguous shares. Not handed out dynamically: then a thread
+// might run no group in a pass, and which thread-local buffers exist would
+// depend on timing, against the estimate (ScratchTally::attention counts one
+// group's buffers on every thread; MemoryEstimate.* caught the difference).
 template <class Fn>
 void for_head_groups(AttentionShape s, Fn&& fn) {
   const int64_t BH = s.B * s.H, g = heads_per_group(s);
