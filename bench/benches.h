@@ -41,6 +41,7 @@ struct BenchOptions {
   bool monitor = false;  // train-step: also time the step with the tensorboard and csv monitors writing
   std::string mkl;      // gemm: libmkl_rt to load (default: the dynamic linker's libmkl_rt.so.3, .so.2, .so)
   bool shapes = false;  // gemm: print the step's matmul shapes as JSON and stop
+  bool bf16 = false;    // gemm: bf16 operands (fp32 sums and C) instead of fp32
 };
 
 // The matmuls of one training step, by shape: the bounds of train-step

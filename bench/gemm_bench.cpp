@@ -1,7 +1,10 @@
 // zinc-bench gemm: oneDNN's fp32 rate at the matmul shapes of one training
 // step (the bound train-step divides by) against Intel MKL's cblas_sgemm at
 // the same shapes, in the same rounds (issue 28: is oneDNN the best GEMM this
-// machine has?).
+// machine has?). --bf16 does the same for the bf16 step: bf16 operands, fp32
+// sums and C, through zinc's bf16 matmul (oneDNN's native bf16 kernel, or
+// the fp32 route where the CPU has no bf16 arithmetic) and MKL's
+// cblas_gemm_bf16bf16f32, which has no batched form and loops over batches.
 //
 // MKL is not a dependency of zinc: it is loaded at run time with dlopen
 // (--mkl PATH, else the dynamic linker's libmkl_rt.so.3 / .so.2 / .so; the
@@ -16,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -24,6 +28,7 @@
 
 #include "bench/benches.h"
 #include "core/alloc.h"
+#include "core/dtype.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 
@@ -36,6 +41,8 @@ enum { kMklThreadingGnu = 3 };  // MKL_THREADING_GNU in mkl_service.h
 using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
 using SgemmBatchStridedFn = void (*)(int, int, int, int, int, int, float, const float*, int, int, const float*, int,
                                      int, float, float*, int, int, int);
+using GemmBf16Fn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                           float*, int);
 using SetLayerFn = int (*)(int);
 using SetThreadsFn = void (*)(int);
 using VersionFn = void (*)(char*, int);
@@ -45,6 +52,7 @@ struct Mkl {
   std::string path, version, why;
   SgemmFn sgemm = nullptr;
   SgemmBatchStridedFn sgemm_batch_strided = nullptr;
+  GemmBf16Fn gemm_bf16 = nullptr;
 
   explicit Mkl(const std::string& want) {
     std::vector<std::string> tries = want.empty()
@@ -66,6 +74,7 @@ struct Mkl {
       set_threads(zinc::num_threads());
     sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
     sgemm_batch_strided = reinterpret_cast<SgemmBatchStridedFn>(dlsym(handle, "cblas_sgemm_batch_strided"));
+    gemm_bf16 = reinterpret_cast<GemmBf16Fn>(dlsym(handle, "cblas_gemm_bf16bf16f32"));
     if (auto ver = reinterpret_cast<VersionFn>(dlsym(handle, "MKL_Get_Version_String"))) {
       char buf[256] = {};
       ver(buf, sizeof buf);
@@ -84,19 +93,31 @@ struct Mkl {
   Mkl& operator=(const Mkl&) = delete;
 
   // zinc's MatmulDesc in row-major CBLAS terms: A stored (M,K) or (K,M),
-  // B stored (K,N) or (N,K), batches contiguous.
-  void run(const zinc::kernels::MatmulDesc& d, const float* a, const float* b, float* c) const {
+  // B stored (K,N) or (N,K), batches contiguous. bf16 operands when
+  // d.compute is kBF16, fp32 otherwise; C is fp32 either way.
+  void run(const zinc::kernels::MatmulDesc& d, const void* a, const void* b, float* c) const {
     const int M = static_cast<int>(d.M), N = static_cast<int>(d.N), K = static_cast<int>(d.K);
     const int ta = d.trans_a ? kCblasTrans : kCblasNoTrans, tb = d.trans_b ? kCblasTrans : kCblasNoTrans;
     const int lda = d.trans_a ? M : K, ldb = d.trans_b ? K : N;
     const float beta = d.accumulate ? 1.0f : 0.0f;
+    if (d.compute == zinc::DType::kBF16) {
+      const auto* a16 = static_cast<const uint16_t*>(a);
+      const auto* b16 = static_cast<const uint16_t*>(b);
+      for (int64_t i = 0; i < d.batch; ++i)
+        gemm_bf16(kCblasRowMajor, ta, tb, M, N, K, d.alpha, a16 + i * M * K, lda, b16 + i * K * N, ldb, beta,
+                  c + i * M * N, N);
+      return;
+    }
+    const auto* a32 = static_cast<const float*>(a);
+    const auto* b32 = static_cast<const float*>(b);
     if (d.batch > 1 && sgemm_batch_strided) {
-      sgemm_batch_strided(kCblasRowMajor, ta, tb, M, N, K, d.alpha, a, lda, M * K, b, ldb, K * N, beta, c, N, M * N,
-                          static_cast<int>(d.batch));
+      sgemm_batch_strided(kCblasRowMajor, ta, tb, M, N, K, d.alpha, a32, lda, M * K, b32, ldb, K * N, beta, c, N,
+                          M * N, static_cast<int>(d.batch));
       return;
     }
     for (int64_t i = 0; i < d.batch; ++i)
-      sgemm(kCblasRowMajor, ta, tb, M, N, K, d.alpha, a + i * M * K, lda, b + i * K * N, ldb, beta, c + i * M * N, N);
+      sgemm(kCblasRowMajor, ta, tb, M, N, K, d.alpha, a32 + i * M * K, lda, b32 + i * K * N, ldb, beta, c + i * M * N,
+            N);
   }
 };
 
@@ -113,7 +134,9 @@ ShapeKey key_of(const zinc::kernels::MatmulDesc& d) {
 
 int bench_gemm(const BenchOptions& o) {
   const StepSizes sz = step_sizes(o);
-  const std::vector<zinc::kernels::MatmulDesc> descs = sz.matmuls(zinc::DType::kF32);
+  const zinc::DType dt = o.bf16 ? zinc::DType::kBF16 : zinc::DType::kF32;
+  const char* dt_name = o.bf16 ? "bf16" : "fp32";
+  const std::vector<zinc::kernels::MatmulDesc> descs = sz.matmuls(dt);
   // The distinct shapes, with how often one step runs each.
   std::map<ShapeKey, std::pair<zinc::kernels::MatmulDesc, int>> shapes;
   for (const auto& d : descs) {
@@ -131,16 +154,34 @@ int bench_gemm(const BenchOptions& o) {
     return 0;
   }
   Mkl mkl(o.mkl);
+  if (mkl.handle && o.bf16 && !mkl.gemm_bf16) {
+    mkl.why = mkl.path + " has no cblas_gemm_bf16bf16f32";
+    dlclose(mkl.handle);
+    mkl.handle = nullptr;
+  }
+  // What zinc's matmul runs for these operands: oneDNN's implementation, and
+  // for bf16 whether it multiplies in bf16 or takes the fp32 route.
+  const zinc::kernels::MatmulPath path = zinc::kernels::matmul_path(descs.front());
+  const std::string onednn_path =
+      path.impl + (o.bf16 && path.multiply == zinc::DType::kF32 ? ", bf16 via fp32: " + path.why : "");
+  const size_t esize = zinc::dtype_bytes(dt);
   zinc::Rng rng(1);
   std::vector<Operands> ops;
   std::vector<const zinc::kernels::MatmulDesc*> order;
   for (const auto& [k, v] : shapes) {
     const auto& d = v.first;
-    Operands op{zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.M * d.K) * 4),
-                zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.K * d.N) * 4),
+    Operands op{zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.M * d.K) * esize),
+                zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.K * d.N) * esize),
                 zinc::AlignedBuffer(static_cast<size_t>(d.batch * d.M * d.N) * 4)};
-    for (zinc::AlignedBuffer* buf : {&op.a, &op.b, &op.c})
-      for (float& x : buf->span<float>()) x = static_cast<float>(rng.uniform() - 0.5) * 1e-3f;
+    for (float& x : op.c.span<float>()) x = static_cast<float>(rng.uniform() - 0.5) * 1e-3f;
+    for (zinc::AlignedBuffer* buf : {&op.a, &op.b}) {
+      if (o.bf16) {
+        for (zinc::bf16& x : buf->span<zinc::bf16>())
+          x = zinc::float_to_bf16(static_cast<float>(rng.uniform() - 0.5) * 1e-3f);
+      } else {
+        for (float& x : buf->span<float>()) x = static_cast<float>(rng.uniform() - 0.5) * 1e-3f;
+      }
+    }
     ops.push_back(std::move(op));
     order.push_back(&v.first);
   }
@@ -151,10 +192,9 @@ int bench_gemm(const BenchOptions& o) {
     const double t0 = now_s();
     for (int r = 0; r < count; ++r) {
       if (use_mkl)
-        mkl.run(d, ops[i].a.as<float>(), ops[i].b.as<float>(), ops[i].c.as<float>());
+        mkl.run(d, ops[i].a.data(), ops[i].b.data(), ops[i].c.as<float>());
       else
-        zinc::kernels::matmul(d, {ops[i].a.data(), zinc::DType::kF32}, {ops[i].b.data(), zinc::DType::kF32},
-                              ops[i].c.as<float>());
+        zinc::kernels::matmul(d, {ops[i].a.data(), dt}, {ops[i].b.data(), dt}, ops[i].c.as<float>());
     }
     return now_s() - t0;
   };
@@ -167,9 +207,8 @@ int bench_gemm(const BenchOptions& o) {
       const auto& d = *order[i];
       const size_t nc = static_cast<size_t>(d.batch * d.M * d.N);
       std::vector<float> c0(ops[i].c.as<float>(), ops[i].c.as<float>() + nc), c_mkl = c0;
-      zinc::kernels::matmul(d, {ops[i].a.data(), zinc::DType::kF32}, {ops[i].b.data(), zinc::DType::kF32},
-                            ops[i].c.as<float>());
-      mkl.run(d, ops[i].a.as<float>(), ops[i].b.as<float>(), c_mkl.data());
+      zinc::kernels::matmul(d, {ops[i].a.data(), dt}, {ops[i].b.data(), dt}, ops[i].c.as<float>());
+      mkl.run(d, ops[i].a.data(), ops[i].b.data(), c_mkl.data());
       double worst = 0, scale = 0;
       for (size_t k = 0; k < nc; ++k) {
         worst = std::max(worst, std::fabs(static_cast<double>(ops[i].c.as<float>()[k]) - c_mkl[k]));
@@ -215,35 +254,38 @@ int bench_gemm(const BenchOptions& o) {
     per_shape.push_back({{"batch", d.batch}, {"M", d.M}, {"N", d.N}, {"K", d.K}, {"trans_a", d.trans_a},
                          {"trans_b", d.trans_b}, {"accumulate", d.accumulate}, {"count", count},
                          {"flop_share", f / flops}, {"onednn_gflops", gd}, {"mkl_gflops", gm}});
-    char line[256];
-    std::snprintf(line, sizeof line, "\n  %4lldx %5lldx%5lldx%5lld %s%s%s x%-2d %4.1f%% of FLOPs | oneDNN %6.1f | MKL %6.1f GFLOP/s",
+    char line[256], mkl_col[32] = "";
+    if (have_mkl) std::snprintf(mkl_col, sizeof mkl_col, " | MKL %6.1f", gm);
+    std::snprintf(line, sizeof line, "\n  %4lldx %5lldx%5lldx%5lld %s%s%s x%-2d %4.1f%% of FLOPs | oneDNN %6.1f%s GFLOP/s",
                   (long long)d.batch, (long long)d.M, (long long)d.N, (long long)d.K, d.trans_a ? "A^T" : "A",
-                  d.trans_b ? "B^T" : "B", d.accumulate ? "+=" : "", count, 100 * f / flops, gd, gm);
+                  d.trans_b ? "B^T" : "B", d.accumulate ? "+=" : "", count, 100 * f / flops, gd, mkl_col);
     text += line;
   }
   nlohmann::json out = {{"bench", "gemm"},
-                        {"case", std::string(sz.name()) + " fp32"},
+                        {"case", std::string(sz.name()) + " " + dt_name},
                         {"figure", dnnl_gfs},
                         {"unit", "GFLOP/s"},
                         {"bound", have_mkl ? nlohmann::json(mkl_gfs) : nlohmann::json(nullptr)},
                         {"ratio", have_mkl ? nlohmann::json(dnnl_gfs / mkl_gfs) : nlohmann::json(nullptr)},
                         {"onednn_gflops", dnnl_gfs},
+                        {"onednn_path", onednn_path},
                         {"mkl_gflops", have_mkl ? nlohmann::json(mkl_gfs) : nlohmann::json(nullptr)},
                         {"mkl", have_mkl ? mkl.path : "not loaded: " + mkl.why},
                         {"mkl_version", mkl.version},
                         {"threads", zinc::num_threads()},
                         {"step_flops", flops},
                         {"shapes", per_shape}};
-  char mkl_part[384], head[640];
+  char mkl_part[384], head[1024];
   if (have_mkl)
     std::snprintf(mkl_part, sizeof mkl_part, "MKL %.1f GFLOP/s (%s) | oneDNN / MKL %.3f", mkl_gfs, mkl.version.c_str(),
                   dnnl_gfs / mkl_gfs);
   else
     std::snprintf(mkl_part, sizeof mkl_part, "MKL not loaded (%s)", mkl.why.c_str());
   std::snprintf(head, sizeof head,
-                "gemm %s fp32, one step's %zu matmuls (%zu shapes, %.2f GFLOP), %d threads, median of %d rounds:\n"
-                "  oneDNN %.1f GFLOP/s | %s",
-                sz.name(), descs.size(), order.size(), flops / 1e9, zinc::num_threads(), o.rounds, dnnl_gfs, mkl_part);
+                "gemm %s %s, one step's %zu matmuls (%zu shapes, %.2f GFLOP), %d threads, median of %d rounds:\n"
+                "  oneDNN %.1f GFLOP/s (%s) | %s",
+                sz.name(), dt_name, descs.size(), order.size(), flops / 1e9, zinc::num_threads(), o.rounds, dnnl_gfs,
+                onednn_path.c_str(), mkl_part);
   emit(o.json, out, std::string(head) + text);
   return 0;
 }

@@ -36,7 +36,8 @@
 //   gemm        oneDNN's fp32 rate at one training step's matmul shapes
 //               (train-step's bound; --model, --wide as there) against
 //               Intel MKL's cblas_sgemm on the same shapes, loaded with
-//               dlopen (--mkl PATH); --shapes prints the shapes as JSON.
+//               dlopen (--mkl PATH); --shapes prints the shapes as JSON;
+//               --bf16 times bf16 operands (MKL's cblas_gemm_bf16bf16f32).
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <CLI/CLI.hpp>
@@ -85,6 +86,8 @@ int main(int argc, char** argv) {
   app.add_option("--mkl", o.mkl,
                  "gemm: the libmkl_rt to load (default: libmkl_rt.so.3, .so.2 or .so on the dynamic linker's path)");
   app.add_flag("--shapes", o.shapes, "gemm: print the step's matmul shapes as one JSON line and stop");
+  app.add_flag("--bf16", o.bf16,
+               "gemm: bf16 operands with fp32 sums and C (zinc's bf16 matmuls; MKL's cblas_gemm_bf16bf16f32) instead of fp32");
   app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
