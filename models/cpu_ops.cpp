@@ -129,12 +129,7 @@ class CpuOps : public Ops {
 
  private:
   static bool native_bf16(DType compute) { return compute == DType::kBF16 && kernels::bf16_operands_native(); }
-  static bf16* bf16_scratch(Buf& scratch, int64_t n) {
-    AlignedBuffer& h = scratch.host();
-    const size_t bytes = static_cast<size_t>(n) * sizeof(bf16);
-    if (h.bytes() < bytes) h = AlignedBuffer(round_up(bytes, 4096));
-    return h.as<bf16>();
-  }
+  static bf16* bf16_scratch(Buf& scratch, int64_t n) { return kernels::bf16_scratch(scratch.host(), n); }
 };
 
 }  // namespace

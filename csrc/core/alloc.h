@@ -72,4 +72,14 @@ AlignedBuffer make_buffer(size_t n, size_t align = kSimdAlign) {
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
+// Scratch that only grows: the bytes a scratch buffer holds for a request
+// (whole 4 KiB pages; the memory estimate's ScratchTally counts with the same
+// rule), and the buffer grown to hold at least `bytes`. Growing reallocates
+// and loses the contents.
+inline size_t scratch_bytes(size_t bytes) { return round_up(bytes, 4096); }
+inline void* grow_scratch(AlignedBuffer& b, size_t bytes) {
+  if (b.bytes() < bytes) b = AlignedBuffer(scratch_bytes(bytes));
+  return b.data();
+}
+
 }  // namespace zinc

@@ -76,8 +76,7 @@ static_assert(kNumSlots == ScratchTally::kAttentionSlots);
 
 void* scratch(Slot slot, size_t bytes) {
   thread_local AlignedBuffer bufs[kNumSlots];
-  if (bufs[slot].bytes() < bytes) bufs[slot] = AlignedBuffer(round_up(bytes, 4096));
-  return bufs[slot].data();
+  return grow_scratch(bufs[slot], bytes);
 }
 
 template <class Fn>
@@ -392,7 +391,7 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   const size_t esz = operand_bytes(compute);
   const bool f32 = compute == DType::kF32;
   auto grow = [](ScratchTally& t, Slot slot, size_t bytes) {
-    t.attention_[slot] = std::max(t.attention_[slot], static_cast<int64_t>(round_up(bytes, 4096)));
+    t.attention_[slot] = std::max(t.attention_[slot], static_cast<int64_t>(scratch_bytes(bytes)));
   };
   for (Slot sl : {kQ, kK, kV, kDO}) grow(*this, sl, n_head * esz);
   // One group-running thread's buffers and matmuls (the group of most heads;

@@ -89,6 +89,9 @@ CView bf16_operand_in_place(float* x, int64_t n, AlignedBuffer& scratch);
 // bf16 natively) or rounded in fp32 (false: the fallback), as the two
 // functions above decide.
 bool bf16_operands_native();
+// `scratch` grown to hold n bf16 values (grow_scratch): where the fused
+// kernels write a bf16 operand themselves.
+bf16* bf16_scratch(AlignedBuffer& scratch, int64_t n);
 // The same for either 16-bit compute dtype: bf16 as above; fp16 rounds to
 // fp16 precision in fp32 (Note [fp16 compute] in matmul.cpp).
 CView operand16_copy(const float* x, int64_t n, DType compute, AlignedBuffer& scratch);

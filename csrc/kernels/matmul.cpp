@@ -164,11 +164,9 @@ dnnl::stream& thread_stream() {
 // oneDNN scratchpad, 3 for a widened bias.
 void* thread_scratch(int slot, size_t bytes) {
   thread_local AlignedBuffer bufs[4];
-  AlignedBuffer& b = bufs[slot];
-  if (b.bytes() < bytes) b = AlignedBuffer(round_up(bytes, 4096));
-  return b.data();
+  return grow_scratch(bufs[slot], bytes);
 }
-int64_t scratch_size(size_t bytes) { return static_cast<int64_t>(round_up(bytes, 4096)); }
+int64_t scratch_size(size_t bytes) { return static_cast<int64_t>(scratch_bytes(bytes)); }
 
 dnnl::memory::data_type dnnl_type(DType t) {
   return t == DType::kF32 ? dnnl::memory::data_type::f32 : dnnl::memory::data_type::bf16;
@@ -374,20 +372,21 @@ bool bf16_native() {
   return native;
 }
 
-bf16* bf16_scratch(AlignedBuffer& scratch, int64_t n) {
-  const size_t bytes = static_cast<size_t>(n) * sizeof(bf16);
-  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
-  return scratch.as<bf16>();
+float* f32_scratch(AlignedBuffer& scratch, int64_t n) {
+  return static_cast<float*>(grow_scratch(scratch, static_cast<size_t>(n) * sizeof(float)));
 }
 }  // namespace
+
+bf16* bf16_scratch(AlignedBuffer& scratch, int64_t n) {
+  return static_cast<bf16*>(grow_scratch(scratch, static_cast<size_t>(n) * sizeof(bf16)));
+}
 
 CView operand16_copy(const float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
   if (compute == DType::kBF16) return bf16_operand_copy(x, n, scratch);
   ZINC_CHECK(compute == DType::kF16, "operand16_copy: compute must be bf16 or fp16");
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
-  round_to_f16(x, scratch.as<float>(), static_cast<size_t>(n));
-  return {scratch.as<float>(), DType::kF32, true};
+  float* dst = f32_scratch(scratch, n);
+  round_to_f16(x, dst, static_cast<size_t>(n));
+  return {dst, DType::kF32, true};
 }
 
 CView operand16_in_place(float* x, int64_t n, DType compute, AlignedBuffer& scratch) {
@@ -408,10 +407,9 @@ CView bf16_operand_copy(const float* x, int64_t n, AlignedBuffer& scratch) {
     convert_f32_to_bf16(x, dst, static_cast<size_t>(n));
     return {dst, DType::kBF16};
   }
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  if (scratch.bytes() < bytes) scratch = AlignedBuffer(round_up(bytes, 4096));
-  round_to_bf16(x, scratch.as<float>(), static_cast<size_t>(n));
-  return {scratch.as<float>(), DType::kF32, true};
+  float* dst = f32_scratch(scratch, n);
+  round_to_bf16(x, dst, static_cast<size_t>(n));
+  return {dst, DType::kF32, true};
 }
 
 bool bf16_operands_native() { return bf16_native(); }
