@@ -1,14 +1,14 @@
 // Llama-family layer kernels: RMSNorm, the SiLU-gated MLP activation, rotary
 // position embeddings and the grouped-query head mapping. Threading and
 // vectorisation as in layers.cpp: rows split over threads, parameter
-// gradients summed column-parallel in Note [column sums]'s order, the
+// gradients summed in Note [column sums]'s order (in the rows' own pass,
+// Note [column sums by row chunks] in layer_util.h), the
 // compute loops written once and compiled per ISA (Note [kernel
 // vectorisation] in simd_math.h), so every result is bit-identical across
 // thread counts and ISA levels. The per-element formulas are kernels/math.h's.
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -20,9 +20,9 @@
 namespace zinc::kernels {
 namespace {
 
-using detail::for_column_blocks;
 using detail::param_f32;
 using detail::row_grain;
+using detail::rows_with_column_sums;
 
 // ---- RMSNorm rows -----------------------------------------------------------------
 
@@ -109,22 +109,16 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, C
   ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0 || C <= 0) return;
   const float* ww = param_f32(w, C, 0);
-  parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) rmsnorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, rstd[i], C);
-  });
-  // dw += sum_i dout * xhat, column-parallel, rows in Note [column sums]'s chunks.
-  for_column_blocks(C, [&](int64_t c0, int64_t c1, double* __restrict aw) {
-    const int64_t wd = c1 - c0;
-    std::vector<double> pwv(static_cast<size_t>(wd));
-    double* __restrict pw = pwv.data();
-    for (int64_t r0 = 0; r0 < N; r0 += math::kColumnChunk) {
-      std::fill(pwv.begin(), pwv.end(), 0.0);
-      const int64_t r1 = std::min(N, r0 + math::kColumnChunk);
-      for (int64_t i = r0; i < r1; ++i) rmsnorm_dw_row(pw, dout + i * C + c0, x + i * C + c0, rstd[i], wd);
-      for (int64_t j = 0; j < wd; ++j) aw[j] += pw[j];
-    }
-    for (int64_t j = 0; j < wd; ++j) dw[c0 + j] = static_cast<float>(dw[c0 + j] + aw[j]);
-  });
+  // dx row by row, and dw += sum_i dout * xhat in the same pass while the
+  // row is in cache (Note [column sums by row chunks]). dx must not overlap
+  // dout or x.
+  rows_with_column_sums<1>(
+      N, C,
+      [&](int64_t i, double* const* parts) {
+        rmsnorm_dw_row(parts[0], dout + i * C, x + i * C, rstd[i], C);
+        rmsnorm_row_backward(dx + i * C, dout + i * C, x + i * C, ww, rstd[i], C);
+      },
+      [&](size_t j, const double* acc) { dw[j] = static_cast<float>(dw[j] + acc[0]); });
 }
 
 // ---- SwiGLU ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "models/models.h"
+#include "tests/engine/train_util.h"
 
 namespace zinc {
 namespace {
@@ -67,15 +68,6 @@ nlohmann::json config(int stage, int64_t micro = 1) {
           {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"eps", 1.0}, {"weight_decay", 0.0}}}}}};
 }
 
-std::vector<float> weights(Engine& e) {
-  std::vector<float> out;
-  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    out.insert(out.end(), p.begin(), p.end());
-  }
-  return out;
-}
-
 struct StepResult {
   double loss = 0, norm = 0;
   std::vector<float> update;  // weights after - before
@@ -83,13 +75,13 @@ struct StepResult {
 
 StepResult one_step(const std::string& kind, int stage, const Batch& batch) {
   Engine e = Engine::initialize(make(kind), config(stage, batch.B));
-  const std::vector<float> w0 = weights(e);
+  const std::vector<float> w0 = testing_train::all_weights(e);
   StepResult r;
   r.loss = e.forward(batch);
   e.backward();
   e.step();
   r.norm = e.global_grad_norm();
-  std::vector<float> w1 = weights(e);
+  std::vector<float> w1 = testing_train::all_weights(e);
   r.update.resize(w0.size());
   for (size_t i = 0; i < w0.size(); ++i) r.update[i] = w1[i] - w0[i];
   return r;
@@ -178,7 +170,7 @@ TEST(LossMask, AMicroBatchWithoutTargetsAddsNothing) {
   ref.step();
   EXPECT_EQ(l, lr);
   EXPECT_NEAR(norm, ref.global_grad_norm(), 1e-6 * norm);
-  EXPECT_LT(rel_diff(weights(e), weights(ref)), 1e-6);
+  EXPECT_LT(rel_diff(testing_train::all_weights(e), testing_train::all_weights(ref)), 1e-6);
 }
 
 // A global batch whose every target is masked skips its update (nothing to
@@ -187,11 +179,11 @@ TEST(LossMask, AGlobalBatchWithoutTargetsSkipsItsUpdate) {
   Batch none = random_batch(2, 9, 8);
   std::fill(none.targets.begin(), none.targets.end(), kIgnoreTarget);
   Engine e = Engine::initialize(make("llama"), config(0, 2));
-  const std::vector<float> w0 = weights(e);
+  const std::vector<float> w0 = testing_train::all_weights(e);
   EXPECT_EQ(e.forward(none), 0.0f);
   e.backward();
   e.step();
-  EXPECT_EQ(weights(e), w0);
+  EXPECT_EQ(testing_train::all_weights(e), w0);
   EXPECT_EQ(e.skipped_steps(), 1);
 }
 
