@@ -1,7 +1,10 @@
 #include "core/cpu.h"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -130,6 +133,19 @@ std::string cpu_isa_summary() {
     s += cpu_isa_missing(static_cast<CpuIsa>(static_cast<int>(detected) + 1)) + ")";
   }
   return s;
+}
+
+bool cpu_is_intel() {
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "GenuineIntel") == 0;
+  }();
+  return intel;
 }
 
 std::string cpu_model_and_flags() {

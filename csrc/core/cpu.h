@@ -54,6 +54,10 @@ std::string cpu_isa_summary();
 // fma avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_bf16".
 std::string cpu_model_and_flags();
 
+// Whether the CPU is Intel's (CPUID vendor "GenuineIntel"). The bf16 matmul
+// route depends on it (Note [bf16 matmul without native bf16]).
+bool cpu_is_intel();
+
 }  // namespace zinc
 
 // ---- run-time dispatch ---------------------------------------------------------

@@ -40,15 +40,24 @@
 // set_matmul_bf16_path_for_testing forces the fallback on a CPU that has the
 // native kernels, so one machine tests both.
 //
-// Native means bf16 arithmetic in the CPU: the native primitive is asked for
-// only at zinc's avx512_bf16 level (AVX512-BF16, under the cap). On
+// Native means bf16 arithmetic in the CPU that multiplies faster than fp32:
+// the native primitive is asked for only at zinc's avx512_bf16 level
+// (AVX512-BF16, under the cap), and there not on Intel unless AMX is on. On
 // AVX-512 without BF16 (Skylake-SP to Ice Lake) oneDNN 2.6 does return a
 // non-reference bf16 primitive (gemm:jit), but it emulates bf16 products with
 // integer instructions and ran the reference GPT's step about 4x slower than
 // fp32 (issue 28), so there the fp32 route is taken for every shape. Below
-// AVX-512 oneDNN has no bf16 primitive at all. At the avx512_bf16 level the
-// decision is still per shape, from oneDNN's own answer (a reference-only
-// shape takes the fp32 route).
+// AVX-512 oneDNN has no bf16 primitive at all. On Intel's AVX512-BF16 CPUs
+// (Cooper Lake, Sapphire Rapids and later) with AMX off (Note [no AMX]),
+// oneDNN's avx512_core_bf16 kernels multiply no faster than its fp32 ones:
+// on a Sapphire Rapids Xeon, 2 threads, 2026-11-28, they ran the reference
+// GPT's matmuls at 136 GFLOP/s against 190 for fp32 in the same minutes,
+// and the bf16 step at 0.67x the fp32 step (bench/RESULTS.md, "bf16 on an
+// Intel Xeon with AVX512-BF16"); the fp32 route ran it at 0.95x. (AMD's
+// Zen 4 runs the same bf16 kernels at 2x its fp32 rate.) So on Intel the
+// fp32 route is taken there too, unless ONEDNN_MAX_CPU_ISA names AMX. At
+// the avx512_bf16 level elsewhere the decision is per shape, from oneDNN's
+// own answer (a reference-only shape takes the fp32 route).
 //
 // Note [no AMX]
 // oneDNN 2.6.3's AMX kernels (brg:avx512_core_amx_bf16) gave wrong bf16
@@ -132,6 +141,12 @@ dnnl::cpu_isa dnnl_cap(const std::string& raw) {
 }
 
 bool cpu_has_amx() { return cpu_model_and_flags().find("amx_bf16") != std::string::npos; }
+
+// Note [no AMX]: oneDNN runs AMX only where ONEDNN_MAX_CPU_ISA names it.
+bool amx_on() {
+  const std::string cap = cpu_isa_cap_env();
+  return !cap.empty() && dnnl_cap(cap) == dnnl::cpu_isa::avx512_core_amx && cpu_has_amx();
+}
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine eng = [] {
@@ -233,6 +248,9 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
           : cpu_isa() == CpuIsa::kAvx512
               ? "no native bf16 on this CPU (AVX-512 without AVX512-BF16: oneDNN would emulate it, ~4x slower)"
               : "no native bf16 on this CPU";
+  } else if (cpu_is_intel() && !amx_on()) {
+    // Note [bf16 matmul without native bf16]: Intel's AVX512-BF16 without AMX.
+    why = "Intel's AVX512-BF16 without AMX multiplies bf16 no faster than fp32 (0.72x in oneDNN on a Sapphire Rapids)";
   } else {
     try {
       auto native = create_as(d, DType::kBF16);

@@ -92,18 +92,21 @@ TEST_P(Bf16Path, OperandsConvertedOnceGiveTheSameBits) {
 
 // Note [bf16 matmul without native bf16]: bf16 is multiplied as bf16 only
 // where the CPU has bf16 arithmetic (zinc's avx512_bf16 level, under the
-// cap); on AVX-512 without it oneDNN's bf16 kernels emulate it, slowly. And
+// cap) that is faster than fp32: not on AVX-512 without it (oneDNN's bf16
+// kernels emulate it, slowly), and not on Intel unless AMX is on. And
 // Note [no AMX]: unless ONEDNN_MAX_CPU_ISA names AMX, oneDNN stays below it.
-TEST(Matmul, Bf16IsMultipliedAsBf16OnlyWithBf16Arithmetic) {
+TEST(Matmul, Bf16IsMultipliedAsBf16OnlyWithBf16ArithmeticThatPays) {
   const MatmulPath p = matmul_path({.M = 256, .N = 256, .K = 256, .trans_b = true, .compute = DType::kBF16});
-  if (cpu_isa() >= CpuIsa::kAvx512Bf16) {
+  std::string cap = cpu_isa_cap_env();
+  for (char& c : cap) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const bool amx = cap == "AVX512_CORE_AMX" && cpu_model_and_flags().find("amx_bf16") != std::string::npos;
+  if (cpu_isa() >= CpuIsa::kAvx512Bf16 && (!cpu_is_intel() || amx)) {
     EXPECT_EQ(p.multiply, DType::kBF16) << p.impl << ": " << p.why;
   } else {
     EXPECT_EQ(p.multiply, DType::kF32) << p.impl;
     EXPECT_NE(p.why, "") << p.impl;
+    if (cpu_isa() >= CpuIsa::kAvx512Bf16) EXPECT_NE(p.why.find("Intel"), std::string::npos) << p.why;
   }
-  std::string cap = cpu_isa_cap_env();
-  for (char& c : cap) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   if (cap != "AVX512_CORE_AMX") {
     EXPECT_EQ(p.impl.find("amx"), std::string::npos) << p.impl;
     EXPECT_EQ(matmul_path({.M = 256, .N = 256, .K = 256, .compute = DType::kF32}).impl.find("amx"),
