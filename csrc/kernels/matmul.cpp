@@ -155,7 +155,7 @@ dnnl::engine& cpu_engine() {
     // Note [no AMX]: without a cap that names AMX, oneDNN stops below it.
     dnnl::cpu_isa isa = cap.empty() ? dnnl::cpu_isa::all : dnnl_cap(cap);
     if (isa == dnnl::cpu_isa::all) isa = dnnl::cpu_isa::avx512_core_bf16;
-    if (isa == dnnl::cpu_isa::avx512_core_amx && cpu_has_amx())
+    if (amx_on())
       log_warn("ONEDNN_MAX_CPU_ISA=" + cap +
                ": oneDNN's AMX matmul kernels are on; oneDNN 2.6.3's gave wrong bf16 products on an AMX "
                "Xeon (Note [no AMX] in kernels/matmul.cpp); unset it to use AVX512-BF16 instead");
