@@ -29,9 +29,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <utility>
 
+#include <isa-l/crc.h>
+
 #include "core/error.h"
+#include "core/files.h"
 #include "core/rng.h"
 #include "core/unique_fd.h"
 
@@ -47,6 +52,25 @@ constexpr int32_t kTokenFileMagic = 20240520;    // first int32 of the GPT-2 scr
 constexpr int32_t kTokenFileMagic32 = 20240801;  // the same scripts' Llama 3 files: uint32, version 7
 constexpr int64_t kMaxTokenVocab = int64_t{1} << 24;  // the largest vocabulary a model takes
 constexpr int64_t kTokenHeaderBytes = 256 * 4;
+// Note [prepared sets]
+// --------------------
+// zinc.prepare writes PREFIX.bin, PREFIX.mask, PREFIX.docs and the manifest
+// PREFIX.json as one set, renamed into place one file at a time: the mask,
+// the documents, the manifest, and the token file last. The token file's
+// header (llm.c's 256 int32s: magic, version, token count) then records
+// the set in slots the llm.c readers leave at zero:
+//   [3] kSetMarker ("ZINC" in file order), [4] kSetVersion,
+//   [5] zlib's CRC-32 of PREFIX.mask, [6..7] its size in bytes (low, high),
+//   [8] the CRC-32 of PREFIX.docs, [9..10] its size.
+// A mask or documents file that sits beside the token file under its prefix
+// must be the one its header records: a run killed between two renames
+// leaves an old token file with a new mask (or the reverse when files are
+// swapped by hand), which trains without error on targets that are not the
+// tokens'. Such a set is refused naming the file. A mask or documents file
+// under another name (made by hand for this token file) is not checked, and
+// neither is a token file without the marker (llm.c's, an older zinc's).
+constexpr int32_t kSetMarker = 0x434E495A;
+constexpr int32_t kSetVersion = 1;
 
 std::string fmt_double(double v) {
   char buf[32];
@@ -67,15 +91,6 @@ struct DataFile {
   int64_t size = 0;
   std::string key;  // the config key that named it (data.path, data.mask_path, ...), for errors
 };
-
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 DataFile open_data_file(const std::string& path, const std::string& key = "data.path") {
   DataFile f;
@@ -221,6 +236,11 @@ class TokenSource final : public DataSource {
                                            (w_ == 4 ? " uint32" : " uint16") +
                                            " tokens); the file is truncated or corrupt");
       offset_ = kTokenHeaderBytes;
+      if (le_i32(header + 12) == kSetMarker && le_i32(header + 16) == kSetVersion) {
+        auto u32 = [&](int slot) { return static_cast<uint32_t>(le_i32(header + 4 * slot)); };
+        set_ = PreparedSet{u32(5), static_cast<int64_t>(uint64_t{u32(7)} << 32 | u32(6)), u32(8),
+                           static_cast<int64_t>(uint64_t{u32(10)} << 32 | u32(9))};
+      }
     } else if (size % w_ != 0) {
       throw ConfigError("data.path", path_ + " is " + std::to_string(size) + " bytes, not a multiple of " +
                                          std::to_string(w_) + "; a token file holds " +
@@ -362,9 +382,11 @@ class TokenSource final : public DataSource {
                                               " tokens; a mask has one byte per token (is it another file's?)");
     std::vector<unsigned char> buf(static_cast<size_t>(kScanTokens));
     int64_t masked = 0;
+    uint32_t crc = 0;
     for (int64_t i0 = 0; i0 < num_tokens_; i0 += kScanTokens) {
       const int64_t n = std::min(kScanTokens, num_tokens_ - i0);
       read_at(f, mask_path_, i0, buf.data(), n);
+      crc = crc32_gzip_refl(crc, buf.data(), static_cast<uint64_t>(n));
       for (int64_t k = 0; k < n; ++k) {
         if (buf[static_cast<size_t>(k)] > 1)
           throw ConfigError("data.mask_path", mask_path_ + " byte " + std::to_string(i0 + k) + " is " +
@@ -373,6 +395,7 @@ class TokenSource final : public DataSource {
         masked += buf[static_cast<size_t>(k)] == 0;
       }
     }
+    if (set_) check_member("data.mask_path", mask_path_, ".mask", f.size, crc, set_->mask_bytes, set_->mask_crc);
     masked_share_ = num_tokens_ > 0 ? static_cast<double>(masked) / static_cast<double>(num_tokens_) : 0.0;
     mask_ = std::make_unique<DataFile>(std::move(f));
   }
@@ -386,6 +409,9 @@ class TokenSource final : public DataSource {
                                                    "token indices");
     std::vector<unsigned char> bytes(static_cast<size_t>(f.size));
     read_at(f, path, 0, bytes.data(), f.size);
+    if (set_)
+      check_member("data.documents_path", path, ".docs", f.size, crc32_gzip_refl(0, bytes.data(), bytes.size()),
+                   set_->docs_bytes, set_->docs_crc);
     doc_starts_.resize(bytes.size() / 8);
     for (size_t i = 0; i < doc_starts_.size(); ++i) {
       uint64_t v = 0;
@@ -400,9 +426,32 @@ class TokenSource final : public DataSource {
     has_docs_ = true;
   }
 
+  // A mask or documents file beside the token file under its prefix against
+  // the size and CRC-32 its header records (Note [prepared sets]).
+  void check_member(const char* key, const std::string& path, const char* ext, int64_t bytes, uint32_t crc,
+                    int64_t want_bytes, uint32_t want_crc) const {
+    if (!same_file(path, std::filesystem::path(path_).replace_extension(ext).string())) return;
+    if (bytes == want_bytes && crc == want_crc) return;
+    throw ConfigError(key, path + " is not the file zinc.prepare wrote with " + path_ + " (" +
+                               (bytes != want_bytes ? std::to_string(bytes) + " bytes where the token file's header "
+                                                      "records " + std::to_string(want_bytes)
+                                                    : std::string("its CRC-32 differs from the one the token file's "
+                                                                  "header records")) +
+                               "): the set is mixed, e.g. by a zinc.prepare run stopped while it replaced the files; "
+                               "run zinc.prepare again");
+  }
+
+  struct PreparedSet {
+    uint32_t mask_crc;
+    int64_t mask_bytes;
+    uint32_t docs_crc;
+    int64_t docs_bytes;
+  };
+
   std::string path_;
   int64_t T_;
   DataFile file_;
+  std::optional<PreparedSet> set_;  // the set the token file's header records (zinc.prepare's), if any
   std::string mask_path_;
   std::unique_ptr<DataFile> mask_;  // null without a mask
   double masked_share_ = 0;

@@ -460,6 +460,7 @@ namespace {
 struct HeldLock {
   UniqueFd fd;
   int users = 0;
+  bool remove = false;  // a lock file beside an export: unlinked on release (it is no part of the output)
 };
 std::mutex g_locks_mutex;
 std::map<std::string, HeldLock>& held_locks() {
@@ -468,18 +469,32 @@ std::map<std::string, HeldLock>& held_locks() {
 }
 }  // namespace
 
-DirLock::DirLock(const std::string& dir, const std::string& what) {
+DirLock::DirLock(const std::string& dir, const std::string& what, const std::string& lock_file) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  const fs::path lock_dir = lock_file.empty() ? fs::path(dir) : fs::path(lock_file).parent_path();
+  fs::create_directories(lock_dir, ec);
   if (ec) throw IoError(what + " " + dir + " cannot be created: " + ec.message());
-  key_ = fs::canonical(dir, ec).string();
+  const fs::path canonical = fs::canonical(lock_dir, ec);
   if (ec) throw IoError(what + " " + dir + ": " + ec.message());
+  key_ = (canonical / (lock_file.empty() ? ".zinc.lock" : fs::path(lock_file).filename().string())).string();
   std::lock_guard<std::mutex> g(g_locks_mutex);
   HeldLock& h = held_locks()[key_];
   if (h.users++ > 0) return;
-  const std::string path = key_ + "/.zinc.lock";
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+  const std::string& path = key_;
+  // A lock file that is removed on release (lock_file given) may be
+  // unlinked between our open and our flock: then the lock we hold is on a
+  // file nobody else will open, and we try again on the path's new file.
+  UniqueFd fd;
+  for (int attempt = 0;; ++attempt) {
+    fd = UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+    if (!fd || lock_file.empty() || attempt == 100) break;
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) break;  // held: reported below
+    struct stat mine, now;
+    if (::fstat(fd.get(), &mine) == 0 && ::stat(path.c_str(), &now) == 0 && mine.st_ino == now.st_ino &&
+        mine.st_dev == now.st_dev)
+      break;
+  }
   if (!fd) {
     const int err = errno;
     held_locks().erase(key_);
@@ -512,12 +527,16 @@ DirLock::DirLock(const std::string& dir, const std::string& what) {
     throw IoError(what + " " + dir + " is not writable: cannot write " + path + ": " + std::strerror(err));
   }
   h.fd = std::move(fd);
+  h.remove = !lock_file.empty();
 }
 
 DirLock::~DirLock() {
   std::lock_guard<std::mutex> g(g_locks_mutex);
   auto it = held_locks().find(key_);
-  if (it != held_locks().end() && --it->second.users == 0) held_locks().erase(it);  // closing the fd unlocks
+  if (it != held_locks().end() && --it->second.users == 0) {
+    if (it->second.remove) ::unlink(key_.c_str());  // while still held: see the constructor
+    held_locks().erase(it);  // closing the fd unlocks
+  }
 }
 
 // ---- committing ---------------------------------------------------------------------

@@ -168,10 +168,14 @@ std::string xxh3_hex(const void* data, size_t bytes);
 // the lock is shared (a save inside a run that holds it takes it again for
 // free). Throws IoError naming the folder and the holder's pid when another
 // process holds it, or when the folder cannot be created or written. `what`
-// names the folder in those messages (an export folder locks the same way).
+// names the folder in those messages. `lock_file`: where the lock lives
+// instead of DIR/.zinc.lock (an export folder, which is replaced as a whole,
+// is locked by a file beside it: tools/output_folder.h); its folder is
+// created, DIR is not, and the file is removed when the lock is released.
 class DirLock {
  public:
-  explicit DirLock(const std::string& dir, const std::string& what = "checkpoint folder");
+  explicit DirLock(const std::string& dir, const std::string& what = "checkpoint folder",
+                   const std::string& lock_file = "");
   ~DirLock();
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;

@@ -206,6 +206,11 @@ void check_structure(const TagFiles& t) {
       throw IoError("checkpoint: " + bin_path + " is truncated: it has " + std::to_string(size_now) +
                     " bytes" + (past_end.empty() ? ", its index says " + std::to_string(file_bytes) : ", and " + past_end) +
                     " (nothing was loaded)");
+    // Longer than written: bytes appended, or another file put in its place.
+    if (sized && size_now > file_bytes)
+      throw IoError("checkpoint: " + bin_path + " has " + std::to_string(size_now) + " bytes where its index says " +
+                    std::to_string(file_bytes) + ": it was changed after the save (bytes appended, or another "
+                    "file put in its place); nothing was loaded");
     std::sort(regions.begin(), regions.end());
     for (size_t i = 1; i < regions.size(); ++i)
       if (regions[i].first < regions[i - 1].second)

@@ -369,7 +369,14 @@ void parse_monitors(Reader& root, Config& c) {
     Reader r = root.section(key);
     r.get_bool("enabled", m->enabled);
     r.get_file_name("output_path", m->output_path);
-    r.get_file_name("job_name", m->job_name);
+    // One folder name under output_path: "../x", "/abs" or "a/b" would put
+    // the files somewhere the user did not ask for (into another run's
+    // folder, or a checkpoint tag that a save replaces).
+    if (r.get_file_name("job_name", m->job_name) &&
+        (m->job_name.empty() || m->job_name == "." || m->job_name == ".." ||
+         m->job_name.find('/') != std::string::npos))
+      throw ConfigError(r.last_path(), "must be one folder name (not empty, no '/', not '.' or '..'): the files go "
+                                       "to output_path/job_name; got " + config::show(m->job_name));
     r.finish();
   }
 

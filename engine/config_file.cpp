@@ -11,6 +11,7 @@
 
 #include "engine/config.h"
 #include "engine/config_reader.h"
+#include "core/files.h"
 
 namespace zinc {
 
@@ -243,18 +244,10 @@ json parse_text(const std::string& text, const std::string& origin, int max_dept
 json parse_json_text(const std::string& text, const std::string& origin) { return parse_text(text, origin); }
 
 json read_json_file(const std::string& path) {
+  // A regular file of bounded size: /dev/zero or a FIFO named as a config
+  // would otherwise be read without end (or wait for a writer).
   const std::string shown = printable(path);
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw posix_error("cannot open config file " + shown, errno);
-  std::string text;
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-  bool failed = std::ferror(f);
-  int err = errno;
-  std::fclose(f);
-  if (failed) throw posix_error("cannot read config file " + shown, err);
-  return parse_text(text, shown);
+  return parse_text(read_small_file(path, kMaxJsonFileBytes, "config file", shown), shown);
 }
 
 Config Config::load(const std::string& path, int world_size, const std::vector<std::string>& caller_sections) {

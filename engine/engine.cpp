@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
@@ -450,6 +451,7 @@ void Engine::Impl::step() {
                "is skipped");
   } else if (overflow) {
     skipped_steps += 1;
+    overflow_steps += loss_scaling;
     if (rank == 0 && loss_scaling)
       log_info("step " + std::to_string(global_steps) + ": fp16 gradients overflowed at loss scale " +
                num_text(used_scale) + "; the update is skipped");
@@ -478,8 +480,10 @@ void Engine::Impl::step() {
   reducer->reset_after_step();
   device->after_step();
   if (loss_scaling && !no_targets) scaler.update(overflow);
+  // No target in the whole global batch: there is no loss, and 0 would read
+  // as a perfect one.
   last_loss = !masked ? sums[1] / static_cast<double>(loss_count * world)
-              : no_targets ? 0.0
+              : no_targets ? std::numeric_limits<double>::quiet_NaN()
                            : sums[6] / targets_all;
   loss_sum = 0;
   loss_count = 0;
@@ -661,14 +665,16 @@ float Engine::train_batch(DataLoader& loader) {
 
 float Engine::evaluate(const Batch& batch) {
   impl_->check_loaded("evaluate");
-  impl_->check_batch(batch);
+  const int64_t targets = impl_->check_batch(batch);
   impl_->device->make_current();
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
   const float loss = impl_->model->forward(*impl_, batch);
   impl_->check_released("evaluate");
   impl_->params->end_pass();
   impl_->device->on_release();
-  return loss;
+  // A batch without targets has no loss (the model's mean over none is 0,
+  // which would read as a perfect one).
+  return targets > 0 ? loss : std::numeric_limits<float>::quiet_NaN();
 }
 
 bool Engine::is_gradient_accumulation_boundary() const { return impl_->at_boundary(); }
@@ -677,6 +683,7 @@ double Engine::learning_rate() const { return impl_->lr; }
 double Engine::loss_scale() const { return impl_->loss_scale(); }
 int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
+int64_t Engine::overflow_steps() const { return impl_->overflow_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
 int Engine::rank() const { return impl_->rank; }

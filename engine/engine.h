@@ -67,7 +67,8 @@ class Engine {
   // gradient_accumulation_steps x (next micro-batch, forward, backward, step).
   // Returns the mean loss over the whole global batch.
   float train_batch(DataLoader& loader);
-  // Forward only (no gradients kept); mean loss.
+  // Forward only (no gradients kept); mean loss over the batch's targets,
+  // NaN for a batch without one.
   float evaluate(const Batch& batch);
 
   // True when the micro-batch most recently run through backward() completes
@@ -84,6 +85,10 @@ class Engine {
   // Optimizer steps taken (global batches completed), skipped ones included.
   int64_t global_steps() const;
   int64_t skipped_steps() const;
+  // Of the skipped steps this engine took (since initialize; not restored by
+  // a load), those that fp16's dynamic loss scaling skipped on an overflow:
+  // the normal way the scale finds its level, not a fault.
+  int64_t overflow_steps() const;
   int64_t micro_steps() const;
   // Mean loss over the micro-batches of the last completed global batch,
   // all ranks.

@@ -64,7 +64,8 @@ struct Engine::Impl final : StepContext {
 
   int64_t micro_steps = 0;      // backward() calls so far
   int64_t global_steps = 0;     // boundaries reached
-  int64_t skipped_steps = 0;    // boundaries whose update was skipped (non-finite gradients)
+  int64_t skipped_steps = 0;    // boundaries whose update was skipped (non-finite gradients, no targets)
+  int64_t overflow_steps = 0;   // of those, fp16 overflows under dynamic loss scaling (this process's, not saved)
   int64_t optimizer_steps = 0;  // updates applied (Adam's t, the schedule's step)
   double grad_norm = 0;
   double lr = 0;

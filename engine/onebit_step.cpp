@@ -95,6 +95,7 @@
 //    keeps it (the fresh variance, c, the factors, the scales) and restores
 //    it at any world size, the error feedback only at the same one.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -658,6 +659,52 @@ nlohmann::json Engine::Impl::onebit_save(const std::string& partial_dir) {
   return j;
 }
 
+namespace {
+// One rank's 1-bit file as its rank index describes it, read and verified.
+struct OneBitFile {
+  std::string path, bytes;
+  const nlohmann::json* entry = nullptr;
+  int64_t errors = 0, zero_one = 0, lamb = 0;  // the sections' bytes, in this order
+};
+OneBitFile read_onebit_file(const ckpt::TagFiles& files, int r) {
+  OneBitFile f;
+  const nlohmann::json& e = files.ranks.at(static_cast<size_t>(r))["onebit"];
+  f.entry = &e;
+  f.path = files.dir + "/" + onebit_file(r);
+  auto malformed = [&](const std::string& what) {
+    throw IoError("checkpoint: the rank index of rank " + std::to_string(r) + " in " + files.dir +
+                  " has a malformed \"onebit\" entry (" + what + "; nothing was loaded)");
+  };
+  if (!e.is_object() || e.value("file", "") != onebit_file(r)) malformed("file");
+  auto int_at = [&](const nlohmann::json& o, const char* k) {
+    if (!o.is_object() || !o.contains(k) || !o[k].is_number_integer() || o[k].get<int64_t>() < 0) malformed(k);
+    return o[k].get<int64_t>();
+  };
+  if (!e.contains("xxh3_64") || !e["xxh3_64"].is_string()) malformed("xxh3_64");
+  if (!e.contains("sections")) malformed("sections");
+  const int64_t n_bytes = int_at(e, "bytes");
+  f.errors = int_at(e["sections"], "errors");
+  f.zero_one = int_at(e["sections"], "zero_one");
+  f.lamb = int_at(e["sections"], "lamb");
+  if (f.errors + f.zero_one + f.lamb != n_bytes) malformed("the sections do not add up to the file");
+  if (f.lamb > 0 && (!e.contains("lamb") || !e["lamb"].is_object())) malformed("lamb");
+  f.bytes = ckpt::read_bytes(f.path);
+  if (static_cast<int64_t>(f.bytes.size()) != n_bytes ||
+      ckpt::xxh3_hex(f.bytes.data(), f.bytes.size()) != e["xxh3_64"].get<std::string>())
+    throw IoError("checkpoint: " + f.path + " is corrupted: its size or checksum is not the one its rank index "
+                  "holds (edited, damaged or from another checkpoint; nothing was loaded)");
+  return f;
+}
+// A saved rank's spans, in file order: (block, flat_offset, count) from its
+// rank index (verified by open_tag).
+std::vector<std::array<int64_t, 3>> saved_spans(const ckpt::TagFiles& files, int r) {
+  std::vector<std::array<int64_t, 3>> out;
+  for (const nlohmann::json& bl : files.ranks.at(static_cast<size_t>(r)).at("blocks"))
+    out.push_back({bl.at("block").get<int64_t>(), bl.at("flat_offset").get<int64_t>(), bl.at("count").get<int64_t>()});
+  return out;
+}
+}  // namespace
+
 Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files) const {
   OneBitSaved out;
   if (!cfg.optimizer.one_bit()) return out;
@@ -668,31 +715,18 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
     out.why = "the checkpoint holds no 1-bit state (saved before any compressed step, or by another optimizer)";
     return out;
   }
-  const nlohmann::json& e = index["onebit"];
-  const std::string where = files.dir + "/" + onebit_file(from);
-  auto malformed = [&](const std::string& what) {
-    throw IoError("checkpoint: the rank index of rank " + std::to_string(from) + " in " + files.dir +
-                  " has a malformed \"onebit\" entry (" + what + "; nothing was loaded)");
-  };
-  if (!e.is_object() || e.value("file", "") != onebit_file(from)) malformed("file");
-  auto int_at = [&](const nlohmann::json& o, const char* k) {
-    if (!o.is_object() || !o.contains(k) || !o[k].is_number_integer() || o[k].get<int64_t>() < 0) malformed(k);
-    return o[k].get<int64_t>();
-  };
-  if (!e.contains("xxh3_64") || !e["xxh3_64"].is_string()) malformed("xxh3_64");
-  if (!e.contains("sections")) malformed("sections");
-  const int64_t n_bytes = int_at(e, "bytes"), n_errors = int_at(e["sections"], "errors"),
-                n_zero_one = int_at(e["sections"], "zero_one"), n_lamb = int_at(e["sections"], "lamb");
-  if (n_errors + n_zero_one + n_lamb != n_bytes) malformed("the sections do not add up to the file");
-  const std::string bytes = ckpt::read_bytes(where);
-  if (static_cast<int64_t>(bytes.size()) != n_bytes ||
-      ckpt::xxh3_hex(bytes.data(), bytes.size()) != e["xxh3_64"].get<std::string>())
-    throw IoError("checkpoint: " + where + " is corrupted: its size or checksum is not the one its rank index "
-                  "holds (edited, damaged or from another checkpoint; nothing was loaded)");
-  // What this model needs of each section.
+  const OneBitFile f = read_onebit_file(files, from);
+  const nlohmann::json& e = *f.entry;
+  const std::string& where = f.path;
+  const std::string& bytes = f.bytes;
+  const int64_t n_errors = f.errors, n_zero_one = f.zero_one, n_lamb = f.lamb;
+  // What this model needs of each section; this rank's spans (block order).
   int64_t errors = 0, span = 0, total = 0;
   const int64_t tensors = onebit_tensor_count();
-  for (const BlockShard& s : blocks) {
+  std::vector<std::array<int64_t, 3>> mine;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const BlockShard& s = blocks[b];
+    mine.push_back({static_cast<int64_t>(b), plan.optimizer_spans_block ? 0 : s.part.own_offset(), s.opt_numel});
     span += s.opt_numel;
     total += s.layout.param_numel();
     for (int64_t n : s.layout.numels) {
@@ -704,8 +738,8 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
     const int64_t padded = comm::onebit_padded_size(total, world);
     errors = padded + padded / world;
   }
-  auto wrong = [&](const char* section, int64_t have, int64_t want) {
-    throw IoError("checkpoint: " + where + " has " + std::to_string(have) + " bytes of 1-bit " + section +
+  auto wrong = [&](const std::string& file, const char* section, int64_t have, int64_t want) {
+    throw IoError("checkpoint: " + file + " has " + std::to_string(have) + " bytes of 1-bit " + section +
                   " state; this model at " + std::to_string(world) + " ranks needs " + std::to_string(want) +
                   " (nothing was loaded)");
   };
@@ -719,26 +753,58 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
     out.why = "the checkpoint's error feedback is for " + std::to_string(saved_world) + " ranks, this run has " +
               std::to_string(world);
   if (same_world && n_errors > 0) {
-    if (n_errors != errors * 4) wrong("error feedback", n_errors, errors * 4);
+    if (n_errors != errors * 4) wrong(where, "error feedback", n_errors, errors * 4);
     out.errors = floats(0, errors);
   }
   if (same_world && n_zero_one > 0) {
-    if (n_zero_one != 3 * span * 4) wrong("0/1 Adam", n_zero_one, 3 * span * 4);
-    if (!e.contains("lr_sum") || !e["lr_sum"].is_number()) malformed("lr_sum");
+    if (n_zero_one != 3 * span * 4) wrong(where, "0/1 Adam", n_zero_one, 3 * span * 4);
+    if (!e.contains("lr_sum") || !e["lr_sum"].is_number())
+      throw IoError("checkpoint: the rank index of rank " + std::to_string(from) + " in " + files.dir +
+                    " has a malformed \"onebit\" entry (lr_sum; nothing was loaded)");
     out.accum = floats(n_errors, span);
     out.master = floats(n_errors + span * 4, span);
     out.m = floats(n_errors + 2 * span * 4, span);
     out.lrs = e["lr_sum"].get<double>();
   }
   if (n_lamb > 0 && cfg.optimizer.type == OptimizerType::kOneBitLamb) {
-    if (!e.contains("lamb") || !e["lamb"].is_object()) malformed("lamb");
+    // 1-bit Lamb's part: the fresh variance per span (like Adam's v: each
+    // rank holds its own span, so at another world size or stage it is
+    // stitched from every saved rank's file by flat offsets), then per
+    // tensor numbers that every rank holds alike.
     const bool v_fresh = e["lamb"].value("v_fresh", false), scaling = e["lamb"].value("scaling", false);
-    const int64_t want = (v_fresh ? span * 4 : 0) + (scaling ? 3 : 2) * tensors * 8;
-    if (n_lamb != want) wrong("Lamb", n_lamb, want);
+    auto lamb_bytes = [&](const std::vector<std::array<int64_t, 3>>& spans) {
+      int64_t n = 0;
+      for (const auto& sp : spans) n += sp[2];
+      return (v_fresh ? n * 4 : 0) + (scaling ? 3 : 2) * tensors * 8;
+    };
+    const std::vector<std::array<int64_t, 3>> theirs = saved_spans(files, from);
+    if (n_lamb != lamb_bytes(theirs)) wrong(where, "Lamb", n_lamb, lamb_bytes(theirs));
     int64_t at = n_errors + n_zero_one;
     if (v_fresh) {
-      out.v_fresh = floats(at, span);
-      at += span * 4;
+      if (theirs == mine) {
+        out.v_fresh = floats(at, span);
+      } else {
+        out.v_fresh.assign(static_cast<size_t>(span), 0.0f);  // padding no saved span covers stays 0
+        std::vector<int64_t> my_at(blocks.size());  // each block's first element in out.v_fresh
+        for (size_t b = 1; b < blocks.size(); ++b) my_at[b] = my_at[b - 1] + mine[b - 1][2];
+        for (int r = 0; r < saved_world; ++r) {
+          const OneBitFile g = r == from ? OneBitFile{} : read_onebit_file(files, r);
+          const OneBitFile& h = r == from ? f : g;
+          const std::vector<std::array<int64_t, 3>> spans = r == from ? theirs : saved_spans(files, r);
+          if (h.lamb != lamb_bytes(spans) || (*h.entry)["lamb"].value("v_fresh", false) != v_fresh)
+            wrong(h.path, "Lamb", h.lamb, lamb_bytes(spans));
+          int64_t pos = h.errors + h.zero_one;  // this saved span's first byte in h
+          for (const auto& [b, off, cnt] : spans) {
+            const auto& [mb, moff, mcnt] = mine[static_cast<size_t>(b)];
+            const int64_t lo = std::max(off, moff), hi = std::min(off + cnt, moff + mcnt);
+            if (lo < hi)
+              std::memcpy(out.v_fresh.data() + my_at[static_cast<size_t>(b)] + (lo - moff),
+                          h.bytes.data() + pos + (lo - off) * 4, static_cast<size_t>(hi - lo) * 4);
+            pos += cnt * 4;
+          }
+        }
+      }
+      at += lamb_bytes(theirs) - (scaling ? 3 : 2) * tensors * 8;  // past the saved rank's fresh variance
     }
     auto doubles = [&](std::vector<double>& d) {
       d.resize(static_cast<size_t>(tensors));

@@ -1,11 +1,15 @@
 #include "tools/experiment.h"
 
+#include <filesystem>
+
 #include "core/device.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <limits>
+#include <filesystem>
 
 #include <algorithm>
 #include <utility>
@@ -75,6 +79,29 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
   return load_pretrained(hf, device, m.gradient_checkpointing);
 }
 
+// A monitor writing inside a checkpoint tag loses its files: the next save
+// of that tag swaps the folder out, and pruning removes it. The tags are
+// the names a save makes (global_step<N>), its partial and old folders
+// (".<tag>..."), and `latest`.
+void check_monitor_folders(const Config& c, const RunConfig& run) {
+  namespace fs = std::filesystem;
+  for (const auto& [key, m] : {std::pair<const char*, const MonitorConfig*>{"csv_monitor", &c.csv_monitor},
+                               std::pair<const char*, const MonitorConfig*>{"tensorboard", &c.tensorboard}}) {
+    if (!m->enabled) continue;
+    std::error_code ec;
+    const fs::path dir = fs::weakly_canonical(fs::absolute(fs::path(m->output_path) / m->job_name, ec), ec);
+    const fs::path ck = fs::weakly_canonical(fs::absolute(run.checkpoint_dir, ec), ec);
+    const fs::path rel = dir.lexically_relative(ck);
+    if (rel.empty() || *rel.begin() == ".." || *rel.begin() == ".") continue;
+    const std::string first = rel.begin()->string();
+    if (first.rfind("global_step", 0) == 0 || first.front() == '.' || first == "latest")
+      throw ConfigError(std::string(key) + ".output_path",
+                        "with job_name, the folder " + dir.string() + " lies in the checkpoint tag " + first +
+                            " of run.checkpoint_dir " + run.checkpoint_dir +
+                            ", which a checkpoint save replaces and pruning removes; choose another folder");
+  }
+}
+
 }  // namespace
 
 Experiment build_experiment(const nlohmann::json& doc, int world_size) {
@@ -83,6 +110,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   e.config = std::move(parsed.config);
   e.experiment = std::move(parsed.experiment);
   e.auto_values = std::move(parsed.auto_values);
+  check_monitor_folders(e.config, e.experiment.run);
   const ModelConfig& m = e.experiment.model;
   e.data = make_data_source(e.experiment.data);
   if (e.experiment.run.eval_interval > 0) {
@@ -165,7 +193,7 @@ double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64
     total += static_cast<double>(engine.evaluate(batch)) * static_cast<double>(n);
     targets += static_cast<double>(n);
   }
-  return targets > 0 ? total / targets : 0.0;
+  return targets > 0 ? total / targets : std::numeric_limits<double>::quiet_NaN();  // no targets: no loss, not 0
 }
 
 int64_t peak_rss_bytes() {

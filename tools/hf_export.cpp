@@ -5,10 +5,13 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "engine/checkpoint.h"
 #include "tools/hf_model.h"
+#include "tools/output_folder.h"
 #include "tools/safetensors.h"
 
 namespace zinc::tools {
@@ -16,6 +19,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// A tokenizer file is tens of MB at most; a bound keeps /dev/zero out.
+constexpr int64_t kMaxSideFileBytes = int64_t{1} << 30;
 
 const char* torch_dtype_name(DType t) {
   return t == DType::kF32 ? "float32" : t == DType::kBF16 ? "bfloat16" : "float16";
@@ -31,11 +37,20 @@ const std::vector<std::string>& side_files() {
   return kFiles;
 }
 
-void copy_file_atomic(const fs::path& from, const fs::path& to) {
-  std::ifstream in(from, std::ios::binary);
-  if (!in) throw IoError("export: cannot read " + from.string());
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ckpt::write_file_atomic(to.string(), text);
+// A file copied whole into the staging folder (fsynced: the folder is
+// swapped in after it).
+void copy_side_file(const fs::path& from, const fs::path& to) {
+  ckpt::write_file_atomic(to.string(), read_small_file(from.string(), kMaxSideFileBytes, "side file"));
+}
+
+// The files of an earlier export that this one replaces even when it does
+// not write them again (Note [export folders]): weights of the other layout
+// (one file against shards and their index), which every reader would
+// otherwise take over the new ones.
+bool replaced_by_export(const std::string& name) {
+  static const std::regex kShard("model-[0-9]{5}-of-[0-9]{5}\\.safetensors");
+  return name == "model.safetensors" || name == "model.safetensors.index.json" || name == "config.json" ||
+         std::regex_match(name, kShard);
 }
 
 }  // namespace
@@ -109,16 +124,15 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   const auto pieces = hf_pieces(cfg, model, prefix);
   const fs::path out(opts.out_dir);
   const bool writer = opts.rank == 0;
-  // Two exports into one folder would mix their shards and index: the
-  // writer holds the folder's lock (ckpt::DirLock, shared with a run of this
-  // process that already holds it) until every file is in place.
-  std::optional<ckpt::DirLock> lock;
+  // The folder is written whole beside its place and swapped in at the end
+  // (Note [export folders]); it must not be, or hold, what the run reads.
+  std::optional<OutputFolder> folder;
   if (writer) {
-    std::error_code ec;
-    fs::create_directories(out, ec);
-    if (ec || !fs::is_directory(out)) throw IoError("export: cannot create the folder " + out.string() + ": " + ec.message());
-    lock.emplace(out.string(), "export folder");
+    std::vector<std::string> inputs = opts.inputs;
+    if (!opts.copy_from.empty()) inputs.push_back(opts.copy_from);
+    folder.emplace(opts.out_dir, opts.what, inputs);
   }
+  const fs::path stage = writer ? fs::path(folder->staging()) : fs::path();
 
   // Every tensor in model order, then shards: a new file when the next
   // tensor would pass the limit.
@@ -157,6 +171,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
     result.files.push_back((out / shard_name(open_shard)).string());
     if (progress) progress("wrote " + result.files.back());
     w.reset();
+    export_fault_point("shard");
   };
   for (size_t b = 0; b < pieces.size(); ++b) {
     const std::vector<float> flat = read(static_cast<int>(b));
@@ -173,7 +188,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
         if (!w || shard_of[t] != open_shard) {
           finish_shard();
           open_shard = shard_of[t];
-          w = std::make_unique<SafetensorsWriter>((out / shard_name(open_shard)).string(), shards[open_shard], metadata);
+          w = std::make_unique<SafetensorsWriter>((stage / shard_name(open_shard)).string(), shards[open_shard], metadata);
         }
         std::vector<float> v(static_cast<size_t>(pc.rows * cols));
         if (pc.transposed) {
@@ -201,24 +216,21 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   if (shards.size() > 1) {
     const json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
     result.index = (out / "model.safetensors.index.json").string();
-    ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
-  } else {
-    // A single file replaces an earlier sharded export's index, which would win otherwise.
-    std::error_code ec;
-    fs::remove(out / "model.safetensors.index.json", ec);
+    ckpt::write_file_atomic((stage / "model.safetensors.index.json").string(), index.dump(2) + "\n");
   }
   json config = cfg.raw;
   config.erase("dtype");
   config["torch_dtype"] = torch_dtype_name(result.dtype);
-  ckpt::write_file_atomic((out / "config.json").string(), config.dump(2) + "\n");
-  if (!opts.copy_from.empty() && fs::path(opts.copy_from) != out) {
+  ckpt::write_file_atomic((stage / "config.json").string(), config.dump(2) + "\n");
+  if (!opts.copy_from.empty()) {
     for (const std::string& f : side_files()) {
       const fs::path from = fs::path(opts.copy_from) / f;
       if (!fs::is_regular_file(from)) continue;
-      copy_file_atomic(from, out / f);
+      copy_side_file(from, stage / f);
       result.copied.push_back(f);
     }
   }
+  folder->commit(replaced_by_export);
   if (progress) progress("wrote " + (out / "config.json").string());
   return result;
 }
@@ -252,6 +264,10 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
   if (opts.copy_from.empty() && client.contains("hf_source") && client["hf_source"].is_string() &&
       fs::is_directory(client["hf_source"].get<std::string>()))
     opts.copy_from = client["hf_source"].get<std::string>();
+  // The checkpoint being read (and the folder that holds its tags) is not
+  // an export folder either.
+  opts.inputs.push_back(files.dir);
+  opts.inputs.push_back(checkpoint_dir);
   ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
   return export_hf(
       cfg, *model,

@@ -20,11 +20,17 @@
 #include "tools/hf_model.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "engine/config.h"  // parse_json_text
 #include "tools/safetensors_read.h"
 
 namespace zinc::tools {
@@ -236,15 +242,41 @@ class PretrainedModel final : public Model {
     auto [file, t] = folder_->find(pc.name);
     if (!pc.transposed) {
       file->read_f32(*t, first, count, out);
+      check_finite(*file, *t, out, count);
       return;
     }
     // Conv1D (in = cols, out = rows) in the file: read it whole, transpose.
     std::vector<float> all(static_cast<size_t>(t->numel()));
     file->read_f32(*t, 0, t->numel(), all.data());
+    check_finite(*file, *t, all.data(), t->numel());
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = first + i, r = e / cols, c = e % cols;
       out[i] = all[static_cast<size_t>(c * pc.rows + r)];
     }
+  }
+  // A NaN or an infinity in a pretrained weight makes every step's
+  // gradients non-finite: each step would be skipped and the export would
+  // carry the damage on. Refused naming the tensor and how many values are
+  // bad (counted over the whole tensor, read again: this is the error path).
+  static void check_finite(const SafetensorsFile& file, const StoredTensor& t, const float* v, int64_t n) {
+    bool finite = true;
+    for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(v[i]);
+    if (finite) return;
+    int64_t bad = 0, first_bad = -1;
+    constexpr int64_t kPiece = int64_t{1} << 20;
+    std::vector<float> buf(static_cast<size_t>(std::min(kPiece, t.numel())));
+    for (int64_t at = 0; at < t.numel(); at += kPiece) {
+      const int64_t m = std::min(kPiece, t.numel() - at);
+      file.read_f32(t, at, m, buf.data());
+      for (int64_t i = 0; i < m; ++i)
+        if (!std::isfinite(buf[static_cast<size_t>(i)])) {
+          if (first_bad < 0) first_bad = at + i;
+          ++bad;
+        }
+    }
+    throw Error(file.path() + ": tensor " + t.name + " holds " + std::to_string(bad) + " non-finite value" +
+                (bad == 1 ? "" : "s") + " (NaN or infinity; the first at element " + std::to_string(first_bad) +
+                " of " + std::to_string(t.numel()) + "): a damaged or diverged model; zinc does not train from it");
   }
 
   std::shared_ptr<Model> inner_;
@@ -252,22 +284,73 @@ class PretrainedModel final : public Model {
   std::vector<std::vector<std::vector<HfPiece>>> pieces_;
 };
 
+// Whether two tensors of a folder hold the same values (read in pieces;
+// the first difference ends it).
+bool same_values(const SafetensorsFile& fa, const StoredTensor& a, const SafetensorsFile& fb, const StoredTensor& b) {
+  if (a.shape != b.shape || !a.readable || !b.readable) return false;
+  constexpr int64_t kPiece = int64_t{1} << 20;
+  std::vector<float> x(static_cast<size_t>(std::min(kPiece, a.numel()))), y(x.size());
+  for (int64_t at = 0; at < a.numel(); at += kPiece) {
+    const int64_t n = std::min(kPiece, a.numel() - at);
+    fa.read_f32(a, at, n, x.data());
+    fb.read_f32(b, at, n, y.data());
+    if (std::memcmp(x.data(), y.data(), static_cast<size_t>(n) * 4) != 0) return false;
+  }
+  return true;
+}
+
+// A head the file holds although config.json says tie_word_embeddings true
+// (Note [Hugging Face names]): transformers 5 keeps it apart from the
+// embedding when the two differ ("both are present in the checkpoints with
+// different values, so we will NOT tie them"). zinc's llama does the same,
+// and its exports say tie_word_embeddings false, which is what the model
+// then is. zinc's gpt always ties its head, so such a GPT-2 folder is
+// refused rather than loaded without the head the file holds.
+void settle_tied_head(HfConfig& cfg) {
+  if (cfg.kind == HfKind::kLlama && !cfg.llama.tie_word_embeddings) return;
+  std::optional<SafetensorsFolder> opened;
+  try {
+    opened.emplace(cfg.dir);
+  } catch (const Error&) {
+    return;  // no readable weights: load_pretrained says so when it reads them
+  }
+  const SafetensorsFolder& folder = *opened;
+  const auto [head_file, head] = folder.find("lm_head.weight");
+  if (!head) return;
+  const std::string embed = cfg.kind == HfKind::kGpt ? "wte.weight" : "embed_tokens.weight";
+  for (const char* prefix : {"transformer.", "model.", ""}) {
+    const auto [embed_file, emb] = folder.find(prefix + embed);
+    if (!emb) continue;
+    if (same_values(*head_file, *head, *embed_file, *emb)) return;  // a tied head written out: the same model
+    if (cfg.kind == HfKind::kGpt)
+      throw Error(head_file->path() + ": tensor lm_head.weight differs from " + prefix + embed + " while " + cfg.dir +
+                  "/config.json says tie_word_embeddings true: transformers keeps such a head apart from the "
+                  "embedding, and zinc's gpt cannot (its head is the embedding); refusing rather than dropping it");
+    cfg.llama.tie_word_embeddings = false;
+    cfg.raw["tie_word_embeddings"] = false;
+    log_warn(head_file->path() + ": tensor lm_head.weight differs from " + prefix + embed + " although " + cfg.dir +
+             "/config.json says tie_word_embeddings true; as transformers does, zinc keeps the head apart from the "
+             "embedding (an export says tie_word_embeddings false)");
+    return;
+  }
+}
+
 }  // namespace
 
 HfConfig read_hf_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  if (!in) throw Error(path + ": cannot open (is " + dir + " a Hugging Face model folder?)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json raw;
+  std::string text;
   try {
-    raw = json::parse(ss.str());
-  } catch (const json::parse_error& e) {
-    throw Error(path + ": not valid JSON (" + e.what() + ")");
+    // A regular file of bounded size (a FIFO or /dev/zero is refused, not read without end).
+    text = read_small_file(path, kMaxJsonFileBytes, "the model's config.json");
+  } catch (const IoError& e) {
+    throw IoError(std::string(e.what()) + " (is " + dir + " a Hugging Face model folder?)");
   }
-  HfConfig cfg = parse_hf_config(raw, path);
+  // The config reader's parser: a number out of range (1e400), a duplicate
+  // key or a runaway nesting is refused naming the file, line and column.
+  HfConfig cfg = parse_hf_config(parse_json_text(text, path), path);
   cfg.dir = dir;
+  settle_tied_head(cfg);
   return cfg;
 }
 

@@ -93,6 +93,10 @@ struct HfExportOptions {
   int64_t max_shard_bytes = 5'000'000'000;
   std::string copy_from;           // a source folder whose tokenizer and generation files are copied unchanged
   int rank = 0;                    // only rank 0 writes
+  // What the run reads (folders and files besides copy_from): out_dir must
+  // not be, nor hold, any of them (tools/output_folder.h).
+  std::vector<std::string> inputs;
+  std::string what = "export folder";  // how messages name out_dir ("--save-pretrained", ...)
 };
 
 struct HfExportResult {
@@ -108,8 +112,12 @@ struct HfExportResult {
 // (cfg.raw with the dtype updated), model.safetensors (or
 // model-0000k-of-0000n.safetensors and model.safetensors.index.json above
 // max_shard_bytes) with transformers' names and layouts (Note [Hugging Face
-// names]), and the tokenizer and generation files of copy_from. Every file
-// is written under a temporary name and renamed when complete. `read` is
+// names]), and the tokenizer and generation files of copy_from. The folder
+// is replaced as one unit (tools/output_folder.h: written beside its place
+// and swapped in; the user's other files in it kept, stale weights of the
+// other layout dropped), so a kill at any moment leaves the old folder or
+// the new one. Refused before anything is written when out_dir is, or
+// holds, copy_from or one of opts.inputs. `read` is
 // called once per block in model order (a collective read, e.g.
 // Engine::full_params, may be behind it; with rank != 0 every block is
 // read and nothing written, so that all ranks take part).

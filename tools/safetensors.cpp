@@ -8,11 +8,16 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
+#include <regex>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "engine/checkpoint.h"
+#include "tools/output_folder.h"
 
 // Note [safetensors]
 // ------------------
@@ -42,6 +47,17 @@
 
 namespace zinc::tools {
 namespace fs = std::filesystem;
+
+namespace {
+// Calls f with the name of each entry of `folder` (listed first, so f may
+// remove entries).
+void for_each_in(const fs::path& folder, const std::function<void(const std::string&)>& f) {
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(folder, ec)) names.push_back(e.path().filename().string());
+  for (const std::string& n : names) f(n);
+}
+}  // namespace
 
 int64_t SafeTensor::numel() const {
   int64_t n = 1;
@@ -90,10 +106,9 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafeTensor> t
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
-  if (!finished_ && fd_) {
-    fd_.reset();
-    ::unlink(tmp_.c_str());
-  }
+  if (committed_) return;
+  fd_.reset();
+  ::unlink(tmp_.c_str());
 }
 
 void SafetensorsWriter::flush() {
@@ -125,19 +140,28 @@ void SafetensorsWriter::append(const void* data, size_t bytes) {
   buffer_.append(static_cast<const char*>(data), bytes);
 }
 
-void SafetensorsWriter::finish() {
+void SafetensorsWriter::finish_staged() {
   if (appended_ != data_bytes_)
     throw Error("safetensors: " + path_ + ": " + std::to_string(appended_) + " of " + std::to_string(data_bytes_) +
                 " data bytes written");
   flush();
+  std::string().swap(buffer_);  // a staged file waits for its set: no buffer meanwhile
   if (::fsync(fd_.get()) != 0) fail("zinc-export: fsync of " + tmp_ + " failed", errno);
   if (::close(fd_.release()) != 0) fail("zinc-export: close of " + tmp_ + " failed", errno);
+}
+
+void SafetensorsWriter::commit() {
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp_.c_str());
     fail("zinc-export: cannot rename " + tmp_ + " to " + path_, err);
   }
-  finished_ = true;
+  committed_ = true;
+}
+
+void SafetensorsWriter::finish() {
+  finish_staged();
+  commit();
 }
 
 int64_t parse_size(const std::string& text, const std::string& what) {
@@ -209,6 +233,28 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   };
   if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
     throw IoError("zinc-export: --out " + opts.out + ": the folder " + out.parent_path().string() + " does not exist");
+  // A write never touches what it reads: not into the checkpoint's tag
+  // folder (which a later save of the tag replaces whole, too).
+  if (is_within(out.parent_path().empty() ? "." : out.parent_path().string(), files.dir))
+    throw Error("zinc-export: --out " + opts.out + " is inside the checkpoint " + files.dir +
+                " it reads; write it elsewhere");
+  // Two exports of one NAME would mix their files: the set's lock, beside it.
+  const std::unique_ptr<ckpt::DirLock> lock = lock_output_folder(opts.out, "--out", "export file");
+  std::string stem_re;  // the stem, its regex characters escaped
+  for (char c : stem) stem_re += std::strchr(".^$|()[]{}*+?\\", c) && c ? std::string("\\") + c : std::string(1, c);
+  const std::regex shard_re(stem_re + "-[0-9]{5}-of-[0-9]{5}\\.safetensors");
+  const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  // Under the lock every temporary of this NAME is an earlier export's,
+  // killed part-way: removed.
+  for_each_in(folder, [&](const std::string& name) {
+    const size_t n = name.size();
+    if (n > 4 && name.compare(n - 4, 4, ".tmp") == 0) {
+      const std::string base = name.substr(0, n - 4);
+      if (base == out.filename().string() || base == out.filename().string() + ".index.json" ||
+          std::regex_match(base, shard_re))
+        ::unlink((folder / name).c_str());
+    }
+  });
 
   const std::map<std::string, std::string> metadata = {
       {"format", "pt"},
@@ -220,11 +266,13 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   std::vector<float> piece(static_cast<size_t>(ckpt::kChunkNumel));
   std::vector<bf16> piece16(opts.dtype == DType::kBF16 ? piece.size() : 0);
   nlohmann::json weight_map = nlohmann::json::object();
+  std::vector<std::unique_ptr<SafetensorsWriter>> staged;  // every file of the set, committed together
   for (size_t k = 0; k < shards.size(); ++k) {
     std::vector<SafeTensor> mine;
     for (size_t i : shards[k]) mine.push_back(tensors[i]);
     const std::string path = shard_path(k);
-    SafetensorsWriter w(path, mine, metadata);
+    staged.push_back(std::make_unique<SafetensorsWriter>(path, mine, metadata));
+    SafetensorsWriter& w = *staged.back();
     for (size_t i : shards[k]) {
       const int64_t n = tensors[i].numel();
       for (int64_t done = 0; done < n;) {
@@ -245,7 +293,7 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
       }
       weight_map[tensors[i].name] = fs::path(path).filename().string();
     }
-    w.finish();
+    w.finish_staged();
     result.files.push_back(path);
     result.tensors += static_cast<int64_t>(mine.size());
     result.bytes += w.data_bytes();
@@ -256,12 +304,29 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
       progress(line);
     }
   }
+  // The set in place: first away with every file of an earlier export of
+  // NAME that the new set does not replace (its index first, so that no
+  // index ever names a mix of old and new shards; then the single file or
+  // the shards of the other layout, which a reader would take instead),
+  // then the new files, the index last.
+  const std::string index_path = out.string() + ".index.json";
+  ::unlink(index_path.c_str());
+  if (shards.size() > 1) {
+    ::unlink(out.c_str());
+  } else {
+    for_each_in(folder, [&](const std::string& name) {
+      if (std::regex_match(name, shard_re)) ::unlink((folder / name).c_str());
+    });
+  }
+  ckpt::fsync_dir(folder.string());
+  for (auto& w : staged) w->commit();
   if (shards.size() > 1) {
     const nlohmann::json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
-    result.index = out.string() + ".index.json";
+    result.index = index_path;
     ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
     if (progress) progress("wrote " + result.index);
   }
+  ckpt::fsync_dir(folder.string());
   return result;
 }
 

@@ -34,8 +34,11 @@ std::string safetensors_header(const std::vector<SafeTensor>& tensors,
 
 // Writes one file: the header at construction, then the tensors' bytes in
 // order through append(); finish() checks that every byte came, fsyncs and
-// renames PATH.tmp to PATH. Destroyed unfinished, it removes PATH.tmp (an
-// export that fails leaves no half-written file under the final name).
+// renames PATH.tmp to PATH. A file of a set (shards) is finished in two
+// parts: finish_staged() (checked and fsynced, still PATH.tmp) and, once
+// every file of the set is, commit() (the rename). Destroyed uncommitted,
+// it removes PATH.tmp (an export that fails leaves no half-written file
+// under the final name).
 class SafetensorsWriter {
  public:
   SafetensorsWriter(std::string path, std::vector<SafeTensor> tensors, const std::map<std::string, std::string>& metadata);
@@ -44,6 +47,8 @@ class SafetensorsWriter {
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   void append(const void* data, size_t bytes);
   void finish();
+  void finish_staged();
+  void commit();
   int64_t data_bytes() const { return data_bytes_; }
 
  private:
@@ -52,7 +57,7 @@ class SafetensorsWriter {
   UniqueFd fd_;
   int64_t data_bytes_ = 0, appended_ = 0, file_offset_ = 0;
   std::string buffer_;
-  bool finished_ = false;
+  bool committed_ = false;
 };
 
 // "5GB", "500MB", "2GiB", "123456" (bytes): the decimal units as the Hugging

@@ -1,9 +1,11 @@
 #include "tools/train_events.h"
 
+#include <functional>
 #include <string>
 
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
+#include "tools/output_folder.h"
 #include "tools/resources.h"
 #include "core/error.h"
 
@@ -69,13 +71,17 @@ void check_room(const Experiment& ex, comm::Communicator& comm) {
                 "'s host (its error is on its output)");
 }
 
-std::unique_ptr<ckpt::DirLock> hold_folder(const std::string& dir, const std::string& key, const std::string& what,
-                                           comm::Communicator& comm) {
+namespace {
+// Rank 0 takes the lock `take` makes; every rank learns whether it could
+// (one all-reduce) and throws if not.
+std::unique_ptr<ckpt::DirLock> hold(const std::string& dir, const std::string& key, const std::string& what,
+                                    comm::Communicator& comm,
+                                    const std::function<std::unique_ptr<ckpt::DirLock>()>& take) {
   std::unique_ptr<ckpt::DirLock> lock;
   std::string error;
   if (comm.rank() == 0) {
     try {
-      lock = std::make_unique<ckpt::DirLock>(dir, what);
+      lock = take();
     } catch (const Error& e) {
       error = e.what();
     }
@@ -87,9 +93,27 @@ std::unique_ptr<ckpt::DirLock> hold_folder(const std::string& dir, const std::st
     throw IoError(key + ": rank 0 could not take the " + what + " " + dir + " (its error is on its output)");
   return lock;
 }
+}  // namespace
 
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
-  return hold_folder(run.checkpoint_dir, "run.checkpoint_dir", "checkpoint folder", comm);
+  const std::string& dir = run.checkpoint_dir;
+  return hold(dir, "run.checkpoint_dir", "checkpoint folder", comm,
+              [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder"); });
+}
+
+std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const std::string& key,
+                                                  const std::vector<std::string>& inputs, comm::Communicator& comm) {
+  return hold(dir, key, "export folder", comm, [&] {
+    check_output_folder(dir, key, inputs);
+    return lock_output_folder(dir, key);
+  });
+}
+
+std::vector<std::string> run_inputs(const Experiment& ex, const std::string& config_path) {
+  std::vector<std::string> in = {config_path, ex.experiment.model.from_pretrained, ex.experiment.run.checkpoint_dir};
+  const DataConfig& d = ex.experiment.data;
+  for (const std::string* p : {&d.path, &d.mask_path, &d.documents_path}) in.push_back(*p);
+  return in;
 }
 
 }  // namespace zinc::tools

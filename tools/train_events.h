@@ -61,9 +61,15 @@ void check_room(const Experiment& ex, comm::Communicator& comm);
 // on the folder is refused naming the holder's pid. Every rank learns the
 // outcome (one all-reduce) and throws if rank 0 could not take it.
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm);
-// The same hold on any folder the run will write (--save-pretrained's):
-// errors begin with `key`, and name the folder as `what`.
-std::unique_ptr<ckpt::DirLock> hold_folder(const std::string& dir, const std::string& key, const std::string& what,
-                                           comm::Communicator& comm);
+// The same hold on the folder an export will replace at the run's end
+// (--save-pretrained's): checked as tools/output_folder.h checks it (not,
+// and not holding, any of `inputs`, the folders and files the run reads) and
+// locked, so that a refusal comes before training, not after it. Errors
+// begin with `key`.
+std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const std::string& key,
+                                                  const std::vector<std::string>& inputs, comm::Communicator& comm);
+// What a run reads, for hold_output_folder: the config file, the
+// pretrained model's folder, the data files, the checkpoint folder.
+std::vector<std::string> run_inputs(const Experiment& ex, const std::string& config_path);
 
 }  // namespace zinc::tools

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
     if (format == "hf") {
       zinc::tools::HfExportOptions ho;
       ho.out_dir = opts.out;
+      ho.what = "--out";
       if (!dtype.empty())
         ho.dtype = dtype == "fp32" ? zinc::DType::kF32 : dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF16;
       ho.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");

@@ -44,6 +44,7 @@
 #include "comm/comm.h"
 #include "core/error.h"
 #include "core/exit_cleanup.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
 #include "tools/config_check.h"
@@ -125,7 +126,7 @@ struct SavePretrained {
 // The engine's final weights in the Hugging Face layout (export_hf). A
 // collective (Engine::full_params); rank 0 writes.
 void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, int rank, const SavePretrained& sp,
-                     bool json) {
+                     const std::vector<std::string>& inputs, bool json) {
   if (!ex.hf) throw zinc::Error("--save-pretrained: model \"" + ex.model->name() + "\" has no Hugging Face architecture");
   zinc::tools::HfExportOptions o;
   o.out_dir = sp.dir;
@@ -133,6 +134,8 @@ void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, in
   o.max_shard_bytes = sp.max_shard_bytes;
   o.copy_from = ex.experiment.model.from_pretrained;
   o.rank = rank;
+  o.inputs = inputs;
+  o.what = "--save-pretrained";
   const zinc::tools::HfExportResult r = zinc::tools::export_hf(
       *ex.hf, engine.model(), [&](int b) { return engine.full_params(b); }, o,
       [&](const std::string& line) {
@@ -455,9 +458,20 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // So is --save-pretrained's: a second run writing the same folder at its
   // end would mix its shards with this run's; it is refused now, not after
   // its training.
+  // It must not be, nor hold, what the run reads (the pretrained model's
+  // folder above all: an export there would replace it).
+  std::vector<std::string> inputs = zinc::tools::run_inputs(ex, config_path);
+  if (resume && !resume->empty()) inputs.push_back(*resume);
+  // --save-weights replaces one file: never one the run reads, nor one in
+  // the pretrained model's folder.
+  for (const std::string& in : inputs)
+    if (!weights_out.empty() && !in.empty() &&
+        (zinc::same_file(weights_out, in) || (in == ex.experiment.model.from_pretrained && zinc::is_within(weights_out, in))))
+      throw zinc::Error("--save-weights " + weights_out + (zinc::same_file(weights_out, in) ? " is " : " is inside ") +
+                        in + ", which this run reads: write the weights elsewhere");
   const std::unique_ptr<zinc::ckpt::DirLock> pretrained_lock =
       pretrained.dir.empty() ? nullptr
-                             : zinc::tools::hold_folder(pretrained.dir, "--save-pretrained", "export folder", *comm);
+                             : zinc::tools::hold_output_folder(pretrained.dir, "--save-pretrained", inputs, *comm);
   if (std::string latest; rank == 0 && !resume && std::getline(std::ifstream(run.checkpoint_dir + "/latest"), latest))
     zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
                    latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "
@@ -489,6 +503,13 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
         std::printf("resumed from %s at step %lld\n", dir.c_str(), ev.at("step").get<long long>());
     }
   }
+  // A resumed run with nothing left to train says so (--steps 0 is the way
+  // to load and only save or digest what was loaded).
+  if (run.steps > 0 && loop.first_step() > run.steps)
+    throw zinc::Error("run.steps " + std::to_string(run.steps) + " (or --steps): the checkpoint is at step " +
+                      std::to_string(loop.first_step() - 1) + " already, so nothing is left to train; ask for more "
+                      "steps, or --steps 0 to load it only");
+  const int64_t skipped_before = engine.skipped_steps(), overflow_before = engine.overflow_steps();
   const std::vector<nlohmann::json> start = loop.start();
   if (json && !quiet)
     for (const nlohmann::json& ev : start) std::printf("%s\n", ev.dump().c_str());
@@ -540,9 +561,27 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const zinc::StepTimings tm = engine.timings();
   const double nvme_time = nvme_param ? tm.forward_s + tm.backward_s + tm.step_s : tm.step_s;
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * per_step / nvme_time / 1e9 : 0;
+  // A run whose every step was skipped trained nothing: it must not look
+  // like one that did (exit 0, a "final loss"), nor export weights as if
+  // trained. Not for a stop signal (its exit code says what happened), and
+  // only a warning when every skip was an fp16 overflow while the dynamic
+  // loss scale came down to its level (a short run's normal start).
+  const int64_t skipped = engine.skipped_steps() - skipped_before;
+  const int64_t overflows = engine.overflow_steps() - overflow_before;
+  if (trained > 0 && skipped == trained && stopped_by == 0) {
+    if (overflows < skipped)
+      throw zinc::Error("none of the " + std::to_string(trained) + " steps of this run updated the weights: each "
+                        "was skipped (non-finite gradients, or a global batch whose every target is masked: the "
+                        "warnings above say which); the weights are as they were at the start, and no export was "
+                        "written");
+    if (rank == 0)
+      zinc::log_warn("none of the " + std::to_string(trained) + " steps updated the weights: each overflowed in "
+                     "fp16 while the dynamic loss scale came down to its level (normal in a run's first steps; a "
+                     "longer run trains)");
+  }
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   if (!weights_out.empty()) save_weights(engine, rank, weights_out);
-  if (!pretrained.dir.empty()) save_pretrained(ex, engine, rank, pretrained, json);
+  if (!pretrained.dir.empty()) save_pretrained(ex, engine, rank, pretrained, inputs, json);
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
@@ -723,6 +762,10 @@ int main(int argc, char** argv) {
                      weights_out.c_str());
         return 2;
       }
+    }
+    if (app.count("--save-pretrained") > 0 && pretrained.dir.empty()) {  // "" would export nothing, with exit 0
+      std::fprintf(stderr, "zinc-train: --save-pretrained: an empty path names no folder\n");
+      return 2;
     }
     if (!save_dtype.empty() && pretrained.dir.empty()) {
       std::fprintf(stderr, "zinc-train: --save-dtype needs --save-pretrained\n");

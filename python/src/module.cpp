@@ -363,9 +363,17 @@ class PyEngine {
                                                    ex_.config.gradient_accumulation_steps, world,
                                                    comm_ ? comm_->rank() : 0, ex_.experiment.run.seed);
     }
+    // The model's vocabulary and context, which batches are checked against:
+    // the Hugging Face config's where there is one (a from_pretrained model
+    // takes tokens beyond a small default data section's vocabulary).
     const zinc::tools::ModelConfig& m = ex_.experiment.model;
     vocab_ = m.vocab_size > 0 ? m.vocab_size : ex_.data->vocab_size();
     max_t_ = m.type == zinc::tools::ModelType::kGpt ? (m.block_size > 0 ? m.block_size : ex_.data->seq_len()) : 0;
+    if (ex_.hf) {
+      const bool gpt = ex_.hf->kind == zinc::tools::HfKind::kGpt;
+      vocab_ = gpt ? ex_.hf->gpt.vocab_size : ex_.hf->llama.vocab_size;
+      max_t_ = gpt ? ex_.hf->gpt.block_size : ex_.hf->llama.max_position_embeddings;
+    }
     g_engines.insert(this);
   }
   // No call can be in flight here: a running call's frame holds a reference
@@ -779,7 +787,7 @@ marks the engine closed and returns; the running call finishes and frees it.
       .def("evaluate", one_call("evaluate", &PyEngine::evaluate), py::arg("batch") = py::none(),
            "evaluate(batch=None) -> float\n\nForward only. None: the mean loss over run.eval_batches held-out "
            "micro-batches, as zinc-train's eval events report it (needs run.eval_interval > 0); a batch: its "
-           "mean loss.")
+           "mean loss over its targets. NaN when there is no target (every one -100): no loss, never 0.")
       .def("save_checkpoint", one_call("save_checkpoint", &PyEngine::save_checkpoint), py::arg("save_dir"),
            py::arg("tag") = py::none(), py::arg("client_state") = py::none(),
            "save_checkpoint(save_dir, tag=None, client_state=None)\n\nWrites save_dir/tag (None: "

@@ -12,8 +12,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -491,6 +493,58 @@ TEST(OneBitLamb, ResumesBitExactOnEitherSideOfTheFreeze) {
     r.optimizer = onebit_lamb(freeze);
     const std::string dir = shared_dir("lamb-resume" + std::to_string(freeze));
     testing_train::expect_bit_exact_resume(r, g_world, dir, 3, "1-bit Lamb, freeze_step " + std::to_string(freeze));
+  }
+}
+
+// Saved at this world size past the freeze, 1-bit Lamb resumes at one rank
+// (the error feedback restarts, as the README says). Its fresh variance is
+// kept per span like Adam's v, so the one rank's is stitched from every
+// saved rank's file (at stage 0 they are copies of the block, padded for
+// the world size): saved again at one rank, it holds the same values as the
+// saved ranks' spans together (padding, whose variance is 0, aside).
+TEST(OneBitLamb, ResumesAtAnotherWorldSizeWithItsWholeFreshVariance) {
+  // The fresh variance of a checkpoint by (block, element of the flat
+  // block), from every rank's span (stage 0's copies agree), nonzero only.
+  auto fresh = [](const std::string& folder) {
+    const ckpt::TagFiles t = ckpt::open_tag(folder, "");
+    std::map<std::pair<int64_t, int64_t>, float> v;
+    for (size_t rk = 0; rk < t.ranks.size(); ++rk) {
+      const nlohmann::json& e = t.ranks[rk].at("onebit");
+      EXPECT_TRUE(e.at("lamb").at("v_fresh").get<bool>()) << folder;
+      const std::string bytes = ckpt::read_bytes(t.dir + "/" + e.at("file").get<std::string>());
+      int64_t at = e.at("sections").at("errors").get<int64_t>() + e.at("sections").at("zero_one").get<int64_t>();
+      for (const nlohmann::json& bl : t.ranks[rk].at("blocks")) {
+        const int64_t b = bl.at("block").get<int64_t>(), off = bl.at("flat_offset").get<int64_t>();
+        for (int64_t i = 0; i < bl.at("count").get<int64_t>(); ++i, at += 4) {
+          float x;
+          std::memcpy(&x, bytes.data() + at, 4);
+          if (x != 0.0f) v[{b, off + i}] = x;
+        }
+      }
+    }
+    return v;
+  };
+  {  // stage 0 (1-bit Lamb takes no other): each rank's span is the block, padded for its world size
+    RunSpec r;
+    r.gas = 2;
+    r.optimizer = onebit_lamb(2);
+    const std::string what = "stage 0";
+    const std::string dir = shared_dir("lamb-world"), one = dir + "-one";
+    testing_train::train_segment(r, g_world, 3, "", dir);
+    g_world->barrier();
+    if (g_world->rank() == 0) {
+      std::filesystem::remove_all(one);
+      testing_train::Segment loaded;
+      ASSERT_NO_THROW(loaded = testing_train::train_segment(r, nullptr, 0, dir, one)) << what;
+      EXPECT_EQ(loaded.global_steps, 3) << what;
+      const testing_train::Segment more = testing_train::train_segment(r, nullptr, 2, dir);
+      EXPECT_TRUE(std::isfinite(more.losses[0]) && std::isfinite(more.losses[1])) << what;
+      const auto saved = fresh(dir), again = fresh(one);
+      EXPECT_FALSE(saved.empty()) << what;
+      EXPECT_TRUE(saved == again) << what << ": " << saved.size() << " nonzero values saved at " << g_world->size()
+                                  << " ranks, " << again.size() << " after a load at one rank";
+    }
+    g_world->barrier();
   }
 }
 

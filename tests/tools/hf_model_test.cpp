@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include "engine/model.h"
 #include "tools/experiment.h"
 #include "tools/hf_model.h"
+#include "tools/safetensors.h"
 #include "tools/safetensors_read.h"
 #include "tests/tools/hf_test_util.h"
 
@@ -272,16 +274,154 @@ TEST(HfModel, BadFoldersGiveOneLineNamingTheFile) {
   {
     TempFolder t("gpt2");
     fs::remove(t.dir / "config.json");
-    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: cannot open"});
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"cannot open the model's config.json", "config.json: No such file"});
   }
   {
     TempFolder t("gpt2");
     std::ofstream(t.dir / "config.json") << "{\"architectures\": [";
-    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: not valid JSON"});
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: JSON syntax error at line 1"});
   }
 }
 
 // zinc-train's model.from_pretrained: the folder's model, sizes agreeing.
+// Rewrites a folder's model.safetensors as fp32: `edit` may change any
+// tensor's values; `extra` tensors are added.
+void rewrite_weights(const fs::path& dir, const std::function<void(const std::string&, std::vector<float>&)>& edit,
+                     const std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>& extra = {}) {
+  std::vector<SafeTensor> specs;
+  std::vector<std::vector<float>> values;
+  {
+    SafetensorsFolder f(dir.string());
+    for (const std::string& n : f.names()) {
+      auto [file, t] = f.find(n);
+      std::vector<float> v(static_cast<size_t>(t->numel()));
+      file->read_f32(*t, 0, t->numel(), v.data());
+      edit(n, v);
+      specs.push_back({n, DType::kF32, t->shape});
+      values.push_back(std::move(v));
+    }
+  }
+  for (const auto& [n, sv] : extra) {
+    specs.push_back({n, DType::kF32, sv.first});
+    values.push_back(sv.second);
+  }
+  SafetensorsWriter w((dir / "model.safetensors").string(), specs, {{"format", "pt"}});
+  for (const auto& v : values) w.append(v.data(), v.size() * 4);
+  w.finish();
+}
+
+// Whatever a user's config.json is, one line naming it: a number past the
+// double's range, a folder, a FIFO (not waited on), /dev/zero (not read
+// without end).
+TEST(HfModel, ConfigJsonThatIsNotAConfigIsRefusedNamingIt) {
+  {
+    TempFolder t("llama_gqa");
+    std::string text;
+    {
+      std::ifstream in(t.dir / "config.json");
+      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    const size_t at = text.find("\"rms_norm_eps\": ") + 16;
+    text.replace(at, text.find_first_of(",\n}", at) - at, "1e400");
+    std::ofstream(t.dir / "config.json") << text;
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json: ", "rms_norm_eps", "1e400 is out of range"});
+  }
+  {
+    TempFolder t("llama_gqa");
+    fs::remove(t.dir / "config.json");
+    fs::create_directory(t.dir / "config.json");
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json", "is a directory, not a regular file"});
+  }
+  {
+    TempFolder t("llama_gqa");
+    fs::remove(t.dir / "config.json");
+    ASSERT_EQ(::mkfifo((t.dir / "config.json").c_str(), 0644), 0);
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json", "is a FIFO, not a regular file"});
+    fs::remove(t.dir / "config.json");
+    fs::create_symlink("/dev/zero", t.dir / "config.json");
+    expect_error([&] { read_hf_config(t.dir.string()); }, {"config.json", "is a character device"});
+  }
+}
+
+// A NaN or an infinity in a pretrained weight is refused, naming the tensor
+// and how many values are bad, before a step would skip on it.
+TEST(HfModel, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  for (const char* fix : {"llama_gqa", "gpt2"}) {
+    TempFolder t(fix);
+    const std::string bad = std::string(fix) == "gpt2" ? "transformer.h.0.attn.c_attn.weight"  // transposed on load
+                                                       : "model.layers.1.mlp.down_proj.weight";
+    rewrite_weights(t.dir, [&](const std::string& n, std::vector<float>& v) {
+      if (n != bad) return;
+      v[3] = std::nanf("");
+      v[7] = INFINITY;
+      v[8] = -INFINITY;
+    });
+    auto model = load_pretrained(read_hf_config(t.dir.string()));
+    expect_error([&] { HostContext ctx(*model); },
+                 {"model.safetensors: tensor " + bad, "holds 3 non-finite values", "the first at element 3"});
+  }
+}
+
+// config.json says tie_word_embeddings true, and the file holds its own
+// lm_head.weight: transformers 5 keeps such a head when it differs from the
+// embedding. zinc's llama does the same (and says so in the config it
+// exports); zinc's gpt, whose head is the embedding, refuses the folder.
+// The same head as the embedding is a tied model written out, and stays tied.
+TEST(HfModel, AHeadTheFileHoldsIsKeptOrRefusedNeverDropped) {
+  {
+    TempFolder t("llama_bias_hd");  // tied in its config.json
+    HfConfig c0 = read_hf_config(t.dir.string());
+    ASSERT_TRUE(c0.llama.tie_word_embeddings);
+    const int64_t V = c0.llama.vocab_size, C = c0.llama.hidden_size;
+    std::vector<float> embed(static_cast<size_t>(V * C));
+    rewrite_weights(t.dir, [&](const std::string& n, std::vector<float>& v) {
+      if (n == "model.embed_tokens.weight") embed = v;
+    });
+    // The same values: still tied (nothing to keep apart), and it loads.
+    rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, embed}}});
+    HfConfig c = read_hf_config(t.dir.string());
+    EXPECT_TRUE(c.llama.tie_word_embeddings);
+    EXPECT_NO_THROW(load_pretrained(c));
+  }
+  {
+    TempFolder t("llama_bias_hd");
+    HfConfig c0 = read_hf_config(t.dir.string());
+    const int64_t V = c0.llama.vocab_size, C = c0.llama.hidden_size;
+    std::vector<float> head(static_cast<size_t>(V * C));
+    for (size_t i = 0; i < head.size(); ++i) head[i] = 0.001f * static_cast<float>(i % 97) - 0.04f;
+    rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, head}}});
+    HfConfig c = read_hf_config(t.dir.string());
+    EXPECT_FALSE(c.llama.tie_word_embeddings);
+    EXPECT_EQ(c.raw["tie_word_embeddings"], false);
+    auto model = load_pretrained(c);
+    HostContext ctx(*model);
+    bool found = false;
+    for (size_t b = 0; b < model->blocks().size(); ++b)
+      for (size_t p = 0; p < model->blocks()[b].params.size(); ++p)
+        if (model->blocks()[b].params[p].name == "lm_head.weight") {
+          found = true;
+          EXPECT_EQ(std::memcmp(ctx.params[b].data() + ctx.layouts[b].offsets[p], head.data(), head.size() * 4), 0);
+        }
+    EXPECT_TRUE(found) << "the file's lm_head.weight was dropped";
+    // An export names it.
+    bool exported = false;
+    for (const auto& block : hf_pieces(c, *model, "model."))
+      for (const auto& param : block)
+        for (const HfPiece& pc : param) exported |= pc.name == "lm_head.weight";
+    EXPECT_TRUE(exported);
+  }
+  {
+    TempFolder t("gpt2");
+    HfConfig c0 = read_hf_config(t.dir.string());
+    const int64_t V = c0.gpt.vocab_size, C = c0.gpt.n_embd;
+    std::vector<float> head(static_cast<size_t>(V * C), 0.25f);
+    rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, head}}});
+    expect_error([&] { read_hf_config(t.dir.string()); },
+                 {"model.safetensors: tensor lm_head.weight differs from transformer.wte.weight",
+                  "tie_word_embeddings true", "refusing rather than dropping it"});
+  }
+}
+
 TEST(HfModel, ExperimentFromPretrained) {
   auto doc = [](nlohmann::json model, int64_t seq_len = 12) {
     return nlohmann::json{{"train_batch_size", 2},
@@ -304,7 +444,7 @@ TEST(HfModel, ExperimentFromPretrained) {
                {"model.type: \"gpt\" disagrees with", "LlamaForCausalLM"});
   expect_error([&] { build_experiment(doc({{"from_pretrained", dir}}, 100)); },
                {"data.seq_len: 100 exceeds the model's max_position_embeddings 64"});
-  expect_error([&] { build_experiment(doc({{"from_pretrained", fixture("nope")}})); }, {"nope/config.json: cannot open"});
+  expect_error([&] { build_experiment(doc({{"from_pretrained", fixture("nope")}})); }, {"nope/config.json: No such file", "(is ", "a Hugging Face model folder?)"});
   // A llama from scratch, by transformers' names.
   Experiment s = build_experiment(doc({{"type", "llama"}, {"hidden_size", 16}, {"intermediate_size", 24},
                                        {"num_hidden_layers", 1}, {"num_attention_heads", 2}}));

@@ -1,0 +1,221 @@
+#include "tools/output_folder.h"
+
+#include <fcntl.h>
+#include <stdio.h>  // renameat2
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+
+// Note [export folders]
+// ---------------------
+// A Hugging Face folder is a set: config.json, the weights (one file, or
+// shards and the index naming them) and the tokenizer files. Written file by
+// file over an earlier export, a kill part-way leaves a mix that loads
+// without error (new shards under the old index, an old model.safetensors
+// beside a new index, which every reader prefers). So an export is written
+// whole into PARENT/.NAME.zinc-staging and swapped in with one
+// renameat2(RENAME_EXCHANGE) (a plain rename when NAME does not exist yet):
+// at every moment NAME is the old folder or the new one. Checkpoints commit
+// their tags the same way (engine/checkpoint.cpp).
+//
+// The user's own files in the folder (a README, a LICENSE, .gitattributes)
+// are kept: before the swap each one the new folder does not have is
+// hard-linked into it (no copy, the same file). A folder inside is refused
+// up front (a hard link cannot keep it), and so is a destination that is,
+// or holds, anything the run reads: the model's own folder, its data, the
+// current folder (Note [what a writer never touches] in core/files.cpp).
+//
+// The lock that keeps two writers apart is a file beside the folder
+// (PARENT/.NAME.zinc.lock): one inside would be swapped away with it.
+// Under that lock nothing else writes the staging folder, so whatever an
+// earlier writer killed part-way left there is removed at the next export:
+// before the swap it holds only new files and links to the old folder's,
+// after it only the old folder's, whose files the new one links. Removal
+// unlinks files one by one and never descends into a folder: nothing the
+// user made can be lost. A file system without RENAME_EXCHANGE moves the
+// old folder aside to PARENT/.NAME.zinc-old first; a kill between the two
+// renames is undone at the next export (the old folder is renamed back).
+
+namespace zinc::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string shown(const std::string& path) {
+  std::string s;
+  for (char c : path) s += c == '\0' ? std::string("\\0") : std::string(1, c);
+  return s;
+}
+
+// `dir` made absolute and normal, without a trailing separator, symlinks of
+// existing components resolved: the folder a swap must replace (a symlink
+// to a folder is followed, never replaced by a folder).
+fs::path resolved(const std::string& dir, const std::string& what) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  if (ec) throw IoError(what + ": cannot resolve the path: " + ec.message());
+  p = p.lexically_normal();
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+  if (!p.has_relative_path()) throw Error(what + ": the root folder cannot be an export folder");
+  return p;
+}
+
+// Removes a folder a writer left: files and links one by one, then the
+// folder; anything else inside stays, with a warning, and so does the folder.
+void remove_flat(const fs::path& folder) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(folder, ec))) return;
+  std::vector<std::string> kept;
+  for (const fs::directory_entry& e : fs::directory_iterator(folder, ec)) {
+    const fs::file_status st = e.symlink_status(ec);
+    if (fs::is_directory(st)) {
+      kept.push_back(e.path().filename().string());
+      continue;
+    }
+    if (::unlink(e.path().c_str()) != 0 && errno != ENOENT) kept.push_back(e.path().filename().string());
+  }
+  if (kept.empty() && ::rmdir(folder.c_str()) == 0) return;
+  std::string list;
+  for (const std::string& k : kept) list += (list.empty() ? "" : ", ") + k;
+  log_warn("left " + folder.string() + " in place" + (list.empty() ? std::string() : " (it holds " + list + ")") +
+           ": an earlier export's leftover that zinc removes only file by file; remove it by hand");
+}
+
+}  // namespace
+
+void export_fault_point(const char* phase) {
+  const char* spec = std::getenv("ZINC_EXPORT_FAULT");
+  if (spec && std::strcmp(spec, phase) == 0) ::kill(::getpid(), SIGKILL);
+}
+
+void check_output_folder(const std::string& dir, const std::string& what_arg, const std::vector<std::string>& inputs) {
+  const std::string what = what_arg + " " + shown(dir);
+  if (dir.empty()) throw Error(what_arg + ": an empty path names no folder");
+  if (dir.find('\0') != std::string::npos) throw Error(what + ": the path holds a NUL byte");
+  const fs::path p = resolved(dir, what);
+  std::error_code ec;
+  const bool exists = fs::exists(p, ec);
+  if (exists && !fs::is_directory(p, ec)) throw Error(what + ": exists and is not a folder");
+  for (const std::string& in : inputs) {
+    if (in.empty()) continue;
+    if (same_file(in, p.string()))
+      throw Error(what + " is " + in + ", which this run reads: writing there would replace it; "
+                  "export into another folder");
+    if (is_within(in, p.string()))
+      throw Error(what + " holds " + in + ", which this run reads: an export replaces its folder as a "
+                  "whole; export into another folder");
+  }
+  if (is_within(".", p.string()))
+    throw Error(what + " is the current folder or holds it: an export replaces its folder as a whole; "
+                "export into a folder of its own");
+  if (!exists) return;
+  struct stat here, up;
+  if (::stat(p.c_str(), &here) == 0 && ::stat(p.parent_path().c_str(), &up) == 0 && here.st_dev != up.st_dev)
+    throw Error(what + " is a mount point, which cannot be replaced by a rename; export into a folder inside it");
+  for (const fs::directory_entry& e : fs::directory_iterator(p, ec)) {
+    if (fs::is_directory(e.symlink_status(ec)))
+      throw Error(what + " holds the folder " + e.path().filename().string() +
+                  ": an export replaces its folder as a whole and keeps the files in it, not folders; "
+                  "move it out or export into another folder");
+  }
+  if (ec) throw IoError(what + ": cannot list the folder: " + ec.message());
+}
+
+std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
+                                                  const std::string& kind) {
+  if (path.empty() || path.find('\0') != std::string::npos) check_output_folder(path, what, {});  // throws
+  const fs::path p = resolved(path, what + " " + path);
+  return std::make_unique<ckpt::DirLock>(
+      p.string(), kind, (p.parent_path() / ("." + p.filename().string() + ".zinc.lock")).string());
+}
+
+OutputFolder::OutputFolder(std::string dir, std::string what, const std::vector<std::string>& inputs)
+    : dir_(std::move(dir)), what_(std::move(what)) {
+  lock_ = lock_output_folder(dir_, what_);
+  const fs::path p = resolved(dir_, what_ + " " + dir_);
+  parent_ = p.parent_path().string();
+  name_ = p.filename().string();
+  staging_ = (p.parent_path() / ("." + name_ + ".zinc-staging")).string();
+  old_ = (p.parent_path() / ("." + name_ + ".zinc-old")).string();
+  // What an earlier export killed part-way left (we hold the lock: nobody
+  // is writing these now).
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(old_, ec))) {
+    if (!fs::exists(fs::symlink_status(p, ec)) && ::rename(old_.c_str(), p.c_str()) == 0) {
+      log_warn(what_ + " " + dir_ + ": an earlier export was stopped between its two renames; the folder "
+               "it was replacing is back in place");
+      ckpt::fsync_dir(parent_);
+    } else {
+      remove_flat(old_);
+    }
+  }
+  remove_flat(staging_);
+  check_output_folder(dir_, what_, inputs);
+  if (::mkdir(staging_.c_str(), 0755) != 0)
+    throw posix_error(what_ + " " + dir_ + ": cannot create the staging folder " + staging_, errno);
+}
+
+OutputFolder::~OutputFolder() {
+  if (committed_) return;
+  try {
+    remove_flat(staging_);
+  } catch (...) {
+  }
+}
+
+void OutputFolder::commit(const std::function<bool(const std::string&)>& replaced) {
+  const fs::path dest = fs::path(parent_) / name_;
+  export_fault_point("staged");
+  std::error_code ec;
+  const bool existed = fs::exists(fs::symlink_status(dest, ec));
+  if (existed) {
+    for (const fs::directory_entry& e : fs::directory_iterator(dest, ec)) {
+      const std::string name = e.path().filename().string();
+      const fs::path to = fs::path(staging_) / name;
+      if (fs::exists(fs::symlink_status(to, ec)) || replaced(name)) continue;
+      if (fs::is_directory(e.symlink_status(ec)))
+        throw Error(what_ + " " + dir_ + " holds the folder " + name + " (made during the export): an export "
+                    "keeps the files of its folder, not folders; the folder is left as it was");
+      if (::linkat(AT_FDCWD, e.path().c_str(), AT_FDCWD, to.c_str(), 0) != 0)
+        throw posix_error(what_ + " " + dir_ + ": cannot keep " + name + " (a hard link into the new folder)", errno);
+    }
+    if (ec) throw IoError(what_ + " " + dir_ + ": cannot list the folder: " + ec.message());
+  }
+  export_fault_point("linked");
+  ckpt::fsync_dir(staging_);
+  std::string leftover;  // the old folder after the swap
+  if (!existed) {
+    if (::rename(staging_.c_str(), dest.c_str()) != 0)
+      throw posix_error(what_ + " " + dir_ + ": cannot rename " + staging_ + " to it", errno);
+  } else if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, dest.c_str(), RENAME_EXCHANGE) == 0) {
+    leftover = staging_;
+  } else {
+    const int err = errno;
+    if (err != EINVAL && err != ENOSYS)
+      throw posix_error(what_ + " " + dir_ + ": cannot swap the new folder " + staging_ + " in", err);
+    // No RENAME_EXCHANGE on this file system: the old folder aside first.
+    if (::rename(dest.c_str(), old_.c_str()) != 0)
+      throw posix_error(what_ + " " + dir_ + ": cannot move the old folder aside to " + old_, errno);
+    if (::rename(staging_.c_str(), dest.c_str()) != 0) {
+      const int e2 = errno;
+      ::rename(old_.c_str(), dest.c_str());
+      throw posix_error(what_ + " " + dir_ + ": cannot rename " + staging_ + " to it", e2);
+    }
+    leftover = old_;
+  }
+  ckpt::fsync_dir(parent_);
+  committed_ = true;
+  export_fault_point("swapped");
+  if (!leftover.empty()) remove_flat(leftover);
+}
+
+}  // namespace zinc::tools

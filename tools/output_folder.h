@@ -1,0 +1,73 @@
+// zinc tools: a folder of the user's replaced as one unit (Note [export
+// folders] in output_folder.cpp): a Hugging Face export is written into a
+// staging folder beside the destination and swapped in with one rename, so
+// that a reader (transformers, zinc) finds the old folder or the new one,
+// never a mix, whatever moment a kill lands.
+// Threading: one thread; one OutputFolder per destination in a process.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.h"
+
+namespace zinc::tools {
+
+// The checks an output folder must pass before anything is written (and
+// before a run's training, so that a refusal comes at its start): `dir` is
+// not empty and holds no NUL byte; it is not a file; it is not, and does not
+// hold, any of `inputs` (folders and files the run reads, compared by
+// identity: core/files.h); it is not the current folder nor one holding it;
+// it is not a mount point (a mount point cannot be renamed); and it holds no
+// subfolder (a replaced folder keeps the user's files by hard links, which
+// folders cannot have). Throws Error starting with `what` ("--save-pretrained
+// DIR", ...) and saying what to do instead.
+void check_output_folder(const std::string& dir, const std::string& what, const std::vector<std::string>& inputs);
+
+// The lock that guards `path` (an export folder, or the file set a
+// safetensors export writes at PATH) against a second writer: a file
+// beside it (PARENT/.NAME.zinc.lock), since the folder itself is replaced.
+// The parent is created. Throws IoError naming the holder's pid when
+// another process holds it; `kind` names what is locked in that message.
+std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
+                                                  const std::string& kind = "export folder");
+
+class OutputFolder {
+ public:
+  // Checks `dir` (check_output_folder), takes its lock, finishes or removes
+  // what an earlier writer killed part-way left beside it, and creates the
+  // empty staging folder PARENT/.NAME.zinc-staging.
+  OutputFolder(std::string dir, std::string what, const std::vector<std::string>& inputs);
+  // Removes the staging folder unless committed: an export that fails
+  // leaves the old folder as it was.
+  ~OutputFolder();
+  OutputFolder(const OutputFolder&) = delete;
+  OutputFolder& operator=(const OutputFolder&) = delete;
+
+  // Where the new files go (each fsynced by its writer).
+  const std::string& staging() const { return staging_; }
+
+  // Keeps the user's other files: each file of the old folder that the new
+  // one does not have and `replaced` does not claim (stale weights of
+  // another layout, say) is hard-linked into the staging folder. Then
+  // fsyncs the staging folder, swaps it in (renameat2 RENAME_EXCHANGE, or a
+  // plain rename when the destination does not exist yet), fsyncs the
+  // parent and removes the old folder.
+  void commit(const std::function<bool(const std::string& name)>& replaced);
+
+ private:
+  std::string dir_, what_, parent_, name_, staging_, old_;
+  std::unique_ptr<ckpt::DirLock> lock_;
+  bool committed_ = false;
+};
+
+// Test hook: ZINC_EXPORT_FAULT=PHASE kills this process (SIGKILL) at PHASE
+// of an OutputFolder's commit: "staged" (the new files written, nothing
+// linked), "linked" (the user's files linked, before the swap), "swapped"
+// (the new folder in place, the old one not yet removed). Also used by the
+// writers: "shard" (hf_export.cpp, after the first weights file is written).
+void export_fault_point(const char* phase);
+
+}  // namespace zinc::tools
