@@ -54,24 +54,56 @@ Output (read by zinc's `tokens` data source):
   PREFIX.bin   llm.c's token file: 256 little-endian int32 header (magic,
                version, token count; 20240520/1 = uint16 tokens, 20240801/7 =
                uint32 tokens, uint16 when the vocabulary with added tokens is
-               <= 65536), then the tokens, little-endian.
+               <= 65536), then the tokens, little-endian. Header slots 3..10
+               (0 in llm.c's files) record the set: [3] 0x434E495A (the bytes
+               "ZINC" in file order), [4] 1 (this record's version), [5] the
+               zlib CRC-32 of PREFIX.mask (its uint32 bit pattern), [6] and [7]
+               the low and high 32 bits of its size in bytes, [8], [9] and [10]
+               the same of PREFIX.docs; the other slots are 0.
   PREFIX.mask  one uint8 per token: 1 = a training label, 0 = not.
   PREFIX.docs  little-endian uint64 token index at which each document starts
                (first 0, strictly increasing). Documents are packed back to
                back, unpadded.
-  PREFIX.json  the manifest: tokenizer, checksums, counts, masked share, and
-               "data", whose paths are absolute (paste it anywhere); "files"
-               holds the basenames, relative to the manifest's folder.
-Each file is written to a temporary name in the destination folder, fsynced
-and renamed, the manifest last. On an error or Ctrl-C the temporaries are
-removed and existing files of the same prefix are left as they were.
+  PREFIX.json  the manifest: tokenizer, checksums (the inputs' sha256; "crc32"
+               of the tokens after the .bin's header, of the .mask and of the
+               .docs), counts, masked share, and "data", whose paths are
+               absolute (paste it anywhere); "files" holds the basenames,
+               relative to the manifest's folder.
+--out must be a file prefix (not "", a folder, . or ..), and none of the four
+may be a file the run reads (an input, tokenizer.json, tokenizer_config.json,
+the chat template), under any name: compared by device and inode, this is
+refused before anything is written.
 
-Bad records (invalid JSON or UTF-8, missing or wrongly typed fields, a
-template that raises, too long, empty) are skipped, counted per source and
-reported on stderr with file and line (the first 10). --max-bad N stops at
-the (N+1)th. Exit status 1 with one line when nothing usable remains, on any
-other error, and 130 on Ctrl-C. A progress line goes to stderr when it is a
-terminal, or with --progress.
+A set is replaced as a whole or refused by zinc-train, whatever the moment a
+run is killed: each file is written to a temporary (.BASENAME.EXT.tmp-PID) in
+the destination folder, the four are fsynced, then renamed into place one at
+a time, the .mask, the .docs, the manifest and the .bin last, the folder
+fsynced before the .bin's rename and after. The .bin is the commit point: it
+vouches for the .mask and .docs by their CRC-32 and size, and zinc-train
+refuses (naming the file) a .mask or .docs beside it that is not the one its
+header records, so that a kill between two renames leaves the old set, the
+new one, or a set zinc-train refuses, never an old .bin training on a new
+mask. (The manifest may then be ahead of the .bin: its "crc32" says so.) On
+an error or Ctrl-C the temporaries are removed and existing files of the same
+prefix are left as they were; so on a SIGTERM, which stops the run between
+two batches (exit 143), or, once the renames have begun, lets them end. The
+temporaries a killed run left (of a PID no process has) are removed by the
+next run on the prefix. A run holds an exclusive lock on the prefix (flock on
+.BASENAME.lock in its folder, removed at the end): a second run on the same
+--out at once is refused, naming the pid that holds it. The test hook
+ZINC_PREPARE_FAULT=PHASE kills the run at a phase of this (fault_point;
+tests/tools/crash_prepare.py).
+
+Bad records (invalid JSON or UTF-8, a lone surrogate, missing or wrongly
+typed fields, a template that raises, too long, empty) are skipped, counted
+per source and reported on stderr with file and line (the first 10). So is a
+record whose chat template builds more than MAX_RENDER_CHARS characters (by
+'*', a loop, a macro, a filter's width: compile_chat_template) or renders
+for more than MAX_RENDER_SECONDS. --max-bad N stops at the (N+1)th. Exit
+status 1 with one line when nothing usable remains, on any other error, and
+130 on Ctrl-C. Inputs and the tokenizer's files must be regular files: a
+FIFO, a device or a folder is refused, saying which, without blocking on it.
+A progress line goes to stderr when it is a terminal, or with --progress.
 
 Speed: a worker thread runs tokenizers' batch encode (which releases the GIL
 and uses every core) on one batch of records while this thread parses the
@@ -85,16 +117,22 @@ from __future__ import annotations
 import argparse
 import array
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import signal
+import stat
+import struct
 import sys
+import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 try:  # a fast path for JSONL parsing; the standard library's json decides whatever orjson refuses
     from orjson import loads as _fast_loads
@@ -103,6 +141,12 @@ except ImportError:  # pragma: no cover - orjson is optional
 
 MANIFEST_FORMAT = "zinc.prepare/1"
 HEADER_INTS = 256
+SET_MARKER = 0x434E495A  # header[3]: the bytes "ZINC" in file order; header[4..10] then record the set
+SET_VERSION = 1  # header[4]: the version of that record
+OUTPUT_EXTENSIONS = ("bin", "mask", "docs", "json")
+RENAME_ORDER = ("mask", "docs", "json", "bin")  # the .bin last: its header vouches for the .mask and .docs
+MAX_RENDER_CHARS = 1 << 24  # a chat template's rendering of a record, and any string or list it builds, at most
+MAX_RENDER_SECONDS = 10.0  # a record's renderings at most (enforced on the main thread, by SIGALRM)
 TOKEN_FORMATS = {"uint16": (20240520, 1, "H"), "uint32": (20240801, 7, "I")}  # magic, version, array typecode
 JSON_EXTENSIONS = (".jsonl", ".json", ".ndjson")
 MAX_LISTED_BAD = 10
@@ -130,6 +174,53 @@ class BadRecord(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Files read: regular files only (a FIFO would block, /dev/zero never ends, a folder holds no records)
+
+
+def _not_regular(mode: int) -> str:
+    """What a file that is not a regular one is, for a message."""
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return "is " + next((name for test, name in kinds if test(mode)), "something") + ", not a regular file"
+
+
+def check_regular(path: str, hint: str = "") -> os.stat_result:
+    """The stat (symlinks followed) of a file to read; a PrepareError naming it when it is missing or not a
+    regular file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise PrepareError(f"{path}: no such file{hint}")
+    except OSError as e:
+        raise PrepareError(f"{path}: {e.strerror}{hint}")
+    if not stat.S_ISREG(st.st_mode):
+        raise PrepareError(f"{path}: {_not_regular(st.st_mode)}{hint}")
+    return st
+
+
+def open_regular(path: str, hint: str = "") -> BinaryIO:
+    """Opens a file to read (binary), refusing anything but a regular file without blocking: by stat before
+    the open, then by fstat of what was opened, with O_NONBLOCK (a FIFO put there in between does not block
+    the open)."""
+    check_regular(path, hint)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise PrepareError(f"{path}: {e.strerror}{hint}")
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PrepareError(f"{path}: {_not_regular(mode)}{hint}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The tokenizer and its chat template
 
 
@@ -140,15 +231,129 @@ def _token_text(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+def _check_built(value: Any, what: str) -> Any:
+    """value, unless it is a string, list, tuple or dict longer than MAX_RENDER_CHARS (a BadRecord)."""
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+        unit = "characters" if isinstance(value, str) else "items"
+        raise BadRecord(f"the chat template builds {what} of {len(value):,} {unit}, more than {MAX_RENDER_CHARS:,}")
+    return value
+
+
+def _check_argument(value: Any) -> None:
+    """An argument of a call or filter: an integer above MAX_RENDER_CHARS (a width, a count) is a BadRecord,
+    as is a string or list longer than that."""
+    if isinstance(value, int) and abs(value) > MAX_RENDER_CHARS:
+        raise BadRecord(f"the chat template passes {value:,} to a function or filter, more than {MAX_RENDER_CHARS:,}")
+    _check_built(value, "an argument")
+
+
+def _check_format(fmt: Any) -> None:
+    """A format string ('%' or str.format) with a number above MAX_RENDER_CHARS (a width or precision) is a
+    BadRecord, checked before it runs: '%1000000000s' would allocate a gigabyte."""
+    if not isinstance(fmt, str):
+        return
+    digits = len(str(MAX_RENDER_CHARS))
+    for n in re.findall(r"\d{%d,}" % digits, fmt):
+        if len(n) > digits or int(n) > MAX_RENDER_CHARS:
+            raise BadRecord(f"the chat template formats with a width or precision above {MAX_RENDER_CHARS:,}")
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Before a '*', '**' or '%' runs: what it would build is not above MAX_RENDER_CHARS."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
+                unit = "characters" if isinstance(seq, str) else "items"
+                raise BadRecord(f"the chat template repeats a {type(seq).__name__} of {len(seq):,} {unit} {n:,} "
+                                f"times ('*'): {len(seq) * n:,}, more than {MAX_RENDER_CHARS:,}")
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 and \
+                (abs(left).bit_length() - 1) * right > 8 * MAX_RENDER_CHARS:
+            raise BadRecord(f"the chat template raises {left:,} to the power {right:,} ('**'), an integer of more "
+                            f"than {8 * MAX_RENDER_CHARS:,} bits")
+    elif operator == "%":
+        _check_format(left)
+        for a in right if isinstance(right, tuple) else (right,):
+            _check_argument(a)
+
+
+class _RenderDeadline:
+    """A record's renderings end with a BadRecord after MAX_RENDER_SECONDS (a template looping without end):
+    SIGALRM, whose handler runs on the main thread between two bytecodes, so only there, and only when no
+    other ITIMER_REAL timer is running (elsewhere: no bound on time, only on size). One C call (a huge sort,
+    say) is not interrupted."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.previous: Any = None
+        self.enabled = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+                        and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+
+    def _expired(self, signum: int, frame: Any) -> None:
+        if self.active:
+            self.active = False
+            raise BadRecord(f"the chat template ran past {MAX_RENDER_SECONDS:g} s (MAX_RENDER_SECONDS)")
+
+    def __enter__(self) -> "_RenderDeadline":
+        if self.enabled:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            self.active = True
+            signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.active = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if self.previous is None else self.previous)
+
+
 def compile_chat_template(source: str) -> Any:
     """The template compiled in the jinja2 environment transformers' apply_chat_template uses
     (transformers/utils/chat_template_utils.py, _compile_jinja_template): a sandbox with trim_blocks and
     lstrip_blocks, loop controls, tojson without HTML escaping, raise_exception, strftime_now, and the
-    {% generation %} tag (rendered as its body: the assistant spans are found from prefixes instead)."""
+    {% generation %} tag (rendered as its body: the assistant spans are found from prefixes instead).
+
+    Bounded, where transformers' is not: no string, list or dict above MAX_RENDER_CHARS may be built by '*'
+    or '**' (checked before they run), '+' or '%', a call (a macro, a method, a global: its arguments and
+    result), a filter (the same) or a namespace attribute; a BadRecord says which. With jinja2's own bound on
+    range() (MAX_RANGE) and ChatRenderer's on the rendering's length and time, `{{ content * 100000000 }}`
+    or a string doubled in a loop is a bad record in microseconds, not minutes and gigabytes."""
+    import functools
+
     import jinja2
     import jinja2.ext
     import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return _check_built(super().call_binop(context, operator, left, right), f"a {operator!r} result")
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            for a in (*args, *kwargs.values()):
+                _check_argument(a)
+            return _check_built(super().call(__context, __obj, *args, **kwargs), "a call's result")
+
+        def wrap_str_format(self, value: Any) -> Optional[Callable[..., str]]:
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            _check_format(value.__self__)
+            return lambda *args, **kwargs: _check_built(wrapped(*args, **kwargs), "a str.format result")
+
+    def bounded_filter(name: str, f: Callable) -> Callable:
+        @functools.wraps(f)  # keeps jinja2's pass_context / pass_eval_context marks
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            for a in (*args, *kwargs.values()):
+                if name == "format":
+                    _check_format(a)
+                _check_argument(a)
+            return _check_built(f(*args, **kwargs), f"the result of the filter {name!r}")
+        return bounded
 
     class GenerationTag(jinja2.ext.Extension):
         tags = {"generation"}
@@ -186,16 +391,16 @@ def compile_chat_template(source: str) -> Any:
 
         def __setitem__(self, name: str, value: Any) -> None:
             TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
+            jinja2.utils.Namespace.__setitem__(self, name, _check_built(value, f"a namespace attribute {name!r}"))
 
         @staticmethod
         def _check(name: Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"underscore-prefixed namespace attribute {name!r}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = TemplateDict()
@@ -218,49 +423,79 @@ class TokenizerInfo:
         return "uint16" if self.vocab_size <= 65536 else "uint32"
 
 
+TOKENIZER_HINT = " (--tokenizer takes a model folder or a tokenizer.json)"
+
+
+def tokenizer_files(path: str, chat_template_path: Optional[str] = None) -> list[tuple[str, str]]:
+    """(what, path) of every file load_tokenizer reads: the tokenizer.json, then the tokenizer_config.json
+    and chat template (--chat-template, else the folder's chat_template.jinja) where they exist. A PrepareError
+    when the tokenizer.json or the --chat-template is missing, or any of them is no regular file."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    tok_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    check_regular(tok_file, TOKENIZER_HINT)
+    files = [("tokenizer", tok_file)]
+    config = os.path.join(folder, "tokenizer_config.json")
+    template = chat_template_path or os.path.join(folder, "chat_template.jinja")
+    for what, p in (("tokenizer config", config), ("chat template", template)):
+        if os.path.exists(p) or (what == "chat template" and chat_template_path):
+            check_regular(p)
+            files.append((what, p))
+    return files
+
+
+def _read_text(path: str) -> str:
+    with open_regular(path) as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path}: invalid UTF-8 at byte {e.start}: {e.reason}")
+
+
 def load_tokenizer(path: str, eos: Optional[str] = None, chat_template_path: Optional[str] = None) -> TokenizerInfo:
     """A model folder (tokenizer.json, tokenizer_config.json, optionally chat_template.jinja) or a tokenizer.json
     (its folder's tokenizer_config.json is read when present). chat_template.jinja wins over the config's
-    chat_template, as in transformers; a list of named templates uses "default"."""
+    chat_template, as in transformers; a list of named templates uses "default". Only regular files are read
+    (tokenizer_files)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise PrepareError("the Hugging Face tokenizers package is missing: python3 -m pip install tokenizers")
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    tok_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(tok_file):
-        raise PrepareError(f"{tok_file}: no such file (--tokenizer takes a model folder or a tokenizer.json)")
-    with open(tok_file, "rb") as f:
+    files = dict((what, p) for what, p in tokenizer_files(path, chat_template_path))
+    tok_file = files["tokenizer"]
+    with open_regular(tok_file, TOKENIZER_HINT) as f:
         raw = f.read()
     try:
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:
         raise PrepareError(f"{tok_file}: not a tokenizers file: {e}")
-    config: dict = {}
-    config_file = os.path.join(folder, "tokenizer_config.json")
-    if os.path.isfile(config_file):
+    config: Any = {}
+    if "tokenizer config" in files:
+        config_file = files["tokenizer config"]
         try:
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+            config = json.loads(_read_text(config_file))
         except ValueError as e:
             raise PrepareError(f"{config_file}: {e}")
+        except RecursionError:
+            raise PrepareError(f"{config_file}: invalid JSON: nested too deeply")
+        if not isinstance(config, dict):
+            raise PrepareError(f"{config_file}: a JSON {type(config).__name__}, not an object")
     special = {name: t for name in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(name))) is not None}
     if eos is not None:
         special["eos_token"] = eos
     eos_id = None
     if "eos_token" in special:
-        eos_id = tokenizer.token_to_id(special["eos_token"])
+        try:
+            eos_id = tokenizer.token_to_id(special["eos_token"])
+        except UnicodeError:  # a lone surrogate
+            raise PrepareError(f"the eos token {special['eos_token']!r} is not valid Unicode text")
         if eos_id is None:
             raise PrepareError(f"the eos token {special['eos_token']!r} is not in {tok_file}'s vocabulary")
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
-    for candidate in ([chat_template_path] if chat_template_path else [os.path.join(folder, "chat_template.jinja")]):
-        if os.path.isfile(candidate):
-            with open(candidate, encoding="utf-8") as f:
-                template = f.read()
-        elif chat_template_path:
-            raise PrepareError(f"{candidate}: no such file")
+    if "chat template" in files:
+        template = _read_text(files["chat template"])
     return TokenizerInfo(tokenizer, os.path.abspath(tok_file), hashlib.sha256(raw).hexdigest(),
                          tokenizer.get_vocab_size(with_added_tokens=True), special, eos_id,
                          template if isinstance(template, str) else None)
@@ -280,10 +515,23 @@ class ChatRenderer:
         self.variables = dict(info.special_tokens)
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, tools=None, documents=None,
-                                    add_generation_prompt=add_generation_prompt, **self.variables)
+        """The rendering (as jinja2's render() joins it), stopped with a BadRecord as soon as it passes
+        MAX_RENDER_CHARS."""
+        parts, length = [], 0
+        for part in self.template.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **self.variables):
+            length += len(part)
+            if length > MAX_RENDER_CHARS:
+                raise BadRecord(f"the chat template's rendering passes {MAX_RENDER_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
 
     def render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering and its assistant spans; a BadRecord past MAX_RENDER_SECONDS (on the main thread)."""
+        with _RenderDeadline():
+            return self._render_with_spans(messages)
+
+    def _render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
         full = self.render(messages)
         spans = []
         for i, m in enumerate(messages):
@@ -345,13 +593,16 @@ class Source:
 
 
 READ_BLOCK = 8 << 20  # bytes per read: the file is hashed and split into lines a block at a time
+# orjson (3.8) recurses without a limit and overflows the stack (SIGSEGV) on a line nested some 150,000 deep: a
+# line with more opening brackets than this goes to the standard library, whose RecursionError is a bad record.
+FAST_MAX_BRACKETS = 10000
 
 
 def _read_lines(src: Source) -> Iterator[tuple[int, bytes]]:
     """(line number, the line without its b"\\n") for every line of the file; hashes the file on the way."""
     h = hashlib.sha256()
     number, rest = 0, b""
-    with open(src.path, "rb") as f:
+    with open_regular(src.path) as f:
         while True:
             block = f.read(READ_BLOCK)
             if not block:
@@ -368,7 +619,7 @@ def _read_lines(src: Source) -> Iterator[tuple[int, bytes]]:
 
 
 def _read_all(src: Source) -> bytes:
-    with open(src.path, "rb") as f:
+    with open_regular(src.path) as f:
         data = f.read()
     src.sha256 = hashlib.sha256(data).hexdigest()
     return data
@@ -391,13 +642,13 @@ def read_json_records(src: Source) -> Iterator[tuple[int, Any]]:
 
     orjson, where it is installed, parses each line (3-4x the standard library's speed); a line it refuses goes
     to the standard library, so that what is accepted (NaN, big integers) and the error messages stay the
-    standard library's."""
+    standard library's. So does a line with more than FAST_MAX_BRACKETS brackets (orjson's stack)."""
     for number, raw in _read_lines(src):
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         if not raw.strip():
             continue
-        if _fast_loads is not None:
+        if _fast_loads is not None and raw.count(b"[") + raw.count(b"{") <= FAST_MAX_BRACKETS:
             try:
                 yield number, _fast_loads(raw)
                 continue
@@ -434,7 +685,7 @@ def infer_format(path: str) -> tuple[str, str]:
     """(format, reason) from the extension and the keys of the first record."""
     if not path.lower().endswith(JSON_EXTENSIONS):
         return "text", f"{os.path.basename(path)} is not .jsonl/.json/.ndjson"
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -442,6 +693,9 @@ def infer_format(path: str) -> tuple[str, str]:
                 obj = json.loads(raw)
             except ValueError:
                 raise PrepareError(f"{path}:{number}: invalid JSON in the first record; pass --format")
+            except RecursionError:
+                raise PrepareError(f"{path}:{number}: invalid JSON in the first record (nested too deeply); "
+                                   "pass --format")
             keys = obj.keys() if isinstance(obj, dict) else ()
             for fmt, key in (("chat", "messages"), ("alpaca", "instruction"), ("jsonl", "text")):
                 if key in keys:
@@ -474,6 +728,17 @@ class Item:
     spans: Optional[list] = None  # chat: assistant character spans
 
 
+def _check_unicode(text: str) -> None:
+    """A lone surrogate (half a UTF-16 pair: a JSON "\\ud800" escape without its other half) is no Unicode
+    text; the tokenizer would refuse the whole batch with a TypeError."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRecord(f"a lone surrogate {text[e.start]!r} (half a UTF-16 pair, as a JSON \\u escape alone "
+                            "writes it): not Unicode text")
+
+
 class Encoder:
     """Turns a record (parsed JSON or text) into an Item, and batches of Items into (ids, mask) pairs."""
 
@@ -486,6 +751,13 @@ class Encoder:
             raise PrepareError("the tokenizer config names no eos_token, which ends an alpaca response; pass --eos")
 
     def item(self, source: int, line: int, record: Any) -> Item:
+        """The record's Item; a BadRecord saying what is wrong with it."""
+        it = self._item(source, line, record)
+        for text in (it.text, it.response):
+            _check_unicode(text)
+        return it
+
+    def _item(self, source: int, line: int, record: Any) -> Item:
         if self.fmt == "text":
             if not record.strip():
                 raise BadRecord("empty document")
@@ -547,29 +819,196 @@ class Encoder:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Output: temporaries in the destination folder, renamed at the end
+# Output: temporaries in the destination folder, renamed at the end, the .bin last
+
+
+def fault_point(phase: str) -> None:
+    """Test hook (tests/tools/crash_prepare.py), as the engine's ZINC_CHECKPOINT_FAULT: ZINC_PREPARE_FAULT=PHASE
+    kills this process with SIGKILL, as kill -9 would, at PHASE: "writing" (the first batch is in the
+    temporaries), "before_rename" (the four temporaries complete and fsynced, none renamed), "after_mask",
+    "after_docs", "after_manifest" (that file renamed into place, those after it in RENAME_ORDER not yet),
+    "after_bin" (all four renamed, the folder not yet fsynced). Nothing when unset or another phase."""
+    if os.environ.get("ZINC_PREPARE_FAULT") == phase:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+RENAME_FAULTS = {"mask": "after_mask", "docs": "after_docs", "json": "after_manifest", "bin": "after_bin"}
+
+
+def check_out_prefix(out: str) -> str:
+    """The absolute --out prefix; a PrepareError when it names no file (empty, a folder's path, . or ..)."""
+    if os.path.basename(out) in ("", ".", ".."):
+        raise PrepareError(f"--out {out!r} is not a file prefix: give one such as data/sft (the outputs are "
+                           "PREFIX.bin, PREFIX.mask, PREFIX.docs and PREFIX.json)")
+    prefix = os.path.abspath(out)
+    folder = os.path.dirname(prefix)
+    if not os.path.isdir(folder):
+        raise PrepareError(f"{folder}: no such folder (the --out prefix's folder must exist)")
+    return prefix
+
+
+def output_paths(prefix: str) -> dict:
+    """Every path a run on the prefix writes: the four outputs, their temporaries (.BASENAME.EXT.tmp-PID) and
+    the lock file (.BASENAME.lock), all in the prefix's folder."""
+    folder, base = os.path.split(prefix)
+    paths = {ext: f"{prefix}.{ext}" for ext in OUTPUT_EXTENSIONS}
+    paths.update({f"{ext}.tmp": os.path.join(folder, f".{base}.{ext}.tmp-{os.getpid()}") for ext in OUTPUT_EXTENSIONS})
+    paths["lock"] = os.path.join(folder, f".{base}.lock")
+    return paths
+
+
+def _identity(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of the file a path resolves to (symlinks followed), or None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_apart(prefix: str, reads: list[tuple[str, str]]) -> None:
+    """Refuses, before anything is written, an output that is a file the run reads: (what, path) of each
+    input, the tokenizer's files. Files are compared by device and inode of the resolved path, never by name:
+    a symlink, a hard link or another spelling of the path is the same file. An output that is a folder is
+    refused too (it could not be replaced)."""
+    read_ids = {}
+    for what, path in reads:
+        if (i := _identity(path)) is not None:
+            read_ids.setdefault(i, (what, path))
+    for key, path in output_paths(prefix).items():
+        if key in OUTPUT_EXTENSIONS and os.path.isdir(path):
+            raise PrepareError(f"{path}: is a folder, where --out writes a file; choose another --out")
+        if (i := _identity(path)) in read_ids:
+            what, source = read_ids[i]
+            raise PrepareError(f"--out would overwrite the {what} {source}: {path} is that file; choose another --out")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of that id runs (one of another user's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PrefixLock:
+    """The run's exclusive hold on an output prefix: flock on FOLDER/.BASENAME.lock (created, holding the pid;
+    removed at the end), non-blocking: a second run on the same --out at once is refused naming the pid that
+    holds it. Once held, the temporaries runs on the prefix left when killed (.BASENAME.EXT.tmp-PID of a PID
+    that is no live process) are removed."""
+
+    def __init__(self, prefix: str, reads: list[tuple[str, str]]):
+        self.prefix = prefix
+        self.path = output_paths(prefix)["lock"]
+        self.fd: Optional[int] = None
+        self._acquire()
+        try:
+            self.removed = remove_dead_temporaries(prefix, {_identity(p) for _, p in reads})
+        except BaseException:
+            self.release()
+            raise
+
+    def _acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                os.close(fd)
+                raise PrepareError(f"{self.path}: another zinc.prepare (pid {holder or 'unknown'}) is writing "
+                                   f"{self.prefix}.{{bin,mask,docs,json}}; wait for it to end or choose another --out")
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise
+                print(f"zinc.prepare: warning: {self.path}: cannot lock ({e.strerror}): a second run on this --out "
+                      "at once would not be refused", file=sys.stderr)
+                return
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == _identity(self.path):
+                break
+            os.close(fd)  # the run that held it removed the file in between: lock the one now there
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Removes the lock file, while still holding it, then lets it go."""
+        if self.fd is None:
+            return
+        st = os.fstat(self.fd)
+        if (st.st_dev, st.st_ino) == _identity(self.path):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def remove_dead_temporaries(prefix: str, keep: set) -> list[str]:
+    """Removes the temporaries of the prefix (.BASENAME.EXT.tmp-PID in its folder) whose PID is no live process:
+    what a run killed before its renames left. Those of a live process are left, and so is a file the run reads
+    (by its identity in keep). Returns the paths removed."""
+    folder, base = os.path.split(prefix)
+    pattern = re.compile(r"\.%s\.(?:%s)\.tmp-(\d+)" % (re.escape(base), "|".join(OUTPUT_EXTENSIONS)))
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        m = pattern.fullmatch(name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) or _identity(path) in keep:
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _create(path: str) -> BinaryIO:
+    """A new file at path, opened to write: whatever was there (a temporary of an earlier process that had this
+    pid) is removed first, so that nothing is written through a symlink."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb")
 
 
 class Outputs:
-    """PREFIX.{bin,mask,docs} written under temporary names; commit() fsyncs and renames them, then writes the
-    manifest the same way; discard() removes whatever is left."""
+    """PREFIX.{bin,mask,docs} written under temporary names (.BASENAME.EXT.tmp-PID, in the prefix's folder), with
+    the CRC-32 and size of the mask and documents counted on the way; commit() writes the .bin's header and the
+    manifest, fsyncs the four and renames them into place, the .bin last; discard() removes whatever is left.
+    The caller holds the prefix's PrefixLock."""
 
     def __init__(self, prefix: str, token_dtype: str):
         self.prefix = os.path.abspath(prefix)
-        folder = os.path.dirname(self.prefix)
-        if not os.path.isdir(folder):
-            raise PrepareError(f"{folder}: no such folder (the --out prefix's folder must exist)")
-        self.final = {ext: f"{self.prefix}.{ext}" for ext in ("bin", "mask", "docs", "json")}
-        self.temp = {ext: f"{os.path.dirname(p)}/.{os.path.basename(p)}.tmp-{os.getpid()}"
-                     for ext, p in self.final.items()}
+        paths = output_paths(self.prefix)
+        self.final = {ext: paths[ext] for ext in OUTPUT_EXTENSIONS}
+        self.temp = {ext: paths[f"{ext}.tmp"] for ext in OUTPUT_EXTENSIONS}
         self.magic, self.version, self.typecode = TOKEN_FORMATS[token_dtype]
-        self.files = {}
-        for ext in ("bin", "mask", "docs"):
-            self.files[ext] = open(self.temp[ext], "wb")
-        self.files["bin"].write(bytes(4 * HEADER_INTS))  # the header is written at commit, with the count
+        self.files: dict = {}
         self.tokens = 0
         self.documents = 0
         self.masked = 0
+        self.crc = {"tokens": 0, "mask": 0, "documents": 0}  # zlib.crc32 of the .bin after its header, .mask, .docs
+        self.bytes = {"tokens": 0, "mask": 0, "documents": 0}
+        try:
+            for ext in ("bin", "mask", "docs"):
+                self.files[ext] = _create(self.temp[ext])
+        except BaseException:
+            self.discard()
+            raise
+        self.files["bin"].write(bytes(4 * HEADER_INTS))  # the header is written at commit, with the count
 
     def add(self, docs: list[tuple[list, Optional[bytearray]]]) -> None:
         """Appends documents: (token ids, mask or None for all 1), one write per file."""
@@ -578,34 +1017,52 @@ class Outputs:
             starts.append(self.tokens + len(tokens))
             tokens.extend(ids)
             mask += b"\x01" * len(ids) if m is None else m
-        self.files["bin"].write(_little_endian(tokens).tobytes())
-        self.files["mask"].write(mask)
-        self.files["docs"].write(_little_endian(starts).tobytes())
+        for key, ext, data in (("tokens", "bin", _little_endian(tokens).tobytes()), ("mask", "mask", mask),
+                               ("documents", "docs", _little_endian(starts).tobytes())):
+            self.files[ext].write(data)
+            self.crc[key] = zlib.crc32(data, self.crc[key])
+            self.bytes[key] += len(data)
         self.tokens += len(tokens)
         self.documents += len(starts)
         self.masked += len(mask) - mask.count(1)
+        fault_point("writing")
+
+    def header(self) -> bytes:
+        """The .bin's 256 little-endian int32s: llm.c's magic, version and token count, then the set record
+        zinc-train checks the .mask and .docs beside it against: [3] SET_MARKER, [4] SET_VERSION, [5] the
+        .mask's CRC-32 (its uint32 bit pattern), [6] and [7] the low and high 32 bits of its size in bytes,
+        [8], [9] and [10] the same of the .docs; the rest 0."""
+        if self.tokens > 0x7FFFFFFF:
+            raise PrepareError(f"{self.tokens:,} tokens: more than llm.c's header counts (2**31 - 1); split the "
+                               "data set into several --out")
+        ints = [self.magic, self.version, self.tokens, SET_MARKER, SET_VERSION]
+        for key in ("mask", "documents"):
+            ints += [self.crc[key], self.bytes[key] & 0xFFFFFFFF, self.bytes[key] >> 32]
+        return struct.pack(f"<{HEADER_INTS}I", *ints, *[0] * (HEADER_INTS - len(ints)))
 
     def commit(self, manifest: dict) -> None:
-        header = array.array("i", [0] * HEADER_INTS)
-        header[0], header[1], header[2] = self.magic, self.version, self.tokens
+        """Writes the header and the manifest, fsyncs the four temporaries and renames them in RENAME_ORDER:
+        the .mask, the .docs, the manifest, then the .bin, the commit point (its header vouches for the .mask
+        and .docs by CRC-32 and size, so a set a kill left mixed is refused by zinc-train, not trained on). The
+        folder is fsynced before the .bin's rename and after it."""
         self.files["bin"].seek(0)
-        self.files["bin"].write(_little_endian(header).tobytes())
+        self.files["bin"].write(self.header())
+        with _create(self.temp["json"]) as f:
+            f.write(json.dumps(manifest, indent=2).encode("utf-8") + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
-        with open(self.temp["json"], "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        for ext in ("bin", "mask", "docs", "json"):  # the manifest last: it vouches for the other three
+        fault_point("before_rename")
+        folder = os.path.dirname(self.prefix)
+        for ext in RENAME_ORDER:
+            if ext == "bin":
+                _fsync_path(folder)
             os.replace(self.temp[ext], self.final[ext])
-        fd = os.open(os.path.dirname(self.prefix), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fault_point(RENAME_FAULTS[ext])
+        _fsync_path(folder)
 
     def discard(self) -> None:
         for f in self.files.values():
@@ -617,6 +1074,14 @@ class Outputs:
                 pass
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _little_endian(a: array.array) -> array.array:
     if sys.byteorder != "little":
         a.byteswap()
@@ -625,6 +1090,22 @@ def _little_endian(a: array.array) -> array.array:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The run
+
+
+_STOP_SIGNAL: list = []  # a SIGTERM received (main's handler): the run stops at its next check_stop()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Only noted here: an exception raised by a signal handler can land in a __del__ or a weakref callback, where
+    # Python prints it as a traceback and drops it; check_stop() raises it where it cannot.
+    _STOP_SIGNAL.append(signum)
+
+
+def check_stop() -> None:
+    """Ends the run as sys.exit(128 + SIGTERM) when a SIGTERM came, so that the temporaries are removed on the
+    way out. Called between batches and before the commit, never during it: a SIGTERM then lets it end."""
+    if _STOP_SIGNAL:
+        sys.exit(128 + _STOP_SIGNAL[0])
 
 
 class Progress:
@@ -645,13 +1126,26 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Prepares the data set; returns the manifest. Raises PrepareError for a failed run."""
+    """Prepares the data set; returns the manifest. Raises PrepareError for a failed run, before anything is
+    written when an argument or a file is wrong (an input that is no regular file, an output that is a file the
+    run reads) or another run holds the --out prefix."""
+    prefix = check_out_prefix(args.out)
     inputs = [os.path.abspath(p) for p in args.inputs]
     for p in inputs:
-        if not os.path.isfile(p):
-            raise PrepareError(f"{p}: no such file")
+        check_regular(p)
     if args.seq_len < 1:
         raise PrepareError("--seq-len must be at least 1")
+    reads = [("input", p) for p in inputs] + tokenizer_files(args.tokenizer, args.chat_template)
+    check_apart(prefix, reads)
+    lock = PrefixLock(prefix, reads)
+    try:
+        return _prepare(args, prefix, inputs)
+    finally:
+        lock.release()
+
+
+def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
+    """run()'s work, under the prefix's lock."""
     fmt = args.format
     if fmt is None:
         fmt, why = infer_format(inputs[0])
@@ -714,6 +1208,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def flush(batch: list[Item], skipped: list) -> None:
         nonlocal pending
+        check_stop()
         if pool is None:
             finish(batch, skipped, encoder.encode(batch))
             return
@@ -722,7 +1217,7 @@ def run(args: argparse.Namespace) -> dict:
             finish(pending[0], pending[1], pending[2].result())
         pending = started
 
-    out = Outputs(args.out, info.token_dtype)
+    out = Outputs(prefix, info.token_dtype)
     try:
         for index, src in enumerate(sources):
             reader = read_text_records(src, args.split) if fmt == "text" else read_json_records(src)
@@ -771,9 +1266,11 @@ def run(args: argparse.Namespace) -> dict:
             "truncate": bool(args.truncate),
             "chunk": bool(args.chunk),
             "files": {"tokens": base + ".bin", "mask": base + ".mask", "documents": base + ".docs"},
+            "crc32": dict(out.crc),
             "data": {"type": "tokens", "path": out.final["bin"], "mask_path": out.final["mask"],
                      "documents_path": out.final["docs"], "vocab_size": info.vocab_size, "seq_len": args.seq_len},
         }
+        check_stop()  # the last moment a SIGTERM stops the run: once begun, the commit ends
         out.commit(manifest)
     except BaseException:
         out.discard()
@@ -815,8 +1312,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
-    # A SIGTERM unwinds like an error, so that the temporaries are removed.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # A SIGTERM stops the run at its next check_stop() and unwinds like an error, so that the temporaries are
+    # removed; the caller's handler is back after.
+    _STOP_SIGNAL.clear()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         run(args)
     except PrepareError as e:
@@ -828,8 +1327,15 @@ def main(argv: Optional[list] = None) -> int:
     except OSError as e:
         print(f"zinc.prepare: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the work is done: a Ctrl-C now ends the process plainly
+    except KeyboardInterrupt:
+        status = 130
+    sys.exit(status)
