@@ -503,12 +503,13 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
         std::printf("resumed from %s at step %lld\n", dir.c_str(), ev.at("step").get<long long>());
     }
   }
-  // A resumed run with nothing left to train says so (--steps 0 is the way
-  // to load and only save or digest what was loaded).
-  if (run.steps > 0 && loop.first_step() > run.steps)
+  // A resumed run asked for fewer steps than its checkpoint has is a
+  // mistake, said as one; asked for exactly those (a restart of a finished
+  // job), it trains nothing and says so (--steps 0 loads only).
+  if (run.steps > 0 && loop.first_step() - 1 > run.steps)
     throw zinc::Error("run.steps " + std::to_string(run.steps) + " (or --steps): the checkpoint is at step " +
-                      std::to_string(loop.first_step() - 1) + " already, so nothing is left to train; ask for more "
-                      "steps, or --steps 0 to load it only");
+                      std::to_string(loop.first_step() - 1) + ", past it; ask for more steps to train on, or "
+                      "--steps 0 to load it only");
   const int64_t skipped_before = engine.skipped_steps(), overflow_before = engine.overflow_steps();
   const std::vector<nlohmann::json> start = loop.start();
   if (json && !quiet)
@@ -609,9 +610,14 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       sum["nvme_GBps"] = nvme_gbs;
     }
     std::printf("%s\n", sum.dump().c_str());
-  } else if (done_steps == 0) {
-    // --steps 0: a load (and a save); no loss, throughput or gathers to report.
-    std::printf("done: 0 steps (the model loaded; nothing trained) | peak RSS %.0f MiB\n", rss_max / (1 << 20));
+  } else if (trained <= 0) {
+    // --steps 0, or a resume at run.steps: a load (and a save); no loss,
+    // throughput or gathers to report.
+    if (done_steps == 0)
+      std::printf("done: 0 steps (the model loaded; nothing trained) | peak RSS %.0f MiB\n", rss_max / (1 << 20));
+    else
+      std::printf("done: nothing left to train (the checkpoint is at step %lld, run.steps %lld) | peak RSS %.0f "
+                  "MiB\n", static_cast<long long>(done_steps), static_cast<long long>(run.steps), rss_max / (1 << 20));
   } else {
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);

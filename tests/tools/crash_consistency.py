@@ -22,9 +22,9 @@ flipped, cut, deleted, bytes appended). After each trial:
       damaged file; then the previous checkpoint still loads bit-identical
       (`latest` pointed at it by writing the file), and so do the others.
 
-How weights are compared: `zinc-train CONFIG --resume DIR --steps 1 --json
+How weights are compared: `zinc-train CONFIG --resume DIR --steps 0 --json
 --weights-digest` loads the tag DIR/latest names (at step k >= 1) and, as
-its first step k + 1 is past --steps, trains nothing: the summary line has
+--steps 0 asks, trains nothing: the summary line has
 "steps": k, "final_loss": null and the weights_digest of the loaded fp32
 master weights (FNV-1a over every block, padding included, so a digest is
 compared only with one taken at the same world size: every load here runs
@@ -120,7 +120,7 @@ class Test:
 
     def load(self, folder):
         """Loads FOLDER/latest at 1 rank without training: {ok, step, digest, ...}."""
-        r = self.z.run(1, [self.cfg, "--json", "--weights-digest", "--resume", folder, "--steps", "1",
+        r = self.z.run(1, [self.cfg, "--json", "--weights-digest", "--resume", folder, "--steps", "0",
                            "--set", "run.checkpoint_interval=0", "--set", "run.checkpoint_dir=" + self.lock_dir])
         self.loads_real += 1
         res = {"rc": r.rc, "result": r, "ok": False, "step": None, "digest": None}
@@ -256,7 +256,7 @@ class Test:
                                 % (self.final[1], self.ref[(1, STEPS)]))
         else:
             name = "global_step%d" % STEPS
-            u = self.z.run(2, [self.cfg, "--json", "--weights-digest", "--resume", ref_dir, "--steps", "1",
+            u = self.z.run(2, [self.cfg, "--json", "--weights-digest", "--resume", ref_dir, "--steps", "0",
                                "--set", "run.checkpoint_interval=0", "--set", "run.checkpoint_dir=" + self.lock_dir])
             d = (u.event("summary") or {}).get("weights_digest")
             if d != self.final[2]:
