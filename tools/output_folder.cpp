@@ -76,7 +76,8 @@ void remove_flat(const fs::path& folder) {
   if (!fs::exists(fs::symlink_status(folder, ec))) return;
   std::vector<std::string> kept;
   for (const fs::directory_entry& e : fs::directory_iterator(folder, ec)) {
-    const fs::file_status st = e.symlink_status(ec);
+    std::error_code entry_ec;
+    const fs::file_status st = e.symlink_status(entry_ec);
     if (fs::is_directory(st)) {
       kept.push_back(e.path().filename().string());
       continue;
@@ -122,7 +123,8 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
   if (::stat(p.c_str(), &here) == 0 && ::stat(p.parent_path().c_str(), &up) == 0 && here.st_dev != up.st_dev)
     throw Error(what + " is a mount point, which cannot be replaced by a rename; export into a folder inside it");
   for (const fs::directory_entry& e : fs::directory_iterator(p, ec)) {
-    if (fs::is_directory(e.symlink_status(ec)))
+    std::error_code entry_ec;
+    if (fs::is_directory(e.symlink_status(entry_ec)))
       throw Error(what + " holds the folder " + e.path().filename().string() +
                   ": an export replaces its folder as a whole and keeps the files in it, not folders; "
                   "move it out or export into another folder");
@@ -178,11 +180,14 @@ void OutputFolder::commit(const std::function<bool(const std::string&)>& replace
   std::error_code ec;
   const bool existed = fs::exists(fs::symlink_status(dest, ec));
   if (existed) {
+    // `ec` is the listing's alone: a per-entry query that fails (a name the
+    // new folder does not have) must not read as a failed listing.
     for (const fs::directory_entry& e : fs::directory_iterator(dest, ec)) {
       const std::string name = e.path().filename().string();
       const fs::path to = fs::path(staging_) / name;
-      if (fs::exists(fs::symlink_status(to, ec)) || replaced(name)) continue;
-      if (fs::is_directory(e.symlink_status(ec)))
+      std::error_code entry_ec;
+      if (fs::exists(fs::symlink_status(to, entry_ec)) || replaced(name)) continue;
+      if (fs::is_directory(e.symlink_status(entry_ec)))
         throw Error(what_ + " " + dir_ + " holds the folder " + name + " (made during the export): an export "
                     "keeps the files of its folder, not folders; the folder is left as it was");
       if (::linkat(AT_FDCWD, e.path().c_str(), AT_FDCWD, to.c_str(), 0) != 0)

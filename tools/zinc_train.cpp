@@ -581,8 +581,16 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                      "longer run trains)");
   }
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
-  if (!weights_out.empty()) save_weights(engine, rank, weights_out);
-  if (!pretrained.dir.empty()) save_pretrained(ex, engine, rank, pretrained, inputs, json);
+  // A run stopped by a signal has not finished: its weights would replace
+  // what the export folder holds (an earlier, finished export) with a
+  // model of fewer steps. Its checkpoint keeps them; --resume finishes the
+  // run and exports then.
+  const bool unfinished = stopped_by != 0 && done_steps < run.steps;
+  if ((!weights_out.empty() || !pretrained.dir.empty()) && unfinished && rank == 0)
+    zinc::log_warn("stopped before run.steps: --save-pretrained and --save-weights are not written (an unfinished "
+                   "run's weights would replace the export); --resume finishes the run and writes them");
+  if (!weights_out.empty() && !unfinished) save_weights(engine, rank, weights_out);
+  if (!pretrained.dir.empty() && !unfinished) save_pretrained(ex, engine, rank, pretrained, inputs, json);
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;

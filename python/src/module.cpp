@@ -541,6 +541,8 @@ class PyEngine {
     o.max_shard_bytes = zinc::tools::parse_size(max_shard, "max_shard_size");
     o.copy_from = ex_.experiment.model.from_pretrained;
     o.rank = comm_ ? comm_->rank() : 0;
+    o.inputs = zinc::tools::run_inputs(ex_, "");
+    o.what = "zinc.Engine.save_pretrained";
     zinc::tools::HfExportResult r;
     {
       ComputeScope scope;

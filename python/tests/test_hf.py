@@ -73,3 +73,35 @@ def test_errors_name_the_file_and_the_key(tmp_path):
     with zinc.initialize(mlp) as engine:
         with pytest.raises(zinc.Error, match='model "mlp" has no Hugging Face architecture'):
             engine.save_pretrained(str(tmp_path / "x"))
+
+
+def test_save_pretrained_never_replaces_the_model_it_was_loaded_from(tmp_path):
+    """Issue 49: the source folder, also through a symlink or src/../src, is refused, and left byte for byte."""
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "llama_gqa", src)
+    before = {f: (src / f).read_bytes() for f in os.listdir(src)}
+    doc, _ = doc_for("llama_gqa")
+    doc["model"]["from_pretrained"] = str(src)
+    os.symlink(src, tmp_path / "link")
+    with zinc.initialize(doc) as engine:
+        for out in (src, tmp_path / "link", src / ".." / "src", tmp_path):
+            with pytest.raises(zinc.Error, match="save_pretrained .*(which this run reads|holds the folder)"):
+                engine.save_pretrained(str(out), dtype="bf16")
+        # A NUL byte would cut the path short (a stray folder "a"): refused, nothing made.
+        with pytest.raises(zinc.Error, match="NUL byte"):
+            engine.save_pretrained(str(tmp_path / "a\0b"))
+        assert not os.path.exists(tmp_path / "a")
+    assert {f: (src / f).read_bytes() for f in os.listdir(src)} == before
+
+
+def test_evaluate_takes_the_models_vocabulary_and_has_no_loss_without_targets():
+    """A from_pretrained model with the default small data section: tokens up to the model's vocabulary
+    are valid; a batch whose targets are all -100 has no loss (NaN), never 0."""
+    doc, ref = doc_for("llama_gqa")
+    doc["data"] = {"type": "synthetic", "vocab_size": 8, "seq_len": int(ref["input_ids"].shape[1])}
+    with zinc.initialize(doc) as engine:
+        assert int(ref["input_ids"].max()) >= 8  # beyond the data's vocabulary, within the model's
+        assert engine.evaluate((ref["input_ids"], ref["targets"])) == pytest.approx(float(ref["loss"][0]), rel=1e-5)
+        none = np.full_like(ref["targets"], -100)
+        assert np.isnan(engine.evaluate((ref["input_ids"], none)))

@@ -609,6 +609,80 @@ TEST(TokenSource, BadMaskAndDocumentFilesAreNamed) {
   }
 }
 
+// zlib's CRC-32, bit by bit (the reference the reader's ISA-L must agree with).
+uint32_t crc32_reference(const std::string& s) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+  }
+  return c ^ 0xFFFFFFFFu;
+}
+
+// Note [prepared sets]: zinc.prepare's token file records the CRC-32 and
+// size of the mask and documents files written with it. One of another run
+// beside it (a kill between the renames left the set mixed) is refused
+// naming the file; the set's own files, files under other names, and token
+// files without the record load.
+TEST(TokenSource, AMaskOrDocumentsFileOfAnotherPreparedSetIsRefused) {
+  std::string toks;
+  for (uint32_t t = 0; t < 9; ++t) put_u16(toks, t);
+  std::string mask(9, '\1');
+  mask[2] = '\0';
+  std::string docs;
+  for (uint64_t d : {0ull, 5ull})
+    for (int k = 0; k < 8; ++k) docs.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
+  auto with_record = [&](const std::string& m, const std::string& d) {
+    std::string h;
+    put_i32(h, 20240520);
+    put_i32(h, 1);
+    put_i32(h, 9);
+    put_i32(h, 0x434E495A);
+    put_i32(h, 1);
+    put_i32(h, static_cast<int32_t>(crc32_reference(m)));
+    put_i32(h, static_cast<int32_t>(m.size()));
+    put_i32(h, 0);
+    put_i32(h, static_cast<int32_t>(crc32_reference(d)));
+    put_i32(h, static_cast<int32_t>(d.size()));
+    put_i32(h, 0);
+    h.resize(1024, '\0');
+    return h + toks;
+  };
+  auto error_of = [&](const std::string& bin, const std::string& m, const std::string& d,
+                      const std::string& mask_name = "set.mask") -> std::pair<std::string, std::string> {
+    TempFile ft("set.bin", bin), fm(mask_name, m), fd("set.docs", d);
+    DataConfig c;
+    c.type = DataType::kTokens;
+    c.path = ft.path();
+    c.seq_len = 4;
+    c.mask_path = fm.path();
+    c.documents_path = fd.path();
+    try {
+      make_data_source(c);
+    } catch (const ConfigError& e) {
+      return {e.path(), e.what()};
+    }
+    return {"", ""};
+  };
+  EXPECT_EQ(error_of(with_record(mask, docs), mask, docs).first, "");
+  std::string other_mask = mask;
+  other_mask[6] = '\0';  // the same size, another run's
+  auto [p1, m1] = error_of(with_record(mask, docs), other_mask, docs);
+  EXPECT_EQ(p1, "data.mask_path");
+  EXPECT_NE(m1.find("set.mask is not the file zinc.prepare wrote with"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("CRC-32 differs"), std::string::npos) << m1;
+  std::string other_docs;
+  for (uint64_t d : {0ull, 3ull, 6ull})
+    for (int k = 0; k < 8; ++k) other_docs.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
+  auto [p2, m2] = error_of(with_record(mask, docs), mask, other_docs);
+  EXPECT_EQ(p2, "data.documents_path");
+  EXPECT_NE(m2.find("24 bytes where the token file's header records 16"), std::string::npos) << m2;
+  // A mask made by hand under another name is the user's: not checked.
+  EXPECT_EQ(error_of(with_record(mask, docs), other_mask, docs, "mine.mask").first, "");
+  // A token file without the record (llm.c's, an older zinc's): nothing to check.
+  EXPECT_EQ(error_of(token_header(1, 9) + toks, other_mask, other_docs).first, "");
+}
+
 TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
   DataConfig c;
   c.type = DataType::kTokens;

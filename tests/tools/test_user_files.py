@@ -1,0 +1,313 @@
+"""The files a user gives zinc and the files zinc writes for them (issue 49).
+
+Every writer of a user's file follows one rule (docs/files.md): it never
+writes over what the run reads (compared by device and inode, not by the
+path's spelling), it replaces a set of files as one unit, and a reader can
+tell a complete set from a partial one. Each test here is one hole a
+hostile user found, and fails without its fix:
+
+- an export into the folder the model was loaded from (also through a
+  symlink or src/../src) is refused before training, and the model is left
+  byte for byte; so is --save-weights onto one of its files;
+- an export into a folder holding an earlier export of the other layout
+  (one file against shards) leaves no stale weights a reader would prefer,
+  and keeps the user's own files; a kill at any phase of the export leaves
+  the old folder or the new one (tests/tools/crash_export.py tries hundreds);
+- zinc-export's plain safetensors sets: the same, and never inside the
+  checkpoint it reads;
+- the monitors' job_name is one folder name, and no monitor folder lies in a
+  checkpoint tag that a save would swap out;
+- a run in which no step updated (every target masked) exits 1 and says so,
+  never "final loss 0.0";
+- a config that is /dev/zero or a FIFO is refused at once, not read without
+  end; --save-pretrained "" is refused; a resume past run.steps is refused;
+- a checkpoint shard with bytes appended is refused naming the file.
+
+Run by CTest (user_files) with ZINC_TRAIN, ZINC_EXPORT and ZINC_ROOT set.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+ROOT = os.environ.get("ZINC_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+ZINC_TRAIN = os.environ.get("ZINC_TRAIN", os.path.join(ROOT, "build", "tools", "zinc-train"))
+ZINC_EXPORT = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+
+
+def run(*args, env=None, timeout=240):
+    return subprocess.run(list(args), env=env or ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def errors(r):
+    """stderr without the log lines: what a user reads as the error."""
+    return [l for l in r.stderr.splitlines() if l and not l.startswith("zinc[")]
+
+
+def digest(folder):
+    """Every file under `folder` (relative name -> sha256), dot files included."""
+    out = {}
+    for base, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(base, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def copy_fixture(tmp, name="llama_gqa"):
+    src = tmp / name
+    src.mkdir()
+    for f in os.listdir(os.path.join(FIXTURES, name)):
+        with open(os.path.join(FIXTURES, name, f), "rb") as a, open(src / f, "wb") as b:
+            b.write(a.read())
+    return src
+
+
+def config(tmp, model_dir, **run):
+    doc = {"train_batch_size": 2, "model": {"from_pretrained": str(model_dir)},
+           "data": {"type": "synthetic", "vocab_size": 96, "seq_len": 12},
+           "run": dict({"steps": 1, "output_dir": str(tmp / "run")}, **run)}
+    path = tmp / "cfg.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def model_files(folder):
+    return sorted(f for f in os.listdir(folder)
+                  if f == "config.json" or f.endswith(".safetensors") or f.endswith(".index.json"))
+
+
+# ---- exports never replace what the run reads ------------------------------------------------
+
+
+def test_an_export_into_the_model_it_reads_is_refused_before_training(tmp_path):
+    src = copy_fixture(tmp_path)
+    before = digest(src)
+    cfg = config(tmp_path, src)
+    os.symlink(src, tmp_path / "link")
+    for out in (str(src), str(src) + "/", str(tmp_path / "link"), str(src / ".." / src.name), str(tmp_path)):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", out, "--save-dtype", "bf16")
+        assert r.returncode == 1, (out, r.stdout, r.stderr)
+        assert "step 1" not in r.stdout, out  # refused before training
+        (line,) = errors(r)
+        assert "--save-pretrained" in line and ("which this run reads" in line or "holds the folder" in line), line
+        assert digest(src) == before, out
+    # zinc-export --format hf into the folder the checkpoint's model came from.
+    ck = tmp_path / "ck"
+    r = run(ZINC_TRAIN, cfg, "--steps", "2", "--set", "run.checkpoint_interval=2", "--set", "run.checkpoint_dir=%s" % ck)
+    assert r.returncode == 0, r.stderr
+    for out in (str(src), str(tmp_path / "link"), str(ck), str(ck / "global_step2")):
+        r = run(ZINC_EXPORT, str(ck), "--format", "hf", "--out", out)
+        assert r.returncode == 1 and "which this run reads" in r.stderr, (out, r.stderr)
+    assert digest(src) == before
+    # --save-weights onto the model's own weights file, or into its folder.
+    for out in (src / "model.safetensors", src / "other.safetensors"):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-weights", str(out))
+        assert r.returncode == 1 and "--save-weights" in r.stderr and "which this run reads" in r.stderr, r.stderr
+        assert "step 1" not in r.stdout
+    assert digest(src) == before
+
+
+def test_an_export_replaces_the_other_layout_and_keeps_the_users_files(tmp_path):
+    src = copy_fixture(tmp_path)
+    cfg = config(tmp_path, src)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")
+    os.symlink("README.md", out / "notes.md")
+
+    def save(*extra):
+        r = run(ZINC_TRAIN, cfg, "--steps", "0", "--save-pretrained", str(out), "--save-dtype", "fp32", *extra)
+        assert r.returncode == 0, r.stderr
+
+    save()
+    assert model_files(out) == ["config.json", "model.safetensors"]
+    save("--max-shard-size", "30KB")  # sharded over single: the single file would win
+    files = model_files(out)
+    assert "model.safetensors" not in files and "model.safetensors.index.json" in files
+    with open(out / "model.safetensors.index.json") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    assert files == sorted(["config.json", "model.safetensors.index.json"] + shards)
+    save("--max-shard-size", "60KB")  # fewer shards: the extra old ones go
+    with open(out / "model.safetensors.index.json") as f:
+        fewer = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(fewer) < len(shards) and model_files(out) == sorted(["config.json", "model.safetensors.index.json"] + fewer)
+    save()  # single over sharded: the index would win
+    assert model_files(out) == ["config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "my notes" and os.readlink(out / "notes.md") == "README.md"
+    leftovers = [f for f in os.listdir(tmp_path) if f.startswith(".out.")]
+    assert leftovers == [], leftovers
+    # A folder inside is refused (an export keeps files, not folders), before training.
+    (out / "sub").mkdir()
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(out))
+    assert r.returncode == 1 and "holds the folder sub" in r.stderr and "step 1" not in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("phase", ["shard", "staged", "linked", "swapped"])
+def test_a_kill_during_an_export_leaves_the_old_folder_or_the_new_one(tmp_path, phase):
+    src = copy_fixture(tmp_path)
+    cfg = config(tmp_path, src)
+    out = tmp_path / "out"
+    r = run(ZINC_TRAIN, cfg, "--steps", "0", "--save-pretrained", str(out), "--save-dtype", "fp32")
+    assert r.returncode == 0, r.stderr
+    (out / "README.md").write_text("mine")
+    old = digest(out)
+    r = run(ZINC_TRAIN, cfg, "--steps", "2", "--save-pretrained", str(out), "--save-dtype", "fp32",
+            "--max-shard-size", "30KB", env=dict(ENV, ZINC_EXPORT_FAULT=phase))
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    now = digest(out)
+    if phase == "swapped":  # the new folder is in place
+        assert "model.safetensors.index.json" in now and "model.safetensors" not in now
+        assert now["README.md"] == old["README.md"]
+    else:
+        assert now == old
+    # The next export cleans up what the killed one left and completes.
+    r = run(ZINC_TRAIN, cfg, "--steps", "2", "--save-pretrained", str(out), "--save-dtype", "fp32",
+            "--max-shard-size", "30KB")
+    assert r.returncode == 0, r.stderr
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".out.")] == []
+    assert (out / "README.md").read_text() == "mine"
+
+
+def test_zinc_export_safetensors_sets_replace_the_other_layout_and_stay_out_of_the_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    r = run(ZINC_TRAIN, os.path.join(ROOT, "configs", "default.json"), "--steps", "1", "--set", "run.eval_interval=0",
+            "--set", "run.checkpoint_interval=1", "--set", "run.checkpoint_dir=%s" % ck)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "w.safetensors"
+    names = lambda: sorted(f for f in os.listdir(tmp_path) if f.startswith("w"))
+    assert run(ZINC_EXPORT, str(ck), "--out", str(out)).returncode == 0
+    assert names() == ["w.safetensors"]
+    assert run(ZINC_EXPORT, str(ck), "--out", str(out), "--max-shard-size", "1MB").returncode == 0
+    sharded = names()
+    assert "w.safetensors" not in sharded and "w.safetensors.index.json" in sharded and len(sharded) > 2, sharded
+    assert run(ZINC_EXPORT, str(ck), "--out", str(out)).returncode == 0
+    assert names() == ["w.safetensors"]
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".w")] == []
+    r = run(ZINC_EXPORT, str(ck), "--out", str(ck / "global_step1" / "w.safetensors"))
+    assert r.returncode == 1 and "inside the checkpoint" in r.stderr, r.stderr
+
+
+# ---- monitors ---------------------------------------------------------------------------------
+
+
+def test_a_monitor_job_name_is_one_folder_name_and_never_a_checkpoint_tag(tmp_path):
+    cfg = os.path.join(ROOT, "configs", "default.json")
+    for job in ("../../x", "/abs", "a/b", "..", ".", ""):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", "--set", "tensorboard.enabled=true",
+                "--set", "tensorboard.output_path=%s" % tmp_path, "--set", "tensorboard.job_name=%s" % json.dumps(job))
+        assert r.returncode == 1 and "tensorboard.job_name: must be one folder name" in r.stderr, (job, r.stderr)
+    ck = tmp_path / "ck"
+    for section in ("tensorboard", "csv_monitor"):
+        r = run(ZINC_TRAIN, cfg, "--steps", "2", "--set", "run.checkpoint_interval=1",
+                "--set", "run.checkpoint_dir=%s" % ck, "--set", "%s.enabled=true" % section,
+                "--set", "%s.output_path=%s" % (section, ck), "--set", "%s.job_name=global_step2" % section)
+        assert r.returncode == 1 and "lies in the checkpoint tag global_step2" in r.stderr, r.stderr
+        assert "step 1" not in r.stdout
+
+
+# ---- runs that trained nothing ------------------------------------------------------------
+
+
+def tokens_with_mask(tmp, mask_byte, docs=None):
+    """A headerless uint16 token file, its mask (every byte mask_byte) and optionally a documents file."""
+    n = 400
+    (tmp / "t.bin").write_bytes(b"".join(((i * 7) % 50).to_bytes(2, "little") for i in range(n)))
+    (tmp / "t.mask").write_bytes(bytes([mask_byte]) * n)
+    data = {"type": "tokens", "path": str(tmp / "t.bin"), "mask_path": str(tmp / "t.mask"), "seq_len": 16,
+            "vocab_size": 64}
+    if docs is not None:
+        (tmp / "t.docs").write_bytes(b"".join(d.to_bytes(8, "little") for d in docs))
+        data["documents_path"] = str(tmp / "t.docs")
+    return data
+
+
+@pytest.mark.parametrize("case", ["all masked", "every token starts a document"])
+def test_a_run_in_which_no_step_updated_exits_1(tmp_path, case):
+    data = tokens_with_mask(tmp_path, 0) if case == "all masked" else tokens_with_mask(tmp_path, 1, range(400))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+                               "data": data, "run": {"steps": 3, "output_dir": str(tmp_path / "run")}}))
+    out = tmp_path / "exp"
+    r = run(ZINC_TRAIN, str(cfg), "--save-pretrained", str(out))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "none of the 3 steps of this run updated the weights" in line and "no export was written" in line, line
+    assert "final loss 0.0" not in r.stdout
+    assert not os.path.exists(out / "config.json")
+    r = run(ZINC_TRAIN, str(cfg), "--json")
+    steps = [e for e in (json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")) if e["event"] == "step"]
+    assert steps and all(s["loss"] is None for s in steps), steps  # NaN: no loss, never 0
+
+
+# ---- input that is not what it claims ----------------------------------------------------------
+
+
+def test_a_config_that_never_ends_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        for extra in ((), ("--check",)):
+            r = run(ZINC_TRAIN, path, *extra, timeout=20)
+            assert r.returncode == 1 and "not a regular file" in r.stdout + r.stderr, (path, extra, r.stdout, r.stderr)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate((256 << 20) + 1)
+    r = run(ZINC_TRAIN, str(big), timeout=20)
+    assert r.returncode == 1 and "over the limit of" in r.stderr, r.stderr
+    # The model's config.json as a FIFO: no hang either.
+    src = copy_fixture(tmp_path)
+    os.remove(src / "config.json")
+    os.mkfifo(src / "config.json")
+    r = run(ZINC_TRAIN, config(tmp_path, src), "--steps", "1", timeout=20)
+    assert r.returncode == 1 and "config.json is a FIFO, not a regular file" in r.stderr, r.stderr
+
+
+def test_command_lines_that_would_do_nothing_or_the_wrong_thing_are_refused(tmp_path):
+    src = copy_fixture(tmp_path)
+    cfg = config(tmp_path, src)
+    r = run(ZINC_TRAIN, cfg, "--save-pretrained", "")
+    assert r.returncode == 2 and "--save-pretrained: an empty path names no folder" in r.stderr, r.stderr
+    ck = tmp_path / "ck"
+    sets = ("--set", "run.checkpoint_interval=1", "--set", "run.checkpoint_dir=%s" % ck)
+    assert run(ZINC_TRAIN, cfg, "--steps", "3", *sets).returncode == 0
+    r = run(ZINC_TRAIN, cfg, "--steps", "2", *sets, "--resume")
+    assert r.returncode == 1 and "the checkpoint is at step 3, past it" in r.stderr, r.stderr
+    r = run(ZINC_TRAIN, cfg, "--steps", "3", *sets, "--resume")  # a finished job restarted: nothing to do, said so
+    assert r.returncode == 0 and "done: nothing left to train (the checkpoint is at step 3" in r.stdout, r.stdout
+    # A shard with bytes appended is not the shard that was saved.
+    with open(ck / "global_step3" / "rank00000.bin", "ab") as f:
+        f.write(b"\0" * 4096)
+    r = run(ZINC_TRAIN, cfg, "--steps", "4", *sets, "--resume")
+    (line,) = errors(r)
+    assert r.returncode == 1 and "rank00000.bin has" in line and "bytes appended" in line, line
+
+
+def test_a_run_stopped_by_a_signal_exports_nothing(tmp_path):
+    """An unfinished run's weights would replace a finished export: a stop signal saves a checkpoint (the
+    progress is kept, --resume continues) and leaves the export folder as it was."""
+    import signal
+    import time
+    src = copy_fixture(tmp_path)
+    cfg = config(tmp_path, src, checkpoint_dir=str(tmp_path / "ck"))
+    out = tmp_path / "out"
+    assert run(ZINC_TRAIN, cfg, "--steps", "0", "--save-pretrained", str(out)).returncode == 0
+    before = digest(out)
+    p = subprocess.Popen([ZINC_TRAIN, cfg, "--steps", "100000", "--json", "--save-pretrained", str(out),
+                          "--save-weights", str(tmp_path / "w.safetensors")],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if '"event":"step"' in line or '"step":2' in line:
+            break
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    assert "are not written" in err and "--resume finishes the run" in err, err
+    assert digest(out) == before and not os.path.exists(tmp_path / "w.safetensors")
+    assert os.path.exists(tmp_path / "ck" / "latest")
