@@ -79,7 +79,14 @@ def plot(curves: dict, out: str, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    # Written whole beside its place and renamed: a kill leaves the old PNG or the new one.
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     plt.close(fig)
 
 
@@ -89,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default=None, help="default: the run's path")
     a = ap.parse_args(argv)
+    # The PNG never replaces what it is drawn from (compared as files, not as spellings of a path).
+    inputs = [a.run] if not os.path.isdir(a.run) else [os.path.join(a.run, f) for f in os.listdir(a.run)]
+    for f in inputs:
+        if os.path.exists(a.out) and os.path.exists(f) and os.path.samefile(a.out, f):
+            raise SystemExit(f"plot_run: --out {a.out} is {f}, which it reads; choose another file")
+    if os.path.isdir(a.out):
+        raise SystemExit(f"plot_run: --out {a.out} is a folder; name the PNG to write")
     curves = read_curves(a.run)
     plot(curves, a.out, a.title or a.run)
     n_eval = len(curves.get(EVAL, []))

@@ -83,3 +83,24 @@ def test_a_folder_without_losses_is_one_line(tmp_path):
     assert p.returncode != 0
     assert "holds no Train/Samples/train_loss scalars" in p.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_png_never_replaces_what_it_is_drawn_from(run):
+    """Issue 49: --out naming the event file or a CSV file it reads (also through a symlink) is refused, and
+    the file is left as it was; a PNG is replaced whole (no temporary left beside it)."""
+    tmp, _ = run
+    event = glob.glob(str(tmp / "tb" / "job" / "events.out.tfevents.*"))[0]
+    csv = str(tmp / "csv" / "job" / "Train_Samples_train_loss.csv")
+    os.symlink(csv, tmp / "link.csv")
+    for source, out in ((event, event), (str(tmp / "csv" / "job"), csv), (str(tmp / "csv" / "job"), str(tmp / "link.csv"))):
+        with open(out, "rb") as f:
+            before = f.read()
+        p = subprocess.run([sys.executable, SCRIPT, source, "--out", out], capture_output=True, text=True)
+        assert p.returncode != 0 and "which it reads; choose another file" in p.stderr, p.stderr
+        with open(out, "rb") as f:
+            assert f.read() == before
+    out = tmp / "twice.png"
+    for _ in range(2):
+        subprocess.run([sys.executable, SCRIPT, event, "--out", str(out)], check=True, capture_output=True)
+    assert png_size(out) == (700, 400)
+    assert not [f for f in os.listdir(tmp) if f.startswith(".twice.png")]
