@@ -227,3 +227,20 @@ def test_config_path_that_is_not_utf8_is_read_by_its_bytes(tmp_path):
     path = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.json")
     with pytest.raises(OSError, match=r"cannot open config file .*/caf\\xe9\.json: No such file"):
         zinc.initialize(path)
+
+
+def test_a_config_path_that_never_ends_is_refused_at_once(tmp_path):
+    """Issue 49: /dev/zero or a FIFO named as the config (or as the model's config.json) is refused as not a
+    regular file, at once: never read without end, never waited on."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        with pytest.raises(OSError, match="not a regular file"):
+            zinc.initialize(path)
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    doc = {"train_batch_size": 2, "model": {"from_pretrained": str(model)},
+           "data": {"type": "synthetic", "vocab_size": 16, "seq_len": 8}}
+    with pytest.raises(OSError, match="config.json is a FIFO, not a regular file"):
+        zinc.initialize(doc)
