@@ -16,10 +16,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <mutex>
 #include <set>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "engine/config.h"  // read_json_file
 
@@ -435,23 +437,8 @@ void verify_seal(nlohmann::json& doc, const std::string& path) {
 // ---- small files ------------------------------------------------------------------
 
 std::string read_bytes(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  if (!fd) throw_errno("checkpoint: cannot open " + path, errno);
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) throw_errno("checkpoint: cannot stat " + path, errno);
-  if (!S_ISREG(st.st_mode)) throw IoError("checkpoint: " + path + " is not a regular file");
-  std::string out;
-  char buf[65536];
-  for (;;) {
-    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw_errno("checkpoint: read of " + path + " failed", errno);
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
+  // No size bound: a 1-bit optimizer's file holds a model-sized error feedback.
+  return read_small_file(path, std::numeric_limits<int64_t>::max(), "checkpoint file");
 }
 
 // ---- locking ------------------------------------------------------------------------

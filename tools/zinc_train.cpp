@@ -455,20 +455,22 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
-  // So is --save-pretrained's: a second run writing the same folder at its
-  // end would mix its shards with this run's; it is refused now, not after
-  // its training.
-  // It must not be, nor hold, what the run reads (the pretrained model's
-  // folder above all: an export there would replace it).
+  // What the run reads: no export may write over it (docs/files.md).
   std::vector<std::string> inputs = zinc::tools::run_inputs(ex, config_path);
   if (resume && !resume->empty()) inputs.push_back(*resume);
   // --save-weights replaces one file: never one the run reads, nor one in
   // the pretrained model's folder.
-  for (const std::string& in : inputs)
+  for (const std::string& in : inputs) {
+    const bool is = zinc::same_file(weights_out, in);
     if (!weights_out.empty() && !in.empty() &&
-        (zinc::same_file(weights_out, in) || (in == ex.experiment.model.from_pretrained && zinc::is_within(weights_out, in))))
-      throw zinc::Error("--save-weights " + weights_out + (zinc::same_file(weights_out, in) ? " is " : " is inside ") +
-                        in + ", which this run reads: write the weights elsewhere");
+        (is || (in == ex.experiment.model.from_pretrained && zinc::is_within(weights_out, in))))
+      throw zinc::Error("--save-weights " + weights_out + (is ? " is " : " is inside ") + in +
+                        ", which this run reads: write the weights elsewhere");
+  }
+  // --save-pretrained's folder is held from the start too, checked against
+  // the inputs (above all the pretrained model's folder, which an export
+  // there would replace) and locked (a second run writing it at its end
+  // would mix its files with this run's): refused now, not after training.
   const std::unique_ptr<zinc::ckpt::DirLock> pretrained_lock =
       pretrained.dir.empty() ? nullptr
                              : zinc::tools::hold_output_folder(pretrained.dir, "--save-pretrained", inputs, *comm);
