@@ -67,7 +67,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 # The trial kinds and phases, the tiny config, the process helpers, the
@@ -686,15 +685,10 @@ class Test:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("binary", help="the zinc-train binary")
-    ap.add_argument("--trials", type=int, default=60)
-    ap.add_argument("--seed", type=int, default=1)
+    add_common_args(ap)
     ap.add_argument("--np2-share", type=float, default=0.0,
                     help="share of the kill trials run under mpirun -np 2")
-    ap.add_argument("--workdir", help="work folder (default: a temporary one, removed when every trial holds)")
-    ap.add_argument("--report", help="write the counts as JSON to this file")
-    ap.add_argument("--only", type=int, help="run only this trial (by index) of the seed's sequence")
     ap.add_argument("--no-cache", action="store_true", help="load every tag, even byte-identical ones")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
     if not os.access(args.binary, os.X_OK):
         print("crash_consistency: %s is not an executable" % args.binary)
@@ -702,28 +696,8 @@ def main():
     if not 0 <= args.np2_share <= 1:
         print("crash_consistency: --np2-share must be in 0..1")
         return 2
-    temp = args.workdir is None
-    if temp:
-        args.workdir = tempfile.mkdtemp(prefix="zinc-crash-")
-    else:
-        args.workdir = os.path.abspath(args.workdir)
-        os.makedirs(args.workdir, exist_ok=True)
     set_subreaper()
-    # A copy of the binary: a rebuild while the test runs (others build in
-    # the same tree) would otherwise mix two versions in one test.
-    copy = os.path.join(args.workdir, "zinc-train")
-    shutil.copy2(args.binary, copy)
-    args.binary_copy = copy
-    test = Test(args)
-    rc, report = test.main()
-    if args.report and report is not None:
-        with open(args.report, "w") as f:
-            json.dump(report, f, indent=1)
-    if temp and rc == 0 and not args.keep:
-        shutil.rmtree(args.workdir, ignore_errors=True)
-    elif temp:
-        print("work folder kept: %s" % args.workdir)
-    return rc
+    return run_in_workdir(args, "zinc-crash-", {"binary_copy": args.binary}, Test)
 
 
 if __name__ == "__main__":

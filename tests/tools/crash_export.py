@@ -90,9 +90,10 @@ import signal
 import string
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from crash_lib import CRASH_MARKERS, add_common_args, read_bytes, rmtree, run_in_workdir, shquote, write_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -112,35 +113,12 @@ PHASES = ("shard", "staged", "linked", "swapped")
 USER_FILES = ("README.md", "LICENSE", ".gitattributes", "notes.txt")
 OLD, NEW, ABSENT, EARLY, FAILED = "old", "new", "absent", "stopped early", "failures"
 OUTCOMES = (OLD, NEW, ABSENT, EARLY, FAILED)
-CRASH_MARKERS = ("Segmentation", "terminate called", "Aborted", "core dumped", "Bus error", "stack smashing",
-                 "AddressSanitizer", "double free", "free(): ", "malloc(): ")
 STOPPED_RE = re.compile(r"stopped by signal 15 after step (\d+)")
 ERROR_RE = re.compile(r"^(zinc-train|zinc-export): error: .*$", re.M)
 
 
 class Failure(Exception):
     pass
-
-
-def read_bytes(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def write_bytes(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def rmtree(path):
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def shquote(s):
-    return s if re.match(r"^[\w@%+=:,./-]+$", s) else "'" + s.replace("'", "'\\''") + "'"
 
 
 def folder_files(folder):
@@ -876,14 +854,9 @@ def main():
                     help="the zinc-train binary (default: build/tools/zinc-train of this tree)")
     ap.add_argument("export", nargs="?", default=os.path.join(SOURCE, "build", "tools", "zinc-export"),
                     help="the zinc-export binary (default: build/tools/zinc-export of this tree)")
-    ap.add_argument("--trials", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--only", type=int, help="run only this trial (by index) of the seed's sequence")
+    add_common_args(ap, trials=40)
     ap.add_argument("--writer", choices=("both",) + WRITERS, default="both",
                     help="the export under test (both: alternating, --save-pretrained for even trials)")
-    ap.add_argument("--workdir", help="work folder (default: a temporary one, removed when every trial holds)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--report", help="write the counts as JSON to this file")
     args = ap.parse_args()
     for b in (args.train, args.export):
         if not os.access(b, os.X_OK):
@@ -898,28 +871,7 @@ def main():
     except ImportError as e:
         print("crash_export: skipped: %s (scripts/setup.sh installs numpy and safetensors)" % e)
         return 77
-    temp = args.workdir is None
-    if temp:
-        args.workdir = tempfile.mkdtemp(prefix="zinc-crash-export-")
-    else:
-        args.workdir = os.path.abspath(args.workdir)
-        os.makedirs(args.workdir, exist_ok=True)
-    # Copies: a rebuild while the test runs (others build in the same tree) would otherwise mix two versions.
-    os.makedirs(os.path.join(args.workdir, "bin"), exist_ok=True)
-    args.train_copy = os.path.join(args.workdir, "bin", "zinc-train")
-    args.export_copy = os.path.join(args.workdir, "bin", "zinc-export")
-    shutil.copy2(args.train, args.train_copy)
-    shutil.copy2(args.export, args.export_copy)
-    test = Test(args)
-    rc, report = test.main()
-    if args.report and report is not None:
-        with open(args.report, "w") as f:
-            json.dump(report, f, indent=1)
-    if temp and rc == 0 and not args.keep:
-        shutil.rmtree(args.workdir, ignore_errors=True)
-    elif temp:
-        print("work folder kept: %s" % args.workdir)
-    return rc
+    return run_in_workdir(args, "zinc-crash-export-", {"train_copy": args.train, "export_copy": args.export}, Test)
 
 
 if __name__ == "__main__":

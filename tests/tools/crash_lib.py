@@ -256,6 +256,11 @@ def read_bytes(path):
         return f.read()
 
 
+def write_bytes(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def rmtree(path):
     if os.path.lexists(path):
         if os.path.isdir(path) and not os.path.islink(path):
@@ -316,3 +321,42 @@ def damage(path, how, rng):
 
 
 # ---- the test --------------------------------------------------------------------------
+
+
+# ---- the command line and work folder every crash test shares ---------------------------------------
+
+
+def add_common_args(ap, trials=60):
+    """--trials, --seed, --only, --workdir, --keep and --report, as every crash test takes them."""
+    ap.add_argument("--trials", type=int, default=trials)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--only", type=int, help="run only this trial (by index) of the seed's sequence")
+    ap.add_argument("--workdir", help="work folder (default: a temporary one, removed when every trial holds)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--report", help="write the counts as JSON to this file")
+
+
+def run_in_workdir(args, prefix, copies, make_test):
+    """Makes the work folder (args.workdir, else a temporary one named `prefix`...), copies each file of
+    `copies` ({attribute: source path}) into it and sets args.<attribute> to the copy (a rebuild or an edit
+    while the test runs would otherwise mix two versions in one test), runs make_test(args).main(), writes
+    the report, and removes a temporary folder when every trial held. Returns the exit code."""
+    temp = args.workdir is None
+    if temp:
+        args.workdir = tempfile.mkdtemp(prefix=prefix)
+    else:
+        args.workdir = os.path.abspath(args.workdir)
+        os.makedirs(args.workdir, exist_ok=True)
+    os.makedirs(os.path.join(args.workdir, "bin"), exist_ok=True)
+    for attr, source in copies.items():
+        setattr(args, attr, os.path.join(args.workdir, "bin", os.path.basename(source)))
+        shutil.copy2(source, getattr(args, attr))
+    rc, report = make_test(args).main()
+    if args.report and report is not None:
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=1)
+    if temp and rc == 0 and not args.keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    elif temp:
+        print("work folder kept: %s" % args.workdir)
+    return rc
