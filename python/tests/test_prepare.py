@@ -443,10 +443,12 @@ def test_a_line_nested_too_deeply_is_a_bad_record(tmp_path, capsys):
 
 # ---- issue 49: outputs that are inputs, a kill mid-commit, hostile templates, files that are no files -----------
 
-FAULT_PHASES = ("writing", "before_rename", "after_mask", "after_docs", "after_manifest", "after_bin")
-# The files a run killed at each phase has already renamed into place (.mask, .docs, manifest, .bin last).
+FAULT_PHASES = ("writing", "before_rename", "after_mask", "after_docs", "after_bin", "after_manifest")
+# The files a run killed at each phase has already renamed into place (.mask, .docs, .bin, the manifest last;
+# the old manifest is removed before the first rename).
 RENAMED = {"writing": (), "before_rename": (), "after_mask": ("mask",), "after_docs": ("mask", "docs"),
-           "after_manifest": ("mask", "docs", "json"), "after_bin": ("mask", "docs", "json", "bin")}
+           "after_bin": ("mask", "docs", "bin"), "after_manifest": ("mask", "docs", "bin", "json")}
+MANIFEST_REMOVED = ("after_mask", "after_docs", "after_bin")  # no manifest there: the old one went first
 
 
 def tree(folder):
@@ -541,9 +543,10 @@ def set_rule(prefix):
 @pytest.mark.parametrize("phase", FAULT_PHASES)
 def test_a_kill_at_any_phase_leaves_one_set_or_a_refused_one(tmp_path, capsys, phase):
     """A run killed (SIGKILL, ZINC_PREPARE_FAULT) at each phase of its commit over an earlier set: the files it
-    renamed are the .mask, then the .docs, then the manifest, and the .bin last, so that the .bin present
-    always vouches for the .mask and .docs beside it (a mixed set is refused); its temporaries are removed by
-    the next run, which leaves the new set and nothing else."""
+    renamed are the .mask, then the .docs, then the .bin, and the manifest last (the old one removed before
+    the first rename), so that the .bin present always vouches for the .mask and .docs beside it (a mixed set
+    is refused) and a manifest present always describes the .bin; its temporaries are removed by the next run,
+    which leaves the new set and nothing else."""
     prefix = tmp_path / "set"
     outputs = [f"{prefix}.{ext}" for ext in ("bin", "mask", "docs", "json")]
     new_args = [FIX / "text.jsonl", "--tokenizer", LLAMA3, "--seq-len", 256, "--out", prefix]
@@ -556,11 +559,13 @@ def test_a_kill_at_any_phase_leaves_one_set_or_a_refused_one(tmp_path, capsys, p
     assert all(old[p] != new[p] for p in outputs)
     rc, err = cli(*new_args, env={"ZINC_PREPARE_FAULT": phase})
     assert rc == -9, err  # killed by the hook
-    state = {p: open(p, "rb").read() for p in outputs}
+    state = {p: open(p, "rb").read() if os.path.exists(p) else None for p in outputs}
     renamed = [ext for ext in ("bin", "mask", "docs", "json") if state[f"{prefix}.{ext}"] == new[f"{prefix}.{ext}"]]
     assert sorted(renamed) == sorted(RENAMED[phase])
-    assert all(state[f"{prefix}.{ext}"] == old[f"{prefix}.{ext}"] for ext in ("bin", "mask", "docs", "json")
+    assert all(state[f"{prefix}.{ext}"] == old[f"{prefix}.{ext}"] for ext in ("bin", "mask", "docs")
                if ext not in renamed)
+    assert state[f"{prefix}.json"] == (None if phase in MANIFEST_REMOVED else
+                                       new[f"{prefix}.json"] if "json" in renamed else old[f"{prefix}.json"])
     assert set_rule(prefix) == [ext for ext in ("mask", "docs") if ext in renamed and "bin" not in renamed]
     left = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert len(left) == (3 if phase == "writing" else 4 - len(renamed))

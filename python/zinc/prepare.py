@@ -76,14 +76,16 @@ refused before anything is written.
 
 A set is replaced as a whole or refused by zinc-train, whatever the moment a
 run is killed: each file is written to a temporary (.BASENAME.EXT.tmp-PID) in
-the destination folder, the four are fsynced, then renamed into place one at
-a time, the .mask, the .docs, the manifest and the .bin last, the folder
-fsynced before the .bin's rename and after. The .bin is the commit point: it
-vouches for the .mask and .docs by their CRC-32 and size, and zinc-train
-refuses (naming the file) a .mask or .docs beside it that is not the one its
-header records, so that a kill between two renames leaves the old set, the
-new one, or a set zinc-train refuses, never an old .bin training on a new
-mask. (The manifest may then be ahead of the .bin: its "crc32" says so.) On
+the destination folder, the four are fsynced, the old manifest is removed,
+then they are renamed into place one at a time: the .mask, the .docs, the
+.bin, and the manifest last, the folder fsynced before the .bin's rename and
+after. The .bin is the data's commit point: it vouches for the .mask and
+.docs by their CRC-32 and size, and zinc-train refuses (naming the file) a
+.mask or .docs beside it that is not the one its header records, so that a
+kill between two renames leaves the old set, the new one, or a set
+zinc-train refuses, never an old .bin training on a new mask; and a manifest
+present always describes the .bin beside it (a kill between the .bin and the
+manifest leaves the new data without one: rerun to get it). On
 an error or Ctrl-C the temporaries are removed and existing files of the same
 prefix are left as they were; so on a SIGTERM, which stops the run between
 two batches (exit 143), or, once the renames have begun, lets them end. The
@@ -144,7 +146,9 @@ HEADER_INTS = 256
 SET_MARKER = 0x434E495A  # header[3]: the bytes "ZINC" in file order; header[4..10] then record the set
 SET_VERSION = 1  # header[4]: the version of that record
 OUTPUT_EXTENSIONS = ("bin", "mask", "docs", "json")
-RENAME_ORDER = ("mask", "docs", "json", "bin")  # the .bin last: its header vouches for the .mask and .docs
+# The data's commit point is the .bin (its header vouches for the .mask and .docs); the manifest, whose old
+# version is removed before the first rename, comes after it: a manifest present always describes the .bin.
+RENAME_ORDER = ("mask", "docs", "bin", "json")
 MAX_RENDER_CHARS = 1 << 24  # a chat template's rendering of a record, and any string or list it builds, at most
 MAX_RENDER_SECONDS = 10.0  # a record's renderings at most (enforced on the main thread, by SIGALRM)
 TOKEN_FORMATS = {"uint16": (20240520, 1, "H"), "uint32": (20240801, 7, "I")}  # magic, version, array typecode
@@ -826,8 +830,9 @@ def fault_point(phase: str) -> None:
     """Test hook (tests/tools/crash_prepare.py), as the engine's ZINC_CHECKPOINT_FAULT: ZINC_PREPARE_FAULT=PHASE
     kills this process with SIGKILL, as kill -9 would, at PHASE: "writing" (the first batch is in the
     temporaries), "before_rename" (the four temporaries complete and fsynced, none renamed), "after_mask",
-    "after_docs", "after_manifest" (that file renamed into place, those after it in RENAME_ORDER not yet),
-    "after_bin" (all four renamed, the folder not yet fsynced). Nothing when unset or another phase."""
+    "after_docs", "after_bin" (that file renamed into place, those after it in RENAME_ORDER not yet; the old
+    manifest already removed), "after_manifest" (all four renamed, the folder not yet fsynced). Nothing when
+    unset or another phase."""
     if os.environ.get("ZINC_PREPARE_FAULT") == phase:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -1041,10 +1046,11 @@ class Outputs:
         return struct.pack(f"<{HEADER_INTS}I", *ints, *[0] * (HEADER_INTS - len(ints)))
 
     def commit(self, manifest: dict) -> None:
-        """Writes the header and the manifest, fsyncs the four temporaries and renames them in RENAME_ORDER:
-        the .mask, the .docs, the manifest, then the .bin, the commit point (its header vouches for the .mask
-        and .docs by CRC-32 and size, so a set a kill left mixed is refused by zinc-train, not trained on). The
-        folder is fsynced before the .bin's rename and after it."""
+        """Writes the header and the manifest, fsyncs the four temporaries, removes the old manifest and renames
+        them in RENAME_ORDER: the .mask, the .docs, the .bin, the data's commit point (its header vouches for
+        the .mask and .docs by CRC-32 and size, so a set a kill left mixed is refused by zinc-train, not trained
+        on), and the manifest last (one present always describes the .bin beside it). The folder is fsynced
+        before the .bin's rename and after it."""
         self.files["bin"].seek(0)
         self.files["bin"].write(self.header())
         with _create(self.temp["json"]) as f:
@@ -1057,6 +1063,10 @@ class Outputs:
             f.close()
         fault_point("before_rename")
         folder = os.path.dirname(self.prefix)
+        try:  # a manifest present always describes the .bin beside it: the old one goes before any rename
+            os.unlink(self.final["json"])
+        except FileNotFoundError:
+            pass
         for ext in RENAME_ORDER:
             if ext == "bin":
                 _fsync_path(folder)
