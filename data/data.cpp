@@ -56,8 +56,9 @@ constexpr int64_t kTokenHeaderBytes = 256 * 4;
 // --------------------
 // zinc.prepare writes PREFIX.bin, PREFIX.mask, PREFIX.docs and the manifest
 // PREFIX.json as one set, renamed into place one file at a time: the mask,
-// the documents, the manifest, and the token file last. The token file's
-// header (llm.c's 256 int32s: magic, version, token count) then records
+// the documents, the token file, and the manifest (whose old version goes
+// first) last. The token file is the data's commit point: its header
+// (llm.c's 256 int32s: magic, version, token count) records
 // the set in slots the llm.c readers leave at zero:
 //   [3] kSetMarker ("ZINC" in file order), [4] kSetVersion,
 //   [5] zlib's CRC-32 of PREFIX.mask, [6..7] its size in bytes (low, high),
