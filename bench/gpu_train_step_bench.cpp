@@ -36,7 +36,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
     return 0;
   }
   int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
-  if (o.tiny) {  // kernel emulation's smoke test of this code (README, GPU)
+  if (o.tiny) {  // kernel emulation's smoke test of this code (docs/gpu.md)
     B = 2;
     T = 16;
     C = 32;

@@ -304,7 +304,7 @@ struct Config {
   bool wall_clock_breakdown = false;
   // bf16.enabled: compute in bf16 (fp32 master weights and gradients).
   // Halves the compute copy and activations; on CPUs without native bf16
-  // matmuls the matmuls run in fp32 (README, Any CPU).
+  // matmuls the matmuls run in fp32 (docs/cpu.md).
   bool bf16 = false;
   Fp16Config fp16;
   DType grad_accum_dtype = DType::kF32;  // data_types.grad_accum_dtype (only fp32 is implemented)

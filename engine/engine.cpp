@@ -29,7 +29,7 @@
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 
-// The step in DESIGN.md's order: forward (blocks acquired through the
+// The step in docs/design.md's order: forward (blocks acquired through the
 // ParamCoordinator: gathered, prefetched and freed at stage 3), backward
 // (GradReducer: bucketed reduce-scatter on the reduction stream), step (norm,
 // clip, AdamW over the owned shards through the OptimizerState, then the

@@ -1,6 +1,6 @@
 // zinc engine, private: Engine::Impl, the engine's state, shared by the
 // units that define its parts:
-// - engine.cpp: construction and the step in DESIGN.md's order (forward,
+// - engine.cpp: construction and the step in docs/design.md's order (forward,
 //   backward, step, the optimizer update), and the public Engine API;
 // - checkpoint_io.cpp: the checkpoint protocol (save, load, the ranks'
 //   agreement on each phase), beside the format in checkpoint.cpp;

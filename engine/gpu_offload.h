@@ -5,7 +5,7 @@
 // device it is: the CPU's DevicePath does nothing at any of them, and
 // GpuOffload ("device": "cuda", Note [the GPU path] in gpu_offload.cpp) is
 // all of the GPU path's state and logic. So engine.cpp reads as the CPU's
-// step in DESIGN.md's order.
+// step in docs/design.md's order.
 #pragma once
 
 #include <cstdint>

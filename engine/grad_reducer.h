@@ -1,4 +1,4 @@
-// zinc engine, private: the gradient reducer (DESIGN.md's GradReducer).
+// zinc engine, private: the gradient reducer (docs/design.md's GradReducer).
 //
 // Owns the reduction of every block's gradient across ranks: the buckets of
 // reduce_bucket_size elements, the reduce-scatter into each rank's shard (and

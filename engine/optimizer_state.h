@@ -1,4 +1,4 @@
-// zinc engine, private: where the optimizer state lives (DESIGN.md's
+// zinc engine, private: where the optimizer state lives (docs/design.md's
 // optimizer-state interface). Each rank's fp32 master weights and Adam
 // moments m, v of its optimizer spans (one per block: the whole padded block
 // at stage 0, else the rank's shard) live in RAM, in page-locked RAM

@@ -1,4 +1,4 @@
-// zinc engine, private: the parameter coordinator (DESIGN.md's
+// zinc engine, private: the parameter coordinator (docs/design.md's
 // ParamCoordinator). acquire(block) hands the model the block's full
 // compute-precision parameters and release(block) takes them back; the model
 // holds them through a HeldParams handle (engine/model.h), so an exception

@@ -544,7 +544,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // did not run at all: blocked, or runnable while the core ran something
   // else, such as a communication thread polling beside it (1 - its CPU time
   // over the wall time). A backend that polls moves its waiting from [0]
-  // into [1]; README, "How ranks talk".
+  // into [1]; docs/zero.md, "How ranks talk".
   double shares[2] = {engine.comm_wait_seconds() / elapsed, 1.0 - (thread_cpu_seconds() - cpu0) / elapsed};
   if (world > 1) {
     comm->all_reduce_f64(rss.data(), world);

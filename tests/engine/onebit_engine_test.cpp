@@ -497,7 +497,7 @@ TEST(OneBitLamb, ResumesBitExactOnEitherSideOfTheFreeze) {
 }
 
 // Saved at this world size past the freeze, 1-bit Lamb resumes at one rank
-// (the error feedback restarts, as the README says). Its fresh variance is
+// (the error feedback restarts, as docs/onebit.md says). Its fresh variance is
 // kept per span like Adam's v, so the one rank's is stitched from every
 // saved rank's file (at stage 0 they are copies of the block, padded for
 // the world size): saved again at one rank, it holds the same values as the
