@@ -29,6 +29,8 @@ pytest.importorskip("jinja2", reason="zinc.prepare renders chat templates with j
 from tokenizers import Tokenizer  # noqa: E402
 
 from zinc import prepare  # noqa: E402
+# The tool's parts, whose globals a test patches where the code reads them (prepare's copies are not read).
+from zinc import _prepare_outputs, _prepare_records, _prepare_template  # noqa: E402
 
 FIX = REPO / "tests" / "fixtures" / "prepare"
 LLAMA3, CHATML = FIX / "llama3", FIX / "chatml"
@@ -423,8 +425,8 @@ def test_orjson_and_the_standard_library_agree(tmp_path, capsys, monkeypatch):
     """The same files and reports with orjson's fast path and without it."""
     pytest.importorskip("orjson")
     results = []
-    for fast in (prepare._fast_loads, None):
-        monkeypatch.setattr(prepare, "_fast_loads", fast)
+    for fast in (_prepare_records._fast_loads, None):
+        monkeypatch.setattr(_prepare_records, "_fast_loads", fast)
         rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", tokenizer=CHATML, name=f"o{fast is None}")
         assert rc == 0, err
         results.append((read_outputs(prefix)[:3], reports(err)))
@@ -591,10 +593,16 @@ def test_sigterm_stops_between_batches_never_inside_the_commit(tmp_path, capsys,
         run_prepare(tmp_path, capsys, FIX / "text.jsonl")
     assert stopped.value.code == 143 and snapshot(tmp_path) == before
     monkeypatch.setattr(prepare.Outputs, "add", original)
-    monkeypatch.setattr(prepare, "fault_point",
-                        lambda phase: os.kill(os.getpid(), signal.SIGTERM) if phase == "after_mask" else None)
+    fired = []
+
+    def term_after_mask(phase):
+        if phase == "after_mask":
+            fired.append(phase)
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(_prepare_outputs, "fault_point", term_after_mask)
     rc, err, _ = run_prepare(tmp_path, capsys, FIX / "text.jsonl")
     assert rc == 0, err
+    assert fired == ["after_mask"]  # the SIGTERM came during the renames
     assert read_outputs(prefix)[3]["sources"][0]["path"] == str(FIX / "text.jsonl")  # the whole new set
     assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.docs", "out.json", "out.mask"]
 
@@ -669,8 +677,9 @@ def test_a_template_running_without_end_is_a_bad_record(tmp_path):
     """A template looping 10^10 times without output stops at MAX_RENDER_SECONDS (here 0.5 s): a bad record."""
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ c }}"
     data, template = boom_files(tmp_path, loop)
+    lowered = "from zinc import _prepare_template\n_prepare_template.MAX_RENDER_SECONDS = 0.5"  # where it is read
     rc, err = cli(data, "--tokenizer", LLAMA3, "--chat-template", template, "--seq-len", 64,
-                  "--out", tmp_path / "out", code="prepare.MAX_RENDER_SECONDS = 0.5", timeout=30)
+                  "--out", tmp_path / "out", code=lowered, timeout=30)
     assert rc == 0, err
     assert bad_lines(err) == [2] and "boom.jsonl:2: the chat template ran past 0.5 s" in err
 
@@ -695,7 +704,7 @@ def test_what_a_template_builds_is_bounded(tmp_path, capsys, monkeypatch, expres
     """Each way a template can build a huge string or number (doubling in a namespace or through a macro's
     argument, output in a loop, '%' and filter widths, list repetition, '**'), against MAX_RENDER_CHARS
     lowered to 1,000: the record is bad, saying what, and the run goes on."""
-    monkeypatch.setattr(prepare, "MAX_RENDER_CHARS", 1000)
+    monkeypatch.setattr(_prepare_template, "MAX_RENDER_CHARS", 1000)
     data, template = boom_files(tmp_path, expression)
     rc, err, prefix = run_prepare(tmp_path, capsys, data, "--chat-template", template, seq_len=64)
     assert rc == 0, err

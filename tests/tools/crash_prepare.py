@@ -49,13 +49,17 @@ The refused class is checked by zinc-train when the binary has the check
 rule alone, in Python (--require-reader makes that a failure). zinc.prepare
 and zinc-train are copied into the work folder first, so that a rebuild or
 an edit during the test does not mix two versions. zinc.prepare is
-python/zinc/prepare.py as found on PYTHONPATH (zinc/prepare.py under an
-entry, e.g. build/python), else in this source tree, else --prepare FILE;
-it runs as a script, with this interpreter (which needs `tokenizers`).
+prepare.py and the private modules beside it (_prepare*.py) as found on
+PYTHONPATH (zinc/prepare.py under an entry, e.g. build/python), else in this
+source tree, else --prepare (the file or its folder); they are copied into
+a package folder zinc/ of their own (its __init__.py empty: the tool needs
+no extension module) and run as `python -m zinc.prepare` with this
+interpreter (which needs `tokenizers`), that copy first on PYTHONPATH and
+the work folder as the current one (so that no zinc/ there shadows it).
 
 Usage:
   crash_prepare.py [ZINC_TRAIN] --trials N [--seed S] [--only I] [--keep]
-      [--workdir DIR] [--report FILE.json] [--prepare FILE] [--require-reader]
+      [--workdir DIR] [--report FILE.json] [--prepare PATH] [--require-reader]
 A failure prints the trial's seed, kind, parameters, the commands and what
 happened, and `--seed S --only I` reruns that one trial. Exit code 0 when
 every trial holds, 1 otherwise, 2 for a wrong argument, 77 (skipped) when
@@ -127,14 +131,33 @@ def rule_refuses(prefix):
 
 
 def find_prepare(given):
-    """prepare.py: --prepare, else zinc/prepare.py under a PYTHONPATH entry, else this source tree's."""
+    """prepare.py: --prepare (the file, or a folder holding it), else zinc/prepare.py under a PYTHONPATH entry,
+    else this source tree's."""
     if given:
-        return os.path.abspath(given)
+        given = os.path.abspath(given)
+        return os.path.join(given, "prepare.py") if os.path.isdir(given) else given
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         candidate = os.path.join(entry, "zinc", "prepare.py")
         if entry and os.path.isfile(candidate):
             return os.path.abspath(candidate)
     return os.path.join(SOURCE, "python", "zinc", "prepare.py")
+
+
+def copy_prepare(prepare, dest):
+    """Copies prepare.py (as zinc/prepare.py) and the private modules beside it (_prepare*.py) into DEST/zinc/, a
+    package of its own with an empty __init__.py (zinc.prepare needs no extension module), so that
+    `python -m zinc.prepare` with DEST first on PYTHONPATH runs this copy whatever is rebuilt or edited
+    meanwhile. Returns DEST."""
+    package = os.path.join(dest, "zinc")
+    rmtree(package)
+    os.makedirs(package)
+    folder = os.path.dirname(prepare)
+    shutil.copy2(prepare, os.path.join(package, "prepare.py"))
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("_prepare") and name.endswith(".py"):
+            shutil.copy2(os.path.join(folder, name), os.path.join(package, name))
+    write_bytes(os.path.join(package, "__init__.py"), b"")
+    return dest
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -186,6 +209,10 @@ class Test:
         self.prefix = os.path.join(self.trial_dir, "set")
         self.data_dir = os.path.join(self.workdir, "data")
         os.makedirs(self.data_dir, exist_ok=True)
+        # zinc.prepare's copy: `python -m zinc.prepare` finds it first on PYTHONPATH (run in the work folder)
+        self.pythonpath = os.pathsep.join(
+            [copy_prepare(args.prepare, os.path.join(self.workdir, "bin"))] +
+            [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e])
         self.cfg = os.path.join(self.workdir, "train.json")
         with open(self.cfg, "w") as f:
             json.dump(self.train_config(), f, indent=1)
@@ -214,11 +241,11 @@ class Test:
     # -- processes -------------------------------------------------------------------
 
     def command(self, data):
-        return [sys.executable, self.args.prepare_copy, data, "--format", "alpaca", "--tokenizer", TOKENIZER,
+        return [sys.executable, "-m", "zinc.prepare", data, "--format", "alpaca", "--tokenizer", TOKENIZER,
                 "--seq-len", str(SEQ_LEN), "--out", self.prefix, "--progress"]
 
     def spawn(self, data, env_extra=None):
-        env_extra = dict(env_extra or {})
+        env_extra = dict(env_extra or {}, PYTHONPATH=self.pythonpath)
         env = dict(os.environ)
         env.pop("ZINC_PREPARE_FAULT", None)
         env.update(env_extra)
@@ -226,7 +253,7 @@ class Test:
         err = open(os.path.join(self.workdir, "last.err"), "wb")
         t0 = time.monotonic()
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                             start_new_session=True)
+                             cwd=self.workdir, start_new_session=True)
         err.close()
         self.starts += 1
         return {"p": p, "t0": t0, "cmd": cmd, "env": env_extra}
@@ -620,7 +647,9 @@ def main():
     ap.add_argument("binary", nargs="?", default=os.path.join(SOURCE, "build", "tools", "zinc-train"),
                     help="the zinc-train binary (default: build/tools/zinc-train of this tree)")
     add_common_args(ap)
-    ap.add_argument("--prepare", help="zinc.prepare's prepare.py (default: found on PYTHONPATH, else this tree's)")
+    ap.add_argument("--prepare", metavar="PATH",
+                    help="zinc.prepare's prepare.py, or the folder holding it and its _prepare*.py modules "
+                         "(default: zinc/prepare.py found on PYTHONPATH, else this tree's)")
     ap.add_argument("--require-reader", action="store_true",
                     help="fail when zinc-train loads a mixed set (instead of checking the rule in Python)")
     args = ap.parse_args()
@@ -634,8 +663,8 @@ def main():
     if importlib.util.find_spec("tokenizers") is None:
         print("crash_prepare: skipped: zinc.prepare needs the tokenizers package (scripts/setup.sh installs it)")
         return 77
-    return run_in_workdir(args, "zinc-crash-prepare-", {"binary_copy": args.binary, "prepare_copy": args.prepare},
-                          Test)
+    # zinc-train is copied here, zinc.prepare's modules by Test (copy_prepare), into the work folder
+    return run_in_workdir(args, "zinc-crash-prepare-", {"binary_copy": args.binary}, Test)
 
 
 if __name__ == "__main__":

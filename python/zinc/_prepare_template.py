@@ -1,0 +1,263 @@
+"""zinc.prepare's chat templates: compiled in a bounded jinja2 sandbox (compile_chat_template: what a template
+builds is at most MAX_RENDER_CHARS), rendered under a deadline (MAX_RENDER_SECONDS), and the character spans of
+a conversation's assistant turns (ChatRenderer). See prepare.py for the tool.
+
+The bounds are read here, at each use: a test or a caller lowers them by setting this module's
+MAX_RENDER_CHARS and MAX_RENDER_SECONDS (zinc.prepare's names are copies)."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+from datetime import datetime
+from typing import Any, Callable, Optional
+
+from ._prepare_common import BadRecord, PrepareError
+from ._prepare_tokenizer import TokenizerInfo
+
+MAX_RENDER_CHARS = 1 << 24  # a chat template's rendering of a record, and any string or list it builds, at most
+MAX_RENDER_SECONDS = 10.0  # a record's renderings at most (enforced on the main thread, by SIGALRM)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _check_built(value: Any, what: str) -> Any:
+    """value, unless it is a string, list, tuple or dict longer than MAX_RENDER_CHARS (a BadRecord)."""
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+        unit = "characters" if isinstance(value, str) else "items"
+        raise BadRecord(f"the chat template builds {what} of {len(value):,} {unit}, more than {MAX_RENDER_CHARS:,}")
+    return value
+
+
+def _check_argument(value: Any) -> None:
+    """An argument of a call or filter: an integer above MAX_RENDER_CHARS (a width, a count) is a BadRecord,
+    as is a string or list longer than that."""
+    if isinstance(value, int) and abs(value) > MAX_RENDER_CHARS:
+        raise BadRecord(f"the chat template passes {value:,} to a function or filter, more than {MAX_RENDER_CHARS:,}")
+    _check_built(value, "an argument")
+
+
+def _check_format(fmt: Any) -> None:
+    """A format string ('%' or str.format) with a number above MAX_RENDER_CHARS (a width or precision) is a
+    BadRecord, checked before it runs: '%1000000000s' would allocate a gigabyte."""
+    if not isinstance(fmt, str):
+        return
+    digits = len(str(MAX_RENDER_CHARS))
+    for n in re.findall(r"\d{%d,}" % digits, fmt):
+        if len(n) > digits or int(n) > MAX_RENDER_CHARS:
+            raise BadRecord(f"the chat template formats with a width or precision above {MAX_RENDER_CHARS:,}")
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Before a '*', '**' or '%' runs: what it would build is not above MAX_RENDER_CHARS."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
+                unit = "characters" if isinstance(seq, str) else "items"
+                raise BadRecord(f"the chat template repeats a {type(seq).__name__} of {len(seq):,} {unit} {n:,} "
+                                f"times ('*'): {len(seq) * n:,}, more than {MAX_RENDER_CHARS:,}")
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 and \
+                (abs(left).bit_length() - 1) * right > 8 * MAX_RENDER_CHARS:
+            raise BadRecord(f"the chat template raises {left:,} to the power {right:,} ('**'), an integer of more "
+                            f"than {8 * MAX_RENDER_CHARS:,} bits")
+    elif operator == "%":
+        _check_format(left)
+        for a in right if isinstance(right, tuple) else (right,):
+            _check_argument(a)
+
+
+class _RenderDeadline:
+    """A record's renderings end with a BadRecord after MAX_RENDER_SECONDS (a template looping without end):
+    SIGALRM, whose handler runs on the main thread between two bytecodes, so only there, and only when no
+    other ITIMER_REAL timer is running (elsewhere: no bound on time, only on size). One C call (a huge sort,
+    say) is not interrupted."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.previous: Any = None
+        self.enabled = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+                        and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+
+    def _expired(self, signum: int, frame: Any) -> None:
+        if self.active:
+            self.active = False
+            raise BadRecord(f"the chat template ran past {MAX_RENDER_SECONDS:g} s (MAX_RENDER_SECONDS)")
+
+    def __enter__(self) -> "_RenderDeadline":
+        if self.enabled:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            self.active = True
+            signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.active = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if self.previous is None else self.previous)
+
+
+def compile_chat_template(source: str) -> Any:
+    """The template compiled in the jinja2 environment transformers' apply_chat_template uses
+    (transformers/utils/chat_template_utils.py, _compile_jinja_template): a sandbox with trim_blocks and
+    lstrip_blocks, loop controls, tojson without HTML escaping, raise_exception, strftime_now, and the
+    {% generation %} tag (rendered as its body: the assistant spans are found from prefixes instead).
+
+    Bounded, where transformers' is not: no string, list or dict above MAX_RENDER_CHARS may be built by '*'
+    or '**' (checked before they run), '+' or '%', a call (a macro, a method, a global: its arguments and
+    result), a filter (the same) or a namespace attribute; a BadRecord says which. With jinja2's own bound on
+    range() (MAX_RANGE) and ChatRenderer's on the rendering's length and time, `{{ content * 100000000 }}`
+    or a string doubled in a loop is a bad record in microseconds, not minutes and gigabytes."""
+    import functools
+
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return _check_built(super().call_binop(context, operator, left, right), f"a {operator!r} result")
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            for a in (*args, *kwargs.values()):
+                _check_argument(a)
+            return _check_built(super().call(__context, __obj, *args, **kwargs), "a call's result")
+
+        def wrap_str_format(self, value: Any) -> Optional[Callable[..., str]]:
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            _check_format(value.__self__)
+            return lambda *args, **kwargs: _check_built(wrapped(*args, **kwargs), "a str.format result")
+
+    def bounded_filter(name: str, f: Callable) -> Callable:
+        @functools.wraps(f)  # keeps jinja2's pass_context / pass_eval_context marks
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            for a in (*args, *kwargs.values()):
+                if name == "format":
+                    _check_format(a)
+                _check_argument(a)
+            return _check_built(f(*args, **kwargs), f"the result of the filter {name!r}")
+        return bounded
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class TemplateDict:
+        # As transformers: dict(...) and dict.fromkeys(...) without the type itself.
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        # As transformers: no underscore-prefixed attributes on a namespace.
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            for name in dict(*args, **kwargs):
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, *args, **kwargs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, _check_built(value, f"a namespace attribute {name!r}"))
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"underscore-prefixed namespace attribute {name!r}")
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(source)
+
+
+class ChatRenderer:
+    """Renders a conversation and finds the character spans of its assistant turns."""
+
+    def __init__(self, info: TokenizerInfo):
+        if info.chat_template is None:
+            raise PrepareError("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); "
+                               "pass --chat-template FILE")
+        try:
+            self.template = compile_chat_template(info.chat_template)
+        except Exception as e:
+            raise PrepareError(f"the chat template does not compile: {e}")
+        self.variables = dict(info.special_tokens)
+
+    def render(self, messages: list, add_generation_prompt: bool = False) -> str:
+        """The rendering (as jinja2's render() joins it), stopped with a BadRecord as soon as it passes
+        MAX_RENDER_CHARS."""
+        parts, length = [], 0
+        for part in self.template.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **self.variables):
+            length += len(part)
+            if length > MAX_RENDER_CHARS:
+                raise BadRecord(f"the chat template's rendering passes {MAX_RENDER_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
+
+    def render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering and its assistant spans; a BadRecord past MAX_RENDER_SECONDS (on the main thread)."""
+        with _RenderDeadline():
+            return self._render_with_spans(messages)
+
+    def _render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = full if i == len(messages) - 1 else self.render(messages[:i + 1])
+            if not (full.startswith(through) and through.startswith(before)):
+                raise BadRecord(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's, "
+                                f"so assistant turn {i} cannot be located")
+            if len(through) > len(before):
+                spans.append((len(before), len(through)))
+        return full, spans
+
+
+def normalize_messages(messages: Any) -> list:
+    """Checks a chat record's messages and applies transformers' normalisation: keys whose value is None are
+    dropped, and a message's reasoning is copied under each name templates read it by."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("'messages' is not a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRecord(f"messages[{i}] is not an object with a string 'role'")
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecord("no assistant message")
+    return out
