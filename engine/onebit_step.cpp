@@ -109,180 +109,11 @@
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
 #include "kernels/kernels.h"
+#include "optim/onebit_kernels.h"
 
 namespace zinc {
 
 namespace {
-// 1-bit Lamb's elementwise pass over one tensor (Note [1-bit Lamb]), one
-// read of each array: the averaged momentum (fl, scaled) unscaled into m,
-// the gradient reconstructed from it and the momentum before the step (m's
-// old value) folded into the fresh variance vf, and the three reductions the
-// factor needs: the sums of squares of u = m / denom + wd w and of m / denom
-// (in double, element i into partial sum i % 8, combined ((s0 + s1) + (s2 +
-// s3)) + ((s4 + s5) + (s6 + s7))) and the largest denom / (sqrt(vf) + eps), in element order.
-//
-// Written for GCC's vectoriser (Note [kernel vectorisation] in
-// kernels/simd_math.h): per chunk of kChunk elements, one elementwise loop
-// into three small buffers that stay in the L1 cache, then the reductions as
-// eight lanes over whole blocks of 8 (lane k = element i % 8, so the chunks
-// change no order). Compiled at each ISA level by ZINC_ISA_VARIANTS;
-// -ffp-contract=off (engine/CMakeLists.txt) keeps every level's bits equal.
-// The lane-wise maxima give the element-order maximum's bits: max skips NaN
-// and keeps the first of equal values either way, and every lane starts at
-// +0.
-struct LambSums {
-  double u_sq, prelim_sq;
-  float ratio_max;
-};
-struct LambConsts {
-  float sc, b1, one_minus_b1, b2, one_minus_b2, eps, wd;
-};
-constexpr int64_t kLambChunk = 1024;  // a multiple of 8
-ZINC_ALWAYS_INLINE LambSums lamb_elementwise_body(int64_t n, const float* __restrict fl, float* __restrict m,
-                                                  float* __restrict vf, const float* __restrict v,
-                                                  const float* __restrict w, LambConsts c) {
-  double su[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  float rmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  alignas(64) float p[kLambChunk], u[kLambChunk], r[kLambChunk];
-  for (int64_t c0 = 0; c0 < n; c0 += kLambChunk) {
-    const int64_t len = std::min(kLambChunk, n - c0);
-    const float* __restrict flc = fl + c0;
-    float* __restrict mc = m + c0;
-    float* __restrict vfc = vf + c0;
-    const float* __restrict vc = v + c0;
-    const float* __restrict wc = w + c0;
-    for (int64_t i = 0; i < len; ++i) {
-      const float last = mc[i];
-      const float mt = flc[i] / c.sc;
-      mc[i] = mt;
-      const float gr = (mt - last * c.b1) / c.one_minus_b1;
-      const float vfn = c.b2 * vfc[i] + (c.one_minus_b2 * gr) * gr;
-      vfc[i] = vfn;
-      const float denom = std::sqrt(vc[i]) + c.eps;
-      p[i] = mt / denom;
-      u[i] = p[i] + c.wd * wc[i];
-      r[i] = denom / (std::sqrt(vfn) + c.eps);
-    }
-    const int64_t full = len / 8 * 8;
-    for (int64_t b = 0; b < full; b += 8)
-      for (int k = 0; k < 8; ++k) su[k] += double(u[b + k]) * double(u[b + k]);
-    for (int64_t b = 0; b < full; b += 8)
-      for (int k = 0; k < 8; ++k) sp[k] += double(p[b + k]) * double(p[b + k]);
-    for (int64_t b = 0; b < full; b += 8)
-      for (int k = 0; k < 8; ++k) rmax[k] = rmax[k] < r[b + k] ? r[b + k] : rmax[k];
-    for (int64_t i = full; i < len; ++i) {  // the last chunk's tail: lane i - full
-      su[i - full] += double(u[i]) * double(u[i]);
-      sp[i - full] += double(p[i]) * double(p[i]);
-      rmax[i - full] = rmax[i - full] < r[i] ? r[i] : rmax[i - full];
-    }
-  }
-  float ratio_max = 0;
-  for (int k = 0; k < 8; ++k) ratio_max = ratio_max < rmax[k] ? rmax[k] : ratio_max;
-  auto combine = [](const double* s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); };
-  return {combine(su), combine(sp), ratio_max};
-}
-ZINC_ISA_VARIANTS(LambSums, lamb_elementwise,
-                  (int64_t n, const float* fl, float* m, float* vf, const float* v, const float* w, LambConsts c),
-                  (n, fl, m, vf, v, w, c))
-
-// The other element loops of the compressed steps, each compiled at every
-// ISA level the same way (plain loops, no a*b+c fused: every level gives the
-// same bits).
-struct AdamConsts {
-  float b1, one_minus_b1, lr, eps, wd, decay, grad_scale;
-  bool decays;  // weight_decay > 0
-};
-// x = b1 m + (1 - b1) (g grad_scale) (x may be m).
-ZINC_ALWAYS_INLINE void momentum_into_body(int64_t n, const float* m, const float* __restrict g, float* x,
-                                           AdamConsts c) {
-  for (int64_t i = 0; i < n; ++i) x[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
-}
-ZINC_ISA_VARIANTS(void, momentum_into, (int64_t n, const float* m, const float* g, float* x, AdamConsts c),
-                  (n, m, g, x, c))
-// The frozen-variance update in zinc's AdamW order: w = decay w + w (with
-// weight decay), then w = -lr (m / (sqrt(v) + eps)) + w.
-ZINC_ALWAYS_INLINE void frozen_update_body(int64_t n, float* __restrict w, const float* __restrict m,
-                                           const float* __restrict v, AdamConsts c) {
-  if (c.decays) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float decayed = c.decay * w[i] + w[i];
-      w[i] = -c.lr * (m[i] / (std::sqrt(v[i]) + c.eps)) + decayed;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) w[i] = -c.lr * (m[i] / (std::sqrt(v[i]) + c.eps)) + w[i];
-  }
-}
-ZINC_ISA_VARIANTS(void, frozen_update, (int64_t n, float* w, const float* m, const float* v, AdamConsts c),
-                  (n, w, m, v, c))
-// 0/1 Adam's local step: m = b1 m + (1 - b1) g, u = m / (sqrt(v) + eps) +
-// wd w, w += -lr u, acc += -lr u.
-ZINC_ALWAYS_INLINE void local_step_body(int64_t n, float* __restrict m, const float* __restrict g,
-                                        const float* __restrict v, float* __restrict w, float* __restrict acc,
-                                        AdamConsts c) {
-  for (int64_t i = 0; i < n; ++i) {
-    m[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
-    const float u = m[i] / (std::sqrt(v[i]) + c.eps) + c.wd * w[i];
-    w[i] = w[i] + -c.lr * u;
-    acc[i] = acc[i] + -c.lr * u;
-  }
-}
-ZINC_ISA_VARIANTS(void, local_step,
-                  (int64_t n, float* m, const float* g, const float* v, float* w, float* acc, AdamConsts c),
-                  (n, m, g, v, w, acc, c))
-// A synchronising step's local step and undo in one pass (the same
-// operations in the same order as local_step followed by a separate undo
-// pass, so the same bits): m, w move as in local_step, then the local steps
-// are undone, w -= acc + -lr u, and x = (acc + -lr u) (sqrt(v) + eps).
-// acc itself is not written: x is either acc (an alignment gap) or the
-// compressor's input, whose average then lands in acc.
-ZINC_ALWAYS_INLINE void local_sync_body(int64_t n, float* __restrict m, const float* __restrict g,
-                                        const float* __restrict v, float* __restrict w, const float* acc, float* x,
-                                        AdamConsts c) {
-  for (int64_t i = 0; i < n; ++i) {
-    m[i] = c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale);
-    const float den = std::sqrt(v[i]) + c.eps;
-    const float u = m[i] / den + c.wd * w[i];
-    const float stepped = w[i] + -c.lr * u;
-    const float a = acc[i] + -c.lr * u;
-    w[i] = stepped - a;
-    x[i] = a * den;
-  }
-}
-ZINC_ISA_VARIANTS(void, local_sync,
-                  (int64_t n, float* m, const float* g, const float* v, float* w, const float* acc, float* x,
-                   AdamConsts c),
-                  (n, m, g, v, w, acc, x, c))
-// 0/1 Adam's synchronisation, after the average: m = -(avg / lrs), w +=
-// avg / (sqrt(v) + eps), acc = 0 (avg is acc).
-ZINC_ALWAYS_INLINE void sync_apply_body(int64_t n, float* __restrict m, float* __restrict w, float* __restrict acc,
-                                        const float* __restrict v, float lrs, float eps) {
-  for (int64_t i = 0; i < n; ++i) {
-    m[i] = -(acc[i] / lrs);
-    w[i] = w[i] + acc[i] / (std::sqrt(v[i]) + eps);
-    acc[i] = 0.0f;
-  }
-}
-ZINC_ISA_VARIANTS(void, sync_apply, (int64_t n, float* m, float* w, float* acc, const float* v, float lrs, float eps),
-                  (n, m, w, acc, v, lrs, eps))
-// 1-bit Lamb: x = (b1 m + (1 - b1) (g grad_scale)) sc; and the update w = w +
-// coeff (m / (sqrt(v) + eps) + wd w).
-ZINC_ALWAYS_INLINE void lamb_momentum_body(int64_t n, const float* __restrict m, const float* __restrict g,
-                                           float* __restrict x, float sc, AdamConsts c) {
-  for (int64_t i = 0; i < n; ++i) x[i] = (c.b1 * m[i] + c.one_minus_b1 * (g[i] * c.grad_scale)) * sc;
-}
-ZINC_ISA_VARIANTS(void, lamb_momentum, (int64_t n, const float* m, const float* g, float* x, float sc, AdamConsts c),
-                  (n, m, g, x, sc, c))
-ZINC_ALWAYS_INLINE void lamb_apply_body(int64_t n, float* __restrict w, const float* __restrict m,
-                                        const float* __restrict v, float coeff, float eps, float wd) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float u = m[i] / (std::sqrt(v[i]) + eps) + wd * w[i];
-    w[i] = w[i] + coeff * u;
-  }
-}
-ZINC_ISA_VARIANTS(void, lamb_apply, (int64_t n, float* w, const float* m, const float* v, float coeff, float eps,
-                                     float wd),
-                  (n, w, m, v, coeff, eps, wd))
-
 // f(from, to) for each alignment gap of a block span of n elements: after
 // each tensor up to the next one (or n). The compressors see the tensors
 // only; the elementwise passes treat the gaps as the tensors.
@@ -422,7 +253,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   if (world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
   if (world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
   float* flat = world > 1 ? ob_flat->input() : onebit_scratch.data();
-  const AdamConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb.weight_decay > 0};
+  const optim::OneBitConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb.weight_decay > 0};
   {
     int64_t at = 0;
     size_t k = 0;
@@ -433,7 +264,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const float sc = static_cast<float>(ob_scaling[k]);
         const int64_t off = l.offsets[t], n = l.numels[t];
-        lamb_momentum(n, m + off, g + off, flat + at, sc, ac);
+        optim::onebit_lamb_momentum(n, m + off, g + off, flat + at, sc, ac);
         at += n;
       }
     }
@@ -449,9 +280,9 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
       float* vf = ob_v_fresh[b].data();
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const int64_t off = l.offsets[t], n = l.numels[t];
-        const LambConsts lc{static_cast<float>(ob_scaling[k]), b1, one_minus_b1, b2, one_minus_b2, eps, wd};
-        const LambSums r =
-            lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
+        const optim::OneBitLambConsts lc{static_cast<float>(ob_scaling[k]), b1, one_minus_b1, b2, one_minus_b2, eps, wd};
+        const optim::OneBitLambSums r =
+            optim::onebit_lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
         at += n;
         double factor = r.ratio_max;
         if (lamb.weight_decay > 0) {
@@ -473,7 +304,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
     size_t k = first;
     for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
       const int64_t off = l.offsets[t];
-      lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
+      optim::onebit_lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
     }
     first = k;
     if (char* out = compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
@@ -540,11 +371,11 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
   const float wd = static_cast<float>(adam.weight_decay);
   std::vector<comm::CompressedAllReduce>* per =
       world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
-  const AdamConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam.lr * adam.weight_decay),
+  const optim::OneBitConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam.lr * adam.weight_decay),
                      grad_scale, adam.weight_decay > 0};
   switch (onebit_now) {
     case OneBitMode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
-      auto fill = [&](int64_t off, int64_t nt, float* x) { momentum_into(nt, m + off, g + off, x, c); };
+      auto fill = [&](int64_t off, int64_t nt, float* x) { optim::onebit_momentum_into(nt, m + off, g + off, x, c); };
       if (per) {
         average_tensors(*reduce_stream, *per, s.layout, m, fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, m + from); });
@@ -562,23 +393,23 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
         };
         average_tensors(*reduce_stream, *per, s.layout, avg.data(), fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, avg.data() + from); });
-        AdamConsts unscaled = c;  // the average is already scaled
+        optim::OneBitConsts unscaled = c;  // the average is already scaled
         unscaled.grad_scale = 1.0f;
-        momentum_into(n, m, avg.data(), m, unscaled);
+        optim::onebit_momentum_into(n, m, avg.data(), m, unscaled);
       } else {
-        momentum_into(n, m, g, m, c);
+        optim::onebit_momentum_into(n, m, g, m, c);
       }
       break;
     }
     case OneBitMode::kLocal: {  // Note [0/1 Adam], after the freeze
       float* acc = zo_accum[static_cast<size_t>(sp.block)].data();
       if (!sync) {
-        local_step(n, m, g, v, w, acc, c);
+        optim::zero_one_local_step(n, m, g, v, w, acc, c);
       } else {
         // This step's local step, then undo all of them; the accumulated
         // updates times sqrt(v) + eps are averaged into acc.
         auto undo = [&](int64_t off, int64_t nt, float* x) {
-          local_sync(nt, m + off, g + off, v + off, w + off, acc + off, x, c);
+          optim::zero_one_local_sync(nt, m + off, g + off, v + off, w + off, acc + off, x, c);
         };
         if (per) {
           average_tensors(*reduce_stream, *per, s.layout, acc, undo);
@@ -586,7 +417,7 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
         } else {
           undo(0, n, acc);
         }
-        sync_apply(n, m, w, acc, v, static_cast<float>(zo_lrs), eps);
+        optim::zero_one_sync_apply(n, m, w, acc, v, static_cast<float>(zo_lrs), eps);
       }
       if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
       return;
@@ -595,7 +426,7 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
     case OneBitMode::kLambCompressed:
       ZINC_CHECK(false, "1-bit optimizers: a step reached the wrong update");
   }
-  frozen_update(n, w, m, v, c);  // the frozen-variance update, in zinc's AdamW order (the decay first)
+  optim::onebit_frozen_update(n, w, m, v, c);  // the frozen-variance update, in zinc's AdamW order (the decay first)
   if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
 }
 
