@@ -54,7 +54,7 @@ void Engine::Impl::check_between_batches(const char* what) const {
                 "boundary), not after micro-step " + std::to_string(micro_steps));
   // A boundary backward whose step() has not run: its gradients and losses
   // (and on the GPU its reductions in flight) belong to that step.
-  if (loss_count != 0)
+  if (batch_loss.count != 0)
     throw Error(std::string(what) + " must come after step(): the global batch ending at micro-step " +
                 std::to_string(micro_steps) + " has not been stepped");
 }
@@ -135,8 +135,10 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
     });
     nlohmann::json index = w.finish();
     index["rank"] = rank;
-    // OneBitAdam's error feedback: this rank's own (Note [1-bit Adam]).
-    if (nlohmann::json onebit = onebit_save(partial); !onebit.is_null()) index["onebit"] = onebit;
+    // The update rule's own part (the 1-bit optimizers' error feedback:
+    // this rank's own, Note [1-bit Adam] in update_onebit.cpp).
+    if (const nlohmann::json own = rule->save(partial); own.is_object())
+      for (const auto& [key, value] : own.items()) index[key] = value;
     ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
     ckpt::fault_point("index");
   });
@@ -230,11 +232,10 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   device->make_current();
   ckpt::TagFiles files;
   std::vector<std::string> names;
-  OneBitSaved onebit;
   on_every_rank("checkpoint " + dir + (tag.empty() ? "" : "/" + tag) + ": nothing was loaded", [&] {
     files = ckpt::open_tag(dir, std::move(tag));
     check_same_model(files, names);
-    onebit = onebit_read(files);
+    rule->prepare_load(files);
   });
   const nlohmann::json& meta = files.meta;
   ckpt::CheckpointReader reader(files.dir, files.ranks, names);
@@ -247,7 +248,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
       reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
       reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
       reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
-      onebit_overwrite_span(onebit, sp);  // 0/1 Adam between synchronisations: this rank's own
+      rule->load_span(sp);  // where the rule keeps a rank's own values (0/1 Adam between synchronisations)
       // The compute weights, as the update writes them: rounded to 16 bits or copied.
       char* out = compute_out(sp);
       if (!out) return;
@@ -269,7 +270,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   micro_steps = t.at("micro_steps");
   skipped_steps = t.at("skipped_steps");
   optimizer_steps = t.at("optimizer_steps");
-  onebit_restore(onebit);
+  rule->finish_load(optimizer_steps);
   lr = t.at("lr");
   grad_norm = t.at("grad_norm").is_null() ? NAN : t.at("grad_norm").get<double>();  // null: an overflowed step
   // The loss scale continues where it was (a checkpoint without fp16, or

@@ -42,7 +42,7 @@ enum class OptimizerType { kAdam, kAdamW, kLamb, kOneBitAdam, kZeroOneAdam, kOne
 const char* optimizer_type_name(OptimizerType t);
 
 // OneBitAdam's own keys (DeepSpeed's deepspeed/runtime/fp16/onebit/adam.py;
-// Note [1-bit Adam] in engine/onebit_step.cpp). Its lr, betas, eps and
+// Note [1-bit Adam] in engine/update_onebit.cpp). Its lr, betas, eps and
 // weight_decay are `adam`'s; its update has no bias correction and decoupled
 // weight decay, as DeepSpeed's has.
 struct OneBitConfig {

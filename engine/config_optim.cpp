@@ -133,7 +133,7 @@ std::string onebit_keys(OptimizerType t) {
 
 // OneBitAdam's and ZeroOneAdam's own keys, after the ones they share with Adam. DeepSpeed's
 // update has no bias correction and decoupled weight decay whatever the
-// config says (Note [1-bit Adam] in engine/onebit_step.cpp).
+// config says (Note [1-bit Adam] in engine/update_onebit.cpp).
 void parse_onebit(Reader& p, OptimizerConfig& o) {
   OneBitConfig& b = o.onebit;
   const char* ds_name = o.type == OptimizerType::kZeroOneAdam  ? "ZeroOneAdam"

@@ -19,7 +19,6 @@
 #include "engine/engine_impl.h"
 #include "engine/gpu_offload.h"
 #include "engine/grad_reducer.h"
-#include "engine/lamb_step.h"
 #include "engine/optimizer_state.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
@@ -140,8 +139,7 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     if (plan.grads_on_nvme) reduce_stream = std::make_unique<comm::CommStream>(*local_comm);
   }
   device = make_device_path(cfg, comm.get(), world, rank, dtype);
-  adam = c.optimizer.adam;
-  lamb = c.optimizer.lamb;
+  rule = make_update_rule(c);
   lr = schedule.lr_at(0);
   loss_scaling = c.fp16.enabled;
   if (loss_scaling) scaler = optim::LossScaler(loss_scale_params(c.fp16));
@@ -150,6 +148,21 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     throw ConfigError("device", std::string("the config says \"") + device_name(c.device) + "\" but model '" +
                                     model->name() + "' computes on " + device_name(model->device()));
   device->attach(DeviceContext{&plan, &blocks, params.get(), reducer.get(), opt_state.get(), &memory});
+  UpdateContext uc;
+  uc.cfg = &cfg;
+  uc.plan = &plan;
+  uc.blocks = &blocks;
+  uc.opt_state = opt_state.get();
+  uc.reduce_stream = reduce_stream.get();
+  uc.world = world;
+  uc.rank = rank;
+  uc.dtype = dtype;
+  uc.visit_updating = [this](const std::function<void(const StateSpan&)>& fn, bool overwrite) {
+    visit_updating(fn, overwrite);
+  };
+  uc.compute_out = [this](const StateSpan& sp) { return compute_out(sp); };
+  uc.grad = [this](const StateSpan& sp) { return update_grad(sp); };
+  rule->attach(uc);
 }
 
 Engine::Impl::~Impl() {
@@ -353,13 +366,7 @@ float Engine::Impl::forward(const Batch& batch) {
   check_released("forward");
   timings.forward_s += seconds_since(t0);
   forward_pending = true;
-  loss_sum += loss;
-  loss_count += 1;
-  const double positions = static_cast<double>(batch.B * batch.T);
-  target_count += static_cast<double>(targets);
-  position_count += positions;
-  position_sq += positions * positions;
-  target_loss_sum += static_cast<double>(loss) * static_cast<double>(targets);
+  batch_loss.add(loss, targets, batch.B * batch.T);
   return loss;
 }
 
@@ -370,7 +377,7 @@ void Engine::Impl::backward() {
   auto t0 = Clock::now();
   boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
   // OneBitAdam past its warm-up: the boundary keeps its gradients local.
-  reducer->begin_backward(boundary_backward && !onebit_local_grads());
+  reducer->begin_backward(boundary_backward && !rule->local_gradients(optimizer_steps + 1));
   model->backward(*this, static_cast<float>(loss_scale()));
   check_released("backward");
   device->end_backward();
@@ -397,97 +404,94 @@ bool Engine::Impl::at_boundary() const {
   return micro_steps > 0 && micro_steps % cfg.gradient_accumulation_steps == 0;
 }
 
+namespace {
+// Note [the loss normaliser]
+// Gradients are sums over ranks and micro-batches of each micro-batch's
+// gradient of (sum of its targets' losses) / (B*T), times the loss scale
+// with fp16. Every position a target: that is the mean loss of each, and
+// the global mean is 1/(world * gas) of the sum. Some targets masked: the
+// loss is the mean over the global batch's targets, as the HF Trainer
+// computes it (num_items_in_batch over all ranks and micro-batches), so
+// the sum is scaled by (B*T) / targets; that needs one B*T for all the
+// global batch's micro-batches (sum of squares times count equals the
+// square of the sum only then). Every rank decides from the same sums.
+// `all`: the ranks' BatchLoss summed.
+Normalised normalise(const BatchLoss& all, int64_t gas, int world, double loss_scale) {
+  const bool masked = all.targets != all.positions;
+  if (masked && all.positions_sq * static_cast<double>(all.count) != all.positions * all.positions)
+    throw Error("step: the micro-batches of this global batch differ in B*T while some targets are masked; the mean "
+                "over the targets needs one micro-batch shape per global batch");
+  Normalised n;
+  n.no_targets = masked && all.targets == 0;
+  if (!masked) {
+    n.grad_scale = 1.0 / static_cast<double>(gas) * (1.0 / static_cast<double>(world)) / loss_scale;
+    n.loss = all.loss_sum / static_cast<double>(all.count);
+  } else if (n.no_targets) {
+    n.loss = std::numeric_limits<double>::quiet_NaN();  // no loss, and 0 would read as a perfect one
+  } else {
+    n.grad_scale = (all.positions / static_cast<double>(all.count)) / (all.targets * loss_scale);
+    n.loss = all.target_loss / all.targets;
+  }
+  return n;
+}
+}  // namespace
+
 void Engine::Impl::step() {
-  if (!at_boundary() || loss_count == 0) return;
+  if (!at_boundary() || batch_loss.count == 0) return;
   step_pending = false;
   device->make_current();
   auto t0 = Clock::now();
-  const double inv_gas = 1.0 / static_cast<double>(cfg.gradient_accumulation_steps);
-  const double inv_world = 1.0 / static_cast<double>(world);
   reducer->wait_all();  // every reduction of this step
-  // OneBitAdam past its warm-up: each rank's gradient is its own (Note [1-bit
-  // Adam] in onebit_step.cpp); it stands for the average, so it is scaled by
-  // the world size, and the norm is the root mean square over ranks.
-  const bool compressing = onebit_local_grads();
-  const double local = compressing ? static_cast<double>(world) : 1.0;
-  // Own-shard squares, the loss and the normaliser's counts, summed over
-  // ranks in one collective.
-  double sums[7] = {0.0, loss_sum, target_count, position_count, position_sq, static_cast<double>(loss_count),
-                    target_loss_sum};
-  if (compressing)
-    sums[0] = onebit_local_squares();
+  // A rule that keeps the gradients local (the 1-bit optimizers past their
+  // warm-up, Note [1-bit Adam] in update_onebit.cpp): each rank's gradient
+  // stands for the average, so it is scaled by the world size, and the norm
+  // is the root mean square over ranks.
+  const bool local_grads = rule->local_gradients(optimizer_steps + 1);
+  const double local = local_grads ? static_cast<double>(world) : 1.0;
+  // Own-shard squares and the batch's losses and counts, summed over ranks
+  // in one collective.
+  const BatchLoss& b = batch_loss;
+  double sums[7] = {0.0, b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count), b.target_loss};
+  if (local_grads)
+    sums[0] = rule->local_squares();
   else if (!device->grad_squared_norm(sums[0]))
     for (BlockShard& s : blocks) sums[0] += reducer->squared_norm(s);
-  if (reduce_stream) {
-    reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
-  }
-  // Note [the loss normaliser]
-  // Gradients are sums over ranks and micro-batches of each micro-batch's
-  // gradient of (sum of its targets' losses) / (B*T), times the loss scale
-  // with fp16. Every position a target: that is the mean loss of each, and
-  // the global mean is 1/(world * gas) of the sum. Some targets masked: the
-  // loss is the mean over the global batch's targets, as the HF Trainer
-  // computes it (num_items_in_batch over all ranks and micro-batches), so
-  // the sum is scaled by (B*T) / targets; that needs one B*T for all the
-  // global batch's micro-batches (sum of squares times count equals the
-  // square of the sum only then). Every rank decides from the same sums.
+  if (reduce_stream) reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
+  const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
-  const double n_micro = sums[5], targets_all = sums[2];
-  const bool masked = targets_all != sums[3];
-  if (masked && sums[4] * n_micro != sums[3] * sums[3])
-    throw Error("step: the micro-batches of this global batch differ in B*T while some targets are masked; the mean "
-                "over the targets needs one micro-batch shape per global batch");
-  const bool no_targets = masked && targets_all == 0;
-  const double scale = !masked ? inv_gas * inv_world / used_scale
-                       : no_targets ? 0.0
-                                    : (sums[3] / n_micro) / (targets_all * used_scale);
-  grad_norm = std::sqrt(sums[0] / local) * scale * local;
+  const Normalised n = normalise(all, cfg.gradient_accumulation_steps, world, used_scale);
+  grad_norm = std::sqrt(sums[0] / local) * n.grad_scale * local;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);
-  if (no_targets) {
+  if (n.no_targets || overflow) {
     skipped_steps += 1;
-    if (rank == 0)
-      log_warn("step " + std::to_string(global_steps) + ": every target of the global batch is masked; the update "
-               "is skipped");
-  } else if (overflow) {
-    skipped_steps += 1;
-    overflow_steps += loss_scaling;
-    if (rank == 0 && loss_scaling)
-      log_info("step " + std::to_string(global_steps) + ": fp16 gradients overflowed at loss scale " +
-               num_text(used_scale) + "; the update is skipped");
-    else if (rank == 0)
-      log_warn("step " + std::to_string(global_steps) + ": gradient norm is not finite; the update is skipped");
+    overflow_steps += !n.no_targets && loss_scaling;
+    const std::string why = n.no_targets  ? "every target of the global batch is masked"
+                            : loss_scaling ? "fp16 gradients overflowed at loss scale " + num_text(used_scale)
+                                           : "gradient norm is not finite";
+    const std::string line = "step " + std::to_string(global_steps) + ": " + why + "; the update is skipped";
+    if (rank == 0) (!n.no_targets && loss_scaling) ? log_info(line) : log_warn(line);  // fp16's overflows are routine
   } else {
-    const double clip = optim::clip_coefficient(grad_norm, cfg.gradient_clipping);
-    const float grad_scale = static_cast<float>(scale * local * clip);
+    const float grad_scale =
+        static_cast<float>(n.grad_scale * local * optim::clip_coefficient(grad_norm, cfg.gradient_clipping));
     lr = schedule.lr_at(optimizer_steps);
     set_hyperparameters(optimizer_steps);
-    onebit_now = onebit_mode();  // of this step, before the count moves
     optimizer_steps += 1;
-    onebit_step_now = compressing;
-    if (compressing || !device->update(adam, optimizer_steps, grad_scale)) {  // else the states on the device are updated
+    if (!rule->apply_on_device(*device, optimizer_steps, grad_scale)) {  // else the device's states are updated
       device->before_host_update();
       params->before_update();
-      update_all(grad_scale);
+      rule->apply(optimizer_steps, grad_scale);
       device->after_host_update();
       params->gather_after_step();
       device->after_gather();
     }
-    if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) zero_one_after_step(optimizer_steps);
-    if (cfg.optimizer.type == OptimizerType::kOneBitLamb && onebit_now == OneBitMode::kFull)
-      onebit_lamb_after_full(optimizer_steps);
+    rule->after_update(optimizer_steps);
   }
   reducer->reset_after_step();
   device->after_step();
-  if (loss_scaling && !no_targets) scaler.update(overflow);
-  // No target in the whole global batch: there is no loss, and 0 would read
-  // as a perfect one.
-  last_loss = !masked ? sums[1] / static_cast<double>(loss_count * world)
-              : no_targets ? std::numeric_limits<double>::quiet_NaN()
-                           : sums[6] / targets_all;
-  loss_sum = 0;
-  loss_count = 0;
-  target_count = position_count = position_sq = target_loss_sum = 0;
+  if (loss_scaling && !n.no_targets) scaler.update(overflow);
+  last_loss = n.loss;
+  batch_loss = BatchLoss{};
   timings.step_s += seconds_since(t0);
 }
 
@@ -500,33 +504,14 @@ char* Engine::Impl::compute_out(const StateSpan& sp) {
   return s.compute.as<char>() + static_cast<size_t>(at) * dtype_bytes(dtype);
 }
 
-void Engine::Impl::update_span(const StateSpan& sp, float grad_scale) {
-  const float* grad = update_grad(sp);
-  char* out = compute_out(sp);  // where the span's new compute weights go
-  bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
-  optim::adam_step(adam, optimizer_steps, grad_scale,
-                   optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out16, sp.count});
-  // fp32 copied; fp16 converted in a second pass (the optimizer's fused
-  // copy-out writes bf16 only).
-  if (dtype != DType::kBF16 && out) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
-}
-
-void Engine::Impl::update_all(float grad_scale) {
-  if (onebit_step_now) return onebit_update_all(grad_scale);
-  if (cfg.optimizer.lamb_family()) return lamb_update_all(grad_scale);
-  visit_updating([&](const StateSpan& sp) { update_span(sp, grad_scale); });
-}
-
 void Engine::Impl::set_hyperparameters(int64_t s) {
-  adam.lr = lamb.lr = lr;
-  if (!schedule.sets_betas()) return;
+  if (!schedule.sets_betas()) return rule->set_hyperparameters(lr, std::nullopt);
   const optim::ScheduleBetas b = schedule.betas_at(s);
   if (!(b.beta1 >= 0 && b.beta1 < 1))
     throw ConfigError("scheduler.params.decay_mom_rate",
                       "OneCycle's momentum reached " + std::to_string(b.beta1) + " at optimizer step " +
                           std::to_string(s) + "; beta1 must stay below 1 (lower decay_mom_rate)");
-  adam.beta1 = lamb.beta1 = b.beta1;
-  adam.beta2 = lamb.beta2 = b.beta2;
+  rule->set_hyperparameters(lr, std::make_pair(b.beta1, b.beta2));
 }
 
 const float* Engine::Impl::update_grad(const StateSpan& sp) {
@@ -536,47 +521,6 @@ const float* Engine::Impl::update_grad(const StateSpan& sp) {
   }
   BlockShard& s = blocks[static_cast<size_t>(sp.block)];
   return (plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s)) + sp.offset;
-}
-
-std::vector<optim::LambSegment> Engine::Impl::lamb_span_segments(const StateSpan& sp) const {
-  const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
-  const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
-  return lamb_segments(s.layout, flat, sp.count, lamb_first_tensor[static_cast<size_t>(sp.block)]);
-}
-
-void Engine::Impl::lamb_update_all(float grad_scale) {
-  if (lamb_first_tensor.empty()) {
-    for (const BlockShard& s : blocks) {
-      lamb_first_tensor.push_back(lamb_tensors);
-      lamb_tensors += static_cast<int>(s.layout.offsets.size());
-    }
-  }
-  std::vector<double> sums(static_cast<size_t>(2 * lamb_tensors), 0.0);
-  opt_state->for_each_read(
-      [&](const StateSpan& sp) {
-        const std::vector<optim::LambSegment> segs = lamb_span_segments(sp);
-        optim::lamb_norms(lamb, grad_scale,
-                          optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, nullptr, sp.count},
-                          segs, sums.data());
-      },
-      /*grads=*/plan.grads_on_nvme);
-  if (reduce_stream && !plan.optimizer_spans_block)
-    reduce_stream->submit([&sums](comm::Communicator& c) {
-      c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
-    }).wait();
-  std::vector<double>& ratios = lamb_ratios;
-  ratios.assign(static_cast<size_t>(lamb_tensors), 0.0);
-  for (int t = 0; t < lamb_tensors; ++t)
-    ratios[static_cast<size_t>(t)] =
-        optim::lamb_trust_ratio(sums[2 * t], sums[2 * t + 1], lamb.min_coeff, lamb.max_coeff);
-  visit_updating([&](const StateSpan& sp) {
-    char* out = compute_out(sp);
-    bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
-    optim::lamb_apply(lamb, optimizer_steps, grad_scale,
-                      optim::AdamSpan{sp.master, update_grad(sp), DType::kF32, sp.m, sp.v, out16, sp.count},
-                      lamb_span_segments(sp), ratios.data());
-    if (dtype != DType::kBF16 && out) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
-  });
 }
 
 void Engine::Impl::visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite) {

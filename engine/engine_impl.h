@@ -19,7 +19,6 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
-#include "comm/onebit.h"
 #include "core/dtype.h"
 #include "engine/checkpoint.h"
 #include "engine/config.h"
@@ -30,10 +29,41 @@
 #include "engine/optimizer_state.h"
 #include "engine/param_coordinator.h"
 #include "engine/shard.h"
+#include "engine/update_rule.h"
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 
 namespace zinc {
+
+// The losses of the current global batch's micro-batches on this rank and
+// its part of the loss normaliser (Note [the loss normaliser] in engine.cpp).
+struct BatchLoss {
+  double loss_sum = 0;      // micro-batch losses summed
+  int64_t count = 0;        // micro-batches
+  double targets = 0;       // targets (positions not kIgnoreTarget)
+  double positions = 0;     // B*T summed
+  double positions_sq = 0;  // (B*T)^2 summed
+  double target_loss = 0;   // mean loss x targets, summed
+  void add(float loss, int64_t batch_targets, int64_t batch_positions) {
+    loss_sum += loss;
+    count += 1;
+    const double p = static_cast<double>(batch_positions);
+    targets += static_cast<double>(batch_targets);
+    positions += p;
+    positions_sq += p * p;
+    target_loss += static_cast<double>(loss) * static_cast<double>(batch_targets);
+  }
+};
+
+// What the step makes of the ranks' summed BatchLoss (Note [the loss
+// normaliser] in engine.cpp): the factor that turns the summed gradients
+// into the global batch's mean gradient, and the batch's loss (NaN without
+// a target).
+struct Normalised {
+  bool no_targets = false;  // every target of the global batch masked
+  double grad_scale = 0;    // with the loss scale divided out
+  double loss = 0;
+};
 
 struct Engine::Impl final : StepContext {
   Config cfg;
@@ -53,8 +83,9 @@ struct Engine::Impl final : StepContext {
   std::vector<BlockShard> blocks;
   std::unique_ptr<GradReducer> reducer;
   std::unique_ptr<ParamCoordinator> params;
-  optim::AdamParams adam;
-  optim::LambParams lamb;  // used when cfg.optimizer.type is Lamb
+  // The optimizer: its hyperparameters, its state beyond master, m and v,
+  // its update (Note [update rules] in update_rule.cpp).
+  std::unique_ptr<UpdateRule> rule;
   optim::LrSchedule schedule;
   // fp16: Note [dynamic loss scaling] (optim/loss_scaler.h). Without fp16
   // the scale is 1 and never changes.
@@ -70,14 +101,7 @@ struct Engine::Impl final : StepContext {
   double grad_norm = 0;
   double lr = 0;
   bool forward_pending = false;  // a forward whose backward has not run
-  double loss_sum = 0;           // this rank's sum of micro-batch losses in the current global batch
-  int64_t loss_count = 0;
-  // This rank's part of the normaliser (Note [the loss normaliser] in
-  // engine.cpp), over the micro-batches of the current global batch:
-  double target_count = 0;       // targets (positions not kIgnoreTarget)
-  double position_count = 0;     // B*T summed
-  double position_sq = 0;        // (B*T)^2 summed
-  double target_loss_sum = 0;    // mean loss x targets, summed
+  BatchLoss batch_loss;          // the current global batch's, this rank's
   double last_loss = NAN;
   StepTimings timings;
   StateMemory memory;
@@ -121,106 +145,24 @@ struct Engine::Impl final : StepContext {
   bool at_boundary() const;
   void step();
 
-  // AdamW over one span of the optimizer state: the gradient is the full
-  // reduced gradient (the optimizer spans the block, stage 0) or the rank's
-  // reduced shard; the new weights go to the compute copy, or at stage 3 the
-  // compute shard (bf16 in the same pass, fp32 copied), unless the master
-  // weights are the compute weights.
   // Where a span's compute weights go: the compute copy's part of it, or at
   // stage 3 the compute shard's; null where the master weights are the
   // compute weights.
   char* compute_out(const StateSpan& sp);
-  void update_span(const StateSpan& sp, float grad_scale);
-
-  // The spans come block by block: once the visitor moves past a block, its
-  // new compute shard is complete and (on NVMe) goes back to disk.
-  void update_all(float grad_scale);
+  // A span's reduced gradient: the full block's (the optimizer spans the
+  // block, stage 0), the rank's reduced shard, or what the state read from NVMe.
+  const float* update_grad(const StateSpan& sp);
 
   // The optimizer's lr for optimizer step `s` (0-based) and, where the
   // schedule sets them (OneCycle's cycle_momentum, as DeepSpeed writes the
   // param group's betas), its betas.
   void set_hyperparameters(int64_t s);
 
-  // ---- Lamb (Note [Lamb arithmetic] in optim/detail/lamb_math.h) ------------------
-  // Tensor t of the model is parameter p of block b at lamb_first_tensor[b] + p.
-  std::vector<int> lamb_first_tensor;
-  int lamb_tensors = 0;
-  const float* update_grad(const StateSpan& sp);
-  std::vector<optim::LambSegment> lamb_span_segments(const StateSpan& sp) const;
-
-  // Pass 1 reads every span (from NVMe without writing back) for each
-  // tensor's sums of w^2 and u^2; with sharded optimizer state (stages 1-3)
-  // the ranks' partial sums are added in one all-reduce; pass 2 applies the
-  // update with each tensor's trust ratio.
-  void lamb_update_all(float grad_scale);
+  // The spans come block by block: once the visitor moves past a block, its
+  // new compute shard is complete and (on NVMe) goes back to disk.
   // overwrite: fn sets every element of master, m and v (a load), so states
   // on NVMe need not be read first.
   void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false);
-
-  // ---- OneBitAdam and ZeroOneAdam (Notes [1-bit Adam], [0/1 Adam] in onebit_step.cpp) ----
-  // What the step about to run (optimizer step optimizer_steps + 1) does.
-  enum class OneBitMode {
-    kFull,                // plain Adam on the averaged gradient (warm-up; 0/1 Adam's variance steps)
-    kCompressedMomentum,  // 1-bit Adam past the freeze: local momentum, averaged at 1 bit
-    kCompressedGrad,      // 0/1 Adam between variance steps: the gradient averaged at 1 bit
-    kLocal,               // 0/1 Adam past the freeze: local steps, synchronised at 1 bit
-    kLambCompressed,      // 1-bit Lamb past the freeze: scaled momentum averaged at 1 bit
-  };
-  OneBitMode onebit_mode() const;
-  // Gradients stay local at the boundary (any mode but kFull).
-  bool onebit_local_grads() const;
-  bool onebit_step_now = false;  // the step being applied is one of onebit_update_all's
-  OneBitMode onebit_now = OneBitMode::kFull;
-  // One compressed all-reduce per parameter tensor, [block][param], made at
-  // the first compressed step (world > 1), with their error feedback.
-  std::vector<std::vector<comm::CompressedAllReduce>> onebit_ar;
-  bool onebit_announced = false;
-  // 0/1 Adam's schedule (replayed from the step count on a load) and, past
-  // the freeze, each rank's accumulated local updates (per block) and the
-  // sum of their learning rates since the last synchronisation.
-  int64_t zo_var_interval = 1, zo_var_counter = 0, zo_local_interval = 1, zo_local_counter = 0;
-  bool zo_errors_reset = false;
-  double zo_lrs = 0;
-  std::vector<std::vector<float>> zo_accum;
-  void zero_one_after_step(int64_t t);
-  // 1-bit Lamb (Note [1-bit Lamb]): per tensor (in block and layout order)
-  // the warm-up's moving average of the trust ratio, the last factor and
-  // the momentum scaling (set at the first compressed step); the fresh
-  // variance estimate per block span; one compressed all-reduce over every
-  // tensor's momentum, concatenated.
-  std::vector<double> ob_lamb_coeff, ob_last_factor, ob_scaling;
-  std::vector<std::vector<float>> ob_v_fresh;
-  std::unique_ptr<comm::CompressedAllReduce> ob_flat;
-  std::vector<double> lamb_ratios;  // the trust ratios of lamb_update_all's last step, per tensor
-  std::vector<float> onebit_scratch;  // 0/1 Adam: a block's averaged gradient; 1-bit Lamb on one rank: the flat momentum
-  void onebit_lamb_after_full(int64_t t);
-  void onebit_lamb_update_all(float grad_scale);
-  int64_t onebit_tensor_count() const;
-  // This rank's sum of squares of its own (unreduced) gradients.
-  double onebit_local_squares();
-  void onebit_update_all(float grad_scale);
-  void onebit_span(const StateSpan& sp, float grad_scale, bool sync);
-  void onebit_make_compressors();
-  // The rank's own part of a checkpoint: the error feedback and, with 0/1
-  // Adam past the freeze, its weights, momentum and accumulated updates
-  // (which differ between ranks between synchronisations), in a file beside
-  // its shard (nothing when none of it exists, or on one rank).
-  nlohmann::json onebit_save(const std::string& partial_dir);
-  struct OneBitSaved {
-    std::string why;             // why the rank-specific part is not used (empty: it is)
-    std::vector<float> errors;   // worker then server error, tensor by tensor (1-bit Lamb: the one flat buffer)
-    std::vector<float> accum, master, m;  // 0/1 Adam's, per block span, concatenated
-    double lrs = 0;
-    bool lamb = false;           // 1-bit Lamb's state (the same on every rank; any world size)
-    std::vector<float> v_fresh;  // per block span, concatenated
-    std::vector<double> lamb_coeff, last_factor, scaling;
-  };
-  // Reads and verifies this rank's part (before anything is loaded).
-  OneBitSaved onebit_read(const ckpt::TagFiles& files) const;
-  // While the states load: a span's rank-specific weights and momentum.
-  void onebit_overwrite_span(const OneBitSaved& saved, const StateSpan& sp) const;
-  // After the states and step counters are loaded.
-  void onebit_restore(const OneBitSaved& saved);
 
   // ---- ranks agree on what they train -------------------------------------------------
   // Every rank must be given the same config and model: ranks that differ

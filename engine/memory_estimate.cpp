@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "comm/onebit.h"
+#include "engine/update_rule.h"
 #include "engine/device_mirror.h"
 #include "engine/grad_reducer.h"
 #include "engine/param_coordinator.h"
@@ -238,25 +238,8 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
   }
 
-  // The 1-bit optimizers past their warm-up (Notes [1-bit Adam], [0/1 Adam]
-  // in onebit_step.cpp): per
-  // tensor, a worker error of its padded size, a server error of a chunk,
-  // and the same again as the all-reduce's scratch.
-  if (c.optimizer.type == OptimizerType::kZeroOneAdam)
-    grads.push_back({"0/1 Adam update accumulator (fp32)", 4 * span_all,
-                     "after var_freeze_step: each rank's local updates since the last synchronisation"});
-  if (c.optimizer.type == OptimizerType::kOneBitLamb)
-    grads.push_back({"1-bit Lamb fresh variance (fp32)", 4 * span_all, "from freeze_step on: a second variance estimate"});
-  if (c.optimizer.one_bit() && world > 1) {
-    int64_t errors = 0;
-    for (const BlockLayout& l : layouts)
-      for (int64_t n : l.numels) {
-        const int64_t padded = comm::onebit_padded_size(n, world);
-        errors += 2 * (padded + padded / world);
-      }
-    grads.push_back({"1-bit error feedback and scratch (fp32)", 4 * errors,
-                     "from the first compressed step: worker and server errors per tensor, and the scratch"});
-  }
+  // What the update rule keeps beyond master, m and v (update_rule.h).
+  for (MemoryPart& p : update_rule_memory(c, layouts, span_all, world)) grads.push_back(std::move(p));
 
   // ---- the two phases ----
   e.setup.push_back(opt);

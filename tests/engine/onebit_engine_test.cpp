@@ -1,4 +1,4 @@
-// OneBitAdam in the engine (Note [1-bit Adam] in engine/onebit_step.cpp),
+// OneBitAdam in the engine (Note [1-bit Adam] in engine/update_onebit.cpp),
 // under mpirun -np 2 and -np 4 (engine_multirank_test) over MPI, the
 // shared-memory transport and the hierarchical one:
 // - the warm-up equals zinc's AdamW without bias correction bit for bit;

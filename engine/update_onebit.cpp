@@ -1,4 +1,6 @@
-// OneBitAdam in the engine: the compressed step and its checkpoint part.
+// The 1-bit update rules, OneBitAdam, ZeroOneAdam and OneBitLamb (Note
+// [update rules] in update_rule.cpp): the compressed steps, their state and
+// their checkpoint part. The element loops are optim/onebit_kernels.h's.
 //
 // Note [1-bit Adam]
 // ~~~~~~~~~~~~~~~~~
@@ -103,15 +105,124 @@
 #include <string>
 #include <vector>
 
+#include "comm/onebit.h"
 #include "core/error.h"
 #include "core/cpu.h"
 #include "core/log.h"
 #include "engine/checkpoint.h"
-#include "engine/engine_impl.h"
+#include "engine/update_rule.h"
 #include "kernels/kernels.h"
 #include "optim/onebit_kernels.h"
 
 namespace zinc {
+
+// The 1-bit optimizers' rule. Their warm-up (and 0/1 Adam's variance steps)
+// is the plain rule of their family, AdamW or Lamb, with bias correction
+// off; past it, the steps below. One class for the three: they share the
+// compressors, their error feedback and its checkpoint file, and differ in
+// mode_at, the modes' updates and what follows an update.
+class OneBitRule final : public UpdateRule {
+ public:
+  explicit OneBitRule(const Config& c) : type_(c.optimizer.type), onebit_(c.optimizer.onebit) {
+    if (type_ == OptimizerType::kOneBitLamb) {
+      auto r = std::make_unique<LambRule>(c.optimizer.lamb);
+      lamb_rule_ = r.get();
+      full_ = std::move(r);
+    } else {
+      auto r = std::make_unique<AdamWRule>(c.optimizer.adam);
+      adam_rule_ = r.get();
+      full_ = std::move(r);
+    }
+  }
+  void attach(const UpdateContext& c) override {
+    UpdateRule::attach(c);
+    full_->attach(c);
+  }
+  void set_hyperparameters(double lr, std::optional<std::pair<double, double>> betas) override {
+    full_->set_hyperparameters(lr, betas);
+  }
+  bool local_gradients(int64_t t) const override { return mode_at(t) != Mode::kFull; }
+  double local_squares() const override;
+  bool apply_on_device(DevicePath& device, int64_t t, float grad_scale) override {
+    return mode_at(t) == Mode::kFull && full_->apply_on_device(device, t, grad_scale);
+  }
+  void apply(int64_t t, float grad_scale) override {
+    const Mode mode = mode_at(t);
+    if (mode == Mode::kFull) return full_->apply(t, grad_scale);
+    apply_compressed(mode, t, grad_scale);
+  }
+  void after_update(int64_t t) override {
+    if (type_ == OptimizerType::kZeroOneAdam) zero_one_after_step(t);
+    if (type_ == OptimizerType::kOneBitLamb && t <= onebit_.freeze_step) onebit_lamb_after_full(t);
+  }
+  nlohmann::json save(const std::string& partial_dir) override;
+  void prepare_load(const ckpt::TagFiles& files) override;
+  void load_span(const StateSpan& sp) override;
+  void finish_load(int64_t t) override;
+
+  // What optimizer step t (1-based) does.
+  enum class Mode {
+    kFull,                // the family's plain step on the averaged gradient (warm-up; 0/1 Adam's variance steps)
+    kCompressedMomentum,  // 1-bit Adam past the freeze: local momentum, averaged at 1 bit
+    kCompressedGrad,      // 0/1 Adam between variance steps: the gradient averaged at 1 bit
+    kLocal,               // 0/1 Adam past the freeze: local steps, synchronised at 1 bit
+    kLambCompressed,      // 1-bit Lamb past the freeze: scaled momentum averaged at 1 bit
+  };
+
+ private:
+  Mode mode_at(int64_t t) const;
+  std::vector<BlockShard>& blocks() const { return *ctx_.blocks; }
+  const optim::AdamParams& adam() const { return adam_rule_->params(); }
+  const optim::LambParams& lamb() const { return lamb_rule_->params(); }
+  void visit(const std::function<void(const StateSpan&)>& fn) { ctx_.visit_updating(fn, false); }
+  void apply_compressed(Mode mode, int64_t t, float grad_scale);
+  void onebit_span(const StateSpan& sp, Mode mode, float grad_scale, bool sync);
+  void onebit_lamb_update_all(float grad_scale);
+  void onebit_lamb_after_full(int64_t t);
+  void zero_one_after_step(int64_t t);
+  void onebit_make_compressors();
+  int64_t onebit_tensor_count() const;
+
+  const OptimizerType type_;
+  const OneBitConfig onebit_;
+  std::unique_ptr<UpdateRule> full_;  // the warm-up's rule
+  AdamWRule* adam_rule_ = nullptr;    // full_, for OneBitAdam and ZeroOneAdam
+  LambRule* lamb_rule_ = nullptr;     // full_, for OneBitLamb
+  // One compressed all-reduce per parameter tensor, [block][param], made at
+  // the first compressed step (world > 1), with their error feedback.
+  std::vector<std::vector<comm::CompressedAllReduce>> onebit_ar;
+  bool onebit_announced = false;
+  std::vector<float> onebit_scratch;  // 0/1 Adam: a block's averaged gradient; 1-bit Lamb on one rank: the flat momentum
+  // 0/1 Adam's schedule (replayed from the step count on a load) and, past
+  // the freeze, each rank's accumulated local updates (per block) and the
+  // sum of their learning rates since the last synchronisation.
+  int64_t zo_var_interval = 1, zo_var_counter = 0, zo_local_interval = 1, zo_local_counter = 0;
+  bool zo_errors_reset = false;
+  double zo_lrs = 0;
+  std::vector<std::vector<float>> zo_accum;
+  // 1-bit Lamb (Note [1-bit Lamb]): per tensor (in block and layout order)
+  // the warm-up's moving average of the trust ratio, the last factor and
+  // the momentum scaling (set at the first compressed step); the fresh
+  // variance estimate per block span; one compressed all-reduce over every
+  // tensor's momentum, concatenated.
+  std::vector<double> ob_lamb_coeff, ob_last_factor, ob_scaling;
+  std::vector<std::vector<float>> ob_v_fresh;
+  std::unique_ptr<comm::CompressedAllReduce> ob_flat;
+
+  // A checkpoint's part, read and verified by prepare_load, applied by
+  // load_span and finish_load.
+  struct Saved {
+    std::string why;             // why the rank-specific part is not used (empty: it is)
+    std::vector<float> errors;   // worker then server error, tensor by tensor (1-bit Lamb: the one flat buffer)
+    std::vector<float> accum, master, m;  // 0/1 Adam's, per block span, concatenated
+    double lrs = 0;
+    bool lamb = false;           // 1-bit Lamb's state (the same on every rank; any world size)
+    std::vector<float> v_fresh;  // per block span, concatenated
+    std::vector<double> lamb_coeff, last_factor, scaling;
+  };
+  Saved read_saved(const ckpt::TagFiles& files) const;
+  Saved saved_;
+};
 
 namespace {
 // f(from, to) for each alignment gap of a block span of n elements: after
@@ -140,24 +251,21 @@ void average_tensors(comm::CommStream& stream, std::vector<comm::CompressedAllRe
 }
 }  // namespace
 
-Engine::Impl::OneBitMode Engine::Impl::onebit_mode() const {
-  const OneBitConfig& b = cfg.optimizer.onebit;
-  const int64_t t = optimizer_steps + 1;
-  if (cfg.optimizer.type == OptimizerType::kOneBitAdam)
-    return t <= b.freeze_step ? OneBitMode::kFull : OneBitMode::kCompressedMomentum;
-  if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) {
-    if (t > b.var_freeze_step) return OneBitMode::kLocal;
-    return t % zo_var_interval == 0 ? OneBitMode::kFull : OneBitMode::kCompressedGrad;
+OneBitRule::Mode OneBitRule::mode_at(int64_t t) const {
+  const OneBitConfig& b = onebit_;
+  if (type_ == OptimizerType::kOneBitAdam)
+    return t <= b.freeze_step ? Mode::kFull : Mode::kCompressedMomentum;
+  if (type_ == OptimizerType::kZeroOneAdam) {
+    if (t > b.var_freeze_step) return Mode::kLocal;
+    return t % zo_var_interval == 0 ? Mode::kFull : Mode::kCompressedGrad;
   }
-  if (cfg.optimizer.type == OptimizerType::kOneBitLamb)
-    return t <= b.freeze_step ? OneBitMode::kFull : OneBitMode::kLambCompressed;
-  return OneBitMode::kFull;
+  if (type_ == OptimizerType::kOneBitLamb)
+    return t <= b.freeze_step ? Mode::kFull : Mode::kLambCompressed;
+  return Mode::kFull;
 }
 
-bool Engine::Impl::onebit_local_grads() const { return onebit_mode() != OneBitMode::kFull; }
-
-void Engine::Impl::zero_one_after_step(int64_t t) {
-  const OneBitConfig& b = cfg.optimizer.onebit;
+void OneBitRule::zero_one_after_step(int64_t t) {
+  const OneBitConfig& b = onebit_;
   if (t <= b.var_freeze_step) {
     if (t % zo_var_interval == 0 && ++zo_var_counter == b.var_update_scaler) {
       zo_var_counter = 0;
@@ -173,66 +281,67 @@ void Engine::Impl::zero_one_after_step(int64_t t) {
   }
 }
 
-double Engine::Impl::onebit_local_squares() {
+double OneBitRule::local_squares() const {
   double sum = 0;
-  for (BlockShard& s : blocks)
+  for (BlockShard& s : blocks())
     if (!s.grad.empty()) sum += optim::grad_squared_norm(s.grad.as<float>(), DType::kF32, s.part.padded_numel);
   return sum;
 }
 
-void Engine::Impl::onebit_make_compressors() {
+void OneBitRule::onebit_make_compressors() {
   onebit_ar.clear();
-  if (world == 1) return;
-  for (const BlockShard& s : blocks) {
+  if (ctx_.world == 1) return;
+  for (const BlockShard& s : blocks()) {
     std::vector<comm::CompressedAllReduce> per;
-    for (int64_t n : s.layout.numels) per.emplace_back(n, world);
+    for (int64_t n : s.layout.numels) per.emplace_back(n, ctx_.world);
     onebit_ar.push_back(std::move(per));
   }
 }
 
-int64_t Engine::Impl::onebit_tensor_count() const {
+int64_t OneBitRule::onebit_tensor_count() const {
   int64_t n = 0;
-  for (const BlockShard& s : blocks) n += static_cast<int64_t>(s.layout.numels.size());
+  for (const BlockShard& s : blocks()) n += static_cast<int64_t>(s.layout.numels.size());
   return n;
 }
 
-void Engine::Impl::onebit_lamb_after_full(int64_t t) {
+void OneBitRule::onebit_lamb_after_full(int64_t t) {
   const int64_t tensors = onebit_tensor_count();
   if (ob_lamb_coeff.empty()) {
     ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
     ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
   }
-  ZINC_CHECK(static_cast<int64_t>(lamb_ratios.size()) == tensors, "1-bit Lamb: no trust ratios from the step");
-  const double cb = cfg.optimizer.onebit.coeff_beta;
-  for (size_t k = 0; k < lamb_ratios.size(); ++k)
-    if (lamb_ratios[k] != 1.0) ob_lamb_coeff[k] = cb * ob_lamb_coeff[k] + (1.0 - cb) * lamb_ratios[k];
-  if (t == cfg.optimizer.onebit.freeze_step) {
+  ZINC_CHECK(static_cast<int64_t>(lamb_rule_->ratios().size()) == tensors, "1-bit Lamb: no trust ratios from the step");
+  const double cb = onebit_.coeff_beta;
+  for (size_t k = 0; k < lamb_rule_->ratios().size(); ++k)
+    if (lamb_rule_->ratios()[k] != 1.0) ob_lamb_coeff[k] = cb * ob_lamb_coeff[k] + (1.0 - cb) * lamb_rule_->ratios()[k];
+  if (t == onebit_.freeze_step) {
     ob_v_fresh.clear();
-    opt_state->for_each_read([&](const StateSpan& sp) { ob_v_fresh.emplace_back(sp.v, sp.v + sp.count); });
+    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { ob_v_fresh.emplace_back(sp.v, sp.v + sp.count); });
   }
 }
 
-void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
-  ZINC_CHECK(offload_device == OffloadDevice::kNone, "1-bit Lamb: the optimizer states must be in RAM (stage 0)");
-  const OneBitConfig& ob = cfg.optimizer.onebit;
+void OneBitRule::onebit_lamb_update_all(float grad_scale) {
+  ZINC_CHECK(ctx_.cfg->zero.offload_optimizer.device == OffloadDevice::kNone,
+             "1-bit Lamb: the optimizer states must be in RAM (stage 0)");
+  const OneBitConfig& ob = onebit_;
   const int64_t tensors = onebit_tensor_count();
   if (ob_lamb_coeff.empty()) {  // resumed past the freeze from a checkpoint of another optimizer
     ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
     ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
   }
   std::vector<StateSpan> spans;  // every block's whole span, in RAM: the pointers stay valid
-  opt_state->for_each_read([&](const StateSpan& sp) { spans.push_back(sp); });
-  ZINC_CHECK(spans.size() == blocks.size(), "1-bit Lamb: a span that is not a whole block (stage 0 keeps whole blocks)");
+  ctx_.opt_state->for_each_read([&](const StateSpan& sp) { spans.push_back(sp); });
+  ZINC_CHECK(spans.size() == blocks().size(), "1-bit Lamb: a span that is not a whole block (stage 0 keeps whole blocks)");
   if (ob_v_fresh.empty())  // resumed past the freeze without it: start from the frozen variance
     for (const StateSpan& sp : spans) ob_v_fresh.emplace_back(sp.v, sp.v + sp.count);
-  const float b1 = static_cast<float>(lamb.beta1), one_minus_b1 = static_cast<float>(1.0 - lamb.beta1);
-  const float b2 = static_cast<float>(lamb.beta2), one_minus_b2 = static_cast<float>(1.0 - lamb.beta2);
-  const float eps = static_cast<float>(lamb.eps), wd = static_cast<float>(lamb.weight_decay);
+  const float b1 = static_cast<float>(lamb().beta1), one_minus_b1 = static_cast<float>(1.0 - lamb().beta1);
+  const float b2 = static_cast<float>(lamb().beta2), one_minus_b2 = static_cast<float>(1.0 - lamb().beta2);
+  const float eps = static_cast<float>(lamb().eps), wd = static_cast<float>(lamb().weight_decay);
   // The momentum scales, once.
   if (ob_scaling.empty()) {
     std::vector<double> rms;
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      const BlockLayout& l = blocks[b].layout;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
       for (size_t t = 0; t < l.offsets.size(); ++t) {
         double sq = 0;
         const float* m = spans[b].m + l.offsets[t];
@@ -249,17 +358,17 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
   // a scratch buffer on one rank). m keeps the momentum before the step,
   // which the gradient's reconstruction needs, until the elementwise pass.
   int64_t total = 0;
-  for (const BlockShard& s : blocks) total += s.layout.param_numel();
-  if (world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
-  if (world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
-  float* flat = world > 1 ? ob_flat->input() : onebit_scratch.data();
-  const optim::OneBitConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb.weight_decay > 0};
+  for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+  if (ctx_.world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
+  if (ctx_.world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
+  float* flat = ctx_.world > 1 ? ob_flat->input() : onebit_scratch.data();
+  const optim::OneBitConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb().weight_decay > 0};
   {
     int64_t at = 0;
     size_t k = 0;
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      const BlockLayout& l = blocks[b].layout;
-      const float* g = blocks[b].grad.as<float>();
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
+      const float* g = blocks()[b].grad.as<float>();
       const float* m = spans[b].m;
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const float sc = static_cast<float>(ob_scaling[k]);
@@ -269,14 +378,14 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
       }
     }
   }
-  if (world > 1) reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average_input(c, flat); }).wait();
+  if (ctx_.world > 1) ctx_.reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average_input(c, flat); }).wait();
   // Per tensor: the averaged momentum, the fresh variance, the coefficient.
   std::vector<float> coeff(static_cast<size_t>(tensors));
   {
     int64_t at = 0;
     size_t k = 0;
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      const BlockLayout& l = blocks[b].layout;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
       float* vf = ob_v_fresh[b].data();
       for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
         const int64_t off = l.offsets[t], n = l.numels[t];
@@ -285,7 +394,7 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
             optim::onebit_lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
         at += n;
         double factor = r.ratio_max;
-        if (lamb.weight_decay > 0) {
+        if (lamb().weight_decay > 0) {
           const double ratio = r.u_sq > 0 ? std::min(1.0, std::sqrt(r.prelim_sq) / std::sqrt(r.u_sq)) : 1.0;
           factor = factor * ratio + (1.0 - ratio);
         }
@@ -293,105 +402,105 @@ void Engine::Impl::onebit_lamb_update_all(float grad_scale) {
         factor = std::min(factor, ob_last_factor[k] * (1.0 + ob.factor_threshold));
         factor = std::max(factor, ob_last_factor[k] * (1.0 - ob.factor_threshold));
         ob_last_factor[k] = factor;
-        coeff[k] = static_cast<float>(-lamb.lr * (ob_lamb_coeff[k] * factor));
+        coeff[k] = static_cast<float>(-lamb().lr * (ob_lamb_coeff[k] * factor));
       }
     }
   }
   // The update, block by block (the compute copy follows each).
   size_t first = 0;
-  visit_updating([&](const StateSpan& sp) {
-    const BlockLayout& l = blocks[static_cast<size_t>(sp.block)].layout;
+  visit([&](const StateSpan& sp) {
+    const BlockLayout& l = blocks()[static_cast<size_t>(sp.block)].layout;
     size_t k = first;
     for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
       const int64_t off = l.offsets[t];
       optim::onebit_lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
     }
     first = k;
-    if (char* out = compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);
+    if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), ctx_.dtype);
   });
 }
 
-void Engine::Impl::onebit_update_all(float grad_scale) {
-  if (onebit_now == OneBitMode::kLambCompressed) {
+void OneBitRule::apply_compressed(Mode mode, int64_t t, float grad_scale) {
+  if (mode == Mode::kLambCompressed) {
     onebit_lamb_update_all(grad_scale);
-    if (!onebit_announced && rank == 0) {
+    if (!onebit_announced && ctx_.rank == 0) {
       int64_t total = 0;
-      for (const BlockShard& s : blocks) total += s.layout.param_numel();
-      log_info("OneBitLamb: the variance is frozen after " + std::to_string(cfg.optimizer.onebit.freeze_step) +
-               " Lamb steps; from optimizer step " + std::to_string(optimizer_steps) +
+      for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+      log_info("OneBitLamb: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
+               " Lamb steps; from optimizer step " + std::to_string(t) +
                " each rank sends its scaled momentum at 1 bit per element (" +
                std::to_string(ob_flat ? ob_flat->wire_bytes_per_rank() : 0) + " bytes per rank, against " +
-               std::to_string(world > 1 ? 2 * total * 4 * (world - 1) / world : 0) +
+               std::to_string(ctx_.world > 1 ? 2 * total * 4 * (ctx_.world - 1) / ctx_.world : 0) +
                " for the fp32 gradient all-reduce)");
     }
     onebit_announced = true;
     return;
   }
-  if (world > 1 && onebit_ar.empty()) onebit_make_compressors();
-  if (!onebit_announced && rank == 0) {
+  if (ctx_.world > 1 && onebit_ar.empty()) onebit_make_compressors();
+  if (!onebit_announced && ctx_.rank == 0) {
     int64_t full = 0, compressed = 0;
     for (const auto& per : onebit_ar)
       for (const comm::CompressedAllReduce& ar : per) compressed += ar.wire_bytes_per_rank();
-    for (const BlockShard& s : blocks) full += s.layout.param_numel();
-    full = world > 1 ? 2 * full * 4 * (world - 1) / world : 0;  // ring all-reduce of fp32 gradients
+    for (const BlockShard& s : blocks()) full += s.layout.param_numel();
+    full = ctx_.world > 1 ? 2 * full * 4 * (ctx_.world - 1) / ctx_.world : 0;  // ring all-reduce of fp32 gradients
     const std::string bytes = " (" + std::to_string(compressed) + " bytes per rank, against " +
                               std::to_string(full) + " for the fp32 gradient all-reduce)";
-    if (cfg.optimizer.type == OptimizerType::kOneBitAdam)
-      log_info("OneBitAdam: the variance is frozen after " + std::to_string(cfg.optimizer.onebit.freeze_step) +
-               " Adam steps; from optimizer step " + std::to_string(optimizer_steps) +
+    if (type_ == OptimizerType::kOneBitAdam)
+      log_info("OneBitAdam: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
+               " Adam steps; from optimizer step " + std::to_string(t) +
                " each rank sends its momentum at 1 bit per element" + bytes);
     else
-      log_info("ZeroOneAdam: from optimizer step " + std::to_string(optimizer_steps) +
+      log_info("ZeroOneAdam: from optimizer step " + std::to_string(t) +
                ", steps between variance updates average the gradient at 1 bit per element" + bytes +
-               "; the variance freezes after step " + std::to_string(cfg.optimizer.onebit.var_freeze_step));
+               "; the variance freezes after step " + std::to_string(onebit_.var_freeze_step));
   }
   onebit_announced = true;
   bool sync = false;
-  if (onebit_now == OneBitMode::kLocal) {
+  if (mode == Mode::kLocal) {
     if (zo_accum.empty())
-      for (const BlockShard& s : blocks) zo_accum.emplace_back(static_cast<size_t>(s.opt_numel), 0.0f);
-    zo_lrs += adam.lr;
-    sync = optimizer_steps % zo_local_interval == 0;
+      for (const BlockShard& s : blocks()) zo_accum.emplace_back(static_cast<size_t>(s.opt_numel), 0.0f);
+    zo_lrs += adam().lr;
+    sync = t % zo_local_interval == 0;
   }
-  visit_updating([&](const StateSpan& sp) { onebit_span(sp, grad_scale, sync); });
+  visit([&](const StateSpan& sp) { onebit_span(sp, mode, grad_scale, sync); });
   if (sync) zo_lrs = 0;
 }
 
-void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync) {
-  BlockShard& s = blocks[static_cast<size_t>(sp.block)];
-  ZINC_CHECK(plan.optimizer_spans_block && sp.offset == 0 && sp.count >= s.layout.numel,
+void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, bool sync) {
+  BlockShard& s = blocks()[static_cast<size_t>(sp.block)];
+  ZINC_CHECK(ctx_.plan->optimizer_spans_block && sp.offset == 0 && sp.count >= s.layout.numel,
              "1-bit optimizers: a span that is not a whole block (stage 0 keeps whole blocks)");
   const int64_t n = sp.count;
   const float* g = s.grad.as<float>();
   float* m = sp.m;
   float* w = sp.master;
   const float* v = sp.v;
-  const float b1 = static_cast<float>(adam.beta1), one_minus_b1 = static_cast<float>(1.0 - adam.beta1);
-  const float lr = static_cast<float>(adam.lr), eps = static_cast<float>(adam.eps);
-  const float wd = static_cast<float>(adam.weight_decay);
+  const float b1 = static_cast<float>(adam().beta1), one_minus_b1 = static_cast<float>(1.0 - adam().beta1);
+  const float lr = static_cast<float>(adam().lr), eps = static_cast<float>(adam().eps);
+  const float wd = static_cast<float>(adam().weight_decay);
   std::vector<comm::CompressedAllReduce>* per =
-      world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
-  const optim::OneBitConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam.lr * adam.weight_decay),
-                     grad_scale, adam.weight_decay > 0};
-  switch (onebit_now) {
-    case OneBitMode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
+      ctx_.world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
+  const optim::OneBitConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam().lr * adam().weight_decay),
+                     grad_scale, adam().weight_decay > 0};
+  switch (mode) {
+    case Mode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
       auto fill = [&](int64_t off, int64_t nt, float* x) { optim::onebit_momentum_into(nt, m + off, g + off, x, c); };
       if (per) {
-        average_tensors(*reduce_stream, *per, s.layout, m, fill);
+        average_tensors(*ctx_.reduce_stream, *per, s.layout, m, fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, m + from); });
       } else {
         fill(0, n, m);
       }
       break;
     }
-    case OneBitMode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze: the gradient averaged, folded into m
+    case Mode::kCompressedGrad: {  // Note [0/1 Adam], before the freeze: the gradient averaged, folded into m
       if (per) {
         std::vector<float>& avg = onebit_scratch;  // kept from step to step: no page faults
         avg.resize(static_cast<size_t>(n));
         auto fill = [&](int64_t off, int64_t nt, float* x) {
           for (int64_t i = 0; i < nt; ++i) x[i] = g[off + i] * grad_scale;
         };
-        average_tensors(*reduce_stream, *per, s.layout, avg.data(), fill);
+        average_tensors(*ctx_.reduce_stream, *per, s.layout, avg.data(), fill);
         for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { fill(from, to - from, avg.data() + from); });
         optim::OneBitConsts unscaled = c;  // the average is already scaled
         unscaled.grad_scale = 1.0f;
@@ -401,7 +510,7 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
       }
       break;
     }
-    case OneBitMode::kLocal: {  // Note [0/1 Adam], after the freeze
+    case Mode::kLocal: {  // Note [0/1 Adam], after the freeze
       float* acc = zo_accum[static_cast<size_t>(sp.block)].data();
       if (!sync) {
         optim::zero_one_local_step(n, m, g, v, w, acc, c);
@@ -412,22 +521,22 @@ void Engine::Impl::onebit_span(const StateSpan& sp, float grad_scale, bool sync)
           optim::zero_one_local_sync(nt, m + off, g + off, v + off, w + off, acc + off, x, c);
         };
         if (per) {
-          average_tensors(*reduce_stream, *per, s.layout, acc, undo);
+          average_tensors(*ctx_.reduce_stream, *per, s.layout, acc, undo);
           for_each_gap(s.layout, n, [&](int64_t from, int64_t to) { undo(from, to - from, acc + from); });
         } else {
           undo(0, n, acc);
         }
         optim::zero_one_sync_apply(n, m, w, acc, v, static_cast<float>(zo_lrs), eps);
       }
-      if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
+      if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), ctx_.dtype);
       return;
     }
-    case OneBitMode::kFull:
-    case OneBitMode::kLambCompressed:
+    case Mode::kFull:
+    case Mode::kLambCompressed:
       ZINC_CHECK(false, "1-bit optimizers: a step reached the wrong update");
   }
   optim::onebit_frozen_update(n, w, m, v, c);  // the frozen-variance update, in zinc's AdamW order (the decay first)
-  if (char* out = compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), dtype);
+  if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), ctx_.dtype);
 }
 
 // ---- checkpoints -----------------------------------------------------------------------
@@ -450,8 +559,7 @@ void append(std::string& bytes, const float* p, size_t n) {
 // are this rank's and this world size's; "lamb" (1-bit Lamb's fresh
 // variance per block span, then per tensor the trust-ratio average, the
 // last factor and the momentum scale as doubles) is the same on every rank.
-nlohmann::json Engine::Impl::onebit_save(const std::string& partial_dir) {
-  if (!cfg.optimizer.one_bit()) return nullptr;
+nlohmann::json OneBitRule::save(const std::string& partial_dir) {
   std::string errors, zero_one, lamb_part;
   for (const auto& per : onebit_ar)
     for (const comm::CompressedAllReduce& ar : per) {
@@ -464,10 +572,10 @@ nlohmann::json Engine::Impl::onebit_save(const std::string& partial_dir) {
   }
   if (!zo_accum.empty()) {
     for (const auto& a : zo_accum) append(zero_one, a.data(), a.size());
-    opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.master, static_cast<size_t>(sp.count)); });
-    opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.m, static_cast<size_t>(sp.count)); });
+    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.master, static_cast<size_t>(sp.count)); });
+    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.m, static_cast<size_t>(sp.count)); });
   }
-  const bool lamb_state = cfg.optimizer.type == OptimizerType::kOneBitLamb && !ob_lamb_coeff.empty();
+  const bool lamb_state = type_ == OptimizerType::kOneBitLamb && !ob_lamb_coeff.empty();
   if (lamb_state) {
     for (const auto& v : ob_v_fresh) append(lamb_part, v.data(), v.size());
     for (const std::vector<double>* d : {&ob_lamb_coeff, &ob_last_factor, &ob_scaling})
@@ -475,19 +583,19 @@ nlohmann::json Engine::Impl::onebit_save(const std::string& partial_dir) {
   }
   if (errors.empty() && zero_one.empty() && lamb_part.empty()) return nullptr;
   const std::string bytes = errors + zero_one + lamb_part;
-  const std::string name = onebit_file(rank);
+  const std::string name = onebit_file(ctx_.rank);
   ckpt::write_file_atomic((std::filesystem::path(partial_dir) / name).string(), bytes);
   nlohmann::json j = {{"file", name},
                       {"bytes", static_cast<int64_t>(bytes.size())},
                       {"xxh3_64", ckpt::xxh3_hex(bytes.data(), bytes.size())},
-                      {"world_size", world},
+                      {"world_size", ctx_.world},
                       {"sections",
                        {{"errors", static_cast<int64_t>(errors.size())},
                         {"zero_one", static_cast<int64_t>(zero_one.size())},
                         {"lamb", static_cast<int64_t>(lamb_part.size())}}}};
   if (!zero_one.empty()) j["lr_sum"] = zo_lrs;
   if (lamb_state) j["lamb"] = {{"v_fresh", !ob_v_fresh.empty()}, {"scaling", !ob_scaling.empty()}};
-  return j;
+  return {{"onebit", j}};  // the rank index's entry
 }
 
 namespace {
@@ -536,11 +644,12 @@ std::vector<std::array<int64_t, 3>> saved_spans(const ckpt::TagFiles& files, int
 }
 }  // namespace
 
-Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files) const {
-  OneBitSaved out;
-  if (!cfg.optimizer.one_bit()) return out;
+void OneBitRule::prepare_load(const ckpt::TagFiles& files) { saved_ = read_saved(files); }
+
+OneBitRule::Saved OneBitRule::read_saved(const ckpt::TagFiles& files) const {
+  Saved out;
   const int saved_world = files.meta.at("world_size").get<int>();
-  const int from = std::min(rank, saved_world - 1);
+  const int from = std::min(ctx_.rank, saved_world - 1);
   const nlohmann::json& index = files.ranks.at(static_cast<size_t>(from));
   if (!index.contains("onebit") || index["onebit"].is_null()) {
     out.why = "the checkpoint holds no 1-bit state (saved before any compressed step, or by another optimizer)";
@@ -555,23 +664,23 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
   int64_t errors = 0, span = 0, total = 0;
   const int64_t tensors = onebit_tensor_count();
   std::vector<std::array<int64_t, 3>> mine;
-  for (size_t b = 0; b < blocks.size(); ++b) {
-    const BlockShard& s = blocks[b];
-    mine.push_back({static_cast<int64_t>(b), plan.optimizer_spans_block ? 0 : s.part.own_offset(), s.opt_numel});
+  for (size_t b = 0; b < blocks().size(); ++b) {
+    const BlockShard& s = blocks()[b];
+    mine.push_back({static_cast<int64_t>(b), ctx_.plan->optimizer_spans_block ? 0 : s.part.own_offset(), s.opt_numel});
     span += s.opt_numel;
     total += s.layout.param_numel();
     for (int64_t n : s.layout.numels) {
-      const int64_t padded = comm::onebit_padded_size(n, world);
-      errors += padded + padded / world;
+      const int64_t padded = comm::onebit_padded_size(n, ctx_.world);
+      errors += padded + padded / ctx_.world;
     }
   }
-  if (cfg.optimizer.type == OptimizerType::kOneBitLamb) {
-    const int64_t padded = comm::onebit_padded_size(total, world);
-    errors = padded + padded / world;
+  if (type_ == OptimizerType::kOneBitLamb) {
+    const int64_t padded = comm::onebit_padded_size(total, ctx_.world);
+    errors = padded + padded / ctx_.world;
   }
   auto wrong = [&](const std::string& file, const char* section, int64_t have, int64_t want) {
     throw IoError("checkpoint: " + file + " has " + std::to_string(have) + " bytes of 1-bit " + section +
-                  " state; this model at " + std::to_string(world) + " ranks needs " + std::to_string(want) +
+                  " state; this model at " + std::to_string(ctx_.world) + " ranks needs " + std::to_string(want) +
                   " (nothing was loaded)");
   };
   auto floats = [&](int64_t at, int64_t count) {
@@ -579,10 +688,10 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
     std::memcpy(v.data(), bytes.data() + at, static_cast<size_t>(count) * 4);
     return v;
   };
-  const bool same_world = saved_world == world;
+  const bool same_world = saved_world == ctx_.world;
   if (!same_world)
     out.why = "the checkpoint's error feedback is for " + std::to_string(saved_world) + " ranks, this run has " +
-              std::to_string(world);
+              std::to_string(ctx_.world);
   if (same_world && n_errors > 0) {
     if (n_errors != errors * 4) wrong(where, "error feedback", n_errors, errors * 4);
     out.errors = floats(0, errors);
@@ -597,7 +706,7 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
     out.m = floats(n_errors + 2 * span * 4, span);
     out.lrs = e["lr_sum"].get<double>();
   }
-  if (n_lamb > 0 && cfg.optimizer.type == OptimizerType::kOneBitLamb) {
+  if (n_lamb > 0 && type_ == OptimizerType::kOneBitLamb) {
     // 1-bit Lamb's part: the fresh variance per span (like Adam's v: each
     // rank holds its own span, so at another world size or stage it is
     // stitched from every saved rank's file by flat offsets), then per
@@ -616,8 +725,8 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
         out.v_fresh = floats(at, span);
       } else {
         out.v_fresh.assign(static_cast<size_t>(span), 0.0f);  // padding no saved span covers stays 0
-        std::vector<int64_t> my_at(blocks.size());  // each block's first element in out.v_fresh
-        for (size_t b = 1; b < blocks.size(); ++b) my_at[b] = my_at[b - 1] + mine[b - 1][2];
+        std::vector<int64_t> my_at(blocks().size());  // each block's first element in out.v_fresh
+        for (size_t b = 1; b < blocks().size(); ++b) my_at[b] = my_at[b - 1] + mine[b - 1][2];
         for (int r = 0; r < saved_world; ++r) {
           const OneBitFile g = r == from ? OneBitFile{} : read_onebit_file(files, r);
           const OneBitFile& h = r == from ? f : g;
@@ -650,16 +759,19 @@ Engine::Impl::OneBitSaved Engine::Impl::onebit_read(const ckpt::TagFiles& files)
   return out;
 }
 
-void Engine::Impl::onebit_overwrite_span(const OneBitSaved& saved, const StateSpan& sp) const {
+void OneBitRule::load_span(const StateSpan& sp) {
+  const Saved& saved = saved_;
   if (saved.master.empty()) return;
   int64_t at = 0;
-  for (int b = 0; b < sp.block; ++b) at += blocks[static_cast<size_t>(b)].opt_numel;
+  for (int b = 0; b < sp.block; ++b) at += blocks()[static_cast<size_t>(b)].opt_numel;
   at += sp.offset;
   std::memcpy(sp.master, saved.master.data() + at, static_cast<size_t>(sp.count) * 4);
   std::memcpy(sp.m, saved.m.data() + at, static_cast<size_t>(sp.count) * 4);
 }
 
-void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
+void OneBitRule::finish_load(int64_t t) {
+  const Saved saved = std::move(saved_);
+  saved_ = Saved{};
   onebit_ar.clear();
   ob_flat.reset();
   zo_accum.clear();
@@ -669,30 +781,29 @@ void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
   ob_scaling.clear();
   ob_v_fresh.clear();
   onebit_announced = false;
-  if (cfg.optimizer.type == OptimizerType::kZeroOneAdam) {  // the schedule is a function of the step count
+  if (type_ == OptimizerType::kZeroOneAdam) {  // the schedule is a function of the step count
     zo_var_interval = 1;
     zo_var_counter = zo_local_counter = 0;
     zo_local_interval = 1;
     zo_errors_reset = false;
-    for (int64_t t = 1; t <= optimizer_steps; ++t) zero_one_after_step(t);
+    for (int64_t k = 1; k <= t; ++k) zero_one_after_step(k);
   }
-  if (!cfg.optimizer.one_bit()) return;
   if (saved.lamb) {
     ob_lamb_coeff = saved.lamb_coeff;
     ob_last_factor = saved.last_factor;
     ob_scaling = saved.scaling;
     const float* at = saved.v_fresh.data();
     if (!saved.v_fresh.empty())
-      for (const BlockShard& s : blocks) {
+      for (const BlockShard& s : blocks()) {
         ob_v_fresh.emplace_back(at, at + s.opt_numel);
         at += s.opt_numel;
       }
   }
-  if (!saved.errors.empty() && world > 1) {
-    if (cfg.optimizer.type == OptimizerType::kOneBitLamb) {
+  if (!saved.errors.empty() && ctx_.world > 1) {
+    if (type_ == OptimizerType::kOneBitLamb) {
       int64_t total = 0;
-      for (const BlockShard& s : blocks) total += s.layout.param_numel();
-      ob_flat = std::make_unique<comm::CompressedAllReduce>(total, world);
+      for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+      ob_flat = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
       ob_flat->set_errors(saved.errors.data(), saved.errors.data() + ob_flat->padded_size());
     } else {
       onebit_make_compressors();
@@ -706,15 +817,17 @@ void Engine::Impl::onebit_restore(const OneBitSaved& saved) {
   }
   if (!saved.accum.empty()) {
     const float* at = saved.accum.data();
-    for (const BlockShard& s : blocks) {
+    for (const BlockShard& s : blocks()) {
       zo_accum.emplace_back(at, at + s.opt_numel);
       at += s.opt_numel;
     }
     zo_lrs = saved.lrs;
   }
-  if (!saved.why.empty() && onebit_local_grads() && world > 1 && rank == 0)
-    log_warn(std::string(optimizer_type_name(cfg.optimizer.type)) + ": " + saved.why +
+  if (!saved.why.empty() && local_gradients(t + 1) && ctx_.world > 1 && ctx_.rank == 0)
+    log_warn(std::string(optimizer_type_name(type_)) + ": " + saved.why +
              "; the error feedback restarts from zero (as DeepSpeed's does at every load)");
 }
+
+std::unique_ptr<UpdateRule> make_onebit_rule(const Config& c) { return std::make_unique<OneBitRule>(c); }
 
 }  // namespace zinc
