@@ -93,7 +93,7 @@ import sys
 import threading
 import time
 
-from crash_lib import CRASH_MARKERS, add_common_args, read_bytes, rmtree, run_in_workdir, shquote, write_bytes
+from crash_lib import add_common_args, read_bytes, Result, rmtree, run_in_workdir, write_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -176,20 +176,6 @@ def same_tensors(a, b):
                for k in a)
 
 
-class Run:
-    """One process: its command, exit status, stdout, stderr, wall time."""
-
-    def __init__(self, cmd, env_extra, rc, out, err, wall):
-        self.cmd, self.env_extra, self.rc, self.out, self.err, self.wall = cmd, env_extra, rc, out, err, wall
-
-    def shell(self):
-        env = " ".join("%s=%s" % kv for kv in sorted(self.env_extra.items()))
-        return (env + " " if env else "") + " ".join(shquote(a) for a in self.cmd)
-
-    def crashed(self):
-        return [m for m in CRASH_MARKERS if m in self.err or m in self.out]
-
-
 class Ref:
     """The weights at one step of one fixture: their tensors, zinc's digest of a load of them, and their
     export folder per layout ({name: bytes}), made when first needed."""
@@ -270,7 +256,7 @@ class Test:
             raise Failure("hung (killed after %.0f s): %s" % (timeout, " ".join(h["cmd"])))
         out = read_bytes(os.path.join(self.workdir, "last.out")).decode("utf-8", "replace")
         err = read_bytes(os.path.join(self.workdir, "last.err")).decode("utf-8", "replace")
-        r = Run(h["cmd"], h["env"], p.returncode, out, err, wall)
+        r = Result(h["cmd"], h["env"], p.returncode, out, err, wall)
         self.log.append(r.shell() + "  -> rc %s" % r.rc)
         return r
 

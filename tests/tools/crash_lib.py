@@ -108,9 +108,12 @@ def session_members(sid):
 
 
 class Result:
-    def __init__(self, cmd, env_extra, rc, out, err, wall, hung, leftovers):
+    """One process the crash tests ran: its command (and extra environment), exit status, output, wall
+    time; whether it hung, what it left behind, its pid; the JSON events of its stdout."""
+
+    def __init__(self, cmd, env_extra, rc, out, err, wall, hung=False, leftovers=(), pid=None):
         self.cmd, self.env_extra, self.rc, self.out, self.err = cmd, env_extra, rc, out, err
-        self.wall, self.hung, self.leftovers = wall, hung, leftovers
+        self.wall, self.hung, self.leftovers, self.pid = wall, hung, leftovers, pid
         self.events = []
         for line in out.splitlines():
             if line.startswith("{"):

@@ -81,7 +81,7 @@ import sys
 import time
 import zlib
 
-from crash_lib import add_common_args, read_bytes, rmtree, run_in_workdir, shquote, write_bytes
+from crash_lib import add_common_args, read_bytes, Result, rmtree, run_in_workdir, shquote, write_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -189,17 +189,6 @@ def data_sets(rng, relation):
 
 # ---- the test --------------------------------------------------------------------------
 
-class Run:
-    """One zinc.prepare process: its command, exit status, stderr and wall time."""
-
-    def __init__(self, cmd, env_extra, rc, err, wall, pid):
-        self.cmd, self.env_extra, self.rc, self.err, self.wall, self.pid = cmd, env_extra, rc, err, wall, pid
-
-    def shell(self):
-        env = " ".join("%s=%s" % kv for kv in sorted(self.env_extra.items()))
-        return (env + " " if env else "") + " ".join(shquote(a) for a in self.cmd)
-
-
 class Test:
     def __init__(self, args):
         self.args = args
@@ -268,7 +257,7 @@ class Test:
             raise Failure("zinc.prepare hung (killed after %.0f s): %s" % (timeout, " ".join(h["cmd"])))
         wall = time.monotonic() - h["t0"]
         err = read_bytes(os.path.join(self.workdir, "last.err")).decode("utf-8", "replace")
-        r = Run(h["cmd"], h["env"], p.returncode, err, wall, p.pid)
+        r = Result(h["cmd"], h["env"], p.returncode, "", err, wall, pid=p.pid)
         self.log.append(r.shell() + "  -> rc %s" % r.rc)
         return r
 
