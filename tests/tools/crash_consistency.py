@@ -74,10 +74,6 @@ import time
 from crash_lib import *  # noqa: F401,F403
 
 
-class Failure(Exception):
-    pass
-
-
 class Test:
     def __init__(self, args):
         self.args = args
@@ -594,33 +590,17 @@ class Test:
               % (STEPS, ", ".join("%.0f ms at %d rank(s)" % (1000 * v, w) for w, v in sorted(self.run_s.items())),
                  " ".join(self.ref[(1, k)] for k in range(1, STEPS + 1))))
         indices = [a.only] if a.only is not None else list(range(a.trials))
-        results = []
-        failed_dir = os.path.join(self.workdir, "failed")
-        rmtree(failed_dir)
-        for n, i in enumerate(indices):
-            info = self.trial(i)
-            results.append(info)
-            if info["outcome"] == FAILED:
-                self.print_failure(info)
-                os.makedirs(failed_dir, exist_ok=True)
-                dst = os.path.join(failed_dir, "trial%d" % i)
-                rmtree(dst)
-                if os.path.isdir(info["_snapshot"]):
-                    shutil.copytree(info["_snapshot"], dst, symlinks=True)
-            if (n + 1) % 10 == 0 or n + 1 == len(indices):
-                c = {}
-                for r in results:
-                    c[r["outcome"]] = c.get(r["outcome"], 0) + 1
-                print("[%d/%d] %.0f s: %d %s, %d %s, %d failed; %d processes started, loads %d real / %d cached"
-                      % (n + 1, len(indices), time.monotonic() - t0, c.get(OK_BITS, 0), OK_BITS,
-                         c.get(OK_REFUSED, 0), OK_REFUSED, c.get(FAILED, 0), self.z.starts, self.loads_real,
-                         self.loads_cached), flush=True)
-        wall = time.monotonic() - t0
-        report = self.summarize(results, wall, ref_s)
-        nfail = report["totals"][FAILED]
-        if nfail:
-            print("%d of %d trials FAILED; the folders they left are under %s" % (nfail, len(results), failed_dir))
-        return (1 if nfail else 0), report
+
+        def progress(results):
+            c = {}
+            for r in results:
+                c[r["outcome"]] = c.get(r["outcome"], 0) + 1
+            return "%d %s, %d %s, %d failed; %d processes started, loads %d real / %d cached" % (
+                c.get(OK_BITS, 0), OK_BITS, c.get(OK_REFUSED, 0), OK_REFUSED, c.get(FAILED, 0), self.z.starts,
+                self.loads_real, self.loads_cached)
+        results, failed_dir = run_trials(self, indices, t0, 10, progress, FAILED)
+        report = self.summarize(results, time.monotonic() - t0, ref_s)
+        return exit_code(report, results, failed_dir, FAILED), report
 
     def print_failure(self, info):
         print("FAIL trial %d (seed %d, kind %s, %d rank(s)): %s"

@@ -93,7 +93,9 @@ import sys
 import threading
 import time
 
-from crash_lib import add_common_args, read_bytes, Result, rmtree, run_in_workdir, write_bytes
+from crash_lib import (add_common_args, exit_code, Failure, outcome_counts, read_bytes, Result, rmtree,
+                       run_in_workdir, run_trials, write_bytes)
+from hf_folder import folder_files, load_weights, same_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -117,47 +119,6 @@ STOPPED_RE = re.compile(r"stopped by signal 15 after step (\d+)")
 ERROR_RE = re.compile(r"^(zinc-train|zinc-export): error: .*$", re.M)
 
 
-class Failure(Exception):
-    pass
-
-
-def folder_files(folder):
-    """{name: bytes} of the regular files of a folder, and the names of its other entries."""
-    files, others = {}, []
-    for name in sorted(os.listdir(folder)):
-        full = os.path.join(folder, name)
-        if os.path.isfile(full) and not os.path.islink(full):
-            files[name] = read_bytes(full)
-        else:
-            others.append(name)
-    return files, others
-
-
-def load_weights(folder):
-    """What a reader loads from a folder, with the real safetensors package: model.safetensors when it is
-    there (transformers prefers it), else the files model.safetensors.index.json names, each tensor from
-    the file the index maps it to. Returns ({name: ndarray}, None) or (None, the error)."""
-    from safetensors.numpy import load_file
-    single = os.path.join(folder, "model.safetensors")
-    index = os.path.join(folder, "model.safetensors.index.json")
-    try:
-        if os.path.exists(single):
-            return load_file(single), None
-        if not os.path.exists(index):
-            return None, "neither model.safetensors nor model.safetensors.index.json"
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        shards = {name: load_file(os.path.join(folder, name)) for name in sorted(set(weight_map.values()))}
-        out = {}
-        for tensor, name in weight_map.items():
-            if tensor not in shards[name]:
-                return None, "%s: the index maps %s to it; it does not hold it" % (name, tensor)
-            out[tensor] = shards[name][tensor]
-        return out, None
-    except Exception as e:  # noqa: BLE001 -- any error is a refusal, which is what a mix should get
-        return None, "%s: %s" % (type(e).__name__, e)
-
-
 def reason(problem):
     """A problem's first line without its paths, sizes and output: for counting failures by kind."""
     m = ERROR_RE.search(problem)
@@ -167,13 +128,6 @@ def reason(problem):
     line = re.sub(r"(?:/[^\s:]+|trial/out)", "PATH", line)
     line = re.sub(r"\(\d+ bytes, was \d+\)", "", line)
     return line[:200]
-
-
-def same_tensors(a, b):
-    if sorted(a) != sorted(b):
-        return False
-    return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
-               for k in a)
 
 
 class Ref:
@@ -721,28 +675,9 @@ class Test:
             "%s %s %s: %.0f ms, %d files" % (w, fx, lay, 1000 * t["wall"], t["files"])
             for (w, fx, lay), t in sorted(self.timing.items()) if lay != "shards-30KB")), flush=True)
         indices = [a.only] if a.only is not None else list(range(a.trials))
-        results = []
-        failed_dir = os.path.join(self.workdir, "failed")
-        rmtree(failed_dir)
-        for n, i in enumerate(indices):
-            info = self.trial(i)
-            results.append(info)
-            if info["outcome"] == FAILED:
-                self.print_failure(info)
-                os.makedirs(failed_dir, exist_ok=True)
-                if os.path.isdir(info.get("_snapshot", "")):
-                    shutil.copytree(info["_snapshot"], os.path.join(failed_dir, "trial%d" % i), symlinks=True)
-            if (n + 1) % 50 == 0 or n + 1 == len(indices):
-                c = {}
-                for r in results:
-                    c[r["outcome"]] = c.get(r["outcome"], 0) + 1
-                print("[%d/%d] %.0f s: %s" % (n + 1, len(indices), time.monotonic() - t0,
-                                              ", ".join("%d %s" % (c.get(o, 0), o) for o in OUTCOMES)), flush=True)
+        results, failed_dir = run_trials(self, indices, t0, 50, lambda rs: outcome_counts(rs, OUTCOMES), FAILED)
         report = self.summarize(results, time.monotonic() - t0, ref_s)
-        nfail = report["totals"][FAILED]
-        if nfail:
-            print("%d of %d trials FAILED; the folders they left are under %s" % (nfail, len(results), failed_dir))
-        return (1 if nfail else 0), report
+        return exit_code(report, results, failed_dir, FAILED), report
 
     def print_failure(self, info):
         print("FAIL trial %d (seed %d, writer %s, kind %s, fixture %s, start %s, A %s, B %s): %s"

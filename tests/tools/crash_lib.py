@@ -107,6 +107,10 @@ def session_members(sid):
     return alive
 
 
+class Failure(Exception):
+    """A trial's setup (or the references) went wrong: the test cannot go on."""
+
+
 class Result:
     """One process the crash tests ran: its command (and extra environment), exit status, output, wall
     time; whether it hung, what it left behind, its pid; the JSON events of its stdout."""
@@ -363,3 +367,43 @@ def run_in_workdir(args, prefix, copies, make_test):
     elif temp:
         print("work folder kept: %s" % args.workdir)
     return rc
+
+
+def run_trials(test, indices, t0, every, progress_line, failed_label="FAILED"):
+    """Runs test.trial(i) for each index in order. A trial whose outcome is `failed_label` is printed
+    (test.print_failure) and the snapshot it left (info["_snapshot"]) copied to WORKDIR/failed/trial<i>;
+    every `every` trials and after the last, progress_line(results) (the counts) is printed after
+    "[n/N] seconds:". Returns the results and the failed trials' folder."""
+    results = []
+    failed_dir = os.path.join(test.workdir, "failed")
+    rmtree(failed_dir)
+    for n, i in enumerate(indices):
+        info = test.trial(i)
+        results.append(info)
+        if info["outcome"] == failed_label:
+            test.print_failure(info)
+            os.makedirs(failed_dir, exist_ok=True)
+            dst = os.path.join(failed_dir, "trial%d" % i)
+            rmtree(dst)
+            if os.path.isdir(info.get("_snapshot", "")):
+                shutil.copytree(info["_snapshot"], dst, symlinks=True)
+        if (n + 1) % every == 0 or n + 1 == len(indices):
+            print("[%d/%d] %.0f s: %s" % (n + 1, len(indices), time.monotonic() - t0, progress_line(results)),
+                  flush=True)
+    return results, failed_dir
+
+
+def outcome_counts(results, outcomes):
+    """ "n outcome, ..." of the results so far, in `outcomes` order."""
+    c = {}
+    for r in results:
+        c[r["outcome"]] = c.get(r["outcome"], 0) + 1
+    return ", ".join("%d %s" % (c.get(o, 0), o) for o in outcomes)
+
+
+def exit_code(report, results, failed_dir, failed_label="FAILED"):
+    """1 (and a line saying where the failed trials' folders are) when a trial failed, else 0."""
+    nfail = report["totals"][failed_label]
+    if nfail:
+        print("%d of %d trials FAILED; the folders they left are under %s" % (nfail, len(results), failed_dir))
+    return 1 if nfail else 0

@@ -81,7 +81,8 @@ import sys
 import time
 import zlib
 
-from crash_lib import add_common_args, read_bytes, Result, rmtree, run_in_workdir, shquote, write_bytes
+from crash_lib import (add_common_args, exit_code, Failure, outcome_counts, read_bytes, Result, rmtree,
+                       run_in_workdir, run_trials, shquote, write_bytes)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -108,10 +109,6 @@ SEQ_LEN = 256
 WORDS = ("Contrib", "Derivative", "License", "Work", "Works", "You", "and", "any", "copy", "for", "such", "that",
          "the", "this", "with")
 WARNING_RE = re.compile(r"^zinc\[\d+\] (warning|info|debug): ")
-
-
-class Failure(Exception):
-    pass
 
 
 def rule_refuses(prefix):
@@ -553,28 +550,9 @@ class Test:
             "refuses mixed sets (checked by it)" if self.reader else
             "has no set check: refused states are checked by the rule in Python only"), flush=True)
         indices = [a.only] if a.only is not None else list(range(a.trials))
-        results = []
-        failed_dir = os.path.join(self.workdir, "failed")
-        rmtree(failed_dir)
-        for n, i in enumerate(indices):
-            info = self.trial(i)
-            results.append(info)
-            if info["outcome"] == FAILED:
-                self.print_failure(info)
-                os.makedirs(failed_dir, exist_ok=True)
-                if os.path.isdir(info.get("_snapshot", "")):
-                    shutil.copytree(info["_snapshot"], os.path.join(failed_dir, "trial%d" % i), symlinks=True)
-            if (n + 1) % 25 == 0 or n + 1 == len(indices):
-                c = {}
-                for r in results:
-                    c[r["outcome"]] = c.get(r["outcome"], 0) + 1
-                print("[%d/%d] %.0f s: %s" % (n + 1, len(indices), time.monotonic() - t0,
-                                              ", ".join("%d %s" % (c.get(o, 0), o) for o in OUTCOMES)), flush=True)
+        results, failed_dir = run_trials(self, indices, t0, 25, lambda rs: outcome_counts(rs, OUTCOMES), FAILED)
         report = self.summarize(results, time.monotonic() - t0, ref_s)
-        nfail = report["totals"][FAILED]
-        if nfail:
-            print("%d of %d trials FAILED; the folders they left are under %s" % (nfail, len(results), failed_dir))
-        return (1 if nfail else 0), report
+        return exit_code(report, results, failed_dir, FAILED), report
 
     def print_failure(self, info):
         print("FAIL trial %d (seed %d, kind %s, relation %r): %s"
