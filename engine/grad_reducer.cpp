@@ -12,6 +12,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
                          StateMemory& memory, const Options& options)
     : plan_(plan), blocks_(blocks), stream_(stream), memory_(memory), options_(options) {
   if (plan_.world > 1 && !stream_) throw Error("GradReducer: several ranks need a comm stream");
+  ZINC_CHECK(options_.bucket_numel > 0, "GradReducer: no bucket size (the engine sets reduce_bucket_size)");
   if (plan_.grads_on_nvme) {
     ZINC_CHECK(stream_ != nullptr && options_.spill != nullptr && !options_.device_reduce && options_.host_grads,
                "GradReducer: gradients on NVMe need a stream and a spill, on the host");

@@ -26,7 +26,7 @@ namespace zinc {
 class GradReducer {
  public:
   struct Options {
-    int64_t bucket_numel = 500000000;  // zero_optimization.reduce_bucket_size (elements)
+    int64_t bucket_numel = 0;          // elements per bucket: zero_optimization.reduce_bucket_size (set by the engine)
     bool overlap = false;              // overlap_comm: backward goes on while a bucket reduces
     DType wire = DType::kF32;          // the gradients' dtype on the wire (16-bit: several ranks only)
     // The GPU path with reductions on the GPU (Note [the GPU path] in

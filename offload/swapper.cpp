@@ -16,6 +16,7 @@ int64_t round_up_elems(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 OptimizerSwapper::Plan OptimizerSwapper::plan(const SwapperOptions& options, const std::vector<int64_t>& span_numel) {
   Plan p;
+  if (options.sub_group_size <= 0) throw Error("OptimizerSwapper: sub_group_size must be set (elements per sub-group)");
   const int64_t group = std::max<int64_t>(kAlign, options.sub_group_size / kAlign * kAlign);
   for (size_t b = 0; b < span_numel.size(); ++b) {
     // Every span is a multiple of 1024 elements (engine/partition.h).

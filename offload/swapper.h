@@ -47,8 +47,10 @@ struct SwapperOptions {
   // the memlock limit refuses).
   bool pin_memory = false;
   // Elements per sub-group, rounded down to a multiple of 1024 (at least
-  // 1024): larger sub-groups mean fewer, larger transfers and more RAM.
-  int64_t sub_group_size = 1000000000;
+  // 1024): larger sub-groups mean fewer, larger transfers and more RAM. The
+  // engine sets it from zero_optimization.sub_group_size (whose default is
+  // engine/config.h's).
+  int64_t sub_group_size = 0;
   // The spans' gradients live on NVMe too (write_gradients; for_each hands
   // each sub-group's gradient to fn).
   bool gradients = false;

@@ -32,11 +32,12 @@ struct ModelConfig {
   ModelType type = ModelType::kGpt;
   int64_t vocab_size = 0;    // 0 = take the data source's vocabulary
   int64_t block_size = 0;    // gpt: max sequence length (0 = data.seq_len)
-  int64_t n_layer = 4;
-  int64_t n_head = 4;
-  int64_t n_embd = 128;
+  // The sizes default to the built-in models' own (models/models.h).
+  int64_t n_layer = models::GptConfig{}.n_layer;
+  int64_t n_head = models::GptConfig{}.n_head;
+  int64_t n_embd = models::GptConfig{}.n_embd;
   // mlp: next-token MLP over the previous `context` tokens' embeddings
-  int64_t context = 4;
+  int64_t context = models::MlpConfig{}.context;
   int64_t hidden = 512;
   // gpt: recompute each layer's activations in backward instead of keeping
   // them (models::GptConfig::gradient_checkpointing): less activation memory
@@ -47,16 +48,16 @@ struct ModelConfig {
   bool gradient_checkpointing = false;
   // llama (models::LlamaConfig, transformers' names): n_embd, n_layer and
   // n_head are the gpt's; these are the llama's.
-  int64_t hidden_size = 128;
-  int64_t intermediate_size = 344;
-  int64_t num_hidden_layers = 4;
-  int64_t num_attention_heads = 4;
-  int64_t num_key_value_heads = 0;  // 0: num_attention_heads
-  int64_t head_dim = 0;             // 0: hidden_size / num_attention_heads
+  int64_t hidden_size = models::LlamaConfig{}.hidden_size;
+  int64_t intermediate_size = models::LlamaConfig{}.intermediate_size;
+  int64_t num_hidden_layers = models::LlamaConfig{}.num_hidden_layers;
+  int64_t num_attention_heads = models::LlamaConfig{}.num_attention_heads;
+  int64_t num_key_value_heads = models::LlamaConfig{}.num_key_value_heads;  // 0: num_attention_heads
+  int64_t head_dim = models::LlamaConfig{}.head_dim;                        // 0: hidden_size / num_attention_heads
   int64_t max_position_embeddings = 0;  // 0: data.seq_len
-  double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
-  bool tie_word_embeddings = false;
+  double rms_norm_eps = models::LlamaConfig{}.rms_norm_eps;
+  double rope_theta = models::LlamaConfig{}.rope_theta;
+  bool tie_word_embeddings = models::LlamaConfig{}.tie_word_embeddings;
   // A Hugging Face model folder (config.json + safetensors) to start from:
   // the architecture picks the type (GPT2LMHeadModel: gpt; Llama, Mistral,
   // Qwen2: llama), config.json gives the sizes and the weights the initial
@@ -113,6 +114,10 @@ struct ExperimentConfig {
   DataConfig data;  // the `data` section (data/data.h)
   RunConfig run;
   CommConfig comm;
+  // The `trainer` section (TrainingArguments' names), read once: "auto"
+  // values resolve from it (resolve_auto), gradient checkpointing combines
+  // with it, and --check and the config event echo it.
+  TrainerConfig trainer;
 
   std::vector<std::string> warnings;  // ignored keys in these sections, already logged
   // Whether the document has a `model` / `data` section. A plain ds_config
@@ -126,7 +131,10 @@ struct ExperimentConfig {
   static const std::vector<std::string>& sections();
 
   // Parses and validates the four sections of `doc` and nothing else (the
-  // other keys are Config::parse's). Throws ConfigError naming the path.
+  // other keys are Config::parse's), with `trainer` the document's trainer
+  // section as parse_trainer read it. Throws ConfigError naming the path.
+  static ExperimentConfig parse(const nlohmann::json& doc, const TrainerConfig& trainer);
+  // The same, reading the trainer section itself.
   static ExperimentConfig parse(const nlohmann::json& doc);
   // Only the `comm` section, strictly, for picking the transport before the
   // world size and so the rest of the config are known. A document that is
@@ -156,9 +164,12 @@ struct ParsedExperiment {
   std::vector<AutoValue> auto_values;  // the "auto" values resolved (resolve_auto), in document order
 };
 
-// resolve_auto(doc, world_size), then Config::parse(resolved, world_size,
-// ExperimentConfig::sections()) and ExperimentConfig::parse(resolved): every
-// key of the document checked once.
+// One pass over the document: parse_trainer(doc), resolve_auto(doc,
+// world_size, trainer), then Config::parse(resolved, world_size,
+// ExperimentConfig::sections()) and ExperimentConfig::parse(resolved,
+// trainer): every key of the document read and checked once. (Only the comm
+// section is read earlier too, by the launcher that must know the transport
+// before the world size: ExperimentConfig::parse_comm.)
 // Throws ConfigError.
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size = 1);
 

@@ -104,7 +104,7 @@ void parse_rope(const ConfigFile& f, models::LlamaConfig& c) {
     params = f.at("rope_scaling");
     where = "rope_scaling";
   }
-  c.rope_theta = f.get_number("rope_theta", 10000.0);
+  c.rope_theta = f.get_number("rope_theta", models::LlamaConfig{}.rope_theta);  // transformers defaults to the same 10000
   if (params.is_null()) return;
   if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
   ConfigFile p(f.path(), params);
@@ -142,7 +142,7 @@ void parse_llama(const ConfigFile& f, const std::string& arch, models::LlamaConf
   c.num_key_value_heads = f.get_int("num_key_value_heads", c.num_attention_heads);
   c.head_dim = f.get_int("head_dim", 0);
   c.max_position_embeddings = f.get_int("max_position_embeddings");
-  c.rms_norm_eps = f.get_number("rms_norm_eps", 1e-6);
+  c.rms_norm_eps = f.get_number("rms_norm_eps", models::LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
   parse_rope(f, c);
   const std::string act = f.get_string("hidden_act", "silu");
   if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; zinc's llama MLP is SiLU-gated (silu)");

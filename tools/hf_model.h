@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "engine/model.h"
 #include "models/models.h"
+#include "tools/safetensors.h"
 
 namespace zinc::tools {
 
@@ -90,7 +91,7 @@ using BlockReader = std::function<std::vector<float>(int block)>;
 struct HfExportOptions {
   std::string out_dir;             // created if missing
   std::optional<DType> dtype;      // default: cfg.dtype, else bf16
-  int64_t max_shard_bytes = 5'000'000'000;
+  int64_t max_shard_bytes = kDefaultMaxShardBytes;
   std::string copy_from;           // a source folder whose tokenizer and generation files are copied unchanged
   int rank = 0;                    // only rank 0 writes
   // What the run reads (folders and files besides copy_from): out_dir must

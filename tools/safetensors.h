@@ -60,6 +60,11 @@ class SafetensorsWriter {
   bool committed_ = false;
 };
 
+// The largest safetensors file before an export shards, as the Hugging Face
+// tools default it (--max-shard-size, save_pretrained's max_shard_size).
+constexpr int64_t kDefaultMaxShardBytes = 5'000'000'000;
+constexpr const char* kDefaultMaxShardSize = "5GB";  // the same, as text (a test checks they agree)
+
 // "5GB", "500MB", "2GiB", "123456" (bytes): the decimal units as the Hugging
 // Face tools read them (1 GB = 10^9 bytes), binary ones with an i. Throws
 // zinc::Error naming `what` for anything else.
@@ -70,7 +75,7 @@ struct ExportOptions {
   std::string tag;          // empty: the one `latest` names
   std::string out;          // PATH.safetensors
   DType dtype = DType::kF32;
-  int64_t max_shard_bytes = 5'000'000'000;
+  int64_t max_shard_bytes = kDefaultMaxShardBytes;
 };
 
 struct ExportResult {

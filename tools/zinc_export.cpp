@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-export: write a zinc checkpoint's weights (the fp32 master weights, consolidated over "
                "every rank's shards) as safetensors, one tensor per model parameter"};
   zinc::tools::ExportOptions opts;
-  std::string dtype, max_shard = "5GB", format = "safetensors";
+  std::string dtype, max_shard = zinc::tools::kDefaultMaxShardSize, format = "safetensors";
   app.add_option("checkpoint_dir", opts.checkpoint_dir, "checkpoint folder (holds `latest` and the tags)")->required();
   app.add_option("--tag", opts.tag, "the tag to export (default: the one `latest` names)");
   app.add_option("--out", opts.out, "output file, NAME.safetensors (sharded: NAME-0000k-of-0000n.safetensors "

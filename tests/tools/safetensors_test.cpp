@@ -60,6 +60,8 @@ TEST(Safetensors, WriterRenamesOnlyWhenEveryByteCame) {
 
 TEST(Safetensors, SizesWithUnits) {
   EXPECT_EQ(parse_size("5GB", "s"), 5'000'000'000);
+  // The default in its two spellings, the text --help shows and the bytes.
+  EXPECT_EQ(parse_size(kDefaultMaxShardSize, "default"), kDefaultMaxShardBytes);
   EXPECT_EQ(parse_size("500MB", "s"), 500'000'000);
   EXPECT_EQ(parse_size("2GiB", "s"), int64_t{2} << 30);
   EXPECT_EQ(parse_size("1.5kb", "s"), 1500);
