@@ -114,10 +114,13 @@ json to_json(const TrainerConfig& t) {
 }
 
 ResolvedConfig resolve_auto(const json& doc, int world_size) {
+  return resolve_auto(doc, world_size, parse_trainer(doc));
+}
+
+ResolvedConfig resolve_auto(const json& doc, int world_size, const TrainerConfig& t) {
   ResolvedConfig out;
   out.doc = doc;
   if (!doc.is_object()) return out;
-  const TrainerConfig t = parse_trainer(doc);
   json& d = out.doc;
   auto set = [&](json& obj, const std::string& key, const std::string& path, const json& v, const std::string& why) {
     obj[key] = v;

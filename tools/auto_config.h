@@ -61,7 +61,11 @@ struct ResolvedConfig {
 TrainerConfig parse_trainer(const nlohmann::json& doc);
 
 // `doc` with every "auto" that has a rule replaced (world_size: for
-// train_batch_size). Throws ConfigError for a bad `trainer` section.
+// train_batch_size), from `trainer` (parse_trainer(doc): parse_experiment
+// reads the section once and hands it here).
+ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size, const TrainerConfig& trainer);
+// The same, reading the `trainer` section itself. Throws ConfigError for a
+// bad `trainer` section.
 ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size);
 
 }  // namespace zinc::tools

@@ -119,10 +119,10 @@ void check_creatable(const std::string& key, const std::string& folder) {
 
 }  // namespace
 
-json resolved_document(const Config& c, const ExperimentConfig& e, const TrainerConfig& t) {
+json resolved_document(const Config& c, const ExperimentConfig& e) {
   json j = to_json(c);
   j.update(to_json(e));
-  j["trainer"] = to_json(t);
+  j["trainer"] = to_json(e.trainer);
   return j;
 }
 
@@ -229,7 +229,7 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     }
     const Experiment ex = build_experiment(doc, world);
     check_startable(ex);
-    rep.resolved = resolved_document(ex.config, ex.experiment, parse_trainer(doc));
+    rep.resolved = resolved_document(ex.config, ex.experiment);
     rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
     rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
     for (ConfigEntry& u : rep.unused)  // such as fp16.enabled "auto" with bf16 chosen

@@ -23,8 +23,8 @@ struct ConfigEntry {
 };
 
 // The resolved document of a parsed experiment: to_json(Config) with the
-// experiment sections and the trainer section beside it.
-nlohmann::json resolved_document(const Config& c, const ExperimentConfig& e, const TrainerConfig& t);
+// experiment sections and its trainer section (e.trainer) beside it.
+nlohmann::json resolved_document(const Config& c, const ExperimentConfig& e);
 
 // Every leaf of `resolved` (arrays count as leaves) with its source:
 // "auto" where resolve_auto filled it (its AutoValue says from what), "--set"

@@ -75,8 +75,7 @@ void parse_model(Reader& root, ModelConfig& m) {
 // model.gradient_checkpointing and the trainer section's TrainingArguments
 // flag switch the same thing: either turns it on; both given and different
 // is an error naming both paths (neither silently wins).
-void combine_gradient_checkpointing(const nlohmann::json& doc, ModelConfig& m) {
-  const TrainerConfig t = parse_trainer(doc);
+void combine_gradient_checkpointing(const nlohmann::json& doc, const TrainerConfig& t, ModelConfig& m) {
   if (t.gradient_checkpointing < 0) return;
   const bool model_given = doc.contains("model") && doc["model"].is_object() &&
                            doc["model"].contains("gradient_checkpointing");
@@ -193,11 +192,14 @@ const std::vector<std::string>& ExperimentConfig::sections() {
   return kSections;
 }
 
-ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc) {
+ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc) { return parse(doc, parse_trainer(doc)); }
+
+ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc, const TrainerConfig& trainer) {
   ExperimentConfig e;
+  e.trainer = trainer;
   Reader root(doc, "", e.warnings);
   parse_model(root, e.model);
-  combine_gradient_checkpointing(doc, e.model);
+  combine_gradient_checkpointing(doc, trainer, e.model);
   parse_data(root, e.data);
   parse_run(root, e.run);
   tools::parse_comm(root, e.comm);
@@ -358,9 +360,10 @@ nlohmann::json to_json(const ExperimentConfig& e) {
 
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   ParsedExperiment p;
-  ResolvedConfig r = resolve_auto(doc, world_size);
+  const TrainerConfig trainer = parse_trainer(doc);
+  ResolvedConfig r = resolve_auto(doc, world_size, trainer);
   p.config = Config::parse(r.doc, world_size, ExperimentConfig::sections());
-  p.experiment = ExperimentConfig::parse(r.doc);
+  p.experiment = ExperimentConfig::parse(r.doc, trainer);
   p.auto_values = std::move(r.values);
   p.config.seed = p.experiment.run.seed;
   // DeepSpeed's activation_checkpointing section configures checkpointing

@@ -40,12 +40,10 @@ void maybe_inject_error(int rank, int64_t step) {
 // So with steps_per_print 1 every scalar is one of the step and eval
 // events' values.
 
-RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, nlohmann::json doc,
-                 comm::Communicator* comm, Hooks hooks)
+RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, comm::Communicator* comm, Hooks hooks)
     : engine_(engine),
       loader_(loader),
       ex_(ex),
-      doc_(std::move(doc)),
       comm_(comm),
       hooks_(std::move(hooks)),
       world_(comm ? comm->size() : 1),
@@ -69,7 +67,7 @@ nlohmann::json RunLoop::resume(const std::string& dir) {
 
 std::vector<nlohmann::json> RunLoop::start() {
   std::vector<nlohmann::json> evs;
-  evs.push_back(config_event(ex_, doc_, world_));
+  evs.push_back(config_event(ex_, world_));
   if (std::optional<nlohmann::json> a = auto_event(ex_)) evs.push_back(std::move(*a));
   t0_ = t_last_ = Clock::now();
   comm_wait_last_ = engine_.comm_wait_seconds();

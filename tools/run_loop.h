@@ -56,11 +56,9 @@ class RunLoop {
     std::function<int()> stop_requested;
   };
 
-  // engine, loader and ex outlive the loop; doc is the document as given
-  // (the config event's `trainer` section); comm: the run's communicator,
+  // engine, loader and ex outlive the loop; comm: the run's communicator,
   // null for a single rank.
-  RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, nlohmann::json doc, comm::Communicator* comm,
-          Hooks hooks);
+  RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, comm::Communicator* comm, Hooks hooks);
   ~RunLoop();
   RunLoop(const RunLoop&) = delete;
   RunLoop& operator=(const RunLoop&) = delete;
@@ -99,7 +97,6 @@ class RunLoop {
   Engine& engine_;
   DataLoader& loader_;
   const Experiment& ex_;
-  nlohmann::json doc_;
   comm::Communicator* comm_;
   Hooks hooks_;
   std::unique_ptr<Monitors> monitor_;

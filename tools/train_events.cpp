@@ -11,8 +11,8 @@
 
 namespace zinc::tools {
 
-nlohmann::json config_event(const Experiment& ex, const nlohmann::json& doc, int world_size) {
-  const nlohmann::json resolved = resolved_document(ex.config, ex.experiment, parse_trainer(doc));
+nlohmann::json config_event(const Experiment& ex, int world_size) {
+  const nlohmann::json resolved = resolved_document(ex.config, ex.experiment);
   return {{"event", "config"}, {"world_size", world_size}, {"config", resolved}};
 }
 

@@ -20,9 +20,8 @@
 namespace zinc::tools {
 
 // {"event":"config","world_size":W,"config":<the resolved document>}: every
-// key of the run with the value it takes. doc: the document as given (its
-// `trainer` section).
-nlohmann::json config_event(const Experiment& ex, const nlohmann::json& doc, int world_size);
+// key of the run with the value it takes.
+nlohmann::json config_event(const Experiment& ex, int world_size);
 // {"event":"auto","values":[{"path","value","source"}...]}: the "auto" values
 // resolved; nullopt when the document has none.
 std::optional<nlohmann::json> auto_event(const Experiment& ex);

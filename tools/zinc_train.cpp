@@ -121,7 +121,7 @@ void save_weights(zinc::Engine& engine, int rank, const std::string& path) {
 struct SavePretrained {
   std::string dir;
   std::optional<zinc::DType> dtype;
-  int64_t max_shard_bytes = 5'000'000'000;
+  int64_t max_shard_bytes = zinc::tools::kDefaultMaxShardBytes;
 };
 
 // The engine's final weights in the Hugging Face layout (export_hf). A
@@ -318,7 +318,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     if (!quiet) print_event(ev, *loop_ptr, engine, cfg, json);
   };
   hooks.stop_requested = [] { return g_stop_signal.load(); };
-  zinc::tools::RunLoop loop(engine, loader, ex, doc, comm.get(), std::move(hooks));
+  zinc::tools::RunLoop loop(engine, loader, ex, comm.get(), std::move(hooks));
   loop_ptr = &loop;
   if (resume) {
     const std::string dir = resume->empty() ? run.checkpoint_dir : *resume;
@@ -554,7 +554,7 @@ int main(int argc, char** argv) {
   app.add_option("--save-weights", weights_out,
                  "end by writing the final fp32 weights to this .safetensors file (as zinc-export names them)");
   SavePretrained pretrained;
-  std::string save_dtype, max_shard = "5GB";
+  std::string save_dtype, max_shard = zinc::tools::kDefaultMaxShardSize;
   app.add_option("--save-pretrained", pretrained.dir,
                  "end by writing the model in the Hugging Face layout to this folder (config.json, safetensors, "
                  "and the tokenizer files of model.from_pretrained's folder): transformers' from_pretrained reads it");

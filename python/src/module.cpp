@@ -419,10 +419,9 @@ class PyEngine {
     return to_py(client);
   }
 
-  py::object config() const { return to_py(zinc::tools::config_event(ex_, doc_, world())["config"]); }
+  py::object config() const { return to_py(zinc::tools::config_event(ex_, world())["config"]); }
   int world() const { return comm_ ? comm_->size() : 1; }
   const zinc::tools::Experiment& experiment() const { return ex_; }
-  const json& document() const { return doc_; }
   zinc::DataLoader& loader() { return *loader_; }
   zinc::comm::Communicator* communicator() const { return comm_.get(); }
 
@@ -544,8 +543,8 @@ class TrainRun {
   TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
       : engine_(config, steps, "zinc.train", ignore_resources) {
     PyEngine::Call call(engine_, "zinc.train");
-    loop_.emplace(engine_.engine("train"), engine_.loader(), engine_.experiment(), engine_.document(),
-                  engine_.communicator(), zinc::tools::RunLoop::Hooks{});
+    loop_.emplace(engine_.engine("train"), engine_.loader(), engine_.experiment(), engine_.communicator(),
+                  zinc::tools::RunLoop::Hooks{});
     g_runs.insert(this);
   }
   ~TrainRun() { g_runs.erase(this); }
@@ -647,7 +646,7 @@ marks the engine closed and returns; the running call finishes and frees it.
            "kept with it, together with the data position, so zinc-train --resume can continue it. Collective "
            "under mpirun. OSError when a file cannot be written.")
       .def("save_pretrained", one_call("save_pretrained", &PyEngine::save_pretrained), py::arg("save_dir"),
-           py::arg("dtype") = py::none(), py::arg("max_shard_size") = "5GB",
+           py::arg("dtype") = py::none(), py::arg("max_shard_size") = zinc::tools::kDefaultMaxShardSize,
            "save_pretrained(save_dir, dtype=None, max_shard_size='5GB') -> dict\n\nWrites the model in the "
            "Hugging Face layout transformers' from_pretrained reads: config.json, the weights under transformers' "
            "names (sharded with an index above max_shard_size) in dtype ('fp32', 'bf16', 'fp16'; None: the "

@@ -492,7 +492,7 @@ void run_case(const Case& c, const std::string& file) {
   const ParsedExperiment p = parse_experiment(doc, c.world);
   json set_doc = json::object();
   for (const std::string& o : c.overrides) apply_override(set_doc, o);
-  const json resolved = resolved_document(p.config, p.experiment, parse_trainer(doc));
+  const json resolved = resolved_document(p.config, p.experiment);
   (void)config_sources(resolved, file_doc, set_doc, p.auto_values, c.world);
   (void)unused_keys(resolved, file_doc, set_doc);
   (void)resolved.dump();
