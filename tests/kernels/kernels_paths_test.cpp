@@ -105,7 +105,9 @@ TEST(Matmul, Bf16IsMultipliedAsBf16OnlyWithBf16ArithmeticThatPays) {
   } else {
     EXPECT_EQ(p.multiply, DType::kF32) << p.impl;
     EXPECT_NE(p.why, "") << p.impl;
-    if (cpu_isa() >= CpuIsa::kAvx512Bf16) EXPECT_NE(p.why.find("Intel"), std::string::npos) << p.why;
+    if (cpu_isa() >= CpuIsa::kAvx512Bf16) {
+      EXPECT_NE(p.why.find("Intel"), std::string::npos) << p.why;
+    }
   }
   if (cap != "AVX512_CORE_AMX") {
     EXPECT_EQ(p.impl.find("amx"), std::string::npos) << p.impl;
