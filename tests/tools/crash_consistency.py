@@ -469,12 +469,7 @@ class Test:
                 pass
 
     def snapshot(self, info):
-        """Keeps the folder as the trial left it, under failed/, if the trial fails."""
-        snap = os.path.join(self.workdir, "snapshot")
-        rmtree(snap)
-        if os.path.isdir(self.trial_dir):
-            shutil.copytree(self.trial_dir, snap, symlinks=True)
-        info["_snapshot"] = snap
+        snapshot(self.workdir, self.trial_dir, info)
 
     def check_folder_after_kill(self, world, keep, stop_step, info):
         problems = info["problems"]

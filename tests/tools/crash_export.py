@@ -94,7 +94,7 @@ import threading
 import time
 
 from crash_lib import (add_common_args, exit_code, Failure, outcome_counts, read_bytes, Result, rmtree,
-                       run_in_workdir, run_trials, write_bytes)
+                       run_in_workdir, run_trials, snapshot, write_bytes)
 from hf_folder import folder_files, load_weights, same_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -650,10 +650,7 @@ class Test:
             pass
 
     def snapshot(self, info):
-        snap = os.path.join(self.workdir, "snapshot")
-        rmtree(snap)
-        shutil.copytree(self.trial_dir, snap, symlinks=True)
-        info["_snapshot"] = snap
+        snapshot(self.workdir, self.trial_dir, info)
 
     # -- driver ----------------------------------------------------------------------
 

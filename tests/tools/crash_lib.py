@@ -276,6 +276,16 @@ def rmtree(path):
             os.remove(path)
 
 
+def snapshot(workdir, trial_dir, info):
+    """Keeps the trial's folder as the trial left it (WORKDIR/snapshot): run_trials copies it under failed/ if
+    the trial fails."""
+    snap = os.path.join(workdir, "snapshot")
+    rmtree(snap)
+    if os.path.isdir(trial_dir):
+        shutil.copytree(trial_dir, snap, symlinks=True)
+    info["_snapshot"] = snap
+
+
 def tags_in(folder):
     """{step: name} of the tag folders global_step<k> in a checkpoint folder."""
     tags = {}

@@ -82,7 +82,7 @@ import time
 import zlib
 
 from crash_lib import (add_common_args, exit_code, Failure, outcome_counts, read_bytes, Result, rmtree,
-                       run_in_workdir, run_trials, shquote, write_bytes)
+                       run_in_workdir, run_trials, shquote, snapshot, write_bytes)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
@@ -519,10 +519,7 @@ class Test:
             problems.append("left after the run that followed the kill: %s" % self.others())
 
     def snapshot(self, info):
-        snap = os.path.join(self.workdir, "snapshot")
-        rmtree(snap)
-        shutil.copytree(self.trial_dir, snap, symlinks=True)
-        info["_snapshot"] = snap
+        snapshot(self.workdir, self.trial_dir, info)
 
     # -- driver ----------------------------------------------------------------------
 
