@@ -8,7 +8,6 @@
 
 #include "core/error.h"
 #include "engine/config_reader.h"
-#include "tools/experiment_config.h"
 
 // Note ["auto"]
 // -------------
@@ -29,7 +28,8 @@
 //   zero_optimization reduce_bucket_size hidden^2,
 //                     stage3_prefetch_bucket_size 0.9 hidden^2,
 //                     stage3_param_persistence_threshold 10 hidden
-//                    (hidden: model.n_embd);
+//                    (hidden: the model's hidden size, from the
+//                    parsed model section or the folder's config.json);
 //                    stage3_gather_16bit_weights_on_model_save false
 //                    (Accelerate's zero3_save_16bit_model default)
 //   bf16.enabled / fp16.enabled     trainer.bf16 / trainer.fp16 when given;
@@ -113,11 +113,9 @@ json to_json(const TrainerConfig& t) {
           {"gradient_checkpointing", tri(t.gradient_checkpointing)}};
 }
 
-ResolvedConfig resolve_auto(const json& doc, int world_size) {
-  return resolve_auto(doc, world_size, parse_trainer(doc));
-}
-
-ResolvedConfig resolve_auto(const json& doc, int world_size, const TrainerConfig& t) {
+ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
+  const TrainerConfig& t = facts.trainer;
+  const int world_size = facts.world_size;
   ResolvedConfig out;
   out.doc = doc;
   if (!doc.is_object()) return out;
@@ -177,8 +175,7 @@ ResolvedConfig resolve_auto(const json& doc, int world_size, const TrainerConfig
       set(p, "weight_decay", "optimizer.params.weight_decay", t.weight_decay, "trainer.weight_decay");
   }
 
-  // The run's length (the `run` section's default when it is not given).
-  const int64_t steps = int_at(d.value("run", json::object()), "steps").value_or(RunConfig{}.steps);
+  const int64_t steps = facts.run_steps;
   if (d.contains("scheduler") && d["scheduler"].is_object() && d["scheduler"].contains("params")) {
     json& p = d["scheduler"]["params"];
     if (auto_at(p, "warmup_min_lr")) set(p, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0.0, "0, as the Trainer sets it");
@@ -199,16 +196,22 @@ ResolvedConfig resolve_auto(const json& doc, int world_size, const TrainerConfig
   }
 
   if (d.contains("zero_optimization") && d["zero_optimization"].is_object()) {
-    const int64_t hidden = int_at(d.value("model", json::object()), "n_embd").value_or(ModelConfig{}.n_embd);
-    const std::string h = " (model.n_embd " + std::to_string(hidden) + ")";
     json& z = d["zero_optimization"];
-    // hidden^2 must fit in an int64; a width that large (or below 1) is
-    // refused at model.n_embd rather than sizing a bucket from it.
     const bool hidden_rule = auto_at(z, "reduce_bucket_size") || auto_at(z, "stage3_prefetch_bucket_size") ||
                              auto_at(z, "stage3_param_persistence_threshold");
-    if (hidden_rule && (hidden < 1 || hidden > 3037000499))
-      throw ConfigError("model.n_embd", "must be in [1, 3037000499] to size the \"auto\" ZeRO buckets from it "
-                                        "(hidden^2), got " + std::to_string(hidden));
+    int64_t hidden = 0;
+    std::string h;
+    if (hidden_rule) {
+      ZINC_CHECK(facts.hidden, "resolve_auto: no hidden size to size the ZeRO buckets from");
+      const AutoFacts::Width w = facts.hidden();
+      // hidden^2 must fit in an int64; a width that large (or below 1) is
+      // refused at its path rather than sizing a bucket from it.
+      if (w.hidden < 1 || w.hidden > 3037000499)
+        throw ConfigError(w.path, "must be in [1, 3037000499] to size the \"auto\" ZeRO buckets from it "
+                                  "(hidden^2), got " + std::to_string(w.hidden));
+      hidden = w.hidden;
+      h = " (" + w.source + ")";
+    }
     if (auto_at(z, "reduce_bucket_size"))
       set(z, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", hidden * hidden, "hidden^2" + h);
     if (auto_at(z, "stage3_prefetch_bucket_size"))

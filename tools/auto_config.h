@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -60,12 +62,25 @@ struct ResolvedConfig {
 // with "did you mean"). Throws ConfigError.
 TrainerConfig parse_trainer(const nlohmann::json& doc);
 
-// `doc` with every "auto" that has a rule replaced (world_size: for
-// train_batch_size), from `trainer` (parse_trainer(doc): parse_experiment
-// reads the section once and hands it here).
-ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size, const TrainerConfig& trainer);
-// The same, reading the `trainer` section itself. Throws ConfigError for a
-// bad `trainer` section.
-ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size);
+// What the rules take from outside the DeepSpeed keys, read once by
+// parse_experiment from the parsed sections (never from the document again).
+struct AutoFacts {
+  int world_size = 1;      // train_batch_size's product
+  TrainerConfig trainer;   // the `trainer` section, parse_trainer(doc)
+  int64_t run_steps = 0;   // run.steps: the schedule's length and warmup_ratio's base
+  // The model's hidden size for the ZeRO bucket rules (the Trainer's
+  // model.config.hidden_size): its value, the JSON path that sets it
+  // ("model.n_embd") and where it came from ("model.n_embd 64"). Called only
+  // when one of those keys is "auto": for a model folder it reads its
+  // config.json.
+  struct Width {
+    int64_t hidden = 0;
+    std::string path, source;
+  };
+  std::function<Width()> hidden;
+};
+
+// `doc` with every "auto" that has a rule replaced. Throws ConfigError.
+ResolvedConfig resolve_auto(const nlohmann::json& doc, const AutoFacts& facts);
 
 }  // namespace zinc::tools

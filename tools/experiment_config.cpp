@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "engine/config_reader.h"
 #include "models/models.h"
+#include "tools/hf_model.h"
 
 namespace zinc::tools {
 namespace {
@@ -358,12 +359,51 @@ nlohmann::json to_json(const ExperimentConfig& e) {
           {"comm", {{"backend", comm_backend_name(e.comm.backend)}, {"timeout_seconds", e.comm.timeout_seconds}}}};
 }
 
+// Note [one config pass]
+// -----------------------
+// A document is read once, section by section, each key by one reader:
+// the trainer section first (the "auto" rules and the experiment both use
+// it), then the experiment's sections, then "auto" (resolve_auto) from the
+// parsed values in AutoFacts, then the DeepSpeed sections of the resolved
+// document. "auto" comes after the experiment because its rules depend on
+// it: the schedule's length is run.steps, and the ZeRO buckets follow the
+// model's hidden size, which is model.n_embd for the GPT, model.hidden_size
+// for the Llama and config.json's for a model folder (the Trainer reads
+// model.config.hidden_size). The only key read twice is the batch triad's
+// micro-batch and accumulation, which train_batch_size's "auto" multiplies
+// before Config::parse checks them.
+AutoFacts auto_facts(const ExperimentConfig& e, int world_size) {
+  AutoFacts f;
+  f.world_size = world_size;
+  f.trainer = e.trainer;
+  f.run_steps = e.run.steps;
+  const ModelConfig m = e.model;
+  f.hidden = [m]() -> AutoFacts::Width {
+    if (!m.from_pretrained.empty()) {
+      const HfConfig hf = read_hf_config(m.from_pretrained);
+      const int64_t h = hf.kind == HfKind::kGpt ? hf.gpt.n_embd : hf.llama.hidden_size;
+      return {h, "model.from_pretrained", "hidden size " + std::to_string(h) + " of " + m.from_pretrained + "/config.json"};
+    }
+    if (m.type == ModelType::kLlama)
+      return {m.hidden_size, "model.hidden_size", "model.hidden_size " + std::to_string(m.hidden_size)};
+    return {m.n_embd, "model.n_embd", "model.n_embd " + std::to_string(m.n_embd)};
+  };
+  return f;
+}
+
+ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size) {
+  return resolve_auto(doc, auto_facts(ExperimentConfig::parse(doc), world_size));
+}
+
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   ParsedExperiment p;
+  // The order of Note [one config pass]: the trainer section, the
+  // experiment's sections, "auto" from what those two hold, the DeepSpeed
+  // sections of the resolved document.
   const TrainerConfig trainer = parse_trainer(doc);
-  ResolvedConfig r = resolve_auto(doc, world_size, trainer);
+  p.experiment = ExperimentConfig::parse(doc, trainer);
+  ResolvedConfig r = resolve_auto(doc, auto_facts(p.experiment, world_size));
   p.config = Config::parse(r.doc, world_size, ExperimentConfig::sections());
-  p.experiment = ExperimentConfig::parse(r.doc, trainer);
   p.auto_values = std::move(r.values);
   p.config.seed = p.experiment.run.seed;
   // DeepSpeed's activation_checkpointing section configures checkpointing

@@ -164,13 +164,20 @@ struct ParsedExperiment {
   std::vector<AutoValue> auto_values;  // the "auto" values resolved (resolve_auto), in document order
 };
 
-// One pass over the document: parse_trainer(doc), resolve_auto(doc,
-// world_size, trainer), then Config::parse(resolved, world_size,
-// ExperimentConfig::sections()) and ExperimentConfig::parse(resolved,
-// trainer): every key of the document read and checked once. (Only the comm
-// section is read earlier too, by the launcher that must know the transport
-// before the world size: ExperimentConfig::parse_comm.)
+// One pass over the document (Note [one config pass] in
+// experiment_config.cpp): parse_trainer(doc), ExperimentConfig::parse(doc,
+// trainer), resolve_auto(doc, auto_facts(experiment, world_size)), then
+// Config::parse(resolved, world_size, ExperimentConfig::sections()): every
+// key of the document read and checked once. (Only the comm section is read
+// earlier too, by the launcher that must know the transport before the
+// world size: ExperimentConfig::parse_comm.)
 // Throws ConfigError.
 ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size = 1);
+
+// What the "auto" rules take from the parsed sections (auto_config.h).
+AutoFacts auto_facts(const ExperimentConfig& e, int world_size);
+// The "auto" step of parse_experiment alone, reading the sections it needs
+// (for tests and for tools that show the resolved document).
+ResolvedConfig resolve_auto(const nlohmann::json& doc, int world_size);
 
 }  // namespace zinc::tools

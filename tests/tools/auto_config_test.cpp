@@ -195,5 +195,31 @@ TEST(AutoConfig, Gather16BitWeightsOnSaveIsAcceleratesDefault) {
   EXPECT_EQ(resolve_auto(doc, 1).doc["zero_optimization"]["gather_16bit_weights_on_model_save"], false);
 }
 
+// The ZeRO bucket rules follow the model's hidden size, as the Trainer's
+// model.config.hidden_size: n_embd for the GPT, hidden_size for the Llama,
+// and config.json's for a model folder (before, n_embd for every model, so
+// a Llama's buckets were sized from the GPT's default width).
+TEST(AutoConfig, BucketRulesFollowTheModelsHiddenSize) {
+  json doc = hf_config();
+  doc["model"] = {{"type", "llama"}, {"hidden_size", 96}, {"intermediate_size", 128}, {"num_hidden_layers", 2},
+                  {"num_attention_heads", 4}};
+  ResolvedConfig r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["zero_optimization"]["reduce_bucket_size"], 96 * 96);
+  EXPECT_EQ(r.doc["zero_optimization"]["stage3_param_persistence_threshold"], 960);
+  EXPECT_NE(find(r, "zero_optimization.reduce_bucket_size")->source.find("model.hidden_size 96"), std::string::npos);
+  EXPECT_EQ(parse_experiment(doc, 1).config.zero.reduce_bucket_size, 96 * 96);
+
+  const std::string dir = std::string(ZINC_SOURCE_DIR) + "/tests/fixtures/hf/llama_gqa";
+  doc["model"] = {{"from_pretrained", dir}};
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["zero_optimization"]["reduce_bucket_size"], 32 * 32);  // its config.json's hidden_size
+  EXPECT_NE(find(r, "zero_optimization.reduce_bucket_size")->source.find("config.json"), std::string::npos);
+
+  // No "auto" bucket: the folder's config.json is not read for it.
+  doc["zero_optimization"] = {{"stage", 2}};
+  doc["model"] = {{"from_pretrained", "/nonexistent-zinc-folder"}};
+  EXPECT_EQ(resolve_auto(doc, 1).doc["zero_optimization"], json({{"stage", 2}}));
+}
+
 }  // namespace
 }  // namespace zinc::tools
