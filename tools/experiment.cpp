@@ -18,6 +18,8 @@
 #include "core/error.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
+#include "models/gpt/gpt.h"
+#include "models/llama/llama.h"
 #include "models/models.h"
 #include "tools/hf_model.h"
 
@@ -31,11 +33,11 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
                                             std::optional<HfConfig>& out) {
   const HfConfig& hf = out.emplace(read_hf_config(m.from_pretrained));
   const std::string file = m.from_pretrained + "/config.json";
-  const ModelType type = hf.kind == HfKind::kGpt ? ModelType::kGpt : ModelType::kLlama;
+  const std::string& type = hf.family->name;
   auto given = [&](const char* k) { return std::find(m.given.begin(), m.given.end(), k) != m.given.end(); };
-  if (given("type") && m.type != type) {
+  if (given("type") && model_type_name(m.type) != type) {
     throw ConfigError("model.type", std::string("\"") + model_type_name(m.type) + "\" disagrees with " + file +
-                                        ": architectures \"" + hf.architecture + "\" (a " + model_type_name(type) +
+                                        ": architectures \"" + hf.architecture + "\" (a " + type +
                                         "); leave model.type out");
   }
   // Each size key the section gave, against config.json's value of the same name.
@@ -67,14 +69,14 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
                                           "; leave model." + k + " out to take the folder's");
     }
   }
-  const int64_t V = hf.kind == HfKind::kGpt ? hf.gpt.vocab_size : hf.llama.vocab_size;
+  const int64_t V = hf.model->vocab_size();
   if (data.vocab_size() > V)
     throw ConfigError("model.from_pretrained", "the data's vocabulary " + std::to_string(data.vocab_size()) +
                                                    " exceeds the model's vocab_size " + std::to_string(V) + " (" + file + ")");
-  const int64_t max_T = hf.kind == HfKind::kGpt ? hf.gpt.block_size : hf.llama.max_position_embeddings;
+  const int64_t max_T = hf.model->max_positions();
   if (data.seq_len() > max_T)
     throw ConfigError("data.seq_len", std::to_string(data.seq_len()) + " exceeds the model's " +
-                                          (hf.kind == HfKind::kGpt ? "n_positions " : "max_position_embeddings ") +
+                                          (hf.family->max_positions_key + " ") +
                                           std::to_string(max_T) + " (" + file + ")");
   return load_pretrained(hf, device, m.gradient_checkpointing);
 }
@@ -129,7 +131,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     models::LlamaConfig c = llama_config(m, V, e.data->seq_len());
     c.device = e.config.device;
     e.model = models::make_llama(c);
-    e.hf = hf_config_of(c);
+    e.hf = hf_config_of(*models::llama::family_config(c));
   } else if (m.type == ModelType::kGpt) {
     models::GptConfig g;
     g.vocab_size = V;
@@ -144,7 +146,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     g.gradient_checkpointing = m.gradient_checkpointing;
     g.device = e.config.device;
     e.model = models::make_gpt(g);
-    e.hf = hf_config_of(g);
+    e.hf = hf_config_of(*models::gpt::family_config(g));
   } else if (m.type == ModelType::kMlp) {
     models::MlpConfig c;
     c.vocab_size = V;

@@ -381,7 +381,7 @@ AutoFacts auto_facts(const ExperimentConfig& e, int world_size) {
   f.hidden = [m]() -> AutoFacts::Width {
     if (!m.from_pretrained.empty()) {
       const HfConfig hf = read_hf_config(m.from_pretrained);
-      const int64_t h = hf.kind == HfKind::kGpt ? hf.gpt.n_embd : hf.llama.hidden_size;
+      const int64_t h = hf.model->hidden_size();
       return {h, "model.from_pretrained", "hidden size " + std::to_string(h) + " of " + m.from_pretrained + "/config.json"};
     }
     if (m.type == ModelType::kLlama)

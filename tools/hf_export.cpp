@@ -55,64 +55,12 @@ bool replaced_by_export(const std::string& name) {
 
 }  // namespace
 
-HfConfig hf_config_of(const models::GptConfig& c) {
+HfConfig hf_config_of(const models::FamilyConfig& model) {
   HfConfig h;
-  h.architecture = "GPT2LMHeadModel";
-  h.kind = HfKind::kGpt;
-  h.gpt = c;
-  h.raw = {{"architectures", {"GPT2LMHeadModel"}},
-           {"model_type", "gpt2"},
-           {"vocab_size", c.vocab_size},
-           {"n_positions", c.block_size},
-           {"n_ctx", c.block_size},
-           {"n_embd", c.n_embd},
-           {"n_layer", c.n_layer},
-           {"n_head", c.n_head},
-           {"n_inner", nullptr},
-           {"activation_function", "gelu_new"},
-           {"layer_norm_epsilon", 1e-5},
-           {"initializer_range", 0.02},
-           {"resid_pdrop", 0.0},
-           {"embd_pdrop", 0.0},
-           {"attn_pdrop", 0.0},
-           {"tie_word_embeddings", true}};
-  return h;
-}
-
-HfConfig hf_config_of(const models::LlamaConfig& c) {
-  HfConfig h;
-  h.architecture = "LlamaForCausalLM";
-  h.kind = HfKind::kLlama;
-  h.llama = c;
-  if (c.qkv_bias != c.o_bias)
-    throw Error("export: a llama with biases on q, k, v but not on o is a Qwen2; zinc writes it only from a Qwen2 folder");
-  json rope = nullptr;
-  const models::RopeScaling& s = c.rope_scaling;
-  if (s.type == models::RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
-  if (s.type == models::RopeScaling::Type::kLlama3)
-    rope = {{"rope_type", "llama3"},
-            {"factor", s.factor},
-            {"low_freq_factor", s.low_freq_factor},
-            {"high_freq_factor", s.high_freq_factor},
-            {"original_max_position_embeddings", s.original_max_position_embeddings}};
-  h.raw = {{"architectures", {"LlamaForCausalLM"}},
-           {"model_type", "llama"},
-           {"vocab_size", c.vocab_size},
-           {"hidden_size", c.hidden_size},
-           {"intermediate_size", c.intermediate_size},
-           {"num_hidden_layers", c.num_hidden_layers},
-           {"num_attention_heads", c.num_attention_heads},
-           {"num_key_value_heads", c.kv_heads()},
-           {"head_dim", c.head_size()},
-           {"max_position_embeddings", c.max_position_embeddings},
-           {"rms_norm_eps", c.rms_norm_eps},
-           {"rope_theta", c.rope_theta},
-           {"rope_scaling", rope},
-           {"hidden_act", "silu"},
-           {"attention_bias", c.qkv_bias},
-           {"mlp_bias", c.mlp_bias},
-           {"tie_word_embeddings", c.tie_word_embeddings},
-           {"initializer_range", c.init_std}};
+  h.family = &model.family();
+  h.model = model.clone();
+  h.raw = model.config_json();
+  h.architecture = h.raw["architectures"][0].get<std::string>();
   return h;
 }
 
@@ -120,7 +68,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
                          const std::function<void(const std::string&)>& progress) {
   HfExportResult result;
   result.dtype = opts.dtype ? *opts.dtype : cfg.dtype ? *cfg.dtype : DType::kBF16;
-  const std::string prefix = cfg.kind == HfKind::kGpt ? "transformer." : "model.";
+  const std::string& prefix = cfg.family->export_prefix;
   const auto pieces = hf_pieces(cfg, model, prefix);
   const fs::path out(opts.out_dir);
   const bool writer = opts.rank == 0;

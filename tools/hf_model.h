@@ -2,9 +2,8 @@
 // zinc models, and the map between zinc's parameters and transformers'
 // tensors (Note [Hugging Face names] in hf_model.cpp).
 //
-// Supported architectures: GPT2LMHeadModel (zinc's gpt) and
-// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (zinc's llama).
-// Anything else is refused with one line naming the architecture.
+// The architectures are those of the registry's families (models/family.h);
+// anything else is refused with one line naming the architecture.
 #pragma once
 
 #include <cstdint>
@@ -18,20 +17,19 @@
 
 #include "core/dtype.h"
 #include "engine/model.h"
+#include "models/family.h"
 #include "models/models.h"
 #include "tools/safetensors.h"
 
 namespace zinc::tools {
 
-enum class HfKind { kGpt, kLlama };
-
-// A folder's config.json as zinc reads it.
+// A folder's config.json as zinc reads it: its family (models/family.h)
+// and the family's reading of it.
 struct HfConfig {
   std::string dir;
   std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
-  HfKind kind = HfKind::kLlama;
-  models::GptConfig gpt;      // kind kGpt
-  models::LlamaConfig llama;  // kind kLlama
+  const models::Family* family = nullptr;
+  std::shared_ptr<models::FamilyConfig> model;  // the family's reading of it
   // The weights' dtype as config.json states it ("torch_dtype", or "dtype"
   // since transformers 5): the default dtype of an export.
   std::optional<DType> dtype;
@@ -49,23 +47,14 @@ HfConfig parse_hf_config(const nlohmann::json& raw, const std::string& path);
 std::shared_ptr<Model> make_hf_model(const HfConfig& cfg, Device device = Device::kCpu,
                                      bool gradient_checkpointing = false);
 
-// One transformers tensor that makes up rows of a zinc parameter: `rows`
-// rows of the zinc parameter, stored in the file as `name` of `shape`
-// (transposed: GPT-2's Conv1D keeps (in, out) where zinc keeps (out, in)).
-struct HfPiece {
-  std::string name;
-  std::vector<int64_t> shape;  // as in the file
-  int64_t rows = 0;            // rows of the zinc parameter it fills
-  bool transposed = false;
-};
+using models::HfPiece;
 
 // The pieces of every parameter of a zinc model built from `cfg`, per block
 // and parameter in the model's order, with the prefix the folder uses
 // ("transformer." / "model." or none). Tensor names zinc never reads (a tied
 // lm_head.weight, GPT-2's attention-mask buffers, rotary inv_freq) are
 // listed by hf_ignored_tensor.
-std::vector<std::vector<std::vector<HfPiece>>> hf_pieces(const HfConfig& cfg, const Model& model,
-                                                        const std::string& prefix);
+models::HfPieces hf_pieces(const HfConfig& cfg, const Model& model, const std::string& prefix);
 bool hf_ignored_tensor(const HfConfig& cfg, const std::string& name);
 
 // The model of `cfg` with the folder's weights as its initial values
@@ -79,10 +68,9 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device = Devi
 
 namespace zinc::tools {
 
-// The HfConfig of a model zinc built itself (no folder): config.json written
-// for GPT2LMHeadModel or LlamaForCausalLM from its sizes.
-HfConfig hf_config_of(const models::GptConfig& c);
-HfConfig hf_config_of(const models::LlamaConfig& c);
+// The HfConfig of a model zinc built itself (no folder): config.json as its
+// family writes it (FamilyConfig::config_json).
+HfConfig hf_config_of(const models::FamilyConfig& model);
 
 // Reads block `block` whole: its flat fp32 vector in the BlockLayout (as
 // Engine::full_params returns it).

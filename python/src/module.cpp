@@ -220,9 +220,8 @@ class PyEngine {
     vocab_ = m.vocab_size > 0 ? m.vocab_size : ex_.data->vocab_size();
     max_t_ = m.type == zinc::tools::ModelType::kGpt ? (m.block_size > 0 ? m.block_size : ex_.data->seq_len()) : 0;
     if (ex_.hf) {
-      const bool gpt = ex_.hf->kind == zinc::tools::HfKind::kGpt;
-      vocab_ = gpt ? ex_.hf->gpt.vocab_size : ex_.hf->llama.vocab_size;
-      max_t_ = gpt ? ex_.hf->gpt.block_size : ex_.hf->llama.max_position_embeddings;
+      vocab_ = ex_.hf->model->vocab_size();
+      max_t_ = ex_.hf->model->max_positions();
     }
     g_engines.insert(this);
   }

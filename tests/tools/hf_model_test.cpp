@@ -22,6 +22,8 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "models/gpt/gpt.h"
+#include "models/llama/llama.h"
 #include "tools/experiment.h"
 #include "tools/hf_model.h"
 #include "tools/safetensors.h"
@@ -30,6 +32,20 @@
 
 namespace zinc::tools {
 namespace {
+
+// What a family read from a config.json (the test fails, not crashes, on another family's).
+const models::LlamaConfig& llama_of(const HfConfig& c) {
+  static const models::LlamaConfig kNone;
+  const models::LlamaConfig* l = models::llama::settings(*c.model);
+  EXPECT_NE(l, nullptr) << c.architecture << " is not a llama";
+  return l ? *l : kNone;
+}
+const models::GptConfig& gpt_of(const HfConfig& c) {
+  static const models::GptConfig kNone;
+  const models::GptConfig* g = models::gpt::settings(*c.model);
+  EXPECT_NE(g, nullptr) << c.architecture << " is not a gpt";
+  return g ? *g : kNone;
+}
 
 namespace fs = std::filesystem;
 
@@ -70,7 +86,7 @@ TEST_P(HfFixture, LogitsLossAndGradientsMatchTransformers) {
   model->backward(ctx, 1.0f);
 
   // Every transformers parameter's gradient, from zinc's gradient buffers.
-  const std::string prefix = cfg.kind == HfKind::kGpt ? "transformer." : "model.";
+  const std::string prefix = cfg.family->export_prefix;
   auto pieces = hf_pieces(cfg, *model, prefix);
   size_t compared = 0;
   for (size_t b = 0; b < pieces.size(); ++b)
@@ -158,16 +174,16 @@ TEST(HfModel, Bf16AndFp16WithinTheirTolerances) {
 
 TEST(HfModel, ConfigReadsBothRopeSpellings) {
   HfConfig c = read_hf_config(fixture("llama_gqa"));  // transformers 5: rope_parameters
-  EXPECT_EQ(c.kind, HfKind::kLlama);
-  EXPECT_EQ(c.llama.rope_scaling.type, models::RopeScaling::Type::kLlama3);
-  EXPECT_EQ(c.llama.rope_scaling.original_max_position_embeddings, 16);
-  EXPECT_EQ(c.llama.kv_heads(), 2);
-  EXPECT_FALSE(c.llama.tie_word_embeddings);
+  EXPECT_EQ(c.family, &models::llama::family());
+  EXPECT_EQ(llama_of(c).rope_scaling.type, models::RopeScaling::Type::kLlama3);
+  EXPECT_EQ(llama_of(c).rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_EQ(llama_of(c).kv_heads(), 2);
+  EXPECT_FALSE(llama_of(c).tie_word_embeddings);
   EXPECT_EQ(c.dtype, DType::kF32);
   EXPECT_EQ(read_hf_config(fixture("qwen2_tied")).dtype, DType::kBF16);
-  EXPECT_TRUE(read_hf_config(fixture("qwen2_tied")).llama.qkv_bias);
-  EXPECT_FALSE(read_hf_config(fixture("qwen2_tied")).llama.o_bias);
-  EXPECT_EQ(read_hf_config(fixture("llama_bias_hd")).llama.head_dim, 12);
+  EXPECT_TRUE(llama_of(read_hf_config(fixture("qwen2_tied"))).qkv_bias);
+  EXPECT_FALSE(llama_of(read_hf_config(fixture("qwen2_tied"))).o_bias);
+  EXPECT_EQ(llama_of(read_hf_config(fixture("llama_bias_hd"))).head_dim, 12);
 }
 
 // A copy of a fixture folder in a temp dir, for editing.
@@ -371,8 +387,8 @@ TEST(HfModel, AHeadTheFileHoldsIsKeptOrRefusedNeverDropped) {
   {
     TempFolder t("llama_bias_hd");  // tied in its config.json
     HfConfig c0 = read_hf_config(t.dir.string());
-    ASSERT_TRUE(c0.llama.tie_word_embeddings);
-    const int64_t V = c0.llama.vocab_size, C = c0.llama.hidden_size;
+    ASSERT_TRUE(llama_of(c0).tie_word_embeddings);
+    const int64_t V = llama_of(c0).vocab_size, C = llama_of(c0).hidden_size;
     std::vector<float> embed(static_cast<size_t>(V * C));
     rewrite_weights(t.dir, [&](const std::string& n, std::vector<float>& v) {
       if (n == "model.embed_tokens.weight") embed = v;
@@ -380,18 +396,18 @@ TEST(HfModel, AHeadTheFileHoldsIsKeptOrRefusedNeverDropped) {
     // The same values: still tied (nothing to keep apart), and it loads.
     rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, embed}}});
     HfConfig c = read_hf_config(t.dir.string());
-    EXPECT_TRUE(c.llama.tie_word_embeddings);
+    EXPECT_TRUE(llama_of(c).tie_word_embeddings);
     EXPECT_NO_THROW(load_pretrained(c));
   }
   {
     TempFolder t("llama_bias_hd");
     HfConfig c0 = read_hf_config(t.dir.string());
-    const int64_t V = c0.llama.vocab_size, C = c0.llama.hidden_size;
+    const int64_t V = llama_of(c0).vocab_size, C = llama_of(c0).hidden_size;
     std::vector<float> head(static_cast<size_t>(V * C));
     for (size_t i = 0; i < head.size(); ++i) head[i] = 0.001f * static_cast<float>(i % 97) - 0.04f;
     rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, head}}});
     HfConfig c = read_hf_config(t.dir.string());
-    EXPECT_FALSE(c.llama.tie_word_embeddings);
+    EXPECT_FALSE(llama_of(c).tie_word_embeddings);
     EXPECT_EQ(c.raw["tie_word_embeddings"], false);
     auto model = load_pretrained(c);
     HostContext ctx(*model);
@@ -413,7 +429,7 @@ TEST(HfModel, AHeadTheFileHoldsIsKeptOrRefusedNeverDropped) {
   {
     TempFolder t("gpt2");
     HfConfig c0 = read_hf_config(t.dir.string());
-    const int64_t V = c0.gpt.vocab_size, C = c0.gpt.n_embd;
+    const int64_t V = gpt_of(c0).vocab_size, C = gpt_of(c0).n_embd;
     std::vector<float> head(static_cast<size_t>(V * C), 0.25f);
     rewrite_weights(t.dir, [](const std::string&, std::vector<float>&) {}, {{"lm_head.weight", {{V, C}, head}}});
     expect_error([&] { read_hf_config(t.dir.string()); },

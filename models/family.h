@@ -1,0 +1,113 @@
+// zinc models: model families and their registry (Note [model families] in
+// models/registry.cpp; docs/adding-a-model.md for the steps).
+//
+// A family is everything zinc knows about one kind of Hugging Face model,
+// in one folder, models/<family>/: reading its config.json (with the size
+// rules), building the model, the map between transformers' tensor names
+// and layouts and zinc's parameters (used both ways: load and export), and
+// the config.json an export writes. tools/ (model folders, exports,
+// zinc-train), the Python module and the benches ask the registry
+// (family_for_architecture) and the family's FamilyConfig; none of them
+// switches on a family.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/model.h"
+
+namespace zinc::models {
+
+// A config document read with its path in every error:
+// "DIR/config.json: KEY: what" (zinc::Error).
+class ConfigDoc {
+ public:
+  ConfigDoc(std::string path, const nlohmann::json& j) : path_(std::move(path)), j_(j) {}
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const;
+  bool has(const std::string& k) const { return j_.contains(k) && !j_[k].is_null(); }
+  int64_t get_int(const std::string& k) const;  // required: "missing" when absent
+  int64_t get_int(const std::string& k, int64_t dflt) const;
+  double get_number(const std::string& k, double dflt) const;
+  bool get_bool(const std::string& k, bool dflt) const;
+  std::string get_string(const std::string& k, const std::string& dflt) const;
+  const nlohmann::json& at(const std::string& k) const { return j_[k]; }
+  const std::string& path() const { return path_; }
+
+ private:
+  int64_t to_int(const nlohmann::json& v, const std::string& k) const;
+  std::string path_;
+  const nlohmann::json& j_;
+};
+
+// One transformers tensor that makes up rows of a zinc parameter: `rows`
+// rows of the zinc parameter, stored in the file as `name` of `shape`
+// (transposed: GPT-2's Conv1D keeps (in, out) where zinc keeps (out, in)).
+struct HfPiece {
+  std::string name;
+  std::vector<int64_t> shape;  // as in the file
+  int64_t rows = 0;            // rows of the zinc parameter it fills
+  bool transposed = false;
+};
+// Per block, per parameter (in the model's order), the pieces it is made of.
+using HfPieces = std::vector<std::vector<std::vector<HfPiece>>>;
+
+struct Family;
+
+// One model of a family, as its config.json (or zinc's own sizes) describe
+// it: what tools need to know of it without knowing the family.
+class FamilyConfig {
+ public:
+  virtual ~FamilyConfig() = default;
+  virtual const Family& family() const = 0;
+  virtual std::unique_ptr<FamilyConfig> clone() const = 0;
+
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_positions() const = 0;  // the longest sequence the model takes
+  virtual int64_t hidden_size() const = 0;    // the Trainer's model.config.hidden_size
+  virtual bool tied_head() const = 0;         // the head is the token embedding
+
+  // A head in the file whose values differ from the embedding although
+  // config.json says the two are tied: transformers 5 keeps them apart.
+  // A family that can does the same (and its config_json says so from then
+  // on); one that cannot throws, naming `where`.
+  virtual void untie_head(const std::string& where) = 0;
+
+  // The model, with the initial values of its specs (no weights read).
+  virtual std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const = 0;
+
+  // The pieces of every parameter of `model` (built by build()), with the
+  // folder's tensor-name prefix ("model.", "transformer." or none).
+  virtual HfPieces pieces(const Model& model, const std::string& prefix) const = 0;
+  // Tensor names a file may hold that zinc never reads (a tied head,
+  // attention-mask buffers, rotary inv_freq).
+  virtual bool ignored_tensor(const std::string& name) const = 0;
+
+  // config.json for an export of this model (transformers' keys; a folder's
+  // own config.json is written back as it was read instead).
+  virtual nlohmann::json config_json() const = 0;
+};
+
+// A family's fixed description; the registry holds one per family.
+struct Family {
+  std::string name;                        // zinc's model.type: "gpt", "llama"
+  std::vector<std::string> architectures;  // config.json architectures[0] values it reads
+  std::string embed_tensor;                // the token embedding's name, without prefix: finds a folder's prefix
+  std::string export_prefix;               // the prefix an export writes: "model.", "transformer."
+  std::string max_positions_key;           // config.json's name for max_positions()
+  // config.json (its document, `doc` naming the file) for `architecture`,
+  // checked: throws zinc::Error naming the file and the key.
+  std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc& doc, const std::string& architecture) = nullptr;
+};
+
+// Every family, in the registry's order (models/registry.cpp).
+const std::vector<const Family*>& families();
+// The family that reads `architecture`, or nullptr.
+const Family* family_for_architecture(const std::string& architecture);
+// Every architecture the registry reads, comma-separated (for messages).
+std::string supported_architectures_text();
+
+}  // namespace zinc::models

@@ -1,0 +1,199 @@
+// The Llama family (model.type "llama"): transformers' LlamaForCausalLM,
+// MistralForCausalLM and Qwen2ForCausalLM, one graph with options (Note
+// [model families] in models/registry.cpp). The graph is model.cpp's.
+//
+// The tensor map: zinc keeps q|k|v as one projection (self_attn.qkv_proj,
+// rows q then k then v) and gate|up as another (mlp.gate_up_proj); the file
+// keeps q_proj, k_proj, v_proj, gate_proj and up_proj, each a run of whole
+// rows of zinc's. zinc's block "layers.3" with "mlp.down_proj.weight" is
+// "model.layers.3.mlp.down_proj.weight"; the embedding and the final norm
+// have no block name in the file ("model.embed_tokens.weight",
+// "model.norm.weight"); the untied head is "lm_head.weight", never prefixed.
+#include <string>
+
+#include "core/error.h"
+#include "models/llama/llama.h"
+
+namespace zinc::models::llama {
+namespace {
+
+using nlohmann::json;
+
+class Config final : public FamilyConfig {
+ public:
+  explicit Config(const LlamaConfig& c) : c_(c) {}
+  const Family& family() const override { return llama::family(); }
+  std::unique_ptr<FamilyConfig> clone() const override { return std::make_unique<Config>(*this); }
+  int64_t vocab_size() const override { return c_.vocab_size; }
+  int64_t max_positions() const override { return c_.max_position_embeddings; }
+  int64_t hidden_size() const override { return c_.hidden_size; }
+  bool tied_head() const override { return c_.tie_word_embeddings; }
+  void untie_head(const std::string&) override { c_.tie_word_embeddings = false; }
+  std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
+    LlamaConfig l = c_;
+    l.device = device;
+    l.gradient_checkpointing = gradient_checkpointing;
+    return make_llama(l);
+  }
+  HfPieces pieces(const Model& model, const std::string& prefix) const override {
+    const int64_t D = c_.head_size(), H = c_.num_attention_heads, K = c_.kv_heads(), I = c_.intermediate_size;
+    HfPieces out;
+    for (const BlockSpec& b : model.blocks()) {
+      std::vector<std::vector<HfPiece>> block;
+      for (const ParamSpec& p : b.params) {
+        const std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.ndim);
+        const int64_t rows = shape.empty() ? 1 : shape[0];
+        const std::string name = (b.name == "embed" || b.name == "final" ? "" : b.name + ".") + p.name;
+        auto piece = [&](const std::string& from, const std::string& to, int64_t r) {
+          std::string n = name;
+          n.replace(n.find(from), from.size(), to);
+          std::vector<int64_t> s = shape;
+          if (!s.empty()) s[0] = r;
+          return HfPiece{prefix + n, s, r, false};
+        };
+        if (p.name.find("self_attn.qkv_proj.") == 0)
+          block.push_back({piece("qkv_proj", "q_proj", H * D), piece("qkv_proj", "k_proj", K * D),
+                           piece("qkv_proj", "v_proj", K * D)});
+        else if (p.name.find("mlp.gate_up_proj.") == 0)
+          block.push_back({piece("gate_up_proj", "gate_proj", I), piece("gate_up_proj", "up_proj", I)});
+        else if (p.name == "lm_head.weight")
+          block.push_back({{"lm_head.weight", shape, rows, false}});
+        else
+          block.push_back({{prefix + name, shape, rows, false}});
+      }
+      out.push_back(std::move(block));
+    }
+    return out;
+  }
+  bool ignored_tensor(const std::string& name) const override {
+    if (name == "lm_head.weight") return c_.tie_word_embeddings;
+    const std::string suffix = ".rotary_emb.inv_freq";
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }
+  json config_json() const override {
+    if (c_.qkv_bias != c_.o_bias)
+      throw Error("export: a llama with biases on q, k, v but not on o is a Qwen2; zinc writes it only from a Qwen2 "
+                  "folder");
+    json rope = nullptr;
+    const RopeScaling& s = c_.rope_scaling;
+    if (s.type == RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
+    if (s.type == RopeScaling::Type::kLlama3)
+      rope = {{"rope_type", "llama3"},
+              {"factor", s.factor},
+              {"low_freq_factor", s.low_freq_factor},
+              {"high_freq_factor", s.high_freq_factor},
+              {"original_max_position_embeddings", s.original_max_position_embeddings}};
+    return {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"vocab_size", c_.vocab_size},
+            {"hidden_size", c_.hidden_size},
+            {"intermediate_size", c_.intermediate_size},
+            {"num_hidden_layers", c_.num_hidden_layers},
+            {"num_attention_heads", c_.num_attention_heads},
+            {"num_key_value_heads", c_.kv_heads()},
+            {"head_dim", c_.head_size()},
+            {"max_position_embeddings", c_.max_position_embeddings},
+            {"rms_norm_eps", c_.rms_norm_eps},
+            {"rope_theta", c_.rope_theta},
+            {"rope_scaling", rope},
+            {"hidden_act", "silu"},
+            {"attention_bias", c_.qkv_bias},
+            {"mlp_bias", c_.mlp_bias},
+            {"tie_word_embeddings", c_.tie_word_embeddings},
+            {"initializer_range", c_.init_std}};
+  }
+  const LlamaConfig& llama() const { return c_; }
+
+ private:
+  LlamaConfig c_;
+};
+
+// Rope settings: transformers < 5 writes rope_theta and rope_scaling;
+// transformers 5 writes one rope_parameters object holding both.
+void read_rope(const ConfigDoc& f, LlamaConfig& c) {
+  json params;
+  std::string where;
+  if (f.has("rope_parameters")) {
+    params = f.at("rope_parameters");
+    where = "rope_parameters";
+  } else if (f.has("rope_scaling")) {
+    params = f.at("rope_scaling");
+    where = "rope_scaling";
+  }
+  c.rope_theta = f.get_number("rope_theta", LlamaConfig{}.rope_theta);  // transformers defaults to the same 10000
+  if (params.is_null()) return;
+  if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
+  ConfigDoc p(f.path(), params);
+  auto key = [&](const char* k) { return where + "." + k; };
+  if (p.has("rope_theta")) c.rope_theta = p.get_number("rope_theta", c.rope_theta);
+  std::string type = p.get_string("rope_type", p.get_string("type", "default"));
+  RopeScaling& s = c.rope_scaling;
+  if (type == "default") {
+    s.type = RopeScaling::Type::kNone;
+    return;
+  }
+  if (type != "linear" && type != "llama3")
+    f.fail(key("rope_type"), "\"" + type + "\" is not supported; zinc implements default, linear and llama3");
+  if (!p.has("factor")) f.fail(key("factor"), "missing (required for rope_type " + type + ")");
+  s.factor = p.get_number("factor", 1.0);
+  if (type == "linear") {
+    s.type = RopeScaling::Type::kLinear;
+    return;
+  }
+  s.type = RopeScaling::Type::kLlama3;
+  for (const char* k : {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    if (!p.has(k)) f.fail(key(k), "missing (required for rope_type llama3)");
+  s.low_freq_factor = p.get_number("low_freq_factor", 1.0);
+  s.high_freq_factor = p.get_number("high_freq_factor", 4.0);
+  s.original_max_position_embeddings = p.get_int("original_max_position_embeddings");
+}
+
+std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) {
+  LlamaConfig c;
+  c.vocab_size = f.get_int("vocab_size");
+  c.hidden_size = f.get_int("hidden_size");
+  c.intermediate_size = f.get_int("intermediate_size");
+  c.num_hidden_layers = f.get_int("num_hidden_layers");
+  c.num_attention_heads = f.get_int("num_attention_heads");
+  c.num_key_value_heads = f.get_int("num_key_value_heads", c.num_attention_heads);
+  c.head_dim = f.get_int("head_dim", 0);
+  c.max_position_embeddings = f.get_int("max_position_embeddings");
+  c.rms_norm_eps = f.get_number("rms_norm_eps", LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
+  read_rope(f, c);
+  const std::string act = f.get_string("hidden_act", "silu");
+  if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; zinc's llama MLP is SiLU-gated (silu)");
+  if (arch == "Qwen2ForCausalLM") {
+    c.qkv_bias = true;  // Qwen2 always puts biases on q, k and v, and none on o
+    if (f.get_bool("use_sliding_window", false)) c.sliding_window = f.get_int("sliding_window", 0);
+  } else {
+    c.qkv_bias = c.o_bias = f.get_bool("attention_bias", false);
+  }
+  c.mlp_bias = f.get_bool("mlp_bias", false);
+  if (arch == "MistralForCausalLM") c.sliding_window = f.get_int("sliding_window", 0);
+  c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
+  if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
+  return std::make_unique<Config>(c);
+}
+
+}  // namespace
+
+const Family& family() {
+  static const Family kFamily{"llama",
+                              {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
+                              "embed_tokens.weight",
+                              "model.",
+                              "max_position_embeddings",
+                              &read};
+  return kFamily;
+}
+
+std::unique_ptr<FamilyConfig> family_config(const LlamaConfig& c) {
+  return std::make_unique<Config>(c);
+}
+
+const LlamaConfig* settings(const FamilyConfig& f) {
+  const auto* c = dynamic_cast<const Config*>(&f);
+  return c ? &c->llama() : nullptr;
+}
+
+}  // namespace zinc::models::llama

@@ -1,0 +1,97 @@
+// The registry of model families (models/family.h) and ConfigDoc.
+//
+// Note [model families]
+// ---------------------
+// A family lives in models/<family>/: model.cpp holds the graph (forward,
+// backward, the parameter specs), family.cpp what ties it to transformers:
+// reading config.json into the family's FamilyConfig (defaults and size
+// rules written once, in the family's config struct in models/models.h),
+// the tensor map both ways (FamilyConfig::pieces: each zinc parameter as
+// pieces of transformers' tensors, whole rows, possibly transposed), the
+// tensors a file may hold that zinc never reads, and the config.json an
+// export writes. A family is registered by one line of ZINC_FAMILIES
+// below; nothing outside its folder names it. Families that share a graph
+// (Llama, Mistral and Qwen2 are one graph with options) are one family with
+// several architectures.
+#include "models/family.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace zinc::models {
+
+// One line per family: the namespace its family.cpp defines family() in.
+#define ZINC_FAMILIES(X) \
+  X(gpt)                 \
+  X(llama)
+
+#define ZINC_DECLARE_FAMILY(ns) \
+  namespace ns {                \
+  const Family& family();       \
+  }
+ZINC_FAMILIES(ZINC_DECLARE_FAMILY)
+#undef ZINC_DECLARE_FAMILY
+
+const std::vector<const Family*>& families() {
+#define ZINC_LIST_FAMILY(ns) &ns::family(),
+  static const std::vector<const Family*> kFamilies = {ZINC_FAMILIES(ZINC_LIST_FAMILY)};
+#undef ZINC_LIST_FAMILY
+  return kFamilies;
+}
+
+const Family* family_for_architecture(const std::string& architecture) {
+  for (const Family* f : families())
+    for (const std::string& a : f->architectures)
+      if (a == architecture) return f;
+  return nullptr;
+}
+
+std::string supported_architectures_text() {
+  std::string s;
+  for (const Family* f : families())
+    for (const std::string& a : f->architectures) s += (s.empty() ? "" : ", ") + a;
+  return s;
+}
+
+void ConfigDoc::fail(const std::string& key, const std::string& msg) const {
+  throw Error(path_ + ": " + (key.empty() ? "" : key + ": ") + msg);
+}
+
+int64_t ConfigDoc::get_int(const std::string& k) const {
+  if (!has(k)) fail(k, "missing (zinc needs it to size the model)");
+  return to_int(j_[k], k);
+}
+
+int64_t ConfigDoc::get_int(const std::string& k, int64_t dflt) const { return has(k) ? to_int(j_[k], k) : dflt; }
+
+double ConfigDoc::get_number(const std::string& k, double dflt) const {
+  if (!has(k)) return dflt;
+  if (!j_[k].is_number()) fail(k, "expected a number, got " + j_[k].dump());
+  return j_[k].get<double>();
+}
+
+bool ConfigDoc::get_bool(const std::string& k, bool dflt) const {
+  if (!has(k)) return dflt;
+  if (!j_[k].is_boolean()) fail(k, "expected true or false, got " + j_[k].dump());
+  return j_[k].get<bool>();
+}
+
+std::string ConfigDoc::get_string(const std::string& k, const std::string& dflt) const {
+  if (!has(k)) return dflt;
+  if (!j_[k].is_string()) fail(k, "expected a string, got " + j_[k].dump());
+  return j_[k].get<std::string>();
+}
+
+int64_t ConfigDoc::to_int(const nlohmann::json& v, const std::string& k) const {
+  if (v.is_number_integer()) return v.get<int64_t>();
+  // A whole number written as a float (2.0e3), inside int64's range (the
+  // cast of one outside it is undefined).
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d == std::trunc(d) && d >= -9.2e18 && d <= 9.2e18) return static_cast<int64_t>(d);
+  }
+  fail(k, "expected an integer, got " + v.dump());
+}
+
+}  // namespace zinc::models
