@@ -22,7 +22,22 @@ EXPECTED = {
     "qwen2_tied": ("Qwen2ForCausalLM", True, "BF16", False),
     "llama_bias_hd": ("LlamaForCausalLM", True, "F32", False),
     "mistral": ("MistralForCausalLM", False, "F32", False),
+    "qwen3": ("Qwen3ForCausalLM", False, "F32", False),
+    "gemma": ("GemmaForCausalLM", True, "F32", False),
+    "gemma2": ("Gemma2ForCausalLM", True, "F32", False),
+    "gemma3": ("Gemma3ForCausalLM", True, "F32", False),
+    "phi3": ("Phi3ForCausalLM", False, "F32", False),
+    "olmo2": ("Olmo2ForCausalLM", False, "F32", False),
+    "granite": ("GraniteForCausalLM", True, "F32", False),
+    "gpt_neox": ("GPTNeoXForCausalLM", False, "F32", False),
+    "gpt_neox_seq": ("GPTNeoXForCausalLM", False, "F32", False),
+    "smollm3": ("SmolLM3ForCausalLM", True, "F32", False),
+    "mixtral": ("MixtralForCausalLM", False, "F32", False),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", False, "F32", False),
+    "mistral_window": ("MistralForCausalLM", False, "F32", False),
 }
+# The untied output head's name in the checkpoint, where it is not lm_head.weight.
+HEAD = {"GPTNeoXForCausalLM": "embed_out.weight"}
 B, T, V = 2, 12, 96
 
 
@@ -75,7 +90,7 @@ def test_fixture(name):
                 assert weight_map[k] == f, k
     if weight_map is not None:
         assert set(weight_map) == set(params)
-    assert ("lm_head.weight" in params) == (not tied)  # a tied head is the embedding, not stored
+    assert (HEAD.get(arch, "lm_head.weight") in params) == (not tied)  # a tied head is the embedding, not stored
 
     ref = safetensors_numpy.load_file(str(folder / "reference.safetensors"))
     ids, targets, logits, loss = ref["input_ids"], ref["targets"], ref["logits"], ref["loss"]
@@ -86,11 +101,22 @@ def test_fixture(name):
     assert logits.dtype == np.float32 and logits.shape == (B, T, V)
     assert loss.dtype == np.float32 and loss.shape == (1,)
 
-    # loss = mean cross-entropy over the B*T positions, recomputed from the stored logits.
+    # loss = mean cross-entropy over the B*T positions, recomputed from the stored logits; for an MoE model
+    # with output_router_logits, plus router_aux_loss_coef times the stored load-balancing loss.
     z = logits.reshape(-1, V).astype(np.float64)
     z = z - z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     ce = -logp[np.arange(B * T), targets.reshape(-1)].mean()
+    moe = bool(config.get("output_router_logits", False))
+    extra = set()
+    if moe:
+        aux = ref["aux_loss"]
+        assert aux.dtype == np.float32 and aux.shape == (1,)
+        # E * sum_e f_e P_e with sum_e f_e = top_k: at least top_k (perfect balance), at most E * top_k.
+        k = config["num_experts_per_tok"]
+        assert k - 1e-5 <= aux[0] <= config["num_local_experts"] * k
+        ce = ce + config["router_aux_loss_coef"] * float(aux[0])
+        extra.add("aux_loss")
     np.testing.assert_allclose(loss[0], ce, rtol=1e-5)
 
     grads = {k[len("grad."):]: v for k, v in ref.items() if k.startswith("grad.")}
@@ -99,4 +125,4 @@ def test_fixture(name):
         g = grads[k]
         assert g.dtype == np.float32 and g.shape == shape, (k, g.shape, shape)
         assert np.isfinite(g).all() and np.abs(g).max() > 0, k  # every parameter takes part
-    assert set(ref) == {"input_ids", "targets", "logits", "loss"} | {"grad." + k for k in grads}
+    assert set(ref) == {"input_ids", "targets", "logits", "loss"} | extra | {"grad." + k for k in grads}
