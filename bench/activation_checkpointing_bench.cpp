@@ -1,5 +1,5 @@
 // zinc-bench activation-checkpointing: what the GPT's gradient_checkpointing
-// (Note [activation checkpointing], models/gpt.cpp) saves in memory and costs
+// (Note [activation checkpointing], models/gpt/model.cpp) saves in memory and costs
 // in time, on a GPT whose activations dominate its memory.
 //
 // Memory: each case (plain, checkpointed) trains for 2 steps in a fresh

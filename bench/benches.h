@@ -97,7 +97,7 @@ inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_
   return m.descs;
 }
 
-// The built-in llama (models/llama.cpp): the fused q|k|v projection of
+// The built-in llama (models/llama/model.cpp): the fused q|k|v projection of
 // (H + 2K) D rows, the output projection from H D, the fused gate|up
 // projection of 2I rows and the down projection, the head, and attention
 // over H heads of D (the kv heads repeated).

@@ -13,12 +13,19 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/model.h"
+#include "models/models.h"
+
+namespace zinc::config {
+class Reader;  // engine/config_reader.h
+}
 
 namespace zinc::models {
 
@@ -87,8 +94,23 @@ class FamilyConfig {
   virtual bool ignored_tensor(const std::string& name) const = 0;
 
   // config.json for an export of this model (transformers' keys; a folder's
-  // own config.json is written back as it was read instead).
+  // own config.json is written back as it was read instead). Families with
+  // no architecture throw.
   virtual nlohmann::json config_json() const = 0;
+
+  // zinc's `model` section: every key the family reads there, with its
+  // value (--check and the config event echo it; read back, it gives the
+  // same model).
+  virtual nlohmann::json section_json() const = 0;
+  // The first size rule the model breaks (the field named as its section
+  // key), or nothing.
+  virtual std::optional<SizeError> size_error() const = 0;
+  // What the data decides: the vocabulary (vocab_size > 0 sets it) and the
+  // positions a section left at 0 (from seq_len). Throws ConfigError at
+  // model.KEY when the data does not fit the model.
+  virtual void fit_data(int64_t vocab_size, int64_t seq_len) = 0;
+  // Whether the model can recompute its layers in backward.
+  virtual bool supports_checkpointing() const { return true; }
 };
 
 // A family's fixed description; the registry holds one per family.
@@ -98,15 +120,28 @@ struct Family {
   std::string embed_tensor;                // the token embedding's name, without prefix: finds a folder's prefix
   std::string export_prefix;               // the prefix an export writes: "model.", "transformer."
   std::string max_positions_key;           // config.json's name for max_positions()
+  std::string hidden_size_key;             // the `model` section's (and config.json's) name for hidden_size()
   // config.json (its document, `doc` naming the file) for `architecture`,
   // checked: throws zinc::Error naming the file and the key.
   std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc& doc, const std::string& architecture) = nullptr;
+  // zinc's `model` section for model.type `name`: the keys it takes besides
+  // the common ones (type, vocab_size, from_pretrained,
+  // gradient_checkpointing), each with its config.json name where that
+  // differs ({"block_size", "n_positions"}; empty: the same), and the
+  // reader of those keys (defaults: the family's config struct's; throws
+  // ConfigError at the key's path).
+  std::vector<std::pair<std::string, std::string>> section_keys;
+  std::unique_ptr<FamilyConfig> (*from_section)(config::Reader& section) = nullptr;
 };
 
 // Every family, in the registry's order (models/registry.cpp).
 const std::vector<const Family*>& families();
+// The family of model.type `name`, or nullptr.
+const Family* family_named(const std::string& name);
 // The family that reads `architecture`, or nullptr.
 const Family* family_for_architecture(const std::string& architecture);
+// The model a family's `model` section gives with no keys (its defaults).
+std::shared_ptr<const FamilyConfig> section_defaults(const Family& family);
 // Every architecture the registry reads, comma-separated (for messages).
 std::string supported_architectures_text();
 

@@ -18,12 +18,14 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/config_reader.h"
 
 namespace zinc::models {
 
 // One line per family: the namespace its family.cpp defines family() in.
 #define ZINC_FAMILIES(X) \
   X(gpt)                 \
+  X(mlp)                 \
   X(llama)
 
 #define ZINC_DECLARE_FAMILY(ns) \
@@ -40,11 +42,24 @@ const std::vector<const Family*>& families() {
   return kFamilies;
 }
 
+const Family* family_named(const std::string& name) {
+  for (const Family* f : families())
+    if (f->name == name) return f;
+  return nullptr;
+}
+
 const Family* family_for_architecture(const std::string& architecture) {
   for (const Family* f : families())
     for (const std::string& a : f->architectures)
       if (a == architecture) return f;
   return nullptr;
+}
+
+std::shared_ptr<const FamilyConfig> section_defaults(const Family& family) {
+  std::vector<std::string> warnings;
+  static const nlohmann::json kEmpty = nlohmann::json::object();
+  config::Reader r(kEmpty, "model", warnings, false);
+  return family.from_section(r);
 }
 
 std::string supported_architectures_text() {

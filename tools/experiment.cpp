@@ -18,8 +18,6 @@
 #include "core/error.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
-#include "models/gpt/gpt.h"
-#include "models/llama/llama.h"
 #include "models/models.h"
 #include "tools/hf_model.h"
 
@@ -35,33 +33,26 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
   const std::string file = m.from_pretrained + "/config.json";
   const std::string& type = hf.family->name;
   auto given = [&](const char* k) { return std::find(m.given.begin(), m.given.end(), k) != m.given.end(); };
-  if (given("type") && model_type_name(m.type) != type) {
-    throw ConfigError("model.type", std::string("\"") + model_type_name(m.type) + "\" disagrees with " + file +
-                                        ": architectures \"" + hf.architecture + "\" (a " + type +
-                                        "); leave model.type out");
+  if (given("type") && m.type != type) {
+    throw ConfigError("model.type", "\"" + m.type + "\" disagrees with " + file + ": architectures \"" +
+                                        hf.architecture + "\" (a " + type + "); leave model.type out");
   }
-  // Each size key the section gave, against config.json's value of the same name.
+  // Each size key the section gave, against config.json's value of the
+  // same name (the family's section_keys say where the names differ).
   const nlohmann::json& raw = hf.raw;
   for (const std::string& k : m.given) {
     if (k == "type") continue;
-    const std::string hf_key = k == "block_size" ? "n_positions" : k;
+    std::string hf_key = k;
     nlohmann::json mine;
-    if (k == "vocab_size") mine = m.vocab_size;
-    else if (k == "block_size") mine = m.block_size;
-    else if (k == "n_layer") mine = m.n_layer;
-    else if (k == "n_head") mine = m.n_head;
-    else if (k == "n_embd") mine = m.n_embd;
-    else if (k == "hidden_size") mine = m.hidden_size;
-    else if (k == "intermediate_size") mine = m.intermediate_size;
-    else if (k == "num_hidden_layers") mine = m.num_hidden_layers;
-    else if (k == "num_attention_heads") mine = m.num_attention_heads;
-    else if (k == "num_key_value_heads") mine = m.num_key_value_heads;
-    else if (k == "head_dim") mine = m.head_dim;
-    else if (k == "max_position_embeddings") mine = m.max_position_embeddings;
-    else if (k == "rms_norm_eps") mine = m.rms_norm_eps;
-    else if (k == "rope_theta") mine = m.rope_theta;
-    else if (k == "tie_word_embeddings") mine = m.tie_word_embeddings;
-    else throw ConfigError("model." + k, "not a size of a " + hf.architecture + " (from " + file + ")");
+    if (k == "vocab_size") {
+      mine = m.vocab_size;
+    } else {
+      const auto& keys = hf.family->section_keys;
+      auto it = std::find_if(keys.begin(), keys.end(), [&](const auto& p) { return p.first == k; });
+      if (it == keys.end()) throw ConfigError("model." + k, "not a size of a " + hf.architecture + " (from " + file + ")");
+      if (!it->second.empty()) hf_key = it->second;
+      mine = m.given_values.at(k);
+    }
     const bool has = raw.contains(hf_key) && !raw[hf_key].is_null();
     if (!has || raw[hf_key] != mine) {
       throw ConfigError("model." + k, mine.dump() + " disagrees with " + file + ": " + hf_key + " " +
@@ -127,40 +118,12 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
                                               std::to_string(V));
   if (!m.from_pretrained.empty()) {
     e.model = load_from_pretrained(m, *e.data, e.config.device, e.hf);
-  } else if (m.type == ModelType::kLlama) {
-    models::LlamaConfig c = llama_config(m, V, e.data->seq_len());
-    c.device = e.config.device;
-    e.model = models::make_llama(c);
-    e.hf = hf_config_of(*models::llama::family_config(c));
-  } else if (m.type == ModelType::kGpt) {
-    models::GptConfig g;
-    g.vocab_size = V;
-    g.block_size = m.block_size > 0 ? m.block_size : e.data->seq_len();
-    if (g.block_size < e.data->seq_len())
-      throw ConfigError("model.block_size", "must be >= data.seq_len (" +
-                                                std::to_string(e.data->seq_len()) + "), got " +
-                                                std::to_string(g.block_size));
-    g.n_layer = m.n_layer;
-    g.n_head = m.n_head;
-    g.n_embd = m.n_embd;
-    g.gradient_checkpointing = m.gradient_checkpointing;
-    g.device = e.config.device;
-    e.model = models::make_gpt(g);
-    e.hf = hf_config_of(*models::gpt::family_config(g));
-  } else if (m.type == ModelType::kMlp) {
-    models::MlpConfig c;
-    c.vocab_size = V;
-    c.context = m.context;
-    c.n_embd = m.n_embd;
-    c.hidden = m.hidden;
-    c.n_layer = m.n_layer;
-    if (e.config.device != Device::kCpu)
-      throw ConfigError("device", "model \"mlp\" computes on the CPU only (the GPU path has the GPT)");
-    e.model = models::make_mlp(c);
   } else {
-    // Only reachable with a value cast from outside the enum.
-    throw ConfigError("model.type", "unknown model '" + std::string(model_type_name(m.type)) +
-                                        "' (expected \"gpt\" or \"mlp\")");
+    std::unique_ptr<models::FamilyConfig> model = m.settings.model->clone();
+    model->fit_data(V, e.data->seq_len());
+    if (auto bad = model->size_error()) throw ConfigError("model." + bad->field, bad->message);
+    e.model = model->build(e.config.device, m.gradient_checkpointing);
+    if (!model->family().architectures.empty()) e.hf = hf_config_of(*model);
   }
   return e;
 }

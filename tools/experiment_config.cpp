@@ -18,59 +18,51 @@ namespace {
 
 using namespace config;
 
-// The size keys of each model type (any other type's are refused by name).
-const std::vector<std::string>& type_keys(ModelType t) {
-  static const std::vector<std::string> kGpt = {"block_size", "n_layer", "n_head", "n_embd"};
-  static const std::vector<std::string> kMlp = {"context", "n_embd", "hidden", "n_layer"};
-  static const std::vector<std::string> kLlama = {
-      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-      "head_dim",    "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings"};
-  return t == ModelType::kGpt ? kGpt : t == ModelType::kMlp ? kMlp : kLlama;
+// Every family's section keys, and the families that take each.
+std::vector<std::string> owners_of(const std::string& key) {
+  std::vector<std::string> out;
+  for (const models::Family* f : models::families())
+    for (const auto& [k, hf] : f->section_keys)
+      if (k == key) out.push_back(f->name);
+  return out;
 }
 
 void parse_model(Reader& root, ModelConfig& m) {
   Reader r = root.section("model");
-  const bool type_given = r.get_enum("type", m.type, {{"gpt", ModelType::kGpt}, {"mlp", ModelType::kMlp}, {"llama", ModelType::kLlama}});
-  if (type_given) m.given.push_back("type");
+  std::vector<std::string> names;
+  for (const models::Family* f : models::families()) names.push_back(f->name);
+  if (r.get_choice("type", m.type, names)) m.given.push_back("type");
   if (r.get_file_name("from_pretrained", m.from_pretrained) && m.from_pretrained.empty())
     throw ConfigError(r.last_path(), "must not be empty (a Hugging Face model folder)");
-  auto note = [&](bool got, const char* k) {
-    if (got) m.given.push_back(k);
-  };
-  note(r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24)), "vocab_size");
-  note(r.get_int("block_size", m.block_size, at_least(0)), "block_size");
-  note(r.get_int("n_layer", m.n_layer, at_least(1)), "n_layer");
-  note(r.get_int("n_head", m.n_head, at_least(1)), "n_head");
-  note(r.get_int("n_embd", m.n_embd, at_least(1)), "n_embd");
-  note(r.get_int("context", m.context, at_least(1)), "context");
-  note(r.get_int("hidden", m.hidden, at_least(1)), "hidden");
-  note(r.get_int("hidden_size", m.hidden_size, at_least(1)), "hidden_size");
-  note(r.get_int("intermediate_size", m.intermediate_size, at_least(1)), "intermediate_size");
-  note(r.get_int("num_hidden_layers", m.num_hidden_layers, at_least(1)), "num_hidden_layers");
-  note(r.get_int("num_attention_heads", m.num_attention_heads, at_least(1)), "num_attention_heads");
-  note(r.get_int("num_key_value_heads", m.num_key_value_heads, at_least(0)), "num_key_value_heads");
-  note(r.get_int("head_dim", m.head_dim, at_least(0)), "head_dim");
-  note(r.get_int("max_position_embeddings", m.max_position_embeddings, at_least(0)), "max_position_embeddings");
-  note(r.get_number("rms_norm_eps", m.rms_norm_eps, above(0)), "rms_norm_eps");
-  note(r.get_number("rope_theta", m.rope_theta, above(0)), "rope_theta");
-  note(r.get_bool("tie_word_embeddings", m.tie_word_embeddings), "tie_word_embeddings");
+  if (r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24))) m.given.push_back("vocab_size");
   r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
-  r.finish();
-  // With a folder the type comes from its architecture (checked when it is
-  // read); without one, a size key of another type changes nothing: said.
-  if (!m.from_pretrained.empty()) return;
-  const std::vector<std::string>& own = type_keys(m.type);
-  for (const std::string& k : m.given) {
-    if (k == "type" || k == "vocab_size" || std::find(own.begin(), own.end(), k) != own.end()) continue;
-    std::string owners;
-    for (ModelType t : {ModelType::kGpt, ModelType::kMlp, ModelType::kLlama}) {
-      const auto& keys = type_keys(t);
-      if (std::find(keys.begin(), keys.end(), k) != keys.end())
-        owners += (owners.empty() ? "" : ", ") + std::string(model_type_name(t));
+  const models::Family& family = m.family();
+  if (m.from_pretrained.empty()) {
+    // The family reads its own keys; a key of another family changes
+    // nothing: said. Any other key is an unknown key (finish()).
+    m.settings.model = family.from_section(r);
+    for (const std::string& k : r.keys()) {
+      const std::vector<std::string> owners = owners_of(k);
+      if (owners.empty() || std::find(owners.begin(), owners.end(), family.name) != owners.end()) continue;
+      r.skip(k);
+      std::string who;
+      for (const std::string& o : owners) who += (who.empty() ? "" : ", ") + o;
+      r.warn("model." + k, "ignored: not a size of model.type \"" + family.name + "\" (it is " + who + "'s)");
     }
-    r.warn("model." + k, std::string("ignored: not a size of model.type \"") + model_type_name(m.type) +
-                             "\" (it is " + owners + "'s)");
+    for (const auto& [k, hf] : family.section_keys)
+      if (r.has(k.c_str())) m.given.push_back(k);
+  } else {
+    // The sizes are the folder's: a size key given too is kept as written,
+    // to be checked against config.json when the folder is read
+    // (build_experiment), where its family is known.
+    for (const std::string& k : r.keys()) {
+      if (owners_of(k).empty()) continue;
+      r.skip(k);
+      m.given_values[k] = *r.find(k.c_str());
+      m.given.push_back(k);
+    }
   }
+  r.finish();
 }
 
 // model.gradient_checkpointing and the trainer section's TrainingArguments
@@ -87,9 +79,9 @@ void combine_gradient_checkpointing(const nlohmann::json& doc, const TrainerConf
                           " conflicts with trainer.gradient_checkpointing " + (trainer_on ? "true" : "false") +
                           "; give one of them, or both the same");
   }
-  if (trainer_on && m.type == ModelType::kMlp) {
+  if (trainer_on && m.from_pretrained.empty() && !m.settings.model->supports_checkpointing()) {
     throw ConfigError("trainer.gradient_checkpointing",
-                      std::string("not supported by model.type \"") + model_type_name(m.type) +
+                      std::string("not supported by model.type \"") + m.type +
                           "\" (the gpt and the llama recompute their layers); set it to false");
   }
   m.gradient_checkpointing = m.gradient_checkpointing || trainer_on;
@@ -169,13 +161,10 @@ void parse_comm(Reader& root, CommConfig& comm) {
 
 }  // namespace
 
-const char* model_type_name(ModelType t) {
-  switch (t) {
-    case ModelType::kGpt: return "gpt";
-    case ModelType::kMlp: return "mlp";
-    case ModelType::kLlama: return "llama";
-  }
-  return "?";
+const models::Family& ModelConfig::family() const {
+  const models::Family* f = models::family_named(type);
+  if (!f) throw ConfigError("model.type", "\"" + type + "\" is not a registered model family");
+  return *f;
 }
 
 const char* comm_backend_name(CommBackend b) {
@@ -210,8 +199,8 @@ ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc, const Traine
   e.data_given = doc.is_object() && doc.contains("data");
   if (!e.model_given) {
     const std::string w = "model: no model section: zinc-train trains its default model, a " +
-                          std::string(model_type_name(e.model.type)) + " of " + std::to_string(e.model.n_layer) +
-                          " layers of " + std::to_string(e.model.n_embd) +
+                          e.model.type + " of " + std::to_string(e.model.settings.model->section_json()["n_layer"].get<int64_t>()) +
+                          " layers of " + std::to_string(e.model.settings.model->hidden_size()) +
                           " from random weights (set model, or model.from_pretrained)";
     log_warn("config: " + w);
     e.warnings.push_back(w);
@@ -233,63 +222,19 @@ CommConfig ExperimentConfig::parse_comm(const nlohmann::json& doc) {
   return c;  // no root.finish(): the other keys are parse_experiment()'s
 }
 
-models::LlamaConfig llama_config(const ModelConfig& m, int64_t vocab_size, int64_t seq_len) {
-  models::LlamaConfig c;
-  if (vocab_size > 0) c.vocab_size = vocab_size;
-  c.hidden_size = m.hidden_size;
-  c.intermediate_size = m.intermediate_size;
-  c.num_hidden_layers = m.num_hidden_layers;
-  c.num_attention_heads = m.num_attention_heads;
-  c.num_key_value_heads = m.num_key_value_heads;
-  c.head_dim = m.head_dim;
-  c.max_position_embeddings = m.max_position_embeddings > 0 ? m.max_position_embeddings : std::max<int64_t>(seq_len, 1);
-  c.rms_norm_eps = m.rms_norm_eps;
-  c.rope_theta = m.rope_theta;
-  c.tie_word_embeddings = m.tie_word_embeddings;
-  c.gradient_checkpointing = m.gradient_checkpointing;
-  return c;
-}
-
 void ExperimentConfig::validate() const {
-  // The model's own size rules (models/), at the section's JSON paths. The
-  // vocabulary, and a block size of 0, come from the data when the model is
-  // built (build_experiment); the models' defaults stand in for them here.
-  std::optional<models::SizeError> bad;
-  if (!model.from_pretrained.empty()) {
-    // The sizes are config.json's, checked when the folder is read.
-  } else if (model.type == ModelType::kLlama) {
-    bad = models::size_error(llama_config(model, 0, 0));
-  } else if (model.type == ModelType::kGpt) {
-    models::GptConfig g;
-    if (model.block_size > 0) g.block_size = model.block_size;
-    g.n_layer = model.n_layer;
-    g.n_head = model.n_head;
-    g.n_embd = model.n_embd;
-    bad = models::size_error(g);
-  } else if (model.type == ModelType::kMlp) {
-    models::MlpConfig m;
-    m.context = model.context;
-    m.n_embd = model.n_embd;
-    m.hidden = model.hidden;
-    m.n_layer = model.n_layer;
-    bad = models::size_error(m);
-  }
-  if (bad) throw ConfigError("model." + bad->field, bad->message);
-  if (model.gradient_checkpointing && model.type == ModelType::kMlp && model.from_pretrained.empty()) {
-    throw ConfigError("model.gradient_checkpointing", std::string("not supported by model.type \"") +
-                                                          model_type_name(model.type) +
-                                                          "\" (the gpt and the llama recompute their layers); remove it");
-  }
-  if (model.type == ModelType::kLlama && model.max_position_embeddings > 0 &&
-      model.max_position_embeddings < data.seq_len) {
-    throw ConfigError("model.max_position_embeddings", "must be >= data.seq_len " + std::to_string(data.seq_len) +
-                                                           ", got " + std::to_string(model.max_position_embeddings));
-  }
-
-  // The model against the data.
-  if (model.type == ModelType::kGpt && model.block_size > 0 && model.block_size < data.seq_len) {
-    throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(data.seq_len) +
-                                              ", got " + std::to_string(model.block_size));
+  // The model's own size rules (models/), at the section's JSON paths, then
+  // the model against the data (the vocabulary, and positions left at 0,
+  // come from the data when the model is built: build_experiment; the
+  // family's defaults stand in for them here). With a folder the sizes are
+  // config.json's, checked when it is read.
+  if (model.from_pretrained.empty()) {
+    const models::FamilyConfig& fc = *model.settings.model;
+    if (auto bad = fc.size_error()) throw ConfigError("model." + bad->field, bad->message);
+    if (model.gradient_checkpointing && !fc.supports_checkpointing())
+      throw ConfigError("model.gradient_checkpointing", "not supported by model.type \"" + model.type +
+                                                            "\" (the gpt and the llama recompute their layers); remove it");
+    fc.clone()->fit_data(0, data.seq_len);
   }
   const int64_t data_vocab = data.type == DataType::kSynthetic ? data.vocab_size
                              : data.type == DataType::kText    ? 256
@@ -321,29 +266,15 @@ nlohmann::json to_json(const ExperimentConfig& e) {
     if (!d.documents_path.empty()) data["documents_path"] = d.documents_path;
     data["eval_fraction"] = d.eval_fraction;
   }
-  nlohmann::json model = {{"type", model_type_name(m.type)},
-                           {"vocab_size", m.vocab_size},
-                           {"gradient_checkpointing", m.gradient_checkpointing}};
+  nlohmann::json model = {{"type", m.type}, {"vocab_size", m.vocab_size}, {"gradient_checkpointing", m.gradient_checkpointing}};
   if (!m.from_pretrained.empty()) {
     // The sizes are the folder's: only the keys the section gave (they agree with it).
     model["from_pretrained"] = m.from_pretrained;
     if (std::find(m.given.begin(), m.given.end(), "type") == m.given.end()) model.erase("type");
     if (std::find(m.given.begin(), m.given.end(), "vocab_size") == m.given.end()) model.erase("vocab_size");
-  } else if (m.type == ModelType::kLlama) {
-    model.update({{"hidden_size", m.hidden_size},
-                  {"intermediate_size", m.intermediate_size},
-                  {"num_hidden_layers", m.num_hidden_layers},
-                  {"num_attention_heads", m.num_attention_heads},
-                  {"num_key_value_heads", m.num_key_value_heads},
-                  {"head_dim", m.head_dim},
-                  {"max_position_embeddings", m.max_position_embeddings},
-                  {"rms_norm_eps", m.rms_norm_eps},
-                  {"rope_theta", m.rope_theta},
-                  {"tie_word_embeddings", m.tie_word_embeddings}});
-  } else if (m.type == ModelType::kGpt) {
-    model.update({{"block_size", m.block_size}, {"n_layer", m.n_layer}, {"n_head", m.n_head}, {"n_embd", m.n_embd}});
+    model.update(m.given_values);
   } else {
-    model.update({{"context", m.context}, {"n_embd", m.n_embd}, {"hidden", m.hidden}, {"n_layer", m.n_layer}});
+    model.update(m.settings.model->section_json());
   }
   return {{"model", model},
           {"data", data},
@@ -384,9 +315,9 @@ AutoFacts auto_facts(const ExperimentConfig& e, int world_size) {
       const int64_t h = hf.model->hidden_size();
       return {h, "model.from_pretrained", "hidden size " + std::to_string(h) + " of " + m.from_pretrained + "/config.json"};
     }
-    if (m.type == ModelType::kLlama)
-      return {m.hidden_size, "model.hidden_size", "model.hidden_size " + std::to_string(m.hidden_size)};
-    return {m.n_embd, "model.n_embd", "model.n_embd " + std::to_string(m.n_embd)};
+    const int64_t h = m.settings.model->hidden_size();
+    const std::string key = "model." + m.family().hidden_size_key;
+    return {h, key, key + " " + std::to_string(h)};
   };
   return f;
 }

@@ -18,64 +18,52 @@
 
 #include "data/data.h"
 #include "engine/config.h"
+#include "models/family.h"
 #include "models/models.h"
 #include "tools/auto_config.h"
 
 namespace zinc::tools {
 
-// The built-in models (models/models.h).
-enum class ModelType { kGpt, kMlp, kLlama };
-const char* model_type_name(ModelType t);  // "gpt" | "mlp" | "llama"
-
-// The `model` section: the built-in model to train (models/models.h).
+// The `model` section: which family (models/family.h) and its sizes, or a
+// Hugging Face folder to start from.
 struct ModelConfig {
-  ModelType type = ModelType::kGpt;
+  std::string type = "gpt";  // a family's name (models::families(): gpt, mlp, llama)
   int64_t vocab_size = 0;    // 0 = take the data source's vocabulary
-  int64_t block_size = 0;    // gpt: max sequence length (0 = data.seq_len)
-  // The sizes default to the built-in models' own (models/models.h).
-  int64_t n_layer = models::GptConfig{}.n_layer;
-  int64_t n_head = models::GptConfig{}.n_head;
-  int64_t n_embd = models::GptConfig{}.n_embd;
-  // mlp: next-token MLP over the previous `context` tokens' embeddings
-  int64_t context = models::MlpConfig{}.context;
-  int64_t hidden = 512;
-  // gpt: recompute each layer's activations in backward instead of keeping
-  // them (models::GptConfig::gradient_checkpointing): less activation memory
-  // for about one extra forward per step; bit-identical gradients. On when
+  // Recompute each layer's activations in backward instead of keeping them
+  // (the family's config: less activation memory for about one extra
+  // forward per step; bit-identical gradients). On when
   // model.gradient_checkpointing or trainer.gradient_checkpointing is true;
-  // both given with different values is an error naming both. The mlp
-  // refuses it.
+  // both given with different values is an error naming both. A family
+  // that cannot (the mlp) refuses it.
   bool gradient_checkpointing = false;
-  // llama (models::LlamaConfig, transformers' names): n_embd, n_layer and
-  // n_head are the gpt's; these are the llama's.
-  int64_t hidden_size = models::LlamaConfig{}.hidden_size;
-  int64_t intermediate_size = models::LlamaConfig{}.intermediate_size;
-  int64_t num_hidden_layers = models::LlamaConfig{}.num_hidden_layers;
-  int64_t num_attention_heads = models::LlamaConfig{}.num_attention_heads;
-  int64_t num_key_value_heads = models::LlamaConfig{}.num_key_value_heads;  // 0: num_attention_heads
-  int64_t head_dim = models::LlamaConfig{}.head_dim;                        // 0: hidden_size / num_attention_heads
-  int64_t max_position_embeddings = 0;  // 0: data.seq_len
-  double rms_norm_eps = models::LlamaConfig{}.rms_norm_eps;
-  double rope_theta = models::LlamaConfig{}.rope_theta;
-  bool tie_word_embeddings = models::LlamaConfig{}.tie_word_embeddings;
+  // Without from_pretrained: the family's own keys, read by the family
+  // (Family::from_section; their defaults are its config struct's), and
+  // the data's vocabulary and sequence length not yet applied (that is
+  // build_experiment's FamilyConfig::fit_data).
+  struct Settings {
+    std::shared_ptr<const models::FamilyConfig> model = models::section_defaults(*models::family_named("gpt"));
+    bool operator==(const Settings& o) const {
+      return (model == nullptr) == (o.model == nullptr) &&
+             (!model || (&model->family() == &o.model->family() && model->section_json() == o.model->section_json()));
+    }
+  } settings;
   // A Hugging Face model folder (config.json + safetensors) to start from:
-  // the architecture picks the type (GPT2LMHeadModel: gpt; Llama, Mistral,
-  // Qwen2: llama), config.json gives the sizes and the weights the initial
-  // values (tools/hf_model.h). A size key given here too must agree with
-  // config.json.
+  // the architecture picks the family, config.json gives the sizes and the
+  // weights the initial values (tools/hf_model.h). A size key given here
+  // too must agree with config.json (given_values holds them).
   std::string from_pretrained;
+  nlohmann::json given_values = nlohmann::json::object();
   // The keys the section gave (for that check). Not a setting: equal
   // configs may have come from documents that spelt defaults out or not.
   struct GivenKeys : std::vector<std::string> {
     bool operator==(const GivenKeys&) const { return true; }
   } given;
 
+  // The model's family: `type`'s (parse_model checked it is registered).
+  const models::Family& family() const;
+
   bool operator==(const ModelConfig&) const = default;
 };
-
-// The llama of a `model` section without from_pretrained, for a data
-// source's vocabulary and sequence length (0: the models' defaults).
-models::LlamaConfig llama_config(const ModelConfig& m, int64_t vocab_size, int64_t seq_len);
 
 // The `run` section: how long and what to log/save.
 struct RunConfig {

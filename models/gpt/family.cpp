@@ -7,9 +7,11 @@
 // (in, out), where zinc keeps (out, in): those pieces are transposed. The
 // head is the embedding (no tensor of its own). Files name the tensors with
 // "transformer." in front, or with no prefix.
+#include <algorithm>
 #include <string>
 
 #include "core/error.h"
+#include "engine/config_reader.h"
 #include "models/gpt/gpt.h"
 
 namespace zinc::models::gpt {
@@ -77,11 +79,40 @@ class Config final : public FamilyConfig {
             {"attn_pdrop", 0.0},
             {"tie_word_embeddings", true}};
   }
+  nlohmann::json section_json() const override {
+    return {{"block_size", section_block_size_}, {"n_layer", c_.n_layer}, {"n_head", c_.n_head}, {"n_embd", c_.n_embd}};
+  }
+  std::optional<SizeError> size_error() const override { return models::size_error(c_); }
+  void fit_data(int64_t vocab_size, int64_t seq_len) override {
+    if (vocab_size > 0) c_.vocab_size = vocab_size;
+    if (section_block_size_ == 0) c_.block_size = std::max<int64_t>(seq_len, 1);
+    if (c_.block_size < seq_len)
+      throw ConfigError("model.block_size", "must be >= data.seq_len " + std::to_string(seq_len) + ", got " +
+                                                std::to_string(c_.block_size));
+  }
   const GptConfig& gpt() const { return c_; }
+  // The section's block_size: 0 takes data.seq_len (fit_data).
+  int64_t section_block_size_ = -1;
 
  private:
   GptConfig c_;
 };
+
+// zinc's `model` section for "gpt": the sizes, defaults GptConfig's; a
+// block_size of 0 (the default) is the data's sequence length.
+std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
+  using config::at_least;
+  GptConfig c;
+  int64_t block_size = 0;
+  r.get_int("block_size", block_size, at_least(0));
+  r.get_int("n_layer", c.n_layer, at_least(1));
+  r.get_int("n_head", c.n_head, at_least(1));
+  r.get_int("n_embd", c.n_embd, at_least(1));
+  if (block_size > 0) c.block_size = block_size;
+  auto out = std::make_unique<Config>(c);
+  out->section_block_size_ = block_size;
+  return out;
+}
 
 std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*architecture*/) {
   GptConfig c;
@@ -111,7 +142,15 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
 }  // namespace
 
 const Family& family() {
-  static const Family kFamily{"gpt", {"GPT2LMHeadModel"}, "wte.weight", "transformer.", "n_positions", &read};
+  static const Family kFamily{"gpt",
+                              {"GPT2LMHeadModel"},
+                              "wte.weight",
+                              "transformer.",
+                              "n_positions",
+                              "n_embd",
+                              &read,
+                              {{"block_size", "n_positions"}, {"n_layer", ""}, {"n_head", ""}, {"n_embd", ""}},
+                              &from_section};
   return kFamily;
 }
 

@@ -9,9 +9,11 @@
 // "model.layers.3.mlp.down_proj.weight"; the embedding and the final norm
 // have no block name in the file ("model.embed_tokens.weight",
 // "model.norm.weight"); the untied head is "lm_head.weight", never prefixed.
+#include <algorithm>
 #include <string>
 
 #include "core/error.h"
+#include "engine/config_reader.h"
 #include "models/llama/llama.h"
 
 namespace zinc::models::llama {
@@ -102,11 +104,57 @@ class Config final : public FamilyConfig {
             {"tie_word_embeddings", c_.tie_word_embeddings},
             {"initializer_range", c_.init_std}};
   }
+  json section_json() const override {
+    return {{"hidden_size", c_.hidden_size},
+            {"intermediate_size", c_.intermediate_size},
+            {"num_hidden_layers", c_.num_hidden_layers},
+            {"num_attention_heads", c_.num_attention_heads},
+            {"num_key_value_heads", c_.num_key_value_heads},
+            {"head_dim", c_.head_dim},
+            {"max_position_embeddings", section_max_positions_},
+            {"rms_norm_eps", c_.rms_norm_eps},
+            {"rope_theta", c_.rope_theta},
+            {"tie_word_embeddings", c_.tie_word_embeddings}};
+  }
+  std::optional<SizeError> size_error() const override { return models::size_error(c_); }
+  void fit_data(int64_t vocab_size, int64_t seq_len) override {
+    if (vocab_size > 0) c_.vocab_size = vocab_size;
+    if (section_max_positions_ == 0) c_.max_position_embeddings = std::max<int64_t>(seq_len, 1);
+    if (c_.max_position_embeddings < seq_len)
+      throw ConfigError("model.max_position_embeddings", "must be >= data.seq_len " + std::to_string(seq_len) +
+                                                             ", got " + std::to_string(c_.max_position_embeddings));
+  }
   const LlamaConfig& llama() const { return c_; }
+  // The section's max_position_embeddings: 0 takes data.seq_len (fit_data).
+  int64_t section_max_positions_ = -1;
 
  private:
   LlamaConfig c_;
 };
+
+// zinc's `model` section for "llama" (transformers' names): defaults
+// LlamaConfig's; max_position_embeddings 0 (the default) is the data's
+// sequence length.
+std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
+  using config::above;
+  using config::at_least;
+  LlamaConfig c;
+  int64_t max_positions = 0;
+  r.get_int("hidden_size", c.hidden_size, at_least(1));
+  r.get_int("intermediate_size", c.intermediate_size, at_least(1));
+  r.get_int("num_hidden_layers", c.num_hidden_layers, at_least(1));
+  r.get_int("num_attention_heads", c.num_attention_heads, at_least(1));
+  r.get_int("num_key_value_heads", c.num_key_value_heads, at_least(0));
+  r.get_int("head_dim", c.head_dim, at_least(0));
+  r.get_int("max_position_embeddings", max_positions, at_least(0));
+  r.get_number("rms_norm_eps", c.rms_norm_eps, above(0));
+  r.get_number("rope_theta", c.rope_theta, above(0));
+  r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
+  c.max_position_embeddings = std::max<int64_t>(max_positions, 1);
+  auto out = std::make_unique<Config>(c);
+  out->section_max_positions_ = max_positions;
+  return out;
+}
 
 // Rope settings: transformers < 5 writes rope_theta and rope_scaling;
 // transformers 5 writes one rope_parameters object holding both.
@@ -183,7 +231,19 @@ const Family& family() {
                               "embed_tokens.weight",
                               "model.",
                               "max_position_embeddings",
-                              &read};
+                              "hidden_size",
+                              &read,
+                              {{"hidden_size", ""},
+                               {"intermediate_size", ""},
+                               {"num_hidden_layers", ""},
+                               {"num_attention_heads", ""},
+                               {"num_key_value_heads", ""},
+                               {"head_dim", ""},
+                               {"max_position_embeddings", ""},
+                               {"rms_norm_eps", ""},
+                               {"rope_theta", ""},
+                               {"tie_word_embeddings", ""}},
+                              &from_section};
   return kFamily;
 }
 

@@ -218,8 +218,8 @@ class PyEngine {
     // takes tokens beyond a small default data section's vocabulary).
     const zinc::tools::ModelConfig& m = ex_.experiment.model;
     vocab_ = m.vocab_size > 0 ? m.vocab_size : ex_.data->vocab_size();
-    max_t_ = m.type == zinc::tools::ModelType::kGpt ? (m.block_size > 0 ? m.block_size : ex_.data->seq_len()) : 0;
-    if (ex_.hf) {
+    max_t_ = 0;  // a model with no Hugging Face form (the mlp) takes any length
+    if (ex_.hf) {  // a folder's model, or a built-in one in its family's terms
       vocab_ = ex_.hf->model->vocab_size();
       max_t_ = ex_.hf->model->max_positions();
     }

@@ -82,7 +82,7 @@ TEST(CudaLlama, SwiGluMatchesTheCpuBits) {
 
 // The kernels take the (T, hd/2) cos and sin tables and know nothing of rope
 // scaling: the model folds it into the inverse frequencies. These tables
-// follow models/llama.cpp's rope_inv_freq for each rope_scaling type (none,
+// follow models/llama/model.cpp's rope_inv_freq for each rope_scaling type (none,
 // "linear" and "llama3"), so the kernels see the angles a scaled model gives them.
 enum class Scaling { kNone, kLinear, kLlama3 };
 

@@ -155,7 +155,7 @@ inline Diff diff(const std::vector<float>& a, const std::vector<float>& b) {
   } while (0)
 
 
-// Activation checkpointing (Note [activation checkpointing], models/gpt.cpp)
+// Activation checkpointing (Note [activation checkpointing], models/gpt/model.cpp)
 // changes memory, not numbers: the same runs with and without it, in fp32
 // and bf16, at stage 0 and at stage 3 (where backward gathers the layers
 // again), with gradient accumulation, give bit-identical losses, gradient

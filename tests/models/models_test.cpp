@@ -255,7 +255,7 @@ TEST(Gpt, TokenOutsideTheVocabularyIsAnError) {
 }
 
 
-// Note [activation checkpointing] (models/gpt.cpp): recomputing each layer in
+// Note [activation checkpointing] (models/gpt/model.cpp): recomputing each layer in
 // backward gives the same loss, the same acquire order (ZeRO-3 prefetches
 // along it) and bit-identical gradients, in fp32 and in bf16 with either
 // bf16 operand path (native bf16, or rounded and multiplied in fp32), over

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "models/gpt/gpt.h"
 #include "tools/experiment.h"
 #include "tests/engine/config_test_util.h"
 
@@ -35,7 +36,7 @@ std::string config_error(const json& j, int world_size = 1) {
 
 TEST(ExperimentConfigDefaults, MatchTheHeader) {
   const ParsedExperiment p = parse_experiment(base());
-  EXPECT_EQ(p.experiment.model.type, ModelType::kGpt);
+  EXPECT_EQ(p.experiment.model.type, "gpt");
   EXPECT_EQ(p.experiment.data.type, DataType::kSynthetic);
   EXPECT_EQ(p.experiment.run.steps, 100);
   // A plain ds_config: the defaulted model and data are said (issue 32).
@@ -119,8 +120,10 @@ TEST(ExperimentConfigErrors, ZincSections) {
 
 TEST(ExperimentConfigErrors, ValidateChecksConfigsBuiltInCode) {
   ExperimentConfig e;
-  e.model.n_embd = 100;
-  e.model.n_head = 3;
+  models::GptConfig g;
+  g.n_embd = 100;
+  g.n_head = 3;
+  e.model.settings.model = models::gpt::family_config(g);
   try {
     e.validate();
     FAIL() << "no error";
