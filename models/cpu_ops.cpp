@@ -40,6 +40,9 @@ class CpuOps : public Ops {
   }
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::add(out, a, b, n); }
   void scale(float* x, float alpha, int64_t n) override { kernels::scale(x, alpha, n); }
+  void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
+    kernels::copy_columns(dst, dst_W, src, src_W, N, width);
+  }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                          int64_t V, const int32_t* positions) override {
     kernels::embedding_forward(out, tokens, wte, wpe, B, T, C, V, positions);

@@ -141,6 +141,9 @@ class CudaOps final : public Ops {
   }
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::cuda::add(out, a, b, n, kStream); }
   void scale(float* x, float alpha, int64_t n) override { kernels::cuda::scale(x, alpha, n, kStream); }
+  void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
+    kernels::cuda::copy_columns(dst, dst_W, src, src_W, N, width, kStream);
+  }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                          int64_t V, const int32_t* positions) override {
     if (!wpe.data) positions = nullptr;  // no positions without a position table (the CPU's rule)

@@ -263,6 +263,10 @@ void add(float* out, const float* a, const float* b, int64_t n);  // out = a + b
 void accumulate(float* y, const float* x, int64_t n);            // y += x
 void scale(float* x, float alpha, int64_t n);                    // x *= alpha
 void axpy(float* y, float alpha, const float* x, int64_t n);     // y += alpha * x
+// Column block copy: for each of N rows, `width` floats from src + r * src_W
+// to dst + r * dst_W (the caller offsets dst and src to the first column).
+// dst and src must not overlap.
+void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width);
 // sum x^2 in double, in a fixed order of fixed-size chunks (thread-count independent).
 double squared_norm(const float* x, int64_t n);
 bool all_finite(const float* x, int64_t n);

@@ -66,6 +66,15 @@ void scale(float* x, float alpha, int64_t n) {
   });
 }
 
+void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) {
+  ProfileScope profile_scope(Op::kVector);
+  if (N <= 0 || width <= 0) return;
+  parallel_for(static_cast<size_t>(N), std::max<size_t>(1, kGrain / static_cast<size_t>(width)), [&](size_t lo, size_t hi) {
+    for (size_t r = lo; r < hi; ++r)
+      std::memcpy(dst + r * dst_W, src + r * src_W, static_cast<size_t>(width) * sizeof(float));
+  });
+}
+
 void axpy(float* y, float alpha, const float* x, int64_t n) {
   ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {

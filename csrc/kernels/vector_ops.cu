@@ -21,6 +21,13 @@ __global__ void accumulate_kernel(float* y, const float* x, int64_t n) {
 __global__ void scale_kernel(float* x, float alpha, int64_t n) {
   ZINC_GRID_STRIDE(i, n) x[i] *= alpha;
 }
+__global__ void copy_columns_kernel(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t width,
+                                    int64_t n) {
+  ZINC_GRID_STRIDE(i, n) {
+    const int64_t r = i / width, c = i % width;
+    dst[r * dst_W + c] = src[r * src_W + c];
+  }
+}
 __global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
   ZINC_GRID_STRIDE(i, n) y[i] += alpha * x[i];
 }
@@ -57,6 +64,13 @@ void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   accumulate_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, x, n);
   detail::check_launch("accumulate");
+}
+void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width,
+                  cudaStream_t stream) {
+  const int64_t n = N * width;
+  if (N <= 0 || width <= 0) return;
+  copy_columns_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dst, dst_W, src, src_W, width, n);
+  detail::check_launch("copy_columns");
 }
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;

@@ -5,8 +5,10 @@
 // by kernel emulation (tests/cuda_emu) on every build.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/rng.h"
@@ -200,6 +202,23 @@ TEST(CudaLlama, GroupedQueryHeadsMatchTheCpuBits) {
   float* none = nullptr;
   EXPECT_THROW(cuda::gqa_expand(none, none, 1, 3, 2, 2, nullptr), Error);
   EXPECT_THROW(cuda::gqa_reduce(none, none, 1, 4, 0, 2, nullptr), Error);
+}
+
+// The column block copy the Qwen3 graph moves heads with (copy_columns).
+TEST(CudaLlama, CopyColumnsMatchesTheCpu) {
+  ZINC_REQUIRE_GPU();
+  for (auto [N, width, src_W, dst_W] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 1, 1}, {7, 12, 60, 12},
+                                         {33, 24, 24, 40}, {5, 17, 19, 23}}) {
+    const std::string at = "N=" + std::to_string(N) + " width=" + std::to_string(width);
+    const std::vector<float> src = randn(N * src_W, 141);
+    std::vector<float> dst(static_cast<size_t>(N * dst_W), 7.0f);
+    copy_columns(dst.data() + 1 % dst_W, dst_W, src.data() + (src_W - width), src_W, N,
+                 std::min(width, dst_W - 1 % dst_W));
+    DeviceBuffer d_src = upload(src), d_dst = upload(std::vector<float>(dst.size(), 7.0f));
+    cuda::copy_columns(d_dst.as<float>() + 1 % dst_W, dst_W, d_src.as<float>() + (src_W - width), src_W, N,
+                       std::min(width, dst_W - 1 % dst_W), nullptr);
+    expect_same_bits(dst, download<float>(d_dst, dst.size()), "copy_columns " + at);
+  }
 }
 
 }  // namespace
