@@ -79,6 +79,10 @@ struct LlamaConfig {
   bool qkv_bias = false;  // biases on q, k, v (Llama's attention_bias; Qwen2 always)
   bool o_bias = false;    // a bias on the output projection (Llama's attention_bias)
   bool mlp_bias = false;
+  // Qwen3: RMSNorm over each head of q and of k (weights q_norm and k_norm of
+  // head_dim, eps rms_norm_eps) after the projection, before the rotary
+  // embeddings.
+  bool qk_norm = false;
   bool tie_word_embeddings = false;
   int64_t sliding_window = 0;  // Mistral; 0: none. A longer sequence is refused.
   bool gradient_checkpointing = false;

@@ -6,6 +6,7 @@
 //
 // One layer, as transformers computes it:
 //   h    = x + o_proj(attn(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_1(x))
+//          (with qk_norm, Qwen3's: q and k each RMSNorm'd per head first)
 //   out  = h + down_proj(silu(gate) * up)          with gate|up = gate_up_proj(rms_2(h))
 // Grouped-query attention runs through the multi-head kernel: the kv heads
 // are repeated to H heads (kernels::gqa_expand, transformers' repeat_kv) and
@@ -30,13 +31,15 @@ using kernels::CView;
 
 // Where each parameter sits in a layer block (-1: absent, a bias not configured).
 struct LayerIdx {
-  int ln1 = -1, qkv_w = -1, qkv_b = -1, o_w = -1, o_b = -1;
+  int ln1 = -1, qkv_w = -1, qkv_b = -1, q_norm = -1, k_norm = -1, o_w = -1, o_b = -1;
   int ln2 = -1, gu_w = -1, gu_b = -1, down_w = -1, down_b = -1;
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
 struct LlamaLayerActs {
   Buf ln1, rstd1;   // (N,C), (N)
+  Buf qk_pre;       // qk_norm: (N,H*D) q then (N,K*D) k before their norms
+  Buf rstd_qk;      // qk_norm: (N*H) then (N*K)
   Buf qkv;          // (N,3A) rotated q, k and v repeated to H heads: attention's input
   Buf att;          // (N,A) attention output before o_proj
   Buf x_mid;        // (N,C) residual stream after attention
@@ -69,6 +72,10 @@ class Llama final : public Model {
       x.ln1 = add({"input_layernorm.weight", {C}, Init::kOnes});
       x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
       if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
+      if (c.qk_norm) {
+        x.q_norm = add({"self_attn.q_norm.weight", {D_}, Init::kOnes});
+        x.k_norm = add({"self_attn.k_norm.weight", {D_}, Init::kOnes});
+      }
       x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd});
       if (c.o_bias) x.o_b = add({"self_attn.o_proj.bias", {C}, Init::kZeros});
       x.ln2 = add({"post_attention_layernorm.weight", {C}, Init::kOnes});
@@ -121,7 +128,8 @@ class Llama final : public Model {
     const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
                          buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
-                         matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as);
+                         matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as) +
+                         (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0);
     const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
@@ -129,6 +137,7 @@ class Llama final : public Model {
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
                buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + 2 * buffer_bytes(N * V) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+    if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H_, K_) * D_);  // qk_scratch_
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -241,6 +250,7 @@ class Llama final : public Model {
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
+      if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
       ops_->rmsnorm_backward(dx, g[x.ln1], dsmall, x_in, p[x.ln1], a.rstd1.as<float>(), N, C);
@@ -269,6 +279,7 @@ class Llama final : public Model {
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
+    if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
@@ -284,6 +295,39 @@ class Llama final : public Model {
     if (!x_out) return;
     detail::linear_forward(*ops_, x_out, a.act_in, p[x.down_w], bias(p, x.down_b), N, I, C, dt);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
+  }
+
+  // Qwen3's per-head norms of q and k, in place in the projection's q and k
+  // columns: each head of D values is a row of an RMSNorm over N*H (or N*K)
+  // rows, run on contiguous copies (kept for backward).
+  void qk_norm_forward(const HeldParams& p, LlamaLayerActs& a, float* proj, int64_t N) {
+    const int64_t Q = (H_ + 2 * K_) * D_;
+    float* q_pre = a.qk_pre.as<float>();
+    float* k_pre = q_pre + N * H_ * D_;
+    float* out = qk_scratch_.as<float>();
+    float* rstd = a.rstd_qk.as<float>();
+    ops_->copy_columns(q_pre, H_ * D_, proj, Q, N, H_ * D_);
+    ops_->copy_columns(k_pre, K_ * D_, proj + H_ * D_, Q, N, K_ * D_);
+    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], N * H_, D_, eps());
+    ops_->copy_columns(proj, Q, out, H_ * D_, N, H_ * D_);
+    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], N * K_, D_, eps());
+    ops_->copy_columns(proj + H_ * D_, Q, out, K_ * D_, N, K_ * D_);
+  }
+  // dproj's q and k columns hold the gradient of the normed heads; they
+  // become that of the heads before the norms.
+  void qk_norm_backward(const HeldParams& p, const BlockGrads& g, LlamaLayerActs& a, float* dproj, int64_t N) {
+    const int64_t Q = (H_ + 2 * K_) * D_, most = N * std::max(H_, K_) * D_;
+    const float* q_pre = a.qk_pre.as<float>();
+    const float* rstd = a.rstd_qk.as<float>();
+    float* dout = qk_scratch_.as<float>();
+    float* dx = dout + most;
+    for (auto [col, heads, pre, r, w] : {std::tuple{int64_t{0}, H_, q_pre, rstd, idx_.q_norm},
+                                         std::tuple{H_ * D_, K_, q_pre + N * H_ * D_, rstd + N * H_, idx_.k_norm}}) {
+      ops_->copy_columns(dout, heads * D_, dproj + col, Q, N, heads * D_);
+      ops_->zero(dx, N * heads * D_);
+      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, N * heads, D_);
+      ops_->copy_columns(dproj + col, Q, dx, heads * D_, N, heads * D_);
+    }
   }
 
   // The (T, D/2) cos and sin of the rope angles t * inv_freq[i], each angle
@@ -313,6 +357,10 @@ class Llama final : public Model {
       a.ln1 = ops_->alloc_f32(N * C);
       a.rstd1 = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * A);
+      if (c_.qk_norm) {
+        a.qk_pre = ops_->alloc_f32(N * static_cast<size_t>((H_ + K_) * D_));
+        a.rstd_qk = ops_->alloc_f32(N * static_cast<size_t>(H_ + K_));
+      }
       a.att = ops_->alloc_f32(N * A);
       a.x_mid = ops_->alloc_f32(N * C);
       a.ln2 = ops_->alloc_f32(N * C);
@@ -331,6 +379,7 @@ class Llama final : public Model {
     proj_ = ops_->alloc_f32(N * Q);
     dbig_ = ops_->alloc_f32(N * std::max(2 * I, 3 * A));
     dmid_ = ops_->alloc_f32(N * std::max(A, I));
+    if (c_.qk_norm) qk_scratch_ = ops_->alloc_f32(2 * N * static_cast<size_t>(std::max(H_, K_) * D_));
     B_ = B;
     T_ = T;
   }
@@ -352,6 +401,7 @@ class Llama final : public Model {
   Buf rope_cos_, rope_sin_;  // (T, D/2)
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
+  Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf dy16_;
   CView lnf_in_;
   Buf lnf_16_;

@@ -123,6 +123,8 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
     c.rope_scaling.factor = 8.0;
     c.rope_scaling.original_max_position_embeddings = 16;
     c.qkv_bias = true;
+    c.qk_norm = true;  // Qwen3's per-head norms of q and k (copy_columns and RMSNorm over heads)
+    c.head_dim = 12;   // decoupled from hidden_size / heads, as Qwen3's
     c.device = device == "cuda" ? Device::kCuda : Device::kCpu;
     Engine e = Engine::initialize(models::make_llama(c), cfg);
     DataConfig dc;

@@ -130,6 +130,14 @@ TEST(LlamaBackward, AgreesWithFiniteDifferencesPerBlock) {
   auto tied = models::make_llama(t);
   EXPECT_EQ(tied->blocks().back().params.size(), 1u);  // no lm_head
   check_model_gradients(*tied, random_batch(3, 5, 13, 4));
+  // Qwen3's per-head norms of q and k (qk_norm), GQA 4:2, head_dim 6.
+  models::LlamaConfig q = c;
+  q.qk_norm = true;
+  q.head_dim = 6;
+  q.qkv_bias = q.o_bias = q.mlp_bias = false;
+  auto qwen3 = models::make_llama(q);
+  ASSERT_EQ(qwen3->blocks()[1].params[2].name, "self_attn.q_norm.weight");
+  check_model_gradients(*qwen3, random_batch(2, 6, 11, 6));
 }
 
 TEST(LlamaBackward, CheckpointedLayersGiveTheSameGradients) {
@@ -141,16 +149,21 @@ TEST(LlamaBackward, CheckpointedLayersGiveTheSameGradients) {
   c.num_attention_heads = 2;
   c.num_key_value_heads = 1;
   c.max_position_embeddings = 8;
-  auto plain = models::make_llama(c);
-  c.gradient_checkpointing = true;
-  auto ckpt = models::make_llama(c);
-  Batch batch = random_batch(2, 7, 11, 5);
-  TestContext a(*plain, 7), b(*ckpt, 7);
-  EXPECT_EQ(plain->forward(a, batch), ckpt->forward(b, batch));
-  plain->backward(a, 1.0f);
-  ckpt->backward(b, 1.0f);
-  for (size_t k = 0; k < a.grad_bufs.size(); ++k)
-    EXPECT_EQ(std::memcmp(a.grad_bufs[k].data(), b.grad_bufs[k].data(), a.grad_bufs[k].size() * 4), 0) << "block " << k;
+  for (bool qk_norm : {false, true}) {  // the llama, and Qwen3's per-head norms
+    c.qk_norm = qk_norm;
+    c.gradient_checkpointing = false;
+    auto plain = models::make_llama(c);
+    c.gradient_checkpointing = true;
+    auto ckpt = models::make_llama(c);
+    Batch batch = random_batch(2, 7, 11, 5);
+    TestContext a(*plain, 7), b(*ckpt, 7);
+    EXPECT_EQ(plain->forward(a, batch), ckpt->forward(b, batch));
+    plain->backward(a, 1.0f);
+    ckpt->backward(b, 1.0f);
+    for (size_t k = 0; k < a.grad_bufs.size(); ++k)
+      EXPECT_EQ(std::memcmp(a.grad_bufs[k].data(), b.grad_bufs[k].data(), a.grad_bufs[k].size() * 4), 0)
+          << "block " << k << " qk_norm " << qk_norm;
+  }
 }
 
 TEST(LlamaConfig, SizeRulesNameTheField) {
