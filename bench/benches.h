@@ -33,7 +33,7 @@ struct BenchOptions {
   int64_t gas = 4;     // gpu-train-step: micro-batches per step (amortise the CPU optimizer step)
   int stage = 2;       // gpu-train-step: ZeRO stage (3: the parameters in page-locked RAM, one block gathered at a time)
   bool resident = false;  // gpu-train-step: optimizer states on the GPU (the step without PCIe or the CPU optimizer)
-  std::string model = "gpt";  // train-step: "gpt" (the reference GPT) or "llama" (a ~107M Llama, GQA 4:1, seq 512)
+  std::string model = "gpt";  // train-step: "gpt" (the reference GPT), "llama" (a ~107M Llama, GQA 4:1, seq 512) or "qwen3" (its sizes as a Qwen3)
   bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
   std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT
   int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
@@ -119,17 +119,19 @@ inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int6
 // over 4 kv heads, MLP 2816, seq 512, vocabulary 8192; untied head), or
 // (--wide) the GPT at the Llama's width, depth, vocabulary and sequence.
 struct StepSizes {
-  bool llama, wide;
+  bool llama, wide;  // llama: a Llama-style decoder (the llama or the qwen3 family)
   int64_t B, T, C, H, L, V, KV, I, D;
-  const char* name() const { return llama ? "llama" : wide ? "gpt-wide" : "gpt"; }
+  std::string family;  // model.type
+  const char* name() const { return llama ? family.c_str() : wide ? "gpt-wide" : "gpt"; }
   std::vector<zinc::kernels::MatmulDesc> matmuls(zinc::DType dt) const {
     return llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt) : gpt_matmul_descs(B, T, C, H, L, V, dt);
   }
 };
 inline StepSizes step_sizes(const BenchOptions& o) {
-  const bool llama = o.model == "llama", wide = !llama && o.wide, big = llama || wide;
+  const bool llama = o.model == "llama" || o.model == "qwen3", wide = !llama && o.wide, big = llama || wide;
   const int64_t C = big ? 1024 : 384, H = big ? 16 : 6;
-  return {llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H};
+  return {llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H,
+          llama ? o.model : std::string("gpt")};
 }
 
 inline double now_s() {

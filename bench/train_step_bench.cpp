@@ -93,9 +93,9 @@ int bench_train_step(const BenchOptions& o) {
   const int64_t B = sz.B, T = sz.T, C = sz.C, H = sz.H, L = sz.L, V = sz.V, KV = sz.KV, I = sz.I;
   nlohmann::json model = {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}};
   if (llama)
-    model = {{"type", "llama"},           {"hidden_size", C},          {"intermediate_size", I},
+    model = {{"type", sz.family},        {"hidden_size", C},          {"intermediate_size", I},
              {"num_hidden_layers", L},    {"num_attention_heads", H},  {"num_key_value_heads", KV},
-             {"vocab_size", V}};
+             {"head_dim", sz.D},          {"vocab_size", V}};
   nlohmann::json doc = {
       {"train_micro_batch_size_per_gpu", B},
       {"gradient_accumulation_steps", 1},
@@ -326,7 +326,7 @@ int bench_train_step(const BenchOptions& o) {
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
                 "  where the time goes (profiled round, share of the step): %s%s",
-                case_name, llama ? "Llama" : "GPT", (long long)L, (long long)C, (long long)H,
+                case_name, llama ? (sz.family == "qwen3" ? "Qwen3" : "Llama") : "GPT", (long long)L, (long long)C, (long long)H,
                 llama ? (" KV=" + std::to_string(KV) + " I=" + std::to_string(I)).c_str() : "", (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
                 std::string(zinc::dtype_name(dt)).c_str(), t_mm,

@@ -26,7 +26,8 @@ namespace zinc::models {
 #define ZINC_FAMILIES(X) \
   X(gpt)                 \
   X(mlp)                 \
-  X(llama)
+  X(llama)               \
+  X(qwen3)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

@@ -23,8 +23,9 @@ using nlohmann::json;
 
 class Config final : public FamilyConfig {
  public:
-  explicit Config(const LlamaConfig& c) : c_(c) {}
-  const Family& family() const override { return llama::family(); }
+  Config(const LlamaConfig& c, const Family& family, json (*writer)(const LlamaConfig&))
+      : c_(c), family_(&family), writer_(writer) {}
+  const Family& family() const override { return *family_; }
   std::unique_ptr<FamilyConfig> clone() const override { return std::make_unique<Config>(*this); }
   int64_t vocab_size() const override { return c_.vocab_size; }
   int64_t max_positions() const override { return c_.max_position_embeddings; }
@@ -72,38 +73,7 @@ class Config final : public FamilyConfig {
     const std::string suffix = ".rotary_emb.inv_freq";
     return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   }
-  json config_json() const override {
-    if (c_.qkv_bias != c_.o_bias)
-      throw Error("export: a llama with biases on q, k, v but not on o is a Qwen2; zinc writes it only from a Qwen2 "
-                  "folder");
-    json rope = nullptr;
-    const RopeScaling& s = c_.rope_scaling;
-    if (s.type == RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
-    if (s.type == RopeScaling::Type::kLlama3)
-      rope = {{"rope_type", "llama3"},
-              {"factor", s.factor},
-              {"low_freq_factor", s.low_freq_factor},
-              {"high_freq_factor", s.high_freq_factor},
-              {"original_max_position_embeddings", s.original_max_position_embeddings}};
-    return {{"architectures", {"LlamaForCausalLM"}},
-            {"model_type", "llama"},
-            {"vocab_size", c_.vocab_size},
-            {"hidden_size", c_.hidden_size},
-            {"intermediate_size", c_.intermediate_size},
-            {"num_hidden_layers", c_.num_hidden_layers},
-            {"num_attention_heads", c_.num_attention_heads},
-            {"num_key_value_heads", c_.kv_heads()},
-            {"head_dim", c_.head_size()},
-            {"max_position_embeddings", c_.max_position_embeddings},
-            {"rms_norm_eps", c_.rms_norm_eps},
-            {"rope_theta", c_.rope_theta},
-            {"rope_scaling", rope},
-            {"hidden_act", "silu"},
-            {"attention_bias", c_.qkv_bias},
-            {"mlp_bias", c_.mlp_bias},
-            {"tie_word_embeddings", c_.tie_word_embeddings},
-            {"initializer_range", c_.init_std}};
-  }
+  json config_json() const override { return writer_(c_); }
   json section_json() const override {
     return {{"hidden_size", c_.hidden_size},
             {"intermediate_size", c_.intermediate_size},
@@ -130,30 +100,25 @@ class Config final : public FamilyConfig {
 
  private:
   LlamaConfig c_;
+  const Family* family_;
+  json (*writer_)(const LlamaConfig&);
 };
 
-// zinc's `model` section for "llama" (transformers' names): defaults
-// LlamaConfig's; max_position_embeddings 0 (the default) is the data's
-// sequence length.
+// config.json of a LlamaForCausalLM built from zinc's `model` section.
+json llama_json(const LlamaConfig& c) {
+  if (c.qkv_bias != c.o_bias)
+    throw Error("export: a llama with biases on q, k, v but not on o is a Qwen2; zinc writes it only from a Qwen2 "
+                "folder");
+  json j = decoder_json(c);
+  j["architectures"] = {"LlamaForCausalLM"};
+  j["model_type"] = "llama";
+  j["attention_bias"] = c.qkv_bias;
+  j["mlp_bias"] = c.mlp_bias;
+  return j;
+}
+
 std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
-  using config::above;
-  using config::at_least;
-  LlamaConfig c;
-  int64_t max_positions = 0;
-  r.get_int("hidden_size", c.hidden_size, at_least(1));
-  r.get_int("intermediate_size", c.intermediate_size, at_least(1));
-  r.get_int("num_hidden_layers", c.num_hidden_layers, at_least(1));
-  r.get_int("num_attention_heads", c.num_attention_heads, at_least(1));
-  r.get_int("num_key_value_heads", c.num_key_value_heads, at_least(0));
-  r.get_int("head_dim", c.head_dim, at_least(0));
-  r.get_int("max_position_embeddings", max_positions, at_least(0));
-  r.get_number("rms_norm_eps", c.rms_norm_eps, above(0));
-  r.get_number("rope_theta", c.rope_theta, above(0));
-  r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
-  c.max_position_embeddings = std::max<int64_t>(max_positions, 1);
-  auto out = std::make_unique<Config>(c);
-  out->section_max_positions_ = max_positions;
-  return out;
+  return decoder_from_section(r, LlamaConfig{}, family(), &llama_json);
 }
 
 // Rope settings: transformers < 5 writes rope_theta and rope_scaling;
@@ -198,16 +163,7 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
 
 std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) {
   LlamaConfig c;
-  c.vocab_size = f.get_int("vocab_size");
-  c.hidden_size = f.get_int("hidden_size");
-  c.intermediate_size = f.get_int("intermediate_size");
-  c.num_hidden_layers = f.get_int("num_hidden_layers");
-  c.num_attention_heads = f.get_int("num_attention_heads");
-  c.num_key_value_heads = f.get_int("num_key_value_heads", c.num_attention_heads);
-  c.head_dim = f.get_int("head_dim", 0);
-  c.max_position_embeddings = f.get_int("max_position_embeddings");
-  c.rms_norm_eps = f.get_number("rms_norm_eps", LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
-  read_rope(f, c);
+  read_decoder(f, c);
   const std::string act = f.get_string("hidden_act", "silu");
   if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; zinc's llama MLP is SiLU-gated (silu)");
   if (arch == "Qwen2ForCausalLM") {
@@ -218,12 +174,88 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) 
   }
   c.mlp_bias = f.get_bool("mlp_bias", false);
   if (arch == "MistralForCausalLM") c.sliding_window = f.get_int("sliding_window", 0);
-  c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
-  return std::make_unique<Config>(c);
+  return std::make_unique<Config>(c, family(), &llama_json);
 }
 
 }  // namespace
+
+// ---- the Llama-style decoder, for every family that shares its graph -------------------
+
+void read_decoder(const ConfigDoc& f, LlamaConfig& c) {
+  c.vocab_size = f.get_int("vocab_size");
+  c.hidden_size = f.get_int("hidden_size");
+  c.intermediate_size = f.get_int("intermediate_size");
+  c.num_hidden_layers = f.get_int("num_hidden_layers");
+  c.num_attention_heads = f.get_int("num_attention_heads");
+  c.num_key_value_heads = f.get_int("num_key_value_heads", c.num_attention_heads);
+  c.head_dim = f.get_int("head_dim", c.head_dim);
+  c.max_position_embeddings = f.get_int("max_position_embeddings");
+  c.rms_norm_eps = f.get_number("rms_norm_eps", LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
+  read_rope(f, c);
+  c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
+}
+
+json decoder_json(const LlamaConfig& c) {
+  json rope = nullptr;
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
+  if (s.type == RopeScaling::Type::kLlama3)
+    rope = {{"rope_type", "llama3"},
+            {"factor", s.factor},
+            {"low_freq_factor", s.low_freq_factor},
+            {"high_freq_factor", s.high_freq_factor},
+            {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  return {{"vocab_size", c.vocab_size},
+          {"hidden_size", c.hidden_size},
+          {"intermediate_size", c.intermediate_size},
+          {"num_hidden_layers", c.num_hidden_layers},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_key_value_heads", c.kv_heads()},
+          {"head_dim", c.head_size()},
+          {"max_position_embeddings", c.max_position_embeddings},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"rope_theta", c.rope_theta},
+          {"rope_scaling", rope},
+          {"hidden_act", "silu"},
+          {"tie_word_embeddings", c.tie_word_embeddings},
+          {"initializer_range", c.init_std}};
+}
+
+const std::vector<std::pair<std::string, std::string>>& decoder_section_keys() {
+  static const std::vector<std::pair<std::string, std::string>> kKeys = {
+      {"hidden_size", ""},         {"intermediate_size", ""}, {"num_hidden_layers", ""},
+      {"num_attention_heads", ""}, {"num_key_value_heads", ""}, {"head_dim", ""},
+      {"max_position_embeddings", ""}, {"rms_norm_eps", ""}, {"rope_theta", ""},
+      {"tie_word_embeddings", ""}};
+  return kKeys;
+}
+
+std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,
+                                             json (*config_json)(const LlamaConfig&)) {
+  return std::make_unique<Config>(c, family, config_json);
+}
+
+std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
+                                                   json (*config_json)(const LlamaConfig&)) {
+  using config::above;
+  using config::at_least;
+  int64_t max_positions = 0;
+  r.get_int("hidden_size", c.hidden_size, at_least(1));
+  r.get_int("intermediate_size", c.intermediate_size, at_least(1));
+  r.get_int("num_hidden_layers", c.num_hidden_layers, at_least(1));
+  r.get_int("num_attention_heads", c.num_attention_heads, at_least(1));
+  r.get_int("num_key_value_heads", c.num_key_value_heads, at_least(0));
+  r.get_int("head_dim", c.head_dim, at_least(0));
+  r.get_int("max_position_embeddings", max_positions, at_least(0));
+  r.get_number("rms_norm_eps", c.rms_norm_eps, above(0));
+  r.get_number("rope_theta", c.rope_theta, above(0));
+  r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
+  c.max_position_embeddings = std::max<int64_t>(max_positions, 1);
+  auto out = std::make_unique<Config>(c, family, config_json);
+  out->section_max_positions_ = max_positions;
+  return out;
+}
 
 const Family& family() {
   static const Family kFamily{"llama",
@@ -233,23 +265,12 @@ const Family& family() {
                               "max_position_embeddings",
                               "hidden_size",
                               &read,
-                              {{"hidden_size", ""},
-                               {"intermediate_size", ""},
-                               {"num_hidden_layers", ""},
-                               {"num_attention_heads", ""},
-                               {"num_key_value_heads", ""},
-                               {"head_dim", ""},
-                               {"max_position_embeddings", ""},
-                               {"rms_norm_eps", ""},
-                               {"rope_theta", ""},
-                               {"tie_word_embeddings", ""}},
+                              decoder_section_keys(),
                               &from_section};
   return kFamily;
 }
 
-std::unique_ptr<FamilyConfig> family_config(const LlamaConfig& c) {
-  return std::make_unique<Config>(c);
-}
+std::unique_ptr<FamilyConfig> family_config(const LlamaConfig& c) { return decoder_config(c, family(), &llama_json); }
 
 const LlamaConfig* settings(const FamilyConfig& f) {
   const auto* c = dynamic_cast<const Config*>(&f);

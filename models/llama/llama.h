@@ -1,9 +1,13 @@
 // The Llama family's entry points (models/llama/family.cpp): for a model
-// zinc builds from its own `model` section, and for tests that look inside
-// a config.json as the family read it.
+// zinc builds from its own `model` section, for tests that look inside a
+// config.json as the family read it, and the Llama-style decoder's pieces
+// for the families that share its graph (models/qwen3/).
 #pragma once
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "models/family.h"
 #include "models/models.h"
@@ -12,7 +16,27 @@ namespace zinc::models::llama {
 
 const Family& family();
 std::unique_ptr<FamilyConfig> family_config(const LlamaConfig& c);
-// The LlamaConfig inside `f`, or nullptr when `f` is another family's.
+// The LlamaConfig inside `f`, or nullptr when `f` is not a Llama-style
+// decoder's (any family sharing the graph).
 const LlamaConfig* settings(const FamilyConfig& f);
+
+// ---- the Llama-style decoder, shared by the families of its graph ----
+// The keys every Llama-style config.json has: the sizes, rms_norm_eps, the
+// rotary settings (rope_theta / rope_scaling, or transformers 5's
+// rope_parameters: default, linear, llama3) and tie_word_embeddings; `c`'s
+// head_dim is the default when config.json has none.
+void read_decoder(const ConfigDoc& f, LlamaConfig& c);
+// Those keys as config.json writes them (no architectures, model_type or
+// family keys).
+nlohmann::json decoder_json(const LlamaConfig& c);
+// The `model` section's keys (transformers' names) and their reader, with
+// defaults `c`'s.
+const std::vector<std::pair<std::string, std::string>>& decoder_section_keys();
+std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
+                                                   nlohmann::json (*config_json)(const LlamaConfig&));
+// The FamilyConfig of the decoder `c` as `family`, which writes
+// config_json(c) on export.
+std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,
+                                             nlohmann::json (*config_json)(const LlamaConfig&));
 
 }  // namespace zinc::models::llama

@@ -19,7 +19,16 @@ namespace zinc::tools {
 
 inline std::string fixture(const std::string& name) { return std::string(ZINC_SOURCE_DIR) + "/tests/fixtures/hf/" + name; }
 
-inline const std::vector<std::string> kFixtures = {"gpt2", "llama_gqa", "qwen2_tied", "llama_bias_hd", "mistral"};
+// The fixtures zinc loads: tests/fixtures/hf/loaded.txt, one name per line
+// ('#' starts a comment).
+inline std::vector<std::string> loaded_fixtures() {
+  std::ifstream in(std::string(ZINC_SOURCE_DIR) + "/tests/fixtures/hf/loaded.txt");
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty() && line[0] != '#') out.push_back(line);
+  return out;
+}
+inline const std::vector<std::string> kFixtures = loaded_fixtures();
 
 // reference.safetensors: input_ids and targets (I32), logits, loss, grad.NAME.
 struct Reference {

@@ -26,6 +26,9 @@ ZINC_TRAIN = os.environ.get("ZINC_TRAIN", os.path.join(ROOT, "build", "tools", "
 ZINC_EXPORT = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+# The fixtures whose family zinc implements (one list for every test).
+with open(os.path.join(FIXTURES, "loaded.txt")) as _f:
+    LOADED = [l.strip() for l in _f if l.strip() and not l.startswith("#")]
 
 
 def mpirun(n):
@@ -95,8 +98,8 @@ def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None, steps=0):
 
 
 @pytest.mark.parametrize("fixture,stage,ranks", [
-    ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1),
-    ("llama_gqa", 3, 2), ("gpt2", 3, 2)])
+    ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1), ("qwen3", 2, 1),
+    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2)])
 def test_zero_steps_fp32_round_trip_is_bit_identical(tmp_path, fixture, stage, ranks):
     nvme = str(tmp_path / "nvme") if stage == 3 else None
     if nvme:
@@ -150,7 +153,7 @@ def test_sharded_export_writes_an_index(tmp_path):
 def test_transformers_loads_the_export(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed here (bench/peers/setup.sh has it)")
     torch = pytest.importorskip("torch")
-    for fixture in ("gpt2", "llama_gqa", "qwen2_tied", "llama_bias_hd", "mistral"):
+    for fixture in LOADED:
         os.makedirs(tmp_path / fixture)
         out, _ = save(tmp_path / fixture, fixture, extra=("--save-dtype", "fp32"))
         model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
