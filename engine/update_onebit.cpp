@@ -137,35 +137,7 @@ void average_tensors(comm::CommStream& stream, std::vector<comm::CompressedAllRe
 }
 }  // namespace
 
-OneBitRule::Mode OneBitRule::mode_at(int64_t t) const {
-  const OneBitConfig& b = onebit_;
-  if (type_ == OptimizerType::kOneBitAdam)
-    return t <= b.freeze_step ? Mode::kFull : Mode::kCompressedMomentum;
-  if (type_ == OptimizerType::kZeroOneAdam) {
-    if (t > b.var_freeze_step) return Mode::kLocal;
-    return t % zo_var_interval == 0 ? Mode::kFull : Mode::kCompressedGrad;
-  }
-  if (type_ == OptimizerType::kOneBitLamb)
-    return t <= b.freeze_step ? Mode::kFull : Mode::kLambCompressed;
-  return Mode::kFull;
-}
-
-void OneBitRule::zero_one_after_step(int64_t t) {
-  const OneBitConfig& b = onebit_;
-  if (t <= b.var_freeze_step) {
-    if (t % zo_var_interval == 0 && ++zo_var_counter == b.var_update_scaler) {
-      zo_var_counter = 0;
-      zo_var_interval *= 2;
-    }
-  } else if (++zo_local_counter == b.local_step_scaler) {
-    zo_local_counter = 0;
-    zo_local_interval = std::min(b.local_step_clipper, zo_local_interval * 2);
-  }
-  if (t >= b.var_freeze_step && !zo_errors_reset) {  // the next step is frozen
-    zo_errors_reset = true;
-    if (!onebit_ar.empty()) onebit_make_compressors();
-  }
-}
+// ---- what the three share ---------------------------------------------------------------
 
 double OneBitRule::local_squares() const {
   double sum = 0;
@@ -174,7 +146,7 @@ double OneBitRule::local_squares() const {
   return sum;
 }
 
-void OneBitRule::onebit_make_compressors() {
+void OneBitRule::make_compressors() {
   onebit_ar.clear();
   if (ctx_.world == 1) return;
   for (const BlockShard& s : blocks()) {
@@ -184,175 +156,19 @@ void OneBitRule::onebit_make_compressors() {
   }
 }
 
-int64_t OneBitRule::onebit_tensor_count() const {
+int64_t OneBitRule::tensor_count() const {
   int64_t n = 0;
   for (const BlockShard& s : blocks()) n += static_cast<int64_t>(s.layout.numels.size());
   return n;
 }
 
-void OneBitRule::onebit_lamb_after_full(int64_t t) {
-  const int64_t tensors = onebit_tensor_count();
-  if (ob_lamb_coeff.empty()) {
-    ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
-    ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
-  }
-  ZINC_CHECK(static_cast<int64_t>(lamb_rule_->ratios().size()) == tensors, "1-bit Lamb: no trust ratios from the step");
-  const double cb = onebit_.coeff_beta;
-  for (size_t k = 0; k < lamb_rule_->ratios().size(); ++k)
-    if (lamb_rule_->ratios()[k] != 1.0) ob_lamb_coeff[k] = cb * ob_lamb_coeff[k] + (1.0 - cb) * lamb_rule_->ratios()[k];
-  if (t == onebit_.freeze_step) {
-    ob_v_fresh.clear();
-    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { ob_v_fresh.emplace_back(sp.v, sp.v + sp.count); });
-  }
-}
-
-void OneBitRule::onebit_lamb_update_all(float grad_scale) {
-  ZINC_CHECK(ctx_.cfg->zero.offload_optimizer.device == OffloadDevice::kNone,
-             "1-bit Lamb: the optimizer states must be in RAM (stage 0)");
-  const OneBitConfig& ob = onebit_;
-  const int64_t tensors = onebit_tensor_count();
-  if (ob_lamb_coeff.empty()) {  // resumed past the freeze from a checkpoint of another optimizer
-    ob_lamb_coeff.assign(static_cast<size_t>(tensors), 0.0);
-    ob_last_factor.assign(static_cast<size_t>(tensors), 1.0);
-  }
-  std::vector<StateSpan> spans;  // every block's whole span, in RAM: the pointers stay valid
-  ctx_.opt_state->for_each_read([&](const StateSpan& sp) { spans.push_back(sp); });
-  ZINC_CHECK(spans.size() == blocks().size(), "1-bit Lamb: a span that is not a whole block (stage 0 keeps whole blocks)");
-  if (ob_v_fresh.empty())  // resumed past the freeze without it: start from the frozen variance
-    for (const StateSpan& sp : spans) ob_v_fresh.emplace_back(sp.v, sp.v + sp.count);
-  const float b1 = static_cast<float>(lamb().beta1), one_minus_b1 = static_cast<float>(1.0 - lamb().beta1);
-  const float b2 = static_cast<float>(lamb().beta2), one_minus_b2 = static_cast<float>(1.0 - lamb().beta2);
-  const float eps = static_cast<float>(lamb().eps), wd = static_cast<float>(lamb().weight_decay);
-  // The momentum scales, once.
-  if (ob_scaling.empty()) {
-    std::vector<double> rms;
-    for (size_t b = 0; b < blocks().size(); ++b) {
-      const BlockLayout& l = blocks()[b].layout;
-      for (size_t t = 0; t < l.offsets.size(); ++t) {
-        double sq = 0;
-        const float* m = spans[b].m + l.offsets[t];
-        for (int64_t i = 0; i < l.numels[t]; ++i) sq += double(m[i]) * double(m[i]);
-        rms.push_back(std::sqrt(sq) / std::sqrt(static_cast<double>(l.numels[t])));
-      }
-    }
-    double united = 0;
-    for (double r : rms) united += r;
-    united /= static_cast<double>(rms.size());
-    for (double r : rms) ob_scaling.push_back(r > 0 ? united / r : 1.0);
-  }
-  // Local momentum, scaled, into one flat buffer: the compressor's input (or
-  // a scratch buffer on one rank). m keeps the momentum before the step,
-  // which the gradient's reconstruction needs, until the elementwise pass.
-  int64_t total = 0;
-  for (const BlockShard& s : blocks()) total += s.layout.param_numel();
-  if (ctx_.world > 1 && !ob_flat) ob_flat = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
-  if (ctx_.world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
-  float* flat = ctx_.world > 1 ? ob_flat->input() : onebit_scratch.data();
-  const optim::OneBitConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb().weight_decay > 0};
-  {
-    int64_t at = 0;
-    size_t k = 0;
-    for (size_t b = 0; b < blocks().size(); ++b) {
-      const BlockLayout& l = blocks()[b].layout;
-      const float* g = blocks()[b].grad.as<float>();
-      const float* m = spans[b].m;
-      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
-        const float sc = static_cast<float>(ob_scaling[k]);
-        const int64_t off = l.offsets[t], n = l.numels[t];
-        optim::onebit_lamb_momentum(n, m + off, g + off, flat + at, sc, ac);
-        at += n;
-      }
-    }
-  }
-  if (ctx_.world > 1) ctx_.reduce_stream->submit([&](comm::Communicator& c) { ob_flat->average_input(c, flat); }).wait();
-  // Per tensor: the averaged momentum, the fresh variance, the coefficient.
-  std::vector<float> coeff(static_cast<size_t>(tensors));
-  {
-    int64_t at = 0;
-    size_t k = 0;
-    for (size_t b = 0; b < blocks().size(); ++b) {
-      const BlockLayout& l = blocks()[b].layout;
-      float* vf = ob_v_fresh[b].data();
-      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
-        const int64_t off = l.offsets[t], n = l.numels[t];
-        const optim::OneBitLambConsts lc{static_cast<float>(ob_scaling[k]), b1, one_minus_b1, b2, one_minus_b2, eps, wd};
-        const optim::OneBitLambSums r =
-            optim::onebit_lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
-        at += n;
-        double factor = r.ratio_max;
-        if (lamb().weight_decay > 0) {
-          const double ratio = r.u_sq > 0 ? std::min(1.0, std::sqrt(r.prelim_sq) / std::sqrt(r.u_sq)) : 1.0;
-          factor = factor * ratio + (1.0 - ratio);
-        }
-        factor = std::clamp(factor, ob.factor_min, ob.factor_max);
-        factor = std::min(factor, ob_last_factor[k] * (1.0 + ob.factor_threshold));
-        factor = std::max(factor, ob_last_factor[k] * (1.0 - ob.factor_threshold));
-        ob_last_factor[k] = factor;
-        coeff[k] = static_cast<float>(-lamb().lr * (ob_lamb_coeff[k] * factor));
-      }
-    }
-  }
-  // The update, block by block (the compute copy follows each).
-  size_t first = 0;
-  visit([&](const StateSpan& sp) {
-    const BlockLayout& l = blocks()[static_cast<size_t>(sp.block)].layout;
-    size_t k = first;
-    for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
-      const int64_t off = l.offsets[t];
-      optim::onebit_lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
-    }
-    first = k;
-    if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), ctx_.dtype);
-  });
-}
-
-void OneBitRule::apply_compressed(Mode mode, int64_t t, float grad_scale) {
-  if (mode == Mode::kLambCompressed) {
-    onebit_lamb_update_all(grad_scale);
-    if (!onebit_announced && ctx_.rank == 0) {
-      int64_t total = 0;
-      for (const BlockShard& s : blocks()) total += s.layout.param_numel();
-      log_info("OneBitLamb: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
-               " Lamb steps; from optimizer step " + std::to_string(t) +
-               " each rank sends its scaled momentum at 1 bit per element (" +
-               std::to_string(ob_flat ? ob_flat->wire_bytes_per_rank() : 0) + " bytes per rank, against " +
-               std::to_string(ctx_.world > 1 ? 2 * total * 4 * (ctx_.world - 1) / ctx_.world : 0) +
-               " for the fp32 gradient all-reduce)");
-    }
-    onebit_announced = true;
-    return;
-  }
-  if (ctx_.world > 1 && onebit_ar.empty()) onebit_make_compressors();
-  if (!onebit_announced && ctx_.rank == 0) {
-    int64_t full = 0, compressed = 0;
-    for (const auto& per : onebit_ar)
-      for (const comm::CompressedAllReduce& ar : per) compressed += ar.wire_bytes_per_rank();
-    for (const BlockShard& s : blocks()) full += s.layout.param_numel();
-    full = ctx_.world > 1 ? 2 * full * 4 * (ctx_.world - 1) / ctx_.world : 0;  // ring all-reduce of fp32 gradients
-    const std::string bytes = " (" + std::to_string(compressed) + " bytes per rank, against " +
-                              std::to_string(full) + " for the fp32 gradient all-reduce)";
-    if (type_ == OptimizerType::kOneBitAdam)
-      log_info("OneBitAdam: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
-               " Adam steps; from optimizer step " + std::to_string(t) +
-               " each rank sends its momentum at 1 bit per element" + bytes);
-    else
-      log_info("ZeroOneAdam: from optimizer step " + std::to_string(t) +
-               ", steps between variance updates average the gradient at 1 bit per element" + bytes +
-               "; the variance freezes after step " + std::to_string(onebit_.var_freeze_step));
-  }
+void OneBitRule::announce(const std::string& line) {
+  if (!onebit_announced && ctx_.rank == 0) log_info(line);
   onebit_announced = true;
-  bool sync = false;
-  if (mode == Mode::kLocal) {
-    if (zo_accum.empty())
-      for (const BlockShard& s : blocks()) zo_accum.emplace_back(static_cast<size_t>(s.opt_numel), 0.0f);
-    zo_lrs += adam().lr;
-    sync = t % zo_local_interval == 0;
-  }
-  visit([&](const StateSpan& sp) { onebit_span(sp, mode, grad_scale, sync); });
-  if (sync) zo_lrs = 0;
 }
 
-void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, bool sync) {
+void OneBitRule::adam_span(const StateSpan& sp, Mode mode, float grad_scale, bool sync, const optim::AdamParams& adam,
+                           std::vector<std::vector<float>>* accum, double lrs) {
   BlockShard& s = blocks()[static_cast<size_t>(sp.block)];
   ZINC_CHECK(ctx_.plan->optimizer_spans_block && sp.offset == 0 && sp.count >= s.layout.numel,
              "1-bit optimizers: a span that is not a whole block (stage 0 keeps whole blocks)");
@@ -361,13 +177,13 @@ void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, b
   float* m = sp.m;
   float* w = sp.master;
   const float* v = sp.v;
-  const float b1 = static_cast<float>(adam().beta1), one_minus_b1 = static_cast<float>(1.0 - adam().beta1);
-  const float lr = static_cast<float>(adam().lr), eps = static_cast<float>(adam().eps);
-  const float wd = static_cast<float>(adam().weight_decay);
+  const float b1 = static_cast<float>(adam.beta1), one_minus_b1 = static_cast<float>(1.0 - adam.beta1);
+  const float lr = static_cast<float>(adam.lr), eps = static_cast<float>(adam.eps);
+  const float wd = static_cast<float>(adam.weight_decay);
   std::vector<comm::CompressedAllReduce>* per =
       ctx_.world > 1 ? &onebit_ar[static_cast<size_t>(sp.block)] : nullptr;  // nothing to average on one rank
-  const optim::OneBitConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam().lr * adam().weight_decay),
-                     grad_scale, adam().weight_decay > 0};
+  const optim::OneBitConsts c{b1,  one_minus_b1, lr, eps, wd, static_cast<float>(-adam.lr * adam.weight_decay),
+                     grad_scale, adam.weight_decay > 0};
   switch (mode) {
     case Mode::kCompressedMomentum: {  // Note [1-bit Adam]: the new momentum is averaged into m
       auto fill = [&](int64_t off, int64_t nt, float* x) { optim::onebit_momentum_into(nt, m + off, g + off, x, c); };
@@ -397,7 +213,7 @@ void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, b
       break;
     }
     case Mode::kLocal: {  // Note [0/1 Adam], after the freeze
-      float* acc = zo_accum[static_cast<size_t>(sp.block)].data();
+      float* acc = (*accum)[static_cast<size_t>(sp.block)].data();
       if (!sync) {
         optim::zero_one_local_step(n, m, g, v, w, acc, c);
       } else {
@@ -412,7 +228,7 @@ void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, b
         } else {
           undo(0, n, acc);
         }
-        optim::zero_one_sync_apply(n, m, w, acc, v, static_cast<float>(zo_lrs), eps);
+        optim::zero_one_sync_apply(n, m, w, acc, v, static_cast<float>(lrs), eps);
       }
       if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), ctx_.dtype);
       return;
@@ -425,9 +241,216 @@ void OneBitRule::onebit_span(const StateSpan& sp, Mode mode, float grad_scale, b
   if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(w, out, static_cast<size_t>(n), ctx_.dtype);
 }
 
-// ---- checkpoints -----------------------------------------------------------------------
+namespace {
+// The wire bytes of the Adam pair's compressors, against the fp32 ring
+// all-reduce's, for the announcement.
+std::string adam_wire_text(const std::vector<std::vector<comm::CompressedAllReduce>>& ar,
+                           const std::vector<BlockShard>& blocks, int world) {
+  int64_t full = 0, compressed = 0;
+  for (const auto& per : ar)
+    for (const comm::CompressedAllReduce& a : per) compressed += a.wire_bytes_per_rank();
+  for (const BlockShard& s : blocks) full += s.layout.param_numel();
+  full = world > 1 ? 2 * full * 4 * (world - 1) / world : 0;  // ring all-reduce of fp32 gradients
+  return " (" + std::to_string(compressed) + " bytes per rank, against " + std::to_string(full) +
+         " for the fp32 gradient all-reduce)";
+}
+}  // namespace
 
+// ---- 1-bit Adam ------------------------------------------------------------------------
 
-std::unique_ptr<UpdateRule> make_onebit_rule(const Config& c) { return std::make_unique<OneBitRule>(c); }
+OneBitAdamRule::OneBitAdamRule(const Config& c) : OneBitRule(c, std::make_unique<AdamWRule>(c.optimizer.adam)) {
+  adam_ = static_cast<const AdamWRule*>(full_.get());
+}
+
+void OneBitAdamRule::apply_compressed(Mode mode, int64_t t, float grad_scale) {
+  if (ctx_.world > 1 && onebit_ar.empty()) make_compressors();
+  if (!onebit_announced)
+    announce("OneBitAdam: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
+             " Adam steps; from optimizer step " + std::to_string(t) +
+             " each rank sends its momentum at 1 bit per element" + adam_wire_text(onebit_ar, blocks(), ctx_.world));
+  visit([&](const StateSpan& sp) { adam_span(sp, mode, grad_scale, false, adam_->params(), nullptr, 0); });
+}
+
+// ---- 0/1 Adam --------------------------------------------------------------------------
+
+ZeroOneAdamRule::ZeroOneAdamRule(const Config& c) : OneBitRule(c, std::make_unique<AdamWRule>(c.optimizer.adam)) {
+  adam_ = static_cast<const AdamWRule*>(full_.get());
+}
+
+OneBitRule::Mode ZeroOneAdamRule::mode_at(int64_t t) const {
+  if (t > onebit_.var_freeze_step) return Mode::kLocal;
+  return t % var_interval_ == 0 ? Mode::kFull : Mode::kCompressedGrad;
+}
+
+void ZeroOneAdamRule::after_update(int64_t t) {
+  const OneBitConfig& b = onebit_;
+  if (t <= b.var_freeze_step) {
+    if (t % var_interval_ == 0 && ++var_counter_ == b.var_update_scaler) {
+      var_counter_ = 0;
+      var_interval_ *= 2;
+    }
+  } else if (++local_counter_ == b.local_step_scaler) {
+    local_counter_ = 0;
+    local_interval_ = std::min(b.local_step_clipper, local_interval_ * 2);
+  }
+  if (t >= b.var_freeze_step && !errors_reset_) {  // the next step is frozen
+    errors_reset_ = true;
+    if (!onebit_ar.empty()) make_compressors();
+  }
+}
+
+void ZeroOneAdamRule::apply_compressed(Mode mode, int64_t t, float grad_scale) {
+  if (ctx_.world > 1 && onebit_ar.empty()) make_compressors();
+  if (!onebit_announced)
+    announce("ZeroOneAdam: from optimizer step " + std::to_string(t) +
+             ", steps between variance updates average the gradient at 1 bit per element" +
+             adam_wire_text(onebit_ar, blocks(), ctx_.world) + "; the variance freezes after step " +
+             std::to_string(onebit_.var_freeze_step));
+  bool sync = false;
+  if (mode == Mode::kLocal) {
+    if (accum_.empty())
+      for (const BlockShard& s : blocks()) accum_.emplace_back(static_cast<size_t>(s.opt_numel), 0.0f);
+    lrs_ += adam_->params().lr;
+    sync = t % local_interval_ == 0;
+  }
+  visit([&](const StateSpan& sp) { adam_span(sp, mode, grad_scale, sync, adam_->params(), &accum_, lrs_); });
+  if (sync) lrs_ = 0;
+}
+
+// ---- 1-bit Lamb ------------------------------------------------------------------------
+
+OneBitLambRule::OneBitLambRule(const Config& c) : OneBitRule(c, std::make_unique<LambRule>(c.optimizer.lamb)) {
+  lamb_ = static_cast<const LambRule*>(full_.get());
+}
+
+void OneBitLambRule::after_full(int64_t t) {
+  const int64_t tensors = tensor_count();
+  if (coeff_.empty()) {
+    coeff_.assign(static_cast<size_t>(tensors), 0.0);
+    last_factor_.assign(static_cast<size_t>(tensors), 1.0);
+  }
+  ZINC_CHECK(static_cast<int64_t>(lamb_->ratios().size()) == tensors, "1-bit Lamb: no trust ratios from the step");
+  const double cb = onebit_.coeff_beta;
+  for (size_t k = 0; k < lamb_->ratios().size(); ++k)
+    if (lamb_->ratios()[k] != 1.0) coeff_[k] = cb * coeff_[k] + (1.0 - cb) * lamb_->ratios()[k];
+  if (t == onebit_.freeze_step) {
+    v_fresh_.clear();
+    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { v_fresh_.emplace_back(sp.v, sp.v + sp.count); });
+  }
+}
+
+void OneBitLambRule::apply_compressed(Mode /*mode*/, int64_t t, float grad_scale) {
+  update_all(grad_scale);
+  if (!onebit_announced) {
+    int64_t total = 0;
+    for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+    announce("OneBitLamb: the variance is frozen after " + std::to_string(onebit_.freeze_step) +
+             " Lamb steps; from optimizer step " + std::to_string(t) +
+             " each rank sends its scaled momentum at 1 bit per element (" +
+             std::to_string(flat_ ? flat_->wire_bytes_per_rank() : 0) + " bytes per rank, against " +
+             std::to_string(ctx_.world > 1 ? 2 * total * 4 * (ctx_.world - 1) / ctx_.world : 0) +
+             " for the fp32 gradient all-reduce)");
+  }
+}
+
+void OneBitLambRule::update_all(float grad_scale) {
+  ZINC_CHECK(ctx_.cfg->zero.offload_optimizer.device == OffloadDevice::kNone,
+             "1-bit Lamb: the optimizer states must be in RAM (stage 0)");
+  const OneBitConfig& ob = onebit_;
+  const int64_t tensors = tensor_count();
+  if (coeff_.empty()) {  // resumed past the freeze from a checkpoint of another optimizer
+    coeff_.assign(static_cast<size_t>(tensors), 0.0);
+    last_factor_.assign(static_cast<size_t>(tensors), 1.0);
+  }
+  std::vector<StateSpan> spans;  // every block's whole span, in RAM: the pointers stay valid
+  ctx_.opt_state->for_each_read([&](const StateSpan& sp) { spans.push_back(sp); });
+  ZINC_CHECK(spans.size() == blocks().size(), "1-bit Lamb: a span that is not a whole block (stage 0 keeps whole blocks)");
+  if (v_fresh_.empty())  // resumed past the freeze without it: start from the frozen variance
+    for (const StateSpan& sp : spans) v_fresh_.emplace_back(sp.v, sp.v + sp.count);
+  const float b1 = static_cast<float>(lamb().beta1), one_minus_b1 = static_cast<float>(1.0 - lamb().beta1);
+  const float b2 = static_cast<float>(lamb().beta2), one_minus_b2 = static_cast<float>(1.0 - lamb().beta2);
+  const float eps = static_cast<float>(lamb().eps), wd = static_cast<float>(lamb().weight_decay);
+  // The momentum scales, once.
+  if (scaling_.empty()) {
+    std::vector<double> rms;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
+      for (size_t t = 0; t < l.offsets.size(); ++t) {
+        double sq = 0;
+        const float* m = spans[b].m + l.offsets[t];
+        for (int64_t i = 0; i < l.numels[t]; ++i) sq += double(m[i]) * double(m[i]);
+        rms.push_back(std::sqrt(sq) / std::sqrt(static_cast<double>(l.numels[t])));
+      }
+    }
+    double united = 0;
+    for (double r : rms) united += r;
+    united /= static_cast<double>(rms.size());
+    for (double r : rms) scaling_.push_back(r > 0 ? united / r : 1.0);
+  }
+  // Local momentum, scaled, into one flat buffer: the compressor's input (or
+  // a scratch buffer on one rank). m keeps the momentum before the step,
+  // which the gradient's reconstruction needs, until the elementwise pass.
+  int64_t total = 0;
+  for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+  if (ctx_.world > 1 && !flat_) flat_ = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
+  if (ctx_.world == 1) onebit_scratch.resize(static_cast<size_t>(total));  // kept from step to step: no page faults
+  float* flat = ctx_.world > 1 ? flat_->input() : onebit_scratch.data();
+  const optim::OneBitConsts ac{b1, one_minus_b1, 0.0f, eps, wd, 0.0f, grad_scale, lamb().weight_decay > 0};
+  {
+    int64_t at = 0;
+    size_t k = 0;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
+      const float* g = blocks()[b].grad.as<float>();
+      const float* m = spans[b].m;
+      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+        const float sc = static_cast<float>(scaling_[k]);
+        const int64_t off = l.offsets[t], n = l.numels[t];
+        optim::onebit_lamb_momentum(n, m + off, g + off, flat + at, sc, ac);
+        at += n;
+      }
+    }
+  }
+  if (ctx_.world > 1) ctx_.reduce_stream->submit([&](comm::Communicator& c) { flat_->average_input(c, flat); }).wait();
+  // Per tensor: the averaged momentum, the fresh variance, the coefficient.
+  std::vector<float> coeff(static_cast<size_t>(tensors));
+  {
+    int64_t at = 0;
+    size_t k = 0;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockLayout& l = blocks()[b].layout;
+      float* vf = v_fresh_[b].data();
+      for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+        const int64_t off = l.offsets[t], n = l.numels[t];
+        const optim::OneBitLambConsts lc{static_cast<float>(scaling_[k]), b1, one_minus_b1, b2, one_minus_b2, eps, wd};
+        const optim::OneBitLambSums r =
+            optim::onebit_lamb_elementwise(n, flat + at, spans[b].m + off, vf + off, spans[b].v + off, spans[b].master + off, lc);
+        at += n;
+        double factor = r.ratio_max;
+        if (lamb().weight_decay > 0) {
+          const double ratio = r.u_sq > 0 ? std::min(1.0, std::sqrt(r.prelim_sq) / std::sqrt(r.u_sq)) : 1.0;
+          factor = factor * ratio + (1.0 - ratio);
+        }
+        factor = std::clamp(factor, ob.factor_min, ob.factor_max);
+        factor = std::min(factor, last_factor_[k] * (1.0 + ob.factor_threshold));
+        factor = std::max(factor, last_factor_[k] * (1.0 - ob.factor_threshold));
+        last_factor_[k] = factor;
+        coeff[k] = static_cast<float>(-lamb().lr * (coeff_[k] * factor));
+      }
+    }
+  }
+  // The update, block by block (the compute copy follows each).
+  size_t first = 0;
+  visit([&](const StateSpan& sp) {
+    const BlockLayout& l = blocks()[static_cast<size_t>(sp.block)].layout;
+    size_t k = first;
+    for (size_t t = 0; t < l.offsets.size(); ++t, ++k) {
+      const int64_t off = l.offsets[t];
+      optim::onebit_lamb_apply(l.numels[t], sp.master + off, sp.m + off, sp.v + off, coeff[k], eps, wd);
+    }
+    first = k;
+    if (char* out = ctx_.compute_out(sp)) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), ctx_.dtype);
+  });
+}
 
 }  // namespace zinc

@@ -43,21 +43,8 @@ nlohmann::json OneBitRule::save(const std::string& partial_dir) {
       append(errors, ar.worker_error().data(), ar.worker_error().size());
       append(errors, ar.server_error().data(), ar.server_error().size());
     }
-  if (ob_flat) {
-    append(errors, ob_flat->worker_error().data(), ob_flat->worker_error().size());
-    append(errors, ob_flat->server_error().data(), ob_flat->server_error().size());
-  }
-  if (!zo_accum.empty()) {
-    for (const auto& a : zo_accum) append(zero_one, a.data(), a.size());
-    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.master, static_cast<size_t>(sp.count)); });
-    ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.m, static_cast<size_t>(sp.count)); });
-  }
-  const bool lamb_state = type_ == OptimizerType::kOneBitLamb && !ob_lamb_coeff.empty();
-  if (lamb_state) {
-    for (const auto& v : ob_v_fresh) append(lamb_part, v.data(), v.size());
-    for (const std::vector<double>* d : {&ob_lamb_coeff, &ob_last_factor, &ob_scaling})
-      lamb_part.append(reinterpret_cast<const char*>(d->data()), d->size() * sizeof(double));
-  }
+  nlohmann::json extra = nlohmann::json::object();
+  save_sections(errors, zero_one, lamb_part, extra);
   if (errors.empty() && zero_one.empty() && lamb_part.empty()) return nullptr;
   const std::string bytes = errors + zero_one + lamb_part;
   const std::string name = onebit_file(ctx_.rank);
@@ -70,18 +57,39 @@ nlohmann::json OneBitRule::save(const std::string& partial_dir) {
                        {{"errors", static_cast<int64_t>(errors.size())},
                         {"zero_one", static_cast<int64_t>(zero_one.size())},
                         {"lamb", static_cast<int64_t>(lamb_part.size())}}}};
-  if (!zero_one.empty()) j["lr_sum"] = zo_lrs;
-  if (lamb_state) j["lamb"] = {{"v_fresh", !ob_v_fresh.empty()}, {"scaling", !ob_scaling.empty()}};
+  j.update(extra);
   return {{"onebit", j}};  // the rank index's entry
 }
 
-namespace {
+void ZeroOneAdamRule::save_sections(std::string&, std::string& zero_one, std::string&, nlohmann::json& entry) const {
+  if (accum_.empty()) return;
+  for (const auto& a : accum_) append(zero_one, a.data(), a.size());
+  ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.master, static_cast<size_t>(sp.count)); });
+  ctx_.opt_state->for_each_read([&](const StateSpan& sp) { append(zero_one, sp.m, static_cast<size_t>(sp.count)); });
+  entry["lr_sum"] = lrs_;
+}
+
+void OneBitLambRule::save_sections(std::string& errors, std::string&, std::string& lamb_part,
+                                   nlohmann::json& entry) const {
+  if (flat_) {
+    append(errors, flat_->worker_error().data(), flat_->worker_error().size());
+    append(errors, flat_->server_error().data(), flat_->server_error().size());
+  }
+  if (coeff_.empty()) return;
+  for (const auto& v : v_fresh_) append(lamb_part, v.data(), v.size());
+  for (const std::vector<double>* d : {&coeff_, &last_factor_, &scaling_})
+    lamb_part.append(reinterpret_cast<const char*>(d->data()), d->size() * sizeof(double));
+  entry["lamb"] = {{"v_fresh", !v_fresh_.empty()}, {"scaling", !scaling_.empty()}};
+}
+
 // One rank's 1-bit file as its rank index describes it, read and verified.
-struct OneBitFile {
+struct OneBitRule::SavedFile {
   std::string path, bytes;
   const nlohmann::json* entry = nullptr;
   int64_t errors = 0, zero_one = 0, lamb = 0;  // the sections' bytes, in this order
 };
+namespace {
+using OneBitFile = OneBitRule::SavedFile;
 OneBitFile read_onebit_file(const ckpt::TagFiles& files, int r) {
   OneBitFile f;
   const nlohmann::json& e = files.ranks.at(static_cast<size_t>(r))["onebit"];
@@ -123,6 +131,36 @@ std::vector<std::array<int64_t, 3>> saved_spans(const ckpt::TagFiles& files, int
 
 void OneBitRule::prepare_load(const ckpt::TagFiles& files) { saved_ = read_saved(files); }
 
+namespace {
+[[noreturn]] void wrong_size(const std::string& file, const char* section, int64_t have, int64_t want, int world) {
+  throw IoError("checkpoint: " + file + " has " + std::to_string(have) + " bytes of 1-bit " + section +
+                " state; this model at " + std::to_string(world) + " ranks needs " + std::to_string(want) +
+                " (nothing was loaded)");
+}
+std::vector<float> floats_at(const std::string& bytes, int64_t at, int64_t count) {
+  std::vector<float> v(static_cast<size_t>(count));
+  std::memcpy(v.data(), bytes.data() + at, static_cast<size_t>(count) * 4);
+  return v;
+}
+}  // namespace
+
+int64_t OneBitRule::error_floats() const {
+  int64_t errors = 0;
+  for (const BlockShard& s : blocks())
+    for (int64_t n : s.layout.numels) {
+      const int64_t padded = comm::onebit_padded_size(n, ctx_.world);
+      errors += padded + padded / ctx_.world;
+    }
+  return errors;
+}
+
+int64_t OneBitLambRule::error_floats() const {
+  int64_t total = 0;
+  for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+  const int64_t padded = comm::onebit_padded_size(total, ctx_.world);
+  return padded + padded / ctx_.world;
+}
+
 OneBitRule::Saved OneBitRule::read_saved(const ckpt::TagFiles& files) const {
   Saved out;
   const int saved_world = files.meta.at("world_size").get<int>();
@@ -133,107 +171,95 @@ OneBitRule::Saved OneBitRule::read_saved(const ckpt::TagFiles& files) const {
     return out;
   }
   const OneBitFile f = read_onebit_file(files, from);
+  if (saved_world != ctx_.world)
+    out.why = "the checkpoint's error feedback is for " + std::to_string(saved_world) + " ranks, this run has " +
+              std::to_string(ctx_.world);
+  if (saved_world == ctx_.world && f.errors > 0) {
+    const int64_t errors = error_floats();
+    if (f.errors != errors * 4) wrong_size(f.path, "error feedback", f.errors, errors * 4, ctx_.world);
+    out.errors = floats_at(f.bytes, 0, errors);
+  }
+  read_sections(files, f, saved_world, out);
+  return out;
+}
+
+void ZeroOneAdamRule::read_sections(const ckpt::TagFiles& files, const SavedFile& f, int saved_world,
+                                    Saved& out) const {
+  if (saved_world != ctx_.world || f.zero_one == 0) return;  // each rank's own weights: the same world size only
+  int64_t span = 0;
+  for (const BlockShard& s : blocks()) span += s.opt_numel;
+  if (f.zero_one != 3 * span * 4) wrong_size(f.path, "0/1 Adam", f.zero_one, 3 * span * 4, ctx_.world);
   const nlohmann::json& e = *f.entry;
-  const std::string& where = f.path;
-  const std::string& bytes = f.bytes;
-  const int64_t n_errors = f.errors, n_zero_one = f.zero_one, n_lamb = f.lamb;
-  // What this model needs of each section; this rank's spans (block order).
-  int64_t errors = 0, span = 0, total = 0;
-  const int64_t tensors = onebit_tensor_count();
-  std::vector<std::array<int64_t, 3>> mine;
+  if (!e.contains("lr_sum") || !e["lr_sum"].is_number())
+    throw IoError("checkpoint: the rank index of rank " + std::to_string(std::min(ctx_.rank, saved_world - 1)) +
+                  " in " + files.dir + " has a malformed \"onebit\" entry (lr_sum; nothing was loaded)");
+  out.accum = floats_at(f.bytes, f.errors, span);
+  out.master = floats_at(f.bytes, f.errors + span * 4, span);
+  out.m = floats_at(f.bytes, f.errors + 2 * span * 4, span);
+  out.lrs = e["lr_sum"].get<double>();
+}
+
+// 1-bit Lamb's part: the fresh variance per span (like Adam's v: each rank
+// holds its own span, so at another world size or stage it is stitched from
+// every saved rank's file by flat offsets), then per tensor numbers that
+// every rank holds alike.
+void OneBitLambRule::read_sections(const ckpt::TagFiles& files, const SavedFile& f, int saved_world,
+                                   Saved& out) const {
+  if (f.lamb == 0) return;
+  const int from = std::min(ctx_.rank, saved_world - 1);
+  const nlohmann::json& e = *f.entry;
+  const int64_t tensors = tensor_count();
+  int64_t span = 0;
+  std::vector<std::array<int64_t, 3>> mine;  // this rank's spans (block order)
   for (size_t b = 0; b < blocks().size(); ++b) {
     const BlockShard& s = blocks()[b];
     mine.push_back({static_cast<int64_t>(b), ctx_.plan->optimizer_spans_block ? 0 : s.part.own_offset(), s.opt_numel});
     span += s.opt_numel;
-    total += s.layout.param_numel();
-    for (int64_t n : s.layout.numels) {
-      const int64_t padded = comm::onebit_padded_size(n, ctx_.world);
-      errors += padded + padded / ctx_.world;
-    }
   }
-  if (type_ == OptimizerType::kOneBitLamb) {
-    const int64_t padded = comm::onebit_padded_size(total, ctx_.world);
-    errors = padded + padded / ctx_.world;
-  }
-  auto wrong = [&](const std::string& file, const char* section, int64_t have, int64_t want) {
-    throw IoError("checkpoint: " + file + " has " + std::to_string(have) + " bytes of 1-bit " + section +
-                  " state; this model at " + std::to_string(ctx_.world) + " ranks needs " + std::to_string(want) +
-                  " (nothing was loaded)");
+  const bool v_fresh = e["lamb"].value("v_fresh", false), scaling = e["lamb"].value("scaling", false);
+  auto lamb_bytes = [&](const std::vector<std::array<int64_t, 3>>& spans) {
+    int64_t n = 0;
+    for (const auto& sp : spans) n += sp[2];
+    return (v_fresh ? n * 4 : 0) + (scaling ? 3 : 2) * tensors * 8;
   };
-  auto floats = [&](int64_t at, int64_t count) {
-    std::vector<float> v(static_cast<size_t>(count));
-    std::memcpy(v.data(), bytes.data() + at, static_cast<size_t>(count) * 4);
-    return v;
-  };
-  const bool same_world = saved_world == ctx_.world;
-  if (!same_world)
-    out.why = "the checkpoint's error feedback is for " + std::to_string(saved_world) + " ranks, this run has " +
-              std::to_string(ctx_.world);
-  if (same_world && n_errors > 0) {
-    if (n_errors != errors * 4) wrong(where, "error feedback", n_errors, errors * 4);
-    out.errors = floats(0, errors);
-  }
-  if (same_world && n_zero_one > 0) {
-    if (n_zero_one != 3 * span * 4) wrong(where, "0/1 Adam", n_zero_one, 3 * span * 4);
-    if (!e.contains("lr_sum") || !e["lr_sum"].is_number())
-      throw IoError("checkpoint: the rank index of rank " + std::to_string(from) + " in " + files.dir +
-                    " has a malformed \"onebit\" entry (lr_sum; nothing was loaded)");
-    out.accum = floats(n_errors, span);
-    out.master = floats(n_errors + span * 4, span);
-    out.m = floats(n_errors + 2 * span * 4, span);
-    out.lrs = e["lr_sum"].get<double>();
-  }
-  if (n_lamb > 0 && type_ == OptimizerType::kOneBitLamb) {
-    // 1-bit Lamb's part: the fresh variance per span (like Adam's v: each
-    // rank holds its own span, so at another world size or stage it is
-    // stitched from every saved rank's file by flat offsets), then per
-    // tensor numbers that every rank holds alike.
-    const bool v_fresh = e["lamb"].value("v_fresh", false), scaling = e["lamb"].value("scaling", false);
-    auto lamb_bytes = [&](const std::vector<std::array<int64_t, 3>>& spans) {
-      int64_t n = 0;
-      for (const auto& sp : spans) n += sp[2];
-      return (v_fresh ? n * 4 : 0) + (scaling ? 3 : 2) * tensors * 8;
-    };
-    const std::vector<std::array<int64_t, 3>> theirs = saved_spans(files, from);
-    if (n_lamb != lamb_bytes(theirs)) wrong(where, "Lamb", n_lamb, lamb_bytes(theirs));
-    int64_t at = n_errors + n_zero_one;
-    if (v_fresh) {
-      if (theirs == mine) {
-        out.v_fresh = floats(at, span);
-      } else {
-        out.v_fresh.assign(static_cast<size_t>(span), 0.0f);  // padding no saved span covers stays 0
-        std::vector<int64_t> my_at(blocks().size());  // each block's first element in out.v_fresh
-        for (size_t b = 1; b < blocks().size(); ++b) my_at[b] = my_at[b - 1] + mine[b - 1][2];
-        for (int r = 0; r < saved_world; ++r) {
-          const OneBitFile g = r == from ? OneBitFile{} : read_onebit_file(files, r);
-          const OneBitFile& h = r == from ? f : g;
-          const std::vector<std::array<int64_t, 3>> spans = r == from ? theirs : saved_spans(files, r);
-          if (h.lamb != lamb_bytes(spans) || (*h.entry)["lamb"].value("v_fresh", false) != v_fresh)
-            wrong(h.path, "Lamb", h.lamb, lamb_bytes(spans));
-          int64_t pos = h.errors + h.zero_one;  // this saved span's first byte in h
-          for (const auto& [b, off, cnt] : spans) {
-            const auto& [mb, moff, mcnt] = mine[static_cast<size_t>(b)];
-            const int64_t lo = std::max(off, moff), hi = std::min(off + cnt, moff + mcnt);
-            if (lo < hi)
-              std::memcpy(out.v_fresh.data() + my_at[static_cast<size_t>(b)] + (lo - moff),
-                          h.bytes.data() + pos + (lo - off) * 4, static_cast<size_t>(hi - lo) * 4);
-            pos += cnt * 4;
-          }
+  const std::vector<std::array<int64_t, 3>> theirs = saved_spans(files, from);
+  if (f.lamb != lamb_bytes(theirs)) wrong_size(f.path, "Lamb", f.lamb, lamb_bytes(theirs), ctx_.world);
+  int64_t at = f.errors + f.zero_one;
+  if (v_fresh) {
+    if (theirs == mine) {
+      out.v_fresh = floats_at(f.bytes, at, span);
+    } else {
+      out.v_fresh.assign(static_cast<size_t>(span), 0.0f);  // padding no saved span covers stays 0
+      std::vector<int64_t> my_at(blocks().size());  // each block's first element in out.v_fresh
+      for (size_t b = 1; b < blocks().size(); ++b) my_at[b] = my_at[b - 1] + mine[b - 1][2];
+      for (int r = 0; r < saved_world; ++r) {
+        const OneBitFile g = r == from ? OneBitFile{} : read_onebit_file(files, r);
+        const OneBitFile& h = r == from ? f : g;
+        const std::vector<std::array<int64_t, 3>> spans = r == from ? theirs : saved_spans(files, r);
+        if (h.lamb != lamb_bytes(spans) || (*h.entry)["lamb"].value("v_fresh", false) != v_fresh)
+          wrong_size(h.path, "Lamb", h.lamb, lamb_bytes(spans), ctx_.world);
+        int64_t pos = h.errors + h.zero_one;  // this saved span's first byte in h
+        for (const auto& [b, off, cnt] : spans) {
+          const auto& [mb, moff, mcnt] = mine[static_cast<size_t>(b)];
+          const int64_t lo = std::max(off, moff), hi = std::min(off + cnt, moff + mcnt);
+          if (lo < hi)
+            std::memcpy(out.v_fresh.data() + my_at[static_cast<size_t>(b)] + (lo - moff),
+                        h.bytes.data() + pos + (lo - off) * 4, static_cast<size_t>(hi - lo) * 4);
+          pos += cnt * 4;
         }
       }
-      at += lamb_bytes(theirs) - (scaling ? 3 : 2) * tensors * 8;  // past the saved rank's fresh variance
     }
-    auto doubles = [&](std::vector<double>& d) {
-      d.resize(static_cast<size_t>(tensors));
-      std::memcpy(d.data(), bytes.data() + at, static_cast<size_t>(tensors) * 8);
-      at += tensors * 8;
-    };
-    doubles(out.lamb_coeff);
-    doubles(out.last_factor);
-    if (scaling) doubles(out.scaling);
-    out.lamb = true;
+    at += lamb_bytes(theirs) - (scaling ? 3 : 2) * tensors * 8;  // past the saved rank's fresh variance
   }
-  return out;
+  auto doubles = [&](std::vector<double>& d) {
+    d.resize(static_cast<size_t>(tensors));
+    std::memcpy(d.data(), f.bytes.data() + at, static_cast<size_t>(tensors) * 8);
+    at += tensors * 8;
+  };
+  doubles(out.lamb_coeff);
+  doubles(out.last_factor);
+  if (scaling) doubles(out.scaling);
+  out.lamb = true;
 }
 
 void OneBitRule::load_span(const StateSpan& sp) {
@@ -250,60 +276,68 @@ void OneBitRule::finish_load(int64_t t) {
   const Saved saved = std::move(saved_);
   saved_ = Saved{};
   onebit_ar.clear();
-  ob_flat.reset();
-  zo_accum.clear();
-  zo_lrs = 0;
-  ob_lamb_coeff.clear();
-  ob_last_factor.clear();
-  ob_scaling.clear();
-  ob_v_fresh.clear();
   onebit_announced = false;
-  if (type_ == OptimizerType::kZeroOneAdam) {  // the schedule is a function of the step count
-    zo_var_interval = 1;
-    zo_var_counter = zo_local_counter = 0;
-    zo_local_interval = 1;
-    zo_errors_reset = false;
-    for (int64_t k = 1; k <= t; ++k) zero_one_after_step(k);
-  }
-  if (saved.lamb) {
-    ob_lamb_coeff = saved.lamb_coeff;
-    ob_last_factor = saved.last_factor;
-    ob_scaling = saved.scaling;
-    const float* at = saved.v_fresh.data();
-    if (!saved.v_fresh.empty())
-      for (const BlockShard& s : blocks()) {
-        ob_v_fresh.emplace_back(at, at + s.opt_numel);
-        at += s.opt_numel;
-      }
-  }
-  if (!saved.errors.empty() && ctx_.world > 1) {
-    if (type_ == OptimizerType::kOneBitLamb) {
-      int64_t total = 0;
-      for (const BlockShard& s : blocks()) total += s.layout.param_numel();
-      ob_flat = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
-      ob_flat->set_errors(saved.errors.data(), saved.errors.data() + ob_flat->padded_size());
-    } else {
-      onebit_make_compressors();
-      const float* at = saved.errors.data();
-      for (auto& per : onebit_ar)
-        for (comm::CompressedAllReduce& ar : per) {
-          ar.set_errors(at, at + ar.padded_size());
-          at += ar.padded_size() + ar.chunk_size();
-        }
-    }
-  }
-  if (!saved.accum.empty()) {
-    const float* at = saved.accum.data();
-    for (const BlockShard& s : blocks()) {
-      zo_accum.emplace_back(at, at + s.opt_numel);
-      at += s.opt_numel;
-    }
-    zo_lrs = saved.lrs;
-  }
+  restore(saved, t);
   if (!saved.why.empty() && local_gradients(t + 1) && ctx_.world > 1 && ctx_.rank == 0)
     log_warn(std::string(optimizer_type_name(type_)) + ": " + saved.why +
              "; the error feedback restarts from zero (as DeepSpeed's does at every load)");
 }
 
+// The Adam pair's error feedback: per tensor, worker then server error.
+void OneBitRule::restore(const Saved& saved, int64_t) {
+  if (saved.errors.empty() || ctx_.world == 1) return;
+  make_compressors();
+  const float* at = saved.errors.data();
+  for (auto& per : onebit_ar)
+    for (comm::CompressedAllReduce& ar : per) {
+      ar.set_errors(at, at + ar.padded_size());
+      at += ar.padded_size() + ar.chunk_size();
+    }
+}
+
+void ZeroOneAdamRule::restore(const Saved& saved, int64_t t) {
+  accum_.clear();
+  lrs_ = 0;
+  // The schedule is a function of the step count.
+  var_interval_ = 1;
+  var_counter_ = local_counter_ = 0;
+  local_interval_ = 1;
+  errors_reset_ = false;
+  for (int64_t k = 1; k <= t; ++k) after_update(k);
+  OneBitRule::restore(saved, t);
+  if (!saved.accum.empty()) {
+    const float* at = saved.accum.data();
+    for (const BlockShard& s : blocks()) {
+      accum_.emplace_back(at, at + s.opt_numel);
+      at += s.opt_numel;
+    }
+    lrs_ = saved.lrs;
+  }
+}
+
+void OneBitLambRule::restore(const Saved& saved, int64_t) {
+  flat_.reset();
+  coeff_.clear();
+  last_factor_.clear();
+  scaling_.clear();
+  v_fresh_.clear();
+  if (saved.lamb) {
+    coeff_ = saved.lamb_coeff;
+    last_factor_ = saved.last_factor;
+    scaling_ = saved.scaling;
+    const float* at = saved.v_fresh.data();
+    if (!saved.v_fresh.empty())
+      for (const BlockShard& s : blocks()) {
+        v_fresh_.emplace_back(at, at + s.opt_numel);
+        at += s.opt_numel;
+      }
+  }
+  if (!saved.errors.empty() && ctx_.world > 1) {
+    int64_t total = 0;
+    for (const BlockShard& s : blocks()) total += s.layout.param_numel();
+    flat_ = std::make_unique<comm::CompressedAllReduce>(total, ctx_.world);
+    flat_->set_errors(saved.errors.data(), saved.errors.data() + flat_->padded_size());
+  }
+}
 
 }  // namespace zinc

@@ -1,5 +1,5 @@
 // The update rules AdamW and Lamb, the registry, and the memory each rule
-// adds (update_rule.h). The 1-bit rules: update_onebit.cpp.
+// adds (update_rule.h). The 1-bit rules: update_onebit.h.
 //
 // Note [update rules]
 // -------------------
@@ -23,10 +23,10 @@
 
 #include "comm/onebit.h"
 #include "core/error.h"
+#include "engine/update_onebit.h"
 
 namespace zinc {
 
-std::unique_ptr<UpdateRule> make_onebit_rule(const Config& c);  // update_onebit.cpp
 
 // ---- AdamW ------------------------------------------------------------------------------
 
@@ -163,9 +163,9 @@ std::unique_ptr<UpdateRule> make_update_rule(const Config& c) {
     case OptimizerType::kAdam:
     case OptimizerType::kAdamW: return std::make_unique<AdamWRule>(c.optimizer.adam);
     case OptimizerType::kLamb: return std::make_unique<LambRule>(c.optimizer.lamb);
-    case OptimizerType::kOneBitAdam:
-    case OptimizerType::kZeroOneAdam:
-    case OptimizerType::kOneBitLamb: return make_onebit_rule(c);
+    case OptimizerType::kOneBitAdam: return std::make_unique<OneBitAdamRule>(c);
+    case OptimizerType::kZeroOneAdam: return std::make_unique<ZeroOneAdamRule>(c);
+    case OptimizerType::kOneBitLamb: return std::make_unique<OneBitLambRule>(c);
   }
   throw ConfigError("optimizer.type", "no update rule for this optimizer");
 }
