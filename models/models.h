@@ -83,6 +83,12 @@ struct LlamaConfig {
   // head_dim, eps rms_norm_eps) after the projection, before the rotary
   // embeddings.
   bool qk_norm = false;
+  // SmolLM3: layers without rotary embeddings. no_rope_layers holds, per
+  // layer, 1 (rotary embeddings) or 0 (none), as transformers names it;
+  // empty, every no_rope_layer_interval-th layer has none (0: every layer
+  // has them).
+  std::vector<int> no_rope_layers;
+  int64_t no_rope_layer_interval = 0;
   bool tie_word_embeddings = false;
   int64_t sliding_window = 0;  // Mistral; 0: none. A longer sequence is refused.
   bool gradient_checkpointing = false;
@@ -90,6 +96,10 @@ struct LlamaConfig {
   float init_std = 0.02f;  // transformers' initializer_range
 
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
+  bool uses_rope(int64_t layer) const {
+    if (!no_rope_layers.empty()) return no_rope_layers[static_cast<size_t>(layer)] != 0;
+    return no_rope_layer_interval <= 0 || (layer + 1) % no_rope_layer_interval != 0;
+  }
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
 };
 

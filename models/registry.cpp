@@ -27,7 +27,8 @@ namespace zinc::models {
   X(gpt)                 \
   X(mlp)                 \
   X(llama)               \
-  X(qwen3)
+  X(qwen3)               \
+  X(smollm3)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

@@ -133,7 +133,7 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
     params = f.at("rope_scaling");
     where = "rope_scaling";
   }
-  c.rope_theta = f.get_number("rope_theta", LlamaConfig{}.rope_theta);  // transformers defaults to the same 10000
+  c.rope_theta = f.get_number("rope_theta", c.rope_theta);  // the family's default (the Llama's: 10000, as transformers')
   if (params.is_null()) return;
   if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
   ConfigDoc p(f.path(), params);

@@ -6,7 +6,8 @@
 //
 // One layer, as transformers computes it:
 //   h    = x + o_proj(attn(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_1(x))
-//          (with qk_norm, Qwen3's: q and k each RMSNorm'd per head first)
+//          (with qk_norm, Qwen3's: q and k each RMSNorm'd per head first;
+//          SmolLM3's no_rope_layers: no rope in some layers)
 //   out  = h + down_proj(silu(gate) * up)          with gate|up = gate_up_proj(rms_2(h))
 // Grouped-query attention runs through the multi-head kernel: the kv heads
 // are repeated to H heads (kernels::gqa_expand, transformers' repeat_kv) and
@@ -177,7 +178,7 @@ class Llama final : public Model {
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
-      layer_forward(p, acts(l), x_in_[l].as<float>(), x_out, B, T, dt);
+      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt);
     }
     acts_hold_ = c_.num_hidden_layers - 1;
 
@@ -233,7 +234,7 @@ class Llama final : public Model {
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
       if (c_.gradient_checkpointing && acts_hold_ != l) {
-        layer_forward(p, a, x_in, nullptr, B, T, dt);
+        layer_forward(p, a, l, x_in, nullptr, B, T, dt);
         acts_hold_ = l;
       }
       BlockGrads g = ctx.grads(blk);
@@ -249,7 +250,8 @@ class Llama final : public Model {
                               C, dt);
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
-      ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
+      if (c_.uses_rope(l))
+        ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
@@ -271,8 +273,8 @@ class Llama final : public Model {
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
   // output. Deterministic (the checkpointed backward relies on it).
-  void layer_forward(const HeldParams& p, LlamaLayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
-                     DType dt) {
+  void layer_forward(const HeldParams& p, LlamaLayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
+                     int64_t T, DType dt) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_;
     ops_->rmsnorm_forward(a.ln1.as<float>(), a.rstd1.as<float>(), x_in, p[x.ln1], N, C, eps());
@@ -281,7 +283,8 @@ class Llama final : public Model {
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
-    ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
+    if (c_.uses_rope(l))
+      ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
@@ -465,6 +468,15 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
     return SizeError{"head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_size())};
   if (!(c.rms_norm_eps > 0)) return SizeError{"rms_norm_eps", "must be > 0"};
   if (!(c.rope_theta > 0)) return SizeError{"rope_theta", "must be > 0"};
+  if (!c.no_rope_layers.empty()) {
+    if (static_cast<int64_t>(c.no_rope_layers.size()) != c.num_hidden_layers)
+      return SizeError{"no_rope_layers", "must hold one entry per layer (" + std::to_string(c.num_hidden_layers) +
+                                             "), got " + std::to_string(c.no_rope_layers.size())};
+    for (int v : c.no_rope_layers)
+      if (v != 0 && v != 1) return SizeError{"no_rope_layers", "entries must be 0 or 1, got " + std::to_string(v)};
+  }
+  if (c.no_rope_layer_interval < 0)
+    return SizeError{"no_rope_layer_interval", "must be >= 0, got " + std::to_string(c.no_rope_layer_interval)};
   if (c.rope_scaling.type != RopeScaling::Type::kNone && !(c.rope_scaling.factor > 0))
     return SizeError{"rope_scaling.factor", "must be > 0"};
   if (c.rope_scaling.type == RopeScaling::Type::kLlama3 &&
