@@ -90,12 +90,21 @@ struct LlamaConfig {
   std::vector<int> no_rope_layers;
   int64_t no_rope_layer_interval = 0;
   bool tie_word_embeddings = false;
-  int64_t sliding_window = 0;  // Mistral; 0: none. A longer sequence is refused.
+  // Sliding-window attention (Mistral, Qwen2's use_sliding_window): query t
+  // sees the sliding_window keys up to t (0: none), in the layers
+  // window_layers marks 1 (transformers' layer_types "sliding_attention";
+  // empty: every layer).
+  int64_t sliding_window = 0;
+  std::vector<int> window_layers;
   bool gradient_checkpointing = false;
   Device device = Device::kCpu;
   float init_std = 0.02f;  // transformers' initializer_range
 
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
+  int64_t window(int64_t layer) const {
+    if (sliding_window <= 0) return 0;
+    return window_layers.empty() || window_layers[static_cast<size_t>(layer)] != 0 ? sliding_window : 0;
+  }
   bool uses_rope(int64_t layer) const {
     if (!no_rope_layers.empty()) return no_rope_layers[static_cast<size_t>(layer)] != 0;
     return no_rope_layer_interval <= 0 || (layer + 1) % no_rope_layer_interval != 0;

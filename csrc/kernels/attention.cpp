@@ -15,7 +15,8 @@
 // Note [document boundaries]
 // With AttentionShape::positions, a row packs several documents and query t
 // sees only keys lo..t of its own, lo = t - positions[t] (a block-diagonal
-// causal mask, as transformers builds from packed position_ids). The
+// causal mask, as transformers builds from packed position_ids); with a
+// sliding window W, lo is at least t - W + 1 (the W keys up to t). The
 // scores are still computed in full; the softmax runs over lo..t and
 // writes 0 elsewhere, and backward's row dot and dS cover lo..t alone, so
 // nothing crosses a boundary in either direction.
@@ -124,9 +125,9 @@ void check_shape(const char* fn, AttentionShape s) {
 
 // The first key query row r of the (B*H, T) score rows may see.
 inline int64_t first_key(AttentionShape s, size_t r) {
-  if (!s.positions) return 0;
   const int64_t t = static_cast<int64_t>(r) % s.T, b = static_cast<int64_t>(r) / s.T / s.H;
-  return t - s.positions[b * s.T + t];
+  const int64_t k0 = s.positions ? t - s.positions[b * s.T + t] : 0;
+  return s.window > 0 ? std::max(k0, t - s.window + 1) : k0;
 }
 
 // Up to four head-major copies in one parallel region (each region is a

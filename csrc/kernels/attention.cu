@@ -130,10 +130,10 @@ __global__ void attn_permute_out_kernel(float* __restrict__ dst, int64_t stride,
 // row from k0 on (softmax_row_causal(row + k0, ...), softmax_row_dot(p + k0,
 // ...)), so lane l visits columns k0 + l, k0 + l + 16, ... as the CPU's
 // lane l does, and the bits stay the CPU's.
-__device__ inline int64_t first_key(const int32_t* positions, int64_t r, int64_t T, int64_t H) {
-  if (!positions) return 0;
+__device__ inline int64_t first_key(const int32_t* positions, int64_t r, int64_t T, int64_t H, int64_t window) {
   const int64_t t = r % T, b = r / T / H;
-  return t - positions[b * T + t];
+  const int64_t k0 = positions ? t - positions[b * T + t] : 0;
+  return window > 0 && t - window + 1 > k0 ? t - window + 1 : k0;
 }
 
 // Row r of P(rows, T) (query t = r % T, first key k0): p[k0..t] =
@@ -141,11 +141,11 @@ __device__ inline int64_t first_key(const int32_t* positions, int64_t r, int64_t
 // also the row in the 16-bit compute dtype t16.
 __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __restrict__ pc, DType t16,
                                            const int32_t* __restrict__ positions, int64_t rows, int64_t T,
-                                           int64_t H) {
+                                           int64_t H, int64_t window) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;  // dead lanes still join the shuffles
-  const int64_t t = live ? r % T : 0, k0 = live ? first_key(positions, r, T, H) : 0;
+  const int64_t t = live ? r % T : 0, k0 = live ? first_key(positions, r, T, H, window) : 0;
   float* row = P + (live ? r : 0) * T;
   float* p = row + k0;                      // the keys k0..t
   const int64_t nv = live ? t + 1 - k0 : 0;  // how many
@@ -185,13 +185,13 @@ __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __re
 __global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float* __restrict__ dP,
                                              uint16_t* __restrict__ ds, uint16_t* __restrict__ pc, DType t16,
                                              const int32_t* __restrict__ positions, int64_t rows, int64_t T,
-                                             int64_t H) {
+                                             int64_t H, int64_t window) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;
   const float* p = P + (live ? r : 0) * T;
   float* dp = dP + (live ? r : 0) * T;
-  const int64_t k0 = live ? first_key(positions, r, T, H) : 0;
+  const int64_t k0 = live ? first_key(positions, r, T, H, window) : 0;
   const int64_t nv = live ? r % T + 1 : 0;
   const float part =
       math::lane_partial<float>(nv - k0, lane, [&](int64_t j) { return p[k0 + j] * dp[k0 + j]; });
@@ -324,7 +324,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   const bool f32 = compute == DType::kF32;
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_causal_softmax_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, pc, compute, s.positions, BH * T, T, s.H);
+      P, pc, compute, s.positions, BH * T, T, s.H, s.window);
   check_launch("attention: attn_causal_softmax_kernel");
   float* y = static_cast<float*>(grow(sc.bufs[kY], n_head * sizeof(float), stream));
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
@@ -366,7 +366,7 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
   uint16_t* ds = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kDS], n_att * esz, stream));
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_softmax_backward_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, dP, ds, pc, compute, s.positions, BH * T, T, s.H);
+      P, dP, ds, pc, compute, s.positions, BH * T, T, s.H, s.window);
   check_launch("attention: attn_softmax_backward_kernel");
   const CView pv = f32 ? operand(P, compute) : operand(pc, compute);
   const CView dsv = f32 ? operand(dP, compute) : operand(ds, compute);

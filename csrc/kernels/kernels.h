@@ -151,6 +151,9 @@ class AttentionWorkspace;
 struct AttentionShape {
   int64_t B = 0, T = 0, C = 0, H = 0;
   const int32_t* positions = nullptr;  // (B*T) or nullptr; device memory for the CUDA twins
+  // Sliding-window attention (Mistral's sliding_window): query t sees at
+  // most the `window` keys t - window + 1 .. t (0: no window).
+  int64_t window = 0;
 };
 AttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(AttentionWorkspace* ws);

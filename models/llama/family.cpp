@@ -168,12 +168,28 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) 
   if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; zinc's llama MLP is SiLU-gated (silu)");
   if (arch == "Qwen2ForCausalLM") {
     c.qkv_bias = true;  // Qwen2 always puts biases on q, k and v, and none on o
-    if (f.get_bool("use_sliding_window", false)) c.sliding_window = f.get_int("sliding_window", 0);
+    // The window applies with use_sliding_window, in the layers layer_types
+    // marks "sliding_attention" (by default those from max_window_layers on).
+    if (f.get_bool("use_sliding_window", false) && f.has("sliding_window")) {
+      c.sliding_window = f.get_int("sliding_window");
+      if (f.has("layer_types")) {
+        const json& types = f.at("layer_types");
+        if (!types.is_array()) f.fail("layer_types", "expected a list, got " + types.dump());
+        for (const json& t : types) {
+          if (t != "sliding_attention" && t != "full_attention")
+            f.fail("layer_types", t.dump() + " is not supported (sliding_attention or full_attention)");
+          c.window_layers.push_back(t == "sliding_attention" ? 1 : 0);
+        }
+      } else {
+        const int64_t from = f.get_int("max_window_layers", 28);
+        for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.window_layers.push_back(l >= from ? 1 : 0);
+      }
+    }
   } else {
     c.qkv_bias = c.o_bias = f.get_bool("attention_bias", false);
   }
   c.mlp_bias = f.get_bool("mlp_bias", false);
-  if (arch == "MistralForCausalLM") c.sliding_window = f.get_int("sliding_window", 0);
+  if (arch == "MistralForCausalLM") c.sliding_window = f.get_int("sliding_window", 0);  // every layer
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return std::make_unique<Config>(c, family(), &llama_json);
 }

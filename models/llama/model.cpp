@@ -159,9 +159,6 @@ class Llama final : public Model {
     if (T > c_.max_position_embeddings)
       throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
                   std::to_string(c_.max_position_embeddings));
-    if (c_.sliding_window > 0 && T > c_.sliding_window)
-      throw Error("llama: sequence length " + std::to_string(T) + " exceeds sliding_window " +
-                  std::to_string(c_.sliding_window) + " (sliding-window attention is not implemented)");
     ensure_buffers(B, T);
     const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
@@ -248,7 +245,7 @@ class Llama final : public Model {
       // Attention: dx holds d h and becomes d x.
       detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dx), a.att_in, p[x.o_w], N, A,
                               C, dt);
-      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
+      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l)}, dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
         ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
@@ -286,7 +283,7 @@ class Llama final : public Model {
     if (c_.uses_rope(l))
       ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l)}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[x.o_w], bias(p, x.o_b), N, A, C, dt);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
@@ -475,6 +472,11 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
     for (int v : c.no_rope_layers)
       if (v != 0 && v != 1) return SizeError{"no_rope_layers", "entries must be 0 or 1, got " + std::to_string(v)};
   }
+  if (c.sliding_window < 0)
+    return SizeError{"sliding_window", "must be >= 1 (or 0: none), got " + std::to_string(c.sliding_window)};
+  if (!c.window_layers.empty() && static_cast<int64_t>(c.window_layers.size()) != c.num_hidden_layers)
+    return SizeError{"layer_types", "must hold one entry per layer (" + std::to_string(c.num_hidden_layers) +
+                                        "), got " + std::to_string(c.window_layers.size())};
   if (c.no_rope_layer_interval < 0)
     return SizeError{"no_rope_layer_interval", "must be >= 0, got " + std::to_string(c.no_rope_layer_interval)};
   if (c.rope_scaling.type != RopeScaling::Type::kNone && !(c.rope_scaling.factor > 0))

@@ -387,7 +387,8 @@ AttResult gpu_attention(AttentionShape s, DType compute, const std::vector<float
 
 std::string describe(AttentionShape s, DType compute) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
-         " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute)) + (s.positions ? " packed" : "");
+         " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute)) + (s.positions ? " packed" : "") +
+         (s.window > 0 ? " window " + std::to_string(s.window) : "");
 }
 
 void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
@@ -431,6 +432,24 @@ TEST(CudaAttention, PackedDocumentsAgreeWithCpu) {
     check_attention(s, DType::kBF16, seed += 2, 2e-2);
     check_attention(s, DType::kF16, seed += 2, 3e-3);
   }
+}
+
+// Sliding-window attention (AttentionShape::window, Mistral's
+// sliding_window): windows of 1, shorter than 16 lanes and longer than the
+// sequence, alone and with packed documents; the tolerances above.
+TEST(CudaAttention, SlidingWindowsAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 5300;
+  for (AttentionShape s : kAttShapes)
+    for (int64_t w : {int64_t{1}, int64_t{5}, int64_t{40}}) {
+      s.window = w;
+      s.positions = nullptr;
+      check_attention(s, DType::kF32, seed += 2, 2e-4);
+      check_attention(s, DType::kBF16, seed += 2, 2e-2);
+      const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(s.B, s.T);
+      s.positions = pos.data();
+      check_attention(s, DType::kF32, seed += 2, 2e-4);
+    }
 }
 
 // With K and V one-hot along the head dimension (k_t' = v_t' = e_t', which
