@@ -10,6 +10,7 @@
 // have no block name in the file ("model.embed_tokens.weight",
 // "model.norm.weight"); the untied head is "lm_head.weight", never prefixed.
 #include <algorithm>
+#include <functional>
 #include <string>
 
 #include "core/error.h"
@@ -168,23 +169,8 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) 
   if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; zinc's llama MLP is SiLU-gated (silu)");
   if (arch == "Qwen2ForCausalLM") {
     c.qkv_bias = true;  // Qwen2 always puts biases on q, k and v, and none on o
-    // The window applies with use_sliding_window, in the layers layer_types
-    // marks "sliding_attention" (by default those from max_window_layers on).
-    if (f.get_bool("use_sliding_window", false) && f.has("sliding_window")) {
-      c.sliding_window = f.get_int("sliding_window");
-      if (f.has("layer_types")) {
-        const json& types = f.at("layer_types");
-        if (!types.is_array()) f.fail("layer_types", "expected a list, got " + types.dump());
-        for (const json& t : types) {
-          if (t != "sliding_attention" && t != "full_attention")
-            f.fail("layer_types", t.dump() + " is not supported (sliding_attention or full_attention)");
-          c.window_layers.push_back(t == "sliding_attention" ? 1 : 0);
-        }
-      } else {
-        const int64_t from = f.get_int("max_window_layers", 28);
-        for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.window_layers.push_back(l >= from ? 1 : 0);
-      }
-    }
+    const int64_t from = f.get_int("max_window_layers", 28);
+    read_window_layers(f, c, [&](int64_t l) { return l >= from; });
   } else {
     c.qkv_bias = c.o_bias = f.get_bool("attention_bias", false);
   }
@@ -210,6 +196,22 @@ void read_decoder(const ConfigDoc& f, LlamaConfig& c) {
   c.rms_norm_eps = f.get_number("rms_norm_eps", LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
   read_rope(f, c);
   c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
+}
+
+void read_window_layers(const ConfigDoc& f, LlamaConfig& c, const std::function<bool(int64_t)>& default_layer) {
+  if (!f.get_bool("use_sliding_window", false) || !f.has("sliding_window")) return;  // transformers: no window
+  c.sliding_window = f.get_int("sliding_window");
+  if (!f.has("layer_types")) {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.window_layers.push_back(default_layer(l) ? 1 : 0);
+    return;
+  }
+  const json& types = f.at("layer_types");
+  if (!types.is_array()) f.fail("layer_types", "expected a list, got " + types.dump());
+  for (const json& t : types) {
+    if (t != "sliding_attention" && t != "full_attention")
+      f.fail("layer_types", t.dump() + " is not supported (sliding_attention or full_attention)");
+    c.window_layers.push_back(t == "sliding_attention" ? 1 : 0);
+  }
 }
 
 json decoder_json(const LlamaConfig& c) {

@@ -4,6 +4,7 @@
 // for the families that share its graph (models/qwen3/).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,6 +27,11 @@ const LlamaConfig* settings(const FamilyConfig& f);
 // rope_parameters: default, linear, llama3) and tie_word_embeddings; `c`'s
 // head_dim is the default when config.json has none.
 void read_decoder(const ConfigDoc& f, LlamaConfig& c);
+// Sliding-window layers as the Qwen-style configs state them: with
+// use_sliding_window and a sliding_window, the layers layer_types marks
+// "sliding_attention", or without layer_types those default_layer(l)
+// picks; otherwise none (transformers then applies no window).
+void read_window_layers(const ConfigDoc& f, LlamaConfig& c, const std::function<bool(int64_t)>& default_layer);
 // Those keys as config.json writes them (no architectures, model_type or
 // family keys).
 nlohmann::json decoder_json(const LlamaConfig& c);

@@ -41,17 +41,9 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
   const std::string act = f.get_string("hidden_act", "silu");
   if (act != "silu") f.fail("hidden_act", "\"" + act + "\" is not supported; Qwen3's MLP is SiLU-gated (silu)");
   c.qkv_bias = c.o_bias = f.get_bool("attention_bias", false);
-  // Sliding-window layers (use_sliding_window, then layer_types) are not
-  // implemented: refused rather than run as full attention.
-  if (f.get_bool("use_sliding_window", false))
-    f.fail("use_sliding_window", "true is not supported (zinc's attention has no sliding window yet)");
-  if (f.has("layer_types")) {
-    const json& types = f.at("layer_types");
-    if (!types.is_array()) f.fail("layer_types", "expected a list, got " + types.dump());
-    for (const json& t : types)
-      if (t != "full_attention")
-        f.fail("layer_types", t.dump() + " is not supported (zinc implements full_attention layers)");
-  }
+  // Sliding-window layers: by default those from max_window_layers on.
+  const int64_t from = f.get_int("max_window_layers", 28);
+  llama::read_window_layers(f, c, [&](int64_t l) { return l >= from; });
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return llama::decoder_config(c, family(), &qwen3_json);
 }

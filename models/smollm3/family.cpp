@@ -58,16 +58,8 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
       c.no_rope_layers.push_back(x.get<int>());
     }
   }
-  // Sliding-window layers (use_sliding_window, layer_types) are not implemented.
-  if (f.get_bool("use_sliding_window", false))
-    f.fail("use_sliding_window", "true is not supported (zinc's attention has no sliding window yet)");
-  if (f.has("layer_types")) {
-    const json& types = f.at("layer_types");
-    if (!types.is_array()) f.fail("layer_types", "expected a list, got " + types.dump());
-    for (const json& t : types)
-      if (t != "full_attention")
-        f.fail("layer_types", t.dump() + " is not supported (zinc implements full_attention layers)");
-  }
+  // Sliding-window layers: by default those without rotary embeddings.
+  llama::read_window_layers(f, c, [&](int64_t l) { return !c.uses_rope(l); });
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return llama::decoder_config(c, family(), &smollm3_json);
 }

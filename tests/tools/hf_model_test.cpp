@@ -215,6 +215,50 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
   }
 }
 
+// Which layers slide, as transformers' configs say: Mistral's window in
+// every layer; Qwen2 and Qwen3 with use_sliding_window in the layers
+// layer_types marks, or from max_window_layers on; SmolLM3 in its layers
+// without rotary embeddings; no window without use_sliding_window.
+TEST(HfModel, SlidingWindowLayersFollowTransformersRules) {
+  auto read = [](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json raw = TempFolder(name).config();
+    edit(raw);
+    return llama_of(parse_hf_config(raw, name + "/config.json"));
+  };
+  models::LlamaConfig m = read("mistral_window", [](nlohmann::json&) {});
+  EXPECT_EQ(m.sliding_window, 5);
+  EXPECT_TRUE(m.window_layers.empty());  // every layer
+  for (const std::string name : {"qwen2_tied", "qwen3"}) {
+    auto on = [](nlohmann::json& j) {
+      j["use_sliding_window"] = true;
+      j["sliding_window"] = 4;
+      j["max_window_layers"] = 1;
+      j.erase("layer_types");
+    };
+    models::LlamaConfig q = read(name, on);
+    EXPECT_EQ(q.sliding_window, 4) << name;
+    EXPECT_EQ(q.window_layers, (std::vector<int>{0, 1})) << name;
+    q = read(name, [&](nlohmann::json& j) {
+      on(j);
+      j["layer_types"] = {"sliding_attention", "full_attention"};
+    });
+    EXPECT_EQ(q.window_layers, (std::vector<int>{1, 0})) << name;
+    EXPECT_EQ(q.window(0), 4);
+    EXPECT_EQ(q.window(1), 0);
+    q = read(name, [&](nlohmann::json& j) {
+      on(j);
+      j["use_sliding_window"] = false;
+    });
+    EXPECT_EQ(q.sliding_window, 0) << name;
+  }
+  models::LlamaConfig s = read("smollm3", [](nlohmann::json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 3;
+    j.erase("layer_types");  // no_rope_layers [1, 0]: layer 1 has no rotary embeddings
+  });
+  EXPECT_EQ(s.window_layers, (std::vector<int>{0, 1}));
+}
+
 // The tolerances discriminate: the same weights with llama3's rope scaling
 // dropped (positions up to 12, original context 16) move the logits far
 // beyond 1e-4.
