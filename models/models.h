@@ -89,6 +89,11 @@ struct LlamaConfig {
   // has them).
   std::vector<int> no_rope_layers;
   int64_t no_rope_layer_interval = 0;
+  // Granite's scalings: the embeddings times embedding_multiplier, each
+  // residual branch's output times residual_multiplier, attention scores
+  // times attention_multiplier (0: 1/sqrt(head_dim)), the logits divided by
+  // logits_scaling. 1 (and 0) leave the Llama as it is.
+  double embedding_multiplier = 1.0, residual_multiplier = 1.0, attention_multiplier = 0.0, logits_scaling = 1.0;
   bool tie_word_embeddings = false;
   // Sliding-window attention (Mistral, Qwen2's use_sliding_window): query t
   // sees the sliding_window keys up to t (0: none), in the layers

@@ -28,7 +28,8 @@ namespace zinc::models {
   X(mlp)                 \
   X(llama)               \
   X(qwen3)               \
-  X(smollm3)
+  X(smollm3)             \
+  X(granite)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

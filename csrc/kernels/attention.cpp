@@ -272,7 +272,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
     p.add(static_cast<E*>(v), qkv, 3 * s.C, 2 * s.C);
     permute_in(p, s);
   });
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float scale = s.score_scale();
   const bool f32 = compute == DType::kF32;
   // Note [attention by head groups]: each thread takes whole groups of
   // heads and runs their matmuls on its own.
@@ -325,7 +325,7 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
     p.add(static_cast<E*>(dO), dout, s.C, 0);
     permute_in(p, s);
   });
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float scale = s.score_scale();
   const bool f32 = compute == DType::kF32;
   // Note [attention by head groups].
   for_head_groups(s, [&](int64_t h0, int64_t nh) {
@@ -407,7 +407,7 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
     grow(w, kDS, n_g * esz);
     grow(w, kRow, static_cast<size_t>(T) * sizeof(float));
   }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float scale = s.score_scale();
   const DType dt = compute;
   // P's 16-bit copy (pc) and dS are compute dtype operands (fp16: fp16-exact
   // fp32); with fp32 compute pc is P.

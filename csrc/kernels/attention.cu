@@ -317,7 +317,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   pin.add(k, qkv, 3 * s.C, s.C);
   pin.add(v, qkv, 3 * s.C, 2 * s.C);
   permute_in(pin, compute, s, stream);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float scale = s.score_scale();
   MatmulDesc sd{.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = compute};
   matmul(sd, operand(q, compute), operand(k, compute), P, stream);
   // Softmax in place; with 16-bit compute also the 16-bit copy of P for P V.
@@ -370,7 +370,7 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
   check_launch("attention: attn_softmax_backward_kernel");
   const CView pv = f32 ? operand(P, compute) : operand(pc, compute);
   const CView dsv = f32 ? operand(dP, compute) : operand(ds, compute);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float scale = s.score_scale();
   float* dv = static_cast<float*>(grow(sc.bufs[kDV], n_head * sizeof(float), stream));
   float* dq = static_cast<float*>(grow(sc.bufs[kDQ], n_head * sizeof(float), stream));
   float* dk = static_cast<float*>(grow(sc.bufs[kDK], n_head * sizeof(float), stream));

@@ -16,6 +16,7 @@
 // output buffer; matmul keeps a primitive cache guarded by a mutex.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -154,6 +155,9 @@ struct AttentionShape {
   // Sliding-window attention (Mistral's sliding_window): query t sees at
   // most the `window` keys t - window + 1 .. t (0: no window).
   int64_t window = 0;
+  // The score scale (Granite's attention_multiplier); 0: 1/sqrt(head size).
+  float scale = 0.0f;
+  float score_scale() const { return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(C / H)); }
 };
 AttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(AttentionWorkspace* ws);

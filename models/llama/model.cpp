@@ -7,7 +7,9 @@
 // One layer, as transformers computes it:
 //   h    = x + o_proj(attn(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_1(x))
 //          (with qk_norm, Qwen3's: q and k each RMSNorm'd per head first;
-//          SmolLM3's no_rope_layers: no rope in some layers)
+//          SmolLM3's no_rope_layers: no rope in some layers; Granite's
+//          multipliers scale the embeddings, each branch, the scores and
+//          the logits)
 //   out  = h + down_proj(silu(gate) * up)          with gate|up = gate_up_proj(rms_2(h))
 // Grouped-query attention runs through the multi-head kernel: the kv heads
 // are repeated to H heads (kernels::gqa_expand, transformers' repeat_kv) and
@@ -139,6 +141,7 @@ class Llama final : public Model {
                buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + 2 * buffer_bytes(N * V) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H_, K_) * D_);  // qk_scratch_
+    if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -171,6 +174,8 @@ class Llama final : public Model {
     {
       HeldParams emb = ctx.acquire(0);
       ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
+      if (c_.embedding_multiplier != 1.0)
+        ops_->scale(x_in_[0].as<float>(), static_cast<float>(c_.embedding_multiplier), N * C);
     }
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
@@ -190,6 +195,7 @@ class Llama final : public Model {
     } else {
       detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[1], CView{}, N, C, V, dt);
     }
+    if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * V);
     double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     return static_cast<float>(loss);
   }
@@ -199,6 +205,7 @@ class Llama final : public Model {
     const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const DType dt = ctx.compute_dtype();
     if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * V);
 
     const int fin = final_block();
     HeldParams emb;
@@ -236,16 +243,16 @@ class Llama final : public Model {
       }
       BlockGrads g = ctx.grads(blk);
       // MLP: dx holds d out and becomes d h.
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dx), a.act_in,
-                              p[x.down_w], N, I, C, dt);
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(branch_grad(dx, N)),
+                              a.act_in, p[x.down_w], N, I, C, dt);
       ops_->swiglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
                               p[x.gu_w], N, C, 2 * I, dt);
       ops_->rmsnorm_backward(dx, g[x.ln2], dsmall, a.x_mid.as<float>(), p[x.ln2], a.rstd2.as<float>(), N, C);
       // Attention: dx holds d h and becomes d x.
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dx), a.att_in, p[x.o_w], N, A,
-                              C, dt);
-      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l)}, dt);
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(branch_grad(dx, N)), a.att_in,
+                              p[x.o_w], N, A, C, dt);
+      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l), att_scale()}, dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
         ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
@@ -256,6 +263,7 @@ class Llama final : public Model {
       p.release();
       ctx.grads_ready(blk);
     }
+    if (c_.embedding_multiplier != 1.0) ops_->scale(dx, static_cast<float>(c_.embedding_multiplier), N * C);
     ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
     emb.release();
     ctx.grads_ready(0);
@@ -266,6 +274,20 @@ class Llama final : public Model {
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
   LlamaLayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
   static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
+  // Granite's scalings (LlamaConfig): 0 leaves attention's own 1/sqrt(D).
+  float att_scale() const { return static_cast<float>(c_.attention_multiplier); }
+  float residual_factor() const { return static_cast<float>(c_.residual_multiplier); }
+  float logits_factor() const { return static_cast<float>(1.0 / c_.logits_scaling); }
+  // The gradient of a residual branch's output: dx itself, or with
+  // residual_multiplier a scaled copy (dx stays the residual stream's).
+  const float* branch_grad(const float* dx, int64_t N) {
+    if (c_.residual_multiplier == 1.0) return dx;
+    const int64_t C = c_.hidden_size;
+    float* d = branch_.as<float>();
+    ops_->copy_columns(d, C, dx, C, N, C);
+    ops_->scale(d, residual_factor(), N * C);
+    return d;
+  }
   static float* bias_grad(const BlockGrads& g, int i) { return i < 0 ? nullptr : g[i]; }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
@@ -283,9 +305,10 @@ class Llama final : public Model {
     if (c_.uses_rope(l))
       ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l)}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l), att_scale()}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[x.o_w], bias(p, x.o_b), N, A, C, dt);
+    if (c_.residual_multiplier != 1.0) ops_->scale(a.x_mid.as<float>(), residual_factor(), N * C);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
     ops_->rmsnorm_forward(a.ln2.as<float>(), a.rstd2.as<float>(), a.x_mid.as<float>(), p[x.ln2], N, C, eps());
     a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
@@ -294,6 +317,7 @@ class Llama final : public Model {
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
     if (!x_out) return;
     detail::linear_forward(*ops_, x_out, a.act_in, p[x.down_w], bias(p, x.down_b), N, I, C, dt);
+    if (c_.residual_multiplier != 1.0) ops_->scale(x_out, residual_factor(), N * C);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
   }
 
@@ -380,6 +404,7 @@ class Llama final : public Model {
     dbig_ = ops_->alloc_f32(N * std::max(2 * I, 3 * A));
     dmid_ = ops_->alloc_f32(N * std::max(A, I));
     if (c_.qk_norm) qk_scratch_ = ops_->alloc_f32(2 * N * static_cast<size_t>(std::max(H_, K_) * D_));
+    if (c_.residual_multiplier != 1.0) branch_ = ops_->alloc_f32(N * C);
     B_ = B;
     T_ = T;
   }
@@ -402,6 +427,7 @@ class Llama final : public Model {
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
+  Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
   Buf dy16_;
   CView lnf_in_;
   Buf lnf_16_;
@@ -472,6 +498,12 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
     for (int v : c.no_rope_layers)
       if (v != 0 && v != 1) return SizeError{"no_rope_layers", "entries must be 0 or 1, got " + std::to_string(v)};
   }
+  for (auto [field, v] : {std::pair<const char*, double>{"embedding_multiplier", c.embedding_multiplier},
+                          {"residual_multiplier", c.residual_multiplier},
+                          {"logits_scaling", c.logits_scaling}})
+    if (!(v > 0) || !std::isfinite(v)) return SizeError{field, "must be a finite number > 0"};
+  if (!(c.attention_multiplier >= 0) || !std::isfinite(c.attention_multiplier))
+    return SizeError{"attention_multiplier", "must be a finite number > 0 (or 0: 1/sqrt(head_dim))"};
   if (c.sliding_window < 0)
     return SizeError{"sliding_window", "must be >= 1 (or 0: none), got " + std::to_string(c.sliding_window)};
   if (!c.window_layers.empty() && static_cast<int64_t>(c.window_layers.size()) != c.num_hidden_layers)

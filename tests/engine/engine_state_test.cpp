@@ -230,8 +230,8 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
   for (const std::string precision : {"fp32", "bf16", "fp16"}) {
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
-    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3"}) {
-      const bool gpt = kind.rfind("gpt", 0) == 0, llama = kind.rfind("llama", 0) == 0 || kind == "qwen3";
+    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite"}) {
+      const bool gpt = kind.rfind("gpt", 0) == 0, llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite";
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -255,6 +255,12 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
         lk.gradient_checkpointing = kind == "llama checkpointed";
         lk.qk_norm = kind == "qwen3";  // Qwen3's per-head norms, with head_dim decoupled from hidden / heads
         if (lk.qk_norm) lk.head_dim = 40;
+        if (kind == "granite") {  // the branch gradient's scratch; the other scalings allocate nothing
+          lk.residual_multiplier = 0.5;
+          lk.embedding_multiplier = 3.0;
+          lk.attention_multiplier = 0.2;
+          lk.logits_scaling = 2.5;
+        }
         std::shared_ptr<Model> model =
             gpt ? models::make_gpt(gk) : llama ? models::make_llama(lk) : models::make_mlp(m);
         Engine e = Engine::initialize(model, cfg);

@@ -388,7 +388,8 @@ AttResult gpu_attention(AttentionShape s, DType compute, const std::vector<float
 std::string describe(AttentionShape s, DType compute) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
          " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute)) + (s.positions ? " packed" : "") +
-         (s.window > 0 ? " window " + std::to_string(s.window) : "");
+         (s.window > 0 ? " window " + std::to_string(s.window) : "") +
+         (s.scale > 0 ? " scale " + std::to_string(s.scale) : "");
 }
 
 void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
@@ -449,6 +450,9 @@ TEST(CudaAttention, SlidingWindowsAgreeWithCpu) {
       const std::vector<int32_t> pos = zinc::cuda::testing::packed_positions(s.B, s.T);
       s.positions = pos.data();
       check_attention(s, DType::kF32, seed += 2, 2e-4);
+      s.scale = 0.2f;  // Granite's attention_multiplier instead of 1/sqrt(head size)
+      check_attention(s, DType::kF32, seed += 2, 2e-4);
+      s.scale = 0.0f;
     }
 }
 
