@@ -6,9 +6,10 @@
 // rules), building the model, the map between transformers' tensor names
 // and layouts and zinc's parameters (used both ways: load and export), and
 // the config.json an export writes. tools/ (model folders, exports,
-// zinc-train), the Python module and the benches ask the registry
+// zinc-train) and the Python module ask the registry
 // (family_for_architecture) and the family's FamilyConfig; none of them
-// switches on a family.
+// switches on a family. The benches build their models through zinc-train's
+// config (model.type) and choose only the sizes.
 #pragma once
 
 #include <cstdint>
