@@ -61,15 +61,7 @@ std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
 }  // namespace
 
 const Family& family() {
-  static const Family kFamily{"granite",
-                              {"GraniteForCausalLM"},
-                              "embed_tokens.weight",
-                              "model.",
-                              "max_position_embeddings",
-                              "hidden_size",
-                              &read,
-                              llama::decoder_section_keys(),
-                              &from_section};
+  static const Family kFamily = llama::decoder_family("granite", {"GraniteForCausalLM"}, &read, &from_section);
   return kFamily;
 }
 

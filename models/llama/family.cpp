@@ -275,16 +275,16 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
   return out;
 }
 
+Family decoder_family(std::string name, std::vector<std::string> architectures,
+                      std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc&, const std::string&),
+                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader&)) {
+  return Family{std::move(name), std::move(architectures), "embed_tokens.weight", "model.", "max_position_embeddings",
+                "hidden_size", read, decoder_section_keys(), from_section};
+}
+
 const Family& family() {
-  static const Family kFamily{"llama",
-                              {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
-                              "embed_tokens.weight",
-                              "model.",
-                              "max_position_embeddings",
-                              "hidden_size",
-                              &read,
-                              decoder_section_keys(),
-                              &from_section};
+  static const Family kFamily =
+      decoder_family("llama", {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}, &read, &from_section);
   return kFamily;
 }
 

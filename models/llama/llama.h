@@ -40,6 +40,12 @@ nlohmann::json decoder_json(const LlamaConfig& c);
 const std::vector<std::pair<std::string, std::string>>& decoder_section_keys();
 std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
                                                    nlohmann::json (*config_json)(const LlamaConfig&));
+// The registry entry of a Llama-style family: transformers' names for the
+// embedding and the positions, the "model." prefix, the decoder's section
+// keys, and the family's two readers.
+Family decoder_family(std::string name, std::vector<std::string> architectures,
+                      std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc& doc, const std::string& architecture),
+                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader& section));
 // The FamilyConfig of the decoder `c` as `family`, which writes
 // config_json(c) on export.
 std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,

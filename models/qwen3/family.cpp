@@ -55,15 +55,7 @@ std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
 }  // namespace
 
 const Family& family() {
-  static const Family kFamily{"qwen3",
-                              {"Qwen3ForCausalLM"},
-                              "embed_tokens.weight",
-                              "model.",
-                              "max_position_embeddings",
-                              "hidden_size",
-                              &read,
-                              llama::decoder_section_keys(),
-                              &from_section};
+  static const Family kFamily = llama::decoder_family("qwen3", {"Qwen3ForCausalLM"}, &read, &from_section);
   return kFamily;
 }
 
