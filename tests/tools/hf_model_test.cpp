@@ -259,6 +259,36 @@ TEST(HfModel, SlidingWindowLayersFollowTransformersRules) {
   EXPECT_EQ(s.window_layers, (std::vector<int>{0, 1}));
 }
 
+// The new families' keys, edited as a hostile folder would: one line naming
+// the file and the key, never a model built from them.
+TEST(HfModel, NewFamiliesKeysAreCheckedNamingTheKey) {
+  auto refuse = [](const std::string& name, const std::function<void(nlohmann::json&)>& edit,
+                   const std::vector<std::string>& parts) {
+    nlohmann::json raw = TempFolder(name).config();
+    edit(raw);
+    std::vector<std::string> want = {name + "/config.json"};
+    want.insert(want.end(), parts.begin(), parts.end());
+    expect_error([&] { parse_hf_config(raw, name + "/config.json"); }, want);
+  };
+  refuse("smollm3", [](nlohmann::json& j) { j["no_rope_layers"] = {1}; }, {"no_rope_layers", "one entry per layer"});
+  refuse("smollm3", [](nlohmann::json& j) { j["no_rope_layers"] = {1, 2}; }, {"no_rope_layers", "0 or 1"});
+  refuse("smollm3", [](nlohmann::json& j) { j["no_rope_layers"] = "all"; }, {"no_rope_layers", "expected a list"});
+  refuse("granite", [](nlohmann::json& j) { j["logits_scaling"] = 0; }, {"logits_scaling", "> 0"});
+  refuse("granite", [](nlohmann::json& j) { j["residual_multiplier"] = -1; }, {"residual_multiplier"});
+  refuse("granite", [](nlohmann::json& j) { j["attention_multiplier"] = "x"; }, {"attention_multiplier", "a number"});
+  refuse("qwen3", [](nlohmann::json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4;
+    j["layer_types"] = {"chunked_attention", "full_attention"};
+  }, {"layer_types", "chunked_attention"});
+  refuse("qwen3", [](nlohmann::json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4;
+    j["layer_types"] = {"full_attention"};
+  }, {"layer_types", "one entry per layer"});
+  refuse("mistral_window", [](nlohmann::json& j) { j["sliding_window"] = -3; }, {"sliding_window"});
+}
+
 // The tolerances discriminate: the same weights with llama3's rope scaling
 // dropped (positions up to 12, original context 16) move the logits far
 // beyond 1e-4.
