@@ -55,12 +55,23 @@ class CpuOps : public Ops {
                        float dloss_scale) override {
     return kernels::cross_entropy(logits, targets, N, V, dlogits, dloss_scale);
   }
-  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
-    kernels::rmsnorm_forward(out, rstd, x, w, N, C, eps);
+  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                       float w_offset) override {
+    kernels::rmsnorm_forward(out, rstd, x, w, N, C, eps, w_offset);
   }
-  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
-                        int64_t N, int64_t C) override {
-    kernels::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
+                        int64_t C, float w_offset) override {
+    kernels::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, w_offset);
+  }
+  void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::geglu_forward(out, gate_up, N, I);
+  }
+  void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::geglu_backward(dgate_up, dout, gate_up, N, I);
+  }
+  void softcap_forward(float* x, float cap, int64_t n) override { kernels::softcap_forward(x, cap, n); }
+  void softcap_backward(float* dx, const float* y, float cap, int64_t n) override {
+    kernels::softcap_backward(dx, y, cap, n);
   }
   void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
     kernels::swiglu_forward(out, gate_up, N, I);

@@ -91,12 +91,23 @@ class CudaOps final : public Ops {
     return store.as<int32_t>();
   }
   // The Llama kernels' CUDA twins (llama_layers.cu), bit for bit the CPU's.
-  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) override {
-    kernels::cuda::rmsnorm_forward(out, rstd, x, w, N, C, eps, kStream);
+  void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                       float w_offset) override {
+    kernels::cuda::rmsnorm_forward(out, rstd, x, w, N, C, eps, kStream, w_offset);
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
-                        int64_t C) override {
-    kernels::cuda::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, kStream);
+                        int64_t C, float w_offset) override {
+    kernels::cuda::rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, kStream, w_offset);
+  }
+  void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::cuda::geglu_forward(out, gate_up, N, I, kStream);
+  }
+  void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
+    kernels::cuda::geglu_backward(dgate_up, dout, gate_up, N, I, kStream);
+  }
+  void softcap_forward(float* x, float cap, int64_t n) override { kernels::cuda::softcap_forward(x, cap, n, kStream); }
+  void softcap_backward(float* dx, const float* y, float cap, int64_t n) override {
+    kernels::cuda::softcap_backward(dx, y, cap, n, kStream);
   }
   void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) override {
     kernels::cuda::swiglu_forward(out, gate_up, N, I, kStream);

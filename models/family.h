@@ -37,6 +37,7 @@ class ConfigDoc {
   ConfigDoc(std::string path, const nlohmann::json& j) : path_(std::move(path)), j_(j) {}
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const;
   bool has(const std::string& k) const { return j_.contains(k) && !j_[k].is_null(); }
+  bool is_null(const std::string& k) const { return j_.contains(k) && j_[k].is_null(); }  // present as null
   int64_t get_int(const std::string& k) const;  // required: "missing" when absent
   int64_t get_int(const std::string& k, int64_t dflt) const;
   double get_number(const std::string& k, double dflt) const;

@@ -95,21 +95,48 @@ struct LlamaConfig {
   // logits_scaling. 1 (and 0) leave the Llama as it is.
   double embedding_multiplier = 1.0, residual_multiplier = 1.0, attention_multiplier = 0.0, logits_scaling = 1.0;
   bool tie_word_embeddings = false;
+  // Gemma: every RMSNorm scales by norm_offset + w (1: transformers'
+  // GemmaRMSNorm, whose weights start at 0), the embeddings are times
+  // sqrt(hidden_size) (scale_embeddings), and the MLP's gate is GELU in its
+  // tanh form (mlp_gelu: GeGLU) instead of SiLU.
+  float norm_offset = 0.0f;
+  bool scale_embeddings = false;
+  bool mlp_gelu = false;
+  // Where the layer's norms sit: pre_norms before attention and the MLP
+  // (the Llama's), post_norms on each branch's output before its residual
+  // add (Gemma 2 and 3 have both, OLMo 2 only the latter).
+  bool pre_norms = true;
+  bool post_norms = false;
+  // Gemma 2's soft-capping of the attention scores and of the final logits:
+  // x becomes cap tanh(x / cap) (0: none).
+  double attn_logit_softcapping = 0.0, final_logit_softcapping = 0.0;
+  // Gemma 2 and 3: the scores scale by query_pre_attn_scalar^-1/2 (0: not
+  // set; attention_multiplier, else head_dim^-1/2).
+  double query_pre_attn_scalar = 0.0;
+  // Gemma 3: the rope base of the sliding-window layers (window_layers 1),
+  // which take no rope scaling (0: the same rope in every layer).
+  double rope_local_theta = 0.0;
   // Sliding-window attention (Mistral, Qwen2's use_sliding_window): query t
   // sees the sliding_window keys up to t (0: none), in the layers
   // window_layers marks 1 (transformers' layer_types "sliding_attention";
   // empty: every layer).
   int64_t sliding_window = 0;
   std::vector<int> window_layers;
+  // Without window_layers, every layer but each sliding_pattern-th is a
+  // sliding-window layer (Gemma 2: 2, Gemma 3: 6; 0: every layer).
+  int64_t sliding_pattern = 0;
   bool gradient_checkpointing = false;
   Device device = Device::kCpu;
   float init_std = 0.02f;  // transformers' initializer_range
 
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
-  int64_t window(int64_t layer) const {
-    if (sliding_window <= 0) return 0;
-    return window_layers.empty() || window_layers[static_cast<size_t>(layer)] != 0 ? sliding_window : 0;
+  // A layer transformers' layer_types marks "sliding_attention".
+  bool sliding_layer(int64_t layer) const {
+    if (!window_layers.empty()) return window_layers[static_cast<size_t>(layer)] != 0;
+    if (sliding_pattern > 0) return (layer + 1) % sliding_pattern != 0;
+    return sliding_window > 0;
   }
+  int64_t window(int64_t layer) const { return sliding_window > 0 && sliding_layer(layer) ? sliding_window : 0; }
   bool uses_rope(int64_t layer) const {
     if (!no_rope_layers.empty()) return no_rope_layers[static_cast<size_t>(layer)] != 0;
     return no_rope_layer_interval <= 0 || (layer + 1) % no_rope_layer_interval != 0;

@@ -29,7 +29,10 @@ namespace zinc::models {
   X(llama)               \
   X(qwen3)               \
   X(smollm3)             \
-  X(granite)
+  X(granite)             \
+  X(gemma)               \
+  X(gemma2)              \
+  X(gemma3)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

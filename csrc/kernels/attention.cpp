@@ -72,7 +72,7 @@ inline void store_row(const float* x, f16x* d, int64_t n) {
   round_to_f16_serial(x, reinterpret_cast<float*>(d), static_cast<size_t>(n));
 }
 
-enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kRow, kNumSlots };
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kRow, kS, kNumSlots };
 static_assert(kNumSlots == ScratchTally::kAttentionSlots);
 
 void* scratch(Slot slot, size_t bytes) {
@@ -191,6 +191,21 @@ ZINC_ALWAYS_INLINE void softmax_row_causal_body(float* __restrict p, int64_t n_v
 }
 ZINC_ISA_VARIANTS(void, softmax_row_causal, (float* __restrict p, int64_t n_valid, int64_t n), (p, n_valid, n))
 
+// Soft-capping of one row's scores in place: s = cap tanh(s / cap).
+ZINC_ALWAYS_INLINE void softcap_row_body(float* __restrict p, float cap, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) p[j] = math::softcap(p[j], cap);
+}
+ZINC_ISA_VARIANTS(void, softcap_row, (float* __restrict p, float cap, int64_t n), (p, cap, n))
+
+// dS of one row with soft-capped scores: p (dp - dot) (1 - tanh(s / cap)^2),
+// s the raw scores.
+ZINC_ALWAYS_INLINE void softcap_ds_row_body(float* __restrict d, const float* __restrict p,
+                                            const float* __restrict dp, const float* __restrict s, float dot,
+                                            float cap, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) d[j] = p[j] * (dp[j] - dot) * math::softcap_grad(s[j], cap);
+}
+ZINC_ISA_VARIANTS(void, softcap_ds_row, (float* __restrict d, const float* __restrict p, const float* __restrict dp, const float* __restrict s, float dot, float cap, int64_t n), (d, p, dp, s, dot, cap, n))
+
 // sum_j p[j] dp[j] over the causal part of a row (for dS = P (dP - dot)).
 ZINC_ALWAYS_INLINE float softmax_row_dot_body(const float* __restrict p, const float* __restrict dp, int64_t n) {
   return detail::lane_sum<float>(n, [&](int64_t j) { return p[j] * dp[j]; });
@@ -289,6 +304,7 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
       const int64_t t = i % T, k0 = first_key(s, r);
       float* row = Pg + i * T;
       for (int64_t j = 0; j < k0; ++j) row[j] = 0.0f;
+      if (s.softcap > 0.0f) softcap_row(row + k0, s.softcap, t + 1 - k0);
       softmax_row_causal(row + k0, t + 1 - k0, T - k0);
       if (!f32) store_operand_row(pc, static_cast<size_t>(i), row, T, compute);
     }
@@ -342,6 +358,14 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
     void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_g * esz);
     void* pc = f32 ? const_cast<float*>(Pg) : scratch(kPc, n_g * esz);
     float* row_buf = f32 ? nullptr : static_cast<float*>(scratch(kRow, static_cast<size_t>(T) * sizeof(float)));
+    // Soft-capped scores: the raw scores again (forward's product, the same
+    // bits) for the cap's derivative.
+    float* S = nullptr;
+    if (s.softcap > 0.0f) {
+      S = static_cast<float*>(scratch(kS, n_g * sizeof(float)));
+      matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = compute}, at(q),
+             at(k), S);
+    }
     for (int64_t i = 0; i < nh * T; ++i) {
       const size_t r = static_cast<size_t>(h0 * T + i);
       const int64_t nv = i % T + 1, k0 = first_key(s, r);
@@ -350,7 +374,10 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
       const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
       float* d = f32 ? dp : row_buf;
       for (int64_t j = 0; j < k0; ++j) d[j] = 0.0f;
-      for (int64_t j = k0; j < nv; ++j) d[j] = p[j] * (dp[j] - dot);
+      if (S)
+        softcap_ds_row(d + k0, p + k0, dp + k0, S + i * T + k0, dot, s.softcap, nv - k0);
+      else
+        for (int64_t j = k0; j < nv; ++j) d[j] = p[j] * (dp[j] - dot);
       for (int64_t j = nv; j < T; ++j) d[j] = 0.0f;
       if (!f32) {
         store_operand_row(ds, static_cast<size_t>(i), d, T, compute);
@@ -401,6 +428,7 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   ScratchTally w;
   const size_t n_g = static_cast<size_t>(g * T * T);
   grow(w, kDP, n_g * sizeof(float));
+  if (s.softcap > 0.0f) grow(w, kS, n_g * sizeof(float));
   for (Slot sl : {kY, kDQ, kDK, kDV}) grow(w, sl, static_cast<size_t>(g * T * hs) * sizeof(float));
   if (!f32) {
     grow(w, kPc, n_g * esz);

@@ -141,7 +141,7 @@ __device__ inline int64_t first_key(const int32_t* positions, int64_t r, int64_t
 // also the row in the 16-bit compute dtype t16.
 __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __restrict__ pc, DType t16,
                                            const int32_t* __restrict__ positions, int64_t rows, int64_t T,
-                                           int64_t H, int64_t window) {
+                                           int64_t H, int64_t window, float softcap) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;  // dead lanes still join the shuffles
@@ -149,6 +149,9 @@ __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __re
   float* row = P + (live ? r : 0) * T;
   float* p = row + k0;                      // the keys k0..t
   const int64_t nv = live ? t + 1 - k0 : 0;  // how many
+  // Soft-capped scores (the CPU's softcap_row), each by the thread that reads it.
+  if (softcap > 0.0f)
+    for (int64_t j = lane; j < nv; j += math::kLanes) p[j] = math::softcap(p[j], softcap);
   float m = -INFINITY;
   for (int64_t j = lane; j < nv; j += math::kLanes) m = p[j] > m ? p[j] : m;
   float mx = -INFINITY;
@@ -181,11 +184,14 @@ __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __re
 // dS = P * (dP - dot), dot = sum_{k0<=j<=t} p[j] dp[j] in lane order from
 // k0 (the CPU's softmax_row_dot(p + k0, dp + k0, ...)), zero outside
 // k0..t. fp32 compute (ds == nullptr): dS overwrites dP. 16-bit compute: dS
-// and a copy of P into ds, pc in t16.
+// and a copy of P into ds, pc in t16. With soft-capped scores, S holds the
+// raw scores and dS is also times 1 - tanh(S / softcap)^2 (the CPU's
+// softcap_ds_row).
 __global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float* __restrict__ dP,
                                              uint16_t* __restrict__ ds, uint16_t* __restrict__ pc, DType t16,
                                              const int32_t* __restrict__ positions, int64_t rows, int64_t T,
-                                             int64_t H, int64_t window) {
+                                             int64_t H, int64_t window, const float* __restrict__ S,
+                                             float softcap) {
   const int lane = static_cast<int>(threadIdx.x % math::kLanes);
   const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / math::kLanes;
   const bool live = r < rows;
@@ -197,24 +203,29 @@ __global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float*
       math::lane_partial<float>(nv - k0, lane, [&](int64_t j) { return p[k0 + j] * dp[k0 + j]; });
   const float dot = lane_combine<float>(part);
   if (!live) return;
+  const float* sr = S ? S + r * T : nullptr;
+  auto dsv = [&](int64_t j) {
+    const float d = p[j] * (dp[j] - dot);
+    return sr ? d * math::softcap_grad(sr[j], softcap) : d;
+  };
   if (!ds) {
     // dp[k0 + j] is rewritten by the thread that read it for the dot.
     for (int64_t j = lane; j < k0; j += math::kLanes) dp[j] = 0.0f;
-    for (int64_t j = k0 + lane; j < nv; j += math::kLanes) dp[j] = p[j] * (dp[j] - dot);
+    for (int64_t j = k0 + lane; j < nv; j += math::kLanes) dp[j] = dsv(j);
     for (int64_t j = nv + lane; j < T; j += math::kLanes) dp[j] = 0.0f;
     return;
   }
   uint16_t* dsr = ds + r * T;
   uint16_t* pcr = pc + r * T;
   for (int64_t j = lane; j < T; j += math::kLanes) {
-    dsr[j] = float_to_16(j >= k0 && j < nv ? p[j] * (dp[j] - dot) : 0.0f, t16);
+    dsr[j] = float_to_16(j >= k0 && j < nv ? dsv(j) : 0.0f, t16);
     pcr[j] = float_to_16(p[j], t16);
   }
 }
 
 // ---- scratch ------------------------------------------------------------------------------
 
-enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kNumSlots };
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kS, kNumSlots };
 
 struct Scratch {
   DeviceBuffer bufs[kNumSlots];
@@ -324,7 +335,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   const bool f32 = compute == DType::kF32;
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_causal_softmax_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, pc, compute, s.positions, BH * T, T, s.H, s.window);
+      P, pc, compute, s.positions, BH * T, T, s.H, s.window, s.softcap);
   check_launch("attention: attn_causal_softmax_kernel");
   float* y = static_cast<float*>(grow(sc.bufs[kY], n_head * sizeof(float), stream));
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
@@ -363,10 +374,18 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
   // dS (and, for 16-bit compute, a 16-bit copy of P for dV). With fp32
   // compute dS overwrites dP in place and P is used as is.
   const bool f32 = compute == DType::kF32;
+  // Soft-capped scores: the raw scores again (forward's product) for the
+  // cap's derivative.
+  float* S = nullptr;
+  if (s.softcap > 0.0f) {
+    S = static_cast<float*>(grow(sc.bufs[kS], n_att * sizeof(float), stream));
+    matmul({.batch = BH, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = s.score_scale(), .compute = compute},
+           operand(q, compute), operand(k, compute), S, stream);
+  }
   uint16_t* ds = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kDS], n_att * esz, stream));
   uint16_t* pc = f32 ? nullptr : static_cast<uint16_t*>(grow(sc.bufs[kPc], n_att * esz, stream));
   attn_softmax_backward_kernel<<<row_blocks(BH * T), kRowThreads, 0, stream>>>(
-      P, dP, ds, pc, compute, s.positions, BH * T, T, s.H, s.window);
+      P, dP, ds, pc, compute, s.positions, BH * T, T, s.H, s.window, S, s.softcap);
   check_launch("attention: attn_softmax_backward_kernel");
   const CView pv = f32 ? operand(P, compute) : operand(pc, compute);
   const CView dsv = f32 ? operand(dP, compute) : operand(ds, compute);

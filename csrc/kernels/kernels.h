@@ -158,6 +158,10 @@ struct AttentionShape {
   // The score scale (Granite's attention_multiplier); 0: 1/sqrt(head size).
   float scale = 0.0f;
   float score_scale() const { return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(C / H)); }
+  // Gemma 2's attn_logit_softcapping: the scaled scores become
+  // softcap tanh(score / softcap) before the mask and the softmax (0: none).
+  // Backward recomputes the scores (one more Q K^T product per head).
+  float softcap = 0.0f;
 };
 AttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(AttentionWorkspace* ws);
@@ -194,7 +198,7 @@ class ScratchTally {
   // operand16_copy / operand16_in_place of n elements for `compute`.
   static int64_t operand16_bytes(int64_t n, bool in_place, DType compute);
   int64_t bytes() const;
-  static constexpr int kAttentionSlots = 12;  // attention.cpp's scratch slots
+  static constexpr int kAttentionSlots = 13;  // attention.cpp's scratch slots
 
  private:
   int64_t matmul_[4] = {};
@@ -203,18 +207,30 @@ class ScratchTally {
 };
 
 // ---- Llama-family layers (llama_layers.cpp) ----------------------------------------
-// RMSNorm over the last dim: out(N,C) = w * (x * rstd), rstd(N) =
-// 1 / sqrt(mean(x^2) + eps) saved for backward (kernels/math.h).
-void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps);
-// dx(N,C) += ..., dw(C) += ...
+// RMSNorm over the last dim: out(N,C) = (w_offset + w) * (x * rstd), rstd(N)
+// = 1 / sqrt(mean(x^2) + eps) saved for backward (kernels/math.h). w_offset
+// is 0 for the Llama's norm, 1 for Gemma's (transformers' GemmaRMSNorm
+// scales by 1 + w, formed in fp32).
+void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                     float w_offset = 0.0f);
+// dx(N,C) += ..., dw(C) += ... (d(w_offset + w) = dw).
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
-                      int64_t N, int64_t C);
+                      int64_t N, int64_t C, float w_offset = 0.0f);
 
 // SiLU-gated MLP activation on an (N, 2I) buffer whose rows are [gate | up]:
 // out(N,I) = silu(gate) * up.
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I);
 // d gate_up(N, 2I) = [d gate | d up] (written).
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I);
+// The same with GELU (the tanh form) for SiLU: Gemma's GeGLU,
+// out = gelu(gate) * up.
+void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I);
+void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I);
+
+// Soft-capping in place (Gemma 2's final logits): x = cap tanh(x / cap).
+void softcap_forward(float* x, float cap, int64_t n);
+// Its backward from the capped values y: dx *= 1 - (y / cap)^2.
+void softcap_backward(float* dx, const float* y, float cap, int64_t n);
 
 // Rotary position embedding, in place, on x(B,T,W) whose rows hold `heads`
 // heads of head_dim (even) values starting at column `col` (the q or the k

@@ -62,7 +62,8 @@ void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream);
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream);
 
 // ---- Llama-family layers (llama_layers.cu) -------------------------------------------------
-// kernels::rmsnorm_forward/backward, swiglu_forward/backward, rope and
+// kernels::rmsnorm_forward/backward, swiglu_ and geglu_forward/backward,
+// softcap_forward/backward, rope and
 // gqa_expand/gqa_reduce (kernels.h) on device pointers, bit for bit the
 // CPU's: the rows of RMSNorm in lane order, its dw(C) += in Note [column
 // sums]'s order (double, no atomics). The rope tables cos, sin (T,
@@ -72,12 +73,17 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cuda
 // rope's RopeShape::positions, when set, are device memory (B*T, each in
 // [0, T)) and not checked here: the caller checks them on the host.
 void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float w_offset = 0.0f);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
-                      int64_t C, cudaStream_t stream);
+                      int64_t C, cudaStream_t stream, float w_offset = 0.0f);
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream);
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                      cudaStream_t stream);
+void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream);
+void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
+                    cudaStream_t stream);
+void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream);
+void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStream_t stream);
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream);
 void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);
 void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);

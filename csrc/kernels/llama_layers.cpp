@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -69,6 +70,37 @@ ZINC_ALWAYS_INLINE void swiglu_row_backward_body(float* __restrict dgate, float*
 }
 ZINC_ISA_VARIANTS(void, swiglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
 
+// ---- GeGLU ---------------------------------------------------------------------------
+
+ZINC_ALWAYS_INLINE void geglu_row_forward_body(float* __restrict out, const float* __restrict gate,
+                                               const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = math::geglu(gate[j], up[j]);
+}
+ZINC_ISA_VARIANTS(void, geglu_row_forward, (float* __restrict out, const float* __restrict gate, const float* __restrict up, int64_t n), (out, gate, up, n))
+
+ZINC_ALWAYS_INLINE void geglu_row_backward_body(float* __restrict dgate, float* __restrict dup,
+                                                const float* __restrict dout, const float* __restrict gate,
+                                                const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    dgate[j] = math::geglu_dgate(dout[j], gate[j], up[j]);
+    dup[j] = math::geglu_dup(dout[j], gate[j]);
+  }
+}
+ZINC_ISA_VARIANTS(void, geglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
+
+// ---- soft-capping -------------------------------------------------------------------------
+
+ZINC_ALWAYS_INLINE void softcap_run_forward_body(float* __restrict x, float cap, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = math::softcap(x[j], cap);
+}
+ZINC_ISA_VARIANTS(void, softcap_run_forward, (float* __restrict x, float cap, int64_t n), (x, cap, n))
+
+ZINC_ALWAYS_INLINE void softcap_run_backward_body(float* __restrict dx, const float* __restrict y, float cap,
+                                                  int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dx[j] *= math::softcap_grad_from_out(y[j], cap);
+}
+ZINC_ISA_VARIANTS(void, softcap_run_backward, (float* __restrict dx, const float* __restrict y, float cap, int64_t n), (dx, y, cap, n))
+
 // ---- RoPE -------------------------------------------------------------------------------
 
 // One head of 2h values at one position; s_sign = -1 for the inverse.
@@ -94,21 +126,35 @@ ZINC_ISA_VARIANTS(void, add_head, (float* __restrict y, const float* __restrict 
 
 // ---- RMSNorm ------------------------------------------------------------------------
 
-void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) {
+namespace {
+// The weight the rows multiply by: w, or w_offset + w (each sum in fp32,
+// as transformers forms 1 + w) in a thread-local copy.
+const float* rmsnorm_weight(CView w, int64_t C, float w_offset) {
+  const float* ww = param_f32(w, C, 0);
+  if (w_offset == 0.0f) return ww;
+  thread_local std::vector<float> shifted;
+  shifted.resize(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) shifted[static_cast<size_t>(c)] = w_offset + ww[c];
+  return shifted.data();
+}
+}  // namespace
+
+void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                     float w_offset) {
   ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0) return;
   if (C <= 0) throw Error("rmsnorm_forward: C must be > 0, got " + std::to_string(C));
-  const float* ww = param_f32(w, C, 0);
+  const float* ww = rmsnorm_weight(w, C, w_offset);
   parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) rmsnorm_row_forward(out + i * C, rstd + i, x + i * C, ww, C, eps);
   });
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
-                      int64_t N, int64_t C) {
+                      int64_t N, int64_t C, float w_offset) {
   ProfileScope profile_scope(Op::kLayerNorm);
   if (N <= 0 || C <= 0) return;
-  const float* ww = param_f32(w, C, 0);
+  const float* ww = rmsnorm_weight(w, C, w_offset);
   // dx row by row, and dw += sum_i dout * xhat in the same pass while the
   // row is in cache (Note [column sums by row chunks]). dx must not overlap
   // dout or x.
@@ -139,6 +185,45 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
       const size_t r = i * 2 * static_cast<size_t>(I);
       swiglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
     }
+  });
+}
+
+// ---- GeGLU ---------------------------------------------------------------------------
+
+void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) geglu_row_forward(out + i * I, gate_up + i * 2 * I, gate_up + i * 2 * I + I, I);
+  });
+}
+
+void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const size_t r = i * 2 * static_cast<size_t>(I);
+      geglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
+    }
+  });
+}
+
+// ---- soft-capping -------------------------------------------------------------------------
+
+void softcap_forward(float* x, float cap, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
+  if (!(cap > 0.0f)) throw Error("softcap_forward: cap must be > 0, got " + std::to_string(cap));
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), size_t{1} << 14, [&](size_t lo, size_t hi) {
+    softcap_run_forward(x + lo, cap, static_cast<int64_t>(hi - lo));
+  });
+}
+
+void softcap_backward(float* dx, const float* y, float cap, int64_t n) {
+  ProfileScope profile_scope(Op::kVector);
+  if (!(cap > 0.0f)) throw Error("softcap_backward: cap must be > 0, got " + std::to_string(cap));
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), size_t{1} << 14, [&](size_t lo, size_t hi) {
+    softcap_run_backward(dx + lo, y + lo, cap, static_cast<int64_t>(hi - lo));
   });
 }
 

@@ -25,8 +25,11 @@ using detail::load_param;
 // ---- RMSNorm -------------------------------------------------------------------------
 // One row per 16 threads; the rows past N run the shuffles with no elements
 // (every lane of a warp must take part in lane_combine).
+// w_offset + w (Gemma's 1 + w), or w itself (the Llama's, exactly: even -0).
+__device__ inline float shifted(float w_offset, float w) { return w_offset != 0.0f ? w_offset + w : w; }
+
 __global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, const float* x, const void* w, DType wt, int64_t N,
-                                       int64_t C, float eps) {
+                                       int64_t C, float eps, float w_offset) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
@@ -36,13 +39,13 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, const float*
   const float rstd = math::rmsnorm_rstd(sq, C, eps);
   if (!valid) return;
   float* o = out + row * C;
-  for (int64_t c = lane; c < C; c += math::kLanes) o[c] = math::rmsnorm_out(xr[c], rstd, load_param(w, wt, c));
+  for (int64_t c = lane; c < C; c += math::kLanes) o[c] = math::rmsnorm_out(xr[c], rstd, shifted(w_offset, load_param(w, wt, c)));
   if (lane == 0) rstd_out[row] = rstd;
 }
 
 // dx += rstd (dout w - xhat mgx), mgx = sum(dout w xhat) / C in lane order.
 __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dout, const float* x, const void* w, DType wt,
-                                           const float* rstd, int64_t N, int64_t C) {
+                                           const float* rstd, int64_t N, int64_t C, float w_offset) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
@@ -52,13 +55,13 @@ __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dout, const f
   const float* g = dout + r * C;
   const float rs = rstd[r];
   const float mgx = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) {
-                      return g[c] * load_param(w, wt, c) * (xr[c] * rs);
+                      return g[c] * (shifted(w_offset, load_param(w, wt, c))) * (xr[c] * rs);
                     })) /
                     static_cast<float>(C);
   if (!valid) return;
   float* d = dx + row * C;
   for (int64_t c = lane; c < C; c += math::kLanes)
-    d[c] += math::rmsnorm_dx(g[c], load_param(w, wt, c), xr[c] * rs, rs, mgx);
+    d[c] += math::rmsnorm_dx(g[c], shifted(w_offset, load_param(w, wt, c)), xr[c] * rs, rs, mgx);
 }
 
 // dw[c] = float(dw[c] + sum_i double(dout[i,c] (x[i,c] rstd[i]))), in Note
@@ -104,6 +107,38 @@ __global__ void swiglu_backward_kernel(float* dgate_up, const float* dout, const
     drow[j] = math::swiglu_dgate(dout[e], row[j], row[I + j]);
     drow[I + j] = math::swiglu_dup(dout[e], row[j]);
   }
+}
+
+// ---- GeGLU and soft-capping ------------------------------------------------------------------
+__global__ void geglu_forward_kernel(float* out, const float* gate_up, int64_t N, int64_t I) {
+  const int64_t total = N * I;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = e / I, j = e % I;
+    const float* row = gate_up + i * 2 * I;
+    out[e] = math::geglu(row[j], row[I + j]);
+  }
+}
+
+__global__ void geglu_backward_kernel(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
+                                      int64_t I) {
+  const int64_t total = N * I;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = e / I, j = e % I;
+    const float* row = gate_up + i * 2 * I;
+    float* drow = dgate_up + i * 2 * I;
+    drow[j] = math::geglu_dgate(dout[e], row[j], row[I + j]);
+    drow[I + j] = math::geglu_dup(dout[e], row[j]);
+  }
+}
+
+__global__ void softcap_forward_kernel(float* x, float cap, int64_t n) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
+    x[e] = math::softcap(x[e], cap);
+}
+
+__global__ void softcap_backward_kernel(float* dx, const float* y, float cap, int64_t n) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
+    dx[e] *= math::softcap_grad_from_out(y[e], cap);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------
@@ -171,17 +206,17 @@ void check_gqa(const char* what, int64_t H, int64_t Hkv) {
 }  // namespace
 
 void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, float w_offset) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward: C must be > 0, got " + std::to_string(C));
-  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, x, w.data, w.dtype, N, C, eps);
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, x, w.data, w.dtype, N, C, eps, w_offset);
   detail::check_launch("rmsnorm_forward");
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
-                      int64_t C, cudaStream_t stream) {
+                      int64_t C, cudaStream_t stream, float w_offset) {
   if (N <= 0 || C <= 0) return;
-  rmsnorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, rstd, N, C);
+  rmsnorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, rstd, N, C, w_offset);
   detail::check_launch("rmsnorm_backward (dx)");
   rmsnorm_backward_dw_kernel<<<sum_blocks(C), dim3(kSumCols, kSumChunks), 0, stream>>>(dw, dout, x, rstd, N, C);
   detail::check_launch("rmsnorm_backward (dw)");
@@ -198,6 +233,33 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
   if (N <= 0 || I <= 0) return;
   swiglu_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I);
   detail::check_launch("swiglu_backward");
+}
+
+void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
+  if (N <= 0 || I <= 0) return;
+  geglu_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I);
+  detail::check_launch("geglu_forward");
+}
+
+void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
+                    cudaStream_t stream) {
+  if (N <= 0 || I <= 0) return;
+  geglu_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I);
+  detail::check_launch("geglu_backward");
+}
+
+void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream) {
+  if (!(cap > 0.0f)) throw Error("cuda::softcap_forward: cap must be > 0, got " + std::to_string(cap));
+  if (n <= 0) return;
+  softcap_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(x, cap, n);
+  detail::check_launch("softcap_forward");
+}
+
+void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStream_t stream) {
+  if (!(cap > 0.0f)) throw Error("cuda::softcap_backward: cap must be > 0, got " + std::to_string(cap));
+  if (n <= 0) return;
+  softcap_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, y, cap, n);
+  detail::check_launch("softcap_backward");
 }
 
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream) {

@@ -155,6 +155,27 @@ ZINC_HD float swiglu_dgate(float dout, float gate, float up) {
 }
 ZINC_HD float swiglu_dup(float dout, float gate) { return dout * (gate * sigmoid(gate)); }
 
+// ---- GELU-gated MLP (GeGLU, Gemma's tanh form) -----------------------------------------
+// h = gelu(gate) * up, gelu the tanh form above; d h / d gate = up gelu'(g),
+// d h / d up = gelu(g).
+ZINC_HD float geglu(float gate, float up) { return gelu(gate) * up; }
+ZINC_HD float geglu_dgate(float dout, float gate, float up) { return dout * up * gelu_grad(gate); }
+ZINC_HD float geglu_dup(float dout, float gate) { return dout * gelu(gate); }
+
+// ---- soft-capping (Gemma 2's attention and final logits) ------------------------------------
+// y = cap tanh(x / cap), as transformers writes it (divide, tanh, multiply).
+ZINC_HD float softcap(float x, float cap) { return cap * tanh_f(x / cap); }
+// dy/dx = 1 - tanh(x / cap)^2, from x (the raw value).
+ZINC_HD float softcap_grad(float x, float cap) {
+  const float t = tanh_f(x / cap);
+  return 1.0f - t * t;
+}
+// The same from y = softcap(x, cap) (the capped value): 1 - (y / cap)^2.
+ZINC_HD float softcap_grad_from_out(float y, float cap) {
+  const float t = y / cap;
+  return 1.0f - t * t;
+}
+
 // ---- rotary position embedding ----------------------------------------------------------
 // transformers' rotate_half convention: a head of d = 2h values pairs element
 // i with i + h, both rotated by the angle of frequency i at the position:

@@ -1,5 +1,6 @@
 #include "kernels/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -124,29 +125,40 @@ void gelu_backward(T* dx, const T* x, const T* dout, int64_t n) {
   }
 }
 
+// AttentionShape's score scale, window and soft-cap, in double (positions
+// are not modelled: one document per row).
+inline double ref_score_scale(AttentionShape s) {
+  return s.scale > 0 ? static_cast<double>(s.scale) : 1.0 / std::sqrt(static_cast<double>(s.C / s.H));
+}
+inline int64_t ref_first_key(AttentionShape s, int64_t t) {
+  return s.window > 0 ? std::max<int64_t>(0, t - s.window + 1) : 0;
+}
+inline double ref_softcap(double x, float cap) { return cap > 0 ? cap * std::tanh(x / cap) : x; }
+
 template <class T>
 void attention_forward(T* out, const T* qkv, AttentionShape s) {
   const int64_t hs = s.C / s.H;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  const double scale = ref_score_scale(s);
   std::vector<double> p(s.T);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t t = 0; t < s.T; ++t) {
         const T* q = qkv + (b * s.T + t) * 3 * s.C + h * hs;
+        const int64_t j0 = ref_first_key(s, t);
         double mx = -INFINITY;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = j0; j <= t; ++j) {
           const T* k = qkv + (b * s.T + j) * 3 * s.C + s.C + h * hs;
           double dot = 0;
           for (int64_t i = 0; i < hs; ++i) dot += static_cast<double>(q[i]) * k[i];
-          p[j] = dot * scale;
+          p[j] = ref_softcap(dot * scale, s.softcap);
           if (p[j] > mx) mx = p[j];
         }
         double sum = 0;
-        for (int64_t j = 0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        for (int64_t j = j0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - mx));
         T* o = out + (b * s.T + t) * s.C + h * hs;
         for (int64_t i = 0; i < hs; ++i) {
           double acc = 0;
-          for (int64_t j = 0; j <= t; ++j)
+          for (int64_t j = j0; j <= t; ++j)
             acc += p[j] / sum * qkv[(b * s.T + j) * 3 * s.C + 2 * s.C + h * hs + i];
           o[i] = static_cast<T>(acc);
         }
@@ -156,29 +168,31 @@ void attention_forward(T* out, const T* qkv, AttentionShape s) {
 template <class T>
 void attention_backward(T* dqkv, const T* dout, const T* qkv, AttentionShape s) {
   const int64_t hs = s.C / s.H;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  const double scale = ref_score_scale(s);
   std::vector<double> acc(static_cast<size_t>(s.B * s.T * 3 * s.C), 0.0);
-  std::vector<double> p(s.T), dp(s.T);
+  std::vector<double> p(s.T), dp(s.T), raw(s.T);
   auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t i) {
     return (b * s.T + t) * 3 * s.C + part * s.C + h * hs + i;
   };
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t t = 0; t < s.T; ++t) {
+        const int64_t j0 = ref_first_key(s, t);
         double mx = -INFINITY;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = j0; j <= t; ++j) {
           double dot = 0;
           for (int64_t i = 0; i < hs; ++i)
             dot += static_cast<double>(qkv[at(b, t, 0, h, i)]) * qkv[at(b, j, 1, h, i)];
-          p[j] = dot * scale;
+          raw[j] = dot * scale;
+          p[j] = ref_softcap(raw[j], s.softcap);
           if (p[j] > mx) mx = p[j];
         }
         double sum = 0;
-        for (int64_t j = 0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - mx));
-        for (int64_t j = 0; j <= t; ++j) p[j] /= sum;
+        for (int64_t j = j0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        for (int64_t j = j0; j <= t; ++j) p[j] /= sum;
         const T* go = dout + (b * s.T + t) * s.C + h * hs;
         double pdp = 0;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = j0; j <= t; ++j) {
           double d = 0;
           for (int64_t i = 0; i < hs; ++i) {
             d += static_cast<double>(go[i]) * qkv[at(b, j, 2, h, i)];
@@ -187,8 +201,12 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, AttentionShape s) 
           dp[j] = d;
           pdp += p[j] * d;
         }
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = j0; j <= t; ++j) {
           double ds = p[j] * (dp[j] - pdp) * scale;
+          if (s.softcap > 0) {
+            const double th = std::tanh(raw[j] / s.softcap);
+            ds *= 1.0 - th * th;
+          }
           for (int64_t i = 0; i < hs; ++i) {
             acc[at(b, t, 0, h, i)] += ds * qkv[at(b, j, 1, h, i)];  // dq
             acc[at(b, j, 1, h, i)] += ds * qkv[at(b, t, 0, h, i)];  // dk

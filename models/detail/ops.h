@@ -97,11 +97,17 @@ class Ops {
 
   // The Llama family's layers (kernels.h). A backend without them throws
   // zinc::Error naming the kernel (the CUDA twins are not written yet).
-  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps) = 0;
+  // w_offset: 0, or 1 for Gemma's norm, which scales by 1 + w.
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
+                               float w_offset) = 0;
   virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd,
-                                int64_t N, int64_t C) = 0;
+                                int64_t N, int64_t C, float w_offset) = 0;
   virtual void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) = 0;
   virtual void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) = 0;
+  virtual void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) = 0;
+  virtual void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) = 0;
+  virtual void softcap_forward(float* x, float cap, int64_t n) = 0;
+  virtual void softcap_backward(float* dx, const float* y, float cap, int64_t n) = 0;
   // cos, sin: (T, head_dim/2) tables where the kernels read them (copy_in).
   virtual void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) = 0;
   virtual void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) = 0;

@@ -136,6 +136,12 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
   }
   c.rope_theta = f.get_number("rope_theta", c.rope_theta);  // the family's default (the Llama's: 10000, as transformers')
   if (params.is_null()) return;
+  read_rope_params(f, params, where, c);
+}
+
+}  // namespace
+
+void read_rope_params(const ConfigDoc& f, const json& params, const std::string& where, LlamaConfig& c) {
   if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
   ConfigDoc p(f.path(), params);
   auto key = [&](const char* k) { return where + "." + k; };
@@ -161,6 +167,8 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
   s.high_freq_factor = p.get_number("high_freq_factor", 4.0);
   s.original_max_position_embeddings = p.get_int("original_max_position_embeddings");
 }
+
+namespace {
 
 std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) {
   LlamaConfig c;

@@ -27,6 +27,9 @@ const LlamaConfig* settings(const FamilyConfig& f);
 // rope_parameters: default, linear, llama3) and tie_word_embeddings; `c`'s
 // head_dim is the default when config.json has none.
 void read_decoder(const ConfigDoc& f, LlamaConfig& c);
+// One rope settings object (`where` its key, for errors): rope_theta and the
+// scaling (rope_type or type: default, linear, llama3, with their fields).
+void read_rope_params(const ConfigDoc& f, const nlohmann::json& params, const std::string& where, LlamaConfig& c);
 // Sliding-window layers as the Qwen-style configs state them: with
 // use_sliding_window and a sliding_window, the layers layer_types marks
 // "sliding_attention", or without layer_types those default_layer(l)

@@ -36,6 +36,7 @@ using kernels::CView;
 struct LayerIdx {
   int ln1 = -1, qkv_w = -1, qkv_b = -1, q_norm = -1, k_norm = -1, o_w = -1, o_b = -1;
   int ln2 = -1, gu_w = -1, gu_b = -1, down_w = -1, down_b = -1;
+  int post_att = -1, post_mlp = -1;  // post_norms
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
@@ -48,7 +49,9 @@ struct LlamaLayerActs {
   Buf x_mid;        // (N,C) residual stream after attention
   Buf ln2, rstd2;   // (N,C), (N)
   Buf gate_up;      // (N,2I)
-  Buf act;          // (N,I) silu(gate) * up
+  Buf act;          // (N,I) silu(gate) * up (gelu with mlp_gelu)
+  Buf o_out, mlp_out;        // post_norms: (N,C) each branch's output before its norm
+  Buf rstd_po, rstd_pm;      // post_norms: (N) their norms' statistics
   CView ln1_in, att_in, ln2_in, act_in;  // what the matmuls read (detail::matmul_input)
   Buf ln1_16, att_16, ln2_16, act_16;
   void* ws = nullptr;  // Ops::attention_create
@@ -72,16 +75,25 @@ class Llama final : public Model {
         return static_cast<int>(b.params.size()) - 1;
       };
       LayerIdx x;
-      x.ln1 = add({"input_layernorm.weight", {C}, Init::kOnes});
+      // Gemma's norms scale by 1 + w: their weights start at 0.
+      const Init norm_init = c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes;
+      if (c.pre_norms) x.ln1 = add({"input_layernorm.weight", {C}, norm_init});
       x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
       if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
       if (c.qk_norm) {
-        x.q_norm = add({"self_attn.q_norm.weight", {D_}, Init::kOnes});
-        x.k_norm = add({"self_attn.k_norm.weight", {D_}, Init::kOnes});
+        x.q_norm = add({"self_attn.q_norm.weight", {D_}, norm_init});
+        x.k_norm = add({"self_attn.k_norm.weight", {D_}, norm_init});
       }
       x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd});
       if (c.o_bias) x.o_b = add({"self_attn.o_proj.bias", {C}, Init::kZeros});
-      x.ln2 = add({"post_attention_layernorm.weight", {C}, Init::kOnes});
+      // The Llama's second norm is named post_attention_layernorm although
+      // it comes before the MLP; with post_norms that name is the norm
+      // after attention, and the one before the MLP pre_feedforward_layernorm.
+      if (c.post_norms) x.post_att = add({"post_attention_layernorm.weight", {C}, norm_init});
+      if (c.pre_norms)
+        x.ln2 = add({c.post_norms ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight", {C},
+                     norm_init});
+      if (c.post_norms) x.post_mlp = add({"post_feedforward_layernorm.weight", {C}, norm_init});
       x.gu_w = add({"mlp.gate_up_proj.weight", {2 * I, C}, Init::kNormal, sd});
       if (c.mlp_bias) x.gu_b = add({"mlp.gate_up_proj.bias", {2 * I}, Init::kZeros});
       x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
@@ -89,7 +101,7 @@ class Llama final : public Model {
       idx_ = x;
       specs_.push_back(std::move(b));
     }
-    BlockSpec fin{"final", {{"norm.weight", {C}, Init::kOnes}}};
+    BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}};
     if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
     specs_.push_back(std::move(fin));
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
@@ -126,13 +138,15 @@ class Llama final : public Model {
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
     const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
-    const kernels::AttentionShape as{B, T, A, H_};
+    kernels::AttentionShape as{B, T, A, H_};
+    as.softcap = att_softcap();
     ActivationMemory m;
     const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
                          buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as) +
-                         (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0);
+                         (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0) +
+                         (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0);
     const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
@@ -174,8 +188,7 @@ class Llama final : public Model {
     {
       HeldParams emb = ctx.acquire(0);
       ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
-      if (c_.embedding_multiplier != 1.0)
-        ops_->scale(x_in_[0].as<float>(), static_cast<float>(c_.embedding_multiplier), N * C);
+      if (embed_factor() != 1.0f) ops_->scale(x_in_[0].as<float>(), embed_factor(), N * C);
     }
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
@@ -186,7 +199,8 @@ class Llama final : public Model {
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
-    ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps());
+    ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps(),
+                          c_.norm_offset);
     lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
     if (c_.tie_word_embeddings) {
       nf.release();
@@ -196,6 +210,8 @@ class Llama final : public Model {
       detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[1], CView{}, N, C, V, dt);
     }
     if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * V);
+    if (c_.final_logit_softcapping > 0)
+      ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * V);
     double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     return static_cast<float>(loss);
   }
@@ -205,6 +221,9 @@ class Llama final : public Model {
     const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const DType dt = ctx.compute_dtype();
     if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+    if (c_.final_logit_softcapping > 0)
+      ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
+                             N * V);
     if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * V);
 
     const int fin = final_block();
@@ -223,7 +242,8 @@ class Llama final : public Model {
     }
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     ops_->zero(dx, N * C);
-    ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C);
+    ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C,
+                           c_.norm_offset);
     nf.release();
     ctx.grads_ready(fin);
 
@@ -243,27 +263,32 @@ class Llama final : public Model {
       }
       BlockGrads g = ctx.grads(blk);
       // MLP: dx holds d out and becomes d h.
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(branch_grad(dx, N)),
-                              a.act_in, p[x.down_w], N, I, C, dt);
-      ops_->swiglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
+      const float* dy = post_norm_backward(p, g, x.post_mlp, branch_grad(dx, N), a.mlp_out, a.rstd_pm, N);
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dy), a.act_in,
+                              p[x.down_w], N, I, C, dt);
+      if (c_.mlp_gelu)
+        ops_->geglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
+      else
+        ops_->swiglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
                               p[x.gu_w], N, C, 2 * I, dt);
-      ops_->rmsnorm_backward(dx, g[x.ln2], dsmall, a.x_mid.as<float>(), p[x.ln2], a.rstd2.as<float>(), N, C);
+      pre_norm_backward(p, g, x.ln2, dx, dsmall, a.x_mid.as<float>(), a.rstd2, N);
       // Attention: dx holds d h and becomes d x.
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(branch_grad(dx, N)), a.att_in,
-                              p[x.o_w], N, A, C, dt);
-      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l), att_scale()}, dt);
+      dy = post_norm_backward(p, g, x.post_att, branch_grad(dx, N), a.o_out, a.rstd_po, N);
+      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dy), a.att_in, p[x.o_w], N, A,
+                              C, dt);
+      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
-        ops_->rope(dproj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
+        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
-      ops_->rmsnorm_backward(dx, g[x.ln1], dsmall, x_in, p[x.ln1], a.rstd1.as<float>(), N, C);
+      pre_norm_backward(p, g, x.ln1, dx, dsmall, x_in, a.rstd1, N);
       p.release();
       ctx.grads_ready(blk);
     }
-    if (c_.embedding_multiplier != 1.0) ops_->scale(dx, static_cast<float>(c_.embedding_multiplier), N * C);
+    if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
     ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
     emb.release();
     ctx.grads_ready(0);
@@ -275,7 +300,52 @@ class Llama final : public Model {
   LlamaLayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
   static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
   // Granite's scalings (LlamaConfig): 0 leaves attention's own 1/sqrt(D).
-  float att_scale() const { return static_cast<float>(c_.attention_multiplier); }
+  // Gemma 2 and 3: query_pre_attn_scalar^-1/2, formed in double as
+  // transformers does.
+  float att_scale() const {
+    if (c_.query_pre_attn_scalar > 0) return static_cast<float>(1.0 / std::sqrt(c_.query_pre_attn_scalar));
+    return static_cast<float>(c_.attention_multiplier);
+  }
+  float att_softcap() const { return static_cast<float>(c_.attn_logit_softcapping); }
+  kernels::AttentionShape attention_shape(int64_t l) const {
+    kernels::AttentionShape s{B_, T_, H_ * D_, H_, pos_, c_.window(l), att_scale()};
+    s.softcap = att_softcap();
+    return s;
+  }
+  // The embeddings' factor: Granite's embedding_multiplier, Gemma's
+  // sqrt(hidden_size) (transformers rounds it to the model's dtype first).
+  float embed_factor() const {
+    const double e = c_.embedding_multiplier;
+    if (!c_.scale_embeddings) return static_cast<float>(e);
+    return static_cast<float>(e * static_cast<double>(static_cast<float>(std::sqrt(static_cast<double>(c_.hidden_size)))));
+  }
+  // The rope tables of layer l: Gemma 3's sliding-window layers have their own.
+  bool local_rope(int64_t l) const { return c_.rope_local_theta > 0 && c_.sliding_layer(l); }
+  const float* rope_cos(int64_t l) const { return (local_rope(l) ? rope_local_cos_ : rope_cos_).as<float>(); }
+  const float* rope_sin(int64_t l) const { return (local_rope(l) ? rope_local_sin_ : rope_sin_).as<float>(); }
+  // Backward of a pre-norm (the norm before a branch, weight index w; -1:
+  // none, OLMo 2): dx += d of the norm's input, from d of its output dnorm.
+  void pre_norm_backward(const HeldParams& p, const BlockGrads& g, int w, float* dx, const float* dnorm,
+                         const float* x, const Buf& rstd, int64_t N) {
+    const int64_t C = c_.hidden_size;
+    if (w < 0) {
+      ops_->add(dx, dx, dnorm, N * C);
+      return;
+    }
+    ops_->rmsnorm_backward(dx, g[w], dnorm, x, p[w], rstd.as<float>(), N, C, c_.norm_offset);
+  }
+  // Backward of a post-norm (weight index w on a branch's output `out`; -1:
+  // none): the gradient of `out` from that of the normed branch, in dsmall_
+  // (or dbranch itself without the norm).
+  const float* post_norm_backward(const HeldParams& p, const BlockGrads& g, int w, const float* dbranch,
+                                  const Buf& out, const Buf& rstd, int64_t N) {
+    if (w < 0) return dbranch;
+    const int64_t C = c_.hidden_size;
+    float* d = dsmall_.as<float>();
+    ops_->zero(d, N * C);
+    ops_->rmsnorm_backward(d, g[w], dbranch, out.as<float>(), p[w], rstd.as<float>(), N, C, c_.norm_offset);
+    return d;
+  }
   float residual_factor() const { return static_cast<float>(c_.residual_multiplier); }
   float logits_factor() const { return static_cast<float>(1.0 / c_.logits_scaling); }
   // The gradient of a residual branch's output: dx itself, or with
@@ -296,29 +366,61 @@ class Llama final : public Model {
                      int64_t T, DType dt) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_;
-    ops_->rmsnorm_forward(a.ln1.as<float>(), a.rstd1.as<float>(), x_in, p[x.ln1], N, C, eps());
+    pre_norm_forward(p, x.ln1, a.ln1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
-    if (c_.uses_rope(l))
-      ops_->rope(proj, rope_cos_.as<float>(), rope_sin_.as<float>(), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
+    if (c_.uses_rope(l)) ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, H_, pos_, c_.window(l), att_scale()}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
-    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[x.o_w], bias(p, x.o_b), N, A, C, dt);
-    if (c_.residual_multiplier != 1.0) ops_->scale(a.x_mid.as<float>(), residual_factor(), N * C);
-    ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
-    ops_->rmsnorm_forward(a.ln2.as<float>(), a.rstd2.as<float>(), a.x_mid.as<float>(), p[x.ln2], N, C, eps());
+    float* x_mid = a.x_mid.as<float>();
+    branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt);
+    ops_->add(x_mid, x_mid, x_in, N * C);
+    pre_norm_forward(p, x.ln2, a.ln2, a.rstd2, x_mid, N);
     a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
     detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, 2 * I, dt);
-    ops_->swiglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
+    if (c_.mlp_gelu)
+      ops_->geglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
+    else
+      ops_->swiglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
-    if (!x_out) return;
-    detail::linear_forward(*ops_, x_out, a.act_in, p[x.down_w], bias(p, x.down_b), N, I, C, dt);
-    if (c_.residual_multiplier != 1.0) ops_->scale(x_out, residual_factor(), N * C);
-    ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
+    if (!x_out) {
+      // A recomputation for backward: the output is not needed, but a
+      // post-norm's input and statistics are (its output goes to scratch).
+      if (x.post_mlp >= 0) branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm,
+                                          dsmall_.as<float>(), N, dt);
+      return;
+    }
+    branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt);
+    ops_->add(x_out, x_out, x_mid, N * C);
+  }
+
+  // A branch's last projection (weight w, bias b, from `in` of `in_w`
+  // columns) into out, with Granite's residual_multiplier and, with a
+  // post-norm (index post >= 0), the norm: the projection then goes to
+  // `raw` and its norm (statistics in rstd) to out.
+  void branch_forward(const HeldParams& p, int w, int b, int post, CView in, int64_t in_w, Buf& raw, Buf& rstd,
+                      float* out, int64_t N, DType dt) {
+    const int64_t C = c_.hidden_size;
+    if (post < 0) {
+      detail::linear_forward(*ops_, out, in, p[w], bias(p, b), N, in_w, C, dt);
+    } else {
+      detail::linear_forward(*ops_, raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt);
+      ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
+    }
+    if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
+  }
+  // A branch's input: the norm of x (index w), or without a pre-norm
+  // (OLMo 2) x itself, copied (a 16-bit matmul input may be rounded in place).
+  void pre_norm_forward(const HeldParams& p, int w, Buf& out, Buf& rstd, const float* x, int64_t N) {
+    const int64_t C = c_.hidden_size;
+    if (w < 0)
+      ops_->copy_columns(out.as<float>(), C, x, C, N, C);
+    else
+      ops_->rmsnorm_forward(out.as<float>(), rstd.as<float>(), x, p[w], N, C, eps(), c_.norm_offset);
   }
 
   // Qwen3's per-head norms of q and k, in place in the projection's q and k
@@ -332,9 +434,9 @@ class Llama final : public Model {
     float* rstd = a.rstd_qk.as<float>();
     ops_->copy_columns(q_pre, H_ * D_, proj, Q, N, H_ * D_);
     ops_->copy_columns(k_pre, K_ * D_, proj + H_ * D_, Q, N, K_ * D_);
-    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], N * H_, D_, eps());
+    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], N * H_, D_, eps(), c_.norm_offset);
     ops_->copy_columns(proj, Q, out, H_ * D_, N, H_ * D_);
-    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], N * K_, D_, eps());
+    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], N * K_, D_, eps(), c_.norm_offset);
     ops_->copy_columns(proj + H_ * D_, Q, out, K_ * D_, N, K_ * D_);
   }
   // dproj's q and k columns hold the gradient of the normed heads; they
@@ -349,7 +451,7 @@ class Llama final : public Model {
                                          std::tuple{H_ * D_, K_, q_pre + N * H_ * D_, rstd + N * H_, idx_.k_norm}}) {
       ops_->copy_columns(dout, heads * D_, dproj + col, Q, N, heads * D_);
       ops_->zero(dx, N * heads * D_);
-      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, N * heads, D_);
+      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, N * heads, D_, c_.norm_offset);
       ops_->copy_columns(dproj + col, Q, dx, heads * D_, N, heads * D_);
     }
   }
@@ -357,7 +459,15 @@ class Llama final : public Model {
   // The (T, D/2) cos and sin of the rope angles t * inv_freq[i], each angle
   // rounded to fp32 as transformers forms it (fp32 product of fp32 values).
   void build_rope_tables(int64_t T) {
-    const std::vector<float> inv = rope_inv_freq(c_);
+    build_rope_table(T, rope_inv_freq(c_), rope_cos_, rope_sin_);
+    if (c_.rope_local_theta > 0) {
+      LlamaConfig local = c_;
+      local.rope_theta = c_.rope_local_theta;
+      local.rope_scaling = RopeScaling{};
+      build_rope_table(T, rope_inv_freq(local), rope_local_cos_, rope_local_sin_);
+    }
+  }
+  void build_rope_table(int64_t T, const std::vector<float>& inv, Buf& cos_out, Buf& sin_out) {
     const int64_t h = D_ / 2;
     std::vector<float> cs(static_cast<size_t>(T * h)), sn(cs.size());
     for (int64_t t = 0; t < T; ++t)
@@ -366,8 +476,8 @@ class Llama final : public Model {
         cs[static_cast<size_t>(t * h + i)] = static_cast<float>(std::cos(static_cast<double>(angle)));
         sn[static_cast<size_t>(t * h + i)] = static_cast<float>(std::sin(static_cast<double>(angle)));
       }
-    ops_->copy_in(rope_cos_, cs.data(), T * h);
-    ops_->copy_in(rope_sin_, sn.data(), T * h);
+    ops_->copy_in(cos_out, cs.data(), T * h);
+    ops_->copy_in(sin_out, sn.data(), T * h);
   }
 
   void ensure_buffers(int64_t B, int64_t T) {
@@ -391,6 +501,12 @@ class Llama final : public Model {
       a.rstd2 = ops_->alloc_f32(N);
       a.gate_up = ops_->alloc_f32(N * 2 * I);
       a.act = ops_->alloc_f32(N * I);
+      if (c_.post_norms) {
+        a.o_out = ops_->alloc_f32(N * C);
+        a.mlp_out = ops_->alloc_f32(N * C);
+        a.rstd_po = ops_->alloc_f32(N);
+        a.rstd_pm = ops_->alloc_f32(N);
+      }
     }
     x_final_ = ops_->alloc_f32(N * C);
     lnf_ = ops_->alloc_f32(N * C);
@@ -423,7 +539,8 @@ class Llama final : public Model {
   std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
   const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without
   int64_t B_ = 0, T_ = 0;
-  Buf rope_cos_, rope_sin_;  // (T, D/2)
+  Buf rope_cos_, rope_sin_;              // (T, D/2)
+  Buf rope_local_cos_, rope_local_sin_;  // rope_local_theta: the sliding-window layers' tables
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves

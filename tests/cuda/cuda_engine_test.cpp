@@ -100,7 +100,10 @@ TEST(CudaEngine, Fp32TrainsLikeTheCpu) {
 // parameters offloaded (one block gathered at a time).
 TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
   ZINC_REQUIRE_GPU();
-  auto run = [](const std::string& device, int stage) {
+  // gemma: also Gemma 2 and 3's pieces (the 1 + w norms, scaled embeddings,
+  // GeGLU, post-norms, soft-capped scores and logits, a window on every
+  // other layer with its own rope).
+  auto run = [](const std::string& device, int stage, bool gemma = false) {
     nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                           {"gradient_clipping", 1.0},
                           {"device", device},
@@ -126,6 +129,19 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
     c.qk_norm = true;  // Qwen3's per-head norms of q and k (copy_columns and RMSNorm over heads)
     c.head_dim = 12;   // decoupled from hidden_size / heads, as Qwen3's
     c.device = device == "cuda" ? Device::kCuda : Device::kCpu;
+    if (gemma) {
+      c.norm_offset = 1.0f;
+      c.scale_embeddings = true;
+      c.mlp_gelu = true;
+      c.post_norms = true;
+      c.attn_logit_softcapping = 2.0;
+      c.final_logit_softcapping = 5.0;
+      c.query_pre_attn_scalar = 20.0;
+      c.sliding_window = 5;
+      c.sliding_pattern = 2;
+      c.rope_local_theta = 1e4;
+      c.rope_theta = 1e6;
+    }
     Engine e = Engine::initialize(models::make_llama(c), cfg);
     DataConfig dc;
     dc.vocab_size = 37;
@@ -142,6 +158,9 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "stage " << stage << " step " << i;
     EXPECT_LT(gpu.back(), gpu.front() - 0.3) << "stage " << stage << ": the loss falls";
   }
+  const std::vector<float> cpu = run("cpu", 2, true), gpu = run("cuda", 2, true);
+  for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "gemma step " << i;
+  EXPECT_LT(gpu.back(), gpu.front() - 0.3) << "gemma: the loss falls";
 }
 
 // Masked targets and packed documents (issue 31) on the GPU path against

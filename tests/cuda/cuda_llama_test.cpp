@@ -39,24 +39,26 @@ TEST(CudaLlama, RmsNormMatchesTheCpuBits) {
   ZINC_REQUIRE_GPU();
   for (int64_t C : {1, 15, 16, 17, 133, 768})
   for (int64_t N : {29, 2113})
-  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
-    const std::string at = "C=" + std::to_string(C) + " N=" + std::to_string(N) + " " + std::string(dtype_name(t));
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16})
+  for (float off : {0.0f, 1.0f}) {  // the Llama's norm and Gemma's (1 + w)
+    const std::string at = "C=" + std::to_string(C) + " N=" + std::to_string(N) + " " + std::string(dtype_name(t)) +
+                           " offset " + std::to_string(off);
     const float eps = C == 133 ? 1e-6f : 1e-5f;
     std::vector<float> x = randn(N * C, 101, 2.0), w = randn(C, 102, 0.5), dout = randn(N * C, 103);
     for (float& v : w) v += 1.0f;
     Param pw(w, t);
     std::vector<float> out(N * C), rstd(N);
-    rmsnorm_forward(out.data(), rstd.data(), x.data(), pw.host(), N, C, eps);
+    rmsnorm_forward(out.data(), rstd.data(), x.data(), pw.host(), N, C, eps, off);
     DeviceBuffer d_x = upload(x), d_out(N * C * 4), d_rstd(N * 4);
-    cuda::rmsnorm_forward(d_out.as<float>(), d_rstd.as<float>(), d_x.as<float>(), pw.dev(), N, C, eps, nullptr);
+    cuda::rmsnorm_forward(d_out.as<float>(), d_rstd.as<float>(), d_x.as<float>(), pw.dev(), N, C, eps, nullptr, off);
     expect_same_bits(out, download<float>(d_out, out.size()), "rmsnorm out " + at);
     expect_same_bits(rstd, download<float>(d_rstd, rstd.size()), "rmsnorm rstd " + at);
 
     std::vector<float> dx = randn(N * C, 104), dw = randn(C, 105);  // accumulated into
     DeviceBuffer d_dx = upload(dx), d_dw = upload(dw), d_dout = upload(dout);
-    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), pw.host(), rstd.data(), N, C);
+    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), pw.host(), rstd.data(), N, C, off);
     cuda::rmsnorm_backward(d_dx.as<float>(), d_dw.as<float>(), d_dout.as<float>(), d_x.as<float>(), pw.dev(),
-                           d_rstd.as<float>(), N, C, nullptr);
+                           d_rstd.as<float>(), N, C, nullptr, off);
     expect_same_bits(dx, download<float>(d_dx, dx.size()), "rmsnorm dx " + at);
     expect_same_bits(dw, download<float>(d_dw, dw.size()), "rmsnorm dw " + at);
   }
@@ -79,6 +81,36 @@ TEST(CudaLlama, SwiGluMatchesTheCpuBits) {
     cuda::swiglu_backward(d_dgu.as<float>(), d_dout.as<float>(), d_gu.as<float>(), N, I, nullptr);
     expect_same_bits(out, download<float>(d_out, out.size()), "swiglu " + at);
     expect_same_bits(dgu, download<float>(d_dgu, dgu.size()), "swiglu backward " + at);
+  }
+}
+
+TEST(CudaLlama, GeGluAndSoftcapMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (int64_t I : {1, 77, 1000})
+  for (int64_t N : {1, 13, 37}) {
+    const std::string at = "I=" + std::to_string(I) + " N=" + std::to_string(N);
+    std::vector<float> gu = randn(N * 2 * I, 121, 4.0), dout = randn(N * I, 122);
+    gu[0] = 40.0f;                // tanh saturates ...
+    if (I > 1) gu[1] = -95.0f;    // ... and exp_f's clamp
+    std::vector<float> out(N * I), dgu(gu.size());
+    geglu_forward(out.data(), gu.data(), N, I);
+    geglu_backward(dgu.data(), dout.data(), gu.data(), N, I);
+    DeviceBuffer d_gu = upload(gu), d_dout = upload(dout), d_out(N * I * 4), d_dgu(gu.size() * 4);
+    cuda::geglu_forward(d_out.as<float>(), d_gu.as<float>(), N, I, nullptr);
+    cuda::geglu_backward(d_dgu.as<float>(), d_dout.as<float>(), d_gu.as<float>(), N, I, nullptr);
+    expect_same_bits(out, download<float>(d_out, out.size()), "geglu " + at);
+    expect_same_bits(dgu, download<float>(d_dgu, dgu.size()), "geglu backward " + at);
+    // Soft-capping of the same values (30: Gemma 2's final cap; 0.5: bites hard).
+    for (float cap : {30.0f, 0.5f}) {
+      std::vector<float> y = gu, dy = gu;
+      softcap_forward(y.data(), cap, static_cast<int64_t>(y.size()));
+      softcap_backward(dy.data(), y.data(), cap, static_cast<int64_t>(y.size()));
+      DeviceBuffer d_y = upload(gu), d_dy = upload(gu);
+      cuda::softcap_forward(d_y.as<float>(), cap, static_cast<int64_t>(y.size()), nullptr);
+      cuda::softcap_backward(d_dy.as<float>(), d_y.as<float>(), cap, static_cast<int64_t>(y.size()), nullptr);
+      expect_same_bits(y, download<float>(d_y, y.size()), "softcap " + at);
+      expect_same_bits(dy, download<float>(d_dy, dy.size()), "softcap backward " + at);
+    }
   }
 }
 

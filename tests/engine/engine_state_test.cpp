@@ -230,8 +230,10 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
   for (const std::string precision : {"fp32", "bf16", "fp16"}) {
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
-    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite"}) {
-      const bool gpt = kind.rfind("gpt", 0) == 0, llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite";
+    for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite",
+                                   "gemma2", "gemma3 checkpointed"}) {
+      const bool gpt = kind.rfind("gpt", 0) == 0;
+      const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0;
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -252,14 +254,24 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       ActivationMemory want;
       for (int round = 0; round < 2; ++round) {
         models::LlamaConfig lk = l;
-        lk.gradient_checkpointing = kind == "llama checkpointed";
-        lk.qk_norm = kind == "qwen3";  // Qwen3's per-head norms, with head_dim decoupled from hidden / heads
+        lk.gradient_checkpointing = kind == "llama checkpointed" || kind == "gemma3 checkpointed";
+        lk.qk_norm = kind == "qwen3" || kind == "gemma3 checkpointed";  // Qwen3's per-head norms, with head_dim decoupled from hidden / heads
         if (lk.qk_norm) lk.head_dim = 40;
         if (kind == "granite") {  // the branch gradient's scratch; the other scalings allocate nothing
           lk.residual_multiplier = 0.5;
           lk.embedding_multiplier = 3.0;
           lk.attention_multiplier = 0.2;
           lk.logits_scaling = 2.5;
+        }
+        if (kind.rfind("gemma", 0) == 0) {  // post-norms (two (N,C) and two (N) more per layer), soft-caps
+          lk.norm_offset = 1.0f;
+          lk.scale_embeddings = lk.mlp_gelu = lk.post_norms = true;
+          lk.attn_logit_softcapping = 20.0;  // the scores' recomputation in backward
+          lk.final_logit_softcapping = 30.0;
+          lk.query_pre_attn_scalar = 24.0;
+          lk.sliding_window = 16;
+          lk.sliding_pattern = 2;
+          lk.rope_local_theta = kind == "gemma3 checkpointed" ? 1e4 : 0.0;
         }
         std::shared_ptr<Model> model =
             gpt ? models::make_gpt(gk) : llama ? models::make_llama(lk) : models::make_mlp(m);

@@ -389,7 +389,8 @@ std::string describe(AttentionShape s, DType compute) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
          " H=" + std::to_string(s.H) + " " + std::string(dtype_name(compute)) + (s.positions ? " packed" : "") +
          (s.window > 0 ? " window " + std::to_string(s.window) : "") +
-         (s.scale > 0 ? " scale " + std::to_string(s.scale) : "");
+         (s.scale > 0 ? " scale " + std::to_string(s.scale) : "") +
+         (s.softcap > 0 ? " softcap " + std::to_string(s.softcap) : "");
 }
 
 void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol) {
@@ -452,7 +453,11 @@ TEST(CudaAttention, SlidingWindowsAgreeWithCpu) {
       check_attention(s, DType::kF32, seed += 2, 2e-4);
       s.scale = 0.2f;  // Granite's attention_multiplier instead of 1/sqrt(head size)
       check_attention(s, DType::kF32, seed += 2, 2e-4);
+      s.softcap = 0.7f;  // Gemma 2's attn_logit_softcapping (recomputed scores in backward)
+      check_attention(s, DType::kF32, seed += 2, 2e-4);
+      check_attention(s, DType::kBF16, seed += 2, 2e-2);
       s.scale = 0.0f;
+      s.softcap = 0.0f;
     }
 }
 

@@ -204,6 +204,14 @@ KernelOutputs run_vector_kernels() {
   attention_backward(ws.ws, adqkv.data(), ado.data(), qkv.data(), s, DType::kF32);
   o.f.push_back(aout);
   o.f.push_back(adqkv);
+  // ... and soft-capped (Gemma 2: the cap's rows are vector kernels too).
+  AttentionShape sc = s;
+  sc.softcap = 0.8f;
+  Workspace ws2;
+  attention_forward(ws2.ws, aout.data(), qkv.data(), sc, DType::kF32);
+  attention_backward(ws2.ws, adqkv.data(), ado.data(), qkv.data(), sc, DType::kF32);
+  o.f.push_back(aout);
+  o.f.push_back(adqkv);
   // Column sums and the embedding scatter.
   std::vector<float> dbias(C, 1.0f);
   bias_backward(dbias.data(), ldo.data(), N, C);

@@ -538,6 +538,59 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   EXPECT_TRUE(AllClose(dqkv.data(), fd.data(), dqkv.size(), kFdAtol, kFdRtol));
 }
 
+// The score scale, a sliding window and Gemma 2's soft-capping (which
+// bites: scores reach several times the cap), alone and together, against
+// the double reference; backward also against finite differences; in every
+// compute dtype, with a head group per head and one group for all (the
+// recomputed scores of the soft-capped backward must be forward's).
+TEST(Attention, ScaleWindowAndSoftcapMatchTheReference) {
+  const AttentionShape base{2, 19, 12, 3};
+  auto qkv = randn(base.B * base.T * 3 * base.C, 510, 2.0f), g = randn(base.B * base.T * base.C, 511);
+  auto qd = to_double(qkv), gd = to_double(g);
+  struct Case {
+    float scale, softcap;
+    int64_t window;
+  };
+  for (Case c : {Case{0.0f, 1.5f, 0}, Case{0.7f, 0.0f, 4}, Case{0.7f, 1.5f, 4}}) {
+    AttentionShape s = base;
+    s.scale = c.scale;
+    s.softcap = c.softcap;
+    s.window = c.window;
+    std::vector<double> want_out(g.size()), want_dqkv(qkv.size());
+    ref::attention_forward(want_out.data(), qd.data(), s);
+    ref::attention_backward(want_dqkv.data(), gd.data(), qd.data(), s);
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t groups : {1, 0}) {
+        set_attention_heads_per_group_for_testing(groups);
+        std::vector<float> out(g.size()), dqkv(qkv.size());
+        Workspace w;
+        attention_forward(w.ws, out.data(), qkv.data(), s, dt);
+        attention_backward(w.ws, dqkv.data(), g.data(), qkv.data(), s, dt);
+        set_attention_heads_per_group_for_testing(0);
+        const double tol = dt == DType::kF32 ? 1e-4 : dt == DType::kF16 ? 1e-2 : 5e-2;
+        const std::string what = std::string(dtype_name(dt)) + " scale " + std::to_string(c.scale) + " softcap " +
+                                 std::to_string(c.softcap) + " window " + std::to_string(c.window);
+        EXPECT_TRUE(AllClose(out.data(), want_out.data(), out.size(), tol, tol)) << what;
+        EXPECT_TRUE(AllClose(dqkv.data(), want_dqkv.data(), dqkv.size(), tol, tol)) << what;
+      }
+  }
+  // The soft-cap's backward against finite differences of the reference.
+  AttentionShape s{1, 6, 6, 2};
+  s.softcap = 1.0f;
+  auto q2 = to_double(randn(s.B * s.T * 3 * s.C, 512, 2.0f)), g2 = to_double(randn(s.B * s.T * s.C, 513));
+  auto loss = [&] {
+    std::vector<double> out(s.B * s.T * s.C);
+    ref::attention_forward(out.data(), q2.data(), s);
+    return dot(g2, out);
+  };
+  auto fd = fd_grad(q2, loss);
+  std::vector<float> qf(q2.begin(), q2.end()), gf(g2.begin(), g2.end()), out(gf.size()), dqkv(qf.size());
+  Workspace w;
+  attention_forward(w.ws, out.data(), qf.data(), s, DType::kF32);
+  attention_backward(w.ws, dqkv.data(), gf.data(), qf.data(), s, DType::kF32);
+  EXPECT_TRUE(AllClose(dqkv.data(), fd.data(), dqkv.size(), kFdAtol, kFdRtol));
+}
+
 TEST(Attention, EachLayerKeepsItsOwnWorkspace) {
   // Forward of two layers, then backward of the first: the second forward
   // must not clobber what the first backward needs.

@@ -77,6 +77,71 @@ TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
   EXPECT_TRUE(AllClose(dw, fd_w, 1e-4, 1e-3));
 }
 
+// Gemma's norm scales by 1 + w: the same as the Llama's with the weight
+// 1 + w, and its dw is the Llama's (d(1 + w) = dw), in bf16 weights too.
+TEST(RmsNorm, WeightOffsetIsTheNormOfOnePlusW) {
+  for (DType wt : {DType::kF32, DType::kBF16}) {
+    const int64_t N = 9, C = 45;
+    auto x = randn(static_cast<size_t>(N * C), 14, 2.0f), dout = randn(static_cast<size_t>(N * C), 15);
+    Param w(randn(static_cast<size_t>(C), 16, 0.3f), wt);
+    std::vector<float> shifted(w.f32);
+    for (float& v : shifted) v = 1.0f + v;
+    std::vector<float> out(x.size()), rstd(N), dx(x.size(), 0.25f), dw(C, -0.5f);
+    std::vector<float> want(x.size()), wrstd(N), wdx(x.size(), 0.25f), wdw(C, -0.5f);
+    rmsnorm_forward(out.data(), rstd.data(), x.data(), w.view(), N, C, 1e-6f, 1.0f);
+    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.view(), rstd.data(), N, C, 1.0f);
+    rmsnorm_forward(want.data(), wrstd.data(), x.data(), view(shifted), N, C, 1e-6f);
+    rmsnorm_backward(wdx.data(), wdw.data(), dout.data(), x.data(), view(shifted), wrstd.data(), N, C);
+    EXPECT_TRUE(BitEqual(out, want)) << dtype_name(wt);
+    EXPECT_TRUE(BitEqual(dx, wdx)) << dtype_name(wt);
+    EXPECT_TRUE(BitEqual(dw, wdw)) << dtype_name(wt);
+    // ... and not the norm of w itself.
+    rmsnorm_forward(want.data(), wrstd.data(), x.data(), w.view(), N, C, 1e-6f);
+    EXPECT_FALSE(BitEqual(out, want));
+  }
+}
+
+// GeGLU (Gemma's MLP): gelu_tanh(gate) * up against the double formula and
+// central finite differences.
+TEST(GeGlu, ForwardAndBackwardAgreeWithTheFormulaAndFiniteDifferences) {
+  auto gelu = [](double v) { return 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))); };
+  const int64_t N = 7, I = 29;
+  auto gu = randn(N * 2 * I, 17, 3.0f), dout = randn(N * I, 18);
+  std::vector<float> out(N * I), dgu(gu.size(), 9.0f);  // dgu is written, not accumulated
+  geglu_forward(out.data(), gu.data(), N, I);
+  geglu_backward(dgu.data(), dout.data(), gu.data(), N, I);
+  std::vector<double> ro(out.size());
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < I; ++j) ro[i * I + j] = gelu(gu[i * 2 * I + j]) * gu[i * 2 * I + I + j];
+  EXPECT_TRUE(AllClose(out, ro, 1e-5, 1e-5));
+  std::vector<double> x = to_double(gu), g = to_double(dout);
+  auto loss = [&] {
+    double l = 0;
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < I; ++j) l += g[i * I + j] * gelu(x[i * 2 * I + j]) * x[i * 2 * I + I + j];
+    return l;
+  };
+  EXPECT_TRUE(AllClose(dgu, fd_grad(x, loss), 1e-4, 1e-3));
+}
+
+// Soft-capping: cap tanh(x / cap), and its backward from the capped values.
+TEST(Softcap, ForwardAndBackwardAgreeWithTheFormulaAndFiniteDifferences) {
+  const float cap = 2.5f;
+  auto x = randn(1001, 19, 4.0f), g = randn(1001, 20);
+  std::vector<float> y = x, dx = g;
+  softcap_forward(y.data(), cap, static_cast<int64_t>(y.size()));
+  softcap_backward(dx.data(), y.data(), cap, static_cast<int64_t>(y.size()));
+  std::vector<double> ry(x.size()), rdx(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double t = std::tanh(static_cast<double>(x[i]) / cap);
+    ry[i] = cap * t;
+    rdx[i] = g[i] * (1.0 - t * t);
+  }
+  EXPECT_TRUE(AllClose(y, ry, 1e-6, 1e-6));
+  EXPECT_TRUE(AllClose(dx, rdx, 1e-6, 1e-5));
+  EXPECT_THROW(softcap_forward(y.data(), 0.0f, 1), Error);
+}
+
 TEST(SwiGlu, ForwardAndBackwardAgreeWithReferenceAndFiniteDifferences) {
   const int64_t N = 13, I = 77;
   auto gu = randn(N * 2 * I, 31, 3.0f), dout = randn(N * I, 32);
@@ -169,6 +234,22 @@ std::vector<std::vector<float>> run_llama_kernels() {
   rmsnorm_forward(out.data(), rstd.data(), x.data(), view(w), N, C, 1e-6f);
   rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), view(w), rstd.data(), N, C);
   for (auto* v : {&out, &rstd, &dx, &dw}) o.push_back(*v);
+  rmsnorm_forward(out.data(), rstd.data(), x.data(), view(w), N, C, 1e-6f, 1.0f);
+  rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), view(w), rstd.data(), N, C, 1.0f);
+  for (auto* v : {&out, &rstd, &dx, &dw}) o.push_back(*v);
+  {
+    auto ggu = randn(N * 2 * I, 67, 4.0f), gdo = randn(N * I, 68);
+    std::vector<float> gact(N * I), gdgu(ggu.size());
+    geglu_forward(gact.data(), ggu.data(), N, I);
+    geglu_backward(gdgu.data(), gdo.data(), ggu.data(), N, I);
+    o.push_back(gact);
+    o.push_back(gdgu);
+    std::vector<float> capped = ggu, dcap = gdgu;
+    softcap_forward(capped.data(), 3.0f, static_cast<int64_t>(capped.size()));
+    softcap_backward(dcap.data(), capped.data(), 3.0f, static_cast<int64_t>(capped.size()));
+    o.push_back(capped);
+    o.push_back(dcap);
+  }
   auto gu = randn(N * 2 * I, 64, 4.0f), sdo = randn(N * I, 65);
   std::vector<float> act(N * I), dgu(gu.size());
   swiglu_forward(act.data(), gu.data(), N, I);
