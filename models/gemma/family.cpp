@@ -8,6 +8,8 @@
 // tensor map is the decoder's.
 #include "models/gemma/gemma.h"
 
+#include <cmath>
+
 namespace zinc::models::gemma {
 
 const Family& family();
@@ -59,11 +61,16 @@ void read_layer_types(const ConfigDoc& f, LlamaConfig& c, int64_t pattern) {
   }
 }
 
-json layer_types_json(const LlamaConfig& c) {
+void write_attention_json(const LlamaConfig& c, json& j) {
+  const double q = c.query_pre_attn_scalar;
+  j["query_pre_attn_scalar"] = q == std::floor(q) && std::fabs(q) < 1e15 ? json(static_cast<int64_t>(q)) : json(q);
+  j["attn_logit_softcapping"] = c.attn_logit_softcapping > 0 ? json(c.attn_logit_softcapping) : json(nullptr);
+  j["final_logit_softcapping"] = c.final_logit_softcapping > 0 ? json(c.final_logit_softcapping) : json(nullptr);
+  j["sliding_window"] = c.sliding_window;
   json types = json::array();
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     types.push_back(c.sliding_layer(l) ? "sliding_attention" : "full_attention");
-  return types;
+  j["layer_types"] = types;
 }
 
 namespace {

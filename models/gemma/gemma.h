@@ -24,7 +24,10 @@ nlohmann::json gemma_json(const LlamaConfig& c);
 // Sliding-window layers from layer_types, or without it every layer but
 // each `pattern`-th (transformers' default; Gemma 2: 2, Gemma 3: 6).
 void read_layer_types(const ConfigDoc& f, LlamaConfig& c, int64_t pattern);
-// layer_types as config.json writes it.
-nlohmann::json layer_types_json(const LlamaConfig& c);
+// Gemma 2 and 3's attention keys as config.json writes them into j:
+// query_pre_attn_scalar (an integer where it is whole: transformers'
+// config class refuses a float), both soft-caps (null: none),
+// sliding_window and layer_types.
+void write_attention_json(const LlamaConfig& c, nlohmann::json& j);
 
 }  // namespace zinc::models::gemma

@@ -34,11 +34,7 @@ json gemma2_json(const LlamaConfig& c) {
   json j = gemma::gemma_json(c);
   j["architectures"] = {"Gemma2ForCausalLM"};
   j["model_type"] = "gemma2";
-  j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
-  j["attn_logit_softcapping"] = c.attn_logit_softcapping > 0 ? json(c.attn_logit_softcapping) : json(nullptr);
-  j["final_logit_softcapping"] = c.final_logit_softcapping > 0 ? json(c.final_logit_softcapping) : json(nullptr);
-  j["sliding_window"] = c.sliding_window;
-  j["layer_types"] = gemma::layer_types_json(c);
+  gemma::write_attention_json(c, j);
   return j;
 }
 

@@ -50,11 +50,7 @@ json gemma3_json(const LlamaConfig& c) {
   json j = gemma::gemma_json(c);
   j["architectures"] = {"Gemma3ForCausalLM"};
   j["model_type"] = "gemma3_text";
-  j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
-  j["attn_logit_softcapping"] = c.attn_logit_softcapping > 0 ? json(c.attn_logit_softcapping) : json(nullptr);
-  j["final_logit_softcapping"] = c.final_logit_softcapping > 0 ? json(c.final_logit_softcapping) : json(nullptr);
-  j["sliding_window"] = c.sliding_window;
-  j["layer_types"] = gemma::layer_types_json(c);
+  gemma::write_attention_json(c, j);
   j.erase("rope_theta");
   j.erase("rope_scaling");
   j["rope_parameters"] = {{"full_attention", rope_json(c.rope_theta, c.rope_scaling)},

@@ -245,7 +245,10 @@ json decoder_json(const LlamaConfig& c) {
           {"rope_scaling", rope},
           {"hidden_act", "silu"},
           {"tie_word_embeddings", c.tie_word_embeddings},
-          {"initializer_range", c.init_std}};
+          {"initializer_range", c.init_std},
+          // No padding id: a family's default (SmolLM3's 128004) can lie
+          // outside a small vocabulary, and transformers' embedding refuses it.
+          {"pad_token_id", nullptr}};
 }
 
 const std::vector<std::pair<std::string, std::string>>& decoder_section_keys() {

@@ -78,7 +78,8 @@ TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm
   if (rank == 0) fs::remove_all(nvme);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfRanks, testing::Values("gpt2", "llama_gqa", "qwen2_tied", "mistral"),
+// Every family zinc loads (tests/fixtures/hf/loaded.txt).
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfRanks, testing::ValuesIn(kFixtures),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -99,7 +99,8 @@ def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None, steps=0):
 
 @pytest.mark.parametrize("fixture,stage,ranks", [
     ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1), ("qwen3", 2, 1),
-    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2)])
+    ("gemma", 1, 1), ("gemma2", 2, 1), ("gemma3", 0, 1),
+    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2), ("gemma2", 3, 2), ("gemma3", 3, 2)])
 def test_zero_steps_fp32_round_trip_is_bit_identical(tmp_path, fixture, stage, ranks):
     nvme = str(tmp_path / "nvme") if stage == 3 else None
     if nvme:
@@ -214,3 +215,47 @@ def test_save_pretrained_onto_a_file_is_refused_before_training(tmp_path):
     r = subprocess.run(cmd[:-2] + ["--save-pretrained", str(tmp_path / "o"), "--max-shard-size", "lots"],
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--max-shard-size: 'lots' is not a size" in r.stderr, r.stderr
+
+
+# Each Llama-style family built from zinc's own `model` section (the sizes
+# below, the rest the family's defaults), trained two steps and saved: its
+# config.json (the family's config_json) must read back as the same model,
+# so a run from the folder that saves again writes the same tensors, and
+# transformers, where installed, must load it with no missing or unexpected
+# keys.
+SECTION_FAMILIES = ["llama", "qwen3", "smollm3", "granite", "gemma", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", SECTION_FAMILIES)
+def test_a_model_built_from_its_section_exports_a_folder_that_reads_back(tmp_path, family):
+    model = {"type": family, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    cfg = tmp_path / "built.json"
+    cfg.write_text(json.dumps({"train_batch_size": 2, "model": model,
+                               "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 12},
+                               "run": {"steps": 2, "output_dir": str(tmp_path / "run0")}}))
+    first = tmp_path / "first"
+    r = subprocess.run([ZINC_TRAIN, str(cfg), "--save-pretrained", str(first), "--save-dtype", "fp32"],
+                       env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(first / "config.json") as f:
+        written = json.load(f)
+    assert written["architectures"][0].lower().startswith(family[:5].lower()), written["architectures"]
+    cfg2 = tmp_path / "again.json"
+    cfg2.write_text(json.dumps({"train_batch_size": 2, "model": {"from_pretrained": str(first)},
+                                "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 12},
+                                "run": {"steps": 1, "output_dir": str(tmp_path / "run1")}}))
+    second = tmp_path / "second"
+    r = subprocess.run([ZINC_TRAIN, str(cfg2), "--steps", "0", "--save-pretrained", str(second), "--save-dtype", "fp32"],
+                       env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = weights(str(first)), weights(str(second))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tobytes() == b[name].tobytes(), name
+    try:
+        import transformers  # noqa: F401 (bench/peers/setup.sh's venv)
+    except ImportError:
+        return
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(first), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], (family, info)
