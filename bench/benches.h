@@ -119,7 +119,7 @@ inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int6
 // over 4 kv heads, MLP 2816, seq 512, vocabulary 8192; untied head), or
 // (--wide) the GPT at the Llama's width, depth, vocabulary and sequence.
 struct StepSizes {
-  bool llama, wide;  // llama: a Llama-style decoder (the llama or the qwen3 family)
+  bool llama, wide;  // llama: a Llama-style decoder (the llama family or one sharing its graph)
   int64_t B, T, C, H, L, V, KV, I, D;
   std::string family;  // model.type
   const char* name() const { return llama ? family.c_str() : wide ? "gpt-wide" : "gpt"; }
@@ -128,7 +128,7 @@ struct StepSizes {
   }
 };
 inline StepSizes step_sizes(const BenchOptions& o) {
-  const bool llama = o.model == "llama" || o.model == "qwen3", wide = !llama && o.wide, big = llama || wide;
+  const bool llama = o.model != "gpt", wide = !llama && o.wide, big = llama || wide;
   const int64_t C = big ? 1024 : 384, H = big ? 16 : 6;
   return {llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H,
           llama ? o.model : std::string("gpt")};

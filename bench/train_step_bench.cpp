@@ -326,7 +326,7 @@ int bench_train_step(const BenchOptions& o) {
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward %.3f s | optimizer %.3f s\n"
                 "  where the time goes (profiled round, share of the step): %s%s",
-                case_name, llama ? (sz.family == "qwen3" ? "Qwen3" : "Llama") : "GPT", (long long)L, (long long)C, (long long)H,
+                case_name, llama ? sz.family.c_str() : "GPT", (long long)L, (long long)C, (long long)H,
                 llama ? (" KV=" + std::to_string(KV) + " I=" + std::to_string(I)).c_str() : "", (long long)T, (long long)B,
                 (long long)V, zinc::num_threads(), model_flops / 1e9, tokens_per_s, t_step, bound / 1e9,
                 std::string(zinc::dtype_name(dt)).c_str(), t_mm,

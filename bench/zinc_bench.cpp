@@ -55,9 +55,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "train-step, activation-checkpointing: training steps per round")->check(CLI::PositiveNumber);
   app.add_flag("--fp32", o.fp32, "train-step, estimate, activation-checkpointing: fp32 instead of bf16");
   app.add_option("--model", o.model,
-                 "train-step: gpt (the reference GPT), llama (a ~100M Llama, GQA 4:1, seq 512) or qwen3 (the same "
-                 "sizes as a Qwen3: per-head q/k norms)")
-      ->check(CLI::IsMember({"gpt", "llama", "qwen3"}));
+                 "train-step: gpt (the reference GPT), llama (a ~100M Llama, GQA 4:1, seq 512), or another "
+                 "Llama-style family at the same sizes with its own defaults: qwen3 (per-head q/k norms), gemma, "
+                 "gemma2 (post-norms, soft-caps), gemma3, smollm3, granite")
+      ->check(CLI::IsMember({"gpt", "llama", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite"}));
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "

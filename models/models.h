@@ -51,10 +51,16 @@ struct GptConfig {
 // (positions divided by factor) or "llama3" (Llama 3.1's frequency-band
 // rescaling). Others are refused by whoever reads the config.
 struct RopeScaling {
-  enum class Type { kNone, kLinear, kLlama3 } type = Type::kNone;
+  enum class Type { kNone, kLinear, kLlama3, kLongrope } type = Type::kNone;
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
-  int64_t original_max_position_embeddings = 8192;       // llama3
+  int64_t original_max_position_embeddings = 8192;       // llama3, longrope
+  // longrope (Phi-3): each frequency i divided by short_factor[i], or by
+  // long_factor[i] where the sequence is longer than
+  // original_max_position_embeddings (transformers picks by the batch's
+  // length); cos and sin times attention_factor.
+  std::vector<double> short_factor, long_factor;
+  double attention_factor = 1.0;
 };
 
 // transformers' LlamaForCausalLM (also Mistral and Qwen2), with its
@@ -83,6 +89,15 @@ struct LlamaConfig {
   // head_dim, eps rms_norm_eps) after the projection, before the rotary
   // embeddings.
   bool qk_norm = false;
+  // OLMo 2: the q and k norms over each token's whole projection (weights of
+  // H*head_dim and K*head_dim) instead of each head.
+  bool qk_norm_full = false;
+  // Phi-3, GPT-NeoX: only the first int(head_dim * partial_rotary_factor)
+  // values of each head rotate.
+  double partial_rotary_factor = 1.0;
+  // The tensor map's, not the graph's: Phi-3's files keep q|k|v
+  // (self_attn.qkv_proj) and gate|up (mlp.gate_up_proj) fused as zinc does.
+  bool fused_in_file = false;
   // SmolLM3: layers without rotary embeddings. no_rope_layers holds, per
   // layer, 1 (rotary embeddings) or 0 (none), as transformers names it;
   // empty, every no_rope_layer_interval-th layer has none (0: every layer
@@ -142,11 +157,15 @@ struct LlamaConfig {
     return no_rope_layer_interval <= 0 || (layer + 1) % no_rope_layer_interval != 0;
   }
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_size()) * partial_rotary_factor); }
 };
 
-// The rope inverse frequencies (head_dim / 2 floats) of a config, computed in
-// fp32 as transformers computes them, rope_scaling included.
-std::vector<float> rope_inv_freq(const LlamaConfig& cfg);
+// The rope inverse frequencies (rotary_dim() / 2 floats) of a config for
+// sequences of T tokens, computed in fp32 as transformers computes them,
+// rope_scaling included (longrope's factors depend on T).
+std::vector<float> rope_inv_freq(const LlamaConfig& cfg, int64_t T);
+// What the cos and sin tables are multiplied by (longrope's attention_factor; 1).
+float rope_table_scale(const LlamaConfig& cfg);
 
 struct MlpConfig {
   int64_t vocab_size = 256;

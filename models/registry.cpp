@@ -32,7 +32,9 @@ namespace zinc::models {
   X(granite)             \
   X(gemma)               \
   X(gemma2)              \
-  X(gemma3)
+  X(gemma3)              \
+  X(olmo2)               \
+  X(phi3)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

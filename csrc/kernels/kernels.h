@@ -240,9 +240,14 @@ void softcap_backward(float* dx, const float* y, float cap, int64_t n);
 // which maps d out to d x.
 // With `positions` (B*T; nullptr: row b's token t is at position t) the
 // token at (b,t) is rotated by the angle of positions[b*T+t] (< T).
+// Partial rotary embeddings (Phi-3's partial_rotary_factor, GPT-NeoX's
+// rotary_pct): only the first rotary_dim (even) values of each head rotate,
+// pairing i with i + rotary_dim/2; the tables are then (T, rotary_dim/2).
 struct RopeShape {
   int64_t B = 0, T = 0, W = 0, col = 0, heads = 0, head_dim = 0;
   const int32_t* positions = nullptr;
+  int64_t rotary_dim = 0;  // 0: head_dim
+  int64_t rotated() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
 };
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse);
 

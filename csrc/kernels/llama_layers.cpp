@@ -231,12 +231,13 @@ void softcap_backward(float* dx, const float* y, float cap, int64_t n) {
 
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse) {
   ProfileScope profile_scope(Op::kAttention);
-  if (s.head_dim <= 0 || s.head_dim % 2 != 0)
-    throw Error("rope: head_dim must be even and > 0, got " + std::to_string(s.head_dim));
+  if (s.head_dim <= 0 || s.rotated() % 2 != 0 || s.rotated() <= 0 || s.rotated() > s.head_dim)
+    throw Error("rope: the rotated dims " + std::to_string(s.rotated()) + " must be even, > 0 and at most head_dim " +
+                std::to_string(s.head_dim));
   if (s.col < 0 || s.col + s.heads * s.head_dim > s.W)
     throw Error("rope: heads " + std::to_string(s.heads) + " x " + std::to_string(s.head_dim) + " from column " +
                 std::to_string(s.col) + " exceed the row width " + std::to_string(s.W));
-  const int64_t h = s.head_dim / 2, N = s.B * s.T;
+  const int64_t h = s.rotated() / 2, N = s.B * s.T;
   if (s.positions)
     for (int64_t r = 0; r < N; ++r)
       if (s.positions[r] < 0 || s.positions[r] >= s.T)

@@ -147,12 +147,13 @@ __global__ void softcap_backward_kernel(float* dx, const float* y, float cap, in
 // with packed documents. s_sign = -1 for the inverse, applied to sin as the
 // CPU does (an exact negation).
 __global__ void rope_kernel(float* x, const float* cos, const float* sin, const int32_t* positions, int64_t N,
-                            int64_t T, int64_t W, int64_t col, int64_t heads, int64_t h, float s_sign) {
+                            int64_t T, int64_t W, int64_t col, int64_t heads, int64_t h, int64_t head_dim,
+                            float s_sign) {
   const int64_t per_row = heads * h, total = N * per_row;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / per_row, k = (e % per_row) / h, i = e % h;
     const int64_t t = positions ? static_cast<int64_t>(positions[r]) : r % T;
-    float* head = x + r * W + col + k * 2 * h;
+    float* head = x + r * W + col + k * head_dim;  // its first 2h values rotate
     const float a = head[i], b = head[h + i], c = cos[t * h + i], sn = s_sign * sin[t * h + i];
     head[i] = math::rope_lo(a, b, c, sn);
     head[h + i] = math::rope_hi(a, b, c, sn);
@@ -263,15 +264,16 @@ void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStrea
 }
 
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream) {
-  if (s.head_dim <= 0 || s.head_dim % 2 != 0)
-    throw Error("cuda::rope: head_dim must be even and > 0, got " + std::to_string(s.head_dim));
+  if (s.head_dim <= 0 || s.rotated() % 2 != 0 || s.rotated() <= 0 || s.rotated() > s.head_dim)
+    throw Error("cuda::rope: the rotated dims " + std::to_string(s.rotated()) +
+                " must be even, > 0 and at most head_dim " + std::to_string(s.head_dim));
   if (s.col < 0 || s.col + s.heads * s.head_dim > s.W)
     throw Error("cuda::rope: heads " + std::to_string(s.heads) + " x " + std::to_string(s.head_dim) +
                 " from column " + std::to_string(s.col) + " exceed the row width " + std::to_string(s.W));
-  const int64_t N = s.B * s.T, h = s.head_dim / 2;
+  const int64_t N = s.B * s.T, h = s.rotated() / 2;
   if (N <= 0 || s.heads <= 0) return;
   rope_kernel<<<detail::blocks_for(N * s.heads * h), detail::kThreads, 0, stream>>>(
-      x, cos, sin, s.positions, N, s.T, s.W, s.col, s.heads, h, inverse ? -1.0f : 1.0f);
+      x, cos, sin, s.positions, N, s.T, s.W, s.col, s.heads, h, s.head_dim, inverse ? -1.0f : 1.0f);
   detail::check_launch("rope");
 }
 

@@ -70,7 +70,7 @@ void swiglu_backward(T* dgate_up, const T* dout, const T* gate_up, int64_t N, in
 
 template <class T>
 void rope(T* x, const T* cos, const T* sin, RopeShape s, bool inverse) {
-  const int64_t h = s.head_dim / 2;
+  const int64_t h = s.rotated() / 2;
   for (int64_t r = 0; r < s.B * s.T; ++r) {
     const int64_t t = r % s.T;
     for (int64_t k = 0; k < s.heads; ++k) {

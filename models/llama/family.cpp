@@ -10,6 +10,7 @@
 // have no block name in the file ("model.embed_tokens.weight",
 // "model.norm.weight"); the untied head is "lm_head.weight", never prefixed.
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 
@@ -55,7 +56,9 @@ class Config final : public FamilyConfig {
           if (!s.empty()) s[0] = r;
           return HfPiece{prefix + n, s, r, false};
         };
-        if (p.name.find("self_attn.qkv_proj.") == 0)
+        if (c_.fused_in_file)
+          block.push_back({{p.name == "lm_head.weight" ? p.name : prefix + name, shape, rows, false}});
+        else if (p.name.find("self_attn.qkv_proj.") == 0)
           block.push_back({piece("qkv_proj", "q_proj", H * D), piece("qkv_proj", "k_proj", K * D),
                            piece("qkv_proj", "v_proj", K * D)});
         else if (p.name.find("mlp.gate_up_proj.") == 0)
@@ -141,19 +144,71 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// longrope (Phi-3): its two factor lists, original_max_position_embeddings
+// (in the object or, in Phi-3's configs, beside it), and the attention
+// factor: given, or from factor (default max_position_embeddings /
+// original_max_position_embeddings) as transformers derives it.
+void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, LlamaConfig& c) {
+  RopeScaling& s = c.rope_scaling;
+  s.type = RopeScaling::Type::kLongrope;
+  for (auto [name, out] : {std::pair<const char*, std::vector<double>*>{"short_factor", &s.short_factor},
+                           {"long_factor", &s.long_factor}}) {
+    if (!p.has(name)) f.fail(where + "." + name, "missing (required for rope_type longrope)");
+    const json& v = p.at(name);
+    if (!v.is_array()) f.fail(where + "." + name, "expected a list of numbers, got " + v.dump());
+    out->clear();
+    for (const json& x : v) {
+      if (!x.is_number()) f.fail(where + "." + name, "expected a list of numbers, got " + v.dump());
+      out->push_back(x.get<double>());
+    }
+  }
+  if (p.has("original_max_position_embeddings"))
+    s.original_max_position_embeddings = p.get_int("original_max_position_embeddings");
+  else if (f.has("original_max_position_embeddings"))
+    s.original_max_position_embeddings = f.get_int("original_max_position_embeddings");
+  else
+    f.fail(where + ".original_max_position_embeddings", "missing (required for rope_type longrope)");
+  if (s.original_max_position_embeddings < 1)
+    f.fail(where + ".original_max_position_embeddings", "must be >= 1");
+  s.factor = p.get_number("factor", static_cast<double>(c.max_position_embeddings) /
+                                        static_cast<double>(s.original_max_position_embeddings));
+  if (p.has("attention_factor")) {
+    s.attention_factor = p.get_number("attention_factor", 1.0);
+  } else {
+    const double orig = static_cast<double>(s.original_max_position_embeddings);
+    s.attention_factor = s.factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s.factor) / std::log(orig));
+  }
+  if (!(s.attention_factor > 0) || !std::isfinite(s.attention_factor))
+    f.fail(where + ".attention_factor", "must be a finite number > 0");
+}
+
+}  // namespace
+
 void read_rope_params(const ConfigDoc& f, const json& params, const std::string& where, LlamaConfig& c) {
   if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
   ConfigDoc p(f.path(), params);
   auto key = [&](const char* k) { return where + "." + k; };
   if (p.has("rope_theta")) c.rope_theta = p.get_number("rope_theta", c.rope_theta);
+  if (p.has("partial_rotary_factor")) c.partial_rotary_factor = p.get_number("partial_rotary_factor", 1.0);
   std::string type = p.get_string("rope_type", p.get_string("type", "default"));
   RopeScaling& s = c.rope_scaling;
   if (type == "default") {
     s.type = RopeScaling::Type::kNone;
     return;
   }
+  if (type == "dynamic")
+    f.fail(key("rope_type"), "\"dynamic\" is not supported: it is an inference-time rule (the frequencies change "
+                             "with the length being generated); training at a fixed length wants linear, llama3 or "
+                             "longrope");
+  if (type == "longrope" || type == "su") {  // "su": the name of Phi-3's first configs
+    read_longrope(f, p, where, c);
+    return;
+  }
   if (type != "linear" && type != "llama3")
-    f.fail(key("rope_type"), "\"" + type + "\" is not supported; zinc implements default, linear and llama3");
+    f.fail(key("rope_type"),
+           "\"" + type + "\" is not supported; zinc implements default, linear, llama3 and longrope");
   if (!p.has("factor")) f.fail(key("factor"), "missing (required for rope_type " + type + ")");
   s.factor = p.get_number("factor", 1.0);
   if (type == "linear") {
@@ -201,7 +256,8 @@ void read_decoder(const ConfigDoc& f, LlamaConfig& c) {
   c.num_key_value_heads = f.get_int("num_key_value_heads", c.num_attention_heads);
   c.head_dim = f.get_int("head_dim", c.head_dim);
   c.max_position_embeddings = f.get_int("max_position_embeddings");
-  c.rms_norm_eps = f.get_number("rms_norm_eps", LlamaConfig{}.rms_norm_eps);  // transformers: 1e-6 too
+  c.rms_norm_eps = f.get_number("rms_norm_eps", c.rms_norm_eps);  // the family's default (the Llama's 1e-6, as transformers')
+  c.partial_rotary_factor = f.get_number("partial_rotary_factor", c.partial_rotary_factor);
   read_rope(f, c);
   c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
 }
@@ -226,13 +282,20 @@ json decoder_json(const LlamaConfig& c) {
   json rope = nullptr;
   const RopeScaling& s = c.rope_scaling;
   if (s.type == RopeScaling::Type::kLinear) rope = {{"rope_type", "linear"}, {"factor", s.factor}};
+  if (s.type == RopeScaling::Type::kLongrope)
+    rope = {{"rope_type", "longrope"},
+            {"short_factor", s.short_factor},
+            {"long_factor", s.long_factor},
+            {"factor", s.factor},
+            {"attention_factor", s.attention_factor},
+            {"original_max_position_embeddings", s.original_max_position_embeddings}};
   if (s.type == RopeScaling::Type::kLlama3)
     rope = {{"rope_type", "llama3"},
             {"factor", s.factor},
             {"low_freq_factor", s.low_freq_factor},
             {"high_freq_factor", s.high_freq_factor},
             {"original_max_position_embeddings", s.original_max_position_embeddings}};
-  return {{"vocab_size", c.vocab_size},
+  json j = {{"vocab_size", c.vocab_size},
           {"hidden_size", c.hidden_size},
           {"intermediate_size", c.intermediate_size},
           {"num_hidden_layers", c.num_hidden_layers},
@@ -249,6 +312,8 @@ json decoder_json(const LlamaConfig& c) {
           // No padding id: a family's default (SmolLM3's 128004) can lie
           // outside a small vocabulary, and transformers' embedding refuses it.
           {"pad_token_id", nullptr}};
+  if (c.partial_rotary_factor != 1.0) j["partial_rotary_factor"] = c.partial_rotary_factor;
+  return j;
 }
 
 const std::vector<std::pair<std::string, std::string>>& decoder_section_keys() {

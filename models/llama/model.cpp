@@ -81,8 +81,8 @@ class Llama final : public Model {
       x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
       if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
       if (c.qk_norm) {
-        x.q_norm = add({"self_attn.q_norm.weight", {D_}, norm_init});
-        x.k_norm = add({"self_attn.k_norm.weight", {D_}, norm_init});
+        x.q_norm = add({"self_attn.q_norm.weight", {c.qk_norm_full ? H_ * D_ : D_}, norm_init});
+        x.k_norm = add({"self_attn.k_norm.weight", {c.qk_norm_full ? K_ * D_ : D_}, norm_init});
       }
       x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd});
       if (c.o_bias) x.o_b = add({"self_attn.o_proj.bias", {C}, Init::kZeros});
@@ -280,7 +280,7 @@ class Llama final : public Model {
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
-        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_}, true);
+        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
@@ -372,7 +372,8 @@ class Llama final : public Model {
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
-    if (c_.uses_rope(l)) ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_}, false);
+    if (c_.uses_rope(l))
+      ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
@@ -426,6 +427,12 @@ class Llama final : public Model {
   // Qwen3's per-head norms of q and k, in place in the projection's q and k
   // columns: each head of D values is a row of an RMSNorm over N*H (or N*K)
   // rows, run on contiguous copies (kept for backward).
+  // The rows and width of a q or k norm over `heads` heads of N tokens:
+  // each head a row (Qwen3's), or each token's whole projection (OLMo 2's
+  // qk_norm_full).
+  std::pair<int64_t, int64_t> qk_norm_rows(int64_t heads, int64_t N) const {
+    return c_.qk_norm_full ? std::pair{N, heads * D_} : std::pair{N * heads, D_};
+  }
   void qk_norm_forward(const HeldParams& p, LlamaLayerActs& a, float* proj, int64_t N) {
     const int64_t Q = (H_ + 2 * K_) * D_;
     float* q_pre = a.qk_pre.as<float>();
@@ -434,9 +441,11 @@ class Llama final : public Model {
     float* rstd = a.rstd_qk.as<float>();
     ops_->copy_columns(q_pre, H_ * D_, proj, Q, N, H_ * D_);
     ops_->copy_columns(k_pre, K_ * D_, proj + H_ * D_, Q, N, K_ * D_);
-    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], N * H_, D_, eps(), c_.norm_offset);
+    const auto [qr, qw] = qk_norm_rows(H_, N);
+    const auto [kr, kw] = qk_norm_rows(K_, N);
+    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], qr, qw, eps(), c_.norm_offset);
     ops_->copy_columns(proj, Q, out, H_ * D_, N, H_ * D_);
-    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], N * K_, D_, eps(), c_.norm_offset);
+    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], kr, kw, eps(), c_.norm_offset);
     ops_->copy_columns(proj + H_ * D_, Q, out, K_ * D_, N, K_ * D_);
   }
   // dproj's q and k columns hold the gradient of the normed heads; they
@@ -451,7 +460,8 @@ class Llama final : public Model {
                                          std::tuple{H_ * D_, K_, q_pre + N * H_ * D_, rstd + N * H_, idx_.k_norm}}) {
       ops_->copy_columns(dout, heads * D_, dproj + col, Q, N, heads * D_);
       ops_->zero(dx, N * heads * D_);
-      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, N * heads, D_, c_.norm_offset);
+      const auto [rows, width] = qk_norm_rows(heads, N);
+      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, rows, width, c_.norm_offset);
       ops_->copy_columns(dproj + col, Q, dx, heads * D_, N, heads * D_);
     }
   }
@@ -459,22 +469,28 @@ class Llama final : public Model {
   // The (T, D/2) cos and sin of the rope angles t * inv_freq[i], each angle
   // rounded to fp32 as transformers forms it (fp32 product of fp32 values).
   void build_rope_tables(int64_t T) {
-    build_rope_table(T, rope_inv_freq(c_), rope_cos_, rope_sin_);
+    build_rope_table(T, rope_inv_freq(c_, T), rope_table_scale(c_), rope_cos_, rope_sin_);
     if (c_.rope_local_theta > 0) {
       LlamaConfig local = c_;
       local.rope_theta = c_.rope_local_theta;
       local.rope_scaling = RopeScaling{};
-      build_rope_table(T, rope_inv_freq(local), rope_local_cos_, rope_local_sin_);
+      build_rope_table(T, rope_inv_freq(local, T), 1.0f, rope_local_cos_, rope_local_sin_);
     }
   }
-  void build_rope_table(int64_t T, const std::vector<float>& inv, Buf& cos_out, Buf& sin_out) {
-    const int64_t h = D_ / 2;
+  // cos and sin times `scale` (longrope's attention factor) in fp32, as
+  // transformers scales its tables.
+  void build_rope_table(int64_t T, const std::vector<float>& inv, float scale, Buf& cos_out, Buf& sin_out) {
+    const int64_t h = c_.rotary_dim() / 2;
     std::vector<float> cs(static_cast<size_t>(T * h)), sn(cs.size());
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < h; ++i) {
         const float angle = static_cast<float>(t) * inv[static_cast<size_t>(i)];
         cs[static_cast<size_t>(t * h + i)] = static_cast<float>(std::cos(static_cast<double>(angle)));
         sn[static_cast<size_t>(t * h + i)] = static_cast<float>(std::sin(static_cast<double>(angle)));
+        if (scale != 1.0f) {
+          cs[static_cast<size_t>(t * h + i)] *= scale;
+          sn[static_cast<size_t>(t * h + i)] *= scale;
+        }
       }
     ops_->copy_in(cos_out, cs.data(), T * h);
     ops_->copy_in(sin_out, sn.data(), T * h);
@@ -552,8 +568,13 @@ class Llama final : public Model {
 
 }  // namespace
 
-std::vector<float> rope_inv_freq(const LlamaConfig& c) {
-  const int64_t D = c.head_size(), h = D / 2;
+float rope_table_scale(const LlamaConfig& c) {
+  return c.rope_scaling.type == RopeScaling::Type::kLongrope ? static_cast<float>(c.rope_scaling.attention_factor)
+                                                             : 1.0f;
+}
+
+std::vector<float> rope_inv_freq(const LlamaConfig& c, int64_t T) {
+  const int64_t D = c.rotary_dim(), h = D / 2;
   std::vector<float> inv(static_cast<size_t>(h));
   const float base = static_cast<float>(c.rope_theta);
   for (int64_t i = 0; i < h; ++i) {
@@ -563,7 +584,15 @@ std::vector<float> rope_inv_freq(const LlamaConfig& c) {
   }
   const RopeScaling& s = c.rope_scaling;
   const float factor = static_cast<float>(s.factor);
-  if (s.type == RopeScaling::Type::kLinear) {
+  if (s.type == RopeScaling::Type::kLongrope) {
+    // transformers: 1 / (ext * base ** (arange(0, D, 2).float() / D)), ext
+    // the fp32 factors: long past original_max_position_embeddings.
+    const std::vector<double>& ext = T > s.original_max_position_embeddings ? s.long_factor : s.short_factor;
+    for (int64_t i = 0; i < h; ++i) {
+      const float e = static_cast<float>(2 * i) / static_cast<float>(D);
+      inv[static_cast<size_t>(i)] = 1.0f / (static_cast<float>(ext[static_cast<size_t>(i)]) * std::pow(base, e));
+    }
+  } else if (s.type == RopeScaling::Type::kLinear) {
     for (float& f : inv) f = f / factor;
   } else if (s.type == RopeScaling::Type::kLlama3) {
     // Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the
@@ -604,8 +633,25 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
                                         std::to_string(c.num_attention_heads) + " (or head_dim given), got " +
                                         std::to_string(c.hidden_size)};
   }
-  if (c.head_size() % 2 != 0)
-    return SizeError{"head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_size())};
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
+    return SizeError{"partial_rotary_factor", "must be in (0, 1]"};
+  if (c.rotary_dim() % 2 != 0 || c.rotary_dim() <= 0)
+    return SizeError{c.partial_rotary_factor == 1 ? "head_dim" : "partial_rotary_factor",
+                     "the rotated dims (head_dim " + std::to_string(c.head_size()) + " times partial_rotary_factor) "
+                     "must be even and > 0, got " + std::to_string(c.rotary_dim())};
+  if (c.rope_scaling.type == RopeScaling::Type::kLongrope) {
+    const size_t h = static_cast<size_t>(c.rotary_dim() / 2);
+    if (c.rope_scaling.short_factor.size() != h || c.rope_scaling.long_factor.size() != h)
+      return SizeError{"rope_scaling.short_factor",
+                       "longrope's short_factor and long_factor must hold rotary_dim / 2 = " + std::to_string(h) +
+                           " values each, got " + std::to_string(c.rope_scaling.short_factor.size()) + " and " +
+                           std::to_string(c.rope_scaling.long_factor.size())};
+    for (const std::vector<double>* v : {&c.rope_scaling.short_factor, &c.rope_scaling.long_factor})
+      for (double x : *v)
+        if (!(x > 0) || !std::isfinite(x)) return SizeError{"rope_scaling.long_factor", "factors must be finite and > 0"};
+    if (c.rope_scaling.original_max_position_embeddings < 1)
+      return SizeError{"rope_scaling.original_max_position_embeddings", "must be >= 1"};
+  }
   if (!(c.rms_norm_eps > 0)) return SizeError{"rms_norm_eps", "must be > 0"};
   if (!(c.rope_theta > 0)) return SizeError{"rope_theta", "must be > 0"};
   if (!c.no_rope_layers.empty()) {

@@ -161,8 +161,10 @@ TEST(CudaLlama, RopeMatchesTheCpuBits) {
     rope_tables(k.T, k.hd, scaling, c, s);
     DeviceBuffer d_c = upload(c), d_s = upload(s);
     const int64_t W = (k.H + 2 * k.Hkv) * k.hd;
+    // ... and partial rotary embeddings (both sides read the tables as (T, rotary_dim/2)).
     for (RopeShape sh : {RopeShape{k.B, k.T, W, 0, k.H, k.hd}, RopeShape{k.B, k.T, W, k.H * k.hd, k.Hkv, k.hd},
-                         RopeShape{k.B, k.T, W, 0, k.H + k.Hkv, k.hd}})
+                         RopeShape{k.B, k.T, W, 0, k.H + k.Hkv, k.hd},
+                         RopeShape{k.B, k.T, W, 0, k.H + k.Hkv, k.hd, nullptr, k.hd / 2 + (k.hd / 2) % 2}})
     for (bool inverse : {false, true}) {
       const std::string at = "B=" + std::to_string(k.B) + " T=" + std::to_string(k.T) + " hd=" + std::to_string(k.hd) +
                              " col=" + std::to_string(sh.col) + " heads=" + std::to_string(sh.heads) +

@@ -231,9 +231,10 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
     for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite",
-                                   "gemma2", "gemma3 checkpointed"}) {
+                                   "gemma2", "gemma3 checkpointed", "olmo2 checkpointed"}) {
       const bool gpt = kind.rfind("gpt", 0) == 0;
-      const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0;
+      const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0 ||
+                         kind.rfind("olmo2", 0) == 0;
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -254,8 +255,13 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       ActivationMemory want;
       for (int round = 0; round < 2; ++round) {
         models::LlamaConfig lk = l;
-        lk.gradient_checkpointing = kind == "llama checkpointed" || kind == "gemma3 checkpointed";
-        lk.qk_norm = kind == "qwen3" || kind == "gemma3 checkpointed";  // Qwen3's per-head norms, with head_dim decoupled from hidden / heads
+        lk.gradient_checkpointing = kind.find("checkpointed") != std::string::npos && !gpt;
+        lk.qk_norm = kind == "qwen3" || kind == "gemma3 checkpointed" || kind == "olmo2 checkpointed";
+        if (kind == "olmo2 checkpointed") {  // post-norms only, q/k norms over the whole projection, partial rope
+          lk.pre_norms = false;
+          lk.post_norms = lk.qk_norm_full = true;
+          lk.partial_rotary_factor = 0.5;
+        }  // Qwen3's per-head norms, with head_dim decoupled from hidden / heads
         if (lk.qk_norm) lk.head_dim = 40;
         if (kind == "granite") {  // the branch gradient's scratch; the other scalings allocate nothing
           lk.residual_multiplier = 0.5;

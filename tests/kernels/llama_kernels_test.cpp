@@ -172,6 +172,31 @@ TEST(SwiGlu, ForwardAndBackwardAgreeWithReferenceAndFiniteDifferences) {
   EXPECT_TRUE(AllClose(dx, fd, 1e-4, 1e-3));
 }
 
+// Partial rotary embeddings (Phi-3, GPT-NeoX): the first rotary_dim values
+// of each head rotate (pairs i, i + rotary_dim/2, tables of rotary_dim/2),
+// the rest of the head is untouched; against the reference, and the inverse
+// undoes it.
+TEST(Rope, PartialRotaryRotatesTheFirstDimsOfEachHead) {
+  const int64_t B = 2, T = 9, hd = 12, rd = 8, W = 4 * hd;
+  std::vector<float> c, s;
+  rope_tables(T, rd, c, s);
+  const RopeShape sh{B, T, W, hd, 3, hd, nullptr, rd};
+  auto x = randn(B * T * W, 43);
+  std::vector<float> got = x;
+  rope(got.data(), c.data(), s.data(), sh, false);
+  std::vector<double> want = to_double(x), cd = to_double(c), sd = to_double(s);
+  ref::rope(want.data(), cd.data(), sd.data(), sh, false);
+  EXPECT_TRUE(AllClose(got, want, 1e-6, 1e-5));
+  for (int64_t r = 0; r < B * T; ++r)
+    for (int64_t j = 0; j < W; ++j) {
+      const bool rotated = j >= hd && (j - hd) % hd < rd;
+      if (!rotated) ASSERT_EQ(got[r * W + j], x[r * W + j]) << r << ":" << j;
+      if (rotated && r % T > 0) ASSERT_NE(got[r * W + j], x[r * W + j]) << r << ":" << j;
+    }
+  rope(got.data(), c.data(), s.data(), sh, true);
+  EXPECT_TRUE(AllClose(got, to_double(x), 1e-5, 1e-5));
+}
+
 TEST(Rope, AgreesWithReferenceAndBackwardIsTheTranspose) {
   // A fused row [q (3 heads) | k (1 head) | v (1 head)] of head_dim 10.
   const int64_t B = 2, T = 7, hd = 10, W = 5 * hd;
@@ -201,6 +226,8 @@ TEST(Rope, AgreesWithReferenceAndBackwardIsTheTranspose) {
   }
   std::vector<float> x(10);
   EXPECT_THROW(rope(x.data(), c.data(), s.data(), RopeShape{1, 1, 10, 0, 1, 9}, false), Error);
+  EXPECT_THROW(rope(x.data(), c.data(), s.data(), RopeShape{1, 1, 10, 0, 1, 10, nullptr, 5}, false), Error);
+  EXPECT_THROW(rope(x.data(), c.data(), s.data(), RopeShape{1, 1, 10, 0, 1, 10, nullptr, 12}, false), Error);
   EXPECT_THROW(rope(x.data(), c.data(), s.data(), RopeShape{1, 1, 10, 2, 1, 10}, false), Error);
 }
 
@@ -263,6 +290,8 @@ std::vector<std::vector<float>> run_llama_kernels() {
   rope(qkv.data(), c.data(), s.data(), {1, T, (H + 2 * Hkv) * hd, 0, H + Hkv, hd}, false);
   o.push_back(qkv);
   rope(qkv.data(), c.data(), s.data(), {1, T, (H + 2 * Hkv) * hd, 0, H, hd}, true);
+  o.push_back(qkv);
+  rope(qkv.data(), c.data(), s.data(), {1, T, (H + 2 * Hkv) * hd, 0, H + Hkv, hd, nullptr, hd - 10}, false);
   o.push_back(qkv);
   std::vector<float> big(T * 3 * H * hd), red(qkv.size());
   gqa_expand(big.data(), qkv.data(), T, H, Hkv, hd);
