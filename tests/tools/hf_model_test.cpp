@@ -287,6 +287,29 @@ TEST(HfModel, NewFamiliesKeysAreCheckedNamingTheKey) {
     j["layer_types"] = {"full_attention"};
   }, {"layer_types", "one entry per layer"});
   refuse("mistral_window", [](nlohmann::json& j) { j["sliding_window"] = -3; }, {"sliding_window"});
+  refuse("gemma", [](nlohmann::json& j) { j["hidden_act"] = "relu"; }, {"hidden_act", "relu", "tanh"});
+  refuse("gemma2", [](nlohmann::json& j) { j["attn_logit_softcapping"] = 0; }, {"attn_logit_softcapping", "> 0"});
+  refuse("gemma2", [](nlohmann::json& j) { j["final_logit_softcapping"] = -30; }, {"final_logit_softcapping"});
+  refuse("gemma2", [](nlohmann::json& j) { j["query_pre_attn_scalar"] = 0; }, {"query_pre_attn_scalar", "> 0"});
+  refuse("gemma2", [](nlohmann::json& j) { j["layer_types"] = {"sliding_attention"}; }, {"layer_types", "one entry"});
+  refuse("gemma3", [](nlohmann::json& j) { j["use_bidirectional_attention"] = true; },
+         {"use_bidirectional_attention", "causal"});
+  refuse("gemma3", [](nlohmann::json& j) { j["rope_parameters"]["chunked_attention"] = {{"rope_theta", 1.0}}; },
+         {"rope_parameters.chunked_attention", "layer type"});
+  refuse("gemma3", [](nlohmann::json& j) {
+    j["rope_parameters"]["sliding_attention"] = {{"rope_type", "linear"}, {"factor", 2.0}, {"rope_theta", 1e4}};
+  }, {"rope_parameters.sliding_attention.rope_type", "full-attention layers only"});
+  refuse("phi3", [](nlohmann::json& j) { j["rope_parameters"]["long_factor"] = {1.0, 2.0}; },
+         {"short_factor", "rotary_dim / 2 = 3"});
+  refuse("phi3", [](nlohmann::json& j) { j["rope_parameters"].erase("short_factor"); },
+         {"rope_parameters.short_factor", "missing"});
+  refuse("phi3", [](nlohmann::json& j) { j["rope_parameters"]["partial_rotary_factor"] = 0.2; },
+         {"partial_rotary_factor", "even"});
+  refuse("phi3", [](nlohmann::json& j) { j["rope_parameters"]["partial_rotary_factor"] = 1.5; },
+         {"partial_rotary_factor", "(0, 1]"});
+  refuse("llama_gqa", [](nlohmann::json& j) { j["rope_parameters"] = {{"rope_type", "dynamic"}, {"factor", 2.0}}; },
+         {"rope_type", "inference-time"});
+  refuse("olmo2", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "SiLU"});
 }
 
 // The tolerances discriminate: the same weights with llama3's rope scaling
