@@ -69,6 +69,10 @@ class CpuOps : public Ops {
   void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
     kernels::geglu_backward(dgate_up, dout, gate_up, N, I);
   }
+  void gelu_erf_forward(float* out, const float* x, int64_t n) override { kernels::gelu_erf_forward(out, x, n); }
+  void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n) override {
+    kernels::gelu_erf_backward(dx, x, dout, n);
+  }
   void softcap_forward(float* x, float cap, int64_t n) override { kernels::softcap_forward(x, cap, n); }
   void softcap_backward(float* dx, const float* y, float cap, int64_t n) override {
     kernels::softcap_backward(dx, y, cap, n);

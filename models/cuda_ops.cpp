@@ -105,6 +105,10 @@ class CudaOps final : public Ops {
   void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) override {
     kernels::cuda::geglu_backward(dgate_up, dout, gate_up, N, I, kStream);
   }
+  void gelu_erf_forward(float* out, const float* x, int64_t n) override { kernels::cuda::gelu_erf_forward(out, x, n, kStream); }
+  void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n) override {
+    kernels::cuda::gelu_erf_backward(dx, x, dout, n, kStream);
+  }
   void softcap_forward(float* x, float cap, int64_t n) override { kernels::cuda::softcap_forward(x, cap, n, kStream); }
   void softcap_backward(float* dx, const float* y, float cap, int64_t n) override {
     kernels::cuda::softcap_backward(dx, y, cap, n, kStream);

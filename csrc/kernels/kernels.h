@@ -136,6 +136,11 @@ void gelu_forward_bf16(bf16* out, const float* x, int64_t n);
 // pass over x and dout.
 void gelu_backward_bias_bf16(float* dbias, bf16* dx16, const float* x, const float* dout, int64_t M, int64_t N);
 
+// ---- GELU, exact form: x Phi(x) with erf (math::gelu_erf; GPT-NeoX's "gelu") ----------
+void gelu_erf_forward(float* out, const float* x, int64_t n);
+// dx = dout * gelu_erf'(x)   (written, not accumulated)
+void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n);
+
 // ---- causal multi-head self-attention ------------------------------------------
 // qkv(B,T,3C) holds q, k, v side by side in the last dim, each C = H*hs wide
 // (head h uses columns h*hs..h*hs+hs-1 of its part). out(B,T,C) is the

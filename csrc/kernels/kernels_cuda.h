@@ -82,6 +82,8 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
 void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream);
 void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                     cudaStream_t stream);
+void gelu_erf_forward(float* out, const float* x, int64_t n, cudaStream_t stream);
+void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream);
 void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream);
 void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStream_t stream);
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream);

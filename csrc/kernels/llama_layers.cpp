@@ -88,6 +88,19 @@ ZINC_ALWAYS_INLINE void geglu_row_backward_body(float* __restrict dgate, float* 
 }
 ZINC_ISA_VARIANTS(void, geglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
 
+// ---- exact GELU ------------------------------------------------------------------------------
+
+ZINC_ALWAYS_INLINE void gelu_erf_run_forward_body(float* __restrict out, const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = math::gelu_erf(x[j]);
+}
+ZINC_ISA_VARIANTS(void, gelu_erf_run_forward, (float* __restrict out, const float* __restrict x, int64_t n), (out, x, n))
+
+ZINC_ALWAYS_INLINE void gelu_erf_run_backward_body(float* __restrict dx, const float* __restrict x,
+                                                   const float* __restrict dout, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dx[j] = dout[j] * math::gelu_erf_grad(x[j]);
+}
+ZINC_ISA_VARIANTS(void, gelu_erf_run_backward, (float* __restrict dx, const float* __restrict x, const float* __restrict dout, int64_t n), (dx, x, dout, n))
+
 // ---- soft-capping -------------------------------------------------------------------------
 
 ZINC_ALWAYS_INLINE void softcap_run_forward_body(float* __restrict x, float cap, int64_t n) {
@@ -206,6 +219,22 @@ void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, in
       const size_t r = i * 2 * static_cast<size_t>(I);
       geglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
     }
+  });
+}
+
+// ---- exact GELU ------------------------------------------------------------------------------
+
+void gelu_erf_forward(float* out, const float* x, int64_t n) {
+  ProfileScope profile_scope(Op::kGelu);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), size_t{1} << 14, [&](size_t lo, size_t hi) {
+    gelu_erf_run_forward(out + lo, x + lo, static_cast<int64_t>(hi - lo));
+  });
+}
+
+void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n) {
+  ProfileScope profile_scope(Op::kGelu);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(n, 0)), size_t{1} << 14, [&](size_t lo, size_t hi) {
+    gelu_erf_run_backward(dx + lo, x + lo, dout + lo, static_cast<int64_t>(hi - lo));
   });
 }
 

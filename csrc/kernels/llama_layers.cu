@@ -131,6 +131,16 @@ __global__ void geglu_backward_kernel(float* dgate_up, const float* dout, const 
   }
 }
 
+__global__ void gelu_erf_forward_kernel(float* out, const float* x, int64_t n) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
+    out[e] = math::gelu_erf(x[e]);
+}
+
+__global__ void gelu_erf_backward_kernel(float* dx, const float* x, const float* dout, int64_t n) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
+    dx[e] = dout[e] * math::gelu_erf_grad(x[e]);
+}
+
 __global__ void softcap_forward_kernel(float* x, float cap, int64_t n) {
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
     x[e] = math::softcap(x[e], cap);
@@ -247,6 +257,18 @@ void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, in
   if (N <= 0 || I <= 0) return;
   geglu_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I);
   detail::check_launch("geglu_backward");
+}
+
+void gelu_erf_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  gelu_erf_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n);
+  detail::check_launch("gelu_erf_forward");
+}
+
+void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  gelu_erf_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, x, dout, n);
+  detail::check_launch("gelu_erf_backward");
 }
 
 void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream) {

@@ -101,6 +101,30 @@ ZINC_HD float gelu_grad(float v) {
   return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * dudx;
 }
 
+// ---- GELU, exact form (erf): GPT-NeoX's "gelu" -----------------------------------------
+// erf(x) by Abramowitz and Stegun 7.1.26: 1 - (a1 t + ... + a5 t^5)
+// exp(-x^2), t = 1 / (1 + p |x|), odd in x; absolute error below 1.5e-7
+// in exact arithmetic, a few 1e-7 in float. Plain + * / and exp_f only.
+ZINC_HD float erf_f(float x) {
+  const float a = x < 0.0f ? -x : x;
+  const float t = 1.0f / (1.0f + 0.3275911f * a);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const float y = 1.0f - p * t * exp_f(-a * a);
+  return x < 0.0f ? -y : y;
+}
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+// x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))
+ZINC_HD float gelu_erf(float v) { return 0.5f * v * (1.0f + erf_f(v * kInvSqrt2)); }
+// Phi(x) + x phi(x)
+ZINC_HD float gelu_erf_grad(float v) {
+  return 0.5f * (1.0f + erf_f(v * kInvSqrt2)) + v * kInvSqrt2Pi * exp_f(-0.5f * v * v);
+}
+
 // ---- layernorm ------------------------------------------------------------------
 // Forward of one row of C: mean = sum(x) / C, then the two-pass variance
 // var = sum((x - mean)^2) / C (both sums in lane order), rstd = 1 / sqrt(var + eps),

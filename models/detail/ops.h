@@ -106,6 +106,8 @@ class Ops {
   virtual void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) = 0;
   virtual void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) = 0;
   virtual void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) = 0;
+  virtual void gelu_erf_forward(float* out, const float* x, int64_t n) = 0;
+  virtual void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n) = 0;
   virtual void softcap_forward(float* x, float cap, int64_t n) = 0;
   virtual void softcap_backward(float* dx, const float* y, float cap, int64_t n) = 0;
   // cos, sin: (T, head_dim/2) tables where the kernels read them (copy_in).
