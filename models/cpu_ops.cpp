@@ -27,8 +27,8 @@ class CpuOps : public Ops {
     kernels::bias_backward(dbias, dy, M, N);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
-                         int64_t C) override {
-    kernels::layernorm_forward(out, mean, rstd, x, w, b, N, C);
+                         int64_t C, float eps) override {
+    kernels::layernorm_forward(out, mean, rstd, x, w, b, N, C, eps);
   }
   void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                           const float* mean, const float* rstd, int64_t N, int64_t C) override {

@@ -143,8 +143,8 @@ class CudaOps final : public Ops {
     kernels::cuda::bias_backward(dbias, dy, M, N, kStream);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
-                         int64_t C) override {
-    kernels::cuda::layernorm_forward(out, mean, rstd, x, w, b, N, C, kStream);
+                         int64_t C, float eps) override {
+    kernels::cuda::layernorm_forward(out, mean, rstd, x, w, b, N, C, kStream, eps);
   }
   void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                           const float* mean, const float* rstd, int64_t N, int64_t C) override {

@@ -55,11 +55,16 @@ class ConfigDoc {
 // One transformers tensor that makes up rows of a zinc parameter: `rows`
 // rows of the zinc parameter, stored in the file as `name` of `shape`
 // (transposed: GPT-2's Conv1D keeps (in, out) where zinc keeps (out, in)).
+// A piece may be part of a tensor: file rows [file_row, file_row + rows)
+// of it (GPT-NeoX's query_key_value interleaves q, k and v per head; zinc's
+// q rows are every head's first third). The pieces of one tensor together
+// cover it and belong to one zinc parameter; transposed pieces are whole.
 struct HfPiece {
   std::string name;
-  std::vector<int64_t> shape;  // as in the file
+  std::vector<int64_t> shape;  // the whole tensor's, as in the file
   int64_t rows = 0;            // rows of the zinc parameter it fills
   bool transposed = false;
+  int64_t file_row = -1;       // -1: the piece is the whole tensor
 };
 // Per block, per parameter (in the model's order), the pieces it is made of.
 using HfPieces = std::vector<std::vector<std::vector<HfPiece>>>;

@@ -113,10 +113,20 @@ struct LlamaConfig {
   // Gemma: every RMSNorm scales by norm_offset + w (1: transformers'
   // GemmaRMSNorm, whose weights start at 0), the embeddings are times
   // sqrt(hidden_size) (scale_embeddings), and the MLP's gate is GELU in its
-  // tanh form (mlp_gelu: GeGLU) instead of SiLU.
+  // tanh form (GeGLU) instead of SiLU.
   float norm_offset = 0.0f;
   bool scale_embeddings = false;
-  bool mlp_gelu = false;
+  // The MLP: gated (gate|up, act(gate) * up: SwiGLU, Gemma's GeGLU) or not
+  // (GPT-NeoX: up_proj of intermediate_size rows, act(up)), and its
+  // activation: SiLU (gated only), GELU's tanh form, or exact GELU (erf;
+  // ungated only).
+  enum class MlpAct { kSilu, kGeluTanh, kGeluErf } mlp_act = MlpAct::kSilu;
+  bool mlp_gated = true;
+  // GPT-NeoX: LayerNorm with a bias (eps rms_norm_eps) for every norm instead
+  // of RMSNorm, and the parallel residual (out = x + attn(ln1(x)) +
+  // mlp(ln2(x))).
+  bool layer_norm = false;
+  bool parallel_residual = false;
   // Where the layer's norms sit: pre_norms before attention and the MLP
   // (the Llama's), post_norms on each branch's output before its residual
   // add (Gemma 2 and 3 have both, OLMo 2 only the latter).

@@ -34,7 +34,8 @@ namespace zinc::models {
   X(gemma2)              \
   X(gemma3)              \
   X(olmo2)               \
-  X(phi3)
+  X(phi3)                \
+  X(gpt_neox)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <optional>
 #include <regex>
+#include <set>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -84,10 +85,14 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
 
   // Every tensor in model order, then shards: a new file when the next
   // tensor would pass the limit.
+  // A tensor made of several pieces (file_row >= 0) is written once, where
+  // a piece first names it.
   std::vector<SafeTensor> tensors;
+  std::set<std::string> listed;
   for (const auto& block : pieces)
     for (const auto& param : block)
-      for (const HfPiece& pc : param) tensors.push_back({pc.name, result.dtype, pc.shape});
+      for (const HfPiece& pc : param)
+        if (listed.insert(pc.name).second) tensors.push_back({pc.name, result.dtype, pc.shape});
   std::vector<size_t> shard_of(tensors.size());
   std::vector<std::vector<SafeTensor>> shards(1);
   int64_t in_shard = 0;
@@ -131,19 +136,34 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
       int64_t rows = 0;
       for (const HfPiece& pc : pieces[b][p]) rows += pc.rows;
       const int64_t cols = layout.numels[p] / std::max<int64_t>(rows, 1);
+      // Each file tensor of this parameter in the file's layout, in the
+      // order the pieces first name them (parts of a tensor filled in place).
+      std::vector<std::pair<std::string, std::vector<float>>> files;
       int64_t r0 = 0;
       for (const HfPiece& pc : pieces[b][p]) {
-        if (!w || shard_of[t] != open_shard) {
-          finish_shard();
-          open_shard = shard_of[t];
-          w = std::make_unique<SafetensorsWriter>((stage / shard_name(open_shard)).string(), shards[open_shard], metadata);
+        auto it = std::find_if(files.begin(), files.end(), [&](const auto& f) { return f.first == pc.name; });
+        if (it == files.end()) {
+          const int64_t file_rows = pc.file_row < 0 ? pc.rows : pc.shape.empty() ? 1 : pc.shape[0];
+          files.emplace_back(pc.name, std::vector<float>(static_cast<size_t>(file_rows * cols)));
+          it = files.end() - 1;
         }
-        std::vector<float> v(static_cast<size_t>(pc.rows * cols));
+        std::vector<float>& v = it->second;
         if (pc.transposed) {
           for (int64_t r = 0; r < pc.rows; ++r)
             for (int64_t c = 0; c < cols; ++c) v[static_cast<size_t>(c * pc.rows + r)] = src[(r0 + r) * cols + c];
         } else {
-          std::copy(src + r0 * cols, src + (r0 + pc.rows) * cols, v.begin());
+          const int64_t at = pc.file_row < 0 ? 0 : pc.file_row;
+          if ((at + pc.rows) * cols > static_cast<int64_t>(v.size()) || (r0 + pc.rows) * cols > layout.numels[p])
+            throw Error("export: " + pc.name + ": the family's tensor map puts rows outside the tensor (a bug)");
+          std::copy(src + r0 * cols, src + (r0 + pc.rows) * cols, v.begin() + at * cols);
+        }
+        r0 += pc.rows;
+      }
+      for (auto& [name, v] : files) {
+        if (!w || shard_of[t] != open_shard) {
+          finish_shard();
+          open_shard = shard_of[t];
+          w = std::make_unique<SafetensorsWriter>((stage / shard_name(open_shard)).string(), shards[open_shard], metadata);
         }
         if (result.dtype == DType::kF32) {
           w->append(v.data(), v.size() * 4);
@@ -152,8 +172,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
           convert_f32_to_16(v.data(), half.data(), v.size(), result.dtype);
           w->append(half.data(), half.size() * 2);
         }
-        weight_map[pc.name] = shard_name(open_shard);
-        r0 += pc.rows;
+        weight_map[name] = shard_name(open_shard);
         ++t;
         ++result.tensors;
       }

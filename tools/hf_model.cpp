@@ -99,7 +99,8 @@ class PretrainedModel final : public Model {
   void read_piece(const HfPiece& pc, int64_t cols, int64_t first, int64_t count, float* out) const {
     auto [file, t] = folder_->find(pc.name);
     if (!pc.transposed) {
-      file->read_f32(*t, first, count, out);
+      const int64_t skip = pc.file_row < 0 ? 0 : pc.file_row * cols;  // a part of the tensor: its rows from file_row
+      file->read_f32(*t, skip + first, count, out);
       check_finite(*file, *t, out, count);
       return;
     }
@@ -241,18 +242,22 @@ std::shared_ptr<Model> make_hf_model(const HfConfig& cfg, Device device, bool gr
 std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool gradient_checkpointing) {
   std::shared_ptr<Model> inner = make_hf_model(cfg, device, gradient_checkpointing);
   auto folder = std::make_unique<SafetensorsFolder>(cfg.dir);
-  // The prefix from the token embedding's name.
+  // The prefix from the token embedding's name: the family's own (what an
+  // export writes), or one of the usual, or none.
   const std::string& embed = cfg.family->embed_tensor;
   std::string prefix;
-  for (const char* p : {"transformer.", "model.", ""}) {
+  bool found = false;
+  for (const std::string& p : {cfg.family->export_prefix, std::string("transformer."), std::string("model."),
+                               std::string()}) {
     if (folder->find(p + embed).first) {
       prefix = p;
+      found = true;
       break;
     }
-    if (*p == '\0')
-      throw Error(cfg.dir + ": no tensor " + embed + " (nor with a transformer. or model. prefix) in " +
-                  joined(folder->files()));
   }
+  if (!found)
+    throw Error(cfg.dir + ": no tensor " + embed + " (nor with a " + cfg.family->export_prefix +
+                ", transformer. or model. prefix) in " + joined(folder->files()));
   auto pieces = hf_pieces(cfg, *inner, prefix);
   // Every tensor zinc needs, with its shape and a readable dtype; no other.
   std::map<std::string, bool> used;
@@ -267,6 +272,8 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
                       cfg.architecture + " of this config.json needs " + shape_text(pc.shape));
         if (!t->readable)
           throw Error(file->path() + ": tensor " + pc.name + " is " + t->stored_dtype + "; zinc reads F32, BF16 and F16");
+        if (pc.file_row >= 0 && (t->shape.empty() || pc.file_row + pc.rows > t->shape[0]))
+          throw Error(file->path() + ": tensor " + pc.name + ": the family's tensor map reads rows past its end (a bug)");
         used[pc.name] = true;
       }
   for (const auto& [n, u] : used) {

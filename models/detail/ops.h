@@ -80,7 +80,7 @@ class Ops {
   virtual void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias = {}) = 0;
   virtual void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) = 0;
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
-                                 int64_t C) = 0;
+                                 int64_t C, float eps) = 0;
   virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                                   const float* mean, const float* rstd, int64_t N, int64_t C) = 0;
   virtual void gelu_forward(float* out, const float* x, int64_t n) = 0;
@@ -145,7 +145,7 @@ class Ops {
   // a 16-bit copy the backend may leave `out` unwritten (fuses_operand16).
   virtual CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b,
                                         int64_t N, int64_t C, DType compute, Buf& scratch) {
-    layernorm_forward(out, mean, rstd, x, w, b, N, C);
+    layernorm_forward(out, mean, rstd, x, w, b, N, C, 1e-5f);  // the GPT's eps
     return matmul_input(out, N * C, compute, scratch);
   }
   // gelu_forward then matmul_input of `out` (the same licence).

@@ -20,7 +20,7 @@ LlamaConfig defaults() {
   LlamaConfig c;
   c.norm_offset = 1.0f;
   c.scale_embeddings = true;
-  c.mlp_gelu = true;
+  c.mlp_act = LlamaConfig::MlpAct::kGeluTanh;
   c.head_dim = 256;
   c.tie_word_embeddings = true;
   return c;

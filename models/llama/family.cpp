@@ -25,8 +25,8 @@ using nlohmann::json;
 
 class Config final : public FamilyConfig {
  public:
-  Config(const LlamaConfig& c, const Family& family, json (*writer)(const LlamaConfig&))
-      : c_(c), family_(&family), writer_(writer) {}
+  Config(const LlamaConfig& c, const Family& family, json (*writer)(const LlamaConfig&), TensorMap map)
+      : c_(c), family_(&family), writer_(writer), map_(map) {}
   const Family& family() const override { return *family_; }
   std::unique_ptr<FamilyConfig> clone() const override { return std::make_unique<Config>(*this); }
   int64_t vocab_size() const override { return c_.vocab_size; }
@@ -41,6 +41,7 @@ class Config final : public FamilyConfig {
     return make_llama(l);
   }
   HfPieces pieces(const Model& model, const std::string& prefix) const override {
+    if (map_.pieces) return map_.pieces(c_, model, prefix);
     const int64_t D = c_.head_size(), H = c_.num_attention_heads, K = c_.kv_heads(), I = c_.intermediate_size;
     HfPieces out;
     for (const BlockSpec& b : model.blocks()) {
@@ -73,6 +74,7 @@ class Config final : public FamilyConfig {
     return out;
   }
   bool ignored_tensor(const std::string& name) const override {
+    if (map_.ignored) return map_.ignored(c_, name);
     if (name == "lm_head.weight") return c_.tie_word_embeddings;
     const std::string suffix = ".rotary_emb.inv_freq";
     return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -106,6 +108,7 @@ class Config final : public FamilyConfig {
   LlamaConfig c_;
   const Family* family_;
   json (*writer_)(const LlamaConfig&);
+  TensorMap map_;
 };
 
 // config.json of a LlamaForCausalLM built from zinc's `model` section.
@@ -240,7 +243,7 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& arch) 
   c.mlp_bias = f.get_bool("mlp_bias", false);
   if (arch == "MistralForCausalLM") c.sliding_window = f.get_int("sliding_window", 0);  // every layer
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
-  return std::make_unique<Config>(c, family(), &llama_json);
+  return std::make_unique<Config>(c, family(), &llama_json, TensorMap{});
 }
 
 }  // namespace
@@ -326,12 +329,12 @@ const std::vector<std::pair<std::string, std::string>>& decoder_section_keys() {
 }
 
 std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,
-                                             json (*config_json)(const LlamaConfig&)) {
-  return std::make_unique<Config>(c, family, config_json);
+                                             json (*config_json)(const LlamaConfig&), TensorMap map) {
+  return std::make_unique<Config>(c, family, config_json, map);
 }
 
 std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
-                                                   json (*config_json)(const LlamaConfig&)) {
+                                                   json (*config_json)(const LlamaConfig&), TensorMap map) {
   using config::above;
   using config::at_least;
   int64_t max_positions = 0;
@@ -346,7 +349,7 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
   r.get_number("rope_theta", c.rope_theta, above(0));
   r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
   c.max_position_embeddings = std::max<int64_t>(max_positions, 1);
-  auto out = std::make_unique<Config>(c, family, config_json);
+  auto out = std::make_unique<Config>(c, family, config_json, map);
   out->section_max_positions_ = max_positions;
   return out;
 }

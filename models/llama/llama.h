@@ -41,8 +41,17 @@ nlohmann::json decoder_json(const LlamaConfig& c);
 // The `model` section's keys (transformers' names) and their reader, with
 // defaults `c`'s.
 const std::vector<std::pair<std::string, std::string>>& decoder_section_keys();
+// A family whose files name the decoder's tensors otherwise (GPT-NeoX):
+// its own map (FamilyConfig::pieces) and the tensors it ignores; null: the
+// decoder's (transformers' Llama names; Phi-3's fused ones with
+// fused_in_file).
+struct TensorMap {
+  HfPieces (*pieces)(const LlamaConfig& c, const Model& model, const std::string& prefix) = nullptr;
+  bool (*ignored)(const LlamaConfig& c, const std::string& name) = nullptr;
+};
 std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
-                                                   nlohmann::json (*config_json)(const LlamaConfig&));
+                                                   nlohmann::json (*config_json)(const LlamaConfig&),
+                                                   TensorMap map = {});
 // The registry entry of a Llama-style family: transformers' names for the
 // embedding and the positions, the "model." prefix, the decoder's section
 // keys, and the family's two readers.
@@ -52,6 +61,6 @@ Family decoder_family(std::string name, std::vector<std::string> architectures,
 // The FamilyConfig of the decoder `c` as `family`, which writes
 // config_json(c) on export.
 std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,
-                                             nlohmann::json (*config_json)(const LlamaConfig&));
+                                             nlohmann::json (*config_json)(const LlamaConfig&), TensorMap map = {});
 
 }  // namespace zinc::models::llama

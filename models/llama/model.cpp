@@ -37,6 +37,7 @@ struct LayerIdx {
   int ln1 = -1, qkv_w = -1, qkv_b = -1, q_norm = -1, k_norm = -1, o_w = -1, o_b = -1;
   int ln2 = -1, gu_w = -1, gu_b = -1, down_w = -1, down_b = -1;
   int post_att = -1, post_mlp = -1;  // post_norms
+  int ln1_b = -1, ln2_b = -1;        // layer_norm: the norms' biases
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
@@ -48,7 +49,8 @@ struct LlamaLayerActs {
   Buf att;          // (N,A) attention output before o_proj
   Buf x_mid;        // (N,C) residual stream after attention
   Buf ln2, rstd2;   // (N,C), (N)
-  Buf gate_up;      // (N,2I)
+  Buf mean1, mean2;  // layer_norm: (N) each
+  Buf gate_up;      // (N,2I) (ungated: its first N*I hold up)
   Buf act;          // (N,I) silu(gate) * up (gelu with mlp_gelu)
   Buf o_out, mlp_out;        // post_norms: (N,C) each branch's output before its norm
   Buf rstd_po, rstd_pm;      // post_norms: (N) their norms' statistics
@@ -65,6 +67,7 @@ class Llama final : public Model {
     H_ = c.num_attention_heads;
     K_ = c.kv_heads();
     D_ = c.head_size();
+    GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
     specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}});
@@ -78,6 +81,7 @@ class Llama final : public Model {
       // Gemma's norms scale by 1 + w: their weights start at 0.
       const Init norm_init = c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes;
       if (c.pre_norms) x.ln1 = add({"input_layernorm.weight", {C}, norm_init});
+      if (c.pre_norms && c.layer_norm) x.ln1_b = add({"input_layernorm.bias", {C}, Init::kZeros});
       x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
       if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
       if (c.qk_norm) {
@@ -93,15 +97,19 @@ class Llama final : public Model {
       if (c.pre_norms)
         x.ln2 = add({c.post_norms ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight", {C},
                      norm_init});
+      if (c.pre_norms && c.layer_norm) x.ln2_b = add({"post_attention_layernorm.bias", {C}, Init::kZeros});
       if (c.post_norms) x.post_mlp = add({"post_feedforward_layernorm.weight", {C}, norm_init});
-      x.gu_w = add({"mlp.gate_up_proj.weight", {2 * I, C}, Init::kNormal, sd});
-      if (c.mlp_bias) x.gu_b = add({"mlp.gate_up_proj.bias", {2 * I}, Init::kZeros});
+      const std::string up = c.mlp_gated ? "mlp.gate_up_proj" : "mlp.up_proj";
+      x.gu_w = add({up + ".weight", {GU_, C}, Init::kNormal, sd});
+      if (c.mlp_bias) x.gu_b = add({up + ".bias", {GU_}, Init::kZeros});
       x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
       if (c.mlp_bias) x.down_b = add({"mlp.down_proj.bias", {C}, Init::kZeros});
       idx_ = x;
       specs_.push_back(std::move(b));
     }
     BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}};
+    if (c.layer_norm) fin.params.push_back({"norm.bias", {C}, Init::kZeros});
+    head_ = static_cast<int>(fin.params.size());
     if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
     specs_.push_back(std::move(fin));
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
@@ -124,7 +132,8 @@ class Llama final : public Model {
     const double C = static_cast<double>(c_.hidden_size), L = static_cast<double>(c_.num_hidden_layers);
     const double A = static_cast<double>(H_ * D_), Q = static_cast<double>((H_ + 2 * K_) * D_);
     const double I = static_cast<double>(c_.intermediate_size);
-    const double matmul_params = L * (C * Q + A * C + 3.0 * C * I) + static_cast<double>(c_.vocab_size) * C;
+    const double mlp = (c_.mlp_gated ? 3.0 : 2.0) * C * I;
+    const double matmul_params = L * (C * Q + A * C + mlp) + static_cast<double>(c_.vocab_size) * C;
     // attention scores and weighted sum: 2 matmuls of 2*T*A flops per token
     // forward, x3 for forward + backward (causal masking not discounted).
     const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * A;
@@ -146,7 +155,8 @@ class Llama final : public Model {
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as) +
                          (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0) +
-                         (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0);
+                         (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0) +
+                         (c_.layer_norm ? 2 * buffer_bytes(N) : 0);  // mean1, mean2
     const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
@@ -156,11 +166,13 @@ class Llama final : public Model {
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H_, K_) * D_);  // qk_scratch_
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
+    if (c_.layer_norm) m.saved += buffer_bytes(N);                            // lnf_mean_
+    if (c_.parallel_residual) m.saved += buffer_bytes(N * C);                 // dpar_
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
     for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
-                                 {C, 2 * I, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
+                                 {C, GU_, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
       detail::tally_linear_forward(t, x, N, in, out, bias, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
     }
@@ -199,15 +211,19 @@ class Llama final : public Model {
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
-    ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps(),
-                          c_.norm_offset);
+    if (c_.layer_norm)
+      ops_->layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(),
+                              nf[0], nf[1], N, C, eps());
+    else
+      ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps(),
+                            c_.norm_offset);
     lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
     if (c_.tie_word_embeddings) {
       nf.release();
       HeldParams emb = ctx.acquire(0);
       detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, V, dt);
     } else {
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[1], CView{}, N, C, V, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, V, dt);
     }
     if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * V);
     if (c_.final_logit_softcapping > 0)
@@ -237,13 +253,17 @@ class Llama final : public Model {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gemb[0], nullptr, f32(dlogits_.as<float>()), lnf_in_,
                               emb[0], N, C, V, dt);
     } else {
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gnf[1], nullptr, f32(dlogits_.as<float>()), lnf_in_,
-                              nf[1], N, C, V, dt);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gnf[head_], nullptr, f32(dlogits_.as<float>()),
+                              lnf_in_, nf[head_], N, C, V, dt);
     }
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     ops_->zero(dx, N * C);
-    ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C,
-                           c_.norm_offset);
+    if (c_.layer_norm)
+      ops_->layernorm_backward(dx, gnf[0], gnf[1], dlnf_.as<float>(), x_final_.as<float>(), nf[0],
+                               lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+    else
+      ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C,
+                             c_.norm_offset);
     nf.release();
     ctx.grads_ready(fin);
 
@@ -266,13 +286,15 @@ class Llama final : public Model {
       const float* dy = post_norm_backward(p, g, x.post_mlp, branch_grad(dx, N), a.mlp_out, a.rstd_pm, N);
       detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dy), a.act_in,
                               p[x.down_w], N, I, C, dt);
-      if (c_.mlp_gelu)
-        ops_->geglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
-      else
-        ops_->swiglu_backward(dbig, dmid, a.gate_up.as<float>(), N, I);
+      act_backward(dbig, dmid, a.gate_up.as<float>(), N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
-                              p[x.gu_w], N, C, 2 * I, dt);
-      pre_norm_backward(p, g, x.ln2, dx, dsmall, a.x_mid.as<float>(), a.rstd2, N);
+                              p[x.gu_w], N, C, GU_, dt);
+      // With the parallel residual the MLP's norm read x_in: its gradient
+      // joins d x after the attention branch has read d h.
+      float* dnorm2 = c_.parallel_residual ? dpar_.as<float>() : dx;
+      if (c_.parallel_residual) ops_->zero(dnorm2, N * C);
+      pre_norm_backward(p, g, x.ln2, x.ln2_b, dnorm2, dsmall, c_.parallel_residual ? x_in : a.x_mid.as<float>(),
+                        a.mean2, a.rstd2, N);
       // Attention: dx holds d h and becomes d x.
       dy = post_norm_backward(p, g, x.post_att, branch_grad(dx, N), a.o_out, a.rstd_po, N);
       detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dy), a.att_in, p[x.o_w], N, A,
@@ -284,7 +306,8 @@ class Llama final : public Model {
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
                               p[x.qkv_w], N, C, Q, dt);
-      pre_norm_backward(p, g, x.ln1, dx, dsmall, x_in, a.rstd1, N);
+      pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
+      if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
       p.release();
       ctx.grads_ready(blk);
     }
@@ -325,14 +348,46 @@ class Llama final : public Model {
   const float* rope_sin(int64_t l) const { return (local_rope(l) ? rope_local_sin_ : rope_sin_).as<float>(); }
   // Backward of a pre-norm (the norm before a branch, weight index w; -1:
   // none, OLMo 2): dx += d of the norm's input, from d of its output dnorm.
-  void pre_norm_backward(const HeldParams& p, const BlockGrads& g, int w, float* dx, const float* dnorm,
-                         const float* x, const Buf& rstd, int64_t N) {
+  // With layer_norm, a LayerNorm with the bias at index b.
+  void pre_norm_backward(const HeldParams& p, const BlockGrads& g, int w, int b, float* dx, const float* dnorm,
+                         const float* x, const Buf& mean, const Buf& rstd, int64_t N) {
     const int64_t C = c_.hidden_size;
     if (w < 0) {
       ops_->add(dx, dx, dnorm, N * C);
-      return;
+    } else if (c_.layer_norm) {
+      ops_->layernorm_backward(dx, g[w], g[b], dnorm, x, p[w], mean.as<float>(), rstd.as<float>(), N, C);
+    } else {
+      ops_->rmsnorm_backward(dx, g[w], dnorm, x, p[w], rstd.as<float>(), N, C, c_.norm_offset);
     }
-    ops_->rmsnorm_backward(dx, g[w], dnorm, x, p[w], rstd.as<float>(), N, C, c_.norm_offset);
+  }
+  // The MLP's activation of gate_up (N, GU_) into out (N, I), and its backward.
+  void act_forward(float* out, const float* gate_up, int64_t N) {
+    const int64_t I = c_.intermediate_size;
+    using Act = LlamaConfig::MlpAct;
+    if (!c_.mlp_gated) {
+      if (c_.mlp_act == Act::kGeluErf)
+        ops_->gelu_erf_forward(out, gate_up, N * I);
+      else
+        ops_->gelu_forward(out, gate_up, N * I);
+    } else if (c_.mlp_act == Act::kGeluTanh) {
+      ops_->geglu_forward(out, gate_up, N, I);
+    } else {
+      ops_->swiglu_forward(out, gate_up, N, I);
+    }
+  }
+  void act_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N) {
+    const int64_t I = c_.intermediate_size;
+    using Act = LlamaConfig::MlpAct;
+    if (!c_.mlp_gated) {
+      if (c_.mlp_act == Act::kGeluErf)
+        ops_->gelu_erf_backward(dgate_up, gate_up, dout, N * I);
+      else
+        ops_->gelu_backward(dgate_up, gate_up, dout, N * I);
+    } else if (c_.mlp_act == Act::kGeluTanh) {
+      ops_->geglu_backward(dgate_up, dout, gate_up, N, I);
+    } else {
+      ops_->swiglu_backward(dgate_up, dout, gate_up, N, I);
+    }
   }
   // Backward of a post-norm (weight index w on a branch's output `out`; -1:
   // none): the gradient of `out` from that of the normed branch, in dsmall_
@@ -366,7 +421,7 @@ class Llama final : public Model {
                      int64_t T, DType dt) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_;
-    pre_norm_forward(p, x.ln1, a.ln1, a.rstd1, x_in, N);
+    pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
@@ -380,13 +435,11 @@ class Llama final : public Model {
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt);
     ops_->add(x_mid, x_mid, x_in, N * C);
-    pre_norm_forward(p, x.ln2, a.ln2, a.rstd2, x_mid, N);
+    // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself.
+    pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
     a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
-    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, 2 * I, dt);
-    if (c_.mlp_gelu)
-      ops_->geglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
-    else
-      ops_->swiglu_forward(a.act.as<float>(), a.gate_up.as<float>(), N, I);
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
+    act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
     if (!x_out) {
       // A recomputation for backward: the output is not needed, but a
@@ -416,10 +469,14 @@ class Llama final : public Model {
   }
   // A branch's input: the norm of x (index w), or without a pre-norm
   // (OLMo 2) x itself, copied (a 16-bit matmul input may be rounded in place).
-  void pre_norm_forward(const HeldParams& p, int w, Buf& out, Buf& rstd, const float* x, int64_t N) {
+  // With layer_norm, a LayerNorm with the bias at index b.
+  void pre_norm_forward(const HeldParams& p, int w, int b, Buf& out, Buf& mean, Buf& rstd, const float* x,
+                        int64_t N) {
     const int64_t C = c_.hidden_size;
     if (w < 0)
       ops_->copy_columns(out.as<float>(), C, x, C, N, C);
+    else if (c_.layer_norm)
+      ops_->layernorm_forward(out.as<float>(), mean.as<float>(), rstd.as<float>(), x, p[w], p[b], N, C, eps());
     else
       ops_->rmsnorm_forward(out.as<float>(), rstd.as<float>(), x, p[w], N, C, eps(), c_.norm_offset);
   }
@@ -515,6 +572,10 @@ class Llama final : public Model {
       a.x_mid = ops_->alloc_f32(N * C);
       a.ln2 = ops_->alloc_f32(N * C);
       a.rstd2 = ops_->alloc_f32(N);
+      if (c_.layer_norm) {
+        a.mean1 = ops_->alloc_f32(N);
+        a.mean2 = ops_->alloc_f32(N);
+      }
       a.gate_up = ops_->alloc_f32(N * 2 * I);
       a.act = ops_->alloc_f32(N * I);
       if (c_.post_norms) {
@@ -527,6 +588,8 @@ class Llama final : public Model {
     x_final_ = ops_->alloc_f32(N * C);
     lnf_ = ops_->alloc_f32(N * C);
     lnf_rstd_ = ops_->alloc_f32(N);
+    if (c_.layer_norm) lnf_mean_ = ops_->alloc_f32(N);
+    if (c_.parallel_residual) dpar_ = ops_->alloc_f32(N * C);
     logits_ = ops_->alloc_f32(N * V);
     dlogits_ = ops_->alloc_f32(N * V);
     dlnf_ = ops_->alloc_f32(N * C);
@@ -544,6 +607,8 @@ class Llama final : public Model {
   LlamaConfig c_;
   detail::Ops* ops_ = nullptr;
   int64_t H_ = 0, K_ = 0, D_ = 0;
+  int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
+  int head_ = 1;    // the untied head's index in the final block
   LayerIdx idx_;  // the same in every layer block
   std::vector<BlockSpec> specs_;
   std::vector<Buf> x_in_;
@@ -558,6 +623,8 @@ class Llama final : public Model {
   Buf rope_cos_, rope_sin_;              // (T, D/2)
   Buf rope_local_cos_, rope_local_sin_;  // rope_local_theta: the sliding-window layers' tables
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
+  Buf lnf_mean_;  // layer_norm: (N)
+  Buf dpar_;      // parallel_residual: (N,C) the MLP norm's input gradient
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
@@ -674,6 +741,13 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
                                         "), got " + std::to_string(c.window_layers.size())};
   if (c.no_rope_layer_interval < 0)
     return SizeError{"no_rope_layer_interval", "must be >= 0, got " + std::to_string(c.no_rope_layer_interval)};
+  using Act = LlamaConfig::MlpAct;
+  if (c.mlp_gated && c.mlp_act == Act::kGeluErf)
+    return SizeError{"hidden_act", "exact GELU (gelu) is implemented for an ungated MLP only"};
+  if (!c.mlp_gated && c.mlp_act == Act::kSilu)
+    return SizeError{"hidden_act", "an ungated MLP takes GELU (gelu, or its tanh form), not SiLU"};
+  if (c.layer_norm && (c.post_norms || c.qk_norm || c.norm_offset != 0.0f || !c.pre_norms))
+    return SizeError{"layer_norm", "LayerNorm is implemented as the pre-norms alone (GPT-NeoX's)"};
   if (c.rope_scaling.type != RopeScaling::Type::kNone && !(c.rope_scaling.factor > 0))
     return SizeError{"rope_scaling.factor", "must be > 0"};
   if (c.rope_scaling.type == RopeScaling::Type::kLlama3 &&

@@ -104,7 +104,8 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
   // embeddings, GeGLU, post-norms, soft-capped scores and logits, a window
   // on every other layer with its own rope); 2: OLMo 2's and Phi-3's (no
   // pre-norms, q/k norms over the whole projection, partial rotary
-  // embeddings with longrope).
+  // embeddings with longrope); 3: GPT-NeoX's (LayerNorm with biases, an
+  // ungated MLP with exact GELU, the parallel residual, partial rotary).
   auto run = [](const std::string& device, int stage, int variant = 0) {
     nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                           {"gradient_clipping", 1.0},
@@ -134,7 +135,7 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
     if (variant == 1) {
       c.norm_offset = 1.0f;
       c.scale_embeddings = true;
-      c.mlp_gelu = true;
+      c.mlp_act = models::LlamaConfig::MlpAct::kGeluTanh;
       c.post_norms = true;
       c.attn_logit_softcapping = 2.0;
       c.final_logit_softcapping = 5.0;
@@ -156,6 +157,18 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       c.rope_scaling.original_max_position_embeddings = 16;
       c.rope_scaling.attention_factor = 1.2;
     }
+    if (variant == 3) {
+      c.qk_norm = false;
+      c.head_dim = 0;
+      c.num_key_value_heads = 0;
+      c.rope_scaling = models::RopeScaling{};
+      c.layer_norm = true;
+      c.mlp_gated = false;
+      c.mlp_act = models::LlamaConfig::MlpAct::kGeluErf;
+      c.parallel_residual = true;
+      c.qkv_bias = c.o_bias = c.mlp_bias = true;
+      c.partial_rotary_factor = 0.25;
+    }
     Engine e = Engine::initialize(models::make_llama(c), cfg);
     DataConfig dc;
     dc.vocab_size = 37;
@@ -172,7 +185,7 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "stage " << stage << " step " << i;
     EXPECT_LT(gpu.back(), gpu.front() - 0.3) << "stage " << stage << ": the loss falls";
   }
-  for (int variant : {1, 2}) {
+  for (int variant : {1, 2, 3}) {
     const std::vector<float> cpu = run("cpu", 2, variant), gpu = run("cuda", 2, variant);
     for (size_t i = 0; i < cpu.size(); ++i)
       EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "variant " << variant << " step " << i;

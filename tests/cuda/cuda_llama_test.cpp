@@ -84,7 +84,7 @@ TEST(CudaLlama, SwiGluMatchesTheCpuBits) {
   }
 }
 
-TEST(CudaLlama, GeGluAndSoftcapMatchTheCpuBits) {
+TEST(CudaLlama, GeGluExactGeluAndSoftcapMatchTheCpuBits) {
   ZINC_REQUIRE_GPU();
   for (int64_t I : {1, 77, 1000})
   for (int64_t N : {1, 13, 37}) {
@@ -100,6 +100,16 @@ TEST(CudaLlama, GeGluAndSoftcapMatchTheCpuBits) {
     cuda::geglu_backward(d_dgu.as<float>(), d_dout.as<float>(), d_gu.as<float>(), N, I, nullptr);
     expect_same_bits(out, download<float>(d_out, out.size()), "geglu " + at);
     expect_same_bits(dgu, download<float>(d_dgu, dgu.size()), "geglu backward " + at);
+    // Exact GELU (GPT-NeoX) of the same values.
+    std::vector<float> ge(gu.size()), dge(gu.size());
+    gelu_erf_forward(ge.data(), gu.data(), static_cast<int64_t>(gu.size()));
+    gelu_erf_backward(dge.data(), gu.data(), gu.data(), static_cast<int64_t>(gu.size()));
+    DeviceBuffer d_ge(gu.size() * 4), d_dge(gu.size() * 4);
+    cuda::gelu_erf_forward(d_ge.as<float>(), d_gu.as<float>(), static_cast<int64_t>(gu.size()), nullptr);
+    cuda::gelu_erf_backward(d_dge.as<float>(), d_gu.as<float>(), d_gu.as<float>(), static_cast<int64_t>(gu.size()),
+                            nullptr);
+    expect_same_bits(ge, download<float>(d_ge, ge.size()), "gelu_erf " + at);
+    expect_same_bits(dge, download<float>(d_dge, dge.size()), "gelu_erf backward " + at);
     // Soft-capping of the same values (30: Gemma 2's final cap; 0.5: bites hard).
     for (float cap : {30.0f, 0.5f}) {
       std::vector<float> y = gu, dy = gu;

@@ -231,10 +231,10 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
     for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite",
-                                   "gemma2", "gemma3 checkpointed", "olmo2 checkpointed"}) {
+                                   "gemma2", "gemma3 checkpointed", "olmo2 checkpointed", "neox"}) {
       const bool gpt = kind.rfind("gpt", 0) == 0;
       const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0 ||
-                         kind.rfind("olmo2", 0) == 0;
+                         kind.rfind("olmo2", 0) == 0 || kind == "neox";
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -271,13 +271,21 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
         }
         if (kind.rfind("gemma", 0) == 0) {  // post-norms (two (N,C) and two (N) more per layer), soft-caps
           lk.norm_offset = 1.0f;
-          lk.scale_embeddings = lk.mlp_gelu = lk.post_norms = true;
+          lk.scale_embeddings = lk.post_norms = true;
+          lk.mlp_act = models::LlamaConfig::MlpAct::kGeluTanh;
           lk.attn_logit_softcapping = 20.0;  // the scores' recomputation in backward
           lk.final_logit_softcapping = 30.0;
           lk.query_pre_attn_scalar = 24.0;
           lk.sliding_window = 16;
           lk.sliding_pattern = 2;
           lk.rope_local_theta = kind == "gemma3 checkpointed" ? 1e4 : 0.0;
+        }
+        if (kind == "neox") {  // LayerNorm means, an ungated MLP, the parallel residual's gradient buffer
+          lk.num_key_value_heads = 0;
+          lk.layer_norm = lk.parallel_residual = true;
+          lk.mlp_gated = false;
+          lk.mlp_act = models::LlamaConfig::MlpAct::kGeluErf;
+          lk.partial_rotary_factor = 0.25;
         }
         std::shared_ptr<Model> model =
             gpt ? models::make_gpt(gk) : llama ? models::make_llama(lk) : models::make_mlp(m);

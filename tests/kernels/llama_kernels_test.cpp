@@ -124,6 +124,32 @@ TEST(GeGlu, ForwardAndBackwardAgreeWithTheFormulaAndFiniteDifferences) {
   EXPECT_TRUE(AllClose(dgu, fd_grad(x, loss), 1e-4, 1e-3));
 }
 
+// Exact GELU (GPT-NeoX's "gelu"): x Phi(x) against std::erf in double, its
+// backward against the derivative and central finite differences.
+TEST(GeluErf, ForwardAndBackwardAgreeWithErfAndFiniteDifferences) {
+  auto x = randn(2001, 24, 3.0f), g = randn(2001, 25);
+  x[0] = 0.0f;
+  x[1] = -9.0f;  // Phi underflows: exp_f's clamp
+  x[2] = 12.0f;
+  std::vector<float> y(x.size()), dx(x.size(), 7.0f);  // dx is written, not accumulated
+  gelu_erf_forward(y.data(), x.data(), static_cast<int64_t>(x.size()));
+  gelu_erf_backward(dx.data(), x.data(), g.data(), static_cast<int64_t>(x.size()));
+  std::vector<double> ry(x.size()), rdx(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double v = x[i], cdf = 0.5 * (1.0 + std::erf(v / std::sqrt(2.0)));
+    ry[i] = v * cdf;
+    rdx[i] = g[i] * (cdf + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * M_PI));
+  }
+  EXPECT_TRUE(AllClose(y, ry, 1e-6, 1e-5));
+  EXPECT_TRUE(AllClose(dx, rdx, 1e-6, 1e-5));
+  // ... and not GELU's tanh form, which differs by up to ~5e-4 here.
+  std::vector<float> tanh_form(x.size());
+  gelu_forward(tanh_form.data(), x.data(), static_cast<int64_t>(x.size()));
+  double most = 0;
+  for (size_t i = 0; i < x.size(); ++i) most = std::max(most, std::fabs(static_cast<double>(tanh_form[i]) - y[i]));
+  EXPECT_GT(most, 1e-4);
+}
+
 // Soft-capping: cap tanh(x / cap), and its backward from the capped values.
 TEST(Softcap, ForwardAndBackwardAgreeWithTheFormulaAndFiniteDifferences) {
   const float cap = 2.5f;
@@ -274,6 +300,10 @@ std::vector<std::vector<float>> run_llama_kernels() {
     std::vector<float> capped = ggu, dcap = gdgu;
     softcap_forward(capped.data(), 3.0f, static_cast<int64_t>(capped.size()));
     softcap_backward(dcap.data(), capped.data(), 3.0f, static_cast<int64_t>(capped.size()));
+    o.push_back(capped);
+    o.push_back(dcap);
+    gelu_erf_forward(capped.data(), ggu.data(), static_cast<int64_t>(ggu.size()));
+    gelu_erf_backward(dcap.data(), ggu.data(), gdgu.data(), static_cast<int64_t>(ggu.size()));
     o.push_back(capped);
     o.push_back(dcap);
   }

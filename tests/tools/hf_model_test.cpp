@@ -58,13 +58,16 @@ std::map<std::string, std::vector<float>> to_hf(const std::vector<HfPiece>& piec
   std::map<std::string, std::vector<float>> out;
   int64_t r0 = 0;
   for (const HfPiece& p : pieces) {
-    std::vector<float> v(static_cast<size_t>(p.rows * cols));
+    // A part of a tensor (file_row >= 0) fills its rows of the whole one.
+    const int64_t file_rows = p.file_row < 0 ? p.rows : p.shape.empty() ? 1 : p.shape[0];
+    const int64_t at = p.file_row < 0 ? 0 : p.file_row;
+    std::vector<float>& v = out[p.name];
+    v.resize(static_cast<size_t>(file_rows * cols));
     for (int64_t r = 0; r < p.rows; ++r)
       for (int64_t c = 0; c < cols; ++c) {
         const float x = zinc[(r0 + r) * cols + c];
-        v[static_cast<size_t>(p.transposed ? c * p.rows + r : r * cols + c)] = x;
+        v[static_cast<size_t>(p.transposed ? c * p.rows + r : (at + r) * cols + c)] = x;
       }
-    out[p.name] = std::move(v);
     r0 += p.rows;
   }
   return out;
@@ -310,6 +313,10 @@ TEST(HfModel, NewFamiliesKeysAreCheckedNamingTheKey) {
   refuse("llama_gqa", [](nlohmann::json& j) { j["rope_parameters"] = {{"rope_type", "dynamic"}, {"factor", 2.0}}; },
          {"rope_type", "inference-time"});
   refuse("olmo2", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "SiLU"});
+  refuse("gpt_neox", [](nlohmann::json& j) { j["hidden_act"] = "relu"; }, {"hidden_act", "relu", "exact"});
+  refuse("gpt_neox", [](nlohmann::json& j) { j["num_key_value_heads"] = 2; }, {"num_key_value_heads", "grouped"});
+  refuse("gpt_neox", [](nlohmann::json& j) { j["rope_parameters"]["partial_rotary_factor"] = 0.1; },
+         {"partial_rotary_factor", "even"});
 }
 
 // The tolerances discriminate: the same weights with llama3's rope scaling

@@ -99,8 +99,8 @@ def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None, steps=0):
 
 @pytest.mark.parametrize("fixture,stage,ranks", [
     ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1), ("qwen3", 2, 1),
-    ("gemma", 1, 1), ("gemma2", 2, 1), ("gemma3", 0, 1), ("olmo2", 2, 1), ("phi3", 1, 1),
-    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2), ("gemma2", 3, 2), ("gemma3", 3, 2), ("phi3", 3, 2)])
+    ("gemma", 1, 1), ("gemma2", 2, 1), ("gemma3", 0, 1), ("olmo2", 2, 1), ("phi3", 1, 1), ("gpt_neox", 2, 1), ("gpt_neox_seq", 0, 1),
+    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2), ("gemma2", 3, 2), ("gemma3", 3, 2), ("phi3", 3, 2), ("gpt_neox", 3, 2)])
 def test_zero_steps_fp32_round_trip_is_bit_identical(tmp_path, fixture, stage, ranks):
     nvme = str(tmp_path / "nvme") if stage == 3 else None
     if nvme:
@@ -223,13 +223,13 @@ def test_save_pretrained_onto_a_file_is_refused_before_training(tmp_path):
 # so a run from the folder that saves again writes the same tensors, and
 # transformers, where installed, must load it with no missing or unexpected
 # keys.
-SECTION_FAMILIES = ["llama", "qwen3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "olmo2", "phi3"]
+SECTION_FAMILIES = ["llama", "qwen3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "olmo2", "phi3", "gpt_neox"]
 
 
 @pytest.mark.parametrize("family", SECTION_FAMILIES)
 def test_a_model_built_from_its_section_exports_a_folder_that_reads_back(tmp_path, family):
     model = {"type": family, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+             "num_attention_heads": 4, "num_key_value_heads": 4 if family == "gpt_neox" else 2, "head_dim": 8}
     cfg = tmp_path / "built.json"
     cfg.write_text(json.dumps({"train_batch_size": 2, "model": model,
                                "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 12},
@@ -240,7 +240,7 @@ def test_a_model_built_from_its_section_exports_a_folder_that_reads_back(tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     with open(first / "config.json") as f:
         written = json.load(f)
-    assert written["architectures"][0].lower().startswith(family[:5].lower()), written["architectures"]
+    assert written["architectures"][0].lower().startswith(family.replace("_", "")[:5]), written["architectures"]
     cfg2 = tmp_path / "again.json"
     cfg2.write_text(json.dumps({"train_batch_size": 2, "model": {"from_pretrained": str(first)},
                                 "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 12},
@@ -259,3 +259,15 @@ def test_a_model_built_from_its_section_exports_a_folder_that_reads_back(tmp_pat
         return
     _, info = transformers.AutoModelForCausalLM.from_pretrained(str(first), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], (family, info)
+
+
+def test_a_gpt_neox_section_with_grouped_query_attention_is_refused_naming_the_key(tmp_path):
+    cfg = tmp_path / "neox.json"
+    cfg.write_text(json.dumps({"train_batch_size": 2,
+                               "model": {"type": "gpt_neox", "hidden_size": 32, "intermediate_size": 40,
+                                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+                               "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 12},
+                               "run": {"steps": 1, "output_dir": str(tmp_path / "run")}}))
+    r = subprocess.run([ZINC_TRAIN, str(cfg)], env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "model.num_key_value_heads" in r.stderr and "grouped-query" in r.stderr, r.stderr
