@@ -51,16 +51,22 @@ struct GptConfig {
 // (positions divided by factor) or "llama3" (Llama 3.1's frequency-band
 // rescaling). Others are refused by whoever reads the config.
 struct RopeScaling {
-  enum class Type { kNone, kLinear, kLlama3, kLongrope } type = Type::kNone;
+  enum class Type { kNone, kLinear, kLlama3, kLongrope, kYarn } type = Type::kNone;
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
-  int64_t original_max_position_embeddings = 8192;       // llama3, longrope
+  int64_t original_max_position_embeddings = 8192;       // llama3, longrope, yarn
   // longrope (Phi-3): each frequency i divided by short_factor[i], or by
   // long_factor[i] where the sequence is longer than
   // original_max_position_embeddings (transformers picks by the batch's
   // length); cos and sin times attention_factor.
   std::vector<double> short_factor, long_factor;
-  double attention_factor = 1.0;
+  double attention_factor = 1.0;  // longrope, yarn
+  // yarn: frequencies blended between the original (extrapolation) and
+  // divided by factor (interpolation) over a ramp between the dims where
+  // beta_fast and beta_slow rotations fit the original length (floored and
+  // ceiled with truncate); cos and sin times attention_factor.
+  double beta_fast = 32.0, beta_slow = 1.0;
+  bool truncate = true;
 };
 
 // transformers' LlamaForCausalLM (also Mistral and Qwen2), with its

@@ -187,6 +187,42 @@ void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& wh
     f.fail(where + ".attention_factor", "must be a finite number > 0");
 }
 
+// yarn (Qwen2.5, DeepSeek-style configs): factor (default
+// max_position_embeddings / original_max_position_embeddings),
+// original_max_position_embeddings (in the object, beside it, or
+// max_position_embeddings), beta_fast, beta_slow, truncate, and the
+// attention factor: given, or from mscale and mscale_all_dim, or
+// 0.1 ln(factor) + 1, as transformers derives it.
+void read_yarn(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, LlamaConfig& c) {
+  RopeScaling& s = c.rope_scaling;
+  s.type = RopeScaling::Type::kYarn;
+  s.original_max_position_embeddings =
+      p.has("original_max_position_embeddings") ? p.get_int("original_max_position_embeddings")
+      : f.has("original_max_position_embeddings") ? f.get_int("original_max_position_embeddings")
+                                                  : c.max_position_embeddings;
+  if (s.original_max_position_embeddings < 1)
+    f.fail(where + ".original_max_position_embeddings", "must be >= 1");
+  s.factor = p.get_number("factor", static_cast<double>(c.max_position_embeddings) /
+                                        static_cast<double>(s.original_max_position_embeddings));
+  if (!(s.factor > 0) || !std::isfinite(s.factor)) f.fail(where + ".factor", "must be a finite number > 0");
+  s.beta_fast = p.get_number("beta_fast", 32.0);
+  s.beta_slow = p.get_number("beta_slow", 1.0);
+  if (!(s.beta_fast > 0) || !(s.beta_slow > 0)) f.fail(where + ".beta_fast", "beta_fast and beta_slow must be > 0");
+  s.truncate = p.get_bool("truncate", true);
+  auto mscale = [](double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  if (p.has("attention_factor")) {
+    s.attention_factor = p.get_number("attention_factor", 1.0);
+  } else if (p.has("mscale") && p.has("mscale_all_dim") && p.get_number("mscale", 0) != 0 &&
+             p.get_number("mscale_all_dim", 0) != 0) {
+    s.attention_factor =
+        mscale(s.factor, p.get_number("mscale", 1.0)) / mscale(s.factor, p.get_number("mscale_all_dim", 1.0));
+  } else {
+    s.attention_factor = mscale(s.factor, 1.0);
+  }
+  if (!(s.attention_factor > 0) || !std::isfinite(s.attention_factor))
+    f.fail(where + ".attention_factor", "must be a finite number > 0");
+}
+
 }  // namespace
 
 void read_rope_params(const ConfigDoc& f, const json& params, const std::string& where, LlamaConfig& c) {
@@ -203,15 +239,19 @@ void read_rope_params(const ConfigDoc& f, const json& params, const std::string&
   }
   if (type == "dynamic")
     f.fail(key("rope_type"), "\"dynamic\" is not supported: it is an inference-time rule (the frequencies change "
-                             "with the length being generated); training at a fixed length wants linear, llama3 or "
-                             "longrope");
+                             "with the length being generated); training at a fixed length wants linear, llama3, "
+                             "longrope or yarn");
   if (type == "longrope" || type == "su") {  // "su": the name of Phi-3's first configs
     read_longrope(f, p, where, c);
     return;
   }
+  if (type == "yarn") {
+    read_yarn(f, p, where, c);
+    return;
+  }
   if (type != "linear" && type != "llama3")
     f.fail(key("rope_type"),
-           "\"" + type + "\" is not supported; zinc implements default, linear, llama3 and longrope");
+           "\"" + type + "\" is not supported; zinc implements default, linear, llama3, longrope and yarn");
   if (!p.has("factor")) f.fail(key("factor"), "missing (required for rope_type " + type + ")");
   s.factor = p.get_number("factor", 1.0);
   if (type == "linear") {
@@ -292,6 +332,14 @@ json decoder_json(const LlamaConfig& c) {
             {"factor", s.factor},
             {"attention_factor", s.attention_factor},
             {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  if (s.type == RopeScaling::Type::kYarn)
+    rope = {{"rope_type", "yarn"},
+            {"factor", s.factor},
+            {"original_max_position_embeddings", s.original_max_position_embeddings},
+            {"beta_fast", s.beta_fast},
+            {"beta_slow", s.beta_slow},
+            {"truncate", s.truncate},
+            {"attention_factor", s.attention_factor}};
   if (s.type == RopeScaling::Type::kLlama3)
     rope = {{"rope_type", "llama3"},
             {"factor", s.factor},

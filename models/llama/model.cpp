@@ -636,8 +636,10 @@ class Llama final : public Model {
 }  // namespace
 
 float rope_table_scale(const LlamaConfig& c) {
-  return c.rope_scaling.type == RopeScaling::Type::kLongrope ? static_cast<float>(c.rope_scaling.attention_factor)
-                                                             : 1.0f;
+  const RopeScaling::Type t = c.rope_scaling.type;
+  return t == RopeScaling::Type::kLongrope || t == RopeScaling::Type::kYarn
+             ? static_cast<float>(c.rope_scaling.attention_factor)
+             : 1.0f;
 }
 
 std::vector<float> rope_inv_freq(const LlamaConfig& c, int64_t T) {
@@ -651,7 +653,32 @@ std::vector<float> rope_inv_freq(const LlamaConfig& c, int64_t T) {
   }
   const RopeScaling& s = c.rope_scaling;
   const float factor = static_cast<float>(s.factor);
-  if (s.type == RopeScaling::Type::kLongrope) {
+  if (s.type == RopeScaling::Type::kYarn) {
+    // transformers' _compute_yarn_parameters: the correction range in
+    // double, the ramp and the blend in fp32.
+    const double dim = static_cast<double>(D), b = c.rope_theta;
+    const double orig = static_cast<double>(s.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return dim * std::log(orig / (rotations * 2.0 * M_PI)) / (2.0 * std::log(b));
+    };
+    double lo = correction_dim(s.beta_fast), hi = correction_dim(s.beta_slow);
+    if (s.truncate) {
+      lo = std::floor(lo);
+      hi = std::ceil(hi);
+    }
+    lo = std::max(lo, 0.0);
+    hi = std::min(hi, dim - 1.0);
+    if (lo == hi) hi += 0.001;  // transformers' guard against a zero-width ramp
+    const float lo_f = static_cast<float>(lo), span = static_cast<float>(hi - lo);
+    for (int64_t i = 0; i < h; ++i) {
+      const float e = static_cast<float>(2 * i) / static_cast<float>(D);
+      const float pos = std::pow(base, e);
+      const float extrapolation = 1.0f / pos, interpolation = 1.0f / (factor * pos);
+      const float ramp = std::min(std::max((static_cast<float>(i) - lo_f) / span, 0.0f), 1.0f);
+      const float keep = 1.0f - ramp;  // the extrapolation's share
+      inv[static_cast<size_t>(i)] = interpolation * (1.0f - keep) + extrapolation * keep;
+    }
+  } else if (s.type == RopeScaling::Type::kLongrope) {
     // transformers: 1 / (ext * base ** (arange(0, D, 2).float() / D)), ext
     // the fp32 factors: long past original_max_position_embeddings.
     const std::vector<double>& ext = T > s.original_max_position_embeddings ? s.long_factor : s.short_factor;

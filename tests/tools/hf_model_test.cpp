@@ -313,6 +313,9 @@ TEST(HfModel, NewFamiliesKeysAreCheckedNamingTheKey) {
   refuse("llama_gqa", [](nlohmann::json& j) { j["rope_parameters"] = {{"rope_type", "dynamic"}, {"factor", 2.0}}; },
          {"rope_type", "inference-time"});
   refuse("olmo2", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "SiLU"});
+  refuse("llama_yarn", [](nlohmann::json& j) { j["rope_parameters"]["factor"] = -4; }, {"rope_parameters.factor"});
+  refuse("llama_yarn", [](nlohmann::json& j) { j["rope_parameters"]["beta_slow"] = 0; },
+         {"rope_parameters.beta_fast", "> 0"});
   refuse("gpt_neox", [](nlohmann::json& j) { j["hidden_act"] = "relu"; }, {"hidden_act", "relu", "exact"});
   refuse("gpt_neox", [](nlohmann::json& j) { j["num_key_value_heads"] = 2; }, {"num_key_value_heads", "grouped"});
   refuse("gpt_neox", [](nlohmann::json& j) { j["rope_parameters"]["partial_rotary_factor"] = 0.1; },
@@ -347,9 +350,10 @@ TEST(HfModel, BadFoldersGiveOneLineNamingTheFile) {
   {
     TempFolder t("llama_gqa");
     auto j = t.config();
-    j["rope_parameters"]["rope_type"] = "yarn";
+    j["rope_parameters"]["rope_type"] = "ntk-by-parts";
     t.write_config(j);
-    expect_error([&] { read_hf_config(t.dir.string()); }, {"rope_parameters.rope_type", "\"yarn\" is not supported"});
+    expect_error([&] { read_hf_config(t.dir.string()); },
+                 {"rope_parameters.rope_type", "\"ntk-by-parts\" is not supported", "yarn"});
   }
   {
     TempFolder t("llama_gqa");
