@@ -182,6 +182,37 @@ int64_t attention_workspace_bytes(AttentionShape s);
 // default) chooses by the cache. The result is the same bits at any value.
 void set_attention_heads_per_group_for_testing(int64_t g);
 
+// ---- mixture of experts (moe.cpp; Note [expert routing order]) ---------------------------
+// The router over N tokens and E experts: probs(N,E) = softmax(logits),
+// expert(N,k) the top k of each token (descending; ties: the lower index),
+// weight(N,k) their probabilities, renormalised to sum 1 with renormalize
+// (Mixtral always; Qwen3-MoE with norm_topk_prob).
+void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
+               float* weight);
+// dlogits(N,E) (written) from dweight(N,k) and, if not null, dprobs(N,E)
+// (the auxiliary load-balancing loss's gradient).
+void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
+                        const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize, float* dlogits);
+// The N*k (token, slot) pairs grouped by expert, tokens in order within
+// each (host memory, on any backend: the experts' GEMM sizes are the
+// host's to launch): offsets(E+1) the first row of each expert's group,
+// token_of_row(N*k) the token of each grouped row, row_of_slot(N*k) the
+// grouped row of (token, slot). Throws naming a token whose expert is out
+// of range.
+void moe_group(const int32_t* expert, int64_t N, int64_t k, int64_t E, int64_t* offsets, int32_t* token_of_row,
+               int32_t* row_of_slot);
+// xg(M,C) row r = x(token_of_row[r]).
+void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C);
+// out(N,C) = sum over slots s of weight(t,s) y(row_of_slot(t,s)) (written).
+void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N, int64_t k,
+                 int64_t C);
+// Its backward: dy(row_of_slot(t,s)) = weight(t,s) dout(t) (written, every
+// grouped row once); dweight(t,s) = dout(t) . y(row_of_slot(t,s)).
+void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
+                          const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C);
+// moe_gather's backward: dx(t) += the sum over its slots of dxg(row_of_slot(t,s)).
+void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C);
+
 // ---- memory estimates ------------------------------------------------------------
 // The kernels keep grow-only thread-local scratch (converted matmul operands,
 // oneDNN scratchpads, attention's head-major copies): after a training pass

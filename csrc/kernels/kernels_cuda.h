@@ -90,6 +90,24 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
 void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);
 void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream);
 
+// ---- mixture of experts (moe.cu) --------------------------------------------------------------
+// kernels::moe_route, moe_route_backward, moe_gather, moe_combine,
+// moe_combine_backward and moe_gather_backward on device pointers (the
+// expert ids and grouped rows too), bit for bit the CPU's. The grouping
+// (kernels::moe_group) runs on the host.
+void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
+               float* weight, cudaStream_t stream);
+void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
+                        const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize, float* dlogits,
+                        cudaStream_t stream);
+void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C, cudaStream_t stream);
+void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N, int64_t k,
+                 int64_t C, cudaStream_t stream);
+void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
+                          const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C, cudaStream_t stream);
+void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C,
+                         cudaStream_t stream);
+
 // ---- causal attention ------------------------------------------------------------------------
 // kernels::attention_forward/backward on the GPU; the workspace holds P
 // (B,H,T,T) fp32 in device memory between forward and backward.

@@ -200,6 +200,56 @@ ZINC_HD float softcap_grad_from_out(float y, float cap) {
   return 1.0f - t * t;
 }
 
+// ---- mixture-of-experts routing (Note [expert routing order] in moe.cpp) -------------------
+// One token: probs = softmax(logits) over E (index order), its top k
+// experts by repeated selection (ties: the lower index), their weights the
+// probabilities, divided by their sum (slot order) with renormalize.
+ZINC_HD void moe_route_row(const float* logits, int64_t E, int64_t k, bool renormalize, float* probs,
+                           int32_t* expert, float* weight) {
+  float mx = logits[0];
+  for (int64_t e = 1; e < E; ++e) mx = logits[e] > mx ? logits[e] : mx;
+  float sum = 0.0f;
+  for (int64_t e = 0; e < E; ++e) {
+    probs[e] = exp_f(logits[e] - mx);
+    sum += probs[e];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t e = 0; e < E; ++e) probs[e] *= inv;
+  float chosen = 0.0f;
+  for (int64_t s = 0; s < k; ++s) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t q = 0; q < s; ++q) taken = taken || expert[q] == e;
+      if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+    }
+    expert[s] = static_cast<int32_t>(best);
+    weight[s] = probs[best];
+    chosen += probs[best];
+  }
+  if (renormalize)
+    for (int64_t s = 0; s < k; ++s) weight[s] = weight[s] / chosen;
+}
+// Its backward: d weight (k) and, where the aux loss adds one, d probs (E)
+// to d logits (E), written. With renormalize, w_s = p_s / S: dp_s =
+// (dw_s - sum_q dw_q w_q) / S; then the softmax's dlogit_e = p_e (dp_e -
+// sum_e' p_e' dp_e'), sums in slot and index order.
+ZINC_HD void moe_route_row_backward(const float* probs, const int32_t* expert, const float* weight,
+                                    const float* dweight, const float* dprobs, int64_t E, int64_t k,
+                                    bool renormalize, float* dlogits) {
+  float chosen = 0.0f, dw_w = 0.0f;
+  for (int64_t s = 0; s < k; ++s) {
+    chosen += probs[expert[s]];
+    dw_w += dweight[s] * weight[s];
+  }
+  for (int64_t e = 0; e < E; ++e) dlogits[e] = dprobs ? dprobs[e] : 0.0f;  // dp, then dlogits in place
+  for (int64_t s = 0; s < k; ++s)
+    dlogits[expert[s]] += renormalize ? (dweight[s] - dw_w) / chosen : dweight[s];
+  float dot = 0.0f;
+  for (int64_t e = 0; e < E; ++e) dot += probs[e] * dlogits[e];
+  for (int64_t e = 0; e < E; ++e) dlogits[e] = probs[e] * (dlogits[e] - dot);
+}
+
 // ---- rotary position embedding ----------------------------------------------------------
 // transformers' rotate_half convention: a head of d = 2h values pairs element
 // i with i + h, both rotated by the angle of frequency i at the position:

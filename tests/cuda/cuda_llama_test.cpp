@@ -267,3 +267,67 @@ TEST(CudaLlama, CopyColumnsMatchesTheCpu) {
 
 }  // namespace
 }  // namespace zinc::kernels
+
+namespace zinc::kernels {
+namespace {
+
+using zinc::cuda::DeviceBuffer;
+
+// The mixture-of-experts kernels (moe.cu) against the CPU's bits: the
+// router and its backward (with and without renormalising, with an
+// aux-loss gradient), the gather, the combine and both backward maps, on
+// the CPU's grouping (kernels::moe_group, host code on either backend).
+TEST(CudaMoe, RouterGatherAndCombineMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (auto [N, E, k, C] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 4, 2, 3}, {37, 8, 2, 33},
+                            {130, 64, 6, 17}}) {
+    for (bool renorm : {true, false}) {
+      const std::string at = "N=" + std::to_string(N) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
+                             (renorm ? " renormalised" : "");
+      auto logits = randn(N * E, 131, 3.0), dw = randn(N * k, 132), dp = randn(N * E, 133);
+      std::vector<float> probs(N * E), weight(N * k), dl(N * E);
+      std::vector<int32_t> expert(N * k);
+      moe_route(logits.data(), N, E, k, renorm, probs.data(), expert.data(), weight.data());
+      moe_route_backward(probs.data(), expert.data(), weight.data(), dw.data(), dp.data(), N, E, k, renorm, dl.data());
+      DeviceBuffer d_l = upload(logits), d_p(N * E * 4), d_e(N * k * 4), d_w(N * k * 4), d_dw = upload(dw),
+                   d_dp = upload(dp), d_dl(N * E * 4);
+      cuda::moe_route(d_l.as<float>(), N, E, k, renorm, d_p.as<float>(), d_e.as<int32_t>(), d_w.as<float>(), nullptr);
+      cuda::moe_route_backward(d_p.as<float>(), d_e.as<int32_t>(), d_w.as<float>(), d_dw.as<float>(),
+                               d_dp.as<float>(), N, E, k, renorm, d_dl.as<float>(), nullptr);
+      expect_same_bits(probs, download<float>(d_p, probs.size()), "moe probs " + at);
+      expect_same_bits(weight, download<float>(d_w, weight.size()), "moe weights " + at);
+      EXPECT_EQ(expert, download<int32_t>(d_e, expert.size())) << "moe experts " + at;
+      expect_same_bits(dl, download<float>(d_dl, dl.size()), "moe dlogits " + at);
+    }
+    std::vector<float> probs(N * E), weight(N * k);
+    std::vector<int32_t> expert(N * k), token_of_row(N * k), row_of_slot(N * k);
+    auto logits = randn(N * E, 134, 3.0);
+    moe_route(logits.data(), N, E, k, true, probs.data(), expert.data(), weight.data());
+    std::vector<int64_t> offsets(E + 1);
+    moe_group(expert.data(), N, k, E, offsets.data(), token_of_row.data(), row_of_slot.data());
+    const int64_t M = N * k;
+    auto x = randn(N * C, 135), y = randn(M * C, 136), dout = randn(N * C, 137), dxg = randn(M * C, 138);
+    std::vector<float> xg(M * C), out(N * C), dy(M * C), dwt(N * k), dx = randn(N * C, 139);
+    moe_gather(xg.data(), x.data(), token_of_row.data(), M, C);
+    moe_combine(out.data(), y.data(), weight.data(), row_of_slot.data(), N, k, C);
+    moe_combine_backward(dy.data(), dwt.data(), dout.data(), y.data(), weight.data(), row_of_slot.data(), N, k, C);
+    DeviceBuffer d_x = upload(x), d_y = upload(y), d_dout = upload(dout), d_dxg = upload(dxg), d_dx = upload(dx),
+                 d_w = upload(weight), d_tor = upload(token_of_row), d_ros = upload(row_of_slot), d_xg(M * C * 4),
+                 d_out(N * C * 4), d_dy(M * C * 4), d_dwt(N * k * 4);
+    moe_gather_backward(dx.data(), dxg.data(), row_of_slot.data(), N, k, C);
+    cuda::moe_gather(d_xg.as<float>(), d_x.as<float>(), d_tor.as<int32_t>(), M, C, nullptr);
+    cuda::moe_combine(d_out.as<float>(), d_y.as<float>(), d_w.as<float>(), d_ros.as<int32_t>(), N, k, C, nullptr);
+    cuda::moe_combine_backward(d_dy.as<float>(), d_dwt.as<float>(), d_dout.as<float>(), d_y.as<float>(),
+                               d_w.as<float>(), d_ros.as<int32_t>(), N, k, C, nullptr);
+    cuda::moe_gather_backward(d_dx.as<float>(), d_dxg.as<float>(), d_ros.as<int32_t>(), N, k, C, nullptr);
+    const std::string at = "N=" + std::to_string(N) + " E=" + std::to_string(E);
+    expect_same_bits(xg, download<float>(d_xg, xg.size()), "moe gather " + at);
+    expect_same_bits(out, download<float>(d_out, out.size()), "moe combine " + at);
+    expect_same_bits(dy, download<float>(d_dy, dy.size()), "moe combine dy " + at);
+    expect_same_bits(dwt, download<float>(d_dwt, dwt.size()), "moe combine dweight " + at);
+    expect_same_bits(dx, download<float>(d_dx, dx.size()), "moe gather backward " + at);
+  }
+}
+
+}  // namespace
+}  // namespace zinc::kernels
