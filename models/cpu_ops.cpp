@@ -96,6 +96,40 @@ class CpuOps : public Ops {
     dst = alloc_f32(static_cast<size_t>(n));
     std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(float));
   }
+  void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) override {
+    dst = alloc(static_cast<size_t>(n) * sizeof(int32_t));
+    std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(int32_t));
+  }
+  void copy_out(float* host, const float* src, int64_t n) override {
+    std::memcpy(host, src, static_cast<size_t>(n) * sizeof(float));
+  }
+  void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) override {
+    std::memcpy(host, src, static_cast<size_t>(n) * sizeof(int32_t));
+  }
+  void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
+                 float* weight) override {
+    kernels::moe_route(logits, N, E, k, renormalize, probs, expert, weight);
+  }
+  void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
+                          const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize,
+                          float* dlogits) override {
+    kernels::moe_route_backward(probs, expert, weight, dweight, dprobs, N, E, k, renormalize, dlogits);
+  }
+  void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C) override {
+    kernels::moe_gather(xg, x, token_of_row, M, C);
+  }
+  void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N, int64_t k,
+                   int64_t C) override {
+    kernels::moe_combine(out, y, weight, row_of_slot, N, k, C);
+  }
+  void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
+                            const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) override {
+    kernels::moe_combine_backward(dy, dweight, dout, y, weight, row_of_slot, N, k, C);
+  }
+  void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k,
+                           int64_t C) override {
+    kernels::moe_gather_backward(dx, dxg, row_of_slot, N, k, C);
+  }
   void* attention_create() override { return kernels::attention_workspace_create(); }
   void attention_destroy(void* ws) override {
     kernels::attention_workspace_destroy(static_cast<kernels::AttentionWorkspace*>(ws));

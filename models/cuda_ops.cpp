@@ -184,6 +184,48 @@ class CudaOps final : public Ops {
     kernels::cuda::cross_entropy(logits, targets, N, V, dlogits, dloss_scale, row_loss_.as<double>(), kStream);
     return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, counted->second, kStream);
   }
+  void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) override {
+    dst = alloc(static_cast<size_t>(n) * sizeof(int32_t));
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                    kStream),
+                    "upload of int32 values");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "upload of int32 values");
+  }
+  void copy_out(float* host, const float* src, int64_t n) override {
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, kStream),
+                    "download of floats");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "download of floats");
+  }
+  void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) override {
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                    kStream),
+                    "download of int32 values");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "download of int32 values");
+  }
+  void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
+                 float* weight) override {
+    kernels::cuda::moe_route(logits, N, E, k, renormalize, probs, expert, weight, kStream);
+  }
+  void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
+                          const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize,
+                          float* dlogits) override {
+    kernels::cuda::moe_route_backward(probs, expert, weight, dweight, dprobs, N, E, k, renormalize, dlogits, kStream);
+  }
+  void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C) override {
+    kernels::cuda::moe_gather(xg, x, token_of_row, M, C, kStream);
+  }
+  void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N, int64_t k,
+                   int64_t C) override {
+    kernels::cuda::moe_combine(out, y, weight, row_of_slot, N, k, C, kStream);
+  }
+  void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
+                            const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) override {
+    kernels::cuda::moe_combine_backward(dy, dweight, dout, y, weight, row_of_slot, N, k, C, kStream);
+  }
+  void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k,
+                           int64_t C) override {
+    kernels::cuda::moe_gather_backward(dx, dxg, row_of_slot, N, k, C, kStream);
+  }
   void* attention_create() override { return kernels::cuda::attention_workspace_create(); }
   void attention_destroy(void* ws) override {
     kernels::cuda::attention_workspace_destroy(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws));

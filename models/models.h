@@ -133,6 +133,22 @@ struct LlamaConfig {
   // mlp(ln2(x))).
   bool layer_norm = false;
   bool parallel_residual = false;
+  // Mixture of experts (Mixtral, Qwen3-MoE): in the sparse layers the MLP
+  // is num_experts SwiGLU experts of moe_intermediate_size (0:
+  // intermediate_size) behind a router (mlp.gate, num_experts x hidden)
+  // that sends each token to its num_experts_per_tok best experts, weighted
+  // by their router probabilities (renormalised to sum 1 with
+  // norm_topk_prob). dense_layers marks, per layer, 1 where the MLP stays
+  // dense (empty: none). router_aux_loss_coef times the load-balancing loss
+  // joins the training loss (0: not; transformers adds it with
+  // output_router_logits). The files name the experts Mixtral's way
+  // (block_sparse_moe.experts.E.w1/w3/w2) or Qwen's
+  // (mlp.experts.E.gate_proj/up_proj/down_proj).
+  int64_t num_experts = 0, num_experts_per_tok = 2, moe_intermediate_size = 0;
+  bool norm_topk_prob = true;
+  std::vector<int> dense_layers;
+  double router_aux_loss_coef = 0.0;
+  enum class ExpertNames { kQwen, kMixtral } expert_names = ExpertNames::kQwen;
   // Where the layer's norms sit: pre_norms before attention and the MLP
   // (the Llama's), post_norms on each branch's output before its residual
   // add (Gemma 2 and 3 have both, OLMo 2 only the latter).
@@ -173,6 +189,10 @@ struct LlamaConfig {
     return no_rope_layer_interval <= 0 || (layer + 1) % no_rope_layer_interval != 0;
   }
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  bool sparse_layer(int64_t layer) const {
+    return num_experts > 0 && (dense_layers.empty() || dense_layers[static_cast<size_t>(layer)] == 0);
+  }
+  int64_t expert_size() const { return moe_intermediate_size > 0 ? moe_intermediate_size : intermediate_size; }
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_size()) * partial_rotary_factor); }
 };
 

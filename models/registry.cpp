@@ -35,7 +35,9 @@ namespace zinc::models {
   X(gemma3)              \
   X(olmo2)               \
   X(phi3)                \
-  X(gpt_neox)
+  X(gpt_neox)            \
+  X(mixtral)             \
+  X(qwen3_moe)
 
 #define ZINC_DECLARE_FAMILY(ns) \
   namespace ns {                \

@@ -189,8 +189,9 @@ void set_attention_heads_per_group_for_testing(int64_t g);
 // (Mixtral always; Qwen3-MoE with norm_topk_prob).
 void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
                float* weight);
-// dlogits(N,E) (written) from dweight(N,k) and, if not null, dprobs(N,E)
-// (the auxiliary load-balancing loss's gradient).
+// dlogits(N,E) (written) from dweight(N,k) and, if not null, dprobs(E):
+// d loss / d probs(t, e) for every token t (the auxiliary load-balancing
+// loss's gradient depends on the expert alone).
 void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
                         const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize, float* dlogits);
 // The N*k (token, slot) pairs grouped by expert, tokens in order within

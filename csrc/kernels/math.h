@@ -230,8 +230,9 @@ ZINC_HD void moe_route_row(const float* logits, int64_t E, int64_t k, bool renor
   if (renormalize)
     for (int64_t s = 0; s < k; ++s) weight[s] = weight[s] / chosen;
 }
-// Its backward: d weight (k) and, where the aux loss adds one, d probs (E)
-// to d logits (E), written. With renormalize, w_s = p_s / S: dp_s =
+// Its backward: d weight (k) and, where the aux loss adds one, d probs (E;
+// the same for every token: the load-balancing loss's gradient depends on
+// the expert alone) to d logits (E), written. With renormalize, w_s = p_s / S: dp_s =
 // (dw_s - sum_q dw_q w_q) / S; then the softmax's dlogit_e = p_e (dp_e -
 // sum_e' p_e' dp_e'), sums in slot and index order.
 ZINC_HD void moe_route_row_backward(const float* probs, const int32_t* expert, const float* weight,

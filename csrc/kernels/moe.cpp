@@ -49,7 +49,7 @@ void moe_route_backward(const float* probs, const int32_t* expert, const float* 
   parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), 64, [&](size_t lo, size_t hi) {
     for (size_t t = lo; t < hi; ++t)
       math::moe_route_row_backward(probs + t * E, expert + t * k, weight + t * k, dweight + t * k,
-                                   dprobs ? dprobs + t * E : nullptr, E, k, renormalize, dlogits + t * E);
+                                   dprobs, E, k, renormalize, dlogits + t * E);
   });
 }
 

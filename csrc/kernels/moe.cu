@@ -27,7 +27,7 @@ __global__ void moe_route_backward_kernel(const float* probs, const int32_t* exp
                                           bool renormalize, float* dlogits) {
   ZINC_MOE_STRIDE(t, N)
   math::moe_route_row_backward(probs + t * E, expert + t * k, weight + t * k, dweight + t * k,
-                               dprobs ? dprobs + t * E : nullptr, E, k, renormalize, dlogits + t * E);
+                               dprobs, E, k, renormalize, dlogits + t * E);
 }
 
 __global__ void moe_gather_kernel(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C) {

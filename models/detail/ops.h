@@ -118,6 +118,28 @@ class Ops {
   virtual void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) = 0;
   // Host floats into a buffer of this Ops (small tables: the rope angles).
   virtual void copy_in(Buf& dst, const float* host, int64_t n) = 0;
+  // int32 values into a buffer of this Ops (allocated to n values), and out
+  // of this Ops' memory to the host (waits for the work before it): the
+  // experts a router chose go to the host, which groups them and launches
+  // each expert's GEMM, and the grouping comes back.
+  virtual void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) = 0;
+  virtual void copy_out(float* host, const float* src, int64_t n) = 0;
+  virtual void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) = 0;
+
+  // Mixture of experts (kernels.h; the grouping is kernels::moe_group, on
+  // the host).
+  virtual void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs,
+                         int32_t* expert, float* weight) = 0;
+  virtual void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
+                                  const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize,
+                                  float* dlogits) = 0;
+  virtual void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C) = 0;
+  virtual void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N,
+                           int64_t k, int64_t C) = 0;
+  virtual void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
+                                    const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) = 0;
+  virtual void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k,
+                                   int64_t C) = 0;
 
   // Attention with a workspace per layer (opaque; create/destroy pair).
   virtual void* attention_create() = 0;

@@ -57,7 +57,9 @@ class Config final : public FamilyConfig {
           if (!s.empty()) s[0] = r;
           return HfPiece{prefix + n, s, r, false};
         };
-        if (c_.fused_in_file)
+        if (p.name.rfind("mlp.gate.", 0) == 0 || p.name.rfind("mlp.experts.", 0) == 0)
+          block.push_back(expert_pieces(prefix + b.name + ".", p.name, shape));
+        else if (c_.fused_in_file)
           block.push_back({{p.name == "lm_head.weight" ? p.name : prefix + name, shape, rows, false}});
         else if (p.name.find("self_attn.qkv_proj.") == 0)
           block.push_back({piece("qkv_proj", "q_proj", H * D), piece("qkv_proj", "k_proj", K * D),
@@ -101,6 +103,29 @@ class Config final : public FamilyConfig {
                                                              ", got " + std::to_string(c_.max_position_embeddings));
   }
   const LlamaConfig& llama() const { return c_; }
+  // A sparse layer's router and experts in the file, per expert, named the
+  // Mixtral way (block_sparse_moe.gate, block_sparse_moe.experts.E.w1 gate,
+  // w3 up, w2 down) or the Qwen way (mlp.gate, mlp.experts.E.gate_proj,
+  // up_proj, down_proj); zinc stacks the experts' gate|up rows (expert by
+  // expert) and their down rows.
+  std::vector<HfPiece> expert_pieces(const std::string& layer, const std::string& param,
+                                     const std::vector<int64_t>& shape) const {
+    const bool mixtral = c_.expert_names == LlamaConfig::ExpertNames::kMixtral;
+    const std::string moe = layer + (mixtral ? "block_sparse_moe." : "mlp.");
+    const int64_t E = c_.num_experts, Ie = c_.expert_size(), C = c_.hidden_size;
+    if (param == "mlp.gate.weight") return {{moe + "gate.weight", shape, shape[0], false}};
+    std::vector<HfPiece> out;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ex = moe + "experts." + std::to_string(e) + ".";
+      if (param == "mlp.experts.gate_up_proj") {
+        out.push_back({ex + (mixtral ? "w1" : "gate_proj") + ".weight", {Ie, C}, Ie, false});
+        out.push_back({ex + (mixtral ? "w3" : "up_proj") + ".weight", {Ie, C}, Ie, false});
+      } else {
+        out.push_back({ex + (mixtral ? "w2" : "down_proj") + ".weight", {C, Ie}, C, false});
+      }
+    }
+    return out;
+  }
   // The section's max_position_embeddings: 0 takes data.seq_len (fit_data).
   int64_t section_max_positions_ = -1;
 

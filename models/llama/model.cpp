@@ -38,6 +38,19 @@ struct LayerIdx {
   int ln2 = -1, gu_w = -1, gu_b = -1, down_w = -1, down_b = -1;
   int post_att = -1, post_mlp = -1;  // post_norms
   int ln1_b = -1, ln2_b = -1;        // layer_norm: the norms' biases
+  int router = -1, experts_gu = -1, experts_down = -1;  // a sparse (mixture-of-experts) layer's MLP
+};
+
+// What a sparse layer's backward reads of its forward (LlamaLayerActs::moe).
+struct MoeActs {
+  Buf probs;                // (N,E) router probabilities
+  Buf expert, weight;       // (N,k) int32 chosen experts, (N,k) their weights
+  Buf token_of_row, row_of_slot;  // (M = N k) int32 grouping (kernels::moe_group), on this Ops
+  std::vector<int64_t> offsets;   // (E+1) each expert's first grouped row, on the host
+  std::vector<int32_t> expert_host;  // (N,k) the chosen experts on the host (the aux loss counts them)
+  Buf xg, gu, act, y;       // (M,C) gathered input, (M,2Ie), (M,Ie), (M,C) the experts' outputs
+  CView xg_in, act_in;      // what the experts' matmuls read
+  Buf xg_16, act_16;
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
@@ -57,6 +70,7 @@ struct LlamaLayerActs {
   CView ln1_in, att_in, ln2_in, act_in;  // what the matmuls read (detail::matmul_input)
   Buf ln1_16, att_16, ln2_16, act_16;
   void* ws = nullptr;  // Ops::attention_create
+  MoeActs moe;         // sparse layers
 };
 
 class Llama final : public Model {
@@ -100,11 +114,18 @@ class Llama final : public Model {
       if (c.pre_norms && c.layer_norm) x.ln2_b = add({"post_attention_layernorm.bias", {C}, Init::kZeros});
       if (c.post_norms) x.post_mlp = add({"post_feedforward_layernorm.weight", {C}, norm_init});
       const std::string up = c.mlp_gated ? "mlp.gate_up_proj" : "mlp.up_proj";
-      x.gu_w = add({up + ".weight", {GU_, C}, Init::kNormal, sd});
-      if (c.mlp_bias) x.gu_b = add({up + ".bias", {GU_}, Init::kZeros});
-      x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
-      if (c.mlp_bias) x.down_b = add({"mlp.down_proj.bias", {C}, Init::kZeros});
-      idx_ = x;
+      if (c.sparse_layer(l)) {
+        const int64_t E = c.num_experts, Ie = c.expert_size();
+        x.router = add({"mlp.gate.weight", {E, C}, Init::kNormal, sd});
+        x.experts_gu = add({"mlp.experts.gate_up_proj", {E * 2 * Ie, C}, Init::kNormal, sd});
+        x.experts_down = add({"mlp.experts.down_proj", {E * C, Ie}, Init::kNormal, sd});
+      } else {
+        x.gu_w = add({up + ".weight", {GU_, C}, Init::kNormal, sd});
+        if (c.mlp_bias) x.gu_b = add({up + ".bias", {GU_}, Init::kZeros});
+        x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
+        if (c.mlp_bias) x.down_b = add({"mlp.down_proj.bias", {C}, Init::kZeros});
+      }
+      idx_.push_back(x);
       specs_.push_back(std::move(b));
     }
     BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}};
@@ -132,8 +153,15 @@ class Llama final : public Model {
     const double C = static_cast<double>(c_.hidden_size), L = static_cast<double>(c_.num_hidden_layers);
     const double A = static_cast<double>(H_ * D_), Q = static_cast<double>((H_ + 2 * K_) * D_);
     const double I = static_cast<double>(c_.intermediate_size);
-    const double mlp = (c_.mlp_gated ? 3.0 : 2.0) * C * I;
-    const double matmul_params = L * (C * Q + A * C + mlp) + static_cast<double>(c_.vocab_size) * C;
+    // A sparse layer counts its router and the k experts a token runs
+    // through (the active parameters), not all E.
+    double mlp = 0;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      mlp += c_.sparse_layer(l) ? static_cast<double>(c_.num_experts_per_tok) * 3.0 * C *
+                                          static_cast<double>(c_.expert_size()) +
+                                      C * static_cast<double>(c_.num_experts)
+                                : (c_.mlp_gated ? 3.0 : 2.0) * C * I;
+    const double matmul_params = L * (C * Q + A * C) + mlp + static_cast<double>(c_.vocab_size) * C;
     // attention scores and weighted sum: 2 matmuls of 2*T*A flops per token
     // forward, x3 for forward + backward (causal masking not discounted).
     const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * A;
@@ -168,6 +196,18 @@ class Llama final : public Model {
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
     if (c_.layer_norm) m.saved += buffer_bytes(N);                            // lnf_mean_
     if (c_.parallel_residual) m.saved += buffer_bytes(N * C);                 // dpar_
+    const int64_t E = c_.num_experts, Ie = c_.expert_size(), M = N * c_.num_experts_per_tok;
+    if (E > 0) {
+      // Per set of layer activations (MoeActs): probs, experts, weights,
+      // the two grouping maps, xg, gu, act, y and the 16-bit copies the
+      // experts' matmuls read; once: the router logits and backward's
+      // grouped-row scratch.
+      const int64_t moe = buffer_bytes(N * E) + 3 * buffer_bytes(M, sizeof(int32_t)) + buffer_bytes(M) +
+                          2 * buffer_bytes(M * C) + buffer_bytes(M * 2 * Ie) + buffer_bytes(M * Ie) +
+                          matmul_input_bytes(M * C, dt) + matmul_input_bytes(M * Ie, dt);
+      m.saved += act_sets * moe + buffer_bytes(N * E) + buffer_bytes(M * C) + buffer_bytes(M * 2 * Ie) +
+                 buffer_bytes(M * Ie) + buffer_bytes(M);
+    }
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -175,6 +215,14 @@ class Llama final : public Model {
                                  {C, GU_, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
       detail::tally_linear_forward(t, x, N, in, out, bias, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+    }
+    if (E > 0) {
+      // An expert's rows are at most N (a token picks an expert once): its
+      // matmuls' scratch at N rows bounds each; the router's.
+      for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 2 * Ie}, {Ie, C}, {C, E}}) {
+        detail::tally_linear_forward(t, x, std::min(N, M), in, out, false, dt);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, std::min(N, M), in, out, true, dt));
+      }
     }
     t.attention(as, dt);
     detail::tally_linear_forward(t, x, N, C, V, false, dt);
@@ -202,6 +250,9 @@ class Llama final : public Model {
       ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
       if (embed_factor() != 1.0f) ops_->scale(x_in_[0].as<float>(), embed_factor(), N * C);
     }
+    aux_layers_ = 0;
+    aux_count_.assign(static_cast<size_t>(c_.num_experts), 0.0);
+    aux_prob_.assign(static_cast<size_t>(c_.num_experts), 0.0);
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
@@ -229,7 +280,25 @@ class Llama final : public Model {
     if (c_.final_logit_softcapping > 0)
       ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * V);
     double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+    if (c_.router_aux_loss_coef > 0 && aux_layers_ > 0) loss += c_.router_aux_loss_coef * aux_loss(N);
     return static_cast<float>(loss);
+  }
+
+  // The load-balancing loss over this forward's sparse layers, as
+  // transformers' load_balancing_loss_func: f_e the share of (layer,
+  // token, slot) picks that chose e, P_e the mean router probability of e;
+  // E sum_e f_e P_e. f carries no gradient; d/d probs(l,t,e) = E f_e / (L N)
+  // for every layer and token (kept in aux_f_ for backward).
+  double aux_loss(int64_t N) {
+    const int64_t E = c_.num_experts;
+    const double rows = static_cast<double>(aux_layers_ * N);
+    double aux = 0;
+    aux_f_.assign(static_cast<size_t>(E), 0.0);
+    for (int64_t e = 0; e < E; ++e) {
+      aux_f_[static_cast<size_t>(e)] = aux_count_[static_cast<size_t>(e)] / rows;
+      aux += aux_f_[static_cast<size_t>(e)] * (aux_prob_[static_cast<size_t>(e)] / rows);
+    }
+    return static_cast<double>(E) * aux;
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
@@ -271,8 +340,8 @@ class Llama final : public Model {
     float* dmid = dmid_.as<float>();      // (N, max(A, I))
     float* dsmall = dsmall_.as<float>();  // (N,C)
     float* dproj = proj_.as<float>();     // (N,Q)
-    const LayerIdx& x = idx_;
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) {
+      const LayerIdx& x = idx_[static_cast<size_t>(l)];
       LlamaLayerActs& a = acts(l);
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
@@ -284,11 +353,15 @@ class Llama final : public Model {
       BlockGrads g = ctx.grads(blk);
       // MLP: dx holds d out and becomes d h.
       const float* dy = post_norm_backward(p, g, x.post_mlp, branch_grad(dx, N), a.mlp_out, a.rstd_pm, N);
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dy), a.act_in,
-                              p[x.down_w], N, I, C, dt);
-      act_backward(dbig, dmid, a.gate_up.as<float>(), N);
-      detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
-                              p[x.gu_w], N, C, GU_, dt);
+      if (x.router >= 0) {
+        moe_backward(p, g, x, a, dy, dsmall, N, dt, loss_scale);
+      } else {
+        detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dy), a.act_in,
+                                p[x.down_w], N, I, C, dt);
+        act_backward(dbig, dmid, a.gate_up.as<float>(), N);
+        detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
+                                p[x.gu_w], N, C, GU_, dt);
+      }
       // With the parallel residual the MLP's norm read x_in: its gradient
       // joins d x after the attention branch has read d h.
       float* dnorm2 = c_.parallel_residual ? dpar_.as<float>() : dx;
@@ -420,7 +493,7 @@ class Llama final : public Model {
   void layer_forward(const HeldParams& p, LlamaLayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
                      int64_t T, DType dt) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
-    const LayerIdx& x = idx_;
+    const LayerIdx& x = idx_[static_cast<size_t>(l)];
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
@@ -438,6 +511,15 @@ class Llama final : public Model {
     // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself.
     pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
     a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    if (x.router >= 0) {
+      // A sparse layer: the experts' combined output is the branch's (into
+      // scratch when recomputing for backward).
+      float* out = x_out ? x_out : dsmall_.as<float>();
+      moe_forward(p, x, a, out, N, dt, x_out != nullptr);
+      if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
+      if (x_out) ops_->add(x_out, x_out, x_mid, N * C);
+      return;
+    }
     detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
@@ -450,6 +532,114 @@ class Llama final : public Model {
     }
     branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt);
     ops_->add(x_out, x_out, x_mid, N * C);
+  }
+
+  // A view `elems` elements into v (a row range of a matmul operand or of
+  // an expert's slice of the stacked weights).
+  static CView at(CView v, int64_t elems) {
+    return CView{static_cast<const char*>(v.data) + elems * static_cast<int64_t>(dtype_bytes(v.dtype)), v.dtype,
+                 v.bf16_exact};
+  }
+
+  // A sparse layer's MLP (Note [expert routing order] in kernels/moe.cpp):
+  // router logits from ln2, the top k experts of each token, the (token,
+  // slot) pairs grouped by expert on the host, each expert's SwiGLU on its
+  // own rows (one GEMM per expert per micro-batch, not per token), and the
+  // weighted combine into out.
+  void moe_forward(const HeldParams& p, const LayerIdx& x, LlamaLayerActs& a, float* out, int64_t N, DType dt,
+                   bool count) {
+    const int64_t C = c_.hidden_size, E = c_.num_experts, k = c_.num_experts_per_tok, Ie = c_.expert_size();
+    const int64_t M = N * k;
+    MoeActs& m = a.moe;
+    float* logits = moe_logits_.as<float>();
+    detail::linear_forward(*ops_, logits, a.ln2_in, p[x.router], CView{}, N, C, E, dt);
+    ops_->moe_route(logits, N, E, k, c_.norm_topk_prob, m.probs.as<float>(), m.expert.as<int32_t>(),
+                    m.weight.as<float>());
+    m.expert_host.resize(static_cast<size_t>(M));
+    ops_->copy_out_i32(m.expert_host.data(), m.expert.as<int32_t>(), M);
+    m.offsets.assign(static_cast<size_t>(E + 1), 0);
+    std::vector<int32_t> token_of_row(static_cast<size_t>(M)), row_of_slot(static_cast<size_t>(M));
+    kernels::moe_group(m.expert_host.data(), N, k, E, m.offsets.data(), token_of_row.data(), row_of_slot.data());
+    ops_->copy_in_i32(m.token_of_row, token_of_row.data(), M);
+    ops_->copy_in_i32(m.row_of_slot, row_of_slot.data(), M);
+    ops_->moe_gather(m.xg.as<float>(), a.ln2.as<float>(), m.token_of_row.as<int32_t>(), M, C);
+    m.xg_in = ops_->matmul_input(m.xg.as<float>(), M * C, dt, m.xg_16);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_forward(*ops_, m.gu.as<float>() + r0 * 2 * Ie, at(m.xg_in, r0 * C),
+                             at(p[x.experts_gu], e * 2 * Ie * C), CView{}, rows, C, 2 * Ie, dt);
+    }
+    ops_->swiglu_forward(m.act.as<float>(), m.gu.as<float>(), M, Ie);
+    m.act_in = ops_->matmul_input(m.act.as<float>(), M * Ie, dt, m.act_16);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_forward(*ops_, m.y.as<float>() + r0 * C, at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie),
+                             CView{}, rows, Ie, C, dt);
+    }
+    ops_->moe_combine(out, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N, k, C);
+    if (count && c_.router_aux_loss_coef > 0) {
+      // The aux loss's sums (in a forward, not in a recomputation): picks per
+      // expert, and each expert's probabilities over the tokens in token order.
+      for (int32_t e : m.expert_host) aux_count_[static_cast<size_t>(e)] += 1.0;
+      std::vector<float> probs(static_cast<size_t>(N * E));
+      ops_->copy_out(probs.data(), m.probs.as<float>(), N * E);
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t e = 0; e < E; ++e) aux_prob_[static_cast<size_t>(e)] += probs[static_cast<size_t>(t * E + e)];
+      ++aux_layers_;
+    }
+  }
+
+  // Its backward from dy (N,C), the gradient of the combined output, to
+  // dln2 (N,C, written): the experts' GEMMs on their rows, the gather's
+  // and the router's paths summed, the aux loss's gradient (aux_dprobs_)
+  // on the router probabilities.
+  void moe_backward(const HeldParams& p, const BlockGrads& g, const LayerIdx& x, LlamaLayerActs& a, const float* dy,
+                    float* dln2, int64_t N, DType dt, float loss_scale) {
+    const int64_t C = c_.hidden_size, E = c_.num_experts, k = c_.num_experts_per_tok, Ie = c_.expert_size();
+    const int64_t M = N * k;
+    MoeActs& m = a.moe;
+    float* dyg = moe_dy_.as<float>();         // (M,C) d of each grouped row's expert output, then d xg
+    float* dgu = moe_dgu_.as<float>();        // (M,2Ie)
+    float* dact = moe_dact_.as<float>();      // (M,Ie)
+    float* dweight = moe_dweight_.as<float>();  // (N,k)
+    ops_->moe_combine_backward(dyg, dweight, dy, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N,
+                               k, C);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g[x.experts_down] + e * C * Ie, nullptr,
+                              f32(dyg + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
+                              C, dt);
+    }
+    ops_->swiglu_backward(dgu, dact, m.gu.as<float>(), M, Ie);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_backward(*ops_, dy16_, dyg + r0 * C, g[x.experts_gu] + e * 2 * Ie * C, nullptr,
+                              f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
+                              C, 2 * Ie, dt);
+    }
+    ops_->zero(dln2, N * C);
+    ops_->moe_gather_backward(dln2, dyg, m.row_of_slot.as<int32_t>(), N, k, C);
+    float* dlogits = moe_logits_.as<float>();
+    if (c_.router_aux_loss_coef > 0 && !aux_f_.empty()) {
+      // d (coef aux) / d probs(t, e), the same for every token and sparse layer.
+      std::vector<float> dprobs(static_cast<size_t>(E));
+      const double rows = static_cast<double>(aux_layers_ * N);
+      for (int64_t e = 0; e < E; ++e)
+        dprobs[static_cast<size_t>(e)] = static_cast<float>(static_cast<double>(loss_scale) * c_.router_aux_loss_coef *
+                                                            static_cast<double>(E) * aux_f_[static_cast<size_t>(e)] / rows);
+      ops_->copy_in(aux_dprobs_, dprobs.data(), E);
+    }
+    ops_->moe_route_backward(m.probs.as<float>(), m.expert.as<int32_t>(), m.weight.as<float>(), dweight,
+                             c_.router_aux_loss_coef > 0 ? aux_dprobs_.as<float>() : nullptr, N, E, k,
+                             c_.norm_topk_prob, dlogits);
+    float* drouter = moe_dy_.as<float>();  // (N,C) of it, free again: the router's input gradient
+    detail::linear_backward(*ops_, dy16_, drouter, g[x.router], nullptr, f32(dlogits), a.ln2_in, p[x.router], N, C,
+                            E, dt);
+    ops_->add(dln2, dln2, drouter, N * C);
   }
 
   // A branch's last projection (weight w, bias b, from `in` of `in_w`
@@ -500,9 +690,9 @@ class Llama final : public Model {
     ops_->copy_columns(k_pre, K_ * D_, proj + H_ * D_, Q, N, K_ * D_);
     const auto [qr, qw] = qk_norm_rows(H_, N);
     const auto [kr, kw] = qk_norm_rows(K_, N);
-    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_.q_norm], qr, qw, eps(), c_.norm_offset);
+    ops_->rmsnorm_forward(out, rstd, q_pre, p[idx_[0].q_norm], qr, qw, eps(), c_.norm_offset);
     ops_->copy_columns(proj, Q, out, H_ * D_, N, H_ * D_);
-    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_.k_norm], kr, kw, eps(), c_.norm_offset);
+    ops_->rmsnorm_forward(out, rstd + N * H_, k_pre, p[idx_[0].k_norm], kr, kw, eps(), c_.norm_offset);
     ops_->copy_columns(proj + H_ * D_, Q, out, K_ * D_, N, K_ * D_);
   }
   // dproj's q and k columns hold the gradient of the normed heads; they
@@ -513,8 +703,9 @@ class Llama final : public Model {
     const float* rstd = a.rstd_qk.as<float>();
     float* dout = qk_scratch_.as<float>();
     float* dx = dout + most;
-    for (auto [col, heads, pre, r, w] : {std::tuple{int64_t{0}, H_, q_pre, rstd, idx_.q_norm},
-                                         std::tuple{H_ * D_, K_, q_pre + N * H_ * D_, rstd + N * H_, idx_.k_norm}}) {
+    // q_norm and k_norm sit at the same index in every layer (before the MLP's parameters).
+    for (auto [col, heads, pre, r, w] : {std::tuple{int64_t{0}, H_, q_pre, rstd, idx_[0].q_norm},
+                                         std::tuple{H_ * D_, K_, q_pre + N * H_ * D_, rstd + N * H_, idx_[0].k_norm}}) {
       ops_->copy_columns(dout, heads * D_, dproj + col, Q, N, heads * D_);
       ops_->zero(dx, N * heads * D_);
       const auto [rows, width] = qk_norm_rows(heads, N);
@@ -590,6 +781,25 @@ class Llama final : public Model {
     lnf_rstd_ = ops_->alloc_f32(N);
     if (c_.layer_norm) lnf_mean_ = ops_->alloc_f32(N);
     if (c_.parallel_residual) dpar_ = ops_->alloc_f32(N * C);
+    if (c_.num_experts > 0) {
+      const size_t E = static_cast<size_t>(c_.num_experts), k = static_cast<size_t>(c_.num_experts_per_tok);
+      const size_t Ie = static_cast<size_t>(c_.expert_size()), M = N * k;
+      for (LlamaLayerActs& a : acts_) {
+        MoeActs& m = a.moe;
+        m.probs = ops_->alloc_f32(N * E);
+        m.expert = ops_->alloc(M * sizeof(int32_t));
+        m.weight = ops_->alloc_f32(M);
+        m.xg = ops_->alloc_f32(M * C);
+        m.gu = ops_->alloc_f32(M * 2 * Ie);
+        m.act = ops_->alloc_f32(M * Ie);
+        m.y = ops_->alloc_f32(M * C);
+      }
+      moe_logits_ = ops_->alloc_f32(N * E);
+      moe_dy_ = ops_->alloc_f32(M * C);
+      moe_dgu_ = ops_->alloc_f32(M * 2 * Ie);
+      moe_dact_ = ops_->alloc_f32(M * Ie);
+      moe_dweight_ = ops_->alloc_f32(M);
+    }
     logits_ = ops_->alloc_f32(N * V);
     dlogits_ = ops_->alloc_f32(N * V);
     dlnf_ = ops_->alloc_f32(N * C);
@@ -609,7 +819,7 @@ class Llama final : public Model {
   int64_t H_ = 0, K_ = 0, D_ = 0;
   int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
   int head_ = 1;    // the untied head's index in the final block
-  LayerIdx idx_;  // the same in every layer block
+  std::vector<LayerIdx> idx_;  // per layer (a sparse layer's MLP differs; the rest is the same in every layer)
   std::vector<BlockSpec> specs_;
   std::vector<Buf> x_in_;
   std::vector<LlamaLayerActs> acts_;
@@ -625,6 +835,12 @@ class Llama final : public Model {
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf lnf_mean_;  // layer_norm: (N)
   Buf dpar_;      // parallel_residual: (N,C) the MLP norm's input gradient
+  // Mixture of experts: the router logits (N,E) (and their gradient),
+  // backward's scratch for the grouped rows (M = N k), the aux loss's
+  // gradient on the probabilities (E), and the aux loss's sums.
+  Buf moe_logits_, moe_dy_, moe_dgu_, moe_dact_, moe_dweight_, aux_dprobs_;
+  std::vector<double> aux_count_, aux_prob_, aux_f_;
+  int64_t aux_layers_ = 0;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
@@ -775,6 +991,21 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
     return SizeError{"hidden_act", "an ungated MLP takes GELU (gelu, or its tanh form), not SiLU"};
   if (c.layer_norm && (c.post_norms || c.qk_norm || c.norm_offset != 0.0f || !c.pre_norms))
     return SizeError{"layer_norm", "LayerNorm is implemented as the pre-norms alone (GPT-NeoX's)"};
+  if (c.num_experts < 0) return SizeError{"num_experts", "must be >= 0, got " + std::to_string(c.num_experts)};
+  if (c.num_experts > 0) {
+    if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
+      return SizeError{"num_experts_per_tok", "must be in [1, num_experts " + std::to_string(c.num_experts) + "], got " +
+                                                  std::to_string(c.num_experts_per_tok)};
+    if (c.moe_intermediate_size < 0)
+      return SizeError{"moe_intermediate_size", "must be >= 1 (or 0: intermediate_size)"};
+    if (!c.dense_layers.empty() && static_cast<int64_t>(c.dense_layers.size()) != c.num_hidden_layers)
+      return SizeError{"mlp_only_layers", "must mark layers below num_hidden_layers " +
+                                              std::to_string(c.num_hidden_layers)};
+    if (c.mlp_bias || !c.mlp_gated || c.mlp_act != LlamaConfig::MlpAct::kSilu || c.post_norms || c.parallel_residual)
+      return SizeError{"num_experts", "experts are implemented as SwiGLU without biases, with pre-norms only"};
+    if (!(c.router_aux_loss_coef >= 0) || !std::isfinite(c.router_aux_loss_coef))
+      return SizeError{"router_aux_loss_coef", "must be a finite number >= 0"};
+  }
   if (c.rope_scaling.type != RopeScaling::Type::kNone && !(c.rope_scaling.factor > 0))
     return SizeError{"rope_scaling.factor", "must be > 0"};
   if (c.rope_scaling.type == RopeScaling::Type::kLlama3 &&

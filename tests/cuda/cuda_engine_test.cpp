@@ -105,7 +105,9 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
   // on every other layer with its own rope); 2: OLMo 2's and Phi-3's (no
   // pre-norms, q/k norms over the whole projection, partial rotary
   // embeddings with longrope); 3: GPT-NeoX's (LayerNorm with biases, an
-  // ungated MLP with exact GELU, the parallel residual, partial rotary).
+  // ungated MLP with exact GELU, the parallel residual, partial rotary); 4:
+  // a mixture of experts (the router, one GEMM per expert on its grouped
+  // rows, the combine, the load-balancing loss; a dense second layer).
   auto run = [](const std::string& device, int stage, int variant = 0) {
     nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                           {"gradient_clipping", 1.0},
@@ -157,6 +159,14 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       c.rope_scaling.original_max_position_embeddings = 16;
       c.rope_scaling.attention_factor = 1.2;
     }
+    if (variant == 4) {
+      c.qkv_bias = false;
+      c.num_experts = 4;
+      c.num_experts_per_tok = 2;
+      c.moe_intermediate_size = 32;
+      c.dense_layers = {0, 1};
+      c.router_aux_loss_coef = 0.02;
+    }
     if (variant == 3) {
       c.qk_norm = false;
       c.head_dim = 0;
@@ -185,7 +195,7 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "stage " << stage << " step " << i;
     EXPECT_LT(gpu.back(), gpu.front() - 0.3) << "stage " << stage << ": the loss falls";
   }
-  for (int variant : {1, 2, 3}) {
+  for (int variant : {1, 2, 3, 4}) {
     const std::vector<float> cpu = run("cpu", 2, variant), gpu = run("cuda", 2, variant);
     for (size_t i = 0; i < cpu.size(); ++i)
       EXPECT_NEAR(cpu[i], gpu[i], 1e-3 * std::fabs(cpu[i])) << "variant " << variant << " step " << i;

@@ -284,7 +284,7 @@ TEST(CudaMoe, RouterGatherAndCombineMatchTheCpuBits) {
     for (bool renorm : {true, false}) {
       const std::string at = "N=" + std::to_string(N) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
                              (renorm ? " renormalised" : "");
-      auto logits = randn(N * E, 131, 3.0), dw = randn(N * k, 132), dp = randn(N * E, 133);
+      auto logits = randn(N * E, 131, 3.0), dw = randn(N * k, 132), dp = randn(E, 133);
       std::vector<float> probs(N * E), weight(N * k), dl(N * E);
       std::vector<int32_t> expert(N * k);
       moe_route(logits.data(), N, E, k, renorm, probs.data(), expert.data(), weight.data());

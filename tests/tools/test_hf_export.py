@@ -99,8 +99,8 @@ def save(tmp, fixture, stage=0, ranks=1, extra=(), nvme=None, steps=0):
 
 @pytest.mark.parametrize("fixture,stage,ranks", [
     ("gpt2", 0, 1), ("llama_gqa", 0, 1), ("llama_bias_hd", 2, 1), ("mistral", 1, 1), ("qwen3", 2, 1),
-    ("gemma", 1, 1), ("gemma2", 2, 1), ("gemma3", 0, 1), ("olmo2", 2, 1), ("phi3", 1, 1), ("gpt_neox", 2, 1), ("gpt_neox_seq", 0, 1),
-    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2), ("gemma2", 3, 2), ("gemma3", 3, 2), ("phi3", 3, 2), ("gpt_neox", 3, 2)])
+    ("gemma", 1, 1), ("gemma2", 2, 1), ("gemma3", 0, 1), ("olmo2", 2, 1), ("phi3", 1, 1), ("gpt_neox", 2, 1), ("gpt_neox_seq", 0, 1), ("mixtral", 1, 1), ("qwen3_moe", 2, 1),
+    ("llama_gqa", 3, 2), ("gpt2", 3, 2), ("qwen3", 3, 2), ("gemma2", 3, 2), ("gemma3", 3, 2), ("phi3", 3, 2), ("gpt_neox", 3, 2), ("qwen3_moe", 3, 2)])
 def test_zero_steps_fp32_round_trip_is_bit_identical(tmp_path, fixture, stage, ranks):
     nvme = str(tmp_path / "nvme") if stage == 3 else None
     if nvme:
@@ -223,7 +223,8 @@ def test_save_pretrained_onto_a_file_is_refused_before_training(tmp_path):
 # so a run from the folder that saves again writes the same tensors, and
 # transformers, where installed, must load it with no missing or unexpected
 # keys.
-SECTION_FAMILIES = ["llama", "qwen3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "olmo2", "phi3", "gpt_neox"]
+SECTION_FAMILIES = ["llama", "qwen3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "olmo2", "phi3", "gpt_neox",
+                    "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", SECTION_FAMILIES)
