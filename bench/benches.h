@@ -67,10 +67,12 @@ struct StepMatmuls {
     }
   }
   // A linear layer y = x W^T, `times` over: forward, dX = dY W, dW += dY^T X.
-  void linear(int64_t in, int64_t out, int64_t times) {
-    add(1, N, out, in, false, true, false, times);
-    add(1, N, in, out, false, false, false, times);
-    add(1, out, in, N, true, false, true, times);
+  void linear(int64_t in, int64_t out, int64_t times) { linear_rows(N, in, out, times); }
+  // The same over `rows` rows (an expert's tokens).
+  void linear_rows(int64_t rows, int64_t in, int64_t out, int64_t times) {
+    add(1, rows, out, in, false, true, false, times);
+    add(1, rows, in, out, false, false, false, times);
+    add(1, out, in, rows, true, false, true, times);
   }
   // Causal attention over BH (batch x heads) heads of hs, `times` layers:
   // S = Q K^T, O = P V; backward dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
@@ -101,14 +103,27 @@ inline std::vector<zinc::kernels::MatmulDesc> gpt_matmul_descs(int64_t B, int64_
 // (H + 2K) D rows, the output projection from H D, the fused gate|up
 // projection of 2I rows and the down projection, the head, and attention
 // over H heads of D (the kv heads repeated).
+// A mixture of experts' sizes (E = 0: a dense MLP).
+struct MoeSizes {
+  int64_t E = 0, k = 0, Ie = 0;
+};
 inline std::vector<zinc::kernels::MatmulDesc> llama_matmul_descs(int64_t B, int64_t T, int64_t C, int64_t H, int64_t K,
                                                                   int64_t D, int64_t I, int64_t L, int64_t V,
-                                                                  zinc::DType dt) {
+                                                                  zinc::DType dt, MoeSizes moe = {}) {
   StepMatmuls m{B * T, dt, {}};
   m.linear(C, (H + 2 * K) * D, L);
   m.linear(H * D, C, L);
-  m.linear(C, 2 * I, L);
-  m.linear(I, C, L);
+  if (moe.E > 0) {
+    // Each expert's GEMMs over its share of the N k (token, slot) rows (a
+    // balanced router: N k / E each), and the router.
+    const int64_t rows = B * T * moe.k / moe.E;
+    m.linear_rows(rows, C, 2 * moe.Ie, L * moe.E);
+    m.linear_rows(rows, moe.Ie, C, L * moe.E);
+    m.linear(C, moe.E, L);
+  } else {
+    m.linear(C, 2 * I, L);
+    m.linear(I, C, L);
+  }
   m.linear(C, V, 1);
   m.attention(B * H, T, D, L);
   return m.descs;
@@ -122,16 +137,20 @@ struct StepSizes {
   bool llama, wide;  // llama: a Llama-style decoder (the llama family or one sharing its graph)
   int64_t B, T, C, H, L, V, KV, I, D;
   std::string family;  // model.type
+  MoeSizes moe;        // mixtral, qwen3_moe: 8 experts of I/4, 2 per token (about 100M parameters in all)
   const char* name() const { return llama ? family.c_str() : wide ? "gpt-wide" : "gpt"; }
   std::vector<zinc::kernels::MatmulDesc> matmuls(zinc::DType dt) const {
-    return llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt) : gpt_matmul_descs(B, T, C, H, L, V, dt);
+    return llama ? llama_matmul_descs(B, T, C, H, KV, D, I, L, V, dt, moe) : gpt_matmul_descs(B, T, C, H, L, V, dt);
   }
 };
 inline StepSizes step_sizes(const BenchOptions& o) {
   const bool llama = o.model != "gpt", wide = !llama && o.wide, big = llama || wide;
   const int64_t C = big ? 1024 : 384, H = big ? 16 : 6;
-  return {llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H,
-          llama ? o.model : std::string("gpt")};
+  StepSizes s{llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H,
+              llama ? o.model : std::string("gpt")};
+  if (o.model == "mixtral" || o.model == "qwen3_moe") s.moe = {8, 2, s.I / 4};
+  if (o.model == "gpt_neox") s.KV = s.H;  // no grouped-query attention
+  return s;
 }
 
 inline double now_s() {

@@ -96,6 +96,11 @@ int bench_train_step(const BenchOptions& o) {
     model = {{"type", sz.family},        {"hidden_size", C},          {"intermediate_size", I},
              {"num_hidden_layers", L},    {"num_attention_heads", H},  {"num_key_value_heads", KV},
              {"head_dim", sz.D},          {"vocab_size", V}};
+  if (sz.moe.E > 0) {
+    model["num_experts"] = sz.moe.E;
+    model["num_experts_per_tok"] = sz.moe.k;
+    model["moe_intermediate_size"] = sz.moe.Ie;
+  }
   nlohmann::json doc = {
       {"train_micro_batch_size_per_gpu", B},
       {"gradient_accumulation_steps", 1},

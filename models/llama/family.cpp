@@ -83,7 +83,7 @@ class Config final : public FamilyConfig {
   }
   json config_json() const override { return writer_(c_); }
   json section_json() const override {
-    return {{"hidden_size", c_.hidden_size},
+    json j = {{"hidden_size", c_.hidden_size},
             {"intermediate_size", c_.intermediate_size},
             {"num_hidden_layers", c_.num_hidden_layers},
             {"num_attention_heads", c_.num_attention_heads},
@@ -93,6 +93,13 @@ class Config final : public FamilyConfig {
             {"rms_norm_eps", c_.rms_norm_eps},
             {"rope_theta", c_.rope_theta},
             {"tie_word_embeddings", c_.tie_word_embeddings}};
+    if (c_.num_experts > 0) {
+      j["num_experts"] = c_.num_experts;
+      j["num_experts_per_tok"] = c_.num_experts_per_tok;
+      j["moe_intermediate_size"] = c_.moe_intermediate_size;
+      j["router_aux_loss_coef"] = c_.router_aux_loss_coef;
+    }
+    return j;
   }
   std::optional<SizeError> size_error() const override { return models::size_error(c_); }
   void fit_data(int64_t vocab_size, int64_t seq_len) override {
@@ -401,6 +408,16 @@ const std::vector<std::pair<std::string, std::string>>& decoder_section_keys() {
   return kKeys;
 }
 
+const std::vector<std::pair<std::string, std::string>>& moe_section_keys() {
+  static const std::vector<std::pair<std::string, std::string>> kKeys = [] {
+    std::vector<std::pair<std::string, std::string>> k = decoder_section_keys();
+    for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef"})
+      k.emplace_back(key, "");
+    return k;
+  }();
+  return kKeys;
+}
+
 std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,
                                              json (*config_json)(const LlamaConfig&), TensorMap map) {
   return std::make_unique<Config>(c, family, config_json, map);
@@ -421,6 +438,15 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
   r.get_number("rms_norm_eps", c.rms_norm_eps, above(0));
   r.get_number("rope_theta", c.rope_theta, above(0));
   r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
+  if (c.num_experts > 0) {
+    r.get_int("num_experts", c.num_experts, at_least(1));
+    r.get_int("num_experts_per_tok", c.num_experts_per_tok, at_least(1));
+    r.get_int("moe_intermediate_size", c.moe_intermediate_size, at_least(0));
+    r.get_number("router_aux_loss_coef", c.router_aux_loss_coef, at_least(0.0));
+    if (c.num_experts_per_tok > c.num_experts)
+      throw ConfigError("model.num_experts_per_tok", "must be at most num_experts " + std::to_string(c.num_experts) +
+                                                         ", got " + std::to_string(c.num_experts_per_tok));
+  }
   c.max_position_embeddings = std::max<int64_t>(max_positions, 1);
   auto out = std::make_unique<Config>(c, family, config_json, map);
   out->section_max_positions_ = max_positions;
@@ -429,9 +455,10 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
 
 Family decoder_family(std::string name, std::vector<std::string> architectures,
                       std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc&, const std::string&),
-                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader&)) {
+                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader&),
+                      const std::vector<std::pair<std::string, std::string>>& section_keys) {
   return Family{std::move(name), std::move(architectures), "embed_tokens.weight", "model.", "max_position_embeddings",
-                "hidden_size", read, decoder_section_keys(), from_section};
+                "hidden_size", read, section_keys, from_section};
 }
 
 const Family& family() {

@@ -41,6 +41,10 @@ nlohmann::json decoder_json(const LlamaConfig& c);
 // The `model` section's keys (transformers' names) and their reader, with
 // defaults `c`'s.
 const std::vector<std::pair<std::string, std::string>>& decoder_section_keys();
+// Those and a mixture of experts' (num_experts, num_experts_per_tok,
+// moe_intermediate_size, router_aux_loss_coef), which decoder_from_section
+// reads where the family's defaults have experts.
+const std::vector<std::pair<std::string, std::string>>& moe_section_keys();
 // A family whose files name the decoder's tensors otherwise (GPT-NeoX):
 // its own map (FamilyConfig::pieces) and the tensors it ignores; null: the
 // decoder's (transformers' Llama names; Phi-3's fused ones with
@@ -57,7 +61,8 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
 // keys, and the family's two readers.
 Family decoder_family(std::string name, std::vector<std::string> architectures,
                       std::unique_ptr<FamilyConfig> (*read)(const ConfigDoc& doc, const std::string& architecture),
-                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader& section));
+                      std::unique_ptr<FamilyConfig> (*from_section)(config::Reader& section),
+                      const std::vector<std::pair<std::string, std::string>>& section_keys = decoder_section_keys());
 // The FamilyConfig of the decoder `c` as `family`, which writes
 // config_json(c) on export.
 std::unique_ptr<FamilyConfig> decoder_config(const LlamaConfig& c, const Family& family,

@@ -95,7 +95,8 @@ std::unique_ptr<FamilyConfig> from_section(config::Reader& r) {
 }  // namespace
 
 const Family& family() {
-  static const Family kFamily = llama::decoder_family("qwen3_moe", {"Qwen3MoeForCausalLM"}, &read, &from_section);
+  static const Family kFamily = llama::decoder_family("qwen3_moe", {"Qwen3MoeForCausalLM"}, &read, &from_section,
+                                                      llama::moe_section_keys());
   return kFamily;
 }
 
