@@ -73,6 +73,32 @@ void write_attention_json(const LlamaConfig& c, json& j) {
   j["layer_types"] = types;
 }
 
+LlamaConfig gemma2_defaults() {
+  LlamaConfig c = defaults();
+  c.post_norms = true;
+  c.query_pre_attn_scalar = 256;
+  c.attn_logit_softcapping = 50.0;
+  c.final_logit_softcapping = 30.0;
+  c.sliding_window = 4096;
+  c.sliding_pattern = 2;
+  return c;
+}
+
+void read_attention(const ConfigDoc& f, LlamaConfig& c, int64_t pattern) {
+  c.query_pre_attn_scalar = f.get_number("query_pre_attn_scalar", c.query_pre_attn_scalar);
+  if (!(c.query_pre_attn_scalar > 0)) f.fail("query_pre_attn_scalar", "must be > 0");
+  for (auto [key, cap] : {std::pair<const char*, double*>{"attn_logit_softcapping", &c.attn_logit_softcapping},
+                          {"final_logit_softcapping", &c.final_logit_softcapping}}) {
+    if (f.is_null(key)) {
+      *cap = 0.0;
+    } else if (f.has(key)) {
+      *cap = f.get_number(key, 0.0);
+      if (!(*cap > 0)) f.fail(key, "must be > 0 (or null: none), got " + f.at(key).dump());
+    }
+  }
+  read_layer_types(f, c, pattern);
+}
+
 namespace {
 
 json gemma1_json(const LlamaConfig& c) {

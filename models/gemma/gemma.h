@@ -24,6 +24,14 @@ nlohmann::json gemma_json(const LlamaConfig& c);
 // Sliding-window layers from layer_types, or without it every layer but
 // each `pattern`-th (transformers' default; Gemma 2: 2, Gemma 3: 6).
 void read_layer_types(const ConfigDoc& f, LlamaConfig& c, int64_t pattern);
+// transformers' Gemma2Config defaults: Gemma's with the post-norms, the
+// scores scaled by 256^-1/2 and soft-capped at 50, the logits at 30, a
+// window of 4096 on every other layer (Gemma 3 starts from these).
+LlamaConfig gemma2_defaults();
+// Gemma 2 and 3's attention keys: query_pre_attn_scalar, both soft-caps
+// (absent: c's default; null: none; else a number > 0), sliding_window and
+// the sliding layers (read_layer_types with `pattern`).
+void read_attention(const ConfigDoc& f, LlamaConfig& c, int64_t pattern);
 // Gemma 2 and 3's attention keys as config.json writes them into j:
 // query_pre_attn_scalar (an integer where it is whole: transformers'
 // config class refuses a float), both soft-caps (null: none),

@@ -22,11 +22,9 @@ using nlohmann::json;
 
 // transformers' Gemma3TextConfig defaults.
 LlamaConfig defaults() {
-  LlamaConfig c = gemma::defaults();
-  c.post_norms = true;
+  LlamaConfig c = gemma::gemma2_defaults();
   c.qk_norm = true;
-  c.query_pre_attn_scalar = 256;
-  c.sliding_window = 4096;
+  c.attn_logit_softcapping = c.final_logit_softcapping = 0.0;
   c.sliding_pattern = 6;
   c.rope_theta = 1000000.0;
   c.rope_local_theta = 10000.0;
@@ -56,13 +54,6 @@ json gemma3_json(const LlamaConfig& c) {
   j["rope_parameters"] = {{"full_attention", rope_json(c.rope_theta, c.rope_scaling)},
                           {"sliding_attention", rope_json(c.rope_local_theta, RopeScaling{})}};
   return j;
-}
-
-double read_softcap(const ConfigDoc& f, const char* key) {
-  if (!f.has(key)) return 0.0;
-  const double v = f.get_number(key, 0.0);
-  if (!(v > 0)) f.fail(key, "must be > 0 (or null: none), got " + f.at(key).dump());
-  return v;
 }
 
 // The rope of each layer type (see the top of the file).
@@ -99,12 +90,8 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
   gemma::read_gemma(f, c, "hidden_activation", "Gemma 3");
   if (f.get_bool("use_bidirectional_attention", false))
     f.fail("use_bidirectional_attention", "true is not supported: zinc trains causal language models");
-  c.query_pre_attn_scalar = f.get_number("query_pre_attn_scalar", c.query_pre_attn_scalar);
-  if (!(c.query_pre_attn_scalar > 0)) f.fail("query_pre_attn_scalar", "must be > 0");
-  c.attn_logit_softcapping = read_softcap(f, "attn_logit_softcapping");
-  c.final_logit_softcapping = read_softcap(f, "final_logit_softcapping");
   read_rope(f, c);
-  gemma::read_layer_types(f, c, f.get_int("sliding_window_pattern", f.get_int("_sliding_window_pattern", 6)));
+  gemma::read_attention(f, c, f.get_int("sliding_window_pattern", f.get_int("_sliding_window_pattern", 6)));
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return llama::decoder_config(c, family(), &gemma3_json);
 }
