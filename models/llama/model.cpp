@@ -244,6 +244,13 @@ class Llama final : public Model {
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
     positions_ = batch.positions;  // backward reads them too
     pos_ = ops_->positions(positions_, positions_store_);
+    if (c_.rope_scaling.type == RopeScaling::Type::kLongrope) {
+      // transformers picks longrope's factors by the batch's largest
+      // position + 1 (packed documents can all be shorter than the rows).
+      const int64_t len = positions_.empty() ? T : *std::max_element(positions_.begin(), positions_.end()) + 1;
+      const int64_t orig = c_.rope_scaling.original_max_position_embeddings;
+      if ((len > orig) != (rope_len_ > orig)) build_rope_tables(T, len);
+    }
 
     {
       HeldParams emb = ctx.acquire(0);
@@ -716,8 +723,10 @@ class Llama final : public Model {
 
   // The (T, D/2) cos and sin of the rope angles t * inv_freq[i], each angle
   // rounded to fp32 as transformers forms it (fp32 product of fp32 values).
-  void build_rope_tables(int64_t T) {
-    build_rope_table(T, rope_inv_freq(c_, T), rope_table_scale(c_), rope_cos_, rope_sin_);
+  // len: the length longrope picks its factors by (rope_len_).
+  void build_rope_tables(int64_t T, int64_t len) {
+    rope_len_ = len;
+    build_rope_table(T, rope_inv_freq(c_, len), rope_table_scale(c_), rope_cos_, rope_sin_);
     if (c_.rope_local_theta > 0) {
       LlamaConfig local = c_;
       local.rope_theta = c_.rope_local_theta;
@@ -746,7 +755,7 @@ class Llama final : public Model {
 
   void ensure_buffers(int64_t B, int64_t T) {
     if (B == B_ && T == T_) return;
-    if (T != T_) build_rope_tables(T);
+    if (T != T_) build_rope_tables(T, T);
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
     const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
@@ -831,6 +840,7 @@ class Llama final : public Model {
   const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without
   int64_t B_ = 0, T_ = 0;
   Buf rope_cos_, rope_sin_;              // (T, D/2)
+  int64_t rope_len_ = -1;                // the length the tables' longrope factors were picked by
   Buf rope_local_cos_, rope_local_sin_;  // rope_local_theta: the sliding-window layers' tables
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf lnf_mean_;  // layer_norm: (N)

@@ -113,6 +113,36 @@ TEST_P(HfFixture, LogitsLossAndGradientsMatchTransformers) {
   EXPECT_EQ(compared, grads) << GetParam();
 }
 
+// longrope picks its factors by the batch's largest position + 1, as
+// transformers does: Phi-3's fixture (original length 8) with each row two
+// packed documents of 6 tokens must give, token for token, the logits of
+// the documents run alone (6 <= 8: the short factors), although the rows
+// are 12 long.
+TEST(HfModel, LongropePicksItsFactorsByTheLargestPosition) {
+  const std::string dir = fixture("phi3");
+  HfConfig cfg = read_hf_config(dir);
+  auto model = load_pretrained(cfg);
+  Reference ref(dir);
+  HostContext ctx(*model);
+  Batch packed = ref.batch();
+  packed.positions.resize(packed.inputs.size());
+  for (size_t i = 0; i < packed.positions.size(); ++i) packed.positions[i] = static_cast<int32_t>(i % 12 % 6);
+  model->forward(ctx, packed);
+  const std::vector<float> got(model->logits().begin(), model->logits().end());
+  const int64_t V = cfg.model->vocab_size();
+  for (int64_t doc = 0; doc < 4; ++doc) {
+    Batch alone;
+    alone.B = 1;
+    alone.T = 6;
+    alone.inputs.assign(packed.inputs.begin() + doc * 6, packed.inputs.begin() + doc * 6 + 6);
+    alone.targets.assign(packed.targets.begin() + doc * 6, packed.targets.begin() + doc * 6 + 6);
+    model->forward(ctx, alone);
+    const std::vector<float> want(model->logits().begin(), model->logits().end());
+    std::vector<float> part(got.begin() + doc * 6 * V, got.begin() + (doc + 1) * 6 * V);
+    EXPECT_LE(max_abs_diff(part, want), 1e-5) << "document " << doc;
+  }
+}
+
 // Through the engine: the weights a rank holds are the file's (stage 3
 // reads only its shard), and the loss and the gradient norm are
 // transformers'.
