@@ -52,39 +52,56 @@ ZINC_ALWAYS_INLINE void rmsnorm_dw_row_body(double* __restrict aw, const float* 
 }
 ZINC_ISA_VARIANTS(void, rmsnorm_dw_row, (double* __restrict aw, const float* __restrict g, const float* __restrict x, float r, int64_t n), (aw, g, x, r, n))
 
-// ---- SwiGLU ---------------------------------------------------------------------------
+// ---- gated MLP activations: SwiGLU and GeGLU --------------------------------------------
+// One row's loops, written once over the activation (A::out, A::dgate,
+// A::dup: math.h's swiglu* or geglu*), compiled per ISA for each.
+
+struct SiluGated {
+  static float out(float g, float u) { return math::swiglu(g, u); }
+  static float dgate(float d, float g, float u) { return math::swiglu_dgate(d, g, u); }
+  static float dup(float d, float g) { return math::swiglu_dup(d, g); }
+};
+struct GeluGated {
+  static float out(float g, float u) { return math::geglu(g, u); }
+  static float dgate(float d, float g, float u) { return math::geglu_dgate(d, g, u); }
+  static float dup(float d, float g) { return math::geglu_dup(d, g); }
+};
+
+template <class A>
+ZINC_ALWAYS_INLINE void gated_row_forward(float* __restrict out, const float* __restrict gate,
+                                          const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = A::out(gate[j], up[j]);
+}
+template <class A>
+ZINC_ALWAYS_INLINE void gated_row_backward(float* __restrict dgate, float* __restrict dup,
+                                           const float* __restrict dout, const float* __restrict gate,
+                                           const float* __restrict up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    dgate[j] = A::dgate(dout[j], gate[j], up[j]);
+    dup[j] = A::dup(dout[j], gate[j]);
+  }
+}
 
 ZINC_ALWAYS_INLINE void swiglu_row_forward_body(float* __restrict out, const float* __restrict gate,
                                                 const float* __restrict up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = math::swiglu(gate[j], up[j]);
+  gated_row_forward<SiluGated>(out, gate, up, n);
 }
 ZINC_ISA_VARIANTS(void, swiglu_row_forward, (float* __restrict out, const float* __restrict gate, const float* __restrict up, int64_t n), (out, gate, up, n))
-
 ZINC_ALWAYS_INLINE void swiglu_row_backward_body(float* __restrict dgate, float* __restrict dup,
                                                  const float* __restrict dout, const float* __restrict gate,
                                                  const float* __restrict up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    dgate[j] = math::swiglu_dgate(dout[j], gate[j], up[j]);
-    dup[j] = math::swiglu_dup(dout[j], gate[j]);
-  }
+  gated_row_backward<SiluGated>(dgate, dup, dout, gate, up, n);
 }
 ZINC_ISA_VARIANTS(void, swiglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
-
-// ---- GeGLU ---------------------------------------------------------------------------
-
 ZINC_ALWAYS_INLINE void geglu_row_forward_body(float* __restrict out, const float* __restrict gate,
                                                const float* __restrict up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = math::geglu(gate[j], up[j]);
+  gated_row_forward<GeluGated>(out, gate, up, n);
 }
 ZINC_ISA_VARIANTS(void, geglu_row_forward, (float* __restrict out, const float* __restrict gate, const float* __restrict up, int64_t n), (out, gate, up, n))
-
 ZINC_ALWAYS_INLINE void geglu_row_backward_body(float* __restrict dgate, float* __restrict dup,
                                                 const float* __restrict dout, const float* __restrict gate,
                                                 const float* __restrict up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    dgate[j] = math::geglu_dgate(dout[j], gate[j], up[j]);
-    dup[j] = math::geglu_dup(dout[j], gate[j]);
-  }
+  gated_row_backward<GeluGated>(dgate, dup, dout, gate, up, n);
 }
 ZINC_ISA_VARIANTS(void, geglu_row_backward, (float* __restrict dgate, float* __restrict dup, const float* __restrict dout, const float* __restrict gate, const float* __restrict up, int64_t n), (dgate, dup, dout, gate, up, n))
 
@@ -180,46 +197,42 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, C
       [&](size_t j, const double* acc) { dw[j] = static_cast<float>(dw[j] + acc[0]); });
 }
 
-// ---- SwiGLU ---------------------------------------------------------------------------
+// ---- SwiGLU and GeGLU -----------------------------------------------------------------
+
+namespace {
+// The (N, 2I) rows [gate | up] through a row kernel pair, rows split over threads.
+template <class RowForward>
+void gated_forward(float* out, const float* gate_up, int64_t N, int64_t I, RowForward row) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) row(out + i * I, gate_up + i * 2 * I, gate_up + i * 2 * I + I, I);
+  });
+}
+template <class RowBackward>
+void gated_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I, RowBackward row) {
+  ProfileScope profile_scope(Op::kGelu);
+  if (N <= 0 || I <= 0) return;
+  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const size_t r = i * 2 * static_cast<size_t>(I);
+      row(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
+    }
+  });
+}
+}  // namespace
 
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) {
-  ProfileScope profile_scope(Op::kGelu);
-  if (N <= 0 || I <= 0) return;
-  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) swiglu_row_forward(out + i * I, gate_up + i * 2 * I, gate_up + i * 2 * I + I, I);
-  });
+  gated_forward(out, gate_up, N, I, swiglu_row_forward);
 }
-
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) {
-  ProfileScope profile_scope(Op::kGelu);
-  if (N <= 0 || I <= 0) return;
-  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) {
-      const size_t r = i * 2 * static_cast<size_t>(I);
-      swiglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
-    }
-  });
+  gated_backward(dgate_up, dout, gate_up, N, I, swiglu_row_backward);
 }
-
-// ---- GeGLU ---------------------------------------------------------------------------
-
 void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I) {
-  ProfileScope profile_scope(Op::kGelu);
-  if (N <= 0 || I <= 0) return;
-  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) geglu_row_forward(out + i * I, gate_up + i * 2 * I, gate_up + i * 2 * I + I, I);
-  });
+  gated_forward(out, gate_up, N, I, geglu_row_forward);
 }
-
 void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I) {
-  ProfileScope profile_scope(Op::kGelu);
-  if (N <= 0 || I <= 0) return;
-  parallel_for(static_cast<size_t>(N), row_grain(I), [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) {
-      const size_t r = i * 2 * static_cast<size_t>(I);
-      geglu_row_backward(dgate_up + r, dgate_up + r + I, dout + i * I, gate_up + r, gate_up + r + I, I);
-    }
-  });
+  gated_backward(dgate_up, dout, gate_up, N, I, geglu_row_backward);
 }
 
 // ---- exact GELU ------------------------------------------------------------------------------

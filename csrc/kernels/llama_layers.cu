@@ -86,51 +86,31 @@ __global__ void __launch_bounds__(kSumCols* kSumChunks)
   if (threadIdx.y == 0 && c < C) dw[c] = static_cast<float>(dw[c] + acc);
 }
 
-// ---- SwiGLU ---------------------------------------------------------------------------
-// gate_up rows are [gate (I) | up (I)]; a thread per element of out (N, I).
-__global__ void swiglu_forward_kernel(float* out, const float* gate_up, int64_t N, int64_t I) {
+// ---- SwiGLU and GeGLU -------------------------------------------------------------------
+// gate_up rows are [gate (I) | up (I)]; a thread per element of out (N, I);
+// gelu: GeGLU's math (math::geglu*), else SwiGLU's.
+__global__ void gated_forward_kernel(float* out, const float* gate_up, int64_t N, int64_t I, bool gelu) {
   const int64_t total = N * I;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = e / I, j = e % I;
     const float* row = gate_up + i * 2 * I;
-    out[e] = math::swiglu(row[j], row[I + j]);
+    out[e] = gelu ? math::geglu(row[j], row[I + j]) : math::swiglu(row[j], row[I + j]);
   }
 }
 
-__global__ void swiglu_backward_kernel(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
-                                       int64_t I) {
-  const int64_t total = N * I;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = e / I, j = e % I;
-    const float* row = gate_up + i * 2 * I;
-    float* drow = dgate_up + i * 2 * I;
-    drow[j] = math::swiglu_dgate(dout[e], row[j], row[I + j]);
-    drow[I + j] = math::swiglu_dup(dout[e], row[j]);
-  }
-}
-
-// ---- GeGLU and soft-capping ------------------------------------------------------------------
-__global__ void geglu_forward_kernel(float* out, const float* gate_up, int64_t N, int64_t I) {
-  const int64_t total = N * I;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = e / I, j = e % I;
-    const float* row = gate_up + i * 2 * I;
-    out[e] = math::geglu(row[j], row[I + j]);
-  }
-}
-
-__global__ void geglu_backward_kernel(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
-                                      int64_t I) {
+__global__ void gated_backward_kernel(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
+                                      bool gelu) {
   const int64_t total = N * I;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = e / I, j = e % I;
     const float* row = gate_up + i * 2 * I;
     float* drow = dgate_up + i * 2 * I;
-    drow[j] = math::geglu_dgate(dout[e], row[j], row[I + j]);
-    drow[I + j] = math::geglu_dup(dout[e], row[j]);
+    drow[j] = gelu ? math::geglu_dgate(dout[e], row[j], row[I + j]) : math::swiglu_dgate(dout[e], row[j], row[I + j]);
+    drow[I + j] = gelu ? math::geglu_dup(dout[e], row[j]) : math::swiglu_dup(dout[e], row[j]);
   }
 }
 
+// ---- exact GELU and soft-capping -------------------------------------------------------------
 __global__ void gelu_erf_forward_kernel(float* out, const float* x, int64_t n) {
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
     out[e] = math::gelu_erf(x[e]);
@@ -235,27 +215,29 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, C
 
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  swiglu_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I);
+  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I, false);
   detail::check_launch("swiglu_forward");
 }
 
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                      cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  swiglu_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I);
+  gated_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I,
+                                                                                        false);
   detail::check_launch("swiglu_backward");
 }
 
 void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  geglu_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I);
+  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I, true);
   detail::check_launch("geglu_forward");
 }
 
 void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                     cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  geglu_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I);
+  gated_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I,
+                                                                                        true);
   detail::check_launch("geglu_backward");
 }
 
