@@ -620,6 +620,18 @@ TEST(HfModel, ExperimentFromPretrained) {
   EXPECT_EQ(s.model->name(), "llama");
   expect_error([&] { build_experiment(doc({{"type", "llama"}, {"hidden_size", 15}, {"num_attention_heads", 2}})); },
                {"model.hidden_size: must be divisible by num_attention_heads 2"});
+  // A mixture of experts from its section: its keys are checked at their paths.
+  auto moe = [](nlohmann::json extra) {
+    nlohmann::json m = {{"type", "mixtral"}, {"hidden_size", 16}, {"intermediate_size", 24}, {"num_hidden_layers", 1},
+                        {"num_attention_heads", 2}};
+    m.update(extra);
+    return m;
+  };
+  EXPECT_EQ(build_experiment(doc(moe({{"num_experts", 3}, {"num_experts_per_tok", 2}}))).model->name(), "llama");
+  expect_error([&] { build_experiment(doc(moe({{"num_experts", 2}, {"num_experts_per_tok", 3}}))); },
+               {"model.num_experts_per_tok", "at most num_experts 2"});
+  expect_error([&] { build_experiment(doc(moe({{"num_experts", 0}}))); }, {"model.num_experts"});
+  expect_error([&] { build_experiment(doc(moe({{"router_aux_loss_coef", -1}}))); }, {"model.router_aux_loss_coef"});
 }
 
 }  // namespace
