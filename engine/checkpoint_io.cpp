@@ -71,6 +71,7 @@ nlohmann::json Engine::Impl::blocks_json() const {
                                                        specs[b].params[p].shape.ndim)},
                     {"offset", blocks[b].layout.offsets[p]}});
     out.push_back({{"name", specs[b].name}, {"numel", blocks[b].layout.numel}, {"params", ps}});
+    if (specs[b].frozen) out.back()["frozen"] = true;  // not saved: it comes from the model's initial values
   }
   return out;
 }
@@ -123,8 +124,9 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   attempt([&] {
     std::vector<ckpt::RankWriter::Span> spans;
     for (size_t b = 0; b < blocks.size(); ++b)
-      spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
-                       blocks[b].opt_numel});
+      if (!blocks[b].frozen)  // BlockSpec::frozen: nothing saved
+        spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
+                         blocks[b].opt_numel});
     ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
     // States in RAM stay put until finish(): written from where they are.
     const bool stable = offload_device != OffloadDevice::kNvme;
@@ -199,6 +201,10 @@ void Engine::Impl::check_same_model(const ckpt::TagFiles& files, std::vector<std
                 std::to_string(mine.size()));
   for (size_t b = 0; b < mine.size(); ++b) {
     names.push_back(mine[b]["name"]);
+    if (theirs[b].value("frozen", false) != mine[b].value("frozen", false))
+      throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' is " +
+                  (mine[b].value("frozen", false) ? "trained in the checkpoint but frozen here"
+                                                  : "frozen in the checkpoint (not saved) but trained here"));
     if (theirs[b]["params"].size() != mine[b]["params"].size() || theirs[b]["numel"] != mine[b]["numel"])
       throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' differs from this model's");
     for (size_t p = 0; p < mine[b]["params"].size(); ++p)

@@ -221,6 +221,14 @@ void check_structure(const TagFiles& t) {
   // spans that repeat (stage 0: every rank saves the whole block) are equal.
   for (size_t b = 0; b < blocks.size(); ++b) {
     const std::string name = blocks[b].at("name").get<std::string>();
+    if (blocks[b].contains("frozen")) {
+      // BlockSpec::frozen: the checkpoint holds none of it.
+      if (!blocks[b]["frozen"].is_boolean() || !blocks[b]["frozen"].get<bool>())
+        mf.fail(Fields::item("blocks", b) + ".frozen", "expected true where present");
+      if (!spans[b].empty())
+        mf.fail("rank_indexes", "block '" + name + "' is frozen (not saved) but the rank indexes save some of it");
+      continue;
+    }
     int64_t end = 0;
     for (const auto& [span, ranks] : spans[b]) {
       if (span.first != end)

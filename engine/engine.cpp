@@ -138,6 +138,14 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     }
     if (plan.grads_on_nvme) reduce_stream = std::make_unique<comm::CommStream>(*local_comm);
   }
+  const bool frozen = std::any_of(model->blocks().begin(), model->blocks().end(),
+                                  [](const BlockSpec& b) { return b.frozen; });
+  if (frozen && c.device == Device::kCuda)
+    throw ConfigError("device", "model '" + model->name() + "' has frozen weights (LoRA), which the GPU path "
+                                "does not train yet: use \"device\": \"cpu\"");
+  if (frozen && c.optimizer.one_bit())
+    throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients and do not take "
+                                        "frozen weights (LoRA) yet: use Adam, AdamW or Lamb");
   device = make_device_path(cfg, comm.get(), world, rank, dtype);
   rule = make_update_rule(c);
   lr = schedule.lr_at(0);
@@ -202,7 +210,8 @@ void Engine::Impl::allocate_and_init() {
     BlockShard& s = blocks[b];
     s.layout = BlockLayout::from_spec(specs[b]);
     s.part = Partition::make(s.layout.numel, world, rank);
-    s.opt_numel = plan.optimizer_numel(s.part);
+    s.frozen = specs[b].frozen;
+    s.opt_numel = s.frozen ? 0 : plan.optimizer_numel(s.part);
     spans.push_back(s.opt_numel);
   }
   const offload::SwapperOptions nvme =
@@ -248,17 +257,18 @@ void Engine::Impl::allocate_and_init() {
           case Init::kZeros: dst[i] = 0.0f; break;
           case Init::kOnes: dst[i] = 1.0f; break;
           case Init::kNormal: dst[i] = static_cast<float>(rng.normal() * ps.init_std); break;
+          case Init::kUniform: dst[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * ps.init_std); break;
         }
       }
     }
-    opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
+    if (!s.frozen) opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
     if (plan.params_sharded) {
       // Stage 3: only the own shard (the coordinator gathers the rest).
       params->set_initial_shard(static_cast<int>(b), w + s.part.own_offset());
     } else if (is_16bit(dtype)) {
       s.compute = memory.alloc(padded * 2);
       convert_f32_to_16(w, s.compute.data(), padded, dtype);
-    } else if (plan.compute_copy(dtype)) {
+    } else if (plan.compute_copy(dtype) || s.frozen) {  // a frozen block has no master to compute from
       s.compute = memory.alloc(padded * 4);
       std::memcpy(s.compute.data(), w, padded * 4);
     } else {
@@ -295,12 +305,18 @@ void Engine::Impl::release_params(int block) noexcept {
 
 BlockGrads Engine::Impl::grads(int block) {
   BlockShard& s = state(block);
+  if (s.frozen)
+    throw Error("model '" + model->name() + "' asked for the gradients of block " + std::to_string(block) + " '" +
+                model->blocks()[static_cast<size_t>(block)].name + "', which is frozen");
   float* g = device->grads(block);
   return BlockGrads{g ? g : reducer->grads(block), &s.layout};
 }
 
 void Engine::Impl::grads_ready(int block) {
   BlockShard& s = state(block);
+  if (s.frozen)
+    throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) + " '" +
+                model->blocks()[static_cast<size_t>(block)].name + "', which is frozen");
   if (s.grads_reported)
     throw Error("model '" + model->name() + "' reported gradients of block " + std::to_string(block) +
                 " twice in one backward");
@@ -384,7 +400,7 @@ void Engine::Impl::backward() {
   params->end_pass();
   device->on_release();
   for (size_t b = 0; b < blocks.size(); ++b)
-    if (!blocks[b].grads_reported)
+    if (!blocks[b].frozen && !blocks[b].grads_reported)
       throw Error("model '" + model->name() + "' did not call grads_ready for block " +
                   std::to_string(b) + " during backward");
   reducer->end_backward();
@@ -455,7 +471,8 @@ void Engine::Impl::step() {
   if (local_grads)
     sums[0] = rule->local_squares();
   else if (!device->grad_squared_norm(sums[0]))
-    for (BlockShard& s : blocks) sums[0] += reducer->squared_norm(s);
+    for (BlockShard& s : blocks)
+      if (!s.frozen) sums[0] += reducer->squared_norm(s);
   if (reduce_stream) reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
@@ -542,6 +559,20 @@ void Engine::Impl::visit_updating(const std::function<void(const StateSpan&)>& f
 std::vector<float> Engine::Impl::full_params(int block) {
   check_loaded("full_params");
   BlockShard& s = state(block);
+  if (s.frozen) {
+    // No master copy: the compute parameters, gathered as a pass would
+    // (every rank takes part at stage 3).
+    params->begin_pass(ParamCoordinator::Pass::kEval);
+    const BlockParams p = params->acquire(block);
+    std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
+    if (is_16bit(dtype))
+      convert_16_to_f32(p.base, out.data(), out.size(), dtype);
+    else
+      std::memcpy(out.data(), p.base, out.size() * 4);
+    params->release(block);
+    params->end_pass();
+    return out;
+  }
   device->make_current();
   device->master_to_host(block);
   std::vector<float> own(static_cast<size_t>(s.opt_numel));

@@ -21,6 +21,10 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
+    if (s.frozen) {  // no gradient at all
+      s.grad_state = GradState::kFreed;
+      continue;
+    }
     if (options_.device_reduce || !options_.host_grads) {
       s.grad_state = GradState::kAccumulating;  // the full gradient lives on the GPU only
     } else if (plan_.grad_always_allocated) {
@@ -46,6 +50,7 @@ void GradReducer::begin_backward(bool boundary) {
 
 float* GradReducer::grads(int block) {
   BlockShard& s = blocks_[static_cast<size_t>(block)];
+  ZINC_CHECK(!s.frozen, "GradReducer::grads: a frozen block has no gradients");
   if (s.grad_state == GradState::kFreed) {
     s.reduction.wait();
     s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4);
@@ -182,6 +187,7 @@ double GradReducer::squared_norm(BlockShard& s) {
 void GradReducer::reset_after_step() {
   for (BlockShard& s : blocks_) {
     s.reduction = comm::CommHandle();
+    if (s.frozen) continue;
     if (!plan_.grad_always_allocated && !options_.device_reduce && options_.host_grads) {
       memory_.free(s.grad);
       s.grad_state = GradState::kFreed;

@@ -60,12 +60,23 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   std::vector<Partition> parts;
   std::vector<int64_t> spans;
   int64_t padded_all = 0, shard_all = 0, span_all = 0, max_padded = 0, max_shard = 0;
+  // The trained blocks' (BlockSpec::frozen ones have no gradients) and the
+  // frozen blocks' elements.
+  int64_t g_padded_all = 0, g_shard_all = 0, g_max_padded = 0, g_max_shard = 0, frozen_padded = 0;
   int64_t pinned_states = 0, pinned_shards = 0;  // page-locked buffers' footprints, one per block
   for (const BlockSpec& spec : model.blocks()) {
     layouts.push_back(BlockLayout::from_spec(spec));
     parts.push_back(Partition::make(layouts.back().numel, world, 0));
     const Partition& p = parts.back();
-    spans.push_back(plan.optimizer_numel(p));
+    spans.push_back(spec.frozen ? 0 : plan.optimizer_numel(p));
+    if (spec.frozen) {
+      frozen_padded += p.padded_numel;
+    } else {
+      g_padded_all += p.padded_numel;
+      g_shard_all += p.shard_numel;
+      g_max_padded = std::max(g_max_padded, p.padded_numel);
+      g_max_shard = std::max(g_max_shard, p.shard_numel);
+    }
     pinned_states += static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(12 * spans.back())));
     pinned_shards += static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(p.shard_numel * es)));
     padded_all += p.padded_numel;
@@ -116,6 +127,9 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     if (plan.compute_copy(dtype))
       train_params.push_back({std::string("parameters (") + dname + " compute copy)", es * padded_all,
                               std::to_string(es) + " B x " + millions(padded_all) + " elements"});
+    else if (frozen_padded > 0)  // the master weights compute, but frozen blocks have none
+      train_params.push_back({std::string("frozen parameters (") + dname + ")", es * frozen_padded,
+                              std::to_string(es) + " B x " + millions(frozen_padded) + " elements"});
   } else {
     const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, z);
     int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, np_read = 0, max_np_read = 0,
@@ -196,22 +210,22 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   std::vector<MemoryPart> grads;
   // Full gradients that exist only in backward (stage 2 and up on several
   // ranks on the host; from stage 2 on the GPU): the elements at most.
-  int64_t transient_full = padded_all;
+  int64_t transient_full = g_padded_all;
   std::string transient_why = "every block: gradient_accumulation_steps > 1 keeps them (no-sync)";
   if (c.gradient_accumulation_steps == 1) {
     const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
     // One rank with the gradients on NVMe writes each block as it is ready
     // (GradReducer::ready): a bucket of one block.
     const int64_t bucket = world == 1 && plan.grads_on_nvme ? 1 : z.reduce_bucket_size;
-    transient_full = std::min(padded_all, in_flight * (bucket + max_padded) + max_padded);
-    transient_why = transient_full == padded_all ? "every block: reduce_bucket_size holds the whole model"
+    transient_full = std::min(g_padded_all, in_flight * (bucket + g_max_padded) + g_max_padded);
+    transient_why = transient_full == g_padded_all ? "every block: reduce_bucket_size holds the whole model"
                     : bucket == 1 ? "the blocks on their way to NVMe and the block being computed"
                                   : "the buckets in flight (reduce_bucket_size) and the block being computed";
   }
   if (gpu_reduce || gpu_only_grads) {
     // nothing full on the host
   } else if (plan.grad_always_allocated) {
-    grads.push_back({"gradients (fp32, full)", 4 * padded_all, "4 B x " + millions(padded_all) + " elements"});
+    grads.push_back({"gradients (fp32, full)", 4 * g_padded_all, "4 B x " + millions(g_padded_all) + " elements"});
   } else {
     grads.push_back({"gradients (fp32, full, in backward)", 4 * transient_full,
                      millions(transient_full) + " elements: " + transient_why});
@@ -229,13 +243,13 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       grads.push_back({"parameter update buffer (in the step)", extra, "one block's new shard, written back to NVMe"});
   }
   if (plan.grad_shard_buffer)
-    grads.push_back({"gradient shards (fp32, reduced)", 4 * shard_all, "4 B x " + millions(shard_all) + " elements"});
+    grads.push_back({"gradient shards (fp32, reduced)", 4 * g_shard_all, "4 B x " + millions(g_shard_all) + " elements"});
   if (plan.gather_reduced_grads || (plan.grads_on_nvme && world > 1))
-    grads.push_back({"reduction scratch", 4 * max_shard,
+    grads.push_back({"reduction scratch", 4 * g_max_shard,
                      plan.grads_on_nvme ? "the largest shard, fp32, on its way to NVMe" : "the largest shard, fp32"});
   if (is_16bit(c.wire_dtype()) && world > 1 && !gpu_reduce) {
     const std::string w(dtype_name(c.wire_dtype()));
-    grads.push_back({w + " wire buffer", 2 * (max_padded + max_shard), "the largest block and shard, " + w});
+    grads.push_back({w + " wire buffer", 2 * (g_max_padded + g_max_shard), "the largest block and shard, " + w});
   }
 
   // What the update rule keeps beyond master, m and v (update_rule.h).

@@ -26,7 +26,8 @@
 
 namespace zinc {
 
-enum class Init { kZeros, kOnes, kNormal };
+// kUniform: U(-init_std, init_std) (LoRA's A, PEFT's Kaiming-uniform bound).
+enum class Init { kZeros, kOnes, kNormal, kUniform };
 
 // Where a model computes: its activations and the parameter and gradient
 // views the engine hands it (StepContext) live on the host (kCpu) or in GPU
@@ -38,12 +39,18 @@ struct ParamSpec {
   std::string name;  // e.g. "attn.qkv.weight"
   Shape shape;
   Init init = Init::kNormal;
-  float init_std = 0.02f;  // for kNormal (mean 0)
+  float init_std = 0.02f;  // for kNormal (mean 0); kUniform's bound
 };
 
 struct BlockSpec {
   std::string name;  // e.g. "h.3"
   std::vector<ParamSpec> params;
+  // A frozen block (LoRA's base weights) is never trained: the engine keeps
+  // its compute parameters (gathered, sharded and offloaded as any block's)
+  // but gives it no gradient buffer, no master copy and no optimizer state.
+  // The model never asks for its grads() nor reports it grads_ready(), and a
+  // checkpoint does not hold it (it comes from initial_values on resume).
+  bool frozen = false;
 };
 
 // Where each parameter sits in its block's flat vector. Offsets are multiples

@@ -30,7 +30,8 @@ class RamState final : public OptimizerState {
   }
   void for_each(const std::function<void(const StateSpan&)>& fn) override {
     for (size_t b = 0; b < numel_.size(); ++b)
-      fn({static_cast<int>(b), 0, numel_[b], master_[b].as<float>(), m_[b].as<float>(), v_[b].as<float>()});
+      if (numel_[b] > 0)  // 0: a frozen block (no state)
+        fn({static_cast<int>(b), 0, numel_[b], master_[b].as<float>(), m_[b].as<float>(), v_[b].as<float>()});
   }
   void read_master(int b, float* out) override {
     std::memcpy(out, master_[b].data(), static_cast<size_t>(numel_[b]) * 4);
@@ -56,6 +57,7 @@ class PinnedState final : public OptimizerState {
   }
   void for_each(const std::function<void(const StateSpan&)>& fn) override {
     for (size_t b = 0; b < numel_.size(); ++b) {
+      if (numel_[b] == 0) continue;  // a frozen block (no state)
       InMemorySpan s = span(static_cast<int>(b));
       fn({static_cast<int>(b), 0, numel_[b], s.master, s.m, s.v});
     }

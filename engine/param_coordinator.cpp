@@ -448,6 +448,7 @@ void ParamCoordinator::gather_after_step() {
   for (BlockShard& s : blocks_) {
     ZINC_CHECK(s.held == 0, "no block is held at the optimizer step");
     if (s.param_state == ParamState::kSharded) continue;
+    if (s.frozen && s.persistent) continue;  // not updated: the gathered block still holds it
     free_gathered(s);
     if (s.persistent) start_gather(s, /*prefetch=*/false);
   }
@@ -472,6 +473,7 @@ void ParamCoordinator::gather_all_stages_1_2() {
     group_numel = 0;
   };
   for (BlockShard& s : blocks_) {
+    if (s.frozen) continue;  // not updated: every rank still holds it whole
     group.push_back(&s);
     group_numel += s.part.padded_numel;
     if (group_numel >= zero_.allgather_bucket_size) submit();

@@ -188,6 +188,9 @@ enum class GradState {
 struct BlockShard {
   BlockLayout layout;
   Partition part;
+  // BlockSpec::frozen: compute parameters only (no gradients, no optimizer
+  // span: opt_numel is 0), whatever the stage.
+  bool frozen = false;
   AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it, or kSharded)
   // Stage 3: the rank's own shard of the compute parameters (1-D,
   // part.shard_numel, compute dtype), written by the optimizer: in the

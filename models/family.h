@@ -118,7 +118,21 @@ class FamilyConfig {
   virtual void fit_data(int64_t vocab_size, int64_t seq_len) = 0;
   // Whether the model can recompute its layers in backward.
   virtual bool supports_checkpointing() const { return true; }
+  // LoRA adapters on the model built from now on (LoraConfig: the base
+  // frozen, one adapter block per layer named "<layer block>.lora" with
+  // PEFT's tensor names). Families that take none throw ConfigError at
+  // model.lora naming why.
+  virtual void set_lora(const LoraConfig& lora);
+  virtual const LoraConfig& lora() const;
 };
+
+// The suffix of an adapter block's name: "layers.3.lora" adapts "layers.3",
+// whose tensors PEFT names "base_model.model." + the module's path.
+inline constexpr const char* kAdapterBlockSuffix = ".lora";
+inline bool is_adapter_block(const std::string& block_name) {
+  const std::string s = kAdapterBlockSuffix;
+  return block_name.size() > s.size() && block_name.compare(block_name.size() - s.size(), s.size(), s) == 0;
+}
 
 // A family's fixed description; the registry holds one per family.
 struct Family {

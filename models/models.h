@@ -69,6 +69,25 @@ struct RopeScaling {
   bool truncate = true;
 };
 
+// LoRA adapters (PEFT's LoraConfig): every targeted linear layer y = W x
+// gains scale() * B (A x), A of (r, in) and B of (out, r), while every
+// weight of the base model is frozen (BlockSpec::frozen). targets holds the
+// modules as transformers names them (q_proj, k_proj, ...), in the model's
+// order. r == 0: no adapters.
+struct LoraConfig {
+  int64_t r = 0;
+  double alpha = 8.0;
+  bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  std::vector<std::string> targets;
+  bool enabled() const { return r > 0; }
+  bool targets_module(const std::string& m) const {
+    for (const std::string& t : targets)
+      if (t == m) return true;
+    return false;
+  }
+  float scale() const;
+};
+
 // transformers' LlamaForCausalLM (also Mistral and Qwen2), with its
 // config.json names: RMSNorm, rotary embeddings, grouped-query attention, a
 // SiLU-gated MLP. One block per layer as for the GPT: 0 = the token
@@ -175,6 +194,10 @@ struct LlamaConfig {
   bool gradient_checkpointing = false;
   Device device = Device::kCpu;
   float init_std = 0.02f;  // transformers' initializer_range
+  // LoRA (lora.enabled()): adapter blocks after the final block, one per
+  // layer ("layers.L.lora", with PEFT's tensor names), and every other
+  // block frozen.
+  LoraConfig lora;
 
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
   // A layer transformers' layer_types marks "sliding_attention".

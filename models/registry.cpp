@@ -120,4 +120,14 @@ int64_t ConfigDoc::to_int(const nlohmann::json& v, const std::string& k) const {
   fail(k, "expected an integer, got " + v.dump());
 }
 
+void FamilyConfig::set_lora(const LoraConfig& lora) {
+  if (!lora.enabled()) return;
+  throw ConfigError("model.lora", "model.type \"" + family().name + "\" takes no LoRA adapters yet");
+}
+
+const LoraConfig& FamilyConfig::lora() const {
+  static const LoraConfig kNone;
+  return kNone;
+}
+
 }  // namespace zinc::models

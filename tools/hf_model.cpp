@@ -23,6 +23,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "engine/config.h"  // parse_json_text
+#include "tools/peft_adapter.h"
 #include "tools/safetensors_read.h"
 
 namespace zinc::tools {
@@ -60,9 +61,17 @@ std::string shape_text(const std::vector<int64_t>& s) {
 // everything else is the inner model's.
 class PretrainedModel final : public Model {
  public:
-  PretrainedModel(std::shared_ptr<Model> inner, std::unique_ptr<SafetensorsFolder> folder,
-                  models::HfPieces pieces)
-      : inner_(std::move(inner)), folder_(std::move(folder)), pieces_(std::move(pieces)) {}
+  // adapter: the PEFT adapter file the blocks marked in from_adapter read
+  // (null: none; those blocks then have no pieces and start as PEFT does).
+  PretrainedModel(std::shared_ptr<Model> inner, std::unique_ptr<SafetensorsFolder> folder, models::HfPieces pieces,
+                  std::unique_ptr<SafetensorsFile> adapter = nullptr, std::vector<char> from_adapter = {})
+      : inner_(std::move(inner)),
+        folder_(std::move(folder)),
+        pieces_(std::move(pieces)),
+        adapter_(std::move(adapter)),
+        from_adapter_(std::move(from_adapter)) {
+    from_adapter_.resize(pieces_.size(), 0);
+  }
 
   std::string name() const override { return inner_->name(); }
   const std::vector<BlockSpec>& blocks() const override { return inner_->blocks(); }
@@ -77,13 +86,15 @@ class PretrainedModel final : public Model {
 
   bool initial_values(int block, int param, int64_t first, int64_t count, float* out) const override {
     const std::vector<HfPiece>& pieces = pieces_.at(static_cast<size_t>(block)).at(static_cast<size_t>(param));
+    if (pieces.empty()) return false;  // an adapter with no file: the model's own initialisation
+    const bool adapter = from_adapter_[static_cast<size_t>(block)] != 0;
     const int64_t cols = inner_->blocks()[static_cast<size_t>(block)].params[static_cast<size_t>(param)].shape.numel() /
                          total_rows(pieces);
     int64_t at = 0;  // the piece's first element in the zinc parameter
     for (const HfPiece& pc : pieces) {
       const int64_t n = pc.rows * cols;
       const int64_t lo = std::max(first, at), hi = std::min(first + count, at + n);
-      if (lo < hi) read_piece(pc, cols, lo - at, hi - lo, out + (lo - first));
+      if (lo < hi) read_piece(pc, cols, lo - at, hi - lo, out + (lo - first), adapter);
       at += n;
     }
     return true;
@@ -96,8 +107,10 @@ class PretrainedModel final : public Model {
     return std::max<int64_t>(r, 1);
   }
   // Elements [first, first + count) of the piece in zinc's (rows, cols) layout.
-  void read_piece(const HfPiece& pc, int64_t cols, int64_t first, int64_t count, float* out) const {
-    auto [file, t] = folder_->find(pc.name);
+  void read_piece(const HfPiece& pc, int64_t cols, int64_t first, int64_t count, float* out, bool adapter) const {
+    auto [file, t] = adapter ? std::pair<const SafetensorsFile*, const StoredTensor*>{adapter_.get(),
+                                                                                     adapter_->find(pc.name)}
+                             : folder_->find(pc.name);
     if (!pc.transposed) {
       const int64_t skip = pc.file_row < 0 ? 0 : pc.file_row * cols;  // a part of the tensor: its rows from file_row
       file->read_f32(*t, skip + first, count, out);
@@ -141,6 +154,8 @@ class PretrainedModel final : public Model {
   std::shared_ptr<Model> inner_;
   std::unique_ptr<SafetensorsFolder> folder_;
   models::HfPieces pieces_;
+  std::unique_ptr<SafetensorsFile> adapter_;
+  std::vector<char> from_adapter_;  // per block
 };
 
 // Whether two tensors of a folder hold the same values (read in pieces;
@@ -239,8 +254,18 @@ std::shared_ptr<Model> make_hf_model(const HfConfig& cfg, Device device, bool gr
   return cfg.model->build(device, gradient_checkpointing);
 }
 
-std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool gradient_checkpointing) {
-  std::shared_ptr<Model> inner = make_hf_model(cfg, device, gradient_checkpointing);
+std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool gradient_checkpointing,
+                                       const models::LoraConfig& lora, const std::string& adapter_dir) {
+  std::shared_ptr<Model> inner;
+  if (lora.enabled()) {
+    std::unique_ptr<models::FamilyConfig> fc = cfg.model->clone();
+    fc->set_lora(lora);  // a family without LoRA throws at model.lora
+    if (auto bad = fc->size_error()) throw ConfigError("model." + bad->field, bad->message);
+    inner = fc->build(device, gradient_checkpointing);
+  } else {
+    ZINC_CHECK(adapter_dir.empty(), "load_pretrained: an adapter folder needs its LoRA configuration");
+    inner = make_hf_model(cfg, device, gradient_checkpointing);
+  }
   auto folder = std::make_unique<SafetensorsFolder>(cfg.dir);
   // The prefix from the token embedding's name: the family's own (what an
   // export writes), or one of the usual, or none.
@@ -259,12 +284,49 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
     throw Error(cfg.dir + ": no tensor " + embed + " (nor with a " + cfg.family->export_prefix +
                 ", transformer. or model. prefix) in " + joined(folder->files()));
   auto pieces = hf_pieces(cfg, *inner, prefix);
+  // LoRA's adapter blocks: PEFT's names in the adapter file, or no pieces
+  // (the model's own initialisation, PEFT's) without one.
+  std::unique_ptr<SafetensorsFile> adapter;
+  if (!adapter_dir.empty()) adapter = std::make_unique<SafetensorsFile>(adapter_dir + "/" + kAdapterWeightsFile);
+  std::vector<char> from_adapter(pieces.size(), 0);
+  std::map<std::string, bool> adapter_used;
+  if (adapter)
+    for (const StoredTensor& t : adapter->tensors()) adapter_used[t.name] = false;
+  for (size_t b = 0; b < pieces.size(); ++b) {
+    const BlockSpec& spec = inner->blocks()[b];
+    if (!models::is_adapter_block(spec.name)) continue;
+    from_adapter[b] = 1;
+    const std::string layer = spec.name.substr(0, spec.name.size() - std::strlen(models::kAdapterBlockSuffix));
+    for (size_t p = 0; p < spec.params.size(); ++p) {
+      pieces[b][p].clear();
+      if (!adapter) continue;
+      const ParamSpec& ps = spec.params[p];
+      const std::vector<int64_t> shape(ps.shape.dims.begin(), ps.shape.dims.begin() + ps.shape.ndim);
+      const std::string name = std::string(kPeftPrefix) + cfg.family->export_prefix + layer + "." + ps.name;
+      const StoredTensor* t = adapter->find(name);
+      if (!t)
+        throw Error(adapter->path() + ": tensor " + name + " " + shape_text(shape) + " is missing (" +
+                    kAdapterConfigFile + " names its module in target_modules)");
+      if (t->shape != shape)
+        throw Error(adapter->path() + ": tensor " + name + " has shape " + shape_text(t->shape) + "; r " +
+                    std::to_string(lora.r) + " of " + kAdapterConfigFile + " on this model needs " + shape_text(shape));
+      if (!t->readable)
+        throw Error(adapter->path() + ": tensor " + name + " is " + t->stored_dtype + "; zinc reads F32, BF16 and F16");
+      pieces[b][p].push_back(HfPiece{name, shape, shape.empty() ? 1 : shape[0], false});
+      adapter_used[name] = true;
+    }
+  }
+  for (const auto& [n, u] : adapter_used)
+    if (!u)
+      throw Error(adapter->path() + ": tensor " + n + " is not an adapter this model has (a module outside " +
+                  kAdapterConfigFile + "'s target_modules, or another architecture's)");
   // Every tensor zinc needs, with its shape and a readable dtype; no other.
   std::map<std::string, bool> used;
   for (const std::string& n : folder->names()) used[n] = false;
-  for (const auto& block : pieces)
-    for (const auto& param : block)
+  for (size_t b = 0; b < pieces.size(); ++b)
+    for (const auto& param : pieces[b])
       for (const HfPiece& pc : param) {
+        if (from_adapter[b]) continue;
         auto [file, t] = folder->find(pc.name);
         if (!file) throw Error(cfg.dir + ": tensor " + pc.name + " " + shape_text(pc.shape) + " is missing (looked in " + joined(folder->files()) + ")");
         if (t->shape != pc.shape)
@@ -281,7 +343,8 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
     throw Error(folder->find(n).first->path() + ": tensor " + n + " is not a parameter of " + cfg.architecture +
                 " as its config.json describes it (unexpected tensor)");
   }
-  return std::make_shared<PretrainedModel>(std::move(inner), std::move(folder), std::move(pieces));
+  return std::make_shared<PretrainedModel>(std::move(inner), std::move(folder), std::move(pieces), std::move(adapter),
+                                           std::move(from_adapter));
 }
 
 }  // namespace zinc::tools

@@ -61,8 +61,13 @@ bool hf_ignored_tensor(const HfConfig& cfg, const std::string& name);
 // (Model::initial_values), checked up front: every tensor present with its
 // shape and a readable dtype, and no tensor left over. `device` and
 // `gradient_checkpointing` as the models' configs take them.
+// With lora enabled, the model carries LoRA adapters (its base frozen):
+// from adapter_dir (a PEFT adapter folder; its adapter_model.safetensors
+// checked as the weights are: every adapter tensor present with its shape,
+// none left over), or initialised as PEFT does when adapter_dir is empty.
 std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device = Device::kCpu,
-                                       bool gradient_checkpointing = false);
+                                       bool gradient_checkpointing = false, const models::LoraConfig& lora = {},
+                                       const std::string& adapter_dir = "");
 
 }  // namespace zinc::tools
 

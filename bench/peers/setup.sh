@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${ZINC_PEERS_VENV:-bench/peers/.venv}"
 python="${PYTHON:-python3}"
-pins=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy==2.4.6 deepspeed==0.19.8 mkl==2026.2.0)
+pins=(torch==2.15.0 transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 numpy==2.4.6 deepspeed==0.19.8 mkl==2026.2.0)
 
 installed() {
   [ -x "$venv/bin/python" ] || return 1

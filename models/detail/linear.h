@@ -54,7 +54,8 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
   linear_forward(cpu_ops(), y, x, w, b, N, in, out, compute);
 }
 
-// dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x;
+// dx(N,in) = dy W (written; skipped when dx is null); dW(out,in) += dy^T x
+// (skipped when dW is null: a frozen weight);
 // db(out) += column sums of dy (skipped when db is null).
 // dy is fp32; Ops::dy_operand sums the bias gradient and, with bf16 (fp16)
 // compute, converts dy once for both matmuls (one pass where the backend
@@ -72,7 +73,7 @@ inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float*
     dy = ops.dy_operand(static_cast<const float*>(dy.data), db, N, out, compute, scratch);
   }
   if (dx) ops.matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
-  ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);
+  if (dw) ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);  // null: a frozen weight
 }
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
                             int64_t in, int64_t out, DType compute) {

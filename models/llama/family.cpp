@@ -34,6 +34,8 @@ class Config final : public FamilyConfig {
   int64_t hidden_size() const override { return c_.hidden_size; }
   bool tied_head() const override { return c_.tie_word_embeddings; }
   void untie_head(const std::string&) override { c_.tie_word_embeddings = false; }
+  void set_lora(const LoraConfig& lora) override { c_.lora = lora; }
+  const LoraConfig& lora() const override { return c_.lora; }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
     LlamaConfig l = c_;
     l.device = device;

@@ -39,7 +39,15 @@ struct LayerIdx {
   int post_att = -1, post_mlp = -1;  // post_norms
   int ln1_b = -1, ln2_b = -1;        // layer_norm: the norms' biases
   int router = -1, experts_gu = -1, experts_down = -1;  // a sparse (mixture-of-experts) layer's MLP
+  // LoRA: per target (LoraTarget), A and B's indices in the layer's adapter block.
+  int lora_a[7] = {-1, -1, -1, -1, -1, -1, -1}, lora_b[7] = {-1, -1, -1, -1, -1, -1, -1};
 };
+
+// LoRA's targets in a layer, in the model's order, with PEFT's module names.
+enum LoraTarget { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown, kLoraTargets };
+constexpr const char* kLoraModules[kLoraTargets] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                    "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                    "mlp.down_proj"};
 
 // What a sparse layer's backward reads of its forward (LlamaLayerActs::moe).
 struct MoeActs {
@@ -71,6 +79,10 @@ struct LlamaLayerActs {
   Buf ln1_16, att_16, ln2_16, act_16;
   void* ws = nullptr;  // Ops::attention_create
   MoeActs moe;         // sparse layers
+  // LoRA: per target, (N, r) U = x A^T at [t * N * r] and what B's matmuls read of it.
+  Buf lora_u;
+  Buf lora_u16[kLoraTargets];
+  CView lora_u_in[kLoraTargets];
 };
 
 class Llama final : public Model {
@@ -84,9 +96,10 @@ class Llama final : public Model {
     GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
-    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}});
+    const bool frozen = c.lora.enabled();  // LoRA: the base is frozen
+    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}, frozen});
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      BlockSpec b{"layers." + std::to_string(l), {}};
+      BlockSpec b{"layers." + std::to_string(l), {}, frozen};
       auto add = [&](ParamSpec p) {
         b.params.push_back(std::move(p));
         return static_cast<int>(b.params.size()) - 1;
@@ -128,11 +141,12 @@ class Llama final : public Model {
       idx_.push_back(x);
       specs_.push_back(std::move(b));
     }
-    BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}};
+    BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}, frozen};
     if (c.layer_norm) fin.params.push_back({"norm.bias", {C}, Init::kZeros});
     head_ = static_cast<int>(fin.params.size());
     if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
     specs_.push_back(std::move(fin));
+    if (frozen) add_lora_blocks();
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
     for (LlamaLayerActs& a : acts_) a.ws = ops_->attention_create();
     x_in_.resize(static_cast<size_t>(c.num_hidden_layers));
@@ -263,7 +277,9 @@ class Llama final : public Model {
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
-      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt);
+      HeldParams lp;
+      if (lora()) lp = ctx.acquire(lora_block(l));
+      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
     }
     acts_hold_ = c_.num_hidden_layers - 1;
 
@@ -320,28 +336,28 @@ class Llama final : public Model {
 
     const int fin = final_block();
     HeldParams emb;
-    BlockGrads gemb = ctx.grads(0);
+    BlockGrads gemb = base_grads(ctx, 0);
     HeldParams nf = ctx.acquire(fin);
-    BlockGrads gnf = ctx.grads(fin);
+    BlockGrads gnf = base_grads(ctx, fin);
     // Head: dlnf = dlogits W; dW += dlogits^T lnf (W = lm_head, or the tied embedding).
     if (c_.tie_word_embeddings) {
       emb = ctx.acquire(0);
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gemb[0], nullptr, f32(dlogits_.as<float>()), lnf_in_,
-                              emb[0], N, C, V, dt);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
+                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, V, dt);
     } else {
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gnf[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, nf[head_], N, C, V, dt);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, V, dt);
     }
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     ops_->zero(dx, N * C);
     if (c_.layer_norm)
-      ops_->layernorm_backward(dx, gnf[0], gnf[1], dlnf_.as<float>(), x_final_.as<float>(), nf[0],
-                               lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+      ops_->layernorm_backward(dx, norm_grad(gnf, 0), norm_grad(gnf, 1), dlnf_.as<float>(), x_final_.as<float>(),
+                               nf[0], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
     else
-      ops_->rmsnorm_backward(dx, gnf[0], dlnf_.as<float>(), x_final_.as<float>(), nf[0], lnf_rstd_.as<float>(), N, C,
-                             c_.norm_offset);
+      ops_->rmsnorm_backward(dx, norm_grad(gnf, 0), dlnf_.as<float>(), x_final_.as<float>(), nf[0],
+                             lnf_rstd_.as<float>(), N, C, c_.norm_offset);
     nf.release();
-    ctx.grads_ready(fin);
+    base_grads_ready(ctx, fin);
 
     float* dbig = dbig_.as<float>();      // (N, max(2I, 3A))
     float* dmid = dmid_.as<float>();      // (N, max(A, I))
@@ -353,21 +369,31 @@ class Llama final : public Model {
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
+      HeldParams lp;
+      BlockGrads lg;
+      if (lora()) {
+        lp = ctx.acquire(lora_block(l));
+        lg = ctx.grads(lora_block(l));
+      }
+      const HeldParams* lpp = lora() ? &lp : nullptr;
       if (c_.gradient_checkpointing && acts_hold_ != l) {
-        layer_forward(p, a, l, x_in, nullptr, B, T, dt);
+        layer_forward(p, a, l, x_in, nullptr, B, T, dt, lpp);
         acts_hold_ = l;
       }
-      BlockGrads g = ctx.grads(blk);
+      BlockGrads g = base_grads(ctx, blk);
       // MLP: dx holds d out and becomes d h.
       const float* dy = post_norm_backward(p, g, x.post_mlp, branch_grad(dx, N), a.mlp_out, a.rstd_pm, N);
       if (x.router >= 0) {
         moe_backward(p, g, x, a, dy, dsmall, N, dt, loss_scale);
       } else {
-        detail::linear_backward(*ops_, dy16_, dmid, g[x.down_w], bias_grad(g, x.down_b), f32(dy), a.act_in,
-                                p[x.down_w], N, I, C, dt);
+        detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.down_w), bias_grad(g, x.down_b), f32(dy),
+                                a.act_in, p[x.down_w], N, I, C, dt);
+        lora_backward(lpp, lg, a, l, kLoraDown, a.act_in, dy, dmid, N, dt);
         act_backward(dbig, dmid, a.gate_up.as<float>(), N);
-        detail::linear_backward(*ops_, dy16_, dsmall, g[x.gu_w], bias_grad(g, x.gu_b), f32(dbig), a.ln2_in,
-                                p[x.gu_w], N, C, GU_, dt);
+        detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), bias_grad(g, x.gu_b), f32(dbig),
+                                a.ln2_in, p[x.gu_w], N, C, GU_, dt);
+        lora_backward(lpp, lg, a, l, kLoraGate, a.ln2_in, dbig, dsmall, N, dt);
+        lora_backward(lpp, lg, a, l, kLoraUp, a.ln2_in, dbig, dsmall, N, dt);
       }
       // With the parallel residual the MLP's norm read x_in: its gradient
       // joins d x after the attention branch has read d h.
@@ -377,24 +403,32 @@ class Llama final : public Model {
                         a.mean2, a.rstd2, N);
       // Attention: dx holds d h and becomes d x.
       dy = post_norm_backward(p, g, x.post_att, branch_grad(dx, N), a.o_out, a.rstd_po, N);
-      detail::linear_backward(*ops_, dy16_, dmid, g[x.o_w], bias_grad(g, x.o_b), f32(dy), a.att_in, p[x.o_w], N, A,
-                              C, dt);
+      detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), bias_grad(g, x.o_b), f32(dy), a.att_in,
+                              p[x.o_w], N, A, C, dt);
+      lora_backward(lpp, lg, a, l, kLoraO, a.att_in, dy, dmid, N, dt);
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
         ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
-      detail::linear_backward(*ops_, dy16_, dsmall, g[x.qkv_w], bias_grad(g, x.qkv_b), f32(dproj), a.ln1_in,
-                              p[x.qkv_w], N, C, Q, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.qkv_w), bias_grad(g, x.qkv_b), f32(dproj),
+                              a.ln1_in, p[x.qkv_w], N, C, Q, dt);
+      for (int t : {kLoraQ, kLoraK, kLoraV}) lora_backward(lpp, lg, a, l, t, a.ln1_in, dproj, dsmall, N, dt);
       pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
       if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
       p.release();
-      ctx.grads_ready(blk);
+      base_grads_ready(ctx, blk);
+      if (lora()) {
+        lp.release();
+        ctx.grads_ready(lora_block(l));
+      }
     }
-    if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
-    ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
+    if (!lora()) {  // a frozen embedding has nothing to learn from dx
+      if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
+      ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
+    }
     emb.release();
-    ctx.grads_ready(0);
+    base_grads_ready(ctx, 0);
   }
 
  private:
@@ -435,9 +469,10 @@ class Llama final : public Model {
     if (w < 0) {
       ops_->add(dx, dx, dnorm, N * C);
     } else if (c_.layer_norm) {
-      ops_->layernorm_backward(dx, g[w], g[b], dnorm, x, p[w], mean.as<float>(), rstd.as<float>(), N, C);
+      ops_->layernorm_backward(dx, norm_grad(g, w), norm_grad(g, b), dnorm, x, p[w], mean.as<float>(),
+                               rstd.as<float>(), N, C);
     } else {
-      ops_->rmsnorm_backward(dx, g[w], dnorm, x, p[w], rstd.as<float>(), N, C, c_.norm_offset);
+      ops_->rmsnorm_backward(dx, norm_grad(g, w), dnorm, x, p[w], rstd.as<float>(), N, C, c_.norm_offset);
     }
   }
   // The MLP's activation of gate_up (N, GU_) into out (N, I), and its backward.
@@ -478,7 +513,8 @@ class Llama final : public Model {
     const int64_t C = c_.hidden_size;
     float* d = dsmall_.as<float>();
     ops_->zero(d, N * C);
-    ops_->rmsnorm_backward(d, g[w], dbranch, out.as<float>(), p[w], rstd.as<float>(), N, C, c_.norm_offset);
+    ops_->rmsnorm_backward(d, norm_grad(g, w), dbranch, out.as<float>(), p[w], rstd.as<float>(), N, C,
+                           c_.norm_offset);
     return d;
   }
   float residual_factor() const { return static_cast<float>(c_.residual_multiplier); }
@@ -493,18 +529,130 @@ class Llama final : public Model {
     ops_->scale(d, residual_factor(), N * C);
     return d;
   }
-  static float* bias_grad(const BlockGrads& g, int i) { return i < 0 ? nullptr : g[i]; }
+  // The gradient of a base weight (or bias) at index i: null where absent
+  // or frozen (LoRA: linear_backward then skips its weight-gradient matmul).
+  float* bias_grad(const BlockGrads& g, int i) const { return i < 0 || lora() ? nullptr : g[i]; }
+  float* weight_grad(const BlockGrads& g, int i) const { return bias_grad(g, i); }
+  // A norm's weight gradient: the norm kernels always sum one, so a frozen
+  // norm's goes to a sink nobody reads.
+  // (A LayerNorm's weight and bias sit at adjacent indices: each its half.)
+  float* norm_grad(const BlockGrads& g, int i) {
+    if (i < 0) return nullptr;
+    return lora() ? sink_.as<float>() + (i & 1) * sink_half_ : g[i];
+  }
+  // A base block's gradients (none where frozen) and their report.
+  BlockGrads base_grads(StepContext& ctx, int blk) { return lora() ? BlockGrads{} : ctx.grads(blk); }
+  void base_grads_ready(StepContext& ctx, int blk) {
+    if (!lora()) ctx.grads_ready(blk);
+  }
+
+  // ---- LoRA (LoraConfig) ------------------------------------------------------
+  bool lora() const { return c_.lora.enabled(); }
+  int lora_block(int64_t l) const { return static_cast<int>(c_.num_hidden_layers + 2 + l); }
+  // Where target t sits: its input and output widths, and its output's
+  // first column in the projection it adapts, whose rows are `width` wide
+  // (q, k and v in the fused q|k|v, gate and up in gate|up).
+  struct LoraSite {
+    int64_t in = 0, out = 0, col = 0, width = 0;
+  };
+  LoraSite lora_site(int t) const {
+    const int64_t C = c_.hidden_size, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    switch (t) {
+      case kLoraQ: return {C, H_ * D_, 0, Q};
+      case kLoraK: return {C, K_ * D_, H_ * D_, Q};
+      case kLoraV: return {C, K_ * D_, (H_ + K_) * D_, Q};
+      case kLoraO: return {A, C, 0, C};
+      case kLoraGate: return {C, I, 0, GU_};
+      case kLoraUp: return {C, I, c_.mlp_gated ? I : 0, GU_};
+      default: return {I, C, 0, C};
+    }
+  }
+  // One adapter block per layer, after the final block, with PEFT's tensor
+  // names and initialisation: A Kaiming-uniform (a = sqrt(5): U(+-1/sqrt(in))),
+  // B zeros.
+  void add_lora_blocks() {
+    const int64_t r = c_.lora.r;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      BlockSpec b{"layers." + std::to_string(l) + ".lora", {}};
+      LayerIdx& x = idx_[static_cast<size_t>(l)];
+      for (int t = 0; t < kLoraTargets; ++t) {
+        const std::string m = kLoraModules[t];
+        if (!c_.lora.targets_module(m.substr(m.find('.') + 1))) continue;
+        if (t == kLoraGate && !c_.mlp_gated) continue;
+        const LoraSite site = lora_site(t);
+        x.lora_a[t] = static_cast<int>(b.params.size());
+        b.params.push_back({m + ".lora_A.weight", {r, site.in}, Init::kUniform,
+                            static_cast<float>(1.0 / std::sqrt(static_cast<double>(site.in)))});
+        x.lora_b[t] = static_cast<int>(b.params.size());
+        b.params.push_back({m + ".lora_B.weight", {site.out, r}, Init::kZeros});
+      }
+      specs_.push_back(std::move(b));
+    }
+  }
+  // dst (rows of site.width, target t's columns from site.col) += scale *
+  // (x A^T) B^T; U = x A^T stays in `a` for backward.
+  void lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int t, CView x, float* dst, int64_t N,
+                    DType dt) {
+    const LayerIdx& ix = idx_[static_cast<size_t>(l)];
+    if (!lp || ix.lora_a[t] < 0) return;
+    const LoraSite site = lora_site(t);
+    const int64_t r = c_.lora.r;
+    float* u = a.lora_u.as<float>() + t * N * r;
+    detail::linear_forward(*ops_, u, x, (*lp)[ix.lora_a[t]], CView{}, N, site.in, r, dt);
+    a.lora_u_in[t] = ops_->matmul_input(u, N * r, dt, a.lora_u16[t]);
+    kernels::MatmulDesc d = detail::forward_desc(N, r, site.out, false, dt);
+    d.alpha = c_.lora.scale();
+    d.accumulate = true;
+    if (site.width == site.out) {
+      ops_->matmul(d, a.lora_u_in[t], (*lp)[ix.lora_b[t]], dst);
+      return;
+    }
+    float* cols = lora_s_.as<float>();
+    ops_->copy_columns(cols, site.out, dst + site.col, site.width, N, site.out);
+    ops_->matmul(d, a.lora_u_in[t], (*lp)[ix.lora_b[t]], cols);
+    ops_->copy_columns(dst + site.col, site.width, cols, site.out, N, site.out);
+  }
+  // Backward of target t from dy (rows of site.width, its columns from
+  // site.col): the adapter's gradients into lg, and dx (N, site.in) += the
+  // adapter's part of its input's gradient.
+  void lora_backward(const HeldParams* lp, const BlockGrads& lg, LlamaLayerActs& a, int64_t l, int t, CView x,
+                     const float* dy, float* dx, int64_t N, DType dt) {
+    const LayerIdx& ix = idx_[static_cast<size_t>(l)];
+    if (!lp || ix.lora_a[t] < 0) return;
+    const LoraSite site = lora_site(t);
+    const int64_t r = c_.lora.r;
+    const float s = c_.lora.scale();
+    const float* g = dy;
+    if (site.width != site.out) {
+      ops_->copy_columns(lora_s_.as<float>(), site.out, dy + site.col, site.width, N, site.out);
+      g = lora_s_.as<float>();
+    }
+    const CView g_in = ops_->dy_operand(g, nullptr, N, site.out, dt, lora_g16_);
+    // dB += s G^T U; dU = s G B; dA += dU^T x; dx += dU A.
+    kernels::MatmulDesc db = detail::weight_grad_desc(N, r, site.out, dt);
+    db.alpha = s;
+    ops_->matmul(db, g_in, a.lora_u_in[t], lg[ix.lora_b[t]]);
+    kernels::MatmulDesc du = detail::input_grad_desc(N, r, site.out, dt);
+    du.alpha = s;
+    ops_->matmul(du, g_in, (*lp)[ix.lora_b[t]], lora_du_.as<float>());
+    const CView du_in = ops_->matmul_input(lora_du_.as<float>(), N * r, dt, lora_du16_);
+    ops_->matmul(detail::weight_grad_desc(N, site.in, r, dt), du_in, x, lg[ix.lora_a[t]]);
+    kernels::MatmulDesc dxd = detail::input_grad_desc(N, site.in, r, dt);
+    dxd.accumulate = true;
+    ops_->matmul(dxd, du_in, (*lp)[ix.lora_a[t]], dx);
+  }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
   // output. Deterministic (the checkpointed backward relies on it).
   void layer_forward(const HeldParams& p, LlamaLayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
-                     int64_t T, DType dt) {
+                     int64_t T, DType dt, const HeldParams* lp = nullptr) {
     const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_[static_cast<size_t>(l)];
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
+    for (int t : {kLoraQ, kLoraK, kLoraV}) lora_forward(lp, a, l, t, a.ln1_in, proj, N, dt);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
@@ -513,7 +661,8 @@ class Llama final : public Model {
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();
-    branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt);
+    branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
+                   [&](float* y) { lora_forward(lp, a, l, kLoraO, a.att_in, y, N, dt); });
     ops_->add(x_mid, x_mid, x_in, N * C);
     // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself.
     pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
@@ -528,16 +677,18 @@ class Llama final : public Model {
       return;
     }
     detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
+    for (int t : {kLoraGate, kLoraUp}) lora_forward(lp, a, l, t, a.ln2_in, a.gate_up.as<float>(), N, dt);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
+    auto down_lora = [&](float* y) { lora_forward(lp, a, l, kLoraDown, a.act_in, y, N, dt); };
     if (!x_out) {
       // A recomputation for backward: the output is not needed, but a
       // post-norm's input and statistics are (its output goes to scratch).
       if (x.post_mlp >= 0) branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm,
-                                          dsmall_.as<float>(), N, dt);
+                                          dsmall_.as<float>(), N, dt, down_lora);
       return;
     }
-    branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt);
+    branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt, down_lora);
     ops_->add(x_out, x_out, x_mid, N * C);
   }
 
@@ -653,13 +804,17 @@ class Llama final : public Model {
   // columns) into out, with Granite's residual_multiplier and, with a
   // post-norm (index post >= 0), the norm: the projection then goes to
   // `raw` and its norm (statistics in rstd) to out.
+  // `adapt` adds to the projection before the norm (LoRA).
+  template <class Adapt>
   void branch_forward(const HeldParams& p, int w, int b, int post, CView in, int64_t in_w, Buf& raw, Buf& rstd,
-                      float* out, int64_t N, DType dt) {
+                      float* out, int64_t N, DType dt, Adapt&& adapt) {
     const int64_t C = c_.hidden_size;
     if (post < 0) {
       detail::linear_forward(*ops_, out, in, p[w], bias(p, b), N, in_w, C, dt);
+      adapt(out);
     } else {
       detail::linear_forward(*ops_, raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt);
+      adapt(raw.as<float>());
       ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
     }
     if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
@@ -716,7 +871,7 @@ class Llama final : public Model {
       ops_->copy_columns(dout, heads * D_, dproj + col, Q, N, heads * D_);
       ops_->zero(dx, N * heads * D_);
       const auto [rows, width] = qk_norm_rows(heads, N);
-      ops_->rmsnorm_backward(dx, g[w], dout, pre, p[w], r, rows, width, c_.norm_offset);
+      ops_->rmsnorm_backward(dx, norm_grad(g, w), dout, pre, p[w], r, rows, width, c_.norm_offset);
       ops_->copy_columns(dproj + col, Q, dx, heads * D_, N, heads * D_);
     }
   }
@@ -819,6 +974,14 @@ class Llama final : public Model {
     dmid_ = ops_->alloc_f32(N * std::max(A, I));
     if (c_.qk_norm) qk_scratch_ = ops_->alloc_f32(2 * N * static_cast<size_t>(std::max(H_, K_) * D_));
     if (c_.residual_multiplier != 1.0) branch_ = ops_->alloc_f32(N * C);
+    if (lora()) {
+      const size_t r = static_cast<size_t>(c_.lora.r);
+      for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
+      lora_s_ = ops_->alloc_f32(N * std::max(static_cast<size_t>(H_ * D_), I));
+      lora_du_ = ops_->alloc_f32(N * r);
+      sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
+      sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
+    }
     B_ = B;
     T_ = T;
   }
@@ -855,11 +1018,20 @@ class Llama final : public Model {
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
   Buf dy16_;
+  // LoRA: a target's columns (N, max(H*D, I)), dy's 16-bit copy, dU (N,r)
+  // and its 16-bit copy; the frozen norms' weight gradients (two halves).
+  Buf lora_s_, lora_g16_, lora_du_, lora_du16_, sink_;
+  int64_t sink_half_ = 0;
   CView lnf_in_;
   Buf lnf_16_;
 };
 
 }  // namespace
+
+float LoraConfig::scale() const {
+  const double rr = static_cast<double>(r);
+  return static_cast<float>(rslora ? alpha / std::sqrt(rr) : alpha / rr);
+}
 
 float rope_table_scale(const LlamaConfig& c) {
   const RopeScaling::Type t = c.rope_scaling.type;
@@ -1002,6 +1174,20 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
   if (c.layer_norm && (c.post_norms || c.qk_norm || c.norm_offset != 0.0f || !c.pre_norms))
     return SizeError{"layer_norm", "LayerNorm is implemented as the pre-norms alone (GPT-NeoX's)"};
   if (c.num_experts < 0) return SizeError{"num_experts", "must be >= 0, got " + std::to_string(c.num_experts)};
+  if (c.lora.r < 0) return SizeError{"lora.r", "must be >= 1, got " + std::to_string(c.lora.r)};
+  if (c.lora.enabled()) {
+    if (c.lora.targets.empty()) return SizeError{"lora.target_modules", "names no module to adapt"};
+    for (const std::string& t : c.lora.targets)
+      if (t != "q_proj" && t != "k_proj" && t != "v_proj" && t != "o_proj" && t != "gate_proj" && t != "up_proj" &&
+          t != "down_proj")
+        return SizeError{"lora.target_modules", "\"" + t + "\" is not a linear layer of this model (q_proj, k_proj, "
+                                                "v_proj, o_proj, gate_proj, up_proj, down_proj)"};
+    if (c.num_experts > 0)
+      return SizeError{"lora.r", "LoRA on the mixture-of-experts families is not implemented yet"};
+    if (c.fused_in_file || !c.mlp_gated)
+      return SizeError{"lora.r", "LoRA is implemented for the families whose files keep q, k, v, gate and up apart "
+                                 "(not Phi-3's or GPT-NeoX's fused tensors) yet"};
+  }
   if (c.num_experts > 0) {
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
       return SizeError{"num_experts_per_tok", "must be in [1, num_experts " + std::to_string(c.num_experts) + "], got " +

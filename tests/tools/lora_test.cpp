@@ -1,0 +1,292 @@
+// LoRA against PEFT itself: each lora_* fixture of tests/fixtures/hf (PEFT's
+// adapter folder on a base fixture, references in float64 by
+// peft.PeftModel on transformers, made by make_fixtures.py) is loaded by
+// zinc with the base frozen, which must reproduce PEFT's logits (max abs
+// 1e-4), loss (relative 1e-5) and every adapter gradient (relative L2
+// 1e-4), in fp32. Through the engine, at every stage: the frozen base never
+// changes, has no gradient, master or optimizer state (the memory estimate
+// is the engine's peak exactly), and the adapters train to the same bits at
+// every stage. Hostile adapter folders get one line naming the file and
+// the key.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/memory_estimate.h"
+#include "models/family.h"
+#include "tests/tools/hf_test_util.h"
+#include "tools/hf_model.h"
+#include "tools/peft_adapter.h"
+
+namespace zinc::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The base fixture a lora_* fixture adapts (its adapter_config.json's
+// base_model_name_or_path, which make_fixtures.py writes as the name).
+std::string base_of(const std::string& lora_dir) {
+  std::ifstream in(lora_dir + "/adapter_config.json");
+  return nlohmann::json::parse(in).at("base_model_name_or_path").get<std::string>();
+}
+
+const std::vector<std::string> kLoraFixtures = {"lora_llama", "lora_qwen2"};
+
+struct Loaded {
+  HfConfig cfg;
+  models::LoraConfig lora;
+  std::shared_ptr<Model> model;
+};
+Loaded load(const std::string& name, const std::string& adapter_dir = "") {
+  const std::string dir = fixture(name);
+  Loaded l{read_hf_config(fixture(base_of(dir))), read_peft_adapter_config(dir), nullptr};
+  l.model = load_pretrained(l.cfg, Device::kCpu, false, l.lora, adapter_dir.empty() ? dir : adapter_dir);
+  return l;
+}
+
+// PEFT's name of every adapter parameter (block, param) of a model.
+std::string peft_name(const HfConfig& cfg, const BlockSpec& b, const ParamSpec& p) {
+  const std::string layer = b.name.substr(0, b.name.size() - std::strlen(models::kAdapterBlockSuffix));
+  return std::string(kPeftPrefix) + cfg.family->export_prefix + layer + "." + p.name;
+}
+
+double rel_l2(const float* got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+class LoraFixture : public testing::TestWithParam<std::string> {};
+
+TEST_P(LoraFixture, LogitsLossAndAdapterGradientsMatchPeft) {
+  Loaded l = load(GetParam());
+  Reference ref(fixture(GetParam()));
+  HostContext ctx(*l.model);
+  const float loss = l.model->forward(ctx, ref.batch());
+  std::vector<float> logits(l.model->logits().begin(), l.model->logits().end());
+  ASSERT_EQ(logits.size(), ref.logits.size());
+  EXPECT_LE(max_abs_diff(logits, ref.logits), 1e-4) << GetParam();
+  EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam();
+  l.model->backward(ctx, 1.0f);
+  size_t compared = 0;
+  const std::vector<BlockSpec>& blocks = l.model->blocks();
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const bool adapter = models::is_adapter_block(blocks[b].name);
+    EXPECT_EQ(blocks[b].frozen, !adapter) << blocks[b].name;
+    for (size_t p = 0; p < blocks[b].params.size(); ++p) {
+      const float* g = ctx.grads_[b].data() + ctx.layouts[b].offsets[p];
+      if (!adapter) {
+        // A frozen block's buffers are never asked for: untouched zeros.
+        for (int64_t i = 0; i < ctx.layouts[b].numels[p]; ++i) ASSERT_EQ(g[i], 0.0f) << blocks[b].name;
+        continue;
+      }
+      const std::string name = peft_name(l.cfg, blocks[b], blocks[b].params[p]);
+      const std::vector<float> want = ref.floats("grad." + name);
+      ASSERT_EQ(static_cast<int64_t>(want.size()), ctx.layouts[b].numels[p]) << name;
+      EXPECT_LE(rel_l2(g, want), 1e-4) << GetParam() << " " << name;
+      ++compared;
+    }
+  }
+  size_t grads = 0;
+  for (const StoredTensor& t : ref.file.tensors()) grads += t.name.rfind("grad.", 0) == 0;
+  EXPECT_EQ(compared, grads) << GetParam();
+  EXPECT_GT(compared, 0u);
+}
+
+// The comparison can fail: the scale alpha / r taken as alpha / sqrt(r)
+// (rsLoRA flipped), or A and B's roles swapped (B's values read as A's on
+// a square adapter is impossible here, so the scale is the check), moves
+// the logits far past the tolerance.
+TEST_P(LoraFixture, TheComparisonSeesAWrongScale) {
+  const std::string dir = fixture(GetParam());
+  HfConfig cfg = read_hf_config(fixture(base_of(dir)));
+  models::LoraConfig lora = read_peft_adapter_config(dir);
+  lora.rslora = !lora.rslora;
+  auto model = load_pretrained(cfg, Device::kCpu, false, lora, dir);
+  Reference ref(dir);
+  HostContext ctx(*model);
+  model->forward(ctx, ref.batch());
+  std::vector<float> logits(model->logits().begin(), model->logits().end());
+  EXPECT_GT(max_abs_diff(logits, ref.logits), 1e-2) << GetParam();
+}
+
+// Without an adapter folder the adapters start as PEFT's do (B zero): the
+// model's logits are the base model's exactly.
+TEST_P(LoraFixture, FreshAdaptersLeaveTheBaseModelsLogits) {
+  const std::string dir = fixture(GetParam());
+  HfConfig cfg = read_hf_config(fixture(base_of(dir)));
+  auto base = load_pretrained(cfg);
+  auto adapted = load_pretrained(cfg, Device::kCpu, false, read_peft_adapter_config(dir));
+  Reference ref(dir);
+  nlohmann::json ds = {{"train_batch_size", ref.B}, {"train_micro_batch_size_per_gpu", ref.B},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
+  Engine e1 = Engine::initialize(base, ds);
+  Engine e2 = Engine::initialize(adapted, ds);
+  EXPECT_EQ(e1.evaluate(ref.batch()), e2.evaluate(ref.batch()));
+  std::vector<float> a(base->logits().begin(), base->logits().end());
+  std::vector<float> b(adapted->logits().begin(), adapted->logits().end());
+  EXPECT_EQ(a, b);
+}
+
+// Through the engine at every stage (stage 3 with the base in page-locked
+// RAM and on NVMe): the loss and the gradient norm are PEFT's, the frozen
+// blocks never change, the adapters train to the same bits at every stage,
+// and the estimate's model state is the engine's peak.
+TEST_P(LoraFixture, TrainsAtEveryStageWithTheBaseFrozen) {
+  Reference ref(fixture(GetParam()));
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors()) {
+    if (t.name.rfind("grad.", 0) != 0) continue;
+    for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  }
+  std::vector<std::vector<float>> first;  // the weights after training at the first stage
+  const std::string nvme = ::testing::TempDir() + "zinc-lora-nvme";
+  fs::create_directories(nvme);
+  struct Case {
+    int stage;
+    const char* offload;
+  };
+  for (Case c : {Case{0, ""}, Case{1, ""}, Case{2, ""}, Case{3, "cpu"}, Case{3, "nvme"}}) {
+    const std::string what = GetParam() + " stage " + std::to_string(c.stage) + " " + c.offload;
+    Loaded l = load(GetParam());
+    HostContext want(*l.model);
+    nlohmann::json ds = {{"train_batch_size", ref.B},
+                         {"train_micro_batch_size_per_gpu", ref.B},
+                         {"gradient_clipping", 0.0},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
+                         {"zero_optimization", {{"stage", c.stage}}}};
+    if (std::string(c.offload) == "cpu") ds["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+    if (std::string(c.offload) == "nvme")
+      ds["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}};
+    Engine engine = Engine::initialize(l.model, ds);
+    const float loss = engine.forward(ref.batch());
+    EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << what;
+    engine.backward();
+    engine.step();
+    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << what;
+    for (int s = 0; s < 2; ++s) {
+      engine.forward(ref.batch());
+      engine.backward();
+      engine.step();
+    }
+    std::vector<std::vector<float>> now;
+    const std::vector<BlockSpec>& blocks = l.model->blocks();
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      std::vector<float> got = engine.full_params(static_cast<int>(b));
+      got.resize(want.params[b].size());
+      const bool same = std::memcmp(got.data(), want.params[b].data(), got.size() * 4) == 0;
+      if (blocks[b].frozen)
+        EXPECT_TRUE(same) << what << ": frozen block " << blocks[b].name << " changed";
+      else
+        EXPECT_FALSE(same) << what << ": adapter block " << blocks[b].name << " did not train";
+      now.push_back(std::move(got));
+    }
+    if (first.empty())
+      first = now;
+    else
+      EXPECT_TRUE(now == first) << what << ": the weights differ from stage 0's";
+    EXPECT_EQ(estimate_memory(engine.model(), engine.config(), ref.T).model_state_bytes(),
+              engine.model_state_peak_bytes())
+        << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, LoraFixture, testing::ValuesIn(kLoraFixtures),
+                         [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// A frozen base has no gradient buffers, master weights or optimizer
+// states: at stage 0 in fp32 the model state is the compute copy of the
+// base plus 16 B per adapter parameter (master, m, v and the gradient).
+TEST(Lora, FrozenBlocksHoldOnlyTheirComputeParameters) {
+  Loaded l = load("lora_llama");
+  int64_t frozen = 0, trained = 0;
+  for (const BlockSpec& b : l.model->blocks()) {
+    const int64_t n = BlockLayout::from_spec(b).numel;
+    const int64_t padded = (n + 1023) / 1024 * 1024;
+    (b.frozen ? frozen : trained) += padded;
+  }
+  nlohmann::json ds = {{"train_batch_size", 2}, {"train_micro_batch_size_per_gpu", 2},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}}};
+  Engine engine = Engine::initialize(l.model, ds);
+  EXPECT_EQ(engine.model_state_bytes(), 4 * frozen + 16 * trained);
+}
+
+// Hostile adapter folders: one line naming the file and what is wrong.
+TEST(Lora, BadAdapterFoldersGiveOneLineNamingTheFile) {
+  const std::string src = fixture("lora_llama");
+  const HfConfig cfg = read_hf_config(fixture("llama_gqa"));
+  const std::string dir = ::testing::TempDir() + "zinc-lora-bad";
+  auto fresh = [&] {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+      fs::copy_file(src + "/" + f, dir + "/" + f);
+  };
+  auto edit_config = [&](const std::function<void(nlohmann::json&)>& fn) {
+    std::ifstream in(dir + "/adapter_config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    in.close();
+    fn(j);
+    std::ofstream(dir + "/adapter_config.json") << j.dump(2);
+  };
+  auto error_of = [&]() -> std::string {
+    try {
+      load_pretrained(cfg, Device::kCpu, false, read_peft_adapter_config(dir), dir);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto expect = [&](const std::string& got, const std::vector<std::string>& parts) {
+    EXPECT_FALSE(got.empty());
+    EXPECT_EQ(got.find('\n'), std::string::npos) << got;
+    for (const std::string& p : parts) EXPECT_NE(got.find(p), std::string::npos) << got << " lacks " << p;
+  };
+
+  fresh();  // a rank that disagrees with the tensors
+  edit_config([](nlohmann::json& j) { j["r"] = 4; });
+  expect(error_of(), {"adapter_model.safetensors", "lora_A.weight", "has shape [3, 32]", "r 4"});
+  fresh();  // a target module the model lacks
+  edit_config([](nlohmann::json& j) { j["target_modules"].push_back("c_attn"); });
+  expect(error_of(), {"adapter_config.json", "target_modules", "c_attn"});
+  fresh();  // fewer targets than the file holds: its other tensors are not this model's adapters
+  edit_config([](nlohmann::json& j) { j["target_modules"] = {"q_proj"}; });
+  expect(error_of(), {"adapter_model.safetensors", "is not an adapter this model has"});
+  fresh();  // what zinc cannot reproduce
+  edit_config([](nlohmann::json& j) { j["use_dora"] = true; });
+  expect(error_of(), {"adapter_config.json", "use_dora"});
+  fresh();
+  edit_config([](nlohmann::json& j) { j["modules_to_save"] = {"lm_head"}; });
+  expect(error_of(), {"adapter_config.json", "modules_to_save"});
+  fresh();
+  edit_config([](nlohmann::json& j) { j["peft_type"] = "IA3"; });
+  expect(error_of(), {"adapter_config.json", "peft_type"});
+  fresh();  // a missing tensor
+  {
+    SafetensorsFile f(dir + "/adapter_model.safetensors");
+    (void)f;
+  }
+  edit_config([](nlohmann::json& j) { j["target_modules"] = "all-linear"; });
+  EXPECT_EQ(error_of(), "");  // all seven: the fixture's own
+  // A truncated weights file: the header lies about the data.
+  fresh();
+  fs::resize_file(dir + "/adapter_model.safetensors", fs::file_size(dir + "/adapter_model.safetensors") - 100);
+  expect(error_of(), {"adapter_model.safetensors"});
+  fresh();  // no adapter_config.json
+  fs::remove(dir + "/adapter_config.json");
+  expect(error_of(), {"adapter_config.json", "PEFT adapter folder"});
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace zinc::tools

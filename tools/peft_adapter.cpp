@@ -1,0 +1,90 @@
+#include "tools/peft_adapter.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "engine/config.h"
+
+namespace zinc::tools {
+
+const std::vector<std::string>& lora_linear_modules() {
+  static const std::vector<std::string> kAll = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                "gate_proj", "up_proj", "down_proj"};
+  return kAll;
+}
+
+models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const std::string& path) {
+  auto fail = [&](const std::string& key, const std::string& what) -> void {
+    throw Error(path + ": " + key + ": " + what);
+  };
+  if (!doc.is_object()) throw Error(path + ": expected a JSON object (PEFT's adapter_config.json)");
+  auto has = [&](const char* k) { return doc.contains(k) && !doc[k].is_null(); };
+  const std::string type = has("peft_type") && doc["peft_type"].is_string() ? doc["peft_type"].get<std::string>() : "";
+  if (type != "LORA") fail("peft_type", "expected \"LORA\", got " + (has("peft_type") ? doc["peft_type"].dump() : "nothing"));
+  models::LoraConfig l;
+  if (!has("r") || !doc["r"].is_number_integer() || doc["r"].get<int64_t>() < 1)
+    fail("r", "expected an integer >= 1, got " + (has("r") ? doc["r"].dump() : "nothing"));
+  l.r = doc["r"].get<int64_t>();
+  if (has("lora_alpha")) {
+    if (!doc["lora_alpha"].is_number()) fail("lora_alpha", "expected a number, got " + doc["lora_alpha"].dump());
+    l.alpha = doc["lora_alpha"].get<double>();
+  }
+  if (has("use_rslora")) {
+    if (!doc["use_rslora"].is_boolean()) fail("use_rslora", "expected true or false");
+    l.rslora = doc["use_rslora"].get<bool>();
+  }
+  if (!has("target_modules")) fail("target_modules", "missing");
+  const nlohmann::json& tm = doc["target_modules"];
+  if (tm.is_string()) {
+    if (tm.get<std::string>() != "all-linear")
+      fail("target_modules", "a regular expression (" + tm.dump() + ") is not taken; list the module names");
+    l.targets = lora_linear_modules();
+  } else if (tm.is_array()) {
+    for (const nlohmann::json& t : tm) {
+      if (!t.is_string()) fail("target_modules", "expected module names, got " + t.dump());
+      l.targets.push_back(t.get<std::string>());
+    }
+  } else {
+    fail("target_modules", "expected a list of module names or \"all-linear\", got " + tm.dump());
+  }
+  // The model's order, whatever order PEFT wrote its set in.
+  std::vector<std::string> ordered;
+  for (const std::string& m : lora_linear_modules())
+    if (std::find(l.targets.begin(), l.targets.end(), m) != l.targets.end()) ordered.push_back(m);
+  for (const std::string& t : l.targets)
+    if (std::find(ordered.begin(), ordered.end(), t) == ordered.end())
+      fail("target_modules", "\"" + t + "\" is not a linear layer zinc adapts (q_proj, k_proj, v_proj, o_proj, "
+                             "gate_proj, up_proj, down_proj)");
+  l.targets = ordered;
+  if (has("bias") && doc["bias"] != "none")
+    fail("bias", doc["bias"].dump() + ": only \"none\" (trained biases are not implemented)");
+  for (const char* k : {"use_dora", "fan_in_fan_out", "lora_bias"})
+    if (has(k) && doc[k] != false) fail(k, doc[k].dump() + " is not implemented (DoRA, Conv1D layouts, LoRA biases)");
+  for (const char* k : {"layers_to_transform", "modules_to_save", "layer_replication", "trainable_token_indices"})
+    if (has(k) && !(doc[k].is_array() && doc[k].empty()))
+      fail(k, doc[k].dump() + " is not implemented yet (zinc adapts every layer's targets, and trains nothing else)");
+  for (const char* k : {"rank_pattern", "alpha_pattern"})
+    if (has(k) && !(doc[k].is_object() && doc[k].empty()))
+      fail(k, "per-module ranks or alphas are not implemented");
+  if (has("task_type") && doc["task_type"] != "CAUSAL_LM")
+    fail("task_type", doc["task_type"].dump() + ": zinc trains causal language models (\"CAUSAL_LM\")");
+  if (has("lora_dropout") && doc["lora_dropout"].is_number() && doc["lora_dropout"].get<double>() > 0)
+    log_warn(path + ": lora_dropout " + doc["lora_dropout"].dump() +
+             ": zinc trains adapters without dropout (the adapter's values are read as they are)");
+  return l;
+}
+
+models::LoraConfig read_peft_adapter_config(const std::string& dir) {
+  const std::string path = dir + "/" + kAdapterConfigFile;
+  std::string text;
+  try {
+    text = read_small_file(path, kMaxJsonFileBytes, "the adapter's adapter_config.json");
+  } catch (const IoError& e) {
+    throw IoError(std::string(e.what()) + " (is " + dir + " a PEFT adapter folder?)");
+  }
+  return parse_peft_adapter_config(parse_json_text(text, path), path);
+}
+
+}  // namespace zinc::tools
