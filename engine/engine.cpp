@@ -246,6 +246,7 @@ void Engine::Impl::allocate_and_init() {
       float* dst = w + s.layout.offsets[p];
       int64_t cnt = s.layout.numels[p];
       num_params += cnt;
+      if (!s.frozen) num_trained += cnt;
       const int64_t lo = std::max<int64_t>(0, keep_lo - s.layout.offsets[p]);
       const int64_t hi = std::min<int64_t>(cnt, keep_hi - s.layout.offsets[p]);
       if (hi > lo && model->initial_values(static_cast<int>(b), static_cast<int>(p), lo, hi - lo, dst + lo)) continue;
@@ -681,6 +682,7 @@ const Config& Engine::config() const { return impl_->cfg; }
 Model& Engine::model() { return *impl_->model; }
 DType Engine::compute_dtype() const { return impl_->dtype; }
 int64_t Engine::num_parameters() const { return impl_->num_params; }
+int64_t Engine::num_trained_parameters() const { return impl_->num_trained; }
 StepTimings Engine::timings() const { return impl_->timings; }
 ParamGatherStats Engine::param_gather_stats() const { return impl_->params->stats(); }
 std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }

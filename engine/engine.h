@@ -105,6 +105,7 @@ class Engine {
   Model& model();
   DType compute_dtype() const;
   int64_t num_parameters() const;  // unpadded
+  int64_t num_trained_parameters() const;  // unpadded, outside frozen blocks (BlockSpec::frozen)
   StepTimings timings() const;
   ParamGatherStats param_gather_stats() const;
 

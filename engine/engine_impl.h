@@ -92,6 +92,7 @@ struct Engine::Impl final : StepContext {
   bool loss_scaling = false;
   optim::LossScaler scaler;
   int64_t num_params = 0;
+  int64_t num_trained = 0;  // outside frozen blocks
 
   int64_t micro_steps = 0;      // backward() calls so far
   int64_t global_steps = 0;     // boundaries reached

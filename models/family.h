@@ -124,6 +124,12 @@ class FamilyConfig {
   // model.lora naming why.
   virtual void set_lora(const LoraConfig& lora);
   virtual const LoraConfig& lora() const;
+  // PEFT's merge_and_unload: block `block`'s flat fp32 weights (`flat`, in
+  // its BlockLayout) plus scale * B A of each adapter in `adapter_flat`,
+  // the flat weights of its adapter block `adapter` (both blocks of
+  // `model`, built by build()).
+  virtual void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
+                          const std::vector<float>& adapter_flat) const;
 };
 
 // The suffix of an adapter block's name: "layers.3.lora" adapts "layers.3",

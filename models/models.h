@@ -86,6 +86,7 @@ struct LoraConfig {
     return false;
   }
   float scale() const;
+  bool operator==(const LoraConfig&) const = default;
 };
 
 // transformers' LlamaForCausalLM (also Mistral and Qwen2), with its

@@ -125,6 +125,10 @@ void FamilyConfig::set_lora(const LoraConfig& lora) {
   throw ConfigError("model.lora", "model.type \"" + family().name + "\" takes no LoRA adapters yet");
 }
 
+void FamilyConfig::merge_lora(const Model&, int, std::vector<float>&, int, const std::vector<float>&) const {
+  throw Error("model.type \"" + family().name + "\" has no LoRA adapters to merge");
+}
+
 const LoraConfig& FamilyConfig::lora() const {
   static const LoraConfig kNone;
   return kNone;

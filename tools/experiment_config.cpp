@@ -5,6 +5,7 @@
 #include "tools/experiment_config.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 
 #include "core/error.h"
@@ -12,6 +13,7 @@
 #include "engine/config_reader.h"
 #include "models/models.h"
 #include "tools/hf_model.h"
+#include "tools/peft_adapter.h"
 
 namespace zinc::tools {
 namespace {
@@ -27,6 +29,55 @@ std::vector<std::string> owners_of(const std::string& key) {
   return out;
 }
 
+// model.lora: PEFT's LoraConfig keys, its defaults (r 8, lora_alpha 8,
+// target_modules q_proj and v_proj, as PEFT picks for the Llama family).
+void parse_lora(Reader& model, models::LoraConfig& l) {
+  Reader r = model.section("lora");
+  l = models::LoraConfig{};
+  l.r = 8;
+  r.get_int("r", l.r, at_least(1));
+  r.get_number("lora_alpha", l.alpha, above(0));
+  r.get_bool("use_rslora", l.rslora);
+  double dropout = 0;
+  if (r.get_number("lora_dropout", dropout, closed(0, 1)) && dropout > 0)
+    throw ConfigError(r.last_path(), "zinc trains adapters without dropout (not implemented yet); set 0");
+  std::string bias = "none";
+  if (r.get_choice("bias", bias, {"none", "all", "lora_only"}) && bias != "none")
+    throw ConfigError(r.last_path(), "\"" + bias + "\": trained biases are not implemented; only \"none\"");
+  bool init = true;
+  if (r.get_bool("init_lora_weights", init) && !init)
+    throw ConfigError(r.last_path(), "false (B drawn at random, PEFT's test setting) is not implemented; true "
+                                     "starts A Kaiming-uniform and B at zero, as PEFT does");
+  if (const nlohmann::json* mts = r.find("modules_to_save"); mts && !mts->is_null() && !(mts->is_array() && mts->empty()))
+    throw ConfigError(r.last_path(), "training whole modules beside the adapters is not implemented yet");
+  l.targets = {"q_proj", "v_proj"};
+  if (const nlohmann::json* tm = r.find("target_modules")) {
+    const std::string at = r.last_path();
+    l.targets.clear();
+    if (tm->is_string() && tm->get<std::string>() == "all-linear") {
+      l.targets = lora_linear_modules();
+    } else if (tm->is_array() && !tm->empty()) {
+      for (const nlohmann::json& t : *tm) {
+        if (!t.is_string()) throw ConfigError(at, "expected module names, got " + t.dump());
+        const std::string name = t.get<std::string>();
+        const std::vector<std::string>& all = lora_linear_modules();
+        if (std::find(all.begin(), all.end(), name) == all.end())
+          throw ConfigError(at, "\"" + name + "\" is not a linear layer zinc adapts (q_proj, k_proj, v_proj, "
+                                "o_proj, gate_proj, up_proj, down_proj, or \"all-linear\")");
+        if (std::find(l.targets.begin(), l.targets.end(), name) == l.targets.end()) l.targets.push_back(name);
+      }
+      // The model's order.
+      std::vector<std::string> ordered;
+      for (const std::string& m : lora_linear_modules())
+        if (std::find(l.targets.begin(), l.targets.end(), m) != l.targets.end()) ordered.push_back(m);
+      l.targets = ordered;
+    } else {
+      throw ConfigError(at, "expected a list of module names or \"all-linear\", got " + tm->dump());
+    }
+  }
+  r.finish();
+}
+
 void parse_model(Reader& root, ModelConfig& m) {
   Reader r = root.section("model");
   std::vector<std::string> names;
@@ -36,6 +87,15 @@ void parse_model(Reader& root, ModelConfig& m) {
     throw ConfigError(r.last_path(), "must not be empty (a Hugging Face model folder)");
   if (r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24))) m.given.push_back("vocab_size");
   r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
+  if (r.has("lora")) parse_lora(r, m.lora);
+  if (r.get_file_name("adapter", m.adapter)) {
+    if (m.adapter.empty()) throw ConfigError(r.last_path(), "must not be empty (a PEFT adapter folder)");
+    if (m.from_pretrained.empty())
+      throw ConfigError(r.last_path(), "an adapter adapts a pretrained model: give model.from_pretrained too");
+    if (m.lora.enabled())
+      throw ConfigError(r.last_path(), "give model.lora or model.adapter, not both (the adapter folder's "
+                                       "adapter_config.json is its configuration)");
+  }
   const models::Family& family = m.family();
   if (m.from_pretrained.empty()) {
     // The family reads its own keys; a key of another family changes
@@ -276,6 +336,10 @@ nlohmann::json to_json(const ExperimentConfig& e) {
   } else {
     model.update(m.settings.model->section_json());
   }
+  if (m.lora.enabled())
+    model["lora"] = {{"r", m.lora.r}, {"lora_alpha", m.lora.alpha}, {"use_rslora", m.lora.rslora},
+                     {"target_modules", m.lora.targets}};
+  if (!m.adapter.empty()) model["adapter"] = m.adapter;
   return {{"model", model},
           {"data", data},
           {"run",

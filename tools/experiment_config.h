@@ -53,6 +53,11 @@ struct ModelConfig {
   // too must agree with config.json (given_values holds them).
   std::string from_pretrained;
   nlohmann::json given_values = nlohmann::json::object();
+  // LoRA (model.lora, PEFT's LoraConfig keys): adapters on the model, its
+  // base frozen; or model.adapter, a PEFT adapter folder to start from (its
+  // adapter_config.json is the configuration; from_pretrained only).
+  models::LoraConfig lora;
+  std::string adapter;
   // The keys the section gave (for that check). Not a setting: equal
   // configs may have come from documents that spelt defaults out or not.
   struct GivenKeys : std::vector<std::string> {

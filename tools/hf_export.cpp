@@ -2,6 +2,7 @@
 // and the config.json of a model zinc built itself.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -56,6 +57,24 @@ bool replaced_by_export(const std::string& name) {
 
 }  // namespace
 
+BlockReader export_reader(const Model& model, BlockReader full) {
+  return [&model, full = std::move(full)](int b) {
+    const BlockSpec& spec = model.blocks()[static_cast<size_t>(b)];
+    if (spec.frozen) {
+      const BlockLayout l = BlockLayout::from_spec(spec);
+      std::vector<float> flat(static_cast<size_t>(l.numel), 0.0f);
+      bool all = true;
+      for (size_t p = 0; p < spec.params.size() && all; ++p)
+        all = model.initial_values(b, static_cast<int>(p), 0, l.numels[p], flat.data() + l.offsets[p]);
+      if (all) return flat;
+      // No source (a model zinc built itself): the values it trained with.
+      // Every rank takes this branch alike (the same model), so the
+      // collective stays in step.
+    }
+    return full(b);
+  };
+}
+
 HfConfig hf_config_of(const models::FamilyConfig& model) {
   HfConfig h;
   h.family = &model.family();
@@ -70,7 +89,21 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   HfExportResult result;
   result.dtype = opts.dtype ? *opts.dtype : cfg.dtype ? *cfg.dtype : DType::kBF16;
   const std::string& prefix = cfg.family->export_prefix;
-  const auto pieces = hf_pieces(cfg, model, prefix);
+  auto pieces = hf_pieces(cfg, model, prefix);
+  // LoRA: each layer block's adapter block, merged into it (the adapter
+  // blocks themselves have no tensor in the folder).
+  std::vector<int> adapter_of(pieces.size(), -1);
+  for (size_t a = 0; a < pieces.size(); ++a) {
+    const std::string& name = model.blocks()[a].name;
+    if (!models::is_adapter_block(name)) continue;
+    if (!opts.merge_adapters)
+      throw Error(opts.what + ": the model has LoRA adapters: write them in PEFT's format (zinc-train "
+                              "--save-adapter), or merged into the weights (--merge)");
+    const std::string layer = name.substr(0, name.size() - std::strlen(models::kAdapterBlockSuffix));
+    for (size_t b = 0; b < pieces.size(); ++b)
+      if (model.blocks()[b].name == layer) adapter_of[b] = static_cast<int>(a);
+    pieces[a].clear();
+  }
   const fs::path out(opts.out_dir);
   const bool writer = opts.rank == 0;
   // The folder is written whole beside its place and swapped in at the end
@@ -127,7 +160,12 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
     export_fault_point("shard");
   };
   for (size_t b = 0; b < pieces.size(); ++b) {
-    const std::vector<float> flat = read(static_cast<int>(b));
+    if (models::is_adapter_block(model.blocks()[b].name)) continue;  // merged into its layer
+    std::vector<float> flat = read(static_cast<int>(b));
+    if (adapter_of[b] >= 0) {
+      const std::vector<float> adapter = read(adapter_of[b]);  // every rank: a collective read
+      if (writer) cfg.model->merge_lora(model, static_cast<int>(b), flat, adapter_of[b], adapter);
+    }
     if (!writer) continue;
     const BlockSpec& spec = model.blocks()[b];
     const BlockLayout layout = BlockLayout::from_spec(spec);

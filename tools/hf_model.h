@@ -81,6 +81,13 @@ HfConfig hf_config_of(const models::FamilyConfig& model);
 // Engine::full_params returns it).
 using BlockReader = std::function<std::vector<float>(int block)>;
 
+// An engine's BlockReader for exports (Engine::full_params, a collective:
+// every rank calls it in the same order), except for a frozen block
+// (LoRA's base) whose values the model's initial_values give: the source
+// folder's, exact, where the engine keeps only their compute copy (bf16 in
+// a bf16 run). `full` reads the engine.
+BlockReader export_reader(const Model& model, BlockReader full);
+
 struct HfExportOptions {
   std::string out_dir;             // created if missing
   std::optional<DType> dtype;      // default: cfg.dtype, else bf16
@@ -91,6 +98,10 @@ struct HfExportOptions {
   // not be, nor hold, any of them (tools/output_folder.h).
   std::vector<std::string> inputs;
   std::string what = "export folder";  // how messages name out_dir ("--save-pretrained", ...)
+  // A model with LoRA adapters is written with each adapter merged into
+  // the weight it adapts (PEFT's merge_and_unload); without this it is
+  // refused (the adapters alone go to a PEFT folder: export_peft_adapter).
+  bool merge_adapters = false;
 };
 
 struct HfExportResult {

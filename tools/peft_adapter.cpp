@@ -2,10 +2,18 @@
 
 #include <algorithm>
 
+#include <cstring>
+#include <filesystem>
+#include <optional>
+
 #include "core/error.h"
 #include "core/files.h"
 #include "core/log.h"
+#include "engine/checkpoint.h"
 #include "engine/config.h"
+#include "models/family.h"
+#include "tools/output_folder.h"
+#include "tools/safetensors.h"
 
 namespace zinc::tools {
 
@@ -85,6 +93,74 @@ models::LoraConfig read_peft_adapter_config(const std::string& dir) {
     throw IoError(std::string(e.what()) + " (is " + dir + " a PEFT adapter folder?)");
   }
   return parse_peft_adapter_config(parse_json_text(text, path), path);
+}
+
+nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base) {
+  return {{"peft_type", "LORA"},
+          {"task_type", "CAUSAL_LM"},
+          {"base_model_name_or_path", base.empty() ? nlohmann::json(nullptr) : nlohmann::json(base)},
+          {"r", lora.r},
+          {"lora_alpha", lora.alpha},
+          {"lora_dropout", 0.0},
+          {"use_rslora", lora.rslora},
+          {"target_modules", lora.targets},
+          {"bias", "none"},
+          {"fan_in_fan_out", false},
+          {"init_lora_weights", true},
+          {"inference_mode", true},
+          {"modules_to_save", nullptr},
+          {"layers_to_transform", nullptr},
+          {"rank_pattern", nlohmann::json::object()},
+          {"alpha_pattern", nlohmann::json::object()},
+          {"use_dora", false}};
+}
+
+PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, const BlockReader& read,
+                                     const PeftExportOptions& opts) {
+  namespace fs = std::filesystem;
+  const models::LoraConfig& lora = cfg.model->lora();
+  std::vector<size_t> adapters;
+  for (size_t b = 0; b < model.blocks().size(); ++b)
+    if (models::is_adapter_block(model.blocks()[b].name)) adapters.push_back(b);
+  if (adapters.empty() || !lora.enabled())
+    throw Error(opts.what + ": the model has no LoRA adapters (model.lora or model.adapter makes them)");
+  PeftExportResult result;
+  const bool writer = opts.rank == 0;
+  std::optional<OutputFolder> folder;
+  if (writer) folder.emplace(opts.out_dir, opts.what, opts.inputs);
+  // Every adapter tensor, in model order, with PEFT's name.
+  std::vector<SafeTensor> tensors;
+  for (size_t b : adapters) {
+    const BlockSpec& spec = model.blocks()[b];
+    const std::string layer = spec.name.substr(0, spec.name.size() - std::strlen(models::kAdapterBlockSuffix));
+    for (const ParamSpec& p : spec.params)
+      tensors.push_back({std::string(kPeftPrefix) + cfg.family->export_prefix + layer + "." + p.name, DType::kF32,
+                         std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.ndim)});
+  }
+  std::unique_ptr<SafetensorsWriter> w;
+  if (writer) {
+    result.file = (fs::path(opts.out_dir) / kAdapterWeightsFile).string();
+    w = std::make_unique<SafetensorsWriter>((fs::path(folder->staging()) / kAdapterWeightsFile).string(), tensors,
+                                            std::map<std::string, std::string>{{"format", "pt"}});
+  }
+  for (size_t b : adapters) {
+    const std::vector<float> flat = read(static_cast<int>(b));  // every rank: a collective read
+    if (!writer) continue;
+    const BlockLayout layout = BlockLayout::from_spec(model.blocks()[b]);
+    for (size_t p = 0; p < layout.offsets.size(); ++p) {
+      w->append(flat.data() + layout.offsets[p], static_cast<size_t>(layout.numels[p]) * 4);
+      result.tensors += 1;
+    }
+  }
+  if (!writer) return result;
+  w->finish();
+  result.bytes = w->data_bytes();
+  ckpt::write_file_atomic((fs::path(folder->staging()) / kAdapterConfigFile).string(),
+                          peft_adapter_config_json(lora, opts.base_model).dump(2) + "\n");
+  folder->commit([](const std::string& name) {
+    return name == kAdapterConfigFile || name == kAdapterWeightsFile || name == "adapter_model.bin";
+  });
+  return result;
 }
 
 }  // namespace zinc::tools

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/models.h"
+#include "tools/hf_model.h"
 
 namespace zinc::tools {
 
@@ -29,5 +30,29 @@ const std::vector<std::string>& lora_linear_modules();
 models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const std::string& path);
 // DIR/adapter_config.json, read and parsed.
 models::LoraConfig read_peft_adapter_config(const std::string& dir);
+
+// adapter_config.json for `lora` as PEFT writes it (PEFT's LoraConfig keys;
+// base: the base model's folder, or empty).
+nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base);
+
+struct PeftExportOptions {
+  std::string out_dir;  // created if missing
+  int rank = 0;         // only rank 0 writes
+  std::vector<std::string> inputs;  // what the run reads: out_dir must not be, nor hold, any
+  std::string what = "--save-adapter";
+  std::string base_model;  // adapter_config.json's base_model_name_or_path
+};
+struct PeftExportResult {
+  std::string file;  // the adapter_model.safetensors
+  int64_t tensors = 0, bytes = 0;
+};
+// The LoRA adapters of `model` (its adapter blocks, read through `read`,
+// a collective where it must be: every rank calls this) as a PEFT adapter
+// folder that peft.PeftModel.from_pretrained reads onto the base model:
+// adapter_config.json and adapter_model.safetensors (fp32, PEFT's names).
+// The folder is replaced as one unit (tools/output_folder.h). Throws
+// zinc::Error when the model has no adapters.
+PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, const BlockReader& read,
+                                     const PeftExportOptions& opts);
 
 }  // namespace zinc::tools

@@ -49,6 +49,7 @@
 #include "engine/memory_estimate.h"
 #include "tools/config_check.h"
 #include "tools/experiment.h"
+#include "tools/peft_adapter.h"
 #include "tools/resources.h"
 #include "tools/run_loop.h"
 #include "tools/safetensors.h"
@@ -120,6 +121,8 @@ void save_weights(zinc::Engine& engine, int rank, const std::string& path) {
 // --save-pretrained and its options.
 struct SavePretrained {
   std::string dir;
+  bool merge = false;       // --merge: LoRA adapters merged into the weights
+  std::string adapter_dir;  // --save-adapter: the LoRA adapters in PEFT's format
   std::optional<zinc::DType> dtype;
   int64_t max_shard_bytes = zinc::tools::kDefaultMaxShardBytes;
 };
@@ -137,8 +140,9 @@ void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, in
   o.rank = rank;
   o.inputs = inputs;
   o.what = "--save-pretrained";
+  o.merge_adapters = sp.merge;
   const zinc::tools::HfExportResult r = zinc::tools::export_hf(
-      *ex.hf, engine.model(), [&](int b) { return engine.full_params(b); }, o,
+      *ex.hf, engine.model(), zinc::tools::export_reader(engine.model(), [&](int b) { return engine.full_params(b); }), o,
       [&](const std::string& line) {
         if (!json) std::printf("save-pretrained: %s\n", line.c_str());
       });
@@ -147,6 +151,23 @@ void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, in
                 ex.hf->architecture.c_str(), static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
                 std::string(zinc::dtype_name(r.dtype)).c_str(), r.files.size(), r.files.size() == 1 ? "" : "s",
                 r.copied.empty() ? "" : (", " + std::to_string(r.copied.size()) + " tokenizer/generation files copied").c_str());
+}
+
+// The engine's final LoRA adapters as a PEFT adapter folder
+// (export_peft_adapter). A collective (Engine::full_params); rank 0 writes.
+void save_adapter(const zinc::tools::Experiment& ex, zinc::Engine& engine, int rank, const SavePretrained& sp,
+                  const std::vector<std::string>& inputs, bool json) {
+  zinc::tools::PeftExportOptions o;
+  o.out_dir = sp.adapter_dir;
+  o.rank = rank;
+  o.inputs = inputs;
+  o.base_model = ex.experiment.model.from_pretrained;
+  const zinc::tools::PeftExportResult r = zinc::tools::export_peft_adapter(
+      *ex.hf, engine.model(), [&](int b) { return engine.full_params(b); }, o);
+  if (rank == 0 && !json)
+    std::printf("save-adapter: %s: %lld LoRA tensors, %.2f MiB of fp32 (PEFT's adapter_config.json and %s)\n",
+                sp.adapter_dir.c_str(), static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
+                zinc::tools::kAdapterWeightsFile);
 }
 
 // SIGTERM / SIGINT, from the first instruction to the last: while training,
@@ -232,10 +253,15 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
   const std::optional<double> floor = ex.data->loss_floor();
   for (const zinc::tools::AutoValue& a : ex.auto_values)
     std::printf("config: %s = %s (\"auto\": %s)\n", a.path.c_str(), a.value.dump().c_str(), a.source.c_str());
-  std::printf("zinc-train: %s | model %s%s%s, %.2fM parameters, %s%s | data %s%s\n", config_path.c_str(),
+  // LoRA: the adapters' share beside the whole.
+  char trained[96] = "";
+  if (engine.num_trained_parameters() != engine.num_parameters())
+    std::snprintf(trained, sizeof trained, " (%.2fM trained: LoRA adapters, the base frozen)",
+                  static_cast<double>(engine.num_trained_parameters()) / 1e6);
+  std::printf("zinc-train: %s | model %s%s%s, %.2fM parameters%s, %s%s | data %s%s\n", config_path.c_str(),
               ex.model->name().c_str(), ex.experiment.model.gradient_checkpointing ? " (gradient checkpointing)" : "",
               ex.experiment.model_given ? "" : " (the default: the config has no model section)",
-              static_cast<double>(engine.num_parameters()) / 1e6,
+              static_cast<double>(engine.num_parameters()) / 1e6, trained,
               std::string(zinc::dtype_name(cfg.compute_dtype())).c_str(),
               cfg.device == zinc::Device::kCuda
                   ? (cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone ? " on the GPU"
@@ -276,6 +302,16 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   if (!pretrained.dir.empty() && !ex.hf)  // refused before training, not after it
     throw zinc::Error("--save-pretrained: model \"" + ex.model->name() + "\" has no Hugging Face architecture "
                       "(the gpt and the llama have)");
+  // LoRA's exports, refused before training, not after it.
+  const bool adapters = ex.hf && ex.hf->model->lora().enabled();
+  if (!pretrained.dir.empty() && adapters && !pretrained.merge)
+    throw zinc::Error("--save-pretrained: the model has LoRA adapters: add --merge to write them merged into the "
+                      "weights (PEFT's merge_and_unload), or write the adapters alone with --save-adapter");
+  if (pretrained.merge && (!adapters || pretrained.dir.empty()))
+    throw zinc::Error(!adapters ? "--merge: the model has no LoRA adapters to merge (model.lora or model.adapter)"
+                                : "--merge needs --save-pretrained (the folder it writes the merged model to)");
+  if (!pretrained.adapter_dir.empty() && !adapters)
+    throw zinc::Error("--save-adapter: the model has no LoRA adapters (model.lora or model.adapter makes them)");
   if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
@@ -299,6 +335,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const std::unique_ptr<zinc::ckpt::DirLock> pretrained_lock =
       pretrained.dir.empty() ? nullptr
                              : zinc::tools::hold_output_folder(pretrained.dir, "--save-pretrained", inputs, *comm);
+  const std::unique_ptr<zinc::ckpt::DirLock> adapter_lock =
+      pretrained.adapter_dir.empty()
+          ? nullptr
+          : zinc::tools::hold_output_folder(pretrained.adapter_dir, "--save-adapter", inputs, *comm);
   if (std::string latest; rank == 0 && !resume && std::getline(std::ifstream(run.checkpoint_dir + "/latest"), latest))
     zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
                    latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "
@@ -418,6 +458,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                    "run's weights would replace the export); --resume finishes the run and writes them");
   if (!weights_out.empty() && !unfinished) save_weights(engine, rank, weights_out);
   if (!pretrained.dir.empty() && !unfinished) save_pretrained(ex, engine, rank, pretrained, inputs, json);
+  if (!pretrained.adapter_dir.empty() && !unfinished) save_adapter(ex, engine, rank, pretrained, inputs, json);
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
@@ -561,6 +602,12 @@ int main(int argc, char** argv) {
   app.add_option("--save-dtype", save_dtype, "dtype of --save-pretrained's weights (default: the source folder's "
                                              "torch_dtype, else bf16)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_flag("--merge", pretrained.merge,
+               "--save-pretrained of a model with LoRA adapters: merge them into the weights it writes (PEFT's "
+               "merge_and_unload)");
+  app.add_option("--save-adapter", pretrained.adapter_dir,
+                 "end by writing the LoRA adapters to this folder in PEFT's format (adapter_config.json, "
+                 "adapter_model.safetensors): peft.PeftModel.from_pretrained reads it onto the base model");
   app.add_option("--max-shard-size", max_shard, "--save-pretrained: largest safetensors file before sharding "
                                                 "(bytes, or with a unit: KB, MB, GB, KiB, MiB, GiB)");
   bool ignore_resources = false;

@@ -36,6 +36,36 @@ class Config final : public FamilyConfig {
   void untie_head(const std::string&) override { c_.tie_word_embeddings = false; }
   void set_lora(const LoraConfig& lora) override { c_.lora = lora; }
   const LoraConfig& lora() const override { return c_.lora; }
+  void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
+                  const std::vector<float>& adapter_flat) const override {
+    const BlockSpec& b = model.blocks()[static_cast<size_t>(block)];
+    const BlockSpec& a = model.blocks()[static_cast<size_t>(adapter)];
+    const BlockLayout lb = BlockLayout::from_spec(b), la = BlockLayout::from_spec(a);
+    auto index = [](const BlockSpec& s, const std::string& name) {
+      for (size_t i = 0; i < s.params.size(); ++i)
+        if (s.params[i].name == name) return static_cast<int>(i);
+      throw Error("merge_lora: block '" + s.name + "' has no parameter " + name);
+    };
+    const int64_t r = c_.lora.r;
+    const float scale = c_.lora.scale();
+    for (const std::string& m : c_.lora.targets) {
+      const LoraSite site = lora_site(c_, m);
+      if (site.rows == 0) continue;
+      float* w = flat.data() + lb.offsets[static_cast<size_t>(index(b, site.weight))] + site.row * site.in;
+      const float* A = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_A.weight"))];
+      const float* B = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_B.weight"))];
+      // PEFT's get_delta_weight: (B @ A) * scaling, added to the weight.
+      std::vector<float> row(static_cast<size_t>(site.in));
+      for (int64_t i = 0; i < site.rows; ++i) {
+        std::fill(row.begin(), row.end(), 0.0f);
+        for (int64_t k = 0; k < r; ++k) {
+          const float bik = B[i * r + k];
+          for (int64_t j = 0; j < site.in; ++j) row[static_cast<size_t>(j)] += bik * A[k * site.in + j];
+        }
+        for (int64_t j = 0; j < site.in; ++j) w[i * site.in + j] += row[static_cast<size_t>(j)] * scale;
+      }
+    }
+  }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
     LlamaConfig l = c_;
     l.device = device;

@@ -56,6 +56,17 @@ struct TensorMap {
 std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
                                                    nlohmann::json (*config_json)(const LlamaConfig&),
                                                    TensorMap map = {});
+// Where LoRA's target `module` (q_proj, k_proj, v_proj, o_proj, gate_proj,
+// up_proj, down_proj) sits in a layer: its module path as PEFT names it
+// ("self_attn.q_proj"), the zinc weight it adapts (q|k|v, gate|up fused),
+// the rows of that weight it covers and the weight's rows, and its input
+// width. rows == 0: the model has no such module (gate_proj of an ungated MLP).
+struct LoraSite {
+  std::string path, weight;
+  int64_t row = 0, rows = 0, weight_rows = 0, in = 0;
+};
+LoraSite lora_site(const LlamaConfig& c, const std::string& module);
+
 // The registry entry of a Llama-style family: transformers' names for the
 // embedding and the positions, the "model." prefix, the decoder's section
 // keys, and the family's two readers.

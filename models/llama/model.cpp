@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "models/detail/linear.h"
 #include "models/detail/ops.h"
+#include "models/llama/llama.h"
 #include "models/models.h"
 
 namespace zinc::models {
@@ -556,16 +557,9 @@ class Llama final : public Model {
     int64_t in = 0, out = 0, col = 0, width = 0;
   };
   LoraSite lora_site(int t) const {
-    const int64_t C = c_.hidden_size, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
-    switch (t) {
-      case kLoraQ: return {C, H_ * D_, 0, Q};
-      case kLoraK: return {C, K_ * D_, H_ * D_, Q};
-      case kLoraV: return {C, K_ * D_, (H_ + K_) * D_, Q};
-      case kLoraO: return {A, C, 0, C};
-      case kLoraGate: return {C, I, 0, GU_};
-      case kLoraUp: return {C, I, c_.mlp_gated ? I : 0, GU_};
-      default: return {I, C, 0, C};
-    }
+    const std::string m = kLoraModules[t];
+    const llama::LoraSite s = llama::lora_site(c_, m.substr(m.find('.') + 1));
+    return {s.in, s.rows, s.row, s.weight_rows};
   }
   // One adapter block per layer, after the final block, with PEFT's tensor
   // names and initialisation: A Kaiming-uniform (a = sqrt(5): U(+-1/sqrt(in))),
@@ -578,8 +572,8 @@ class Llama final : public Model {
       for (int t = 0; t < kLoraTargets; ++t) {
         const std::string m = kLoraModules[t];
         if (!c_.lora.targets_module(m.substr(m.find('.') + 1))) continue;
-        if (t == kLoraGate && !c_.mlp_gated) continue;
         const LoraSite site = lora_site(t);
+        if (site.out == 0) continue;  // no such module (gate_proj of an ungated MLP)
         x.lora_a[t] = static_cast<int>(b.params.size());
         b.params.push_back({m + ".lora_A.weight", {r, site.in}, Init::kUniform,
                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(site.in)))});
@@ -1027,6 +1021,23 @@ class Llama final : public Model {
 };
 
 }  // namespace
+
+namespace llama {
+LoraSite lora_site(const LlamaConfig& c, const std::string& module) {
+  const int64_t C = c.hidden_size, I = c.intermediate_size, H = c.num_attention_heads, K = c.kv_heads();
+  const int64_t D = c.head_size(), A = H * D, Q = (H + 2 * K) * D, GU = (c.mlp_gated ? 2 : 1) * I;
+  const std::string qkv = "self_attn.qkv_proj.weight";
+  const std::string gu = c.mlp_gated ? "mlp.gate_up_proj.weight" : "mlp.up_proj.weight";
+  if (module == "q_proj") return {"self_attn.q_proj", qkv, 0, H * D, Q, C};
+  if (module == "k_proj") return {"self_attn.k_proj", qkv, H * D, K * D, Q, C};
+  if (module == "v_proj") return {"self_attn.v_proj", qkv, (H + K) * D, K * D, Q, C};
+  if (module == "o_proj") return {"self_attn.o_proj", "self_attn.o_proj.weight", 0, C, C, A};
+  if (module == "gate_proj") return {"mlp.gate_proj", gu, 0, c.mlp_gated ? I : 0, GU, C};
+  if (module == "up_proj") return {"mlp.up_proj", gu, c.mlp_gated ? I : 0, I, GU, C};
+  if (module == "down_proj") return {"mlp.down_proj", "mlp.down_proj.weight", 0, C, C, I};
+  return {};
+}
+}  // namespace llama
 
 float LoraConfig::scale() const {
   const double rr = static_cast<double>(r);

@@ -1,0 +1,139 @@
+"""LoRA through zinc-train, checked with PEFT itself where it is installed.
+
+A run with model.lora writes its adapters with --save-adapter (PEFT's
+adapter_config.json and adapter_model.safetensors) and the model with the
+adapters merged with --save-pretrained --merge. Without torch (the test
+command's Python): the files' names, shapes and configuration are PEFT's,
+the frozen base comes back bit for bit in the merged folder where no adapter
+touches it, an adapter saved and read back (model.adapter) continues from the
+same values at every ZeRO stage and at two ranks, and the refusals name what
+is wrong. With torch and peft (bench/peers/setup.sh's venv):
+peft.PeftModel.from_pretrained loads the adapter onto the base with no
+missing or unexpected keys and gives the logits of transformers on the
+merged folder, which equals PEFT's merge_and_unload.
+
+Run by CTest (export_peft) with ZINC_TRAIN and ZINC_ROOT set.
+"""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = os.environ.get("ZINC_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+ZINC_TRAIN = os.environ.get("ZINC_TRAIN", os.path.join(ROOT, "build", "tools", "zinc-train"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+BASE = os.path.join(FIXTURES, "llama_gqa")
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+def mpirun(n):
+    cmd = ["mpirun", "--oversubscribe", "-np", str(n), "-x", "OMP_NUM_THREADS=1"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run(tmp, model, args=(), stage=0, ranks=1, steps=3, bf16=False, expect_ok=True):
+    ds = {"train_batch_size": 2 * ranks, "zero_optimization": {"stage": stage},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+          "model": model, "data": {"type": "synthetic", "vocab_size": 96, "seq_len": 12},
+          "run": {"steps": steps, "output_dir": str(tmp / "run")}}
+    if bf16:
+        ds["bf16"] = {"enabled": True}
+    if stage == 3:
+        os.makedirs(tmp / "nvme", exist_ok=True)
+        ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp / "nvme")}
+    path = tmp / "cfg.json"
+    path.write_text(json.dumps(ds))
+    cmd = ([] if ranks == 1 else mpirun(ranks)) + [ZINC_TRAIN, str(path), *args]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
+    if expect_ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def digest(stdout):
+    return [l for l in stdout.splitlines() if "digest" in l]
+
+
+def test_adapter_folder_is_peft_and_merge_keeps_the_base(tmp_path):
+    r = run(tmp_path, {"from_pretrained": BASE, "lora": LORA},
+            ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
+             "--save-dtype", "fp32"))
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert cfg["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(got) == 2 * 2 * 7  # A and B, 2 layers, 7 modules
+    a = got["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"]
+    b = got["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"]
+    assert a.shape == (4, 32) and b.shape == (16, 4) and a.dtype == np.float32
+    assert np.abs(b).max() > 0  # trained away from PEFT's zero start
+    base = load_file(os.path.join(BASE, "model.safetensors"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert sorted(merged) == sorted(base)
+    for k in base:
+        if k.endswith("norm.weight") or "embed" in k or k == "lm_head.weight":
+            assert merged[k].tobytes() == base[k].tobytes(), k  # frozen and not adapted: the file's bits
+        else:
+            assert not np.array_equal(merged[k], base[k]), k  # every linear layer carries its adapter
+
+
+@pytest.mark.parametrize("stage,ranks", [(0, 1), (2, 1), (3, 1), (1, 2), (3, 2)])
+def test_an_adapter_read_back_continues_from_the_same_values(tmp_path, stage, ranks):
+    """Saved after 3 steps, read back with model.adapter and saved again after 0 steps: the same bits."""
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-adapter", str(tmp_path / "a1")), stage, ranks)
+    run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a1")}, ("--save-adapter", str(tmp_path / "a2")),
+        stage, ranks, steps=0)
+    one, two = load_file(str(tmp_path / "a1" / "adapter_model.safetensors")), load_file(
+        str(tmp_path / "a2" / "adapter_model.safetensors"))
+    assert sorted(one) == sorted(two)
+    for k in one:
+        assert one[k].tobytes() == two[k].tobytes(), k
+
+
+def test_lora_exports_are_refused_before_training(tmp_path):
+    r = run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-pretrained", str(tmp_path / "out")),
+            expect_ok=False)
+    assert r.returncode != 0 and "--merge" in r.stderr and "--save-adapter" in r.stderr
+    assert not (tmp_path / "run").exists() or "step" not in r.stdout
+    r = run(tmp_path, {"from_pretrained": BASE}, ("--save-adapter", str(tmp_path / "out")), expect_ok=False)
+    assert r.returncode != 0 and "no LoRA adapters" in r.stderr
+    r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "target_modules": ["q_proj", "c_attn"]}},
+            expect_ok=False)
+    assert r.returncode != 0 and "model.lora.target_modules" in r.stderr and "c_attn" in r.stderr
+    r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "lora_dropout": 0.1}}, expect_ok=False)
+    assert r.returncode != 0 and "model.lora.lora_dropout" in r.stderr
+
+
+def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is not installed here (bench/peers/setup.sh has it)")
+    peft = pytest.importorskip("peft", reason="peft is not installed here (bench/peers/setup.sh has it)")
+    transformers = pytest.importorskip("transformers")
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA},
+        ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
+         "--save-dtype", "fp32"), bf16=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float64, attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    state = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    result = peft.set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in state.items()})
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k], result.missing_keys
+    ids = torch.from_numpy(load_file(os.path.join(BASE, "reference.safetensors"))["input_ids"].astype(np.int64))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged_ref = model.merge_and_unload().state_dict()
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float64, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = merged(input_ids=ids).logits
+    assert float((logits - adapted).abs().max()) < 1e-5
+    zinc_merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    for k, v in zinc_merged.items():
+        assert float((torch.from_numpy(v).double() - merged_ref[k]).abs().max()) < 1e-6, k
