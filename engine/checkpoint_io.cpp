@@ -196,9 +196,21 @@ void Engine::Impl::check_same_model(const ckpt::TagFiles& files, std::vector<std
   const std::string where = "checkpoint " + files.dir;
   const nlohmann::json mine = blocks_json();
   const nlohmann::json& theirs = files.meta.at("blocks");
-  if (theirs.size() != mine.size())
+  if (theirs.size() != mine.size()) {
+    // LoRA's adapter blocks come on top of the base's: say which side has them.
+    auto frozen = [](const nlohmann::json& blocks) {
+      for (const nlohmann::json& b : blocks)
+        if (b.value("frozen", false)) return true;
+      return false;
+    };
+    const bool t = frozen(theirs), m = frozen(mine);
+    const std::string why = t == m ? ""
+                            : t    ? " (the checkpoint's run trained adapters on a frozen base, LoRA; this model has "
+                                     "none: give the run's model.lora or model.adapter)"
+                                   : " (this model trains adapters on a frozen base, LoRA; the checkpoint's run had none)";
     throw Error(where + " holds a model of " + std::to_string(theirs.size()) + " blocks; this one has " +
-                std::to_string(mine.size()));
+                std::to_string(mine.size()) + why);
+  }
   for (size_t b = 0; b < mine.size(); ++b) {
     names.push_back(mine[b]["name"]);
     if (theirs[b].value("frozen", false) != mine[b].value("frozen", false))

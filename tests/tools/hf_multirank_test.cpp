@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "tests/comm/mpi_test_main.h"
 #include "tests/tools/hf_test_util.h"
 #include "tools/hf_model.h"
+#include "tools/peft_adapter.h"
 
 namespace zinc::tools {
 
@@ -97,6 +99,77 @@ TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm
 
 // Every family zinc loads (tests/fixtures/hf/loaded.txt).
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfRanks, testing::ValuesIn(kFixtures),
+                         [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// LoRA (the lora_* fixtures, PEFT's references) across ranks: at every
+// stage (3 with the frozen base's shards on NVMe) the loss and the adapter
+// gradients' norm are PEFT's, the base never changes, and two more steps
+// train the adapters to the same bits at every stage.
+class HfRanksLora : public testing::TestWithParam<std::string> {};
+
+TEST_P(HfRanksLora, EveryStageTrainsTheAdaptersWithTheBaseFrozen) {
+  const int world = g_world->size(), rank = g_world->rank();
+  const std::string dir = fixture(GetParam());
+  const models::LoraConfig lora = read_peft_adapter_config(dir);
+  std::ifstream acfg(dir + "/adapter_config.json");
+  const HfConfig cfg = read_hf_config(fixture(nlohmann::json::parse(acfg).at("base_model_name_or_path")));
+  Reference ref(dir);
+  const int64_t rows = ref.B / world;
+  Batch mine;
+  mine.B = rows;
+  mine.T = ref.T;
+  mine.inputs.assign(ref.ids.begin() + rank * rows * ref.T, ref.ids.begin() + (rank + 1) * rows * ref.T);
+  mine.targets.assign(ref.targets.begin() + rank * rows * ref.T, ref.targets.begin() + (rank + 1) * rows * ref.T);
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors())
+    if (t.name.rfind("grad.", 0) == 0)
+      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  const fs::path nvme = fs::temp_directory_path() / ("zinc_lora_mr_" + std::to_string(::getppid()));
+  std::vector<std::vector<float>> first;
+  for (int stage : {0, 1, 2, 3}) {
+    auto model = load_pretrained(cfg, Device::kCpu, false, lora, dir);
+    HostContext want(*model);
+    nlohmann::json ds = {{"train_batch_size", ref.B},
+                         {"train_micro_batch_size_per_gpu", rows},
+                         {"gradient_clipping", 0.0},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
+                         {"zero_optimization", {{"stage", stage}}}};
+    if (stage == 3) {
+      fs::create_directories(nvme);
+      ds["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme.string()}};
+    }
+    Engine engine = Engine::initialize(model, ds, g_world);
+    double loss = engine.forward(mine);
+    g_world->all_reduce_f64(&loss, 1);
+    loss /= world;
+    engine.backward();
+    engine.step();
+    EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
+    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 1e-4 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+    for (int s = 0; s < 2; ++s) {
+      engine.forward(mine);
+      engine.backward();
+      engine.step();
+    }
+    std::vector<std::vector<float>> now;
+    for (size_t b = 0; b < want.params.size(); ++b) {
+      std::vector<float> got = engine.full_params(static_cast<int>(b));
+      got.resize(want.params[b].size());
+      if (model->blocks()[b].frozen)
+        EXPECT_EQ(std::memcmp(got.data(), want.params[b].data(), got.size() * 4), 0)
+            << GetParam() << " stage " << stage << ": frozen block " << b << " changed on rank " << rank;
+      now.push_back(std::move(got));
+    }
+    if (first.empty())
+      first = now;
+    else
+      EXPECT_TRUE(now == first) << GetParam() << " stage " << stage << ": the weights differ from stage 0's";
+  }
+  g_world->barrier();
+  if (rank == 0) fs::remove_all(nvme);
+}
+
+INSTANTIATE_TEST_SUITE_P(Lora, HfRanksLora, testing::Values("lora_llama", "lora_qwen2"),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

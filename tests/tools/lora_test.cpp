@@ -201,8 +201,94 @@ TEST_P(LoraFixture, TrainsAtEveryStageWithTheBaseFrozen) {
   }
 }
 
+// In bf16 (the base's compute copy bf16, the adapters' masters fp32) the
+// loss and the adapters' gradient norm stay within bf16's tolerance of
+// PEFT's float64 references; the frozen base is the file's rounded to bf16.
+TEST_P(LoraFixture, Bf16WithinItsTolerance) {
+  Reference ref(fixture(GetParam()));
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors())
+    if (t.name.rfind("grad.", 0) == 0)
+      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  for (int stage : {0, 3}) {
+    Loaded l = load(GetParam());
+    nlohmann::json ds = {{"train_batch_size", ref.B}, {"train_micro_batch_size_per_gpu", ref.B},
+                         {"gradient_clipping", 0.0}, {"bf16", {{"enabled", true}}},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                         {"zero_optimization", {{"stage", stage}}}};
+    Engine engine = Engine::initialize(l.model, ds);
+    const float loss = engine.forward(ref.batch());
+    engine.backward();
+    engine.step();
+    EXPECT_NEAR(loss, ref.loss, 2e-2 * std::fabs(ref.loss)) << GetParam() << " stage " << stage;
+    EXPECT_NEAR(engine.global_grad_norm(), std::sqrt(sq), 5e-2 * std::sqrt(sq)) << GetParam() << " stage " << stage;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, LoraFixture, testing::ValuesIn(kLoraFixtures),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// A checkpoint of a LoRA run holds the adapters' states (the frozen base
+// comes from the model's folder again) and resumes bit for bit, at stage 3
+// with the base on NVMe too; a model that is not the checkpoint's (no
+// adapters, or other targets) is refused naming the block.
+TEST(Lora, ACheckpointResumesBitForBit) {
+  Reference ref(fixture("lora_llama"));
+  const std::string dir = ::testing::TempDir() + "zinc-lora-ckpt";
+  const std::string nvme = ::testing::TempDir() + "zinc-lora-ckpt-nvme";
+  for (int stage : {1, 3}) {
+    fs::remove_all(dir);
+    fs::create_directories(nvme);
+    nlohmann::json ds = {{"train_batch_size", ref.B},
+                         {"train_micro_batch_size_per_gpu", ref.B},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
+                         {"zero_optimization", {{"stage", stage}}}};
+    if (stage == 3) ds["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}};
+    auto steps = [&](Engine& e, int n) {
+      for (int i = 0; i < n; ++i) {
+        e.forward(ref.batch());
+        e.backward();
+        e.step();
+      }
+    };
+    auto weights = [](Engine& e) {
+      std::vector<std::vector<float>> w;
+      for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
+      return w;
+    };
+    Loaded a = load("lora_llama");
+    Engine ea = Engine::initialize(a.model, ds);
+    steps(ea, 2);
+    ea.save_checkpoint(dir, "", nlohmann::json::object());
+    steps(ea, 2);
+    const auto want = weights(ea);
+    Loaded b = load("lora_llama");
+    Engine eb = Engine::initialize(b.model, ds);
+    eb.load_checkpoint(dir, "");
+    steps(eb, 2);
+    EXPECT_TRUE(weights(eb) == want) << "stage " << stage;
+
+    // Not the checkpoint's model: refused, naming what differs.
+    auto refusal = [&](std::shared_ptr<Model> m) -> std::string {
+      Engine e = Engine::initialize(m, ds);
+      try {
+        e.load_checkpoint(dir, "");
+      } catch (const Error& err) {
+        return err.what();
+      }
+      return "";
+    };
+    const std::string no_lora = refusal(load_pretrained(read_hf_config(fixture("llama_gqa"))));
+    EXPECT_NE(no_lora.find("trained adapters on a frozen base"), std::string::npos) << no_lora;
+    models::LoraConfig fewer = read_peft_adapter_config(fixture("lora_llama"));
+    fewer.targets = {"q_proj", "v_proj"};
+    const std::string other =
+        refusal(load_pretrained(read_hf_config(fixture("llama_gqa")), Device::kCpu, false, fewer));
+    EXPECT_NE(other.find("layers.0.lora"), std::string::npos) << other;
+  }
+  fs::remove_all(dir);
+  fs::remove_all(nvme);
+}
 
 // A frozen base has no gradient buffers, master weights or optimizer
 // states: at stage 0 in fp32 the model state is the compute copy of the
