@@ -38,6 +38,7 @@ struct BenchOptions {
   std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT
   int64_t cap_mib = 3072;  // capacity --pretrained: the memory cap
   bool packed = false;  // train-step: also time packed documents with masked prompts, against plain rows
+  bool lora = false;    // train-step (Llama-style): also time LoRA (r 16, every linear layer), against the full fine-tune
   bool monitor = false;  // train-step: also time the step with the tensorboard and csv monitors writing
   std::string mkl;      // gemm: libmkl_rt to load (default: the dynamic linker's libmkl_rt.so.3, .so.2, .so)
   bool shapes = false;  // gemm: print the step's matmul shapes as JSON and stop

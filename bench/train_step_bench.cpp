@@ -156,6 +156,18 @@ int bench_train_step(const BenchOptions& o) {
   if (o.packed) engine_pk.emplace(zinc::Engine::initialize(zinc::tools::build_experiment(doc, 1).model, ex.config));
   zinc::DataLoader loader_pk(ex.data, B, 1, 1, 0, 1);
   zinc::Rng pack_rng(17);
+  // --lora: the same model with LoRA adapters on every linear layer (its
+  // base frozen: no weight gradients, masters or optimizer states for it),
+  // an engine of its own, in the same rounds.
+  std::optional<zinc::Engine> engine_lora;
+  if (o.lora) {
+    if (!llama) throw zinc::Error("train-step --lora: LoRA needs a Llama-style --model");
+    nlohmann::json doc_lora = doc;
+    doc_lora["model"]["lora"] = {{"r", 16}, {"lora_alpha", 32}, {"target_modules", "all-linear"}};
+    zinc::tools::Experiment exl = zinc::tools::build_experiment(doc_lora, 1);
+    engine_lora.emplace(zinc::Engine::initialize(exl.model, exl.config));
+  }
+  zinc::DataLoader loader_lora(ex.data, B, 1, 1, 0, 1);
   auto packed_step = [&] {
     const zinc::Batch b = as_packed(loader_pk.next(), pack_rng);
     engine_pk->forward(b);
@@ -202,7 +214,12 @@ int bench_train_step(const BenchOptions& o) {
     engine32->train_batch(loader32);
     engine32->train_batch(loader32);
   }
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, step32_s, step_pk_s, step_mon_s;
+  if (engine_lora) {
+    engine_lora->train_batch(loader_lora);
+    engine_lora->train_batch(loader_lora);
+  }
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, step32_s, step_pk_s, step_mon_s, step_lora_s;
+  std::vector<double> lora_fwd_s, lora_bwd_s, lora_opt_s;
   for (int r = 0; r < rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
@@ -221,6 +238,16 @@ int bench_train_step(const BenchOptions& o) {
       t0 = now_s();
       for (int s = 0; s < steps; ++s) packed_step();
       step_pk_s.push_back((now_s() - t0) / steps);
+    }
+    if (engine_lora) {
+      const zinc::StepTimings lb = engine_lora->timings();
+      t0 = now_s();
+      for (int s = 0; s < steps; ++s) engine_lora->train_batch(loader_lora);
+      step_lora_s.push_back((now_s() - t0) / steps);
+      const zinc::StepTimings la = engine_lora->timings();
+      lora_fwd_s.push_back((la.forward_s - lb.forward_s) / steps);
+      lora_bwd_s.push_back((la.backward_s - lb.backward_s) / steps);
+      lora_opt_s.push_back((la.step_s - lb.step_s) / steps);
     }
     zinc::StepTimings after = engine.timings();  // the plain steps' parts (the monitored run the same engine)
     fwd_s.push_back((after.forward_s - before.forward_s) / steps);
@@ -307,6 +334,20 @@ int bench_train_step(const BenchOptions& o) {
                   "\n  packed: %.0f tokens/s in the same rounds (documents of 16-128 tokens, a third of the targets "
                   "masked); packed / plain = %.3f",
                   tps_pk, tps_pk / tokens_per_s);
+    vs_fp32 += part;
+  }
+  if (engine_lora) {
+    const double t_lora = median(step_lora_s);
+    line["lora_step_s"] = t_lora;
+    line["lora_over_full"] = t_lora / t_step;
+    line["lora_trained_params"] = engine_lora->num_trained_parameters();
+    char part[320];
+    std::snprintf(part, sizeof part,
+                  "\n  LoRA:   %.3f s/step in the same rounds (r 16 on every linear layer, %.2fM of %.1fM parameters "
+                  "trained; forward %.3f s | backward %.3f s | optimizer %.3f s); LoRA / full = %.3f",
+                  t_lora, static_cast<double>(engine_lora->num_trained_parameters()) / 1e6,
+                  static_cast<double>(engine_lora->num_parameters()) / 1e6, median(lora_fwd_s), median(lora_bwd_s),
+                  median(lora_opt_s), t_lora / t_step);
     vs_fp32 += part;
   }
   if (monitors) {

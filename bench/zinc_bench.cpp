@@ -63,6 +63,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gpt", "llama", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite", "olmo2",
                             "phi3", "gpt_neox", "mixtral", "qwen3_moe"}));
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");
+  app.add_flag("--lora", o.lora,
+               "train-step, a Llama-style --model: also time the same model with LoRA adapters (r 16, alpha 32, every "
+               "linear layer; the base frozen) in the same rounds; reports LoRA step / full step");
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
                "document's targets masked, in the same rounds; reports packed / plain");

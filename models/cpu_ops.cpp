@@ -103,6 +103,12 @@ class CpuOps : public Ops {
   void copy_out(float* host, const float* src, int64_t n) override {
     std::memcpy(host, src, static_cast<size_t>(n) * sizeof(float));
   }
+  void to_f32(float* out, CView x, int64_t n) override {
+    if (x.dtype == DType::kF32)
+      std::memcpy(out, x.data, static_cast<size_t>(n) * sizeof(float));
+    else
+      convert_16_to_f32(x.data, out, static_cast<size_t>(n), x.dtype);
+  }
   void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) override {
     std::memcpy(host, src, static_cast<size_t>(n) * sizeof(int32_t));
   }

@@ -191,6 +191,14 @@ class CudaOps final : public Ops {
                     "upload of int32 values");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "upload of int32 values");
   }
+  void to_f32(float* out, CView x, int64_t n) override {
+    if (x.dtype == DType::kF32)
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(out, x.data, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      kStream),
+                      "copy of floats");
+    else
+      kernels::cuda::convert_16_to_f32(x.data, out, n, x.dtype, kStream);
+  }
   void copy_out(float* host, const float* src, int64_t n) override {
     ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, kStream),
                     "download of floats");

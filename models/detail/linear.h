@@ -63,8 +63,10 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 // `dy_op`, where given, is dy as the matmuls read it, made by dy's producer
 // together with the bias gradient (Ops::gelu_backward_operand); db is then
 // null.
+// dx_accumulate: dx += dy W instead (a LoRA adapter's part written first).
 inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float* db, CView dy, CView x, CView w,
-                            int64_t N, int64_t in, int64_t out, DType compute, CView dy_op = {}) {
+                            int64_t N, int64_t in, int64_t out, DType compute, CView dy_op = {},
+                            bool dx_accumulate = false) {
   if (dy_op.data) {
     ZINC_CHECK(!db, "linear_backward: a ready dy operand comes with its bias gradient summed");
     dy = dy_op;
@@ -72,7 +74,11 @@ inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float*
     ZINC_CHECK(dy.dtype == DType::kF32 && !dy.bf16_exact, "linear_backward needs the fp32 dy");
     dy = ops.dy_operand(static_cast<const float*>(dy.data), db, N, out, compute, scratch);
   }
-  if (dx) ops.matmul(input_grad_desc(N, in, out, compute), dy, w, dx);
+  if (dx) {
+    kernels::MatmulDesc d = input_grad_desc(N, in, out, compute);
+    d.accumulate = dx_accumulate;
+    ops.matmul(d, dy, w, dx);
+  }
   if (dw) ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);  // null: a frozen weight
 }
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,

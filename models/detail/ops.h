@@ -116,6 +116,8 @@ class Ops {
   virtual void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) = 0;
   // kernels::copy_columns: N rows of `width` floats between row strides.
   virtual void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) = 0;
+  // n values of x (fp32, bf16 or fp16, on this device) as fp32 in out (exact).
+  virtual void to_f32(float* out, CView x, int64_t n) = 0;
   // Host floats into a buffer of this Ops (small tables: the rope angles).
   virtual void copy_in(Buf& dst, const float* host, int64_t n) = 0;
   // int32 values into a buffer of this Ops (allocated to n values), and out

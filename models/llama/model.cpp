@@ -82,8 +82,8 @@ struct LlamaLayerActs {
   MoeActs moe;         // sparse layers
   // LoRA: per target, (N, r) U = x A^T at [t * N * r] and what B's matmuls read of it.
   Buf lora_u;
-  Buf lora_u16[kLoraTargets];
-  CView lora_u_in[kLoraTargets];
+  Buf lora_u16[4];  // per group (Note [LoRA by groups])
+  CView lora_u_in[4];
 };
 
 class Llama final : public Model {
@@ -387,14 +387,15 @@ class Llama final : public Model {
       if (x.router >= 0) {
         moe_backward(p, g, x, a, dy, dsmall, N, dt, loss_scale);
       } else {
-        detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.down_w), bias_grad(g, x.down_b), f32(dy),
-                                a.act_in, p[x.down_w], N, I, C, dt);
-        lora_backward(lpp, lg, a, l, kLoraDown, a.act_in, dy, dmid, N, dt);
+        CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.down_b), N, C, dt, dy16_);
+        bool adapted = lora_backward(lpp, lg, a, l, kGroupDown, a.act_in, dy_in, dmid, N, dt);
+        detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.down_w), nullptr, {}, a.act_in, p[x.down_w], N,
+                                I, C, dt, dy_in, adapted);
         act_backward(dbig, dmid, a.gate_up.as<float>(), N);
-        detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), bias_grad(g, x.gu_b), f32(dbig),
-                                a.ln2_in, p[x.gu_w], N, C, GU_, dt);
-        lora_backward(lpp, lg, a, l, kLoraGate, a.ln2_in, dbig, dsmall, N, dt);
-        lora_backward(lpp, lg, a, l, kLoraUp, a.ln2_in, dbig, dsmall, N, dt);
+        dy_in = ops_->dy_operand(dbig, bias_grad(g, x.gu_b), N, GU_, dt, dy16_);
+        adapted = lora_backward(lpp, lg, a, l, kGroupGateUp, a.ln2_in, dy_in, dsmall, N, dt);
+        detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), nullptr, {}, a.ln2_in, p[x.gu_w], N, C,
+                                GU_, dt, dy_in, adapted);
       }
       // With the parallel residual the MLP's norm read x_in: its gradient
       // joins d x after the attention branch has read d h.
@@ -404,17 +405,19 @@ class Llama final : public Model {
                         a.mean2, a.rstd2, N);
       // Attention: dx holds d h and becomes d x.
       dy = post_norm_backward(p, g, x.post_att, branch_grad(dx, N), a.o_out, a.rstd_po, N);
-      detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), bias_grad(g, x.o_b), f32(dy), a.att_in,
-                              p[x.o_w], N, A, C, dt);
-      lora_backward(lpp, lg, a, l, kLoraO, a.att_in, dy, dmid, N, dt);
+      CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.o_b), N, C, dt, dy16_);
+      bool adapted = lora_backward(lpp, lg, a, l, kGroupO, a.att_in, dy_in, dmid, N, dt);
+      detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), nullptr, {}, a.att_in, p[x.o_w], N, A, C, dt,
+                              dy_in, adapted);
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
         ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
-      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.qkv_w), bias_grad(g, x.qkv_b), f32(dproj),
-                              a.ln1_in, p[x.qkv_w], N, C, Q, dt);
-      for (int t : {kLoraQ, kLoraK, kLoraV}) lora_backward(lpp, lg, a, l, t, a.ln1_in, dproj, dsmall, N, dt);
+      dy_in = ops_->dy_operand(dproj, bias_grad(g, x.qkv_b), N, Q, dt, dy16_);
+      adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dsmall, N, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
+                              Q, dt, dy_in, adapted);
       pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
       if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
       p.release();
@@ -583,57 +586,132 @@ class Llama final : public Model {
       specs_.push_back(std::move(b));
     }
   }
-  // dst (rows of site.width, target t's columns from site.col) += scale *
-  // (x A^T) B^T; U = x A^T stays in `a` for backward.
-  void lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int t, CView x, float* dst, int64_t N,
-                    DType dt) {
+  // Note [LoRA by groups]
+  // The targets that adapt one zinc weight form a group: q, k and v (the
+  // fused q|k|v), o, gate and up (the fused gate|up), down. A group's
+  // adapters run as one: U = x [A_1; A_2; ...]^T (N, n r), then the whole
+  // fused output += scale * U Bbd^T with Bbd the group's B's placed
+  // block-diagonally (each B_t at its target's rows and its own r columns,
+  // zeros elsewhere). One pass over the fused output instead of a column
+  // copy, an accumulate and a copy back per target; the zeros cost n times
+  // the adapters' r-wide products, which are small beside the base's. In
+  // backward the same shapes give dBbd = scale dy^T U and dA = dU^T x whole
+  // (their blocks added to each target's gradients), dU = scale dy Bbd and
+  // dx += dU [A_1; ...] in one product each.
+  struct LoraGroup {
+    int first = 0, count = 0;  // its targets [first, first + count)
+  };
+  static constexpr LoraGroup kLoraGroups[] = {{kLoraQ, 3}, {kLoraO, 1}, {kLoraGate, 2}, {kLoraDown, 1}};
+  enum { kGroupQkv, kGroupO, kGroupGateUp, kGroupDown, kLoraGroupCount };
+  // The group's adapted targets in layer l (at most its count).
+  std::vector<int> lora_members(int64_t l, int g) const {
+    std::vector<int> out;
     const LayerIdx& ix = idx_[static_cast<size_t>(l)];
-    if (!lp || ix.lora_a[t] < 0) return;
-    const LoraSite site = lora_site(t);
-    const int64_t r = c_.lora.r;
-    float* u = a.lora_u.as<float>() + t * N * r;
-    detail::linear_forward(*ops_, u, x, (*lp)[ix.lora_a[t]], CView{}, N, site.in, r, dt);
-    a.lora_u_in[t] = ops_->matmul_input(u, N * r, dt, a.lora_u16[t]);
-    kernels::MatmulDesc d = detail::forward_desc(N, r, site.out, false, dt);
-    d.alpha = c_.lora.scale();
-    d.accumulate = true;
-    if (site.width == site.out) {
-      ops_->matmul(d, a.lora_u_in[t], (*lp)[ix.lora_b[t]], dst);
-      return;
-    }
-    float* cols = lora_s_.as<float>();
-    ops_->copy_columns(cols, site.out, dst + site.col, site.width, N, site.out);
-    ops_->matmul(d, a.lora_u_in[t], (*lp)[ix.lora_b[t]], cols);
-    ops_->copy_columns(dst + site.col, site.width, cols, site.out, N, site.out);
+    for (int t = kLoraGroups[g].first; t < kLoraGroups[g].first + kLoraGroups[g].count; ++t)
+      if (ix.lora_a[t] >= 0) out.push_back(t);
+    return out;
   }
-  // Backward of target t from dy (rows of site.width, its columns from
-  // site.col): the adapter's gradients into lg, and dx (N, site.in) += the
-  // adapter's part of its input's gradient.
-  void lora_backward(const HeldParams* lp, const BlockGrads& lg, LlamaLayerActs& a, int64_t l, int t, CView x,
-                     const float* dy, float* dx, int64_t N, DType dt) {
+  // A view of a compute-dtype parameter as fp32 (itself, or widened into
+  // scratch at `at`), marked exact in the compute dtype.
+  CView lora_f32(CView p, int64_t n, float* at, DType dt) {
+    if (p.dtype == DType::kF32) return p;
+    ops_->to_f32(at, p, n);
+    return CView{at, DType::kF32, is_16bit(dt)};
+  }
+  // The group's stacked A (n r, in) and block-diagonal B (width, n r) as
+  // matmul operands: the parameters themselves for a one-member group
+  // spanning its weight, else built in lora_ag_ and lora_bbd_.
+  std::pair<CView, CView> lora_operands(const HeldParams& lp, int64_t l, const std::vector<int>& m, DType dt) {
     const LayerIdx& ix = idx_[static_cast<size_t>(l)];
-    if (!lp || ix.lora_a[t] < 0) return;
-    const LoraSite site = lora_site(t);
-    const int64_t r = c_.lora.r;
-    const float s = c_.lora.scale();
-    const float* g = dy;
-    if (site.width != site.out) {
-      ops_->copy_columns(lora_s_.as<float>(), site.out, dy + site.col, site.width, N, site.out);
-      g = lora_s_.as<float>();
+    const int64_t r = c_.lora.r, n = static_cast<int64_t>(m.size());
+    const LoraSite s0 = lora_site(m[0]);
+    if (n == 1 && s0.out == s0.width) return {lp[ix.lora_a[m[0]]], lp[ix.lora_b[m[0]]]};
+    float* ag = lora_ag_.as<float>();
+    float* bbd = lora_bbd_.as<float>();
+    float* wide = lora_wide_.as<float>();
+    ops_->zero(bbd, s0.width * n * r);
+    for (int64_t j = 0; j < n; ++j) {
+      const int t = m[static_cast<size_t>(j)];
+      const LoraSite site = lora_site(t);
+      const CView a = lora_f32(lp[ix.lora_a[t]], r * site.in, wide, dt);
+      ops_->copy_columns(ag + j * r * site.in, site.in, static_cast<const float*>(a.data), site.in, r, site.in);
+      const CView b = lora_f32(lp[ix.lora_b[t]], site.out * r, wide, dt);
+      ops_->copy_columns(bbd + site.col * n * r + j * r, n * r, static_cast<const float*>(b.data), r, site.out, r);
     }
-    const CView g_in = ops_->dy_operand(g, nullptr, N, site.out, dt, lora_g16_);
-    // dB += s G^T U; dU = s G B; dA += dU^T x; dx += dU A.
-    kernels::MatmulDesc db = detail::weight_grad_desc(N, r, site.out, dt);
+    return {CView{ag, DType::kF32, is_16bit(dt)}, CView{bbd, DType::kF32, is_16bit(dt)}};
+  }
+  // The fused output `dst` (N rows of the group's weight's width) =
+  // scale * (x A^T) Bbd^T, written before the base's product, which then
+  // adds itself in its own pass (one pass over the output less than adding
+  // the adapters after it); U = x A^T stays in `a` for backward. Returns
+  // whether it wrote dst (false: no adapter here).
+  bool lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int g, CView x, float* dst, int64_t N,
+                    DType dt) {
+    if (!lp) return false;
+    const std::vector<int> m = lora_members(l, g);
+    if (m.empty()) return false;
+    const int64_t r = c_.lora.r, nr = static_cast<int64_t>(m.size()) * r;
+    const LoraSite s0 = lora_site(m[0]);
+    const auto [A, Bbd] = lora_operands(*lp, l, m, dt);
+    float* u = a.lora_u.as<float>() + kLoraGroups[g].first * N * r;
+    detail::linear_forward(*ops_, u, x, A, CView{}, N, s0.in, nr, dt);
+    a.lora_u_in[g] = ops_->matmul_input(u, N * nr, dt, a.lora_u16[g]);
+    kernels::MatmulDesc d = detail::forward_desc(N, nr, s0.width, false, dt);
+    d.alpha = c_.lora.scale();
+    ops_->matmul(d, a.lora_u_in[g], Bbd, dst);
+    return true;
+  }
+  // y (N, out) = x W^T + b, or += with accumulate (LoRA's part already in y).
+  void project(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out, DType dt, bool accumulate) {
+    kernels::MatmulDesc d = detail::forward_desc(N, in, out, b.data != nullptr, dt);
+    d.accumulate = accumulate;
+    ops_->matmul(d, x, w, y, b);
+  }
+  // Backward of group g from dy_in (the gradient of the whole fused output
+  // as the matmuls read it): the adapters' gradients into lg, and dx (N,
+  // in) = the adapters' part of the input's gradient, written before the
+  // base's part adds itself (as in forward). Returns whether it wrote dx.
+  bool lora_backward(const HeldParams* lp, const BlockGrads& lg, LlamaLayerActs& a, int64_t l, int g, CView x,
+                     CView dy_in, float* dx, int64_t N, DType dt) {
+    if (!lp) return false;
+    const std::vector<int> m = lora_members(l, g);
+    if (m.empty()) return false;
+    const LayerIdx& ix = idx_[static_cast<size_t>(l)];
+    const int64_t r = c_.lora.r, n = static_cast<int64_t>(m.size()), nr = n * r;
+    const LoraSite s0 = lora_site(m[0]);
+    const int64_t W = s0.width, in = s0.in;
+    const float s = c_.lora.scale();
+    const auto [A, Bbd] = lora_operands(*lp, l, m, dt);
+    const bool direct = n == 1 && s0.out == W;  // B's and A's gradients are the products themselves
+    // dBbd = s dy^T U
+    kernels::MatmulDesc db = detail::weight_grad_desc(N, nr, W, dt);
     db.alpha = s;
-    ops_->matmul(db, g_in, a.lora_u_in[t], lg[ix.lora_b[t]]);
-    kernels::MatmulDesc du = detail::input_grad_desc(N, r, site.out, dt);
+    db.accumulate = direct;
+    float* dbbd = direct ? lg[ix.lora_b[m[0]]] : lora_dbbd_.as<float>();
+    ops_->matmul(db, dy_in, a.lora_u_in[g], dbbd);
+    // dU = s dy Bbd
+    kernels::MatmulDesc du = detail::input_grad_desc(N, nr, W, dt);
     du.alpha = s;
-    ops_->matmul(du, g_in, (*lp)[ix.lora_b[t]], lora_du_.as<float>());
-    const CView du_in = ops_->matmul_input(lora_du_.as<float>(), N * r, dt, lora_du16_);
-    ops_->matmul(detail::weight_grad_desc(N, site.in, r, dt), du_in, x, lg[ix.lora_a[t]]);
-    kernels::MatmulDesc dxd = detail::input_grad_desc(N, site.in, r, dt);
-    dxd.accumulate = true;
-    ops_->matmul(dxd, du_in, (*lp)[ix.lora_a[t]], dx);
+    ops_->matmul(du, dy_in, Bbd, lora_du_.as<float>());
+    const CView du_in = ops_->matmul_input(lora_du_.as<float>(), N * nr, dt, lora_du16_);
+    // dA = dU^T x
+    kernels::MatmulDesc da = detail::weight_grad_desc(N, in, nr, dt);
+    da.accumulate = direct;
+    float* dag = direct ? lg[ix.lora_a[m[0]]] : lora_dag_.as<float>();
+    ops_->matmul(da, du_in, x, dag);
+    // dx = dU A
+    ops_->matmul(detail::input_grad_desc(N, in, nr, dt), du_in, A, dx);
+    if (direct) return true;
+    // Each target's blocks of dBbd and dA, added to its gradients.
+    float* blk = lora_wide_.as<float>();
+    for (int64_t j = 0; j < n; ++j) {
+      const int t = m[static_cast<size_t>(j)];
+      const LoraSite site = lora_site(t);
+      ops_->copy_columns(blk, r, dbbd + site.col * nr + j * r, nr, site.out, r);
+      ops_->add(lg[ix.lora_b[t]], lg[ix.lora_b[t]], blk, site.out * r);
+      ops_->add(lg[ix.lora_a[t]], lg[ix.lora_a[t]], dag + j * r * in, r * in);
+    }
+    return true;
   }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
@@ -645,8 +723,8 @@ class Llama final : public Model {
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
-    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
-    for (int t : {kLoraQ, kLoraK, kLoraV}) lora_forward(lp, a, l, t, a.ln1_in, proj, N, dt);
+    const bool qkv_adapted = lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);
+    project(proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, qkv_adapted);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
@@ -656,7 +734,7 @@ class Llama final : public Model {
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
-                   [&](float* y) { lora_forward(lp, a, l, kLoraO, a.att_in, y, N, dt); });
+                   [&](float* y) { return lora_forward(lp, a, l, kGroupO, a.att_in, y, N, dt); });
     ops_->add(x_mid, x_mid, x_in, N * C);
     // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself.
     pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
@@ -670,11 +748,11 @@ class Llama final : public Model {
       if (x_out) ops_->add(x_out, x_out, x_mid, N * C);
       return;
     }
-    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
-    for (int t : {kLoraGate, kLoraUp}) lora_forward(lp, a, l, t, a.ln2_in, a.gate_up.as<float>(), N, dt);
+    const bool gu_adapted = lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
+    project(a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt, gu_adapted);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
-    auto down_lora = [&](float* y) { lora_forward(lp, a, l, kLoraDown, a.act_in, y, N, dt); };
+    auto down_lora = [&](float* y) { return lora_forward(lp, a, l, kGroupDown, a.act_in, y, N, dt); };
     if (!x_out) {
       // A recomputation for backward: the output is not needed, but a
       // post-norm's input and statistics are (its output goes to scratch).
@@ -798,17 +876,16 @@ class Llama final : public Model {
   // columns) into out, with Granite's residual_multiplier and, with a
   // post-norm (index post >= 0), the norm: the projection then goes to
   // `raw` and its norm (statistics in rstd) to out.
-  // `adapt` adds to the projection before the norm (LoRA).
+  // `adapt(y)` writes the adapters' part of the projection y first and
+  // says whether it did (LoRA; the projection then adds itself).
   template <class Adapt>
   void branch_forward(const HeldParams& p, int w, int b, int post, CView in, int64_t in_w, Buf& raw, Buf& rstd,
                       float* out, int64_t N, DType dt, Adapt&& adapt) {
     const int64_t C = c_.hidden_size;
     if (post < 0) {
-      detail::linear_forward(*ops_, out, in, p[w], bias(p, b), N, in_w, C, dt);
-      adapt(out);
+      project(out, in, p[w], bias(p, b), N, in_w, C, dt, adapt(out));
     } else {
-      detail::linear_forward(*ops_, raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt);
-      adapt(raw.as<float>());
+      project(raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt, adapt(raw.as<float>()));
       ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
     }
     if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
@@ -971,8 +1048,15 @@ class Llama final : public Model {
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
       for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
-      lora_s_ = ops_->alloc_f32(N * std::max(static_cast<size_t>(H_ * D_), I));
-      lora_du_ = ops_->alloc_f32(N * r);
+      // Note [LoRA by groups]: the widest group is q|k|v's or gate|up's.
+      const size_t W = std::max(static_cast<size_t>((H_ + 2 * K_) * D_), static_cast<size_t>(GU_));
+      const size_t in = std::max(C, I), out = std::max({static_cast<size_t>(H_ * D_), I, C});
+      lora_du_ = ops_->alloc_f32(N * 3 * r);
+      lora_ag_ = ops_->alloc_f32(3 * r * in);
+      lora_bbd_ = ops_->alloc_f32(W * 3 * r);
+      lora_dbbd_ = ops_->alloc_f32(W * 3 * r);
+      lora_dag_ = ops_->alloc_f32(3 * r * in);
+      lora_wide_ = ops_->alloc_f32(r * std::max(in, out));
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
       sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
     }
@@ -1012,9 +1096,12 @@ class Llama final : public Model {
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
   Buf dy16_;
-  // LoRA: a target's columns (N, max(H*D, I)), dy's 16-bit copy, dU (N,r)
-  // and its 16-bit copy; the frozen norms' weight gradients (two halves).
-  Buf lora_s_, lora_g16_, lora_du_, lora_du16_, sink_;
+  // LoRA: dU (N, n r) of a group and its 16-bit copy; the frozen norms'
+  // weight gradients (two halves).
+  Buf lora_du_, lora_du16_, sink_;
+  // Note [LoRA by groups]: a group's stacked A and block-diagonal B, their
+  // gradients, and one parameter widened to fp32.
+  Buf lora_ag_, lora_bbd_, lora_dbbd_, lora_dag_, lora_wide_;
   int64_t sink_half_ = 0;
   CView lnf_in_;
   Buf lnf_16_;
