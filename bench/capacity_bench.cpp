@@ -19,6 +19,12 @@
 // the disk's bound from fio in the same run (the folder's safetensors read,
 // the optimizer states and parameter shards written).
 //
+// --pretrained DIR --lora: the same with LoRA adapters (r 16 on every
+// linear layer; the base frozen, its bf16 shards on NVMe) and activation
+// checkpointing, 3 steps, and the
+// peak RSS per base parameter (make_fixtures.py --big --big-size 1.5b
+// makes the 1.5B Llama of LoRA's capacity case).
+//
 // Needs root and a writable memory controller (cgroup v1 memory, or v2 with
 // memory enabled in the root's subtree); otherwise it says so and skips.
 // Folder: ZINC_BENCH_NVME_PATH (default /tmp).
@@ -204,7 +210,7 @@ int bench_capacity_pretrained(const BenchOptions& o) {
   for (const auto& e : fs::directory_iterator(o.pretrained))
     if (e.path().extension() == ".safetensors") weight_bytes += static_cast<int64_t>(e.file_size());
   const int64_t cap_bytes = o.cap_mib << 20;
-  const int steps = 2;
+  const int steps = o.lora ? 3 : 2;
   char tmpl[] = "/tmp/zinc-capacity-XXXXXX";
   if (!::mkdtemp(tmpl)) throw Error("capacity bench: mkdtemp failed");
   const std::string work = tmpl;
@@ -225,8 +231,15 @@ int bench_capacity_pretrained(const BenchOptions& o) {
         {"sub_group_size", 5000000},
         {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", folder}, {"buffer_count", 4}}},
         {"offload_param", {{"device", "nvme"}, {"nvme_path", folder}}}}}};
+  nlohmann::json doc = cfg;
+  if (o.lora) {
+    // As LoRA recipes run: the layers recomputed in backward (the
+    // activations of a 1.5B model outweigh its gathered blocks).
+    doc["model"]["lora"] = {{"r", 16}, {"lora_alpha", 32}, {"target_modules", "all-linear"}};
+    doc["model"]["gradient_checkpointing"] = true;
+  }
   const std::string config = work + "/pretrained.json";
-  write_text(config, cfg.dump(2));
+  write_text(config, doc.dump(2));
   // What the load writes: the estimate's NVMe files (optimizer states and
   // parameter shards; the gradients file is only preallocated).
   const nlohmann::json est =
@@ -255,7 +268,7 @@ int bench_capacity_pretrained(const BenchOptions& o) {
   const double read_bound = static_cast<double>(weight_bytes) / fio_r;
   const double load_bound = read_bound + static_cast<double>(load_writes) / fio_w;
   nlohmann::json line = {{"bench", "capacity"},
-                         {"case", "pretrained/stage3-nvme"},
+                         {"case", o.lora ? "pretrained-lora/stage3-nvme" : "pretrained/stage3-nvme"},
                          {"figure", load.wall_s},
                          {"unit", "s to load"},
                          {"bound", load_bound},
@@ -278,6 +291,8 @@ int bench_capacity_pretrained(const BenchOptions& o) {
                          {"uncapped_losses", full.losses},
                          {"losses_equal_uncapped", same},
                          {"digest", capped.digest}};
+  const double params = static_cast<double>(est.value("parameters", int64_t{0}));
+  if (o.lora && params > 0) line["train_peak_rss_bytes_per_parameter"] = static_cast<double>(capped.child_max_rss) / params;
   char buf[1400];
   std::snprintf(buf, sizeof buf,
                 "capacity: %s, %.1fM parameters, cap %.0f MiB, stage 3 on NVMe | load: peak RSS %.0f MiB (group %.0f "
@@ -289,7 +304,14 @@ int bench_capacity_pretrained(const BenchOptions& o) {
                 read_bound, mib(load_writes), fio_w / 1e9, load.wall_s / load_bound, steps, mib(capped.child_max_rss),
                 mib(train_group_peak), capped.wall_s, same ? "bit-identical to" : "DIFFERENT FROM",
                 mib(full.child_max_rss));
-  emit(o.json, line, buf);
+  std::string text = buf;
+  if (o.lora && params > 0) {
+    char part[200];
+    std::snprintf(part, sizeof part, " | LoRA r 16 on every linear layer: peak RSS %.2f B per base parameter",
+                  static_cast<double>(capped.child_max_rss) / params);
+    text += part;
+  }
+  emit(o.json, line, text);
   for (const char* f : {"/pretrained.json", "/load.out", "/capped.out", "/full.out"}) std::remove((work + f).c_str());
   ::rmdir(work.c_str());
   return same ? 0 : 1;

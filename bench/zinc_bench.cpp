@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");
   app.add_flag("--lora", o.lora,
                "train-step, a Llama-style --model: also time the same model with LoRA adapters (r 16, alpha 32, every "
-               "linear layer; the base frozen) in the same rounds; reports LoRA step / full step");
+               "linear layer; the base frozen) in the same rounds; reports LoRA step / full step. capacity --pretrained: "
+               "train LoRA adapters on the folder (3 steps) and report the peak RSS per base parameter");
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
                "document's targets masked, in the same rounds; reports packed / plain");

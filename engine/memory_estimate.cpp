@@ -132,6 +132,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                               std::to_string(es) + " B x " + millions(frozen_padded) + " elements"});
   } else {
     const std::vector<bool> keep = ParamCoordinator::persistent_blocks(layouts, z);
+    int64_t max_np_update = 0;
     int64_t persist_padded = 0, persist_shard = 0, np_shard = 0, np_padded = 0, np_file = 0, np_read = 0, max_np_read = 0,
             max_np_padded = 0;
     for (size_t b = 0; b < parts.size(); ++b) {
@@ -146,6 +147,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
         const int64_t fp = static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(f)));
         np_read += fp;
         max_np_read = std::max(max_np_read, fp);
+        if (!model.blocks()[b].frozen) max_np_update = std::max(max_np_update, fp);  // a frozen block is never updated
         max_np_padded = std::max(max_np_padded, parts[b].padded_numel);
       }
     }
@@ -197,7 +199,7 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
       // block's new shard on its way back (update_bytes, added below).
       const int64_t reads = np_read * gathered / np_padded;
       train_params.push_back({"parameter read buffers", reads, "a shard per gathered block"});
-      update_bytes = max_np_read;
+      update_bytes = max_np_update;
     }
   }
 

@@ -9,8 +9,12 @@
 #      exported with --save-pretrained to runs/demo/fortunes-llama;
 #   4. configs/finetune_wordnet.json: that folder fine-tuned on the
 #      questions, exported to runs/demo/wordnet-llama;
-#   5. where transformers is installed, the export answers a question
-#      through transformers' generate().
+#   5. configs/finetune_wordnet_lora.json: the same fine-tune as LoRA
+#      adapters on the frozen pretrained model, written as a PEFT adapter
+#      folder to runs/demo/wordnet-lora;
+#   6. where transformers is installed, the export answers a question
+#      through transformers' generate(), and where peft is too, the adapter
+#      on its base through PeftModel.
 # Everything lands in runs/demo under the working directory
 # (ZINC_DEMO_WORKDIR, default the repository). ZINC_DEMO_STEPS="P F" sets
 # the two runs' steps; ZINC_DEMO_SETUP=0 skips scripts/setup.sh.
@@ -39,9 +43,18 @@ cp "$out/tokenizer/tokenizer.json" "$out/tokenizer/tokenizer_config.json" "$out/
 echo "== 4. fine-tune ($finetune_steps steps)"
 "$train" "$repo/configs/finetune_wordnet.json" --set "run.steps=$finetune_steps" \
   --save-pretrained "$out/wordnet-llama"
-echo "== 5. generate"
+echo "== 5. fine-tune LoRA adapters ($finetune_steps steps)"
+"$train" "$repo/configs/finetune_wordnet_lora.json" --set "run.steps=$finetune_steps" \
+  --save-adapter "$out/wordnet-lora"
+echo "== 6. generate"
 if python3 -c "import transformers, torch" 2>/dev/null; then
   python3 "$repo/scripts/demo_generate.py" "$out/wordnet-llama" 'What does the noun "lantern" mean?'
 else
   echo "transformers and torch are not installed: skipped (python3 scripts/demo_generate.py $out/wordnet-llama QUESTION where they are)"
+fi
+if python3 -c "import transformers, torch, peft" 2>/dev/null; then
+  python3 "$repo/scripts/demo_generate.py" "$out/fortunes-llama" 'What does the noun "lantern" mean?' \
+    --adapter "$out/wordnet-lora"
+else
+  echo "peft is not installed: skipped (python3 scripts/demo_generate.py $out/fortunes-llama QUESTION --adapter $out/wordnet-lora where it is)"
 fi

@@ -66,3 +66,27 @@ def test_the_export_generates_in_transformers(demo):
     from demo_generate import answer
     text = answer(str(demo[0] / "wordnet-llama"), 'What does the noun "lantern" mean?', max_new_tokens=8)
     assert isinstance(text, str)
+
+
+def test_the_lora_fine_tune_writes_a_peft_adapter_on_the_frozen_base(demo):
+    out, log = demo
+    d = out / "wordnet-lora"
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 16 and len(cfg["target_modules"]) == 7
+    from safetensors.numpy import load_file
+    adapters = load_file(str(d / "adapter_model.safetensors"))
+    assert len(adapters) == 4 * 7 * 2  # 4 layers, 7 modules, A and B
+    assert all(np.isfinite(w).all() for w in adapters.values())
+    assert any(np.abs(w).max() > 0 for k, w in adapters.items() if "lora_B" in k)  # trained from zero
+    assert "save-adapter: " in log and "LoRA adapters, the base frozen" in log
+
+
+def test_the_adapter_generates_through_peft(demo):
+    pytest.importorskip("torch", reason="PeftModel needs torch (bench/peers has a venv with it and peft)")
+    pytest.importorskip("peft", reason="peft is not installed here (bench/peers has it)")
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    from demo_generate import answer
+    text = answer(str(demo[0] / "fortunes-llama"), 'What does the noun "lantern" mean?', max_new_tokens=8,
+                  adapter=str(demo[0] / "wordnet-lora"))
+    assert isinstance(text, str)
