@@ -57,6 +57,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
+#include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 #include "tools/run_loop.h"
 #include "tools/train_events.h"
@@ -374,7 +375,8 @@ class PyEngine {
     ComputeScope scope;
     e.save_checkpoint(dir, tag.value_or(""), client);
   }
-  py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard) {
+  py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard,
+                             bool merge) {
     zinc::Engine& e = engine("save_pretrained");
     if (!ex_.hf)
       throw zinc::Error("zinc.Engine.save_pretrained: model \"" + ex_.model->name() +
@@ -392,10 +394,12 @@ class PyEngine {
     o.rank = comm_ ? comm_->rank() : 0;
     o.inputs = zinc::tools::run_inputs(ex_, "");
     o.what = "zinc.Engine.save_pretrained";
+    o.merge_adapters = merge;
     zinc::tools::HfExportResult r;
     {
       ComputeScope scope;
-      r = zinc::tools::export_hf(*ex_.hf, e.model(), [&](int b) { return e.full_params(b); }, o);
+      r = zinc::tools::export_hf(*ex_.hf, e.model(),
+                                 zinc::tools::export_reader(e.model(), [&](int b) { return e.full_params(b); }), o);
     }
     py::dict out;
     out["files"] = r.files;
@@ -404,6 +408,26 @@ class PyEngine {
     out["tensors"] = r.tensors;
     out["bytes"] = r.bytes;
     out["dtype"] = std::string(zinc::dtype_name(r.dtype));
+    return out;
+  }
+  py::object save_adapter(const std::string& dir) {
+    zinc::Engine& e = engine("save_adapter");
+    if (!ex_.hf) throw zinc::Error("zinc.Engine.save_adapter: model \"" + ex_.model->name() + "\" has no LoRA adapters");
+    zinc::tools::PeftExportOptions o;
+    o.out_dir = dir;
+    o.rank = comm_ ? comm_->rank() : 0;
+    o.inputs = zinc::tools::run_inputs(ex_, "");
+    o.what = "zinc.Engine.save_adapter";
+    o.base_model = ex_.experiment.model.from_pretrained;
+    zinc::tools::PeftExportResult r;
+    {
+      ComputeScope scope;
+      r = zinc::tools::export_peft_adapter(*ex_.hf, e.model(), [&](int b) { return e.full_params(b); }, o);
+    }
+    py::dict out;
+    out["file"] = r.file;
+    out["tensors"] = r.tensors;
+    out["bytes"] = r.bytes;
     return out;
   }
   py::object load_checkpoint(const std::string& dir, std::optional<std::string> tag) {
@@ -644,13 +668,19 @@ marks the engine closed and returns; the running call finishes and frees it.
            "'global_step<N>') and points save_dir/latest at it once complete. client_state (a JSON-able dict) is "
            "kept with it, together with the data position, so zinc-train --resume can continue it. Collective "
            "under mpirun. OSError when a file cannot be written.")
+      .def("save_adapter", one_call("save_adapter", &PyEngine::save_adapter), py::arg("save_dir"),
+           "save_adapter(save_dir) -> dict\n\nWrites the model's LoRA adapters (model.lora, model.adapter) as a "
+           "PEFT adapter folder (adapter_config.json, adapter_model.safetensors) that peft.PeftModel.from_pretrained "
+           "reads onto the base model. Collective under mpirun (rank 0 writes).")
       .def("save_pretrained", one_call("save_pretrained", &PyEngine::save_pretrained), py::arg("save_dir"),
            py::arg("dtype") = py::none(), py::arg("max_shard_size") = zinc::tools::kDefaultMaxShardSize,
-           "save_pretrained(save_dir, dtype=None, max_shard_size='5GB') -> dict\n\nWrites the model in the "
+           py::arg("merge") = false,
+           "save_pretrained(save_dir, dtype=None, max_shard_size='5GB', merge=False) -> dict\n\nWrites the model in the "
            "Hugging Face layout transformers' from_pretrained reads: config.json, the weights under transformers' "
            "names (sharded with an index above max_shard_size) in dtype ('fp32', 'bf16', 'fp16'; None: the "
-           "source folder's torch_dtype, else bf16), and model.from_pretrained's tokenizer files. Collective "
-           "under mpirun (rank 0 writes). Returns what was written.")
+           "source folder's torch_dtype, else bf16), and model.from_pretrained's tokenizer files; a model with "
+           "LoRA adapters needs merge=True (the adapters merged into the weights, PEFT's merge_and_unload). "
+           "Collective under mpirun (rank 0 writes). Returns what was written.")
       .def("load_checkpoint", one_call("load_checkpoint", &PyEngine::load_checkpoint), py::arg("load_dir"),
            py::arg("tag") = py::none(),
            "load_checkpoint(load_dir, tag=None) -> dict\n\nLoads load_dir/tag (None: the tag load_dir/latest "

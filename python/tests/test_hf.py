@@ -107,3 +107,33 @@ def test_evaluate_takes_the_models_vocabulary_and_has_no_loss_without_targets():
         assert engine.evaluate((ref["input_ids"], ref["targets"])) == pytest.approx(float(ref["loss"][0]), rel=1e-5)
         none = np.full_like(ref["targets"], -100)
         assert np.isnan(engine.evaluate((ref["input_ids"], none)))
+
+
+def test_lora_through_python_trains_only_the_adapters_and_saves_them(tmp_path):
+    """model.lora through zinc.initialize: PEFT's references (the lora_llama fixture) for the loss, the base
+    frozen, save_adapter in PEFT's format, save_pretrained refused without merge=True and merging with it."""
+    lora_dir = FIXTURES / "lora_llama"
+    ref = load_file(str(lora_dir / "reference.safetensors"))
+    doc, _ = doc_for("llama_gqa")
+    doc["model"]["adapter"] = str(lora_dir)
+    with zinc.initialize(doc) as engine:
+        loss = engine.evaluate((ref["input_ids"], ref["targets"]))
+        assert loss == pytest.approx(float(ref["loss"][0]), rel=1e-5)
+        engine.forward((ref["input_ids"], ref["targets"]))
+        engine.backward()
+        engine.step()
+        info = engine.save_adapter(str(tmp_path / "adapter"))
+        assert info["tensors"] == 28
+        with pytest.raises(Exception, match="--merge|merge"):
+            engine.save_pretrained(str(tmp_path / "refused"), dtype="fp32")
+        engine.save_pretrained(str(tmp_path / "merged"), dtype="fp32", merge=True)
+    before = load_file(str(lora_dir / "adapter_model.safetensors"))
+    after = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(before[k].tobytes() != after[k].tobytes() for k in before)  # every adapter trained
+    base = load_file(str(FIXTURES / "llama_gqa" / "model.safetensors"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged["model.norm.weight"].tobytes() == base["model.norm.weight"].tobytes()  # frozen, not adapted
+    assert not np.array_equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                              base["model.layers.0.self_attn.q_proj.weight"])
+    assert not (tmp_path / "refused").exists()
