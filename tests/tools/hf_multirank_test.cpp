@@ -38,15 +38,8 @@ TEST_P(HfRanks, EveryStageLoadsTheFileAndComputesTransformersLossAndGradientNorm
   Reference ref(dir);
   ASSERT_EQ(ref.B % world, 0) << "the reference batch must split over the ranks";
   const int64_t rows = ref.B / world;
-  Batch mine;
-  mine.B = rows;
-  mine.T = ref.T;
-  mine.inputs.assign(ref.ids.begin() + rank * rows * ref.T, ref.ids.begin() + (rank + 1) * rows * ref.T);
-  mine.targets.assign(ref.targets.begin() + rank * rows * ref.T, ref.targets.begin() + (rank + 1) * rows * ref.T);
-  double sq = 0;
-  for (const StoredTensor& t : ref.file.tensors())
-    if (t.name.rfind("grad.", 0) == 0)
-      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  const Batch mine = rank_rows(ref, rank, world);
+  const double sq = reference_grad_squares(ref);
   // One NVMe folder for all ranks (each keeps its own files in it).
   const fs::path nvme = fs::temp_directory_path() / ("zinc_hf_mr_" + std::to_string(::getppid()));
   const bool moe = ref.file.find("aux_loss") != nullptr;
@@ -115,15 +108,8 @@ TEST_P(HfRanksLora, EveryStageTrainsTheAdaptersWithTheBaseFrozen) {
   const HfConfig cfg = read_hf_config(fixture(nlohmann::json::parse(acfg).at("base_model_name_or_path")));
   Reference ref(dir);
   const int64_t rows = ref.B / world;
-  Batch mine;
-  mine.B = rows;
-  mine.T = ref.T;
-  mine.inputs.assign(ref.ids.begin() + rank * rows * ref.T, ref.ids.begin() + (rank + 1) * rows * ref.T);
-  mine.targets.assign(ref.targets.begin() + rank * rows * ref.T, ref.targets.begin() + (rank + 1) * rows * ref.T);
-  double sq = 0;
-  for (const StoredTensor& t : ref.file.tensors())
-    if (t.name.rfind("grad.", 0) == 0)
-      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  const Batch mine = rank_rows(ref, rank, world);
+  const double sq = reference_grad_squares(ref);
   const fs::path nvme = fs::temp_directory_path() / ("zinc_lora_mr_" + std::to_string(::getppid()));
   std::vector<std::vector<float>> first;
   for (int stage : {0, 1, 2, 3}) {

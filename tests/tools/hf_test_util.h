@@ -95,6 +95,27 @@ class HostContext final : public StepContext {
   std::vector<std::vector<float>> params, grads_;
 };
 
+// The squares of every reference gradient (grad.*), summed: the squared
+// global gradient norm transformers' (or PEFT's) parameters give.
+inline double reference_grad_squares(const Reference& ref) {
+  double sq = 0;
+  for (const StoredTensor& t : ref.file.tensors())
+    if (t.name.rfind("grad.", 0) == 0)
+      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  return sq;
+}
+
+// Rank `rank`'s rows of the reference batch split over `world` ranks.
+inline Batch rank_rows(const Reference& ref, int rank, int world) {
+  const int64_t rows = ref.B / world;
+  Batch mine;
+  mine.B = rows;
+  mine.T = ref.T;
+  mine.inputs.assign(ref.ids.begin() + rank * rows * ref.T, ref.ids.begin() + (rank + 1) * rows * ref.T);
+  mine.targets.assign(ref.targets.begin() + rank * rows * ref.T, ref.targets.begin() + (rank + 1) * rows * ref.T);
+  return mine;
+}
+
 inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));

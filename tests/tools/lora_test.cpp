@@ -144,11 +144,7 @@ TEST_P(LoraFixture, FreshAdaptersLeaveTheBaseModelsLogits) {
 // and the estimate's model state is the engine's peak.
 TEST_P(LoraFixture, TrainsAtEveryStageWithTheBaseFrozen) {
   Reference ref(fixture(GetParam()));
-  double sq = 0;
-  for (const StoredTensor& t : ref.file.tensors()) {
-    if (t.name.rfind("grad.", 0) != 0) continue;
-    for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
-  }
+  const double sq = reference_grad_squares(ref);
   std::vector<std::vector<float>> first;  // the weights after training at the first stage
   const std::string nvme = ::testing::TempDir() + "zinc-lora-nvme";
   fs::create_directories(nvme);
@@ -206,10 +202,7 @@ TEST_P(LoraFixture, TrainsAtEveryStageWithTheBaseFrozen) {
 // PEFT's float64 references; the frozen base is the file's rounded to bf16.
 TEST_P(LoraFixture, Bf16WithinItsTolerance) {
   Reference ref(fixture(GetParam()));
-  double sq = 0;
-  for (const StoredTensor& t : ref.file.tensors())
-    if (t.name.rfind("grad.", 0) == 0)
-      for (float g : ref.floats(t.name)) sq += static_cast<double>(g) * g;
+  const double sq = reference_grad_squares(ref);
   for (int stage : {0, 3}) {
     Loaded l = load(GetParam());
     nlohmann::json ds = {{"train_batch_size", ref.B}, {"train_micro_batch_size_per_gpu", ref.B},
