@@ -148,7 +148,7 @@ inline StepSizes step_sizes(const BenchOptions& o) {
   const bool llama = o.model != "gpt", wide = !llama && o.wide, big = llama || wide;
   const int64_t C = big ? 1024 : 384, H = big ? 16 : 6;
   StepSizes s{llama, wide, big ? 2 : 8, big ? 512 : 256, C, H, big ? 8 : 6, big ? 8192 : 256, 4, 2816, C / H,
-              llama ? o.model : std::string("gpt")};
+              llama ? o.model : std::string("gpt"), MoeSizes{}};
   if (o.model == "mixtral" || o.model == "qwen3_moe") s.moe = {8, 2, s.I / 4};
   if (o.model == "gpt_neox") s.KV = s.H;  // no grouped-query attention
   return s;

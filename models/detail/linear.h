@@ -44,10 +44,13 @@ inline kernels::MatmulDesc weight_grad_desc(int64_t N, int64_t in, int64_t out, 
   return g;
 }
 
-// y(N,out) = x(N,in) W^T + b   (b.data may be null)
+// y(N,out) = x(N,in) W^T + b   (b.data may be null); with accumulate,
+// y += (a LoRA adapter's part written first, models/detail/lora.h).
 inline void linear_forward(Ops& ops, float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
-                           DType compute) {
-  ops.matmul(forward_desc(N, in, out, b.data != nullptr, compute), x, w, y, b);
+                           DType compute, bool accumulate = false) {
+  kernels::MatmulDesc d = forward_desc(N, in, out, b.data != nullptr, compute);
+  d.accumulate = accumulate;
+  ops.matmul(d, x, w, y, b);
 }
 inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
                            DType compute) {

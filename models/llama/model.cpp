@@ -15,6 +15,7 @@
 // are repeated to H heads (kernels::gqa_expand, transformers' repeat_kv) and
 // their gradients summed back (gqa_reduce).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -22,6 +23,7 @@
 
 #include "core/error.h"
 #include "models/detail/linear.h"
+#include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/llama/llama.h"
 #include "models/models.h"
@@ -82,8 +84,7 @@ struct LlamaLayerActs {
   MoeActs moe;         // sparse layers
   // LoRA: per target, (N, r) U = x A^T at [t * N * r] and what B's matmuls read of it.
   Buf lora_u;
-  Buf lora_u16[4];  // per group (Note [LoRA by groups])
-  CView lora_u_in[4];
+  detail::LoraSaved lora_saved[4];  // per group (Note [LoRA by groups])
 };
 
 class Llama final : public Model {
@@ -202,6 +203,17 @@ class Llama final : public Model {
                          (c_.layer_norm ? 2 * buffer_bytes(N) : 0);  // mean1, mean2
     const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
+    if (lora()) {
+      // Per set: U of every target (lora_u) and what B's products read of
+      // each group's; once: the groups' scratch (LoraScratch) and the sink.
+      const int64_t r = c_.lora.r, nr = 3 * r, W = std::max(Q, GU_), in = std::max(C, I);
+      int64_t u16 = 0;
+      for (const detail::LoraGroup& g : lora_groups_.front())
+        u16 += detail::matmul_input_bytes(N * r * static_cast<int64_t>(g.members.size()), dt);
+      m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) + buffer_bytes(N * nr) +
+                 detail::matmul_input_bytes(N * nr, dt) + 2 * buffer_bytes(nr * in) + 2 * buffer_bytes(W * nr) +
+                 buffer_bytes(r * std::max({in, H_ * D_, C})) + buffer_bytes(2 * std::max(C, std::max(H_, K_) * D_));
+    }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
@@ -584,134 +596,40 @@ class Llama final : public Model {
         b.params.push_back({m + ".lora_B.weight", {site.out, r}, Init::kZeros});
       }
       specs_.push_back(std::move(b));
+      lora_groups_.emplace_back();
+      for (int g = 0; g < kLoraGroupCount; ++g) lora_groups_.back()[static_cast<size_t>(g)] = lora_group(l, g);
     }
   }
-  // Note [LoRA by groups]
-  // The targets that adapt one zinc weight form a group: q, k and v (the
-  // fused q|k|v), o, gate and up (the fused gate|up), down. A group's
-  // adapters run as one: U = x [A_1; A_2; ...]^T (N, n r), then the whole
-  // fused output += scale * U Bbd^T with Bbd the group's B's placed
-  // block-diagonally (each B_t at its target's rows and its own r columns,
-  // zeros elsewhere). One pass over the fused output instead of a column
-  // copy, an accumulate and a copy back per target; the zeros cost n times
-  // the adapters' r-wide products, which are small beside the base's. In
-  // backward the same shapes give dBbd = scale dy^T U and dA = dU^T x whole
-  // (their blocks added to each target's gradients), dU = scale dy Bbd and
-  // dx += dU [A_1; ...] in one product each.
-  struct LoraGroup {
-    int first = 0, count = 0;  // its targets [first, first + count)
-  };
-  static constexpr LoraGroup kLoraGroups[] = {{kLoraQ, 3}, {kLoraO, 1}, {kLoraGate, 2}, {kLoraDown, 1}};
+  // LoRA's groups (Note [LoRA by groups] in models/detail/lora.h): q|k|v,
+  // o, gate|up, down, each with its first target's index (U's columns in
+  // LlamaLayerActs::lora_u start there).
   enum { kGroupQkv, kGroupO, kGroupGateUp, kGroupDown, kLoraGroupCount };
-  // The group's adapted targets in layer l (at most its count).
-  std::vector<int> lora_members(int64_t l, int g) const {
-    std::vector<int> out;
+  static constexpr int kGroupFirst[kLoraGroupCount] = {kLoraQ, kLoraO, kLoraGate, kLoraDown};
+  static constexpr int kGroupCount[kLoraGroupCount] = {3, 1, 2, 1};
+  // Layer l's group g: its adapted targets with their rows.
+  detail::LoraGroup lora_group(int64_t l, int g) const {
     const LayerIdx& ix = idx_[static_cast<size_t>(l)];
-    for (int t = kLoraGroups[g].first; t < kLoraGroups[g].first + kLoraGroups[g].count; ++t)
-      if (ix.lora_a[t] >= 0) out.push_back(t);
+    detail::LoraGroup out;
+    for (int t = kGroupFirst[g]; t < kGroupFirst[g] + kGroupCount[g]; ++t) {
+      const LoraSite site = lora_site(t);
+      out.in = site.in;
+      out.width = site.width;
+      if (ix.lora_a[t] >= 0) out.members.push_back({ix.lora_a[t], ix.lora_b[t], site.col, site.out});
+    }
     return out;
   }
-  // A view of a compute-dtype parameter as fp32 (itself, or widened into
-  // scratch at `at`), marked exact in the compute dtype.
-  CView lora_f32(CView p, int64_t n, float* at, DType dt) {
-    if (p.dtype == DType::kF32) return p;
-    ops_->to_f32(at, p, n);
-    return CView{at, DType::kF32, is_16bit(dt)};
-  }
-  // The group's stacked A (n r, in) and block-diagonal B (width, n r) as
-  // matmul operands: the parameters themselves for a one-member group
-  // spanning its weight, else built in lora_ag_ and lora_bbd_.
-  std::pair<CView, CView> lora_operands(const HeldParams& lp, int64_t l, const std::vector<int>& m, DType dt) {
-    const LayerIdx& ix = idx_[static_cast<size_t>(l)];
-    const int64_t r = c_.lora.r, n = static_cast<int64_t>(m.size());
-    const LoraSite s0 = lora_site(m[0]);
-    if (n == 1 && s0.out == s0.width) return {lp[ix.lora_a[m[0]]], lp[ix.lora_b[m[0]]]};
-    float* ag = lora_ag_.as<float>();
-    float* bbd = lora_bbd_.as<float>();
-    float* wide = lora_wide_.as<float>();
-    ops_->zero(bbd, s0.width * n * r);
-    for (int64_t j = 0; j < n; ++j) {
-      const int t = m[static_cast<size_t>(j)];
-      const LoraSite site = lora_site(t);
-      const CView a = lora_f32(lp[ix.lora_a[t]], r * site.in, wide, dt);
-      ops_->copy_columns(ag + j * r * site.in, site.in, static_cast<const float*>(a.data), site.in, r, site.in);
-      const CView b = lora_f32(lp[ix.lora_b[t]], site.out * r, wide, dt);
-      ops_->copy_columns(bbd + site.col * n * r + j * r, n * r, static_cast<const float*>(b.data), r, site.out, r);
-    }
-    return {CView{ag, DType::kF32, is_16bit(dt)}, CView{bbd, DType::kF32, is_16bit(dt)}};
-  }
-  // The fused output `dst` (N rows of the group's weight's width) =
-  // scale * (x A^T) Bbd^T, written before the base's product, which then
-  // adds itself in its own pass (one pass over the output less than adding
-  // the adapters after it); U = x A^T stays in `a` for backward. Returns
-  // whether it wrote dst (false: no adapter here).
   bool lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int g, CView x, float* dst, int64_t N,
                     DType dt) {
     if (!lp) return false;
-    const std::vector<int> m = lora_members(l, g);
-    if (m.empty()) return false;
-    const int64_t r = c_.lora.r, nr = static_cast<int64_t>(m.size()) * r;
-    const LoraSite s0 = lora_site(m[0]);
-    const auto [A, Bbd] = lora_operands(*lp, l, m, dt);
-    float* u = a.lora_u.as<float>() + kLoraGroups[g].first * N * r;
-    detail::linear_forward(*ops_, u, x, A, CView{}, N, s0.in, nr, dt);
-    a.lora_u_in[g] = ops_->matmul_input(u, N * nr, dt, a.lora_u16[g]);
-    kernels::MatmulDesc d = detail::forward_desc(N, nr, s0.width, false, dt);
-    d.alpha = c_.lora.scale();
-    ops_->matmul(d, a.lora_u_in[g], Bbd, dst);
-    return true;
+    float* u = a.lora_u.as<float>() + kGroupFirst[g] * N * c_.lora.r;
+    return detail::lora_forward(*ops_, lora_scratch_, *lp, lora_groups_[static_cast<size_t>(l)][g], c_.lora.r,
+                                c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[g]);
   }
-  // y (N, out) = x W^T + b, or += with accumulate (LoRA's part already in y).
-  void project(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out, DType dt, bool accumulate) {
-    kernels::MatmulDesc d = detail::forward_desc(N, in, out, b.data != nullptr, dt);
-    d.accumulate = accumulate;
-    ops_->matmul(d, x, w, y, b);
-  }
-  // Backward of group g from dy_in (the gradient of the whole fused output
-  // as the matmuls read it): the adapters' gradients into lg, and dx (N,
-  // in) = the adapters' part of the input's gradient, written before the
-  // base's part adds itself (as in forward). Returns whether it wrote dx.
   bool lora_backward(const HeldParams* lp, const BlockGrads& lg, LlamaLayerActs& a, int64_t l, int g, CView x,
                      CView dy_in, float* dx, int64_t N, DType dt) {
     if (!lp) return false;
-    const std::vector<int> m = lora_members(l, g);
-    if (m.empty()) return false;
-    const LayerIdx& ix = idx_[static_cast<size_t>(l)];
-    const int64_t r = c_.lora.r, n = static_cast<int64_t>(m.size()), nr = n * r;
-    const LoraSite s0 = lora_site(m[0]);
-    const int64_t W = s0.width, in = s0.in;
-    const float s = c_.lora.scale();
-    const auto [A, Bbd] = lora_operands(*lp, l, m, dt);
-    const bool direct = n == 1 && s0.out == W;  // B's and A's gradients are the products themselves
-    // dBbd = s dy^T U
-    kernels::MatmulDesc db = detail::weight_grad_desc(N, nr, W, dt);
-    db.alpha = s;
-    db.accumulate = direct;
-    float* dbbd = direct ? lg[ix.lora_b[m[0]]] : lora_dbbd_.as<float>();
-    ops_->matmul(db, dy_in, a.lora_u_in[g], dbbd);
-    // dU = s dy Bbd
-    kernels::MatmulDesc du = detail::input_grad_desc(N, nr, W, dt);
-    du.alpha = s;
-    ops_->matmul(du, dy_in, Bbd, lora_du_.as<float>());
-    const CView du_in = ops_->matmul_input(lora_du_.as<float>(), N * nr, dt, lora_du16_);
-    // dA = dU^T x
-    kernels::MatmulDesc da = detail::weight_grad_desc(N, in, nr, dt);
-    da.accumulate = direct;
-    float* dag = direct ? lg[ix.lora_a[m[0]]] : lora_dag_.as<float>();
-    ops_->matmul(da, du_in, x, dag);
-    // dx = dU A
-    ops_->matmul(detail::input_grad_desc(N, in, nr, dt), du_in, A, dx);
-    if (direct) return true;
-    // Each target's blocks of dBbd and dA, added to its gradients.
-    float* blk = lora_wide_.as<float>();
-    for (int64_t j = 0; j < n; ++j) {
-      const int t = m[static_cast<size_t>(j)];
-      const LoraSite site = lora_site(t);
-      ops_->copy_columns(blk, r, dbbd + site.col * nr + j * r, nr, site.out, r);
-      ops_->add(lg[ix.lora_b[t]], lg[ix.lora_b[t]], blk, site.out * r);
-      ops_->add(lg[ix.lora_a[t]], lg[ix.lora_a[t]], dag + j * r * in, r * in);
-    }
-    return true;
+    return detail::lora_backward(*ops_, lora_scratch_, *lp, lg, lora_groups_[static_cast<size_t>(l)][g], c_.lora.r,
+                                 c_.lora.scale(), x, a.lora_saved[g], dy_in, dx, N, dt);
   }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
@@ -724,7 +642,7 @@ class Llama final : public Model {
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
     const bool qkv_adapted = lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);
-    project(proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, qkv_adapted);
+    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, qkv_adapted);
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
@@ -749,7 +667,8 @@ class Llama final : public Model {
       return;
     }
     const bool gu_adapted = lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
-    project(a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt, gu_adapted);
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt,
+                           gu_adapted);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
     auto down_lora = [&](float* y) { return lora_forward(lp, a, l, kGroupDown, a.act_in, y, N, dt); };
@@ -883,9 +802,9 @@ class Llama final : public Model {
                       float* out, int64_t N, DType dt, Adapt&& adapt) {
     const int64_t C = c_.hidden_size;
     if (post < 0) {
-      project(out, in, p[w], bias(p, b), N, in_w, C, dt, adapt(out));
+      detail::linear_forward(*ops_, out, in, p[w], bias(p, b), N, in_w, C, dt, adapt(out));
     } else {
-      project(raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt, adapt(raw.as<float>()));
+      detail::linear_forward(*ops_, raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt, adapt(raw.as<float>()));
       ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
     }
     if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
@@ -1048,15 +967,9 @@ class Llama final : public Model {
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
       for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
-      // Note [LoRA by groups]: the widest group is q|k|v's or gate|up's.
-      const size_t W = std::max(static_cast<size_t>((H_ + 2 * K_) * D_), static_cast<size_t>(GU_));
-      const size_t in = std::max(C, I), out = std::max({static_cast<size_t>(H_ * D_), I, C});
-      lora_du_ = ops_->alloc_f32(N * 3 * r);
-      lora_ag_ = ops_->alloc_f32(3 * r * in);
-      lora_bbd_ = ops_->alloc_f32(W * 3 * r);
-      lora_dbbd_ = ops_->alloc_f32(W * 3 * r);
-      lora_dag_ = ops_->alloc_f32(3 * r * in);
-      lora_wide_ = ops_->alloc_f32(r * std::max(in, out));
+      std::vector<detail::LoraGroup> all;
+      for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
+      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
       sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
     }
@@ -1096,12 +1009,11 @@ class Llama final : public Model {
   Buf qk_scratch_;  // qk_norm: two (N, max(H,K)*D) scratch halves
   Buf branch_;      // residual_multiplier: (N,C) a branch's scaled gradient
   Buf dy16_;
-  // LoRA: dU (N, n r) of a group and its 16-bit copy; the frozen norms'
-  // weight gradients (two halves).
-  Buf lora_du_, lora_du16_, sink_;
-  // Note [LoRA by groups]: a group's stacked A and block-diagonal B, their
-  // gradients, and one parameter widened to fp32.
-  Buf lora_ag_, lora_bbd_, lora_dbbd_, lora_dag_, lora_wide_;
+  // LoRA: each layer's groups and their shared scratch (models/detail/lora.h);
+  // the frozen norms' weight gradients (two halves).
+  std::vector<std::array<detail::LoraGroup, 4>> lora_groups_;
+  detail::LoraScratch lora_scratch_;
+  Buf sink_;
   int64_t sink_half_ = 0;
   CView lnf_in_;
   Buf lnf_16_;

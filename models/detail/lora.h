@@ -1,0 +1,168 @@
+// zinc models, private: LoRA adapters on a model's linear layers (models.h's
+// LoraConfig), shared by the families that take them.
+//
+// Note [LoRA by groups]
+// The targets that adapt one zinc weight form a group: q, k and v of a
+// fused q|k|v, gate and up of a fused gate|up, or one module alone. A
+// group's adapters run as one: U = x [A_1; A_2; ...]^T (N, n r), then the
+// whole output of the weight = scale * U Bbd^T with Bbd the group's B's
+// placed block-diagonally (each B_t at its target's rows and its own r
+// columns, zeros elsewhere), written before the base's product adds itself
+// (one pass over the output, where a column copy, an accumulate and a copy
+// back per target took three). The zeros cost n times the adapters' r-wide
+// products, small beside the base's. In backward the same shapes give dBbd =
+// scale dy^T U and dA = dU^T x whole (their blocks added to each target's
+// gradients), dU = scale dy Bbd and dx = dU [A_1; ...] (before the base's
+// input gradient adds itself) in one product each. A one-member group
+// spanning its weight uses A and B themselves and their gradients directly.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "engine/model.h"
+#include "models/detail/linear.h"
+#include "models/detail/ops.h"
+
+namespace zinc::models::detail {
+
+// One target of a group: A's and B's indices in the layer's adapter block,
+// and the rows of the group's weight its B covers.
+struct LoraMember {
+  int a = -1, b = -1;
+  int64_t row = 0, rows = 0;
+};
+// A group: the input width, the weight's rows (the output's width) and its
+// adapted targets (none: nothing to do).
+struct LoraGroup {
+  int64_t in = 0, width = 0;
+  std::vector<LoraMember> members;
+};
+
+// What a group's forward keeps for its backward: U and what B's products read of it.
+struct LoraSaved {
+  CView u_in;
+  Buf u16;
+};
+
+// The scratch every group of a model shares (sized by ensure for the largest).
+class LoraScratch {
+ public:
+  void ensure(Ops& ops, int64_t N, int64_t r, const std::vector<LoraGroup>& groups) {
+    int64_t in = 0, width = 0, n = 0, out = 0;
+    for (const LoraGroup& g : groups) {
+      in = std::max(in, g.in);
+      width = std::max(width, g.width);
+      n = std::max<int64_t>(n, static_cast<int64_t>(g.members.size()));
+      for (const LoraMember& m : g.members) out = std::max(out, m.rows);
+    }
+    if (N == N_ && r == r_ && in == in_ && width == width_ && n == n_ && out == out_) return;
+    N_ = N, r_ = r, in_ = in, width_ = width, n_ = n, out_ = out;
+    const size_t nr = static_cast<size_t>(n * r);
+    du = ops.alloc_f32(static_cast<size_t>(N) * nr);
+    ag = ops.alloc_f32(nr * static_cast<size_t>(in));
+    dag = ops.alloc_f32(nr * static_cast<size_t>(in));
+    bbd = ops.alloc_f32(static_cast<size_t>(width) * nr);
+    dbbd = ops.alloc_f32(static_cast<size_t>(width) * nr);
+    wide = ops.alloc_f32(static_cast<size_t>(r * std::max(in, out)));
+  }
+  Buf du, du16, ag, dag, bbd, dbbd, wide;
+
+ private:
+  int64_t N_ = -1, r_ = -1, in_ = -1, width_ = -1, n_ = -1, out_ = -1;
+};
+
+// The (N, n r) bytes a group's U takes (ActivationMemory).
+inline int64_t lora_u_bytes(int64_t N, int64_t r, const LoraGroup& g, DType dt) {
+  const int64_t n = N * r * static_cast<int64_t>(g.members.size());
+  return buffer_bytes(n) + matmul_input_bytes(n, dt);
+}
+
+namespace lora_impl {
+// A compute-dtype parameter as fp32: itself, or widened into `at`, marked
+// exact in the compute dtype.
+inline CView as_f32(Ops& ops, CView p, int64_t n, float* at, DType dt) {
+  if (p.dtype == DType::kF32) return p;
+  ops.to_f32(at, p, n);
+  return CView{at, DType::kF32, is_16bit(dt)};
+}
+inline bool direct(const LoraGroup& g) { return g.members.size() == 1 && g.members[0].rows == g.width; }
+// The group's stacked A (n r, in) and block-diagonal B (width, n r).
+inline std::pair<CView, CView> operands(Ops& ops, LoraScratch& s, const HeldParams& lp, const LoraGroup& g, int64_t r,
+                                        DType dt) {
+  if (direct(g)) return {lp[g.members[0].a], lp[g.members[0].b]};
+  const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r;
+  float* ag = s.ag.as<float>();
+  float* bbd = s.bbd.as<float>();
+  float* wide = s.wide.as<float>();
+  ops.zero(bbd, g.width * nr);
+  for (int64_t j = 0; j < n; ++j) {
+    const LoraMember& m = g.members[static_cast<size_t>(j)];
+    const CView a = as_f32(ops, lp[m.a], r * g.in, wide, dt);
+    ops.copy_columns(ag + j * r * g.in, g.in, static_cast<const float*>(a.data), g.in, r, g.in);
+    const CView b = as_f32(ops, lp[m.b], m.rows * r, wide, dt);
+    ops.copy_columns(bbd + m.row * nr + j * r, nr, static_cast<const float*>(b.data), r, m.rows, r);
+  }
+  return {CView{ag, DType::kF32, is_16bit(dt)}, CView{bbd, DType::kF32, is_16bit(dt)}};
+}
+}  // namespace lora_impl
+
+// dst (N, g.width) = scale * (x A^T) Bbd^T, before the base's product adds
+// itself; U goes to u (N, n r) and `saved`. Returns whether it wrote dst
+// (false: the group adapts nothing).
+inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const LoraGroup& g, int64_t r, float scale,
+                         CView x, float* dst, int64_t N, DType dt, float* u, LoraSaved& saved) {
+  if (g.members.empty()) return false;
+  const int64_t nr = static_cast<int64_t>(g.members.size()) * r;
+  const auto [A, Bbd] = lora_impl::operands(ops, s, lp, g, r, dt);
+  linear_forward(ops, u, x, A, CView{}, N, g.in, nr, dt);
+  saved.u_in = ops.matmul_input(u, N * nr, dt, saved.u16);
+  kernels::MatmulDesc d = forward_desc(N, nr, g.width, false, dt);
+  d.alpha = scale;
+  ops.matmul(d, saved.u_in, Bbd, dst);
+  return true;
+}
+
+// Backward from dy_in (the gradient of the group's whole output as the
+// matmuls read it): the adapters' gradients into lg, and dx (N, g.in) =
+// the adapters' part of the input's gradient, before the base's part adds
+// itself. Returns whether it wrote dx.
+inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const BlockGrads& lg, const LoraGroup& g,
+                          int64_t r, float scale, CView x, const LoraSaved& saved, CView dy_in, float* dx, int64_t N,
+                          DType dt) {
+  if (g.members.empty()) return false;
+  const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r, W = g.width, in = g.in;
+  const auto [A, Bbd] = lora_impl::operands(ops, s, lp, g, r, dt);
+  const bool direct = lora_impl::direct(g);
+  // dBbd = s dy^T U
+  kernels::MatmulDesc db = weight_grad_desc(N, nr, W, dt);
+  db.alpha = scale;
+  db.accumulate = direct;
+  float* dbbd = direct ? lg[g.members[0].b] : s.dbbd.as<float>();
+  ops.matmul(db, dy_in, saved.u_in, dbbd);
+  // dU = s dy Bbd
+  kernels::MatmulDesc du = input_grad_desc(N, nr, W, dt);
+  du.alpha = scale;
+  ops.matmul(du, dy_in, Bbd, s.du.as<float>());
+  const CView du_in = ops.matmul_input(s.du.as<float>(), N * nr, dt, s.du16);
+  // dA = dU^T x
+  kernels::MatmulDesc da = weight_grad_desc(N, in, nr, dt);
+  da.accumulate = direct;
+  float* dag = direct ? lg[g.members[0].a] : s.dag.as<float>();
+  ops.matmul(da, du_in, x, dag);
+  // dx = dU A
+  ops.matmul(input_grad_desc(N, in, nr, dt), du_in, A, dx);
+  if (direct) return true;
+  // Each target's blocks of dBbd and dA, added to its gradients.
+  float* blk = s.wide.as<float>();
+  for (int64_t j = 0; j < n; ++j) {
+    const LoraMember& m = g.members[static_cast<size_t>(j)];
+    ops.copy_columns(blk, r, dbbd + m.row * nr + j * r, nr, m.rows, r);
+    ops.add(lg[m.b], lg[m.b], blk, m.rows * r);
+    ops.add(lg[m.a], lg[m.a], dag + j * r * in, r * in);
+  }
+  return true;
+}
+
+}  // namespace zinc::models::detail
