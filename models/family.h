@@ -122,8 +122,12 @@ class FamilyConfig {
   // frozen, one adapter block per layer named "<layer block>.lora" with
   // PEFT's tensor names). Families that take none throw ConfigError at
   // model.lora naming why.
+  // set_lora resolves target_modules (all-linear, PEFT's default for an
+  // empty list) into the family's module names in model order.
   virtual void set_lora(const LoraConfig& lora);
   virtual const LoraConfig& lora() const;
+  // Whether PEFT's adapter_config.json says fan_in_fan_out (Conv1D layers).
+  virtual bool lora_fan_in_fan_out() const { return false; }
   // PEFT's merge_and_unload: block `block`'s flat fp32 weights (`flat`, in
   // its BlockLayout) plus scale * B A of each adapter in `adapter_flat`,
   // the flat weights of its adapter block `adapter` (both blocks of
@@ -131,6 +135,14 @@ class FamilyConfig {
   virtual void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
                           const std::vector<float>& adapter_flat) const;
 };
+
+// `lora` with its target_modules resolved for a family whose linear
+// modules are `modules` (in model order) and whose PEFT default is
+// `defaults`: all-linear is every module, an empty list the defaults, any
+// other list ordered as the model orders it (names the family lacks kept at
+// the end, for its size rules to name).
+LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>& modules,
+                                const std::vector<std::string>& defaults);
 
 // The suffix of an adapter block's name: "layers.3.lora" adapts "layers.3",
 // whose tensors PEFT names "base_model.model." + the module's path.

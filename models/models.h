@@ -73,7 +73,9 @@ struct RopeScaling {
 // gains scale() * B (A x), A of (r, in) and B of (out, r), while every
 // weight of the base model is frozen (BlockSpec::frozen). targets holds the
 // modules as transformers names them (q_proj, k_proj, ...), in the model's
-// order. r == 0: no adapters.
+// order (as given, or {kAllLinear}, until the family resolves them; empty:
+// the family's default, PEFT's). r == 0: no adapters.
+inline constexpr const char* kAllLinear = "all-linear";  // target_modules: every linear layer but the head
 struct LoraConfig {
   int64_t r = 0;
   double alpha = 8.0;

@@ -15,6 +15,7 @@
 // several architectures.
 #include "models/family.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -118,6 +119,26 @@ int64_t ConfigDoc::to_int(const nlohmann::json& v, const std::string& k) const {
     if (std::isfinite(d) && d == std::trunc(d) && d >= -9.2e18 && d <= 9.2e18) return static_cast<int64_t>(d);
   }
   fail(k, "expected an integer, got " + v.dump());
+}
+
+LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>& modules,
+                                const std::vector<std::string>& defaults) {
+  const std::vector<std::string>& t = lora.targets;
+  if (t.empty()) {
+    lora.targets = defaults;
+    return lora;
+  }
+  if (t.size() == 1 && t[0] == kAllLinear) {
+    lora.targets = modules;
+    return lora;
+  }
+  std::vector<std::string> ordered;
+  for (const std::string& m : modules)
+    if (std::find(t.begin(), t.end(), m) != t.end()) ordered.push_back(m);
+  for (const std::string& m : t)
+    if (std::find(modules.begin(), modules.end(), m) == modules.end()) ordered.push_back(m);
+  lora.targets = ordered;
+  return lora;
 }
 
 void FamilyConfig::set_lora(const LoraConfig& lora) {

@@ -50,27 +50,20 @@ void parse_lora(Reader& model, models::LoraConfig& l) {
                                      "starts A Kaiming-uniform and B at zero, as PEFT does");
   if (const nlohmann::json* mts = r.find("modules_to_save"); mts && !mts->is_null() && !(mts->is_array() && mts->empty()))
     throw ConfigError(r.last_path(), "training whole modules beside the adapters is not implemented yet");
-  l.targets = {"q_proj", "v_proj"};
+  l.targets = {};  // PEFT's default for the family (FamilyConfig::set_lora)
   if (const nlohmann::json* tm = r.find("target_modules")) {
     const std::string at = r.last_path();
     l.targets.clear();
-    if (tm->is_string() && tm->get<std::string>() == "all-linear") {
-      l.targets = lora_linear_modules();
+    // The names are checked by the model's family (FamilyConfig::set_lora
+    // and its size rules), which knows its modules and orders them.
+    if (tm->is_string() && tm->get<std::string>() == models::kAllLinear) {
+      l.targets = {models::kAllLinear};
     } else if (tm->is_array() && !tm->empty()) {
       for (const nlohmann::json& t : *tm) {
         if (!t.is_string()) throw ConfigError(at, "expected module names, got " + t.dump());
         const std::string name = t.get<std::string>();
-        const std::vector<std::string>& all = lora_linear_modules();
-        if (std::find(all.begin(), all.end(), name) == all.end())
-          throw ConfigError(at, "\"" + name + "\" is not a linear layer zinc adapts (q_proj, k_proj, v_proj, "
-                                "o_proj, gate_proj, up_proj, down_proj, or \"all-linear\")");
         if (std::find(l.targets.begin(), l.targets.end(), name) == l.targets.end()) l.targets.push_back(name);
       }
-      // The model's order.
-      std::vector<std::string> ordered;
-      for (const std::string& m : lora_linear_modules())
-        if (std::find(l.targets.begin(), l.targets.end(), m) != l.targets.end()) ordered.push_back(m);
-      l.targets = ordered;
     } else {
       throw ConfigError(at, "expected a list of module names or \"all-linear\", got " + tm->dump());
     }

@@ -260,7 +260,12 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
   if (lora.enabled()) {
     std::unique_ptr<models::FamilyConfig> fc = cfg.model->clone();
     fc->set_lora(lora);  // a family without LoRA throws at model.lora
-    if (auto bad = fc->size_error()) throw ConfigError("model." + bad->field, bad->message);
+    if (auto bad = fc->size_error()) {
+      // An adapter folder's configuration is its adapter_config.json's (PEFT's key names).
+      if (!adapter_dir.empty() && bad->field.rfind("lora.", 0) == 0)
+        throw Error(adapter_dir + "/" + kAdapterConfigFile + ": " + bad->field.substr(5) + ": " + bad->message);
+      throw ConfigError("model." + bad->field, bad->message);
+    }
     inner = fc->build(device, gradient_checkpointing);
   } else {
     ZINC_CHECK(adapter_dir.empty(), "load_pretrained: an adapter folder needs its LoRA configuration");

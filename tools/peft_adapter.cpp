@@ -17,12 +17,6 @@
 
 namespace zinc::tools {
 
-const std::vector<std::string>& lora_linear_modules() {
-  static const std::vector<std::string> kAll = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                "gate_proj", "up_proj", "down_proj"};
-  return kAll;
-}
-
 models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const std::string& path) {
   auto fail = [&](const std::string& key, const std::string& what) -> void {
     throw Error(path + ": " + key + ": " + what);
@@ -45,11 +39,12 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   }
   if (!has("target_modules")) fail("target_modules", "missing");
   const nlohmann::json& tm = doc["target_modules"];
+  // The names are the model family's to check and order (FamilyConfig::set_lora).
   if (tm.is_string()) {
-    if (tm.get<std::string>() != "all-linear")
+    if (tm.get<std::string>() != models::kAllLinear)
       fail("target_modules", "a regular expression (" + tm.dump() + ") is not taken; list the module names");
-    l.targets = lora_linear_modules();
-  } else if (tm.is_array()) {
+    l.targets = {models::kAllLinear};
+  } else if (tm.is_array() && !tm.empty()) {
     for (const nlohmann::json& t : tm) {
       if (!t.is_string()) fail("target_modules", "expected module names, got " + t.dump());
       l.targets.push_back(t.get<std::string>());
@@ -57,18 +52,11 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   } else {
     fail("target_modules", "expected a list of module names or \"all-linear\", got " + tm.dump());
   }
-  // The model's order, whatever order PEFT wrote its set in.
-  std::vector<std::string> ordered;
-  for (const std::string& m : lora_linear_modules())
-    if (std::find(l.targets.begin(), l.targets.end(), m) != l.targets.end()) ordered.push_back(m);
-  for (const std::string& t : l.targets)
-    if (std::find(ordered.begin(), ordered.end(), t) == ordered.end())
-      fail("target_modules", "\"" + t + "\" is not a linear layer zinc adapts (q_proj, k_proj, v_proj, o_proj, "
-                             "gate_proj, up_proj, down_proj)");
-  l.targets = ordered;
   if (has("bias") && doc["bias"] != "none")
     fail("bias", doc["bias"].dump() + ": only \"none\" (trained biases are not implemented)");
-  for (const char* k : {"use_dora", "fan_in_fan_out", "lora_bias"})
+  // fan_in_fan_out says how the base's weights are laid out (GPT-2's
+  // Conv1D): the family's tensor map knows that; the adapters are the same.
+  for (const char* k : {"use_dora", "lora_bias"})
     if (has(k) && doc[k] != false) fail(k, doc[k].dump() + " is not implemented (DoRA, Conv1D layouts, LoRA biases)");
   for (const char* k : {"layers_to_transform", "modules_to_save", "layer_replication", "trainable_token_indices"})
     if (has(k) && !(doc[k].is_array() && doc[k].empty()))
@@ -95,7 +83,7 @@ models::LoraConfig read_peft_adapter_config(const std::string& dir) {
   return parse_peft_adapter_config(parse_json_text(text, path), path);
 }
 
-nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base) {
+nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base, bool fan_in_fan_out) {
   return {{"peft_type", "LORA"},
           {"task_type", "CAUSAL_LM"},
           {"base_model_name_or_path", base.empty() ? nlohmann::json(nullptr) : nlohmann::json(base)},
@@ -105,7 +93,7 @@ nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const st
           {"use_rslora", lora.rslora},
           {"target_modules", lora.targets},
           {"bias", "none"},
-          {"fan_in_fan_out", false},
+          {"fan_in_fan_out", fan_in_fan_out},
           {"init_lora_weights", true},
           {"inference_mode", true},
           {"modules_to_save", nullptr},
@@ -156,7 +144,7 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
   w->finish();
   result.bytes = w->data_bytes();
   ckpt::write_file_atomic((fs::path(folder->staging()) / kAdapterConfigFile).string(),
-                          peft_adapter_config_json(lora, opts.base_model).dump(2) + "\n");
+                          peft_adapter_config_json(lora, opts.base_model, cfg.model->lora_fan_in_fan_out()).dump(2) + "\n");
   folder->commit([](const std::string& name) {
     return name == kAdapterConfigFile || name == kAdapterWeightsFile || name == "adapter_model.bin";
   });

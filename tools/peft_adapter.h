@@ -18,10 +18,6 @@ inline constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
 // base_model (the LoraModel), then its model (the ...ForCausalLM).
 inline constexpr const char* kPeftPrefix = "base_model.model.";
 
-// The linear layers LoRA adapts in the Llama-style families, as PEFT names
-// their modules; "all-linear" means these.
-const std::vector<std::string>& lora_linear_modules();
-
 // An adapter_config.json document (`path` names it in errors) as a
 // LoraConfig. Throws zinc::Error "PATH: KEY: what" for a configuration zinc
 // cannot reproduce: another peft_type, DoRA, biases, per-layer ranks or
@@ -32,8 +28,9 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
 models::LoraConfig read_peft_adapter_config(const std::string& dir);
 
 // adapter_config.json for `lora` as PEFT writes it (PEFT's LoraConfig keys;
-// base: the base model's folder, or empty).
-nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base);
+// base: the base model's folder, or empty; fan_in_fan_out: the base's
+// layers are Conv1D, GPT-2's).
+nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const std::string& base, bool fan_in_fan_out);
 
 struct PeftExportOptions {
   std::string out_dir;  // created if missing

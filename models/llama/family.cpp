@@ -34,7 +34,11 @@ class Config final : public FamilyConfig {
   int64_t hidden_size() const override { return c_.hidden_size; }
   bool tied_head() const override { return c_.tie_word_embeddings; }
   void untie_head(const std::string&) override { c_.tie_word_embeddings = false; }
-  void set_lora(const LoraConfig& lora) override { c_.lora = lora; }
+  void set_lora(const LoraConfig& lora) override {
+    // PEFT's default for the Llama family: q_proj and v_proj.
+    c_.lora = resolve_lora_targets(lora, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+                                   {"q_proj", "v_proj"});
+  }
   const LoraConfig& lora() const override { return c_.lora; }
   void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
                   const std::vector<float>& adapter_flat) const override {
