@@ -144,6 +144,10 @@ class FamilyConfig {
 LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>& modules,
                                 const std::vector<std::string>& defaults);
 
+// PEFT's merge of one adapter: w (rows, in) += scale * (B @ A), B (rows, r)
+// and A (r, in), the product summed in fp32 as PEFT's get_delta_weight does.
+void add_lora_delta(float* w, const float* A, const float* B, int64_t rows, int64_t in, int64_t r, float scale);
+
 // The suffix of an adapter block's name: "layers.3.lora" adapts "layers.3",
 // whose tensors PEFT names "base_model.model." + the module's path.
 inline constexpr const char* kAdapterBlockSuffix = ".lora";

@@ -29,6 +29,28 @@
 
 namespace zinc::models {
 
+// LoRA adapters (PEFT's LoraConfig): every targeted linear layer y = W x
+// gains scale() * B (A x), A of (r, in) and B of (out, r), while every
+// weight of the base model is frozen (BlockSpec::frozen). targets holds the
+// modules as transformers names them (q_proj, k_proj, ...), in the model's
+// order (as given, or {kAllLinear}, until the family resolves them; empty:
+// the family's default, PEFT's). r == 0: no adapters.
+inline constexpr const char* kAllLinear = "all-linear";  // target_modules: every linear layer but the head
+struct LoraConfig {
+  int64_t r = 0;
+  double alpha = 8.0;
+  bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  std::vector<std::string> targets;
+  bool enabled() const { return r > 0; }
+  bool targets_module(const std::string& m) const {
+    for (const std::string& t : targets)
+      if (t == m) return true;
+    return false;
+  }
+  float scale() const;
+  bool operator==(const LoraConfig&) const = default;
+};
+
 struct GptConfig {
   int64_t vocab_size = 256;
   int64_t block_size = 256;  // max sequence length (rows of wpe)
@@ -45,6 +67,9 @@ struct GptConfig {
   // Where forward and backward run (zinc-train: the config's "device"). kCuda
   // needs a CUDA build and a GPU; make_gpt throws naming the reason otherwise.
   Device device = Device::kCpu;
+  // LoRA on c_attn, c_proj (attention's and the MLP's) and c_fc: adapter
+  // blocks "h.L.lora" after ln_f, every other block frozen.
+  LoraConfig lora;
 };
 
 // rope_scaling of a Llama-family config.json: none ("default"), "linear"
@@ -69,27 +94,6 @@ struct RopeScaling {
   bool truncate = true;
 };
 
-// LoRA adapters (PEFT's LoraConfig): every targeted linear layer y = W x
-// gains scale() * B (A x), A of (r, in) and B of (out, r), while every
-// weight of the base model is frozen (BlockSpec::frozen). targets holds the
-// modules as transformers names them (q_proj, k_proj, ...), in the model's
-// order (as given, or {kAllLinear}, until the family resolves them; empty:
-// the family's default, PEFT's). r == 0: no adapters.
-inline constexpr const char* kAllLinear = "all-linear";  // target_modules: every linear layer but the head
-struct LoraConfig {
-  int64_t r = 0;
-  double alpha = 8.0;
-  bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
-  std::vector<std::string> targets;
-  bool enabled() const { return r > 0; }
-  bool targets_module(const std::string& m) const {
-    for (const std::string& t : targets)
-      if (t == m) return true;
-    return false;
-  }
-  float scale() const;
-  bool operator==(const LoraConfig&) const = default;
-};
 
 // transformers' LlamaForCausalLM (also Mistral and Qwen2), with its
 // config.json names: RMSNorm, rotary embeddings, grouped-query attention, a

@@ -121,6 +121,18 @@ int64_t ConfigDoc::to_int(const nlohmann::json& v, const std::string& k) const {
   fail(k, "expected an integer, got " + v.dump());
 }
 
+void add_lora_delta(float* w, const float* A, const float* B, int64_t rows, int64_t in, int64_t r, float scale) {
+  std::vector<float> row(static_cast<size_t>(in));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::fill(row.begin(), row.end(), 0.0f);
+    for (int64_t k = 0; k < r; ++k) {
+      const float bik = B[i * r + k];
+      for (int64_t j = 0; j < in; ++j) row[static_cast<size_t>(j)] += bik * A[k * in + j];
+    }
+    for (int64_t j = 0; j < in; ++j) w[i * in + j] += row[static_cast<size_t>(j)] * scale;
+  }
+}
+
 LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>& modules,
                                 const std::vector<std::string>& defaults) {
   const std::vector<std::string>& t = lora.targets;

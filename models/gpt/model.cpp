@@ -1,6 +1,7 @@
 // GPT-2-style decoder over the zinc model interface. Shapes in comments:
 // B batch, T sequence, C n_embd, H heads, V vocabulary, N = B*T rows.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -9,6 +10,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "models/detail/linear.h"
+#include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/models.h"
 
@@ -25,6 +27,11 @@ enum LayerParam {
   kLn2W, kLn2B, kFcW, kFcB, kMlpProjW, kMlpProjB,
 };
 enum EmbedParam { kWte, kWpe };
+// LoRA's targets in a layer (one group each, Note [LoRA by groups]): PEFT's
+// module paths, the zinc weight each adapts, and its module name.
+enum GptLoraTarget { kGptAttn, kGptAttnProj, kGptFc, kGptMlpProj, kGptLoraTargets };
+constexpr const char* kGptLoraPaths[kGptLoraTargets] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+constexpr const char* kGptLoraModules[kGptLoraTargets] = {"c_attn", "c_proj", "c_fc", "c_proj"};
 enum NormParam { kLnfW, kLnfB };
 
 // Note [activation checkpointing]
@@ -66,6 +73,9 @@ struct LayerActs {
   CView ln1_in, att_in, ln2_in, gelu_in;
   Buf ln1_16, att_16, ln2_16, gelu_16;
   void* ws = nullptr;  // Ops::attention_create
+  // LoRA: U of each target at [t * N * r] (N, r), and what B's products read of it.
+  Buf lora_u;
+  detail::LoraSaved lora_saved[kGptLoraTargets];
 };
 
 class Gpt final : public Model {
@@ -74,7 +84,8 @@ class Gpt final : public Model {
     if (auto bad = size_error(c)) throw Error("gpt: " + bad->field + ": " + bad->message);
     const int64_t C = c.n_embd, V = c.vocab_size;
     const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
-    specs_.push_back({"embed", {{"wte", {V, C}}, {"wpe", {c.block_size, C}}}});
+    const bool frozen = c.lora.enabled();  // LoRA: the base is frozen
+    specs_.push_back({"embed", {{"wte", {V, C}}, {"wpe", {c.block_size, C}}}, frozen});
     for (int64_t l = 0; l < c.n_layer; ++l) {
       specs_.push_back({"h." + std::to_string(l),
                         {
@@ -90,9 +101,11 @@ class Gpt final : public Model {
                             {"mlp.c_fc.bias", {4 * C}, Init::kZeros},
                             {"mlp.c_proj.weight", {C, 4 * C}, Init::kNormal, resid_std},
                             {"mlp.c_proj.bias", {C}, Init::kZeros},
-                        }});
+                        },
+                        frozen});
     }
-    specs_.push_back({"ln_f", {{"weight", {C}, Init::kOnes}, {"bias", {C}, Init::kZeros}}});
+    specs_.push_back({"ln_f", {{"weight", {C}, Init::kOnes}, {"bias", {C}, Init::kZeros}}, frozen});
+    if (frozen) add_lora_blocks();
     // Note [activation checkpointing]: one shared set of layer activations
     // instead of one per layer.
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.n_layer));
@@ -143,6 +156,14 @@ class Gpt final : public Model {
     // Once: x_final lnf (not when fused) dlnf dres dsmall, dbig, lnf's statistics, logits and
     // dlogits, lnf's bf16 copy, the input tokens.
     m.saved = L * buffer_bytes(N * C) + act_sets * acts;
+    if (lora()) {
+      // Per set: U of every target and B's operands of it; once: the
+      // groups' scratch (LoraScratch, one-member groups) and the sink.
+      const int64_t r = c_.lora.r;
+      m.saved += act_sets * (buffer_bytes(N * kGptLoraTargets * r) + kGptLoraTargets * detail::matmul_input_bytes(N * r, dt)) +
+                 buffer_bytes(N * r) + detail::matmul_input_bytes(N * r, dt) + 2 * buffer_bytes(r * 4 * C) +
+                 2 * buffer_bytes(4 * C * r) + buffer_bytes(r * 4 * C) + buffer_bytes(2 * C);
+    }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) +
                2 * buffer_bytes(N * V) + matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     kernels::ScratchTally t;
@@ -180,7 +201,9 @@ class Gpt final : public Model {
     for (int64_t l = 0; l < c_.n_layer; ++l) {
       float* x_out = l + 1 < c_.n_layer ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
-      layer_forward(p, acts(l), x_in_[l].as<float>(), x_out, B, T, dt);
+      HeldParams lp;
+      if (lora()) lp = ctx.acquire(lora_block(l));
+      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
       p.release();
     }
     acts_hold_ = c_.n_layer - 1;  // the shared set (if any) holds the last layer's
@@ -207,19 +230,19 @@ class Gpt final : public Model {
 
     // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
     HeldParams emb = ctx.acquire(0);
-    BlockGrads gemb = ctx.grads(0);
-    detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), gemb[kWte], nullptr, f32(dlogits_.as<float>()), lnf_in_,
-                            emb[kWte], N, C, V, dt);
+    BlockGrads gemb = base_grads(ctx, 0);
+    detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
+                            f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, V, dt);
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
-    BlockGrads gnf = ctx.grads(norm_block);
+    BlockGrads gnf = base_grads(ctx, norm_block);
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     ops_->zero(dx, N * C);
-    ops_->layernorm_backward(dx, gnf[kLnfW], gnf[kLnfB], dlnf_.as<float>(), x_final_.as<float>(), nf[kLnfW],
-                                lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+    ops_->layernorm_backward(dx, norm_grad(gnf, kLnfW), norm_grad(gnf, kLnfB), dlnf_.as<float>(),
+                             x_final_.as<float>(), nf[kLnfW], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
     nf.release();
-    ctx.grads_ready(norm_block);
+    base_grads_ready(ctx, norm_block);
 
     float* dbig = dbig_.as<float>();   // (N,4C) scratch
     float* dsmall = dsmall_.as<float>();  // (N,C) scratch
@@ -228,38 +251,58 @@ class Gpt final : public Model {
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
+      HeldParams lp;
+      BlockGrads lg;
+      if (lora()) {
+        lp = ctx.acquire(lora_block(l));
+        lg = ctx.grads(lora_block(l));
+      }
+      const HeldParams* lpp = lora() ? &lp : nullptr;
       if (c_.gradient_checkpointing && acts_hold_ != l) {
         // Recompute the layer's activations from its saved input with the
         // same kernels on the same values (Note [activation checkpointing]);
         // its output, the next layer's input, is not needed again.
-        layer_forward(p, a, x_in, nullptr, B, T, dt);
+        layer_forward(p, a, l, x_in, nullptr, B, T, dt, lpp);
         acts_hold_ = l;
       }
-      BlockGrads g = ctx.grads(blk);
+      BlockGrads g = base_grads(ctx, blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
-      // becomes d x_mid by accumulating the branch's gradient.
-      detail::linear_backward(*ops_, dy16_, dbig, g[kMlpProjW], g[kMlpProjB], f32(dx), a.gelu_in,
-                              p[kMlpProjW], N, 4 * C, C, dt);
-      const CView dfc = ops_->gelu_backward_operand(dbig, g[kFcB], a.fc.as<float>(), dbig, N, 4 * C, dt, dy16_);
-      detail::linear_backward(*ops_, dy16_, dsmall, g[kFcW], nullptr, f32(dbig), a.ln2_in, p[kFcW], N, C,
-                              4 * C, dt, dfc);
-      ops_->layernorm_backward(dx, g[kLn2W], g[kLn2B], dsmall, a.x_mid.as<float>(), p[kLn2W],
-                                  a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
+      // becomes d x_mid by accumulating the branch's gradient. With LoRA the
+      // adapters' input gradient is written first and the base's adds itself.
+      CView dy_in = ops_->dy_operand(dx, bias_grad(g, kMlpProjB), N, C, dt, dy16_);
+      bool adapted = lora_backward(lpp, lg, a, l, kGptMlpProj, a.gelu_in, dy_in, dbig, N, dt);
+      detail::linear_backward(*ops_, dy16_, dbig, weight_grad(g, kMlpProjW), nullptr, {}, a.gelu_in, p[kMlpProjW], N,
+                              4 * C, C, dt, dy_in, adapted);
+      const CView dfc =
+          ops_->gelu_backward_operand(dbig, bias_grad(g, kFcB), a.fc.as<float>(), dbig, N, 4 * C, dt, dy16_);
+      adapted = lora_backward(lpp, lg, a, l, kGptFc, a.ln2_in, dfc, dsmall, N, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kFcW), nullptr, {}, a.ln2_in, p[kFcW], N, C,
+                              4 * C, dt, dfc, adapted);
+      ops_->layernorm_backward(dx, norm_grad(g, kLn2W), norm_grad(g, kLn2B), dsmall, a.x_mid.as<float>(), p[kLn2W],
+                               a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
-      detail::linear_backward(*ops_, dy16_, dsmall, g[kAttnProjW], g[kAttnProjB], f32(dx), a.att_in,
-                              p[kAttnProjW], N, C, C, dt);
+      dy_in = ops_->dy_operand(dx, bias_grad(g, kAttnProjB), N, C, dt, dy16_);
+      adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
+                              p[kAttnProjW], N, C, C, dt, dy_in, adapted);
       ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
-      detail::linear_backward(*ops_, dy16_, dsmall, g[kQkvW], g[kQkvB], f32(dbig), a.ln1_in, p[kQkvW], N, C,
-                              3 * C, dt);
-      ops_->layernorm_backward(dx, g[kLn1W], g[kLn1B], dsmall, x_in, p[kLn1W],
-                                  a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
+      dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * C, dt, dy16_);
+      adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dsmall, N, dt);
+      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
+                              3 * C, dt, dy_in, adapted);
+      ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],
+                               a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
       p.release();
-      ctx.grads_ready(blk);
+      base_grads_ready(ctx, blk);
+      if (lora()) {
+        lp.release();
+        ctx.grads_ready(lora_block(l));
+      }
     }
 
-    ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
+    if (!lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
     emb.release();
-    ctx.grads_ready(0);
+    base_grads_ready(ctx, 0);
   }
 
  private:
@@ -270,23 +313,90 @@ class Gpt final : public Model {
   // null, its output: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))) with x_mid
   // = x_in + proj(attn(qkv(ln1(x_in)))). Deterministic: the same parameters
   // and x_in give the same bits in `a` (the checkpointed backward relies on it).
-  void layer_forward(const HeldParams& p, LayerActs& a, const float* x_in, float* x_out, int64_t B, int64_t T,
-                     DType dt) {
+  // lp: layer l's adapter block (LoRA), or null.
+  void layer_forward(const HeldParams& p, LayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
+                     int64_t T, DType dt, const HeldParams* lp = nullptr) {
     const int64_t C = c_.n_embd, N = B * T;
     a.ln1_in = ops_->layernorm_forward_input(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
                                              x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
-    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt);
+    // With LoRA each adapter writes its part of a projection first and the
+    // projection adds itself (models/detail/lora.h).
+    bool adapted = lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt, adapted);
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
-    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt);
+    adapted = lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
+    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt, adapted);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
     a.ln2_in = ops_->layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                              a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
-    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt);
+    adapted = lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt, adapted);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C, dt, a.gelu_16);
     if (!x_out) return;
-    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt);
+    adapted = lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
+    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt, adapted);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
+  }
+
+  // ---- LoRA (LoraConfig; models/detail/lora.h) -----------------------------------
+  bool lora() const { return c_.lora.enabled(); }
+  int lora_block(int64_t l) const { return static_cast<int>(c_.n_layer + 2 + l); }
+  // A base weight's (or bias's) gradient: null when frozen (linear_backward
+  // then skips its weight-gradient matmul); a norm's goes to a sink.
+  float* bias_grad(const BlockGrads& g, int i) const { return lora() ? nullptr : g[i]; }
+  float* weight_grad(const BlockGrads& g, int i) const { return bias_grad(g, i); }
+  float* norm_grad(const BlockGrads& g, int i) { return lora() ? sink_.as<float>() + (i & 1) * c_.n_embd : g[i]; }
+  BlockGrads base_grads(StepContext& ctx, int blk) { return lora() ? BlockGrads{} : ctx.grads(blk); }
+  void base_grads_ready(StepContext& ctx, int blk) {
+    if (!lora()) ctx.grads_ready(blk);
+  }
+  // Target t's input width and output rows (its whole weight).
+  std::pair<int64_t, int64_t> lora_shape(int t) const {
+    const int64_t C = c_.n_embd;
+    switch (t) {
+      case kGptAttn: return {C, 3 * C};
+      case kGptAttnProj: return {C, C};
+      case kGptFc: return {C, 4 * C};
+      default: return {4 * C, C};
+    }
+  }
+  // One adapter block per layer, after ln_f, with PEFT's names and
+  // initialisation (A Kaiming-uniform, B zeros); each target is a group of
+  // its own (GPT-2 fuses nothing PEFT names apart).
+  void add_lora_blocks() {
+    const int64_t r = c_.lora.r;
+    for (int64_t l = 0; l < c_.n_layer; ++l) {
+      BlockSpec b{"h." + std::to_string(l) + ".lora", {}};
+      std::array<detail::LoraGroup, kGptLoraTargets> groups;
+      for (int t = 0; t < kGptLoraTargets; ++t) {
+        const auto [in, out] = lora_shape(t);
+        groups[static_cast<size_t>(t)].in = in;
+        groups[static_cast<size_t>(t)].width = out;
+        if (!c_.lora.targets_module(kGptLoraModules[t])) continue;
+        const std::string path = kGptLoraPaths[t];
+        const int a = static_cast<int>(b.params.size());
+        b.params.push_back({path + ".lora_A.weight", {r, in}, Init::kUniform,
+                            static_cast<float>(1.0 / std::sqrt(static_cast<double>(in)))});
+        b.params.push_back({path + ".lora_B.weight", {out, r}, Init::kZeros});
+        groups[static_cast<size_t>(t)].members.push_back({a, a + 1, 0, out});
+      }
+      specs_.push_back(std::move(b));
+      lora_groups_.push_back(groups);
+    }
+  }
+  bool lora_forward(const HeldParams* lp, LayerActs& a, int64_t l, int t, CView x, float* dst, int64_t N, DType dt) {
+    if (!lp) return false;
+    float* u = a.lora_u.as<float>() + t * N * c_.lora.r;
+    return detail::lora_forward(*ops_, lora_scratch_, *lp, lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(t)],
+                                c_.lora.r, c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[t]);
+  }
+  bool lora_backward(const HeldParams* lp, const BlockGrads& lg, LayerActs& a, int64_t l, int t, CView x, CView dy_in,
+                     float* dx, int64_t N, DType dt) {
+    if (!lp) return false;
+    return detail::lora_backward(*ops_, lora_scratch_, *lp, lg,
+                                 lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(t)], c_.lora.r,
+                                 c_.lora.scale(), x, a.lora_saved[t], dy_in, dx, N, dt);
   }
 
   // fused: the Ops writes ln1, ln2, gelu and lnf as bf16 operands only
@@ -319,6 +429,14 @@ class Gpt final : public Model {
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
     dbig_ = ops_->alloc_f32(N * 4 * C);
+    if (lora()) {
+      const size_t r = static_cast<size_t>(c_.lora.r);
+      for (LayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kGptLoraTargets * r);
+      std::vector<detail::LoraGroup> all;
+      for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
+      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all);
+      sink_ = ops_->alloc_f32(2 * C);
+    }
     B_ = B;
     T_ = T;
     fused_ = fused;
@@ -340,6 +458,11 @@ class Gpt final : public Model {
   Buf x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, dbig_;
   Buf dy16_;  // linear_backward's 16-bit copy of dy
+  // LoRA: each layer's groups (one target each), their shared scratch, and
+  // the frozen norms' weight and bias gradients (a sink of two halves).
+  std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> lora_groups_;
+  detail::LoraScratch lora_scratch_;
+  Buf sink_;
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
   Buf lnf_16_;
 };
@@ -358,6 +481,14 @@ std::optional<SizeError> size_error(const GptConfig& c) {
   if (c.n_embd % c.n_head != 0) {
     return SizeError{"n_embd", "must be divisible by n_head " + std::to_string(c.n_head) + ", got " +
                                    std::to_string(c.n_embd)};
+  }
+  if (c.lora.r < 0) return SizeError{"lora.r", "must be >= 1, got " + std::to_string(c.lora.r)};
+  if (c.lora.enabled()) {
+    if (c.lora.targets.empty()) return SizeError{"lora.target_modules", "names no module to adapt"};
+    for (const std::string& t : c.lora.targets)
+      if (t != "c_attn" && t != "c_proj" && t != "c_fc")
+        return SizeError{"lora.target_modules",
+                         "\"" + t + "\" is not a linear layer of GPT-2 (c_attn, c_proj, c_fc, or \"all-linear\")"};
   }
   return std::nullopt;
 }

@@ -58,16 +58,7 @@ class Config final : public FamilyConfig {
       float* w = flat.data() + lb.offsets[static_cast<size_t>(index(b, site.weight))] + site.row * site.in;
       const float* A = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_A.weight"))];
       const float* B = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_B.weight"))];
-      // PEFT's get_delta_weight: (B @ A) * scaling, added to the weight.
-      std::vector<float> row(static_cast<size_t>(site.in));
-      for (int64_t i = 0; i < site.rows; ++i) {
-        std::fill(row.begin(), row.end(), 0.0f);
-        for (int64_t k = 0; k < r; ++k) {
-          const float bik = B[i * r + k];
-          for (int64_t j = 0; j < site.in; ++j) row[static_cast<size_t>(j)] += bik * A[k * site.in + j];
-        }
-        for (int64_t j = 0; j < site.in; ++j) w[i * site.in + j] += row[static_cast<size_t>(j)] * scale;
-      }
+      add_lora_delta(w, A, B, site.rows, site.in, r, scale);
     }
   }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {

@@ -155,7 +155,7 @@ TEST_P(HfRanksLora, EveryStageTrainsTheAdaptersWithTheBaseFrozen) {
   if (rank == 0) fs::remove_all(nvme);
 }
 
-INSTANTIATE_TEST_SUITE_P(Lora, HfRanksLora, testing::Values("lora_llama", "lora_qwen2"),
+INSTANTIATE_TEST_SUITE_P(Lora, HfRanksLora, testing::Values("lora_llama", "lora_qwen2", "lora_gpt2"),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

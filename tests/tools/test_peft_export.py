@@ -60,6 +60,17 @@ def digest(stdout):
     return [l for l in stdout.splitlines() if "digest" in l]
 
 
+def test_gpt2_adapters_are_peft_conv1d_adapters(tmp_path):
+    """GPT-2's all-linear: c_attn, c_proj (the attention's and the MLP's) and c_fc, fan_in_fan_out as PEFT sets it."""
+    run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": LORA}, ("--save-adapter", str(tmp_path / "a")))
+    with open(tmp_path / "a" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    assert cfg["target_modules"] == ["c_attn", "c_proj", "c_fc"] and cfg["fan_in_fan_out"] is True
+    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert got["base_model.model.transformer.h.0.mlp.c_proj.lora_A.weight"].shape == (4, 128)
+    assert len(got) == 2 * 2 * 4  # A and B, 2 layers, 4 linear layers
+
+
 def test_adapter_folder_is_peft_and_merge_keeps_the_base(tmp_path):
     r = run(tmp_path, {"from_pretrained": BASE, "lora": LORA},
             ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
@@ -111,20 +122,22 @@ def test_lora_exports_are_refused_before_training(tmp_path):
     assert r.returncode != 0 and "model.lora.lora_dropout" in r.stderr
 
 
-def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path):
+@pytest.mark.parametrize("fixture", ["llama_gqa", "gpt2"])
+def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture):
     torch = pytest.importorskip("torch", reason="torch is not installed here (bench/peers/setup.sh has it)")
     peft = pytest.importorskip("peft", reason="peft is not installed here (bench/peers/setup.sh has it)")
     transformers = pytest.importorskip("transformers")
-    run(tmp_path, {"from_pretrained": BASE, "lora": LORA},
+    base_dir = os.path.join(FIXTURES, fixture)
+    run(tmp_path, {"from_pretrained": base_dir, "lora": LORA},
         ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
          "--save-dtype", "fp32"), bf16=True)
-    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float64, attn_implementation="eager")
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64, attn_implementation="eager")
     model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     state = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     result = peft.set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in state.items()})
     assert not result.unexpected_keys, result.unexpected_keys
     assert not [k for k in result.missing_keys if "lora_" in k], result.missing_keys
-    ids = torch.from_numpy(load_file(os.path.join(BASE, "reference.safetensors"))["input_ids"].astype(np.int64))
+    ids = torch.from_numpy(load_file(os.path.join(base_dir, "reference.safetensors"))["input_ids"].astype(np.int64))
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
         merged_ref = model.merge_and_unload().state_dict()
@@ -136,4 +149,7 @@ def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path):
     assert float((logits - adapted).abs().max()) < 1e-5
     zinc_merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     for k, v in zinc_merged.items():
-        assert float((torch.from_numpy(v).double() - merged_ref[k]).abs().max()) < 1e-6, k
+        want = merged_ref[k]
+        if want.shape != v.shape:  # GPT-2's Conv1D: the state dict's layout is the file's
+            want = want.t()
+        assert float((torch.from_numpy(v).double() - want).abs().max()) < 1e-6, k
