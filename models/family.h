@@ -147,6 +147,13 @@ LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>&
 // PEFT's merge of one adapter: w (rows, in) += scale * (B @ A), B (rows, r)
 // and A (r, in), the product summed in fp32 as PEFT's get_delta_weight does.
 void add_lora_delta(float* w, const float* A, const float* B, int64_t rows, int64_t in, int64_t r, float scale);
+// The adapter at `path` ("self_attn.q_proj") of the adapter block `adapter`
+// merged into the rows from `row` of parameter `weight` of block `block`
+// (flat vectors in their BlockLayouts); false where the adapter block has
+// no such adapter (not a target).
+bool merge_lora_module(const Model& model, int block, std::vector<float>& flat, int adapter,
+                       const std::vector<float>& adapter_flat, const std::string& weight, const std::string& path,
+                       int64_t row, float scale);
 
 // The suffix of an adapter block's name: "layers.3.lora" adapts "layers.3",
 // whose tensors PEFT names "base_model.model." + the module's path.

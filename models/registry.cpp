@@ -133,6 +133,29 @@ void add_lora_delta(float* w, const float* A, const float* B, int64_t rows, int6
   }
 }
 
+bool merge_lora_module(const Model& model, int block, std::vector<float>& flat, int adapter,
+                       const std::vector<float>& adapter_flat, const std::string& weight, const std::string& path,
+                       int64_t row, float scale) {
+  const BlockSpec& b = model.blocks()[static_cast<size_t>(block)];
+  const BlockSpec& a = model.blocks()[static_cast<size_t>(adapter)];
+  auto index = [](const BlockSpec& s, const std::string& name) {
+    for (size_t i = 0; i < s.params.size(); ++i)
+      if (s.params[i].name == name) return static_cast<int>(i);
+    return -1;
+  };
+  const int ai = index(a, path + ".lora_A.weight"), bi = index(a, path + ".lora_B.weight"), wi = index(b, weight);
+  if (ai < 0) return false;
+  if (bi < 0 || wi < 0) throw Error("merge_lora: block '" + b.name + "' has no " + weight + " for " + path);
+  const BlockLayout lb = BlockLayout::from_spec(b), la = BlockLayout::from_spec(a);
+  const Shape& as = a.params[static_cast<size_t>(ai)].shape;  // (r, in)
+  const Shape& bs = a.params[static_cast<size_t>(bi)].shape;  // (rows, r)
+  const int64_t r = as.dims[0], in = as.dims[1], rows = bs.dims[0];
+  add_lora_delta(flat.data() + lb.offsets[static_cast<size_t>(wi)] + row * in,
+                 adapter_flat.data() + la.offsets[static_cast<size_t>(ai)],
+                 adapter_flat.data() + la.offsets[static_cast<size_t>(bi)], rows, in, r, scale);
+  return true;
+}
+
 LoraConfig resolve_lora_targets(LoraConfig lora, const std::vector<std::string>& modules,
                                 const std::vector<std::string>& defaults) {
   const std::vector<std::string>& t = lora.targets;

@@ -40,6 +40,22 @@ struct LoraGroup {
   std::vector<LoraMember> members;
 };
 
+// A layer's adapter block in backward: held, with its gradient buffers
+// (nothing where the model has no adapters).
+struct HeldAdapter {
+  HeldParams p;
+  BlockGrads g;
+  const HeldParams* get() const { return p.held() ? &p : nullptr; }
+};
+// block < 0: no adapters.
+inline HeldAdapter hold_adapter(StepContext& ctx, int block) {
+  HeldAdapter h;
+  if (block < 0) return h;
+  h.p = ctx.acquire(block);
+  h.g = ctx.grads(block);
+  return h;
+}
+
 // What a group's forward keeps for its backward: U and what B's products read of it.
 struct LoraSaved {
   CView u_in;

@@ -38,29 +38,10 @@ class Config final : public FamilyConfig {
   bool lora_fan_in_fan_out() const override { return true; }  // GPT-2's Conv1D layers
   void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
                   const std::vector<float>& adapter_flat) const override {
-    const BlockSpec& b = model.blocks()[static_cast<size_t>(block)];
-    const BlockSpec& a = model.blocks()[static_cast<size_t>(adapter)];
-    const BlockLayout lb = BlockLayout::from_spec(b), la = BlockLayout::from_spec(a);
-    auto index = [](const BlockSpec& s, const std::string& name) {
-      for (size_t i = 0; i < s.params.size(); ++i)
-        if (s.params[i].name == name) return static_cast<int>(i);
-      return -1;
-    };
-    const int64_t r = c_.lora.r;
-    const float scale = c_.lora.scale();
-    for (const char* path : {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}) {
-      const int ai = index(a, std::string(path) + ".lora_A.weight");
-      if (ai < 0) continue;  // not a target
-      const int bi = index(a, std::string(path) + ".lora_B.weight"), wi = index(b, std::string(path) + ".weight");
-      if (bi < 0 || wi < 0) throw Error(std::string("merge_lora: block '") + b.name + "' has no " + path);
-      const Shape& ws = b.params[static_cast<size_t>(wi)].shape;  // (out, in) as zinc keeps it
-      const int64_t out = ws.dims[0], in = ws.dims[1];
-      float* w = flat.data() + lb.offsets[static_cast<size_t>(wi)];
-      const float* A = adapter_flat.data() + la.offsets[static_cast<size_t>(ai)];
-      const float* B = adapter_flat.data() + la.offsets[static_cast<size_t>(bi)];
-      // Transposed for the file's Conv1D layout by the export, as the weight itself is.
-      add_lora_delta(w, A, B, out, in, r, scale);
-    }
+    // Each module's whole weight (the export transposes it, and the delta,
+    // into the file's Conv1D layout).
+    for (const std::string path : {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"})
+      merge_lora_module(model, block, flat, adapter, adapter_flat, path + ".weight", path, 0, c_.lora.scale());
   }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
     GptConfig g = c_;

@@ -42,23 +42,10 @@ class Config final : public FamilyConfig {
   const LoraConfig& lora() const override { return c_.lora; }
   void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
                   const std::vector<float>& adapter_flat) const override {
-    const BlockSpec& b = model.blocks()[static_cast<size_t>(block)];
-    const BlockSpec& a = model.blocks()[static_cast<size_t>(adapter)];
-    const BlockLayout lb = BlockLayout::from_spec(b), la = BlockLayout::from_spec(a);
-    auto index = [](const BlockSpec& s, const std::string& name) {
-      for (size_t i = 0; i < s.params.size(); ++i)
-        if (s.params[i].name == name) return static_cast<int>(i);
-      throw Error("merge_lora: block '" + s.name + "' has no parameter " + name);
-    };
-    const int64_t r = c_.lora.r;
-    const float scale = c_.lora.scale();
     for (const std::string& m : c_.lora.targets) {
       const LoraSite site = lora_site(c_, m);
-      if (site.rows == 0) continue;
-      float* w = flat.data() + lb.offsets[static_cast<size_t>(index(b, site.weight))] + site.row * site.in;
-      const float* A = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_A.weight"))];
-      const float* B = adapter_flat.data() + la.offsets[static_cast<size_t>(index(a, site.path + ".lora_B.weight"))];
-      add_lora_delta(w, A, B, site.rows, site.in, r, scale);
+      if (site.rows > 0)
+        merge_lora_module(model, block, flat, adapter, adapter_flat, site.weight, site.path, site.row, c_.lora.scale());
     }
   }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {

@@ -382,13 +382,9 @@ class Llama final : public Model {
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
-      HeldParams lp;
-      BlockGrads lg;
-      if (lora()) {
-        lp = ctx.acquire(lora_block(l));
-        lg = ctx.grads(lora_block(l));
-      }
-      const HeldParams* lpp = lora() ? &lp : nullptr;
+      detail::HeldAdapter adapter = detail::hold_adapter(ctx, lora() ? lora_block(l) : -1);
+      const HeldParams* lpp = adapter.get();
+      const BlockGrads& lg = adapter.g;
       if (c_.gradient_checkpointing && acts_hold_ != l) {
         layer_forward(p, a, l, x_in, nullptr, B, T, dt, lpp);
         acts_hold_ = l;
@@ -435,7 +431,7 @@ class Llama final : public Model {
       p.release();
       base_grads_ready(ctx, blk);
       if (lora()) {
-        lp.release();
+        adapter.p.release();
         ctx.grads_ready(lora_block(l));
       }
     }
