@@ -252,6 +252,11 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
   const std::shared_ptr<Model> model = make_hf_model(cfg);
   // The checkpoint's blocks must be this model's, parameter for parameter.
   const json& blocks = files.meta.at("blocks");
+  for (const json& b : blocks)
+    if (b.value("frozen", false))
+      throw Error(files.dir + ": a LoRA checkpoint (its base frozen, not saved in it): --format hf needs the base; "
+                              "zinc-train --save-adapter writes the adapters in PEFT's format and --save-pretrained "
+                              "--merge the merged model, and the default --format safetensors writes the adapters");
   const auto& specs = model->blocks();
   bool same = blocks.size() == specs.size();
   for (size_t b = 0; same && b < specs.size(); ++b) {

@@ -199,7 +199,14 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   std::vector<SafeTensor> tensors;
   std::vector<Source> sources;
   const nlohmann::json& blocks = files.meta.at("blocks");
+  int64_t frozen = 0;
   for (size_t b = 0; b < blocks.size(); ++b) {
+    // A frozen block (LoRA's base) is not in the checkpoint: its values are
+    // the source model's, never zeros written in their place.
+    if (blocks[b].value("frozen", false)) {
+      frozen += static_cast<int64_t>(blocks[b].at("params").size());
+      continue;
+    }
     for (const nlohmann::json& p : blocks[b].at("params")) {
       SafeTensor t;
       t.name = blocks[b].at("name").get<std::string>() + "." + p.at("name").get<std::string>();
@@ -210,6 +217,12 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
     }
   }
 
+  if (tensors.empty())
+    throw Error(files.dir + ": the checkpoint holds no trained parameters (every block is frozen)");
+  if (frozen > 0 && progress)
+    progress("the checkpoint trained LoRA adapters on a frozen base: its " + std::to_string(frozen) +
+             " frozen tensors are not in it and not written (they are model.from_pretrained's; "
+             "zinc-train --save-adapter or --save-pretrained --merge write the adapters with them)");
   // Shards: tensors in model order, a new file when the next would pass the limit.
   std::vector<std::vector<size_t>> shards(1);
   int64_t in_shard = 0;

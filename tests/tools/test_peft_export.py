@@ -153,3 +153,20 @@ def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture):
         if want.shape != v.shape:  # GPT-2's Conv1D: the state dict's layout is the file's
             want = want.t()
         assert float((torch.from_numpy(v).double() - want).abs().max()) < 1e-6, k
+
+
+def test_zinc_export_of_a_lora_checkpoint_writes_the_adapters_alone(tmp_path):
+    """The frozen base is not in a LoRA checkpoint: zinc-export writes the adapters (never zeros for the base) and
+    --format hf is refused naming why."""
+    zinc_export = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--set", "run.checkpoint_interval=3"))
+    ck = str(tmp_path / "run" / "checkpoints")
+    r = subprocess.run([zinc_export, ck, "--out", str(tmp_path / "w.safetensors")], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "frozen tensors are not in it" in r.stdout
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert len(got) == 28 and all(".lora." in k for k in got)
+    r = subprocess.run([zinc_export, ck, "--format", "hf", "--out", str(tmp_path / "hf")], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "LoRA checkpoint" in r.stderr and not (tmp_path / "hf").exists()
