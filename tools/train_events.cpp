@@ -110,7 +110,8 @@ std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const 
 }
 
 std::vector<std::string> run_inputs(const Experiment& ex, const std::string& config_path) {
-  std::vector<std::string> in = {config_path, ex.experiment.model.from_pretrained, ex.experiment.run.checkpoint_dir};
+  std::vector<std::string> in = {config_path, ex.experiment.model.from_pretrained, ex.experiment.model.adapter,
+                                 ex.experiment.run.checkpoint_dir};
   const DataConfig& d = ex.experiment.data;
   for (const std::string* p : {&d.path, &d.mask_path, &d.documents_path}) in.push_back(*p);
   return in;

@@ -170,3 +170,12 @@ def test_zinc_export_of_a_lora_checkpoint_writes_the_adapters_alone(tmp_path):
     r = subprocess.run([zinc_export, ck, "--format", "hf", "--out", str(tmp_path / "hf")], env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "LoRA checkpoint" in r.stderr and not (tmp_path / "hf").exists()
+
+
+def test_an_adapter_is_never_written_over_the_adapter_the_run_reads(tmp_path):
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-adapter", str(tmp_path / "a1")))
+    before = (tmp_path / "a1" / "adapter_model.safetensors").read_bytes()
+    r = run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a1")}, ("--save-adapter", str(tmp_path / "a1")),
+            expect_ok=False)
+    assert r.returncode != 0 and "which this run reads" in r.stderr
+    assert (tmp_path / "a1" / "adapter_model.safetensors").read_bytes() == before
