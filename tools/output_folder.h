@@ -67,7 +67,8 @@ class OutputFolder {
 // of an OutputFolder's commit: "staged" (the new files written, nothing
 // linked), "linked" (the user's files linked, before the swap), "swapped"
 // (the new folder in place, the old one not yet removed). Also used by the
-// writers: "shard" (hf_export.cpp, after the first weights file is written).
+// writers: "shard" (hf_export.cpp after the first weights file is written,
+// peft_adapter.cpp after adapter_model.safetensors is).
 void export_fault_point(const char* phase);
 
 }  // namespace zinc::tools

@@ -143,6 +143,7 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
   if (!writer) return result;
   w->finish();
   result.bytes = w->data_bytes();
+  export_fault_point("shard");  // the test hook (tools/output_folder.h): the weights written, nothing else
   ckpt::write_file_atomic((fs::path(folder->staging()) / kAdapterConfigFile).string(),
                           peft_adapter_config_json(lora, opts.base_model, cfg.model->lora_fan_in_fan_out()).dump(2) + "\n");
   folder->commit([](const std::string& name) {

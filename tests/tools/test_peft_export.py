@@ -179,3 +179,30 @@ def test_an_adapter_is_never_written_over_the_adapter_the_run_reads(tmp_path):
             expect_ok=False)
     assert r.returncode != 0 and "which this run reads" in r.stderr
     assert (tmp_path / "a1" / "adapter_model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("phase", ["shard", "staged", "linked", "swapped"])
+def test_a_kill_during_save_adapter_leaves_the_old_adapter_or_the_new(tmp_path, phase):
+    """--save-adapter over an earlier adapter A, killed (SIGKILL, ZINC_EXPORT_FAULT) at each phase of its write:
+    the folder holds A's files byte for byte before the swap and B's (an uninterrupted run's) after it, and the
+    user's own file in it is kept."""
+    out = tmp_path / "adapter"
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-adapter", str(out)), steps=2)
+    (out / "NOTES.txt").write_text("mine")
+    old = {f: (out / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors")}
+    run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-adapter", str(tmp_path / "b")), steps=4)
+    new = {f: (tmp_path / "b" / f).read_bytes() for f in old}
+    env = dict(ENV, ZINC_EXPORT_FAULT=phase)
+    ds = {"train_batch_size": 2, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+          "model": {"from_pretrained": BASE, "lora": LORA},
+          "data": {"type": "synthetic", "vocab_size": 96, "seq_len": 12},
+          "run": {"steps": 4, "output_dir": str(tmp_path / "run")}}
+    (tmp_path / "k.json").write_text(json.dumps(ds))
+    r = subprocess.run([ZINC_TRAIN, str(tmp_path / "k.json"), "--save-adapter", str(out)], env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    got = {f: (out / f).read_bytes() for f in old}
+    assert got == (new if phase == "swapped" else old), phase
+    assert (out / "NOTES.txt").read_text() == "mine"
+    load_file(str(out / "adapter_model.safetensors"))  # the real package reads what is there
