@@ -130,11 +130,7 @@ class CudaOps final : public Ops {
     kernels::cuda::gqa_reduce(dq_kv, dqkv, N, H, Hkv, hd, kStream);
   }
   void copy_in(Buf& dst, const float* host, int64_t n) override {
-    dst = alloc(static_cast<size_t>(n) * sizeof(float));
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice,
-                                    kStream),
-                    "upload of a model table");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "upload of a model table");
+    upload(dst, host, static_cast<size_t>(n) * sizeof(float), "upload of a model table");
   }
   void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias) override {
     kernels::cuda::matmul(d, a, b, c, kStream, bias);
@@ -185,11 +181,7 @@ class CudaOps final : public Ops {
     return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, counted->second, kStream);
   }
   void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) override {
-    dst = alloc(static_cast<size_t>(n) * sizeof(int32_t));
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                    kStream),
-                    "upload of int32 values");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "upload of int32 values");
+    upload(dst, host, static_cast<size_t>(n) * sizeof(int32_t), "upload of int32 values");
   }
   void to_f32(float* out, CView x, int64_t n) override {
     if (x.dtype == DType::kF32)
@@ -200,15 +192,21 @@ class CudaOps final : public Ops {
       kernels::cuda::convert_16_to_f32(x.data, out, n, x.dtype, kStream);
   }
   void copy_out(float* host, const float* src, int64_t n) override {
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, kStream),
-                    "download of floats");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "download of floats");
+    download(host, src, static_cast<size_t>(n) * sizeof(float), "download of floats");
   }
   void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) override {
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                    kStream),
-                    "download of int32 values");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), "download of int32 values");
+    download(host, src, static_cast<size_t>(n) * sizeof(int32_t), "download of int32 values");
+  }
+  // A fresh device buffer holding `bytes` of host data, and the reverse;
+  // both wait for the copy (the host memory may go right after).
+  void upload(Buf& dst, const void* host, size_t bytes, const char* what) {
+    dst = alloc(bytes);
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, bytes, cudaMemcpyHostToDevice, kStream), what);
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), what);
+  }
+  void download(void* host, const void* src, size_t bytes, const char* what) {
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, kStream), what);
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), what);
   }
   void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
                  float* weight) override {
