@@ -291,7 +291,9 @@ int bench_capacity_pretrained(const BenchOptions& o) {
                          {"uncapped_losses", full.losses},
                          {"losses_equal_uncapped", same},
                          {"digest", capped.digest}};
-  const double params = static_cast<double>(est.value("parameters", int64_t{0}));
+  // LoRA's figure is per parameter of the frozen base (the adapters not counted).
+  const double params = static_cast<double>(est.value("parameters", int64_t{0}) -
+                                            (o.lora ? est.value("trained_parameters", int64_t{0}) : 0));
   if (o.lora && params > 0) line["train_peak_rss_bytes_per_parameter"] = static_cast<double>(capped.child_max_rss) / params;
   char buf[1400];
   std::snprintf(buf, sizeof buf,

@@ -240,6 +240,25 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   return result;
 }
 
+void check_checkpoint_blocks(const std::string& dir, const json& blocks, const Model& model,
+                             const std::string& architecture) {
+  const auto& specs = model.blocks();
+  bool same = blocks.size() == specs.size();
+  for (size_t b = 0; same && b < specs.size(); ++b) {
+    same = blocks[b].at("name") == specs[b].name && blocks[b].at("params").size() == specs[b].params.size() &&
+           blocks[b].value("frozen", false) == specs[b].frozen;
+    for (size_t p = 0; same && p < specs[b].params.size(); ++p) {
+      const Shape& sh = specs[b].params[p].shape;
+      same = blocks[b]["params"][p].at("name") == specs[b].params[p].name &&
+             blocks[b]["params"][p].at("shape").get<std::vector<int64_t>>() ==
+                 std::vector<int64_t>(sh.dims.begin(), sh.dims.begin() + sh.ndim);
+    }
+  }
+  if (!same)
+    throw Error(dir + ": the checkpoint's parameters are not those of the " + architecture +
+                " its client_state describes");
+}
+
 HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std::string& tag, HfExportOptions opts,
                                     const std::function<void(const std::string&)>& progress) {
   const ckpt::TagFiles files = ckpt::open_tag(checkpoint_dir, tag);
@@ -257,20 +276,8 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
       throw Error(files.dir + ": a LoRA checkpoint (its base frozen, not saved in it): --format hf needs the base; "
                               "zinc-train --save-adapter writes the adapters in PEFT's format and --save-pretrained "
                               "--merge the merged model, and the default --format safetensors writes the adapters");
+  check_checkpoint_blocks(files.dir, blocks, *model, cfg.architecture);
   const auto& specs = model->blocks();
-  bool same = blocks.size() == specs.size();
-  for (size_t b = 0; same && b < specs.size(); ++b) {
-    same = blocks[b].at("name") == specs[b].name && blocks[b].at("params").size() == specs[b].params.size();
-    for (size_t p = 0; same && p < specs[b].params.size(); ++p) {
-      const Shape& sh = specs[b].params[p].shape;
-      same = blocks[b]["params"][p].at("name") == specs[b].params[p].name &&
-             blocks[b]["params"][p].at("shape").get<std::vector<int64_t>>() ==
-                 std::vector<int64_t>(sh.dims.begin(), sh.dims.begin() + sh.ndim);
-    }
-  }
-  if (!same)
-    throw Error(files.dir + ": the checkpoint's parameters are not those of the " + cfg.architecture +
-                " its client_state.hf_config describes");
   if (opts.copy_from.empty() && client.contains("hf_source") && client["hf_source"].is_string() &&
       fs::is_directory(client["hf_source"].get<std::string>()))
     opts.copy_from = client["hf_source"].get<std::string>();

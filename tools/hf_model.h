@@ -133,6 +133,11 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
 // config.json and source folder in its client_state) as export_hf writes
 // it, from the checkpoint's fp32 master weights. Throws zinc::Error naming
 // the checkpoint when it holds no such config or its parameters differ.
+// Throws zinc::Error naming `dir` unless a checkpoint's metadata `blocks`
+// are `model`'s, block for block and parameter for parameter (names, shapes,
+// which are frozen).
+void check_checkpoint_blocks(const std::string& dir, const nlohmann::json& blocks, const Model& model,
+                             const std::string& architecture);
 HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std::string& tag, HfExportOptions opts,
                                     const std::function<void(const std::string&)>& progress = nullptr);
 

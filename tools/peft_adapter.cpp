@@ -152,4 +152,40 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
   return result;
 }
 
+PeftExportResult export_checkpoint_peft(const std::string& checkpoint_dir, const std::string& tag,
+                                        PeftExportOptions opts) {
+  const ckpt::TagFiles files = ckpt::open_tag(checkpoint_dir, tag);
+  const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
+  if (!client.is_object() || !client.contains("hf_config") || !client.contains("lora"))
+    throw Error(files.dir + ": not a LoRA checkpoint of a Hugging Face model (its client_state has no " +
+                (client.is_object() && client.contains("hf_config") ? "lora" : "hf_config") +
+                "; zinc-train stores both for a model.lora or model.adapter run); --format peft writes LoRA adapters");
+  HfConfig cfg = parse_hf_config(client.at("hf_config"), files.dir + ": client_state.hf_config");
+  const models::LoraConfig lora = parse_peft_adapter_config(client.at("lora"), files.dir + ": client_state.lora");
+  std::unique_ptr<models::FamilyConfig> fc = cfg.model->clone();
+  fc->set_lora(lora);
+  if (auto bad = fc->size_error())
+    throw Error(files.dir + ": client_state.lora: " + bad->field + ": " + bad->message);
+  cfg.model = std::move(fc);
+  const std::shared_ptr<Model> model = make_hf_model(cfg);
+  check_checkpoint_blocks(files.dir, files.meta.at("blocks"), *model, cfg.architecture + " with its LoRA adapters");
+  if (opts.base_model.empty() && client.contains("hf_source") && client["hf_source"].is_string())
+    opts.base_model = client["hf_source"].get<std::string>();
+  // The checkpoint being read (and the folder that holds its tags) is not
+  // an export folder either.
+  opts.inputs.push_back(files.dir);
+  opts.inputs.push_back(checkpoint_dir);
+  ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
+  const auto& specs = model->blocks();
+  return export_peft_adapter(
+      cfg, *model,
+      [&](int b) {
+        const BlockLayout layout = BlockLayout::from_spec(specs[static_cast<size_t>(b)]);
+        std::vector<float> flat(static_cast<size_t>(layout.numel));
+        reader.read(b, ckpt::kMaster, 0, layout.numel, flat.data());
+        return flat;
+      },
+      opts);
+}
+
 }  // namespace zinc::tools

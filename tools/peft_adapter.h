@@ -51,5 +51,12 @@ struct PeftExportResult {
 // zinc::Error when the model has no adapters.
 PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, const BlockReader& read,
                                      const PeftExportOptions& opts);
+// The same from a LoRA checkpoint of zinc-train or zinc.train (its tag
+// `tag`, or the one `latest` names): the adapters' fp32 master values, with
+// the model and adapter configuration the checkpoint's client_state keeps
+// (hf_config, lora). Throws zinc::Error naming the checkpoint when it is
+// not a LoRA checkpoint or its parameters are not that model's.
+PeftExportResult export_checkpoint_peft(const std::string& checkpoint_dir, const std::string& tag,
+                                        PeftExportOptions opts);
 
 }  // namespace zinc::tools

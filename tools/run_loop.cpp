@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "tools/monitor.h"
+#include "tools/peft_adapter.h"
 #include "tools/train_events.h"
 
 namespace zinc::tools {
@@ -91,6 +92,11 @@ void RunLoop::save(int64_t step, std::vector<nlohmann::json>& evs) {
   if (ex_.hf) {
     client["hf_config"] = ex_.hf->raw;
     if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
+    // And for zinc-export --format peft: the adapters' configuration, as
+    // PEFT's adapter_config.json writes it.
+    if (ex_.hf->model->lora().enabled())
+      client["lora"] = peft_adapter_config_json(ex_.hf->model->lora(), ex_.experiment.model.from_pretrained,
+                                                ex_.hf->model->lora_fan_in_fan_out());
   }
   engine_.save_checkpoint(run.checkpoint_dir, "", client);
   if (rank_ == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last, step);

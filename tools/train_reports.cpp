@@ -77,9 +77,12 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
   e.process_bytes = process;
   for (auto& [st, o] : others) o.process_bytes = process;
   if (quiet) return 0;
-  int64_t params = 0;
+  int64_t params = 0, trained = 0;
   for (const zinc::BlockSpec& b : ex.model->blocks())
-    for (const zinc::ParamSpec& p : b.params) params += p.shape.numel();
+    for (const zinc::ParamSpec& p : b.params) {
+      params += p.shape.numel();
+      if (!b.frozen) trained += p.shape.numel();
+    }
   if (json) {
     nlohmann::json out = {{"event", "estimate"},
                           {"ram_bytes", e.ram_bytes()},
@@ -88,6 +91,7 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
                           {"world_size", world},
                           {"zero_stage", cfg.zero.stage},
                           {"parameters", params},
+                          {"trained_parameters", trained},
                           {"gradient_checkpointing", ex.experiment.model.gradient_checkpointing},
                           {"model_state_bytes", e.model_state_bytes()},
                           {"activations_known", !e.activations_unknown},

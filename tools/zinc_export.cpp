@@ -4,6 +4,7 @@
 //   zinc-export CHECKPOINT_DIR [--tag T] --out model.safetensors
 //               [--dtype fp32|bf16] [--max-shard-size 5GB]
 //   zinc-export CHECKPOINT_DIR [--tag T] --format hf --out DIR [--dtype fp32|bf16|fp16]
+//   zinc-export CHECKPOINT_DIR [--tag T] --format peft --out DIR   (a LoRA run's adapters)
 #include <cstdio>
 #include <string>
 
@@ -11,6 +12,7 @@
 
 #include "core/error.h"
 #include "tools/hf_model.h"
+#include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 
 int main(int argc, char** argv) {
@@ -23,10 +25,12 @@ int main(int argc, char** argv) {
   app.add_option("--out", opts.out, "output file, NAME.safetensors (sharded: NAME-0000k-of-0000n.safetensors "
                                     "and NAME.safetensors.index.json beside it)")
       ->required();
-  app.add_option("--format", format, "safetensors (zinc's names, one file or shards; the default) or hf (a Hugging "
+  app.add_option("--format", format, "safetensors (zinc's names, one file or shards; the default), hf (a Hugging "
                                      "Face model folder at --out: config.json, transformers' names and layouts, the "
-                                     "source folder's tokenizer files; for checkpoints of zinc-train's gpt and llama)")
-      ->check(CLI::IsMember({"safetensors", "hf"}));
+                                     "source folder's tokenizer files; for checkpoints of Hugging Face models) or "
+                                     "peft (a LoRA checkpoint's adapters as a PEFT adapter folder at --out: "
+                                     "adapter_config.json and adapter_model.safetensors, fp32)")
+      ->check(CLI::IsMember({"safetensors", "hf", "peft"}));
   app.add_option("--dtype", dtype, "fp32 (the master weights as trained), bf16 (rounded to nearest even) or fp16 "
                                    "(hf only); default fp32, with --format hf the source folder's torch_dtype "
                                    "else bf16")
@@ -40,6 +44,18 @@ int main(int argc, char** argv) {
   }
   try {
     auto progress = [](const std::string& line) { std::printf("zinc-export: %s\n", line.c_str()); };
+    if (format == "peft") {
+      if (!dtype.empty() && dtype != "fp32")
+        throw zinc::Error("--dtype " + dtype + ": --format peft writes fp32, as PEFT's save_pretrained does");
+      zinc::tools::PeftExportOptions po;
+      po.out_dir = opts.out;
+      po.what = "--out";
+      const zinc::tools::PeftExportResult r = zinc::tools::export_checkpoint_peft(opts.checkpoint_dir, opts.tag, po);
+      std::printf("zinc-export: %s: %lld LoRA tensors, %.2f MiB of fp32 (PEFT's %s and %s)\n", opts.out.c_str(),
+                  static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / (1 << 20),
+                  zinc::tools::kAdapterConfigFile, zinc::tools::kAdapterWeightsFile);
+      return 0;
+    }
     if (format == "hf") {
       zinc::tools::HfExportOptions ho;
       ho.out_dir = opts.out;

@@ -105,13 +105,14 @@
 namespace zinc::kernels {
 namespace {
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, uint32_t, DType, int>;
+// The last field is C's row stride (0: dense), for a chunk of a wider C.
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, uint32_t, DType, int, int64_t>;
 
 std::atomic<int> g_bf16_path{static_cast<int>(MatmulBf16Path::kAuto)};
 
-Key make_key(const MatmulDesc& d) {
+Key make_key(const MatmulDesc& d, int64_t ldc) {
   return {d.batch, d.M, d.N, d.K, d.trans_a, d.trans_b, d.accumulate, d.bias, float_bits(d.alpha),
-          d.compute, g_bf16_path.load()};
+          d.compute, g_bf16_path.load(), ldc};
 }
 
 struct CachedMatmul {
@@ -202,13 +203,19 @@ dnnl::memory::desc bias_desc(const MatmulDesc& d) {
   return dnnl::memory::desc({1, 1, d.N}, dnnl::memory::data_type::f32, tag::abc);
 }
 
+// C(M,N), dense or (batch 1 only) with rows `ldc` apart.
+dnnl::memory::desc c_desc(const MatmulDesc& d, int64_t ldc) {
+  if (ldc == 0) return operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32);
+  return dnnl::memory::desc({d.M, d.N}, dnnl::memory::data_type::f32, dnnl::memory::dims{ldc, 1});
+}
+
 // The primitive for `d` multiplying in `multiply`; throws dnnl::error when
 // oneDNN has none.
-std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply) {
+std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply, int64_t ldc) {
   auto dt = dnnl_type(multiply);
   auto a_md = operand_desc(d.batch, d.M, d.K, d.trans_a, dt);
   auto b_md = operand_desc(d.batch, d.K, d.N, d.trans_b, dt);
-  auto c_md = operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32);
+  auto c_md = c_desc(d, ldc);
   dnnl::memory::desc bias_md;  // zero desc: no bias
   if (d.bias) bias_md = bias_desc(d);
   dnnl::primitive_attr attr;
@@ -231,11 +238,11 @@ std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply) {
 
 // Note [bf16 matmul without native bf16]: native first, fp32 when oneDNN has
 // no (or only a reference) bf16 implementation for this shape.
-std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
-  if (d.compute == DType::kF32) return create_as(d, DType::kF32);
+std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d, int64_t ldc) {
+  if (d.compute == DType::kF32) return create_as(d, DType::kF32, ldc);
   if (d.compute == DType::kF16) {
     // Note [fp16 compute]: always fp32 multiplies of fp16-exact operands.
-    auto f = create_as(d, DType::kF32);
+    auto f = create_as(d, DType::kF32, ldc);
     f->why = "zinc multiplies fp16 operands in fp32";
     return f;
   }
@@ -253,7 +260,7 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
     why = "Intel's AVX512-BF16 without AMX multiplies bf16 no faster than fp32 (0.72x in oneDNN on a Sapphire Rapids)";
   } else {
     try {
-      auto native = create_as(d, DType::kBF16);
+      auto native = create_as(d, DType::kBF16, ldc);
       if (native->impl.rfind("ref", 0) != 0) return native;
       why = "oneDNN has only its reference bf16 kernel (" + native->impl + ") here";
     } catch (const dnnl::error& e) {
@@ -263,22 +270,22 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
                 : "no native bf16 on this CPU";
     }
   }
-  auto fallback = create_as(d, DType::kF32);
+  auto fallback = create_as(d, DType::kF32, ldc);
   fallback->why = why;
   static std::once_flag logged;
   std::call_once(logged, [&] { log_info("matmul bf16: via fp32, " + why); });
   return fallback;
 }
 
-std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
+std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d, int64_t ldc = 0) {
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const CachedMatmul>> cache;
-  Key k = make_key(d);
+  Key k = make_key(d, ldc);
   std::scoped_lock lock(mu);
   auto it = cache.find(k);
   if (it != cache.end()) return it->second;
   try {
-    auto p = create(d);
+    auto p = create(d, ldc);
     cache.emplace(k, p);
     return p;
   } catch (const dnnl::error& e) {
@@ -297,9 +304,8 @@ bool converts(DType dtype, bool exact, DType compute, DType multiply) {
   return !(dtype == multiply && !(is_16bit(compute) && dtype == DType::kF32 && !exact));
 }
 
-const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
-  if (!converts(v.dtype, v.bf16_exact, compute, multiply)) return v.data;
-  void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
+// Converts n elements of `v` into `dst` as the primitive multiplies them.
+void convert_into(CView v, DType compute, DType multiply, size_t n, void* dst) {
   if (multiply == DType::kBF16 && v.dtype == DType::kF16) {
     // An fp16 operand of a bf16 matmul: its values rounded to bf16.
     const f16* src = static_cast<const f16*>(v.data);
@@ -322,7 +328,110 @@ const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int sl
   } else {
     round_to_bf16(static_cast<const float*>(v.data), static_cast<float*>(dst), n);
   }
+}
+
+const void* as_multiply(CView v, DType compute, DType multiply, size_t n, int slot) {
+  if (!converts(v.dtype, v.bf16_exact, compute, multiply)) return v.data;
+  void* dst = thread_scratch(slot, n * dtype_bytes(multiply));
+  convert_into(v, compute, multiply, n, dst);
   return dst;
+}
+
+CView offset_view(CView v, int64_t elems) {
+  v.data = static_cast<const char*>(v.data) + static_cast<size_t>(elems) * dtype_bytes(v.dtype);
+  return v;
+}
+
+// Note [widened operands in chunks]
+// A matmul that converts its B operand (a bf16 weight widened to fp32 where
+// bf16 is multiplied via fp32, Note [bf16 matmul without native bf16]) needs
+// scratch the size of B in the multiply dtype. For a large vocabulary's head
+// (32,000 x 2,048: 262 MB as fp32) that scratch alone was the biggest piece
+// of a LoRA run's memory after the process itself (bench/RESULTS.md, "capacity
+// --pretrained --lora"). So when B's converted copy would pass
+// kWidenChunkBytes, the product runs over blocks of C's columns, each
+// converting only its block of B (rows of the stored weight for y = x W^T,
+// a strided column block for dX = dY W). K is never split, so every element
+// of C sums the same products as in one product (oneDNN may block K
+// differently for a narrower C, so the last bits can differ: 2.4e-6 at 8.9
+// in the test); the scratch stays under kWidenChunkBytes. A converted A is
+// converted once for all blocks. The decision depends on the shape and the
+// dtypes alone, so a run takes the same path every step and on every rank.
+constexpr size_t kWidenChunkBytes = size_t{32} << 20;
+
+// C's columns per block when B's converted copy is chunked; 0: one product.
+int64_t widen_chunk_cols(const MatmulDesc& d, DType b_dtype, bool b_exact, DType mul) {
+  if (d.batch != 1 || !converts(b_dtype, b_exact, d.compute, mul)) return 0;
+  const size_t col_bytes = static_cast<size_t>(d.K) * dtype_bytes(mul);
+  if (col_bytes * static_cast<size_t>(d.N) <= kWidenChunkBytes) return 0;
+  const int64_t cols = std::max<int64_t>(64, static_cast<int64_t>(kWidenChunkBytes / col_bytes) / 64 * 64);
+  return cols < d.N ? cols : 0;
+}
+
+// Runs the primitive on operands already in its multiply dtype; C's rows
+// are `ldc` apart (0: dense).
+void execute(const MatmulDesc& d, const CachedMatmul& cached, const void* a_ptr, const void* b_ptr, float* c,
+             int64_t ldc, CView bias) {
+  auto dt = dnnl_type(cached.multiply);
+  auto& eng = cpu_engine();
+  dnnl::memory a_mem(operand_desc(d.batch, d.M, d.K, d.trans_a, dt), eng, const_cast<void*>(a_ptr));
+  dnnl::memory b_mem(operand_desc(d.batch, d.K, d.N, d.trans_b, dt), eng, const_cast<void*>(b_ptr));
+  dnnl::memory c_mem(c_desc(d, ldc), eng, c);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
+  if (d.bias) {
+    const float* bias_f32 = static_cast<const float*>(bias.data);
+    if (bias.dtype != DType::kF32) {
+      float* w = static_cast<float*>(thread_scratch(3, static_cast<size_t>(d.N) * sizeof(float)));
+      convert_16_to_f32(bias.data, w, static_cast<size_t>(d.N), bias.dtype);
+      bias_f32 = w;
+    }
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(d), eng, const_cast<float*>(bias_f32)));
+  }
+  if (cached.scratch_bytes > 0) {
+    dnnl::memory s_mem(cached.scratch_md, eng, thread_scratch(2, cached.scratch_bytes));
+    args.emplace(DNNL_ARG_SCRATCHPAD, s_mem);
+  }
+  auto& s = thread_stream();
+  cached.prim.execute(s, args);
+  s.wait();
+}
+
+// Note [widened operands in chunks]: C in blocks of `cols` columns.
+void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bias, int64_t cols) {
+  const void* a_ptr = nullptr;
+  DType a_mul = DType::kF32;
+  for (int64_t n0 = 0; n0 < d.N; n0 += cols) {
+    MatmulDesc dc = d;
+    dc.N = std::min(cols, d.N - n0);
+    auto cached = lookup(dc, d.N);
+    const DType mul = cached->multiply;
+    if (!a_ptr || a_mul != mul) {
+      a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.M * d.K), 0);
+      a_mul = mul;
+    }
+    const void* b_ptr;
+    if (d.trans_b) {  // stored (N, K): the block is rows n0.. of it
+      b_ptr = as_multiply(offset_view(b, n0 * d.K), d.compute, mul, static_cast<size_t>(dc.N * d.K), 1);
+    } else if (!converts(b.dtype, b.bf16_exact, d.compute, mul)) {
+      // Only where this block's primitive multiplies B's own dtype (a shape
+      // decided otherwise): copied as it is.
+      const size_t es = dtype_bytes(mul);
+      char* dst = static_cast<char*>(thread_scratch(1, static_cast<size_t>(dc.N * d.K) * es));
+      for (int64_t k = 0; k < d.K; ++k)
+        std::memcpy(dst + static_cast<size_t>(k * dc.N) * es, offset_view(b, k * d.N + n0).data,
+                    static_cast<size_t>(dc.N) * es);
+      b_ptr = dst;
+    } else {  // stored (K, N): columns n0.. of each row, gathered
+      const size_t es = dtype_bytes(mul);
+      char* dst = static_cast<char*>(thread_scratch(1, static_cast<size_t>(dc.N * d.K) * es));
+      for (int64_t k = 0; k < d.K; ++k)
+        convert_into(offset_view(b, k * d.N + n0), d.compute, mul, static_cast<size_t>(dc.N),
+                     dst + static_cast<size_t>(k * dc.N) * es);
+      b_ptr = dst;
+    }
+    execute(dc, *cached, a_ptr, b_ptr, c + n0, d.N, d.bias ? offset_view(bias, n0) : bias);
+  }
 }
 
 }  // namespace
@@ -343,31 +452,13 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
   }
   auto cached = lookup(d);
   const DType mul = cached->multiply;
+  if (int64_t cols = widen_chunk_cols(d, b.dtype, b.bf16_exact, mul)) {
+    matmul_in_blocks(d, a, b, c, bias, cols);
+    return;
+  }
   const void* a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
   const void* b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);
-  auto dt = dnnl_type(mul);
-  auto& eng = cpu_engine();
-  dnnl::memory a_mem(operand_desc(d.batch, d.M, d.K, d.trans_a, dt), eng, const_cast<void*>(a_ptr));
-  dnnl::memory b_mem(operand_desc(d.batch, d.K, d.N, d.trans_b, dt), eng, const_cast<void*>(b_ptr));
-  dnnl::memory c_mem(operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32), eng, c);
-  std::unordered_map<int, dnnl::memory> args{
-      {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
-  if (d.bias) {
-    const float* bias_f32 = static_cast<const float*>(bias.data);
-    if (bias.dtype != DType::kF32) {
-      float* w = static_cast<float*>(thread_scratch(3, static_cast<size_t>(d.N) * sizeof(float)));
-      convert_16_to_f32(bias.data, w, static_cast<size_t>(d.N), bias.dtype);
-      bias_f32 = w;
-    }
-    args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(d), eng, const_cast<float*>(bias_f32)));
-  }
-  if (cached->scratch_bytes > 0) {
-    dnnl::memory s_mem(cached->scratch_md, eng, thread_scratch(2, cached->scratch_bytes));
-    args.emplace(DNNL_ARG_SCRATCHPAD, s_mem);
-  }
-  auto& s = thread_stream();
-  cached->prim.execute(s, args);
-  s.wait();
+  execute(d, *cached, a_ptr, b_ptr, c, 0, bias);
 }
 
 void set_matmul_bf16_path_for_testing(MatmulBf16Path path) { g_bf16_path.store(static_cast<int>(path)); }
@@ -445,8 +536,20 @@ void ScratchTally::matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, b
   auto grow = [this](int slot, int64_t bytes) { matmul_[slot] = std::max(matmul_[slot], bytes); };
   const size_t es = dtype_bytes(mul);
   if (converts(a, a_exact, d.compute, mul)) grow(0, scratch_size(static_cast<size_t>(d.batch * d.M * d.K) * es));
-  if (converts(b, b_exact, d.compute, mul)) grow(1, scratch_size(static_cast<size_t>(d.batch * d.K * d.N) * es));
-  if (cached->scratch_bytes > 0) grow(2, scratch_size(cached->scratch_bytes));
+  if (int64_t cols = widen_chunk_cols(d, b, b_exact, mul)) {
+    // Note [widened operands in chunks]: B converted a block at a time.
+    for (int64_t n : {cols, d.N % cols}) {
+      if (n == 0) continue;
+      MatmulDesc dc = d;
+      dc.N = n;
+      auto block = lookup(dc, d.N);
+      grow(1, scratch_size(static_cast<size_t>(n * d.K) * dtype_bytes(block->multiply)));
+      if (block->scratch_bytes > 0) grow(2, scratch_size(block->scratch_bytes));
+    }
+  } else {
+    if (converts(b, b_exact, d.compute, mul)) grow(1, scratch_size(static_cast<size_t>(d.batch * d.K * d.N) * es));
+    if (cached->scratch_bytes > 0) grow(2, scratch_size(cached->scratch_bytes));
+  }
   if (d.bias && bias_dtype != DType::kF32) grow(3, scratch_size(static_cast<size_t>(d.N) * sizeof(float)));
 }
 

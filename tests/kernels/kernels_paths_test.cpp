@@ -90,6 +90,57 @@ TEST_P(Bf16Path, OperandsConvertedOnceGiveTheSameBits) {
   }
 }
 
+// Note [widened operands in chunks] (matmul.cpp): a bf16 weight whose fp32
+// copy would pass 32 MiB is widened a block of C's columns at a time. Each
+// element sums the same products as the product of the weight widened
+// beforehand (which converts nothing, so runs as one product), to fp32
+// rounding; a block in the wrong place would be off by whole values. And the
+// scratch the estimate counts stays within one block.
+TEST_P(Bf16Path, AWideBf16WeightIsWidenedInBlocks) {
+  const int64_t M = 5, K = 1000, N = 20000;  // 80 MB as fp32
+  auto a = randn(static_cast<size_t>(M * K), 1200);
+  auto wf = round_bf16(randn(static_cast<size_t>(N * K), 1201, 0.05f));
+  auto w16 = to_bf16(wf);
+  auto bias_f = round_bf16(randn(static_cast<size_t>(N), 1202));
+  auto bias16 = to_bf16(bias_f);
+  const CView wide{wf.data(), DType::kF32, true};
+  for (bool tb : {true, false})
+    for (bool acc : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "trans_b " << tb << " accumulate " << acc);
+      MatmulDesc d{.M = M, .N = N, .K = K, .trans_b = tb, .accumulate = acc, .bias = !acc,
+                   .alpha = acc ? 0.5f : 1.0f, .compute = DType::kBF16};
+      // The same numbers as a (K, N) weight when not transposed.
+      std::vector<bf16> w16_kn;
+      std::vector<float> wf_kn;
+      if (!tb) {
+        w16_kn.resize(w16.size());
+        wf_kn.resize(wf.size());
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = 0; k < K; ++k) {
+            w16_kn[static_cast<size_t>(k * N + n)] = w16[static_cast<size_t>(n * K + k)];
+            wf_kn[static_cast<size_t>(k * N + n)] = wf[static_cast<size_t>(n * K + k)];
+          }
+      }
+      const CView w_blocks = tb ? view(w16) : view(w16_kn);
+      const CView w_whole = tb ? wide : CView{wf_kn.data(), DType::kF32, true};
+      std::vector<float> want = randn(static_cast<size_t>(M * N), 1203), got = want;
+      matmul(d, view(a), w_whole, want.data(), view(bias_f));
+      matmul(d, view(a), w_blocks, got.data(), view(bias16));
+      // The same products summed; oneDNN blocks K its own way for a narrower
+      // C, so the sums may differ in their last bits (seen: 2.4e-6 at 8.9).
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_NEAR(got[i], want[i], 1e-5 * (1.0 + std::fabs(want[i]))) << "element " << i;
+      ScratchTally blocks, whole;
+      blocks.matmul(d, DType::kF32, false, DType::kBF16, false, DType::kBF16);
+      whole.matmul(d, DType::kF32, false, DType::kF32, true, DType::kF32);
+      if (matmul_path(d).multiply == DType::kF32) {
+        // Widened: one block of at most 32 MiB, not the whole 80 MB.
+        EXPECT_LE(blocks.bytes(), whole.bytes() + (int64_t{33} << 20));
+        EXPECT_LT(blocks.bytes(), int64_t{48} << 20);
+      }
+    }
+}
+
 // Note [bf16 matmul without native bf16]: bf16 is multiplied as bf16 only
 // where the CPU has bf16 arithmetic (zinc's avx512_bf16 level, under the
 // cap) that is faster than fp32: not on AVX-512 without it (oneDNN's bf16

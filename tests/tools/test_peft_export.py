@@ -172,6 +172,34 @@ def test_zinc_export_of_a_lora_checkpoint_writes_the_adapters_alone(tmp_path):
     assert r.returncode != 0 and "LoRA checkpoint" in r.stderr and not (tmp_path / "hf").exists()
 
 
+def test_zinc_export_format_peft_writes_the_checkpoints_adapters_as_save_adapter_does(tmp_path):
+    """zinc-export --format peft of a LoRA checkpoint is the adapter folder --save-adapter writes at that step, byte
+    for byte; a checkpoint without adapters, and an output folder that is the checkpoint, are refused."""
+    zinc_export = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
+    gpt2 = {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": dict(LORA, use_rslora=True)}
+    for name, model in (("llama", {"from_pretrained": BASE, "lora": LORA}), ("gpt2", gpt2)):
+        tmp = tmp_path / name
+        tmp.mkdir()
+        run(tmp, model, ("--set", "run.checkpoint_interval=3", "--save-adapter", str(tmp / "a")))
+        ck = str(tmp / "run" / "checkpoints")
+        r = subprocess.run([zinc_export, ck, "--format", "peft", "--out", str(tmp / "e")], env=ENV,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "LoRA tensors" in r.stdout, r.stdout
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (tmp / "e" / f).read_bytes() == (tmp / "a" / f).read_bytes(), (name, f)
+        r = subprocess.run([zinc_export, ck, "--format", "peft", "--out", ck], env=ENV, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode != 0 and "zinc-export: error:" in r.stderr, r.stderr
+        assert (tmp / "run" / "checkpoints" / "latest").exists()
+    run(tmp_path / "llama", {"from_pretrained": BASE}, ("--set", "run.checkpoint_interval=3",
+                                                        "--set", "run.output_dir=" + str(tmp_path / "full")))
+    r = subprocess.run([zinc_export, str(tmp_path / "full" / "checkpoints"), "--format", "peft", "--out",
+                        str(tmp_path / "none")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not a LoRA checkpoint" in r.stderr, r.stderr
+    assert not (tmp_path / "none").exists()
+
+
 def test_an_adapter_is_never_written_over_the_adapter_the_run_reads(tmp_path):
     run(tmp_path, {"from_pretrained": BASE, "lora": LORA}, ("--save-adapter", str(tmp_path / "a1")))
     before = (tmp_path / "a1" / "adapter_model.safetensors").read_bytes()
