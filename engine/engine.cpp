@@ -25,6 +25,7 @@
 #include "engine/shard.h"
 #include "offload/swapper.h"
 #include "kernels/kernels.h"
+#include "kernels/math.h"
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 
@@ -379,6 +380,8 @@ float Engine::Impl::forward(const Batch& batch) {
   const int64_t targets = check_batch(batch);
   auto t0 = Clock::now();
   params->begin_pass(ParamCoordinator::Pass::kTrain);
+  pass_dropout_seed = kernels::math::dropout_subkey(
+      kernels::math::dropout_subkey(cfg.seed, static_cast<uint64_t>(micro_steps)), static_cast<uint64_t>(rank));
   float loss = model->forward(*this, batch);
   check_released("forward");
   timings.forward_s += seconds_since(t0);
@@ -644,6 +647,7 @@ float Engine::evaluate(const Batch& batch) {
   const int64_t targets = impl_->check_batch(batch);
   impl_->device->make_current();
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
+  impl_->pass_dropout_seed = 0;  // nothing dropped in an evaluation
   const float loss = impl_->model->forward(*impl_, batch);
   impl_->check_released("evaluate");
   impl_->params->end_pass();

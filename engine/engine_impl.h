@@ -125,6 +125,8 @@ struct Engine::Impl final : StepContext {
   void release_params(int block) noexcept override;
   BlockGrads grads(int block) override;
   void grads_ready(int block) override;
+  uint64_t dropout_seed() const override { return pass_dropout_seed; }
+  uint64_t pass_dropout_seed = 0;  // this forward's (0 in an evaluation)
 
   // A model that keeps a HeldParams past its forward or backward.
   void check_released(const char* phase) const;

@@ -149,6 +149,12 @@ class StepContext {
   virtual BlockGrads grads(int block) = 0;
   // The block's gradients for this micro-batch are complete.
   virtual void grads_ready(int block) = 0;
+  // The dropout stream of the forward under way (Note [dropout masks] in
+  // kernels/math.h): 0 where nothing is dropped (an evaluation), else a key
+  // of the run's seed, the micro-batch's index and the rank, the same again
+  // for the same micro-batch of a resumed run. The model keeps it for the
+  // forward's backward (and its recomputed forward).
+  virtual uint64_t dropout_seed() const { return 0; }
 
  protected:
   friend class HeldParams;

@@ -40,6 +40,9 @@ struct LoraConfig {
   int64_t r = 0;
   double alpha = 8.0;
   bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  // lora_dropout: each target's input dropped with this probability before
+  // its A, in training (Note [LoRA dropout] in models/detail/lora.h).
+  double dropout = 0.0;
   std::vector<std::string> targets;
   bool enabled() const { return r > 0; }
   bool targets_module(const std::string& m) const {

@@ -38,9 +38,7 @@ void parse_lora(Reader& model, models::LoraConfig& l) {
   r.get_int("r", l.r, at_least(1));
   r.get_number("lora_alpha", l.alpha, above(0));
   r.get_bool("use_rslora", l.rslora);
-  double dropout = 0;
-  if (r.get_number("lora_dropout", dropout, closed(0, 1)) && dropout > 0)
-    throw ConfigError(r.last_path(), "zinc trains adapters without dropout (not implemented yet); set 0");
+  r.get_number("lora_dropout", l.dropout, lo_closed(0, 1));
   std::string bias = "none";
   if (r.get_choice("bias", bias, {"none", "all", "lora_only"}) && bias != "none")
     throw ConfigError(r.last_path(), "\"" + bias + "\": trained biases are not implemented; only \"none\"");
@@ -331,7 +329,7 @@ nlohmann::json to_json(const ExperimentConfig& e) {
   }
   if (m.lora.enabled())
     model["lora"] = {{"r", m.lora.r}, {"lora_alpha", m.lora.alpha}, {"use_rslora", m.lora.rslora},
-                     {"target_modules", m.lora.targets}};
+                     {"lora_dropout", m.lora.dropout}, {"target_modules", m.lora.targets}};
   if (!m.adapter.empty()) model["adapter"] = m.adapter;
   return {{"model", model},
           {"data", data},

@@ -66,9 +66,13 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
       fail(k, "per-module ranks or alphas are not implemented");
   if (has("task_type") && doc["task_type"] != "CAUSAL_LM")
     fail("task_type", doc["task_type"].dump() + ": zinc trains causal language models (\"CAUSAL_LM\")");
-  if (has("lora_dropout") && doc["lora_dropout"].is_number() && doc["lora_dropout"].get<double>() > 0)
-    log_warn(path + ": lora_dropout " + doc["lora_dropout"].dump() +
-             ": zinc trains adapters without dropout (the adapter's values are read as they are)");
+  if (has("lora_dropout")) {
+    // Training goes on with it (Note [LoRA dropout]); an evaluation drops nothing.
+    if (!doc["lora_dropout"].is_number() || doc["lora_dropout"].get<double>() < 0 ||
+        doc["lora_dropout"].get<double>() >= 1)
+      fail("lora_dropout", "expected a number in [0, 1), got " + doc["lora_dropout"].dump());
+    l.dropout = doc["lora_dropout"].get<double>();
+  }
   return l;
 }
 
@@ -89,7 +93,7 @@ nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const st
           {"base_model_name_or_path", base.empty() ? nlohmann::json(nullptr) : nlohmann::json(base)},
           {"r", lora.r},
           {"lora_alpha", lora.alpha},
-          {"lora_dropout", 0.0},
+          {"lora_dropout", lora.dropout},
           {"use_rslora", lora.rslora},
           {"target_modules", lora.targets},
           {"bias", "none"},

@@ -332,6 +332,10 @@ void axpy(float* y, float alpha, const float* x, int64_t n);     // y += alpha *
 // to dst + r * dst_W (the caller offsets dst and src to the first column).
 // dst and src must not overlap.
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width);
+// Inverted dropout with the mask of stream `key` (Note [dropout masks] in
+// math.h): out[i] = x[i] / (1 - p) where element i is kept, else 0; added
+// to out with accumulate. out may alias x (not with accumulate). n < 2^32.
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate);
 // sum x^2 in double, in a fixed order of fixed-size chunks (thread-count independent).
 double squared_norm(const float* x, int64_t n);
 bool all_finite(const float* x, int64_t n);

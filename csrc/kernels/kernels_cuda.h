@@ -181,6 +181,8 @@ void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t str
 void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream);
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream);
 void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream);
+// kernels::dropout, bit for bit (Note [dropout masks] in math.h).
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream);
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width,
                   cudaStream_t stream);
 // sum x^2 in double in kernels::squared_norm's chunk and lane order, written

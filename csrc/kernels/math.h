@@ -260,4 +260,37 @@ ZINC_HD void moe_route_row_backward(const float* probs, const int32_t* expert, c
 ZINC_HD float rope_lo(float x_lo, float x_hi, float c, float s) { return x_lo * c - x_hi * s; }
 ZINC_HD float rope_hi(float x_lo, float x_hi, float c, float s) { return x_hi * c + x_lo * s; }
 
+// Note [dropout masks]
+// Dropout (LoRA's lora_dropout) keeps element i of a stream `key` when a
+// hash of (key, i) is at least p 2^32: a counter-based mask, so backward
+// and a recomputed forward (activation checkpointing) make the same mask
+// again instead of storing it, and the GPU's kernel makes the CPU's. The
+// hash is two rounds of a 32-bit integer mixer (xor-shift-multiply, the
+// "lowbias32" constants), the element's index entering the first and the
+// key's halves one round each; i < 2^32 (the callers check). A kept element
+// is scaled by 1 / (1 - p) (inverted dropout, as torch.nn.Dropout).
+ZINC_HD uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7feb352dU;
+  h ^= h >> 15;
+  h *= 0x846ca68bU;
+  h ^= h >> 16;
+  return h;
+}
+ZINC_HD bool dropout_keeps(uint64_t key, uint32_t i, uint32_t threshold) {
+  return mix32(mix32(i + static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32)) >= threshold;
+}
+// p in [0, 1) as the threshold dropout_keeps compares with.
+inline uint32_t dropout_threshold(float p) {
+  const double t = std::ldexp(static_cast<double>(p), 32);
+  return t >= 4294967295.0 ? 0xffffffffU : static_cast<uint32_t>(t);
+}
+// A key for sub-stream `j` of `key` (a layer's, a target's).
+inline uint64_t dropout_subkey(uint64_t key, uint64_t j) {
+  uint64_t z = key + 0x9e3779b97f4a7c15ULL * (j + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return (z ^ (z >> 31)) | 1;  // never 0 (0: no dropout)
+}
+
 }  // namespace zinc::kernels::math

@@ -5,8 +5,10 @@
 #include <cstring>
 #include <vector>
 
+#include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/math.h"
 #include "kernels/profile.h"
 #include "kernels/simd_math.h"
 
@@ -63,6 +65,20 @@ void scale(float* x, float alpha, int64_t n) {
   ProfileScope profile_scope(Op::kVector);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) x[i] *= alpha;
+  });
+}
+
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) {
+  ProfileScope profile_scope(Op::kVector);
+  ZINC_CHECK(n >= 0 && n <= int64_t{0xffffffff}, "dropout: more than 2^32 elements");
+  ZINC_CHECK(p >= 0.0f && p < 1.0f, "dropout: p must be in [0, 1)");
+  const uint32_t threshold = math::dropout_threshold(p);
+  const float keep_scale = 1.0f / (1.0f - p);
+  parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const float v = math::dropout_keeps(key, static_cast<uint32_t>(i), threshold) ? x[i] * keep_scale : 0.0f;
+      out[i] = accumulate ? out[i] + v : v;
+    }
   });
 }
 

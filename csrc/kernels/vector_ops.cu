@@ -31,6 +31,13 @@ __global__ void copy_columns_kernel(float* dst, int64_t dst_W, const float* src,
 __global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
   ZINC_GRID_STRIDE(i, n) y[i] += alpha * x[i];
 }
+__global__ void dropout_kernel(float* out, const float* x, int64_t n, uint32_t threshold, float keep_scale,
+                               uint64_t key, bool accumulate) {
+  ZINC_GRID_STRIDE(i, n) {
+    const float v = math::dropout_keeps(key, static_cast<uint32_t>(i), threshold) ? x[i] * keep_scale : 0.0f;
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
 
 // Two chunks per warp (16 lanes each), kRowsPerBlock chunks per block.
 __global__ void chunk_norm_kernel(const float* x, int64_t n, int64_t nchunks, double* partial) {
@@ -81,6 +88,13 @@ void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream)
   if (n <= 0) return;
   axpy_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, alpha, x, n);
   detail::check_launch("axpy");
+}
+
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream) {
+  if (n <= 0) return;
+  dropout_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n, math::dropout_threshold(p),
+                                                                         1.0f / (1.0f - p), key, accumulate);
+  detail::check_launch("dropout");
 }
 
 void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream) {

@@ -15,6 +15,19 @@
 // gradients), dU = scale dy Bbd and dx = dU [A_1; ...] (before the base's
 // input gradient adds itself) in one product each. A one-member group
 // spanning its weight uses A and B themselves and their gradients directly.
+//
+// Note [LoRA dropout]
+// PEFT drops each target's input on its own (one nn.Dropout per target:
+// y_t += scale B_t A_t dropout_t(x)), so with lora_dropout the members of
+// a group no longer share their input and each runs its own U_t = x_t A_t^T
+// into its columns of U; B's product over the group stays one. The masks
+// are counter-based (Note [dropout masks] in kernels/math.h), keyed by the
+// engine's per-micro-batch seed (StepContext::dropout_seed), the layer, the
+// group and the member: backward makes x_t again instead of keeping it,
+// for dA_t = dU_t^T x_t, and drops dU_t A_t with the same mask for dx. An
+// evaluation's seed is 0: nothing dropped, as PEFT in eval(). The masks are
+// zinc's own, so a run with dropout matches PEFT's statistically, not bit
+// for bit.
 #pragma once
 
 #include <algorithm>
@@ -22,6 +35,7 @@
 #include <vector>
 
 #include "engine/model.h"
+#include "kernels/math.h"
 #include "models/detail/linear.h"
 #include "models/detail/ops.h"
 
@@ -38,6 +52,18 @@ struct LoraMember {
 struct LoraGroup {
   int64_t in = 0, width = 0;
   std::vector<LoraMember> members;
+};
+
+// A group's dropout (Note [LoRA dropout]): off where p or key is 0.
+struct LoraDropout {
+  float p = 0.0f;
+  uint64_t key = 0;
+  bool on() const { return p > 0.0f && key != 0; }
+  // The stream of group `g` of layer `l` under the forward's seed.
+  static LoraDropout of(double p, uint64_t seed, int64_t l, int64_t g) {
+    if (p <= 0.0 || seed == 0) return {};
+    return {static_cast<float>(p), kernels::math::dropout_subkey(seed, static_cast<uint64_t>(l * 64 + g))};
+  }
 };
 
 // A layer's adapter block in backward: held, with its gradient buffers
@@ -65,7 +91,8 @@ struct LoraSaved {
 // The scratch every group of a model shares (sized by ensure for the largest).
 class LoraScratch {
  public:
-  void ensure(Ops& ops, int64_t N, int64_t r, const std::vector<LoraGroup>& groups) {
+  // dropout: also the buffers of Note [LoRA dropout] (dropout_bytes).
+  void ensure(Ops& ops, int64_t N, int64_t r, const std::vector<LoraGroup>& groups, bool dropout = false) {
     int64_t in = 0, width = 0, n = 0, out = 0;
     for (const LoraGroup& g : groups) {
       in = std::max(in, g.in);
@@ -73,8 +100,8 @@ class LoraScratch {
       n = std::max<int64_t>(n, static_cast<int64_t>(g.members.size()));
       for (const LoraMember& m : g.members) out = std::max(out, m.rows);
     }
-    if (N == N_ && r == r_ && in == in_ && width == width_ && n == n_ && out == out_) return;
-    N_ = N, r_ = r, in_ = in, width_ = width, n_ = n, out_ = out;
+    if (N == N_ && r == r_ && in == in_ && width == width_ && n == n_ && out == out_ && dropout == dropout_) return;
+    N_ = N, r_ = r, in_ = in, width_ = width, n_ = n, out_ = out, dropout_ = dropout;
     const size_t nr = static_cast<size_t>(n * r);
     du = ops.alloc_f32(static_cast<size_t>(N) * nr);
     ag = ops.alloc_f32(nr * static_cast<size_t>(in));
@@ -82,11 +109,21 @@ class LoraScratch {
     bbd = ops.alloc_f32(static_cast<size_t>(width) * nr);
     dbbd = ops.alloc_f32(static_cast<size_t>(width) * nr);
     wide = ops.alloc_f32(static_cast<size_t>(r * std::max(in, out)));
+    if (dropout) {
+      xd = ops.alloc_f32(static_cast<size_t>(N * in));
+      uj = ops.alloc_f32(static_cast<size_t>(N * r));
+    }
   }
-  Buf du, du16, ag, dag, bbd, dbbd, wide;
+  // What dropout adds for groups of inputs up to `in` wide: a member's
+  // dropped input (and its 16-bit copy), its U columns.
+  static int64_t dropout_bytes(int64_t N, int64_t r, int64_t in, DType dt) {
+    return buffer_bytes(N * in) + matmul_input_bytes(N * in, dt) + buffer_bytes(N * r);
+  }
+  Buf du, du16, ag, dag, bbd, dbbd, wide, xd, xd16, uj;
 
  private:
   int64_t N_ = -1, r_ = -1, in_ = -1, width_ = -1, n_ = -1, out_ = -1;
+  bool dropout_ = false;
 };
 
 // The (N, n r) bytes a group's U takes (ActivationMemory).
@@ -104,6 +141,23 @@ inline CView as_f32(Ops& ops, CView p, int64_t n, float* at, DType dt) {
   return CView{at, DType::kF32, is_16bit(dt)};
 }
 inline bool direct(const LoraGroup& g) { return g.members.size() == 1 && g.members[0].rows == g.width; }
+// Member j's input dropped (Note [LoRA dropout]) into s.xd, as the matmuls read it.
+inline CView dropped_input(Ops& ops, LoraScratch& s, CView x, int64_t N, int64_t in, const LoraDropout& drop,
+                           int64_t j, DType dt) {
+  float* xd = s.xd.as<float>();
+  const float* src = static_cast<const float*>(x.data);
+  if (x.dtype != DType::kF32) {
+    ops.to_f32(xd, x, N * in);
+    src = xd;
+  }
+  ops.dropout(xd, src, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), false);
+  return ops.matmul_input(xd, N * in, dt, s.xd16);
+}
+// Rows [j r, (j + 1) r) of the group's A operand (stacked fp32, or A itself).
+inline CView a_rows(CView A, int64_t j, int64_t r, int64_t in) {
+  if (j == 0) return A;
+  return CView{static_cast<const float*>(A.data) + j * r * in, A.dtype, A.bf16_exact};
+}
 // The group's stacked A (n r, in) and block-diagonal B (width, n r).
 inline std::pair<CView, CView> operands(Ops& ops, LoraScratch& s, const HeldParams& lp, const LoraGroup& g, int64_t r,
                                         DType dt) {
@@ -128,11 +182,22 @@ inline std::pair<CView, CView> operands(Ops& ops, LoraScratch& s, const HeldPara
 // itself; U goes to u (N, n r) and `saved`. Returns whether it wrote dst
 // (false: the group adapts nothing).
 inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const LoraGroup& g, int64_t r, float scale,
-                         CView x, float* dst, int64_t N, DType dt, float* u, LoraSaved& saved) {
+                         CView x, float* dst, int64_t N, DType dt, float* u, LoraSaved& saved,
+                         const LoraDropout& drop = {}) {
   if (g.members.empty()) return false;
-  const int64_t nr = static_cast<int64_t>(g.members.size()) * r;
+  const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r;
   const auto [A, Bbd] = lora_impl::operands(ops, s, lp, g, r, dt);
-  linear_forward(ops, u, x, A, CView{}, N, g.in, nr, dt);
+  if (!drop.on()) {
+    linear_forward(ops, u, x, A, CView{}, N, g.in, nr, dt);
+  } else {
+    // Note [LoRA dropout]: each member's U from its own dropped input.
+    for (int64_t j = 0; j < n; ++j) {
+      const CView xj = lora_impl::dropped_input(ops, s, x, N, g.in, drop, j, dt);
+      float* uj = n == 1 ? u : s.uj.as<float>();
+      linear_forward(ops, uj, xj, lora_impl::a_rows(A, j, r, g.in), CView{}, N, g.in, r, dt);
+      if (n > 1) ops.copy_columns(u + j * r, nr, uj, r, N, r);
+    }
+  }
   saved.u_in = ops.matmul_input(u, N * nr, dt, saved.u16);
   kernels::MatmulDesc d = forward_desc(N, nr, g.width, false, dt);
   d.alpha = scale;
@@ -146,7 +211,7 @@ inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const L
 // itself. Returns whether it wrote dx.
 inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const BlockGrads& lg, const LoraGroup& g,
                           int64_t r, float scale, CView x, const LoraSaved& saved, CView dy_in, float* dx, int64_t N,
-                          DType dt) {
+                          DType dt, const LoraDropout& drop = {}) {
   if (g.members.empty()) return false;
   const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r, W = g.width, in = g.in;
   const auto [A, Bbd] = lora_impl::operands(ops, s, lp, g, r, dt);
@@ -161,6 +226,34 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   kernels::MatmulDesc du = input_grad_desc(N, nr, W, dt);
   du.alpha = scale;
   ops.matmul(du, dy_in, Bbd, s.du.as<float>());
+  if (drop.on()) {
+    // Note [LoRA dropout], per member: dA_j += dU_j^T x_j with x_j made
+    // again, and dx (=, then +=) the dropped dU_j A_j.
+    for (int64_t j = 0; j < n; ++j) {
+      const LoraMember& m = g.members[static_cast<size_t>(j)];
+      float* uj = s.du.as<float>();
+      if (n > 1) {
+        uj = s.uj.as<float>();
+        ops.copy_columns(uj, r, s.du.as<float>() + j * r, nr, N, r);
+      }
+      const CView duj = ops.matmul_input(uj, N * r, dt, s.du16);
+      const CView xj = lora_impl::dropped_input(ops, s, x, N, in, drop, j, dt);
+      kernels::MatmulDesc da = weight_grad_desc(N, in, r, dt);
+      da.accumulate = true;
+      ops.matmul(da, duj, xj, lg[m.a]);
+      float* t = s.xd.as<float>();  // x_j is no longer needed
+      ops.matmul(input_grad_desc(N, in, r, dt), duj, lora_impl::a_rows(A, j, r, in), t);
+      ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), j > 0);
+    }
+    if (direct) return true;
+    float* blk = s.wide.as<float>();
+    for (int64_t j = 0; j < n; ++j) {
+      const LoraMember& m = g.members[static_cast<size_t>(j)];
+      ops.copy_columns(blk, r, dbbd + m.row * nr + j * r, nr, m.rows, r);
+      ops.add(lg[m.b], lg[m.b], blk, m.rows * r);
+    }
+    return true;
+  }
   const CView du_in = ops.matmul_input(s.du.as<float>(), N * nr, dt, s.du16);
   // dA = dU^T x
   kernels::MatmulDesc da = weight_grad_desc(N, in, nr, dt);

@@ -163,6 +163,7 @@ class Gpt final : public Model {
       m.saved += act_sets * (buffer_bytes(N * kGptLoraTargets * r) + kGptLoraTargets * detail::matmul_input_bytes(N * r, dt)) +
                  buffer_bytes(N * r) + detail::matmul_input_bytes(N * r, dt) + 2 * buffer_bytes(r * 4 * C) +
                  2 * buffer_bytes(4 * C * r) + buffer_bytes(r * 4 * C) + buffer_bytes(2 * C);
+      if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, 4 * C, dt);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) +
                2 * buffer_bytes(N * V) + matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
@@ -181,6 +182,7 @@ class Gpt final : public Model {
   }
 
   float forward(StepContext& ctx, const Batch& batch) override {
+    lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.n_embd, V = c_.vocab_size;
     if (T > c_.block_size)
       throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
@@ -337,6 +339,9 @@ class Gpt final : public Model {
 
   // ---- LoRA (LoraConfig; models/detail/lora.h) -----------------------------------
   bool lora() const { return c_.lora.enabled(); }
+  detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
+    return detail::LoraDropout::of(c_.lora.dropout, lora_seed_, l, g);
+  }
   int lora_block(int64_t l) const { return static_cast<int>(c_.n_layer + 2 + l); }
   // A base weight's (or bias's) gradient: null when frozen (linear_backward
   // then skips its weight-gradient matmul); a norm's goes to a sink.
@@ -385,14 +390,14 @@ class Gpt final : public Model {
     if (!lp) return false;
     float* u = a.lora_u.as<float>() + t * N * c_.lora.r;
     return detail::lora_forward(*ops_, lora_scratch_, *lp, lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(t)],
-                                c_.lora.r, c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[t]);
+                                c_.lora.r, c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[t], lora_drop(l, t));
   }
   bool lora_backward(const HeldParams* lp, const BlockGrads& lg, LayerActs& a, int64_t l, int t, CView x, CView dy_in,
                      float* dx, int64_t N, DType dt) {
     if (!lp) return false;
     return detail::lora_backward(*ops_, lora_scratch_, *lp, lg,
                                  lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(t)], c_.lora.r,
-                                 c_.lora.scale(), x, a.lora_saved[t], dy_in, dx, N, dt);
+                                 c_.lora.scale(), x, a.lora_saved[t], dy_in, dx, N, dt, lora_drop(l, t));
   }
 
   // fused: the Ops writes ln1, ln2, gelu and lnf as bf16 operands only
@@ -430,7 +435,7 @@ class Gpt final : public Model {
       for (LayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kGptLoraTargets * r);
       std::vector<detail::LoraGroup> all;
       for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
-      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all);
+      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all, c_.lora.dropout > 0);
       sink_ = ops_->alloc_f32(2 * C);
     }
     B_ = B;
@@ -458,6 +463,7 @@ class Gpt final : public Model {
   // the frozen norms' weight and bias gradients (a sink of two halves).
   std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> lora_groups_;
   detail::LoraScratch lora_scratch_;
+  uint64_t lora_seed_ = 0;  // the forward's dropout seed (StepContext::dropout_seed)
   Buf sink_;
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
   Buf lnf_16_;

@@ -213,6 +213,7 @@ class Llama final : public Model {
       m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) + buffer_bytes(N * nr) +
                  detail::matmul_input_bytes(N * nr, dt) + 2 * buffer_bytes(nr * in) + 2 * buffer_bytes(W * nr) +
                  buffer_bytes(r * std::max({in, H_ * D_, C})) + buffer_bytes(2 * std::max(C, std::max(H_, K_) * D_));
+      if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, in, dt);
     }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
@@ -259,6 +260,7 @@ class Llama final : public Model {
   }
 
   float forward(StepContext& ctx, const Batch& batch) override {
+    lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.hidden_size, V = c_.vocab_size;
     if (T > c_.max_position_embeddings)
       throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
@@ -560,6 +562,9 @@ class Llama final : public Model {
 
   // ---- LoRA (LoraConfig) ------------------------------------------------------
   bool lora() const { return c_.lora.enabled(); }
+  detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
+    return detail::LoraDropout::of(c_.lora.dropout, lora_seed_, l, g);
+  }
   int lora_block(int64_t l) const { return static_cast<int>(c_.num_hidden_layers + 2 + l); }
   // Where target t sits: its input and output widths, and its output's
   // first column in the projection it adapts, whose rows are `width` wide
@@ -619,13 +624,13 @@ class Llama final : public Model {
     if (!lp) return false;
     float* u = a.lora_u.as<float>() + kGroupFirst[g] * N * c_.lora.r;
     return detail::lora_forward(*ops_, lora_scratch_, *lp, lora_groups_[static_cast<size_t>(l)][g], c_.lora.r,
-                                c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[g]);
+                                c_.lora.scale(), x, dst, N, dt, u, a.lora_saved[g], lora_drop(l, g));
   }
   bool lora_backward(const HeldParams* lp, const BlockGrads& lg, LlamaLayerActs& a, int64_t l, int g, CView x,
                      CView dy_in, float* dx, int64_t N, DType dt) {
     if (!lp) return false;
     return detail::lora_backward(*ops_, lora_scratch_, *lp, lg, lora_groups_[static_cast<size_t>(l)][g], c_.lora.r,
-                                 c_.lora.scale(), x, a.lora_saved[g], dy_in, dx, N, dt);
+                                 c_.lora.scale(), x, a.lora_saved[g], dy_in, dx, N, dt, lora_drop(l, g));
   }
 
   // One layer's forward from x_in into `a` and, unless x_out is null, its
@@ -965,7 +970,7 @@ class Llama final : public Model {
       for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
       std::vector<detail::LoraGroup> all;
       for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
-      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all);
+      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all, c_.lora.dropout > 0);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
       sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
     }
@@ -1009,6 +1014,7 @@ class Llama final : public Model {
   // the frozen norms' weight gradients (two halves).
   std::vector<std::array<detail::LoraGroup, 4>> lora_groups_;
   detail::LoraScratch lora_scratch_;
+  uint64_t lora_seed_ = 0;  // the forward's dropout seed (StepContext::dropout_seed)
   Buf sink_;
   int64_t sink_half_ = 0;
   CView lnf_in_;

@@ -265,6 +265,23 @@ TEST(CudaLlama, CopyColumnsMatchesTheCpu) {
   }
 }
 
+// LoRA's dropout (Note [dropout masks] in math.h): the same mask and values
+// as the CPU's, written and accumulated.
+TEST(CudaLlama, DropoutMatchesTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  for (auto [n, p] : {std::pair<int64_t, float>{1, 0.5f}, {1000, 0.1f}, {4099, 0.3f}}) {
+    const std::string at = "n=" + std::to_string(n) + " p=" + std::to_string(p);
+    const std::vector<float> x = randn(n, 151);
+    for (bool acc : {false, true}) {
+      std::vector<float> out = randn(n, 152);
+      DeviceBuffer d_x = upload(x), d_out = upload(out);
+      dropout(out.data(), x.data(), n, p, 0x1234567890abcdefULL, acc);
+      cuda::dropout(d_out.as<float>(), d_x.as<float>(), n, p, 0x1234567890abcdefULL, acc, nullptr);
+      expect_same_bits(out, download<float>(d_out, out.size()), "dropout " + at);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zinc::kernels
 

@@ -652,6 +652,43 @@ TEST(VectorOps, ElementwiseOpsAgreeWithReference) {
   }
 }
 
+// Note [dropout masks] (math.h): inverted dropout whose mask is a function
+// of (key, index): a kept element is x / (1 - p), about 1 - p of them are
+// kept, the same key gives the same mask (written, in place, or added) and
+// another key another mask.
+TEST(VectorOps, DropoutKeepsAboutOneMinusPScaledAndRepeatsItsMask) {
+  const int64_t n = 200000;
+  const std::vector<float> x = randn(static_cast<size_t>(n), 160);
+  for (float p : {0.05f, 0.3f, 0.5f}) {
+    std::vector<float> a(x.size()), b(x.size()), c = x, acc(x.size(), 1.0f), other(x.size());
+    dropout(a.data(), x.data(), n, p, 42, false);
+    dropout(b.data(), x.data(), n, p, 42, false);
+    dropout(c.data(), c.data(), n, p, 42, false);
+    dropout(acc.data(), x.data(), n, p, 42, true);
+    dropout(other.data(), x.data(), n, p, 43, false);
+    int64_t kept = 0, differ = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t u = static_cast<size_t>(i);
+      if (a[u] != 0.0f) {
+        ++kept;
+        ASSERT_EQ(a[u], x[u] * (1.0f / (1.0f - p))) << i;
+      }
+      ASSERT_EQ(acc[u], 1.0f + a[u]) << i;
+      differ += (a[u] != 0.0f) != (other[u] != 0.0f);
+    }
+    EXPECT_TRUE(BitEqual(a, b));
+    EXPECT_TRUE(BitEqual(a, c));
+    // Binomial: the kept share within 5 standard deviations of 1 - p.
+    const double sd = std::sqrt(p * (1.0 - p) / static_cast<double>(n));
+    EXPECT_NEAR(static_cast<double>(kept) / n, 1.0 - p, 5 * sd) << "p " << p;
+    // Two independent masks differ at 2 p (1 - p) of the elements.
+    EXPECT_NEAR(static_cast<double>(differ) / n, 2.0 * p * (1.0 - p), 0.01) << "p " << p;
+  }
+  std::vector<float> none(x.size());
+  dropout(none.data(), x.data(), n, 0.0f, 42, false);
+  EXPECT_TRUE(BitEqual(none, x));
+}
+
 TEST(VectorOps, SquaredNormAgreesWithReference) {
   for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{17}, size_t{33}, size_t{100003}, size_t{300017}}) {
     auto x = randn(n, 710 + n);

@@ -90,7 +90,9 @@ class HostContext final : public StepContext {
   void release_params(int) noexcept override {}
   BlockGrads grads(int b) override { return {grads_[b].data(), &layouts[b]}; }
   void grads_ready(int) override {}
+  uint64_t dropout_seed() const override { return seed; }
 
+  uint64_t seed = 0;  // the forwards' dropout stream (0: nothing dropped)
   std::vector<BlockLayout> layouts;
   std::vector<std::vector<float>> params, grads_;
 };

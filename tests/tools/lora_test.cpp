@@ -232,6 +232,73 @@ TEST_P(LoraFixture, Bf16WithinItsTolerance) {
   }
 }
 
+// lora_dropout (Note [LoRA dropout] in models/detail/lora.h): each target's
+// input dropped on its own, with masks the forward's seed fixes. The
+// adapters' gradients are those of the loss under those masks: a central
+// difference of forwards with the same seed along a random direction of
+// every adapter parameter equals the gradients' dot product with it, and
+// gradients taken under another seed's masks do not. An evaluation (seed
+// 0) drops nothing: the logits of a model without dropout, bit for bit.
+TEST_P(LoraFixture, DropoutGradientsAreThoseOfTheMaskedLoss) {
+  const std::string dir = fixture(GetParam());
+  Reference ref(dir);
+  models::LoraConfig lora = read_peft_adapter_config(dir);
+  const HfConfig cfg = read_hf_config(fixture(base_of(dir)));
+  auto plain = load_pretrained(cfg, Device::kCpu, false, lora, dir);
+  lora.dropout = 0.3;
+  auto model = load_pretrained(cfg, Device::kCpu, false, lora, dir);
+  HostContext ctx(*model);
+  plain->forward(ctx, ref.batch());
+  const std::vector<float> plain_logits(plain->logits().begin(), plain->logits().end());
+  const float plain_loss = model->forward(ctx, ref.batch());  // seed 0: an evaluation
+  EXPECT_TRUE(std::vector<float>(model->logits().begin(), model->logits().end()) == plain_logits) << GetParam();
+
+  auto grads_at = [&](uint64_t seed) {
+    for (auto& g : ctx.grads_) std::fill(g.begin(), g.end(), 0.0f);
+    ctx.seed = seed;
+    const float loss = model->forward(ctx, ref.batch());
+    model->backward(ctx, 1.0f);
+    return std::make_pair(loss, ctx.grads_);
+  };
+  const auto [loss, grads] = grads_at(0x5eed);
+  EXPECT_GT(std::fabs(loss - plain_loss), 1e-4) << GetParam() << ": nothing was dropped";
+  const auto other = grads_at(0x5eee).second;
+
+  // A direction over every adapter parameter, and the loss along it.
+  std::vector<std::vector<float>> dir_v(ctx.params.size());
+  uint64_t state = 77;
+  double norm = 0;
+  for (size_t b = 0; b < ctx.params.size(); ++b) {
+    if (model->blocks()[b].frozen) continue;
+    dir_v[b].resize(ctx.params[b].size());
+    for (float& v : dir_v[b]) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      v = static_cast<float>(static_cast<int64_t>(state >> 33) % 2001 - 1000) / 1000.0f;
+      norm += static_cast<double>(v) * v;
+    }
+  }
+  double dot = 0, dot_other = 0;  // along the unit direction
+  for (size_t b = 0; b < dir_v.size(); ++b)
+    for (size_t i = 0; i < dir_v[b].size(); ++i) {
+      dir_v[b][i] = static_cast<float>(dir_v[b][i] / std::sqrt(norm));
+      dot += static_cast<double>(dir_v[b][i]) * grads[b][i];
+      dot_other += static_cast<double>(dir_v[b][i]) * other[b][i];
+    }
+  const float eps = 1e-2f;
+  auto loss_at = [&](float t) {
+    auto saved = ctx.params;
+    for (size_t b = 0; b < ctx.params.size(); ++b)
+      for (size_t i = 0; i < dir_v[b].size(); ++i) ctx.params[b][i] += t * dir_v[b][i];
+    ctx.seed = 0x5eed;
+    const double l = model->forward(ctx, ref.batch());
+    ctx.params = saved;
+    return l;
+  };
+  const double fd = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
+  EXPECT_NEAR(dot, fd, 2e-2 * std::fabs(fd) + 1e-4) << GetParam();
+  EXPECT_GT(std::fabs(dot_other - fd), 5e-2 * std::fabs(fd)) << GetParam() << ": another seed's masks agree";
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, LoraFixture, testing::ValuesIn(kLoraFixtures),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
 
@@ -293,6 +360,64 @@ TEST(Lora, ACheckpointResumesBitForBit) {
         refusal(load_pretrained(read_hf_config(fixture("llama_gqa")), Device::kCpu, false, fewer));
     EXPECT_NE(other.find("layers.0.lora"), std::string::npos) << other;
   }
+  fs::remove_all(dir);
+  fs::remove_all(nvme);
+}
+
+// With lora_dropout the masks come from the engine's seed, the micro-batch's
+// index and the rank (StepContext::dropout_seed): every stage trains the
+// same bits, a resumed run continues bit for bit, and the masks change
+// from step to step (a run differs from the same run without dropout).
+TEST(Lora, DropoutTrainsTheSameAtEveryStageAndResumesBitForBit) {
+  Reference ref(fixture("lora_llama"));
+  const std::string dir = ::testing::TempDir() + "zinc-lora-dropout-ckpt";
+  const std::string nvme = ::testing::TempDir() + "zinc-lora-dropout-nvme";
+  fs::create_directories(nvme);
+  auto model = [](double p) {
+    models::LoraConfig lora = read_peft_adapter_config(fixture("lora_llama"));
+    lora.dropout = p;
+    return load_pretrained(read_hf_config(fixture("llama_gqa")), Device::kCpu, false, lora, fixture("lora_llama"));
+  };
+  auto ds = [&](int stage, bool on_nvme) {
+    nlohmann::json d = {{"train_batch_size", 2 * ref.B},
+                        {"train_micro_batch_size_per_gpu", ref.B},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
+                        {"zero_optimization", {{"stage", stage}}}};
+    if (on_nvme) d["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}};
+    return d;
+  };
+  auto steps = [&](Engine& e, int n) {
+    for (int i = 0; i < 2 * n; ++i) {  // two micro-batches a step
+      e.forward(ref.batch());
+      e.backward();
+      e.step();
+    }
+  };
+  auto weights = [](Engine& e) {
+    std::vector<std::vector<float>> w;
+    for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
+    return w;
+  };
+  Engine e0 = Engine::initialize(model(0.25), ds(0, false));
+  steps(e0, 3);
+  const auto want = weights(e0);
+  Engine e3 = Engine::initialize(model(0.25), ds(3, true));
+  steps(e3, 3);
+  EXPECT_TRUE(weights(e3) == want) << "stage 3 on NVMe";
+  Engine none = Engine::initialize(model(0.0), ds(0, false));
+  steps(none, 3);
+  EXPECT_FALSE(weights(none) == want) << "dropout changed nothing";
+
+  fs::remove_all(dir);
+  Engine a = Engine::initialize(model(0.25), ds(1, false));
+  steps(a, 1);
+  a.save_checkpoint(dir, "", nlohmann::json::object());
+  steps(a, 2);
+  EXPECT_TRUE(weights(a) == want) << "stage 1";
+  Engine b = Engine::initialize(model(0.25), ds(1, false));
+  b.load_checkpoint(dir, "");
+  steps(b, 2);
+  EXPECT_TRUE(weights(b) == want) << "resumed";
   fs::remove_all(dir);
   fs::remove_all(nvme);
 }

@@ -118,8 +118,29 @@ def test_lora_exports_are_refused_before_training(tmp_path):
     r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "target_modules": ["q_proj", "c_attn"]}},
             expect_ok=False)
     assert r.returncode != 0 and "model.lora.target_modules" in r.stderr and "c_attn" in r.stderr
-    r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "lora_dropout": 0.1}}, expect_ok=False)
+    r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "lora_dropout": 1.0}}, expect_ok=False)
     assert r.returncode != 0 and "model.lora.lora_dropout" in r.stderr
+
+
+def test_lora_dropout_trains_and_goes_into_the_adapter_config(tmp_path):
+    """lora_dropout 0.1 trains (a loss other than the run without it), is written to adapter_config.json, and
+    comes back from it with model.adapter."""
+    losses = []
+    for p in (0.0, 0.1):
+        r = run(tmp_path, {"from_pretrained": BASE, "lora": dict(LORA, lora_dropout=p)},
+                ("--save-adapter", str(tmp_path / ("a%g" % p))))
+        losses.append([l for l in r.stdout.splitlines() if l.startswith("step 3/3")])
+    assert losses[0] != losses[1], losses
+    with open(tmp_path / "a0.1" / "adapter_config.json") as f:
+        assert json.load(f)["lora_dropout"] == 0.1
+    # The adapter read back trains with its dropout: edited to 0, it trains otherwise.
+    r = run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a0.1")})
+    cont = [l for l in r.stdout.splitlines() if l.startswith("step 3/3")]
+    cfg = json.loads((tmp_path / "a0.1" / "adapter_config.json").read_text())
+    cfg["lora_dropout"] = 0.0
+    (tmp_path / "a0.1" / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a0.1")})
+    assert [l for l in r.stdout.splitlines() if l.startswith("step 3/3")] != cont, cont
 
 
 @pytest.mark.parametrize("fixture", ["llama_gqa", "gpt2"])
