@@ -232,13 +232,25 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
     int64_t gpt_grew[2] = {0, 0};  // plain, checkpointed
     for (const std::string kind : {"gpt", "gpt checkpointed", "mlp", "llama", "llama checkpointed", "qwen3", "granite",
                                    "gemma2", "gemma3 checkpointed", "olmo2 checkpointed", "neox", "moe",
-                                   "moe checkpointed"}) {
+                                   "moe checkpointed", "llama lora", "llama lora dropout checkpointed",
+                                   "gpt lora dropout"}) {
       const bool gpt = kind.rfind("gpt", 0) == 0;
       const bool llama = kind.rfind("llama", 0) == 0 || kind == "qwen3" || kind == "granite" || kind.rfind("gemma", 0) == 0 ||
                          kind.rfind("olmo2", 0) == 0 || kind == "neox" || kind.rfind("moe", 0) == 0;
       const std::string what = kind + " " + precision;
       models::GptConfig gk = g;
       gk.gradient_checkpointing = kind == "gpt checkpointed";
+      // LoRA (models/detail/lora.h): U and the groups' scratch, and with
+      // dropout a member's dropped input and its U columns.
+      models::LoraConfig lora;
+      if (kind.find("lora") != std::string::npos) {
+        lora.r = 4;
+        lora.dropout = kind.find("dropout") != std::string::npos ? 0.1 : 0.0;
+        lora.targets = gpt ? std::vector<std::string>{"c_attn", "c_proj", "c_fc"}
+                           : std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"};
+      }
+      gk.lora = lora;
       const nlohmann::json cfg = {{"train_batch_size", 4},
                                   {"bf16", {{"enabled", bf16}}},
                                   {"fp16", {{"enabled", fp16}}},
@@ -257,6 +269,7 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       for (int round = 0; round < 2; ++round) {
         models::LlamaConfig lk = l;
         lk.gradient_checkpointing = kind.find("checkpointed") != std::string::npos && !gpt;
+        lk.lora = lora;
         lk.qk_norm = kind == "qwen3" || kind == "gemma3 checkpointed" || kind == "olmo2 checkpointed";
         if (kind == "olmo2 checkpointed") {  // post-norms only, q/k norms over the whole projection, partial rope
           lk.pre_norms = false;
