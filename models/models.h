@@ -19,6 +19,7 @@
 // regrown if the shape changes); one model instance serves one engine.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -44,7 +45,13 @@ struct LoraConfig {
   // its A, in training (Note [LoRA dropout] in models/detail/lora.h).
   double dropout = 0.0;
   std::vector<std::string> targets;
+  // modules_to_save: whole modules trained beside the adapters (PEFT's
+  // names: embed_tokens, lm_head), each in a block of its own, not frozen.
+  std::vector<std::string> modules_to_save;
   bool enabled() const { return r > 0; }
+  bool saves(const std::string& m) const {
+    return enabled() && std::find(modules_to_save.begin(), modules_to_save.end(), m) != modules_to_save.end();
+  }
   bool targets_module(const std::string& m) const {
     for (const std::string& t : targets)
       if (t == m) return true;

@@ -46,8 +46,16 @@ void parse_lora(Reader& model, models::LoraConfig& l) {
   if (r.get_bool("init_lora_weights", init) && !init)
     throw ConfigError(r.last_path(), "false (B drawn at random, PEFT's test setting) is not implemented; true "
                                      "starts A Kaiming-uniform and B at zero, as PEFT does");
-  if (const nlohmann::json* mts = r.find("modules_to_save"); mts && !mts->is_null() && !(mts->is_array() && mts->empty()))
-    throw ConfigError(r.last_path(), "training whole modules beside the adapters is not implemented yet");
+  if (const nlohmann::json* mts = r.find("modules_to_save"); mts && !mts->is_null()) {
+    // The names are the family's to check (its size rules).
+    if (!mts->is_array()) throw ConfigError(r.last_path(), "expected a list of module names, got " + mts->dump());
+    for (const nlohmann::json& m : *mts) {
+      if (!m.is_string()) throw ConfigError(r.last_path(), "expected module names, got " + m.dump());
+      if (std::find(l.modules_to_save.begin(), l.modules_to_save.end(), m.get<std::string>()) ==
+          l.modules_to_save.end())
+        l.modules_to_save.push_back(m.get<std::string>());
+    }
+  }
   l.targets = {};  // PEFT's default for the family (FamilyConfig::set_lora)
   if (const nlohmann::json* tm = r.find("target_modules")) {
     const std::string at = r.last_path();
@@ -329,7 +337,8 @@ nlohmann::json to_json(const ExperimentConfig& e) {
   }
   if (m.lora.enabled())
     model["lora"] = {{"r", m.lora.r}, {"lora_alpha", m.lora.alpha}, {"use_rslora", m.lora.rslora},
-                     {"lora_dropout", m.lora.dropout}, {"target_modules", m.lora.targets}};
+                     {"lora_dropout", m.lora.dropout}, {"target_modules", m.lora.targets},
+                     {"modules_to_save", m.lora.modules_to_save}};
   if (!m.adapter.empty()) model["adapter"] = m.adapter;
   return {{"model", model},
           {"data", data},

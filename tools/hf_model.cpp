@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 #include <optional>
 #include <sstream>
 
@@ -321,10 +322,40 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
       adapter_used[name] = true;
     }
   }
+  // modules_to_save: whole modules trained beside the adapters (blocks not
+  // frozen in a LoRA model). An adapter folder holds their trained values
+  // under PEFT's names (the base's name as the model names it); without
+  // one they start as the base's.
+  std::set<std::string> saved_in_base;  // the base's own tensors of those modules: in the file, not read
+  if (adapter && lora.enabled()) {
+    const auto named = hf_pieces(cfg, *inner, cfg.family->export_prefix);
+    for (size_t b = 0; b < pieces.size(); ++b) {
+      const BlockSpec& spec = inner->blocks()[b];
+      if (spec.frozen || models::is_adapter_block(spec.name)) continue;
+      from_adapter[b] = 1;
+      for (size_t p = 0; p < spec.params.size(); ++p) {
+        ZINC_CHECK(named[b][p].size() == 1, "load_pretrained: a module to save is one tensor in the file");
+        const HfPiece& want = named[b][p][0];
+        const std::string name = std::string(kPeftPrefix) + want.name;
+        const StoredTensor* t = adapter->find(name);
+        if (!t)
+          throw Error(adapter->path() + ": tensor " + name + " " + shape_text(want.shape) + " is missing (" +
+                      kAdapterConfigFile + " names its module in modules_to_save)");
+        if (t->shape != want.shape)
+          throw Error(adapter->path() + ": tensor " + name + " has shape " + shape_text(t->shape) + "; this model's " +
+                      "is " + shape_text(want.shape));
+        if (!t->readable)
+          throw Error(adapter->path() + ": tensor " + name + " is " + t->stored_dtype + "; zinc reads F32, BF16 and F16");
+        for (const HfPiece& pc : pieces[b][p]) saved_in_base.insert(pc.name);
+        pieces[b][p] = {HfPiece{name, want.shape, want.rows, false}};
+        adapter_used[name] = true;
+      }
+    }
+  }
   for (const auto& [n, u] : adapter_used)
     if (!u)
       throw Error(adapter->path() + ": tensor " + n + " is not an adapter this model has (a module outside " +
-                  kAdapterConfigFile + "'s target_modules, or another architecture's)");
+                  kAdapterConfigFile + "'s target_modules and modules_to_save, or another architecture's)");
   // Every tensor zinc needs, with its shape and a readable dtype; no other.
   std::map<std::string, bool> used;
   for (const std::string& n : folder->names()) used[n] = false;
@@ -344,7 +375,7 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
         used[pc.name] = true;
       }
   for (const auto& [n, u] : used) {
-    if (u || hf_ignored_tensor(cfg, n)) continue;
+    if (u || hf_ignored_tensor(cfg, n) || saved_in_base.count(n)) continue;
     throw Error(folder->find(n).first->path() + ": tensor " + n + " is not a parameter of " + cfg.architecture +
                 " as its config.json describes it (unexpected tensor)");
   }

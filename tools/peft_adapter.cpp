@@ -58,7 +58,15 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   // Conv1D): the family's tensor map knows that; the adapters are the same.
   for (const char* k : {"use_dora", "lora_bias"})
     if (has(k) && doc[k] != false) fail(k, doc[k].dump() + " is not implemented (DoRA, Conv1D layouts, LoRA biases)");
-  for (const char* k : {"layers_to_transform", "modules_to_save", "layer_replication", "trainable_token_indices"})
+  if (has("modules_to_save")) {
+    // The names are the family's to check (load_pretrained).
+    if (!doc["modules_to_save"].is_array()) fail("modules_to_save", "expected a list of module names");
+    for (const nlohmann::json& m : doc["modules_to_save"]) {
+      if (!m.is_string()) fail("modules_to_save", "expected module names, got " + m.dump());
+      l.modules_to_save.push_back(m.get<std::string>());
+    }
+  }
+  for (const char* k : {"layers_to_transform", "layer_replication", "trainable_token_indices"})
     if (has(k) && !(doc[k].is_array() && doc[k].empty()))
       fail(k, doc[k].dump() + " is not implemented yet (zinc adapts every layer's targets, and trains nothing else)");
   for (const char* k : {"rank_pattern", "alpha_pattern"})
@@ -100,7 +108,8 @@ nlohmann::json peft_adapter_config_json(const models::LoraConfig& lora, const st
           {"fan_in_fan_out", fan_in_fan_out},
           {"init_lora_weights", true},
           {"inference_mode", true},
-          {"modules_to_save", nullptr},
+          {"modules_to_save",
+           lora.modules_to_save.empty() ? nlohmann::json(nullptr) : nlohmann::json(lora.modules_to_save)},
           {"layers_to_transform", nullptr},
           {"rank_pattern", nlohmann::json::object()},
           {"alpha_pattern", nlohmann::json::object()},
@@ -111,17 +120,28 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
                                      const PeftExportOptions& opts) {
   namespace fs = std::filesystem;
   const models::LoraConfig& lora = cfg.model->lora();
-  std::vector<size_t> adapters;
-  for (size_t b = 0; b < model.blocks().size(); ++b)
-    if (models::is_adapter_block(model.blocks()[b].name)) adapters.push_back(b);
+  std::vector<size_t> adapters, saved;  // saved: modules_to_save's blocks (trained, not adapters)
+  for (size_t b = 0; b < model.blocks().size(); ++b) {
+    if (models::is_adapter_block(model.blocks()[b].name))
+      adapters.push_back(b);
+    else if (!model.blocks()[b].frozen)
+      saved.push_back(b);
+  }
   if (adapters.empty() || !lora.enabled())
     throw Error(opts.what + ": the model has no LoRA adapters (model.lora or model.adapter makes them)");
   PeftExportResult result;
   const bool writer = opts.rank == 0;
   std::optional<OutputFolder> folder;
   if (writer) folder.emplace(opts.out_dir, opts.what, opts.inputs);
-  // Every adapter tensor, in model order, with PEFT's name.
+  // Every adapter tensor, in model order, with PEFT's name; then the
+  // modules to save, PEFT's prefix on the base's name.
   std::vector<SafeTensor> tensors;
+  const auto named = saved.empty() ? models::HfPieces{} : hf_pieces(cfg, model, cfg.family->export_prefix);
+  for (size_t b : saved)
+    for (size_t p = 0; p < named[b].size(); ++p) {
+      ZINC_CHECK(named[b][p].size() == 1, "export_peft_adapter: a module to save is one tensor in the file");
+      tensors.push_back({std::string(kPeftPrefix) + named[b][p][0].name, DType::kF32, named[b][p][0].shape});
+    }
   for (size_t b : adapters) {
     const BlockSpec& spec = model.blocks()[b];
     const std::string layer = spec.name.substr(0, spec.name.size() - std::strlen(models::kAdapterBlockSuffix));
@@ -135,7 +155,9 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
     w = std::make_unique<SafetensorsWriter>((fs::path(folder->staging()) / kAdapterWeightsFile).string(), tensors,
                                             std::map<std::string, std::string>{{"format", "pt"}});
   }
-  for (size_t b : adapters) {
+  std::vector<size_t> order = saved;
+  order.insert(order.end(), adapters.begin(), adapters.end());
+  for (size_t b : order) {
     const std::vector<float> flat = read(static_cast<int>(b));  // every rank: a collective read
     if (!writer) continue;
     const BlockLayout layout = BlockLayout::from_spec(model.blocks()[b]);

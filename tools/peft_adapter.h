@@ -21,8 +21,8 @@ inline constexpr const char* kPeftPrefix = "base_model.model.";
 // An adapter_config.json document (`path` names it in errors) as a
 // LoraConfig. Throws zinc::Error "PATH: KEY: what" for a configuration zinc
 // cannot reproduce: another peft_type, DoRA, biases, per-layer ranks or
-// layers, modules_to_save, a regex for target_modules. lora_dropout > 0 is
-// a warning (zinc trains without dropout; the values are unaffected).
+// layers, a regex for target_modules. lora_dropout and modules_to_save are
+// read (the family checks the modules' names when the model is built).
 models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const std::string& path);
 // DIR/adapter_config.json, read and parsed.
 models::LoraConfig read_peft_adapter_config(const std::string& dir);

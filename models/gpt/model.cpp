@@ -491,6 +491,9 @@ std::optional<SizeError> size_error(const GptConfig& c) {
       if (t != "c_attn" && t != "c_proj" && t != "c_fc")
         return SizeError{"lora.target_modules",
                          "\"" + t + "\" is not a linear layer of GPT-2 (c_attn, c_proj, c_fc, or \"all-linear\")"};
+    if (!c.lora.modules_to_save.empty())
+      return SizeError{"lora.modules_to_save", "GPT-2's head is its embedding (wte): training it beside the "
+                                               "adapters is not implemented (PEFT unties them)"};
   }
   return std::nullopt;
 }

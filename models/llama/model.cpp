@@ -98,8 +98,8 @@ class Llama final : public Model {
     GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
-    const bool frozen = c.lora.enabled();  // LoRA: the base is frozen
-    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}, frozen});
+    const bool frozen = c.lora.enabled();  // LoRA: the base is frozen, but for modules_to_save
+    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}, frozen && !c.lora.saves("embed_tokens")});
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       BlockSpec b{"layers." + std::to_string(l), {}, frozen};
       auto add = [&](ParamSpec p) {
@@ -146,8 +146,16 @@ class Llama final : public Model {
     BlockSpec fin{"final", {{"norm.weight", {C}, c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes}}, frozen};
     if (c.layer_norm) fin.params.push_back({"norm.bias", {C}, Init::kZeros});
     head_ = static_cast<int>(fin.params.size());
-    if (!c.tie_word_embeddings) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
+    head_block_ = static_cast<int>(specs_.size());
+    const bool own_head = c.lora.saves("lm_head");  // trained beside the adapters: a block of its own
+    if (!c.tie_word_embeddings && !own_head) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
     specs_.push_back(std::move(fin));
+    if (own_head) {
+      head_ = 0;
+      head_block_ = static_cast<int>(specs_.size());
+      specs_.push_back({"lm_head", {{"lm_head.weight", {V, C}, Init::kNormal, sd}}, false});
+    }
+    lora_first_ = static_cast<int>(specs_.size());
     if (frozen) add_lora_blocks();
     acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
     for (LlamaLayerActs& a : acts_) a.ws = ops_->attention_create();
@@ -311,6 +319,10 @@ class Llama final : public Model {
       nf.release();
       HeldParams emb = ctx.acquire(0);
       detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, V, dt);
+    } else if (head_block_ != fin) {
+      nf.release();
+      HeldParams head = ctx.acquire(head_block_);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[head_], CView{}, N, C, V, dt);
     } else {
       detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, V, dt);
     }
@@ -359,6 +371,13 @@ class Llama final : public Model {
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
                               f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, V, dt);
+    } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
+      HeldParams head = ctx.acquire(head_block_);
+      BlockGrads ghead = ctx.grads(head_block_);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
+                              lnf_in_, head[head_], N, C, V, dt);
+      head.release();
+      ctx.grads_ready(head_block_);
     } else {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
                               f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, V, dt);
@@ -437,7 +456,7 @@ class Llama final : public Model {
         ctx.grads_ready(lora_block(l));
       }
     }
-    if (!lora()) {  // a frozen embedding has nothing to learn from dx
+    if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
       if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
       ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
     }
@@ -555,9 +574,11 @@ class Llama final : public Model {
     return lora() ? sink_.as<float>() + (i & 1) * sink_half_ : g[i];
   }
   // A base block's gradients (none where frozen) and their report.
-  BlockGrads base_grads(StepContext& ctx, int blk) { return lora() ? BlockGrads{} : ctx.grads(blk); }
+  BlockGrads base_grads(StepContext& ctx, int blk) {
+    return specs_[static_cast<size_t>(blk)].frozen ? BlockGrads{} : ctx.grads(blk);
+  }
   void base_grads_ready(StepContext& ctx, int blk) {
-    if (!lora()) ctx.grads_ready(blk);
+    if (!specs_[static_cast<size_t>(blk)].frozen) ctx.grads_ready(blk);
   }
 
   // ---- LoRA (LoraConfig) ------------------------------------------------------
@@ -565,7 +586,7 @@ class Llama final : public Model {
   detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
     return detail::LoraDropout::of(c_.lora.dropout, lora_seed_, l, g);
   }
-  int lora_block(int64_t l) const { return static_cast<int>(c_.num_hidden_layers + 2 + l); }
+  int lora_block(int64_t l) const { return lora_first_ + static_cast<int>(l); }
   // Where target t sits: its input and output widths, and its output's
   // first column in the projection it adapts, whose rows are `width` wide
   // (q, k and v in the fused q|k|v, gate and up in gate|up).
@@ -982,7 +1003,9 @@ class Llama final : public Model {
   detail::Ops* ops_ = nullptr;
   int64_t H_ = 0, K_ = 0, D_ = 0;
   int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
-  int head_ = 1;    // the untied head's index in the final block
+  int head_ = 1;    // the untied head's index in its block
+  int head_block_ = 0;  // the untied head's block: the final block, or its own (modules_to_save)
+  int lora_first_ = 0;  // the first adapter block
   std::vector<LayerIdx> idx_;  // per layer (a sparse layer's MLP differs; the rest is the same in every layer)
   std::vector<BlockSpec> specs_;
   std::vector<Buf> x_in_;
@@ -1194,6 +1217,14 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
           t != "down_proj")
         return SizeError{"lora.target_modules", "\"" + t + "\" is not a linear layer of this model (q_proj, k_proj, "
                                                 "v_proj, o_proj, gate_proj, up_proj, down_proj)"};
+    for (const std::string& m : c.lora.modules_to_save) {
+      if (m != "embed_tokens" && m != "lm_head")
+        return SizeError{"lora.modules_to_save", "\"" + m + "\": zinc trains embed_tokens and lm_head beside the "
+                                                 "adapters (not other modules yet)"};
+      if (c.tie_word_embeddings)
+        return SizeError{"lora.modules_to_save", "\"" + m + "\" on a model whose head is its embedding "
+                                                 "(tie_word_embeddings): PEFT unties them; not implemented"};
+    }
     if (c.num_experts > 0)
       return SizeError{"lora.r", "LoRA on the mixture-of-experts families is not implemented yet"};
     if (c.fused_in_file || !c.mlp_gated)

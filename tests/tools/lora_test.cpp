@@ -37,7 +37,7 @@ std::string base_of(const std::string& lora_dir) {
   return nlohmann::json::parse(in).at("base_model_name_or_path").get<std::string>();
 }
 
-const std::vector<std::string> kLoraFixtures = {"lora_llama", "lora_qwen2", "lora_gpt2"};
+const std::vector<std::string> kLoraFixtures = {"lora_llama", "lora_qwen2", "lora_gpt2", "lora_llama_saved"};
 
 struct Loaded {
   HfConfig cfg;
@@ -51,10 +51,14 @@ Loaded load(const std::string& name, const std::string& adapter_dir = "") {
   return l;
 }
 
-// PEFT's name of every adapter parameter (block, param) of a model.
-std::string peft_name(const HfConfig& cfg, const BlockSpec& b, const ParamSpec& p) {
-  const std::string layer = b.name.substr(0, b.name.size() - std::strlen(models::kAdapterBlockSuffix));
-  return std::string(kPeftPrefix) + cfg.family->export_prefix + layer + "." + p.name;
+// PEFT's name of every trained parameter (block, param) of a model: an
+// adapter's, or a module to save's (the base's name under PEFT's prefix).
+std::string peft_name(const HfConfig& cfg, const Model& m, size_t b, size_t p) {
+  const BlockSpec& spec = m.blocks()[b];
+  if (!models::is_adapter_block(spec.name))
+    return std::string(kPeftPrefix) + hf_pieces(cfg, m, cfg.family->export_prefix)[b][p].at(0).name;
+  const std::string layer = spec.name.substr(0, spec.name.size() - std::strlen(models::kAdapterBlockSuffix));
+  return std::string(kPeftPrefix) + cfg.family->export_prefix + layer + "." + spec.params[p].name;
 }
 
 double rel_l2(const float* got, const std::vector<float>& want) {
@@ -81,16 +85,19 @@ TEST_P(LoraFixture, LogitsLossAndAdapterGradientsMatchPeft) {
   size_t compared = 0;
   const std::vector<BlockSpec>& blocks = l.model->blocks();
   for (size_t b = 0; b < blocks.size(); ++b) {
-    const bool adapter = models::is_adapter_block(blocks[b].name);
-    EXPECT_EQ(blocks[b].frozen, !adapter) << blocks[b].name;
+    // Trained: the adapters, and the modules to save (embed, lm_head).
+    const bool trained = models::is_adapter_block(blocks[b].name) ||
+                         (blocks[b].name == "embed" && l.lora.saves("embed_tokens")) ||
+                         (blocks[b].name == "lm_head" && l.lora.saves("lm_head"));
+    EXPECT_EQ(blocks[b].frozen, !trained) << blocks[b].name;
     for (size_t p = 0; p < blocks[b].params.size(); ++p) {
       const float* g = ctx.grads_[b].data() + ctx.layouts[b].offsets[p];
-      if (!adapter) {
+      if (!trained) {
         // A frozen block's buffers are never asked for: untouched zeros.
         for (int64_t i = 0; i < ctx.layouts[b].numels[p]; ++i) ASSERT_EQ(g[i], 0.0f) << blocks[b].name;
         continue;
       }
-      const std::string name = peft_name(l.cfg, blocks[b], blocks[b].params[p]);
+      const std::string name = peft_name(l.cfg, *l.model, b, p);
       const std::vector<float> want = ref.floats("grad." + name);
       ASSERT_EQ(static_cast<int64_t>(want.size()), ctx.layouts[b].numels[p]) << name;
       EXPECT_LE(rel_l2(g, want), 1e-4) << GetParam() << " " << name;
@@ -483,9 +490,12 @@ TEST(Lora, BadAdapterFoldersGiveOneLineNamingTheFile) {
   fresh();  // what zinc cannot reproduce
   edit_config([](nlohmann::json& j) { j["use_dora"] = true; });
   expect(error_of(), {"adapter_config.json", "use_dora"});
-  fresh();
+  fresh();  // a module to save whose tensor the file lacks
   edit_config([](nlohmann::json& j) { j["modules_to_save"] = {"lm_head"}; });
-  expect(error_of(), {"adapter_config.json", "modules_to_save"});
+  expect(error_of(), {"adapter_model.safetensors", "base_model.model.lm_head.weight", "is missing", "modules_to_save"});
+  fresh();  // a module zinc cannot train whole
+  edit_config([](nlohmann::json& j) { j["modules_to_save"] = {"norm"}; });
+  expect(error_of(), {"adapter_config.json", "modules_to_save", "\"norm\""});
   fresh();
   edit_config([](nlohmann::json& j) { j["peft_type"] = "IA3"; });
   expect(error_of(), {"adapter_config.json", "peft_type"});

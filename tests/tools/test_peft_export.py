@@ -143,13 +143,38 @@ def test_lora_dropout_trains_and_goes_into_the_adapter_config(tmp_path):
     assert [l for l in r.stdout.splitlines() if l.startswith("step 3/3")] != cont, cont
 
 
-@pytest.mark.parametrize("fixture", ["llama_gqa", "gpt2"])
-def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture):
+def test_modules_to_save_train_whole_and_go_into_the_adapter_folder(tmp_path):
+    """modules_to_save [embed_tokens, lm_head]: both train (their values in the adapter file under PEFT's names
+    differ from the base's), the merged folder holds the trained ones, and the adapter read back continues; on a
+    model whose head is its embedding they are refused naming the key."""
+    lora = dict(LORA, modules_to_save=["embed_tokens", "lm_head"])
+    run(tmp_path, {"from_pretrained": BASE, "lora": lora},
+        ("--save-adapter", str(tmp_path / "a"), "--save-pretrained", str(tmp_path / "m"), "--merge",
+         "--save-dtype", "fp32"))
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["embed_tokens", "lm_head"]
+    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    base = load_file(os.path.join(BASE, "model.safetensors"))
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        trained = got["base_model.model." + name]
+        assert trained.shape == base[name].shape and not np.array_equal(trained, base[name].astype(np.float32)), name
+        assert merged[name].tobytes() == trained.tobytes(), name
+    assert len(got) == 28 + 2
+    r = run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a")}, ("--save-adapter", str(tmp_path / "b")))
+    assert "step 3/3" in r.stdout
+    r = run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": lora}, expect_ok=False)
+    assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("fixture,saved", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True)])
+def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture, saved):
     torch = pytest.importorskip("torch", reason="torch is not installed here (bench/peers/setup.sh has it)")
     peft = pytest.importorskip("peft", reason="peft is not installed here (bench/peers/setup.sh has it)")
     transformers = pytest.importorskip("transformers")
     base_dir = os.path.join(FIXTURES, fixture)
-    run(tmp_path, {"from_pretrained": base_dir, "lora": LORA},
+    run(tmp_path, {"from_pretrained": base_dir,
+                   "lora": dict(LORA, modules_to_save=["embed_tokens", "lm_head"]) if saved else LORA},
         ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
          "--save-dtype", "fp32"), bf16=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64, attn_implementation="eager")
@@ -198,7 +223,8 @@ def test_zinc_export_format_peft_writes_the_checkpoints_adapters_as_save_adapter
     for byte; a checkpoint without adapters, and an output folder that is the checkpoint, are refused."""
     zinc_export = os.environ.get("ZINC_EXPORT", os.path.join(ROOT, "build", "tools", "zinc-export"))
     gpt2 = {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": dict(LORA, use_rslora=True)}
-    for name, model in (("llama", {"from_pretrained": BASE, "lora": LORA}), ("gpt2", gpt2)):
+    saved = {"from_pretrained": BASE, "lora": dict(LORA, modules_to_save=["lm_head"])}
+    for name, model in (("llama", {"from_pretrained": BASE, "lora": LORA}), ("gpt2", gpt2), ("saved", saved)):
         tmp = tmp_path / name
         tmp.mkdir()
         run(tmp, model, ("--set", "run.checkpoint_interval=3", "--save-adapter", str(tmp / "a")))
