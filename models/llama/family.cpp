@@ -35,9 +35,15 @@ class Config final : public FamilyConfig {
   bool tied_head() const override { return c_.tie_word_embeddings; }
   void untie_head(const std::string&) override { c_.tie_word_embeddings = false; }
   void set_lora(const LoraConfig& lora) override {
-    // PEFT's default for the Llama family: q_proj and v_proj.
-    c_.lora = resolve_lora_targets(lora, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-                                   {"q_proj", "v_proj"});
+    if (c_.num_experts > 0 && lora.targets.size() == 1 && lora.targets[0] == kAllLinear)
+      throw ConfigError("model.lora.target_modules",
+                        "\"all-linear\" on a mixture of experts: PEFT adapts the experts and the router too "
+                        "(target_parameters), which zinc does not implement; name the attention's modules (q_proj, "
+                        "k_proj, v_proj, o_proj)");
+    // PEFT's default for the Llama family: q_proj and v_proj; it has none
+    // for Phi-3 (fused in its files).
+    c_.lora = resolve_lora_targets(lora, lora_modules(c_),
+                                   c_.fused_in_file ? std::vector<std::string>{} : std::vector<std::string>{"q_proj", "v_proj"});
   }
   const LoraConfig& lora() const override { return c_.lora; }
   void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,

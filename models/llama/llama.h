@@ -66,6 +66,9 @@ struct LoraSite {
   int64_t row = 0, rows = 0, weight_rows = 0, in = 0;
 };
 LoraSite lora_site(const LlamaConfig& c, const std::string& module);
+// The modules LoRA adapts in a layer ("all-linear"), PEFT's names: the
+// Llama's seven, or Phi-3's four (its files fuse qkv_proj and gate_up_proj).
+std::vector<std::string> lora_modules(const LlamaConfig& c);
 
 // The registry entry of a Llama-style family: transformers' names for the
 // embedding and the positions, the "model." prefix, the decoder's section

@@ -43,14 +43,18 @@ struct LayerIdx {
   int ln1_b = -1, ln2_b = -1;        // layer_norm: the norms' biases
   int router = -1, experts_gu = -1, experts_down = -1;  // a sparse (mixture-of-experts) layer's MLP
   // LoRA: per target (LoraTarget), A and B's indices in the layer's adapter block.
-  int lora_a[7] = {-1, -1, -1, -1, -1, -1, -1}, lora_b[7] = {-1, -1, -1, -1, -1, -1, -1};
+  int lora_a[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1}, lora_b[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
 };
 
-// LoRA's targets in a layer, in the model's order, with PEFT's module names.
-enum LoraTarget { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown, kLoraTargets };
-constexpr const char* kLoraModules[kLoraTargets] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                    "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
-                                                    "mlp.down_proj"};
+// LoRA's targets in a layer, in the model's order, with PEFT's module names:
+// the Llama's q, k, v, gate and up, or Phi-3's fused qkv_proj and
+// gate_up_proj (one module each in its files, so one adapter each).
+enum LoraTarget {
+  kLoraQ, kLoraK, kLoraV, kLoraQkv, kLoraO, kLoraGate, kLoraUp, kLoraGateUp, kLoraDown, kLoraTargets
+};
+constexpr const char* kLoraModules[kLoraTargets] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj",   "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.gate_up_proj", "mlp.down_proj"};
 
 // What a sparse layer's backward reads of its forward (LlamaLayerActs::moe).
 struct MoeActs {
@@ -627,7 +631,7 @@ class Llama final : public Model {
   // LlamaLayerActs::lora_u start there).
   enum { kGroupQkv, kGroupO, kGroupGateUp, kGroupDown, kLoraGroupCount };
   static constexpr int kGroupFirst[kLoraGroupCount] = {kLoraQ, kLoraO, kLoraGate, kLoraDown};
-  static constexpr int kGroupCount[kLoraGroupCount] = {3, 1, 2, 1};
+  static constexpr int kGroupCount[kLoraGroupCount] = {4, 1, 3, 1};
   // Layer l's group g: its adapted targets with their rows.
   detail::LoraGroup lora_group(int64_t l, int g) const {
     const LayerIdx& ix = idx_[static_cast<size_t>(l)];
@@ -777,10 +781,13 @@ class Llama final : public Model {
     float* dweight = moe_dweight_.as<float>();  // (N,k)
     ops_->moe_combine_backward(dyg, dweight, dy, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N,
                                k, C);
+    // The experts' and the router's weight gradients (none where frozen: LoRA).
+    float* g_down = weight_grad(g, x.experts_down);
+    float* g_gu = weight_grad(g, x.experts_gu);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
       if (rows == 0) continue;
-      detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g[x.experts_down] + e * C * Ie, nullptr,
+      detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g_down ? g_down + e * C * Ie : nullptr, nullptr,
                               f32(dyg + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
                               C, dt);
     }
@@ -788,7 +795,7 @@ class Llama final : public Model {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
       if (rows == 0) continue;
-      detail::linear_backward(*ops_, dy16_, dyg + r0 * C, g[x.experts_gu] + e * 2 * Ie * C, nullptr,
+      detail::linear_backward(*ops_, dy16_, dyg + r0 * C, g_gu ? g_gu + e * 2 * Ie * C : nullptr, nullptr,
                               f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
                               C, 2 * Ie, dt);
     }
@@ -808,8 +815,8 @@ class Llama final : public Model {
                              c_.router_aux_loss_coef > 0 ? aux_dprobs_.as<float>() : nullptr, N, E, k,
                              c_.norm_topk_prob, dlogits);
     float* drouter = moe_dy_.as<float>();  // (N,C) of it, free again: the router's input gradient
-    detail::linear_backward(*ops_, dy16_, drouter, g[x.router], nullptr, f32(dlogits), a.ln2_in, p[x.router], N, C,
-                            E, dt);
+    detail::linear_backward(*ops_, dy16_, drouter, weight_grad(g, x.router), nullptr, f32(dlogits), a.ln2_in,
+                            p[x.router], N, C, E, dt);
     ops_->add(dln2, dln2, drouter, N * C);
   }
 
@@ -1047,11 +1054,21 @@ class Llama final : public Model {
 }  // namespace
 
 namespace llama {
+std::vector<std::string> lora_modules(const LlamaConfig& c) {
+  if (c.fused_in_file) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  // The mixtures of experts: the attention's (PEFT reaches the experts and
+  // the router through target_parameters, which zinc does not implement).
+  if (c.num_experts > 0) return {"q_proj", "k_proj", "v_proj", "o_proj"};
+  return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+}
+
 LoraSite lora_site(const LlamaConfig& c, const std::string& module) {
   const int64_t C = c.hidden_size, I = c.intermediate_size, H = c.num_attention_heads, K = c.kv_heads();
   const int64_t D = c.head_size(), A = H * D, Q = (H + 2 * K) * D, GU = (c.mlp_gated ? 2 : 1) * I;
   const std::string qkv = "self_attn.qkv_proj.weight";
   const std::string gu = c.mlp_gated ? "mlp.gate_up_proj.weight" : "mlp.up_proj.weight";
+  if (module == "qkv_proj") return {"self_attn.qkv_proj", qkv, 0, Q, Q, C};
+  if (module == "gate_up_proj") return {"mlp.gate_up_proj", gu, 0, c.mlp_gated ? GU : 0, GU, C};
   if (module == "q_proj") return {"self_attn.q_proj", qkv, 0, H * D, Q, C};
   if (module == "k_proj") return {"self_attn.k_proj", qkv, H * D, K * D, Q, C};
   if (module == "v_proj") return {"self_attn.v_proj", qkv, (H + K) * D, K * D, Q, C};
@@ -1211,12 +1228,15 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
   if (c.num_experts < 0) return SizeError{"num_experts", "must be >= 0, got " + std::to_string(c.num_experts)};
   if (c.lora.r < 0) return SizeError{"lora.r", "must be >= 1, got " + std::to_string(c.lora.r)};
   if (c.lora.enabled()) {
-    if (c.lora.targets.empty()) return SizeError{"lora.target_modules", "names no module to adapt"};
+    const std::vector<std::string> modules = llama::lora_modules(c);
+    std::string names;
+    for (const std::string& m : modules) names += (names.empty() ? "" : ", ") + m;
+    if (c.lora.targets.empty())
+      return SizeError{"lora.target_modules", "names no module to adapt (PEFT has no default for this family: "
+                                              "name them (" + names + "), or \"all-linear\")"};
     for (const std::string& t : c.lora.targets)
-      if (t != "q_proj" && t != "k_proj" && t != "v_proj" && t != "o_proj" && t != "gate_proj" && t != "up_proj" &&
-          t != "down_proj")
-        return SizeError{"lora.target_modules", "\"" + t + "\" is not a linear layer of this model (q_proj, k_proj, "
-                                                "v_proj, o_proj, gate_proj, up_proj, down_proj)"};
+      if (std::find(modules.begin(), modules.end(), t) == modules.end())
+        return SizeError{"lora.target_modules", "\"" + t + "\" is not a linear layer of this model (" + names + ")"};
     for (const std::string& m : c.lora.modules_to_save) {
       if (m != "embed_tokens" && m != "lm_head")
         return SizeError{"lora.modules_to_save", "\"" + m + "\": zinc trains embed_tokens and lm_head beside the "
@@ -1225,11 +1245,9 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
         return SizeError{"lora.modules_to_save", "\"" + m + "\" on a model whose head is its embedding "
                                                  "(tie_word_embeddings): PEFT unties them; not implemented"};
     }
-    if (c.num_experts > 0)
-      return SizeError{"lora.r", "LoRA on the mixture-of-experts families is not implemented yet"};
-    if (c.fused_in_file || !c.mlp_gated)
-      return SizeError{"lora.r", "LoRA is implemented for the families whose files keep q, k, v, gate and up apart "
-                                 "(not Phi-3's or GPT-NeoX's fused tensors) yet"};
+    if (!c.mlp_gated)
+      return SizeError{"lora.r", "LoRA on GPT-NeoX (its interleaved query_key_value and ungated MLP) is not "
+                                 "implemented yet"};
   }
   if (c.num_experts > 0) {
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)

@@ -37,7 +37,7 @@ std::string base_of(const std::string& lora_dir) {
   return nlohmann::json::parse(in).at("base_model_name_or_path").get<std::string>();
 }
 
-const std::vector<std::string> kLoraFixtures = {"lora_llama", "lora_qwen2", "lora_gpt2", "lora_llama_saved"};
+const std::vector<std::string> kLoraFixtures = {"lora_llama", "lora_qwen2", "lora_gpt2", "lora_llama_saved", "lora_phi3", "lora_mixtral"};
 
 struct Loaded {
   HfConfig cfg;

@@ -120,6 +120,16 @@ def test_lora_exports_are_refused_before_training(tmp_path):
     assert r.returncode != 0 and "model.lora.target_modules" in r.stderr and "c_attn" in r.stderr
     r = run(tmp_path, {"from_pretrained": BASE, "lora": {"r": 4, "lora_dropout": 1.0}}, expect_ok=False)
     assert r.returncode != 0 and "model.lora.lora_dropout" in r.stderr
+    # A mixture of experts: PEFT's all-linear reaches the experts (target_parameters), which zinc does not do.
+    r = run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "mixtral"), "lora": LORA}, expect_ok=False)
+    assert r.returncode != 0 and "model.lora.target_modules" in r.stderr and "target_parameters" in r.stderr
+    # Phi-3: PEFT has no default target_modules; its fused modules by name work.
+    r = run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "phi3"), "lora": {"r": 4}}, expect_ok=False)
+    assert r.returncode != 0 and "model.lora.target_modules" in r.stderr and "qkv_proj" in r.stderr, r.stderr
+    run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "phi3"), "lora": LORA},
+        ("--save-adapter", str(tmp_path / "phi3")))
+    assert "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight" in \
+        load_file(str(tmp_path / "phi3" / "adapter_model.safetensors"))
 
 
 def test_lora_dropout_trains_and_goes_into_the_adapter_config(tmp_path):
@@ -167,7 +177,8 @@ def test_modules_to_save_train_whole_and_go_into_the_adapter_folder(tmp_path):
     assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("fixture,saved", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True)])
+@pytest.mark.parametrize("fixture,saved", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True),
+                                           ("phi3", False)])
 def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture, saved):
     torch = pytest.importorskip("torch", reason="torch is not installed here (bench/peers/setup.sh has it)")
     peft = pytest.importorskip("peft", reason="peft is not installed here (bench/peers/setup.sh has it)")
