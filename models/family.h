@@ -134,6 +134,11 @@ class FamilyConfig {
   // `model`, built by build()).
   virtual void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
                           const std::vector<float>& adapter_flat) const;
+  // The pieces of LoRA adapter parameter `param` of adapter block `block`
+  // in a PEFT adapter file, where it is named `name`: the whole tensor, or
+  // where the family keeps the adapted weight's rows in another order than
+  // its files (GPT-NeoX's query_key_value), B's rows in the same pieces.
+  virtual std::vector<HfPiece> adapter_pieces(const Model& model, int block, int param, const std::string& name) const;
 };
 
 // `lora` with its target_modules resolved for a family whose linear

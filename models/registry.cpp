@@ -185,6 +185,13 @@ void FamilyConfig::merge_lora(const Model&, int, std::vector<float>&, int, const
   throw Error("model.type \"" + family().name + "\" has no LoRA adapters to merge");
 }
 
+std::vector<HfPiece> FamilyConfig::adapter_pieces(const Model& model, int block, int param,
+                                                  const std::string& name) const {
+  const Shape& sh = model.blocks()[static_cast<size_t>(block)].params[static_cast<size_t>(param)].shape;
+  const std::vector<int64_t> shape(sh.dims.begin(), sh.dims.begin() + sh.ndim);
+  return {HfPiece{name, shape, shape.empty() ? 1 : shape[0], false}};
+}
+
 const LoraConfig& FamilyConfig::lora() const {
   static const LoraConfig kNone;
   return kNone;

@@ -318,7 +318,7 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
                     std::to_string(lora.r) + " of " + kAdapterConfigFile + " on this model needs " + shape_text(shape));
       if (!t->readable)
         throw Error(adapter->path() + ": tensor " + name + " is " + t->stored_dtype + "; zinc reads F32, BF16 and F16");
-      pieces[b][p].push_back(HfPiece{name, shape, shape.empty() ? 1 : shape[0], false});
+      pieces[b][p] = cfg.model->adapter_pieces(*inner, static_cast<int>(b), static_cast<int>(p), name);
       adapter_used[name] = true;
     }
   }

@@ -161,8 +161,29 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
     const std::vector<float> flat = read(static_cast<int>(b));  // every rank: a collective read
     if (!writer) continue;
     const BlockLayout layout = BlockLayout::from_spec(model.blocks()[b]);
+    const bool adapter = models::is_adapter_block(model.blocks()[b].name);
     for (size_t p = 0; p < layout.offsets.size(); ++p) {
-      w->append(flat.data() + layout.offsets[p], static_cast<size_t>(layout.numels[p]) * 4);
+      const float* values = flat.data() + layout.offsets[p];
+      const size_t n = static_cast<size_t>(layout.numels[p]);
+      std::vector<float> file_order;
+      if (adapter) {
+        // The file's row order where the family's differs (FamilyConfig::adapter_pieces).
+        const auto pcs = cfg.model->adapter_pieces(model, static_cast<int>(b), static_cast<int>(p), "");
+        if (pcs.size() > 1 || pcs[0].file_row >= 0) {
+          int64_t rows = 0;
+          for (const HfPiece& pc : pcs) rows += pc.rows;
+          const size_t cols = n / static_cast<size_t>(rows);
+          file_order.resize(n);
+          size_t z = 0;
+          for (const HfPiece& pc : pcs) {
+            std::copy_n(values + z * cols, static_cast<size_t>(pc.rows) * cols,
+                        file_order.data() + static_cast<size_t>(pc.file_row) * cols);
+            z += static_cast<size_t>(pc.rows);
+          }
+          values = file_order.data();
+        }
+      }
+      w->append(values, n * 4);
       result.tensors += 1;
     }
   }

@@ -16,7 +16,9 @@
 // mlp.up_proj and mlp.down_proj are the file's attention.dense,
 // mlp.dense_h_to_4h and mlp.dense_4h_to_h; the embedding is embed_in, the
 // final norm final_layer_norm, and the head embed_out (unprefixed, like
-// the Llama's lm_head).
+// the Llama's lm_head). LoRA's adapters take the file's module names
+// (query_key_value, dense, dense_h_to_4h, dense_4h_to_h), and B of
+// query_key_value the weight's row pieces (adapter_pieces).
 #include <string>
 
 #include "core/error.h"
@@ -85,6 +87,19 @@ HfPieces pieces(const LlamaConfig& c, const Model& model, const std::string& pre
   return out;
 }
 
+// LoRA's B on query_key_value: its rows are the weight's, so the file
+// holds them interleaved per head as it holds the weight's (pieces above);
+// every other adapter tensor is whole.
+std::vector<HfPiece> adapter_pieces(const LlamaConfig& c, const ParamSpec& p, const std::string& name) {
+  const std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.ndim);
+  if (p.name != "attention.query_key_value.lora_B.weight") return {{name, shape, shape.empty() ? 1 : shape[0]}};
+  const int64_t D = c.head_size(), H = c.num_attention_heads;
+  std::vector<HfPiece> parts;
+  for (int64_t part = 0; part < 3; ++part)
+    for (int64_t h = 0; h < H; ++h) parts.push_back({name, shape, D, false, h * 3 * D + part * D});
+  return parts;
+}
+
 // A tied head in the file, and the buffers older checkpoints hold (the
 // causal mask, the rotary inverse frequencies).
 bool ignored(const LlamaConfig& c, const std::string& name) {
@@ -95,7 +110,7 @@ bool ignored(const LlamaConfig& c, const std::string& name) {
   return false;
 }
 
-constexpr llama::TensorMap kMap{&pieces, &ignored};
+constexpr llama::TensorMap kMap{&pieces, &ignored, &adapter_pieces};
 
 json neox_json(const LlamaConfig& c) {
   return {{"architectures", {"GPTNeoXForCausalLM"}},

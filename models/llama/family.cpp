@@ -40,10 +40,12 @@ class Config final : public FamilyConfig {
                         "\"all-linear\" on a mixture of experts: PEFT adapts the experts and the router too "
                         "(target_parameters), which zinc does not implement; name the attention's modules (q_proj, "
                         "k_proj, v_proj, o_proj)");
-    // PEFT's default for the Llama family: q_proj and v_proj; it has none
-    // for Phi-3 (fused in its files).
+    // PEFT's default for the Llama family: q_proj and v_proj; for GPT-NeoX
+    // query_key_value; none for Phi-3 (fused in its files).
     c_.lora = resolve_lora_targets(lora, lora_modules(c_),
-                                   c_.fused_in_file ? std::vector<std::string>{} : std::vector<std::string>{"q_proj", "v_proj"});
+                                   c_.fused_in_file ? std::vector<std::string>{}
+                                   : neox_names(c_) ? std::vector<std::string>{"query_key_value"}
+                                                    : std::vector<std::string>{"q_proj", "v_proj"});
   }
   const LoraConfig& lora() const override { return c_.lora; }
   void merge_lora(const Model& model, int block, std::vector<float>& flat, int adapter,
@@ -94,6 +96,11 @@ class Config final : public FamilyConfig {
       out.push_back(std::move(block));
     }
     return out;
+  }
+  std::vector<HfPiece> adapter_pieces(const Model& model, int block, int param,
+                                      const std::string& name) const override {
+    if (!map_.adapter_pieces) return FamilyConfig::adapter_pieces(model, block, param, name);
+    return map_.adapter_pieces(c_, model.blocks()[static_cast<size_t>(block)].params[static_cast<size_t>(param)], name);
   }
   bool ignored_tensor(const std::string& name) const override {
     if (map_.ignored) return map_.ignored(c_, name);

@@ -52,12 +52,15 @@ const std::vector<std::pair<std::string, std::string>>& moe_section_keys();
 struct TensorMap {
   HfPieces (*pieces)(const LlamaConfig& c, const Model& model, const std::string& prefix) = nullptr;
   bool (*ignored)(const LlamaConfig& c, const std::string& name) = nullptr;
+  // FamilyConfig::adapter_pieces of an adapter parameter (null: the whole tensor).
+  std::vector<HfPiece> (*adapter_pieces)(const LlamaConfig& c, const ParamSpec& p, const std::string& name) = nullptr;
 };
 std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfig c, const Family& family,
                                                    nlohmann::json (*config_json)(const LlamaConfig&),
                                                    TensorMap map = {});
 // Where LoRA's target `module` (q_proj, k_proj, v_proj, o_proj, gate_proj,
-// up_proj, down_proj) sits in a layer: its module path as PEFT names it
+// up_proj, down_proj; Phi-3's qkv_proj, gate_up_proj; GPT-NeoX's
+// query_key_value, dense, dense_h_to_4h, dense_4h_to_h) sits in a layer: its module path as PEFT names it
 // ("self_attn.q_proj"), the zinc weight it adapts (q|k|v, gate|up fused),
 // the rows of that weight it covers and the weight's rows, and its input
 // width. rows == 0: the model has no such module (gate_proj of an ungated MLP).
@@ -69,6 +72,9 @@ LoraSite lora_site(const LlamaConfig& c, const std::string& module);
 // The modules LoRA adapts in a layer ("all-linear"), PEFT's names: the
 // Llama's seven, or Phi-3's four (its files fuse qkv_proj and gate_up_proj).
 std::vector<std::string> lora_modules(const LlamaConfig& c);
+// GPT-NeoX (the one Llama-style family with LayerNorm) names its modules
+// its own way: query_key_value, dense, dense_h_to_4h, dense_4h_to_h.
+bool neox_names(const LlamaConfig& c);
 
 // The registry entry of a Llama-style family: transformers' names for the
 // embedding and the positions, the "model." prefix, the decoder's section

@@ -597,10 +597,23 @@ class Llama final : public Model {
   struct LoraSite {
     int64_t in = 0, out = 0, col = 0, width = 0;
   };
+  // Target t's module as PEFT names it in this family ("" where the family
+  // has none: GPT-NeoX names its four modules its own way).
+  std::string lora_module(int t) const {
+    if (llama::neox_names(c_)) {
+      static constexpr const char* kNeox[kLoraTargets] = {"", "", "", "query_key_value", "dense", "", "dense_h_to_4h",
+                                                          "", "dense_4h_to_h"};
+      return kNeox[t];
+    }
+    const std::string m = kLoraModules[t];
+    return m.substr(m.find('.') + 1);
+  }
   LoraSite lora_site(int t) const {
+    // The weight's sizes by zinc's own name (valid for every family); no
+    // rows where the family has no such module.
     const std::string m = kLoraModules[t];
     const llama::LoraSite s = llama::lora_site(c_, m.substr(m.find('.') + 1));
-    return {s.in, s.rows, s.row, s.weight_rows};
+    return {s.in, lora_module(t).empty() ? 0 : s.rows, s.row, s.weight_rows};
   }
   // One adapter block per layer, after the final block, with PEFT's tensor
   // names and initialisation: A Kaiming-uniform (a = sqrt(5): U(+-1/sqrt(in))),
@@ -611,10 +624,11 @@ class Llama final : public Model {
       BlockSpec b{"layers." + std::to_string(l) + ".lora", {}};
       LayerIdx& x = idx_[static_cast<size_t>(l)];
       for (int t = 0; t < kLoraTargets; ++t) {
-        const std::string m = kLoraModules[t];
-        if (!c_.lora.targets_module(m.substr(m.find('.') + 1))) continue;
+        const std::string module = lora_module(t);
+        if (module.empty() || !c_.lora.targets_module(module)) continue;
         const LoraSite site = lora_site(t);
         if (site.out == 0) continue;  // no such module (gate_proj of an ungated MLP)
+        const std::string m = llama::lora_site(c_, module).path;  // PEFT's path ("self_attn.q_proj")
         x.lora_a[t] = static_cast<int>(b.params.size());
         b.params.push_back({m + ".lora_A.weight", {r, site.in}, Init::kUniform,
                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(site.in)))});
@@ -1054,8 +1068,11 @@ class Llama final : public Model {
 }  // namespace
 
 namespace llama {
+bool neox_names(const LlamaConfig& c) { return c.layer_norm; }
+
 std::vector<std::string> lora_modules(const LlamaConfig& c) {
   if (c.fused_in_file) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  if (neox_names(c)) return {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"};
   // The mixtures of experts: the attention's (PEFT reaches the experts and
   // the router through target_parameters, which zinc does not implement).
   if (c.num_experts > 0) return {"q_proj", "k_proj", "v_proj", "o_proj"};
@@ -1076,6 +1093,11 @@ LoraSite lora_site(const LlamaConfig& c, const std::string& module) {
   if (module == "gate_proj") return {"mlp.gate_proj", gu, 0, c.mlp_gated ? I : 0, GU, C};
   if (module == "up_proj") return {"mlp.up_proj", gu, c.mlp_gated ? I : 0, I, GU, C};
   if (module == "down_proj") return {"mlp.down_proj", "mlp.down_proj.weight", 0, C, C, I};
+  // GPT-NeoX's names (its file's module paths) for the same weights.
+  if (module == "query_key_value") return {"attention.query_key_value", qkv, 0, Q, Q, C};
+  if (module == "dense") return {"attention.dense", "self_attn.o_proj.weight", 0, C, C, A};
+  if (module == "dense_h_to_4h") return {"mlp.dense_h_to_4h", gu, 0, GU, GU, C};
+  if (module == "dense_4h_to_h") return {"mlp.dense_4h_to_h", "mlp.down_proj.weight", 0, C, C, I};
   return {};
 }
 }  // namespace llama
@@ -1245,9 +1267,6 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
         return SizeError{"lora.modules_to_save", "\"" + m + "\" on a model whose head is its embedding "
                                                  "(tie_word_embeddings): PEFT unties them; not implemented"};
     }
-    if (!c.mlp_gated)
-      return SizeError{"lora.r", "LoRA on GPT-NeoX (its interleaved query_key_value and ungated MLP) is not "
-                                 "implemented yet"};
   }
   if (c.num_experts > 0) {
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
