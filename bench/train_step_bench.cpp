@@ -164,6 +164,7 @@ int bench_train_step(const BenchOptions& o) {
     if (!llama) throw zinc::Error("train-step --lora: LoRA needs a Llama-style --model");
     nlohmann::json doc_lora = doc;
     doc_lora["model"]["lora"] = {{"r", 16}, {"lora_alpha", 32}, {"target_modules", "all-linear"}};
+    if (!o.lora_targets.empty()) doc_lora["model"]["lora"]["target_modules"] = o.lora_targets;
     zinc::tools::Experiment exl = zinc::tools::build_experiment(doc_lora, 1);
     engine_lora.emplace(zinc::Engine::initialize(exl.model, exl.config));
   }
@@ -269,27 +270,44 @@ int bench_train_step(const BenchOptions& o) {
   const double profiled_step_s = (now_s() - tp0) / steps;
   zinc::kernels::profile_enable(false);
   const double profiled_opt_s = (engine.timings().step_s - pbefore.step_s) / steps;
-  zinc::kernels::ProfileTotals prof = zinc::kernels::profile_read();
-  nlohmann::json breakdown = nlohmann::json::object();
-  double accounted = profiled_opt_s;
-  std::string breakdown_text;
-  for (int i = 0; i < zinc::kernels::kNumOps; ++i) {
-    double per_step = prof.seconds[i] / steps;
-    if (static_cast<zinc::kernels::Op>(i) == zinc::kernels::Op::kVector) continue;  // folded into "other"
-    breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
-    accounted += per_step;
-    char part[96];
-    std::snprintf(part, sizeof part, "%s %.1f%% | ", zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i)),
-                  100 * per_step / profiled_step_s);
-    breakdown_text += part;
-  }
-  breakdown["optimizer"] = profiled_opt_s;
-  breakdown["other"] = profiled_step_s - accounted;
-  {
+  // The profile's totals as shares of a profiled step (json: seconds per step).
+  auto breakdown_of = [&](double step_s_profiled, double opt_s_profiled, nlohmann::json& breakdown) {
+    const zinc::kernels::ProfileTotals prof = zinc::kernels::profile_read();
+    double accounted = opt_s_profiled;
+    std::string text;
+    for (int i = 0; i < zinc::kernels::kNumOps; ++i) {
+      double per_step = prof.seconds[i] / steps;
+      if (static_cast<zinc::kernels::Op>(i) == zinc::kernels::Op::kVector) continue;  // folded into "other"
+      breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
+      accounted += per_step;
+      char part[96];
+      std::snprintf(part, sizeof part, "%s %.1f%% | ", zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i)),
+                    100 * per_step / step_s_profiled);
+      text += part;
+    }
+    breakdown["optimizer"] = opt_s_profiled;
+    breakdown["other"] = step_s_profiled - accounted;
     char part[128];
-    std::snprintf(part, sizeof part, "optimizer %.1f%% | other %.1f%%", 100 * profiled_opt_s / profiled_step_s,
-                  100 * (profiled_step_s - accounted) / profiled_step_s);
-    breakdown_text += part;
+    std::snprintf(part, sizeof part, "optimizer %.1f%% | other %.1f%%", 100 * opt_s_profiled / step_s_profiled,
+                  100 * (step_s_profiled - accounted) / step_s_profiled);
+    return text + part;
+  };
+  nlohmann::json breakdown = nlohmann::json::object();
+  const std::string breakdown_text = breakdown_of(profiled_step_s, profiled_opt_s, breakdown);
+  // And LoRA's (its matmuls against the full step's: the adapters' share).
+  std::string lora_breakdown_text;
+  nlohmann::json lora_breakdown = nlohmann::json::object();
+  if (engine_lora) {
+    zinc::kernels::profile_reset();
+    zinc::kernels::profile_enable(true);
+    const zinc::StepTimings lb = engine_lora->timings();
+    const double tl0 = now_s();
+    for (int s = 0; s < steps; ++s) engine_lora->train_batch(loader_lora);
+    const double lora_profiled_s = (now_s() - tl0) / steps;
+    zinc::kernels::profile_enable(false);
+    lora_breakdown_text =
+        breakdown_of(lora_profiled_s, (engine_lora->timings().step_s - lb.step_s) / steps, lora_breakdown);
+    lora_breakdown["step"] = lora_profiled_s;
   }
 
   const double t_step = median(step_s), t_mm = median(mm_s);
@@ -341,13 +359,20 @@ int bench_train_step(const BenchOptions& o) {
     line["lora_step_s"] = t_lora;
     line["lora_over_full"] = t_lora / t_step;
     line["lora_trained_params"] = engine_lora->num_trained_parameters();
-    char part[320];
+    line["lora_breakdown_s"] = lora_breakdown;
+    std::string targets = "every linear layer";
+    if (!o.lora_targets.empty()) {
+      targets.clear();
+      for (const std::string& t : o.lora_targets) targets += (targets.empty() ? "" : ",") + t;
+    }
+    char part[640];
     std::snprintf(part, sizeof part,
-                  "\n  LoRA:   %.3f s/step in the same rounds (r 16 on every linear layer, %.2fM of %.1fM parameters "
-                  "trained; forward %.3f s | backward %.3f s | optimizer %.3f s); LoRA / full = %.3f",
-                  t_lora, static_cast<double>(engine_lora->num_trained_parameters()) / 1e6,
+                  "\n  LoRA:   %.3f s/step in the same rounds (r 16 on %s, %.2fM of %.1fM parameters "
+                  "trained; forward %.3f s | backward %.3f s | optimizer %.3f s); LoRA / full = %.3f"
+                  "\n  LoRA's time (profiled round, share of its step): %s",
+                  t_lora, targets.c_str(), static_cast<double>(engine_lora->num_trained_parameters()) / 1e6,
                   static_cast<double>(engine_lora->num_parameters()) / 1e6, median(lora_fwd_s), median(lora_bwd_s),
-                  median(lora_opt_s), t_lora / t_step);
+                  median(lora_opt_s), t_lora / t_step, lora_breakdown_text.c_str());
     vs_fp32 += part;
   }
   if (monitors) {
@@ -364,7 +389,7 @@ int bench_train_step(const BenchOptions& o) {
     std::error_code ec;
     std::filesystem::remove_all(monitor_dir, ec);
   }
-  char buf[2048];
+  char buf[4096];
   std::snprintf(buf, sizeof buf,
                 "train-step (%s, %s L=%lld C=%lld H=%lld%s T=%lld B=%lld V=%lld, %d threads)\n"
                 "  figure: %.1f GFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"

@@ -67,6 +67,10 @@ int main(int argc, char** argv) {
                "train-step, a Llama-style --model: also time the same model with LoRA adapters (r 16, alpha 32, every "
                "linear layer; the base frozen) in the same rounds; reports LoRA step / full step. capacity --pretrained: "
                "train LoRA adapters on the folder (3 steps) and report the peak RSS per base parameter");
+  app.add_option("--lora-targets", o.lora_targets,
+                 "train-step --lora: LoRA's target_modules instead of every linear layer (e.g. q_proj alone: what "
+                 "the frozen base costs with one adapter)")
+      ->delimiter(',');
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
                "document's targets masked, in the same rounds; reports packed / plain");

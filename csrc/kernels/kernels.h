@@ -53,6 +53,11 @@ struct CView {
 // bf16] in matmul.cpp).
 // bias: C[b] += bias(N) broadcast over rows, fused into the matmul (one pass
 // over C instead of two); needs alpha == 1 and a bias view at the call.
+// lda, ldb, ldc (batch 1 only; 0: dense): the stored rows' stride in
+// elements, for an operand or a result that is a column block of a wider
+// matrix (LoRA's targets inside a fused q|k|v: Note [LoRA by groups]). A
+// strided operand that must be converted is gathered densely first. On the
+// GPU (kernels::cuda::matmul) not implemented: refused.
 struct MatmulDesc {
   int64_t batch = 1, M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
@@ -60,6 +65,7 @@ struct MatmulDesc {
   bool bias = false;
   float alpha = 1.0f;
   DType compute = DType::kF32;
+  int64_t lda = 0, ldb = 0, ldc = 0;
 };
 void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias = {});
 

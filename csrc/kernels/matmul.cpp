@@ -105,14 +105,15 @@
 namespace zinc::kernels {
 namespace {
 
-// The last field is C's row stride (0: dense), for a chunk of a wider C.
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, uint32_t, DType, int, int64_t>;
+// The last fields are the rows' strides of A, B and C (0: dense).
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, uint32_t, DType, int, int64_t,
+                       int64_t, int64_t>;
 
 std::atomic<int> g_bf16_path{static_cast<int>(MatmulBf16Path::kAuto)};
 
-Key make_key(const MatmulDesc& d, int64_t ldc) {
+Key make_key(const MatmulDesc& d) {
   return {d.batch, d.M, d.N, d.K, d.trans_a, d.trans_b, d.accumulate, d.bias, float_bits(d.alpha),
-          d.compute, g_bf16_path.load(), ldc};
+          d.compute, g_bf16_path.load(), d.lda, d.ldb, d.ldc};
 }
 
 struct CachedMatmul {
@@ -188,10 +189,12 @@ dnnl::memory::data_type dnnl_type(DType t) {
   return t == DType::kF32 ? dnnl::memory::data_type::f32 : dnnl::memory::data_type::bf16;
 }
 
-// Logical (rows, cols) matrix, stored transposed when `trans`.
+// Logical (rows, cols) matrix, stored transposed when `trans`; `ld` (batch
+// 1): the stored rows' stride (0: dense).
 dnnl::memory::desc operand_desc(int64_t batch, int64_t rows, int64_t cols, bool trans,
-                                dnnl::memory::data_type dt) {
+                                dnnl::memory::data_type dt, int64_t ld = 0) {
   using tag = dnnl::memory::format_tag;
+  if (ld != 0) return dnnl::memory::desc({rows, cols}, dt, trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1});
   if (batch == 1) return dnnl::memory::desc({rows, cols}, dt, trans ? tag::ba : tag::ab);
   return dnnl::memory::desc({batch, rows, cols}, dt, trans ? tag::acb : tag::abc);
 }
@@ -203,19 +206,13 @@ dnnl::memory::desc bias_desc(const MatmulDesc& d) {
   return dnnl::memory::desc({1, 1, d.N}, dnnl::memory::data_type::f32, tag::abc);
 }
 
-// C(M,N), dense or (batch 1 only) with rows `ldc` apart.
-dnnl::memory::desc c_desc(const MatmulDesc& d, int64_t ldc) {
-  if (ldc == 0) return operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32);
-  return dnnl::memory::desc({d.M, d.N}, dnnl::memory::data_type::f32, dnnl::memory::dims{ldc, 1});
-}
-
 // The primitive for `d` multiplying in `multiply`; throws dnnl::error when
 // oneDNN has none.
-std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply, int64_t ldc) {
+std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply) {
   auto dt = dnnl_type(multiply);
-  auto a_md = operand_desc(d.batch, d.M, d.K, d.trans_a, dt);
-  auto b_md = operand_desc(d.batch, d.K, d.N, d.trans_b, dt);
-  auto c_md = c_desc(d, ldc);
+  auto a_md = operand_desc(d.batch, d.M, d.K, d.trans_a, dt, d.lda);
+  auto b_md = operand_desc(d.batch, d.K, d.N, d.trans_b, dt, d.ldb);
+  auto c_md = operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32, d.ldc);
   dnnl::memory::desc bias_md;  // zero desc: no bias
   if (d.bias) bias_md = bias_desc(d);
   dnnl::primitive_attr attr;
@@ -238,11 +235,11 @@ std::shared_ptr<CachedMatmul> create_as(const MatmulDesc& d, DType multiply, int
 
 // Note [bf16 matmul without native bf16]: native first, fp32 when oneDNN has
 // no (or only a reference) bf16 implementation for this shape.
-std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d, int64_t ldc) {
-  if (d.compute == DType::kF32) return create_as(d, DType::kF32, ldc);
+std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d) {
+  if (d.compute == DType::kF32) return create_as(d, DType::kF32);
   if (d.compute == DType::kF16) {
     // Note [fp16 compute]: always fp32 multiplies of fp16-exact operands.
-    auto f = create_as(d, DType::kF32, ldc);
+    auto f = create_as(d, DType::kF32);
     f->why = "zinc multiplies fp16 operands in fp32";
     return f;
   }
@@ -260,7 +257,7 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d, int64_t ldc) {
     why = "Intel's AVX512-BF16 without AMX multiplies bf16 no faster than fp32 (0.72x in oneDNN on a Sapphire Rapids)";
   } else {
     try {
-      auto native = create_as(d, DType::kBF16, ldc);
+      auto native = create_as(d, DType::kBF16);
       if (native->impl.rfind("ref", 0) != 0) return native;
       why = "oneDNN has only its reference bf16 kernel (" + native->impl + ") here";
     } catch (const dnnl::error& e) {
@@ -270,22 +267,22 @@ std::shared_ptr<const CachedMatmul> create(const MatmulDesc& d, int64_t ldc) {
                 : "no native bf16 on this CPU";
     }
   }
-  auto fallback = create_as(d, DType::kF32, ldc);
+  auto fallback = create_as(d, DType::kF32);
   fallback->why = why;
   static std::once_flag logged;
   std::call_once(logged, [&] { log_info("matmul bf16: via fp32, " + why); });
   return fallback;
 }
 
-std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d, int64_t ldc = 0) {
+std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d) {
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const CachedMatmul>> cache;
-  Key k = make_key(d, ldc);
+  Key k = make_key(d);
   std::scoped_lock lock(mu);
   auto it = cache.find(k);
   if (it != cache.end()) return it->second;
   try {
-    auto p = create(d, ldc);
+    auto p = create(d);
     cache.emplace(k, p);
     return p;
   } catch (const dnnl::error& e) {
@@ -361,22 +358,22 @@ constexpr size_t kWidenChunkBytes = size_t{32} << 20;
 
 // C's columns per block when B's converted copy is chunked; 0: one product.
 int64_t widen_chunk_cols(const MatmulDesc& d, DType b_dtype, bool b_exact, DType mul) {
-  if (d.batch != 1 || !converts(b_dtype, b_exact, d.compute, mul)) return 0;
+  if (d.batch != 1 || d.lda != 0 || d.ldb != 0 || d.ldc != 0 || !converts(b_dtype, b_exact, d.compute, mul)) return 0;
   const size_t col_bytes = static_cast<size_t>(d.K) * dtype_bytes(mul);
   if (col_bytes * static_cast<size_t>(d.N) <= kWidenChunkBytes) return 0;
   const int64_t cols = std::max<int64_t>(64, static_cast<int64_t>(kWidenChunkBytes / col_bytes) / 64 * 64);
   return cols < d.N ? cols : 0;
 }
 
-// Runs the primitive on operands already in its multiply dtype; C's rows
-// are `ldc` apart (0: dense).
+// Runs the primitive on operands already in its multiply dtype (with d's
+// strides).
 void execute(const MatmulDesc& d, const CachedMatmul& cached, const void* a_ptr, const void* b_ptr, float* c,
-             int64_t ldc, CView bias) {
+             CView bias) {
   auto dt = dnnl_type(cached.multiply);
   auto& eng = cpu_engine();
-  dnnl::memory a_mem(operand_desc(d.batch, d.M, d.K, d.trans_a, dt), eng, const_cast<void*>(a_ptr));
-  dnnl::memory b_mem(operand_desc(d.batch, d.K, d.N, d.trans_b, dt), eng, const_cast<void*>(b_ptr));
-  dnnl::memory c_mem(c_desc(d, ldc), eng, c);
+  dnnl::memory a_mem(operand_desc(d.batch, d.M, d.K, d.trans_a, dt, d.lda), eng, const_cast<void*>(a_ptr));
+  dnnl::memory b_mem(operand_desc(d.batch, d.K, d.N, d.trans_b, dt, d.ldb), eng, const_cast<void*>(b_ptr));
+  dnnl::memory c_mem(operand_desc(d.batch, d.M, d.N, false, dnnl::memory::data_type::f32, d.ldc), eng, c);
   std::unordered_map<int, dnnl::memory> args{
       {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
   if (d.bias) {
@@ -404,7 +401,8 @@ void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bia
   for (int64_t n0 = 0; n0 < d.N; n0 += cols) {
     MatmulDesc dc = d;
     dc.N = std::min(cols, d.N - n0);
-    auto cached = lookup(dc, d.N);
+    dc.ldc = d.N;
+    auto cached = lookup(dc);
     const DType mul = cached->multiply;
     if (!a_ptr || a_mul != mul) {
       a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.M * d.K), 0);
@@ -430,7 +428,7 @@ void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bia
                      dst + static_cast<size_t>(k * dc.N) * es);
       b_ptr = dst;
     }
-    execute(dc, *cached, a_ptr, b_ptr, c + n0, d.N, d.bias ? offset_view(bias, n0) : bias);
+    execute(dc, *cached, a_ptr, b_ptr, c + n0, d.bias ? offset_view(bias, n0) : bias);
   }
 }
 
@@ -456,9 +454,36 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
     matmul_in_blocks(d, a, b, c, bias, cols);
     return;
   }
-  const void* a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
-  const void* b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);
-  execute(d, *cached, a_ptr, b_ptr, c, 0, bias);
+  if ((d.lda != 0 || d.ldb != 0 || d.ldc != 0) && d.batch != 1) throw Error("matmul: strided operands need batch 1");
+  // A strided operand that must be converted is gathered densely: the
+  // primitive then reads it dense.
+  MatmulDesc e = d;
+  const void* a_ptr = nullptr;
+  const void* b_ptr = nullptr;
+  auto gather = [&](CView v, int64_t rows, int64_t cols, int64_t ld, int slot) -> const void* {
+    const size_t es = dtype_bytes(mul);
+    char* dst = static_cast<char*>(thread_scratch(slot, static_cast<size_t>(rows * cols) * es));
+    for (int64_t r = 0; r < rows; ++r)
+      convert_into(offset_view(v, r * ld), d.compute, mul, static_cast<size_t>(cols), dst + static_cast<size_t>(r * cols) * es);
+    return dst;
+  };
+  if (d.lda != 0 && converts(a.dtype, a.bf16_exact, d.compute, mul)) {
+    a_ptr = d.trans_a ? gather(a, d.K, d.M, d.lda, 0) : gather(a, d.M, d.K, d.lda, 0);
+    e.lda = 0;
+  } else {
+    a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
+  }
+  if (d.ldb != 0 && converts(b.dtype, b.bf16_exact, d.compute, mul)) {
+    b_ptr = d.trans_b ? gather(b, d.N, d.K, d.ldb, 1) : gather(b, d.K, d.N, d.ldb, 1);
+    e.ldb = 0;
+  } else {
+    b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);
+  }
+  if (e.lda != d.lda || e.ldb != d.ldb) {
+    cached = lookup(e);
+    ZINC_CHECK(cached->multiply == mul, "matmul: a gathered operand's primitive multiplies another dtype");
+  }
+  execute(e, *cached, a_ptr, b_ptr, c, bias);
 }
 
 void set_matmul_bf16_path_for_testing(MatmulBf16Path path) { g_bf16_path.store(static_cast<int>(path)); }
@@ -542,7 +567,8 @@ void ScratchTally::matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, b
       if (n == 0) continue;
       MatmulDesc dc = d;
       dc.N = n;
-      auto block = lookup(dc, d.N);
+      dc.ldc = d.N;
+      auto block = lookup(dc);
       grow(1, scratch_size(static_cast<size_t>(n * d.K) * dtype_bytes(block->multiply)));
       if (block->scratch_bytes > 0) grow(2, scratch_size(block->scratch_bytes));
     }

@@ -251,6 +251,8 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
   if (d.bias && (!bias.data || d.alpha != 1.0f))
     throw Error("cuda::matmul: a fused bias needs a bias view and alpha == 1");
+  if (d.lda != 0 || d.ldb != 0 || d.ldc != 0)
+    throw Error("cuda::matmul: strided operands (lda, ldb, ldc) are not implemented on the GPU (" + shape_str(d) + ")");
   if (d.batch == 0 || d.M == 0 || d.N == 0) return;
   const int64_t rows = d.batch * d.M;
   if (d.K == 0) {  // empty sum: alpha * 0 (+ C) (+ bias)

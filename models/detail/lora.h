@@ -15,6 +15,12 @@
 // gradients), dU = scale dy Bbd and dx = dU [A_1; ...] (before the base's
 // input gradient adds itself) in one product each. A one-member group
 // spanning its weight uses A and B themselves and their gradients directly.
+// A group whose members cover its weight's rows (q, k and v all adapted;
+// gate and up) runs B's products per member instead, on column blocks of
+// the output and of dy in place (MatmulDesc::lda/ldb/ldc): no zeros
+// multiplied, B and its gradient used as they are. The block-diagonal B
+// stays for a group that adapts part of its weight (q and v alone), whose
+// other columns it writes as zeros.
 //
 // Note [LoRA dropout]
 // PEFT drops each target's input on its own (one nn.Dropout per target:
@@ -141,6 +147,20 @@ inline CView as_f32(Ops& ops, CView p, int64_t n, float* at, DType dt) {
   return CView{at, DType::kF32, is_16bit(dt)};
 }
 inline bool direct(const LoraGroup& g) { return g.members.size() == 1 && g.members[0].rows == g.width; }
+// Whether the members' rows cover the weight's, in order (B's products per member).
+inline bool covers(const LoraGroup& g) {
+  int64_t end = 0;
+  for (const LoraMember& m : g.members) {
+    if (m.row != end) return false;
+    end += m.rows;
+  }
+  return g.members.size() > 1 && end == g.width;
+}
+// A view `elems` elements on.
+inline CView at(CView v, int64_t elems) {
+  v.data = static_cast<const char*>(v.data) + static_cast<size_t>(elems) * dtype_bytes(v.dtype);
+  return v;
+}
 // Member j's input dropped (Note [LoRA dropout]) into s.xd, as the matmuls read it.
 inline CView dropped_input(Ops& ops, LoraScratch& s, CView x, int64_t N, int64_t in, const LoraDropout& drop,
                            int64_t j, DType dt) {
@@ -158,23 +178,26 @@ inline CView a_rows(CView A, int64_t j, int64_t r, int64_t in) {
   if (j == 0) return A;
   return CView{static_cast<const float*>(A.data) + j * r * in, A.dtype, A.bf16_exact};
 }
-// The group's stacked A (n r, in) and block-diagonal B (width, n r).
+// The group's stacked A (n r, in) and block-diagonal B (width, n r; not
+// made for a covering group, whose B's products run per member).
 inline std::pair<CView, CView> operands(Ops& ops, LoraScratch& s, const HeldParams& lp, const LoraGroup& g, int64_t r,
                                         DType dt) {
   if (direct(g)) return {lp[g.members[0].a], lp[g.members[0].b]};
   const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r;
+  const bool with_bbd = !covers(g);
   float* ag = s.ag.as<float>();
   float* bbd = s.bbd.as<float>();
   float* wide = s.wide.as<float>();
-  ops.zero(bbd, g.width * nr);
+  if (with_bbd) ops.zero(bbd, g.width * nr);
   for (int64_t j = 0; j < n; ++j) {
     const LoraMember& m = g.members[static_cast<size_t>(j)];
     const CView a = as_f32(ops, lp[m.a], r * g.in, wide, dt);
     ops.copy_columns(ag + j * r * g.in, g.in, static_cast<const float*>(a.data), g.in, r, g.in);
+    if (!with_bbd) continue;
     const CView b = as_f32(ops, lp[m.b], m.rows * r, wide, dt);
     ops.copy_columns(bbd + m.row * nr + j * r, nr, static_cast<const float*>(b.data), r, m.rows, r);
   }
-  return {CView{ag, DType::kF32, is_16bit(dt)}, CView{bbd, DType::kF32, is_16bit(dt)}};
+  return {CView{ag, DType::kF32, is_16bit(dt)}, with_bbd ? CView{bbd, DType::kF32, is_16bit(dt)} : CView{}};
 }
 }  // namespace lora_impl
 
@@ -199,6 +222,18 @@ inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const L
     }
   }
   saved.u_in = ops.matmul_input(u, N * nr, dt, saved.u16);
+  if (lora_impl::covers(g)) {
+    // Each member's columns of the output from its columns of U.
+    for (int64_t j = 0; j < n; ++j) {
+      const LoraMember& m = g.members[static_cast<size_t>(j)];
+      kernels::MatmulDesc d = forward_desc(N, r, m.rows, false, dt);
+      d.alpha = scale;
+      d.lda = nr;
+      d.ldc = g.width;
+      ops.matmul(d, lora_impl::at(saved.u_in, j * r), lp[m.b], dst + m.row);
+    }
+    return true;
+  }
   kernels::MatmulDesc d = forward_desc(N, nr, g.width, false, dt);
   d.alpha = scale;
   ops.matmul(d, saved.u_in, Bbd, dst);
@@ -215,17 +250,34 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   if (g.members.empty()) return false;
   const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r, W = g.width, in = g.in;
   const auto [A, Bbd] = lora_impl::operands(ops, s, lp, g, r, dt);
-  const bool direct = lora_impl::direct(g);
-  // dBbd = s dy^T U
-  kernels::MatmulDesc db = weight_grad_desc(N, nr, W, dt);
-  db.alpha = scale;
-  db.accumulate = direct;
+  const bool direct = lora_impl::direct(g), covers = lora_impl::covers(g);
   float* dbbd = direct ? lg[g.members[0].b] : s.dbbd.as<float>();
-  ops.matmul(db, dy_in, saved.u_in, dbbd);
-  // dU = s dy Bbd
-  kernels::MatmulDesc du = input_grad_desc(N, nr, W, dt);
-  du.alpha = scale;
-  ops.matmul(du, dy_in, Bbd, s.du.as<float>());
+  if (covers) {
+    // Per member, on its columns of dy: dB_j += s dy_j^T U_j and dU_j = s dy_j B_j.
+    for (int64_t j = 0; j < n; ++j) {
+      const LoraMember& m = g.members[static_cast<size_t>(j)];
+      kernels::MatmulDesc db = weight_grad_desc(N, r, m.rows, dt);
+      db.alpha = scale;
+      db.lda = W;
+      db.ldb = nr;
+      ops.matmul(db, lora_impl::at(dy_in, m.row), lora_impl::at(saved.u_in, j * r), lg[m.b]);
+      kernels::MatmulDesc du = input_grad_desc(N, r, m.rows, dt);
+      du.alpha = scale;
+      du.lda = W;
+      du.ldc = nr;
+      ops.matmul(du, lora_impl::at(dy_in, m.row), lp[m.b], s.du.as<float>() + j * r);
+    }
+  } else {
+    // dBbd = s dy^T U
+    kernels::MatmulDesc db = weight_grad_desc(N, nr, W, dt);
+    db.alpha = scale;
+    db.accumulate = direct;
+    ops.matmul(db, dy_in, saved.u_in, dbbd);
+    // dU = s dy Bbd
+    kernels::MatmulDesc du = input_grad_desc(N, nr, W, dt);
+    du.alpha = scale;
+    ops.matmul(du, dy_in, Bbd, s.du.as<float>());
+  }
   if (drop.on()) {
     // Note [LoRA dropout], per member: dA_j += dU_j^T x_j with x_j made
     // again, and dx (=, then +=) the dropped dU_j A_j.
@@ -245,7 +297,7 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
       ops.matmul(input_grad_desc(N, in, r, dt), duj, lora_impl::a_rows(A, j, r, in), t);
       ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), j > 0);
     }
-    if (direct) return true;
+    if (direct || covers) return true;
     float* blk = s.wide.as<float>();
     for (int64_t j = 0; j < n; ++j) {
       const LoraMember& m = g.members[static_cast<size_t>(j)];
@@ -267,8 +319,10 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   float* blk = s.wide.as<float>();
   for (int64_t j = 0; j < n; ++j) {
     const LoraMember& m = g.members[static_cast<size_t>(j)];
-    ops.copy_columns(blk, r, dbbd + m.row * nr + j * r, nr, m.rows, r);
-    ops.add(lg[m.b], lg[m.b], blk, m.rows * r);
+    if (!covers) {
+      ops.copy_columns(blk, r, dbbd + m.row * nr + j * r, nr, m.rows, r);
+      ops.add(lg[m.b], lg[m.b], blk, m.rows * r);
+    }
     ops.add(lg[m.a], lg[m.a], dag + j * r * in, r * in);
   }
   return true;
