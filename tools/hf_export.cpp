@@ -277,7 +277,6 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
                               "zinc-train --save-adapter writes the adapters in PEFT's format and --save-pretrained "
                               "--merge the merged model, and the default --format safetensors writes the adapters");
   check_checkpoint_blocks(files.dir, blocks, *model, cfg.architecture);
-  const auto& specs = model->blocks();
   if (opts.copy_from.empty() && client.contains("hf_source") && client["hf_source"].is_string() &&
       fs::is_directory(client["hf_source"].get<std::string>()))
     opts.copy_from = client["hf_source"].get<std::string>();
@@ -286,15 +285,16 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
   opts.inputs.push_back(files.dir);
   opts.inputs.push_back(checkpoint_dir);
   ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
-  return export_hf(
-      cfg, *model,
-      [&](int b) {
-        const BlockLayout layout = BlockLayout::from_spec(specs[static_cast<size_t>(b)]);
-        std::vector<float> flat(static_cast<size_t>(layout.numel));
-        reader.read(b, ckpt::kMaster, 0, layout.numel, flat.data());
-        return flat;
-      },
-      opts, progress);
+  return export_hf(cfg, *model, checkpoint_master_reader(reader, *model), opts, progress);
+}
+
+BlockReader checkpoint_master_reader(ckpt::CheckpointReader& reader, const Model& model) {
+  return [&reader, &model](int b) {
+    const BlockLayout layout = BlockLayout::from_spec(model.blocks()[static_cast<size_t>(b)]);
+    std::vector<float> flat(static_cast<size_t>(layout.numel));
+    reader.read(b, ckpt::kMaster, 0, layout.numel, flat.data());
+    return flat;
+  };
 }
 
 }  // namespace zinc::tools

@@ -21,6 +21,10 @@
 #include "models/models.h"
 #include "tools/safetensors.h"
 
+namespace zinc::ckpt {
+class CheckpointReader;
+}
+
 namespace zinc::tools {
 
 // A folder's config.json as zinc reads it: its family (models/family.h)
@@ -133,6 +137,9 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
 // config.json and source folder in its client_state) as export_hf writes
 // it, from the checkpoint's fp32 master weights. Throws zinc::Error naming
 // the checkpoint when it holds no such config or its parameters differ.
+// A BlockReader of a checkpoint's fp32 master weights (reader and model
+// must outlive it).
+BlockReader checkpoint_master_reader(ckpt::CheckpointReader& reader, const Model& model);
 // Throws zinc::Error naming `dir` unless a checkpoint's metadata `blocks`
 // are `model`'s, block for block and parameter for parameter (names, shapes,
 // which are frozen).

@@ -223,16 +223,7 @@ PeftExportResult export_checkpoint_peft(const std::string& checkpoint_dir, const
   opts.inputs.push_back(files.dir);
   opts.inputs.push_back(checkpoint_dir);
   ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
-  const auto& specs = model->blocks();
-  return export_peft_adapter(
-      cfg, *model,
-      [&](int b) {
-        const BlockLayout layout = BlockLayout::from_spec(specs[static_cast<size_t>(b)]);
-        std::vector<float> flat(static_cast<size_t>(layout.numel));
-        reader.read(b, ckpt::kMaster, 0, layout.numel, flat.data());
-        return flat;
-      },
-      opts);
+  return export_peft_adapter(cfg, *model, checkpoint_master_reader(reader, *model), opts);
 }
 
 }  // namespace zinc::tools

@@ -71,6 +71,21 @@ double rel_l2(const float* got, const std::vector<float>& want) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
+// n micro-batches of the reference batch through an engine, each stepped.
+void run_micro_batches(Engine& e, const Reference& ref, int n) {
+  for (int i = 0; i < n; ++i) {
+    e.forward(ref.batch());
+    e.backward();
+    e.step();
+  }
+}
+// Every block's full values.
+std::vector<std::vector<float>> all_weights(Engine& e) {
+  std::vector<std::vector<float>> w;
+  for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
+  return w;
+}
+
 class LoraFixture : public testing::TestWithParam<std::string> {};
 
 TEST_P(LoraFixture, LogitsLossAndAdapterGradientsMatchPeft) {
@@ -340,18 +355,8 @@ TEST(Lora, ACheckpointResumesBitForBit) {
                          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
                          {"zero_optimization", {{"stage", stage}}}};
     if (stage == 3) ds["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}};
-    auto steps = [&](Engine& e, int n) {
-      for (int i = 0; i < n; ++i) {
-        e.forward(ref.batch());
-        e.backward();
-        e.step();
-      }
-    };
-    auto weights = [](Engine& e) {
-      std::vector<std::vector<float>> w;
-      for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
-      return w;
-    };
+    auto steps = [&](Engine& e, int n) { run_micro_batches(e, ref, n); };
+    auto weights = [](Engine& e) { return all_weights(e); };
     Loaded a = load("lora_llama");
     Engine ea = Engine::initialize(a.model, ds);
     steps(ea, 2);
@@ -408,18 +413,8 @@ TEST(Lora, DropoutTrainsTheSameAtEveryStageAndResumesBitForBit) {
     if (on_nvme) d["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}};
     return d;
   };
-  auto steps = [&](Engine& e, int n) {
-    for (int i = 0; i < 2 * n; ++i) {  // two micro-batches a step
-      e.forward(ref.batch());
-      e.backward();
-      e.step();
-    }
-  };
-  auto weights = [](Engine& e) {
-    std::vector<std::vector<float>> w;
-    for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
-    return w;
-  };
+  auto steps = [&](Engine& e, int n) { run_micro_batches(e, ref, 2 * n); };  // two micro-batches a step
+  auto weights = [](Engine& e) { return all_weights(e); };
   Engine e0 = Engine::initialize(model(0.25), ds(0, false));
   steps(e0, 3);
   const auto want = weights(e0);
