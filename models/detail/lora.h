@@ -328,4 +328,77 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   return true;
 }
 
+// The kernel scratch the groups' products ask for (Model::activation_memory:
+// the same descriptors as lora_forward and lora_backward, so that the
+// oneDNN primitives a CPU picks for them, and their scratchpads, are
+// counted).
+inline void lora_tally(kernels::ScratchTally& t, int64_t N, int64_t r, float scale, const std::vector<LoraGroup>& groups,
+                       DType dt, bool dropout) {
+  const OperandKind act = matmul_input_kind(dt);  // x, U, dU and dy as the products read them
+  const OperandKind dy = is_16bit(dt) ? act : OperandKind{};
+  const bool exact = is_16bit(dt);
+  for (const LoraGroup& g : groups) {
+    if (g.members.empty()) continue;
+    const int64_t n = static_cast<int64_t>(g.members.size()), nr = n * r, W = g.width, in = g.in;
+    const bool direct = lora_impl::direct(g), covers = lora_impl::covers(g);
+    const DType a_dtype = direct ? dt : DType::kF32;  // A itself, or the stacked copy
+    const bool a_exact = direct ? false : exact;
+    // The base's own products then add themselves (accumulate: another
+    // primitive, with its own scratchpad where the CPU's kernel needs one),
+    // with or without the base's bias.
+    for (bool bias : {false, true}) {
+      kernels::MatmulDesc base = forward_desc(N, in, W, bias, dt);
+      base.accumulate = true;
+      t.matmul(base, act.dtype, act.exact, dt, false, dt);
+    }
+    kernels::MatmulDesc base_dx = input_grad_desc(N, in, W, dt);
+    base_dx.accumulate = true;
+    t.matmul(base_dx, dy.dtype, dy.exact, dt, false);
+    if (dropout) {
+      t.matmul(forward_desc(N, in, r, false, dt), act.dtype, act.exact, a_dtype, a_exact);
+      kernels::MatmulDesc da = weight_grad_desc(N, in, r, dt);
+      t.matmul(da, act.dtype, act.exact, act.dtype, act.exact);
+      t.matmul(input_grad_desc(N, in, r, dt), act.dtype, act.exact, a_dtype, a_exact);
+    } else {
+      t.matmul(forward_desc(N, in, nr, false, dt), act.dtype, act.exact, a_dtype, a_exact);
+      kernels::MatmulDesc da = weight_grad_desc(N, in, nr, dt);
+      da.accumulate = direct;
+      t.matmul(da, act.dtype, act.exact, act.dtype, act.exact);
+      t.matmul(input_grad_desc(N, in, nr, dt), act.dtype, act.exact, a_dtype, a_exact);
+    }
+    if (covers) {
+      for (const LoraMember& m : g.members) {
+        kernels::MatmulDesc y = forward_desc(N, r, m.rows, false, dt);
+        y.alpha = scale;
+        y.lda = nr;
+        y.ldc = W;
+        t.matmul(y, act.dtype, act.exact, dt, false);
+        kernels::MatmulDesc db = weight_grad_desc(N, r, m.rows, dt);
+        db.alpha = scale;
+        db.lda = W;
+        db.ldb = nr;
+        t.matmul(db, dy.dtype, dy.exact, act.dtype, act.exact);
+        kernels::MatmulDesc du = input_grad_desc(N, r, m.rows, dt);
+        du.alpha = scale;
+        du.lda = W;
+        du.ldc = nr;
+        t.matmul(du, dy.dtype, dy.exact, dt, false);
+      }
+    } else {
+      const DType b_dtype = direct ? dt : DType::kF32;  // B itself, or the block-diagonal copy
+      const bool b_exact = direct ? false : exact;
+      kernels::MatmulDesc y = forward_desc(N, nr, W, false, dt);
+      y.alpha = scale;
+      t.matmul(y, act.dtype, act.exact, b_dtype, b_exact);
+      kernels::MatmulDesc db = weight_grad_desc(N, nr, W, dt);
+      db.alpha = scale;
+      db.accumulate = direct;
+      t.matmul(db, dy.dtype, dy.exact, act.dtype, act.exact);
+      kernels::MatmulDesc du = input_grad_desc(N, nr, W, dt);
+      du.alpha = scale;
+      t.matmul(du, dy.dtype, dy.exact, b_dtype, b_exact);
+    }
+  }
+}
+
 }  // namespace zinc::models::detail

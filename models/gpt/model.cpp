@@ -175,6 +175,11 @@ class Gpt final : public Model {
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
     }
     t.attention(as, dt);
+    if (lora()) {
+      std::vector<detail::LoraGroup> all;
+      for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
+      detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), all, dt, c_.lora.dropout > 0);
+    }
     detail::tally_linear_forward(t, x, N, C, V, false, dt);
     dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
     m.workspace = t.bytes() + dy_copy;
