@@ -394,6 +394,16 @@ void execute(const MatmulDesc& d, const CachedMatmul& cached, const void* a_ptr,
   s.wait();
 }
 
+// A (rows, cols) block whose rows are `ld` elements apart, converted
+// densely into thread-local scratch slot `slot`.
+const void* gather_converted(CView v, int64_t rows, int64_t cols, int64_t ld, DType compute, DType mul, int slot) {
+  const size_t es = dtype_bytes(mul);
+  char* dst = static_cast<char*>(thread_scratch(slot, static_cast<size_t>(rows * cols) * es));
+  for (int64_t r = 0; r < rows; ++r)
+    convert_into(offset_view(v, r * ld), compute, mul, static_cast<size_t>(cols), dst + static_cast<size_t>(r * cols) * es);
+  return dst;
+}
+
 // Note [widened operands in chunks]: C in blocks of `cols` columns.
 void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bias, int64_t cols) {
   const void* a_ptr = nullptr;
@@ -421,12 +431,7 @@ void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bia
                     static_cast<size_t>(dc.N) * es);
       b_ptr = dst;
     } else {  // stored (K, N): columns n0.. of each row, gathered
-      const size_t es = dtype_bytes(mul);
-      char* dst = static_cast<char*>(thread_scratch(1, static_cast<size_t>(dc.N * d.K) * es));
-      for (int64_t k = 0; k < d.K; ++k)
-        convert_into(offset_view(b, k * d.N + n0), d.compute, mul, static_cast<size_t>(dc.N),
-                     dst + static_cast<size_t>(k * dc.N) * es);
-      b_ptr = dst;
+      b_ptr = gather_converted(offset_view(b, n0), d.K, dc.N, d.N, d.compute, mul, 1);
     }
     execute(dc, *cached, a_ptr, b_ptr, c + n0, d.bias ? offset_view(bias, n0) : bias);
   }
@@ -460,21 +465,16 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
   MatmulDesc e = d;
   const void* a_ptr = nullptr;
   const void* b_ptr = nullptr;
-  auto gather = [&](CView v, int64_t rows, int64_t cols, int64_t ld, int slot) -> const void* {
-    const size_t es = dtype_bytes(mul);
-    char* dst = static_cast<char*>(thread_scratch(slot, static_cast<size_t>(rows * cols) * es));
-    for (int64_t r = 0; r < rows; ++r)
-      convert_into(offset_view(v, r * ld), d.compute, mul, static_cast<size_t>(cols), dst + static_cast<size_t>(r * cols) * es);
-    return dst;
-  };
   if (d.lda != 0 && converts(a.dtype, a.bf16_exact, d.compute, mul)) {
-    a_ptr = d.trans_a ? gather(a, d.K, d.M, d.lda, 0) : gather(a, d.M, d.K, d.lda, 0);
+    a_ptr = d.trans_a ? gather_converted(a, d.K, d.M, d.lda, d.compute, mul, 0)
+                      : gather_converted(a, d.M, d.K, d.lda, d.compute, mul, 0);
     e.lda = 0;
   } else {
     a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
   }
   if (d.ldb != 0 && converts(b.dtype, b.bf16_exact, d.compute, mul)) {
-    b_ptr = d.trans_b ? gather(b, d.N, d.K, d.ldb, 1) : gather(b, d.K, d.N, d.ldb, 1);
+    b_ptr = d.trans_b ? gather_converted(b, d.N, d.K, d.ldb, d.compute, mul, 1)
+                      : gather_converted(b, d.K, d.N, d.ldb, d.compute, mul, 1);
     e.ldb = 0;
   } else {
     b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);

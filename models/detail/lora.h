@@ -88,6 +88,14 @@ inline HeldAdapter hold_adapter(StepContext& ctx, int block) {
   return h;
 }
 
+// Every layer's groups in one list (the scratch and the estimate size by all of them).
+template <class Layers>
+std::vector<LoraGroup> lora_all_groups(const Layers& layers) {
+  std::vector<LoraGroup> all;
+  for (const auto& layer : layers) all.insert(all.end(), layer.begin(), layer.end());
+  return all;
+}
+
 // What a group's forward keeps for its backward: U and what B's products read of it.
 struct LoraSaved {
   CView u_in;

@@ -266,9 +266,8 @@ class Llama final : public Model {
     }
     t.attention(as, dt);
     if (lora()) {
-      std::vector<detail::LoraGroup> all;
-      for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
-      detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), all, dt, c_.lora.dropout > 0);
+      detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
+                         c_.lora.dropout > 0);
     }
     detail::tally_linear_forward(t, x, N, C, V, false, dt);
     dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
@@ -1015,9 +1014,8 @@ class Llama final : public Model {
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
       for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
-      std::vector<detail::LoraGroup> all;
-      for (const auto& layer : lora_groups_) all.insert(all.end(), layer.begin(), layer.end());
-      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, all, c_.lora.dropout > 0);
+      lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
+                           c_.lora.dropout > 0);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
       sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
     }
