@@ -460,25 +460,20 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
     return;
   }
   if ((d.lda != 0 || d.ldb != 0 || d.ldc != 0) && d.batch != 1) throw Error("matmul: strided operands need batch 1");
-  // A strided operand that must be converted is gathered densely: the
-  // primitive then reads it dense.
+  // An operand as the primitive multiplies it: a strided one that must be
+  // converted is gathered densely, and the primitive then reads it dense
+  // (its stride cleared in e).
   MatmulDesc e = d;
-  const void* a_ptr = nullptr;
-  const void* b_ptr = nullptr;
-  if (d.lda != 0 && converts(a.dtype, a.bf16_exact, d.compute, mul)) {
-    a_ptr = d.trans_a ? gather_converted(a, d.K, d.M, d.lda, d.compute, mul, 0)
-                      : gather_converted(a, d.M, d.K, d.lda, d.compute, mul, 0);
-    e.lda = 0;
-  } else {
-    a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.batch * d.M * d.K), 0);
-  }
-  if (d.ldb != 0 && converts(b.dtype, b.bf16_exact, d.compute, mul)) {
-    b_ptr = d.trans_b ? gather_converted(b, d.N, d.K, d.ldb, d.compute, mul, 1)
-                      : gather_converted(b, d.K, d.N, d.ldb, d.compute, mul, 1);
-    e.ldb = 0;
-  } else {
-    b_ptr = as_multiply(b, d.compute, mul, static_cast<size_t>(d.batch * d.K * d.N), 1);
-  }
+  auto operand = [&](CView v, int64_t rows, int64_t cols, bool trans, int64_t& ld, int slot) -> const void* {
+    if (ld == 0 || !converts(v.dtype, v.bf16_exact, d.compute, mul))
+      return as_multiply(v, d.compute, mul, static_cast<size_t>(d.batch * rows * cols), slot);
+    const int64_t stride = ld;
+    ld = 0;
+    return trans ? gather_converted(v, cols, rows, stride, d.compute, mul, slot)
+                 : gather_converted(v, rows, cols, stride, d.compute, mul, slot);
+  };
+  const void* a_ptr = operand(a, d.M, d.K, d.trans_a, e.lda, 0);
+  const void* b_ptr = operand(b, d.K, d.N, d.trans_b, e.ldb, 1);
   if (e.lda != d.lda || e.ldb != d.ldb) {
     cached = lookup(e);
     ZINC_CHECK(cached->multiply == mul, "matmul: a gathered operand's primitive multiplies another dtype");

@@ -415,26 +415,28 @@ TEST(Lora, DropoutTrainsTheSameAtEveryStageAndResumesBitForBit) {
   };
   auto steps = [&](Engine& e, int n) { run_micro_batches(e, ref, 2 * n); };  // two micro-batches a step
   auto weights = [](Engine& e) { return all_weights(e); };
-  Engine e0 = Engine::initialize(model(0.25), ds(0, false));
-  steps(e0, 3);
-  const auto want = weights(e0);
-  Engine e3 = Engine::initialize(model(0.25), ds(3, true));
-  steps(e3, 3);
-  EXPECT_TRUE(weights(e3) == want) << "stage 3 on NVMe";
-  Engine none = Engine::initialize(model(0.0), ds(0, false));
-  steps(none, 3);
-  EXPECT_FALSE(weights(none) == want) << "dropout changed nothing";
+  {  // the engines gone before their NVMe folder is
+    Engine e0 = Engine::initialize(model(0.25), ds(0, false));
+    steps(e0, 3);
+    const auto want = weights(e0);
+    Engine e3 = Engine::initialize(model(0.25), ds(3, true));
+    steps(e3, 3);
+    EXPECT_TRUE(weights(e3) == want) << "stage 3 on NVMe";
+    Engine none = Engine::initialize(model(0.0), ds(0, false));
+    steps(none, 3);
+    EXPECT_FALSE(weights(none) == want) << "dropout changed nothing";
 
-  fs::remove_all(dir);
-  Engine a = Engine::initialize(model(0.25), ds(1, false));
-  steps(a, 1);
-  a.save_checkpoint(dir, "", nlohmann::json::object());
-  steps(a, 2);
-  EXPECT_TRUE(weights(a) == want) << "stage 1";
-  Engine b = Engine::initialize(model(0.25), ds(1, false));
-  b.load_checkpoint(dir, "");
-  steps(b, 2);
-  EXPECT_TRUE(weights(b) == want) << "resumed";
+    fs::remove_all(dir);
+    Engine a = Engine::initialize(model(0.25), ds(1, false));
+    steps(a, 1);
+    a.save_checkpoint(dir, "", nlohmann::json::object());
+    steps(a, 2);
+    EXPECT_TRUE(weights(a) == want) << "stage 1";
+    Engine b = Engine::initialize(model(0.25), ds(1, false));
+    b.load_checkpoint(dir, "");
+    steps(b, 2);
+    EXPECT_TRUE(weights(b) == want) << "resumed";
+  }
   fs::remove_all(dir);
   fs::remove_all(nvme);
 }
