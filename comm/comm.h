@@ -80,6 +80,26 @@ class Communicator {
   // initialised below MPI_THREAD_MULTIPLE); the caller then shares this one.
   virtual std::unique_ptr<Communicator> duplicate() = 0;
 
+  // A communicator over the ranks of this one that pass the same `color`,
+  // ranked by `key` (ties by this communicator's rank), with the same
+  // backend: MPI_Comm_split. Collective over every rank of this one. The
+  // engine makes its pipeline and data-parallel groups with it (Note
+  // [pipeline parallelism] in engine/pipeline.cpp). Backends that cannot
+  // split (NCCL) throw CommError naming the rank.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+
+  // Point to point (the pipeline's activations and their gradients): send
+  // blocks until `peer` may take the buffer back, recv until the data has
+  // arrived. Messages between two ranks arrive in the order they were sent.
+  // exchange sends to `to` and receives from `from` at once (either may be
+  // -1: none), so two neighbours that send to each other never wait for
+  // each other. No arithmetic: the dtype sizes the elements. Backends
+  // without point to point (NCCL, a world of one) throw CommError.
+  virtual void send(const void* buf, int64_t count, DType dtype, int peer);
+  virtual void recv(void* buf, int64_t count, DType dtype, int peer);
+  virtual void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count,
+                        int from, DType dtype);
+
   // This communicator's own duplicate, made by the first call (collective,
   // like duplicate()) and kept until this communicator goes. The engine
   // runs parameter gathers on it and gradient reductions on this one, two

@@ -43,6 +43,10 @@ void check_all_to_all(int rank, int size, const void* send, const void* recv, in
 // class C)"). R is the rank in MPI_COMM_WORLD, or "?" when MPI is not running.
 CommError mpi_error(const std::string& op, int rc);
 
+// The MPI_Comm (a pointer to it: this header names no MPI type) of a
+// communicator that make_mpi_communicator made, or that its split() made.
+const void* mpi_comm_of(const Communicator& mpi);
+
 // make_mpi_communicator with a smaller per-call element limit (tests exercise
 // chunking and the limit errors with small buffers). max_count is both the
 // chunk size of all_reduce/broadcast/f64 reductions and the limit of

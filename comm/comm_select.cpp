@@ -89,6 +89,19 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
   return detail::make_shm_backend(std::move(mpi), slot_bytes_from_env(), fake, mode == "hierarchical", timeout);
 }
 
+std::unique_ptr<Communicator> Communicator::split(int, int) {
+  throw detail::comm_error(rank(), "split", "the " + backend() + " backend cannot split into groups");
+}
+void Communicator::send(const void* buf, int64_t count, DType dtype, int peer) {
+  exchange(buf, count, peer, nullptr, 0, -1, dtype);
+}
+void Communicator::recv(void* buf, int64_t count, DType dtype, int peer) {
+  exchange(nullptr, 0, -1, buf, count, peer, dtype);
+}
+void Communicator::exchange(const void*, int64_t, int, void*, int64_t, int, DType) {
+  throw detail::comm_error(rank(), "exchange", "the " + backend() + " backend has no point-to-point transfers");
+}
+
 Communicator* Communicator::twin() {
   if (!twin_made_) {
     twin_ = duplicate();

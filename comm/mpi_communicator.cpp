@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
@@ -160,11 +162,13 @@ void f16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(int64_t chunk_count, int64_t max_count)
+  // Over the ranks of `parent` (MPI_COMM_NULL: MPI_COMM_WORLD, read once
+  // MPI is initialised), through a duplicate of it: its own message space.
+  MpiCommunicator(int64_t chunk_count, int64_t max_count, MPI_Comm parent = MPI_COMM_NULL)
       : chunk_count_(chunk_count), max_count_(max_count) {
     MpiRuntime::acquire();
     try {
-      check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+      check(MPI_Comm_dup(parent == MPI_COMM_NULL ? MPI_COMM_WORLD : parent, &comm_), "MPI_Comm_dup");
       check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
       check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
       check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
@@ -257,12 +261,61 @@ class MpiCommunicator final : public Communicator {
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
 
-  // Another MPI_Comm_dup of MPI_COMM_WORLD: its own message space, so its
+  // Another MPI_Comm_dup of this one's ranks: its own message space, so its
   // collectives never match this one's. Two threads in MPI at once need
   // MPI_THREAD_MULTIPLE.
   std::unique_ptr<Communicator> duplicate() override {
     if (MpiRuntime::thread_level() < MPI_THREAD_MULTIPLE) return nullptr;
-    return std::make_unique<MpiCommunicator>(chunk_count_, max_count_);
+    return std::make_unique<MpiCommunicator>(chunk_count_, max_count_, comm_);
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    if (color < 0) throw detail::comm_error(rank_, "split", "color must be >= 0, got " + std::to_string(color));
+    MPI_Comm part = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color, key, &part), "MPI_Comm_split");
+    try {
+      auto out = std::make_unique<MpiCommunicator>(chunk_count_, max_count_, part);
+      MPI_Comm_free(&part);
+      return out;
+    } catch (...) {
+      MPI_Comm_free(&part);
+      throw;
+    }
+  }
+
+  // Nonblocking sends and receives of every chunk, then one wait: a send
+  // and a receive between two ranks that exchange with each other at the
+  // same time never wait for each other (MPI_Sendrecv's guarantee).
+  void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count, int from,
+                DType dtype) override {
+    for (auto [peer, count, what] : {std::tuple{to, send_count, "send"}, std::tuple{from, recv_count, "recv"}}) {
+      if (peer == -1) continue;
+      detail::check_count(rank_, what, count);
+      if (peer < 0 || peer >= size_ || peer == rank_)
+        throw detail::comm_error(rank_, what,
+                                 "peer " + std::to_string(peer) + " is not another rank of " + std::to_string(size_));
+    }
+    const size_t elem = dtype_bytes(dtype);
+    std::vector<MPI_Request> reqs;
+    auto post = [&](bool sending, int64_t count, int peer, char* p) {
+      for (int64_t off = 0; off < count; off += chunk_count_) {
+        const int n = static_cast<int>(std::min(chunk_count_, count - off));
+        MPI_Request r = MPI_REQUEST_NULL;
+        char* at = p + static_cast<size_t>(off) * elem;
+        const int rc = sending ? MPI_Isend(at, n, type(dtype), peer, kP2pTag, comm_, &r)
+                               : MPI_Irecv(at, n, type(dtype), peer, kP2pTag, comm_, &r);
+        if (rc != MPI_SUCCESS) {
+          for (MPI_Request& q : reqs) MPI_Cancel(&q);
+          throw mpi_error(sending ? "MPI_Isend" : "MPI_Irecv", rc);
+        }
+        reqs.push_back(r);
+      }
+    };
+    if (from != -1) post(false, recv_count, from, static_cast<char*>(recv_buf));
+    if (to != -1) post(true, send_count, to, static_cast<char*>(const_cast<void*>(send_buf)));
+    if (reqs.empty()) return;
+    check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "MPI_Waitall", "exchange",
+          std::max(send_count, recv_count), dtype);
   }
 
   [[noreturn]] void abort(int code, const std::string& msg) override {
@@ -297,6 +350,8 @@ class MpiCommunicator final : public Communicator {
                          " elements per MPI call (an int count); use smaller buckets (" + bucket_key + ")");
   }
 
+  static constexpr int kP2pTag = 7;
+  MPI_Datatype MPI_BYTE_TYPE(DType dtype) const { return type(dtype); }
   // bf16 and fp16 travel as the same 16-bit type; only their sums differ.
   MPI_Datatype type(DType dtype) const { return dtype == DType::kF32 ? MPI_FLOAT : bf16_type_; }
   MPI_Op sum(DType dtype) const {
@@ -321,6 +376,7 @@ class MpiCommunicator final : public Communicator {
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
+  friend const void* detail::mpi_comm_of(const Communicator&);
   const int64_t chunk_count_;  // all_reduce/broadcast/f64: elements per MPI call
   const int64_t max_count_;    // reduce_scatter/all_gather: limit on size * count
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -333,6 +389,12 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 namespace detail {
+
+const void* mpi_comm_of(const Communicator& mpi) {
+  const auto* m = dynamic_cast<const MpiCommunicator*>(&mpi);
+  ZINC_CHECK(m != nullptr, "mpi_comm_of: not an MPI communicator");
+  return &m->comm_;
+}
 
 std::unique_ptr<Communicator> make_mpi_communicator(int64_t max_count) {
   ZINC_CHECK(max_count >= 1 && max_count <= kMpiMaxCount, "max_count out of range");

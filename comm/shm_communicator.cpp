@@ -172,7 +172,9 @@ class ShmCommunicator final : public Communicator {
         timeout_s_(timeout_s) {
     const int rank = mpi_->rank(), size = mpi_->size();
     try {
-      check(MPI_Comm_dup(MPI_COMM_WORLD, &world_), "MPI_Comm_dup");
+      // The inner MPI communicator's ranks (the world, or a group split()
+      // made).
+      check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(detail::mpi_comm_of(*mpi_)), &world_), "MPI_Comm_dup");
       check(MPI_Comm_set_errhandler(world_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
       if (fake_node_size > 0) {
         if (size % fake_node_size != 0) {
@@ -337,6 +339,20 @@ class ShmCommunicator final : public Communicator {
     if (!mpi) return nullptr;
     return std::make_unique<ShmCommunicator>(std::move(mpi), slot_bytes_, fake_node_size_, hierarchical_,
                                              timeout_s_);
+  }
+
+  // The group's ranks with the same layout rules (a group of ranks on one
+  // machine, or the same number on each machine). With fake nodes the
+  // group's ranks are numbered afresh, so a test's fake nodes are per group.
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return std::make_unique<ShmCommunicator>(mpi_->split(color, key), slot_bytes_, fake_node_size_, hierarchical_,
+                                             timeout_s_);
+  }
+
+  // Point to point goes over MPI (on one machine MPI itself uses shared memory).
+  void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count, int from,
+                DType dtype) override {
+    mpi_->exchange(send_buf, send_count, to, recv_buf, recv_count, from, dtype);
   }
 
  private:

@@ -58,6 +58,10 @@ class SingleCommunicator final : public Communicator {
     std::_Exit(code);
   }
   std::unique_ptr<Communicator> duplicate() override { return std::make_unique<SingleCommunicator>(); }
+  std::unique_ptr<Communicator> split(int color, int) override {
+    if (color < 0) throw detail::comm_error(0, "split", "color must be >= 0, got " + std::to_string(color));
+    return std::make_unique<SingleCommunicator>();
+  }
 };
 
 }  // namespace

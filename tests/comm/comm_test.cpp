@@ -74,6 +74,58 @@ TEST(MpiWorld, NcclBackendRefusesWhereItCannotStart) {
   }
 }
 
+// split(): groups of the ranks with the same color, ranked by key; their
+// collectives sum within the group only. Here: odd and even ranks, each
+// group ranked in reverse.
+TEST(MpiWorld, SplitMakesGroupsWhoseCollectivesStayInside) {
+  Communicator& c = world();
+  std::unique_ptr<Communicator> g = c.split(c.rank() % 2, -c.rank());
+  const int members = (c.size() - c.rank() % 2 + 1) / 2;
+  ASSERT_EQ(g->size(), members);
+  EXPECT_EQ(g->rank(), members - 1 - c.rank() / 2);
+  double v = c.rank();
+  g->all_reduce_f64(&v, 1);
+  double want = 0;
+  for (int r = c.rank() % 2; r < c.size(); r += 2) want += r;
+  EXPECT_EQ(v, want);
+  EXPECT_THROW(c.split(-1, 0), CommError);
+}
+
+// Point to point: a ring where every rank sends to the next and receives
+// from the previous in one exchange (each send meets the other rank's
+// receive, so nothing waits), then plain send and recv between pairs, in
+// order, of more than one message.
+TEST(MpiWorld, ExchangeAndSendRecvDeliverInOrder) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  if (n == 1) {
+    float x = 1;
+    EXPECT_THROW(c.send(&x, 1, DType::kF32, 0), CommError);  // not another rank
+    return;
+  }
+  std::vector<float> out(1000), in(1000, -1.0f);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(r * 10000 + static_cast<int>(i));
+  c.exchange(out.data(), 1000, (r + 1) % n, in.data(), 1000, (r + n - 1) % n, DType::kF32);
+  for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(in[i], static_cast<float>(((r + n - 1) % n) * 10000 + static_cast<int>(i)));
+  if (r < n / 2 * 2) {
+    const int peer = r ^ 1;
+    std::vector<uint16_t> a(3, static_cast<uint16_t>(r)), b(3);
+    for (int k = 0; k < 3; ++k) {
+      a[0] = static_cast<uint16_t>(r * 10 + k);
+      if (r % 2 == 0) {
+        c.send(a.data(), 3, DType::kBF16, peer);
+        c.recv(b.data(), 3, DType::kBF16, peer);
+      } else {
+        c.recv(b.data(), 3, DType::kBF16, peer);
+        c.send(a.data(), 3, DType::kBF16, peer);
+      }
+      EXPECT_EQ(b[0], peer * 10 + k);
+    }
+  }
+  EXPECT_THROW(c.send(out.data(), 1, DType::kF32, r), CommError);  // to itself
+  EXPECT_THROW(c.recv(in.data(), 1, DType::kF32, n), CommError);   // no such rank
+}
+
 TEST(MpiWorld, BarrierHoldsRanksUntilTheLastArrives) {
   Communicator& c = world();
   c.barrier();

@@ -172,6 +172,27 @@ TEST(ShmAllToAll, SendsBlockJToRankJOnEveryShmBackend) {
 
 // Larger than a 32 MiB slot per rank (the default slot is 1 MiB), so every
 // communicator chunks; all_reduce of 9 Mi + 5 fp32 elements is 36 MiB.
+// split() keeps the backend: a group of the shm (and hierarchical) world is
+// shm again, its sums stay inside the group, and point to point works.
+TEST(ShmSplit, GroupsAreShmAndSumInsideTheGroup) {
+  for (Communicator* w : {g_shm.get(), g_hier.get()}) {
+    std::unique_ptr<Communicator> g = w->split(w->rank() / 2, w->rank());
+    EXPECT_EQ(g->backend(), w->backend());
+    const int first = w->rank() / 2 * 2, members = std::min(2, w->size() - first);
+    ASSERT_EQ(g->size(), members);
+    std::vector<float> v(3000, static_cast<float>(w->rank() + 1)), sum(3000);
+    g->all_reduce(v.data(), sum.data(), 3000, DType::kF32);
+    float want = 0;
+    for (int r = first; r < first + members; ++r) want += static_cast<float>(r + 1);
+    EXPECT_EQ(sum[2999], want) << w->backend();
+    if (members == 2) {
+      float got = -1, mine = static_cast<float>(w->rank());
+      g->exchange(&mine, 1, 1 - g->rank(), &got, 1, 1 - g->rank(), DType::kF32);
+      EXPECT_EQ(got, static_cast<float>(w->rank() ^ 1)) << w->backend();
+    }
+  }
+}
+
 TEST(ShmChunking, AllReduceLargerThanASlotMatchesTheReference) {
   Communicator& c = *g_shm;
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
