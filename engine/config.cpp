@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <initializer_list>
+#include <regex>
 #include <limits>
 #include <set>
 #include <utility>
@@ -49,8 +50,11 @@ void parse_batch(Reader& r, Config& c) {
                         "must be <= " + std::to_string(Config::kMaxBatch) + ", got " + std::to_string(v));
     }
   }
-  const int64_t ws = c.world_size;
-  const std::string w = " * world size " + std::to_string(ws);
+  const int64_t ws = c.data_parallel_size();
+  const std::string w = c.pipelined() ? " * data-parallel size " + std::to_string(ws) + " (world size " +
+                                            std::to_string(c.world_size) + " / pipeline.stages " +
+                                            std::to_string(c.pipeline.stages) + ")"
+                                      : " * world size " + std::to_string(ws);
   // Products in 128 bits: each factor fits in int64, so no overflow here.
   auto product = [](__int128 a, __int128 b, __int128 d) { return a * b * d; };
   auto fits = [](__int128 v) { return v <= std::numeric_limits<int64_t>::max(); };
@@ -456,9 +460,10 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
   r.refuse_int("sequence_parallel_size", 1,
                "sequence parallelism splits each sample across ranks; zinc has none, set it to 1");
   int64_t dp = 0;
-  if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.world_size) {
-    throw ConfigError("data_parallel_size", std::to_string(dp) + " differs from the " + std::to_string(c.world_size) +
-                                                " ranks of this run (zinc's data-parallel size is the world size)");
+  if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.data_parallel_size()) {
+    throw ConfigError("data_parallel_size", std::to_string(dp) + " differs from this run's data-parallel size " +
+                                                std::to_string(c.data_parallel_size()) + " (the world size " +
+                                                std::to_string(c.world_size) + " / pipeline.stages)");
   }
 }
 
@@ -516,6 +521,55 @@ void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig&
   r.finish();
 }
 
+// "pipeline" (PipelineConfig): DeepSpeed's keys. Read before the batch
+// triad, which fits the data-parallel part of the world.
+void parse_pipeline(Reader& root, Config& c) {
+  Reader r = root.section("pipeline");
+  if (const json* v = r.find("stages"); v && !v->is_null()) {
+    if (v->is_string() && v->get<std::string>() == "auto")
+      c.pipeline.stages = 1;  // DeepSpeed takes the count from its PipelineModule; zinc's models have none
+    else
+      c.pipeline.stages = to_int(*v, r.last_path(), Range{1, 1 << 20});
+    if (c.world_size % c.pipeline.stages != 0)
+      throw ConfigError(r.last_path(), std::to_string(c.pipeline.stages) + " stages do not divide the " +
+                                           std::to_string(c.world_size) + " ranks of this run (each stage needs the "
+                                           "same number of data-parallel replicas)");
+  }
+  if (const json* v = r.find("partition"); v && !v->is_null()) {
+    if (!v->is_string()) type_error(r.last_path(), "a string", *v);
+    const std::string m = v->get<std::string>();
+    std::string lower = m;
+    for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (lower == "parameters" || lower == "best") {
+      c.pipeline.partition = PipePartition::kParameters;
+    } else if (lower == "uniform") {
+      c.pipeline.partition = PipePartition::kUniform;
+    } else if (lower.rfind("type:", 0) == 0) {
+      c.pipeline.partition = PipePartition::kType;
+      c.pipeline.type_regex = m.substr(5);
+      try {
+        std::regex re(c.pipeline.type_regex, std::regex::icase);
+      } catch (const std::regex_error& e) {
+        throw ConfigError(r.last_path(), "\"" + c.pipeline.type_regex + "\" is not a regular expression: " + e.what());
+      }
+    } else {
+      throw ConfigError(r.last_path(), "expected \"parameters\", \"uniform\" or \"type:REGEX\" (\"best\" is "
+                                       "\"parameters\"), got " + show(*v));
+    }
+  }
+  bool b = false;
+  if (r.get_bool("seed_layers", b) && b)
+    r.warn(r.last_path(), "no effect: zinc seeds every parameter from the run's seed and its block, so each layer "
+                          "starts the same at any number of stages");
+  r.get_bool("pipe_partitioned", b);  // split activations over tensor-parallel ranks: none here
+  r.get_bool("grad_partitioned", b);
+  int64_t interval = 0;
+  if (r.get_int("activation_checkpoint_interval", interval, at_least(0)) && interval > 0)
+    r.warn_ignored(r.last_path(), "a stage keeps only each in-flight micro-batch's input and computes its forward "
+                                  "again before that micro-batch's backward");
+  r.finish();
+}
+
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
 enum class Act { kWarn, kError };
@@ -538,7 +592,6 @@ const Feature kFeatures[] = {
       {"disable_allgather", Act::kWarn, nullptr},
       {"dataloader_drop_last", Act::kWarn, "zinc's DataLoader always draws whole global batches"},
       {"eigenvalue", Act::kWarn, nullptr},
-      {"pipeline", Act::kWarn, "zinc has no pipeline parallelism"},
       {"tensor_parallel", Act::kWarn, "zinc has no tensor parallelism"},
       {"hybrid_engine", Act::kWarn, nullptr},
       {"compile", Act::kWarn, nullptr},
@@ -679,6 +732,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   c.source = j;
   Reader r(j, "", c.warnings);
   refuse_features(r, j);
+  parse_pipeline(r, c);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));

@@ -279,6 +279,21 @@ struct ActivationCheckpointingConfig {
   bool operator==(const ActivationCheckpointingConfig&) const = default;
 };
 
+// "pipeline": DeepSpeed's section (Note [pipeline parallelism] in
+// engine/pipeline.cpp). The ranks form a grid of `stages` pipeline stages
+// by world_size / stages data-parallel replicas; each stage holds a
+// contiguous run of the model's layers.
+enum class PipePartition { kParameters, kUniform, kType };
+struct PipelineConfig {
+  int64_t stages = 1;  // "auto" (DeepSpeed's default, set by its PipelineModule): 1
+  // How layers are split: balanced by parameters (DeepSpeed's default
+  // partition_method, and what its "best" means here), by layer count, or
+  // by the count of layers whose kind matches type_regex ("type:REGEX").
+  PipePartition partition = PipePartition::kParameters;
+  std::string type_regex;
+  bool operator==(const PipelineConfig&) const = default;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -319,6 +334,7 @@ struct Config {
   CsvMonitorConfig csv_monitor;
   TensorBoardConfig tensorboard;
   ActivationCheckpointingConfig activation_checkpointing;
+  PipelineConfig pipeline;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
@@ -326,8 +342,8 @@ struct Config {
   // the batch triad stay far from int64 overflow.
   static constexpr int64_t kMaxBatch = int64_t{1} << 40;
 
-  // Parses and validates; world_size is the data-parallel size the batch
-  // triad must fit. `caller_sections` names top-level keys that the caller
+  // Parses and validates; world_size is the number of ranks (the batch
+  // triad fits its data-parallel part, world_size / pipeline.stages). `caller_sections` names top-level keys that the caller
   // parses itself (keys the engine does not read): parse() leaves them alone
   // but counts them as known, so a misspelt one still gets "did you mean".
   // Any other key the engine does not know is an error. Throws ConfigError.
@@ -340,6 +356,10 @@ struct Config {
   // Cross-field checks (called by parse).
   void validate() const;
   // The model's compute dtype: bf16, fp16 or fp32.
+  // The ranks that hold the same stage (world_size / pipeline.stages): the
+  // batch triad's world size, the ranks ZeRO partitions over.
+  int data_parallel_size() const { return world_size / static_cast<int>(pipeline.stages); }
+  bool pipelined() const { return pipeline.stages > 1; }
   DType compute_dtype() const { return bf16 ? DType::kBF16 : fp16.enabled ? DType::kF16 : DType::kF32; }
   // The gradients' dtype on the wire: communication_data_type, else fp16
   // with fp16 on (as DeepSpeed reduces fp16 gradients), else fp32.

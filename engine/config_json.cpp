@@ -151,6 +151,12 @@ json to_json(const Config& c) {
         {"synchronize_checkpoint_boundary", ac.synchronize_checkpoint_boundary},
         {"profile", ac.profile}};
   }
+  if (c.pipelined()) {
+    const char* part = c.pipeline.partition == PipePartition::kUniform ? "uniform" : "parameters";
+    j["pipeline"] = {{"stages", c.pipeline.stages},
+                     {"partition", c.pipeline.partition == PipePartition::kType ? "type:" + c.pipeline.type_regex
+                                                                                 : std::string(part)}};
+  }
   return j;
 }
 

@@ -13,14 +13,29 @@ void Config::validate() const {
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   if (train_batch_size < 1 || train_micro_batch_size_per_gpu < 1 || gradient_accumulation_steps < 1 ||
       train_micro_batch_size_per_gpu > kMaxBatch || gradient_accumulation_steps > kMaxBatch ||
-      static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * world_size !=
+      pipeline.stages < 1 || world_size % pipeline.stages != 0 ||
+      static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * data_parallel_size() !=
           train_batch_size) {
     throw ConfigError("train_batch_size",
                       "the batch triad does not multiply out: train_batch_size " +
                           std::to_string(train_batch_size) + " != train_micro_batch_size_per_gpu " +
                           std::to_string(train_micro_batch_size_per_gpu) + " * gradient_accumulation_steps " +
-                          std::to_string(gradient_accumulation_steps) + " * world size " +
-                          std::to_string(world_size));
+                          std::to_string(gradient_accumulation_steps) + " * data-parallel size " +
+                          std::to_string(pipeline.stages >= 1 && world_size % pipeline.stages == 0
+                                             ? data_parallel_size() : world_size));
+  }
+  // Pipeline stages (Note [pipeline parallelism] in engine/pipeline.cpp).
+  if (pipelined()) {
+    if (zero.stage > 1)
+      throw ConfigError("zero_optimization.stage",
+                        "pipeline stages compose with ZeRO stages 0 and 1 (as DeepSpeed's pipeline engine does): "
+                        "stages 2 and 3 would reduce and gather every micro-batch's gradients and parameters, got " +
+                            std::to_string(zero.stage));
+    if (device == Device::kCuda)
+      throw ConfigError("pipeline.stages", "the GPU path does not run pipeline stages yet; use \"device\": \"cpu\"");
+    if (optimizer.one_bit())
+      throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
+                                          "do not run with pipeline stages yet");
   }
   if (!(gradient_clipping >= 0)) {
     throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));

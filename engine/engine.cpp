@@ -122,7 +122,10 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     world = comm->size();
     rank = comm->rank();
   }
+  world_all = world;
+  world_rank = rank;
   if (world > 1) agree_on_config();
+  if (c.pipelined()) setup_pipeline();  // comm, world and rank become the data-parallel group's
   plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone,
                          c.gradients_on_nvme());
   offload_device = c.zero.offload_optimizer.device;
@@ -194,7 +197,7 @@ void Engine::Impl::make_streams() {
     own_gather_stream = std::make_unique<comm::CommStream>(*twin);
     gather_stream = own_gather_stream.get();
   } else {
-    if (rank == 0)
+    if (world_rank == 0)
       log_warn("the " + comm->backend() +
                " transport cannot run two communicators at once (MPI without MPI_THREAD_MULTIPLE): "
                "parameter gathers share the gradient reductions' stream");
@@ -211,7 +214,8 @@ void Engine::Impl::allocate_and_init() {
     BlockShard& s = blocks[b];
     s.layout = BlockLayout::from_spec(specs[b]);
     s.part = Partition::make(s.layout.numel, world, rank);
-    s.frozen = specs[b].frozen;
+    s.absent = pipelined() && block_stage[b] != stage;
+    s.frozen = specs[b].frozen || s.absent;
     s.opt_numel = s.frozen ? 0 : plan.optimizer_numel(s.part);
     spans.push_back(s.opt_numel);
   }
@@ -233,7 +237,14 @@ void Engine::Impl::allocate_and_init() {
                                               std::move(param_store), op.pin_memory);
   });
   for (size_t b = 0; b < specs.size(); ++b) {
+    for (const ParamSpec& ps : specs[b].params) {
+      num_params += ps.shape.numel();
+      if (!specs[b].frozen) num_trained += ps.shape.numel();
+    }
+  }
+  for (size_t b = 0; b < specs.size(); ++b) {
     BlockShard& s = blocks[b];
+    if (s.absent) continue;  // another stage's
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
     // Every rank builds the initial weights of the elements its stage keeps
     // (at stage 3 its own shard, else the whole block), from the model's
@@ -246,8 +257,6 @@ void Engine::Impl::allocate_and_init() {
       const ParamSpec& ps = specs[b].params[p];
       float* dst = w + s.layout.offsets[p];
       int64_t cnt = s.layout.numels[p];
-      num_params += cnt;
-      if (!s.frozen) num_trained += cnt;
       const int64_t lo = std::max<int64_t>(0, keep_lo - s.layout.offsets[p]);
       const int64_t hi = std::min<int64_t>(cnt, keep_hi - s.layout.offsets[p]);
       if (hi > lo && model->initial_values(static_cast<int>(b), static_cast<int>(p), lo, hi - lo, dst + lo)) continue;
@@ -294,7 +303,10 @@ void Engine::Impl::allocate_and_init() {
 }
 
 BlockParams Engine::Impl::acquire_params(int block) {
-  state(block);  // a block number outside the model is the model's error
+  if (state(block).absent)  // a block number outside the model is the model's error
+    throw Error("model '" + model->name() + "' asked for block " + std::to_string(block) + " '" +
+                model->blocks()[static_cast<size_t>(block)].name + "', which pipeline stage " + std::to_string(stage) +
+                " does not hold");
   BlockParams p = params->acquire(block);
   device->on_acquire(block, p);
   return p;
@@ -470,14 +482,8 @@ void Engine::Impl::step() {
   const double local = local_grads ? static_cast<double>(world) : 1.0;
   // Own-shard squares and the batch's losses and counts, summed over ranks
   // in one collective.
-  const BatchLoss& b = batch_loss;
-  double sums[7] = {0.0, b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count), b.target_loss};
-  if (local_grads)
-    sums[0] = rule->local_squares();
-  else if (!device->grad_squared_norm(sums[0]))
-    for (BlockShard& s : blocks)
-      if (!s.frozen) sums[0] += reducer->squared_norm(s);
-  if (reduce_stream) reduce_stream->submit([&sums](comm::Communicator& c) { c.all_reduce_f64(sums, 7); }).wait();
+  double sums[7];
+  reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
   const Normalised n = normalise(all, cfg.gradient_accumulation_steps, world, used_scale);
@@ -491,7 +497,7 @@ void Engine::Impl::step() {
                             : loss_scaling ? "fp16 gradients overflowed at loss scale " + num_text(used_scale)
                                            : "gradient norm is not finite";
     const std::string line = "step " + std::to_string(global_steps) + ": " + why + "; the update is skipped";
-    if (rank == 0) (!n.no_targets && loss_scaling) ? log_info(line) : log_warn(line);  // fp16's overflows are routine
+    if (world_rank == 0) (!n.no_targets && loss_scaling) ? log_info(line) : log_warn(line);  // fp16's overflows are routine
   } else {
     const float grad_scale =
         static_cast<float>(n.grad_scale * local * optim::clip_coefficient(grad_norm, cfg.gradient_clipping));
@@ -563,6 +569,24 @@ void Engine::Impl::visit_updating(const std::function<void(const StateSpan&)>& f
 std::vector<float> Engine::Impl::full_params(int block) {
   check_loaded("full_params");
   BlockShard& s = state(block);
+  if (pipelined()) {
+    // The stage that holds the block gathers it over its group, then sends
+    // it to the other stages of each replica.
+    const int owner = block_stage[static_cast<size_t>(block)];
+    std::vector<float> out;
+    if (owner == stage) {
+      out = full_params_here(block);
+    } else {
+      out.resize(static_cast<size_t>(s.part.padded_numel));
+    }
+    pipe_comm->broadcast(out.data(), static_cast<int64_t>(out.size()), DType::kF32, owner);
+    return out;
+  }
+  return full_params_here(block);
+}
+
+std::vector<float> Engine::Impl::full_params_here(int block) {
+  BlockShard& s = state(block);
   if (s.frozen) {
     // No master copy: the compute parameters, gathered as a pass would
     // (every rank takes part at stage 3).
@@ -618,14 +642,20 @@ Engine Engine::initialize(std::shared_ptr<Model> model, const nlohmann::json& co
   return initialize(std::move(model), Config::parse(config, world), std::move(comm));
 }
 
-float Engine::forward(const Batch& batch) { return impl_->forward(batch); }
+float Engine::forward(const Batch& batch) {
+  impl_->refuse_with_stages("forward");
+  return impl_->forward(batch);
+}
 void Engine::save_checkpoint(const std::string& dir, const std::string& tag, const nlohmann::json& client_state) {
   impl_->save_checkpoint(dir, tag, client_state);
 }
 nlohmann::json Engine::load_checkpoint(const std::string& dir, const std::string& tag) {
   return impl_->load_checkpoint(dir, tag);
 }
-void Engine::backward() { impl_->backward(); }
+void Engine::backward() {
+  impl_->refuse_with_stages("backward");
+  impl_->backward();
+}
 void Engine::step() { impl_->step(); }
 
 float Engine::train_batch(DataLoader& loader) {
@@ -633,6 +663,7 @@ float Engine::train_batch(DataLoader& loader) {
     throw Error("train_batch: the loader's micro-batch (" + std::to_string(loader.micro_batch()) +
                 ") differs from train_micro_batch_size_per_gpu (" +
                 std::to_string(impl_->cfg.train_micro_batch_size_per_gpu) + ")");
+  if (impl_->pipelined()) return impl_->train_pipeline(loader);
   for (int64_t i = 0; i < impl_->cfg.gradient_accumulation_steps; ++i) {
     Batch b = loader.next();
     forward(b);
@@ -643,6 +674,7 @@ float Engine::train_batch(DataLoader& loader) {
 }
 
 float Engine::evaluate(const Batch& batch) {
+  if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");
   const int64_t targets = impl_->check_batch(batch);
   impl_->device->make_current();
@@ -666,8 +698,12 @@ int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
 int64_t Engine::overflow_steps() const { return impl_->overflow_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
-int Engine::rank() const { return impl_->rank; }
-int Engine::world_size() const { return impl_->world; }
+int Engine::rank() const { return impl_->world_rank; }
+int Engine::world_size() const { return impl_->world_all; }
+int Engine::data_parallel_rank() const { return impl_->rank; }
+int Engine::data_parallel_size() const { return impl_->world; }
+int Engine::pipeline_stage() const { return impl_->stage; }
+int64_t Engine::pipeline_recomputed_forwards() const { return impl_->pipe_recomputed; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :

@@ -93,8 +93,18 @@ class Engine {
   // Mean loss over the micro-batches of the last completed global batch,
   // all ranks.
   double last_batch_loss() const;
+  // This rank and the number of ranks (every rank, with pipeline stages too).
   int rank() const;
   int world_size() const;
+  // The data-parallel group's: the ranks that hold the same pipeline stage
+  // (every rank without stages). A DataLoader takes these.
+  int data_parallel_rank() const;
+  int data_parallel_size() const;
+  // This rank's pipeline stage (0 without stages), and the forwards its
+  // 1F1B schedule has computed again before their backward (Note [pipeline
+  // parallelism] in engine/pipeline.cpp).
+  int pipeline_stage() const;
+  int64_t pipeline_recomputed_forwards() const;
   // Seconds the training thread spent blocked on communication (exposed,
   // not overlapped), and seconds the comm threads spent in collectives (the
   // reduction and the gather stream together).

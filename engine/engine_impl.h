@@ -114,6 +114,34 @@ struct Engine::Impl final : StepContext {
   bool boundary_backward = false;
   bool step_pending = false;  // a boundary backward ran; its step() has not
 
+  // ---- pipeline stages (Note [pipeline parallelism] in pipeline.cpp) -------------------
+  // world and rank above are the data-parallel group's (the ranks of this
+  // stage, which ZeRO partitions over); these are every rank's.
+  int world_all = 1, world_rank = 0;
+  int stages = 1, stage = 0;
+  std::shared_ptr<comm::Communicator> world_comm;  // every rank (pipelined runs; comm is the group)
+  std::unique_ptr<comm::Communicator> pipe_comm;   // this replica's stages, ranked by stage
+  std::vector<int> stage_bounds;                   // the first layer of each stage, then the layer count
+  std::vector<int> block_stage;                    // per block, the stage that holds it
+  PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
+  int64_t pipe_recomputed = 0;                     // forwards computed again before their backward
+  bool pipelined() const { return stages > 1; }
+  const PipelineStage& pipeline_stage() const override { return pass_stage; }
+  // Splits comm into the grid's groups and picks this stage's layers.
+  void setup_pipeline();
+  // One global batch through the 1F1B schedule; the engine's step at its end.
+  float train_pipeline(DataLoader& loader);
+  // One micro-batch's loss through every stage (evaluate).
+  float evaluate_pipeline(const Batch& batch);
+  // Forward and backward of this stage for micro-batch `micro` of the
+  // global batch (its index since the run began, for dropout).
+  float stage_forward(const Batch& batch, int64_t micro, const float* in, float* out);
+  void stage_backward(bool boundary, const float* dout, float* din);
+  // The batch's squared gradient norm and loss sums over every rank,
+  // summed block by block in block order (Note [the gradient norm over
+  // stages] in pipeline.cpp): sums[0] the squares, 1.. BatchLoss's.
+  void reduce_step_sums(double sums[7], bool local_grads);
+
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm);
   ~Impl() override;
   void make_streams();
@@ -223,6 +251,9 @@ struct Engine::Impl final : StepContext {
   void on_every_rank(const std::string& what, const std::function<void()>& fn);
   nlohmann::json load_checkpoint(const std::string& dir, std::string tag);
   std::vector<float> full_params(int block);
+  std::vector<float> full_params_here(int block);  // this stage's block, over the data-parallel group
+  // forward() and backward() of a pipelined run: refused (train_batch runs the schedule).
+  void refuse_with_stages(const char* what) const;
 };
 
 }  // namespace zinc

@@ -99,6 +99,35 @@ struct BlockGrads {
 
 class StepContext;
 
+// Pipeline stages (Note [pipeline parallelism] in engine/pipeline.cpp). A
+// model that splits into stages lists its layers in forward order, each
+// with the blocks it uses; the engine gives each stage a contiguous run of
+// them. `kind` names the layer for the "type:REGEX" partition
+// ("Embedding", "DecoderLayer", "Head").
+struct PipelineLayer {
+  std::string kind;
+  std::vector<int> blocks;
+  int64_t params = 0;  // its parameters (the "parameters" partition balances them)
+};
+
+// The run of layers a pass computes, and what crosses the stage's edges:
+// (B*T, Model::pipeline_width()) fp32 rows of the hidden state, and their
+// gradients in backward. The whole model (no pipeline): first 0, end -1,
+// no buffers.
+struct PipelineStage {
+  int first = 0;  // index into pipeline_layers()
+  int end = -1;   // one past the stage's last layer; -1: the model's end
+  // forward: the hidden state entering `first` (null where first is 0) and
+  // where the stage writes what leaves its last layer (null at the end).
+  const float* input = nullptr;
+  float* output = nullptr;
+  // backward: the gradient of `output` (null at the end) and where the
+  // stage writes the gradient of `input` (null where first is 0).
+  const float* output_grad = nullptr;
+  float* input_grad = nullptr;
+  bool whole() const { return first == 0 && end < 0; }
+};
+
 // A block's parameters held by the model: valid until release() or until the
 // handle goes out of scope (an exception included), whichever comes first.
 // Move-only; releasing twice is a no-op. A handle lives inside one forward or
@@ -155,6 +184,11 @@ class StepContext {
   // for the same micro-batch of a resumed run. The model keeps it for the
   // forward's backward (and its recomputed forward).
   virtual uint64_t dropout_seed() const { return 0; }
+  // The stage this pass computes (the whole model without a pipeline).
+  virtual const PipelineStage& pipeline_stage() const {
+    static const PipelineStage whole;
+    return whole;
+  }
 
  protected:
   friend class HeldParams;
@@ -196,6 +230,14 @@ class Model {
   // Accumulates into ctx.grads() and calls grads_ready(block) once per block,
   // last block first.
   virtual void backward(StepContext& ctx, float loss_scale) = 0;
+  // The model's layers for pipeline stages (PipelineLayer), in forward
+  // order; empty where the model does not split (the engine refuses
+  // pipeline.stages > 1 then, naming the model). A model that lists them
+  // computes, in forward and backward, only the layers of
+  // ctx.pipeline_stage(), and touches only their blocks.
+  virtual std::vector<PipelineLayer> pipeline_layers() const { return {}; }
+  // fp32 elements per token of the hidden state between two layers.
+  virtual int64_t pipeline_width() const { return 0; }
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }

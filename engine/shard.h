@@ -191,6 +191,10 @@ struct BlockShard {
   // BlockSpec::frozen: compute parameters only (no gradients, no optimizer
   // span: opt_numel is 0), whatever the stage.
   bool frozen = false;
+  // Another pipeline stage's block (Note [pipeline parallelism] in
+  // engine/pipeline.cpp): nothing of it here; it is also `frozen`, so that
+  // the reducer, the optimizer and checkpoints pass it by.
+  bool absent = false;
   AlignedBuffer compute;  // 1-D, part.padded_numel, compute dtype (empty: the master is it, or kSharded)
   // Stage 3: the rank's own shard of the compute parameters (1-D,
   // part.shard_numel, compute dtype), written by the optimizer: in the

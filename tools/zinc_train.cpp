@@ -346,8 +346,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   // Bytes the NVMe stores moved to set up (the initial states): not a step's.
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
+  // The replica's part of each global batch: every pipeline stage of a
+  // replica reads the same micro-batches.
   zinc::DataLoader loader(ex.data, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-                          world, rank, run.seed);
+                          engine.data_parallel_size(), engine.data_parallel_rank(), run.seed);
   if (rank != 0) json = false;
   const bool quiet = rank != 0;
   // The run loop (tools/run_loop.h): rank 0 prints its events as they come;

@@ -173,7 +173,7 @@ class Llama final : public Model {
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || B_ == 0) return {};
+    if (ops_->device() != Device::kCpu || B_ == 0 || !alloc_range_.head) return {};
     return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
   }
 
@@ -281,7 +281,8 @@ class Llama final : public Model {
     if (T > c_.max_position_embeddings)
       throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
                   std::to_string(c_.max_position_embeddings));
-    ensure_buffers(B, T);
+    const StageRange sr = stage_range(ctx.pipeline_stage());
+    ensure_buffers(B, T, sr);
     const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
     tokens_ = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
@@ -297,22 +298,28 @@ class Llama final : public Model {
       if ((len > orig) != (rope_len_ > orig)) build_rope_tables(T, len);
     }
 
-    {
+    if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
       ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
       if (embed_factor() != 1.0f) ops_->scale(x_in_[0].as<float>(), embed_factor(), N * C);
+    } else {  // a later pipeline stage: the previous stage's hidden state
+      ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
     }
     aux_layers_ = 0;
     aux_count_.assign(static_cast<size_t>(c_.num_experts), 0.0);
     aux_prob_.assign(static_cast<size_t>(c_.num_experts), 0.0);
-    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+    for (int64_t l = sr.lo; l < sr.hi; ++l) {
       float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
       HeldParams lp;
       if (lora()) lp = ctx.acquire(lora_block(l));
       layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
     }
-    acts_hold_ = c_.num_hidden_layers - 1;
+    acts_hold_ = sr.hi - 1;
+    if (!sr.head) {  // the next stage's input
+      ops_->copy_columns(ctx.pipeline_stage().output, C, hidden(sr.hi), C, N, C);
+      return 0.0f;
+    }
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
@@ -363,49 +370,21 @@ class Llama final : public Model {
     const int64_t B = B_, T = T_, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
     const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const DType dt = ctx.compute_dtype();
-    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
-    if (c_.final_logit_softcapping > 0)
-      ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
-                             N * V);
-    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * V);
-
-    const int fin = final_block();
+    const PipelineStage& st = ctx.pipeline_stage();
+    const StageRange sr = stage_range(st);
     HeldParams emb;
-    BlockGrads gemb = base_grads(ctx, 0);
-    HeldParams nf = ctx.acquire(fin);
-    BlockGrads gnf = base_grads(ctx, fin);
-    // Head: dlnf = dlogits W; dW += dlogits^T lnf (W = lm_head, or the tied embedding).
-    if (c_.tie_word_embeddings) {
-      emb = ctx.acquire(0);
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, V, dt);
-    } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
-      HeldParams head = ctx.acquire(head_block_);
-      BlockGrads ghead = ctx.grads(head_block_);
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, V, dt);
-      head.release();
-      ctx.grads_ready(head_block_);
-    } else {
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, V, dt);
-    }
+    const BlockGrads gemb = sr.embed ? base_grads(ctx, 0) : BlockGrads{};
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
-    ops_->zero(dx, N * C);
-    if (c_.layer_norm)
-      ops_->layernorm_backward(dx, norm_grad(gnf, 0), norm_grad(gnf, 1), dlnf_.as<float>(), x_final_.as<float>(),
-                               nf[0], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
-    else
-      ops_->rmsnorm_backward(dx, norm_grad(gnf, 0), dlnf_.as<float>(), x_final_.as<float>(), nf[0],
-                             lnf_rstd_.as<float>(), N, C, c_.norm_offset);
-    nf.release();
-    base_grads_ready(ctx, fin);
+    if (sr.head)
+      head_backward(ctx, loss_scale, emb, gemb);
+    else  // the next stage's gradient of this stage's output
+      ops_->copy_columns(dx, C, st.output_grad, C, N, C);
 
     float* dbig = dbig_.as<float>();      // (N, max(2I, 3A))
     float* dmid = dmid_.as<float>();      // (N, max(A, I))
     float* dsmall = dsmall_.as<float>();  // (N,C)
     float* dproj = proj_.as<float>();     // (N,Q)
-    for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) {
+    for (int64_t l = sr.hi - 1; l >= sr.lo; --l) {
       const LayerIdx& x = idx_[static_cast<size_t>(l)];
       LlamaLayerActs& a = acts(l);
       const float* x_in = x_in_[l].as<float>();
@@ -464,6 +443,10 @@ class Llama final : public Model {
         ctx.grads_ready(lora_block(l));
       }
     }
+    if (!sr.embed) {  // the previous stage's gradient of its output
+      ops_->copy_columns(st.input_grad, C, dx, C, N, C);
+      return;
+    }
     if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
       if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
       ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
@@ -472,7 +455,92 @@ class Llama final : public Model {
     base_grads_ready(ctx, 0);
   }
 
+  // The head's backward (the last pipeline stage's, or the whole model's):
+  // from the loss through the head and the final norm into dres_. A tied
+  // head holds the embedding (emb) and sums into its gradient (gemb).
+  void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
+    const int64_t B = B_, T = T_, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
+    const DType dt = ctx.compute_dtype();
+    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+    if (c_.final_logit_softcapping > 0)
+      ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
+                             N * V);
+    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * V);
+
+    const int fin = final_block();
+    HeldParams nf = ctx.acquire(fin);
+    BlockGrads gnf = base_grads(ctx, fin);
+    // Head: dlnf = dlogits W; dW += dlogits^T lnf (W = lm_head, or the tied embedding).
+    if (c_.tie_word_embeddings) {
+      emb = ctx.acquire(0);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
+                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, V, dt);
+    } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
+      HeldParams head = ctx.acquire(head_block_);
+      BlockGrads ghead = ctx.grads(head_block_);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
+                              lnf_in_, head[head_], N, C, V, dt);
+      head.release();
+      ctx.grads_ready(head_block_);
+    } else {
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, V, dt);
+    }
+    float* dx = dres_.as<float>();
+    ops_->zero(dx, N * C);
+    if (c_.layer_norm)
+      ops_->layernorm_backward(dx, norm_grad(gnf, 0), norm_grad(gnf, 1), dlnf_.as<float>(), x_final_.as<float>(),
+                               nf[0], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+    else
+      ops_->rmsnorm_backward(dx, norm_grad(gnf, 0), dlnf_.as<float>(), x_final_.as<float>(), nf[0],
+                             lnf_rstd_.as<float>(), N, C, c_.norm_offset);
+    nf.release();
+    base_grads_ready(ctx, fin);
+  }
+
+  // Pipeline layers: the embedding, each decoder layer with its adapters'
+  // block, the final norm with the head (and a tied head's embedding, which
+  // the engine keeps from being split from the embedding layer).
+  std::vector<PipelineLayer> pipeline_layers() const override {
+    // The load-balancing loss sums over every sparse layer into the loss.
+    if (c_.router_aux_loss_coef > 0 && c_.num_experts > 0) return {};
+    auto params = [&](const std::vector<int>& blocks) {
+      int64_t n = 0;
+      for (int b : blocks)
+        for (const ParamSpec& p : specs_[static_cast<size_t>(b)].params) n += p.shape.numel();
+      return n;
+    };
+    std::vector<PipelineLayer> out;
+    out.push_back({"Embedding", {0}});
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      PipelineLayer d{"DecoderLayer", {static_cast<int>(l + 1)}};
+      if (lora()) d.blocks.push_back(lora_block(l));
+      out.push_back(std::move(d));
+    }
+    PipelineLayer head{"Head", {final_block()}};
+    if (head_block_ != final_block()) head.blocks.push_back(head_block_);
+    if (c_.tie_word_embeddings) head.blocks.push_back(0);
+    out.push_back(std::move(head));
+    for (PipelineLayer& p : out) p.params = params(p.blocks);
+    return out;
+  }
+  int64_t pipeline_width() const override { return c_.hidden_size; }
+
  private:
+  // The decoder layers [lo, hi) a pass computes, and whether it starts at
+  // the embedding and ends with the head (PipelineStage: layer 0 is the
+  // embedding, 1..L the decoder layers, L + 1 the head).
+  struct StageRange {
+    int64_t lo = 0, hi = 0;
+    bool embed = true, head = true;
+    bool operator==(const StageRange&) const = default;
+  };
+  StageRange stage_range(const PipelineStage& st) const {
+    const int64_t L = c_.num_hidden_layers, first = st.first, end = st.end < 0 ? L + 2 : st.end;
+    return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
+  }
+  // The hidden state entering decoder layer l (x_final_ past the last).
+  float* hidden(int64_t l) { return l < c_.num_hidden_layers ? x_in_[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
   LlamaLayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
@@ -945,14 +1013,25 @@ class Llama final : public Model {
     ops_->copy_in(sin_out, sn.data(), T * h);
   }
 
-  void ensure_buffers(int64_t B, int64_t T) {
-    if (B == B_ && T == T_) return;
+  // A pipeline stage holds the activations of its own layers only.
+  void ensure_buffers(int64_t B, int64_t T, const StageRange& sr) {
+    if (B == B_ && T == T_ && sr == alloc_range_) return;
     if (T != T_) build_rope_tables(T, T);
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
     const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
-    for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
-    for (LlamaLayerActs& a : acts_) {
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      x_in_[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
+    for (size_t i = 0; i < acts_.size(); ++i) {
+      LlamaLayerActs& a = acts_[i];
+      const bool used = c_.gradient_checkpointing ? sr.hi > sr.lo
+                                                  : static_cast<int64_t>(i) >= sr.lo && static_cast<int64_t>(i) < sr.hi;
+      if (!used) {
+        void* ws = a.ws;
+        a = LlamaLayerActs{};
+        a.ws = ws;
+        continue;
+      }
       a.ln1 = ops_->alloc_f32(N * C);
       a.rstd1 = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * A);
@@ -1001,8 +1080,8 @@ class Llama final : public Model {
       moe_dact_ = ops_->alloc_f32(M * Ie);
       moe_dweight_ = ops_->alloc_f32(M);
     }
-    logits_ = ops_->alloc_f32(N * V);
-    dlogits_ = ops_->alloc_f32(N * V);
+    logits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
+    dlogits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
@@ -1021,7 +1100,9 @@ class Llama final : public Model {
     }
     B_ = B;
     T_ = T;
+    alloc_range_ = sr;
   }
+  StageRange alloc_range_;  // the layers ensure_buffers allocated for
 
   LlamaConfig c_;
   detail::Ops* ops_ = nullptr;

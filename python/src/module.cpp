@@ -211,8 +211,9 @@ class PyEngine {
       }
       engine_.emplace(zinc::Engine::initialize(ex_.model, ex_.config, world > 1 ? comm_ : nullptr));
       loader_ = std::make_unique<zinc::DataLoader>(ex_.data, ex_.config.train_micro_batch_size_per_gpu,
-                                                   ex_.config.gradient_accumulation_steps, world,
-                                                   comm_ ? comm_->rank() : 0, ex_.experiment.run.seed);
+                                                   ex_.config.gradient_accumulation_steps,
+                                                   engine_->data_parallel_size(), engine_->data_parallel_rank(),
+                                                   ex_.experiment.run.seed);
     }
     // The model's vocabulary and context, which batches are checked against:
     // the Hugging Face config's where there is one (a from_pretrained model

@@ -1,0 +1,381 @@
+// zinc engine: pipeline stages. The grid of ranks, the split of the model's
+// layers into stages, the 1F1B schedule of a global batch, and the step's
+// sums over every rank.
+//
+// Note [pipeline parallelism]
+// ---------------------------
+// With "pipeline": {"stages": P}, the W ranks form a grid of P stages by
+// D = W / P data-parallel replicas, numbered as DeepSpeed's
+// PipeDataParallelTopology numbers them: rank = stage * D + replica, so the
+// replicas of one stage are neighbours (on one machine where ranks are
+// placed in order) and only activations cross between stages. The engine's
+// communicator is split twice: the data-parallel group (the ranks of one
+// stage; ZeRO partitions over it, and the reducer and the parameter
+// gathers run over it as without stages) and the pipeline group (the
+// stages of one replica, ranked by stage; activations go point to point
+// over it).
+//
+// The model lists its layers (Model::pipeline_layers: the embedding, each
+// decoder layer, the head) and the blocks each uses. Stages take
+// contiguous runs of layers: balanced by parameters ("parameters", and
+// DeepSpeed's "best"), by count ("uniform"), or by the count of layers
+// whose kind matches a regular expression ("type:REGEX"); every stage gets
+// at least one layer. A stage keeps only its own blocks: the others are
+// BlockShard::absent (no parameters, gradients or optimizer state). A block
+// used by layers on two stages (a head tied to the embedding) is refused:
+// sharing it needs a reduction of its gradient between the stages, which
+// is not built.
+//
+// The schedule is 1F1B (PipeDream-Flush, as Megatron-LM and DeepSpeed run
+// it): stage s runs min(P - s - 1, M) forwards of the M micro-batches
+// first, then alternates one forward and one backward, then drains the
+// remaining backwards. The forward output goes to the next stage together
+// with the receipt of the gradient it sends back (Communicator::exchange),
+// so that two neighbours that send to each other never wait on each other.
+// A stage holds the inputs of at most P - s micro-batches. The model keeps
+// the activations of its last forward only, so a stage whose backward does
+// not follow that micro-batch's forward directly (every stage but the
+// last) computes the forward again first from the input it kept: more
+// compute (a forward per micro-batch on those stages), a stage's
+// activations for one micro-batch only. Backwards run in micro-batch order
+// 0..M-1 on every stage, so each block's gradient sums the micro-batches in
+// the order a run without stages sums them.
+//
+// Note [the gradient norm over stages]
+// ------------------------------------
+// The norm for clipping and the batch's loss sums are taken over every
+// rank: each rank's squares per block (its own shard's), summed over the
+// data-parallel group, then over the pipeline group, where only the stage
+// that holds a block has a non-zero entry, so that sum is exact. The
+// squares are then added in block order, as a one-rank run adds them. So a
+// run with P stages and one replica computes the weights of the one-rank
+// run bit for bit, and P stages by D replicas those of the D-rank run. The
+// loss sums come from the last stage only (the others count zero).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/engine_impl.h"
+#include "kernels/math.h"
+
+namespace zinc {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double pipe_seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Contiguous parts of `w` (non-negative weights), each non-empty, whose
+// largest sum is the smallest possible: the first index of each part, then
+// w.size(). Binary search on the bound over the sums' prefix; ties go to
+// earlier parts taking more.
+std::vector<int> balanced_parts(const std::vector<int64_t>& w, int parts) {
+  const int n = static_cast<int>(w.size());
+  auto split = [&](int64_t bound, std::vector<int>* out) {
+    // Greedy: each part takes one layer, then more while it stays within
+    // the bound and leaves one layer for each later part; the last takes
+    // the rest.
+    std::vector<int> b{0};
+    int i = 0;
+    for (int p = 0; p < parts; ++p) {
+      const int later = parts - p - 1;
+      if (i >= n - later) return false;
+      int64_t sum = w[static_cast<size_t>(i)];
+      int j = i + 1;
+      if (later == 0) {
+        for (; j < n; ++j) sum += w[static_cast<size_t>(j)];
+      } else {
+        for (; j < n - later && sum + w[static_cast<size_t>(j)] <= bound; ++j) sum += w[static_cast<size_t>(j)];
+      }
+      if (sum > bound) return false;
+      i = j;
+      b.push_back(i);
+    }
+    if (out) *out = b;
+    return true;
+  };
+  int64_t lo = 0, hi = 0;
+  for (int64_t x : w) {
+    lo = std::max(lo, x);
+    hi += x;
+  }
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (split(mid, nullptr)) hi = mid;
+    else lo = mid + 1;
+  }
+  std::vector<int> out;
+  ZINC_CHECK(split(lo, &out), "pipeline: no balanced split");
+  return out;
+}
+
+}  // namespace
+
+void Engine::Impl::setup_pipeline() {
+  stages = static_cast<int>(cfg.pipeline.stages);
+  const int replicas = world_all / stages;
+  stage = world_rank / replicas;
+  const int replica = world_rank % replicas;
+  const std::vector<PipelineLayer> layers = model->pipeline_layers();
+  if (layers.empty())
+    throw ConfigError("pipeline.stages", "model '" + model->name() + "' does not split into pipeline stages (" +
+                                             std::to_string(stages) + " asked for)");
+  const int n = static_cast<int>(layers.size());
+  if (n < stages)
+    throw ConfigError("pipeline.stages", std::to_string(stages) + " stages for the " + std::to_string(n) +
+                                             " layers of model '" + model->name() + "' (embedding, decoder layers, "
+                                             "head): each stage needs at least one");
+  std::vector<int64_t> weight;
+  for (const PipelineLayer& l : layers) {
+    switch (cfg.pipeline.partition) {
+      case PipePartition::kParameters: weight.push_back(l.params); break;
+      case PipePartition::kUniform: weight.push_back(1); break;
+      case PipePartition::kType:
+        weight.push_back(std::regex_search(l.kind, std::regex(cfg.pipeline.type_regex, std::regex::icase)) ? 1 : 0);
+        break;
+    }
+  }
+  if (cfg.pipeline.partition == PipePartition::kType) {
+    int64_t matched = 0;
+    for (int64_t x : weight) matched += x;
+    if (matched < stages)
+      throw ConfigError("pipeline.partition", "\"type:" + cfg.pipeline.type_regex + "\" matches " +
+                                                  std::to_string(matched) + " of model '" + model->name() +
+                                                  "''s layers (kinds Embedding, DecoderLayer, Head), fewer than the " +
+                                                  std::to_string(stages) + " stages");
+  }
+  stage_bounds = balanced_parts(weight, stages);
+  const std::vector<BlockSpec>& specs = model->blocks();
+  block_stage.assign(specs.size(), -1);
+  for (int s = 0; s < stages; ++s)
+    for (int l = stage_bounds[static_cast<size_t>(s)]; l < stage_bounds[static_cast<size_t>(s) + 1]; ++l)
+      for (int b : layers[static_cast<size_t>(l)].blocks) {
+        int& at = block_stage.at(static_cast<size_t>(b));
+        if (at != -1 && at != s)
+          throw ConfigError("pipeline.stages",
+                            "block '" + specs[static_cast<size_t>(b)].name + "' of model '" + model->name() +
+                                "' is used by layers on stages " + std::to_string(at) + " and " + std::to_string(s) +
+                                " (a head tied to the embedding: tie_word_embeddings); sharing a block between "
+                                "stages is not supported yet");
+        at = s;
+      }
+  for (size_t b = 0; b < specs.size(); ++b)
+    ZINC_CHECK(block_stage[b] >= 0, "model '" + model->name() + "': block '" + specs[b].name + "' is in no pipeline layer");
+  pass_stage = PipelineStage{stage_bounds[static_cast<size_t>(stage)],
+                             stage + 1 == stages ? -1 : stage_bounds[static_cast<size_t>(stage) + 1]};
+  // The two groups (collective over every rank, in this order on each).
+  world_comm = comm;
+  pipe_comm = world_comm->split(replica, stage);
+  comm = std::shared_ptr<comm::Communicator>(world_comm->split(stage, replica));
+  world = replicas;
+  rank = replica;
+  if (world_rank == 0) {
+    std::string line = "pipeline: " + std::to_string(stages) + " stages x " + std::to_string(replicas) +
+                       " data-parallel " + (replicas == 1 ? "replica" : "replicas") + ", 1F1B over " +
+                       std::to_string(cfg.gradient_accumulation_steps) + " micro-batches;";
+    for (int s = 0; s < stages; ++s) {
+      const int a = stage_bounds[static_cast<size_t>(s)], e = stage_bounds[static_cast<size_t>(s) + 1];
+      int64_t p = 0;
+      for (int l = a; l < e; ++l) p += layers[static_cast<size_t>(l)].params;
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " stage %d: layers %d-%d (%.2fM parameters)%s", s, a, e - 1,
+                    static_cast<double>(p) / 1e6, s + 1 < stages ? "," : "");
+      line += buf;
+    }
+    log_info(line);
+  }
+}
+
+void Engine::Impl::refuse_with_stages(const char* what) const {
+  if (!pipelined()) return;
+  throw Error(std::string("Engine::") + what + "(): this run has " + std::to_string(stages) +
+              " pipeline stages and each computes only its own layers; train with train_batch(loader), which runs "
+              "the global batch's micro-batches through every stage (as DeepSpeed's PipelineEngine.train_batch)");
+}
+
+float Engine::Impl::stage_forward(const Batch& batch, int64_t micro, const float* in, float* out) {
+  const auto t0 = Clock::now();
+  pass_stage.input = in;
+  pass_stage.output = out;
+  pass_stage.output_grad = nullptr;
+  pass_stage.input_grad = nullptr;
+  params->begin_pass(ParamCoordinator::Pass::kTrain);
+  // The dropout key of a one-stage run's same micro-batch: its index and the replica.
+  pass_dropout_seed = kernels::math::dropout_subkey(
+      kernels::math::dropout_subkey(cfg.seed, static_cast<uint64_t>(micro)), static_cast<uint64_t>(rank));
+  const float loss = model->forward(*this, batch);
+  check_released("forward");
+  timings.forward_s += pipe_seconds(t0);
+  return loss;
+}
+
+void Engine::Impl::stage_backward(bool boundary, const float* dout, float* din) {
+  const auto t0 = Clock::now();
+  pass_stage.input = nullptr;
+  pass_stage.output = nullptr;
+  pass_stage.output_grad = dout;
+  pass_stage.input_grad = din;
+  boundary_backward = boundary;
+  reducer->begin_backward(boundary);
+  model->backward(*this, static_cast<float>(loss_scale()));
+  check_released("backward");
+  device->end_backward();
+  params->end_pass();
+  device->on_release();
+  for (size_t b = 0; b < blocks.size(); ++b)
+    if (!blocks[b].frozen && !blocks[b].grads_reported)
+      throw Error("model '" + model->name() + "' did not call grads_ready for block " + std::to_string(b) +
+                  " during backward (pipeline stage " + std::to_string(stage) + ")");
+  reducer->end_backward();
+  micro_steps += 1;
+  timings.backward_s += pipe_seconds(t0);
+}
+
+float Engine::Impl::train_pipeline(DataLoader& loader) {
+  check_loaded("train_batch");
+  check_stepped("train_batch");
+  device->make_current();
+  const int64_t M = cfg.gradient_accumulation_steps;
+  const int P = stages, s = stage;
+  const bool first = s == 0, last = s == P - 1;
+  const int64_t W = model->pipeline_width();
+  const int64_t base = micro_steps;
+  // Every stage of a replica reads the same micro-batches (its loader is
+  // the replica's); only the first and last use their tokens and targets,
+  // but every stage counts their targets for the normaliser.
+  std::vector<Batch> batches(static_cast<size_t>(M));
+  std::vector<int64_t> targets(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    batches[static_cast<size_t>(m)] = loader.next();
+    targets[static_cast<size_t>(m)] = check_batch(batches[static_cast<size_t>(m)]);
+  }
+  auto width = [&](int64_t m) {
+    const Batch& b = batches[static_cast<size_t>(m)];
+    return b.B * b.T * W;
+  };
+  std::vector<std::vector<float>> inputs(static_cast<size_t>(M));  // a later stage's, per micro-batch in flight
+  std::vector<float> out, dout, din;
+  int64_t held = -1;  // the micro-batch whose activations the model holds
+  int64_t next_fwd = 0, next_bwd = 0;
+
+  auto forward_one = [&](int64_t m) {
+    if (!first && inputs[static_cast<size_t>(m)].empty())
+      throw Error("pipeline stage " + std::to_string(s) + ": micro-batch " + std::to_string(m) + " has no input");
+    out.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    const float loss = stage_forward(batches[static_cast<size_t>(m)], base + m,
+                                     first ? nullptr : inputs[static_cast<size_t>(m)].data(), last ? nullptr : out.data());
+    const Batch& b = batches[static_cast<size_t>(m)];
+    batch_loss.add(last ? loss : 0.0f, targets[static_cast<size_t>(m)], b.B * b.T);
+    held = m;
+  };
+  auto backward_one = [&](int64_t m) {
+    if (held != m) {  // Note [pipeline parallelism]: the forward again, from the kept input
+      std::vector<float> scratch(last ? 0 : static_cast<size_t>(width(m)));
+      stage_forward(batches[static_cast<size_t>(m)], base + m, first ? nullptr : inputs[static_cast<size_t>(m)].data(),
+                    last ? nullptr : scratch.data());
+      pipe_recomputed += 1;
+      held = m;
+    }
+    din.assign(first ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    stage_backward(m == M - 1, last ? nullptr : dout.data(), first ? nullptr : din.data());
+    inputs[static_cast<size_t>(m)] = {};
+    held = -1;  // backward may overwrite what forward kept
+  };
+  // The transfers, over the pipeline group (its ranks are the stages).
+  auto recv_input = [&](int64_t m) {
+    if (first) return;
+    inputs[static_cast<size_t>(m)].assign(static_cast<size_t>(width(m)), 0.0f);
+    pipe_comm->recv(inputs[static_cast<size_t>(m)].data(), width(m), DType::kF32, s - 1);
+  };
+
+  const int64_t warmup = std::min<int64_t>(P - s - 1, M), steady = M - warmup;
+  for (int64_t i = 0; i < warmup; ++i) {
+    recv_input(next_fwd);
+    forward_one(next_fwd++);
+    if (!last) pipe_comm->send(out.data(), static_cast<int64_t>(out.size()), DType::kF32, s + 1);
+  }
+  if (steady > 0) recv_input(next_fwd);
+  for (int64_t i = 0; i < steady; ++i) {
+    forward_one(next_fwd++);
+    // The output goes on while the gradient for the oldest micro-batch comes back.
+    dout.assign(last ? 0 : static_cast<size_t>(width(next_bwd)), 0.0f);
+    if (!last)
+      pipe_comm->exchange(out.data(), static_cast<int64_t>(out.size()), s + 1, dout.data(),
+                          static_cast<int64_t>(dout.size()), s + 1, DType::kF32);
+    const int64_t m = next_bwd++;
+    backward_one(m);
+    if (first) continue;
+    if (i + 1 == steady) {
+      pipe_comm->send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1);
+    } else {
+      inputs[static_cast<size_t>(next_fwd)].assign(static_cast<size_t>(width(next_fwd)), 0.0f);
+      pipe_comm->exchange(din.data(), static_cast<int64_t>(din.size()), s - 1,
+                          inputs[static_cast<size_t>(next_fwd)].data(), width(next_fwd), s - 1, DType::kF32);
+    }
+  }
+  while (next_bwd < M) {
+    const int64_t m = next_bwd++;
+    dout.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    if (!last) pipe_comm->recv(dout.data(), static_cast<int64_t>(dout.size()), DType::kF32, s + 1);
+    backward_one(m);
+    if (!first) pipe_comm->send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1);
+  }
+  step_pending = true;
+  step();
+  pass_stage.input = pass_stage.output = nullptr;
+  pass_stage.output_grad = nullptr;
+  pass_stage.input_grad = nullptr;
+  return static_cast<float>(last_loss);
+}
+
+float Engine::Impl::evaluate_pipeline(const Batch& batch) {
+  check_loaded("evaluate");
+  const int64_t targets = check_batch(batch);
+  device->make_current();
+  const bool first = stage == 0, last = stage == stages - 1;
+  const int64_t n = batch.B * batch.T * model->pipeline_width();
+  std::vector<float> in(first ? 0 : static_cast<size_t>(n)), out(last ? 0 : static_cast<size_t>(n));
+  if (!first) pipe_comm->recv(in.data(), n, DType::kF32, stage - 1);
+  pass_stage.input = first ? nullptr : in.data();
+  pass_stage.output = last ? nullptr : out.data();
+  params->begin_pass(ParamCoordinator::Pass::kEval);
+  pass_dropout_seed = 0;  // nothing dropped in an evaluation
+  float loss = model->forward(*this, batch);
+  check_released("evaluate");
+  params->end_pass();
+  device->on_release();
+  pass_stage.input = pass_stage.output = nullptr;
+  if (!last) pipe_comm->send(out.data(), n, DType::kF32, stage + 1);
+  pipe_comm->broadcast(&loss, 1, DType::kF32, stages - 1);  // the last stage's loss, to every stage
+  return targets > 0 ? loss : std::numeric_limits<float>::quiet_NaN();
+}
+
+void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
+  const BatchLoss& b = batch_loss;
+  const size_t nb = blocks.size();
+  std::vector<double> v(nb + 6, 0.0);
+  if (local_grads) {
+    v[0] = rule->local_squares();
+  } else if (!device->grad_squared_norm(v[0])) {
+    for (size_t i = 0; i < nb; ++i)
+      if (!blocks[i].frozen) v[i] = reducer->squared_norm(blocks[i]);
+  }
+  if (!pipelined() || stage == stages - 1) {  // the loss lives on the last stage
+    const double tail[6] = {b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count),
+                            b.target_loss};
+    std::copy(tail, tail + 6, v.begin() + static_cast<std::ptrdiff_t>(nb));
+  }
+  if (reduce_stream) reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_f64(v.data(), static_cast<int64_t>(v.size())); }).wait();
+  if (pipelined()) pipe_comm->all_reduce_f64(v.data(), static_cast<int64_t>(v.size()));
+  sums[0] = 0.0;
+  for (size_t i = 0; i < nb; ++i) sums[0] += v[i];  // block order, as one rank adds them
+  std::copy(v.begin() + static_cast<std::ptrdiff_t>(nb), v.end(), sums + 1);
+}
+
+}  // namespace zinc

@@ -1,0 +1,256 @@
+// Pipeline stages across ranks (run under mpirun -np 2 and -np 4 by CTest):
+// a run with P stages and D = world / P replicas must compute the weights
+// and losses of the run without stages on D ranks, bit for bit (Note
+// [pipeline parallelism] in engine/pipeline.cpp). Each rank runs that
+// reference itself over its stage's data-parallel group.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "data/data.h"
+#include "engine/engine.h"
+#include "models/models.h"
+#include "tests/comm/mpi_test_main.h"
+
+namespace zinc {
+
+std::shared_ptr<comm::Communicator> g_world;
+
+namespace {
+
+using json = nlohmann::json;
+
+struct Spec {
+  int stages = 2;
+  int zero = 0;
+  bool bf16 = false;
+  int64_t gas = 4;
+  int64_t micro = 2;
+  int steps = 4;
+  bool lora = false;
+  bool checkpointing = false;
+  bool tied = false;
+  std::string partition = "parameters";
+  std::string offload = "none";
+  int layers = 3;
+};
+
+std::shared_ptr<Model> llama(const Spec& s) {
+  models::LlamaConfig c;
+  c.vocab_size = 13;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = s.layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 16;
+  c.qkv_bias = true;
+  c.tie_word_embeddings = s.tied;
+  c.gradient_checkpointing = s.checkpointing;
+  if (s.lora) {
+    c.lora.r = 4;
+    c.lora.alpha = 8;
+    c.lora.targets = {"q_proj", "v_proj", "down_proj"};
+    c.lora.dropout = 0.25;  // the masks must follow the micro-batch, not the stage
+  }
+  return models::make_llama(c);
+}
+
+json config(const Spec& s, int replicas, bool pipelined) {
+  json c = {{"train_micro_batch_size_per_gpu", s.micro},
+            {"gradient_accumulation_steps", s.gas},
+            {"gradient_clipping", 0.5},  // small: the clip coefficient applies and must agree to the bit
+            {"bf16", {{"enabled", s.bf16}}},
+            {"zero_optimization", {{"stage", s.zero}}},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  c["train_batch_size"] = s.micro * s.gas * replicas;
+  if (pipelined) c["pipeline"] = {{"stages", s.stages}, {"partition", s.partition}};
+  if (s.offload != "none")
+    c["zero_optimization"]["offload_optimizer"] = {{"device", s.offload}, {"nvme_path", ::testing::TempDir()}};
+  return c;
+}
+
+struct Result {
+  std::vector<float> weights;
+  std::vector<double> losses;
+  double norm = 0;
+  double eval = 0;
+};
+
+// Trains s.steps global batches; every rank ends with every block's weights.
+Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool pipelined) {
+  const int ranks = comm ? comm->size() : 1;
+  const int replicas = pipelined ? ranks / s.stages : ranks;
+  Engine e = Engine::initialize(llama(s), config(s, replicas, pipelined), ranks > 1 ? comm : nullptr);
+  DataConfig dc;
+  dc.vocab_size = 13;
+  dc.seq_len = 9;
+  auto src = std::shared_ptr<const DataSource>(make_data_source(dc));
+  DataLoader loader(src, s.micro, s.gas, e.data_parallel_size(), e.data_parallel_rank(), 7);
+  Result r;
+  for (int i = 0; i < s.steps; ++i) r.losses.push_back(e.train_batch(loader));
+  r.norm = e.global_grad_norm();
+  r.eval = e.evaluate(loader.next());
+  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
+    std::vector<float> p = e.full_params(static_cast<int>(b));
+    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
+    r.weights.insert(r.weights.end(), p.begin(), p.begin() + l.numel);
+  }
+  return r;
+}
+
+// The stage's data-parallel group: the reference run's ranks.
+std::shared_ptr<comm::Communicator> replicas_of(int stages) {
+  const int d = g_world->size() / stages;
+  return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() / d, g_world->rank() % d));
+}
+
+void expect_same_run(const Spec& s, const std::string& what) {
+  if (g_world->size() % s.stages != 0) return;  // 4 stages at 2 ranks
+  const Result ref = train(s, replicas_of(s.stages), false);
+  const Result got = train(s, g_world, true);
+  EXPECT_EQ(got.losses, ref.losses) << what;
+  EXPECT_EQ(got.norm, ref.norm) << what;
+  EXPECT_EQ(got.eval, ref.eval) << what;
+  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
+  size_t differ = 0;
+  for (size_t i = 0; i < ref.weights.size(); ++i) differ += got.weights[i] != ref.weights[i];
+  EXPECT_EQ(differ, 0u) << what << ": weights that differ from the run without stages";
+}
+
+TEST(Pipeline, StagesTrainTheRunWithoutStagesBitForBit) {
+  for (int stages : {2, 4})
+    for (bool bf16 : {false, true}) {
+      Spec s;
+      s.stages = stages;
+      s.bf16 = bf16;
+      expect_same_run(s, std::to_string(stages) + " stages, " + (bf16 ? "bf16" : "fp32"));
+    }
+}
+
+TEST(Pipeline, FewerMicroBatchesThanStagesAndOneMicroBatch) {
+  for (int64_t gas : {1, 3}) {
+    Spec s;
+    s.stages = g_world->size();
+    s.gas = gas;
+    expect_same_run(s, "gas " + std::to_string(gas));
+  }
+}
+
+TEST(Pipeline, ZeroOneAndOffloadedOptimizerStates) {
+  Spec s;
+  s.zero = 1;
+  expect_same_run(s, "ZeRO-1");
+  s.offload = "cpu";
+  expect_same_run(s, "ZeRO-1, optimizer states in pinned RAM");
+}
+
+TEST(Pipeline, LoraWithDropoutAndGradientCheckpointing) {
+  Spec s;
+  s.lora = true;
+  expect_same_run(s, "LoRA with dropout");
+  s.lora = false;
+  s.checkpointing = true;
+  expect_same_run(s, "gradient checkpointing");
+}
+
+TEST(Pipeline, EveryPartitionMethodTrainsTheSameWeights) {
+  for (const char* p : {"uniform", "type:decoderlayer", "best"}) {
+    Spec s;
+    s.stages = 2;
+    s.layers = 4;
+    s.partition = p;
+    expect_same_run(s, p);
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Pipeline, RefusesWhatItCannotRunWithOneLine) {
+  Spec s;
+  s.stages = 2;
+  if (g_world->size() % 2 != 0) GTEST_SKIP();
+  const int d = g_world->size() / 2;
+  s.tied = true;  // the head's weight is the embedding's, on another stage
+  EXPECT_NE(error_of([&] { Engine::initialize(llama(s), config(s, d, true), g_world); }).find("tie_word_embeddings"),
+            std::string::npos);
+  s.tied = false;
+  s.zero = 2;
+  EXPECT_NE(error_of([&] { Engine::initialize(llama(s), config(s, d, true), g_world); })
+                .find("zero_optimization.stage"),
+            std::string::npos);
+  s.zero = 0;
+  models::GptConfig g;
+  g.vocab_size = 13;
+  g.block_size = 16;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 12;
+  EXPECT_NE(error_of([&] { Engine::initialize(models::make_gpt(g), config(s, d, true), g_world); })
+                .find("does not split into pipeline stages"),
+            std::string::npos);
+  s.layers = 1;  // 3 layers (embedding, one decoder layer, head) for 4 stages
+  if (g_world->size() == 4) {
+    s.stages = 4;
+    EXPECT_NE(error_of([&] { Engine::initialize(llama(s), config(s, 1, true), g_world); }).find("at least one"),
+              std::string::npos);
+  }
+  s.stages = 2;
+  s.layers = 3;
+  s.partition = "type:nothing";
+  EXPECT_NE(error_of([&] { Engine::initialize(llama(s), config(s, d, true), g_world); }).find("pipeline.partition"),
+            std::string::npos);
+  s.partition = "parameters";
+  Engine e = Engine::initialize(llama(s), config(s, d, true), g_world);
+  Batch b;
+  b.B = 1;
+  b.T = 2;
+  b.inputs = {1, 2};
+  b.targets = {2, 3};
+  EXPECT_NE(error_of([&] { e.forward(b); }).find("train_batch"), std::string::npos);
+  EXPECT_NE(error_of([&] { e.backward(); }).find("train_batch"), std::string::npos);
+}
+
+TEST(PipelineConfig, StagesMustDivideTheWorldAndTheBatchFitsTheReplicas) {
+  json c = {{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 4}, {"pipeline", {{"stages", 3}}}};
+  EXPECT_NE(error_of([&] { Config::parse(c, 4); }).find("pipeline.stages"), std::string::npos);
+  c["pipeline"]["stages"] = 2;
+  const Config p = Config::parse(c, 4);
+  EXPECT_EQ(p.data_parallel_size(), 2);
+  EXPECT_EQ(p.train_batch_size, 2 * 4 * 2);
+  c["pipeline"]["stages"] = "auto";
+  EXPECT_FALSE(Config::parse(c, 4).pipelined());
+  c["pipeline"] = {{"stages", 2}, {"partition", "layers"}};
+  EXPECT_NE(error_of([&] { Config::parse(c, 4); }).find("pipeline.partition"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace zinc
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string backend = "mpi";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--backend=", 0) == 0) backend = a.substr(10);
+  }
+  zinc::g_world = zinc::comm::make_communicator(backend);
+  const int rc = zinc::comm::testing::run_all_tests_on_every_rank(*zinc::g_world);
+  zinc::g_world.reset();
+  return rc;
+}
