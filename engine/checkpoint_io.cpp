@@ -21,30 +21,38 @@
 
 namespace zinc {
 
+// With pipeline stages the checkpoint protocol runs over every rank (each
+// stage writes its own blocks' spans): its collectives go over the world
+// communicator, which no stream drives, from the training thread.
 int Engine::Impl::failed_rank(bool failed) {
-  double v = failed ? rank + 1 : 0;
-  if (reduce_stream) reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
+  double v = failed ? world_rank + 1 : 0;
+  if (pipelined())
+    world_comm->all_reduce_max_f64(&v, 1);
+  else if (reduce_stream)
+    reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
   return static_cast<int>(v);
 }
 
 std::string Engine::Impl::agree_on_tag(const std::string& tag) {
-  if (world == 1) return tag;
+  if (world_all == 1) return tag;
   std::array<char, ckpt::kMaxTagBytes + 2> buf{};  // even: broadcast in 2-byte elements
-  if (rank == 0) std::memcpy(buf.data(), tag.data(), tag.size());
-  gather_stream->submit([&buf](comm::Communicator& c) {
+  if (world_rank == 0) std::memcpy(buf.data(), tag.data(), tag.size());
+  auto send = [&buf](comm::Communicator& c) {
     c.broadcast(buf.data(), static_cast<int64_t>(buf.size() / 2), DType::kBF16, 0);
-  }).wait();
+  };
+  if (pipelined()) send(*world_comm);
+  else gather_stream->submit(send).wait();
   const std::string root_tag(buf.data());
   const bool differs = root_tag != tag;
   const int bad = failed_rank(differs);
   const TagValidation tv = cfg.checkpoint.tag_validation;
   if (bad == 0 || tv == TagValidation::kIgnore) return root_tag;
   const std::string what =
-      differs ? "rank " + std::to_string(rank) + " passed checkpoint tag \"" + tag + "\" but rank 0 passed \"" +
+      differs ? "rank " + std::to_string(world_rank) + " passed checkpoint tag \"" + tag + "\" but rank 0 passed \"" +
                     root_tag + "\""
               : "rank " + std::to_string(bad - 1) + " passed another checkpoint tag than rank 0's \"" + root_tag + "\"";
   if (tv == TagValidation::kFail) throw Error(what + " (checkpoint.tag_validation is Fail; nothing was saved)");
-  if (differs || rank == 0) log_warn(what + "; saving under rank 0's tag (checkpoint.tag_validation: Warn)");
+  if (differs || world_rank == 0) log_warn(what + "; saving under rank 0's tag (checkpoint.tag_validation: Warn)");
   return root_tag;
 }
 
@@ -99,7 +107,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   auto agree = [&](const char* phase) {
     const int bad = failed_rank(!error.empty());
     if (bad == 0) return;
-    if (rank == 0) {
+    if (world_rank == 0) {
       std::error_code ec;
       fs::remove_all(partial, ec);  // no partial tag is left behind
     }
@@ -110,7 +118,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   // Rank 0 holds the folder's lock for the save (zinc-train holds it for
   // its whole run): another run's save could otherwise replace our tags.
   std::optional<ckpt::DirLock> lock;
-  if (rank == 0)
+  if (world_rank == 0)
     attempt([&] {
       lock.emplace(dir);
       fs::remove_all(partial);
@@ -120,7 +128,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   // Every rank: its spans of master, m, v, streamed span by span (from
   // NVMe through the swapper's buffers).
   char name[32];
-  std::snprintf(name, sizeof name, "rank%05d", rank);
+  std::snprintf(name, sizeof name, "rank%05d", world_rank);
   attempt([&] {
     std::vector<ckpt::RankWriter::Span> spans;
     for (size_t b = 0; b < blocks.size(); ++b)
@@ -136,7 +144,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
       w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count, stable);
     });
     nlohmann::json index = w.finish();
-    index["rank"] = rank;
+    index["rank"] = world_rank;
     // The update rule's own part (the 1-bit optimizers' error feedback:
     // this rank's own, Note [1-bit Adam] in update_onebit.cpp).
     if (const nlohmann::json own = rule->save(partial); own.is_object())
@@ -145,12 +153,12 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
     ckpt::fault_point("index");
   });
   agree("to write its shards");
-  if (rank == 0)
+  if (world_rank == 0)
     attempt([&] {
       // Each rank's index by its size and checksum: the metadata (sealed
       // with its own checksum) vouches for every file of the tag.
       nlohmann::json ranks = nlohmann::json::array();
-      for (int r = 0; r < world; ++r) {
+      for (int r = 0; r < world_all; ++r) {
         std::snprintf(name, sizeof name, "rank%05d.json", r);
         std::ifstream in(fs::path(partial) / name, std::ios::binary);
         const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -164,7 +172,8 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
           {"version", 2},
           {"zinc_version", ZINC_VERSION},
           {"tag", tag},
-          {"world_size", world},
+          {"world_size", world_all},
+          {"pipeline_stages", stages},
           {"zero_stage", cfg.zero.stage},
           {"compute_dtype", dtype_name(dtype)},
           {"model", model->name()},

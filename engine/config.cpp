@@ -461,9 +461,11 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
                "sequence parallelism splits each sample across ranks; zinc has none, set it to 1");
   int64_t dp = 0;
   if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.data_parallel_size()) {
-    throw ConfigError("data_parallel_size", std::to_string(dp) + " differs from this run's data-parallel size " +
-                                                std::to_string(c.data_parallel_size()) + " (the world size " +
-                                                std::to_string(c.world_size) + " / pipeline.stages)");
+    throw ConfigError("data_parallel_size",
+                      std::to_string(dp) + " differs from the " + std::to_string(c.data_parallel_size()) +
+                          (c.pipelined() ? " replicas of this run (the world size " + std::to_string(c.world_size) +
+                                               " / pipeline.stages " + std::to_string(c.pipeline.stages) + ")"
+                                         : " ranks of this run (zinc's data-parallel size is the world size)"));
   }
 }
 

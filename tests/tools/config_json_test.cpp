@@ -146,8 +146,10 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
           continue;
         }
       }
-      for (int world : {1, 2}) {
-        // configs/ name a global batch; 2 ranks split it.
+      // configs/ name a global batch; 2 ranks split it. A config with
+      // pipeline stages needs a rank per stage at least.
+      const int stages = doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1;
+      for (int world : {stages, 2 * stages}) {
         expect_round_trip(doc, world, e.path().string() + " at " + std::to_string(world) + " ranks");
       }
       ++n;
