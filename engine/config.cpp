@@ -534,8 +534,9 @@ void parse_pipeline(Reader& root, Config& c) {
       c.pipeline.stages = to_int(*v, r.last_path(), Range{1, 1 << 20});
     if (c.world_size % c.pipeline.stages != 0)
       throw ConfigError(r.last_path(), std::to_string(c.pipeline.stages) + " stages do not divide the " +
-                                           std::to_string(c.world_size) + " ranks of this run (each stage needs the "
-                                           "same number of data-parallel replicas)");
+                                           (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
+                                           " of this run (each stage needs the same number of data-parallel "
+                                           "replicas: run it on a multiple of " + std::to_string(c.pipeline.stages) + " ranks)");
   }
   if (const json* v = r.find("partition"); v && !v->is_null()) {
     if (!v->is_string()) type_error(r.last_path(), "a string", *v);

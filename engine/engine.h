@@ -42,6 +42,19 @@
 
 namespace zinc {
 
+// The split of `model` into config.pipeline.stages stages (Note [pipeline
+// parallelism] in engine/pipeline.cpp), as Engine::initialize makes it,
+// without ranks: zinc-train --check prints it. Throws ConfigError where
+// the model cannot be split so.
+struct PipelinePlan {
+  std::vector<PipelineLayer> layers;
+  std::vector<int> bounds;       // the first layer of each stage, then the layer count
+  std::vector<int> block_stage;  // per block, the stage that holds it
+  // Per stage at `world` ranks: "stage 0 (ranks 0-1): layers 0-2 (Embedding, 2 DecoderLayer), 0.37M parameters".
+  std::vector<std::string> describe(int world) const;
+};
+PipelinePlan plan_pipeline(const Model& model, const Config& config);
+
 class Engine {
  public:
   // Validates the config against the model and allocates all state.

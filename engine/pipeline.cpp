@@ -54,6 +54,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <regex>
@@ -117,19 +118,18 @@ std::vector<int> balanced_parts(const std::vector<int64_t>& w, int parts) {
 
 }  // namespace
 
-void Engine::Impl::setup_pipeline() {
-  stages = static_cast<int>(cfg.pipeline.stages);
-  const int replicas = world_all / stages;
-  stage = world_rank / replicas;
-  const int replica = world_rank % replicas;
-  const std::vector<PipelineLayer> layers = model->pipeline_layers();
+PipelinePlan plan_pipeline(const Model& model, const Config& cfg) {
+  PipelinePlan plan;
+  const int stages = static_cast<int>(cfg.pipeline.stages);
+  plan.layers = model.pipeline_layers();
+  const std::vector<PipelineLayer>& layers = plan.layers;
   if (layers.empty())
-    throw ConfigError("pipeline.stages", "model '" + model->name() + "' does not split into pipeline stages (" +
+    throw ConfigError("pipeline.stages", "model '" + model.name() + "' does not split into pipeline stages (" +
                                              std::to_string(stages) + " asked for)");
   const int n = static_cast<int>(layers.size());
   if (n < stages)
     throw ConfigError("pipeline.stages", std::to_string(stages) + " stages for the " + std::to_string(n) +
-                                             " layers of model '" + model->name() + "' (embedding, decoder layers, "
+                                             " layers of model '" + model.name() + "' (embedding, decoder layers, "
                                              "head): each stage needs at least one");
   std::vector<int64_t> weight;
   for (const PipelineLayer& l : layers) {
@@ -146,27 +146,67 @@ void Engine::Impl::setup_pipeline() {
     for (int64_t x : weight) matched += x;
     if (matched < stages)
       throw ConfigError("pipeline.partition", "\"type:" + cfg.pipeline.type_regex + "\" matches " +
-                                                  std::to_string(matched) + " of model '" + model->name() +
+                                                  std::to_string(matched) + " of model '" + model.name() +
                                                   "''s layers (kinds Embedding, DecoderLayer, Head), fewer than the " +
                                                   std::to_string(stages) + " stages");
   }
-  stage_bounds = balanced_parts(weight, stages);
-  const std::vector<BlockSpec>& specs = model->blocks();
-  block_stage.assign(specs.size(), -1);
+  plan.bounds = balanced_parts(weight, stages);
+  const std::vector<BlockSpec>& specs = model.blocks();
+  plan.block_stage.assign(specs.size(), -1);
   for (int s = 0; s < stages; ++s)
-    for (int l = stage_bounds[static_cast<size_t>(s)]; l < stage_bounds[static_cast<size_t>(s) + 1]; ++l)
+    for (int l = plan.bounds[static_cast<size_t>(s)]; l < plan.bounds[static_cast<size_t>(s) + 1]; ++l)
       for (int b : layers[static_cast<size_t>(l)].blocks) {
-        int& at = block_stage.at(static_cast<size_t>(b));
+        int& at = plan.block_stage.at(static_cast<size_t>(b));
         if (at != -1 && at != s)
           throw ConfigError("pipeline.stages",
-                            "block '" + specs[static_cast<size_t>(b)].name + "' of model '" + model->name() +
+                            "block '" + specs[static_cast<size_t>(b)].name + "' of model '" + model.name() +
                                 "' is used by layers on stages " + std::to_string(at) + " and " + std::to_string(s) +
                                 " (a head tied to the embedding: tie_word_embeddings); sharing a block between "
                                 "stages is not supported yet");
         at = s;
       }
   for (size_t b = 0; b < specs.size(); ++b)
-    ZINC_CHECK(block_stage[b] >= 0, "model '" + model->name() + "': block '" + specs[b].name + "' is in no pipeline layer");
+    ZINC_CHECK(plan.block_stage[b] >= 0, "model '" + model.name() + "': block '" + specs[b].name + "' is in no pipeline layer");
+  return plan;
+}
+
+std::vector<std::string> PipelinePlan::describe(int world) const {
+  std::vector<std::string> out;
+  const int stages = static_cast<int>(bounds.size()) - 1;
+  const int replicas = world / stages;
+  for (int s = 0; s < stages; ++s) {
+    const int a = bounds[static_cast<size_t>(s)], e = bounds[static_cast<size_t>(s) + 1];
+    int64_t p = 0;
+    std::string kinds;  // in order, runs of one kind counted: "Embedding, 2 DecoderLayer"
+    for (int l = a; l < e;) {
+      int run = l;
+      while (run < e && layers[static_cast<size_t>(run)].kind == layers[static_cast<size_t>(l)].kind) {
+        p += layers[static_cast<size_t>(run)].params;
+        ++run;
+      }
+      kinds += (kinds.empty() ? "" : ", ") + (run - l > 1 ? std::to_string(run - l) + " " : std::string()) +
+               layers[static_cast<size_t>(l)].kind;
+      l = run;
+    }
+    const std::string ranks = replicas == 1 ? "rank " + std::to_string(s)
+                                            : "ranks " + std::to_string(s * replicas) + "-" +
+                                                  std::to_string((s + 1) * replicas - 1);
+    char buf[192];
+    std::snprintf(buf, sizeof buf, "stage %d (%s): layers %d-%d (%s), %.2fM parameters", s, ranks.c_str(), a, e - 1,
+                  kinds.c_str(), static_cast<double>(p) / 1e6);
+    out.push_back(buf);
+  }
+  return out;
+}
+
+void Engine::Impl::setup_pipeline() {
+  stages = static_cast<int>(cfg.pipeline.stages);
+  const int replicas = world_all / stages;
+  stage = world_rank / replicas;
+  const int replica = world_rank % replicas;
+  const PipelinePlan plan = plan_pipeline(*model, cfg);
+  stage_bounds = plan.bounds;
+  block_stage = plan.block_stage;
   pass_stage = PipelineStage{stage_bounds[static_cast<size_t>(stage)],
                              stage + 1 == stages ? -1 : stage_bounds[static_cast<size_t>(stage) + 1]};
   // The two groups (collective over every rank, in this order on each).
@@ -178,16 +218,8 @@ void Engine::Impl::setup_pipeline() {
   if (world_rank == 0) {
     std::string line = "pipeline: " + std::to_string(stages) + " stages x " + std::to_string(replicas) +
                        " data-parallel " + (replicas == 1 ? "replica" : "replicas") + ", 1F1B over " +
-                       std::to_string(cfg.gradient_accumulation_steps) + " micro-batches;";
-    for (int s = 0; s < stages; ++s) {
-      const int a = stage_bounds[static_cast<size_t>(s)], e = stage_bounds[static_cast<size_t>(s) + 1];
-      int64_t p = 0;
-      for (int l = a; l < e; ++l) p += layers[static_cast<size_t>(l)].params;
-      char buf[96];
-      std::snprintf(buf, sizeof buf, " stage %d: layers %d-%d (%.2fM parameters)%s", s, a, e - 1,
-                    static_cast<double>(p) / 1e6, s + 1 < stages ? "," : "");
-      line += buf;
-    }
+                       std::to_string(cfg.gradient_accumulation_steps) + " micro-batches";
+    for (const std::string& d : plan.describe(world_all)) line += "; " + d;
     log_info(line);
   }
 }

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 
 // Note [--check]
 // --------------
@@ -229,6 +230,7 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     }
     const Experiment ex = build_experiment(doc, world);
     check_startable(ex);
+    if (ex.config.pipelined()) rep.pipeline = plan_pipeline(*ex.model, ex.config).describe(world);
     rep.resolved = resolved_document(ex.config, ex.experiment);
     rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
     rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
@@ -259,7 +261,7 @@ json CheckReport::to_json() const {
   return {{"event", "check"},        {"ok", ok},
           {"world_size", world_size}, {"config", resolved},
           {"keys", entries_json(entries)}, {"unused", entries_json(unused)},
-          {"warnings", warnings},    {"refusals", refusals}};
+          {"warnings", warnings},    {"refusals", refusals}, {"pipeline", pipeline}};
 }
 
 }  // namespace zinc::tools

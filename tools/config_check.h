@@ -50,6 +50,7 @@ struct CheckReport {
   std::vector<ConfigEntry> unused;    // given, not used (see unused_keys)
   std::vector<std::string> warnings;  // as logged, without the "config: " prefix
   std::vector<std::string> refusals;  // the error line(s) that stop the run
+  std::vector<std::string> pipeline;  // with pipeline stages: which ranks hold which layers (PipelinePlan::describe)
   nlohmann::json to_json() const;     // one object: {"event": "check", ...}
 };
 

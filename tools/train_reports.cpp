@@ -183,6 +183,10 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
         std::printf("  %s = %s [%s]\n", e.path.c_str(), e.value.dump().c_str(), e.source.c_str());
     }
   }
+  if (!rep.pipeline.empty()) {
+    std::printf("pipeline stages (1F1B; docs/pipeline.md):\n");
+    for (const std::string& line : rep.pipeline) std::printf("  %s\n", line.c_str());
+  }
   std::printf("warnings: %zu\n", rep.warnings.size());
   for (const std::string& w : rep.warnings) std::printf("  %s\n", w.c_str());
   if (!rep.ok) {

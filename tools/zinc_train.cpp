@@ -269,11 +269,23 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
                   : "",
               ex.data->describe().c_str(),
               ex.experiment.data_given ? "" : " (the default: the config has no data section)");
-  std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
-              static_cast<long long>(cfg.train_batch_size), static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
-              static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),
-              cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
-              static_cast<long long>(ex.experiment.run.steps));
+  if (cfg.pipelined())
+    std::printf("batch %lld = micro %lld x accumulation %lld x replicas %d | %lld pipeline stages x %d %s = %d "
+                "ranks (%s) | ZeRO stage %d%s | %lld steps",
+                static_cast<long long>(cfg.train_batch_size),
+                static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+                static_cast<long long>(cfg.gradient_accumulation_steps), cfg.data_parallel_size(),
+                static_cast<long long>(cfg.pipeline.stages), cfg.data_parallel_size(),
+                cfg.data_parallel_size() == 1 ? "replica" : "replicas", comm.size(),
+                comm.backend().c_str(), cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
+                static_cast<long long>(ex.experiment.run.steps));
+  else
+    std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
+                static_cast<long long>(cfg.train_batch_size),
+                static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
+                static_cast<long long>(cfg.gradient_accumulation_steps), comm.size(), comm.backend().c_str(),
+                cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
+                static_cast<long long>(ex.experiment.run.steps));
   if (cfg.optimizer.type == zinc::OptimizerType::kZeroOneAdam)
     std::printf(" | ZeroOneAdam: the variance updated at growing intervals (1 bit between them) until step %lld, "
                 "then local steps synchronised at 1 bit over %s",
