@@ -568,8 +568,8 @@ void parse_pipeline(Reader& root, Config& c) {
   r.get_bool("grad_partitioned", b);
   int64_t interval = 0;
   if (r.get_int("activation_checkpoint_interval", interval, at_least(0)) && interval > 0)
-    r.warn_ignored(r.last_path(), "a stage keeps only each in-flight micro-batch's input and computes its forward "
-                                  "again before that micro-batch's backward");
+    r.warn_ignored(r.last_path(), "each stage keeps its in-flight micro-batches' activations; the model's "
+                                  "gradient_checkpointing recomputes a stage's layers instead");
   r.finish();
 }
 

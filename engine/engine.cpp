@@ -704,6 +704,7 @@ int Engine::data_parallel_rank() const { return impl_->rank; }
 int Engine::data_parallel_size() const { return impl_->world; }
 int Engine::pipeline_stage() const { return impl_->stage; }
 int64_t Engine::pipeline_recomputed_forwards() const { return impl_->pipe_recomputed; }
+double Engine::pipeline_wait_seconds() const { return impl_->pipe_wait_s; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :

@@ -118,6 +118,9 @@ class Engine {
   // parallelism] in engine/pipeline.cpp).
   int pipeline_stage() const;
   int64_t pipeline_recomputed_forwards() const;
+  // Seconds this stage spent in its transfers to and from the neighbouring
+  // stages (the schedule's bubble, and the wire); not in comm_wait_seconds.
+  double pipeline_wait_seconds() const;
   // Seconds the training thread spent blocked on communication (exposed,
   // not overlapped), and seconds the comm threads spent in collectives (the
   // reduction and the gather stream together).

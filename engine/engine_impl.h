@@ -125,6 +125,7 @@ struct Engine::Impl final : StepContext {
   std::vector<int> block_stage;                    // per block, the stage that holds it
   PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
   int64_t pipe_recomputed = 0;                     // forwards computed again before their backward
+  double pipe_wait_s = 0;                          // in point-to-point transfers: the bubble and the wire
   bool pipelined() const { return stages > 1; }
   const PipelineStage& pipeline_stage() const override { return pass_stage; }
   // Splits comm into the grid's groups and picks this stage's layers.

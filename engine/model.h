@@ -238,6 +238,12 @@ class Model {
   virtual std::vector<PipelineLayer> pipeline_layers() const { return {}; }
   // fp32 elements per token of the hidden state between two layers.
   virtual int64_t pipeline_width() const { return 0; }
+  // Pipeline stages keep several micro-batches in flight: the forwards and
+  // backwards that follow use activation set `slot` (0 until asked; a set
+  // is made when first selected). A model that keeps one set returns false,
+  // and the engine computes a micro-batch's forward again before its
+  // backward instead.
+  virtual bool select_activations(int slot) { return slot == 0; }
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }

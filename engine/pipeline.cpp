@@ -32,14 +32,15 @@
 // remaining backwards. The forward output goes to the next stage together
 // with the receipt of the gradient it sends back (Communicator::exchange),
 // so that two neighbours that send to each other never wait on each other.
-// A stage holds the inputs of at most P - s micro-batches. The model keeps
-// the activations of its last forward only, so a stage whose backward does
-// not follow that micro-batch's forward directly (every stage but the
-// last) computes the forward again first from the input it kept: more
-// compute (a forward per micro-batch on those stages), a stage's
-// activations for one micro-batch only. Backwards run in micro-batch order
-// 0..M-1 on every stage, so each block's gradient sums the micro-batches in
-// the order a run without stages sums them.
+// Stage s has at most K = P - s micro-batches in flight (the last stage
+// one: its backward follows its forward). The model keeps one activation
+// set per micro-batch in flight (Model::select_activations: micro-batch m
+// in set m % K), so no forward runs twice; a model that keeps one set only
+// gets the forward computed again before each backward, from the input the
+// stage kept (a forward more per micro-batch on every stage but the last).
+// Backwards run in micro-batch order 0..M-1 on every stage, so each block's
+// gradient sums the micro-batches in the order a run without stages sums
+// them.
 //
 // Note [the gradient norm over stages]
 // ------------------------------------
@@ -293,44 +294,63 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   };
   std::vector<std::vector<float>> inputs(static_cast<size_t>(M));  // a later stage's, per micro-batch in flight
   std::vector<float> out, dout, din;
-  int64_t held = -1;  // the micro-batch whose activations the model holds
+  // The model's activation sets (Model::select_activations): one per
+  // micro-batch in flight, P - s of them (the last stage's backward follows
+  // its forward), micro-batch m in set m % K. A model with one set: the
+  // forward again before each backward.
+  int64_t K = last ? 1 : std::min<int64_t>(P - s, M);
+  if (K > 1 && !model->select_activations(static_cast<int>(K - 1))) K = 1;
+  std::vector<int64_t> holds(static_cast<size_t>(K), -1);  // the micro-batch whose forward each set holds
+  auto select = [&](int64_t m) {
+    const int k = static_cast<int>(m % K);
+    ZINC_CHECK(model->select_activations(k), "model '" + model->name() + "' refused activation set " + std::to_string(k));
+    return static_cast<size_t>(k);
+  };
   int64_t next_fwd = 0, next_bwd = 0;
 
   auto forward_one = [&](int64_t m) {
     if (!first && inputs[static_cast<size_t>(m)].empty())
       throw Error("pipeline stage " + std::to_string(s) + ": micro-batch " + std::to_string(m) + " has no input");
+    const size_t k = select(m);
+    holds[k] = m;
     out.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
     const float loss = stage_forward(batches[static_cast<size_t>(m)], base + m,
                                      first ? nullptr : inputs[static_cast<size_t>(m)].data(), last ? nullptr : out.data());
     const Batch& b = batches[static_cast<size_t>(m)];
     batch_loss.add(last ? loss : 0.0f, targets[static_cast<size_t>(m)], b.B * b.T);
-    held = m;
   };
   auto backward_one = [&](int64_t m) {
-    if (held != m) {  // Note [pipeline parallelism]: the forward again, from the kept input
+    const size_t k = select(m);
+    if (holds[k] != m) {  // Note [pipeline parallelism]: the forward again, from the kept input
       std::vector<float> scratch(last ? 0 : static_cast<size_t>(width(m)));
       stage_forward(batches[static_cast<size_t>(m)], base + m, first ? nullptr : inputs[static_cast<size_t>(m)].data(),
                     last ? nullptr : scratch.data());
       pipe_recomputed += 1;
-      held = m;
     }
     din.assign(first ? 0 : static_cast<size_t>(width(m)), 0.0f);
     stage_backward(m == M - 1, last ? nullptr : dout.data(), first ? nullptr : din.data());
     inputs[static_cast<size_t>(m)] = {};
-    held = -1;  // backward may overwrite what forward kept
+    holds[k] = -1;  // backward may overwrite what forward kept
   };
-  // The transfers, over the pipeline group (its ranks are the stages).
+  // The transfers, over the pipeline group (its ranks are the stages);
+  // the time in them is the stage's wait for its neighbours.
+  comm::Communicator& pc = *pipe_comm;
+  auto timed = [&](auto&& fn) {
+    const auto t0 = Clock::now();
+    fn();
+    pipe_wait_s += pipe_seconds(t0);
+  };
   auto recv_input = [&](int64_t m) {
     if (first) return;
     inputs[static_cast<size_t>(m)].assign(static_cast<size_t>(width(m)), 0.0f);
-    pipe_comm->recv(inputs[static_cast<size_t>(m)].data(), width(m), DType::kF32, s - 1);
+    timed([&] { pc.recv(inputs[static_cast<size_t>(m)].data(), width(m), DType::kF32, s - 1); });
   };
 
   const int64_t warmup = std::min<int64_t>(P - s - 1, M), steady = M - warmup;
   for (int64_t i = 0; i < warmup; ++i) {
     recv_input(next_fwd);
     forward_one(next_fwd++);
-    if (!last) pipe_comm->send(out.data(), static_cast<int64_t>(out.size()), DType::kF32, s + 1);
+    if (!last) timed([&] { pc.send(out.data(), static_cast<int64_t>(out.size()), DType::kF32, s + 1); });
   }
   if (steady > 0) recv_input(next_fwd);
   for (int64_t i = 0; i < steady; ++i) {
@@ -338,26 +358,31 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     // The output goes on while the gradient for the oldest micro-batch comes back.
     dout.assign(last ? 0 : static_cast<size_t>(width(next_bwd)), 0.0f);
     if (!last)
-      pipe_comm->exchange(out.data(), static_cast<int64_t>(out.size()), s + 1, dout.data(),
-                          static_cast<int64_t>(dout.size()), s + 1, DType::kF32);
+      timed([&] {
+        pc.exchange(out.data(), static_cast<int64_t>(out.size()), s + 1, dout.data(),
+                    static_cast<int64_t>(dout.size()), s + 1, DType::kF32);
+      });
     const int64_t m = next_bwd++;
     backward_one(m);
     if (first) continue;
     if (i + 1 == steady) {
-      pipe_comm->send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1);
+      timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
     } else {
       inputs[static_cast<size_t>(next_fwd)].assign(static_cast<size_t>(width(next_fwd)), 0.0f);
-      pipe_comm->exchange(din.data(), static_cast<int64_t>(din.size()), s - 1,
-                          inputs[static_cast<size_t>(next_fwd)].data(), width(next_fwd), s - 1, DType::kF32);
+      timed([&] {
+        pc.exchange(din.data(), static_cast<int64_t>(din.size()), s - 1, inputs[static_cast<size_t>(next_fwd)].data(),
+                    width(next_fwd), s - 1, DType::kF32);
+      });
     }
   }
   while (next_bwd < M) {
     const int64_t m = next_bwd++;
     dout.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
-    if (!last) pipe_comm->recv(dout.data(), static_cast<int64_t>(dout.size()), DType::kF32, s + 1);
+    if (!last) timed([&] { pc.recv(dout.data(), static_cast<int64_t>(dout.size()), DType::kF32, s + 1); });
     backward_one(m);
-    if (!first) pipe_comm->send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1);
+    if (!first) timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
   }
+  model->select_activations(0);
   step_pending = true;
   step();
   pass_stage.input = pass_stage.output = nullptr;

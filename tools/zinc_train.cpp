@@ -398,6 +398,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   if (!json && !quiet) print_header(ex, engine, *comm, config_path);
 
   const double cpu0 = thread_cpu_seconds();
+  const double pipe_wait0 = engine.pipeline_wait_seconds();
+  const double pipe_bubble =
+      cfg.pipelined() ? static_cast<double>(cfg.pipeline.stages - 1) /
+                            static_cast<double>(cfg.pipeline.stages - 1 + cfg.gradient_accumulation_steps)
+                      : 0.0;
   g_training = true;
   while (loop.step()) {
     if (loop.stopped_by() != 0 && rank == 0)
@@ -425,7 +430,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // over the wall time). A backend that polls moves its waiting from [0]
   // into [1]; docs/zero.md, "How ranks talk".
   double shares[2] = {engine.comm_wait_seconds() / elapsed, 1.0 - (thread_cpu_seconds() - cpu0) / elapsed};
+  // Pipeline stages: each rank's share of the time in transfers to and from
+  // its neighbouring stages (the 1F1B bubble and the wire).
+  std::vector<double> pipe_wait(static_cast<size_t>(world), 0.0);
+  pipe_wait[static_cast<size_t>(rank)] = (engine.pipeline_wait_seconds() - pipe_wait0) / elapsed;
   if (world > 1) {
+    comm->all_reduce_f64(pipe_wait.data(), world);
     comm->all_reduce_f64(rss.data(), world);
     comm->all_reduce_max_f64(shares, 2);
   }
@@ -494,6 +504,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                       {"trace_length", zs.trace_length}, {"departures", zs.departures}};
     }
     if (cfg.device == zinc::Device::kCuda) sum["gpu_state_peak_bytes"] = engine.gpu_state_peak_bytes();
+    if (cfg.pipelined()) {
+      sum["pipeline"] = {{"stages", cfg.pipeline.stages},
+                         {"wait_share_per_rank", pipe_wait},
+                         {"bubble_formula", pipe_bubble},
+                         {"recomputed_forwards", engine.pipeline_recomputed_forwards()}};
+    }
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -521,6 +537,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       for (double r : rss) std::printf(" %.0f", r / (1 << 20));
       std::printf(" MiB | waiting for communication %.1f%% of the time, not running %.1f%%", 100 * wait_share,
                   100 * off_cpu_share);
+    }
+    if (cfg.pipelined()) {
+      std::printf(" | pipeline: waiting for the neighbouring stages");
+      for (double w : pipe_wait) std::printf(" %.1f%%", 100 * w);
+      std::printf(" of the time per rank (the 1F1B bubble (P-1)/(P-1+M) is %.1f%%)", 100 * pipe_bubble);
     }
     if (cfg.device == zinc::Device::kCuda)
       std::printf(" | GPU model state peak %.1f MiB (this rank)",

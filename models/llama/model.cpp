@@ -167,6 +167,27 @@ class Llama final : public Model {
   }
   ~Llama() override {
     for (LlamaLayerActs& a : acts_) ops_->attention_destroy(a.ws);
+    for (PassState& p : slots_)
+      for (LlamaLayerActs& a : p.acts) ops_->attention_destroy(a.ws);
+  }
+
+  // Pipeline stages: each slot holds one in-flight micro-batch's forward
+  // (its layers' activations, its tokens and positions, its dropout seed);
+  // the pass state lives in the members while its slot is selected.
+  bool select_activations(int slot) override {
+    if (slot == cur_slot_) return true;
+    if (slots_.empty()) slots_.resize(1);  // slot 0's place, empty while slot 0 is selected
+    while (static_cast<int>(slots_.size()) <= slot) {
+      PassState p;
+      p.acts.resize(acts_.size());
+      for (LlamaLayerActs& a : p.acts) a.ws = ops_->attention_create();
+      p.x_in.resize(x_in_.size());
+      slots_.push_back(std::move(p));
+    }
+    swap_pass(slots_[static_cast<size_t>(cur_slot_)]);  // the selected state into its slot
+    swap_pass(slots_[static_cast<size_t>(slot)]);       // and the asked one out
+    cur_slot_ = slot;
+    return true;
   }
 
   std::string name() const override { return "llama"; }
@@ -1103,6 +1124,37 @@ class Llama final : public Model {
     alloc_range_ = sr;
   }
   StageRange alloc_range_;  // the layers ensure_buffers allocated for
+
+  // What a forward leaves for its backward, per slot (select_activations).
+  struct PassState {
+    std::vector<Buf> x_in;
+    std::vector<LlamaLayerActs> acts;
+    int64_t acts_hold = -1;
+    std::vector<int32_t> tokens, positions;
+    const int32_t* tok = nullptr;
+    const int32_t* pos = nullptr;
+    Buf tokens_store, positions_store;
+    uint64_t lora_seed = 0;
+    int64_t B = 0, T = 0;
+    StageRange alloc;
+  };
+  void swap_pass(PassState& p) {
+    std::swap(x_in_, p.x_in);
+    std::swap(acts_, p.acts);
+    std::swap(acts_hold_, p.acts_hold);
+    std::swap(tokens_, p.tokens);
+    std::swap(positions_, p.positions);
+    std::swap(tok_, p.tok);
+    std::swap(pos_, p.pos);
+    std::swap(tokens_store_, p.tokens_store);
+    std::swap(positions_store_, p.positions_store);
+    std::swap(lora_seed_, p.lora_seed);
+    std::swap(B_, p.B);
+    std::swap(T_, p.T);
+    std::swap(alloc_range_, p.alloc);
+  }
+  std::vector<PassState> slots_;  // the slots not selected (the selected one's place is empty)
+  int cur_slot_ = 0;
 
   LlamaConfig c_;
   detail::Ops* ops_ = nullptr;

@@ -31,6 +31,7 @@ namespace {
 using json = nlohmann::json;
 
 struct Spec {
+  bool one_set = false;  // the model keeps one activation set: the engine computes forwards again
   int stages = 2;
   int zero = 0;
   bool bf16 = false;
@@ -43,6 +44,24 @@ struct Spec {
   std::string partition = "parameters";
   std::string offload = "none";
   int layers = 3;
+};
+
+// A model with one activation set (Model::select_activations refuses any
+// other), around the Llama: the engine's other way, the forward again
+// before each backward.
+class OneSet final : public Model {
+ public:
+  explicit OneSet(std::shared_ptr<Model> m) : m_(std::move(m)) {}
+  std::string name() const override { return m_->name(); }
+  const std::vector<BlockSpec>& blocks() const override { return m_->blocks(); }
+  float forward(StepContext& ctx, const Batch& b) override { return m_->forward(ctx, b); }
+  void backward(StepContext& ctx, float scale) override { m_->backward(ctx, scale); }
+  std::vector<PipelineLayer> pipeline_layers() const override { return m_->pipeline_layers(); }
+  int64_t pipeline_width() const override { return m_->pipeline_width(); }
+  bool select_activations(int slot) override { return slot == 0; }
+
+ private:
+  std::shared_ptr<Model> m_;
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
@@ -63,6 +82,7 @@ std::shared_ptr<Model> llama(const Spec& s) {
     c.lora.targets = {"q_proj", "v_proj", "down_proj"};
     c.lora.dropout = 0.25;  // the masks must follow the micro-batch, not the stage
   }
+  if (s.one_set) return std::make_shared<OneSet>(models::make_llama(c));
   return models::make_llama(c);
 }
 
@@ -85,6 +105,7 @@ struct Result {
   std::vector<double> losses;
   double norm = 0;
   double eval = 0;
+  int64_t recomputed = 0;
 };
 
 // Checkpoints in a run: `load` before the first step (the loader moved on
@@ -114,6 +135,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool pipel
     r.losses.push_back(e.train_batch(loader));
   }
   r.norm = e.global_grad_norm();
+  r.recomputed = e.pipeline_recomputed_forwards();
   r.eval = e.evaluate(loader.next());
   for (size_t b = 0; b < e.model().blocks().size(); ++b) {
     std::vector<float> p = e.full_params(static_cast<int>(b));
@@ -140,6 +162,10 @@ void expect_same_run(const Spec& s, const std::string& what) {
   size_t differ = 0;
   for (size_t i = 0; i < ref.weights.size(); ++i) differ += got.weights[i] != ref.weights[i];
   EXPECT_EQ(differ, 0u) << what << ": weights that differ from the run without stages";
+  // A stage keeps its in-flight micro-batches' activations (one set each)
+  // and computes no forward twice, unless the model keeps one set.
+  if (!s.one_set) EXPECT_EQ(got.recomputed, 0) << what;
+  if (s.one_set && s.gas > 1 && g_world->rank() < g_world->size() / s.stages) EXPECT_GT(got.recomputed, 0) << what;
 }
 
 TEST(Pipeline, StagesTrainTheRunWithoutStagesBitForBit) {
@@ -150,6 +176,15 @@ TEST(Pipeline, StagesTrainTheRunWithoutStagesBitForBit) {
       s.bf16 = bf16;
       expect_same_run(s, std::to_string(stages) + " stages, " + (bf16 ? "bf16" : "fp32"));
     }
+}
+
+TEST(Pipeline, AModelWithOneActivationSetComputesForwardsAgain) {
+  for (int stages : {2, 4}) {
+    Spec s;
+    s.stages = stages;
+    s.one_set = true;
+    expect_same_run(s, std::to_string(stages) + " stages, one activation set");
+  }
 }
 
 TEST(Pipeline, FewerMicroBatchesThanStagesAndOneMicroBatch) {
