@@ -5,6 +5,7 @@
 
 #include "engine/update_rule.h"
 #include "engine/device_mirror.h"
+#include "engine/engine.h"
 #include "engine/grad_reducer.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
@@ -43,9 +44,15 @@ int64_t MemoryEstimate::model_state_bytes() const { return std::max(state_sum(se
 
 int64_t MemoryEstimate::ram_bytes() const { return process_bytes + std::max(sum(setup), sum(training)); }
 
-MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_len) {
+namespace {
+
+// One rank's estimate; with pipeline stages (pp), a rank of stage `stage`:
+// its own blocks only, its layers' activation sets, and the hidden states
+// that cross to its neighbours.
+MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_len, const PipelinePlan* pp,
+                             int stage) {
   MemoryEstimate e;
-  const int world = c.world_size;
+  const int world = c.data_parallel_size();  // the ranks ZeRO partitions over
   const ZeroConfig& z = c.zero;
   const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
   const StagePlan plan = StagePlan::make(z.stage, world, param_offload, c.gradients_on_nvme());
@@ -64,7 +71,14 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   // frozen blocks' elements.
   int64_t g_padded_all = 0, g_shard_all = 0, g_max_padded = 0, g_max_shard = 0, frozen_padded = 0;
   int64_t pinned_states = 0, pinned_shards = 0;  // page-locked buffers' footprints, one per block
-  for (const BlockSpec& spec : model.blocks()) {
+  for (size_t b = 0; b < model.blocks().size(); ++b) {
+    const BlockSpec& spec = model.blocks()[b];
+    if (pp && pp->block_stage[b] != stage) {  // another stage's: nothing of it here
+      layouts.push_back(BlockLayout{});
+      parts.push_back(Partition::make(0, world, 0));
+      spans.push_back(0);
+      continue;
+    }
     layouts.push_back(BlockLayout::from_spec(spec));
     parts.push_back(Partition::make(layouts.back().numel, world, 0));
     const Partition& p = parts.back();
@@ -268,8 +282,24 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   e.training.insert(e.training.end(), grads.begin(), grads.end());
   const bool on_gpu = c.device == Device::kCuda;
   std::vector<MemoryPart>& acts_at = on_gpu ? e.gpu : e.training;
-  const std::optional<ActivationMemory> act =
-      model.activation_memory(c.train_micro_batch_size_per_gpu, seq_len, dtype);
+  const int64_t B = c.train_micro_batch_size_per_gpu;
+  std::optional<ActivationMemory> act = model.activation_memory(B, seq_len, dtype);
+  if (pp) {
+    // Stage s keeps min(P - s, M) micro-batches' activations (one on the
+    // last stage); the inputs of those in flight (after the first stage),
+    // and the output, its gradient and the input's gradient crossing.
+    const int P = static_cast<int>(c.pipeline.stages);
+    const bool last = stage == P - 1, first = stage == 0;
+    const int sets = last ? 1 : static_cast<int>(std::min<int64_t>(P - stage, c.gradient_accumulation_steps));
+    const PipelineStage st{pp->bounds[static_cast<size_t>(stage)], last ? -1 : pp->bounds[static_cast<size_t>(stage) + 1]};
+    act = model.stage_activation_memory(B, seq_len, dtype, st, sets);
+    const int64_t hidden = 4 * B * seq_len * model.pipeline_width();
+    const int64_t buffers = (first ? 0 : sets) + (last ? 0 : 2) + (first ? 0 : 1);
+    e.training.push_back({"pipeline transfers (fp32)", buffers * hidden,
+                          std::to_string(buffers) + " hidden states of the micro-batch: inputs in flight, the "
+                                                    "output and its gradient, the input's gradient",
+                          false});
+  }
   if (act) {
     acts_at.push_back({"activations", act->saved,
                        "micro-batch " + std::to_string(c.train_micro_batch_size_per_gpu) + " x " +
@@ -333,6 +363,23 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
                             "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
   }
   return e;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_len) {
+  if (!c.pipelined()) return estimate_rank(model, c, seq_len, nullptr, 0);
+  // The stage that needs the most stands for all (a machine holds ranks of
+  // every stage when the grid is on one machine; the largest is the bound).
+  const PipelinePlan pp = plan_pipeline(model, c);
+  MemoryEstimate best;
+  for (int s = 0; s < static_cast<int>(c.pipeline.stages); ++s) {
+    MemoryEstimate e = estimate_rank(model, c, seq_len, &pp, s);
+    e.pipeline_stage = s;
+    if (s == 0 || e.ram_bytes() > best.ram_bytes()) best = std::move(e);
+  }
+  best.pipeline_stages = static_cast<int>(c.pipeline.stages);
+  return best;
 }
 
 }  // namespace zinc

@@ -33,7 +33,11 @@ struct MemoryPart {
 
 struct MemoryEstimate {
   int stage = 0;
-  int world = 1;
+  int world = 1;  // the ranks ZeRO partitions over (a stage's replicas with pipeline stages)
+  // With pipeline stages: the stage this estimate is for (the one that
+  // needs the most RAM), and their number.
+  int pipeline_stage = -1;
+  int pipeline_stages = 1;
   // RAM while the engine sets up (initial weights are built, and with
   // parameters on NVMe every shard is in RAM once before it is written).
   std::vector<MemoryPart> setup;
@@ -65,7 +69,8 @@ struct MemoryEstimate {
 
 // One rank's needs for `model` under `config` (its world size, stage,
 // offload, micro-batch) with sequences of seq_len tokens. Ranks differ by
-// less than one shard's alignment, so rank 0 stands for all.
+// less than one shard's alignment, so rank 0 stands for all; with pipeline
+// stages, a rank of the stage that needs the most RAM.
 MemoryEstimate estimate_memory(const Model& model, const Config& config, int64_t seq_len);
 
 }  // namespace zinc

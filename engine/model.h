@@ -267,6 +267,13 @@ class Model {
   virtual std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType compute) const {
     return std::nullopt;
   }
+  // The same for pipeline stage `stage` holding `sets` activation sets
+  // (select_activations): its own layers only. Without an override, the
+  // whole model's (an overestimate).
+  virtual std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType compute,
+                                                                  const PipelineStage& stage, int sets) const {
+    return activation_memory(B, T, compute);
+  }
 };
 
 }  // namespace zinc

@@ -69,7 +69,8 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
   std::vector<std::pair<int, zinc::MemoryEstimate>> others;
   for (int st = 0; st <= 3; ++st)
     if (st != cfg.zero.stage && !(st == 3 && cfg.device == zinc::Device::kCuda &&
-                                  cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone))  // not on the GPU
+                                  cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone) &&  // not on the GPU
+        !(cfg.pipelined() && st > 1))  // pipeline stages take ZeRO 0 and 1 only
       others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
   // Measured after the estimates: their matmul primitives (oneDNN's code)
   // are part of the process from here on, as they will be in training.
@@ -90,6 +91,8 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
                           {"gpu_bytes", e.gpu_bytes()},
                           {"world_size", world},
                           {"zero_stage", cfg.zero.stage},
+                          {"pipeline_stages", e.pipeline_stages},
+                          {"pipeline_stage", e.pipeline_stage},
                           {"parameters", params},
                           {"trained_parameters", trained},
                           {"gradient_checkpointing", ex.experiment.model.gradient_checkpointing},
@@ -116,6 +119,14 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
               static_cast<long long>(T), world, world == 1 ? "" : "s");
   std::printf("memory per rank at ZeRO stage %d (%s), estimated without training:\n", cfg.zero.stage,
               offload_words(cfg).c_str());
+  if (e.pipeline_stage >= 0)
+    std::printf("  (a rank of pipeline stage %d of %d, the stage that needs the most: its own layers, %d "
+                "micro-batches' activations)\n",
+                e.pipeline_stage, e.pipeline_stages,
+                e.pipeline_stage + 1 == e.pipeline_stages
+                    ? 1
+                    : static_cast<int>(std::min<int64_t>(e.pipeline_stages - e.pipeline_stage,
+                                                         cfg.gradient_accumulation_steps)));
   std::printf("  while the engine starts: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.setup)).c_str());
   print_parts(e.setup);
   std::printf("  at the peak of a training step: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.training)).c_str());
@@ -134,7 +145,7 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
               e.gpu.empty() ? "" : (" | GPU per rank: " + format_bytes(e.gpu_bytes()) + " and the CUDA context").c_str());
   for (const zinc::MemoryPart& p : e.disk)
     std::printf("    %-46s %11s   %s\n", p.name.c_str(), format_bytes(p.bytes).c_str(), p.note.c_str());
-  std::printf("other stages, same model and batch:\n");
+  std::printf("other ZeRO stages, same model and batch:\n");
   for (const auto& [st, o] : others)
     std::printf("  stage %d (%s): RAM %s, disk %s\n", st, offload_words(at_stage(cfg, st)).c_str(),
                 format_bytes(o.ram_bytes()).c_str(), format_bytes(o.disk_bytes()).c_str());

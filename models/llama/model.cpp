@@ -92,6 +92,14 @@ struct LlamaLayerActs {
 };
 
 class Llama final : public Model {
+  // The decoder layers [lo, hi) a pass computes, and whether it starts at
+  // the embedding and ends with the head (PipelineStage: layer 0 is the
+  // embedding, 1..L the decoder layers, L + 1 the head).
+  struct StageRange {
+    int64_t lo = 0, hi = 0;
+    bool embed = true, head = true;
+    bool operator==(const StageRange&) const = default;
+  };
  public:
   explicit Llama(const LlamaConfig& c) : c_(c) {
     if (auto bad = size_error(c)) throw Error("llama: " + bad->field + ": " + bad->message);
@@ -220,6 +228,19 @@ class Llama final : public Model {
   // The buffers ensure_buffers allocates and the kernel calls of forward and
   // backward by shape (keep in step with both).
   std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1);
+  }
+  // A pipeline stage's: its layers' activations, `sets` times (one per
+  // micro-batch in flight, select_activations), and the head's buffers on
+  // the last stage only.
+  std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
+                                                          int sets) const override {
+    return activation_bytes(B, T, dt, stage_range(st), sets);
+  }
+
+ private:
+  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr,
+                                                   int sets) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
@@ -234,8 +255,12 @@ class Llama final : public Model {
                          (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0) +
                          (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0) +
                          (c_.layer_norm ? 2 * buffer_bytes(N) : 0);  // mean1, mean2
-    const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
-    m.saved = L * buffer_bytes(N * C) + act_sets * acts;
+    // The layer inputs ensure_buffers allocates (decoder layers lo..hi and
+    // the input of the next stage; every layer for the whole model).
+    const int64_t layers = sr.hi - sr.lo;
+    const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
+    const int64_t act_sets = sets * (c_.gradient_checkpointing ? (layers > 0 ? 1 : 0) : layers);
+    m.saved = sets * x_ins * buffer_bytes(N * C) + act_sets * acts;
     if (lora()) {
       // Per set: U of every target (lora_u) and what B's products read of
       // each group's; once: the groups' scratch (LoraScratch) and the sink.
@@ -251,7 +276,7 @@ class Llama final : public Model {
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
-               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + 2 * buffer_bytes(N * V) +
+               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * V) : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H_, K_) * D_);  // qk_scratch_
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
@@ -290,11 +315,15 @@ class Llama final : public Model {
       detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
                          c_.lora.dropout > 0);
     }
-    detail::tally_linear_forward(t, x, N, C, V, false, dt);
-    dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    if (sr.head) {
+      detail::tally_linear_forward(t, x, N, C, V, false, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    }
     m.workspace = t.bytes() + dy_copy;
     return m;
   }
+
+ public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
     lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
@@ -548,14 +577,6 @@ class Llama final : public Model {
   int64_t pipeline_width() const override { return c_.hidden_size; }
 
  private:
-  // The decoder layers [lo, hi) a pass computes, and whether it starts at
-  // the embedding and ends with the head (PipelineStage: layer 0 is the
-  // embedding, 1..L the decoder layers, L + 1 the head).
-  struct StageRange {
-    int64_t lo = 0, hi = 0;
-    bool embed = true, head = true;
-    bool operator==(const StageRange&) const = default;
-  };
   StageRange stage_range(const PipelineStage& st) const {
     const int64_t L = c_.num_hidden_layers, first = st.first, end = st.end < 0 ? L + 2 : st.end;
     return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
@@ -1086,6 +1107,7 @@ class Llama final : public Model {
       const size_t E = static_cast<size_t>(c_.num_experts), k = static_cast<size_t>(c_.num_experts_per_tok);
       const size_t Ie = static_cast<size_t>(c_.expert_size()), M = N * k;
       for (LlamaLayerActs& a : acts_) {
+        if (a.ln1.bytes() == 0) continue;  // another pipeline stage's layer
         MoeActs& m = a.moe;
         m.probs = ops_->alloc_f32(N * E);
         m.expert = ops_->alloc(M * sizeof(int32_t));
@@ -1113,7 +1135,8 @@ class Llama final : public Model {
     if (c_.residual_multiplier != 1.0) branch_ = ops_->alloc_f32(N * C);
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
-      for (LlamaLayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);
+      for (LlamaLayerActs& a : acts_)
+        if (a.ln1.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);  // not another stage's layer
       lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
                            c_.lora.dropout > 0);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);

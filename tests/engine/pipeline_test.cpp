@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "data/data.h"
 #include "engine/engine.h"
+#include "engine/memory_estimate.h"
 #include "models/models.h"
 #include "tests/comm/mpi_test_main.h"
 
@@ -257,6 +258,39 @@ TEST(Pipeline, CheckpointsResumeWithAndWithoutStagesBitForBit) {
     g_world->barrier();
     std::filesystem::remove_all(group_dir, ec);
     if (g_world->rank() == 0) std::filesystem::remove_all(dir, ec);
+  }
+}
+
+// --estimate and the resource check size the stage that needs the most:
+// its model state is what the engine of that stage holds at its peak, and
+// no rank holds more.
+TEST(Pipeline, TheEstimateIsTheLargestStagesModelState) {
+  for (int stages : {2, 4}) {
+    if (g_world->size() % stages != 0) continue;
+    for (int zero : {0, 1}) {
+      Spec s;
+      s.stages = stages;
+      s.zero = zero;
+      s.steps = 1;
+      const int d = g_world->size() / stages;
+      const json cj = config(s, d, true);
+      Engine e = Engine::initialize(llama(s), cj, g_world);
+      DataConfig dc;
+      dc.vocab_size = 13;
+      dc.seq_len = 9;
+      DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), s.micro, s.gas,
+                        e.data_parallel_size(), e.data_parallel_rank(), 7);
+      e.train_batch(loader);
+      double peak = static_cast<double>(e.model_state_peak_bytes());
+      g_world->all_reduce_max_f64(&peak, 1);
+      const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, g_world->size()), 9);
+      EXPECT_EQ(est.pipeline_stages, stages);
+      EXPECT_EQ(static_cast<double>(est.model_state_bytes()), peak) << stages << " stages, ZeRO " << zero;
+      // A stage holds less than the whole model's states.
+      Spec whole = s;
+      const MemoryEstimate one = estimate_memory(*llama(whole), Config::parse(config(s, d, false), d), 9);
+      EXPECT_LT(est.model_state_bytes(), one.model_state_bytes());
+    }
   }
 }
 
