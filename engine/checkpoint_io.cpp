@@ -131,14 +131,18 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   std::snprintf(name, sizeof name, "rank%05d", world_rank);
   attempt([&] {
     std::vector<ckpt::RankWriter::Span> spans;
+    // BlockSpec::frozen: nothing saved; a block two pipeline stages share,
+    // by its first stage only.
+    auto saves = [&](size_t b) { return !blocks[b].frozen && (!pipelined() || block_stage[b] == stage); };
     for (size_t b = 0; b < blocks.size(); ++b)
-      if (!blocks[b].frozen)  // BlockSpec::frozen: nothing saved
+      if (saves(b))
         spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
                          blocks[b].opt_numel});
     ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
     // States in RAM stay put until finish(): written from where they are.
     const bool stable = offload_device != OffloadDevice::kNvme;
     opt_state->for_each_read([&](const StateSpan& sp) {
+      if (!saves(static_cast<size_t>(sp.block))) return;
       w.write(sp.block, ckpt::kMaster, sp.offset, sp.master, sp.count, stable);
       w.write(sp.block, ckpt::kM, sp.offset, sp.m, sp.count, stable);
       w.write(sp.block, ckpt::kV, sp.offset, sp.v, sp.count, stable);

@@ -214,7 +214,7 @@ void Engine::Impl::allocate_and_init() {
     BlockShard& s = blocks[b];
     s.layout = BlockLayout::from_spec(specs[b]);
     s.part = Partition::make(s.layout.numel, world, rank);
-    s.absent = pipelined() && block_stage[b] != stage;
+    s.absent = pipelined() && !block_here[b];
     s.frozen = specs[b].frozen || s.absent;
     s.opt_numel = s.frozen ? 0 : plan.optimizer_numel(s.part);
     spans.push_back(s.opt_numel);
@@ -482,6 +482,7 @@ void Engine::Impl::step() {
   const double local = local_grads ? static_cast<double>(world) : 1.0;
   // Own-shard squares and the batch's losses and counts, summed over ranks
   // in one collective.
+  reduce_tied_gradients();
   double sums[7];
   reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};

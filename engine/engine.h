@@ -49,7 +49,11 @@ namespace zinc {
 struct PipelinePlan {
   std::vector<PipelineLayer> layers;
   std::vector<int> bounds;       // the first layer of each stage, then the layer count
-  std::vector<int> block_stage;  // per block, the stage that holds it
+  std::vector<int> block_stage;  // per block, the first stage that uses it (its owner)
+  // Per block, every stage that uses it: one, or two for a head tied to
+  // the embedding (each keeps a copy, their gradients are summed).
+  std::vector<std::vector<int>> block_stages;
+  bool holds(int block, int stage) const;
   // Per stage at `world` ranks: "stage 0 (ranks 0-1): layers 0-2 (Embedding, 2 DecoderLayer), 0.37M parameters".
   std::vector<std::string> describe(int world) const;
 };

@@ -122,7 +122,11 @@ struct Engine::Impl final : StepContext {
   std::shared_ptr<comm::Communicator> world_comm;  // every rank (pipelined runs; comm is the group)
   std::unique_ptr<comm::Communicator> pipe_comm;   // this replica's stages, ranked by stage
   std::vector<int> stage_bounds;                   // the first layer of each stage, then the layer count
-  std::vector<int> block_stage;                    // per block, the stage that holds it
+  std::vector<int> block_stage;                    // per block, the first stage that uses it (its owner)
+  std::vector<bool> block_here;                    // per block, whether this stage keeps it
+  std::vector<bool> block_shared;                  // per block, whether two stages share it (a tied head)
+  std::vector<int> tied_stages;                    // the two stages that share blocks (none: empty)
+  std::unique_ptr<comm::Communicator> tied_comm;   // those two stages of this replica (on them only)
   PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
   int64_t pipe_recomputed = 0;                     // forwards computed again before their backward
   double pipe_wait_s = 0;                          // in point-to-point transfers: the bubble and the wire
@@ -142,6 +146,9 @@ struct Engine::Impl final : StepContext {
   // summed block by block in block order (Note [the gradient norm over
   // stages] in pipeline.cpp): sums[0] the squares, 1.. BatchLoss's.
   void reduce_step_sums(double sums[7], bool local_grads);
+  // The gradients of the blocks two stages share, summed between them
+  // (Note [tied blocks across stages] in pipeline.cpp).
+  void reduce_tied_gradients();
 
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm);
   ~Impl() override;

@@ -73,7 +73,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   int64_t pinned_states = 0, pinned_shards = 0;  // page-locked buffers' footprints, one per block
   for (size_t b = 0; b < model.blocks().size(); ++b) {
     const BlockSpec& spec = model.blocks()[b];
-    if (pp && pp->block_stage[b] != stage) {  // another stage's: nothing of it here
+    if (pp && !pp->holds(static_cast<int>(b), stage)) {  // another stage's: nothing of it here
       layouts.push_back(BlockLayout{});
       parts.push_back(Partition::make(0, world, 0));
       spans.push_back(0);

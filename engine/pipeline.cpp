@@ -153,22 +153,29 @@ PipelinePlan plan_pipeline(const Model& model, const Config& cfg) {
   }
   plan.bounds = balanced_parts(weight, stages);
   const std::vector<BlockSpec>& specs = model.blocks();
-  plan.block_stage.assign(specs.size(), -1);
+  plan.block_stages.assign(specs.size(), {});
   for (int s = 0; s < stages; ++s)
     for (int l = plan.bounds[static_cast<size_t>(s)]; l < plan.bounds[static_cast<size_t>(s) + 1]; ++l)
       for (int b : layers[static_cast<size_t>(l)].blocks) {
-        int& at = plan.block_stage.at(static_cast<size_t>(b));
-        if (at != -1 && at != s)
-          throw ConfigError("pipeline.stages",
-                            "block '" + specs[static_cast<size_t>(b)].name + "' of model '" + model.name() +
-                                "' is used by layers on stages " + std::to_string(at) + " and " + std::to_string(s) +
-                                " (a head tied to the embedding: tie_word_embeddings); sharing a block between "
-                                "stages is not supported yet");
-        at = s;
+        std::vector<int>& at = plan.block_stages.at(static_cast<size_t>(b));
+        if (at.empty() || at.back() != s) at.push_back(s);
       }
-  for (size_t b = 0; b < specs.size(); ++b)
-    ZINC_CHECK(plan.block_stage[b] >= 0, "model '" + model.name() + "': block '" + specs[b].name + "' is in no pipeline layer");
+  plan.block_stage.assign(specs.size(), -1);
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const std::vector<int>& at = plan.block_stages[b];
+    ZINC_CHECK(!at.empty(), "model '" + model.name() + "': block '" + specs[b].name + "' is in no pipeline layer");
+    // Note [tied blocks across stages]: at most two stages share a block.
+    if (at.size() > 2)
+      throw ConfigError("pipeline.stages", "block '" + specs[b].name + "' of model '" + model.name() + "' is used on " +
+                                               std::to_string(at.size()) + " stages; at most two may share a block");
+    plan.block_stage[b] = at.front();
+  }
   return plan;
+}
+
+bool PipelinePlan::holds(int block, int stage) const {
+  const std::vector<int>& at = block_stages.at(static_cast<size_t>(block));
+  return std::find(at.begin(), at.end(), stage) != at.end();
 }
 
 std::vector<std::string> PipelinePlan::describe(int world) const {
@@ -208,12 +215,30 @@ void Engine::Impl::setup_pipeline() {
   const PipelinePlan plan = plan_pipeline(*model, cfg);
   stage_bounds = plan.bounds;
   block_stage = plan.block_stage;
+  block_here.assign(block_stage.size(), false);
+  block_shared.assign(block_stage.size(), false);
+  for (size_t b = 0; b < block_stage.size(); ++b) {
+    block_here[b] = plan.holds(static_cast<int>(b), stage);
+    const std::vector<int>& at = plan.block_stages[b];
+    if (at.size() == 2) {
+      block_shared[b] = true;
+      if (!tied_stages.empty() && tied_stages != at)
+        throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between two different "
+                                             "pairs of stages; one pair at most");
+      tied_stages = at;
+    }
+  }
   pass_stage = PipelineStage{stage_bounds[static_cast<size_t>(stage)],
                              stage + 1 == stages ? -1 : stage_bounds[static_cast<size_t>(stage) + 1]};
   // The two groups (collective over every rank, in this order on each).
   world_comm = comm;
   pipe_comm = world_comm->split(replica, stage);
   comm = std::shared_ptr<comm::Communicator>(world_comm->split(stage, replica));
+  if (!tied_stages.empty()) {  // the pair of stages of this replica that share blocks (collective over the pipe)
+    const bool in = std::find(tied_stages.begin(), tied_stages.end(), stage) != tied_stages.end();
+    tied_comm = pipe_comm->split(in ? 0 : 1, stage);
+    if (!in) tied_comm.reset();
+  }
   world = replicas;
   rank = replica;
   if (world_rank == 0) {
@@ -413,6 +438,29 @@ float Engine::Impl::evaluate_pipeline(const Batch& batch) {
   return targets > 0 ? loss : std::numeric_limits<float>::quiet_NaN();
 }
 
+// Note [tied blocks across stages]
+// ---------------------------------
+// A block that layers on two stages use (a head tied to the embedding) is
+// kept whole on both: each computes its part of the gradient (the
+// embedding's on the first stage, the head's on the last), the replicas of
+// each reduce it as any block, and then the two stages' reduced gradients
+// are summed between them (one all-reduce over the pair), so both apply the
+// same update to the same weights. Its squares count once, on its first
+// stage, and only that stage writes it into a checkpoint. The sum takes
+// the micro-batches' embedding and head parts in another order than one
+// rank accumulating both in one buffer: the weights then agree to fp32
+// rounding, not bit for bit.
+void Engine::Impl::reduce_tied_gradients() {
+  if (!tied_comm) return;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    BlockShard& s = blocks[b];
+    if (s.frozen || !block_shared[b]) continue;  // the same blocks, in the same order, on both stages
+    float* g = plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
+    const int64_t n = plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel;
+    tied_comm->all_reduce(g, g, n, DType::kF32);
+  }
+}
+
 void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
   const BatchLoss& b = batch_loss;
   const size_t nb = blocks.size();
@@ -420,8 +468,8 @@ void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
   if (local_grads) {
     v[0] = rule->local_squares();
   } else if (!device->grad_squared_norm(v[0])) {
-    for (size_t i = 0; i < nb; ++i)
-      if (!blocks[i].frozen) v[i] = reducer->squared_norm(blocks[i]);
+    for (size_t i = 0; i < nb; ++i)  // a block two stages share counts on its first (Note [tied blocks across stages])
+      if (!blocks[i].frozen && (!pipelined() || block_stage[i] == stage)) v[i] = reducer->squared_norm(blocks[i]);
   }
   if (!pipelined() || stage == stages - 1) {  // the loss lives on the last stage
     const double tail[6] = {b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count),

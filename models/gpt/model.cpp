@@ -79,6 +79,15 @@ struct LayerActs {
 };
 
 class Gpt final : public Model {
+  // The decoder layers [lo, hi) a pass computes, and whether it starts at
+  // the embedding and ends with the head (PipelineStage: layer 0 is the
+  // embedding, 1..L the decoder layers, L + 1 the final norm and the head).
+  struct StageRange {
+    int64_t lo = 0, hi = 0;
+    bool embed = true, head = true;
+    bool operator==(const StageRange&) const = default;
+  };
+
  public:
   explicit Gpt(const GptConfig& c) : c_(c), ops_(&detail::ops_for(c.device)) {
     if (auto bad = size_error(c)) throw Error("gpt: " + bad->field + ": " + bad->message);
@@ -114,13 +123,56 @@ class Gpt final : public Model {
   }
   ~Gpt() override {
     for (LayerActs& a : acts_) ops_->attention_destroy(a.ws);
+    for (PassState& p : slots_)
+      for (LayerActs& a : p.acts) ops_->attention_destroy(a.ws);
+  }
+
+  // Pipeline layers: the embedding, each layer with its adapters' block,
+  // and the final norm with the head, which is tied to the embedding (the
+  // engine keeps that block on both ends, Note [tied blocks across stages]).
+  std::vector<PipelineLayer> pipeline_layers() const override {
+    auto params = [&](const std::vector<int>& blocks) {
+      int64_t n = 0;
+      for (int b : blocks)
+        for (const ParamSpec& p : specs_[static_cast<size_t>(b)].params) n += p.shape.numel();
+      return n;
+    };
+    std::vector<PipelineLayer> out;
+    out.push_back({"Embedding", {0}});
+    for (int64_t l = 0; l < c_.n_layer; ++l) {
+      PipelineLayer d{"DecoderLayer", {static_cast<int>(l + 1)}};
+      if (lora()) d.blocks.push_back(lora_block(l));
+      out.push_back(std::move(d));
+    }
+    out.push_back({"Head", {static_cast<int>(c_.n_layer + 1), 0}});
+    for (PipelineLayer& p : out) p.params = params(p.blocks);
+    return out;
+  }
+  int64_t pipeline_width() const override { return c_.n_embd; }
+
+  // Pipeline stages: one slot per in-flight micro-batch's forward (as the
+  // Llama's: the pass state lives in the members while its slot is selected).
+  bool select_activations(int slot) override {
+    if (slot == cur_slot_) return true;
+    if (slots_.empty()) slots_.resize(1);
+    while (static_cast<int>(slots_.size()) <= slot) {
+      PassState p;
+      p.acts.resize(acts_.size());
+      for (LayerActs& a : p.acts) a.ws = ops_->attention_create();
+      p.x_in.resize(x_in_.size());
+      slots_.push_back(std::move(p));
+    }
+    swap_pass(slots_[static_cast<size_t>(cur_slot_)]);
+    swap_pass(slots_[static_cast<size_t>(slot)]);
+    cur_slot_ = slot;
+    return true;
   }
 
   std::string name() const override { return "gpt"; }
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || B_ == 0) return {};
+    if (ops_->device() != Device::kCpu || B_ == 0 || !alloc_range_.head) return {};
     return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
   }
 
@@ -136,6 +188,18 @@ class Gpt final : public Model {
   // The buffers ensure_buffers and forward allocate, and the kernel calls of
   // forward and backward by shape (keep in step with both).
   std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1);
+  }
+  std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
+                                                          int sets) const override {
+    return activation_bytes(B, T, dt, stage_range(st), sets);
+  }
+
+ private:
+  // A stage's (the whole model's: every layer, one set): its layers'
+  // inputs and activations `sets` times, the head's buffers on the last.
+  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr,
+                                                   int sets) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
@@ -152,10 +216,12 @@ class Gpt final : public Model {
                          (fused ? 1 : 2) * buffer_bytes(N * 4 * C) + 4 * buffer_bytes(N) +
                          3 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * 4 * C, dt) +
                          kernels::attention_workspace_bytes(as);
-    const int64_t act_sets = c_.gradient_checkpointing ? 1 : L;
+    const int64_t layers = sr.hi - sr.lo;
+    const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
+    const int64_t act_sets = sets * (c_.gradient_checkpointing ? (layers > 0 ? 1 : 0) : layers);
     // Once: x_final lnf (not when fused) dlnf dres dsmall, dbig, lnf's statistics, logits and
     // dlogits, lnf's bf16 copy, the input tokens.
-    m.saved = L * buffer_bytes(N * C) + act_sets * acts;
+    m.saved = sets * x_ins * buffer_bytes(N * C) + act_sets * acts;
     if (lora()) {
       // Per set: U of every target and B's operands of it; once: the
       // groups' scratch (LoraScratch, one-member groups) and the sink.
@@ -166,7 +232,8 @@ class Gpt final : public Model {
       if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, 4 * C, dt);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) +
-               2 * buffer_bytes(N * V) + matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+               (sr.head ? 2 * buffer_bytes(N * V) : 0) + matmul_input_bytes(N * C, dt) +
+               N * static_cast<int64_t>(sizeof(int32_t));
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -179,11 +246,15 @@ class Gpt final : public Model {
       detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
                          c_.lora.dropout > 0);
     }
-    detail::tally_linear_forward(t, x, N, C, V, false, dt);
-    dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    if (sr.head) {
+      detail::tally_linear_forward(t, x, N, C, V, false, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+    }
     m.workspace = t.bytes() + dy_copy;
     return m;
   }
+
+ public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
     lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
@@ -192,7 +263,8 @@ class Gpt final : public Model {
       throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
                   std::to_string(c_.block_size));
     const DType dt = ctx.compute_dtype();
-    ensure_buffers(B, T, ops_->fuses_operand16(dt));
+    const StageRange sr = stage_range(ctx.pipeline_stage());
+    ensure_buffers(B, T, ops_->fuses_operand16(dt), sr);
     const int64_t N = B * T;
     tokens_ = batch.inputs;
     tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
@@ -200,11 +272,15 @@ class Gpt final : public Model {
     positions_ = batch.positions;  // backward reads them too
     pos_ = ops_->positions(positions_, positions_store_);
 
-    HeldParams emb = ctx.acquire(0);
-    ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V, pos_);
-    emb.release();
+    if (sr.embed) {
+      HeldParams emb = ctx.acquire(0);
+      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V, pos_);
+      emb.release();
+    } else {  // a later pipeline stage: the previous stage's hidden state
+      ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
+    }
 
-    for (int64_t l = 0; l < c_.n_layer; ++l) {
+    for (int64_t l = sr.lo; l < sr.hi; ++l) {
       float* x_out = l + 1 < c_.n_layer ? x_in_[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
       HeldParams lp;
@@ -212,7 +288,11 @@ class Gpt final : public Model {
       layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
       p.release();
     }
-    acts_hold_ = c_.n_layer - 1;  // the shared set (if any) holds the last layer's
+    acts_hold_ = sr.hi - 1;  // the shared set (if any) holds the last layer's
+    if (!sr.head) {  // the next stage's input
+      ops_->copy_columns(ctx.pipeline_stage().output, C, hidden(sr.hi), C, N, C);
+      return 0.0f;
+    }
 
     const int norm_block = static_cast<int>(c_.n_layer + 1);
     HeldParams nf = ctx.acquire(norm_block);
@@ -232,27 +312,35 @@ class Gpt final : public Model {
   void backward(StepContext& ctx, float loss_scale) override {
     const int64_t B = B_, T = T_, C = c_.n_embd, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
-    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
-
-    // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
-    HeldParams emb = ctx.acquire(0);
-    BlockGrads gemb = base_grads(ctx, 0);
-    detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
-                            f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, V, dt);
-
-    const int norm_block = static_cast<int>(c_.n_layer + 1);
-    HeldParams nf = ctx.acquire(norm_block);
-    BlockGrads gnf = base_grads(ctx, norm_block);
+    const PipelineStage& st = ctx.pipeline_stage();
+    const StageRange sr = stage_range(st);
+    // The embedding's block: the first stage's, and the tied head's (the
+    // last stage keeps its own copy with stages; the engine sums the two).
+    HeldParams emb;
+    BlockGrads gemb = sr.embed || sr.head ? base_grads(ctx, 0) : BlockGrads{};
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
-    ops_->zero(dx, N * C);
-    ops_->layernorm_backward(dx, norm_grad(gnf, kLnfW), norm_grad(gnf, kLnfB), dlnf_.as<float>(),
-                             x_final_.as<float>(), nf[kLnfW], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
-    nf.release();
-    base_grads_ready(ctx, norm_block);
+    if (sr.head) {
+      if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+      // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
+      emb = ctx.acquire(0);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
+                              f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, V, dt);
+
+      const int norm_block = static_cast<int>(c_.n_layer + 1);
+      HeldParams nf = ctx.acquire(norm_block);
+      BlockGrads gnf = base_grads(ctx, norm_block);
+      ops_->zero(dx, N * C);
+      ops_->layernorm_backward(dx, norm_grad(gnf, kLnfW), norm_grad(gnf, kLnfB), dlnf_.as<float>(),
+                               x_final_.as<float>(), nf[kLnfW], lnf_mean_.as<float>(), lnf_rstd_.as<float>(), N, C);
+      nf.release();
+      base_grads_ready(ctx, norm_block);
+    } else {  // the next stage's gradient of this stage's output
+      ops_->copy_columns(dx, C, st.output_grad, C, N, C);
+    }
 
     float* dbig = dbig_.as<float>();   // (N,4C) scratch
     float* dsmall = dsmall_.as<float>();  // (N,C) scratch
-    for (int64_t l = c_.n_layer - 1; l >= 0; --l) {
+    for (int64_t l = sr.hi - 1; l >= sr.lo; --l) {
       LayerActs& a = acts(l);
       const float* x_in = x_in_[l].as<float>();
       const int blk = static_cast<int>(l + 1);
@@ -302,12 +390,20 @@ class Gpt final : public Model {
       }
     }
 
-    if (!lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
+    if (sr.embed && !lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
+    if (!sr.embed) ops_->copy_columns(st.input_grad, C, dx, C, N, C);  // the previous stage's
     emb.release();
-    base_grads_ready(ctx, 0);
+    if (sr.embed || sr.head) base_grads_ready(ctx, 0);  // the embedding's, or the tied head's copy
   }
 
  private:
+  StageRange stage_range(const PipelineStage& st) const {
+    const int64_t L = c_.n_layer, first = st.first, end = st.end < 0 ? L + 2 : st.end;
+    return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
+  }
+  // The residual stream entering layer l (x_final_ past the last).
+  float* hidden(int64_t l) { return l < c_.n_layer ? x_in_[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
+
   // The activations layer l's backward reads: its own set, or the shared one.
   LayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
 
@@ -406,12 +502,23 @@ class Gpt final : public Model {
 
   // fused: the Ops writes ln1, ln2, gelu and lnf as bf16 operands only
   // (Ops::fuses_operand16), so their fp32 buffers stay empty.
-  void ensure_buffers(int64_t B, int64_t T, bool fused) {
-    if (B == B_ && T == T_ && fused == fused_) return;
+  // A pipeline stage holds its own layers' activations only.
+  void ensure_buffers(int64_t B, int64_t T, bool fused, const StageRange& sr) {
+    if (B == B_ && T == T_ && fused == fused_ && sr == alloc_range_) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t V = static_cast<size_t>(c_.vocab_size);
-    for (Buf& x : x_in_) x = ops_->alloc_f32(N * C);
-    for (LayerActs& a : acts_) {
+    for (int64_t l = 0; l < c_.n_layer; ++l)
+      x_in_[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
+    for (size_t i = 0; i < acts_.size(); ++i) {
+      LayerActs& a = acts_[i];
+      const bool used = c_.gradient_checkpointing ? sr.hi > sr.lo
+                                                  : static_cast<int64_t>(i) >= sr.lo && static_cast<int64_t>(i) < sr.hi;
+      if (!used) {
+        void* ws = a.ws;
+        a = LayerActs{};
+        a.ws = ws;
+        continue;
+      }
       a.ln1 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln1_mean = ops_->alloc_f32(N);
       a.ln1_rstd = ops_->alloc_f32(N);
@@ -428,15 +535,16 @@ class Gpt final : public Model {
     lnf_ = fused ? Buf() : ops_->alloc_f32(N * C);
     lnf_mean_ = ops_->alloc_f32(N);
     lnf_rstd_ = ops_->alloc_f32(N);
-    logits_ = ops_->alloc_f32(N * V);
-    dlogits_ = ops_->alloc_f32(N * V);
+    logits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
+    dlogits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
     dbig_ = ops_->alloc_f32(N * 4 * C);
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
-      for (LayerActs& a : acts_) a.lora_u = ops_->alloc_f32(N * kGptLoraTargets * r);
+      for (LayerActs& a : acts_)
+        if (a.ln1_mean.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kGptLoraTargets * r);  // not another stage's layer
       lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
                            c_.lora.dropout > 0);
       sink_ = ops_->alloc_f32(2 * C);
@@ -444,7 +552,42 @@ class Gpt final : public Model {
     B_ = B;
     T_ = T;
     fused_ = fused;
+    alloc_range_ = sr;
   }
+  StageRange alloc_range_;  // the layers ensure_buffers allocated for
+
+  // What a forward leaves for its backward, per slot (select_activations).
+  struct PassState {
+    std::vector<Buf> x_in;
+    std::vector<LayerActs> acts;
+    int64_t acts_hold = -1;
+    std::vector<int32_t> tokens, positions;
+    const int32_t* tok = nullptr;
+    const int32_t* pos = nullptr;
+    Buf tokens_store, positions_store;
+    uint64_t lora_seed = 0;
+    int64_t B = 0, T = 0;
+    bool fused = false;
+    StageRange alloc;
+  };
+  void swap_pass(PassState& p) {
+    std::swap(x_in_, p.x_in);
+    std::swap(acts_, p.acts);
+    std::swap(acts_hold_, p.acts_hold);
+    std::swap(tokens_, p.tokens);
+    std::swap(positions_, p.positions);
+    std::swap(tok_, p.tok);
+    std::swap(pos_, p.pos);
+    std::swap(tokens_store_, p.tokens_store);
+    std::swap(positions_store_, p.positions_store);
+    std::swap(lora_seed_, p.lora_seed);
+    std::swap(B_, p.B);
+    std::swap(T_, p.T);
+    std::swap(fused_, p.fused);
+    std::swap(alloc_range_, p.alloc);
+  }
+  std::vector<PassState> slots_;  // the slots not selected (the selected one's place is empty)
+  int cur_slot_ = 0;
 
   GptConfig c_;
   detail::Ops* ops_;  // the device's kernels (models/detail/ops.h)

@@ -423,7 +423,10 @@ class Llama final : public Model {
     const PipelineStage& st = ctx.pipeline_stage();
     const StageRange sr = stage_range(st);
     HeldParams emb;
-    const BlockGrads gemb = sr.embed ? base_grads(ctx, 0) : BlockGrads{};
+    // The embedding's gradient: the first stage's, and a tied head's (the
+    // last stage keeps its own copy; the engine sums the two).
+    const bool tied_head = sr.head && c_.tie_word_embeddings;
+    const BlockGrads gemb = sr.embed || tied_head ? base_grads(ctx, 0) : BlockGrads{};
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     if (sr.head)
       head_backward(ctx, loss_scale, emb, gemb);
@@ -495,6 +498,10 @@ class Llama final : public Model {
     }
     if (!sr.embed) {  // the previous stage's gradient of its output
       ops_->copy_columns(st.input_grad, C, dx, C, N, C);
+      if (tied_head) {
+        emb.release();
+        base_grads_ready(ctx, 0);
+      }
       return;
     }
     if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
