@@ -409,7 +409,15 @@ void Engine::Impl::backward() {
   auto t0 = Clock::now();
   boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
   // OneBitAdam past its warm-up: the boundary keeps its gradients local.
-  reducer->begin_backward(boundary_backward && !rule->local_gradients(optimizer_steps + 1));
+  run_backward(boundary_backward && !rule->local_gradients(optimizer_steps + 1));
+  forward_pending = false;
+  micro_steps += 1;
+  step_pending = boundary_backward;
+  timings.backward_s += seconds_since(t0);
+}
+
+void Engine::Impl::run_backward(bool reduce) {
+  reducer->begin_backward(reduce);
   model->backward(*this, static_cast<float>(loss_scale()));
   check_released("backward");
   device->end_backward();
@@ -417,13 +425,9 @@ void Engine::Impl::backward() {
   device->on_release();
   for (size_t b = 0; b < blocks.size(); ++b)
     if (!blocks[b].frozen && !blocks[b].grads_reported)
-      throw Error("model '" + model->name() + "' did not call grads_ready for block " +
-                  std::to_string(b) + " during backward");
+      throw Error("model '" + model->name() + "' did not call grads_ready for block " + std::to_string(b) +
+                  " during backward" + (pipelined() ? " (pipeline stage " + std::to_string(stage) + ")" : ""));
   reducer->end_backward();
-  forward_pending = false;
-  micro_steps += 1;
-  step_pending = boundary_backward;
-  timings.backward_s += seconds_since(t0);
 }
 
 std::string Engine::Impl::num_text(double v) {

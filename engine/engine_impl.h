@@ -178,6 +178,9 @@ struct Engine::Impl final : StepContext {
   void check_stepped(const char* what) const;
   float forward(const Batch& batch);
   void backward();
+  // The model's backward between the reducer's begin and end (`reduce`: at
+  // a boundary), with the checks that every trained block reported.
+  void run_backward(bool reduce);
 
   double loss_scale() const { return loss_scaling ? scaler.scale() : 1.0; }
   static std::string num_text(double v);

@@ -280,17 +280,7 @@ void Engine::Impl::stage_backward(bool boundary, const float* dout, float* din) 
   pass_stage.output_grad = dout;
   pass_stage.input_grad = din;
   boundary_backward = boundary;
-  reducer->begin_backward(boundary);
-  model->backward(*this, static_cast<float>(loss_scale()));
-  check_released("backward");
-  device->end_backward();
-  params->end_pass();
-  device->on_release();
-  for (size_t b = 0; b < blocks.size(); ++b)
-    if (!blocks[b].frozen && !blocks[b].grads_reported)
-      throw Error("model '" + model->name() + "' did not call grads_ready for block " + std::to_string(b) +
-                  " during backward (pipeline stage " + std::to_string(stage) + ")");
-  reducer->end_backward();
+  run_backward(boundary);
   micro_steps += 1;
   timings.backward_s += pipe_seconds(t0);
 }

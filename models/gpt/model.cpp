@@ -12,6 +12,7 @@
 #include "models/detail/linear.h"
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
+#include "models/detail/pass_slots.h"
 #include "models/models.h"
 
 namespace zinc::models {
@@ -117,14 +118,15 @@ class Gpt final : public Model {
     if (frozen) add_lora_blocks();
     // Note [activation checkpointing]: one shared set of layer activations
     // instead of one per layer.
-    acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.n_layer));
-    for (LayerActs& a : acts_) a.ws = ops_->attention_create();
-    x_in_.resize(static_cast<size_t>(c.n_layer));
+    pass_.acts.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.n_layer));
+    for (LayerActs& a : pass_.acts) a.ws = ops_->attention_create();
+    pass_.x_in.resize(static_cast<size_t>(c.n_layer));
   }
   ~Gpt() override {
-    for (LayerActs& a : acts_) ops_->attention_destroy(a.ws);
-    for (PassState& p : slots_)
+    for (LayerActs& a : pass_.acts) ops_->attention_destroy(a.ws);
+    slots_.for_each([&](Pass& p) {
       for (LayerActs& a : p.acts) ops_->attention_destroy(a.ws);
+    });
   }
 
   // Pipeline layers: the embedding, each layer with its adapters' block,
@@ -150,21 +152,10 @@ class Gpt final : public Model {
   }
   int64_t pipeline_width() const override { return c_.n_embd; }
 
-  // Pipeline stages: one slot per in-flight micro-batch's forward (as the
-  // Llama's: the pass state lives in the members while its slot is selected).
+  // Pipeline stages: one slot per in-flight micro-batch's forward; the
+  // selected slot's state is pass_ (models/detail/pass_slots.h).
   bool select_activations(int slot) override {
-    if (slot == cur_slot_) return true;
-    if (slots_.empty()) slots_.resize(1);
-    while (static_cast<int>(slots_.size()) <= slot) {
-      PassState p;
-      p.acts.resize(acts_.size());
-      for (LayerActs& a : p.acts) a.ws = ops_->attention_create();
-      p.x_in.resize(x_in_.size());
-      slots_.push_back(std::move(p));
-    }
-    swap_pass(slots_[static_cast<size_t>(cur_slot_)]);
-    swap_pass(slots_[static_cast<size_t>(slot)]);
-    cur_slot_ = slot;
+    slots_.select(slot, pass_, [&] { return ops_->attention_create(); });
     return true;
   }
 
@@ -172,8 +163,8 @@ class Gpt final : public Model {
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || B_ == 0 || !alloc_range_.head) return {};
-    return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
+    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
+    return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
   }
 
   double flops_per_token(int64_t T) const override {
@@ -257,7 +248,7 @@ class Gpt final : public Model {
  public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
-    lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
+    pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.n_embd, V = c_.vocab_size;
     if (T > c_.block_size)
       throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
@@ -266,29 +257,29 @@ class Gpt final : public Model {
     const StageRange sr = stage_range(ctx.pipeline_stage());
     ensure_buffers(B, T, ops_->fuses_operand16(dt), sr);
     const int64_t N = B * T;
-    tokens_ = batch.inputs;
-    tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
+    pass_.tokens = batch.inputs;
+    pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
-    positions_ = batch.positions;  // backward reads them too
-    pos_ = ops_->positions(positions_, positions_store_);
+    pass_.positions = batch.positions;  // backward reads them too
+    pass_.pos = ops_->positions(pass_.positions, pass_.positions_store);
 
     if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
-      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[kWte], emb[kWpe], B, T, C, V, pos_);
+      ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], emb[kWpe], B, T, C, V, pass_.pos);
       emb.release();
     } else {  // a later pipeline stage: the previous stage's hidden state
       ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
     }
 
     for (int64_t l = sr.lo; l < sr.hi; ++l) {
-      float* x_out = l + 1 < c_.n_layer ? x_in_[l + 1].as<float>() : x_final_.as<float>();
+      float* x_out = l + 1 < c_.n_layer ? pass_.x_in[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
       HeldParams lp;
       if (lora()) lp = ctx.acquire(lora_block(l));
-      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
+      layer_forward(p, acts(l), l, pass_.x_in[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
       p.release();
     }
-    acts_hold_ = sr.hi - 1;  // the shared set (if any) holds the last layer's
+    pass_.acts_hold = sr.hi - 1;  // the shared set (if any) holds the last layer's
     if (!sr.head) {  // the next stage's input
       ops_->copy_columns(ctx.pipeline_stage().output, C, hidden(sr.hi), C, N, C);
       return 0.0f;
@@ -310,7 +301,7 @@ class Gpt final : public Model {
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
-    const int64_t B = B_, T = T_, C = c_.n_embd, V = c_.vocab_size, N = B * T;
+    const int64_t B = pass_.B, T = pass_.T, C = c_.n_embd, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
     const PipelineStage& st = ctx.pipeline_stage();
     const StageRange sr = stage_range(st);
@@ -342,18 +333,18 @@ class Gpt final : public Model {
     float* dsmall = dsmall_.as<float>();  // (N,C) scratch
     for (int64_t l = sr.hi - 1; l >= sr.lo; --l) {
       LayerActs& a = acts(l);
-      const float* x_in = x_in_[l].as<float>();
+      const float* x_in = pass_.x_in[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
       detail::HeldAdapter adapter = detail::hold_adapter(ctx, lora() ? lora_block(l) : -1);
       const HeldParams* lpp = adapter.get();
       const BlockGrads& lg = adapter.g;
-      if (c_.gradient_checkpointing && acts_hold_ != l) {
+      if (c_.gradient_checkpointing && pass_.acts_hold != l) {
         // Recompute the layer's activations from its saved input with the
         // same kernels on the same values (Note [activation checkpointing]);
         // its output, the next layer's input, is not needed again.
         layer_forward(p, a, l, x_in, nullptr, B, T, dt, lpp);
-        acts_hold_ = l;
+        pass_.acts_hold = l;
       }
       BlockGrads g = base_grads(ctx, blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
@@ -375,7 +366,7 @@ class Gpt final : public Model {
       adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
                               p[kAttnProjW], N, C, C, dt, dy_in, adapted);
-      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
+      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head, pass_.pos}, dt);
       dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * C, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
@@ -390,7 +381,7 @@ class Gpt final : public Model {
       }
     }
 
-    if (sr.embed && !lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, tok_, B, T, C, V, pos_);
+    if (sr.embed && !lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, pass_.tok, B, T, C, V, pass_.pos);
     if (!sr.embed) ops_->copy_columns(st.input_grad, C, dx, C, N, C);  // the previous stage's
     emb.release();
     if (sr.embed || sr.head) base_grads_ready(ctx, 0);  // the embedding's, or the tied head's copy
@@ -402,10 +393,10 @@ class Gpt final : public Model {
     return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
   }
   // The residual stream entering layer l (x_final_ past the last).
-  float* hidden(int64_t l) { return l < c_.n_layer ? x_in_[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
+  float* hidden(int64_t l) { return l < c_.n_layer ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
 
   // The activations layer l's backward reads: its own set, or the shared one.
-  LayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
+  LayerActs& acts(int64_t l) { return pass_.acts[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
 
   // One transformer layer's forward from x_in into `a`, and, unless x_out is
   // null, its output: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))) with x_mid
@@ -421,7 +412,7 @@ class Gpt final : public Model {
     // projection adds itself (models/detail/lora.h).
     bool adapted = lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
     detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt, adapted);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pos_}, dt);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pass_.pos}, dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
     adapted = lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt, adapted);
@@ -440,7 +431,7 @@ class Gpt final : public Model {
   // ---- LoRA (LoraConfig; models/detail/lora.h) -----------------------------------
   bool lora() const { return c_.lora.enabled(); }
   detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
-    return detail::LoraDropout::of(c_.lora.dropout, lora_seed_, l, g);
+    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g);
   }
   int lora_block(int64_t l) const { return static_cast<int>(c_.n_layer + 2 + l); }
   // A base weight's (or bias's) gradient: null when frozen (linear_backward
@@ -504,13 +495,13 @@ class Gpt final : public Model {
   // (Ops::fuses_operand16), so their fp32 buffers stay empty.
   // A pipeline stage holds its own layers' activations only.
   void ensure_buffers(int64_t B, int64_t T, bool fused, const StageRange& sr) {
-    if (B == B_ && T == T_ && fused == fused_ && sr == alloc_range_) return;
+    if (B == pass_.B && T == pass_.T && fused == pass_.fused && sr == pass_.alloc) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t V = static_cast<size_t>(c_.vocab_size);
     for (int64_t l = 0; l < c_.n_layer; ++l)
-      x_in_[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
-    for (size_t i = 0; i < acts_.size(); ++i) {
-      LayerActs& a = acts_[i];
+      pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
+    for (size_t i = 0; i < pass_.acts.size(); ++i) {
+      LayerActs& a = pass_.acts[i];
       const bool used = c_.gradient_checkpointing ? sr.hi > sr.lo
                                                   : static_cast<int64_t>(i) >= sr.lo && static_cast<int64_t>(i) < sr.hi;
       if (!used) {
@@ -543,65 +534,28 @@ class Gpt final : public Model {
     dbig_ = ops_->alloc_f32(N * 4 * C);
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
-      for (LayerActs& a : acts_)
+      for (LayerActs& a : pass_.acts)
         if (a.ln1_mean.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kGptLoraTargets * r);  // not another stage's layer
       lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
                            c_.lora.dropout > 0);
       sink_ = ops_->alloc_f32(2 * C);
     }
-    B_ = B;
-    T_ = T;
-    fused_ = fused;
-    alloc_range_ = sr;
+    pass_.B = B;
+    pass_.T = T;
+    pass_.fused = fused;
+    pass_.alloc = sr;
   }
-  StageRange alloc_range_;  // the layers ensure_buffers allocated for
 
-  // What a forward leaves for its backward, per slot (select_activations).
-  struct PassState {
-    std::vector<Buf> x_in;
-    std::vector<LayerActs> acts;
-    int64_t acts_hold = -1;
-    std::vector<int32_t> tokens, positions;
-    const int32_t* tok = nullptr;
-    const int32_t* pos = nullptr;
-    Buf tokens_store, positions_store;
-    uint64_t lora_seed = 0;
-    int64_t B = 0, T = 0;
-    bool fused = false;
-    StageRange alloc;
-  };
-  void swap_pass(PassState& p) {
-    std::swap(x_in_, p.x_in);
-    std::swap(acts_, p.acts);
-    std::swap(acts_hold_, p.acts_hold);
-    std::swap(tokens_, p.tokens);
-    std::swap(positions_, p.positions);
-    std::swap(tok_, p.tok);
-    std::swap(pos_, p.pos);
-    std::swap(tokens_store_, p.tokens_store);
-    std::swap(positions_store_, p.positions_store);
-    std::swap(lora_seed_, p.lora_seed);
-    std::swap(B_, p.B);
-    std::swap(T_, p.T);
-    std::swap(fused_, p.fused);
-    std::swap(alloc_range_, p.alloc);
-  }
-  std::vector<PassState> slots_;  // the slots not selected (the selected one's place is empty)
-  int cur_slot_ = 0;
 
   GptConfig c_;
   detail::Ops* ops_;  // the device's kernels (models/detail/ops.h)
   std::vector<BlockSpec> specs_;
-  std::vector<Buf> x_in_;  // (N,C) per layer: the residual stream entering it
-  std::vector<LayerActs> acts_;      // one per layer, or one shared (gradient_checkpointing)
-  int64_t acts_hold_ = -1;           // the layer whose activations the shared set holds
-  std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
-  const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
-  Buf tokens_store_, targets_store_, positions_store_;
-  std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
-  const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without  // device copies (GPU)
-  int64_t B_ = 0, T_ = 0;
-  bool fused_ = false;  // ensure_buffers' last `fused`
+  Buf targets_store_;
+  // What the forward leaves for its backward (the selected activation set) and
+  // the other sets of a pipeline stage's micro-batches in flight.
+  using Pass = detail::PassState<LayerActs, StageRange>;
+  Pass pass_;
+  detail::PassSlots<Pass> slots_;
   Buf x_final_, lnf_, lnf_mean_, lnf_rstd_, logits_, dlogits_;
   Buf dlnf_, dres_, dsmall_, dbig_;
   Buf dy16_;  // linear_backward's 16-bit copy of dy
@@ -609,7 +563,6 @@ class Gpt final : public Model {
   // the frozen norms' weight and bias gradients (a sink of two halves).
   std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> lora_groups_;
   detail::LoraScratch lora_scratch_;
-  uint64_t lora_seed_ = 0;  // the forward's dropout seed (StepContext::dropout_seed)
   Buf sink_;
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
   Buf lnf_16_;

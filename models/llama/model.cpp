@@ -25,6 +25,7 @@
 #include "models/detail/linear.h"
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
+#include "models/detail/pass_slots.h"
 #include "models/llama/llama.h"
 #include "models/models.h"
 
@@ -169,32 +170,22 @@ class Llama final : public Model {
     }
     lora_first_ = static_cast<int>(specs_.size());
     if (frozen) add_lora_blocks();
-    acts_.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
-    for (LlamaLayerActs& a : acts_) a.ws = ops_->attention_create();
-    x_in_.resize(static_cast<size_t>(c.num_hidden_layers));
+    pass_.acts.resize(c.gradient_checkpointing ? 1 : static_cast<size_t>(c.num_hidden_layers));
+    for (LlamaLayerActs& a : pass_.acts) a.ws = ops_->attention_create();
+    pass_.x_in.resize(static_cast<size_t>(c.num_hidden_layers));
   }
   ~Llama() override {
-    for (LlamaLayerActs& a : acts_) ops_->attention_destroy(a.ws);
-    for (PassState& p : slots_)
+    for (LlamaLayerActs& a : pass_.acts) ops_->attention_destroy(a.ws);
+    slots_.for_each([&](Pass& p) {
       for (LlamaLayerActs& a : p.acts) ops_->attention_destroy(a.ws);
+    });
   }
 
   // Pipeline stages: each slot holds one in-flight micro-batch's forward
   // (its layers' activations, its tokens and positions, its dropout seed);
-  // the pass state lives in the members while its slot is selected.
+  // the selected slot's state is pass_ (models/detail/pass_slots.h).
   bool select_activations(int slot) override {
-    if (slot == cur_slot_) return true;
-    if (slots_.empty()) slots_.resize(1);  // slot 0's place, empty while slot 0 is selected
-    while (static_cast<int>(slots_.size()) <= slot) {
-      PassState p;
-      p.acts.resize(acts_.size());
-      for (LlamaLayerActs& a : p.acts) a.ws = ops_->attention_create();
-      p.x_in.resize(x_in_.size());
-      slots_.push_back(std::move(p));
-    }
-    swap_pass(slots_[static_cast<size_t>(cur_slot_)]);  // the selected state into its slot
-    swap_pass(slots_[static_cast<size_t>(slot)]);       // and the asked one out
-    cur_slot_ = slot;
+    slots_.select(slot, pass_, [&] { return ops_->attention_create(); });
     return true;
   }
 
@@ -202,8 +193,8 @@ class Llama final : public Model {
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return specs_; }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || B_ == 0 || !alloc_range_.head) return {};
-    return {logits_.as<const float>(), static_cast<size_t>(B_ * T_ * c_.vocab_size)};
+    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
+    return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
   }
 
   double flops_per_token(int64_t T) const override {
@@ -326,7 +317,7 @@ class Llama final : public Model {
  public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
-    lora_seed_ = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
+    pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.hidden_size, V = c_.vocab_size;
     if (T > c_.max_position_embeddings)
       throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
@@ -335,23 +326,23 @@ class Llama final : public Model {
     ensure_buffers(B, T, sr);
     const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
-    tokens_ = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
-    tok_ = ops_->tokens(tokens_, V, "embedding_forward", tokens_store_);
+    pass_.tokens = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
+    pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
-    positions_ = batch.positions;  // backward reads them too
-    pos_ = ops_->positions(positions_, positions_store_);
+    pass_.positions = batch.positions;  // backward reads them too
+    pass_.pos = ops_->positions(pass_.positions, pass_.positions_store);
     if (c_.rope_scaling.type == RopeScaling::Type::kLongrope) {
       // transformers picks longrope's factors by the batch's largest
       // position + 1 (packed documents can all be shorter than the rows).
-      const int64_t len = positions_.empty() ? T : *std::max_element(positions_.begin(), positions_.end()) + 1;
+      const int64_t len = pass_.positions.empty() ? T : *std::max_element(pass_.positions.begin(), pass_.positions.end()) + 1;
       const int64_t orig = c_.rope_scaling.original_max_position_embeddings;
       if ((len > orig) != (rope_len_ > orig)) build_rope_tables(T, len);
     }
 
     if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
-      ops_->embedding_forward(x_in_[0].as<float>(), tok_, emb[0], CView{}, B, T, C, V, nullptr);
-      if (embed_factor() != 1.0f) ops_->scale(x_in_[0].as<float>(), embed_factor(), N * C);
+      ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[0], CView{}, B, T, C, V, nullptr);
+      if (embed_factor() != 1.0f) ops_->scale(pass_.x_in[0].as<float>(), embed_factor(), N * C);
     } else {  // a later pipeline stage: the previous stage's hidden state
       ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
     }
@@ -359,13 +350,13 @@ class Llama final : public Model {
     aux_count_.assign(static_cast<size_t>(c_.num_experts), 0.0);
     aux_prob_.assign(static_cast<size_t>(c_.num_experts), 0.0);
     for (int64_t l = sr.lo; l < sr.hi; ++l) {
-      float* x_out = l + 1 < c_.num_hidden_layers ? x_in_[l + 1].as<float>() : x_final_.as<float>();
+      float* x_out = l + 1 < c_.num_hidden_layers ? pass_.x_in[l + 1].as<float>() : x_final_.as<float>();
       HeldParams p = ctx.acquire(static_cast<int>(l + 1));
       HeldParams lp;
       if (lora()) lp = ctx.acquire(lora_block(l));
-      layer_forward(p, acts(l), l, x_in_[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
+      layer_forward(p, acts(l), l, pass_.x_in[l].as<float>(), x_out, B, T, dt, lora() ? &lp : nullptr);
     }
-    acts_hold_ = sr.hi - 1;
+    pass_.acts_hold = sr.hi - 1;
     if (!sr.head) {  // the next stage's input
       ops_->copy_columns(ctx.pipeline_stage().output, C, hidden(sr.hi), C, N, C);
       return 0.0f;
@@ -417,7 +408,7 @@ class Llama final : public Model {
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
-    const int64_t B = B_, T = T_, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
+    const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
     const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const DType dt = ctx.compute_dtype();
     const PipelineStage& st = ctx.pipeline_stage();
@@ -440,15 +431,15 @@ class Llama final : public Model {
     for (int64_t l = sr.hi - 1; l >= sr.lo; --l) {
       const LayerIdx& x = idx_[static_cast<size_t>(l)];
       LlamaLayerActs& a = acts(l);
-      const float* x_in = x_in_[l].as<float>();
+      const float* x_in = pass_.x_in[l].as<float>();
       const int blk = static_cast<int>(l + 1);
       HeldParams p = ctx.acquire(blk);
       detail::HeldAdapter adapter = detail::hold_adapter(ctx, lora() ? lora_block(l) : -1);
       const HeldParams* lpp = adapter.get();
       const BlockGrads& lg = adapter.g;
-      if (c_.gradient_checkpointing && acts_hold_ != l) {
+      if (c_.gradient_checkpointing && pass_.acts_hold != l) {
         layer_forward(p, a, l, x_in, nullptr, B, T, dt, lpp);
-        acts_hold_ = l;
+        pass_.acts_hold = l;
       }
       BlockGrads g = base_grads(ctx, blk);
       // MLP: dx holds d out and becomes d h.
@@ -481,7 +472,7 @@ class Llama final : public Model {
       ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
-        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, true);
+        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pass_.pos, c_.rotary_dim()}, true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       dy_in = ops_->dy_operand(dproj, bias_grad(g, x.qkv_b), N, Q, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dsmall, N, dt);
@@ -506,7 +497,7 @@ class Llama final : public Model {
     }
     if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
       if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
-      ops_->embedding_backward(gemb[0], nullptr, dx, tok_, B, T, C, V, nullptr);
+      ops_->embedding_backward(gemb[0], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
     }
     emb.release();
     base_grads_ready(ctx, 0);
@@ -516,7 +507,7 @@ class Llama final : public Model {
   // from the loss through the head and the final norm into dres_. A tied
   // head holds the embedding (emb) and sums into its gradient (gemb).
   void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
-    const int64_t B = B_, T = T_, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
+    const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
     if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
     if (c_.final_logit_softcapping > 0)
@@ -589,10 +580,10 @@ class Llama final : public Model {
     return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
   }
   // The hidden state entering decoder layer l (x_final_ past the last).
-  float* hidden(int64_t l) { return l < c_.num_hidden_layers ? x_in_[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
+  float* hidden(int64_t l) { return l < c_.num_hidden_layers ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
-  LlamaLayerActs& acts(int64_t l) { return acts_[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
+  LlamaLayerActs& acts(int64_t l) { return pass_.acts[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
   static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
   // Granite's scalings (LlamaConfig): 0 leaves attention's own 1/sqrt(D).
   // Gemma 2 and 3: query_pre_attn_scalar^-1/2, formed in double as
@@ -603,7 +594,7 @@ class Llama final : public Model {
   }
   float att_softcap() const { return static_cast<float>(c_.attn_logit_softcapping); }
   kernels::AttentionShape attention_shape(int64_t l) const {
-    kernels::AttentionShape s{B_, T_, H_ * D_, H_, pos_, c_.window(l), att_scale()};
+    kernels::AttentionShape s{pass_.B, pass_.T, H_ * D_, H_, pass_.pos, c_.window(l), att_scale()};
     s.softcap = att_softcap();
     return s;
   }
@@ -709,7 +700,7 @@ class Llama final : public Model {
   // ---- LoRA (LoraConfig) ------------------------------------------------------
   bool lora() const { return c_.lora.enabled(); }
   detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
-    return detail::LoraDropout::of(c_.lora.dropout, lora_seed_, l, g);
+    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g);
   }
   int lora_block(int64_t l) const { return lora_first_ + static_cast<int>(l); }
   // Where target t sits: its input and output widths, and its output's
@@ -807,7 +798,7 @@ class Llama final : public Model {
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
-      ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pos_, c_.rotary_dim()}, false);
+      ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pass_.pos, c_.rotary_dim()}, false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
     ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
@@ -1064,15 +1055,15 @@ class Llama final : public Model {
 
   // A pipeline stage holds the activations of its own layers only.
   void ensure_buffers(int64_t B, int64_t T, const StageRange& sr) {
-    if (B == B_ && T == T_ && sr == alloc_range_) return;
-    if (T != T_) build_rope_tables(T, T);
+    if (B == pass_.B && T == pass_.T && sr == pass_.alloc) return;
+    if (T != pass_.T) build_rope_tables(T, T);
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
     const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
-      x_in_[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
-    for (size_t i = 0; i < acts_.size(); ++i) {
-      LlamaLayerActs& a = acts_[i];
+      pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
+    for (size_t i = 0; i < pass_.acts.size(); ++i) {
+      LlamaLayerActs& a = pass_.acts[i];
       const bool used = c_.gradient_checkpointing ? sr.hi > sr.lo
                                                   : static_cast<int64_t>(i) >= sr.lo && static_cast<int64_t>(i) < sr.hi;
       if (!used) {
@@ -1113,7 +1104,7 @@ class Llama final : public Model {
     if (c_.num_experts > 0) {
       const size_t E = static_cast<size_t>(c_.num_experts), k = static_cast<size_t>(c_.num_experts_per_tok);
       const size_t Ie = static_cast<size_t>(c_.expert_size()), M = N * k;
-      for (LlamaLayerActs& a : acts_) {
+      for (LlamaLayerActs& a : pass_.acts) {
         if (a.ln1.bytes() == 0) continue;  // another pipeline stage's layer
         MoeActs& m = a.moe;
         m.probs = ops_->alloc_f32(N * E);
@@ -1142,49 +1133,18 @@ class Llama final : public Model {
     if (c_.residual_multiplier != 1.0) branch_ = ops_->alloc_f32(N * C);
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
-      for (LlamaLayerActs& a : acts_)
+      for (LlamaLayerActs& a : pass_.acts)
         if (a.ln1.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);  // not another stage's layer
       lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
                            c_.lora.dropout > 0);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
       sink_ = ops_->alloc_f32(2 * static_cast<size_t>(sink_half_));
     }
-    B_ = B;
-    T_ = T;
-    alloc_range_ = sr;
+    pass_.B = B;
+    pass_.T = T;
+    pass_.alloc = sr;
   }
-  StageRange alloc_range_;  // the layers ensure_buffers allocated for
 
-  // What a forward leaves for its backward, per slot (select_activations).
-  struct PassState {
-    std::vector<Buf> x_in;
-    std::vector<LlamaLayerActs> acts;
-    int64_t acts_hold = -1;
-    std::vector<int32_t> tokens, positions;
-    const int32_t* tok = nullptr;
-    const int32_t* pos = nullptr;
-    Buf tokens_store, positions_store;
-    uint64_t lora_seed = 0;
-    int64_t B = 0, T = 0;
-    StageRange alloc;
-  };
-  void swap_pass(PassState& p) {
-    std::swap(x_in_, p.x_in);
-    std::swap(acts_, p.acts);
-    std::swap(acts_hold_, p.acts_hold);
-    std::swap(tokens_, p.tokens);
-    std::swap(positions_, p.positions);
-    std::swap(tok_, p.tok);
-    std::swap(pos_, p.pos);
-    std::swap(tokens_store_, p.tokens_store);
-    std::swap(positions_store_, p.positions_store);
-    std::swap(lora_seed_, p.lora_seed);
-    std::swap(B_, p.B);
-    std::swap(T_, p.T);
-    std::swap(alloc_range_, p.alloc);
-  }
-  std::vector<PassState> slots_;  // the slots not selected (the selected one's place is empty)
-  int cur_slot_ = 0;
 
   LlamaConfig c_;
   detail::Ops* ops_ = nullptr;
@@ -1195,15 +1155,12 @@ class Llama final : public Model {
   int lora_first_ = 0;  // the first adapter block
   std::vector<LayerIdx> idx_;  // per layer (a sparse layer's MLP differs; the rest is the same in every layer)
   std::vector<BlockSpec> specs_;
-  std::vector<Buf> x_in_;
-  std::vector<LlamaLayerActs> acts_;
-  int64_t acts_hold_ = -1;
-  std::vector<int32_t> tokens_;  // (B,T) inputs of the last forward
-  const int32_t* tok_ = nullptr;  // ... where the kernels read them (tokens_ or tokens_store_)
-  Buf tokens_store_, targets_store_, positions_store_;
-  std::vector<int32_t> positions_;  // Batch::positions of the last forward (empty: one document per row)
-  const int32_t* pos_ = nullptr;    // ... where the kernels read them; nullptr without
-  int64_t B_ = 0, T_ = 0;
+  Buf targets_store_;
+  // What the forward leaves for its backward (the selected activation set) and
+  // the other sets of a pipeline stage's micro-batches in flight.
+  using Pass = detail::PassState<LlamaLayerActs, StageRange>;
+  Pass pass_;
+  detail::PassSlots<Pass> slots_;
   Buf rope_cos_, rope_sin_;              // (T, D/2)
   int64_t rope_len_ = -1;                // the length the tables' longrope factors were picked by
   Buf rope_local_cos_, rope_local_sin_;  // rope_local_theta: the sliding-window layers' tables
@@ -1224,7 +1181,6 @@ class Llama final : public Model {
   // the frozen norms' weight gradients (two halves).
   std::vector<std::array<detail::LoraGroup, 4>> lora_groups_;
   detail::LoraScratch lora_scratch_;
-  uint64_t lora_seed_ = 0;  // the forward's dropout seed (StepContext::dropout_seed)
   Buf sink_;
   int64_t sink_half_ = 0;
   CView lnf_in_;

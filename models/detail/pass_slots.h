@@ -1,0 +1,66 @@
+// zinc models, private: the state a forward leaves for its backward, and
+// the activation sets of pipeline stages (Model::select_activations).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "models/detail/ops.h"
+
+namespace zinc::models::detail {
+
+// What a model's forward leaves for its backward: the layer inputs and
+// activations (Acts: the model's per-layer set, with its attention
+// workspace `ws`), the tokens and positions the kernels read, the dropout
+// seed, the batch's shape and the layers (Range) the buffers were made for.
+template <class Acts, class Range>
+struct PassState {
+  std::vector<Buf> x_in;
+  std::vector<Acts> acts;
+  int64_t acts_hold = -1;  // gradient checkpointing: the layer whose activations the shared set holds
+  std::vector<int32_t> tokens, positions;  // the forward's inputs and Batch::positions
+  const int32_t* tok = nullptr;            // ... where the kernels read them
+  const int32_t* pos = nullptr;            // (nullptr: one document per row)
+  Buf tokens_store, positions_store;       // device copies (GPU)
+  uint64_t lora_seed = 0;                  // StepContext::dropout_seed of the forward
+  int64_t B = 0, T = 0;
+  bool fused = false;  // the GPT's bf16 operands fused (Ops::fuses_operand16)
+  Range alloc;         // the layers ensure_buffers allocated for
+};
+
+// Several PassStates for the micro-batches a pipeline stage has in flight:
+// the selected one is the model's own (`current`), the others wait here.
+// Swapping moves vectors and buffers, not their contents.
+template <class State>
+class PassSlots {
+ public:
+  // Makes `slot` the current one (a new slot gets as many layer sets as the
+  // current, each with a workspace from new_ws()).
+  template <class NewWs>
+  void select(int slot, State& current, NewWs&& new_ws) {
+    if (slot == cur_) return;
+    if (slots_.empty()) slots_.resize(1);  // the selected slot's place: empty while it is current
+    while (static_cast<int>(slots_.size()) <= slot) {
+      State s;
+      s.acts.resize(current.acts.size());
+      for (auto& a : s.acts) a.ws = new_ws();
+      s.x_in.resize(current.x_in.size());
+      slots_.push_back(std::move(s));
+    }
+    std::swap(current, slots_[static_cast<size_t>(cur_)]);
+    std::swap(current, slots_[static_cast<size_t>(slot)]);
+    cur_ = slot;
+  }
+  // The states not selected (to free their workspaces).
+  template <class F>
+  void for_each(F&& f) {
+    for (State& s : slots_) f(s);
+  }
+
+ private:
+  std::vector<State> slots_;
+  int cur_ = 0;
+};
+
+}  // namespace zinc::models::detail
