@@ -2,13 +2,29 @@
 // the activation sets of pipeline stages (Model::select_activations).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "engine/model.h"
 #include "models/detail/ops.h"
 
 namespace zinc::models::detail {
+
+// The decoder layers [lo, hi) a pass computes, and whether it starts at the
+// embedding and ends with the head: PipelineStage's layers numbered as
+// decoder_pipeline_layers numbers them (0 the embedding, 1..L the decoder
+// layers, L + 1 the head), for a model of L decoder layers.
+struct StageRange {
+  int64_t lo = 0, hi = 0;
+  bool embed = true, head = true;
+  bool operator==(const StageRange&) const = default;
+  static StageRange of(const PipelineStage& st, int64_t L) {
+    const int64_t first = st.first, end = st.end < 0 ? L + 2 : st.end;
+    return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
+  }
+};
 
 // What a model's forward leaves for its backward: the layer inputs and
 // activations (Acts: the model's per-layer set, with its attention
@@ -62,5 +78,26 @@ class PassSlots {
   std::vector<State> slots_;
   int cur_ = 0;
 };
+
+// The pipeline layers of a decoder whose blocks are numbered as zinc's
+// models number them: the embedding (block 0), layer l in block l + 1 (and
+// its adapters' block lora_first + l where lora_first >= 0), then the head
+// (the blocks `head` lists: the final norm's, a head of its own, or the
+// embedding's when tied).
+inline std::vector<PipelineLayer> decoder_pipeline_layers(const std::vector<BlockSpec>& specs, int64_t layers,
+                                                          int lora_first, std::vector<int> head) {
+  std::vector<PipelineLayer> out;
+  out.push_back({"Embedding", {0}});
+  for (int64_t l = 0; l < layers; ++l) {
+    PipelineLayer d{"DecoderLayer", {static_cast<int>(l + 1)}};
+    if (lora_first >= 0) d.blocks.push_back(lora_first + static_cast<int>(l));
+    out.push_back(std::move(d));
+  }
+  out.push_back({"Head", std::move(head)});
+  for (PipelineLayer& p : out)
+    for (int b : p.blocks)
+      for (const ParamSpec& ps : specs[static_cast<size_t>(b)].params) p.params += ps.shape.numel();
+  return out;
+}
 
 }  // namespace zinc::models::detail

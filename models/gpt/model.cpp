@@ -80,14 +80,7 @@ struct LayerActs {
 };
 
 class Gpt final : public Model {
-  // The decoder layers [lo, hi) a pass computes, and whether it starts at
-  // the embedding and ends with the head (PipelineStage: layer 0 is the
-  // embedding, 1..L the decoder layers, L + 1 the final norm and the head).
-  struct StageRange {
-    int64_t lo = 0, hi = 0;
-    bool embed = true, head = true;
-    bool operator==(const StageRange&) const = default;
-  };
+  using StageRange = detail::StageRange;  // the layers a pass computes (pipeline stages)
 
  public:
   explicit Gpt(const GptConfig& c) : c_(c), ops_(&detail::ops_for(c.device)) {
@@ -133,22 +126,8 @@ class Gpt final : public Model {
   // and the final norm with the head, which is tied to the embedding (the
   // engine keeps that block on both ends, Note [tied blocks across stages]).
   std::vector<PipelineLayer> pipeline_layers() const override {
-    auto params = [&](const std::vector<int>& blocks) {
-      int64_t n = 0;
-      for (int b : blocks)
-        for (const ParamSpec& p : specs_[static_cast<size_t>(b)].params) n += p.shape.numel();
-      return n;
-    };
-    std::vector<PipelineLayer> out;
-    out.push_back({"Embedding", {0}});
-    for (int64_t l = 0; l < c_.n_layer; ++l) {
-      PipelineLayer d{"DecoderLayer", {static_cast<int>(l + 1)}};
-      if (lora()) d.blocks.push_back(lora_block(l));
-      out.push_back(std::move(d));
-    }
-    out.push_back({"Head", {static_cast<int>(c_.n_layer + 1), 0}});
-    for (PipelineLayer& p : out) p.params = params(p.blocks);
-    return out;
+    return detail::decoder_pipeline_layers(specs_, c_.n_layer, lora() ? lora_block(0) : -1,
+                                           {static_cast<int>(c_.n_layer + 1), 0});
   }
   int64_t pipeline_width() const override { return c_.n_embd; }
 
@@ -388,10 +367,7 @@ class Gpt final : public Model {
   }
 
  private:
-  StageRange stage_range(const PipelineStage& st) const {
-    const int64_t L = c_.n_layer, first = st.first, end = st.end < 0 ? L + 2 : st.end;
-    return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
-  }
+  StageRange stage_range(const PipelineStage& st) const { return StageRange::of(st, c_.n_layer); }
   // The residual stream entering layer l (x_final_ past the last).
   float* hidden(int64_t l) { return l < c_.n_layer ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
 

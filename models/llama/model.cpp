@@ -93,14 +93,7 @@ struct LlamaLayerActs {
 };
 
 class Llama final : public Model {
-  // The decoder layers [lo, hi) a pass computes, and whether it starts at
-  // the embedding and ends with the head (PipelineStage: layer 0 is the
-  // embedding, 1..L the decoder layers, L + 1 the head).
-  struct StageRange {
-    int64_t lo = 0, hi = 0;
-    bool embed = true, head = true;
-    bool operator==(const StageRange&) const = default;
-  };
+  using StageRange = detail::StageRange;  // the layers a pass computes (pipeline stages)
  public:
   explicit Llama(const LlamaConfig& c) : c_(c) {
     if (auto bad = size_error(c)) throw Error("llama: " + bad->field + ": " + bad->message);
@@ -552,33 +545,15 @@ class Llama final : public Model {
   std::vector<PipelineLayer> pipeline_layers() const override {
     // The load-balancing loss sums over every sparse layer into the loss.
     if (c_.router_aux_loss_coef > 0 && c_.num_experts > 0) return {};
-    auto params = [&](const std::vector<int>& blocks) {
-      int64_t n = 0;
-      for (int b : blocks)
-        for (const ParamSpec& p : specs_[static_cast<size_t>(b)].params) n += p.shape.numel();
-      return n;
-    };
-    std::vector<PipelineLayer> out;
-    out.push_back({"Embedding", {0}});
-    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
-      PipelineLayer d{"DecoderLayer", {static_cast<int>(l + 1)}};
-      if (lora()) d.blocks.push_back(lora_block(l));
-      out.push_back(std::move(d));
-    }
-    PipelineLayer head{"Head", {final_block()}};
-    if (head_block_ != final_block()) head.blocks.push_back(head_block_);
-    if (c_.tie_word_embeddings) head.blocks.push_back(0);
-    out.push_back(std::move(head));
-    for (PipelineLayer& p : out) p.params = params(p.blocks);
-    return out;
+    std::vector<int> head{final_block()};
+    if (head_block_ != final_block()) head.push_back(head_block_);
+    if (c_.tie_word_embeddings) head.push_back(0);
+    return detail::decoder_pipeline_layers(specs_, c_.num_hidden_layers, lora() ? lora_first_ : -1, std::move(head));
   }
   int64_t pipeline_width() const override { return c_.hidden_size; }
 
  private:
-  StageRange stage_range(const PipelineStage& st) const {
-    const int64_t L = c_.num_hidden_layers, first = st.first, end = st.end < 0 ? L + 2 : st.end;
-    return {std::max<int64_t>(first, 1) - 1, std::min<int64_t>(end, L + 1) - 1, first == 0, end == L + 2};
-  }
+  StageRange stage_range(const PipelineStage& st) const { return StageRange::of(st, c_.num_hidden_layers); }
   // The hidden state entering decoder layer l (x_final_ past the last).
   float* hidden(int64_t l) { return l < c_.num_hidden_layers ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
