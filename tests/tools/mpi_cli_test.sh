@@ -118,20 +118,24 @@ fi
 # 2 ranks give the weights of the run without stages at 1 rank bit for bit;
 # --check prints which rank holds which layers; a checkpoint saved with
 # stages resumes at 1 rank without them to the same weights; the exported
-# Hugging Face folder is the one the 1-rank run writes, byte for byte.
+# Hugging Face folder is the one the 1-rank run writes, byte for byte, and
+# zinc-export makes the same folder from the stages' checkpoint.
 PCFG="$ROOT/configs/pipeline.json"
 PK=(--set run.eval_interval=0 --set steps_per_print=3 --weights-digest)
 "${MPIRUN[@]}" "$ZT" "$PCFG" --steps 6 "${PK[@]}" --save-pretrained "$TMP/hf2" >"$TMP/pp" 2>"$TMP/err"
 OMP_NUM_THREADS=1 "$ZT" "$PCFG" --steps 6 "${PK[@]}" --set pipeline.stages=1 --save-pretrained "$TMP/hf1" >"$TMP/one" 2>>"$TMP/err"
 "${MPIRUN[@]}" "$ZT" "$PCFG" --steps 3 "${PK[@]}" --set "run.checkpoint_dir=$TMP/pck" --set run.checkpoint_interval=3 \
-  >/dev/null 2>>"$TMP/err"
+  --save-pretrained "$TMP/hf3" >/dev/null 2>>"$TMP/err"
+# zinc-export reads the stages' shards of that checkpoint into the folder the run wrote.
+"$(dirname "$ZT")/zinc-export" "$TMP/pck" --format hf --dtype bf16 --out "$TMP/hfx" >/dev/null 2>>"$TMP/err"
 OMP_NUM_THREADS=1 "$ZT" "$PCFG" --steps 6 "${PK[@]}" --set pipeline.stages=1 --set "run.checkpoint_dir=$TMP/pck" \
   --resume >"$TMP/presumed" 2>>"$TMP/err"
 "${MPIRUN[@]}" "$ZT" "$PCFG" --check >"$TMP/pcheck" 2>>"$TMP/err"
 if [ -n "$(digest "$TMP/pp")" ] && [ "$(digest "$TMP/pp")" = "$(digest "$TMP/one")" ] &&
    [ "$(digest "$TMP/pp")" = "$(digest "$TMP/presumed")" ] && grep -q "2 pipeline stages x 1 replica = 2 ranks" "$TMP/pp" &&
    grep -q "stage 1 (rank 1): layers 3-5" "$TMP/pcheck" &&
-   cmp -s "$TMP/hf1/model.safetensors" "$TMP/hf2/model.safetensors"; then
+   cmp -s "$TMP/hf1/model.safetensors" "$TMP/hf2/model.safetensors" &&
+   cmp -s "$TMP/hf3/model.safetensors" "$TMP/hfx/model.safetensors"; then
   pass=$((pass + 1))
 else
   fail=$((fail + 1)); echo "FAIL pipeline stages"; cat "$TMP/pp" "$TMP/one" "$TMP/presumed" "$TMP/pcheck" "$TMP/err"
