@@ -133,7 +133,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
     std::vector<ckpt::RankWriter::Span> spans;
     // BlockSpec::frozen: nothing saved; a block two pipeline stages share,
     // by its first stage only.
-    auto saves = [&](size_t b) { return !blocks[b].frozen && (!pipelined() || block_stage[b] == stage); };
+    auto saves = [&](size_t b) { return !blocks[b].frozen && (!pipelined() || pipe_plan.block_stage[b] == stage); };
     for (size_t b = 0; b < blocks.size(); ++b)
       if (saves(b))
         spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),

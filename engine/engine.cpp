@@ -214,7 +214,7 @@ void Engine::Impl::allocate_and_init() {
     BlockShard& s = blocks[b];
     s.layout = BlockLayout::from_spec(specs[b]);
     s.part = Partition::make(s.layout.numel, world, rank);
-    s.absent = pipelined() && !block_here[b];
+    s.absent = pipelined() && !pipe_plan.holds(static_cast<int>(b), stage);
     s.frozen = specs[b].frozen || s.absent;
     s.opt_numel = s.frozen ? 0 : plan.optimizer_numel(s.part);
     spans.push_back(s.opt_numel);
@@ -577,7 +577,7 @@ std::vector<float> Engine::Impl::full_params(int block) {
   if (pipelined()) {
     // The stage that holds the block gathers it over its group, then sends
     // it to the other stages of each replica.
-    const int owner = block_stage[static_cast<size_t>(block)];
+    const int owner = pipe_plan.block_stage[static_cast<size_t>(block)];
     std::vector<float> out;
     if (owner == stage) {
       out = full_params_here(block);

@@ -121,11 +121,7 @@ struct Engine::Impl final : StepContext {
   int stages = 1, stage = 0;
   std::shared_ptr<comm::Communicator> world_comm;  // every rank (pipelined runs; comm is the group)
   std::unique_ptr<comm::Communicator> pipe_comm;   // this replica's stages, ranked by stage
-  std::vector<int> stage_bounds;                   // the first layer of each stage, then the layer count
-  std::vector<int> block_stage;                    // per block, the first stage that uses it (its owner)
-  std::vector<bool> block_here;                    // per block, whether this stage keeps it
-  std::vector<bool> block_shared;                  // per block, whether two stages share it (a tied head)
-  std::vector<int> tied_stages;                    // the two stages that share blocks (none: empty)
+  PipelinePlan pipe_plan;                          // the stages' layers and blocks (plan_pipeline)
   std::unique_ptr<comm::Communicator> tied_comm;   // those two stages of this replica (on them only)
   PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
   int64_t pipe_recomputed = 0;                     // forwards computed again before their backward

@@ -212,24 +212,18 @@ void Engine::Impl::setup_pipeline() {
   const int replicas = world_all / stages;
   stage = world_rank / replicas;
   const int replica = world_rank % replicas;
-  const PipelinePlan plan = plan_pipeline(*model, cfg);
-  stage_bounds = plan.bounds;
-  block_stage = plan.block_stage;
-  block_here.assign(block_stage.size(), false);
-  block_shared.assign(block_stage.size(), false);
-  for (size_t b = 0; b < block_stage.size(); ++b) {
-    block_here[b] = plan.holds(static_cast<int>(b), stage);
-    const std::vector<int>& at = plan.block_stages[b];
-    if (at.size() == 2) {
-      block_shared[b] = true;
-      if (!tied_stages.empty() && tied_stages != at)
-        throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between two different "
-                                             "pairs of stages; one pair at most");
-      tied_stages = at;
-    }
+  pipe_plan = plan_pipeline(*model, cfg);
+  const PipelinePlan& plan = pipe_plan;
+  std::vector<int> tied_stages;  // the two stages that share blocks (none: empty)
+  for (const std::vector<int>& at : plan.block_stages) {
+    if (at.size() != 2) continue;
+    if (!tied_stages.empty() && tied_stages != at)
+      throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between two different "
+                                           "pairs of stages; one pair at most");
+    tied_stages = at;
   }
-  pass_stage = PipelineStage{stage_bounds[static_cast<size_t>(stage)],
-                             stage + 1 == stages ? -1 : stage_bounds[static_cast<size_t>(stage) + 1]};
+  pass_stage = PipelineStage{plan.bounds[static_cast<size_t>(stage)],
+                             stage + 1 == stages ? -1 : plan.bounds[static_cast<size_t>(stage) + 1]};
   // The two groups (collective over every rank, in this order on each).
   world_comm = comm;
   pipe_comm = world_comm->split(replica, stage);
@@ -328,7 +322,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
       throw Error("pipeline stage " + std::to_string(s) + ": micro-batch " + std::to_string(m) + " has no input");
     const size_t k = select(m);
     holds[k] = m;
-    out.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    out.resize(last ? 0 : static_cast<size_t>(width(m)));
     const float loss = stage_forward(batches[static_cast<size_t>(m)], base + m,
                                      first ? nullptr : inputs[static_cast<size_t>(m)].data(), last ? nullptr : out.data());
     const Batch& b = batches[static_cast<size_t>(m)];
@@ -342,7 +336,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
                     last ? nullptr : scratch.data());
       pipe_recomputed += 1;
     }
-    din.assign(first ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    din.resize(first ? 0 : static_cast<size_t>(width(m)));
     stage_backward(m == M - 1, last ? nullptr : dout.data(), first ? nullptr : din.data());
     inputs[static_cast<size_t>(m)] = {};
     holds[k] = -1;  // backward may overwrite what forward kept
@@ -355,10 +349,14 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     fn();
     pipe_wait_s += pipe_seconds(t0);
   };
+  // Where micro-batch m's input arrives (written whole by the transfer).
+  auto input_of = [&](int64_t m) {
+    std::vector<float>& in = inputs[static_cast<size_t>(m)];
+    in.resize(static_cast<size_t>(width(m)));
+    return in.data();
+  };
   auto recv_input = [&](int64_t m) {
-    if (first) return;
-    inputs[static_cast<size_t>(m)].assign(static_cast<size_t>(width(m)), 0.0f);
-    timed([&] { pc.recv(inputs[static_cast<size_t>(m)].data(), width(m), DType::kF32, s - 1); });
+    if (!first) timed([&] { pc.recv(input_of(m), width(m), DType::kF32, s - 1); });
   };
 
   const int64_t warmup = std::min<int64_t>(P - s - 1, M), steady = M - warmup;
@@ -371,7 +369,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   for (int64_t i = 0; i < steady; ++i) {
     forward_one(next_fwd++);
     // The output goes on while the gradient for the oldest micro-batch comes back.
-    dout.assign(last ? 0 : static_cast<size_t>(width(next_bwd)), 0.0f);
+    dout.resize(last ? 0 : static_cast<size_t>(width(next_bwd)));
     if (!last)
       timed([&] {
         pc.exchange(out.data(), static_cast<int64_t>(out.size()), s + 1, dout.data(),
@@ -383,16 +381,15 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     if (i + 1 == steady) {
       timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
     } else {
-      inputs[static_cast<size_t>(next_fwd)].assign(static_cast<size_t>(width(next_fwd)), 0.0f);
       timed([&] {
-        pc.exchange(din.data(), static_cast<int64_t>(din.size()), s - 1, inputs[static_cast<size_t>(next_fwd)].data(),
-                    width(next_fwd), s - 1, DType::kF32);
+        pc.exchange(din.data(), static_cast<int64_t>(din.size()), s - 1, input_of(next_fwd), width(next_fwd), s - 1,
+                    DType::kF32);
       });
     }
   }
   while (next_bwd < M) {
     const int64_t m = next_bwd++;
-    dout.assign(last ? 0 : static_cast<size_t>(width(m)), 0.0f);
+    dout.resize(last ? 0 : static_cast<size_t>(width(m)));
     if (!last) timed([&] { pc.recv(dout.data(), static_cast<int64_t>(dout.size()), DType::kF32, s + 1); });
     backward_one(m);
     if (!first) timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
@@ -444,7 +441,7 @@ void Engine::Impl::reduce_tied_gradients() {
   if (!tied_comm) return;
   for (size_t b = 0; b < blocks.size(); ++b) {
     BlockShard& s = blocks[b];
-    if (s.frozen || !block_shared[b]) continue;  // the same blocks, in the same order, on both stages
+    if (s.frozen || pipe_plan.block_stages[b].size() != 2) continue;  // the same blocks, in the same order, on both stages
     float* g = plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
     const int64_t n = plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel;
     tied_comm->all_reduce(g, g, n, DType::kF32);
@@ -459,7 +456,7 @@ void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
     v[0] = rule->local_squares();
   } else if (!device->grad_squared_norm(v[0])) {
     for (size_t i = 0; i < nb; ++i)  // a block two stages share counts on its first (Note [tied blocks across stages])
-      if (!blocks[i].frozen && (!pipelined() || block_stage[i] == stage)) v[i] = reducer->squared_norm(blocks[i]);
+      if (!blocks[i].frozen && (!pipelined() || pipe_plan.block_stage[i] == stage)) v[i] = reducer->squared_norm(blocks[i]);
   }
   if (!pipelined() || stage == stages - 1) {  // the loss lives on the last stage
     const double tail[6] = {b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count),

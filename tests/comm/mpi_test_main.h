@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <memory>
+#include <string>
 
 #include "comm/comm.h"
 
@@ -35,6 +37,26 @@ inline int run_all_tests_on_every_rank(Communicator& world) {
   double failed = RUN_ALL_TESTS() != 0 ? 1.0 : 0.0;
   world.all_reduce_max_f64(&failed, 1);
   return failed > 0 ? 1 : 0;
+}
+
+// The whole main() of a multi-rank test binary whose world is the backend
+// --backend=NAME names (default mpi): `world` holds it while the tests run
+// on every rank, then goes (the last communicator finalises MPI).
+inline int main_over_backend(int argc, char** argv, std::shared_ptr<Communicator>& world) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string backend = "mpi";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--backend=", 0) == 0) backend = a.substr(10);
+  }
+  world = make_communicator(backend);
+  if (world->backend() != backend) {
+    std::fprintf(stderr, "%s: asked for backend %s, got %s\n", argv[0], backend.c_str(), world->backend().c_str());
+    return 1;
+  }
+  const int rc = run_all_tests_on_every_rank(*world);
+  world.reset();
+  return rc;
 }
 
 }  // namespace zinc::comm::testing

@@ -254,19 +254,5 @@ TEST(ZeroMemory, Stage2HoldsLessModelStateThanStage1ThanStage0) {
 // --backend=mpi|shm|hierarchical (default mpi): the communicator every test
 // runs on (make_communicator; ZINC_COMM_BACKEND would override it).
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::string backend = "mpi";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--backend=", 0) == 0) backend = a.substr(10);
-  }
-  zinc::g_world = zinc::comm::make_communicator(backend);
-  if (zinc::g_world->backend() != backend) {
-    std::fprintf(stderr, "engine_multirank_test: asked for backend %s, got %s\n", backend.c_str(),
-                 zinc::g_world->backend().c_str());
-    return 1;
-  }
-  const int rc = zinc::comm::testing::run_all_tests_on_every_rank(*zinc::g_world);
-  zinc::g_world.reset();  // the last communicator: finalises MPI
-  return rc;
+  return zinc::comm::testing::main_over_backend(argc, argv, zinc::g_world);
 }

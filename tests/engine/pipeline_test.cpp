@@ -482,14 +482,5 @@ TEST(PipelineConfig, StagesMustDivideTheWorldAndTheBatchFitsTheReplicas) {
 }  // namespace zinc
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::string backend = "mpi";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--backend=", 0) == 0) backend = a.substr(10);
-  }
-  zinc::g_world = zinc::comm::make_communicator(backend);
-  const int rc = zinc::comm::testing::run_all_tests_on_every_rank(*zinc::g_world);
-  zinc::g_world.reset();
-  return rc;
+  return zinc::comm::testing::main_over_backend(argc, argv, zinc::g_world);
 }
