@@ -476,6 +476,14 @@ TEST(PipelineConfig, StagesMustDivideTheWorldAndTheBatchFitsTheReplicas) {
   EXPECT_FALSE(Config::parse(c, 4).pipelined());
   c["pipeline"] = {{"stages", 2}, {"partition", "layers"}};
   EXPECT_NE(error_of([&] { Config::parse(c, 4); }).find("pipeline.partition"), std::string::npos);
+  // Hostile values: each one line naming the key.
+  for (const json& bad : {json{{"stages", 0}}, json{{"stages", "two"}}, json{{"stages", 1e12}}, json{{"stages", -2}},
+                          json{{"stages", 2}, {"partition", "type:["}}, json{{"stages", 2}, {"partition", 3}},
+                          json{{"stages", 2}, {"partitoin", "uniform"}}}) {
+    c["pipeline"] = bad;
+    const std::string e = error_of([&] { Config::parse(c, 4); });
+    EXPECT_NE(e.find("pipeline."), std::string::npos) << bad.dump() << ": " << e;
+  }
 }
 
 }  // namespace
