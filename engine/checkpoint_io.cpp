@@ -26,7 +26,7 @@ namespace zinc {
 // communicator, which no stream drives, from the training thread.
 int Engine::Impl::failed_rank(bool failed) {
   double v = failed ? world_rank + 1 : 0;
-  if (pipelined())
+  if (world_comm)
     world_comm->all_reduce_max_f64(&v, 1);
   else if (reduce_stream)
     reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
@@ -40,7 +40,7 @@ std::string Engine::Impl::agree_on_tag(const std::string& tag) {
   auto send = [&buf](comm::Communicator& c) {
     c.broadcast(buf.data(), static_cast<int64_t>(buf.size() / 2), DType::kBF16, 0);
   };
-  if (pipelined()) send(*world_comm);
+  if (world_comm) send(*world_comm);
   else gather_stream->submit(send).wait();
   const std::string root_tag(buf.data());
   const bool differs = root_tag != tag;

@@ -51,10 +51,14 @@ void parse_batch(Reader& r, Config& c) {
     }
   }
   const int64_t ws = c.data_parallel_size();
-  const std::string w = c.pipelined() ? " * data-parallel size " + std::to_string(ws) + " (world size " +
-                                            std::to_string(c.world_size) + " / pipeline.stages " +
-                                            std::to_string(c.pipeline.stages) + ")"
-                                      : " * world size " + std::to_string(ws);
+  const std::string w =
+      c.model_parallel_size() > 1
+          ? " * data-parallel size " + std::to_string(ws) + " (world size " + std::to_string(c.world_size) +
+                (c.pipelined() ? " / pipeline.stages " + std::to_string(c.pipeline.stages) : std::string()) +
+                (c.tensor_split() ? " / tensor_parallel.autotp_size " + std::to_string(c.tensor_parallel.size)
+                                  : std::string()) +
+                ")"
+          : " * world size " + std::to_string(ws);
   // Products in 128 bits: each factor fits in int64, so no overflow here.
   auto product = [](__int128 a, __int128 b, __int128 d) { return a * b * d; };
   auto fits = [](__int128 v) { return v <= std::numeric_limits<int64_t>::max(); };
@@ -463,9 +467,10 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
   if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.data_parallel_size()) {
     throw ConfigError("data_parallel_size",
                       std::to_string(dp) + " differs from the " + std::to_string(c.data_parallel_size()) +
-                          (c.pipelined() ? " replicas of this run (the world size " + std::to_string(c.world_size) +
-                                               " / pipeline.stages " + std::to_string(c.pipeline.stages) + ")"
-                                         : " ranks of this run (zinc's data-parallel size is the world size)"));
+                          (c.model_parallel_size() > 1
+                               ? " replicas of this run (the world size " + std::to_string(c.world_size) + " / " +
+                                     std::to_string(c.model_parallel_size()) + " ranks per replica)"
+                               : " ranks of this run (zinc's data-parallel size is the world size)"));
   }
 }
 
@@ -573,6 +578,42 @@ void parse_pipeline(Reader& root, Config& c) {
   r.finish();
 }
 
+// "tensor_parallel" (TensorParallelConfig): DeepSpeed's AutoTP training
+// keys. Read after "pipeline" and before the batch triad: the stages times
+// the tensor parts must divide the world, and the rest are replicas.
+void parse_tensor_parallel(Reader& root, Config& c) {
+  Reader r = root.section("tensor_parallel");
+  int64_t size = 1;
+  if (r.get_int("autotp_size", size, Range{1, 1 << 20})) c.tensor_parallel.size = size;
+  const std::string size_path = r.path_of("autotp_size");
+  {  // DeepSpeed's inference-style "tp": {"tp_size": N} says the same
+    Reader t = r.section("tp");
+    int64_t n = 1;
+    if (t.get_int("tp_size", n, Range{1, 1 << 20}) && n != 1) {
+      if (c.tensor_parallel.size != 1 && n != c.tensor_parallel.size)
+        throw ConfigError(t.last_path(), std::to_string(n) + " differs from autotp_size " +
+                                             std::to_string(c.tensor_parallel.size) + "; give one of them");
+      c.tensor_parallel.size = n;
+    }
+    if (const json* v = t.find("tp_grain_size"); v && !v->is_null()) t.warn_ignored(t.last_path());
+    t.finish();
+  }
+  for (const char* k : {"dtype", "keep_module_on_host", "injection_policy_tuple", "partition_config", "tp_overlap_comm"})
+    if (const json* v = r.find(k); v && !v->is_null())
+      r.warn_ignored(r.last_path(), "zinc splits the layers of the model families it knows by their own rules "
+                                   "(whole heads, the MLP's inner size) and keeps each part in the run's precision");
+  if (c.tensor_parallel.size > 1 && c.world_size % (c.pipeline.stages * c.tensor_parallel.size) != 0)
+    throw ConfigError(size_path, std::to_string(c.tensor_parallel.size) + " tensor parts" +
+                                     (c.pipelined() ? " times " + std::to_string(c.pipeline.stages) + " pipeline stages"
+                                                    : std::string()) +
+                                     " do not divide the " +
+                                     (c.world_size == 1 ? std::string("one rank")
+                                                        : std::to_string(c.world_size) + " ranks") +
+                                     " of this run (run it on a multiple of " +
+                                     std::to_string(c.pipeline.stages * c.tensor_parallel.size) + " ranks)");
+  r.finish();
+}
+
 // Top-level DeepSpeed sections and flags that zinc knows but does not
 // implement. Their inner keys are not checked: zinc does not read them.
 enum class Act { kWarn, kError };
@@ -595,7 +636,6 @@ const Feature kFeatures[] = {
       {"disable_allgather", Act::kWarn, nullptr},
       {"dataloader_drop_last", Act::kWarn, "zinc's DataLoader always draws whole global batches"},
       {"eigenvalue", Act::kWarn, nullptr},
-      {"tensor_parallel", Act::kWarn, "zinc has no tensor parallelism"},
       {"hybrid_engine", Act::kWarn, nullptr},
       {"compile", Act::kWarn, nullptr},
       {"timers", Act::kWarn, nullptr},
@@ -736,6 +776,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   Reader r(j, "", c.warnings);
   refuse_features(r, j);
   parse_pipeline(r, c);
+  parse_tensor_parallel(r, c);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));

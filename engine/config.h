@@ -294,6 +294,15 @@ struct PipelineConfig {
   bool operator==(const PipelineConfig&) const = default;
 };
 
+// "tensor_parallel": DeepSpeed's AutoTP training section (Note [tensor
+// parallelism] in engine/tensor_parallel.cpp). autotp_size ranks split
+// each layer's weights (the Megatron split: whole heads, the MLP's inner
+// size); they run the same batch.
+struct TensorParallelConfig {
+  int64_t size = 1;  // autotp_size
+  bool operator==(const TensorParallelConfig&) const = default;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -335,6 +344,7 @@ struct Config {
   TensorBoardConfig tensorboard;
   ActivationCheckpointingConfig activation_checkpointing;
   PipelineConfig pipeline;
+  TensorParallelConfig tensor_parallel;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
@@ -358,8 +368,12 @@ struct Config {
   // The model's compute dtype: bf16, fp16 or fp32.
   // The ranks that hold the same stage (world_size / pipeline.stages): the
   // batch triad's world size, the ranks ZeRO partitions over.
-  int data_parallel_size() const { return world_size / static_cast<int>(pipeline.stages); }
+  // (world_size / (pipeline.stages * tensor_parallel.size))
+  int data_parallel_size() const { return world_size / model_parallel_size(); }
+  // The ranks one replica of the model spans: stages times tensor parts.
+  int model_parallel_size() const { return static_cast<int>(pipeline.stages * tensor_parallel.size); }
   bool pipelined() const { return pipeline.stages > 1; }
+  bool tensor_split() const { return tensor_parallel.size > 1; }
   DType compute_dtype() const { return bf16 ? DType::kBF16 : fp16.enabled ? DType::kF16 : DType::kF32; }
   // The gradients' dtype on the wire: communication_data_type, else fp16
   // with fp16 on (as DeepSpeed reduces fp16 gradients), else fp32.

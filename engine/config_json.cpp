@@ -157,6 +157,7 @@ json to_json(const Config& c) {
                      {"partition", c.pipeline.partition == PipePartition::kType ? "type:" + c.pipeline.type_regex
                                                                                  : std::string(part)}};
   }
+  if (c.tensor_split()) j["tensor_parallel"] = {{"autotp_size", c.tensor_parallel.size}};
   return j;
 }
 

@@ -13,7 +13,7 @@ void Config::validate() const {
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   if (train_batch_size < 1 || train_micro_batch_size_per_gpu < 1 || gradient_accumulation_steps < 1 ||
       train_micro_batch_size_per_gpu > kMaxBatch || gradient_accumulation_steps > kMaxBatch ||
-      pipeline.stages < 1 || world_size % pipeline.stages != 0 ||
+      pipeline.stages < 1 || tensor_parallel.size < 1 || world_size % model_parallel_size() != 0 ||
       static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * data_parallel_size() !=
           train_batch_size) {
     throw ConfigError("train_batch_size",
@@ -21,7 +21,8 @@ void Config::validate() const {
                           std::to_string(train_batch_size) + " != train_micro_batch_size_per_gpu " +
                           std::to_string(train_micro_batch_size_per_gpu) + " * gradient_accumulation_steps " +
                           std::to_string(gradient_accumulation_steps) + " * data-parallel size " +
-                          std::to_string(pipeline.stages >= 1 && world_size % pipeline.stages == 0
+                          std::to_string(pipeline.stages >= 1 && tensor_parallel.size >= 1 &&
+                                                 world_size % model_parallel_size() == 0
                                              ? data_parallel_size() : world_size));
   }
   // Pipeline stages (Note [pipeline parallelism] in engine/pipeline.cpp).
@@ -36,6 +37,19 @@ void Config::validate() const {
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with pipeline stages yet");
+  }
+  // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp).
+  if (tensor_split()) {
+    if (zero.stage > 2)
+      throw ConfigError("zero_optimization.stage",
+                        "tensor parallelism composes with ZeRO stages 0, 1 and 2 (as DeepSpeed's AutoTP training "
+                        "does); stage 3 with tensor parts is not built, got 3");
+    if (device == Device::kCuda)
+      throw ConfigError("tensor_parallel.autotp_size",
+                        "the GPU path does not split tensors yet; use \"device\": \"cpu\"");
+    if (optimizer.one_bit())
+      throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
+                                          "do not run with tensor parallelism yet");
   }
   if (!(gradient_clipping >= 0)) {
     throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));

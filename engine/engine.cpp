@@ -125,7 +125,7 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   world_all = world;
   world_rank = rank;
   if (world > 1) agree_on_config();
-  if (c.pipelined()) setup_pipeline();  // comm, world and rank become the data-parallel group's
+  if (c.model_parallel_size() > 1) setup_grid();  // comm, world and rank become the data-parallel group's
   plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone,
                          c.gradients_on_nvme());
   offload_device = c.zero.offload_optimizer.device;
@@ -206,7 +206,7 @@ void Engine::Impl::make_streams() {
 }
 
 void Engine::Impl::allocate_and_init() {
-  const std::vector<BlockSpec>& specs = model->blocks();
+  const std::vector<BlockSpec>& specs = this->specs();  // a tensor part's, or the model's
   if (specs.empty()) throw Error("model '" + model->name() + "' has no parameter blocks");
   blocks.resize(specs.size());
   std::vector<int64_t> spans;
@@ -259,18 +259,35 @@ void Engine::Impl::allocate_and_init() {
       int64_t cnt = s.layout.numels[p];
       const int64_t lo = std::max<int64_t>(0, keep_lo - s.layout.offsets[p]);
       const int64_t hi = std::min<int64_t>(cnt, keep_hi - s.layout.offsets[p]);
-      if (hi > lo && model->initial_values(static_cast<int>(b), static_cast<int>(p), lo, hi - lo, dst + lo)) continue;
+      // A tensor part of a split parameter: the whole parameter's values,
+      // of which the part keeps its own (Note [tensor parallelism]).
+      const bool part = split_of(b, p, tp_rank).kind != TensorSplit::kWhole;
+      std::vector<float> whole;
+      if (part) {
+        cnt = model->blocks()[b].params[p].shape.numel();
+        whole.resize(static_cast<size_t>(cnt));
+      }
+      float* vals = part ? whole.data() : dst;
+      if (part) {
+        if (model->initial_values(static_cast<int>(b), static_cast<int>(p), 0, cnt, vals)) {
+          cut_part(static_cast<int>(b), static_cast<int>(p), vals, dst);
+          continue;
+        }
+      } else if (hi > lo && model->initial_values(static_cast<int>(b), static_cast<int>(p), lo, hi - lo, dst + lo)) {
+        continue;
+      }
       // Each parameter has its own stream, so adding a parameter or a block
       // does not change the initial values of the others.
       Rng rng(mix_seed(cfg.seed, (static_cast<uint64_t>(b) << 20) + p));
       for (int64_t i = 0; i < cnt; ++i) {
         switch (ps.init) {
-          case Init::kZeros: dst[i] = 0.0f; break;
-          case Init::kOnes: dst[i] = 1.0f; break;
-          case Init::kNormal: dst[i] = static_cast<float>(rng.normal() * ps.init_std); break;
-          case Init::kUniform: dst[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * ps.init_std); break;
+          case Init::kZeros: vals[i] = 0.0f; break;
+          case Init::kOnes: vals[i] = 1.0f; break;
+          case Init::kNormal: vals[i] = static_cast<float>(rng.normal() * ps.init_std); break;
+          case Init::kUniform: vals[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * ps.init_std); break;
         }
       }
+      if (part) cut_part(static_cast<int>(b), static_cast<int>(p), vals, dst);
     }
     if (!s.frozen) opt_state->init_block(static_cast<int>(b), w + (plan.optimizer_spans_block ? 0 : s.part.own_offset()));
     if (plan.params_sharded) {
@@ -487,6 +504,7 @@ void Engine::Impl::step() {
   // Own-shard squares and the batch's losses and counts, summed over ranks
   // in one collective.
   reduce_tied_gradients();
+  sum_part_gradients();
   double sums[7];
   reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
@@ -574,20 +592,23 @@ void Engine::Impl::visit_updating(const std::function<void(const StateSpan&)>& f
 std::vector<float> Engine::Impl::full_params(int block) {
   check_loaded("full_params");
   BlockShard& s = state(block);
+  // A tensor part's block: the parts gathered into the whole model's layout.
+  auto here = [&] { return tensor_split() ? whole_from_parts(block, full_params_here(block)) : full_params_here(block); };
   if (pipelined()) {
     // The stage that holds the block gathers it over its group, then sends
     // it to the other stages of each replica.
     const int owner = pipe_plan.block_stage[static_cast<size_t>(block)];
     std::vector<float> out;
     if (owner == stage) {
-      out = full_params_here(block);
+      out = here();
     } else {
-      out.resize(static_cast<size_t>(s.part.padded_numel));
+      out.resize(static_cast<size_t>(
+          tensor_split() ? BlockLayout::from_spec(model->blocks()[static_cast<size_t>(block)]).numel : s.part.padded_numel));
     }
     pipe_comm->broadcast(out.data(), static_cast<int64_t>(out.size()), DType::kF32, owner);
     return out;
   }
-  return full_params_here(block);
+  return here();
 }
 
 std::vector<float> Engine::Impl::full_params_here(int block) {

@@ -146,6 +146,37 @@ struct Engine::Impl final : StepContext {
   // (Note [tied blocks across stages] in pipeline.cpp).
   void reduce_tied_gradients();
 
+  // ---- tensor parts (Note [tensor parallelism] in tensor_parallel.cpp) ------------------
+  // The ranks of one stage of one replica split each layer into tp_size
+  // parts; this rank computes part tp_rank. Grid rank = (stage * replicas
+  // + replica) * tp_size + tp_rank.
+  int tp_size = 1, tp_rank = 0;
+  std::unique_ptr<comm::Communicator> tp_comm;      // the parts of this stage of this replica
+  std::vector<TensorPart> tp_parts;                 // every part's blocks and splits (Model::tensor_part)
+  bool tensor_split() const { return tp_size > 1; }
+  // The blocks the engine keeps: this part's, or the model's.
+  const std::vector<BlockSpec>& specs() const {
+    return tp_parts.empty() ? model->blocks() : tp_parts[static_cast<size_t>(tp_rank)].blocks;
+  }
+  // Splits comm into the grid's groups (tensor parts, pipeline stages,
+  // replicas); comm, world and rank become the replicas'.
+  void setup_grid();
+  void tensor_all_reduce(float* data, int64_t n) override;
+  // How parameter p of block b of part `part` is cut (whole without parts).
+  const TensorSplit& split_of(size_t b, size_t p, int part) const;
+  // The gradients of whole parameters that each part applies to its own
+  // share (TensorSplit::sum_grads), summed over the parts.
+  void sum_part_gradients();
+  // Block b's squared gradient norm on this rank: its own shard, where a
+  // whole parameter counts on part 0 only.
+  double block_squares(size_t b);
+  // The whole model's block `block` (model->blocks()' layout) from this
+  // part's flat values `part`: every part's, gathered over the parts.
+  std::vector<float> whole_from_parts(int block, const std::vector<float>& part);
+  // Parameter p of block b of this part, cut from the whole parameter's
+  // values (`whole`, row-major).
+  void cut_part(int b, int p, const float* whole, float* out) const;
+
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm);
   ~Impl() override;
   void make_streams();

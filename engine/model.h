@@ -17,6 +17,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -34,6 +35,24 @@ enum class Init { kZeros, kOnes, kNormal, kUniform };
 // memory (kCuda; CUDA builds).
 enum class Device { kCpu, kCuda };
 inline const char* device_name(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+
+// Tensor parallelism (Note [tensor parallelism] in engine/tensor_parallel.cpp):
+// which part of the whole parameter a tensor-parallel rank's parameter is.
+// kRows: the whole parameter's rows in `ranges` ([first, first + count),
+// in this order, one after the other: a column-parallel weight, e.g. each
+// of q, k and v's rows of this rank's heads); kColumns: its columns in
+// `ranges` (a row-parallel weight, o_proj and down_proj). kWhole: every
+// rank holds all of it (norms, the embedding, biases after the sum).
+// sum_grads: a whole parameter that each part uses on its own share of
+// the work (Qwen3's per-head q and k norms, on the part's heads): its
+// gradient is the sum of the parts' (the engine adds them up).
+struct TensorSplit {
+  enum Kind { kWhole, kRows, kColumns };
+  Kind kind = kWhole;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (first, count)
+  bool sum_grads = false;
+  bool operator==(const TensorSplit&) const = default;
+};
 
 struct ParamSpec {
   std::string name;  // e.g. "attn.qkv.weight"
@@ -98,6 +117,15 @@ struct BlockGrads {
 };
 
 class StepContext;
+
+// One tensor part of a model (Model::tensor_part): its blocks (the whole
+// model's blocks and parameters, in the same order, with the part's
+// shapes) and how each parameter is cut from the whole one.
+struct TensorPart {
+  std::vector<BlockSpec> blocks;
+  std::vector<std::vector<TensorSplit>> splits;  // per block, per parameter
+  bool empty() const { return blocks.empty(); }
+};
 
 // Pipeline stages (Note [pipeline parallelism] in engine/pipeline.cpp). A
 // model that splits into stages lists its layers in forward order, each
@@ -189,6 +217,10 @@ class StepContext {
     static const PipelineStage whole;
     return whole;
   }
+  // Tensor parallelism: sums `n` fp32 values in place over the ranks that
+  // hold the other parts of this model (a no-op on one part). Every part
+  // calls it at the same points, in the same order.
+  virtual void tensor_all_reduce(float* data, int64_t n) {}
 
  protected:
   friend class HeldParams;
@@ -244,6 +276,18 @@ class Model {
   // and the engine computes a micro-batch's forward again before its
   // backward instead.
   virtual bool select_activations(int slot) { return slot == 0; }
+  // Tensor parallelism (Note [tensor parallelism] in
+  // engine/tensor_parallel.cpp): part `rank` of `size` (TensorPart). Empty
+  // where the model cannot split so, with the reason in *why. blocks()
+  // keeps describing the whole model.
+  virtual TensorPart tensor_part(int rank, int size, std::string* why) const {
+    if (why) *why = "model '" + name() + "' does not split its layers";
+    return {};
+  }
+  // From now on the model computes part `rank` of `size` (its parameters
+  // those of tensor_part(rank, size)), summing partial results with
+  // ctx.tensor_all_reduce. Called once, before the first forward.
+  virtual void use_tensor_part(int rank, int size) {}
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }

@@ -208,10 +208,7 @@ std::vector<std::string> PipelinePlan::describe(int world) const {
 }
 
 void Engine::Impl::setup_pipeline() {
-  stages = static_cast<int>(cfg.pipeline.stages);
-  const int replicas = world_all / stages;
-  stage = world_rank / replicas;
-  const int replica = world_rank % replicas;
+  const int replicas = world;  // setup_grid has split the world
   pipe_plan = plan_pipeline(*model, cfg);
   const PipelinePlan& plan = pipe_plan;
   std::vector<int> tied_stages;  // the two stages that share blocks (none: empty)
@@ -224,21 +221,16 @@ void Engine::Impl::setup_pipeline() {
   }
   pass_stage = PipelineStage{plan.bounds[static_cast<size_t>(stage)],
                              stage + 1 == stages ? -1 : plan.bounds[static_cast<size_t>(stage) + 1]};
-  // The two groups (collective over every rank, in this order on each).
-  world_comm = comm;
-  pipe_comm = world_comm->split(replica, stage);
-  comm = std::shared_ptr<comm::Communicator>(world_comm->split(stage, replica));
   if (!tied_stages.empty()) {  // the pair of stages of this replica that share blocks (collective over the pipe)
     const bool in = std::find(tied_stages.begin(), tied_stages.end(), stage) != tied_stages.end();
     tied_comm = pipe_comm->split(in ? 0 : 1, stage);
     if (!in) tied_comm.reset();
   }
-  world = replicas;
-  rank = replica;
   if (world_rank == 0) {
     std::string line = "pipeline: " + std::to_string(stages) + " stages x " + std::to_string(replicas) +
                        " data-parallel " + (replicas == 1 ? "replica" : "replicas") + ", 1F1B over " +
                        std::to_string(cfg.gradient_accumulation_steps) + " micro-batches";
+    if (tensor_split()) line += ", " + std::to_string(tp_size) + " tensor parts each";
     for (const std::string& d : plan.describe(world_all)) line += "; " + d;
     log_info(line);
   }
@@ -456,15 +448,17 @@ void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
     v[0] = rule->local_squares();
   } else if (!device->grad_squared_norm(v[0])) {
     for (size_t i = 0; i < nb; ++i)  // a block two stages share counts on its first (Note [tied blocks across stages])
-      if (!blocks[i].frozen && (!pipelined() || pipe_plan.block_stage[i] == stage)) v[i] = reducer->squared_norm(blocks[i]);
+      if (!blocks[i].frozen && (!pipelined() || pipe_plan.block_stage[i] == stage)) v[i] = block_squares(i);
   }
-  if (!pipelined() || stage == stages - 1) {  // the loss lives on the last stage
+  // The loss lives on the last stage; its tensor parts see the same batch (part 0's counts).
+  if ((!pipelined() || stage == stages - 1) && tp_rank == 0) {
     const double tail[6] = {b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count),
                             b.target_loss};
     std::copy(tail, tail + 6, v.begin() + static_cast<std::ptrdiff_t>(nb));
   }
   if (reduce_stream) reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_f64(v.data(), static_cast<int64_t>(v.size())); }).wait();
   if (pipelined()) pipe_comm->all_reduce_f64(v.data(), static_cast<int64_t>(v.size()));
+  if (tensor_split()) tp_comm->all_reduce_f64(v.data(), static_cast<int64_t>(v.size()));
   sums[0] = 0.0;
   for (size_t i = 0; i < nb; ++i) sums[0] += v[i];  // block order, as one rank adds them
   std::copy(v.begin() + static_cast<std::ptrdiff_t>(nb), v.end(), sums + 1);

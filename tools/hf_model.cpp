@@ -84,6 +84,19 @@ class PretrainedModel final : public Model {
   std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
     return inner_->activation_memory(B, T, dt);
   }
+  // The file's values are the whole model's (blocks()), whatever part the
+  // inner model computes: the engine cuts its part out of them.
+  TensorPart tensor_part(int rank, int size, std::string* why) const override {
+    return inner_->tensor_part(rank, size, why);
+  }
+  void use_tensor_part(int rank, int size) override { inner_->use_tensor_part(rank, size); }
+  std::vector<PipelineLayer> pipeline_layers() const override { return inner_->pipeline_layers(); }
+  int64_t pipeline_width() const override { return inner_->pipeline_width(); }
+  bool select_activations(int slot) override { return inner_->select_activations(slot); }
+  std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
+                                                          int sets) const override {
+    return inner_->stage_activation_memory(B, T, dt, st, sets);
+  }
 
   bool initial_values(int block, int param, int64_t first, int64_t count, float* out) const override {
     const std::vector<HfPiece>& pieces = pieces_.at(static_cast<size_t>(block)).at(static_cast<size_t>(param));

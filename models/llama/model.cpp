@@ -102,6 +102,7 @@ class Llama final : public Model {
     K_ = c.kv_heads();
     D_ = c.head_size();
     GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
+    I_ = c.intermediate_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen, but for modules_to_save
@@ -184,7 +185,7 @@ class Llama final : public Model {
 
   std::string name() const override { return "llama"; }
   Device device() const override { return ops_->device(); }
-  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  const std::vector<BlockSpec>& blocks() const override { return whole_.empty() ? specs_ : whole_; }
   std::span<const float> logits() const override {
     if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
     return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
@@ -193,7 +194,7 @@ class Llama final : public Model {
   double flops_per_token(int64_t T) const override {
     const double C = static_cast<double>(c_.hidden_size), L = static_cast<double>(c_.num_hidden_layers);
     const double A = static_cast<double>(H_ * D_), Q = static_cast<double>((H_ + 2 * K_) * D_);
-    const double I = static_cast<double>(c_.intermediate_size);
+    const double I = static_cast<double>(I_);
     // A sparse layer counts its router and the k experts a token runs
     // through (the active parameters), not all E.
     double mlp = 0;
@@ -228,7 +229,7 @@ class Llama final : public Model {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
-    const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const int64_t I = I_, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     kernels::AttentionShape as{B, T, A, H_};
     as.softcap = att_softcap();
     ActivationMemory m;
@@ -310,6 +311,7 @@ class Llama final : public Model {
  public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
+    pass_ctx_ = &ctx;
     pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.hidden_size, V = c_.vocab_size;
     if (T > c_.max_position_embeddings)
@@ -401,8 +403,9 @@ class Llama final : public Model {
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
+    pass_ctx_ = &ctx;
     const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
-    const int64_t I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const int64_t I = I_, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const DType dt = ctx.compute_dtype();
     const PipelineStage& st = ctx.pipeline_stage();
     const StageRange sr = stage_range(st);
@@ -449,6 +452,7 @@ class Llama final : public Model {
         adapted = lora_backward(lpp, lg, a, l, kGroupGateUp, a.ln2_in, dy_in, dsmall, N, dt);
         detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), nullptr, {}, a.ln2_in, p[x.gu_w], N, C,
                                 GU_, dt, dy_in, adapted);
+        tensor_sum(dsmall, N * C);  // each part's share of d ln2
       }
       // With the parallel residual the MLP's norm read x_in: its gradient
       // joins d x after the attention branch has read d h.
@@ -471,6 +475,7 @@ class Llama final : public Model {
       adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
                               Q, dt, dy_in, adapted);
+      tensor_sum(dsmall, N * C);  // each part's share of d ln1
       pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
       if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
       p.release();
@@ -552,11 +557,81 @@ class Llama final : public Model {
   }
   int64_t pipeline_width() const override { return c_.hidden_size; }
 
+  // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp):
+  // the Megatron split. q|k|v and gate|up by rows (whole heads, whole kv
+  // heads; the MLP's inner size), o_proj and down_proj by columns; norms,
+  // their biases, o and down's biases, the embedding and the head whole.
+  TensorPart tensor_part(int rank, int size, std::string* why) const override {
+    auto no = [&](const std::string& m) {
+      if (why) *why = "model '" + name() + "' does not split into " + std::to_string(size) + " tensor parts: " + m;
+      return TensorPart{};
+    };
+    if (size < 1 || rank < 0 || rank >= size) return no("no part " + std::to_string(rank));
+    const int64_t H = c_.num_attention_heads, K = c_.kv_heads(), D = D_, I = c_.intermediate_size;
+    const int64_t GU = (c_.mlp_gated ? 2 : 1) * I;
+    if (lora()) return no("LoRA adapters are not split yet");
+    if (c_.num_experts > 0) return no("the mixture-of-experts layers split by experts (expert parallelism), not built yet");
+    if (c_.qk_norm && c_.qk_norm_full) return no("OLMo 2's q and k norms run over every head at once");
+    if (H % size != 0) return no("num_attention_heads " + std::to_string(H) + " is not a multiple of it");
+    if (K % size != 0) return no("num_key_value_heads " + std::to_string(K) + " is not a multiple of it (each part keeps whole kv heads)");
+    if (I % size != 0) return no("intermediate_size " + std::to_string(I) + " is not a multiple of it");
+    const int64_t h = H / size, k = K / size, i = I / size;
+    const TensorSplit qkv{TensorSplit::kRows,
+                          {{rank * h * D, h * D}, {H * D + rank * k * D, k * D}, {(H + K) * D + rank * k * D, k * D}}};
+    const TensorSplit gu = c_.mlp_gated ? TensorSplit{TensorSplit::kRows, {{rank * i, i}, {I + rank * i, i}}}
+                                        : TensorSplit{TensorSplit::kRows, {{rank * i, i}}};
+    TensorPart out{blocks(), {}};  // the whole model's blocks, cut below
+    for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      const LayerIdx& x = idx_[static_cast<size_t>(l)];
+      std::vector<ParamSpec>& ps = out.blocks[static_cast<size_t>(l + 1)].params;
+      std::vector<TensorSplit>& sp = out.splits[static_cast<size_t>(l + 1)];
+      auto rows = [&](int at, const TensorSplit& split, int64_t n) {
+        if (at < 0) return;
+        sp[static_cast<size_t>(at)] = split;
+        ps[static_cast<size_t>(at)].shape.dims[0] = n;
+      };
+      auto cols = [&](int at, int64_t first, int64_t n) {
+        sp[static_cast<size_t>(at)] = TensorSplit{TensorSplit::kColumns, {{first, n}}};
+        ps[static_cast<size_t>(at)].shape.dims[1] = n;
+      };
+      rows(x.qkv_w, qkv, (h + 2 * k) * D);
+      rows(x.qkv_b, qkv, (h + 2 * k) * D);
+      cols(x.o_w, rank * h * D, h * D);
+      rows(x.gu_w, gu, GU / size);
+      rows(x.gu_b, gu, GU / size);
+      cols(x.down_w, rank * i, i);
+      // Qwen3's per-head norms see only the part's heads.
+      for (int at : {x.q_norm, x.k_norm})
+        if (at >= 0) sp[static_cast<size_t>(at)].sum_grads = true;
+    }
+    return out;
+  }
+  void use_tensor_part(int rank, int size) override {
+    if (size == 1) return;
+    if (!whole_.empty()) throw Error("model '" + name() + "' already computes one tensor part");
+    std::string why;
+    TensorPart part = tensor_part(rank, size, &why);
+    if (part.empty()) throw Error(why);
+    whole_ = std::move(specs_);
+    specs_ = std::move(part.blocks);
+    H_ /= size;
+    K_ /= size;
+    I_ /= size;
+    GU_ /= size;
+    tp_rank_ = rank;
+    tp_size_ = size;  // the first forward makes its buffers at the part's sizes
+  }
+
  private:
   StageRange stage_range(const PipelineStage& st) const { return StageRange::of(st, c_.num_hidden_layers); }
   // The hidden state entering decoder layer l (x_final_ past the last).
   float* hidden(int64_t l) { return l < c_.num_hidden_layers ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
+  // A partial sum summed over the tensor parts (none: nothing to do).
+  void tensor_sum(float* x, int64_t n) {
+    if (tp_size_ > 1) pass_ctx_->tensor_all_reduce(x, n);
+  }
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
   LlamaLayerActs& acts(int64_t l) { return pass_.acts[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
   static CView bias(const HeldParams& p, int i) { return i < 0 ? CView{} : p[i]; }
@@ -601,7 +676,7 @@ class Llama final : public Model {
   }
   // The MLP's activation of gate_up (N, GU_) into out (N, I), and its backward.
   void act_forward(float* out, const float* gate_up, int64_t N) {
-    const int64_t I = c_.intermediate_size;
+    const int64_t I = I_;
     using Act = LlamaConfig::MlpAct;
     if (!c_.mlp_gated) {
       if (c_.mlp_act == Act::kGeluErf)
@@ -615,7 +690,7 @@ class Llama final : public Model {
     }
   }
   void act_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N) {
-    const int64_t I = c_.intermediate_size;
+    const int64_t I = I_;
     using Act = LlamaConfig::MlpAct;
     if (!c_.mlp_gated) {
       if (c_.mlp_act == Act::kGeluErf)
@@ -763,7 +838,7 @@ class Llama final : public Model {
   // output. Deterministic (the checkpointed backward relies on it).
   void layer_forward(const HeldParams& p, LlamaLayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
                      int64_t T, DType dt, const HeldParams* lp = nullptr) {
-    const int64_t C = c_.hidden_size, N = B * T, I = c_.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
+    const int64_t C = c_.hidden_size, N = B * T, I = I_, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_[static_cast<size_t>(l)];
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
@@ -931,12 +1006,14 @@ class Llama final : public Model {
   void branch_forward(const HeldParams& p, int w, int b, int post, CView in, int64_t in_w, Buf& raw, Buf& rstd,
                       float* out, int64_t N, DType dt, Adapt&& adapt) {
     const int64_t C = c_.hidden_size;
-    if (post < 0) {
-      detail::linear_forward(*ops_, out, in, p[w], bias(p, b), N, in_w, C, dt, adapt(out));
-    } else {
-      detail::linear_forward(*ops_, raw.as<float>(), in, p[w], bias(p, b), N, in_w, C, dt, adapt(raw.as<float>()));
-      ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
-    }
+    // Tensor parts: each holds some of the input's columns (heads, the
+    // MLP's inner size), so its product is a partial sum; the parts add
+    // them up here, the bias (kept whole on each) counted on part 0 only.
+    const CView bv = tp_rank_ == 0 ? bias(p, b) : CView{};
+    float* y = post < 0 ? out : raw.as<float>();
+    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt, adapt(y));
+    tensor_sum(y, N * C);
+    if (post >= 0) ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
     if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
   }
   // A branch's input: the norm of x (index w), or without a pre-norm
@@ -1033,7 +1110,7 @@ class Llama final : public Model {
     if (B == pass_.B && T == pass_.T && sr == pass_.alloc) return;
     if (T != pass_.T) build_rope_tables(T, T);
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
-    const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(c_.intermediate_size);
+    const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(I_);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
       pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
@@ -1125,6 +1202,13 @@ class Llama final : public Model {
   detail::Ops* ops_ = nullptr;
   int64_t H_ = 0, K_ = 0, D_ = 0;
   int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
+  int64_t I_ = 0;   // the MLP's inner size (this tensor part's)
+  // Tensor parallelism (use_tensor_part): this rank's part, the whole
+  // model's blocks (blocks() describes them; specs_ are the part's), and
+  // the context of the pass under way (its tensor_all_reduce).
+  int tp_rank_ = 0, tp_size_ = 1;
+  std::vector<BlockSpec> whole_;
+  StepContext* pass_ctx_ = nullptr;
   int head_ = 1;    // the untied head's index in its block
   int head_block_ = 0;  // the untied head's block: the final block, or its own (modules_to_save)
   int lora_first_ = 0;  // the first adapter block

@@ -1,0 +1,206 @@
+// Note [tensor parallelism]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// tensor_parallel.autotp_size = T splits each decoder layer over T ranks,
+// the Megatron way (Model::tensor_blocks says how, per parameter, with a
+// TensorSplit):
+//   - q|k|v and gate|up by rows: part t holds heads [t H/T, (t+1) H/T) of
+//     q and the same share of the kv heads (whole kv heads, so GQA needs
+//     no copies), and that share of the MLP's inner size. Its attention
+//     and activation then run on its own heads and inner columns alone.
+//   - o_proj and down_proj by columns: each part's product is a partial
+//     sum of the branch's output; one all-reduce over the parts
+//     (StepContext::tensor_all_reduce) adds them up before the residual
+//     add (and the post-norm where a family has one). Their biases are
+//     whole on every part and added by part 0 alone.
+//   - in backward, the input gradients of q|k|v and gate|up are partial
+//     sums in the same way: one all-reduce each, before the norm's
+//     backward. So a layer costs two all-reduces of (B T, C) forward and
+//     two backward (one more per recomputed forward with gradient
+//     checkpointing).
+//   - norms, the embedding and the head stay whole on every part. Every
+//     part sees the same hidden state, computes the same gradients of them
+//     and applies the same update, so they stay equal without a
+//     reduction. Not so a whole parameter that each part applies to its
+//     own heads only (Qwen3's per-head q and k norms: TensorSplit::
+//     sum_grads): its gradient is summed over the parts at the step. (A vocabulary-parallel embedding and cross-entropy would
+//     also split those; not built yet.)
+// The grid: rank = (stage * D + replica) * T + part, the parts of one
+// stage of one replica adjacent (inside a node, where links are fast), as
+// Megatron and DeepSpeed number them. ZeRO partitions each part's blocks
+// over the D replicas that hold the same part (stages 0-2: DeepSpeed's
+// AutoTP training takes those).
+// The gradient norm: per block, the squares of the split parameters over
+// every part and those of the whole ones once (part 0's), summed over the
+// parts in the same collective as the loss sums (whose counts come from
+// part 0 alone: the parts see the same batch).
+// Initial values (the seed's or a pretrained folder's) are the whole
+// model's, each part cutting its own out of each parameter, so a run at T
+// parts starts from the same weights as one at 1. Its sums are the same
+// sums taken in another order, so its losses and weights agree to float
+// rounding, not bit for bit.
+// Exports (full_params) gather the parts and put the whole parameter back
+// together: one Hugging Face folder from any grid.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/engine_impl.h"
+#include "optim/optim.h"
+
+namespace zinc {
+namespace {
+
+int64_t row_width(const ParamSpec& whole) {
+  return whole.shape.ndim <= 1 ? 1 : whole.shape.numel() / whole.shape.dims[0];
+}
+
+// Copies part `p` (local values) to or from the whole parameter `w`:
+// to_whole writes w from p, else p from w.
+void move_part(const ParamSpec& part, const TensorSplit& sp, const ParamSpec& whole, float* p, float* w,
+               bool to_whole) {
+  auto copy = [&](float* local, float* all, int64_t n) {
+    if (to_whole)
+      std::memcpy(all, local, static_cast<size_t>(n) * sizeof(float));
+    else
+      std::memcpy(local, all, static_cast<size_t>(n) * sizeof(float));
+  };
+  switch (sp.kind) {
+    case TensorSplit::kWhole:
+      copy(p, w, whole.shape.numel());
+      return;
+    case TensorSplit::kRows: {
+      const int64_t cols = row_width(whole);
+      int64_t at = 0;
+      for (const auto& [first, count] : sp.ranges) {
+        copy(p + at * cols, w + first * cols, count * cols);
+        at += count;
+      }
+      return;
+    }
+    case TensorSplit::kColumns: {
+      const int64_t rows = whole.shape.dims[0], cols = row_width(whole);
+      int64_t at = 0;
+      for (const auto& [first, count] : sp.ranges) {
+        for (int64_t r = 0; r < rows; ++r) copy(p + r * (part.shape.numel() / rows) + at, w + r * cols + first, count);
+        at += count;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+void Engine::Impl::setup_grid() {
+  stages = static_cast<int>(cfg.pipeline.stages);
+  tp_size = static_cast<int>(cfg.tensor_parallel.size);
+  const int replicas = world_all / (stages * tp_size);
+  tp_rank = world_rank % tp_size;
+  const int group = world_rank / tp_size;  // stage * replicas + replica
+  stage = group / replicas;
+  const int replica = group % replicas;
+  if (tensor_split()) {
+    for (int r = 0; r < tp_size; ++r) {
+      std::string why;
+      tp_parts.push_back(model->tensor_part(r, tp_size, &why));
+      const TensorPart& tp = tp_parts.back();
+      if (tp.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
+      bool same = tp.blocks.size() == model->blocks().size() && tp.splits.size() == tp.blocks.size();
+      for (size_t b = 0; same && b < tp.blocks.size(); ++b)
+        same = tp.blocks[b].params.size() == model->blocks()[b].params.size() &&
+               tp.splits[b].size() == tp.blocks[b].params.size();
+      if (!same)
+        throw Error("model '" + model->name() + "': tensor part " + std::to_string(r) +
+                    " does not have the whole model's blocks and parameters");
+    }
+    model->use_tensor_part(tp_rank, tp_size);
+  }
+  // The groups (collective over every rank, in this order on each).
+  world_comm = comm;
+  if (tensor_split()) tp_comm = world_comm->split(group, tp_rank);
+  if (pipelined()) pipe_comm = world_comm->split(replica * tp_size + tp_rank, stage);
+  comm = std::shared_ptr<comm::Communicator>(world_comm->split(stage * tp_size + tp_rank, replica));
+  world = replicas;
+  rank = replica;
+  if (pipelined()) setup_pipeline();
+  if (tensor_split() && world_rank == 0) {
+    std::string line = "tensor parallelism: " + std::to_string(tp_size) + " parts";
+    if (pipelined()) line += " x " + std::to_string(stages) + " pipeline stages";
+    line += " x " + std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas") +
+            "; ranks " + std::to_string(0) + "-" + std::to_string(tp_size - 1) + " hold one layer's parts";
+    log_info(line);
+  }
+}
+
+void Engine::Impl::tensor_all_reduce(float* data, int64_t n) {
+  if (tp_comm) tp_comm->all_reduce(data, data, n, DType::kF32);
+}
+
+const TensorSplit& Engine::Impl::split_of(size_t b, size_t p, int part) const {
+  static const TensorSplit whole;
+  return tp_parts.empty() ? whole : tp_parts[static_cast<size_t>(part)].splits[b][p];
+}
+
+void Engine::Impl::sum_part_gradients() {
+  if (!tensor_split()) return;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    BlockShard& s = blocks[b];
+    if (s.frozen) continue;
+    float* g = plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
+    const int64_t own = plan.optimizer_spans_block ? 0 : s.part.own_offset();
+    const int64_t end = own + (plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel);
+    for (size_t p = 0; p < s.layout.offsets.size(); ++p) {
+      if (!split_of(b, p, tp_rank).sum_grads) continue;  // the same on every part, in this order
+      const int64_t lo = std::max(own, s.layout.offsets[p]), hi = std::min(end, s.layout.offsets[p] + s.layout.numels[p]);
+      // Every part's shard has the same bounds (the same layout), so each calls alike.
+      if (lo < hi) tp_comm->all_reduce(g + (lo - own), g + (lo - own), hi - lo, DType::kF32);
+    }
+  }
+}
+
+double Engine::Impl::block_squares(size_t b) {
+  BlockShard& s = blocks[b];
+  if (!tensor_split()) return reducer->squared_norm(s);
+  const float* g = reducer->reduced_shard(s);
+  const int64_t own = s.part.own_offset(), end = own + s.part.shard_numel;
+  double sum = 0.0;
+  for (size_t p = 0; p < specs()[b].params.size(); ++p) {
+    if (split_of(b, p, tp_rank).kind == TensorSplit::kWhole && tp_rank != 0) continue;  // counted on part 0
+    const int64_t lo = std::max(own, s.layout.offsets[p]), hi = std::min(end, s.layout.offsets[p] + s.layout.numels[p]);
+    if (lo < hi) sum += optim::grad_squared_norm(g + (lo - own), DType::kF32, hi - lo);
+  }
+  return sum;
+}
+
+std::vector<float> Engine::Impl::whole_from_parts(int block, const std::vector<float>& part) {
+  const BlockLayout& pl = blocks[static_cast<size_t>(block)].layout;  // the same on every part
+  const int64_t n = pl.numel;
+  ZINC_CHECK(static_cast<int64_t>(part.size()) >= n, "whole_from_parts: a part shorter than its layout");
+  std::vector<float> all(static_cast<size_t>(n * tp_size));
+  tp_comm->all_gather(part.data(), all.data(), n, DType::kF32);
+  const BlockSpec& whole = model->blocks()[static_cast<size_t>(block)];
+  const BlockLayout wl = BlockLayout::from_spec(whole);
+  std::vector<float> out(static_cast<size_t>(wl.numel), 0.0f);
+  for (int r = 0; r < tp_size; ++r) {
+    const BlockSpec& ps = tp_parts[static_cast<size_t>(r)].blocks[static_cast<size_t>(block)];
+    for (size_t p = 0; p < whole.params.size(); ++p) {
+      const TensorSplit& sp = split_of(static_cast<size_t>(block), p, r);
+      if (sp.kind == TensorSplit::kWhole && r != 0) continue;
+      move_part(ps.params[p], sp, whole.params[p], all.data() + r * n + pl.offsets[p], out.data() + wl.offsets[p],
+                true);
+    }
+  }
+  return out;
+}
+
+void Engine::Impl::cut_part(int b, int p, const float* whole, float* out) const {
+  const ParamSpec& ps = specs()[static_cast<size_t>(b)].params[static_cast<size_t>(p)];
+  const ParamSpec& ws = model->blocks()[static_cast<size_t>(b)].params[static_cast<size_t>(p)];
+  move_part(ps, split_of(static_cast<size_t>(b), static_cast<size_t>(p), tp_rank), ws, out, const_cast<float*>(whole),
+            false);
+}
+
+}  // namespace zinc
