@@ -4,6 +4,7 @@
 // anything. The format, its checks and the commit are checkpoint.cpp's
 // (Note [checkpoints] there).
 #include <array>
+#include <map>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +32,46 @@ int Engine::Impl::failed_rank(bool failed) {
   else if (reduce_stream)
     reduce_stream->submit([&v](comm::Communicator& c) { c.all_reduce_max_f64(&v, 1); }).wait();
   return static_cast<int>(v);
+}
+
+std::map<int, std::array<std::vector<float>, ckpt::kKinds>> Engine::Impl::gather_whole_states(
+    const std::function<bool(size_t)>& saves) {
+  // This rank's own spans of every block, by kind.
+  std::map<int, std::array<std::vector<float>, ckpt::kKinds>> own;
+  opt_state->for_each_read([&](const StateSpan& sp) {
+    if (!saves(static_cast<size_t>(sp.block))) return;
+    auto& kinds = own[sp.block];
+    const float* src[ckpt::kKinds] = {sp.master, sp.m, sp.v};
+    for (int k = 0; k < ckpt::kKinds; ++k) {
+      std::vector<float>& v = kinds[static_cast<size_t>(k)];
+      v.resize(static_cast<size_t>(blocks[static_cast<size_t>(sp.block)].opt_numel));
+      std::memcpy(v.data() + sp.offset, src[k], static_cast<size_t>(sp.count) * sizeof(float));
+    }
+  });
+  // Each block whole (the replicas' spans, then the parts), kept by its
+  // writer: block b by rank b mod (replicas x parts) of the stage.
+  std::map<int, std::array<std::vector<float>, ckpt::kKinds>> mine;
+  const int group = world * tp_size, me = rank * tp_size + tp_rank;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (!saves(b)) continue;
+    BlockShard& s = blocks[b];
+    auto& kinds = own[static_cast<int>(b)];
+    for (int k = 0; k < ckpt::kKinds; ++k) {
+      std::vector<float>& shard = kinds[static_cast<size_t>(k)];
+      std::vector<float> local;
+      if (plan.optimizer_spans_block || world == 1) {
+        local = std::move(shard);
+      } else {
+        local.resize(static_cast<size_t>(s.part.padded_numel));
+        gather_stream->submit([&](comm::Communicator& c) {
+          c.all_gather(shard.data(), local.data(), s.part.shard_numel, DType::kF32);
+        }).wait();
+      }
+      std::vector<float> w = whole_from_parts(static_cast<int>(b), local);
+      if (static_cast<int>(b) % group == me) mine[static_cast<int>(b)][static_cast<size_t>(k)] = std::move(w);
+    }
+  }
+  return mine;
 }
 
 std::string Engine::Impl::agree_on_tag(const std::string& tag) {
@@ -69,16 +110,19 @@ void Engine::Impl::check_between_batches(const char* what) const {
 
 nlohmann::json Engine::Impl::blocks_json() const {
   nlohmann::json out = nlohmann::json::array();
+  // The whole model's blocks and layout, with tensor parts too (Note
+  // [tensor parallelism]: a checkpoint holds whole blocks).
   const std::vector<BlockSpec>& specs = model->blocks();
   for (size_t b = 0; b < specs.size(); ++b) {
+    const BlockLayout layout = BlockLayout::from_spec(specs[b]);
     nlohmann::json ps = nlohmann::json::array();
     for (size_t p = 0; p < specs[b].params.size(); ++p)
       ps.push_back({{"name", specs[b].params[p].name},
                     {"shape", std::vector<int64_t>(specs[b].params[p].shape.dims.begin(),
                                                    specs[b].params[p].shape.dims.begin() +
                                                        specs[b].params[p].shape.ndim)},
-                    {"offset", blocks[b].layout.offsets[p]}});
-    out.push_back({{"name", specs[b].name}, {"numel", blocks[b].layout.numel}, {"params", ps}});
+                    {"offset", layout.offsets[p]}});
+    out.push_back({{"name", specs[b].name}, {"numel", layout.numel}, {"params", ps}});
     if (specs[b].frozen) out.back()["frozen"] = true;  // not saved: it comes from the model's initial values
   }
   return out;
@@ -129,11 +173,27 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   // NVMe through the swapper's buffers).
   char name[32];
   std::snprintf(name, sizeof name, "rank%05d", world_rank);
+  // BlockSpec::frozen: nothing saved; a block two pipeline stages share,
+  // by its first stage only.
+  auto saves = [&](size_t b) { return !blocks[b].frozen && (!pipelined() || pipe_plan.block_stage[b] == stage); };
+  // Tensor parts: whole blocks, each written by one rank of the stage
+  // (gathered over the replicas and the parts first: collective).
+  std::map<int, std::array<std::vector<float>, ckpt::kKinds>> whole;
+  if (tensor_split()) whole = gather_whole_states(saves);
   attempt([&] {
     std::vector<ckpt::RankWriter::Span> spans;
-    // BlockSpec::frozen: nothing saved; a block two pipeline stages share,
-    // by its first stage only.
-    auto saves = [&](size_t b) { return !blocks[b].frozen && (!pipelined() || pipe_plan.block_stage[b] == stage); };
+    if (tensor_split()) {
+      for (const auto& [b, kinds] : whole) spans.push_back({b, 0, static_cast<int64_t>(kinds[0].size())});
+      ckpt::RankWriter w((fs::path(partial) / (std::string(name) + ".bin")).string(), spans);
+      for (const auto& [b, kinds] : whole)
+        for (int k = 0; k < ckpt::kKinds; ++k)
+          w.write(b, k, 0, kinds[static_cast<size_t>(k)].data(), static_cast<int64_t>(kinds[0].size()), true);
+      nlohmann::json index = w.finish();
+      index["rank"] = world_rank;
+      ckpt::write_file_atomic((fs::path(partial) / (std::string(name) + ".json")).string(), index.dump());
+      ckpt::fault_point("index");
+      return;
+    }
     for (size_t b = 0; b < blocks.size(); ++b)
       if (saves(b))
         spans.push_back({static_cast<int>(b), plan.optimizer_spans_block ? 0 : blocks[b].part.own_offset(),
@@ -178,6 +238,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
           {"tag", tag},
           {"world_size", world_all},
           {"pipeline_stages", stages},
+          {"tensor_parallel", tp_size},
           {"zero_stage", cfg.zero.stage},
           {"compute_dtype", dtype_name(dtype)},
           {"model", model->name()},
@@ -272,13 +333,35 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
   ckpt::CheckpointReader reader(files.dir, files.ranks, names);
   device->before_load();
   params->before_update();
+  // Tensor parts: each block's whole states, read once, with this part
+  // cut out of each parameter (the part's own layout).
+  int part_block = -1;
+  std::array<std::vector<float>, ckpt::kKinds> part_states;
+  auto read = [&](int block, int kind, int64_t flat, int64_t count, float* out) {
+    if (!tensor_split()) return reader.read(block, kind, flat, count, out);
+    if (part_block != block) {
+      const BlockSpec& ws = model->blocks()[static_cast<size_t>(block)];
+      const BlockLayout wl = BlockLayout::from_spec(ws);
+      const BlockShard& s = blocks[static_cast<size_t>(block)];
+      std::vector<float> all(static_cast<size_t>(wl.numel));
+      for (int k = 0; k < ckpt::kKinds; ++k) {
+        reader.read(block, k, 0, wl.numel, all.data());
+        std::vector<float>& part = part_states[static_cast<size_t>(k)];
+        part.assign(static_cast<size_t>(s.part.padded_numel), 0.0f);
+        for (size_t p = 0; p < ws.params.size(); ++p)
+          cut_part(block, static_cast<int>(p), all.data() + wl.offsets[p], part.data() + s.layout.offsets[p]);
+      }
+      part_block = block;
+    }
+    std::memcpy(out, part_states[static_cast<size_t>(kind)].data() + flat, static_cast<size_t>(count) * sizeof(float));
+  };
   auto read_states = [&] {
     visit_updating([&](const StateSpan& sp) {
       const BlockShard& s = blocks[static_cast<size_t>(sp.block)];
       const int64_t flat = (plan.optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
-      reader.read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
-      reader.read(sp.block, ckpt::kM, flat, sp.count, sp.m);
-      reader.read(sp.block, ckpt::kV, flat, sp.count, sp.v);
+      read(sp.block, ckpt::kMaster, flat, sp.count, sp.master);
+      read(sp.block, ckpt::kM, flat, sp.count, sp.m);
+      read(sp.block, ckpt::kV, flat, sp.count, sp.v);
       rule->load_span(sp);  // where the rule keeps a rank's own values (0/1 Adam between synchronisations)
       // The compute weights, as the update writes them: rounded to 16 bits or copied.
       char* out = compute_out(sp);

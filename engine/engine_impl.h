@@ -9,9 +9,11 @@
 // step calls it at fixed points and never asks which device it is.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -173,6 +175,10 @@ struct Engine::Impl final : StepContext {
   // The whole model's block `block` (model->blocks()' layout) from this
   // part's flat values `part`: every part's, gathered over the parts.
   std::vector<float> whole_from_parts(int block, const std::vector<float>& part);
+  // For a checkpoint of tensor parts: the whole states (master, m, v) of
+  // the blocks this rank writes, of those `saves` says its stage saves.
+  // Collective over the stage's ranks.
+  std::map<int, std::array<std::vector<float>, 3>> gather_whole_states(const std::function<bool(size_t)>& saves);
   // Parameter p of block b of this part, cut from the whole parameter's
   // values (`whole`, row-major).
   void cut_part(int b, int p, const float* whole, float* out) const;

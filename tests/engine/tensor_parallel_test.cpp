@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <unistd.h>
 #include <memory>
 #include <string>
 #include <vector>
@@ -107,9 +108,10 @@ struct Result {
   double eval = 0;
 };
 
+// Checkpoints in a run: `load` before the first step (the loader moved on
+// to where the saved run was), `save` after the last.
 struct Ckpt {
   std::string load, save;
-  int save_after = 0;
 };
 
 // Trains s.steps global batches; every rank ends with every block's whole weights.
@@ -127,10 +129,8 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
     loader.set_position(e.global_steps() * e.config().train_batch_size);
   }
   Result r;
-  for (int i = 0; i < s.steps; ++i) {
-    if (!ck.save.empty() && i == ck.save_after) e.save_checkpoint(ck.save, "", json::object());
-    r.losses.push_back(e.train_batch(loader));
-  }
+  for (int i = 0; i < s.steps; ++i) r.losses.push_back(e.train_batch(loader));
+  if (!ck.save.empty()) e.save_checkpoint(ck.save, "", json::object());
   r.norm = e.global_grad_norm();
   r.eval = e.evaluate(loader.next());
   for (size_t b = 0; b < e.model().blocks().size(); ++b) {
@@ -228,6 +228,67 @@ TEST(TensorParallel, PartsComposeWithPipelineStages) {
   s.gas = 4;
   s.zero = 1;
   expect_same_run(s, "2 parts x 2 stages");
+}
+
+// A folder every rank names the same (rank 0's), empty.
+std::string shared_dir(const std::string& name) {
+  std::string dir = ::testing::TempDir() + "zinc_tp_" + name + "_" + std::to_string(::getpid());
+  std::vector<char> buf(dir.begin(), dir.end());
+  buf.resize(256, '\0');
+  g_world->broadcast(buf.data(), 128, DType::kBF16, 0);
+  dir = std::string(buf.data());
+  if (g_world->rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  g_world->barrier();
+  return dir;
+}
+
+// Checkpoints hold whole blocks: saved by parts (and stages), they load
+// into the run without parts, and the reverse, with every weight the same
+// bit for bit; at the same grid a resumed run goes on as if never stopped.
+void expect_checkpoints_cross_grids(const Spec& s, const std::string& what) {
+  if (g_world->size() % (s.tp * s.stages) != 0) return;
+  Spec three = s, none = s;
+  three.steps = 3;
+  none.steps = 0;
+  const std::string parts_dir = shared_dir("parts"), plain_dir = shared_dir("plain");
+  const Result saved_parts = train(three, g_world, true, {"", parts_dir});
+  // Each part's ranks run the reference; one group (part 0's) saves it.
+  const bool saver = g_world->rank() % (s.tp * s.stages) == 0;
+  const Result saved_plain = train(three, replicas_of(s), false, {"", saver ? plain_dir : ""});
+  g_world->barrier();
+  const Result loaded_plain = train(none, replicas_of(s), false, {parts_dir, ""});
+  const Result loaded_parts = train(none, g_world, true, {plain_dir, ""});
+  EXPECT_EQ(loaded_plain.weights, saved_parts.weights) << what << ": the parts' checkpoint, loaded without parts";
+  EXPECT_EQ(loaded_parts.weights, saved_plain.weights) << what << ": a checkpoint without parts, loaded by parts";
+  // The same grid: 3 + 3 steps with a resume equal 6 in one go.
+  const Result resumed = train(three, g_world, true, {parts_dir, ""});
+  Spec six = s;
+  six.steps = 6;
+  const Result straight = train(six, g_world, true);
+  EXPECT_EQ(resumed.weights, straight.weights) << what << ": resumed at the same grid";
+  EXPECT_EQ(resumed.losses, std::vector<double>(straight.losses.begin() + 3, straight.losses.end())) << what;
+  if (g_world->rank() == 0) {
+    std::filesystem::remove_all(parts_dir);
+    std::filesystem::remove_all(plain_dir);
+  }
+}
+
+TEST(TensorParallel, CheckpointsHoldWholeBlocksAndResumeAtAnyGrid) {
+  Spec s;
+  s.zero = 1;
+  expect_checkpoints_cross_grids(s, "2 parts, ZeRO-1");
+  Spec z2;
+  z2.zero = 2;
+  z2.offload = "cpu";
+  expect_checkpoints_cross_grids(z2, "2 parts, ZeRO-2, offloaded states");
+  Spec pp;
+  pp.stages = 2;
+  pp.gas = 4;
+  pp.tied = true;
+  expect_checkpoints_cross_grids(pp, "2 parts x 2 stages, tied head");
 }
 
 std::string error_of(const std::function<void()>& fn) {
