@@ -86,6 +86,9 @@ class Gpt final : public Model {
   explicit Gpt(const GptConfig& c) : c_(c), ops_(&detail::ops_for(c.device)) {
     if (auto bad = size_error(c)) throw Error("gpt: " + bad->field + ": " + bad->message);
     const int64_t C = c.n_embd, V = c.vocab_size;
+    A_ = C;
+    Hh_ = c.n_head;
+    F_ = 4 * C;
     const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen
     specs_.push_back({"embed", {{"wte", {V, C}}, {"wpe", {c.block_size, C}}}, frozen});
@@ -140,7 +143,53 @@ class Gpt final : public Model {
 
   std::string name() const override { return "gpt"; }
   Device device() const override { return ops_->device(); }
-  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  const std::vector<BlockSpec>& blocks() const override { return whole_.empty() ? specs_ : whole_; }
+
+  // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp):
+  // c_attn's q, k and v rows of the part's heads and c_fc's rows of its
+  // share of the MLP by rows; both c_proj by columns; their biases, the
+  // norms and the (tied) embedding whole.
+  TensorPart tensor_part(int rank, int size, std::string* why) const override {
+    auto no = [&](const std::string& m) {
+      if (why) *why = "model 'gpt' does not split into " + std::to_string(size) + " tensor parts: " + m;
+      return TensorPart{};
+    };
+    if (size < 1 || rank < 0 || rank >= size) return no("no part " + std::to_string(rank));
+    if (lora()) return no("LoRA adapters are not split yet");
+    if (c_.n_head % size != 0) return no("n_head " + std::to_string(c_.n_head) + " is not a multiple of it");
+    const int64_t C = c_.n_embd, a = C / size, f = 4 * C / size;
+    TensorPart out{blocks(), {}};
+    for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
+    const TensorSplit qkv{TensorSplit::kRows, {{rank * a, a}, {C + rank * a, a}, {2 * C + rank * a, a}}};
+    const TensorSplit fc{TensorSplit::kRows, {{rank * f, f}}};
+    for (int64_t l = 0; l < c_.n_layer; ++l) {
+      std::vector<ParamSpec>& ps = out.blocks[static_cast<size_t>(l + 1)].params;
+      std::vector<TensorSplit>& sp = out.splits[static_cast<size_t>(l + 1)];
+      sp[kQkvW] = sp[kQkvB] = qkv;
+      ps[kQkvW].shape.dims[0] = ps[kQkvB].shape.dims[0] = 3 * a;
+      sp[kAttnProjW] = TensorSplit{TensorSplit::kColumns, {{rank * a, a}}};
+      ps[kAttnProjW].shape.dims[1] = a;
+      sp[kFcW] = sp[kFcB] = fc;
+      ps[kFcW].shape.dims[0] = ps[kFcB].shape.dims[0] = f;
+      sp[kMlpProjW] = TensorSplit{TensorSplit::kColumns, {{rank * f, f}}};
+      ps[kMlpProjW].shape.dims[1] = f;
+    }
+    return out;
+  }
+  void use_tensor_part(int rank, int size) override {
+    if (size == 1) return;
+    if (!whole_.empty()) throw Error("model 'gpt' already computes one tensor part");
+    std::string why;
+    TensorPart part = tensor_part(rank, size, &why);
+    if (part.empty()) throw Error(why);
+    whole_ = std::move(specs_);
+    specs_ = std::move(part.blocks);
+    A_ /= size;
+    Hh_ /= size;
+    F_ /= size;
+    tp_rank_ = rank;
+    tp_size_ = size;  // the first forward makes its buffers at the part's sizes
+  }
   std::span<const float> logits() const override {
     if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
     return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
@@ -148,10 +197,11 @@ class Gpt final : public Model {
 
   double flops_per_token(int64_t T) const override {
     const double C = static_cast<double>(c_.n_embd), L = static_cast<double>(c_.n_layer);
-    const double matmul_params = L * 12.0 * C * C + static_cast<double>(c_.vocab_size) * C;
-    // attention scores and weighted sum: 2 matmuls of 2*T*C flops per token
+    const double A = static_cast<double>(A_), F = static_cast<double>(F_);  // a tensor part's
+    const double matmul_params = L * (4.0 * C * A + 2.0 * C * F) + static_cast<double>(c_.vocab_size) * C;
+    // attention scores and weighted sum: 2 matmuls of 2*T*A flops per token
     // forward, x3 for forward + backward (causal masking not discounted).
-    const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * C;
+    const double attention = L * 3.0 * 2.0 * 2.0 * static_cast<double>(T) * A;
     return 6.0 * matmul_params + attention;
   }
 
@@ -173,7 +223,8 @@ class Gpt final : public Model {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
-    const kernels::AttentionShape as{B, T, C, c_.n_head};
+    const int64_t A = A_, F = F_;  // a tensor part's widths
+    const kernels::AttentionShape as{B, T, A, Hh_};
     ActivationMemory m;
     // Per layer: its input x_in. Per set of layer activations (one per layer,
     // or one shared with gradient_checkpointing): ln1 att x_mid ln2, qkv,
@@ -182,9 +233,10 @@ class Gpt final : public Model {
     // Where the Ops fuses the bf16 operands (Ops::fuses_operand16) ln1, ln2,
     // gelu and lnf have no fp32 buffers.
     const bool fused = ops_->fuses_operand16(dt);
-    const int64_t acts = (fused ? 2 : 4) * buffer_bytes(N * C) + buffer_bytes(N * 3 * C) +
-                         (fused ? 1 : 2) * buffer_bytes(N * 4 * C) + 4 * buffer_bytes(N) +
-                         3 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * 4 * C, dt) +
+    const int64_t acts = (fused ? 1 : 3) * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * 3 * A) +
+                         (fused ? 1 : 2) * buffer_bytes(N * F) + 4 * buffer_bytes(N) +
+                         2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
+                         matmul_input_bytes(N * F, dt) +
                          kernels::attention_workspace_bytes(as);
     const int64_t layers = sr.hi - sr.lo;
     const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
@@ -201,13 +253,13 @@ class Gpt final : public Model {
                  2 * buffer_bytes(4 * C * r) + buffer_bytes(r * 4 * C) + buffer_bytes(2 * C);
       if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, 4 * C, dt);
     }
-    m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * 4 * C) + 2 * buffer_bytes(N) +
+    m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
                (sr.head ? 2 * buffer_bytes(N * V) : 0) + matmul_input_bytes(N * C, dt) +
                N * static_cast<int64_t>(sizeof(int32_t));
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
-    for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}}) {
+    for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}}) {
       detail::tally_linear_forward(t, x, N, in, out, true, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
     }
@@ -227,6 +279,7 @@ class Gpt final : public Model {
  public:
 
   float forward(StepContext& ctx, const Batch& batch) override {
+    pass_ctx_ = &ctx;
     pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.n_embd, V = c_.vocab_size;
     if (T > c_.block_size)
@@ -280,7 +333,8 @@ class Gpt final : public Model {
   }
 
   void backward(StepContext& ctx, float loss_scale) override {
-    const int64_t B = pass_.B, T = pass_.T, C = c_.n_embd, V = c_.vocab_size, N = B * T;
+    pass_ctx_ = &ctx;
+    const int64_t B = pass_.B, T = pass_.T, C = c_.n_embd, V = c_.vocab_size, N = B * T, A = A_, F = F_;
     const DType dt = ctx.compute_dtype();
     const PipelineStage& st = ctx.pipeline_stage();
     const StageRange sr = stage_range(st);
@@ -308,7 +362,7 @@ class Gpt final : public Model {
       ops_->copy_columns(dx, C, st.output_grad, C, N, C);
     }
 
-    float* dbig = dbig_.as<float>();   // (N,4C) scratch
+    float* dbig = dbig_.as<float>();   // (N,F) scratch (F = 4C, a tensor part's share)
     float* dsmall = dsmall_.as<float>();  // (N,C) scratch
     for (int64_t l = sr.hi - 1; l >= sr.lo; --l) {
       LayerActs& a = acts(l);
@@ -332,24 +386,26 @@ class Gpt final : public Model {
       CView dy_in = ops_->dy_operand(dx, bias_grad(g, kMlpProjB), N, C, dt, dy16_);
       bool adapted = lora_backward(lpp, lg, a, l, kGptMlpProj, a.gelu_in, dy_in, dbig, N, dt);
       detail::linear_backward(*ops_, dy16_, dbig, weight_grad(g, kMlpProjW), nullptr, {}, a.gelu_in, p[kMlpProjW], N,
-                              4 * C, C, dt, dy_in, adapted);
+                              F, C, dt, dy_in, adapted);
       const CView dfc =
-          ops_->gelu_backward_operand(dbig, bias_grad(g, kFcB), a.fc.as<float>(), dbig, N, 4 * C, dt, dy16_);
+          ops_->gelu_backward_operand(dbig, bias_grad(g, kFcB), a.fc.as<float>(), dbig, N, F, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptFc, a.ln2_in, dfc, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kFcW), nullptr, {}, a.ln2_in, p[kFcW], N, C,
-                              4 * C, dt, dfc, adapted);
+                              F, dt, dfc, adapted);
+      tensor_sum(dsmall, N * C);  // each part's share of d ln2
       ops_->layernorm_backward(dx, norm_grad(g, kLn2W), norm_grad(g, kLn2B), dsmall, a.x_mid.as<float>(), p[kLn2W],
                                a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
       dy_in = ops_->dy_operand(dx, bias_grad(g, kAttnProjB), N, C, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
-                              p[kAttnProjW], N, C, C, dt, dy_in, adapted);
-      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, C, c_.n_head, pass_.pos}, dt);
-      dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * C, dt, dy16_);
+                              p[kAttnProjW], N, A, C, dt, dy_in, adapted);
+      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+      dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * A, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
-                              3 * C, dt, dy_in, adapted);
+                              3 * A, dt, dy_in, adapted);
+      tensor_sum(dsmall, N * C);  // each part's share of d ln1
       ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],
                                a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
       p.release();
@@ -371,6 +427,11 @@ class Gpt final : public Model {
   // The residual stream entering layer l (x_final_ past the last).
   float* hidden(int64_t l) { return l < c_.n_layer ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
 
+  // A partial sum summed over the tensor parts (none: nothing to do).
+  void tensor_sum(float* x, int64_t n) {
+    if (tp_size_ > 1) pass_ctx_->tensor_all_reduce(x, n);
+  }
+
   // The activations layer l's backward reads: its own set, or the shared one.
   LayerActs& acts(int64_t l) { return pass_.acts[c_.gradient_checkpointing ? 0 : static_cast<size_t>(l)]; }
 
@@ -381,26 +442,33 @@ class Gpt final : public Model {
   // lp: layer l's adapter block (LoRA), or null.
   void layer_forward(const HeldParams& p, LayerActs& a, int64_t l, const float* x_in, float* x_out, int64_t B,
                      int64_t T, DType dt, const HeldParams* lp = nullptr) {
-    const int64_t C = c_.n_embd, N = B * T;
+    const int64_t C = c_.n_embd, N = B * T, A = A_, F = F_;
+    // Tensor parts: c_proj's products are partial sums, added up over the
+    // parts (their biases, whole on each, counted on part 0).
+    const bool bias_here = tp_rank_ == 0;
     a.ln1_in = ops_->layernorm_forward_input(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
                                              x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
     // With LoRA each adapter writes its part of a projection first and the
     // projection adds itself (models/detail/lora.h).
     bool adapted = lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * C, dt, adapted);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, C, c_.n_head, pass_.pos}, dt);
-    a.att_in = ops_->matmul_input(a.att.as<float>(), N * C, dt, a.att_16);
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt, adapted);
+    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+    a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     adapted = lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], p[kAttnProjB], N, C, C, dt, adapted);
+    detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
+                           A, C, dt, adapted);
+    tensor_sum(a.x_mid.as<float>(), N * C);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
     a.ln2_in = ops_->layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                              a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
     adapted = lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, 4 * C, dt, adapted);
-    a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * 4 * C, dt, a.gelu_16);
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt, adapted);
+    a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);
     if (!x_out) return;
     adapted = lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
-    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], p[kMlpProjB], N, 4 * C, C, dt, adapted);
+    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt,
+                           adapted);
+    tensor_sum(x_out, N * C);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
   }
 
@@ -473,7 +541,7 @@ class Gpt final : public Model {
   void ensure_buffers(int64_t B, int64_t T, bool fused, const StageRange& sr) {
     if (B == pass_.B && T == pass_.T && fused == pass_.fused && sr == pass_.alloc) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
-    const size_t V = static_cast<size_t>(c_.vocab_size);
+    const size_t V = static_cast<size_t>(c_.vocab_size), A = static_cast<size_t>(A_), F = static_cast<size_t>(F_);
     for (int64_t l = 0; l < c_.n_layer; ++l)
       pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
     for (size_t i = 0; i < pass_.acts.size(); ++i) {
@@ -489,14 +557,14 @@ class Gpt final : public Model {
       a.ln1 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln1_mean = ops_->alloc_f32(N);
       a.ln1_rstd = ops_->alloc_f32(N);
-      a.qkv = ops_->alloc_f32(N * 3 * C);
-      a.att = ops_->alloc_f32(N * C);
+      a.qkv = ops_->alloc_f32(N * 3 * A);
+      a.att = ops_->alloc_f32(N * A);
       a.x_mid = ops_->alloc_f32(N * C);
       a.ln2 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln2_mean = ops_->alloc_f32(N);
       a.ln2_rstd = ops_->alloc_f32(N);
-      a.fc = ops_->alloc_f32(N * 4 * C);
-      a.gelu = fused ? Buf() : ops_->alloc_f32(N * 4 * C);
+      a.fc = ops_->alloc_f32(N * F);
+      a.gelu = fused ? Buf() : ops_->alloc_f32(N * F);
     }
     x_final_ = ops_->alloc_f32(N * C);
     lnf_ = fused ? Buf() : ops_->alloc_f32(N * C);
@@ -507,7 +575,7 @@ class Gpt final : public Model {
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
-    dbig_ = ops_->alloc_f32(N * 4 * C);
+    dbig_ = ops_->alloc_f32(N * F);
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
       for (LayerActs& a : pass_.acts)
@@ -526,6 +594,13 @@ class Gpt final : public Model {
   GptConfig c_;
   detail::Ops* ops_;  // the device's kernels (models/detail/ops.h)
   std::vector<BlockSpec> specs_;
+  // Tensor parts (use_tensor_part): this part's attention width, heads and
+  // MLP width (the whole model's: C, n_head, 4C), the whole model's blocks
+  // (blocks() describes them), and the pass's context.
+  int64_t A_ = 0, Hh_ = 0, F_ = 0;
+  int tp_rank_ = 0, tp_size_ = 1;
+  std::vector<BlockSpec> whole_;
+  StepContext* pass_ctx_ = nullptr;
   Buf targets_store_;
   // What the forward leaves for its backward (the selected activation set) and
   // the other sets of a pipeline stage's micro-batches in flight.

@@ -47,6 +47,7 @@ struct Spec {
   bool gemma2 = false;   // post-norms, soft-capping, GeGLU, biases on o and down
   bool neox = false;     // LayerNorm with biases, parallel residual, partial rotary, an ungated MLP
   bool qwen3 = false;    // per-head q and k norms
+  bool gpt = false;      // GPT-2 (LayerNorm, fused c_attn with biases, a tied head) instead of the Llama
   bool checkpointing = false;
   bool tied = false;
   std::string offload = "none";
@@ -54,6 +55,16 @@ struct Spec {
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
+  if (s.gpt) {
+    models::GptConfig g;
+    g.vocab_size = 13;
+    g.block_size = 16;
+    g.n_layer = s.layers;
+    g.n_head = 4;
+    g.n_embd = 16;
+    g.gradient_checkpointing = s.checkpointing;
+    return models::make_gpt(g);
+  }
   models::LlamaConfig c;
   c.vocab_size = 13;
   c.hidden_size = 16;
@@ -210,6 +221,13 @@ TEST(TensorParallel, FamiliesWithPostNormsBiasesParallelResidualAndQkNorms) {
   q.qwen3 = true;
   q.tied = true;
   expect_same_run(q, "Qwen3's layer, tied head");
+  Spec g2;
+  g2.gpt = true;
+  expect_same_run(g2, "GPT-2");
+  g2.tp = 4;
+  g2.zero = 2;
+  g2.checkpointing = true;
+  expect_same_run(g2, "GPT-2 at 4 parts, ZeRO-2, gradient checkpointing");
 }
 
 TEST(TensorParallel, Bf16AndGradientCheckpointing) {
@@ -289,6 +307,10 @@ TEST(TensorParallel, CheckpointsHoldWholeBlocksAndResumeAtAnyGrid) {
   pp.gas = 4;
   pp.tied = true;
   expect_checkpoints_cross_grids(pp, "2 parts x 2 stages, tied head");
+  Spec g;
+  g.gpt = true;
+  g.zero = 2;
+  expect_checkpoints_cross_grids(g, "GPT-2, 2 parts, ZeRO-2");
 }
 
 std::string error_of(const std::function<void()>& fn) {
@@ -332,10 +354,10 @@ TEST(TensorParallel, RefusesWhatItCannotSplitWithOneLine) {
   g.vocab_size = 13;
   g.block_size = 16;
   g.n_layer = 2;
-  g.n_head = 2;
+  g.n_head = 3;
   g.n_embd = 12;
   e = run(z, config(Spec{w}, 1, true), models::make_gpt(g));
-  EXPECT_NE(e.find("does not split"), std::string::npos) << e;
+  EXPECT_NE(e.find("n_head 3 is not a multiple"), std::string::npos) << e;
 }
 
 TEST(TensorParallelConfig, PartsMustDivideTheWorldAndTheBatchFitsTheReplicas) {
