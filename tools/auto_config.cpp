@@ -15,8 +15,13 @@
 // TrainingArguments, with its names and defaults) as the source:
 //   train_micro_batch_size_per_gpu   trainer.per_device_train_batch_size
 //   gradient_accumulation_steps      trainer.gradient_accumulation_steps
-//   train_batch_size                 world size x micro-batch x accumulation
-//                                    (the concrete values if they are given)
+//   train_batch_size                 data-parallel size x micro-batch x
+//                                    accumulation (the concrete values if
+//                                    they are given; the data-parallel size
+//                                    is the world size over pipeline.stages
+//                                    and tensor_parallel.autotp_size where
+//                                    the document gives them, as DeepSpeed
+//                                    counts replicas)
 //   gradient_clipping                trainer.max_grad_norm
 //   optimizer.params lr, betas, eps, weight_decay
 //                                    trainer.learning_rate, [adam_beta1,
@@ -138,10 +143,20 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
   if (auto_at(d, "train_batch_size")) {
     const int64_t micro = int_at(d, "train_micro_batch_size_per_gpu").value_or(t.per_device_train_batch_size);
     const int64_t gas = int_at(d, "gradient_accumulation_steps").value_or(t.gradient_accumulation_steps);
-    const std::string why = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " x micro-batch " +
-                            std::to_string(micro) + " x accumulation " + std::to_string(gas);
+    // The replicas: the ranks over the model-parallel degrees the document
+    // gives (where they divide the world; else the parser refuses them).
+    const int64_t stages = d.contains("pipeline") ? int_at(d["pipeline"], "stages").value_or(1) : 1;
+    const int64_t parts = d.contains("tensor_parallel") ? int_at(d["tensor_parallel"], "autotp_size").value_or(1) : 1;
+    const int64_t mp = stages >= 1 && parts >= 1 && stages * parts <= world_size ? stages * parts : 1;
+    const int64_t replicas = world_size % mp == 0 ? world_size / mp : world_size;
+    const std::string why = (replicas == world_size
+                                 ? std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks")
+                                 : std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") + " (" +
+                                       std::to_string(world_size) + " ranks / " + std::to_string(mp) +
+                                       " per replica)") +
+                            " x micro-batch " + std::to_string(micro) + " x accumulation " + std::to_string(gas);
     // In 128 bits: the factors are any int64 the document gives.
-    const __int128 product = static_cast<__int128>(micro) * gas * world_size;
+    const __int128 product = static_cast<__int128>(micro) * gas * replicas;
     if (product > INT64_MAX || product < INT64_MIN)
       throw ConfigError("train_batch_size", "\"auto\" is " + why + ", which does not fit in a 64-bit integer");
     set(d, "train_batch_size", "train_batch_size", static_cast<int64_t>(product), why);
