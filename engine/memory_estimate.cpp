@@ -50,7 +50,7 @@ namespace {
 // its own blocks only, its layers' activation sets, and the hidden states
 // that cross to its neighbours.
 MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_len, const PipelinePlan* pp,
-                             int stage) {
+                             int stage, const std::vector<BlockSpec>& specs) {
   MemoryEstimate e;
   const int world = c.data_parallel_size();  // the ranks ZeRO partitions over
   const ZeroConfig& z = c.zero;
@@ -71,8 +71,8 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   // frozen blocks' elements.
   int64_t g_padded_all = 0, g_shard_all = 0, g_max_padded = 0, g_max_shard = 0, frozen_padded = 0;
   int64_t pinned_states = 0, pinned_shards = 0;  // page-locked buffers' footprints, one per block
-  for (size_t b = 0; b < model.blocks().size(); ++b) {
-    const BlockSpec& spec = model.blocks()[b];
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const BlockSpec& spec = specs[b];
     if (pp && !pp->holds(static_cast<int>(b), stage)) {  // another stage's: nothing of it here
       layouts.push_back(BlockLayout{});
       parts.push_back(Partition::make(0, world, 0));
@@ -161,7 +161,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
         const int64_t fp = static_cast<int64_t>(offload::PinnedBuffer::footprint(static_cast<size_t>(f)));
         np_read += fp;
         max_np_read = std::max(max_np_read, fp);
-        if (!model.blocks()[b].frozen) max_np_update = std::max(max_np_update, fp);  // a frozen block is never updated
+        if (!specs[b].frozen) max_np_update = std::max(max_np_update, fp);  // a frozen block is never updated
         max_np_padded = std::max(max_np_padded, parts[b].padded_numel);
       }
     }
@@ -283,7 +283,13 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   const bool on_gpu = c.device == Device::kCuda;
   std::vector<MemoryPart>& acts_at = on_gpu ? e.gpu : e.training;
   const int64_t B = c.train_micro_batch_size_per_gpu;
-  std::optional<ActivationMemory> act = model.activation_memory(B, seq_len, dtype);
+  const int tparts = static_cast<int>(c.tensor_parallel.size);
+  // A tensor part's activations: its heads' and MLP share's (its all-reduces
+  // run in place on the pass's (N, C) buffers: nothing of their own).
+  std::optional<ActivationMemory> act =
+      tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
+                 : model.activation_memory(B, seq_len, dtype);
+  e.tensor_parts = tparts;
   if (pp) {
     // Stage s keeps min(P - s, M) micro-batches' activations (one on the
     // last stage); the inputs of those in flight (after the first stage),
@@ -292,7 +298,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     const bool last = stage == P - 1, first = stage == 0;
     const int sets = last ? 1 : static_cast<int>(std::min<int64_t>(P - stage, c.gradient_accumulation_steps));
     const PipelineStage st{pp->bounds[static_cast<size_t>(stage)], last ? -1 : pp->bounds[static_cast<size_t>(stage) + 1]};
-    act = model.stage_activation_memory(B, seq_len, dtype, st, sets);
+    act = model.stage_activation_memory(B, seq_len, dtype, st, sets, tparts);
     const int64_t hidden = 4 * B * seq_len * model.pipeline_width();
     const int64_t buffers = (first ? 0 : sets) + (last ? 0 : 2) + (first ? 0 : 1);
     e.training.push_back({"pipeline transfers (fp32)", buffers * hidden,
@@ -368,13 +374,21 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
 }  // namespace
 
 MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_len) {
-  if (!c.pipelined()) return estimate_rank(model, c, seq_len, nullptr, 0);
+  // Tensor parts: one part's blocks (every part's are the same size).
+  std::vector<BlockSpec> specs = model.blocks();
+  if (c.tensor_split()) {
+    std::string why;
+    TensorPart part = model.tensor_part(0, static_cast<int>(c.tensor_parallel.size), &why);
+    if (part.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
+    specs = std::move(part.blocks);
+  }
+  if (!c.pipelined()) return estimate_rank(model, c, seq_len, nullptr, 0, specs);
   // The stage that needs the most stands for all (a machine holds ranks of
   // every stage when the grid is on one machine; the largest is the bound).
   const PipelinePlan pp = plan_pipeline(model, c);
   MemoryEstimate best;
   for (int s = 0; s < static_cast<int>(c.pipeline.stages); ++s) {
-    MemoryEstimate e = estimate_rank(model, c, seq_len, &pp, s);
+    MemoryEstimate e = estimate_rank(model, c, seq_len, &pp, s, specs);
     e.pipeline_stage = s;
     if (s == 0 || e.ram_bytes() > best.ram_bytes()) best = std::move(e);
   }

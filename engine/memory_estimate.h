@@ -38,6 +38,7 @@ struct MemoryEstimate {
   // needs the most RAM), and their number.
   int pipeline_stage = -1;
   int pipeline_stages = 1;
+  int tensor_parts = 1;  // tensor_parallel.autotp_size: the estimate is one part's
   // RAM while the engine sets up (initial weights are built, and with
   // parameters on NVMe every shard is in RAM once before it is written).
   std::vector<MemoryPart> setup;

@@ -312,10 +312,12 @@ class Model {
     return std::nullopt;
   }
   // The same for pipeline stage `stage` holding `sets` activation sets
-  // (select_activations): its own layers only. Without an override, the
-  // whole model's (an overestimate).
+  // (select_activations), of one of `tensor_parts` tensor parts
+  // (tensor_part: its share of each layer): its own layers only. Without
+  // an override, the whole model's (an overestimate).
   virtual std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType compute,
-                                                                  const PipelineStage& stage, int sets) const {
+                                                                  const PipelineStage& stage, int sets,
+                                                                  int tensor_parts) const {
     return activation_memory(B, T, compute);
   }
 };

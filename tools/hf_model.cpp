@@ -94,8 +94,8 @@ class PretrainedModel final : public Model {
   int64_t pipeline_width() const override { return inner_->pipeline_width(); }
   bool select_activations(int slot) override { return inner_->select_activations(slot); }
   std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
-                                                          int sets) const override {
-    return inner_->stage_activation_memory(B, T, dt, st, sets);
+                                                          int sets, int tensor_parts) const override {
+    return inner_->stage_activation_memory(B, T, dt, st, sets, tensor_parts);
   }
 
   bool initial_values(int block, int param, int64_t first, int64_t count, float* out) const override {

@@ -208,23 +208,24 @@ class Gpt final : public Model {
   // The buffers ensure_buffers and forward allocate, and the kernel calls of
   // forward and backward by shape (keep in step with both).
   std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
-    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1);
+    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1, tp_size_);
   }
   std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
-                                                          int sets) const override {
-    return activation_bytes(B, T, dt, stage_range(st), sets);
+                                                          int sets, int tensor_parts) const override {
+    return activation_bytes(B, T, dt, stage_range(st), sets, tensor_parts);
   }
 
  private:
   // A stage's (the whole model's: every layer, one set): its layers'
   // inputs and activations `sets` times, the head's buffers on the last.
-  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr,
-                                                   int sets) const {
+  // One of `parts` tensor parts' (its heads and MLP share).
+  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
+                                                   int parts) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
-    const int64_t A = A_, F = F_;  // a tensor part's widths
-    const kernels::AttentionShape as{B, T, A, Hh_};
+    const int64_t A = C / parts, F = 4 * C / parts;  // a tensor part's widths
+    const kernels::AttentionShape as{B, T, A, c_.n_head / parts};
     ActivationMemory m;
     // Per layer: its input x_in. Per set of layer activations (one per layer,
     // or one shared with gradient_checkpointing): ln1 att x_mid ln2, qkv,

@@ -213,31 +213,34 @@ class Llama final : public Model {
   // The buffers ensure_buffers allocates and the kernel calls of forward and
   // backward by shape (keep in step with both).
   std::optional<ActivationMemory> activation_memory(int64_t B, int64_t T, DType dt) const override {
-    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1);
+    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1, tp_size_);
   }
   // A pipeline stage's: its layers' activations, `sets` times (one per
   // micro-batch in flight, select_activations), and the head's buffers on
   // the last stage only.
   std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
-                                                          int sets) const override {
-    return activation_bytes(B, T, dt, stage_range(st), sets);
+                                                          int sets, int tensor_parts) const override {
+    return activation_bytes(B, T, dt, stage_range(st), sets, tensor_parts);
   }
 
  private:
-  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr,
-                                                   int sets) const {
+  // One of `parts` tensor parts' (its heads and MLP share).
+  std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
+                                                   int parts) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
     const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
-    const int64_t I = I_, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
-    kernels::AttentionShape as{B, T, A, H_};
+    const int64_t H = c_.num_attention_heads / parts, K = c_.kv_heads() / parts;  // the part's
+    const int64_t GU = (c_.mlp_gated ? 2 : 1) * c_.intermediate_size / parts;
+    const int64_t I = c_.intermediate_size / parts, A = H * D_, Q = (H + 2 * K) * D_;
+    kernels::AttentionShape as{B, T, A, H};
     as.softcap = att_softcap();
     ActivationMemory m;
     const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
                          buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as) +
-                         (c_.qk_norm ? buffer_bytes(N * (H_ + K_) * D_) + buffer_bytes(N * (H_ + K_)) : 0) +
+                         (c_.qk_norm ? buffer_bytes(N * (H + K) * D_) + buffer_bytes(N * (H + K)) : 0) +
                          (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0) +
                          (c_.layer_norm ? 2 * buffer_bytes(N) : 0);  // mean1, mean2
     // The layer inputs ensure_buffers allocates (decoder layers lo..hi and
@@ -249,13 +252,13 @@ class Llama final : public Model {
     if (lora()) {
       // Per set: U of every target (lora_u) and what B's products read of
       // each group's; once: the groups' scratch (LoraScratch) and the sink.
-      const int64_t r = c_.lora.r, nr = 3 * r, W = std::max(Q, GU_), in = std::max(C, I);
+      const int64_t r = c_.lora.r, nr = 3 * r, W = std::max(Q, GU), in = std::max(C, I);
       int64_t u16 = 0;
       for (const detail::LoraGroup& g : lora_groups_.front())
         u16 += detail::matmul_input_bytes(N * r * static_cast<int64_t>(g.members.size()), dt);
       m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) + buffer_bytes(N * nr) +
                  detail::matmul_input_bytes(N * nr, dt) + 2 * buffer_bytes(nr * in) + 2 * buffer_bytes(W * nr) +
-                 buffer_bytes(r * std::max({in, H_ * D_, C})) + buffer_bytes(2 * std::max(C, std::max(H_, K_) * D_));
+                 buffer_bytes(r * std::max({in, H * D_, C})) + buffer_bytes(2 * std::max(C, std::max(H, K) * D_));
       if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, in, dt);
     }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
@@ -263,7 +266,7 @@ class Llama final : public Model {
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
                buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * V) : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
-    if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H_, K_) * D_);  // qk_scratch_
+    if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
     if (c_.layer_norm) m.saved += buffer_bytes(N);                            // lnf_mean_
     if (c_.parallel_residual) m.saved += buffer_bytes(N * C);                 // dpar_
@@ -283,7 +286,7 @@ class Llama final : public Model {
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
     for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
-                                 {C, GU_, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
+                                 {C, GU, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
       detail::tally_linear_forward(t, x, N, in, out, bias, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
     }

@@ -52,6 +52,7 @@ struct Spec {
   bool tied = false;
   std::string offload = "none";
   int layers = 3;
+  int64_t hidden = 16;  // the MLP's inner size 1.5x (GPT-2's 4x)
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
@@ -61,14 +62,14 @@ std::shared_ptr<Model> llama(const Spec& s) {
     g.block_size = 16;
     g.n_layer = s.layers;
     g.n_head = 4;
-    g.n_embd = 16;
+    g.n_embd = s.hidden;
     g.gradient_checkpointing = s.checkpointing;
     return models::make_gpt(g);
   }
   models::LlamaConfig c;
   c.vocab_size = 13;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
+  c.hidden_size = s.hidden;
+  c.intermediate_size = s.hidden * 3 / 2;
   c.num_hidden_layers = s.layers;
   c.num_attention_heads = 4;
   c.num_key_value_heads = s.kv_heads;
@@ -311,6 +312,43 @@ TEST(TensorParallel, CheckpointsHoldWholeBlocksAndResumeAtAnyGrid) {
   g.gpt = true;
   g.zero = 2;
   expect_checkpoints_cross_grids(g, "GPT-2, 2 parts, ZeRO-2");
+}
+
+// The estimate is one part's: its model states are what a part's engine
+// holds, and less than the whole model's; its activations less too.
+TEST(TensorParallel, TheEstimateIsOnePartsModelState) {
+  for (int zero : {0, 1, 2}) {
+    for (bool gpt : {false, true}) {
+      Spec s;
+      s.zero = zero;
+      s.gpt = gpt;
+      s.steps = 1;
+      s.hidden = 64;  // blocks past the 1024-element alignment, so a part's are smaller
+      const int d = g_world->size() / s.tp;
+      const json cj = config(s, d, true);
+      Engine e = Engine::initialize(llama(s), cj, g_world);
+      DataConfig dc;
+      dc.vocab_size = 13;
+      dc.seq_len = 9;
+      DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), s.micro, s.gas,
+                        e.data_parallel_size(), e.data_parallel_rank(), 7);
+      e.train_batch(loader);
+      double peak = static_cast<double>(e.model_state_peak_bytes());
+      g_world->all_reduce_max_f64(&peak, 1);
+      const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, g_world->size()), 9);
+      const std::string what = std::string(gpt ? "GPT-2" : "Llama") + ", ZeRO " + std::to_string(zero);
+      EXPECT_EQ(est.tensor_parts, 2) << what;
+      EXPECT_EQ(static_cast<double>(est.model_state_bytes()), peak) << what;
+      const MemoryEstimate one = estimate_memory(*llama(s), Config::parse(config(s, d, false), d), 9);
+      EXPECT_LT(est.model_state_bytes(), one.model_state_bytes()) << what;
+      auto activations = [](const MemoryEstimate& m) {
+        int64_t n = 0;
+        for (const MemoryPart& p : m.training) n += p.model_state ? 0 : p.bytes;
+        return n;
+      };
+      EXPECT_LT(activations(est), activations(one)) << what;
+    }
+  }
 }
 
 std::string error_of(const std::function<void()>& fn) {
