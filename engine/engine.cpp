@@ -236,10 +236,10 @@ void Engine::Impl::allocate_and_init() {
     return std::make_unique<ParamCoordinator>(plan, blocks, dtype, gather_stream, memory, cfg.zero,
                                               std::move(param_store), op.pin_memory);
   });
-  for (size_t b = 0; b < specs.size(); ++b) {
-    for (const ParamSpec& ps : specs[b].params) {
+  for (const BlockSpec& b : model->blocks()) {  // the whole model's, with tensor parts too
+    for (const ParamSpec& ps : b.params) {
       num_params += ps.shape.numel();
-      if (!specs[b].frozen) num_trained += ps.shape.numel();
+      if (!b.frozen) num_trained += ps.shape.numel();
     }
   }
   for (size_t b = 0; b < specs.size(); ++b) {
@@ -731,6 +731,9 @@ int Engine::data_parallel_size() const { return impl_->world; }
 int Engine::pipeline_stage() const { return impl_->stage; }
 int64_t Engine::pipeline_recomputed_forwards() const { return impl_->pipe_recomputed; }
 double Engine::pipeline_wait_seconds() const { return impl_->pipe_wait_s; }
+double Engine::tensor_wait_seconds() const { return impl_->tp_wait_s; }
+int Engine::tensor_parallel_rank() const { return impl_->tp_rank; }
+int Engine::tensor_parallel_size() const { return impl_->tp_size; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :

@@ -58,6 +58,12 @@ struct PipelinePlan {
   std::vector<std::string> describe(int world) const;
 };
 PipelinePlan plan_pipeline(const Model& model, const Config& config);
+// Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp),
+// one line per part at config.world_size ranks: "tensor part 1 (ranks 1,
+// 3): heads 2-3 of 4, kv heads 1 of 2, MLP 12-23 of 24". Throws
+// ConfigError at tensor_parallel.autotp_size where the model cannot split
+// so.
+std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config);
 
 class Engine {
  public:
@@ -125,6 +131,13 @@ class Engine {
   // Seconds this stage spent in its transfers to and from the neighbouring
   // stages (the schedule's bubble, and the wire); not in comm_wait_seconds.
   double pipeline_wait_seconds() const;
+  // Seconds this rank spent in its tensor parts' all-reduces (Note [tensor
+  // parallelism]: two per layer forward, two backward); not in
+  // comm_wait_seconds.
+  double tensor_wait_seconds() const;
+  // This rank's tensor part and their number (0 and 1 without parts).
+  int tensor_parallel_rank() const;
+  int tensor_parallel_size() const;
   // Seconds the training thread spent blocked on communication (exposed,
   // not overlapped), and seconds the comm threads spent in collectives (the
   // reduction and the gather stream together).

@@ -153,6 +153,7 @@ struct Engine::Impl final : StepContext {
   // parts; this rank computes part tp_rank. Grid rank = (stage * replicas
   // + replica) * tp_size + tp_rank.
   int tp_size = 1, tp_rank = 0;
+  double tp_wait_s = 0;  // in the parts' all-reduces (the training thread waits them out)
   std::unique_ptr<comm::Communicator> tp_comm;      // the parts of this stage of this replica
   std::vector<TensorPart> tp_parts;                 // every part's blocks and splits (Model::tensor_part)
   bool tensor_split() const { return tp_size > 1; }

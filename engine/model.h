@@ -124,6 +124,7 @@ class StepContext;
 struct TensorPart {
   std::vector<BlockSpec> blocks;
   std::vector<std::vector<TensorSplit>> splits;  // per block, per parameter
+  std::string what;  // its share of a layer, for people: "heads 2-3 of 4, kv heads 1 of 2, MLP 12-23 of 24"
   bool empty() const { return blocks.empty(); }
 };
 

@@ -41,6 +41,7 @@
 // Exports (full_params) gather the parts and put the whole parameter back
 // together: one Hugging Face folder from any grid.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -94,6 +95,22 @@ void move_part(const ParamSpec& part, const TensorSplit& sp, const ParamSpec& wh
 
 }  // namespace
 
+std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config) {
+  const int T = static_cast<int>(config.tensor_parallel.size);
+  std::vector<std::string> out;
+  for (int t = 0; t < T; ++t) {
+    std::string why;
+    const TensorPart part = model.tensor_part(t, T, &why);
+    if (part.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
+    std::string ranks;
+    int n = 0;
+    for (int r = t; r < config.world_size; r += T, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    out.push_back("tensor part " + std::to_string(t) + " (" + (n == 1 ? "rank " : "ranks ") + ranks +
+                  "): " + part.what);
+  }
+  return out;
+}
+
 void Engine::Impl::setup_grid() {
   stages = static_cast<int>(cfg.pipeline.stages);
   tp_size = static_cast<int>(cfg.tensor_parallel.size);
@@ -129,14 +146,17 @@ void Engine::Impl::setup_grid() {
   if (tensor_split() && world_rank == 0) {
     std::string line = "tensor parallelism: " + std::to_string(tp_size) + " parts";
     if (pipelined()) line += " x " + std::to_string(stages) + " pipeline stages";
-    line += " x " + std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas") +
-            "; ranks " + std::to_string(0) + "-" + std::to_string(tp_size - 1) + " hold one layer's parts";
+    line += " x " + std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas");
+    for (const std::string& d : describe_tensor_parts(*model, cfg)) line += "; " + d;
     log_info(line);
   }
 }
 
 void Engine::Impl::tensor_all_reduce(float* data, int64_t n) {
-  if (tp_comm) tp_comm->all_reduce(data, data, n, DType::kF32);
+  if (!tp_comm) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  tp_comm->all_reduce(data, data, n, DType::kF32);
+  tp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 const TensorSplit& Engine::Impl::split_of(size_t b, size_t p, int part) const {

@@ -174,7 +174,7 @@ std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc,
   std::vector<ConfigEntry> out;
   for (const auto& [doc, source] : {std::pair<const json*, const char*>{&file_doc, "file"}, {&set_doc, "--set"}}) {
     std::vector<std::pair<std::string, json>> flat;
-    if (doc->is_object()) leaves(*doc, "", flat);
+    if (doc->is_object() && !doc->empty()) leaves(*doc, "", flat);  // no --set: no root leaf
     for (auto& [path, value] : flat) {
       // A leaf under a key the resolved config holds as a leaf (an array
       // given as an object, a null section) is used through that key.
@@ -231,6 +231,7 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     const Experiment ex = build_experiment(doc, world);
     check_startable(ex);
     if (ex.config.pipelined()) rep.pipeline = plan_pipeline(*ex.model, ex.config).describe(world);
+    if (ex.config.tensor_split()) rep.tensor_parts = describe_tensor_parts(*ex.model, ex.config);
     rep.resolved = resolved_document(ex.config, ex.experiment);
     rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
     rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
@@ -261,7 +262,8 @@ json CheckReport::to_json() const {
   return {{"event", "check"},        {"ok", ok},
           {"world_size", world_size}, {"config", resolved},
           {"keys", entries_json(entries)}, {"unused", entries_json(unused)},
-          {"warnings", warnings},    {"refusals", refusals}, {"pipeline", pipeline}};
+          {"warnings", warnings},    {"refusals", refusals}, {"pipeline", pipeline},
+          {"tensor_parts", tensor_parts}};
 }
 
 }  // namespace zinc::tools

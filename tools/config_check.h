@@ -51,6 +51,7 @@ struct CheckReport {
   std::vector<std::string> warnings;  // as logged, without the "config: " prefix
   std::vector<std::string> refusals;  // the error line(s) that stop the run
   std::vector<std::string> pipeline;  // with pipeline stages: which ranks hold which layers (PipelinePlan::describe)
+  std::vector<std::string> tensor_parts;  // with tensor parts: which ranks hold which heads (describe_tensor_parts)
   nlohmann::json to_json() const;     // one object: {"event": "check", ...}
 };
 

@@ -70,7 +70,8 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
   for (int st = 0; st <= 3; ++st)
     if (st != cfg.zero.stage && !(st == 3 && cfg.device == zinc::Device::kCuda &&
                                   cfg.zero.offload_optimizer.device == zinc::OffloadDevice::kNone) &&  // not on the GPU
-        !(cfg.pipelined() && st > 1))  // pipeline stages take ZeRO 0 and 1 only
+        !(cfg.pipelined() && st > 1) &&  // pipeline stages take ZeRO 0 and 1 only
+        !(cfg.tensor_split() && st > 2))  // tensor parts 0 to 2
       others.emplace_back(st, zinc::estimate_memory(*ex.model, at_stage(cfg, st), T));
   // Measured after the estimates: their matmul primitives (oneDNN's code)
   // are part of the process from here on, as they will be in training.
@@ -93,6 +94,7 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
                           {"zero_stage", cfg.zero.stage},
                           {"pipeline_stages", e.pipeline_stages},
                           {"pipeline_stage", e.pipeline_stage},
+                          {"tensor_parts", e.tensor_parts},
                           {"parameters", params},
                           {"trained_parameters", trained},
                           {"gradient_checkpointing", ex.experiment.model.gradient_checkpointing},
@@ -127,6 +129,10 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
                     ? 1
                     : static_cast<int>(std::min<int64_t>(e.pipeline_stages - e.pipeline_stage,
                                                          cfg.gradient_accumulation_steps)));
+  if (e.tensor_parts > 1)
+    std::printf("  (a rank holding one of %d tensor parts: its share of each layer's weights, states and "
+                "activations; the embedding, head and norms whole)\n",
+                e.tensor_parts);
   std::printf("  while the engine starts: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.setup)).c_str());
   print_parts(e.setup);
   std::printf("  at the peak of a training step: %s\n", format_bytes(zinc::MemoryEstimate::sum(e.training)).c_str());
@@ -197,6 +203,10 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
   if (!rep.pipeline.empty()) {
     std::printf("pipeline stages (1F1B; docs/pipeline.md):\n");
     for (const std::string& line : rep.pipeline) std::printf("  %s\n", line.c_str());
+  }
+  if (!rep.tensor_parts.empty()) {
+    std::printf("tensor parts (each layer split by heads and MLP columns; docs/parallelism.md):\n");
+    for (const std::string& line : rep.tensor_parts) std::printf("  %s\n", line.c_str());
   }
   std::printf("warnings: %zu\n", rep.warnings.size());
   for (const std::string& w : rep.warnings) std::printf("  %s\n", w.c_str());

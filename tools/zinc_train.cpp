@@ -269,16 +269,19 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
                   : "",
               ex.data->describe().c_str(),
               ex.experiment.data_given ? "" : " (the default: the config has no data section)");
-  if (cfg.pipelined())
-    std::printf("batch %lld = micro %lld x accumulation %lld x replicas %d | %lld pipeline stages x %d %s = %d "
-                "ranks (%s) | ZeRO stage %d%s | %lld steps",
+  if (cfg.model_parallel_size() > 1) {
+    std::string grid;  // "2 pipeline stages x 2 tensor parts x 1 replica"
+    if (cfg.pipelined()) grid += std::to_string(cfg.pipeline.stages) + " pipeline stages x ";
+    if (cfg.tensor_split()) grid += std::to_string(cfg.tensor_parallel.size) + " tensor parts x ";
+    grid += std::to_string(cfg.data_parallel_size()) + (cfg.data_parallel_size() == 1 ? " replica" : " replicas");
+    std::printf("batch %lld = micro %lld x accumulation %lld x replicas %d | %s = %d ranks (%s) | ZeRO stage %d%s | "
+                "%lld steps",
                 static_cast<long long>(cfg.train_batch_size),
                 static_cast<long long>(cfg.train_micro_batch_size_per_gpu),
-                static_cast<long long>(cfg.gradient_accumulation_steps), cfg.data_parallel_size(),
-                static_cast<long long>(cfg.pipeline.stages), cfg.data_parallel_size(),
-                cfg.data_parallel_size() == 1 ? "replica" : "replicas", comm.size(),
-                comm.backend().c_str(), cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
+                static_cast<long long>(cfg.gradient_accumulation_steps), cfg.data_parallel_size(), grid.c_str(),
+                comm.size(), comm.backend().c_str(), cfg.zero.stage, cfg.zero.overlap_comm ? " (overlap_comm)" : "",
                 static_cast<long long>(ex.experiment.run.steps));
+  }
   else
     std::printf("batch %lld = micro %lld x accumulation %lld x ranks %d (%s) | ZeRO stage %d%s | %lld steps",
                 static_cast<long long>(cfg.train_batch_size),
@@ -399,6 +402,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
 
   const double cpu0 = thread_cpu_seconds();
   const double pipe_wait0 = engine.pipeline_wait_seconds();
+  const double tensor_wait0 = engine.tensor_wait_seconds();
   const double pipe_bubble =
       cfg.pipelined() ? static_cast<double>(cfg.pipeline.stages - 1) /
                             static_cast<double>(cfg.pipeline.stages - 1 + cfg.gradient_accumulation_steps)
@@ -434,8 +438,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // its neighbouring stages (the 1F1B bubble and the wire).
   std::vector<double> pipe_wait(static_cast<size_t>(world), 0.0);
   pipe_wait[static_cast<size_t>(rank)] = (engine.pipeline_wait_seconds() - pipe_wait0) / elapsed;
+  // Tensor parts: each rank's share of the time in the parts' all-reduces.
+  std::vector<double> tensor_wait(static_cast<size_t>(world), 0.0);
+  tensor_wait[static_cast<size_t>(rank)] = (engine.tensor_wait_seconds() - tensor_wait0) / elapsed;
   if (world > 1) {
     comm->all_reduce_f64(pipe_wait.data(), world);
+    comm->all_reduce_f64(tensor_wait.data(), world);
     comm->all_reduce_f64(rss.data(), world);
     comm->all_reduce_max_f64(shares, 2);
   }
@@ -510,6 +518,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                          {"bubble_formula", pipe_bubble},
                          {"recomputed_forwards", engine.pipeline_recomputed_forwards()}};
     }
+    if (cfg.tensor_split())
+      sum["tensor_parallel"] = {{"parts", cfg.tensor_parallel.size}, {"wait_share_per_rank", tensor_wait}};
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -542,6 +552,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::printf(" | pipeline: waiting for the neighbouring stages");
       for (double w : pipe_wait) std::printf(" %.1f%%", 100 * w);
       std::printf(" of the time per rank (the 1F1B bubble (P-1)/(P-1+M) is %.1f%%)", 100 * pipe_bubble);
+    }
+    if (cfg.tensor_split()) {
+      std::printf(" | tensor parts: in their all-reduces");
+      for (double w : tensor_wait) std::printf(" %.1f%%", 100 * w);
+      std::printf(" of the time per rank");
     }
     if (cfg.device == zinc::Device::kCuda)
       std::printf(" | GPU model state peak %.1f MiB (this rank)",

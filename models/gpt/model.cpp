@@ -158,7 +158,12 @@ class Gpt final : public Model {
     if (lora()) return no("LoRA adapters are not split yet");
     if (c_.n_head % size != 0) return no("n_head " + std::to_string(c_.n_head) + " is not a multiple of it");
     const int64_t C = c_.n_embd, a = C / size, f = 4 * C / size;
-    TensorPart out{blocks(), {}};
+    const int64_t h = c_.n_head / size;
+    auto span = [](int64_t lo, int64_t n, int64_t of) {
+      return (n == 1 ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(lo + n - 1)) + " of " +
+             std::to_string(of);
+    };
+    TensorPart out{blocks(), {}, "heads " + span(rank * h, h, c_.n_head) + ", MLP " + span(rank * f, f, 4 * C)};
     for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
     const TensorSplit qkv{TensorSplit::kRows, {{rank * a, a}, {C + rank * a, a}, {2 * C + rank * a, a}}};
     const TensorSplit fc{TensorSplit::kRows, {{rank * f, f}}};

@@ -583,7 +583,13 @@ class Llama final : public Model {
                           {{rank * h * D, h * D}, {H * D + rank * k * D, k * D}, {(H + K) * D + rank * k * D, k * D}}};
     const TensorSplit gu = c_.mlp_gated ? TensorSplit{TensorSplit::kRows, {{rank * i, i}, {I + rank * i, i}}}
                                         : TensorSplit{TensorSplit::kRows, {{rank * i, i}}};
-    TensorPart out{blocks(), {}};  // the whole model's blocks, cut below
+    auto span = [](int64_t lo, int64_t n, int64_t of) {
+      return (n == 1 ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(lo + n - 1)) + " of " +
+             std::to_string(of);
+    };
+    TensorPart out{blocks(), {},
+                   "heads " + span(rank * h, h, H) + ", kv heads " + span(rank * k, k, K) + ", MLP " +
+                       span(rank * i, i, I)};  // the whole model's blocks, cut below
     for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       const LayerIdx& x = idx_[static_cast<size_t>(l)];

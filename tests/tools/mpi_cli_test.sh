@@ -142,5 +142,32 @@ else
   ls -l "$TMP/hf1" "$TMP/hf2"
 fi
 
+# Tensor parts (configs/tensor_parallel.json: a Llama split into 2 parts):
+# the run's losses and weights follow the run without parts at 1 rank to
+# float rounding (the test binaries check the tolerance; here: the same
+# loss printed to 2 decimals); --check prints which rank holds which
+# heads; the checkpoint the parts saved resumes at 1 rank without parts,
+# whose export is the parts' export byte for byte; zinc-export reads it.
+TCFG="$ROOT/configs/tensor_parallel.json"
+TK=(--set run.eval_interval=0 --set steps_per_print=3)
+"${MPIRUN[@]}" "$ZT" "$TCFG" --steps 6 "${TK[@]}" --set "run.checkpoint_dir=$TMP/tck" --set run.checkpoint_interval=6 \
+  --save-pretrained "$TMP/thf2" >"$TMP/tp" 2>"$TMP/err"
+OMP_NUM_THREADS=1 "$ZT" "$TCFG" --steps 6 "${TK[@]}" --set tensor_parallel.autotp_size=1 >"$TMP/tone" 2>>"$TMP/err"
+OMP_NUM_THREADS=1 "$ZT" "$TCFG" --steps 6 "${TK[@]}" --set tensor_parallel.autotp_size=1 \
+  --set "run.checkpoint_dir=$TMP/tck" --resume --save-pretrained "$TMP/thf1" >"$TMP/tresumed" 2>>"$TMP/err"
+"$(dirname "$ZT")/zinc-export" "$TMP/tck" --format hf --dtype bf16 --out "$TMP/thfx" >/dev/null 2>>"$TMP/err"
+"${MPIRUN[@]}" "$ZT" "$TCFG" --check >"$TMP/tcheck" 2>>"$TMP/err"
+final_loss() { sed -n 's/^done: .*final loss \([0-9.]*\).*/\1/p' "$1" | awk '{printf "%.2f", $1}'; }
+if [ -n "$(final_loss "$TMP/tp")" ] && [ "$(final_loss "$TMP/tp")" = "$(final_loss "$TMP/tone")" ] &&
+   grep -q "2 tensor parts x 1 replica = 2 ranks" "$TMP/tp" &&
+   grep -q "tensor part 1 (rank 1): heads 2-3 of 4, kv heads 1 of 2, MLP 172-343 of 344" "$TMP/tcheck" &&
+   cmp -s "$TMP/thf1/model.safetensors" "$TMP/thf2/model.safetensors" &&
+   cmp -s "$TMP/thf2/model.safetensors" "$TMP/thfx/model.safetensors"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL tensor parts"; cat "$TMP/tp" "$TMP/tone" "$TMP/tresumed" "$TMP/tcheck" "$TMP/err"
+  ls -l "$TMP/thf1" "$TMP/thf2" "$TMP/thfx"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
