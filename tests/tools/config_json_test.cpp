@@ -147,8 +147,9 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
         }
       }
       // configs/ name a global batch; 2 ranks split it. A config with
-      // pipeline stages needs a rank per stage at least.
-      const int stages = doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1;
+      // pipeline stages or tensor parts needs a rank per stage and part.
+      const int stages = (doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1) *
+                         (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1);
       for (int world : {stages, 2 * stages}) {
         expect_round_trip(doc, world, e.path().string() + " at " + std::to_string(world) + " ranks");
       }

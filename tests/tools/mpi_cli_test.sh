@@ -169,5 +169,25 @@ else
   ls -l "$TMP/thf1" "$TMP/thf2" "$TMP/thfx"
 fi
 
+# Tensor parts of pretrained folders (transformers' files: GPT-2's
+# transposed Conv1D, Phi-3's fused qkv_proj, GPT-NeoX's interleaved
+# query_key_value, Qwen3's per-head norms): each part cuts its share from
+# the whole tensors; the first steps' losses and norms are the 1-rank run's.
+FT=(--set zero_optimization.stage=2 --set zero_optimization.offload_param.device=none --set run.eval_interval=0
+    --set steps_per_print=1 --set bf16.enabled=false --steps 2)
+for fam in gpt2 phi3 gpt_neox qwen3; do
+  steps_of() { grep -E '^step' "$1" | sed 's/ | [0-9]* tok\/s.*//'; }
+  "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+    --set tensor_parallel.autotp_size=2 >"$TMP/ft2" 2>"$TMP/err"
+  OMP_NUM_THREADS=1 "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+    >"$TMP/ft1" 2>>"$TMP/err"
+  if [ -n "$(steps_of "$TMP/ft2")" ] && [ "$(steps_of "$TMP/ft2")" = "$(steps_of "$TMP/ft1")" ] &&
+     grep -q "2 tensor parts x 1 replica" "$TMP/ft2"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL tensor parts of $fam"; cat "$TMP/ft2" "$TMP/ft1" "$TMP/err"
+  fi
+done
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
