@@ -94,7 +94,7 @@ def parse(out):
                 steps.append(j)
             elif j.get("event") == "summary":
                 summary = j
-        m = re.match(r"throttled_net: rank (\d+) veth tx_bytes (\d+) rx_bytes (\d+)", line)
+        m = re.match(r"throttled_net: (?:rank|node) (\d+) veth tx_bytes (\d+) rx_bytes (\d+)", line)
         if m:
             net[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
     return steps, summary, net
@@ -117,6 +117,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the step time")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all cases (alternating)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    ap.add_argument("--per-node", type=int, default=1,
+                    help="ranks per network namespace (a node: shared memory inside, the capped link between)")
     ap.add_argument("--mca", action="append", default=[], metavar="NAME=VALUE",
                     help="an Open MPI MCA parameter for mpirun (repeatable)")
     ap.add_argument("--max-foreign", type=float, default=0.1,
@@ -163,7 +165,7 @@ def main():
                 r, stage, rate = case.split(":")
                 ranks = int(r)
                 zargs += ["--set", "zero_optimization.stage=%s" % stage]
-                net_cmd = [NET, "--ranks", str(ranks), "--rate", rate,
+                net_cmd = [NET, "--ranks", str(ranks), "--per-node", str(a.per_node), "--rate", rate,
                            "--env", "OMP_NUM_THREADS=%d" % a.threads]
                 for kv in a.mca:
                     k, v = kv.split("=", 1)
