@@ -60,6 +60,7 @@
 #include <limits>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -72,6 +73,52 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double pipe_seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The point-to-point transfers between neighbouring stages. With tensor
+// parts (Note [tensor parallelism]) every part of a stage holds the same
+// hidden state, so each part sends only its 1/T of it to its counterpart on
+// the next stage, and the parts of the receiving stage gather the whole over
+// their group (Megatron's scatter-gather): the stages' link carries each
+// hidden state once, not T times. A buffer that does not split evenly goes
+// whole.
+class PipeLink {
+ public:
+  PipeLink(comm::Communicator& pipe, comm::Communicator* parts, int part, int nparts)
+      : pipe_(pipe), parts_(parts), part_(part), nparts_(parts ? nparts : 1) {}
+  void send(const float* buf, int64_t n, DType dt, int to) {
+    const auto [o, c] = slice(n);
+    pipe_.send(buf + o, c, dt, to);
+  }
+  void recv(float* buf, int64_t n, DType dt, int from) {
+    const auto [o, c] = slice(n);
+    pipe_.recv(buf + o, c, dt, from);
+    gather(buf, n);
+  }
+  void exchange(const float* sbuf, int64_t sn, int to, float* rbuf, int64_t rn, int from, DType dt) {
+    const auto [so, sc] = slice(sn);
+    const auto [ro, rc] = slice(rn);
+    pipe_.exchange(sbuf + so, sc, to, rbuf + ro, rc, from, dt);
+    gather(rbuf, rn);
+  }
+
+ private:
+  bool split(int64_t n) const { return nparts_ > 1 && n % nparts_ == 0; }
+  std::pair<int64_t, int64_t> slice(int64_t n) const {
+    if (!split(n)) return {0, n};
+    const int64_t c = n / nparts_;
+    return {part_ * c, c};
+  }
+  void gather(float* buf, int64_t n) {
+    if (!split(n)) return;
+    const int64_t c = n / nparts_;
+    own_.assign(buf + part_ * c, buf + (part_ + 1) * c);
+    parts_->all_gather(own_.data(), buf, c, DType::kF32);
+  }
+  comm::Communicator& pipe_;
+  comm::Communicator* parts_;
+  int part_, nparts_;
+  std::vector<float> own_;
+};
 
 // Contiguous parts of `w` (non-negative weights), each non-empty, whose
 // largest sum is the smallest possible: the first index of each part, then
@@ -335,7 +382,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   };
   // The transfers, over the pipeline group (its ranks are the stages);
   // the time in them is the stage's wait for its neighbours.
-  comm::Communicator& pc = *pipe_comm;
+  PipeLink pc(*pipe_comm, tp_comm.get(), tp_rank, tp_size);
   auto timed = [&](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
@@ -402,7 +449,8 @@ float Engine::Impl::evaluate_pipeline(const Batch& batch) {
   const bool first = stage == 0, last = stage == stages - 1;
   const int64_t n = batch.B * batch.T * model->pipeline_width();
   std::vector<float> in(first ? 0 : static_cast<size_t>(n)), out(last ? 0 : static_cast<size_t>(n));
-  if (!first) pipe_comm->recv(in.data(), n, DType::kF32, stage - 1);
+  PipeLink link(*pipe_comm, tp_comm.get(), tp_rank, tp_size);
+  if (!first) link.recv(in.data(), n, DType::kF32, stage - 1);
   pass_stage.input = first ? nullptr : in.data();
   pass_stage.output = last ? nullptr : out.data();
   params->begin_pass(ParamCoordinator::Pass::kEval);
@@ -412,7 +460,7 @@ float Engine::Impl::evaluate_pipeline(const Batch& batch) {
   params->end_pass();
   device->on_release();
   pass_stage.input = pass_stage.output = nullptr;
-  if (!last) pipe_comm->send(out.data(), n, DType::kF32, stage + 1);
+  if (!last) link.send(out.data(), n, DType::kF32, stage + 1);
   pipe_comm->broadcast(&loss, 1, DType::kF32, stages - 1);  // the last stage's loss, to every stage
   return targets > 0 ? loss : std::numeric_limits<float>::quiet_NaN();
 }
