@@ -13,6 +13,7 @@
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/detail/pass_slots.h"
+#include "models/detail/tensor_part.h"
 #include "models/models.h"
 
 namespace zinc::models {
@@ -159,12 +160,9 @@ class Gpt final : public Model {
     if (c_.n_head % size != 0) return no("n_head " + std::to_string(c_.n_head) + " is not a multiple of it");
     const int64_t C = c_.n_embd, a = C / size, f = 4 * C / size;
     const int64_t h = c_.n_head / size;
-    auto span = [](int64_t lo, int64_t n, int64_t of) {
-      return (n == 1 ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(lo + n - 1)) + " of " +
-             std::to_string(of);
-    };
-    TensorPart out{blocks(), {}, "heads " + span(rank * h, h, c_.n_head) + ", MLP " + span(rank * f, f, 4 * C)};
-    for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
+    using detail::part_span;
+    TensorPart out = detail::whole_tensor_part(
+        blocks(), "heads " + part_span(rank * h, h, c_.n_head) + ", MLP " + part_span(rank * f, f, 4 * C));
     const TensorSplit qkv{TensorSplit::kRows, {{rank * a, a}, {C + rank * a, a}, {2 * C + rank * a, a}}};
     const TensorSplit fc{TensorSplit::kRows, {{rank * f, f}}};
     for (int64_t l = 0; l < c_.n_layer; ++l) {

@@ -26,6 +26,7 @@
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/detail/pass_slots.h"
+#include "models/detail/tensor_part.h"
 #include "models/llama/llama.h"
 #include "models/models.h"
 
@@ -583,14 +584,10 @@ class Llama final : public Model {
                           {{rank * h * D, h * D}, {H * D + rank * k * D, k * D}, {(H + K) * D + rank * k * D, k * D}}};
     const TensorSplit gu = c_.mlp_gated ? TensorSplit{TensorSplit::kRows, {{rank * i, i}, {I + rank * i, i}}}
                                         : TensorSplit{TensorSplit::kRows, {{rank * i, i}}};
-    auto span = [](int64_t lo, int64_t n, int64_t of) {
-      return (n == 1 ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(lo + n - 1)) + " of " +
-             std::to_string(of);
-    };
-    TensorPart out{blocks(), {},
-                   "heads " + span(rank * h, h, H) + ", kv heads " + span(rank * k, k, K) + ", MLP " +
-                       span(rank * i, i, I)};  // the whole model's blocks, cut below
-    for (const BlockSpec& b : out.blocks) out.splits.emplace_back(b.params.size());
+    using detail::part_span;
+    TensorPart out = detail::whole_tensor_part(  // the whole model's blocks, cut below
+        blocks(), "heads " + part_span(rank * h, h, H) + ", kv heads " + part_span(rank * k, k, K) + ", MLP " +
+                      part_span(rank * i, i, I));
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       const LayerIdx& x = idx_[static_cast<size_t>(l)];
       std::vector<ParamSpec>& ps = out.blocks[static_cast<size_t>(l + 1)].params;

@@ -24,6 +24,7 @@
 #include "engine/memory_estimate.h"
 #include "models/models.h"
 #include "tests/comm/mpi_test_main.h"
+#include "tests/engine/grid_test_util.h"
 
 namespace zinc {
 
@@ -32,6 +33,8 @@ std::shared_ptr<comm::Communicator> g_world;
 namespace {
 
 using json = nlohmann::json;
+using testing::error_of;
+using testing::trained_state_peak;
 
 struct Spec {
   bool packed = false;  // documents packed in rows (positions restart) with some targets masked
@@ -165,10 +168,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool pipel
   const int ranks = comm ? comm->size() : 1;
   const int replicas = pipelined ? ranks / s.stages : ranks;
   Engine e = Engine::initialize(llama(s), config(s, replicas, pipelined), ranks > 1 ? comm : nullptr);
-  DataConfig dc;
-  dc.vocab_size = 13;
-  dc.seq_len = 9;
-  auto src = std::shared_ptr<const DataSource>(make_data_source(dc));
+  auto src = testing::tiny_source();
   if (s.packed) src = std::make_shared<Packed>(src);
   DataLoader loader(src, s.micro, s.gas, e.data_parallel_size(), e.data_parallel_rank(), 7);
   if (!ck.load.empty()) {
@@ -374,14 +374,7 @@ TEST(Pipeline, TheEstimateIsTheLargestStagesModelState) {
       const int d = g_world->size() / stages;
       const json cj = config(s, d, true);
       Engine e = Engine::initialize(llama(s), cj, g_world);
-      DataConfig dc;
-      dc.vocab_size = 13;
-      dc.seq_len = 9;
-      DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), s.micro, s.gas,
-                        e.data_parallel_size(), e.data_parallel_rank(), 7);
-      e.train_batch(loader);
-      double peak = static_cast<double>(e.model_state_peak_bytes());
-      g_world->all_reduce_max_f64(&peak, 1);
+      const double peak = trained_state_peak(e, *g_world, s.micro, s.gas);
       const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, g_world->size()), 9);
       EXPECT_EQ(est.pipeline_stages, stages);
       EXPECT_EQ(static_cast<double>(est.model_state_bytes()), peak) << stages << " stages, ZeRO " << zero;
@@ -417,15 +410,6 @@ TEST(Pipeline, ATiedHeadsCheckpointResumes) {
   for (size_t i = 0; i < with.weights.size(); ++i) ASSERT_NEAR(without.weights[i], with.weights[i], 1e-5) << i;
   g_world->barrier();
   if (g_world->rank() == 0) std::filesystem::remove_all(dir, ec);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Pipeline, RefusesWhatItCannotRunWithOneLine) {

@@ -26,6 +26,7 @@
 #include "engine/memory_estimate.h"
 #include "models/models.h"
 #include "tests/comm/mpi_test_main.h"
+#include "tests/engine/grid_test_util.h"
 
 namespace zinc {
 
@@ -34,6 +35,8 @@ std::shared_ptr<comm::Communicator> g_world;
 namespace {
 
 using json = nlohmann::json;
+using testing::error_of;
+using testing::trained_state_peak;
 
 struct Spec {
   int tp = 2;
@@ -131,10 +134,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
   const int ranks = comm ? comm->size() : 1;
   const int replicas = split ? ranks / (s.tp * s.stages) : ranks;
   Engine e = Engine::initialize(llama(s), config(s, replicas, split), ranks > 1 ? comm : nullptr);
-  DataConfig dc;
-  dc.vocab_size = 13;
-  dc.seq_len = 9;
-  auto src = std::shared_ptr<const DataSource>(make_data_source(dc));
+  auto src = testing::tiny_source();
   DataLoader loader(src, s.micro, s.gas, e.data_parallel_size(), e.data_parallel_rank(), 7);
   if (!ck.load.empty()) {
     e.load_checkpoint(ck.load, "");
@@ -327,14 +327,7 @@ TEST(TensorParallel, TheEstimateIsOnePartsModelState) {
       const int d = g_world->size() / s.tp;
       const json cj = config(s, d, true);
       Engine e = Engine::initialize(llama(s), cj, g_world);
-      DataConfig dc;
-      dc.vocab_size = 13;
-      dc.seq_len = 9;
-      DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), s.micro, s.gas,
-                        e.data_parallel_size(), e.data_parallel_rank(), 7);
-      e.train_batch(loader);
-      double peak = static_cast<double>(e.model_state_peak_bytes());
-      g_world->all_reduce_max_f64(&peak, 1);
+      const double peak = trained_state_peak(e, *g_world, s.micro, s.gas);
       const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, g_world->size()), 9);
       const std::string what = std::string(gpt ? "GPT-2" : "Llama") + ", ZeRO " + std::to_string(zero);
       EXPECT_EQ(est.tensor_parts, 2) << what;
@@ -349,15 +342,6 @@ TEST(TensorParallel, TheEstimateIsOnePartsModelState) {
       EXPECT_LT(activations(est), activations(one)) << what;
     }
   }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(TensorParallel, RefusesWhatItCannotSplitWithOneLine) {
