@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <unistd.h>
 #include <memory>
@@ -312,6 +313,58 @@ TEST(TensorParallel, CheckpointsHoldWholeBlocksAndResumeAtAnyGrid) {
   g.gpt = true;
   g.zero = 2;
   expect_checkpoints_cross_grids(g, "GPT-2, 2 parts, ZeRO-2");
+}
+
+// A checkpoint the parts load, edited or cut short: every part reads each
+// whole block through the checksums, so the load is refused naming the file,
+// the engine refuses to go on until a good load, and the good copy then
+// loads to the saved weights.
+TEST(TensorParallel, AnEditedOrTruncatedCheckpointIsRefusedNamingTheFile) {
+  namespace fs = std::filesystem;
+  Spec s;
+  s.zero = 1;
+  s.steps = 3;
+  if (g_world->size() % s.tp != 0) return;
+  const int replicas = g_world->size() / s.tp;
+  const std::string good = shared_dir("good"), flipped = shared_dir("flipped"), cut = shared_dir("cut");
+  const Result saved = train(s, g_world, true, {"", good});
+  if (g_world->rank() == 0) {
+    fs::copy(good, flipped, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    fs::copy(good, cut, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    // A byte of the first block's Adam v in rank 0's shard file.
+    std::ifstream ix(flipped + "/global_step3/rank00000.json");
+    const json index = json::parse(ix);
+    const std::string bin = flipped + "/global_step3/rank00000.bin";
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = static_cast<std::streamoff>(index["blocks"][0]["v"]["file_offset"].get<int64_t>() + 8);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x20);
+    f.seekp(at);
+    f.write(&c, 1);
+    f.close();
+    const std::string cbin = cut + "/global_step3/rank00000.bin";
+    fs::resize_file(cbin, fs::file_size(cbin) / 2);
+  }
+  g_world->barrier();
+  Engine e = Engine::initialize(llama(s), config(s, replicas, true), g_world);
+  for (const std::string& bad : {flipped, cut}) {
+    const std::string err = error_of([&] { e.load_checkpoint(bad, ""); });
+    EXPECT_NE(err.find("rank00000.bin"), std::string::npos) << bad << ": " << err;
+    const std::string refused = error_of([&] { e.full_params(0); });
+    EXPECT_NE(refused.find("incomplete after a failed load"), std::string::npos) << refused;
+  }
+  e.load_checkpoint(good, "");
+  std::vector<float> loaded;
+  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
+    const std::vector<float> p = e.full_params(static_cast<int>(b));
+    loaded.insert(loaded.end(), p.begin(), p.begin() + BlockLayout::from_spec(e.model().blocks()[b]).numel);
+  }
+  EXPECT_EQ(loaded, saved.weights);
+  g_world->barrier();
+  if (g_world->rank() == 0)
+    for (const std::string& d : {good, flipped, cut}) fs::remove_all(d);
 }
 
 // The estimate is one part's: its model states are what a part's engine
