@@ -57,6 +57,8 @@ void parse_batch(Reader& r, Config& c) {
                 (c.pipelined() ? " / pipeline.stages " + std::to_string(c.pipeline.stages) : std::string()) +
                 (c.tensor_split() ? " / tensor_parallel.autotp_size " + std::to_string(c.tensor_parallel.size)
                                   : std::string()) +
+                (c.sequence_split() ? " / sequence_parallel_size " + std::to_string(c.sequence_parallel_size)
+                                    : std::string()) +
                 ")"
           : " * world size " + std::to_string(ws);
   // Products in 128 bits: each factor fits in int64, so no overflow here.
@@ -461,8 +463,6 @@ void parse_legacy(Reader& r, Config& c, bool zero_bool_form) {
     throw ConfigError("fp32_allreduce", "true asks for fp32 reductions and communication_data_type for " +
                                             std::string(dtype_name(*c.communication_data_type)) + "; keep one");
   }
-  r.refuse_int("sequence_parallel_size", 1,
-               "sequence parallelism splits each sample across ranks; zinc has none, set it to 1");
   int64_t dp = 0;
   if (r.get_int("data_parallel_size", dp, at_least(1)) && dp != c.data_parallel_size()) {
     throw ConfigError("data_parallel_size",
@@ -670,6 +670,25 @@ void refuse_features(Reader& r, const json& j) {
   }
 }
 
+// "sequence_parallel_size" (Note [sequence parallelism] in
+// engine/sequence_parallel.cpp). Read after the pipeline and tensor
+// sections and before the batch triad, whose replicas it divides.
+void parse_sequence_parallel(Reader& r, Config& c) {
+  int64_t size = 1;
+  if (!r.get_int("sequence_parallel_size", size, Range{1, 1 << 20})) return;
+  c.sequence_parallel_size = size;
+  if (c.world_size % c.model_parallel_size() != 0)
+    throw ConfigError("sequence_parallel_size",
+                      std::to_string(size) + " sequence ranks" +
+                          (c.model_parallel_size() != size
+                               ? " times " + std::to_string(c.model_parallel_size() / size) + " model-parallel ranks"
+                               : std::string()) +
+                          " do not divide the " +
+                          (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
+                          " of this run (run it on a multiple of " + std::to_string(c.model_parallel_size()) +
+                          " ranks)");
+}
+
 void parse_unimplemented(Reader& r, Config& c) {
   for (const Feature& f : kFeatures) {
     const json* v = r.find(f.key);
@@ -777,6 +796,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   refuse_features(r, j);
   parse_pipeline(r, c);
   parse_tensor_parallel(r, c);
+  parse_sequence_parallel(r, c);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));

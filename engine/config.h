@@ -345,6 +345,10 @@ struct Config {
   ActivationCheckpointingConfig activation_checkpointing;
   PipelineConfig pipeline;
   TensorParallelConfig tensor_parallel;
+  // sequence_parallel_size: DeepSpeed-Ulysses (Note [sequence parallelism]
+  // in engine/sequence_parallel.cpp). That many ranks split each row of a
+  // replica's micro-batches by tokens; ZeRO partitions over them too.
+  int64_t sequence_parallel_size = 1;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
@@ -366,14 +370,21 @@ struct Config {
   // Cross-field checks (called by parse).
   void validate() const;
   // The model's compute dtype: bf16, fp16 or fp32.
-  // The ranks that hold the same stage (world_size / pipeline.stages): the
-  // batch triad's world size, the ranks ZeRO partitions over.
-  // (world_size / (pipeline.stages * tensor_parallel.size))
+  // The replicas: the batch triad's data-parallel size, world_size /
+  // (pipeline.stages * tensor_parallel.size * sequence_parallel_size).
   int data_parallel_size() const { return world_size / model_parallel_size(); }
-  // The ranks one replica of the model spans: stages times tensor parts.
-  int model_parallel_size() const { return static_cast<int>(pipeline.stages * tensor_parallel.size); }
+  // The ranks one replica of the model spans: stages times tensor parts
+  // times sequence ranks.
+  int model_parallel_size() const {
+    return static_cast<int>(pipeline.stages * tensor_parallel.size * sequence_parallel_size);
+  }
+  // The ranks ZeRO partitions over: the replicas times their sequence
+  // ranks (which hold the same weights, as DeepSpeed's sequence-data-
+  // parallel group).
+  int zero_group_size() const { return data_parallel_size() * static_cast<int>(sequence_parallel_size); }
   bool pipelined() const { return pipeline.stages > 1; }
   bool tensor_split() const { return tensor_parallel.size > 1; }
+  bool sequence_split() const { return sequence_parallel_size > 1; }
   DType compute_dtype() const { return bf16 ? DType::kBF16 : fp16.enabled ? DType::kF16 : DType::kF32; }
   // The gradients' dtype on the wire: communication_data_type, else fp16
   // with fp16 on (as DeepSpeed reduces fp16 gradients), else fp32.

@@ -158,6 +158,7 @@ json to_json(const Config& c) {
                                                                                  : std::string(part)}};
   }
   if (c.tensor_split()) j["tensor_parallel"] = {{"autotp_size", c.tensor_parallel.size}};
+  if (c.sequence_split()) j["sequence_parallel_size"] = c.sequence_parallel_size;
   return j;
 }
 

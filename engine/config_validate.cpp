@@ -13,7 +13,8 @@ void Config::validate() const {
   if (world_size < 1) throw ConfigError("", "world size must be >= 1, got " + std::to_string(world_size));
   if (train_batch_size < 1 || train_micro_batch_size_per_gpu < 1 || gradient_accumulation_steps < 1 ||
       train_micro_batch_size_per_gpu > kMaxBatch || gradient_accumulation_steps > kMaxBatch ||
-      pipeline.stages < 1 || tensor_parallel.size < 1 || world_size % model_parallel_size() != 0 ||
+      pipeline.stages < 1 || tensor_parallel.size < 1 || sequence_parallel_size < 1 ||
+      world_size % model_parallel_size() != 0 ||
       static_cast<__int128>(train_micro_batch_size_per_gpu) * gradient_accumulation_steps * data_parallel_size() !=
           train_batch_size) {
     throw ConfigError("train_batch_size",
@@ -21,7 +22,7 @@ void Config::validate() const {
                           std::to_string(train_batch_size) + " != train_micro_batch_size_per_gpu " +
                           std::to_string(train_micro_batch_size_per_gpu) + " * gradient_accumulation_steps " +
                           std::to_string(gradient_accumulation_steps) + " * data-parallel size " +
-                          std::to_string(pipeline.stages >= 1 && tensor_parallel.size >= 1 &&
+                          std::to_string(pipeline.stages >= 1 && tensor_parallel.size >= 1 && sequence_parallel_size >= 1 &&
                                                  world_size % model_parallel_size() == 0
                                              ? data_parallel_size() : world_size));
   }
@@ -50,6 +51,20 @@ void Config::validate() const {
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with tensor parallelism yet");
+  }
+  // Sequence ranks (Note [sequence parallelism] in engine/sequence_parallel.cpp).
+  if (sequence_split()) {
+    if (pipelined() || tensor_split())
+      throw ConfigError("sequence_parallel_size",
+                        std::string("sequence parallelism does not compose with ") +
+                            (pipelined() ? "pipeline stages" : "tensor parallelism") +
+                            " yet; run the sequence ranks with ZeRO data parallelism alone");
+    if (device == Device::kCuda)
+      throw ConfigError("sequence_parallel_size", "the GPU path does not split sequences yet; use \"device\": \"cpu\"");
+    if (optimizer.one_bit())
+      throw ConfigError("optimizer.type", "the 1-bit optimizers stand each rank's gradient for the replicas' mean, "
+                                          "and a sequence rank's is one slice's share: they do not run with "
+                                          "sequence_parallel_size yet");
   }
   if (!(gradient_clipping >= 0)) {
     throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));

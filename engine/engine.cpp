@@ -390,6 +390,10 @@ int64_t Engine::Impl::check_batch(const Batch& batch) const {
                       "the previous + 1");
       }
   }
+  return count_targets(batch);
+}
+
+int64_t Engine::Impl::count_targets(const Batch& batch) {
   int64_t n = 0;
   for (int32_t t : batch.targets) n += t != kIgnoreTarget;
   return n;
@@ -402,20 +406,25 @@ void Engine::Impl::check_stepped(const char* what) const {
                 "(it updates the weights at accumulation boundaries and does nothing elsewhere)");
 }
 
-float Engine::Impl::forward(const Batch& batch) {
+float Engine::Impl::forward(const Batch& whole) {
   check_loaded("forward");
   check_stepped("forward");
   device->make_current();
-  const int64_t targets = check_batch(batch);
+  check_batch(whole);
   auto t0 = Clock::now();
+  Batch slice;  // a sequence rank's part of the rows
+  if (sequence_ranks()) slice = sequence_slice(whole);
+  const Batch& batch = sequence_ranks() ? slice : whole;
+  const int64_t targets = count_targets(batch);
   params->begin_pass(ParamCoordinator::Pass::kTrain);
   pass_dropout_seed = kernels::math::dropout_subkey(
       kernels::math::dropout_subkey(cfg.seed, static_cast<uint64_t>(micro_steps)), static_cast<uint64_t>(rank));
   float loss = model->forward(*this, batch);
   check_released("forward");
-  timings.forward_s += seconds_since(t0);
   forward_pending = true;
   batch_loss.add(loss, targets, batch.B * batch.T);
+  if (sequence_ranks()) loss = sequence_loss(loss, targets);
+  timings.forward_s += seconds_since(t0);
   return loss;
 }
 
@@ -704,9 +713,12 @@ float Engine::evaluate(const Batch& batch) {
   impl_->check_loaded("evaluate");
   const int64_t targets = impl_->check_batch(batch);
   impl_->device->make_current();
+  Batch slice;  // a sequence rank's part of the rows
+  if (impl_->sequence_ranks()) slice = impl_->sequence_slice(batch);
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
   impl_->pass_dropout_seed = 0;  // nothing dropped in an evaluation
-  const float loss = impl_->model->forward(*impl_, batch);
+  float loss = impl_->model->forward(*impl_, impl_->sequence_ranks() ? slice : batch);
+  if (impl_->sequence_ranks()) loss = impl_->sequence_loss(loss, impl_->count_targets(slice));
   impl_->check_released("evaluate");
   impl_->params->end_pass();
   impl_->device->on_release();
@@ -726,8 +738,11 @@ int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
 int Engine::rank() const { return impl_->world_rank; }
 int Engine::world_size() const { return impl_->world_all; }
-int Engine::data_parallel_rank() const { return impl_->rank; }
-int Engine::data_parallel_size() const { return impl_->world; }
+int Engine::data_parallel_rank() const { return impl_->rank / impl_->sp_size; }
+int Engine::data_parallel_size() const { return impl_->world / impl_->sp_size; }
+int Engine::sequence_parallel_rank() const { return impl_->sp_rank; }
+int Engine::sequence_parallel_size() const { return impl_->sp_size; }
+double Engine::sequence_wait_seconds() const { return impl_->sp_wait_s; }
 int Engine::pipeline_stage() const { return impl_->stage; }
 int64_t Engine::pipeline_recomputed_forwards() const { return impl_->pipe_recomputed; }
 double Engine::pipeline_wait_seconds() const { return impl_->pipe_wait_s; }

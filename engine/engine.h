@@ -119,8 +119,9 @@ class Engine {
   // This rank and the number of ranks (every rank, with pipeline stages too).
   int rank() const;
   int world_size() const;
-  // The data-parallel group's: the ranks that hold the same pipeline stage
-  // (every rank without stages). A DataLoader takes these.
+  // The replica this rank computes for and their number: world_size() /
+  // (pipeline stages x tensor parts x sequence ranks). A DataLoader takes
+  // these; every rank of a replica reads the same micro-batches.
   int data_parallel_rank() const;
   int data_parallel_size() const;
   // This rank's pipeline stage (0 without stages), and the forwards its
@@ -138,6 +139,13 @@ class Engine {
   // This rank's tensor part and their number (0 and 1 without parts).
   int tensor_parallel_rank() const;
   int tensor_parallel_size() const;
+  // This rank's slice of its replica's rows and their number (0 and 1
+  // without sequence_parallel_size; Note [sequence parallelism] in
+  // engine/sequence_parallel.cpp), and the seconds spent in the attention's
+  // all-to-alls (not in comm_wait_seconds).
+  int sequence_parallel_rank() const;
+  int sequence_parallel_size() const;
+  double sequence_wait_seconds() const;
   // Seconds the training thread spent blocked on communication (exposed,
   // not overlapped), and seconds the comm threads spent in collectives (the
   // reduction and the gather stream together).

@@ -184,6 +184,25 @@ struct Engine::Impl final : StepContext {
   // values (`whole`, row-major).
   void cut_part(int b, int p, const float* whole, float* out) const;
 
+  // ---- sequence ranks (Note [sequence parallelism] in sequence_parallel.cpp) ------------
+  // The sp_size ranks of a replica each compute slice sp_rank of its rows;
+  // grid rank = replica * sp_size + sp_rank. ZeRO's group (comm, world,
+  // rank) spans every rank.
+  int sp_size = 1, sp_rank = 0;
+  double sp_wait_s = 0;                          // in the attention's all-to-alls
+  std::unique_ptr<comm::Communicator> sp_comm;   // the sequence ranks of this replica
+  SequenceSplit sp_pass;                         // the pass under way's
+  std::vector<int32_t> sp_positions;             // its whole rows' positions (packed documents)
+  bool sequence_ranks() const { return sp_size > 1; }
+  void setup_sequence(int replica);
+  // This rank's slice of a micro-batch (and sp_pass for the model), after
+  // checking that the replica's ranks were given the same one.
+  Batch sequence_slice(const Batch& whole);
+  // The micro-batch's loss over its whole rows from this slice's.
+  float sequence_loss(float loss, int64_t targets);
+  const SequenceSplit& sequence_split() const override { return sp_pass; }
+  void sequence_all_to_all(const float* send, float* recv, int64_t per_rank) override;
+
   Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<comm::Communicator> cm);
   ~Impl() override;
   void make_streams();
@@ -205,6 +224,7 @@ struct Engine::Impl final : StepContext {
   // ---- training ---------------------------------------------------------------------
   // Returns the batch's target count.
   int64_t check_batch(const Batch& batch) const;
+  static int64_t count_targets(const Batch& batch);
 
   // A boundary backward's step() must run before the next micro-batch: its
   // reductions may still be in flight (on the GPU, freeing the gradient

@@ -52,7 +52,7 @@ namespace {
 MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_len, const PipelinePlan* pp,
                              int stage, const std::vector<BlockSpec>& specs) {
   MemoryEstimate e;
-  const int world = c.data_parallel_size();  // the ranks ZeRO partitions over
+  const int world = c.zero_group_size();  // the ranks ZeRO partitions over
   const ZeroConfig& z = c.zero;
   const bool param_offload = z.offload_param.device != OffloadDevice::kNone;
   const StagePlan plan = StagePlan::make(z.stage, world, param_offload, c.gradients_on_nvme());
@@ -286,9 +286,13 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   const int tparts = static_cast<int>(c.tensor_parallel.size);
   // A tensor part's activations: its heads' and MLP share's (its all-reduces
   // run in place on the pass's (N, C) buffers: nothing of their own).
+  // Sequence ranks: each holds 1/S of every row's tokens (the model's
+  // memory for that split says what its attention's exchange adds).
+  const int64_t sranks = c.sequence_parallel_size;
   std::optional<ActivationMemory> act =
-      tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
-                 : model.activation_memory(B, seq_len, dtype);
+      sranks > 1   ? model.sequence_activation_memory(B, seq_len, dtype, static_cast<int>(sranks))
+      : tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
+                   : model.activation_memory(B, seq_len, dtype);
   e.tensor_parts = tparts;
   if (pp) {
     // Stage s keeps min(P - s, M) micro-batches' activations (one on the

@@ -143,6 +143,21 @@ struct PipelineLayer {
 // (B*T, Model::pipeline_width()) fp32 rows of the hidden state, and their
 // gradients in backward. The whole model (no pipeline): first 0, end -1,
 // no buffers.
+// Sequence parallelism (Note [sequence parallelism] in
+// engine/sequence_parallel.cpp): the model is given `rank`'s slice of each
+// row, tokens [rank T / size, (rank + 1) T / size) of rows of T tokens,
+// with their positions in the whole row (Batch::positions always set), and
+// exchanges its attention's inputs and outputs with the other sequence
+// ranks through StepContext::sequence_all_to_all.
+struct SequenceSplit {
+  int size = 1, rank = 0;
+  int64_t T = 0;  // the whole rows' length (the slice's times size)
+  // The whole rows' positions (B*T, Batch::positions of packed documents),
+  // or null: each row is one sequence, causal by index.
+  const std::vector<int32_t>* positions = nullptr;
+  bool split() const { return size > 1; }
+};
+
 struct PipelineStage {
   int first = 0;  // index into pipeline_layers()
   int end = -1;   // one past the stage's last layer; -1: the model's end
@@ -222,6 +237,16 @@ class StepContext {
   // hold the other parts of this model (a no-op on one part). Every part
   // calls it at the same points, in the same order.
   virtual void tensor_all_reduce(float* data, int64_t n) {}
+  // Sequence parallelism: the split of the pass under way (size 1: none).
+  virtual const SequenceSplit& sequence_split() const {
+    static const SequenceSplit none;
+    return none;
+  }
+  // Sends `per_rank` fp32 values from send + r * per_rank to sequence rank
+  // r and receives r's into recv + r * per_rank (an all-to-all over the
+  // ranks that share this model's rows). Every sequence rank calls it at
+  // the same points, in the same order.
+  virtual void sequence_all_to_all(const float* send, float* recv, int64_t per_rank) {}
 
  protected:
   friend class HeldParams;
@@ -289,6 +314,11 @@ class Model {
   // those of tensor_part(rank, size)), summing partial results with
   // ctx.tensor_all_reduce. Called once, before the first forward.
   virtual void use_tensor_part(int rank, int size) {}
+  // Sequence parallelism (SequenceSplit): "" where the model computes a
+  // slice of each row at `size` sequence ranks, else why not (one line).
+  virtual std::string sequence_split_error(int size) const {
+    return "model '" + name() + "' does not split its sequences";
+  }
   // Model FLOPs per token of one training step (forward + backward), the
   // usual 6 * matmul parameters + attention count. 0 if unknown.
   virtual double flops_per_token(int64_t T) const { return 0; }
@@ -319,6 +349,13 @@ class Model {
   virtual std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType compute,
                                                                   const PipelineStage& stage, int sets,
                                                                   int tensor_parts) const {
+    return activation_memory(B, T, compute);
+  }
+  // The same for one of `size` sequence ranks, rows of T tokens (each
+  // holding T / size of them). Without an override, the whole rows' (an
+  // overestimate).
+  virtual std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType compute,
+                                                                     int size) const {
     return activation_memory(B, T, compute);
   }
 };

@@ -143,6 +143,7 @@ void Engine::Impl::setup_grid() {
   world = replicas;
   rank = replica;
   if (pipelined()) setup_pipeline();
+  if (cfg.sequence_split()) setup_sequence(replica);
   if (tensor_split() && world_rank == 0) {
     std::string line = "tensor parallelism: " + std::to_string(tp_size) + " parts";
     if (pipelined()) line += " x " + std::to_string(stages) + " pipeline stages";

@@ -147,7 +147,9 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
     // gives (where they divide the world; else the parser refuses them).
     const int64_t stages = d.contains("pipeline") ? int_at(d["pipeline"], "stages").value_or(1) : 1;
     const int64_t parts = d.contains("tensor_parallel") ? int_at(d["tensor_parallel"], "autotp_size").value_or(1) : 1;
-    const int64_t mp = stages >= 1 && parts >= 1 && stages * parts <= world_size ? stages * parts : 1;
+    const int64_t seq = int_at(d, "sequence_parallel_size").value_or(1);
+    const int64_t mp = stages >= 1 && parts >= 1 && seq >= 1 && stages * parts * seq <= world_size
+                           ? stages * parts * seq : 1;
     const int64_t replicas = world_size % mp == 0 ? world_size / mp : world_size;
     const std::string why = (replicas == world_size
                                  ? std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks")

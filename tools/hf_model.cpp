@@ -90,6 +90,10 @@ class PretrainedModel final : public Model {
     return inner_->tensor_part(rank, size, why);
   }
   void use_tensor_part(int rank, int size) override { inner_->use_tensor_part(rank, size); }
+  std::string sequence_split_error(int size) const override { return inner_->sequence_split_error(size); }
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
+    return inner_->sequence_activation_memory(B, T, dt, size);
+  }
   std::vector<PipelineLayer> pipeline_layers() const override { return inner_->pipeline_layers(); }
   int64_t pipeline_width() const override { return inner_->pipeline_width(); }
   bool select_activations(int slot) override { return inner_->select_activations(slot); }

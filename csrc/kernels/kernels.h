@@ -290,7 +290,11 @@ struct RopeShape {
   int64_t B = 0, T = 0, W = 0, col = 0, heads = 0, head_dim = 0;
   const int32_t* positions = nullptr;
   int64_t rotary_dim = 0;  // 0: head_dim
+  // The rows of cos and sin, which bound the positions (0: T; a sequence
+  // rank's slice of longer rows has positions past its own T).
+  int64_t table_rows = 0;
   int64_t rotated() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  int64_t rows() const { return table_rows > 0 ? table_rows : T; }
 };
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse);
 

@@ -282,9 +282,9 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
   const int64_t h = s.rotated() / 2, N = s.B * s.T;
   if (s.positions)
     for (int64_t r = 0; r < N; ++r)
-      if (s.positions[r] < 0 || s.positions[r] >= s.T)
+      if (s.positions[r] < 0 || s.positions[r] >= s.rows())
         throw Error("rope: position " + std::to_string(s.positions[r]) + " at row " + std::to_string(r) +
-                    " is outside [0, " + std::to_string(s.T) + ")");
+                    " is outside [0, " + std::to_string(s.rows()) + ")");
   const float sign = inverse ? -1.0f : 1.0f;
   parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(s.heads * s.head_dim), [&](size_t lo, size_t hi) {
     for (size_t r = lo; r < hi; ++r) {

@@ -26,6 +26,7 @@
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/detail/pass_slots.h"
+#include "models/detail/sequence_split.h"
 #include "models/detail/tensor_part.h"
 #include "models/llama/llama.h"
 #include "models/models.h"
@@ -223,18 +224,34 @@ class Llama final : public Model {
                                                           int sets, int tensor_parts) const override {
     return activation_bytes(B, T, dt, stage_range(st), sets, tensor_parts);
   }
+  // One of `size` sequence ranks': a slice of each row, the attention's
+  // workspace over whole rows of its heads, the all-to-alls' buffers.
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1, 1, size);
+  }
+  std::string sequence_split_error(int size) const override {
+    if (c_.num_attention_heads % size != 0)
+      return "num_attention_heads " + std::to_string(c_.num_attention_heads) + " is not a multiple of it: each "
+             "sequence rank attends with whole heads";
+    if (c_.num_experts > 0 && c_.router_aux_loss_coef > 0)
+      return "the load-balancing loss of model '" + name() + "' (router_aux_loss_coef " +
+             std::to_string(c_.router_aux_loss_coef) + ") is a product of sums over the whole batch, which a "
+             "slice of the rows does not see; set router_aux_loss_coef 0 or sequence_parallel_size 1";
+    return "";
+  }
 
  private:
   // One of `parts` tensor parts' (its heads and MLP share).
+  // And of one of `seq` sequence ranks (T: the whole rows').
   std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
-                                                   int parts) const {
+                                                   int parts, int seq = 1) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
-    const int64_t N = B * T, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
+    const int64_t N = B * (T / seq), C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
     const int64_t H = c_.num_attention_heads / parts, K = c_.kv_heads() / parts;  // the part's
     const int64_t GU = (c_.mlp_gated ? 2 : 1) * c_.intermediate_size / parts;
     const int64_t I = c_.intermediate_size / parts, A = H * D_, Q = (H + 2 * K) * D_;
-    kernels::AttentionShape as{B, T, A, H};
+    kernels::AttentionShape as{B, T, A / seq, H / seq};
     as.softcap = att_softcap();
     ActivationMemory m;
     const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
@@ -268,6 +285,7 @@ class Llama final : public Model {
                buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * V) : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
+    if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A);                     // seq_: send and recv
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
     if (c_.layer_norm) m.saved += buffer_bytes(N);                            // lnf_mean_
     if (c_.parallel_residual) m.saved += buffer_bytes(N * C);                 // dpar_
@@ -318,8 +336,11 @@ class Llama final : public Model {
     pass_ctx_ = &ctx;
     pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.hidden_size, V = c_.vocab_size;
-    if (T > c_.max_position_embeddings)
-      throw Error("llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
+    // Sequence ranks: this is a slice of rows of sp.T tokens (whole_T_).
+    const SequenceSplit& sp = ctx.sequence_split();
+    whole_T_ = sp.split() ? sp.T : T;
+    if (whole_T_ > c_.max_position_embeddings)
+      throw Error("llama: sequence length " + std::to_string(whole_T_) + " exceeds max_position_embeddings " +
                   std::to_string(c_.max_position_embeddings));
     const StageRange sr = stage_range(ctx.pipeline_stage());
     ensure_buffers(B, T, sr);
@@ -330,12 +351,17 @@ class Llama final : public Model {
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
     pass_.positions = batch.positions;  // backward reads them too
     pass_.pos = ops_->positions(pass_.positions, pass_.positions_store);
+    // The whole rows' positions the attention masks by (a sequence rank's
+    // slice: its own are in the whole row, pass_.pos).
+    whole_positions_ = sp.split() && sp.positions ? *sp.positions : std::vector<int32_t>{};
+    whole_pos_ = sp.split() ? ops_->positions(whole_positions_, whole_pos_store_) : pass_.pos;
     if (c_.rope_scaling.type == RopeScaling::Type::kLongrope) {
       // transformers picks longrope's factors by the batch's largest
       // position + 1 (packed documents can all be shorter than the rows).
-      const int64_t len = pass_.positions.empty() ? T : *std::max_element(pass_.positions.begin(), pass_.positions.end()) + 1;
+      const std::vector<int32_t>& all = sp.split() ? whole_positions_ : pass_.positions;
+      const int64_t len = all.empty() ? whole_T_ : *std::max_element(all.begin(), all.end()) + 1;
       const int64_t orig = c_.rope_scaling.original_max_position_embeddings;
-      if ((len > orig) != (rope_len_ > orig)) build_rope_tables(T, len);
+      if ((len > orig) != (rope_len_ > orig)) build_rope_tables(whole_T_, len);
     }
 
     if (sr.embed) {
@@ -470,10 +496,16 @@ class Llama final : public Model {
       bool adapted = lora_backward(lpp, lg, a, l, kGroupO, a.att_in, dy_in, dmid, N, dt);
       detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), nullptr, {}, a.att_in, p[x.o_w], N, A, C, dt,
                               dy_in, adapted);
-      ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
+      if (sequence_split()) {
+        seq_.to_heads(*ops_, ctx, dmid, dmid, B, 1, seq_heads_w());
+        ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
+        seq_.to_tokens(*ops_, ctx, dbig, dbig, B, 3, seq_heads_w());
+      } else {
+        ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
+      }
       ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
-        ops_->rope(dproj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pass_.pos, c_.rotary_dim()}, true);
+        ops_->rope(dproj, rope_cos(l), rope_sin(l), rope_shape(B, T), true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       dy_in = ops_->dy_operand(dproj, bias_grad(g, x.qkv_b), N, Q, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dsmall, N, dt);
@@ -649,11 +681,19 @@ class Llama final : public Model {
     return static_cast<float>(c_.attention_multiplier);
   }
   float att_softcap() const { return static_cast<float>(c_.attn_logit_softcapping); }
+  // With sequence ranks: whole rows of this rank's heads (Note [sequence
+  // parallelism] in engine/sequence_parallel.cpp).
   kernels::AttentionShape attention_shape(int64_t l) const {
-    kernels::AttentionShape s{pass_.B, pass_.T, H_ * D_, H_, pass_.pos, c_.window(l), att_scale()};
+    const bool split = sequence_split();
+    const int64_t S = split ? pass_ctx_->sequence_split().size : 1;
+    kernels::AttentionShape s{pass_.B, split ? whole_T_ : pass_.T, H_ * D_ / S, H_ / S, split ? whole_pos_ : pass_.pos,
+                              c_.window(l), att_scale()};
     s.softcap = att_softcap();
     return s;
   }
+  bool sequence_split() const { return pass_ctx_ && pass_ctx_->sequence_split().split(); }
+  // The columns of one sequence rank's heads in each of q, k, v.
+  int64_t seq_heads_w() const { return H_ / pass_ctx_->sequence_split().size * D_; }
   // The embeddings' factor: Granite's embedding_multiplier, Gemma's
   // sqrt(hidden_size) (transformers rounds it to the model's dtype first).
   float embed_factor() const {
@@ -662,6 +702,13 @@ class Llama final : public Model {
     return static_cast<float>(e * static_cast<double>(static_cast<float>(std::sqrt(static_cast<double>(c_.hidden_size)))));
   }
   // The rope tables of layer l: Gemma 3's sliding-window layers have their own.
+  // q and k are adjacent in the projection's row: one call rotates H + K
+  // heads, by positions in tables of the whole rows.
+  kernels::RopeShape rope_shape(int64_t B, int64_t T) const {
+    kernels::RopeShape s{B, T, (H_ + 2 * K_) * D_, 0, H_ + K_, D_, pass_.pos, c_.rotary_dim()};
+    s.table_rows = rope_T_;
+    return s;
+  }
   bool local_rope(int64_t l) const { return c_.rope_local_theta > 0 && c_.sliding_layer(l); }
   const float* rope_cos(int64_t l) const { return (local_rope(l) ? rope_local_cos_ : rope_cos_).as<float>(); }
   const float* rope_sin(int64_t l) const { return (local_rope(l) ? rope_local_sin_ : rope_sin_).as<float>(); }
@@ -854,9 +901,17 @@ class Llama final : public Model {
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
-      ops_->rope(proj, rope_cos(l), rope_sin(l), {B, T, Q, 0, H_ + K_, D_, pass_.pos, c_.rotary_dim()}, false);
+      ops_->rope(proj, rope_cos(l), rope_sin(l), rope_shape(B, T), false);
     ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
+    if (sequence_split()) {
+      // Ulysses: whole rows of this rank's heads in, and the output back
+      // to this rank's tokens (a.qkv keeps the whole rows for backward).
+      seq_.to_heads(*ops_, *pass_ctx_, a.qkv.as<float>(), a.qkv.as<float>(), B, 3, seq_heads_w());
+      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
+      seq_.to_tokens(*ops_, *pass_ctx_, a.att.as<float>(), a.att.as<float>(), B, 1, seq_heads_w());
+    } else {
+      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
+    }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
@@ -1084,6 +1139,7 @@ class Llama final : public Model {
   // len: the length longrope picks its factors by (rope_len_).
   void build_rope_tables(int64_t T, int64_t len) {
     rope_len_ = len;
+    rope_T_ = T;
     build_rope_table(T, rope_inv_freq(c_, len), rope_table_scale(c_), rope_cos_, rope_sin_);
     if (c_.rope_local_theta > 0) {
       LlamaConfig local = c_;
@@ -1113,8 +1169,10 @@ class Llama final : public Model {
 
   // A pipeline stage holds the activations of its own layers only.
   void ensure_buffers(int64_t B, int64_t T, const StageRange& sr) {
+    // The rope tables cover the whole rows (a sequence rank's slice holds
+    // positions past its own length).
+    if (whole_T_ != rope_T_) build_rope_tables(whole_T_, whole_T_);
     if (B == pass_.B && T == pass_.T && sr == pass_.alloc) return;
-    if (T != pass_.T) build_rope_tables(T, T);
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
     const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(I_);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
@@ -1228,6 +1286,15 @@ class Llama final : public Model {
   detail::PassSlots<Pass> slots_;
   Buf rope_cos_, rope_sin_;              // (T, D/2)
   int64_t rope_len_ = -1;                // the length the tables' longrope factors were picked by
+  int64_t rope_T_ = -1;                  // the tables' rows
+  // Sequence ranks (Note [sequence parallelism] in engine/sequence_parallel.cpp):
+  // the whole rows' length and positions of the forward under way, and
+  // the all-to-alls' buffers.
+  int64_t whole_T_ = 0;
+  std::vector<int32_t> whole_positions_;
+  Buf whole_pos_store_;
+  const int32_t* whole_pos_ = nullptr;
+  detail::SequenceExchange seq_;
   Buf rope_local_cos_, rope_local_sin_;  // rope_local_theta: the sliding-window layers' tables
   Buf x_final_, lnf_, lnf_rstd_, logits_, dlogits_;
   Buf lnf_mean_;  // layer_norm: (N)

@@ -1,0 +1,129 @@
+// Note [sequence parallelism]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// sequence_parallel_size = S is DeepSpeed-Ulysses: the S ranks of a
+// replica take the same micro-batches, and each computes a slice of every
+// row, tokens [s T/S, (s+1) T/S) of rows of T tokens, through every layer.
+// Everything but attention is per token, so a slice is computed alone.
+// Attention needs the whole row: before it, one all-to-all over the S
+// ranks (StepContext::sequence_all_to_all) turns the split by tokens into
+// a split by heads (rank s gets every token of heads [s H/S, (s+1) H/S) of
+// q, k and v), the attention kernel runs on whole rows of its heads, and a
+// second all-to-all turns its output back into the split by tokens. In
+// backward the same two exchanges run in reverse. A layer costs two
+// all-to-alls of (B T/S, 3 H d) and (B T/S, H d) forward, the same
+// backward; the weights' gradients are the sum of the slices' (ZeRO's
+// reduction, below).
+//   - The engine slices the batch (Engine::Impl::sequence_slice): the
+//     model gets its tokens and targets, their positions in the whole row
+//     (Batch::positions always set, so rotary tables and learned positions
+//     see the true index), and through StepContext::sequence_split the
+//     whole rows' length and packed-document positions, which the
+//     attention kernel masks by.
+//   - The ranks of one replica must be given the same micro-batch: a
+//     digest of it is compared over them before each forward (one small
+//     all-reduce), and ranks that differ stop with one line naming them
+//     rather than train on a mixed row.
+//   - The grid: rank = replica * S + s, a replica's sequence ranks
+//     adjacent (inside a node). ZeRO partitions over every rank (the
+//     replicas times their sequence ranks, as DeepSpeed's sequence-data-
+//     parallel group), so stage 3 spreads the weights over S times more
+//     ranks. The loss normaliser (Note [the loss normaliser] in
+//     engine.cpp) counts each slice as a micro-batch of B T/S positions on
+//     its own rank: the mean over S equal slices is the row's mean, and
+//     masked targets are counted where they fall, so the sums are those of
+//     the run without the split, taken in another order.
+//   - forward() and evaluate() return the micro-batch's loss over its whole
+//     rows (the slices' losses weighted by their targets, summed over the
+//     S ranks), not the slice's.
+// Not built: composition with pipeline stages and tensor parts (refused),
+// the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
+// not the replica's). Dropout draws each slice's masks from the rank's own
+// stream, so with dropout a run at S ranks is not the run at 1.
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/checkpoint.h"
+#include "engine/engine_impl.h"
+
+namespace zinc {
+
+void Engine::Impl::setup_sequence(int replica) {
+  sp_size = static_cast<int>(cfg.sequence_parallel_size);
+  const std::string why = model->sequence_split_error(sp_size);
+  if (!why.empty()) throw ConfigError("sequence_parallel_size", why);
+  sp_rank = replica % sp_size;
+  sp_comm = world_comm->split(replica / sp_size, sp_rank);
+  if (world_rank == 0)
+    log_info("sequence parallelism: " + std::to_string(sp_size) + " sequence ranks per replica (ranks r*" +
+             std::to_string(sp_size) + " .. r*" + std::to_string(sp_size) + "+" + std::to_string(sp_size - 1) +
+             " each take 1/" + std::to_string(sp_size) + " of replica r's rows) x " +
+             std::to_string(world_all / sp_size) + " data-parallel " +
+             (world_all / sp_size == 1 ? "replica" : "replicas") + "; ZeRO partitions over all " +
+             std::to_string(world_all) + " ranks");
+}
+
+Batch Engine::Impl::sequence_slice(const Batch& whole) {
+  const int64_t S = sp_size, B = whole.B, T = whole.T;
+  if (T % S != 0)
+    throw Error("batch: sequence length T=" + std::to_string(T) + " is not a multiple of sequence_parallel_size " +
+                std::to_string(S) + " (each sequence rank takes T / " + std::to_string(S) + " tokens of every row)");
+  // The ranks of a replica agree on the micro-batch before any exchange.
+  std::string bytes;
+  auto add = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
+  add(&whole.B, sizeof whole.B);
+  add(&whole.T, sizeof whole.T);
+  add(whole.inputs.data(), whole.inputs.size() * sizeof(int32_t));
+  add(whole.targets.data(), whole.targets.size() * sizeof(int32_t));
+  add(whole.positions.data(), whole.positions.size() * sizeof(int32_t));
+  const uint64_t h = std::strtoull(ckpt::xxh3_hex(bytes.data(), bytes.size()).c_str(), nullptr, 16);
+  const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
+  double v[4] = {hi, lo, -hi, -lo};
+  sp_comm->all_reduce_max_f64(v, 4);
+  if (v[0] != -v[2] || v[1] != -v[3])
+    throw Error("batch: the sequence ranks of replica " + std::to_string(rank / sp_size) + " (ranks " +
+                std::to_string(world_rank - sp_rank) + "-" + std::to_string(world_rank - sp_rank + sp_size - 1) +
+                ") were given different micro-batches; each takes a slice of the same rows, so give every rank "
+                "of a replica the same batch (a DataLoader over Engine::data_parallel_size() and "
+                "data_parallel_rank() does)");
+  const int64_t t = T / S, first = sp_rank * t;
+  Batch part;
+  part.B = B;
+  part.T = t;
+  part.inputs.resize(static_cast<size_t>(B * t));
+  part.targets.resize(part.inputs.size());
+  part.positions.resize(part.inputs.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < t; ++i) {
+      const size_t from = static_cast<size_t>(b * T + first + i), to = static_cast<size_t>(b * t + i);
+      part.inputs[to] = whole.inputs[from];
+      part.targets[to] = whole.targets[from];
+      part.positions[to] = whole.positions.empty() ? static_cast<int32_t>(first + i) : whole.positions[from];
+    }
+  sp_positions = whole.positions;
+  sp_pass = SequenceSplit{sp_size, sp_rank, T, sp_positions.empty() ? nullptr : &sp_positions};
+  return part;
+}
+
+float Engine::Impl::sequence_loss(float loss, int64_t targets) {
+  // The slice's mean over its targets times their count: the sum of the
+  // slice's losses, summed with the counts over the replica's ranks.
+  double v[2] = {targets > 0 ? static_cast<double>(loss) * static_cast<double>(targets) : 0.0,
+                 static_cast<double>(targets)};
+  sp_comm->all_reduce_f64(v, 2);
+  return v[1] > 0 ? static_cast<float>(v[0] / v[1]) : 0.0f;
+}
+
+void Engine::Impl::sequence_all_to_all(const float* send, float* recv, int64_t per_rank) {
+  if (!sp_comm) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  sp_comm->all_to_all(send, recv, per_rank, DType::kF32);
+  sp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace zinc

@@ -1,0 +1,405 @@
+// Sequence parallelism across ranks (run under mpirun -np 2 and -np 4 by
+// CTest): a run whose rows are split over S sequence ranks (with D = world
+// / S replicas) must train the weights and losses of the run without the
+// split on D ranks, to float rounding: the weights' gradients are the
+// slices' summed in another order (Note [sequence parallelism] in
+// engine/sequence_parallel.cpp). Each rank runs that reference itself over
+// the ranks of its own slice index. The batches are made here: packed
+// documents, masked targets, two rows per micro-batch.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "data/data.h"
+#include "engine/engine.h"
+#include "engine/memory_estimate.h"
+#include "models/models.h"
+#include "tests/comm/mpi_test_main.h"
+#include "tests/engine/grid_test_util.h"
+
+namespace zinc {
+
+std::shared_ptr<comm::Communicator> g_world;
+
+namespace {
+
+using json = nlohmann::json;
+using testing::error_of;
+
+struct Spec {
+  int sp = 2;
+  int zero = 1;
+  bool bf16 = false;
+  int64_t gas = 2;
+  int64_t micro = 2;
+  int64_t T = 8;
+  int steps = 20;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  bool packed = true;   // documents packed into the rows (Batch::positions), some targets masked
+  bool gemma2 = false;  // post-norms, soft-capping, a sliding window, GeGLU
+  bool neox = false;    // LayerNorm with biases, parallel residual, partial rotary
+  bool qwen3 = false;   // per-head q and k norms
+  bool checkpointing = false;
+  bool tied = false;
+  std::string offload = "none";
+  // A sabotage that shows the comparison can fail: the exchange hands each
+  // rank the other ranks' slices in reverse order.
+  bool reversed_exchange = false;
+};
+
+std::shared_ptr<Model> llama(const Spec& s) {
+  models::LlamaConfig c;
+  c.vocab_size = 13;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = s.heads;
+  c.num_key_value_heads = s.kv_heads;
+  c.head_dim = 4;
+  c.max_position_embeddings = 16;
+  c.qkv_bias = true;
+  c.tie_word_embeddings = s.tied;
+  c.gradient_checkpointing = s.checkpointing;
+  if (s.gemma2) {
+    c.o_bias = c.mlp_bias = true;
+    c.post_norms = true;
+    c.attn_logit_softcapping = 5.0;
+    c.final_logit_softcapping = 3.0;
+    c.sliding_window = 3;
+    c.mlp_act = models::LlamaConfig::MlpAct::kGeluTanh;
+  }
+  if (s.neox) {
+    c.layer_norm = true;
+    c.parallel_residual = true;
+    c.partial_rotary_factor = 0.5;
+    c.mlp_gated = false;
+    c.mlp_act = models::LlamaConfig::MlpAct::kGeluErf;
+  }
+  if (s.qwen3) c.qk_norm = true;
+  return models::make_llama(c);
+}
+
+// A model whose exchange is sabotaged (Spec::reversed_exchange): every call
+// goes to the inner model, with a context that passes everything through
+// but permutes what the all-to-all delivers.
+class ReversedExchange final : public Model, StepContext {
+ public:
+  explicit ReversedExchange(std::shared_ptr<Model> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  const std::vector<BlockSpec>& blocks() const override { return inner_->blocks(); }
+  std::string sequence_split_error(int size) const override { return inner_->sequence_split_error(size); }
+  float forward(StepContext& ctx, const Batch& batch) override {
+    ctx_ = &ctx;
+    return inner_->forward(*this, batch);
+  }
+  void backward(StepContext& ctx, float loss_scale) override {
+    ctx_ = &ctx;
+    inner_->backward(*this, loss_scale);
+  }
+  DType compute_dtype() const override { return ctx_->compute_dtype(); }
+  BlockGrads grads(int block) override { return ctx_->grads(block); }
+  void grads_ready(int block) override { ctx_->grads_ready(block); }
+  uint64_t dropout_seed() const override { return ctx_->dropout_seed(); }
+  const SequenceSplit& sequence_split() const override { return ctx_->sequence_split(); }
+  void sequence_all_to_all(const float* send, float* recv, int64_t per_rank) override {
+    const int S = ctx_->sequence_split().size;
+    std::vector<float> got(static_cast<size_t>(S * per_rank));
+    ctx_->sequence_all_to_all(send, got.data(), per_rank);
+    for (int r = 0; r < S; ++r)
+      std::copy_n(got.data() + (S - 1 - r) * per_rank, per_rank, recv + r * per_rank);
+  }
+
+ private:
+  BlockParams acquire_params(int block) override {
+    HeldParams h = ctx_->acquire(block);
+    const BlockParams p = h.params();
+    held_[block] = std::move(h);
+    return p;
+  }
+  void release_params(int block) noexcept override { held_.erase(block); }
+  std::shared_ptr<Model> inner_;
+  StepContext* ctx_ = nullptr;
+  std::map<int, HeldParams> held_;
+};
+
+json config(const Spec& s, int replicas, bool split) {
+  json c = {{"train_micro_batch_size_per_gpu", s.micro},
+            {"gradient_accumulation_steps", s.gas},
+            {"gradient_clipping", 0.5},  // small: the clip coefficient applies, and needs the norm over every rank
+            {"bf16", {{"enabled", s.bf16}}},
+            {"zero_optimization", {{"stage", s.zero}}},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  c["train_batch_size"] = s.micro * s.gas * replicas;
+  if (split) c["sequence_parallel_size"] = s.sp;
+  if (s.offload != "none")
+    c["zero_optimization"]["offload_optimizer"] = {{"device", s.offload}, {"nvme_path", ::testing::TempDir()}};
+  return c;
+}
+
+// Micro-batch `index` of the run: B rows of T tokens whose target is a
+// function of the token (so the loss falls), with documents packed into
+// the rows and a quarter of the targets masked where s.packed.
+Batch make_batch(const Spec& s, int64_t index) {
+  uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(index + 1);
+  auto next = [&] {
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    return x;
+  };
+  Batch b;
+  b.B = s.micro;
+  b.T = s.T;
+  for (int64_t r = 0; r < b.B; ++r) {
+    int32_t pos = 0;
+    for (int64_t t = 0; t < b.T; ++t) {
+      const int32_t tok = static_cast<int32_t>(next() % 13);
+      b.inputs.push_back(tok);
+      b.targets.push_back(s.packed && next() % 4 == 0 ? kIgnoreTarget : (tok * 5 + 3) % 13);
+      if (s.packed) {
+        pos = t > 0 && next() % 4 == 0 ? 0 : (t == 0 ? 0 : pos + 1);
+        b.positions.push_back(pos);
+      }
+    }
+  }
+  return b;
+}
+
+struct Result {
+  std::vector<float> weights;
+  std::vector<double> losses;  // each micro-batch's, as forward() returned it
+  double norm = 0;
+  double eval = 0;
+};
+
+// Trains s.steps global batches as replica `replica` of `replicas`; every
+// rank ends with every block's whole weights.
+Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split) {
+  const int ranks = comm ? comm->size() : 1;
+  const int replicas = split ? ranks / s.sp : ranks;
+  std::shared_ptr<Model> m = llama(s);
+  if (s.reversed_exchange) m = std::make_shared<ReversedExchange>(m);
+  Engine e = Engine::initialize(m, config(s, replicas, split), ranks > 1 ? comm : nullptr);
+  EXPECT_EQ(e.data_parallel_size(), replicas);
+  const int replica = e.data_parallel_rank();
+  Result r;
+  for (int i = 0; i < s.steps; ++i)
+    for (int64_t k = 0; k < s.gas; ++k) {
+      r.losses.push_back(e.forward(make_batch(s, (i * s.gas + k) * replicas + replica)));
+      e.backward();
+      e.step();
+    }
+  r.norm = e.global_grad_norm();
+  r.eval = e.evaluate(make_batch(s, 1000 + replica));
+  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
+    std::vector<float> p = e.full_params(static_cast<int>(b));
+    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
+    EXPECT_GE(p.size(), static_cast<size_t>(l.numel));
+    r.weights.insert(r.weights.end(), p.begin(), p.begin() + l.numel);
+  }
+  return r;
+}
+
+// The reference's ranks: one per replica, those of this rank's slice index.
+std::shared_ptr<comm::Communicator> replicas_of(const Spec& s) {
+  return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() % s.sp, g_world->rank() / s.sp));
+}
+
+double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return worst;
+}
+
+// Tolerances as the tensor parts' (tests/engine/tensor_parallel_test.cpp):
+// fp32 sums in another order over 20 AdamW steps at lr 1e-2, where a
+// rounding in a near-zero gradient moves a weight by up to ~1e-4; bf16
+// rounds each slice's matmul rows where one rank rounds them all: looser.
+void expect_same_run(const Spec& s, const std::string& what) {
+  if (g_world->size() % s.sp != 0) return;  // 4 sequence ranks at 2 ranks
+  const Result ref = train(s, replicas_of(s), false);
+  const Result got = train(s, g_world, true);
+  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
+  const double tol = s.bf16 ? 2e-2 : 1e-4;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol * std::max(1.0, std::fabs(ref.losses[i]))) << what << " micro " << i;
+  EXPECT_NEAR(got.norm, ref.norm, tol * ref.norm) << what;
+  EXPECT_NEAR(got.eval, ref.eval, tol * ref.eval) << what;
+  const double worst = worst_difference(got.weights, ref.weights);
+  EXPECT_LT(worst, s.bf16 ? 5e-2 : 5e-4) << what << ": the largest weight difference";
+  // The weights moved (the run trained), far more than the slices' rounding.
+  Spec start = s;
+  start.steps = 0;
+  EXPECT_GT(worst_difference(ref.weights, train(start, g_world, true).weights), 100 * worst) << what;
+}
+
+TEST(SequenceParallel, SlicesTrainTheRunWithoutThem) {
+  expect_same_run(Spec{}, "2 sequence ranks, GQA, packed documents, masked targets");
+  Spec four;
+  four.sp = 4;
+  expect_same_run(four, "4 sequence ranks, 2 tokens of each row apiece");
+  Spec plain;
+  plain.packed = false;
+  plain.kv_heads = 4;
+  expect_same_run(plain, "rows of one sequence each, no masked targets");
+}
+
+TEST(SequenceParallel, ComposesWithZeroThreeAndOffloadedStates) {
+  for (int zero : {0, 2, 3}) {
+    Spec s;
+    s.zero = zero;
+    expect_same_run(s, "ZeRO-" + std::to_string(zero));
+  }
+  Spec off;
+  off.zero = 3;
+  off.offload = "cpu";
+  expect_same_run(off, "ZeRO-3 with the optimizer states offloaded");
+}
+
+TEST(SequenceParallel, FamiliesBf16AndGradientCheckpointing) {
+  Spec g;
+  g.gemma2 = true;
+  expect_same_run(g, "Gemma 2's layer with a sliding window of 3");
+  Spec n;
+  n.neox = true;
+  expect_same_run(n, "GPT-NeoX's layer");
+  Spec q;
+  q.qwen3 = true;
+  q.tied = true;
+  q.checkpointing = true;
+  expect_same_run(q, "Qwen3's layer, tied head, gradient checkpointing");
+  Spec b;
+  b.bf16 = true;
+  b.steps = 6;
+  expect_same_run(b, "bf16");
+}
+
+// The comparison above can fail: slices delivered in the wrong order give
+// another attention, and the losses part from the reference's at once.
+TEST(SequenceParallel, AMisroutedExchangeIsCaught) {
+  Spec s;
+  s.steps = 2;
+  const Result ref = train(s, replicas_of(s), false);
+  s.reversed_exchange = true;
+  const Result bad = train(s, g_world, true);
+  double worst = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    worst = std::max(worst, std::fabs(bad.losses[i] - ref.losses[i]) / std::max(1.0, std::fabs(ref.losses[i])));
+  EXPECT_GT(worst, 100 * 1e-4) << "a misrouted exchange must show in the losses";
+}
+
+TEST(SequenceParallel, RefusesWhatItCannotSplitWithOneLine) {
+  const int w = g_world->size();
+  Spec s;
+  s.sp = w;
+  // Heads that do not divide over the sequence ranks.
+  Spec odd = s;
+  odd.heads = w == 2 ? 1 : 2;
+  odd.kv_heads = 1;
+  std::string e = error_of([&] { Engine::initialize(llama(odd), config(odd, 1, true), g_world); });
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("num_attention_heads"), std::string::npos) << e;
+  // A row length that does not divide: one line, and nothing trained.
+  Engine eng = Engine::initialize(llama(s), config(s, 1, true), g_world);
+  Spec nine = s;
+  nine.T = 9;
+  e = error_of([&] { eng.forward(make_batch(nine, 0)); });
+  EXPECT_NE(e.find("T=9"), std::string::npos) << e;
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  // Ranks of one replica given different rows: every rank stops, naming them.
+  e = error_of([&] { eng.forward(make_batch(s, g_world->rank())); });
+  EXPECT_NE(e.find("different micro-batches"), std::string::npos) << e;
+  // The engine goes on after both refusals.
+  EXPECT_TRUE(std::isfinite(eng.forward(make_batch(s, 0))));
+  eng.backward();
+  eng.step();
+  // GPT-2 does not split its rows (yet).
+  models::GptConfig g;
+  g.vocab_size = 13;
+  g.block_size = 16;
+  g.n_layer = 2;
+  g.n_head = 4;
+  g.n_embd = 16;
+  e = error_of([&] { Engine::initialize(models::make_gpt(g), config(s, 1, true), g_world); });
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("does not split its sequences"), std::string::npos) << e;
+}
+
+TEST(SequenceParallel, TheEstimateIsOneSlicesActivationsAndTheRanksModelState) {
+  const int w = g_world->size();
+  for (int zero : {1, 3}) {
+    Spec s;
+    s.sp = w;
+    s.zero = zero;
+    s.T = 16;
+    const json cj = config(s, 1, true);
+    Engine e = Engine::initialize(llama(s), cj, g_world);
+    for (int64_t k = 0; k < s.gas; ++k) {
+      e.forward(make_batch(s, k));
+      e.backward();
+      e.step();
+    }
+    double peak = static_cast<double>(e.model_state_peak_bytes());
+    g_world->all_reduce_max_f64(&peak, 1);
+    const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, w), s.T);
+    const std::string what = "ZeRO " + std::to_string(zero);
+    EXPECT_EQ(est.world, w) << what << ": ZeRO partitions over every sequence rank";
+    EXPECT_EQ(static_cast<double>(est.model_state_bytes()), peak) << what;
+    const MemoryEstimate one = estimate_memory(*llama(s), Config::parse(config(s, 1, false), 1), s.T);
+    auto activations = [](const MemoryEstimate& m) {
+      int64_t n = 0;
+      for (const MemoryPart& p : m.training) n += p.model_state ? 0 : p.bytes;
+      return n;
+    };
+    EXPECT_GT(activations(one), 0) << what;
+    EXPECT_LT(activations(est), activations(one)) << what;
+  }
+}
+
+TEST(SequenceParallelConfig, RanksMustDivideTheWorldAndTheBatchFitsTheReplicas) {
+  json c = {{"train_micro_batch_size_per_gpu", 2}, {"sequence_parallel_size", 2}};
+  Config got = Config::parse(c, 4);
+  EXPECT_EQ(got.data_parallel_size(), 2);
+  EXPECT_EQ(got.zero_group_size(), 4);
+  EXPECT_EQ(got.train_batch_size, 4);
+  std::string e = error_of([&] { Config::parse(json{{"train_micro_batch_size_per_gpu", 2},
+                                                    {"sequence_parallel_size", 3}}, 4); });
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("multiple of 3"), std::string::npos) << e;
+  for (json bad : {json(0), json("two"), json(1.5)}) {
+    e = error_of([&] { Config::parse(json{{"train_micro_batch_size_per_gpu", 2}, {"sequence_parallel_size", bad}}, 2); });
+    EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  }
+  json p = c;
+  p["pipeline"] = {{"stages", 2}};
+  e = error_of([&] { Config::parse(p, 4); });
+  EXPECT_NE(e.find("pipeline stages"), std::string::npos) << e;
+  json t = c;
+  t["tensor_parallel"] = {{"autotp_size", 2}};
+  e = error_of([&] { Config::parse(t, 4); });
+  EXPECT_NE(e.find("tensor parallelism"), std::string::npos) << e;
+  json o = c;
+  o["optimizer"] = {{"type", "OneBitAdam"}, {"params", {{"lr", 1e-3}}}};
+  e = error_of([&] { Config::parse(o, 4); });
+  EXPECT_NE(e.find("optimizer.type"), std::string::npos) << e;
+  // The serialized config keeps it (checkpoints and --check show it).
+  EXPECT_EQ(to_json(got).value("sequence_parallel_size", 0), 2);
+}
+
+}  // namespace
+}  // namespace zinc
+
+int main(int argc, char** argv) {
+  return zinc::comm::testing::main_over_backend(argc, argv, zinc::g_world);
+}
