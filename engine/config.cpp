@@ -679,11 +679,11 @@ void parse_sequence_parallel(Reader& r, Config& c) {
   c.sequence_parallel_size = size;
   if (c.world_size % c.model_parallel_size() != 0)
     throw ConfigError("sequence_parallel_size",
-                      std::to_string(size) + " sequence ranks" +
+                      "sequence parallelism over " + std::to_string(size) + " ranks" +
                           (c.model_parallel_size() != size
                                ? " times " + std::to_string(c.model_parallel_size() / size) + " model-parallel ranks"
                                : std::string()) +
-                          " do not divide the " +
+                          " does not divide the " +
                           (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
                           " of this run (run it on a multiple of " + std::to_string(c.model_parallel_size()) +
                           " ranks)");

@@ -64,6 +64,11 @@ PipelinePlan plan_pipeline(const Model& model, const Config& config);
 // ConfigError at tensor_parallel.autotp_size where the model cannot split
 // so.
 std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config);
+// Sequence ranks (Note [sequence parallelism] in
+// engine/sequence_parallel.cpp): per slice, its ranks and tokens of rows of
+// seq_len. ConfigError at sequence_parallel_size where the model cannot
+// split its rows or seq_len does not divide.
+std::vector<std::string> describe_sequence_ranks(const Model& model, const Config& config, int64_t seq_len);
 
 class Engine {
  public:

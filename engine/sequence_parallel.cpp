@@ -53,6 +53,28 @@
 
 namespace zinc {
 
+std::vector<std::string> describe_sequence_ranks(const Model& model, const Config& config, int64_t seq_len) {
+  const int S = static_cast<int>(config.sequence_parallel_size);
+  const std::string why = model.sequence_split_error(S);
+  if (!why.empty()) throw ConfigError("sequence_parallel_size", why);
+  if (seq_len % S != 0)
+    throw ConfigError("sequence_parallel_size", "the rows' " + std::to_string(seq_len) +
+                                                    " tokens are not a multiple of " + std::to_string(S) +
+                                                    " (each sequence rank takes an equal slice of every row)");
+  std::vector<std::string> out;
+  const int64_t t = seq_len / S;
+  for (int s = 0; s < S; ++s) {
+    std::string ranks;
+    int n = 0;
+    for (int r = s; r < config.world_size; r += S, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    out.push_back("slice " + std::to_string(s) + " (" + (n == 1 ? "rank " : "ranks ") + ranks + "): tokens " +
+                  std::to_string(s * t) + "-" + std::to_string((s + 1) * t - 1) + " of each row of " +
+                  std::to_string(seq_len) + "; in attention, whole rows of share " + std::to_string(s) + " of " +
+                  std::to_string(S) + " of the heads");
+  }
+  return out;
+}
+
 void Engine::Impl::setup_sequence(int replica) {
   sp_size = static_cast<int>(cfg.sequence_parallel_size);
   const std::string why = model->sequence_split_error(sp_size);

@@ -215,6 +215,8 @@ void check_startable(const Experiment& ex) {
   if (c.tensorboard.enabled)
     check_creatable("tensorboard.output_path", (fs::path(c.tensorboard.output_path) / c.tensorboard.job_name).string());
   if (ex.experiment.run.checkpoint_interval > 0) check_creatable("run.checkpoint_dir", ex.experiment.run.checkpoint_dir);
+  // Sequence ranks: the model splits its rows and the rows divide.
+  if (c.sequence_split()) describe_sequence_ranks(*ex.model, c, ex.data->seq_len());
 }
 
 CheckReport check_config(const std::string& path, const std::vector<std::string>& overrides, int world) {
@@ -232,6 +234,8 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     check_startable(ex);
     if (ex.config.pipelined()) rep.pipeline = plan_pipeline(*ex.model, ex.config).describe(world);
     if (ex.config.tensor_split()) rep.tensor_parts = describe_tensor_parts(*ex.model, ex.config);
+    if (ex.config.sequence_split())
+      rep.sequence_ranks = describe_sequence_ranks(*ex.model, ex.config, ex.data->seq_len());
     rep.resolved = resolved_document(ex.config, ex.experiment);
     rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
     rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
@@ -263,7 +267,8 @@ json CheckReport::to_json() const {
           {"world_size", world_size}, {"config", resolved},
           {"keys", entries_json(entries)}, {"unused", entries_json(unused)},
           {"warnings", warnings},    {"refusals", refusals}, {"pipeline", pipeline},
-          {"tensor_parts", tensor_parts}};
+          {"tensor_parts", tensor_parts},
+          {"sequence_ranks", sequence_ranks}};
 }
 
 }  // namespace zinc::tools

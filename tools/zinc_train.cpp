@@ -273,6 +273,7 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
     std::string grid;  // "2 pipeline stages x 2 tensor parts x 1 replica"
     if (cfg.pipelined()) grid += std::to_string(cfg.pipeline.stages) + " pipeline stages x ";
     if (cfg.tensor_split()) grid += std::to_string(cfg.tensor_parallel.size) + " tensor parts x ";
+    if (cfg.sequence_split()) grid += std::to_string(cfg.sequence_parallel_size) + " sequence ranks x ";
     grid += std::to_string(cfg.data_parallel_size()) + (cfg.data_parallel_size() == 1 ? " replica" : " replicas");
     std::printf("batch %lld = micro %lld x accumulation %lld x replicas %d | %s = %d ranks (%s) | ZeRO stage %d%s | "
                 "%lld steps",
@@ -358,6 +359,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
                    latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "
                    "continues from the folder instead)");
+  // Sequence ranks: rows that do not divide are refused before anything starts.
+  if (cfg.sequence_split()) zinc::describe_sequence_ranks(*ex.model, cfg, ex.data->seq_len());
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
   // Bytes the NVMe stores moved to set up (the initial states): not a step's.
   const int64_t init_read = engine.offload_bytes_read(), init_written = engine.offload_bytes_written();
@@ -403,6 +406,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double cpu0 = thread_cpu_seconds();
   const double pipe_wait0 = engine.pipeline_wait_seconds();
   const double tensor_wait0 = engine.tensor_wait_seconds();
+  const double seq_wait0 = engine.sequence_wait_seconds();
   const double pipe_bubble =
       cfg.pipelined() ? static_cast<double>(cfg.pipeline.stages - 1) /
                             static_cast<double>(cfg.pipeline.stages - 1 + cfg.gradient_accumulation_steps)
@@ -441,9 +445,13 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // Tensor parts: each rank's share of the time in the parts' all-reduces.
   std::vector<double> tensor_wait(static_cast<size_t>(world), 0.0);
   tensor_wait[static_cast<size_t>(rank)] = (engine.tensor_wait_seconds() - tensor_wait0) / elapsed;
+  // Sequence ranks: each rank's share of the time in the attention's all-to-alls.
+  std::vector<double> seq_wait(static_cast<size_t>(world), 0.0);
+  seq_wait[static_cast<size_t>(rank)] = (engine.sequence_wait_seconds() - seq_wait0) / elapsed;
   if (world > 1) {
     comm->all_reduce_f64(pipe_wait.data(), world);
     comm->all_reduce_f64(tensor_wait.data(), world);
+    comm->all_reduce_f64(seq_wait.data(), world);
     comm->all_reduce_f64(rss.data(), world);
     comm->all_reduce_max_f64(shares, 2);
   }
@@ -520,6 +528,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     }
     if (cfg.tensor_split())
       sum["tensor_parallel"] = {{"parts", cfg.tensor_parallel.size}, {"wait_share_per_rank", tensor_wait}};
+    if (cfg.sequence_split())
+      sum["sequence_parallel"] = {{"ranks", cfg.sequence_parallel_size}, {"wait_share_per_rank", seq_wait}};
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -556,6 +566,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     if (cfg.tensor_split()) {
       std::printf(" | tensor parts: in their all-reduces");
       for (double w : tensor_wait) std::printf(" %.1f%%", 100 * w);
+      std::printf(" of the time per rank");
+    }
+    if (cfg.sequence_split()) {
+      std::printf(" | sequence ranks: in the attention's all-to-alls");
+      for (double w : seq_wait) std::printf(" %.1f%%", 100 * w);
       std::printf(" of the time per rank");
     }
     if (cfg.device == zinc::Device::kCuda)
