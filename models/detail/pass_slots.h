@@ -39,6 +39,9 @@ struct PassState {
   const int32_t* tok = nullptr;            // ... where the kernels read them
   const int32_t* pos = nullptr;            // (nullptr: one document per row)
   Buf tokens_store, positions_store;       // device copies (GPU)
+  // Sequence ranks (GPT-2): the positions as indexes into wpe, for its lookup.
+  const int32_t* pos_tok = nullptr;
+  Buf pos_tok_store;
   uint64_t lora_seed = 0;                  // StepContext::dropout_seed of the forward
   int64_t B = 0, T = 0;
   bool fused = false;  // the GPT's bf16 operands fused (Ops::fuses_operand16)

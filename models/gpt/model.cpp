@@ -13,6 +13,7 @@
 #include "models/detail/lora.h"
 #include "models/detail/ops.h"
 #include "models/detail/pass_slots.h"
+#include "models/detail/sequence_split.h"
 #include "models/detail/tensor_part.h"
 #include "models/models.h"
 
@@ -217,18 +218,31 @@ class Gpt final : public Model {
                                                           int sets, int tensor_parts) const override {
     return activation_bytes(B, T, dt, stage_range(st), sets, tensor_parts);
   }
+  // One of `size` sequence ranks' (Note [sequence parallelism] in
+  // engine/sequence_parallel.cpp): a slice of each row, the attention's
+  // workspace over whole rows of its heads, the exchanges' buffers.
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1, 1, size);
+  }
+  std::string sequence_split_error(int size) const override {
+    if (c_.n_head % size != 0)
+      return "n_head " + std::to_string(c_.n_head) + " is not a multiple of it: each sequence rank attends with "
+             "whole heads";
+    return "";
+  }
 
  private:
   // A stage's (the whole model's: every layer, one set): its layers'
   // inputs and activations `sets` times, the head's buffers on the last.
   // One of `parts` tensor parts' (its heads and MLP share).
+  // And of one of `seq` sequence ranks (T: the whole rows').
   std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
-                                                   int parts) const {
+                                                   int parts, int seq = 1) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
-    const int64_t N = B * T, C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
+    const int64_t N = B * (T / seq), C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
     const int64_t A = C / parts, F = 4 * C / parts;  // a tensor part's widths
-    const kernels::AttentionShape as{B, T, A, c_.n_head / parts};
+    const kernels::AttentionShape as{B, T, A / seq, c_.n_head / parts / seq};
     ActivationMemory m;
     // Per layer: its input x_in. Per set of layer activations (one per layer,
     // or one shared with gradient_checkpointing): ln1 att x_mid ln2, qkv,
@@ -260,6 +274,9 @@ class Gpt final : public Model {
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
                (sr.head ? 2 * buffer_bytes(N * V) : 0) + matmul_input_bytes(N * C, dt) +
                N * static_cast<int64_t>(sizeof(int32_t));
+    // Sequence ranks: the exchanges' send and receive buffers, and the
+    // position embeddings' rows (wpe_rows_).
+    if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A) + buffer_bytes(N * C);
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -286,8 +303,11 @@ class Gpt final : public Model {
     pass_ctx_ = &ctx;
     pass_.lora_seed = ctx.dropout_seed();  // Note [LoRA dropout]: this forward's, for its backward too
     const int64_t B = batch.B, T = batch.T, C = c_.n_embd, V = c_.vocab_size;
-    if (T > c_.block_size)
-      throw Error("gpt: sequence length " + std::to_string(T) + " exceeds block_size " +
+    // Sequence ranks: this is a slice of rows of sp.T tokens (whole_T_).
+    const SequenceSplit& sp = ctx.sequence_split();
+    whole_T_ = sp.split() ? sp.T : T;
+    if (whole_T_ > c_.block_size)
+      throw Error("gpt: sequence length " + std::to_string(whole_T_) + " exceeds block_size " +
                   std::to_string(c_.block_size));
     const DType dt = ctx.compute_dtype();
     const StageRange sr = stage_range(ctx.pipeline_stage());
@@ -298,10 +318,23 @@ class Gpt final : public Model {
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
     pass_.positions = batch.positions;  // backward reads them too
     pass_.pos = ops_->positions(pass_.positions, pass_.positions_store);
+    whole_positions_ = sp.split() && sp.positions ? *sp.positions : std::vector<int32_t>{};
+    whole_pos_ = sp.split() ? ops_->positions(whole_positions_, whole_pos_store_) : nullptr;
 
     if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
-      ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], emb[kWpe], B, T, C, V, pass_.pos);
+      if (sequence_split()) {
+        // A slice's positions run past its own T: wpe is looked up as an
+        // embedding of the positions (block_size rows) and added.
+        pass_.pos_tok = ops_->tokens(pass_.positions, c_.block_size, "embedding_forward", pass_.pos_tok_store);
+        ensure_wpe_rows(B * T);
+        ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], CView{}, B, T, C, V, nullptr);
+        ops_->embedding_forward(wpe_rows_.as<float>(), pass_.pos_tok, emb[kWpe], CView{}, B, T, C, c_.block_size,
+                                nullptr);
+        ops_->add(pass_.x_in[0].as<float>(), pass_.x_in[0].as<float>(), wpe_rows_.as<float>(), B * T * C);
+      } else {
+        ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], emb[kWpe], B, T, C, V, pass_.pos);
+      }
       emb.release();
     } else {  // a later pipeline stage: the previous stage's hidden state
       ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
@@ -404,7 +437,13 @@ class Gpt final : public Model {
       adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
                               p[kAttnProjW], N, A, C, dt, dy_in, adapted);
-      ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+      if (sequence_split()) {
+        seq_.to_heads(*ops_, ctx, dsmall, dsmall, B, 1, A / seq_size());
+        ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), attention_shape(), dt);
+        seq_.to_tokens(*ops_, ctx, dbig, dbig, B, 3, A / seq_size());
+      } else {
+        ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+      }
       dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * A, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
@@ -420,7 +459,14 @@ class Gpt final : public Model {
       }
     }
 
-    if (sr.embed && !lora()) ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, pass_.tok, B, T, C, V, pass_.pos);
+    if (sr.embed && !lora()) {
+      if (sequence_split()) {
+        ops_->embedding_backward(gemb[kWte], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
+        ops_->embedding_backward(gemb[kWpe], nullptr, dx, pass_.pos_tok, B, T, C, c_.block_size, nullptr);
+      } else {
+        ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, pass_.tok, B, T, C, V, pass_.pos);
+      }
+    }
     if (!sr.embed) ops_->copy_columns(st.input_grad, C, dx, C, N, C);  // the previous stage's
     emb.release();
     if (sr.embed || sr.head) base_grads_ready(ctx, 0);  // the embedding's, or the tied head's copy
@@ -456,7 +502,15 @@ class Gpt final : public Model {
     // projection adds itself (models/detail/lora.h).
     bool adapted = lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
     detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt, adapted);
-    ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+    if (sequence_split()) {
+      // Ulysses: whole rows of this rank's heads in, the output back to
+      // this rank's tokens (a.qkv keeps the whole rows for backward).
+      seq_.to_heads(*ops_, *pass_ctx_, a.qkv.as<float>(), a.qkv.as<float>(), B, 3, A / seq_size());
+      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(), dt);
+      seq_.to_tokens(*ops_, *pass_ctx_, a.att.as<float>(), a.att.as<float>(), B, 1, A / seq_size());
+    } else {
+      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+    }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     adapted = lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
@@ -595,8 +649,28 @@ class Gpt final : public Model {
   }
 
 
+  // Sequence ranks (Note [sequence parallelism] in engine/sequence_parallel.cpp).
+  bool sequence_split() const { return pass_ctx_ && pass_ctx_->sequence_split().split(); }
+  int64_t seq_size() const { return pass_ctx_->sequence_split().size; }
+  // Whole rows of this rank's heads.
+  kernels::AttentionShape attention_shape() const {
+    return {pass_.B, whole_T_, A_ / seq_size(), Hh_ / seq_size(), whole_pos_};
+  }
+  void ensure_wpe_rows(int64_t N) {
+    if (wpe_rows_.bytes() < static_cast<size_t>(N * c_.n_embd) * sizeof(float))
+      wpe_rows_ = ops_->alloc_f32(static_cast<size_t>(N * c_.n_embd));
+  }
+
   GptConfig c_;
   detail::Ops* ops_;  // the device's kernels (models/detail/ops.h)
+  // Sequence ranks: the whole rows' length and positions of the forward
+  // under way, the position embeddings' rows, the exchanges' buffers.
+  int64_t whole_T_ = 0;
+  std::vector<int32_t> whole_positions_;
+  Buf whole_pos_store_;
+  const int32_t* whole_pos_ = nullptr;
+  Buf wpe_rows_;
+  detail::SequenceExchange seq_;
   std::vector<BlockSpec> specs_;
   // Tensor parts (use_tensor_part): this part's attention width, heads and
   // MLP width (the whole model's: C, n_head, 4C), the whole model's blocks

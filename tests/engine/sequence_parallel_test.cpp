@@ -54,6 +54,7 @@ struct Spec {
   bool olmo2 = false;   // norms after the branches, q and k norms over the whole projection
   bool moe = false;     // mixture-of-experts MLPs (no load-balancing loss)
   bool lora = false;    // LoRA adapters on q, v and down, the base frozen
+  bool gpt = false;     // GPT-2 (learned positions, LayerNorm, fused c_attn with biases, a tied head)
   bool checkpointing = false;
   bool tied = false;
   std::string offload = "none";
@@ -63,6 +64,16 @@ struct Spec {
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
+  if (s.gpt) {
+    models::GptConfig g;
+    g.vocab_size = 13;
+    g.block_size = 16;
+    g.n_layer = 3;
+    g.n_head = s.heads;
+    g.n_embd = 16;
+    g.gradient_checkpointing = s.checkpointing;
+    return models::make_gpt(g);
+  }
   models::LlamaConfig c;
   c.vocab_size = 13;
   c.hidden_size = 16;
@@ -313,6 +324,13 @@ TEST(SequenceParallel, FamiliesBf16AndGradientCheckpointing) {
   l.lora = true;
   l.zero = 3;
   expect_same_run(l, "LoRA at ZeRO-3");
+  Spec g2;
+  g2.gpt = true;
+  expect_same_run(g2, "GPT-2, packed documents (learned positions)");
+  g2.zero = 3;
+  g2.checkpointing = true;
+  g2.packed = false;
+  expect_same_run(g2, "GPT-2 at ZeRO-3 with gradient checkpointing");
   Spec b;
   b.bf16 = true;
   b.steps = 6;
@@ -358,16 +376,16 @@ TEST(SequenceParallel, RefusesWhatItCannotSplitWithOneLine) {
   EXPECT_TRUE(std::isfinite(eng.forward(make_batch(s, 0))));
   eng.backward();
   eng.step();
-  // GPT-2 does not split its rows (yet).
+  // GPT-2's heads must divide too.
   models::GptConfig g;
   g.vocab_size = 13;
   g.block_size = 16;
   g.n_layer = 2;
-  g.n_head = 4;
-  g.n_embd = 16;
+  g.n_head = w == 2 ? 3 : 2;
+  g.n_embd = 12;
   e = error_of([&] { Engine::initialize(models::make_gpt(g), config(s, 1, true), g_world); });
   EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
-  EXPECT_NE(e.find("does not split its sequences"), std::string::npos) << e;
+  EXPECT_NE(e.find("n_head " + std::to_string(g.n_head) + " is not a multiple"), std::string::npos) << e;
 }
 
 TEST(SequenceParallel, TheEstimateIsOneSlicesActivationsAndTheRanksModelState) {
