@@ -410,7 +410,7 @@ float Engine::Impl::forward(const Batch& whole) {
   check_loaded("forward");
   check_stepped("forward");
   device->make_current();
-  check_batch(whole);
+  if (!sequence_ranks()) check_batch(whole);  // sequence_slice checks it with the replica's other ranks
   auto t0 = Clock::now();
   Batch slice;  // a sequence rank's part of the rows
   if (sequence_ranks()) slice = sequence_slice(whole);
@@ -711,10 +711,10 @@ float Engine::train_batch(DataLoader& loader) {
 float Engine::evaluate(const Batch& batch) {
   if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");
-  const int64_t targets = impl_->check_batch(batch);
-  impl_->device->make_current();
-  Batch slice;  // a sequence rank's part of the rows
+  Batch slice;  // a sequence rank's part of the rows (sequence_slice checks the batch)
   if (impl_->sequence_ranks()) slice = impl_->sequence_slice(batch);
+  const int64_t targets = impl_->sequence_ranks() ? Impl::count_targets(batch) : impl_->check_batch(batch);
+  impl_->device->make_current();
   impl_->params->begin_pass(ParamCoordinator::Pass::kEval);
   impl_->pass_dropout_seed = 0;  // nothing dropped in an evaluation
   float loss = impl_->model->forward(*impl_, impl_->sequence_ranks() ? slice : batch);

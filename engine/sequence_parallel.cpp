@@ -92,10 +92,15 @@ void Engine::Impl::setup_sequence(int replica) {
 
 Batch Engine::Impl::sequence_slice(const Batch& whole) {
   const int64_t S = sp_size, B = whole.B, T = whole.T;
-  if (T % S != 0)
-    throw Error("batch: sequence length T=" + std::to_string(T) + " is not a multiple of sequence_parallel_size " +
-                std::to_string(S) + " (each sequence rank takes T / " + std::to_string(S) + " tokens of every row)");
-  // The ranks of a replica agree on the micro-batch before any exchange.
+  // The ranks of a replica agree on the micro-batch before any exchange,
+  // and a rank whose batch is malformed tells the others (who would wait
+  // for it in the first exchange otherwise): every rank stops together.
+  std::string bad;
+  try {
+    check_batch(whole);
+  } catch (const std::exception& e) {
+    bad = e.what();
+  }
   std::string bytes;
   auto add = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
   add(&whole.B, sizeof whole.B);
@@ -105,14 +110,22 @@ Batch Engine::Impl::sequence_slice(const Batch& whole) {
   add(whole.positions.data(), whole.positions.size() * sizeof(int32_t));
   const uint64_t h = std::strtoull(ckpt::xxh3_hex(bytes.data(), bytes.size()).c_str(), nullptr, 16);
   const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
-  double v[4] = {hi, lo, -hi, -lo};
-  sp_comm->all_reduce_max_f64(v, 4);
+  double v[5] = {hi, lo, -hi, -lo, bad.empty() ? 0.0 : 1.0};
+  sp_comm->all_reduce_max_f64(v, 5);
+  const std::string ranks = "the sequence ranks of replica " + std::to_string(rank / sp_size) + " (ranks " +
+                            std::to_string(world_rank - sp_rank) + "-" +
+                            std::to_string(world_rank - sp_rank + sp_size - 1) + ")";
+  if (!bad.empty()) throw Error(bad);
+  if (v[4] > 0)
+    throw Error("batch: another of " + ranks + " was given a malformed micro-batch (its error names what); nothing "
+                "was computed");
   if (v[0] != -v[2] || v[1] != -v[3])
-    throw Error("batch: the sequence ranks of replica " + std::to_string(rank / sp_size) + " (ranks " +
-                std::to_string(world_rank - sp_rank) + "-" + std::to_string(world_rank - sp_rank + sp_size - 1) +
-                ") were given different micro-batches; each takes a slice of the same rows, so give every rank "
-                "of a replica the same batch (a DataLoader over Engine::data_parallel_size() and "
+    throw Error("batch: " + ranks + " were given different micro-batches; each takes a slice of the same rows, so "
+                "give every rank of a replica the same batch (a DataLoader over Engine::data_parallel_size() and "
                 "data_parallel_rank() does)");
+  if (T % S != 0)
+    throw Error("batch: sequence length T=" + std::to_string(T) + " is not a multiple of sequence_parallel_size " +
+                std::to_string(S) + " (each sequence rank takes T / " + std::to_string(S) + " tokens of every row)");
   const int64_t t = T / S, first = sp_rank * t;
   Batch part;
   part.B = B;

@@ -372,6 +372,19 @@ TEST(SequenceParallel, RefusesWhatItCannotSplitWithOneLine) {
   // Ranks of one replica given different rows: every rank stops, naming them.
   e = error_of([&] { eng.forward(make_batch(s, g_world->rank())); });
   EXPECT_NE(e.find("different micro-batches"), std::string::npos) << e;
+  // Different row lengths (one rank's would slice, another's not): the
+  // same, with no rank left waiting in an exchange.
+  Spec mine = s;
+  mine.T = g_world->rank() == 0 ? 9 : 8;
+  e = error_of([&] { eng.forward(make_batch(mine, 0)); });
+  EXPECT_NE(e.find("different micro-batches"), std::string::npos) << e;
+  // One rank's batch malformed: it names what, the others that it was.
+  Batch broken = make_batch(s, 0);
+  if (g_world->rank() == 1) broken.targets.pop_back();
+  e = error_of([&] { eng.evaluate(broken); });
+  EXPECT_NE(e.find(g_world->rank() == 1 ? "expected B*T inputs and targets" : "malformed micro-batch"),
+            std::string::npos)
+      << e;
   // The engine goes on after both refusals.
   EXPECT_TRUE(std::isfinite(eng.forward(make_batch(s, 0))));
   eng.backward();
