@@ -3,9 +3,14 @@
 // over every rank, and the message a call throws.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/comm.h"
 #include "data/data.h"
@@ -32,6 +37,48 @@ inline double trained_state_peak(Engine& e, comm::Communicator& world, int64_t m
   world.all_reduce_max_f64(&peak, 1);
   return peak;
 }
+// Every block's whole weights (Engine::full_params), one after the other.
+inline std::vector<float> whole_weights(Engine& e) {
+  std::vector<float> out;
+  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
+    std::vector<float> p = e.full_params(static_cast<int>(b));
+    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
+    EXPECT_GE(p.size(), static_cast<size_t>(l.numel));
+    out.insert(out.end(), p.begin(), p.begin() + std::min<int64_t>(l.numel, static_cast<int64_t>(p.size())));
+  }
+  return out;
+}
+inline double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return worst;
+}
+
+// What a grid test compares of a run and of its reference without the split.
+struct GridRun {
+  std::vector<float> weights;
+  std::vector<double> losses;
+  double norm = 0;
+  double eval = 0;
+};
+// The split run `got` trains the reference's run to rounding: the losses,
+// the last norm and the evaluation within `tol` relative, the weights
+// within `wtol`; and the weights moved from `start` (the run's weights
+// before training) far more than that.
+inline void expect_close_runs(const GridRun& got, const GridRun& ref, const std::vector<float>& start, double tol,
+                              double wtol, const std::string& what) {
+  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
+  ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol * std::max(1.0, std::fabs(ref.losses[i]))) << what << " loss " << i;
+  EXPECT_NEAR(got.norm, ref.norm, tol * ref.norm) << what;
+  EXPECT_NEAR(got.eval, ref.eval, tol * ref.eval) << what;
+  const double worst = worst_difference(got.weights, ref.weights);
+  EXPECT_LT(worst, wtol) << what << ": the largest weight difference";
+  EXPECT_GT(worst_difference(ref.weights, start), 100 * worst) << what << ": the weights moved";
+}
+
 // What fn throws ("" when it returns).
 inline std::string error_of(const std::function<void()>& fn) {
   try {

@@ -183,11 +183,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool pipel
   r.norm = e.global_grad_norm();
   r.recomputed = e.pipeline_recomputed_forwards();
   r.eval = e.evaluate(loader.next());
-  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
-    r.weights.insert(r.weights.end(), p.begin(), p.begin() + l.numel);
-  }
+  r.weights = testing::whole_weights(e);
   return r;
 }
 

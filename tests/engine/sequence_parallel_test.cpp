@@ -206,12 +206,8 @@ Batch make_batch(const Spec& s, int64_t index) {
   return b;
 }
 
-struct Result {
-  std::vector<float> weights;
-  std::vector<double> losses;  // each micro-batch's, as forward() returned it
-  double norm = 0;
-  double eval = 0;
-};
+using Result = testing::GridRun;  // its losses: each micro-batch's, as forward() returned it
+using testing::worst_difference;
 
 // Trains s.steps global batches as replica `replica` of `replicas`; every
 // rank ends with every block's whole weights.
@@ -232,24 +228,13 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
     }
   r.norm = e.global_grad_norm();
   r.eval = e.evaluate(make_batch(s, 1000 + replica));
-  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
-    EXPECT_GE(p.size(), static_cast<size_t>(l.numel));
-    r.weights.insert(r.weights.end(), p.begin(), p.begin() + l.numel);
-  }
+  r.weights = testing::whole_weights(e);
   return r;
 }
 
 // The reference's ranks: one per replica, those of this rank's slice index.
 std::shared_ptr<comm::Communicator> replicas_of(const Spec& s) {
   return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() % s.sp, g_world->rank() / s.sp));
-}
-
-double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
-  return worst;
 }
 
 // Tolerances as the tensor parts' (tests/engine/tensor_parallel_test.cpp):
@@ -260,18 +245,10 @@ void expect_same_run(const Spec& s, const std::string& what) {
   if (g_world->size() % s.sp != 0) return;  // 4 sequence ranks at 2 ranks
   const Result ref = train(s, replicas_of(s), false);
   const Result got = train(s, g_world, true);
-  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
-  const double tol = s.bf16 ? 2e-2 : 1e-4;
-  for (size_t i = 0; i < ref.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol * std::max(1.0, std::fabs(ref.losses[i]))) << what << " micro " << i;
-  EXPECT_NEAR(got.norm, ref.norm, tol * ref.norm) << what;
-  EXPECT_NEAR(got.eval, ref.eval, tol * ref.eval) << what;
-  const double worst = worst_difference(got.weights, ref.weights);
-  EXPECT_LT(worst, s.bf16 ? 5e-2 : 5e-4) << what << ": the largest weight difference";
-  // The weights moved (the run trained), far more than the slices' rounding.
   Spec start = s;
   start.steps = 0;
-  EXPECT_GT(worst_difference(ref.weights, train(start, g_world, true).weights), 100 * worst) << what;
+  testing::expect_close_runs(got, ref, train(start, g_world, true).weights, s.bf16 ? 2e-2 : 1e-4,
+                             s.bf16 ? 5e-2 : 5e-4, what);
 }
 
 TEST(SequenceParallel, SlicesTrainTheRunWithoutThem) {

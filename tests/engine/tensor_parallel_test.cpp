@@ -117,12 +117,8 @@ json config(const Spec& s, int replicas, bool split) {
   return c;
 }
 
-struct Result {
-  std::vector<float> weights;
-  std::vector<double> losses;
-  double norm = 0;
-  double eval = 0;
-};
+using Result = testing::GridRun;
+using testing::worst_difference;
 
 // Checkpoints in a run: `load` before the first step (the loader moved on
 // to where the saved run was), `save` after the last.
@@ -146,12 +142,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
   if (!ck.save.empty()) e.save_checkpoint(ck.save, "", json::object());
   r.norm = e.global_grad_norm();
   r.eval = e.evaluate(loader.next());
-  for (size_t b = 0; b < e.model().blocks().size(); ++b) {
-    std::vector<float> p = e.full_params(static_cast<int>(b));
-    const BlockLayout l = BlockLayout::from_spec(e.model().blocks()[b]);
-    EXPECT_GE(p.size(), static_cast<size_t>(l.numel));
-    r.weights.insert(r.weights.end(), p.begin(), p.begin() + l.numel);
-  }
+  r.weights = testing::whole_weights(e);
   return r;
 }
 
@@ -159,12 +150,6 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
 std::shared_ptr<comm::Communicator> replicas_of(const Spec& s) {
   const int mp = s.tp * s.stages;
   return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() % mp, g_world->rank() / mp));
-}
-
-double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
-  return worst;
 }
 
 // Tolerances: fp32 sums in another order, over 20 AdamW steps at lr 1e-2.
@@ -178,18 +163,10 @@ void expect_same_run(const Spec& s, const std::string& what) {
   if (g_world->size() % (s.tp * s.stages) != 0) return;  // 4 parts at 2 ranks
   const Result ref = train(s, replicas_of(s), false);
   const Result got = train(s, g_world, true);
-  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
-  const double tol = s.bf16 ? 2e-2 : 1e-4;
-  for (size_t i = 0; i < ref.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol * std::max(1.0, std::fabs(ref.losses[i]))) << what << " step " << i;
-  EXPECT_NEAR(got.norm, ref.norm, tol * ref.norm) << what;
-  EXPECT_NEAR(got.eval, ref.eval, tol * ref.eval) << what;
-  const double worst = worst_difference(got.weights, ref.weights);
-  EXPECT_LT(worst, s.bf16 ? 5e-2 : 5e-4) << what << ": the largest weight difference";
-  // The weights moved (the run trained), far more than the parts' rounding.
   Spec start = s;
   start.steps = 0;
-  EXPECT_GT(worst_difference(ref.weights, train(start, g_world, true).weights), 100 * worst) << what;
+  testing::expect_close_runs(got, ref, train(start, g_world, true).weights, s.bf16 ? 2e-2 : 1e-4,
+                             s.bf16 ? 5e-2 : 5e-4, what);
 }
 
 TEST(TensorParallel, PartsTrainTheRunWithoutParts) {

@@ -173,21 +173,28 @@ fi
 # transposed Conv1D, Phi-3's fused qkv_proj, GPT-NeoX's interleaved
 # query_key_value, Qwen3's per-head norms): each part cuts its share from
 # the whole tensors; the first steps' losses and norms are the 1-rank run's.
+# Sequence ranks of them (after the sequence-rank case below) the same.
 FT=(--set zero_optimization.stage=2 --set zero_optimization.offload_param.device=none --set run.eval_interval=0
     --set steps_per_print=1 --set bf16.enabled=false --steps 2)
-for fam in gpt2 phi3 gpt_neox qwen3; do
-  steps_of() { grep -E '^step' "$1" | sed 's/ | [0-9]* tok\/s.*//'; }
-  "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
-    --set tensor_parallel.autotp_size=2 >"$TMP/ft2" 2>"$TMP/err"
-  OMP_NUM_THREADS=1 "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
-    >"$TMP/ft1" 2>>"$TMP/err"
-  if [ -n "$(steps_of "$TMP/ft2")" ] && [ "$(steps_of "$TMP/ft2")" = "$(steps_of "$TMP/ft1")" ] &&
-     grep -q "2 tensor parts x 1 replica" "$TMP/ft2"; then
-    pass=$((pass + 1))
-  else
-    fail=$((fail + 1)); echo "FAIL tensor parts of $fam"; cat "$TMP/ft2" "$TMP/ft1" "$TMP/err"
-  fi
-done
+# (each case: the key that splits, then the families)
+steps_of() { grep -E '^step' "$1" | sed 's/ | [0-9]* tok\/s.*//'; }
+split_fixtures() {  # KEY GRID-TEXT FAMILY...: each family at 2 ranks split by KEY=2 equals 1 rank
+  local key="$1" grid="$2" fam
+  shift 2
+  for fam in "$@"; do
+    "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+      --set "$key=2" >"$TMP/ft2" 2>"$TMP/err"
+    OMP_NUM_THREADS=1 "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+      >"$TMP/ft1" 2>>"$TMP/err"
+    if [ -n "$(steps_of "$TMP/ft2")" ] && [ "$(steps_of "$TMP/ft2")" = "$(steps_of "$TMP/ft1")" ] &&
+       grep -q "$grid" "$TMP/ft2"; then
+      pass=$((pass + 1))
+    else
+      fail=$((fail + 1)); echo "FAIL $key=2 on $fam"; cat "$TMP/ft2" "$TMP/ft1" "$TMP/err"
+    fi
+  done
+}
+split_fixtures tensor_parallel.autotp_size "2 tensor parts x 1 replica" gpt2 phi3 gpt_neox qwen3
 
 # Sequence ranks (configs/sequence_parallel.json: rows of 1024 tokens split
 # over 2 ranks, ZeRO-3 over both): the run's loss follows the run without
@@ -195,7 +202,8 @@ done
 # same loss printed to 2 decimals); --check prints which rank holds which
 # tokens; the checkpoint resumes at 1 rank, whose export is the split
 # run's byte for byte. Pretrained folders (Qwen3's per-head norms, Phi-3's
-# fused projections and longrope tables) train the 1-rank run's first steps.
+# fused projections and longrope tables, GPT-2's learned positions) train
+# the 1-rank run's first steps.
 SCFG="$ROOT/configs/sequence_parallel.json"
 SK=(--set run.eval_interval=0 --set steps_per_print=3 --set data.seq_len=256)
 "${MPIRUN[@]}" "$ZT" "$SCFG" --steps 6 "${SK[@]}" --set "run.checkpoint_dir=$TMP/sck" --set run.checkpoint_interval=6 \
@@ -213,19 +221,7 @@ else
   fail=$((fail + 1)); echo "FAIL sequence ranks"; cat "$TMP/sp" "$TMP/sone" "$TMP/sresumed" "$TMP/scheck" "$TMP/err"
   ls -l "$TMP/shf1" "$TMP/shf2"
 fi
-for fam in qwen3 phi3; do
-  steps_of() { grep -E '^step' "$1" | sed 's/ | [0-9]* tok\/s.*//'; }
-  "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
-    --set sequence_parallel_size=2 >"$TMP/fs2" 2>"$TMP/err"
-  OMP_NUM_THREADS=1 "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
-    >"$TMP/fs1" 2>>"$TMP/err"
-  if [ -n "$(steps_of "$TMP/fs2")" ] && [ "$(steps_of "$TMP/fs2")" = "$(steps_of "$TMP/fs1")" ] &&
-     grep -q "2 sequence ranks x 1 replica" "$TMP/fs2"; then
-    pass=$((pass + 1))
-  else
-    fail=$((fail + 1)); echo "FAIL sequence ranks of $fam"; cat "$TMP/fs2" "$TMP/fs1" "$TMP/err"
-  fi
-done
+split_fixtures sequence_parallel_size "2 sequence ranks x 1 replica" qwen3 phi3 gpt2
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
