@@ -165,6 +165,8 @@ struct Engine::Impl final : StepContext {
   // replicas); comm, world and rank become the replicas'.
   void setup_grid();
   void tensor_all_reduce(float* data, int64_t n) override;
+  void tensor_all_reduce_f64(double* data, int64_t n) override;
+  void tensor_all_reduce_max_f64(double* data, int64_t n) override;
   // How parameter p of block b of part `part` is cut (whole without parts).
   const TensorSplit& split_of(size_t b, size_t p, int part) const;
   // The gradients of whole parameters that each part applies to its own

@@ -237,6 +237,9 @@ class StepContext {
   // hold the other parts of this model (a no-op on one part). Every part
   // calls it at the same points, in the same order.
   virtual void tensor_all_reduce(float* data, int64_t n) {}
+  // The same for fp64 sums and maxima (the vocabulary parts' cross-entropy).
+  virtual void tensor_all_reduce_f64(double* data, int64_t n) {}
+  virtual void tensor_all_reduce_max_f64(double* data, int64_t n) {}
   // Sequence parallelism: the split of the pass under way (size 1: none).
   virtual const SequenceSplit& sequence_split() const {
     static const SequenceSplit none;

@@ -22,8 +22,9 @@
 //     and applies the same update, so they stay equal without a
 //     reduction. Not so a whole parameter that each part applies to its
 //     own heads only (Qwen3's per-head q and k norms: TensorSplit::
-//     sum_grads): its gradient is summed over the parts at the step. (A vocabulary-parallel embedding and cross-entropy would
-//     also split those; not built yet.)
+//     sum_grads): its gradient is summed over the parts at the step.
+//     The Llama families' embedding and head split by vocabulary where
+//     it divides (Note [vocabulary parts]); GPT-2's stay whole.
 // The grid: rank = (stage * D + replica) * T + part, the parts of one
 // stage of one replica adjacent (inside a node, where links are fast), as
 // Megatron and DeepSpeed number them. ZeRO partitions each part's blocks
@@ -40,6 +41,29 @@
 // rounding, not bit for bit.
 // Exports (full_params) gather the parts and put the whole parameter back
 // together: one Hugging Face folder from any grid.
+// Note [vocabulary parts]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// With T tensor parts and a vocabulary V that T divides, part t of a
+// Llama-family model holds rows [t V/T, (t+1) V/T) of the embedding and of
+// the head (one matrix when tied), as Megatron's vocabulary-parallel
+// embedding and cross-entropy do:
+//   - embedding: each part writes its rows for the tokens in its range and
+//     zeros for the rest (kernels::embedding_part_forward); one all-reduce
+//     of (B T, C) sums them into every part's hidden state. Backward adds
+//     the (whole) gradient rows into the part's rows alone: no exchange.
+//   - head: each part computes its V/T columns of the logits; the
+//     cross-entropy takes three steps with two small all-reduces between
+//     them (kernels::cross_entropy_part_*): the rows' maxima (a max over
+//     the parts), then each part's sum of exp(x - max) and the target's
+//     logit where the target is its own (summed over the parts, in fp64),
+//     then the loss, the same on every part, and the part's columns of
+//     dlogits. The head's input gradient is a partial sum: one all-reduce
+//     of (B T, C) in backward.
+// So no rank ever holds (B T, V) logits or the whole (V, C) matrices:
+// the head's activations and weights shrink with T, which is where a
+// 128k vocabulary spends most of a small model's memory. The sums are the
+// one-part run's in another order (float rounding, not bits). A
+// vocabulary T does not divide (GPT-2's 50257) stays whole on every part.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -157,6 +181,20 @@ void Engine::Impl::tensor_all_reduce(float* data, int64_t n) {
   if (!tp_comm) return;
   const auto t0 = std::chrono::steady_clock::now();
   tp_comm->all_reduce(data, data, n, DType::kF32);
+  tp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Engine::Impl::tensor_all_reduce_f64(double* data, int64_t n) {
+  if (!tp_comm) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  tp_comm->all_reduce_f64(data, n);
+  tp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Engine::Impl::tensor_all_reduce_max_f64(double* data, int64_t n) {
+  if (!tp_comm) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  tp_comm->all_reduce_max_f64(data, n);
   tp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -50,6 +50,25 @@ class CpuOps : public Ops {
                          int64_t V, const int32_t* positions) override {
     kernels::embedding_forward(out, tokens, wte, wpe, B, T, C, V, positions);
   }
+  void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo,
+                              int64_t n) override {
+    kernels::embedding_part_forward(out, tokens, wte, N, C, lo, n);
+  }
+  void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                               int64_t n) override {
+    kernels::embedding_part_backward(dwte, dout, tokens, N, C, lo, n);
+  }
+  void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes) override {
+    kernels::cross_entropy_part_max(logits, N, Vp, row_maxes);
+  }
+  void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                               const double* row_maxes, double* sums, float* dlogits) override {
+    kernels::cross_entropy_part_sums(logits, targets, N, Vp, lo, row_maxes, sums, dlogits);
+  }
+  double cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* row_maxes,
+                                   const double* sums, float* dlogits, float dloss_scale) override {
+    return kernels::cross_entropy_part_finish(targets, N, Vp, lo, row_maxes, sums, dlogits, dloss_scale);
+  }
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                           int64_t C, int64_t V, const int32_t* positions) override {
     kernels::embedding_backward(dwte, dwpe, dout, tokens, B, T, C, V, positions);

@@ -333,6 +333,30 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
                         int64_t T, int64_t C, int64_t V, const int32_t* positions = nullptr);
 
+// ---- vocabulary parts (tensor parallelism: Note [vocabulary parts] in
+// engine/tensor_parallel.cpp) -----------------------------------------------
+// A part holds rows [lo, lo + n) of the embedding (and head): out(N,C) gets
+// the part's row of each token in that range and 0 for the others (the
+// parts' outputs summed are embedding_forward's); backward adds dout rows
+// into the part's rows, in row order.
+void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo,
+                            int64_t n);
+void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                             int64_t n);
+// cross_entropy over logits whose V columns are split over the parts (this
+// part: columns [lo, lo + Vp)), in three steps with a sum over the parts
+// between them: the part's row maxima (then their max over the parts);
+// with those, per row the sum of exp(x - max) over the part's columns and
+// the target's logit where the target is the part's (sums(N,2); then
+// summed over the parts), dlogits holding the exponentials; with those,
+// the loss (the same on every part: cross_entropy's) and dlogits as
+// cross_entropy writes them for the part's columns.
+void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes);
+void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                             const double* row_maxes, double* sums, float* dlogits);
+double cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* row_maxes,
+                                 const double* sums, float* dlogits, float dloss_scale);
+
 // ---- vector ops -------------------------------------------------------------------
 void add(float* out, const float* a, const float* b, int64_t n);  // out = a + b (out may alias)
 void accumulate(float* y, const float* x, int64_t n);            // y += x

@@ -414,4 +414,95 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
   });
 }
 
+// ---- vocabulary parts (tensor parallelism) ---------------------------------------------
+
+void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo,
+                            int64_t n) {
+  ProfileScope profile_scope(Op::kEmbedding);
+  if (N <= 0 || C <= 0) return;
+  dispatch(wte.dtype, [&](auto te) {
+    using TE = decltype(te);
+    const TE* E = static_cast<const TE*>(wte.data);
+    parallel_for(static_cast<size_t>(N), row_grain(C), [&](size_t r0, size_t r1) {
+      for (size_t r = r0; r < r1; ++r) {
+        const int64_t t = static_cast<int64_t>(tokens[r]) - lo;
+        float* __restrict o = out + r * C;
+        if (t < 0 || t >= n) {
+          std::memset(o, 0, static_cast<size_t>(C) * sizeof(float));
+          continue;
+        }
+        const TE* __restrict e = E + t * C;
+        for (int64_t c = 0; c < C; ++c) o[c] = load(e[c]);
+      }
+    });
+  });
+}
+
+void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                             int64_t n) {
+  ProfileScope profile_scope(Op::kEmbedding);
+  if (N <= 0 || C <= 0) return;
+  parallel_for(static_cast<size_t>(C), 16, [&](size_t c0, size_t c1) {
+    const int64_t w = static_cast<int64_t>(c1 - c0);
+    for (int64_t r = 0; r < N; ++r) {
+      const int64_t t = static_cast<int64_t>(tokens[r]) - lo;
+      if (t >= 0 && t < n) add_row(dwte + t * C + c0, dout + r * C + c0, w);
+    }
+  });
+}
+
+void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes) {
+  ProfileScope profile_scope(Op::kCrossEntropy);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(Vp), [&](size_t r0, size_t r1) {
+    for (size_t i = r0; i < r1; ++i) row_maxes[i] = static_cast<double>(row_max(logits + i * Vp, Vp));
+  });
+}
+
+void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                             const double* row_maxes, double* sums, float* dlogits) {
+  ProfileScope profile_scope(Op::kCrossEntropy);
+  parallel_for(static_cast<size_t>(std::max<int64_t>(N, 0)), row_grain(Vp), [&](size_t r0, size_t r1) {
+    for (size_t i = r0; i < r1; ++i) {
+      const float* x = logits + i * Vp;
+      const int32_t tgt = targets[i];
+      sums[2 * i] = sums[2 * i + 1] = 0.0;
+      if (tgt == kIgnoreTarget) {
+        if (dlogits) std::memset(dlogits + i * Vp, 0, static_cast<size_t>(Vp) * sizeof(float));
+        continue;
+      }
+      const int64_t t = static_cast<int64_t>(tgt) - lo;
+      if (t >= 0 && t < Vp) sums[2 * i + 1] = static_cast<double>(x[t]);  // before dlogits (may alias) is written
+      float* e = dlogits ? dlogits + i * Vp : exp_scratch(Vp);
+      row_exp(e, x, static_cast<float>(row_maxes[i]), Vp);
+      sums[2 * i] = row_sum(e, Vp);
+    }
+  });
+}
+
+double cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* row_maxes,
+                                 const double* sums, float* dlogits, float dloss_scale) {
+  ProfileScope profile_scope(Op::kCrossEntropy);
+  if (N <= 0) return 0.0;
+  const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
+  double total = 0;
+  int64_t counted = 0;
+  for (int64_t i = 0; i < N; ++i) {  // in row order: thread-count independent
+    if (targets[i] == kIgnoreTarget) continue;
+    ++counted;
+    total += std::log(sums[2 * i]) + static_cast<double>(static_cast<float>(row_maxes[i])) - sums[2 * i + 1];
+  }
+  if (dlogits) {
+    parallel_for(static_cast<size_t>(N), row_grain(Vp), [&](size_t r0, size_t r1) {
+      for (size_t i = r0; i < r1; ++i) {
+        if (targets[i] == kIgnoreTarget) continue;
+        float* e = dlogits + i * Vp;
+        row_scale(e, math::cross_entropy_factor(grad_scale, sums[2 * i]), Vp);
+        const int64_t t = static_cast<int64_t>(targets[i]) - lo;
+        if (t >= 0 && t < Vp) e[t] -= static_cast<float>(grad_scale);
+      }
+    });
+  }
+  return counted > 0 ? total / static_cast<double>(counted) : 0.0;
+}
+
 }  // namespace zinc::kernels

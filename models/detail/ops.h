@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/alloc.h"
+#include "core/error.h"
 #include "engine/model.h"
 #include "kernels/kernels.h"
 
@@ -94,6 +95,29 @@ class Ops {
   // Mean loss over the rows with a target (kernels::cross_entropy); `targets` from targets().
   virtual double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                float dloss_scale) = 0;
+  // Vocabulary parts (kernels.h; tensor parallelism, which runs on the CPU
+  // only: a backend without them throws). The row maxima and sums are
+  // host memory.
+  virtual void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo,
+                                      int64_t n) {
+    throw Error("embedding_part_forward: vocabulary parts run on the CPU only");
+  }
+  virtual void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C,
+                                       int64_t lo, int64_t n) {
+    throw Error("embedding_part_backward: vocabulary parts run on the CPU only");
+  }
+  virtual void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes) {
+    throw Error("cross_entropy_part_max: vocabulary parts run on the CPU only");
+  }
+  virtual void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                                       const double* row_maxes, double* sums, float* dlogits) {
+    throw Error("cross_entropy_part_sums: vocabulary parts run on the CPU only");
+  }
+  virtual double cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                                           const double* row_maxes, const double* sums, float* dlogits,
+                                           float dloss_scale) {
+    throw Error("cross_entropy_part_finish: vocabulary parts run on the CPU only");
+  }
 
   // The Llama family's layers (kernels.h). A backend without them throws
   // zinc::Error naming the kernel (the CUDA twins are not written yet).

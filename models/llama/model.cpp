@@ -105,6 +105,7 @@ class Llama final : public Model {
     D_ = c.head_size();
     GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
     I_ = c.intermediate_size;
+    Vh_ = c.vocab_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen, but for modules_to_save
@@ -189,7 +190,7 @@ class Llama final : public Model {
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return whole_.empty() ? specs_ : whole_; }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
+    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head || vocab_split()) return {};
     return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
   }
 
@@ -282,7 +283,7 @@ class Llama final : public Model {
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
     m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
-               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * V) : 0) +
+               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * vocab_share(parts)) : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
     if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A);                     // seq_: send and recv
@@ -323,8 +324,8 @@ class Llama final : public Model {
                          c_.lora.dropout > 0);
     }
     if (sr.head) {
-      detail::tally_linear_forward(t, x, N, C, V, false, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+      detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt));
     }
     m.workspace = t.bytes() + dy_copy;
     return m;
@@ -366,7 +367,12 @@ class Llama final : public Model {
 
     if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
-      ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[0], CView{}, B, T, C, V, nullptr);
+      if (vocab_split()) {  // the part's rows, zero elsewhere, summed over the parts
+        ops_->embedding_part_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[0], N, C, vlo_, Vh_);
+        tensor_sum(pass_.x_in[0].as<float>(), N * C);
+      } else {
+        ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[0], CView{}, B, T, C, V, nullptr);
+      }
       if (embed_factor() != 1.0f) ops_->scale(pass_.x_in[0].as<float>(), embed_factor(), N * C);
     } else {  // a later pipeline stage: the previous stage's hidden state
       ops_->copy_columns(hidden(sr.lo), C, ctx.pipeline_stage().input, C, N, C);
@@ -399,18 +405,21 @@ class Llama final : public Model {
     if (c_.tie_word_embeddings) {
       nf.release();
       HeldParams emb = ctx.acquire(0);
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, V, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, Vh_, dt);
     } else if (head_block_ != fin) {
       nf.release();
       HeldParams head = ctx.acquire(head_block_);
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[head_], CView{}, N, C, V, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[head_], CView{}, N, C, Vh_, dt);
     } else {
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, V, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, Vh_, dt);
     }
-    if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * V);
+    if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * Vh_);
     if (c_.final_logit_softcapping > 0)
-      ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * V);
-    double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+      ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * Vh_);
+    // Vocabulary parts: each holds Vh_ of the logits' columns (Note
+    // [vocabulary parts] in engine/tensor_parallel.cpp).
+    double loss = vocab_split() ? vocab_cross_entropy(targets, N)
+                                : ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     if (c_.router_aux_loss_coef > 0 && aux_layers_ > 0) loss += c_.router_aux_loss_coef * aux_loss(N);
     return static_cast<float>(loss);
   }
@@ -531,7 +540,10 @@ class Llama final : public Model {
     }
     if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
       if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
-      ops_->embedding_backward(gemb[0], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
+      if (vocab_split())
+        ops_->embedding_part_backward(gemb[0], dx, pass_.tok, N, C, vlo_, Vh_);
+      else
+        ops_->embedding_backward(gemb[0], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
     }
     emb.release();
     base_grads_ready(ctx, 0);
@@ -543,11 +555,11 @@ class Llama final : public Model {
   void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
     const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
-    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vh_);
     if (c_.final_logit_softcapping > 0)
       ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
-                             N * V);
-    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * V);
+                             N * Vh_);
+    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * Vh_);
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
@@ -556,18 +568,19 @@ class Llama final : public Model {
     if (c_.tie_word_embeddings) {
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, V, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, Vh_, dt);
     } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
       HeldParams head = ctx.acquire(head_block_);
       BlockGrads ghead = ctx.grads(head_block_);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, V, dt);
+                              lnf_in_, head[head_], N, C, Vh_, dt);
       head.release();
       ctx.grads_ready(head_block_);
     } else {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, V, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vh_, dt);
     }
+    if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
     float* dx = dres_.as<float>();
     ops_->zero(dx, N * C);
     if (c_.layer_norm)
@@ -617,9 +630,23 @@ class Llama final : public Model {
     const TensorSplit gu = c_.mlp_gated ? TensorSplit{TensorSplit::kRows, {{rank * i, i}, {I + rank * i, i}}}
                                         : TensorSplit{TensorSplit::kRows, {{rank * i, i}}};
     using detail::part_span;
+    // The vocabulary (the embedding's and the head's rows) splits where it
+    // divides, else stays whole on every part.
+    const int64_t V = c_.vocab_size, v = vocab_share(size);
     TensorPart out = detail::whole_tensor_part(  // the whole model's blocks, cut below
         blocks(), "heads " + part_span(rank * h, h, H) + ", kv heads " + part_span(rank * k, k, K) + ", MLP " +
-                      part_span(rank * i, i, I));
+                      part_span(rank * i, i, I) +
+                      (v < V ? ", vocabulary " + part_span(rank * v, v, V) : std::string(", vocabulary whole")));
+    if (v < V) {
+      const TensorSplit vocab{TensorSplit::kRows, {{rank * v, v}}};
+      out.splits[0][0] = vocab;
+      out.blocks[0].params[0].shape.dims[0] = v;
+      if (!c_.tie_word_embeddings) {
+        const size_t fin = static_cast<size_t>(final_block());
+        out.splits[fin][static_cast<size_t>(head_)] = vocab;
+        out.blocks[fin].params[static_cast<size_t>(head_)].shape.dims[0] = v;
+      }
+    }
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       const LayerIdx& x = idx_[static_cast<size_t>(l)];
       std::vector<ParamSpec>& ps = out.blocks[static_cast<size_t>(l + 1)].params;
@@ -657,6 +684,8 @@ class Llama final : public Model {
     K_ /= size;
     I_ /= size;
     GU_ /= size;
+    Vh_ = vocab_share(size);
+    vlo_ = rank * Vh_;
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
   }
@@ -666,6 +695,23 @@ class Llama final : public Model {
   // The hidden state entering decoder layer l (x_final_ past the last).
   float* hidden(int64_t l) { return l < c_.num_hidden_layers ? pass_.x_in[static_cast<size_t>(l)].as<float>() : x_final_.as<float>(); }
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
+  // Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
+  // the vocabulary rows each of `parts` parts holds (all where they do not divide).
+  int64_t vocab_share(int parts) const {
+    return parts > 1 && c_.vocab_size % parts == 0 ? c_.vocab_size / parts : c_.vocab_size;
+  }
+  bool vocab_split() const { return Vh_ < c_.vocab_size; }
+  // cross_entropy over the parts' columns of the logits (kernels.h), into dlogits_.
+  double vocab_cross_entropy(const int32_t* targets, int64_t N) {
+    std::vector<double> maxes(static_cast<size_t>(N)), sums(static_cast<size_t>(2 * N));
+    ops_->cross_entropy_part_max(logits_.as<float>(), N, Vh_, maxes.data());
+    pass_ctx_->tensor_all_reduce_max_f64(maxes.data(), N);
+    ops_->cross_entropy_part_sums(logits_.as<float>(), targets, N, Vh_, vlo_, maxes.data(), sums.data(),
+                                  dlogits_.as<float>());
+    pass_ctx_->tensor_all_reduce_f64(sums.data(), 2 * N);
+    return ops_->cross_entropy_part_finish(targets, N, Vh_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
+                                           1.0f);
+  }
   // A partial sum summed over the tensor parts (none: nothing to do).
   void tensor_sum(float* x, int64_t n) {
     if (tp_size_ > 1) pass_ctx_->tensor_all_reduce(x, n);
@@ -1237,8 +1283,8 @@ class Llama final : public Model {
       moe_dact_ = ops_->alloc_f32(M * Ie);
       moe_dweight_ = ops_->alloc_f32(M);
     }
-    logits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
-    dlogits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
+    logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
+    dlogits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
@@ -1267,6 +1313,7 @@ class Llama final : public Model {
   int64_t H_ = 0, K_ = 0, D_ = 0;
   int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
   int64_t I_ = 0;   // the MLP's inner size (this tensor part's)
+  int64_t Vh_ = 0, vlo_ = 0;  // the vocabulary rows this part holds (all: V, 0)
   // Tensor parallelism (use_tensor_part): this rank's part, the whole
   // model's blocks (blocks() describes them; specs_ are the part's), and
   // the context of the pass under way (its tensor_all_reduce).

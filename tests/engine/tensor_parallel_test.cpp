@@ -56,7 +56,8 @@ struct Spec {
   bool tied = false;
   std::string offload = "none";
   int layers = 3;
-  int64_t hidden = 16;  // the MLP's inner size 1.5x (GPT-2's 4x)
+  int64_t hidden = 16;
+  int64_t vocab = 13;  // 16: the Llama's vocabulary splits over the parts too (13 divides by none)  // the MLP's inner size 1.5x (GPT-2's 4x)
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
@@ -71,7 +72,7 @@ std::shared_ptr<Model> llama(const Spec& s) {
     return models::make_gpt(g);
   }
   models::LlamaConfig c;
-  c.vocab_size = 13;
+  c.vocab_size = s.vocab;
   c.hidden_size = s.hidden;
   c.intermediate_size = s.hidden * 3 / 2;
   c.num_hidden_layers = s.layers;
@@ -219,6 +220,36 @@ TEST(TensorParallel, Bf16AndGradientCheckpointing) {
   expect_same_run(c, "gradient checkpointing");
 }
 
+// Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
+// the embedding's and the head's rows split, the cross-entropy over the
+// parts' columns of the logits.
+TEST(TensorParallel, VocabularyPartsTrainTheRunWithoutParts) {
+  Spec s;
+  s.vocab = 16;
+  expect_same_run(s, "2 parts, 8 vocabulary rows each");
+  s.tied = true;
+  s.qwen3 = true;
+  expect_same_run(s, "2 parts, a tied head");
+  Spec g;
+  g.vocab = 16;
+  g.gemma2 = true;  // the final logit soft-cap on the part's columns
+  g.tp = 4;
+  g.kv_heads = 4;
+  g.checkpointing = true;
+  expect_same_run(g, "4 parts, Gemma 2's soft-capped logits, gradient checkpointing");
+  Spec p;
+  p.vocab = 16;
+  p.stages = 2;
+  p.gas = 4;
+  p.zero = 1;
+  expect_same_run(p, "2 vocabulary parts x 2 stages");
+  Spec b;
+  b.vocab = 16;
+  b.bf16 = true;
+  b.steps = 6;
+  expect_same_run(b, "bf16");
+}
+
 TEST(TensorParallel, PartsComposeWithPipelineStages) {
   Spec s;
   s.stages = 2;
@@ -354,12 +385,14 @@ TEST(TensorParallel, TheEstimateIsOnePartsModelState) {
       s.gpt = gpt;
       s.steps = 1;
       s.hidden = 64;  // blocks past the 1024-element alignment, so a part's are smaller
+      s.vocab = zero == 1 ? 16 : 13;  // the Llama's vocabulary split at stage 1
       const int d = g_world->size() / s.tp;
       const json cj = config(s, d, true);
       Engine e = Engine::initialize(llama(s), cj, g_world);
       const double peak = trained_state_peak(e, *g_world, s.micro, s.gas);
       const MemoryEstimate est = estimate_memory(*llama(s), Config::parse(cj, g_world->size()), 9);
-      const std::string what = std::string(gpt ? "GPT-2" : "Llama") + ", ZeRO " + std::to_string(zero);
+      const std::string what = std::string(gpt ? "GPT-2" : "Llama") + ", ZeRO " + std::to_string(zero) + ", vocabulary " +
+                               std::to_string(s.vocab);
       EXPECT_EQ(est.tensor_parts, 2) << what;
       EXPECT_EQ(static_cast<double>(est.model_state_bytes()), peak) << what;
       const MemoryEstimate one = estimate_memory(*llama(s), Config::parse(config(s, d, false), d), 9);
