@@ -290,7 +290,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   // memory for that split says what its attention's exchange adds).
   const int64_t sranks = c.sequence_parallel_size;
   std::optional<ActivationMemory> act =
-      sranks > 1   ? model.sequence_activation_memory(B, seq_len, dtype, static_cast<int>(sranks))
+      sranks > 1   ? model.sequence_activation_memory(B, seq_len, dtype, static_cast<int>(sranks), tparts)
       : tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
                    : model.activation_memory(B, seq_len, dtype);
   e.tensor_parts = tparts;

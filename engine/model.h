@@ -355,10 +355,10 @@ class Model {
     return activation_memory(B, T, compute);
   }
   // The same for one of `size` sequence ranks, rows of T tokens (each
-  // holding T / size of them). Without an override, the whole rows' (an
-  // overestimate).
-  virtual std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType compute,
-                                                                     int size) const {
+  // holding T / size of them), of one of `tensor_parts` tensor parts.
+  // Without an override, the whole rows' (an overestimate).
+  virtual std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType compute, int size,
+                                                                     int tensor_parts) const {
     return activation_memory(B, T, compute);
   }
 };

@@ -23,11 +23,13 @@
 //     digest of it is compared over them before each forward (one small
 //     all-reduce), and ranks that differ stop with one line naming them
 //     rather than train on a mixed row.
-//   - The grid: rank = replica * S + s, a replica's sequence ranks
-//     adjacent (inside a node). ZeRO partitions over every rank (the
-//     replicas times their sequence ranks, as DeepSpeed's sequence-data-
-//     parallel group), so stage 3 spreads the weights over S times more
-//     ranks. The loss normaliser (Note [the loss normaliser] in
+//   - The grid: rank = (replica * S + s) * T + part with T tensor parts
+//     (Note [tensor parallelism]; T = 1 without), a replica's slices and
+//     their parts adjacent (inside a node). Each part's heads split again
+//     over the slices. ZeRO partitions over the ranks that hold the same
+//     part (the replicas times their sequence ranks, as DeepSpeed's
+//     sequence-data-parallel group), so stage 3 spreads the weights over S
+//     times more ranks. The loss normaliser (Note [the loss normaliser] in
 //     engine.cpp) counts each slice as a micro-batch of B T/S positions on
 //     its own rank: the mean over S equal slices is the row's mean, and
 //     masked targets are counted where they fall, so the sums are those of
@@ -35,8 +37,7 @@
 //   - forward() and evaluate() return the micro-batch's loss over its whole
 //     rows (the slices' losses weighted by their targets, summed over the
 //     S ranks), not the slice's.
-// Not built: composition with pipeline stages and tensor parts (refused),
-// the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
+// Not built: composition with pipeline stages (refused), the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
 // not the replica's). Dropout draws each slice's masks from the rank's own
 // stream, so with dropout a run at S ranks is not the run at 1.
 #include <chrono>
@@ -54,8 +55,10 @@
 namespace zinc {
 
 std::vector<std::string> describe_sequence_ranks(const Model& model, const Config& config, int64_t seq_len) {
-  const int S = static_cast<int>(config.sequence_parallel_size);
-  const std::string why = model.sequence_split_error(S);
+  const int S = static_cast<int>(config.sequence_parallel_size), T = static_cast<int>(config.tensor_parallel.size);
+  // With tensor parts each part's heads divide over the slices: the whole
+  // model's heads over S x T.
+  const std::string why = model.sequence_split_error(S * T);
   if (!why.empty()) throw ConfigError("sequence_parallel_size", why);
   if (seq_len % S != 0)
     throw ConfigError("sequence_parallel_size", "the rows' " + std::to_string(seq_len) +
@@ -66,7 +69,8 @@ std::vector<std::string> describe_sequence_ranks(const Model& model, const Confi
   for (int s = 0; s < S; ++s) {
     std::string ranks;
     int n = 0;
-    for (int r = s; r < config.world_size; r += S, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    for (int r = 0; r < config.world_size; ++r)
+      if ((r / T) % S == s) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r), ++n;
     out.push_back("slice " + std::to_string(s) + " (" + (n == 1 ? "rank " : "ranks ") + ranks + "): tokens " +
                   std::to_string(s * t) + "-" + std::to_string((s + 1) * t - 1) + " of each row of " +
                   std::to_string(seq_len) + "; in attention, whole rows of share " + std::to_string(s) + " of " +
@@ -80,14 +84,18 @@ void Engine::Impl::setup_sequence(int replica) {
   const std::string why = model->sequence_split_error(sp_size);
   if (!why.empty()) throw ConfigError("sequence_parallel_size", why);
   sp_rank = replica % sp_size;
-  sp_comm = world_comm->split(replica / sp_size, sp_rank);
-  if (world_rank == 0)
-    log_info("sequence parallelism: " + std::to_string(sp_size) + " sequence ranks per replica (ranks r*" +
-             std::to_string(sp_size) + " .. r*" + std::to_string(sp_size) + "+" + std::to_string(sp_size - 1) +
-             " each take 1/" + std::to_string(sp_size) + " of replica r's rows) x " +
-             std::to_string(world_all / sp_size) + " data-parallel " +
-             (world_all / sp_size == 1 ? "replica" : "replicas") + "; ZeRO partitions over all " +
-             std::to_string(world_all) + " ranks");
+  // The same part of the other slices of this replica (grid rank =
+  // (replica * sp_size + sp_rank) * tp_size + tp_rank).
+  sp_comm = world_comm->split((replica / sp_size) * tp_size + tp_rank, sp_rank);
+  if (world_rank == 0) {
+    const int replicas = world_all / (sp_size * tp_size);
+    log_info("sequence parallelism: " + std::to_string(sp_size) + " sequence ranks per replica (each takes 1/" +
+             std::to_string(sp_size) + " of the replica's rows)" +
+             (tp_size > 1 ? " x " + std::to_string(tp_size) + " tensor parts" : std::string()) + " x " +
+             std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas") +
+             "; ZeRO partitions over the " + std::to_string(replicas * sp_size) + " ranks" +
+             (tp_size > 1 ? " of each part" : std::string()));
+  }
 }
 
 Batch Engine::Impl::sequence_slice(const Batch& whole) {

@@ -171,7 +171,9 @@ void Engine::Impl::setup_grid() {
   if (tensor_split() && world_rank == 0) {
     std::string line = "tensor parallelism: " + std::to_string(tp_size) + " parts";
     if (pipelined()) line += " x " + std::to_string(stages) + " pipeline stages";
-    line += " x " + std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas");
+    const int d = replicas / sp_size;  // the sequence ranks of a replica hold the same parts
+    if (sequence_ranks()) line += " x " + std::to_string(sp_size) + " sequence ranks";
+    line += " x " + std::to_string(d) + " data-parallel " + (d == 1 ? "replica" : "replicas");
     for (const std::string& d : describe_tensor_parts(*model, cfg)) line += "; " + d;
     log_info(line);
   }

@@ -91,8 +91,9 @@ class PretrainedModel final : public Model {
   }
   void use_tensor_part(int rank, int size) override { inner_->use_tensor_part(rank, size); }
   std::string sequence_split_error(int size) const override { return inner_->sequence_split_error(size); }
-  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
-    return inner_->sequence_activation_memory(B, T, dt, size);
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size,
+                                                             int tensor_parts) const override {
+    return inner_->sequence_activation_memory(B, T, dt, size, tensor_parts);
   }
   std::vector<PipelineLayer> pipeline_layers() const override { return inner_->pipeline_layers(); }
   int64_t pipeline_width() const override { return inner_->pipeline_width(); }

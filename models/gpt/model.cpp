@@ -221,13 +221,16 @@ class Gpt final : public Model {
   // One of `size` sequence ranks' (Note [sequence parallelism] in
   // engine/sequence_parallel.cpp): a slice of each row, the attention's
   // workspace over whole rows of its heads, the exchanges' buffers.
-  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
-    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1, 1, size);
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size,
+                                                             int tensor_parts) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.n_layer, true, true}, 1, tensor_parts, size);
   }
+  // With tensor parts (after use_tensor_part) the part's heads must divide.
   std::string sequence_split_error(int size) const override {
-    if (c_.n_head % size != 0)
-      return "n_head " + std::to_string(c_.n_head) + " is not a multiple of it: each sequence rank attends with "
-             "whole heads";
+    if (Hh_ % size != 0)
+      return (tp_size_ > 1 ? "a tensor part's " + std::to_string(Hh_) + " heads are"
+                           : "n_head " + std::to_string(Hh_) + " is") +
+             " not a multiple of it: each sequence rank attends with whole heads";
     return "";
   }
 

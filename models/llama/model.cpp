@@ -227,13 +227,16 @@ class Llama final : public Model {
   }
   // One of `size` sequence ranks': a slice of each row, the attention's
   // workspace over whole rows of its heads, the all-to-alls' buffers.
-  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size) const override {
-    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1, 1, size);
+  std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size,
+                                                             int tensor_parts) const override {
+    return activation_bytes(B, T, dt, StageRange{0, c_.num_hidden_layers, true, true}, 1, tensor_parts, size);
   }
+  // With tensor parts (after use_tensor_part) the part's heads must divide.
   std::string sequence_split_error(int size) const override {
-    if (c_.num_attention_heads % size != 0)
-      return "num_attention_heads " + std::to_string(c_.num_attention_heads) + " is not a multiple of it: each "
-             "sequence rank attends with whole heads";
+    if (H_ % size != 0)
+      return (tp_size_ > 1 ? "a tensor part's " + std::to_string(H_) + " attention heads are"
+                           : "num_attention_heads " + std::to_string(H_) + " is") +
+             " not a multiple of it: each sequence rank attends with whole heads";
     if (c_.num_experts > 0 && c_.router_aux_loss_coef > 0)
       return "the load-balancing loss of model '" + name() + "' (router_aux_loss_coef " +
              std::to_string(c_.router_aux_loss_coef) + ") is a product of sums over the whole batch, which a "

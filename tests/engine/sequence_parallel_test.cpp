@@ -38,6 +38,8 @@ using testing::error_of;
 
 struct Spec {
   int sp = 2;
+  int tp = 1;           // tensor parts of each sequence rank's layers
+  int64_t vocab = 13;
   int zero = 1;
   bool bf16 = false;
   int64_t gas = 2;
@@ -75,7 +77,7 @@ std::shared_ptr<Model> llama(const Spec& s) {
     return models::make_gpt(g);
   }
   models::LlamaConfig c;
-  c.vocab_size = 13;
+  c.vocab_size = s.vocab;
   c.hidden_size = 16;
   c.intermediate_size = 24;
   c.num_hidden_layers = 3;
@@ -172,6 +174,7 @@ json config(const Spec& s, int replicas, bool split) {
             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", s.lr}, {"weight_decay", 0.1}}}}}};
   c["train_batch_size"] = s.micro * s.gas * replicas;
   if (split) c["sequence_parallel_size"] = s.sp;
+  if (split && s.tp > 1) c["tensor_parallel"] = {{"autotp_size", s.tp}};
   if (s.offload != "none")
     c["zero_optimization"]["offload_optimizer"] = {{"device", s.offload}, {"nvme_path", ::testing::TempDir()}};
   return c;
@@ -213,7 +216,7 @@ using testing::worst_difference;
 // rank ends with every block's whole weights.
 Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split) {
   const int ranks = comm ? comm->size() : 1;
-  const int replicas = split ? ranks / s.sp : ranks;
+  const int replicas = split ? ranks / (s.sp * s.tp) : ranks;
   std::shared_ptr<Model> m = llama(s);
   if (s.reversed_exchange) m = std::make_shared<ReversedExchange>(m);
   Engine e = Engine::initialize(m, config(s, replicas, split), ranks > 1 ? comm : nullptr);
@@ -232,9 +235,11 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
   return r;
 }
 
-// The reference's ranks: one per replica, those of this rank's slice index.
+// The reference's ranks: one per replica, those of this rank's slice and
+// part (grid rank = (replica * sp + slice) * tp + part).
 std::shared_ptr<comm::Communicator> replicas_of(const Spec& s) {
-  return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() % s.sp, g_world->rank() / s.sp));
+  const int per = s.sp * s.tp;
+  return std::shared_ptr<comm::Communicator>(g_world->split(g_world->rank() % per, g_world->rank() / per));
 }
 
 // Tolerances as the tensor parts' (tests/engine/tensor_parallel_test.cpp):
@@ -242,7 +247,7 @@ std::shared_ptr<comm::Communicator> replicas_of(const Spec& s) {
 // rounding in a near-zero gradient moves a weight by up to ~1e-4; bf16
 // rounds each slice's matmul rows where one rank rounds them all: looser.
 void expect_same_run(const Spec& s, const std::string& what) {
-  if (g_world->size() % s.sp != 0) return;  // 4 sequence ranks at 2 ranks
+  if (g_world->size() % (s.sp * s.tp) != 0) return;  // 4 sequence ranks at 2 ranks
   const Result ref = train(s, replicas_of(s), false);
   const Result got = train(s, g_world, true);
   Spec start = s;
@@ -312,6 +317,20 @@ TEST(SequenceParallel, FamiliesBf16AndGradientCheckpointing) {
   b.bf16 = true;
   b.steps = 6;
   expect_same_run(b, "bf16");
+}
+
+// Sequence ranks whose layers are split into tensor parts (at 4 ranks):
+// each part's heads split again over the slices, the vocabulary by parts.
+TEST(SequenceParallel, ComposesWithTensorParts) {
+  Spec s;
+  s.tp = 2;
+  s.zero = 2;
+  s.vocab = 16;
+  expect_same_run(s, "2 sequence ranks x 2 tensor parts, vocabulary parts, ZeRO-2");
+  s.gpt = true;
+  s.zero = 1;
+  s.heads = 4;
+  expect_same_run(s, "GPT-2, 2 sequence ranks x 2 tensor parts");
 }
 
 // The comparison above can fail: slices delivered in the wrong order give
@@ -427,10 +446,16 @@ TEST(SequenceParallelConfig, RanksMustDivideTheWorldAndTheBatchFitsTheReplicas) 
   p["pipeline"] = {{"stages", 2}};
   e = error_of([&] { Config::parse(p, 4); });
   EXPECT_NE(e.find("pipeline stages"), std::string::npos) << e;
+  // With tensor parts: parts x sequence ranks per replica.
   json t = c;
   t["tensor_parallel"] = {{"autotp_size", 2}};
-  e = error_of([&] { Config::parse(t, 4); });
-  EXPECT_NE(e.find("tensor parallelism"), std::string::npos) << e;
+  got = Config::parse(t, 8);
+  EXPECT_EQ(got.data_parallel_size(), 2);
+  EXPECT_EQ(got.zero_group_size(), 4);  // the ranks that hold the same part
+  EXPECT_EQ(got.train_batch_size, 4);
+  e = error_of([&] { Config::parse(t, 2); });
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("multiple of 4"), std::string::npos) << e;
   json o = c;
   o["optimizer"] = {{"type", "OneBitAdam"}, {"params", {{"lr", 1e-3}}}};
   e = error_of([&] { Config::parse(o, 4); });
