@@ -147,9 +147,11 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
         }
       }
       // configs/ name a global batch; 2 ranks split it. A config with
-      // pipeline stages or tensor parts needs a rank per stage and part.
+      // pipeline stages, tensor parts or sequence ranks needs a rank per
+      // stage, part and slice.
       const int stages = (doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1) *
-                         (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1);
+                         (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1) *
+                         doc.value("sequence_parallel_size", 1);
       for (int world : {stages, 2 * stages}) {
         expect_round_trip(doc, world, e.path().string() + " at " + std::to_string(world) + " ranks");
       }

@@ -198,9 +198,11 @@ TEST(ExperimentConfigLoad, EveryShippedConfigParses) {
     if (entry.path().extension() != ".json") continue;
     SCOPED_TRACE(entry.path().string());
     const json doc = read_json_file(entry.path().string());
-    // A config with pipeline stages or tensor parts needs a rank per stage and part.
+    // A config with pipeline stages, tensor parts or sequence ranks needs a
+    // rank per stage, part and slice.
     const int world = (doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1) *
-                      (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1);
+                      (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1) *
+                      doc.value("sequence_parallel_size", 1);
     EXPECT_NO_THROW({
       const ParsedExperiment p = parse_experiment(doc, world);
       EXPECT_TRUE(p.config.warnings.empty()) << p.config.warnings.front();
