@@ -148,11 +148,7 @@ json config(const Spec& s, int replicas, bool pipelined) {
   return c;
 }
 
-struct Result {
-  std::vector<float> weights;
-  std::vector<double> losses;
-  double norm = 0;
-  double eval = 0;
+struct Result : testing::GridRun {
   int64_t recomputed = 0;
 };
 
