@@ -63,6 +63,17 @@ class Communicator {
   // elements (the 1-bit all-reduce, comm/onebit.h, sends packed bits as f32
   // words). send and recv must not overlap. NCCL backend: not yet (CommError).
   virtual void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) = 0;
+  // The same with a count per pair: block j of send (send_counts[j]
+  // elements, the blocks one after the other in rank order) goes to rank j,
+  // and recv gets recv_counts[i] elements from rank i, in rank order. Each
+  // pair's counts must agree (what i sends to j is what j expects from i;
+  // callers exchange them first with all_to_all). Runs as size() - 1 rounds
+  // of exchange (round d: to rank + d, from rank - d), so it needs point to
+  // point: the MPI and shm backends have it, NCCL does not (CommError).
+  // Not in place. The expert exchange of a mixture-of-experts layer uses it
+  // (Note [expert parallelism] in engine/expert_parallel.cpp).
+  virtual void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                            DType dtype);
   virtual void broadcast(void* buf, int64_t count, DType dtype, int root) = 0;
   // In-place sum of doubles (norms, losses, counters).
   virtual void all_reduce_f64(double* buf, int64_t count) = 0;

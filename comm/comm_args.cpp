@@ -11,13 +11,12 @@ using Addr = uintptr_t;
 
 Addr addr(const void* p) { return reinterpret_cast<Addr>(p); }
 
-// [a, a + an) and [b, b + bn) share a byte.
+}  // namespace
+
 bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
   if (an == 0 || bn == 0) return false;
   return addr(a) < addr(b) + bn && addr(b) < addr(a) + an;
 }
-
-}  // namespace
 
 CommError comm_error(int rank, const std::string& op, const std::string& msg) {
   return CommError("rank " + std::to_string(rank) + ": " + op + ": " + msg);

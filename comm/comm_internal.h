@@ -29,6 +29,8 @@ CommError comm_error(int rank, const std::string& op, const std::string& msg);
 
 // Throw CommError when the arguments are invalid; `op` names the collective.
 void check_count(int rank, const char* op, int64_t count);
+// Whether the byte ranges [a, a + an) and [b, b + bn) share a byte.
+bool overlaps(const void* a, size_t an, const void* b, size_t bn);
 void check_all_reduce(int rank, const void* send, const void* recv, int64_t count, DType dtype);
 void check_reduce_scatter(int rank, int size, const void* send, const void* recv, int64_t recv_count,
                           DType dtype);

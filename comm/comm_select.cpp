@@ -2,7 +2,9 @@
 // hierarchical, NCCL) from the argument, the topology and the environment
 // (comm.h), and the test factories of comm_internal.h; Communicator::twin.
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
@@ -100,6 +102,36 @@ void Communicator::recv(void* buf, int64_t count, DType dtype, int peer) {
 }
 void Communicator::exchange(const void*, int64_t, int, void*, int64_t, int, DType) {
   throw detail::comm_error(rank(), "exchange", "the " + backend() + " backend has no point-to-point transfers");
+}
+
+void Communicator::all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                                DType dtype) {
+  const int n = size(), me = rank();
+  const size_t elem = dtype_bytes(dtype);
+  std::vector<int64_t> at_send(static_cast<size_t>(n) + 1, 0), at_recv(static_cast<size_t>(n) + 1, 0);
+  for (int r = 0; r < n; ++r) {
+    detail::check_count(me, "all_to_all_v", send_counts[r]);
+    detail::check_count(me, "all_to_all_v", recv_counts[r]);
+    at_send[static_cast<size_t>(r) + 1] = at_send[static_cast<size_t>(r)] + send_counts[r];
+    at_recv[static_cast<size_t>(r) + 1] = at_recv[static_cast<size_t>(r)] + recv_counts[r];
+  }
+  if (send_counts[me] != recv_counts[me])
+    throw detail::comm_error(me, "all_to_all_v", "this rank sends itself " + std::to_string(send_counts[me]) +
+                                                     " elements but expects " + std::to_string(recv_counts[me]));
+  const char* s = static_cast<const char*>(send);
+  char* r = static_cast<char*>(recv);
+  if (detail::overlaps(s, static_cast<size_t>(at_send[static_cast<size_t>(n)]) * elem, r,
+                       static_cast<size_t>(at_recv[static_cast<size_t>(n)]) * elem))
+    throw detail::comm_error(me, "all_to_all_v", "send and recv overlap; all_to_all_v is not in place");
+  if (send_counts[me] > 0)
+    std::memcpy(r + static_cast<size_t>(at_recv[static_cast<size_t>(me)]) * elem,
+                s + static_cast<size_t>(at_send[static_cast<size_t>(me)]) * elem,
+                static_cast<size_t>(send_counts[me]) * elem);
+  for (int d = 1; d < n; ++d) {
+    const int to = (me + d) % n, from = (me - d + n) % n;
+    exchange(s + static_cast<size_t>(at_send[static_cast<size_t>(to)]) * elem, send_counts[to], to,
+             r + static_cast<size_t>(at_recv[static_cast<size_t>(from)]) * elem, recv_counts[from], from, dtype);
+  }
 }
 
 Communicator* Communicator::twin() {

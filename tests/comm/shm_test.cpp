@@ -170,6 +170,38 @@ TEST(ShmAllToAll, SendsBlockJToRankJOnEveryShmBackend) {
   }
 }
 
+// all_to_all_v: rank r sends rank j (r + 2 j) % 5 elements (some pairs
+// none), element i of that block being r * 1000 + j * 100 + i; on every
+// shm backend and the single one's copy. Counts that disagree with the
+// self block are refused with the rank.
+TEST(ShmAllToAll, VariableBlocksArriveInRankOrder) {
+  for (Communicator* c : {g_shm.get(), g_tiny.get(), g_hier.get()}) {
+    const int p = c->size(), me = c->rank();
+    auto count = [](int from, int to) { return static_cast<int64_t>((from + 2 * to) % 5); };
+    std::vector<int64_t> sc(static_cast<size_t>(p)), rc(static_cast<size_t>(p));
+    std::vector<float> send, want;
+    for (int j = 0; j < p; ++j) {
+      sc[static_cast<size_t>(j)] = count(me, j);
+      rc[static_cast<size_t>(j)] = count(j, me);
+      for (int64_t i = 0; i < count(me, j); ++i) send.push_back(static_cast<float>(me * 1000 + j * 100 + i));
+      for (int64_t i = 0; i < count(j, me); ++i) want.push_back(static_cast<float>(j * 1000 + me * 100 + i));
+    }
+    std::vector<float> recv(want.size() + 1, -1.0f);
+    c->all_to_all_v(send.data(), sc.data(), recv.data(), rc.data(), DType::kF32);
+    recv.pop_back();
+    EXPECT_EQ(recv, want) << c->backend();
+    rc[static_cast<size_t>(me)] += 1;
+    std::vector<float> big(want.size() + 8);
+    std::string e;
+    try {
+      c->all_to_all_v(send.data(), sc.data(), big.data(), rc.data(), DType::kF32);
+    } catch (const std::exception& x) {
+      e = x.what();
+    }
+    EXPECT_NE(e.find("all_to_all_v"), std::string::npos) << e;
+  }
+}
+
 // Larger than a 32 MiB slot per rank (the default slot is 1 MiB), so every
 // communicator chunks; all_reduce of 9 Mi + 5 fp32 elements is 36 MiB.
 // split() keeps the backend: a group of the shm (and hierarchical) world is
