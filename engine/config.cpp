@@ -641,9 +641,8 @@ const Feature kFeatures[] = {
       {"timers", Act::kWarn, nullptr},
       {"nebula", Act::kWarn, nullptr},
       {"graph_harvesting", Act::kWarn, nullptr},
-      {"use_data_before_expert_parallelism", Act::kWarn, "zinc has no expert parallelism"},
-      {"expert_parallel", Act::kError, "it configures expert parallelism for mixture-of-experts (MoE) layers, and "
-                                       "zinc has neither MoE layers nor expert parallelism"},
+      {"use_data_before_expert_parallelism", Act::kWarn,
+       "DeepSpeed's legacy MoE layer reads it; zinc's expert exchange always sends each rank's own tokens"},
       {"elasticity", Act::kError, "elastic training changes the batch size with the world size; remove it"},
       {"compression_training", Act::kError, "it quantizes or prunes the model, which changes the result"},
       {"sparse_gradients", Act::kError, "zinc reduces dense gradients; set it to false"},
@@ -687,6 +686,64 @@ void parse_sequence_parallel(Reader& r, Config& c) {
                           (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
                           " of this run (run it on a multiple of " + std::to_string(c.model_parallel_size()) +
                           " ranks)");
+}
+
+// "expert_parallel": DeepSpeed's AutoEP section (Note [expert parallelism]
+// in engine/expert_parallel.cpp). autoep_size ranks share out each
+// mixture-of-experts layer's experts; they train on their own batches, so
+// the replicas of the batch triad are not divided by it. The keys that
+// find a torch model's MoE layers are DeepSpeed's business (zinc's families
+// name their experts); those that would route tokens otherwise than the
+// model's own config says are refused.
+void parse_expert_parallel(Reader& root, Config& c) {
+  Reader r = root.section("expert_parallel");
+  bool enabled = false;
+  r.get_bool("enabled", enabled);
+  int64_t size = 1;
+  const bool has_size = r.get_int("autoep_size", size, Range{1, 1 << 20});
+  const std::string size_path = r.path_of("autoep_size");
+  std::string preset;
+  r.get_string("preset_model", preset);
+  for (const char* k : {"moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3",
+                        "num_experts_attr", "top_k_attr", "shared_experts_pattern", "has_shared_experts",
+                        "use_grouped_mm", "grouped_mm_backend"})
+    if (const json* v = r.find(k); v && !v->is_null())
+      r.warn_ignored(r.last_path(), "zinc's model families name their routers and experts themselves, and zinc runs "
+                                    "one GEMM per local expert over the tokens it got");
+  // Routing overrides: only the values that leave the model's routing as it is.
+  for (const char* k : {"score_func", "score_apply", "top_k", "routed_scaling_factor"})
+    if (const json* v = r.find(k); v && !v->is_null() && !(v->is_string() && v->get<std::string>() == "auto"))
+      Reader::refuse(r.last_path(), "zinc routes each token as the model's own config says (its softmax router, "
+                                    "num_experts_per_tok, norm_topk_prob); leave it \"auto\"");
+  for (const char* k : {"route_norm", "num_expert_groups", "num_limited_groups"})
+    if (const json* v = r.find(k); v && !v->is_null())
+      Reader::refuse(r.last_path(), "zinc routes each token as the model's own config says (norm_topk_prob, no "
+                                    "expert groups); remove it");
+  double scale = 1.0;
+  if (r.get_number("route_scale", scale) && scale != 1.0)
+    Reader::refuse(r.last_path(), "zinc scales no routing weights beyond the model's own routing; set 1.0");
+  if (const json* v = r.find("load_balance_coeff"); v && !v->is_null())
+    Reader::refuse(r.last_path(),
+                   "zinc has no bias-based (auxiliary-loss-free) load balancing; the model's router_aux_loss_coef "
+                   "(with output_router_logits) sets its load-balancing loss; remove it or set it to null");
+  r.finish();
+  if (!enabled) {
+    if (has_size && size > 1) r.warn_ignored(size_path, "expert_parallel.enabled is false");
+    return;
+  }
+  if (size == 1) return;  // every rank holds every expert: plain data parallelism
+  c.expert_parallel.size = size;
+  c.expert_parallel.preset_model = preset;
+  if (c.world_size % (c.model_parallel_size() * size) != 0)
+    throw ConfigError(size_path, std::to_string(size) + " expert ranks" +
+                                     (c.model_parallel_size() > 1
+                                          ? " times " + std::to_string(c.model_parallel_size()) + " model-parallel ranks"
+                                          : std::string()) +
+                                     " do not divide the " +
+                                     (c.world_size == 1 ? std::string("one rank")
+                                                        : std::to_string(c.world_size) + " ranks") +
+                                     " of this run (run it on a multiple of " +
+                                     std::to_string(c.model_parallel_size() * size) + " ranks)");
 }
 
 void parse_unimplemented(Reader& r, Config& c) {
@@ -797,6 +854,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_pipeline(r, c);
   parse_tensor_parallel(r, c);
   parse_sequence_parallel(r, c);
+  parse_expert_parallel(r, c);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));
   r.get_int("steps_per_print", c.steps_per_print, at_least(1));

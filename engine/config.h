@@ -303,6 +303,16 @@ struct TensorParallelConfig {
   bool operator==(const TensorParallelConfig&) const = default;
 };
 
+// "expert_parallel": DeepSpeed's AutoEP section (Note [expert parallelism]
+// in engine/expert_parallel.cpp). autoep_size ranks, each training on its
+// own batches, share out the experts of every mixture-of-experts layer and
+// exchange the tokens routed to them.
+struct ExpertParallelConfig {
+  int64_t size = 1;           // autoep_size (1 unless enabled)
+  std::string preset_model;   // DeepSpeed's layer-detection hint, kept for --check
+  bool operator==(const ExpertParallelConfig&) const = default;
+};
+
 struct Config {
   // batch triad; after parse() all three are set and consistent for the world size
   int64_t train_batch_size = 0;
@@ -349,6 +359,7 @@ struct Config {
   // in engine/sequence_parallel.cpp). That many ranks split each row of a
   // replica's micro-batches by tokens; ZeRO partitions over them too.
   int64_t sequence_parallel_size = 1;
+  ExpertParallelConfig expert_parallel;
 
   std::vector<std::string> warnings;  // known-but-ignored keys, already logged
 
@@ -381,10 +392,16 @@ struct Config {
   // The ranks ZeRO partitions over: the replicas times their sequence
   // ranks (which hold the same weights, as DeepSpeed's sequence-data-
   // parallel group).
-  int zero_group_size() const { return data_parallel_size() * static_cast<int>(sequence_parallel_size); }
+  // With expert ranks, those that hold the same experts: the replicas
+  // divided by expert_parallel.size (every weight, the dense ones too, is
+  // partitioned over them; Note [expert parallelism]).
+  int zero_group_size() const {
+    return data_parallel_size() * static_cast<int>(sequence_parallel_size) / static_cast<int>(expert_parallel.size);
+  }
   bool pipelined() const { return pipeline.stages > 1; }
   bool tensor_split() const { return tensor_parallel.size > 1; }
   bool sequence_split() const { return sequence_parallel_size > 1; }
+  bool expert_split() const { return expert_parallel.size > 1; }
   DType compute_dtype() const { return bf16 ? DType::kBF16 : fp16.enabled ? DType::kF16 : DType::kF32; }
   // The gradients' dtype on the wire: communication_data_type, else fp16
   // with fp16 on (as DeepSpeed reduces fp16 gradients), else fp32.

@@ -159,6 +159,10 @@ json to_json(const Config& c) {
   }
   if (c.tensor_split()) j["tensor_parallel"] = {{"autotp_size", c.tensor_parallel.size}};
   if (c.sequence_split()) j["sequence_parallel_size"] = c.sequence_parallel_size;
+  if (c.expert_split()) {
+    j["expert_parallel"] = {{"enabled", true}, {"autoep_size", c.expert_parallel.size}};
+    if (!c.expert_parallel.preset_model.empty()) j["expert_parallel"]["preset_model"] = c.expert_parallel.preset_model;
+  }
   return j;
 }
 

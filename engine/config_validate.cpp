@@ -65,6 +65,28 @@ void Config::validate() const {
                                           "and a sequence rank's is one slice's share: they do not run with "
                                           "sequence_parallel_size yet");
   }
+  // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp).
+  if (expert_split()) {
+    if (expert_parallel.size < 1 || world_size % (model_parallel_size() * expert_parallel.size) != 0)
+      throw ConfigError("expert_parallel.autoep_size",
+                        std::to_string(expert_parallel.size) + " expert ranks do not divide the " +
+                            std::to_string(world_size / model_parallel_size()) + " replicas of this run");
+    const char* with = pipelined() ? "pipeline stages" : tensor_split() ? "tensor parts" : sequence_split() ? "sequence ranks" : nullptr;
+    if (with)
+      throw ConfigError("expert_parallel.autoep_size",
+                        std::string("expert parallelism does not compose with ") + with +
+                            " yet; run the expert ranks with ZeRO data parallelism alone");
+    if (device == Device::kCuda)
+      throw ConfigError("expert_parallel.autoep_size",
+                        "the GPU path does not share out experts yet; use \"device\": \"cpu\"");
+    if (optimizer.one_bit())
+      throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
+                                          "do not run with expert parallelism yet");
+    if (gradients_on_nvme())
+      throw ConfigError("zero_optimization.offload_optimizer.device",
+                        "expert parallelism sums the dense weights' gradients over the expert ranks in memory; "
+                        "ZeRO-3 with the optimizer states on NVMe keeps the gradients there: use \"cpu\"");
+  }
   if (!(gradient_clipping >= 0)) {
     throw ConfigError("gradient_clipping", "must be >= 0, got " + num(gradient_clipping));
   }

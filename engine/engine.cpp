@@ -126,6 +126,7 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   world_rank = rank;
   if (world > 1) agree_on_config();
   if (c.model_parallel_size() > 1) setup_grid();  // comm, world and rank become the data-parallel group's
+  if (c.expert_split()) setup_experts();          // ... or those that hold the same experts
   plan = StagePlan::make(c.zero.stage, world, c.zero.offload_param.device != OffloadDevice::kNone,
                          c.gradients_on_nvme());
   offload_device = c.zero.offload_optimizer.device;
@@ -418,7 +419,7 @@ float Engine::Impl::forward(const Batch& whole) {
   const int64_t targets = count_targets(batch);
   params->begin_pass(ParamCoordinator::Pass::kTrain);
   pass_dropout_seed = kernels::math::dropout_subkey(
-      kernels::math::dropout_subkey(cfg.seed, static_cast<uint64_t>(micro_steps)), static_cast<uint64_t>(rank));
+      kernels::math::dropout_subkey(cfg.seed, static_cast<uint64_t>(micro_steps)), static_cast<uint64_t>(data_rank()));
   float loss = model->forward(*this, batch);
   check_released("forward");
   forward_pending = true;
@@ -518,7 +519,7 @@ void Engine::Impl::step() {
   reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
-  const Normalised n = normalise(all, cfg.gradient_accumulation_steps, world, used_scale);
+  const Normalised n = normalise(all, cfg.gradient_accumulation_steps, data_world(), used_scale);
   grad_norm = std::sqrt(sums[0] / local) * n.grad_scale * local;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);
@@ -738,8 +739,11 @@ int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 double Engine::last_batch_loss() const { return impl_->last_loss; }
 int Engine::rank() const { return impl_->world_rank; }
 int Engine::world_size() const { return impl_->world_all; }
-int Engine::data_parallel_rank() const { return impl_->rank / impl_->sp_size; }
-int Engine::data_parallel_size() const { return impl_->world / impl_->sp_size; }
+int Engine::data_parallel_rank() const { return impl_->data_rank() / impl_->sp_size; }
+int Engine::data_parallel_size() const { return impl_->data_world() / impl_->sp_size; }
+int Engine::expert_parallel_rank() const { return impl_->expert_parts ? impl_->tp_rank : 0; }
+int Engine::expert_parallel_size() const { return impl_->expert_parts ? impl_->tp_size : 1; }
+double Engine::expert_wait_seconds() const { return impl_->ep_wait_s; }
 int Engine::sequence_parallel_rank() const { return impl_->sp_rank; }
 int Engine::sequence_parallel_size() const { return impl_->sp_size; }
 double Engine::sequence_wait_seconds() const { return impl_->sp_wait_s; }
@@ -747,8 +751,8 @@ int Engine::pipeline_stage() const { return impl_->stage; }
 int64_t Engine::pipeline_recomputed_forwards() const { return impl_->pipe_recomputed; }
 double Engine::pipeline_wait_seconds() const { return impl_->pipe_wait_s; }
 double Engine::tensor_wait_seconds() const { return impl_->tp_wait_s; }
-int Engine::tensor_parallel_rank() const { return impl_->tp_rank; }
-int Engine::tensor_parallel_size() const { return impl_->tp_size; }
+int Engine::tensor_parallel_rank() const { return impl_->expert_parts ? 0 : impl_->tp_rank; }
+int Engine::tensor_parallel_size() const { return impl_->expert_parts ? 1 : impl_->tp_size; }
 double Engine::comm_wait_seconds() const {
   double s = 0;
   for (const comm::CommStream* st :

@@ -64,6 +64,11 @@ PipelinePlan plan_pipeline(const Model& model, const Config& config);
 // ConfigError at tensor_parallel.autotp_size where the model cannot split
 // so.
 std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config);
+// Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp),
+// one line per rank of expert_parallel.autoep_size: "expert rank 1 (ranks
+// 1, 3): experts 4-7 of 8 in each of 2 layers". Throws ConfigError at
+// expert_parallel.autoep_size where the model cannot share them out so.
+std::vector<std::string> describe_expert_parts(const Model& model, const Config& config);
 // Sequence ranks (Note [sequence parallelism] in
 // engine/sequence_parallel.cpp): per slice, its ranks and tokens of rows of
 // seq_len. ConfigError at sequence_parallel_size where the model cannot
@@ -151,6 +156,14 @@ class Engine {
   int sequence_parallel_rank() const;
   int sequence_parallel_size() const;
   double sequence_wait_seconds() const;
+  // This rank's share of the experts and the number of expert ranks (0 and
+  // 1 without expert_parallel; Note [expert parallelism] in
+  // engine/expert_parallel.cpp), and the seconds spent in the experts'
+  // exchanges (not in comm_wait_seconds). Expert ranks train on batches of
+  // their own: data_parallel_size() counts them.
+  int expert_parallel_rank() const;
+  int expert_parallel_size() const;
+  double expert_wait_seconds() const;
   // Seconds the training thread spent blocked on communication (exposed,
   // not overlapped), and seconds the comm threads spent in collectives (the
   // reduction and the gather stream together).

@@ -157,6 +157,25 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<comm::Communicator> tp_comm;      // the parts of this stage of this replica
   std::vector<TensorPart> tp_parts;                 // every part's blocks and splits (Model::tensor_part)
   bool tensor_split() const { return tp_size > 1; }
+  // Expert parallelism (Note [expert parallelism] in expert_parallel.cpp)
+  // runs on the same machinery: its parts (tp_*) are the expert ranks,
+  // which hold a share of the experts and the whole dense weights, and,
+  // unlike tensor parts, train on batches of their own. Grid rank =
+  // replica * tp_size + tp_rank; comm, world and rank are the ranks that
+  // hold the same experts.
+  bool expert_parts = false;
+  double ep_wait_s = 0;  // in the experts' exchanges
+  void setup_experts();
+  void expert_counts(const int32_t* send, int32_t* recv, int64_t per_rank) override;
+  void expert_exchange(const float* send, const int64_t* send_rows, float* recv, const int64_t* recv_rows,
+                       int64_t width) override;
+  // This rank's batches among all the run's: the replica's, or with expert
+  // ranks (each with its own batches) replica * tp_size + tp_rank of
+  // world * tp_size.
+  int data_rank() const { return expert_parts ? rank * tp_size + tp_rank : rank; }
+  int data_world() const { return expert_parts ? world * tp_size : world; }
+  // Part r's TensorPart checked against the whole model's blocks.
+  void check_part(const TensorPart& part, int r, const char* what) const;
   // The blocks the engine keeps: this part's, or the model's.
   const std::vector<BlockSpec>& specs() const {
     return tp_parts.empty() ? model->blocks() : tp_parts[static_cast<size_t>(tp_rank)].blocks;

@@ -386,6 +386,12 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
     if (part.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
     specs = std::move(part.blocks);
   }
+  if (c.expert_split()) {  // one expert rank's share of the experts (activations: balanced routing's)
+    std::string why;
+    TensorPart part = model.expert_part(0, static_cast<int>(c.expert_parallel.size), &why);
+    if (part.empty()) throw ConfigError("expert_parallel.autoep_size", why);
+    specs = std::move(part.blocks);
+  }
   if (!c.pipelined()) return estimate_rank(model, c, seq_len, nullptr, 0, specs);
   // The stage that needs the most stands for all (a machine holds ranks of
   // every stage when the grid is on one machine; the largest is the bound).

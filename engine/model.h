@@ -250,6 +250,18 @@ class StepContext {
   // ranks that share this model's rows). Every sequence rank calls it at
   // the same points, in the same order.
   virtual void sequence_all_to_all(const float* send, float* recv, int64_t per_rank) {}
+  // Expert parallelism (Note [expert parallelism] in
+  // engine/expert_parallel.cpp), over the ranks that hold the other
+  // experts (use_expert_part): expert_counts sends `per_rank` int32 values
+  // from send + r * per_rank to expert rank r and receives r's into recv +
+  // r * per_rank; expert_exchange sends send_rows[r] rows of `width` fp32
+  // values (the blocks one after the other in rank order) to rank r and
+  // receives recv_rows[r] rows from r, in rank order (each pair's counts
+  // agree: they come from expert_counts). Every expert rank calls them at
+  // the same points, in the same order.
+  virtual void expert_counts(const int32_t* send, int32_t* recv, int64_t per_rank) {}
+  virtual void expert_exchange(const float* send, const int64_t* send_rows, float* recv, const int64_t* recv_rows,
+                               int64_t width) {}
 
  protected:
   friend class HeldParams;
@@ -317,6 +329,21 @@ class Model {
   // those of tensor_part(rank, size)), summing partial results with
   // ctx.tensor_all_reduce. Called once, before the first forward.
   virtual void use_tensor_part(int rank, int size) {}
+  // Expert parallelism (Note [expert parallelism] in
+  // engine/expert_parallel.cpp): part `rank` of `size` with that share of
+  // each mixture-of-experts layer's experts, every other parameter whole
+  // and marked TensorSplit::sum_grads (the expert ranks train on their own
+  // batches). Empty where the model cannot share out its experts so, with
+  // the reason in *why.
+  virtual TensorPart expert_part(int rank, int size, std::string* why) const {
+    if (why) *why = "model '" + name() + "' has no mixture-of-experts layers to share out";
+    return {};
+  }
+  // From now on the model holds and computes the experts of
+  // expert_part(rank, size), sending each token to the rank of its experts
+  // through ctx.expert_counts and ctx.expert_exchange. Called once, before
+  // the first forward.
+  virtual void use_expert_part(int rank, int size) {}
   // Sequence parallelism (SequenceSplit): "" where the model computes a
   // slice of each row at `size` sequence ranks, else why not (one line).
   virtual std::string sequence_split_error(int size) const {

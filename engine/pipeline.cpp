@@ -498,8 +498,9 @@ void Engine::Impl::reduce_step_sums(double sums[7], bool local_grads) {
     for (size_t i = 0; i < nb; ++i)  // a block two stages share counts on its first (Note [tied blocks across stages])
       if (!blocks[i].frozen && (!pipelined() || pipe_plan.block_stage[i] == stage)) v[i] = block_squares(i);
   }
-  // The loss lives on the last stage; its tensor parts see the same batch (part 0's counts).
-  if ((!pipelined() || stage == stages - 1) && tp_rank == 0) {
+  // The loss lives on the last stage; its tensor parts see the same batch
+  // (part 0's counts), expert ranks their own (every one's).
+  if ((!pipelined() || stage == stages - 1) && (tp_rank == 0 || expert_parts)) {
     const double tail[6] = {b.loss_sum, b.targets, b.positions, b.positions_sq, static_cast<double>(b.count),
                             b.target_loss};
     std::copy(tail, tail + 6, v.begin() + static_cast<std::ptrdiff_t>(nb));

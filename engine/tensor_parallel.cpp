@@ -147,15 +147,8 @@ void Engine::Impl::setup_grid() {
     for (int r = 0; r < tp_size; ++r) {
       std::string why;
       tp_parts.push_back(model->tensor_part(r, tp_size, &why));
-      const TensorPart& tp = tp_parts.back();
-      if (tp.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
-      bool same = tp.blocks.size() == model->blocks().size() && tp.splits.size() == tp.blocks.size();
-      for (size_t b = 0; same && b < tp.blocks.size(); ++b)
-        same = tp.blocks[b].params.size() == model->blocks()[b].params.size() &&
-               tp.splits[b].size() == tp.blocks[b].params.size();
-      if (!same)
-        throw Error("model '" + model->name() + "': tensor part " + std::to_string(r) +
-                    " does not have the whole model's blocks and parameters");
+      if (tp_parts.back().empty()) throw ConfigError("tensor_parallel.autotp_size", why);
+      check_part(tp_parts.back(), r, "tensor part");
     }
     model->use_tensor_part(tp_rank, tp_size);
   }
@@ -213,12 +206,26 @@ void Engine::Impl::sum_part_gradients() {
     float* g = plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
     const int64_t own = plan.optimizer_spans_block ? 0 : s.part.own_offset();
     const int64_t end = own + (plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel);
-    for (size_t p = 0; p < s.layout.offsets.size(); ++p) {
-      if (!split_of(b, p, tp_rank).sum_grads) continue;  // the same on every part, in this order
-      const int64_t lo = std::max(own, s.layout.offsets[p]), hi = std::min(end, s.layout.offsets[p] + s.layout.numels[p]);
+    // Runs of adjacent summed parameters go as one all-reduce (with expert
+    // ranks every dense weight is summed: a block or two per call).
+    int64_t run_lo = 0, run_hi = 0;
+    auto flush = [&] {
       // Every part's shard has the same bounds (the same layout), so each calls alike.
-      if (lo < hi) tp_comm->all_reduce(g + (lo - own), g + (lo - own), hi - lo, DType::kF32);
+      if (run_lo < run_hi) tp_comm->all_reduce(g + (run_lo - own), g + (run_lo - own), run_hi - run_lo, DType::kF32);
+      run_lo = run_hi = 0;
+    };
+    for (size_t p = 0; p < s.layout.offsets.size(); ++p) {
+      if (!split_of(b, p, tp_rank).sum_grads) {  // the same on every part, in this order
+        flush();
+        continue;
+      }
+      const int64_t lo = std::max(own, s.layout.offsets[p]), hi = std::min(end, s.layout.offsets[p] + s.layout.numels[p]);
+      if (lo >= hi) continue;
+      if (run_lo < run_hi && lo > run_hi) flush();  // padding between them: not adjacent
+      if (run_lo == run_hi) run_lo = lo;
+      run_hi = hi;
     }
+    flush();
   }
 }
 

@@ -217,6 +217,8 @@ void check_startable(const Experiment& ex) {
   if (ex.experiment.run.checkpoint_interval > 0) check_creatable("run.checkpoint_dir", ex.experiment.run.checkpoint_dir);
   // Sequence ranks: the model splits its rows and the rows divide.
   if (c.sequence_split()) describe_sequence_ranks(*ex.model, c, ex.data->seq_len());
+  // Expert ranks: the model shares out its experts so.
+  if (c.expert_split()) describe_expert_parts(*ex.model, c);
 }
 
 CheckReport check_config(const std::string& path, const std::vector<std::string>& overrides, int world) {
@@ -234,6 +236,7 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     check_startable(ex);
     if (ex.config.pipelined()) rep.pipeline = plan_pipeline(*ex.model, ex.config).describe(world);
     if (ex.config.tensor_split()) rep.tensor_parts = describe_tensor_parts(*ex.model, ex.config);
+    if (ex.config.expert_split()) rep.expert_ranks = describe_expert_parts(*ex.model, ex.config);
     if (ex.config.sequence_split())
       rep.sequence_ranks = describe_sequence_ranks(*ex.model, ex.config, ex.data->seq_len());
     rep.resolved = resolved_document(ex.config, ex.experiment);
@@ -268,7 +271,8 @@ json CheckReport::to_json() const {
           {"keys", entries_json(entries)}, {"unused", entries_json(unused)},
           {"warnings", warnings},    {"refusals", refusals}, {"pipeline", pipeline},
           {"tensor_parts", tensor_parts},
-          {"sequence_ranks", sequence_ranks}};
+          {"sequence_ranks", sequence_ranks},
+          {"expert_ranks", expert_ranks}};
 }
 
 }  // namespace zinc::tools

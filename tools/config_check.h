@@ -52,6 +52,7 @@ struct CheckReport {
   std::vector<std::string> refusals;  // the error line(s) that stop the run
   std::vector<std::string> pipeline;  // with pipeline stages: which ranks hold which layers (PipelinePlan::describe)
   std::vector<std::string> tensor_parts;  // with tensor parts: which ranks hold which heads (describe_tensor_parts)
+  std::vector<std::string> expert_ranks;  // with expert ranks: which ranks hold which experts (describe_expert_parts)
   std::vector<std::string> sequence_ranks;  // with sequence ranks: which ranks hold which tokens (describe_sequence_ranks)
   nlohmann::json to_json() const;     // one object: {"event": "check", ...}
 };

@@ -90,6 +90,10 @@ class PretrainedModel final : public Model {
     return inner_->tensor_part(rank, size, why);
   }
   void use_tensor_part(int rank, int size) override { inner_->use_tensor_part(rank, size); }
+  TensorPart expert_part(int rank, int size, std::string* why) const override {
+    return inner_->expert_part(rank, size, why);
+  }
+  void use_expert_part(int rank, int size) override { inner_->use_expert_part(rank, size); }
   std::string sequence_split_error(int size) const override { return inner_->sequence_split_error(size); }
   std::optional<ActivationMemory> sequence_activation_memory(int64_t B, int64_t T, DType dt, int size,
                                                              int tensor_parts) const override {

@@ -208,6 +208,11 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
     std::printf("tensor parts (each layer split by heads and MLP columns; docs/parallelism.md):\n");
     for (const std::string& line : rep.tensor_parts) std::printf("  %s\n", line.c_str());
   }
+  if (!rep.expert_ranks.empty()) {
+    std::printf("expert ranks (each mixture-of-experts layer's experts shared out, tokens exchanged; "
+                "docs/parallelism.md):\n");
+    for (const std::string& line : rep.expert_ranks) std::printf("  %s\n", line.c_str());
+  }
   if (!rep.sequence_ranks.empty()) {
     std::printf("sequence ranks (each row split by tokens, attention by heads; docs/parallelism.md):\n");
     for (const std::string& line : rep.sequence_ranks) std::printf("  %s\n", line.c_str());

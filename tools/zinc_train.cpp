@@ -269,12 +269,18 @@ void print_header(const zinc::tools::Experiment& ex, const zinc::Engine& engine,
                   : "",
               ex.data->describe().c_str(),
               ex.experiment.data_given ? "" : " (the default: the config has no data section)");
-  if (cfg.model_parallel_size() > 1) {
+  if (cfg.model_parallel_size() > 1 || cfg.expert_split()) {
     std::string grid;  // "2 pipeline stages x 2 tensor parts x 1 replica"
     if (cfg.pipelined()) grid += std::to_string(cfg.pipeline.stages) + " pipeline stages x ";
     if (cfg.tensor_split()) grid += std::to_string(cfg.tensor_parallel.size) + " tensor parts x ";
     if (cfg.sequence_split()) grid += std::to_string(cfg.sequence_parallel_size) + " sequence ranks x ";
-    grid += std::to_string(cfg.data_parallel_size()) + (cfg.data_parallel_size() == 1 ? " replica" : " replicas");
+    if (cfg.expert_split()) {  // every rank a replica of the batch: "2 expert ranks x 2 expert replicas"
+      const int64_t d = cfg.data_parallel_size() / cfg.expert_parallel.size;
+      grid += std::to_string(cfg.expert_parallel.size) + " expert ranks x " + std::to_string(d) +
+              (d == 1 ? " expert replica" : " expert replicas");
+    } else {
+      grid += std::to_string(cfg.data_parallel_size()) + (cfg.data_parallel_size() == 1 ? " replica" : " replicas");
+    }
     std::printf("batch %lld = micro %lld x accumulation %lld x replicas %d | %s = %d ranks (%s) | ZeRO stage %d%s | "
                 "%lld steps",
                 static_cast<long long>(cfg.train_batch_size),
@@ -407,6 +413,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double pipe_wait0 = engine.pipeline_wait_seconds();
   const double tensor_wait0 = engine.tensor_wait_seconds();
   const double seq_wait0 = engine.sequence_wait_seconds();
+  const double ep_wait0 = engine.expert_wait_seconds();
   const double pipe_bubble =
       cfg.pipelined() ? static_cast<double>(cfg.pipeline.stages - 1) /
                             static_cast<double>(cfg.pipeline.stages - 1 + cfg.gradient_accumulation_steps)
@@ -448,7 +455,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // Sequence ranks: each rank's share of the time in the attention's all-to-alls.
   std::vector<double> seq_wait(static_cast<size_t>(world), 0.0);
   seq_wait[static_cast<size_t>(rank)] = (engine.sequence_wait_seconds() - seq_wait0) / elapsed;
+  // Expert ranks: each rank's share of the time in the experts' exchanges.
+  std::vector<double> ep_wait(static_cast<size_t>(world), 0.0);
+  ep_wait[static_cast<size_t>(rank)] = (engine.expert_wait_seconds() - ep_wait0) / elapsed;
   if (world > 1) {
+    comm->all_reduce_f64(ep_wait.data(), world);
     comm->all_reduce_f64(pipe_wait.data(), world);
     comm->all_reduce_f64(tensor_wait.data(), world);
     comm->all_reduce_f64(seq_wait.data(), world);
@@ -530,6 +541,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       sum["tensor_parallel"] = {{"parts", cfg.tensor_parallel.size}, {"wait_share_per_rank", tensor_wait}};
     if (cfg.sequence_split())
       sum["sequence_parallel"] = {{"ranks", cfg.sequence_parallel_size}, {"wait_share_per_rank", seq_wait}};
+    if (cfg.expert_split())
+      sum["expert_parallel"] = {{"ranks", cfg.expert_parallel.size}, {"wait_share_per_rank", ep_wait}};
     if (nvme) {
       sum["nvme_read_bytes_per_step"] = nvme_read;
       sum["nvme_write_bytes_per_step"] = nvme_written;
@@ -571,6 +584,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     if (cfg.sequence_split()) {
       std::printf(" | sequence ranks: in the attention's all-to-alls");
       for (double w : seq_wait) std::printf(" %.1f%%", 100 * w);
+      std::printf(" of the time per rank");
+    }
+    if (cfg.expert_split()) {
+      std::printf(" | expert ranks: in the experts' exchanges");
+      for (double w : ep_wait) std::printf(" %.1f%%", 100 * w);
       std::printf(" of the time per rank");
     }
     if (cfg.device == zinc::Device::kCuda)

@@ -69,6 +69,15 @@ struct MoeActs {
   Buf xg, gu, act, y;       // (M,C) gathered input, (M,2Ie), (M,Ie), (M,C) the experts' outputs
   CView xg_in, act_in;      // what the experts' matmuls read
   Buf xg_16, act_16;
+  // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp):
+  // xg is what this rank sends, and its local experts' R rows come in as
+  // xe (R,C) with gu (R,2Ie) and act (R,Ie), ordered by local expert
+  // (their first rows at local_offsets, El+1), from each source in rank
+  // order. perm: row i of xe is row perm[i] of the rows as they arrived
+  // (by source); unperm the inverse. send_rows / recv_rows: per rank.
+  Buf xe, perm, unperm;
+  int64_t R = 0;
+  std::vector<int64_t> local_offsets, send_rows, recv_rows;
 };
 
 // Activations of one layer that its backward reads (besides its input x_in).
@@ -693,6 +702,53 @@ class Llama final : public Model {
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
   }
 
+  // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp):
+  // rank r holds experts [r E/P, (r+1) E/P) of every sparse layer (rows of
+  // the stacked gate_up_proj and down_proj); everything else is whole, its
+  // gradient summed over the ranks (they train on batches of their own).
+  TensorPart expert_part(int rank, int size, std::string* why) const override {
+    auto no = [&](const std::string& m) {
+      if (why)
+        *why = "model '" + name() + "' does not share its experts over " + std::to_string(size) + " expert ranks: " + m;
+      return TensorPart{};
+    };
+    if (size < 1 || rank < 0 || rank >= size) return no("no expert rank " + std::to_string(rank));
+    const int64_t E = c_.num_experts, C = c_.hidden_size, Ie = c_.expert_size();
+    if (E == 0) return no("it has no mixture-of-experts layers (num_experts 0)");
+    if (E % size != 0) return no("num_experts " + std::to_string(E) + " is not a multiple of it");
+    if (tp_size_ > 1) return no("it computes a tensor part");
+    const int64_t El = E / size;
+    int64_t sparse = 0;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) sparse += c_.sparse_layer(l) ? 1 : 0;
+    TensorPart out = detail::whole_tensor_part(
+        blocks(), "experts " + detail::part_span(rank * El, El, E) + " of each of " + std::to_string(sparse) +
+                      (sparse == 1 ? " sparse layer" : " sparse layers"));
+    for (std::vector<TensorSplit>& b : out.splits)
+      for (TensorSplit& sp : b) sp.sum_grads = true;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      const LayerIdx& x = idx_[static_cast<size_t>(l)];
+      if (x.experts_gu < 0) continue;
+      std::vector<ParamSpec>& ps = out.blocks[static_cast<size_t>(l + 1)].params;
+      std::vector<TensorSplit>& sp = out.splits[static_cast<size_t>(l + 1)];
+      for (auto [at, rows] : {std::pair{x.experts_gu, 2 * Ie}, std::pair{x.experts_down, C}}) {
+        sp[static_cast<size_t>(at)] = TensorSplit{TensorSplit::kRows, {{rank * El * rows, El * rows}}};
+        ps[static_cast<size_t>(at)].shape.dims[0] = El * rows;
+      }
+    }
+    return out;
+  }
+  void use_expert_part(int rank, int size) override {
+    if (size == 1) return;
+    if (!whole_.empty()) throw Error("model '" + name() + "' already computes a part");
+    std::string why;
+    TensorPart part = expert_part(rank, size, &why);
+    if (part.empty()) throw Error(why);
+    whole_ = std::move(specs_);
+    specs_ = std::move(part.blocks);
+    ep_rank_ = rank;
+    ep_size_ = size;
+  }
+
  private:
   StageRange stage_range(const PipelineStage& st) const { return StageRange::of(st, c_.num_hidden_layers); }
   // The hidden state entering decoder layer l (x_final_ past the last).
@@ -1002,6 +1058,111 @@ class Llama final : public Model {
                  v.bf16_exact};
   }
 
+  // The experts' SwiGLU over R grouped rows xin (R,C), the rows of
+  // (local) expert e from offsets[e], into y (R,C); m.gu and m.act hold R
+  // rows. Expert e's weights are the e-th of this rank's.
+  void experts_forward(const HeldParams& p, const LayerIdx& x, MoeActs& m, float* xin, int64_t R,
+                       const std::vector<int64_t>& offsets, float* y, DType dt) {
+    const int64_t C = c_.hidden_size, Ie = c_.expert_size(), E = static_cast<int64_t>(offsets.size()) - 1;
+    m.xg_in = ops_->matmul_input(xin, R * C, dt, m.xg_16);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_forward(*ops_, m.gu.as<float>() + r0 * 2 * Ie, at(m.xg_in, r0 * C),
+                             at(p[x.experts_gu], e * 2 * Ie * C), CView{}, rows, C, 2 * Ie, dt);
+    }
+    ops_->swiglu_forward(m.act.as<float>(), m.gu.as<float>(), R, Ie);
+    m.act_in = ops_->matmul_input(m.act.as<float>(), R * Ie, dt, m.act_16);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_forward(*ops_, y + r0 * C, at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), CView{},
+                             rows, Ie, C, dt);
+    }
+  }
+  // Its backward from dy (R,C), overwritten with the rows' input gradient;
+  // the experts' weight gradients (none where frozen: LoRA) accumulate.
+  void experts_backward(const HeldParams& p, const BlockGrads& g, const LayerIdx& x, MoeActs& m, float* dy, int64_t R,
+                        const std::vector<int64_t>& offsets, DType dt) {
+    const int64_t C = c_.hidden_size, Ie = c_.expert_size(), E = static_cast<int64_t>(offsets.size()) - 1;
+    float* dgu = moe_dgu_.as<float>();    // (R,2Ie)
+    float* dact = moe_dact_.as<float>();  // (R,Ie)
+    float* g_down = weight_grad(g, x.experts_down);
+    float* g_gu = weight_grad(g, x.experts_gu);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g_down ? g_down + e * C * Ie : nullptr, nullptr,
+                              f32(dy + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
+                              C, dt);
+    }
+    ops_->swiglu_backward(dgu, dact, m.gu.as<float>(), R, Ie);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
+      if (rows == 0) continue;
+      detail::linear_backward(*ops_, dy16_, dy + r0 * C, g_gu ? g_gu + e * 2 * Ie * C : nullptr, nullptr,
+                              f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
+                              C, 2 * Ie, dt);
+    }
+  }
+
+  // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp).
+  bool expert_split() const { return ep_size_ > 1; }
+  int64_t local_experts() const { return c_.num_experts / ep_size_; }
+  void grow(Buf& b, int64_t floats) {
+    if (b.bytes() < static_cast<size_t>(floats) * sizeof(float)) b = ops_->alloc_f32(static_cast<size_t>(floats));
+  }
+  // Sends m.xg's rows (grouped by expert at m.offsets) to their experts'
+  // ranks; this rank's experts' rows arrive into m.xe, by local expert.
+  void expert_dispatch(MoeActs& m) {
+    const int P = ep_size_;
+    const int64_t El = local_experts(), C = c_.hidden_size;
+    const size_t n = static_cast<size_t>(P * El);
+    std::vector<int32_t> sent(n), got(n);  // rows per (rank, local expert)
+    for (size_t i = 0; i < n; ++i) sent[i] = static_cast<int32_t>(m.offsets[i + 1] - m.offsets[i]);
+    pass_ctx_->expert_counts(sent.data(), got.data(), El);
+    m.send_rows.assign(static_cast<size_t>(P), 0);
+    m.recv_rows.assign(static_cast<size_t>(P), 0);
+    for (int r = 0; r < P; ++r)
+      for (int64_t e = 0; e < El; ++e) {
+        m.send_rows[static_cast<size_t>(r)] += sent[static_cast<size_t>(r * El + e)];
+        m.recv_rows[static_cast<size_t>(r)] += got[static_cast<size_t>(r * El + e)];
+      }
+    // Where each (source, expert) block starts as the rows arrive (by source).
+    std::vector<int64_t> start(n);
+    int64_t R = 0;
+    for (int r = 0; r < P; ++r)
+      for (int64_t e = 0; e < El; ++e) {
+        start[static_cast<size_t>(r * El + e)] = R;
+        R += got[static_cast<size_t>(r * El + e)];
+      }
+    m.R = R;
+    m.local_offsets.assign(static_cast<size_t>(El + 1), 0);
+    std::vector<int32_t> perm(static_cast<size_t>(R)), unperm(static_cast<size_t>(R));
+    int64_t i = 0;
+    for (int64_t e = 0; e < El; ++e) {
+      for (int r = 0; r < P; ++r)
+        for (int64_t j = 0; j < got[static_cast<size_t>(r * El + e)]; ++j, ++i) {
+          perm[static_cast<size_t>(i)] = static_cast<int32_t>(start[static_cast<size_t>(r * El + e)] + j);
+          unperm[static_cast<size_t>(perm[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
+        }
+      m.local_offsets[static_cast<size_t>(e + 1)] = i;
+    }
+    ops_->copy_in_i32(m.perm, perm.data(), R);
+    ops_->copy_in_i32(m.unperm, unperm.data(), R);
+    grow(ep_recv_, R * C);
+    grow(m.xe, R * C);
+    pass_ctx_->expert_exchange(m.xg.as<float>(), m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
+    ops_->moe_gather(m.xe.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), R, C);
+  }
+  // Sends the experts' outputs ye (R,C, by local expert) back to their
+  // tokens' ranks: y (M,C) gets them in the order m.xg sent its rows.
+  void expert_return(MoeActs& m, const float* ye, float* y) {
+    const int64_t C = c_.hidden_size;
+    ops_->moe_gather(ep_recv_.as<float>(), ye, m.unperm.as<int32_t>(), m.R, C);
+    pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), y, m.send_rows.data(), C);
+  }
+
   // A sparse layer's MLP (Note [expert routing order] in kernels/moe.cpp):
   // router logits from ln2, the top k experts of each token, the (token,
   // slot) pairs grouped by expert on the host, each expert's SwiGLU on its
@@ -1024,20 +1185,16 @@ class Llama final : public Model {
     ops_->copy_in_i32(m.token_of_row, token_of_row.data(), M);
     ops_->copy_in_i32(m.row_of_slot, row_of_slot.data(), M);
     ops_->moe_gather(m.xg.as<float>(), a.ln2.as<float>(), m.token_of_row.as<int32_t>(), M, C);
-    m.xg_in = ops_->matmul_input(m.xg.as<float>(), M * C, dt, m.xg_16);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
-      if (rows == 0) continue;
-      detail::linear_forward(*ops_, m.gu.as<float>() + r0 * 2 * Ie, at(m.xg_in, r0 * C),
-                             at(p[x.experts_gu], e * 2 * Ie * C), CView{}, rows, C, 2 * Ie, dt);
-    }
-    ops_->swiglu_forward(m.act.as<float>(), m.gu.as<float>(), M, Ie);
-    m.act_in = ops_->matmul_input(m.act.as<float>(), M * Ie, dt, m.act_16);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
-      if (rows == 0) continue;
-      detail::linear_forward(*ops_, m.y.as<float>() + r0 * C, at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie),
-                             CView{}, rows, Ie, C, dt);
+    if (expert_split()) {
+      // To the experts' ranks, through this rank's experts, and back.
+      expert_dispatch(m);
+      grow(m.gu, m.R * 2 * Ie);
+      grow(m.act, m.R * Ie);
+      grow(ep_ye_, m.R * C);
+      experts_forward(p, x, m, m.xe.as<float>(), m.R, m.local_offsets, ep_ye_.as<float>(), dt);
+      expert_return(m, ep_ye_.as<float>(), m.y.as<float>());
+    } else {
+      experts_forward(p, x, m, m.xg.as<float>(), M, m.offsets, m.y.as<float>(), dt);
     }
     ops_->moe_combine(out, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N, k, C);
     if (count && c_.router_aux_loss_coef > 0) {
@@ -1062,28 +1219,22 @@ class Llama final : public Model {
     const int64_t M = N * k;
     MoeActs& m = a.moe;
     float* dyg = moe_dy_.as<float>();         // (M,C) d of each grouped row's expert output, then d xg
-    float* dgu = moe_dgu_.as<float>();        // (M,2Ie)
-    float* dact = moe_dact_.as<float>();      // (M,Ie)
     float* dweight = moe_dweight_.as<float>();  // (N,k)
     ops_->moe_combine_backward(dyg, dweight, dy, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N,
                                k, C);
-    // The experts' and the router's weight gradients (none where frozen: LoRA).
-    float* g_down = weight_grad(g, x.experts_down);
-    float* g_gu = weight_grad(g, x.experts_gu);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
-      if (rows == 0) continue;
-      detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g_down ? g_down + e * C * Ie : nullptr, nullptr,
-                              f32(dyg + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
-                              C, dt);
-    }
-    ops_->swiglu_backward(dgu, dact, m.gu.as<float>(), M, Ie);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = m.offsets[static_cast<size_t>(e)], rows = m.offsets[static_cast<size_t>(e + 1)] - r0;
-      if (rows == 0) continue;
-      detail::linear_backward(*ops_, dy16_, dyg + r0 * C, g_gu ? g_gu + e * 2 * Ie * C : nullptr, nullptr,
-                              f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
-                              C, 2 * Ie, dt);
+    if (expert_split()) {
+      // The outputs' gradients to the experts' ranks, their inputs' back.
+      grow(ep_ye_, m.R * C);
+      grow(ep_recv_, m.R * C);
+      pass_ctx_->expert_exchange(dyg, m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
+      ops_->moe_gather(ep_ye_.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), m.R, C);
+      grow(moe_dgu_, m.R * 2 * Ie);
+      grow(moe_dact_, m.R * Ie);
+      experts_backward(p, g, x, m, ep_ye_.as<float>(), m.R, m.local_offsets, dt);
+      ops_->moe_gather(ep_recv_.as<float>(), ep_ye_.as<float>(), m.unperm.as<int32_t>(), m.R, C);
+      pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), dyg, m.send_rows.data(), C);
+    } else {
+      experts_backward(p, g, x, m, dyg, M, m.offsets, dt);
     }
     ops_->zero(dln2, N * C);
     ops_->moe_gather_backward(dln2, dyg, m.row_of_slot.as<int32_t>(), N, k, C);
@@ -1353,6 +1504,11 @@ class Llama final : public Model {
   // backward's scratch for the grouped rows (M = N k), the aux loss's
   // gradient on the probabilities (E), and the aux loss's sums.
   Buf moe_logits_, moe_dy_, moe_dgu_, moe_dact_, moe_dweight_, aux_dprobs_;
+  // Expert ranks (use_expert_part): this rank's share of each sparse
+  // layer's experts, and the exchanges' staging (grown to the most rows
+  // this rank's experts got): rows as they arrive, the experts' outputs.
+  int ep_rank_ = 0, ep_size_ = 1;
+  Buf ep_recv_, ep_ye_;
   std::vector<double> aux_count_, aux_prob_, aux_f_;
   int64_t aux_layers_ = 0;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;

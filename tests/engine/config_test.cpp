@@ -218,9 +218,10 @@ TEST(ConfigTopLevel, KeysDeepSpeedDoesNotReadAreWarnedAboutTyposRefused) {
   EXPECT_CONFIG_ERROR(with({{"fp166", {{"enabled", true}}}}), "fp166: unknown key (did you mean 'fp16'?)");
   // Nested sections stay strict, as DeepSpeed's are.
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"_comment", "x"}}}}), "zero_optimization._comment: unknown key");
-  // Mixture-of-experts is named for what it is.
+  // Expert ranks (tests/engine/expert_parallel_test.cpp): read, and at one
+  // rank two expert ranks cannot be made.
   EXPECT_CONFIG_ERROR(with({{"expert_parallel", {{"enabled", true}, {"autoep_size", 2}}}}),
-                      "expert_parallel: not implemented in zinc", "expert parallelism");
+                      "expert_parallel.autoep_size", "multiple of 2 ranks");
   EXPECT_NO_THROW(Config::parse(with({{"expert_parallel", {{"enabled", false}}}})));
 }
 

@@ -147,11 +147,12 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
         }
       }
       // configs/ name a global batch; 2 ranks split it. A config with
-      // pipeline stages, tensor parts or sequence ranks needs a rank per
-      // stage, part and slice.
+      // pipeline stages, tensor parts, sequence or expert ranks needs a rank
+      // per stage, part, slice and expert rank.
       const int stages = (doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1) *
                          (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1) *
-                         doc.value("sequence_parallel_size", 1);
+                         doc.value("sequence_parallel_size", 1) *
+                         (doc.contains("expert_parallel") ? doc["expert_parallel"].value("autoep_size", 1) : 1);
       for (int world : {stages, 2 * stages}) {
         expect_round_trip(doc, world, e.path().string() + " at " + std::to_string(world) + " ranks");
       }

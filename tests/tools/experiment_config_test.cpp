@@ -198,11 +198,12 @@ TEST(ExperimentConfigLoad, EveryShippedConfigParses) {
     if (entry.path().extension() != ".json") continue;
     SCOPED_TRACE(entry.path().string());
     const json doc = read_json_file(entry.path().string());
-    // A config with pipeline stages, tensor parts or sequence ranks needs a
-    // rank per stage, part and slice.
+    // A config with pipeline stages, tensor parts, sequence or expert ranks
+    // needs a rank per stage, part, slice and expert rank.
     const int world = (doc.contains("pipeline") ? doc["pipeline"].value("stages", 1) : 1) *
                       (doc.contains("tensor_parallel") ? doc["tensor_parallel"].value("autotp_size", 1) : 1) *
-                      doc.value("sequence_parallel_size", 1);
+                      doc.value("sequence_parallel_size", 1) *
+                      (doc.contains("expert_parallel") ? doc["expert_parallel"].value("autoep_size", 1) : 1);
     EXPECT_NO_THROW({
       const ParsedExperiment p = parse_experiment(doc, world);
       EXPECT_TRUE(p.config.warnings.empty()) << p.config.warnings.front();

@@ -223,5 +223,39 @@ else
 fi
 split_fixtures sequence_parallel_size "2 sequence ranks x 1 replica" qwen3 phi3 gpt2
 
+# Expert ranks (configs/expert_parallel.json: a Mixtral whose 8 experts per
+# layer are shared out over 2 ranks, each training on its own batches): the
+# loss follows the data-parallel run on the same 2 ranks (the test binary
+# checks the tolerance; here the same loss printed to 2 decimals); --check
+# prints which rank holds which experts; the checkpoint resumes at 1 rank,
+# whose export is the expert ranks' byte for byte. DeepSpeed's AutoEP
+# tutorial config (autoep_size 8, ZeRO-3, bf16) trains at 8 ranks.
+ECFG="$ROOT/configs/expert_parallel.json"
+EK=(--set run.eval_interval=0 --set steps_per_print=3 --set data.seq_len=64)
+"${MPIRUN[@]}" "$ZT" "$ECFG" --steps 6 "${EK[@]}" --set "run.checkpoint_dir=$TMP/eck" --set run.checkpoint_interval=6 \
+  --save-pretrained "$TMP/ehf2" >"$TMP/ep" 2>"$TMP/err"
+"${MPIRUN[@]}" "$ZT" "$ECFG" --steps 6 "${EK[@]}" --set expert_parallel.enabled=false >"$TMP/edp" 2>>"$TMP/err"
+OMP_NUM_THREADS=1 "$ZT" "$ECFG" --steps 6 "${EK[@]}" --set expert_parallel.enabled=false \
+  --set train_micro_batch_size_per_gpu=8 --set "run.checkpoint_dir=$TMP/eck" --resume --save-pretrained "$TMP/ehf1" \
+  >"$TMP/eresumed" 2>>"$TMP/err"
+"${MPIRUN[@]}" "$ZT" "$ECFG" --check >"$TMP/echeck" 2>>"$TMP/err"
+MP8=(mpirun --oversubscribe -np 8 -x OMP_NUM_THREADS=1)
+[ "$(id -u)" -eq 0 ] && MP8+=(--allow-run-as-root)
+"${MP8[@]}" "$ZT" "$ROOT/tests/configs/real/ds_autoep_tutorial_z3.json" \
+  --set 'model={"type":"mixtral","hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}' \
+  --set 'data={"type":"synthetic","vocab_size":32,"seq_len":32}' --set run.steps=2 --set steps_per_print=1 \
+  >"$TMP/ep8" 2>>"$TMP/err"
+if [ -n "$(final_loss "$TMP/ep")" ] && [ "$(final_loss "$TMP/ep")" = "$(final_loss "$TMP/edp")" ] &&
+   grep -q "2 expert ranks x 1 expert replica = 2 ranks" "$TMP/ep" &&
+   grep -q "expert rank 1 (rank 1): experts 4-7 of 8 of each of 4 sparse layers" "$TMP/echeck" &&
+   grep -q "^done: 6 steps\|nothing left to train" "$TMP/eresumed" &&
+   cmp -s "$TMP/ehf1/model.safetensors" "$TMP/ehf2/model.safetensors" &&
+   grep -q "8 expert ranks x 1 expert replica = 8 ranks" "$TMP/ep8" && [ -n "$(final_loss "$TMP/ep8")" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL expert ranks"; cat "$TMP/ep" "$TMP/edp" "$TMP/eresumed" "$TMP/echeck" "$TMP/ep8" "$TMP/err"
+  ls -l "$TMP/ehf1" "$TMP/ehf2"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
