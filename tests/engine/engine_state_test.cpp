@@ -323,7 +323,14 @@ TEST(MemoryEstimate, ModelActivationsAndScratchAreWhatForwardAndBackwardAllocate
       }
       const double expect = static_cast<double>(want.saved + want.workspace);
       EXPECT_GT(want.saved, 0) << what;
-      EXPECT_NEAR(static_cast<double>(grew), expect, 0.02 * expect)
+      // The experts' matmul scratch is sized for N rows per expert (the
+      // most a routing can give one); this batch's routing gives each fewer,
+      // and where oneDNN's scratch shrinks with the rows (AMD EPYC with
+      // AVX-512 BF16: bf16, 3% under) the pass allocates less than that bound.
+      const double under = kind.rfind("moe", 0) == 0 ? 0.05 : 0.02;
+      EXPECT_LE(static_cast<double>(grew), expect * 1.02)
+          << what << ": saved " << want.saved << " + scratch " << want.workspace;
+      EXPECT_GE(static_cast<double>(grew), expect * (1 - under))
           << what << ": saved " << want.saved << " + scratch " << want.workspace;
       if (gpt) gpt_grew[gk.gradient_checkpointing ? 1 : 0] = grew;
     }
