@@ -64,7 +64,8 @@ struct MoeActs {
   Buf probs;                // (N,E) router probabilities
   Buf expert, weight;       // (N,k) int32 chosen experts, (N,k) their weights
   Buf token_of_row, row_of_slot;  // (M = N k) int32 grouping (kernels::moe_group), on this Ops
-  std::vector<int64_t> offsets;   // (E+1) each expert's first grouped row, on the host
+  std::vector<int64_t> offsets;   // (E+1) each expert's first grouped row, on the host (padded: Note [expert row blocks])
+  std::vector<int64_t> real_rows;  // (E) each expert's rows before the padding
   std::vector<int32_t> expert_host;  // (N,k) the chosen experts on the host (the aux loss counts them)
   Buf xg, gu, act, y;       // (M,C) gathered input, (M,2Ie), (M,Ie), (M,C) the experts' outputs
   CView xg_in, act_in;      // what the experts' matmuls read
@@ -307,12 +308,15 @@ class Llama final : public Model {
       // Per set of layer activations (MoeActs): probs, experts, weights,
       // the two grouping maps, xg, gu, act, y and the 16-bit copies the
       // experts' matmuls read; once: the router logits and backward's
-      // grouped-row scratch.
-      const int64_t moe = buffer_bytes(N * E) + 3 * buffer_bytes(M, sizeof(int32_t)) + buffer_bytes(M) +
-                          2 * buffer_bytes(M * C) + buffer_bytes(M * 2 * Ie) + buffer_bytes(M * Ie) +
-                          matmul_input_bytes(M * C, dt) + matmul_input_bytes(M * Ie, dt);
-      m.saved += act_sets * moe + buffer_bytes(N * E) + buffer_bytes(M * C) + buffer_bytes(M * 2 * Ie) +
-                 buffer_bytes(M * Ie) + buffer_bytes(M);
+      // grouped-row scratch. The grouped rows at their padded most (Note
+      // [expert row blocks]).
+      const int64_t Mg = padded_rows(N);
+      const int64_t moe = buffer_bytes(N * E) + 2 * buffer_bytes(M, sizeof(int32_t)) +
+                          buffer_bytes(Mg, sizeof(int32_t)) + buffer_bytes(M) + 2 * buffer_bytes(Mg * C) +
+                          buffer_bytes(Mg * 2 * Ie) + buffer_bytes(Mg * Ie) + matmul_input_bytes(Mg * C, dt) +
+                          matmul_input_bytes(Mg * Ie, dt);
+      m.saved += act_sets * moe + buffer_bytes(N * E) + buffer_bytes(Mg * C) + buffer_bytes(Mg * 2 * Ie) +
+                 buffer_bytes(Mg * Ie) + buffer_bytes(M);
     }
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
@@ -323,11 +327,13 @@ class Llama final : public Model {
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
     }
     if (E > 0) {
-      // An expert's rows are at most N (a token picks an expert once): its
-      // matmuls' scratch at N rows bounds each; the router's.
-      for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 2 * Ie}, {Ie, C}, {C, E}}) {
-        detail::tally_linear_forward(t, x, std::min(N, M), in, out, false, dt);
-        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, std::min(N, M), in, out, true, dt));
+      // An expert's rows are at most N (a token picks an expert once), N
+      // padded to its block: its matmuls' scratch there bounds each; the
+      // router's at N.
+      const int64_t rows = std::min((N + kExpertRows - 1) / kExpertRows * kExpertRows, padded_rows(N));
+      for (auto [in, out, r] : {std::tuple<int64_t, int64_t, int64_t>{C, 2 * Ie, rows}, {Ie, C, rows}, {C, E, N}}) {
+        detail::tally_linear_forward(t, x, r, in, out, false, dt);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, r, in, out, true, dt));
       }
     }
     t.attention(as, dt);
@@ -1106,6 +1112,51 @@ class Llama final : public Model {
     }
   }
 
+  // Note [expert row blocks]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~
+  // oneDNN makes a primitive per exact GEMM shape (Note [matmul primitive
+  // cache] in kernels/matmul.cpp: ~0.5 ms of JIT each, kept for the
+  // process), and an expert's row count changes with every routing: with
+  // one GEMM shape per row count, a Mixtral step made hundreds of new
+  // primitives a step for its first many steps (0.25 s of a 0.86 s step at
+  // the bench's sizes), and the cache grew towards N shapes per GEMM. So
+  // each expert's rows are padded to a multiple of kExpertRows: at most
+  // N / kExpertRows + 1 shapes per GEMM, for (kExpertRows - 1) / 2 rows
+  // more per expert on average. The padding rows read token 0 (finite
+  // values; their outputs are never combined) and their output gradient is
+  // zeroed, so they add exactly nothing to the experts' weight gradients
+  // and the real rows' values are the unpadded GEMMs' (the same dot
+  // products; oneDNN may block the sums differently for another M).
+  static constexpr int64_t kExpertRows = 16;
+  // The most grouped rows a micro-batch of N tokens can have, padded.
+  int64_t padded_rows(int64_t N) const {
+    return N * c_.num_experts_per_tok + c_.num_experts * (kExpertRows - 1);
+  }
+  // Moves the grouping of moe_group (m.offsets, token_of_row, row_of_slot)
+  // to padded blocks; m.real_rows keeps each expert's real count. Returns
+  // the padded row count.
+  int64_t pad_groups(MoeActs& m, std::vector<int32_t>& token_of_row, std::vector<int32_t>& row_of_slot) const {
+    const size_t E = static_cast<size_t>(c_.num_experts);
+    std::vector<int64_t> padded(E + 1, 0);
+    m.real_rows.resize(E);
+    for (size_t e = 0; e < E; ++e) {
+      const int64_t rows = m.offsets[e + 1] - m.offsets[e];
+      m.real_rows[e] = rows;
+      padded[e + 1] = padded[e] + (rows + kExpertRows - 1) / kExpertRows * kExpertRows;
+    }
+    std::vector<int32_t> rows_to(token_of_row.size()), tor(static_cast<size_t>(padded[E]), 0);
+    for (size_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < m.real_rows[e]; ++i) {
+        const size_t from = static_cast<size_t>(m.offsets[e] + i), to = static_cast<size_t>(padded[e] + i);
+        tor[to] = token_of_row[from];
+        rows_to[from] = static_cast<int32_t>(to);
+      }
+    for (int32_t& r : row_of_slot) r = rows_to[static_cast<size_t>(r)];
+    token_of_row = std::move(tor);
+    m.offsets = std::move(padded);
+    return m.offsets[E];
+  }
+
   // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp).
   bool expert_split() const { return ep_size_ > 1; }
   int64_t local_experts() const { return c_.num_experts / ep_size_; }
@@ -1182,9 +1233,12 @@ class Llama final : public Model {
     m.offsets.assign(static_cast<size_t>(E + 1), 0);
     std::vector<int32_t> token_of_row(static_cast<size_t>(M)), row_of_slot(static_cast<size_t>(M));
     kernels::moe_group(m.expert_host.data(), N, k, E, m.offsets.data(), token_of_row.data(), row_of_slot.data());
-    ops_->copy_in_i32(m.token_of_row, token_of_row.data(), M);
+    // The grouped rows: each expert's padded to a block (without expert
+    // ranks; theirs travel as they are).
+    const int64_t Mg = expert_split() ? M : pad_groups(m, token_of_row, row_of_slot);
+    ops_->copy_in_i32(m.token_of_row, token_of_row.data(), Mg);
     ops_->copy_in_i32(m.row_of_slot, row_of_slot.data(), M);
-    ops_->moe_gather(m.xg.as<float>(), a.ln2.as<float>(), m.token_of_row.as<int32_t>(), M, C);
+    ops_->moe_gather(m.xg.as<float>(), a.ln2.as<float>(), m.token_of_row.as<int32_t>(), Mg, C);
     if (expert_split()) {
       // To the experts' ranks, through this rank's experts, and back.
       expert_dispatch(m);
@@ -1194,7 +1248,7 @@ class Llama final : public Model {
       experts_forward(p, x, m, m.xe.as<float>(), m.R, m.local_offsets, ep_ye_.as<float>(), dt);
       expert_return(m, ep_ye_.as<float>(), m.y.as<float>());
     } else {
-      experts_forward(p, x, m, m.xg.as<float>(), M, m.offsets, m.y.as<float>(), dt);
+      experts_forward(p, x, m, m.xg.as<float>(), Mg, m.offsets, m.y.as<float>(), dt);
     }
     ops_->moe_combine(out, m.y.as<float>(), m.weight.as<float>(), m.row_of_slot.as<int32_t>(), N, k, C);
     if (count && c_.router_aux_loss_coef > 0) {
@@ -1234,7 +1288,14 @@ class Llama final : public Model {
       ops_->moe_gather(ep_recv_.as<float>(), ep_ye_.as<float>(), m.unperm.as<int32_t>(), m.R, C);
       pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), dyg, m.send_rows.data(), C);
     } else {
-      experts_backward(p, g, x, m, dyg, M, m.offsets, dt);
+      // The padding rows' gradient is zero: they add nothing to the
+      // experts' weight gradients (Note [expert row blocks]).
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t real = m.offsets[static_cast<size_t>(e)] + m.real_rows[static_cast<size_t>(e)];
+        const int64_t pad = m.offsets[static_cast<size_t>(e + 1)] - real;
+        if (pad > 0) ops_->zero(dyg + real * C, pad * C);
+      }
+      experts_backward(p, g, x, m, dyg, m.offsets[static_cast<size_t>(E)], m.offsets, dt);
     }
     ops_->zero(dln2, N * C);
     ops_->moe_gather_backward(dln2, dyg, m.row_of_slot.as<int32_t>(), N, k, C);
@@ -1420,21 +1481,22 @@ class Llama final : public Model {
     if (c_.num_experts > 0) {
       const size_t E = static_cast<size_t>(c_.num_experts), k = static_cast<size_t>(c_.num_experts_per_tok);
       const size_t Ie = static_cast<size_t>(c_.expert_size()), M = N * k;
+      const size_t Mg = static_cast<size_t>(padded_rows(static_cast<int64_t>(N)));  // Note [expert row blocks]
       for (LlamaLayerActs& a : pass_.acts) {
         if (a.ln1.bytes() == 0) continue;  // another pipeline stage's layer
         MoeActs& m = a.moe;
         m.probs = ops_->alloc_f32(N * E);
         m.expert = ops_->alloc(M * sizeof(int32_t));
         m.weight = ops_->alloc_f32(M);
-        m.xg = ops_->alloc_f32(M * C);
-        m.gu = ops_->alloc_f32(M * 2 * Ie);
-        m.act = ops_->alloc_f32(M * Ie);
-        m.y = ops_->alloc_f32(M * C);
+        m.xg = ops_->alloc_f32(Mg * C);
+        m.gu = ops_->alloc_f32(Mg * 2 * Ie);
+        m.act = ops_->alloc_f32(Mg * Ie);
+        m.y = ops_->alloc_f32(Mg * C);
       }
       moe_logits_ = ops_->alloc_f32(N * E);
-      moe_dy_ = ops_->alloc_f32(M * C);
-      moe_dgu_ = ops_->alloc_f32(M * 2 * Ie);
-      moe_dact_ = ops_->alloc_f32(M * Ie);
+      moe_dy_ = ops_->alloc_f32(Mg * C);
+      moe_dgu_ = ops_->alloc_f32(Mg * 2 * Ie);
+      moe_dact_ = ops_->alloc_f32(Mg * Ie);
       moe_dweight_ = ops_->alloc_f32(M);
     }
     logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
