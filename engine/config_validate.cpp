@@ -41,10 +41,6 @@ void Config::validate() const {
   }
   // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp).
   if (tensor_split()) {
-    if (zero.stage > 2)
-      throw ConfigError("zero_optimization.stage",
-                        "tensor parallelism composes with ZeRO stages 0, 1 and 2 (as DeepSpeed's AutoTP training "
-                        "does); stage 3 with tensor parts is not built, got 3");
     if (device == Device::kCuda)
       throw ConfigError("tensor_parallel.autotp_size",
                         "the GPU path does not split tensors yet; use \"device\": \"cpu\"");

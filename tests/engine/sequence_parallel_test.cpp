@@ -327,6 +327,9 @@ TEST(SequenceParallel, ComposesWithTensorParts) {
   s.zero = 2;
   s.vocab = 16;
   expect_same_run(s, "2 sequence ranks x 2 tensor parts, vocabulary parts, ZeRO-2");
+  s.zero = 3;
+  expect_same_run(s, "2 sequence ranks x 2 tensor parts, vocabulary parts, ZeRO-3");
+  s.zero = 2;
   s.gpt = true;
   s.zero = 1;
   s.heads = 4;
