@@ -50,10 +50,6 @@ void Config::validate() const {
   }
   // Sequence ranks (Note [sequence parallelism] in engine/sequence_parallel.cpp).
   if (sequence_split()) {
-    if (pipelined())
-      throw ConfigError("sequence_parallel_size",
-                        "sequence parallelism does not compose with pipeline stages yet; run the sequence ranks with "
-                        "tensor parts and ZeRO data parallelism");
     if (device == Device::kCuda)
       throw ConfigError("sequence_parallel_size", "the GPU path does not split sequences yet; use \"device\": \"cpu\"");
     if (optimizer.one_bit())

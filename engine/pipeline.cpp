@@ -274,10 +274,12 @@ void Engine::Impl::setup_pipeline() {
     if (!in) tied_comm.reset();
   }
   if (world_rank == 0) {
-    std::string line = "pipeline: " + std::to_string(stages) + " stages x " + std::to_string(replicas) +
-                       " data-parallel " + (replicas == 1 ? "replica" : "replicas") + ", 1F1B over " +
+    const int d = replicas / static_cast<int>(cfg.sequence_parallel_size);  // the sequence ranks of a replica
+    std::string line = "pipeline: " + std::to_string(stages) + " stages x " + std::to_string(d) +
+                       " data-parallel " + (d == 1 ? "replica" : "replicas") + ", 1F1B over " +
                        std::to_string(cfg.gradient_accumulation_steps) + " micro-batches";
     if (tensor_split()) line += ", " + std::to_string(tp_size) + " tensor parts each";
+    if (cfg.sequence_split()) line += ", " + std::to_string(cfg.sequence_parallel_size) + " sequence ranks each";
     for (const std::string& d : plan.describe(world_all)) line += "; " + d;
     log_info(line);
   }
@@ -330,12 +332,32 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   // Every stage of a replica reads the same micro-batches (its loader is
   // the replica's); only the first and last use their tokens and targets,
   // but every stage counts their targets for the normaliser.
+  // With sequence ranks each stage's ranks take their slice of every
+  // micro-batch (Note [sequence parallelism]) and the stages pass on the
+  // slices' hidden states; each micro-batch keeps its whole rows'
+  // positions for the passes that compute it.
   std::vector<Batch> batches(static_cast<size_t>(M));
   std::vector<int64_t> targets(static_cast<size_t>(M));
+  std::vector<SequenceSplit> splits(static_cast<size_t>(M));
+  std::vector<std::vector<int32_t>> split_positions(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
-    batches[static_cast<size_t>(m)] = loader.next();
-    targets[static_cast<size_t>(m)] = check_batch(batches[static_cast<size_t>(m)]);
+    const size_t i = static_cast<size_t>(m);
+    if (sequence_ranks()) {
+      batches[i] = sequence_slice(loader.next());
+      targets[i] = count_targets(batches[i]);
+      split_positions[i] = sp_positions;
+      splits[i] = sp_pass;
+    } else {
+      batches[i] = loader.next();
+      targets[i] = check_batch(batches[i]);
+    }
   }
+  auto use_split = [&](int64_t m) {  // the pass computes micro-batch m's slice
+    if (!sequence_ranks()) return;
+    sp_positions = split_positions[static_cast<size_t>(m)];
+    sp_pass = splits[static_cast<size_t>(m)];
+    sp_pass.positions = sp_positions.empty() ? nullptr : &sp_positions;
+  };
   auto width = [&](int64_t m) {
     const Batch& b = batches[static_cast<size_t>(m)];
     return b.B * b.T * W;
@@ -361,6 +383,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
       throw Error("pipeline stage " + std::to_string(s) + ": micro-batch " + std::to_string(m) + " has no input");
     const size_t k = select(m);
     holds[k] = m;
+    use_split(m);
     out.resize(last ? 0 : static_cast<size_t>(width(m)));
     const float loss = stage_forward(batches[static_cast<size_t>(m)], base + m,
                                      first ? nullptr : inputs[static_cast<size_t>(m)].data(), last ? nullptr : out.data());
@@ -369,6 +392,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   };
   auto backward_one = [&](int64_t m) {
     const size_t k = select(m);
+    use_split(m);
     if (holds[k] != m) {  // Note [pipeline parallelism]: the forward again, from the kept input
       std::vector<float> scratch(last ? 0 : static_cast<size_t>(width(m)));
       stage_forward(batches[static_cast<size_t>(m)], base + m, first ? nullptr : inputs[static_cast<size_t>(m)].data(),
@@ -442,9 +466,12 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   return static_cast<float>(last_loss);
 }
 
-float Engine::Impl::evaluate_pipeline(const Batch& batch) {
+float Engine::Impl::evaluate_pipeline(const Batch& whole) {
   check_loaded("evaluate");
-  const int64_t targets = check_batch(batch);
+  Batch slice;  // a sequence rank's part of the rows (sequence_slice checks the batch)
+  if (sequence_ranks()) slice = sequence_slice(whole);
+  const Batch& batch = sequence_ranks() ? slice : whole;
+  const int64_t targets = sequence_ranks() ? count_targets(whole) : check_batch(whole);
   device->make_current();
   const bool first = stage == 0, last = stage == stages - 1;
   const int64_t n = batch.B * batch.T * model->pipeline_width();
@@ -462,6 +489,9 @@ float Engine::Impl::evaluate_pipeline(const Batch& batch) {
   pass_stage.input = pass_stage.output = nullptr;
   if (!last) link.send(out.data(), n, DType::kF32, stage + 1);
   pipe_comm->broadcast(&loss, 1, DType::kF32, stages - 1);  // the last stage's loss, to every stage
+  // Its slices' losses, summed over the stage's sequence ranks (every stage
+  // has the same slices, so every stage gets the whole rows' loss).
+  if (sequence_ranks()) loss = sequence_loss(loss, count_targets(batch));
   return targets > 0 ? loss : std::numeric_limits<float>::quiet_NaN();
 }
 

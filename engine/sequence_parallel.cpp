@@ -37,7 +37,11 @@
 //   - forward() and evaluate() return the micro-batch's loss over its whole
 //     rows (the slices' losses weighted by their targets, summed over the
 //     S ranks), not the slice's.
-// Not built: composition with pipeline stages (refused), the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
+// With pipeline stages each stage's ranks slice every micro-batch and the
+// stages pass on the slices' hidden states (rank s's slice to rank s's on
+// the next stage); each micro-batch in flight keeps its whole rows'
+// positions for its passes (Engine::Impl::train_pipeline).
+// Not built: the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
 // not the replica's). Dropout draws each slice's masks from the rank's own
 // stream, so with dropout a run at S ranks is not the run at 1.
 #include <chrono>
@@ -84,17 +88,19 @@ void Engine::Impl::setup_sequence(int replica) {
   const std::string why = model->sequence_split_error(sp_size);
   if (!why.empty()) throw ConfigError("sequence_parallel_size", why);
   sp_rank = replica % sp_size;
-  // The same part of the other slices of this replica (grid rank =
-  // (replica * sp_size + sp_rank) * tp_size + tp_rank).
-  sp_comm = world_comm->split((replica / sp_size) * tp_size + tp_rank, sp_rank);
+  // The same part of the other slices of this replica on this stage (grid
+  // rank = ((stage * D + replica) * sp_size + sp_rank) * tp_size + tp_rank,
+  // `replica` here counting the slices: replica * sp_size + sp_rank).
+  const int replicas = world_all / (stages * sp_size * tp_size);
+  sp_comm = world_comm->split((stage * replicas + replica / sp_size) * tp_size + tp_rank, sp_rank);
   if (world_rank == 0) {
-    const int replicas = world_all / (sp_size * tp_size);
     log_info("sequence parallelism: " + std::to_string(sp_size) + " sequence ranks per replica (each takes 1/" +
              std::to_string(sp_size) + " of the replica's rows)" +
-             (tp_size > 1 ? " x " + std::to_string(tp_size) + " tensor parts" : std::string()) + " x " +
+             (tp_size > 1 ? " x " + std::to_string(tp_size) + " tensor parts" : std::string()) +
+             (stages > 1 ? " x " + std::to_string(stages) + " pipeline stages" : std::string()) + " x " +
              std::to_string(replicas) + " data-parallel " + (replicas == 1 ? "replica" : "replicas") +
              "; ZeRO partitions over the " + std::to_string(replicas * sp_size) + " ranks" +
-             (tp_size > 1 ? " of each part" : std::string()));
+             (tp_size > 1 || stages > 1 ? " of each part and stage" : std::string()));
   }
 }
 

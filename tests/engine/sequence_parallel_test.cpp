@@ -336,6 +336,41 @@ TEST(SequenceParallel, ComposesWithTensorParts) {
   expect_same_run(s, "GPT-2, 2 sequence ranks x 2 tensor parts");
 }
 
+// Sequence ranks on each of 2 pipeline stages (at 4 ranks: 2 stages x 2
+// slices x 1 replica): the 1F1B schedule carries each slice's hidden state
+// to the same slice on the next stage, and the run trains the one-rank run
+// without stages or slices to float rounding. Through train_batch (a
+// DataLoader over rows of 8 tokens), as pipelined runs train.
+TEST(SequenceParallel, ComposesWithPipelineStages) {
+  if (g_world->size() != 4) return;
+  for (bool checkpointing : {false, true}) {
+    Spec s;
+    s.gas = 4;
+    s.checkpointing = checkpointing;
+    auto run = [&](bool split, int steps) {
+      json c = config(s, 1, split);
+      if (split) c["pipeline"] = {{"stages", 2}};
+      std::shared_ptr<comm::Communicator> alone;  // the reference: each rank runs it on its own
+      Engine e = Engine::initialize(llama(s), c, split ? g_world : alone);
+      DataConfig dc;
+      dc.vocab_size = 13;
+      dc.seq_len = 8;
+      std::shared_ptr<const DataSource> src(make_data_source(dc));
+      DataLoader loader(src, s.micro, s.gas, e.data_parallel_size(), e.data_parallel_rank(), 7);
+      Result r;
+      for (int i = 0; i < steps; ++i) r.losses.push_back(e.train_batch(loader));
+      r.norm = e.global_grad_norm();
+      r.eval = e.evaluate(loader.next());
+      r.weights = testing::whole_weights(e);
+      return r;
+    };
+    const Result ref = run(false, s.steps);
+    const Result got = run(true, s.steps);
+    testing::expect_close_runs(got, ref, run(true, 0).weights, 1e-4, 5e-4,
+                               std::string("2 stages x 2 sequence ranks") + (checkpointing ? ", checkpointing" : ""));
+  }
+}
+
 // The comparison above can fail: slices delivered in the wrong order give
 // another attention, and the losses part from the reference's at once.
 TEST(SequenceParallel, AMisroutedExchangeIsCaught) {
@@ -445,10 +480,15 @@ TEST(SequenceParallelConfig, RanksMustDivideTheWorldAndTheBatchFitsTheReplicas) 
     e = error_of([&] { Config::parse(json{{"train_micro_batch_size_per_gpu", 2}, {"sequence_parallel_size", bad}}, 2); });
     EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
   }
+  // With pipeline stages: stages x sequence ranks per replica.
   json p = c;
   p["pipeline"] = {{"stages", 2}};
-  e = error_of([&] { Config::parse(p, 4); });
-  EXPECT_NE(e.find("pipeline stages"), std::string::npos) << e;
+  got = Config::parse(p, 8);
+  EXPECT_EQ(got.data_parallel_size(), 2);
+  EXPECT_EQ(got.zero_group_size(), 4);  // the ranks of one stage
+  e = error_of([&] { Config::parse(p, 2); });
+  EXPECT_NE(e.find("sequence_parallel_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("multiple of 4"), std::string::npos) << e;
   // With tensor parts: parts x sequence ranks per replica.
   json t = c;
   t["tensor_parallel"] = {{"autotp_size", 2}};
