@@ -17,14 +17,14 @@
 //     backward. So a layer costs two all-reduces of (B T, C) forward and
 //     two backward (one more per recomputed forward with gradient
 //     checkpointing).
-//   - norms, the embedding and the head stay whole on every part. Every
+//   - norms (and the position embedding) stay whole on every part. Every
 //     part sees the same hidden state, computes the same gradients of them
 //     and applies the same update, so they stay equal without a
 //     reduction. Not so a whole parameter that each part applies to its
 //     own heads only (Qwen3's per-head q and k norms: TensorSplit::
 //     sum_grads): its gradient is summed over the parts at the step.
-//     The Llama families' embedding and head split by vocabulary where
-//     it divides (Note [vocabulary parts]); GPT-2's stay whole.
+//     The embedding and the head split by vocabulary (Note [vocabulary
+//     parts]), GPT-2's and the Llama families' alike.
 // The grid: rank = (stage * D + replica) * T + part, the parts of one
 // stage of one replica adjacent (inside a node, where links are fast), as
 // Megatron and DeepSpeed number them. ZeRO partitions each part's blocks
@@ -43,15 +43,22 @@
 // together: one Hugging Face folder from any grid.
 // Note [vocabulary parts]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// With T tensor parts and a vocabulary V that T divides, part t of a
-// Llama-family model holds rows [t V/T, (t+1) V/T) of the embedding and of
-// the head (one matrix when tied), as Megatron's vocabulary-parallel
-// embedding and cross-entropy do:
+// With T tensor parts, part t of GPT-2 or of a Llama-family model holds
+// v = ceil(V / T) rows [t v, (t+1) v) of the embedding and of the head (one
+// matrix when tied), as Megatron's vocabulary-parallel embedding and
+// cross-entropy do. Where T does not divide V (GPT-2's 50257) the last
+// part's rows past V are padding, as Megatron pads its vocabulary: every
+// part keeps the same shapes (the parts machinery needs equal layouts), the
+// padding rows are no token's (the embedding never reads them), the head
+// multiplies only the part's real rows (so they get no logits and no
+// gradient: they stay zero), and checkpoints and exports hold the real V
+// rows only (the split's range ends at V). The whole vocabulary stays on
+// every part only where some part would hold padding alone (V < T).
 //   - embedding: each part writes its rows for the tokens in its range and
 //     zeros for the rest (kernels::embedding_part_forward); one all-reduce
 //     of (B T, C) sums them into every part's hidden state. Backward adds
 //     the (whole) gradient rows into the part's rows alone: no exchange.
-//   - head: each part computes its V/T columns of the logits; the
+//   - head: each part computes its columns of the logits; the
 //     cross-entropy takes three steps with two small all-reduces between
 //     them (kernels::cross_entropy_part_*): the rows' maxima (a max over
 //     the parts), then each part's sum of exp(x - max) and the target's
@@ -62,8 +69,7 @@
 // So no rank ever holds (B T, V) logits or the whole (V, C) matrices:
 // the head's activations and weights shrink with T, which is where a
 // 128k vocabulary spends most of a small model's memory. The sums are the
-// one-part run's in another order (float rounding, not bits). A
-// vocabulary T does not divide (GPT-2's 50257) stays whole on every part.
+// one-part run's in another order (float rounding, not bits).
 #include <algorithm>
 #include <chrono>
 #include <cstring>

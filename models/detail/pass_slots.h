@@ -42,6 +42,7 @@ struct PassState {
   // Sequence ranks (GPT-2): the positions as indexes into wpe, for its lookup.
   const int32_t* pos_tok = nullptr;
   Buf pos_tok_store;
+  std::vector<int32_t> pos_rows;  // rows' positions 0..T-1 where the batch gives none (pos_tok's source)
   uint64_t lora_seed = 0;                  // StepContext::dropout_seed of the forward
   int64_t B = 0, T = 0;
   bool fused = false;  // the GPT's bf16 operands fused (Ops::fuses_operand16)

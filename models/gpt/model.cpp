@@ -90,6 +90,7 @@ class Gpt final : public Model {
     const int64_t C = c.n_embd, V = c.vocab_size;
     A_ = C;
     Hh_ = c.n_head;
+    Vh_ = Vv_ = c.vocab_size;
     F_ = 4 * C;
     const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen
@@ -162,8 +163,16 @@ class Gpt final : public Model {
     const int64_t C = c_.n_embd, a = C / size, f = 4 * C / size;
     const int64_t h = c_.n_head / size;
     using detail::part_span;
+    // The vocabulary (wte's rows, the tied head's) in parts of ceil(V / T)
+    // rows, the last padded (Note [vocabulary parts]).
+    const int64_t V = c_.vocab_size, v = detail::vocab_share(V, size), real = std::min(v, V - rank * v);
     TensorPart out = detail::whole_tensor_part(
-        blocks(), "heads " + part_span(rank * h, h, c_.n_head) + ", MLP " + part_span(rank * f, f, 4 * C));
+        blocks(), "heads " + part_span(rank * h, h, c_.n_head) + ", MLP " + part_span(rank * f, f, 4 * C) +
+                      (v < V ? ", vocabulary " + part_span(rank * v, real, V) : std::string(", vocabulary whole")));
+    if (v < V) {
+      out.splits[0][kWte] = TensorSplit{TensorSplit::kRows, {{rank * v, real}}};
+      out.blocks[0].params[kWte].shape.dims[0] = v;
+    }
     const TensorSplit qkv{TensorSplit::kRows, {{rank * a, a}, {C + rank * a, a}, {2 * C + rank * a, a}}};
     const TensorSplit fc{TensorSplit::kRows, {{rank * f, f}}};
     for (int64_t l = 0; l < c_.n_layer; ++l) {
@@ -191,11 +200,14 @@ class Gpt final : public Model {
     A_ /= size;
     Hh_ /= size;
     F_ /= size;
+    Vh_ = detail::vocab_share(c_.vocab_size, size);
+    vlo_ = rank * Vh_;
+    Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
   }
   std::span<const float> logits() const override {
-    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head) return {};
+    if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head || vocab_split()) return {};
     return {logits_.as<const float>(), static_cast<size_t>(pass_.B * pass_.T * c_.vocab_size)};
   }
 
@@ -275,11 +287,12 @@ class Gpt final : public Model {
       if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, 4 * C, dt);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
-               (sr.head ? 2 * buffer_bytes(N * V) : 0) + matmul_input_bytes(N * C, dt) +
+               (sr.head ? 2 * buffer_bytes(N * detail::vocab_share(V, parts)) : 0) + matmul_input_bytes(N * C, dt) +
                N * static_cast<int64_t>(sizeof(int32_t));
     // Sequence ranks: the exchanges' send and receive buffers, and the
     // position embeddings' rows (wpe_rows_).
     if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A) + buffer_bytes(N * C);
+    else if (detail::vocab_share(V, parts) < V) m.saved += buffer_bytes(N * C);  // vocabulary parts' wpe_rows_
     kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
@@ -293,8 +306,9 @@ class Gpt final : public Model {
                          c_.lora.dropout > 0);
     }
     if (sr.head) {
-      detail::tally_linear_forward(t, x, N, C, V, false, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, V, true, dt));
+      const int64_t v = detail::vocab_share(V, parts);  // a vocabulary part's columns
+      detail::tally_linear_forward(t, x, N, C, v, false, dt);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt));
     }
     m.workspace = t.bytes() + dy_copy;
     return m;
@@ -326,12 +340,23 @@ class Gpt final : public Model {
 
     if (sr.embed) {
       HeldParams emb = ctx.acquire(0);
-      if (sequence_split()) {
-        // A slice's positions run past its own T: wpe is looked up as an
+      if (sequence_split() || vocab_split()) {
+        // A slice's positions run past its own T, and a vocabulary part
+        // sums its rows over the parts first: wpe is looked up as an
         // embedding of the positions (block_size rows) and added.
-        pass_.pos_tok = ops_->tokens(pass_.positions, c_.block_size, "embedding_forward", pass_.pos_tok_store);
+        if (pass_.positions.empty()) {  // rows of one sequence each: 0..T-1
+          pass_.pos_rows.resize(static_cast<size_t>(N));
+          for (int64_t i = 0; i < N; ++i) pass_.pos_rows[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
+        }
+        pass_.pos_tok = ops_->tokens(pass_.positions.empty() ? pass_.pos_rows : pass_.positions, c_.block_size,
+                                     "embedding_forward", pass_.pos_tok_store);
         ensure_wpe_rows(B * T);
-        ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], CView{}, B, T, C, V, nullptr);
+        if (vocab_split()) {  // the part's rows, zero elsewhere, summed over the parts
+          ops_->embedding_part_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], N, C, vlo_, Vh_);
+          tensor_sum(pass_.x_in[0].as<float>(), N * C);
+        } else {
+          ops_->embedding_forward(pass_.x_in[0].as<float>(), pass_.tok, emb[kWte], CView{}, B, T, C, V, nullptr);
+        }
         ops_->embedding_forward(wpe_rows_.as<float>(), pass_.pos_tok, emb[kWpe], CView{}, B, T, C, c_.block_size,
                                 nullptr);
         ops_->add(pass_.x_in[0].as<float>(), pass_.x_in[0].as<float>(), wpe_rows_.as<float>(), B * T * C);
@@ -365,10 +390,24 @@ class Gpt final : public Model {
 
     // Tied head: logits = lnf wte^T. The fused cross-entropy writes the
     // gradient of the mean loss straight away; backward scales it.
+    // Vocabulary parts: the part's real rows' columns, then the three-step
+    // cross-entropy over the parts (Note [vocabulary parts]).
     HeldParams head = ctx.acquire(0);
-    detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, V, dt);
+    detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[kWte], CView{}, N, C, Vv_, dt);
     head.release();
-    double loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+    double loss;
+    if (vocab_split()) {
+      std::vector<double> maxes(static_cast<size_t>(N)), sums(static_cast<size_t>(2 * N));
+      ops_->cross_entropy_part_max(logits_.as<float>(), N, Vv_, maxes.data());
+      ctx.tensor_all_reduce_max_f64(maxes.data(), N);
+      ops_->cross_entropy_part_sums(logits_.as<float>(), targets, N, Vv_, vlo_, maxes.data(), sums.data(),
+                                    dlogits_.as<float>());
+      ctx.tensor_all_reduce_f64(sums.data(), 2 * N);
+      loss = ops_->cross_entropy_part_finish(targets, N, Vv_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
+                                             1.0f);
+    } else {
+      loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+    }
     return static_cast<float>(loss);
   }
 
@@ -384,11 +423,12 @@ class Gpt final : public Model {
     BlockGrads gemb = sr.embed || sr.head ? base_grads(ctx, 0) : BlockGrads{};
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     if (sr.head) {
-      if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * V);
+      if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
       // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, V, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, Vv_, dt);
+      if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
 
       const int norm_block = static_cast<int>(c_.n_layer + 1);
       HeldParams nf = ctx.acquire(norm_block);
@@ -463,8 +503,11 @@ class Gpt final : public Model {
     }
 
     if (sr.embed && !lora()) {
-      if (sequence_split()) {
-        ops_->embedding_backward(gemb[kWte], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
+      if (sequence_split() || vocab_split()) {
+        if (vocab_split())
+          ops_->embedding_part_backward(gemb[kWte], dx, pass_.tok, N, C, vlo_, Vh_);
+        else
+          ops_->embedding_backward(gemb[kWte], nullptr, dx, pass_.tok, B, T, C, V, nullptr);
         ops_->embedding_backward(gemb[kWpe], nullptr, dx, pass_.pos_tok, B, T, C, c_.block_size, nullptr);
       } else {
         ops_->embedding_backward(gemb[kWte], gemb[kWpe], dx, pass_.tok, B, T, C, V, pass_.pos);
@@ -631,8 +674,8 @@ class Gpt final : public Model {
     lnf_ = fused ? Buf() : ops_->alloc_f32(N * C);
     lnf_mean_ = ops_->alloc_f32(N);
     lnf_rstd_ = ops_->alloc_f32(N);
-    logits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
-    dlogits_ = sr.head ? ops_->alloc_f32(N * V) : Buf{};
+    logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
+    dlogits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
@@ -680,6 +723,11 @@ class Gpt final : public Model {
   // (blocks() describes them), and the pass's context.
   int64_t A_ = 0, Hh_ = 0, F_ = 0;
   int tp_rank_ = 0, tp_size_ = 1;
+  // Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
+  // the rows of wte this part holds from vlo_, of them the real ones (the
+  // last part's past V are padding); V, 0, V without parts.
+  int64_t Vh_ = 0, vlo_ = 0, Vv_ = 0;
+  bool vocab_split() const { return Vh_ < c_.vocab_size; }
   std::vector<BlockSpec> whole_;
   StepContext* pass_ctx_ = nullptr;
   Buf targets_store_;

@@ -115,7 +115,7 @@ class Llama final : public Model {
     D_ = c.head_size();
     GU_ = (c.mlp_gated ? 2 : 1) * c.intermediate_size;
     I_ = c.intermediate_size;
-    Vh_ = c.vocab_size;
+    Vh_ = Vv_ = c.vocab_size;
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen, but for modules_to_save
@@ -423,17 +423,17 @@ class Llama final : public Model {
     if (c_.tie_word_embeddings) {
       nf.release();
       HeldParams emb = ctx.acquire(0);
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, Vh_, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, emb[0], CView{}, N, C, Vv_, dt);
     } else if (head_block_ != fin) {
       nf.release();
       HeldParams head = ctx.acquire(head_block_);
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[head_], CView{}, N, C, Vh_, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, head[head_], CView{}, N, C, Vv_, dt);
     } else {
-      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, Vh_, dt);
+      detail::linear_forward(*ops_, logits_.as<float>(), lnf_in_, nf[head_], CView{}, N, C, Vv_, dt);
     }
-    if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * Vh_);
+    if (c_.logits_scaling != 1.0) ops_->scale(logits_.as<float>(), logits_factor(), N * Vv_);
     if (c_.final_logit_softcapping > 0)
-      ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * Vh_);
+      ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * Vv_);
     // Vocabulary parts: each holds Vh_ of the logits' columns (Note
     // [vocabulary parts] in engine/tensor_parallel.cpp).
     double loss = vocab_split() ? vocab_cross_entropy(targets, N)
@@ -573,11 +573,11 @@ class Llama final : public Model {
   void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
     const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
     const DType dt = ctx.compute_dtype();
-    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vh_);
+    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
     if (c_.final_logit_softcapping > 0)
       ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
-                             N * Vh_);
-    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * Vh_);
+                             N * Vv_);
+    if (c_.logits_scaling != 1.0) ops_->scale(dlogits_.as<float>(), logits_factor(), N * Vv_);
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
@@ -586,17 +586,17 @@ class Llama final : public Model {
     if (c_.tie_word_embeddings) {
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, Vh_, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, Vv_, dt);
     } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
       HeldParams head = ctx.acquire(head_block_);
       BlockGrads ghead = ctx.grads(head_block_);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, Vh_, dt);
+                              lnf_in_, head[head_], N, C, Vv_, dt);
       head.release();
       ctx.grads_ready(head_block_);
     } else {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vh_, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt);
     }
     if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
     float* dx = dres_.as<float>();
@@ -648,15 +648,16 @@ class Llama final : public Model {
     const TensorSplit gu = c_.mlp_gated ? TensorSplit{TensorSplit::kRows, {{rank * i, i}, {I + rank * i, i}}}
                                         : TensorSplit{TensorSplit::kRows, {{rank * i, i}}};
     using detail::part_span;
-    // The vocabulary (the embedding's and the head's rows) splits where it
-    // divides, else stays whole on every part.
+    // The vocabulary (the embedding's and the head's rows) splits into
+    // parts of ceil(V / T) rows, the last padded.
     const int64_t V = c_.vocab_size, v = vocab_share(size);
     TensorPart out = detail::whole_tensor_part(  // the whole model's blocks, cut below
         blocks(), "heads " + part_span(rank * h, h, H) + ", kv heads " + part_span(rank * k, k, K) + ", MLP " +
                       part_span(rank * i, i, I) +
-                      (v < V ? ", vocabulary " + part_span(rank * v, v, V) : std::string(", vocabulary whole")));
-    if (v < V) {
-      const TensorSplit vocab{TensorSplit::kRows, {{rank * v, v}}};
+                      (v < V ? ", vocabulary " + part_span(rank * v, std::min(v, V - rank * v), V)
+                             : std::string(", vocabulary whole")));
+    if (v < V) {  // the last part's rows past V are padding (Note [vocabulary parts])
+      const TensorSplit vocab{TensorSplit::kRows, {{rank * v, std::min(v, V - rank * v)}}};
       out.splits[0][0] = vocab;
       out.blocks[0].params[0].shape.dims[0] = v;
       if (!c_.tie_word_embeddings) {
@@ -704,6 +705,7 @@ class Llama final : public Model {
     GU_ /= size;
     Vh_ = vocab_share(size);
     vlo_ = rank * Vh_;
+    Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
   }
@@ -762,19 +764,17 @@ class Llama final : public Model {
   int final_block() const { return static_cast<int>(c_.num_hidden_layers + 1); }
   // Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
   // the vocabulary rows each of `parts` parts holds (all where they do not divide).
-  int64_t vocab_share(int parts) const {
-    return parts > 1 && c_.vocab_size % parts == 0 ? c_.vocab_size / parts : c_.vocab_size;
-  }
+  int64_t vocab_share(int parts) const { return detail::vocab_share(c_.vocab_size, parts); }
   bool vocab_split() const { return Vh_ < c_.vocab_size; }
   // cross_entropy over the parts' columns of the logits (kernels.h), into dlogits_.
   double vocab_cross_entropy(const int32_t* targets, int64_t N) {
     std::vector<double> maxes(static_cast<size_t>(N)), sums(static_cast<size_t>(2 * N));
-    ops_->cross_entropy_part_max(logits_.as<float>(), N, Vh_, maxes.data());
+    ops_->cross_entropy_part_max(logits_.as<float>(), N, Vv_, maxes.data());
     pass_ctx_->tensor_all_reduce_max_f64(maxes.data(), N);
-    ops_->cross_entropy_part_sums(logits_.as<float>(), targets, N, Vh_, vlo_, maxes.data(), sums.data(),
+    ops_->cross_entropy_part_sums(logits_.as<float>(), targets, N, Vv_, vlo_, maxes.data(), sums.data(),
                                   dlogits_.as<float>());
     pass_ctx_->tensor_all_reduce_f64(sums.data(), 2 * N);
-    return ops_->cross_entropy_part_finish(targets, N, Vh_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
+    return ops_->cross_entropy_part_finish(targets, N, Vv_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
                                            1.0f);
   }
   // A partial sum summed over the tensor parts (none: nothing to do).
@@ -1529,7 +1529,9 @@ class Llama final : public Model {
   int64_t H_ = 0, K_ = 0, D_ = 0;
   int64_t GU_ = 0;  // the MLP's first projection's rows: 2I gated, I not
   int64_t I_ = 0;   // the MLP's inner size (this tensor part's)
-  int64_t Vh_ = 0, vlo_ = 0;  // the vocabulary rows this part holds (all: V, 0)
+  // The vocabulary rows this part holds (all: V, 0), and of them those
+  // that are real (the last part's past V are padding).
+  int64_t Vh_ = 0, vlo_ = 0, Vv_ = 0;
   // Tensor parallelism (use_tensor_part): this rank's part, the whole
   // model's blocks (blocks() describes them; specs_ are the part's), and
   // the context of the pass under way (its tensor_all_reduce).
