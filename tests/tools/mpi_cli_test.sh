@@ -257,5 +257,22 @@ else
   ls -l "$TMP/ehf1" "$TMP/ehf2"
 fi
 
+# Expert ranks of pretrained folders (transformers' Mixtral and Qwen3-MoE,
+# and a PEFT adapter on a Mixtral): each rank cuts its experts from the
+# whole stacked tensors; the first steps' losses and norms are those of the
+# data-parallel run on the same 2 ranks.
+for fam in mixtral qwen3_moe; do
+  "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+    --set 'expert_parallel={"enabled":true,"autoep_size":2}' >"$TMP/fe2" 2>"$TMP/err"
+  "${MPIRUN[@]}" "$ZT" "$ROOT/configs/finetune_llama.json" "${FT[@]}" --set "model.from_pretrained=$ROOT/tests/fixtures/hf/$fam" \
+    >"$TMP/fe1" 2>>"$TMP/err"
+  if [ -n "$(steps_of "$TMP/fe2")" ] && [ "$(steps_of "$TMP/fe2")" = "$(steps_of "$TMP/fe1")" ] &&
+     grep -q "2 expert ranks x 1 expert replica" "$TMP/fe2"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL expert ranks on $fam"; cat "$TMP/fe2" "$TMP/fe1" "$TMP/err"
+  fi
+done
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
