@@ -175,32 +175,8 @@ json config(const Spec& s, int ranks, bool split) {
   return c;
 }
 
-// Micro-batch `index` of the run: B rows of T tokens whose target is a
-// function of the token (so the loss falls), with documents packed into
-// the rows and a quarter of the targets masked.
-Batch make_batch(const Spec& s, int64_t index) {
-  uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(index + 1);
-  auto next = [&] {
-    x ^= x >> 31;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    return x;
-  };
-  Batch b;
-  b.B = s.micro;
-  b.T = s.T;
-  for (int64_t r = 0; r < b.B; ++r) {
-    int32_t pos = 0;
-    for (int64_t t = 0; t < b.T; ++t) {
-      const int32_t tok = static_cast<int32_t>(next() % 13);
-      b.inputs.push_back(tok);
-      b.targets.push_back(next() % 4 == 0 ? kIgnoreTarget : (tok * 5 + 3) % 13);
-      pos = t > 0 && next() % 4 == 0 ? 0 : (t == 0 ? 0 : pos + 1);
-      b.positions.push_back(pos);
-    }
-  }
-  return b;
-}
+// Micro-batch `index` of the run (testing::packed_batch).
+Batch make_batch(const Spec& s, int64_t index) { return testing::packed_batch(s.micro, s.T, index, true); }
 
 using Result = testing::GridRun;  // its losses: each micro-batch's, as forward() returned it
 

@@ -37,6 +37,36 @@ inline double trained_state_peak(Engine& e, comm::Communicator& world, int64_t m
   world.all_reduce_max_f64(&peak, 1);
   return peak;
 }
+// Micro-batch `index` of a grid test's run: B rows of T tokens (vocabulary
+// 13) whose target is a function of the token (so the loss falls); with
+// `packed`, documents packed into the rows (Batch::positions) and about a
+// quarter of the targets masked.
+inline Batch packed_batch(int64_t B, int64_t T, int64_t index, bool packed) {
+  uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(index + 1);
+  auto next = [&] {
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    return x;
+  };
+  Batch b;
+  b.B = B;
+  b.T = T;
+  for (int64_t r = 0; r < b.B; ++r) {
+    int32_t pos = 0;
+    for (int64_t t = 0; t < b.T; ++t) {
+      const int32_t tok = static_cast<int32_t>(next() % 13);
+      b.inputs.push_back(tok);
+      b.targets.push_back(packed && next() % 4 == 0 ? kIgnoreTarget : (tok * 5 + 3) % 13);
+      if (packed) {
+        pos = t > 0 && next() % 4 == 0 ? 0 : (t == 0 ? 0 : pos + 1);
+        b.positions.push_back(pos);
+      }
+    }
+  }
+  return b;
+}
+
 // Every block's whole weights (Engine::full_params), one after the other.
 inline std::vector<float> whole_weights(Engine& e) {
   std::vector<float> out;
