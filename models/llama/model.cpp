@@ -74,10 +74,12 @@ struct MoeActs {
   // xg is what this rank sends, and its local experts' R rows come in as
   // xe (R,C) with gu (R,2Ie) and act (R,Ie), ordered by local expert
   // (their first rows at local_offsets, El+1), from each source in rank
-  // order. perm: row i of xe is row perm[i] of the rows as they arrived
-  // (by source); unperm the inverse. send_rows / recv_rows: per rank.
+  // order, each expert's padded to a block (Note [expert row blocks]).
+  // perm: row i of xe is row perm[i] of the rows as they arrived (by
+  // source; a padding row reads row 0); unperm: where each arrived row is
+  // in xe. send_rows / recv_rows: per rank.
   Buf xe, perm, unperm;
-  int64_t R = 0;
+  int64_t R = 0, R_in = 0;  // the rows the local experts compute (padded: Note [expert row blocks]), and that came in
   std::vector<int64_t> local_offsets, send_rows, recv_rows;
 };
 
@@ -1187,30 +1189,48 @@ class Llama final : public Model {
         start[static_cast<size_t>(r * El + e)] = R;
         R += got[static_cast<size_t>(r * El + e)];
       }
-    m.R = R;
+    // By local expert, each expert's rows padded to a block (Note [expert
+    // row blocks]): padding rows read the first row that arrived (their
+    // outputs go nowhere, their output gradient is zeroed).
+    m.R_in = R;
     m.local_offsets.assign(static_cast<size_t>(El + 1), 0);
-    std::vector<int32_t> perm(static_cast<size_t>(R)), unperm(static_cast<size_t>(R));
-    int64_t i = 0;
+    m.real_rows.assign(static_cast<size_t>(El), 0);
     for (int64_t e = 0; e < El; ++e) {
+      for (int r = 0; r < P; ++r) m.real_rows[static_cast<size_t>(e)] += got[static_cast<size_t>(r * El + e)];
+      m.local_offsets[static_cast<size_t>(e + 1)] =
+          m.local_offsets[static_cast<size_t>(e)] +
+          (m.real_rows[static_cast<size_t>(e)] + kExpertRows - 1) / kExpertRows * kExpertRows;
+    }
+    m.R = m.local_offsets[static_cast<size_t>(El)];
+    std::vector<int32_t> perm(static_cast<size_t>(m.R), 0), unperm(static_cast<size_t>(R));
+    for (int64_t e = 0; e < El; ++e) {
+      int64_t i = m.local_offsets[static_cast<size_t>(e)];
       for (int r = 0; r < P; ++r)
         for (int64_t j = 0; j < got[static_cast<size_t>(r * El + e)]; ++j, ++i) {
           perm[static_cast<size_t>(i)] = static_cast<int32_t>(start[static_cast<size_t>(r * El + e)] + j);
           unperm[static_cast<size_t>(perm[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
         }
-      m.local_offsets[static_cast<size_t>(e + 1)] = i;
     }
-    ops_->copy_in_i32(m.perm, perm.data(), R);
+    ops_->copy_in_i32(m.perm, perm.data(), m.R);
     ops_->copy_in_i32(m.unperm, unperm.data(), R);
-    grow(ep_recv_, R * C);
-    grow(m.xe, R * C);
+    grow(ep_recv_, std::max<int64_t>(R, 1) * C);
+    grow(m.xe, m.R * C);
     pass_ctx_->expert_exchange(m.xg.as<float>(), m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
-    ops_->moe_gather(m.xe.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), R, C);
+    ops_->moe_gather(m.xe.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), m.R, C);
+  }
+  // Zeroes the padding rows of x (rows at m.local_offsets, of width C).
+  void zero_padding(const MoeActs& m, float* x) {
+    const int64_t C = c_.hidden_size;
+    for (size_t e = 0; e + 1 < m.local_offsets.size(); ++e) {
+      const int64_t real = m.local_offsets[e] + m.real_rows[e], pad = m.local_offsets[e + 1] - real;
+      if (pad > 0) ops_->zero(x + real * C, pad * C);
+    }
   }
   // Sends the experts' outputs ye (R,C, by local expert) back to their
   // tokens' ranks: y (M,C) gets them in the order m.xg sent its rows.
   void expert_return(MoeActs& m, const float* ye, float* y) {
     const int64_t C = c_.hidden_size;
-    ops_->moe_gather(ep_recv_.as<float>(), ye, m.unperm.as<int32_t>(), m.R, C);
+    ops_->moe_gather(ep_recv_.as<float>(), ye, m.unperm.as<int32_t>(), m.R_in, C);
     pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), y, m.send_rows.data(), C);
   }
 
@@ -1233,8 +1253,8 @@ class Llama final : public Model {
     m.offsets.assign(static_cast<size_t>(E + 1), 0);
     std::vector<int32_t> token_of_row(static_cast<size_t>(M)), row_of_slot(static_cast<size_t>(M));
     kernels::moe_group(m.expert_host.data(), N, k, E, m.offsets.data(), token_of_row.data(), row_of_slot.data());
-    // The grouped rows: each expert's padded to a block (without expert
-    // ranks; theirs travel as they are).
+    // The grouped rows: each expert's padded to a block (with expert ranks
+    // the rows travel as they are, and the experts' rank pads them).
     const int64_t Mg = expert_split() ? M : pad_groups(m, token_of_row, row_of_slot);
     ops_->copy_in_i32(m.token_of_row, token_of_row.data(), Mg);
     ops_->copy_in_i32(m.row_of_slot, row_of_slot.data(), M);
@@ -1279,13 +1299,13 @@ class Llama final : public Model {
     if (expert_split()) {
       // The outputs' gradients to the experts' ranks, their inputs' back.
       grow(ep_ye_, m.R * C);
-      grow(ep_recv_, m.R * C);
       pass_ctx_->expert_exchange(dyg, m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
       ops_->moe_gather(ep_ye_.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), m.R, C);
+      zero_padding(m, ep_ye_.as<float>());
       grow(moe_dgu_, m.R * 2 * Ie);
       grow(moe_dact_, m.R * Ie);
       experts_backward(p, g, x, m, ep_ye_.as<float>(), m.R, m.local_offsets, dt);
-      ops_->moe_gather(ep_recv_.as<float>(), ep_ye_.as<float>(), m.unperm.as<int32_t>(), m.R, C);
+      ops_->moe_gather(ep_recv_.as<float>(), ep_ye_.as<float>(), m.unperm.as<int32_t>(), m.R_in, C);
       pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), dyg, m.send_rows.data(), C);
     } else {
       // The padding rows' gradient is zero: they add nothing to the
