@@ -18,7 +18,10 @@
 //     all of its rows, and sends the outputs back the same way; the source
 //     combines them with the routing weights. Backward sends the outputs'
 //     gradients to the experts and the inputs' gradients back: four
-//     exchanges of rows per layer and micro-batch, and one of counts.
+//     exchanges of rows per layer and micro-batch, and one of counts. With
+//     bf16 compute the two the experts read only as matmul operands (their
+//     inputs, their outputs' gradients) travel as bf16: half the bytes,
+//     the same bits (the matmul rounds them so anyway).
 //   - Capacity: none. Every token reaches its k experts whatever the load
 //     (dropless, as transformers' Mixtral and Qwen3-MoE and AutoEP's
 //     TorchTitan kernels route); the blocks are as large as the routing

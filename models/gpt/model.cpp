@@ -645,7 +645,7 @@ class Gpt final : public Model {
   void ensure_buffers(int64_t B, int64_t T, bool fused, const StageRange& sr) {
     if (B == pass_.B && T == pass_.T && fused == pass_.fused && sr == pass_.alloc) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
-    const size_t V = static_cast<size_t>(c_.vocab_size), A = static_cast<size_t>(A_), F = static_cast<size_t>(F_);
+    const size_t A = static_cast<size_t>(A_), F = static_cast<size_t>(F_);
     for (int64_t l = 0; l < c_.n_layer; ++l)
       pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
     for (size_t i = 0; i < pass_.acts.size(); ++i) {

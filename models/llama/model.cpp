@@ -263,7 +263,7 @@ class Llama final : public Model {
                                                    int parts, int seq = 1) const {
     using detail::buffer_bytes;
     using detail::matmul_input_bytes;
-    const int64_t N = B * (T / seq), C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
+    const int64_t N = B * (T / seq), C = c_.hidden_size, L = c_.num_hidden_layers;
     const int64_t H = c_.num_attention_heads / parts, K = c_.kv_heads() / parts;  // the part's
     const int64_t GU = (c_.mlp_gated ? 2 : 1) * c_.intermediate_size / parts;
     const int64_t I = c_.intermediate_size / parts, A = H * D_, Q = (H + 2 * K) * D_;
@@ -573,7 +573,7 @@ class Llama final : public Model {
   // from the loss through the head and the final norm into dres_. A tied
   // head holds the embedding (emb) and sums into its gradient (gemb).
   void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
-    const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, V = c_.vocab_size, N = B * T;
+    const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, N = B * T;
     const DType dt = ctx.compute_dtype();
     if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
     if (c_.final_logit_softcapping > 0)
@@ -1167,7 +1167,7 @@ class Llama final : public Model {
   }
   // Sends m.xg's rows (grouped by expert at m.offsets) to their experts'
   // ranks; this rank's experts' rows arrive into m.xe, by local expert.
-  void expert_dispatch(MoeActs& m) {
+  void expert_dispatch(MoeActs& m, DType dt) {
     const int P = ep_size_;
     const int64_t El = local_experts(), C = c_.hidden_size;
     const size_t n = static_cast<size_t>(P * El);
@@ -1215,8 +1215,33 @@ class Llama final : public Model {
     ops_->copy_in_i32(m.unperm, unperm.data(), R);
     grow(ep_recv_, std::max<int64_t>(R, 1) * C);
     grow(m.xe, m.R * C);
-    pass_ctx_->expert_exchange(m.xg.as<float>(), m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
+    exchange_rows(m.xg.as<float>(), m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), dt, true);
     ops_->moe_gather(m.xe.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), m.R, C);
+  }
+  // Sends rows of C fp32 values (send_rows[r] to rank r, recv_rows[r] from
+  // it). `operand`: the receiver reads them only as bf16 matmul operands
+  // (the experts' inputs, their outputs' gradients), so with bf16 compute
+  // they travel as bf16, half the bytes, the same values: rounding them
+  // before the wire or at the matmul gives the same bits. The rest (the
+  // experts' fp32 outputs and input gradients) travel as they are.
+  void exchange_rows(const float* send, const int64_t* send_rows, float* recv, const int64_t* recv_rows, DType dt,
+                     bool operand) {
+    const int64_t C = c_.hidden_size;
+    if (!operand || dt != DType::kBF16 || C % 2 != 0) {
+      pass_ctx_->expert_exchange(send, send_rows, recv, recv_rows, C);
+      return;
+    }
+    int64_t out = 0, in = 0;
+    for (int r = 0; r < ep_size_; ++r) {
+      out += send_rows[r];
+      in += recv_rows[r];
+    }
+    wire_out_.resize(static_cast<size_t>(out * C / 2));
+    wire_in_.resize(static_cast<size_t>(in * C / 2));
+    convert_f32_to_bf16(send, reinterpret_cast<bf16*>(wire_out_.data()), static_cast<size_t>(out * C));
+    pass_ctx_->expert_exchange(reinterpret_cast<const float*>(wire_out_.data()), send_rows,
+                               reinterpret_cast<float*>(wire_in_.data()), recv_rows, C / 2);
+    convert_bf16_to_f32(reinterpret_cast<const bf16*>(wire_in_.data()), recv, static_cast<size_t>(in * C));
   }
   // Zeroes the padding rows of x (rows at m.local_offsets, of width C).
   void zero_padding(const MoeActs& m, float* x) {
@@ -1231,7 +1256,7 @@ class Llama final : public Model {
   void expert_return(MoeActs& m, const float* ye, float* y) {
     const int64_t C = c_.hidden_size;
     ops_->moe_gather(ep_recv_.as<float>(), ye, m.unperm.as<int32_t>(), m.R_in, C);
-    pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), y, m.send_rows.data(), C);
+    exchange_rows(ep_recv_.as<float>(), m.recv_rows.data(), y, m.send_rows.data(), DType::kF32, false);
   }
 
   // A sparse layer's MLP (Note [expert routing order] in kernels/moe.cpp):
@@ -1261,7 +1286,7 @@ class Llama final : public Model {
     ops_->moe_gather(m.xg.as<float>(), a.ln2.as<float>(), m.token_of_row.as<int32_t>(), Mg, C);
     if (expert_split()) {
       // To the experts' ranks, through this rank's experts, and back.
-      expert_dispatch(m);
+      expert_dispatch(m, dt);
       grow(m.gu, m.R * 2 * Ie);
       grow(m.act, m.R * Ie);
       grow(ep_ye_, m.R * C);
@@ -1290,7 +1315,6 @@ class Llama final : public Model {
   void moe_backward(const HeldParams& p, const BlockGrads& g, const LayerIdx& x, LlamaLayerActs& a, const float* dy,
                     float* dln2, int64_t N, DType dt, float loss_scale) {
     const int64_t C = c_.hidden_size, E = c_.num_experts, k = c_.num_experts_per_tok, Ie = c_.expert_size();
-    const int64_t M = N * k;
     MoeActs& m = a.moe;
     float* dyg = moe_dy_.as<float>();         // (M,C) d of each grouped row's expert output, then d xg
     float* dweight = moe_dweight_.as<float>();  // (N,k)
@@ -1299,14 +1323,14 @@ class Llama final : public Model {
     if (expert_split()) {
       // The outputs' gradients to the experts' ranks, their inputs' back.
       grow(ep_ye_, m.R * C);
-      pass_ctx_->expert_exchange(dyg, m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), C);
+      exchange_rows(dyg, m.send_rows.data(), ep_recv_.as<float>(), m.recv_rows.data(), dt, true);
       ops_->moe_gather(ep_ye_.as<float>(), ep_recv_.as<float>(), m.perm.as<int32_t>(), m.R, C);
       zero_padding(m, ep_ye_.as<float>());
       grow(moe_dgu_, m.R * 2 * Ie);
       grow(moe_dact_, m.R * Ie);
       experts_backward(p, g, x, m, ep_ye_.as<float>(), m.R, m.local_offsets, dt);
       ops_->moe_gather(ep_recv_.as<float>(), ep_ye_.as<float>(), m.unperm.as<int32_t>(), m.R_in, C);
-      pass_ctx_->expert_exchange(ep_recv_.as<float>(), m.recv_rows.data(), dyg, m.send_rows.data(), C);
+      exchange_rows(ep_recv_.as<float>(), m.recv_rows.data(), dyg, m.send_rows.data(), dt, false);
     } else {
       // The padding rows' gradient is zero: they add nothing to the
       // experts' weight gradients (Note [expert row blocks]).
@@ -1455,7 +1479,7 @@ class Llama final : public Model {
     if (whole_T_ != rope_T_) build_rope_tables(whole_T_, whole_T_);
     if (B == pass_.B && T == pass_.T && sr == pass_.alloc) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
-    const size_t V = static_cast<size_t>(c_.vocab_size), I = static_cast<size_t>(I_);
+    const size_t I = static_cast<size_t>(I_);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
       pass_.x_in[static_cast<size_t>(l)] = l >= sr.lo && l <= sr.hi ? ops_->alloc_f32(N * C) : Buf{};
@@ -1593,6 +1617,7 @@ class Llama final : public Model {
   // this rank's experts got): rows as they arrive, the experts' outputs.
   int ep_rank_ = 0, ep_size_ = 1;
   Buf ep_recv_, ep_ye_;
+  std::vector<uint32_t> wire_out_, wire_in_;  // bf16 rows on the wire, two to a word (exchange_rows)
   std::vector<double> aux_count_, aux_prob_, aux_f_;
   int64_t aux_layers_ = 0;
   Buf dlnf_, dres_, dsmall_, proj_, dbig_, dmid_;
