@@ -37,6 +37,12 @@
 
 namespace zinc {
 
+// One line per part of `count` (tensor parts, expert ranks): "<label> i
+// (ranks i, i + count, ...): what", from part_of(i, &why); ConfigError at
+// `key` with why where a part cannot be made. engine/tensor_parallel.cpp.
+std::vector<std::string> describe_parts(const std::string& label, const char* key, int count, int world,
+                                        const std::function<TensorPart(int, std::string*)>& part_of);
+
 // The losses of the current global batch's micro-batches on this rank and
 // its part of the loss normaliser (Note [the loss normaliser] in engine.cpp).
 struct BatchLoss {

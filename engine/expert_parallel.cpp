@@ -63,18 +63,8 @@ namespace zinc {
 
 std::vector<std::string> describe_expert_parts(const Model& model, const Config& config) {
   const int P = static_cast<int>(config.expert_parallel.size);
-  std::vector<std::string> out;
-  for (int e = 0; e < P; ++e) {
-    std::string why;
-    const TensorPart part = model.expert_part(e, P, &why);
-    if (part.empty()) throw ConfigError("expert_parallel.autoep_size", why);
-    std::string ranks;
-    int n = 0;
-    for (int r = e; r < config.world_size; r += P, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    out.push_back("expert rank " + std::to_string(e) + " (" + (n == 1 ? "rank " : "ranks ") + ranks + "): " +
-                  part.what);
-  }
-  return out;
+  return describe_parts("expert rank", "expert_parallel.autoep_size", P, config.world_size,
+                        [&](int e, std::string* why) { return model.expert_part(e, P, why); });
 }
 
 void Engine::Impl::check_part(const TensorPart& part, int r, const char* what) const {

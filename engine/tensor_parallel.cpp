@@ -125,20 +125,25 @@ void move_part(const ParamSpec& part, const TensorSplit& sp, const ParamSpec& wh
 
 }  // namespace
 
-std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config) {
-  const int T = static_cast<int>(config.tensor_parallel.size);
+std::vector<std::string> describe_parts(const std::string& label, const char* key, int count, int world,
+                                        const std::function<TensorPart(int, std::string*)>& part_of) {
   std::vector<std::string> out;
-  for (int t = 0; t < T; ++t) {
+  for (int t = 0; t < count; ++t) {
     std::string why;
-    const TensorPart part = model.tensor_part(t, T, &why);
-    if (part.empty()) throw ConfigError("tensor_parallel.autotp_size", why);
+    const TensorPart part = part_of(t, &why);
+    if (part.empty()) throw ConfigError(key, why);
     std::string ranks;
     int n = 0;
-    for (int r = t; r < config.world_size; r += T, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    out.push_back("tensor part " + std::to_string(t) + " (" + (n == 1 ? "rank " : "ranks ") + ranks +
-                  "): " + part.what);
+    for (int r = t; r < world; r += count, ++n) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    out.push_back(label + " " + std::to_string(t) + " (" + (n == 1 ? "rank " : "ranks ") + ranks + "): " + part.what);
   }
   return out;
+}
+
+std::vector<std::string> describe_tensor_parts(const Model& model, const Config& config) {
+  const int T = static_cast<int>(config.tensor_parallel.size);
+  return describe_parts("tensor part", "tensor_parallel.autotp_size", T, config.world_size,
+                        [&](int t, std::string* why) { return model.tensor_part(t, T, why); });
 }
 
 void Engine::Impl::setup_grid() {
