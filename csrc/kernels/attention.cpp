@@ -28,8 +28,19 @@
 // on each thread that runs groups. Operands are written directly as the
 // matmuls read them (bf16 for bf16 compute; fp16-exact fp32 values for fp16
 // compute, which multiplies in fp32), so matmul never has to convert them.
+//
+// Note [soft-capped scores' gradient]
+// Gemma 2 caps the scores, y = cap tanh(s / cap), before the softmax, and
+// backward needs the cap's derivative 1 - (y / cap)^2. y need not be kept
+// nor the raw scores recomputed (a fifth T x T product per head): P holds
+// p = exp(y - lse) with the row's log-sum-exp lse, so y = lse + log p, and
+// forward keeps only lse, one float per row. log p is exact to a few ulps
+// where p matters; where p underflowed to 0 the term p (dp - dot) is 0
+// whatever the factor.
 #include <algorithm>
 #include <atomic>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -47,6 +58,7 @@ namespace zinc::kernels {
 class AttentionWorkspace {
  public:
   AlignedBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal
+  AlignedBuffer lse;    // (B*H*T) fp32 log-sum-exp of each row's capped scores (soft-capping only)
   AttentionShape shape{};
   bool has_forward = false;
 };
@@ -72,7 +84,7 @@ inline void store_row(const float* x, f16x* d, int64_t n) {
   round_to_f16_serial(x, reinterpret_cast<float*>(d), static_cast<size_t>(n));
 }
 
-enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kRow, kS, kNumSlots };
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kRow, kNumSlots };
 static_assert(kNumSlots == ScratchTally::kAttentionSlots);
 
 void* scratch(Slot slot, size_t bytes) {
@@ -191,20 +203,60 @@ ZINC_ALWAYS_INLINE void softmax_row_causal_body(float* __restrict p, int64_t n_v
 }
 ZINC_ISA_VARIANTS(void, softmax_row_causal, (float* __restrict p, int64_t n_valid, int64_t n), (p, n_valid, n))
 
+// The same, returning the row's log-sum-exp: log sum_j exp(p_j) = mx + log(sum).
+ZINC_ALWAYS_INLINE float softmax_row_causal_lse_body(float* __restrict p, int64_t n_valid, int64_t n) {
+  const float mx = detail::max_of(p, n_valid);
+  for (int64_t j = 0; j < n_valid; ++j) p[j] = detail::exp_f(p[j] - mx);
+  const float sum = detail::lane_sum<float>(n_valid, [&](int64_t j) { return p[j]; });
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < n_valid; ++j) p[j] *= inv;
+  for (int64_t j = n_valid; j < n; ++j) p[j] = 0.0f;
+  return mx + std::log(sum);
+}
+ZINC_ISA_VARIANTS(float, softmax_row_causal_lse, (float* __restrict p, int64_t n_valid, int64_t n), (p, n_valid, n))
+
 // Soft-capping of one row's scores in place: s = cap tanh(s / cap).
 ZINC_ALWAYS_INLINE void softcap_row_body(float* __restrict p, float cap, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) p[j] = math::softcap(p[j], cap);
+  const float inv_cap = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) p[j] = math::softcap(p[j], cap, inv_cap);
 }
 ZINC_ISA_VARIANTS(void, softcap_row, (float* __restrict p, float cap, int64_t n), (p, cap, n))
 
-// dS of one row with soft-capped scores: p (dp - dot) (1 - tanh(s / cap)^2),
-// s the raw scores.
-ZINC_ALWAYS_INLINE void softcap_ds_row_body(float* __restrict d, const float* __restrict p,
-                                            const float* __restrict dp, const float* __restrict s, float dot,
-                                            float cap, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) d[j] = p[j] * (dp[j] - dot) * math::softcap_grad(s[j], cap);
+// Natural log of x > 0 (normal), with plain arithmetic so that the row
+// loops vectorise: x = 2^e m, m in [sqrt(1/2), sqrt(2)), log m = 2
+// atanh(f), f = (m - 1) / (m + 1), |f| <= 0.172, by its series to f^9
+// (the next term is 3e-10 relative); ln 2 split into an exact head and a tail.
+ZINC_ALWAYS_INLINE float log_pos(float x) {
+  const uint32_t i = std::bit_cast<uint32_t>(x);
+  float e = static_cast<float>(static_cast<int32_t>(i >> 23) - 127);
+  float m = std::bit_cast<float>((i & 0x7fffffu) | 0x3f800000u);
+  const bool hi = m > 1.41421356f;
+  m = hi ? 0.5f * m : m;
+  e = hi ? e + 1.0f : e;
+  const float f = (m - 1.0f) / (m + 1.0f), f2 = f * f;
+  float q = 1.0f / 9.0f;
+  q = q * f2 + 1.0f / 7.0f;
+  q = q * f2 + 1.0f / 5.0f;
+  q = q * f2 + 1.0f / 3.0f;
+  q = q * f2 + 1.0f;
+  return e * 0.693359375f + (2.0f * f * q - e * 2.12194440e-4f);
 }
-ZINC_ISA_VARIANTS(void, softcap_ds_row, (float* __restrict d, const float* __restrict p, const float* __restrict dp, const float* __restrict s, float dot, float cap, int64_t n), (d, p, dp, s, dot, cap, n))
+
+// dS of one row with soft-capped scores: p (dp - dot) (1 - (y / cap)^2),
+// y = cap tanh(s / cap) the capped score, recovered from the probability
+// as y = lse + log p (Note [soft-capped scores' gradient]). A probability
+// that underflowed to 0 is taken as the smallest normal one: its term is 0
+// whatever the factor.
+ZINC_ALWAYS_INLINE void softcap_ds_row_body(float* __restrict d, const float* __restrict p,
+                                            const float* __restrict dp, float dot, float lse, float inv_cap,
+                                            int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j] < 1.17549435e-38f ? 1.17549435e-38f : p[j];
+    const float t = (lse + log_pos(pj)) * inv_cap;
+    d[j] = p[j] * (dp[j] - dot) * (1.0f - t * t);
+  }
+}
+ZINC_ISA_VARIANTS(void, softcap_ds_row, (float* __restrict d, const float* __restrict p, const float* __restrict dp, float dot, float lse, float inv_cap, int64_t n), (d, p, dp, dot, lse, inv_cap, n))
 
 // sum_j p[j] dp[j] over the causal part of a row (for dS = P (dP - dot)).
 ZINC_ALWAYS_INLINE float softmax_row_dot_body(const float* __restrict p, const float* __restrict dp, int64_t n) {
@@ -275,6 +327,12 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
   const size_t n_att = static_cast<size_t>(BH * T * T);
   if (ws->probs.bytes() < n_att * sizeof(float)) ws->probs = AlignedBuffer(n_att * sizeof(float));
   float* P = ws->probs.as<float>();
+  float* lse = nullptr;
+  if (s.softcap > 0.0f) {
+    const size_t n_rows = static_cast<size_t>(BH * T);
+    if (ws->lse.bytes() < n_rows * sizeof(float)) ws->lse = AlignedBuffer(n_rows * sizeof(float));
+    lse = ws->lse.as<float>();
+  }
   const size_t esz = operand_bytes(compute);
   void* q = scratch(kQ, n_head * esz);
   void* k = scratch(kK, n_head * esz);
@@ -304,8 +362,12 @@ void attention_forward(AttentionWorkspace* ws, float* out, const float* qkv, Att
       const int64_t t = i % T, k0 = first_key(s, r);
       float* row = Pg + i * T;
       for (int64_t j = 0; j < k0; ++j) row[j] = 0.0f;
-      if (s.softcap > 0.0f) softcap_row(row + k0, s.softcap, t + 1 - k0);
-      softmax_row_causal(row + k0, t + 1 - k0, T - k0);
+      if (s.softcap > 0.0f) {
+        softcap_row(row + k0, s.softcap, t + 1 - k0);
+        lse[r] = softmax_row_causal_lse(row + k0, t + 1 - k0, T - k0);
+      } else {
+        softmax_row_causal(row + k0, t + 1 - k0, T - k0);
+      }
       if (!f32) store_operand_row(pc, static_cast<size_t>(i), row, T, compute);
     }
     matmul({.batch = nh, .M = T, .N = hs, .K = T, .compute = compute}, operand(pc, compute),
@@ -319,7 +381,7 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
   ProfileScope profile_scope(Op::kAttention);
   check_shape("attention_backward", s);
   if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C ||
-      ws->shape.H != s.H) {
+      ws->shape.H != s.H || ws->shape.softcap != s.softcap) {
     throw Error("attention_backward: the workspace holds no forward pass of this shape "
                 "(call attention_forward with the same workspace first)");
   }
@@ -358,14 +420,9 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
     void* ds = f32 ? static_cast<void*>(dP) : scratch(kDS, n_g * esz);
     void* pc = f32 ? const_cast<float*>(Pg) : scratch(kPc, n_g * esz);
     float* row_buf = f32 ? nullptr : static_cast<float*>(scratch(kRow, static_cast<size_t>(T) * sizeof(float)));
-    // Soft-capped scores: the raw scores again (forward's product, the same
-    // bits) for the cap's derivative.
-    float* S = nullptr;
-    if (s.softcap > 0.0f) {
-      S = static_cast<float*>(scratch(kS, n_g * sizeof(float)));
-      matmul({.batch = nh, .M = T, .N = T, .K = hs, .trans_b = true, .alpha = scale, .compute = compute}, at(q),
-             at(k), S);
-    }
+    // Soft-capped scores: each row's log-sum-exp from forward.
+    const float* lse = s.softcap > 0.0f ? ws->lse.as<float>() : nullptr;
+    const float inv_cap = s.softcap > 0.0f ? 1.0f / s.softcap : 0.0f;
     for (int64_t i = 0; i < nh * T; ++i) {
       const size_t r = static_cast<size_t>(h0 * T + i);
       const int64_t nv = i % T + 1, k0 = first_key(s, r);
@@ -374,8 +431,8 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
       const float dot = softmax_row_dot(p + k0, dp + k0, nv - k0);
       float* d = f32 ? dp : row_buf;
       for (int64_t j = 0; j < k0; ++j) d[j] = 0.0f;
-      if (S)
-        softcap_ds_row(d + k0, p + k0, dp + k0, S + i * T + k0, dot, s.softcap, nv - k0);
+      if (lse)
+        softcap_ds_row(d + k0, p + k0, dp + k0, dot, lse[r], inv_cap, nv - k0);
       else
         for (int64_t j = k0; j < nv; ++j) d[j] = p[j] * (dp[j] - dot);
       for (int64_t j = nv; j < T; ++j) d[j] = 0.0f;
@@ -405,7 +462,8 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
 namespace zinc::kernels {
 
 int64_t attention_workspace_bytes(AttentionShape s) {
-  return s.B * s.H * s.T * s.T * static_cast<int64_t>(sizeof(float));
+  const int64_t lse = s.softcap > 0.0f ? s.B * s.H * s.T : 0;
+  return (s.B * s.H * s.T * s.T + lse) * static_cast<int64_t>(sizeof(float));
 }
 
 // The slots and matmuls of attention_forward and attention_backward above,
@@ -428,7 +486,6 @@ void ScratchTally::attention(AttentionShape s, DType compute) {
   ScratchTally w;
   const size_t n_g = static_cast<size_t>(g * T * T);
   grow(w, kDP, n_g * sizeof(float));
-  if (s.softcap > 0.0f) grow(w, kS, n_g * sizeof(float));
   for (Slot sl : {kY, kDQ, kDK, kDV}) grow(w, sl, static_cast<size_t>(g * T * hs) * sizeof(float));
   if (!f32) {
     grow(w, kPc, n_g * esz);

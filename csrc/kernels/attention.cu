@@ -151,7 +151,7 @@ __global__ void attn_causal_softmax_kernel(float* __restrict__ P, uint16_t* __re
   const int64_t nv = live ? t + 1 - k0 : 0;  // how many
   // Soft-capped scores (the CPU's softcap_row), each by the thread that reads it.
   if (softcap > 0.0f)
-    for (int64_t j = lane; j < nv; j += math::kLanes) p[j] = math::softcap(p[j], softcap);
+    for (int64_t j = lane; j < nv; j += math::kLanes) p[j] = math::softcap(p[j], softcap, 1.0f / softcap);
   float m = -INFINITY;
   for (int64_t j = lane; j < nv; j += math::kLanes) m = p[j] > m ? p[j] : m;
   float mx = -INFINITY;

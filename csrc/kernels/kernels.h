@@ -241,7 +241,7 @@ class ScratchTally {
   // operand16_copy / operand16_in_place of n elements for `compute`.
   static int64_t operand16_bytes(int64_t n, bool in_place, DType compute);
   int64_t bytes() const;
-  static constexpr int kAttentionSlots = 13;  // attention.cpp's scratch slots
+  static constexpr int kAttentionSlots = 12;  // attention.cpp's scratch slots
 
  private:
   int64_t matmul_[4] = {};

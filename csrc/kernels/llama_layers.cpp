@@ -121,7 +121,8 @@ ZINC_ISA_VARIANTS(void, gelu_erf_run_backward, (float* __restrict dx, const floa
 // ---- soft-capping -------------------------------------------------------------------------
 
 ZINC_ALWAYS_INLINE void softcap_run_forward_body(float* __restrict x, float cap, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) x[j] = math::softcap(x[j], cap);
+  const float inv_cap = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) x[j] = math::softcap(x[j], cap, inv_cap);
 }
 ZINC_ISA_VARIANTS(void, softcap_run_forward, (float* __restrict x, float cap, int64_t n), (x, cap, n))
 

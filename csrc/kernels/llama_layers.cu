@@ -123,7 +123,7 @@ __global__ void gelu_erf_backward_kernel(float* dx, const float* x, const float*
 
 __global__ void softcap_forward_kernel(float* x, float cap, int64_t n) {
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x)
-    x[e] = math::softcap(x[e], cap);
+    x[e] = math::softcap(x[e], cap, 1.0f / cap);
 }
 
 __global__ void softcap_backward_kernel(float* dx, const float* y, float cap, int64_t n) {
