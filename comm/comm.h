@@ -61,7 +61,7 @@ class Communicator {
   // j. recv (size() * count_per_rank elements) = block rank() of every
   // rank's send, in rank order. No arithmetic: the dtype only sizes the
   // elements (the 1-bit all-reduce, comm/onebit.h, sends packed bits as f32
-  // words). send and recv must not overlap. NCCL backend: not yet (CommError).
+  // words). send and recv must not overlap. NCCL: one group of ncclSend and ncclRecv.
   virtual void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) = 0;
   // The same with a count per pair: block j of send (send_counts[j]
   // elements, the blocks one after the other in rank order) goes to rank j,
@@ -69,7 +69,8 @@ class Communicator {
   // pair's counts must agree (what i sends to j is what j expects from i;
   // callers exchange them first with all_to_all). Runs as size() - 1 rounds
   // of exchange (round d: to rank + d, from rank - d), so it needs point to
-  // point: the MPI and shm backends have it, NCCL does not (CommError).
+  // point: the MPI and shm backends run it so, NCCL as one group of
+  // ncclSend and ncclRecv (Note [NCCL point to point] in nccl_communicator.cpp).
   // Not in place. The expert exchange of a mixture-of-experts layer uses it
   // (Note [expert parallelism] in engine/expert_parallel.cpp).
   virtual void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
@@ -95,8 +96,8 @@ class Communicator {
   // ranked by `key` (ties by this communicator's rank), with the same
   // backend: MPI_Comm_split. Collective over every rank of this one. The
   // engine makes its pipeline and data-parallel groups with it (Note
-  // [pipeline parallelism] in engine/pipeline.cpp). Backends that cannot
-  // split (NCCL) throw CommError naming the rank.
+  // [pipeline parallelism] in engine/pipeline.cpp). NCCL splits with
+  // ncclCommSplit (2.18 and later; earlier, CommError naming the rank).
   virtual std::unique_ptr<Communicator> split(int color, int key);
 
   // Point to point (the pipeline's activations and their gradients): send
@@ -104,8 +105,8 @@ class Communicator {
   // arrived. Messages between two ranks arrive in the order they were sent.
   // exchange sends to `to` and receives from `from` at once (either may be
   // -1: none), so two neighbours that send to each other never wait for
-  // each other. No arithmetic: the dtype sizes the elements. Backends
-  // without point to point (NCCL, a world of one) throw CommError.
+  // each other. No arithmetic: the dtype sizes the elements. NCCL: ncclSend
+  // and ncclRecv in one group; a world of one has no peer (CommError).
   virtual void send(const void* buf, int64_t count, DType dtype, int peer);
   virtual void recv(void* buf, int64_t count, DType dtype, int peer);
   virtual void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count,

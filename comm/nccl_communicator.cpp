@@ -43,9 +43,23 @@
 // same result (NCCL broadcasts the finished sum), and the same algorithm
 // repeats the same bits. fp32 sums differ only by grouping, as between any
 // two MPI implementations.
+//
+// Note [NCCL point to point]
+// send, recv and exchange (the pipeline's activations and their gradients
+// between stages), all_to_all and all_to_all_v (sequence and expert ranks)
+// are ncclSend and ncclRecv calls in one group (ncclGroupStart/End): NCCL
+// starts a group's transfers together, so two ranks that send to each other
+// in one call never wait on each other, and a rank's send to itself is a
+// copy on the GPU. NCCL pairs a send with the peer's receive in the order
+// each was called, as MPI pairs messages of one tag. Completed before the
+// call returns, like the collectives (Note [NCCL completion]). split makes a
+// communicator of the ranks with one colour with ncclCommSplit, and splits
+// the host bootstrap alike for the new communicator's ranks, sizes and
+// abort.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -54,6 +68,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
@@ -85,6 +101,10 @@ struct NcclApi {
   decltype(&::ncclCommDestroy) CommDestroy;
   decltype(&::ncclGetUniqueId) GetUniqueId;
   decltype(&::ncclGetVersion) GetVersion;
+  decltype(&::ncclSend) Send;
+  decltype(&::ncclRecv) Recv;
+  decltype(&::ncclGroupStart) GroupStart;
+  decltype(&::ncclGroupEnd) GroupEnd;
 
   NcclApi()
       : lib(DynLib::open({"libnccl.so." ZINC_NCCL_STR(NCCL_MAJOR), ZINC_CUDA_LIB_DIR "/libnccl.so." ZINC_NCCL_STR(NCCL_MAJOR)},
@@ -103,6 +123,10 @@ struct NcclApi {
     CommDestroy = lib.get<decltype(&::ncclCommDestroy)>("ncclCommDestroy");
     GetUniqueId = lib.get<decltype(&::ncclGetUniqueId)>("ncclGetUniqueId");
     GetVersion = lib.get<decltype(&::ncclGetVersion)>("ncclGetVersion");
+    Send = lib.get<decltype(&::ncclSend)>("ncclSend");
+    Recv = lib.get<decltype(&::ncclRecv)>("ncclRecv");
+    GroupStart = lib.get<decltype(&::ncclGroupStart)>("ncclGroupStart");
+    GroupEnd = lib.get<decltype(&::ncclGroupEnd)>("ncclGroupEnd");
   }
 };
 const NcclApi& nccl() {
@@ -238,12 +262,112 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  // Not yet: it needs ncclSend/ncclRecv in a group, which the NCCL table
-  // (and the emulated NCCL of tests/cuda_emu) do not load yet (issue 34).
+  // Note [NCCL point to point]: every block in one group.
   void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) override {
     detail::check_all_to_all(rank_, size_, send, recv, count_per_rank, dtype);
-    throw detail::comm_error(rank_, "all_to_all",
-                             "not yet on the nccl backend (needs ncclSend/ncclRecv); use a host backend");
+    const ncclDataType_t type = nccl_type(dtype, "all_to_all");
+    if (count_per_rank == 0) return;
+    const std::string op = describe("all_to_all", count_per_rank, dtype);
+    const size_t block = static_cast<size_t>(count_per_rank) * dtype_bytes(dtype);
+    DeviceGuard g(rank_, device_, op);
+    grouped(op, [&] {
+      for (int r = 0; r < size_; ++r) {
+        nccl_check(nccl().Send(static_cast<const char*>(send) + r * block, static_cast<size_t>(count_per_rank), type, r,
+                               comm_, stream_),
+                   op, "ncclSend");
+        nccl_check(nccl().Recv(static_cast<char*>(recv) + r * block, static_cast<size_t>(count_per_rank), type, r,
+                               comm_, stream_),
+                   op, "ncclRecv");
+      }
+    });
+    complete(op);
+  }
+
+  // The host backends' checks (comm_select.cpp), then every pair's blocks
+  // in one group.
+  void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                    DType dtype) override {
+    const size_t elem = dtype_bytes(dtype);
+    std::vector<int64_t> at_send(static_cast<size_t>(size_) + 1, 0), at_recv(static_cast<size_t>(size_) + 1, 0);
+    for (int r = 0; r < size_; ++r) {
+      detail::check_count(rank_, "all_to_all_v", send_counts[r]);
+      detail::check_count(rank_, "all_to_all_v", recv_counts[r]);
+      at_send[static_cast<size_t>(r) + 1] = at_send[static_cast<size_t>(r)] + send_counts[r];
+      at_recv[static_cast<size_t>(r) + 1] = at_recv[static_cast<size_t>(r)] + recv_counts[r];
+    }
+    if (send_counts[rank_] != recv_counts[rank_])
+      throw detail::comm_error(rank_, "all_to_all_v", "this rank sends itself " + std::to_string(send_counts[rank_]) +
+                                                          " elements but expects " + std::to_string(recv_counts[rank_]));
+    const int64_t sent = at_send[static_cast<size_t>(size_)], received = at_recv[static_cast<size_t>(size_)];
+    if (detail::overlaps(send, static_cast<size_t>(sent) * elem, recv, static_cast<size_t>(received) * elem))
+      throw detail::comm_error(rank_, "all_to_all_v", "send and recv overlap; all_to_all_v is not in place");
+    const ncclDataType_t type = nccl_type(dtype, "all_to_all_v");
+    if (sent == 0 && received == 0) return;
+    const std::string op = describe("all_to_all_v", std::max(sent, received), dtype);
+    DeviceGuard g(rank_, device_, op);
+    grouped(op, [&] {
+      for (int r = 0; r < size_; ++r) {
+        const size_t ri = static_cast<size_t>(r);
+        if (send_counts[r] > 0)
+          nccl_check(nccl().Send(static_cast<const char*>(send) + static_cast<size_t>(at_send[ri]) * elem,
+                                 static_cast<size_t>(send_counts[r]), type, r, comm_, stream_),
+                     op, "ncclSend");
+        if (recv_counts[r] > 0)
+          nccl_check(nccl().Recv(static_cast<char*>(recv) + static_cast<size_t>(at_recv[ri]) * elem,
+                                 static_cast<size_t>(recv_counts[r]), type, r, comm_, stream_),
+                     op, "ncclRecv");
+      }
+    });
+    complete(op);
+  }
+
+  // Note [NCCL point to point].
+  void send(const void* buf, int64_t count, DType dtype, int peer) override {
+    exchange(buf, count, peer, nullptr, 0, -1, dtype);
+  }
+  void recv(void* buf, int64_t count, DType dtype, int peer) override {
+    exchange(nullptr, 0, -1, buf, count, peer, dtype);
+  }
+  void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count, int from,
+                DType dtype) override {
+    for (auto [peer, count, what] : {std::tuple{to, send_count, "send"}, std::tuple{from, recv_count, "recv"}}) {
+      if (peer == -1) continue;
+      detail::check_count(rank_, what, count);
+      if (peer < 0 || peer >= size_ || peer == rank_)
+        throw detail::comm_error(rank_, what,
+                                 "peer " + std::to_string(peer) + " is not another rank of " + std::to_string(size_));
+    }
+    const ncclDataType_t type = nccl_type(dtype, "exchange");
+    const bool sending = to != -1 && send_count > 0, receiving = from != -1 && recv_count > 0;
+    if (!sending && !receiving) return;
+    const std::string op = describe(sending && receiving ? "exchange" : sending ? "send" : "recv",
+                                    std::max(sending ? send_count : 0, receiving ? recv_count : 0), dtype);
+    DeviceGuard g(rank_, device_, op);
+    grouped(op, [&] {
+      if (sending)
+        nccl_check(nccl().Send(send_buf, static_cast<size_t>(send_count), type, to, comm_, stream_), op, "ncclSend");
+      if (receiving)
+        nccl_check(nccl().Recv(recv_buf, static_cast<size_t>(recv_count), type, from, comm_, stream_), op,
+                   "ncclRecv");
+    });
+    complete(op);
+  }
+
+  // Note [NCCL point to point]: the bootstrap split first (its ranks are
+  // this communicator's), then NCCL's.
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    if (color < 0) throw detail::comm_error(rank_, "split", "color must be >= 0, got " + std::to_string(color));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    std::unique_ptr<Communicator> host = bootstrap_.split(color, key);
+    DeviceGuard g(rank_, device_, "split");
+    ncclComm_t child = nullptr;
+    nccl_check(nccl().CommSplit(comm_, color, key, &child, /*config=*/nullptr), "split", "ncclCommSplit");
+    auto out = std::make_unique<NcclCommunicator>(*host, device_, child);
+    out->adopt_bootstrap(std::move(host));
+    return out;
+#else
+    throw detail::comm_error(rank_, "split", "needs NCCL 2.18 or later (ncclCommSplit)");
+#endif
   }
 
   void broadcast(void* buf, int64_t count, DType dtype, int root) override {
@@ -328,6 +452,19 @@ class NcclCommunicator final : public Communicator {
       case DType::kF16: return ncclFloat16;
     }
     throw detail::comm_error(rank_, op, "unknown dtype " + std::to_string(static_cast<int>(dtype)));
+  }
+
+  // fn()'s NCCL calls as one group; the group is closed on every path.
+  template <class Fn>
+  void grouped(const std::string& op, Fn fn) {
+    nccl_check(nccl().GroupStart(), op, "ncclGroupStart");
+    try {
+      fn();
+    } catch (...) {
+      (void)nccl().GroupEnd();
+      throw;
+    }
+    nccl_check(nccl().GroupEnd(), op, "ncclGroupEnd");
   }
 
   void nccl_check(ncclResult_t r, const std::string& op, const char* fn) const {

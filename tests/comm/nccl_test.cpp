@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -289,6 +290,117 @@ TEST(NcclCollectiveEdge, ZeroCountsTouchNothing) {
   c.all_reduce_f64(nullptr, 0);
   c.all_reduce_max_f64(nullptr, 0);
   c.barrier();
+}
+
+// ---------------------------------------------------------------------------
+// Point to point, all-to-all and split (Note [NCCL point to point] in
+// nccl_communicator.cpp), over device buffers, against what each rank sent.
+
+// Rank r's message to rank q: n values that name both.
+std::vector<float> message(int from, int to, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<float>(from * 1000 + to * 100 + i % 97);
+  return v;
+}
+
+TEST(NcclPointToPoint, SendRecvAndExchangeAroundTheRing) {
+  ZINC_REQUIRE_NCCL();
+  Communicator& c = nccl();
+  if (c.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int me = c.rank(), R = c.size(), next = (me + 1) % R, prev = (me + R - 1) % R;
+  for (int64_t n : {int64_t{1}, int64_t{4099}}) {
+    // exchange: each rank sends to the next and receives from the previous at once.
+    cuda::DeviceBuffer out = upload(encode(message(me, next, n), DType::kF32)), in = garbage(n * sizeof(float));
+    c.exchange(out.data(), n, next, in.data(), n, prev, DType::kF32);
+    EXPECT_EQ(decode(download(in.data(), n * sizeof(float)).data(), n, DType::kF32), message(prev, me, n)) << n;
+    // send and recv: even ranks send first, odd ranks receive first (no deadlock either way).
+    cuda::DeviceBuffer back = garbage(n * sizeof(float));
+    if (me % 2 == 0) {
+      c.send(out.data(), n, DType::kF32, next);
+      if (me != next) c.recv(back.data(), n, DType::kF32, prev);
+    } else {
+      c.recv(back.data(), n, DType::kF32, prev);
+      c.send(out.data(), n, DType::kF32, next);
+    }
+    if (R % 2 == 0)
+      EXPECT_EQ(decode(download(back.data(), n * sizeof(float)).data(), n, DType::kF32), message(prev, me, n)) << n;
+  }
+  // bf16 keeps its bits: no arithmetic on the way.
+  const std::vector<float> vals = message(me, next, 33);
+  cuda::DeviceBuffer o16 = upload(encode(vals, DType::kBF16)), i16 = garbage(33 * 2);
+  c.exchange(o16.data(), 33, next, i16.data(), 33, prev, DType::kBF16);
+  EXPECT_EQ(download(i16.data(), 33 * 2), encode(message(prev, me, 33), DType::kBF16));
+  // A peer that is not another rank is refused before anything moves.
+  try {
+    c.send(nullptr, 1, DType::kF32, me);
+    ADD_FAILURE() << "a send to itself was not refused";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("is not another rank"), std::string::npos) << e.what();
+  }
+}
+
+TEST(NcclPointToPoint, AllToAllAndAllToAllVDeliverEveryBlock) {
+  ZINC_REQUIRE_NCCL();
+  Communicator& c = nccl();
+  const int me = c.rank(), R = c.size();
+  const int64_t n = 257;
+  std::vector<float> blocks;
+  for (int q = 0; q < R; ++q) {
+    const std::vector<float> m = message(me, q, n);
+    blocks.insert(blocks.end(), m.begin(), m.end());
+  }
+  cuda::DeviceBuffer send = upload(encode(blocks, DType::kF32)), recv = garbage(blocks.size() * sizeof(float));
+  c.all_to_all(send.data(), recv.data(), n, DType::kF32);
+  const std::vector<float> got = decode(download(recv.data(), blocks.size() * sizeof(float)).data(), blocks.size(), DType::kF32);
+  for (int q = 0; q < R; ++q)
+    EXPECT_EQ(std::vector<float>(got.begin() + q * n, got.begin() + (q + 1) * n), message(q, me, n)) << "from " << q;
+  // Counts per pair: rank a sends (a + b) % 3 * 5 values to rank b (some pairs none).
+  auto count = [](int a, int b) { return static_cast<int64_t>((a + b) % 3 * 5); };
+  std::vector<int64_t> sc(static_cast<size_t>(R)), rc(static_cast<size_t>(R));
+  std::vector<float> vs, want;
+  for (int q = 0; q < R; ++q) {
+    sc[static_cast<size_t>(q)] = count(me, q);
+    rc[static_cast<size_t>(q)] = count(q, me);
+    const std::vector<float> m = message(me, q, count(me, q)), w = message(q, me, count(q, me));
+    vs.insert(vs.end(), m.begin(), m.end());
+    want.insert(want.end(), w.begin(), w.end());
+  }
+  cuda::DeviceBuffer vsend = upload(encode(vs, DType::kF32)), vrecv = garbage(std::max<size_t>(want.size(), 1) * 4);
+  c.all_to_all_v(vsend.data(), sc.data(), vrecv.data(), rc.data(), DType::kF32);
+  EXPECT_EQ(decode(download(vrecv.data(), want.size() * 4).data(), want.size(), DType::kF32), want);
+}
+
+TEST(NcclSplit, SplitGroupsRankByKeyAndReduceOnlyTheirOwn) {
+  ZINC_REQUIRE_NCCL();
+  Communicator& c = nccl();
+  const int me = c.rank(), R = c.size();
+  // Two colours by parity, ranked in reverse order of the world's.
+  std::unique_ptr<Communicator> part = c.split(me % 2, R - me);
+  ASSERT_TRUE(part);
+  EXPECT_EQ(part->backend(), "nccl");
+  const int members = (R - me % 2 + 1) / 2;
+  EXPECT_EQ(part->size(), members);
+  int higher = 0;  // same-colour ranks above this one come first
+  for (int q = me + 2; q < R; q += 2) ++higher;
+  EXPECT_EQ(part->rank(), higher);
+  const int64_t n = 1001;
+  cuda::DeviceBuffer buf = upload(encode(rank_values(me, n), DType::kF32));
+  part->all_reduce(buf.data(), buf.data(), n, DType::kF32);
+  const std::vector<float> got = decode(download(buf.data(), n * 4).data(), n, DType::kF32);
+  for (int64_t i = 0; i < n; i += 97) {
+    float want = 0;
+    for (int q = me % 2; q < R; q += 2) want += small_int(q, i);
+    EXPECT_EQ(got[static_cast<size_t>(i)], want) << i;
+  }
+  if (part->size() > 1) {  // point to point inside the part, by the part's ranks
+    const int pn = part->size(), pm = part->rank();
+    cuda::DeviceBuffer o = upload(encode(message(pm, (pm + 1) % pn, 5), DType::kF32)), in = garbage(20);
+    part->exchange(o.data(), 5, (pm + 1) % pn, in.data(), 5, (pm + pn - 1) % pn, DType::kF32);
+    EXPECT_EQ(decode(download(in.data(), 20).data(), 5, DType::kF32), message((pm + pn - 1) % pn, pm, 5));
+  }
+  EXPECT_THROW(c.split(-1, 0), CommError);
+  part.reset();  // collective
+  world().barrier();
 }
 
 // ---------------------------------------------------------------------------

@@ -9,6 +9,12 @@
 // Reductions gather every rank's data and add it in rank order (fp32 in
 // fp32, fp64 in fp64, 16-bit values in fp32 rounded once), so every rank
 // gets the same bits; real NCCL adds in its own ring or tree order.
+// Point to point: ncclSend and ncclRecv between ncclGroupStart and
+// ncclGroupEnd are queued on the calling thread and run together at the
+// group's end (nonblocking MPI sends and receives, then one wait), so ranks
+// that send to each other in one group never wait on each other; outside a
+// group each runs at once. A send takes its data after the work queued on
+// its stream; a receive's data lands in stream order.
 // It needs MPI initialised with MPI_THREAD_MULTIPLE, as zinc's MPI backend does.
 #include <mpi.h>
 
@@ -114,6 +120,53 @@ ncclResult_t check(const ncclComm* c, ncclDataType_t t, ncclRedOp_t op = ncclSum
   if (!c || c->mpi == MPI_COMM_NULL) return ncclInvalidArgument;
   if (type_bytes(t) == 0 || (op != ncclSum && op != ncclMax)) return ncclInvalidArgument;
   return ncclSuccess;
+}
+
+// One queued ncclSend or ncclRecv.
+struct P2p {
+  bool send;
+  const void* from;
+  void* to;
+  size_t bytes;
+  int peer;
+  ncclComm_t comm;
+  cudaStream_t stream;
+};
+constexpr int kP2pTag = 0x5e4d;
+thread_local int g_group_depth = 0;
+thread_local std::vector<P2p> g_p2p;
+
+// Runs the queued transfers together: every send's data after its stream's
+// work, nonblocking sends and receives, one wait, the received data landing
+// in stream order.
+ncclResult_t run_p2p() {
+  std::vector<P2p> ops;
+  ops.swap(g_p2p);
+  for (const P2p& o : ops) zinc_emu_flush(o.stream);
+  std::vector<std::vector<char>> data(ops.size());
+  std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2p& o = ops[i];
+    if (o.send) data[i].assign(static_cast<const char*>(o.from), static_cast<const char*>(o.from) + o.bytes);
+    else data[i].resize(o.bytes);
+    const int rc = o.send ? MPI_Isend(data[i].data(), static_cast<int>(o.bytes), MPI_BYTE, o.peer, kP2pTag,
+                                      o.comm->mpi, &reqs[i])
+                          : MPI_Irecv(data[i].data(), static_cast<int>(o.bytes), MPI_BYTE, o.peer, kP2pTag,
+                                      o.comm->mpi, &reqs[i]);
+    if (rc != MPI_SUCCESS) return ncclSystemError;
+  }
+  if (!reqs.empty() && MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+    return ncclSystemError;
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (!ops[i].send) land(ops[i].stream, ops[i].to, std::move(data[i]));
+  return ncclSuccess;
+}
+
+ncclResult_t queue_p2p(P2p o, ncclDataType_t t) {
+  if (ncclResult_t r = check(o.comm, t)) return r;
+  if (o.peer < 0 || o.peer >= o.comm->size || o.bytes > static_cast<size_t>(INT32_MAX)) return ncclInvalidArgument;
+  g_p2p.push_back(o);
+  return g_group_depth > 0 ? ncclSuccess : run_p2p();
 }
 
 }  // namespace
@@ -236,6 +289,22 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   if (MPI_Bcast(data.data(), static_cast<int>(bytes), MPI_BYTE, root, comm->mpi) != MPI_SUCCESS) return ncclSystemError;
   land(stream, recv, std::move(data));
   return ncclSuccess;
+}
+
+ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return queue_p2p({true, send, nullptr, count * type_bytes(t), peer, comm, stream}, t);
+}
+ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t stream) {
+  return queue_p2p({false, nullptr, recv, count * type_bytes(t), peer, comm, stream}, t);
+}
+ncclResult_t ncclGroupStart() {
+  ++g_group_depth;
+  return ncclSuccess;
+}
+ncclResult_t ncclGroupEnd() {
+  if (g_group_depth == 0) return ncclInvalidUsage;
+  return --g_group_depth > 0 ? ncclSuccess : run_p2p();
 }
 
 }  // extern "C"
