@@ -33,8 +33,6 @@ void Config::validate() const {
                         "pipeline stages compose with ZeRO stages 0 and 1 (as DeepSpeed's pipeline engine does): "
                         "stages 2 and 3 would reduce and gather every micro-batch's gradients and parameters, got " +
                             std::to_string(zero.stage));
-    if (device == Device::kCuda)
-      throw ConfigError("pipeline.stages", "the GPU path does not run pipeline stages yet; use \"device\": \"cpu\"");
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with pipeline stages yet");

@@ -71,6 +71,14 @@ class DeviceMirror {
   // calls it at each entry point: a thread other than the constructor's may
   // drive it).
   virtual void make_current() = 0;
+  // ---- pipeline stages (Note [pipeline stages on the GPU] in
+  // engine/pipeline.cpp) ----
+  // n floats of GPU memory (a stage's input, output or their gradients),
+  // freed when the last reference goes.
+  virtual std::shared_ptr<float> alloc_floats(int64_t n) = 0;
+  // Waits until the compute stream's kernels so far have finished (before
+  // another stream, NCCL's, reads what they wrote).
+  virtual void sync_compute() = 0;
   // The block's GPU gradient accumulator; the compute stream first waits for
   // the copy and zeroing of the last boundary.
   virtual float* grads(int block) = 0;

@@ -130,6 +130,9 @@ struct Engine::Impl final : StepContext {
   std::shared_ptr<comm::Communicator> world_comm;  // every rank (pipelined runs; comm is the group)
   std::unique_ptr<comm::Communicator> pipe_comm;   // this replica's stages, ranked by stage
   PipelinePlan pipe_plan;                          // the stages' layers and blocks (plan_pipeline)
+  // On the GPU path: the same ranks as pipe_comm over NCCL, for the
+  // activations in GPU memory (Note [pipeline stages on the GPU]).
+  std::unique_ptr<comm::Communicator> pipe_device_comm;
   std::unique_ptr<comm::Communicator> tied_comm;   // those two stages of this replica (on them only)
   PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
   int64_t pipe_recomputed = 0;                     // forwards computed again before their backward

@@ -85,8 +85,26 @@ class GpuOffload final : public DevicePath {
       : cfg_(c), world_(world), rank_(rank), dtype_(dtype), gplan_(GpuPlan::make(c, world)),
         states_(c.zero.offload_optimizer.device == OffloadDevice::kNone) {
     const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
+    device_index_ = dev;
     if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
     if (world > 1) make_gpu_reduction(*comm, dev);
+  }
+
+  // Note [pipeline stages on the GPU] in pipeline.cpp.
+  std::shared_ptr<float> stage_buffer(int64_t n) override {
+    ZINC_CHECK(gpu_, "GPU path: a stage buffer before the mirror exists");
+    return gpu_->alloc_floats(n);
+  }
+  std::unique_ptr<comm::Communicator> stage_communicator(comm::Communicator& host) override {
+    try {
+      return comm::make_nccl_communicator(host, device_index_);
+    } catch (const Error& e) {
+      throw Error(std::string("pipeline stages on the GPU send their activations over NCCL, which did not start: ") +
+                  e.what());
+    }
+  }
+  void before_stage_transfer() override {
+    if (gpu_) gpu_->sync_compute();
   }
 
   void configure_reducer(GradReducer::Options& o) override {
@@ -384,6 +402,7 @@ class GpuOffload final : public DevicePath {
   const bool states_;    // offload_optimizer "none": master, m, v on the GPU (the rank's span)
   DeviceContext ctx_;
   std::unique_ptr<DeviceMirror> gpu_;
+  int device_index_ = 0;  // the GPU this rank computes on
   // Several ranks: gradients reduced on the GPU, over a communicator that
   // reaches GPU memory (NCCL), on a stream of their own; only the rank's
   // shard comes back to the host.

@@ -64,6 +64,18 @@ class DevicePath {
   // After the model's backward, before the coordinator's end of the pass.
   virtual void end_backward() {}
 
+  // ---- pipeline stages (Note [pipeline stages on the GPU] in pipeline.cpp) ----
+  // n floats where the model reads a stage's input and writes its output
+  // (and their gradients); null: host memory, the engine's own.
+  virtual std::shared_ptr<float> stage_buffer(int64_t /*n*/) { return nullptr; }
+  // A communicator over the ranks of `host` (the pipeline group) that
+  // reaches that memory; null: `host` itself. Collective over host's ranks.
+  virtual std::unique_ptr<comm::Communicator> stage_communicator(comm::Communicator& /*host*/) { return nullptr; }
+  // Before a stage's buffer goes to a neighbour or one arrives: the
+  // kernels queued so far (which write what goes, or still read what an
+  // arrival overwrites) have finished.
+  virtual void before_stage_transfer() {}
+
   // ---- the step ----
   // This rank's sum of squared gradients where the device holds them
   // (false: the host's reduced gradients are summed).

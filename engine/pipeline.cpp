@@ -83,20 +83,25 @@ double pipe_seconds(Clock::time_point t0) { return std::chrono::duration<double>
 // whole.
 class PipeLink {
  public:
-  PipeLink(comm::Communicator& pipe, comm::Communicator* parts, int part, int nparts)
-      : pipe_(pipe), parts_(parts), part_(part), nparts_(parts ? nparts : 1) {}
+  // dev: the device path, whose kernels each transfer waits for (Note
+  // [pipeline stages on the GPU]).
+  PipeLink(comm::Communicator& pipe, comm::Communicator* parts, int part, int nparts, DevicePath& dev)
+      : pipe_(pipe), parts_(parts), part_(part), nparts_(parts ? nparts : 1), dev_(dev) {}
   void send(const float* buf, int64_t n, DType dt, int to) {
     const auto [o, c] = slice(n);
+    dev_.before_stage_transfer();
     pipe_.send(buf + o, c, dt, to);
   }
   void recv(float* buf, int64_t n, DType dt, int from) {
     const auto [o, c] = slice(n);
+    dev_.before_stage_transfer();
     pipe_.recv(buf + o, c, dt, from);
     gather(buf, n);
   }
   void exchange(const float* sbuf, int64_t sn, int to, float* rbuf, int64_t rn, int from, DType dt) {
     const auto [so, sc] = slice(sn);
     const auto [ro, rc] = slice(rn);
+    dev_.before_stage_transfer();
     pipe_.exchange(sbuf + so, sc, to, rbuf + ro, rc, from, dt);
     gather(rbuf, rn);
   }
@@ -117,7 +122,58 @@ class PipeLink {
   comm::Communicator& pipe_;
   comm::Communicator* parts_;
   int part_, nparts_;
+  DevicePath& dev_;
   std::vector<float> own_;
+};
+
+// Note [pipeline stages on the GPU]
+// On the GPU path ("device": "cuda") the model reads a stage's input and
+// writes its output, and their gradients, in GPU memory: the engine keeps
+// them in buffers the device path allocates there (DevicePath::
+// stage_buffer) and sends them between the stages over NCCL, GPU to GPU as
+// DeepSpeed's pipeline engine does: a communicator over the pipeline
+// group's ranks (DevicePath::stage_communicator) whose send, recv and
+// exchange are ncclSend and ncclRecv (Note [NCCL point to point]). NCCL
+// runs on a stream of its own, so every transfer first waits for the
+// compute stream's kernels (DevicePath::before_stage_transfer): those that
+// wrote what it sends, and those that still read a buffer it receives into
+// (the last backward's output gradient, when the next one arrives in the
+// same buffer); a receive has completed when it returns, before any kernel
+// reads it. The schedule, the loss and
+// clipping's sums (host values over the host communicators) are the CPU's,
+// and the data-parallel replicas of each stage reduce their gradients over
+// NCCL as without stages. Not yet on the GPU: a block two stages share (a
+// tied head, refused with one line), tensor parts and sequence ranks.
+//
+// A stage's buffer: host memory, or the device's (Note [pipeline stages on
+// the GPU]); it keeps what it holds while a resize fits.
+class StageBuf {
+ public:
+  explicit StageBuf(DevicePath* device = nullptr) : device_(device) {}
+  float* resize(int64_t n) {
+    n_ = n;
+    if (!device_) {
+      host_.resize(static_cast<size_t>(n));
+    } else if (n > cap_) {
+      buf_ = device_->stage_buffer(n);
+      cap_ = n;
+    }
+    return data();
+  }
+  float* data() { return device_ ? buf_.get() : host_.data(); }
+  int64_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  void clear() {
+    n_ = cap_ = 0;
+    host_ = {};
+    buf_.reset();
+  }
+
+ private:
+  DevicePath* device_;
+  int64_t n_ = 0, cap_ = 0;
+  std::vector<float> host_;
+  std::shared_ptr<float> buf_;
 };
 
 // Contiguous parts of `w` (non-negative weights), each non-empty, whose
@@ -268,6 +324,12 @@ void Engine::Impl::setup_pipeline() {
   }
   pass_stage = PipelineStage{plan.bounds[static_cast<size_t>(stage)],
                              stage + 1 == stages ? -1 : plan.bounds[static_cast<size_t>(stage) + 1]};
+  if (!tied_stages.empty() && cfg.device == Device::kCuda)
+    throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between stages " +
+                                         std::to_string(tied_stages[0]) + " and " + std::to_string(tied_stages[1]) +
+                                         " (a head tied to the embedding), which the GPU path does not sum between "
+                                         "stages yet (Note [pipeline stages on the GPU]); use \"device\": \"cpu\", "
+                                         "or untie the head");
   if (!tied_stages.empty()) {  // the pair of stages of this replica that share blocks (collective over the pipe)
     const bool in = std::find(tied_stages.begin(), tied_stages.end(), stage) != tied_stages.end();
     tied_comm = pipe_comm->split(in ? 0 : 1, stage);
@@ -362,8 +424,9 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     const Batch& b = batches[static_cast<size_t>(m)];
     return b.B * b.T * W;
   };
-  std::vector<std::vector<float>> inputs(static_cast<size_t>(M));  // a later stage's, per micro-batch in flight
-  std::vector<float> out, dout, din;
+  DevicePath* on_device = pipe_device_comm ? device.get() : nullptr;  // Note [pipeline stages on the GPU]
+  std::vector<StageBuf> inputs(static_cast<size_t>(M), StageBuf(on_device));  // a later stage's, per micro-batch in flight
+  StageBuf out(on_device), dout(on_device), din(on_device);
   // The model's activation sets (Model::select_activations): one per
   // micro-batch in flight, P - s of them (the last stage's backward follows
   // its forward), micro-batch m in set m % K. A model with one set: the
@@ -384,7 +447,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     const size_t k = select(m);
     holds[k] = m;
     use_split(m);
-    out.resize(last ? 0 : static_cast<size_t>(width(m)));
+    out.resize(last ? 0 : width(m));
     const float loss = stage_forward(batches[static_cast<size_t>(m)], base + m,
                                      first ? nullptr : inputs[static_cast<size_t>(m)].data(), last ? nullptr : out.data());
     const Batch& b = batches[static_cast<size_t>(m)];
@@ -394,19 +457,20 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
     const size_t k = select(m);
     use_split(m);
     if (holds[k] != m) {  // Note [pipeline parallelism]: the forward again, from the kept input
-      std::vector<float> scratch(last ? 0 : static_cast<size_t>(width(m)));
+      StageBuf scratch(on_device);
+      scratch.resize(last ? 0 : width(m));
       stage_forward(batches[static_cast<size_t>(m)], base + m, first ? nullptr : inputs[static_cast<size_t>(m)].data(),
                     last ? nullptr : scratch.data());
       pipe_recomputed += 1;
     }
-    din.resize(first ? 0 : static_cast<size_t>(width(m)));
+    din.resize(first ? 0 : width(m));
     stage_backward(m == M - 1, last ? nullptr : dout.data(), first ? nullptr : din.data());
-    inputs[static_cast<size_t>(m)] = {};
+    inputs[static_cast<size_t>(m)].clear();
     holds[k] = -1;  // backward may overwrite what forward kept
   };
   // The transfers, over the pipeline group (its ranks are the stages);
   // the time in them is the stage's wait for its neighbours.
-  PipeLink pc(*pipe_comm, tp_comm.get(), tp_rank, tp_size);
+  PipeLink pc(pipe_device_comm ? *pipe_device_comm : *pipe_comm, tp_comm.get(), tp_rank, tp_size, *device);
   auto timed = [&](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
@@ -414,9 +478,7 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   };
   // Where micro-batch m's input arrives (written whole by the transfer).
   auto input_of = [&](int64_t m) {
-    std::vector<float>& in = inputs[static_cast<size_t>(m)];
-    in.resize(static_cast<size_t>(width(m)));
-    return in.data();
+    return inputs[static_cast<size_t>(m)].resize(width(m));
   };
   auto recv_input = [&](int64_t m) {
     if (!first) timed([&] { pc.recv(input_of(m), width(m), DType::kF32, s - 1); });
@@ -426,36 +488,36 @@ float Engine::Impl::train_pipeline(DataLoader& loader) {
   for (int64_t i = 0; i < warmup; ++i) {
     recv_input(next_fwd);
     forward_one(next_fwd++);
-    if (!last) timed([&] { pc.send(out.data(), static_cast<int64_t>(out.size()), DType::kF32, s + 1); });
+    if (!last) timed([&] { pc.send(out.data(), out.size(), DType::kF32, s + 1); });
   }
   if (steady > 0) recv_input(next_fwd);
   for (int64_t i = 0; i < steady; ++i) {
     forward_one(next_fwd++);
     // The output goes on while the gradient for the oldest micro-batch comes back.
-    dout.resize(last ? 0 : static_cast<size_t>(width(next_bwd)));
+    dout.resize(last ? 0 : width(next_bwd));
     if (!last)
       timed([&] {
-        pc.exchange(out.data(), static_cast<int64_t>(out.size()), s + 1, dout.data(),
-                    static_cast<int64_t>(dout.size()), s + 1, DType::kF32);
+        pc.exchange(out.data(), out.size(), s + 1, dout.data(),
+                    dout.size(), s + 1, DType::kF32);
       });
     const int64_t m = next_bwd++;
     backward_one(m);
     if (first) continue;
     if (i + 1 == steady) {
-      timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
+      timed([&] { pc.send(din.data(), din.size(), DType::kF32, s - 1); });
     } else {
       timed([&] {
-        pc.exchange(din.data(), static_cast<int64_t>(din.size()), s - 1, input_of(next_fwd), width(next_fwd), s - 1,
+        pc.exchange(din.data(), din.size(), s - 1, input_of(next_fwd), width(next_fwd), s - 1,
                     DType::kF32);
       });
     }
   }
   while (next_bwd < M) {
     const int64_t m = next_bwd++;
-    dout.resize(last ? 0 : static_cast<size_t>(width(m)));
-    if (!last) timed([&] { pc.recv(dout.data(), static_cast<int64_t>(dout.size()), DType::kF32, s + 1); });
+    dout.resize(last ? 0 : width(m));
+    if (!last) timed([&] { pc.recv(dout.data(), dout.size(), DType::kF32, s + 1); });
     backward_one(m);
-    if (!first) timed([&] { pc.send(din.data(), static_cast<int64_t>(din.size()), DType::kF32, s - 1); });
+    if (!first) timed([&] { pc.send(din.data(), din.size(), DType::kF32, s - 1); });
   }
   model->select_activations(0);
   step_pending = true;
@@ -475,8 +537,11 @@ float Engine::Impl::evaluate_pipeline(const Batch& whole) {
   device->make_current();
   const bool first = stage == 0, last = stage == stages - 1;
   const int64_t n = batch.B * batch.T * model->pipeline_width();
-  std::vector<float> in(first ? 0 : static_cast<size_t>(n)), out(last ? 0 : static_cast<size_t>(n));
-  PipeLink link(*pipe_comm, tp_comm.get(), tp_rank, tp_size);
+  DevicePath* on_device = pipe_device_comm ? device.get() : nullptr;  // Note [pipeline stages on the GPU]
+  StageBuf in(on_device), out(on_device);
+  in.resize(first ? 0 : n);
+  out.resize(last ? 0 : n);
+  PipeLink link(pipe_device_comm ? *pipe_device_comm : *pipe_comm, tp_comm.get(), tp_rank, tp_size, *device);
   if (!first) link.recv(in.data(), n, DType::kF32, stage - 1);
   pass_stage.input = first ? nullptr : in.data();
   pass_stage.output = last ? nullptr : out.data();

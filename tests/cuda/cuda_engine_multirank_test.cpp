@@ -21,8 +21,10 @@
 #include "core/device.h"
 #include "engine/engine.h"
 #include "engine/memory_estimate.h"
+#include "models/models.h"
 #include "tests/comm/mpi_test_main.h"
 #include "tests/engine/checkpoint_util.h"
+#include "tests/engine/grid_test_util.h"
 #include "tests/engine/tiny_models.h"
 #include "tests/engine/train_util.h"
 
@@ -147,6 +149,93 @@ TEST(CudaEngineRanks, GpuResidentStatesTrainLikeTheCpuAtEveryStage) {
 TEST(CudaEngineRanks, ZeroOffloadTrainsLikeTheCpuAtEveryStage) {
   ZINC_REQUIRE_GPU_PER_RANK();
   expect_gpu_trains_like_cpu("cpu", {1, 2, 3});
+}
+
+// Pipeline stages on the GPU path (Note [pipeline stages on the GPU] in
+// engine/pipeline.cpp): each stage's activations and their gradients stay
+// in GPU memory and go between the stages over NCCL (ncclSend/ncclRecv).
+// A Llama (its head untied) at 2 stages x world/2 replicas, 1F1B over 4
+// micro-batches, against the same GPU run without stages on each stage's
+// replicas: the same micro-batches summed in the same order and the same
+// NCCL reductions over the replicas, so the losses and weights are the
+// same bits, in fp32 and bf16, with ZeRO 0 and 1 and the states on the GPU
+// or offloaded. A tied head is refused with one line.
+std::shared_ptr<Model> gpu_llama(bool tied) {
+  models::LlamaConfig c;
+  c.vocab_size = 13;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 16;
+  c.tie_word_embeddings = tied;
+  c.device = Device::kCuda;
+  return models::make_llama(c);
+}
+
+struct PipeRun {
+  std::vector<float> losses, weights;
+  float eval = 0;
+};
+
+PipeRun train_gpu_pipeline(std::shared_ptr<comm::Communicator> comm, bool pipelined, bool bf16, int zero,
+                           const std::string& offload) {
+  const int ranks = comm ? comm->size() : 1;
+  const int64_t micro = 2, gas = 4;
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
+                        {"gradient_accumulation_steps", gas},
+                        {"train_batch_size", micro * gas * (pipelined ? ranks / 2 : ranks)},
+                        {"gradient_clipping", 0.5},
+                        {"device", "cuda"},
+                        {"bf16", {{"enabled", bf16}}},
+                        {"zero_optimization", {{"stage", zero}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
+  if (offload != "none") cfg["zero_optimization"]["offload_optimizer"] = {{"device", offload}};
+  if (pipelined) cfg["pipeline"] = {{"stages", 2}};
+  Engine e = Engine::initialize(gpu_llama(false), cfg, ranks > 1 ? comm : nullptr);
+  DataLoader loader = testing::tiny_loader(e, micro, gas);
+  PipeRun r;
+  for (int i = 0; i < 4; ++i) r.losses.push_back(e.train_batch(loader));
+  r.eval = e.evaluate(loader.next());
+  r.weights = testing::whole_weights(e);
+  return r;
+}
+
+TEST(CudaEngineRanks, PipelineStagesSendActivationsOverNcclAndTrainTheRunWithoutStages) {
+  ZINC_REQUIRE_GPU_PER_RANK();
+  if (g_world->size() % 2 != 0) GTEST_SKIP() << "two stages need an even number of ranks";
+  const int d = g_world->size() / 2;  // replicas per stage
+  std::shared_ptr<comm::Communicator> replicas(g_world->split(g_world->rank() / d, g_world->rank() % d));
+  struct Case {
+    bool bf16;
+    int zero;
+    const char* offload;
+  };
+  for (Case c : {Case{false, 0, "none"}, Case{true, 1, "none"}, Case{true, 1, "cpu"}}) {
+    const std::string what = std::string(c.bf16 ? "bf16" : "fp32") + ", ZeRO " + std::to_string(c.zero) +
+                             ", offload " + c.offload;
+    const PipeRun ref = train_gpu_pipeline(replicas, false, c.bf16, c.zero, c.offload);
+    const PipeRun got = train_gpu_pipeline(g_world, true, c.bf16, c.zero, c.offload);
+    EXPECT_EQ(got.losses, ref.losses) << what;
+    EXPECT_EQ(got.eval, ref.eval) << what;
+    ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
+    size_t differ = 0;
+    for (size_t i = 0; i < ref.weights.size(); ++i) differ += got.weights[i] != ref.weights[i];
+    EXPECT_EQ(differ, 0u) << what << ": weights that differ from the run without stages";
+    EXPECT_LT(ref.losses.back(), ref.losses.front()) << what << ": the run learns nothing";
+  }
+  // A head tied to the embedding would be shared by the first and last stage.
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 2},
+                        {"gradient_accumulation_steps", 2},
+                        {"train_batch_size", 4 * d},
+                        {"device", "cuda"},
+                        {"pipeline", {{"stages", 2}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}}};
+  const std::string err = testing::error_of([&] { Engine::initialize(gpu_llama(true), cfg, g_world); });
+  EXPECT_NE(err.find("pipeline.stages"), std::string::npos) << err;
+  EXPECT_NE(err.find("does not sum between stages yet"), std::string::npos) << err;
+  g_world->barrier();
 }
 
 // Stage 3 on the GPU path, where the parameters are gathered on the GPU

@@ -2,8 +2,11 @@
 // shared library with the C entry points comm/nccl_communicator.cpp opens,
 // running each collective over MPI on host memory (the emulated device
 // memory) before it returns. Each communicator is an MPI communicator of its
-// own (ncclCommInitRank: the whole MPI world, in rank order; ncclCommSplit:
-// MPI_Comm_split of its parent), so collectives on two of them never mix.
+// own (ncclCommInitRank: MPI_Comm_split of the MPI world by the unique id,
+// ranked by the NCCL rank, so every rank of the world makes a communicator
+// at the same point, each of its own group's, as zinc's engine does;
+// ncclCommSplit: MPI_Comm_split of its parent), so collectives on two of
+// them never mix.
 // A collective first runs the work queued on its stream, then exchanges at
 // once; its result lands in recv in stream order (Landing).
 // Reductions gather every rank's data and add it in rank order (fp32 in
@@ -177,7 +180,7 @@ const char* ncclGetErrorString(ncclResult_t r) {
   switch (r) {
     case ncclSuccess: return "no error";
     case ncclInvalidArgument: return "invalid argument (kernel emulation)";
-    case ncclInvalidUsage: return "invalid usage (kernel emulation: communicators span the MPI world)";
+    case ncclInvalidUsage: return "invalid usage (kernel emulation: a communicator whose ranks disagree; every rank of the MPI world makes one at the same point)";
     case ncclSystemError: return "system error (kernel emulation: an MPI call failed)";
     default: return "internal error (kernel emulation)";
   }
@@ -192,20 +195,28 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   for (char& ch : id->internal) ch = static_cast<char>(rd());
   return ncclSuccess;
 }
-ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId, int rank) {
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   int inited = 0, world = 0, me = 0;
   MPI_Initialized(&inited);
   if (!inited) return ncclInvalidUsage;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  if (nranks != world || rank != me) return ncclInvalidUsage;
+  if (nranks < 1 || nranks > world || rank < 0 || rank >= nranks) return ncclInvalidUsage;
+  // The group's colour: its unique id (the bootstrap gave every member the same).
+  uint32_t color = 2166136261u;
+  for (char ch : id.internal) color = (color ^ static_cast<uint8_t>(ch)) * 16777619u;
   auto* c = new ncclComm();
-  if (MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi) != MPI_SUCCESS) {
+  if (MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(color & 0x3fffffffu), rank, &c->mpi) != MPI_SUCCESS) {
     delete c;
     return ncclSystemError;
   }
-  c->rank = rank;
-  c->size = nranks;
+  MPI_Comm_rank(c->mpi, &c->rank);
+  MPI_Comm_size(c->mpi, &c->size);
+  if (c->size != nranks || c->rank != rank) {  // two groups drew one id, or a rank made none
+    MPI_Comm_free(&c->mpi);
+    delete c;
+    return ncclInvalidUsage;
+  }
   *comm = c;
   return ncclSuccess;
 }
