@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -65,6 +66,7 @@ class CudaOps final : public Ops {
     }
     upload(host, store, "upload of the batch's targets");
     target_counts_[store.data()] = counted;
+    target_hosts_[store.data()] = host;  // for cross_entropy_part_finish's loss
     return store.as<int32_t>();
   }
   // Packed documents: the positions go up with their rows grouped by
@@ -183,6 +185,52 @@ class CudaOps final : public Ops {
     kernels::cuda::cross_entropy(logits, targets, N, V, dlogits, dloss_scale, row_loss_.as<double>(), kStream);
     return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, counted->second, kStream);
   }
+  // Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
+  // the kernels run on the GPU; the row maxima and sums the parts exchange
+  // are host doubles (Ops), which go down and up here. The loss is summed
+  // on the host in row order, as the CPU kernel sums it.
+  void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo,
+                              int64_t n) override {
+    kernels::cuda::embedding_part_forward(out, tokens, wte, N, C, lo, n, kStream);
+  }
+  void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                               int64_t n) override {
+    kernels::cuda::embedding_part_backward(dwte, dout, tokens, N, C, lo, n, kStream);
+  }
+  void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes) override {
+    if (N <= 0) return;
+    double* d = part_doubles(3 * N);
+    kernels::cuda::cross_entropy_part_max(logits, N, Vp, d, kStream);
+    download(row_maxes, d, static_cast<size_t>(N) * sizeof(double), "cross_entropy_part_max: the row maxima");
+  }
+  void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                               const double* row_maxes, double* sums, float* dlogits) override {
+    if (N <= 0) return;
+    double* d = part_doubles(3 * N);
+    copy_up(d, row_maxes, static_cast<size_t>(N) * sizeof(double), "cross_entropy_part_sums: the row maxima");
+    kernels::cuda::cross_entropy_part_sums(logits, targets, N, Vp, lo, d, d + N, dlogits, kStream);
+    download(sums, d + N, static_cast<size_t>(2 * N) * sizeof(double), "cross_entropy_part_sums: the row sums");
+  }
+  double cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* row_maxes,
+                                   const double* sums, float* dlogits, float dloss_scale) override {
+    if (N <= 0) return 0.0;
+    auto host = target_hosts_.find(targets);
+    if (host == target_hosts_.end() || static_cast<int64_t>(host->second.size()) < N)
+      throw Error("cross_entropy_part_finish: targets that targets() did not upload");
+    double total = 0;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < N; ++i) {  // row order, as kernels::cross_entropy_part_finish
+      if (host->second[static_cast<size_t>(i)] == kernels::kIgnoreTarget) continue;
+      ++counted;
+      total += std::log(sums[2 * i]) + static_cast<double>(static_cast<float>(row_maxes[i])) - sums[2 * i + 1];
+    }
+    if (dlogits) {
+      double* d = part_doubles(3 * N);
+      copy_up(d + N, sums, static_cast<size_t>(2 * N) * sizeof(double), "cross_entropy_part_finish: the row sums");
+      kernels::cuda::cross_entropy_part_finish(targets, N, Vp, lo, d + N, dlogits, dloss_scale, kStream);
+    }
+    return counted > 0 ? total / static_cast<double>(counted) : 0.0;
+  }
   void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) override {
     upload(dst, host, static_cast<size_t>(n) * sizeof(int32_t), "upload of int32 values");
   }
@@ -205,6 +253,17 @@ class CudaOps final : public Ops {
   void upload(Buf& dst, const void* host, size_t bytes, const char* what) {
     dst = alloc(bytes);
     ZINC_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, bytes, cudaMemcpyHostToDevice, kStream), what);
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), what);
+  }
+  // n doubles of device scratch for the vocabulary parts' row values.
+  double* part_doubles(int64_t n) {
+    const size_t bytes = static_cast<size_t>(n) * sizeof(double);
+    if (part_doubles_.bytes() < bytes) part_doubles_ = alloc(bytes);
+    return part_doubles_.as<double>();
+  }
+  // Host values into existing device memory, waiting for the copy.
+  void copy_up(void* dst, const void* host, size_t bytes, const char* what) {
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, kStream), what);
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kStream), what);
   }
   void download(void* host, const void* src, size_t bytes, const char* what) {
@@ -300,8 +359,9 @@ class CudaOps final : public Ops {
     d.checked_T = T;
   }
 
-  Buf row_loss_;
+  Buf row_loss_, part_doubles_;
   std::unordered_map<const void*, kernels::cuda::TokenIndex> indexes_;
+  std::unordered_map<const void*, std::vector<int32_t>> target_hosts_;  // device targets -> their host values
   std::unordered_map<const void*, int64_t> target_counts_;  // device targets -> how many are not kIgnoreTarget
   std::unordered_map<const void*, DevicePositions> positions_;
 };

@@ -135,6 +135,19 @@ void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64
                    float dloss_scale, double* row_loss, cudaStream_t stream);
 double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cudaStream_t stream);
 
+// ---- vocabulary parts (kernels.h's embedding_part_* and cross_entropy_part_*,
+// the same bits; the row maxima and sums in device memory) -----------------
+void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo, int64_t n,
+                            cudaStream_t stream);
+void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                             int64_t n, cudaStream_t stream);
+void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes, cudaStream_t stream);
+void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                             const double* row_maxes, double* sums, float* dlogits, cudaStream_t stream);
+// dlogits only (the loss is the host's: kernels::cross_entropy_part_finish's sum in row order).
+void cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* sums,
+                               float* dlogits, float dloss_scale, cudaStream_t stream);
+
 // ---- embeddings --------------------------------------------------------------------------------
 // Packed documents: `positions` (device, B*T, each in [0, T), unchecked;
 // nullptr: row r is at position r % T) index wpe as kernels::embedding_forward's.

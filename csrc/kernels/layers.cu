@@ -244,6 +244,90 @@ __global__ void position_backward_kernel(float* dwpe, const float* dout, int64_t
   dwpe[i] = v;
 }
 
+// ---- vocabulary parts (kernels.h's embedding_part_* and cross_entropy_part_*) ----------------
+__global__ void embedding_part_forward_kernel(float* out, const int32_t* tokens, const void* wte, DType et, int64_t N,
+                                              int64_t C, int64_t lo, int64_t n) {
+  const int64_t total = N * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / C, c = i % C, t = static_cast<int64_t>(tokens[r]) - lo;
+    out[i] = t >= 0 && t < n ? load_param(wte, et, t * C + c) : 0.0f;
+  }
+}
+
+// One thread per column, the rows in order (the CPU's order).
+__global__ void embedding_part_backward_kernel(float* dwte, const float* dout, const int32_t* tokens, int64_t N,
+                                               int64_t C, int64_t lo, int64_t n) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t t = static_cast<int64_t>(tokens[r]) - lo;
+    if (t >= 0 && t < n) dwte[t * C + c] += dout[r * C + c];
+  }
+}
+
+// One row per 16 threads, as cross_entropy_kernel: the row's maximum.
+__global__ void cross_entropy_part_max_kernel(const float* logits, int64_t N, int64_t Vp, double* row_maxes) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = row < N;
+  const int64_t n = valid ? Vp : 0;
+  const float* x = logits + (valid ? row : 0) * Vp;
+  float mx = -__int_as_float(0x7f800000);
+  for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
+  for (int off = math::kLanes / 2; off > 0; off /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, mx, off, math::kLanes);
+    mx = o > mx ? o : mx;
+  }
+  if (valid && lane == 0) row_maxes[row] = static_cast<double>(mx);
+}
+
+// Per row: sum exp(x - max) over the part's columns (written into dlogits,
+// which may alias logits: the target's logit is read first) and the
+// target's logit where the target is the part's; an ignored row gets 0s.
+__global__ void cross_entropy_part_sums_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t Vp,
+                                               int64_t lo, const double* row_maxes, double* sums, float* dlogits) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  const int lane = threadIdx.x % math::kLanes;
+  const bool valid = row < N;
+  const int64_t r = valid ? row : 0;
+  const int32_t tgt = valid ? targets[r] : 0;
+  const bool ignored = tgt == kIgnoreTarget;
+  const int64_t n = valid && !ignored ? Vp : 0;
+  const float* x = logits + r * Vp;
+  const int64_t t = static_cast<int64_t>(tgt) - lo;
+  const bool own = n > 0 && t >= 0 && t < Vp;
+  const float x_tgt = own ? x[t] : 0.0f;
+  const float mx = valid ? static_cast<float>(row_maxes[r]) : 0.0f;
+  __syncwarp();
+  float* e = dlogits ? dlogits + r * Vp : nullptr;
+  const double sum = lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) {
+    const float v = math::exp_f(x[j] - mx);
+    if (e) e[j] = v;
+    return v;
+  }));
+  if (!valid) return;
+  if (ignored && e)
+    for (int64_t j = lane; j < Vp; j += math::kLanes) e[j] = 0.0f;
+  if (lane == 0) {
+    sums[2 * row] = ignored ? 0.0 : sum;
+    sums[2 * row + 1] = own ? static_cast<double>(x_tgt) : 0.0;
+  }
+}
+
+// dlogits as cross_entropy writes them, for the part's columns.
+__global__ void cross_entropy_part_finish_kernel(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                                                 const double* sums, float* dlogits, double grad_scale) {
+  const int64_t total = N * Vp;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / Vp, j = i % Vp;
+    const int32_t tgt = targets[r];
+    if (tgt == kIgnoreTarget) continue;
+    float v = dlogits[i] * math::cross_entropy_factor(grad_scale, sums[2 * r]);
+    if (static_cast<int64_t>(tgt) - lo == j) v -= static_cast<float>(grad_scale);
+    dlogits[i] = v;
+  }
+}
+
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
 unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1) / kSumCols); }
@@ -321,6 +405,44 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
   embedding_forward_kernel<<<detail::blocks_for(rows * C), detail::kThreads, 0, stream>>>(
       out, tokens, wte.data, wte.dtype, wpe.data, wpe.dtype, positions, rows, T, C);
   detail::check_launch("embedding_forward");
+}
+
+void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo, int64_t n,
+                            cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  embedding_part_forward_kernel<<<detail::blocks_for(N * C), detail::kThreads, 0, stream>>>(out, tokens, wte.data,
+                                                                                            wte.dtype, N, C, lo, n);
+  detail::check_launch("embedding_part_forward");
+}
+
+void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
+                             int64_t n, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  embedding_part_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dout, tokens, N, C, lo, n);
+  detail::check_launch("embedding_part_backward");
+}
+
+void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes, cudaStream_t stream) {
+  if (N <= 0) return;
+  cross_entropy_part_max_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, N, Vp, row_maxes);
+  detail::check_launch("cross_entropy_part_max");
+}
+
+void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
+                             const double* row_maxes, double* sums, float* dlogits, cudaStream_t stream) {
+  if (N <= 0) return;
+  cross_entropy_part_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, Vp, lo, row_maxes,
+                                                                            sums, dlogits);
+  detail::check_launch("cross_entropy_part_sums");
+}
+
+void cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* sums,
+                               float* dlogits, float dloss_scale, cudaStream_t stream) {
+  if (N <= 0 || !dlogits) return;
+  const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
+  cross_entropy_part_finish_kernel<<<detail::blocks_for(N * Vp), detail::kThreads, 0, stream>>>(
+      targets, N, Vp, lo, sums, dlogits, grad_scale);
+  detail::check_launch("cross_entropy_part_finish");
 }
 
 void TokenIndex::group(const int32_t* tokens, int64_t n, int64_t V, std::vector<int32_t>& ids,

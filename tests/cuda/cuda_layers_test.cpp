@@ -3,6 +3,7 @@
 // so the comparison is bit for bit. Skipped without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -181,6 +182,68 @@ TEST(CudaLayers, CrossEntropyWithIgnoredTargetsMatchesTheCpu) {
       cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, nullptr, 0.5f, d_rows.as<double>(), nullptr);
     }
   EXPECT_EQ(cuda::cross_entropy_mean(nullptr, 0, 0, nullptr), 0.0);
+}
+
+// Vocabulary parts (kernels.h): a vocabulary of 13 in two parts of 7 rows
+// (the second part's last row padding), ignored targets among the rows,
+// each part's steps as the model takes them with the sums over the parts
+// between them; every value the GPU gives equals the CPU's bits (the loss
+// is the host's sum in both).
+TEST(CudaLayers, VocabularyPartsMatchTheCpuBits) {
+  ZINC_REQUIRE_GPU();
+  const int64_t N = 11, C = 24, V = 13, Vp = 7;
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = i % 4 == 3 ? kIgnoreTarget : static_cast<int32_t>((i * 5) % V);
+  std::vector<int32_t> tok(N);
+  for (int64_t i = 0; i < N; ++i) tok[i] = static_cast<int32_t>((i * 3 + 1) % V);
+  DeviceBuffer d_t = upload(targets), d_tok = upload(tok);
+  std::vector<std::vector<float>> logits(2), dl(2);
+  std::vector<double> maxes(N, -1e300), sums(2 * N, 0.0);
+  for (int p = 0; p < 2; ++p) {
+    logits[p] = randn(N * Vp, 40 + p, 3.0);
+    std::vector<double> m(N);
+    cross_entropy_part_max(logits[p].data(), N, Vp, m.data());
+    DeviceBuffer d_l = upload(logits[p]), d_m(N * 8);
+    cuda::cross_entropy_part_max(d_l.as<float>(), N, Vp, d_m.as<double>(), nullptr);
+    EXPECT_EQ(download<double>(d_m, N), m) << "row maxima of part " << p;
+    for (int64_t i = 0; i < N; ++i) maxes[i] = std::max(maxes[i], m[i]);
+  }
+  for (int p = 0; p < 2; ++p) {
+    std::vector<double> s(2 * N);
+    dl[p].resize(N * Vp);
+    cross_entropy_part_sums(logits[p].data(), targets.data(), N, Vp, p * Vp, maxes.data(), s.data(), dl[p].data());
+    DeviceBuffer d_l = upload(logits[p]), d_m = upload(maxes), d_s(2 * N * 8);
+    DeviceBuffer d_dl = upload(std::vector<float>(N * Vp, std::nanf("")));
+    cuda::cross_entropy_part_sums(d_l.as<float>(), d_t.as<int32_t>(), N, Vp, p * Vp, d_m.as<double>(),
+                                  d_s.as<double>(), d_dl.as<float>(), nullptr);
+    EXPECT_EQ(download<double>(d_s, 2 * N), s) << "sums of part " << p;
+    expect_same_bits(dl[p], download<float>(d_dl, dl[p].size()), "exponentials");
+    for (int64_t i = 0; i < 2 * N; ++i) sums[i] += s[i];
+  }
+  for (int p = 0; p < 2; ++p) {
+    std::vector<float> want = dl[p];
+    const double loss = cross_entropy_part_finish(targets.data(), N, Vp, p * Vp, maxes.data(), sums.data(), want.data(),
+                                                  0.5f);
+    EXPECT_GT(loss, 0.0);
+    DeviceBuffer d_dl = upload(dl[p]), d_s = upload(sums);
+    cuda::cross_entropy_part_finish(d_t.as<int32_t>(), N, Vp, p * Vp, d_s.as<double>(), d_dl.as<float>(), 0.5f,
+                                    nullptr);
+    expect_same_bits(want, download<float>(d_dl, want.size()), "dlogits");
+  }
+  // The embedding's part: rows [7, 14) of a 13-token vocabulary (the last padding).
+  for (DType t : kParamTypes) {
+    Param pte(randn(Vp * C, 50), t);
+    std::vector<float> out(N * C);
+    embedding_part_forward(out.data(), tok.data(), pte.host(), N, C, Vp, Vp);
+    DeviceBuffer d_out = upload(std::vector<float>(N * C, std::nanf("")));
+    cuda::embedding_part_forward(d_out.as<float>(), d_tok.as<int32_t>(), pte.dev(), N, C, Vp, Vp, nullptr);
+    expect_same_bits(out, download<float>(d_out, out.size()), "embedding part forward");
+  }
+  std::vector<float> dout = randn(N * C, 51), dwte = randn(Vp * C, 52);
+  DeviceBuffer d_dout = upload(dout), d_dwte = upload(dwte);
+  embedding_part_backward(dwte.data(), dout.data(), tok.data(), N, C, Vp, Vp);
+  cuda::embedding_part_backward(d_dwte.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), N, C, Vp, Vp, nullptr);
+  expect_same_bits(dwte, download<float>(d_dwte, dwte.size()), "embedding part backward");
 }
 
 TEST(CudaLayers, EmbeddingsMatchTheCpuBits) {
