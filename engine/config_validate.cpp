@@ -39,9 +39,17 @@ void Config::validate() const {
   }
   // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp).
   if (tensor_split()) {
-    if (device == Device::kCuda)
+    // Note [tensor parts on the GPU] in engine/tensor_parallel.cpp.
+    if (device == Device::kCuda && zero.offload_optimizer.device == OffloadDevice::kNone)
       throw ConfigError("tensor_parallel.autotp_size",
-                        "the GPU path does not split tensors yet; use \"device\": \"cpu\"");
+                        "tensor parts on the GPU path keep the optimizer states in RAM: set "
+                        "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload, stages 1-2)");
+    if (device == Device::kCuda && zero.stage > 2)
+      throw ConfigError("tensor_parallel.autotp_size", "tensor parts on the GPU path run at ZeRO stages 1-2 (not 3 yet)");
+    if (device == Device::kCuda && pipelined())
+      throw ConfigError("tensor_parallel.autotp_size",
+                        "tensor parts with pipeline stages do not run on the GPU path yet; use one of them, or "
+                        "\"device\": \"cpu\"");
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with tensor parallelism yet");

@@ -161,9 +161,12 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
     throw ConfigError("device", std::string("the config says \"") + device_name(c.device) + "\" but model '" +
                                     model->name() + "' computes on " + device_name(model->device()));
   device->attach(DeviceContext{&plan, &blocks, params.get(), reducer.get(), opt_state.get(), &memory});
-  if (pipelined()) pipe_device_comm = device->stage_communicator(*pipe_comm);  // collective over the stages
+  if (pipelined()) pipe_device_comm = device->device_communicator(*pipe_comm);  // collective over the stages
   if (pipe_device_comm && world_rank == 0)
     log_info("pipeline: the stages' activations go between the GPUs over " + pipe_device_comm->backend());
+  if (tensor_split()) tp_device_comm = device->device_communicator(*tp_comm);  // collective over the parts
+  if (tp_device_comm && world_rank == 0)
+    log_info("tensor parallelism: the parts' partial sums are added on the GPUs over " + tp_device_comm->backend());
   UpdateContext uc;
   uc.cfg = &cfg;
   uc.plan = &plan;

@@ -133,6 +133,8 @@ struct Engine::Impl final : StepContext {
   // On the GPU path: the same ranks as pipe_comm over NCCL, for the
   // activations in GPU memory (Note [pipeline stages on the GPU]).
   std::unique_ptr<comm::Communicator> pipe_device_comm;
+  // ... and tp_comm's ranks over NCCL (Note [tensor parts on the GPU]).
+  std::unique_ptr<comm::Communicator> tp_device_comm;
   std::unique_ptr<comm::Communicator> tied_comm;   // those two stages of this replica (on them only)
   PipelineStage pass_stage;                        // the pass under way (the whole model without stages)
   int64_t pipe_recomputed = 0;                     // forwards computed again before their backward

@@ -95,15 +95,15 @@ class GpuOffload final : public DevicePath {
     ZINC_CHECK(gpu_, "GPU path: a stage buffer before the mirror exists");
     return gpu_->alloc_floats(n);
   }
-  std::unique_ptr<comm::Communicator> stage_communicator(comm::Communicator& host) override {
+  std::unique_ptr<comm::Communicator> device_communicator(comm::Communicator& host) override {
     try {
       return comm::make_nccl_communicator(host, device_index_);
     } catch (const Error& e) {
-      throw Error(std::string("pipeline stages on the GPU send their activations over NCCL, which did not start: ") +
-                  e.what());
+      throw Error(std::string("pipeline stages and tensor parts on the GPU exchange activations over NCCL, which did "
+                              "not start: ") + e.what());
     }
   }
-  void before_stage_transfer() override {
+  void before_device_transfer() override {
     if (gpu_) gpu_->sync_compute();
   }
 

@@ -64,17 +64,19 @@ class DevicePath {
   // After the model's backward, before the coordinator's end of the pass.
   virtual void end_backward() {}
 
-  // ---- pipeline stages (Note [pipeline stages on the GPU] in pipeline.cpp) ----
+  // ---- model parallelism on the device (Note [pipeline stages on the GPU]
+  // in pipeline.cpp, Note [tensor parts on the GPU] in tensor_parallel.cpp) ----
   // n floats where the model reads a stage's input and writes its output
   // (and their gradients); null: host memory, the engine's own.
   virtual std::shared_ptr<float> stage_buffer(int64_t /*n*/) { return nullptr; }
-  // A communicator over the ranks of `host` (the pipeline group) that
-  // reaches that memory; null: `host` itself. Collective over host's ranks.
-  virtual std::unique_ptr<comm::Communicator> stage_communicator(comm::Communicator& /*host*/) { return nullptr; }
-  // Before a stage's buffer goes to a neighbour or one arrives: the
-  // kernels queued so far (which write what goes, or still read what an
-  // arrival overwrites) have finished.
-  virtual void before_stage_transfer() {}
+  // A communicator over the ranks of `host` (a pipeline or tensor-parts
+  // group) that reaches that memory; null: none (the host's serves).
+  // Collective over host's ranks.
+  virtual std::unique_ptr<comm::Communicator> device_communicator(comm::Communicator& /*host*/) { return nullptr; }
+  // Before a transfer of model buffers over that communicator: the kernels
+  // queued so far (which write what goes, or still read what an arrival
+  // overwrites) have finished.
+  virtual void before_device_transfer() {}
 
   // ---- the step ----
   // This rank's sum of squared gradients where the device holds them

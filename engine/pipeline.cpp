@@ -89,19 +89,19 @@ class PipeLink {
       : pipe_(pipe), parts_(parts), part_(part), nparts_(parts ? nparts : 1), dev_(dev) {}
   void send(const float* buf, int64_t n, DType dt, int to) {
     const auto [o, c] = slice(n);
-    dev_.before_stage_transfer();
+    dev_.before_device_transfer();
     pipe_.send(buf + o, c, dt, to);
   }
   void recv(float* buf, int64_t n, DType dt, int from) {
     const auto [o, c] = slice(n);
-    dev_.before_stage_transfer();
+    dev_.before_device_transfer();
     pipe_.recv(buf + o, c, dt, from);
     gather(buf, n);
   }
   void exchange(const float* sbuf, int64_t sn, int to, float* rbuf, int64_t rn, int from, DType dt) {
     const auto [so, sc] = slice(sn);
     const auto [ro, rc] = slice(rn);
-    dev_.before_stage_transfer();
+    dev_.before_device_transfer();
     pipe_.exchange(sbuf + so, sc, to, rbuf + ro, rc, from, dt);
     gather(rbuf, rn);
   }
@@ -132,10 +132,10 @@ class PipeLink {
 // them in buffers the device path allocates there (DevicePath::
 // stage_buffer) and sends them between the stages over NCCL, GPU to GPU as
 // DeepSpeed's pipeline engine does: a communicator over the pipeline
-// group's ranks (DevicePath::stage_communicator) whose send, recv and
+// group's ranks (DevicePath::device_communicator) whose send, recv and
 // exchange are ncclSend and ncclRecv (Note [NCCL point to point]). NCCL
 // runs on a stream of its own, so every transfer first waits for the
-// compute stream's kernels (DevicePath::before_stage_transfer): those that
+// compute stream's kernels (DevicePath::before_device_transfer): those that
 // wrote what it sends, and those that still read a buffer it receives into
 // (the last backward's output gradient, when the next one arrives in the
 // same buffer); a receive has completed when it returns, before any kernel

@@ -183,10 +183,26 @@ void Engine::Impl::setup_grid() {
   }
 }
 
+// Note [tensor parts on the GPU]
+// On the GPU path the model's partial sums (o_proj's and down_proj's
+// outputs, the input gradients of q|k|v and gate|up, the vocabulary parts'
+// embedding rows) are in GPU memory: they are added over the parts' GPUs
+// over NCCL (a communicator over tp_comm's ranks, DevicePath::
+// device_communicator), after the compute stream's kernels that wrote them
+// (DevicePath::before_device_transfer); the cross-entropy's row maxima and
+// sums are host doubles and go over tp_comm. The optimizer states stay in
+// RAM (ZeRO-Offload, stages 1-2): the whole parameters' gradients are
+// summed and the norm taken on the host, as on the CPU path. Not yet:
+// GPU-resident states, ZeRO-3 and pipeline stages with parts on the GPU.
 void Engine::Impl::tensor_all_reduce(float* data, int64_t n) {
   if (!tp_comm) return;
   const auto t0 = std::chrono::steady_clock::now();
-  tp_comm->all_reduce(data, data, n, DType::kF32);
+  if (tp_device_comm) {
+    device->before_device_transfer();
+    tp_device_comm->all_reduce(data, data, n, DType::kF32);
+  } else {
+    tp_comm->all_reduce(data, data, n, DType::kF32);
+  }
   tp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
