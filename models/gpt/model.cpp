@@ -544,10 +544,10 @@ class Gpt final : public Model {
     const bool bias_here = tp_rank_ == 0;
     a.ln1_in = ops_->layernorm_forward_input(a.ln1.as<float>(), a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(),
                                              x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
-    // With LoRA each adapter writes its part of a projection first and the
-    // projection adds itself (models/detail/lora.h).
-    bool adapted = lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt, adapted);
+    // With LoRA each projection writes its output and the adapters add
+    // theirs (Note [LoRA after the base] in models/detail/lora.h).
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt);
+    lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
     if (sequence_split()) {
       // Ulysses: whole rows of this rank's heads in, the output back to
       // this rank's tokens (a.qkv keeps the whole rows for backward).
@@ -558,20 +558,19 @@ class Gpt final : public Model {
       ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
     }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
-    adapted = lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
-                           A, C, dt, adapted);
+                           A, C, dt);
+    lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     tensor_sum(a.x_mid.as<float>(), N * C);
     ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
     a.ln2_in = ops_->layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                              a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
-    adapted = lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt, adapted);
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt);
+    lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);
     if (!x_out) return;
-    adapted = lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
-    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt,
-                           adapted);
+    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt);
+    lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
     tensor_sum(x_out, N * C);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
   }

@@ -1009,8 +1009,8 @@ class Llama final : public Model {
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
     float* proj = proj_.as<float>();
-    const bool qkv_adapted = lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);
-    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, qkv_adapted);
+    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
+    lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);  // Note [LoRA after the base]
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
@@ -1042,9 +1042,8 @@ class Llama final : public Model {
       if (x_out) ops_->add(x_out, x_out, x_mid, N * C);
       return;
     }
-    const bool gu_adapted = lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
-    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt,
-                           gu_adapted);
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
+    lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
     auto down_lora = [&](float* y) { return lora_forward(lp, a, l, kGroupDown, a.act_in, y, N, dt); };
@@ -1377,7 +1376,8 @@ class Llama final : public Model {
     // them up here, the bias (kept whole on each) counted on part 0 only.
     const CView bv = tp_rank_ == 0 ? bias(p, b) : CView{};
     float* y = post < 0 ? out : raw.as<float>();
-    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt, adapt(y));
+    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt);
+    adapt(y);  // Note [LoRA after the base]
     tensor_sum(y, N * C);
     if (post >= 0) ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
     if (c_.residual_multiplier != 1.0) ops_->scale(out, residual_factor(), N * C);
