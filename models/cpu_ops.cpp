@@ -40,6 +40,17 @@ class CpuOps : public Ops {
   }
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::add(out, a, b, n); }
   void scale(float* x, float alpha, int64_t n) override { kernels::scale(x, alpha, n); }
+  void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) override {
+    // rows x cols is a B gradient (up to a few thousand x r): a plain loop,
+    // in tiles of 64 rows so that src's columns stay in cache.
+    for (int64_t i0 = 0; i0 < rows; i0 += 64) {
+      const int64_t i1 = std::min(rows, i0 + 64);
+      for (int64_t k = 0; k < cols; ++k) {
+        const float* s = src + k * lds;
+        for (int64_t i = i0; i < i1; ++i) dst[i * ldd + k] += s[i];
+      }
+    }
+  }
   void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
     kernels::copy_columns(dst, dst_W, src, src_W, N, width);
   }
