@@ -1,6 +1,7 @@
 // Argument checks shared by the backends (see comm_internal.h).
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "comm/comm_internal.h"
 
@@ -24,6 +25,15 @@ CommError comm_error(int rank, const std::string& op, const std::string& msg) {
 
 void check_count(int rank, const char* op, int64_t count) {
   if (count < 0) throw comm_error(rank, op, "count must be >= 0, got " + std::to_string(count));
+}
+
+void check_exchange(int rank, int size, int to, int64_t send_count, int from, int64_t recv_count) {
+  for (auto [peer, count, what] : {std::tuple{to, send_count, "send"}, std::tuple{from, recv_count, "recv"}}) {
+    if (peer == -1) continue;
+    check_count(rank, what, count);
+    if (peer < 0 || peer >= size || peer == rank)
+      throw comm_error(rank, what, "peer " + std::to_string(peer) + " is not another rank of " + std::to_string(size));
+  }
 }
 
 void check_all_reduce(int rank, const void* send, const void* recv, int64_t count, DType dtype) {

@@ -40,6 +40,9 @@ bool check_all_gather(int rank, int size, const void* send, const void* recv, in
 void check_broadcast(int rank, int size, int64_t count, int root);
 void check_all_to_all(int rank, int size, const void* send, const void* recv, int64_t count_per_rank,
                       DType dtype);
+// exchange (and send, recv): each of to and from is -1 (none) or another
+// rank, with a count >= 0.
+void check_exchange(int rank, int size, int to, int64_t send_count, int from, int64_t recv_count);
 
 // Translates an MPI return code: CommError("rank R: <op> failed: <MPI_Error_string> (MPI error
 // class C)"). R is the rank in MPI_COMM_WORLD, or "?" when MPI is not running.

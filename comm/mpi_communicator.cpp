@@ -288,13 +288,7 @@ class MpiCommunicator final : public Communicator {
   // same time never wait for each other (MPI_Sendrecv's guarantee).
   void exchange(const void* send_buf, int64_t send_count, int to, void* recv_buf, int64_t recv_count, int from,
                 DType dtype) override {
-    for (auto [peer, count, what] : {std::tuple{to, send_count, "send"}, std::tuple{from, recv_count, "recv"}}) {
-      if (peer == -1) continue;
-      detail::check_count(rank_, what, count);
-      if (peer < 0 || peer >= size_ || peer == rank_)
-        throw detail::comm_error(rank_, what,
-                                 "peer " + std::to_string(peer) + " is not another rank of " + std::to_string(size_));
-    }
+    detail::check_exchange(rank_, size_, to, send_count, from, recv_count);
     const size_t elem = dtype_bytes(dtype);
     std::vector<MPI_Request> reqs;
     auto post = [&](bool sending, int64_t count, int peer, char* p) {

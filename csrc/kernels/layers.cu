@@ -144,6 +144,39 @@ __global__ void gelu_backward_kernel(float* dx, const float* x, const float* dou
 }
 
 // ---- cross-entropy --------------------------------------------------------------------------
+// A row of the cross-entropy kernels (one row per math::kLanes threads):
+// which (row; r, a valid index to read, 0 past N), this thread's lane, the
+// target, and how many of the row's V columns the threads visit (0 for an
+// ignored row and past N; those threads still join every shuffle).
+struct CeRow {
+  int64_t row, r, n;
+  int lane;
+  bool valid, ignored;
+  int32_t tgt;
+};
+__device__ inline CeRow ce_row(const int32_t* targets, int64_t N, int64_t V) {
+  CeRow c;
+  c.row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
+  c.lane = threadIdx.x % math::kLanes;
+  c.valid = c.row < N;
+  c.r = c.valid ? c.row : 0;
+  c.tgt = c.valid && targets ? targets[c.r] : 0;
+  c.ignored = c.tgt == kIgnoreTarget;
+  c.n = c.valid && !c.ignored ? V : 0;
+  return c;
+}
+// The maximum of x[0, n) over a row's lanes (exact in any order; NaNs
+// ignored as max_of does), on every lane.
+__device__ inline float lanes_max(const float* x, int64_t n, int lane) {
+  float mx = -__int_as_float(0x7f800000);
+  for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
+  for (int off = math::kLanes / 2; off > 0; off /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, mx, off, math::kLanes);
+    mx = o > mx ? o : mx;
+  }
+  return mx;
+}
+
 // One row per 16 threads. dlogits may alias logits: each thread reads and
 // writes only its own lane's elements, and the target logit is read by every
 // thread of the row before the row's first write (__syncwarp).
@@ -153,22 +186,14 @@ __global__ void gelu_backward_kernel(float* dx, const float* x, const float* dou
 // loss of 0 and a zero dlogits row, as the CPU's memset.
 __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                      double grad_scale, double* row_loss) {
-  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
-  const int lane = threadIdx.x % math::kLanes;
-  const bool valid = row < N;
-  const int64_t r = valid ? row : 0;
-  const int32_t tgt = valid ? targets[r] : 0;
-  const bool ignored = tgt == kIgnoreTarget;
-  const int64_t n = valid && !ignored ? V : 0;
+  const CeRow c = ce_row(targets, N, V);
+  const int64_t row = c.row, r = c.r, n = c.n;
+  const int lane = c.lane;
+  const bool valid = c.valid, ignored = c.ignored;
+  const int32_t tgt = c.tgt;
   const float* x = logits + r * V;
   const float x_tgt = n > 0 ? x[tgt] : 0.0f;
-  // Maximum (exact in any order; NaNs ignored as max_of does).
-  float mx = -__int_as_float(0x7f800000);
-  for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
-  for (int off = math::kLanes / 2; off > 0; off /= 2) {
-    const float o = __shfl_xor_sync(0xffffffffu, mx, off, math::kLanes);
-    mx = o > mx ? o : mx;
-  }
+  const float mx = lanes_max(x, n, lane);
   __syncwarp();
   float* e = dlogits ? dlogits + r * V : nullptr;
   const double sum = lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) {
@@ -267,18 +292,9 @@ __global__ void embedding_part_backward_kernel(float* dwte, const float* dout, c
 
 // One row per 16 threads, as cross_entropy_kernel: the row's maximum.
 __global__ void cross_entropy_part_max_kernel(const float* logits, int64_t N, int64_t Vp, double* row_maxes) {
-  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
-  const int lane = threadIdx.x % math::kLanes;
-  const bool valid = row < N;
-  const int64_t n = valid ? Vp : 0;
-  const float* x = logits + (valid ? row : 0) * Vp;
-  float mx = -__int_as_float(0x7f800000);
-  for (int64_t j = lane; j < n; j += math::kLanes) mx = x[j] > mx ? x[j] : mx;
-  for (int off = math::kLanes / 2; off > 0; off /= 2) {
-    const float o = __shfl_xor_sync(0xffffffffu, mx, off, math::kLanes);
-    mx = o > mx ? o : mx;
-  }
-  if (valid && lane == 0) row_maxes[row] = static_cast<double>(mx);
+  const CeRow c = ce_row(nullptr, N, Vp);  // every row's maximum, ignored or not
+  const float mx = lanes_max(logits + c.r * Vp, c.n, c.lane);
+  if (c.valid && c.lane == 0) row_maxes[c.row] = static_cast<double>(mx);
 }
 
 // Per row: sum exp(x - max) over the part's columns (written into dlogits,
@@ -286,15 +302,12 @@ __global__ void cross_entropy_part_max_kernel(const float* logits, int64_t N, in
 // target's logit where the target is the part's; an ignored row gets 0s.
 __global__ void cross_entropy_part_sums_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t Vp,
                                                int64_t lo, const double* row_maxes, double* sums, float* dlogits) {
-  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
-  const int lane = threadIdx.x % math::kLanes;
-  const bool valid = row < N;
-  const int64_t r = valid ? row : 0;
-  const int32_t tgt = valid ? targets[r] : 0;
-  const bool ignored = tgt == kIgnoreTarget;
-  const int64_t n = valid && !ignored ? Vp : 0;
+  const CeRow c = ce_row(targets, N, Vp);
+  const int64_t row = c.row, r = c.r, n = c.n;
+  const int lane = c.lane;
+  const bool valid = c.valid, ignored = c.ignored;
   const float* x = logits + r * Vp;
-  const int64_t t = static_cast<int64_t>(tgt) - lo;
+  const int64_t t = static_cast<int64_t>(c.tgt) - lo;
   const bool own = n > 0 && t >= 0 && t < Vp;
   const float x_tgt = own ? x[t] : 0.0f;
   const float mx = valid ? static_cast<float>(row_maxes[r]) : 0.0f;

@@ -179,27 +179,36 @@ struct PipeRun {
   float eval = 0;
 };
 
-PipeRun train_gpu_pipeline(std::shared_ptr<comm::Communicator> comm, bool pipelined, bool bf16, int zero,
-                           const std::string& offload) {
-  const int ranks = comm ? comm->size() : 1;
-  const int64_t micro = 2, gas = 4;
+// A GPU run of gpu_llama on `comm` (null: one rank) with `extra` merged
+// into its config (the grid's keys): `steps` global batches of `gas`
+// micro-batches of 2 rows over the replicas, then an evaluation.
+PipeRun train_gpu_grid(std::shared_ptr<comm::Communicator> comm, int replicas, int64_t gas, int steps, bool bf16,
+                       int zero, const std::string& offload, const nlohmann::json& extra) {
+  const int64_t micro = 2;
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
                         {"gradient_accumulation_steps", gas},
-                        {"train_batch_size", micro * gas * (pipelined ? ranks / 2 : ranks)},
+                        {"train_batch_size", micro * gas * replicas},
                         {"gradient_clipping", 0.5},
                         {"device", "cuda"},
                         {"bf16", {{"enabled", bf16}}},
                         {"zero_optimization", {{"stage", zero}}},
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   if (offload != "none") cfg["zero_optimization"]["offload_optimizer"] = {{"device", offload}};
-  if (pipelined) cfg["pipeline"] = {{"stages", 2}};
-  Engine e = Engine::initialize(gpu_llama(false), cfg, ranks > 1 ? comm : nullptr);
+  for (const auto& [k, v] : extra.items()) cfg[k] = v;
+  Engine e = Engine::initialize(gpu_llama(false), cfg, comm && comm->size() > 1 ? comm : nullptr);
   DataLoader loader = testing::tiny_loader(e, micro, gas);
   PipeRun r;
-  for (int i = 0; i < 4; ++i) r.losses.push_back(e.train_batch(loader));
+  for (int i = 0; i < steps; ++i) r.losses.push_back(e.train_batch(loader));
   r.eval = e.evaluate(loader.next());
   r.weights = testing::whole_weights(e);
   return r;
+}
+
+PipeRun train_gpu_pipeline(std::shared_ptr<comm::Communicator> comm, bool pipelined, bool bf16, int zero,
+                           const std::string& offload) {
+  const int ranks = comm ? comm->size() : 1;
+  return train_gpu_grid(comm, pipelined ? ranks / 2 : ranks, 4, 4, bf16, zero, offload,
+                        pipelined ? nlohmann::json{{"pipeline", {{"stages", 2}}}} : nlohmann::json::object());
 }
 
 TEST(CudaEngineRanks, PipelineStagesSendActivationsOverNcclAndTrainTheRunWithoutStages) {
@@ -248,23 +257,9 @@ TEST(CudaEngineRanks, PipelineStagesSendActivationsOverNcclAndTrainTheRunWithout
 // does not run yet are refused with one line.
 PipeRun train_gpu_parts(std::shared_ptr<comm::Communicator> comm, int parts, int zero, bool bf16 = false) {
   const int ranks = comm ? comm->size() : 1;
-  const int64_t micro = 2, gas = 2;
-  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
-                        {"gradient_accumulation_steps", gas},
-                        {"train_batch_size", micro * gas * (ranks / parts)},
-                        {"gradient_clipping", 0.5},
-                        {"device", "cuda"},
-                        {"bf16", {{"enabled", bf16}}},
-                        {"zero_optimization", {{"stage", zero}, {"offload_optimizer", {{"device", "cpu"}}}}},
-                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
-  if (parts > 1) cfg["tensor_parallel"] = {{"autotp_size", parts}};
-  Engine e = Engine::initialize(gpu_llama(false), cfg, ranks > 1 ? comm : nullptr);
-  DataLoader loader = testing::tiny_loader(e, micro, gas);
-  PipeRun r;
-  for (int i = 0; i < 6; ++i) r.losses.push_back(e.train_batch(loader));
-  r.eval = e.evaluate(loader.next());
-  r.weights = testing::whole_weights(e);
-  return r;
+  return train_gpu_grid(comm, ranks / parts, 2, 6, bf16, zero, "cpu",
+                        parts > 1 ? nlohmann::json{{"tensor_parallel", {{"autotp_size", parts}}}}
+                                  : nlohmann::json::object());
 }
 
 TEST(CudaEngineRanks, TensorPartsAddTheirPartialSumsOverNcclAndTrainTheRunWithoutParts) {
