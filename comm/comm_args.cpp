@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "comm/comm_internal.h"
 
@@ -25,6 +26,25 @@ CommError comm_error(int rank, const std::string& op, const std::string& msg) {
 
 void check_count(int rank, const char* op, int64_t count) {
   if (count < 0) throw comm_error(rank, op, "count must be >= 0, got " + std::to_string(count));
+}
+
+void check_all_to_all_v(int rank, int size, const void* send, const int64_t* send_counts, const void* recv,
+                        const int64_t* recv_counts, DType dtype, std::vector<int64_t>& at_send,
+                        std::vector<int64_t>& at_recv) {
+  at_send.assign(static_cast<size_t>(size) + 1, 0);
+  at_recv.assign(static_cast<size_t>(size) + 1, 0);
+  for (int r = 0; r < size; ++r) {
+    check_count(rank, "all_to_all_v", send_counts[r]);
+    check_count(rank, "all_to_all_v", recv_counts[r]);
+    at_send[static_cast<size_t>(r) + 1] = at_send[static_cast<size_t>(r)] + send_counts[r];
+    at_recv[static_cast<size_t>(r) + 1] = at_recv[static_cast<size_t>(r)] + recv_counts[r];
+  }
+  if (send_counts[rank] != recv_counts[rank])
+    throw comm_error(rank, "all_to_all_v", "this rank sends itself " + std::to_string(send_counts[rank]) +
+                                               " elements but expects " + std::to_string(recv_counts[rank]));
+  const size_t elem = dtype_bytes(dtype);
+  if (overlaps(send, static_cast<size_t>(at_send.back()) * elem, recv, static_cast<size_t>(at_recv.back()) * elem))
+    throw comm_error(rank, "all_to_all_v", "send and recv overlap; all_to_all_v is not in place");
 }
 
 void check_exchange(int rank, int size, int to, int64_t send_count, int from, int64_t recv_count) {

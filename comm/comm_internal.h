@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/comm.h"
 #include "core/error.h"
@@ -40,6 +41,12 @@ bool check_all_gather(int rank, int size, const void* send, const void* recv, in
 void check_broadcast(int rank, int size, int64_t count, int root);
 void check_all_to_all(int rank, int size, const void* send, const void* recv, int64_t count_per_rank,
                       DType dtype);
+// all_to_all_v's counts (each >= 0, this rank's to itself as it expects
+// from itself) and buffers (not overlapping); at_send and at_recv get each
+// rank's block's first element (size + 1 entries, the last the total).
+void check_all_to_all_v(int rank, int size, const void* send, const int64_t* send_counts, const void* recv,
+                        const int64_t* recv_counts, DType dtype, std::vector<int64_t>& at_send,
+                        std::vector<int64_t>& at_recv);
 // exchange (and send, recv): each of to and from is -1 (none) or another
 // rank, with a count >= 0.
 void check_exchange(int rank, int size, int to, int64_t send_count, int from, int64_t recv_count);

@@ -108,21 +108,10 @@ void Communicator::all_to_all_v(const void* send, const int64_t* send_counts, vo
                                 DType dtype) {
   const int n = size(), me = rank();
   const size_t elem = dtype_bytes(dtype);
-  std::vector<int64_t> at_send(static_cast<size_t>(n) + 1, 0), at_recv(static_cast<size_t>(n) + 1, 0);
-  for (int r = 0; r < n; ++r) {
-    detail::check_count(me, "all_to_all_v", send_counts[r]);
-    detail::check_count(me, "all_to_all_v", recv_counts[r]);
-    at_send[static_cast<size_t>(r) + 1] = at_send[static_cast<size_t>(r)] + send_counts[r];
-    at_recv[static_cast<size_t>(r) + 1] = at_recv[static_cast<size_t>(r)] + recv_counts[r];
-  }
-  if (send_counts[me] != recv_counts[me])
-    throw detail::comm_error(me, "all_to_all_v", "this rank sends itself " + std::to_string(send_counts[me]) +
-                                                     " elements but expects " + std::to_string(recv_counts[me]));
+  std::vector<int64_t> at_send, at_recv;
+  detail::check_all_to_all_v(me, n, send, send_counts, recv, recv_counts, dtype, at_send, at_recv);
   const char* s = static_cast<const char*>(send);
   char* r = static_cast<char*>(recv);
-  if (detail::overlaps(s, static_cast<size_t>(at_send[static_cast<size_t>(n)]) * elem, r,
-                       static_cast<size_t>(at_recv[static_cast<size_t>(n)]) * elem))
-    throw detail::comm_error(me, "all_to_all_v", "send and recv overlap; all_to_all_v is not in place");
   if (send_counts[me] > 0)
     std::memcpy(r + static_cast<size_t>(at_recv[static_cast<size_t>(me)]) * elem,
                 s + static_cast<size_t>(at_send[static_cast<size_t>(me)]) * elem,

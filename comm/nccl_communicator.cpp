@@ -288,19 +288,9 @@ class NcclCommunicator final : public Communicator {
   void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
                     DType dtype) override {
     const size_t elem = dtype_bytes(dtype);
-    std::vector<int64_t> at_send(static_cast<size_t>(size_) + 1, 0), at_recv(static_cast<size_t>(size_) + 1, 0);
-    for (int r = 0; r < size_; ++r) {
-      detail::check_count(rank_, "all_to_all_v", send_counts[r]);
-      detail::check_count(rank_, "all_to_all_v", recv_counts[r]);
-      at_send[static_cast<size_t>(r) + 1] = at_send[static_cast<size_t>(r)] + send_counts[r];
-      at_recv[static_cast<size_t>(r) + 1] = at_recv[static_cast<size_t>(r)] + recv_counts[r];
-    }
-    if (send_counts[rank_] != recv_counts[rank_])
-      throw detail::comm_error(rank_, "all_to_all_v", "this rank sends itself " + std::to_string(send_counts[rank_]) +
-                                                          " elements but expects " + std::to_string(recv_counts[rank_]));
-    const int64_t sent = at_send[static_cast<size_t>(size_)], received = at_recv[static_cast<size_t>(size_)];
-    if (detail::overlaps(send, static_cast<size_t>(sent) * elem, recv, static_cast<size_t>(received) * elem))
-      throw detail::comm_error(rank_, "all_to_all_v", "send and recv overlap; all_to_all_v is not in place");
+    std::vector<int64_t> at_send, at_recv;
+    detail::check_all_to_all_v(rank_, size_, send, send_counts, recv, recv_counts, dtype, at_send, at_recv);
+    const int64_t sent = at_send.back(), received = at_recv.back();
     const ncclDataType_t type = nccl_type(dtype, "all_to_all_v");
     if (sent == 0 && received == 0) return;
     const std::string op = describe("all_to_all_v", std::max(sent, received), dtype);
