@@ -114,9 +114,10 @@ inline void tally_linear_forward(kernels::ScratchTally& t, OperandKind x, int64_
   t.matmul(forward_desc(N, in, out, bias, compute), x.dtype, x.exact, compute, false, compute);
 }
 // ... and linear_backward with an fp32 dy (returns the bytes of the dy copy
-// it makes, which its one thread-local scratch holds at most of).
+// it makes, which its one thread-local scratch holds at most of); dw false:
+// a frozen weight, whose weight-gradient product never runs.
 inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
-                                     bool dx, DType compute) {
+                                     bool dx, DType compute, bool dw = true) {
   OperandKind dy;
   int64_t copy = 0;
   if (is_16bit(compute)) {
@@ -124,7 +125,7 @@ inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, in
     copy = kernels::ScratchTally::operand16_bytes(N * out, /*in_place=*/false, compute);
   }
   if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
-  t.matmul(weight_grad_desc(N, in, out, compute), dy.dtype, dy.exact, x.dtype, x.exact);
+  if (dw) t.matmul(weight_grad_desc(N, in, out, compute), dy.dtype, dy.exact, x.dtype, x.exact);
   return copy;
 }
 // An AlignedBuffer's bytes as allocated (64-byte aligned blocks).

@@ -127,13 +127,7 @@ class LoraScratch {
  public:
   // dropout: also the buffers of Note [LoRA dropout] (dropout_bytes).
   void ensure(Ops& ops, int64_t N, int64_t r, const std::vector<LoraGroup>& groups, bool dropout = false) {
-    int64_t in = 0, width = 0, n = 0, out = 0;
-    for (const LoraGroup& g : groups) {
-      in = std::max(in, g.in);
-      width = std::max(width, g.width);
-      n = std::max<int64_t>(n, static_cast<int64_t>(g.members.size()));
-      for (const LoraMember& m : g.members) out = std::max(out, m.rows);
-    }
+    const auto [in, width, n, out] = sizes(groups);
     if (N == N_ && r == r_ && in == in_ && width == width_ && n == n_ && out == out_ && dropout == dropout_) return;
     N_ = N, r_ = r, in_ = in, width_ = width, n_ = n, out_ = out, dropout_ = dropout;
     const size_t nr = static_cast<size_t>(n * r);
@@ -148,14 +142,33 @@ class LoraScratch {
       uj = ops.alloc_f32(static_cast<size_t>(N * r));
     }
   }
-  // What dropout adds for groups of inputs up to `in` wide: a member's
-  // dropped input (and its 16-bit copy), its U columns.
-  static int64_t dropout_bytes(int64_t N, int64_t r, int64_t in, DType dt) {
-    return buffer_bytes(N * in) + matmul_input_bytes(N * in, dt) + buffer_bytes(N * r);
+  // What ensure allocates for these groups (the estimate's count), with the
+  // 16-bit copies the products make of dU and a member's dropped input.
+  static int64_t bytes(int64_t N, int64_t r, const std::vector<LoraGroup>& groups, bool dropout, DType dt) {
+    const auto [in, width, n, out] = sizes(groups);
+    const int64_t nr = n * r;
+    int64_t b = buffer_bytes(N * nr) + matmul_input_bytes(N * nr, dt) + 2 * buffer_bytes(nr * in) +
+                2 * buffer_bytes(width * nr) + buffer_bytes(r * std::max(in, out));
+    if (dropout) b += buffer_bytes(N * in) + matmul_input_bytes(N * in, dt) + buffer_bytes(N * r);
+    return b;
   }
   Buf du, du16, ag, dag, bbd, dbbd, wide, xd, xd16, uj;
 
  private:
+  // The groups' widest input, widest output, most members and most rows of one member.
+  struct Sizes {
+    int64_t in = 0, width = 0, n = 0, out = 0;
+  };
+  static Sizes sizes(const std::vector<LoraGroup>& groups) {
+    Sizes z;
+    for (const LoraGroup& g : groups) {
+      z.in = std::max(z.in, g.in);
+      z.width = std::max(z.width, g.width);
+      z.n = std::max<int64_t>(z.n, static_cast<int64_t>(g.members.size()));
+      for (const LoraMember& m : g.members) z.out = std::max(z.out, m.rows);
+    }
+    return z;
+  }
   int64_t N_ = -1, r_ = -1, in_ = -1, width_ = -1, n_ = -1, out_ = -1;
   bool dropout_ = false;
 };

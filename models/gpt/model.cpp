@@ -282,9 +282,8 @@ class Gpt final : public Model {
       // groups' scratch (LoraScratch, one-member groups) and the sink.
       const int64_t r = c_.lora.r;
       m.saved += act_sets * (buffer_bytes(N * kGptLoraTargets * r) + kGptLoraTargets * detail::matmul_input_bytes(N * r, dt)) +
-                 buffer_bytes(N * r) + detail::matmul_input_bytes(N * r, dt) + 2 * buffer_bytes(r * 4 * C) +
-                 2 * buffer_bytes(4 * C * r) + buffer_bytes(r * 4 * C) + buffer_bytes(2 * C);
-      if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, 4 * C, dt);
+                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(lora_groups_), c_.lora.dropout > 0, dt) +
+                 buffer_bytes(2 * C);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
                (sr.head ? 2 * buffer_bytes(N * detail::vocab_share(V, parts)) : 0) + matmul_input_bytes(N * C, dt) +
@@ -298,7 +297,7 @@ class Gpt final : public Model {
     int64_t dy_copy = 0;
     for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}}) {
       detail::tally_linear_forward(t, x, N, in, out, true, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
     }
     t.attention(as, dt);
     if (lora()) {
@@ -308,7 +307,7 @@ class Gpt final : public Model {
     if (sr.head) {
       const int64_t v = detail::vocab_share(V, parts);  // a vocabulary part's columns
       detail::tally_linear_forward(t, x, N, C, v, false, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt));
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen));
     }
     m.workspace = t.bytes() + dy_copy;
     return m;

@@ -286,14 +286,13 @@ class Llama final : public Model {
     if (lora()) {
       // Per set: U of every target (lora_u) and what B's products read of
       // each group's; once: the groups' scratch (LoraScratch) and the sink.
-      const int64_t r = c_.lora.r, nr = 3 * r, W = std::max(Q, GU), in = std::max(C, I);
+      const int64_t r = c_.lora.r;
       int64_t u16 = 0;
       for (const detail::LoraGroup& g : lora_groups_.front())
         u16 += detail::matmul_input_bytes(N * r * static_cast<int64_t>(g.members.size()), dt);
-      m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) + buffer_bytes(N * nr) +
-                 detail::matmul_input_bytes(N * nr, dt) + 2 * buffer_bytes(nr * in) + 2 * buffer_bytes(W * nr) +
-                 buffer_bytes(r * std::max({in, H * D_, C})) + buffer_bytes(2 * std::max(C, std::max(H, K) * D_));
-      if (c_.lora.dropout > 0) m.saved += detail::LoraScratch::dropout_bytes(N, r, in, dt);
+      m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) +
+                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(lora_groups_), c_.lora.dropout > 0, dt) +
+                 buffer_bytes(2 * std::max(C, std::max(H, K) * D_));
     }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
@@ -326,7 +325,7 @@ class Llama final : public Model {
     for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
                                  {C, GU, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
       detail::tally_linear_forward(t, x, N, in, out, bias, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt));
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
     }
     if (E > 0) {
       // An expert's rows are at most N (a token picks an expert once), N
@@ -335,7 +334,7 @@ class Llama final : public Model {
       const int64_t rows = std::min((N + kExpertRows - 1) / kExpertRows * kExpertRows, padded_rows(N));
       for (auto [in, out, r] : {std::tuple<int64_t, int64_t, int64_t>{C, 2 * Ie, rows}, {Ie, C, rows}, {C, E, N}}) {
         detail::tally_linear_forward(t, x, r, in, out, false, dt);
-        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, r, in, out, true, dt));
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, r, in, out, true, dt, !lora()));
       }
     }
     t.attention(as, dt);
@@ -345,7 +344,10 @@ class Llama final : public Model {
     }
     if (sr.head) {
       detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt));
+      // The head's weight gradient: its block's, or with a tied head the embedding's.
+      const size_t hb = c_.tie_word_embeddings ? 0 : static_cast<size_t>(head_block_);
+      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt,
+                                                                !specs_[hb].frozen));
     }
     m.workspace = t.bytes() + dy_copy;
     return m;
