@@ -20,7 +20,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "comm/comm.h"
