@@ -30,8 +30,10 @@
 // the CudaAttentionWorkspace.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,8 +54,12 @@ using zinc::cuda::DeviceBuffer;
 class CudaAttentionWorkspace {
  public:
   DeviceBuffer probs;  // (B*H, T, T) fp32 softmax probabilities, zero above the diagonal (and before a document)
+  // The fused path's instead (Note [fused attention]): each row's
+  // log-sum-exp (B*H*T), the output (B*T*C) and backward's row dots.
+  DeviceBuffer lse, out, di;
   AttentionShape shape{};
   bool has_forward = false;
+  bool fused = false;  // which path the forward ran
 };
 
 CudaAttentionWorkspace* attention_workspace_create() { return new CudaAttentionWorkspace(); }
@@ -302,7 +308,39 @@ void permute_out(float* dst, int64_t stride, PermuteOut p, int nparts, Attention
   check_launch("attention: attn_permute_out_kernel");
 }
 
+// -1: ZINC_CUDA_ATTENTION decides; 0 or 1: set_unfused_attention_for_testing.
+std::atomic<int> unfused_override{-1};
+
+// The fused kernels where they apply, unless ZINC_CUDA_ATTENTION=unfused.
+bool use_fused(AttentionShape s, DType compute) {
+  static const bool unfused_env = [] {
+    const char* e = std::getenv("ZINC_CUDA_ATTENTION");
+    return e && std::string(e) == "unfused";
+  }();
+  const int o = unfused_override.load();
+  const bool unfused = o >= 0 ? o == 1 : unfused_env;
+  return !unfused && flash_attention_applies(s.C / s.H, compute);
+}
+
+// The fused kernels' arguments over the (B,T,3C) q|k|v rows.
+FlashArgs flash_args(const float* qkv, AttentionShape s) {
+  FlashArgs a;
+  a.q = qkv;
+  a.k = qkv + s.C;
+  a.v = qkv + 2 * s.C;
+  a.q_stride = a.kv_stride = 3 * s.C;
+  a.out_stride = a.dout_stride = s.C;
+  a.B = s.B, a.T = s.T, a.H = s.H, a.Hkv = s.H, a.D = s.C / s.H;
+  a.positions = s.positions;
+  a.window = s.window;
+  a.scale = s.score_scale();
+  a.softcap = s.softcap;
+  return a;
+}
+
 }  // namespace
+
+void set_unfused_attention_for_testing(bool unfused) { unfused_override.store(unfused ? 1 : 0); }
 
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
                        cudaStream_t stream) {
@@ -313,11 +351,22 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
     return;
   }
   const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  ws->shape = s;
+  ws->has_forward = true;
+  ws->fused = use_fused(s, compute);
+  if (ws->fused) {
+    FlashArgs a = flash_args(qkv, s);
+    a.lse = static_cast<float*>(grow(ws->lse, static_cast<size_t>(BH * T) * sizeof(float), stream));
+    const size_t out_bytes = static_cast<size_t>(s.B * T * s.C) * sizeof(float);
+    a.out = static_cast<float*>(grow(ws->out, out_bytes, stream));
+    flash_attention_forward(a, compute, stream);
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(out, a.out, out_bytes, cudaMemcpyDeviceToDevice, stream),
+                    "attention: copy of the fused output");
+    return;
+  }
   const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t n_att = static_cast<size_t>(BH * T * T);
   float* P = static_cast<float*>(grow(ws->probs, n_att * sizeof(float), stream));
-  ws->shape = s;
-  ws->has_forward = true;
   Scratch& sc = stream_scratch(stream);
   const size_t esz = dtype_bytes(compute);
   void* q = grow(sc.bufs[kQ], n_head * esz, stream);
@@ -353,6 +402,18 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
   }
   if (s.B == 0 || s.T == 0) return;
   const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  if (ws->fused) {
+    FlashArgs a = flash_args(qkv, s);
+    a.lse = ws->lse.as<float>();
+    a.out = ws->out.as<float>();
+    a.dout = dout;
+    a.di = static_cast<float*>(grow(ws->di, static_cast<size_t>(BH * T) * sizeof(float), stream));
+    a.dq = dqkv;
+    a.dk = dqkv + s.C;
+    a.dv = dqkv + 2 * s.C;
+    flash_attention_backward(a, compute, stream);
+    return;
+  }
   const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t n_att = static_cast<size_t>(BH * T * T);
   const float* P = ws->probs.as<float>();

@@ -115,6 +115,11 @@ void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot
 // in attention.cpp), when set, are device memory and NOT checked here (the
 // CPU's check reads them): the caller checks on the host that each is in
 // [0, t] for its token t, as models/cuda_ops.cpp does before the upload.
+//
+// With bf16 or fp16 compute and head sizes up to 128 both run the fused
+// kernels below (ZINC_CUDA_ATTENTION=unfused keeps the unfused path, to
+// compare); the workspace then holds each row's log-sum-exp and a copy of
+// the output instead of P.
 class CudaAttentionWorkspace;
 CudaAttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(CudaAttentionWorkspace* ws);
@@ -122,6 +127,44 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
                        cudaStream_t stream);
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute, cudaStream_t stream);
+// Tests: the unfused path for every later forward (true), or the fused one
+// where it applies (false), whatever ZINC_CUDA_ATTENTION says.
+void set_unfused_attention_for_testing(bool unfused);
+
+// ---- fused causal attention (flash_attention.cu; Note [fused attention]) ----------------------
+// Rows of B*T tokens. Query head h is D floats at column h*D of q's rows
+// (stride q_stride floats), kv head g (of Hkv; H a multiple of Hkv, query
+// head h reads kv head h / (H / Hkv)) at column g*D of k's and v's rows
+// (stride kv_stride); out, dout (strides out_stride, dout_stride) and dq
+// (q_stride), dk and dv (kv_stride) likewise. lse and di are (B*H*T)
+// floats, row (b*H + h)*T + t. positions, window, scale (resolved, not
+// 0) and softcap as AttentionShape's; positions in device memory, unchecked.
+struct FlashArgs {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t q_stride = 0, kv_stride = 0;
+  float* out = nullptr;  // forward writes, backward reads
+  int64_t out_stride = 0;
+  float* lse = nullptr;  // forward writes, backward reads
+  const float* dout = nullptr;
+  int64_t dout_stride = 0;
+  float* di = nullptr;  // backward's scratch
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int64_t B = 0, T = 0, H = 0, Hkv = 0, D = 0;
+  const int32_t* positions = nullptr;
+  int64_t window = 0;
+  float scale = 0.0f, softcap = 0.0f;
+};
+// Whether the fused kernels run this head size and compute dtype.
+bool flash_attention_applies(int64_t head_dim, DType compute);
+// out and lse from q, k, v.
+void flash_attention_forward(const FlashArgs& a, DType compute, cudaStream_t stream);
+// dq, dk, dv (written: every column of every head of rows < T) from dout,
+// out, lse, q, k, v; di is scratch.
+void flash_attention_backward(const FlashArgs& a, DType compute, cudaStream_t stream);
 
 // ---- softmax cross-entropy -------------------------------------------------------------------
 // Per-row losses (double, N) into row_loss; dlogits as kernels::cross_entropy

@@ -73,6 +73,10 @@ struct Fiber {
 
 constexpr size_t kStackBytes = 256 << 10;
 constexpr int kMaxThreads = 1024;
+// sm_80's most dynamic shared memory per block (cudaFuncSetAttribute's
+// ceiling there; sm_90 allows 227 KiB), and the default without the attribute.
+constexpr size_t kMaxDynamicShared = 166912;
+constexpr size_t kDefaultDynamicShared = 48 << 10;
 
 struct Grid {
   std::mutex launch;  // one launch at a time, from any host thread
@@ -85,6 +89,9 @@ struct Grid {
       std::vector<std::array<std::array<uint64_t, 32>, 2>>(kMaxThreads / 32);
   char* stacks = nullptr;  // kMaxThreads stacks, each above a guard page
   int threads = 0;
+  size_t dynamic_bytes = 0;  // the launch's dynamic shared memory
+  char* dynamic_end = nullptr;  // its end: a page that faults follows
+  std::vector<std::array<float, 1024>> warp_scratch = std::vector<std::array<float, 1024>>(kMaxThreads / 32);
   int cur = -1;
   void* sched = nullptr;  // the scheduler's saved stack pointer
   std::exception_ptr error;
@@ -208,6 +215,7 @@ std::map<std::string, size_t>& shared_bytes_by_kernel() {
 
 void run_block(Grid& g) {
   for (const SharedArray& a : shared_arrays()) std::memset(a.p, 0xff, a.bytes);
+  if (g.dynamic_bytes) std::memset(g.dynamic_end - g.dynamic_bytes, 0xff, g.dynamic_bytes);
   for (int i = 0; i < g.threads; ++i) {
     Fiber& f = g.fibers[static_cast<size_t>(i)];
     const unsigned bx = g.block.x, by = g.block.y;
@@ -251,6 +259,22 @@ bool register_shared(void* p, size_t bytes) {
     throw zinc::Error(std::string("kernel emulation: kernel ") + g.name + " declares " + std::to_string(total) +
                       " bytes of __shared__ memory, more than the 48 KiB a block may declare statically");
   return true;
+}
+
+void* dynamic_shared() {
+  Grid& g = grid_state();
+  running("dynamic shared memory");
+  return g.dynamic_end - g.dynamic_bytes;
+}
+float* warp_scratch() {
+  Grid& g = grid_state();
+  running("a warp operation");
+  return g.warp_scratch[static_cast<size_t>(g.cur / 32)].data();
+}
+void fail(const char* what) {
+  Grid& g = grid_state();
+  running(what);
+  throw zinc::Error("kernel emulation: " + where(g, g.cur) + ": " + what);
 }
 
 const uint3& thread_idx() { return running("threadIdx").tid; }
@@ -321,9 +345,19 @@ void on_fault(int sig) {
 }
 
 // Runs a launch now (every check done by launch()).
-void run_grid(const char* name, dim3 grid, dim3 block, const Body& body) {
+void run_grid(const char* name, dim3 grid, dim3 block, size_t shared_bytes, const Body& body) {
   Grid& g = grid_state();
   std::lock_guard<std::mutex> lock(g.launch);
+  if (!g.dynamic_end) {
+    // kMaxDynamicShared bytes (rounded up to pages) before a page that faults.
+    const size_t data = (kMaxDynamicShared + 4095) / 4096 * 4096;
+    void* p = mmap(nullptr, data + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw zinc::Error("kernel emulation: cannot map dynamic shared memory");
+    g.dynamic_end = static_cast<char*>(p) + data;
+    mprotect(g.dynamic_end, 4096, PROT_NONE);
+  }
+  // The start 128-byte aligned, as a GPU's dynamic shared memory is at least.
+  g.dynamic_bytes = (shared_bytes + 127) / 128 * 128;
   if (!g.stacks) {
     signal(SIGSEGV, on_fault);
     signal(SIGBUS, on_fault);
@@ -451,20 +485,39 @@ void flush(const void* stream) {
 
 }  // namespace
 
-void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, void* stream, Body body) {
+std::mutex& attribute_mu() {
+  static auto* m = new std::mutex();
+  return *m;
+}
+// cudaFuncAttributeMaxDynamicSharedMemorySize by kernel.
+std::map<const void*, size_t>& max_dynamic_shared() {
+  static auto* m = new std::map<const void*, size_t>();
+  return *m;
+}
+
+void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t shared_bytes, void* stream,
+            Body body) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
       grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
     set_last_error(cudaErrorInvalidConfiguration);
     return;
   }
-  if (shared_bytes)
-    throw zinc::Error(std::string("kernel emulation: ") + name + ": dynamic shared memory is not emulated");
+  if (shared_bytes > kDefaultDynamicShared) {
+    std::lock_guard<std::mutex> lock(attribute_mu());
+    auto it = max_dynamic_shared().find(kernel);
+    if (it == max_dynamic_shared().end() || it->second < shared_bytes) {
+      set_last_error(cudaErrorInvalidValue);
+      return;
+    }
+  }
   static const bool trace = env_is("ZINC_EMU_TRACE", "1");
   if (trace)
     std::fprintf(stderr, "zinc_emu: %s grid (%u,%u,%u) block (%u,%u,%u) stream %p\n", name, grid.x, grid.y, grid.z,
                  block.x, block.y, block.z, stream);
-  enqueue(stream, [name, grid, block, body = std::move(body)] { run_grid(name, grid, block, body); });
+  enqueue(stream, [name, grid, block, shared_bytes, body = std::move(body)] {
+    run_grid(name, grid, block, shared_bytes, body);
+  });
 }
 
 namespace {
@@ -603,6 +656,14 @@ std::unique_lock<std::recursive_mutex> lock_runtime() { return std::unique_lock<
 }  // namespace zinc_emu
 cudaError_t cudaGetDeviceCount(int* n) {
   *n = zinc_emu::device_count();
+  return cudaSuccess;
+}
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  if (!func || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      static_cast<size_t>(value) > zinc_emu::kMaxDynamicShared)
+    return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(zinc_emu::attribute_mu());
+  zinc_emu::max_dynamic_shared()[func] = static_cast<size_t>(value);
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* d) {

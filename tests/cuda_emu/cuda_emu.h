@@ -24,7 +24,18 @@
 // - __shared__ is a function-local static: one copy, which the blocks reuse
 //   in turn (the launches of all host threads are serialised), refilled with
 //   NaN bytes before each block after the kernel's first (register_shared).
-//   A kernel declaring more than 48 KiB of it is an error.
+//   A kernel declaring more than 48 KiB of it is an error. Dynamic shared
+//   memory (extern __shared__, which translate.py rewrites into a call of
+//   dynamic_shared()) is the launch's size of NaN bytes before every block,
+//   its end against a page that faults; more than 48 KiB needs
+//   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize)
+//   first, up to sm_80's 163 KiB (an H100 allows more; the kernels must
+//   also run on an A100), as the driver checks.
+// - WMMA (mma.h here): a fragment holds 8 of its tile's 256 elements in each
+//   lane; mma_sync gathers the warp's fragments (a warp operation) and each
+//   lane computes its own 8 results in fp32. The fragments' lane layout is
+//   the emulation's, not the GPU's, as CUDA leaves it unspecified; loads and
+//   stores check the pointer's 32-byte alignment and ldm as CUDA requires.
 // - Device memory is host memory, filled with NaN bytes when allocated,
 //   each allocation between pages that fault (so are freed ones): an access
 //   past an end or after the free stops the test naming kernel and thread.
@@ -62,6 +73,7 @@
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __constant__ static
+#define __align__(n) alignas(n)
 
 struct uint3 {
   unsigned x, y, z;
@@ -106,11 +118,20 @@ T from_bits(uint64_t b) {
 // declaring more than 48 KiB is an error, as at a real launch.
 bool register_shared(void* p, size_t bytes);
 
+// The running launch's dynamic shared memory (see the Note).
+void* dynamic_shared();
+// Scratch of the running fiber's warp (mma.h), 4 KiB, reused by every warp
+// operation that needs it.
+float* warp_scratch();
+// Stops the running kernel with `what`, naming kernel, block and thread.
+[[noreturn]] void fail(const char* what);
+
 using Body = std::function<void()>;
 // Queues a launch of `body` as every thread of the grid on `stream` (see the
 // Note); a grid or block beyond the limits sets cudaErrorInvalidConfiguration
 // instead. `name` is for errors.
-void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, void* stream, Body body);
+void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t shared_bytes, void* stream,
+            Body body);
 
 template <class Kernel>
 struct Launch {
@@ -124,7 +145,7 @@ struct Launch {
     // The arguments are copied at the launch, as a launch copies them into
     // the kernel's parameter space; every thread then gets them by value.
     Kernel* k = kernel;
-    launch(name, grid, block, shared_bytes, stream,
+    launch(name, reinterpret_cast<const void*>(k), grid, block, shared_bytes, stream,
            [k, bound = std::make_tuple(std::decay_t<Args>(std::forward<Args>(args))...)] { std::apply(*k, bound); });
   }
 };

@@ -47,6 +47,12 @@ def shared(m):
     return decl + " " + regs + m.group(2)
 
 
+# Dynamic shared memory, `extern __shared__ [__align__(n)] type name[];` on
+# one line, becomes a pointer to the launch's (cuda_emu.h, dynamic_shared()).
+DYNAMIC = re.compile(r"^(\s*)extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w: ]*?)\s+([A-Za-z_]\w*)\s*\[\s*\]\s*;",
+                     re.M)
+
+
 def main():
     src, dst = sys.argv[1], sys.argv[2]
     text = open(src, encoding="utf-8").read()
@@ -59,6 +65,8 @@ def main():
         return '::zinc_emu::launcher("%s", %s, %s)' % (name.replace('"', ""), name, m.group(2))
 
     out = LAUNCH.sub(launch, text)
+    out = DYNAMIC.sub(lambda m: "%s%s* const %s = static_cast<%s*>(::zinc_emu::dynamic_shared());"
+                      % (m.group(1), m.group(2), m.group(3), m.group(2)), out)
     out = SHARED.sub(shared, out)
     if "<<<" in out:
         sys.exit("translate.py: %s: a launch the rewrite does not understand is left" % src)

@@ -1,4 +1,4 @@
-// Tests for the CUDA matmul and attention (csrc/kernels/{matmul,attention}.cu):
+// Tests for the CUDA matmul and the unfused attention (csrc/kernels/{matmul,attention}.cu):
 // every GPU kernel against the CPU kernel of kernels.h on the same random
 // inputs (upload, run, download, compare). Tests that need a GPU skip, saying
 // why, where the CUDA runtime sees none (ZINC_REQUIRE_GPU,
@@ -342,6 +342,14 @@ TEST(CudaMatmul, BadArgumentsThrowBeforeTouchingTheDevice) {
 }
 
 // ---- attention --------------------------------------------------------------------------------
+// These hold the unfused path (attention.cu) at every compute dtype; the
+// fused kernels, which bf16 and fp16 compute take by default, have their own
+// tests (tests/cuda/cuda_flash_attention_test.cpp).
+class CudaAttention : public ::testing::Test {
+ protected:
+  void SetUp() override { cuda::set_unfused_attention_for_testing(true); }
+  void TearDown() override { cuda::set_unfused_attention_for_testing(false); }
+};
 
 struct CpuWs {
   AttentionWorkspace* ws = attention_workspace_create();
@@ -403,19 +411,19 @@ void check_attention(AttentionShape s, DType compute, uint64_t seed, double tol)
 
 const AttentionShape kAttShapes[] = {{2, 37, 64, 4}, {1, 128, 128, 2}, {1, 1, 4, 1}, {2, 17, 12, 3}};
 
-TEST(CudaAttention, F32ForwardAndBackwardAgreeWithCpu) {
+TEST_F(CudaAttention, F32ForwardAndBackwardAgreeWithCpu) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5000;
   for (auto s : kAttShapes) check_attention(s, DType::kF32, seed += 2, 2e-4);
 }
 
-TEST(CudaAttention, Bf16ForwardAndBackwardAgreeWithCpu) {
+TEST_F(CudaAttention, Bf16ForwardAndBackwardAgreeWithCpu) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5100;
   for (auto s : kAttShapes) check_attention(s, DType::kBF16, seed += 2, 2e-2);
 }
 
-TEST(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
+TEST_F(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5200;
   for (auto s : kAttShapes) check_attention(s, DType::kF16, seed += 2, 3e-3);
@@ -424,7 +432,7 @@ TEST(CudaAttention, Fp16ForwardAndBackwardAgreeWithCpu) {
 // Packed documents (Note [document boundaries] in attention.cpp): several
 // documents per row, of length 1 and longer than 16 lanes, cut differently
 // in each row; the tolerances above.
-TEST(CudaAttention, PackedDocumentsAgreeWithCpu) {
+TEST_F(CudaAttention, PackedDocumentsAgreeWithCpu) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5250;
   for (AttentionShape s : kAttShapes) {
@@ -439,7 +447,7 @@ TEST(CudaAttention, PackedDocumentsAgreeWithCpu) {
 // Sliding-window attention (AttentionShape::window, Mistral's
 // sliding_window): windows of 1, shorter than 16 lanes and longer than the
 // sequence, alone and with packed documents; the tolerances above.
-TEST(CudaAttention, SlidingWindowsAgreeWithCpu) {
+TEST_F(CudaAttention, SlidingWindowsAgreeWithCpu) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5300;
   for (AttentionShape s : kAttShapes)
@@ -475,7 +483,7 @@ TEST(CudaAttention, SlidingWindowsAgreeWithCpu) {
 // dk and dv are real sums and are checked with the tolerances above. (TF32
 // in the fp32 GEMMs would also show here: it would round q and dO.) With
 // packed documents too: the rows from their first key on, zeros elsewhere.
-TEST(CudaAttention, SoftmaxRowsMatchTheCpuBitForBit) {
+TEST_F(CudaAttention, SoftmaxRowsMatchTheCpuBitForBit) {
   ZINC_REQUIRE_GPU();
   uint64_t seed = 5300;
   for (AttentionShape s : {AttentionShape{2, 37, 128, 2}, AttentionShape{1, 64, 192, 3}})
@@ -509,7 +517,7 @@ TEST(CudaAttention, SoftmaxRowsMatchTheCpuBitForBit) {
     }
 }
 
-TEST(CudaAttention, EachLayerKeepsItsOwnWorkspace) {
+TEST_F(CudaAttention, EachLayerKeepsItsOwnWorkspace) {
   ZINC_REQUIRE_GPU();
   const AttentionShape s{2, 37, 64, 4};
   const auto qkv1 = randn(s.B * s.T * 3 * s.C, 5400), qkv2 = randn(s.B * s.T * 3 * s.C, 5401);
@@ -527,7 +535,7 @@ TEST(CudaAttention, EachLayerKeepsItsOwnWorkspace) {
 }
 
 // The shape checks come before any device work: this runs without a GPU.
-TEST(CudaAttention, BackwardWithoutMatchingForwardThrows) {
+TEST_F(CudaAttention, BackwardWithoutMatchingForwardThrows) {
   GpuWs w;
   const AttentionShape s{1, 4, 8, 2};
   EXPECT_THROW(cuda::attention_backward(w.ws, nullptr, nullptr, nullptr, s, DType::kF32, nullptr), zinc::Error);

@@ -78,6 +78,12 @@ cudaError_t cudaGetDevice(int* d);
 cudaError_t cudaSetDevice(int d);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t cudaDeviceSynchronize();
+enum cudaFuncAttribute : int { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value);
+template <class T>
+cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
+}
 cudaError_t cudaMalloc(void** p, size_t bytes);
 cudaError_t cudaFree(void* p);
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
