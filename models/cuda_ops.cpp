@@ -294,6 +294,9 @@ class CudaOps final : public Ops {
                            int64_t C) override {
     kernels::cuda::moe_gather_backward(dx, dxg, row_of_slot, N, k, C, kStream);
   }
+  bool attention_reads_kv_heads(int64_t head_dim, DType compute) const override {
+    return kernels::cuda::fused_attention_used(head_dim, compute);
+  }
   void* attention_create() override { return kernels::cuda::attention_workspace_create(); }
   void attention_destroy(void* ws) override {
     kernels::cuda::attention_workspace_destroy(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws));

@@ -125,6 +125,9 @@ void check_shape(const char* fn, AttentionShape s) {
                 " C=" + std::to_string(s.C) + " H=" + std::to_string(s.H) +
                 " (need C > 0, H > 0 and C divisible by H)");
   }
+  if (s.kv() != s.H)
+    throw Error(std::string(fn) + ": " + std::to_string(s.kv_heads) + " kv heads for " + std::to_string(s.H) +
+                " query heads: the CPU attention takes them repeated (gqa_expand)");
   if (!s.positions) return;
   for (int64_t r = 0; r < s.B * s.T; ++r) {
     const int64_t t = r % s.T;

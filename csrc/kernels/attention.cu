@@ -296,6 +296,13 @@ void check_shape(const char* fn, AttentionShape s) {
   }
 }
 
+// Where the fused kernels do not run, grouped-query heads come repeated.
+void check_unfused_heads(const char* fn, AttentionShape s) {
+  if (s.kv() != s.H)
+    throw Error(std::string(fn) + ": " + std::to_string(s.kv_heads) + " kv heads for " + std::to_string(s.H) +
+                " query heads: only the fused attention (16-bit compute, head size up to 128) reads them in place");
+}
+
 void permute_in(const PermuteIn& p, DType t, AttentionShape s, cudaStream_t stream) {
   attn_permute_in_kernel<<<blocks_for(p.n * s.B * s.T * s.C, kThreads), kThreads, 0, stream>>>(p, t, s.B, s.T, s.C,
                                                                                                 s.H);
@@ -322,15 +329,17 @@ bool use_fused(AttentionShape s, DType compute) {
   return !unfused && flash_attention_applies(s.C / s.H, compute);
 }
 
-// The fused kernels' arguments over the (B,T,3C) q|k|v rows.
+// The fused kernels' arguments over the q|k|v rows: (B,T,3C), or with
+// kv_heads the q (H heads) | k | v (kv_heads each) rows.
 FlashArgs flash_args(const float* qkv, AttentionShape s) {
   FlashArgs a;
+  const int64_t D = s.C / s.H, kv = s.kv() * D;
   a.q = qkv;
   a.k = qkv + s.C;
-  a.v = qkv + 2 * s.C;
-  a.q_stride = a.kv_stride = 3 * s.C;
+  a.v = qkv + s.C + kv;
+  a.q_stride = a.kv_stride = s.C + 2 * kv;
   a.out_stride = a.dout_stride = s.C;
-  a.B = s.B, a.T = s.T, a.H = s.H, a.Hkv = s.H, a.D = s.C / s.H;
+  a.B = s.B, a.T = s.T, a.H = s.H, a.Hkv = s.kv(), a.D = D;
   a.positions = s.positions;
   a.window = s.window;
   a.scale = s.score_scale();
@@ -341,6 +350,11 @@ FlashArgs flash_args(const float* qkv, AttentionShape s) {
 }  // namespace
 
 void set_unfused_attention_for_testing(bool unfused) { unfused_override.store(unfused ? 1 : 0); }
+
+bool fused_attention_used(int64_t head_dim, DType compute) {
+  AttentionShape s{1, 1, head_dim, 1};
+  return use_fused(s, compute);
+}
 
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
                        cudaStream_t stream) {
@@ -364,6 +378,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
                     "attention: copy of the fused output");
     return;
   }
+  check_unfused_heads("cuda::attention_forward", s);
   const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t n_att = static_cast<size_t>(BH * T * T);
   float* P = static_cast<float*>(grow(ws->probs, n_att * sizeof(float), stream));
@@ -396,7 +411,8 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute, cudaStream_t stream) {
   check_shape("cuda::attention_backward", s);
-  if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C || ws->shape.H != s.H) {
+  if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C || ws->shape.H != s.H ||
+      ws->shape.kv() != s.kv()) {
     throw Error("cuda::attention_backward: the workspace holds no forward pass of this shape "
                 "(call attention_forward with the same workspace first)");
   }
@@ -409,11 +425,12 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
     a.dout = dout;
     a.di = static_cast<float*>(grow(ws->di, static_cast<size_t>(BH * T) * sizeof(float), stream));
     a.dq = dqkv;
-    a.dk = dqkv + s.C;
-    a.dv = dqkv + 2 * s.C;
+    a.dk = dqkv + (a.k - a.q);
+    a.dv = dqkv + (a.v - a.q);
     flash_attention_backward(a, compute, stream);
     return;
   }
+  check_unfused_heads("cuda::attention_backward", s);
   const size_t n_head = static_cast<size_t>(BH * T * hs);
   const size_t n_att = static_cast<size_t>(BH * T * T);
   const float* P = ws->probs.as<float>();

@@ -33,7 +33,8 @@
 //
 // Grouped-query attention: query head h reads kv head h / (H / Hkv) from
 // q, k and v as the projection wrote them (row strides q_stride and
-// kv_stride), so k and v are never repeated.
+// kv_stride), so k and v are never repeated. The Llama-style decoder passes
+// its projection so (AttentionShape::kv_heads, Ops::attention_reads_kv_heads).
 //
 // Backward, deterministic (no atomics): Di = rowsum(dO * O) first; then one
 // kernel per 64-key tile of each kv head walks every query tile of every

@@ -173,6 +173,12 @@ struct AttentionShape {
   // softcap tanh(score / softcap) before the mask and the softmax (0: none).
   // Backward recomputes the scores (one more Q K^T product per head).
   float softcap = 0.0f;
+  // Grouped-query heads read in place: each row of qkv (and dqkv) is q (H
+  // heads) | k (kv_heads heads) | v (kv_heads heads), C / H wide each
+  // (0: kv_heads = H, the (B,T,3C) layout). Only the GPU's fused attention
+  // reads other values (Ops::attention_reads_kv_heads); the others refuse them.
+  int64_t kv_heads = 0;
+  int64_t kv() const { return kv_heads > 0 ? kv_heads : H; }
 };
 AttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(AttentionWorkspace* ws);

@@ -130,6 +130,9 @@ void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* do
 // Tests: the unfused path for every later forward (true), or the fused one
 // where it applies (false), whatever ZINC_CUDA_ATTENTION says.
 void set_unfused_attention_for_testing(bool unfused);
+// Whether attention_forward runs the fused kernels at this head size and
+// compute dtype (then AttentionShape::kv_heads may differ from H).
+bool fused_attention_used(int64_t head_dim, DType compute);
 
 // ---- fused causal attention (flash_attention.cu; Note [fused attention]) ----------------------
 // Rows of B*T tokens. Query head h is D floats at column h*D of q's rows

@@ -183,6 +183,10 @@ class Ops {
   virtual void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) = 0;
   virtual void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv,
                                   kernels::AttentionShape s, DType compute) = 0;
+  // Whether attention reads grouped-query heads in place
+  // (AttentionShape::kv_heads) at this head size and compute dtype; if
+  // not, a model repeats them to every query head (gqa_expand).
+  virtual bool attention_reads_kv_heads(int64_t head_dim, DType compute) const { return false; }
 
   // An activation that only matmuls read, as they read it (see
   // linear.h's matmul_input): the fp32 buffer itself for fp32 compute, else

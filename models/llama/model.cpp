@@ -531,10 +531,12 @@ class Llama final : public Model {
         seq_.to_heads(*ops_, ctx, dmid, dmid, B, 1, seq_heads_w());
         ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
         seq_.to_tokens(*ops_, ctx, dbig, dbig, B, 3, seq_heads_w());
+      } else if (gqa_in_place(dt)) {  // dq | dk | dv straight into the projection's gradient
+        ops_->attention_backward(a.ws, dproj, dmid, a.qkv.as<float>(), attention_shape(l, true), dt);
       } else {
         ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
       }
-      ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
+      if (sequence_split() || !gqa_in_place(dt)) ops_->gqa_reduce(dproj, dbig, N, H_, K_, D_);
       if (c_.uses_rope(l))
         ops_->rope(dproj, rope_cos(l), rope_sin(l), rope_shape(B, T), true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
@@ -798,14 +800,20 @@ class Llama final : public Model {
   float att_softcap() const { return static_cast<float>(c_.attn_logit_softcapping); }
   // With sequence ranks: whole rows of this rank's heads (Note [sequence
   // parallelism] in engine/sequence_parallel.cpp).
-  kernels::AttentionShape attention_shape(int64_t l) const {
+  // kv_in_place: a.qkv holds the projection's q | k | v rows with K_ kv
+  // heads (gqa_in_place).
+  kernels::AttentionShape attention_shape(int64_t l, bool kv_in_place = false) const {
     const bool split = sequence_split();
     const int64_t S = split ? pass_ctx_->sequence_split().size : 1;
     kernels::AttentionShape s{pass_.B, split ? whole_T_ : pass_.T, H_ * D_ / S, H_ / S, split ? whole_pos_ : pass_.pos,
                               c_.window(l), att_scale()};
     s.softcap = att_softcap();
+    if (kv_in_place) s.kv_heads = K_;
     return s;
   }
+  // Whether attention reads the projection's kv heads in place (the GPU's
+  // fused attention); sequence ranks move whole repeated rows between ranks.
+  bool gqa_in_place(DType dt) const { return !sequence_split() && ops_->attention_reads_kv_heads(D_, dt); }
   bool sequence_split() const { return pass_ctx_ && pass_ctx_->sequence_split().split(); }
   // The columns of one sequence rank's heads in each of q, k, v.
   int64_t seq_heads_w() const { return H_ / pass_ctx_->sequence_split().size * D_; }
@@ -1010,14 +1018,18 @@ class Llama final : public Model {
     const LayerIdx& x = idx_[static_cast<size_t>(l)];
     pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
     a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
-    float* proj = proj_.as<float>();
+    // Grouped-query heads read in place: the projection is attention's
+    // input, kept in a.qkv for backward (no repeated copy, Note [fused
+    // attention] in csrc/kernels/flash_attention.cu).
+    const bool in_place = gqa_in_place(dt);
+    float* proj = in_place ? a.qkv.as<float>() : proj_.as<float>();
     detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
     lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);  // Note [LoRA after the base]
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
     if (c_.uses_rope(l))
       ops_->rope(proj, rope_cos(l), rope_sin(l), rope_shape(B, T), false);
-    ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
+    if (!in_place) ops_->gqa_expand(a.qkv.as<float>(), proj, N, H_, K_, D_);
     if (sequence_split()) {
       // Ulysses: whole rows of this rank's heads in, and the output back
       // to this rank's tokens (a.qkv keeps the whole rows for backward).
@@ -1025,7 +1037,7 @@ class Llama final : public Model {
       ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
       seq_.to_tokens(*ops_, *pass_ctx_, a.att.as<float>(), a.att.as<float>(), B, 1, seq_heads_w());
     } else {
-      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
+      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l, in_place), dt);
     }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();

@@ -13,6 +13,7 @@
 
 #include "data/data.h"
 #include "engine/engine.h"
+#include "kernels/kernels_cuda.h"
 #include "models/models.h"
 #include "optim/optim.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -24,11 +25,15 @@ struct TrainRun {
   std::vector<float> losses;
   std::vector<float> weights;  // block 1's master weights at the end
   int64_t gpu_peak = 0;        // Engine::gpu_state_peak_bytes
+  ParamGatherStats gathers;   // Engine::param_gather_stats
 };
 
+// prefetch_layers > 0 (with offload_param): instead of one block at a
+// time, that many layers' parameters prefetched ahead along the trace and
+// one more live.
 TrainRun train(const std::string& device, const std::string& precision, int stage, int gas, int steps,
                const std::string& offload = "cpu", double clipping = 1.0, const std::string& ckpt_dir = "",
-               int resume_at = -1, const std::string& offload_param = "") {
+               int resume_at = -1, const std::string& offload_param = "", int prefetch_layers = 0) {
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 8},
                         {"gradient_accumulation_steps", gas},
                         {"gradient_clipping", clipping},
@@ -42,6 +47,12 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
                                                  {"nvme_path", std::filesystem::temp_directory_path().string()}};
     cfg["zero_optimization"]["stage3_max_live_parameters"] = 0;
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+    if (prefetch_layers > 0) {
+      const int64_t layer = 12 * 64 * 64 + 13 * 64;  // n_embd 64
+      cfg["zero_optimization"]["stage3_max_live_parameters"] = (prefetch_layers + 1) * layer;
+      cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch_layers * layer;
+      cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0;
+    }
   }
   models::GptConfig g;
   g.vocab_size = 37;
@@ -72,6 +83,7 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
   }
   r.weights = e.full_params(1);
   r.gpu_peak = e.gpu_state_peak_bytes();
+  r.gathers = e.param_gather_stats();
   return r;
 }
 
@@ -108,12 +120,13 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
   // ungated MLP with exact GELU, the parallel residual, partial rotary); 4:
   // a mixture of experts (the router, one GEMM per expert on its grouped
   // rows, the combine, the load-balancing loss; a dense second layer).
-  auto run = [](const std::string& device, int stage, int variant = 0) {
+  auto run = [](const std::string& device, int stage, int variant = 0, bool bf16 = false) {
     nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                           {"gradient_clipping", 1.0},
                           {"device", device},
                           {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
                           {"zero_optimization", {{"stage", stage}, {"offload_optimizer", {{"device", "cpu"}}}}}};
+    if (bf16) cfg["bf16"] = {{"enabled", true}};
     if (stage == 3) {
       cfg["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
       cfg["zero_optimization"]["stage3_max_live_parameters"] = 0;
@@ -202,6 +215,22 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
     // Without pre-norms (and with Gemma's scale of 20^-1/2 on the scores)
     // these tiny models learn slower in 20 steps: the loss must fall.
     EXPECT_LT(gpu.back(), gpu.front()) << "variant " << variant << ": the loss falls";
+  }
+  // bf16: the fused attention reads the 2 kv heads in place
+  // (Ops::attention_reads_kv_heads; no gqa_expand, the projection's
+  // gradient written by attention's backward), and Gemma 2's variant with
+  // its cap and window; against the CPU in bf16 and the GPU's unfused path,
+  // which repeats the heads, within the 16-bit tolerance (0.05 nats).
+  for (int variant : {0, 1}) {
+    const std::vector<float> cpu = run("cpu", 2, variant, true), gpu = run("cuda", 2, variant, true);
+    kernels::cuda::set_unfused_attention_for_testing(true);
+    const std::vector<float> unfused = run("cuda", 2, variant, true);
+    kernels::cuda::set_unfused_attention_for_testing(false);
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      EXPECT_NEAR(cpu[i], gpu[i], 0.05) << "bf16 variant " << variant << " step " << i;
+      EXPECT_NEAR(unfused[i], gpu[i], 0.05) << "bf16 variant " << variant << " step " << i;
+    }
+    EXPECT_LT(gpu.back(), gpu.front()) << "bf16 variant " << variant << ": the loss falls";
   }
 }
 
@@ -368,6 +397,13 @@ TEST(CudaEngine, Stage3EqualsStage2BitForBitWithLessGpuMemory) {
         EXPECT_EQ(0, std::memcmp(s2.weights.data(), s3.weights.data(), s2.weights.size() * 4)) << what;
         for (size_t i = 0; i < s2.losses.size(); ++i) EXPECT_EQ(s2.losses[i], s3.losses[i]) << what << " step " << i;
         EXPECT_LT(s3.gpu_peak, s2.gpu_peak) << what;
+        // With room for a layer ahead the blocks come up before their
+        // acquires (on one rank with the shards in RAM each gather is the
+        // block's upload, on the coordinator's stream): the same bits.
+        const TrainRun pre = train("cuda", prec, 3, gas, 10, "cpu", 1.0, "", -1, where, 1);
+        EXPECT_EQ(0, std::memcmp(s2.weights.data(), pre.weights.data(), s2.weights.size() * 4)) << what << " prefetch";
+        EXPECT_GT(pre.gathers.prefetched, pre.gathers.gathers / 4) << what << " prefetch";
+        EXPECT_LT(pre.gpu_peak, s2.gpu_peak) << what << " prefetch";
         if (optim::detect_isa() == optim::Isa::kScalar) continue;  // the CPU AdamW has no FMA path here
         // GPU-resident states at stage 3 (the new shards sent down to the
         // host) against ZeRO-Offload at stage 3, without clipping.
