@@ -176,6 +176,15 @@ class DeviceMirror {
   // parameters over `c` (a communicator that reaches GPU memory).
   virtual void gather_block(comm::Communicator& c, int block) = 0;
 
+  // ---- stage 3 on one rank with the shards in page-locked RAM: a block's
+  // gather is its upload, straight from the shard (which is the whole
+  // block), on the coordinator's gather thread. begin_gather and
+  // drop_params as above. ----
+  virtual void enable_host_gathers() = 0;
+  // Comm thread: the block's GPU parameters from `host` (page-locked,
+  // registered), after begin_gather; returns once they have landed.
+  virtual void load_block(int block, const void* host) = 0;
+
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;
 };

@@ -5,7 +5,9 @@
 // the host and the stage 0-2 uploads after an update; `upload_` the stage 3
 // uploads (so the parameters of the next block come up while the gradients
 // of the last go down); `reduce_copy_` the comm thread's copies around a
-// reduction. Events order them (Block::produced, copied, uploaded).
+// reduction; `gather_copy_` stage 3's uploads on one rank, which run on the
+// coordinator's gather thread (load_block). Events order them
+// (Block::produced, copied, uploaded, allocated).
 //
 // Memory: the parameters and gradient accumulators come from a
 // stream-ordered pool of the mirror's own (cudaMallocFromPoolAsync), whose
@@ -440,6 +442,19 @@ class CudaMirror final : public DeviceMirror {
     c.all_gather(k.pshard.data(), k.params.p, k.shard_numel, compute_);  // returns once it has landed
   }
 
+  void enable_host_gathers() override {
+    for (Block& k : blocks_) k.allocated = std::make_unique<cuda::Event>();
+  }
+
+  void load_block(int block, const void* host) override {
+    ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice on the gather thread");
+    Block& k = blocks_[static_cast<size_t>(block)];
+    k.allocated->wait_on(gather_copy_.get());
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, param_bytes(k), cudaMemcpyHostToDevice, gather_copy_.get()),
+                    ("upload of block " + std::to_string(block) + "'s parameters (stage 3)").c_str());
+    gather_copy_.synchronize("upload of a block's parameters (stage 3)");
+  }
+
   void synchronize() override {
     copy_.synchronize("synchronize the gradient copies");
     upload_.synchronize("synchronize the parameter uploads");
@@ -562,6 +577,7 @@ class CudaMirror final : public DeviceMirror {
   cuda::Stream copy_;
   cuda::Stream upload_;       // stage 3 uploads (upload_transient)
   cuda::Stream reduce_copy_;  // the comm thread's copies (device_reduce)
+  cuda::Stream gather_copy_;  // the gather thread's uploads (load_block)
   std::vector<Block> blocks_;
   Staging staging_[2];
   int next_staging_ = 0;

@@ -47,8 +47,13 @@
 // are all-gathered back into the full accumulator on the GPU (as the CPU's
 // stage 0 does on the host), and every rank updates every block.
 // Stage 3 keeps the coordinator's state machine, trace, prefetch and
-// limits. On one rank (the parameters offloaded) and with the shards on
-// NVMe, its gathers are the host's: acquire uploads the gathered block
+// limits. On one rank with the shards in RAM (offload_param "cpu") a
+// block's gather is its upload: the shard is the whole block, page-locked
+// and registered, and the coordinator's gather stream copies it straight
+// into the GPU's parameters (start_upload_gathers), so the trace's prefetch
+// brings the next blocks up while the current one computes, within the
+// stage3_* limits, with no copy in RAM. With the shards on NVMe the gathers
+// are the host's: acquire uploads the gathered block
 // (through page-locked staging on an upload stream of its own) and the GPU
 // copy goes when the coordinator frees the host one (drop_freed_params). On
 // several ranks with the shards in RAM each rank's compute shard also lives
@@ -157,6 +162,8 @@ class GpuOffload final : public DevicePath {
       });
     }
     if (reduce_ && gplan_.device_gathers) start_device_gathers();
+    if (world_ == 1 && plan().params_sharded && cfg_.zero.offload_param.device == OffloadDevice::kCpu)
+      start_upload_gathers();
   }
 
   void make_current() override { gpu_->make_current(); }
@@ -242,7 +249,7 @@ class GpuOffload final : public DevicePath {
     stale_[static_cast<size_t>(b)] = 0;
   }
   void after_host_update() override {
-    if (device_gathers_) upload_shards();
+    if (device_gathers_ && !upload_gathers_) upload_shards();
   }
   // Stages 1-2 on several ranks: once the all-gather has brought every
   // rank's new shards, each block goes up on the copy stream from its
@@ -273,7 +280,7 @@ class GpuOffload final : public DevicePath {
   }
   void before_load() override { gpu_->wait_uploads(); }
   void after_load_states() override {
-    if (device_gathers_) {
+    if (device_gathers_ && !upload_gathers_) {
       ctx_.params->before_update();  // no gather in flight reads the GPU shards
       upload_shards();
     }
@@ -368,6 +375,30 @@ class GpuOffload final : public DevicePath {
     device_gathers_ = true;
     if (rank_ == 0) log_info("ZeRO-3: parameters are gathered on the GPU over " + comm_->backend());
   }
+  // Stage 3 on one rank with the shards in page-locked RAM: a block's
+  // gather is its upload from the shard (the whole block), run by the
+  // coordinator on its gather stream's thread, so the trace's prefetch and
+  // the stage3_* limits apply to the uploads: the next blocks come up while
+  // the current one computes, and the GPU holds what the coordinator counts
+  // live. No gathered copy in RAM and no staging copy: one DMA per block.
+  void start_upload_gathers() {
+    for (BlockShard& s : blocks()) {
+      ZINC_CHECK(s.part.shard_numel == s.part.padded_numel && s.own_compute(),
+                 "stage 3 on one rank: each block's shard is the whole block, in RAM");
+      gpu_->register_host(s.own_compute(), static_cast<size_t>(s.part.shard_numel) * dtype_bytes(dtype_));
+    }
+    gpu_->enable_host_gathers();
+    ParamCoordinator::DeviceGather g;  // no stream: the coordinator's own gather stream
+    g.begin = [this](int b) { gpu_->begin_gather(b); };
+    g.gather = [this](comm::Communicator&, int b) {
+      gpu_->load_block(b, blocks()[static_cast<size_t>(b)].own_compute());
+    };
+    g.end = [this](int b) { gpu_->drop_params(b); };
+    ctx_.params->use_device_gather(std::move(g));
+    ctx_.memory->release_kept();  // the persistent blocks' RAM copies: no RAM gather comes again
+    device_gathers_ = upload_gathers_ = true;
+    log_info("ZeRO-3: each block's gather is its upload from page-locked RAM, prefetched along the trace");
+  }
   void upload_shards() {
     for (size_t b = 0; b < blocks().size(); ++b)
       gpu_->upload_shard(static_cast<int>(b), blocks()[b].own_compute());
@@ -412,6 +443,9 @@ class GpuOffload final : public DevicePath {
   // Stage 3 on several ranks (start_device_gathers): the parameter gathers
   // run on the GPU, on the reductions' stream.
   bool device_gathers_ = false;
+  // Stage 3 on one rank (start_upload_gathers): those gathers are uploads
+  // from the page-locked shards, on the coordinator's gather stream.
+  bool upload_gathers_ = false;
   std::vector<char> stale_;  // blocks the last step changed: uploaded at the next acquire
   std::deque<int> copies_;   // blocks whose gradient copies are in flight, in the order reported
 };

@@ -324,6 +324,8 @@ void ParamCoordinator::use_device_gather(DeviceGather g) {
     free_gathered(s);
   }
   device_ = std::move(g);
+  if (!device_.stream) device_.stream = gather_;  // one rank: the uploads run on the coordinator's stream
+  ZINC_CHECK(device_.stream, "device gathers: a stream to run them on");
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (regather[b]) {
       stats_.gathers -= 1;  // the same gather, on the device now

@@ -87,7 +87,7 @@ class ParamCoordinator {
   // GPU's copy, and nothing is allocated in RAM for it; acquire() then hands
   // out a null base (the engine substitutes the GPU's).
   struct DeviceGather {
-    comm::CommStream* stream = nullptr;
+    comm::CommStream* stream = nullptr;  // null: the coordinator's own gather stream
     std::function<void(int block)> begin;                        // training thread, before the submit
     std::function<void(comm::Communicator&, int block)> gather;  // the stream's thread
     std::function<void(int block)> end;                          // training thread: the block is freed
