@@ -153,6 +153,19 @@ class CudaOps final : public Ops {
     kernels::cuda::gelu_backward(dx, x, dout, n, kStream);
   }
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::cuda::add(out, a, b, n, kStream); }
+  CView add_layernorm_forward_input(float* out, float* mean, float* rstd, float* x, const float* residual, CView w,
+                                    CView b, int64_t N, int64_t C, DType compute, Buf& scratch) override {
+    kernels::cuda::add_layernorm_forward(out, mean, rstd, x, residual, w, b, N, C, kStream);  // the GPT's eps
+    return matmul_input(out, N * C, compute, scratch);
+  }
+  void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
+                             int64_t N, int64_t C, float eps) override {
+    kernels::cuda::add_layernorm_forward(out, mean, rstd, x, residual, w, b, N, C, kStream, eps);
+  }
+  void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
+                           float eps, float w_offset) override {
+    kernels::cuda::add_rmsnorm_forward(out, rstd, x, residual, w, N, C, eps, kStream, w_offset);
+  }
   void scale(float* x, float alpha, int64_t n) override { kernels::cuda::scale(x, alpha, n, kStream); }
   void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
     kernels::cuda::copy_columns(dst, dst_W, src, src_W, N, width, kStream);

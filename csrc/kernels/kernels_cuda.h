@@ -54,6 +54,10 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStre
 // ---- layernorm ----------------------------------------------------------------------------
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
                        int64_t C, cudaStream_t stream, float eps = 1e-5f);
+// x += residual (a residual connection), then layernorm_forward of the new
+// x, in one pass over each row: the bits of add then layernorm_forward.
+void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
+                           int64_t N, int64_t C, cudaStream_t stream, float eps = 1e-5f);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                         const float* mean, const float* rstd, int64_t N, int64_t C, cudaStream_t stream);
 
@@ -74,6 +78,10 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cuda
 // [0, T)) and not checked here: the caller checks them on the host.
 void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
                      cudaStream_t stream, float w_offset = 0.0f);
+// x += residual, then rmsnorm_forward of the new x in one pass (as
+// add_layernorm_forward).
+void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
+                         float eps, cudaStream_t stream, float w_offset = 0.0f);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
                       int64_t C, cudaStream_t stream, float w_offset = 0.0f);
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream);

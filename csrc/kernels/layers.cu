@@ -50,13 +50,18 @@ __global__ void __launch_bounds__(kSumCols* kSumChunks) bias_backward_kernel(flo
 }
 
 // ---- layernorm -------------------------------------------------------------------------
-__global__ void layernorm_forward_kernel(float* out, float* mean_out, float* rstd_out, const float* x, const void* w,
-                                         DType wt, const void* b, DType bt, int64_t N, int64_t C, float eps) {
+// With residual, first x += residual (each thread its own columns, which
+// only it reads below): add then layernorm in one pass over the row.
+__global__ void layernorm_forward_kernel(float* out, float* mean_out, float* rstd_out, float* x,
+                                         const float* residual, const void* w, DType wt, const void* b, DType bt,
+                                         int64_t N, int64_t C, float eps) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
   const int64_t n = valid ? C : 0;
-  const float* xr = x + (valid ? row : 0) * C;
+  float* xr = x + (valid ? row : 0) * C;
+  if (residual && valid)
+    for (int64_t c = lane; c < C; c += math::kLanes) xr[c] = xr[c] + residual[row * C + c];
   const float mean = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) { return xr[c]; })) /
                      static_cast<float>(C);
   const float var_sum = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) {
@@ -363,9 +368,18 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CVi
                        cudaStream_t stream, float eps) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::layernorm_forward: C must be > 0, got " + std::to_string(C));
-  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, x, w.data, w.dtype, b.data,
-                                                                      b.dtype, N, C, eps);
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, const_cast<float*>(x), nullptr,
+                                                                      w.data, w.dtype, b.data, b.dtype, N, C, eps);
   detail::check_launch("layernorm_forward");
+}
+
+void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
+                           int64_t N, int64_t C, cudaStream_t stream, float eps) {
+  if (N <= 0) return;
+  if (C <= 0) throw Error("cuda::add_layernorm_forward: C must be > 0, got " + std::to_string(C));
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, x, residual, w.data, w.dtype,
+                                                                      b.data, b.dtype, N, C, eps);
+  detail::check_launch("add_layernorm_forward");
 }
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,

@@ -28,13 +28,16 @@ using detail::load_param;
 // w_offset + w (Gemma's 1 + w), or w itself (the Llama's, exactly: even -0).
 __device__ inline float shifted(float w_offset, float w) { return w_offset != 0.0f ? w_offset + w : w; }
 
-__global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, const float* x, const void* w, DType wt, int64_t N,
-                                       int64_t C, float eps, float w_offset) {
+// With residual, first x += residual (as layernorm_forward_kernel).
+__global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, float* x, const float* residual, const void* w,
+                                       DType wt, int64_t N, int64_t C, float eps, float w_offset) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
   const int64_t n = valid ? C : 0;
-  const float* xr = x + (valid ? row : 0) * C;
+  float* xr = x + (valid ? row : 0) * C;
+  if (residual && valid)
+    for (int64_t c = lane; c < C; c += math::kLanes) xr[c] = xr[c] + residual[row * C + c];
   const float sq = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) { return xr[c] * xr[c]; }));
   const float rstd = math::rmsnorm_rstd(sq, C, eps);
   if (!valid) return;
@@ -200,8 +203,18 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N
                      cudaStream_t stream, float w_offset) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward: C must be > 0, got " + std::to_string(C));
-  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, x, w.data, w.dtype, N, C, eps, w_offset);
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, const_cast<float*>(x), nullptr, w.data,
+                                                                    w.dtype, N, C, eps, w_offset);
   detail::check_launch("rmsnorm_forward");
+}
+
+void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
+                         float eps, cudaStream_t stream, float w_offset) {
+  if (N <= 0) return;
+  if (C <= 0) throw Error("cuda::add_rmsnorm_forward: C must be > 0, got " + std::to_string(C));
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, x, residual, w.data, w.dtype, N, C, eps,
+                                                                    w_offset);
+  detail::check_launch("add_rmsnorm_forward");
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,

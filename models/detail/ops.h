@@ -210,6 +210,24 @@ class Ops {
     layernorm_forward(out, mean, rstd, x, w, b, N, C, 1e-5f);  // the GPT's eps
     return matmul_input(out, N * C, compute, scratch);
   }
+  // A residual connection and the norm after it: x += residual, then the
+  // norm of x (x is rewritten). The GPU runs each as one kernel; these
+  // defaults call add and the norm, the same values.
+  virtual CView add_layernorm_forward_input(float* out, float* mean, float* rstd, float* x, const float* residual,
+                                            CView w, CView b, int64_t N, int64_t C, DType compute, Buf& scratch) {
+    add(x, x, residual, N * C);
+    return layernorm_forward_input(out, mean, rstd, x, w, b, N, C, compute, scratch);
+  }
+  virtual void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w,
+                                     CView b, int64_t N, int64_t C, float eps) {
+    add(x, x, residual, N * C);
+    layernorm_forward(out, mean, rstd, x, w, b, N, C, eps);
+  }
+  virtual void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N,
+                                   int64_t C, float eps, float w_offset) {
+    add(x, x, residual, N * C);
+    rmsnorm_forward(out, rstd, x, w, N, C, eps, w_offset);
+  }
   // gelu_forward then matmul_input of `out` (the same licence).
   virtual CView gelu_forward_input(float* out, const float* x, int64_t n, DType compute, Buf& scratch) {
     gelu_forward(out, x, n);

@@ -561,9 +561,9 @@ class Gpt final : public Model {
                            A, C, dt);
     lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     tensor_sum(a.x_mid.as<float>(), N * C);
-    ops_->add(a.x_mid.as<float>(), a.x_mid.as<float>(), x_in, N * C);
-    a.ln2_in = ops_->layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
-                                             a.x_mid.as<float>(), p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
+    // The residual and ln_2 in one pass on the GPU (Ops::add_layernorm_forward_input).
+    a.ln2_in = ops_->add_layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
+                                                 a.x_mid.as<float>(), x_in, p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
     detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt);
     lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);

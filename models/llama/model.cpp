@@ -1043,9 +1043,14 @@ class Llama final : public Model {
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
                    [&](float* y) { return lora_forward(lp, a, l, kGroupO, a.att_in, y, N, dt); });
-    ops_->add(x_mid, x_mid, x_in, N * C);
-    // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself.
-    pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
+    // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself;
+    // otherwise the residual and the norm after it in one pass on the GPU.
+    if (c_.parallel_residual || x.ln2 < 0) {
+      ops_->add(x_mid, x_mid, x_in, N * C);
+      pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
+    } else {
+      add_pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, x_mid, x_in, N);
+    }
     a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
     if (x.router >= 0) {
       // A sparse layer: the experts' combined output is the branch's (into
@@ -1408,6 +1413,17 @@ class Llama final : public Model {
       ops_->layernorm_forward(out.as<float>(), mean.as<float>(), rstd.as<float>(), x, p[w], p[b], N, C, eps());
     else
       ops_->rmsnorm_forward(out.as<float>(), rstd.as<float>(), x, p[w], N, C, eps(), c_.norm_offset);
+  }
+  // x += residual, then the norm w (>= 0) of x: one pass on the GPU
+  // (Ops::add_rmsnorm_forward, add_layernorm_forward).
+  void add_pre_norm_forward(const HeldParams& p, int w, int b, Buf& out, Buf& mean, Buf& rstd, float* x,
+                            const float* residual, int64_t N) {
+    const int64_t C = c_.hidden_size;
+    if (c_.layer_norm)
+      ops_->add_layernorm_forward(out.as<float>(), mean.as<float>(), rstd.as<float>(), x, residual, p[w], p[b], N, C,
+                                  eps());
+    else
+      ops_->add_rmsnorm_forward(out.as<float>(), rstd.as<float>(), x, residual, p[w], N, C, eps(), c_.norm_offset);
   }
 
   // Qwen3's per-head norms of q and k, in place in the projection's q and k

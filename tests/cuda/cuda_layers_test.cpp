@@ -88,6 +88,20 @@ TEST(CudaLayers, LayernormMatchesTheCpuBits) {
       expect_same_bits(out, download<float>(dout_d, out.size()), "layernorm out");
       expect_same_bits(mean, download<float>(dmean, N), "layernorm mean");
       expect_same_bits(rstd, download<float>(drstd, N), "layernorm rstd");
+      {
+        // The residual and the norm in one kernel: the CPU's add, then its layernorm.
+        const std::vector<float> res = randn(N * C, 15);
+        std::vector<float> sum(N * C), out2(N * C), mean2(N), rstd2(N);
+        add(sum.data(), x.data(), res.data(), N * C);
+        layernorm_forward(out2.data(), mean2.data(), rstd2.data(), sum.data(), pw.host(), pb.host(), N, C);
+        DeviceBuffer d_sum = upload(x), d_res = upload(res), d_out2(N * C * 4), d_mean2(N * 4), d_rstd2(N * 4);
+        cuda::add_layernorm_forward(d_out2.as<float>(), d_mean2.as<float>(), d_rstd2.as<float>(), d_sum.as<float>(),
+                                    d_res.as<float>(), pw.dev(), pb.dev(), N, C, nullptr);
+        expect_same_bits(sum, download<float>(d_sum, sum.size()), "add_layernorm sum");
+        expect_same_bits(out2, download<float>(d_out2, out2.size()), "add_layernorm out");
+        expect_same_bits(mean2, download<float>(d_mean2, N), "add_layernorm mean");
+        expect_same_bits(rstd2, download<float>(d_rstd2, N), "add_layernorm rstd");
+      }
 
       std::vector<float> gx = randn(N * C, 10), gw = randn(C, 11), gb = randn(C, 12);  // accumulated into
       DeviceBuffer dgx = upload(gx), dgw = upload(gw), dgb = upload(gb), ddout = upload(dout);

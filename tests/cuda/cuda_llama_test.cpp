@@ -53,6 +53,19 @@ TEST(CudaLlama, RmsNormMatchesTheCpuBits) {
     cuda::rmsnorm_forward(d_out.as<float>(), d_rstd.as<float>(), d_x.as<float>(), pw.dev(), N, C, eps, nullptr, off);
     expect_same_bits(out, download<float>(d_out, out.size()), "rmsnorm out " + at);
     expect_same_bits(rstd, download<float>(d_rstd, rstd.size()), "rmsnorm rstd " + at);
+    {
+      // The residual and the norm in one kernel: the CPU's add, then its norm.
+      const std::vector<float> res = randn(N * C, 106);
+      std::vector<float> sum(N * C), out2(N * C), rstd2(N);
+      add(sum.data(), x.data(), res.data(), N * C);
+      rmsnorm_forward(out2.data(), rstd2.data(), sum.data(), pw.host(), N, C, eps, off);
+      DeviceBuffer d_sum = upload(x), d_res = upload(res), d_out2(N * C * 4), d_rstd2(N * 4);
+      cuda::add_rmsnorm_forward(d_out2.as<float>(), d_rstd2.as<float>(), d_sum.as<float>(), d_res.as<float>(), pw.dev(),
+                                N, C, eps, nullptr, off);
+      expect_same_bits(sum, download<float>(d_sum, sum.size()), "add_rmsnorm sum " + at);
+      expect_same_bits(out2, download<float>(d_out2, out2.size()), "add_rmsnorm out " + at);
+      expect_same_bits(rstd2, download<float>(d_rstd2, rstd2.size()), "add_rmsnorm rstd " + at);
+    }
 
     std::vector<float> dx = randn(N * C, 104), dw = randn(C, 105);  // accumulated into
     DeviceBuffer d_dx = upload(dx), d_dw = upload(dw), d_dout = upload(dout);
