@@ -38,15 +38,26 @@ int bench_gpu_train_step(const BenchOptions& o) {
     std::printf("gpu-train-step: skipped: %s\n", st.summary().c_str());
     return 0;
   }
+  if (o.model != "gpt" && o.model != "llama")
+    throw Error("gpu-train-step: --model is gpt or llama, not '" + o.model + "'");
+  const bool llama = o.model == "llama";
   int64_t B = 8, T = 256, C = 384, H = 6, L = 6, V = 256;
-  if (o.tiny) {  // kernel emulation's smoke test of this code (docs/gpu.md)
+  // --model llama: TinyLlama 1.1B's shape (22 layers of 2048, 32 heads over
+  // 4 kv heads of 64, SwiGLU 5632, 32000 tokens, untied head) at seq 1024.
+  int64_t K = H, D = C / H, I = 4 * C;
+  if (llama) {
+    B = 8, T = 1024, C = 2048, H = 32, L = 22, V = 32000;
+    K = 4, D = 64, I = 5632;
+    if (o.tiny) B = 2, T = 16, C = 32, H = 4, L = 2, V = 64, K = 2, D = 8, I = 48;
+  }
+  if (o.tiny && !llama) {  // kernel emulation's smoke test of this code (docs/gpu.md)
     B = 2;
     T = 16;
     C = 32;
     H = 2;
     L = 2;
     V = 64;
-  } else if (o.large) {
+  } else if (o.large && !llama) {
     B = 8;
     T = 1024;
     C = 1024;
@@ -65,14 +76,29 @@ int bench_gpu_train_step(const BenchOptions& o) {
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
       {"zero_optimization",
        {{"stage", o.stage}, {"offload_optimizer", {{"device", o.resident ? "none" : "cpu"}, {"pin_memory", true}}}}},
-      {"model", {{"type", "gpt"}, {"n_layer", L}, {"n_head", H}, {"n_embd", C}, {"vocab_size", V}, {"block_size", T}}},
+      {"model", llama ? nlohmann::json{{"type", "llama"},
+                                       {"hidden_size", C},
+                                       {"intermediate_size", I},
+                                       {"num_hidden_layers", L},
+                                       {"num_attention_heads", H},
+                                       {"num_key_value_heads", K},
+                                       {"head_dim", D},
+                                       {"vocab_size", V},
+                                       {"max_position_embeddings", T},
+                                       {"tie_word_embeddings", false}}
+                      : nlohmann::json{{"type", "gpt"},
+                                       {"n_layer", L},
+                                       {"n_head", H},
+                                       {"n_embd", C},
+                                       {"vocab_size", V},
+                                       {"block_size", T}}},
       // The synthetic source's table is V*V, so it stops at 8192 tokens; the
       // model's larger vocabulary still costs its full FLOPs (the tokens only
       // pick rows of the embedding).
       {"data", {{"type", "synthetic"}, {"vocab_size", std::min<int64_t>(V, 8192)}, {"seq_len", T}}},
   };
   if (o.stage == 3) {  // three layers live on the GPU at most, two prefetched ahead
-    const int64_t layer = 12 * C * C + 13 * C;
+    const int64_t layer = llama ? C * (H + 2 * K) * D + H * D * C + 3 * C * I + 2 * C : 12 * C * C + 13 * C;
     doc["zero_optimization"]["offload_param"] = {{"device", "cpu"}, {"pin_memory", true}};
     doc["zero_optimization"]["stage3_max_live_parameters"] = 3 * layer;
     doc["zero_optimization"]["stage3_prefetch_bucket_size"] = 2 * layer;
@@ -86,7 +112,8 @@ int bench_gpu_train_step(const BenchOptions& o) {
   DataLoader loader(ex.data, B, gas, 1, 0, 1);
 
   // cuBLAS at the model's shapes, bf16 operands, fp32 accumulation.
-  std::vector<kernels::MatmulDesc> descs = gpt_matmul_descs(B, T, C, H, L, V, DType::kBF16);
+  std::vector<kernels::MatmulDesc> descs = llama ? llama_matmul_descs(B, T, C, H, K, D, I, L, V, DType::kBF16)
+                                                 : gpt_matmul_descs(B, T, C, H, L, V, DType::kBF16);
   size_t max_a = 0, max_b = 0, max_c = 0;
   double mm_flops = 0;
   for (const kernels::MatmulDesc& d : descs) {
@@ -131,7 +158,8 @@ int bench_gpu_train_step(const BenchOptions& o) {
   ZINC_CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
   ZINC_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   nlohmann::json line = {{"bench", "gpu-train-step"},
-                         {"case", o.tiny ? "tiny" : o.large ? "large" : "reference"},
+                         {"case", llama ? (o.tiny ? "llama-tiny" : "llama-1.1b")
+                                        : o.tiny ? "tiny" : o.large ? "large" : "reference"},
                          {"gpu", prop.name},
                          {"figure", model_flops / 1e12},
                          {"unit", "TFLOP/s"},
@@ -157,13 +185,13 @@ int bench_gpu_train_step(const BenchOptions& o) {
   }
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "gpu-train-step (%s: %s, GPT L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %lld micro-batches, %s)\n"
+                "gpu-train-step (%s: %s, %s L=%lld C=%lld H=%lld T=%lld B=%lld V=%lld, %lld micro-batches, %s)\n"
                 "  figure: %.1f TFLOP/s model FLOPs (%.0f tokens/s, %.3f s/step)\n"
                 "  bound:  %.1f TFLOP/s cuBLAS bf16 at the model's shapes\n"
                 "  ratio:  %.3f\n"
                 "  step:   forward %.3f s | backward (with the gradient copies) %.3f s | optimizer step %.3f s "
                 "(%.0f%% of the step) | GPU model state peak %.2f GiB",
-                o.tiny ? "tiny" : o.large ? "large" : "reference", prop.name, (long long)L, (long long)C, (long long)H, (long long)T,
+                line["case"].get<std::string>().c_str(), prop.name, llama ? "Llama" : "GPT", (long long)L, (long long)C, (long long)H, (long long)T,
                 (long long)B, (long long)V, (long long)gas, what.c_str(), model_flops / 1e12, tokens_per_s, t_step, bound / 1e12,
                 model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step,
                 static_cast<double>(engine.gpu_state_peak_bytes()) / (1 << 30));

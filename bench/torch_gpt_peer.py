@@ -11,7 +11,12 @@ with --json. With --offload the optimizer runs on the CPU over fp32 copies,
 as zinc's ZeRO-Offload does; without it the optimizer runs on the device
 (PyTorch's usual setup, the faster peer where the states fit).
 
-  python3 bench/torch_gpt_peer.py [--large] [--gas 4] [--rounds 5] [--steps 3] [--device cuda] [--fp32] [--json]
+With --model llama the model is zinc-bench gpu-train-step --model llama's
+Llama instead (TinyLlama 1.1B's shape: RMSNorm, rotary embeddings, 32
+query heads over 4 kv heads in SDPA with enable_gqa, SwiGLU, untied head),
+with zinc's FLOP count for it.
+
+  python3 bench/torch_gpt_peer.py [--large] [--model gpt|llama] [--gas 4] [--rounds 5] [--steps 3] [--device cuda] [--fp32] [--json]
 """
 import argparse
 import json
@@ -60,6 +65,62 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def rotate(x, cos, sin):
+    """transformers' rotate_half rotary embedding over the last dimension."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, C, H, K, D, I):
+        super().__init__()
+        self.H, self.K, self.D = H, K, D
+        self.ln_1 = nn.RMSNorm(C, eps=1e-5)
+        self.qkv = nn.Linear(C, (H + 2 * K) * D, bias=False)
+        self.o = nn.Linear(H * D, C, bias=False)
+        self.ln_2 = nn.RMSNorm(C, eps=1e-5)
+        self.gate_up = nn.Linear(C, 2 * I, bias=False)
+        self.down = nn.Linear(I, C, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split([self.H * self.D, self.K * self.D, self.K * self.D], dim=2)
+        q = rotate(q.view(B, T, self.H, self.D).transpose(1, 2), cos, sin)
+        k = rotate(k.view(B, T, self.K, self.D).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.K, self.D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, self.H * self.D))
+        g, u = self.gate_up(self.ln_2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class Llama(nn.Module):
+    def __init__(self, V, T, C, H, K, D, I, L):
+        super().__init__()
+        self.embed = nn.Embedding(V, C)
+        self.h = nn.ModuleList(LlamaBlock(C, H, K, D, I) for _ in range(L))
+        self.norm = nn.RMSNorm(C, eps=1e-5)
+        self.head = nn.Linear(C, V, bias=False)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+        ang = torch.outer(torch.arange(T).float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        for b in self.h:
+            x = b(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# zinc-bench gpu-train-step --model llama's sizes: (B, T, C, H, K, D, I, L, V).
+LLAMA_SIZES = {"llama-1.1b": (8, 1024, 2048, 32, 4, 64, 5632, 22, 32000),
+               "llama-tiny": (2, 16, 32, 4, 2, 8, 48, 2, 64)}
+
+
 def add_run_args(ap):
     """The options every CPU-rank peer shares: precision, timing, size and output."""
     ap.add_argument("--fp32", action="store_true", help="fp32 (default: bf16 over fp32 master weights)")
@@ -106,6 +167,7 @@ SIZES = {"reference": lambda world: (8, 256, 384, 6, 6, 256),
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--large", action="store_true")
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt")
     ap.add_argument("--gas", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
@@ -122,7 +184,17 @@ def main():
         B, T, C, H, L, V = SIZES["tiny" if a.tiny else a.size](1)
     dev = torch.device(a.device)
     torch.manual_seed(0)
-    model = GPT(V, T, C, H, L).to(dev)
+    case = "large" if a.large else ("tiny" if a.tiny else a.size)
+    if a.model == "llama":
+        case = "llama-tiny" if a.tiny else "llama-1.1b"
+        B, T, C, H, K, D, I, L, V = LLAMA_SIZES[case]
+        model = Llama(V, T, C, H, K, D, I, L).to(dev)
+        matmul_params = L * (C * (H + 2 * K) * D + H * D * C + 3 * C * I) + V * C
+        flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * H * D
+    else:
+        model = GPT(V, T, C, H, L).to(dev)
+        matmul_params = L * 12 * C * C + V * C
+        flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
     if a.offload:
         master = [p.detach().to("cpu", copy=True).float() for p in model.parameters()]
         for m in master:
@@ -156,9 +228,7 @@ def main():
 
     t = timed_steps(step, a.rounds, a.steps)
     tokens_per_s = B * T * a.gas / t
-    matmul_params = L * 12 * C * C + V * C
-    flops_per_token = 6 * matmul_params + L * 3 * 2 * 2 * T * C
-    line = {"bench": "torch-gpt-peer", "case": "large" if a.large else ("tiny" if a.tiny else a.size),
+    line = {"bench": "torch-gpt-peer", "case": case,
             "device": str(dev) + (" " + torch.cuda.get_device_name() if dev.type == "cuda" else ""),
             "torch": torch.__version__, "offload": a.offload, "dtype": "fp32" if a.fp32 else "bf16",
             "threads": torch.get_num_threads(), "tokens_per_s": tokens_per_s,

@@ -91,9 +91,15 @@ ZINC_BENCH="$here/bin/zinc-bench"
 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --stage 3 | tee -a ${res:+$res/gpu-train-step.jsonl}
+# The ~1B Llama (TinyLlama 1.1B's shape), fewer rounds: its steps are longer.
+"$ZINC_BENCH" gpu-train-step --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --model llama --resident --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --model llama --stage 3 --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large --offload | tee -a ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torch-peer.jsonl}
+python3 "$here/bench/torch_gpt_peer.py" --json --model llama --offload --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
+python3 "$here/bench/torch_gpt_peer.py" --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
 echo "== benchmarks done at ${SECONDS} s"
 fi
 exit $rc

@@ -55,5 +55,12 @@ for mode in "" "--resident" "--stage 3"; do
   run "zinc-bench gpu-train-step --tiny $mode" "$bench" gpu-train-step --tiny --rounds 1 --steps 1 --gas 2 $mode
   expect "gpu-train-step $mode" "gpu-train-step (tiny: zinc kernel emulation" "$tmp/last"
   expect "gpu-train-step $mode" "ratio:" "$tmp/last"
+  # The Llama case's code, at a toy size.
+  # shellcheck disable=SC2086
+  run "zinc-bench gpu-train-step --tiny --model llama $mode" "$bench" gpu-train-step --tiny --model llama --rounds 1 \
+    --steps 1 --gas 2 $mode
+  expect "gpu-train-step llama $mode" "gpu-train-step (llama-tiny: zinc kernel emulation" "$tmp/last"
+  expect "gpu-train-step llama $mode" "ratio:" "$tmp/last"
 done
+expect "gpu-train-step --stage 3" "stage 3: " "$tmp/last"
 exit $fail
