@@ -100,7 +100,8 @@ struct Smem {
   static constexpr size_t kRows = size_t{kTile} * 4;  // one float per row of the tile
   // Forward: Q, K, V, S, P, O, 1/l.
   static constexpr size_t kFwdS = 3 * kOperand, kFwdP = kFwdS + kScores, kFwdO = kFwdP + k16,
-                          kFwdInv = kFwdO + size_t{kWarps} * 16 * kLdO * 4, kFwd = kFwdInv + kRows;
+                          kFwdInv = kFwdO + size_t{kWarps} * 16 * kLdO * 4, kFwdFirst = kFwdInv + kRows,
+                          kFwd = kFwdFirst + kRows;
   // Backward: the kernel's own operand pair, the other side's pair, per warp
   // two fp32 score tiles (S and dP, adjacent) and two 16-bit ones, then lse,
   // Di and first key of the query tile's rows.
@@ -124,6 +125,22 @@ __device__ __forceinline__ int64_t first_key(const FlashArgs& a, int64_t b, int6
   int64_t k0 = a.positions ? t - a.positions[b * a.T + t] : 0;
   if (a.window > 0 && t - a.window + 1 > k0) k0 = t - a.window + 1;
   return k0;
+}
+
+// The first key tile any query q0 .. q0 + 63 (those < T) sees: the least
+// first key over the rows (the documents' starts and the windows' ends;
+// not assumed to grow with t), rounded down to a tile. Tiles before it
+// are masked for every row and skipped: with packed documents most of a
+// long row's tiles. Every thread of the block takes part and gets the same
+// value; `first` (kTile ints of shared memory) is free again on return.
+__device__ int64_t first_key_tile(const FlashArgs& a, int64_t b, int64_t q0, int32_t* first) {
+  for (int i = threadIdx.x; i < kTile; i += kFlashThreads)
+    first[i] = q0 + i < a.T ? static_cast<int32_t>(first_key(a, b, q0 + i)) : INT32_MAX;
+  __syncthreads();
+  int32_t m = INT32_MAX;
+  for (int i = 0; i < kTile; ++i) m = first[i] < m ? first[i] : m;
+  __syncthreads();
+  return m / kTile * kTile;
 }
 
 // Rows row0 .. row0 + 63 of one head (columns col0 .. col0 + D of rows of
@@ -221,6 +238,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(FlashArgs 
   uint16_t* Pw = reinterpret_cast<uint16_t*>(flash_smem + L::kFwdP) + warp * 16 * kLdP;
   float* Ow = reinterpret_cast<float*>(flash_smem + L::kFwdO) + warp * 16 * L::kLdO;
   float* inv_l = reinterpret_cast<float*>(flash_smem + L::kFwdInv);
+  int32_t* first_s = reinterpret_cast<int32_t*>(flash_smem + L::kFwdFirst);
 
   const int64_t bh = blockIdx.x, b = bh / a.H, h = bh % a.H, g = h / (a.H / a.Hkv);
   const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kTile, T = a.T;
@@ -237,8 +255,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(FlashArgs 
   const int64_t kfirst = live ? first_key(a, b, t) : 0;
   float m = -INFINITY, l = 0.0f;
   const int64_t kend = q0 + kTile < T ? q0 + kTile : T;
-  int64_t kbeg = a.window > 0 && q0 - a.window + 1 > 0 ? q0 - a.window + 1 : 0;
-  kbeg = kbeg / kTile * kTile;
+  const int64_t kbeg = first_key_tile(a, b, q0, first_s);
   for (int64_t k0 = kbeg; k0 < kend; k0 += kTile) {
     __syncthreads();  // the last tile's K and V are read
     load_tile<DP>(Ks, a.k + b * T * a.kv_stride + g * a.D, a.kv_stride, k0, T, a.D, t16);
@@ -387,12 +404,18 @@ __global__ void __launch_bounds__(kFlashThreads) flash_dkdv_kernel(FlashArgs a, 
     const int64_t h = g * group + hh, bh = b * a.H + h;
     for (int64_t q0 = k0 / kTile * kTile; q0 < qend; q0 += kTile) {
       __syncthreads();  // the last query tile is read
+      for (int i = threadIdx.x; i < kTile; i += kFlashThreads)
+        first_s[i] = q0 + i < T ? static_cast<int32_t>(first_key(a, b, q0 + i)) : INT32_MAX;
+      __syncthreads();
+      // A query tile whose every row's first key comes after these keys
+      // (packed documents, windows) adds nothing: skipped, by every thread.
+      int32_t least = INT32_MAX;
+      for (int i = 0; i < kTile; ++i) least = first_s[i] < least ? first_s[i] : least;
+      if (least > k0 + kTile - 1) continue;
       load_tile<DP>(Qs, a.q + b * T * a.q_stride + h * a.D, a.q_stride, q0, T, a.D, t16);
       load_tile<DP>(dOs, a.dout + b * T * a.dout_stride + h * a.D, a.dout_stride, q0, T, a.D, t16);
       load_rows(lse_s, q0, T, 0.0f, [&](int64_t t) { return a.lse[bh * T + t]; });
       load_rows(di_s, q0, T, 0.0f, [&](int64_t t) { return a.di[bh * T + t]; });
-      for (int i = threadIdx.x; i < kTile; i += kFlashThreads)
-        first_s[i] = q0 + i < T ? static_cast<int32_t>(first_key(a, b, q0 + i)) : INT32_MAX;
       __syncthreads();
       product_abt<E, DP>(STw, Ks + warp * 16 * L::kLd, Qs);
       product_abt<E, DP>(dPTw, Vs + warp * 16 * L::kLd, dOs);
@@ -437,6 +460,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_dq_kernel(FlashArgs a, DT
   uint16_t* dSw = reinterpret_cast<uint16_t*>(flash_smem + L::kBwd16) + warp * 2 * 16 * kLdP;
   float* lse_s = reinterpret_cast<float*>(flash_smem + L::kBwdRows);
   float* di_s = lse_s + kTile;
+  int32_t* first_s = reinterpret_cast<int32_t*>(di_s + kTile);
 
   const int64_t bh = blockIdx.x, b = bh / a.H, h = bh % a.H, g = h / (a.H / a.Hkv);
   const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kTile, T = a.T;
@@ -451,8 +475,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_dq_kernel(FlashArgs a, DT
   const bool live = t < T;
   const int64_t kfirst = live ? first_key(a, b, t) : 0;
   const int64_t kend = q0 + kTile < T ? q0 + kTile : T;
-  int64_t kbeg = a.window > 0 && q0 - a.window + 1 > 0 ? q0 - a.window + 1 : 0;
-  kbeg = kbeg / kTile * kTile;
+  const int64_t kbeg = first_key_tile(a, b, q0, first_s);
   for (int64_t k0 = kbeg; k0 < kend; k0 += kTile) {
     __syncthreads();  // the last key tile is read (and, the first time, Q, dO and the rows are loaded)
     load_tile<DP>(Ks, a.k + b * T * a.kv_stride + g * a.D, a.kv_stride, k0, T, a.D, t16);

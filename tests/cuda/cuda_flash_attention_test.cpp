@@ -46,6 +46,7 @@ struct Case {
   bool packed = false;
   int64_t window = 0;
   float scale = 0.0f, softcap = 0.0f;
+  std::vector<int32_t> positions;  // with packed: these instead of packed_positions
   int64_t width() const { return (H + 2 * Hkv) * D; }  // a q|k|v projection row
   std::string str() const {
     return "B=" + std::to_string(B) + " T=" + std::to_string(T) + " H=" + std::to_string(H) +
@@ -164,7 +165,7 @@ double tolerance(DType t) { return t == DType::kBF16 ? 3e-2 : 4e-3; }
 void check(const Case& c, DType compute, uint64_t seed) {
   const int64_t N = c.B * c.T;
   const auto proj = randn(N * c.width(), seed), dout = randn(N * c.H * c.D, seed + 1);
-  const std::vector<int32_t> pos = packed_positions(c.B, c.T);
+  const std::vector<int32_t> pos = c.positions.empty() ? packed_positions(c.B, c.T) : c.positions;
   const Result want = reference(c, proj, dout, pos);
   const Result got = fused(c, proj, dout, pos, compute);
   const Result old = gpu_mha(c, proj, dout, pos, compute, false);
@@ -223,6 +224,19 @@ TEST(CudaFlashAttention, MasksScalesAndCapsAgreeWithTheCpu) {
     check(c, DType::kF16, seed += 2);
     c.scale = 0.0f;
     c.softcap = 0.0f;
+  }
+  // Documents that start at the last key of a tile (63, 127) and one key
+  // past it (64, 129): the first key tile a query tile sees, and the query
+  // tiles a key tile skips, at their edges.
+  for (int64_t start : {int64_t{63}, int64_t{64}}) {
+    Case c{2, 150, 2, 1, 64};
+    c.packed = true;
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t t = 0; t < c.T; ++t) {
+        const int64_t s2 = start + 64 + b;  // the next document: at 127 or 128, 128 or 129
+        c.positions.push_back(static_cast<int32_t>(t >= s2 ? t - s2 : t >= start ? t - start : t));
+      }
+    check(c, DType::kBF16, seed += 2);
   }
 }
 
