@@ -314,7 +314,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     acts_at.push_back({"activations", act->saved,
                        "micro-batch " + std::to_string(c.train_micro_batch_size_per_gpu) + " x " +
                            std::to_string(seq_len) + " tokens, kept for backward" +
-                           (on_gpu ? " (the CPU kernels' buffers; the GPU's are alike)" : ""),
+                           (on_gpu ? " (the GPU kernels' buffers: with 16-bit compute the fused attention keeps row statistics, not T x T probabilities)" : ""),
                        false});
     acts_at.push_back({"kernel scratch", act->workspace,
                        on_gpu ? "the CPU kernels' scratch as a guide; cuBLAS's workspaces come on top"

@@ -307,6 +307,9 @@ class CudaOps final : public Ops {
                            int64_t C) override {
     kernels::cuda::moe_gather_backward(dx, dxg, row_of_slot, N, k, C, kStream);
   }
+  int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const override {
+    return kernels::cuda::attention_workspace_bytes(s, compute);
+  }
   bool attention_reads_kv_heads(int64_t head_dim, DType compute) const override {
     return kernels::cuda::fused_attention_used(head_dim, compute);
   }

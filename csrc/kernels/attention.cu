@@ -351,6 +351,12 @@ FlashArgs flash_args(const float* qkv, AttentionShape s) {
 
 void set_unfused_attention_for_testing(bool unfused) { unfused_override.store(unfused ? 1 : 0); }
 
+int64_t attention_workspace_bytes(AttentionShape s, DType compute) {
+  const int64_t f = static_cast<int64_t>(sizeof(float));
+  if (use_fused(s, compute)) return (2 * s.B * s.H * s.T + s.B * s.T * s.C) * f;  // lse, di; the output
+  return s.B * s.H * s.T * s.T * f;
+}
+
 bool fused_attention_used(int64_t head_dim, DType compute) {
   AttentionShape s{1, 1, head_dim, 1};
   return use_fused(s, compute);

@@ -141,6 +141,9 @@ void set_unfused_attention_for_testing(bool unfused);
 // Whether attention_forward runs the fused kernels at this head size and
 // compute dtype (then AttentionShape::kv_heads may differ from H).
 bool fused_attention_used(int64_t head_dim, DType compute);
+// Bytes of one workspace between forward and backward: the fused path's
+// row statistics and output copy, or the unfused path's P.
+int64_t attention_workspace_bytes(AttentionShape s, DType compute);
 
 // ---- fused causal attention (flash_attention.cu; Note [fused attention]) ----------------------
 // Rows of B*T tokens. Query head h is D floats at column h*D of q's rows

@@ -183,6 +183,10 @@ class Ops {
   virtual void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) = 0;
   virtual void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv,
                                   kernels::AttentionShape s, DType compute) = 0;
+  // Bytes of one attention workspace (what forward keeps for backward).
+  virtual int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const {
+    return kernels::attention_workspace_bytes(s);
+  }
   // Whether attention reads grouped-query heads in place
   // (AttentionShape::kv_heads) at this head size and compute dtype; if
   // not, a model repeats them to every query head (gqa_expand).

@@ -270,7 +270,7 @@ class Gpt final : public Model {
                          (fused ? 1 : 2) * buffer_bytes(N * F) + 4 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * F, dt) +
-                         kernels::attention_workspace_bytes(as);
+                         ops_->attention_workspace_bytes(as, dt);
     const int64_t layers = sr.hi - sr.lo;
     const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
     const int64_t act_sets = sets * (c_.gradient_checkpointing ? (layers > 0 ? 1 : 0) : layers);

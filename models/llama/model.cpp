@@ -273,7 +273,7 @@ class Llama final : public Model {
     const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
                          buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
-                         matmul_input_bytes(N * I, dt) + kernels::attention_workspace_bytes(as) +
+                         matmul_input_bytes(N * I, dt) + ops_->attention_workspace_bytes(as, dt) +
                          (c_.qk_norm ? buffer_bytes(N * (H + K) * D_) + buffer_bytes(N * (H + K)) : 0) +
                          (c_.post_norms ? 2 * buffer_bytes(N * C) + 2 * buffer_bytes(N) : 0) +
                          (c_.layer_norm ? 2 * buffer_bytes(N) : 0);  // mean1, mean2
