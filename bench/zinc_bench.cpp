@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
                  "Llama-style family at the same sizes with its own defaults: qwen3 (per-head q/k norms), gemma, "
                  "gemma2 (post-norms, soft-caps), gemma3, smollm3, granite, olmo2, phi3, gpt_neox, and the "
                  "mixtures of experts mixtral and qwen3_moe (8 experts of 704, 2 per token; the bound counts the "
-                 "active experts' GEMMs at a balanced router's rows)")
+                 "active experts' GEMMs at a balanced router's rows); gpu-train-step: gpt, or llama (TinyLlama "
+                 "1.1B's shape, seq 1024)")
       ->check(CLI::IsMember({"gpt", "llama", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite", "olmo2",
                             "phi3", "gpt_neox", "mixtral", "qwen3_moe"}));
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");

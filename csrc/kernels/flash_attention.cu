@@ -115,6 +115,33 @@ struct Smem {
   static_assert(kLdO <= 2 * kLdS, "staging fits");
 };
 
+// The backward kernels' shared memory (Smem's kBwd* regions) as pointers:
+// the kernel's own operand pair (K, V for dK and dV; Q, dO for dQ), the
+// other side's pair, this warp's two fp32 score tiles (S and dP, adjacent)
+// and two 16-bit ones, and the query rows' lse, Di and first keys.
+template <int DP>
+struct BwdTiles {
+  uint16_t *own0, *own1, *other0, *other1;
+  float *s, *dp;
+  uint16_t *p16, *ds16;
+  float *lse, *di;
+  int32_t* first;
+  __device__ BwdTiles(unsigned char* smem, int warp) {
+    using L = Smem<DP>;
+    own0 = reinterpret_cast<uint16_t*>(smem);
+    own1 = reinterpret_cast<uint16_t*>(smem + L::kOperand);
+    other0 = reinterpret_cast<uint16_t*>(smem + 2 * L::kOperand);
+    other1 = reinterpret_cast<uint16_t*>(smem + 3 * L::kOperand);
+    s = reinterpret_cast<float*>(smem + L::kBwdW) + warp * 2 * 16 * kLdS;
+    dp = s + 16 * kLdS;
+    p16 = reinterpret_cast<uint16_t*>(smem + L::kBwd16) + warp * 2 * 16 * kLdP;
+    ds16 = p16 + 16 * kLdP;
+    lse = reinterpret_cast<float*>(smem + L::kBwdRows);
+    di = lse + kTile;
+    first = reinterpret_cast<int32_t*>(di + kTile);
+  }
+};
+
 template <class E>
 __device__ __forceinline__ const E* as_e(const uint16_t* p) {
   return reinterpret_cast<const E*>(p);
@@ -373,18 +400,13 @@ template <class E, int DP>
 __global__ void __launch_bounds__(kFlashThreads) flash_dkdv_kernel(FlashArgs a, DType t16) {
   extern __shared__ __align__(128) unsigned char flash_smem[];
   using L = Smem<DP>;
-  uint16_t* Ks = reinterpret_cast<uint16_t*>(flash_smem);
-  uint16_t* Vs = reinterpret_cast<uint16_t*>(flash_smem + L::kOperand);
-  uint16_t* Qs = reinterpret_cast<uint16_t*>(flash_smem + 2 * L::kOperand);
-  uint16_t* dOs = reinterpret_cast<uint16_t*>(flash_smem + 3 * L::kOperand);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  float* STw = reinterpret_cast<float*>(flash_smem + L::kBwdW) + warp * 2 * 16 * kLdS;  // S^T, then dP^T
-  float* dPTw = STw + 16 * kLdS;
-  uint16_t* PTw = reinterpret_cast<uint16_t*>(flash_smem + L::kBwd16) + warp * 2 * 16 * kLdP;
-  uint16_t* dSTw = PTw + 16 * kLdP;
-  float* lse_s = reinterpret_cast<float*>(flash_smem + L::kBwdRows);
-  float* di_s = lse_s + kTile;
-  int32_t* first_s = reinterpret_cast<int32_t*>(di_s + kTile);
+  const BwdTiles<DP> sm(flash_smem, warp);
+  uint16_t *Ks = sm.own0, *Vs = sm.own1, *Qs = sm.other0, *dOs = sm.other1;
+  float *STw = sm.s, *dPTw = sm.dp;  // S^T and dP^T
+  uint16_t *PTw = sm.p16, *dSTw = sm.ds16;
+  float *lse_s = sm.lse, *di_s = sm.di;
+  int32_t* first_s = sm.first;
 
   const int64_t bg = blockIdx.x, b = bg / a.Hkv, g = bg % a.Hkv, group = a.H / a.Hkv;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kTile, T = a.T;
@@ -450,17 +472,13 @@ template <class E, int DP>
 __global__ void __launch_bounds__(kFlashThreads) flash_dq_kernel(FlashArgs a, DType t16) {
   extern __shared__ __align__(128) unsigned char flash_smem[];
   using L = Smem<DP>;
-  uint16_t* Qs = reinterpret_cast<uint16_t*>(flash_smem);
-  uint16_t* dOs = reinterpret_cast<uint16_t*>(flash_smem + L::kOperand);
-  uint16_t* Ks = reinterpret_cast<uint16_t*>(flash_smem + 2 * L::kOperand);
-  uint16_t* Vs = reinterpret_cast<uint16_t*>(flash_smem + 3 * L::kOperand);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  float* Sw = reinterpret_cast<float*>(flash_smem + L::kBwdW) + warp * 2 * 16 * kLdS;  // S, then dP
-  float* dPw = Sw + 16 * kLdS;
-  uint16_t* dSw = reinterpret_cast<uint16_t*>(flash_smem + L::kBwd16) + warp * 2 * 16 * kLdP;
-  float* lse_s = reinterpret_cast<float*>(flash_smem + L::kBwdRows);
-  float* di_s = lse_s + kTile;
-  int32_t* first_s = reinterpret_cast<int32_t*>(di_s + kTile);
+  const BwdTiles<DP> sm(flash_smem, warp);
+  uint16_t *Qs = sm.own0, *dOs = sm.own1, *Ks = sm.other0, *Vs = sm.other1;
+  float *Sw = sm.s, *dPw = sm.dp;  // S and dP (adjacent: they stage the result)
+  uint16_t* dSw = sm.p16;
+  float *lse_s = sm.lse, *di_s = sm.di;
+  int32_t* first_s = sm.first;
 
   const int64_t bh = blockIdx.x, b = bh / a.H, h = bh % a.H, g = h / (a.H / a.Hkv);
   const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kTile, T = a.T;
