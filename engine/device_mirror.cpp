@@ -23,6 +23,7 @@ GpuPlan GpuPlan::make(const Config& c, int world) {
   g.mirror.transient_grads = z.stage >= 2 && !(states_on_gpu && world == 1);
   g.host_grads = !(states_on_gpu && world == 1);
   g.device_gathers = params_sharded && world > 1 && z.offload_param.device != OffloadDevice::kNvme;
+  g.upload_gathers = params_sharded && world == 1 && z.offload_param.device == OffloadDevice::kCpu;
   return g;
 }
 

@@ -54,6 +54,9 @@ struct GpuPlan {
   // Stage 3 on several ranks with the shards in RAM: the parameter gathers
   // run on the GPU (when the GPU reduction starts; else in host memory).
   bool device_gathers = false;
+  // Stage 3 on one rank with the shards in RAM: a block's gather is its
+  // upload from the page-locked shard (no gathered copy or staging in RAM).
+  bool upload_gathers = false;
   static GpuPlan make(const Config& c, int world);
 };
 

@@ -162,8 +162,7 @@ class GpuOffload final : public DevicePath {
       });
     }
     if (reduce_ && gplan_.device_gathers) start_device_gathers();
-    if (world_ == 1 && plan().params_sharded && cfg_.zero.offload_param.device == OffloadDevice::kCpu)
-      start_upload_gathers();
+    if (gplan_.upload_gathers) start_upload_gathers();
   }
 
   void make_current() override { gpu_->make_current(); }

@@ -201,9 +201,9 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                            std::max<int64_t>(0, z.stage3_max_live_parameters - persist_padded) + max_np_padded});
       why = "at most the prefetch window and two held blocks, within stage3_max_live_parameters plus one block";
     }
-    // On the GPU on several ranks the gathers land in GPU memory (the
-    // engine's device gathers), not in RAM.
-    if (!(c.device == Device::kCuda && gpu_plan.device_gathers))
+    // On the GPU the gathers land in GPU memory (the engine's device
+    // gathers on several ranks, its uploads from the shards on one), not in RAM.
+    if (!(c.device == Device::kCuda && (gpu_plan.device_gathers || gpu_plan.upload_gathers)))
       train_params.push_back({std::string("gathered blocks (") + dname + ")", es * (persist_padded + gathered),
                               millions(persist_padded + gathered) + " elements: " + why});
     full_params = persist_padded + gathered;
@@ -362,7 +362,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       e.gpu.insert(e.gpu.begin() + 1, {std::string("parameter shards (") + dname + ")", es * shard_all,
                                        std::to_string(es) + " B x " + millions(shard_all) +
                                            " elements: the rank's, which the gathers read"});
-    else if (plan.params_sharded)
+    else if (plan.params_sharded && !gpu_plan.upload_gathers)
       e.training.push_back({"parameter upload staging (page-locked)", 2 * es * max_padded,
                             "two of the largest block, on their way to the GPU", false});
     if (world > 1)
