@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "core/cuda_util.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "kernels/kernels_cuda.h"
 #include "models/detail/ops.h"
 
@@ -319,6 +321,16 @@ class CudaOps final : public Ops {
   }
   void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) override {
     check_positions(s.positions, s.B, s.T, "attention_forward");
+    const int64_t head_dim = s.C / s.H;
+    if (is_16bit(compute) && head_dim > 128) {
+      // Once per process: why this model's attention keeps T x T floats per head.
+      static std::once_flag said;
+      std::call_once(said, [&] {
+        log_warn("attention: head size " + std::to_string(head_dim) +
+                 " is over the fused GPU kernels' 128, so it runs unfused: each layer keeps " +
+                 "B x heads x T x T fp32 probabilities for backward");
+      });
+    }
     kernels::cuda::attention_forward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), out, qkv, s, compute,
                                      kStream);
   }
