@@ -302,7 +302,8 @@ inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const L
 // Backward from dy_in (the gradient of the group's whole output as the
 // matmuls read it): the adapters' gradients into lg, and dx (N, g.in) =
 // the adapters' part of the input's gradient, before the base's part adds
-// itself. Returns whether it wrote dx.
+// itself (null: nothing needs the input's gradient, Note [no input
+// gradient under a frozen embedding]). Returns whether it wrote dx.
 inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const BlockGrads& lg, const LoraGroup& g,
                           int64_t r, float scale, CView x, const LoraSaved& saved, CView dy_in, float* dx, int64_t N,
                           DType dt, const LoraDropout& drop = {}) {
@@ -350,16 +351,17 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
       kernels::MatmulDesc da = weight_grad_desc(N, in, r, dt);
       da.accumulate = true;
       ops.matmul(da, duj, xj, lg[m.a]);
+      if (!dx) continue;
       float* t = s.xd.as<float>();  // x_j is no longer needed
       ops.matmul(input_grad_desc(N, in, r, dt), duj, lora_impl::a_rows(A, j, r, in), t);
       ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), j > 0);
     }
-    if (direct || covers) return true;
-    for (int64_t j = 0; j < n; ++j) {  // member j's block of dBbd^T: rows j r.., columns m.row..
-      const LoraMember& m = g.members[static_cast<size_t>(j)];
-      ops.add_transposed(lg[m.b], r, dbbd + j * r * W + m.row, W, m.rows, r);
-    }
-    return true;
+    if (!direct && !covers)
+      for (int64_t j = 0; j < n; ++j) {  // member j's block of dBbd^T: rows j r.., columns m.row..
+        const LoraMember& m = g.members[static_cast<size_t>(j)];
+        ops.add_transposed(lg[m.b], r, dbbd + j * r * W + m.row, W, m.rows, r);
+      }
+    return dx != nullptr;
   }
   const CView du_in = ops.matmul_input(s.du.as<float>(), N * nr, dt, s.du16);
   // dA = dU^T x
@@ -368,15 +370,15 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   float* dag = direct ? lg[g.members[0].a] : s.dag.as<float>();
   ops.matmul(da, du_in, x, dag);
   // dx = dU A
-  ops.matmul(input_grad_desc(N, in, nr, dt), du_in, A, dx);
-  if (direct) return true;
+  if (dx) ops.matmul(input_grad_desc(N, in, nr, dt), du_in, A, dx);
+  if (direct) return dx != nullptr;
   // Each target's blocks of dBbd^T and dA, added to its gradients.
   for (int64_t j = 0; j < n; ++j) {
     const LoraMember& m = g.members[static_cast<size_t>(j)];
     if (!covers) ops.add_transposed(lg[m.b], r, dbbd + j * r * W + m.row, W, m.rows, r);
     ops.add(lg[m.a], lg[m.a], dag + j * r * in, r * in);
   }
-  return true;
+  return dx != nullptr;
 }
 
 // The kernel scratch the groups' products ask for (Model::activation_memory:

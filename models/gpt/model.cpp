@@ -487,12 +487,19 @@ class Gpt final : public Model {
         ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
       }
       dy_in = ops_->dy_operand(dbig, bias_grad(g, kQkvB), N, 3 * A, dt, dy16_);
-      adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dsmall, N, dt);
-      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
+      // The first layer's input gradient feeds the embedding's alone: none
+      // where it is frozen (Note [no input gradient under a frozen embedding]
+      // in models/llama/model.cpp).
+      const bool input_grad = l > sr.lo || !sr.embed || !specs_[0].frozen;
+      float* dln1 = input_grad ? dsmall : nullptr;
+      adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dln1, N, dt);
+      detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
                               3 * A, dt, dy_in, adapted);
-      tensor_sum(dsmall, N * C);  // each part's share of d ln1
-      ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],
-                               a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
+      if (input_grad) {
+        tensor_sum(dsmall, N * C);  // each part's share of d ln1
+        ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],
+                                 a.ln1_mean.as<float>(), a.ln1_rstd.as<float>(), N, C);
+      }
       p.release();
       base_grads_ready(ctx, blk);
       if (lora()) {

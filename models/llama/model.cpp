@@ -541,12 +541,17 @@ class Llama final : public Model {
         ops_->rope(dproj, rope_cos(l), rope_sin(l), rope_shape(B, T), true);
       if (c_.qk_norm) qk_norm_backward(p, g, a, dproj, N);
       dy_in = ops_->dy_operand(dproj, bias_grad(g, x.qkv_b), N, Q, dt, dy16_);
-      adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dsmall, N, dt);
-      detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
+      // Note [no input gradient under a frozen embedding]
+      const bool input_grad = l > sr.lo || needs_input_grad(sr);
+      float* dln1 = input_grad ? dsmall : nullptr;
+      adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dln1, N, dt);
+      detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
                               Q, dt, dy_in, adapted);
-      tensor_sum(dsmall, N * C);  // each part's share of d ln1
-      pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
-      if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
+      if (input_grad) {
+        tensor_sum(dsmall, N * C);  // each part's share of d ln1
+        pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
+        if (c_.parallel_residual) ops_->add(dx, dx, dpar_.as<float>(), N * C);
+      }
       p.release();
       base_grads_ready(ctx, blk);
       if (lora()) {
@@ -562,7 +567,7 @@ class Llama final : public Model {
       }
       return;
     }
-    if (!specs_[0].frozen) {  // a frozen embedding has nothing to learn from dx
+    if (needs_input_grad(sr)) {  // a frozen embedding has nothing to learn from dx
       if (embed_factor() != 1.0f) ops_->scale(dx, embed_factor(), N * C);
       if (vocab_split())
         ops_->embedding_part_backward(gemb[0], dx, pass_.tok, N, C, vlo_, Vh_);
@@ -915,6 +920,15 @@ class Llama final : public Model {
     if (i < 0) return nullptr;
     return lora() ? sink_.as<float>() + (i & 1) * sink_half_ : g[i];
   }
+  // Note [no input gradient under a frozen embedding]
+  // The first layer's input gradient feeds the embedding's gradient alone
+  // (or the previous pipeline stage's). Where the embedding is frozen (LoRA
+  // without embed_tokens in modules_to_save) nothing reads it, so the first
+  // layer's backward stops at its q|k|v adapters' gradients: no input
+  // gradient product of q|k|v (base or adapters), no ln1 backward (whose
+  // weight is frozen too). As autograd does for an input that needs no
+  // gradient; the norms' frozen weight gradients go to the sink anyway.
+  bool needs_input_grad(const StageRange& sr) const { return !sr.embed || !specs_[0].frozen; }
   // A base block's gradients (none where frozen) and their report.
   BlockGrads base_grads(StepContext& ctx, int blk) {
     return specs_[static_cast<size_t>(blk)].frozen ? BlockGrads{} : ctx.grads(blk);
