@@ -67,7 +67,7 @@ Isa resolve_active() {
 // same cache line of param, m or v.
 constexpr int64_t kBlock = 16;
 constexpr int64_t kNormChunk = 16384;
-std::atomic<int64_t> g_stream_min_bytes{int64_t{64} << 20};
+std::atomic<int64_t> g_stream_min_bytes{kStreamMinBytes};
 
 }  // namespace
 

@@ -76,9 +76,16 @@ struct AdamSpan {
   int64_t n = 0;
 };
 
-// A bf16 copy-out of at least this many bytes (default 64 MiB, far above the
-// caches) into a 64-byte-aligned buffer uses non-temporal stores, which skip
-// reading the lines they overwrite. Process-wide; tests lower it.
+// A bf16 copy-out of at least this many bytes (default kStreamMinBytes) into
+// a 64-byte-aligned buffer uses non-temporal stores, which skip reading the
+// lines they overwrite. Process-wide; tests move it.
+// 1 MiB, a core's L2: the copy-out of a training step's update is read
+// again by the next forward only after the whole pass over the states (far
+// beyond the caches for any model worth offloading), so a span's own size
+// says little; streaming a 11M-parameter block's copy (a layer of the ~100M
+// Llama) made the update 10-13% faster than plain stores (AMD EPYC, 2
+// threads, 2026-11-30; bench/RESULTS.md), and never slower down to 250K.
+inline constexpr int64_t kStreamMinBytes = int64_t{1} << 20;
 void set_stream_min_bytes(int64_t bytes);
 
 // One Adam step over a span, threaded. step >= 1.

@@ -182,7 +182,7 @@ TEST(AdamIsa, StreamedCopyOutEqualsStoredCopyOut) {
       set_stream_min_bytes(0);  // non-temporal stores
       adam_step(p, 2, 1.0f, AdamSpan{b.w.data(), b.g32.data(), DType::kF32, b.m.data(), b.v.data(), out_b.as<bf16>(),
                                      static_cast<int64_t>(n)}, isa);
-      set_stream_min_bytes(int64_t{64} << 20);
+      set_stream_min_bytes(kStreamMinBytes);
       EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), n * 2), 0) << isa_name(isa) << " n=" << n;
       for (size_t i = 0; i < n; ++i) ASSERT_EQ(out_b.as<bf16>()[i].bits, float_to_bf16(b.w[i]).bits);
     }

@@ -238,7 +238,7 @@ TEST(Lamb, EveryPathAgreesWithScalarOnOddLengthsAndUnalignedBoundaries) {
         for (size_t i = 0; i < s.w.size(); ++i) ASSERT_EQ(s.out[i].bits, float_to_bf16(s.w[i]).bits) << i;
       }
     }
-  set_stream_min_bytes(int64_t{64} << 20);
+  set_stream_min_bytes(kStreamMinBytes);
 }
 
 TEST(Lamb, ResultDoesNotDependOnTheThreadCount) {
