@@ -346,8 +346,10 @@ BlockGrads Engine::Impl::grads(int block) {
   if (s.frozen)
     throw Error("model '" + model->name() + "' asked for the gradients of block " + std::to_string(block) + " '" +
                 model->blocks()[static_cast<size_t>(block)].name + "', which is frozen");
-  float* g = device->grads(block);
-  return BlockGrads{g ? g : reducer->grads(block), &s.layout};
+  float* g = device->grads(block);  // the GPU's buffers are zeroed whole
+  if (g) return BlockGrads{g, &s.layout};
+  float* host = reducer->grads(block);
+  return BlockGrads{host, &s.layout, reducer->take_fresh(block)};
 }
 
 void Engine::Impl::grads_ready(int block) {

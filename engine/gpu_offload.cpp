@@ -115,6 +115,7 @@ class GpuOffload final : public DevicePath {
   void configure_reducer(GradReducer::Options& o) override {
     // GPU-resident states on one rank: the gradients stay on the GPU.
     o.host_grads = gplan_.host_grads;
+    o.model_grads = false;  // the GPU's gradients are copied into the host buffers
     if (reduce_)
       o.device_reduce = [this](comm::Communicator& c, int block, float* shard_out) {
         // GPU-resident states keep the reduced shard on the GPU.

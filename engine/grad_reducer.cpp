@@ -8,6 +8,24 @@
 
 namespace zinc {
 
+namespace {
+// Zeroes a block's gradient buffer (padded elements) in part: with `marked`
+// its overwritten parameters only, else everything else (the unmarked
+// parameters, the layout's gaps and the padding). Note [gradients written,
+// not zeroed] in engine/model.h.
+void zero_grad_ranges(float* g, const BlockLayout& l, int64_t padded, bool marked) {
+  int64_t at = 0;  // first element not yet passed
+  for (size_t p = 0; p < l.offsets.size(); ++p) {
+    if (!l.overwrite[p]) continue;
+    const int64_t b = l.offsets[p], e = b + l.numels[p];
+    if (marked) std::memset(g + b, 0, static_cast<size_t>(e - b) * 4);
+    else if (b > at) std::memset(g + at, 0, static_cast<size_t>(b - at) * 4);
+    at = e;
+  }
+  if (!marked && padded > at) std::memset(g + at, 0, static_cast<size_t>(padded - at) * 4);
+}
+}  // namespace
+
 GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks, comm::CommStream* stream,
                          StateMemory& memory, const Options& options)
     : plan_(plan), blocks_(blocks), stream_(stream), memory_(memory), options_(options) {
@@ -20,6 +38,7 @@ GradReducer::GradReducer(const StagePlan& plan, std::vector<BlockShard>& blocks,
   if (plan_.world == 1) options_.wire = DType::kF32;
   int64_t max_padded = 0, max_shard = 0;
   for (BlockShard& s : blocks_) {
+    s.grad_fresh = options_.model_grads;
     const size_t padded = static_cast<size_t>(s.part.padded_numel);
     if (s.frozen) {  // no gradient at all
       s.grad_state = GradState::kFreed;
@@ -53,13 +72,32 @@ float* GradReducer::grads(int block) {
   ZINC_CHECK(!s.frozen, "GradReducer::grads: a frozen block has no gradients");
   if (s.grad_state == GradState::kFreed) {
     s.reduction.wait();
-    s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4);
+    s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4, /*zero=*/!options_.model_grads);
+    if (options_.model_grads) zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, false);
     s.grad_state = GradState::kAccumulating;
+    s.grad_fresh = options_.model_grads;
   }
   return s.grad.as<float>();
 }
 
+bool GradReducer::take_fresh(int block) {
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  const bool fresh = s.grad_fresh;
+  s.grad_fresh = false;
+  return fresh;
+}
+
+void GradReducer::settle_fresh(BlockShard& s) {
+  if (!s.grad_fresh || s.frozen || s.grad.empty()) return;
+  zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, true);
+  s.grad_fresh = false;
+}
+
 void GradReducer::ready(int block) {
+  BlockShard& s = blocks_[static_cast<size_t>(block)];
+  // Reported without a product into it: its gradient is zeros, as a buffer.
+  if (!s.frozen && s.grad_state == GradState::kFreed && options_.host_grads && !options_.device_reduce) grads(block);
+  settle_fresh(s);
   if (!boundary_) return;  // no-sync: accumulate locally
   bucket_.push_back(block);
   bucket_numel_ += blocks_[static_cast<size_t>(block)].part.padded_numel;
@@ -70,6 +108,7 @@ void GradReducer::ready(int block) {
 }
 
 void GradReducer::end_backward() {
+  for (BlockShard& s : blocks_) settle_fresh(s);  // blocks this backward never touched
   if (boundary_) flush_bucket();
   boundary_ = false;
 }
@@ -192,8 +231,14 @@ void GradReducer::reset_after_step() {
       memory_.free(s.grad);
       s.grad_state = GradState::kFreed;
     } else {
-      if (!s.grad.empty()) std::memset(s.grad.data(), 0, s.grad.bytes());
+      // The overwritten parameters stay as they are: the next backward
+      // writes them (Note [gradients written, not zeroed] in engine/model.h).
+      if (!s.grad.empty() && options_.model_grads)
+        zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, false);
+      else if (!s.grad.empty())
+        std::memset(s.grad.data(), 0, s.grad.bytes());
       s.grad_state = GradState::kAccumulating;
+      s.grad_fresh = options_.model_grads;
     }
   }
 }

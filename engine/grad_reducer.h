@@ -45,6 +45,11 @@ class GradReducer {
     // then freed. Required with grads_on_nvme (which also needs a stream on
     // one rank: the reduction there is the write).
     std::function<void(int block, const float* shard)> spill;
+    // The model writes the host gradient buffers itself (the CPU path), so
+    // they may be handed out fresh (Note [gradients written, not zeroed] in
+    // engine/model.h); false where the GPU path copies its gradients into
+    // them: they are then zeroed whole, as before.
+    bool model_grads = true;
   };
   // At most this many buckets are in flight: the next submission waits for
   // the oldest, which bounds the full gradients alive at stage 2.
@@ -60,6 +65,10 @@ class GradReducer {
   void begin_backward(bool boundary);
   // The block's full gradient buffer, allocated if the plan freed it.
   float* grads(int block);
+  // Whether this is the first hand-out of the block's buffer since it was
+  // last zeroed (Note [gradients written, not zeroed] in engine/model.h);
+  // the next call says false until reset_after_step or a new buffer.
+  bool take_fresh(int block);
   // The model is done with the block's gradient in this backward: at a
   // boundary it joins the bucket, which is submitted once full (on one rank
   // with grads_on_nvme at once: its reduction is the write).
@@ -84,6 +93,8 @@ class GradReducer {
 
  private:
   void flush_bucket();
+  // Zeroes the overwritten parameters of a block no backward was handed yet.
+  void settle_fresh(BlockShard& s);
   void submit(const std::vector<int>& ids);
   void reap();
 

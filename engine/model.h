@@ -59,6 +59,11 @@ struct ParamSpec {
   Shape shape;
   Init init = Init::kNormal;
   float init_std = 0.02f;  // for kNormal (mean 0); kUniform's bound
+  // Note [gradients written, not zeroed]: the model's backward writes this
+  // parameter's whole gradient in one product where BlockGrads::overwrite
+  // says so (and adds to it otherwise), so the engine need not zero it
+  // between steps.
+  bool grad_overwrite = false;
 };
 
 struct BlockSpec {
@@ -79,6 +84,7 @@ constexpr int64_t kParamAlignNumel = 32;
 struct BlockLayout {
   std::vector<int64_t> offsets;  // per param, in elements
   std::vector<int64_t> numels;   // per param
+  std::vector<uint8_t> overwrite;  // per param: ParamSpec::grad_overwrite
   int64_t numel = 0;             // used elements (end of the last param, aligned)
   static BlockLayout from_spec(const BlockSpec& spec) {
     BlockLayout l;
@@ -86,6 +92,7 @@ struct BlockLayout {
     for (const ParamSpec& p : spec.params) {
       l.offsets.push_back(off);
       l.numels.push_back(p.shape.numel());
+      l.overwrite.push_back(p.grad_overwrite ? 1 : 0);
       off += (p.shape.numel() + kParamAlignNumel - 1) / kParamAlignNumel * kParamAlignNumel;
     }
     l.numel = off;
@@ -110,10 +117,32 @@ struct BlockParams {
 };
 
 // A block's gradient accumulators (fp32, same layout as the parameters).
+// Note [gradients written, not zeroed]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A gradient buffer is an accumulator: backward adds to it, and the engine
+// used to zero every block's buffer after each step. For a weight whose
+// gradient is one product per backward (dW = dy^T x), the zeroing and the
+// product's read of those zeros (oneDNN's sum post-op) are pure memory
+// traffic: 8-10% of a weight-gradient product of the ~100M Llama, and a
+// memset over all the gradients besides (bench/RESULTS.md). So a model may
+// mark such a parameter (ParamSpec::grad_overwrite), and the first backward
+// of an accumulation window that asks for the block's gradients gets them
+// `fresh`: the marked parameters hold whatever was there, and overwrite(i)
+// tells the model to write them (a product without accumulate); every other
+// parameter and the layout's gaps are zeros as before. Later micro-batches
+// of the window accumulate. The engine zeroes the marked ranges itself
+// where a backward reports a block without having asked for its gradients,
+// so a block no product wrote never carries a stale gradient into a step.
 struct BlockGrads {
   float* base = nullptr;
   const BlockLayout* layout = nullptr;
+  // The first backward of the window to write this buffer.
+  bool fresh = false;
   float* operator[](int i) const { return base + layout->offsets[i]; }
+  // Whether parameter i's gradient is to be written rather than added to.
+  bool overwrite(int i) const {
+    return fresh && i >= 0 && static_cast<size_t>(i) < layout->overwrite.size() && layout->overwrite[static_cast<size_t>(i)] != 0;
+  }
 };
 
 class StepContext;

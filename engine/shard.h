@@ -129,14 +129,15 @@ struct StagePlan {
 // buffers of sizes not asked for since, which in a repeating step is none.
 class StateMemory {
  public:
-  AlignedBuffer alloc(size_t bytes) {
+  // zero false: a reused buffer keeps what it held (a new one is zeros).
+  AlignedBuffer alloc(size_t bytes, bool zero = true) {
     add(static_cast<int64_t>(bytes));
     auto it = kept_.find(bytes);
     if (it == kept_.end()) return AlignedBuffer(bytes);
     AlignedBuffer b = std::move(it->second);
     kept_.erase(it);
     kept_bytes_ -= static_cast<int64_t>(bytes);
-    std::memset(b.data(), 0, bytes);
+    if (zero) std::memset(b.data(), 0, bytes);
     return b;
   }
   void free(AlignedBuffer& b) {
@@ -224,6 +225,9 @@ struct BlockShard {
   comm::CommHandle gather;    // stage 3: the all-gather of `compute`, while kGathering
   GradState grad_state = GradState::kAccumulating;
   bool grads_reported = false;  // grads_ready called in the current backward
+  // Note [gradients written, not zeroed] (engine/model.h): no backward has
+  // been handed `grad` since it was zeroed but for its overwritten parameters.
+  bool grad_fresh = true;
   comm::CommHandle reduction;   // the reduce-scatter of this step, while kReducing
 };
 

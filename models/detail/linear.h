@@ -67,9 +67,11 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 // together with the bias gradient (Ops::gelu_backward_operand); db is then
 // null.
 // dx_accumulate: dx += dy W instead (a LoRA adapter's part written first).
+// dw_overwrite: dW = dy^T x, written (BlockGrads::overwrite: Note [gradients
+// written, not zeroed] in engine/model.h).
 inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float* db, CView dy, CView x, CView w,
                             int64_t N, int64_t in, int64_t out, DType compute, CView dy_op = {},
-                            bool dx_accumulate = false) {
+                            bool dx_accumulate = false, bool dw_overwrite = false) {
   if (dy_op.data) {
     ZINC_CHECK(!db, "linear_backward: a ready dy operand comes with its bias gradient summed");
     dy = dy_op;
@@ -82,7 +84,11 @@ inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float*
     d.accumulate = dx_accumulate;
     ops.matmul(d, dy, w, dx);
   }
-  if (dw) ops.matmul(weight_grad_desc(N, in, out, compute), dy, x, dw);  // null: a frozen weight
+  if (dw) {  // null: a frozen weight
+    kernels::MatmulDesc g = weight_grad_desc(N, in, out, compute);
+    g.accumulate = !dw_overwrite;
+    ops.matmul(g, dy, x, dw);
+  }
 }
 inline void linear_backward(float* dx, float* dw, float* db, CView dy, CView x, CView w, int64_t N,
                             int64_t in, int64_t out, DType compute) {
@@ -125,7 +131,12 @@ inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, in
     copy = kernels::ScratchTally::operand16_bytes(N * out, /*in_place=*/false, compute);
   }
   if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
-  if (dw) t.matmul(weight_grad_desc(N, in, out, compute), dy.dtype, dy.exact, x.dtype, x.exact);
+  if (dw) {
+    kernels::MatmulDesc g = weight_grad_desc(N, in, out, compute);
+    t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);
+    g.accumulate = false;  // the first backward of a window writes it (linear_backward's dw_overwrite)
+    t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);
+  }
   return copy;
 }
 // An AlignedBuffer's bytes as allocated (64-byte aligned blocks).

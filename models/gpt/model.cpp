@@ -100,15 +100,15 @@ class Gpt final : public Model {
                         {
                             {"ln_1.weight", {C}, Init::kOnes},
                             {"ln_1.bias", {C}, Init::kZeros},
-                            {"attn.c_attn.weight", {3 * C, C}},
+                            {"attn.c_attn.weight", {3 * C, C}, Init::kNormal, 0.02f, true},
                             {"attn.c_attn.bias", {3 * C}, Init::kZeros},
-                            {"attn.c_proj.weight", {C, C}, Init::kNormal, resid_std},
+                            {"attn.c_proj.weight", {C, C}, Init::kNormal, resid_std, true},
                             {"attn.c_proj.bias", {C}, Init::kZeros},
                             {"ln_2.weight", {C}, Init::kOnes},
                             {"ln_2.bias", {C}, Init::kZeros},
-                            {"mlp.c_fc.weight", {4 * C, C}},
+                            {"mlp.c_fc.weight", {4 * C, C}, Init::kNormal, 0.02f, true},
                             {"mlp.c_fc.bias", {4 * C}, Init::kZeros},
-                            {"mlp.c_proj.weight", {C, 4 * C}, Init::kNormal, resid_std},
+                            {"mlp.c_proj.weight", {C, 4 * C}, Init::kNormal, resid_std, true},
                             {"mlp.c_proj.bias", {C}, Init::kZeros},
                         },
                         frozen});
@@ -465,12 +465,12 @@ class Gpt final : public Model {
       CView dy_in = ops_->dy_operand(dx, bias_grad(g, kMlpProjB), N, C, dt, dy16_);
       bool adapted = lora_backward(lpp, lg, a, l, kGptMlpProj, a.gelu_in, dy_in, dbig, N, dt);
       detail::linear_backward(*ops_, dy16_, dbig, weight_grad(g, kMlpProjW), nullptr, {}, a.gelu_in, p[kMlpProjW], N,
-                              F, C, dt, dy_in, adapted);
+                              F, C, dt, dy_in, adapted, g.overwrite(kMlpProjW));
       const CView dfc =
           ops_->gelu_backward_operand(dbig, bias_grad(g, kFcB), a.fc.as<float>(), dbig, N, F, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptFc, a.ln2_in, dfc, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kFcW), nullptr, {}, a.ln2_in, p[kFcW], N, C,
-                              F, dt, dfc, adapted);
+                              F, dt, dfc, adapted, g.overwrite(kFcW));
       tensor_sum(dsmall, N * C);  // each part's share of d ln2
       ops_->layernorm_backward(dx, norm_grad(g, kLn2W), norm_grad(g, kLn2B), dsmall, a.x_mid.as<float>(), p[kLn2W],
                                a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
@@ -478,7 +478,7 @@ class Gpt final : public Model {
       dy_in = ops_->dy_operand(dx, bias_grad(g, kAttnProjB), N, C, dt, dy16_);
       adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
-                              p[kAttnProjW], N, A, C, dt, dy_in, adapted);
+                              p[kAttnProjW], N, A, C, dt, dy_in, adapted, g.overwrite(kAttnProjW));
       if (sequence_split()) {
         seq_.to_heads(*ops_, ctx, dsmall, dsmall, B, 1, A / seq_size());
         ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), attention_shape(), dt);
@@ -494,7 +494,7 @@ class Gpt final : public Model {
       float* dln1 = input_grad ? dsmall : nullptr;
       adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dln1, N, dt);
       detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
-                              3 * A, dt, dy_in, adapted);
+                              3 * A, dt, dy_in, adapted, g.overwrite(kQkvW));
       if (input_grad) {
         tensor_sum(dsmall, N * C);  // each part's share of d ln1
         ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],

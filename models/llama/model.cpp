@@ -133,13 +133,13 @@ class Llama final : public Model {
       const Init norm_init = c.norm_offset != 0.0f ? Init::kZeros : Init::kOnes;
       if (c.pre_norms) x.ln1 = add({"input_layernorm.weight", {C}, norm_init});
       if (c.pre_norms && c.layer_norm) x.ln1_b = add({"input_layernorm.bias", {C}, Init::kZeros});
-      x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd});
+      x.qkv_w = add({"self_attn.qkv_proj.weight", {Q, C}, Init::kNormal, sd, true});
       if (c.qkv_bias) x.qkv_b = add({"self_attn.qkv_proj.bias", {Q}, Init::kZeros});
       if (c.qk_norm) {
         x.q_norm = add({"self_attn.q_norm.weight", {c.qk_norm_full ? H_ * D_ : D_}, norm_init});
         x.k_norm = add({"self_attn.k_norm.weight", {c.qk_norm_full ? K_ * D_ : D_}, norm_init});
       }
-      x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd});
+      x.o_w = add({"self_attn.o_proj.weight", {C, A}, Init::kNormal, sd, true});
       if (c.o_bias) x.o_b = add({"self_attn.o_proj.bias", {C}, Init::kZeros});
       // The Llama's second norm is named post_attention_layernorm although
       // it comes before the MLP; with post_norms that name is the norm
@@ -153,13 +153,13 @@ class Llama final : public Model {
       const std::string up = c.mlp_gated ? "mlp.gate_up_proj" : "mlp.up_proj";
       if (c.sparse_layer(l)) {
         const int64_t E = c.num_experts, Ie = c.expert_size();
-        x.router = add({"mlp.gate.weight", {E, C}, Init::kNormal, sd});
-        x.experts_gu = add({"mlp.experts.gate_up_proj", {E * 2 * Ie, C}, Init::kNormal, sd});
-        x.experts_down = add({"mlp.experts.down_proj", {E * C, Ie}, Init::kNormal, sd});
+        x.router = add({"mlp.gate.weight", {E, C}, Init::kNormal, sd, true});
+        x.experts_gu = add({"mlp.experts.gate_up_proj", {E * 2 * Ie, C}, Init::kNormal, sd, true});
+        x.experts_down = add({"mlp.experts.down_proj", {E * C, Ie}, Init::kNormal, sd, true});
       } else {
-        x.gu_w = add({up + ".weight", {GU_, C}, Init::kNormal, sd});
+        x.gu_w = add({up + ".weight", {GU_, C}, Init::kNormal, sd, true});
         if (c.mlp_bias) x.gu_b = add({up + ".bias", {GU_}, Init::kZeros});
-        x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd});
+        x.down_w = add({"mlp.down_proj.weight", {C, I}, Init::kNormal, sd, true});
         if (c.mlp_bias) x.down_b = add({"mlp.down_proj.bias", {C}, Init::kZeros});
       }
       idx_.push_back(x);
@@ -170,12 +170,12 @@ class Llama final : public Model {
     head_ = static_cast<int>(fin.params.size());
     head_block_ = static_cast<int>(specs_.size());
     const bool own_head = c.lora.saves("lm_head");  // trained beside the adapters: a block of its own
-    if (!c.tie_word_embeddings && !own_head) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd});
+    if (!c.tie_word_embeddings && !own_head) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd, true});
     specs_.push_back(std::move(fin));
     if (own_head) {
       head_ = 0;
       head_block_ = static_cast<int>(specs_.size());
-      specs_.push_back({"lm_head", {{"lm_head.weight", {V, C}, Init::kNormal, sd}}, false});
+      specs_.push_back({"lm_head", {{"lm_head.weight", {V, C}, Init::kNormal, sd, true}}, false});
     }
     lora_first_ = static_cast<int>(specs_.size());
     if (frozen) add_lora_blocks();
@@ -507,12 +507,12 @@ class Llama final : public Model {
         CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.down_b), N, C, dt, dy16_);
         bool adapted = lora_backward(lpp, lg, a, l, kGroupDown, a.act_in, dy_in, dmid, N, dt);
         detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.down_w), nullptr, {}, a.act_in, p[x.down_w], N,
-                                I, C, dt, dy_in, adapted);
+                                I, C, dt, dy_in, adapted, g.overwrite(x.down_w));
         act_backward(dbig, dmid, a.gate_up.as<float>(), N);
         dy_in = ops_->dy_operand(dbig, bias_grad(g, x.gu_b), N, GU_, dt, dy16_);
         adapted = lora_backward(lpp, lg, a, l, kGroupGateUp, a.ln2_in, dy_in, dsmall, N, dt);
         detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), nullptr, {}, a.ln2_in, p[x.gu_w], N, C,
-                                GU_, dt, dy_in, adapted);
+                                GU_, dt, dy_in, adapted, g.overwrite(x.gu_w));
         tensor_sum(dsmall, N * C);  // each part's share of d ln2
       }
       // With the parallel residual the MLP's norm read x_in: its gradient
@@ -526,7 +526,7 @@ class Llama final : public Model {
       CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.o_b), N, C, dt, dy16_);
       bool adapted = lora_backward(lpp, lg, a, l, kGroupO, a.att_in, dy_in, dmid, N, dt);
       detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), nullptr, {}, a.att_in, p[x.o_w], N, A, C, dt,
-                              dy_in, adapted);
+                              dy_in, adapted, g.overwrite(x.o_w));
       if (sequence_split()) {
         seq_.to_heads(*ops_, ctx, dmid, dmid, B, 1, seq_heads_w());
         ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
@@ -546,7 +546,7 @@ class Llama final : public Model {
       float* dln1 = input_grad ? dsmall : nullptr;
       adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dln1, N, dt);
       detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
-                              Q, dt, dy_in, adapted);
+                              Q, dt, dy_in, adapted, g.overwrite(x.qkv_w));
       if (input_grad) {
         tensor_sum(dsmall, N * C);  // each part's share of d ln1
         pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
@@ -602,12 +602,13 @@ class Llama final : public Model {
       HeldParams head = ctx.acquire(head_block_);
       BlockGrads ghead = ctx.grads(head_block_);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, Vv_, dt);
+                              lnf_in_, head[head_], N, C, Vv_, dt, {}, false, ghead.overwrite(head_));
       head.release();
       ctx.grads_ready(head_block_);
     } else {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt);
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt, {}, false,
+                              gnf.overwrite(head_));
     }
     if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
     float* dx = dres_.as<float>();
@@ -1129,12 +1130,19 @@ class Llama final : public Model {
     float* dact = moe_dact_.as<float>();  // (R,Ie)
     float* g_down = weight_grad(g, x.experts_down);
     float* g_gu = weight_grad(g, x.experts_gu);
+    // Written by the first backward of a window (Note [gradients written,
+    // not zeroed] in engine/model.h): an expert without rows writes zeros.
+    const bool new_down = g_down && g.overwrite(x.experts_down), new_gu = g_gu && g.overwrite(x.experts_gu);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
-      if (rows == 0) continue;
+      if (rows == 0) {
+        if (new_down) ops_->zero(g_down + e * C * Ie, C * Ie);
+        if (new_gu) ops_->zero(g_gu + e * 2 * Ie * C, 2 * Ie * C);
+        continue;
+      }
       detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g_down ? g_down + e * C * Ie : nullptr, nullptr,
                               f32(dy + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
-                              C, dt);
+                              C, dt, {}, false, new_down);
     }
     ops_->swiglu_backward(dgu, dact, m.gu.as<float>(), R, Ie);
     for (int64_t e = 0; e < E; ++e) {
@@ -1142,7 +1150,7 @@ class Llama final : public Model {
       if (rows == 0) continue;
       detail::linear_backward(*ops_, dy16_, dy + r0 * C, g_gu ? g_gu + e * 2 * Ie * C : nullptr, nullptr,
                               f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
-                              C, 2 * Ie, dt);
+                              C, 2 * Ie, dt, {}, false, new_gu);
     }
   }
 
@@ -1390,7 +1398,7 @@ class Llama final : public Model {
                              c_.norm_topk_prob, dlogits);
     float* drouter = moe_dy_.as<float>();  // (N,C) of it, free again: the router's input gradient
     detail::linear_backward(*ops_, dy16_, drouter, weight_grad(g, x.router), nullptr, f32(dlogits), a.ln2_in,
-                            p[x.router], N, C, E, dt);
+                            p[x.router], N, C, E, dt, {}, false, g.overwrite(x.router));
     ops_->add(dln2, dln2, drouter, N * C);
   }
 

@@ -151,5 +151,82 @@ TEST(GradReducer, Stage2FreesEachFullGradientOnceReduced) {
   EXPECT_EQ(f.memory.bytes(), base);
 }
 
+// Note [gradients written, not zeroed] (engine/model.h): a block's marked
+// parameter is handed out fresh once per window, kept (not zeroed) by
+// reset_after_step, and zeroed by the reducer where a backward reports the
+// block without asking for its gradients.
+TEST(GradReducer, MarkedParametersAreWrittenNotZeroed) {
+  const int world = g_world->size(), rank = g_world->rank();
+  // Block 0: a marked weight of 1000 elements, an unmarked bias of 7 (after
+  // an alignment gap), and the padding; block 1: the marked weight alone.
+  BlockSpec spec0{"b0", {{"w", {10, 100}, Init::kNormal, 0.02f, true}, {"bias", {7}}}};
+  BlockSpec spec1{"b1", {{"w", {3, 11}, Init::kNormal, 0.02f, true}}};
+  for (int stage : {0, 1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    StagePlan plan = StagePlan::make(stage, world);
+    std::vector<BlockShard> blocks(2);
+    blocks[0].layout = BlockLayout::from_spec(spec0);
+    blocks[1].layout = BlockLayout::from_spec(spec1);
+    for (BlockShard& b : blocks) b.part = Partition::make(b.layout.numel, world, rank);
+    std::unique_ptr<comm::CommStream> stream;
+    if (world > 1) stream = std::make_unique<comm::CommStream>(*g_world);
+    StateMemory memory;
+    GradReducer r(plan, blocks, stream.get(), memory, GradReducer::Options{1, false, DType::kF32, {}, true, {}});
+    const BlockLayout& l0 = blocks[0].layout;
+    // One micro-step of a model: the weight written when fresh (else added
+    // to), the bias added to; block 1 asked for only when `touch1`.
+    auto backward = [&](bool boundary, bool touch1, float value) {
+      r.begin_backward(boundary);
+      for (int b : {1, 0}) {
+        if (b == 0 || touch1) {
+          float* g = r.grads(b);
+          const bool fresh = r.take_fresh(b);
+          const int64_t n = blocks[static_cast<size_t>(b)].layout.numels[0];
+          for (int64_t i = 0; i < n; ++i) g[i] = fresh ? value : g[i] + value;
+          if (b == 0)
+            for (int64_t i = 0; i < l0.numels[1]; ++i) g[l0.offsets[1] + i] += value;
+        }
+        blocks[static_cast<size_t>(b)].grads_reported = true;
+        r.ready(b);
+      }
+      r.end_backward();
+    };
+    // The sum over ranks of one element, every element of the parameters
+    // taking `per_rank` on each rank; gaps and padding zero.
+    auto expect = [&](int b, float w, float bias, const std::string& what) {
+      BlockShard& s = blocks[static_cast<size_t>(b)];
+      const float* shard = r.reduced_shard(s);
+      const BlockLayout& l = s.layout;
+      for (int64_t j = 0; j < s.part.shard_numel; ++j) {
+        const int64_t i = s.part.own_offset() + j;
+        float want = 0.0f;
+        if (i < l.numels[0]) want = w * static_cast<float>(world);
+        else if (l.offsets.size() > 1 && i >= l.offsets[1] && i < l.offsets[1] + l.numels[1])
+          want = bias * static_cast<float>(world);
+        ASSERT_EQ(shard[j], want) << what << ": block " << b << " element " << i;
+      }
+    };
+    backward(true, true, 1.0f);
+    r.wait_all();
+    expect(0, 1.0f, 1.0f, "step 1");
+    expect(1, 1.0f, 0.0f, "step 1");
+    r.reset_after_step();
+    if (stage != 2) {  // kept: the weight's old sum stays, the rest is zero
+      const float* g = blocks[0].grad.as<float>();
+      EXPECT_NE(g[0], 0.0f);
+      for (int64_t i = l0.numels[0]; i < blocks[0].part.padded_numel; ++i) ASSERT_EQ(g[i], 0.0f) << i;
+    }
+    // Two micro-steps: the first writes, the second adds; block 1 is
+    // reported without a product into it, so it holds zeros, not step 1's.
+    backward(false, false, 2.0f);
+    backward(true, false, 3.0f);
+    r.wait_all();
+    expect(0, 5.0f, 5.0f, "step 2");
+    expect(1, 0.0f, 0.0f, "step 2");
+    r.reset_after_step();
+    if (stream) stream->synchronize();
+  }
+}
+
 }  // namespace
 }  // namespace zinc
