@@ -72,12 +72,19 @@ float* GradReducer::grads(int block) {
   ZINC_CHECK(!s.frozen, "GradReducer::grads: a frozen block has no gradients");
   if (s.grad_state == GradState::kFreed) {
     s.reduction.wait();
-    s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4, /*zero=*/!options_.model_grads);
-    if (options_.model_grads) zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, false);
+    s.grad = memory_.alloc(static_cast<size_t>(s.part.padded_numel) * 4, /*zero=*/false);
+    clear_for_window(s);
     s.grad_state = GradState::kAccumulating;
-    s.grad_fresh = options_.model_grads;
   }
   return s.grad.as<float>();
+}
+
+void GradReducer::clear_for_window(BlockShard& s) {
+  if (options_.model_grads)
+    zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, false);
+  else
+    std::memset(s.grad.data(), 0, s.grad.bytes());
+  s.grad_fresh = options_.model_grads;
 }
 
 bool GradReducer::take_fresh(int block) {
@@ -231,14 +238,8 @@ void GradReducer::reset_after_step() {
       memory_.free(s.grad);
       s.grad_state = GradState::kFreed;
     } else {
-      // The overwritten parameters stay as they are: the next backward
-      // writes them (Note [gradients written, not zeroed] in engine/model.h).
-      if (!s.grad.empty() && options_.model_grads)
-        zero_grad_ranges(s.grad.as<float>(), s.layout, s.part.padded_numel, false);
-      else if (!s.grad.empty())
-        std::memset(s.grad.data(), 0, s.grad.bytes());
+      if (!s.grad.empty()) clear_for_window(s);
       s.grad_state = GradState::kAccumulating;
-      s.grad_fresh = options_.model_grads;
     }
   }
 }

@@ -95,6 +95,10 @@ class GradReducer {
   void flush_bucket();
   // Zeroes the overwritten parameters of a block no backward was handed yet.
   void settle_fresh(BlockShard& s);
+  // The full gradient as the next window's first backward finds it: with
+  // model_grads its overwritten parameters left as they are (the backward
+  // writes them) and the rest zeroed, handed out fresh; else all zeros.
+  void clear_for_window(BlockShard& s);
   void submit(const std::vector<int>& ids);
   void reap();
 
