@@ -40,6 +40,7 @@ struct BenchOptions {
   bool packed = false;  // train-step: also time packed documents with masked prompts, against plain rows
   bool lora = false;    // train-step (Llama-style): also time LoRA (r 16, every linear layer), against the full fine-tune
   std::vector<std::string> lora_targets;  // --lora-targets: LoRA's target_modules (default all-linear)
+  bool lora_unpacked = false;  // --lora-unpacked: LoRA with model.pack_frozen_weights false
   bool monitor = false;  // train-step: also time the step with the tensorboard and csv monitors writing
   std::string mkl;      // gemm: libmkl_rt to load (default: the dynamic linker's libmkl_rt.so.3, .so.2, .so)
   bool shapes = false;  // gemm: print the step's matmul shapes as JSON and stop

@@ -72,6 +72,9 @@ int main(int argc, char** argv) {
                  "train-step --lora: LoRA's target_modules instead of every linear layer (e.g. q_proj alone: what "
                  "the frozen base costs with one adapter)")
       ->delimiter(',');
+  app.add_flag("--lora-unpacked", o.lora_unpacked,
+               "train-step --lora: the LoRA model with model.pack_frozen_weights false (the frozen base copied "
+               "into oneDNN's layout by every product, as before it was kept packed)");
   app.add_flag("--packed", o.packed,
                "train-step: also time the same step on packed documents (Batch::positions) with a third of each "
                "document's targets masked, in the same rounds; reports packed / plain");

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -124,6 +125,8 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   }
   world_all = world;
   world_rank = rank;
+  static std::atomic<uint64_t> engines{0};
+  param_generation = ++engines;
   if (world > 1) agree_on_config();
   if (c.model_parallel_size() > 1) setup_grid();  // comm, world and rank become the data-parallel group's
   if (c.expert_split()) setup_experts();          // ... or those that hold the same experts
@@ -333,6 +336,9 @@ BlockParams Engine::Impl::acquire_params(int block) {
                 " does not hold");
   BlockParams p = params->acquire(block);
   device->on_acquire(block, p);
+  // A frozen block outside stage 3 keeps its one gathered copy for the
+  // engine's life (gather_after_step skips it; nothing else writes it).
+  if (state(block).frozen && !plan.params_sharded && cfg.device == Device::kCpu) p.generation = param_generation;
   return p;
 }
 

@@ -101,6 +101,9 @@ struct Engine::Impl final : StepContext {
   optim::LossScaler scaler;
   int64_t num_params = 0;
   int64_t num_trained = 0;  // outside frozen blocks
+  // BlockParams::generation of the blocks held in place: one per engine
+  // (a model handed to a second engine packs its weights again).
+  uint64_t param_generation = 0;
 
   int64_t micro_steps = 0;      // backward() calls so far
   int64_t global_steps = 0;     // boundaries reached

@@ -320,6 +320,12 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                        on_gpu ? "the CPU kernels' scratch as a guide; cuBLAS's workspaces come on top"
                               : "converted operands, attention buffers, oneDNN",
                        false});
+    // BlockParams::generation: frozen blocks stay in place outside stage 3.
+    if (act->packed > 0 && !plan.params_sharded && !on_gpu)
+      acts_at.push_back({"packed frozen weights", act->packed,
+                         "the frozen base's layer weights in oneDNN's layout, for their forward and input-gradient "
+                         "products (model.pack_frozen_weights: false saves them)",
+                         false});
   } else {
     e.activations_unknown = true;
   }

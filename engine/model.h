@@ -111,6 +111,12 @@ struct BlockParams {
   const void* base = nullptr;
   DType dtype = DType::kF32;
   const BlockLayout* layout = nullptr;
+  // Nonzero where these parameters stay at this address with these values
+  // for as long as the number is the same (a frozen block the engine holds
+  // in place: ZeRO stages 0-2), so that a model may keep what it derives
+  // from them (Note [packed frozen weights] in kernels/matmul.cpp); 0 where
+  // they may move or change between acquires.
+  uint64_t generation = 0;
   kernels::CView operator[](int i) const {
     return {static_cast<const char*>(base) + layout->offsets[i] * dtype_bytes(dtype), dtype};
   }
@@ -312,6 +318,10 @@ struct ActivationMemory {
   int64_t saved = 0;
   // The kernels' grow-only scratch for the pass (kernels::ScratchTally).
   int64_t workspace = 0;
+  // Frozen weights kept packed for the matmuls (Note [packed frozen
+  // weights] in kernels/matmul.cpp), where the engine holds them in place
+  // (BlockParams::generation: ZeRO stages 0-2); held from the first forward on.
+  int64_t packed = 0;
 };
 
 class Model {

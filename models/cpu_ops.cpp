@@ -23,6 +23,10 @@ class CpuOps : public Ops {
   void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias) override {
     kernels::matmul(d, a, b, c, bias);
   }
+  void matmul_packed(const kernels::MatmulDesc& d, CView a, CView b, uint64_t generation, kernels::PackedWeight& slot,
+                     float* c, CView bias) override {
+    kernels::matmul_packed(d, a, b, generation, slot, c, bias);
+  }
   void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) override {
     kernels::bias_backward(dbias, dy, M, N);
   }

@@ -48,6 +48,11 @@ struct LoraConfig {
   // modules_to_save: whole modules trained beside the adapters (PEFT's
   // names: embed_tokens, lm_head), each in a block of its own, not frozen.
   std::vector<std::string> modules_to_save;
+  // zinc's own, not PEFT's (config key model.pack_frozen_weights): keep the
+  // frozen base's layer weights packed for the matmuls where the engine
+  // holds them in place (ZeRO stages 0-2): two more copies of them for
+  // faster products (Note [packed frozen weights] in kernels/matmul.cpp).
+  bool pack_base = true;
   bool enabled() const { return r > 0; }
   bool saves(const std::string& m) const {
     return enabled() && std::find(modules_to_save.begin(), modules_to_save.end(), m) != modules_to_save.end();

@@ -70,7 +70,7 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
     throw ConfigError("data.seq_len", std::to_string(data.seq_len()) + " exceeds the model's " +
                                           (hf.family->max_positions_key + " ") +
                                           std::to_string(max_T) + " (" + file + ")");
-  const models::LoraConfig lora = m.adapter.empty() ? m.lora : read_peft_adapter_config(m.adapter);
+  const models::LoraConfig lora = m.built_lora(m.adapter.empty() ? m.lora : read_peft_adapter_config(m.adapter));
   std::shared_ptr<Model> model = load_pretrained(hf, device, m.gradient_checkpointing, lora, m.adapter);
   if (lora.enabled()) {
     // The folder's config as the model was built: with its adapters (what
@@ -130,7 +130,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     e.model = load_from_pretrained(m, *e.data, e.config.device, e.hf);
   } else {
     std::unique_ptr<models::FamilyConfig> model = m.settings.model->clone();
-    model->set_lora(m.lora);
+    model->set_lora(m.built_lora(m.lora));
     model->fit_data(V, e.data->seq_len());
     if (auto bad = model->size_error()) throw ConfigError("model." + bad->field, bad->message);
     e.model = model->build(e.config.device, m.gradient_checkpointing);

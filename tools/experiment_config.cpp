@@ -86,6 +86,7 @@ void parse_model(Reader& root, ModelConfig& m) {
     throw ConfigError(r.last_path(), "must not be empty (a Hugging Face model folder)");
   if (r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24))) m.given.push_back("vocab_size");
   r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
+  r.get_bool("pack_frozen_weights", m.pack_frozen_weights);
   if (r.has("lora")) parse_lora(r, m.lora);
   if (r.get_file_name("adapter", m.adapter)) {
     if (m.adapter.empty()) throw ConfigError(r.last_path(), "must not be empty (a PEFT adapter folder)");
@@ -340,6 +341,7 @@ nlohmann::json to_json(const ExperimentConfig& e) {
                      {"lora_dropout", m.lora.dropout}, {"target_modules", m.lora.targets},
                      {"modules_to_save", m.lora.modules_to_save}};
   if (!m.adapter.empty()) model["adapter"] = m.adapter;
+  if (m.lora.enabled() || !m.adapter.empty()) model["pack_frozen_weights"] = m.pack_frozen_weights;
   return {{"model", model},
           {"data", data},
           {"run",

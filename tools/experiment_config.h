@@ -58,6 +58,17 @@ struct ModelConfig {
   // adapter_config.json is the configuration; from_pretrained only).
   models::LoraConfig lora;
   std::string adapter;
+  // Under LoRA, keep the frozen base's layer weights packed for the
+  // matmuls where the engine holds them in place (ZeRO stages 0-2; Note
+  // [packed frozen weights] in kernels/matmul.cpp): model.pack_frozen_weights,
+  // default true; false saves the two packed copies for slower products.
+  bool pack_frozen_weights = true;
+  // The LoRA configuration the model is built with: `from` (model.lora, or
+  // the adapter folder's) with pack_frozen_weights.
+  models::LoraConfig built_lora(models::LoraConfig from) const {
+    from.pack_base = pack_frozen_weights;
+    return from;
+  }
   // The keys the section gave (for that check). Not a setting: equal
   // configs may have come from documents that spelt defaults out or not.
   struct GivenKeys : std::vector<std::string> {

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/alloc.h"
@@ -81,6 +82,38 @@ MatmulPath matmul_path(const MatmulDesc& d);
 // One line for headers: "matmul fp32: oneDNN brg:avx2 | matmul bf16: via fp32
 // (oneDNN brg:avx2), no native bf16 on this CPU".
 std::string matmul_paths_summary();
+
+// A matmul's B operand kept in the layout its primitive reads (oneDNN's
+// blocked format, in the dtype it multiplies), for a weight that stays the
+// same from call to call: Note [packed frozen weights] in matmul.cpp.
+// Empty until matmul_packed fills it; movable, not copyable.
+class PackedWeight {
+ public:
+  PackedWeight();
+  ~PackedWeight();
+  PackedWeight(PackedWeight&&) noexcept;
+  PackedWeight& operator=(PackedWeight&&) noexcept;
+  bool empty() const { return impl_ == nullptr; }
+  // Bytes of the packed copy (0 when empty).
+  int64_t bytes() const;
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  friend void matmul_packed(const MatmulDesc&, CView, CView, uint64_t, PackedWeight&, float*, CView);
+};
+// matmul(d, a, b, c, bias) with b read from `slot`, which keeps b packed
+// from one call to the next: b is packed into it where the slot is empty or
+// holds another weight (address), another `generation` or another layout,
+// and reused otherwise. generation 0 (a weight that may change between
+// calls) and a B that cannot be packed (batch > 1, strided) run the plain
+// matmul and leave the slot as it is. The same sums as matmul's: bit for
+// bit where oneDNN runs the same kernel on both layouts (the last bits may
+// differ where it picks another, as at some small strided shapes).
+void matmul_packed(const MatmulDesc& d, CView a, CView b, uint64_t generation, PackedWeight& slot, float* c,
+                   CView bias = {});
+// The bytes matmul_packed keeps in a slot for d's B (0: not packed).
+int64_t packed_weight_bytes(const MatmulDesc& d);
 // An fp32 operand converted ONCE for several bf16 matmuls (a layer's input
 // feeds its forward and its weight-gradient matmul; dY feeds the input- and
 // the weight-gradient matmul), instead of once in every matmul. Where oneDNN

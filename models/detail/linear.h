@@ -44,13 +44,29 @@ inline kernels::MatmulDesc weight_grad_desc(int64_t N, int64_t in, int64_t out, 
   return g;
 }
 
+// Where a frozen weight's product keeps it packed between calls (Note
+// [packed frozen weights] in kernels/matmul.cpp): the model's slot for that
+// weight and product, and its block's BlockParams::generation. Empty: the
+// plain product.
+struct PackedSlot {
+  kernels::PackedWeight* slot = nullptr;
+  uint64_t generation = 0;
+};
+inline void linear_matmul(Ops& ops, const kernels::MatmulDesc& d, CView a, CView w, float* c, CView bias,
+                          PackedSlot pk) {
+  if (pk.slot && pk.generation != 0)
+    ops.matmul_packed(d, a, w, pk.generation, *pk.slot, c, bias);
+  else
+    ops.matmul(d, a, w, c, bias);
+}
+
 // y(N,out) = x(N,in) W^T + b   (b.data may be null); with accumulate,
-// y += (a LoRA adapter's part written first, models/detail/lora.h).
+// y += instead. pk: W packed (a frozen weight's, PackedSlot).
 inline void linear_forward(Ops& ops, float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
-                           DType compute, bool accumulate = false) {
+                           DType compute, bool accumulate = false, PackedSlot pk = {}) {
   kernels::MatmulDesc d = forward_desc(N, in, out, b.data != nullptr, compute);
   d.accumulate = accumulate;
-  ops.matmul(d, x, w, y, b);
+  linear_matmul(ops, d, x, w, y, b, pk);
 }
 inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
                            DType compute) {
@@ -66,12 +82,12 @@ inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64
 // `dy_op`, where given, is dy as the matmuls read it, made by dy's producer
 // together with the bias gradient (Ops::gelu_backward_operand); db is then
 // null.
-// dx_accumulate: dx += dy W instead (a LoRA adapter's part written first).
 // dw_overwrite: dW = dy^T x, written (BlockGrads::overwrite: Note [gradients
-// written, not zeroed] in engine/model.h).
+// written, not zeroed] in engine/model.h). pk: dx's product with W packed
+// (a frozen weight's).
 inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float* db, CView dy, CView x, CView w,
                             int64_t N, int64_t in, int64_t out, DType compute, CView dy_op = {},
-                            bool dx_accumulate = false, bool dw_overwrite = false) {
+                            bool dw_overwrite = false, PackedSlot pk = {}) {
   if (dy_op.data) {
     ZINC_CHECK(!db, "linear_backward: a ready dy operand comes with its bias gradient summed");
     dy = dy_op;
@@ -80,9 +96,7 @@ inline void linear_backward(Ops& ops, Buf& scratch, float* dx, float* dw, float*
     dy = ops.dy_operand(static_cast<const float*>(dy.data), db, N, out, compute, scratch);
   }
   if (dx) {
-    kernels::MatmulDesc d = input_grad_desc(N, in, out, compute);
-    d.accumulate = dx_accumulate;
-    ops.matmul(d, dy, w, dx);
+    linear_matmul(ops, input_grad_desc(N, in, out, compute), dy, w, dx, {}, pk);
   }
   if (dw) {  // null: a frozen weight
     kernels::MatmulDesc g = weight_grad_desc(N, in, out, compute);
@@ -138,6 +152,13 @@ inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, in
     t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);
   }
   return copy;
+}
+// The bytes a frozen weight (out, in) keeps packed for its forward and its
+// input gradient over N rows (Note [packed frozen weights] in
+// kernels/matmul.cpp; the models' packed slots).
+inline int64_t packed_linear_bytes(int64_t N, int64_t in, int64_t out, bool bias, DType compute) {
+  return kernels::packed_weight_bytes(forward_desc(N, in, out, bias, compute)) +
+         kernels::packed_weight_bytes(input_grad_desc(N, in, out, compute));
 }
 // An AlignedBuffer's bytes as allocated (64-byte aligned blocks).
 inline int64_t buffer_bytes(int64_t n, int64_t elem_bytes = 4) {

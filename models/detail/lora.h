@@ -7,13 +7,13 @@
 // group's adapters run as one: U = x [A_1; A_2; ...]^T (N, n r), then the
 // whole output of the weight = scale * U Bbd^T with Bbd the group's B's
 // placed block-diagonally (each B_t at its target's rows and its own r
-// columns, zeros elsewhere), written before the base's product adds itself
-// (one pass over the output, where a column copy, an accumulate and a copy
-// back per target took three). The zeros cost n times the adapters' r-wide
+// columns, zeros elsewhere), added after the base's product wrote it (one
+// pass over the output, where a column copy, an accumulate and a copy back
+// per target took three; Note [LoRA after the base]). The zeros cost n times the adapters' r-wide
 // products, small beside the base's. In backward the same shapes give dBbd =
 // scale dy^T U and dA = dU^T x whole (their blocks added to each target's
-// gradients), dU = scale dy Bbd and dx = dU [A_1; ...] (before the base's
-// input gradient adds itself) in one product each. A one-member group
+// gradients), dU = scale dy Bbd and dx += dU [A_1; ...] (after the base's
+// input gradient wrote dx) in one product each. A one-member group
 // spanning its weight uses A and B themselves and their gradients directly.
 // A group whose members cover its weight's rows (q, k and v all adapted;
 // gate and up) runs B's products per member instead, on column blocks of
@@ -29,9 +29,12 @@
 // the base's wide product read the output back inside its kernel: 8-10%
 // slower for q|k|v and gate|up on oneDNN's bf16 brgemm, more than the
 // adapters' r-wide products lose by accumulating (measured, 2026-11-29:
-// a gate|up layer of the ~100M Llama 15.2 ms against 14.1). Backward keeps
-// the adapters first: there the base's input gradient is narrow (in
-// columns) and deep (out), and adds itself at no measurable cost.
+// a gate|up layer of the ~100M Llama 15.2 ms against 14.1). Backward takes
+// the same order: the base's input gradient writes dx and the adapters'
+// dU A adds itself. The base's product reading dx back cost 4-12% of it
+// (down_proj's most: its dx is the widest); with the adapters after, the
+// ~100M Llama's LoRA backward took 7.7 ms less of oneDNN's time a step
+// (339.5 against 347.2 ms, bf16, 2026-11-30, bench/RESULTS.md).
 //
 // Note [LoRA's B gradient transposed]
 // dB = scale dy^T U (the output's width x r) runs as its transpose, dB^T =
@@ -197,6 +200,12 @@ inline bool covers(const LoraGroup& g) {
   }
   return g.members.size() > 1 && end == g.width;
 }
+// dx (N, in) += dU A over the k = n r columns of dU (Note [LoRA after the base]).
+inline kernels::MatmulDesc adapter_dx_desc(int64_t N, int64_t in, int64_t k, DType dt) {
+  kernels::MatmulDesc d = input_grad_desc(N, in, k, dt);
+  d.accumulate = true;
+  return d;
+}
 // A view `elems` elements on.
 inline CView at(CView v, int64_t elems) {
   v.data = static_cast<const char*>(v.data) + static_cast<size_t>(elems) * dtype_bytes(v.dtype);
@@ -300,10 +309,11 @@ inline bool lora_forward(Ops& ops, LoraScratch& s, const HeldParams& lp, const L
 }
 
 // Backward from dy_in (the gradient of the group's whole output as the
-// matmuls read it): the adapters' gradients into lg, and dx (N, g.in) =
-// the adapters' part of the input's gradient, before the base's part adds
-// itself (null: nothing needs the input's gradient, Note [no input
-// gradient under a frozen embedding]). Returns whether it wrote dx.
+// matmuls read it): the adapters' gradients into lg, and dx (N, g.in) +=
+// the adapters' part of the input's gradient, after the base's part wrote
+// it (Note [LoRA after the base]; null: nothing needs the input's
+// gradient, Note [no input gradient under a frozen embedding]). Returns
+// whether it added to dx.
 inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const BlockGrads& lg, const LoraGroup& g,
                           int64_t r, float scale, CView x, const LoraSaved& saved, CView dy_in, float* dx, int64_t N,
                           DType dt, const LoraDropout& drop = {}) {
@@ -354,7 +364,7 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
       if (!dx) continue;
       float* t = s.xd.as<float>();  // x_j is no longer needed
       ops.matmul(input_grad_desc(N, in, r, dt), duj, lora_impl::a_rows(A, j, r, in), t);
-      ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), j > 0);
+      ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), true);
     }
     if (!direct && !covers)
       for (int64_t j = 0; j < n; ++j) {  // member j's block of dBbd^T: rows j r.., columns m.row..
@@ -369,8 +379,8 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
   da.accumulate = direct;
   float* dag = direct ? lg[g.members[0].a] : s.dag.as<float>();
   ops.matmul(da, du_in, x, dag);
-  // dx = dU A
-  if (dx) ops.matmul(input_grad_desc(N, in, nr, dt), du_in, A, dx);
+  // dx += dU A
+  if (dx) ops.matmul(lora_impl::adapter_dx_desc(N, in, nr, dt), du_in, A, dx);
   if (direct) return dx != nullptr;
   // Each target's blocks of dBbd^T and dA, added to its gradients.
   for (int64_t j = 0; j < n; ++j) {
@@ -396,12 +406,6 @@ inline void lora_tally(kernels::ScratchTally& t, int64_t N, int64_t r, float sca
     const bool direct = lora_impl::direct(g), covers = lora_impl::covers(g);
     const DType a_dtype = direct ? dt : DType::kF32;  // A itself, or the stacked copy
     const bool a_exact = direct ? false : exact;
-    // The base's input gradient adds itself to the adapters' (accumulate:
-    // another primitive, with its own scratchpad where the CPU's kernel
-    // needs one; Note [LoRA after the base]).
-    kernels::MatmulDesc base_dx = input_grad_desc(N, in, W, dt);
-    base_dx.accumulate = true;
-    t.matmul(base_dx, dy.dtype, dy.exact, dt, false);
     if (dropout) {
       t.matmul(forward_desc(N, in, r, false, dt), act.dtype, act.exact, a_dtype, a_exact);
       kernels::MatmulDesc da = weight_grad_desc(N, in, r, dt);
@@ -412,7 +416,7 @@ inline void lora_tally(kernels::ScratchTally& t, int64_t N, int64_t r, float sca
       kernels::MatmulDesc da = weight_grad_desc(N, in, nr, dt);
       da.accumulate = direct;
       t.matmul(da, act.dtype, act.exact, act.dtype, act.exact);
-      t.matmul(input_grad_desc(N, in, nr, dt), act.dtype, act.exact, a_dtype, a_exact);
+      t.matmul(lora_impl::adapter_dx_desc(N, in, nr, dt), act.dtype, act.exact, a_dtype, a_exact);
     }
     if (covers) {
       for (const LoraMember& m : g.members) {

@@ -79,6 +79,13 @@ class Ops {
   virtual const int32_t* positions(const std::vector<int32_t>& host, Buf& store) = 0;
 
   virtual void matmul(const kernels::MatmulDesc& d, CView a, CView b, float* c, CView bias = {}) = 0;
+  // matmul with B kept packed in `slot` from call to call (Note [packed
+  // frozen weights] in kernels/matmul.cpp; generation: BlockParams's). The
+  // plain matmul where the backend packs nothing (the GPU).
+  virtual void matmul_packed(const kernels::MatmulDesc& d, CView a, CView b, uint64_t generation,
+                             kernels::PackedWeight& slot, float* c, CView bias = {}) {
+    matmul(d, a, b, c, bias);
+  }
   virtual void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N) = 0;
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
                                  int64_t C, float eps) = 0;

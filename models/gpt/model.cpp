@@ -298,6 +298,8 @@ class Gpt final : public Model {
     for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}}) {
       detail::tally_linear_forward(t, x, N, in, out, true, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
+      // packed(): every layer's four weights.
+      if (lora() && c_.lora.pack_base) m.packed += (sr.hi - sr.lo) * detail::packed_linear_bytes(N, in, out, true, dt);
     }
     t.attention(as, dt);
     if (lora()) {
@@ -461,24 +463,25 @@ class Gpt final : public Model {
       BlockGrads g = base_grads(ctx, blk);
       // MLP: x_out = x_mid + proj(gelu(fc(ln2(x_mid)))). dx holds d x_out and
       // becomes d x_mid by accumulating the branch's gradient. With LoRA the
-      // adapters' input gradient is written first and the base's adds itself.
+      // base's input gradient is written first and the adapters' add theirs.
       CView dy_in = ops_->dy_operand(dx, bias_grad(g, kMlpProjB), N, C, dt, dy16_);
-      bool adapted = lora_backward(lpp, lg, a, l, kGptMlpProj, a.gelu_in, dy_in, dbig, N, dt);
       detail::linear_backward(*ops_, dy16_, dbig, weight_grad(g, kMlpProjW), nullptr, {}, a.gelu_in, p[kMlpProjW], N,
-                              F, C, dt, dy_in, adapted, g.overwrite(kMlpProjW));
+                              F, C, dt, dy_in, g.overwrite(kMlpProjW), packed(p, l, kGptMlpProj, true));
+      lora_backward(lpp, lg, a, l, kGptMlpProj, a.gelu_in, dy_in, dbig, N, dt);  // Note [LoRA after the base]
       const CView dfc =
           ops_->gelu_backward_operand(dbig, bias_grad(g, kFcB), a.fc.as<float>(), dbig, N, F, dt, dy16_);
-      adapted = lora_backward(lpp, lg, a, l, kGptFc, a.ln2_in, dfc, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kFcW), nullptr, {}, a.ln2_in, p[kFcW], N, C,
-                              F, dt, dfc, adapted, g.overwrite(kFcW));
+                              F, dt, dfc, g.overwrite(kFcW), packed(p, l, kGptFc, true));
+      lora_backward(lpp, lg, a, l, kGptFc, a.ln2_in, dfc, dsmall, N, dt);  // Note [LoRA after the base]
       tensor_sum(dsmall, N * C);  // each part's share of d ln2
       ops_->layernorm_backward(dx, norm_grad(g, kLn2W), norm_grad(g, kLn2B), dsmall, a.x_mid.as<float>(), p[kLn2W],
                                a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(), N, C);
       // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
       dy_in = ops_->dy_operand(dx, bias_grad(g, kAttnProjB), N, C, dt, dy16_);
-      adapted = lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);
       detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, kAttnProjW), nullptr, {}, a.att_in,
-                              p[kAttnProjW], N, A, C, dt, dy_in, adapted, g.overwrite(kAttnProjW));
+                              p[kAttnProjW], N, A, C, dt, dy_in, g.overwrite(kAttnProjW),
+                              packed(p, l, kGptAttnProj, true));
+      lora_backward(lpp, lg, a, l, kGptAttnProj, a.att_in, dy_in, dsmall, N, dt);  // Note [LoRA after the base]
       if (sequence_split()) {
         seq_.to_heads(*ops_, ctx, dsmall, dsmall, B, 1, A / seq_size());
         ops_->attention_backward(a.ws, dbig, dsmall, a.qkv.as<float>(), attention_shape(), dt);
@@ -492,9 +495,9 @@ class Gpt final : public Model {
       // in models/llama/model.cpp).
       const bool input_grad = l > sr.lo || !sr.embed || !specs_[0].frozen;
       float* dln1 = input_grad ? dsmall : nullptr;
-      adapted = lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dln1, N, dt);
       detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, kQkvW), nullptr, {}, a.ln1_in, p[kQkvW], N, C,
-                              3 * A, dt, dy_in, adapted, g.overwrite(kQkvW));
+                              3 * A, dt, dy_in, g.overwrite(kQkvW), packed(p, l, kGptAttn, true));
+      lora_backward(lpp, lg, a, l, kGptAttn, a.ln1_in, dy_in, dln1, N, dt);  // Note [LoRA after the base]
       if (input_grad) {
         tensor_sum(dsmall, N * C);  // each part's share of d ln1
         ops_->layernorm_backward(dx, norm_grad(g, kLn1W), norm_grad(g, kLn1B), dsmall, x_in, p[kLn1W],
@@ -552,7 +555,8 @@ class Gpt final : public Model {
                                              x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
     // With LoRA each projection writes its output and the adapters add
     // theirs (Note [LoRA after the base] in models/detail/lora.h).
-    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt);
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt, false,
+                           packed(p, l, kGptAttn, false));
     lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
     if (sequence_split()) {
       // Ulysses: whole rows of this rank's heads in, the output back to
@@ -565,17 +569,19 @@ class Gpt final : public Model {
     }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
-                           A, C, dt);
+                           A, C, dt, false, packed(p, l, kGptAttnProj, false));
     lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     tensor_sum(a.x_mid.as<float>(), N * C);
     // The residual and ln_2 in one pass on the GPU (Ops::add_layernorm_forward_input).
     a.ln2_in = ops_->add_layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                                  a.x_mid.as<float>(), x_in, p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
-    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt);
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt, false,
+                           packed(p, l, kGptFc, false));
     lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);
     if (!x_out) return;
-    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt);
+    detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt,
+                           false, packed(p, l, kGptMlpProj, false));
     lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
     tensor_sum(x_out, N * C);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);
@@ -629,6 +635,17 @@ class Gpt final : public Model {
       specs_.push_back(std::move(b));
       lora_groups_.push_back(groups);
     }
+  }
+  // Where layer l's weight of target t stays packed for its forward (grad
+  // false) or its input gradient (grad true): the frozen base under LoRA,
+  // held in place by the engine (Note [packed frozen weights] in
+  // kernels/matmul.cpp). Empty otherwise.
+  detail::PackedSlot packed(const HeldParams& p, int64_t l, int t, bool grad) {
+    const uint64_t gen = p.params().generation;
+    if (gen == 0 || !c_.lora.pack_base) return {};
+    const size_t at = static_cast<size_t>((l * kGptLoraTargets + t) * 2 + (grad ? 1 : 0));
+    if (packed_.size() <= at) packed_.resize(static_cast<size_t>(c_.n_layer * kGptLoraTargets * 2));
+    return {&packed_[at], gen};
   }
   bool lora_forward(const HeldParams* lp, LayerActs& a, int64_t l, int t, CView x, float* dst, int64_t N, DType dt) {
     if (!lp) return false;
@@ -748,6 +765,9 @@ class Gpt final : public Model {
   // the frozen norms' weight and bias gradients (a sink of two halves).
   std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> lora_groups_;
   detail::LoraScratch lora_scratch_;
+  // Note [packed frozen weights] (kernels/matmul.cpp): each layer's four
+  // weights packed for their forward and their input gradient (packed()).
+  std::vector<kernels::PackedWeight> packed_;
   Buf sink_;
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
   Buf lnf_16_;

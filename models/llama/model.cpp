@@ -327,6 +327,14 @@ class Llama final : public Model {
       detail::tally_linear_forward(t, x, N, in, out, bias, dt);
       dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
     }
+    if (lora() && c_.lora.pack_base) {
+      // packed(): q|k|v and o in every layer, gate|up and down in a dense one.
+      const int64_t attn = detail::packed_linear_bytes(N, C, Q, c_.qkv_bias, dt) +
+                           detail::packed_linear_bytes(N, A, C, c_.o_bias, dt);
+      const int64_t mlp = detail::packed_linear_bytes(N, C, GU, c_.mlp_bias, dt) +
+                          detail::packed_linear_bytes(N, I, C, c_.mlp_bias, dt);
+      for (int64_t l = sr.lo; l < sr.hi; ++l) m.packed += attn + (idx_[static_cast<size_t>(l)].router >= 0 ? 0 : mlp);
+    }
     if (E > 0) {
       // An expert's rows are at most N (a token picks an expert once), N
       // padded to its block: its matmuls' scratch there bounds each; the
@@ -505,14 +513,14 @@ class Llama final : public Model {
         moe_backward(p, g, x, a, dy, dsmall, N, dt, loss_scale);
       } else {
         CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.down_b), N, C, dt, dy16_);
-        bool adapted = lora_backward(lpp, lg, a, l, kGroupDown, a.act_in, dy_in, dmid, N, dt);
         detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.down_w), nullptr, {}, a.act_in, p[x.down_w], N,
-                                I, C, dt, dy_in, adapted, g.overwrite(x.down_w));
+                                I, C, dt, dy_in, g.overwrite(x.down_w), packed(p, l, kGroupDown, true));
+        lora_backward(lpp, lg, a, l, kGroupDown, a.act_in, dy_in, dmid, N, dt);  // Note [LoRA after the base]
         act_backward(dbig, dmid, a.gate_up.as<float>(), N);
         dy_in = ops_->dy_operand(dbig, bias_grad(g, x.gu_b), N, GU_, dt, dy16_);
-        adapted = lora_backward(lpp, lg, a, l, kGroupGateUp, a.ln2_in, dy_in, dsmall, N, dt);
         detail::linear_backward(*ops_, dy16_, dsmall, weight_grad(g, x.gu_w), nullptr, {}, a.ln2_in, p[x.gu_w], N, C,
-                                GU_, dt, dy_in, adapted, g.overwrite(x.gu_w));
+                                GU_, dt, dy_in, g.overwrite(x.gu_w), packed(p, l, kGroupGateUp, true));
+        lora_backward(lpp, lg, a, l, kGroupGateUp, a.ln2_in, dy_in, dsmall, N, dt);  // Note [LoRA after the base]
         tensor_sum(dsmall, N * C);  // each part's share of d ln2
       }
       // With the parallel residual the MLP's norm read x_in: its gradient
@@ -524,9 +532,9 @@ class Llama final : public Model {
       // Attention: dx holds d h and becomes d x.
       dy = post_norm_backward(p, g, x.post_att, branch_grad(dx, N), a.o_out, a.rstd_po, N);
       CView dy_in = ops_->dy_operand(dy, bias_grad(g, x.o_b), N, C, dt, dy16_);
-      bool adapted = lora_backward(lpp, lg, a, l, kGroupO, a.att_in, dy_in, dmid, N, dt);
       detail::linear_backward(*ops_, dy16_, dmid, weight_grad(g, x.o_w), nullptr, {}, a.att_in, p[x.o_w], N, A, C, dt,
-                              dy_in, adapted, g.overwrite(x.o_w));
+                              dy_in, g.overwrite(x.o_w), packed(p, l, kGroupO, true));
+      lora_backward(lpp, lg, a, l, kGroupO, a.att_in, dy_in, dmid, N, dt);  // Note [LoRA after the base]
       if (sequence_split()) {
         seq_.to_heads(*ops_, ctx, dmid, dmid, B, 1, seq_heads_w());
         ops_->attention_backward(a.ws, dbig, dmid, a.qkv.as<float>(), attention_shape(l), dt);
@@ -544,9 +552,9 @@ class Llama final : public Model {
       // Note [no input gradient under a frozen embedding]
       const bool input_grad = l > sr.lo || needs_input_grad(sr);
       float* dln1 = input_grad ? dsmall : nullptr;
-      adapted = lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dln1, N, dt);
       detail::linear_backward(*ops_, dy16_, dln1, weight_grad(g, x.qkv_w), nullptr, {}, a.ln1_in, p[x.qkv_w], N, C,
-                              Q, dt, dy_in, adapted, g.overwrite(x.qkv_w));
+                              Q, dt, dy_in, g.overwrite(x.qkv_w), packed(p, l, kGroupQkv, true));
+      lora_backward(lpp, lg, a, l, kGroupQkv, a.ln1_in, dy_in, dln1, N, dt);  // Note [LoRA after the base]
       if (input_grad) {
         tensor_sum(dsmall, N * C);  // each part's share of d ln1
         pre_norm_backward(p, g, x.ln1, x.ln1_b, dx, dsmall, x_in, a.mean1, a.rstd1, N);
@@ -602,12 +610,12 @@ class Llama final : public Model {
       HeldParams head = ctx.acquire(head_block_);
       BlockGrads ghead = ctx.grads(head_block_);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, Vv_, dt, {}, false, ghead.overwrite(head_));
+                              lnf_in_, head[head_], N, C, Vv_, dt, {}, ghead.overwrite(head_));
       head.release();
       ctx.grads_ready(head_block_);
     } else {
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt, {}, false,
+                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt, {},
                               gnf.overwrite(head_));
     }
     if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
@@ -1011,6 +1019,17 @@ class Llama final : public Model {
     }
     return out;
   }
+  // Where layer l's weight of group g (qkv, o, gate|up, down) stays packed
+  // for its forward (grad false) or its input gradient (grad true): the
+  // frozen base under LoRA, held in place by the engine (Note [packed
+  // frozen weights] in kernels/matmul.cpp). Empty otherwise.
+  detail::PackedSlot packed(const HeldParams& p, int64_t l, int g, bool grad) {
+    const uint64_t gen = p.params().generation;
+    if (gen == 0 || !c_.lora.pack_base) return {};
+    const size_t at = static_cast<size_t>((l * kLoraGroupCount + g) * 2 + (grad ? 1 : 0));
+    if (packed_.size() <= at) packed_.resize(static_cast<size_t>(c_.num_hidden_layers * kLoraGroupCount * 2));
+    return {&packed_[at], gen};
+  }
   bool lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int g, CView x, float* dst, int64_t N,
                     DType dt) {
     if (!lp) return false;
@@ -1038,7 +1057,8 @@ class Llama final : public Model {
     // attention] in csrc/kernels/flash_attention.cu).
     const bool in_place = gqa_in_place(dt);
     float* proj = in_place ? a.qkv.as<float>() : proj_.as<float>();
-    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt);
+    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, false,
+                           packed(p, l, kGroupQkv, false));
     lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);  // Note [LoRA after the base]
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
     // q and k are adjacent in the row: one call rotates H + K heads.
@@ -1057,7 +1077,8 @@ class Llama final : public Model {
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
-                   [&](float* y) { return lora_forward(lp, a, l, kGroupO, a.att_in, y, N, dt); });
+                   [&](float* y) { return lora_forward(lp, a, l, kGroupO, a.att_in, y, N, dt); },
+                   packed(p, l, kGroupO, false));
     // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself;
     // otherwise the residual and the norm after it in one pass on the GPU.
     if (c_.parallel_residual || x.ln2 < 0) {
@@ -1076,7 +1097,8 @@ class Llama final : public Model {
       if (x_out) ops_->add(x_out, x_out, x_mid, N * C);
       return;
     }
-    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt);
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt, false,
+                           packed(p, l, kGroupGateUp, false));
     lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
     a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
@@ -1085,10 +1107,11 @@ class Llama final : public Model {
       // A recomputation for backward: the output is not needed, but a
       // post-norm's input and statistics are (its output goes to scratch).
       if (x.post_mlp >= 0) branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm,
-                                          dsmall_.as<float>(), N, dt, down_lora);
+                                          dsmall_.as<float>(), N, dt, down_lora, packed(p, l, kGroupDown, false));
       return;
     }
-    branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt, down_lora);
+    branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt, down_lora,
+                   packed(p, l, kGroupDown, false));
     ops_->add(x_out, x_out, x_mid, N * C);
   }
 
@@ -1142,7 +1165,7 @@ class Llama final : public Model {
       }
       detail::linear_backward(*ops_, dy16_, dact + r0 * Ie, g_down ? g_down + e * C * Ie : nullptr, nullptr,
                               f32(dy + r0 * C), at(m.act_in, r0 * Ie), at(p[x.experts_down], e * C * Ie), rows, Ie,
-                              C, dt, {}, false, new_down);
+                              C, dt, {}, new_down);
     }
     ops_->swiglu_backward(dgu, dact, m.gu.as<float>(), R, Ie);
     for (int64_t e = 0; e < E; ++e) {
@@ -1150,7 +1173,7 @@ class Llama final : public Model {
       if (rows == 0) continue;
       detail::linear_backward(*ops_, dy16_, dy + r0 * C, g_gu ? g_gu + e * 2 * Ie * C : nullptr, nullptr,
                               f32(dgu + r0 * 2 * Ie), at(m.xg_in, r0 * C), at(p[x.experts_gu], e * 2 * Ie * C), rows,
-                              C, 2 * Ie, dt, {}, false, new_gu);
+                              C, 2 * Ie, dt, {}, new_gu);
     }
   }
 
@@ -1398,7 +1421,7 @@ class Llama final : public Model {
                              c_.norm_topk_prob, dlogits);
     float* drouter = moe_dy_.as<float>();  // (N,C) of it, free again: the router's input gradient
     detail::linear_backward(*ops_, dy16_, drouter, weight_grad(g, x.router), nullptr, f32(dlogits), a.ln2_in,
-                            p[x.router], N, C, E, dt, {}, false, g.overwrite(x.router));
+                            p[x.router], N, C, E, dt, {}, g.overwrite(x.router));
     ops_->add(dln2, dln2, drouter, N * C);
   }
 
@@ -1406,18 +1429,19 @@ class Llama final : public Model {
   // columns) into out, with Granite's residual_multiplier and, with a
   // post-norm (index post >= 0), the norm: the projection then goes to
   // `raw` and its norm (statistics in rstd) to out.
-  // `adapt(y)` writes the adapters' part of the projection y first and
-  // says whether it did (LoRA; the projection then adds itself).
+  // `adapt(y)` adds the adapters' part to the projection y after the
+  // base's product wrote it (LoRA: Note [LoRA after the base] in
+  // models/detail/lora.h). pk: the weight packed (packed()).
   template <class Adapt>
   void branch_forward(const HeldParams& p, int w, int b, int post, CView in, int64_t in_w, Buf& raw, Buf& rstd,
-                      float* out, int64_t N, DType dt, Adapt&& adapt) {
+                      float* out, int64_t N, DType dt, Adapt&& adapt, detail::PackedSlot pk = {}) {
     const int64_t C = c_.hidden_size;
     // Tensor parts: each holds some of the input's columns (heads, the
     // MLP's inner size), so its product is a partial sum; the parts add
     // them up here, the bias (kept whole on each) counted on part 0 only.
     const CView bv = tp_rank_ == 0 ? bias(p, b) : CView{};
     float* y = post < 0 ? out : raw.as<float>();
-    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt);
+    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt, false, pk);
     adapt(y);  // Note [LoRA after the base]
     tensor_sum(y, N * C);
     if (post >= 0) ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
@@ -1680,6 +1704,10 @@ class Llama final : public Model {
   // the frozen norms' weight gradients (two halves).
   std::vector<std::array<detail::LoraGroup, 4>> lora_groups_;
   detail::LoraScratch lora_scratch_;
+  // Note [packed frozen weights] (kernels/matmul.cpp): each layer's four
+  // weights packed for their forward and their input gradient (slot
+  // packed_slot), where the frozen base stays in place.
+  std::vector<kernels::PackedWeight> packed_;
   Buf sink_;
   int64_t sink_half_ = 0;
   CView lnf_in_;

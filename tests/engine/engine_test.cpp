@@ -134,6 +134,79 @@ double norm_of(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(s);
 }
 
+// A frozen base (block 0) and a trained block: loss = 0.5 * sum u^2. It
+// records what each acquire of each block hands out (BlockParams's base
+// and generation).
+class FrozenBaseModel final : public Model {
+ public:
+  FrozenBaseModel() {
+    specs_.push_back({"base", {{"w", {4}}}});
+    specs_.back().frozen = true;
+    specs_.push_back({"adapter", {{"u", {4}, Init::kOnes}}});
+  }
+  std::string name() const override { return "frozen-base"; }
+  const std::vector<BlockSpec>& blocks() const override { return specs_; }
+  float forward(StepContext& ctx, const Batch&) override {
+    double loss = 0;
+    for (int blk = 0; blk < 2; ++blk) {
+      HeldParams p = ctx.acquire(blk);
+      seen[blk].push_back({p.params().base, p.params().generation});
+      if (blk == 1)
+        for (int64_t k = 0; k < 4; ++k) loss += 0.5 * p[0].at(k) * p[0].at(k);
+    }
+    return static_cast<float>(loss);
+  }
+  void backward(StepContext& ctx, float scale) override {
+    HeldParams p = ctx.acquire(1);
+    BlockGrads g = ctx.grads(1);
+    for (int64_t k = 0; k < 4; ++k) g[0][k] += scale * p[0].at(k);
+    p.release();
+    ctx.grads_ready(1);
+  }
+  std::vector<std::pair<const void*, uint64_t>> seen[2];
+
+ private:
+  std::vector<BlockSpec> specs_;
+};
+
+// Note [packed frozen weights] (kernels/matmul.cpp): a frozen block held in
+// place (every stage on one rank; stage 3 there shards nothing) is handed
+// out at one address under one nonzero generation for the engine's life,
+// another engine's differs; a trained block's is 0, and so is a block's
+// whose stage-3 shards are gathered anew (parameters offloaded).
+TEST(EngineParams, AFrozenBlockKeepsOneGenerationWhereItStaysInPlace) {
+  auto model = std::make_shared<FrozenBaseModel>();
+  uint64_t last = 0;
+  for (int c = 0; c < 5; ++c) {
+    const int stage = c == 4 ? 3 : c;
+    for (auto& v : model->seen) v.clear();
+    nlohmann::json cfg = {{"train_batch_size", 1},
+                          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}}}}},
+                          {"zero_optimization", {{"stage", stage}}}};
+    if (c == 4) cfg["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+    Engine e = Engine::initialize(model, cfg);
+    for (int s = 0; s < 3; ++s) {
+      e.forward(toy_batch(1));
+      e.backward();
+      e.step();
+    }
+    ASSERT_EQ(model->seen[0].size(), 3u);
+    for (const auto& [base, gen] : model->seen[1]) EXPECT_EQ(gen, 0u) << "stage " << stage << ": a trained block";
+    const auto [base0, gen0] = model->seen[0].front();
+    if (c == 4) {
+      for (const auto& [base, gen] : model->seen[0]) EXPECT_EQ(gen, 0u) << "stage 3, parameters offloaded";
+      continue;
+    }
+    EXPECT_NE(gen0, 0u) << "stage " << stage;
+    EXPECT_NE(gen0, last) << "stage " << stage << ": another engine's generation";
+    last = gen0;
+    for (const auto& [base, gen] : model->seen[0]) {
+      EXPECT_EQ(gen, gen0) << "stage " << stage;
+      EXPECT_EQ(base, base0) << "stage " << stage;
+    }
+  }
+}
+
 TEST(EngineStep, ReportsPreClipNormAndAppliesTheGradient) {
   auto model = std::make_shared<ToyModel>();
   Engine e = Engine::initialize(model, toy_config());

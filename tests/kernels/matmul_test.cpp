@@ -185,5 +185,92 @@ TEST(Matmul, FusedBiasEqualsMatmulThenBias) {
 }
 
 
+// Note [packed frozen weights]: matmul_packed against the plain matmul on
+// the same operands (the same sums; where oneDNN picks another kernel for
+// the packed layout, at a small strided shape here, the last bits differ), for every compute dtype, both layouts of B, strided A
+// and C, accumulate, alpha and a fused bias, at odd sizes and at one past
+// oneDNN's blocking; the bf16 path through fp32 too.
+TEST(MatmulPacked, AgreesWithThePlainMatmul) {
+  uint64_t seed = 900;
+  struct Shape {
+    int64_t M, N, K;
+  };
+  for (MatmulBf16Path path : {MatmulBf16Path::kAuto, MatmulBf16Path::kViaF32}) {
+    set_matmul_bf16_path_for_testing(path);
+    for (DType compute : {DType::kF32, DType::kBF16, DType::kF16})
+      for (Shape sh : {Shape{1, 1, 1}, Shape{7, 17, 33}, Shape{65, 130, 97}, Shape{129, 67, 257}})
+        for (bool tb : {false, true})
+          for (int variant = 0; variant < 4; ++variant) {
+            MatmulDesc d{.M = sh.M, .N = sh.N, .K = sh.K, .trans_b = tb, .compute = compute};
+            if (variant == 1) d.accumulate = true, d.alpha = -0.375f;
+            if (variant == 2) d.bias = true;
+            if (variant == 3) d.lda = sh.K + 3, d.ldc = sh.N + 5;  // column blocks of wider rows
+            const int64_t lda = d.lda ? d.lda : sh.K, ldc = d.ldc ? d.ldc : sh.N;
+            auto a = randn(sh.M * lda, seed++), b = randn(sh.K * sh.N, seed++), c0 = randn(sh.M * ldc, seed++),
+                 bias = randn(sh.N, seed++);
+            // The weight in the compute dtype where it is 16-bit (a frozen base's storage).
+            auto b16 = to_16(b, is_16bit(compute) ? compute : DType::kBF16);
+            CView bv = is_16bit(compute) ? CView{b16.data(), compute} : view(b);
+            std::vector<float> want = c0, got = c0;
+            matmul(d, view(a), bv, want.data(), d.bias ? view(bias) : CView{});
+            PackedWeight slot;
+            matmul_packed(d, view(a), bv, 1, slot, got.data(), d.bias ? view(bias) : CView{});
+            EXPECT_FALSE(slot.empty());
+            EXPECT_EQ(slot.bytes(), packed_weight_bytes(d));
+            EXPECT_TRUE(AllClose(got, want, 1e-5, 1e-5))
+                << dtype_name(compute) << " " << sh.M << "x" << sh.N << "x" << sh.K << " tb " << tb << " variant "
+                << variant << " path " << static_cast<int>(path);
+          }
+  }
+  set_matmul_bf16_path_for_testing(MatmulBf16Path::kAuto);
+}
+
+// The slot keeps the weight it packed while the generation and the address
+// stay the same (values written into the weight since are not seen: the
+// caller's promise is that there are none), and packs again for a new
+// generation or another weight; generation 0 runs the plain matmul.
+TEST(MatmulPacked, RepacksOnlyForANewGenerationOrWeight) {
+  const int64_t M = 9, N = 40, K = 70;
+  MatmulDesc d{.M = M, .N = N, .K = K, .trans_b = true, .compute = DType::kBF16};
+  auto a = randn(M * K, 950), b1 = randn(N * K, 951), b2 = randn(N * K, 952);
+  auto w = to_bf16(b1), w2 = to_bf16(b2);
+  auto product = [&](const std::vector<bf16>& wv) {
+    std::vector<float> c(M * N);
+    matmul(d, view(a), CView{wv.data(), DType::kBF16}, c.data());
+    return c;
+  };
+  const auto with_b1 = product(w), with_b2 = product(w2);
+  ASSERT_FALSE(BitEqual(with_b1, with_b2));
+  PackedWeight slot;
+  std::vector<float> c(M * N);
+  matmul_packed(d, view(a), CView{w.data(), DType::kBF16}, 7, slot, c.data());
+  EXPECT_TRUE(AllClose(c, with_b1, 1e-5, 1e-5));
+  // The same address, new values, the same generation: the packed copy is used.
+  std::vector<bf16> saved = w;
+  w = w2;
+  matmul_packed(d, view(a), CView{w.data(), DType::kBF16}, 7, slot, c.data());
+  EXPECT_TRUE(AllClose(c, with_b1, 1e-5, 1e-5));
+  // A new generation: packed again.
+  matmul_packed(d, view(a), CView{w.data(), DType::kBF16}, 8, slot, c.data());
+  EXPECT_TRUE(AllClose(c, with_b2, 1e-5, 1e-5));
+  // Another weight under the same generation: packed again.
+  matmul_packed(d, view(a), CView{saved.data(), DType::kBF16}, 8, slot, c.data());
+  EXPECT_TRUE(AllClose(c, with_b1, 1e-5, 1e-5));
+  // Generation 0: the plain product, the slot untouched.
+  PackedWeight none;
+  matmul_packed(d, view(a), CView{w.data(), DType::kBF16}, 0, none, c.data());
+  EXPECT_TRUE(none.empty());
+  EXPECT_TRUE(AllClose(c, with_b2, 1e-5, 1e-5));
+  // A batched product cannot be packed: the plain one, the slot untouched.
+  MatmulDesc batched = d;
+  batched.batch = 2;
+  auto a2 = randn(2 * M * K, 953), bb = randn(2 * N * K, 954);
+  std::vector<float> want(2 * M * N), got(want.size());
+  matmul(batched, view(a2), view(bb), want.data());
+  matmul_packed(batched, view(a2), view(bb), 3, none, got.data());
+  EXPECT_TRUE(none.empty());
+  EXPECT_TRUE(BitEqual(got, want));
+}
+
 }  // namespace
 }  // namespace zinc::kernels

@@ -215,6 +215,25 @@ TEST(ExperimentConfigLoad, EveryShippedConfigParses) {
 }
 
 
+// model.pack_frozen_weights (Note [packed frozen weights] in
+// kernels/matmul.cpp): on by default, reaches the model's LoRA config as
+// built, false turns it off, a wrong type names the path.
+TEST(ExperimentConfigModel, PackFrozenWeightsReachesTheLoraConfig) {
+  const json lora = {{"lora", {{"r", 4}, {"target_modules", {"c_attn"}}}}};
+  auto parsed = [&](const json& extra) {
+    json model = lora;
+    model.update(extra);
+    return parse_experiment(with({{"model", model}})).experiment.model;
+  };
+  EXPECT_TRUE(parsed(json::object()).pack_frozen_weights);
+  EXPECT_TRUE(parsed(json::object()).built_lora(parsed(json::object()).lora).pack_base);
+  const ModelConfig off = parsed({{"pack_frozen_weights", false}});
+  EXPECT_FALSE(off.pack_frozen_weights);
+  EXPECT_FALSE(off.built_lora(off.lora).pack_base);
+  EXPECT_CONFIG_ERROR(with({{"model", {{"pack_frozen_weights", "no"}}}}),
+                      "model.pack_frozen_weights: expected true or false");
+}
+
 // Activation checkpointing is switched on by model.gradient_checkpointing or
 // by the trainer section's TrainingArguments flag; either alone turns it on,
 // both given and different is an error naming both paths, and the mlp
