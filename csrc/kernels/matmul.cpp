@@ -553,11 +553,25 @@ void matmul_packed(const MatmulDesc& d, CView a, CView b, uint64_t generation, P
   }
   PackedWeight::Impl* p = slot.impl_.get();
   if (!p || p->source != b.data || p->generation != generation || p->mem.get_desc() != cached->weights_md) {
-    // Packed (again): B in the multiply dtype, then reordered into the
-    // primitive's layout.
+    // Packed (again): reordered into the primitive's layout, widened on the
+    // way where bf16 multiplies through fp32 (exact, as convert_into would);
+    // any other conversion goes through a copy of its own, freed after (not
+    // the grow-only thread scratch: a layer weight can pass the chunking
+    // bound of Note [widened operands in chunks]).
     auto& eng = cpu_engine();
-    const void* src = as_multiply(b, d.compute, mul, static_cast<size_t>(d.K * d.N), 1);
-    dnnl::memory plain(operand_desc(1, d.K, d.N, d.trans_b, dnnl_type(mul)), eng, const_cast<void*>(src));
+    const size_t numel = static_cast<size_t>(d.K * d.N);
+    const bool as_is = !converts(b.dtype, b.bf16_exact, d.compute, mul);
+    const bool widen = b.dtype == DType::kBF16 && d.compute == DType::kBF16 && mul == DType::kF32;
+    AlignedBuffer converted;
+    const void* src = b.data;
+    DType src_dtype = as_is ? mul : b.dtype;
+    if (!as_is && !widen) {
+      converted = AlignedBuffer(numel * dtype_bytes(mul));
+      convert_into(b, d.compute, mul, numel, converted.data());
+      src = converted.data();
+      src_dtype = mul;
+    }
+    dnnl::memory plain(operand_desc(1, d.K, d.N, d.trans_b, dnnl_type(src_dtype)), eng, const_cast<void*>(src));
     auto fresh = std::make_unique<PackedWeight::Impl>();
     slot.impl_.reset();  // the old copy goes first: at most one copy of a weight at a time
     fresh->mem = dnnl::memory(cached->weights_md, eng);
