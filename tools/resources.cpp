@@ -103,13 +103,19 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   const Room room = memory_room();
   // What the run will still allocate (the process so far is in use already).
   const int64_t more = std::max<int64_t>(0, e.ram_bytes() - rss) * local_ranks;
+  // A LoRA base kept packed (Note [packed frozen weights] in
+  // csrc/kernels/matmul.cpp) is the first thing to give up.
+  int64_t packed = 0;
+  for (const MemoryPart& p : e.training)
+    if (p.name == "packed frozen weights") packed += p.bytes;
   if (room.ram() >= 0 && more > room.ram())
     out.push_back("RAM: " + ranks + " will need " + gib(more) + " more (--estimate: " + gib(e.ram_bytes()) +
                   " per rank, " + gib(rss) + " of it in use), but the process may take " + gib(room.ram()) +
                   " (" + (room.ram() == room.cgroup_room ? "cgroup " + room.cgroup_where
                                                          : "MemAvailable " + gib(room.mem_available)) +
-                  "); lower the model, micro-batch or stage's memory (offload_optimizer, offload_param, "
-                  "gradient checkpointing), or pass --ignore-resources");
+                  "); lower the model, micro-batch or stage's memory (" +
+                  (packed > 0 ? "model.pack_frozen_weights false saves " + gib(packed) + " per rank, " : "") +
+                  "offload_optimizer, offload_param, gradient checkpointing), or pass --ignore-resources");
   // Disk: the NVMe files, per path (the two offloads may share one), and
   // one checkpoint (each rank's master, m, v; at stage 0 each rank saves
   // the whole model) in the checkpoint folder.
