@@ -318,9 +318,11 @@ struct ActivationMemory {
   int64_t saved = 0;
   // The kernels' grow-only scratch for the pass (kernels::ScratchTally).
   int64_t workspace = 0;
-  // Frozen weights kept packed for the matmuls (Note [packed frozen
-  // weights] in kernels/matmul.cpp), where the engine holds them in place
-  // (BlockParams::generation: ZeRO stages 0-2); held from the first forward on.
+  // What keeping frozen weights packed for the matmuls adds (Note [packed
+  // frozen weights] in kernels/matmul.cpp), where the engine holds them in
+  // place (BlockParams::generation: ZeRO stages 0-2): the packed copies,
+  // held from the first forward on, less the kernel scratch the packed
+  // products no longer need (a weight converted on every call).
   int64_t packed = 0;
 };
 

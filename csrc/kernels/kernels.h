@@ -272,6 +272,10 @@ class ScratchTally {
   // A matmul whose operands have these dtypes (exact: fp32 values marked
   // bf16_exact) and, with d.bias, a bias of bias_dtype.
   void matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, bool b_exact, DType bias_dtype = DType::kF32);
+  // The same product through matmul_packed (B packed: no B converted per
+  // call, the packed primitive's scratchpad); a B that cannot be packed
+  // (of dtype b) as matmul.
+  void matmul_packed(const MatmulDesc& d, DType a, bool a_exact, DType b, DType bias_dtype = DType::kF32);
   // attention_forward and attention_backward of one shape (their matmuls included).
   void attention(AttentionShape s, DType compute);
   // bf16_operand_copy / bf16_operand_in_place of n elements into a scratch

@@ -684,6 +684,23 @@ void ScratchTally::matmul(const MatmulDesc& d, DType a, bool a_exact, DType b, b
   if (d.bias && bias_dtype != DType::kF32) grow(3, scratch_size(static_cast<size_t>(d.N) * sizeof(float)));
 }
 
+void ScratchTally::matmul_packed(const MatmulDesc& d, DType a, bool a_exact, DType b, DType bias_dtype) {
+  if (!packable(d)) return matmul(d, a, a_exact, b, false, bias_dtype);
+  auto cached = lookup(d, true);
+  const DType mul = cached->multiply;
+  auto grow = [this](int slot, int64_t bytes) { matmul_[slot] = std::max(matmul_[slot], bytes); };
+  // A as matmul_packed converts it (a strided A gathered densely: the same bytes).
+  if (converts(a, a_exact, d.compute, mul))
+    grow(0, scratch_size(static_cast<size_t>(d.M * d.K) * dtype_bytes(mul)));
+  if (d.lda != 0 && converts(a, a_exact, d.compute, mul)) {
+    MatmulDesc e = d;
+    e.lda = 0;
+    cached = lookup(e, true);
+  }
+  if (cached->scratch_bytes > 0) grow(2, scratch_size(cached->scratch_bytes));
+  if (d.bias && bias_dtype != DType::kF32) grow(3, scratch_size(static_cast<size_t>(d.N) * sizeof(float)));
+}
+
 int64_t ScratchTally::bytes() const {
   int64_t n = 0;
   for (int64_t b : matmul_) n += b;

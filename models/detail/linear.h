@@ -2,6 +2,8 @@
 // (W stored (out, in)), over kernels::matmul. Shared by the built-in models.
 #pragma once
 
+#include <vector>
+
 #include "core/alloc.h"
 #include "core/error.h"
 #include "kernels/kernels.h"
@@ -51,6 +53,22 @@ inline kernels::MatmulDesc weight_grad_desc(int64_t N, int64_t in, int64_t out, 
 struct PackedSlot {
   kernels::PackedWeight* slot = nullptr;
   uint64_t generation = 0;
+};
+// A model's slots: `per_layer` weights in each of `layers` layers, each
+// packed for its forward and for its input gradient.
+class PackedSlots {
+ public:
+  // Layer l's weight w for its forward (grad false) or its input gradient,
+  // under its block's generation (BlockParams::generation); empty where
+  // that is 0 (the weight may change) or `on` is false.
+  PackedSlot at(uint64_t generation, bool on, int64_t layers, int per_layer, int64_t l, int w, bool grad) {
+    if (generation == 0 || !on) return {};
+    if (slots_.empty()) slots_.resize(static_cast<size_t>(layers * per_layer * 2));
+    return {&slots_[static_cast<size_t>((l * per_layer + w) * 2 + (grad ? 1 : 0))], generation};
+  }
+
+ private:
+  std::vector<kernels::PackedWeight> slots_;
 };
 inline void linear_matmul(Ops& ops, const kernels::MatmulDesc& d, CView a, CView w, float* c, CView bias,
                           PackedSlot pk) {
@@ -128,23 +146,29 @@ inline OperandKind matmul_input_kind(DType compute) {
 inline int64_t matmul_input_bytes(int64_t n, DType compute) {
   return is_16bit(compute) ? kernels::ScratchTally::operand16_bytes(n, /*in_place=*/true, compute) : 0;
 }
-// The kernel scratch linear_forward asks for (parameters in compute dtype).
+// The kernel scratch linear_forward asks for (parameters in compute dtype;
+// packed: the weight kept packed, PackedSlot).
 inline void tally_linear_forward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
-                                 bool bias, DType compute) {
-  t.matmul(forward_desc(N, in, out, bias, compute), x.dtype, x.exact, compute, false, compute);
+                                 bool bias, DType compute, bool packed = false) {
+  if (packed)
+    t.matmul_packed(forward_desc(N, in, out, bias, compute), x.dtype, x.exact, compute, compute);
+  else
+    t.matmul(forward_desc(N, in, out, bias, compute), x.dtype, x.exact, compute, false, compute);
 }
 // ... and linear_backward with an fp32 dy (returns the bytes of the dy copy
 // it makes, which its one thread-local scratch holds at most of); dw false:
-// a frozen weight, whose weight-gradient product never runs.
+// a frozen weight, whose weight-gradient product never runs; packed: its
+// input gradient's product with the weight kept packed.
 inline int64_t tally_linear_backward(kernels::ScratchTally& t, OperandKind x, int64_t N, int64_t in, int64_t out,
-                                     bool dx, DType compute, bool dw = true) {
+                                     bool dx, DType compute, bool dw = true, bool packed = false) {
   OperandKind dy;
   int64_t copy = 0;
   if (is_16bit(compute)) {
     dy = matmul_input_kind(compute);
     copy = kernels::ScratchTally::operand16_bytes(N * out, /*in_place=*/false, compute);
   }
-  if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
+  if (dx && packed) t.matmul_packed(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute);
+  else if (dx) t.matmul(input_grad_desc(N, in, out, compute), dy.dtype, dy.exact, compute, false);
   if (dw) {
     kernels::MatmulDesc g = weight_grad_desc(N, in, out, compute);
     t.matmul(g, dy.dtype, dy.exact, x.dtype, x.exact);

@@ -292,26 +292,39 @@ class Gpt final : public Model {
     // position embeddings' rows (wpe_rows_).
     if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A) + buffer_bytes(N * C);
     else if (detail::vocab_share(V, parts) < V) m.saved += buffer_bytes(N * C);  // vocabulary parts' wpe_rows_
-    kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
-    for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}}) {
-      detail::tally_linear_forward(t, x, N, in, out, true, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
-      // packed(): every layer's four weights.
-      if (lora() && c_.lora.pack_base) m.packed += (sr.hi - sr.lo) * detail::packed_linear_bytes(N, in, out, true, dt);
+    // The pass's kernel scratch, with the frozen base's layer products packed
+    // (packed(): no weight converted per call) or not.
+    auto tally = [&](bool packed) {
+      kernels::ScratchTally t;
+      for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}}) {
+        detail::tally_linear_forward(t, x, N, in, out, true, dt, packed);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora(),  // LoRA: frozen
+                                                                  packed));
+      }
+      t.attention(as, dt);
+      if (lora()) {
+        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
+                           c_.lora.dropout > 0);
+      }
+      if (sr.head) {
+        const int64_t v = detail::vocab_share(V, parts);  // a vocabulary part's columns
+        detail::tally_linear_forward(t, x, N, C, v, false, dt);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen));
+      }
+      return t.bytes();
+    };
+    const int64_t plain = tally(false);
+    m.workspace = plain + dy_copy;
+    if (lora() && c_.lora.pack_base) {
+      // What packing adds (ActivationMemory::packed): the copies of
+      // packed(), every layer's four weights; less the scratch the packed
+      // products no longer need.
+      for (auto [in, out] : {std::pair<int64_t, int64_t>{C, 3 * A}, {A, C}, {C, F}, {F, C}})
+        m.packed += (sr.hi - sr.lo) * detail::packed_linear_bytes(N, in, out, true, dt);
+      m.packed += tally(true) - plain;
     }
-    t.attention(as, dt);
-    if (lora()) {
-      detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
-                         c_.lora.dropout > 0);
-    }
-    if (sr.head) {
-      const int64_t v = detail::vocab_share(V, parts);  // a vocabulary part's columns
-      detail::tally_linear_forward(t, x, N, C, v, false, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen));
-    }
-    m.workspace = t.bytes() + dy_copy;
     return m;
   }
 
@@ -641,11 +654,7 @@ class Gpt final : public Model {
   // held in place by the engine (Note [packed frozen weights] in
   // kernels/matmul.cpp). Empty otherwise.
   detail::PackedSlot packed(const HeldParams& p, int64_t l, int t, bool grad) {
-    const uint64_t gen = p.params().generation;
-    if (gen == 0 || !c_.lora.pack_base) return {};
-    const size_t at = static_cast<size_t>((l * kGptLoraTargets + t) * 2 + (grad ? 1 : 0));
-    if (packed_.size() <= at) packed_.resize(static_cast<size_t>(c_.n_layer * kGptLoraTargets * 2));
-    return {&packed_[at], gen};
+    return packed_.at(p.params().generation, c_.lora.pack_base, c_.n_layer, kGptLoraTargets, l, t, grad);
   }
   bool lora_forward(const HeldParams* lp, LayerActs& a, int64_t l, int t, CView x, float* dst, int64_t N, DType dt) {
     if (!lp) return false;
@@ -767,7 +776,7 @@ class Gpt final : public Model {
   detail::LoraScratch lora_scratch_;
   // Note [packed frozen weights] (kernels/matmul.cpp): each layer's four
   // weights packed for their forward and their input gradient (packed()).
-  std::vector<kernels::PackedWeight> packed_;
+  detail::PackedSlots packed_;
   Buf sink_;
   CView lnf_in_;          // what the head's matmuls read of lnf_ (see LayerActs)
   Buf lnf_16_;

@@ -319,45 +319,55 @@ class Llama final : public Model {
       m.saved += act_sets * moe + buffer_bytes(N * E) + buffer_bytes(Mg * C) + buffer_bytes(Mg * 2 * Ie) +
                  buffer_bytes(Mg * Ie) + buffer_bytes(M);
     }
-    kernels::ScratchTally t;
     const detail::OperandKind x = detail::matmul_input_kind(dt);
     int64_t dy_copy = 0;
-    for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
-                                 {C, GU, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
-      detail::tally_linear_forward(t, x, N, in, out, bias, dt);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora()));  // LoRA: frozen
-    }
+    // The pass's kernel scratch, with the frozen base's layer products packed
+    // (packed(): no weight converted per call) or not.
+    auto tally = [&](bool packed) {
+      kernels::ScratchTally t;
+      for (auto [in, out, bias] : {std::tuple<int64_t, int64_t, bool>{C, Q, c_.qkv_bias}, {A, C, c_.o_bias},
+                                   {C, GU, c_.mlp_bias}, {I, C, c_.mlp_bias}}) {
+        detail::tally_linear_forward(t, x, N, in, out, bias, dt, packed);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, in, out, true, dt, !lora(),  // LoRA: frozen
+                                                                  packed));
+      }
+      if (E > 0) {
+        // An expert's rows are at most N (a token picks an expert once), N
+        // padded to its block: its matmuls' scratch there bounds each; the
+        // router's at N.
+        const int64_t rows = std::min((N + kExpertRows - 1) / kExpertRows * kExpertRows, padded_rows(N));
+        for (auto [in, out, r] : {std::tuple<int64_t, int64_t, int64_t>{C, 2 * Ie, rows}, {Ie, C, rows}, {C, E, N}}) {
+          detail::tally_linear_forward(t, x, r, in, out, false, dt);
+          dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, r, in, out, true, dt, !lora()));
+        }
+      }
+      t.attention(as, dt);
+      if (lora()) {
+        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
+                           c_.lora.dropout > 0);
+      }
+      if (sr.head) {
+        detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
+        // The head's weight gradient: its block's, or with a tied head the embedding's.
+        const size_t hb = c_.tie_word_embeddings ? 0 : static_cast<size_t>(head_block_);
+        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt,
+                                                                  !specs_[hb].frozen));
+      }
+      return t.bytes();
+    };
+    const int64_t plain = tally(false);
+    m.workspace = plain + dy_copy;
     if (lora() && c_.lora.pack_base) {
-      // packed(): q|k|v and o in every layer, gate|up and down in a dense one.
+      // What packing adds (ActivationMemory::packed): the copies of
+      // packed(), q|k|v and o in every layer, gate|up and down in a dense
+      // one; less the scratch the packed products no longer need.
       const int64_t attn = detail::packed_linear_bytes(N, C, Q, c_.qkv_bias, dt) +
                            detail::packed_linear_bytes(N, A, C, c_.o_bias, dt);
       const int64_t mlp = detail::packed_linear_bytes(N, C, GU, c_.mlp_bias, dt) +
                           detail::packed_linear_bytes(N, I, C, c_.mlp_bias, dt);
       for (int64_t l = sr.lo; l < sr.hi; ++l) m.packed += attn + (idx_[static_cast<size_t>(l)].router >= 0 ? 0 : mlp);
+      m.packed += tally(true) - plain;
     }
-    if (E > 0) {
-      // An expert's rows are at most N (a token picks an expert once), N
-      // padded to its block: its matmuls' scratch there bounds each; the
-      // router's at N.
-      const int64_t rows = std::min((N + kExpertRows - 1) / kExpertRows * kExpertRows, padded_rows(N));
-      for (auto [in, out, r] : {std::tuple<int64_t, int64_t, int64_t>{C, 2 * Ie, rows}, {Ie, C, rows}, {C, E, N}}) {
-        detail::tally_linear_forward(t, x, r, in, out, false, dt);
-        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, r, in, out, true, dt, !lora()));
-      }
-    }
-    t.attention(as, dt);
-    if (lora()) {
-      detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
-                         c_.lora.dropout > 0);
-    }
-    if (sr.head) {
-      detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
-      // The head's weight gradient: its block's, or with a tied head the embedding's.
-      const size_t hb = c_.tie_word_embeddings ? 0 : static_cast<size_t>(head_block_);
-      dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt,
-                                                                !specs_[hb].frozen));
-    }
-    m.workspace = t.bytes() + dy_copy;
     return m;
   }
 
@@ -1024,11 +1034,7 @@ class Llama final : public Model {
   // frozen base under LoRA, held in place by the engine (Note [packed
   // frozen weights] in kernels/matmul.cpp). Empty otherwise.
   detail::PackedSlot packed(const HeldParams& p, int64_t l, int g, bool grad) {
-    const uint64_t gen = p.params().generation;
-    if (gen == 0 || !c_.lora.pack_base) return {};
-    const size_t at = static_cast<size_t>((l * kLoraGroupCount + g) * 2 + (grad ? 1 : 0));
-    if (packed_.size() <= at) packed_.resize(static_cast<size_t>(c_.num_hidden_layers * kLoraGroupCount * 2));
-    return {&packed_[at], gen};
+    return packed_.at(p.params().generation, c_.lora.pack_base, c_.num_hidden_layers, kLoraGroupCount, l, g, grad);
   }
   bool lora_forward(const HeldParams* lp, LlamaLayerActs& a, int64_t l, int g, CView x, float* dst, int64_t N,
                     DType dt) {
@@ -1707,7 +1713,7 @@ class Llama final : public Model {
   // Note [packed frozen weights] (kernels/matmul.cpp): each layer's four
   // weights packed for their forward and their input gradient (slot
   // packed_slot), where the frozen base stays in place.
-  std::vector<kernels::PackedWeight> packed_;
+  detail::PackedSlots packed_;
   Buf sink_;
   int64_t sink_half_ = 0;
   CView lnf_in_;
