@@ -9,8 +9,8 @@
 // placed block-diagonally (each B_t at its target's rows and its own r
 // columns, zeros elsewhere), added after the base's product wrote it (one
 // pass over the output, where a column copy, an accumulate and a copy back
-// per target took three; Note [LoRA after the base]). The zeros cost n times the adapters' r-wide
-// products, small beside the base's. In backward the same shapes give dBbd =
+// per target took three; Note [LoRA after the base]). The zeros cost n
+// times the adapters' r-wide products, small beside the base's. In backward the same shapes give dBbd =
 // scale dy^T U and dA = dU^T x whole (their blocks added to each target's
 // gradients), dU = scale dy Bbd and dx += dU [A_1; ...] (after the base's
 // input gradient wrote dx) in one product each. A one-member group
