@@ -438,6 +438,20 @@ const void* gather_converted(CView v, int64_t rows, int64_t cols, int64_t ld, DT
   return dst;
 }
 
+// An operand (rows, cols) of d as the primitive multiplying in `mul` reads
+// it: converted into thread-local scratch `slot` where needed; a strided
+// one that must be converted is gathered densely, its stride `ld` then
+// cleared (the caller's primitive reads it dense).
+const void* multiply_operand(const MatmulDesc& d, DType mul, CView v, int64_t rows, int64_t cols, bool trans,
+                             int64_t& ld, int slot) {
+  if (ld == 0 || !converts(v.dtype, v.bf16_exact, d.compute, mul))
+    return as_multiply(v, d.compute, mul, static_cast<size_t>(d.batch * rows * cols), slot);
+  const int64_t stride = ld;
+  ld = 0;
+  return trans ? gather_converted(v, cols, rows, stride, d.compute, mul, slot)
+               : gather_converted(v, rows, cols, stride, d.compute, mul, slot);
+}
+
 // Note [widened operands in chunks]: C in blocks of `cols` columns.
 void matmul_in_blocks(const MatmulDesc& d, CView a, CView b, float* c, CView bias, int64_t cols) {
   const void* a_ptr = nullptr;
@@ -494,20 +508,11 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, CView bias) {
     return;
   }
   if ((d.lda != 0 || d.ldb != 0 || d.ldc != 0) && d.batch != 1) throw Error("matmul: strided operands need batch 1");
-  // An operand as the primitive multiplies it: a strided one that must be
-  // converted is gathered densely, and the primitive then reads it dense
-  // (its stride cleared in e).
+  // The operands as the primitive multiplies them (multiply_operand; a
+  // gathered one's stride cleared in e).
   MatmulDesc e = d;
-  auto operand = [&](CView v, int64_t rows, int64_t cols, bool trans, int64_t& ld, int slot) -> const void* {
-    if (ld == 0 || !converts(v.dtype, v.bf16_exact, d.compute, mul))
-      return as_multiply(v, d.compute, mul, static_cast<size_t>(d.batch * rows * cols), slot);
-    const int64_t stride = ld;
-    ld = 0;
-    return trans ? gather_converted(v, cols, rows, stride, d.compute, mul, slot)
-                 : gather_converted(v, rows, cols, stride, d.compute, mul, slot);
-  };
-  const void* a_ptr = operand(a, d.M, d.K, d.trans_a, e.lda, 0);
-  const void* b_ptr = operand(b, d.K, d.N, d.trans_b, e.ldb, 1);
+  const void* a_ptr = multiply_operand(d, mul, a, d.M, d.K, d.trans_a, e.lda, 0);
+  const void* b_ptr = multiply_operand(d, mul, b, d.K, d.N, d.trans_b, e.ldb, 1);
   if (e.lda != d.lda || e.ldb != d.ldb) {
     cached = lookup(e);
     ZINC_CHECK(cached->multiply == mul, "matmul: a gathered operand's primitive multiplies another dtype");
@@ -541,13 +546,8 @@ void matmul_packed(const MatmulDesc& d, CView a, CView b, uint64_t generation, P
   // A as the primitive multiplies it: a strided one that must be converted
   // is gathered densely (as in matmul), read dense by its own primitive.
   MatmulDesc e = d;
-  const void* a_ptr;
-  if (d.lda == 0 || !converts(a.dtype, a.bf16_exact, d.compute, mul)) {
-    a_ptr = as_multiply(a, d.compute, mul, static_cast<size_t>(d.M * d.K), 0);
-  } else {
-    a_ptr = d.trans_a ? gather_converted(a, d.K, d.M, d.lda, d.compute, mul, 0)
-                      : gather_converted(a, d.M, d.K, d.lda, d.compute, mul, 0);
-    e.lda = 0;
+  const void* a_ptr = multiply_operand(d, mul, a, d.M, d.K, d.trans_a, e.lda, 0);
+  if (e.lda != d.lda) {
     cached = lookup(e, true);
     ZINC_CHECK(cached->multiply == mul, "matmul: a gathered operand's primitive multiplies another dtype");
   }

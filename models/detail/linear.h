@@ -78,13 +78,11 @@ inline void linear_matmul(Ops& ops, const kernels::MatmulDesc& d, CView a, CView
     ops.matmul(d, a, w, c, bias);
 }
 
-// y(N,out) = x(N,in) W^T + b   (b.data may be null); with accumulate,
-// y += instead. pk: W packed (a frozen weight's, PackedSlot).
+// y(N,out) = x(N,in) W^T + b   (b.data may be null). pk: W packed (a
+// frozen weight's, PackedSlot).
 inline void linear_forward(Ops& ops, float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
-                           DType compute, bool accumulate = false, PackedSlot pk = {}) {
-  kernels::MatmulDesc d = forward_desc(N, in, out, b.data != nullptr, compute);
-  d.accumulate = accumulate;
-  linear_matmul(ops, d, x, w, y, b, pk);
+                           DType compute, PackedSlot pk = {}) {
+  linear_matmul(ops, forward_desc(N, in, out, b.data != nullptr, compute), x, w, y, b, pk);
 }
 inline void linear_forward(float* y, CView x, CView w, CView b, int64_t N, int64_t in, int64_t out,
                            DType compute) {

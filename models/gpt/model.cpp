@@ -568,7 +568,7 @@ class Gpt final : public Model {
                                              x_in, p[kLn1W], p[kLn1B], N, C, dt, a.ln1_16);
     // With LoRA each projection writes its output and the adapters add
     // theirs (Note [LoRA after the base] in models/detail/lora.h).
-    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt, false,
+    detail::linear_forward(*ops_, a.qkv.as<float>(), a.ln1_in, p[kQkvW], p[kQkvB], N, C, 3 * A, dt,
                            packed(p, l, kGptAttn, false));
     lora_forward(lp, a, l, kGptAttn, a.ln1_in, a.qkv.as<float>(), N, dt);
     if (sequence_split()) {
@@ -582,19 +582,19 @@ class Gpt final : public Model {
     }
     a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
-                           A, C, dt, false, packed(p, l, kGptAttnProj, false));
+                           A, C, dt, packed(p, l, kGptAttnProj, false));
     lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);
     tensor_sum(a.x_mid.as<float>(), N * C);
     // The residual and ln_2 in one pass on the GPU (Ops::add_layernorm_forward_input).
     a.ln2_in = ops_->add_layernorm_forward_input(a.ln2.as<float>(), a.ln2_mean.as<float>(), a.ln2_rstd.as<float>(),
                                                  a.x_mid.as<float>(), x_in, p[kLn2W], p[kLn2B], N, C, dt, a.ln2_16);
-    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt, false,
+    detail::linear_forward(*ops_, a.fc.as<float>(), a.ln2_in, p[kFcW], p[kFcB], N, C, F, dt,
                            packed(p, l, kGptFc, false));
     lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);
     if (!x_out) return;
     detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt,
-                           false, packed(p, l, kGptMlpProj, false));
+                           packed(p, l, kGptMlpProj, false));
     lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);
     tensor_sum(x_out, N * C);
     ops_->add(x_out, x_out, a.x_mid.as<float>(), N * C);

@@ -1063,7 +1063,7 @@ class Llama final : public Model {
     // attention] in csrc/kernels/flash_attention.cu).
     const bool in_place = gqa_in_place(dt);
     float* proj = in_place ? a.qkv.as<float>() : proj_.as<float>();
-    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt, false,
+    detail::linear_forward(*ops_, proj, a.ln1_in, p[x.qkv_w], bias(p, x.qkv_b), N, C, Q, dt,
                            packed(p, l, kGroupQkv, false));
     lora_forward(lp, a, l, kGroupQkv, a.ln1_in, proj, N, dt);  // Note [LoRA after the base]
     if (c_.qk_norm) qk_norm_forward(p, a, proj, N);
@@ -1103,7 +1103,7 @@ class Llama final : public Model {
       if (x_out) ops_->add(x_out, x_out, x_mid, N * C);
       return;
     }
-    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt, false,
+    detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt,
                            packed(p, l, kGroupGateUp, false));
     lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
     act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
@@ -1447,7 +1447,7 @@ class Llama final : public Model {
     // them up here, the bias (kept whole on each) counted on part 0 only.
     const CView bv = tp_rank_ == 0 ? bias(p, b) : CView{};
     float* y = post < 0 ? out : raw.as<float>();
-    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt, false, pk);
+    detail::linear_forward(*ops_, y, in, p[w], bv, N, in_w, C, dt, pk);
     adapt(y);  // Note [LoRA after the base]
     tensor_sum(y, N * C);
     if (post >= 0) ops_->rmsnorm_forward(out, rstd.as<float>(), raw.as<float>(), p[post], N, C, eps(), c_.norm_offset);
