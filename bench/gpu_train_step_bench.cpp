@@ -15,6 +15,13 @@
 // gather is the block's upload); --resident keeps the optimizer states on the GPU, the step
 // without PCIe traffic or the CPU optimizer to set the offload case against.
 //
+// With ZeRO-Offload at stages 1-2 the CPU update runs behind the next
+// forward (Note [the update behind the forward] in engine/gpu_offload.cpp):
+// optimizer_s is then the norm and the hand-over, and update_behind_s and
+// update_wait_s say how long the update ran and how much of it the engine
+// waited for (inside forward_s and backward_s). ZINC_GPU_UPDATE_BEHIND=0
+// runs it in place, to compare.
+//
 // Ran on an H100 (2026-11-25) and an H200 (2026-11-28): bench/RESULTS.md.
 // forward_s and backward_s are host clocks around asynchronous GPU work, so
 // the split between them is not the GPU's; step_s and the ratio are.
@@ -134,7 +141,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
   run_matmuls();
   engine.train_batch(loader);
   engine.train_batch(loader);
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s;
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, behind_s, wait_s;
   for (int r = 0; r < o.rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
@@ -147,6 +154,8 @@ int bench_gpu_train_step(const BenchOptions& o) {
     fwd_s.push_back((after.forward_s - before.forward_s) / o.steps);
     bwd_s.push_back((after.backward_s - before.backward_s) / o.steps);
     opt_s.push_back((after.step_s - before.step_s) / o.steps);
+    behind_s.push_back((after.update_behind_s - before.update_behind_s) / o.steps);
+    wait_s.push_back((after.update_wait_s - before.update_wait_s) / o.steps);
   }
   const double t_step = median(step_s), t_mm = median(mm_s);
   const double tokens = static_cast<double>(B * T * gas);
@@ -174,6 +183,8 @@ int bench_gpu_train_step(const BenchOptions& o) {
                          {"gradient_accumulation_steps", gas},
                          {"zero_stage", o.stage},
                          {"optimizer_states", o.resident ? "gpu" : "cpu"},
+                         {"update_behind_s", median(behind_s)},
+                         {"update_wait_s", median(wait_s)},
                          {"gpu_state_peak_bytes", engine.gpu_state_peak_bytes()},
                          {"params", engine.num_parameters()}};
   const ParamGatherStats gs = engine.param_gather_stats();
@@ -196,6 +207,13 @@ int bench_gpu_train_step(const BenchOptions& o) {
                 model_flops / bound, median(fwd_s), median(bwd_s), median(opt_s), 100 * median(opt_s) / t_step,
                 static_cast<double>(engine.gpu_state_peak_bytes()) / (1 << 30));
   std::string text = buf;
+  if (median(behind_s) > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "\n  the CPU update behind the next forward: %.3f s a step, of which the engine waited %.3f s "
+                  "(%.0f%% hidden)",
+                  median(behind_s), median(wait_s), 100 * (1 - median(wait_s) / median(behind_s)));
+    text += buf;
+  }
   if (o.stage == 3) {
     std::snprintf(buf, sizeof buf, "\n  stage 3: %.0f%% of the blocks' uploads prefetched, %.0f%% of the acquires waited",
                   100 * prefetched, 100 * waited);

@@ -102,6 +102,13 @@ class DeviceMirror {
   // (ZeRO-Offload uploads block b while the CPU updates block b + 1). Truly
   // asynchronous where `host` was registered (register_host).
   virtual void upload_params_async(int block, const void* host) = 0;
+  // on: the asynchronous uploads from now on wait only for the kernels the
+  // compute stream has queued so far (the last backward's, which read the
+  // old parameters), not for those queued later (the next forward's, which
+  // wait for them: the update runs behind that forward, on another thread,
+  // Note [the update behind the forward] in gpu_offload.cpp). off: each
+  // upload waits for everything queued before it, as before.
+  virtual void fence_param_reads(bool on) = 0;
   // Waits until no upload (async or on the compute stream) reads host
   // memory, before the host rewrites it.
   virtual void wait_uploads() = 0;

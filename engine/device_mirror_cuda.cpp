@@ -141,14 +141,29 @@ class CudaMirror final : public DeviceMirror {
 
   void upload_params_async(int block, const void* host) override {
     Block& k = blocks_[static_cast<size_t>(block)];
-    // After everything the compute stream has queued (the last backward
-    // still reads these parameters), then on the copy stream.
-    k.produced->record(kCompute);
-    k.produced->wait_on(copy_.get());
+    // After the last backward's kernels, which still read these parameters:
+    // with a fence, after the kernels queued when it was set (the update
+    // runs behind the next forward, whose kernels an upload must not wait
+    // for); else after everything the compute stream has queued. Then on
+    // the copy stream.
+    if (fenced_) {
+      reads_fence_->wait_on(copy_.get());
+    } else {
+      k.produced->record(kCompute);
+      k.produced->wait_on(copy_.get());
+    }
     ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, copy_.get()),
                     ("upload of block " + std::to_string(block) + "'s parameters").c_str());
     k.uploaded->record(copy_.get());
     k.upload_pending = true;
+  }
+
+  void fence_param_reads(bool on) override {
+    fenced_ = false;
+    if (!on) return;
+    if (!reads_fence_) reads_fence_ = std::make_unique<cuda::Event>();
+    reads_fence_->record(kCompute);
+    fenced_ = true;
   }
 
   // Every stream that reads host memory for an upload: the acquire-path
@@ -575,6 +590,9 @@ class CudaMirror final : public DeviceMirror {
   DType compute_;
   MirrorOptions options_;
   cuda::Stream copy_;
+  // fence_param_reads: the point on the compute stream the uploads wait for.
+  std::unique_ptr<cuda::Event> reads_fence_;
+  bool fenced_ = false;
   cuda::Stream upload_;       // stage 3 uploads (upload_transient)
   cuda::Stream reduce_copy_;  // the comm thread's copies (device_reduce)
   cuda::Stream gather_copy_;  // the gather thread's uploads (load_block)

@@ -188,7 +188,8 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
 }
 
 Engine::Impl::~Impl() {
-  // Work in flight refers to our buffers: let it finish before they go.
+  // Work in flight refers to our buffers: let it finish before they go
+  // (the device's shutdown waits for an update behind the forward too).
   if (device) device->shutdown();
   for (comm::CommStream* st : {reduce_stream.get(), own_gather_stream.get()}) {
     if (!st) continue;
@@ -447,6 +448,7 @@ void Engine::Impl::backward() {
   if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
   check_stepped("backward");
   device->make_current();
+  settle_update();  // its gradient copies land where the last update read
   auto t0 = Clock::now();
   boundary_backward = (micro_steps + 1) % cfg.gradient_accumulation_steps == 0;
   // OneBitAdam past its warm-up: the boundary keeps its gradients local.
@@ -517,6 +519,7 @@ void Engine::Impl::step() {
   if (!at_boundary() || batch_loss.count == 0) return;
   step_pending = false;
   device->make_current();
+  settle_update();
   auto t0 = Clock::now();
   reducer->wait_all();  // every reduction of this step
   // A rule that keeps the gradients local (the 1-bit optimizers past their
@@ -554,19 +557,48 @@ void Engine::Impl::step() {
     if (!rule->apply_on_device(*device, optimizer_steps, grad_scale)) {  // else the device's states are updated
       device->before_host_update();
       params->before_update();
-      rule->apply(optimizer_steps, grad_scale);
-      device->after_host_update();
-      params->gather_after_step();
-      device->after_gather();
+      auto host_update = [this, t = optimizer_steps, grad_scale] {
+        rule->apply(t, grad_scale);
+        device->after_host_update();
+        params->gather_after_step();
+        device->after_gather();
+      };
+      // Note [the update behind the forward] in gpu_offload.cpp: with model
+      // parallelism the next forward's collectives and transfers would
+      // meet an update in flight, so only data parallelism.
+      const bool data_parallel_only = !pipelined() && !tensor_split() && !sequence_ranks() && !expert_parts;
+      if (data_parallel_only && rule->may_run_behind() && device->start_update_behind(host_update)) {
+        update_behind = true;
+        behind_step = optimizer_steps;
+      } else {
+        host_update();
+      }
     }
-    rule->after_update(optimizer_steps);
+    if (!update_behind) rule->after_update(optimizer_steps);
   }
-  reducer->reset_after_step();
-  device->after_step();
+  if (!update_behind) {
+    reducer->reset_after_step();
+    device->after_step();
+  }
   if (loss_scaling && !n.no_targets) scaler.update(overflow);
   last_loss = n.loss;
   batch_loss = BatchLoss{};
   timings.step_s += seconds_since(t0);
+}
+
+void Engine::Impl::settle_update() {
+  if (!update_behind) return;
+  update_behind = false;
+  std::exception_ptr failed;
+  try {
+    device->finish_update_behind();
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  if (!failed) rule->after_update(behind_step);
+  reducer->reset_after_step();
+  device->after_step();
+  if (failed) std::rethrow_exception(failed);
 }
 
 char* Engine::Impl::compute_out(const StateSpan& sp) {
@@ -697,9 +729,11 @@ float Engine::forward(const Batch& batch) {
   return impl_->forward(batch);
 }
 void Engine::save_checkpoint(const std::string& dir, const std::string& tag, const nlohmann::json& client_state) {
+  impl_->settle_update();
   impl_->save_checkpoint(dir, tag, client_state);
 }
 nlohmann::json Engine::load_checkpoint(const std::string& dir, const std::string& tag) {
+  impl_->settle_update();
   return impl_->load_checkpoint(dir, tag);
 }
 void Engine::backward() {
@@ -726,6 +760,8 @@ float Engine::train_batch(DataLoader& loader) {
 float Engine::evaluate(const Batch& batch) {
   if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");
+  impl_->device->make_current();
+  impl_->settle_update();
   Batch slice;  // a sequence rank's part of the rows (sequence_slice checks the batch)
   if (impl_->sequence_ranks()) slice = impl_->sequence_slice(batch);
   const int64_t targets = impl_->sequence_ranks() ? Impl::count_targets(batch) : impl_->check_batch(batch);
@@ -786,14 +822,24 @@ Model& Engine::model() { return *impl_->model; }
 DType Engine::compute_dtype() const { return impl_->dtype; }
 int64_t Engine::num_parameters() const { return impl_->num_params; }
 int64_t Engine::num_trained_parameters() const { return impl_->num_trained; }
-StepTimings Engine::timings() const { return impl_->timings; }
+StepTimings Engine::timings() const {
+  StepTimings t = impl_->timings;
+  impl_->device->update_behind_seconds(t.update_behind_s, t.update_wait_s);
+  return t;
+}
 ParamGatherStats Engine::param_gather_stats() const { return impl_->params->stats(); }
-std::vector<float> Engine::full_params(int block) const { return impl_->full_params(block); }
+std::vector<float> Engine::full_params(int block) const {
+  impl_->device->make_current();
+  impl_->settle_update();
+  return impl_->full_params(block);
+}
 
 int64_t Engine::offload_bytes_read() const {
+  impl_->settle_update();  // an update in flight reads and writes the states
   return impl_->opt_state->bytes_read() + impl_->params->nvme_bytes_read();
 }
 int64_t Engine::offload_bytes_written() const {
+  impl_->settle_update();
   return impl_->opt_state->bytes_written() + impl_->params->nvme_bytes_written();
 }
 

@@ -124,6 +124,14 @@ struct Engine::Impl final : StepContext {
   std::unique_ptr<DevicePath> device;
   bool boundary_backward = false;
   bool step_pending = false;  // a boundary backward ran; its step() has not
+  // The GPU path's host update of optimizer step `behind_step` runs behind
+  // the next forward (Note [the update behind the forward] in
+  // gpu_offload.cpp): the rest of that step (the rule's after_update, the
+  // reducer's reset, the device's after_step) waits for settle_update(),
+  // which every entry point but forward calls first.
+  bool update_behind = false;
+  int64_t behind_step = 0;
+  void settle_update();
 
   // ---- pipeline stages (Note [pipeline parallelism] in pipeline.cpp) -------------------
   // world and rank above are the data-parallel group's (the ranks of this

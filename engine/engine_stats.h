@@ -10,6 +10,11 @@ namespace zinc {
 // Time spent per phase since the engine started (wall_clock_breakdown).
 struct StepTimings {
   double forward_s = 0, backward_s = 0, step_s = 0;
+  // The GPU path's host update run behind the next forward (Note [the
+  // update behind the forward] in engine/gpu_offload.cpp): its seconds on
+  // its own thread, and the seconds forward, backward and the other calls
+  // waited for it (inside forward_s, backward_s and the rest). 0 elsewhere.
+  double update_behind_s = 0, update_wait_s = 0;
 };
 
 // ZeRO-3's parameter gathers since the engine started (all zero below stage

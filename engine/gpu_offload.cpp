@@ -68,10 +68,35 @@
 // GPU; the update writes the new compute shard to the GPU shard (with device
 // gathers) and sends it down to the coordinator's host shard, and the blocks
 // are gathered as above.
+//
+// Note [the update behind the forward]
+// With ZeRO-Offload the CPU's AdamW is a large part of the step, and the
+// GPU idles through it. Its arithmetic cannot start before backward ends:
+// the clip coefficient needs every gradient's norm. But the next forward
+// need not wait for all of it: block b's forward needs block b's new
+// parameters only. So where each block's host compute copy is complete once
+// its own update is (stage 0, or one rank; not stage 3), step() hands the
+// host update to a thread of this path's own (start_update_behind) and
+// returns. The update visits the blocks in index order, the forward's
+// order; block_updated(b) queues b's upload on the copy stream and marks b
+// ready; the next forward's on_acquire(b) waits for that mark, so block b's
+// kernels run on the GPU while the CPU updates the blocks after it. The
+// uploads wait only for the last backward's kernels (fence_param_reads),
+// not for the forward queued since. Nothing else reads what the update
+// writes before the engine settles it (Engine::Impl::settle_update): at the
+// next backward (whose gradient copies land in the buffers the update
+// reads), a checkpoint, an evaluation, full_params, and the engine's end.
+// The update's arithmetic, and so the weights, are those of the update run
+// in place, bit for bit. ZINC_GPU_UPDATE_BEHIND=0 runs it in place.
 #include "engine/gpu_offload.h"
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <mutex>
 #include <string>
 
 #include "core/device.h"
@@ -169,6 +194,7 @@ class GpuOffload final : public DevicePath {
   void make_current() override { gpu_->make_current(); }
 
   void on_acquire(int block, BlockParams& p) override {
+    if (behind_) wait_updated(block);
     if (device_gathers_) {  // gathered on the GPU by the coordinator
       p.base = gpu_->params(block);
       return;
@@ -241,12 +267,62 @@ class GpuOffload final : public DevicePath {
   // where there is one, is the old gathered block: the next acquire uploads
   // the new one.)
   void block_updated(int b) override {
-    if (states_ || plan().params_sharded || !(plan().optimizer_spans_block || world_ == 1)) return;
+    if (!uploads_after_update()) return;
     BlockShard& s = blocks()[static_cast<size_t>(b)];
     const void* host = !s.compute.empty() ? s.compute.data() : static_cast<const void*>(s.master_compute);
-    if (!host) return;
-    gpu_->upload_params_async(b, host);
-    stale_[static_cast<size_t>(b)] = 0;
+    if (host) {
+      gpu_->upload_params_async(b, host);
+      stale_[static_cast<size_t>(b)] = 0;
+    }
+    if (behind_) mark_updated(b);
+  }
+  // Note [the update behind the forward].
+  bool start_update_behind(std::function<void()> update) override {
+    if (!behind_allowed_ || !uploads_after_update()) return false;
+    if (!behind_stream_) {
+      behind_comm_ = comm::make_single_communicator();
+      behind_stream_ = std::make_unique<comm::CommStream>(*behind_comm_);
+    }
+    {
+      std::lock_guard<std::mutex> lock(behind_mu_);
+      updated_.assign(blocks().size(), 0);
+      for (size_t b = 0; b < blocks().size(); ++b) updated_[b] = blocks()[b].frozen;  // no update to wait for
+      behind_done_ = false;
+      behind_error_.clear();
+    }
+    gpu_->fence_param_reads(true);
+    behind_ = true;
+    behind_job_ = behind_stream_->submit([this, update = std::move(update)](comm::Communicator&) {
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        gpu_->make_current();  // this thread's CUDA calls go to the engine's GPU
+        update();
+      } catch (const std::exception& e) {
+        end_behind(t0, e.what());
+        throw;
+      }
+      end_behind(t0, "");
+    });
+    return true;
+  }
+  void finish_update_behind() override {
+    if (!behind_) return;
+    behind_ = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      behind_job_.wait();
+    } catch (...) {
+      count_wait(t0);
+      gpu_->fence_param_reads(false);
+      throw;
+    }
+    count_wait(t0);
+    gpu_->fence_param_reads(false);
+  }
+  void update_behind_seconds(double& ran, double& waited) const override {
+    std::lock_guard<std::mutex> lock(behind_mu_);
+    ran = behind_ran_s_;
+    waited = behind_wait_s_;
   }
   void after_host_update() override {
     if (device_gathers_ && !upload_gathers_) upload_shards();
@@ -304,6 +380,13 @@ class GpuOffload final : public DevicePath {
   }
 
   void shutdown() noexcept override {
+    if (behind_) {
+      try {
+        finish_update_behind();
+      } catch (const std::exception& e) {
+        log_error(std::string("engine shutdown: the last optimizer update failed: ") + e.what());
+      }
+    }
     if (gpu_) {
       try {
         gpu_->synchronize();
@@ -415,6 +498,50 @@ class GpuOffload final : public DevicePath {
         gpu_->drop_params(static_cast<int>(b));
   }
 
+  // ZeRO-Offload: each block's host compute copy is complete once its own
+  // update is (stage 0, or one rank: no all-gather to wait for), so it goes
+  // up at block_updated.
+  bool uploads_after_update() const {
+    return !states_ && !plan().params_sharded && (plan().optimizer_spans_block || world_ == 1);
+  }
+
+  // ---- the update behind the forward ----
+  // The update's thread: block b's new parameters are queued for upload.
+  void mark_updated(int b) {
+    {
+      std::lock_guard<std::mutex> lock(behind_mu_);
+      updated_[static_cast<size_t>(b)] = 1;
+    }
+    behind_cv_.notify_all();
+  }
+  // The update's thread, at its end (error: empty when it succeeded).
+  void end_behind(std::chrono::steady_clock::time_point t0, const std::string& error) {
+    {
+      std::lock_guard<std::mutex> lock(behind_mu_);
+      behind_done_ = true;
+      behind_error_ = error;
+      behind_ran_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    behind_cv_.notify_all();
+  }
+  void count_wait(std::chrono::steady_clock::time_point t0) {
+    std::lock_guard<std::mutex> lock(behind_mu_);
+    behind_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  // The engine's thread: waits until block b's update is done.
+  void wait_updated(int b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(behind_mu_);
+    const auto ready = [&] { return updated_[static_cast<size_t>(b)] != 0 || behind_done_; };
+    if (!ready()) {
+      behind_cv_.wait(lock, ready);
+      behind_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    if (!updated_[static_cast<size_t>(b)] && !behind_error_.empty())
+      throw Error("block " + std::to_string(b) + " was not updated: the last step's optimizer update failed: " +
+                  behind_error_);
+  }
+
   // Blocks whose gradient copies have finished (all of them with wait) go
   // to the GradReducer, in the order the model reported them.
   void hand_over_grads(bool wait) {
@@ -447,6 +574,23 @@ class GpuOffload final : public DevicePath {
   // from the page-locked shards, on the coordinator's gather stream.
   bool upload_gathers_ = false;
   std::vector<char> stale_;  // blocks the last step changed: uploaded at the next acquire
+  // Note [the update behind the forward]: the thread the update runs on,
+  // whether one is in flight (the engine's thread reads and writes it),
+  // and what it has done (behind_mu_).
+  const bool behind_allowed_ = [] {
+    const char* e = std::getenv("ZINC_GPU_UPDATE_BEHIND");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  std::unique_ptr<comm::Communicator> behind_comm_;
+  std::unique_ptr<comm::CommStream> behind_stream_;
+  comm::CommHandle behind_job_;
+  bool behind_ = false;
+  mutable std::mutex behind_mu_;
+  std::condition_variable behind_cv_;
+  std::vector<char> updated_;  // per block: its update is done and its upload queued
+  bool behind_done_ = false;
+  std::string behind_error_;
+  double behind_ran_s_ = 0, behind_wait_s_ = 0;
   std::deque<int> copies_;   // blocks whose gradient copies are in flight, in the order reported
 };
 

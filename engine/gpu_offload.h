@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -94,6 +95,19 @@ class DevicePath {
   virtual void after_gather() {}
   // After the reducer's reset, at the end of every step.
   virtual void after_step() {}
+  // ---- the host update behind the next forward (Note [the update behind
+  // the forward] in gpu_offload.cpp) ----
+  // Runs `update` (the host update and what follows it up to after_gather)
+  // on a thread of the device path's own and returns true; the next
+  // forward's on_acquire(block) waits for the block's block_updated. False:
+  // not here (the engine runs it itself, now).
+  virtual bool start_update_behind(std::function<void()> /*update*/) { return false; }
+  // Waits for that update (nothing in flight: returns at once); rethrows
+  // its error.
+  virtual void finish_update_behind() {}
+  // Seconds such updates have run, and seconds the engine's thread waited
+  // for them (at an acquire or finish_update_behind), since the start.
+  virtual void update_behind_seconds(double& /*ran*/, double& /*waited*/) const {}
 
   // ---- checkpoints and reads ----
   // Before a save reads the host's optimizer states.

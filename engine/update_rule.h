@@ -75,6 +75,10 @@ class UpdateRule {
   // The update of optimizer step t over this rank's spans, with the
   // gradient scale (1/accumulation, 1/loss scale, the clip) folded in.
   virtual void apply(int64_t t, float grad_scale) = 0;
+  // Whether apply() may run on another thread behind the next forward
+  // (Note [the update behind the forward] in gpu_offload.cpp): it touches
+  // only the spans it visits and the rule's own state, and no collective.
+  virtual bool may_run_behind() const { return false; }
   // After the update of step t (on the host or the device) and the
   // parameters' gather: what the rule's schedule does next.
   virtual void after_update(int64_t /*t*/) {}
@@ -104,6 +108,7 @@ class AdamWRule : public UpdateRule {
   void set_hyperparameters(double lr, std::optional<std::pair<double, double>> betas) override;
   bool apply_on_device(DevicePath& device, int64_t t, float grad_scale) override;
   void apply(int64_t t, float grad_scale) override;
+  bool may_run_behind() const override { return true; }
   const optim::AdamParams& params() const { return adam_; }
 
  private:
@@ -118,6 +123,9 @@ class LambRule : public UpdateRule {
   explicit LambRule(const optim::LambParams& p) : lamb_(p) {}
   void set_hyperparameters(double lr, std::optional<std::pair<double, double>> betas) override;
   void apply(int64_t t, float grad_scale) override;
+  // Its trust ratios' all-reduce runs only where the optimizer is sharded
+  // over ranks, which the update behind the forward excludes.
+  bool may_run_behind() const override { return !ctx_.reduce_stream || ctx_.plan->optimizer_spans_block; }
   const optim::LambParams& params() const { return lamb_; }
   // The trust ratios of the last update, per tensor (block and layout order).
   const std::vector<double>& ratios() const { return ratios_; }

@@ -57,6 +57,8 @@ struct PathRun {
   std::vector<double> norms;
   std::vector<std::vector<float>> weights;  // every block's master weights at the end
   int64_t gpu_peak = 0;                      // Engine::gpu_state_peak_bytes
+  std::vector<float> evals;                  // Case::evaluate: the held-out loss after each step
+  double behind_s = 0;                       // StepTimings::update_behind_s
 };
 
 struct Case {
@@ -68,6 +70,8 @@ struct Case {
   double clipping = 1.0;
   std::string ckpt_dir;  // with resume_at: save there at that step and continue in a new engine
   int resume_at = -1;
+  bool behind = true;     // the update may run behind the next forward (ZINC_GPU_UPDATE_BEHIND)
+  bool evaluate = false;  // an evaluation after each step, and forward/backward/step by hand
   std::string what() const {
     std::string w = device + " " + precision + " stage " + std::to_string(stage) + " gas " + std::to_string(gas) +
                     " states " + offload;
@@ -99,12 +103,17 @@ PathRun train(const Case& c) {
   if (c.precision == "fp16") cfg["fp16"] = {{"enabled", true}};
   const models::GptConfig g = small_gpt(c.device == "cuda" ? Device::kCuda : Device::kCpu, c.layers);
   std::shared_ptr<Model> model = models::make_gpt(g);
+  // Read when an engine's GPU path starts (Note [the update behind the forward]).
+  if (c.behind) unsetenv("ZINC_GPU_UPDATE_BEHIND");
+  else setenv("ZINC_GPU_UPDATE_BEHIND", "0", 1);
   Engine e = Engine::initialize(model, cfg);
   DataConfig dc;
   dc.vocab_size = 29;
   dc.seq_len = 16;
   dc.determinism = 0.9;
   DataLoader loader(make_data_source(dc), 4, c.gas, 1, 0, 7);
+  Batch held_out;
+  if (c.evaluate) held_out = DataLoader(make_eval_data_source(dc), 4, 1, 1, 0, 99).next();
   PathRun r;
   for (int s = 0; s < c.steps; ++s) {
     if (s == c.resume_at) {
@@ -115,11 +124,22 @@ PathRun train(const Case& c) {
       e = std::move(e2);
       model = m2;
     }
-    r.losses.push_back(e.train_batch(loader));
+    if (!c.evaluate) {
+      r.losses.push_back(e.train_batch(loader));
+    } else {
+      for (int m = 0; m < c.gas; ++m) {
+        r.losses.push_back(e.forward(loader.next()));
+        e.backward();
+        e.step();
+      }
+      r.evals.push_back(e.evaluate(held_out));
+    }
     r.norms.push_back(e.global_grad_norm());
   }
   for (size_t b = 0; b < model->blocks().size(); ++b) r.weights.push_back(e.full_params(static_cast<int>(b)));
   r.gpu_peak = e.gpu_state_peak_bytes();
+  r.behind_s = e.timings().update_behind_s;
+  unsetenv("ZINC_GPU_UPDATE_BEHIND");
   return r;
 }
 
@@ -132,6 +152,8 @@ Case on_gpu(Case c) {
 void expect_same(const PathRun& a, const PathRun& b, const std::string& what) {
   ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
   for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << " loss at step " << i;
+  ASSERT_EQ(a.evals.size(), b.evals.size()) << what;
+  for (size_t i = 0; i < a.evals.size(); ++i) EXPECT_EQ(a.evals[i], b.evals[i]) << what << " evaluation " << i;
   ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
   for (size_t k = 0; k < a.weights.size(); ++k) {
     ASSERT_EQ(a.weights[k].size(), b.weights[k].size()) << what << " block " << k;
@@ -194,6 +216,59 @@ TEST(CudaEnginePath, ZeroOffloadToNvmeEqualsRamAndTrainsLikeTheCpu) {
       expect_same(gpu, train(on_gpu(ram)), on_gpu(nvme).what() + " against RAM");
       expect_like_cpu(train(nvme), gpu, prec, on_gpu(nvme).what());
     }
+}
+
+// Note [the update behind the forward] (engine/gpu_offload.cpp): the CPU
+// update runs on a thread of its own while the next forward goes on, each
+// block's forward waiting for that block's update. The same bits as the
+// update run in place, whatever comes next: a forward (gas 1 and 2), an
+// evaluation, a checkpoint and the resumed engine, the states on NVMe, fp16's
+// skipped steps, full_params at the end; and the update did run behind.
+TEST(CudaEnginePath, TheUpdateBehindTheForwardKeepsTheBits) {
+  ZINC_REQUIRE_GPU();
+  const std::string dir = (std::filesystem::temp_directory_path() / "zinc_behind_ckpt").string();
+  std::vector<Case> cases;
+  for (const char* prec : {"fp32", "bf16", "fp16"})
+    for (int stage : {1, 2}) {
+      Case c;
+      c.precision = prec;
+      c.stage = stage;
+      c.gas = stage;  // 1 and 2
+      c.steps = 5;
+      c.layers = 3;
+      cases.push_back(c);
+    }
+  Case eval;
+  eval.precision = "bf16";
+  eval.stage = 2;
+  eval.evaluate = true;
+  eval.steps = 4;
+  cases.push_back(eval);
+  Case nvme = eval;
+  nvme.evaluate = false;
+  nvme.offload = "nvme";
+  nvme.gas = 2;
+  cases.push_back(nvme);
+  Case resumed;
+  resumed.precision = "bf16";
+  resumed.stage = 2;
+  resumed.steps = 6;
+  resumed.resume_at = 3;
+  resumed.ckpt_dir = dir;
+  cases.push_back(resumed);
+  for (const Case& c : cases) {
+    Case in_place = c;
+    in_place.behind = false;
+    const PathRun behind = train(on_gpu(c));
+    std::filesystem::remove_all(dir);
+    const PathRun direct = train(on_gpu(in_place));
+    std::filesystem::remove_all(dir);
+    const std::string what = on_gpu(c).what() + (c.evaluate ? " with evaluations" : "") +
+                             (c.resume_at >= 0 ? " resumed" : "");
+    expect_same(behind, direct, what + ", behind against in place");
+    EXPECT_GT(behind.behind_s, 0) << what << ": the update never ran behind";
+    EXPECT_EQ(direct.behind_s, 0) << what << ": ZINC_GPU_UPDATE_BEHIND=0 ran it behind";
+  }
 }
 
 // ZeRO-Offload (stages 1 and 2): the gradients come back at the boundary,
