@@ -43,6 +43,10 @@ nlohmann::json step_event(const Engine& engine, int64_t step, double loss, doubl
     ev["forward_s"] = t.forward_s;
     ev["backward_s"] = t.backward_s;
     ev["optimizer_step_s"] = t.step_s;
+    if (t.update_behind_s > 0) {  // the GPU path's update behind the forward
+      ev["update_behind_s"] = t.update_behind_s;
+      ev["update_wait_s"] = t.update_wait_s;
+    }
   }
   return ev;
 }

@@ -233,8 +233,11 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
                 format_duration(elapsed).c_str(), format_duration(eta).c_str());
     if (cfg.wall_clock_breakdown) {
       zinc::StepTimings t = engine.timings();
-      std::printf("  time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs\n", t.forward_s,
-                  t.backward_s, t.step_s);
+      std::printf("  time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs", t.forward_s, t.backward_s,
+                  t.step_s);
+      if (t.update_behind_s > 0)  // Note [the update behind the forward]: its waits are inside forward and backward
+        std::printf(" | CPU update behind the forward %.2fs, waited for %.2fs", t.update_behind_s, t.update_wait_s);
+      std::printf("\n");
     }
   } else if (kind == "eval") {
     std::printf("eval at step %lld | held-out loss %.4f\n", step, ev.at("loss").get<double>());
