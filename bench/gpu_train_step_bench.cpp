@@ -15,6 +15,10 @@
 // gather is the block's upload); --resident keeps the optimizer states on the GPU, the step
 // without PCIe traffic or the CPU optimizer to set the offload case against.
 //
+// --ratio R sets offload_optimizer.ratio (Note [a share of the states on
+// the GPU] in engine/gpu_offload.cpp): the first blocks' states, up to 1 - R
+// of them, live and update on the GPU.
+//
 // With ZeRO-Offload at stages 1-2 the CPU update runs behind the next
 // forward (Note [the update behind the forward] in engine/gpu_offload.cpp):
 // optimizer_s is then the norm and the hand-over, and update_behind_s and
@@ -104,6 +108,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
       // pick rows of the embedding).
       {"data", {{"type", "synthetic"}, {"vocab_size", std::min<int64_t>(V, 8192)}, {"seq_len", T}}},
   };
+  if (o.ratio < 1.0 && !o.resident) doc["zero_optimization"]["offload_optimizer"]["ratio"] = o.ratio;
   if (o.stage == 3) {  // three layers live on the GPU at most, two prefetched ahead
     const int64_t layer = llama ? C * (H + 2 * K) * D + H * D * C + 3 * C * I + 2 * C : 12 * C * C + 13 * C;
     doc["zero_optimization"]["offload_param"] = {{"device", "cpu"}, {"pin_memory", true}};
@@ -112,8 +117,10 @@ int bench_gpu_train_step(const BenchOptions& o) {
     doc["zero_optimization"]["stage3_max_reuse_distance"] = 0;
     doc["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
   }
-  const std::string what = std::string(o.resident ? "GPU-resident states" : "ZeRO-Offload") + ", stage " +
-                           std::to_string(o.stage);
+  char ratio_text[48] = "";
+  if (o.ratio < 1.0 && !o.resident) std::snprintf(ratio_text, sizeof ratio_text, " (offload ratio %g)", o.ratio);
+  const std::string what = std::string(o.resident ? "GPU-resident states" : "ZeRO-Offload") + ratio_text +
+                           ", stage " + std::to_string(o.stage);
   tools::Experiment ex = tools::build_experiment(doc, 1);
   Engine engine = Engine::initialize(ex.model, ex.config);
   DataLoader loader(ex.data, B, gas, 1, 0, 1);
@@ -183,6 +190,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
                          {"gradient_accumulation_steps", gas},
                          {"zero_stage", o.stage},
                          {"optimizer_states", o.resident ? "gpu" : "cpu"},
+                         {"offload_ratio", o.resident ? 0.0 : o.ratio},
                          {"update_behind_s", median(behind_s)},
                          {"update_wait_s", median(wait_s)},
                          {"gpu_state_peak_bytes", engine.gpu_state_peak_bytes()},

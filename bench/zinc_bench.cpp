@@ -96,6 +96,10 @@ int main(int argc, char** argv) {
   app.add_flag("--resident", o.resident,
                "gpu-train-step: optimizer states on the GPU instead of ZeRO-Offload (the step without PCIe and the "
                "CPU optimizer, to compare)");
+  app.add_option("--ratio", o.ratio,
+                 "gpu-train-step: zero_optimization.offload_optimizer.ratio, the offloaded share of the optimizer "
+                 "states (below 1: the first blocks' states on the GPU)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--pretrained", o.pretrained,
                  "capacity: load this Hugging Face folder (model.from_pretrained) at stage 3 on NVMe under --cap-mib "
                  "and train 2 steps, instead of the GPT");

@@ -135,7 +135,10 @@ struct OffloadConfig {
   // offload_param's buffer_count, default 5, likewise).
   int64_t buffer_size = 100000000;
   int64_t max_in_cpu = 1000000000;
-  double ratio = 1.0;               // offload_optimizer: share offloaded (only 1 is implemented)
+  // offload_optimizer: the share of the optimizer states offloaded; below 1
+  // the first blocks' states live on the GPU (Note [a share of the states on
+  // the GPU] in engine/gpu_offload.cpp; "device": "cuda", one rank, stages 1-2).
+  double ratio = 1.0;
 
   bool operator==(const OffloadConfig&) const = default;
 };

@@ -128,11 +128,6 @@ void Config::validate() const {
     throw ConfigError("zero_optimization.offload_optimizer",
                       "optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0");
   }
-  if (oo.ratio < 1.0 && zero.stage != 3) {
-    throw ConfigError("zero_optimization.offload_optimizer.ratio",
-                      "partial offload (ratio < 1) needs ZeRO stage 3, got ratio " + num(oo.ratio) +
-                          " at stage " + std::to_string(zero.stage));
-  }
   for (const auto* o : {&oo, &op}) {
     const char* name = o == &oo ? "offload_optimizer" : "offload_param";
     if (o->device == OffloadDevice::kNvme && o->nvme_path.empty()) {
@@ -140,10 +135,26 @@ void Config::validate() const {
                         "required for device \"nvme\"");
     }
   }
+  // Partial offload (Note [a share of the states on the GPU] in
+  // engine/gpu_offload.cpp): the other share of the states lives on the GPU.
   if (oo.ratio < 1.0) {
-    throw ConfigError("zero_optimization.offload_optimizer.ratio",
-                      "partial optimizer offload (ratio < 1) is not implemented yet in zinc; set 1, got " +
-                          num(oo.ratio));
+    const std::string key = "zero_optimization.offload_optimizer.ratio";
+    const std::string got = "got ratio " + num(oo.ratio);
+    if (oo.device == OffloadDevice::kNone)
+      throw ConfigError(key, "the offloaded share of the optimizer states, with offload_optimizer.device \"none\" "
+                             "(nothing offloaded); set device \"cpu\" or \"nvme\", or remove ratio (" + got + ")");
+    if (device != Device::kCuda)
+      throw ConfigError(key, "partial offload (ratio < 1) keeps the rest of the optimizer states on the GPU, and "
+                             "this run computes on the CPU; set \"device\": \"cuda\" or ratio 1 (" + got + ")");
+    if (zero.stage == 3)
+      throw ConfigError(key, "partial offload (ratio < 1) runs at ZeRO stages 1-2 in zinc, not yet at stage 3 (" +
+                                 got + ")");
+    if (world_size > 1)
+      throw ConfigError(key, "partial offload (ratio < 1) runs on one rank (one GPU) in zinc, not yet on " +
+                                 std::to_string(world_size) + " (" + got + ")");
+    if (optimizer.type != OptimizerType::kAdamW && optimizer.type != OptimizerType::kAdam)
+      throw ConfigError(key, std::string("partial offload (ratio < 1) updates its GPU share with the GPU's AdamW; "
+                                         "the optimizer is ") + optimizer_type_name(optimizer.type) + " (" + got + ")");
   }
 }
 

@@ -124,7 +124,8 @@ class DeviceMirror {
   // GPU memory, updated by optim::adam_step_cuda, which writes the compute
   // parameters in the same pass. ----
   // Per block: the states' length (the padded block on one rank, the rank's
-  // shard on several) and where they start in the block (0, or the shard's
+  // shard on several; 0: the block's states are not here, a share of them
+  // on the GPU) and where they start in the block (0, or the shard's
   // offset). On several ranks the reduced gradient shard also stays on the GPU.
   virtual void enable_states(const std::vector<int64_t>& numel, const std::vector<int64_t>& offset) = 0;
   // Elements [offset, offset + count) of a block's states from / to host
@@ -144,7 +145,10 @@ class DeviceMirror {
   // with enable_param_shards to the GPU shard too).
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale,
                          void* host_out = nullptr) = 0;
-  // Zeroes every GPU gradient accumulator (after a step).
+  // The same sum for one block whose states are here (waits for the result).
+  virtual double block_grad_squared_norm(int block) = 0;
+  // Zeroes the GPU gradient accumulators of the blocks whose states are
+  // here (after a step).
   virtual void zero_grads() = 0;
   // Several ranks, comm thread: all-gathers the block's updated compute
   // shards over `c` (in place on the GPU), after the step's updates.

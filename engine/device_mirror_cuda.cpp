@@ -253,6 +253,7 @@ class CudaMirror final : public DeviceMirror {
       Block& k = blocks_[i];
       k.state_numel = numel[i];
       k.state_offset = offset[i];
+      if (k.state_numel == 0) continue;  // not here (a share of the states on the GPU)
       const size_t bytes = static_cast<size_t>(k.state_numel) * sizeof(float);
       std::vector<cuda::DeviceBuffer*> bufs = {&k.master, &k.m, &k.v};
       if (k.state_numel != k.numel) bufs.push_back(&k.gshard);  // several ranks: the reduced shard stays here
@@ -337,9 +338,22 @@ class CudaMirror final : public DeviceMirror {
     k.produced->record(kCompute);  // gather_params waits for the update
   }
 
+  double block_grad_squared_norm(int block) override {
+    const Block& k = blocks_[static_cast<size_t>(block)];
+    ZINC_CHECK(k.state_numel == k.numel && k.grads.p, "block_grad_squared_norm: a block whose states and whole "
+                                                      "gradient are on the GPU");
+    double* at = norms_.as<double>() + block;
+    kernels::cuda::squared_norm(k.grads.as<float>(), k.numel, at, kCompute);
+    double host = 0;
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(&host, at, sizeof host, cudaMemcpyDeviceToHost, kCompute),
+                    "copy of a block's gradient norm");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for a block's gradient norm");
+    return host;
+  }
+
   void zero_grads() override {
     for (Block& k : blocks_)
-      if (k.grads.p)
+      if (k.grads.p && k.state_numel > 0)
         ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradients");
   }
 

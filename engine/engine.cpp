@@ -636,6 +636,9 @@ void Engine::Impl::visit_updating(const std::function<void(const StateSpan&)>& f
     device->block_updated(b);
   };
   auto visit = [&](const StateSpan& sp) {
+    // The device updates its share of the states (Note [a share of the
+    // states on the GPU] in gpu_offload.cpp); a load sets every block's.
+    if (!overwrite && device->block_on_device(sp.block)) return;
     if (sp.block != last && last >= 0) finish(last);
     last = sp.block;
     fn(sp);

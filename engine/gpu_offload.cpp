@@ -88,11 +88,35 @@
 // reads), a checkpoint, an evaluation, full_params, and the engine's end.
 // The update's arithmetic, and so the weights, are those of the update run
 // in place, bit for bit. ZINC_GPU_UPDATE_BEHIND=0 runs it in place.
+//
+// Note [a share of the states on the GPU]
+// DeepSpeed's offload_optimizer.ratio (ZeRO-Offload++) is the share of the
+// optimizer states offloaded; the rest live on the GPU and are updated
+// there. zinc gives the GPU a prefix of the blocks in the forward's order
+// (gpu_state_blocks: the longest one whose trained parameters fit in 1 -
+// ratio of them), for two reasons. The forward needs those blocks first,
+// and the GPU updates them at once, so the next forward starts on them
+// while the CPU updates the rest behind it (Note [the update behind the
+// forward]). And a whole block keeps one place for its states, its norm
+// and its checkpoint spans. Those blocks' gradients never leave the GPU:
+// their squares come from the GPU (block_squares), the host update skips
+// them (block_on_device), the GPU's AdamW, whose arithmetic is the CPU's
+// (optim/detail/adam_update.h), updates them and writes their parameters
+// in place, and their accumulators are zeroed after the step. The host's
+// OptimizerState keeps a copy of every block's states for checkpoints and
+// full_params, refreshed from the GPU before either reads it, as with the
+// states wholly on the GPU. Without clipping the weights are those of
+// ratio 1 bit for bit; with clipping the GPU's sum of a block's squares may
+// differ from the CPU's in its last bits. It costs the GPU 12 bytes per
+// parameter of its blocks (master, m, v) and keeps their 4-byte gradient
+// accumulators from one step to the next. One rank, stages 1-2, AdamW
+// (Config::validate refuses the rest).
 #include "engine/gpu_offload.h"
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -187,6 +211,7 @@ class GpuOffload final : public DevicePath {
         gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, nullptr, nullptr);
       });
     }
+    if (!states_ && cfg_.zero.offload_optimizer.ratio < 1.0) start_partial_states();
     if (reduce_ && gplan_.device_gathers) start_device_gathers();
     if (gplan_.upload_gathers) start_upload_gathers();
   }
@@ -209,6 +234,10 @@ class GpuOffload final : public DevicePath {
   void on_release() noexcept override { drop_freed_params(); }
   float* grads(int block) override { return gpu_->grads(block); }
   bool grads_ready(int block, bool boundary) override {
+    if (boundary && on_gpu(block)) {  // a share of the states on the GPU: the gradient stays there
+      ctx_.reducer->ready(block);
+      return true;
+    }
     if (boundary && reduce_) {
       gpu_->start_device_reduce(block);
       ctx_.reducer->ready(block);
@@ -230,7 +259,11 @@ class GpuOffload final : public DevicePath {
     return true;
   }
   bool update(const optim::AdamParams& adam, int64_t step, float grad_scale) override {
-    if (!states_) return false;
+    if (!states_) {  // the GPU's share of the states now; the host updates the rest
+      for (int b = 0; b < static_cast<int>(blocks().size()); ++b)
+        if (on_gpu(b)) gpu_->adam_step(b, adam, step, grad_scale);
+      return false;
+    }
     const int n = static_cast<int>(blocks().size());
     if (plan().params_sharded) {
       // Stage 3: the update writes each block's new compute shard back to
@@ -257,9 +290,17 @@ class GpuOffload final : public DevicePath {
     return true;
   }
   void before_host_update() override {
-    gpu_->wait_uploads();              // the last step's uploads have read the host copies
-    stale_.assign(blocks().size(), 1);  // block_updated clears what it uploads
+    gpu_->wait_uploads();  // the last step's uploads have read the host copies
+    // block_updated clears what it uploads; the GPU's share of the states
+    // wrote its parameters there (update), and its host copy is stale.
+    for (size_t b = 0; b < blocks().size(); ++b) stale_[b] = !on_gpu(static_cast<int>(b));
   }
+  bool block_squares(int block, double& sum) override {
+    if (!on_gpu(block)) return false;
+    sum = gpu_->block_grad_squared_norm(block);
+    return true;
+  }
+  bool block_on_device(int block) const override { return on_gpu(block); }
   // ZeRO-Offload: a block whose host compute copy is complete once its own
   // update is (stage 0, or one rank: no all-gather to wait for) goes up at
   // once, on the copy stream, while the CPU updates the next; otherwise
@@ -286,7 +327,8 @@ class GpuOffload final : public DevicePath {
     {
       std::lock_guard<std::mutex> lock(behind_mu_);
       updated_.assign(blocks().size(), 0);
-      for (size_t b = 0; b < blocks().size(); ++b) updated_[b] = blocks()[b].frozen;  // no update to wait for
+      for (size_t b = 0; b < blocks().size(); ++b)  // no host update to wait for
+        updated_[b] = blocks()[b].frozen || on_gpu(static_cast<int>(b));
       behind_done_ = false;
       behind_error_.clear();
     }
@@ -343,15 +385,15 @@ class GpuOffload final : public DevicePath {
     }
   }
   void after_step() override {
-    if (states_) gpu_->zero_grads();
+    if (states_ || partial_) gpu_->zero_grads();  // the accumulators of the blocks whose states are here
   }
 
   // GPU-resident states: the host OptimizerState is their copy for
   // checkpoints and full_params, refreshed from the GPU before either reads it.
   void states_to_host() override {
-    if (!states_) return;
+    if (!states_ && !partial_) return;
     ctx_.opt_state->for_each([&](const StateSpan& sp) {
-      gpu_->download_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
+      if (states_ || on_gpu(sp.block)) gpu_->download_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
     });
   }
   void before_load() override { gpu_->wait_uploads(); }
@@ -362,9 +404,9 @@ class GpuOffload final : public DevicePath {
     }
     // The GPU states before the gathers start (their synchronous copies
     // would otherwise wait for the gathers in flight).
-    if (states_)
+    if (states_ || partial_)
       ctx_.opt_state->for_each([&](const StateSpan& sp) {
-        gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
+        if (states_ || on_gpu(sp.block)) gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, sp.m, sp.v);
       });
   }
   void after_load_gather() override {
@@ -372,7 +414,7 @@ class GpuOffload final : public DevicePath {
     drop_freed_params();
   }
   void master_to_host(int block) override {
-    if (!states_) return;
+    if (!states_ && !on_gpu(block)) return;
     if (float* hm = ctx_.opt_state->master_in_memory(block))
       gpu_->download_states(block, 0, blocks()[static_cast<size_t>(block)].opt_numel, hm, nullptr, nullptr);
     else
@@ -498,6 +540,45 @@ class GpuOffload final : public DevicePath {
         gpu_->drop_params(static_cast<int>(b));
   }
 
+  // Note [a share of the states on the GPU]: blocks [0, k) in the forward's
+  // order keep master, m and v on the GPU (DeviceMirror::enable_states for
+  // them alone), the rest stay offloaded.
+  void start_partial_states() {
+    const double ratio = cfg_.zero.offload_optimizer.ratio;
+    ZINC_CHECK(world_ == 1 && !plan().params_sharded, "offload_optimizer.ratio below 1: one rank, stages 1-2");
+    std::vector<int64_t> trained;
+    for (const BlockShard& s : blocks()) trained.push_back(s.frozen ? 0 : s.opt_numel);
+    gpu_states_ = gpu_state_blocks(trained, ratio);
+    std::vector<int64_t> numel, offset;
+    int64_t here = 0, all = 0;
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      ZINC_CHECK(trained[b] == 0 || trained[b] == blocks()[b].part.padded_numel, "one rank: the states span the block");
+      numel.push_back(gpu_states_[b] ? trained[b] : 0);
+      offset.push_back(0);
+      here += numel.back();
+      all += trained[b];
+      partial_ = partial_ || gpu_states_[b];
+    }
+    char share[64], r[32];
+    std::snprintf(share, sizeof share, "%.1f%%", all > 0 ? 100.0 * static_cast<double>(here) / all : 0.0);
+    std::snprintf(r, sizeof r, "%g", ratio);
+    if (!partial_) {
+      log_warn(std::string("zero_optimization.offload_optimizer.ratio ") + r +
+               ": the first block's states are more than the GPU's share, so every block's are offloaded");
+      return;
+    }
+    gpu_->enable_states(numel, offset);
+    ctx_.opt_state->for_each([&](const StateSpan& sp) {
+      if (on_gpu(sp.block)) gpu_->upload_states(sp.block, sp.offset, sp.count, sp.master, nullptr, nullptr);
+    });
+    int last = 0;
+    while (last + 1 < static_cast<int>(gpu_states_.size()) && gpu_states_[static_cast<size_t>(last + 1)]) ++last;
+    log_info(std::string("offload_optimizer.ratio ") + r + ": blocks 0-" + std::to_string(last) +
+             " keep their optimizer states on the GPU (" + share + " of the trained parameters), the rest are " +
+             "offloaded");
+  }
+  bool on_gpu(int block) const { return partial_ && gpu_states_[static_cast<size_t>(block)]; }
+
   // ZeRO-Offload: each block's host compute copy is complete once its own
   // update is (stage 0, or one rank: no all-gather to wait for), so it goes
   // up at block_updated.
@@ -558,6 +639,10 @@ class GpuOffload final : public DevicePath {
   const DType dtype_;
   const GpuPlan gplan_;  // what the GPU keeps where (also --estimate's)
   const bool states_;    // offload_optimizer "none": master, m, v on the GPU (the rank's span)
+  // offload_optimizer.ratio below 1 (Note [a share of the states on the
+  // GPU]): the blocks whose states are on the GPU, and whether there are any.
+  std::vector<char> gpu_states_;
+  bool partial_ = false;
   DeviceContext ctx_;
   std::unique_ptr<DeviceMirror> gpu_;
   int device_index_ = 0;  // the GPU this rank computes on
@@ -595,6 +680,22 @@ class GpuOffload final : public DevicePath {
 };
 
 }  // namespace
+
+std::vector<char> gpu_state_blocks(const std::vector<int64_t>& trained_numel, double ratio) {
+  std::vector<char> on(trained_numel.size(), 0);
+  if (ratio >= 1.0) return on;
+  int64_t total = 0;
+  for (int64_t n : trained_numel) total += n;
+  const double budget = (1.0 - ratio) * static_cast<double>(total);
+  int64_t used = 0;
+  for (size_t b = 0; b < trained_numel.size(); ++b) {
+    if (trained_numel[b] == 0) continue;  // frozen: no states
+    if (static_cast<double>(used + trained_numel[b]) > budget) break;
+    used += trained_numel[b];
+    on[b] = 1;
+  }
+  return on;
+}
 
 std::unique_ptr<DevicePath> make_device_path(const Config& c, comm::Communicator* comm, int world, int rank,
                                              DType dtype) {

@@ -83,6 +83,13 @@ class DevicePath {
   // This rank's sum of squared gradients where the device holds them
   // (false: the host's reduced gradients are summed).
   virtual bool grad_squared_norm(double& /*sum*/) { return false; }
+  // The same for one block whose gradient the device holds (a share of the
+  // states on the GPU, Note [a share of the states on the GPU]); false: the
+  // host's.
+  virtual bool block_squares(int /*block*/, double& /*sum*/) { return false; }
+  // Whether the device updates this block (update()) and the host update
+  // passes it by.
+  virtual bool block_on_device(int /*block*/) const { return false; }
   // Applies the AdamW update where the device holds the optimizer states
   // (false: the host updates, between before_host_update and after_gather).
   virtual bool update(const optim::AdamParams& /*adam*/, int64_t /*step*/, float /*grad_scale*/) { return false; }
@@ -126,6 +133,12 @@ class DevicePath {
   virtual int64_t bytes() const { return 0; }
   virtual int64_t peak_bytes() const { return 0; }
 };
+
+// offload_optimizer.ratio below 1 (Note [a share of the states on the GPU]
+// in gpu_offload.cpp): per block (trained parameters, 0 for a frozen one),
+// whether its optimizer states live on the GPU: the longest prefix whose
+// parameters are at most 1 - ratio of them all (memory_estimate.cpp asks too).
+std::vector<char> gpu_state_blocks(const std::vector<int64_t>& trained_numel, double ratio);
 
 // The CPU's DevicePath, or (c.device cuda) GpuOffload: collective on
 // several ranks (the GPU's communicator starts here), so every rank calls it

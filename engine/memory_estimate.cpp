@@ -6,6 +6,7 @@
 #include "engine/update_rule.h"
 #include "engine/device_mirror.h"
 #include "engine/engine.h"
+#include "engine/gpu_offload.h"
 #include "engine/grad_reducer.h"
 #include "engine/param_coordinator.h"
 #include "engine/partition.h"
@@ -352,6 +353,25 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                                          "4 B x " + millions(span_all) + " elements"});
       if (plan.params_sharded && is_16bit(dtype) && !gpu_plan.device_gathers)
         e.gpu.push_back({"update output", es * max_shard, "the largest shard's new compute values, on their way to RAM"});
+      const int64_t nblocks = static_cast<int64_t>(layouts.size());
+      e.gpu.push_back({"gradient norms (fp64)", 8 * nblocks,
+                       "one per block (" + std::to_string(nblocks) + "), for clipping"});
+    } else if (z.offload_optimizer.ratio < 1.0) {
+      // Note [a share of the states on the GPU] in gpu_offload.cpp: the
+      // share's blocks keep master, m and v here (the host keeps its copy),
+      // and their accumulators from one step to the next.
+      int64_t share = 0;
+      const std::vector<char> here = gpu_state_blocks(spans, z.offload_optimizer.ratio);
+      for (size_t b = 0; b < spans.size(); ++b)
+        if (here[b]) share += spans[b];
+      char r[32];
+      std::snprintf(r, sizeof r, "%g", z.offload_optimizer.ratio);
+      e.gpu.insert(e.gpu.begin() + 2,
+                   {std::string("optimizer states of the GPU's share (offload_optimizer.ratio ") + r + ")", 12 * share,
+                    "12 B x " + millions(share) + " elements: the first blocks' fp32 master, Adam m, v"});
+      if (transient)
+        e.gpu.push_back({"the share's gradient accumulators, kept between steps", 4 * share,
+                         "4 B x " + millions(share) + " elements"});
       const int64_t nblocks = static_cast<int64_t>(layouts.size());
       e.gpu.push_back({"gradient norms (fp64)", 8 * nblocks,
                        "one per block (" + std::to_string(nblocks) + "), for clipping"});

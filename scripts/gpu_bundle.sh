@@ -90,10 +90,12 @@ ZINC_BENCH="$here/bin/zinc-bench"
 "$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
 ZINC_GPU_UPDATE_BEHIND=0 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --large --ratio 0.5 | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --stage 3 | tee -a ${res:+$res/gpu-train-step.jsonl}
 # The ~1B Llama (TinyLlama 1.1B's shape), fewer rounds: its steps are longer.
 "$ZINC_BENCH" gpu-train-step --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
+"$ZINC_BENCH" gpu-train-step --json --model llama --ratio 0.5 --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --model llama --resident --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --model llama --stage 3 --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}

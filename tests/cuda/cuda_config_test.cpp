@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "engine/config.h"
+#include "engine/gpu_offload.h"
 #include "engine/memory_estimate.h"
 #include "engine/model.h"
 #include "engine/partition.h"
@@ -22,6 +23,7 @@ namespace zinc {
 namespace {
 
 using nlohmann::json;
+using testing_config::config_error;
 using testing_config::with;
 
 // "cuda" parses to the GPU, with no warning about the device.
@@ -81,6 +83,38 @@ TEST(CudaConfig, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
 // --estimate with "device": "cuda": the activations move to the GPU's part,
 // which holds every block's compute parameters and fp32 accumulators (and
 // with GPU-resident states master, m and v); the host keeps the staging.
+// offload_optimizer.ratio below 1 (Note [a share of the states on the GPU]
+// in engine/gpu_offload.cpp): taken on one GPU at stages 1-2 with AdamW;
+// the rest refused naming the key and why.
+TEST(CudaConfig, PartialOffloadRunsOnOneGpuAtStagesOneAndTwo) {
+  ZINC_REQUIRE_GPU();
+  auto zero = [](int stage, const char* device, double ratio) {
+    return json{{"stage", stage}, {"offload_optimizer", {{"device", device}, {"ratio", ratio}}}};
+  };
+  for (int stage : {1, 2})
+    EXPECT_DOUBLE_EQ(
+        Config::parse(with({{"device", "cuda"}, {"zero_optimization", zero(stage, "cpu", 0.3)}})).zero.offload_optimizer.ratio,
+        0.3);
+  const std::string key = "zero_optimization.offload_optimizer.ratio: ";
+  EXPECT_CONFIG_ERROR(with({{"device", "cuda"}, {"zero_optimization", zero(3, "cpu", 0.3)}}),
+                      key + "partial offload (ratio < 1) runs at ZeRO stages 1-2 in zinc, not yet at stage 3",
+                      "got ratio 0.3");
+  EXPECT_CONFIG_ERROR(with({{"device", "cuda"}, {"zero_optimization", zero(2, "none", 0.3)}}),
+                      key + "the offloaded share of the optimizer states, with offload_optimizer.device \"none\"");
+  EXPECT_CONFIG_ERROR(with({{"device", "cuda"},
+                            {"optimizer", {{"type", "Lamb"}, {"params", {{"lr", 1e-3}}}}},
+                            {"zero_optimization", zero(2, "cpu", 0.3)}}),
+                      key + "partial offload (ratio < 1) updates its GPU share with the GPU's AdamW",
+                      "the optimizer is Lamb");
+  try {
+    Config::parse(with({{"device", "cuda"}, {"zero_optimization", zero(2, "cpu", 0.3)}}), 2);
+    ADD_FAILURE() << "two ranks with ratio 0.3 were taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("runs on one rank (one GPU) in zinc, not yet on 2"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CudaConfig, TheEstimateSplitsRamAndGpu) {
   ZINC_REQUIRE_GPU();
   models::GptConfig g;
@@ -121,6 +155,22 @@ TEST(CudaConfig, TheEstimateSplitsRamAndGpu) {
   ASSERT_TRUE(find(off.training, "gradient staging"));
   EXPECT_EQ(find(off.training, "gradient staging")->bytes, 4 * padded);
   EXPECT_LT(off.ram_bytes(), cpu.ram_bytes());
+  // A share of the states on the GPU: the prefix of blocks that fits in
+  // 1 - ratio of them, 12 B per element.
+  Config half = cfg("cuda", "cpu", 2);
+  half.zero.offload_optimizer.ratio = 0.5;
+  const MemoryEstimate part = estimate_memory(*cpu_model, half, 16);
+  std::vector<int64_t> numel;
+  for (const BlockSpec& b : cpu_model->blocks())
+    numel.push_back(Partition::make(BlockLayout::from_spec(b).numel, 1, 0).padded_numel);
+  const std::vector<char> here = gpu_state_blocks(numel, 0.5);
+  int64_t share = 0;
+  for (size_t b = 0; b < numel.size(); ++b) share += here[b] ? numel[b] : 0;
+  ASSERT_GT(share, 0);
+  ASSERT_TRUE(find(part.gpu, "optimizer states of the GPU's share (offload_optimizer.ratio 0.5)"));
+  EXPECT_EQ(find(part.gpu, "optimizer states of the GPU's share")->bytes, 12 * share);
+  EXPECT_GT(part.gpu_bytes(), off.gpu_bytes());
+  EXPECT_LT(part.gpu_bytes(), res.gpu_bytes());
 }
 
 }  // namespace

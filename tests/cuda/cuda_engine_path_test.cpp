@@ -31,6 +31,7 @@
 
 #include "data/data.h"
 #include "engine/engine.h"
+#include "engine/gpu_offload.h"
 #include "engine/model.h"
 #include "engine/partition.h"
 #include "models/models.h"
@@ -70,6 +71,7 @@ struct Case {
   double clipping = 1.0;
   std::string ckpt_dir;  // with resume_at: save there at that step and continue in a new engine
   int resume_at = -1;
+  double ratio = 1.0;     // offload_optimizer.ratio: below 1, a share of the states on the GPU
   bool behind = true;     // the update may run behind the next forward (ZINC_GPU_UPDATE_BEHIND)
   bool evaluate = false;  // an evaluation after each step, and forward/backward/step by hand
   std::string what() const {
@@ -77,6 +79,7 @@ struct Case {
                     " states " + offload;
     if (!offload_param.empty()) w += " parameters " + offload_param;
     if (clipping == 0) w += " no clipping";
+    if (ratio < 1) w += " ratio " + std::to_string(ratio).substr(0, 4);
     return w;
   }
 };
@@ -92,6 +95,7 @@ PathRun train(const Case& c) {
                           {"sub_group_size", 4096},
                           {"offload_optimizer",
                            {{"device", c.offload}, {"nvme_path", std::filesystem::temp_directory_path().string()}}}}}};
+  if (c.ratio < 1) cfg["zero_optimization"]["offload_optimizer"]["ratio"] = c.ratio;
   if (!c.offload_param.empty())
     cfg["zero_optimization"]["offload_param"] = {{"device", c.offload_param},
                                                  {"nvme_path", std::filesystem::temp_directory_path().string()}};
@@ -269,6 +273,71 @@ TEST(CudaEnginePath, TheUpdateBehindTheForwardKeepsTheBits) {
     EXPECT_GT(behind.behind_s, 0) << what << ": the update never ran behind";
     EXPECT_EQ(direct.behind_s, 0) << what << ": ZINC_GPU_UPDATE_BEHIND=0 ran it behind";
   }
+}
+
+// Note [a share of the states on the GPU] (engine/gpu_offload.cpp):
+// offload_optimizer.ratio 0.5 keeps the first blocks' states on the GPU.
+// Without clipping, the weights of ratio 1 and of the states wholly on the
+// GPU, bit for bit; with clipping, the norm within rounding; and the GPU
+// holds the share's states (more GPU memory than ratio 1, less than all).
+// A checkpoint of it resumes bit for bit, also at ratio 1 (the checkpoint
+// does not depend on where the states lived).
+TEST(CudaEnginePath, AShareOfTheStatesOnTheGpuKeepsTheBits) {
+  ZINC_REQUIRE_GPU();
+  if (!cpu_adam_has_fma_path()) GTEST_SKIP() << "the CPU AdamW has no FMA path here";
+  for (const char* prec : {"fp32", "bf16"})
+    for (int stage : {1, 2}) {
+      Case c;
+      c.precision = prec;
+      c.stage = stage;
+      c.gas = stage;
+      c.layers = 4;
+      c.steps = 5;
+      for (double clipping : {0.0, 0.05}) {
+        c.clipping = clipping;
+        Case half = c, none = c;
+        half.ratio = 0.5;
+        none.offload = "none";
+        const PathRun h = train(on_gpu(half)), off = train(on_gpu(c)), res = train(on_gpu(none));
+        const std::string what = on_gpu(half).what();
+        EXPECT_GT(h.gpu_peak, off.gpu_peak) << what << ": the share's states are not on the GPU";
+        EXPECT_LT(h.gpu_peak, res.gpu_peak) << what << ": more than the share on the GPU";
+        if (clipping == 0) {
+          expect_same(h, off, what + " against ratio 1");
+          expect_same(h, res, what + " against the states on the GPU");
+          continue;
+        }
+        for (size_t i = 0; i < h.norms.size(); ++i)
+          EXPECT_NEAR(h.norms[i], off.norms[i], 1e-9 * off.norms[i]) << what << " norm at step " << i;
+        for (size_t k = 0; k < h.weights.size(); ++k)
+          for (size_t i = 0; i < h.weights[k].size(); ++i)
+            ASSERT_NEAR(off.weights[k][i], h.weights[k][i], 1e-6 + 1e-5 * std::fabs(off.weights[k][i]))
+                << what << " block " << k << " element " << i;
+      }
+    }
+  char tmpl[] = "/tmp/zinc_cuda_ratio_ckpt_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  Case straight;
+  straight.precision = "bf16";
+  straight.stage = 2;
+  straight.ratio = 0.5;
+  straight.steps = 6;
+  Case resumed = straight;
+  resumed.ckpt_dir = dir;
+  resumed.resume_at = 3;
+  expect_same(train(on_gpu(straight)), train(on_gpu(resumed)), "resume, " + on_gpu(straight).what());
+  std::filesystem::remove_all(dir);
+}
+
+// Which blocks keep their states on the GPU: the longest prefix within the
+// share, frozen blocks passed over.
+TEST(CudaEnginePath, TheGpuShareIsThePrefixThatFits) {
+  EXPECT_EQ(gpu_state_blocks({10, 10, 10, 10}, 1.0), (std::vector<char>{0, 0, 0, 0}));
+  EXPECT_EQ(gpu_state_blocks({10, 10, 10, 10}, 0.5), (std::vector<char>{1, 1, 0, 0}));
+  EXPECT_EQ(gpu_state_blocks({10, 10, 10, 10}, 0.51), (std::vector<char>{1, 0, 0, 0}));
+  EXPECT_EQ(gpu_state_blocks({10, 10, 10, 10}, 0.01), (std::vector<char>{1, 1, 1, 0}));
+  EXPECT_EQ(gpu_state_blocks({30, 5, 5}, 0.5), (std::vector<char>{0, 0, 0}));  // the first does not fit: a prefix
+  EXPECT_EQ(gpu_state_blocks({10, 0, 10, 20}, 0.5), (std::vector<char>{1, 0, 1, 0}));  // frozen: no states
 }
 
 // ZeRO-Offload (stages 1 and 2): the gradients come back at the boundary,
