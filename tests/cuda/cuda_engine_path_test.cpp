@@ -72,6 +72,7 @@ struct Case {
   std::string ckpt_dir;  // with resume_at: save there at that step and continue in a new engine
   int resume_at = -1;
   double ratio = 1.0;     // offload_optimizer.ratio: below 1, a share of the states on the GPU
+  double resume_ratio = -1;  // with resume_at: the resumed engine's ratio (-1: the same)
   bool behind = true;     // the update may run behind the next forward (ZINC_GPU_UPDATE_BEHIND)
   bool evaluate = false;  // an evaluation after each step, and forward/backward/step by hand
   std::string what() const {
@@ -123,7 +124,9 @@ PathRun train(const Case& c) {
     if (s == c.resume_at) {
       e.save_checkpoint(c.ckpt_dir, "t");
       std::shared_ptr<Model> m2 = models::make_gpt(g);
-      Engine e2 = Engine::initialize(m2, cfg);
+      nlohmann::json cfg2 = cfg;
+      if (c.resume_ratio >= 0) cfg2["zero_optimization"]["offload_optimizer"]["ratio"] = c.resume_ratio;
+      Engine e2 = Engine::initialize(m2, cfg2);
       e2.load_checkpoint(c.ckpt_dir, "t");
       e = std::move(e2);
       model = m2;
@@ -280,8 +283,8 @@ TEST(CudaEnginePath, TheUpdateBehindTheForwardKeepsTheBits) {
 // Without clipping, the weights of ratio 1 and of the states wholly on the
 // GPU, bit for bit; with clipping, the norm within rounding; and the GPU
 // holds the share's states (more GPU memory than ratio 1, less than all).
-// A checkpoint of it resumes bit for bit, also at ratio 1 (the checkpoint
-// does not depend on where the states lived).
+// A checkpoint of it resumes bit for bit, also at other ratios (the
+// checkpoint does not depend on where the states lived).
 TEST(CudaEnginePath, AShareOfTheStatesOnTheGpuKeepsTheBits) {
   ZINC_REQUIRE_GPU();
   if (!cpu_adam_has_fma_path()) GTEST_SKIP() << "the CPU AdamW has no FMA path here";
@@ -325,7 +328,19 @@ TEST(CudaEnginePath, AShareOfTheStatesOnTheGpuKeepsTheBits) {
   Case resumed = straight;
   resumed.ckpt_dir = dir;
   resumed.resume_at = 3;
-  expect_same(train(on_gpu(straight)), train(on_gpu(resumed)), "resume, " + on_gpu(straight).what());
+  const PathRun whole = train(on_gpu(straight));
+  expect_same(whole, train(on_gpu(resumed)), "resume, " + on_gpu(straight).what());
+  // Where the states lived is not in the checkpoint: it resumes at another
+  // ratio (without clipping, where the two ratios give the same bits).
+  straight.clipping = 0;
+  resumed.clipping = 0;
+  const PathRun unclipped = train(on_gpu(straight));
+  for (double other : {1.0, 0.2}) {
+    std::filesystem::remove_all(dir);
+    resumed.resume_ratio = other;
+    expect_same(unclipped, train(on_gpu(resumed)),
+                "resume at ratio " + std::to_string(other).substr(0, 4) + ", " + on_gpu(straight).what());
+  }
   std::filesystem::remove_all(dir);
 }
 
