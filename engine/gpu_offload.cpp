@@ -342,6 +342,9 @@ class GpuOffload final : public DevicePath {
       } catch (const std::exception& e) {
         end_behind(t0, e.what());
         throw;
+      } catch (...) {  // every way out marks the end, or an acquire would wait for ever
+        end_behind(t0, "an exception that is not a std::exception");
+        throw;
       }
       end_behind(t0, "");
     });
