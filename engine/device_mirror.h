@@ -145,8 +145,14 @@ class DeviceMirror {
   // with enable_param_shards to the GPU shard too).
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale,
                          void* host_out = nullptr) = 0;
-  // The same sum for one block whose states are here (waits for the result).
-  virtual double block_grad_squared_norm(int block) = 0;
+  // ZeRO-Offload on one rank (Note [the norm on the GPU] in gpu_offload.cpp):
+  // at a boundary, the sum of squares of the block's accumulator, on the
+  // compute stream before anything reads or frees it; then the sum of
+  // every block's, blocks in order, each in kernels::squared_norm's order
+  // (waits for the result): grad_squared_norm's arithmetic on the same
+  // values, so the same bits as the states wholly on the GPU.
+  virtual void note_grad_squares(int block) = 0;
+  virtual double noted_grad_squared_norm() = 0;
   // Zeroes the GPU gradient accumulators of the blocks whose states are
   // here (after a step).
   virtual void zero_grads() = 0;

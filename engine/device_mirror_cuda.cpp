@@ -263,8 +263,24 @@ class CudaMirror final : public DeviceMirror {
         ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
       }
     }
+    if (norms_.bytes() == 0) alloc_norms();
+  }
+  // One double per block, zeroed (a block never noted adds nothing).
+  void alloc_norms() {
     norms_ = cuda::DeviceBuffer(blocks_.size() * sizeof(double));
     count(static_cast<int64_t>(norms_.bytes()));
+    ZINC_CUDA_CHECK(cudaMemset(norms_.data(), 0, norms_.bytes()), "zeroing the gradient norms");
+  }
+  // The blocks' sums of squares in norms_, added in block order on the host.
+  double sum_norms() {
+    std::vector<double> host(blocks_.size());
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                                    kCompute),
+                    "copy of the gradient norms");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
+    double s = 0;
+    for (double x : host) s += x;
+    return s;
   }
 
   void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
@@ -294,14 +310,7 @@ class CudaMirror final : public DeviceMirror {
       const int64_t n = k.gshard.bytes() > 0 ? k.state_numel : gather_back_ ? k.norm_numel : k.numel;
       kernels::cuda::squared_norm(g, n, norms_.as<double>() + b, kCompute);
     }
-    std::vector<double> host(blocks_.size());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
-                                    kCompute),
-                    "copy of the gradient norms");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
-    double s = 0;
-    for (double x : host) s += x;
-    return s;
+    return sum_norms();
   }
 
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
@@ -338,17 +347,15 @@ class CudaMirror final : public DeviceMirror {
     k.produced->record(kCompute);  // gather_params waits for the update
   }
 
-  double block_grad_squared_norm(int block) override {
+  void note_grad_squares(int block) override {
     const Block& k = blocks_[static_cast<size_t>(block)];
-    ZINC_CHECK(k.state_numel == k.numel && k.grads.p, "block_grad_squared_norm: a block whose states and whole "
-                                                      "gradient are on the GPU");
-    double* at = norms_.as<double>() + block;
-    kernels::cuda::squared_norm(k.grads.as<float>(), k.numel, at, kCompute);
-    double host = 0;
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(&host, at, sizeof host, cudaMemcpyDeviceToHost, kCompute),
-                    "copy of a block's gradient norm");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for a block's gradient norm");
-    return host;
+    ZINC_CHECK(k.grads.p != nullptr, "note_grad_squares of block " + std::to_string(block) + " without gradients");
+    if (norms_.bytes() == 0) alloc_norms();
+    kernels::cuda::squared_norm(k.grads.as<float>(), k.numel, norms_.as<double>() + block, kCompute);
+  }
+  double noted_grad_squared_norm() override {
+    if (norms_.bytes() == 0) alloc_norms();
+    return sum_norms();
   }
 
   void zero_grads() override {

@@ -89,6 +89,19 @@
 // The update's arithmetic, and so the weights, are those of the update run
 // in place, bit for bit. ZINC_GPU_UPDATE_BEHIND=0 runs it in place.
 //
+// Note [the norm on the GPU]
+// Clipping needs the global norm of the gradients before any update. With
+// ZeRO-Offload on one rank (no model parallelism, whose norm has rules of
+// its own) it is taken on the GPU: at the boundary, grads_ready has the GPU
+// sum each block's squares (note_grad_squares) before its accumulator is
+// copied down and zeroed or freed, and the step adds them in block order
+// (noted_grad_squared_norm). That is the arithmetic of the states wholly on
+// the GPU (grad_squared_norm), on the same values, so ZeRO-Offload and
+// GPU-resident AdamW give the same clip coefficient and, since the two
+// AdamWs agree, the same weights bit for bit; and the host no longer reads
+// every gradient once more for the norm before the update reads them
+// (at the 355M GPT, about 1.4 GB).
+//
 // Note [a share of the states on the GPU]
 // DeepSpeed's offload_optimizer.ratio (ZeRO-Offload++) is the share of the
 // optimizer states offloaded; the rest live on the GPU and are updated
@@ -99,15 +112,14 @@
 // while the CPU updates the rest behind it (Note [the update behind the
 // forward]). And a whole block keeps one place for its states, its norm
 // and its checkpoint spans. Those blocks' gradients never leave the GPU:
-// their squares come from the GPU (block_squares), the host update skips
-// them (block_on_device), the GPU's AdamW, whose arithmetic is the CPU's
+// their squares join the others' on the GPU (Note [the norm on the GPU]),
+// the host update skips them (block_on_device), the GPU's AdamW, whose arithmetic is the CPU's
 // (optim/detail/adam_update.h), updates them and writes their parameters
 // in place, and their accumulators are zeroed after the step. The host's
 // OptimizerState keeps a copy of every block's states for checkpoints and
 // full_params, refreshed from the GPU before either reads it, as with the
-// states wholly on the GPU. Without clipping the weights are those of
-// ratio 1 bit for bit; with clipping the GPU's sum of a block's squares may
-// differ from the CPU's in its last bits. It costs the GPU 12 bytes per
+// states wholly on the GPU. The weights are those of ratio 1 bit for bit,
+// clipped or not. It costs the GPU 12 bytes per
 // parameter of its blocks (master, m, v) and keeps their 4-byte gradient
 // accumulators from one step to the next. One rank, stages 1-2, AdamW
 // (Config::validate refuses the rest).
@@ -137,7 +149,8 @@ class GpuOffload final : public DevicePath {
  public:
   GpuOffload(const Config& c, comm::Communicator* comm, int world, int rank, DType dtype)
       : cfg_(c), world_(world), rank_(rank), dtype_(dtype), gplan_(GpuPlan::make(c, world)),
-        states_(c.zero.offload_optimizer.device == OffloadDevice::kNone) {
+        states_(c.zero.offload_optimizer.device == OffloadDevice::kNone),
+        noted_norms_(!states_ && world == 1 && !c.pipelined() && !c.tensor_split() && !c.expert_split()) {
     const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
     device_index_ = dev;
     if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
@@ -234,6 +247,7 @@ class GpuOffload final : public DevicePath {
   void on_release() noexcept override { drop_freed_params(); }
   float* grads(int block) override { return gpu_->grads(block); }
   bool grads_ready(int block, bool boundary) override {
+    if (boundary && noted_norms_) gpu_->note_grad_squares(block);  // Note [the norm on the GPU]
     if (boundary && on_gpu(block)) {  // a share of the states on the GPU: the gradient stays there
       ctx_.reducer->ready(block);
       return true;
@@ -254,6 +268,10 @@ class GpuOffload final : public DevicePath {
   void end_backward() override { hand_over_grads(/*wait=*/true); }
 
   bool grad_squared_norm(double& sum) override {
+    if (noted_norms_) {
+      sum = gpu_->noted_grad_squared_norm();
+      return true;
+    }
     if (!states_) return false;
     sum = gpu_->grad_squared_norm();
     return true;
@@ -294,11 +312,6 @@ class GpuOffload final : public DevicePath {
     // block_updated clears what it uploads; the GPU's share of the states
     // wrote its parameters there (update), and its host copy is stale.
     for (size_t b = 0; b < blocks().size(); ++b) stale_[b] = !on_gpu(static_cast<int>(b));
-  }
-  bool block_squares(int block, double& sum) override {
-    if (!on_gpu(block)) return false;
-    sum = gpu_->block_grad_squared_norm(block);
-    return true;
   }
   bool block_on_device(int block) const override { return on_gpu(block); }
   // ZeRO-Offload: a block whose host compute copy is complete once its own
@@ -642,6 +655,9 @@ class GpuOffload final : public DevicePath {
   const DType dtype_;
   const GpuPlan gplan_;  // what the GPU keeps where (also --estimate's)
   const bool states_;    // offload_optimizer "none": master, m, v on the GPU (the rank's span)
+  // ZeRO-Offload on one rank without model parallelism: the norm is the
+  // GPU's (Note [the norm on the GPU]).
+  const bool noted_norms_;
   // offload_optimizer.ratio below 1 (Note [a share of the states on the
   // GPU]): the blocks whose states are on the GPU, and whether there are any.
   std::vector<char> gpu_states_;

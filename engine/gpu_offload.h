@@ -83,10 +83,6 @@ class DevicePath {
   // This rank's sum of squared gradients where the device holds them
   // (false: the host's reduced gradients are summed).
   virtual bool grad_squared_norm(double& /*sum*/) { return false; }
-  // The same for one block whose gradient the device holds (a share of the
-  // states on the GPU, Note [a share of the states on the GPU]); false: the
-  // host's.
-  virtual bool block_squares(int /*block*/, double& /*sum*/) { return false; }
   // Whether the device updates this block (update()) and the host update
   // passes it by.
   virtual bool block_on_device(int /*block*/) const { return false; }

@@ -372,6 +372,8 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       if (transient)
         e.gpu.push_back({"the share's gradient accumulators, kept between steps", 4 * share,
                          "4 B x " + millions(share) + " elements"});
+    }
+    if (z.offload_optimizer.device != OffloadDevice::kNone && world == 1) {  // Note [the norm on the GPU]
       const int64_t nblocks = static_cast<int64_t>(layouts.size());
       e.gpu.push_back({"gradient norms (fp64)", 8 * nblocks,
                        "one per block (" + std::to_string(nblocks) + "), for clipping"});

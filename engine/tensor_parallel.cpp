@@ -258,8 +258,6 @@ void Engine::Impl::sum_part_gradients() {
 
 double Engine::Impl::block_squares(size_t b) {
   BlockShard& s = blocks[b];
-  double on_device = 0;  // a share of the states on the GPU keeps the gradient there
-  if (device->block_squares(static_cast<int>(b), on_device)) return on_device;
   if (!tensor_split()) return reducer->squared_norm(s);
   const float* g = reducer->reduced_shard(s);
   const int64_t own = s.part.own_offset(), end = own + s.part.shard_numel;

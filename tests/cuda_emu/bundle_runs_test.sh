@@ -50,11 +50,15 @@ run "zinc-train, stage 3 on the GPU" "$train" "$src/configs/zero3_offload.json" 
   --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/zero3"
 expect "zinc-train stage 3" "loss" "$tmp/last"
 
-for mode in "" "--resident" "--stage 3"; do
+for mode in "" "--ratio 0.5" "--resident" "--stage 3"; do
   # shellcheck disable=SC2086
   run "zinc-bench gpu-train-step --tiny $mode" "$bench" gpu-train-step --tiny --rounds 1 --steps 1 --gas 2 $mode
   expect "gpu-train-step $mode" "gpu-train-step (tiny: zinc kernel emulation" "$tmp/last"
   expect "gpu-train-step $mode" "ratio:" "$tmp/last"
+  case "$mode" in  # the offloaded modes' update runs behind the forward
+  "") expect "gpu-train-step" "the CPU update behind the next forward" "$tmp/last" ;;
+  --ratio*) expect "gpu-train-step $mode" "ZeRO-Offload (offload ratio 0.5)" "$tmp/last" ;;
+  esac
   # The Llama case's code, at a toy size.
   # shellcheck disable=SC2086
   run "zinc-bench gpu-train-step --tiny --model llama $mode" "$bench" gpu-train-step --tiny --model llama --rounds 1 \
