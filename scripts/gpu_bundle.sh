@@ -62,7 +62,7 @@ print(":".join(dirs))' 2>/dev/null || true)"
 [ -n "$pylibs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylibs"
 res="${1:-}"
 part="${2:-all}"
-case "$part" in tests|train|bench|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench or all)" >&2; exit 2 ;; esac
+case "$part" in tests|train|bench|profile|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench, profile or all)" >&2; exit 2 ;; esac
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 [ -n "$res" ] && mkdir -p "$res"
 nvidia-smi -L || true
@@ -104,6 +104,28 @@ python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torc
 python3 "$here/bench/torch_gpt_peer.py" --json --model llama --offload --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
 python3 "$here/bench/torch_gpt_peer.py" --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
 echo "== benchmarks done at ${SECONDS} s"
+fi
+if want profile; then
+# Where the host launches and waits in a step: the offloaded step of the
+# large GPT under Nsight Systems, where the machine has it (the CUDA
+# toolkit's nsys); the summaries of CUDA API calls (the host's time in
+# launches and synchronisations), kernels and copies go to RESULTS_DIR.
+nsys_bin="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
+if [ -n "$nsys_bin" ]; then
+  echo "== profile: two offloaded steps of the large GPT under $nsys_bin"
+  prof="$(mktemp -d)"
+  if timeout 240 "$nsys_bin" profile -t cuda,osrt -o "$prof/step" --force-overwrite true \
+       "$here/bin/zinc-bench" gpu-train-step --large --rounds 1 --steps 2 >/dev/null; then
+    timeout 120 "$nsys_bin" stats -q -r cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum "$prof/step.nsys-rep" \
+      | tee ${res:+$res/gpu-step-profile.txt} || rc=1
+  else
+    echo "profile: nsys did not finish" && rc=1
+  fi
+  rm -rf "$prof"
+else
+  echo "== profile: skipped, no nsys (Nsight Systems) on this machine"
+fi
+echo "== profile done at ${SECONDS} s"
 fi
 exit $rc
 RUN
