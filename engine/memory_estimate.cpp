@@ -330,6 +330,14 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   } else {
     e.activations_unknown = true;
   }
+  // offload_optimizer.ratio below 1: the elements whose states live on the
+  // GPU (gpu_state_blocks' prefix of blocks; on one rank a span is the block).
+  int64_t share = 0;
+  if (on_gpu && z.offload_optimizer.device != OffloadDevice::kNone && z.offload_optimizer.ratio < 1.0) {
+    const std::vector<char> here = gpu_state_blocks(spans, z.offload_optimizer.ratio);
+    for (size_t b = 0; b < spans.size(); ++b)
+      if (here[b]) share += spans[b];
+  }
   if (on_gpu) {
     // The DeviceMirror: the compute parameters (at stage 3 the gathered
     // blocks only) and fp32 accumulators (from stage 2 only in backward),
@@ -360,10 +368,6 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       // Note [a share of the states on the GPU] in gpu_offload.cpp: the
       // share's blocks keep master, m and v here (the host keeps its copy),
       // and their accumulators from one step to the next.
-      int64_t share = 0;
-      const std::vector<char> here = gpu_state_blocks(spans, z.offload_optimizer.ratio);
-      for (size_t b = 0; b < spans.size(); ++b)
-        if (here[b]) share += spans[b];
       char r[32];
       std::snprintf(r, sizeof r, "%g", z.offload_optimizer.ratio);
       e.gpu.insert(e.gpu.begin() + 2,
@@ -397,8 +401,10 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       e.training.push_back({"reduced-shard staging (page-locked)", 4 * max_shard,
                             "the largest shard on its way back from the GPU", false});
     else if (z.offload_optimizer.device != OffloadDevice::kNone)
-      e.training.push_back({"gradient staging (fp32, page-locked)", 4 * padded_all,
-                            "4 B x " + millions(padded_all) + " elements: the copies back from the GPU", false});
+      e.training.push_back({"gradient staging (fp32, page-locked)", 4 * (padded_all - share),
+                            "4 B x " + millions(padded_all - share) + " elements: the copies back from the GPU" +
+                                (share > 0 ? std::string(" (not the GPU's share of the states)") : ""),
+                            false});
   }
   return e;
 }

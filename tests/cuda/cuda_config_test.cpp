@@ -169,6 +169,8 @@ TEST(CudaConfig, TheEstimateSplitsRamAndGpu) {
   ASSERT_GT(share, 0);
   ASSERT_TRUE(find(part.gpu, "optimizer states of the GPU's share (offload_optimizer.ratio 0.5)"));
   EXPECT_EQ(find(part.gpu, "optimizer states of the GPU's share")->bytes, 12 * share);
+  ASSERT_TRUE(find(part.training, "gradient staging"));  // the share's gradients never go down
+  EXPECT_EQ(find(part.training, "gradient staging")->bytes, 4 * (padded - share));
   EXPECT_GT(part.gpu_bytes(), off.gpu_bytes());
   EXPECT_LT(part.gpu_bytes(), res.gpu_bytes());
 }
