@@ -137,7 +137,7 @@ struct OffloadConfig {
   int64_t max_in_cpu = 1000000000;
   // offload_optimizer: the share of the optimizer states offloaded; below 1
   // the first blocks' states live on the GPU (Note [a share of the states on
-  // the GPU] in engine/gpu_offload.cpp; "device": "cuda", one rank, stages 1-2).
+  // the GPU] in engine/gpu_offload.cpp; "device": "cuda", one rank).
   double ratio = 1.0;
 
   bool operator==(const OffloadConfig&) const = default;

@@ -146,9 +146,6 @@ void Config::validate() const {
     if (device != Device::kCuda)
       throw ConfigError(key, "partial offload (ratio < 1) keeps the rest of the optimizer states on the GPU, and "
                              "this run computes on the CPU; set \"device\": \"cuda\" or ratio 1 (" + got + ")");
-    if (zero.stage == 3)
-      throw ConfigError(key, "partial offload (ratio < 1) runs at ZeRO stages 1-2 in zinc, not yet at stage 3 (" +
-                                 got + ")");
     if (world_size > 1)
       throw ConfigError(key, "partial offload (ratio < 1) runs on one rank (one GPU) in zinc, not yet on " +
                                  std::to_string(world_size) + " (" + got + ")");

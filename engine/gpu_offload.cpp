@@ -121,8 +121,10 @@
 // states wholly on the GPU. The weights are those of ratio 1 bit for bit,
 // clipped or not. It costs the GPU 12 bytes per
 // parameter of its blocks (master, m, v) and keeps their 4-byte gradient
-// accumulators from one step to the next. One rank, stages 1-2, AdamW
-// (Config::validate refuses the rest).
+// accumulators from one step to the next. At stage 3 the GPU's update
+// writes the block's host shard, which the next gather uploads, as with
+// the states wholly on the GPU. One rank, AdamW (Config::validate refuses
+// the rest).
 #include "engine/gpu_offload.h"
 
 #include <algorithm>
@@ -278,8 +280,16 @@ class GpuOffload final : public DevicePath {
   }
   bool update(const optim::AdamParams& adam, int64_t step, float grad_scale) override {
     if (!states_) {  // the GPU's share of the states now; the host updates the rest
-      for (int b = 0; b < static_cast<int>(blocks().size()); ++b)
-        if (on_gpu(b)) gpu_->adam_step(b, adam, step, grad_scale);
+      if (!partial_) return false;
+      // Stage 3: the new compute values go to the block's host shard (or
+      // its NVMe write buffer), from where the next gather uploads them.
+      ParamCoordinator* params = plan().params_sharded ? ctx_.params : nullptr;
+      if (params) params->before_update();
+      for (int b = 0; b < static_cast<int>(blocks().size()); ++b) {
+        if (!on_gpu(b)) continue;
+        gpu_->adam_step(b, adam, step, grad_scale, params ? params->shard_to_update(b) : nullptr);
+        if (params) params->finish_update(b);
+      }
       return false;
     }
     const int n = static_cast<int>(blocks().size());
@@ -309,9 +319,11 @@ class GpuOffload final : public DevicePath {
   }
   void before_host_update() override {
     gpu_->wait_uploads();  // the last step's uploads have read the host copies
-    // block_updated clears what it uploads; the GPU's share of the states
-    // wrote its parameters there (update), and its host copy is stale.
-    for (size_t b = 0; b < blocks().size(); ++b) stale_[b] = !on_gpu(static_cast<int>(b));
+    // block_updated clears what it uploads; below stage 3 the GPU's share of
+    // the states wrote its parameters there (update), and its host copy is
+    // stale (at stage 3 the update wrote the host shard, which goes up).
+    for (size_t b = 0; b < blocks().size(); ++b)
+      stale_[b] = plan().params_sharded || !on_gpu(static_cast<int>(b));
   }
   bool block_on_device(int block) const override { return on_gpu(block); }
   // ZeRO-Offload: a block whose host compute copy is complete once its own
@@ -561,7 +573,7 @@ class GpuOffload final : public DevicePath {
   // them alone), the rest stay offloaded.
   void start_partial_states() {
     const double ratio = cfg_.zero.offload_optimizer.ratio;
-    ZINC_CHECK(world_ == 1 && !plan().params_sharded, "offload_optimizer.ratio below 1: one rank, stages 1-2");
+    ZINC_CHECK(world_ == 1, "offload_optimizer.ratio below 1: one rank");
     std::vector<int64_t> trained;
     for (const BlockShard& s : blocks()) trained.push_back(s.frozen ? 0 : s.opt_numel);
     gpu_states_ = gpu_state_blocks(trained, ratio);

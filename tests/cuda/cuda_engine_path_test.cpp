@@ -309,6 +309,26 @@ TEST(CudaEnginePath, AShareOfTheStatesOnTheGpuKeepsTheBits) {
         expect_same(h, res, what + " against the states on the GPU");
       }
     }
+  // Stage 3 (parameters in page-locked RAM or on NVMe): the GPU's update
+  // writes its blocks' host shards, which the gathers upload; the bits of
+  // ratio 1 and of stage 2 at ratio 0.5.
+  for (const char* param : {"cpu", "nvme"}) {
+    Case c;
+    c.precision = "bf16";
+    c.stage = 3;
+    c.offload_param = param;
+    c.layers = 4;
+    c.steps = 4;
+    c.gas = 2;
+    Case half = c, two = c;
+    half.ratio = 0.5;
+    two.ratio = 0.5;
+    two.stage = 2;
+    two.offload_param.clear();
+    const PathRun h = train(on_gpu(half));
+    expect_same(h, train(on_gpu(c)), on_gpu(half).what() + " against ratio 1");
+    expect_same(h, train(on_gpu(two)), on_gpu(half).what() + " against stage 2");
+  }
   char tmpl[] = "/tmp/zinc_cuda_ratio_ckpt_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   Case straight;
