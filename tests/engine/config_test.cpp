@@ -299,6 +299,13 @@ TEST(ConfigErrors, ZeroStagesAndOffload) {
   EXPECT_CONFIG_ERROR(
       with({{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.25}}}}}}),
       "zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) keeps the rest");
+  // A share outside (0, 1], or not a number.
+  for (const json& bad : {json(0), json(-0.5), json(1.5)})
+    EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", bad}}}}}}),
+                        "zero_optimization.offload_optimizer.ratio: must be in (0, 1], got");
+  EXPECT_CONFIG_ERROR(
+      with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", "half"}}}}}}),
+      "zero_optimization.offload_optimizer.ratio: expected a number, got \"half\"");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 2}, {"offload_param", {{"device", "cpu"}}}}}}),
                       "zero_optimization.offload_param: parameter offload needs ZeRO stage 3", "got stage 2");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
