@@ -155,10 +155,46 @@ class CudaOps final : public Ops {
     kernels::cuda::gelu_backward(dx, x, dout, n, kStream);
   }
   void add(float* out, const float* a, const float* b, int64_t n) override { kernels::cuda::add(out, a, b, n, kStream); }
+  // 16-bit compute: the kernels write the matmul operands themselves (Note
+  // [fused 16-bit operands] in kernels_cuda.h), the same bits as the kernel
+  // then matmul_input; the fp32 outputs are not written.
+  bool fuses_operand16(DType compute) const override { return is_16bit(compute); }
+  CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
+                                int64_t C, DType compute, Buf& scratch) override {
+    if (!is_16bit(compute)) return Ops::layernorm_forward_input(out, mean, rstd, x, w, b, N, C, compute, scratch);
+    void* dst = operand16(scratch, N * C);
+    kernels::cuda::layernorm_forward_16(dst, compute, mean, rstd, const_cast<float*>(x), nullptr, w, b, N, C,
+                                        kStream);  // the GPT's eps
+    return CView{dst, compute};
+  }
   CView add_layernorm_forward_input(float* out, float* mean, float* rstd, float* x, const float* residual, CView w,
                                     CView b, int64_t N, int64_t C, DType compute, Buf& scratch) override {
-    kernels::cuda::add_layernorm_forward(out, mean, rstd, x, residual, w, b, N, C, kStream);  // the GPT's eps
-    return matmul_input(out, N * C, compute, scratch);
+    if (!is_16bit(compute)) {
+      kernels::cuda::add_layernorm_forward(out, mean, rstd, x, residual, w, b, N, C, kStream);  // the GPT's eps
+      return matmul_input(out, N * C, compute, scratch);
+    }
+    void* dst = operand16(scratch, N * C);
+    kernels::cuda::layernorm_forward_16(dst, compute, mean, rstd, x, residual, w, b, N, C, kStream);
+    return CView{dst, compute};
+  }
+  CView gelu_forward_input(float* out, const float* x, int64_t n, DType compute, Buf& scratch) override {
+    if (!is_16bit(compute)) return Ops::gelu_forward_input(out, x, n, compute, scratch);
+    void* dst = operand16(scratch, n);
+    kernels::cuda::gelu_forward_16(dst, compute, x, n, kStream);
+    return CView{dst, compute};
+  }
+  CView dy_operand(const float* dy, float* db, int64_t M, int64_t N, DType compute, Buf& scratch) override {
+    if (!db || !is_16bit(compute)) return Ops::dy_operand(dy, db, M, N, compute, scratch);
+    void* dst = operand16(scratch, M * N);
+    kernels::cuda::bias_backward_16(db, dst, compute, dy, M, N, kStream);
+    return CView{dst, compute};
+  }
+  CView gelu_backward_operand(float* dx, float* db, const float* x, const float* dout, int64_t M, int64_t N,
+                              DType compute, Buf& scratch) override {
+    if (!is_16bit(compute)) return Ops::gelu_backward_operand(dx, db, x, dout, M, N, compute, scratch);
+    void* dst = operand16(scratch, M * N);
+    kernels::cuda::gelu_backward_bias_16(db, dst, compute, x, dout, M, N, kStream);
+    return CView{dst, compute};
   }
   void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
                              int64_t N, int64_t C, float eps) override {
@@ -346,10 +382,9 @@ class CudaOps final : public Ops {
     return operand16_copy(x, n, compute, scratch);
   }
   CView operand16_copy(const float* dy, int64_t n, DType compute, Buf& scratch) override {
-    const size_t bytes = static_cast<size_t>(n) * 2;
-    if (scratch.bytes() < bytes) scratch = alloc(bytes);
-    kernels::cuda::convert_f32_to_16(dy, scratch.data(), n, compute, kStream);
-    return CView{scratch.data(), compute};
+    void* dst = operand16(scratch, n);
+    kernels::cuda::convert_f32_to_16(dy, dst, n, compute, kStream);
+    return CView{dst, compute};
   }
 
  private:
@@ -360,6 +395,12 @@ class CudaOps final : public Ops {
     int64_t checked_B = -1, checked_T = -1;  // the shape check_positions last passed
   };
 
+  // scratch grown to n 16-bit values (grow-only).
+  void* operand16(Buf& scratch, int64_t n) {
+    const size_t bytes = static_cast<size_t>(n) * 2;
+    if (scratch.bytes() < bytes) scratch = alloc(bytes);
+    return scratch.data();
+  }
   void upload(const std::vector<int32_t>& host, Buf& store, const char* what) {
     const size_t bytes = host.size() * sizeof(int32_t);
     if (store.bytes() < bytes) store = alloc(bytes);

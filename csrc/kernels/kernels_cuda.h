@@ -65,6 +65,27 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
 void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream);
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream);
 
+// ---- fused 16-bit operands ------------------------------------------------------------------
+// Note [fused 16-bit operands]
+// In bf16 and fp16 compute a matmul reads its activation operands as 16-bit
+// values: the fp32 result of the kernel before it, rounded by
+// convert_f32_to_16. The forms below write that rounded operand in the
+// producing kernel's own pass, so the fp32 result is neither written nor
+// read again (Ops::fuses_operand16 in models/detail/ops.h): the bits equal
+// the kernel, then convert_f32_to_16 of its output. The gradient sums keep
+// bias_backward's order (t: kBF16 or kF16; anything else throws).
+// layernorm_forward (residual null) or add_layernorm_forward (x +=
+// residual first), the output written to out16 only.
+void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float* x, const float* residual, CView w,
+                          CView b, int64_t N, int64_t C, cudaStream_t stream, float eps = 1e-5f);
+void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream_t stream);
+// bias_backward of dy with dy itself written to dy16.
+void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_t M, int64_t N, cudaStream_t stream);
+// gelu_backward's dx = gelu'(x) * dout written to dx16 only, and, unless
+// dbias is null, bias_backward of that dx.
+void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,
+                           int64_t N, cudaStream_t stream);
+
 // ---- Llama-family layers (llama_layers.cu) -------------------------------------------------
 // kernels::rmsnorm_forward/backward, swiglu_ and geglu_forward/backward,
 // softcap_forward/backward, rope and

@@ -6,6 +6,7 @@
 // weight and bias follow Note [column sums] (math.h: a thread per column and
 // chunk of rows, the chunks' sums added in order), the embeddings give each
 // thread one column and add the rows in order.
+#include <string>
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
@@ -29,9 +30,14 @@ __global__ void add_bias_kernel(float* y, const void* bias, DType bt, int64_t M,
     y[i] += load_param(bias, bt, i % N);
 }
 
-// dbias[j] = float(dbias[j] + sum_i double(dy[i,j])).
-__global__ void __launch_bounds__(kSumCols* kSumChunks) bias_backward_kernel(float* dbias, const float* dy, int64_t M,
-                                                                              int64_t N) {
+// dbias[j] = float(dbias[j] + sum_i double(g[i,j])) with g = dy, or, where
+// gelu_x is set, g = gelu'(gelu_x) * dy (gelu_backward's value). dbias may
+// be null (no sums). Where out16 is set each g[i,j] is also written there
+// as the 16-bit operand t (Note [fused 16-bit operands]): every element is
+// visited by exactly one thread, so the pass writes each once.
+__global__ void __launch_bounds__(kSumCols* kSumChunks)
+    bias_backward_kernel(float* dbias, const float* dy, const float* gelu_x, uint16_t* out16, DType t, int64_t M,
+                         int64_t N) {
   __shared__ double part[kSumChunks][kSumCols];
   const int64_t j = blockIdx.x * int64_t{kSumCols} + threadIdx.x;
   const int64_t chunks = (M + math::kColumnChunk - 1) / math::kColumnChunk;
@@ -39,22 +45,28 @@ __global__ void __launch_bounds__(kSumCols* kSumChunks) bias_backward_kernel(flo
   for (int64_t k0 = 0; k0 < chunks; k0 += kSumChunks) {
     const int64_t k = k0 + threadIdx.y;
     if (j < N && k < chunks)
-      part[threadIdx.y][threadIdx.x] =
-          chunk_sum(k * math::kColumnChunk, M, [&](int64_t i) { return static_cast<double>(dy[i * N + j]); });
+      part[threadIdx.y][threadIdx.x] = chunk_sum(k * math::kColumnChunk, M, [&](int64_t i) {
+        float g = dy[i * N + j];
+        if (gelu_x) g = math::gelu_grad(gelu_x[i * N + j]) * g;
+        if (out16) out16[i * N + j] = float_to_16(g, t);
+        return static_cast<double>(g);
+      });
     __syncthreads();
     if (threadIdx.y == 0 && j < N)
       for (int64_t y = 0; y < kSumChunks && k0 + y < chunks; ++y) acc += part[y][threadIdx.x];
     __syncthreads();
   }
-  if (threadIdx.y == 0 && j < N) dbias[j] = static_cast<float>(dbias[j] + acc);
+  if (dbias && threadIdx.y == 0 && j < N) dbias[j] = static_cast<float>(dbias[j] + acc);
 }
 
 // ---- layernorm -------------------------------------------------------------------------
 // With residual, first x += residual (each thread its own columns, which
 // only it reads below): add then layernorm in one pass over the row.
-__global__ void layernorm_forward_kernel(float* out, float* mean_out, float* rstd_out, float* x,
-                                         const float* residual, const void* w, DType wt, const void* b, DType bt,
-                                         int64_t N, int64_t C, float eps) {
+// out16 set: the output goes there as the 16-bit operand t, and `out` is
+// not written (Note [fused 16-bit operands]).
+__global__ void layernorm_forward_kernel(float* out, uint16_t* out16, DType t, float* mean_out, float* rstd_out,
+                                         float* x, const float* residual, const void* w, DType wt, const void* b,
+                                         DType bt, int64_t N, int64_t C, float eps) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
@@ -70,9 +82,15 @@ __global__ void layernorm_forward_kernel(float* out, float* mean_out, float* rst
   }));
   const float rstd = math::layernorm_rstd(var_sum, C, eps);
   if (!valid) return;
-  float* o = out + row * C;
-  for (int64_t c = lane; c < C; c += math::kLanes)
-    o[c] = math::layernorm_out(xr[c], mean, rstd, load_param(w, wt, c), load_param(b, bt, c));
+  if (out16) {
+    uint16_t* o = out16 + row * C;
+    for (int64_t c = lane; c < C; c += math::kLanes)
+      o[c] = float_to_16(math::layernorm_out(xr[c], mean, rstd, load_param(w, wt, c), load_param(b, bt, c)), t);
+  } else {
+    float* o = out + row * C;
+    for (int64_t c = lane; c < C; c += math::kLanes)
+      o[c] = math::layernorm_out(xr[c], mean, rstd, load_param(w, wt, c), load_param(b, bt, c));
+  }
   if (lane == 0) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
@@ -146,6 +164,15 @@ __global__ void gelu_forward_kernel(float* out, const float* x, int64_t n) {
 __global__ void gelu_backward_kernel(float* dx, const float* x, const float* dout, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     dx[i] = math::gelu_grad(x[i]) * dout[i];
+}
+// gelu_forward / gelu_backward written as the 16-bit operand t only.
+__global__ void gelu_forward_16_kernel(uint16_t* out16, DType t, const float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    out16[i] = float_to_16(math::gelu(x[i]), t);
+}
+__global__ void gelu_backward_16_kernel(uint16_t* dx16, DType t, const float* x, const float* dout, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dx16[i] = float_to_16(math::gelu_grad(x[i]) * dout[i], t);
 }
 
 // ---- cross-entropy --------------------------------------------------------------------------
@@ -346,6 +373,10 @@ __global__ void cross_entropy_part_finish_kernel(const int32_t* targets, int64_t
   }
 }
 
+void check_16(DType t, const char* fn) {
+  if (t != DType::kBF16 && t != DType::kF16)
+    throw Error(std::string(fn) + ": the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
+}
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
 unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1) / kSumCols); }
@@ -360,25 +391,62 @@ void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream) {
 
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
   if (M <= 0 || N <= 0) return;
-  bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(dbias, dy, M, N);
+  bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(dbias, dy, nullptr, nullptr,
+                                                                                 DType::kF32, M, N);
   detail::check_launch("bias_backward");
+}
+
+void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
+  check_16(t, "cuda::bias_backward_16");
+  if (M <= 0 || N <= 0) return;
+  bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(
+      dbias, dy, nullptr, static_cast<uint16_t*>(dy16), t, M, N);
+  detail::check_launch("bias_backward_16");
+}
+
+void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,
+                           int64_t N, cudaStream_t stream) {
+  check_16(t, "cuda::gelu_backward_bias_16");
+  if (M <= 0 || N <= 0) return;
+  if (!dbias) {  // no column sums: the elementwise pass
+    gelu_backward_16_kernel<<<detail::blocks_for(M * N), detail::kThreads, 0, stream>>>(
+        static_cast<uint16_t*>(dx16), t, x, dout, M * N);
+    detail::check_launch("gelu_backward_bias_16");
+    return;
+  }
+  bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(
+      dbias, dout, x, static_cast<uint16_t*>(dx16), t, M, N);
+  detail::check_launch("gelu_backward_bias_16");
 }
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N, int64_t C,
                        cudaStream_t stream, float eps) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::layernorm_forward: C must be > 0, got " + std::to_string(C));
-  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, const_cast<float*>(x), nullptr,
-                                                                      w.data, w.dtype, b.data, b.dtype, N, C, eps);
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, mean, rstd,
+                                                                      const_cast<float*>(x), nullptr, w.data, w.dtype,
+                                                                      b.data, b.dtype, N, C, eps);
   detail::check_launch("layernorm_forward");
+}
+
+void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float* x, const float* residual, CView w,
+                          CView b, int64_t N, int64_t C, cudaStream_t stream, float eps) {
+  check_16(t, "cuda::layernorm_forward_16");
+  if (N <= 0) return;
+  if (C <= 0) throw Error("cuda::layernorm_forward_16: C must be > 0, got " + std::to_string(C));
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(nullptr, static_cast<uint16_t*>(out16), t, mean,
+                                                                      rstd, x, residual, w.data, w.dtype, b.data,
+                                                                      b.dtype, N, C, eps);
+  detail::check_launch("layernorm_forward_16");
 }
 
 void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
                            int64_t N, int64_t C, cudaStream_t stream, float eps) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::add_layernorm_forward: C must be > 0, got " + std::to_string(C));
-  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, mean, rstd, x, residual, w.data, w.dtype,
-                                                                      b.data, b.dtype, N, C, eps);
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, mean, rstd, x,
+                                                                      residual, w.data, w.dtype, b.data, b.dtype, N, C,
+                                                                      eps);
   detail::check_launch("add_layernorm_forward");
 }
 
@@ -397,6 +465,14 @@ void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   gelu_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n);
   detail::check_launch("gelu_forward");
+}
+
+void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream_t stream) {
+  check_16(t, "cuda::gelu_forward_16");
+  if (n <= 0) return;
+  gelu_forward_16_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(static_cast<uint16_t*>(out16), t, x,
+                                                                                 n);
+  detail::check_launch("gelu_forward_16");
 }
 
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream) {
