@@ -44,7 +44,14 @@ void convert_16_to_f32(const void* src, float* dst, int64_t n, DType t, cudaStre
 // 16-bit operands with fp32 accumulation. An operand whose dtype differs from
 // `compute` is converted into device scratch first (owned by the calling
 // thread, grow-only).
+// A bias with alpha 1, one batch and no accumulate goes in cuBLASLt's
+// epilogue (Note [the bias in the GEMM's epilogue] in matmul.cu), unless
+// ZINC_CUDA_MATMUL_BIAS=separate or set_separate_bias_for_testing(true).
 void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias = {});
+void set_separate_bias_for_testing(bool separate);
+// Whether matmul runs d's bias in the epilogue on this thread's current
+// device (makes the shape's plan).
+bool matmul_bias_in_epilogue(const MatmulDesc& d);
 
 // ---- bias ------------------------------------------------------------------------------
 void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream);

@@ -28,11 +28,31 @@
 // them), 16-bit -> fp32 for fp32 compute (exact), and the other 16-bit format
 // -> compute (through fp32).
 //
-// Bias: cuda::add_bias (layers.cu) after the GEMM, c[r, j] += bias[j] (bias
-// in any dtype), on the same stream. cuBLASLt's BIAS epilogue would fuse it but
-// needs a Lt matmul descriptor per shape and a bias in C's dtype; the extra
-// pass over C is cheap next to the GEMM. With accumulate the GEMM adds C
+// Bias: see Note [the bias in the GEMM's epilogue]. Where the epilogue does
+// not apply, cuda::add_bias (layers.cu) after the GEMM, c[r, j] += bias[j]
+// (bias in any dtype), on the same stream; with accumulate the GEMM adds C
 // first (beta = 1), then the bias.
+//
+// Note [the bias in the GEMM's epilogue]
+// A separate bias pass reads and writes all of C in fp32: 8 bytes an
+// element, against the GEMM's 2K flops an element. At the GPT's K = 1024 on
+// an H200 (about 4.8 TB/s, about 500 dense bf16 TFLOP/s at these shapes)
+// that is about half the GEMM's own time, and the forward has four such
+// products per layer. So a matmul with a bias, alpha 1, one batch and no
+// accumulate runs as one cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS
+// (D = op(A) op(B) + bias, the bias broadcast over D's columns: zinc's
+// rows), the same layouts as Note [cuBLAS matmul layout]. cuBLASLt wants
+// the bias in D's dtype (fp32), 16-byte aligned: it is converted (or
+// copied) into per-stream scratch first, N floats. The plan (descriptor,
+// layouts and the heuristic's first algorithm within the stream's
+// workspace) is made once per shape and thread; a shape the heuristic has
+// no algorithm for, or a machine whose cuBLASLt does not load, keeps the
+// separate pass. The sum is cuBLAS's fp32 accumulator plus the bias in
+// fp32, as the separate pass adds it; cuBLASLt may pick another algorithm
+// than cublasGemmEx for the shape, so the bits are close to the separate
+// pass's, not equal (under kernel emulation they are equal).
+// ZINC_CUDA_MATMUL_BIAS=separate keeps the separate pass everywhere (for
+// measuring the difference).
 //
 // Handles and scratch: one cuBLAS handle per (calling thread, device), math
 // mode and pointer mode set once. Each call sets the handle to its stream;
@@ -42,8 +62,15 @@
 // at once, and must not share scratch; at most kMaxStreams streams per
 // thread and device keep scratch). Growing a buffer first waits for its
 // stream, since the old buffer may still be read there.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include <algorithm>
 #include <cstdint>
@@ -56,6 +83,7 @@
 #include "core/cuda_util.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "kernels/cuda_common.cuh"
 #include "core/dynlib.h"
 #include "kernels/kernels.h"
@@ -106,6 +134,67 @@ const CublasApi& cublas() {
   return api;
 }
 
+// cuBLASLt's functions (the same library folder; libcublas itself needs
+// it), for Note [the bias in the GEMM's epilogue].
+struct LtApi {
+  DynLib lib;
+  decltype(&::cublasLtCreate) Create;
+  decltype(&::cublasLtDestroy) Destroy;
+  decltype(&::cublasLtGetStatusName) GetStatusName;
+  decltype(&::cublasLtMatmulDescCreate) DescCreate;
+  decltype(&::cublasLtMatmulDescDestroy) DescDestroy;
+  decltype(&::cublasLtMatmulDescSetAttribute) DescSet;
+  decltype(&::cublasLtMatrixLayoutCreate) LayoutCreate;
+  decltype(&::cublasLtMatrixLayoutDestroy) LayoutDestroy;
+  decltype(&::cublasLtMatmulPreferenceCreate) PrefCreate;
+  decltype(&::cublasLtMatmulPreferenceDestroy) PrefDestroy;
+  decltype(&::cublasLtMatmulPreferenceSetAttribute) PrefSet;
+  decltype(&::cublasLtMatmulAlgoGetHeuristic) Heuristic;
+  decltype(&::cublasLtMatmul) Matmul;
+
+  LtApi()
+      : lib(DynLib::open({"libcublasLt.so." ZINC_STR(CUBLAS_VER_MAJOR),
+                          ZINC_CUDA_LIB_DIR "/libcublasLt.so." ZINC_STR(CUBLAS_VER_MAJOR)},
+                         "cuBLASLt (the GPU matmuls' fused bias)")) {
+    Create = lib.get<decltype(Create)>("cublasLtCreate");
+    Destroy = lib.get<decltype(Destroy)>("cublasLtDestroy");
+    GetStatusName = lib.get<decltype(GetStatusName)>("cublasLtGetStatusName");
+    DescCreate = lib.get<decltype(DescCreate)>("cublasLtMatmulDescCreate");
+    DescDestroy = lib.get<decltype(DescDestroy)>("cublasLtMatmulDescDestroy");
+    DescSet = lib.get<decltype(DescSet)>("cublasLtMatmulDescSetAttribute");
+    LayoutCreate = lib.get<decltype(LayoutCreate)>("cublasLtMatrixLayoutCreate");
+    LayoutDestroy = lib.get<decltype(LayoutDestroy)>("cublasLtMatrixLayoutDestroy");
+    PrefCreate = lib.get<decltype(PrefCreate)>("cublasLtMatmulPreferenceCreate");
+    PrefDestroy = lib.get<decltype(PrefDestroy)>("cublasLtMatmulPreferenceDestroy");
+    PrefSet = lib.get<decltype(PrefSet)>("cublasLtMatmulPreferenceSetAttribute");
+    Heuristic = lib.get<decltype(Heuristic)>("cublasLtMatmulAlgoGetHeuristic");
+    Matmul = lib.get<decltype(Matmul)>("cublasLtMatmul");
+  }
+};
+// Null where cuBLASLt does not load (said once; the separate bias pass then).
+const LtApi* cublas_lt() {
+  static const LtApi* api = []() -> const LtApi* {
+    try {
+      return new LtApi();
+    } catch (const Error& e) {
+      log_warn(std::string("matmul: the bias stays a separate pass after each GEMM: ") + e.what());
+      return nullptr;
+    }
+  }();
+  return api;
+}
+
+// -1: ZINC_CUDA_MATMUL_BIAS decides; 0 or 1: set_separate_bias_for_testing.
+std::atomic<int> separate_bias_override{-1};
+bool bias_in_epilogue() {
+  static const bool separate_env = [] {
+    const char* e = std::getenv("ZINC_CUDA_MATMUL_BIAS");
+    return e && std::string(e) == "separate";
+  }();
+  const int o = separate_bias_override.load();
+  return !(o >= 0 ? o == 1 : separate_env);
+}
+
 
 using zinc::cuda::DeviceBuffer;
 
@@ -148,7 +237,28 @@ size_t workspace_bytes(int device) {
 struct StreamScratch {
   DeviceBuffer workspace;
   DeviceBuffer operand[2];  // converted A, B
+  DeviceBuffer bias;        // the epilogue's fp32 bias
 };
+
+// One shape's cublasLtMatmul (Note [the bias in the GEMM's epilogue]):
+// `usable` false where the heuristic found no algorithm.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool usable = false;
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
+    if (const LtApi* lt = cublas_lt()) {
+      if (op) lt->DescDestroy(op);
+      for (cublasLtMatrixLayout_t l : {a, b, c})
+        if (l) lt->LayoutDestroy(l);
+    }
+  }
+};
+using LtKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType>;
 
 // A thread keeps scratch for at most this many streams per device; binding a
 // further stream drops the least recently used one, after waiting for the
@@ -162,9 +272,11 @@ struct DeviceState {
     std::unique_ptr<StreamScratch> scratch;
   };
   cublasHandle_t handle = nullptr;
+  cublasLtHandle_t lt_handle = nullptr;  // made on the first fused bias
   size_t ws_bytes = 0;
   uint64_t clock = 0;
   std::vector<Entry> streams;
+  std::map<LtKey, std::unique_ptr<LtPlan>> lt_plans;
 
   explicit DeviceState(int dev) {
     check_cublas(cublas().Create(&handle), "cublasCreate", "device " + std::to_string(dev));
@@ -175,7 +287,61 @@ struct DeviceState {
   ~DeviceState() {
     // Thread-local: destroyed at thread exit, before the runtime's own
     // teardown. Errors are dropped (destructors never throw).
+    lt_plans.clear();
+    if (lt_handle) cublas_lt()->Destroy(lt_handle);
     if (handle) cublas().Destroy(handle);
+  }
+
+  // The shape's plan, made on first use; null where none applies.
+  LtPlan* lt_plan(const MatmulDesc& d) {
+    const LtApi* lt = cublas_lt();
+    if (!lt) return nullptr;
+    const LtKey key{d.M, d.N, d.K, d.trans_a, d.trans_b, d.compute};
+    auto it = lt_plans.find(key);
+    if (it != lt_plans.end()) return it->second->usable ? it->second.get() : nullptr;
+    auto plan = std::make_unique<LtPlan>();
+    LtPlan* p = plan.get();
+    lt_plans.emplace(key, std::move(plan));
+    auto ok = [&](cublasStatus_t st, const char* what) {
+      if (st == CUBLAS_STATUS_SUCCESS) return true;
+      log_warn(std::string("matmul: ") + what + " failed (" + lt->GetStatusName(st) + ") for " +
+               "M=" + std::to_string(d.M) + " N=" + std::to_string(d.N) + " K=" + std::to_string(d.K) +
+               "; that shape keeps its bias as a separate pass");
+      return false;
+    };
+    if (!lt_handle && !ok(lt->Create(&lt_handle), "cublasLtCreate")) return nullptr;
+    // Note [cuBLAS matmul layout]: cuBLAS's first operand is zinc's B.
+    const cudaDataType t = d.compute == DType::kF32 ? CUDA_R_32F : d.compute == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const int32_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const uint32_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const uint64_t M = static_cast<uint64_t>(d.M), N = static_cast<uint64_t>(d.N), K = static_cast<uint64_t>(d.K);
+    if (!ok(lt->DescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate") ||
+        !ok(lt->DescSet(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof(op_b)), "cublasLtMatmulDescSetAttribute") ||
+        !ok(lt->DescSet(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof(op_a)), "cublasLtMatmulDescSetAttribute") ||
+        !ok(lt->DescSet(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
+            "cublasLtMatmulDescSetAttribute") ||
+        !ok(lt->LayoutCreate(&p->a, t, d.trans_b ? K : N, d.trans_b ? N : K, d.trans_b ? d.K : d.N),
+            "cublasLtMatrixLayoutCreate") ||
+        !ok(lt->LayoutCreate(&p->b, t, d.trans_a ? M : K, d.trans_a ? K : M, d.trans_a ? d.M : d.K),
+            "cublasLtMatrixLayoutCreate") ||
+        !ok(lt->LayoutCreate(&p->c, CUDA_R_32F, N, M, d.N), "cublasLtMatrixLayoutCreate"))
+      return nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (!ok(lt->PrefCreate(&pref), "cublasLtMatmulPreferenceCreate")) return nullptr;
+    const uint64_t max_ws = ws_bytes;
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const bool heuristic =
+        ok(lt->PrefSet(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)),
+           "cublasLtMatmulPreferenceSetAttribute") &&
+        ok(lt->Heuristic(lt_handle, p->op, p->a, p->b, p->c, p->c, pref, 1, &result, &found),
+           "cublasLtMatmulAlgoGetHeuristic");
+    lt->PrefDestroy(pref);
+    if (!heuristic || found < 1 || result.state != CUBLAS_STATUS_SUCCESS || result.workspaceSize > ws_bytes)
+      return nullptr;
+    p->algo = result.algo;
+    p->usable = true;
+    return p;
   }
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
@@ -247,6 +413,15 @@ bool fits_int(int64_t v) { return v <= std::numeric_limits<int>::max(); }
 
 std::string cublas_library() { return cublas().lib.name(); }
 
+void set_separate_bias_for_testing(bool separate) { separate_bias_override.store(separate ? 1 : 0); }
+
+bool matmul_bias_in_epilogue(const MatmulDesc& d) {
+  if (!(d.bias && !d.accumulate && d.batch == 1 && d.alpha == 1.0f && d.M > 0 && d.N > 0 && d.K > 0 &&
+        fits_int(d.M) && fits_int(d.N) && fits_int(d.K) && bias_in_epilogue()))
+    return false;
+  return device_state().lt_plan(d) != nullptr;
+}
+
 void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias) {
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
   if (d.bias && (!bias.data || d.alpha != 1.0f))
@@ -270,6 +445,22 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   const void* b_ptr = as_compute(b, d.compute, d.batch * d.K * d.N, sc.operand[1], stream);
   const cudaDataType t = cuda_type(d.compute);
   const float alpha = d.alpha, beta = d.accumulate ? 1.0f : 0.0f;
+  // Note [the bias in the GEMM's epilogue]
+  if (d.bias && !d.accumulate && d.batch == 1 && bias_in_epilogue())
+    if (LtPlan* p = st.lt_plan(d)) {
+      void* bias32 = grow(sc.bias, static_cast<size_t>(d.N) * sizeof(float), stream);
+      matmul_convert_operand_kernel<<<detail::blocks_for(d.N), detail::kThreads, 0, stream>>>(
+          bias.data, bias.dtype, bias32, DType::kF32, d.N);
+      detail::check_launch("matmul_convert_operand_kernel (bias)");
+      const LtApi& lt = *cublas_lt();
+      const void* bias_ptr = bias32;
+      check_cublas(lt.DescSet(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)),
+                   "cublasLtMatmulDescSetAttribute(bias)", shape_str(d));
+      check_cublas(lt.Matmul(st.lt_handle, p->op, &alpha, b_ptr, p->a, a_ptr, p->b, &beta, c, p->c, c, p->c, &p->algo,
+                             sc.workspace.data(), sc.workspace.bytes(), stream),
+                   "cublasLtMatmul", shape_str(d));
+      return;
+    }
   const int m = static_cast<int>(d.N), n = static_cast<int>(d.M), k = static_cast<int>(d.K);
   // Note [cuBLAS matmul layout]
   const cublasOperation_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;

@@ -219,6 +219,47 @@ TEST(CudaMatmul, FusedBiasInEveryDtypeAgreesWithCpu) {
         }
 }
 
+// Note [the bias in the GEMM's epilogue]: a bias without accumulate, in one
+// batch, runs in cuBLASLt's epilogue, for every transpose, compute dtype and
+// bias dtype; the separate pass (ZINC_CUDA_MATMUL_BIAS=separate) gives the
+// same values within the bound, and under kernel emulation the same bits.
+TEST(CudaMatmul, TheBiasInTheEpilogueAgreesWithTheSeparatePass) {
+  ZINC_REQUIRE_GPU();
+  uint64_t seed = 3000;
+  zinc::cuda::Stream stream;
+  for (DType compute : {DType::kF32, DType::kBF16, DType::kF16})
+    for (DType bias_t : {DType::kF32, DType::kBF16})
+      for (const auto& mc : {MmCase{1, 1, 1, 1}, MmCase{1, 37, 53, 19}, MmCase{1, 53, 19, 37}, MmCase{1, 65, 130, 97}})
+        for (bool ta : {false, true})
+          for (bool tb : {false, true}) {
+            MatmulDesc d{.M = mc.M, .N = mc.N, .K = mc.K, .trans_a = ta, .trans_b = tb, .bias = true,
+                         .compute = compute};
+            ASSERT_TRUE(cuda::matmul_bias_in_epilogue(d)) << describe(d, compute, compute);
+            check_matmul(d, compute, compute, seed += 4, bias_t);
+            const auto a = randn(d.M * d.K, seed), b = randn(d.K * d.N, seed + 1), bias = randn(d.N, seed + 2);
+            Operand av(a, compute), bv(b, compute), biasv(bias, bias_t);
+            DeviceBuffer fused = upload(randn(d.M * d.N, seed + 3)), separate = upload(randn(d.M * d.N, seed + 3));
+            cuda::matmul(d, av.device(), bv.device(), fused.as<float>(), stream.get(), biasv.device());
+            cuda::set_separate_bias_for_testing(true);
+            EXPECT_FALSE(cuda::matmul_bias_in_epilogue(d));
+            cuda::matmul(d, av.device(), bv.device(), separate.as<float>(), stream.get(), biasv.device());
+            cuda::set_separate_bias_for_testing(false);
+            stream.synchronize();
+            const auto f = download<float>(fused, d.M * d.N), g = download<float>(separate, d.M * d.N);
+#ifdef ZINC_CUDA_EMU
+            for (size_t i = 0; i < f.size(); ++i)
+              ASSERT_EQ(std::memcmp(&f[i], &g[i], sizeof(float)), 0)
+                  << describe(d, compute, compute) << " at " << i << ": " << f[i] << " against " << g[i];
+#else
+            EXPECT_TRUE(AllClose(f, g, 1e-3, 1e-3)) << describe(d, compute, compute);
+#endif
+          }
+  // Where it does not apply: accumulate, several batches, no bias.
+  EXPECT_FALSE(cuda::matmul_bias_in_epilogue({.M = 4, .N = 4, .K = 4, .accumulate = true, .bias = true}));
+  EXPECT_FALSE(cuda::matmul_bias_in_epilogue({.batch = 2, .M = 4, .N = 4, .K = 4, .bias = true}));
+  EXPECT_FALSE(cuda::matmul_bias_in_epilogue({.M = 4, .N = 4, .K = 4}));
+}
+
 TEST(CudaMatmul, MixedOperandDtypesAreConvertedToCompute) {
   ZINC_REQUIRE_GPU();
   const MatmulDesc base{.batch = 2, .M = 37, .N = 53, .K = 19, .trans_b = true};
