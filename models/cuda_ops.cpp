@@ -183,6 +183,21 @@ class CudaOps final : public Ops {
     kernels::cuda::gelu_forward_16(dst, compute, x, n, kStream);
     return CView{dst, compute};
   }
+  CView rmsnorm_forward_input(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
+                              float eps, float w_offset, DType compute, Buf& scratch) override {
+    if (!is_16bit(compute))
+      return Ops::rmsnorm_forward_input(out, rstd, x, residual, w, N, C, eps, w_offset, compute, scratch);
+    void* dst = operand16(scratch, N * C);
+    kernels::cuda::rmsnorm_forward_16(dst, compute, rstd, x, residual, w, N, C, eps, kStream, w_offset);
+    return CView{dst, compute};
+  }
+  CView gated_forward_input(float* out, const float* gate_up, int64_t N, int64_t I, bool gelu, DType compute,
+                            Buf& scratch) override {
+    if (!is_16bit(compute)) return Ops::gated_forward_input(out, gate_up, N, I, gelu, compute, scratch);
+    void* dst = operand16(scratch, N * I);
+    kernels::cuda::gated_forward_16(dst, compute, gate_up, N, I, gelu, kStream);
+    return CView{dst, compute};
+  }
   CView dy_operand(const float* dy, float* db, int64_t M, int64_t N, DType compute, Buf& scratch) override {
     if (!db || !is_16bit(compute)) return Ops::dy_operand(dy, db, M, N, compute, scratch);
     void* dst = operand16(scratch, M * N);

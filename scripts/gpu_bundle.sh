@@ -92,6 +92,7 @@ ZINC_BENCH="$here/bin/zinc-bench"
 ZINC_GPU_UPDATE_BEHIND=0 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --ratio 0.5 | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
+ZINC_CUDA_MATMUL_BIAS=separate "$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
 "$ZINC_BENCH" gpu-train-step --json --large --stage 3 | tee -a ${res:+$res/gpu-train-step.jsonl}
 # The ~1B Llama (TinyLlama 1.1B's shape), fewer rounds: its steps are longer.
 "$ZINC_BENCH" gpu-train-step --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}

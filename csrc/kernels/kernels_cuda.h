@@ -88,6 +88,13 @@ void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float*
 void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream_t stream);
 // bias_backward of dy with dy itself written to dy16.
 void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_t M, int64_t N, cudaStream_t stream);
+// rmsnorm_forward (residual null) or add_rmsnorm_forward, the output
+// written to out16 only.
+void rmsnorm_forward_16(void* out16, DType t, float* rstd, float* x, const float* residual, CView w, int64_t N,
+                        int64_t C, float eps, cudaStream_t stream, float w_offset = 0.0f);
+// geglu_forward (gelu) or swiglu_forward, written to out16 only.
+void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int64_t I, bool gelu,
+                      cudaStream_t stream);
 // gelu_backward's dx = gelu'(x) * dout written to dx16 only, and, unless
 // dbias is null, bias_backward of that dx.
 void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,

@@ -29,8 +29,11 @@ using detail::load_param;
 __device__ inline float shifted(float w_offset, float w) { return w_offset != 0.0f ? w_offset + w : w; }
 
 // With residual, first x += residual (as layernorm_forward_kernel).
-__global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, float* x, const float* residual, const void* w,
-                                       DType wt, int64_t N, int64_t C, float eps, float w_offset) {
+// out16 set: the output goes there as the 16-bit operand t, and `out` is
+// not written (Note [fused 16-bit operands] in kernels_cuda.h).
+__global__ void rmsnorm_forward_kernel(float* out, uint16_t* out16, DType t, float* rstd_out, float* x,
+                                       const float* residual, const void* w, DType wt, int64_t N, int64_t C, float eps,
+                                       float w_offset) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / math::kLanes;
   const int lane = threadIdx.x % math::kLanes;
   const bool valid = row < N;
@@ -41,8 +44,15 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd_out, float* x, co
   const float sq = lane_combine(math::lane_partial<float>(n, lane, [&](int64_t c) { return xr[c] * xr[c]; }));
   const float rstd = math::rmsnorm_rstd(sq, C, eps);
   if (!valid) return;
-  float* o = out + row * C;
-  for (int64_t c = lane; c < C; c += math::kLanes) o[c] = math::rmsnorm_out(xr[c], rstd, shifted(w_offset, load_param(w, wt, c)));
+  if (out16) {
+    uint16_t* o = out16 + row * C;
+    for (int64_t c = lane; c < C; c += math::kLanes)
+      o[c] = float_to_16(math::rmsnorm_out(xr[c], rstd, shifted(w_offset, load_param(w, wt, c))), t);
+  } else {
+    float* o = out + row * C;
+    for (int64_t c = lane; c < C; c += math::kLanes)
+      o[c] = math::rmsnorm_out(xr[c], rstd, shifted(w_offset, load_param(w, wt, c)));
+  }
   if (lane == 0) rstd_out[row] = rstd;
 }
 
@@ -92,12 +102,18 @@ __global__ void __launch_bounds__(kSumCols* kSumChunks)
 // ---- SwiGLU and GeGLU -------------------------------------------------------------------
 // gate_up rows are [gate (I) | up (I)]; a thread per element of out (N, I);
 // gelu: GeGLU's math (math::geglu*), else SwiGLU's.
-__global__ void gated_forward_kernel(float* out, const float* gate_up, int64_t N, int64_t I, bool gelu) {
+// out16 set: written there as the 16-bit operand t instead of out.
+__global__ void gated_forward_kernel(float* out, uint16_t* out16, DType t, const float* gate_up, int64_t N, int64_t I,
+                                     bool gelu) {
   const int64_t total = N * I;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = e / I, j = e % I;
     const float* row = gate_up + i * 2 * I;
-    out[e] = gelu ? math::geglu(row[j], row[I + j]) : math::swiglu(row[j], row[I + j]);
+    const float v = gelu ? math::geglu(row[j], row[I + j]) : math::swiglu(row[j], row[I + j]);
+    if (out16)
+      out16[e] = float_to_16(v, t);
+    else
+      out[e] = v;
   }
 }
 
@@ -203,17 +219,29 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N
                      cudaStream_t stream, float w_offset) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward: C must be > 0, got " + std::to_string(C));
-  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, const_cast<float*>(x), nullptr, w.data,
-                                                                    w.dtype, N, C, eps, w_offset);
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, rstd,
+                                                                    const_cast<float*>(x), nullptr, w.data, w.dtype, N,
+                                                                    C, eps, w_offset);
   detail::check_launch("rmsnorm_forward");
+}
+
+void rmsnorm_forward_16(void* out16, DType t, float* rstd, float* x, const float* residual, CView w, int64_t N,
+                        int64_t C, float eps, cudaStream_t stream, float w_offset) {
+  if (t != DType::kBF16 && t != DType::kF16)
+    throw Error("cuda::rmsnorm_forward_16: the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
+  if (N <= 0) return;
+  if (C <= 0) throw Error("cuda::rmsnorm_forward_16: C must be > 0, got " + std::to_string(C));
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(nullptr, static_cast<uint16_t*>(out16), t, rstd,
+                                                                    x, residual, w.data, w.dtype, N, C, eps, w_offset);
+  detail::check_launch("rmsnorm_forward_16");
 }
 
 void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
                          float eps, cudaStream_t stream, float w_offset) {
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::add_rmsnorm_forward: C must be > 0, got " + std::to_string(C));
-  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, rstd, x, residual, w.data, w.dtype, N, C, eps,
-                                                                    w_offset);
+  rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, rstd, x, residual,
+                                                                    w.data, w.dtype, N, C, eps, w_offset);
   detail::check_launch("add_rmsnorm_forward");
 }
 
@@ -228,8 +256,19 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, C
 
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I, false);
+  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, nullptr, DType::kF32,
+                                                                                    gate_up, N, I, false);
   detail::check_launch("swiglu_forward");
+}
+
+void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int64_t I, bool gelu,
+                      cudaStream_t stream) {
+  if (t != DType::kBF16 && t != DType::kF16)
+    throw Error("cuda::gated_forward_16: the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
+  if (N <= 0 || I <= 0) return;
+  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(
+      nullptr, static_cast<uint16_t*>(out16), t, gate_up, N, I, gelu);
+  detail::check_launch(gelu ? "geglu_forward_16" : "swiglu_forward_16");
 }
 
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
@@ -242,7 +281,8 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
 
 void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
   if (N <= 0 || I <= 0) return;
-  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, gate_up, N, I, true);
+  gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, nullptr, DType::kF32,
+                                                                                    gate_up, N, I, true);
   detail::check_launch("geglu_forward");
 }
 

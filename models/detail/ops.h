@@ -239,6 +239,26 @@ class Ops {
     add(x, x, residual, N * C);
     rmsnorm_forward(out, rstd, x, w, N, C, eps, w_offset);
   }
+  // rmsnorm_forward (residual null) or add_rmsnorm_forward, then
+  // matmul_input of `out` (the same licence).
+  virtual CView rmsnorm_forward_input(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N,
+                                      int64_t C, float eps, float w_offset, DType compute, Buf& scratch) {
+    if (residual)
+      add_rmsnorm_forward(out, rstd, x, residual, w, N, C, eps, w_offset);
+    else
+      rmsnorm_forward(out, rstd, x, w, N, C, eps, w_offset);
+    return matmul_input(out, N * C, compute, scratch);
+  }
+  // geglu_forward (gelu) or swiglu_forward, then matmul_input of `out`
+  // (the same licence).
+  virtual CView gated_forward_input(float* out, const float* gate_up, int64_t N, int64_t I, bool gelu, DType compute,
+                                    Buf& scratch) {
+    if (gelu)
+      geglu_forward(out, gate_up, N, I);
+    else
+      swiglu_forward(out, gate_up, N, I);
+    return matmul_input(out, N * I, compute, scratch);
+  }
   // gelu_forward then matmul_input of `out` (the same licence).
   virtual CView gelu_forward_input(float* out, const float* x, int64_t n, DType compute, Buf& scratch) {
     gelu_forward(out, x, n);

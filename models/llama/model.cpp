@@ -1056,8 +1056,15 @@ class Llama final : public Model {
                      int64_t T, DType dt, const HeldParams* lp = nullptr) {
     const int64_t C = c_.hidden_size, N = B * T, I = I_, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const LayerIdx& x = idx_[static_cast<size_t>(l)];
-    pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
-    a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    // RMSNorm writes the projections' 16-bit operand itself where the Ops
+    // fuses it (Ops::rmsnorm_forward_input; a.ln1 is then left unwritten).
+    if (fused_norm(x.ln1)) {
+      a.ln1_in = ops_->rmsnorm_forward_input(a.ln1.as<float>(), a.rstd1.as<float>(), const_cast<float*>(x_in), nullptr,
+                                             p[x.ln1], N, C, eps(), c_.norm_offset, dt, a.ln1_16);
+    } else {
+      pre_norm_forward(p, x.ln1, x.ln1_b, a.ln1, a.mean1, a.rstd1, x_in, N);
+      a.ln1_in = ops_->matmul_input(a.ln1.as<float>(), N * C, dt, a.ln1_16);
+    }
     // Grouped-query heads read in place: the projection is attention's
     // input, kept in a.qkv for backward (no repeated copy, Note [fused
     // attention] in csrc/kernels/flash_attention.cu).
@@ -1087,13 +1094,23 @@ class Llama final : public Model {
                    packed(p, l, kGroupO, false));
     // GPT-NeoX's parallel residual: the MLP reads the norm of x_in itself;
     // otherwise the residual and the norm after it in one pass on the GPU.
+    // A sparse layer's experts gather rows of a.ln2 itself (moe_forward).
+    const bool fuse_ln2 = x.router < 0 && fused_norm(x.ln2);
     if (c_.parallel_residual || x.ln2 < 0) {
       ops_->add(x_mid, x_mid, x_in, N * C);
-      pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
+      if (fuse_ln2)
+        a.ln2_in = ops_->rmsnorm_forward_input(a.ln2.as<float>(), a.rstd2.as<float>(),
+                                               const_cast<float*>(c_.parallel_residual ? x_in : x_mid), nullptr,
+                                               p[x.ln2], N, C, eps(), c_.norm_offset, dt, a.ln2_16);
+      else
+        pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, c_.parallel_residual ? x_in : x_mid, N);
+    } else if (fuse_ln2) {
+      a.ln2_in = ops_->rmsnorm_forward_input(a.ln2.as<float>(), a.rstd2.as<float>(), x_mid, x_in, p[x.ln2], N, C,
+                                             eps(), c_.norm_offset, dt, a.ln2_16);
     } else {
       add_pre_norm_forward(p, x.ln2, x.ln2_b, a.ln2, a.mean2, a.rstd2, x_mid, x_in, N);
     }
-    a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
+    if (!fuse_ln2) a.ln2_in = ops_->matmul_input(a.ln2.as<float>(), N * C, dt, a.ln2_16);
     if (x.router >= 0) {
       // A sparse layer: the experts' combined output is the branch's (into
       // scratch when recomputing for backward).
@@ -1106,8 +1123,13 @@ class Llama final : public Model {
     detail::linear_forward(*ops_, a.gate_up.as<float>(), a.ln2_in, p[x.gu_w], bias(p, x.gu_b), N, C, GU_, dt,
                            packed(p, l, kGroupGateUp, false));
     lora_forward(lp, a, l, kGroupGateUp, a.ln2_in, a.gate_up.as<float>(), N, dt);
-    act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
-    a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
+    if (c_.mlp_gated) {  // SwiGLU or GeGLU writes the down projection's operand (Ops::gated_forward_input)
+      a.act_in = ops_->gated_forward_input(a.act.as<float>(), a.gate_up.as<float>(), N, I,
+                                           c_.mlp_act == LlamaConfig::MlpAct::kGeluTanh, dt, a.act_16);
+    } else {
+      act_forward(a.act.as<float>(), a.gate_up.as<float>(), N);
+      a.act_in = ops_->matmul_input(a.act.as<float>(), N * I, dt, a.act_16);
+    }
     auto down_lora = [&](float* y) { return lora_forward(lp, a, l, kGroupDown, a.act_in, y, N, dt); };
     if (!x_out) {
       // A recomputation for backward: the output is not needed, but a
@@ -1456,6 +1478,8 @@ class Llama final : public Model {
   // A branch's input: the norm of x (index w), or without a pre-norm
   // (OLMo 2) x itself, copied (a 16-bit matmul input may be rounded in place).
   // With layer_norm, a LayerNorm with the bias at index b.
+  // Whether norm w runs as Ops::rmsnorm_forward_input: an RMSNorm there is.
+  bool fused_norm(int w) const { return w >= 0 && !c_.layer_norm; }
   void pre_norm_forward(const HeldParams& p, int w, int b, Buf& out, Buf& mean, Buf& rstd, const float* x,
                         int64_t N) {
     const int64_t C = c_.hidden_size;

@@ -23,6 +23,8 @@ using zinc::cuda::testing::download;
 using zinc::cuda::testing::upload;
 using zinc::cuda::testing::Param;
 using zinc::cuda::testing::randn;
+using zinc::cuda::testing::filled16;
+using zinc::cuda::testing::rounded16;
 
 void expect_same_bits(const std::vector<float>& cpu, const std::vector<float>& gpu, const char* what) {
   ASSERT_EQ(cpu.size(), gpu.size()) << what;
@@ -134,15 +136,6 @@ TEST(CudaLayers, GeluMatchesTheCpuBits) {
 // unwritten (the buffers start as a pattern no rounding gives), and sums the
 // bias gradient as bias_backward does; at sizes that are not multiples of
 // the rows per block, the column chunk or the column block.
-std::vector<uint16_t> rounded(const std::vector<float>& v, DType t) {
-  std::vector<uint16_t> r(v.size());
-  convert_f32_to_16(v.data(), r.data(), v.size(), t);
-  return r;
-}
-DeviceBuffer filled16(int64_t n) {
-  return upload(std::vector<uint16_t>(static_cast<size_t>(n), uint16_t{0xFFFF}));  // a NaN pattern
-}
-
 TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
   ZINC_REQUIRE_GPU();
   for (DType t : {DType::kBF16, DType::kF16}) {
@@ -155,7 +148,7 @@ TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
       DeviceBuffer dx = upload(x), d16 = filled16(N * C), dmean(N * 4), drstd(N * 4);
       cuda::layernorm_forward_16(d16.data(), t, dmean.as<float>(), drstd.as<float>(), dx.as<float>(), nullptr,
                                  pw.dev(), pb.dev(), N, C, nullptr);
-      ASSERT_EQ(rounded(out, t), download<uint16_t>(d16, out.size())) << "layernorm_forward_16 " << dtype_name(t);
+      ASSERT_EQ(rounded16(out, t), download<uint16_t>(d16, out.size())) << "layernorm_forward_16 " << dtype_name(t);
       expect_same_bits(mean, download<float>(dmean, N), "layernorm_forward_16 mean");
       expect_same_bits(rstd, download<float>(drstd, N), "layernorm_forward_16 rstd");
       expect_same_bits(x, download<float>(dx, x.size()), "layernorm_forward_16 leaves x");
@@ -167,7 +160,7 @@ TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
       cuda::layernorm_forward_16(e16.data(), t, dmean.as<float>(), drstd.as<float>(), dx.as<float>(), dres.as<float>(),
                                  pw.dev(), pb.dev(), N, C, nullptr);
       expect_same_bits(sum, download<float>(dx, sum.size()), "add_layernorm_forward_16 x");
-      ASSERT_EQ(rounded(out, t), download<uint16_t>(e16, out.size())) << "add_layernorm_forward_16 " << dtype_name(t);
+      ASSERT_EQ(rounded16(out, t), download<uint16_t>(e16, out.size())) << "add_layernorm_forward_16 " << dtype_name(t);
       expect_same_bits(rstd, download<float>(drstd, N), "add_layernorm_forward_16 rstd");
     }
     {
@@ -176,7 +169,7 @@ TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
       gelu_forward(y.data(), x.data(), n);
       DeviceBuffer dx = upload(x), d16 = filled16(n);
       cuda::gelu_forward_16(d16.data(), t, dx.as<float>(), n, nullptr);
-      ASSERT_EQ(rounded(y, t), download<uint16_t>(d16, y.size())) << "gelu_forward_16 " << dtype_name(t);
+      ASSERT_EQ(rounded16(y, t), download<uint16_t>(d16, y.size())) << "gelu_forward_16 " << dtype_name(t);
     }
     const int64_t N = 203;
     for (int64_t M : {37, 64, 65, 4099}) {
@@ -186,16 +179,16 @@ TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
       bias_backward(db.data(), dy.data(), M, N);
       cuda::bias_backward_16(ddb.as<float>(), d16.data(), t, ddy.as<float>(), M, N, nullptr);
       expect_same_bits(db, download<float>(ddb, db.size()), "bias_backward_16 db");
-      ASSERT_EQ(rounded(dy, t), download<uint16_t>(d16, dy.size())) << "bias_backward_16 " << M;
+      ASSERT_EQ(rounded16(dy, t), download<uint16_t>(d16, dy.size())) << "bias_backward_16 " << M;
 
       gelu_backward(g.data(), x.data(), dy.data(), M * N);
       bias_backward(db2.data(), g.data(), M, N);
       DeviceBuffer dx = upload(x), ddb2 = upload(randn(N, 27)), g16 = filled16(M * N), h16 = filled16(M * N);
       cuda::gelu_backward_bias_16(ddb2.as<float>(), g16.data(), t, dx.as<float>(), ddy.as<float>(), M, N, nullptr);
       expect_same_bits(db2, download<float>(ddb2, db2.size()), "gelu_backward_bias_16 db");
-      ASSERT_EQ(rounded(g, t), download<uint16_t>(g16, g.size())) << "gelu_backward_bias_16 " << M;
+      ASSERT_EQ(rounded16(g, t), download<uint16_t>(g16, g.size())) << "gelu_backward_bias_16 " << M;
       cuda::gelu_backward_bias_16(nullptr, h16.data(), t, dx.as<float>(), ddy.as<float>(), M, N, nullptr);
-      ASSERT_EQ(rounded(g, t), download<uint16_t>(h16, g.size())) << "gelu_backward_bias_16 without db " << M;
+      ASSERT_EQ(rounded16(g, t), download<uint16_t>(h16, g.size())) << "gelu_backward_bias_16 without db " << M;
     }
   }
   DeviceBuffer any(64);

@@ -25,6 +25,8 @@ using zinc::cuda::testing::download;
 using zinc::cuda::testing::upload;
 using zinc::cuda::testing::Param;
 using zinc::cuda::testing::randn;
+using zinc::cuda::testing::filled16;
+using zinc::cuda::testing::rounded16;
 
 void expect_same_bits(const std::vector<float>& cpu, const std::vector<float>& gpu, const std::string& what) {
   ASSERT_EQ(cpu.size(), gpu.size()) << what;
@@ -173,6 +175,52 @@ void rope_tables(int64_t T, int64_t hd, Scaling scaling, std::vector<float>& c, 
 // A fused projection row [q (H heads) | k (Hkv) | v (Hkv)], rotated as the
 // model does: q, k, and q and k together; forward and inverse. head_dim 2
 // and 38 and 10 leave the last lanes of a warp partly idle (h = 1, 19, 5).
+// Note [fused 16-bit operands]: RMSNorm (alone and after the residual) and
+// the gated activations writing the next matmul's 16-bit operand give the
+// CPU kernel's output rounded by convert_f32_to_16, every element written
+// (the buffers start as a pattern no rounding gives).
+TEST(CudaLlama, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
+  ZINC_REQUIRE_GPU();
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    for (int64_t C : {1, 17, 133})
+    for (int64_t N : {29, 2113})
+    for (float off : {0.0f, 1.0f}) {
+      const std::string at = "C=" + std::to_string(C) + " N=" + std::to_string(N) + " " + std::string(dtype_name(t));
+      std::vector<float> x = randn(N * C, 121, 2.0), w = randn(C, 122, 0.5), res = randn(N * C, 123);
+      Param pw(w, DType::kBF16);
+      std::vector<float> out(N * C), rstd(N), sum(N * C);
+      rmsnorm_forward(out.data(), rstd.data(), x.data(), pw.host(), N, C, 1e-6f, off);
+      DeviceBuffer d_x = upload(x), d16 = filled16(N * C), d_rstd(N * 4);
+      cuda::rmsnorm_forward_16(d16.data(), t, d_rstd.as<float>(), d_x.as<float>(), nullptr, pw.dev(), N, C, 1e-6f,
+                               nullptr, off);
+      ASSERT_EQ(rounded16(out, t), download<uint16_t>(d16, out.size())) << "rmsnorm_forward_16 " << at;
+      expect_same_bits(rstd, download<float>(d_rstd, N), "rmsnorm_forward_16 rstd " + at);
+      expect_same_bits(x, download<float>(d_x, x.size()), "rmsnorm_forward_16 leaves x " + at);
+      add(sum.data(), x.data(), res.data(), N * C);
+      rmsnorm_forward(out.data(), rstd.data(), sum.data(), pw.host(), N, C, 1e-6f, off);
+      DeviceBuffer d_res = upload(res), e16 = filled16(N * C);
+      cuda::rmsnorm_forward_16(e16.data(), t, d_rstd.as<float>(), d_x.as<float>(), d_res.as<float>(), pw.dev(), N, C,
+                               1e-6f, nullptr, off);
+      expect_same_bits(sum, download<float>(d_x, sum.size()), "add_rmsnorm_forward_16 x " + at);
+      ASSERT_EQ(rounded16(out, t), download<uint16_t>(e16, out.size())) << "add_rmsnorm_forward_16 " << at;
+      expect_same_bits(rstd, download<float>(d_rstd, N), "add_rmsnorm_forward_16 rstd " + at);
+    }
+    for (int64_t I : {1, 77, 1000})
+    for (int64_t N : {1, 37})
+    for (bool gelu : {false, true}) {
+      std::vector<float> gu = randn(N * 2 * I, 124, 4.0), out(N * I);
+      if (gelu)
+        geglu_forward(out.data(), gu.data(), N, I);
+      else
+        swiglu_forward(out.data(), gu.data(), N, I);
+      DeviceBuffer d_gu = upload(gu), d16 = filled16(N * I);
+      cuda::gated_forward_16(d16.data(), t, d_gu.as<float>(), N, I, gelu, nullptr);
+      ASSERT_EQ(rounded16(out, t), download<uint16_t>(d16, out.size()))
+          << (gelu ? "geglu" : "swiglu") << " I=" << I << " N=" << N << " " << dtype_name(t);
+    }
+  }
+}
+
 TEST(CudaLlama, RopeMatchesTheCpuBits) {
   ZINC_REQUIRE_GPU();
   struct Case {

@@ -9,6 +9,7 @@
 
 #include "core/cuda_util.h"
 #include "core/device.h"
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/kernels.h"
 
@@ -102,5 +103,17 @@ struct Param {
   }
   kernels::CView dev() const { return {d.data(), t}; }
 };
+
+// Note [fused 16-bit operands] (kernels_cuda.h): what a fused kernel must
+// write, v rounded by the CPU's conversion, and a device buffer of n 16-bit
+// values that no rounding gives (so an element left unwritten shows).
+inline std::vector<uint16_t> rounded16(const std::vector<float>& v, DType t) {
+  std::vector<uint16_t> r(v.size());
+  ::zinc::convert_f32_to_16(v.data(), r.data(), v.size(), t);
+  return r;
+}
+inline DeviceBuffer filled16(int64_t n) {
+  return upload(std::vector<uint16_t>(static_cast<size_t>(n), uint16_t{0xFFFF}));  // a NaN pattern
+}
 
 }  // namespace zinc::cuda::testing
