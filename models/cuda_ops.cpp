@@ -371,6 +371,20 @@ class CudaOps final : public Ops {
     kernels::cuda::attention_workspace_destroy(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws));
   }
   void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) override {
+    attention_checks(s, compute);
+    kernels::cuda::attention_forward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), out, qkv, s, compute,
+                                     kStream);
+  }
+  CView attention_forward_input(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute,
+                                Buf& scratch) override {
+    if (!is_16bit(compute)) return Ops::attention_forward_input(ws, out, qkv, s, compute, scratch);
+    attention_checks(s, compute);
+    void* dst = operand16(scratch, s.B * s.T * s.C);
+    kernels::cuda::attention_forward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), out, qkv, s, compute,
+                                     kStream, dst);
+    return CView{dst, compute};
+  }
+  void attention_checks(kernels::AttentionShape s, DType compute) {
     check_positions(s.positions, s.B, s.T, "attention_forward");
     const int64_t head_dim = s.C / s.H;
     if (is_16bit(compute) && head_dim > 128) {
@@ -382,8 +396,6 @@ class CudaOps final : public Ops {
                  "B x heads x T x T fp32 probabilities for backward");
       });
     }
-    kernels::cuda::attention_forward(static_cast<kernels::cuda::CudaAttentionWorkspace*>(ws), out, qkv, s, compute,
-                                     kStream);
   }
   void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv, kernels::AttentionShape s,
                           DType compute) override {

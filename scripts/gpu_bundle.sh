@@ -4,9 +4,12 @@
 # zinc-bench from BUILD (a CUDA build: scripts/setup.sh where nvcc is found),
 # the shared libraries they load that are not part of the C runtime or the
 # CUDA toolkit (oneDNN, Open MPI's libraries, liburing, ...), the configs, the
-# PyTorch peer, and run.sh, which runs all of it with the libraries found
-# beside it; then OUT.tar.xz of it (about 11 MB: the folder is near 60 MB,
-# too close to the 64 MiB a device machine's working tree may carry).
+# PyTorch peer, the DeepSpeed peer with DeepSpeed and its dependencies as
+# wheels (fetched from the package index here, when it answers: the GPU
+# machine reaches none), and run.sh, which runs all of it with the libraries
+# found beside it; then OUT.tar.xz of it (about 33 MB, 17 MB of it the
+# wheels: the folder is near 100 MB, over the 64 MiB a device machine's
+# working tree may carry).
 #   bash scripts/gpu_bundle.sh BUILD OUT      # e.g. build gpu-bundle
 #   tar -xJf OUT.tar.xz && bash OUT/run.sh [RESULTS_DIR]   # on the GPU machine
 # The multi-rank NCCL tests need mpirun and Open MPI's plugins and are left
@@ -34,15 +37,37 @@ done | sort -u | while read -r lib; do
   esac
 done
 cp configs/*.json "$out/configs/"
-cp bench/torch_gpt_peer.py bench/gpu_compare.sh "$out/bench/"
+cp bench/torch_gpt_peer.py bench/gpu_compare.sh bench/deepspeed_gpu_peer.py scripts/install_wheels.py "$out/bench/"
+# DeepSpeed (the version the CPU peers pin, bench/peers/setup.sh) as a wheel
+# built from its source release without its extensions (its CPU Adam is
+# built on the GPU machine, just in time), and its dependencies, the
+# compiled ones for CPython 3.10-3.14 (the GPU machine's Python is unknown
+# here). torch and numpy are the machine's own. Optional: without the
+# index the bundle has no DeepSpeed peer, and run.sh says so.
+ds_wheels() {
+  local w="$1" v
+  mkdir -p "$w"
+  DS_BUILD_OPS=0 python3 -m pip wheel --quiet --no-deps -w "$w" deepspeed==0.19.8 || return 1
+  for v in 3.10 3.11 3.12 3.13 3.14; do
+    python3 -m pip download --quiet --only-binary=:all: --python-version "$v" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$w" \
+      einops hjson msgpack ninja psutil py-cpuinfo 'pydantic>=2' packaging tqdm || return 1
+  done
+}
+if ! ds_wheels "$out/wheels" >"$out/wheels.log" 2>&1; then
+  echo "gpu_bundle: no DeepSpeed peer in the bundle: fetching its wheels failed ($(tail -1 "$out/wheels.log"))" >&2
+  rm -rf "$out/wheels"
+fi
+rm -f "$out/wheels.log"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # zinc's GPU checks on a machine with a GPU: the GPU tests, ZeRO-Offload
-# training runs, and the benchmarks with the PyTorch peer. Results go to
-# stdout and, with a first argument, into that folder. A second argument
-# picks one part (tests, train or bench; default all), so that the parts
-# can go in separate calls where a call's time is limited.
-#   bash run.sh [RESULTS_DIR] [tests|train|bench|all]
+# training runs, the benchmarks with the PyTorch peer, a profile, and the
+# DeepSpeed peer. Results go to stdout and, with a first argument, into
+# that folder. A second argument picks one part (tests, train, bench,
+# profile or deepspeed; default all, in that order), so that the parts can
+# go in separate calls where a call's time is limited.
+#   bash run.sh [RESULTS_DIR] [tests|train|bench|profile|deepspeed|all]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -62,7 +87,7 @@ print(":".join(dirs))' 2>/dev/null || true)"
 [ -n "$pylibs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylibs"
 res="${1:-}"
 part="${2:-all}"
-case "$part" in tests|train|bench|profile|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench, profile or all)" >&2; exit 2 ;; esac
+case "$part" in tests|train|bench|profile|deepspeed|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench, profile, deepspeed or all)" >&2; exit 2 ;; esac
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 [ -n "$res" ] && mkdir -p "$res"
 nvidia-smi -L || true
@@ -127,6 +152,36 @@ else
   echo "== profile: skipped, no nsys (Nsight Systems) on this machine"
 fi
 echo "== profile done at ${SECONDS} s"
+fi
+if want deepspeed; then
+# DeepSpeed's ZeRO-Offload on this GPU (bench/deepspeed_gpu_peer.py), the
+# peer of the offload cases, installed from the bundle's wheels into a
+# private folder (bench/install_wheels.py; nothing of the machine's Python
+# changes). Last, since a machine without a compiler or numpy cannot run
+# it, and its CPU Adam is built first (a minute or two).
+echo "== DeepSpeed peer"
+ds="$(mktemp -d)"
+if [ ! -d "$here/wheels" ]; then
+  echo "deepspeed peer: skipped: the bundle carries no DeepSpeed wheels (scripts/gpu_bundle.sh could not fetch them)"
+elif ! python3 -c 'import torch, numpy' 2>/dev/null; then
+  echo "deepspeed peer: skipped: DeepSpeed needs torch and numpy, and this machine's python3 lacks one of them"
+elif ! command -v c++ >/dev/null; then
+  echo "deepspeed peer: skipped: no C++ compiler (c++) here, which DeepSpeed needs to build its CPU Adam"
+elif ! python3 "$here/bench/install_wheels.py" "$here/wheels" "$ds/site" deepspeed pydantic pydantic-core \
+       annotated-types typing-inspection typing-extensions einops hjson msgpack ninja psutil py-cpuinfo packaging \
+       tqdm >"$ds/install.log" 2>&1; then
+  echo "deepspeed peer: skipped: $(tail -1 "$ds/install.log")"
+else
+  for args in "--large" "--large --stage 3" "--model llama --rounds 3 --steps 2"; do
+    # shellcheck disable=SC2086
+    PYTHONPATH="$ds/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$ds/site/bin:$PATH" TORCH_EXTENSIONS_DIR="$ds/ext" \
+      timeout 420 python3 "$here/bench/deepspeed_gpu_peer.py" --json $args 2>&1 | tee "$ds/out" \
+      || echo "deepspeed peer ($args): failed (above)"
+    [ -n "$res" ] && grep '^{' "$ds/out" >> "$res/deepspeed-peer.jsonl"  # the result lines, without the build's
+  done
+fi
+rm -rf "$ds"
+echo "== deepspeed done at ${SECONDS} s"
 fi
 exit $rc
 RUN

@@ -363,7 +363,10 @@ bool fused_attention_used(int64_t head_dim, DType compute) {
 }
 
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, void* out16) {
+  if (out16 && compute != DType::kBF16 && compute != DType::kF16)
+    throw Error("cuda::attention_forward: a 16-bit output needs bf16 or fp16 compute, got " +
+                std::string(dtype_name(compute)));
   check_shape("cuda::attention_forward", s);
   if (s.B == 0 || s.T == 0) {
     ws->shape = s;
@@ -379,9 +382,11 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
     a.lse = static_cast<float*>(grow(ws->lse, static_cast<size_t>(BH * T) * sizeof(float), stream));
     const size_t out_bytes = static_cast<size_t>(s.B * T * s.C) * sizeof(float);
     a.out = static_cast<float*>(grow(ws->out, out_bytes, stream));
+    a.out16 = static_cast<uint16_t*>(out16);
     flash_attention_forward(a, compute, stream);
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(out, a.out, out_bytes, cudaMemcpyDeviceToDevice, stream),
-                    "attention: copy of the fused output");
+    if (!out16)  // else the kernel wrote what the projection reads
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(out, a.out, out_bytes, cudaMemcpyDeviceToDevice, stream),
+                      "attention: copy of the fused output");
     return;
   }
   check_unfused_heads("cuda::attention_forward", s);
@@ -412,6 +417,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   matmul(yd, f32 ? operand(P, compute) : operand(pc, compute), operand(v, compute), y, stream);
   PermuteOut po{{y, nullptr, nullptr}};
   permute_out(out, s.C, po, 1, s, stream);
+  if (out16) convert_f32_to_16(out, out16, s.B * T * s.C, compute, stream);
 }
 
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,

@@ -348,8 +348,13 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(FlashArgs 
   __syncwarp();
   const int64_t row0 = q0 + warp * 16;
   for (int rr = 0; rr < 16 && row0 + rr < T; ++rr) {
-    float* out = a.out + (b * T + row0 + rr) * a.out_stride + h * a.D;
-    for (int64_t c = lane; c < a.D; c += 32) out[c] = Ow[rr * L::kLdO + c] * inv_l[warp * 16 + rr];
+    const int64_t at = (b * T + row0 + rr) * a.out_stride + h * a.D;
+    float* out = a.out + at;
+    for (int64_t c = lane; c < a.D; c += 32) {
+      const float o = Ow[rr * L::kLdO + c] * inv_l[warp * 16 + rr];
+      out[c] = o;
+      if (a.out16) a.out16[at + c] = float_to_16(o, t16);
+    }
   }
 }
 

@@ -166,8 +166,12 @@ void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot
 class CudaAttentionWorkspace;
 CudaAttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(CudaAttentionWorkspace* ws);
+// out16 (optional, compute bf16 or fp16): the output's 16-bit rounding is
+// also written there, for the projection after attention (Note [fused
+// 16-bit operands]); on the fused path `out` is then not written (may be
+// null) and the kernel writes the rounding itself.
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
-                       cudaStream_t stream);
+                       cudaStream_t stream, void* out16 = nullptr);
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute, cudaStream_t stream);
 // Tests: the unfused path for every later forward (true), or the fused one
@@ -195,6 +199,7 @@ struct FlashArgs {
   int64_t q_stride = 0, kv_stride = 0;
   float* out = nullptr;  // forward writes, backward reads
   int64_t out_stride = 0;
+  uint16_t* out16 = nullptr;  // forward also writes out rounded to `compute` here (same stride), if set
   float* lse = nullptr;  // forward writes, backward reads
   const float* dout = nullptr;
   int64_t dout_stride = 0;

@@ -190,6 +190,14 @@ class Ops {
   virtual void attention_forward(void* ws, float* out, const float* qkv, kernels::AttentionShape s, DType compute) = 0;
   virtual void attention_backward(void* ws, float* dqkv, const float* dout, const float* qkv,
                                   kernels::AttentionShape s, DType compute) = 0;
+  // attention_forward then matmul_input of `out`. Where the returned view
+  // is a 16-bit copy the backend may leave `out` unwritten (the GPU's fused
+  // attention writes the operand itself; Note [fused 16-bit operands]).
+  virtual CView attention_forward_input(void* ws, float* out, const float* qkv, kernels::AttentionShape s,
+                                        DType compute, Buf& scratch) {
+    attention_forward(ws, out, qkv, s, compute);
+    return matmul_input(out, s.B * s.T * s.C, compute, scratch);
+  }
   // Bytes of one attention workspace (what forward keeps for backward).
   virtual int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const {
     return kernels::attention_workspace_bytes(s);

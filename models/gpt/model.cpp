@@ -577,10 +577,11 @@ class Gpt final : public Model {
       seq_.to_heads(*ops_, *pass_ctx_, a.qkv.as<float>(), a.qkv.as<float>(), B, 3, A / seq_size());
       ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(), dt);
       seq_.to_tokens(*ops_, *pass_ctx_, a.att.as<float>(), a.att.as<float>(), B, 1, A / seq_size());
+      a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     } else {
-      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos}, dt);
+      a.att_in = ops_->attention_forward_input(a.ws, a.att.as<float>(), a.qkv.as<float>(), {B, T, A, Hh_, pass_.pos},
+                                               dt, a.att_16);
     }
-    a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     detail::linear_forward(*ops_, a.x_mid.as<float>(), a.att_in, p[kAttnProjW], bias_here ? p[kAttnProjB] : CView{}, N,
                            A, C, dt, packed(p, l, kGptAttnProj, false));
     lora_forward(lp, a, l, kGptAttnProj, a.att_in, a.x_mid.as<float>(), N, dt);

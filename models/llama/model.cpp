@@ -1084,10 +1084,11 @@ class Llama final : public Model {
       seq_.to_heads(*ops_, *pass_ctx_, a.qkv.as<float>(), a.qkv.as<float>(), B, 3, seq_heads_w());
       ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l), dt);
       seq_.to_tokens(*ops_, *pass_ctx_, a.att.as<float>(), a.att.as<float>(), B, 1, seq_heads_w());
+      a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     } else {
-      ops_->attention_forward(a.ws, a.att.as<float>(), a.qkv.as<float>(), attention_shape(l, in_place), dt);
+      a.att_in = ops_->attention_forward_input(a.ws, a.att.as<float>(), a.qkv.as<float>(),
+                                               attention_shape(l, in_place), dt, a.att_16);
     }
-    a.att_in = ops_->matmul_input(a.att.as<float>(), N * A, dt, a.att_16);
     float* x_mid = a.x_mid.as<float>();
     branch_forward(p, x.o_w, x.o_b, x.post_att, a.att_in, A, a.o_out, a.rstd_po, x_mid, N, dt,
                    [&](float* y) { return lora_forward(lp, a, l, kGroupO, a.att_in, y, N, dt); },

@@ -259,6 +259,57 @@ TEST(CudaFlashAttention, TheMultiHeadLayersRunTheFusedKernels) {
   }
 }
 
+// With a 16-bit output (Note [fused 16-bit operands]) attention writes the
+// rounding of the output it would have written, on both paths, and the
+// backward after it is the same; the fused path then leaves the fp32
+// output alone (it starts as 123 here), the unfused one writes both.
+TEST(CudaFlashAttention, TheSixteenBitOutputIsTheOutputRounded) {
+  ZINC_REQUIRE_GPU();
+  const Case c{2, 70, 4, 4, 64};
+  const int64_t N = c.B * c.T, C = c.H * c.D;
+  const auto qkv_h = randn(N * 3 * C, 7400), dout_h = randn(N * C, 7401);
+  const std::vector<int32_t> pos = packed_positions(c.B, c.T);
+  DeviceBuffer qkv = upload(qkv_h), g = upload(dout_h), d_pos = upload(pos);
+  const AttentionShape s = shape(c, d_pos.as<int32_t>());
+  zinc::cuda::Stream stream;
+  for (bool fused : {true, false})
+    for (DType t : {DType::kBF16, DType::kF16}) {
+      cuda::set_unfused_attention_for_testing(!fused);
+      std::vector<float> plain, plain_dqkv;
+      for (bool with16 : {false, true}) {
+        DeviceBuffer out = upload(std::vector<float>(static_cast<size_t>(N * C), 123.0f));
+        DeviceBuffer out16 = zinc::cuda::testing::filled16(N * C), dqkv(static_cast<size_t>(N * 3 * C) * 4);
+        cuda::CudaAttentionWorkspace* ws = cuda::attention_workspace_create();
+        cuda::attention_forward(ws, out.as<float>(), qkv.as<float>(), s, t, stream.get(),
+                                with16 ? out16.data() : nullptr);
+        cuda::attention_backward(ws, dqkv.as<float>(), g.as<float>(), qkv.as<float>(), s, t, stream.get());
+        stream.synchronize();
+        cuda::attention_workspace_destroy(ws);
+        const auto o = download<float>(out, static_cast<size_t>(N * C));
+        const auto d = download<float>(dqkv, static_cast<size_t>(N * 3 * C));
+        if (!with16) {
+          plain = o;
+          plain_dqkv = d;
+          continue;
+        }
+        const std::string at = std::string(fused ? "fused " : "unfused ") + std::string(dtype_name(t));
+        EXPECT_EQ(zinc::cuda::testing::rounded16(plain, t), download<uint16_t>(out16, static_cast<size_t>(N * C)))
+            << at;
+        EXPECT_EQ(plain_dqkv, d) << at;
+        if (fused)
+          EXPECT_EQ(o, std::vector<float>(static_cast<size_t>(N * C), 123.0f)) << at;
+        else
+          EXPECT_EQ(o, plain) << at;
+      }
+    }
+  cuda::set_unfused_attention_for_testing(false);
+  DeviceBuffer any(64);
+  cuda::CudaAttentionWorkspace* ws = cuda::attention_workspace_create();
+  EXPECT_THROW(cuda::attention_forward(ws, nullptr, qkv.as<float>(), s, DType::kF32, stream.get(), any.data()),
+               zinc::Error);
+  cuda::attention_workspace_destroy(ws);
+}
+
 TEST(CudaFlashAttention, BadArgumentsThrow) {
   EXPECT_TRUE(cuda::flash_attention_applies(128, DType::kBF16));
   EXPECT_TRUE(cuda::flash_attention_applies(80, DType::kF16));
