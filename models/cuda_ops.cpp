@@ -159,6 +159,7 @@ class CudaOps final : public Ops {
   // [fused 16-bit operands] in kernels_cuda.h), the same bits as the kernel
   // then matmul_input; the fp32 outputs are not written.
   bool fuses_operand16(DType compute) const override { return is_16bit(compute); }
+  bool fuses_every_operand16(DType compute) const override { return is_16bit(compute); }
   CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N,
                                 int64_t C, DType compute, Buf& scratch) override {
     if (!is_16bit(compute)) return Ops::layernorm_forward_input(out, mean, rstd, x, w, b, N, C, compute, scratch);

@@ -231,7 +231,7 @@ __global__ void attn_softmax_backward_kernel(const float* __restrict__ P, float*
 
 // ---- scratch ------------------------------------------------------------------------------
 
-enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kS, kNumSlots };
+enum Slot { kQ, kK, kV, kDO, kPc, kDS, kDP, kY, kDQ, kDK, kDV, kS, kOut, kNumSlots };
 
 struct Scratch {
   DeviceBuffer bufs[kNumSlots];
@@ -416,8 +416,11 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
   MatmulDesc yd{.batch = BH, .M = T, .N = hs, .K = T, .compute = compute};
   matmul(yd, f32 ? operand(P, compute) : operand(pc, compute), operand(v, compute), y, stream);
   PermuteOut po{{y, nullptr, nullptr}};
-  permute_out(out, s.C, po, 1, s, stream);
-  if (out16) convert_f32_to_16(out, out16, s.B * T * s.C, compute, stream);
+  // With out16 and no `out` (a model that keeps no fp32 copy) the output
+  // goes through this stream's scratch to its rounding.
+  float* dst = out || !out16 ? out : static_cast<float*>(grow(sc.bufs[kOut], n_head * sizeof(float), stream));
+  permute_out(dst, s.C, po, 1, s, stream);
+  if (out16) convert_f32_to_16(dst, out16, s.B * T * s.C, compute, stream);
 }
 
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,

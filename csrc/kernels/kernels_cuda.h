@@ -168,8 +168,9 @@ CudaAttentionWorkspace* attention_workspace_create();
 void attention_workspace_destroy(CudaAttentionWorkspace* ws);
 // out16 (optional, compute bf16 or fp16): the output's 16-bit rounding is
 // also written there, for the projection after attention (Note [fused
-// 16-bit operands]); on the fused path `out` is then not written (may be
-// null) and the kernel writes the rounding itself.
+// 16-bit operands]). `out` may then be null: the fused path never writes
+// it (its kernel writes the rounding itself), the unfused one writes it
+// where given.
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
                        cudaStream_t stream, void* out16 = nullptr);
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,

@@ -222,6 +222,11 @@ class Ops {
   // dtype (they write the 16-bit operand only): then a model need not
   // allocate `out` at all and passes nullptr.
   virtual bool fuses_operand16(DType compute) const { return false; }
+  // Whether every forward form here (the norms, the activations and
+  // attention_forward_input) leaves `out` unwritten for this compute dtype,
+  // so that a model need allocate none of those fp32 buffers (the GPU's
+  // kernels write the 16-bit operands themselves; the CPU's fuse some).
+  virtual bool fuses_every_operand16(DType compute) const { return false; }
   // layernorm_forward then matmul_input of `out`. Where the returned view is
   // a 16-bit copy the backend may leave `out` unwritten (fuses_operand16).
   virtual CView layernorm_forward_input(float* out, float* mean, float* rstd, const float* x, CView w, CView b,

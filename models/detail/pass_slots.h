@@ -46,6 +46,7 @@ struct PassState {
   uint64_t lora_seed = 0;                  // StepContext::dropout_seed of the forward
   int64_t B = 0, T = 0;
   bool fused = false;  // the GPT's bf16 operands fused (Ops::fuses_operand16)
+  int dropped = 0;     // the fp32 buffers left out (a model's own flags; Ops::fuses_every_operand16)
   Range alloc;         // the layers ensure_buffers allocated for
 };
 

@@ -266,7 +266,10 @@ class Gpt final : public Model {
     // Where the Ops fuses the bf16 operands (Ops::fuses_operand16) ln1, ln2,
     // gelu and lnf have no fp32 buffers.
     const bool fused = ops_->fuses_operand16(dt);
-    const int64_t acts = (fused ? 1 : 3) * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * 3 * A) +
+    // Attention's fp32 output neither where the Ops writes its operand only
+    // (Ops::fuses_every_operand16, without sequence ranks).
+    const int64_t att = ops_->fuses_every_operand16(dt) && seq == 1 ? 0 : buffer_bytes(N * A);
+    const int64_t acts = (fused ? 1 : 3) * buffer_bytes(N * C) + att + buffer_bytes(N * 3 * A) +
                          (fused ? 1 : 2) * buffer_bytes(N * F) + 4 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * F, dt) +
@@ -342,7 +345,7 @@ class Gpt final : public Model {
                   std::to_string(c_.block_size));
     const DType dt = ctx.compute_dtype();
     const StageRange sr = stage_range(ctx.pipeline_stage());
-    ensure_buffers(B, T, ops_->fuses_operand16(dt), sr);
+    ensure_buffers(B, T, ops_->fuses_operand16(dt), ops_->fuses_every_operand16(dt) && !sp.split(), sr);
     const int64_t N = B * T;
     pass_.tokens = batch.inputs;
     pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
@@ -674,8 +677,12 @@ class Gpt final : public Model {
   // fused: the Ops writes ln1, ln2, gelu and lnf as bf16 operands only
   // (Ops::fuses_operand16), so their fp32 buffers stay empty.
   // A pipeline stage holds its own layers' activations only.
-  void ensure_buffers(int64_t B, int64_t T, bool fused, const StageRange& sr) {
-    if (B == pass_.B && T == pass_.T && fused == pass_.fused && sr == pass_.alloc) return;
+  // drop_att: attention writes the projection's operand only
+  // (Ops::fuses_every_operand16, without sequence ranks), so a.att stays empty.
+  void ensure_buffers(int64_t B, int64_t T, bool fused, bool drop_att, const StageRange& sr) {
+    if (B == pass_.B && T == pass_.T && fused == pass_.fused && (drop_att ? 1 : 0) == pass_.dropped &&
+        sr == pass_.alloc)
+      return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t A = static_cast<size_t>(A_), F = static_cast<size_t>(F_);
     for (int64_t l = 0; l < c_.n_layer; ++l)
@@ -694,7 +701,7 @@ class Gpt final : public Model {
       a.ln1_mean = ops_->alloc_f32(N);
       a.ln1_rstd = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * A);
-      a.att = ops_->alloc_f32(N * A);
+      a.att = drop_att ? Buf() : ops_->alloc_f32(N * A);
       a.x_mid = ops_->alloc_f32(N * C);
       a.ln2 = fused ? Buf() : ops_->alloc_f32(N * C);
       a.ln2_mean = ops_->alloc_f32(N);
@@ -723,6 +730,7 @@ class Gpt final : public Model {
     pass_.B = B;
     pass_.T = T;
     pass_.fused = fused;
+    pass_.dropped = drop_att ? 1 : 0;
     pass_.alloc = sr;
   }
 

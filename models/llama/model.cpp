@@ -270,8 +270,13 @@ class Llama final : public Model {
     kernels::AttentionShape as{B, T, A / seq, H / seq};
     as.softcap = att_softcap();
     ActivationMemory m;
-    const int64_t acts = 3 * buffer_bytes(N * C) + buffer_bytes(N * 3 * A) + buffer_bytes(N * A) +
-                         buffer_bytes(N * 2 * I) + buffer_bytes(N * I) + 2 * buffer_bytes(N) +
+    // The fp32 buffers the Ops leaves unwritten are not allocated (dropped_buffers).
+    const int dropped = dropped_buffers(dt, seq);
+    auto unless = [&](int flag, int64_t bytes) { return dropped & flag ? int64_t{0} : bytes; };
+    const int64_t acts = unless(kDropLn1, buffer_bytes(N * C)) + buffer_bytes(N * C) +
+                         unless(kDropLn2, buffer_bytes(N * C)) + buffer_bytes(N * 3 * A) +
+                         unless(kDropAtt, buffer_bytes(N * A)) + buffer_bytes(N * 2 * I) +
+                         unless(kDropAct, buffer_bytes(N * I)) + 2 * buffer_bytes(N) +
                          2 * matmul_input_bytes(N * C, dt) + matmul_input_bytes(N * A, dt) +
                          matmul_input_bytes(N * I, dt) + ops_->attention_workspace_bytes(as, dt) +
                          (c_.qk_norm ? buffer_bytes(N * (H + K) * D_) + buffer_bytes(N * (H + K)) : 0) +
@@ -296,7 +301,8 @@ class Llama final : public Model {
     }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
-    m.saved += 5 * buffer_bytes(N * C) + buffer_bytes(N * Q) + buffer_bytes(N * std::max(2 * I, 3 * A)) +
+    m.saved += 4 * buffer_bytes(N * C) + unless(kDropLnf, buffer_bytes(N * C)) + buffer_bytes(N * Q) +
+               buffer_bytes(N * std::max(2 * I, 3 * A)) +
                buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * vocab_share(parts)) : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
@@ -384,9 +390,9 @@ class Llama final : public Model {
       throw Error("llama: sequence length " + std::to_string(whole_T_) + " exceeds max_position_embeddings " +
                   std::to_string(c_.max_position_embeddings));
     const StageRange sr = stage_range(ctx.pipeline_stage());
-    ensure_buffers(B, T, sr);
-    const int64_t N = B * T;
     const DType dt = ctx.compute_dtype();
+    ensure_buffers(B, T, sr, dropped_buffers(dt, sp.split() ? sp.size : 1));
+    const int64_t N = B * T;
     pass_.tokens = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
     pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
     const int32_t* targets = ops_->targets(batch.targets, V, targets_store_);
@@ -435,13 +441,14 @@ class Llama final : public Model {
 
     const int fin = final_block();
     HeldParams nf = ctx.acquire(fin);
-    if (c_.layer_norm)
+    if (c_.layer_norm) {
       ops_->layernorm_forward(lnf_.as<float>(), lnf_mean_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(),
                               nf[0], nf[1], N, C, eps());
-    else
-      ops_->rmsnorm_forward(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nf[0], N, C, eps(),
-                            c_.norm_offset);
-    lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
+      lnf_in_ = ops_->matmul_input(lnf_.as<float>(), N * C, dt, lnf_16_);
+    } else {  // the head's operand written by the norm where the Ops fuses it (lnf_ then unwritten)
+      lnf_in_ = ops_->rmsnorm_forward_input(lnf_.as<float>(), lnf_rstd_.as<float>(), x_final_.as<float>(), nullptr,
+                                            nf[0], N, C, eps(), c_.norm_offset, dt, lnf_16_);
+    }
     if (c_.tie_word_embeddings) {
       nf.release();
       HeldParams emb = ctx.acquire(0);
@@ -1580,11 +1587,30 @@ class Llama final : public Model {
   }
 
   // A pipeline stage holds the activations of its own layers only.
-  void ensure_buffers(int64_t B, int64_t T, const StageRange& sr) {
+  // The fp32 buffers a forward leaves unwritten where the Ops writes the
+  // 16-bit operands only (Ops::fuses_every_operand16): ln_1 and ln_2 where
+  // they are RMSNorms before the branches (a sparse layer's experts read
+  // ln_2's rows), the gated activation, attention's output (sequence ranks
+  // exchange it in fp32) and the final RMSNorm. ensure_buffers allocates
+  // none of them, and activation_bytes counts none.
+  enum : int { kDropLn1 = 1, kDropLn2 = 2, kDropAct = 4, kDropAtt = 8, kDropLnf = 16 };
+  int dropped_buffers(DType dt, int seq) const {
+    if (!ops_->fuses_every_operand16(dt)) return 0;
+    int d = 0;
+    if (c_.pre_norms && !c_.layer_norm) d |= kDropLn1;
+    if (c_.pre_norms && !c_.layer_norm && c_.num_experts == 0) d |= kDropLn2;
+    if (c_.mlp_gated) d |= kDropAct;
+    if (seq == 1) d |= kDropAtt;
+    if (!c_.layer_norm) d |= kDropLnf;
+    return d;
+  }
+
+  void ensure_buffers(int64_t B, int64_t T, const StageRange& sr, int dropped) {
     // The rope tables cover the whole rows (a sequence rank's slice holds
     // positions past its own length).
     if (whole_T_ != rope_T_) build_rope_tables(whole_T_, whole_T_);
-    if (B == pass_.B && T == pass_.T && sr == pass_.alloc) return;
+    if (B == pass_.B && T == pass_.T && sr == pass_.alloc && dropped == pass_.dropped) return;
+    auto f32_unless = [&](int flag, size_t n) { return dropped & flag ? Buf{} : ops_->alloc_f32(n); };
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.hidden_size);
     const size_t I = static_cast<size_t>(I_);
     const size_t A = static_cast<size_t>(H_ * D_), Q = static_cast<size_t>((H_ + 2 * K_) * D_);
@@ -1600,23 +1626,23 @@ class Llama final : public Model {
         a.ws = ws;
         continue;
       }
-      a.ln1 = ops_->alloc_f32(N * C);
+      a.ln1 = f32_unless(kDropLn1, N * C);
       a.rstd1 = ops_->alloc_f32(N);
       a.qkv = ops_->alloc_f32(N * 3 * A);
       if (c_.qk_norm) {
         a.qk_pre = ops_->alloc_f32(N * static_cast<size_t>((H_ + K_) * D_));
         a.rstd_qk = ops_->alloc_f32(N * static_cast<size_t>(H_ + K_));
       }
-      a.att = ops_->alloc_f32(N * A);
+      a.att = f32_unless(kDropAtt, N * A);
       a.x_mid = ops_->alloc_f32(N * C);
-      a.ln2 = ops_->alloc_f32(N * C);
+      a.ln2 = f32_unless(kDropLn2, N * C);
       a.rstd2 = ops_->alloc_f32(N);
       if (c_.layer_norm) {
         a.mean1 = ops_->alloc_f32(N);
         a.mean2 = ops_->alloc_f32(N);
       }
       a.gate_up = ops_->alloc_f32(N * 2 * I);
-      a.act = ops_->alloc_f32(N * I);
+      a.act = f32_unless(kDropAct, N * I);
       if (c_.post_norms) {
         a.o_out = ops_->alloc_f32(N * C);
         a.mlp_out = ops_->alloc_f32(N * C);
@@ -1625,7 +1651,7 @@ class Llama final : public Model {
       }
     }
     x_final_ = ops_->alloc_f32(N * C);
-    lnf_ = ops_->alloc_f32(N * C);
+    lnf_ = f32_unless(kDropLnf, N * C);
     lnf_rstd_ = ops_->alloc_f32(N);
     if (c_.layer_norm) lnf_mean_ = ops_->alloc_f32(N);
     if (c_.parallel_residual) dpar_ = ops_->alloc_f32(N * C);
@@ -1634,7 +1660,7 @@ class Llama final : public Model {
       const size_t Ie = static_cast<size_t>(c_.expert_size()), M = N * k;
       const size_t Mg = static_cast<size_t>(padded_rows(static_cast<int64_t>(N)));  // Note [expert row blocks]
       for (LlamaLayerActs& a : pass_.acts) {
-        if (a.ln1.bytes() == 0) continue;  // another pipeline stage's layer
+        if (a.x_mid.bytes() == 0) continue;  // another pipeline stage's layer
         MoeActs& m = a.moe;
         m.probs = ops_->alloc_f32(N * E);
         m.expert = ops_->alloc(M * sizeof(int32_t));
@@ -1663,7 +1689,7 @@ class Llama final : public Model {
     if (lora()) {
       const size_t r = static_cast<size_t>(c_.lora.r);
       for (LlamaLayerActs& a : pass_.acts)
-        if (a.ln1.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);  // not another stage's layer
+        if (a.x_mid.bytes() > 0) a.lora_u = ops_->alloc_f32(N * kLoraTargets * r);  // not another stage's layer
       lora_scratch_.ensure(*ops_, static_cast<int64_t>(N), c_.lora.r, detail::lora_all_groups(lora_groups_),
                            c_.lora.dropout > 0);
       sink_half_ = std::max<int64_t>(c_.hidden_size, std::max(H_, K_) * D_);
@@ -1672,6 +1698,7 @@ class Llama final : public Model {
     pass_.B = B;
     pass_.T = T;
     pass_.alloc = sr;
+    pass_.dropped = dropped;
   }
 
 

@@ -14,6 +14,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "kernels/kernels_cuda.h"
+#include "models/detail/linear.h"
 #include "models/models.h"
 #include "optim/optim.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -221,7 +222,9 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
   // gradient written by attention's backward), and Gemma 2's variant with
   // its cap and window; against the CPU in bf16 and the GPU's unfused path,
   // which repeats the heads, within the 16-bit tolerance (0.05 nats).
-  for (int variant : {0, 1}) {
+  // Also GPT-NeoX's LayerNorms and a mixture of experts in bf16: the GPU
+  // keeps the fp32 buffers these read (Note [fused 16-bit operands]).
+  for (int variant : {0, 1, 3, 4}) {
     const std::vector<float> cpu = run("cpu", 2, variant, true), gpu = run("cuda", 2, variant, true);
     kernels::cuda::set_unfused_attention_for_testing(true);
     const std::vector<float> unfused = run("cuda", 2, variant, true);
@@ -232,6 +235,63 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
     }
     EXPECT_LT(gpu.back(), gpu.front()) << "bf16 variant " << variant << ": the loss falls";
   }
+}
+
+// Where the GPU's kernels write the 16-bit matmul operands themselves
+// (Ops::fuses_every_operand16) the models allocate none of the fp32
+// buffers those kernels leave unwritten, and count none: the Llama's ln_1,
+// ln_2, gated activation, attention output and final norm, the GPT's
+// attention output. The estimate of the GPU model is the CPU model's less
+// exactly those buffers (fp32 keeps them all); and the runs above train
+// without them.
+TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
+  ZINC_REQUIRE_GPU();
+  using models::detail::buffer_bytes;
+  const int64_t B = 4, T = 32, N = B * T;
+  models::LlamaConfig c;
+  c.vocab_size = 37;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 32;
+  auto llama = [&](Device d) {
+    c.device = d;
+    return models::make_llama(c);
+  };
+  const int64_t A = 64, C = 64, I = 96, L = 3;
+  const auto cpu = llama(Device::kCpu)->activation_memory(B, T, DType::kBF16);
+  const auto gpu = llama(Device::kCuda)->activation_memory(B, T, DType::kBF16);
+  ASSERT_TRUE(cpu && gpu);
+  // Attention's workspaces differ too: the CPU keeps the probabilities, the fused GPU kernels lse and the output.
+  auto ws_delta = [&](int64_t width, int64_t heads) {
+    const kernels::AttentionShape as{B, T, width, heads};
+    return kernels::attention_workspace_bytes(as) - kernels::cuda::attention_workspace_bytes(as, DType::kBF16);
+  };
+  EXPECT_EQ(cpu->saved - gpu->saved, L * (2 * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) +
+                                          ws_delta(A, 4)) +
+                                         buffer_bytes(N * C));
+  EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF32)->saved,
+            llama(Device::kCpu)->activation_memory(B, T, DType::kF32)->saved);
+  models::GptConfig g;
+  g.vocab_size = 29;
+  g.block_size = 32;
+  g.n_layer = 2;
+  g.n_head = 2;
+  g.n_embd = 32;
+  auto gpt = [&](Device d) {
+    g.device = d;
+    return models::make_gpt(g);
+  };
+  const auto gcpu = gpt(Device::kCpu)->activation_memory(B, T, DType::kBF16);
+  const auto ggpu = gpt(Device::kCuda)->activation_memory(B, T, DType::kBF16);
+  ASSERT_TRUE(gcpu && ggpu);
+  // The CPU fuses ln_1, ln_2, GELU and the final norm where it multiplies bf16 natively, the GPU always.
+  const int64_t Cg = 32, F = 4 * Cg;
+  const int64_t cpu_fused = kernels::bf16_operands_native() ? 0 : 2 * (2 * buffer_bytes(N * Cg) + buffer_bytes(N * F)) +
+                                                                      buffer_bytes(N * Cg);
+  EXPECT_EQ(gcpu->saved - ggpu->saved, cpu_fused + 2 * (buffer_bytes(N * Cg) + ws_delta(Cg, 2)));
 }
 
 // Masked targets and packed documents (issue 31) on the GPU path against

@@ -300,6 +300,17 @@ TEST(CudaFlashAttention, TheSixteenBitOutputIsTheOutputRounded) {
           EXPECT_EQ(o, std::vector<float>(static_cast<size_t>(N * C), 123.0f)) << at;
         else
           EXPECT_EQ(o, plain) << at;
+        // And without an fp32 output at all (a model that keeps none).
+        DeviceBuffer alone16 = zinc::cuda::testing::filled16(N * C);
+        ws = cuda::attention_workspace_create();
+        cuda::attention_forward(ws, nullptr, qkv.as<float>(), s, t, stream.get(), alone16.data());
+        cuda::attention_backward(ws, dqkv.as<float>(), g.as<float>(), qkv.as<float>(), s, t, stream.get());
+        stream.synchronize();
+        cuda::attention_workspace_destroy(ws);
+        EXPECT_EQ(download<uint16_t>(out16, static_cast<size_t>(N * C)),
+                  download<uint16_t>(alone16, static_cast<size_t>(N * C)))
+            << at << " without out";
+        EXPECT_EQ(plain_dqkv, download<float>(dqkv, static_cast<size_t>(N * 3 * C))) << at << " without out";
       }
     }
   cuda::set_unfused_attention_for_testing(false);
