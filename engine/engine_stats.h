@@ -13,7 +13,10 @@ struct StepTimings {
   // The GPU path's host update run behind the next forward (Note [the
   // update behind the forward] in engine/gpu_offload.cpp): its seconds on
   // its own thread, and the seconds forward, backward and the other calls
-  // waited for it (inside forward_s, backward_s and the rest). 0 elsewhere.
+  // waited for it (inside forward_s, backward_s and the rest). An update
+  // counts once the engine has settled it (the next backward, a checkpoint,
+  // evaluate, ...), so a window of steps holds the updates of the steps
+  // before each. 0 elsewhere.
   double update_behind_s = 0, update_wait_s = 0;
 };
 

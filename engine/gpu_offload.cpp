@@ -136,6 +136,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "core/device.h"
 #include "core/error.h"
@@ -382,11 +383,11 @@ class GpuOffload final : public DevicePath {
     try {
       behind_job_.wait();
     } catch (...) {
-      count_wait(t0);
+      count_wait(t0, true);
       gpu_->fence_param_reads(false);
       throw;
     }
-    count_wait(t0);
+    count_wait(t0, true);
     gpu_->fence_param_reads(false);
   }
   void update_behind_seconds(double& ran, double& waited) const override {
@@ -629,13 +630,17 @@ class GpuOffload final : public DevicePath {
       std::lock_guard<std::mutex> lock(behind_mu_);
       behind_done_ = true;
       behind_error_ = error;
-      behind_ran_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      behind_last_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     behind_cv_.notify_all();
   }
-  void count_wait(std::chrono::steady_clock::time_point t0) {
+  // The engine's thread. settled: the update has ended and is counted now,
+  // so that update_behind_seconds moves with the engine's calls (the update
+  // of step k in the call that settles it), never with the thread's timing.
+  void count_wait(std::chrono::steady_clock::time_point t0, bool settled = false) {
     std::lock_guard<std::mutex> lock(behind_mu_);
     behind_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (settled) behind_ran_s_ += std::exchange(behind_last_s_, 0.0);
   }
   // The engine's thread: waits until block b's update is done.
   void wait_updated(int b) {
@@ -707,6 +712,7 @@ class GpuOffload final : public DevicePath {
   bool behind_done_ = false;
   std::string behind_error_;
   double behind_ran_s_ = 0, behind_wait_s_ = 0;
+  double behind_last_s_ = 0;  // the last update's seconds, counted when the engine settles it
   std::deque<int> copies_;   // blocks whose gradient copies are in flight, in the order reported
 };
 

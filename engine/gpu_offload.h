@@ -109,7 +109,8 @@ class DevicePath {
   // its error.
   virtual void finish_update_behind() {}
   // Seconds such updates have run, and seconds the engine's thread waited
-  // for them (at an acquire or finish_update_behind), since the start.
+  // for them (at an acquire or finish_update_behind), since the start; an
+  // update's run counts from the finish_update_behind that settles it.
   virtual void update_behind_seconds(double& /*ran*/, double& /*waited*/) const {}
 
   // ---- checkpoints and reads ----
