@@ -15,8 +15,10 @@ what runs is what the bundle carries.
 
   python3 install_wheels.py WHEELS TARGET NAME...    # e.g. deepspeed pydantic pydantic-core ...
 
-Exit status 1, with one line naming the distribution and what was looked
-for, when a name has no wheel this interpreter can load.
+Exit status 1, with one line naming the distribution and what was wrong,
+when a name has no wheel this interpreter can load, or its wheel is not a
+sound zip or holds a member that would land outside TARGET; every wheel is
+found and checked before any is unpacked.
 """
 import os
 import platform
@@ -94,6 +96,23 @@ def choose(wheels, name, **tags):
     return best
 
 
+def check(path):
+    """The wheel's member names, or an error line: not a zip, or a member that would land outside the target."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{os.path.basename(path)} is not a readable wheel ({e})"
+    if bad is not None:
+        return f"{os.path.basename(path)} is damaged: member {bad} fails its CRC check"
+    for n in names:
+        parts = n.split("/")
+        if n.startswith("/") or "\\" in n or ".." in parts or (parts and parts[0].endswith(":")):
+            return f"{os.path.basename(path)} has a member outside the folder it unpacks into: {n}"
+    return None
+
+
 def install(path, target):
     """Unpacks one wheel into target: its .data folders where they belong, scripts for its console entry points."""
     with zipfile.ZipFile(path) as z:
@@ -163,7 +182,12 @@ def main(argv):
                   file=sys.stderr)
             return 1
         chosen.append((name, best))
-    for name, (_, f, ver) in chosen:  # all found before any is unpacked
+    for name, (_, f, ver) in chosen:  # all found and sound before any is unpacked
+        why = check(os.path.join(folder, f))
+        if why:
+            print(f"install_wheels: {name}: {why}", file=sys.stderr)
+            return 1
+    for name, (_, f, ver) in chosen:
         install(os.path.join(folder, f), target)
         print(f"install_wheels: {name} {ver} ({f})")
     return 0

@@ -1171,8 +1171,8 @@ class Llama final : public Model {
       detail::linear_forward(*ops_, m.gu.as<float>() + r0 * 2 * Ie, at(m.xg_in, r0 * C),
                              at(p[x.experts_gu], e * 2 * Ie * C), CView{}, rows, C, 2 * Ie, dt);
     }
-    ops_->swiglu_forward(m.act.as<float>(), m.gu.as<float>(), R, Ie);
-    m.act_in = ops_->matmul_input(m.act.as<float>(), R * Ie, dt, m.act_16);
+    // The experts' down projections' operand, written by SwiGLU where the Ops fuses it.
+    m.act_in = ops_->gated_forward_input(m.act.as<float>(), m.gu.as<float>(), R, Ie, false, dt, m.act_16);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - r0;
       if (rows == 0) continue;

@@ -96,6 +96,34 @@ def test_a_missing_or_unloadable_name_fails_before_anything_is_unpacked(tmp_path
     assert r.returncode == 1 and "is the wheel folder itself" in r.stderr
 
 
+def test_a_damaged_or_escaping_wheel_is_refused_before_anything_is_unpacked(tmp_path):
+    w, t = tmp_path / "w", tmp_path / "t"
+    w.mkdir()
+    make_wheel(w, "good", "1.0", "py3", "none", "any", {"good/__init__.py": ""})
+    make_wheel(w, "escape", "1.0", "py3", "none", "any", {"../../outside.py": "X = 1\n"})
+    r = run(str(w), str(t), "good", "escape")
+    assert r.returncode == 1 and "outside the folder it unpacks into: ../../outside.py" in r.stderr, r.stderr
+    assert not (t / "good").exists() and not (tmp_path / "outside.py").exists()
+    make_wheel(w, "rooted", "1.0", "py3", "none", "any", {"/tmp/rooted.py": "X = 1\n"})
+    r = run(str(w), str(t), "rooted")
+    assert r.returncode == 1 and "outside the folder" in r.stderr
+    # Truncated: the download cut short.
+    path = make_wheel(w, "cut", "1.0", "py3", "none", "any", {"cut/__init__.py": "X = 1\n" * 100})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    r = run(str(w), str(t), "good", "cut")
+    assert r.returncode == 1 and "not a readable wheel" in r.stderr, r.stderr
+    assert not (t / "good").exists()
+    # A flipped byte in a member's data: its CRC no longer matches.
+    path = make_wheel(w, "flip", "1.0", "py3", "none", "any", {"flip/__init__.py": "X = 1\n" * 100})
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"X = 1")
+    data[at] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    r = run(str(w), str(t), "flip")
+    assert r.returncode == 1 and "fails its CRC check" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("plat,libc,ok", [("manylinux_2_17_x86_64", (2, 36), True),
                                           ("manylinux_2_39_x86_64", (2, 36), False),
                                           ("manylinux2014_x86_64", (2, 17), True),
