@@ -10,6 +10,7 @@
 
 #include "core/cuda_util.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "kernels/math.h"
 
 namespace zinc::kernels::cuda::detail {
@@ -26,6 +27,13 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
 inline void check_launch(const char* kernel) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) ::zinc::cuda::throw_cuda_error(e, (std::string("launch of ") + kernel).c_str(), __FILE__, __LINE__);
+}
+
+// The 16-bit operand dtype of the fused forms (Note [fused 16-bit operands]
+// in kernels_cuda.h): throws zinc::Error naming `fn` for anything else.
+inline void check_operand16(DType t, const char* fn) {
+  if (t != DType::kBF16 && t != DType::kF16)
+    throw Error(std::string(fn) + ": the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
 }
 
 // One element of a parameter in its storage dtype, widened exactly.

@@ -373,10 +373,6 @@ __global__ void cross_entropy_part_finish_kernel(const int32_t* targets, int64_t
   }
 }
 
-void check_16(DType t, const char* fn) {
-  if (t != DType::kBF16 && t != DType::kF16)
-    throw Error(std::string(fn) + ": the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
-}
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 unsigned column_blocks(int64_t C) { return static_cast<unsigned>((C + 127) / 128); }
 unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1) / kSumCols); }
@@ -397,7 +393,7 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStre
 }
 
 void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
-  check_16(t, "cuda::bias_backward_16");
+  detail::check_operand16(t, "cuda::bias_backward_16");
   if (M <= 0 || N <= 0) return;
   bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(
       dbias, dy, nullptr, static_cast<uint16_t*>(dy16), t, M, N);
@@ -406,7 +402,7 @@ void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_
 
 void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,
                            int64_t N, cudaStream_t stream) {
-  check_16(t, "cuda::gelu_backward_bias_16");
+  detail::check_operand16(t, "cuda::gelu_backward_bias_16");
   if (M <= 0 || N <= 0) return;
   if (!dbias) {  // no column sums: the elementwise pass
     gelu_backward_16_kernel<<<detail::blocks_for(M * N), detail::kThreads, 0, stream>>>(
@@ -431,7 +427,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CVi
 
 void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float* x, const float* residual, CView w,
                           CView b, int64_t N, int64_t C, cudaStream_t stream, float eps) {
-  check_16(t, "cuda::layernorm_forward_16");
+  detail::check_operand16(t, "cuda::layernorm_forward_16");
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::layernorm_forward_16: C must be > 0, got " + std::to_string(C));
   layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(nullptr, static_cast<uint16_t*>(out16), t, mean,
@@ -468,7 +464,7 @@ void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
 }
 
 void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream_t stream) {
-  check_16(t, "cuda::gelu_forward_16");
+  detail::check_operand16(t, "cuda::gelu_forward_16");
   if (n <= 0) return;
   gelu_forward_16_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(static_cast<uint16_t*>(out16), t, x,
                                                                                  n);

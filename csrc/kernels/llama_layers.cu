@@ -227,8 +227,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N
 
 void rmsnorm_forward_16(void* out16, DType t, float* rstd, float* x, const float* residual, CView w, int64_t N,
                         int64_t C, float eps, cudaStream_t stream, float w_offset) {
-  if (t != DType::kBF16 && t != DType::kF16)
-    throw Error("cuda::rmsnorm_forward_16: the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
+  detail::check_operand16(t, "cuda::rmsnorm_forward_16");
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward_16: C must be > 0, got " + std::to_string(C));
   rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(nullptr, static_cast<uint16_t*>(out16), t, rstd,
@@ -263,8 +262,7 @@ void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cuda
 
 void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int64_t I, bool gelu,
                       cudaStream_t stream) {
-  if (t != DType::kBF16 && t != DType::kF16)
-    throw Error("cuda::gated_forward_16: the operand dtype must be bf16 or fp16, got " + std::string(dtype_name(t)));
+  detail::check_operand16(t, "cuda::gated_forward_16");
   if (N <= 0 || I <= 0) return;
   gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(
       nullptr, static_cast<uint16_t*>(out16), t, gate_up, N, I, gelu);

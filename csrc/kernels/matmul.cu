@@ -409,6 +409,12 @@ const void* as_compute(CView v, DType compute, int64_t n, DeviceBuffer& buf, cud
 
 bool fits_int(int64_t v) { return v <= std::numeric_limits<int>::max(); }
 
+// Whether d's bias may go in cuBLASLt's epilogue (Note [the bias in the
+// GEMM's epilogue]); the shape's plan decides the rest.
+bool epilogue_applies(const MatmulDesc& d) {
+  return d.bias && !d.accumulate && d.batch == 1 && d.alpha == 1.0f && bias_in_epilogue();
+}
+
 }  // namespace
 
 std::string cublas_library() { return cublas().lib.name(); }
@@ -416,8 +422,7 @@ std::string cublas_library() { return cublas().lib.name(); }
 void set_separate_bias_for_testing(bool separate) { separate_bias_override.store(separate ? 1 : 0); }
 
 bool matmul_bias_in_epilogue(const MatmulDesc& d) {
-  if (!(d.bias && !d.accumulate && d.batch == 1 && d.alpha == 1.0f && d.M > 0 && d.N > 0 && d.K > 0 &&
-        fits_int(d.M) && fits_int(d.N) && fits_int(d.K) && bias_in_epilogue()))
+  if (!epilogue_applies(d) || d.M <= 0 || d.N <= 0 || d.K <= 0 || !fits_int(d.M) || !fits_int(d.N) || !fits_int(d.K))
     return false;
   return device_state().lt_plan(d) != nullptr;
 }
@@ -446,7 +451,7 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   const cudaDataType t = cuda_type(d.compute);
   const float alpha = d.alpha, beta = d.accumulate ? 1.0f : 0.0f;
   // Note [the bias in the GEMM's epilogue]
-  if (d.bias && !d.accumulate && d.batch == 1 && bias_in_epilogue())
+  if (epilogue_applies(d))
     if (LtPlan* p = st.lt_plan(d)) {
       void* bias32 = grow(sc.bias, static_cast<size_t>(d.N) * sizeof(float), stream);
       matmul_convert_operand_kernel<<<detail::blocks_for(d.N), detail::kThreads, 0, stream>>>(
