@@ -34,6 +34,7 @@ struct BenchOptions {
   int stage = 2;       // gpu-train-step: ZeRO stage (3: the parameters in page-locked RAM, one block gathered at a time)
   bool resident = false;  // gpu-train-step: optimizer states on the GPU (the step without PCIe or the CPU optimizer)
   double ratio = 1.0;     // gpu-train-step: offload_optimizer.ratio (below 1: a share of the states on the GPU)
+  bool profile = false;   // gpu-train-step: one more round with the GPU profile (kernels/gpu_profile.h)
   std::string model = "gpt";  // train-step: "gpt" (the reference GPT), "llama" (a ~107M Llama, GQA 4:1, seq 512) or "qwen3" (its sizes as a Qwen3)
   bool wide = false;  // train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence
   std::string pretrained;  // capacity: a Hugging Face folder to load and train under the cap instead of the GPT

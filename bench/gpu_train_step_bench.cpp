@@ -26,6 +26,13 @@
 // waited for (inside forward_s and backward_s). ZINC_GPU_UPDATE_BEHIND=0
 // runs it in place, to compare.
 //
+// --profile adds one round with the GPU profile on (Note [the GPU profile]
+// in csrc/kernels/gpu_profile.cu), kept out of the figures: per step, the
+// GPU's time by kind of kernel call, the main stream's time outside the
+// calls (the engine's copies and waits, and the GPU idle waiting for the
+// host) and the host's time inside them. It stands in for Nsight Systems,
+// which the GPU machines this project is lent do not run.
+//
 // Ran on an H100 (2026-11-25) and an H200 (2026-11-28): bench/RESULTS.md.
 // forward_s and backward_s are host clocks around asynchronous GPU work, so
 // the split between them is not the GPU's; step_s and the ratio are.
@@ -38,10 +45,72 @@
 #include "bench/benches.h"
 #include "core/cuda_util.h"
 #include "core/device.h"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 #include "tools/experiment.h"
 
 namespace zinc::bench {
+
+namespace {
+
+// One more round of `steps` steps with the GPU profile on: its figures go
+// into line["gpu_profile"] (seconds a step) and the returned text.
+std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohmann::json& line) {
+  namespace kc = kernels::cuda;
+  ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "gpu-train-step: before the profiled round");
+  kc::gpu_profile_reset();
+  kc::gpu_profile_enable(true);
+  const double t0 = now_s();
+  for (int s = 0; s < steps; ++s) engine.train_batch(loader);
+  ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "gpu-train-step: the profiled round");
+  const double step = (now_s() - t0) / steps;
+  kc::gpu_profile_enable(false);
+  const kc::GpuProfileTotals t = kc::gpu_profile_read();
+  kc::gpu_profile_reset();
+  nlohmann::json kinds = nlohmann::json::object();
+  std::string by_kind, by_host;
+  double host = 0;
+  char part[160];
+  for (int i = 0; i < kernels::kNumOps; ++i) {
+    if (t.calls[i] == 0) continue;
+    const char* name = kernels::op_name(static_cast<kernels::Op>(i));
+    const double g = t.gpu_s[i] / steps, h = t.host_s[i] / steps;
+    kinds[name] = {{"gpu_s", g}, {"host_s", h}, {"calls", static_cast<double>(t.calls[i]) / steps}};
+    host += h;
+    std::snprintf(part, sizeof part, "%s%s %.1f ms (%.0f%%)", by_kind.empty() ? "" : " | ", name, 1e3 * g,
+                  100 * g / step);
+    by_kind += part;
+  }
+  nlohmann::json streams = nlohmann::json::array();
+  for (const kc::GpuStreamProfile& sp : t.streams)
+    streams.push_back({{"events", sp.events},
+                       {"span_s", sp.span_s / steps},
+                       {"calls_s", sp.scoped_s / steps},
+                       {"outside_s", sp.outside_s / steps}});
+  line["gpu_profile"] = {{"step_s", step}, {"kinds", kinds}, {"streams", streams}, {"host_in_calls_s", host}};
+  std::string text = "\n  profile (one more round, " + std::to_string(steps) + (steps == 1 ? " step" : " steps") +
+                     ", events around each kernel call";
+  std::snprintf(part, sizeof part, "; %.3f s a step profiled):\n    GPU time a step by kind: ", step);
+  text += part + by_kind;
+  if (!t.streams.empty()) {
+    const kc::GpuStreamProfile& main = t.streams.front();
+    std::snprintf(part, sizeof part,
+                  "\n    main stream: %.1f ms in the calls (%.0f%% of the step), %.1f ms between them (%.0f%%: the "
+                  "engine's copies and waits, the GPU idle)",
+                  1e3 * main.scoped_s / steps, 100 * main.scoped_s / steps / step, 1e3 * main.outside_s / steps,
+                  100 * main.outside_s / steps / step);
+    text += part;
+    for (size_t k = 1; k < t.streams.size(); ++k) {
+      std::snprintf(part, sizeof part, "\n    another stream: %.1f ms in the calls", 1e3 * t.streams[k].scoped_s / steps);
+      text += part;
+    }
+  }
+  std::snprintf(part, sizeof part, "\n    host time inside the calls (launching them): %.1f ms a step (%.0f%%)",
+                1e3 * host, 100 * host / step);
+  return text + part;
+}
+
+}  // namespace
 
 int bench_gpu_train_step(const BenchOptions& o) {
   const CudaStatus& st = cuda_status();
@@ -227,6 +296,7 @@ int bench_gpu_train_step(const BenchOptions& o) {
                   100 * prefetched, 100 * waited);
     text += buf;
   }
+  if (o.profile) text += profile_round(engine, loader, o.steps, line);
   emit(o.json, line, text);
   return 0;
 }

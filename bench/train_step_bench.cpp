@@ -278,7 +278,9 @@ int bench_train_step(const BenchOptions& o) {
     std::string text;
     for (int i = 0; i < zinc::kernels::kNumOps; ++i) {
       double per_step = prof.seconds[i] / steps;
-      if (static_cast<zinc::kernels::Op>(i) == zinc::kernels::Op::kVector) continue;  // folded into "other"
+      const auto op = static_cast<zinc::kernels::Op>(i);
+      if (op == zinc::kernels::Op::kVector) continue;  // folded into "other"
+      if (op == zinc::kernels::Op::kConvert || op == zinc::kernels::Op::kAdamW) continue;  // the GPU's alone
       breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
       accounted += per_step;
       char part[96];

@@ -100,6 +100,9 @@ int main(int argc, char** argv) {
                  "gpu-train-step: zero_optimization.offload_optimizer.ratio, the offloaded share of the optimizer "
                  "states (below 1: the first blocks' states on the GPU)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_flag("--profile", o.profile,
+               "gpu-train-step: one more round with the GPU profile on (CUDA events around each kernel call, kept "
+               "out of the figures): the GPU's time a step by kind of kernel, the time between calls, the host's");
   app.add_option("--pretrained", o.pretrained,
                  "capacity: load this Hugging Face folder (model.from_pretrained) at stage 3 on NVMe under --cap-mib "
                  "and train 2 steps, instead of the GPT");

@@ -11,7 +11,7 @@
 # wheels: the folder is near 100 MB, over the 64 MiB a device machine's
 # working tree may carry).
 #   bash scripts/gpu_bundle.sh BUILD OUT      # e.g. build gpu-bundle
-#   tar -xJf OUT.tar.xz && bash OUT/run.sh [RESULTS_DIR]   # on the GPU machine
+#   tar -xJf OUT.tar.xz && bash OUT/run.sh [RESULTS_DIR] [PART]   # on the GPU machine
 # The multi-rank NCCL tests need mpirun and Open MPI's plugins and are left
 # out; nccl_test np 1 runs (MPI as a singleton).
 set -euo pipefail
@@ -61,17 +61,23 @@ fi
 rm -f "$out/wheels.log"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# zinc's GPU checks on a machine with a GPU: the GPU tests, ZeRO-Offload
-# training runs, the benchmarks with the PyTorch peer, a profile, and the
-# DeepSpeed peer. Results go to stdout and, with a first argument, into
-# that folder. A second argument picks one part (tests, train, bench,
-# profile or deepspeed; default all, in that order), so that the parts can
-# go in separate calls where a call's time is limited.
-#   bash run.sh [RESULTS_DIR] [tests|train|bench|profile|deepspeed|all]
+# zinc's GPU checks on a machine with a GPU: the GPU tests, the benchmarks
+# with the PyTorch peer (the acceptance cases first), the training runs,
+# the DeepSpeed peer and, where Nsight Systems runs, a profile. Results go
+# to stdout and, with a first argument, into that folder: run.log (all of
+# stdout), gpu-train-step.jsonl, torch-peer.jsonl, deepspeed-peer.jsonl and
+# gpu-step-profile.txt, five files at most. A second argument picks parts,
+# comma-separated (tests, bench, train, deepspeed, profile; default all),
+# which run in that order.
+#   bash run.sh [RESULTS_DIR] [PART[,PART...]|all]
+# ZINC_BUNDLE_BUDGET_S=N: no item starts once N seconds have passed, and
+# each is cut at what is left, so that a call with a time limit ends inside
+# it with what it measured (and says what it skipped).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+export PYTHONUNBUFFERED=1
 export ZINC_EXPECT_GPU=1  # a GPU test that finds no GPU fails here instead of skipping
 [ -d /usr/local/cuda/lib64 ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"  # cuBLAS, NCCL
 # Where the toolkit has no cuBLAS or NCCL, the Python packages' copies
@@ -87,78 +93,103 @@ print(":".join(dirs))' 2>/dev/null || true)"
 [ -n "$pylibs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylibs"
 res="${1:-}"
 part="${2:-all}"
-case "$part" in tests|train|bench|profile|deepspeed|all) ;; *) echo "run.sh: unknown part '$part' (tests, train, bench, profile, deepspeed or all)" >&2; exit 2 ;; esac
-want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
-[ -n "$res" ] && mkdir -p "$res"
+for p in ${part//,/ }; do
+  case "$p" in tests|train|bench|profile|deepspeed|all) ;; *) echo "run.sh: unknown part '$p' (tests, bench, train, deepspeed, profile or all)" >&2; exit 2 ;; esac
+done
+budget="${ZINC_BUNDLE_BUDGET_S:-0}"
+case "$budget" in ''|*[!0-9]*) echo "run.sh: ZINC_BUNDLE_BUDGET_S must be whole seconds, got '$budget'" >&2; exit 2 ;; esac
+want() { [[ ",$part," == *",all,"* || ",$part," == *",$1,"* ]]; }
+if [ -n "$res" ]; then
+  mkdir -p "$res" || exit 1
+  exec > >(tee -a "$res/run.log") 2>&1
+fi
 nvidia-smi -L || true
 rc=0
+skips="$(mktemp)"  # a line per item skipped (items run in pipelines, so no counter variable)
+trap 'rm -f "$skips"' EXIT
 SECONDS=0
+# item LIMIT_S CMD...: CMD under `timeout`, at most LIMIT_S seconds and at
+# most what the budget has left; not started once it is spent.
+item() {
+  local limit=$1 status
+  shift
+  if [ "$budget" -gt 0 ]; then
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt 15 ]; then
+      echo "skipped, the ${budget} s budget is spent: $*"
+      echo "$*" >>"$skips"
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  timeout "$limit" "$@"
+  status=$?
+  [ "$status" -eq 124 ] && echo "cut at ${limit} s: $*"
+  return "$status"
+}
+zinc_bench() {  # zinc_bench LIMIT_S [VAR=VALUE...] ARGS...: a gpu-train-step line
+  local limit=$1
+  shift
+  local envs=()
+  while [ $# -gt 0 ] && [[ "$1" == *=* ]]; do envs+=("$1"); shift; done
+  echo "== zinc gpu-train-step ${envs[*]} $*"
+  item "$limit" env "${envs[@]}" "$here/bin/zinc-bench" gpu-train-step --json "$@" \
+    | tee -a ${res:+"$res/gpu-train-step.jsonl"} || rc=1
+}
+torch_peer() {  # torch_peer LIMIT_S ARGS...: a PyTorch peer line
+  local limit=$1
+  shift
+  echo "== PyTorch peer $*"
+  item "$limit" python3 "$here/bench/torch_gpt_peer.py" --json "$@" | tee -a ${res:+"$res/torch-peer.jsonl"} || rc=1
+}
 if want tests; then
 for t in cuda_kernels_test cuda_optim_test cuda_engine_test; do
   echo "== $t"
-  "$here/bin/$t" ${res:+--gtest_output=xml:$res/$t.xml} || rc=1
+  item 300 "$here/bin/$t" || rc=1
 done
-if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; "$here/bin/nccl_test" || rc=1; fi
+if [ -x "$here/bin/nccl_test" ]; then echo "== nccl_test (1 rank)"; item 120 "$here/bin/nccl_test" || rc=1; fi
 echo "== tests done at ${SECONDS} s"
+fi
+if want bench; then
+# The acceptance cases first (issue 53: GPU-resident against PyTorch's
+# fused AdamW, ZeRO-Offload against PyTorch's CPU-AdamW loop and against
+# zinc's resident step, stage 3 against stage 2), the 355M GPT and then the
+# ~1B Llama (TinyLlama 1.1B's shape, fewer rounds: its steps are longer);
+# the GPU profile on in zinc's (one more round, outside the figures).
+zinc_bench 200 --large --resident --profile
+torch_peer 200 --large
+zinc_bench 200 --large --profile
+torch_peer 200 --large --offload
+zinc_bench 200 --large --stage 3 --profile
+zinc_bench 300 --model llama --resident --rounds 3 --steps 2 --profile
+torch_peer 300 --model llama --rounds 3 --steps 2
+zinc_bench 300 --model llama --rounds 3 --steps 2 --profile
+torch_peer 300 --model llama --offload --rounds 3 --steps 2
+zinc_bench 300 --model llama --stage 3 --rounds 3 --steps 2
+# Then the variants: half the states on the GPU, the update in place, the
+# bias in a separate pass, and the small reference GPT.
+zinc_bench 200 --large --ratio 0.5
+zinc_bench 300 --model llama --ratio 0.5 --rounds 3 --steps 2
+zinc_bench 200 ZINC_GPU_UPDATE_BEHIND=0 --large
+zinc_bench 200 ZINC_CUDA_MATMUL_BIAS=separate --large --resident
+zinc_bench 120
+torch_peer 120 --offload
+echo "== benchmarks done at ${SECONDS} s"
 fi
 if want train; then
 echo "== zinc-train, ZeRO-Offload on the GPU"
-"$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
+item 180 "$here/bin/zinc-train" "$here/configs/default.json" --set device=cuda \
   --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu --set run.steps=200 || rc=1
 echo "== zinc-train, stage 3 on the GPU (parameters in page-locked RAM)"
-"$here/bin/zinc-train" "$here/configs/zero3_offload.json" --set device=cuda --set run.steps=100 || rc=1
+item 180 "$here/bin/zinc-train" "$here/configs/zero3_offload.json" --set device=cuda --set run.steps=100 || rc=1
 echo "== training runs done at ${SECONDS} s"
-fi
-if want bench; then
-echo "== benchmarks"
-ZINC_BENCH="$here/bin/zinc-bench"
-"$ZINC_BENCH" gpu-train-step --json | tee ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
-ZINC_GPU_UPDATE_BEHIND=0 "$ZINC_BENCH" gpu-train-step --json --large | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --large --ratio 0.5 | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
-ZINC_CUDA_MATMUL_BIAS=separate "$ZINC_BENCH" gpu-train-step --json --large --resident | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --large --stage 3 | tee -a ${res:+$res/gpu-train-step.jsonl}
-# The ~1B Llama (TinyLlama 1.1B's shape), fewer rounds: its steps are longer.
-"$ZINC_BENCH" gpu-train-step --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --model llama --ratio 0.5 --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --model llama --resident --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
-"$ZINC_BENCH" gpu-train-step --json --model llama --stage 3 --rounds 3 --steps 2 | tee -a ${res:+$res/gpu-train-step.jsonl}
-python3 "$here/bench/torch_gpt_peer.py" --json --offload | tee ${res:+$res/torch-peer.jsonl}
-python3 "$here/bench/torch_gpt_peer.py" --json --large --offload | tee -a ${res:+$res/torch-peer.jsonl}
-python3 "$here/bench/torch_gpt_peer.py" --json --large | tee -a ${res:+$res/torch-peer.jsonl}
-python3 "$here/bench/torch_gpt_peer.py" --json --model llama --offload --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
-python3 "$here/bench/torch_gpt_peer.py" --json --model llama --rounds 3 --steps 2 | tee -a ${res:+$res/torch-peer.jsonl}
-echo "== benchmarks done at ${SECONDS} s"
-fi
-if want profile; then
-# Where the host launches and waits in a step: the offloaded step of the
-# large GPT under Nsight Systems, where the machine has it (the CUDA
-# toolkit's nsys); the summaries of CUDA API calls (the host's time in
-# launches and synchronisations), kernels and copies go to RESULTS_DIR.
-nsys_bin="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
-if [ -n "$nsys_bin" ]; then
-  echo "== profile: two offloaded steps of the large GPT under $nsys_bin"
-  prof="$(mktemp -d)"
-  if timeout 240 "$nsys_bin" profile -t cuda,osrt -o "$prof/step" --force-overwrite true \
-       "$here/bin/zinc-bench" gpu-train-step --large --rounds 1 --steps 2 >/dev/null; then
-    timeout 120 "$nsys_bin" stats -q -r cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum "$prof/step.nsys-rep" \
-      | tee ${res:+$res/gpu-step-profile.txt} || rc=1
-  else
-    echo "profile: nsys did not finish" && rc=1
-  fi
-  rm -rf "$prof"
-else
-  echo "== profile: skipped, no nsys (Nsight Systems) on this machine"
-fi
-echo "== profile done at ${SECONDS} s"
 fi
 if want deepspeed; then
 # DeepSpeed's ZeRO-Offload on this GPU (bench/deepspeed_gpu_peer.py), the
 # peer of the offload cases, installed from the bundle's wheels into a
 # private folder (bench/install_wheels.py; nothing of the machine's Python
-# changes). Last, since a machine without a compiler or numpy cannot run
-# it, and its CPU Adam is built first (a minute or two).
+# changes). Its CPU Adam is built first (a minute or two), so its first run
+# takes longer.
 echo "== DeepSpeed peer"
 ds="$(mktemp -d)"
 if [ ! -d "$here/wheels" ]; then
@@ -172,10 +203,11 @@ elif ! python3 "$here/bench/install_wheels.py" "$here/wheels" "$ds/site" deepspe
        tqdm >"$ds/install.log" 2>&1; then
   echo "deepspeed peer: skipped: $(tail -1 "$ds/install.log")"
 else
-  for args in "--large" "--large --stage 3" "--model llama --rounds 3 --steps 2"; do
+  for args in "--large" "--model llama --rounds 3 --steps 2" "--large --stage 3"; do
+    echo "== DeepSpeed peer $args"
     # shellcheck disable=SC2086
     PYTHONPATH="$ds/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$ds/site/bin:$PATH" TORCH_EXTENSIONS_DIR="$ds/ext" \
-      timeout 420 python3 "$here/bench/deepspeed_gpu_peer.py" --json $args 2>&1 | tee "$ds/out" \
+      item 420 python3 "$here/bench/deepspeed_gpu_peer.py" --json $args 2>&1 | tee "$ds/out" \
       || echo "deepspeed peer ($args): failed (above)"
     [ -n "$res" ] && grep '^{' "$ds/out" >> "$res/deepspeed-peer.jsonl"  # the result lines, without the build's
   done
@@ -183,6 +215,30 @@ fi
 rm -rf "$ds"
 echo "== deepspeed done at ${SECONDS} s"
 fi
+if want profile; then
+# Nsight Systems, where the machine runs it: the host's time in CUDA calls,
+# the kernels and the copies of two offloaded steps of the large GPT. The
+# bench lines' --profile (CUDA events, Note [the GPU profile]) need no
+# such tool.
+nsys_bin="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
+if [ -n "$nsys_bin" ]; then
+  echo "== profile: two offloaded steps of the large GPT under $nsys_bin"
+  prof="$(mktemp -d)"
+  if item 240 "$nsys_bin" profile -t cuda,osrt -o "$prof/step" --force-overwrite true \
+       "$here/bin/zinc-bench" gpu-train-step --large --rounds 1 --steps 2 >/dev/null; then
+    item 120 "$nsys_bin" stats -q -r cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum "$prof/step.nsys-rep" \
+      | tee ${res:+"$res/gpu-step-profile.txt"} || rc=1
+  else
+    echo "profile: nsys did not finish"
+  fi
+  rm -rf "$prof"
+else
+  echo "== profile: skipped, no nsys (Nsight Systems) on this machine"
+fi
+echo "== profile done at ${SECONDS} s"
+fi
+[ -s "$skips" ] && echo "run.sh: $(wc -l <"$skips") item(s) skipped for the time budget"
+echo "run.sh: done at ${SECONDS} s, status $rc"
 exit $rc
 RUN
 chmod +x "$out/run.sh"

@@ -43,6 +43,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_cuda.h"
 #include "kernels/math.h"
@@ -364,6 +365,7 @@ bool fused_attention_used(int64_t head_dim, DType compute) {
 
 void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv, AttentionShape s, DType compute,
                        cudaStream_t stream, void* out16) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   if (out16 && compute != DType::kBF16 && compute != DType::kF16)
     throw Error("cuda::attention_forward: a 16-bit output needs bf16 or fp16 compute, got " +
                 std::string(dtype_name(compute)));
@@ -425,6 +427,7 @@ void attention_forward(CudaAttentionWorkspace* ws, float* out, const float* qkv,
 
 void attention_backward(CudaAttentionWorkspace* ws, float* dqkv, const float* dout, const float* qkv,
                         AttentionShape s, DType compute, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   check_shape("cuda::attention_backward", s);
   if (!ws->has_forward || ws->shape.B != s.B || ws->shape.T != s.T || ws->shape.C != s.C || ws->shape.H != s.H ||
       ws->shape.kv() != s.kv()) {

@@ -1,6 +1,7 @@
 // bf16 / fp16 <-> fp32 on the GPU with core/dtype.h's scalar conversions
 // (ZINC_HD), so the bits are those of the CPU's bulk conversions.
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 
 namespace zinc::kernels::cuda {
@@ -19,6 +20,7 @@ __global__ void from_16_kernel(const uint16_t* src, float* dst, int64_t n, DType
 }  // namespace
 
 void convert_f32_to_16(const float* src, void* dst, int64_t n, DType t, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kConvert, stream);
   if (n <= 0) return;
   if (t == DType::kF32) {
     ZINC_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream),
@@ -30,6 +32,7 @@ void convert_f32_to_16(const float* src, void* dst, int64_t n, DType t, cudaStre
 }
 
 void convert_16_to_f32(const void* src, float* dst, int64_t n, DType t, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kConvert, stream);
   if (n <= 0) return;
   if (t == DType::kF32) {
     ZINC_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream),

@@ -62,6 +62,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_cuda.h"
 #include "kernels/math.h"
@@ -576,6 +577,7 @@ bool flash_attention_applies(int64_t head_dim, DType compute) {
 }
 
 void flash_attention_forward(const FlashArgs& a, DType compute, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   check_args("cuda::flash_attention_forward", a, compute);
   if (a.B == 0 || a.T == 0) return;
   switch (padded(a.D)) {
@@ -587,6 +589,7 @@ void flash_attention_forward(const FlashArgs& a, DType compute, cudaStream_t str
 }
 
 void flash_attention_backward(const FlashArgs& a, DType compute, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   check_args("cuda::flash_attention_backward", a, compute);
   if (a.B == 0 || a.T == 0) return;
   const int64_t rows = a.B * a.T * a.H;

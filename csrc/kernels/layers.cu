@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 
 namespace zinc::kernels::cuda {
@@ -380,12 +381,14 @@ unsigned sum_blocks(int64_t C) { return static_cast<unsigned>((C + kSumCols - 1)
 }  // namespace
 
 void add_bias(float* y, CView bias, int64_t M, int64_t N, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kBias, stream);
   if (M <= 0 || N <= 0) return;
   add_bias_kernel<<<detail::blocks_for(M * N), detail::kThreads, 0, stream>>>(y, bias.data, bias.dtype, M, N);
   detail::check_launch("add_bias");
 }
 
 void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kBias, stream);
   if (M <= 0 || N <= 0) return;
   bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(dbias, dy, nullptr, nullptr,
                                                                                  DType::kF32, M, N);
@@ -393,6 +396,7 @@ void bias_backward(float* dbias, const float* dy, int64_t M, int64_t N, cudaStre
 }
 
 void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_t M, int64_t N, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kBias, stream);
   detail::check_operand16(t, "cuda::bias_backward_16");
   if (M <= 0 || N <= 0) return;
   bias_backward_kernel<<<sum_blocks(N), dim3(kSumCols, kSumChunks), 0, stream>>>(
@@ -402,6 +406,7 @@ void bias_backward_16(float* dbias, void* dy16, DType t, const float* dy, int64_
 
 void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,
                            int64_t N, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   detail::check_operand16(t, "cuda::gelu_backward_bias_16");
   if (M <= 0 || N <= 0) return;
   if (!dbias) {  // no column sums: the elementwise pass
@@ -417,6 +422,7 @@ void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, co
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CView w, CView b, int64_t N, int64_t C,
                        cudaStream_t stream, float eps) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::layernorm_forward: C must be > 0, got " + std::to_string(C));
   layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, mean, rstd,
@@ -427,6 +433,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, CVi
 
 void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float* x, const float* residual, CView w,
                           CView b, int64_t N, int64_t C, cudaStream_t stream, float eps) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   detail::check_operand16(t, "cuda::layernorm_forward_16");
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::layernorm_forward_16: C must be > 0, got " + std::to_string(C));
@@ -438,6 +445,7 @@ void layernorm_forward_16(void* out16, DType t, float* mean, float* rstd, float*
 
 void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const float* residual, CView w, CView b,
                            int64_t N, int64_t C, cudaStream_t stream, float eps) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::add_layernorm_forward: C must be > 0, got " + std::to_string(C));
   layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, mean, rstd, x,
@@ -448,6 +456,7 @@ void add_layernorm_forward(float* out, float* mean, float* rstd, float* x, const
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, CView w,
                         const float* mean, const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0 || C <= 0) return;
   layernorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, mean, rstd, N,
                                                                           C);
@@ -458,12 +467,14 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
 }
 
 void gelu_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (n <= 0) return;
   gelu_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n);
   detail::check_launch("gelu_forward");
 }
 
 void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   detail::check_operand16(t, "cuda::gelu_forward_16");
   if (n <= 0) return;
   gelu_forward_16_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(static_cast<uint16_t*>(out16), t, x,
@@ -472,6 +483,7 @@ void gelu_forward_16(void* out16, DType t, const float* x, int64_t n, cudaStream
 }
 
 void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (n <= 0) return;
   gelu_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, x, dout, n);
   detail::check_launch("gelu_backward");
@@ -479,6 +491,7 @@ void gelu_backward(float* dx, const float* x, const float* dout, int64_t n, cuda
 
 void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                    float dloss_scale, double* row_loss, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0) return;
   const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
   cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, V, dlogits, grad_scale,
@@ -487,6 +500,7 @@ void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64
 }
 
 double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0 || targets <= 0) return 0.0;
   std::vector<double> host(static_cast<size_t>(N));
   ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), row_loss, host.size() * sizeof(double), cudaMemcpyDeviceToHost, stream),
@@ -499,6 +513,7 @@ double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cu
 
 void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                        cudaStream_t stream, const int32_t* positions) {
+  GpuProfileScope profile_scope(Op::kEmbedding, stream);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   embedding_forward_kernel<<<detail::blocks_for(rows * C), detail::kThreads, 0, stream>>>(
@@ -508,6 +523,7 @@ void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, 
 
 void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_t N, int64_t C, int64_t lo, int64_t n,
                             cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kEmbedding, stream);
   if (N <= 0 || C <= 0) return;
   embedding_part_forward_kernel<<<detail::blocks_for(N * C), detail::kThreads, 0, stream>>>(out, tokens, wte.data,
                                                                                             wte.dtype, N, C, lo, n);
@@ -516,12 +532,14 @@ void embedding_part_forward(float* out, const int32_t* tokens, CView wte, int64_
 
 void embedding_part_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t C, int64_t lo,
                              int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kEmbedding, stream);
   if (N <= 0 || C <= 0) return;
   embedding_part_backward_kernel<<<column_blocks(C), 128, 0, stream>>>(dwte, dout, tokens, N, C, lo, n);
   detail::check_launch("embedding_part_backward");
 }
 
 void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* row_maxes, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0) return;
   cross_entropy_part_max_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, N, Vp, row_maxes);
   detail::check_launch("cross_entropy_part_max");
@@ -529,6 +547,7 @@ void cross_entropy_part_max(const float* logits, int64_t N, int64_t Vp, double* 
 
 void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_t N, int64_t Vp, int64_t lo,
                              const double* row_maxes, double* sums, float* dlogits, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0) return;
   cross_entropy_part_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, Vp, lo, row_maxes,
                                                                             sums, dlogits);
@@ -537,6 +556,7 @@ void cross_entropy_part_sums(const float* logits, const int32_t* targets, int64_
 
 void cross_entropy_part_finish(const int32_t* targets, int64_t N, int64_t Vp, int64_t lo, const double* sums,
                                float* dlogits, float dloss_scale, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0 || !dlogits) return;
   const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
   cross_entropy_part_finish_kernel<<<detail::blocks_for(N * Vp), detail::kThreads, 0, stream>>>(
@@ -571,6 +591,7 @@ void TokenIndex::group(const int32_t* tokens, int64_t n, int64_t V, std::vector<
 }
 
 void TokenIndex::build(const int32_t* tokens, int64_t n, int64_t V, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kEmbedding, stream);
   group(tokens, n, V, host_ids_, host_starts_, host_rows_);
   distinct_ = static_cast<int64_t>(host_ids_.size());
   // The device copies are read by kernels queued later on `stream`: wait
@@ -596,6 +617,7 @@ const int32_t* TokenIndex::rows() const { return rows_.as<int32_t>(); }
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                         int64_t C, cudaStream_t stream, const TokenIndex* index, const int32_t* positions,
                         const TokenIndex* position_index) {
+  GpuProfileScope profile_scope(Op::kEmbedding, stream);
   const int64_t rows = B * T;
   if (rows <= 0 || C <= 0) return;
   if (index) {

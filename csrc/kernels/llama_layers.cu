@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 
 namespace zinc::kernels::cuda {
@@ -217,6 +218,7 @@ void check_gqa(const char* what, int64_t H, int64_t Hkv) {
 
 void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N, int64_t C, float eps,
                      cudaStream_t stream, float w_offset) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward: C must be > 0, got " + std::to_string(C));
   rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, rstd,
@@ -227,6 +229,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, CView w, int64_t N
 
 void rmsnorm_forward_16(void* out16, DType t, float* rstd, float* x, const float* residual, CView w, int64_t N,
                         int64_t C, float eps, cudaStream_t stream, float w_offset) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   detail::check_operand16(t, "cuda::rmsnorm_forward_16");
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::rmsnorm_forward_16: C must be > 0, got " + std::to_string(C));
@@ -237,6 +240,7 @@ void rmsnorm_forward_16(void* out16, DType t, float* rstd, float* x, const float
 
 void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residual, CView w, int64_t N, int64_t C,
                          float eps, cudaStream_t stream, float w_offset) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0) return;
   if (C <= 0) throw Error("cuda::add_rmsnorm_forward: C must be > 0, got " + std::to_string(C));
   rmsnorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(out, nullptr, DType::kF32, rstd, x, residual,
@@ -246,6 +250,7 @@ void add_rmsnorm_forward(float* out, float* rstd, float* x, const float* residua
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, CView w, const float* rstd, int64_t N,
                       int64_t C, cudaStream_t stream, float w_offset) {
+  GpuProfileScope profile_scope(Op::kLayerNorm, stream);
   if (N <= 0 || C <= 0) return;
   rmsnorm_backward_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(dx, dout, x, w.data, w.dtype, rstd, N, C, w_offset);
   detail::check_launch("rmsnorm_backward (dx)");
@@ -254,6 +259,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, C
 }
 
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (N <= 0 || I <= 0) return;
   gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, nullptr, DType::kF32,
                                                                                     gate_up, N, I, false);
@@ -262,6 +268,7 @@ void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cuda
 
 void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int64_t I, bool gelu,
                       cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   detail::check_operand16(t, "cuda::gated_forward_16");
   if (N <= 0 || I <= 0) return;
   gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(
@@ -271,6 +278,7 @@ void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int
 
 void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                      cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (N <= 0 || I <= 0) return;
   gated_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I,
                                                                                         false);
@@ -278,6 +286,7 @@ void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, i
 }
 
 void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (N <= 0 || I <= 0) return;
   gated_forward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(out, nullptr, DType::kF32,
                                                                                     gate_up, N, I, true);
@@ -286,6 +295,7 @@ void geglu_forward(float* out, const float* gate_up, int64_t N, int64_t I, cudaS
 
 void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t I,
                     cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (N <= 0 || I <= 0) return;
   gated_backward_kernel<<<detail::blocks_for(N * I), detail::kThreads, 0, stream>>>(dgate_up, dout, gate_up, N, I,
                                                                                         true);
@@ -293,18 +303,21 @@ void geglu_backward(float* dgate_up, const float* dout, const float* gate_up, in
 }
 
 void gelu_erf_forward(float* out, const float* x, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (n <= 0) return;
   gelu_erf_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n);
   detail::check_launch("gelu_erf_forward");
 }
 
 void gelu_erf_backward(float* dx, const float* x, const float* dout, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kGelu, stream);
   if (n <= 0) return;
   gelu_erf_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, x, dout, n);
   detail::check_launch("gelu_erf_backward");
 }
 
 void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (!(cap > 0.0f)) throw Error("cuda::softcap_forward: cap must be > 0, got " + std::to_string(cap));
   if (n <= 0) return;
   softcap_forward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(x, cap, n);
@@ -312,6 +325,7 @@ void softcap_forward(float* x, float cap, int64_t n, cudaStream_t stream) {
 }
 
 void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (!(cap > 0.0f)) throw Error("cuda::softcap_backward: cap must be > 0, got " + std::to_string(cap));
   if (n <= 0) return;
   softcap_backward_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dx, y, cap, n);
@@ -319,6 +333,7 @@ void softcap_backward(float* dx, const float* y, float cap, int64_t n, cudaStrea
 }
 
 void rope(float* x, const float* cos, const float* sin, RopeShape s, bool inverse, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   if (s.head_dim <= 0 || s.rotated() % 2 != 0 || s.rotated() <= 0 || s.rotated() > s.head_dim)
     throw Error("cuda::rope: the rotated dims " + std::to_string(s.rotated()) +
                 " must be even, > 0 and at most head_dim " + std::to_string(s.head_dim));
@@ -333,6 +348,7 @@ void rope(float* x, const float* cos, const float* sin, RopeShape s, bool invers
 }
 
 void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   check_gqa("cuda::gqa_expand", H, Hkv);
   if (N <= 0 || H <= 0 || hd <= 0) return;
   gqa_expand_kernel<<<detail::blocks_for(N * 3 * H * hd), detail::kThreads, 0, stream>>>(qkv, q_kv, N, H, Hkv, hd);
@@ -340,6 +356,7 @@ void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv
 }
 
 void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kAttention, stream);
   check_gqa("cuda::gqa_reduce", H, Hkv);
   if (N <= 0 || H <= 0 || hd <= 0) return;
   gqa_reduce_kernel<<<detail::blocks_for(N * (H + 2 * Hkv) * hd), detail::kThreads, 0, stream>>>(dq_kv, dqkv, N, H,

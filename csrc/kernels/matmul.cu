@@ -82,10 +82,11 @@
 
 #include "core/cuda_util.h"
 #include "core/dtype.h"
+#include "core/dynlib.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "kernels/cuda_common.cuh"
-#include "core/dynlib.h"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_cuda.h"
 
@@ -428,6 +429,7 @@ bool matmul_bias_in_epilogue(const MatmulDesc& d) {
 }
 
 void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream, CView bias) {
+  GpuProfileScope profile_scope(Op::kMatmul, stream);
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
   if (d.bias && (!bias.data || d.alpha != 1.0f))
     throw Error("cuda::matmul: a fused bias needs a bias view and alpha == 1");

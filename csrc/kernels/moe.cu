@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 #include "kernels/math.h"
 
@@ -84,6 +85,7 @@ void check_route(const char* fn, int64_t E, int64_t k) {
 
 void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
                float* weight, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   check_route("cuda::moe_route", E, k);
   if (N <= 0) return;
   moe_route_kernel<<<detail::blocks_for(N), detail::kThreads, 0, stream>>>(logits, N, E, k, renormalize, probs,
@@ -94,6 +96,7 @@ void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renorm
 void moe_route_backward(const float* probs, const int32_t* expert, const float* weight, const float* dweight,
                         const float* dprobs, int64_t N, int64_t E, int64_t k, bool renormalize, float* dlogits,
                         cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   check_route("cuda::moe_route_backward", E, k);
   if (N <= 0) return;
   moe_route_backward_kernel<<<detail::blocks_for(N), detail::kThreads, 0, stream>>>(
@@ -102,6 +105,7 @@ void moe_route_backward(const float* probs, const int32_t* expert, const float* 
 }
 
 void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t M, int64_t C, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (M <= 0 || C <= 0) return;
   moe_gather_kernel<<<detail::blocks_for(M * C), detail::kThreads, 0, stream>>>(xg, x, token_of_row, M, C);
   detail::check_launch("moe_gather");
@@ -109,6 +113,7 @@ void moe_gather(float* xg, const float* x, const int32_t* token_of_row, int64_t 
 
 void moe_combine(float* out, const float* y, const float* weight, const int32_t* row_of_slot, int64_t N, int64_t k,
                  int64_t C, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (N <= 0 || C <= 0) return;
   moe_combine_kernel<<<detail::blocks_for(N * C), detail::kThreads, 0, stream>>>(out, y, weight, row_of_slot, N, k, C);
   detail::check_launch("moe_combine");
@@ -116,6 +121,7 @@ void moe_combine(float* out, const float* y, const float* weight, const int32_t*
 
 void moe_combine_backward(float* dy, float* dweight, const float* dout, const float* y, const float* weight,
                           const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (N <= 0 || k <= 0) return;
   if (C > 0)
     moe_combine_dy_kernel<<<detail::blocks_for(N * k * C), detail::kThreads, 0, stream>>>(dy, dout, weight,
@@ -128,6 +134,7 @@ void moe_combine_backward(float* dy, float* dweight, const float* dout, const fl
 
 void moe_gather_backward(float* dx, const float* dxg, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C,
                          cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (N <= 0 || C <= 0) return;
   moe_gather_backward_kernel<<<detail::blocks_for(N * C), detail::kThreads, 0, stream>>>(dx, dxg, row_of_slot, N, k,
                                                                                          C);

@@ -11,7 +11,21 @@
 
 namespace zinc::kernels {
 
-enum class Op : int { kMatmul, kAttention, kLayerNorm, kGelu, kCrossEntropy, kEmbedding, kBias, kVector, kCount };
+// kConvert and kAdamW are the GPU's alone (kernels/gpu_profile.h): its dtype
+// conversions and its AdamW; the CPU's profile never records them.
+enum class Op : int {
+  kMatmul,
+  kAttention,
+  kLayerNorm,
+  kGelu,
+  kCrossEntropy,
+  kEmbedding,
+  kBias,
+  kVector,
+  kConvert,
+  kAdamW,
+  kCount
+};
 constexpr int kNumOps = static_cast<int>(Op::kCount);
 const char* op_name(Op op);
 

@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "kernels/cuda_common.cuh"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 
 namespace zinc::kernels::cuda {
@@ -63,34 +64,40 @@ __global__ void sum_in_order_kernel(const double* partial, int64_t nchunks, doub
 }  // namespace
 
 void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
   add_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, a, b, n);
   detail::check_launch("add");
 }
 void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
   accumulate_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, x, n);
   detail::check_launch("accumulate");
 }
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width,
                   cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   const int64_t n = N * width;
   if (N <= 0 || width <= 0) return;
   copy_columns_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dst, dst_W, src, src_W, width, n);
   detail::check_launch("copy_columns");
 }
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
   scale_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(x, alpha, n);
   detail::check_launch("scale");
 }
 void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
   axpy_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(y, alpha, x, n);
   detail::check_launch("axpy");
 }
 
 void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
   dropout_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n, math::dropout_threshold(p),
                                                                          1.0f / (1.0f - p), key, accumulate);
@@ -98,6 +105,7 @@ void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool 
 }
 
 void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) {
     ZINC_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream), "squared_norm (empty)");
     return;

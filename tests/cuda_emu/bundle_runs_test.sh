@@ -2,7 +2,8 @@
 # What gpu-bundle/run.sh runs on a GPU machine (its "train" and "bench"
 # parts), shortened, under kernel emulation (Note [kernel emulation] in
 # cuda_emu.h): zinc-train on the GPU path with the bundle's two configs, and
-# zinc-bench gpu-train-step on a tiny GPT in each of its modes. Each run must
+# zinc-bench gpu-train-step on a tiny GPT in each of its modes, with the
+# GPU profile's round. Each run must
 # end with status 0 and print what a user reads; the figures mean nothing.
 # usage: bundle_runs_test.sh ZINC_TRAIN_EMU ZINC_BENCH_EMU SOURCE_DIR
 set -u
@@ -52,9 +53,13 @@ expect "zinc-train stage 3" "loss" "$tmp/last"
 
 for mode in "" "--ratio 0.5" "--resident" "--stage 3"; do
   # shellcheck disable=SC2086
-  run "zinc-bench gpu-train-step --tiny $mode" "$bench" gpu-train-step --tiny --rounds 1 --steps 1 --gas 2 $mode
+  run "zinc-bench gpu-train-step --tiny $mode" "$bench" gpu-train-step --tiny --rounds 1 --steps 1 --gas 2 --profile $mode
   expect "gpu-train-step $mode" "gpu-train-step (tiny: zinc kernel emulation" "$tmp/last"
   expect "gpu-train-step $mode" "ratio:" "$tmp/last"
+  # The GPU profile's round (Note [the GPU profile]): the kinds every step has.
+  expect "gpu-train-step --profile $mode" "GPU time a step by kind: matmul .*attention .*layernorm" "$tmp/last"
+  expect "gpu-train-step --profile $mode" "main stream: .* ms in the calls" "$tmp/last"
+  case "$mode" in --resident) expect "gpu-train-step --profile $mode" "| adamw " "$tmp/last" ;; esac
   case "$mode" in  # the offloaded modes' update runs behind the forward
   "") expect "gpu-train-step" "the CPU update behind the next forward" "$tmp/last" ;;
   --ratio*) expect "gpu-train-step $mode" "ZeRO-Offload (offload ratio 0.5)" "$tmp/last" ;;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <iterator>
 #include <memory>
@@ -415,6 +416,11 @@ struct Queue {
 struct EventState {
   Queue* q = nullptr;  // where it was last recorded
   uint64_t at = 0;     // done when q->done reaches this
+  unsigned flags = 0;  // cudaEventDisableTiming: no time is kept
+  // When the queue reached the record (steady clock, seconds), for
+  // cudaEventElapsedTime: set by a marker queued with the record, so, as
+  // on a GPU, it says when the work before it was done. Below 0 until then.
+  std::shared_ptr<std::atomic<double>> stamp;
 };
 struct Runtime {
   std::recursive_mutex mu;
@@ -635,6 +641,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     default: return "unspecified launch failure";
   }
 }
@@ -755,8 +762,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return zinc_emu::status();
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-  *e = reinterpret_cast<cudaEvent_t>(new zinc_emu::EventState());
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
+  auto* state = new zinc_emu::EventState();
+  state->flags = flags;
+  *e = reinterpret_cast<cudaEvent_t>(state);
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
@@ -768,7 +777,29 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto lock = zinc_emu::lock_runtime();
   zinc_emu::Queue* q = zinc_emu::queue_of(s);
   if (zinc_emu::kImmediate) zinc_emu::run_until(q, q->queued);
-  *reinterpret_cast<zinc_emu::EventState*>(e) = {q, q->queued};
+  auto* state = reinterpret_cast<zinc_emu::EventState*>(e);
+  std::shared_ptr<std::atomic<double>> stamp;
+  if (!(state->flags & cudaEventDisableTiming)) {
+    stamp = std::make_shared<std::atomic<double>>(-1.0);
+    zinc_emu::enqueue(s, [stamp] {
+      stamp->store(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count());
+    });
+  }
+  state->q = q;
+  state->at = q->queued;
+  state->stamp = std::move(stamp);
+  return cudaSuccess;
+}
+// As CUDA's: both events recorded with timing and done (else
+// cudaErrorNotReady, which does not run the work), in milliseconds.
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  auto lock = zinc_emu::lock_runtime();
+  if (!ms || !start || !end) return cudaErrorInvalidValue;
+  const auto* a = reinterpret_cast<const zinc_emu::EventState*>(start);
+  const auto* b = reinterpret_cast<const zinc_emu::EventState*>(end);
+  if ((a->flags | b->flags) & cudaEventDisableTiming || !a->q || !b->q) return cudaErrorInvalidResourceHandle;
+  if (a->q->done < a->at || b->q->done < b->at) return cudaErrorNotReady;
+  *ms = static_cast<float>((b->stamp->load() - a->stamp->load()) * 1e3);
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
