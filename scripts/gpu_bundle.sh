@@ -167,10 +167,15 @@ zinc_bench 300 --model llama --rounds 3 --steps 2 --profile
 torch_peer 300 --model llama --offload --rounds 3 --steps 2
 zinc_bench 300 --model llama --stage 3 --rounds 3 --steps 2
 # Then the variants: half the states on the GPU, the update in place, the
-# bias in a separate pass, and the small reference GPT.
+# update on more cores, the bias in a separate pass, and the small
+# reference GPT.
 zinc_bench 200 --large --ratio 0.5
 zinc_bench 300 --model llama --ratio 0.5 --rounds 3 --steps 2
 zinc_bench 200 ZINC_GPU_UPDATE_BEHIND=0 --large
+# The CPU update on every core but the one that drives the GPU (the others
+# run on OMP_NUM_THREADS, 8 unless set).
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+zinc_bench 200 OMP_NUM_THREADS=$((cores > 2 ? cores - 1 : 1)) --large
 zinc_bench 200 ZINC_CUDA_MATMUL_BIAS=separate --large --resident
 zinc_bench 120
 torch_peer 120 --offload
