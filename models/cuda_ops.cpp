@@ -244,13 +244,15 @@ class CudaOps final : public Ops {
   }
   double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                        float dloss_scale) override {
-    const size_t bytes = static_cast<size_t>(N) * sizeof(double);
-    if (row_loss_.bytes() < bytes) row_loss_ = alloc(bytes);
-    auto counted = target_counts_.find(targets);
-    if (counted == target_counts_.end())
-      throw Error("cross_entropy: targets that targets() did not upload (their count is not known)");
-    kernels::cuda::cross_entropy(logits, targets, N, V, dlogits, dloss_scale, row_loss_.as<double>(), kStream);
-    return kernels::cuda::cross_entropy_mean(row_loss_.as<double>(), N, counted->second, kStream);
+    const int64_t counted = target_count(targets, "cross_entropy");
+    kernels::cuda::cross_entropy(logits, targets, N, V, dlogits, dloss_scale, row_loss(N), kStream);
+    return kernels::cuda::cross_entropy_mean(row_loss(N), N, counted, kStream);
+  }
+  double cross_entropy_operand16(const float* logits, const int32_t* targets, int64_t N, int64_t V, void* dlogits16,
+                                 DType compute, float dloss_scale) override {
+    const int64_t counted = target_count(targets, "cross_entropy_operand16");
+    kernels::cuda::cross_entropy_16(logits, targets, N, V, dlogits16, compute, dloss_scale, row_loss(N), kStream);
+    return kernels::cuda::cross_entropy_mean(row_loss(N), N, counted, kStream);
   }
   // Vocabulary parts (Note [vocabulary parts] in engine/tensor_parallel.cpp):
   // the kernels run on the GPU; the row maxima and sums the parts exchange
@@ -457,6 +459,20 @@ class CudaOps final : public Ops {
     }
     d.checked_B = B;
     d.checked_T = T;
+  }
+
+  // The cross-entropy's per-row losses (device scratch of N doubles), and
+  // the count of rows with a target that targets() took of `targets`.
+  double* row_loss(int64_t N) {
+    const size_t bytes = static_cast<size_t>(N) * sizeof(double);
+    if (row_loss_.bytes() < bytes) row_loss_ = alloc(bytes);
+    return row_loss_.as<double>();
+  }
+  int64_t target_count(const int32_t* targets, const char* fn) const {
+    auto counted = target_counts_.find(targets);
+    if (counted == target_counts_.end())
+      throw Error(std::string(fn) + ": targets that targets() did not upload (their count is not known)");
+    return counted->second;
   }
 
   Buf row_loss_, part_doubles_;

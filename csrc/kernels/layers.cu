@@ -249,6 +249,41 @@ __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets
   }
 }
 
+// cross_entropy_kernel with the gradient rounded to t and written to d16
+// only (Note [fused 16-bit operands]): the same exponentials (exp_f of the
+// same floats), factor and target term, in the same order, so the bits are
+// cross_entropy_kernel's, then float_to_16's; the third pass recomputes the
+// exponentials rather than reading an fp32 copy.
+__global__ void cross_entropy_16_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                        uint16_t* d16, DType t, double grad_scale, double* row_loss) {
+  const CeRow c = ce_row(targets, N, V);
+  const int64_t row = c.row, r = c.r, n = c.n;
+  const int lane = c.lane;
+  const bool valid = c.valid, ignored = c.ignored;
+  const int32_t tgt = c.tgt;
+  const float* x = logits + r * V;
+  const float x_tgt = n > 0 ? x[tgt] : 0.0f;
+  const float mx = lanes_max(x, n, lane);
+  __syncwarp();
+  const double sum =
+      lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) { return math::exp_f(x[j] - mx); }));
+  if (!valid) return;
+  uint16_t* e = d16 + r * V;
+  if (ignored) {
+    if (lane == 0) row_loss[row] = 0.0;
+    for (int64_t j = lane; j < V; j += math::kLanes) e[j] = float_to_16(0.0f, t);
+    return;
+  }
+  if (lane == 0) row_loss[row] = log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
+  const float f = math::cross_entropy_factor(grad_scale, sum);
+  const float g = static_cast<float>(grad_scale);
+  for (int64_t j = lane; j < V; j += math::kLanes) {
+    float v = math::exp_f(x[j] - mx) * f;
+    if (j == tgt) v -= g;
+    e[j] = float_to_16(v, t);
+  }
+}
+
 // ---- embeddings ---------------------------------------------------------------------------------
 // The position of row r: positions[r] for packed documents, else r % T.
 __device__ inline int64_t position_of(const int32_t* positions, int64_t r, int64_t T) {
@@ -497,6 +532,17 @@ void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64
   cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, V, dlogits, grad_scale,
                                                                   row_loss);
   detail::check_launch("cross_entropy");
+}
+
+void cross_entropy_16(const float* logits, const int32_t* targets, int64_t N, int64_t V, void* dlogits16, DType t,
+                      float dloss_scale, double* row_loss, cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
+  detail::check_operand16(t, "cuda::cross_entropy_16");
+  if (N <= 0) return;
+  const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
+  cross_entropy_16_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(
+      logits, targets, N, V, static_cast<uint16_t*>(dlogits16), t, grad_scale, row_loss);
+  detail::check_launch("cross_entropy_16");
 }
 
 double cross_entropy_mean(const double* row_loss, int64_t N, int64_t targets, cudaStream_t stream) {

@@ -102,6 +102,15 @@ class Ops {
   // Mean loss over the rows with a target (kernels::cross_entropy); `targets` from targets().
   virtual double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
                                float dloss_scale) = 0;
+  // cross_entropy with the logit gradient written only as the head's
+  // backward operand, rounded to 16-bit `compute` (Note [fused 16-bit
+  // operands] in kernels_cuda.h): N x V values at dlogits16. Only where
+  // fuses_every_operand16(compute); the bits are cross_entropy's, then the
+  // rounding.
+  virtual double cross_entropy_operand16(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                         void* dlogits16, DType compute, float dloss_scale) {
+    throw Error("cross_entropy_operand16: this backend writes no 16-bit logit gradient");
+  }
   // Vocabulary parts (kernels.h; tensor parallelism, which runs on the CPU
   // only: a backend without them throws). The row maxima and sums are
   // host memory.

@@ -266,6 +266,9 @@ class Gpt final : public Model {
     // Where the Ops fuses the bf16 operands (Ops::fuses_operand16) ln1, ln2,
     // gelu and lnf have no fp32 buffers.
     const bool fused = ops_->fuses_operand16(dt);
+    // The logit gradient as its 16-bit operand alone (logit_grad16, here
+    // for `parts`): no fp32 gradient and no copy of it.
+    const bool grad16 = ops_->fuses_every_operand16(dt) && dt == DType::kBF16 && detail::vocab_share(V, parts) == V;
     // Attention's fp32 output neither where the Ops writes its operand only
     // (Ops::fuses_every_operand16, without sequence ranks).
     const int64_t att = ops_->fuses_every_operand16(dt) && seq == 1 ? 0 : buffer_bytes(N * A);
@@ -278,7 +281,7 @@ class Gpt final : public Model {
     const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
     const int64_t act_sets = sets * (c_.gradient_checkpointing ? (layers > 0 ? 1 : 0) : layers);
     // Once: x_final lnf (not when fused) dlnf dres dsmall, dbig, lnf's statistics, logits and
-    // dlogits, lnf's bf16 copy, the input tokens.
+    // dlogits (fp32, or 16-bit with grad16), lnf's bf16 copy, the input tokens.
     m.saved = sets * x_ins * buffer_bytes(N * C) + act_sets * acts;
     if (lora()) {
       // Per set: U of every target and B's operands of it; once: the
@@ -289,7 +292,10 @@ class Gpt final : public Model {
                  buffer_bytes(2 * C);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
-               (sr.head ? 2 * buffer_bytes(N * detail::vocab_share(V, parts)) : 0) + matmul_input_bytes(N * C, dt) +
+               (sr.head ? buffer_bytes(N * detail::vocab_share(V, parts)) +
+                              buffer_bytes(N * detail::vocab_share(V, parts), grad16 ? 2 : 4)
+                        : 0) +
+               matmul_input_bytes(N * C, dt) +
                N * static_cast<int64_t>(sizeof(int32_t));
     // Sequence ranks: the exchanges' send and receive buffers, and the
     // position embeddings' rows (wpe_rows_).
@@ -314,7 +320,8 @@ class Gpt final : public Model {
       if (sr.head) {
         const int64_t v = detail::vocab_share(V, parts);  // a vocabulary part's columns
         detail::tally_linear_forward(t, x, N, C, v, false, dt);
-        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen));
+        const int64_t copy = detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen);
+        if (!grad16) dy_copy = std::max(dy_copy, copy);  // else the cross-entropy wrote the operand
       }
       return t.bytes();
     };
@@ -345,7 +352,8 @@ class Gpt final : public Model {
                   std::to_string(c_.block_size));
     const DType dt = ctx.compute_dtype();
     const StageRange sr = stage_range(ctx.pipeline_stage());
-    ensure_buffers(B, T, ops_->fuses_operand16(dt), ops_->fuses_every_operand16(dt) && !sp.split(), sr);
+    ensure_buffers(B, T, ops_->fuses_operand16(dt), ops_->fuses_every_operand16(dt) && !sp.split(), logit_grad16(dt),
+                   sr);
     const int64_t N = B * T;
     pass_.tokens = batch.inputs;
     pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
@@ -422,6 +430,8 @@ class Gpt final : public Model {
       ctx.tensor_all_reduce_f64(sums.data(), 2 * N);
       loss = ops_->cross_entropy_part_finish(targets, N, Vv_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
                                              1.0f);
+    } else if (logit_grad16(dt)) {  // the head's backward operand only
+      loss = ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt, 1.0f);
     } else {
       loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     }
@@ -440,11 +450,15 @@ class Gpt final : public Model {
     BlockGrads gemb = sr.embed || sr.head ? base_grads(ctx, 0) : BlockGrads{};
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     if (sr.head) {
+      // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf. The
+      // gradient is fp32, or its 16-bit operand alone (logit_grad16).
+      const bool grad16 = logit_grad16(dt);
+      ZINC_CHECK(!grad16 || loss_scale == 1.0f, "gpt: a loss scale with the 16-bit logit gradient");
       if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
-      // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf.
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, Vv_, dt);
+                              grad16 ? CView{} : f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, Vv_, dt,
+                              grad16 ? CView{dlogits_.data(), dt} : CView{});
       if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
 
       const int norm_block = static_cast<int>(c_.n_layer + 1);
@@ -679,10 +693,10 @@ class Gpt final : public Model {
   // A pipeline stage holds its own layers' activations only.
   // drop_att: attention writes the projection's operand only
   // (Ops::fuses_every_operand16, without sequence ranks), so a.att stays empty.
-  void ensure_buffers(int64_t B, int64_t T, bool fused, bool drop_att, const StageRange& sr) {
-    if (B == pass_.B && T == pass_.T && fused == pass_.fused && (drop_att ? 1 : 0) == pass_.dropped &&
-        sr == pass_.alloc)
-      return;
+  // grad16: the logit gradient is its 16-bit operand only (logit_grad16).
+  void ensure_buffers(int64_t B, int64_t T, bool fused, bool drop_att, bool grad16, const StageRange& sr) {
+    const int dropped = (drop_att ? kDropAtt : 0) | (grad16 ? kLogitGrad16 : 0);
+    if (B == pass_.B && T == pass_.T && fused == pass_.fused && dropped == pass_.dropped && sr == pass_.alloc) return;
     const size_t N = static_cast<size_t>(B * T), C = static_cast<size_t>(c_.n_embd);
     const size_t A = static_cast<size_t>(A_), F = static_cast<size_t>(F_);
     for (int64_t l = 0; l < c_.n_layer; ++l)
@@ -714,7 +728,7 @@ class Gpt final : public Model {
     lnf_mean_ = ops_->alloc_f32(N);
     lnf_rstd_ = ops_->alloc_f32(N);
     logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
-    dlogits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
+    dlogits_ = !sr.head ? Buf{} : grad16 ? ops_->alloc(N * static_cast<size_t>(Vh_) * 2) : ops_->alloc_f32(N * static_cast<size_t>(Vh_));
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);
@@ -730,7 +744,7 @@ class Gpt final : public Model {
     pass_.B = B;
     pass_.T = T;
     pass_.fused = fused;
-    pass_.dropped = drop_att ? 1 : 0;
+    pass_.dropped = dropped;
     pass_.alloc = sr;
   }
 
@@ -768,6 +782,13 @@ class Gpt final : public Model {
   // last part's past V are padding); V, 0, V without parts.
   int64_t Vh_ = 0, vlo_ = 0, Vv_ = 0;
   bool vocab_split() const { return Vh_ < c_.vocab_size; }
+  // Whether the cross-entropy writes the logit gradient as the head's 16-bit
+  // backward operand only (Ops::cross_entropy_operand16): where the Ops
+  // writes every 16-bit operand itself, in bf16 (fp16's loss scale comes in
+  // backward, after the rounding), over the whole vocabulary.
+  bool logit_grad16(DType dt) const { return ops_->fuses_every_operand16(dt) && dt == DType::kBF16 && !vocab_split(); }
+  // PassState::dropped's flags.
+  static constexpr int kDropAtt = 1, kLogitGrad16 = 2;
   std::vector<BlockSpec> whole_;
   StepContext* pass_ctx_ = nullptr;
   Buf targets_store_;

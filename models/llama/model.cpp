@@ -271,7 +271,7 @@ class Llama final : public Model {
     as.softcap = att_softcap();
     ActivationMemory m;
     // The fp32 buffers the Ops leaves unwritten are not allocated (dropped_buffers).
-    const int dropped = dropped_buffers(dt, seq);
+    const int dropped = dropped_buffers(dt, seq, vocab_share(parts) == c_.vocab_size);
     auto unless = [&](int flag, int64_t bytes) { return dropped & flag ? int64_t{0} : bytes; };
     const int64_t acts = unless(kDropLn1, buffer_bytes(N * C)) + buffer_bytes(N * C) +
                          unless(kDropLn2, buffer_bytes(N * C)) + buffer_bytes(N * 3 * A) +
@@ -303,7 +303,10 @@ class Llama final : public Model {
     // lnf's statistics, logits and dlogits, lnf's 16-bit copy, the tokens.
     m.saved += 4 * buffer_bytes(N * C) + unless(kDropLnf, buffer_bytes(N * C)) + buffer_bytes(N * Q) +
                buffer_bytes(N * std::max(2 * I, 3 * A)) +
-               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) + (sr.head ? 2 * buffer_bytes(N * vocab_share(parts)) : 0) +
+               buffer_bytes(N * std::max(A, I)) + buffer_bytes(N) +
+               (sr.head ? buffer_bytes(N * vocab_share(parts)) +
+                              buffer_bytes(N * vocab_share(parts), dropped & kLogitGrad16 ? 2 : 4)
+                        : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
     if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A);                     // seq_: send and recv
@@ -356,8 +359,8 @@ class Llama final : public Model {
         detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
         // The head's weight gradient: its block's, or with a tied head the embedding's.
         const size_t hb = c_.tie_word_embeddings ? 0 : static_cast<size_t>(head_block_);
-        dy_copy = std::max(dy_copy, detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt,
-                                                                  !specs_[hb].frozen));
+        const int64_t copy = detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt, !specs_[hb].frozen);
+        if (!(dropped & kLogitGrad16)) dy_copy = std::max(dy_copy, copy);  // else the cross-entropy wrote the operand
       }
       return t.bytes();
     };
@@ -391,7 +394,7 @@ class Llama final : public Model {
                   std::to_string(c_.max_position_embeddings));
     const StageRange sr = stage_range(ctx.pipeline_stage());
     const DType dt = ctx.compute_dtype();
-    ensure_buffers(B, T, sr, dropped_buffers(dt, sp.split() ? sp.size : 1));
+    ensure_buffers(B, T, sr, dropped_buffers(dt, sp.split() ? sp.size : 1, !vocab_split()));
     const int64_t N = B * T;
     pass_.tokens = batch.inputs;  // backward's embedding scatter reads them after the batch is gone
     pass_.tok = ops_->tokens(pass_.tokens, V, "embedding_forward", pass_.tokens_store);
@@ -466,7 +469,9 @@ class Llama final : public Model {
     // Vocabulary parts: each holds Vh_ of the logits' columns (Note
     // [vocabulary parts] in engine/tensor_parallel.cpp).
     double loss = vocab_split() ? vocab_cross_entropy(targets, N)
-                                : ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
+                  : pass_.dropped & kLogitGrad16
+                      ? ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt, 1.0f)
+                      : ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     if (c_.router_aux_loss_coef > 0 && aux_layers_ > 0) loss += c_.router_aux_loss_coef * aux_loss(N);
     return static_cast<float>(loss);
   }
@@ -609,6 +614,11 @@ class Llama final : public Model {
   void head_backward(StepContext& ctx, float loss_scale, HeldParams& emb, const BlockGrads& gemb) {
     const int64_t B = pass_.B, T = pass_.T, C = c_.hidden_size, N = B * T;
     const DType dt = ctx.compute_dtype();
+    // The gradient is fp32 (dy), or its 16-bit operand alone (dy_op, kLogitGrad16).
+    const bool grad16 = pass_.dropped & kLogitGrad16;
+    ZINC_CHECK(!grad16 || loss_scale == 1.0f, "llama: a loss scale with the 16-bit logit gradient");
+    const CView dy = grad16 ? CView{} : f32(dlogits_.as<float>());
+    const CView dy_op = grad16 ? CView{dlogits_.data(), dt} : CView{};
     if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
     if (c_.final_logit_softcapping > 0)
       ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
@@ -621,19 +631,18 @@ class Llama final : public Model {
     // Head: dlnf = dlogits W; dW += dlogits^T lnf (W = lm_head, or the tied embedding).
     if (c_.tie_word_embeddings) {
       emb = ctx.acquire(0);
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, emb[0], N, C, Vv_, dt);
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, 0), nullptr, dy, lnf_in_, emb[0], N,
+                              C, Vv_, dt, dy_op);
     } else if (head_block_ != fin) {  // LoRA's modules_to_save: the head trains
       HeldParams head = ctx.acquire(head_block_);
       BlockGrads ghead = ctx.grads(head_block_);
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, f32(dlogits_.as<float>()),
-                              lnf_in_, head[head_], N, C, Vv_, dt, {}, ghead.overwrite(head_));
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), ghead[head_], nullptr, dy, lnf_in_, head[head_], N, C,
+                              Vv_, dt, dy_op, ghead.overwrite(head_));
       head.release();
       ctx.grads_ready(head_block_);
     } else {
-      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr,
-                              f32(dlogits_.as<float>()), lnf_in_, nf[head_], N, C, Vv_, dt, {},
-                              gnf.overwrite(head_));
+      detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gnf, head_), nullptr, dy, lnf_in_,
+                              nf[head_], N, C, Vv_, dt, dy_op, gnf.overwrite(head_));
     }
     if (vocab_split()) tensor_sum(dlnf_.as<float>(), N * C);  // each vocabulary part's share of d lnf
     float* dx = dres_.as<float>();
@@ -1592,11 +1601,18 @@ class Llama final : public Model {
   // they are RMSNorms before the branches (a sparse layer's experts read
   // ln_2's rows), the gated activation, attention's output (sequence ranks
   // exchange it in fp32) and the final RMSNorm. ensure_buffers allocates
-  // none of them, and activation_bytes counts none.
-  enum : int { kDropLn1 = 1, kDropLn2 = 2, kDropAct = 4, kDropAtt = 8, kDropLnf = 16 };
-  int dropped_buffers(DType dt, int seq) const {
+  // none of them, and activation_bytes counts none. And kLogitGrad16: the
+  // logit gradient is the head's 16-bit backward operand only
+  // (Ops::cross_entropy_operand16), in bf16 (fp16's loss scale comes in
+  // backward, after the rounding), over the whole vocabulary
+  // (whole_vocab), without a final soft cap or logit scaling (whose
+  // backward passes read the fp32 gradient).
+  enum : int { kDropLn1 = 1, kDropLn2 = 2, kDropAct = 4, kDropAtt = 8, kDropLnf = 16, kLogitGrad16 = 32 };
+  int dropped_buffers(DType dt, int seq, bool whole_vocab) const {
     if (!ops_->fuses_every_operand16(dt)) return 0;
     int d = 0;
+    if (dt == DType::kBF16 && whole_vocab && c_.final_logit_softcapping <= 0 && c_.logits_scaling == 1.0)
+      d |= kLogitGrad16;
     if (c_.pre_norms && !c_.layer_norm) d |= kDropLn1;
     if (c_.pre_norms && !c_.layer_norm && c_.num_experts == 0) d |= kDropLn2;
     if (c_.mlp_gated) d |= kDropAct;
@@ -1677,7 +1693,9 @@ class Llama final : public Model {
       moe_dweight_ = ops_->alloc_f32(M);
     }
     logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
-    dlogits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
+    dlogits_ = !sr.head                    ? Buf{}
+               : dropped & kLogitGrad16 ? ops_->alloc(N * static_cast<size_t>(Vh_) * 2)
+                                        : ops_->alloc_f32(N * static_cast<size_t>(Vh_));
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);

@@ -269,9 +269,11 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
     const kernels::AttentionShape as{B, T, width, heads};
     return kernels::attention_workspace_bytes(as) - kernels::cuda::attention_workspace_bytes(as, DType::kBF16);
   };
+  // And the logit gradient, its 16-bit operand alone on the GPU (Ops::cross_entropy_operand16).
+  auto logit_grad_delta = [&](int64_t V) { return buffer_bytes(N * V) - buffer_bytes(N * V, 2); };
   EXPECT_EQ(cpu->saved - gpu->saved, L * (2 * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) +
                                           ws_delta(A, 4)) +
-                                         buffer_bytes(N * C));
+                                         buffer_bytes(N * C) + logit_grad_delta(37));
   EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF32)->saved,
             llama(Device::kCpu)->activation_memory(B, T, DType::kF32)->saved);
   models::GptConfig g;
@@ -291,7 +293,7 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   const int64_t Cg = 32, F = 4 * Cg;
   const int64_t cpu_fused = kernels::bf16_operands_native() ? 0 : 2 * (2 * buffer_bytes(N * Cg) + buffer_bytes(N * F)) +
                                                                       buffer_bytes(N * Cg);
-  EXPECT_EQ(gcpu->saved - ggpu->saved, cpu_fused + 2 * (buffer_bytes(N * Cg) + ws_delta(Cg, 2)));
+  EXPECT_EQ(gcpu->saved - ggpu->saved, cpu_fused + 2 * (buffer_bytes(N * Cg) + ws_delta(Cg, 2)) + logit_grad_delta(29));
 }
 
 // Masked targets and packed documents (issue 31) on the GPU path against

@@ -193,6 +193,8 @@ TEST(CudaLayers, FusedSixteenBitOperandsMatchTheKernelThenTheConversion) {
   }
   DeviceBuffer any(64);
   EXPECT_THROW(cuda::gelu_forward_16(any.data(), DType::kF32, any.as<float>(), 4, nullptr), Error);
+  EXPECT_THROW(cuda::cross_entropy_16(any.as<float>(), nullptr, 1, 4, any.data(), DType::kF32, 1.0f, nullptr, nullptr),
+               Error);
 }
 
 TEST(CudaLayers, CrossEntropyMatchesTheCpu) {
@@ -255,6 +257,16 @@ TEST(CudaLayers, CrossEntropyWithIgnoredTargetsMatchesTheCpu) {
           EXPECT_EQ(rows[i], 0.0) << at << " row " << i;
         }
       expect_same_bits(dl, download<float>(d_dl, dl.size()), ("dlogits " + at).c_str());
+      // The 16-bit gradient alone (Note [fused 16-bit operands]): the fp32
+      // one rounded, into a NaN pattern, and the same row losses.
+      for (DType t : {DType::kBF16, DType::kF16}) {
+        DeviceBuffer d16 = filled16(N * V), rows16 = upload(std::vector<double>(N, std::nan("")));
+        cuda::cross_entropy_16(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d16.data(), t, 0.5f,
+                               rows16.as<double>(), nullptr);
+        ASSERT_EQ(rounded16(dl, t), download<uint16_t>(d16, dl.size())) << "cross_entropy_16 " << dtype_name(t) << " " << at;
+        const std::vector<double> r16 = download<double>(rows16, N);
+        for (int64_t i = 0; i < N; ++i) EXPECT_EQ(rows[i], r16[i]) << "cross_entropy_16 row loss " << i << " " << at;
+      }
       cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_logits.as<float>(), 0.5f,
                           d_rows.as<double>(), nullptr);
       expect_same_bits(dl, download<float>(d_logits, dl.size()), ("dlogits in place " + at).c_str());
