@@ -26,6 +26,10 @@
 // waited for (inside forward_s and backward_s). ZINC_GPU_UPDATE_BEHIND=0
 // runs it in place, to compare.
 //
+// --stage 3 also reports the bytes its uploads move a step and the rate
+// page-locked memory goes up to the GPU at, measured in the same run: the
+// step's floor from the uploads alone.
+//
 // --profile adds one round with the GPU profile on (Note [the GPU profile]
 // in csrc/kernels/gpu_profile.cu), kept out of the figures: per step, the
 // GPU's time by kind of kernel call, the main stream's time outside the
@@ -39,6 +43,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -52,6 +57,23 @@
 namespace zinc::bench {
 
 namespace {
+
+// The host-to-device rate from page-locked memory, in bytes a second: the
+// median of five copies of `bytes` (stage 3's uploads run at it).
+double pinned_upload_rate(size_t bytes) {
+  cuda::PinnedBuffer host(bytes);
+  cuda::DeviceBuffer dev(bytes);
+  std::memset(host.data(), 0, bytes);
+  std::vector<double> s;
+  for (int i = 0; i < 5; ++i) {
+    const double t0 = now_s();
+    ZINC_CUDA_CHECK(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, nullptr),
+                    "gpu-train-step: the upload rate's copy");
+    ZINC_CUDA_CHECK(cudaDeviceSynchronize(), "gpu-train-step: the upload rate's copy");
+    s.push_back(now_s() - t0);
+  }
+  return static_cast<double>(bytes) / median(s);
+}
 
 // One more round of `steps` steps with the GPU profile on: its figures go
 // into line["gpu_profile"] (seconds a step) and the returned text.
@@ -217,16 +239,18 @@ int bench_gpu_train_step(const BenchOptions& o) {
   run_matmuls();
   engine.train_batch(loader);
   engine.train_batch(loader);
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, behind_s, wait_s;
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, behind_s, wait_s, gathered;
   for (int r = 0; r < o.rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
     mm_s.push_back(now_s() - t0);
     StepTimings before = engine.timings();
+    const int64_t numel_before = engine.param_gather_stats().gathered_numel;
     t0 = now_s();
     for (int s = 0; s < o.steps; ++s) engine.train_batch(loader);
     step_s.push_back((now_s() - t0) / o.steps);
     StepTimings after = engine.timings();
+    gathered.push_back(static_cast<double>(engine.param_gather_stats().gathered_numel - numel_before) / o.steps);
     fwd_s.push_back((after.forward_s - before.forward_s) / o.steps);
     bwd_s.push_back((after.backward_s - before.backward_s) / o.steps);
     opt_s.push_back((after.step_s - before.step_s) / o.steps);
@@ -267,9 +291,17 @@ int bench_gpu_train_step(const BenchOptions& o) {
   const ParamGatherStats gs = engine.param_gather_stats();
   const double prefetched = gs.gathers > 0 ? static_cast<double>(gs.prefetched) / gs.gathers : 0.0;
   const double waited = gs.gathers > 0 ? static_cast<double>(gs.waited) / gs.gathers : 0.0;
+  // Stage 3's uploads against the rate page-locked memory goes up at: the
+  // step's floor from them alone (they overlap the compute at best).
+  double upload_bytes = 0, upload_rate = 0;
   if (o.stage == 3) {
+    upload_bytes = median(gathered) * static_cast<double>(dtype_bytes(DType::kBF16));
+    upload_rate = pinned_upload_rate(o.tiny ? size_t{1} << 20 : size_t{256} << 20);
     line["prefetched_share"] = prefetched;
     line["waited_share"] = waited;
+    line["upload_bytes_per_step"] = upload_bytes;
+    line["h2d_bytes_per_s"] = upload_rate;
+    line["upload_floor_s"] = upload_bytes / upload_rate;
   }
   char buf[1024];
   std::snprintf(buf, sizeof buf,
@@ -294,6 +326,12 @@ int bench_gpu_train_step(const BenchOptions& o) {
   if (o.stage == 3) {
     std::snprintf(buf, sizeof buf, "\n  stage 3: %.0f%% of the blocks' uploads prefetched, %.0f%% of the acquires waited",
                   100 * prefetched, 100 * waited);
+    text += buf;
+    std::snprintf(buf, sizeof buf,
+                  "\n  stage 3: %.2f GB uploaded a step; at the measured %.1f GB/s from page-locked memory that is "
+                  "%.3f s, %.0f%% of the step (its floor from the uploads alone)",
+                  upload_bytes / 1e9, upload_rate / 1e9, upload_bytes / upload_rate,
+                  100 * upload_bytes / upload_rate / t_step);
     text += buf;
   }
   if (o.profile) text += profile_round(engine, loader, o.steps, line);

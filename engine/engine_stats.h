@@ -26,6 +26,7 @@ struct ParamGatherStats {
   int64_t live_numel = 0;       // elements of the blocks gathered or gathering now
   int64_t peak_live_numel = 0;  // ... at most
   int64_t gathers = 0;          // all-gathers of a block submitted
+  int64_t gathered_numel = 0;   // ... their elements (padded), all together
   int64_t prefetched = 0;       // ... of which by a prefetch along the trace, ahead of the acquire
   int64_t waited = 0;           // acquires that found their block's gather still running
   int64_t trace_length = 0;     // acquires per training pass in the recorded order (0: none yet)

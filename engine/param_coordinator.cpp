@@ -329,6 +329,7 @@ void ParamCoordinator::use_device_gather(DeviceGather g) {
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (regather[b]) {
       stats_.gathers -= 1;  // the same gather, on the device now
+      stats_.gathered_numel -= blocks_[b].part.padded_numel;
       start_gather(blocks_[b], /*prefetch=*/false);
     }
 }
@@ -367,6 +368,7 @@ void ParamCoordinator::start_gather(BlockShard& s, bool prefetch) {
     });
   }
   stats_.gathers += 1;
+  stats_.gathered_numel += s.part.padded_numel;
   if (prefetch) stats_.prefetched += 1;
   stats_.live_numel += s.part.padded_numel;
   stats_.peak_live_numel = std::max(stats_.peak_live_numel, stats_.live_numel);

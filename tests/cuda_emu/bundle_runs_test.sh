@@ -72,4 +72,5 @@ for mode in "" "--ratio 0.5" "--resident" "--stage 3"; do
   expect "gpu-train-step llama $mode" "ratio:" "$tmp/last"
 done
 expect "gpu-train-step --stage 3" "stage 3: " "$tmp/last"
+expect "gpu-train-step --stage 3" "uploaded a step; at the measured .* GB/s from page-locked memory" "$tmp/last"
 exit $fail
