@@ -127,7 +127,8 @@ std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohman
       text += part;
     }
   }
-  std::snprintf(part, sizeof part, "\n    host time inside the calls (launching them): %.1f ms a step (%.0f%%)",
+  std::snprintf(part, sizeof part, "\n    host time inside the calls (launching them, and waiting where one reads a result back): %.1f ms a "
+                "step (%.0f%%)",
                 1e3 * host, 100 * host / step);
   return text + part;
 }
