@@ -99,7 +99,8 @@ void gated_forward_16(void* out16, DType t, const float* gate_up, int64_t N, int
 // dbias is null, bias_backward of that dx.
 void gelu_backward_bias_16(float* dbias, void* dx16, DType t, const float* x, const float* dout, int64_t M,
                            int64_t N, cudaStream_t stream);
-// cross_entropy with dlogits written to dlogits16 only (N x V, 16-bit):
+// cross_entropy with dlogits written to dlogits16 only (N x V, 16-bit, not
+// overlapping logits):
 // the head's logit gradient as its backward products read it. Its third
 // pass recomputes the exponentials instead of reading them back, so the
 // logits are read three times and no fp32 gradient is written.

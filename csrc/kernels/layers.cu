@@ -7,6 +7,7 @@
 // chunk of rows, the chunks' sums added in order), the embeddings give each
 // thread one column and add the rows in order.
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
@@ -217,8 +218,17 @@ __device__ inline float lanes_max(const float* x, int64_t n, int lane) {
 // threads still join every shuffle (two rows share a warp, the masks are
 // full) but visit no column (n = 0), never read x[tgt], then write a row
 // loss of 0 and a zero dlogits row, as the CPU's memset.
-__global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V, float* dlogits,
-                                     double grad_scale, double* row_loss) {
+//
+// Out = float: dlogits as above (may alias logits, may be null). Out =
+// uint16_t: the gradient rounded to t and written to dlogits only (Note
+// [fused 16-bit operands] in kernels_cuda.h; it must not overlap logits):
+// the last pass recomputes the exponentials (exp_f of the same floats)
+// instead of reading an fp32 copy back, with the same factor and target
+// term in the same order, so the bits are the fp32 gradient's, rounded.
+template <class Out>
+__global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V, Out* dlogits,
+                                     DType t, double grad_scale, double* row_loss) {
+  constexpr bool k16 = std::is_same_v<Out, uint16_t>;
   const CeRow c = ce_row(targets, N, V);
   const int64_t row = c.row, r = c.r, n = c.n;
   const int lane = c.lane;
@@ -228,59 +238,37 @@ __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets
   const float x_tgt = n > 0 ? x[tgt] : 0.0f;
   const float mx = lanes_max(x, n, lane);
   __syncwarp();
-  float* e = dlogits ? dlogits + r * V : nullptr;
+  Out* e = dlogits ? dlogits + r * V : nullptr;
   const double sum = lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) {
     const float v = math::exp_f(x[j] - mx);
-    if (e) e[j] = v;
+    if constexpr (!k16) {
+      if (e) e[j] = v;
+    }
     return v;
   }));
   if (!valid) return;
   if (ignored) {
     if (lane == 0) row_loss[row] = 0.0;
     if (e)
-      for (int64_t j = lane; j < V; j += math::kLanes) e[j] = 0.0f;
+      for (int64_t j = lane; j < V; j += math::kLanes) {
+        if constexpr (k16) e[j] = float_to_16(0.0f, t);
+        else e[j] = 0.0f;
+      }
     return;
   }
   if (lane == 0) row_loss[row] = log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
-  if (e) {
-    const float f = math::cross_entropy_factor(grad_scale, sum);
+  if (!e) return;
+  const float f = math::cross_entropy_factor(grad_scale, sum);
+  if constexpr (k16) {
+    const float g = static_cast<float>(grad_scale);
+    for (int64_t j = lane; j < V; j += math::kLanes) {
+      float v = math::exp_f(x[j] - mx) * f;
+      if (j == tgt) v -= g;
+      e[j] = float_to_16(v, t);
+    }
+  } else {
     for (int64_t j = lane; j < V; j += math::kLanes) e[j] *= f;
     if (tgt % math::kLanes == lane) e[tgt] -= static_cast<float>(grad_scale);
-  }
-}
-
-// cross_entropy_kernel with the gradient rounded to t and written to d16
-// only (Note [fused 16-bit operands]): the same exponentials (exp_f of the
-// same floats), factor and target term, in the same order, so the bits are
-// cross_entropy_kernel's, then float_to_16's; the third pass recomputes the
-// exponentials rather than reading an fp32 copy.
-__global__ void cross_entropy_16_kernel(const float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                        uint16_t* d16, DType t, double grad_scale, double* row_loss) {
-  const CeRow c = ce_row(targets, N, V);
-  const int64_t row = c.row, r = c.r, n = c.n;
-  const int lane = c.lane;
-  const bool valid = c.valid, ignored = c.ignored;
-  const int32_t tgt = c.tgt;
-  const float* x = logits + r * V;
-  const float x_tgt = n > 0 ? x[tgt] : 0.0f;
-  const float mx = lanes_max(x, n, lane);
-  __syncwarp();
-  const double sum =
-      lane_combine(math::lane_partial<double>(n, lane, [&](int64_t j) { return math::exp_f(x[j] - mx); }));
-  if (!valid) return;
-  uint16_t* e = d16 + r * V;
-  if (ignored) {
-    if (lane == 0) row_loss[row] = 0.0;
-    for (int64_t j = lane; j < V; j += math::kLanes) e[j] = float_to_16(0.0f, t);
-    return;
-  }
-  if (lane == 0) row_loss[row] = log(sum) + static_cast<double>(mx) - static_cast<double>(x_tgt);
-  const float f = math::cross_entropy_factor(grad_scale, sum);
-  const float g = static_cast<float>(grad_scale);
-  for (int64_t j = lane; j < V; j += math::kLanes) {
-    float v = math::exp_f(x[j] - mx) * f;
-    if (j == tgt) v -= g;
-    e[j] = float_to_16(v, t);
   }
 }
 
@@ -529,8 +517,8 @@ void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64
   GpuProfileScope profile_scope(Op::kCrossEntropy, stream);
   if (N <= 0) return;
   const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
-  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, V, dlogits, grad_scale,
-                                                                  row_loss);
+  cross_entropy_kernel<float><<<row_blocks(N), kRowThreads, 0, stream>>>(logits, targets, N, V, dlogits,
+                                                                         DType::kF32, grad_scale, row_loss);
   detail::check_launch("cross_entropy");
 }
 
@@ -540,7 +528,7 @@ void cross_entropy_16(const float* logits, const int32_t* targets, int64_t N, in
   detail::check_operand16(t, "cuda::cross_entropy_16");
   if (N <= 0) return;
   const double grad_scale = static_cast<double>(dloss_scale) / static_cast<double>(N);
-  cross_entropy_16_kernel<<<row_blocks(N), kRowThreads, 0, stream>>>(
+  cross_entropy_kernel<uint16_t><<<row_blocks(N), kRowThreads, 0, stream>>>(
       logits, targets, N, V, static_cast<uint16_t*>(dlogits16), t, grad_scale, row_loss);
   detail::check_launch("cross_entropy_16");
 }
