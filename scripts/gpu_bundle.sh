@@ -155,12 +155,13 @@ if want bench; then
 # fused AdamW, ZeRO-Offload against PyTorch's CPU-AdamW loop and against
 # zinc's resident step, stage 3 against stage 2), the 355M GPT and then the
 # ~1B Llama (TinyLlama 1.1B's shape, fewer rounds: its steps are longer);
-# the GPU profile on in zinc's (one more round, outside the figures).
-zinc_bench 200 --large --resident --profile
+# the GPU profile on in zinc's (one more round, outside the figures);
+# five rounds of the large GPT (the cuBLAS bound alternates with them).
+zinc_bench 200 --large --rounds 5 --resident --profile
 torch_peer 200 --large
-zinc_bench 200 --large --profile
+zinc_bench 200 --large --rounds 5 --profile
 torch_peer 200 --large --offload
-zinc_bench 200 --large --stage 3 --profile
+zinc_bench 200 --large --rounds 5 --stage 3 --profile
 zinc_bench 300 --model llama --resident --rounds 3 --steps 2 --profile
 torch_peer 300 --model llama --rounds 3 --steps 2
 zinc_bench 300 --model llama --rounds 3 --steps 2 --profile
@@ -169,14 +170,14 @@ zinc_bench 300 --model llama --stage 3 --rounds 3 --steps 2
 # Then the variants: half the states on the GPU, the update in place, the
 # update on more cores, the bias in a separate pass, and the small
 # reference GPT.
-zinc_bench 200 --large --ratio 0.5
+zinc_bench 200 --large --rounds 5 --ratio 0.5
 zinc_bench 300 --model llama --ratio 0.5 --rounds 3 --steps 2
-zinc_bench 200 ZINC_GPU_UPDATE_BEHIND=0 --large
+zinc_bench 200 ZINC_GPU_UPDATE_BEHIND=0 --large --rounds 5
 # The CPU update on every core but the one that drives the GPU (the others
 # run on OMP_NUM_THREADS, 8 unless set).
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
-zinc_bench 200 OMP_NUM_THREADS=$((cores > 2 ? cores - 1 : 1)) --large
-zinc_bench 200 ZINC_CUDA_MATMUL_BIAS=separate --large --resident
+zinc_bench 200 OMP_NUM_THREADS=$((cores > 2 ? cores - 1 : 1)) --large --rounds 5
+zinc_bench 200 ZINC_CUDA_MATMUL_BIAS=separate --large --rounds 5 --resident
 zinc_bench 120
 torch_peer 120 --offload
 echo "== benchmarks done at ${SECONDS} s"
