@@ -43,12 +43,14 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "bench/benches.h"
 #include "core/cuda_util.h"
+#include "core/parallel.h"
 #include "core/device.h"
 #include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
@@ -288,7 +290,14 @@ int bench_gpu_train_step(const BenchOptions& o) {
                          {"update_behind_s", median(behind_s)},
                          {"update_wait_s", median(wait_s)},
                          {"gpu_state_peak_bytes", engine.gpu_state_peak_bytes()},
-                         {"params", engine.num_parameters()}};
+                         {"params", engine.num_parameters()},
+                         {"omp_threads", num_threads()}};
+  // The engine's switches this run set (the bundle's variants; bench/gpu_summary.py
+  // sets a line with any of them apart from the plain cases).
+  nlohmann::json env = nlohmann::json::object();
+  for (const char* k : {"ZINC_GPU_UPDATE_BEHIND", "ZINC_CUDA_MATMUL_BIAS", "ZINC_CUDA_ATTENTION"})
+    if (const char* v = std::getenv(k)) env[k] = v;
+  line["env"] = env;
   const ParamGatherStats gs = engine.param_gather_stats();
   const double prefetched = gs.gathers > 0 ? static_cast<double>(gs.prefetched) / gs.gathers : 0.0;
   const double waited = gs.gathers > 0 ? static_cast<double>(gs.waited) / gs.gathers : 0.0;

@@ -37,7 +37,8 @@ done | sort -u | while read -r lib; do
   esac
 done
 cp configs/*.json "$out/configs/"
-cp bench/torch_gpt_peer.py bench/gpu_compare.sh bench/deepspeed_gpu_peer.py scripts/install_wheels.py "$out/bench/"
+cp bench/torch_gpt_peer.py bench/gpu_compare.sh bench/deepspeed_gpu_peer.py bench/gpu_summary.py scripts/install_wheels.py \
+  "$out/bench/"
 # DeepSpeed (the version the CPU peers pin, bench/peers/setup.sh) as a wheel
 # built from its source release without its extensions (its CPU Adam is
 # built on the GPU machine, just in time), and its dependencies, the
@@ -66,7 +67,8 @@ cat > "$out/run.sh" <<'RUN'
 # the DeepSpeed peer and, where Nsight Systems runs, a profile. Results go
 # to stdout and, with a first argument, into that folder: run.log (all of
 # stdout), gpu-train-step.jsonl, torch-peer.jsonl, deepspeed-peer.jsonl and
-# gpu-step-profile.txt, five files at most. A second argument picks parts,
+# gpu-step-profile.txt, five files at most; at the end, the table of issue
+# 53's aims from them (bench/gpu_summary.py). A second argument picks parts,
 # comma-separated (tests, bench, train, deepspeed, profile; default all),
 # which run in that order.
 #   bash run.sh [RESULTS_DIR] [PART[,PART...]|all]
@@ -242,6 +244,12 @@ else
   echo "== profile: skipped, no nsys (Nsight Systems) on this machine"
 fi
 echo "== profile done at ${SECONDS} s"
+fi
+# Issue 53's aims against what this call and earlier ones into the same
+# folder measured (bench/gpu_summary.py).
+if [ -n "$res" ]; then
+  echo "== the aims"
+  python3 "$here/bench/gpu_summary.py" "$res" || true
 fi
 [ -s "$skips" ] && echo "run.sh: $(wc -l <"$skips") item(s) skipped for the time budget"
 echo "run.sh: done at ${SECONDS} s, status $rc"
