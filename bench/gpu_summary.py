@@ -53,6 +53,16 @@ def read_lines(path, notes):
     return out
 
 
+def num(v):
+    """v as a float, or None where it is none (a field of the wrong type)."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def first(lines, **want):
     for line in lines:
         if all(line.get(k) == v for k, v in want.items()):
@@ -66,7 +76,8 @@ def zinc_case(lines, case, states, stage, ratio=1.0, plain=True):
             continue
         if line.get("optimizer_states") != states or line.get("zero_stage") != stage:
             continue
-        if states == "cpu" and abs(float(line.get("offload_ratio", 1.0)) - ratio) > 1e-9:
+        r = num(line.get("offload_ratio", 1.0))
+        if states == "cpu" and (r is None or abs(r - ratio) > 1e-9):
             continue
         if plain and line.get("env"):
             continue
@@ -101,11 +112,10 @@ def summarise(results_dir):
     def tps(line):
         if line is None:
             return None
-        try:
-            return float(line["tokens_per_s"])
-        except (KeyError, TypeError, ValueError):
+        v = num(line.get("tokens_per_s"))
+        if v is None:
             notes.append("a %s line without tokens_per_s, skipped" % line.get("bench", "?"))
-            return None
+        return v
 
     for case, name in (("large", "355M GPT"), ("llama-1.1b", "~1B Llama")):
         res = zinc_case(zinc, case, "gpu", 2)
@@ -118,7 +128,7 @@ def summarise(results_dir):
         r = ratio(tps(res), tps(t_res))
         rows.append((name, "states on the GPU / PyTorch (SDPA, fused AdamW)", fmt(r), ">= %.2f" % AIMS["resident_vs_torch"],
                      verdict(r, AIMS["resident_vs_torch"])))
-        b = res.get("ratio") if res else None
+        b = num(res.get("ratio")) if res else None
         rows.append((name, "states on the GPU / cuBLAS bound", fmt(b), ">= %.2f" % AIMS["resident_vs_bound"],
                      verdict(b, AIMS["resident_vs_bound"])))
         r = ratio(tps(off), tps(t_off))
@@ -134,8 +144,7 @@ def summarise(results_dir):
         r = ratio(tps(s3), tps(off))
         extra = ""
         if s3 is not None:
-            pre, floor = s3.get("prefetched_share"), s3.get("upload_floor_s")
-            step = s3.get("step_s")
+            pre, floor, step = (num(s3.get(k)) for k in ("prefetched_share", "upload_floor_s", "step_s"))
             extra = " (%s prefetched%s)" % (fmt(pre * 100 if pre is not None else None, "%.0f%%"),
                                            ", uploads alone %s of the step" % fmt(floor / step if floor and step else None)
                                            if floor is not None else "")
@@ -148,6 +157,9 @@ def summarise(results_dir):
         # The variants: each against its plain case.
         for line in zinc:
             if line.get("bench") != "gpu-train-step" or line.get("case") != case or not line.get("env"):
+                continue
+            if not isinstance(line["env"], dict):
+                notes.append("a gpu-train-step line whose env is not an object, skipped")
                 continue
             states = line.get("optimizer_states")
             base = res if states == "gpu" else off

@@ -18,7 +18,8 @@ import gpu_summary  # noqa: E402
 
 def zinc(case, states, stage, tps, ratio=1.0, env=None, omp=8, **extra):
     line = {"bench": "gpu-train-step", "case": case, "optimizer_states": states, "zero_stage": stage,
-            "offload_ratio": 0.0 if states == "gpu" else ratio, "tokens_per_s": tps, "step_s": 32768 / tps,
+            "offload_ratio": 0.0 if states == "gpu" else ratio, "tokens_per_s": tps,
+            "step_s": 32768 / tps if isinstance(tps, float) else None,
             "ratio": 0.6, "env": env or {}, "omp_threads": omp}
     line.update(extra)
     return line
@@ -116,3 +117,17 @@ def test_a_line_without_its_figure_is_noted_not_taken(tmp_path):
     t, notes = table(tmp_path)
     assert t[("355M GPT", "states on the GPU / PyTorch (SDPA, fused AdamW)")] == ("-", "not measured")
     assert any("without tokens_per_s" in n for n in notes)
+
+
+def test_fields_of_the_wrong_type_are_skipped_not_fatal(tmp_path):
+    write(tmp_path, "gpu-train-step.jsonl", [
+        zinc("large", "cpu", 2, 90.0, ratio="half"),
+        zinc("large", "gpu", 2, "fast", env=None),
+        {"bench": "gpu-train-step", "case": "large", "optimizer_states": "cpu", "zero_stage": 2, "env": ["x"],
+         "tokens_per_s": 1.0, "offload_ratio": 1.0},
+        zinc("large", "cpu", 3, 70.0, prefetched_share="most", upload_floor_s=None, step_s=True),
+    ])
+    rows, notes = gpu_summary.summarise(str(tmp_path))
+    assert rows and any("without tokens_per_s" in n for n in notes)
+    s3 = [r for r in rows if r[1].startswith("stage 3 /") and r[0] == "355M GPT"][0]
+    assert "- prefetched" in s3[1]
