@@ -316,14 +316,15 @@ class Llama final : public Model {
     const int64_t E = c_.num_experts, Ie = c_.expert_size(), M = N * c_.num_experts_per_tok;
     if (E > 0) {
       // Per set of layer activations (MoeActs): probs, experts, weights,
-      // the two grouping maps, xg, gu, act, y and the 16-bit copies the
-      // experts' matmuls read; once: the router logits and backward's
-      // grouped-row scratch. The grouped rows at their padded most (Note
-      // [expert row blocks]).
+      // the two grouping maps, xg, gu, act (not with kDropMoeAct), y and
+      // the 16-bit copies the experts' matmuls read; once: the router
+      // logits and backward's grouped-row scratch. The grouped rows at
+      // their padded most (Note [expert row blocks]).
       const int64_t Mg = padded_rows(N);
       const int64_t moe = buffer_bytes(N * E) + 2 * buffer_bytes(M, sizeof(int32_t)) +
                           buffer_bytes(Mg, sizeof(int32_t)) + buffer_bytes(M) + 2 * buffer_bytes(Mg * C) +
-                          buffer_bytes(Mg * 2 * Ie) + buffer_bytes(Mg * Ie) + matmul_input_bytes(Mg * C, dt) +
+                          buffer_bytes(Mg * 2 * Ie) + unless(kDropMoeAct, buffer_bytes(Mg * Ie)) +
+                          matmul_input_bytes(Mg * C, dt) +
                           matmul_input_bytes(Mg * Ie, dt);
       m.saved += act_sets * moe + buffer_bytes(N * E) + buffer_bytes(Mg * C) + buffer_bytes(Mg * 2 * Ie) +
                  buffer_bytes(Mg * Ie) + buffer_bytes(M);
@@ -1607,7 +1608,17 @@ class Llama final : public Model {
   // backward, after the rounding), over the whole vocabulary
   // (whole_vocab), without a final soft cap or logit scaling (whose
   // backward passes read the fp32 gradient).
-  enum : int { kDropLn1 = 1, kDropLn2 = 2, kDropAct = 4, kDropAtt = 8, kDropLnf = 16, kLogitGrad16 = 32 };
+  // kDropMoeAct: the experts' SwiGLU output (their down projections read
+  // its 16-bit operand; expert ranks grow it back where they need it).
+  enum : int {
+    kDropLn1 = 1,
+    kDropLn2 = 2,
+    kDropAct = 4,
+    kDropAtt = 8,
+    kDropLnf = 16,
+    kLogitGrad16 = 32,
+    kDropMoeAct = 64
+  };
   int dropped_buffers(DType dt, int seq, bool whole_vocab) const {
     if (!ops_->fuses_every_operand16(dt)) return 0;
     int d = 0;
@@ -1616,6 +1627,7 @@ class Llama final : public Model {
     if (c_.pre_norms && !c_.layer_norm) d |= kDropLn1;
     if (c_.pre_norms && !c_.layer_norm && c_.num_experts == 0) d |= kDropLn2;
     if (c_.mlp_gated) d |= kDropAct;
+    if (c_.num_experts > 0) d |= kDropMoeAct;
     if (seq == 1) d |= kDropAtt;
     if (!c_.layer_norm) d |= kDropLnf;
     return d;
@@ -1683,7 +1695,7 @@ class Llama final : public Model {
         m.weight = ops_->alloc_f32(M);
         m.xg = ops_->alloc_f32(Mg * C);
         m.gu = ops_->alloc_f32(Mg * 2 * Ie);
-        m.act = ops_->alloc_f32(Mg * Ie);
+        m.act = dropped & kDropMoeAct ? Buf{} : ops_->alloc_f32(Mg * Ie);
         m.y = ops_->alloc_f32(Mg * C);
       }
       moe_logits_ = ops_->alloc_f32(N * E);

@@ -276,6 +276,19 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
                                          buffer_bytes(N * C) + logit_grad_delta(37));
   EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF32)->saved,
             llama(Device::kCpu)->activation_memory(B, T, DType::kF32)->saved);
+  // A mixture of experts keeps ln_2 (its experts gather rows of it), and on
+  // the GPU not the experts' SwiGLU output (their grouped rows, padded to
+  // 16-row blocks: Note [expert row blocks]).
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 32;
+  const auto mcpu = llama(Device::kCpu)->activation_memory(B, T, DType::kBF16);
+  const auto mgpu = llama(Device::kCuda)->activation_memory(B, T, DType::kBF16);
+  ASSERT_TRUE(mcpu && mgpu);
+  const int64_t Mg = N * 2 + 4 * 15;
+  EXPECT_EQ(mcpu->saved - mgpu->saved, L * (buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) +
+                                            ws_delta(A, 4) + buffer_bytes(Mg * 32)) +
+                                           buffer_bytes(N * C) + logit_grad_delta(37));
   models::GptConfig g;
   g.vocab_size = 29;
   g.block_size = 32;
