@@ -125,12 +125,14 @@ std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohman
                   100 * main.outside_s / steps / step);
     text += part;
     for (size_t k = 1; k < t.streams.size(); ++k) {
-      std::snprintf(part, sizeof part, "\n    another stream: %.1f ms in the calls", 1e3 * t.streams[k].scoped_s / steps);
+      std::snprintf(part, sizeof part, "\n    another stream: %.1f ms in the calls",
+                    1e3 * t.streams[k].scoped_s / steps);
       text += part;
     }
   }
-  std::snprintf(part, sizeof part, "\n    host time inside the calls (launching them, and waiting where one reads a result back): %.1f ms a "
-                "step (%.0f%%)",
+  std::snprintf(part, sizeof part,
+                "\n    host time inside the calls (launching them, and waiting where one reads a result back): "
+                "%.1f ms a step (%.0f%%)",
                 1e3 * host, 100 * host / step);
   return text + part;
 }

@@ -142,7 +142,8 @@ GpuProfileTotals gpu_profile_read() {
   for (const auto& tp : r.timelines) {
     Timeline& t = *tp;
     std::lock_guard<std::mutex> tlock(t.mu);
-    if (t.failed != cudaSuccess) ::zinc::cuda::throw_cuda_error(t.failed, "GPU profile: an event record", __FILE__, __LINE__);
+    if (t.failed != cudaSuccess)
+      ::zinc::cuda::throw_cuda_error(t.failed, "GPU profile: an event record", __FILE__, __LINE__);
     for (int i = 0; i < kNumOps; ++i) {
       out.host_s[i] += t.host_s[i];
       out.calls[i] += t.calls[i];

@@ -18,7 +18,8 @@ double secs(Clock::duration d) { return std::chrono::duration<double>(d).count()
 }  // namespace
 
 const char* op_name(Op op) {
-  static const char* names[] = {"matmul", "attention", "layernorm", "gelu", "cross_entropy", "embedding", "bias", "vector", "convert", "adamw"};
+  static const char* names[] = {"matmul",    "attention", "layernorm", "gelu",    "cross_entropy",
+                                "embedding", "bias",      "vector",    "convert", "adamw"};
   return names[static_cast<int>(op)];
 }
 

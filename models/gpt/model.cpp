@@ -728,7 +728,9 @@ class Gpt final : public Model {
     lnf_mean_ = ops_->alloc_f32(N);
     lnf_rstd_ = ops_->alloc_f32(N);
     logits_ = sr.head ? ops_->alloc_f32(N * static_cast<size_t>(Vh_)) : Buf{};
-    dlogits_ = !sr.head ? Buf{} : grad16 ? ops_->alloc(N * static_cast<size_t>(Vh_) * 2) : ops_->alloc_f32(N * static_cast<size_t>(Vh_));
+    dlogits_ = !sr.head ? Buf{}
+               : grad16 ? ops_->alloc(N * static_cast<size_t>(Vh_) * 2)
+                        : ops_->alloc_f32(N * static_cast<size_t>(Vh_));
     dlnf_ = ops_->alloc_f32(N * C);
     dres_ = ops_->alloc_f32(N * C);
     dsmall_ = ops_->alloc_f32(N * C);

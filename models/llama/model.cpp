@@ -360,7 +360,8 @@ class Llama final : public Model {
         detail::tally_linear_forward(t, x, N, C, vocab_share(parts), false, dt);
         // The head's weight gradient: its block's, or with a tied head the embedding's.
         const size_t hb = c_.tie_word_embeddings ? 0 : static_cast<size_t>(head_block_);
-        const int64_t copy = detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt, !specs_[hb].frozen);
+        const int64_t copy =
+            detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt, !specs_[hb].frozen);
         if (!(dropped & kLogitGrad16)) dy_copy = std::max(dy_copy, copy);  // else the cross-entropy wrote the operand
       }
       return t.bytes();

@@ -263,7 +263,8 @@ TEST(CudaLayers, CrossEntropyWithIgnoredTargetsMatchesTheCpu) {
         DeviceBuffer d16 = filled16(N * V), rows16 = upload(std::vector<double>(N, std::nan("")));
         cuda::cross_entropy_16(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d16.data(), t, 0.5f,
                                rows16.as<double>(), nullptr);
-        ASSERT_EQ(rounded16(dl, t), download<uint16_t>(d16, dl.size())) << "cross_entropy_16 " << dtype_name(t) << " " << at;
+        ASSERT_EQ(rounded16(dl, t), download<uint16_t>(d16, dl.size()))
+            << "cross_entropy_16 " << dtype_name(t) << " " << at;
         const std::vector<double> r16 = download<double>(rows16, N);
         for (int64_t i = 0; i < N; ++i) EXPECT_EQ(rows[i], r16[i]) << "cross_entropy_16 row loss " << i << " " << at;
       }
