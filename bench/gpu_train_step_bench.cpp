@@ -106,11 +106,16 @@ std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohman
     by_kind += part;
   }
   nlohmann::json streams = nlohmann::json::array();
-  for (const kc::GpuStreamProfile& sp : t.streams)
+  for (const kc::GpuStreamProfile& sp : t.streams) {
+    nlohmann::json on = nlohmann::json::object();  // its calls' GPU time by kind
+    for (int i = 0; i < kernels::kNumOps; ++i)
+      if (sp.gpu_s[i] > 0) on[kernels::op_name(static_cast<kernels::Op>(i))] = sp.gpu_s[i] / steps;
     streams.push_back({{"events", sp.events},
                        {"span_s", sp.span_s / steps},
                        {"calls_s", sp.scoped_s / steps},
-                       {"outside_s", sp.outside_s / steps}});
+                       {"outside_s", sp.outside_s / steps},
+                       {"kinds", on}});
+  }
   line["gpu_profile"] = {{"step_s", step}, {"kinds", kinds}, {"streams", streams}, {"host_in_calls_s", host}};
   std::string text = "\n  profile (one more round, " + std::to_string(steps) + (steps == 1 ? " step" : " steps") +
                      ", events around each kernel call";
@@ -124,10 +129,15 @@ std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohman
                   1e3 * main.scoped_s / steps, 100 * main.scoped_s / steps / step, 1e3 * main.outside_s / steps,
                   100 * main.outside_s / steps / step);
     text += part;
-    for (size_t k = 1; k < t.streams.size(); ++k) {
-      std::snprintf(part, sizeof part, "\n    another stream: %.1f ms in the calls",
-                    1e3 * t.streams[k].scoped_s / steps);
-      text += part;
+    for (size_t k = 1; k < t.streams.size(); ++k) {  // the engine's copy streams: what ran there
+      text += "\n    another stream:";
+      for (int i = 0; i < kernels::kNumOps; ++i) {
+        if (t.streams[k].gpu_s[i] <= 0) continue;
+        std::snprintf(part, sizeof part, " %s %.1f ms (%.0f%% of the step)",
+                      kernels::op_name(static_cast<kernels::Op>(i)), 1e3 * t.streams[k].gpu_s[i] / steps,
+                      100 * t.streams[k].gpu_s[i] / steps / step);
+        text += part;
+      }
     }
   }
   std::snprintf(part, sizeof part,

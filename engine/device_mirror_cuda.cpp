@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/device_mirror.h"
+#include "kernels/gpu_profile.h"
 #include "kernels/kernels_cuda.h"
 #include "optim/optim_cuda.h"
 
@@ -152,8 +153,11 @@ class CudaMirror final : public DeviceMirror {
       k.produced->record(kCompute);
       k.produced->wait_on(copy_.get());
     }
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, copy_.get()),
-                    ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    {
+      kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kCopy, copy_.get());
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, copy_.get()),
+                      ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    }
     k.uploaded->record(copy_.get());
     k.upload_pending = true;
   }
@@ -202,6 +206,7 @@ class CudaMirror final : public DeviceMirror {
       k.uploaded->wait_on(kCompute);
       k.upload_pending = false;
     }
+    kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kCopy, kCompute);
     ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, k.params.bytes, cudaMemcpyHostToDevice, kCompute),
                     ("upload of block " + std::to_string(block) + "'s parameters").c_str());
   }
@@ -233,8 +238,11 @@ class CudaMirror final : public DeviceMirror {
     }
     k.produced->record(kCompute);
     k.produced->wait_on(copy_.get());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), k.grads.p, k.grads.bytes, cudaMemcpyDeviceToHost, copy_.get()),
-                    ("copy of block " + std::to_string(block) + "'s gradients to the host").c_str());
+    {
+      kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kCopy, copy_.get());
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.staging.data(), k.grads.p, k.grads.bytes, cudaMemcpyDeviceToHost, copy_.get()),
+                      ("copy of block " + std::to_string(block) + "'s gradients to the host").c_str());
+    }
     done_with_grads(k, copy_.get());
     k.copied->record(copy_.get());
     k.copy_pending = true;
@@ -486,8 +494,11 @@ class CudaMirror final : public DeviceMirror {
     ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice on the gather thread");
     Block& k = blocks_[static_cast<size_t>(block)];
     k.allocated->wait_on(gather_copy_.get());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, param_bytes(k), cudaMemcpyHostToDevice, gather_copy_.get()),
-                    ("upload of block " + std::to_string(block) + "'s parameters (stage 3)").c_str());
+    {
+      kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kCopy, gather_copy_.get());
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, host, param_bytes(k), cudaMemcpyHostToDevice, gather_copy_.get()),
+                      ("upload of block " + std::to_string(block) + "'s parameters (stage 3)").c_str());
+    }
     gather_copy_.synchronize("upload of a block's parameters (stage 3)");
   }
 
@@ -600,8 +611,11 @@ class CudaMirror final : public DeviceMirror {
       k.produced->record(kCompute);
       k.produced->wait_on(upload_.get());
     }
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, st.buf.data(), bytes, cudaMemcpyHostToDevice, upload_.get()),
-                    ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    {
+      kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kCopy, upload_.get());
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(k.params.p, st.buf.data(), bytes, cudaMemcpyHostToDevice, upload_.get()),
+                      ("upload of block " + std::to_string(block) + "'s parameters").c_str());
+    }
     st.free.record(upload_.get());
     st.used = true;
     k.uploaded->record(upload_.get());  // params() makes the compute stream wait for it

@@ -2,7 +2,9 @@
 // Where a step's GPU time goes, without Nsight Systems (which the GPU
 // machines this project is lent do not run): every kernel entry point of
 // kernels_cuda.h and optim_cuda.h opens a GpuProfileScope of its kind on
-// its stream. With the profile on, a scope records a CUDA event where it
+// its stream, and so do the engine's copies of parameters and gradients
+// between host and device (kCopy, engine/device_mirror_cuda.cpp), on the
+// streams they run on. With the profile on, a scope records a CUDA event where it
 // opens and where it closes, and each mark notes which kind is open after
 // it on its thread. Per (thread, stream), the time between two consecutive
 // marks is the GPU's time on that stream from the first to the second: the
@@ -165,6 +167,7 @@ GpuProfileTotals gpu_profile_read() {
         sp.span_s += s;
         if (marks[i]->open >= 0) {
           out.gpu_s[marks[i]->open] += s;
+          sp.gpu_s[marks[i]->open] += s;
           sp.scoped_s += s;
         } else {
           sp.outside_s += s;

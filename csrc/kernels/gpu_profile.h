@@ -27,6 +27,7 @@ struct GpuStreamProfile {
   double span_s = 0;     // first event to last
   double scoped_s = 0;   // inside the kinds' calls (the sum of gpu_s on this stream)
   double outside_s = 0;  // between them: the engine's own work and waits, and the GPU idle
+  double gpu_s[kNumOps] = {};  // scoped_s by kind
 };
 struct GpuProfileTotals {
   double gpu_s[kNumOps] = {};   // GPU time inside the kind's calls, exclusive of nested calls

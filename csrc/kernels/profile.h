@@ -11,8 +11,9 @@
 
 namespace zinc::kernels {
 
-// kConvert and kAdamW are the GPU's alone (kernels/gpu_profile.h): its dtype
-// conversions and its AdamW; the CPU's profile never records them.
+// kConvert, kAdamW and kCopy are the GPU's alone (kernels/gpu_profile.h):
+// its dtype conversions, its AdamW, and the engine's copies between host
+// and device; the CPU's profile never records them.
 enum class Op : int {
   kMatmul,
   kAttention,
@@ -24,6 +25,7 @@ enum class Op : int {
   kVector,
   kConvert,
   kAdamW,
+  kCopy,
   kCount
 };
 constexpr int kNumOps = static_cast<int>(Op::kCount);
