@@ -278,9 +278,8 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   };
   // And the logit gradient, its 16-bit operand alone on the GPU (Ops::cross_entropy_operand16).
   auto logit_grad_delta = [&](int64_t V) { return buffer_bytes(N * V) - buffer_bytes(N * V, 2); };
-  EXPECT_EQ(gap(llama), L * (2 * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) +
-                                          ws_delta(A, 4)) +
-                                         buffer_bytes(N * C) + logit_grad_delta(37));
+  EXPECT_EQ(gap(llama), L * (2 * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) + ws_delta(A, 4)) +
+                            buffer_bytes(N * C) + logit_grad_delta(37));
   EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF32)->saved,
             llama(Device::kCpu)->activation_memory(B, T, DType::kF32)->saved);
   // A mixture of experts keeps ln_2 (its experts gather rows of it), and on
@@ -290,9 +289,9 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   c.num_experts_per_tok = 2;
   c.moe_intermediate_size = 32;
   const int64_t Mg = N * 2 + 4 * 15;
-  EXPECT_EQ(gap(llama), L * (buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) +
-                                            ws_delta(A, 4) + buffer_bytes(Mg * 32)) +
-                                           buffer_bytes(N * C) + logit_grad_delta(37));
+  EXPECT_EQ(gap(llama), L * (buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) + ws_delta(A, 4) +
+                             buffer_bytes(Mg * 32)) +
+                            buffer_bytes(N * C) + logit_grad_delta(37));
   models::GptConfig g;
   g.vocab_size = 29;
   g.block_size = 32;
