@@ -280,7 +280,7 @@ int bench_train_step(const BenchOptions& o) {
       double per_step = prof.seconds[i] / steps;
       const auto op = static_cast<zinc::kernels::Op>(i);
       if (op == zinc::kernels::Op::kVector) continue;  // folded into "other"
-      if (op == zinc::kernels::Op::kConvert || op == zinc::kernels::Op::kAdamW || op == zinc::kernels::Op::kCopy)
+      if (op == zinc::kernels::Op::kConvert || op == zinc::kernels::Op::kOptimizer || op == zinc::kernels::Op::kCopy)
         continue;  // the GPU's alone
       breakdown[zinc::kernels::op_name(static_cast<zinc::kernels::Op>(i))] = per_step;
       accounted += per_step;

@@ -817,17 +817,13 @@ bool parse_device(Reader& r, Config& c) {
 // What the GPU path covers (Note [the GPU path] in engine/engine.cpp):
 // ZeRO-Offload (optimizer states on the host or NVMe, updated by the CPU
 // optimizer) at stages 1-3 (optimizer offload needs stage >= 1), and AdamW
-// over GPU-resident states at stages 0-3; not Lamb over GPU-resident states.
+// or Lamb over GPU-resident states at stages 0-3; not the 1-bit optimizers.
 void check_device_covered(const Config& c) {
   if (c.device != Device::kCuda) return;
   if (c.optimizer.one_bit())
     throw ConfigError("optimizer.type", std::string(optimizer_type_name(c.optimizer.type)) +
                                             " runs on CPU ranks only in zinc (its compressed all-reduce has no NCCL "
                                             "path yet); use \"device\": \"cpu\", or AdamW on the GPU");
-  if (c.zero.offload_optimizer.device == OffloadDevice::kNone && c.optimizer.type == OptimizerType::kLamb)
-    throw ConfigError("optimizer.type",
-                      "Lamb over GPU-resident states is not implemented; with \"device\": \"cuda\" use AdamW, "
-                      "or Lamb with zero_optimization.offload_optimizer.device \"cpu\"");
 }
 
 // "auto" picks the GPU only where the GPU path covers the rest of the

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "comm/comm.h"
@@ -121,8 +122,8 @@ class DeviceMirror {
   virtual void finish_grads_copy(int block, float* host) = 0;
   // ---- GPU-resident optimizer states (offload_optimizer "none" with
   // "device": "cuda", stages 0-2): fp32 master weights, m and v per block in
-  // GPU memory, updated by optim::adam_step_cuda, which writes the compute
-  // parameters in the same pass. ----
+  // GPU memory, updated by optim::adam_step_cuda (or optim::LambCuda),
+  // which writes the compute parameters in the same pass. ----
   // Per block: the states' length (the padded block on one rank, the rank's
   // shard on several; 0: the block's states are not here, a share of them
   // on the GPU) and where they start in the block (0, or the shard's
@@ -145,6 +146,15 @@ class DeviceMirror {
   // with enable_param_shards to the GPU shard too).
   virtual void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale,
                          void* host_out = nullptr) = 0;
+  // Lamb over the same states (Note [Lamb arithmetic] in optim/detail/
+  // lamb_math.h, optim::LambCuda): pass 1 adds each tensor's sums of w^2
+  // and u^2 over the block's state range into `sums` (host; segs over that
+  // range as optim::lamb_norms takes them), waiting for the result; pass 2
+  // is adam_step with the tensors' trust ratios.
+  virtual void lamb_norms(int block, const optim::LambParams& p, float grad_scale,
+                          std::span<const optim::LambSegment> segs, double* sums) = 0;
+  virtual void lamb_step(int block, const optim::LambParams& p, int64_t step, float grad_scale,
+                         std::span<const optim::LambSegment> segs, const double* ratios, void* host_out = nullptr) = 0;
   // ZeRO-Offload on one rank (Note [the norm on the GPU] in gpu_offload.cpp):
   // at a boundary, the sum of squares of the block's accumulator, on the
   // compute stream before anything reads or frees it; then the sum of

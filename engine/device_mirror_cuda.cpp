@@ -322,6 +322,32 @@ class CudaMirror final : public DeviceMirror {
   }
 
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
+    update_block(block, host_out, [&](float* master, const void* grad, float* m, float* v, void* out16, int64_t n) {
+      optim::adam_step_cuda(p, step, grad_scale, master, grad, DType::kF32, m, v, out16, compute_, n, kCompute);
+    });
+  }
+
+  void lamb_norms(int block, const optim::LambParams& p, float grad_scale, std::span<const optim::LambSegment> segs,
+                  double* sums) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    lamb_.norms(p, grad_scale, k.master.as<float>(), k.gshard.bytes() > 0 ? k.gshard.data() : k.grads.p, DType::kF32,
+                k.m.as<float>(), k.v.as<float>(), k.state_numel, segs, sums, kCompute);
+  }
+
+  void lamb_step(int block, const optim::LambParams& p, int64_t step, float grad_scale,
+                 std::span<const optim::LambSegment> segs, const double* ratios, void* host_out) override {
+    update_block(block, host_out, [&](float* master, const void* grad, float* m, float* v, void* out16, int64_t n) {
+      lamb_.apply(p, step, grad_scale, master, grad, DType::kF32, m, v, out16, compute_, n, segs, ratios, kCompute);
+    });
+  }
+
+  // One optimizer step of a block over its GPU states (adam_step's
+  // contract): `launch` enqueues the update of (master, grad, m, v) on the
+  // compute stream, writing the 16-bit compute values to out16 (null in
+  // fp32, where the master is copied); then the new values go where they
+  // belong.
+  template <class Launch>
+  void update_block(int block, void* host_out, Launch&& launch) {
     Block& k = blocks_[static_cast<size_t>(block)];
     const bool half = is_16bit(compute_);
     const bool shard = k.gshard.bytes() > 0;
@@ -335,9 +361,8 @@ class CudaMirror final : public DeviceMirror {
     char* out = host_out && k.pshard.bytes() > 0 ? k.pshard.as<char>()
                 : host_out                        ? update_out_.as<char>()
                                                   : k.params.as<char>() + static_cast<size_t>(k.state_offset) * dtype_bytes(compute_);
-    optim::adam_step_cuda(p, step, grad_scale, k.master.as<float>(), shard ? k.gshard.data() : k.grads.p,
-                          DType::kF32, k.m.as<float>(), k.v.as<float>(), half ? out : nullptr, compute_,
-                          k.state_numel, kCompute);
+    launch(k.master.as<float>(), shard ? k.gshard.data() : k.grads.p, k.m.as<float>(), k.v.as<float>(),
+           half ? static_cast<void*>(out) : nullptr, k.state_numel);
     if (host_out) {  // stage 3: the new compute values go to the host shard (fp32: the master itself)
       if (!half && k.pshard.bytes() > 0)
         ZINC_CUDA_CHECK(cudaMemcpyAsync(k.pshard.data(), k.master.data(), out_bytes, cudaMemcpyDeviceToDevice, kCompute),
@@ -636,6 +661,7 @@ class CudaMirror final : public DeviceMirror {
   int next_staging_ = 0;
   cuda::DeviceBuffer shard_scratch_, gather_scratch_;
   cuda::DeviceBuffer update_out_;  // stage 3, GPU-resident states: 16-bit new values on their way to the host
+  optim::LambCuda lamb_;  // Lamb's scratch, on the compute stream
   cuda::PinnedBuffer shard_staging_;  // one reduced shard on its way to the host (the comm thread's)
   DType wire_ = DType::kF32;
   bool gather_back_ = false;

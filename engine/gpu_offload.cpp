@@ -220,7 +220,7 @@ class GpuOffload final : public DevicePath {
       std::vector<int64_t> numel, offset;
       for (const BlockShard& s : blocks()) {
         numel.push_back(s.opt_numel);
-        offset.push_back(plan().optimizer_spans_block ? 0 : s.part.own_offset());
+        offset.push_back(state_offset(s));
       }
       gpu_->enable_states(numel, offset);
       ctx_.opt_state->for_each([&](const StateSpan& sp) {
@@ -293,30 +293,59 @@ class GpuOffload final : public DevicePath {
       }
       return false;
     }
+    update_states([&](int b, void* host_out) { gpu_->adam_step(b, adam, step, grad_scale, host_out); });
+    return true;
+  }
+
+  bool lamb_norms(const optim::LambParams& p, float grad_scale, const LambSegmentsFn& segs, double* sums) override {
+    // A share of the states on the GPU runs AdamW only (the config refuses Lamb there).
+    ZINC_CHECK(!partial_, "Lamb with a share of the optimizer states on the GPU");
+    if (!states_) return false;
+    lamb_segs_.assign(blocks().size(), {});
+    for (size_t b = 0; b < blocks().size(); ++b) {
+      const BlockShard& s = blocks()[b];
+      if (s.opt_numel == 0) continue;  // frozen: no states
+      lamb_segs_[b] = segs(static_cast<int>(b), state_offset(s), s.opt_numel);
+      gpu_->lamb_norms(static_cast<int>(b), p, grad_scale, lamb_segs_[b], sums);
+    }
+    return true;
+  }
+  void lamb_update(const optim::LambParams& p, int64_t step, float grad_scale, const double* ratios) override {
+    ZINC_CHECK(states_ && lamb_segs_.size() == blocks().size(), "Lamb's update on the GPU before its norms");
+    update_states([&](int b, void* host_out) {  // a frozen block's empty range as adam_step's
+      gpu_->lamb_step(b, p, step, grad_scale, lamb_segs_[static_cast<size_t>(b)], ratios, host_out);
+    });
+  }
+
+  // Where a block's GPU-resident states start in it (attach's offsets).
+  int64_t state_offset(const BlockShard& s) const { return plan().optimizer_spans_block ? 0 : s.part.own_offset(); }
+
+  // GPU-resident states: step(b, host_out) updates block b, then what
+  // follows the update. Stage 3: each block's new compute shard goes back
+  // to the host (or its NVMe write buffer), and with device gathers to the
+  // GPU shard, from where the coordinator gathers it. Several ranks below
+  // stage 3: every rank's new compute shards, all-gathered on the GPU in
+  // block order (before the next forward reads them).
+  template <class Step>
+  void update_states(Step&& step) {
     const int n = static_cast<int>(blocks().size());
     if (plan().params_sharded) {
-      // Stage 3: the update writes each block's new compute shard back to
-      // the host (or its NVMe write buffer), and with device gathers to the
-      // GPU shard, from where the coordinator gathers it.
       ParamCoordinator& params = *ctx_.params;
       params.before_update();
       for (int b = 0; b < n; ++b) {
-        gpu_->adam_step(b, adam, step, grad_scale, params.shard_to_update(b));
+        step(b, params.shard_to_update(b));
         params.finish_update(b);
       }
       stale_.assign(blocks().size(), 1);
       params.gather_after_step();
       drop_freed_params();
-      return true;
+      return;
     }
-    for (int b = 0; b < n; ++b) gpu_->adam_step(b, adam, step, grad_scale);
-    // Several ranks: every rank's new compute shards, all-gathered on the
-    // GPU in block order (before the next forward reads them).
+    for (int b = 0; b < n; ++b) step(b, nullptr);
     if (reduce_ && !plan().optimizer_spans_block)
       reduce_stream_->submit([this, n](comm::Communicator& c) {
         for (int b = 0; b < n; ++b) gpu_->gather_params(c, b);
       }).wait();
-    return true;
   }
   void before_host_update() override {
     gpu_->wait_uploads();  // the last step's uploads have read the host copies
@@ -695,6 +724,7 @@ class GpuOffload final : public DevicePath {
   // from the page-locked shards, on the coordinator's gather stream.
   bool upload_gathers_ = false;
   std::vector<char> stale_;  // blocks the last step changed: uploaded at the next acquire
+  std::vector<std::vector<optim::LambSegment>> lamb_segs_;  // Lamb: each block's segments, from its norms to its update
   // Note [the update behind the forward]: the thread the update runs on,
   // whether one is in flight (the engine's thread reads and writes it),
   // and what it has done (behind_mu_).

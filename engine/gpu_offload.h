@@ -89,6 +89,21 @@ class DevicePath {
   // Applies the AdamW update where the device holds the optimizer states
   // (false: the host updates, between before_host_update and after_gather).
   virtual bool update(const optim::AdamParams& /*adam*/, int64_t /*step*/, float /*grad_scale*/) { return false; }
+  // Lamb where the device holds the optimizer states (LambRule::
+  // apply_on_device, Note [Lamb arithmetic] in optim/detail/lamb_math.h).
+  // Pass 1 adds each tensor's sums of w^2 and u^2 over this rank's states
+  // into `sums`, segs(block, offset, count) giving the segments of a
+  // block's state range [offset, offset + count) (false: the host holds the
+  // states, nothing done); the caller adds the sums over ranks. Pass 2 is
+  // the update with the tensors' trust ratios, and what follows it as
+  // update()'s.
+  using LambSegmentsFn = std::function<std::vector<optim::LambSegment>(int block, int64_t offset, int64_t count)>;
+  virtual bool lamb_norms(const optim::LambParams& /*p*/, float /*grad_scale*/, const LambSegmentsFn& /*segs*/,
+                          double* /*sums*/) {
+    return false;
+  }
+  virtual void lamb_update(const optim::LambParams& /*p*/, int64_t /*step*/, float /*grad_scale*/,
+                           const double* /*ratios*/) {}
   // Around the host update: before the coordinator's before_update, after
   // each block's update (and each block a load has read), after all, and
   // after the coordinator's gather.

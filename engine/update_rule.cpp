@@ -89,13 +89,42 @@ std::vector<optim::LambSegment> LambRule::span_segments(const StateSpan& sp) con
   return lamb_segments(s.layout, flat, sp.count, first_tensor_[static_cast<size_t>(sp.block)]);
 }
 
-void LambRule::apply(int64_t t, float grad_scale) {
-  if (first_tensor_.empty()) {
-    for (const BlockShard& s : *ctx_.blocks) {
-      first_tensor_.push_back(tensors_);
-      tensors_ += static_cast<int>(s.layout.offsets.size());
-    }
+void LambRule::number_tensors() {
+  if (!first_tensor_.empty()) return;
+  for (const BlockShard& s : *ctx_.blocks) {
+    first_tensor_.push_back(tensors_);
+    tensors_ += static_cast<int>(s.layout.offsets.size());
   }
+}
+
+void LambRule::set_ratios(std::vector<double>& sums) {
+  if (ctx_.reduce_stream && !ctx_.plan->optimizer_spans_block)
+    ctx_.reduce_stream->submit([&sums](comm::Communicator& c) {
+      c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
+    }).wait();
+  ratios_.assign(static_cast<size_t>(tensors_), 0.0);
+  for (int k = 0; k < tensors_; ++k)
+    ratios_[static_cast<size_t>(k)] =
+        optim::lamb_trust_ratio(sums[2 * k], sums[2 * k + 1], lamb_.min_coeff, lamb_.max_coeff);
+}
+
+// GPU-resident states: the same two passes on the device, the sums added
+// over ranks here as apply's.
+bool LambRule::apply_on_device(DevicePath& device, int64_t t, float grad_scale) {
+  number_tensors();
+  std::vector<double> sums(static_cast<size_t>(2 * tensors_), 0.0);
+  const auto segs = [this](int block, int64_t offset, int64_t count) {
+    return lamb_segments((*ctx_.blocks)[static_cast<size_t>(block)].layout, offset, count,
+                         first_tensor_[static_cast<size_t>(block)]);
+  };
+  if (!device.lamb_norms(lamb_, grad_scale, segs, sums.data())) return false;
+  set_ratios(sums);
+  device.lamb_update(lamb_, t, grad_scale, ratios_.data());
+  return true;
+}
+
+void LambRule::apply(int64_t t, float grad_scale) {
+  number_tensors();
   // Pass 1 reads every span (from NVMe without writing back) for each
   // tensor's sums of w^2 and u^2; with sharded optimizer state (stages 1-3)
   // the ranks' partial sums are added in one all-reduce; pass 2 applies the
@@ -109,14 +138,7 @@ void LambRule::apply(int64_t t, float grad_scale) {
                           segs, sums.data());
       },
       /*grads=*/ctx_.plan->grads_on_nvme);
-  if (ctx_.reduce_stream && !ctx_.plan->optimizer_spans_block)
-    ctx_.reduce_stream->submit([&sums](comm::Communicator& c) {
-      c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
-    }).wait();
-  ratios_.assign(static_cast<size_t>(tensors_), 0.0);
-  for (int k = 0; k < tensors_; ++k)
-    ratios_[static_cast<size_t>(k)] =
-        optim::lamb_trust_ratio(sums[2 * k], sums[2 * k + 1], lamb_.min_coeff, lamb_.max_coeff);
+  set_ratios(sums);
   const DType dtype = ctx_.dtype;
   ctx_.visit_updating(
       [&](const StateSpan& sp) {

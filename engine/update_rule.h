@@ -122,6 +122,7 @@ class LambRule : public UpdateRule {
  public:
   explicit LambRule(const optim::LambParams& p) : lamb_(p) {}
   void set_hyperparameters(double lr, std::optional<std::pair<double, double>> betas) override;
+  bool apply_on_device(DevicePath& device, int64_t t, float grad_scale) override;
   void apply(int64_t t, float grad_scale) override;
   // Its trust ratios' all-reduce runs only where the optimizer is sharded
   // over ranks, which the update behind the forward excludes.
@@ -133,6 +134,11 @@ class LambRule : public UpdateRule {
 
  private:
   std::vector<optim::LambSegment> span_segments(const StateSpan& sp) const;
+  // Numbers the model's tensors (first_tensor_, tensors_) at the first update.
+  void number_tensors();
+  // The ratios from this rank's sums, added over the ranks where the
+  // states are sharded.
+  void set_ratios(std::vector<double>& sums);
   optim::LambParams lamb_;
   // Tensor k of the model is parameter p of block b at first_tensor_[b] + p.
   std::vector<int> first_tensor_;

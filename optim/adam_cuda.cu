@@ -34,7 +34,7 @@ __global__ void adam_kernel(AdamArgs a, float* w, const void* grad, DType grad_d
 void adam_step_cuda(const AdamParams& p, int64_t step, float grad_scale, float* param, const void* grad,
                     DType grad_dtype, float* exp_avg, float* exp_avg_sq, void* out16, DType out16_dtype, int64_t n,
                     cudaStream_t stream) {
-  kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kAdamW, stream);
+  kernels::cuda::GpuProfileScope profile_scope(kernels::Op::kOptimizer, stream);
   if (n == 0) return;
   if (step < 1) throw Error("adam_step_cuda: step must be >= 1, got " + std::to_string(step));
   if (out16 && out16_dtype == DType::kF32) throw Error("adam_step_cuda: out16 must be bf16 or fp16");

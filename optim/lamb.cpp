@@ -13,10 +13,6 @@
 namespace zinc::optim {
 namespace {
 
-// Norm sums are taken in pieces of this many elements from each segment's
-// start: a fixed order, whatever the thread count.
-constexpr int64_t kPiece = 16384;
-
 const detail::LambKernels& lamb_kernels_for(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return detail::scalar_lamb_kernels();
@@ -27,13 +23,12 @@ const detail::LambKernels& lamb_kernels_for(Isa isa) {
   throw Error("unknown optimizer ISA");
 }
 
-struct Piece {
-  int64_t begin, end;
-  int seg;
-};
+}  // namespace
 
-std::vector<Piece> cut(const AdamSpan& s, std::span<const LambSegment> segs, const char* who) {
-  std::vector<Piece> pieces;
+namespace detail {
+
+std::vector<LambPiece> lamb_pieces(int64_t n, std::span<const LambSegment> segs, const char* who) {
+  std::vector<LambPiece> pieces;
   int64_t at = 0;
   for (size_t k = 0; k < segs.size(); ++k) {
     const LambSegment& g = segs[k];
@@ -41,18 +36,18 @@ std::vector<Piece> cut(const AdamSpan& s, std::span<const LambSegment> segs, con
       throw Error(std::string(who) + ": segment " + std::to_string(k) + " [" + std::to_string(g.begin) + ", " +
                   std::to_string(g.end) + ") tensor " + std::to_string(g.tensor) +
                   " does not continue the segments before it at element " + std::to_string(at));
-    for (int64_t b = g.begin; b < g.end; b += kPiece)
-      pieces.push_back({b, std::min(g.end, b + kPiece), static_cast<int>(k)});
+    for (int64_t b = g.begin; b < g.end; b += kLambPiece)
+      pieces.push_back({b, std::min(g.end, b + kLambPiece), static_cast<int>(k)});
     at = g.end;
   }
-  if (at != s.n)
+  if (at != n)
     throw Error(std::string(who) + ": the segments cover " + std::to_string(at) + " of the span's " +
-                std::to_string(s.n) + " elements");
+                std::to_string(n) + " elements");
   return pieces;
 }
 
-detail::LambArgs lamb_args(const LambParams& p, float grad_scale) {
-  detail::LambArgs a{};
+LambArgs make_lamb_args(const LambParams& p, float grad_scale) {
+  LambArgs a{};
   a.grad_scale = grad_scale;
   a.beta1 = static_cast<float>(p.beta1);
   a.one_minus_beta1 = 1.0f - a.beta1;
@@ -63,7 +58,21 @@ detail::LambArgs lamb_args(const LambParams& p, float grad_scale) {
   return a;
 }
 
-}  // namespace
+std::vector<float> lamb_coefficients(const LambParams& p, int64_t step, std::span<const LambSegment> segs,
+                                     const double* ratios) {
+  double step_size = p.lr;
+  if (p.bias_correction) {
+    const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+    step_size = p.lr * std::sqrt(bc2) / bc1;
+  }
+  std::vector<float> neg_coef(segs.size());
+  for (size_t k = 0; k < segs.size(); ++k)
+    neg_coef[k] = static_cast<float>(-step_size * (segs[k].tensor < 0 ? 1.0 : ratios[segs[k].tensor]));
+  return neg_coef;
+}
+
+}  // namespace detail
 
 void lamb_norms(const LambParams& p, float grad_scale, const AdamSpan& s, std::span<const LambSegment> segs,
                 double* sums) {
@@ -72,8 +81,8 @@ void lamb_norms(const LambParams& p, float grad_scale, const AdamSpan& s, std::s
 
 void lamb_norms(const LambParams& p, float grad_scale, const AdamSpan& s, std::span<const LambSegment> segs,
                 double* sums, Isa isa) {
-  const std::vector<Piece> pieces = cut(s, segs, "lamb_norms");
-  const detail::LambArgs a = lamb_args(p, grad_scale);
+  const std::vector<detail::LambPiece> pieces = detail::lamb_pieces(s.n, segs, "lamb_norms");
+  const detail::LambArgs a = detail::make_lamb_args(p, grad_scale);
   detail::LambNormsFn fn = lamb_kernels_for(isa).norms[p.eps_inside_sqrt][s.grad_dtype == DType::kBF16];
   std::vector<std::pair<double, double>> partial(pieces.size());
   parallel_for(pieces.size(), 1, [&](size_t lo, size_t hi) {
@@ -110,17 +119,9 @@ void lamb_apply(const LambParams& p, int64_t step, float grad_scale, const AdamS
 void lamb_apply(const LambParams& p, int64_t step, float grad_scale, const AdamSpan& s,
                 std::span<const LambSegment> segs, const double* ratios, Isa isa) {
   if (step < 1) throw Error("lamb_apply: step must be >= 1, got " + std::to_string(step));
-  const std::vector<Piece> pieces = cut(s, segs, "lamb_apply");
-  const detail::LambArgs a = lamb_args(p, grad_scale);
-  double step_size = p.lr;
-  if (p.bias_correction) {
-    const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
-    step_size = p.lr * std::sqrt(bc2) / bc1;
-  }
-  std::vector<float> neg_coef(segs.size());
-  for (size_t k = 0; k < segs.size(); ++k)
-    neg_coef[k] = static_cast<float>(-step_size * (segs[k].tensor < 0 ? 1.0 : ratios[segs[k].tensor]));
+  const std::vector<detail::LambPiece> pieces = detail::lamb_pieces(s.n, segs, "lamb_apply");
+  const detail::LambArgs a = detail::make_lamb_args(p, grad_scale);
+  const std::vector<float> neg_coef = detail::lamb_coefficients(p, step, segs, ratios);
   const bool stream = s.bf16_out && s.n * 2 >= detail::stream_min_bytes();
   detail::LambApplyFn fn = lamb_kernels_for(isa).apply[p.eps_inside_sqrt][s.grad_dtype == DType::kBF16]
                                                       [!s.bf16_out ? 0 : stream ? 2 : 1];

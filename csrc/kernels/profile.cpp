@@ -19,7 +19,7 @@ double secs(Clock::duration d) { return std::chrono::duration<double>(d).count()
 
 const char* op_name(Op op) {
   static const char* names[] = {"matmul",    "attention", "layernorm", "gelu",    "cross_entropy",
-                                "embedding", "bias",      "vector",    "convert", "adamw",
+                                "embedding", "bias",      "vector",    "convert", "optimizer",
                                 "copy"};
   return names[static_cast<int>(op)];
 }

@@ -11,9 +11,9 @@
 
 namespace zinc::kernels {
 
-// kConvert, kAdamW and kCopy are the GPU's alone (kernels/gpu_profile.h):
-// its dtype conversions, its AdamW, and the engine's copies between host
-// and device; the CPU's profile never records them.
+// kConvert, kOptimizer and kCopy are the GPU's alone (kernels/gpu_profile.h):
+// its dtype conversions, its optimizers (AdamW, Lamb), and the engine's
+// copies between host and device; the CPU's profile never records them.
 enum class Op : int {
   kMatmul,
   kAttention,
@@ -24,7 +24,7 @@ enum class Op : int {
   kBias,
   kVector,
   kConvert,
-  kAdamW,
+  kOptimizer,
   kCopy,
   kCount
 };

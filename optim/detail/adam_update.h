@@ -47,6 +47,13 @@ ZINC_HD void adam_update(const AdamArgs& a, typename V::F& w, typename V::F g, t
 struct VecHD {
   using F = float;
   static ZINC_HD F set1(float x) { return x; }
+  static ZINC_HD F add(F a, F b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+  }
   static ZINC_HD F mul(F a, F b) {
 #if defined(__CUDA_ARCH__)
     return __fmul_rn(a, b);

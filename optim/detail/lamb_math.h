@@ -30,28 +30,9 @@
 #include <utility>
 
 #include "core/dtype.h"
+#include "optim/detail/lamb_update.h"
 
 namespace zinc::optim::detail {
-
-struct LambArgs {
-  float grad_scale;
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float eps;
-  float wd;
-};
-
-// m, v and u of one register; kEpsInside: eps under the square root.
-template <class V, bool kEpsInside>
-inline typename V::F lamb_u(const LambArgs& a, typename V::F w, typename V::F g, typename V::F& m,
-                            typename V::F& v) {
-  g = V::mul(g, V::set1(a.grad_scale));
-  m = V::fma(V::set1(a.beta1), m, V::mul(V::set1(a.one_minus_beta1), g));
-  v = V::fma(V::set1(a.beta2), v, V::mul(V::mul(V::set1(a.one_minus_beta2), g), g));
-  typename V::F denom =
-      kEpsInside ? V::sqrt(V::add(v, V::set1(a.eps))) : V::add(V::sqrt(v), V::set1(a.eps));
-  return V::fma(V::set1(a.wd), w, V::div(m, denom));
-}
 
 template <class W, bool kGradBf16>
 inline typename W::F lamb_load_grad(const void* grad, int64_t j) {

@@ -42,7 +42,17 @@ TEST(CudaConfig, CudaCoversZeroOffloadAndGpuStatesAtEveryStage) {
   auto err = [](const json& j) { return testing_config::error_of_parse([](const json& d) { Config::parse(d); }, j); };
   EXPECT_EQ(Config::parse(with({{"device", "cuda"}})).device, Device::kCuda);  // GPU-resident states, one rank
   EXPECT_EQ(Config::parse(with({{"device", "cuda"}}), 2).device, Device::kCuda);  // ... stage 0 on two ranks
-  testing_config::expect_parts(err(with({{"device", "cuda"}, {"optimizer", {{"type", "Lamb"}}}})), {"optimizer.type", "Lamb"});
+  // Lamb over GPU-resident states too (optim::LambCuda), at every stage.
+  for (int stage : {0, 1, 2, 3})
+    EXPECT_EQ(Config::parse(with({{"device", "cuda"},
+                                  {"optimizer", {{"type", "Lamb"}}},
+                                  {"zero_optimization", {{"stage", stage}}}}),
+                            2)
+                  .device,
+              Device::kCuda)
+        << "Lamb, stage " << stage;
+  testing_config::expect_parts(err(with({{"device", "cuda"}, {"optimizer", {{"type", "OneBitAdam"}}}})),
+                               {"optimizer.type", "OneBitAdam", "CPU ranks only"});
   for (const char* where : {"cpu", "nvme"}) {
     const json off = {{"device", where}, {"nvme_path", "/tmp"}};
     EXPECT_EQ(Config::parse(with({{"device", "cuda"}, {"zero_optimization", {{"stage", 3}, {"offload_optimizer", off}}}}))
@@ -67,16 +77,16 @@ TEST(CudaConfig, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
   EXPECT_EQ(parse({{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
   EXPECT_EQ(parse({{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}, "auto").device, Device::kCuda);
   EXPECT_EQ(parse({{"stage", 3}}, "auto").device, Device::kCuda);
-  auto lamb = [](const char* device) {
+  auto onebit = [](const char* device) {
     return Config::parse(json{{"train_micro_batch_size_per_gpu", 2},
                               {"device", device},
-                              {"optimizer", {{"type", "Lamb"}}},
-                              {"zero_optimization", {{"stage", 1}}}});
+                              {"optimizer", {{"type", "OneBitAdam"}}},
+                              {"zero_optimization", {{"stage", 0}}}});
   };
-  const Config c = lamb("auto");  // Lamb over GPU-resident states: not on the GPU
+  const Config c = onebit("auto");  // the 1-bit optimizers: not on the GPU
   EXPECT_EQ(c.device, Device::kCpu);
   EXPECT_TRUE(testing_config::any_warning_has(c, "\"auto\" stays on the CPU"));
-  testing_config::expect_parts(testing_config::error_of_parse([&](const json&) { lamb("cuda"); }, json::object()),
+  testing_config::expect_parts(testing_config::error_of_parse([&](const json&) { onebit("cuda"); }, json::object()),
                                {"optimizer.type"});
 }
 
