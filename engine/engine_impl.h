@@ -253,6 +253,7 @@ struct Engine::Impl final : StepContext {
 
   // ---- StepContext --------------------------------------------------------------
   DType compute_dtype() const override { return dtype; }
+  float coming_loss_scale() const override { return static_cast<float>(loss_scale()); }
   BlockParams acquire_params(int block) override;
   void release_params(int block) noexcept override;
   BlockGrads grads(int block) override;

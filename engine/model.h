@@ -263,6 +263,12 @@ class StepContext {
   // for the same micro-batch of a resumed run. The model keeps it for the
   // forward's backward (and its recomputed forward).
   virtual uint64_t dropout_seed() const { return 0; }
+  // The loss scale the backward of the forward under way will be given
+  // (fp16's, which changes only between steps; 1 without one). A model may
+  // fold it into the logit gradient its forward writes (the GPU's 16-bit
+  // operand, Ops::cross_entropy_operand16) and checks in backward that it
+  // was the one.
+  virtual float coming_loss_scale() const { return 1.0f; }
   // The stage this pass computes (the whole model without a pipeline).
   virtual const PipelineStage& pipeline_stage() const {
     static const PipelineStage whole;

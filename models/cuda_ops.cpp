@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "kernels/kernels_cuda.h"
+#include "models/detail/linear.h"
 #include "models/detail/ops.h"
 
 namespace zinc::models::detail {
@@ -365,6 +366,10 @@ class CudaOps final : public Ops {
   }
   int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const override {
     return kernels::cuda::attention_workspace_bytes(s, compute);
+  }
+  // A 16-bit copy of every matmul input, in bf16 and fp16 alike (operand16).
+  int64_t matmul_input_bytes(int64_t n, DType compute) const override {
+    return is_16bit(compute) ? detail::buffer_bytes(n, 2) : 0;
   }
   bool attention_reads_kv_heads(int64_t head_dim, DType compute) const override {
     return kernels::cuda::fused_attention_used(head_dim, compute);

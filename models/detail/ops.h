@@ -211,6 +211,12 @@ class Ops {
   virtual int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const {
     return kernels::attention_workspace_bytes(s);
   }
+  // What matmul_input keeps for an n-element activation's 16-bit operand,
+  // for the estimates: the CPU's in-place rules by default (none in fp16,
+  // which computes in fp32, nor in bf16 on a CPU without bf16 products).
+  virtual int64_t matmul_input_bytes(int64_t n, DType compute) const {
+    return is_16bit(compute) ? kernels::ScratchTally::operand16_bytes(n, /*in_place=*/true, compute) : 0;
+  }
   // Whether attention reads grouped-query heads in place
   // (AttentionShape::kv_heads) at this head size and compute dtype; if
   // not, a model repeats them to every query head (gqa_expand).

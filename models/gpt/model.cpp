@@ -254,7 +254,8 @@ class Gpt final : public Model {
   std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
                                                    int parts, int seq = 1) const {
     using detail::buffer_bytes;
-    using detail::matmul_input_bytes;
+    // The Ops' count of a matmul input's 16-bit copy (the GPU keeps one in fp16 too).
+    const auto matmul_input_bytes = [this](int64_t n, DType d) { return ops_->matmul_input_bytes(n, d); };
     const int64_t N = B * (T / seq), C = c_.n_embd, V = c_.vocab_size, L = c_.n_layer;
     const int64_t A = C / parts, F = 4 * C / parts;  // a tensor part's widths
     const kernels::AttentionShape as{B, T, A / seq, c_.n_head / parts / seq};
@@ -268,7 +269,7 @@ class Gpt final : public Model {
     const bool fused = ops_->fuses_operand16(dt);
     // The logit gradient as its 16-bit operand alone (logit_grad16, here
     // for `parts`): no fp32 gradient and no copy of it.
-    const bool grad16 = ops_->fuses_every_operand16(dt) && dt == DType::kBF16 && detail::vocab_share(V, parts) == V;
+    const bool grad16 = ops_->fuses_every_operand16(dt) && detail::vocab_share(V, parts) == V;
     // Attention's fp32 output neither where the Ops writes its operand only
     // (Ops::fuses_every_operand16, without sequence ranks).
     const int64_t att = ops_->fuses_every_operand16(dt) && seq == 1 ? 0 : buffer_bytes(N * A);
@@ -430,8 +431,9 @@ class Gpt final : public Model {
       ctx.tensor_all_reduce_f64(sums.data(), 2 * N);
       loss = ops_->cross_entropy_part_finish(targets, N, Vv_, vlo_, maxes.data(), sums.data(), dlogits_.as<float>(),
                                              1.0f);
-    } else if (logit_grad16(dt)) {  // the head's backward operand only
-      loss = ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt, 1.0f);
+    } else if (logit_grad16(dt)) {  // the head's backward operand only, with fp16's loss scale
+      grad16_scale_ = ctx.coming_loss_scale();
+      loss = ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt, grad16_scale_);
     } else {
       loss = ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     }
@@ -451,10 +453,13 @@ class Gpt final : public Model {
     float* dx = dres_.as<float>();  // (N,C) gradient of the residual stream
     if (sr.head) {
       // Head (tied to wte): dlnf = dlogits wte; dwte += dlogits^T lnf. The
-      // gradient is fp32, or its 16-bit operand alone (logit_grad16).
+      // gradient is fp32, or its 16-bit operand alone (logit_grad16), which
+      // the forward wrote with the loss scale.
       const bool grad16 = logit_grad16(dt);
-      ZINC_CHECK(!grad16 || loss_scale == 1.0f, "gpt: a loss scale with the 16-bit logit gradient");
-      if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
+      if (grad16 && loss_scale != grad16_scale_)
+        throw Error("gpt: backward's loss scale " + std::to_string(loss_scale) + " is not the " +
+                    std::to_string(grad16_scale_) + " the forward wrote the 16-bit logit gradient with");
+      if (!grad16 && loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
       emb = ctx.acquire(0);
       detail::linear_backward(*ops_, dy16_, dlnf_.as<float>(), weight_grad(gemb, kWte), nullptr,
                               grad16 ? CView{} : f32(dlogits_.as<float>()), lnf_in_, emb[kWte], N, C, Vv_, dt,
@@ -786,9 +791,11 @@ class Gpt final : public Model {
   bool vocab_split() const { return Vh_ < c_.vocab_size; }
   // Whether the cross-entropy writes the logit gradient as the head's 16-bit
   // backward operand only (Ops::cross_entropy_operand16): where the Ops
-  // writes every 16-bit operand itself, in bf16 (fp16's loss scale comes in
-  // backward, after the rounding), over the whole vocabulary.
-  bool logit_grad16(DType dt) const { return ops_->fuses_every_operand16(dt) && dt == DType::kBF16 && !vocab_split(); }
+  // writes every 16-bit operand itself, over the whole vocabulary. In fp16
+  // the forward folds in the loss scale its backward will be given
+  // (StepContext::coming_loss_scale), kept in grad16_scale_.
+  bool logit_grad16(DType dt) const { return ops_->fuses_every_operand16(dt) && !vocab_split(); }
+  float grad16_scale_ = 1.0f;
   // PassState::dropped's flags.
   static constexpr int kDropAtt = 1, kLogitGrad16 = 2;
   std::vector<BlockSpec> whole_;

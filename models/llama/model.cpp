@@ -262,7 +262,8 @@ class Llama final : public Model {
   std::optional<ActivationMemory> activation_bytes(int64_t B, int64_t T, DType dt, const StageRange& sr, int sets,
                                                    int parts, int seq = 1) const {
     using detail::buffer_bytes;
-    using detail::matmul_input_bytes;
+    // The Ops' count of a matmul input's 16-bit copy (the GPU keeps one in fp16 too).
+    const auto matmul_input_bytes = [this](int64_t n, DType d) { return ops_->matmul_input_bytes(n, d); };
     const int64_t N = B * (T / seq), C = c_.hidden_size, L = c_.num_hidden_layers;
     const int64_t H = c_.num_attention_heads / parts, K = c_.kv_heads() / parts;  // the part's
     const int64_t GU = (c_.mlp_gated ? 2 : 1) * c_.intermediate_size / parts;
@@ -470,9 +471,12 @@ class Llama final : public Model {
       ops_->softcap_forward(logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping), N * Vv_);
     // Vocabulary parts: each holds Vh_ of the logits' columns (Note
     // [vocabulary parts] in engine/tensor_parallel.cpp).
+    // The 16-bit operand alone is written with fp16's loss scale.
+    grad16_scale_ = ctx.coming_loss_scale();
     double loss = vocab_split() ? vocab_cross_entropy(targets, N)
                   : pass_.dropped & kLogitGrad16
-                      ? ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt, 1.0f)
+                      ? ops_->cross_entropy_operand16(logits_.as<float>(), targets, N, V, dlogits_.data(), dt,
+                                                      grad16_scale_)
                       : ops_->cross_entropy(logits_.as<float>(), targets, N, V, dlogits_.as<float>(), 1.0f);
     if (c_.router_aux_loss_coef > 0 && aux_layers_ > 0) loss += c_.router_aux_loss_coef * aux_loss(N);
     return static_cast<float>(loss);
@@ -618,10 +622,12 @@ class Llama final : public Model {
     const DType dt = ctx.compute_dtype();
     // The gradient is fp32 (dy), or its 16-bit operand alone (dy_op, kLogitGrad16).
     const bool grad16 = pass_.dropped & kLogitGrad16;
-    ZINC_CHECK(!grad16 || loss_scale == 1.0f, "llama: a loss scale with the 16-bit logit gradient");
+    if (grad16 && loss_scale != grad16_scale_)
+      throw Error("llama: backward's loss scale " + std::to_string(loss_scale) + " is not the " +
+                  std::to_string(grad16_scale_) + " the forward wrote the 16-bit logit gradient with");
     const CView dy = grad16 ? CView{} : f32(dlogits_.as<float>());
     const CView dy_op = grad16 ? CView{dlogits_.data(), dt} : CView{};
-    if (loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
+    if (!grad16 && loss_scale != 1.0f) ops_->scale(dlogits_.as<float>(), loss_scale, N * Vv_);
     if (c_.final_logit_softcapping > 0)
       ops_->softcap_backward(dlogits_.as<float>(), logits_.as<float>(), static_cast<float>(c_.final_logit_softcapping),
                              N * Vv_);
@@ -1605,10 +1611,10 @@ class Llama final : public Model {
   // exchange it in fp32) and the final RMSNorm. ensure_buffers allocates
   // none of them, and activation_bytes counts none. And kLogitGrad16: the
   // logit gradient is the head's 16-bit backward operand only
-  // (Ops::cross_entropy_operand16), in bf16 (fp16's loss scale comes in
-  // backward, after the rounding), over the whole vocabulary
-  // (whole_vocab), without a final soft cap or logit scaling (whose
-  // backward passes read the fp32 gradient).
+  // (Ops::cross_entropy_operand16; in fp16 written with the loss scale
+  // backward will be given, StepContext::coming_loss_scale), over the
+  // whole vocabulary (whole_vocab), without a final soft cap or logit
+  // scaling (whose backward passes read the fp32 gradient).
   // kDropMoeAct: the experts' SwiGLU output (their down projections read
   // its 16-bit operand; expert ranks grow it back where they need it).
   enum : int {
@@ -1620,10 +1626,11 @@ class Llama final : public Model {
     kLogitGrad16 = 32,
     kDropMoeAct = 64
   };
+  float grad16_scale_ = 1.0f;  // the loss scale the forward wrote the 16-bit logit gradient with
   int dropped_buffers(DType dt, int seq, bool whole_vocab) const {
     if (!ops_->fuses_every_operand16(dt)) return 0;
     int d = 0;
-    if (dt == DType::kBF16 && whole_vocab && c_.final_logit_softcapping <= 0 && c_.logits_scaling == 1.0)
+    if (whole_vocab && c_.final_logit_softcapping <= 0 && c_.logits_scaling == 1.0)
       d |= kLogitGrad16;
     if (c_.pre_norms && !c_.layer_norm) d |= kDropLn1;
     if (c_.pre_norms && !c_.layer_norm && c_.num_experts == 0) d |= kDropLn2;

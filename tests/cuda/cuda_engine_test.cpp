@@ -279,8 +279,14 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   };
   // And the logit gradient, its 16-bit operand alone on the GPU (Ops::cross_entropy_operand16).
   auto logit_grad_delta = [&](int64_t V) { return buffer_bytes(N * V) - buffer_bytes(N * V, 2); };
+  // And each matmul input's 16-bit copy: the CPU's scratch rounding, and
+  // none where it has no bf16 products; the GPU's always (Ops::matmul_input_bytes).
+  auto op_delta = [&](int64_t n) {
+    return kernels::ScratchTally::operand16_bytes(n, /*in_place=*/true, DType::kBF16) - buffer_bytes(n, 2);
+  };
+  const int64_t llama_ops = L * (2 * op_delta(N * C) + op_delta(N * A) + op_delta(N * I)) + op_delta(N * C);
   EXPECT_EQ(gap(llama), L * (2 * buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) + ws_delta(A, 4)) +
-                            buffer_bytes(N * C) + logit_grad_delta(37));
+                            buffer_bytes(N * C) + logit_grad_delta(37) + llama_ops);
   EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF32)->saved,
             llama(Device::kCpu)->activation_memory(B, T, DType::kF32)->saved);
   // A mixture of experts keeps ln_2 (its experts gather rows of it), and on
@@ -291,8 +297,8 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   c.moe_intermediate_size = 32;
   const int64_t Mg = N * 2 + 4 * 15;
   EXPECT_EQ(gap(llama), L * (buffer_bytes(N * C) + buffer_bytes(N * A) + buffer_bytes(N * I) + ws_delta(A, 4) +
-                             buffer_bytes(Mg * 32)) +
-                            buffer_bytes(N * C) + logit_grad_delta(37));
+                             buffer_bytes(Mg * 32) + op_delta(Mg * C) + op_delta(Mg * 32)) +
+                            buffer_bytes(N * C) + logit_grad_delta(37) + llama_ops);
   models::GptConfig g;
   g.vocab_size = 29;
   g.block_size = 32;
@@ -307,7 +313,15 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   const int64_t Cg = 32, F = 4 * Cg;
   const int64_t cpu_fused = kernels::bf16_operands_native() ? 0 : 2 * (2 * buffer_bytes(N * Cg) + buffer_bytes(N * F)) +
                                                                       buffer_bytes(N * Cg);
-  EXPECT_EQ(gap(gpt), cpu_fused + 2 * (buffer_bytes(N * Cg) + ws_delta(Cg, 2)) + logit_grad_delta(29));
+  const int64_t gpt_ops = 2 * (3 * op_delta(N * Cg) + op_delta(N * F)) + op_delta(N * Cg);
+  EXPECT_EQ(gap(gpt), cpu_fused + 2 * (buffer_bytes(N * Cg) + ws_delta(Cg, 2)) + logit_grad_delta(29) + gpt_ops);
+  // fp16 keeps what bf16 keeps on the GPU: every matmul input's 16-bit
+  // copy, and no fp32 logit gradient (written with the loss scale,
+  // StepContext::coming_loss_scale).
+  EXPECT_EQ(gpt(Device::kCuda)->activation_memory(B, T, DType::kF16)->saved,
+            gpt(Device::kCuda)->activation_memory(B, T, DType::kBF16)->saved);
+  EXPECT_EQ(llama(Device::kCuda)->activation_memory(B, T, DType::kF16)->saved,
+            llama(Device::kCuda)->activation_memory(B, T, DType::kBF16)->saved);
 }
 
 // Masked targets and packed documents (issue 31) on the GPU path against

@@ -268,6 +268,18 @@ TEST(CudaLayers, CrossEntropyWithIgnoredTargetsMatchesTheCpu) {
         const std::vector<double> r16 = download<double>(rows16, N);
         for (int64_t i = 0; i < N; ++i) EXPECT_EQ(rows[i], r16[i]) << "cross_entropy_16 row loss " << i << " " << at;
       }
+      // fp16's loss scale folded in (the models' forward, with dynamic
+      // loss scaling's powers of two): the bits of the fp32 gradient scaled
+      // afterwards, then rounded, which is what the unfused path computes.
+      for (float s : {1024.0f, 65536.0f}) {
+        std::vector<float> scaled = dl;
+        for (float& x : scaled) x *= s;
+        DeviceBuffer d16 = filled16(N * V);
+        cuda::cross_entropy_16(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d16.data(), DType::kF16, 0.5f * s,
+                               d_rows.as<double>(), nullptr);
+        ASSERT_EQ(rounded16(scaled, DType::kF16), download<uint16_t>(d16, dl.size()))
+            << "cross_entropy_16 fp16, loss scale " << s << " " << at;
+      }
       cuda::cross_entropy(d_logits.as<float>(), d_t.as<int32_t>(), N, V, d_logits.as<float>(), 0.5f,
                           d_rows.as<double>(), nullptr);
       expect_same_bits(dl, download<float>(d_logits, dl.size()), ("dlogits in place " + at).c_str());
