@@ -480,7 +480,8 @@ TEST(CudaEngine, ZeroOffloadEqualsGpuResidentAdamWBitForBit) {
 // bf16, clipped. Each
 // tensor's trust ratio comes from sums in another order on each side,
 // rounded to the same float (optim_cuda.h). Lamb's weights are not AdamW's,
-// so the rule did run. (Several ranks: cuda_engine_multirank_test.)
+// so the rule did run, and a checkpoint resumes bit for bit. (Several
+// ranks: cuda_engine_multirank_test.)
 TEST(CudaEngine, LambOverGpuResidentStatesEqualsZeroOffloadBitForBit) {
   ZINC_REQUIRE_GPU();
   if (optim::detect_isa() == optim::Isa::kScalar) GTEST_SKIP() << "the CPU Lamb has no FMA path here";
@@ -501,6 +502,15 @@ TEST(CudaEngine, LambOverGpuResidentStatesEqualsZeroOffloadBitForBit) {
         if (stage == 1 && clip == 0.0) {
           const TrainRun adamw = train("cuda", prec, stage, 2, 6, "none", clip, "", -1, param, 0, "AdamW");
           EXPECT_NE(0, std::memcmp(adamw.weights.data(), gpu.weights.data(), gpu.weights.size() * 4)) << what;
+        }
+        if (stage == 1 && prec == std::string("bf16") && clip == 1.0) {
+          // Saved after 3 steps and resumed in a new engine: the same bits.
+          char tmpl[] = "/tmp/zinc_cuda_lamb_ckpt_XXXXXX";
+          const std::string dir = mkdtemp(tmpl);
+          const TrainRun resumed = train("cuda", prec, stage, 2, 6, "none", clip, dir, 3, param, 0, "Lamb");
+          EXPECT_EQ(0, std::memcmp(resumed.weights.data(), gpu.weights.data(), gpu.weights.size() * 4))
+              << what << ", resumed";
+          std::filesystem::remove_all(dir);
         }
       }
 }
