@@ -42,6 +42,9 @@ struct MirrorOptions {
   // Stages 2-3: a block's GPU gradient accumulator is allocated (zeroed) by
   // grads() and freed once its boundary copy or reduction has read it.
   bool transient_grads = false;
+  // Per block: frozen (LoRA's base), so no gradient accumulator (empty:
+  // none frozen). The engine's, not the config's.
+  std::vector<char> frozen;
 };
 
 // What the GPU path keeps where, from the config and the world size alone
@@ -217,6 +220,9 @@ class DeviceMirror {
 
   // Waits for everything the mirror and the compute stream have queued.
   virtual void synchronize() = 0;
+  // `bytes` of device memory (a block's parameters) into host memory,
+  // after the device's work so far (synchronous).
+  virtual void read_back(const void* device, void* host, size_t bytes) = 0;
 };
 
 }  // namespace zinc

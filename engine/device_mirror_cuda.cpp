@@ -87,7 +87,8 @@ class CudaMirror final : public DeviceMirror {
         Block& k = blocks_[b];
         k.numel = padded[b];
         if (!options_.transient_params) alloc(k.params, param_bytes(k), kCompute, "parameters", b);
-        if (!options_.transient_grads) {
+        const bool frozen = b < options_.frozen.size() && options_.frozen[b];  // no gradients
+        if (!options_.transient_grads && !frozen) {
           alloc(k.grads, grad_bytes(k), kCompute, "gradient accumulator", b);
           ZINC_CUDA_CHECK(cudaMemsetAsync(k.grads.p, 0, k.grads.bytes, kCompute), "zeroing the GPU gradient buffers");
         }
@@ -312,6 +313,7 @@ class CudaMirror final : public DeviceMirror {
   double grad_squared_norm() override {
     for (size_t b = 0; b < blocks_.size(); ++b) {
       const Block& k = blocks_[b];
+      if (k.state_numel == 0) continue;  // frozen: no gradients (its norm stays the zero it started as)
       const float* g = k.gshard.bytes() > 0 ? k.gshard.as<float>()
                        : gather_back_      ? k.grads.as<float>() + k.norm_offset
                                            : k.grads.as<float>();
@@ -532,6 +534,11 @@ class CudaMirror final : public DeviceMirror {
     upload_.synchronize("synchronize the parameter uploads");
     reduce_copy_.synchronize("synchronize the reduced-shard copies");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize the compute stream");
+  }
+  void read_back(const void* device, void* host, size_t bytes) override {
+    synchronize();
+    gather_copy_.synchronize("a block's parameters read back");
+    cuda::copy_to_host(host, device, bytes);
   }
 
  private:

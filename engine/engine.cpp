@@ -148,9 +148,6 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   }
   const bool frozen = std::any_of(model->blocks().begin(), model->blocks().end(),
                                   [](const BlockSpec& b) { return b.frozen; });
-  if (frozen && c.device == Device::kCuda)
-    throw ConfigError("device", "model '" + model->name() + "' has frozen weights (LoRA), which the GPU path "
-                                "does not train yet: use \"device\": \"cpu\"");
   if (frozen && c.optimizer.one_bit())
     throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients and do not take "
                                         "frozen weights (LoRA) yet: use Adam, AdamW or Lamb");
@@ -674,15 +671,31 @@ std::vector<float> Engine::Impl::full_params_here(int block) {
   BlockShard& s = state(block);
   if (s.frozen) {
     // No master copy: the compute parameters, gathered as a pass would
-    // (every rank takes part at stage 3).
+    // (every rank takes part at stage 3), read back from the device where
+    // the pass would compute on them there.
     params->begin_pass(ParamCoordinator::Pass::kEval);
-    const BlockParams p = params->acquire(block);
     std::vector<float> out(static_cast<size_t>(s.part.padded_numel));
-    if (is_16bit(dtype))
-      convert_16_to_f32(p.base, out.data(), out.size(), dtype);
-    else
-      std::memcpy(out.data(), p.base, out.size() * 4);
-    params->release(block);
+    BlockParams p;
+    try {
+      p = acquire_params(block);
+    } catch (...) {
+      params->end_pass();
+      throw;
+    }
+    try {
+      const size_t bytes = out.size() * dtype_bytes(dtype);
+      std::vector<char> staged(cfg.device == Device::kCuda ? bytes : 0);  // the device's copy, read back
+      const void* base = device->params_to_host(p, staged.data(), bytes) ? staged.data() : p.base;
+      if (is_16bit(dtype))
+        convert_16_to_f32(base, out.data(), out.size(), dtype);
+      else
+        std::memcpy(out.data(), base, out.size() * 4);
+    } catch (...) {
+      release_params(block);
+      params->end_pass();
+      throw;
+    }
+    release_params(block);
     params->end_pass();
     return out;
   }

@@ -193,8 +193,12 @@ class GpuOffload final : public DevicePath {
   void attach(const DeviceContext& ctx) override {
     ctx_ = ctx;
     std::vector<int64_t> padded;
-    for (const BlockShard& s : blocks()) padded.push_back(s.part.padded_numel);
-    gpu_ = DeviceMirror::make(padded, dtype_, gplan_.mirror);
+    MirrorOptions mo = gplan_.mirror;
+    for (const BlockShard& s : blocks()) {
+      padded.push_back(s.part.padded_numel);
+      mo.frozen.push_back(s.frozen);
+    }
+    gpu_ = DeviceMirror::make(padded, dtype_, mo);
     stale_.assign(blocks().size(), 1);
     if (reduce_) {
       int64_t max_shard = 0;
@@ -352,8 +356,8 @@ class GpuOffload final : public DevicePath {
     // block_updated clears what it uploads; below stage 3 the GPU's share of
     // the states wrote its parameters there (update), and its host copy is
     // stale (at stage 3 the update wrote the host shard, which goes up).
-    for (size_t b = 0; b < blocks().size(); ++b)
-      stale_[b] = plan().params_sharded || !on_gpu(static_cast<int>(b));
+    for (size_t b = 0; b < blocks().size(); ++b)  // a frozen block never changes: its upload stays
+      stale_[b] = !blocks()[b].frozen && (plan().params_sharded || !on_gpu(static_cast<int>(b)));
   }
   bool block_on_device(int block) const override { return on_gpu(block); }
   // ZeRO-Offload: a block whose host compute copy is complete once its own
@@ -470,6 +474,11 @@ class GpuOffload final : public DevicePath {
   void after_load_gather() override {
     stale_.assign(blocks().size(), 1);
     drop_freed_params();
+  }
+  bool params_to_host(const BlockParams& p, void* host, size_t bytes) override {
+    gpu_->make_current();
+    gpu_->read_back(p.base, host, bytes);  // after the acquire's upload or gather
+    return true;
   }
   void master_to_host(int block) override {
     if (!states_ && !on_gpu(block)) return;

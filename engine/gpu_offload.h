@@ -138,6 +138,10 @@ class DevicePath {
   virtual void after_load_gather() {}
   // Before full_params reads a block's master weights from the host.
   virtual void master_to_host(int /*block*/) {}
+  // full_params of a frozen block (LoRA's base): `bytes` of the compute
+  // parameters an acquire gave (p, after on_acquire) into host memory, where
+  // they live on the device (false: p.base is host memory).
+  virtual bool params_to_host(const BlockParams& /*p*/, void* /*host*/, size_t /*bytes*/) { return false; }
 
   // Waits for the device's work (the engine's shutdown); logs failures.
   virtual void shutdown() noexcept {}

@@ -345,10 +345,10 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     // copy for checkpoints); the gradients' page-locked staging on the host.
     // (As the engine's MirrorOptions: GPU-resident states on one rank keep them.)
     const bool transient = gpu_plan.mirror.transient_grads;
-    const int64_t gpu_grads = transient ? transient_full : padded_all;
+    const int64_t gpu_grads = transient ? transient_full : g_padded_all;  // none for frozen blocks
     const std::string gpu_grads_why =
         transient ? millions(gpu_grads) + " elements, in backward: " + transient_why
-                  : "4 B x " + millions(padded_all) + " elements";
+                  : "4 B x " + millions(g_padded_all) + " elements";
     e.gpu.insert(e.gpu.begin(), {{std::string("parameters (") + dname + ")", es * full_params, full_params_why},
                                  {"gradient accumulators (fp32)", 4 * gpu_grads, gpu_grads_why}});
     if (z.offload_optimizer.device == OffloadDevice::kNone) {

@@ -225,6 +225,9 @@ class CudaOps final : public Ops {
   void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
     kernels::cuda::copy_columns(dst, dst_W, src, src_W, N, width, kStream);
   }
+  void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) override {
+    kernels::cuda::add_transposed(dst, ldd, src, lds, rows, cols, kStream);
+  }
   void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) override {
     kernels::cuda::dropout(out, x, n, p, key, accumulate, kStream);
   }

@@ -58,7 +58,8 @@ struct CView {
 // elements, for an operand or a result that is a column block of a wider
 // matrix (LoRA's targets inside a fused q|k|v: Note [LoRA by groups]). A
 // strided operand that must be converted is gathered densely first. On the
-// GPU (kernels::cuda::matmul) not implemented: refused.
+// GPU (kernels::cuda::matmul) cuBLAS's leading dimensions, a converted
+// operand keeping its strides.
 struct MatmulDesc {
   int64_t batch = 1, M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;

@@ -303,6 +303,11 @@ void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream)
 void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream);
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width,
                   cudaStream_t stream);
+// dst (rows x cols, row stride ldd) += src^T, src (cols x rows, row stride
+// lds): LoRA's B gradients (Ops::add_transposed), one float add each, the
+// CPU's bits.
+void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols,
+                    cudaStream_t stream);
 // sum x^2 in double in kernels::squared_norm's chunk and lane order, written
 // to *out (device). Bit-identical to the CPU.
 void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream);

@@ -433,14 +433,30 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   if (d.batch < 0 || d.M < 0 || d.N < 0 || d.K < 0) throw Error("cuda::matmul: negative dimension (" + shape_str(d) + ")");
   if (d.bias && (!bias.data || d.alpha != 1.0f))
     throw Error("cuda::matmul: a fused bias needs a bias view and alpha == 1");
-  if (d.lda != 0 || d.ldb != 0 || d.ldc != 0)
-    throw Error("cuda::matmul: strided operands (lda, ldb, ldc) are not implemented on the GPU (" + shape_str(d) + ")");
+  // Strided operands (LoRA's column blocks, Note [LoRA by groups]): the
+  // stored rows' stride, as cuBLAS's leading dimensions; batch 1 only.
+  const bool strided = d.lda != 0 || d.ldb != 0 || d.ldc != 0;
+  const int64_t a_cols = d.trans_a ? d.M : d.K, a_rows = d.trans_a ? d.K : d.M;
+  const int64_t b_cols = d.trans_b ? d.K : d.N, b_rows = d.trans_b ? d.N : d.K;
+  const int64_t lda = d.lda ? d.lda : a_cols, ldb = d.ldb ? d.ldb : b_cols, ldc = d.ldc ? d.ldc : d.N;
+  if (strided && d.batch != 1)
+    throw Error("cuda::matmul: strided operands (lda, ldb, ldc) need batch 1 (" + shape_str(d) + ")");
+  if (lda < a_cols || ldb < b_cols || ldc < d.N)
+    throw Error("cuda::matmul: a row stride below its row's length (lda " + std::to_string(lda) + ", ldb " +
+                std::to_string(ldb) + ", ldc " + std::to_string(ldc) + "; " + shape_str(d) + ")");
+  if (d.bias && ldc != d.N) throw Error("cuda::matmul: a fused bias with a strided result (" + shape_str(d) + ")");
   if (d.batch == 0 || d.M == 0 || d.N == 0) return;
   const int64_t rows = d.batch * d.M;
   if (d.K == 0) {  // empty sum: alpha * 0 (+ C) (+ bias)
-    if (!d.accumulate)
-      ZINC_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(rows * d.N) * sizeof(float), stream),
-                      "cuda::matmul: cudaMemsetAsync");
+    if (!d.accumulate) {
+      if (ldc == d.N)
+        ZINC_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(rows * d.N) * sizeof(float), stream),
+                        "cuda::matmul: cudaMemsetAsync");
+      else
+        for (int64_t r = 0; r < rows; ++r)
+          ZINC_CUDA_CHECK(cudaMemsetAsync(c + r * ldc, 0, static_cast<size_t>(d.N) * sizeof(float), stream),
+                          "cuda::matmul: cudaMemsetAsync");
+    }
     if (d.bias) add_bias(c, bias, rows, d.N, stream);
     return;
   }
@@ -448,12 +464,16 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
     throw Error("cuda::matmul: a dimension exceeds cuBLAS's int range (" + shape_str(d) + ")");
   DeviceState& st = device_state();
   StreamScratch& sc = st.bind(stream);
-  const void* a_ptr = as_compute(a, d.compute, d.batch * d.M * d.K, sc.operand[0], stream);
-  const void* b_ptr = as_compute(b, d.compute, d.batch * d.K * d.N, sc.operand[1], stream);
+  // A strided operand converts its whole extent, strides kept (the
+  // elements between its rows belong to the wider matrix it is a block of).
+  const int64_t a_n = strided ? (a_rows - 1) * lda + a_cols : d.batch * d.M * d.K;
+  const int64_t b_n = strided ? (b_rows - 1) * ldb + b_cols : d.batch * d.K * d.N;
+  const void* a_ptr = as_compute(a, d.compute, a_n, sc.operand[0], stream);
+  const void* b_ptr = as_compute(b, d.compute, b_n, sc.operand[1], stream);
   const cudaDataType t = cuda_type(d.compute);
   const float alpha = d.alpha, beta = d.accumulate ? 1.0f : 0.0f;
   // Note [the bias in the GEMM's epilogue]
-  if (epilogue_applies(d))
+  if (epilogue_applies(d) && !strided)
     if (LtPlan* p = st.lt_plan(d)) {
       void* bias32 = grow(sc.bias, static_cast<size_t>(d.N) * sizeof(float), stream);
       matmul_convert_operand_kernel<<<detail::blocks_for(d.N), detail::kThreads, 0, stream>>>(
@@ -472,12 +492,15 @@ void matmul(const MatmulDesc& d, CView a, CView b, float* c, cudaStream_t stream
   // Note [cuBLAS matmul layout]
   const cublasOperation_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const int ld_b = static_cast<int>(d.trans_b ? d.K : d.N);
-  const int ld_a = static_cast<int>(d.trans_a ? d.M : d.K);
+  if (!fits_int(lda) || !fits_int(ldb) || !fits_int(ldc))
+    throw Error("cuda::matmul: a row stride exceeds cuBLAS's int range (" + shape_str(d) + ")");
+  const int ld_b = static_cast<int>(ldb);
+  const int ld_a = static_cast<int>(lda);
   check_cublas(cublas().GemmStridedBatchedEx(st.handle, op_b, op_a, m, n, k, &alpha, b_ptr, t, ld_b,
                                           static_cast<long long>(d.K * d.N), a_ptr, t, ld_a,
-                                          static_cast<long long>(d.M * d.K), &beta, c, CUDA_R_32F, m,
-                                          static_cast<long long>(d.M * d.N), static_cast<int>(d.batch),
+                                          static_cast<long long>(d.M * d.K), &beta, c, CUDA_R_32F,
+                                          static_cast<int>(ldc), static_cast<long long>(d.M * d.N),
+                                          static_cast<int>(d.batch),
                                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmStridedBatchedEx", shape_str(d));
   if (d.bias) add_bias(c, bias, rows, d.N, stream);

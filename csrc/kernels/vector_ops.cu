@@ -29,6 +29,13 @@ __global__ void copy_columns_kernel(float* dst, int64_t dst_W, const float* src,
     dst[r * dst_W + c] = src[r * src_W + c];
   }
 }
+__global__ void add_transposed_kernel(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
+                                      int64_t cols) {
+  ZINC_GRID_STRIDE(i, rows * cols) {
+    const int64_t r = i / cols, c = i % cols;
+    dst[r * ldd + c] += src[c * lds + r];
+  }
+}
 __global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
   ZINC_GRID_STRIDE(i, n) y[i] += alpha * x[i];
 }
@@ -82,6 +89,14 @@ void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, in
   if (N <= 0 || width <= 0) return;
   copy_columns_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(dst, dst_W, src, src_W, width, n);
   detail::check_launch("copy_columns");
+}
+void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols,
+                    cudaStream_t stream) {
+  GpuProfileScope profile_scope(Op::kVector, stream);
+  if (rows <= 0 || cols <= 0) return;
+  add_transposed_kernel<<<detail::blocks_for(rows * cols), detail::kThreads, 0, stream>>>(dst, ldd, src, lds, rows,
+                                                                                           cols);
+  detail::check_launch("add_transposed");
 }
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream) {
   GpuProfileScope profile_scope(Op::kVector, stream);

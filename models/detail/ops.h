@@ -156,11 +156,8 @@ class Ops {
   virtual void gqa_reduce(float* dq_kv, const float* dqkv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) = 0;
   // dst (rows x cols, row stride ldd) += src^T, src (cols x rows, row stride
   // lds): LoRA's B gradients, which its products make transposed (Note
-  // [LoRA's B gradient transposed] in models/detail/lora.h). LoRA runs on
-  // the CPU only.
-  virtual void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) {
-    throw Error("add_transposed: LoRA adapters run on the CPU only");
-  }
+  // [LoRA's B gradient transposed] in models/detail/lora.h).
+  virtual void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) = 0;
   // kernels::copy_columns: N rows of `width` floats between row strides.
   virtual void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) = 0;
   // kernels::dropout: out (=, or += with accumulate) x / (1 - p) where
