@@ -428,6 +428,13 @@ TEST(CudaLayers, EmbeddingsWithPositionsMatchTheCpuBits) {
   }
 }
 
+// The CPU Ops' add_transposed (models/cpu_ops.cpp), written out: one add
+// per element of dst.
+void cpu_ops_add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t k = 0; k < cols; ++k) dst[i * ldd + k] += src[k * lds + i];
+}
+
 TEST(CudaLayers, VectorOpsMatchTheCpuBits) {
   ZINC_REQUIRE_GPU();
   for (int64_t n : {int64_t{1}, int64_t{1000}, kernels::math::kNormChunk * 3 + 17}) {
@@ -446,6 +453,15 @@ TEST(CudaLayers, VectorOpsMatchTheCpuBits) {
     scale(out.data(), 1.7f, n);
     cuda::scale(dout.as<float>(), 1.7f, n, nullptr);
     expect_same_bits(out, download<float>(dout, n), "scale");
+    // LoRA's B gradients added transposed: dst (rows x cols, stride ldd) += src^T.
+    if (n >= 1000) {
+      const int64_t rows = 29, cols = 7, ldd = 9, lds = 31;
+      std::vector<float> dst = randn(rows * ldd, 23), src = randn(cols * lds, 24);
+      DeviceBuffer ddst = upload(dst), dsrc = upload(src);
+      cpu_ops_add_transposed(dst.data(), ldd, src.data(), lds, rows, cols);
+      cuda::add_transposed(ddst.as<float>(), ldd, dsrc.as<float>(), lds, rows, cols, nullptr);
+      expect_same_bits(dst, download<float>(ddst, dst.size()), "add_transposed");
+    }
     const double norm = squared_norm(out.data(), n);
     cuda::squared_norm(dout.as<float>(), n, dnorm.as<double>(), nullptr);
     const double gnorm = download<double>(dnorm, 1)[0];

@@ -373,6 +373,55 @@ TEST(CudaMatmul, SeveralStreamsOfOneThreadEachGiveTheCpuResult) {
 }
 
 // Argument checks happen before any device work: these run without a GPU.
+// Strided operands and result (MatmulDesc::lda, ldb, ldc: LoRA's column
+// blocks of a wider matrix) as cuBLAS's leading dimensions, against the
+// CPU's strided matmul: every transpose, accumulate or not, fp32 operands
+// converted to a 16-bit compute dtype with their strides kept. The wider
+// matrices' other columns are neither read into the result nor written:
+// C's start as a guard value and stay it.
+TEST(CudaMatmul, StridedOperandsAgreeWithCpu) {
+  ZINC_REQUIRE_GPU();
+  const int64_t M = 37, N = 19, K = 23;
+  uint64_t seed = 7000;
+  for (DType compute : {DType::kF32, DType::kBF16, DType::kF16})
+    for (DType operands : {DType::kF32, compute})
+      for (bool ta : {false, true})
+        for (bool tb : {false, true})
+          for (bool acc : {false, true}) {
+            if (compute == DType::kF32 && operands != DType::kF32) continue;
+            MatmulDesc d{.M = M, .N = N, .K = K, .trans_a = ta, .trans_b = tb, .accumulate = acc, .compute = compute};
+            const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
+            d.lda = a_cols + 5;
+            d.ldb = b_cols + 3;
+            d.ldc = N + 7;
+            const auto a = randn(a_rows * d.lda, seed += 3), b = randn(b_rows * d.ldb, seed + 1);
+            std::vector<float> c0 = randn(M * d.ldc, seed + 2);
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t n = N; n < d.ldc; ++n) c0[m * d.ldc + n] = 1234.5f;  // outside the result
+            Operand av(a, operands), bv(b, operands);
+            std::vector<float> cpu = c0;
+            matmul(d, av.host(), bv.host(), cpu.data());
+            DeviceBuffer c_dev = upload(c0);
+            zinc::cuda::Stream stream;
+            cuda::matmul(d, av.device(), bv.device(), c_dev.as<float>(), stream.get());
+            stream.synchronize();
+            const auto gpu = download<float>(c_dev, c0.size());
+            const std::string what = describe(d, operands, operands) + " lda/ldb/ldc " + std::to_string(d.lda) + "/" +
+                                     std::to_string(d.ldb) + "/" + std::to_string(d.ldc);
+            // The same rounded operands on both sides, fp32 sums in two orders.
+            EXPECT_TRUE(AllClose(gpu, cpu, 1e-4, 1e-5)) << what;
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t n = N; n < d.ldc; ++n)
+                ASSERT_EQ(gpu[m * d.ldc + n], 1234.5f) << what << ": wrote outside the result at row " << m;
+          }
+  // Batched, or a stride below its row, or a fused bias into a strided result: refused.
+  float dummy = 0;
+  const CView v{&dummy, DType::kF32};
+  EXPECT_THROW(cuda::matmul({.batch = 2, .M = 2, .N = 2, .K = 2, .lda = 4}, v, v, &dummy, nullptr), zinc::Error);
+  EXPECT_THROW(cuda::matmul({.M = 2, .N = 2, .K = 3, .lda = 2}, v, v, &dummy, nullptr), zinc::Error);
+  EXPECT_THROW(cuda::matmul({.M = 2, .N = 2, .K = 2, .bias = true, .ldc = 4}, v, v, &dummy, nullptr, v), zinc::Error);
+}
+
 TEST(CudaMatmul, BadArgumentsThrowBeforeTouchingTheDevice) {
   float dummy = 0;
   const CView v{&dummy, DType::kF32};
