@@ -342,6 +342,9 @@ TEST(CudaEngine, LoraTrainsLikeTheCpu) {
         const Run s3 = run("cuda", gpt, bf16, dropout, "cpu", 3);
         EXPECT_EQ(gpu.adapters, s3.adapters) << what << ": stage 3 against stage 2";
         EXPECT_EQ(gpu.losses, s3.losses) << what << ": stage 3 against stage 2";
+        const Run s3r = run("cuda", gpt, bf16, dropout, "none", 3);
+        EXPECT_EQ(gpu.adapters, s3r.adapters) << what << ": stage 3, GPU-resident states";
+        EXPECT_EQ(cpu.base, s3r.base) << what << ": stage 3, GPU-resident states: the frozen base moved";
       }
 }
 
