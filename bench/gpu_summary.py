@@ -79,7 +79,7 @@ def zinc_case(lines, case, states, stage, ratio=1.0, plain=True):
         r = num(line.get("offload_ratio", 1.0))
         if states == "cpu" and (r is None or abs(r - ratio) > 1e-9):
             continue
-        if plain and line.get("env"):
+        if plain and (line.get("env") or line.get("lora")):
             continue
         return line
     return None
@@ -166,6 +166,16 @@ def summarise(results_dir):
             what = ", ".join("%s=%s" % kv for kv in sorted(line["env"].items()))
             rows.append((name, "  %s (%s) / plain" % ("resident" if states == "gpu" else "offload", what),
                          fmt(ratio(tps(line), tps(base))), "-", "measured"))
+        for line in zinc:  # --lora: the LoRA step against the full step of the same rounds
+            lora = line.get("lora") if line.get("bench") == "gpu-train-step" and line.get("case") == case else None
+            if lora is None:
+                continue
+            if not isinstance(lora, dict):
+                notes.append("a gpu-train-step line whose lora is not an object, skipped")
+                continue
+            rows.append((name, "  LoRA step / full step (%s, same rounds)" %
+                         ("resident" if line.get("optimizer_states") == "gpu" else "offload"),
+                         fmt(num(lora.get("vs_full_step"))), "-", "measured"))
         for line in zinc:
             if (line.get("bench") == "gpu-train-step" and line.get("case") == case and not line.get("env") and off
                     and line is not off and line.get("optimizer_states") == "cpu" and line.get("zero_stage") == 2

@@ -45,6 +45,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -230,6 +231,18 @@ int bench_gpu_train_step(const BenchOptions& o) {
   tools::Experiment ex = tools::build_experiment(doc, 1);
   Engine engine = Engine::initialize(ex.model, ex.config);
   DataLoader loader(ex.data, B, gas, 1, 0, 1);
+  // --lora: the same model with LoRA adapters (r 16, every linear layer,
+  // the base frozen) beside it, timed in the same rounds: LoRA step / full step.
+  std::optional<Engine> engine_lora;
+  std::optional<DataLoader> loader_lora;
+  if (o.lora) {
+    nlohmann::json doc_lora = doc;
+    doc_lora["model"]["lora"] = {{"r", 16}, {"lora_alpha", 32}, {"target_modules", "all-linear"}};
+    if (!o.lora_targets.empty()) doc_lora["model"]["lora"]["target_modules"] = o.lora_targets;
+    tools::Experiment exl = tools::build_experiment(doc_lora, 1);
+    engine_lora.emplace(Engine::initialize(exl.model, exl.config));
+    loader_lora.emplace(exl.data, B, gas, 1, 0, 1);
+  }
 
   // cuBLAS at the model's shapes, bf16 operands, fp32 accumulation.
   std::vector<kernels::MatmulDesc> descs = llama ? llama_matmul_descs(B, T, C, H, K, D, I, L, V, DType::kBF16)
@@ -254,7 +267,11 @@ int bench_gpu_train_step(const BenchOptions& o) {
   run_matmuls();
   engine.train_batch(loader);
   engine.train_batch(loader);
-  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, behind_s, wait_s, gathered;
+  if (engine_lora) {
+    engine_lora->train_batch(*loader_lora);
+    engine_lora->train_batch(*loader_lora);
+  }
+  std::vector<double> step_s, mm_s, fwd_s, bwd_s, opt_s, behind_s, wait_s, gathered, lora_s;
   for (int r = 0; r < o.rounds; ++r) {
     double t0 = now_s();
     run_matmuls();
@@ -271,6 +288,11 @@ int bench_gpu_train_step(const BenchOptions& o) {
     opt_s.push_back((after.step_s - before.step_s) / o.steps);
     behind_s.push_back((after.update_behind_s - before.update_behind_s) / o.steps);
     wait_s.push_back((after.update_wait_s - before.update_wait_s) / o.steps);
+    if (engine_lora) {
+      t0 = now_s();
+      for (int s = 0; s < o.steps; ++s) engine_lora->train_batch(*loader_lora);
+      lora_s.push_back((now_s() - t0) / o.steps);
+    }
   }
   const double t_step = median(step_s), t_mm = median(mm_s);
   const double tokens = static_cast<double>(B * T * gas);
@@ -354,6 +376,20 @@ int bench_gpu_train_step(const BenchOptions& o) {
                   "%.3f s, %.0f%% of the step (its floor from the uploads alone)",
                   upload_bytes / 1e9, upload_rate / 1e9, upload_bytes / upload_rate,
                   100 * upload_bytes / upload_rate / t_step);
+    text += buf;
+  }
+  if (engine_lora) {
+    const double t_lora = median(lora_s);
+    line["lora"] = {{"step_s", t_lora},
+                    {"tokens_per_s", tokens / t_lora},
+                    {"vs_full_step", t_lora / t_step},
+                    {"trained_params", engine_lora->num_trained_parameters()},
+                    {"gpu_state_peak_bytes", engine_lora->gpu_state_peak_bytes()}};
+    std::snprintf(buf, sizeof buf,
+                  "\n  LoRA (r 16, %s, the base frozen; the same rounds): %.3f s a step, %.2fx the full step "
+                  "(%.0f tokens/s) | GPU model state peak %.2f GiB",
+                  o.lora_targets.empty() ? "every linear layer" : "the given targets", t_lora, t_lora / t_step,
+                  tokens / t_lora, static_cast<double>(engine_lora->gpu_state_peak_bytes()) / (1 << 30));
     text += buf;
   }
   if (o.profile) text += profile_round(engine, loader, o.steps, line);

@@ -65,11 +65,12 @@ int main(int argc, char** argv) {
                             "phi3", "gpt_neox", "mixtral", "qwen3_moe"}));
   app.add_flag("--wide", o.wide, "train-step --model gpt: the GPT at the llama case's width, depth, vocabulary and sequence");
   app.add_flag("--lora", o.lora,
-               "train-step, a Llama-style --model: also time the same model with LoRA adapters (r 16, alpha 32, every "
-               "linear layer; the base frozen) in the same rounds; reports LoRA step / full step. capacity --pretrained: "
+               "train-step (a Llama-style --model) and gpu-train-step: also time the same model with LoRA adapters (r "
+               "16, alpha 32, every linear layer; the base frozen) in the same rounds; reports LoRA step / full step. "
+               "capacity --pretrained: "
                "train LoRA adapters on the folder (3 steps) and report the peak RSS per base parameter");
   app.add_option("--lora-targets", o.lora_targets,
-                 "train-step --lora: LoRA's target_modules instead of every linear layer (e.g. q_proj alone: what "
+                 "train-step, gpu-train-step --lora: LoRA's target_modules instead of every linear layer (e.g. q_proj alone: what "
                  "the frozen base costs with one adapter)")
       ->delimiter(',');
   app.add_flag("--lora-unpacked", o.lora_unpacked,

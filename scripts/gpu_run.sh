@@ -109,7 +109,7 @@ zinc_bench 300 --model llama --rounds 3 --steps 2 --profile
 torch_peer 300 --model llama --offload --rounds 3 --steps 2
 zinc_bench 300 --model llama --stage 3 --rounds 3 --steps 2
 # Then the variants: half the states on the GPU, the update in place, the
-# update on more cores, the bias in a separate pass, and the small
+# update on more cores, the bias in a separate pass, LoRA, and the small
 # reference GPT.
 zinc_bench 200 --large --rounds 5 --ratio 0.5
 zinc_bench 300 --model llama --ratio 0.5 --rounds 3 --steps 2
@@ -119,6 +119,9 @@ zinc_bench 200 ZINC_GPU_UPDATE_BEHIND=0 --large --rounds 5
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 zinc_bench 200 OMP_NUM_THREADS=$((cores > 2 ? cores - 1 : 1)) --large --rounds 5
 zinc_bench 200 ZINC_CUDA_MATMUL_BIAS=separate --large --rounds 5 --resident
+# LoRA adapters on the ~1B Llama (r 16, every linear layer) beside the
+# full model, states on the GPU, in the same rounds: LoRA step / full step.
+zinc_bench 300 --model llama --resident --lora --rounds 3 --steps 2
 zinc_bench 120
 torch_peer 120 --offload
 echo "== benchmarks done at ${SECONDS} s"

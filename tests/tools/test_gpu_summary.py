@@ -46,6 +46,8 @@ def test_each_case_against_its_peer_and_the_aims(tmp_path):
         zinc("large", "cpu", 2, 60.0, env={"ZINC_GPU_UPDATE_BEHIND": "0"}),
         zinc("large", "cpu", 2, 99.0, omp=15),
         zinc("large", "gpu", 2, 50.0, env={"ZINC_CUDA_MATMUL_BIAS": "separate"}),
+        # A --lora line: its figures are the full model's of the same rounds, but it is a variant.
+        zinc("llama-1.1b", "gpu", 2, 40.0, lora={"step_s": 0.4, "vs_full_step": 0.55}),
         "{this line was cut by a time limit",
     ])
     write(tmp_path, "torch-peer.jsonl", [
@@ -65,7 +67,8 @@ def test_each_case_against_its_peer_and_the_aims(tmp_path):
     assert t[(gpt, "  offload (ZINC_GPU_UPDATE_BEHIND=0) / plain")] == ("0.67", "measured")
     assert t[(gpt, "  resident (ZINC_CUDA_MATMUL_BIAS=separate) / plain")] == ("0.50", "measured")
     assert t[(gpt, "  offload, 15 CPU threads / 8")] == ("1.10", "measured")
-    # The Llama was not run: every row says so.
+    assert t[("~1B Llama", "  LoRA step / full step (resident, same rounds)")] == ("0.55", "measured")
+    # The Llama's plain cases were not run (the LoRA line is not taken for one): every row says so.
     llama = [v for (m, _), v in t.items() if m == "~1B Llama" and v[1] != "measured"]
     assert llama and all(v == ("-", "not measured") for v in llama)
     assert any("not JSON" in n for n in notes)
@@ -126,8 +129,10 @@ def test_fields_of_the_wrong_type_are_skipped_not_fatal(tmp_path):
         {"bench": "gpu-train-step", "case": "large", "optimizer_states": "cpu", "zero_stage": 2, "env": ["x"],
          "tokens_per_s": 1.0, "offload_ratio": 1.0},
         zinc("large", "cpu", 3, 70.0, prefetched_share="most", upload_floor_s=None, step_s=True),
+        zinc("large", "gpu", 2, 70.0, lora="fast"),
     ])
     rows, notes = gpu_summary.summarise(str(tmp_path))
     assert rows and any("without tokens_per_s" in n for n in notes)
     s3 = [r for r in rows if r[1].startswith("stage 3 /") and r[0] == "355M GPT"][0]
     assert "- prefetched" in s3[1]
+    assert any("lora is not an object" in n for n in notes)
