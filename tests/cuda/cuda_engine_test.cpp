@@ -245,7 +245,8 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
 // CPU: every loss within 1e-3 relative in fp32 (the matmuls' order), and
 // 0.05 nats in bf16 and with adapter dropout. On the GPU, ZeRO-Offload and
 // GPU-resident states give the same bits, at stage 2 and at stage 3 with
-// the parameters offloaded; the frozen base is the same after training.
+// the parameters offloaded; the frozen base is the same after training;
+// a checkpoint resumes bit for bit.
 TEST(CudaEngine, LoraTrainsLikeTheCpu) {
   ZINC_REQUIRE_GPU();
   struct Run {
@@ -254,7 +255,7 @@ TEST(CudaEngine, LoraTrainsLikeTheCpu) {
     int64_t estimated = 0, measured = 0;  // the GPU's model state: estimate_memory's and the peak held
   };
   auto run = [](const std::string& device, bool gpt, bool bf16, double dropout, const std::string& offload,
-                int stage) {
+                int stage, int resume_at = -1) {
     nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
                           {"gradient_accumulation_steps", 2},
                           {"gradient_clipping", 1.0},
@@ -268,40 +269,52 @@ TEST(CudaEngine, LoraTrainsLikeTheCpu) {
     lora.alpha = 8;
     lora.dropout = dropout;
     const Device dev = device == "cuda" ? Device::kCuda : Device::kCpu;
-    std::shared_ptr<Model> model;
-    if (gpt) {
-      models::GptConfig g;
-      g.vocab_size = 37;
-      g.block_size = 32;
-      g.n_layer = 2;
-      g.n_head = 4;
-      g.n_embd = 64;
-      g.device = dev;
-      lora.targets = {"c_attn", "c_proj", "c_fc"};
-      g.lora = lora;
-      model = models::make_gpt(g);
-    } else {
-      models::LlamaConfig c;
-      c.vocab_size = 37;
-      c.hidden_size = 64;
-      c.intermediate_size = 96;
-      c.num_hidden_layers = 2;
-      c.num_attention_heads = 4;
-      c.num_key_value_heads = 2;
-      c.max_position_embeddings = 32;
-      c.device = dev;
-      lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-      c.lora = lora;
-      model = models::make_llama(c);
-    }
-    Engine e = Engine::initialize(model, cfg);
+    auto build = [&]() -> std::shared_ptr<Model> {
+      if (gpt) {
+        models::GptConfig g;
+        g.vocab_size = 37;
+        g.block_size = 32;
+        g.n_layer = 2;
+        g.n_head = 4;
+        g.n_embd = 64;
+        g.device = dev;
+        lora.targets = {"c_attn", "c_proj", "c_fc"};
+        g.lora = lora;
+        return models::make_gpt(g);
+      } else {
+        models::LlamaConfig c;
+        c.vocab_size = 37;
+        c.hidden_size = 64;
+        c.intermediate_size = 96;
+        c.num_hidden_layers = 2;
+        c.num_attention_heads = 4;
+        c.num_key_value_heads = 2;
+        c.max_position_embeddings = 32;
+        c.device = dev;
+        lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+        c.lora = lora;
+        return models::make_llama(c);
+      }
+    };
+    Engine e = Engine::initialize(build(), cfg);
     DataConfig dc;
     dc.vocab_size = 37;
     dc.seq_len = 32;
     dc.determinism = 0.9;
     DataLoader loader(make_data_source(dc), 4, 2, 1, 0, 7);
     Run r;
-    for (int s = 0; s < 12; ++s) r.losses.push_back(e.train_batch(loader));
+    for (int s = 0; s < 12; ++s) {
+      if (s == resume_at) {  // saved, then on in a new engine (a new model) from the checkpoint
+        char tmpl[] = "/tmp/zinc_cuda_lora_ckpt_XXXXXX";
+        const std::string dir = mkdtemp(tmpl);
+        e.save_checkpoint(dir, "t");
+        Engine e2 = Engine::initialize(build(), cfg);
+        e2.load_checkpoint(dir, "t");
+        e = std::move(e2);
+        std::filesystem::remove_all(dir);
+      }
+      r.losses.push_back(e.train_batch(loader));
+    }
     for (const MemoryPart& p : estimate_memory(e.model(), e.config(), 32).gpu)
       if (p.model_state) r.estimated += p.bytes;
     r.measured = e.gpu_state_peak_bytes();
@@ -345,6 +358,12 @@ TEST(CudaEngine, LoraTrainsLikeTheCpu) {
         const Run s3r = run("cuda", gpt, bf16, dropout, "none", 3);
         EXPECT_EQ(gpu.adapters, s3r.adapters) << what << ": stage 3, GPU-resident states";
         EXPECT_EQ(cpu.base, s3r.base) << what << ": stage 3, GPU-resident states: the frozen base moved";
+        // A checkpoint resumes bit for bit (the base comes from the model, the adapters and states from the files).
+        const Run resumed = run("cuda", gpt, bf16, dropout, "none", 2, 5);
+        EXPECT_EQ(resident.adapters, resumed.adapters) << what << ": resumed";
+        EXPECT_EQ(resident.losses, resumed.losses) << what << ": resumed";
+        const Run resumed3 = run("cuda", gpt, bf16, dropout, "cpu", 3, 5);
+        EXPECT_EQ(s3.adapters, resumed3.adapters) << what << ": stage 3, resumed";
       }
 }
 
