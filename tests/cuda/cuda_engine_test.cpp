@@ -23,6 +23,31 @@
 namespace zinc {
 namespace {
 
+// The small models these tests train: vocabulary 37, 2 layers of 64
+// across 4 heads (the Llama's over 2 kv heads, its MLP 96), `positions` long.
+models::GptConfig small_gpt_config(Device device, int64_t positions = 32) {
+  models::GptConfig g;
+  g.vocab_size = 37;
+  g.block_size = positions;
+  g.n_layer = 2;
+  g.n_head = 4;
+  g.n_embd = 64;
+  g.device = device;
+  return g;
+}
+models::LlamaConfig small_llama_config(Device device, int64_t positions = 32) {
+  models::LlamaConfig c;
+  c.vocab_size = 37;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = positions;
+  c.device = device;
+  return c;
+}
+
 struct TrainRun {
   std::vector<float> losses;
   std::vector<float> weights;  // block 1's master weights at the end
@@ -57,13 +82,7 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
       cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0;
     }
   }
-  models::GptConfig g;
-  g.vocab_size = 37;
-  g.block_size = 32;
-  g.n_layer = 2;
-  g.n_head = 4;
-  g.n_embd = 64;
-  g.device = device == "cuda" ? Device::kCuda : Device::kCpu;
+  const models::GptConfig g = small_gpt_config(device == "cuda" ? Device::kCuda : Device::kCpu);
   std::shared_ptr<Model> model = models::make_gpt(g);
   Engine e = Engine::initialize(model, cfg);
   DataConfig dc;
@@ -135,21 +154,13 @@ TEST(CudaEngine, LlamaTrainsLikeTheCpu) {
       cfg["zero_optimization"]["stage3_max_live_parameters"] = 0;
       cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
     }
-    models::LlamaConfig c;
-    c.vocab_size = 37;
-    c.hidden_size = 64;
-    c.intermediate_size = 96;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.max_position_embeddings = 32;
+    models::LlamaConfig c = small_llama_config(device == "cuda" ? Device::kCuda : Device::kCpu);
     c.rope_scaling.type = models::RopeScaling::Type::kLlama3;
     c.rope_scaling.factor = 8.0;
     c.rope_scaling.original_max_position_embeddings = 16;
     c.qkv_bias = true;
     c.qk_norm = true;  // Qwen3's per-head norms of q and k (copy_columns and RMSNorm over heads)
     c.head_dim = 12;   // decoupled from hidden_size / heads, as Qwen3's
-    c.device = device == "cuda" ? Device::kCuda : Device::kCpu;
     if (variant == 1) {
       c.norm_offset = 1.0f;
       c.scale_embeddings = true;
@@ -271,26 +282,12 @@ TEST(CudaEngine, LoraTrainsLikeTheCpu) {
     const Device dev = device == "cuda" ? Device::kCuda : Device::kCpu;
     auto build = [&]() -> std::shared_ptr<Model> {
       if (gpt) {
-        models::GptConfig g;
-        g.vocab_size = 37;
-        g.block_size = 32;
-        g.n_layer = 2;
-        g.n_head = 4;
-        g.n_embd = 64;
-        g.device = dev;
+        models::GptConfig g = small_gpt_config(dev);
         lora.targets = {"c_attn", "c_proj", "c_fc"};
         g.lora = lora;
         return models::make_gpt(g);
       } else {
-        models::LlamaConfig c;
-        c.vocab_size = 37;
-        c.hidden_size = 64;
-        c.intermediate_size = 96;
-        c.num_hidden_layers = 2;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = 2;
-        c.max_position_embeddings = 32;
-        c.device = dev;
+        models::LlamaConfig c = small_llama_config(dev);
         lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
         c.lora = lora;
         return models::make_llama(c);
@@ -378,14 +375,8 @@ TEST(CudaEngine, TheGpuKeepsNoFp32CopyOfItsSixteenBitOperands) {
   ZINC_REQUIRE_GPU();
   using models::detail::buffer_bytes;
   const int64_t B = 4, T = 32, N = B * T;
-  models::LlamaConfig c;
-  c.vocab_size = 37;
-  c.hidden_size = 64;
-  c.intermediate_size = 96;
+  models::LlamaConfig c = small_llama_config(Device::kCpu);
   c.num_hidden_layers = 3;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 32;
   auto llama = [&](Device d) {
     c.device = d;
     return models::make_llama(c);
@@ -496,28 +487,13 @@ TEST(CudaEngine, MaskedTargetsAndPackedDocumentsTrainLikeTheCpu) {
     const Device dev = device == "cuda" ? Device::kCuda : Device::kCpu;
     std::shared_ptr<Model> model;
     if (kind == "gpt") {
-      models::GptConfig g;
-      g.vocab_size = 37;
-      g.block_size = 48;
-      g.n_layer = 2;
-      g.n_head = 4;
-      g.n_embd = 64;
-      g.device = dev;
-      model = models::make_gpt(g);
+      model = models::make_gpt(small_gpt_config(dev, 48));
     } else {
-      models::LlamaConfig c;
-      c.vocab_size = 37;
-      c.hidden_size = 64;
-      c.intermediate_size = 96;
-      c.num_hidden_layers = 2;
-      c.num_attention_heads = 4;
-      c.num_key_value_heads = 2;
-      c.max_position_embeddings = 48;
+      models::LlamaConfig c = small_llama_config(dev, 48);
       c.rope_scaling.type = models::RopeScaling::Type::kLlama3;
       c.rope_scaling.factor = 8.0;
       c.rope_scaling.original_max_position_embeddings = 16;
       c.qkv_bias = true;
-      c.device = dev;
       model = models::make_llama(c);
     }
     Engine e = Engine::initialize(model, cfg);
