@@ -615,7 +615,13 @@ class Gpt final : public Model {
                            packed(p, l, kGptFc, false));
     lora_forward(lp, a, l, kGptFc, a.ln2_in, a.fc.as<float>(), N, dt);
     a.gelu_in = ops_->gelu_forward_input(a.gelu.as<float>(), a.fc.as<float>(), N * F, dt, a.gelu_16);
-    if (!x_out) return;
+    if (!x_out) {
+      // A recomputation for backward: the output is not needed, but the MLP
+      // projection's LoRA U is (B's gradient reads it); its product goes to
+      // scratch (dsmall_, free until the layer's backward writes it).
+      lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, dsmall_.as<float>(), N, dt);
+      return;
+    }
     detail::linear_forward(*ops_, x_out, a.gelu_in, p[kMlpProjW], bias_here ? p[kMlpProjB] : CView{}, N, F, C, dt,
                            packed(p, l, kGptMlpProj, false));
     lora_forward(lp, a, l, kGptMlpProj, a.gelu_in, x_out, N, dt);

@@ -1158,9 +1158,14 @@ class Llama final : public Model {
     auto down_lora = [&](float* y) { return lora_forward(lp, a, l, kGroupDown, a.act_in, y, N, dt); };
     if (!x_out) {
       // A recomputation for backward: the output is not needed, but a
-      // post-norm's input and statistics are (its output goes to scratch).
-      if (x.post_mlp >= 0) branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm,
-                                          dsmall_.as<float>(), N, dt, down_lora, packed(p, l, kGroupDown, false));
+      // post-norm's input and statistics are (its output goes to scratch),
+      // and so is the down projection's LoRA U, which B's gradient reads
+      // (its product goes to scratch too).
+      if (x.post_mlp >= 0)
+        branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, dsmall_.as<float>(), N,
+                       dt, down_lora, packed(p, l, kGroupDown, false));
+      else
+        down_lora(dsmall_.as<float>());
       return;
     }
     branch_forward(p, x.down_w, x.down_b, x.post_mlp, a.act_in, I, a.mlp_out, a.rstd_pm, x_out, N, dt, down_lora,

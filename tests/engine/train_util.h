@@ -189,6 +189,54 @@ inline void expect_gradient_checkpointing_bit_identical(std::shared_ptr<comm::Co
         EXPECT_EQ(norm[0], norm[1]) << what;
         EXPECT_TRUE(weights[0] == weights[1]) << what << ": weights differ";
       }
+  // LoRA adapters (with their dropout on the GPT): the recomputation must
+  // make every adapter's U again, the MLP's down (c_proj) projection's too,
+  // whose product the recomputation otherwise skips.
+  for (const char* kind : {"gpt", "llama"})
+    for (bool bf16 : {false, true}) {
+      const std::string what = std::string("LoRA ") + kind + (bf16 ? " bf16" : " fp32");
+      std::vector<double> losses[2];
+      std::vector<float> weights[2];
+      for (int ck = 0; ck < 2; ++ck) {
+        RunSpec r;
+        r.bf16 = bf16;
+        r.gas = 2;
+        r.steps = 4;
+        const bool gpt = kind == std::string("gpt");
+        r.make = [ck, gpt]() -> std::shared_ptr<Model> {
+          models::LoraConfig lora;
+          lora.r = 2;
+          if (gpt) {
+            models::GptConfig g;
+            g.vocab_size = testing_models::kVocab;
+            g.block_size = testing_models::kSeq;
+            g.n_layer = 3;
+            g.n_head = 2;
+            g.n_embd = 12;
+            g.gradient_checkpointing = ck == 1;
+            lora.dropout = 0.1;
+            lora.targets = {"c_attn", "c_proj", "c_fc"};
+            g.lora = lora;
+            return models::make_gpt(g);
+          }
+          models::LlamaConfig c;
+          c.vocab_size = testing_models::kVocab;
+          c.max_position_embeddings = testing_models::kSeq;
+          c.hidden_size = 12;
+          c.intermediate_size = 20;
+          c.num_hidden_layers = 3;
+          c.num_attention_heads = 2;
+          c.num_key_value_heads = 1;
+          c.gradient_checkpointing = ck == 1;
+          lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+          c.lora = lora;
+          return models::make_llama(c);
+        };
+        weights[ck] = train(r, comm, &losses[ck]);
+      }
+      EXPECT_EQ(losses[0], losses[1]) << what;
+      EXPECT_TRUE(weights[0] == weights[1]) << what << ": weights differ";
+    }
 }
 
 }  // namespace zinc::testing_train
