@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 #include <climits>
 #include <ctime>
@@ -248,6 +249,14 @@ class ShmCommunicator final : public Communicator {
   }
 
   ~ShmCommunicator() override {
+    // A rank unwinding an error: the others may be anywhere, in a
+    // collective this rank left, so the barrier below (and the collective
+    // frees) would keep it waiting for them, and them for it, until
+    // comm.timeout_seconds, with its error unsaid. The window is left to
+    // the process's end: zinc-train ends every rank with the error
+    // (Communicator::abort), and the rest of the node reads no slot of a
+    // rank that stopped.
+    if (std::uncaught_exceptions() > 0) return;
     // Nobody may still read this rank's slot when the window goes.
     if (node_ != MPI_COMM_NULL) MPI_Barrier(node_);
     free_handles();

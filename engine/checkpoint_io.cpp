@@ -293,7 +293,10 @@ void Engine::Impl::check_same_model(const ckpt::TagFiles& files, std::vector<std
                   (mine[b].value("frozen", false) ? "trained in the checkpoint but frozen here"
                                                   : "frozen in the checkpoint (not saved) but trained here"));
     if (theirs[b]["params"].size() != mine[b]["params"].size() || theirs[b]["numel"] != mine[b]["numel"])
-      throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' differs from this model's");
+      throw Error(where + ": block " + std::to_string(b) + " '" + names.back() + "' differs from this model's: " +
+                  std::to_string(theirs[b]["params"].size()) + " parameters of " + theirs[b]["numel"].dump() +
+                  " elements there, " + std::to_string(mine[b]["params"].size()) + " of " +
+                  mine[b]["numel"].dump() + " here (another model size, another family, or other LoRA adapters)");
     for (size_t p = 0; p < mine[b]["params"].size(); ++p)
       if (theirs[b]["params"][p] != mine[b]["params"][p])
         throw Error(where + ": block '" + names.back() + "' parameter " + theirs[b]["params"][p].dump() +

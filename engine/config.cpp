@@ -537,11 +537,6 @@ void parse_pipeline(Reader& root, Config& c) {
       c.pipeline.stages = 1;  // DeepSpeed takes the count from its PipelineModule; zinc's models have none
     else
       c.pipeline.stages = to_int(*v, r.last_path(), Range{1, 1 << 20});
-    if (c.world_size % c.pipeline.stages != 0)
-      throw ConfigError(r.last_path(), std::to_string(c.pipeline.stages) + " stages do not divide the " +
-                                           (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
-                                           " of this run (each stage needs the same number of data-parallel "
-                                           "replicas: run it on a multiple of " + std::to_string(c.pipeline.stages) + " ranks)");
   }
   if (const json* v = r.find("partition"); v && !v->is_null()) {
     if (!v->is_string()) type_error(r.last_path(), "a string", *v);
@@ -602,15 +597,6 @@ void parse_tensor_parallel(Reader& root, Config& c) {
     if (const json* v = r.find(k); v && !v->is_null())
       r.warn_ignored(r.last_path(), "zinc splits the layers of the model families it knows by their own rules "
                                    "(whole heads, the MLP's inner size) and keeps each part in the run's precision");
-  if (c.tensor_parallel.size > 1 && c.world_size % (c.pipeline.stages * c.tensor_parallel.size) != 0)
-    throw ConfigError(size_path, std::to_string(c.tensor_parallel.size) + " tensor parts" +
-                                     (c.pipelined() ? " times " + std::to_string(c.pipeline.stages) + " pipeline stages"
-                                                    : std::string()) +
-                                     " do not divide the " +
-                                     (c.world_size == 1 ? std::string("one rank")
-                                                        : std::to_string(c.world_size) + " ranks") +
-                                     " of this run (run it on a multiple of " +
-                                     std::to_string(c.pipeline.stages * c.tensor_parallel.size) + " ranks)");
   r.finish();
 }
 
@@ -676,16 +662,28 @@ void parse_sequence_parallel(Reader& r, Config& c) {
   int64_t size = 1;
   if (!r.get_int("sequence_parallel_size", size, Range{1, 1 << 20})) return;
   c.sequence_parallel_size = size;
-  if (c.world_size % c.model_parallel_size() != 0)
-    throw ConfigError("sequence_parallel_size",
-                      "sequence parallelism over " + std::to_string(size) + " ranks" +
-                          (c.model_parallel_size() != size
-                               ? " times " + std::to_string(c.model_parallel_size() / size) + " model-parallel ranks"
-                               : std::string()) +
-                          " does not divide the " +
-                          (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
-                          " of this run (run it on a multiple of " + std::to_string(c.model_parallel_size()) +
-                          " ranks)");
+}
+
+// The grid's ranks: a replica of the model spans stages x parts x sequence
+// ranks, which must divide the world. Checked once all three are read, so
+// that the multiple it asks for is the whole grid's (one axis's alone sent
+// a user to a world the next axis refused), naming the last axis given.
+void check_grid(Reader& root, Config& c) {
+  const int64_t grid = c.model_parallel_size();
+  if (c.world_size % grid == 0) return;
+  std::string axes, path;
+  auto axis = [&](int64_t n, const char* what, std::string key) {
+    if (n <= 1) return;
+    axes += (axes.empty() ? "" : " times ") + std::to_string(n) + " " + what;
+    path = std::move(key);
+  };
+  axis(c.pipeline.stages, "pipeline stages", root.path_of("pipeline") + ".stages");
+  axis(c.tensor_parallel.size, "tensor parts", root.path_of("tensor_parallel") + ".autotp_size");
+  axis(c.sequence_parallel_size, "sequence ranks", root.path_of("sequence_parallel_size"));
+  throw ConfigError(path, axes + " do not divide the " +
+                              (c.world_size == 1 ? std::string("one rank") : std::to_string(c.world_size) + " ranks") +
+                              " of this run (a replica of the model spans " + std::to_string(grid) +
+                              " ranks): run it on a multiple of " + std::to_string(grid) + " ranks");
 }
 
 // "expert_parallel": DeepSpeed's AutoEP section (Note [expert parallelism]
@@ -850,6 +848,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_pipeline(r, c);
   parse_tensor_parallel(r, c);
   parse_sequence_parallel(r, c);
+  check_grid(r, c);
   parse_expert_parallel(r, c);
   parse_batch(r, c);
   r.get_number("gradient_clipping", c.gradient_clipping, at_least(0));

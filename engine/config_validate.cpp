@@ -53,11 +53,14 @@ void Config::validate() const {
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with tensor parallelism yet");
+    if (gradients_on_nvme())
+      throw ConfigError("zero_optimization.offload_optimizer.device",
+                        "tensor parts sum the gradients of the weights every part holds whole (norms, biases) over "
+                        "the parts in memory; ZeRO-3 with the optimizer states on NVMe keeps the gradients there: "
+                        "use \"cpu\"");
   }
   // Sequence ranks (Note [sequence parallelism] in engine/sequence_parallel.cpp).
   if (sequence_split()) {
-    if (device == Device::kCuda)
-      throw ConfigError("sequence_parallel_size", "the GPU path does not split sequences yet; use \"device\": \"cpu\"");
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers stand each rank's gradient for the replicas' mean, "
                                           "and a sequence rank's is one slice's share: they do not run with "

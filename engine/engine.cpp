@@ -167,6 +167,9 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   if (tensor_split()) tp_device_comm = device->device_communicator(*tp_comm);  // collective over the parts
   if (tp_device_comm && world_rank == 0)
     log_info("tensor parallelism: the parts' partial sums are added on the GPUs over " + tp_device_comm->backend());
+  if (cfg.sequence_split()) sp_device_comm = device->device_communicator(*sp_comm);  // all-to-all over the slices
+  if (sp_device_comm && world_rank == 0)
+    log_info("sequence parallelism: the attention's exchanges go between the GPUs over " + sp_device_comm->backend());
   UpdateContext uc;
   uc.cfg = &cfg;
   uc.plan = &plan;
@@ -436,7 +439,12 @@ float Engine::Impl::forward(const Batch& whole) {
   check_released("forward");
   forward_pending = true;
   batch_loss.add(loss, targets, batch.B * batch.T);
-  if (sequence_ranks()) loss = sequence_loss(loss, targets);
+  // A micro-batch without targets has no loss (NaN; the model's mean over
+  // none is 0, which would read as a perfect one), as in evaluate().
+  if (sequence_ranks())
+    loss = sequence_loss(loss, targets);  // over the whole rows: NaN when none of them holds a target
+  else if (targets == 0)
+    loss = std::numeric_limits<float>::quiet_NaN();
   timings.forward_s += seconds_since(t0);
   return loss;
 }

@@ -234,6 +234,7 @@ struct Engine::Impl final : StepContext {
   int sp_size = 1, sp_rank = 0;
   double sp_wait_s = 0;                          // in the attention's all-to-alls
   std::unique_ptr<comm::Communicator> sp_comm;   // the sequence ranks of this replica
+  std::unique_ptr<comm::Communicator> sp_device_comm;  // the same ranks over NCCL (the GPU path)
   SequenceSplit sp_pass;                         // the pass under way's
   std::vector<int32_t> sp_positions;             // its whole rows' positions (packed documents)
   bool sequence_ranks() const { return sp_size > 1; }

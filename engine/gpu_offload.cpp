@@ -169,7 +169,7 @@ class GpuOffload final : public DevicePath {
     try {
       return comm::make_nccl_communicator(host, device_index_);
     } catch (const Error& e) {
-      throw Error(std::string("pipeline stages and tensor parts on the GPU exchange activations over NCCL, which did "
+      throw Error(std::string("pipeline stages, tensor parts and sequence ranks on the GPU exchange activations over NCCL, which did "
                               "not start: ") + e.what());
     }
   }

@@ -356,6 +356,9 @@ class Model {
   // computes, in forward and backward, only the layers of
   // ctx.pipeline_stage(), and touches only their blocks.
   virtual std::vector<PipelineLayer> pipeline_layers() const { return {}; }
+  // Why pipeline_layers() is empty, where a model that splits cannot in
+  // this configuration (the engine's refusal says it); empty otherwise.
+  virtual std::string pipeline_split_error() const { return {}; }
   // fp32 elements per token of the hidden state between two layers.
   virtual int64_t pipeline_width() const { return 0; }
   // Pipeline stages keep several micro-batches in flight: the forwards and

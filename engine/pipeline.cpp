@@ -227,9 +227,11 @@ PipelinePlan plan_pipeline(const Model& model, const Config& cfg) {
   const int stages = static_cast<int>(cfg.pipeline.stages);
   plan.layers = model.pipeline_layers();
   const std::vector<PipelineLayer>& layers = plan.layers;
-  if (layers.empty())
+  if (layers.empty()) {
+    const std::string why = model.pipeline_split_error();
     throw ConfigError("pipeline.stages", "model '" + model.name() + "' does not split into pipeline stages (" +
-                                             std::to_string(stages) + " asked for)");
+                                             std::to_string(stages) + " asked for)" + (why.empty() ? "" : ": " + why));
+  }
   const int n = static_cast<int>(layers.size());
   if (n < stages)
     throw ConfigError("pipeline.stages", std::to_string(stages) + " stages for the " + std::to_string(n) +

@@ -41,7 +41,10 @@
 // stages pass on the slices' hidden states (rank s's slice to rank s's on
 // the next stage); each micro-batch in flight keeps its whole rows'
 // positions for its passes (Engine::Impl::train_pipeline).
-// Not built: the GPU path, the 1-bit optimizers (each rank's gradient is one slice's,
+// On the GPU path the exchanges' buffers are in GPU memory and go over
+// NCCL (sp_device_comm, DevicePath::device_communicator), after the
+// compute stream's kernels that wrote them.
+// Not built: the 1-bit optimizers (each rank's gradient is one slice's,
 // not the replica's). Dropout draws each slice's masks from the rank's own
 // stream, so with dropout a run at S ranks is not the run at 1.
 #include <chrono>
@@ -165,13 +168,18 @@ float Engine::Impl::sequence_loss(float loss, int64_t targets) {
   double v[2] = {targets > 0 ? static_cast<double>(loss) * static_cast<double>(targets) : 0.0,
                  static_cast<double>(targets)};
   sp_comm->all_reduce_f64(v, 2);
-  return v[1] > 0 ? static_cast<float>(v[0] / v[1]) : 0.0f;
+  return v[1] > 0 ? static_cast<float>(v[0] / v[1]) : std::numeric_limits<float>::quiet_NaN();
 }
 
 void Engine::Impl::sequence_all_to_all(const float* send, float* recv, int64_t per_rank) {
   if (!sp_comm) return;
   const auto t0 = std::chrono::steady_clock::now();
-  sp_comm->all_to_all(send, recv, per_rank, DType::kF32);
+  if (sp_device_comm) {
+    device->before_device_transfer();
+    sp_device_comm->all_to_all(send, recv, per_rank, DType::kF32);
+  } else {
+    sp_comm->all_to_all(send, recv, per_rank, DType::kF32);
+  }
   sp_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

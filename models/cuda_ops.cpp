@@ -125,7 +125,9 @@ class CudaOps final : public Ops {
     kernels::cuda::swiglu_backward(dgate_up, dout, gate_up, N, I, kStream);
   }
   void rope(float* x, const float* cos, const float* sin, kernels::RopeShape s, bool inverse) override {
-    check_positions(s.positions, s.B, s.T, "rope");
+    // A sequence rank's slice of longer rows has positions past its own
+    // T: rope's bound is its table's rows (the CPU kernel's check).
+    check_positions(s.positions, s.B, s.T, "rope", s.rows());
     kernels::cuda::rope(x, cos, sin, s, inverse, kStream);
   }
   void gqa_expand(float* qkv, const float* q_kv, int64_t N, int64_t H, int64_t Hkv, int64_t hd) override {
@@ -430,7 +432,7 @@ class CudaOps final : public Ops {
   struct DevicePositions {
     std::vector<int32_t> host;        // (B*T) what was uploaded
     kernels::cuda::TokenIndex index;  // its rows grouped by position
-    int64_t checked_B = -1, checked_T = -1;  // the shape check_positions last passed
+    int64_t checked_B = -1, checked_T = -1, checked_limit = -1;  // the check check_positions last passed
   };
 
   // scratch grown to n 16-bit values (grow-only).
@@ -445,28 +447,33 @@ class CudaOps final : public Ops {
     ZINC_CUDA_CHECK(cudaMemcpyAsync(store.data(), host.data(), bytes, cudaMemcpyHostToDevice, kStream), what);
   }
 
-  // Each position of the (B,T) batch in [0, t] for its token t: the CPU
-  // kernels' checks (attention's, which implies rope's and the embedding's
-  // [0, T)), done on the host copy since the kernels get device memory.
-  void check_positions(const int32_t* pos, int64_t B, int64_t T, const char* fn) {
+  // Each position of the (B,T) batch in [0, t] for its token t, or with a
+  // `limit` in [0, limit): the CPU kernels' checks (attention's, which
+  // implies the embedding's [0, T); rope's against its table), done on the
+  // host copy since the kernels get device memory.
+  void check_positions(const int32_t* pos, int64_t B, int64_t T, const char* fn, int64_t limit = 0) {
     if (!pos) return;
     auto it = positions_.find(pos);
     if (it == positions_.end())
       throw Error(std::string(fn) + ": positions that positions() did not upload (they cannot be checked)");
     DevicePositions& d = it->second;
-    if (d.checked_B == B && d.checked_T == T) return;
+    if (d.checked_B == B && d.checked_T == T && d.checked_limit == limit) return;
     if (static_cast<int64_t>(d.host.size()) != B * T)
       throw Error(std::string(fn) + ": " + std::to_string(d.host.size()) + " positions for B*T = " +
                   std::to_string(B * T) + " tokens");
     for (int64_t r = 0; r < B * T; ++r) {
       const int64_t t = r % T, p = d.host[static_cast<size_t>(r)];
-      if (p < 0 || p > t)
+      if (limit > 0 && (p < 0 || p >= limit))
+        throw Error(std::string(fn) + ": position " + std::to_string(p) + " at row " + std::to_string(r) +
+                    " is outside [0, " + std::to_string(limit) + ")");
+      if (limit <= 0 && (p < 0 || p > t))
         throw Error(std::string(fn) + ": position " + std::to_string(p) + " of row " + std::to_string(r / T) +
                     ", token " + std::to_string(t) + " is outside [0, " + std::to_string(t) +
                     "] (a document cannot begin before its row)");
     }
     d.checked_B = B;
     d.checked_T = T;
+    d.checked_limit = limit;
   }
 
   // The cross-entropy's per-row losses (device scratch of N doubles), and

@@ -37,6 +37,11 @@ namespace zinc::models {
 // order (as given, or {kAllLinear}, until the family resolves them; empty:
 // the family's default, PEFT's). r == 0: no adapters.
 inline constexpr const char* kAllLinear = "all-linear";  // target_modules: every linear layer but the head
+// The largest rank taken (model.lora.r, an adapter's r): a rank past any
+// layer's width trains nothing more, and past 2^31 the matmuls' sizes no
+// longer fit oneDNN's (a rank of 2^32 once ended the process in the
+// memory estimate rather than with an error).
+inline constexpr int64_t kMaxLoraRank = int64_t{1} << 20;
 struct LoraConfig {
   int64_t r = 0;
   double alpha = 8.0;
@@ -118,6 +123,9 @@ struct RopeScaling {
 // in that order) and gate and up another (2 * intermediate rows): Hugging
 // Face's separate tensors are row ranges of them.
 struct LlamaConfig {
+  // The model's name in messages and checkpoints (Model::name): its
+  // family's (mistral, mixtral, qwen3_moe, ...), which all build this model.
+  std::string name = "llama";
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;
   int64_t intermediate_size = 344;

@@ -35,7 +35,7 @@ void parse_lora(Reader& model, models::LoraConfig& l) {
   Reader r = model.section("lora");
   l = models::LoraConfig{};
   l.r = 8;
-  r.get_int("r", l.r, at_least(1));
+  r.get_int("r", l.r, closed(1, models::kMaxLoraRank));
   r.get_number("lora_alpha", l.alpha, above(0));
   r.get_bool("use_rslora", l.rslora);
   r.get_number("lora_dropout", l.dropout, lo_closed(0, 1));
@@ -87,7 +87,8 @@ void parse_model(Reader& root, ModelConfig& m) {
   if (r.get_int("vocab_size", m.vocab_size, closed(0, 1 << 24))) m.given.push_back("vocab_size");
   r.get_bool("gradient_checkpointing", m.gradient_checkpointing);
   r.get_bool("pack_frozen_weights", m.pack_frozen_weights);
-  if (r.has("lora")) parse_lora(r, m.lora);
+  // "lora": null is LoRA off, as PEFT's configs write null for what is unused.
+  if (const nlohmann::json* l = r.find("lora"); l && !l->is_null()) parse_lora(r, m.lora);
   if (r.get_file_name("adapter", m.adapter)) {
     if (m.adapter.empty()) throw ConfigError(r.last_path(), "must not be empty (a PEFT adapter folder)");
     if (m.from_pretrained.empty())

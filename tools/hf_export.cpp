@@ -1,6 +1,7 @@
 // Writing a zinc model in the Hugging Face layout (hf_model.h: export_hf),
 // and the config.json of a model zinc built itself.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -82,6 +83,33 @@ HfConfig hf_config_of(const models::FamilyConfig& model) {
   h.raw = model.config_json();
   h.architecture = h.raw["architectures"][0].get<std::string>();
   return h;
+}
+
+// A weight that is not finite in the written dtype (a merge whose
+// lora_alpha / r times B A overflowed, or a value past fp16's 65504) would
+// give a folder zinc itself refuses to load: the export stops naming the
+// tensor, and the folder it would replace stays as it was. `half`: the
+// 16-bit values written (null in fp32).
+static void refuse_non_finite(const std::string& name, const std::vector<float>& v, const uint16_t* half, DType dtype) {
+  const uint16_t exp16 = dtype == DType::kF16 ? 0x7c00 : 0x7f80;  // a 16-bit infinity's or NaN's exponent bits
+  int64_t bad = 0;
+  float largest = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const bool finite = half ? (half[i] & exp16) != exp16 : std::isfinite(v[i]);
+    bad += !finite;
+    if (std::isfinite(v[i])) largest = std::max(largest, std::fabs(v[i]));
+  }
+  if (bad == 0) return;
+  const bool overflow = half && std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+  char big[32];
+  std::snprintf(big, sizeof big, "%g", static_cast<double>(largest));
+  throw Error("export: tensor " + name + " would hold " + std::to_string(bad) + " non-finite value" +
+              (bad == 1 ? "" : "s") + " in " + std::string(dtype_name(dtype)) +
+              (overflow ? " (its largest magnitude is " + std::string(big) + ", past what " +
+                              std::string(dtype_name(dtype)) + " holds; export in bf16 or fp32)"
+                        : " (NaN or infinity in the weights: a merge whose adapters' scale overflowed, or a "
+                          "diverged run)") +
+              "; nothing was replaced");
 }
 
 HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
@@ -204,10 +232,12 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
           w = std::make_unique<SafetensorsWriter>((stage / shard_name(open_shard)).string(), shards[open_shard], metadata);
         }
         if (result.dtype == DType::kF32) {
+          refuse_non_finite(name, v, nullptr, result.dtype);
           w->append(v.data(), v.size() * 4);
         } else {
           half.resize(v.size());
           convert_f32_to_16(v.data(), half.data(), v.size(), result.dtype);
+          refuse_non_finite(name, v, half.data(), result.dtype);
           w->append(half.data(), half.size() * 2);
         }
         weight_map[name] = shard_name(open_shard);

@@ -14,15 +14,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 #include <optional>
+#include <regex>
 #include <sstream>
 
 #include "core/error.h"
 #include "core/files.h"
 #include "core/log.h"
+#include "engine/checkpoint.h"  // xxh3_hex
 #include "engine/config.h"  // parse_json_text
 #include "tools/peft_adapter.h"
 #include "tools/safetensors_read.h"
@@ -100,6 +103,7 @@ class PretrainedModel final : public Model {
     return inner_->sequence_activation_memory(B, T, dt, size, tensor_parts);
   }
   std::vector<PipelineLayer> pipeline_layers() const override { return inner_->pipeline_layers(); }
+  std::string pipeline_split_error() const override { return inner_->pipeline_split_error(); }
   int64_t pipeline_width() const override { return inner_->pipeline_width(); }
   bool select_activations(int slot) override { return inner_->select_activations(slot); }
   std::optional<ActivationMemory> stage_activation_memory(int64_t B, int64_t T, DType dt, const PipelineStage& st,
@@ -203,15 +207,8 @@ bool same_values(const SafetensorsFile& fa, const StoredTensor& a, const Safeten
 // and its exports say tie_word_embeddings false, which is what the model
 // then is. zinc's gpt always ties its head, so such a GPT-2 folder is
 // refused rather than loaded without the head the file holds.
-void settle_tied_head(HfConfig& cfg) {
+void settle_tied_head(HfConfig& cfg, const SafetensorsFolder& folder) {
   if (!cfg.model->tied_head()) return;
-  std::optional<SafetensorsFolder> opened;
-  try {
-    opened.emplace(cfg.dir);
-  } catch (const Error&) {
-    return;  // no readable weights: load_pretrained says so when it reads them
-  }
-  const SafetensorsFolder& folder = *opened;
   const auto [head_file, head] = folder.find("lm_head.weight");
   if (!head) return;
   const std::string& embed = cfg.family->embed_tensor;
@@ -229,7 +226,62 @@ void settle_tied_head(HfConfig& cfg) {
   }
 }
 
+// A config.json that names more layers than its weights hold is refused
+// from the files' headers, before a model of that many layers is built:
+// a count of 1000000 (a typo) once took 10 GB and half a minute to report
+// the first missing tensor, and 2^31 ran out of memory.
+void check_layer_count(const HfConfig& cfg, const SafetensorsFolder& folder) {
+  std::string key;
+  for (const char* k : {"num_hidden_layers", "n_layer"})
+    if (cfg.raw.contains(k) && cfg.raw[k].is_number_integer()) {
+      key = k;
+      break;
+    }
+  if (key.empty()) return;  // the family's reader says what is missing
+  const int64_t said = cfg.raw[key].get<int64_t>();
+  // A layer's tensors: "...layers.N." (the Llama families, GPT-NeoX) or "h.N." (GPT-2).
+  static const std::regex layer_re(R"((^|\.)(layers|h)\.([0-9]{1,9})\.)");
+  int64_t held = -1;
+  for (const std::string& name : folder.names()) {
+    std::smatch m;
+    if (std::regex_search(name, m, layer_re)) held = std::max<int64_t>(held, std::stoll(m[3].str()));
+  }
+  if (held < 0 || said <= held + 1) return;  // no layer tensors: the load names the first one missing
+  throw Error(cfg.dir + "/config.json: " + key + " is " + std::to_string(said) + ", but the weights (" +
+              (folder.index().empty() ? folder.files().front() : folder.index()) + ") hold layers 0-" +
+              std::to_string(held) + " only: a config.json of another model, or a damaged one");
+}
+
 }  // namespace
+
+std::string hf_weights_fingerprint(const std::string& dir) {
+  const SafetensorsFolder folder(dir);
+  std::vector<std::string> paths = folder.files();
+  std::sort(paths.begin(), paths.end(), [](const std::string& a, const std::string& b) {
+    return std::filesystem::path(a).filename() < std::filesystem::path(b).filename();
+  });
+  std::string sampled;
+  constexpr int kPieces = 64;
+  constexpr int64_t kPiece = 4096, kHead = int64_t{1} << 20;
+  std::vector<char> buf(static_cast<size_t>(std::max(kPiece, kHead)));
+  for (const std::string& path : paths) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw IoError(path + ": cannot open (for the base model's digest)");
+    in.seekg(0, std::ios::end);
+    const int64_t size = static_cast<int64_t>(in.tellg());
+    sampled += std::filesystem::path(path).filename().string() + ":" + std::to_string(size) + ";";
+    auto take = [&](int64_t at, int64_t n) {
+      n = std::max<int64_t>(0, std::min(n, size - at));
+      in.seekg(at);
+      in.read(buf.data(), n);
+      if (in.gcount() != n) throw IoError(path + ": a short read (for the base model's digest)");
+      sampled.append(buf.data(), static_cast<size_t>(n));
+    };
+    take(0, kHead);  // the header (names, shapes, offsets) and the first weights
+    for (int k = 0; k < kPieces; ++k) take(size / kPieces * k + size / (2 * kPieces), kPiece);
+  }
+  return ckpt::xxh3_hex(sampled.data(), sampled.size());
+}
 
 HfConfig read_hf_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
@@ -244,7 +296,14 @@ HfConfig read_hf_config(const std::string& dir) {
   // key or a runaway nesting is refused naming the file, line and column.
   HfConfig cfg = parse_hf_config(parse_json_text(text, path), path);
   cfg.dir = dir;
-  settle_tied_head(cfg);
+  std::optional<SafetensorsFolder> folder;
+  try {
+    folder.emplace(cfg.dir);
+  } catch (const Error&) {
+    return cfg;  // no readable weights: load_pretrained says so when it reads them
+  }
+  check_layer_count(cfg, *folder);
+  settle_tied_head(cfg, *folder);
   return cfg;
 }
 
@@ -315,7 +374,14 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
   // LoRA's adapter blocks: PEFT's names in the adapter file, or no pieces
   // (the model's own initialisation, PEFT's) without one.
   std::unique_ptr<SafetensorsFile> adapter;
-  if (!adapter_dir.empty()) adapter = std::make_unique<SafetensorsFile>(adapter_dir + "/" + kAdapterWeightsFile);
+  if (!adapter_dir.empty()) {
+    const std::string weights = adapter_dir + "/" + kAdapterWeightsFile;
+    if (!std::filesystem::exists(weights) && std::filesystem::exists(adapter_dir + "/adapter_model.bin"))
+      throw Error(adapter_dir + ": holds adapter_model.bin (PEFT's older pickle format, which zinc does not read: "
+                                "loading a pickle runs code) and no " + kAdapterWeightsFile +
+                  "; save the adapter again with PEFT's save_pretrained(..., safe_serialization=True)");
+    adapter = std::make_unique<SafetensorsFile>(weights);
+  }
   std::vector<char> from_adapter(pieces.size(), 0);
   std::map<std::string, bool> adapter_used;
   if (adapter)

@@ -73,6 +73,14 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device = Devi
                                        bool gradient_checkpointing = false, const models::LoraConfig& lora = {},
                                        const std::string& adapter_dir = "");
 
+// A digest of the weights in the Hugging Face folder `dir` (xxh3, hex),
+// from each safetensors file's size, header and 64 pieces of 4 KiB spread
+// over it: the same files give the same digest wherever they lie, and a
+// folder of other weights (another checkpoint, a retrained model) another
+// one, at the cost of reading a few MiB. A LoRA checkpoint records it
+// (client_state.hf_fingerprint): its frozen base is not saved in it.
+std::string hf_weights_fingerprint(const std::string& dir);
+
 }  // namespace zinc::tools
 
 namespace zinc::tools {

@@ -26,8 +26,10 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   const std::string type = has("peft_type") && doc["peft_type"].is_string() ? doc["peft_type"].get<std::string>() : "";
   if (type != "LORA") fail("peft_type", "expected \"LORA\", got " + (has("peft_type") ? doc["peft_type"].dump() : "nothing"));
   models::LoraConfig l;
-  if (!has("r") || !doc["r"].is_number_integer() || doc["r"].get<int64_t>() < 1)
-    fail("r", "expected an integer >= 1, got " + (has("r") ? doc["r"].dump() : "nothing"));
+  if (!has("r") || !doc["r"].is_number_integer() || doc["r"].get<int64_t>() < 1 ||
+      doc["r"].get<int64_t>() > models::kMaxLoraRank)
+    fail("r", "expected an integer in [1, " + std::to_string(models::kMaxLoraRank) + "], got " +
+                  (has("r") ? doc["r"].dump() : "nothing"));
   l.r = doc["r"].get<int64_t>();
   if (has("lora_alpha")) {
     if (!doc["lora_alpha"].is_number()) fail("lora_alpha", "expected a number, got " + doc["lora_alpha"].dump());
@@ -72,6 +74,20 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   for (const char* k : {"rank_pattern", "alpha_pattern"})
     if (has(k) && !(doc[k].is_object() && doc[k].empty()))
       fail(k, "per-module ranks or alphas are not implemented");
+  // Keys of PEFT's that change what the saved A and B mean: read as plain
+  // LoRA they would give another model without a word.
+  if (has("init_lora_weights") && !doc["init_lora_weights"].is_boolean() && doc["init_lora_weights"] != "gaussian")
+    fail("init_lora_weights", doc["init_lora_weights"].dump() +
+                                  " is not implemented (PiSSA, OLoRA, LoftQ and CorDA change the base weights the "
+                                  "adapter was trained on); only true, false or \"gaussian\"");
+  // Each of these, set, is a variant of LoRA (or a subset of its modules)
+  // that plain LoRA does not compute; PEFT writes null (or {}) otherwise.
+  for (const char* k : {"loftq_config", "exclude_modules", "target_parameters", "alora_invocation_tokens",
+                        "arrow_config", "kasa_config", "monteclora_config", "velora_config", "use_bdlora"})
+    if (has(k) && doc[k] != false && !((doc[k].is_object() || doc[k].is_array()) && doc[k].empty()))
+      fail(k, doc[k].dump() + " is not implemented (zinc reads plain LoRA over every named module)");
+  if (has("use_qalora") && doc["use_qalora"] != false)
+    fail("use_qalora", doc["use_qalora"].dump() + " is not implemented (QA-LoRA pools the input before A)");
   if (has("task_type") && doc["task_type"] != "CAUSAL_LM")
     fail("task_type", doc["task_type"].dump() + ": zinc trains causal language models (\"CAUSAL_LM\")");
   if (has("lora_dropout")) {
@@ -222,6 +238,10 @@ PeftExportResult export_checkpoint_peft(const std::string& checkpoint_dir, const
   // an export folder either.
   opts.inputs.push_back(files.dir);
   opts.inputs.push_back(checkpoint_dir);
+  // Nor the base model's folder: an adapter_config.json there turns the
+  // base into base plus adapter for transformers with PEFT.
+  if (!opts.base_model.empty() && std::filesystem::is_directory(opts.base_model))
+    opts.inputs.push_back(opts.base_model);
   ckpt::CheckpointReader reader(files.dir, files.ranks, files.block_names);
   return export_peft_adapter(cfg, *model, checkpoint_master_reader(reader, *model), opts);
 }

@@ -4,8 +4,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 
 #include "core/error.h"
+#include "engine/checkpoint.h"
+#include "tools/hf_model.h"
 #include "tools/monitor.h"
 #include "tools/peft_adapter.h"
 #include "tools/train_events.h"
@@ -58,7 +61,55 @@ RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, comm:
 
 RunLoop::~RunLoop() = default;
 
+namespace {
+
+std::string adapters_text(const models::LoraConfig& l) {
+  std::string targets;
+  for (const std::string& t : l.targets) targets += (targets.empty() ? "" : ", ") + t;
+  char alpha[32];
+  std::snprintf(alpha, sizeof alpha, "%g", l.alpha);
+  return "r " + std::to_string(l.r) + ", lora_alpha " + alpha + (l.rslora ? ", use_rslora" : "") + " on " + targets;
+}
+
+// A resume must train the checkpoint's adapters: the same rank and targets
+// (the blocks' sizes), and the same scale (lora_alpha, use_rslora), which
+// no block records and which would change the model without a word; over
+// the same frozen base, which the checkpoint does not hold (its digest,
+// where the checkpoint records one). Said before the engine reads
+// anything, with both sides' settings. The dropout may differ (it changes
+// training, not the model), and so may the base's path.
+void check_resumed_adapters(const std::string& dir, const models::LoraConfig& mine,
+                            const std::function<const std::string&()>& base_fingerprint, const std::string& base) {
+  const ckpt::TagFiles files = ckpt::open_tag(dir, "");
+  const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
+  if (!client.is_object() || !client.contains("lora") || !mine.enabled()) return;  // the blocks say the rest
+  const models::LoraConfig theirs = parse_peft_adapter_config(client["lora"], files.dir + ": client_state.lora");
+  if (theirs.r != mine.r || theirs.alpha != mine.alpha || theirs.rslora != mine.rslora || theirs.targets != mine.targets)
+    throw Error("checkpoint " + files.dir + " trained LoRA adapters of " + adapters_text(theirs) +
+                "; this run's are " + adapters_text(mine) +
+                ": resume with the checkpoint's model.lora (or start a new run in another run.checkpoint_dir)");
+  if (client.contains("hf_fingerprint") && client["hf_fingerprint"].is_string() && !base.empty() &&
+      client["hf_fingerprint"].get<std::string>() != base_fingerprint())
+    throw Error("checkpoint " + files.dir + " trained LoRA adapters over a frozen base whose weights differ from " +
+                base + "'s (" + client.value("hf_source", std::string("?")) + " when it was saved; a sampled digest "
+                "of the safetensors files): the checkpoint does not hold the base, so resume over the same one");
+}
+
+}  // namespace
+
+const std::string& RunLoop::base_fingerprint() {
+  if (!base_fingerprint_) {
+    const std::string& base = ex_.experiment.model.from_pretrained;
+    base_fingerprint_ = ex_.hf && ex_.hf->model->lora().enabled() && !base.empty() ? hf_weights_fingerprint(base)
+                                                                                    : std::string();
+  }
+  return *base_fingerprint_;
+}
+
 nlohmann::json RunLoop::resume(const std::string& dir) {
+  if (ex_.hf)
+    check_resumed_adapters(dir, ex_.hf->model->lora(), [this]() -> const std::string& { return base_fingerprint(); },
+                           ex_.experiment.model.from_pretrained);
   const nlohmann::json client = engine_.load_checkpoint(dir);
   loader_.set_position(client.at("samples").get<int64_t>());
   first_step_ = engine_.global_steps() + 1;
@@ -94,9 +145,11 @@ void RunLoop::save(int64_t step, std::vector<nlohmann::json>& evs) {
     if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
     // And for zinc-export --format peft: the adapters' configuration, as
     // PEFT's adapter_config.json writes it.
-    if (ex_.hf->model->lora().enabled())
+    if (ex_.hf->model->lora().enabled()) {
       client["lora"] = peft_adapter_config_json(ex_.hf->model->lora(), ex_.experiment.model.from_pretrained,
                                                 ex_.hf->model->lora_fan_in_fan_out());
+      if (!base_fingerprint().empty()) client["hf_fingerprint"] = base_fingerprint();
+    }
   }
   engine_.save_checkpoint(run.checkpoint_dir, "", client);
   if (rank_ == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last, step);

@@ -92,6 +92,10 @@ class RunLoop {
  private:
   void emit(std::vector<nlohmann::json>& evs, nlohmann::json ev);
   void save(int64_t step, std::vector<nlohmann::json>& evs);
+  // hf_weights_fingerprint of model.from_pretrained, where LoRA leaves it
+  // frozen (and out of the checkpoints); computed once. Empty otherwise.
+  const std::string& base_fingerprint();
+  std::optional<std::string> base_fingerprint_;
 
   using Clock = std::chrono::steady_clock;
   Engine& engine_;

@@ -251,6 +251,16 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   if (is_within(out.parent_path().empty() ? "." : out.parent_path().string(), files.dir))
     throw Error("zinc-export: --out " + opts.out + " is inside the checkpoint " + files.dir +
                 " it reads; write it elsewhere");
+  // Nor into the pretrained model's folder the run was trained from (the
+  // checkpoint's client_state.hf_source): its weights would be replaced.
+  const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
+  if (client.is_object() && client.contains("hf_source") && client["hf_source"].is_string()) {
+    const std::string source = client["hf_source"].get<std::string>();
+    if (!source.empty() && fs::is_directory(source) &&
+        is_within(out.parent_path().empty() ? "." : out.parent_path().string(), source))
+      throw Error("zinc-export: --out " + opts.out + " is inside " + source +
+                  ", the pretrained model this checkpoint was trained from; write it elsewhere");
+  }
   // Two exports of one NAME would mix their files: the set's lock, beside it.
   const std::unique_ptr<ckpt::DirLock> lock = lock_output_folder(opts.out, "--out", "export file");
   std::string stem_re;  // the stem, its regex characters escaped

@@ -309,8 +309,24 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
                   ", " + std::to_string(furthest->end - data_start) + ") and " + show(t.name) + " [" +
                   std::to_string(t.begin - data_start) + ", " + std::to_string(t.end - data_start) +
                   ") overlap in the data section");
+    // The data section holds the tensors back to back, as the safetensors
+    // library writes them and requires on reading: a hole is bytes no
+    // tensor names (a damaged or hand-edited header).
+    const int64_t expected = furthest ? furthest->end : data_start;
+    if (t.begin != expected)
+      throw Error(path_ + ": tensor " + show(t.name) + " begins at byte " + std::to_string(t.begin - data_start) +
+                  " of the data section, where " +
+                  (furthest ? "tensor " + show(furthest->name) + " ends at " : std::string("the section starts at ")) +
+                  std::to_string(expected - data_start) +
+                  ": bytes no tensor covers (the safetensors library refuses such a file too)");
     if (furthest == nullptr || t.end > furthest->end) furthest = &t;
   }
+  const int64_t used = furthest ? furthest->end : data_start;
+  if (used != file_bytes_)
+    throw Error(path_ + ": " + std::to_string(file_bytes_ - used) + " bytes after the last tensor's data (the data "
+                "section is " + std::to_string(data_bytes) + " bytes, the tensors cover " +
+                std::to_string(used - data_start) + "): a file with bytes appended, or a damaged header (the "
+                "safetensors library refuses such a file too)");
   for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
 }
 

@@ -337,6 +337,21 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                                 : "--merge needs --save-pretrained (the folder it writes the merged model to)");
   if (!pretrained.adapter_dir.empty() && !adapters)
     throw zinc::Error("--save-adapter: the model has no LoRA adapters (model.lora or model.adapter makes them)");
+  // One folder holding the merged model and an adapter_config.json reads,
+  // for transformers with PEFT, as the base plus the adapter: merged twice.
+  if (!pretrained.dir.empty() && !pretrained.adapter_dir.empty()) {
+    std::error_code ec1, ec2;
+    auto folder = [](std::filesystem::path p) {  // "out/" names the folder "out" does
+      while (p.has_relative_path() && p.filename().empty()) p = p.parent_path();
+      return p;
+    };
+    const auto a = folder(std::filesystem::weakly_canonical(pretrained.dir, ec1)),
+               b = folder(std::filesystem::weakly_canonical(pretrained.adapter_dir, ec2));
+    if (zinc::same_file(pretrained.dir, pretrained.adapter_dir) || (!ec1 && !ec2 && a == b))
+      throw zinc::Error("--save-adapter " + pretrained.adapter_dir + " is the folder --save-pretrained writes: a "
+                        "merged model beside an adapter_config.json loads as the base plus the adapter (merged "
+                        "twice); give each its own folder");
+  }
   if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
@@ -485,9 +500,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double nvme_gbs = nvme ? (nvme_read + nvme_written) * per_step / nvme_time / 1e9 : 0;
   // A run whose every step was skipped trained nothing: it must not look
   // like one that did (exit 0, a "final loss"), nor export weights as if
-  // trained. Not for a stop signal (its exit code says what happened), and
-  // only a warning when every skip was an fp16 overflow while the dynamic
-  // loss scale came down to its level (a short run's normal start).
+  // trained (an export would replace an earlier one with the start's
+  // weights). Not for a stop signal (its exit code says what happened).
+  // When every skip was an fp16 overflow while the dynamic loss scale came
+  // down to its level (a short run's normal start) it is a warning, unless
+  // an export was asked for: that exits 1 writing none (it once wrote the
+  // untrained weights).
   const int64_t skipped = engine.skipped_steps() - skipped_before;
   const int64_t overflows = engine.overflow_steps() - overflow_before;
   if (trained > 0 && skipped == trained && stopped_by == 0) {
@@ -496,10 +514,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                         "was skipped (non-finite gradients, or a global batch whose every target is masked: the "
                         "warnings above say which); the weights are as they were at the start, and no export was "
                         "written");
-    if (rank == 0)
-      zinc::log_warn("none of the " + std::to_string(trained) + " steps updated the weights: each overflowed in "
-                     "fp16 while the dynamic loss scale came down to its level (normal in a run's first steps; a "
-                     "longer run trains)");
+    const std::string what = "none of the " + std::to_string(trained) + " steps of this run updated the weights: each "
+                             "overflowed in fp16 while the dynamic loss scale came down to its level (normal in a "
+                             "run's first steps: run more steps, or start lower with fp16.initial_scale_power)";
+    if (!weights_out.empty() || !pretrained.dir.empty() || !pretrained.adapter_dir.empty())
+      throw zinc::Error(what + "; the weights are as they were at the start, and no export was written");
+    if (rank == 0) zinc::log_warn(what);
   }
   const std::string digest_hex = digest ? weights_digest(engine) : std::string();
   // A run stopped by a signal has not finished: its weights would replace
@@ -560,6 +580,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     else
       std::printf("done: nothing left to train (the checkpoint is at step %lld, run.steps %lld) | peak RSS %.0f "
                   "MiB\n", static_cast<long long>(done_steps), static_cast<long long>(run.steps), rss_max / (1 << 20));
+    // The weights loaded: a script comparing a resumed run's digest gets it here too.
+    if (digest) std::printf("weights digest (FNV-1a of the fp32 master weights): %s\n", digest_hex.c_str());
   } else {
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);

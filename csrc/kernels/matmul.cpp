@@ -115,6 +115,7 @@
 #include <atomic>
 #include <cctype>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -314,6 +315,14 @@ std::shared_ptr<const CachedMatmul> lookup(const MatmulDesc& d, bool packed = fa
   std::scoped_lock lock(mu);
   auto it = cache.find(k);
   if (it != cache.end()) return it->second;
+  // oneDNN takes 64-bit sizes but parts of its CPU matmul compute in 32
+  // bits: a size past 2^31 once ended the process with SIGFPE.
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (d.batch > kMaxDim || d.M > kMaxDim || d.N > kMaxDim || d.K > kMaxDim || d.M * d.K > kMaxDim * 64 ||
+      d.K * d.N > kMaxDim * 64 || d.M * d.N > kMaxDim * 64)
+    throw Error("matmul: batch=" + std::to_string(d.batch) + " M=" + std::to_string(d.M) + " N=" +
+                std::to_string(d.N) + " K=" + std::to_string(d.K) + " is past what oneDNN computes (a size " +
+                "over 2^31, or an operand over 2^37 elements)");
   try {
     auto p = create(d, packed);
     cache.emplace(k, p);

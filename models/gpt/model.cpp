@@ -201,7 +201,9 @@ class Gpt final : public Model {
     Hh_ /= size;
     F_ /= size;
     Vh_ = detail::vocab_share(c_.vocab_size, size);
-    vlo_ = rank * Vh_;
+    // A vocabulary too small to split (a part would hold padding only) is
+    // whole on every part: each holds rows 0 .. V, not rank * V on.
+    vlo_ = Vh_ < c_.vocab_size ? rank * Vh_ : 0;
     Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes

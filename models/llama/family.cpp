@@ -58,6 +58,7 @@ class Config final : public FamilyConfig {
   }
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
     LlamaConfig l = c_;
+    l.name = family_->name;
     l.device = device;
     l.gradient_checkpointing = gradient_checkpointing;
     return make_llama(l);

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -198,7 +199,7 @@ class Llama final : public Model {
     return true;
   }
 
-  std::string name() const override { return "llama"; }
+  std::string name() const override { return c_.name; }
   Device device() const override { return ops_->device(); }
   const std::vector<BlockSpec>& blocks() const override { return whole_.empty() ? specs_ : whole_; }
   std::span<const float> logits() const override {
@@ -676,6 +677,16 @@ class Llama final : public Model {
     if (c_.tie_word_embeddings) head.push_back(0);
     return detail::decoder_pipeline_layers(specs_, c_.num_hidden_layers, lora() ? lora_first_ : -1, std::move(head));
   }
+  std::string pipeline_split_error() const override {
+    if (c_.router_aux_loss_coef > 0 && c_.num_experts > 0) {
+      char coef[32];
+      std::snprintf(coef, sizeof coef, "%g", c_.router_aux_loss_coef);
+      return std::string("its load-balancing loss (router_aux_loss_coef ") + coef +
+             ") sums over every mixture-of-experts layer into the loss, which no stage holds whole; with "
+             "router_aux_loss_coef 0 it splits";
+    }
+    return {};
+  }
   int64_t pipeline_width() const override { return c_.hidden_size; }
 
   // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp):
@@ -758,7 +769,9 @@ class Llama final : public Model {
     I_ /= size;
     GU_ /= size;
     Vh_ = vocab_share(size);
-    vlo_ = rank * Vh_;
+    // A vocabulary too small to split (a part would hold padding only) is
+    // whole on every part: each holds rows 0 .. V, not rank * V on.
+    vlo_ = Vh_ < c_.vocab_size ? rank * Vh_ : 0;
     Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes

@@ -10,6 +10,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -486,6 +487,42 @@ TEST(ShmErrors, AWaitForAMissingPeerTimesOutNamingThePeer) {
       << bad_env;
   const std::string bad_arg = message_of([] { make_communicator("shm", 0.0); });
   EXPECT_NE(bad_arg.find("timeout must be a positive number of seconds"), std::string::npos) << bad_arg;
+}
+
+// A rank whose error unwinds past a communicator while the others wait in
+// a collective it left: its destructor does not wait for them in a barrier,
+// which held its error until the others timed out (zinc-train's ranks sat
+// there for comm.timeout_seconds before the error could end the job); the
+// others' wait still times out naming it, and unwinds the same way.
+TEST(ShmErrors, ARankUnwindingAnErrorDoesNotWaitForTheOthers) {
+  Communicator& c = *g_shm;
+  if (c.size() < 2) GTEST_SKIP();
+  setenv("ZINC_COMM_TIMEOUT", "3", 1);
+  std::unique_ptr<Communicator> shm = make_communicator("shm");
+  unsetenv("ZINC_COMM_TIMEOUT");
+  double unwound_s = -1;
+  std::string err;
+  if (c.rank() == 1) {
+    const auto t0 = std::chrono::steady_clock::now();
+    err = message_of([&] {
+      std::unique_ptr<Communicator> mine = std::move(shm);
+      throw CommError("a failure on rank 1 alone");
+    });
+    unwound_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else {
+    err = message_of([&] {
+      std::unique_ptr<Communicator> mine = std::move(shm);
+      float x = 1.0f;
+      mine->all_reduce(&x, &x, 1, DType::kF32);
+    });
+  }
+  c.barrier();
+  if (c.rank() == 1) {
+    EXPECT_EQ(err, "a failure on rank 1 alone");
+    EXPECT_LT(unwound_s, 1.0) << "the failing rank waited in its communicator's destructor";
+  } else {
+    EXPECT_NE(err.find("all_reduce: waited"), std::string::npos) << err;
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/cuda_util.h"
 #include "core/device.h"
 #include "engine/engine.h"
 #include "engine/memory_estimate.h"
@@ -25,6 +26,7 @@
 #include "tests/comm/mpi_test_main.h"
 #include "tests/engine/checkpoint_util.h"
 #include "tests/engine/grid_test_util.h"
+#include "tests/engine/sequence_split_util.h"
 #include "tests/engine/tiny_models.h"
 #include "tests/engine/train_util.h"
 
@@ -377,6 +379,81 @@ TEST(CudaEngineRanks, TensorPartsAddTheirPartialSumsOverNcclAndTrainTheRunWithou
   EXPECT_NE(refusal({{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}}).find("stages 1-2"),
             std::string::npos);
   g_world->barrier();
+}
+
+// Sequence ranks on the GPU path (Note [sequence parallelism] in
+// engine/sequence_parallel.cpp): the attention's two all-to-alls go
+// between the GPUs over NCCL, after the compute stream's kernels that
+// wrote what they send. Each run splits its rows over the world's ranks
+// (2 or 4 sequence ranks, one replica) or over 2 (world/2 replicas; at 4
+// ranks also 2 sequence ranks x 2 tensor parts), and trains the GPU run
+// without the split on the replicas to float rounding,
+// the CPU path's tolerances (tests/engine/sequence_parallel_test.cpp):
+// the weights' gradients are the slices' summed in another order.
+TEST(CudaEngineRanks, SequenceRanksExchangeOverNcclAndTrainTheRunWithoutThem) {
+  ZINC_REQUIRE_GPU_PER_RANK();
+  using testing_sequence::Spec;
+  const int w = g_world->size();
+  if (w < 2) GTEST_SKIP() << "sequence ranks need two ranks or more";
+  auto gpu = [](Spec s) {
+    s.device = Device::kCuda;
+    s.steps = 8;
+    return s;
+  };
+  Spec base = gpu(Spec{});
+  testing_sequence::expect_same_run(base, "GPU, 2 sequence ranks, GQA, packed documents, masked targets");
+  Spec all = base;
+  all.sp = w;
+  if (w > 2) testing_sequence::expect_same_run(all, "GPU, " + std::to_string(w) + " sequence ranks");
+  Spec z3 = base;
+  z3.zero = 3;
+  testing_sequence::expect_same_run(z3, "GPU, ZeRO-3, states on the GPU");
+  z3.offload = "cpu";
+  z3.sp = w;
+  testing_sequence::expect_same_run(z3, "GPU, ZeRO-3, ZeRO-Offload");
+  Spec gpt = base;
+  gpt.gpt = true;
+  gpt.checkpointing = true;
+  gpt.zero = 2;
+  testing_sequence::expect_same_run(gpt, "GPU, GPT-2, packed documents, activation checkpointing, ZeRO-2");
+  Spec lora = base;
+  lora.lora = true;
+  lora.zero = 3;
+  testing_sequence::expect_same_run(lora, "GPU, LoRA at ZeRO-3");
+  Spec bf16 = base;
+  bf16.bf16 = true;
+  bf16.steps = 4;
+  testing_sequence::expect_same_run(bf16, "GPU, bf16");
+  // With tensor parts (at 4 ranks): each part's heads split again over the
+  // slices, the partial sums over NCCL too (ZeRO-Offload, as parts on the GPU).
+  Spec parts = base;
+  parts.tp = 2;
+  parts.zero = 2;
+  parts.offload = "cpu";
+  parts.vocab = 16;
+  testing_sequence::expect_same_run(parts, "GPU, 2 sequence ranks x 2 tensor parts, ZeRO-Offload");
+  // The comparison can fail: slices delivered in the wrong order (copied
+  // on the GPU, on the compute stream) give another attention.
+  Spec s = base;
+  s.steps = 2;
+  const testing::GridRun ref = testing_sequence::train(s, testing_sequence::replicas_of(s), false);
+  cuda::DeviceBuffer scratch;
+  const testing::GridRun bad = testing_sequence::train(s, g_world, true, [&](std::shared_ptr<Model> m) {
+    return std::make_shared<testing_sequence::ReversedExchange>(
+        m,
+        [&](size_t n) {
+          scratch.reserve(n * sizeof(float));
+          return scratch.as<float>();
+        },
+        [](float* dst, const float* src, size_t n) {
+          ZINC_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, nullptr),
+                          "the sabotage's copy");
+        });
+  });
+  double worst = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    worst = std::max(worst, std::fabs(bad.losses[i] - ref.losses[i]) / std::max(1.0, std::fabs(ref.losses[i])));
+  EXPECT_GT(worst, 100 * 1e-4) << "a misrouted exchange must show in the losses";
 }
 
 // Stage 3 on the GPU path, where the parameters are gathered on the GPU

@@ -573,11 +573,12 @@ TEST(CudaEngine, MaskedTargetsAndPackedDocumentsTrainLikeTheCpu) {
     const Run cpu = run(kind, "cpu", stage), gpu = run(kind, "cuda", stage);
     ASSERT_EQ(cpu.losses.size(), gpu.losses.size());
     for (size_t i = 0; i < cpu.losses.size(); ++i) {
+      if (i % 8 == 7) {  // no targets, no loss (NaN, never 0), on both paths
+        EXPECT_TRUE(std::isnan(gpu.losses[i]) && std::isnan(cpu.losses[i])) << what << " micro-batch " << i;
+        continue;
+      }
       ASSERT_TRUE(std::isfinite(gpu.losses[i])) << what << " micro-batch " << i;
       EXPECT_NEAR(cpu.losses[i], gpu.losses[i], 1e-3 * std::fabs(cpu.losses[i])) << what << " micro-batch " << i;
-      if (i % 8 == 7) {
-        EXPECT_EQ(gpu.losses[i], 0.0f) << what << ": no targets, no loss";
-      }
     }
     double diff = 0, norm = 0;
     for (size_t i = 0; i < cpu.weights.size(); ++i) {

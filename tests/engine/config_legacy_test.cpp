@@ -90,7 +90,7 @@ TEST(ConfigLegacy, KeysThatChangeTrainingAreRefusedWithTheReason) {
     std::vector<std::string> parts;
   };
   const Case cases[] = {
-      {{{"sequence_parallel_size", 2}}, {"sequence_parallel_size: sequence parallelism over 2 ranks does not divide the one rank"}},
+      {{{"sequence_parallel_size", 2}}, {"sequence_parallel_size: 2 sequence ranks do not divide the one rank"}},
       {{{"curriculum_learning", {{"enabled", true}, {"curriculum_type", "seqlen"}}}},
        {"curriculum_learning: not implemented in zinc", "sequence lengths"}},
       {{{"progressive_layer_drop", {{"enabled", true}, {"theta", 0.5}}}},

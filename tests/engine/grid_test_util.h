@@ -19,9 +19,9 @@
 namespace zinc::testing {
 
 // The synthetic tokens both tests train on (vocabulary 13, rows of 9).
-inline std::shared_ptr<const DataSource> tiny_source() {
+inline std::shared_ptr<const DataSource> tiny_source(int64_t vocab = 13) {
   DataConfig dc;
-  dc.vocab_size = 13;
+  dc.vocab_size = vocab;
   dc.seq_len = 9;
   return std::shared_ptr<const DataSource>(make_data_source(dc));
 }

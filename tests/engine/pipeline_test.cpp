@@ -419,6 +419,21 @@ TEST(Pipeline, RefusesWhatItCannotRunWithOneLine) {
   EXPECT_NE(error_of([&] { Engine::initialize(models::make_mlp(mc), config(s, d, true), g_world); })
                 .find("does not split into pipeline stages"),
             std::string::npos);
+  // A mixture of experts with a load-balancing loss: refused with the
+  // reason and the way out, under its family's name.
+  models::LlamaConfig moe;
+  moe.name = "mixtral";
+  moe.vocab_size = 13;
+  moe.hidden_size = 16;
+  moe.intermediate_size = 24;
+  moe.num_hidden_layers = 2;
+  moe.num_experts = 4;
+  moe.num_experts_per_tok = 2;
+  moe.moe_intermediate_size = 8;
+  moe.router_aux_loss_coef = 0.01;
+  const std::string moe_err = error_of([&] { Engine::initialize(models::make_llama(moe), config(s, d, true), g_world); });
+  EXPECT_NE(moe_err.find("model 'mixtral' does not split into pipeline stages"), std::string::npos) << moe_err;
+  EXPECT_NE(moe_err.find("with router_aux_loss_coef 0 it splits"), std::string::npos) << moe_err;
   s.layers = 1;  // 3 layers (embedding, one decoder layer, head) for 4 stages
   if (g_world->size() == 4) {
     s.stages = 4;

@@ -132,7 +132,7 @@ Result train(const Spec& s, std::shared_ptr<comm::Communicator> comm, bool split
   const int ranks = comm ? comm->size() : 1;
   const int replicas = split ? ranks / (s.tp * s.stages) : ranks;
   Engine e = Engine::initialize(llama(s), config(s, replicas, split), ranks > 1 ? comm : nullptr);
-  auto src = testing::tiny_source();
+  auto src = testing::tiny_source(std::min<int64_t>(s.vocab, 13));
   DataLoader loader(src, s.micro, s.gas, e.data_parallel_size(), e.data_parallel_rank(), 7);
   if (!ck.load.empty()) {
     e.load_checkpoint(ck.load, "");
@@ -250,6 +250,17 @@ TEST(TensorParallel, VocabularyPartsTrainTheRunWithoutParts) {
   b.bf16 = true;
   b.steps = 6;
   expect_same_run(b, "bf16");
+  // A vocabulary too small to split over 4 parts (a part would hold
+  // padding only: ceil(5 / 4) = 2 rows apiece leave the fourth none) is
+  // whole on every part. Parts 2 and 3 once took rows from 2 V on (a
+  // negative count) and stopped in their first matmul, while parts 0 and 1
+  // waited for them.
+  Spec small;
+  small.vocab = 5;
+  small.tp = 4;
+  small.kv_heads = 4;
+  small.steps = 6;
+  expect_same_run(small, "4 parts, a vocabulary of 5 (whole on every part)");
 }
 
 TEST(TensorParallel, PartsComposeWithPipelineStages) {
@@ -471,6 +482,25 @@ TEST(TensorParallelConfig, PartsMustDivideTheWorldAndTheBatchFitsTheReplicas) {
   t["tensor_parallel"] = {{"autotp_size", 2}, {"autotp_sise", 2}};
   e = error_of([&] { Config::parse(t, 2); });
   EXPECT_NE(e.find("tensor_parallel.autotp_sise"), std::string::npos) << e;
+  // 3 ranks for 2 stages x 2 parts: the whole grid's multiple, not the
+  // stages' alone (2 ranks, which the parts then refuse).
+  json grid = {{"train_micro_batch_size_per_gpu", 2},
+               {"pipeline", {{"stages", 2}}},
+               {"tensor_parallel", {{"autotp_size", 2}}}};
+  e = error_of([&] { Config::parse(grid, 3); });
+  EXPECT_NE(e.find("tensor_parallel.autotp_size: 2 pipeline stages times 2 tensor parts do not divide the 3 ranks "
+                   "of this run (a replica of the model spans 4 ranks): run it on a multiple of 4 ranks"),
+            std::string::npos)
+      << e;
+  // ZeRO-3 with the states on NVMe keeps the gradients there; the parts sum
+  // some of them in memory: refused with one line (it stopped on an
+  // internal check before).
+  json nvme = {{"train_micro_batch_size_per_gpu", 2},
+               {"tensor_parallel", {{"autotp_size", 2}}},
+               {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp"}}}}}};
+  e = error_of([&] { Config::parse(nvme, 2); });
+  EXPECT_NE(e.find("zero_optimization.offload_optimizer.device"), std::string::npos) << e;
+  EXPECT_NE(e.find("tensor parts sum the gradients"), std::string::npos) << e;
 }
 
 }  // namespace

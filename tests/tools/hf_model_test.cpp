@@ -623,7 +623,8 @@ TEST(HfModel, ExperimentFromPretrained) {
     m.update(extra);
     return m;
   };
-  EXPECT_EQ(build_experiment(doc(moe({{"num_experts", 3}, {"num_experts_per_tok", 2}}))).model->name(), "llama");
+  // Named by its family in messages and checkpoints (the Llama model computes it).
+  EXPECT_EQ(build_experiment(doc(moe({{"num_experts", 3}, {"num_experts_per_tok", 2}}))).model->name(), "mixtral");
   expect_error([&] { build_experiment(doc(moe({{"num_experts", 2}, {"num_experts_per_tok", 3}}))); },
                {"model.num_experts_per_tok", "at most num_experts 2"});
   expect_error([&] { build_experiment(doc(moe({{"num_experts", 0}}))); }, {"model.num_experts"});

@@ -502,6 +502,33 @@ TEST(Lora, BadAdapterFoldersGiveOneLineNamingTheFile) {
   fresh();  // what zinc cannot reproduce
   edit_config([](nlohmann::json& j) { j["use_dora"] = true; });
   expect(error_of(), {"adapter_config.json", "use_dora"});
+  // PEFT's variants whose saved A and B mean another model than plain LoRA
+  // over the same base: each was once merged as plain LoRA without a word.
+  const std::vector<std::pair<std::string, nlohmann::json>> variants = {
+      {"init_lora_weights", "pissa"},
+      {"init_lora_weights", "olora"},
+      {"loftq_config", {{"loftq_bits", 4}}},
+      {"exclude_modules", {"q_proj"}},
+      {"target_parameters", {"mlp.experts.gate_up_proj"}},
+      {"alora_invocation_tokens", {5, 6}},
+      {"use_qalora", true},
+      {"use_bdlora", {{"nblocks", 2}}}};
+  for (const auto& [key, value] : variants) {
+    fresh();
+    edit_config([&](nlohmann::json& j) { j[key] = value; });
+    expect(error_of(), {"adapter_config.json", key, "not implemented"});
+  }
+  fresh();  // PEFT's defaults of the same keys pass
+  edit_config([](nlohmann::json& j) {
+    j["init_lora_weights"] = "gaussian";
+    j["loftq_config"] = nlohmann::json::object();
+    j["exclude_modules"] = nullptr;
+    j["use_qalora"] = false;
+  });
+  EXPECT_EQ(error_of(), "");
+  fresh();  // a rank past kMaxLoraRank
+  edit_config([](nlohmann::json& j) { j["r"] = int64_t{1} << 32; });
+  expect(error_of(), {"adapter_config.json", "r: expected an integer in [1, 1048576]"});
   fresh();  // a module to save whose tensor the file lacks
   edit_config([](nlohmann::json& j) { j["modules_to_save"] = {"lm_head"}; });
   expect(error_of(), {"adapter_model.safetensors", "base_model.model.lm_head.weight", "is missing", "modules_to_save"});

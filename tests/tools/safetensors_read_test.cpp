@@ -508,20 +508,32 @@ TEST(SafetensorsRead, RejectsEveryKindOfBadHeader) {
   }
 }
 
-TEST(SafetensorsRead, AcceptsGapsEmptyTensorsAndDeepJsonSafely) {
+// The data section holds the tensors back to back and nothing else, as the
+// safetensors library requires: it refuses a hole before a tensor
+// ("invalid offset for tensor `b`") and bytes after the last ("incomplete
+// metadata, file not fully covered"); an empty tensor may share an offset.
+TEST(SafetensorsRead, RefusesHolesAndTrailingBytesAndReadsEmptyTensorsAndDeepJsonSafely) {
   const std::string dir = fresh_dir("odd_but_fine");
-  // A gap before b, an empty tensor sharing b's offset, trailing bytes.
   const float v[4] = {1, 2, 3, 4};
-  const std::string path = dir + "/gaps.safetensors";
-  write_bytes(path, raw_file(R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
-                             R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[8,8]}})",
-                             std::string(reinterpret_cast<const char*>(v), 16) + "trailing"));
+  const std::string path = dir + "/empty.safetensors";
+  write_bytes(path, raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[8,8]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                             std::string(reinterpret_cast<const char*>(v), 16)));
   const SafetensorsFile f(path);
-  ASSERT_EQ(f.tensors().size(), 2u);
+  ASSERT_EQ(f.tensors().size(), 3u);
   float out[2];
   f.read_f32(*f.find("b"), 0, 2, out);
   EXPECT_EQ(out[0], 3.f);
   EXPECT_EQ(out[1], 4.f);
+  const std::string gap = dir + "/gap.safetensors";
+  write_bytes(gap, raw_file(R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                            std::string(reinterpret_cast<const char*>(v), 16)));
+  expect_open_error(gap, {"tensor b begins at byte 8", "bytes no tensor covers"});
+  const std::string trailing = dir + "/trailing.safetensors";
+  write_bytes(trailing, raw_file(R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                                 std::string(reinterpret_cast<const char*>(v), 8) + "trailing"));
+  expect_open_error(trailing, {"8 bytes after the last tensor's data", "bytes appended"});
   // A deeply nested header is an error, not a stack overflow.
   const std::string deep = dir + "/deep.safetensors";
   write_bytes(deep, raw_file(R"({"a":{"dtype":"F32","data_offsets":[0,0],"shape":)" + std::string(200000, '[') +

@@ -28,6 +28,7 @@ Run by CTest (user_files) with ZINC_TRAIN, ZINC_EXPORT and ZINC_ROOT set.
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import threading
 
@@ -311,3 +312,145 @@ def test_a_run_stopped_by_a_signal_exports_nothing(tmp_path):
     assert "are not written" in err and "--resume finishes the run" in err, err
     assert digest(out) == before and not os.path.exists(tmp_path / "w.safetensors")
     assert os.path.exists(tmp_path / "ck" / "latest")
+
+
+# ---- found by a hostile user's sweep (2026-11-30) ----------------------------------------------
+
+
+def lora_config(tmp, model_dir, lora, **run):
+    """config() with model.lora (or model.lora null)."""
+    path = config(tmp, model_dir, **run)
+    doc = json.loads(open(path).read())
+    doc["model"]["lora"] = lora
+    open(path, "w").write(json.dumps(doc))
+    return path
+
+
+def test_zinc_export_never_writes_into_the_pretrained_model_the_checkpoint_came_from(tmp_path):
+    """The safetensors export and the PEFT adapter folder once went into the base model's folder: the first
+    replaced its weights, the second turned it into base plus adapter for transformers with PEFT."""
+    src = copy_fixture(tmp_path)
+    before = digest(src)
+    ck = tmp_path / "ck"
+    for lora in (None, {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}):
+        cfg = lora_config(tmp_path, src, lora) if lora else config(tmp_path, src)
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", "--set", "run.checkpoint_interval=1",
+                "--set", "run.checkpoint_dir=%s" % ck)
+        assert r.returncode == 0, r.stderr
+        for out in (src / "model.safetensors", src / "other.safetensors"):
+            r = run(ZINC_EXPORT, str(ck), "--out", str(out))
+            assert r.returncode == 1 and "the pretrained model this checkpoint was trained from" in r.stderr, r.stderr
+        if lora:
+            r = run(ZINC_EXPORT, str(ck), "--format", "peft", "--out", str(src))
+            assert r.returncode == 1 and "which this run reads" in r.stderr, r.stderr
+        assert digest(src) == before
+        assert run(ZINC_EXPORT, str(ck), "--out", str(tmp_path / "w.safetensors")).returncode == 0
+        shutil.rmtree(ck)
+
+
+def test_lora_null_is_no_lora_and_a_rank_past_the_limit_is_refused(tmp_path):
+    src = copy_fixture(tmp_path)
+    r = run(ZINC_TRAIN, lora_config(tmp_path, src, None), "--steps", "1")
+    assert r.returncode == 0, r.stderr
+    assert "LoRA" not in r.stdout, r.stdout
+    for rank in (1 << 32, 1 << 21):  # 2^32 once ended the process with SIGFPE in the memory estimate
+        for extra in ((), ("--check",), ("--estimate",)):
+            r = run(ZINC_TRAIN, lora_config(tmp_path, src, {"r": rank}), *extra)
+            assert r.returncode == 1, (rank, extra, r.returncode, r.stderr)
+            assert "model.lora.r" in r.stdout + r.stderr, (rank, extra, r.stdout, r.stderr)
+
+
+def test_a_resume_with_another_adapter_scale_is_refused_naming_both(tmp_path):
+    """lora_alpha and use_rslora change the model without changing a block's size: a resume once went on with the
+    new scale without a word."""
+    src = copy_fixture(tmp_path)
+    lora = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
+    r = run(ZINC_TRAIN, lora_config(tmp_path, src, lora, steps=2, checkpoint_interval=1))
+    assert r.returncode == 0, r.stderr
+    for change in ({"lora_alpha": 8}, {"use_rslora": True}, {"r": 4}, {"target_modules": ["q_proj"]}):
+        r = run(ZINC_TRAIN, lora_config(tmp_path, src, dict(lora, **change), steps=3, checkpoint_interval=1),
+                "--resume")
+        assert r.returncode == 1, (change, r.stdout, r.stderr)
+        (line,) = errors(r)
+        assert "trained LoRA adapters of r 2, lora_alpha 4 on q_proj, v_proj; this run's are" in line, (change, line)
+        assert "step 3" not in r.stdout
+    # Over other base weights of the same shapes (the checkpoint does not hold the base): refused; over the same
+    # weights in another folder: resumed.
+    from safetensors.numpy import load_file, save_file
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v * 1.5 for k, v in weights.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    r = run(ZINC_TRAIN, lora_config(tmp_path, other, lora, steps=3, checkpoint_interval=1), "--resume")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "over a frozen base whose weights differ from %s's" % other in line, line
+    moved = tmp_path / "moved"
+    shutil.copytree(src, moved)
+    r = run(ZINC_TRAIN, lora_config(tmp_path, moved, dict(lora, lora_dropout=0.1), steps=3, checkpoint_interval=1),
+            "--resume")
+    assert r.returncode == 0, r.stderr  # the dropout changes training, not the model; the base's path may change
+
+
+def test_a_merged_export_that_is_not_finite_is_refused_and_replaces_nothing(tmp_path):
+    src = copy_fixture(tmp_path, "lora_llama")
+    out = tmp_path / "merged"
+    r = run(ZINC_TRAIN, config(tmp_path, os.path.join(FIXTURES, "llama_gqa")), "--steps", "0", "--save-pretrained",
+            str(out))
+    assert r.returncode == 0, r.stderr
+    before = digest(out)
+    adapter_config = json.loads((src / "adapter_config.json").read_text())
+    for alpha, dtype, what in ((1e300, "fp32", "NaN or infinity"), (3e6, "fp16", "past what fp16 holds")):
+        adapter_config["lora_alpha"] = alpha
+        (src / "adapter_config.json").write_text(json.dumps(adapter_config))
+        cfg = config(tmp_path, os.path.join(FIXTURES, "llama_gqa"))
+        doc = json.loads(open(cfg).read())
+        doc["model"]["adapter"] = str(src)
+        open(cfg, "w").write(json.dumps(doc))
+        r = run(ZINC_TRAIN, cfg, "--steps", "0", "--save-pretrained", str(out), "--merge", "--save-dtype", dtype)
+        assert r.returncode == 1, (alpha, r.stdout, r.stderr)
+        assert "non-finite value" in r.stderr and what in r.stderr and "nothing was replaced" in r.stderr, r.stderr
+        assert digest(out) == before
+
+
+def test_a_config_json_naming_more_layers_than_its_weights_is_refused_at_once(tmp_path):
+    src = copy_fixture(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    for layers in (1000000, 1 << 31):  # 10 GB and half a minute, or no end, before
+        cfg["num_hidden_layers"] = layers
+        (src / "config.json").write_text(json.dumps(cfg))
+        r = run(ZINC_TRAIN, config(tmp_path, src), "--check", timeout=30)
+        assert r.returncode == 1, r.stderr
+        assert "num_hidden_layers is %d, but the weights" % layers in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_run_whose_every_step_overflowed_in_fp16_exits_1_and_exports_nothing(tmp_path):
+    out = tmp_path / "exp"
+    r = run(ZINC_TRAIN, os.path.join(ROOT, "configs", "default.json"), "--steps", "3", "--set", "run.eval_interval=0",
+            "--set", "bf16.enabled=false", "--set", 'fp16={"enabled": true, "initial_scale_power": 40}', "--set", "run.output_dir=%s" % (tmp_path / "r"),
+            "--save-pretrained", str(out))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "each overflowed in fp16" in line and "no export was written" in line, line
+    assert not out.exists()
+
+
+def test_a_resume_with_nothing_left_to_train_still_prints_the_digest(tmp_path):
+    base = [ZINC_TRAIN, os.path.join(ROOT, "configs", "default.json"), "--steps", "2", "--set", "run.eval_interval=0",
+            "--set", "run.checkpoint_interval=2", "--set", "run.output_dir=%s" % tmp_path, "--weights-digest"]
+    r = run(*base)
+    assert r.returncode == 0, r.stderr
+    (trained,) = [l for l in r.stdout.splitlines() if l.startswith("weights digest")]
+    r = run(*base, "--resume")
+    assert r.returncode == 0 and "nothing left to train" in r.stdout, r.stdout + r.stderr
+    assert [l for l in r.stdout.splitlines() if l.startswith("weights digest")] == [trained]
+
+
+def test_the_adapter_and_the_merged_model_never_share_a_folder(tmp_path):
+    src = copy_fixture(tmp_path)
+    cfg = lora_config(tmp_path, src, {"r": 2, "target_modules": ["q_proj"]})
+    out = tmp_path / "both"
+    for other in (str(out), str(out) + "/", str(tmp_path / "x" / ".." / "both")):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(out), "--merge", "--save-adapter", other)
+        assert r.returncode == 1 and "is the folder --save-pretrained writes" in r.stderr, (other, r.stderr)
+        assert "step 1" not in r.stdout and not out.exists()
