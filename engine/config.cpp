@@ -726,7 +726,8 @@ void parse_expert_parallel(Reader& root, Config& c) {
                    "(with output_router_logits) sets its load-balancing loss; remove it or set it to null");
   r.finish();
   if (!enabled) {
-    if (has_size && size > 1) r.warn_ignored(size_path, "expert_parallel.enabled is false");
+    if (has_size && size > 1)
+      r.warn(size_path, "ignored: expert_parallel.enabled is false (every rank holds every expert)");
     return;
   }
   if (size == 1) return;  // every rank holds every expert: plain data parallelism

@@ -367,9 +367,14 @@ std::shared_ptr<Model> load_pretrained(const HfConfig& cfg, Device device, bool 
       break;
     }
   }
-  if (!found)
-    throw Error(cfg.dir + ": no tensor " + embed + " (nor with a " + cfg.family->export_prefix +
-                ", transformer. or model. prefix) in " + joined(folder->files()));
+  if (!found) {
+    std::vector<std::string> prefixes;
+    for (const std::string& p : {cfg.family->export_prefix, std::string("transformer."), std::string("model.")})
+      if (!p.empty() && std::find(prefixes.begin(), prefixes.end(), p) == prefixes.end()) prefixes.push_back(p);
+    const std::string where = folder->files().empty() ? folder->index() + ", whose weight_map names no file"
+                                                      : joined(folder->files());
+    throw Error(cfg.dir + ": no tensor " + embed + " (nor with a " + joined(prefixes) + " prefix) in " + where);
+  }
   auto pieces = hf_pieces(cfg, *inner, prefix);
   // LoRA's adapter blocks: PEFT's names in the adapter file, or no pieces
   // (the model's own initialisation, PEFT's) without one.
