@@ -823,6 +823,21 @@ void check_device_covered(const Config& c) {
     throw ConfigError("optimizer.type", std::string(optimizer_type_name(c.optimizer.type)) +
                                             " runs on CPU ranks only in zinc (its compressed all-reduce has no NCCL "
                                             "path yet); use \"device\": \"cpu\", or AdamW on the GPU");
+  // Note [tensor parts on the GPU] in engine/tensor_parallel.cpp.
+  if (c.tensor_split() && c.zero.offload_optimizer.device == OffloadDevice::kNone)
+    throw ConfigError("tensor_parallel.autotp_size",
+                      std::string("tensor parts on the GPU path keep the optimizer states in RAM: set "
+                                  "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload, stages 1-2)") +
+                          (c.zero.stage == 0 ? " and zero_optimization.stage to 1 or 2" : ""));
+  if (c.tensor_split() && c.zero.stage > 2)
+    throw ConfigError("tensor_parallel.autotp_size", "tensor parts on the GPU path run at ZeRO stages 1-2 (not 3 yet)");
+  if (c.tensor_split() && c.pipelined())
+    throw ConfigError("tensor_parallel.autotp_size",
+                      "tensor parts with pipeline stages do not run on the GPU path yet; use one of them, or "
+                      "\"device\": \"cpu\"");
+  if (c.expert_split())
+    throw ConfigError("expert_parallel.autoep_size",
+                      "the GPU path does not share out experts yet; use \"device\": \"cpu\"");
 }
 
 // "auto" picks the GPU only where the GPU path covers the rest of the
@@ -835,6 +850,7 @@ void check_device(Reader& r, Config& c, bool chosen_by_auto) {
   } catch (const ConfigError& e) {
     r.warn("device", std::string("\"auto\" stays on the CPU: ") + e.what());
     c.device = Device::kCpu;
+    c.validate();  // what depends on the device (gradients on NVMe at stage 3), for the CPU
   }
 }
 }  // namespace
@@ -885,6 +901,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   r.finish_top_level();
   c.validate();
   check_device(r, c, device_auto);
+  c.device_auto = device_auto && c.device == Device::kCuda;
   return c;
 }
 

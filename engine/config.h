@@ -175,6 +175,12 @@ struct ZeroConfig {
   // reads, updates and writes. Larger: longer I/O, fewer waits, more RAM.
   // 0 (DeepSpeed: a sub-group per parameter): the smallest, 1024 elements.
   int64_t sub_group_size = 1000000000;
+  // What the engine and the estimate use: 0 is the smallest bucket (each
+  // block flushed on its own) and the smallest sub-group (the swapper's
+  // 1024 elements), as documented above; once the engine refused 0 on an
+  // internal check while the parser took it.
+  int64_t reduce_bucket_numel() const { return reduce_bucket_size > 0 ? reduce_bucket_size : 1; }
+  int64_t sub_group_numel() const { return sub_group_size > 0 ? sub_group_size : 1; }
   // Stage 3 (engine/param_coordinator.cpp, Note [ZeRO-3 parameter coordination]):
   // Elements gathered ahead of use along the recorded order. Larger: more
   // overlap of gathers with compute, more memory.
@@ -335,6 +341,10 @@ struct Config {
   // host); "auto" resolves to cuda where zinc was built with CUDA and a GPU is
   // visible, else cpu. Resolved at parse time.
   Device device = Device::kCpu;
+  // "auto" chose cuda: what only the model can refuse (a family without
+  // GPU kernels, a tied head over pipeline stages) falls back to the CPU
+  // too, saying why (tools/experiment.cpp), instead of stopping the run.
+  bool device_auto = false;
 
   double gradient_clipping = 1.0;  // 0 = off
   int64_t steps_per_print = 10;

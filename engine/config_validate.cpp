@@ -39,17 +39,7 @@ void Config::validate() const {
   }
   // Tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp).
   if (tensor_split()) {
-    // Note [tensor parts on the GPU] in engine/tensor_parallel.cpp.
-    if (device == Device::kCuda && zero.offload_optimizer.device == OffloadDevice::kNone)
-      throw ConfigError("tensor_parallel.autotp_size",
-                        "tensor parts on the GPU path keep the optimizer states in RAM: set "
-                        "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload, stages 1-2)");
-    if (device == Device::kCuda && zero.stage > 2)
-      throw ConfigError("tensor_parallel.autotp_size", "tensor parts on the GPU path run at ZeRO stages 1-2 (not 3 yet)");
-    if (device == Device::kCuda && pipelined())
-      throw ConfigError("tensor_parallel.autotp_size",
-                        "tensor parts with pipeline stages do not run on the GPU path yet; use one of them, or "
-                        "\"device\": \"cpu\"");
+    // What the GPU path refuses with parts: check_device_covered (config.cpp).
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with tensor parallelism yet");
@@ -77,9 +67,6 @@ void Config::validate() const {
       throw ConfigError("expert_parallel.autoep_size",
                         std::string("expert parallelism does not compose with ") + with +
                             " yet; run the expert ranks with ZeRO data parallelism alone");
-    if (device == Device::kCuda)
-      throw ConfigError("expert_parallel.autoep_size",
-                        "the GPU path does not share out experts yet; use \"device\": \"cpu\"");
     if (optimizer.one_bit())
       throw ConfigError("optimizer.type", "the 1-bit optimizers compress whole-model gradients over every rank and "
                                           "do not run with expert parallelism yet");

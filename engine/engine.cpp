@@ -83,7 +83,7 @@ offload::SwapperOptions swapper_options(const Config& c) {
   o.nvme = nvme_options(c, off.nvme_path);
   o.buffer_count = off.buffer_count;
   o.pin_memory = off.pin_memory;
-  o.sub_group_size = c.zero.sub_group_size;
+  o.sub_group_size = c.zero.sub_group_numel();
   o.gradients = c.gradients_on_nvme();
   o.engine_factory = nvme_fault_factory();
   return o;
@@ -317,7 +317,7 @@ void Engine::Impl::allocate_and_init() {
   opt_state->finish_init();
   params->start();
   GradReducer::Options ro;
-  ro.bucket_numel = cfg.zero.reduce_bucket_size;
+  ro.bucket_numel = cfg.zero.reduce_bucket_numel();
   ro.overlap = cfg.zero.overlap_comm;
   ro.wire = cfg.wire_dtype();
   if (plan.grads_on_nvme) {

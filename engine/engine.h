@@ -53,6 +53,7 @@ struct PipelinePlan {
   // Per block, every stage that uses it: one, or two for a head tied to
   // the embedding (each keeps a copy, their gradients are summed).
   std::vector<std::vector<int>> block_stages;
+  std::vector<int> tied_stages;  // the two stages that share blocks (none: empty)
   bool holds(int block, int stage) const;
   // Per stage at `world` ranks: "stage 0 (ranks 0-1): layers 0-2 (Embedding, 2 DecoderLayer), 0.37M parameters".
   std::vector<std::string> describe(int world) const;

@@ -116,7 +116,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     case OffloadDevice::kNvme: {
       offload::SwapperOptions so;
       so.buffer_count = z.offload_optimizer.buffer_count;
-      so.sub_group_size = z.sub_group_size;
+      so.sub_group_size = z.sub_group_numel();
       so.gradients = plan.grads_on_nvme;
       const offload::OptimizerSwapper::Plan sp = offload::OptimizerSwapper::plan(so, spans);
       opt = {"optimizer swap buffers", sp.buffer_bytes,
@@ -233,7 +233,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     const int64_t in_flight = z.overlap_comm ? static_cast<int64_t>(GradReducer::kMaxInflight) + 1 : 1;
     // One rank with the gradients on NVMe writes each block as it is ready
     // (GradReducer::ready): a bucket of one block.
-    const int64_t bucket = world == 1 && plan.grads_on_nvme ? 1 : z.reduce_bucket_size;
+    const int64_t bucket = world == 1 && plan.grads_on_nvme ? 1 : z.reduce_bucket_numel();
     transient_full = std::min(g_padded_all, in_flight * (bucket + g_max_padded) + g_max_padded);
     transient_why = transient_full == g_padded_all ? "every block: reduce_bucket_size holds the whole model"
                     : bucket == 1 ? "the blocks on their way to NVMe and the block being computed"

@@ -275,6 +275,21 @@ PipelinePlan plan_pipeline(const Model& model, const Config& cfg) {
                                                std::to_string(at.size()) + " stages; at most two may share a block");
     plan.block_stage[b] = at.front();
   }
+  for (const std::vector<int>& at : plan.block_stages) {
+    if (at.size() != 2) continue;
+    if (!plan.tied_stages.empty() && plan.tied_stages != at)
+      throw ConfigError("pipeline.stages", "model '" + model.name() + "' shares blocks between two different "
+                                           "pairs of stages; one pair at most");
+    plan.tied_stages = at;
+  }
+  // Refused here, so that --check refuses it too (and "auto" stays on the CPU).
+  if (!plan.tied_stages.empty() && cfg.device == Device::kCuda)
+    throw ConfigError("pipeline.stages", "model '" + model.name() + "' shares blocks between stages " +
+                                         std::to_string(plan.tied_stages[0]) + " and " +
+                                         std::to_string(plan.tied_stages[1]) +
+                                         " (a head tied to the embedding), which the GPU path does not sum between "
+                                         "stages yet (Note [pipeline stages on the GPU]); use \"device\": \"cpu\", "
+                                         "or untie the head");
   return plan;
 }
 
@@ -316,22 +331,9 @@ void Engine::Impl::setup_pipeline() {
   const int replicas = world;  // setup_grid has split the world
   pipe_plan = plan_pipeline(*model, cfg);
   const PipelinePlan& plan = pipe_plan;
-  std::vector<int> tied_stages;  // the two stages that share blocks (none: empty)
-  for (const std::vector<int>& at : plan.block_stages) {
-    if (at.size() != 2) continue;
-    if (!tied_stages.empty() && tied_stages != at)
-      throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between two different "
-                                           "pairs of stages; one pair at most");
-    tied_stages = at;
-  }
+  const std::vector<int>& tied_stages = plan.tied_stages;
   pass_stage = PipelineStage{plan.bounds[static_cast<size_t>(stage)],
                              stage + 1 == stages ? -1 : plan.bounds[static_cast<size_t>(stage) + 1]};
-  if (!tied_stages.empty() && cfg.device == Device::kCuda)
-    throw ConfigError("pipeline.stages", "model '" + model->name() + "' shares blocks between stages " +
-                                         std::to_string(tied_stages[0]) + " and " + std::to_string(tied_stages[1]) +
-                                         " (a head tied to the embedding), which the GPU path does not sum between "
-                                         "stages yet (Note [pipeline stages on the GPU]); use \"device\": \"cpu\", "
-                                         "or untie the head");
   if (!tied_stages.empty()) {  // the pair of stages of this replica that share blocks (collective over the pipe)
     const bool in = std::find(tied_stages.begin(), tied_stages.end(), stage) != tied_stages.end();
     tied_comm = pipe_comm->split(in ? 0 : 1, stage);

@@ -16,6 +16,8 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "core/log.h"
+#include "engine/engine.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 #include "models/models.h"
@@ -126,15 +128,38 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     throw ConfigError("model.vocab_size", "must be >= the data's vocabulary (" +
                                               std::to_string(e.data->vocab_size()) + "), got " +
                                               std::to_string(V));
-  if (!m.from_pretrained.empty()) {
-    e.model = load_from_pretrained(m, *e.data, e.config.device, e.hf);
-  } else {
-    std::unique_ptr<models::FamilyConfig> model = m.settings.model->clone();
-    model->set_lora(m.built_lora(m.lora));
-    model->fit_data(V, e.data->seq_len());
-    if (auto bad = model->size_error()) throw ConfigError("model." + bad->field, bad->message);
-    e.model = model->build(e.config.device, m.gradient_checkpointing);
-    if (!model->family().architectures.empty()) e.hf = hf_config_of(*model);
+  auto build = [&] {
+    if (!m.from_pretrained.empty()) {
+      e.model = load_from_pretrained(m, *e.data, e.config.device, e.hf);
+    } else {
+      std::unique_ptr<models::FamilyConfig> model = m.settings.model->clone();
+      model->set_lora(m.built_lora(m.lora));
+      model->fit_data(V, e.data->seq_len());
+      if (auto bad = model->size_error()) throw ConfigError("model." + bad->field, bad->message);
+      e.model = model->build(e.config.device, m.gradient_checkpointing);
+      if (!model->family().architectures.empty()) e.hf = hf_config_of(*model);
+    }
+    // The GPU path's refusals that need the model, made here (and by
+    // --check) rather than when the engine splits the stages.
+    if (e.config.pipelined()) plan_pipeline(*e.model, e.config);
+  };
+  if (!e.config.device_auto) {
+    build();
+    return e;
+  }
+  try {
+    build();
+  } catch (const ConfigError& err) {
+    // "auto" chose the GPU, which this model does not run on: the CPU, said.
+    const std::string what = err.what();
+    if (what.find("GPU") == std::string::npos && what.rfind("device", 0) != 0) throw;  // not the device's refusal
+    const std::string why = std::string("\"auto\" stays on the CPU: ") + err.what();
+    log_warn("config: device: " + why);
+    e.config.warnings.push_back("device: " + why);
+    e.config.device = Device::kCpu;
+    e.config.device_auto = false;
+    e.config.validate();
+    build();
   }
   return e;
 }
@@ -166,7 +191,9 @@ double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64
     for (int64_t i = 0; i < micro; ++i, ++next) read_sample(source, next % source.num_samples(), batch, i);
     int64_t n = 0;
     for (int32_t t : batch.targets) n += t != kIgnoreTarget;
-    total += static_cast<double>(engine.evaluate(batch)) * static_cast<double>(n);
+    const double loss = engine.evaluate(batch);  // every rank: a collective at stage 3
+    if (n == 0) continue;  // no targets: NaN, which would make the mean NaN
+    total += loss * static_cast<double>(n);
     targets += static_cast<double>(n);
   }
   return targets > 0 ? total / targets : std::numeric_limits<double>::quiet_NaN();  // no targets: no loss, not 0

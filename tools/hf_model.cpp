@@ -323,6 +323,27 @@ HfConfig parse_hf_config(const nlohmann::json& raw, const std::string& path) {
            "\"" + cfg.architecture + "\" is not supported; zinc loads " + models::supported_architectures_text());
   cfg.dtype = parse_dtype(f);
   cfg.model = cfg.family->read(f, cfg.architecture);
+  // transformers builds the model from model_type (AutoConfig), zinc from
+  // architectures: a folder whose two disagree is another model there,
+  // and an export copies its config.json. Said, naming both.
+  static const std::map<std::string, std::vector<std::string>> kModelTypes = {
+      {"GPT2LMHeadModel", {"gpt2"}},         {"GPTNeoXForCausalLM", {"gpt_neox"}},
+      {"GemmaForCausalLM", {"gemma"}},       {"Gemma2ForCausalLM", {"gemma2"}},
+      {"Gemma3ForCausalLM", {"gemma3_text", "gemma3"}},
+      {"GraniteForCausalLM", {"granite"}},   {"LlamaForCausalLM", {"llama"}},
+      {"MistralForCausalLM", {"mistral"}},   {"MixtralForCausalLM", {"mixtral"}},
+      {"Olmo2ForCausalLM", {"olmo2"}},       {"Phi3ForCausalLM", {"phi3"}},
+      {"Qwen2ForCausalLM", {"qwen2"}},       {"Qwen3ForCausalLM", {"qwen3"}},
+      {"Qwen3MoeForCausalLM", {"qwen3_moe"}}, {"SmolLM3ForCausalLM", {"smollm3"}}};
+  const auto known = kModelTypes.find(cfg.architecture);
+  if (known != kModelTypes.end() && cfg.raw.contains("model_type") && cfg.raw["model_type"].is_string()) {
+    const std::string type = cfg.raw["model_type"].get<std::string>();
+    if (std::find(known->second.begin(), known->second.end(), type) == known->second.end())
+      log_warn(path + ": model_type \"" + type + "\" is not " + cfg.architecture + "'s (\"" + known->second.front() +
+               "\"): zinc reads the folder as its architectures entry says, a " + cfg.architecture +
+               ", but transformers builds the model from model_type, so this folder (and an export of it, which "
+               "keeps its config.json) loads as another model there");
+  }
   return cfg;
 }
 

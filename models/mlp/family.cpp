@@ -25,7 +25,7 @@ class Config final : public FamilyConfig {
   void untie_head(const std::string&) override {}
   std::shared_ptr<Model> build(Device device, bool gradient_checkpointing) const override {
     if (device != Device::kCpu)
-      throw ConfigError("device", "model \"mlp\" computes on the CPU only (the GPU path has the GPT)");
+      throw ConfigError("device", "model \"mlp\" computes on the CPU only (the GPU path runs GPT-2 and the Llama-style families)");
     if (gradient_checkpointing)
       throw ConfigError("model.gradient_checkpointing", "not supported by model.type \"mlp\"");
     return make_mlp(c_);

@@ -88,6 +88,29 @@ TEST(CudaConfig, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
   EXPECT_TRUE(testing_config::any_warning_has(c, "\"auto\" stays on the CPU"));
   testing_config::expect_parts(testing_config::error_of_parse([&](const json&) { onebit("cuda"); }, json::object()),
                                {"optimizer.type"});
+  // The grids the GPU path does not run yet (they refused "auto" too):
+  // tensor parts over GPU-resident states or at stage 3, and expert ranks.
+  for (const json& grid : {json{{"tensor_parallel", {{"autotp_size", 2}}}, {"zero_optimization", {{"stage", 1}}}},
+                           json{{"tensor_parallel", {{"autotp_size", 2}}},
+                                {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}},
+                           json{{"expert_parallel", {{"enabled", true}, {"autoep_size", 2}}}}}) {
+    json cfg = grid;
+    cfg["train_micro_batch_size_per_gpu"] = 2;
+    cfg["device"] = "auto";
+    const Config a = Config::parse(cfg, 2);
+    EXPECT_EQ(a.device, Device::kCpu) << grid.dump();
+    EXPECT_TRUE(testing_config::any_warning_has(a, "\"auto\" stays on the CPU")) << grid.dump();
+    cfg["device"] = "cuda";
+    std::string err;
+    try {
+      Config::parse(cfg, 2);
+    } catch (const ConfigError& e) {
+      err = e.what();
+    }
+    EXPECT_NE(err.find(grid.contains("expert_parallel") ? "expert_parallel.autoep_size" : "tensor_parallel.autotp_size"),
+              std::string::npos)
+        << grid.dump() << ": " << err;
+  }
 }
 
 // --estimate with "device": "cuda": the activations move to the GPU's part,

@@ -76,4 +76,22 @@ for mode in "" "--ratio 0.5" "--resident" "--stage 3"; do
 done
 expect "gpu-train-step --stage 3" "stage 3: " "$tmp/last"
 expect "gpu-train-step --stage 3" "uploaded a step; at the measured .* GB/s from page-locked memory" "$tmp/last"
+# "device": "auto" with a GPU visible stays on the CPU, saying why, where
+# only the model can refuse the GPU path (it stopped the run before), and
+# --check refuses what the run would refuse with "cuda" (a tied head over
+# pipeline stages: --check said ok, the run refused).
+run "zinc-train, device auto with a CPU-only model" "$train" "$src/configs/mlp.json" --set device=auto \
+  --set run.steps=1 --set run.eval_interval=0 --set run.output_dir="$tmp/auto_mlp"
+expect "device auto, mlp" "\"auto\" stays on the CPU: device: model \"mlp\" computes on the CPU only" "$tmp/last"
+echo "== zinc-train --check, a tied head over 2 pipeline stages on the GPU"
+if "$train" "$src/configs/pipeline.json" --set device=cuda --set model.tie_word_embeddings=true --check --ranks 2 \
+  >"$tmp/out" 2>&1; then
+  echo "FAIL: --check accepted a tied head over pipeline stages on the GPU path"
+  fail=1
+fi
+expect "--check, tied head" "does not sum between stages yet" "$tmp/out"
+run "zinc-train --check, the same with device auto" "$train" "$src/configs/pipeline.json" --set device=auto \
+  --set model.tie_word_embeddings=true --check --ranks 2
+expect "--check, tied head, auto" "\"auto\" stays on the CPU" "$tmp/last"
+expect "--check, tied head, auto" "ok: the run would start" "$tmp/last"
 exit $fail

@@ -174,6 +174,27 @@ TEST(ZeroOffload, WeightsAreBitIdenticalWithOffloadNoneCpuAndNvme) {
   }
 }
 
+// reduce_bucket_size 0 is a bucket per block and sub_group_size 0 the
+// smallest sub-group (docs/train.md; transformers' ZeRO-3 test config and
+// Axolotl's use them): the weights of the defaults, bit for bit (each
+// element is summed over the same ranks in the same order, whatever the
+// grouping). Both once stopped the run on an internal check.
+TEST(ZeroBuckets, ZeroBucketAndSubGroupSizesAreTheSmallest) {
+  for (int stage : {1, 2, 3}) {
+    RunSpec r;
+    r.stage = stage;
+    r.overlap = true;
+    r.steps = 4;
+    const std::vector<float> plain = train(r, g_world);
+    r.bucket = 0;
+    r.zero_extra["allgather_bucket_size"] = 500000000;  // RunSpec sets both to bucket; this one takes >= 1
+    EXPECT_EQ(train(r, g_world), plain) << "reduce_bucket_size 0, stage " << stage;
+    r.offload = "nvme";
+    r.zero_extra["sub_group_size"] = 0;
+    EXPECT_EQ(train(r, g_world), plain) << "sub_group_size 0 on NVMe, stage " << stage;
+  }
+}
+
 TEST(ZeroPrecision, Bf16ComputeAndBf16WireTrainLikeFp32) {
   RunSpec fp32;
   fp32.stage = 2;

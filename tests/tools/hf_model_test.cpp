@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "models/gpt/gpt.h"
@@ -296,6 +297,27 @@ TEST(HfModel, SlidingWindowLayersFollowTransformersRules) {
     j.erase("layer_types");  // no_rope_layers [1, 0]: layer 1 has no rotary embeddings
   });
   EXPECT_EQ(s.window_layers, (std::vector<int>{0, 1}));
+}
+
+// transformers builds a folder's model from model_type, zinc from
+// architectures: where they disagree the reader says so, naming both (zinc
+// trained such a folder as architectures says without a word).
+TEST(HfModel, AModelTypeThatContradictsTheArchitectureIsSaid) {
+  nlohmann::json raw = TempFolder("llama_gqa").config();
+  for (const char* type : {"gpt2", "mistral"}) {
+    raw["model_type"] = type;
+    LogCapture capture(LogLevel::kWarn);
+    parse_hf_config(raw, "x/config.json");
+    const std::vector<std::string> got = capture.messages();
+    ASSERT_EQ(got.size(), 1u) << type;
+    EXPECT_NE(got[0].find(std::string("x/config.json: model_type \"") + type + "\" is not LlamaForCausalLM's (\"llama\")"),
+              std::string::npos)
+        << got[0];
+  }
+  raw["model_type"] = "llama";
+  LogCapture capture(LogLevel::kWarn);
+  parse_hf_config(raw, "x/config.json");
+  EXPECT_TRUE(capture.messages().empty());
 }
 
 // The new families' keys, edited as a hostile folder would: one line naming
