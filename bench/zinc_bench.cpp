@@ -40,6 +40,10 @@
 //               --bf16 times bf16 operands (MKL's cblas_gemm_bf16bf16f32).
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 #include "bench/benches.h"
@@ -100,7 +104,12 @@ int main(int argc, char** argv) {
   app.add_option("--ratio", o.ratio,
                  "gpu-train-step: zero_optimization.offload_optimizer.ratio, the offloaded share of the optimizer "
                  "states (below 1: the first blocks' states on the GPU)")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            const double r = std::strtod(v.c_str(), nullptr);
+            return r > 0 && r <= 1 ? std::string() : "--ratio " + v + ": must be in (0, 1]";
+          },
+          "FLOAT in (0, 1]"));
   app.add_flag("--profile", o.profile,
                "gpu-train-step: one more round with the GPU profile on (CUDA events around each kernel call, kept "
                "out of the figures): the GPU's time a step by kind of kernel, the time between calls, the host's");
@@ -123,6 +132,17 @@ int main(int argc, char** argv) {
   try {
     if (name == "train-step") return zinc::bench::bench_train_step(o);
     if (name == "gpu-train-step") {
+      // Flags that would be dropped without a word: refused, naming them.
+      const char* clash = o.resident && o.ratio < 1.0 ? "--ratio is the offloaded share of the states and --resident "
+                                                        "keeps them all on the GPU: give one"
+                          : o.tiny && o.large ? "--tiny and --large are two model sizes: give one"
+                          : o.fp16 || o.packed || o.monitor
+                              ? "--fp16, --packed and --monitor are train-step's (gpu-train-step times bf16 on plain rows)"
+                              : nullptr;
+      if (clash) {
+        std::fprintf(stderr, "zinc-bench: gpu-train-step: %s\n", clash);
+        return 2;
+      }
 #if defined(ZINC_BENCH_CUDA)
       return zinc::bench::bench_gpu_train_step(o);
 #else

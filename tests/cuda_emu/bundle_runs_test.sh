@@ -94,4 +94,12 @@ run "zinc-train --check, the same with device auto" "$train" "$src/configs/pipel
   --set model.tie_word_embeddings=true --check --ranks 2
 expect "--check, tied head, auto" "\"auto\" stays on the CPU" "$tmp/last"
 expect "--check, tied head, auto" "ok: the run would start" "$tmp/last"
+# gpu-train-step's flags that it would drop without a word are refused.
+for flags in "--resident --ratio 0.5" "--tiny --large" "--fp16" "--ratio 0"; do
+  # shellcheck disable=SC2086
+  if "$bench" gpu-train-step --tiny $flags --rounds 1 --steps 1 >"$tmp/out" 2>&1; then
+    echo "FAIL: gpu-train-step $flags: accepted"
+    fail=1
+  fi
+done
 exit $fail
