@@ -58,8 +58,9 @@ class CpuOps : public Ops {
   void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) override {
     kernels::copy_columns(dst, dst_W, src, src_W, N, width);
   }
-  void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) override {
-    kernels::dropout(out, x, n, p, key, accumulate);
+  void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate,
+               kernels::DropoutColumns window) override {
+    kernels::dropout(out, x, n, p, key, accumulate, window);
   }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                          int64_t V, const int32_t* positions) override {

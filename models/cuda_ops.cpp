@@ -230,8 +230,9 @@ class CudaOps final : public Ops {
   void add_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) override {
     kernels::cuda::add_transposed(dst, ldd, src, lds, rows, cols, kStream);
   }
-  void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) override {
-    kernels::cuda::dropout(out, x, n, p, key, accumulate, kStream);
+  void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate,
+               kernels::DropoutColumns window) override {
+    kernels::cuda::dropout(out, x, n, p, key, accumulate, kStream, window);
   }
   void embedding_forward(float* out, const int32_t* tokens, CView wte, CView wpe, int64_t B, int64_t T, int64_t C,
                          int64_t V, const int32_t* positions) override {

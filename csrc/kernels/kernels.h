@@ -23,6 +23,7 @@
 
 #include "core/alloc.h"
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace zinc::kernels {
 
@@ -410,10 +411,30 @@ void axpy(float* y, float alpha, const float* x, int64_t n);     // y += alpha *
 // to dst + r * dst_W (the caller offsets dst and src to the first column).
 // dst and src must not overlap.
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width);
+// A column window of a wider matrix's dropout mask (Note [dropout masks]
+// in math.h): x is (n / cols, cols), columns [first, first + cols) of a
+// matrix `stride` wide, and element i takes the mask of that matrix's
+// element (i / cols) * stride + first + i % cols. A tensor part's share of
+// a row-parallel layer's input drops what the whole input would (LoRA with
+// tensor parts). cols 0: element i takes mask element i.
+struct DropoutColumns {
+  int64_t cols = 0, stride = 0, first = 0;
+};
 // Inverted dropout with the mask of stream `key` (Note [dropout masks] in
 // math.h): out[i] = x[i] / (1 - p) where element i is kept, else 0; added
-// to out with accumulate. out may alias x (not with accumulate). n < 2^32.
-void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate);
+// to out with accumulate. out may alias x (not with accumulate). The mask's
+// indices stay below 2^32.
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate,
+             DropoutColumns window = {});
+// Refuses what dropout cannot take: a mask index past 2^32, a window
+// outside its matrix.
+inline void check_dropout_window(int64_t n, const DropoutColumns& w) {
+  ZINC_CHECK(n >= 0 && n <= int64_t{0xffffffff}, "dropout: more than 2^32 elements");
+  if (w.cols == 0) return;
+  ZINC_CHECK(w.cols > 0 && n % w.cols == 0 && w.first >= 0 && w.first + w.cols <= w.stride,
+             "dropout: a column window outside its matrix");
+  ZINC_CHECK(n / w.cols * w.stride <= int64_t{0xffffffff}, "dropout: a mask of more than 2^32 elements");
+}
 // sum x^2 in double, in a fixed order of fixed-size chunks (thread-count independent).
 double squared_norm(const float* x, int64_t n);
 bool all_finite(const float* x, int64_t n);

@@ -300,7 +300,8 @@ void accumulate(float* y, const float* x, int64_t n, cudaStream_t stream);
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream);
 void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream);
 // kernels::dropout, bit for bit (Note [dropout masks] in math.h).
-void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream);
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream,
+             DropoutColumns window = {});
 void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width,
                   cudaStream_t stream);
 // dst (rows x cols, row stride ldd) += src^T, src (cols x rows, row stride

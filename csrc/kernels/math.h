@@ -282,6 +282,11 @@ ZINC_HD uint32_t mix32(uint32_t h) {
 ZINC_HD bool dropout_keeps(uint64_t key, uint32_t i, uint32_t threshold) {
   return mix32(mix32(i + static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32)) >= threshold;
 }
+// The mask index of element i of a column window (kernels::DropoutColumns:
+// cols 0 is the identity).
+ZINC_HD uint32_t dropout_index(int64_t i, int64_t cols, int64_t stride, int64_t first) {
+  return static_cast<uint32_t>(cols == 0 ? i : (i / cols) * stride + first + i % cols);
+}
 // p in [0, 1) as the threshold dropout_keeps compares with.
 inline uint32_t dropout_threshold(float p) {
   const double t = std::ldexp(static_cast<double>(p), 32);

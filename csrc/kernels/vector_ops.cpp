@@ -68,15 +68,16 @@ void scale(float* x, float alpha, int64_t n) {
   });
 }
 
-void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) {
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, DropoutColumns w) {
   ProfileScope profile_scope(Op::kVector);
-  ZINC_CHECK(n >= 0 && n <= int64_t{0xffffffff}, "dropout: more than 2^32 elements");
+  check_dropout_window(n, w);
   ZINC_CHECK(p >= 0.0f && p < 1.0f, "dropout: p must be in [0, 1)");
   const uint32_t threshold = math::dropout_threshold(p);
   const float keep_scale = 1.0f / (1.0f - p);
   parallel_for(static_cast<size_t>(n), kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) {
-      const float v = math::dropout_keeps(key, static_cast<uint32_t>(i), threshold) ? x[i] * keep_scale : 0.0f;
+      const uint32_t at = math::dropout_index(static_cast<int64_t>(i), w.cols, w.stride, w.first);
+      const float v = math::dropout_keeps(key, at, threshold) ? x[i] * keep_scale : 0.0f;
       out[i] = accumulate ? out[i] + v : v;
     }
   });

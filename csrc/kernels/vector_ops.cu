@@ -40,9 +40,10 @@ __global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
   ZINC_GRID_STRIDE(i, n) y[i] += alpha * x[i];
 }
 __global__ void dropout_kernel(float* out, const float* x, int64_t n, uint32_t threshold, float keep_scale,
-                               uint64_t key, bool accumulate) {
+                               uint64_t key, bool accumulate, DropoutColumns w) {
   ZINC_GRID_STRIDE(i, n) {
-    const float v = math::dropout_keeps(key, static_cast<uint32_t>(i), threshold) ? x[i] * keep_scale : 0.0f;
+    const uint32_t at = math::dropout_index(i, w.cols, w.stride, w.first);
+    const float v = math::dropout_keeps(key, at, threshold) ? x[i] * keep_scale : 0.0f;
     out[i] = accumulate ? out[i] + v : v;
   }
 }
@@ -111,11 +112,13 @@ void axpy(float* y, float alpha, const float* x, int64_t n, cudaStream_t stream)
   detail::check_launch("axpy");
 }
 
-void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream) {
+void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate, cudaStream_t stream,
+             DropoutColumns window) {
   GpuProfileScope profile_scope(Op::kVector, stream);
   if (n <= 0) return;
-  dropout_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(out, x, n, math::dropout_threshold(p),
-                                                                         1.0f / (1.0f - p), key, accumulate);
+  check_dropout_window(n, window);
+  dropout_kernel<<<detail::blocks_for(n), detail::kThreads, 0, stream>>>(
+      out, x, n, math::dropout_threshold(p), 1.0f / (1.0f - p), key, accumulate, window);
   detail::check_launch("dropout");
 }
 

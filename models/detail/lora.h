@@ -57,6 +57,32 @@
 // evaluation's seed is 0: nothing dropped, as PEFT in eval(). The masks are
 // zinc's own, so a run with dropout matches PEFT's statistically, not bit
 // for bit.
+//
+// Note [LoRA over tensor parts]
+// With tensor parts (Note [tensor parallelism] in engine/tensor_parallel.cpp)
+// each adapter splits the way its weight does, so that a part's group is
+// an ordinary group of the part's sizes and the code above runs unchanged:
+//   - a weight split by rows (q|k|v, gate|up: y_t = x W_t^T, each part
+//     its rows t): B splits by the same rows, A stays whole. U = x A^T is
+//     the same on every part and y_t += s U B_t^T is the part's rows of
+//     the whole. dB_t is the part's own; dA = dU^T x with dU = s dy_t B_t
+//     is a partial sum over the parts (TensorSplit::sum_grads: the engine
+//     adds them at the step), and so is the adapters' share of dx, which
+//     joins the base's before the parts add it up.
+//   - a weight split by columns (o, down: y = sum_t x_t W_t^T): A splits by
+//     the same columns, B stays whole. U_t = x_t A_t^T is a partial sum,
+//     and so is s U_t B^T, which the parts' all-reduce of the base's
+//     output adds up with it: y = x W^T + s (sum_t U_t) B^T. dy is whole
+//     on every part, so dU = s dy B is too and dA_t = dU^T x_t and dx_t +=
+//     dU A_t are the part's own; dB = s dy^T U_t is a partial sum
+//     (sum_grads).
+// Dropout: a row-split weight's input is whole, and every part draws the
+// same mask (the same seed: the parts share the data replica's). A
+// column-split weight's input is the part's columns; its mask is those
+// columns of the whole input's (kernels::DropoutColumns), so the parts drop
+// what one rank would. So a run at T parts is the run at 1 to float
+// rounding, dropout or not, and its adapters are gathered whole into
+// checkpoints and PEFT files.
 #pragma once
 
 #include <algorithm>
@@ -84,14 +110,17 @@ struct LoraGroup {
 };
 
 // A group's dropout (Note [LoRA dropout]): off where p or key is 0.
+// `cols`: a tensor part's columns of a row-parallel weight's input, which
+// drop as the whole input's would (Note [LoRA over tensor parts]).
 struct LoraDropout {
   float p = 0.0f;
   uint64_t key = 0;
+  kernels::DropoutColumns cols;
   bool on() const { return p > 0.0f && key != 0; }
   // The stream of group `g` of layer `l` under the forward's seed.
-  static LoraDropout of(double p, uint64_t seed, int64_t l, int64_t g) {
+  static LoraDropout of(double p, uint64_t seed, int64_t l, int64_t g, kernels::DropoutColumns cols = {}) {
     if (p <= 0.0 || seed == 0) return {};
-    return {static_cast<float>(p), kernels::math::dropout_subkey(seed, static_cast<uint64_t>(l * 64 + g))};
+    return {static_cast<float>(p), kernels::math::dropout_subkey(seed, static_cast<uint64_t>(l * 64 + g)), cols};
   }
 };
 
@@ -220,7 +249,8 @@ inline CView dropped_input(Ops& ops, LoraScratch& s, CView x, int64_t N, int64_t
     ops.to_f32(xd, x, N * in);
     src = xd;
   }
-  ops.dropout(xd, src, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), false);
+  ops.dropout(xd, src, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), false,
+              drop.cols);
   return ops.matmul_input(xd, N * in, dt, s.xd16);
 }
 // dB^T (k x width) = scale U^T dy over the N rows: U's k columns (of its
@@ -364,7 +394,8 @@ inline bool lora_backward(Ops& ops, LoraScratch& s, const HeldParams& lp, const 
       if (!dx) continue;
       float* t = s.xd.as<float>();  // x_j is no longer needed
       ops.matmul(input_grad_desc(N, in, r, dt), duj, lora_impl::a_rows(A, j, r, in), t);
-      ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), true);
+      ops.dropout(dx, t, N * in, drop.p, kernels::math::dropout_subkey(drop.key, static_cast<uint64_t>(j)), true,
+                  drop.cols);
     }
     if (!direct && !covers)
       for (int64_t j = 0; j < n; ++j) {  // member j's block of dBbd^T: rows j r.., columns m.row..

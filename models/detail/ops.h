@@ -161,8 +161,9 @@ class Ops {
   // kernels::copy_columns: N rows of `width` floats between row strides.
   virtual void copy_columns(float* dst, int64_t dst_W, const float* src, int64_t src_W, int64_t N, int64_t width) = 0;
   // kernels::dropout: out (=, or += with accumulate) x / (1 - p) where
-  // stream `key` keeps the element, else 0.
-  virtual void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate) = 0;
+  // stream `key` keeps the element (of `window`'s matrix), else 0.
+  virtual void dropout(float* out, const float* x, int64_t n, float p, uint64_t key, bool accumulate,
+                       kernels::DropoutColumns window) = 0;
   // n values of x (fp32, bf16 or fp16, on this device) as fp32 in out (exact).
   virtual void to_f32(float* out, CView x, int64_t n) = 0;
   // Host floats into a buffer of this Ops (small tables: the rope angles).

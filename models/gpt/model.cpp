@@ -158,7 +158,6 @@ class Gpt final : public Model {
       return TensorPart{};
     };
     if (size < 1 || rank < 0 || rank >= size) return no("no part " + std::to_string(rank));
-    if (lora()) return no("LoRA adapters are not split yet");
     if (c_.n_head % size != 0) return no("n_head " + std::to_string(c_.n_head) + " is not a multiple of it");
     const int64_t C = c_.n_embd, a = C / size, f = 4 * C / size;
     const int64_t h = c_.n_head / size;
@@ -186,6 +185,30 @@ class Gpt final : public Model {
       ps[kFcW].shape.dims[0] = ps[kFcB].shape.dims[0] = f;
       sp[kMlpProjW] = TensorSplit{TensorSplit::kColumns, {{rank * f, f}}};
       ps[kMlpProjW].shape.dims[1] = f;
+      if (!lora()) continue;
+      // The adapters (Note [LoRA over tensor parts] in models/detail/lora.h):
+      // c_attn's and c_fc's B by their weight's rows, A whole; both
+      // c_proj's A by their weight's columns, B whole; the whole ones'
+      // gradients summed over the parts.
+      const size_t blk = static_cast<size_t>(lora_block(l));
+      std::vector<ParamSpec>& lps = out.blocks[blk].params;
+      std::vector<TensorSplit>& lsp = out.splits[blk];
+      for (const detail::LoraMember& m : lora_groups_[static_cast<size_t>(l)][kGptAttn].members) {
+        lsp[static_cast<size_t>(m.b)] = qkv;
+        lps[static_cast<size_t>(m.b)].shape.dims[0] = 3 * a;
+        lsp[static_cast<size_t>(m.a)].sum_grads = true;
+      }
+      for (const detail::LoraMember& m : lora_groups_[static_cast<size_t>(l)][kGptFc].members) {
+        lsp[static_cast<size_t>(m.b)] = fc;
+        lps[static_cast<size_t>(m.b)].shape.dims[0] = f;
+        lsp[static_cast<size_t>(m.a)].sum_grads = true;
+      }
+      for (auto [t, in] : {std::pair<int, int64_t>{kGptAttnProj, a}, {kGptMlpProj, f}})
+        for (const detail::LoraMember& m : lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(t)].members) {
+          lsp[static_cast<size_t>(m.a)] = TensorSplit{TensorSplit::kColumns, {{rank * in, in}}};
+          lps[static_cast<size_t>(m.a)].shape.dims[1] = in;
+          lsp[static_cast<size_t>(m.b)].sum_grads = true;
+        }
     }
     return out;
   }
@@ -207,6 +230,7 @@ class Gpt final : public Model {
     Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
+    if (lora()) lora_groups_ = lora_groups(size);
   }
   std::span<const float> logits() const override {
     if (ops_->device() != Device::kCpu || pass_.B == 0 || !pass_.alloc.head || vocab_split()) return {};
@@ -291,7 +315,7 @@ class Gpt final : public Model {
       // groups' scratch (LoraScratch, one-member groups) and the sink.
       const int64_t r = c_.lora.r;
       m.saved += act_sets * (buffer_bytes(N * kGptLoraTargets * r) + kGptLoraTargets * detail::matmul_input_bytes(N * r, dt)) +
-                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(lora_groups_), c_.lora.dropout > 0, dt) +
+                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(lora_groups(parts)), c_.lora.dropout > 0, dt) +
                  buffer_bytes(2 * C);
     }
     m.saved += (fused ? 4 : 5) * buffer_bytes(N * C) + buffer_bytes(N * F) + 2 * buffer_bytes(N) +
@@ -317,7 +341,7 @@ class Gpt final : public Model {
       }
       t.attention(as, dt);
       if (lora()) {
-        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
+        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups(parts)), dt,
                            c_.lora.dropout > 0);
       }
       if (sr.head) {
@@ -634,7 +658,12 @@ class Gpt final : public Model {
   // ---- LoRA (LoraConfig; models/detail/lora.h) -----------------------------------
   bool lora() const { return c_.lora.enabled(); }
   detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
-    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g);
+    kernels::DropoutColumns cols;  // c_proj's input on a tensor part: its columns of the whole's mask
+    if (tp_size_ > 1 && (g == kGptAttnProj || g == kGptMlpProj)) {
+      const int64_t in = lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(g)].in;
+      cols = {in, in * tp_size_, in * tp_rank_};
+    }
+    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g, cols);
   }
   int lora_block(int64_t l) const { return static_cast<int>(c_.n_layer + 2 + l); }
   // A base weight's (or bias's) gradient: null when frozen (linear_backward
@@ -646,14 +675,15 @@ class Gpt final : public Model {
   void base_grads_ready(StepContext& ctx, int blk) {
     if (!lora()) ctx.grads_ready(blk);
   }
-  // Target t's input width and output rows (its whole weight).
-  std::pair<int64_t, int64_t> lora_shape(int t) const {
+  // Target t's input width and output rows: its whole weight's, or on one
+  // of `parts` tensor parts the part's (Note [LoRA over tensor parts]).
+  std::pair<int64_t, int64_t> lora_shape(int t, int parts = 1) const {
     const int64_t C = c_.n_embd;
     switch (t) {
-      case kGptAttn: return {C, 3 * C};
-      case kGptAttnProj: return {C, C};
-      case kGptFc: return {C, 4 * C};
-      default: return {4 * C, C};
+      case kGptAttn: return {C, 3 * C / parts};
+      case kGptAttnProj: return {C / parts, C};
+      case kGptFc: return {C, 4 * C / parts};
+      default: return {4 * C / parts, C};
     }
   }
   // One adapter block per layer, after ln_f, with PEFT's names and
@@ -663,22 +693,35 @@ class Gpt final : public Model {
     const int64_t r = c_.lora.r;
     for (int64_t l = 0; l < c_.n_layer; ++l) {
       BlockSpec b{"h." + std::to_string(l) + ".lora", {}};
-      std::array<detail::LoraGroup, kGptLoraTargets> groups;
       for (int t = 0; t < kGptLoraTargets; ++t) {
-        const auto [in, out] = lora_shape(t);
-        groups[static_cast<size_t>(t)].in = in;
-        groups[static_cast<size_t>(t)].width = out;
         if (!c_.lora.targets_module(kGptLoraModules[t])) continue;
+        const auto [in, out] = lora_shape(t);
         const std::string path = kGptLoraPaths[t];
-        const int a = static_cast<int>(b.params.size());
         b.params.push_back({path + ".lora_A.weight", {r, in}, Init::kUniform,
                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(in)))});
         b.params.push_back({path + ".lora_B.weight", {out, r}, Init::kZeros});
-        groups[static_cast<size_t>(t)].members.push_back({a, a + 1, 0, out});
       }
       specs_.push_back(std::move(b));
-      lora_groups_.push_back(groups);
     }
+    lora_groups_ = lora_groups(1);
+  }
+  // Every layer's groups on one of `parts` tensor parts: each target's A
+  // and B in the order add_lora_blocks placed them.
+  std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> lora_groups(int parts) const {
+    std::vector<std::array<detail::LoraGroup, kGptLoraTargets>> all(static_cast<size_t>(c_.n_layer));
+    for (auto& groups : all) {
+      int next = 0;
+      for (int t = 0; t < kGptLoraTargets; ++t) {
+        const auto [in, out] = lora_shape(t, parts);
+        detail::LoraGroup& g = groups[static_cast<size_t>(t)];
+        g.in = in;
+        g.width = out;
+        if (!c_.lora.targets_module(kGptLoraModules[t])) continue;
+        g.members.push_back({next, next + 1, 0, out});
+        next += 2;
+      }
+    }
+    return all;
   }
   // Where layer l's weight of target t stays packed for its forward (grad
   // false) or its input gradient (grad true): the frozen base under LoRA,

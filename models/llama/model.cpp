@@ -290,15 +290,17 @@ class Llama final : public Model {
     const int64_t x_ins = sr.embed && sr.head ? L : std::min(sr.hi + 1, L) - sr.lo;
     const int64_t act_sets = sets * (c_.gradient_checkpointing ? (layers > 0 ? 1 : 0) : layers);
     m.saved = sets * x_ins * buffer_bytes(N * C) + act_sets * acts;
+    // LoRA's groups at the part's sizes (Note [LoRA over tensor parts]).
+    const auto part_groups = lora() ? lora_groups(parts) : decltype(lora_groups_){};
     if (lora()) {
       // Per set: U of every target (lora_u) and what B's products read of
       // each group's; once: the groups' scratch (LoraScratch) and the sink.
       const int64_t r = c_.lora.r;
       int64_t u16 = 0;
-      for (const detail::LoraGroup& g : lora_groups_.front())
+      for (const detail::LoraGroup& g : part_groups.front())
         u16 += detail::matmul_input_bytes(N * r * static_cast<int64_t>(g.members.size()), dt);
       m.saved += act_sets * (buffer_bytes(N * kLoraTargets * r) + u16) +
-                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(lora_groups_), c_.lora.dropout > 0, dt) +
+                 detail::LoraScratch::bytes(N, r, detail::lora_all_groups(part_groups), c_.lora.dropout > 0, dt) +
                  buffer_bytes(2 * std::max(C, std::max(H, K) * D_));
     }
     // Once: x_final lnf dlnf dres dsmall, the projection scratch, dbig, dmid,
@@ -355,7 +357,7 @@ class Llama final : public Model {
       }
       t.attention(as, dt);
       if (lora()) {
-        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(lora_groups_), dt,
+        detail::lora_tally(t, N, c_.lora.r, c_.lora.scale(), detail::lora_all_groups(part_groups), dt,
                            c_.lora.dropout > 0);
       }
       if (sr.head) {
@@ -701,7 +703,6 @@ class Llama final : public Model {
     if (size < 1 || rank < 0 || rank >= size) return no("no part " + std::to_string(rank));
     const int64_t H = c_.num_attention_heads, K = c_.kv_heads(), D = D_, I = c_.intermediate_size;
     const int64_t GU = (c_.mlp_gated ? 2 : 1) * I;
-    if (lora()) return no("LoRA adapters are not split yet");
     if (c_.num_experts > 0) return no("the mixture-of-experts layers split by experts (expert parallelism), not built yet");
     if (c_.qk_norm && c_.qk_norm_full) return no("OLMo 2's q and k norms run over every head at once");
     if (H % size != 0) return no("num_attention_heads " + std::to_string(H) + " is not a multiple of it");
@@ -753,8 +754,46 @@ class Llama final : public Model {
       // Qwen3's per-head norms see only the part's heads.
       for (int at : {x.q_norm, x.k_norm})
         if (at >= 0) sp[static_cast<size_t>(at)].sum_grads = true;
+      if (lora()) split_adapters(out, l, qkv, gu, rank, size);
     }
     return out;
+  }
+  // Layer l's adapters in part `rank` of `size` (Note [LoRA over tensor
+  // parts] in models/detail/lora.h): a row-split weight's B by its rows
+  // (the weight's split, `qkv` or `gu`, within the target's rows), its A
+  // whole with summed gradients; a column-split weight's A by its columns,
+  // its B whole with summed gradients.
+  void split_adapters(TensorPart& out, int64_t l, const TensorSplit& qkv, const TensorSplit& gu, int rank,
+                      int size) const {
+    const LayerIdx& x = idx_[static_cast<size_t>(l)];
+    const size_t blk = static_cast<size_t>(lora_block(l));
+    std::vector<ParamSpec>& ps = out.blocks[blk].params;
+    std::vector<TensorSplit>& sp = out.splits[blk];
+    for (int t = 0; t < kLoraTargets; ++t) {
+      if (x.lora_a[t] < 0) continue;
+      const size_t a = static_cast<size_t>(x.lora_a[t]), b = static_cast<size_t>(x.lora_b[t]);
+      const LoraSite whole = lora_site(t, 1);
+      if (lora_columns_split(t)) {
+        const int64_t in = whole.in / size;
+        sp[a] = TensorSplit{TensorSplit::kColumns, {{rank * in, in}}};
+        ps[a].shape.dims[1] = in;
+        sp[b].sum_grads = true;
+        continue;
+      }
+      // The weight's rows of this part that fall in the target's, from the target's first row.
+      TensorSplit rows{TensorSplit::kRows, {}};
+      int64_t n = 0;
+      for (const auto& [first, count] : (t >= kLoraGate ? gu : qkv).ranges) {
+        const int64_t lo = std::max(first, whole.col), hi = std::min(first + count, whole.col + whole.out);
+        if (lo >= hi) continue;
+        rows.ranges.emplace_back(lo - whole.col, hi - lo);
+        n += hi - lo;
+      }
+      ZINC_CHECK(n * size == whole.out, "an adapter's rows split evenly over the tensor parts");
+      sp[b] = rows;
+      ps[b].shape.dims[0] = n;
+      sp[a].sum_grads = true;
+    }
   }
   void use_tensor_part(int rank, int size) override {
     if (size == 1) return;
@@ -775,6 +814,7 @@ class Llama final : public Model {
     Vv_ = std::min(Vh_, c_.vocab_size - vlo_);
     tp_rank_ = rank;
     tp_size_ = size;  // the first forward makes its buffers at the part's sizes
+    if (lora()) lora_groups_ = lora_groups(size);
   }
 
   // Expert ranks (Note [expert parallelism] in engine/expert_parallel.cpp):
@@ -996,7 +1036,12 @@ class Llama final : public Model {
   // ---- LoRA (LoraConfig) ------------------------------------------------------
   bool lora() const { return c_.lora.enabled(); }
   detail::LoraDropout lora_drop(int64_t l, int64_t g) const {
-    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g);
+    kernels::DropoutColumns cols;  // a column-split weight's input: the part's columns of the whole's mask
+    if (tp_size_ > 1 && (g == kGroupO || g == kGroupDown)) {
+      const int64_t in = lora_groups_[static_cast<size_t>(l)][static_cast<size_t>(g)].in;
+      cols = {in, in * tp_size_, in * tp_rank_};
+    }
+    return detail::LoraDropout::of(c_.lora.dropout, pass_.lora_seed, l, g, cols);
   }
   int lora_block(int64_t l) const { return lora_first_ + static_cast<int>(l); }
   // Where target t sits: its input and output widths, and its output's
@@ -1016,13 +1061,21 @@ class Llama final : public Model {
     const std::string m = kLoraModules[t];
     return m.substr(m.find('.') + 1);
   }
-  LoraSite lora_site(int t) const {
+  // On one of `parts` tensor parts (Note [LoRA over tensor parts]): a
+  // row-split weight's rows, or a column-split one's input, over `parts`.
+  LoraSite lora_site(int t, int parts) const {
     // The weight's sizes by zinc's own name (valid for every family); no
     // rows where the family has no such module.
     const std::string m = kLoraModules[t];
     const llama::LoraSite s = llama::lora_site(c_, m.substr(m.find('.') + 1));
-    return {s.in, lora_module(t).empty() ? 0 : s.rows, s.row, s.weight_rows};
+    const LoraSite whole{s.in, lora_module(t).empty() ? 0 : s.rows, s.row, s.weight_rows};
+    if (lora_columns_split(t)) return {whole.in / parts, whole.out, whole.col, whole.width};
+    return {whole.in, whole.out / parts, whole.col / parts, whole.width / parts};
   }
+  LoraSite lora_site(int t) const { return lora_site(t, tp_size_); }
+  // Whether target t's weight splits by columns over tensor parts (o_proj,
+  // down_proj), not by rows.
+  static bool lora_columns_split(int t) { return t == kLoraO || t == kLoraDown; }
   // One adapter block per layer, after the final block, with PEFT's tensor
   // names and initialisation: A Kaiming-uniform (a = sqrt(5): U(+-1/sqrt(in))),
   // B zeros.
@@ -1044,9 +1097,15 @@ class Llama final : public Model {
         b.params.push_back({m + ".lora_B.weight", {site.out, r}, Init::kZeros});
       }
       specs_.push_back(std::move(b));
-      lora_groups_.emplace_back();
-      for (int g = 0; g < kLoraGroupCount; ++g) lora_groups_.back()[static_cast<size_t>(g)] = lora_group(l, g);
     }
+    lora_groups_ = lora_groups(1);
+  }
+  // Every layer's groups on one of `parts` tensor parts.
+  std::vector<std::array<detail::LoraGroup, 4>> lora_groups(int parts) const {
+    std::vector<std::array<detail::LoraGroup, 4>> out(static_cast<size_t>(c_.num_hidden_layers));
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      for (int g = 0; g < kLoraGroupCount; ++g) out[static_cast<size_t>(l)][static_cast<size_t>(g)] = lora_group(l, g, parts);
+    return out;
   }
   // LoRA's groups (Note [LoRA by groups] in models/detail/lora.h): q|k|v,
   // o, gate|up, down, each with its first target's index (U's columns in
@@ -1055,11 +1114,11 @@ class Llama final : public Model {
   static constexpr int kGroupFirst[kLoraGroupCount] = {kLoraQ, kLoraO, kLoraGate, kLoraDown};
   static constexpr int kGroupCount[kLoraGroupCount] = {4, 1, 3, 1};
   // Layer l's group g: its adapted targets with their rows.
-  detail::LoraGroup lora_group(int64_t l, int g) const {
+  detail::LoraGroup lora_group(int64_t l, int g, int parts) const {
     const LayerIdx& ix = idx_[static_cast<size_t>(l)];
     detail::LoraGroup out;
     for (int t = kGroupFirst[g]; t < kGroupFirst[g] + kGroupCount[g]; ++t) {
-      const LoraSite site = lora_site(t);
+      const LoraSite site = lora_site(t, parts);
       out.in = site.in;
       out.width = site.width;
       if (ix.lora_a[t] >= 0) out.members.push_back({ix.lora_a[t], ix.lora_b[t], site.col, site.out});

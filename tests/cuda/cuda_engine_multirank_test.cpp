@@ -241,7 +241,8 @@ TEST(CudaEngineRanks, ZeroOffloadTrainsLikeTheCpuAtEveryStage) {
 // NCCL reductions over the replicas, so the losses and weights are the
 // same bits, in fp32 and bf16, with ZeRO 0 and 1 and the states on the GPU
 // or offloaded. A tied head is refused with one line.
-std::shared_ptr<Model> gpu_llama(bool tied) {
+// lora: adapters (r 4, dropout 0.1) on every module over a frozen base.
+std::shared_ptr<Model> gpu_llama(bool tied, bool lora = false) {
   models::LlamaConfig c;
   c.vocab_size = 13;
   c.hidden_size = 16;
@@ -252,6 +253,12 @@ std::shared_ptr<Model> gpu_llama(bool tied) {
   c.max_position_embeddings = 16;
   c.tie_word_embeddings = tied;
   c.device = Device::kCuda;
+  if (lora) {
+    c.lora.r = 4;
+    c.lora.alpha = 6;
+    c.lora.dropout = 0.1;
+    c.lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  }
   return models::make_llama(c);
 }
 
@@ -264,7 +271,7 @@ struct PipeRun {
 // into its config (the grid's keys): `steps` global batches of `gas`
 // micro-batches of 2 rows over the replicas, then an evaluation.
 PipeRun train_gpu_grid(std::shared_ptr<comm::Communicator> comm, int replicas, int64_t gas, int steps, bool bf16,
-                       int zero, const std::string& offload, const nlohmann::json& extra) {
+                       int zero, const std::string& offload, const nlohmann::json& extra, bool lora = false) {
   const int64_t micro = 2;
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
                         {"gradient_accumulation_steps", gas},
@@ -276,7 +283,7 @@ PipeRun train_gpu_grid(std::shared_ptr<comm::Communicator> comm, int replicas, i
                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   if (offload != "none") cfg["zero_optimization"]["offload_optimizer"] = {{"device", offload}};
   for (const auto& [k, v] : extra.items()) cfg[k] = v;
-  Engine e = Engine::initialize(gpu_llama(false), cfg, comm && comm->size() > 1 ? comm : nullptr);
+  Engine e = Engine::initialize(gpu_llama(false, lora), cfg, comm && comm->size() > 1 ? comm : nullptr);
   DataLoader loader = testing::tiny_loader(e, micro, gas);
   PipeRun r;
   for (int i = 0; i < steps; ++i) r.losses.push_back(e.train_batch(loader));
@@ -336,11 +343,13 @@ TEST(CudaEngineRanks, PipelineStagesSendActivationsOverNcclAndTrainTheRunWithout
 // order, so the losses and weights agree to float rounding (the CPU path's
 // tolerances, tests/engine/tensor_parallel_test.cpp). The configurations it
 // does not run yet are refused with one line.
-PipeRun train_gpu_parts(std::shared_ptr<comm::Communicator> comm, int parts, int zero, bool bf16 = false) {
+PipeRun train_gpu_parts(std::shared_ptr<comm::Communicator> comm, int parts, int zero, bool bf16 = false,
+                        bool lora = false) {
   const int ranks = comm ? comm->size() : 1;
   return train_gpu_grid(comm, ranks / parts, 2, 6, bf16, zero, "cpu",
                         parts > 1 ? nlohmann::json{{"tensor_parallel", {{"autotp_size", parts}}}}
-                                  : nlohmann::json::object());
+                                  : nlohmann::json::object(),
+                        lora);
 }
 
 TEST(CudaEngineRanks, TensorPartsAddTheirPartialSumsOverNcclAndTrainTheRunWithoutParts) {
@@ -348,10 +357,14 @@ TEST(CudaEngineRanks, TensorPartsAddTheirPartialSumsOverNcclAndTrainTheRunWithou
   if (g_world->size() % 2 != 0) GTEST_SKIP() << "two parts need an even number of ranks";
   const int d = g_world->size() / 2;  // replicas of each part
   std::shared_ptr<comm::Communicator> replicas(g_world->split(g_world->rank() % 2, g_world->rank() / 2));
-  for (int zero : {1, 2}) {
-    const std::string what = "ZeRO " + std::to_string(zero) + ", " + std::to_string(d) + " replicas";
-    const PipeRun ref = train_gpu_parts(replicas, 1, zero);
-    const PipeRun got = train_gpu_parts(g_world, 2, zero);
+  // LoRA: the adapters split with their weights (Note [LoRA over tensor
+  // parts] in models/detail/lora.h), o and down's dropout through the
+  // whole input's mask columns.
+  for (auto [zero, lora] : {std::pair{1, false}, {2, false}, {2, true}}) {
+    const std::string what =
+        "ZeRO " + std::to_string(zero) + ", " + std::to_string(d) + " replicas" + (lora ? ", LoRA with dropout" : "");
+    const PipeRun ref = train_gpu_parts(replicas, 1, zero, false, lora);
+    const PipeRun got = train_gpu_parts(g_world, 2, zero, false, lora);
     ASSERT_EQ(got.losses.size(), ref.losses.size());
     for (size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-4) << what << " step " << i;
     EXPECT_NEAR(got.eval, ref.eval, 1e-4) << what;

@@ -341,6 +341,17 @@ TEST(CudaLlama, DropoutMatchesTheCpuBits) {
       expect_same_bits(out, download<float>(d_out, out.size()), "dropout " + at);
     }
   }
+  // A tensor part's column window of a wider input's mask (DropoutColumns).
+  const int64_t rows = 33, cols = 40;
+  const std::vector<float> x = randn(rows * cols, 153);
+  for (bool acc : {false, true}) {
+    std::vector<float> out = randn(rows * cols, 154);
+    DeviceBuffer d_x = upload(x), d_out = upload(out);
+    const DropoutColumns w{cols, 3 * cols, cols};
+    dropout(out.data(), x.data(), rows * cols, 0.2f, 99, acc, w);
+    cuda::dropout(d_out.as<float>(), d_x.as<float>(), rows * cols, 0.2f, 99, acc, nullptr, w);
+    expect_same_bits(out, download<float>(d_out, out.size()), "dropout's column window");
+  }
 }
 
 }  // namespace

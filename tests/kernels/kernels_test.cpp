@@ -698,6 +698,29 @@ TEST(VectorOps, DropoutKeepsAboutOneMinusPScaledAndRepeatsItsMask) {
   EXPECT_TRUE(BitEqual(none, x));
 }
 
+// A column window (DropoutColumns: a tensor part's columns of a wider
+// input) takes those columns of the whole matrix's mask, so parts that
+// each drop their columns drop what one rank drops of the whole.
+TEST(VectorOps, DropoutOfAColumnWindowIsThoseColumnsOfTheWholeMask) {
+  const int64_t rows = 37, W = 24;
+  const std::vector<float> x = randn(static_cast<size_t>(rows * W), 161);
+  std::vector<float> whole(x.size());
+  dropout(whole.data(), x.data(), rows * W, 0.3f, 77, false);
+  for (auto [first, cols] : {std::pair<int64_t, int64_t>{0, 12}, {12, 12}, {5, 7}, {0, 24}, {23, 1}}) {
+    std::vector<float> part(static_cast<size_t>(rows * cols)), dropped(part.size()), acc(part.size(), 2.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) part[static_cast<size_t>(r * cols + c)] = x[static_cast<size_t>(r * W + first + c)];
+    dropout(dropped.data(), part.data(), rows * cols, 0.3f, 77, false, {cols, W, first});
+    dropout(acc.data(), part.data(), rows * cols, 0.3f, 77, true, {cols, W, first});
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const size_t at = static_cast<size_t>(r * cols + c);
+        ASSERT_EQ(dropped[at], whole[static_cast<size_t>(r * W + first + c)]) << first << "+" << cols << " at " << r << "," << c;
+        ASSERT_EQ(acc[at], 2.0f + dropped[at]);
+      }
+  }
+}
+
 TEST(VectorOps, SquaredNormAgreesWithReference) {
   for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{17}, size_t{33}, size_t{100003}, size_t{300017}}) {
     auto x = randn(n, 710 + n);
