@@ -157,6 +157,14 @@ void parse_precision(Reader& r, Config& c) {
   fp.refuse_bool("fp16_master_weights_and_grads", false,
                  "zinc keeps fp32 master weights and gradients, and fp16 ones would change the result");
   fp.finish();
+  // A static scale: 1 / scale multiplies every gradient in fp32, and the
+  // loss times scale is what backward starts from. Past 2^-64..2^64 (the
+  // dynamic scale's own range: initial_scale_power <= 64) one of them
+  // leaves float's range: 1e-40 made the unscaling factor inf and every
+  // weight NaN, 1e300 overflowed every step for good.
+  if (f.loss_scale != 0 && (f.loss_scale < std::ldexp(1.0, -64) || f.loss_scale > std::ldexp(1.0, 64)))
+    throw ConfigError("fp16.loss_scale", "a static loss scale must lie between 2^-64 and 2^64 (0: dynamic), got " +
+                                             num(f.loss_scale));
   if (f.enabled && f.loss_scale == 0 && std::ldexp(1.0, static_cast<int>(f.initial_scale_power)) < f.min_loss_scale)
     throw ConfigError("fp16.initial_scale_power",
                       "2^" + std::to_string(f.initial_scale_power) + " is below fp16.min_loss_scale " +
@@ -357,12 +365,15 @@ void parse_aio(Reader& root, AioConfig& a) {
   Reader r = root.section("aio");
   // O_DIRECT needs requests aligned to the device's logical block; 4096 is
   // safe for every device (DeepSpeed does not check).
-  if (r.get_int("block_size", a.block_size, at_least(4096)) && a.block_size % 4096 != 0) {
+  // The ranges the NVMe store takes (offload::validate), here so that
+  // --check refuses what a run would, and no value is narrowed to an int
+  // on its way there (2^32 + 8 ran as a queue depth of 8).
+  if (r.get_int("block_size", a.block_size, closed(4096, 1 << 30)) && a.block_size % 4096 != 0) {
     throw ConfigError(r.last_path(),
                       "must be a multiple of 4096 (O_DIRECT alignment), got " + std::to_string(a.block_size));
   }
-  r.get_int("queue_depth", a.queue_depth, at_least(1));
-  r.get_int({"intra_op_parallelism", "thread_count"}, a.intra_op_parallelism, at_least(1));
+  r.get_int("queue_depth", a.queue_depth, closed(1, 4096));
+  r.get_int({"intra_op_parallelism", "thread_count"}, a.intra_op_parallelism, closed(1, 256));
   r.get_bool("single_submit", a.single_submit);
   r.get_bool("overlap_events", a.overlap_events);
   r.refuse_bool("use_gds", false, "GPUDirect Storage needs a GPU; set it to false");

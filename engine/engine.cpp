@@ -438,7 +438,7 @@ float Engine::Impl::forward(const Batch& whole) {
   float loss = model->forward(*this, batch);
   check_released("forward");
   forward_pending = true;
-  batch_loss.add(loss, targets, batch.B * batch.T);
+  pending = {loss, targets, batch.B * batch.T};
   // A micro-batch without targets has no loss (NaN; the model's mean over
   // none is 0, which would read as a perfect one), as in evaluate().
   if (sequence_ranks())
@@ -459,6 +459,7 @@ void Engine::Impl::backward() {
   // OneBitAdam past its warm-up: the boundary keeps its gradients local.
   run_backward(boundary_backward && !rule->local_gradients(optimizer_steps + 1));
   forward_pending = false;
+  batch_loss.add(pending.loss, pending.targets, pending.positions);
   micro_steps += 1;
   step_pending = boundary_backward;
   timings.backward_s += seconds_since(t0);
@@ -541,7 +542,17 @@ void Engine::Impl::step() {
   reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
-  const Normalised n = normalise(all, cfg.gradient_accumulation_steps, data_world(), used_scale);
+  Normalised n;
+  try {
+    n = normalise(all, cfg.gradient_accumulation_steps, data_world(), used_scale);
+  } catch (const Error& e) {
+    // Every rank refuses alike (the sums are the global batch's): the batch
+    // is dropped, so that the engine can go on with the next one.
+    reducer->reset_after_step();
+    device->after_step();
+    batch_loss = BatchLoss{};
+    throw Error(std::string(e.what()) + "; this global batch is dropped (no update), and the next one can train");
+  }
   grad_norm = std::sqrt(sums[0] / local) * n.grad_scale * local;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);

@@ -113,6 +113,13 @@ struct Engine::Impl final : StepContext {
   double grad_norm = 0;
   double lr = 0;
   bool forward_pending = false;  // a forward whose backward has not run
+  // That forward's loss, targets and positions: they join batch_loss at its
+  // backward, so a forward whose backward never runs (another forward
+  // replaced it) counts for nothing, as in PyTorch.
+  struct {
+    float loss = 0;
+    int64_t targets = 0, positions = 0;
+  } pending;
   BatchLoss batch_loss;          // the current global batch's, this rank's
   double last_loss = NAN;
   StepTimings timings;

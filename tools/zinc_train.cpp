@@ -65,6 +65,17 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
+// A loss scale as the step line shows it: a whole number (65536), or in %g
+// where it is not one (0.5, 1e-08).
+std::string scale_text(double s) {
+  char buf[32];
+  if (s >= 1 && s < 1e15 && s == std::floor(s))
+    std::snprintf(buf, sizeof buf, "%.0f", s);
+  else
+    std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
+
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   long total = std::lround(s);
@@ -225,7 +236,7 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
                        static_cast<double>(loop.steps() - step);
     std::string scale;
     if (ev.contains("loss_scale"))  // fp16
-      scale = " | loss scale " + std::to_string(static_cast<long long>(ev.at("loss_scale").get<double>())) + ", " +
+      scale = " | loss scale " + scale_text(ev.at("loss_scale").get<double>()) + ", " +
               std::to_string(ev.at("skipped_steps").get<long long>()) + " skipped";
     std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %s elapsed | ETA %s\n", step,
                 static_cast<long long>(loop.steps()), ev.at("loss").get<double>(), ev.at("lr").get<double>(),
@@ -514,6 +525,12 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                         "was skipped (non-finite gradients, or a global batch whose every target is masked: the "
                         "warnings above say which); the weights are as they were at the start, and no export was "
                         "written");
+    // A static scale never comes down: more steps overflow too.
+    if (cfg.fp16.loss_scale != 0)
+      throw zinc::Error("none of the " + std::to_string(trained) + " steps of this run updated the weights: each "
+                        "overflowed in fp16 at the static fp16.loss_scale " + scale_text(cfg.fp16.loss_scale) +
+                        ", which never comes down; lower it, or set 0 for a dynamic scale. The weights are as "
+                        "they were at the start, and no export was written");
     const std::string what = "none of the " + std::to_string(trained) + " steps of this run updated the weights: each "
                              "overflowed in fp16 while the dynamic loss scale came down to its level (normal in a "
                              "run's first steps: run more steps, or start lower with fp16.initial_scale_power)";

@@ -68,9 +68,12 @@ class Mlp final : public Model {
     const int64_t Hd = c_.hidden, V = c_.vocab_size;
     ensure_buffers(B, T);
     tokens_ = batch.inputs;
+    positions_ = batch.positions;
     const DType dt = ctx.compute_dtype();
 
-    // Gather the context window: row (b,t), slot j holds token t-context+1+j.
+    // Gather the context window: row (b,t), slot j holds token t-context+1+j,
+    // zeros before the row's start and, with packed documents, before the
+    // document's (as attention sees none of an earlier document).
     HeldParams emb = ctx.acquire(0);
     CView wte = emb[0];
     float* x0 = x_[0].as<float>();
@@ -84,10 +87,11 @@ class Mlp final : public Model {
       for (size_t r = lo; r < hi; ++r) {
         const int64_t b = static_cast<int64_t>(r) / T, t = static_cast<int64_t>(r) % T;
         float* row = x0 + static_cast<int64_t>(r) * X;
+        const int64_t first = first_seen(b, t, T);
         for (int64_t j = 0; j < c_.context; ++j) {
           int64_t src = t - c_.context + 1 + j;
           float* dst = row + j * E;
-          if (src < 0) {
+          if (src < first) {
             std::memset(dst, 0, static_cast<size_t>(E) * sizeof(float));
           } else {
             int64_t tok = batch.inputs[static_cast<size_t>(b * T + src)];
@@ -149,10 +153,10 @@ class Mlp final : public Model {
     const float* dx0 = dx0_.as<float>();
     parallel_for(static_cast<size_t>(E), 8, [&](size_t elo, size_t ehi) {
       for (int64_t r = 0; r < N; ++r) {
-        const int64_t b = r / T, t = r % T;
+        const int64_t b = r / T, t = r % T, first = first_seen(b, t, T);
         for (int64_t j = 0; j < c_.context; ++j) {
           int64_t src = t - c_.context + 1 + j;
-          if (src < 0) continue;
+          if (src < first) continue;
           int64_t tok = tokens_[static_cast<size_t>(b * T + src)];
           const float* g = dx0 + r * X + j * E;
           for (size_t e = elo; e < ehi; ++e) dwte[tok * E + static_cast<int64_t>(e)] += g[e];
@@ -189,6 +193,11 @@ class Mlp final : public Model {
   std::vector<AlignedBuffer> pre_;  // (N,Hd) layer l before GELU
   AlignedBuffer logits_, dlogits_, dh_, dpre_, dx0_;
   std::vector<int32_t> tokens_;
+  std::vector<int32_t> positions_;  // the batch's packed-document positions (empty: none)
+  // The first token row (b, t)'s window sees: the row's, or its document's.
+  int64_t first_seen(int64_t b, int64_t t, int64_t T) const {
+    return positions_.empty() ? 0 : t - positions_[static_cast<size_t>(b * T + t)];
+  }
   int64_t B_ = 0, T_ = 0;
 };
 

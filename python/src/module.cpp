@@ -167,8 +167,15 @@ py::array_t<int32_t> token_array(py::handle h, const std::string& fn, const char
     throw py::type_error(fn + ": " + name + " must be a numpy.ndarray of int32 with shape (B, T), got " +
                          type_name(h));
   py::array a = py::reinterpret_borrow<py::array>(h);
-  if (a.dtype().kind() != 'i' || a.itemsize() != 4)
-    throw py::type_error(fn + ": " + name + " must have dtype int32, got " + std::string(py::str(a.dtype())));
+  const char order = a.dtype().byteorder();  // '=' native, '<' or '>' written out ('<' is x86's own)
+  const uint16_t one = 1;
+  const bool swapped = order == (*reinterpret_cast<const unsigned char*>(&one) == 1 ? '>' : '<');
+  if (a.dtype().kind() != 'i' || a.itemsize() != 4 || swapped)
+    throw py::type_error(fn + ": " + name + " must have dtype int32" +
+                         (swapped ? " in this machine's byte order, got " + std::string(py::str(a.dtype())) +
+                                        " (its bytes are swapped; a.astype(numpy.int32) makes a copy in this "
+                                        "machine's order)"
+                                  : ", got " + std::string(py::str(a.dtype()))));
   if (a.ndim() != 2)
     throw py::value_error(fn + ": " + name + " must have 2 dimensions (B, T), got " + std::to_string(a.ndim()));
   if (!(a.flags() & py::array::c_style))
@@ -458,6 +465,16 @@ class PyEngine {
       py::dict d = py::reinterpret_borrow<py::dict>(batch);
       if (!d.contains("inputs") || !d.contains("targets"))
         throw py::value_error(fn + ": batch must have the keys 'inputs' and 'targets'");
+      // A key zinc does not read would be dropped without a word: an
+      // attention_mask that the user meant to mask padding, a misspelt
+      // 'positons' that would leave documents unseparated.
+      for (const auto& kv : d) {
+        const std::string key = py::str(kv.first);
+        if (key != "inputs" && key != "targets" && key != "positions")
+          throw py::value_error(fn + ": batch has the key '" + key + "', which zinc does not read (its keys: 'inputs', "
+                                "'targets' and optionally 'positions'; mask a target with -100, and separate packed "
+                                "documents with 'positions')");
+      }
       in = d["inputs"];
       tg = d["targets"];
       if (d.contains("positions") && !d["positions"].is_none()) pos = d["positions"];

@@ -44,16 +44,30 @@ struct Arg {
   py::array a;
 };
 
+// Whether a dtype's bytes are in this machine's order ('=' native, '|' one
+// byte; '<' or '>' where it is written out). A '>f4' array passed as float32
+// would be read as other numbers.
+bool native_order(const py::dtype& d) {
+  const char b = d.byteorder();
+  const uint16_t one = 1;
+  const bool little = *reinterpret_cast<const unsigned char*>(&one) == 1;
+  return b == '=' || b == '|' || b == (little ? '<' : '>');
+}
+
 // One array argument, checked: a NumPy array of `dtype_name` (itemsize 4 and
-// kind 'f', or 2 and kind 'u'), C-contiguous, writeable when written.
+// kind 'f', or 2 and kind 'u') in the machine's byte order, C-contiguous,
+// writeable when written.
 py::array array_arg(py::handle h, const char* name, char kind, int itemsize, const char* dtype_name, bool write) {
   if (!py::isinstance<py::array>(h))
     throw py::type_error(std::string("zinc.optim.AdamW.step: ") + name + " must be a numpy.ndarray of " + dtype_name +
                          ", got " + type_of(h));
   py::array a = py::reinterpret_borrow<py::array>(h);
-  if (a.dtype().kind() != kind || a.itemsize() != itemsize)
-    throw py::type_error(std::string("zinc.optim.AdamW.step: ") + name + " must have dtype " + dtype_name + ", got " +
-                         std::string(py::str(a.dtype())));
+  if (a.dtype().kind() != kind || a.itemsize() != itemsize || !native_order(a.dtype()))
+    throw py::type_error(std::string("zinc.optim.AdamW.step: ") + name + " must have dtype " + dtype_name +
+                         (native_order(a.dtype()) ? ", got " + std::string(py::str(a.dtype()))
+                                                  : " in this machine's byte order, got " + std::string(py::str(a.dtype())) +
+                                                        " (its bytes are swapped; a.astype(a.dtype.newbyteorder('=')) "
+                                                        "makes a copy in this machine's order)"));
   if (!(a.flags() & py::array::c_style))
     throw py::value_error(std::string("zinc.optim.AdamW.step: ") + name +
                           " must be C-contiguous (the update works in place; a copy would not be updated)");

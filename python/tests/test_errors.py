@@ -85,6 +85,13 @@ def test_train_steps_must_be_positive(doc):
         ((ids((2, 8)) + 64, ids((2, 8))), ValueError, "inputs[0, 0] = 64 is outside the vocabulary [0, 64)"),
         ((ids((2, 8)), ids((2, 8)) - 1), ValueError, "targets[0, 0] = -1 is outside the vocabulary"),
         ({"inputs": ids((2, 8))}, ValueError, "keys 'inputs' and 'targets'"),
+        # Byte-swapped int32 would be read as other tokens (all zeros would pass).
+        ((ids((2, 8), ">i4"), ids((2, 8))), TypeError, "inputs must have dtype int32 in this machine's byte order"),
+        # A key zinc does not read is refused, not dropped: an attention_mask
+        # meant to mask padding, a misspelt 'positions'.
+        ({"inputs": ids((2, 8)), "targets": ids((2, 8)), "attention_mask": ids((2, 8))}, ValueError,
+         "batch has the key 'attention_mask', which zinc does not read"),
+        ({"inputs": ids((2, 8)), "targets": ids((2, 8)), "positon": ids((2, 8))}, ValueError, "the key 'positon'"),
         ("tokens", TypeError, "batch must be an (inputs, targets) pair"),
     ],
 )

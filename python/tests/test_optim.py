@@ -98,6 +98,9 @@ def good(n=16):
         (lambda: (*good()[:2], [0.0] * 16, good()[3]), TypeError, "exp_avg must be a numpy.ndarray"),
         (lambda: (np.zeros(32, np.float32)[::2], *good()[1:]), ValueError, "param must be C-contiguous"),
         (lambda: (*good()[:3], np.zeros(17, np.float32)), ValueError, "exp_avg_sq has 17 elements; param has 16"),
+        # Byte-swapped arrays hold other numbers: refused, not updated.
+        (lambda: (np.zeros(16, ">f4"), *good()[1:]), TypeError, "param must have dtype float32 in this machine's byte order"),
+        (lambda: (good()[0], np.zeros(16, ">f4"), *good()[2:]), TypeError, "grad must have dtype float32"),
     ],
 )
 def test_bad_arrays_name_the_argument(make, exc, words):

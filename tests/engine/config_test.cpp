@@ -167,7 +167,12 @@ TEST(ConfigErrors, OutOfRange) {
                       "zero_optimization.stage: must be in [0, 3], got 4");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"reduce_bucket_size", 5.5e8 + 0.5}}}}),
                       "zero_optimization.reduce_bucket_size: expected an integer");
-  EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", 1000}}}}), "aio.block_size: must be >= 4096, got 1000");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", 1000}}}}), "aio.block_size: must be in [4096, 1073741824], got 1000");
+  // The NVMe store's own ranges, refused by the config (and so by --check):
+  // 2^32 + 8 once ran as a queue depth of 8, narrowed to an int.
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"queue_depth", 4294967304LL}}}}), "aio.queue_depth: must be in [1, 4096]");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"intra_op_parallelism", 257}}}}), "aio.intra_op_parallelism: must be in [1, 256]");
+  EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", int64_t{1} << 62}}}}), "aio.block_size: must be in [4096,");
   EXPECT_CONFIG_ERROR(with({{"aio", {{"block_size", 6000}}}}), "aio.block_size: must be a multiple of 4096");
 }
 
@@ -258,6 +263,11 @@ TEST(ConfigErrors, PrecisionModes) {
   EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"initial_scale_power", 2}, {"min_loss_scale", 8}}}}),
                       "fp16.initial_scale_power: 2^2 is below fp16.min_loss_scale 8");
   EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"loss_scale", -1}}}}), "fp16.loss_scale: must be >= 0");
+  // A static scale past 2^-64..2^64: 1e-40 made the unscaling factor inf in
+  // fp32 and every weight NaN; 1e300 overflowed every step for good.
+  for (double s : {1e-40, 1e-300, 1e300})
+    EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"loss_scale", s}}}}),
+                        "fp16.loss_scale: a static loss scale must lie between 2^-64 and 2^64 (0: dynamic)");
   EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"hysteresis", 0}}}}), "fp16.hysteresis: must be >= 1");
   EXPECT_CONFIG_ERROR(with({{"fp16", {{"enabled", true}, {"loss_scale_windw", 10}}}}),
                       "fp16.loss_scale_windw: unknown key", "did you mean 'loss_scale_window'");

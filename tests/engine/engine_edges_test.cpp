@@ -109,5 +109,77 @@ TEST(EngineStepOrder, AMicroBatchAfterABoundaryBackwardNeedsItsStep) {
   e.step();  // inside the accumulation: nothing
   EXPECT_EQ(e.global_steps(), 1);
 }
+
+// A forward whose backward never runs (another forward replaced it) counts
+// for nothing, as in PyTorch: its loss and targets joined the global batch
+// once, which with masked targets rescaled the gradient (5x in the hostile
+// sweep's case).
+TEST(EngineStepOrder, AForwardWithoutItsBackwardIsNotCounted) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 1}};
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  DataLoader loader(make_data_source(dc), 2, 1, 1, 0, 7);
+  Batch kept = loader.next(), dropped = loader.next();
+  for (size_t i = 0; i < kept.targets.size(); i += 3) kept.targets[i] = -100;  // some masked
+  for (size_t i = 0; i < dropped.targets.size(); ++i) dropped.targets[i] = i % 2 ? -100 : dropped.targets[i];
+  Engine plain = Engine::initialize(models::make_gpt(g), cfg);
+  plain.forward(kept);
+  plain.backward();
+  plain.step();
+  Engine twice = Engine::initialize(models::make_gpt(g), cfg);
+  twice.forward(dropped);  // its backward never runs
+  twice.forward(kept);
+  twice.backward();
+  twice.step();
+  EXPECT_EQ(twice.global_grad_norm(), plain.global_grad_norm());
+  EXPECT_EQ(twice.last_batch_loss(), plain.last_batch_loss());
+  for (size_t b = 0; b < plain.model().blocks().size(); ++b)
+    EXPECT_EQ(twice.full_params(static_cast<int>(b)), plain.full_params(static_cast<int>(b))) << "block " << b;
+}
+
+// A global batch the step refuses (micro-batches of two shapes with masked
+// targets: the mean over the targets needs one) is dropped, and the engine
+// trains the next one: it refused every later step before.
+TEST(EngineStepOrder, AGlobalBatchTheStepRefusesIsDroppedAndTheNextTrains) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 2}};
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  DataLoader loader(make_data_source(dc), 2, 2, 1, 0, 7);
+  Engine e = Engine::initialize(models::make_gpt(g), cfg);
+  Batch a = loader.next(), b = loader.next();
+  a.targets[0] = -100;
+  Batch shorter = b;  // another T
+  shorter.T = 8;
+  shorter.inputs.resize(16);
+  shorter.targets.resize(16);
+  e.forward(a);
+  e.backward();
+  e.forward(shorter);
+  e.backward();
+  try {
+    e.step();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("this global batch is dropped"), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(e.global_steps(), 0);
+  // The next global batch trains as the first one of a fresh engine does.
+  Engine fresh = Engine::initialize(models::make_gpt(g), cfg);
+  for (Engine* x : {&e, &fresh}) {
+    x->forward(a);
+    x->backward();
+    x->forward(b);
+    x->backward();
+    x->step();
+  }
+  EXPECT_EQ(e.global_steps(), 1);
+  EXPECT_EQ(e.global_grad_norm(), fresh.global_grad_norm());
+  for (size_t k = 0; k < e.model().blocks().size(); ++k)
+    EXPECT_EQ(e.full_params(static_cast<int>(k)), fresh.full_params(static_cast<int>(k))) << "block " << k;
+}
 }  // namespace
 }  // namespace zinc

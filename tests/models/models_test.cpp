@@ -198,6 +198,39 @@ TEST(MlpBackward, AgreesWithFiniteDifferencesPerBlock) {
   check_model_gradients(*m, random_batch(2, 6, 11, 2));
 }
 
+// Packed documents (Batch::positions): a token's context window stops at its
+// document's start, so another earlier document changes neither the later
+// one's loss nor any gradient (the earlier document's targets masked).
+// The window once read across the boundary.
+TEST(MlpForward, PackedDocumentsDoNotSeeEachOther) {
+  models::MlpConfig c;
+  c.vocab_size = 11;
+  c.context = 4;
+  c.n_embd = 5;
+  c.hidden = 13;
+  c.n_layer = 2;
+  auto m = models::make_mlp(c);
+  Batch a = random_batch(1, 8, 11, 3);
+  a.positions = {0, 1, 2, 0, 1, 2, 3, 4};  // documents [0, 3) and [3, 8)
+  for (int t = 0; t < 3; ++t) a.targets[static_cast<size_t>(t)] = -100;
+  Batch b = a;
+  for (int t = 0; t < 3; ++t) b.inputs[static_cast<size_t>(t)] = (a.inputs[static_cast<size_t>(t)] + 5) % 11;
+  TestContext ca(*m, 3), cb(*m, 3);
+  const float la = m->forward(ca, a);
+  m->backward(ca, 1.0f);
+  const float lb = m->forward(cb, b);
+  m->backward(cb, 1.0f);
+  EXPECT_EQ(la, lb);
+  for (size_t k = 0; k < ca.grad_bufs.size(); ++k)
+    EXPECT_EQ(ca.grad_bufs[k], cb.grad_bufs[k]) << "block " << k;
+  Batch whole = a;  // one document: the window reads the earlier tokens
+  whole.positions.clear();
+  Batch whole_b = b;
+  whole_b.positions.clear();
+  TestContext cw(*m, 3), cwb(*m, 3);
+  EXPECT_NE(m->forward(cw, whole), m->forward(cwb, whole_b));
+}
+
 TEST(Gpt, BlocksAreEmbeddingsLayersAndFinalNormWithGpt2Init) {
   models::GptConfig c;
   c.n_layer = 3;

@@ -247,6 +247,24 @@ def test_a_run_in_which_no_step_updated_exits_1(tmp_path, case):
     assert steps and all(s["loss"] is None for s in steps), steps  # NaN: no loss, never 0
 
 
+def test_a_static_loss_scale_that_overflows_every_step_exits_1_and_a_fraction_shows(tmp_path):
+    # A static scale never comes down: the run said "normal in a run's first
+    # steps" and exited 0, and a scale of 0.5 showed as "loss scale 0".
+    cfg = tmp_path / "c.json"
+    doc = {"train_batch_size": 4, "fp16": {"enabled": True, "loss_scale": 2.0 ** 64},
+           "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+           "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16}, "run": {"steps": 3}}
+    cfg.write_text(json.dumps(doc))
+    r = run(ZINC_TRAIN, str(cfg))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "at the static fp16.loss_scale 1.84467e+19, which never comes down" in line, line
+    doc["fp16"]["loss_scale"] = 0.5
+    cfg.write_text(json.dumps(doc))
+    r = run(ZINC_TRAIN, str(cfg))
+    assert r.returncode == 0 and "loss scale 0.5, 0 skipped" in r.stdout, (r.stdout, r.stderr)
+
+
 # ---- input that is not what it claims ----------------------------------------------------------
 
 
