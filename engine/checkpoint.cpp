@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -552,6 +554,31 @@ void write_file_atomic(const std::string& path, const std::string& text) {
     ::unlink(tmp.c_str());
     throw_errno("checkpoint: cannot rename " + tmp + " to " + path, err);
   }
+}
+
+void check_replaceable_tag(const std::string& dir, const std::string& tag) {
+  namespace fs = std::filesystem;
+  const fs::path p = fs::path(dir) / tag;
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(p, ec);
+  if (!fs::exists(st)) return;
+  const std::string advice = ": a save of the tag " + tag + " would replace it; move it away, or save into another "
+                             "checkpoint folder";
+  if (!fs::is_directory(st))
+    throw IoError("checkpoint: " + p.string() + " exists and is not a zinc checkpoint tag (" +
+                  (fs::is_symlink(st) ? "a symbolic link" : "a file") + ")" + advice);
+  // The format key, anywhere in the metadata (its keys are sorted).
+  const fs::path meta = p / "metadata.json";
+  bool zinc = false;
+  if (fs::is_regular_file(fs::symlink_status(meta, ec))) {
+    std::ifstream in(meta, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    zinc = text.find("\"format\": \"zinc-checkpoint\"") != std::string::npos ||
+           text.find("\"format\":\"zinc-checkpoint\"") != std::string::npos;
+  }
+  if (!zinc)
+    throw IoError("checkpoint: " + p.string() + " exists and is not a zinc checkpoint tag (no zinc metadata.json: "
+                  "another tool's checkpoint, or a folder of yours)" + advice);
 }
 
 void commit_tag(const std::string& parent, const std::string& tmp, const std::string& tag) {

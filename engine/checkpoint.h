@@ -211,6 +211,11 @@ void count_save();
 // files inside (done by their writers), of `tmp`, rename, fsync of the
 // parent; then `latest` through a temporary file, fsync, rename, fsync.
 void commit_tag(const std::string& parent, const std::string& tmp, const std::string& tag);
+// Refuses (IoError naming it) a `dir/tag` that exists and is not a zinc
+// checkpoint tag (a folder whose metadata.json says "zinc-checkpoint"): a
+// save of the tag would replace it, and with it a DeepSpeed checkpoint of
+// the same name, or a user's folder or file. Nothing there: returns.
+void check_replaceable_tag(const std::string& dir, const std::string& tag);
 // fsync of a folder (its entries).
 void fsync_dir(const std::string& dir);
 // Writes `text` to `path` through path + ".tmp", fsync, rename.

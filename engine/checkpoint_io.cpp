@@ -165,6 +165,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
   if (world_rank == 0)
     attempt([&] {
       lock.emplace(dir);
+      ckpt::check_replaceable_tag(dir, tag);
       fs::remove_all(partial);
       fs::create_directory(partial);
     });

@@ -80,6 +80,11 @@ class Fields {
 
 // A checkpoint's JSON file: ours, so any parse error is damage.
 nlohmann::json parse_file(const std::string& path, const std::string& text) {
+  // The JSON parser ends its input at a NUL byte: whatever follows one
+  // (bytes appended to the file) would pass unseen.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos)
+    throw IoError("checkpoint: " + path + " is not valid JSON (edited or damaged): a NUL byte at offset " +
+                  std::to_string(nul));
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {

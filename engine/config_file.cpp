@@ -234,6 +234,10 @@ class DocumentBuilder {
 // levels of nesting are allowed; `base`: the JSON path of the text's root.
 json parse_text(const std::string& text, const std::string& origin, int max_depth = kMaxConfigDepth,
                 const std::string& base = "") {
+  // The parser ends its input at a NUL byte, so text after one was ignored.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos)
+    throw ConfigError(base, origin + ": a NUL byte at offset " + std::to_string(nul) +
+                                " (a JSON document is text; nothing may follow it)");
   DocumentBuilder builder(text, origin, max_depth, base);
   json::sax_parse(text, &builder);  // errors throw from the builder
   return builder.take();

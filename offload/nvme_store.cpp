@@ -293,8 +293,8 @@ std::string make_folder(const std::string& path, int rank) {
     if (err == EEXIST && n < 1000) continue;
     std::string why;
     switch (err) {
-      case ENOENT:
-        why = " does not exist";
+      case ENOENT:  // a folder that takes none (/proc) says ENOENT too
+        why = std::filesystem::is_directory(path) ? " takes no new folders (a virtual file system?)" : " does not exist";
         break;
       case ENOTDIR:
         why = " is not a folder";

@@ -2,8 +2,11 @@
 
 #include <unistd.h>
 
+#include <climits>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <vector>
 #include <utility>
 
 #include "core/error.h"
@@ -104,18 +107,38 @@ void leaves(const json& j, const std::string& path, std::vector<std::pair<std::s
 
 std::string ranks_words(int world) { return std::to_string(world) + (world == 1 ? " rank" : " ranks"); }
 
+// Why no folder can be made in the folder `dir` ("" when one can): one is
+// made and removed again. access() says yes to root everywhere, and /proc
+// or /sys take no new folders whatever their modes say.
+std::string folder_probe(const std::string& dir) {
+  std::string t = (std::filesystem::path(dir) / ".zinc-check-XXXXXX").string();
+  std::vector<char> buf(t.begin(), t.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) return std::strerror(errno);
+  ::rmdir(buf.data());
+  return "";
+}
+
 // A folder the run creates (with create_directories): it exists as a folder
-// this process may write, or its nearest existing ancestor is one.
+// this process may write, or its nearest existing ancestor is one and the
+// names below it fit the file system's limits.
 void check_creatable(const std::string& key, const std::string& folder) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path p = fs::absolute(folder, ec);
   if (ec) throw ConfigError(key, "cannot resolve " + folder + ": " + ec.message());
+  if (p.string().size() >= PATH_MAX)
+    throw ConfigError(key, folder + ": cannot create it, its path is longer than the system's " +
+                               std::to_string(PATH_MAX - 1) + " bytes");
+  for (const fs::path& part : p)
+    if (part.string().size() > NAME_MAX)
+      throw ConfigError(key, folder + ": cannot create it, the name " + part.string().substr(0, 40) + "... is longer "
+                             "than the file system's " + std::to_string(NAME_MAX) + " bytes");
   while (!fs::exists(p, ec) && p.has_parent_path() && p != p.parent_path()) p = p.parent_path();
   if (!fs::is_directory(p, ec))
     throw ConfigError(key, folder + ": " + p.string() + " exists and is not a folder");
-  if (::access(p.c_str(), W_OK | X_OK) != 0)
-    throw ConfigError(key, folder + ": cannot create it, " + p.string() + " is not writable");
+  if (const std::string why = folder_probe(p.string()); !why.empty())
+    throw ConfigError(key, folder + ": cannot create it, " + p.string() + " takes no new folder (" + why + ")");
 }
 
 }  // namespace
@@ -203,8 +226,8 @@ void check_startable(const Experiment& ex) {
     std::error_code ec;
     if (!fs::exists(o.nvme_path, ec)) throw ConfigError(k, "nvme_path " + o.nvme_path + " does not exist");
     if (!fs::is_directory(o.nvme_path, ec)) throw ConfigError(k, "nvme_path " + o.nvme_path + " is not a folder");
-    if (::access(o.nvme_path.c_str(), W_OK | X_OK) != 0)
-      throw ConfigError(k, "nvme_path " + o.nvme_path + " is not writable by this user");
+    if (const std::string why = folder_probe(o.nvme_path); !why.empty())
+      throw ConfigError(k, "nvme_path " + o.nvme_path + " takes no new folder for the run's files (" + why + ")");
   };
   if (c.zero.stage >= 1 && c.zero.offload_optimizer.device == OffloadDevice::kNvme)
     nvme("offload_optimizer", c.zero.offload_optimizer);

@@ -12,7 +12,9 @@
 #include <filesystem>
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "core/cpu.h"
 #include "core/error.h"
@@ -85,25 +87,33 @@ std::shared_ptr<Model> load_from_pretrained(const ModelConfig& m, const DataSour
 }
 
 // A monitor writing inside a checkpoint tag loses its files: the next save
-// of that tag swaps the folder out, and pruning removes it. The tags are
-// the names a save makes (global_step<N>), its partial and old folders
-// (".<tag>..."), and `latest`.
-void check_monitor_folders(const Config& c, const RunConfig& run) {
+// of that tag swaps the folder out, and pruning removes it. So does an NVMe
+// offload folder, whose scratch files the run has open (a save removed
+// them under the running engine). The tags are the names a save makes
+// (global_step<N>), its partial and old folders (".<tag>..."), and `latest`.
+void check_folders_outside_tags(const Config& c, const RunConfig& run) {
   namespace fs = std::filesystem;
+  std::vector<std::tuple<std::string, fs::path, std::string>> folders;  // key, folder, what it is
   for (const auto& [key, m] : {std::pair<const char*, const MonitorConfig*>{"csv_monitor", &c.csv_monitor},
-                               std::pair<const char*, const MonitorConfig*>{"tensorboard", &c.tensorboard}}) {
-    if (!m->enabled) continue;
+                               std::pair<const char*, const MonitorConfig*>{"tensorboard", &c.tensorboard}})
+    if (m->enabled)
+      folders.emplace_back(std::string(key) + ".output_path", fs::path(m->output_path) / m->job_name, "with job_name, the folder ");
+  for (const auto& [key, o] : {std::pair<const char*, const OffloadConfig*>{"offload_optimizer", &c.zero.offload_optimizer},
+                               std::pair<const char*, const OffloadConfig*>{"offload_param", &c.zero.offload_param}})
+    if (o->device == OffloadDevice::kNvme)
+      folders.emplace_back(std::string("zero_optimization.") + key + ".nvme_path", fs::path(o->nvme_path),
+                           "the NVMe folder ");
+  for (const auto& [key, folder, what] : folders) {
     std::error_code ec;
-    const fs::path dir = fs::weakly_canonical(fs::absolute(fs::path(m->output_path) / m->job_name, ec), ec);
+    const fs::path dir = fs::weakly_canonical(fs::absolute(folder, ec), ec);
     const fs::path ck = fs::weakly_canonical(fs::absolute(run.checkpoint_dir, ec), ec);
     const fs::path rel = dir.lexically_relative(ck);
     if (rel.empty() || *rel.begin() == ".." || *rel.begin() == ".") continue;
     const std::string first = rel.begin()->string();
     if (first.rfind("global_step", 0) == 0 || first.front() == '.' || first == "latest")
-      throw ConfigError(std::string(key) + ".output_path",
-                        "with job_name, the folder " + dir.string() + " lies in the checkpoint tag " + first +
-                            " of run.checkpoint_dir " + run.checkpoint_dir +
-                            ", which a checkpoint save replaces and pruning removes; choose another folder");
+      throw ConfigError(key, what + dir.string() + " lies in the checkpoint tag " + first + " of run.checkpoint_dir " +
+                                 run.checkpoint_dir +
+                                 ", which a checkpoint save replaces and pruning removes; choose another folder");
   }
 }
 
@@ -115,7 +125,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   e.config = std::move(parsed.config);
   e.experiment = std::move(parsed.experiment);
   e.auto_values = std::move(parsed.auto_values);
-  check_monitor_folders(e.config, e.experiment.run);
+  check_folders_outside_tags(e.config, e.experiment.run);
   const ModelConfig& m = e.experiment.model;
   e.data = make_data_source(e.experiment.data);
   if (e.experiment.run.eval_interval > 0) {

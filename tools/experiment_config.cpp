@@ -216,7 +216,10 @@ void parse_comm(Reader& root, CommConfig& comm) {
               {"mpi", CommBackend::kMpi},
               {"shm", CommBackend::kShm},
               {"hierarchical", CommBackend::kHierarchical}});
-  r.get_number("timeout_seconds", comm.timeout_seconds, above(0));
+  // At least a second: below it a healthy rank that is a moment late is
+  // reported as stopped or dead (1e-9 failed 2-rank runs at random, each
+  // blaming the other rank).
+  r.get_number("timeout_seconds", comm.timeout_seconds, at_least(1));
   r.finish();
 }
 

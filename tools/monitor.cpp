@@ -73,12 +73,26 @@ void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
   for (char& ch : file)
     if (ch == '/' || ch == ' ') ch = '_';
   fs::path path = dir_ / (file + ".csv");
-  std::ofstream out(path, std::ios::app);
-  if (!out) throw IoError("csv_monitor: cannot write " + path.string());
+  // DeepSpeed's csv_monitor appends, with a header the first time a process
+  // writes the file. Here the header goes only into an empty file, so that a
+  // resumed run's rows follow the earlier ones without a second header row,
+  // and a row a kill cut short ends before the next one starts.
+  bool header = false, newline = false;
   if (!written_[file]) {
     written_[file] = true;
-    out << "step," << tag.substr(tag.rfind('/') + 1) << "\n";
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(path, ec);
+    header = ec || size == 0;
+    if (!header) {
+      std::ifstream last(path, std::ios::binary);
+      last.seekg(-1, std::ios::end);
+      newline = last.get() != '\n';
+    }
   }
+  std::ofstream out(path, std::ios::app);
+  if (!out) throw IoError("csv_monitor: cannot write " + path.string());
+  if (newline) out << "\n";
+  if (header) out << "step," << tag.substr(tag.rfind('/') + 1) << "\n";
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.9g", value);
   out << step << "," << buf << "\n";

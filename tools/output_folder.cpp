@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -98,6 +99,23 @@ void export_fault_point(const char* phase) {
   if (spec && std::strcmp(spec, phase) == 0) ::kill(::getpid(), SIGKILL);
 }
 
+std::string protected_by(const std::string& path, const std::string& in) {
+  std::error_code ec;
+  if (in.empty() || !fs::is_directory(in, ec) || same_file(path, in) || !is_within(path, in)) return "";
+  const fs::path dir(in);
+  if (fs::exists(dir / "config.json", ec) || fs::exists(dir / "adapter_config.json", ec))
+    return "the model folder " + in;
+  if (fs::exists(dir / "metadata.json", ec)) return "the checkpoint tag " + in;
+  // The entry of `in` that holds `path`.
+  const std::optional<FileId> top = file_id(in);
+  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  while (p.has_relative_path() && file_id(p.parent_path().string()) != top) p = p.parent_path();
+  const std::string first = p.filename().string();
+  if (first.rfind("global_step", 0) == 0 || (!first.empty() && first.front() == '.') || first == "latest")
+    return "the checkpoint tag " + first + " of " + in;
+  return "";
+}
+
 void check_output_folder(const std::string& dir, const std::string& what_arg, const std::vector<std::string>& inputs) {
   const std::string what = what_arg + " " + shown(dir);
   if (dir.empty()) throw Error(what_arg + ": an empty path names no folder");
@@ -105,6 +123,11 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
   const fs::path p = resolved(dir, what);
   std::error_code ec;
   const bool exists = fs::exists(p, ec);
+  // A dangling link passed as a new folder here and failed the write after
+  // training ("cannot list the folder").
+  if (!exists && fs::is_symlink(fs::symlink_status(p, ec)))
+    throw Error(what + " is a symbolic link to " + fs::read_symlink(p, ec).string() +
+                ", which does not exist: point it at a folder, or remove it and let the export create one");
   if (exists && !fs::is_directory(p, ec)) throw Error(what + ": exists and is not a folder");
   for (const std::string& in : inputs) {
     if (in.empty()) continue;
@@ -114,6 +137,9 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
     if (is_within(in, p.string()))
       throw Error(what + " holds " + in + ", which this run reads: an export replaces its folder as a "
                   "whole; export into another folder");
+    if (const std::string why = protected_by(p.string(), in); !why.empty())
+      throw Error(what + " lies inside " + why + ", which this run reads: an export there would replace or "
+                  "mix with its files (and a checkpoint save or pruning would remove a tag's); export elsewhere");
   }
   if (is_within(".", p.string()))
     throw Error(what + " is the current folder or holds it: an export replaces its folder as a whole; "

@@ -26,6 +26,15 @@ namespace zinc::tools {
 // DIR", ...) and saying what to do instead.
 void check_output_folder(const std::string& dir, const std::string& what, const std::vector<std::string>& inputs);
 
+// Why an output at `path` may not lie inside the folder `in` that a run
+// reads, or "" where it may: inside a model or adapter folder (config.json
+// or adapter_config.json in it) an export would replace or mix with the
+// model's files; inside a checkpoint tag (a folder with metadata.json, or
+// global_step<N>, a dot folder or `latest` of a checkpoint folder) the next
+// save of the tag swaps it out and pruning removes it. Elsewhere in the
+// folder (an NVMe folder, a checkpoint folder beside its tags) it may.
+std::string protected_by(const std::string& path, const std::string& in);
+
 // The lock that guards `path` (an export folder, or the file set a
 // safetensors export writes at PATH) against a second writer: a file
 // beside it (PARENT/.NAME.zinc.lock), since the folder itself is replaced.

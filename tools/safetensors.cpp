@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <regex>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -49,6 +51,19 @@ namespace zinc::tools {
 namespace fs = std::filesystem;
 
 namespace {
+// The file names an index's weight_map maps tensors to (none where there is
+// no index, or it cannot be read).
+std::set<std::string> index_files(const std::string& index_path) {
+  std::set<std::string> out;
+  std::ifstream in(index_path, std::ios::binary);
+  if (!in) return out;
+  const nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) return out;
+  for (const auto& [tensor, file] : index["weight_map"].items())
+    if (file.is_string()) out.insert(file.get<std::string>());
+  return out;
+}
+
 // Calls f with the name of each entry of `folder` (listed first, so f may
 // remove entries).
 void for_each_in(const fs::path& folder, const std::function<void(const std::string&)>& f) {
@@ -238,11 +253,24 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
 
   const fs::path out(opts.out);
   const std::string stem = out.filename().string().substr(0, out.filename().string().size() - 12);
+  const std::string index_path = out.string() + ".index.json";
+  // Note [a set replaced as one]: the new shards never take a name the
+  // current index (an earlier export's set) maps a tensor to, so that set
+  // stays whole until the new index replaces the old one in one rename.
+  // Where the Hugging Face names (NAME-0000k-of-0000n) are the current
+  // set's, the new set is NAME-0000k-of-0000n-b, and the next export takes
+  // the plain names again.
+  const std::set<std::string> current = index_files(index_path);
+  auto shard_name = [&](size_t k, bool alternate) {
+    char name[64];
+    std::snprintf(name, sizeof name, "-%05zu-of-%05zu%s.safetensors", k + 1, shards.size(), alternate ? "-b" : "");
+    return stem + name;
+  };
+  bool alternate = false;
+  for (size_t k = 0; k < shards.size() && shards.size() > 1; ++k) alternate = alternate || current.count(shard_name(k, false));
   auto shard_path = [&](size_t k) {
     if (shards.size() == 1) return out.string();
-    char name[64];
-    std::snprintf(name, sizeof name, "-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-    return (out.parent_path() / (stem + name)).string();
+    return (out.parent_path() / shard_name(k, alternate)).string();
   };
   if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
     throw IoError("zinc-export: --out " + opts.out + ": the folder " + out.parent_path().string() + " does not exist");
@@ -261,11 +289,19 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
       throw Error("zinc-export: --out " + opts.out + " is inside " + source +
                   ", the pretrained model this checkpoint was trained from; write it elsewhere");
   }
+  // Nor into a tag of the checkpoint's folder (the next save of the tag
+  // replaces it whole, and pruning removes it): the checkpoint folder
+  // itself, beside its tags, is fine.
+  if (const std::string why = protected_by(out.parent_path().empty() ? "." : out.parent_path().string(),
+                                           fs::path(files.dir).parent_path().string());
+      !why.empty())
+    throw Error("zinc-export: --out " + opts.out + " lies inside " + why +
+                ", which a checkpoint save replaces whole and pruning removes; write it elsewhere");
   // Two exports of one NAME would mix their files: the set's lock, beside it.
   const std::unique_ptr<ckpt::DirLock> lock = lock_output_folder(opts.out, "--out", "export file");
   std::string stem_re;  // the stem, its regex characters escaped
   for (char c : stem) stem_re += std::strchr(".^$|()[]{}*+?\\", c) && c ? std::string("\\") + c : std::string(1, c);
-  const std::regex shard_re(stem_re + "-[0-9]{5}-of-[0-9]{5}\\.safetensors");
+  const std::regex shard_re(stem_re + "-[0-9]{5}-of-[0-9]{5}(-b)?\\.safetensors");
   const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
   // Under the lock every temporary of this NAME is an earlier export's,
   // killed part-way: removed.
@@ -327,30 +363,49 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
       progress(line);
     }
   }
-  // The set in place: first away with every file of an earlier export of
-  // NAME that the new set does not replace (its index first, so that no
-  // index ever names a mix of old and new shards; then the single file or
-  // the shards of the other layout, which a reader would take instead),
-  // then the new files, the index last.
-  const std::string index_path = out.string() + ".index.json";
-  ::unlink(index_path.c_str());
-  if (shards.size() > 1) {
-    ::unlink(out.c_str());
-  } else {
-    for_each_in(folder, [&](const std::string& name) {
-      if (std::regex_match(name, shard_re)) ::unlink((folder / name).c_str());
-    });
-  }
+  // The set in place (Note [a set replaced as one]): the new files under
+  // names no reader takes yet (a single file renames over the old single
+  // file, which readers take before any index), then the switch, then the
+  // earlier export's files that the new set does not name. A kill at any
+  // moment leaves a folder whose reader finds the old export whole or the
+  // new one whole: the old set until the new index (or single file) is in,
+  // and while a single file and an index are both there, the single file.
   ckpt::fsync_dir(folder.string());
   for (auto& w : staged) w->commit();
+  ckpt::fsync_dir(folder.string());
+  export_fault_point("set_committed");  // the test hook (tools/output_folder.h): the new files in, the switch not yet
+  std::set<std::string> mine;
+  for (const std::string& f : result.files) mine.insert(fs::path(f).filename().string());
   if (shards.size() > 1) {
     const nlohmann::json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
     result.index = index_path;
     ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
     if (progress) progress("wrote " + result.index);
+    ::unlink(out.c_str());  // an earlier single file, which a reader would take instead
+  } else {
+    ::unlink(index_path.c_str());
   }
+  for_each_in(folder, [&](const std::string& name) {
+    if (std::regex_match(name, shard_re) && !mine.count(name)) ::unlink((folder / name).c_str());
+  });
   ckpt::fsync_dir(folder.string());
   return result;
+}
+
+void drop_sharded_set(const std::string& out_path) {
+  const fs::path out(out_path);
+  const std::string name = out.filename().string();
+  if (name.size() <= 12) return;
+  const std::string stem = name.substr(0, name.size() - 12);
+  std::string stem_re;
+  for (char c : stem) stem_re += std::strchr(".^$|()[]{}*+?\\", c) && c ? std::string("\\") + c : std::string(1, c);
+  const std::regex shard_re(stem_re + "-[0-9]{5}-of-[0-9]{5}(-b)?\\.safetensors");
+  const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  ::unlink((out.string() + ".index.json").c_str());
+  for_each_in(folder, [&](const std::string& n) {
+    if (std::regex_match(n, shard_re)) ::unlink((folder / n).c_str());
+  });
+  ckpt::fsync_dir(folder.string());
 }
 
 }  // namespace zinc::tools

@@ -93,4 +93,9 @@ struct ExportResult {
 ExportResult export_safetensors(const ExportOptions& opts,
                                 const std::function<void(const std::string&)>& progress = nullptr);
 
+// After a single file was written at `out` (NAME.safetensors): removes an
+// earlier sharded export of NAME beside it (its index, then the shards),
+// which the single file replaces (readers take the single file first).
+void drop_sharded_set(const std::string& out);
+
 }  // namespace zinc::tools

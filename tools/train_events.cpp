@@ -118,6 +118,10 @@ std::vector<std::string> run_inputs(const Experiment& ex, const std::string& con
                                  ex.experiment.run.checkpoint_dir};
   const DataConfig& d = ex.experiment.data;
   for (const std::string* p : {&d.path, &d.mask_path, &d.documents_path}) in.push_back(*p);
+  // The NVMe offload folders, where the run keeps its scratch files: an
+  // export folder there would hold the run's own folder when it ends.
+  for (const OffloadConfig* o : {&ex.config.zero.offload_optimizer, &ex.config.zero.offload_param})
+    if (o->device == OffloadDevice::kNvme) in.push_back(o->nvme_path);
   return in;
 }
 

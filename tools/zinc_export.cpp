@@ -5,6 +5,7 @@
 //               [--dtype fp32|bf16] [--max-shard-size 5GB]
 //   zinc-export CHECKPOINT_DIR [--tag T] --format hf --out DIR [--dtype fp32|bf16|fp16]
 //   zinc-export CHECKPOINT_DIR [--tag T] --format peft --out DIR   (a LoRA run's adapters)
+#include <csignal>
 #include <cstdio>
 #include <string>
 
@@ -16,6 +17,7 @@
 #include "tools/safetensors.h"
 
 int main(int argc, char** argv) {
+  std::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f: EFBIG, reported naming the file (not a silent death)
   CLI::App app{"zinc-export: write a zinc checkpoint's weights (the fp32 master weights, consolidated over "
                "every rank's shards) as safetensors, one tensor per model parameter"};
   zinc::tools::ExportOptions opts;

@@ -47,6 +47,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
+#include "tools/output_folder.h"
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/peft_adapter.h"
@@ -126,7 +127,10 @@ void save_weights(zinc::Engine& engine, int rank, const std::string& path) {
     for (size_t p = 0; p < specs[b].params.size(); ++p)
       w->append(flat.data() + layout.offsets[p], static_cast<size_t>(layout.numels[p]) * 4);
   }
-  if (w) w->finish();
+  if (w) {
+    w->finish();
+    zinc::tools::drop_sharded_set(path);  // an earlier sharded export of this name, which the file replaces
+  }
 }
 
 // --save-pretrained and its options.
@@ -378,7 +382,18 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
         (is || (in == ex.experiment.model.from_pretrained && zinc::is_within(weights_out, in))))
       throw zinc::Error("--save-weights " + weights_out + (is ? " is " : " is inside ") + in +
                         ", which this run reads: write the weights elsewhere");
+    const std::filesystem::path parent = std::filesystem::path(weights_out).parent_path();
+    if (const std::string why = zinc::tools::protected_by(parent.empty() ? "." : parent.string(), in);
+        !weights_out.empty() && !why.empty())
+      throw zinc::Error("--save-weights " + weights_out + " lies inside " + why +
+                        ", which this run reads: a save there would be replaced or removed; write the weights "
+                        "elsewhere");
   }
+  // --save-weights' file set, locked for the run as zinc-export locks it (a
+  // second writer of NAME would mix its files with ours): rank 0 writes it.
+  const std::unique_ptr<zinc::ckpt::DirLock> weights_lock =
+      weights_out.empty() || rank != 0 ? nullptr
+                                       : zinc::tools::lock_output_folder(weights_out, "--save-weights", "export file");
   // --save-pretrained's folder is held from the start too, checked against
   // the inputs (above all the pretrained model's folder, which an export
   // there would replace) and locked (a second run writing it at its end
@@ -394,6 +409,27 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     zinc::log_warn("run.checkpoint_dir " + run.checkpoint_dir + " holds an earlier run's checkpoints (latest: " +
                    latest + ") and this run starts afresh: its saves replace tags of the same name (--resume "
                    "continues from the folder instead)");
+  // A tag this run saves that holds what zinc did not write (a DeepSpeed
+  // global_step1000, a user's file) would be replaced by the save: refused
+  // now (ckpt::check_replaceable_tag), not at that save after training.
+  if (run.checkpoint_interval > 0) {
+    std::error_code ec;
+    // `latest` is a file every save replaces: a folder of that name failed
+    // the first save, after training.
+    const auto latest_status = std::filesystem::symlink_status(run.checkpoint_dir + "/latest", ec);
+    if (std::filesystem::exists(latest_status) && !std::filesystem::is_regular_file(latest_status))
+      throw zinc::Error("run.checkpoint_dir " + run.checkpoint_dir + ": its `latest` is not a file (a folder or a "
+                        "link), and every save replaces it; move it away or choose another folder");
+    for (const auto& e : std::filesystem::directory_iterator(run.checkpoint_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("global_step", 0) != 0 || name.size() == 11 || name.size() > 29 ||
+          name.find_first_not_of("0123456789", 11) != std::string::npos)
+        continue;
+      const long long n = std::stoll(name.substr(11));
+      if (n >= 1 && n <= run.steps && (n % run.checkpoint_interval == 0 || n == run.steps))
+        zinc::ckpt::check_replaceable_tag(run.checkpoint_dir, name);
+    }
+  }
   // Sequence ranks: rows that do not divide are refused before anything starts.
   if (cfg.sequence_split()) zinc::describe_sequence_ranks(*ex.model, cfg, ex.data->seq_len());
   zinc::Engine engine = zinc::Engine::initialize(ex.model, cfg, world > 1 ? comm : nullptr);
@@ -663,6 +699,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write past the file-size limit (ulimit -f) fails with EFBIG, which the
+  // writers report naming the file; SIGXFSZ's default ended the process
+  // without a word in the middle of a save.
+  std::signal(SIGXFSZ, SIG_IGN);
   start_signal_thread();  // before any other thread (OpenMP, MPI, comm streams) starts
   CLI::App app{"zinc-train: train a built-in model from a DeepSpeed-style JSON config"};
   std::string config_path;

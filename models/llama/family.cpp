@@ -460,7 +460,7 @@ std::unique_ptr<FamilyConfig> decoder_from_section(config::Reader& r, LlamaConfi
   r.get_int("intermediate_size", c.intermediate_size, at_least(1));
   r.get_int("num_hidden_layers", c.num_hidden_layers, at_least(1));
   r.get_int("num_attention_heads", c.num_attention_heads, at_least(1));
-  r.get_int("num_key_value_heads", c.num_key_value_heads, at_least(0));
+  r.get_int("num_key_value_heads", c.num_key_value_heads, at_least(1));
   r.get_int("head_dim", c.head_dim, at_least(0));
   r.get_int("max_position_embeddings", max_positions, at_least(0));
   r.get_number("rms_norm_eps", c.rms_norm_eps, above(0));

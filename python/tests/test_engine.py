@@ -234,7 +234,7 @@ def test_train_refuses_a_run_that_cannot_fit(doc):
     zinc-train does: a model whose estimate is hundreds of GiB is refused at
     once naming the figures, not killed by the OOM killer."""
     doc["model"].update({"n_layer": 48, "n_embd": 8192, "n_head": 64})
-    with pytest.raises(zinc.Error, match=r"no room for this run: RAM: this rank will need .* GiB more"):
+    with pytest.raises(zinc.Error, match=r"no room for this run: RAM: this rank will need .* [GMK]iB more"):
         zinc.train(doc, steps=1, on_step=lambda event: None)
     # ignore_resources=True skips the check: a model with one 200 GB block
     # then fails at its first allocation (where the kernel refuses one far

@@ -286,6 +286,18 @@ def test_failed_run_keeps_earlier_outputs(tmp_path, capsys):
     assert snapshot(tmp_path) == before
 
 
+def test_a_seq_len_training_cannot_take_is_refused_and_a_set_too_short_for_one_sample_is_said(tmp_path, capsys):
+    # --seq-len 10^20 went into the manifest, which zinc-train then refused;
+    # a set shorter than one sample was written without a word.
+    rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", seq_len=10**20)
+    assert rc == 1 and "--seq-len must be between 1 and 2147483647, got 100000000000000000000" in err, err
+    assert snapshot(tmp_path) == {}
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--truncate", seq_len=1_000_000)
+    tokens = read_outputs(prefix)[3]["tokens"]
+    assert rc == 0 and tokens < 1_000_001, err
+    assert f"warning: the set holds {tokens} tokens, fewer than one sample of --seq-len 1000000 needs (1000001)" in err
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch):
     rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
     before = snapshot(tmp_path)

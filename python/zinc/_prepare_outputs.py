@@ -226,7 +226,10 @@ class Outputs:
             mask += b"\x01" * len(ids) if m is None else m
         for key, ext, data in (("tokens", "bin", _little_endian(tokens).tobytes()), ("mask", "mask", mask),
                                ("documents", "docs", _little_endian(starts).tobytes())):
-            self.files[ext].write(data)
+            try:
+                self.files[ext].write(data)
+            except OSError as e:  # a full disk (ENOSPC) or ulimit -f (EFBIG) names no file by itself
+                raise OSError(e.errno, f"cannot write {self.temp[ext]}: {e.strerror}") from e
             self.crc[key] = zlib.crc32(data, self.crc[key])
             self.bytes[key] += len(data)
         self.tokens += len(tokens)
@@ -278,7 +281,10 @@ class Outputs:
 
     def discard(self) -> None:
         for f in self.files.values():
-            f.close()
+            try:
+                f.close()  # flushes what is buffered: on a full disk that fails again
+            except OSError:
+                pass
         for path in self.temp.values():
             try:
                 os.unlink(path)

@@ -218,8 +218,10 @@ def run(args: argparse.Namespace) -> dict:
     inputs = [os.path.abspath(p) for p in args.inputs]
     for p in inputs:
         check_regular(p)
-    if args.seq_len < 1:
-        raise PrepareError("--seq-len must be at least 1")
+    # Positions are int32 in training (and a sample of seq_len + 1 tokens
+    # must fit the data): zinc-train refuses past 2^31 - 1.
+    if not 1 <= args.seq_len <= 2**31 - 1:
+        raise PrepareError(f"--seq-len must be between 1 and {2**31 - 1}, got {args.seq_len}")
     reads = [("input", p) for p in inputs] + tokenizer_files(args.tokenizer, args.chat_template)
     check_apart(prefix, reads)
     lock = PrefixLock(prefix, reads)
@@ -334,6 +336,9 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             print(f"zinc.prepare: ... {bad_total - MAX_LISTED_BAD} more bad records not listed", file=sys.stderr)
         if out.documents == 0:
             raise PrepareError(f"nothing usable: {bad_total} bad records and no good one in {len(sources)} file(s)")
+        if out.tokens < limit:  # zinc-train refuses such a set: say so now (a test set may be meant for more)
+            print(f"zinc.prepare: warning: the set holds {out.tokens} tokens, fewer than one sample of --seq-len "
+                  f"{args.seq_len} needs ({limit}): zinc-train refuses it at that seq_len", file=sys.stderr)
         base = os.path.basename(out.prefix)
         manifest = {
             "format": MANIFEST_FORMAT,

@@ -99,6 +99,34 @@ TEST(CheckpointSafety, UnsafeTagsAreRefusedAndNothingIsRemoved) {
   run.engine.load_checkpoint(dir);  // still whole
 }
 
+// A save of a tag whose folder zinc did not write (a user's folder, a file,
+// DeepSpeed's checkpoint of the same name) is refused naming it, and what is
+// there stays: the save swapped it out and removed it. A zinc tag of the
+// same name is replaced as before.
+TEST(CheckpointSafety, ASaveNeverReplacesAFolderZincDidNotWrite) {
+  const std::string dir = fresh("foreign");
+  Trainer run;
+  run.train(1);
+  fs::create_directories(dir + "/data");
+  write_text(dir + "/data/train.txt", "the user's");
+  write_text(dir + "/notes", "a file");
+  fs::create_directories(dir + "/global_step1");
+  write_text(dir + "/global_step1/mp_rank_00_model_states.pt", "deepspeed");
+  for (const std::string tag : {"data", "notes", "global_step1"}) {
+    const std::string what = error_of([&] { run.engine.save_checkpoint(dir, tag); });
+    EXPECT_NE(what.find("is not a zinc checkpoint tag"), std::string::npos) << tag << ": " << what;
+    EXPECT_NE(what.find(dir + "/" + tag), std::string::npos) << what;
+  }
+  EXPECT_EQ(read_text(dir + "/data/train.txt"), "the user's");
+  EXPECT_EQ(read_text(dir + "/notes"), "a file");
+  EXPECT_EQ(read_text(dir + "/global_step1/mp_rank_00_model_states.pt"), "deepspeed");
+  EXPECT_FALSE(fs::exists(dir + "/latest"));
+  run.engine.save_checkpoint(dir, "mine");
+  run.train(1);
+  run.engine.save_checkpoint(dir, "mine");  // its own tag: replaced
+  EXPECT_EQ(read_text(dir + "/latest"), "mine\n");
+}
+
 // Item 2: keep_last after a save into a folder that holds later steps of
 // another run: the new save, which `latest` names, stays; nothing of a
 // higher step is removed; older ones beyond keep go.

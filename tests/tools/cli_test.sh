@@ -602,8 +602,8 @@ start=$(date +%s%N)
 "$ZT" "$CFG" "${BIG[@]}" "${NVME[@]}" --check >"$TMP/out" 2>"$TMP/err"
 rc=$?
 ms=$(( ($(date +%s%N) - start) / 1000000 ))
-if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: this rank will need .* GiB more .* but the process may take .* GiB" "$TMP/out" &&
-   grep -q "^refused: disk: zero_optimization.offload_optimizer.nvme_path, zero_optimization.offload_param.nvme_path $TMP: .* GiB .* has .* GiB free" "$TMP/out" &&
+if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: this rank will need .* [GMK]iB more .* but the process may take .* [GMK]iB" "$TMP/out" &&
+   grep -q "^refused: disk: zero_optimization.offload_optimizer.nvme_path, zero_optimization.offload_param.nvme_path $TMP: .* [GMK]iB .* has .* [GMK]iB free" "$TMP/out" &&
    [ "$ms" -lt 1000 ]; then
   pass=$((pass + 1))
 else
@@ -633,7 +633,7 @@ if [ -n "$cg" ] && mkdir "$child" 2>/dev/null && echo $((256 << 20)) >"$child/$l
   sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$child" "$ZT" "$CFG" --set model.n_layer=12 \
     --set model.n_embd=768 --set model.n_head=12 --check >"$TMP/out" 2>&1
   rc=$?
-  if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: .*(cgroup $child/$lim = 0.25 GiB" "$TMP/out"; then
+  if [ "$rc" -eq 1 ] && grep -q "^refused: RAM: .*(cgroup $child/$lim = 256.0 MiB" "$TMP/out"; then
     pass=$((pass + 1))
   else
     fail=$((fail + 1)); echo "FAIL cgroup cap: rc=$rc"; cat "$TMP/out"

@@ -43,7 +43,7 @@ on() {  # folder: both stores there
 "$ZT" "$CFG" --steps 2 $(on "$MNT") --set model.n_layer=4 --set model.n_embd=512 >"$TMP/out" 2>"$TMP/err"
 rc=$?
 last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
-if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: .*nvme_path $MNT: this rank will write .* GiB .* but its file system has .* GiB free" <<<"$last" &&
+if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: .*nvme_path $MNT: this rank will write .* [GMK]iB .* but its file system has .* [GMK]iB free" <<<"$last" &&
    ! grep -q '^step ' "$TMP/out" && [ -z "$(ls -A "$MNT" | grep -v lost+found)" ]; then
   pass=$((pass + 1))
 else

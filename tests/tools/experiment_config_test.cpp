@@ -165,6 +165,7 @@ TEST(ExperimentConfigComm, BackendAndTimeout) {
   EXPECT_EQ(c.comm.timeout_seconds, 2.5);
   EXPECT_CONFIG_ERROR(with({{"comm", {{"backend", "nccl"}}}}), "comm.backend", "\"nccl\"");
   EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout_seconds", 0}}}}), "comm.timeout_seconds", "0");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout_seconds", 1e-9}}}}), "comm.timeout_seconds: must be >= 1");
   EXPECT_CONFIG_ERROR(with({{"comm", {{"timeout", 5}}}}), "comm.timeout", "timeout_seconds");
 }
 

@@ -213,6 +213,184 @@ def test_a_monitor_job_name_is_one_folder_name_and_never_a_checkpoint_tag(tmp_pa
         assert "step 1" not in r.stdout
 
 
+def test_a_resumed_run_appends_its_csv_rows_without_a_second_header(tmp_path):
+    # DeepSpeed's csv_monitor writes the header once per process, so a resumed
+    # run put a second header row in the middle of the curve; and a row a kill
+    # cut short merged with the next run's first.
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "steps_per_print": 1,
+                               "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
+                               "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+                               "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16},
+                               "run": {"steps": 4, "checkpoint_interval": 2, "checkpoint_dir": str(tmp_path / "ck")}}))
+    assert run(ZINC_TRAIN, str(cfg), "--steps", "2").returncode == 0
+    loss = tmp_path / "csv" / "j" / "Train_Samples_train_loss.csv"
+    with open(loss, "rb+") as f:  # a row cut short, as a kill leaves it
+        f.seek(-2, os.SEEK_END)
+        f.truncate()
+    r = run(ZINC_TRAIN, str(cfg), "--resume")
+    assert r.returncode == 0, r.stderr
+    lines = loss.read_text().splitlines()
+    assert lines[0] == "step,train_loss" and lines.count("step,train_loss") == 1, lines
+    assert len(lines) == 5 and all(len(l.split(",")) == 2 for l in lines), lines
+
+
+def test_check_refuses_the_folders_a_run_cannot_create(tmp_path):
+    # --check tried access(), which says yes to root everywhere: /proc, /sys,
+    # a 300-byte name and a path past PATH_MAX passed it, and the run then
+    # stopped. It now makes (and removes) a folder where the run would.
+    cfg = os.path.join(ROOT, "configs", "default.json")
+    cases = [
+        (("tensorboard.enabled=true", "tensorboard.output_path=/proc"), "tensorboard.output_path", "takes no new folder"),
+        (("csv_monitor.enabled=true", "csv_monitor.output_path=/sys/kernel"), "csv_monitor.output_path",
+         "takes no new folder"),
+        (("tensorboard.enabled=true", "tensorboard.output_path=%s" % tmp_path,
+          "tensorboard.job_name=%s" % json.dumps("j" * 300)), "tensorboard.output_path", "longer than the file system's"),
+        (("csv_monitor.enabled=true", "csv_monitor.output_path=%s" % (str(tmp_path) + "/d" * 2100)),
+         "csv_monitor.output_path", "longer than the system's"),
+        (("zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=\"nvme\"",
+          "zero_optimization.offload_optimizer.nvme_path=\"/proc\""), "offload_optimizer.nvme_path", "takes no new folder"),
+    ]
+    for sets, key, words in cases:
+        args = [a for s in sets for a in ("--set", s)]
+        for extra in (("--check",), ("--steps", "1")):
+            r = run(ZINC_TRAIN, cfg, *args, *extra)
+            assert r.returncode == 1, (sets, extra, r.stdout, r.stderr)
+            if extra == ("--check",):
+                assert key in r.stdout + r.stderr and words in r.stdout + r.stderr, (sets, r.stdout, r.stderr)
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".zinc-check")] == []
+
+
+def test_an_nvme_folder_is_neither_in_an_export_folder_nor_in_a_checkpoint_tag(tmp_path):
+    # The run's scratch folder appeared in the --save-pretrained folder after
+    # the start's checks: the run trained to the end and its export was then
+    # refused. Inside a checkpoint tag, a save removed the scratch files
+    # under the running engine. Both are refused at the start now.
+    cfg = tmp_path / "c.json"
+    out = tmp_path / "out"
+    ck = tmp_path / "ck"
+    (ck / "global_step5").mkdir(parents=True)
+    out.mkdir()
+    doc = {"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(out)}},
+           "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+           "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16},
+           "run": {"steps": 2, "checkpoint_dir": str(ck)}}
+    cfg.write_text(json.dumps(doc))
+    r = run(ZINC_TRAIN, str(cfg), "--save-pretrained", str(out))
+    assert r.returncode == 1 and "which this run reads" in r.stderr and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    doc["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(ck / "global_step5")
+    cfg.write_text(json.dumps(doc))
+    for extra in ((), ("--check",)):
+        r = run(ZINC_TRAIN, str(cfg), *extra)
+        assert r.returncode == 1, (extra, r.stdout, r.stderr)
+        assert "zero_optimization.offload_optimizer.nvme_path" in r.stdout + r.stderr
+        assert "lies in the checkpoint tag global_step5" in r.stdout + r.stderr, (r.stdout, r.stderr)
+
+
+def small_checkpoint(tmp, steps=4, interval=2):
+    cfg = tmp / "gpt.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32},
+                               "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16},
+                               "run": {"steps": steps, "checkpoint_interval": interval, "checkpoint_dir": str(tmp / "ck")}}))
+    r = run(ZINC_TRAIN, str(cfg))
+    assert r.returncode == 0, r.stderr
+    return str(cfg), tmp / "ck"
+
+
+def test_a_save_never_replaces_a_tag_folder_zinc_did_not_write(tmp_path):
+    # A DeepSpeed global_step2 (or a user's file of that name) in the
+    # checkpoint folder was swapped out and deleted by the save of that tag.
+    ck = tmp_path / "ck"
+    (ck / "global_step2").mkdir(parents=True)
+    (ck / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"deepspeed")
+    (ck / "global_step4").write_bytes(b"a file of the user's")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+                               "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16},
+                               "run": {"steps": 4, "checkpoint_interval": 2, "checkpoint_dir": str(ck)}}))
+    r = run(ZINC_TRAIN, str(cfg))
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "is not a zinc checkpoint tag" in line and "global_step" in line, line
+    assert (ck / "global_step2" / "mp_rank_00_model_states.pt").read_bytes() == b"deepspeed"
+    assert (ck / "global_step4").read_bytes() == b"a file of the user's"
+
+
+def test_exports_stay_out_of_checkpoint_tags_and_model_folders(tmp_path):
+    # An export into a sibling tag of the checkpoint it read was accepted and
+    # pruned (or swapped out) with the tag later; --save-pretrained into a
+    # subfolder of the pretrained model replaced the files kept there.
+    cfg, ck = small_checkpoint(tmp_path)
+    (ck / ".global_step6.partial").mkdir()
+    for out in (ck / "global_step2" / "final.safetensors", ck / ".global_step6.partial" / "w.safetensors"):
+        r = run(ZINC_EXPORT, str(ck), "--out", str(out))
+        assert r.returncode == 1 and "lies inside the checkpoint tag" in r.stderr, (out, r.stderr)
+        assert not out.exists()
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-weights", str(ck / "global_step2" / "w.safetensors"))
+    assert r.returncode == 1 and "lies inside" in r.stderr and "step 1" not in r.stdout, r.stderr
+    assert run(ZINC_EXPORT, str(ck), "--out", str(ck / "beside.safetensors")).returncode == 0  # beside the tags: fine
+    src = copy_fixture(tmp_path)
+    (src / "original").mkdir()
+    (src / "original" / "params.json").write_text("{}")
+    before = digest(src)
+    r = run(ZINC_TRAIN, config(tmp_path, src), "--steps", "1", "--save-pretrained", str(src / "original"))
+    assert r.returncode == 1 and "lies inside the model folder" in r.stderr and "step 1" not in r.stdout, r.stderr
+    assert digest(src) == before
+    os.symlink(tmp_path / "nowhere" / "x", tmp_path / "dangling")  # a link to nothing: refused at the start
+    r = run(ZINC_TRAIN, config(tmp_path, src), "--steps", "1", "--save-pretrained", str(tmp_path / "dangling"))
+    assert r.returncode == 1 and "is a symbolic link to" in r.stderr and "step 1" not in r.stdout, r.stderr
+
+
+def test_a_sharded_export_killed_before_its_index_leaves_the_old_set_whole(tmp_path):
+    # The old index was removed first and the new shards renamed over the
+    # old ones one by one: a kill there left shards of two exports and no
+    # index (12 of 40 trials in the hostile sweep).
+    cfg, ck = small_checkpoint(tmp_path)
+    out = tmp_path / "x" / "m.safetensors"
+    out.parent.mkdir()
+    (out.parent / "README.md").write_text("mine")
+
+    def load_set():
+        index = json.loads((out.parent / "m.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        for f in files:
+            assert (out.parent / f).is_file(), f
+        return files
+
+    assert run(ZINC_EXPORT, str(ck), "--out", str(out), "--max-shard-size", "20KB").returncode == 0
+    first = load_set()
+    assert len(first) > 1 and all("-b." not in f for f in first), first
+    old = {f: (out.parent / f).read_bytes() for f in first}
+    env = dict(ENV, ZINC_EXPORT_FAULT="set_committed")
+    r = run(ZINC_EXPORT, str(ck), "--out", str(out), "--max-shard-size", "20KB", env=env)
+    assert r.returncode != 0
+    assert load_set() == first and all((out.parent / f).read_bytes() == old[f] for f in first)
+    r = run(ZINC_EXPORT, str(ck), "--out", str(out), "--max-shard-size", "20KB")
+    assert r.returncode == 0, r.stderr
+    second = load_set()
+    assert len(second) == len(first) and all(f.endswith("-b.safetensors") for f in second), second
+    left = sorted(f for f in os.listdir(out.parent) if not f.startswith("."))
+    assert left == sorted(second + ["README.md", "m.safetensors.index.json"]), left
+    assert run(ZINC_EXPORT, str(ck), "--out", str(out), "--max-shard-size", "20KB").returncode == 0
+    assert load_set() == first  # the plain names again
+
+
+def test_an_edited_metadata_and_a_file_size_limit_get_one_line(tmp_path):
+    cfg, ck = small_checkpoint(tmp_path)
+    meta = ck / "global_step4" / "metadata.json"
+    good = meta.read_bytes()
+    meta.write_bytes(good + b"\x00garbage")  # JSON parsers stop at a NUL: this passed
+    r = run(ZINC_EXPORT, str(ck), "--out", str(tmp_path / "a.safetensors"))
+    assert r.returncode == 1 and "a NUL byte at offset" in r.stderr and "metadata.json" in r.stderr, r.stderr
+    meta.write_bytes(good)
+    # ulimit -f: a write fails with EFBIG, reported naming the file; SIGXFSZ
+    # ended zinc-export without a word (exit 153).
+    r = subprocess.run(["bash", "-c", 'ulimit -f 16; exec "$0" "$@"', ZINC_EXPORT, str(ck), "--out",
+                        str(tmp_path / "big.safetensors")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "File too large" in r.stderr and "big.safetensors" in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "big.safetensors").exists()
+
+
 # ---- runs that trained nothing ------------------------------------------------------------
 
 
