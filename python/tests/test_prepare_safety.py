@@ -378,3 +378,19 @@ def test_out_must_name_a_file_prefix(tmp_path, capsys, monkeypatch, out):
     assert rc == 1 and len(lines) == 1
     assert lines[0].startswith(f"zinc.prepare: error: --out {out!r} is not a file prefix")
     assert tree(tmp_path) == before
+
+
+def test_an_input_too_large_for_memory_gets_one_line_and_writes_nothing(tmp_path):
+    # A record is read whole: a 1 GB input without line breaks under a 512 MB
+    # address-space limit ended in a MemoryError traceback.
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: no disk space, no line break
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 29, 1 << 29)); "
+            "from zinc import prepare; sys.exit(prepare.main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, str(big), "--format", "jsonl", "--tokenizer", str(CHATML),
+                        "--seq-len", "64", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "zinc.prepare: error: out of memory reading the input" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]

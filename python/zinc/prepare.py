@@ -417,6 +417,11 @@ def main(argv: Optional[list] = None) -> int:
     except OSError as e:
         print(f"zinc.prepare: error: {e}", file=sys.stderr)
         return 1
+    except MemoryError:
+        # A record is read whole: a multi-GB input without line breaks (a binary file, a sparse one) does not fit.
+        print("zinc.prepare: error: out of memory reading the input (a record is read whole: is a file without "
+              f"line breaks among {', '.join(args.inputs)}?); nothing written", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0

@@ -26,6 +26,14 @@ models::GptConfig small_gpt(Device device, int64_t layers, int64_t width) {
   return g;
 }
 
+// Synthetic data over small_gpt's vocabulary, rows of 16, for one rank.
+DataLoader small_loader(int64_t micro, int64_t gas) {
+  DataConfig dc;
+  dc.vocab_size = 29;
+  dc.seq_len = 16;
+  return DataLoader(make_data_source(dc), micro, gas, 1, 0, 7);
+}
+
 // Checkpoint edges found reviewing the GPU path; they hold on every path.
 // A checkpoint saved right after an overflow-skipped fp16 step (its gradient
 // norm is not finite, saved as null) loads.
@@ -36,10 +44,7 @@ TEST(CheckpointEdges, SavedAfterAnOverflowSkippedStepLoads) {
                         {"fp16", {{"enabled", true}, {"initial_scale_power", 40}, {"hysteresis", 1}}}};
   const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   Engine e = Engine::initialize(models::make_gpt(g), cfg);
-  DataConfig dc;
-  dc.vocab_size = 29;
-  dc.seq_len = 16;
-  DataLoader loader(make_data_source(dc), 4, 1, 1, 0, 7);
+  DataLoader loader = small_loader(4, 1);
   e.train_batch(loader);
   ASSERT_EQ(e.skipped_steps(), 1);
   ASSERT_FALSE(std::isfinite(e.global_grad_norm()));
@@ -59,10 +64,7 @@ TEST(CheckpointEdges, RefusedBetweenABoundaryBackwardAndItsStep) {
   std::filesystem::remove_all(dir);
   const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   Engine e = Engine::initialize(models::make_gpt(g), nlohmann::json{{"train_micro_batch_size_per_gpu", 4}});
-  DataConfig dc;
-  dc.vocab_size = 29;
-  dc.seq_len = 16;
-  DataLoader loader(make_data_source(dc), 4, 1, 1, 0, 7);
+  DataLoader loader = small_loader(4, 1);
   e.train_batch(loader);
   e.save_checkpoint(dir, "ok");  // between global batches: fine
   e.forward(loader.next());
@@ -88,10 +90,7 @@ TEST(EngineStepOrder, AMicroBatchAfterABoundaryBackwardNeedsItsStep) {
   const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   Engine e = Engine::initialize(models::make_gpt(g),
                                 nlohmann::json{{"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}});
-  DataConfig dc;
-  dc.vocab_size = 29;
-  dc.seq_len = 16;
-  DataLoader loader(make_data_source(dc), 4, 2, 1, 0, 7);
+  DataLoader loader = small_loader(4, 2);
   e.forward(loader.next());
   e.backward();  // inside the accumulation: no step needed
   e.forward(loader.next());
@@ -117,10 +116,7 @@ TEST(EngineStepOrder, AMicroBatchAfterABoundaryBackwardNeedsItsStep) {
 TEST(EngineStepOrder, AForwardWithoutItsBackwardIsNotCounted) {
   const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 1}};
-  DataConfig dc;
-  dc.vocab_size = 29;
-  dc.seq_len = 16;
-  DataLoader loader(make_data_source(dc), 2, 1, 1, 0, 7);
+  DataLoader loader = small_loader(2, 1);
   Batch kept = loader.next(), dropped = loader.next();
   for (size_t i = 0; i < kept.targets.size(); i += 3) kept.targets[i] = -100;  // some masked
   for (size_t i = 0; i < dropped.targets.size(); ++i) dropped.targets[i] = i % 2 ? -100 : dropped.targets[i];
@@ -145,10 +141,7 @@ TEST(EngineStepOrder, AForwardWithoutItsBackwardIsNotCounted) {
 TEST(EngineStepOrder, AGlobalBatchTheStepRefusesIsDroppedAndTheNextTrains) {
   const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
   const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 2}};
-  DataConfig dc;
-  dc.vocab_size = 29;
-  dc.seq_len = 16;
-  DataLoader loader(make_data_source(dc), 2, 2, 1, 0, 7);
+  DataLoader loader = small_loader(2, 2);
   Engine e = Engine::initialize(models::make_gpt(g), cfg);
   Batch a = loader.next(), b = loader.next();
   a.targets[0] = -100;
