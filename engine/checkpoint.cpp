@@ -614,6 +614,9 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
     if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
       throw_errno("checkpoint: cannot rename " + tmp + " to " + final_dir.string(), errno);
     fsync_dir(parent);
+    // The tag's copy a fallback save left aside when it was stopped between
+    // its renames (open_tag reads it while the tag is missing): superseded.
+    fs::remove_all(fs::path(parent) / ("." + tag + ".old"), ec);
   }
   fault_point("before_latest");
   write_file_atomic((fs::path(parent) / "latest").string(), tag + "\n");

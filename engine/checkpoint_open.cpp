@@ -281,6 +281,19 @@ TagFiles open_tag(const std::string& dir, std::string tag) {
   TagFiles t;
   t.tag = tag;
   t.dir = (fs::path(dir) / tag).string();
+  // A file system without RENAME_EXCHANGE (NFSv3, CIFS) re-saves a tag with
+  // two renames, the old folder aside to .TAG.old first (commit_tag): a
+  // kill between them leaves `latest` naming no folder, and the tag's
+  // previous copy, whole, at .TAG.old. That copy is read.
+  if (from_latest && !fs::exists(t.dir)) {
+    const fs::path aside = fs::path(dir) / ("." + tag + ".old");
+    std::error_code ec;
+    if (fs::is_regular_file(aside / "metadata.json", ec)) {
+      log_warn("checkpoint: " + t.dir + " is missing and " + aside.string() + " holds its previous copy (a save of "
+               "the tag stopped between its two renames, on a file system without RENAME_EXCHANGE): reading that");
+      t.dir = aside.string();
+    }
+  }
   const std::string meta_path = (fs::path(t.dir) / "metadata.json").string();
   if (from_latest && !fs::exists(t.dir))  // `latest` is only ever written naming a complete tag
     throw IoError("checkpoint: " + (fs::path(dir) / "latest").string() + " names " + escaped(tag) +

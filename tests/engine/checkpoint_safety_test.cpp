@@ -127,6 +127,27 @@ TEST(CheckpointSafety, ASaveNeverReplacesAFolderZincDidNotWrite) {
   EXPECT_EQ(read_text(dir + "/latest"), "mine\n");
 }
 
+// A file system without RENAME_EXCHANGE re-saves a tag with two renames,
+// the old folder aside to .TAG.old first: a kill between them left `latest`
+// naming no folder, and resume and export failed ("edited or damaged")
+// with the tag's previous copy whole beside it. That copy loads, and the
+// next save of the tag removes it.
+TEST(CheckpointSafety, ATagLeftAsideByAStoppedFallbackSaveLoads) {
+  const std::string dir = fresh("aside");
+  Trainer run;
+  run.train(2);
+  run.engine.save_checkpoint(dir);
+  const std::vector<float> saved = run.engine.full_params(1);
+  fs::rename(dir + "/global_step2", dir + "/.global_step2.old");  // as the kill leaves it
+  Trainer other;
+  other.engine.load_checkpoint(dir);
+  EXPECT_EQ(other.engine.full_params(1), saved);
+  EXPECT_EQ(other.engine.global_steps(), 2);
+  other.engine.save_checkpoint(dir);  // the tag again, whole: the copy aside goes
+  EXPECT_TRUE(fs::exists(dir + "/global_step2/metadata.json"));
+  EXPECT_FALSE(fs::exists(dir + "/.global_step2.old"));
+}
+
 // Item 2: keep_last after a save into a folder that holds later steps of
 // another run: the new save, which `latest` names, stays; nothing of a
 // higher step is removed; older ones beyond keep go.
