@@ -397,6 +397,11 @@ class TokenSource final : public DataSource {
       }
     }
     if (set_) check_member("data.mask_path", mask_path_, ".mask", f.size, crc, set_->mask_bytes, set_->mask_crc);
+    // Not one target anywhere: no step could update (--check said ok, and the
+    // run exited 1 after its steps).
+    if (num_tokens_ > 0 && masked == num_tokens_)
+      throw ConfigError("data.mask_path", mask_path_ + " masks every one of its " + std::to_string(num_tokens_) +
+                                              " tokens (every byte 0): there is no target to train on");
     masked_share_ = num_tokens_ > 0 ? static_cast<double>(masked) / static_cast<double>(num_tokens_) : 0.0;
     mask_ = std::make_unique<DataFile>(std::move(f));
   }

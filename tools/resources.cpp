@@ -103,6 +103,19 @@ int64_t free_disk_bytes(const std::string& path) {
   }
 }
 
+// Whether the file system holding `path` (or its nearest existing folder)
+// is mounted read-only: such a disk reports no room, which is not the
+// reason to give.
+bool read_only_disk(const std::string& path) {
+  std::filesystem::path p = std::filesystem::absolute(path);
+  for (;;) {
+    struct statvfs st;
+    if (::statvfs(p.c_str(), &st) == 0) return (st.f_flag & ST_RDONLY) != 0;
+    if (!p.has_parent_path() || p.parent_path() == p) return false;
+    p = p.parent_path();
+  }
+}
+
 std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
   std::vector<std::string> out;
   const Config& cfg = ex.config;
@@ -142,7 +155,11 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   add(cfg.zero.offload_param, "zero_optimization.offload_param.nvme_path", param_disk);
   for (const auto& [path, need] : per_fs) {
     const int64_t free = free_disk_bytes(path);
-    if (free >= 0 && need.first > free)
+    if (read_only_disk(path))
+      out.push_back("disk: " + need.second + " " + path + ": its file system is mounted read-only, and " + ranks +
+                    " will write " + gib(need.first) + " of optimizer and parameter files there; choose a "
+                    "writable folder");
+    else if (free >= 0 && need.first > free)
       out.push_back("disk: " + need.second + " " + path + ": " + ranks + " will write " + gib(need.first) +
                     " of optimizer and parameter files, but its file system has " + gib(free) +
                     " free; use a larger disk or pass --ignore-resources");
@@ -155,7 +172,10 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     const int64_t copies = cfg.zero.stage == 0 ? cfg.world_size : 1;
     const int64_t need = 12 * params * copies;  // fp32 master, Adam m and v
     const int64_t free = free_disk_bytes(run.checkpoint_dir);
-    if (free >= 0 && need > free)
+    if (read_only_disk(run.checkpoint_dir))
+      out.push_back("disk: run.checkpoint_dir " + run.checkpoint_dir + ": its file system is mounted read-only, "
+                    "and one checkpoint takes " + gib(need) + "; choose a writable folder");
+    else if (free >= 0 && need > free)
       out.push_back("disk: run.checkpoint_dir " + run.checkpoint_dir + ": one checkpoint takes " + gib(need) +
                     " (12 B per parameter" + (copies > 1 ? ", on each of the " + std::to_string(copies) + " ranks at stage 0" : std::string()) +
                     "), but its file system has " + gib(free) + " free; use a larger disk or pass --ignore-resources");

@@ -557,7 +557,13 @@ TEST(TokenSource, BadMaskAndDocumentFilesAreNamed) {
   auto [p5, m5] = error_of("", u64s({0}) + "abc");
   EXPECT_EQ(p5, "data.documents_path");
   EXPECT_NE(m5.find("not a multiple of 8"), std::string::npos) << m5;
-  EXPECT_EQ(error_of(std::string(9, '\0'), u64s({0, 3})).first, "");  // good files
+  std::string some = std::string(9, '\0');
+  some[4] = '\1';
+  EXPECT_EQ(error_of(some, u64s({0, 3})).first, "");  // good files
+  // A mask without one target leaves nothing to train on.
+  auto [p6, m6] = error_of(std::string(9, '\0'), "");
+  EXPECT_EQ(p6, "data.mask_path");
+  EXPECT_NE(m6.find("masks every one of its 9 tokens"), std::string::npos) << m6;
   // A text source takes neither.
   DataConfig c;
   c.type = DataType::kText;

@@ -121,7 +121,7 @@ mount -o remount,ro "$MNT"
   --set "zero_optimization.offload_param.nvme_path=$MNT" >"$TMP/out" 2>"$TMP/err"
 rc=$?
 last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
-if [ "$rc" -eq 1 ] && grep -q "zero_optimization.offload_param.nvme_path: .*$MNT.*Read-only file system" <<<"$last"; then
+if [ "$rc" -eq 1 ] && grep -qE "zero_optimization.offload_param.nvme_path:? .*$MNT.*(Read-only file system|mounted read-only)" <<<"$last"; then
   pass=$((pass + 1))
 else
   fail=$((fail + 1))

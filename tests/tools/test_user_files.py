@@ -407,9 +407,20 @@ def tokens_with_mask(tmp, mask_byte, docs=None):
     return data
 
 
-@pytest.mark.parametrize("case", ["all masked", "every token starts a document"])
-def test_a_run_in_which_no_step_updated_exits_1(tmp_path, case):
-    data = tokens_with_mask(tmp_path, 0) if case == "all masked" else tokens_with_mask(tmp_path, 1, range(400))
+def test_a_mask_without_a_target_is_refused_before_training(tmp_path):
+    # --check said ok (it reads the mask), and the run trained its steps on
+    # nothing, then exited 1.
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+                               "data": tokens_with_mask(tmp_path, 0), "run": {"steps": 3}}))
+    for extra in (("--check",), ()):
+        r = run(ZINC_TRAIN, str(cfg), *extra)
+        assert r.returncode == 1 and "step 1" not in r.stdout, (extra, r.stdout, r.stderr)
+        assert "data.mask_path" in r.stdout + r.stderr and "masks every one of its 400 tokens" in r.stdout + r.stderr
+
+
+def test_a_run_in_which_no_step_updated_exits_1(tmp_path):
+    data = tokens_with_mask(tmp_path, 1, range(400))  # every token starts a document: no target seen
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
                                "data": data, "run": {"steps": 3, "output_dir": str(tmp_path / "run")}}))
