@@ -627,7 +627,8 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
 // ---- pruning ------------------------------------------------------------------------
 
 namespace {
-// N of "global_stepN" (digits only), or -1.
+}  // namespace
+
 int64_t tag_step(const std::string& name) {
   if (name.rfind("global_step", 0) != 0 || name.size() == 11 || name.size() > 11 + 18) return -1;
   int64_t n = 0;
@@ -637,7 +638,6 @@ int64_t tag_step(const std::string& name) {
   }
   return n;
 }
-}  // namespace
 
 std::vector<std::string> prune(const std::string& dir, int64_t keep, const std::string& saved) {
   namespace fs = std::filesystem;

@@ -216,6 +216,8 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
 // save of the tag would replace it, and with it a DeepSpeed checkpoint of
 // the same name, or a user's folder or file. Nothing there: returns.
 void check_replaceable_tag(const std::string& dir, const std::string& tag);
+// N of "global_stepN" (digits only), or -1.
+int64_t tag_step(const std::string& name);
 // fsync of a folder (its entries).
 void fsync_dir(const std::string& dir);
 // Writes `text` to `path` through path + ".tmp", fsync, rename.

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/engine.h"
+#include "tools/output_folder.h"
 #include "kernels/kernels.h"
 #include "optim/optim.h"
 #include "models/models.h"
@@ -106,12 +107,8 @@ void check_folders_outside_tags(const Config& c, const RunConfig& run) {
   for (const auto& [key, folder, what] : folders) {
     std::error_code ec;
     const fs::path dir = fs::weakly_canonical(fs::absolute(folder, ec), ec);
-    const fs::path ck = fs::weakly_canonical(fs::absolute(run.checkpoint_dir, ec), ec);
-    const fs::path rel = dir.lexically_relative(ck);
-    if (rel.empty() || *rel.begin() == ".." || *rel.begin() == ".") continue;
-    const std::string first = rel.begin()->string();
-    if (first.rfind("global_step", 0) == 0 || first.front() == '.' || first == "latest")
-      throw ConfigError(key, what + dir.string() + " lies in the checkpoint tag " + first + " of run.checkpoint_dir " +
+    if (const std::string tag = tag_holding(dir.string(), run.checkpoint_dir); !tag.empty())
+      throw ConfigError(key, what + dir.string() + " lies in the checkpoint tag " + tag + " of run.checkpoint_dir " +
                                  run.checkpoint_dir +
                                  ", which a checkpoint save replaces and pruning removes; choose another folder");
   }

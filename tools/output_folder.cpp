@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <optional>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -99,6 +98,20 @@ void export_fault_point(const char* phase) {
   if (spec && std::strcmp(spec, phase) == 0) ::kill(::getpid(), SIGKILL);
 }
 
+std::string tag_holding(const std::string& path, const std::string& checkpoint_dir) {
+  if (checkpoint_dir.empty()) return "";
+  // By resolved path, not identity: the checkpoint folder (and the path) may
+  // not exist yet when a run starts.
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  const fs::path ck = fs::weakly_canonical(fs::absolute(checkpoint_dir, ec), ec);
+  const fs::path rel = p.lexically_relative(ck);
+  if (rel.empty() || *rel.begin() == ".." || *rel.begin() == ".") return "";
+  const std::string first = rel.begin()->string();
+  const bool tag = first.rfind("global_step", 0) == 0 || first.front() == '.' || first == "latest";
+  return tag ? first : "";
+}
+
 std::string protected_by(const std::string& path, const std::string& in) {
   std::error_code ec;
   if (in.empty() || !fs::is_directory(in, ec) || same_file(path, in) || !is_within(path, in)) return "";
@@ -106,14 +119,8 @@ std::string protected_by(const std::string& path, const std::string& in) {
   if (fs::exists(dir / "config.json", ec) || fs::exists(dir / "adapter_config.json", ec))
     return "the model folder " + in;
   if (fs::exists(dir / "metadata.json", ec)) return "the checkpoint tag " + in;
-  // The entry of `in` that holds `path`.
-  const std::optional<FileId> top = file_id(in);
-  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  while (p.has_relative_path() && file_id(p.parent_path().string()) != top) p = p.parent_path();
-  const std::string first = p.filename().string();
-  if (first.rfind("global_step", 0) == 0 || (!first.empty() && first.front() == '.') || first == "latest")
-    return "the checkpoint tag " + first + " of " + in;
-  return "";
+  const std::string tag = tag_holding(path, in);
+  return tag.empty() ? "" : "the checkpoint tag " + tag + " of " + in;
 }
 
 void check_output_folder(const std::string& dir, const std::string& what_arg, const std::vector<std::string>& inputs) {

@@ -34,6 +34,10 @@ void check_output_folder(const std::string& dir, const std::string& what, const 
 // save of the tag swaps it out and pruning removes it. Elsewhere in the
 // folder (an NVMe folder, a checkpoint folder beside its tags) it may.
 std::string protected_by(const std::string& path, const std::string& in);
+// The tag of the checkpoint folder `checkpoint_dir` that holds `path`
+// (global_step<N>, a dot folder a save makes or leaves, `latest`), or "":
+// what a save of that tag swaps out and pruning removes.
+std::string tag_holding(const std::string& path, const std::string& checkpoint_dir);
 
 // The lock that guards `path` (an export folder, or the file set a
 // safetensors export writes at PATH) against a second writer: a file

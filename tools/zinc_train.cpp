@@ -422,10 +422,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                         "link), and every save replaces it; move it away or choose another folder");
     for (const auto& e : std::filesystem::directory_iterator(run.checkpoint_dir, ec)) {
       const std::string name = e.path().filename().string();
-      if (name.rfind("global_step", 0) != 0 || name.size() == 11 || name.size() > 29 ||
-          name.find_first_not_of("0123456789", 11) != std::string::npos)
-        continue;
-      const long long n = std::stoll(name.substr(11));
+      const int64_t n = zinc::ckpt::tag_step(name);
       if (n >= 1 && n <= run.steps && (n % run.checkpoint_interval == 0 || n == run.steps))
         zinc::ckpt::check_replaceable_tag(run.checkpoint_dir, name);
     }
