@@ -69,7 +69,8 @@ constexpr int64_t kTokenHeaderBytes = 256 * 4;
 // swapped by hand), which trains without error on targets that are not the
 // tokens'. Such a set is refused naming the file. A mask or documents file
 // under another name (made by hand for this token file) is not checked, and
-// neither is a token file without the marker (llm.c's, an older zinc's).
+// neither is a token file whose words 3-10 are all zero (llm.c's, an older
+// zinc's). Other values there (a damaged marker) are refused.
 constexpr int32_t kSetMarker = 0x434E495A;
 constexpr int32_t kSetVersion = 1;
 
@@ -241,6 +242,18 @@ class TokenSource final : public DataSource {
         auto u32 = [&](int slot) { return static_cast<uint32_t>(le_i32(header + 4 * slot)); };
         set_ = PreparedSet{u32(5), static_cast<int64_t>(uint64_t{u32(7)} << 32 | u32(6)), u32(8),
                            static_cast<int64_t>(uint64_t{u32(10)} << 32 | u32(9))};
+      } else {
+        // llm.c's writers leave slots 3-10 at zero; a damaged record is
+        // refused rather than read as "no set" (which would skip the check).
+        bool zeros = true;
+        for (int slot = 3; slot <= 10; ++slot) zeros = zeros && le_i32(header + 4 * slot) == 0;
+        if (!zeros)
+          throw ConfigError("data.path", path_ + ": header words 3 and 4 are " + std::to_string(le_i32(header + 12)) +
+                                             " and " + std::to_string(le_i32(header + 16)) +
+                                             ", neither zinc.prepare's set record (" + std::to_string(kSetMarker) +
+                                             " and " + std::to_string(kSetVersion) +
+                                             ") nor llm.c's zeros in words 3-10; the header is damaged: prepare the "
+                                             "set again");
       }
     } else if (size % w_ != 0) {
       throw ConfigError("data.path", path_ + " is " + std::to_string(size) + " bytes, not a multiple of " +

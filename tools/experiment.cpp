@@ -114,6 +114,29 @@ void check_folders_outside_tags(const Config& c, const RunConfig& run) {
   }
 }
 
+// OneCycle with cycle_momentum raises beta1 after the cycle (DeepSpeed's
+// decay_mom_rate); a step whose beta1 reaches 1 ends the run there. The
+// schedule is known from the config, so the step is found here, for
+// --check and before anything trains. beta1 stays below cycle_max_mom
+// inside the cycle and grows with the step after it, so the first step
+// at 1 is found by halving.
+void check_schedule_betas(const Config& c, const RunConfig& run) {
+  const optim::LrSchedule schedule(c.scheduler, c.optimizer.lr());
+  if (!schedule.sets_betas() || run.steps <= 0) return;
+  auto reaches_one = [&](int64_t s) { return !(schedule.betas_at(s).beta1 < 1); };
+  if (!reaches_one(run.steps - 1)) return;
+  int64_t lo = 0, hi = run.steps - 1;  // the first step in [lo, hi] reaching 1
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (reaches_one(mid)) hi = mid; else lo = mid + 1;
+  }
+  throw ConfigError("scheduler.params.decay_mom_rate",
+                    "OneCycle's momentum reaches " + std::to_string(schedule.betas_at(lo).beta1) +
+                        " at optimizer step " + std::to_string(lo + 1) + " of run.steps " +
+                        std::to_string(run.steps) + "; beta1 must stay below 1 (lower decay_mom_rate, or raise "
+                        "decay_step_size)");
+}
+
 }  // namespace
 
 Experiment build_experiment(const nlohmann::json& doc, int world_size) {
@@ -123,6 +146,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   e.experiment = std::move(parsed.experiment);
   e.auto_values = std::move(parsed.auto_values);
   check_folders_outside_tags(e.config, e.experiment.run);
+  check_schedule_betas(e.config, e.experiment.run);
   const ModelConfig& m = e.experiment.model;
   e.data = make_data_source(e.experiment.data);
   if (e.experiment.run.eval_interval > 0) {

@@ -650,6 +650,16 @@ TEST(TokenSource, AMaskOrDocumentsFileOfAnotherPreparedSetIsRefused) {
   EXPECT_EQ(error_of(with_record(mask, docs), other_mask, docs, "mine.mask").first, "");
   // A token file without the record (llm.c's, an older zinc's): nothing to check.
   EXPECT_EQ(error_of(token_header(1, 9) + toks, other_mask, other_docs).first, "");
+  // A damaged record is not read as "no record" (which would skip the check):
+  // a marker or version word edited, with the rest of the record intact.
+  for (int slot : {3, 4}) {
+    std::string bin = with_record(mask, docs);
+    bin[4 * slot] = static_cast<char>(bin[4 * slot] ^ 0x01);
+    auto [p3, m3] = error_of(bin, other_mask, docs);
+    EXPECT_EQ(p3, "data.path") << slot;
+    EXPECT_NE(m3.find("header words 3 and 4 are"), std::string::npos) << m3;
+    EXPECT_NE(m3.find("the header is damaged"), std::string::npos) << m3;
+  }
 }
 
 TEST(TokenSource, MissingFileIsIoErrorNamingPath) {

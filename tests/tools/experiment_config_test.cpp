@@ -290,5 +290,31 @@ TEST(ExperimentConfigModel, GradientCheckpointingFromTheModelOrTheTrainerSection
   EXPECT_GT(a - b, 3 * 14 * 8 * 16 * 32 * 4);  // 3 sets of at least 14 (N,C) buffers
 }
 
+// OneCycle's momentum grows after the cycle (decay_mom_rate): a run whose
+// last step would reach beta1 = 1 is refused before it trains (and by
+// --check), naming the first such step; a shorter run of it starts.
+TEST(ExperimentConfigRun, OneCycleMomentumReachingOneWithinTheRunIsRefusedAtTheStart) {
+  auto doc = [](int64_t steps) {
+    return with({{"scheduler", {{"type", "OneCycle"},
+                                {"params", {{"cycle_min_lr", 0.01}, {"cycle_max_lr", 0.1}, {"cycle_first_step_size", 1},
+                                            {"decay_step_size", 1}, {"decay_mom_rate", 0.5}}}}},
+                 {"model", {{"n_layer", 1}, {"n_embd", 32}, {"n_head", 2}}},
+                 {"data", {{"seq_len", 16}}},
+                 {"run", {{"steps", steps}}}});
+  };
+  EXPECT_NO_THROW(build_experiment(doc(2)));  // steps 1-2: the cycle, beta1 from 0.9 to 0.8 and back
+  for (int64_t steps : {int64_t{3}, int64_t{1000000000000}}) {
+    try {
+      build_experiment(doc(steps));
+      ADD_FAILURE() << "expected a ConfigError at " << steps << " steps";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.path(), "scheduler.params.decay_mom_rate");
+      EXPECT_NE(std::string(e.what()).find("reaches 1.35") , std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("at optimizer step 3 of run.steps " + std::to_string(steps)),
+                std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zinc::tools
