@@ -184,6 +184,10 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   };
   uc.compute_out = [this](const StateSpan& sp) { return compute_out(sp); };
   uc.grad = [this](const StateSpan& sp) { return update_grad(sp); };
+  if (tensor_split())
+    uc.sum_tensor_parts = [this](std::vector<double>& sums, const std::vector<int>& first_tensor) {
+      sum_tensor_parts(sums, first_tensor);
+    };
   rule->attach(uc);
 }
 

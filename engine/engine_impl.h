@@ -223,6 +223,8 @@ struct Engine::Impl final : StepContext {
   // Block b's squared gradient norm on this rank: its own shard, where a
   // whole parameter counts on part 0 only.
   double block_squares(size_t b);
+  // Lamb's per-tensor sums made the whole tensors' (UpdateContext::sum_tensor_parts).
+  void sum_tensor_parts(std::vector<double>& sums, const std::vector<int>& first_tensor);
   // The whole model's block `block` (model->blocks()' layout) from this
   // part's flat values `part`: every part's, gathered over the parts.
   std::vector<float> whole_from_parts(int block, const std::vector<float>& part);

@@ -256,6 +256,19 @@ void Engine::Impl::sum_part_gradients() {
   }
 }
 
+// Lamb's per-tensor sums (w^2, u^2 pairs): a split parameter's are its
+// parts' added up; one every part holds whole (with its gradient summed or
+// the same on every part) counts on part 0 only, as block_squares does.
+void Engine::Impl::sum_tensor_parts(std::vector<double>& sums, const std::vector<int>& first_tensor) {
+  for (size_t b = 0; b < blocks.size() && tp_rank != 0; ++b)
+    for (size_t p = 0; p < specs()[b].params.size(); ++p)
+      if (split_of(b, p, tp_rank).kind == TensorSplit::kWhole) {
+        const size_t k = static_cast<size_t>(first_tensor[b]) + p;
+        sums[2 * k] = sums[2 * k + 1] = 0.0;
+      }
+  tensor_all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
+}
+
 double Engine::Impl::block_squares(size_t b) {
   BlockShard& s = blocks[b];
   if (!tensor_split()) return reducer->squared_norm(s);

@@ -102,6 +102,9 @@ void LambRule::set_ratios(std::vector<double>& sums) {
     ctx_.reduce_stream->submit([&sums](comm::Communicator& c) {
       c.all_reduce_f64(sums.data(), static_cast<int64_t>(sums.size()));
     }).wait();
+  // A tensor split over parts has one trust ratio, the whole tensor's (as
+  // on one rank), not one per part.
+  if (ctx_.sum_tensor_parts) ctx_.sum_tensor_parts(sums, first_tensor_);
   ratios_.assign(static_cast<size_t>(tensors_), 0.0);
   for (int k = 0; k < tensors_; ++k)
     ratios_[static_cast<size_t>(k)] =

@@ -50,6 +50,11 @@ struct UpdateContext {
   // A span's reduced gradient (the full block's at stage 0, the rank's
   // shard otherwise, or what the state read from NVMe).
   std::function<const float*(const StateSpan&)> grad;
+  // Tensor parts (null without them): per-tensor sums over this part's
+  // share of each parameter (tensor k of block b is first_tensor[b] + p),
+  // made the whole tensor's (summed over the parts; a parameter every part
+  // holds whole counted once). Collective over the parts.
+  std::function<void(std::vector<double>& sums, const std::vector<int>& first_tensor)> sum_tensor_parts;
 };
 
 class UpdateRule {
