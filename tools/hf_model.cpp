@@ -283,6 +283,34 @@ std::string hf_weights_fingerprint(const std::string& dir) {
   return ckpt::xxh3_hex(sampled.data(), sampled.size());
 }
 
+
+namespace {
+
+// transformers trains with the dropout config.json sets (GPT-2's and
+// Phi-3's resid_pdrop, embd_pdrop, attn_pdrop; attention_dropout,
+// hidden_dropout elsewhere); zinc's models have none (LoRA's lora_dropout
+// aside), so a fine-tune differs from the Trainer's there. Said once per
+// load, naming the keys; a head zinc does not build (classifier_dropout,
+// summary_first_dropout) is not this model's.
+void warn_dropout_not_applied(const std::string& path, const nlohmann::json& raw) {
+  std::string keys;
+  for (auto it = raw.begin(); it != raw.end(); ++it) {
+    const std::string& k = it.key();
+    auto ends = [&](const std::string& tail) {
+      return k.size() >= tail.size() && k.compare(k.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    if (!(ends("dropout") || ends("pdrop")) || k.rfind("classifier", 0) == 0 || k.rfind("summary", 0) == 0) continue;
+    if (!it.value().is_number() || !(it.value().get<double>() > 0)) continue;
+    keys += (keys.empty() ? "" : ", ") + k + " " + it.value().dump();
+  }
+  if (!keys.empty())
+    log_warn(path + ": dropout is not applied (" + keys +
+             "): zinc's models train without dropout, as transformers' do in eval mode; a fine-tune differs from "
+             "one with it (LoRA's lora_dropout is applied)");
+}
+
+}  // namespace
+
 HfConfig read_hf_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
   std::string text;
@@ -344,6 +372,7 @@ HfConfig parse_hf_config(const nlohmann::json& raw, const std::string& path) {
                ", but transformers builds the model from model_type, so this folder (and an export of it, which "
                "keeps its config.json) loads as another model there");
   }
+  warn_dropout_not_applied(path, cfg.raw);
   return cfg;
 }
 

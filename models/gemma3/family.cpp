@@ -10,6 +10,7 @@
 // rope_scaling for the full layers and rope_local_base_freq for the
 // sliding ones, which take no scaling. Layers default to five sliding to
 // one full (sliding_window_pattern 6). The tensor map is the decoder's.
+#include "core/log.h"
 #include "models/gemma/gemma.h"
 
 namespace zinc::models::gemma3 {
@@ -73,11 +74,11 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
       f.fail("rope_parameters." + it.key(), "unknown layer type (full_attention or sliding_attention)");
   c.rope_theta = defaults().rope_theta;
   c.rope_scaling = RopeScaling{};
-  if (params.contains("full_attention")) llama::read_rope_params(f, params["full_attention"], "rope_parameters.full_attention", c);
+  if (params.contains("full_attention")) llama::read_rope_params(f, params["full_attention"], "rope_parameters.full_attention", c, true);
   if (params.contains("sliding_attention")) {
     LlamaConfig local = c;
     local.rope_theta = c.rope_local_theta;
-    llama::read_rope_params(f, params["sliding_attention"], "rope_parameters.sliding_attention", local);
+    llama::read_rope_params(f, params["sliding_attention"], "rope_parameters.sliding_attention", local, true);
     if (local.rope_scaling.type != RopeScaling::Type::kNone)
       f.fail("rope_parameters.sliding_attention.rope_type",
              "zinc implements rope scaling in Gemma 3's full-attention layers only (default here)");
@@ -92,6 +93,14 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
     f.fail("use_bidirectional_attention", "true is not supported: zinc trains causal language models");
   read_rope(f, c);
   gemma::read_attention(f, c, f.get_int("sliding_window_pattern", f.get_int("_sliding_window_pattern", 6)));
+  // transformers' Gemma 3 attention keeps attn_logit_softcapping but never
+  // applies it (Gemma 2's does): so neither does zinc, and says so.
+  if (c.attn_logit_softcapping > 0) {
+    log_warn(f.path() + ": attn_logit_softcapping " + f.at("attn_logit_softcapping").dump() +
+             " is not applied: transformers' Gemma 3 attention does not cap its scores, and zinc computes what it "
+             "computes");
+    c.attn_logit_softcapping = 0.0;
+  }
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return llama::decoder_config(c, family(), &gemma3_json);
 }

@@ -209,11 +209,25 @@ void read_rope(const ConfigDoc& f, LlamaConfig& c) {
 
 namespace {
 
+// original_max_position_embeddings of llama3, longrope and yarn, as
+// transformers' standardize_rope_params resolves it: in a flat rope object
+// the key beside it (Phi-3's configs keep it there) wins over the one
+// inside; in Gemma 3's objects per layer type only the one inside counts;
+// without either, max_position_embeddings.
+int64_t original_positions(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, bool nested,
+                           const LlamaConfig& c) {
+  const char* k = "original_max_position_embeddings";
+  const bool top = !nested && f.has(k);
+  const int64_t n = top ? f.get_int(k) : p.has(k) ? p.get_int(k) : c.max_position_embeddings;
+  if (n < 1) f.fail(top ? std::string(k) : where + "." + k, "must be >= 1");
+  return n;
+}
+
 // longrope (Phi-3): its two factor lists, original_max_position_embeddings
 // (in the object or, in Phi-3's configs, beside it), and the attention
 // factor: given, or from factor (default max_position_embeddings /
 // original_max_position_embeddings) as transformers derives it.
-void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, LlamaConfig& c) {
+void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, bool nested, LlamaConfig& c) {
   RopeScaling& s = c.rope_scaling;
   s.type = RopeScaling::Type::kLongrope;
   for (auto [name, out] : {std::pair<const char*, std::vector<double>*>{"short_factor", &s.short_factor},
@@ -227,14 +241,7 @@ void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& wh
       out->push_back(x.get<double>());
     }
   }
-  if (p.has("original_max_position_embeddings"))
-    s.original_max_position_embeddings = p.get_int("original_max_position_embeddings");
-  else if (f.has("original_max_position_embeddings"))
-    s.original_max_position_embeddings = f.get_int("original_max_position_embeddings");
-  else
-    f.fail(where + ".original_max_position_embeddings", "missing (required for rope_type longrope)");
-  if (s.original_max_position_embeddings < 1)
-    f.fail(where + ".original_max_position_embeddings", "must be >= 1");
+  s.original_max_position_embeddings = original_positions(f, p, where, nested, c);
   s.factor = p.get_number("factor", static_cast<double>(c.max_position_embeddings) /
                                         static_cast<double>(s.original_max_position_embeddings));
   if (p.has("attention_factor")) {
@@ -253,15 +260,10 @@ void read_longrope(const ConfigDoc& f, const ConfigDoc& p, const std::string& wh
 // max_position_embeddings), beta_fast, beta_slow, truncate, and the
 // attention factor: given, or from mscale and mscale_all_dim, or
 // 0.1 ln(factor) + 1, as transformers derives it.
-void read_yarn(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, LlamaConfig& c) {
+void read_yarn(const ConfigDoc& f, const ConfigDoc& p, const std::string& where, bool nested, LlamaConfig& c) {
   RopeScaling& s = c.rope_scaling;
   s.type = RopeScaling::Type::kYarn;
-  s.original_max_position_embeddings =
-      p.has("original_max_position_embeddings") ? p.get_int("original_max_position_embeddings")
-      : f.has("original_max_position_embeddings") ? f.get_int("original_max_position_embeddings")
-                                                  : c.max_position_embeddings;
-  if (s.original_max_position_embeddings < 1)
-    f.fail(where + ".original_max_position_embeddings", "must be >= 1");
+  s.original_max_position_embeddings = original_positions(f, p, where, nested, c);
   s.factor = p.get_number("factor", static_cast<double>(c.max_position_embeddings) /
                                         static_cast<double>(s.original_max_position_embeddings));
   if (!(s.factor > 0) || !std::isfinite(s.factor)) f.fail(where + ".factor", "must be a finite number > 0");
@@ -285,7 +287,7 @@ void read_yarn(const ConfigDoc& f, const ConfigDoc& p, const std::string& where,
 
 }  // namespace
 
-void read_rope_params(const ConfigDoc& f, const json& params, const std::string& where, LlamaConfig& c) {
+void read_rope_params(const ConfigDoc& f, const json& params, const std::string& where, LlamaConfig& c, bool nested) {
   if (!params.is_object()) f.fail(where, "expected an object, got " + params.dump());
   ConfigDoc p(f.path(), params);
   auto key = [&](const char* k) { return where + "." + k; };
@@ -302,11 +304,11 @@ void read_rope_params(const ConfigDoc& f, const json& params, const std::string&
                              "with the length being generated); training at a fixed length wants linear, llama3, "
                              "longrope or yarn");
   if (type == "longrope" || type == "su") {  // "su": the name of Phi-3's first configs
-    read_longrope(f, p, where, c);
+    read_longrope(f, p, where, nested, c);
     return;
   }
   if (type == "yarn") {
-    read_yarn(f, p, where, c);
+    read_yarn(f, p, where, nested, c);
     return;
   }
   if (type != "linear" && type != "llama3")
@@ -319,11 +321,11 @@ void read_rope_params(const ConfigDoc& f, const json& params, const std::string&
     return;
   }
   s.type = RopeScaling::Type::kLlama3;
-  for (const char* k : {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+  for (const char* k : {"low_freq_factor", "high_freq_factor"})
     if (!p.has(k)) f.fail(key(k), "missing (required for rope_type llama3)");
   s.low_freq_factor = p.get_number("low_freq_factor", 1.0);
   s.high_freq_factor = p.get_number("high_freq_factor", 4.0);
-  s.original_max_position_embeddings = p.get_int("original_max_position_embeddings");
+  s.original_max_position_embeddings = original_positions(f, p, where, nested, c);
 }
 
 namespace {

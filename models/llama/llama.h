@@ -29,7 +29,9 @@ const LlamaConfig* settings(const FamilyConfig& f);
 void read_decoder(const ConfigDoc& f, LlamaConfig& c);
 // One rope settings object (`where` its key, for errors): rope_theta and the
 // scaling (rope_type or type: default, linear, llama3, with their fields).
-void read_rope_params(const ConfigDoc& f, const nlohmann::json& params, const std::string& where, LlamaConfig& c);
+// nested: one of Gemma 3's objects per layer type (rope_parameters.full_attention).
+void read_rope_params(const ConfigDoc& f, const nlohmann::json& params, const std::string& where, LlamaConfig& c,
+                      bool nested = false);
 // Sliding-window layers as the Qwen-style configs state them: with
 // use_sliding_window and a sliding_window, the layers layer_types marks
 // "sliding_attention", or without layer_types those default_layer(l)

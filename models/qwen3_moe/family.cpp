@@ -82,8 +82,15 @@ std::unique_ptr<FamilyConfig> read(const ConfigDoc& f, const std::string& /*arch
     }
   }
   c.router_aux_loss_coef = f.get_bool("output_router_logits", false) ? f.get_number("router_aux_loss_coef", 0.001) : 0.0;
-  const int64_t from = f.get_int("max_window_layers", 28);
-  llama::read_window_layers(f, c, [&](int64_t l) { return l >= from; });
+  // transformers' Qwen3-MoE windows every layer where use_sliding_window
+  // holds (sliding_window defaults to 4096 there; null: no window): unlike
+  // the dense Qwen2 and Qwen3 it reads neither max_window_layers nor
+  // layer_types.
+  if (f.get_bool("use_sliding_window", false) && !f.is_null("sliding_window")) {
+    c.sliding_window = f.get_int("sliding_window", 4096);
+    if (c.sliding_window < 1) f.fail("sliding_window", "must be >= 1, got " + std::to_string(c.sliding_window));
+    c.window_layers.assign(static_cast<size_t>(c.num_hidden_layers), 1);
+  }
   if (auto bad = size_error(c)) f.fail(bad->field, bad->message);
   return llama::decoder_config(c, family(), &qwen3_moe_json);
 }

@@ -36,6 +36,8 @@ EXPECTED = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", False, "F32", False),
     "mistral_window": ("MistralForCausalLM", False, "F32", False),
     "llama_yarn": ("LlamaForCausalLM", False, "F32", False),
+    "qwen3_moe_window": ("Qwen3MoeForCausalLM", False, "F32", False),
+    "phi3_orig_top": ("Phi3ForCausalLM", False, "F32", False),
 }
 # The untied output head's name in the checkpoint, where it is not lm_head.weight.
 HEAD = {"GPTNeoXForCausalLM": "embed_out.weight"}

@@ -299,6 +299,108 @@ TEST(HfModel, SlidingWindowLayersFollowTransformersRules) {
   EXPECT_EQ(s.window_layers, (std::vector<int>{0, 1}));
 }
 
+// transformers' Qwen3-MoE windows every layer with use_sliding_window (it
+// reads neither max_window_layers nor layer_types, unlike the dense Qwen3),
+// with sliding_window 4096 where the key is missing and none where it is
+// null. (zinc followed the dense rule: no layer of a small model slid,
+// a loss 5% off transformers'.)
+TEST(HfModel, Qwen3MoeSlidesEveryLayerAsTransformersDoes) {
+  auto read = [](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json raw = TempFolder("qwen3_moe").config();
+    edit(raw);
+    return llama_of(parse_hf_config(raw, "qwen3_moe/config.json"));
+  };
+  const int64_t layers = read([](nlohmann::json&) {}).num_hidden_layers;
+  const models::LlamaConfig q = read([](nlohmann::json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4;
+    j["max_window_layers"] = 28;
+    j["layer_types"] = nlohmann::json::array();
+  });
+  EXPECT_EQ(q.sliding_window, 4);
+  EXPECT_EQ(q.window_layers, std::vector<int>(static_cast<size_t>(layers), 1));
+  EXPECT_EQ(read([](nlohmann::json& j) {
+              j["use_sliding_window"] = true;
+              j.erase("sliding_window");
+            }).sliding_window,
+            4096);
+  EXPECT_EQ(read([](nlohmann::json& j) {
+              j["use_sliding_window"] = true;
+              j["sliding_window"] = nullptr;
+            }).sliding_window,
+            0);
+  EXPECT_EQ(read([](nlohmann::json& j) {
+              j["use_sliding_window"] = false;
+              j["sliding_window"] = 4;
+            }).sliding_window,
+            0);
+}
+
+// original_max_position_embeddings of llama3, yarn and longrope as
+// transformers' standardize_rope_params takes it: beside a flat rope object
+// it wins over the one inside (Phi-3's configs keep it there); without
+// either, max_position_embeddings. (zinc took the inside one: losses 0.3-3%
+// off transformers' where the two differed.)
+TEST(HfModel, TheTopLevelOriginalMaxPositionsWinsAsInTransformers) {
+  auto orig = [](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json raw = TempFolder(name).config();
+    edit(raw);
+    return llama_of(parse_hf_config(raw, name + "/config.json")).rope_scaling.original_max_position_embeddings;
+  };
+  for (const std::string name : {"llama_gqa", "llama_yarn", "phi3"}) {
+    const int64_t inside = orig(name, [](nlohmann::json& j) { j.erase("original_max_position_embeddings"); });
+    EXPECT_EQ(orig(name, [](nlohmann::json& j) { j["original_max_position_embeddings"] = 4; }), 4) << name;
+    EXPECT_NE(inside, 4) << name;
+    const int64_t max_pos = TempFolder(name).config()["max_position_embeddings"].get<int64_t>();
+    EXPECT_EQ(orig(name, [](nlohmann::json& j) {
+                j.erase("original_max_position_embeddings");
+                j["rope_parameters"].erase("original_max_position_embeddings");
+              }),
+              max_pos)
+        << name;
+  }
+  expect_error([] {
+    nlohmann::json raw = TempFolder("llama_gqa").config();
+    raw["original_max_position_embeddings"] = 0;
+    parse_hf_config(raw, "x/config.json");
+  }, {"x/config.json: original_max_position_embeddings: must be >= 1"});
+}
+
+// transformers' Gemma 3 attention never applies attn_logit_softcapping
+// (Gemma 2's does), so zinc does not either, and says so once.
+TEST(HfModel, Gemma3DoesNotCapItsAttentionScoresAsInTransformers) {
+  nlohmann::json raw = TempFolder("gemma3").config();
+  raw["attn_logit_softcapping"] = 2.0;
+  LogCapture capture(LogLevel::kWarn);
+  EXPECT_EQ(llama_of(parse_hf_config(raw, "g/config.json")).attn_logit_softcapping, 0.0);
+  ASSERT_EQ(capture.messages().size(), 1u);
+  EXPECT_NE(capture.messages()[0].find("g/config.json: attn_logit_softcapping 2.0 is not applied"), std::string::npos)
+      << capture.messages()[0];
+  nlohmann::json g2 = TempFolder("gemma2").config();
+  g2["attn_logit_softcapping"] = 2.0;
+  EXPECT_EQ(llama_of(parse_hf_config(g2, "g2/config.json")).attn_logit_softcapping, 2.0);  // Gemma 2 caps
+}
+
+// The dropout a config.json sets is not applied (zinc's models have none):
+// said once, naming the keys; a head's dropout zinc does not build is not.
+TEST(HfModel, TheConfigsDropoutIsSaidToBeUnapplied) {
+  nlohmann::json raw = TempFolder("gpt2").config();
+  raw["resid_pdrop"] = 0.1;
+  raw["attn_pdrop"] = 0.1;
+  raw["embd_pdrop"] = 0.0;
+  raw["summary_first_dropout"] = 0.1;
+  LogCapture capture(LogLevel::kWarn);
+  parse_hf_config(raw, "d/config.json");
+  ASSERT_EQ(capture.messages().size(), 1u);
+  EXPECT_NE(capture.messages()[0].find("d/config.json: dropout is not applied (attn_pdrop 0.1, resid_pdrop 0.1)"),
+            std::string::npos)
+      << capture.messages()[0];
+  raw["resid_pdrop"] = raw["attn_pdrop"] = 0.0;
+  LogCapture quiet(LogLevel::kWarn);
+  parse_hf_config(raw, "d/config.json");
+  EXPECT_TRUE(quiet.messages().empty());
+}
+
 // transformers builds a folder's model from model_type, zinc from
 // architectures: where they disagree the reader says so, naming both (zinc
 // trained such a folder as architectures says without a word).
