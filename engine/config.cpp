@@ -835,13 +835,8 @@ void check_device_covered(const Config& c) {
                                             " runs on CPU ranks only in zinc (its compressed all-reduce has no NCCL "
                                             "path yet); use \"device\": \"cpu\", or AdamW on the GPU");
   // Note [tensor parts on the GPU] in engine/tensor_parallel.cpp.
-  if (c.tensor_split() && c.zero.offload_optimizer.device == OffloadDevice::kNone)
-    throw ConfigError("tensor_parallel.autotp_size",
-                      std::string("tensor parts on the GPU path keep the optimizer states in RAM: set "
-                                  "zero_optimization.offload_optimizer.device to \"cpu\" (ZeRO-Offload, stages 1-2)") +
-                          (c.zero.stage == 0 ? " and zero_optimization.stage to 1 or 2" : ""));
   if (c.tensor_split() && c.zero.stage > 2)
-    throw ConfigError("tensor_parallel.autotp_size", "tensor parts on the GPU path run at ZeRO stages 1-2 (not 3 yet)");
+    throw ConfigError("tensor_parallel.autotp_size", "tensor parts on the GPU path run at ZeRO stages 0-2 (not 3 yet)");
   if (c.tensor_split() && c.pipelined())
     throw ConfigError("tensor_parallel.autotp_size",
                       "tensor parts with pipeline stages do not run on the GPU path yet; use one of them, or "

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "comm/comm.h"
@@ -137,6 +138,16 @@ class DeviceMirror {
   virtual void upload_states(int block, int64_t offset, int64_t count, const float* master, const float* m,
                              const float* v) = 0;
   virtual void download_states(int block, int64_t offset, int64_t count, float* master, float* m, float* v) = 0;
+  // Tensor parts (Note [tensor parts on the GPU] in tensor_parallel.cpp):
+  // per block, the ranges [first, end) of its flat elements that
+  // grad_squared_norm counts on this part (a parameter every part holds
+  // whole counts on part 0 only); an empty list counts none of the block.
+  // Never called: every element counts.
+  virtual void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) = 0;
+  // GPU-resident states: the fp32 gradient the block's update reads (the
+  // reduced shard on several ranks, else the accumulator), whose first
+  // element is the state range's first, for the all-reduce over the parts.
+  virtual float* state_grads(int block) = 0;
   // Sum of squares of every block's GPU gradient (the accumulator on one
   // rank, the reduced shard on several, with gather_back the rank's shard of
   // the accumulator), blocks in order, each in

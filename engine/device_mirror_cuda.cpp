@@ -311,16 +311,55 @@ class CudaMirror final : public DeviceMirror {
   }
 
   double grad_squared_norm() override {
+    if (!norm_ranges_.empty()) return ranged_squared_norm();
     for (size_t b = 0; b < blocks_.size(); ++b) {
       const Block& k = blocks_[b];
       if (k.state_numel == 0) continue;  // frozen: no gradients (its norm stays the zero it started as)
-      const float* g = k.gshard.bytes() > 0 ? k.gshard.as<float>()
-                       : gather_back_      ? k.grads.as<float>() + k.norm_offset
-                                           : k.grads.as<float>();
-      const int64_t n = k.gshard.bytes() > 0 ? k.state_numel : gather_back_ ? k.norm_numel : k.numel;
-      kernels::cuda::squared_norm(g, n, norms_.as<double>() + b, kCompute);
+      const NormRegion r = norm_region(k);
+      kernels::cuda::squared_norm(r.g, r.n, norms_.as<double>() + b, kCompute);
     }
     return sum_norms();
+  }
+
+  void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) override {
+    ZINC_CHECK(ranges.size() == blocks_.size(), "set_norm_ranges: one list per block");
+    size_t total = 0;
+    for (const auto& r : ranges) total += r.size();
+    range_norms_ = cuda::DeviceBuffer(std::max<size_t>(total, 1) * sizeof(double));
+    count(static_cast<int64_t>(range_norms_.bytes()));
+    norm_ranges_ = std::move(ranges);
+  }
+  // grad_squared_norm over the ranges set_norm_ranges gave, each within
+  // the block's region: a squared_norm per range, added in block and
+  // range order on the host.
+  double ranged_squared_norm() {
+    size_t slots = 0;
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      const Block& k = blocks_[b];
+      if (k.state_numel == 0) continue;
+      const NormRegion r = norm_region(k);
+      for (auto [lo, hi] : norm_ranges_[b]) {
+        const int64_t a = std::max(lo, r.first), e = std::min(hi, r.first + r.n);
+        if (a < e) kernels::cuda::squared_norm(r.g + (a - r.first), e - a, range_norms_.as<double>() + slots++, kCompute);
+      }
+    }
+    std::vector<double> host(slots);
+    if (slots > 0)
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), range_norms_.data(), slots * sizeof(double), cudaMemcpyDeviceToHost,
+                                      kCompute),
+                      "copy of the gradient norms");
+    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
+    double s = 0;
+    for (double x : host) s += x;
+    return s;
+  }
+
+  float* state_grads(int block) override {
+    Block& k = blocks_[static_cast<size_t>(block)];
+    float* g = k.gshard.bytes() > 0 ? k.gshard.as<float>() : k.grads.as<float>();
+    ZINC_CHECK(k.state_numel > 0 && g != nullptr, "state_grads of block " + std::to_string(block) +
+                                                      " without GPU-resident states or gradients");
+    return g;
   }
 
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
@@ -557,6 +596,17 @@ class CudaMirror final : public DeviceMirror {
     std::unique_ptr<cuda::Event> produced, copied, uploaded;
     bool copy_pending = false, upload_pending = false;
   };
+  // What grad_squared_norm reads of a block: n gradients from g, which is
+  // the block's flat element `first`.
+  struct NormRegion {
+    const float* g;
+    int64_t n, first;
+  };
+  NormRegion norm_region(const Block& k) const {
+    if (k.gshard.bytes() > 0) return {k.gshard.as<float>(), k.state_numel, k.state_offset};
+    if (gather_back_) return {k.grads.as<float>() + k.norm_offset, k.norm_numel, k.norm_offset};
+    return {k.grads.as<float>(), k.numel, 0};
+  }
   // A page-locked buffer a stage 3 upload goes through, and the end of the
   // last copy that read it.
   struct Staging {
@@ -675,6 +725,8 @@ class CudaMirror final : public DeviceMirror {
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;  // the stream-ordered pool of the parameters, gradients and wire copies
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> norm_ranges_;  // set_norm_ranges; empty: all
+  cuda::DeviceBuffer range_norms_;  // one double per range
   std::vector<void*> registered_;
   std::atomic<int64_t> bytes_{0}, peak_{0};  // freed on the comm thread too
 };

@@ -164,7 +164,10 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   if (pipelined()) pipe_device_comm = device->device_communicator(*pipe_comm);  // collective over the stages
   if (pipe_device_comm && world_rank == 0)
     log_info("pipeline: the stages' activations go between the GPUs over " + pipe_device_comm->backend());
-  if (tensor_split()) tp_device_comm = device->device_communicator(*tp_comm);  // collective over the parts
+  if (tensor_split()) {
+    tp_device_comm = device->device_communicator(*tp_comm);  // collective over the parts
+    device->set_norm_ranges(part_norm_ranges());
+  }
   if (tp_device_comm && world_rank == 0)
     log_info("tensor parallelism: the parts' partial sums are added on the GPUs over " + tp_device_comm->backend());
   if (cfg.sequence_split()) sp_device_comm = device->device_communicator(*sp_comm);  // all-to-all over the slices

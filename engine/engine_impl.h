@@ -223,6 +223,9 @@ struct Engine::Impl final : StepContext {
   // Block b's squared gradient norm on this rank: its own shard, where a
   // whole parameter counts on part 0 only.
   double block_squares(size_t b);
+  // Per block, the flat ranges whose squares count in this part's norm
+  // (DevicePath::set_norm_ranges).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> part_norm_ranges() const;
   // Lamb's per-tensor sums made the whole tensors' (UpdateContext::sum_tensor_parts).
   void sum_tensor_parts(std::vector<double>& sums, const std::vector<int>& first_tensor);
   // The whole model's block `block` (model->blocks()' layout) from this

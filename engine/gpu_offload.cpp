@@ -176,6 +176,10 @@ class GpuOffload final : public DevicePath {
   void before_device_transfer() override {
     if (gpu_) gpu_->sync_compute();
   }
+  float* update_grads(int block) override { return states_ ? gpu_->state_grads(block) : nullptr; }
+  void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) override {
+    if (states_) gpu_->set_norm_ranges(std::move(ranges));
+  }
 
   void configure_reducer(GradReducer::Options& o) override {
     // GPU-resident states on one rank: the gradients stay on the GPU.

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/comm.h"
@@ -78,6 +79,14 @@ class DevicePath {
   // queued so far (which write what goes, or still read what an arrival
   // overwrites) have finished.
   virtual void before_device_transfer() {}
+  // Tensor parts with the optimizer states on the device: the gradient a
+  // block's update reads, in device memory, its first element the state
+  // range's first (the block's, or the rank's shard's), for the all-reduce
+  // of the gradients every part sums (null: the host's, the engine's own);
+  // and, per block, the ranges of flat elements whose squares the norm
+  // counts on this part (a parameter every part holds whole: on part 0).
+  virtual float* update_grads(int /*block*/) { return nullptr; }
+  virtual void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> /*ranges*/) {}
 
   // ---- the step ----
   // This rank's sum of squared gradients where the device holds them

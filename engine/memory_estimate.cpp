@@ -364,6 +364,12 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       const int64_t nblocks = static_cast<int64_t>(layouts.size());
       e.gpu.push_back({"gradient norms (fp64)", 8 * nblocks,
                        "one per block (" + std::to_string(nblocks) + "), for clipping"});
+      if (c.tensor_split()) {  // DeviceMirror::set_norm_ranges: a run of the parameters a part counts, at most one each
+        int64_t nparams = 0;
+        for (const BlockLayout& l : layouts) nparams += static_cast<int64_t>(l.offsets.size());
+        e.gpu.push_back({"tensor parts' gradient norms (fp64)", 8 * nparams,
+                         "at most one per parameter (" + std::to_string(nparams) + "): the ranges this part counts"});
+      }
     } else if (z.offload_optimizer.ratio < 1.0) {
       // Note [a share of the states on the GPU] in gpu_offload.cpp: the
       // share's blocks keep master, m and v here (the host keeps its copy),

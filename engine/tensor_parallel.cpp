@@ -190,10 +190,15 @@ void Engine::Impl::setup_grid() {
 // over NCCL (a communicator over tp_comm's ranks, DevicePath::
 // device_communicator), after the compute stream's kernels that wrote them
 // (DevicePath::before_device_transfer); the cross-entropy's row maxima and
-// sums are host doubles and go over tp_comm. The optimizer states stay in
-// RAM (ZeRO-Offload, stages 1-2): the whole parameters' gradients are
-// summed and the norm taken on the host, as on the CPU path. Not yet:
-// GPU-resident states, ZeRO-3 and pipeline stages with parts on the GPU.
+// sums are host doubles and go over tp_comm. With the optimizer states in
+// RAM (ZeRO-Offload, stages 1-2) the gradients every part sums are summed
+// and the norm taken on the host, as on the CPU path. With them on the GPU
+// (stages 0-2) the gradient the update reads is on the GPU
+// (DevicePath::update_grads: the accumulator, or the reduced shard with
+// replicas): its summed parameters are all-reduced there over NCCL, and the
+// GPU takes the norm over the ranges this part counts (part_norm_ranges:
+// a parameter every part holds whole on part 0 only, block_squares' rule).
+// Not yet: ZeRO-3 and pipeline stages with parts on the GPU.
 void Engine::Impl::tensor_all_reduce(float* data, int64_t n) {
   if (!tp_comm) return;
   const auto t0 = std::chrono::steady_clock::now();
@@ -227,10 +232,19 @@ const TensorSplit& Engine::Impl::split_of(size_t b, size_t p, int part) const {
 
 void Engine::Impl::sum_part_gradients() {
   if (!tensor_split()) return;
+  bool device_synced = false;
   for (size_t b = 0; b < blocks.size(); ++b) {
     BlockShard& s = blocks[b];
     if (s.frozen) continue;
-    float* g = plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
+    // GPU-resident states: the gradient the update reads is in GPU memory,
+    // summed over the parts' GPUs (after the kernels that wrote it).
+    float* dev = device->update_grads(static_cast<int>(b));
+    if (dev && !device_synced) {
+      device->before_device_transfer();
+      device_synced = true;
+    }
+    comm::Communicator& over = dev ? *tp_device_comm : *tp_comm;
+    float* g = dev ? dev : plan.optimizer_spans_block ? s.grad.as<float>() : reducer->reduced_shard(s);
     const int64_t own = plan.optimizer_spans_block ? 0 : s.part.own_offset();
     const int64_t end = own + (plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel);
     // Runs of adjacent summed parameters go as one all-reduce (with expert
@@ -238,7 +252,7 @@ void Engine::Impl::sum_part_gradients() {
     int64_t run_lo = 0, run_hi = 0;
     auto flush = [&] {
       // Every part's shard has the same bounds (the same layout), so each calls alike.
-      if (run_lo < run_hi) tp_comm->all_reduce(g + (run_lo - own), g + (run_lo - own), run_hi - run_lo, DType::kF32);
+      if (run_lo < run_hi) over.all_reduce(g + (run_lo - own), g + (run_lo - own), run_hi - run_lo, DType::kF32);
       run_lo = run_hi = 0;
     };
     for (size_t p = 0; p < s.layout.offsets.size(); ++p) {
@@ -254,6 +268,26 @@ void Engine::Impl::sum_part_gradients() {
     }
     flush();
   }
+}
+
+// Per block, the flat ranges whose squares count in this part's norm
+// (block_squares' rule, for a device that takes the norm itself): every
+// parameter but those every part holds whole, which count on part 0;
+// adjacent ones as one range.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> Engine::Impl::part_norm_ranges() const {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> out(blocks.size());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const BlockLayout& l = blocks[b].layout;
+    for (size_t p = 0; p < specs()[b].params.size(); ++p) {
+      if (split_of(b, p, tp_rank).kind == TensorSplit::kWhole && tp_rank != 0) continue;
+      const int64_t lo = l.offsets[p], hi = lo + l.numels[p];
+      if (!out[b].empty() && out[b].back().second == lo)
+        out[b].back().second = hi;
+      else
+        out[b].emplace_back(lo, hi);
+    }
+  }
+  return out;
 }
 
 // Lamb's per-tensor sums (w^2, u^2 pairs): a split parameter's are its
