@@ -34,6 +34,7 @@
 // life of the process, because MPI cannot start again once finalised;
 // zinc._shutdown (registered with atexit) closes every engine and lets it go.
 #include <csignal>
+#include <unistd.h>
 #include <pthread.h>
 
 #include <cmath>
@@ -114,6 +115,14 @@ void translate(std::exception_ptr p) {
 // See the header comment: GIL released, SIGINT / SIGTERM blocked on this
 // thread for the scope. Destruction restores the mask (a pending Ctrl-C is
 // taken by Python's handler here) and then takes the GIL back.
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 class ComputeScope {
  public:
   ComputeScope() {
@@ -126,6 +135,14 @@ class ComputeScope {
   }
   ~ComputeScope() {
     pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    // A daemon thread whose call ends after the interpreter began to
+    // finalise (the main thread returned while it trained) must not take
+    // the GIL back: CPython would end the thread with pthread_exit, whose
+    // unwinding through this destructor is std::terminate (SIGABRT at
+    // exit). It waits here for the process to end instead (what CPython
+    // 3.14 does to such threads itself).
+    if (interpreter_finalizing())
+      for (;;) ::pause();
     release_.reset();
   }
   ComputeScope(const ComputeScope&) = delete;

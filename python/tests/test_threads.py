@@ -259,3 +259,30 @@ def test_a_train_run_driven_from_two_threads():
         """
     )
     assert out.strip().endswith("ok")
+
+
+def test_the_interpreter_exits_cleanly_while_a_daemon_thread_trains():
+    # The main thread returns while a daemon thread is inside train_batch
+    # (and inside a zinc.train step): the call that ends after finalisation
+    # began does not take the GIL back (CPython would pthread_exit the
+    # thread through a C++ destructor: SIGABRT, exit 134, every time).
+    for body in (
+        """
+        e = zinc.initialize(default_doc())
+        def loop():
+            while True:
+                e.train_batch()
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(0.5)
+        print("returning")
+        """,
+        """
+        def loop():
+            for _ in zinc.train(default_doc()):
+                pass
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(1.0)
+        print("returning")
+        """,
+    ):
+        assert run_child(body).strip().endswith("returning")
