@@ -446,9 +446,21 @@ std::string read_bytes(const std::string& path) {
 // ---- locking ------------------------------------------------------------------------
 
 namespace {
+// Note [two writers in one process]
+// flock guards a folder against other processes only: a second DirLock of
+// the same process on the same file takes it again. Two engines of one
+// Python process saving into one folder at once (a sweep in threads) then
+// shared DIR/.TAG.partial and left `latest` naming a tag without its
+// metadata; two zinc.train runs there replaced each other's tags. So the
+// process keeps, per lock file, how many runs hold it (a second run is
+// refused as another process would be) and a writer mutex, recursive so
+// that a save nested in a write of the same thread passes, which kWrite
+// locks hold for their whole length: writers of one folder take turns.
+// The mutexes live as long as the process (one per folder ever locked).
 struct HeldLock {
   UniqueFd fd;
   int users = 0;
+  int runs = 0;
   bool remove = false;  // a lock file beside an export: unlinked on release (it is no part of the output)
 };
 std::mutex g_locks_mutex;
@@ -456,9 +468,16 @@ std::map<std::string, HeldLock>& held_locks() {
   static std::map<std::string, HeldLock> m;
   return m;
 }
+std::recursive_mutex& writer_mutex(const std::string& key) {
+  static std::map<std::string, std::unique_ptr<std::recursive_mutex>> m;  // under g_locks_mutex
+  std::unique_ptr<std::recursive_mutex>& p = m[key];
+  if (!p) p = std::make_unique<std::recursive_mutex>();
+  return *p;
+}
 }  // namespace
 
-DirLock::DirLock(const std::string& dir, const std::string& what, const std::string& lock_file) {
+DirLock::DirLock(const std::string& dir, const std::string& what, const std::string& lock_file, LockUse use)
+    : use_(use) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path lock_dir = lock_file.empty() ? fs::path(dir) : fs::path(lock_file).parent_path();
@@ -467,8 +486,28 @@ DirLock::DirLock(const std::string& dir, const std::string& what, const std::str
   const fs::path canonical = fs::canonical(lock_dir, ec);
   if (ec) throw IoError(what + " " + dir + ": " + ec.message());
   key_ = (canonical / (lock_file.empty() ? ".zinc.lock" : fs::path(lock_file).filename().string())).string();
+  if (use == LockUse::kWrite) {  // Note [two writers in one process]: after another thread's write
+    {
+      std::lock_guard<std::mutex> g(g_locks_mutex);
+      writing_ = &writer_mutex(key_);
+    }
+    writing_->lock();
+  }
+  try {
+    take(dir, what, lock_file);
+  } catch (...) {
+    if (writing_) writing_->unlock();
+    throw;
+  }
+}
+
+void DirLock::take(const std::string& dir, const std::string& what, const std::string& lock_file) {
   std::lock_guard<std::mutex> g(g_locks_mutex);
   HeldLock& h = held_locks()[key_];
+  if (use_ == LockUse::kRun && h.runs > 0)
+    throw IoError(what + " " + dir + " is in use by another run of this process (pid " + std::to_string(::getpid()) +
+                  " holds " + key_ + "): two runs writing one folder would replace each other's files");
+  if (use_ == LockUse::kRun) h.runs += 1;
   if (h.users++ > 0) return;
   const std::string& path = key_;
   // A lock file that is removed on release (lock_file given) may be
@@ -520,12 +559,16 @@ DirLock::DirLock(const std::string& dir, const std::string& what, const std::str
 }
 
 DirLock::~DirLock() {
-  std::lock_guard<std::mutex> g(g_locks_mutex);
-  auto it = held_locks().find(key_);
-  if (it != held_locks().end() && --it->second.users == 0) {
-    if (it->second.remove) ::unlink(key_.c_str());  // while still held: see the constructor
-    held_locks().erase(it);  // closing the fd unlocks
+  {
+    std::lock_guard<std::mutex> g(g_locks_mutex);
+    auto it = held_locks().find(key_);
+    if (it != held_locks().end() && use_ == LockUse::kRun) it->second.runs -= 1;
+    if (it != held_locks().end() && --it->second.users == 0) {
+      if (it->second.remove) ::unlink(key_.c_str());  // while still held: see the constructor
+      held_locks().erase(it);  // closing the fd unlocks
+    }
   }
+  if (writing_) writing_->unlock();
 }
 
 // ---- committing ---------------------------------------------------------------------

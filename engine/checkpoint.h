@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -164,24 +165,33 @@ std::string xxh3_hex(const void* data, size_t bytes);
 
 // An exclusive lock on a checkpoint folder (flock on DIR/.zinc.lock, which
 // holds the owner's pid and host), for as long as the object lives: two runs
-// writing one folder would replace each other's tags. Within one process
-// the lock is shared (a save inside a run that holds it takes it again for
-// free). Throws IoError naming the folder and the holder's pid when another
-// process holds it, or when the folder cannot be created or written. `what`
-// names the folder in those messages. `lock_file`: where the lock lives
-// instead of DIR/.zinc.lock (an export folder, which is replaced as a whole,
-// is locked by a file beside it: tools/output_folder.h); its folder is
-// created, DIR is not, and the file is removed when the lock is released.
+// writing one folder would replace each other's tags. Throws IoError naming
+// the folder and the holder's pid when another process holds it, or when
+// the folder cannot be created or written. `what` names the folder in those
+// messages. `lock_file`: where the lock lives instead of DIR/.zinc.lock (an
+// export folder, which is replaced as a whole, is locked by a file beside
+// it: tools/output_folder.h); its folder is created, DIR is not, and the
+// file is removed when the lock is released.
+// Within one process (Note [two writers in one process] in checkpoint.cpp):
+// a kRun lock (a run's, for its whole length: zinc-train's, zinc.train's)
+// is refused while another kRun lock of this process holds the folder; a
+// kWrite lock (one save or export) shares the process's hold, so a run's
+// own saves pass, and waits while another thread of the process writes
+// the folder, so two writers never interleave their files.
+enum class LockUse { kWrite, kRun };
 class DirLock {
  public:
   explicit DirLock(const std::string& dir, const std::string& what = "checkpoint folder",
-                   const std::string& lock_file = "");
+                   const std::string& lock_file = "", LockUse use = LockUse::kWrite);
   ~DirLock();
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
 
  private:
+  void take(const std::string& dir, const std::string& what, const std::string& lock_file);
   std::string key_;
+  LockUse use_ = LockUse::kWrite;
+  std::recursive_mutex* writing_ = nullptr;  // kWrite: the folder's in-process writer lock, held
 };
 
 // run.keep_last: after the save of `saved` (a global_step<N> tag, now

@@ -166,11 +166,11 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
 }
 
 std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
-                                                  const std::string& kind) {
+                                                  const std::string& kind, ckpt::LockUse use) {
   if (path.empty() || path.find('\0') != std::string::npos) check_output_folder(path, what, {});  // throws
   const fs::path p = resolved(path, what + " " + path);
   return std::make_unique<ckpt::DirLock>(
-      p.string(), kind, (p.parent_path() / ("." + p.filename().string() + ".zinc.lock")).string());
+      p.string(), kind, (p.parent_path() / ("." + p.filename().string() + ".zinc.lock")).string(), use);
 }
 
 OutputFolder::OutputFolder(std::string dir, std::string what, const std::vector<std::string>& inputs)

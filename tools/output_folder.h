@@ -44,8 +44,10 @@ std::string tag_holding(const std::string& path, const std::string& checkpoint_d
 // beside it (PARENT/.NAME.zinc.lock), since the folder itself is replaced.
 // The parent is created. Throws IoError naming the holder's pid when
 // another process holds it; `kind` names what is locked in that message.
+// `use`: kRun where a run holds it for its whole length (ckpt::DirLock).
 std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
-                                                  const std::string& kind = "export folder");
+                                                  const std::string& kind = "export folder",
+                                                  ckpt::LockUse use = ckpt::LockUse::kWrite);
 
 class OutputFolder {
  public:

@@ -102,14 +102,14 @@ std::unique_ptr<ckpt::DirLock> hold(const std::string& dir, const std::string& k
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
   const std::string& dir = run.checkpoint_dir;
   return hold(dir, "run.checkpoint_dir", "checkpoint folder", comm,
-              [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder"); });
+              [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder", "", ckpt::LockUse::kRun); });
 }
 
 std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const std::string& key,
                                                   const std::vector<std::string>& inputs, comm::Communicator& comm) {
   return hold(dir, key, "export folder", comm, [&] {
     check_output_folder(dir, key, inputs);
-    return lock_output_folder(dir, key);
+    return lock_output_folder(dir, key, "export folder", ckpt::LockUse::kRun);
   });
 }
 

@@ -393,7 +393,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // second writer of NAME would mix its files with ours): rank 0 writes it.
   const std::unique_ptr<zinc::ckpt::DirLock> weights_lock =
       weights_out.empty() || rank != 0 ? nullptr
-                                       : zinc::tools::lock_output_folder(weights_out, "--save-weights", "export file");
+                                       : zinc::tools::lock_output_folder(weights_out, "--save-weights", "export file",
+                                                                         zinc::ckpt::LockUse::kRun);
   // --save-pretrained's folder is held from the start too, checked against
   // the inputs (above all the pretrained model's folder, which an export
   // there would replace) and locked (a second run writing it at its end

@@ -229,6 +229,22 @@ def test_train_holds_its_checkpoint_folder(doc, tmp_path):
     assert summary["steps"] == 1 and os.path.isdir(ck / "global_step1")
 
 
+def test_a_second_train_run_of_this_process_on_its_folder_is_refused(doc, tmp_path):
+    """Note [two writers in one process]: a second zinc.train of the same
+    process on the folder a run holds was not refused (the lock is a
+    process's), and its saves replaced the first run's tags."""
+    ck = tmp_path / "ck"
+    doc["run"].update({"checkpoint_dir": str(ck), "checkpoint_interval": 1, "eval_interval": 0})
+    first = zinc.train(doc, steps=3)
+    next(first)
+    with pytest.raises(OSError, match=r"is in use by another run of this process \(pid %d holds" % os.getpid()):
+        zinc.train(doc, steps=1, on_step=lambda event: None)
+    for _ in first:
+        pass
+    summary = zinc.train(doc, steps=1, on_step=lambda event: None)  # free again once the first run ended
+    assert summary["steps"] == 1
+
+
 def test_train_refuses_a_run_that_cannot_fit(doc):
     """Issue 27: zinc.train checks the room for the run at its start, as
     zinc-train does: a model whose estimate is hundreds of GiB is refused at
