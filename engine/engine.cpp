@@ -789,6 +789,7 @@ float Engine::train_batch(DataLoader& loader) {
     throw Error("train_batch: the loader's micro-batch (" + std::to_string(loader.micro_batch()) +
                 ") differs from train_micro_batch_size_per_gpu (" +
                 std::to_string(impl_->cfg.train_micro_batch_size_per_gpu) + ")");
+  check_batch_start();
   if (impl_->pipelined()) return impl_->train_pipeline(loader);
   for (int64_t i = 0; i < impl_->cfg.gradient_accumulation_steps; ++i) {
     Batch b = loader.next();
@@ -799,7 +800,39 @@ float Engine::train_batch(DataLoader& loader) {
   return static_cast<float>(impl_->last_loss);
 }
 
+float Engine::train_batch(const std::vector<Batch>& micro_batches) {
+  check_batch_start();
+  impl_->refuse_with_stages("train_batch of the caller's micro-batches");
+  if (static_cast<int64_t>(micro_batches.size()) != impl_->cfg.gradient_accumulation_steps)
+    throw Error("train_batch: a global batch is gradient_accumulation_steps = " +
+                std::to_string(impl_->cfg.gradient_accumulation_steps) + " micro-batches, got " +
+                std::to_string(micro_batches.size()));
+  for (const Batch& b : micro_batches) {
+    forward(b);
+    backward();
+    step();
+  }
+  return static_cast<float>(impl_->last_loss);
+}
+
+// One whole global batch: started inside one (after forward/backward calls
+// of the caller's own), its micro-batches would straddle two. (A forward
+// whose backward never ran is replaced, as by any forward.)
+void Engine::check_batch_start() const {
+  if (impl_->micro_steps % impl_->cfg.gradient_accumulation_steps != 0 || impl_->batch_loss.count != 0)
+    throw Error("train_batch() inside a global batch (after micro-step " + std::to_string(impl_->micro_steps) +
+                " of " + std::to_string(impl_->cfg.gradient_accumulation_steps) +
+                " per batch): finish it with forward(), backward() and step() first; train_batch trains one whole "
+                "global batch");
+}
+
 float Engine::evaluate(const Batch& batch) {
+  // The model keeps one pass's activations: an evaluation there would
+  // replace those the pending backward reads (its gradient was then the
+  // evaluation batch's, without a word).
+  if (impl_->forward_pending)
+    throw Error("Engine::evaluate() between forward() and backward(): the evaluation would replace the activations "
+                "the backward reads; evaluate after backward() or step()");
   if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");
   impl_->device->make_current();

@@ -99,8 +99,12 @@ class Engine {
   // advance, gradients zeroed. Elsewhere: nothing.
   void step();
   // gradient_accumulation_steps x (next micro-batch, forward, backward, step).
-  // Returns the mean loss over the whole global batch.
+  // Returns the mean loss over the whole global batch. Refused inside a
+  // global batch (after forward/backward calls of the caller's own).
   float train_batch(DataLoader& loader);
+  // The same over the caller's gradient_accumulation_steps micro-batches
+  // (without pipeline stages).
+  float train_batch(const std::vector<Batch>& micro_batches);
   // Forward only (no gradients kept); mean loss over the batch's targets,
   // NaN for a batch without one.
   float evaluate(const Batch& batch);
@@ -224,6 +228,7 @@ class Engine {
   int64_t gpu_state_peak_bytes() const;
 
  private:
+  void check_batch_start() const;
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

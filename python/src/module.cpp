@@ -363,12 +363,7 @@ class PyEngine {
       throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
                             std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
     ComputeScope scope;
-    for (const zinc::Batch& b : batches) {
-      e.forward(b);
-      e.backward();
-      e.step();
-    }
-    return e.last_batch_loss();
+    return e.train_batch(batches);
   }
   double evaluate(py::object batch) {
     zinc::Engine& e = engine("evaluate");

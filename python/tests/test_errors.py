@@ -120,6 +120,39 @@ def test_backward_without_forward_is_an_error():
             e.backward()
 
 
+def test_evaluate_between_forward_and_backward_is_refused():
+    """The model keeps one pass's activations: an evaluation there made the
+    backward differentiate the evaluation's batch, without a word."""
+    from conftest import default_doc
+
+    with zinc.initialize(default_doc()) as e:
+        e.forward()
+        with pytest.raises(zinc.Error, match=r"between forward\(\) and backward\(\)"):
+            e.evaluate()
+        e.backward()
+        e.step()
+
+
+def test_train_batch_inside_a_global_batch_is_refused():
+    from conftest import default_doc
+
+    doc = default_doc()
+    doc["gradient_accumulation_steps"] = 2  # micro-batches of 32 (train_batch_size 64)
+    with zinc.initialize(doc) as e:
+        e.forward()
+        e.backward()
+        e.step()
+        mine = (ids((32, 8)), ids((32, 8)))
+        for call in (lambda: e.train_batch(), lambda: e.train_batch([mine, mine])):
+            with pytest.raises(zinc.Error, match=r"inside a global batch \(after micro-step 1 of 2"):
+                call()
+        e.forward()
+        e.backward()
+        e.step()
+        e.train_batch()
+        assert e.global_steps == 2
+
+
 def test_closed_engine():
     from conftest import default_doc
 

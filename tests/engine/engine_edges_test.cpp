@@ -135,6 +135,63 @@ TEST(EngineStepOrder, AForwardWithoutItsBackwardIsNotCounted) {
     EXPECT_EQ(twice.full_params(static_cast<int>(b)), plain.full_params(static_cast<int>(b))) << "block " << b;
 }
 
+// An evaluation between a forward and its backward is refused: the model
+// keeps one pass's activations, and the backward then differentiated the
+// evaluation's batch (a silently wrong gradient at every stage). After
+// the backward it evaluates, and the run is the one without evaluations.
+TEST(EngineStepOrder, AnEvaluationBetweenForwardAndBackwardIsRefused) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 1}};
+  DataLoader loader = small_loader(2, 1);
+  const Batch a = loader.next(), other = loader.next();
+  Engine plain = Engine::initialize(models::make_gpt(g), cfg);
+  plain.forward(a);
+  plain.backward();
+  plain.step();
+  Engine e = Engine::initialize(models::make_gpt(g), cfg);
+  e.forward(a);
+  try {
+    e.evaluate(other);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("between forward() and backward()"), std::string::npos) << err.what();
+  }
+  e.backward();
+  EXPECT_TRUE(std::isfinite(e.evaluate(other)));  // after the backward: allowed, and harmless
+  e.step();
+  EXPECT_EQ(e.global_grad_norm(), plain.global_grad_norm());
+  for (size_t b = 0; b < plain.model().blocks().size(); ++b)
+    EXPECT_EQ(e.full_params(static_cast<int>(b)), plain.full_params(static_cast<int>(b))) << "block " << b;
+}
+
+// train_batch trains one whole global batch: called inside one (after a
+// micro-batch of the caller's own), it is refused, and the caller's batch
+// can still be finished (it mixed the two and left the engine mid-batch).
+TEST(EngineStepOrder, TrainBatchInsideAGlobalBatchIsRefused) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  const nlohmann::json cfg{{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 2}};
+  DataLoader loader = small_loader(2, 2);
+  Engine e = Engine::initialize(models::make_gpt(g), cfg);
+  e.forward(loader.next());
+  e.backward();
+  e.step();  // micro-step 1 of 2
+  try {
+    e.train_batch(loader);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("train_batch() inside a global batch (after micro-step 1 of 2"),
+              std::string::npos)
+        << err.what();
+  }
+  EXPECT_EQ(e.micro_steps(), 1);
+  e.forward(loader.next());
+  e.backward();
+  e.step();
+  EXPECT_EQ(e.global_steps(), 1);
+  EXPECT_NO_THROW(e.train_batch(loader));
+  EXPECT_EQ(e.global_steps(), 2);
+}
+
 // A global batch the step refuses (micro-batches of two shapes with masked
 // targets: the mean over the targets needs one) is dropped, and the engine
 // trains the next one: it refused every later step before.
