@@ -657,13 +657,18 @@ void DataLoader::reshuffle() {
   }
 }
 
-void DataLoader::set_position(int64_t samples) {
+void DataLoader::check_position(int64_t samples) const {
   const int64_t step = micro_batch_ * world_size_;
   if (samples < 0 || samples % step != 0)
-    throw Error("data position " + std::to_string(samples) +
-                " does not fall on a micro-batch boundary (a multiple of micro_batch * world_size = " +
-                std::to_string(step) +
-                "); resume with the batch layout the position was saved with, or from a step boundary");
+    throw Error("data position " + std::to_string(samples) + " (the samples the saved run has read) is not a "
+                "multiple of this run's micro_batch * data-parallel ranks = " + std::to_string(micro_batch_) +
+                " * " + std::to_string(world_size_) + " = " + std::to_string(step) +
+                ", so its next micro-batch would not start there: resume with a micro-batch size and rank count "
+                "whose product divides " + std::to_string(samples) + " (the saved run's do)");
+}
+
+void DataLoader::set_position(int64_t samples) {
+  check_position(samples);
   position_ = samples;
   const int64_t e = samples / source_->num_samples();
   if (e != epoch_) {

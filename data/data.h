@@ -140,6 +140,9 @@ class DataLoader {
   // Consumed samples (all ranks) so far; restoring it resumes the order exactly.
   int64_t position() const { return position_; }
   void set_position(int64_t samples);
+  // Throws what set_position would for `samples`, changing nothing (a
+  // resume checks it before the engine reads the checkpoint).
+  void check_position(int64_t samples) const;
 
  private:
   void reshuffle();

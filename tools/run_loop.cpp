@@ -5,8 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <set>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/checkpoint.h"
 #include "tools/hf_model.h"
 #include "tools/monitor.h"
@@ -78,9 +80,8 @@ std::string adapters_text(const models::LoraConfig& l) {
 // where the checkpoint records one). Said before the engine reads
 // anything, with both sides' settings. The dropout may differ (it changes
 // training, not the model), and so may the base's path.
-void check_resumed_adapters(const std::string& dir, const models::LoraConfig& mine,
+void check_resumed_adapters(const ckpt::TagFiles& files, const models::LoraConfig& mine,
                             const std::function<const std::string&()>& base_fingerprint, const std::string& base) {
-  const ckpt::TagFiles files = ckpt::open_tag(dir, "");
   const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
   if (!client.is_object() || !client.contains("lora") || !mine.enabled()) return;  // the blocks say the rest
   const models::LoraConfig theirs = parse_peft_adapter_config(client["lora"], files.dir + ": client_state.lora");
@@ -97,6 +98,71 @@ void check_resumed_adapters(const std::string& dir, const models::LoraConfig& mi
 
 }  // namespace
 
+void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
+                      const std::function<const std::string&()>& base_fingerprint) {
+  client["samples"] = loader.position();
+  client["data_samples"] = loader.source().num_samples();  // an epoch's, for check_resume
+  client["step"] = step;
+  // What zinc-export --format hf needs to write the model in the Hugging
+  // Face layout: its config.json, and the folder it came from (tokenizer files).
+  if (!ex.hf) return;
+  client["hf_config"] = ex.hf->raw;
+  if (!ex.experiment.model.from_pretrained.empty()) client["hf_source"] = ex.experiment.model.from_pretrained;
+  // And for zinc-export --format peft and check_resume: the adapters'
+  // configuration, as PEFT's adapter_config.json writes it.
+  if (ex.hf->model->lora().enabled()) {
+    client["lora"] = peft_adapter_config_json(ex.hf->model->lora(), ex.experiment.model.from_pretrained,
+                                              ex.hf->model->lora_fan_in_fan_out());
+    if (!base_fingerprint().empty()) client["hf_fingerprint"] = base_fingerprint();
+  }
+}
+
+void check_resume(const Experiment& ex, const std::string& dir, const std::string& tag, const DataLoader& loader,
+                  const std::function<const std::string&()>& base_fingerprint) {
+  const ckpt::TagFiles files = ckpt::open_tag(dir, tag);
+  if (ex.hf) check_resumed_adapters(files, ex.hf->model->lora(), base_fingerprint, ex.experiment.model.from_pretrained);
+  const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
+  if (!client.is_object()) return;
+  if (client.contains("samples") && client["samples"].is_number_integer()) {
+    try {
+      loader.check_position(client["samples"].get<int64_t>());
+    } catch (const Error& e) {
+      throw Error("checkpoint " + files.dir + ": " + e.what() + "; nothing was loaded");
+    }
+  }
+  // What the weights' shapes do not show, said (DeepSpeed loads such a
+  // checkpoint without a word too): data of another length, whose epochs
+  // and shuffled order the saved position no longer continues; and model
+  // settings that change what the same weights compute (n_head, rope,
+  // norms' eps).
+  if (client.contains("data_samples") && client["data_samples"].is_number_integer() &&
+      client["data_samples"].get<int64_t>() != loader.source().num_samples())
+    log_warn("checkpoint " + files.dir + " was saved over data of " + std::to_string(client["data_samples"].get<int64_t>()) +
+             " samples an epoch; this run's data has " + std::to_string(loader.source().num_samples()) +
+             ": the run goes on from the saved position, but in another epoch and order than the saved run would");
+  if (ex.hf && client.contains("hf_config") && client["hf_config"].is_object() && ex.hf->raw.is_object()) {
+    static const std::set<std::string> kNotTheModel = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                                                       "use_cache"};
+    const nlohmann::json& theirs = client["hf_config"];
+    const nlohmann::json& mine = ex.hf->raw;
+    std::string differ;
+    int n = 0;
+    auto note = [&](const std::string& k) {
+      if (kNotTheModel.count(k) || (theirs.contains(k) && mine.contains(k) && theirs[k] == mine[k])) return;
+      if (++n <= 4)
+        differ += (differ.empty() ? "" : ", ") + k + " " + (theirs.contains(k) ? theirs[k].dump() : "(none)") + " -> " +
+                  (mine.contains(k) ? mine[k].dump() : "(none)");
+    };
+    for (auto it = theirs.begin(); it != theirs.end(); ++it) note(it.key());
+    for (auto it = mine.begin(); it != mine.end(); ++it)
+      if (!theirs.contains(it.key())) note(it.key());
+    if (n > 0)
+      log_warn("checkpoint " + files.dir + " was saved by a model whose settings differ from this run's (" + differ +
+               (n > 4 ? ", and " + std::to_string(n - 4) + " more" : "") +
+               "): the weights fit, but they compute another function here");
+  }
+}
+
 const std::string& RunLoop::base_fingerprint() {
   if (!base_fingerprint_) {
     const std::string& base = ex_.experiment.model.from_pretrained;
@@ -107,9 +173,7 @@ const std::string& RunLoop::base_fingerprint() {
 }
 
 nlohmann::json RunLoop::resume(const std::string& dir) {
-  if (ex_.hf)
-    check_resumed_adapters(dir, ex_.hf->model->lora(), [this]() -> const std::string& { return base_fingerprint(); },
-                           ex_.experiment.model.from_pretrained);
+  check_resume(ex_, dir, "", loader_, [this]() -> const std::string& { return base_fingerprint(); });
   const nlohmann::json client = engine_.load_checkpoint(dir);
   loader_.set_position(client.at("samples").get<int64_t>());
   first_step_ = engine_.global_steps() + 1;
@@ -137,20 +201,8 @@ void RunLoop::emit(std::vector<nlohmann::json>& evs, nlohmann::json ev) {
 void RunLoop::save(int64_t step, std::vector<nlohmann::json>& evs) {
   const RunConfig& run = ex_.experiment.run;
   const auto c0 = Clock::now();
-  nlohmann::json client = {{"samples", loader_.position()}, {"step", step}};
-  // What zinc-export --format hf needs to write the model in the Hugging
-  // Face layout: its config.json, and the folder it came from (tokenizer files).
-  if (ex_.hf) {
-    client["hf_config"] = ex_.hf->raw;
-    if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
-    // And for zinc-export --format peft: the adapters' configuration, as
-    // PEFT's adapter_config.json writes it.
-    if (ex_.hf->model->lora().enabled()) {
-      client["lora"] = peft_adapter_config_json(ex_.hf->model->lora(), ex_.experiment.model.from_pretrained,
-                                                ex_.hf->model->lora_fan_in_fan_out());
-      if (!base_fingerprint().empty()) client["hf_fingerprint"] = base_fingerprint();
-    }
-  }
+  nlohmann::json client = nlohmann::json::object();
+  add_resume_state(client, ex_, loader_, step, [this]() -> const std::string& { return base_fingerprint(); });
   engine_.save_checkpoint(run.checkpoint_dir, "", client);
   if (rank_ == 0) prune_checkpoints(run.checkpoint_dir, run.keep_last, step);
   last_saved_ = step;

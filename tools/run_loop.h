@@ -42,6 +42,23 @@ namespace zinc::tools {
 
 class Monitors;
 
+// The client state a checkpoint resumes from, added to `client` (zinc-train's,
+// zinc.train's and Engine.save_checkpoint's alike: each resumes the
+// others'): the data position and step, and where the model is a Hugging
+// Face one its config.json, source folder, LoRA settings and the frozen
+// base's digest (base_fingerprint, asked only with LoRA).
+void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
+                      const std::function<const std::string&()>& base_fingerprint);
+// Before a resume reads anything (zinc-train --resume, Python's
+// load_checkpoint): dir/tag's LoRA adapters against this run's (rank,
+// targets and scale, which no block records; the frozen base's digest,
+// from base_fingerprint, where the checkpoint records one), and its data
+// position against `loader`'s micro-batch layout. Throws naming the
+// checkpoint and both sides. Warns where the data's length or the model's
+// settings (config.json's) differ from the saved run's.
+void check_resume(const Experiment& ex, const std::string& dir, const std::string& tag, const DataLoader& loader,
+                  const std::function<const std::string&()>& base_fingerprint);
+
 class RunLoop {
  public:
   struct Hooks {

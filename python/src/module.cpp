@@ -58,6 +58,7 @@
 #include "data/data.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
+#include "tools/hf_model.h"
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 #include "tools/run_loop.h"
@@ -386,13 +387,9 @@ class PyEngine {
     zinc::Engine& e = engine("save_checkpoint");
     json client = client_state.is_none() ? json::object() : from_py(client_state, "client_state");
     if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
-    client["samples"] = loader_->position();
-    client["step"] = e.global_steps();
-    if (ex_.hf) {  // for zinc-export --format hf, as zinc-train keeps them
-      client["hf_config"] = ex_.hf->raw;
-      if (!ex_.experiment.model.from_pretrained.empty()) client["hf_source"] = ex_.experiment.model.from_pretrained;
-    }
     ComputeScope scope;
+    zinc::tools::add_resume_state(client, ex_, *loader_, e.global_steps(),
+                                  [this]() -> const std::string& { return base_fingerprint(); });
     e.save_checkpoint(dir, tag.value_or(""), client);
   }
   py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard,
@@ -455,6 +452,11 @@ class PyEngine {
     json client;
     {
       ComputeScope scope;
+      // zinc-train --resume's checks, before anything is read: the adapters
+      // and the data position (it raised after the load had replaced the
+      // engine's state, and a LoRA scale change loaded without a word).
+      zinc::tools::check_resume(ex_, dir, tag.value_or(""), *loader_,
+                                [this]() -> const std::string& { return base_fingerprint(); });
       client = e.load_checkpoint(dir, tag.value_or(""));
     }
     if (client.is_object() && client.contains("samples") && client["samples"].is_number_integer())
@@ -462,6 +464,17 @@ class PyEngine {
     return to_py(client);
   }
 
+  // hf_weights_fingerprint of model.from_pretrained where LoRA leaves it
+  // frozen (empty otherwise), once.
+  const std::string& base_fingerprint() {
+    if (!base_fingerprint_) {
+      const std::string& base = ex_.experiment.model.from_pretrained;
+      base_fingerprint_ = ex_.hf && ex_.hf->model->lora().enabled() && !base.empty()
+                              ? zinc::tools::hf_weights_fingerprint(base)
+                              : std::string();
+    }
+    return *base_fingerprint_;
+  }
   py::object config() const { return to_py(zinc::tools::config_event(ex_, world())["config"]); }
   int world() const { return comm_ ? comm_->size() : 1; }
   const zinc::tools::Experiment& experiment() const { return ex_; }
@@ -556,6 +569,7 @@ class PyEngine {
   json doc_;
   std::shared_ptr<zinc::comm::Communicator> comm_;
   std::unique_ptr<zinc::ckpt::DirLock> folder_lock_;  // zinc.train's checkpoint folder
+  std::optional<std::string> base_fingerprint_;       // of model.from_pretrained, for check_resume
   zinc::tools::Experiment ex_;
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;

@@ -129,6 +129,63 @@ def test_checkpoint_round_trip(doc, tmp_path):
         assert c.global_steps == 3 and c.train_batch() == after[0]
 
 
+def test_a_load_that_cannot_resume_changes_nothing(doc, tmp_path):
+    """load_checkpoint makes zinc-train --resume's checks before it reads
+    anything: a data position this batch layout cannot continue from (it
+    raised after the load had replaced the weights and the step), and LoRA
+    adapters of another scale (which no block records: they loaded without
+    a word, a silently different model)."""
+    ck = str(tmp_path / "ck")
+    doc["model"]["lora"] = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]}
+    with zinc.initialize(doc) as a:
+        for _ in range(3):
+            a.train_batch()
+        a.save_checkpoint(ck)  # 3 x 64 samples
+    other = json.loads(json.dumps(doc))
+    other["train_batch_size"] = 40  # micro-batches of 40 do not divide 192
+    with zinc.initialize(other) as b:
+        with pytest.raises(zinc.Error, match=r"data position 192 .* not a multiple of .* = 40.*nothing was loaded"):
+            b.load_checkpoint(ck)
+        assert b.global_steps == 0 and b.learning_rate == 0.0
+    other = json.loads(json.dumps(doc))
+    other["model"]["lora"]["lora_alpha"] = 16
+    with zinc.initialize(other) as c:
+        with pytest.raises(zinc.Error, match=r"trained LoRA adapters of r 4, lora_alpha 8 .* this run's are r 4, "
+                                             r"lora_alpha 16"):
+            c.load_checkpoint(ck)
+        assert c.global_steps == 0
+    with zinc.initialize(doc) as d:
+        assert d.load_checkpoint(ck)["step"] == 3 and d.global_steps == 3
+
+
+def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
+    """What the weights' shapes do not show is said at the load: data of
+    another length (the saved position then falls in another epoch and
+    order) and model settings that change what the weights compute
+    (n_head, with the same shapes)."""
+    ck = str(tmp_path / "ck")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    doc["data"] = {"type": "text", "path": str(text), "seq_len": 16}
+    doc["train_batch_size"] = 8
+    doc["run"]["eval_interval"] = 0
+    with zinc.initialize(doc) as a:
+        a.train_batch()
+        a.save_checkpoint(ck)
+    capfd.readouterr()
+    with zinc.initialize(doc) as b:
+        b.load_checkpoint(ck)
+    assert "was saved" not in capfd.readouterr().err  # the same run: nothing to say
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    other = json.loads(json.dumps(doc))
+    other["model"]["n_head"] = 2
+    with zinc.initialize(other) as c:
+        c.load_checkpoint(ck)
+    err = capfd.readouterr().err
+    assert re.search(r"was saved over data of \d+ samples an epoch; this run's data has \d+", err), err
+    assert "settings differ from this run's (n_head 4 -> 2)" in err, err
+
+
 def test_python_checkpoint_resumes_in_zinc_train(doc, tmp_path):
     ck = tmp_path / "ck"
     doc["run"]["checkpoint_dir"] = str(ck)
