@@ -116,6 +116,24 @@ bool read_only_disk(const std::string& path) {
   }
 }
 
+std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int64_t T, int64_t held_B,
+                               int64_t held_T) {
+  auto bytes = [&](int64_t b, int64_t t) -> int64_t {
+    if (b <= 0 || t <= 0) return 0;
+    const std::optional<ActivationMemory> a = model.activation_memory(b, t, compute);
+    return a ? a->saved + a->workspace : -1;
+  };
+  const int64_t need = bytes(B, T), held = bytes(held_B, held_T);
+  if (need < 0 || held < 0 || need <= held) return "";
+  const Room room = memory_room();
+  if (room.ram() < 0 || need - held <= room.ram()) return "";
+  return "a batch of " + std::to_string(B) + " x " + std::to_string(T) + " tokens needs about " + gib(need) +
+         " of activations (" + gib(need - held) + " more than the engine holds), but the process may take " +
+         gib(room.ram()) + " (" +
+         (room.ram() == room.cgroup_room ? "cgroup " + room.cgroup_where : "MemAvailable " + gib(room.mem_available)) +
+         "): pass smaller batches";
+}
+
 std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
   std::vector<std::string> out;
   const Config& cfg = ex.config;

@@ -33,4 +33,14 @@ int64_t free_disk_bytes(const std::string& path);
 // ranks of this run on this host.
 std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks);
 
+// A batch of B x T tokens (the Python API's, whose size the config does not
+// bound): where the activations `model` keeps for it (Model::activation_
+// memory, in `compute`) grow past what the machine grants the process now,
+// beyond those of the largest batch it has run (held_B x held_T, whose
+// buffers it holds; 0 x 0: none), the line that says so; empty where it
+// fits or the model cannot tell. A batch 10^6 rows long was not refused,
+// and the OOM killer ended the interpreter.
+std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int64_t T, int64_t held_B,
+                               int64_t held_T);
+
 }  // namespace zinc::tools

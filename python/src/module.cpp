@@ -59,6 +59,7 @@
 #include "engine/engine.h"
 #include "tools/experiment.h"
 #include "tools/hf_model.h"
+#include "tools/resources.h"
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 #include "tools/run_loop.h"
@@ -336,6 +337,7 @@ class PyEngine {
       return e.forward(loader_->next());
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.forward");
+    check_room(b, "zinc.Engine.forward");
     ComputeScope scope;
     return e.forward(b);
   }
@@ -360,6 +362,7 @@ class PyEngine {
     const int64_t ga = ex_.config.gradient_accumulation_steps;
     std::vector<zinc::Batch> batches;
     for (py::handle b : data) batches.push_back(to_batch(b, "zinc.Engine.train_batch"));
+    for (const zinc::Batch& b : batches) check_room(b, "zinc.Engine.train_batch");
     if (static_cast<int64_t>(batches.size()) != ga)
       throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
                             std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
@@ -377,6 +380,7 @@ class PyEngine {
                                    ex_.config.train_micro_batch_size_per_gpu);
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.evaluate");
+    check_room(b, "zinc.Engine.evaluate");
     ComputeScope scope;
     return e.evaluate(b);
   }
@@ -482,6 +486,21 @@ class PyEngine {
   zinc::comm::Communicator* communicator() const { return comm_.get(); }
 
  private:
+  // A batch larger than any so far: MemoryError where its activations
+  // cannot fit (tools::batch_room_refusal), before anything is allocated.
+  void check_room(const zinc::Batch& b, const std::string& fn) {
+    if (b.B * b.T <= held_B_ * held_T_) return;
+    const std::string why =
+        zinc::tools::batch_room_refusal(*ex_.model, ex_.config.compute_dtype(), b.B, b.T, held_B_, held_T_);
+    if (!why.empty()) {
+      PyErr_SetString(PyExc_MemoryError, (fn + ": " + why).c_str());
+      throw py::error_already_set();
+    }
+    held_B_ = b.B;
+    held_T_ = b.T;
+  }
+  int64_t held_B_ = 0, held_T_ = 0;  // the largest batch check_room let through
+
   // A batch: (inputs, targets) as a tuple or list, or a dict with those keys
   // and optionally 'positions' (packed documents, Batch::positions).
   zinc::Batch to_batch(py::handle batch, const std::string& fn) const {

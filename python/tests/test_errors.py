@@ -153,6 +153,27 @@ def test_train_batch_inside_a_global_batch_is_refused():
         assert e.global_steps == 2
 
 
+def test_a_batch_whose_activations_cannot_fit_is_a_memory_error():
+    """A batch small as an array but whose activations cannot fit (a
+    50000-token vocabulary's logits) is refused before anything is
+    allocated, naming the need and the limit; the OOM killer ended the
+    interpreter before. The engine trains on afterwards."""
+    from conftest import default_doc
+
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    doc = default_doc()
+    doc["model"].update({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 50000})
+    T = 64
+    B = 8 * avail // (T * 50000 * 4) + 1  # the logits alone: 2x the room, in fp32
+    with zinc.initialize(doc) as e:
+        x = np.zeros((B, T), dtype=np.int32)
+        for call in (lambda: e.evaluate((x, x)), lambda: e.forward((x, x))):
+            with pytest.raises(MemoryError, match=r"a batch of %d x %d tokens needs about .* pass smaller batches" % (B, T)):
+                call()
+        assert np.isfinite(e.train_batch())
+
+
 def test_closed_engine():
     from conftest import default_doc
 
