@@ -297,8 +297,20 @@ class PyEngine {
                  std::string("zinc.Engine.") + what + " touches the engine without its Call");
     }
     if (!engine_) throw py::value_error(std::string("zinc.Engine.") + what + ": the engine is closed");
+    if (forked())
+      throw zinc::Error(std::string("zinc.Engine.") + what + ": this engine was made by process " +
+                        std::to_string(owner_pid_) + ", which os.fork()ed this one; its threads (the optimizer's, "
+                        "the collectives', the NVMe reapers) did not come along, so it cannot run here: make an "
+                        "engine in this process (or start workers with the spawn method)");
     return *engine_;
   }
+  // Note [engines across fork]: true in a child of the process that made
+  // the engine. fork() copies the engine's memory but none of its threads,
+  // so waiting for them (a step, a destructor joining them) waited for
+  // ever: the child refuses every call, and its close() lets the copy go
+  // without running its destructors (which would also remove the parent's
+  // NVMe files and flush its monitors' files a second time).
+  bool forked() const { return ::getpid() != owner_pid_; }
   // The properties: one read of the engine under a Call.
   template <class F>
   auto read(const char* what, F f) {
@@ -579,6 +591,14 @@ class PyEngine {
     call_thread_ = {};
   }
   void free_engine() {
+    if (forked()) {  // Note [engines across fork]: the parent's; left as it is
+      new zinc::Engine(std::move(*engine_));
+      engine_.reset();
+      (void)loader_.release();
+      (void)folder_lock_.release();
+      new std::shared_ptr<zinc::comm::Communicator>(std::move(comm_));
+      return;
+    }
     std::optional<py::gil_scoped_release> release;
     if (PyGILState_Check()) release.emplace();
     engine_.reset();
@@ -593,6 +613,7 @@ class PyEngine {
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;
   int64_t vocab_ = 0, max_t_ = 0;
+  pid_t owner_pid_ = ::getpid();  // the process that made the engine
   // Note [one call at a time]. call_mu_ guards the three below, only ever
   // for a few instructions (never across a computation, so never waited on
   // for long; try-locking is not needed).
@@ -629,11 +650,14 @@ class TrainRun {
   TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
       : engine_(config, steps, "zinc.train", ignore_resources) {
     PyEngine::Call call(engine_, "zinc.train");
-    loop_.emplace(engine_.engine("train"), engine_.loader(), engine_.experiment(), engine_.communicator(),
-                  zinc::tools::RunLoop::Hooks{});
+    loop_ = std::make_unique<zinc::tools::RunLoop>(engine_.engine("train"), engine_.loader(), engine_.experiment(),
+                                                   engine_.communicator(), zinc::tools::RunLoop::Hooks{});
     g_runs.insert(this);
   }
-  ~TrainRun() { g_runs.erase(this); }
+  ~TrainRun() {
+    g_runs.erase(this);
+    if (engine_.forked()) (void)loop_.release();  // Note [engines across fork]: its monitors' files are the parent's
+  }
   PyEngine& engine() { return engine_; }
 
   py::list start() { return to_list(loop_->start()); }
@@ -667,7 +691,7 @@ class TrainRun {
   }
 
   PyEngine engine_;
-  std::optional<zinc::tools::RunLoop> loop_;  // refers to engine_'s engine: used only while it is open
+  std::unique_ptr<zinc::tools::RunLoop> loop_;  // refers to engine_'s engine: used only while it is open
 };
 
 }  // namespace

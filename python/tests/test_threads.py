@@ -286,3 +286,38 @@ def test_the_interpreter_exits_cleanly_while_a_daemon_thread_trains():
         """,
     ):
         assert run_child(body).strip().endswith("returning")
+
+
+def test_a_forked_child_refuses_the_parents_engine_and_exits(tmp_path):
+    # Note [engines across fork] in python/src/module.cpp: the child of a
+    # process with a ZeRO-3 NVMe engine hung for ever in its first step, or
+    # at exit (closing the engine joined threads the child does not have).
+    # Now every call there is refused, its exit lets the copy go, and the
+    # parent's engine (and its NVMe files) train on.
+    out = run_child(
+        """
+        import os
+        nvme = %r
+        os.makedirs(nvme)
+        doc = default_doc()
+        off = {"device": "nvme", "nvme_path": nvme}
+        doc["zero_optimization"] = {"stage": 3, "offload_optimizer": dict(off), "offload_param": dict(off)}
+        e = zinc.initialize(doc)
+        e.train_batch()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                e.train_batch()
+                code = 3
+            except zinc.Error as exc:
+                code = 0 if "os.fork()ed this one" in str(exc) else 4
+            sys.exit(code)  # atexit closes the engine: it must not hang
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        e.train_batch()
+        e.close()
+        print("parent ok")
+        """ % str(tmp_path / "nvme"),
+        timeout=120,
+    )
+    assert "child 0" in out and out.strip().endswith("parent ok"), out
