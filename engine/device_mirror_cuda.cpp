@@ -281,11 +281,14 @@ class CudaMirror final : public DeviceMirror {
     ZINC_CUDA_CHECK(cudaMemset(norms_.data(), 0, norms_.bytes()), "zeroing the gradient norms");
   }
   // The blocks' sums of squares in norms_, added in block order on the host.
-  double sum_norms() {
-    std::vector<double> host(blocks_.size());
-    ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), norms_.data(), host.size() * sizeof(double), cudaMemcpyDeviceToHost,
-                                    kCompute),
-                    "copy of the gradient norms");
+  double sum_norms() { return sum_doubles(norms_, blocks_.size()); }
+  // The first n doubles of `d` (after the compute stream's work), added in
+  // order on the host.
+  static double sum_doubles(const cuda::DeviceBuffer& d, size_t n) {
+    std::vector<double> host(n);
+    if (n > 0)
+      ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), d.data(), n * sizeof(double), cudaMemcpyDeviceToHost, kCompute),
+                      "copy of the gradient norms");
     ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
     double s = 0;
     for (double x : host) s += x;
@@ -343,15 +346,7 @@ class CudaMirror final : public DeviceMirror {
         if (a < e) kernels::cuda::squared_norm(r.g + (a - r.first), e - a, range_norms_.as<double>() + slots++, kCompute);
       }
     }
-    std::vector<double> host(slots);
-    if (slots > 0)
-      ZINC_CUDA_CHECK(cudaMemcpyAsync(host.data(), range_norms_.data(), slots * sizeof(double), cudaMemcpyDeviceToHost,
-                                      kCompute),
-                      "copy of the gradient norms");
-    ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "synchronize for the gradient norm");
-    double s = 0;
-    for (double x : host) s += x;
-    return s;
+    return sum_doubles(range_norms_, slots);
   }
 
   float* state_grads(int block) override {

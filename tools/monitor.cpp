@@ -1,6 +1,7 @@
 #include "tools/monitor.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <isa-l/crc.h>
 #include <unistd.h>
 
@@ -8,10 +9,12 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <system_error>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "tools/tb_event.pb.h"
 
 namespace zinc::tools {
@@ -74,19 +77,25 @@ void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
     if (ch == '/' || ch == ' ') ch = '_';
   fs::path path = dir_ / (file + ".csv");
   // DeepSpeed's csv_monitor appends, with a header the first time a process
-  // writes the file. Here the header goes only into an empty file, so that a
-  // resumed run's rows follow the earlier ones without a second header row,
-  // and a row a kill cut short ends before the next one starts.
+  // writes the file. A resumed run's rows follow the saved run's without a
+  // second header row; a fresh run's start under their own, said once. A
+  // row a kill cut short ends before the next one starts.
   bool header = false, newline = false;
   if (!written_[file]) {
     written_[file] = true;
     std::error_code ec;
     const uintmax_t size = fs::file_size(path, ec);
-    header = ec || size == 0;
-    if (!header) {
+    const bool empty = ec || size == 0;
+    header = empty || !resumed_;
+    if (!empty) {
       std::ifstream last(path, std::ios::binary);
       last.seekg(-1, std::ios::end);
       newline = last.get() != '\n';
+      if (!resumed_ && !warned_) {
+        warned_ = true;
+        log_warn("csv_monitor: " + path.string() + " holds an earlier run's rows; this run's follow under a header "
+                 "row of their own (set csv_monitor.job_name per run to keep runs apart)");
+      }
     }
   }
   std::ofstream out(path, std::ios::app);
@@ -97,6 +106,40 @@ void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
   std::snprintf(buf, sizeof buf, "%.9g", value);
   out << step << "," << buf << "\n";
   if (!out) throw IoError("csv_monitor: write failed on " + path.string());
+}
+
+void CsvMonitor::resumed(int64_t step) {
+  resumed_ = true;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_, ec)) {
+    if (e.path().extension() != ".csv" || !e.is_regular_file(ec)) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    std::string kept, line;
+    int64_t dropped = 0;
+    while (std::getline(in, line)) {
+      // A row is "step,value"; anything else (a header) stays.
+      const size_t comma = line.find(',');
+      char* end = nullptr;
+      const long long x = comma == std::string::npos ? 0 : std::strtoll(line.c_str(), &end, 10);
+      if (comma != std::string::npos && end == line.c_str() + comma && x > step) {
+        ++dropped;
+        continue;
+      }
+      kept += line + "\n";
+    }
+    if (dropped == 0) continue;
+    const fs::path tmp = e.path().string() + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << kept;
+      if (!out) throw IoError("csv_monitor: cannot write " + tmp.string());
+    }
+    fs::rename(tmp, e.path(), ec);
+    if (ec) throw IoError("csv_monitor: cannot replace " + e.path().string() + ": " + ec.message());
+    log_info("csv_monitor: " + e.path().string() + ": removed " + std::to_string(dropped) +
+             " rows past step " + std::to_string(step) + ", where this run resumes (the saved run's, after its "
+             "checkpoint)");
+  }
 }
 
 TensorBoardWriter::TensorBoardWriter(const TensorBoardConfig& c) {
@@ -116,6 +159,10 @@ TensorBoardWriter::TensorBoardWriter(const TensorBoardConfig& c) {
   }
   if (fd < 0) throw posix_error("tensorboard: cannot create " + path_, errno);
   fd_ = UniqueFd(fd);
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0 && e.path().string() != path_)
+      ++earlier_files_;
   tb::Event ev;
   ev.set_wall_time(now);
   ev.set_file_version("brain.Event:2");
@@ -134,6 +181,12 @@ TensorBoardWriter::~TensorBoardWriter() {
 }
 
 void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t step) {
+  if (earlier_files_ > 0 && !resumed_ && !warned_) {  // a fresh run beside earlier ones
+    warned_ = true;
+    log_warn("tensorboard: " + fs::path(path_).parent_path().string() + " holds " + std::to_string(earlier_files_) +
+             " event file(s) of earlier runs, which TensorBoard shows with this run's as one run, the same steps "
+             "twice (set tensorboard.job_name per run to keep runs apart)");
+  }
   tb::Event ev;
   ev.set_wall_time(unix_seconds());
   ev.set_step(step);
@@ -143,7 +196,22 @@ void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t
   tfrecord_append(pending_, ev.SerializeAsString());
 }
 
+void TensorBoardWriter::resumed(int64_t step) {
+  resumed_ = true;
+  tb::Event ev;
+  ev.set_wall_time(unix_seconds());
+  ev.set_step(step + 1);
+  ev.mutable_session_log()->set_status(tb::SessionLog::START);
+  tfrecord_append(pending_, ev.SerializeAsString());
+}
+
 void TensorBoardWriter::flush() {
+  if (pending_.empty()) return;
+  struct stat st;
+  if (::fstat(fd_.get(), &st) == 0 && st.st_nlink == 0) {
+    pending_.clear();
+    throw IoError("tensorboard: " + path_ + " was removed while the run wrote it");
+  }
   size_t done = 0;
   while (done < pending_.size()) {
     const ssize_t n = ::write(fd_.get(), pending_.data() + done, pending_.size() - done);
@@ -168,13 +236,39 @@ Monitors::Monitors(const Config& c, int rank) {
 
 Monitors::~Monitors() = default;
 
+// Note [a monitor is a side output]
+// A monitor whose file cannot be written (its folder removed by a clean-up,
+// a full disk) ended the run with an error and no checkpoint, losing every
+// step since the last one for a log line. So a failure drops that monitor,
+// with a warning naming the file, and training goes on; a TensorBoard file
+// removed under the run is seen at the next flush, where its writes would
+// have gone into a file no one can open.
+template <class Monitor, class F>
+void guarded(std::unique_ptr<Monitor>& m, const char* name, F&& f) {
+  if (!m) return;
+  try {
+    f(*m);
+  } catch (const std::exception& e) {
+    log_warn(std::string(e.what()) + "; the run goes on without " + name);
+    m.reset();
+  }
+}
+
 void Monitors::write(const std::string& tag, double value, int64_t step) {
-  if (csv_) csv_->write(tag, value, step);
-  if (tb_) tb_->add_scalar(tag, value, step);
+  guarded(csv_, "csv_monitor", [&](CsvMonitor& m) { m.write(tag, value, step); });
+  guarded(tb_, "tensorboard", [&](TensorBoardWriter& m) { m.add_scalar(tag, value, step); });
 }
 
 void Monitors::flush() {
-  if (tb_) tb_->flush();
+  guarded(tb_, "tensorboard", [&](TensorBoardWriter& m) { m.flush(); });
+}
+
+void Monitors::resumed(int64_t step) {
+  guarded(csv_, "csv_monitor", [&](CsvMonitor& m) { m.resumed(step); });
+  guarded(tb_, "tensorboard", [&](TensorBoardWriter& m) {
+    m.resumed(step);
+    m.flush();
+  });
 }
 
 }  // namespace zinc::tools

@@ -5,7 +5,8 @@
 // zinc.train alike.
 //
 // Each class owns its files; one thread (the run loop's) calls it. A write
-// that fails throws IoError naming the file.
+// that fails throws IoError naming the file; Monitors then drops that
+// monitor with a warning (Note [a monitor is a side output]).
 #pragma once
 
 #include <cstddef>
@@ -33,17 +34,26 @@ void tfrecord_append(std::string& out, std::string_view data);
 
 // DeepSpeed's csv_monitor layout: <output_path>/<job_name>/<tag with '/'
 // and ' ' replaced by '_'>.csv, rows "step,value" under a "step,<last part of
-// the tag>" header written the first time this process writes a file.
-// Each write opens, appends and closes its file.
+// the tag>" header written the first time this process writes a file, as
+// DeepSpeed's does (so a fresh run's rows after an earlier run's start with
+// a header row of their own, and the run says so once). A resumed run
+// (resumed()) writes no second header: its rows follow the saved run's,
+// whose rows past the resumed step (a crashed run's, written after its last
+// checkpoint) it removes first. Each write opens, appends and closes its
+// file.
 class CsvMonitor {
  public:
   // Creates the folder (IoError if it cannot).
   explicit CsvMonitor(const CsvMonitorConfig& c);
   void write(const std::string& tag, double value, int64_t step);
+  // Before the first write of a resumed run: every CSV of the folder keeps
+  // its rows up to `step` (each file rewritten as one unit where it drops any).
+  void resumed(int64_t step);
 
  private:
   std::filesystem::path dir_;
   std::map<std::string, bool> written_;
+  bool resumed_ = false, warned_ = false;
 };
 
 // Note [TensorBoard event file]
@@ -78,14 +88,23 @@ class TensorBoardWriter {
   const std::string& path() const { return path_; }
   // Encodes one scalar's Event into the pending buffer (nothing is written).
   void add_scalar(const std::string& tag, double value, int64_t step);
+  // A resumed run: a SessionLog START event at step + 1, from which
+  // TensorBoard's reader drops what the folder's earlier files hold past
+  // `step` (a crashed run's steps after its last checkpoint), as it does
+  // for TensorFlow's own restarts. Encoded into the pending buffer.
+  void resumed(int64_t step);
   // Writes what add_scalar encoded since the last flush, in one write(2)
-  // (retried on a short write). IoError naming the file if it fails.
+  // (retried on a short write). IoError naming the file if it fails, or if
+  // the file was removed while the run wrote it (its curve would go into a
+  // file no one can open).
   void flush();
 
  private:
   std::string path_;
   UniqueFd fd_;
   std::string pending_;  // TFRecords not yet written
+  int earlier_files_ = 0;  // other event files in the folder when this one was made
+  bool resumed_ = false, warned_ = false;
 };
 
 // Every monitor the config enables, for rank `rank`: only rank 0 writes
@@ -99,6 +118,8 @@ class Monitors {
   bool enabled() const { return csv_ != nullptr || tb_ != nullptr; }
   void write(const std::string& tag, double value, int64_t step);
   void flush();
+  // A resumed run, before its first write: x of the last step saved.
+  void resumed(int64_t step);
 
  private:
   std::unique_ptr<CsvMonitor> csv_;

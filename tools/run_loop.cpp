@@ -159,7 +159,7 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
     if (n > 0)
       log_warn("checkpoint " + files.dir + " was saved by a model whose settings differ from this run's (" + differ +
                (n > 4 ? ", and " + std::to_string(n - 4) + " more" : "") +
-               "): the weights fit, but they compute another function here");
+               "): the weights fit, but these settings may change what they compute");
   }
 }
 
@@ -177,6 +177,7 @@ nlohmann::json RunLoop::resume(const std::string& dir) {
   const nlohmann::json client = engine_.load_checkpoint(dir);
   loader_.set_position(client.at("samples").get<int64_t>());
   first_step_ = engine_.global_steps() + 1;
+  monitor_->resumed(engine_.global_steps() * ex_.config.train_batch_size);  // Note [monitor scalars]: x is samples
   done_ = last_saved_ = step_last_ = first_step_ - 1;
   return resume_event(dir, engine_.global_steps());
 }

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/log.h"
+#include "engine/config.h"
 #include "tools/monitor.h"
 #include "tools/tb_event.pb.h"
 
@@ -184,6 +186,110 @@ TEST(Monitors, OnlyRankZeroWrites) {
     EXPECT_EQ(split_records(read_all(e.path())).size(), 2u);
   }
   EXPECT_EQ(files, 1);
+}
+
+// Note [a monitor is a side output]: a monitor whose folder goes away in
+// the run (a clean-up) is dropped with a warning naming its file, and the
+// run goes on (csv_monitor's error ended it with no checkpoint; tensorboard
+// wrote on into a removed file without a word).
+TEST(Monitors, AFolderRemovedMidRunDropsItsMonitorWithAWarning) {
+  TempDir tmp;
+  Config c;
+  c.tensorboard.enabled = true;
+  c.tensorboard.output_path = (tmp.path / "tb").string();
+  c.csv_monitor.enabled = true;
+  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  Monitors m(c, 0);
+  m.write("Train/Samples/lr", 1.0, 8);
+  m.flush();
+  fs::remove_all(tmp.path / "tb");
+  fs::remove_all(tmp.path / "csv");
+  LogCapture capture(LogLevel::kWarn);
+  EXPECT_NO_THROW(m.write("Train/Samples/lr", 0.5, 16));
+  EXPECT_NO_THROW(m.flush());
+  const std::vector<std::string> got = capture.messages();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_NE(got[0].find("csv_monitor: cannot write " + (tmp.path / "csv").string()), std::string::npos) << got[0];
+  EXPECT_NE(got[0].find("the run goes on without csv_monitor"), std::string::npos) << got[0];
+  EXPECT_NE(got[1].find("was removed while the run wrote it; the run goes on without tensorboard"), std::string::npos)
+      << got[1];
+  EXPECT_FALSE(m.enabled());
+  m.write("Train/Samples/lr", 0.25, 24);  // dropped: nothing more is said or written
+  m.flush();
+  EXPECT_EQ(capture.messages().size(), 2u);
+  EXPECT_FALSE(fs::exists(tmp.path / "csv"));
+}
+
+// A resumed run's curves: the CSV rows a crashed run wrote past the
+// resumed step go (each file replaced whole), the run's rows follow
+// without a second header, and the TensorBoard file starts with a
+// SessionLog START at step + 1, from which TensorBoard's reader drops the
+// earlier files' later steps. (Both showed those steps twice.)
+TEST(Monitors, AResumedRunDropsTheCrashedRunsLaterStepsFromItsCurves) {
+  TempDir tmp;
+  Config c;
+  c.tensorboard.enabled = true;
+  c.tensorboard.output_path = (tmp.path / "tb").string();
+  c.csv_monitor.enabled = true;
+  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  {
+    Monitors crashed(c, 0);
+    for (int64_t step : {8, 16, 24, 32}) crashed.write("Train/Samples/lr", static_cast<double>(step), step);
+    crashed.flush();
+  }
+  std::string resumed_tb;
+  {
+    Monitors resumed(c, 0);
+    resumed.resumed(16);
+    EXPECT_EQ(read_all(csv), "step,lr\n8,8\n16,16\n");
+    resumed.write("Train/Samples/lr", 2.0, 24);
+    resumed.flush();
+    for (const auto& e : fs::directory_iterator(tmp.path / "tb" / "DeepSpeedJobName"))
+      if (split_records(read_all(e.path())).size() == 3) resumed_tb = e.path().string();
+  }
+  EXPECT_EQ(read_all(csv), "step,lr\n8,8\n16,16\n24,2\n");
+  ASSERT_FALSE(resumed_tb.empty());
+  const std::vector<std::string> recs = split_records(read_all(resumed_tb));
+  tb::Event ev;
+  ASSERT_TRUE(ev.ParseFromString(recs[1]));
+  ASSERT_TRUE(ev.has_session_log());
+  EXPECT_EQ(ev.session_log().status(), tb::SessionLog::START);
+  EXPECT_EQ(ev.step(), 17);
+  EXPECT_EQ(static_cast<unsigned char>(recs[1][recs[1].find('\x10') + 2]), 0x3a)  // field 7, length-delimited:
+      << "TensorBoard's Event.session_log is field 7";                          // TensorBoard's number
+  ASSERT_TRUE(ev.ParseFromString(recs[2]));
+  EXPECT_EQ(ev.step(), 24);
+}
+
+// A fresh run in a folder an earlier run wrote: its rows start under a
+// header row of their own, and it says so once, as for TensorBoard's files.
+TEST(Monitors, AFreshRunBesideAnEarlierOneSaysSo) {
+  TempDir tmp;
+  Config c;
+  c.tensorboard.enabled = true;
+  c.tensorboard.output_path = (tmp.path / "tb").string();
+  c.csv_monitor.enabled = true;
+  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  {
+    Monitors first(c, 0);
+    first.write("Train/Samples/lr", 1.0, 8);
+    first.flush();
+  }
+  ::sleep(1);  // another second: another event file name
+  LogCapture capture(LogLevel::kWarn);
+  Monitors second(c, 0);
+  second.write("Train/Samples/lr", 3.0, 8);
+  second.write("Train/Samples/train_loss", 4.0, 8);
+  second.flush();
+  EXPECT_EQ(read_all(csv), "step,lr\n8,1\nstep,lr\n8,3\n");
+  const std::vector<std::string> got = capture.messages();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_NE(got[0].find("holds an earlier run's rows; this run's follow under a header row of their own"),
+            std::string::npos)
+      << got[0];
+  EXPECT_NE(got[1].find("holds 1 event file(s) of earlier runs"), std::string::npos) << got[1];
 }
 
 }  // namespace
