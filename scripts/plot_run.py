@@ -4,8 +4,9 @@
 
 RUN is what a zinc-train (or zinc.train) run's monitors wrote:
   - a tensorboard event file (events.out.tfevents.*), or the folder holding
-    one (tensorboard.output_path/job_name): read with the tensorboard
-    package's own EventAccumulator;
+    a run's (tensorboard.output_path/job_name; every file in it, as
+    TensorBoard reads a run): read with the tensorboard package's own
+    EventAccumulator;
   - a csv_monitor folder (csv_monitor.output_path/job_name), whose
     Train_Samples_train_loss.csv and Eval_Samples_eval_loss.csv it reads.
 The x axis is the samples trained, as both monitors write it (DeepSpeed's
@@ -49,7 +50,10 @@ def read_curves(run: str) -> dict[str, list[tuple[int, float]]]:
     if os.path.isdir(run):
         events = sorted(glob.glob(os.path.join(run, "events.out.tfevents.*")))
         if events:
-            curves = _from_events(events[-1])
+            # The whole folder, as TensorBoard reads a run: a resumed run's
+            # file continues the earlier ones (its SessionLog START drops
+            # what a crashed run wrote past its checkpoint).
+            curves = _from_events(run)
         else:
             curves = _from_csv(run)
     elif os.path.basename(run).startswith("events.out.tfevents."):
