@@ -298,6 +298,26 @@ def test_a_seq_len_training_cannot_take_is_refused_and_a_set_too_short_for_one_s
     assert f"warning: the set holds {tokens} tokens, fewer than one sample of --seq-len 1000000 needs (1000001)" in err
 
 
+def test_inputs_of_different_formats_and_contradictory_options_are_refused(tmp_path, capsys):
+    # The format came from the first input alone: a .jsonl after a .txt was
+    # tokenized as text, its braces and keys with it, with exit 0.
+    (tmp_path / "a.txt").write_text("plain words here\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "a json record"}\n')
+    rc, err, _ = run_prepare(tmp_path, capsys, tmp_path / "a.txt", tmp_path / "b.jsonl")
+    assert rc == 1 and "the inputs are of different formats" in err and "b.jsonl is jsonl" in err, err
+    assert not (tmp_path / "out.bin").exists()
+    rc, err, _ = run_prepare(tmp_path, capsys, tmp_path / "a.txt", "--chunk", "--truncate")
+    assert rc == 1 and "--chunk and --truncate both" in err, err
+    rc, err, _ = run_prepare(tmp_path, capsys, tmp_path / "a.txt", "--max-bad", "-1")
+    assert rc == 1 and "--max-bad must be >= 0, got -1" in err, err
+    # A prefix that is not UTF-8 cannot be named by the manifest's data
+    # section (JSON): refused before anything is written.
+    rc, err, _ = run_prepare(tmp_path, capsys, tmp_path / "a.txt", name=os.fsdecode(b"set\xff"))
+    assert rc == 1 and "is not valid UTF-8" in err, err
+    rc, err, _ = run_prepare(tmp_path, capsys, tmp_path / "a.txt", tmp_path / "a.txt", "--format", "text")
+    assert rc == 0, err  # one format, given
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch):
     rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
     before = snapshot(tmp_path)

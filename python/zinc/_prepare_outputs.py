@@ -48,6 +48,14 @@ def check_out_prefix(out: str) -> str:
         raise PrepareError(f"--out {out!r} is not a file prefix: give one such as data/sft (the outputs are "
                            "PREFIX.bin, PREFIX.mask, PREFIX.docs and PREFIX.json)")
     prefix = os.path.abspath(out)
+    # The manifest's data section names the files in JSON, which holds
+    # only UTF-8: a path of other bytes (surrogate-escaped here) would be
+    # written, then refused by zinc-train as a JSON syntax error.
+    try:
+        prefix.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PrepareError(f"--out {out!r} is not valid UTF-8: a zinc config (JSON) cannot name its files; "
+                           "choose a UTF-8 name") from None
     folder = os.path.dirname(prefix)
     if not os.path.isdir(folder):
         raise PrepareError(f"{folder}: no such folder (the --out prefix's folder must exist)")

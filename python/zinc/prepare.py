@@ -222,6 +222,10 @@ def run(args: argparse.Namespace) -> dict:
     # must fit the data): zinc-train refuses past 2^31 - 1.
     if not 1 <= args.seq_len <= 2**31 - 1:
         raise PrepareError(f"--seq-len must be between 1 and {2**31 - 1}, got {args.seq_len}")
+    if args.chunk and args.truncate:
+        raise PrepareError("--chunk and --truncate both say what to do with a long record: give one")
+    if args.max_bad is not None and args.max_bad < 0:
+        raise PrepareError(f"--max-bad must be >= 0, got {args.max_bad}")
     reads = [("input", p) for p in inputs] + tokenizer_files(args.tokenizer, args.chat_template)
     check_apart(prefix, reads)
     lock = PrefixLock(prefix, reads)
@@ -235,7 +239,14 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
     """run()'s work, under the prefix's lock."""
     fmt = args.format
     if fmt is None:
-        fmt, why = infer_format(inputs[0])
+        # Every input's, not the first's alone: a .jsonl after a .txt was
+        # tokenized as text, its braces and keys with it.
+        inferred = [(path, *infer_format(path)) for path in inputs]
+        fmt, why = inferred[0][1], inferred[0][2]
+        for path, other, other_why in inferred[1:]:
+            if other != fmt:
+                raise PrepareError(f"the inputs are of different formats: {inputs[0]} is {fmt} ({why}), {path} is "
+                                   f"{other} ({other_why}); prepare one format at a time, or pass --format")
         print(f"zinc.prepare: format {fmt} (inferred: {why}; --format sets it)", file=sys.stderr)
     if args.chunk and fmt not in ("text", "jsonl"):
         raise PrepareError("--chunk is for text and jsonl (it would cut a prompt from its response)")
@@ -384,7 +395,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin, .mask, .docs and .json")
     p.add_argument("--seq-len", type=int, required=True, metavar="N", help="the training sequence length")
     p.add_argument("--format", choices=("text", "jsonl", "alpaca", "chat"),
-                   help="default: inferred from the first file (extension, then the first record's keys)")
+                   help="default: inferred from each file (extension, then the first record's keys), which must agree")
     p.add_argument("--split", choices=("file", "paragraphs", "lines"), default="file",
                    help="text: one document per file (default), per blank-line-separated paragraph, or per line")
     p.add_argument("--truncate", action="store_true", help="cut a record longer than N+1 tokens to N+1")
