@@ -246,6 +246,7 @@ std::optional<std::vector<nlohmann::json>> RunLoop::step() {
   }
   if (ex_.eval_data && (s % run.eval_interval == 0 || s == steps_)) {
     eval_loss_ = evaluate(engine_, *ex_.eval_data, run.eval_batches, cfg.train_micro_batch_size_per_gpu);
+    eval_step_ = s;
     emit(evs, eval_event(s, eval_loss_));
     monitor_->write("Eval/Samples/eval_loss", eval_loss_, samples);
   }
@@ -281,7 +282,12 @@ nlohmann::json RunLoop::summary() const {
                         {"skipped_steps", engine_.skipped_steps()}};
   const std::optional<double> floor = ex_.data->loss_floor();
   sum["loss_floor"] = floor ? nlohmann::json(*floor) : nlohmann::json(nullptr);
-  if (ex_.eval_data) sum["final_eval_loss"] = eval_loss_;
+  if (ex_.eval_data) {
+    // The last evaluation's, at its step: a run stopped between evaluations
+    // (a signal) does not evaluate again on its way out.
+    sum["final_eval_loss"] = eval_loss_;
+    sum["final_eval_step"] = eval_step_;
+  }
   return sum;
 }
 

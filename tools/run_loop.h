@@ -104,6 +104,7 @@ class RunLoop {
   int stopped_by() const { return stopped_by_; }      // the stop_requested value that ended the run; 0: none
   double loss() const { return loss_; }               // the last step's global-batch loss
   double eval_loss() const { return eval_loss_; }     // the last held-out loss (NaN before one)
+  int64_t eval_step() const { return eval_step_; }     // the step it was taken at (0 before one)
   int64_t tokens_per_step() const { return tokens_per_step_; }
 
  private:
@@ -126,6 +127,7 @@ class RunLoop {
   int64_t first_step_ = 1, done_ = 0, last_saved_ = 0, step_last_ = 0;
   int stopped_by_ = 0;
   double loss_, eval_loss_;
+  int64_t eval_step_ = 0;
   double comm_wait_last_ = 0;  // engine.comm_wait_seconds() at the last step event
   Clock::time_point t0_, t_last_;
 };

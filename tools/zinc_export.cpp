@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/error.h"
+#include "tools/cli_errors.h"
 #include "tools/hf_model.h"
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
@@ -42,7 +43,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return zinc::tools::usage_error(app, e, "zinc-export");
   }
   try {
     auto progress = [](const std::string& line) { std::printf("zinc-export: %s\n", line.c_str()); };
@@ -84,7 +85,9 @@ int main(int argc, char** argv) {
                 dtype.c_str(), r.files.size(), r.files.size() == 1 ? "" : "s");
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "zinc-export: error: %s\n", e.what());
+    std::string what = e.what();  // the writers' messages name the program already
+    if (what.rfind("zinc-export: ", 0) == 0) what.erase(0, 13);
+    std::fprintf(stderr, "zinc-export: error: %s\n", what.c_str());
     return 1;
   }
 }

@@ -38,6 +38,8 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/cpu.h"
@@ -47,6 +49,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
+#include "tools/cli_errors.h"
 #include "tools/output_folder.h"
 #include "tools/config_check.h"
 #include "tools/experiment.h"
@@ -637,7 +640,11 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);
     if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
-    if (ex.eval_data) std::printf(" | held-out loss %.4f", eval_loss);
+    if (ex.eval_data) {
+      std::printf(" | held-out loss %.4f", eval_loss);
+      if (loop.eval_step() != done_steps)  // a stopped run's last evaluation, not at its end
+        std::printf(" (at step %lld)", static_cast<long long>(loop.eval_step()));
+    }
     std::printf(" | %.0f tok/s", tps);
     if (world == 1) {
       std::printf(" | peak RSS %.0f MiB", rss_max / (1 << 20));
@@ -780,7 +787,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return zinc::tools::usage_error(app, e, "zinc-train");
   }
   std::shared_ptr<zinc::comm::Communicator> comm;
   try {
@@ -814,10 +821,15 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (app.count("--save-pretrained") > 0 && pretrained.dir.empty()) {  // "" would export nothing, with exit 0
-      std::fprintf(stderr, "zinc-train: --save-pretrained: an empty path names no folder\n");
-      return 2;
-    }
+    // "" (an unset shell variable) would write nothing, with exit 0.
+    for (const auto& [flag, value, what] : {std::tuple<const char*, const std::string*, const char*>{
+                                                "--save-pretrained", &pretrained.dir, "folder"},
+                                            {"--save-adapter", &pretrained.adapter_dir, "folder"},
+                                            {"--save-weights", &weights_out, "file"}})
+      if (app.count(flag) > 0 && value->empty()) {
+        std::fprintf(stderr, "zinc-train: %s: an empty path names no %s\n", flag, what);
+        return 2;
+      }
     if (!save_dtype.empty() && pretrained.dir.empty()) {
       std::fprintf(stderr, "zinc-train: --save-dtype needs --save-pretrained\n");
       return 2;

@@ -644,5 +644,27 @@ else
   echo "SKIP cgroup cap: cannot make a memory cgroup here (not counted)"
 fi
 
+# Usage errors exit 2 with one line (CLI11's own codes, 105-114, leaked out
+# before), a misspelt option names the nearest one, and an empty export path
+# (an unset shell variable) is refused rather than writing nothing.
+check_usage() {  # name, expected substring, args...
+  local name="$1" want="$2"
+  shift 2
+  "$ZT" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  if [ "$rc" -eq 2 ] && [ "$(wc -l <"$TMP/err")" -eq 1 ] && grep -qF -- "$want" "$TMP/err"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL usage $name: rc=$rc"; cat "$TMP/err"
+  fi
+}
+check_usage no-config "zinc-train: error: config is required"
+check_usage misspelt "unknown option --stesp (did you mean --steps?)" "$CFG" --stesp 3
+check_usage no-value "--steps: 1 required INT missing" "$CFG" --steps
+check_usage twice "--steps: At Most 1 required but received 2" "$CFG" --steps 1 --steps 2
+for flag in --save-weights --save-adapter --save-pretrained; do
+  check_usage "empty $flag" "$flag: an empty path names no" "$CFG" --steps 1 "$flag" ""
+done
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
