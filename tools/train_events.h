@@ -21,6 +21,14 @@ namespace zinc::tools {
 
 // {"event":"config","world_size":W,"config":<the resolved document>}: every
 // key of the run with the value it takes.
+// One --json line: an event as JSON text, with a byte that is not UTF-8 (a
+// path named on the command line in another encoding) written as U+FFFD
+// rather than ending the run (nlohmann's strict dump threw after a resume
+// had loaded).
+inline std::string json_line(const nlohmann::json& ev) {
+  return ev.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 nlohmann::json config_event(const Experiment& ex, int world_size);
 // {"event":"auto","values":[{"path","value","source"}...]}: the "auto" values
 // resolved; nullopt when the document has none.

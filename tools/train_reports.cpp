@@ -11,6 +11,7 @@
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/resources.h"
+#include "tools/train_events.h"
 
 namespace zinc::tools {
 namespace {
@@ -110,7 +111,7 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
     for (const auto& [s, o] : others)
       st.push_back({{"zero_stage", s}, {"ram_bytes", o.ram_bytes()}, {"disk_bytes", o.disk_bytes()}});
     out["other_stages"] = st;
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_line(out).c_str());
     return 0;
   }
   std::printf("zinc-train: %s | model %s%s, %.2fM parameters, %s | micro-batch %lld x %lld tokens | %d rank%s\n",
@@ -185,7 +186,7 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
   if (json) {
     nlohmann::json out = rep.to_json();
     if (rep.ok && !ok) out["ok"] = false, out["refusals"].push_back("another rank refused the config (its error is on its stderr)");
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_line(out).c_str());
     return ok ? 0 : 1;
   }
   std::printf("zinc-train --check: %s at %d rank%s\n", config_path.c_str(), world, world == 1 ? "" : "s");

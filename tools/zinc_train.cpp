@@ -201,6 +201,7 @@ void save_adapter(const zinc::tools::Experiment& ex, zinc::Engine& engine, int r
 // corrupt the heap (1 run in 6 died in the next matmul).
 std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_training{false};  // between the first step and the last save
+std::atomic<bool> g_under_mpi{false};  // the job's launcher also signals a rank when another one failed
 
 void start_signal_thread() {
   sigset_t set;
@@ -219,8 +220,11 @@ void start_signal_thread() {
         zinc::remove_exit_folders();
         std::_Exit(128 + sig);
       }
-      std::fprintf(stderr, "zinc-train: signal %d: stopping after this step with a checkpoint (again to stop now)\n",
-                   sig);
+      std::fprintf(stderr, "zinc-train: signal %d: stopping after this step with a checkpoint%s (again to stop now)\n",
+                   sig,
+                   g_under_mpi.load() ? ", if every rank reaches it (mpirun also sends this when another rank "
+                                        "failed: its error is above, and then there is no checkpoint)"
+                                      : "");
     }
   }).detach();
 }
@@ -231,7 +235,7 @@ void start_signal_thread() {
 void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, const zinc::Engine& engine,
                  const zinc::Config& cfg, bool json) {
   if (json) {
-    std::printf("%s\n", ev.dump().c_str());
+    std::printf("%s\n", zinc::tools::json_line(ev).c_str());
     std::fflush(stdout);
     return;
   }
@@ -457,7 +461,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     const nlohmann::json ev = loop.resume(dir);
     if (!quiet) {
       if (json)
-        std::printf("%s\n", ev.dump().c_str());
+        std::printf("%s\n", zinc::tools::json_line(ev).c_str());
       else
         std::printf("resumed from %s at step %lld\n", dir.c_str(), ev.at("step").get<long long>());
     }
@@ -472,7 +476,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const int64_t skipped_before = engine.skipped_steps(), overflow_before = engine.overflow_steps();
   const std::vector<nlohmann::json> start = loop.start();
   if (json && !quiet)
-    for (const nlohmann::json& ev : start) std::printf("%s\n", ev.dump().c_str());
+    for (const nlohmann::json& ev : start) std::printf("%s\n", zinc::tools::json_line(ev).c_str());
   if (!json && !quiet) print_header(ex, engine, *comm, config_path);
 
   const double cpu0 = thread_cpu_seconds();
@@ -625,7 +629,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       sum["nvme_write_bytes_per_step"] = nvme_written;
       sum["nvme_GBps"] = nvme_gbs;
     }
-    std::printf("%s\n", sum.dump().c_str());
+    std::printf("%s\n", zinc::tools::json_line(sum).c_str());
   } else if (trained <= 0) {
     // --steps 0, or a resume at run.steps: a load (and a save); no loss,
     // throughput or gathers to report.
@@ -807,6 +811,7 @@ int main(int argc, char** argv) {
       const std::string backend = zinc::tools::comm_backend_name(cc.backend);
       const double timeout = cc.timeout_seconds;
       comm = zinc::comm::make_communicator(backend, timeout);
+      g_under_mpi = comm->size() > 1;
     } else {
       comm = zinc::comm::make_single_communicator();
     }
