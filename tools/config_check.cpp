@@ -151,7 +151,11 @@ json resolved_document(const Config& c, const ExperimentConfig& e) {
 }
 
 std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_doc, const json& set_doc,
-                                        const std::vector<AutoValue>& autos, int world) {
+                                        const std::vector<AutoValue>& autos, int world, const json* merged) {
+  // A file key counts where the overrides left it: a --set of a whole
+  // section replaces the file's keys inside it (shown as [file] before,
+  // with the defaults' values).
+  auto in_file = [&](const std::string& p) { return find_path(file_doc, p) && (!merged || find_path(*merged, p)); };
   std::vector<std::pair<std::string, json>> flat;
   leaves(resolved, "", flat);
   std::vector<ConfigEntry> out;
@@ -159,7 +163,7 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
   auto given = [&](const std::string& p) {
     for (const AutoValue& a : autos)
       if (a.path == p) return true;
-    return find_path(set_doc, p) || find_path(file_doc, p);
+    return find_path(set_doc, p) || in_file(p);
   };
   int triad_given = 0;
   for (const char* k : kTriad) triad_given += given(k) ? 1 : 0;
@@ -173,7 +177,7 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
       e.from = a->source;
     } else if (find_path(set_doc, path)) {
       e.source = "--set";
-    } else if (find_path(file_doc, path)) {
+    } else if (in_file(path)) {
       e.source = "file";
     } else if (path == kTriad[0] || path == kTriad[1] || (path == kTriad[2] && triad_given == 2)) {
       const json& r = resolved;
@@ -193,7 +197,8 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
   return out;
 }
 
-std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc, const json& set_doc) {
+std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc, const json& set_doc,
+                                     const json* merged) {
   std::vector<ConfigEntry> out;
   for (const auto& [doc, source] : {std::pair<const json*, const char*>{&file_doc, "file"}, {&set_doc, "--set"}}) {
     std::vector<std::pair<std::string, json>> flat;
@@ -211,7 +216,9 @@ std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc,
         if (q.find('.') == std::string::npos) break;
       }
       // The path as messages show keys (a NUL in a key would end the line printed).
-      if (!used && !(source == std::string("file") && find_path(set_doc, path)))
+      // A file key an override replaced (itself or a section above it) is not the file's any more.
+      const bool replaced = source == std::string("file") && (find_path(set_doc, path) || (merged && !find_path(*merged, path)));
+      if (!used && !replaced)
         out.push_back({config::key_text(path), value, source, ""});
     }
   }
@@ -263,8 +270,8 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
     if (ex.config.sequence_split())
       rep.sequence_ranks = describe_sequence_ranks(*ex.model, ex.config, ex.data->seq_len());
     rep.resolved = resolved_document(ex.config, ex.experiment);
-    rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world);
-    rep.unused = unused_keys(rep.resolved, file_doc, set_doc);
+    rep.entries = config_sources(rep.resolved, file_doc, set_doc, ex.auto_values, world, &doc);
+    rep.unused = unused_keys(rep.resolved, file_doc, set_doc, &doc);
     for (ConfigEntry& u : rep.unused)  // such as fp16.enabled "auto" with bf16 chosen
       for (const AutoValue& a : ex.auto_values)
         if (a.path == u.path) u = {u.path, a.value, "auto", a.source};

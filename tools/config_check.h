@@ -31,16 +31,19 @@ nlohmann::json resolved_document(const Config& c, const ExperimentConfig& e);
 // where `set_doc` (the --set overrides applied to an empty document) has it,
 // "file" where `file_doc` has it (under either spelling of an aliased key),
 // "derived" for a member of the batch triad the other two gave, else
-// "default". `world` is the data-parallel size (for "derived").
+// "default". `world` is the data-parallel size (for "derived"). `merged`:
+// the file with the overrides applied, where a key of the file counts only
+// if the overrides left it (a --set of a whole section replaces the file's
+// keys inside it); null: every key of the file counts.
 std::vector<ConfigEntry> config_sources(const nlohmann::json& resolved, const nlohmann::json& file_doc,
                                         const nlohmann::json& set_doc, const std::vector<AutoValue>& autos,
-                                        int world);
+                                        int world, const nlohmann::json* merged = nullptr);
 
 // Leaves the file or the --set overrides give that the resolved config does
 // not hold: keys zinc accepts and does not use (warned about, or at their
 // defaults), such as fp16.loss_scale with fp16 off.
 std::vector<ConfigEntry> unused_keys(const nlohmann::json& resolved, const nlohmann::json& file_doc,
-                                     const nlohmann::json& set_doc);
+                                     const nlohmann::json& set_doc, const nlohmann::json* merged = nullptr);
 
 struct CheckReport {
   bool ok = false;                    // the run would start

@@ -376,6 +376,19 @@ else
   fail=$((fail + 1))
   echo "FAIL --check human (rc=$rc)"; cat "$TMP/out" "$TMP/err"
 fi
+# A --set of a whole section replaces the file's keys inside it: those the
+# run then takes at their defaults are shown so, not as the file's values'
+# source, and are not listed as given but unused.
+"$ZT" "$CFG" --check --set 'data={"type":"synthetic"}' >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 0 ] && grep -qF 'data.seq_len = 256 [default]' "$TMP/out" &&
+   grep -qF 'data.type = "synthetic" [--set]' "$TMP/out" && grep -qF 'model.n_layer = 2 [file]' "$TMP/out" &&
+   ! grep -qF 'data.seq_len = 64' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL --check sources under a section --set (rc=$rc)"; cat "$TMP/out" "$TMP/err"
+fi
 # The batch triad's member the file leaves out is derived from the other two.
 if "$ZT" "$CFG" --check --json >"$TMP/out" 2>"$TMP/err" && python3 - "$TMP/out" "$CFG" <<'PY'
 import json, sys
