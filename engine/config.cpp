@@ -117,7 +117,9 @@ void parse_precision(Reader& r, Config& c) {
   Reader bf = r.section({"bf16", "bfloat16"});
   bf.get_bool("enabled", c.bf16);
   bf.ignore_bool("immediate_grad_update", false);
-  bf.ignore_bool("check_grad_overflow", false);
+  // DeepSpeed's default (true): a step whose gradients are not finite is
+  // skipped, which zinc always does; false (apply it) is not followed.
+  bf.ignore_bool("check_grad_overflow", true, "zinc always skips a step whose gradient norm is not finite");
   // Megatron-DeepSpeed's configs carry fp16's loss_scale into this section;
   // DeepSpeed never read it there (bf16 needs no loss scaling).
   if (double ls = 0; bf.get_number("loss_scale", ls, at_least(0)) && ls != 0 && ls != 1)

@@ -314,8 +314,17 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
   } else {
     o.adam.adam_w_mode = w_mode;
   }
+  // torch_adam: DeepSpeed's engine builds torch.optim.AdamW (or Adam) from
+  // the keys given. Its update is DeepSpeed's own, but torch's AdamW decays
+  // by 0.01 where weight_decay is not given (DeepSpeed's Adam: 0), and it
+  // takes no bias_correction (DeepSpeed then fails building it).
+  bool torch_adam = false;
+  p.get_bool("torch_adam", torch_adam);
+  if (torch_adam && o.adam.adam_w_mode && !p.find("weight_decay")) o.adam.weight_decay = 0.01;
+  if (torch_adam && p.find("bias_correction") && !o.adam.bias_correction)
+    p.refuse(p.path_of("bias_correction"), "false with torch_adam: torch's Adam always corrects the bias (DeepSpeed "
+                                           "fails building it with bias_correction); remove one of them");
   bool unused = false;
-  p.get_bool("torch_adam", unused);     // torch's and DeepSpeed's Adam compute the same update
   p.get_bool("set_grad_none", unused);  // FusedAdam option; zinc zeroes gradient buffers itself
   p.refuse_bool("amsgrad", false, "AMSGrad changes the update rule; remove it or set it to false");
   p.finish();

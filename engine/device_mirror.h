@@ -144,6 +144,10 @@ class DeviceMirror {
   // whole counts on part 0 only); an empty list counts none of the block.
   // Never called: every element counts.
   virtual void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) = 0;
+  // Per block, the ranges [first, end) of its flat elements whose
+  // parameters weight decay passes by (the Trainer's AdamW: biases and
+  // norm weights); adam_step applies the decay elsewhere only.
+  virtual void set_no_decay(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) = 0;
   // GPU-resident states: the fp32 gradient the block's update reads (the
   // reduced shard on several ranks, else the accumulator), whose first
   // element is the state range's first, for the all-reduce over the parts.

@@ -358,9 +358,35 @@ class CudaMirror final : public DeviceMirror {
   }
 
   void adam_step(int block, const optim::AdamParams& p, int64_t step, float grad_scale, void* host_out) override {
+    const int64_t first = blocks_[static_cast<size_t>(block)].state_offset;
+    const std::vector<std::pair<int64_t, int64_t>>* skip =
+        no_decay_.empty() || p.weight_decay == 0.0 ? nullptr : &no_decay_[static_cast<size_t>(block)];
     update_block(block, host_out, [&](float* master, const void* grad, float* m, float* v, void* out16, int64_t n) {
-      optim::adam_step_cuda(p, step, grad_scale, master, grad, DType::kF32, m, v, out16, compute_, n, kCompute);
+      // State elements [lo, hi), decayed or not (set_no_decay's ranges
+      // pass the decay by).
+      auto run = [&](int64_t lo, int64_t hi, bool decay) {
+        if (lo >= hi) return;
+        optim::AdamParams a = p;
+        if (!decay) a.weight_decay = 0.0;
+        const size_t es = dtype_bytes(compute_);
+        optim::adam_step_cuda(a, step, grad_scale, master + lo, static_cast<const float*>(grad) + lo, DType::kF32, m + lo,
+                              v + lo, out16 ? static_cast<char*>(out16) + static_cast<size_t>(lo) * es : nullptr,
+                              compute_, hi - lo, kCompute);
+      };
+      if (!skip) return run(0, n, true);
+      int64_t at = 0;
+      for (auto [a, b] : *skip) {
+        const int64_t lo = std::clamp<int64_t>(a - first, at, n), hi = std::clamp<int64_t>(b - first, lo, n);
+        run(at, lo, true);
+        run(lo, hi, false);
+        at = hi;
+      }
+      run(at, n, true);
     });
+  }
+  void set_no_decay(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) override {
+    ZINC_CHECK(ranges.size() == blocks_.size(), "set_no_decay: one list per block");
+    no_decay_ = std::move(ranges);
   }
 
   void lamb_norms(int block, const optim::LambParams& p, float grad_scale, std::span<const optim::LambSegment> segs,
@@ -721,6 +747,7 @@ class CudaMirror final : public DeviceMirror {
   cudaMemPool_t pool_ = nullptr;  // the stream-ordered pool of the parameters, gradients and wire copies
   cuda::DeviceBuffer norms_;  // per block, grad_squared_norm
   std::vector<std::vector<std::pair<int64_t, int64_t>>> norm_ranges_;  // set_norm_ranges; empty: all
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> no_decay_;     // set_no_decay; empty: none
   cuda::DeviceBuffer range_norms_;  // one double per range
   std::vector<void*> registered_;
   std::atomic<int64_t> bytes_{0}, peak_{0};  // freed on the comm thread too

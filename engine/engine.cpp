@@ -187,6 +187,20 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   };
   uc.compute_out = [this](const StateSpan& sp) { return compute_out(sp); };
   uc.grad = [this](const StateSpan& sp) { return update_grad(sp); };
+  if (!c.optimizer.decay_vectors) {  // the Trainer's AdamW: no decay for biases and norm weights
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges(blocks.size());
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const BlockSpec& spec = specs()[b];
+      std::vector<char> skip(spec.params.size(), 0);
+      for (size_t p = 0; p < spec.params.size(); ++p) {
+        skip[p] = spec.params[p].shape.ndim <= 1;
+        const int64_t lo = blocks[b].layout.offsets[p];
+        if (skip[p]) ranges[b].emplace_back(lo, lo + blocks[b].layout.numels[p]);
+      }
+      uc.no_decay.push_back(std::move(skip));
+    }
+    device->set_no_decay(std::move(ranges));
+  }
   if (tensor_split())
     uc.sum_tensor_parts = [this](std::vector<double>& sums, const std::vector<int>& first_tensor) {
       sum_tensor_parts(sums, first_tensor);

@@ -180,6 +180,9 @@ class GpuOffload final : public DevicePath {
   void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) override {
     if (states_) gpu_->set_norm_ranges(std::move(ranges));
   }
+  void set_no_decay(std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges) override {
+    gpu_->set_no_decay(std::move(ranges));  // the blocks whose states are on the GPU use them
+  }
 
   void configure_reducer(GradReducer::Options& o) override {
     // GPU-resident states on one rank: the gradients stay on the GPU.

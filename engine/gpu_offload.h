@@ -86,6 +86,9 @@ class DevicePath {
   // and, per block, the ranges of flat elements whose squares the norm
   // counts on this part (a parameter every part holds whole: on part 0).
   virtual float* update_grads(int /*block*/) { return nullptr; }
+  // Per block, the flat ranges whose parameters weight decay passes by
+  // (OptimizerConfig::decay_vectors false), for an update on the device.
+  virtual void set_no_decay(std::vector<std::vector<std::pair<int64_t, int64_t>>> /*ranges*/) {}
   virtual void set_norm_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> /*ranges*/) {}
 
   // ---- the step ----

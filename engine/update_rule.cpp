@@ -50,7 +50,23 @@ void AdamWRule::update_span(const StateSpan& sp, int64_t t, float grad_scale) {
   const DType dtype = ctx_.dtype;
   char* out = ctx_.compute_out(sp);  // where the span's new compute weights go
   bf16* out16 = dtype == DType::kBF16 ? reinterpret_cast<bf16*>(out) : nullptr;
-  optim::adam_step(adam_, t, grad_scale, optim::AdamSpan{sp.master, ctx_.grad(sp), DType::kF32, sp.m, sp.v, out16, sp.count});
+  const float* grad = ctx_.grad(sp);
+  if (ctx_.no_decay.empty() || adam_.weight_decay == 0.0) {
+    optim::adam_step(adam_, t, grad_scale, optim::AdamSpan{sp.master, grad, DType::kF32, sp.m, sp.v, out16, sp.count});
+  } else {
+    // The span's parameters in turn, each with its own decay (padding with
+    // the rest: it stays 0).
+    const BlockShard& s = (*ctx_.blocks)[static_cast<size_t>(sp.block)];
+    const int64_t flat = (ctx_.plan->optimizer_spans_block ? 0 : s.part.own_offset()) + sp.offset;
+    const std::vector<char>& skip = ctx_.no_decay[static_cast<size_t>(sp.block)];
+    for (const optim::LambSegment& g : lamb_segments(s.layout, flat, sp.count, 0)) {
+      optim::AdamParams a = adam_;
+      if (g.tensor >= 0 && skip[static_cast<size_t>(g.tensor)]) a.weight_decay = 0.0;
+      optim::adam_step(a, t, grad_scale,
+                       optim::AdamSpan{sp.master + g.begin, grad + g.begin, DType::kF32, sp.m + g.begin, sp.v + g.begin,
+                                       out16 ? out16 + g.begin : nullptr, g.end - g.begin});
+    }
+  }
   // fp32 copied; fp16 converted in a second pass (the optimizer's fused
   // copy-out writes bf16 only).
   if (dtype != DType::kBF16 && out) convert_f32_to_16(sp.master, out, static_cast<size_t>(sp.count), dtype);

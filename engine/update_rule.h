@@ -55,6 +55,9 @@ struct UpdateContext {
   // made the whole tensor's (summed over the parts; a parameter every part
   // holds whole counted once). Collective over the parts.
   std::function<void(std::vector<double>& sums, const std::vector<int>& first_tensor)> sum_tensor_parts;
+  // Per block, per parameter: 1 where weight decay passes it by
+  // (OptimizerConfig::decay_vectors false: the 1-D ones); empty: none.
+  std::vector<std::vector<char>> no_decay;
 };
 
 class UpdateRule {

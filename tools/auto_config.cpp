@@ -89,7 +89,13 @@ TrainerConfig parse_trainer(const json& doc) {
   r.get_number("adam_epsilon", t.adam_epsilon, above(0));
   r.get_number("weight_decay", t.weight_decay, at_least(0));
   r.get_number("max_grad_norm", t.max_grad_norm, at_least(0));
-  r.get_int("warmup_steps", t.warmup_steps, at_least(0));
+  // transformers 5's warmup_steps is the steps, or a float in (0, 1) the
+  // share of them (its warmup_ratio is gone); transformers 4's warmup_ratio
+  // is read too.
+  if (const json* w = r.find("warmup_steps"); w && w->is_number_float() && w->get<double>() > 0 && w->get<double>() < 1)
+    t.warmup_ratio = w->get<double>();
+  else
+    r.get_int("warmup_steps", t.warmup_steps, at_least(0));
   r.get_number("warmup_ratio", t.warmup_ratio, closed(0, 1));
   // null: unset, as to_json writes it.
   for (auto [key, out] : {std::pair{"bf16", &t.bf16}, {"fp16", &t.fp16},
@@ -172,12 +178,16 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
   const bool trainer_given = d.contains("trainer") && d["trainer"].is_object();
   if (trainer_given && !d.contains("optimizer")) {
     d["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", "auto"}, {"betas", "auto"}, {"eps", "auto"}, {"weight_decay", "auto"}}}};
-    out.values.push_back({"optimizer.type", "AdamW", "no optimizer section: the Trainer's own AdamW"});
+    out.values.push_back({"optimizer.type", "AdamW",
+                          "no optimizer section: the Trainer's own AdamW, without weight decay on biases and norm "
+                          "weights"});
   }
   if (trainer_given && !d.contains("scheduler")) {
+    // Linear, as the Trainer's default lr_scheduler_type (DeepSpeed's
+    // default warmup_type is log).
     d["scheduler"] = {{"type", "WarmupDecayLR"},
                       {"params", {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"},
-                                  {"total_num_steps", "auto"}}}};
+                                  {"total_num_steps", "auto"}, {"warmup_type", "linear"}}}};
     out.values.push_back({"scheduler.type", "WarmupDecayLR",
                           "no scheduler section: the Trainer's own linear warmup and decay"});
   }

@@ -634,6 +634,41 @@ TEST(CudaEngine, ZeroOffloadEqualsGpuResidentAdamWBitForBit) {
     }
 }
 
+// The Hugging Face Trainer's AdamW (OptimizerConfig::decay_vectors false:
+// no weight decay on biases and norm weights) over GPU-resident states,
+// each block's update in runs of decayed and undecayed elements, equals it
+// over ZeRO-Offload's host states bit for bit, and differs from the AdamW
+// that decays everything.
+TEST(CudaEngine, TheTrainersAdamWOnTheGpuDecaysAsOnTheHost) {
+  ZINC_REQUIRE_GPU();
+  if (optim::detect_isa() == optim::Isa::kScalar) GTEST_SKIP() << "the CPU AdamW has no FMA path here";
+  auto run = [](const char* offload, bool decay_vectors) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 8},
+                        {"device", "cuda"},
+                        {"bf16", {{"enabled", true}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.5}}}}},
+                        {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", offload}}}}}};
+    Config c = Config::parse(j);
+    c.optimizer.decay_vectors = decay_vectors;
+    Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), c);
+    DataConfig dc;
+    dc.vocab_size = 37;
+    dc.seq_len = 32;
+    DataLoader loader(make_data_source(dc), 8, 1, 1, 0, 7);
+    for (int s = 0; s < 4; ++s) e.train_batch(loader);
+    std::vector<float> w;
+    for (size_t b = 0; b < e.model().blocks().size(); ++b) {
+      const std::vector<float> x = e.full_params(static_cast<int>(b));
+      w.insert(w.end(), x.begin(), x.end());
+    }
+    return w;
+  };
+  const std::vector<float> host = run("cpu", false), gpu = run("none", false), all = run("none", true);
+  ASSERT_EQ(host.size(), gpu.size());
+  EXPECT_EQ(0, std::memcmp(host.data(), gpu.data(), host.size() * 4));
+  EXPECT_NE(0, std::memcmp(all.data(), gpu.data(), gpu.size() * 4));
+}
+
 // Lamb over GPU-resident states (optim::LambCuda) against Lamb over
 // ZeRO-Offload's host states, the GPU computing the same gradients: the
 // same weights and losses, bit for bit, at stage 1 in fp32 and bf16,

@@ -416,6 +416,35 @@ TEST(ConfigErrors, ValidateChecksConfigsBuiltInCode) {
       {"train_batch_size", "does not multiply out"});
 }
 
+// torch_adam: DeepSpeed's engine builds torch.optim.AdamW from the keys
+// given, whose weight decay without one is torch's 0.01 (zinc took 0); and
+// it takes no bias_correction (DeepSpeed fails building it).
+TEST(ConfigOptimizer, TorchAdamTakesTorchsDefaultWeightDecay) {
+  auto opt = [](const nlohmann::json& params, const char* type = "AdamW") {
+    return with({{"optimizer", {{"type", type}, {"params", params}}}});
+  };
+  EXPECT_DOUBLE_EQ(Config::parse(opt({{"lr", 1e-3}, {"torch_adam", true}})).optimizer.adam.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(Config::parse(opt({{"lr", 1e-3}, {"torch_adam", true}, {"weight_decay", 0.0}})).optimizer.adam.weight_decay,
+                   0.0);
+  EXPECT_DOUBLE_EQ(Config::parse(opt({{"lr", 1e-3}})).optimizer.adam.weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(  // type Adam: adam_w_mode true by default, so torch.optim.AdamW too
+      Config::parse(opt({{"lr", 1e-3}, {"torch_adam", true}}, "Adam")).optimizer.adam.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(  // Adam in L2 mode: torch.optim.Adam, whose default is 0
+      Config::parse(opt({{"lr", 1e-3}, {"torch_adam", true}, {"adam_w_mode", false}}, "Adam")).optimizer.adam.weight_decay,
+      0.0);
+  EXPECT_CONFIG_ERROR(opt({{"lr", 1e-3}, {"torch_adam", true}, {"bias_correction", false}}),
+                      "optimizer.params.bias_correction", "torch_adam");
+}
+
+// bf16.check_grad_overflow true is DeepSpeed's default and what zinc does
+// (a step whose gradients are not finite is skipped): said only for false.
+TEST(ConfigWarnings, Bf16CheckGradOverflowIsSaidOnlyWhenTurnedOff) {
+  EXPECT_FALSE(any_warning_has(Config::parse(with({{"bf16", {{"enabled", true}, {"check_grad_overflow", true}}}})),
+                               "check_grad_overflow"));
+  EXPECT_TRUE(any_warning_has(Config::parse(with({{"bf16", {{"enabled", true}, {"check_grad_overflow", false}}}})),
+                              "zinc always skips a step whose gradient norm is not finite"));
+}
+
 // ---------------------------------------------------------------------------
 // Accepted DeepSpeed spellings
 

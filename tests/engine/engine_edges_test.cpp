@@ -192,6 +192,52 @@ TEST(EngineStepOrder, TrainBatchInsideAGlobalBatchIsRefused) {
   EXPECT_EQ(e.global_steps(), 2);
 }
 
+// The Hugging Face Trainer's own AdamW (a `trainer` section without an
+// optimizer: OptimizerConfig::decay_vectors false) decays no bias and no
+// norm weight: one step from the same weights with and without weight
+// decay (the same gradients, so the same Adam part) leaves every 1-D
+// parameter the same, at every ZeRO stage, and moves every matrix by the
+// decay.
+TEST(EngineWeightDecay, TheTrainersAdamWDecaysNoBiasOrNormWeight) {
+  const models::GptConfig g = small_gpt(Device::kCpu, 1, 16);
+  for (int stage : {0, 1, 3}) {
+    auto run = [&](double wd) {
+      nlohmann::json j{{"train_micro_batch_size_per_gpu", 2},
+                       {"gradient_accumulation_steps", 1},
+                       {"zero_optimization", {{"stage", stage}}},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.05}, {"weight_decay", wd}}}}}};
+      Config c = Config::parse(j);
+      c.optimizer.decay_vectors = false;
+      Engine e = Engine::initialize(models::make_gpt(g), c);
+      DataLoader loader = small_loader(2, 1);
+      e.train_batch(loader);
+      std::vector<std::vector<float>> w;
+      for (size_t b = 0; b < e.model().blocks().size(); ++b) w.push_back(e.full_params(static_cast<int>(b)));
+      return std::make_pair(std::move(w), e.model().blocks());
+    };
+    const auto [with, specs] = run(0.5);
+    const auto [without, unused] = run(0.0);
+    int vectors = 0, matrices = 0;
+    for (size_t b = 0; b < specs.size(); ++b) {
+      const BlockLayout l = BlockLayout::from_spec(specs[b]);
+      for (size_t p = 0; p < specs[b].params.size(); ++p) {
+        bool same = true;
+        for (int64_t i = l.offsets[p]; i < l.offsets[p] + l.numels[p]; ++i)
+          same = same && with[b][static_cast<size_t>(i)] == without[b][static_cast<size_t>(i)];
+        if (specs[b].params[p].shape.ndim <= 1) {
+          EXPECT_TRUE(same) << "stage " << stage << ": " << specs[b].params[p].name << " was decayed";
+          ++vectors;
+        } else {
+          EXPECT_FALSE(same) << "stage " << stage << ": " << specs[b].params[p].name << " was not decayed";
+          ++matrices;
+        }
+      }
+    }
+    EXPECT_GT(vectors, 4);
+    EXPECT_GT(matrices, 4);
+  }
+}
+
 // A global batch the step refuses (micro-batches of two shapes with masked
 // targets: the mean over the targets needs one) is dropped, and the engine
 // trains the next one: it refused every later step before.

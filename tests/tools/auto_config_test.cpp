@@ -95,6 +95,9 @@ TEST(AutoConfig, TrainerDefaultsWarmupRatioAndPrecision) {
   doc["trainer"] = {{"warmup_ratio", 0.033}};
   r = resolve_auto(doc, 1);
   EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 7);  // ceil(0.033 x 200)
+  doc["trainer"] = {{"warmup_steps", 0.033}};  // transformers 5: a float below 1 is the ratio
+  r = resolve_auto(doc, 1);
+  EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 7);
 
   doc["trainer"] = {{"bf16", false}};
   EXPECT_EQ(resolve_auto(doc, 1).doc["bf16"]["enabled"], false);
@@ -169,6 +172,7 @@ TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
   EXPECT_EQ(r.doc["optimizer"]["params"]["lr"], 2e-3);
   EXPECT_EQ(r.doc["optimizer"]["params"]["weight_decay"], 0.05);
   EXPECT_EQ(r.doc["scheduler"]["type"], "WarmupDecayLR");
+  EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_type"], "linear");  // the Trainer's linear (DeepSpeed's default: log)
   EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 10);
   EXPECT_EQ(r.doc["scheduler"]["params"]["total_num_steps"], 200);
   ASSERT_NE(find(r, "optimizer.type"), nullptr);
