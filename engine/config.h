@@ -90,11 +90,12 @@ struct OptimizerConfig {
            type == OptimizerType::kOneBitLamb;
   }
   bool lamb_family() const { return type == OptimizerType::kLamb || type == OptimizerType::kOneBitLamb; }
-  // Weight decay on the 1-D parameters (biases, norm weights) too, as
+  // optimizer.params.decay_norms_and_biases (zinc's key; AdamW and Adam):
+  // weight decay on the 1-D parameters (biases, norm weights) too, as
   // DeepSpeed's one parameter group has it. False: the Hugging Face
   // Trainer's own AdamW, which decays only the others (its
-  // get_decay_parameter_names), for a `trainer` section without an
-  // optimizer section (tools/auto_config.cpp). AdamW and Adam only.
+  // get_decay_parameter_names), as a `trainer` section without an
+  // optimizer section gets it (tools/auto_config.cpp).
   bool decay_vectors = true;
 
   // The keys both share, as the section's type has them.

@@ -108,6 +108,7 @@ json to_json(const Config& c) {
     op["comm_backend_name"] = o.onebit.comm_backend_name;
   } else {
     op["adam_w_mode"] = o.adam.adam_w_mode;
+    if (!o.decay_vectors) op["decay_norms_and_biases"] = false;  // zinc's key: written only where it is not DeepSpeed's rule
   }
   j["optimizer"] = {{"type", optimizer_type_name(o.type)}, {"params", op}};
   j["scheduler"] = scheduler_json(c.scheduler);

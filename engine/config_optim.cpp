@@ -324,6 +324,9 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
   if (torch_adam && p.find("bias_correction") && !o.adam.bias_correction)
     p.refuse(p.path_of("bias_correction"), "false with torch_adam: torch's Adam always corrects the bias (DeepSpeed "
                                            "fails building it with bias_correction); remove one of them");
+  // zinc's own key (OptimizerConfig::decay_vectors): false leaves biases and
+  // norm weights undecayed, as the Hugging Face Trainer's AdamW does.
+  p.get_bool("decay_norms_and_biases", o.decay_vectors);
   bool unused = false;
   p.get_bool("set_grad_none", unused);  // FusedAdam option; zinc zeroes gradient buffers itself
   p.refuse_bool("amsgrad", false, "AMSGrad changes the update rule; remove it or set it to false");

@@ -177,7 +177,10 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
   // from its arguments. Only where a `trainer` section says to act as it.
   const bool trainer_given = d.contains("trainer") && d["trainer"].is_object();
   if (trainer_given && !d.contains("optimizer")) {
-    d["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", "auto"}, {"betas", "auto"}, {"eps", "auto"}, {"weight_decay", "auto"}}}};
+    d["optimizer"] = {{"type", "AdamW"},
+                      {"params",
+                       {{"lr", "auto"}, {"betas", "auto"}, {"eps", "auto"}, {"weight_decay", "auto"},
+                        {"decay_norms_and_biases", false}}}};
     out.values.push_back({"optimizer.type", "AdamW",
                           "no optimizer section: the Trainer's own AdamW, without weight decay on biases and norm "
                           "weights"});

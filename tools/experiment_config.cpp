@@ -406,9 +406,6 @@ ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   ResolvedConfig r = resolve_auto(doc, auto_facts(p.experiment, world_size));
   p.config = Config::parse(r.doc, world_size, ExperimentConfig::sections());
   p.auto_values = std::move(r.values);
-  // The Trainer's own AdamW decays neither biases nor norm weights.
-  for (const AutoValue& a : p.auto_values)
-    if (a.path == "optimizer.type") p.config.optimizer.decay_vectors = false;
   p.config.seed = p.experiment.run.seed;
   // DeepSpeed's activation_checkpointing section configures checkpointing
   // but does not switch it on (models opt in); say so when it is the only

@@ -37,6 +37,7 @@
 #include <unistd.h>
 #include <pthread.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -340,6 +341,11 @@ class PyEngine {
   bool closed() const {
     std::lock_guard<std::mutex> lock(call_mu_);
     return !engine_ || close_pending_;
+  }
+  // A call is in flight (on any thread).
+  bool busy() const {
+    std::lock_guard<std::mutex> lock(call_mu_);
+    return !in_call_.empty();
   }
 
   float forward(py::object batch) {
@@ -821,6 +827,24 @@ cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
   m.def("_shutdown", [] {
     for (TrainRun* r : std::set<TrainRun*>(g_runs)) r->engine().close();
     for (PyEngine* e : std::set<PyEngine*>(g_engines)) e->close();
+    // A call still in flight (a daemon thread's: the main thread returned
+    // while it trained) frees its engine as it returns. The process's exit
+    // must not run the static destructors under it (the heap was seen
+    // corrupted), so wait for it here, before finalisation, with the GIL
+    // let go for it (it takes the GIL back on its way out). The engines are
+    // looked at with the GIL held: a destructor (with the GIL) removes one.
+    const auto busy = [] {
+      for (PyEngine* e : g_engines)
+        if (e->busy()) return true;
+      for (TrainRun* r : g_runs)
+        if (r->engine().busy()) return true;
+      return false;
+    };
+    for (int waited_ms = 0; busy(); ++waited_ms) {
+      if (waited_ms == 5000) zinc::log_info("exit: waiting for an engine call of another thread to end");
+      py::gil_scoped_release release;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     py::gil_scoped_release release;
     g_comm.reset();
   }, "Closes every engine and lets MPI finalise (registered with atexit).");

@@ -89,8 +89,8 @@ TEST(CudaConfig, AutoFallsBackToTheCpuWhereTheGpuPathDoesNotReach) {
   testing_config::expect_parts(testing_config::error_of_parse([&](const json&) { onebit("cuda"); }, json::object()),
                                {"optimizer.type"});
   // The grids the GPU path does not run yet (they refused "auto" too):
-  // tensor parts over GPU-resident states or at stage 3, and expert ranks.
-  for (const json& grid : {json{{"tensor_parallel", {{"autotp_size", 2}}}, {"zero_optimization", {{"stage", 1}}}},
+  // tensor parts at stage 3, and expert ranks.
+  for (const json& grid : {json{{"tensor_parallel", {{"autotp_size", 2}}}, {"zero_optimization", {{"stage", 3}}}},
                            json{{"tensor_parallel", {{"autotp_size", 2}}},
                                 {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}},
                            json{{"expert_parallel", {{"enabled", true}, {"autoep_size", 2}}}}}) {
