@@ -179,6 +179,13 @@ TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
   EXPECT_NE(find(r, "optimizer.type")->source.find("no optimizer section"), std::string::npos);
   const ParsedExperiment p = parse_experiment(doc, 1);
   EXPECT_EQ(p.config.optimizer.lr(), 2e-3);
+  // The Trainer's AdamW decays no bias or norm weight (zinc's key, which
+  // the printed config keeps); an optimizer section of the user's decays
+  // everything, as DeepSpeed's one parameter group.
+  EXPECT_EQ(r.doc["optimizer"]["params"]["decay_norms_and_biases"], false);
+  EXPECT_FALSE(p.config.optimizer.decay_vectors);
+  doc["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}};
+  EXPECT_TRUE(parse_experiment(doc, 1).config.optimizer.decay_vectors);
 }
 
 // Accelerate's ZeRO-3 templates leave stage3_gather_16bit_weights_on_model_save
