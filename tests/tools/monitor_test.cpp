@@ -160,13 +160,19 @@ TEST(TensorBoardWriter, UncreatableFolderIsRefusedNamingIt) {
   }
 }
 
-TEST(Monitors, OnlyRankZeroWrites) {
-  TempDir tmp;
+// Both monitors on, writing under tmp/tb and tmp/csv.
+Config both_monitors(const TempDir& tmp) {
   Config c;
   c.tensorboard.enabled = true;
   c.tensorboard.output_path = (tmp.path / "tb").string();
   c.csv_monitor.enabled = true;
   c.csv_monitor.output_path = (tmp.path / "csv").string();
+  return c;
+}
+
+TEST(Monitors, OnlyRankZeroWrites) {
+  TempDir tmp;
+  const Config c = both_monitors(tmp);
   {
     Monitors other(c, 1);
     EXPECT_FALSE(other.enabled());
@@ -194,11 +200,7 @@ TEST(Monitors, OnlyRankZeroWrites) {
 // wrote on into a removed file without a word).
 TEST(Monitors, AFolderRemovedMidRunDropsItsMonitorWithAWarning) {
   TempDir tmp;
-  Config c;
-  c.tensorboard.enabled = true;
-  c.tensorboard.output_path = (tmp.path / "tb").string();
-  c.csv_monitor.enabled = true;
-  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  const Config c = both_monitors(tmp);
   Monitors m(c, 0);
   m.write("Train/Samples/lr", 1.0, 8);
   m.flush();
@@ -227,11 +229,7 @@ TEST(Monitors, AFolderRemovedMidRunDropsItsMonitorWithAWarning) {
 // earlier files' later steps. (Both showed those steps twice.)
 TEST(Monitors, AResumedRunDropsTheCrashedRunsLaterStepsFromItsCurves) {
   TempDir tmp;
-  Config c;
-  c.tensorboard.enabled = true;
-  c.tensorboard.output_path = (tmp.path / "tb").string();
-  c.csv_monitor.enabled = true;
-  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  const Config c = both_monitors(tmp);
   const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
   {
     Monitors crashed(c, 0);
@@ -266,11 +264,7 @@ TEST(Monitors, AResumedRunDropsTheCrashedRunsLaterStepsFromItsCurves) {
 // header row of their own, and it says so once, as for TensorBoard's files.
 TEST(Monitors, AFreshRunBesideAnEarlierOneSaysSo) {
   TempDir tmp;
-  Config c;
-  c.tensorboard.enabled = true;
-  c.tensorboard.output_path = (tmp.path / "tb").string();
-  c.csv_monitor.enabled = true;
-  c.csv_monitor.output_path = (tmp.path / "csv").string();
+  const Config c = both_monitors(tmp);
   const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
   {
     Monitors first(c, 0);
