@@ -354,7 +354,7 @@ class Reader {
 
   void warn(const std::string& path, const std::string& msg) {
     std::string w = path.empty() ? msg : path + ": " + msg;
-    log_warn("config: " + w);
+    log_warn_rank0("config: " + w);
     warnings_.push_back(w);
   }
   void warn_ignored(const std::string& path, const char* why = nullptr) {

@@ -266,12 +266,12 @@ ExperimentConfig ExperimentConfig::parse(const nlohmann::json& doc, const Traine
                           e.model.type + " of " + std::to_string(e.model.settings.model->section_json()["n_layer"].get<int64_t>()) +
                           " layers of " + std::to_string(e.model.settings.model->hidden_size()) +
                           " from random weights (set model, or model.from_pretrained)";
-    log_warn("config: " + w);
+    log_warn_rank0("config: " + w);
     e.warnings.push_back(w);
   }
   if (!e.data_given) {
     const std::string w = "data: no data section: zinc-train trains on synthetic tokens (set data.type and data.path)";
-    log_warn("config: " + w);
+    log_warn_rank0("config: " + w);
     e.warnings.push_back(w);
   }
   return e;
@@ -413,7 +413,7 @@ ParsedExperiment parse_experiment(const nlohmann::json& doc, int world_size) {
   if (p.config.activation_checkpointing.given && !p.experiment.model.gradient_checkpointing) {
     const std::string w = "activation_checkpointing: does not switch checkpointing on (in DeepSpeed, neither); "
                           "set model.gradient_checkpointing or trainer.gradient_checkpointing to true";
-    log_warn("config: " + w);
+    log_warn_rank0("config: " + w);
     p.experiment.warnings.push_back(w);
   }
   return p;

@@ -19,6 +19,11 @@ void log(LogLevel level, const std::string& msg);
 inline void log_debug(const std::string& m) { log(LogLevel::kDebug, m); }
 inline void log_info(const std::string& m) { log(LogLevel::kInfo, m); }
 inline void log_warn(const std::string& m) { log(LogLevel::kWarn, m); }
+// A warning every rank would give alike (a config's, which every rank
+// parses): said by rank 0 only, as DeepSpeed's logger says it.
+inline void log_warn_rank0(const std::string& m) {
+  if (log_rank() == 0) log_warn(m);
+}
 inline void log_error(const std::string& m) { log(LogLevel::kError, m); }
 
 // While a LogCapture lives, every message at `min` or above is also kept in
