@@ -254,8 +254,13 @@ TEST(Monitors, AResumedRunDropsTheCrashedRunsLaterStepsFromItsCurves) {
   ASSERT_TRUE(ev.has_session_log());
   EXPECT_EQ(ev.session_log().status(), tb::SessionLog::START);
   EXPECT_EQ(ev.step(), 17);
-  EXPECT_EQ(static_cast<unsigned char>(recs[1][recs[1].find('\x10') + 2]), 0x3a)  // field 7, length-delimited:
-      << "TensorBoard's Event.session_log is field 7";                          // TensorBoard's number
+  // On the wire after wall_time (field 1, 9 bytes): step 17 (field 2), then
+  // session_log as field 7, length-delimited (0x3a), holding status START:
+  // TensorBoard's numbers. (Searching the record for the step's tag byte
+  // could land inside wall_time's 8 bytes.)
+  ASSERT_EQ(recs[1].size(), 15u);
+  EXPECT_EQ(recs[1].substr(9), std::string("\x10\x11\x3a\x02\x08\x01", 6))
+      << "TensorBoard's Event.session_log is field 7";
   ASSERT_TRUE(ev.ParseFromString(recs[2]));
   EXPECT_EQ(ev.step(), 24);
 }
