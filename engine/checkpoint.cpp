@@ -418,6 +418,31 @@ void CheckpointReader::read(int block, int kind, int64_t flat_offset, int64_t co
 
 std::string xxh3_hex(const void* data, size_t bytes) { return hex64(XXH3_64bits(data, bytes)); }
 
+std::string sampled_files_digest(const std::vector<std::pair<std::string, std::string>>& labelled_paths,
+                                 const std::string& what) {
+  std::string sampled;
+  constexpr int kPieces = 64;
+  constexpr int64_t kPiece = 4096, kHead = int64_t{1} << 20;
+  std::vector<char> buf(static_cast<size_t>(std::max(kPiece, kHead)));
+  for (const auto& [label, path] : labelled_paths) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw IoError(path + ": cannot open (for " + what + "'s digest)");
+    in.seekg(0, std::ios::end);
+    const int64_t size = static_cast<int64_t>(in.tellg());
+    sampled += label + ":" + std::to_string(size) + ";";
+    auto take = [&](int64_t at, int64_t n) {
+      n = std::max<int64_t>(0, std::min(n, size - at));
+      in.seekg(at);
+      in.read(buf.data(), n);
+      if (in.gcount() != n) throw IoError(path + ": a short read (for " + what + "'s digest)");
+      sampled.append(buf.data(), static_cast<size_t>(n));
+    };
+    take(0, kHead);  // for weights: the header (names, shapes, offsets) and the first tensors
+    for (int k = 0; k < kPieces; ++k) take(size / kPieces * k + size / (2 * kPieces), kPiece);
+  }
+  return xxh3_hex(sampled.data(), sampled.size());
+}
+
 std::string sealed_dump(nlohmann::json doc, int indent) {
   doc.erase(kSealKey);
   const std::string body = doc.dump();

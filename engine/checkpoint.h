@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -162,6 +163,15 @@ std::string sealed_dump(nlohmann::json doc, int indent);
 void verify_seal(nlohmann::json& doc, const std::string& path);
 // XXH3-64 of bytes, as 16 hex digits.
 std::string xxh3_hex(const void* data, size_t bytes);
+// A sampled digest of files too large to read whole at each save or resume:
+// the XXH3-64 of each file's label, size, first MiB and 64 pieces of 4 KiB
+// spread evenly over it, in the order given. It tells a replaced or edited
+// file from the one a checkpoint was saved over (a base model's weights,
+// the training data) almost always, not always: an edit that keeps the
+// size and lies wholly between the pieces goes unseen. Throws IoError
+// naming the file and `what` it was read for.
+std::string sampled_files_digest(const std::vector<std::pair<std::string, std::string>>& labelled_paths,
+                                 const std::string& what);
 
 // An exclusive lock on a checkpoint folder (flock on DIR/.zinc.lock, which
 // holds the owner's pid and host), for as long as the object lives: two runs

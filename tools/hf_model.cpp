@@ -260,27 +260,9 @@ std::string hf_weights_fingerprint(const std::string& dir) {
   std::sort(paths.begin(), paths.end(), [](const std::string& a, const std::string& b) {
     return std::filesystem::path(a).filename() < std::filesystem::path(b).filename();
   });
-  std::string sampled;
-  constexpr int kPieces = 64;
-  constexpr int64_t kPiece = 4096, kHead = int64_t{1} << 20;
-  std::vector<char> buf(static_cast<size_t>(std::max(kPiece, kHead)));
-  for (const std::string& path : paths) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw IoError(path + ": cannot open (for the base model's digest)");
-    in.seekg(0, std::ios::end);
-    const int64_t size = static_cast<int64_t>(in.tellg());
-    sampled += std::filesystem::path(path).filename().string() + ":" + std::to_string(size) + ";";
-    auto take = [&](int64_t at, int64_t n) {
-      n = std::max<int64_t>(0, std::min(n, size - at));
-      in.seekg(at);
-      in.read(buf.data(), n);
-      if (in.gcount() != n) throw IoError(path + ": a short read (for the base model's digest)");
-      sampled.append(buf.data(), static_cast<size_t>(n));
-    };
-    take(0, kHead);  // the header (names, shapes, offsets) and the first weights
-    for (int k = 0; k < kPieces; ++k) take(size / kPieces * k + size / (2 * kPieces), kPiece);
-  }
-  return ckpt::xxh3_hex(sampled.data(), sampled.size());
+  std::vector<std::pair<std::string, std::string>> labelled;
+  for (const std::string& path : paths) labelled.emplace_back(std::filesystem::path(path).filename().string(), path);
+  return ckpt::sampled_files_digest(labelled, "the base model");
 }
 
 

@@ -96,12 +96,23 @@ void check_resumed_adapters(const ckpt::TagFiles& files, const models::LoraConfi
                 "of the safetensors files): the checkpoint does not hold the base, so resume over the same one");
 }
 
+// The data's sampled digest (ckpt::sampled_files_digest) over the files
+// the source reads; "" for the synthetic source, which its config states.
+std::string data_fingerprint(const DataConfig& data) {
+  if (data.type == DataType::kSynthetic) return "";
+  std::vector<std::pair<std::string, std::string>> files = {{"data", data.path}};
+  if (!data.mask_path.empty()) files.emplace_back("mask", data.mask_path);
+  if (!data.documents_path.empty()) files.emplace_back("documents", data.documents_path);
+  return ckpt::sampled_files_digest(files, "the training data");
+}
+
 }  // namespace
 
 void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
                       const std::function<const std::string&()>& base_fingerprint) {
   client["samples"] = loader.position();
   client["data_samples"] = loader.source().num_samples();  // an epoch's, for check_resume
+  if (const std::string d = data_fingerprint(ex.experiment.data); !d.empty()) client["data_fingerprint"] = d;
   client["step"] = step;
   // What zinc-export --format hf needs to write the model in the Hugging
   // Face layout: its config.json, and the folder it came from (tokenizer files).
@@ -140,6 +151,14 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
     log_warn("checkpoint " + files.dir + " was saved over data of " + std::to_string(client["data_samples"].get<int64_t>()) +
              " samples an epoch; this run's data has " + std::to_string(loader.source().num_samples()) +
              ": the run goes on from the saved position, but in another epoch and order than the saved run would");
+  else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string() &&
+           client["data_fingerprint"].get<std::string>() != data_fingerprint(ex.experiment.data))
+    log_warn("checkpoint " + files.dir + " was saved over other data than this run's " + ex.experiment.data.path +
+             " (as many samples an epoch, but a sampled digest of the data" +
+             (ex.experiment.data.mask_path.empty() && ex.experiment.data.documents_path.empty()
+                  ? std::string()
+                  : ", mask and documents") +
+             " files differs): the run goes on from the saved position, over other samples than the saved run's");
   if (ex.hf && client.contains("hf_config") && client["hf_config"].is_object() && ex.hf->raw.is_object()) {
     static const std::set<std::string> kNotTheModel = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",
                                                        "use_cache"};

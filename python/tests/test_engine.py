@@ -184,6 +184,31 @@ def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
     err = capfd.readouterr().err
     assert re.search(r"was saved over data of \d+ samples an epoch; this run's data has \d+", err), err
     assert "settings differ from this run's (n_head 4 -> 2)" in err, err
+    assert "other data" not in err, err  # said once: the length says it
+
+
+def test_a_load_over_data_replaced_at_the_same_length_is_said(doc, tmp_path, capfd):
+    """Data replaced by other data of the same length keeps the sample
+    count; the data's sampled digest, saved in the checkpoint, tells it."""
+    ck = str(tmp_path / "ck")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    doc["data"] = {"type": "text", "path": str(text), "seq_len": 16}
+    doc["train_batch_size"] = 8
+    doc["run"]["eval_interval"] = 0
+    with zinc.initialize(doc) as a:
+        a.train_batch()
+        a.save_checkpoint(ck)
+    capfd.readouterr()
+    text.write_text("THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG. " * 200)
+    with zinc.initialize(doc) as b:
+        b.load_checkpoint(ck)
+    err = capfd.readouterr().err
+    assert f"was saved over other data than this run's {text} (as many samples an epoch" in err, err
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)  # the same bytes again
+    with zinc.initialize(doc) as c:
+        c.load_checkpoint(ck)
+    assert "was saved" not in capfd.readouterr().err
 
 
 def test_python_checkpoint_resumes_in_zinc_train(doc, tmp_path):
