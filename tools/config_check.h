@@ -18,7 +18,7 @@ namespace zinc::tools {
 struct ConfigEntry {
   std::string path;       // DeepSpeed's (or the zinc section's) name: "zero_optimization.stage"
   nlohmann::json value;   // what the run uses
-  std::string source;     // "file" | "--set" | "auto" | "default" | "derived"
+  std::string source;     // "file" | "--set" | "auto" | "default" | "derived" (zinc-train --check: "--steps" too)
   std::string from;       // for "auto" and "derived": what the value came from; else ""
 };
 

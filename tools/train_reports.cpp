@@ -162,11 +162,14 @@ int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& do
 // --check: the report of tools/config_check.h, printed on rank 0 (every rank
 // checks: a folder may be missing on one node only).
 int print_check(comm::Communicator& comm, int world, const std::string& config_path,
-                const std::vector<std::string>& overrides, bool json, bool ignore_resources) {
+                const std::vector<std::string>& overrides, bool json, bool ignore_resources, bool steps_given) {
   // The report lists the warnings; logging them as well would say each twice.
   const zinc::LogLevel level = zinc::log_level();
   zinc::set_log_level(zinc::LogLevel::kError);
   zinc::tools::CheckReport rep = zinc::tools::check_config(config_path, overrides, world);
+  if (steps_given)  // --steps reaches the config as an override; it was not a --set
+    for (zinc::tools::ConfigEntry& e : rep.entries)
+      if (e.path == "run.steps") e.source = "--steps";
   // Room for the run on this host (tools/resources.h): as the run checks it.
   if (rep.ok && !ignore_resources) {
     const int local = comm.size() > 1 ? comm.local_size() : world;

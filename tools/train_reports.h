@@ -17,7 +17,8 @@ namespace zinc::tools {
 int print_estimate(comm::Communicator& comm, int world, const nlohmann::json& doc, const std::string& config_path,
                    bool json);
 // --check of the config file with `overrides`; the exit code (1: refused).
+// `steps_given`: the last override is --steps's run.steps, labelled so.
 int print_check(comm::Communicator& comm, int world, const std::string& config_path,
-                const std::vector<std::string>& overrides, bool json, bool ignore_resources);
+                const std::vector<std::string>& overrides, bool json, bool ignore_resources, bool steps_given);
 
 }  // namespace zinc::tools

@@ -863,7 +863,8 @@ int main(int argc, char** argv) {
         return 2;
       }
       const int world = comm->size() > 1 ? comm->size() : std::max(1, ranks);
-      if (check_only) return zinc::tools::print_check(*comm, world, config_path, overrides, json, ignore_resources);
+      if (check_only) return zinc::tools::print_check(*comm, world, config_path, overrides, json, ignore_resources,
+                                                               steps >= 0);
       return zinc::tools::print_estimate(*comm, world, doc, config_path, json);
     }
     return run(comm, doc, config_path, ignore_resources, json, digest, resume, weights_out, pretrained);

@@ -376,6 +376,15 @@ else
   fail=$((fail + 1))
   echo "FAIL --check human (rc=$rc)"; cat "$TMP/out" "$TMP/err"
 fi
+# --steps reaches the config as run.steps: its source is --steps, not a --set.
+"$ZT" "$HF" --check --set run.steps=10 --steps 7 >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 0 ] && grep -qF 'run.steps = 7 [--steps]' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL --check --steps source (rc=$rc)"; cat "$TMP/out" "$TMP/err"
+fi
 # A --set of a whole section replaces the file's keys inside it: those the
 # run then takes at their defaults are shown so, not as the file's values'
 # source, and are not listed as given but unused.
