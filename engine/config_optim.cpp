@@ -1,6 +1,7 @@
 // The optimizer and scheduler sections of the config (config.h): parsed
 // straight into optim's own parameter structs (optim/optim.h).
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,23 @@ void parse_schedule_params(Reader& p, SchedulerConfig& s) {
       p.get_enum<WarmupType>(k.name, s.*k.warmup, names);
     }
   }
+}
+
+// The update runs in fp32 and takes 1 - beta as 1 - float(beta), as
+// DeepSpeed's CPU Adam does (the bits stay its bits). A beta within 2^-25
+// of 1 is 1 there: its moment would never move (the second moment stuck at
+// 0 makes each step lr * m / eps, and the run blows up without a NaN), so
+// it is refused. Nearer 1 than about 3e-6, 1 - beta is off by more than
+// 1% (19% at 1 - 1e-7): said.
+void check_fp32_beta(Reader& p, const std::string& path, double beta, const std::string& given) {
+  const double in_fp32 = 1.0 - static_cast<double>(static_cast<float>(beta));
+  if (in_fp32 <= 0.0)
+    throw ConfigError(path, given + " is 1 in fp32, the precision of the optimizer's update, where its moment "
+                            "would never change; at most 0.99999994 (1 - 2^-24)");
+  const double off = std::abs(in_fp32 - (1.0 - beta)) / (1.0 - beta);
+  if (off > 0.01)
+    p.warn(path, given + ": 1 - beta is " + num(in_fp32) + " in fp32, the precision of the optimizer's update, " +
+                     std::to_string(static_cast<int>(std::lround(100.0 * off))) + "% off " + num(1.0 - beta));
 }
 
 // The keys DeepSpeed reads but that change nothing: warned about.
@@ -265,6 +283,8 @@ void parse_optimizer(config::Reader& root, OptimizerConfig& o) {
       }
       x.beta1 = to_number((*b)[0], p.last_path() + "[0]", lo_closed(0, 1));
       x.beta2 = to_number((*b)[1], p.last_path() + "[1]", lo_closed(0, 1));
+      check_fp32_beta(p, p.last_path() + "[0]", x.beta1, (*b)[0].dump());
+      check_fp32_beta(p, p.last_path() + "[1]", x.beta2, (*b)[1].dump());
     }
     p.get_number("eps", x.eps, above(0));
     p.get_number("weight_decay", x.weight_decay, at_least(0));

@@ -150,6 +150,23 @@ TEST(ConfigErrors, WrongTypesShowTheValue) {
                       "optimizer.params.betas: expected a list of two numbers");
 }
 
+// The update takes 1 - beta as 1 - float(beta) (DeepSpeed's CPU Adam's
+// arithmetic): a beta that is 1 in fp32 would freeze its moment (the run
+// blew up without a NaN), and one whose 1 - beta is more than 1% off is said.
+TEST(ConfigErrors, ABetaThatIsOneInFp32IsRefused) {
+  for (const char* type : {"AdamW", "Lamb"}) {
+    EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", type}, {"params", {{"betas", {0.9, 0.99999999}}}}}}}),
+                        "optimizer.params.betas[1]: 0.99999999 is 1 in fp32");
+    EXPECT_CONFIG_ERROR(with({{"optimizer", {{"type", type}, {"params", {{"betas", {1 - 1e-9, 0.999}}}}}}}),
+                        "optimizer.params.betas[0]: 0.999999999 is 1 in fp32");
+    const Config near = Config::parse(with({{"optimizer", {{"type", type}, {"params", {{"betas", {0.9, 0.9999999}}}}}}}));
+    EXPECT_TRUE(any_warning_has(near, "optimizer.params.betas[1]: 0.9999999: 1 - beta is 1.19209e-07 in fp32"));
+    EXPECT_TRUE(any_warning_has(near, "19% off 1e-07"));
+    const Config usual = Config::parse(with({{"optimizer", {{"type", type}, {"params", {{"betas", {0.9, 0.999}}}}}}}));
+    EXPECT_FALSE(any_warning_has(usual, "betas"));
+  }
+}
+
 TEST(ConfigErrors, TopLevelMustBeAnObject) {
   EXPECT_CONFIG_ERROR(json::array({1, 2}), "top level", "JSON object");
 }
