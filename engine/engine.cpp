@@ -574,6 +574,22 @@ void Engine::Impl::step() {
     batch_loss = BatchLoss{};
     throw Error(std::string(e.what()) + "; this global batch is dropped (no update), and the next one can train");
   }
+  // Without fp16's loss scaling a loss that is not finite has no overflow of
+  // the scaled gradients to explain it: the tokens are finite, so the
+  // weights, or the activations they produce, have overflowed since an
+  // earlier update (a learning rate too high). Skipping on would skip every
+  // step after, and save those weights over the run's good checkpoints:
+  // refused instead, the batch dropped as above.
+  if (!loss_scaling && !n.no_targets && !std::isfinite(n.loss)) {
+    reducer->reset_after_step();
+    device->after_step();
+    batch_loss = BatchLoss{};
+    throw Error("step " + std::to_string(global_steps + 1) + ": the loss is " + (std::isnan(n.loss) ? "nan" : "inf") +
+                " (" + (cfg.bf16 ? "bf16" : "fp32") +
+                ", no loss scaling): the weights, or the activations they produce, have overflowed since an earlier "
+                "update, and no later step can recover; this global batch is dropped (no update). Go back to a "
+                "checkpoint saved before the loss grew, with a lower learning rate or gradient_clipping");
+  }
   grad_norm = std::sqrt(sums[0] / local) * n.grad_scale * local;
   global_steps += 1;
   const bool overflow = !std::isfinite(grad_norm);

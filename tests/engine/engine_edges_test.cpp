@@ -57,6 +57,32 @@ TEST(CheckpointEdges, SavedAfterAnOverflowSkippedStepLoads) {
   std::filesystem::remove_all(dir);
 }
 
+// Without loss scaling a loss that is not finite means the weights have
+// overflowed (the tokens are finite): refused at once, in fp32 and bf16,
+// rather than skipping every later step (and saving those weights).
+TEST(EngineStepOrder, ALossThatIsNotFiniteWithoutLossScalingEndsTheRun) {
+  for (bool bf16 : {false, true}) {
+    nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 4},
+                          {"bf16", {{"enabled", bf16}}},
+                          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e30}}}}}};
+    Engine e = Engine::initialize(models::make_gpt(small_gpt(Device::kCpu, 1, 16)), cfg);
+    DataLoader loader = small_loader(4, 1);
+    std::string what;
+    int step = 0;
+    for (; step < 10 && what.empty(); ++step) {
+      try {
+        e.train_batch(loader);
+      } catch (const Error& err) {
+        what = err.what();
+      }
+    }
+    EXPECT_NE(what.find("the loss is nan"), std::string::npos) << what;
+    EXPECT_NE(what.find(bf16 ? "(bf16, no loss scaling)" : "(fp32, no loss scaling)"), std::string::npos) << what;
+    EXPECT_EQ(e.skipped_steps(), 0) << "bf16 " << bf16;
+    EXPECT_GE(step, 2);  // the first loss is finite
+  }
+}
+
 // After a boundary backward whose step() has not run, saving or loading a
 // checkpoint is refused (its gradients and losses belong to that step).
 TEST(CheckpointEdges, RefusedBetweenABoundaryBackwardAndItsStep) {
