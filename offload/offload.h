@@ -26,7 +26,9 @@
 
 namespace zinc::offload {
 
-// Page-locked (mlock), 4 KiB-aligned, zero-initialised host memory. If the
+// Page-locked (mlock), 4 KiB-aligned, zero-initialised host memory, an
+// anonymous mapping of its own (not malloc's: Note [pinned buffers are
+// mapped, not malloc'd] in pinned_buffer.cpp). If the
 // lock is refused (RLIMIT_MEMLOCK), the buffer is ordinary memory and a
 // warning is logged once per process. Movable, not copyable.
 class PinnedBuffer {

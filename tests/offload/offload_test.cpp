@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include "core/error.h"
 #include "offload/detail/io_detail.h"
@@ -82,6 +83,26 @@ TEST(PinnedBuffer, IsPageAlignedAndZeroed) {
     size_t nonzero = 0;
     for (size_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
     EXPECT_EQ(nonzero, 0u) << bytes;
+  }
+}
+
+// Note [pinned buffers are mapped, not malloc'd]: malloc neither serves a
+// buffer (its heap, or its own mmapped chunks) nor sees it freed, which
+// would raise its mmap threshold and keep later buffers in the heap. Huge
+// page buffers are 2 MiB-aligned.
+TEST(PinnedBuffer, IsItsOwnMappingNotMallocs) {
+  for (size_t bytes : {size_t{12345}, size_t{5} << 20, (size_t{5} << 20) + 3}) {
+    const struct mallinfo2 before = mallinfo2();
+    {
+      PinnedBuffer b(bytes, false);
+      const struct mallinfo2 during = mallinfo2();
+      EXPECT_EQ(during.hblkhd, before.hblkhd) << bytes;
+      EXPECT_LT(during.uordblks, before.uordblks + 4096) << bytes;
+      if (bytes >= (size_t{2} << 20)) EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % (size_t{2} << 20), 0u);
+      EXPECT_EQ(b.footprint(), bytes >= (size_t{2} << 20) ? size_t{6} << 20 : size_t{16384});
+      b.as<unsigned char>()[bytes - 1] = 1;  // all of it writable
+    }
+    EXPECT_EQ(mallinfo2().hblkhd, before.hblkhd) << bytes;
   }
 }
 
