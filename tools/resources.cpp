@@ -1,15 +1,19 @@
 #include "tools/resources.h"
 
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include <cmath>
 
+#include "core/log.h"
 #include "engine/memory_estimate.h"
 
 namespace zinc::tools {
@@ -116,6 +120,18 @@ bool read_only_disk(const std::string& path) {
   }
 }
 
+// The device of the file system holding `path` (or its nearest existing
+// folder); 0 when none is found.
+dev_t disk_device(const std::string& path) {
+  std::filesystem::path p = std::filesystem::absolute(path);
+  for (;;) {
+    struct stat st;
+    if (::stat(p.c_str(), &st) == 0) return st.st_dev;
+    if (!p.has_parent_path() || p.parent_path() == p) return 0;
+    p = p.parent_path();
+  }
+}
+
 std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int64_t T, int64_t held_B,
                                int64_t held_T) {
   auto bytes = [&](int64_t b, int64_t t) -> int64_t {
@@ -157,46 +173,80 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
                   "); lower the model, micro-batch or stage's memory (" +
                   (packed > 0 ? "model.pack_frozen_weights false saves " + gib(packed) + " per rank, " : "") +
                   "offload_optimizer, offload_param, gradient checkpointing), or pass --ignore-resources");
-  // Disk: the NVMe files, per path (the two offloads may share one), and
-  // one checkpoint (each rank's master, m, v; at stage 0 each rank saves
-  // the whole model) in the checkpoint folder.
-  std::map<std::string, std::pair<int64_t, std::string>> per_fs;  // path -> bytes, JSON paths
-  auto add = [&](const OffloadConfig& o, const char* key, int64_t bytes) {
-    if (o.device != OffloadDevice::kNvme || bytes <= 0) return;
-    auto& [b, keys] = per_fs[o.nvme_path];
-    b += bytes * local_ranks;
-    keys += std::string(keys.empty() ? "" : ", ") + key;
+  // Disk, per file system (folders on one disk share its room): the NVMe
+  // files of the two offloads, and the checkpoints that will be on disk at
+  // once (each rank's fp32 master, m and v of the blocks it trains; at stage
+  // 0 every rank saves the whole model). A save writes its tag before the
+  // oldest goes, so run.keep_last N keeps up to N + 1 for a moment; with
+  // keep_last 0 (every one kept) the check asks for the next two, and says
+  // so when the run's later saves will not fit.
+  struct OnDisk {
+    dev_t dev = 0;
+    std::vector<std::pair<std::string, std::string>> folders;  // the JSON paths naming a folder, the folder
+    int64_t offload = 0, checkpoints = 0;
+    std::string keys() const {  // "a.nvme_path, b.nvme_path /x, run.checkpoint_dir /y"
+      std::string out;
+      for (const auto& [k, f] : folders) out += (out.empty() ? "" : ", ") + k + " " + f;
+      return out;
+    }
+  };
+  std::vector<OnDisk> disks;  // in the order first named
+  auto disk_of = [&](const std::string& path, const std::string& key) -> OnDisk& {
+    const dev_t dev = disk_device(path);
+    OnDisk* d = nullptr;
+    for (OnDisk& x : disks)
+      if (x.dev == dev && dev != 0) d = &x;
+    if (!d) d = &disks.emplace_back(OnDisk{dev, {}, 0, 0});
+    auto same = std::find_if(d->folders.begin(), d->folders.end(), [&](const auto& kf) { return kf.second == path; });
+    if (same != d->folders.end())
+      same->first += ", " + key;
+    else
+      d->folders.emplace_back(key, path);
+    return *d;
   };
   int64_t opt_disk = 0, param_disk = 0;
   for (const MemoryPart& p : e.disk) (p.name.rfind("parameter shards", 0) == 0 ? param_disk : opt_disk) += p.bytes;
-  add(cfg.zero.offload_optimizer, "zero_optimization.offload_optimizer.nvme_path", opt_disk);
-  add(cfg.zero.offload_param, "zero_optimization.offload_param.nvme_path", param_disk);
-  for (const auto& [path, need] : per_fs) {
-    const int64_t free = free_disk_bytes(path);
-    if (read_only_disk(path))
-      out.push_back("disk: " + need.second + " " + path + ": its file system is mounted read-only, and " + ranks +
-                    " will write " + gib(need.first) + " of optimizer and parameter files there; choose a "
-                    "writable folder");
-    else if (free >= 0 && need.first > free)
-      out.push_back("disk: " + need.second + " " + path + ": " + ranks + " will write " + gib(need.first) +
-                    " of optimizer and parameter files, but its file system has " + gib(free) +
-                    " free; use a larger disk or pass --ignore-resources");
-  }
+  for (const auto& [o, key, bytes] : {std::tuple{&cfg.zero.offload_optimizer, "zero_optimization.offload_optimizer.nvme_path", opt_disk},
+                                      std::tuple{&cfg.zero.offload_param, "zero_optimization.offload_param.nvme_path", param_disk}})
+    if (o->device == OffloadDevice::kNvme && bytes > 0) disk_of(o->nvme_path, key).offload += bytes * local_ranks;
   const RunConfig& run = ex.experiment.run;
+  int64_t one_checkpoint = 0, saves = 0, at_once = 0;
   if (run.checkpoint_interval > 0) {
     int64_t params = 0;
     for (const BlockSpec& b : ex.model->blocks())
-      for (const ParamSpec& p : b.params) params += p.shape.numel();
+      if (!b.frozen)  // a LoRA base is not saved
+        for (const ParamSpec& p : b.params) params += p.shape.numel();
     const int64_t copies = cfg.zero.stage == 0 ? cfg.world_size : 1;
-    const int64_t need = 12 * params * copies;  // fp32 master, Adam m and v
-    const int64_t free = free_disk_bytes(run.checkpoint_dir);
-    if (read_only_disk(run.checkpoint_dir))
-      out.push_back("disk: run.checkpoint_dir " + run.checkpoint_dir + ": its file system is mounted read-only, "
-                    "and one checkpoint takes " + gib(need) + "; choose a writable folder");
+    one_checkpoint = 12 * params * copies;  // fp32 master, Adam m and v
+    saves = run.steps / run.checkpoint_interval + (run.steps % run.checkpoint_interval != 0 ? 1 : 0);
+    at_once = std::max<int64_t>(1, std::min(saves, run.keep_last > 0 ? run.keep_last + 1 : 2));
+    disk_of(run.checkpoint_dir, "run.checkpoint_dir").checkpoints = one_checkpoint * at_once;
+  }
+  for (const OnDisk& d : disks) {
+    std::string what;
+    if (d.offload > 0) what = gib(d.offload) + " of optimizer and parameter files from " + ranks;
+    if (d.checkpoints > 0)
+      what += (what.empty() ? "" : " and ") + gib(d.checkpoints) + " for " +
+              (at_once == 1 ? "one checkpoint" : std::to_string(at_once) + " checkpoints at once") + " (12 B per trained parameter" +
+              (cfg.zero.stage == 0 && cfg.world_size > 1 ? ", on each of the " + std::to_string(cfg.world_size) + " ranks at stage 0" : std::string()) +
+              (at_once > 1 ? (run.keep_last > 0 ? "; a save writes its tag before the oldest of run.keep_last " + std::to_string(run.keep_last) + " goes"
+                                                : "; run.keep_last 0 keeps every one")
+                           : std::string()) + ")";
+    const std::string& path = d.folders.front().second;
+    const int64_t need = d.offload + d.checkpoints, free = free_disk_bytes(path);
+    if (read_only_disk(path))
+      out.push_back("disk: " + d.keys() + ": its file system is mounted read-only, and the run will write " + what +
+                    " there; choose a writable folder");
     else if (free >= 0 && need > free)
-      out.push_back("disk: run.checkpoint_dir " + run.checkpoint_dir + ": one checkpoint takes " + gib(need) +
-                    " (12 B per parameter" + (copies > 1 ? ", on each of the " + std::to_string(copies) + " ranks at stage 0" : std::string()) +
-                    "), but its file system has " + gib(free) + " free; use a larger disk or pass --ignore-resources");
+      out.push_back("disk: " + d.keys() + ": the run will write " + what + " on one file system, which has " + gib(free) +
+                    " free; use a larger disk" + (d.checkpoints > 0 && run.keep_last != 1 ? ", a smaller run.keep_last" : "") +
+                    " or pass --ignore-resources");
+    else if (free >= 0 && d.checkpoints > 0 && run.keep_last == 0 && saves > at_once &&
+             d.offload + one_checkpoint * saves > free)
+      log_warn_rank0("disk: run.checkpoint_dir " + run.checkpoint_dir + " has room for " +
+                     std::to_string(std::max<int64_t>(0, (free - d.offload) / std::max<int64_t>(1, one_checkpoint))) +
+                     " of the " + std::to_string(saves) + " checkpoints this run saves (" + gib(one_checkpoint) +
+                     " each, run.keep_last 0 keeps every one): a later save will fail; set run.keep_last");
   }
   return out;
 }

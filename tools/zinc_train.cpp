@@ -223,7 +223,8 @@ void start_signal_thread() {
       std::fprintf(stderr, "zinc-train: signal %d: stopping after this step with a checkpoint%s (again to stop now)\n",
                    sig,
                    g_under_mpi.load() ? ", if every rank reaches it (mpirun also sends this when another rank "
-                                        "failed: its error is above, and then there is no checkpoint)"
+                                        "failed, with its error above, or was killed, by the OOM killer say, with none: "
+                                        "then there is no checkpoint)"
                                       : "");
     }
   }).detach();

@@ -11,7 +11,9 @@
 #    ends with the same weights, bit for bit, as a run on a roomy disk.
 # 3. A checkpoint save on a full disk fails with the path named and loses
 #    nothing: `latest` stays at the previous checkpoint, which loads.
-# 4. The disk read-only: the run ends at setup naming the config value.
+# 4. Folders on one disk share its room: the two stores in two folders,
+#    the stores beside the checkpoints (run.keep_last 1: two at once).
+# 5. The disk read-only: the run ends at setup naming the config value.
 # (A disk that fails a write in the middle of a step, where preallocation
 # cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
 # Needs root and loop devices; exits 77 (skipped) without them.
@@ -43,7 +45,7 @@ on() {  # folder: both stores there
 "$ZT" "$CFG" --steps 2 $(on "$MNT") --set model.n_layer=4 --set model.n_embd=512 >"$TMP/out" 2>"$TMP/err"
 rc=$?
 last="$(grep -v '^zinc\[' "$TMP/err" | tail -n 1)"
-if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: .*nvme_path $MNT: this rank will write .* [GMK]iB .* but its file system has .* [GMK]iB free" <<<"$last" &&
+if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: zero_optimization.offload_optimizer.nvme_path, zero_optimization.offload_param.nvme_path $MNT: the run will write .* [GMK]iB of optimizer and parameter files from this rank on one file system, which has .* [GMK]iB free" <<<"$last" &&
    ! grep -q '^step ' "$TMP/out" && [ -z "$(ls -A "$MNT" | grep -v lost+found)" ]; then
   pass=$((pass + 1))
 else
@@ -94,7 +96,7 @@ CK=(--set run.eval_interval=0 --set "run.checkpoint_dir=$MNT/ck" --set run.check
 "$ZT" "$DEF" --steps 1 "${CK[@]}" >/dev/null 2>&1
 dd if=/dev/zero of="$MNT/filler" bs=64k >/dev/null 2>&1
 "$ZT" "$DEF" --steps 2 "${CK[@]}" --resume >"$TMP/out" 2>"$TMP/err"
-if [ $? -eq 1 ] && grep -q "no room for this run: disk: run.checkpoint_dir $MNT/ck: one checkpoint takes" "$TMP/err" &&
+if [ $? -eq 1 ] && grep -q "no room for this run: disk: run.checkpoint_dir $MNT/ck: the run will write .* for 2 checkpoints at once" "$TMP/err" &&
    [ "$(cat "$MNT/ck/latest")" = "global_step1" ]; then
   pass=$((pass + 1))
 else
@@ -114,7 +116,31 @@ else
 fi
 rm -rf "$MNT/ck"
 
-# 4. The same disk read-only: the run ends at setup with the config value
+# 4. What shares one file system shares its room: the two stores in two
+# folders of the disk (each fits alone, 43 MiB together do not), and the
+# stores beside the checkpoints, two of which are on disk at once with
+# run.keep_last 1 (a save writes its tag before the oldest goes).
+mkdir -p "$MNT/a" "$MNT/b"
+"$ZT" "$CFG" --check --set model.n_embd=320 --set "zero_optimization.offload_param.nvme_path=$MNT/a" \
+  --set "zero_optimization.offload_optimizer.nvme_path=$MNT/b" >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 1 ] && grep -q "refused: disk: zero_optimization.offload_optimizer.nvme_path $MNT/b, zero_optimization.offload_param.nvme_path $MNT/a: the run will write .* on one file system" "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL two folders of one disk: rc=$rc"; cat "$TMP/out" "$TMP/err"
+fi
+KEEP=(--steps 4 --set model.n_embd=256 --set run.checkpoint_interval=2 --set run.keep_last=1)
+"$ZT" "$CFG" --check "${KEEP[@]}" $(on "$MNT/a") --set "run.checkpoint_dir=$TMP/roomy/ck" >"$TMP/out" 2>&1 &&
+"$ZT" "$CFG" --check "${KEEP[@]}" $(on "$MNT/a") --set "run.checkpoint_dir=$MNT/ck" >"$TMP/out2" 2>&1
+rc=$?
+if [ "$rc" -eq 1 ] && grep -q "run.checkpoint_dir $MNT/ck: the run will write .* and .* for 2 checkpoints at once (12 B per trained parameter; a save writes its tag before the oldest of run.keep_last 1 goes) on one file system" "$TMP/out2"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL stores and checkpoints on one disk: rc=$rc"; cat "$TMP/out" "$TMP/out2"
+fi
+rm -rf "$MNT/a" "$MNT/b"
+
+# 5. The same disk read-only: the run ends at setup with the config value
 # and the error named.
 mount -o remount,ro "$MNT"
 "$ZT" "$CFG" --steps 2 --set zero_optimization.offload_optimizer.device=none \
