@@ -149,6 +149,16 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
   check_schedule_betas(e.config, e.experiment.run);
   const ModelConfig& m = e.experiment.model;
   e.data = make_data_source(e.experiment.data);
+  if (const int64_t n = e.data->num_samples(); n < e.config.train_batch_size) {
+    // Each global batch draws its samples without repeats while the epoch
+    // lasts, then from the next epoch's order: a batch over more samples
+    // than the data holds trains some of them twice or more in one step.
+    const std::string why = "data: " + std::to_string(n) + " samples an epoch (" + e.experiment.data.path +
+                            "), fewer than one global batch of " + std::to_string(e.config.train_batch_size) +
+                            " (train_batch_size): each batch holds samples more than once";
+    log_warn_rank0("config: " + why);
+    e.config.warnings.push_back(why);
+  }
   if (e.experiment.run.eval_interval > 0) {
     e.eval_data = make_eval_data_source(e.experiment.data);
     if (!e.eval_data)

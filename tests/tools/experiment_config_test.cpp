@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -314,6 +315,24 @@ TEST(ExperimentConfigRun, OneCycleMomentumReachingOneWithinTheRunIsRefusedAtTheS
                 std::string::npos) << e.what();
     }
   }
+}
+
+// Data of fewer samples than one global batch trains, each batch holding
+// samples more than once: said, naming the file and both counts.
+TEST(ExperimentConfigData, DataSmallerThanOneGlobalBatchIsSaid) {
+  const std::string path = (std::filesystem::temp_directory_path() / "zinc_small_data.txt").string();
+  auto doc = [&](int64_t batch) {
+    return with({{"train_batch_size", batch}, {"train_micro_batch_size_per_gpu", batch},
+                 {"model", {{"n_layer", 1}, {"n_embd", 32}, {"n_head", 2}}},
+                 {"data", {{"type", "text"}, {"path", path}, {"seq_len", 16}}}});
+  };
+  { std::ofstream(path) << std::string(16 * 6 + 1, 'a'); }  // 6 samples of 16
+  const Experiment small = build_experiment(doc(8));
+  EXPECT_TRUE(testing_config::any_warning_has(
+      small.config, "data: 6 samples an epoch (" + path + "), fewer than one global batch of 8 (train_batch_size)"));
+  const Experiment enough = build_experiment(doc(6));
+  EXPECT_FALSE(testing_config::any_warning_has(enough.config, "samples an epoch"));
+  std::filesystem::remove(path);
 }
 
 }  // namespace
