@@ -70,6 +70,23 @@ def test_text_split(tmp_path, capsys, split, texts):
     assert [s["records"] for s in manifest["sources"]] == ([1, 3] if split == "paragraphs" else [2, 4])
 
 
+@pytest.mark.parametrize("split", ["file", "paragraphs", "lines"])
+def test_text_with_crlf_reads_as_with_lf(tmp_path, capsys, split):
+    """Universal newlines, as Python's text mode and the datasets library's text loader: a CRLF file's
+    documents are its LF copy's (a paragraph's last \\r once became a token before EOS)."""
+    lf = (FIX / "docs" / "b.txt").read_bytes()
+    assert b"\r" not in lf and b"\n\n" in lf
+    (tmp_path / "crlf.txt").write_bytes(lf.replace(b"\n", b"\r\n"))
+    (tmp_path / "lf.txt").write_bytes(lf)
+    got = []
+    for name in ("crlf", "lf"):
+        rc, err, prefix = run_prepare(tmp_path, capsys, tmp_path / f"{name}.txt", "--format", "text", "--split",
+                                      split, name=name)
+        assert rc == 0, err
+        got.append(read_outputs(prefix)[:3])
+    assert got[0] == got[1]
+
+
 def test_jsonl_text_and_bad_records(tmp_path, capsys):
     t = tok(CHATML)  # no BOS, eos <|im_end|> (a serialized AddedToken in tokenizer_config.json)
     rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", tokenizer=CHATML)
@@ -169,6 +186,76 @@ def test_chat_mask_covers_the_assistant_turns(tmp_path, capsys, folder, labels):
     assert [t.decode(r, skip_special_tokens=False) for r in runs] == labels
 
 
+@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+def test_turns_where_prefixes_are_not_prefixes_equal_the_tagged_templates_transformers_masks(tmp_path, capsys, name):
+    """Note [assistant spans]: templates whose renderings of a conversation's prefixes are not its prefixes
+    (Qwen3's dropped reasoning, Phi-3's end of text written once, an opening assistant turn before which
+    the empty conversation fails) have their assistant turns found by markers. Their masks equal what
+    transformers' return_assistant_tokens_mask gives for the same template with {% generation %} around
+    those turns (expected_chat.json), and the tagged template itself gives them too, from its tags."""
+    renderer = prepare.ChatRenderer(prepare.load_tokenizer(str(FIX / name)))
+    records = [json.loads(x) for x in (FIX / "chat_turns.jsonl").read_text(encoding="utf-8").splitlines()]
+    refused = 0
+    for r in records:  # the prefix rule alone would have dropped most of them
+        messages = prepare.normalize_messages(r["messages"])
+        try:
+            renderer._prefix_spans(messages, None, renderer.render(messages))
+        except Exception:
+            refused += 1
+    assert refused >= 3
+    want = EXPECTED[name + "_gen"]
+    assert all(sum(r["assistant_masks"]) > 0 for r in want)
+    for folder in (name, name + "_gen"):
+        rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat_turns.jsonl", "--format", "chat",
+                                      tokenizer=FIX / folder, name=folder)
+        assert rc == 0, err
+        assert bad_lines(err) == []
+        got = split_docs(*read_outputs(prefix)[:3])
+        assert [ids for ids, _ in got] == [r["ids"] for r in want]
+        assert [m for _, m in got] == [r["assistant_masks"] for r in want], folder
+
+
+def test_a_turn_that_cannot_be_located_is_a_bad_record_saying_why(tmp_path, capsys):
+    """An empty assistant turn (a tool call's) in a template whose prefixes are not prefixes has no content
+    to mark: a bad record, naming the way out (a template with {% generation %} blocks)."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"}]}) + "\n" + "\n".join(
+        json.dumps(r) for r in json.loads("[" + ",".join((FIX / "chat_turns.jsonl").read_text().splitlines()) + "]")) +
+        "\n", encoding="utf-8")
+    rc, err, _ = run_prepare(tmp_path, capsys, path, tokenizer=FIX / "qwen3")
+    assert rc == 0, err
+    assert bad_lines(err) == [1]
+    assert "assistant turn 1's content is empty, so the turn cannot be located (a template with " \
+           "{% generation %} blocks" in err
+
+
+def test_a_records_tools_reach_the_template(tmp_path, capsys):
+    """A record's "tools" (TRL's and the datasets' tool column) reach the template, as
+    apply_chat_template(messages, tools=...) passes them; tools that are not a list of objects are a bad
+    record."""
+    template = ("{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+                "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
+                "{%- if m['role'] == 'assistant' %}{%- generation %}{{- m['content'] + '<|im_end|>\\n' }}"
+                "{%- endgeneration %}{%- else %}{{- m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}")
+    (tmp_path / "t.jinja").write_text(template, encoding="utf-8")
+    schema = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"messages": messages, "tools": [schema]},
+                                                       {"messages": messages, "tools": "lookup"},
+                                                       {"messages": messages}]) + "\n", encoding="utf-8")
+    rc, err, prefix = run_prepare(tmp_path, capsys, path, "--chat-template", tmp_path / "t.jinja", tokenizer=CHATML)
+    assert rc == 0, err
+    assert bad_lines(err) == [2] and "'tools' is not a list of objects" in err
+    t = tok(CHATML)
+    (with_tools, _), (without, _) = split_docs(*read_outputs(prefix)[:3])
+    assert t.decode(with_tools, skip_special_tokens=False).startswith(
+        '<|im_start|>system\nTools: [{"type": "function", "function": {"name": "lookup"')
+    assert t.decode(without, skip_special_tokens=False).startswith("<|im_start|>user\nhi")
+
+
 @pytest.mark.parametrize("folder", [LLAMA3, CHATML], ids=["llama3", "chatml"])
 def test_alpaca_with_chat_template(tmp_path, capsys, folder):
     rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--use-chat-template", tokenizer=folder)
@@ -202,7 +289,7 @@ def test_chat_rendering_equals_live_transformers(folder):
 
 
 def test_committed_expectations_were_made_by_transformers():
-    assert EXPECTED["transformers"] and set(EXPECTED) == {"transformers", "llama3", "chatml"}
+    assert EXPECTED["transformers"] and set(EXPECTED) == {"transformers", "llama3", "chatml", "qwen3_gen", "phi3_gen"}
 
 
 def test_truncation_off_and_on(tmp_path, capsys):

@@ -120,6 +120,9 @@ def read_text_records(src: Source, split: str) -> Iterator[tuple[int, Any]]:
     except UnicodeDecodeError as e:
         yield 1, BadRecord(f"invalid UTF-8 at byte {e.start}: {e.reason}")
         return
+    # Universal newlines, as Python's text mode and the datasets library's text loader read a file: a CRLF
+    # or a lone CR is a newline (its \r no token of the text).
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     if split == "file":
         yield 1, text
         return
@@ -244,8 +247,13 @@ class Encoder:
         if "messages" not in record:
             raise BadRecord("missing field 'messages'")
         messages = normalize_messages(record["messages"])
+        # The tools a conversation may call (TRL's and the datasets' "tools" column): the template writes
+        # their schemas, as apply_chat_template(messages, tools=...) does.
+        tools = record.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadRecord("'tools' is not a list of objects (the tools' JSON schemas)")
         try:
-            text, spans = self.chat.render_with_spans(messages)
+            text, spans = self.chat.render_with_spans(messages, tools or None)
         except BadRecord:
             raise
         except Exception as e:  # a template's raise_exception, or any error inside the template

@@ -102,7 +102,7 @@ def compile_chat_template(source: str) -> Any:
     """The template compiled in the jinja2 environment transformers' apply_chat_template uses
     (transformers/utils/chat_template_utils.py, _compile_jinja_template): a sandbox with trim_blocks and
     lstrip_blocks, loop controls, tojson without HTML escaping, raise_exception, strftime_now, and the
-    {% generation %} tag (rendered as its body: the assistant spans are found from prefixes instead).
+    {% generation %} tag (rendered as its body, its span recorded as transformers records it).
 
     Bounded, where transformers' is not: no string, list or dict above MAX_RENDER_CHARS may be built by '*'
     or '**' (checked before they run), '+' or '%', a call (a macro, a method, a global: its arguments and
@@ -146,15 +146,22 @@ def compile_chat_template(source: str) -> Any:
         return bounded
 
     class GenerationTag(jinja2.ext.Extension):
+        # transformers' AssistantTracker: a block's span starts at the characters the rendering has
+        # yielded so far (ChatRenderer.render keeps the count in the environment's generation_state).
         tags = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
+            self.environment.has_generation = True
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller: Callable[[], str]) -> str:
-            return caller()
+            rv = caller()
+            state = getattr(self.environment, "generation_state", None)
+            if state is not None and state.spans is not None:
+                state.spans.append((state.emitted, state.emitted + len(rv)))
+            return rv
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -189,6 +196,8 @@ def compile_chat_template(source: str) -> Any:
                 raise jinja2.exceptions.SecurityError(f"underscore-prefixed namespace attribute {name!r}")
 
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.has_generation = False
+    env.generation_state = None
     env.filters["tojson"] = tojson
     env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = raise_exception
@@ -196,6 +205,55 @@ def compile_chat_template(source: str) -> Any:
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
     return env.from_string(source)
+
+
+class _GenerationState:
+    """What the {% generation %} tag reads during a rendering: the characters yielded so far, and where to
+    put the spans (None: not recorded)."""
+
+    def __init__(self, spans: Optional[list]):
+        self.emitted = 0
+        self.spans = spans
+
+
+_MARK = re.compile("\ue000zinc(\\d+)([se])\ue001")
+
+
+def _mark(i: int, end: str) -> str:
+    return f"\ue000zinc{i}{end}\ue001"
+
+
+def _unmark(text: str) -> tuple[str, dict]:
+    """text without the markers, and each marker's (turn, 's' or 'e') -> its offsets in that text."""
+    out, where, at, length = [], {}, 0, 0
+    for m in _MARK.finditer(text):
+        out.append(text[at:m.start()])
+        length += m.start() - at
+        where.setdefault((int(m.group(1)), m.group(2)), []).append(length)
+        at = m.end()
+    out.append(text[at:])
+    return "".join(out), where
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _agreed(tail: str, rest: str) -> int:
+    """How much of `tail` (what a turn's template writes after its content when it ends the conversation)
+    the conversation's rendering `rest` repeats: all of it, or as far as agreed up to a newline or the '>'
+    of a special token, never into a token both merely begin (Phi-3's "<|end|>\n<|endoftext|>" against
+    "<|end|>\n<|user|>": "<|end|>\n")."""
+    n = _common_prefix(tail, rest)
+    if n == len(tail):
+        return n
+    while n > 0 and tail[n - 1] not in "\n>":
+        n -= 1
+    return n
 
 
 class ChatRenderer:
@@ -210,38 +268,107 @@ class ChatRenderer:
         except Exception as e:
             raise PrepareError(f"the chat template does not compile: {e}")
         self.variables = dict(info.special_tokens)
+        self.tagged = bool(getattr(self.template.environment, "has_generation", False))
 
-    def render(self, messages: list, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list, add_generation_prompt: bool = False, tools: Optional[list] = None,
+               generation_spans: Optional[list] = None) -> str:
         """The rendering (as jinja2's render() joins it), stopped with a BadRecord as soon as it passes
-        MAX_RENDER_CHARS."""
+        MAX_RENDER_CHARS; the {% generation %} blocks' spans appended to generation_spans."""
         parts, length = [], 0
-        for part in self.template.generate(messages=messages, tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **self.variables):
-            length += len(part)
-            if length > MAX_RENDER_CHARS:
-                raise BadRecord(f"the chat template's rendering passes {MAX_RENDER_CHARS:,} characters")
-            parts.append(part)
+        env = self.template.environment
+        state = _GenerationState(generation_spans)
+        env.generation_state = state
+        try:
+            for part in self.template.generate(messages=messages, tools=tools, documents=None,
+                                               add_generation_prompt=add_generation_prompt, **self.variables):
+                length += len(part)
+                if length > MAX_RENDER_CHARS:
+                    raise BadRecord(f"the chat template's rendering passes {MAX_RENDER_CHARS:,} characters")
+                parts.append(part)
+                state.emitted = length
+        finally:
+            env.generation_state = None
         return "".join(parts)
 
-    def render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_spans(self, messages: list, tools: Optional[list] = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendering and its assistant spans; a BadRecord past MAX_RENDER_SECONDS (on the main thread)."""
         with _RenderDeadline():
-            return self._render_with_spans(messages)
+            return self._render_with_spans(messages, tools)
 
-    def _render_with_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
-        full = self.render(messages)
+    def _render_with_spans(self, messages: list, tools: Optional[list]) -> tuple[str, list[tuple[int, int]]]:
+        # Note [assistant spans]: a template with {% generation %} blocks says its spans itself, as
+        # transformers' return_assistant_tokens_mask takes them. Otherwise each assistant turn is what the
+        # conversation adds between the prompt before it (rendered with the generation prompt) and its
+        # rendering through that turn. Where those prefixes are not prefixes of the whole (a template that
+        # drops earlier turns' reasoning, like Qwen3's; one that writes the end of text only at the very
+        # end, like Phi-3's; one that fails on an empty conversation before an opening assistant turn), the
+        # turns are found in the whole rendering instead, by markers around their content.
+        if self.tagged:
+            spans: list = []
+            full = self.render(messages, tools=tools, generation_spans=spans)
+            return full, [(a, b) for a, b in spans if b > a]
+        full = self.render(messages, tools=tools)
+        try:
+            return full, self._prefix_spans(messages, tools, full)
+        except BadRecord as e:
+            if "passes" in str(e) or "ran past" in str(e):  # a bound, not a prefix
+                raise
+            return full, self._marked_spans(messages, tools, full)
+        except Exception:
+            return full, self._marked_spans(messages, tools, full)
+
+    def _prefix_spans(self, messages: list, tools: Optional[list], full: str) -> list[tuple[int, int]]:
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = full if i == len(messages) - 1 else self.render(messages[:i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            through = full if i == len(messages) - 1 else self.render(messages[:i + 1], tools=tools)
             if not (full.startswith(through) and through.startswith(before)):
-                raise BadRecord(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's, "
-                                f"so assistant turn {i} cannot be located")
+                raise BadRecord(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's")
             if len(through) > len(before):
                 spans.append((len(before), len(through)))
-        return full, spans
+        return spans
+
+    def _marked_spans(self, messages: list, tools: Optional[list], full: str) -> list[tuple[int, int]]:
+        """Each assistant turn located in the whole rendering by markers around its content: from the end
+        of the assistant header before it (what the generation prompt adds) to the end of what the template
+        writes after the content when the turn ends the conversation, as far as the whole agrees with it."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        for i in turns:
+            content = messages[i].get("content", "")
+            if not isinstance(content, str) or not content:
+                raise BadRecord(f"the template's renderings of the conversation's prefixes are not prefixes of it, "
+                                f"and assistant turn {i}'s content is {'empty' if content == '' else 'not a string'}"
+                                f", so the turn cannot be located (a template with {{% generation %}} blocks "
+                                f"around the assistant turns, passed with --chat-template, says where they are)")
+        marked = [dict(m, content=_mark(i, "s") + m.get("content", "") + _mark(i, "e")) if i in turns else m
+                  for i, m in enumerate(messages)]
+        text, where = _unmark(self.render(marked, tools=tools))
+        if text != full or any(len(where.get((i, k), [])) != 1 for i in turns for k in "se"):
+            raise BadRecord("the template's renderings of the conversation's prefixes are not prefixes of it, and "
+                            "it changes the assistant turns' content, so the turns cannot be located")
+        spans, low = [], 0
+        for i in turns:
+            start, end = where[(i, "s")][0], where[(i, "e")][0]
+            if start < low:
+                raise BadRecord(f"assistant turn {i} renders before the turn ahead of it")
+            try:  # the header: what the generation prompt adds to the conversation before the turn
+                prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+                bare = self.render(messages[:i], tools=tools)
+                header = prompt[_common_prefix(prompt, bare):]
+            except Exception:
+                header = ""
+            at = full.rfind(header, low, start) if header else -1
+            if at >= 0:
+                start = at + len(header)
+            through, marks = _unmark(self.render(marked[:i + 1], tools=tools))
+            tail = through[marks[(i, "e")][0]:] if len(marks.get((i, "e"), [])) == 1 else ""
+            end += _agreed(tail, full[end:])
+            if end > start:
+                spans.append((start, end))
+            low = end
+        return spans
 
 
 def normalize_messages(messages: Any) -> list:

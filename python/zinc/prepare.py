@@ -11,7 +11,9 @@ installed wheel, or PYTHONPATH=build/python in a build tree).
 Input (--format, inferred from the first file when not given, and said):
   text    plain text files (any extension but .jsonl/.json/.ndjson). --split
           file (default: one document per file), paragraphs (blank-line
-          separated) or lines (one document per non-empty line).
+          separated) or lines (one document per non-empty line). Read with
+          universal newlines (CRLF and CR are newlines), as Python's text mode
+          and the datasets library's text loader read them.
   jsonl   one JSON object per line with a string "text".
   alpaca  one JSON object per line: "instruction", optional "input", "output".
           Prompt (see ALPACA_PROMPT / ALPACA_PROMPT_INPUT, Stanford Alpaca's
@@ -32,17 +34,32 @@ Tokens and BOS/EOS, per format (what transformers does for the same input):
                parts are tokenized separately (as LLaMA-Factory does), so the
                boundary is exact.
   chat         the rendering (the template writes BOS itself) tokenized once
-               without special tokens; no EOS appended. Mask 1 on the tokens
-               of each assistant turn: for assistant message i, the characters
-               between render(messages[:i], add_generation_prompt=True) and
-               render(messages[:i+1]), i.e. the content plus whatever the
-               template writes after it before the next message (the
-               end-of-turn token, and e.g. ChatML's newline). A token that
-               overlaps such a span is a label (transformers' rule for
-               assistant_masks). The rest (system, user, tool turns, the
-               assistant header) is 0. A template whose renderings of the
-               prefixes are not prefixes of the whole conversation cannot be
-               split this way: such a record is bad.
+               without special tokens; no EOS appended. A record's "tools"
+               (a list of JSON schemas) reach the template as
+               apply_chat_template(messages, tools=...) passes them. Mask 1 on
+               the tokens of each assistant turn (Note [assistant spans] in
+               _prepare_template.py):
+               - a template with {% generation %} blocks: their characters,
+                 as transformers' return_assistant_tokens_mask takes them;
+               - otherwise, for assistant message i, the characters between
+                 render(messages[:i], add_generation_prompt=True) and
+                 render(messages[:i+1]), i.e. the content plus whatever the
+                 template writes after it before the next message (the
+                 end-of-turn token, and e.g. ChatML's newline);
+               - where those renderings are not prefixes of the whole
+                 conversation (Qwen3's templates drop earlier turns'
+                 reasoning, Phi-3's write the end of text once, at the end;
+                 some fail on the empty conversation before an opening
+                 assistant turn), each turn is found in the whole rendering
+                 by markers around its content: from the end of the
+                 assistant header the generation prompt writes to the end
+                 of what the template writes after the content, as far as
+                 the conversation repeats it. A turn with empty content (a
+                 tool call's) cannot be marked: that record is bad, and a
+                 template with {% generation %} blocks is the way out.
+               A token that overlaps such a span is a label (transformers'
+               rule for assistant_masks). The rest (system, user, tool turns,
+               the assistant header) is 0.
 EOS is the tokenizer config's eos_token (--eos overrides it).
 
 Lengths: --seq-len N is the training sequence length; a record of more than
