@@ -37,6 +37,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/log.h"
 #include "core/rng.h"
 #include "core/unique_fd.h"
 
@@ -62,7 +63,10 @@ constexpr int64_t kTokenHeaderBytes = 256 * 4;
 // the set in slots the llm.c readers leave at zero:
 //   [3] kSetMarker ("ZINC" in file order), [4] kSetVersion,
 //   [5] zlib's CRC-32 of PREFIX.mask, [6..7] its size in bytes (low, high),
-//   [8] the CRC-32 of PREFIX.docs, [9..10] its size.
+//   [8] the CRC-32 of PREFIX.docs, [9..10] its size,
+//   [11] the seq_len its examples were packed in rows of (zinc.prepare
+//   --pack rows; 0 for a stream): another data.seq_len is said, since the
+//   rows then no longer keep each example whole.
 // A mask or documents file that sits beside the token file under its prefix
 // must be the one its header records: a run killed between two renames
 // leaves an old token file with a new mask (or the reverse when files are
@@ -242,6 +246,12 @@ class TokenSource final : public DataSource {
         auto u32 = [&](int slot) { return static_cast<uint32_t>(le_i32(header + 4 * slot)); };
         set_ = PreparedSet{u32(5), static_cast<int64_t>(uint64_t{u32(7)} << 32 | u32(6)), u32(8),
                            static_cast<int64_t>(uint64_t{u32(10)} << 32 | u32(9))};
+        if (const int64_t rows = u32(11); rows > 0 && rows != T_ && !eval)
+          log_warn_rank0("config: data.seq_len: " + std::to_string(T_) + ", but " + path_ +
+                         " was packed in rows of " + std::to_string(rows) +
+                         " tokens (zinc.prepare --pack rows): at another length its examples cross rows, a "
+                         "response then training without its prompt in view; set data.seq_len " +
+                         std::to_string(rows) + " or prepare the data again");
       } else {
         // llm.c's writers leave slots 3-10 at zero; a damaged record is
         // refused rather than read as "no set" (which would skip the check).

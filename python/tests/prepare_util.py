@@ -31,19 +31,21 @@ def run_prepare(tmp_path, capsys, *args, tokenizer=LLAMA3, seq_len=256, name="ou
 
 def read_outputs(prefix):
     """(tokens, mask, docs, manifest, header) of PREFIX.*, checking the layout: llm.c's header, then the set
-    record (the bytes "ZINC", version 1, the CRC-32 and size of the .mask and of the .docs), the rest 0."""
+    record (the bytes "ZINC", version 1, the CRC-32 and size of the .mask and of the .docs, the rows' seq_len
+    of --pack rows or 0), the rest 0."""
     raw = open(f"{prefix}.bin", "rb").read()
     header = array.array("i", raw[:1024])
     typecode = {(20240520, 1): "H", (20240801, 7): "I"}[(header[0], header[1])]
     tokens = array.array(typecode, raw[1024:])
     mask_raw, docs_raw = open(f"{prefix}.mask", "rb").read(), open(f"{prefix}.docs", "rb").read()
     u = struct.unpack("<256I", raw[:1024])
-    assert len(tokens) == header[2] and raw[12:16] == b"ZINC" and u[4] == 1 and list(u[11:]) == [0] * 245
+    assert len(tokens) == header[2] and raw[12:16] == b"ZINC" and u[4] == 1 and list(u[12:]) == [0] * 244
     assert (u[5], u[6] + (u[7] << 32)) == (zlib.crc32(mask_raw), len(mask_raw))
     assert (u[8], u[9] + (u[10] << 32)) == (zlib.crc32(docs_raw), len(docs_raw))
     mask = list(mask_raw)
     docs = list(array.array("Q", docs_raw))
     manifest = json.loads(open(f"{prefix}.json").read())
+    assert u[11] == (manifest["seq_len"] if manifest["pack"] == "rows" else 0)
     assert manifest["crc32"] == {"tokens": zlib.crc32(raw[1024:]), "mask": u[5], "documents": u[8]}
     assert len(mask) == len(tokens) and set(mask) <= {0, 1}
     assert docs[0] == 0 and all(a < b for a, b in zip(docs, docs[1:])) and docs[-1] < len(tokens)

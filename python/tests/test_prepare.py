@@ -26,8 +26,10 @@ from prepare_util import CHATML, EXPECTED, FIX, LLAMA3, bad_lines, read_outputs,
 
 
 def split_docs(tokens, mask, docs):
+    """The documents' (tokens, mask), without --pack rows' padding (a document with no label; every
+    record has one)."""
     bounds = docs + [len(tokens)]
-    return [(tokens[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [(tokens[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:]) if 1 in mask[a:b]]
 
 
 def reports(err):
@@ -319,6 +321,63 @@ def test_alpaca_truncated_to_no_label_is_bad(tmp_path, capsys):
     assert rc == 1 and "no training label left" in err
 
 
+@pytest.mark.parametrize("seq_len", [40, 64, 100])
+def test_pack_rows_keeps_every_record_within_one_training_row(tmp_path, capsys, seq_len):
+    """--pack rows (chat's default): every record lies within one of zinc-train's rows (tokens kN..kN+N),
+    padding (EOS, mask 0, a document of its own) before one that would cross; the records are those of
+    --pack stream, in order, and a record may be N tokens long. --pack stream leaves some across rows."""
+    data = tmp_path / "turns.jsonl"
+    data.write_text((FIX / "chat_turns.jsonl").read_text(encoding="utf-8") * 5, encoding="utf-8")
+    rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=FIX / "qwen3_gen", seq_len=seq_len, name="rows")
+    assert rc == 0, err
+    tokens, mask, docs, manifest, _ = read_outputs(prefix)
+    assert manifest["pack"] == "rows"
+    bounds = docs + [len(tokens)]
+    eos = tok(FIX / "qwen3_gen").token_to_id("<|endoftext|>")
+    for a, b in zip(bounds, bounds[1:]):
+        if 1 not in mask[a:b]:  # padding: up to the next row's start
+            assert set(tokens[a:b]) == {eos} and b % seq_len == 0, (a, b)
+        else:
+            assert b - 1 <= a // seq_len * seq_len + seq_len and b - a <= seq_len, (a, b)
+    rc, err, stream = run_prepare(tmp_path, capsys, data, "--pack", "stream",
+                                  tokenizer=FIX / "qwen3_gen", seq_len=seq_len, name="stream")
+    assert rc == 0, err
+    s_tokens, s_mask, s_docs, s_manifest, _ = read_outputs(stream)
+    assert split_docs(tokens, mask, docs) == split_docs(s_tokens, s_mask, s_docs)
+    assert s_manifest["padding_tokens"] == 0 and s_manifest["pack"] == "stream"
+    s_bounds = s_docs + [len(s_tokens)]
+    assert any(b - 1 > a // seq_len * seq_len + seq_len for a, b in zip(s_bounds, s_bounds[1:]))
+
+
+def test_zinc_train_says_when_its_seq_len_is_not_the_rows_one(tmp_path, capsys):
+    """The .bin records --pack rows' row length (header word 11); zinc-train at another data.seq_len says
+    that the examples then cross rows (--check lists it among the warnings), and at the same one says
+    nothing. A stream records 0."""
+    from conftest import default_doc, zinc_train_path
+    zt = zinc_train_path()
+    if zt is None:
+        pytest.skip("zinc-train is not built")
+    data = tmp_path / "turns.jsonl"
+    data.write_text((FIX / "chat_turns.jsonl").read_text(encoding="utf-8") * 5, encoding="utf-8")
+    for pack in ("rows", "stream"):
+        rc, err, prefix = run_prepare(tmp_path, capsys, data, "--pack", pack, tokenizer=FIX / "qwen3_gen",
+                                      seq_len=64, name=pack)
+        assert rc == 0, err
+        header, manifest = read_outputs(prefix)[4], read_outputs(prefix)[3]
+        assert header[11] == (64 if pack == "rows" else 0)
+        doc = default_doc()
+        doc["data"] = manifest["data"]
+        doc["run"]["eval_interval"] = 0
+        doc["model"].pop("vocab_size", None)
+        for seq_len in (64, 48):
+            doc["data"]["seq_len"] = seq_len
+            (tmp_path / "c.json").write_text(json.dumps(doc))
+            out = subprocess.run([zt, str(tmp_path / "c.json"), "--check"], capture_output=True, text=True)
+            assert out.returncode == 0, out.stdout + out.stderr
+            said = f"data.seq_len: {seq_len}, but {prefix}.bin was packed in rows of 64 tokens" in out.stdout
+            assert said == (pack == "rows" and seq_len == 48), out.stdout
+
+
 def test_manifest(tmp_path, capsys):
     rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=CHATML, seq_len=160)
     assert rc == 0, err
@@ -331,8 +390,11 @@ def test_manifest(tmp_path, capsys):
     assert manifest["token_dtype"] == "uint16"
     assert (manifest["tokens"], manifest["documents"]) == (len(tokens), len(docs))
     assert manifest["masked_share"] == pytest.approx(mask.count(0) / len(mask)) and 0 < manifest["masked_share"] < 1
+    assert manifest["pack"] == "rows" and manifest["padding_documents"] > 0
+    records = len(docs) - manifest["padding_documents"]
+    assert manifest["padding_tokens"] == mask.count(0) - sum(m.count(0) for _, m in split_docs(tokens, mask, docs))
     assert manifest["sources"] == [{"path": str(FIX / "chat.jsonl"), "sha256": sha(FIX / "chat.jsonl"),
-                                    "records": len(docs), "bad_records": 4}]
+                                    "records": records, "bad_records": 4}]
     assert manifest["files"] == {"tokens": "out.bin", "mask": "out.mask", "documents": "out.docs"}
     assert manifest["data"] == {"type": "tokens", "path": f"{prefix}.bin", "mask_path": f"{prefix}.mask",
                                 "documents_path": f"{prefix}.docs", "vocab_size": manifest["vocab_size"],
@@ -443,7 +505,8 @@ def test_command_line(tmp_path):
                           "--seq-len", "128", "--out", str(tmp_path / "cli"), str(FIX / "chat.jsonl")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert read_outputs(tmp_path / "cli")[3]["documents"] == 3
+    manifest = read_outputs(tmp_path / "cli")[3]
+    assert manifest["documents"] - manifest["padding_documents"] == 3
     fail = subprocess.run([sys.executable, "-m", "zinc.prepare", "--tokenizer", str(LLAMA3), "--seq-len", "128",
                            "--out", str(tmp_path / "none"), str(tmp_path / "missing.jsonl")],
                           capture_output=True, text=True)

@@ -215,6 +215,8 @@ class Outputs:
         self.tokens = 0
         self.documents = 0
         self.masked = 0
+        self.padding_documents = 0  # of self.documents, --pack rows' padding
+        self.row_tokens = 0  # --pack rows: the rows' seq_len (header word 11)
         self.crc = {"tokens": 0, "mask": 0, "documents": 0}  # zlib.crc32 of the .bin after its header, .mask, .docs
         self.bytes = {"tokens": 0, "mask": 0, "documents": 0}
         try:
@@ -232,6 +234,8 @@ class Outputs:
             starts.append(self.tokens + len(tokens))
             tokens.extend(ids)
             mask += b"\x01" * len(ids) if m is None else m
+            if m is not None and 1 not in m:  # --pack rows' padding: no record has no label
+                self.padding_documents += 1
         for key, ext, data in (("tokens", "bin", _little_endian(tokens).tobytes()), ("mask", "mask", mask),
                                ("documents", "docs", _little_endian(starts).tobytes())):
             try:
@@ -249,13 +253,15 @@ class Outputs:
         """The .bin's 256 little-endian int32s: llm.c's magic, version and token count, then the set record
         zinc-train checks the .mask and .docs beside it against: [3] SET_MARKER, [4] SET_VERSION, [5] the
         .mask's CRC-32 (its uint32 bit pattern), [6] and [7] the low and high 32 bits of its size in bytes,
-        [8], [9] and [10] the same of the .docs; the rest 0."""
+        [8], [9] and [10] the same of the .docs, [11] the seq_len of --pack rows' rows (0: a stream; readers
+        of the record's version 1 before it ignore the word); the rest 0."""
         if self.tokens > 0x7FFFFFFF:
             raise PrepareError(f"{self.tokens:,} tokens: more than llm.c's header counts (2**31 - 1); split the "
                                "data set into several --out")
         ints = [self.magic, self.version, self.tokens, SET_MARKER, SET_VERSION]
         for key in ("mask", "documents"):
             ints += [self.crc[key], self.bytes[key] & 0xFFFFFFFF, self.bytes[key] >> 32]
+        ints.append(self.row_tokens)  # [11]: --pack rows' row length (the seq_len), 0 when packed as a stream
         return struct.pack(f"<{HEADER_INTS}I", *ints, *[0] * (HEADER_INTS - len(ints)))
 
     def commit(self, manifest: dict) -> None:

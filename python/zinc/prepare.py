@@ -62,10 +62,23 @@ Tokens and BOS/EOS, per format (what transformers does for the same input):
                the assistant header) is 0.
 EOS is the tokenizer config's eos_token (--eos overrides it).
 
-Lengths: --seq-len N is the training sequence length; a record of more than
-N+1 tokens is a bad record unless --truncate (cut to its first N+1 tokens)
-or, for text and jsonl, --chunk (cut into documents of N+1 tokens).
-A record left with no label (mask all 0) is bad as well.
+Lengths and packing: --seq-len N is the training sequence length. zinc-train
+reads a set in rows of N+1 tokens at a stride of N (row k is tokens kN to
+kN+N: N inputs, N targets; the last token of a row is the first input of the
+next). --pack says how the records lie in that stream:
+  rows    (default for alpaca and chat) every record lies within one row, so
+          a response is never trained without its prompt in view: a record
+          that would cross into the next row is preceded by padding to that
+          row's start (the EOS token, mask 0, a document of its own, so no
+          record attends to it), and a record may be N tokens long. Train at
+          the same seq_len, or the rows no longer line up.
+  stream  (default for text and jsonl) the records back to back, unpadded, as
+          transformers' run_clm groups texts: a record may span two rows (its
+          second part then trains without the first in view), and may be N+1
+          tokens long.
+A longer record is a bad record unless --truncate (cut to its first N, or
+N+1, tokens) or, for text and jsonl, --chunk (cut into documents of that
+length). A record left with no label (mask all 0) is bad as well.
 
 Output (read by zinc's `tokens` data source):
   PREFIX.bin   llm.c's token file: 256 little-endian int32 header (magic,
@@ -76,7 +89,9 @@ Output (read by zinc's `tokens` data source):
                "ZINC" in file order), [4] 1 (this record's version), [5] the
                zlib CRC-32 of PREFIX.mask (its uint32 bit pattern), [6] and [7]
                the low and high 32 bits of its size in bytes, [8], [9] and [10]
-               the same of PREFIX.docs; the other slots are 0.
+               the same of PREFIX.docs, [11] the seq_len of --pack rows (0 for
+               a stream: zinc-train warns when its data.seq_len differs); the
+               other slots are 0.
   PREFIX.mask  one uint8 per token: 1 = a training label, 0 = not.
   PREFIX.docs  little-endian uint64 token index at which each document starts
                (first 0, strictly increasing). Documents are packed back to
@@ -271,7 +286,10 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
         raise PrepareError("--use-chat-template is for --format alpaca (chat always uses the template)")
     info = load_tokenizer(args.tokenizer, args.eos, args.chat_template)
     encoder = Encoder(info, fmt, args.use_chat_template)
-    limit = args.seq_len + 1
+    pack = args.pack or ("rows" if fmt in ("alpaca", "chat") else "stream")
+    limit = args.seq_len if pack == "rows" else args.seq_len + 1  # the longest record that fits
+    pad_id = info.eos_id if info.eos_id is not None else 0
+    padding = 0
     sources = [Source(p) for p in inputs]
     bad_total = 0
     progress = Progress(args.progress or sys.stderr.isatty())
@@ -287,6 +305,24 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             raise PrepareError(f"more than --max-bad {args.max_bad} bad records (the last: "
                                f"{os.path.relpath(src.path)}:{line}: {why})")
 
+    def placed(docs: list, at: int) -> list:
+        """docs as they lie from token `at` on: with --pack rows, padding (a document of EOS tokens, mask 0)
+        before each one that would cross from its row into the next."""
+        nonlocal padding
+        if pack != "rows":
+            return docs
+        n, out_docs = args.seq_len, []
+        for ids, mask in docs:
+            offset = at % n  # its first token's place in row at // n (tokens 0..n of it)
+            if offset > 0 and offset + len(ids) - 1 > n:
+                fill = n - offset
+                out_docs.append(([pad_id] * fill, bytearray(fill)))
+                padding += fill
+                at += fill
+            out_docs.append((ids, mask))
+            at += len(ids)
+        return out_docs
+
     def finish(batch: list[Item], skipped: list, encoded: list) -> None:
         """Writes a batch's documents; reports its bad records, those found while parsing (skipped) and those
         found here, in line order."""
@@ -296,8 +332,8 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             src = sources[it.source]
             if len(ids) > limit:
                 if not (args.truncate or args.chunk):
-                    bads.append((it.source, it.line,
-                                 f"{len(ids)} tokens, more than --seq-len + 1 = {limit} (--truncate cuts it)"))
+                    what = f"--seq-len {limit} (--pack rows)" if pack == "rows" else f"--seq-len + 1 = {limit}"
+                    bads.append((it.source, it.line, f"{len(ids)} tokens, more than {what} (--truncate cuts it)"))
                     continue
                 if args.chunk:  # text and jsonl only: mask None
                     docs += [(ids[i:i + limit], None) for i in range(0, len(ids), limit)]
@@ -311,7 +347,7 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             src.records += 1
         for source, line, why in sorted(bads):
             bad(sources[source], line, why)
-        out.add(docs)
+        out.add(placed(docs, out.tokens))
         records += len(batch) + len(skipped)
         progress.update(records, out.tokens)
 
@@ -333,6 +369,7 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
         pending = started
 
     out = Outputs(prefix, info.token_dtype)
+    out.row_tokens = args.seq_len if pack == "rows" else 0
     try:
         for index, src in enumerate(sources):
             reader = read_text_records(src, args.split) if fmt == "text" else read_json_records(src)
@@ -364,9 +401,9 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             print(f"zinc.prepare: ... {bad_total - MAX_LISTED_BAD} more bad records not listed", file=sys.stderr)
         if out.documents == 0:
             raise PrepareError(f"nothing usable: {bad_total} bad records and no good one in {len(sources)} file(s)")
-        if out.tokens < limit:  # zinc-train refuses such a set: say so now (a test set may be meant for more)
+        if out.tokens < args.seq_len + 1:  # zinc-train refuses such a set: say so now (a test set may be meant for more)
             print(f"zinc.prepare: warning: the set holds {out.tokens} tokens, fewer than one sample of --seq-len "
-                  f"{args.seq_len} needs ({limit}): zinc-train refuses it at that seq_len", file=sys.stderr)
+                  f"{args.seq_len} needs ({args.seq_len + 1}): zinc-train refuses it at that seq_len", file=sys.stderr)
         base = os.path.basename(out.prefix)
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -376,6 +413,9 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             "token_dtype": info.token_dtype,
             "tokens": out.tokens,
             "documents": out.documents,
+            "pack": pack,
+            "padding_documents": out.padding_documents,
+            "padding_tokens": padding,
             "masked_share": out.masked / out.tokens,
             "sources": [dataclasses.asdict(s) for s in sources],
             "bad_records": bad_total,
@@ -397,7 +437,8 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
         if pool is not None:
             pool.shutdown(wait=True)
     print(f"zinc.prepare: wrote {out.prefix}.{{bin,mask,docs,json}}: {out.tokens:,} {info.token_dtype} tokens, "
-          f"{out.documents:,} documents, {manifest['masked_share']:.1%} masked, {bad_total} bad records",
+          f"{out.documents - out.padding_documents:,} documents, {manifest['masked_share']:.1%} masked, {bad_total} bad records"
+          + (f", {padding:,} tokens of padding (--pack rows, {padding / out.tokens:.1%})" if pack == "rows" else ""),
           file=sys.stderr)
     return manifest
 
@@ -415,9 +456,14 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                    help="default: inferred from each file (extension, then the first record's keys), which must agree")
     p.add_argument("--split", choices=("file", "paragraphs", "lines"), default="file",
                    help="text: one document per file (default), per blank-line-separated paragraph, or per line")
-    p.add_argument("--truncate", action="store_true", help="cut a record longer than N+1 tokens to N+1")
+    p.add_argument("--pack", choices=("rows", "stream"),
+                   help="rows: each record within one training row, padded before where needed (default for "
+                        "alpaca and chat); stream: back to back, a record may span two rows (default for text "
+                        "and jsonl)")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a record longer than a row holds (N tokens with --pack rows, else N+1) to that")
     p.add_argument("--chunk", action="store_true",
-                   help="text, jsonl: cut a record longer than N+1 tokens into documents of N+1 tokens")
+                   help="text, jsonl: cut a record longer than a row holds into documents of that length")
     p.add_argument("--use-chat-template", action="store_true",
                    help="alpaca: render instruction and output with the chat template")
     p.add_argument("--chat-template", metavar="FILE", help="a jinja file to use instead of the model's template")
