@@ -116,7 +116,7 @@ def alpaca_records():
 def test_alpaca_masks_exactly_the_prompt(tmp_path, capsys):
     t = tok(LLAMA3)
     eos = t.token_to_id("<|eot_id|>")
-    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--pack", "stream")  # in order
     assert rc == 0, err
     assert "format alpaca (inferred" in err
     assert bad_lines(err) == [5, 6, 7]
@@ -143,7 +143,7 @@ def test_chat_equals_transformers_committed(tmp_path, capsys, folder):
     """Tokens and mask of every chat record equal transformers' apply_chat_template(tokenize=True,
     return_assistant_tokens_mask=True) as committed; the records transformers refuses are bad records."""
     t = tok(folder)
-    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=folder)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", "--pack", "stream", tokenizer=folder)
     assert rc == 0, err
     assert "format chat (inferred" in err
     rows = expected_rows(folder.name, "chat")
@@ -174,7 +174,7 @@ def test_chat_mask_covers_the_assistant_turns(tmp_path, capsys, folder, labels):
     """What a label is, spelled out: each assistant turn's content and what the template writes after it
     (end-of-turn, ChatML's newline); never the system, user or assistant header tokens."""
     t = tok(folder)
-    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", tokenizer=folder)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat.jsonl", "--pack", "stream", tokenizer=folder)
     assert rc == 0, err
     ids, m = split_docs(*read_outputs(prefix)[:3])[1]  # record 2: system, user, assistant, user, assistant
     runs, current = [], []
@@ -208,13 +208,14 @@ def test_turns_where_prefixes_are_not_prefixes_equal_the_tagged_templates_transf
     want = EXPECTED[name + "_gen"]
     assert all(sum(r["assistant_masks"]) > 0 for r in want)
     for folder in (name, name + "_gen"):
-        rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat_turns.jsonl", "--format", "chat",
-                                      tokenizer=FIX / folder, name=folder)
-        assert rc == 0, err
-        assert bad_lines(err) == []
-        got = split_docs(*read_outputs(prefix)[:3])
-        assert [ids for ids, _ in got] == [r["ids"] for r in want]
-        assert [m for _, m in got] == [r["assistant_masks"] for r in want], folder
+        for pack in ("stream", "rows"):
+            rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "chat_turns.jsonl", "--format", "chat", "--pack",
+                                          pack, tokenizer=FIX / folder, name=folder + pack)
+            assert rc == 0, err
+            assert bad_lines(err) == []
+            got = [(list(ids), list(m)) for ids, m in split_docs(*read_outputs(prefix)[:3])]
+            expected = [(r["ids"], r["assistant_masks"]) for r in want]
+            assert (got if pack == "stream" else sorted(got)) == (expected if pack == "stream" else sorted(expected))
 
 
 def test_a_turn_that_cannot_be_located_is_a_bad_record_saying_why(tmp_path, capsys):
@@ -260,7 +261,8 @@ def test_a_records_tools_reach_the_template(tmp_path, capsys):
 
 @pytest.mark.parametrize("folder", [LLAMA3, CHATML], ids=["llama3", "chatml"])
 def test_alpaca_with_chat_template(tmp_path, capsys, folder):
-    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--use-chat-template", tokenizer=folder)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--use-chat-template", "--pack", "stream",
+                                  tokenizer=folder)
     assert rc == 0, err
     got = split_docs(*read_outputs(prefix)[:3])
     want = expected_rows(folder.name, "alpaca")
@@ -323,9 +325,10 @@ def test_alpaca_truncated_to_no_label_is_bad(tmp_path, capsys):
 
 @pytest.mark.parametrize("seq_len", [40, 64, 100])
 def test_pack_rows_keeps_every_record_within_one_training_row(tmp_path, capsys, seq_len):
-    """--pack rows (chat's default): every record lies within one of zinc-train's rows (tokens kN..kN+N),
-    padding (EOS, mask 0, a document of its own) before one that would cross; the records are those of
-    --pack stream, in order, and a record may be N tokens long. --pack stream leaves some across rows."""
+    """--pack rows (chat's default): every record lies within one of zinc-train's rows (tokens kN..kN+N-1 of
+    kN..kN+N), placed by best fit, each row filled up with padding (EOS, mask 0, a document of its own) and
+    one padding token at the end; the records are those of --pack stream (in another order). --pack stream
+    leaves some across rows."""
     data = tmp_path / "turns.jsonl"
     data.write_text((FIX / "chat_turns.jsonl").read_text(encoding="utf-8") * 5, encoding="utf-8")
     rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=FIX / "qwen3_gen", seq_len=seq_len, name="rows")
@@ -334,16 +337,18 @@ def test_pack_rows_keeps_every_record_within_one_training_row(tmp_path, capsys, 
     assert manifest["pack"] == "rows"
     bounds = docs + [len(tokens)]
     eos = tok(FIX / "qwen3_gen").token_to_id("<|endoftext|>")
+    assert len(tokens) % seq_len == 1  # whole rows, and the last one's last target
     for a, b in zip(bounds, bounds[1:]):
-        if 1 not in mask[a:b]:  # padding: up to the next row's start
-            assert set(tokens[a:b]) == {eos} and b % seq_len == 0, (a, b)
+        if 1 not in mask[a:b]:  # padding: up to the next row's start (and the one token at the end)
+            assert set(tokens[a:b]) == {eos} and (b % seq_len == 0 or b == a + 1 == len(tokens)), (a, b)
         else:
-            assert b - 1 <= a // seq_len * seq_len + seq_len and b - a <= seq_len, (a, b)
+            assert (b - 1) // seq_len == a // seq_len, (a, b)
+    assert manifest["padding_tokens"] == mask.count(0) - sum(m.count(0) for _, m in split_docs(tokens, mask, docs))
     rc, err, stream = run_prepare(tmp_path, capsys, data, "--pack", "stream",
                                   tokenizer=FIX / "qwen3_gen", seq_len=seq_len, name="stream")
     assert rc == 0, err
     s_tokens, s_mask, s_docs, s_manifest, _ = read_outputs(stream)
-    assert split_docs(tokens, mask, docs) == split_docs(s_tokens, s_mask, s_docs)
+    assert sorted(split_docs(tokens, mask, docs)) == sorted(split_docs(s_tokens, s_mask, s_docs))
     assert s_manifest["padding_tokens"] == 0 and s_manifest["pack"] == "stream"
     s_bounds = s_docs + [len(s_tokens)]
     assert any(b - 1 > a // seq_len * seq_len + seq_len for a, b in zip(s_bounds, s_bounds[1:]))
@@ -441,7 +446,8 @@ def test_a_seq_len_training_cannot_take_is_refused_and_a_set_too_short_for_one_s
     rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", seq_len=10**20)
     assert rc == 1 and "--seq-len must be between 1 and 2147483647, got 100000000000000000000" in err, err
     assert snapshot(tmp_path) == {}
-    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--truncate", seq_len=1_000_000)
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl", "--truncate", "--pack", "stream",
+                                  seq_len=1_000_000)  # --pack rows fills a row whatever the length
     tokens = read_outputs(prefix)[3]["tokens"]
     assert rc == 0 and tokens < 1_000_001, err
     assert f"warning: the set holds {tokens} tokens, fewer than one sample of --seq-len 1000000 needs (1000001)" in err

@@ -249,7 +249,8 @@ def test_a_template_repeating_a_string_without_bound_is_a_bad_record(tmp_path):
                   "--out", tmp_path / "out", timeout=30)
     assert rc == 0, err
     assert bad_lines(err) == [2] and "boom.jsonl:2: the chat template repeats a str of 4 characters" in err
-    assert read_outputs(tmp_path / "out")[3]["documents"] == 2
+    manifest = read_outputs(tmp_path / "out")[3]
+    assert manifest["documents"] - manifest["padding_documents"] == 2
 
 
 def test_a_template_running_without_end_is_a_bad_record(tmp_path):
@@ -288,7 +289,8 @@ def test_what_a_template_builds_is_bounded(tmp_path, capsys, monkeypatch, expres
     rc, err, prefix = run_prepare(tmp_path, capsys, data, "--chat-template", template, seq_len=64)
     assert rc == 0, err
     assert bad_lines(err) == [2] and why in err
-    assert read_outputs(prefix)[3]["documents"] == 2
+    manifest = read_outputs(prefix)[3]
+    assert manifest["documents"] - manifest["padding_documents"] == 2
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "alpaca", "chat"])
@@ -308,7 +310,8 @@ def test_a_lone_surrogate_is_a_bad_record(tmp_path, capsys, fmt):
     rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=CHATML if fmt == "chat" else LLAMA3)
     assert rc == 0, err
     assert bad_lines(err) == [2] and "s.jsonl:2: a lone surrogate '\\ud800'" in err
-    assert read_outputs(prefix)[3]["documents"] == 2
+    manifest = read_outputs(prefix)[3]
+    assert manifest["documents"] - manifest["padding_documents"] == 2
     data.write_text(lines[1] + "\n")
     rc, err, _ = run_prepare(tmp_path, capsys, data, tokenizer=CHATML if fmt == "chat" else LLAMA3, name="only")
     assert rc == 1 and "Traceback" not in err and "s.jsonl:1: a lone surrogate" in err

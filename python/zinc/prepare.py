@@ -67,11 +67,15 @@ reads a set in rows of N+1 tokens at a stride of N (row k is tokens kN to
 kN+N: N inputs, N targets; the last token of a row is the first input of the
 next). --pack says how the records lie in that stream:
   rows    (default for alpaca and chat) every record lies within one row, so
-          a response is never trained without its prompt in view: a record
-          that would cross into the next row is preceded by padding to that
-          row's start (the EOS token, mask 0, a document of its own, so no
-          record attends to it), and a record may be N tokens long. Train at
-          the same seq_len, or the rows no longer line up.
+          a response is never trained without its prompt in view: records
+          are placed into rows of N tokens by best fit over a window of 64
+          open rows (RowPacker), each row filled up with padding (the EOS
+          token, mask 0, a document of its own, so no record attends to it);
+          a row's last target, the next row's first token, is a document
+          start and not trained. A record may be N tokens long, and the
+          records come out in the rows' order, not the input's (zinc-train
+          shuffles rows). Train at the same seq_len, or the rows no longer
+          line up.
   stream  (default for text and jsonl) the records back to back, unpadded, as
           transformers' run_clm groups texts: a record may span two rows (its
           second part then trains without the first in view), and may be N+1
@@ -94,8 +98,8 @@ Output (read by zinc's `tokens` data source):
                other slots are 0.
   PREFIX.mask  one uint8 per token: 1 = a training label, 0 = not.
   PREFIX.docs  little-endian uint64 token index at which each document starts
-               (first 0, strictly increasing). Documents are packed back to
-               back, unpadded.
+               (first 0, strictly increasing): the records, and with --pack
+               rows each row's padding, a document each.
   PREFIX.json  the manifest: tokenizer, checksums (the inputs' sha256; "crc32"
                of the tokens after the .bin's header, of the .mask and of the
                .docs), counts, masked share, and "data", whose paths are
@@ -267,6 +271,60 @@ def run(args: argparse.Namespace) -> dict:
         lock.release()
 
 
+class RowPacker:
+    """--pack rows: documents (token ids, mask) into rows of n tokens, none across two, each row filled up
+    with padding (a document of pad_id tokens, mask 0, so that no record attends to it). Best fit over a
+    window of OPEN_ROWS rows: a document goes to the open row it fills most, or opens one; past OPEN_ROWS the
+    fullest row is written out. Rows come out in that order, not the records' (zinc-train shuffles rows)."""
+
+    OPEN_ROWS = 64
+
+    def __init__(self, n: int, pad_id: int):
+        self.n, self.pad_id = n, pad_id
+        self.rows: list[tuple[int, list]] = []  # (tokens in it, its documents)
+        self.padding = 0
+
+    def add(self, docs: list) -> list:
+        """The rows closed by these documents, flattened: what to write now."""
+        out: list = []
+        for doc in docs:
+            size = len(doc[0])
+            best = -1
+            for i, (used, _) in enumerate(self.rows):
+                if used + size <= self.n and (best < 0 or used > self.rows[best][0]):
+                    best = i
+            if best < 0:
+                self.rows.append((0, []))
+                best = len(self.rows) - 1
+            used, row = self.rows[best]
+            row.append(doc)
+            self.rows[best] = (used + size, row)
+            if used + size == self.n:
+                out += self._close(best)
+            elif len(self.rows) > self.OPEN_ROWS:
+                out += self._close(max(range(len(self.rows)), key=lambda i: self.rows[i][0]))
+        return out
+
+    def close(self) -> list:
+        """Every open row, padded (the last too: a set is whole rows), and one more padding token: the last
+        row's last target, without which zinc-train would not read that row."""
+        out: list = []
+        while self.rows:
+            out += self._close(0)
+        if out:
+            out.append(([self.pad_id], bytearray(1)))
+            self.padding += 1
+        return out
+
+    def _close(self, i: int) -> list:
+        used, row = self.rows.pop(i)
+        fill = self.n - used
+        if fill:
+            row.append(([self.pad_id] * fill, bytearray(fill)))
+            self.padding += fill
+        return row
+
+
 def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
     """run()'s work, under the prefix's lock."""
     fmt = args.format
@@ -288,8 +346,7 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
     encoder = Encoder(info, fmt, args.use_chat_template)
     pack = args.pack or ("rows" if fmt in ("alpaca", "chat") else "stream")
     limit = args.seq_len if pack == "rows" else args.seq_len + 1  # the longest record that fits
-    pad_id = info.eos_id if info.eos_id is not None else 0
-    padding = 0
+    packer = RowPacker(args.seq_len, info.eos_id if info.eos_id is not None else 0) if pack == "rows" else None
     sources = [Source(p) for p in inputs]
     bad_total = 0
     progress = Progress(args.progress or sys.stderr.isatty())
@@ -304,24 +361,6 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
         if args.max_bad is not None and bad_total > args.max_bad:
             raise PrepareError(f"more than --max-bad {args.max_bad} bad records (the last: "
                                f"{os.path.relpath(src.path)}:{line}: {why})")
-
-    def placed(docs: list, at: int) -> list:
-        """docs as they lie from token `at` on: with --pack rows, padding (a document of EOS tokens, mask 0)
-        before each one that would cross from its row into the next."""
-        nonlocal padding
-        if pack != "rows":
-            return docs
-        n, out_docs = args.seq_len, []
-        for ids, mask in docs:
-            offset = at % n  # its first token's place in row at // n (tokens 0..n of it)
-            if offset > 0 and offset + len(ids) - 1 > n:
-                fill = n - offset
-                out_docs.append(([pad_id] * fill, bytearray(fill)))
-                padding += fill
-                at += fill
-            out_docs.append((ids, mask))
-            at += len(ids)
-        return out_docs
 
     def finish(batch: list[Item], skipped: list, encoded: list) -> None:
         """Writes a batch's documents; reports its bad records, those found while parsing (skipped) and those
@@ -347,7 +386,7 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             src.records += 1
         for source, line, why in sorted(bads):
             bad(sources[source], line, why)
-        out.add(placed(docs, out.tokens))
+        out.add(packer.add(docs) if packer else docs)
         records += len(batch) + len(skipped)
         progress.update(records, out.tokens)
 
@@ -396,6 +435,8 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
         if pending is not None:
             finish(pending[0], pending[1], pending[2].result())
             pending = None
+        if packer:
+            out.add(packer.close())
         progress.update(records, out.tokens, final=True)
         if bad_total > MAX_LISTED_BAD:
             print(f"zinc.prepare: ... {bad_total - MAX_LISTED_BAD} more bad records not listed", file=sys.stderr)
@@ -415,7 +456,7 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             "documents": out.documents,
             "pack": pack,
             "padding_documents": out.padding_documents,
-            "padding_tokens": padding,
+            "padding_tokens": packer.padding if packer else 0,
             "masked_share": out.masked / out.tokens,
             "sources": [dataclasses.asdict(s) for s in sources],
             "bad_records": bad_total,
@@ -438,7 +479,8 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
             pool.shutdown(wait=True)
     print(f"zinc.prepare: wrote {out.prefix}.{{bin,mask,docs,json}}: {out.tokens:,} {info.token_dtype} tokens, "
           f"{out.documents - out.padding_documents:,} documents, {manifest['masked_share']:.1%} masked, {bad_total} bad records"
-          + (f", {padding:,} tokens of padding (--pack rows, {padding / out.tokens:.1%})" if pack == "rows" else ""),
+          + (f", {packer.padding:,} tokens of padding (--pack rows, {packer.padding / out.tokens:.1%})"
+             if packer else ""),
           file=sys.stderr)
     return manifest
 
