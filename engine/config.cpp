@@ -519,8 +519,8 @@ void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig&
   Reader r = root.section("activation_checkpointing");
   a.given = r.given();
   if (r.get_bool("partition_activations", a.partition_activations) && a.partition_activations)
-    r.warn_ignored(r.last_path(), "it splits checkpoints across model-parallel ranks, and zinc has no model "
-                                  "parallelism");
+    r.warn_ignored(r.last_path(), "it splits checkpointed activations across tensor-parallel ranks; zinc's "
+                                  "tensor parts each keep the whole layer inputs they recompute from");
   if (r.get_bool("contiguous_memory_optimization", a.contiguous_memory_optimization) &&
       a.contiguous_memory_optimization)
     r.warn_ignored(r.last_path(), "it packs partitioned checkpoints (partition_activations, model parallelism); "
@@ -714,7 +714,7 @@ void parse_expert_parallel(Reader& root, Config& c) {
   const bool has_size = r.get_int("autoep_size", size, Range{1, 1 << 20});
   const std::string size_path = r.path_of("autoep_size");
   std::string preset;
-  r.get_string("preset_model", preset);
+  r.get_string("preset_model", preset);  // DeepSpeed's hint; the model section says the family (shown by --check)
   for (const char* k : {"moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3",
                         "num_experts_attr", "top_k_attr", "shared_experts_pattern", "has_shared_experts",
                         "use_grouped_mm", "grouped_mm_backend"})
@@ -788,8 +788,8 @@ void parse_unimplemented(Reader& r, Config& c) {
                  "zinc commits a checkpoint from rank 0 and any rank may read any rank's shards when it loads, "
                  "so the checkpoint folder must be one that every rank sees; remove it or set it to false");
   if (const json* w = ck.find("parallel_write"); w && feature_active(*w, ck.last_path()))
-    ck.warn_ignored(ck.last_path(), "every zinc rank already writes its own shards in parallel, and zinc has no "
-                                    "pipeline stages");
+    ck.warn_ignored(ck.last_path(), "every zinc rank, of every pipeline stage, already writes its own shards in "
+                                    "parallel");
   if (const json* w = ck.find("writer"); w && feature_active(*w, ck.last_path()))
     ck.warn_ignored(ck.last_path(), "zinc writes each rank's shards with its own writer (checksummed, fsynced)");
   ck.finish();

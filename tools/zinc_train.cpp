@@ -645,7 +645,9 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
     std::printf("done: %lld steps in %s | final loss %.4f", static_cast<long long>(done_steps),
                 format_duration(elapsed).c_str(), loss);
     if (floor) std::printf(" (floor %.4f, gap %+.4f)", *floor, loss - *floor);
-    if (ex.eval_data) {
+    if (ex.eval_data && loop.eval_step() == 0) {
+      std::printf(" | no held-out loss yet");  // stopped before its first evaluation
+    } else if (ex.eval_data) {
       std::printf(" | held-out loss %.4f", eval_loss);
       if (loop.eval_step() != done_steps)  // a stopped run's last evaluation, not at its end
         std::printf(" (at step %lld)", static_cast<long long>(loop.eval_step()));
