@@ -19,7 +19,7 @@ def answer(model_dir: str, question: str, max_new_tokens: int = 40, adapter: str
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter:
         from peft import PeftModel
 
