@@ -306,7 +306,7 @@ class TokenSource final : public DataSource {
                                 std::to_string(max_token) + ")";
       if (cfg.vocab_size > 0)
         throw ConfigError("data.vocab_size", "is " + std::to_string(cfg.vocab_size) + " but " + where +
-                                                 "; raise vocab_size, or set it to 0 to take max token + 1");
+                                                 "; raise vocab_size, or leave it out to take max token + 1");
       throw ConfigError("data.path", where + ", beyond the largest vocabulary a model takes (" +
                                          std::to_string(kMaxTokenVocab) + "); is data.token_dtype right?");
     }

@@ -113,10 +113,23 @@ class AdamW {
     args.push_back({"exp_avg_sq", array_arg(exp_avg_sq, "exp_avg_sq", 'f', 4, "float32", true)});
     if (!bf16_out.is_none()) args.push_back({"bf16_out", array_arg(bf16_out, "bf16_out", 'u', 2, "uint16", true)});
     const py::ssize_t n = args[0].a.size();
-    for (const Arg& x : args)
+    auto shape = [](const py::array& a) {
+      std::string t = "(";
+      for (py::ssize_t d = 0; d < a.ndim(); ++d) t += (d ? ", " : "") + std::to_string(a.shape(d));
+      return t + (a.ndim() == 1 ? ",)" : ")");
+    };
+    for (const Arg& x : args) {
       if (x.a.size() != n)
         throw py::value_error(std::string("zinc.optim.AdamW.step: ") + x.name + " has " + std::to_string(x.a.size()) +
                               " elements; param has " + std::to_string(n));
+      // Element i of each goes with element i of the others in memory order: the same shape, or a flat
+      // (1-D) buffer of the same size; a transposed shape would pair elements that do not belong together.
+      bool same = x.a.ndim() == args[0].a.ndim();
+      for (py::ssize_t d = 0; same && d < x.a.ndim(); ++d) same = x.a.shape(d) == args[0].a.shape(d);
+      if (!same && x.a.ndim() != 1 && args[0].a.ndim() != 1)
+        throw py::value_error(std::string("zinc.optim.AdamW.step: ") + x.name + " has shape " + shape(x.a) +
+                              "; param has " + shape(args[0].a) + " (the same shape, or a 1-D array of its size)");
+    }
     // Overlapping memory would make the result depend on the kernel's order.
     for (size_t i = 0; i < args.size(); ++i)
       for (size_t j = i + 1; j < args.size(); ++j) {

@@ -1,4 +1,5 @@
 """zinc.optim.AdamW: PyTorch's AdamW formula, in place, zero-copy, checked arguments."""
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -108,6 +109,35 @@ def test_bad_arrays_name_the_argument(make, exc, words):
     with pytest.raises(exc) as e:
         opt.step(1, *make())
     assert words in str(e.value)
+
+
+def test_arrays_of_other_shapes_are_refused_unless_flat():
+    """Elements pair in memory order: a transposed grad would pair the wrong ones (refused, naming both
+    shapes); a flat buffer of the same size is taken."""
+    opt = zinc.optim.AdamW()
+    p = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match=re.escape("grad has shape (4, 3); param has (3, 4)")):
+        opt.step(1, p, np.ones((4, 3), np.float32), np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32))
+    opt.step(1, p, np.ones(12, np.float32), np.zeros(12, np.float32), np.zeros((3, 4), np.float32))
+
+
+def test_a_child_forked_after_a_parallel_step_steps_on_one_thread():
+    """Note [OpenMP across fork]: OpenMP's threads do not survive fork(); a child forked after the parent's
+    parallel step once waited for them forever. It now steps on its own thread, with the same result."""
+    code = (
+        "import os, sys, numpy as np, zinc.optim\n"
+        "n = 1 << 20\n"
+        "opt = zinc.optim.AdamW(lr=1e-3)\n"
+        "arrays = [np.full(n, 0.5, np.float32), np.full(n, 0.25, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]\n"
+        "opt.step(1, *arrays)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    opt.step(2, *arrays)\n"
+        "    os._exit(0 if np.all(arrays[0] == arrays[0][0]) else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 def test_read_only_aliasing_and_values():

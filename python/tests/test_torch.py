@@ -1,6 +1,8 @@
 """zinc.torch.CPUAdamW against torch.optim.AdamW / Adam; skipped where torch is not installed."""
 import copy
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: zinc.torch.CPUAdamW needs it (zinc does not)")
@@ -146,7 +148,7 @@ def test_bad_input_names_the_argument():
         zinc.torch.CPUAdamW([torch.zeros(4, device="meta", requires_grad=True)])
     with pytest.raises(ValueError, match="param group 0: betas must be"):
         zinc.torch.CPUAdamW(small_model().parameters(), betas=(1.0, 0.9))
-    with pytest.raises(ValueError, match="param group 0: lr must be >= 0"):
+    with pytest.raises(ValueError, match="param group 0: lr must be a float32 number >= 0"):
         zinc.torch.CPUAdamW(small_model().parameters(), lr=-1.0)
     # Sparse gradients (an Embedding with sparse=True).
     emb = torch.nn.Embedding(10, 4, sparse=True)
@@ -204,3 +206,41 @@ def test_fp16_param_groups_receive_the_updated_parameters():
         assert torch.equal(ha, a.detach().half())
         assert torch.equal(hb, b.detach().bfloat16())
         assert torch.equal(hc, torch.full((4,), 7.0, dtype=torch.float16))
+
+
+def test_a_failed_step_changes_nothing_and_unsupported_settings_are_refused():
+    """Every parameter is checked before any is updated: a step that raises (a later group's bad lr, a
+    gradient aliasing its parameter, a lazy negation) leaves every parameter, state and step counter as
+    it was. maximize=True and settings past float32 are refused naming the group; a torch.optim.Adam
+    state's decoupled_weight_decay False becomes L2 decay (adamw_mode False)."""
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt = zinc.torch.CPUAdamW([{"params": [a]}, {"params": [b]}], lr=0.1, weight_decay=0.1)
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    before = (a.detach().clone(), b.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()})
+    for spoil, words in (
+            (lambda: opt.param_groups[1].__setitem__("lr", -0.1), "param group 1: lr must be"),
+            (lambda: opt.param_groups[1].__setitem__("lr", 1e39), "param group 1: lr must be a float32 number"),
+            (lambda: opt.param_groups[1].__setitem__("eps", float("inf")), "param group 1: eps must be"),
+            (lambda: opt.param_groups[1].__setitem__("maximize", True), "param group 1: maximize=True"),
+            (lambda: setattr(b, "grad", b.detach()), "the parameter and its gradient of params[0] of param group 1"),
+            (lambda: setattr(b, "grad", torch.ones(3)._neg_view()), "lazy negation")):
+        group = dict(opt.param_groups[1])
+        spoil()
+        with pytest.raises(ValueError, match=re.escape(words)):
+            opt.step()
+        opt.param_groups[1].clear()
+        opt.param_groups[1].update(group)
+        b.grad = torch.ones(3)
+        assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+        assert all(torch.equal(opt.state[a][k], v) for k, v in before[2].items())
+    opt.step()  # and then it steps as before
+    assert not torch.equal(a, before[0]) and float(opt.state[a]["step"]) == 2
+    # torch.optim.Adam's L2 decay survives a load into CPUAdamW.
+    w = torch.ones(3, requires_grad=True)
+    adam = torch.optim.Adam([w], lr=0.1, weight_decay=0.5)
+    w.grad = torch.ones(3)
+    adam.step()
+    mine = zinc.torch.CPUAdamW([torch.ones(3, requires_grad=True)])
+    mine.load_state_dict(adam.state_dict())
+    assert mine.param_groups[0]["adamw_mode"] is False

@@ -19,6 +19,8 @@ zinc.torch without torch raises ImportError.
 
 import numbers
 
+import numpy as np
+
 import torch  # the top-level torch (absolute import), not this module
 
 from . import optim as _optim
@@ -65,7 +67,8 @@ class CPUAdamW(torch.optim.Optimizer):
 
     Parameters and gradients must be dense, contiguous float32 tensors on the
     CPU; anything else raises TypeError or ValueError naming the parameter
-    (or its gradient). Each group's lr, betas, eps, weight_decay,
+    (or its gradient), as do maximize=True and settings past float32. All is
+    checked before anything is updated: a step that raises changes nothing. Each group's lr, betas, eps, weight_decay,
     bias_correction and adamw_mode may be changed between steps (schedulers
     set group["lr"]).
     """
@@ -89,6 +92,10 @@ class CPUAdamW(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         for group in self.param_groups:
+            # A torch.optim.Adam or AdamW group says its decay by decoupled_weight_decay (Adam's L2 is
+            # adamw_mode False here); taken over where the group has no adamw_mode of its own.
+            if "adamw_mode" not in group and "decoupled_weight_decay" in group:
+                group["adamw_mode"] = bool(group["decoupled_weight_decay"])
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
 
@@ -108,6 +115,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Everything is checked before anything changes: a step that raises leaves every parameter, state
+        # and step counter as it was (a retry does not update the earlier groups twice).
+        jobs = []
         for g, group in enumerate(self.param_groups):
             _check_group(group, g)
             beta1, beta2 = group["betas"]
@@ -129,23 +139,38 @@ class CPUAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 for key in ("exp_avg", "exp_avg_sq"):
-                    s = state[key]
-                    if s.dtype != torch.float32 or s.device.type != "cpu" or not s.is_contiguous():
+                    st = state[key]
+                    if st.dtype != torch.float32 or st.device.type != "cpu" or not st.is_contiguous():
                         # Loaded from a state_dict in another form: made ours once, then updated in place.
-                        state[key] = s = s.to(device="cpu", dtype=torch.float32).contiguous()
-                    if s.shape != p.shape:
+                        state[key] = st = st.to(device="cpu", dtype=torch.float32).contiguous()
+                    if st.shape != p.shape:
                         raise ValueError("%s: state %r of %s has shape %s; the parameter has %s" %
-                                         (_NAME, key, what, tuple(s.shape), tuple(p.shape)))
-                # torch keeps "step" as a float32 tensor (DeepSpeed as an int): both are read.
-                step = state["step"]
-                t = int(step.item() if isinstance(step, torch.Tensor) else step) + 1
-                if isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.dim() == 0:
-                    step.fill_(t)
-                else:
-                    state["step"] = torch.tensor(float(t), dtype=torch.float32)
-                kernel.step(t, _array(p), _array(p.grad), _array(state["exp_avg"]), _array(state["exp_avg_sq"]))
-                if fp16_param_groups is not None:
-                    fp16_param_groups[g][i].copy_(p)
+                                         (_NAME, key, what, tuple(st.shape), tuple(p.shape)))
+                arrays = []
+                for t, name in ((p, "it"), (p.grad, "its gradient"), (state["exp_avg"], "its exp_avg"),
+                                (state["exp_avg_sq"], "its exp_avg_sq")):
+                    if t.is_neg() or t.is_conj():
+                        raise ValueError("%s: %s of %s is a lazy negation or conjugate view (resolve_neg() it)" %
+                                         (_NAME, name, what))
+                    arrays.append(_array(t))
+                names = ("the parameter", "its gradient", "its exp_avg", "its exp_avg_sq")
+                for x in range(4):
+                    for y in range(x + 1, 4):
+                        if np.shares_memory(arrays[x], arrays[y]):
+                            raise ValueError("%s: %s and %s of %s share memory; the update needs them apart" %
+                                             (_NAME, names[x], names[y], what))
+                jobs.append((kernel, g, i, p, state, arrays))
+        for kernel, g, i, p, state, arrays in jobs:
+            # torch keeps "step" as a float32 tensor (DeepSpeed as an int): both are read.
+            step = state["step"]
+            t = int(step.item() if isinstance(step, torch.Tensor) else step) + 1
+            kernel.step(t, *arrays)
+            if isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.dim() == 0:
+                step.fill_(t)
+            else:
+                state["step"] = torch.tensor(float(t), dtype=torch.float32)
+            if fp16_param_groups is not None:
+                fp16_param_groups[g][i].copy_(p)
         return loss
 
 
@@ -169,20 +194,25 @@ def _check_fp16_groups(groups, param_groups):
                                  (_NAME, what, tuple(h.shape), i, g, tuple(p.shape)))
 
 
+_FP32_MAX = 3.4028234663852886e38
+
+
 def _check_group(group, g):
     where = "%s: param group %d" % (_NAME, g)
     if group.get("amsgrad", False):
         raise ValueError("%s: amsgrad=True is not supported (nor is it by DeepSpeedCPUAdam); "
                          "use torch.optim.AdamW(amsgrad=True)" % where)
+    if group.get("maximize", False):
+        raise ValueError("%s: maximize=True is not supported (DeepSpeedCPUAdam ignores it and descends); "
+                         "minimize the negated loss, or use torch.optim.AdamW(maximize=True)" % where)
     lr = group["lr"]
     lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
-    if not lr >= 0:
-        raise ValueError("%s: lr must be >= 0, got %r" % (where, lr))
+    if not 0 <= lr <= _FP32_MAX:
+        raise ValueError("%s: lr must be a float32 number >= 0, got %r" % (where, lr))
     betas = group["betas"]
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2 or
             not all(isinstance(b, numbers.Real) and 0 <= b < 1 for b in betas)):
         raise ValueError("%s: betas must be two numbers in [0, 1), got %r" % (where, betas))
-    if not float(group["eps"]) >= 0:
-        raise ValueError("%s: eps must be >= 0, got %r" % (where, group["eps"]))
-    if not float(group["weight_decay"]) >= 0:
-        raise ValueError("%s: weight_decay must be >= 0, got %r" % (where, group["weight_decay"]))
+    for key in ("eps", "weight_decay"):
+        if not 0 <= float(group[key]) <= _FP32_MAX:
+            raise ValueError("%s: %s must be a float32 number >= 0, got %r" % (where, key, group[key]))
