@@ -158,11 +158,8 @@ def test_a_load_that_cannot_resume_changes_nothing(doc, tmp_path):
         assert d.load_checkpoint(ck)["step"] == 3 and d.global_steps == 3
 
 
-def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
-    """What the weights' shapes do not show is said at the load: data of
-    another length (the saved position then falls in another epoch and
-    order) and model settings that change what the weights compute
-    (n_head, with the same shapes)."""
+def saved_over_text(doc, tmp_path, capfd):
+    """(checkpoint folder, text file): doc set to train on the text, one step saved; stderr so far read."""
     ck = str(tmp_path / "ck")
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -173,6 +170,15 @@ def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
         a.train_batch()
         a.save_checkpoint(ck)
     capfd.readouterr()
+    return ck, text
+
+
+def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
+    """What the weights' shapes do not show is said at the load: data of
+    another length (the saved position then falls in another epoch and
+    order) and model settings that change what the weights compute
+    (n_head, with the same shapes)."""
+    ck, text = saved_over_text(doc, tmp_path, capfd)
     with zinc.initialize(doc) as b:
         b.load_checkpoint(ck)
     assert "was saved" not in capfd.readouterr().err  # the same run: nothing to say
@@ -190,16 +196,7 @@ def test_a_load_over_other_data_or_model_settings_is_said(doc, tmp_path, capfd):
 def test_a_load_over_data_replaced_at_the_same_length_is_said(doc, tmp_path, capfd):
     """Data replaced by other data of the same length keeps the sample
     count; the data's sampled digest, saved in the checkpoint, tells it."""
-    ck = str(tmp_path / "ck")
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    doc["data"] = {"type": "text", "path": str(text), "seq_len": 16}
-    doc["train_batch_size"] = 8
-    doc["run"]["eval_interval"] = 0
-    with zinc.initialize(doc) as a:
-        a.train_batch()
-        a.save_checkpoint(ck)
-    capfd.readouterr()
+    ck, text = saved_over_text(doc, tmp_path, capfd)
     text.write_text("THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG. " * 200)
     with zinc.initialize(doc) as b:
         b.load_checkpoint(ck)
