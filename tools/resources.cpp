@@ -132,6 +132,23 @@ dev_t disk_device(const std::string& path) {
   }
 }
 
+// How many complete checkpoints (global_step<N> folders with their
+// metadata) `dir` holds; 0 when it does not exist.
+int64_t complete_checkpoints(const std::string& dir) {
+  namespace fs = std::filesystem;
+  int64_t n = 0;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code ec2;
+    if (name.size() > 11 && name.compare(0, 11, "global_step") == 0 &&
+        name.find_first_not_of("0123456789", 11) == std::string::npos && e.is_directory(ec2) &&
+        fs::exists(e.path() / "metadata.json", ec2))
+      ++n;
+  }
+  return n;
+}
+
 std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int64_t T, int64_t held_B,
                                int64_t held_T) {
   auto bytes = [&](int64_t b, int64_t t) -> int64_t {
@@ -219,7 +236,15 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     const int64_t copies = cfg.zero.stage == 0 ? cfg.world_size : 1;
     one_checkpoint = 12 * params * copies;  // fp32 master, Adam m and v
     saves = run.steps / run.checkpoint_interval + (run.steps % run.checkpoint_interval != 0 ? 1 : 0);
-    at_once = std::max<int64_t>(1, std::min(saves, run.keep_last > 0 ? run.keep_last + 1 : 2));
+    // Checkpoints already there take room the free space has left out:
+    // with keep_last N the folder grows to N + 1 during a save, from what
+    // is there now (a resume's earlier tags), by one at least.
+    const int64_t there = complete_checkpoints(run.checkpoint_dir);
+    // With every one kept, the saves still to come (a resume's earlier
+    // ones among those there), the next two asked for.
+    at_once = run.keep_last > 0 ? std::max<int64_t>(1, std::min(run.keep_last + 1, there + saves) - there)
+                                : std::max<int64_t>(1, std::min<int64_t>(saves - there, 2));
+    saves = std::max<int64_t>(1, run.keep_last > 0 ? saves : saves - there);
     disk_of(run.checkpoint_dir, "run.checkpoint_dir").checkpoints = one_checkpoint * at_once;
   }
   for (const OnDisk& d : disks) {
@@ -227,7 +252,7 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     if (d.offload > 0) what = gib(d.offload) + " of optimizer and parameter files from " + ranks;
     if (d.checkpoints > 0)
       what += (what.empty() ? "" : " and ") + gib(d.checkpoints) + " for " +
-              (at_once == 1 ? "one checkpoint" : std::to_string(at_once) + " checkpoints at once") + " (12 B per trained parameter" +
+              (at_once == 1 ? "one more checkpoint" : std::to_string(at_once) + " more checkpoints at once") + " (12 B per trained parameter" +
               (cfg.zero.stage == 0 && cfg.world_size > 1 ? ", on each of the " + std::to_string(cfg.world_size) + " ranks at stage 0" : std::string()) +
               (at_once > 1 ? (run.keep_last > 0 ? "; a save writes its tag before the oldest of run.keep_last " + std::to_string(run.keep_last) + " goes"
                                                 : "; run.keep_last 0 keeps every one")
