@@ -93,17 +93,17 @@ struct GridRun {
   double eval = 0;
 };
 // The split run `got` trains the reference's run to rounding: the losses,
-// the last norm and the evaluation within `tol` relative, the weights
-// within `wtol`; and the weights moved from `start` (the run's weights
-// before training) far more than that (`moved` times the largest
-// difference).
+// the last norm and the evaluation within `tol` relative (the norm within
+// `norm_tol` where given), the weights within `wtol`; and the weights moved
+// from `start` (the run's weights before training) far more than that
+// (`moved` times the largest difference).
 inline void expect_close_runs(const GridRun& got, const GridRun& ref, const std::vector<float>& start, double tol,
-                              double wtol, const std::string& what, double moved = 100.0) {
+                              double wtol, const std::string& what, double moved = 100.0, double norm_tol = -1) {
   ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
   ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], tol * std::max(1.0, std::fabs(ref.losses[i]))) << what << " loss " << i;
-  EXPECT_NEAR(got.norm, ref.norm, tol * ref.norm) << what;
+  EXPECT_NEAR(got.norm, ref.norm, (norm_tol < 0 ? tol : norm_tol) * ref.norm) << what;
   EXPECT_NEAR(got.eval, ref.eval, tol * ref.eval) << what;
   const double worst = worst_difference(got.weights, ref.weights);
   EXPECT_LT(worst, wtol) << what << ": the largest weight difference";

@@ -190,8 +190,14 @@ void expect_same_run(const Spec& s, const std::string& what) {
   const Result got = train(s, g_world, true);
   Spec start = s;
   start.steps = 0;
+  // bf16 with LoRA: the last step's gradient norm is rounding noise. Over
+  // 14-26 steps it differed from the run without parts by 0.08-11.5% (1.4%
+  // at the 20 steps run here), while the losses agreed to 9e-4 and the
+  // held-out loss to 3.6e-3: Adam turns the rounding in near-zero adapter
+  // gradients into steps of a whole lr. The norm is held to 15% there.
+  const bool noisy_norm = s.bf16 && s.lora_r > 0;
   testing::expect_close_runs(got, ref, train(start, g_world, true).weights, s.bf16 ? 2e-2 : 1e-4,
-                             s.bf16 ? 5e-2 : 5e-4, what, s.bf16 && s.lora_r > 0 ? 5.0 : 100.0);
+                             s.bf16 ? 5e-2 : 5e-4, what, noisy_norm ? 5.0 : 100.0, noisy_norm ? 0.15 : -1);
 }
 
 TEST(TensorParallel, PartsTrainTheRunWithoutParts) {
