@@ -563,15 +563,18 @@ void Engine::Impl::step() {
   reduce_step_sums(sums, local_grads);
   const BatchLoss all{sums[1], static_cast<int64_t>(sums[5]), sums[2], sums[3], sums[4], sums[6]};
   const double used_scale = loss_scale();
+  // Every rank refuses alike (the sums are the global batch's): the batch
+  // is dropped, so that the engine can go on with the next one.
+  auto drop_batch = [this] {
+    reducer->reset_after_step();
+    device->after_step();
+    batch_loss = BatchLoss{};
+  };
   Normalised n;
   try {
     n = normalise(all, cfg.gradient_accumulation_steps, data_world(), used_scale);
   } catch (const Error& e) {
-    // Every rank refuses alike (the sums are the global batch's): the batch
-    // is dropped, so that the engine can go on with the next one.
-    reducer->reset_after_step();
-    device->after_step();
-    batch_loss = BatchLoss{};
+    drop_batch();
     throw Error(std::string(e.what()) + "; this global batch is dropped (no update), and the next one can train");
   }
   // Without fp16's loss scaling a loss that is not finite has no overflow of
@@ -581,9 +584,7 @@ void Engine::Impl::step() {
   // step after, and save those weights over the run's good checkpoints:
   // refused instead, the batch dropped as above.
   if (!loss_scaling && !n.no_targets && !std::isfinite(n.loss)) {
-    reducer->reset_after_step();
-    device->after_step();
-    batch_loss = BatchLoss{};
+    drop_batch();
     throw Error("step " + std::to_string(global_steps + 1) + ": the loss is " + (std::isnan(n.loss) ? "nan" : "inf") +
                 " (" + (cfg.bf16 ? "bf16" : "fp32") +
                 ", no loss scaling): the weights, or the activations they produce, have overflowed since an earlier "

@@ -96,40 +96,40 @@ Room memory_room() {
   return r;
 }
 
-int64_t free_disk_bytes(const std::string& path) {
+namespace {
+// `path`, or its nearest existing folder, stat'ed by `probe` (statvfs or
+// stat into `st`); false when no folder up to the root exists.
+template <class Stat, class Probe>
+bool stat_nearest(const std::string& path, Stat& st, Probe probe) {
   std::filesystem::path p = std::filesystem::absolute(path);
   for (;;) {
-    struct statvfs st;
-    if (::statvfs(p.c_str(), &st) == 0)  // no blocks at all: a pseudo file system (proc, sys), size unknown
-      return st.f_blocks == 0 ? -1 : static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
-    if (!p.has_parent_path() || p.parent_path() == p) return -1;
+    if (probe(p.c_str(), &st) == 0) return true;
+    if (!p.has_parent_path() || p.parent_path() == p) return false;
     p = p.parent_path();
   }
+}
+}  // namespace
+
+int64_t free_disk_bytes(const std::string& path) {
+  struct statvfs st;
+  if (!stat_nearest(path, st, ::statvfs)) return -1;
+  // No blocks at all: a pseudo file system (proc, sys), size unknown.
+  return st.f_blocks == 0 ? -1 : static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
 }
 
 // Whether the file system holding `path` (or its nearest existing folder)
 // is mounted read-only: such a disk reports no room, which is not the
 // reason to give.
 bool read_only_disk(const std::string& path) {
-  std::filesystem::path p = std::filesystem::absolute(path);
-  for (;;) {
-    struct statvfs st;
-    if (::statvfs(p.c_str(), &st) == 0) return (st.f_flag & ST_RDONLY) != 0;
-    if (!p.has_parent_path() || p.parent_path() == p) return false;
-    p = p.parent_path();
-  }
+  struct statvfs st;
+  return stat_nearest(path, st, ::statvfs) && (st.f_flag & ST_RDONLY) != 0;
 }
 
 // The device of the file system holding `path` (or its nearest existing
 // folder); 0 when none is found.
 dev_t disk_device(const std::string& path) {
-  std::filesystem::path p = std::filesystem::absolute(path);
-  for (;;) {
-    struct stat st;
-    if (::stat(p.c_str(), &st) == 0) return st.st_dev;
-    if (!p.has_parent_path() || p.parent_path() == p) return 0;
-    p = p.parent_path();
-  }
+  struct stat st;
+  return stat_nearest(path, st, [](const char* p, struct stat* s) { return ::stat(p, s); }) ? st.st_dev : 0;
 }
 
 // How many complete checkpoints (global_step<N> folders with their

@@ -207,6 +207,10 @@ def compile_chat_template(source: str) -> Any:
     return env.from_string(source)
 
 
+class _NotAPrefix(BadRecord):
+    """A prefix's rendering that is not a prefix of the conversation's: the turns are then found by markers."""
+
+
 class _GenerationState:
     """What the {% generation %} tag reads during a rendering: the characters yielded so far, and where to
     put the spans (None: not recorded)."""
@@ -310,12 +314,13 @@ class ChatRenderer:
         full = self.render(messages, tools=tools)
         try:
             return full, self._prefix_spans(messages, tools, full)
-        except BadRecord as e:
-            if "passes" in str(e) or "ran past" in str(e):  # a bound, not a prefix
-                raise
-            return full, self._marked_spans(messages, tools, full)
-        except Exception:
-            return full, self._marked_spans(messages, tools, full)
+        except _NotAPrefix:
+            pass
+        except BadRecord:  # a bound on size or time: the record's, whatever the method
+            raise
+        except Exception:  # a prefix the template cannot render (the empty conversation)
+            pass
+        return full, self._marked_spans(messages, tools, full)
 
     def _prefix_spans(self, messages: list, tools: Optional[list], full: str) -> list[tuple[int, int]]:
         spans = []
@@ -325,7 +330,7 @@ class ChatRenderer:
             before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             through = full if i == len(messages) - 1 else self.render(messages[:i + 1], tools=tools)
             if not (full.startswith(through) and through.startswith(before)):
-                raise BadRecord(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's")
+                raise _NotAPrefix(f"the template's rendering of messages[:{i}] is not a prefix of the conversation's")
             if len(through) > len(before):
                 spans.append((len(before), len(through)))
         return spans
