@@ -71,6 +71,26 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
   }
   const double timeout = timeout_from_env(timeout_seconds);
   std::unique_ptr<Communicator> mpi = make_mpi_communicator();
+  // Every rank must take the same backend: a rank on MPI and another on
+  // shared memory wait in collectives the other never joins, with no time
+  // limit (ZINC_COMM_BACKEND set on one rank, an MPMD launch with two
+  // configs). Agreed here, in the one MPI call every backend's set-up
+  // starts with, before any rank issues a collective of its own backend.
+  if (mpi->size() > 1) {
+    static const char* const kModes[] = {"mpi", "shm", "hierarchical", "nccl", "auto"};
+    double code = 0;
+    for (int i = 0; i < 5; ++i)
+      if (mode == kModes[i]) code = i;
+    double range[2] = {code, -code};
+    mpi->all_reduce_max_f64(range, 2);
+    if (range[0] != -range[1]) {
+      throw CommError("rank " + std::to_string(mpi->rank()) + ": make_communicator: the ranks chose different " +
+                      "backends: this rank \"" + mode + "\" (from " +
+                      (from_env ? "ZINC_COMM_BACKEND" : "the config's comm.backend") + "), another rank \"" +
+                      kModes[static_cast<int>(range[0] == code ? -range[1] : range[0])] +
+                      "\"; give every rank the same comm.backend and ZINC_COMM_BACKEND");
+    }
+  }
   if (mode == "mpi") return mpi;
   // NCCL bootstraps over MPI and keeps it (abort, and the ranks' lifetime).
   if (mode == "nccl") return detail::make_nccl_backend(std::move(mpi), /*device=*/-1);

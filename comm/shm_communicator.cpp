@@ -5,12 +5,14 @@
 // comm_select.cpp.
 //
 // Ownership: a ShmCommunicator owns an MPI communicator (make_mpi_communicator:
-// it keeps MPI initialised and serves broadcast, the f64 reductions, barrier
-// and abort), a duplicate of MPI_COMM_WORLD split into the node communicator,
-// and one MPI shared-memory window on the node: per local rank a control line
-// (its sequence flag) and a slot of slot_bytes, split into two halves used by
+// it keeps MPI initialised and serves point-to-point transfers and abort, and
+// across machines broadcast, the f64 reductions and barrier), a duplicate of
+// MPI_COMM_WORLD split into the node communicator, and one MPI shared-memory
+// window on the node: per local rank a control line (its sequence flag, and
+// whether it has left) and a slot of slot_bytes, split into two halves used by
 // alternate chunks (Note [shm collectives: memory ordering]). The destructor
-// frees the window and the communicators before the MPI communicator goes.
+// frees the window and the communicators before the MPI communicator goes,
+// once every rank of the node has left (Note [shm collectives: leaving]).
 //
 // Threads: like every Communicator, one thread at a time.
 //
@@ -239,6 +241,7 @@ class ShmCommunicator final : public Communicator {
       __atomic_store_n(flag(local_rank_), uint64_t{0}, __ATOMIC_RELEASE);
       __atomic_store_n(wake_word(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
       __atomic_store_n(sleepers(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
+      __atomic_store_n(departed(local_rank_), uint32_t{0}, __ATOMIC_RELEASE);
       check(MPI_Win_sync(win_), "MPI_Win_sync");
       check(MPI_Barrier(node_), "MPI_Barrier");
       check(MPI_Win_sync(win_), "MPI_Win_sync");
@@ -248,17 +251,31 @@ class ShmCommunicator final : public Communicator {
     }
   }
 
+  // Note [shm collectives: leaving]
+  // A rank whose communicator goes says so in its control line (`departed`,
+  // stored after its last flag, release) and then waits until every rank
+  // of the node has said the same: nobody may still read this rank's slot
+  // when the window goes, and MPI_Win_free is collective. It does not post
+  // a flag for this: a post would look like the next collective's to a
+  // rank still waiting in one, which would go on with a stale slot. A rank waiting in a collective
+  // for a rank that has left (departed, its flag short) throws at once,
+  // naming it, instead of waiting for comm.timeout_seconds: the Python
+  // script that catches an error on one rank and ends, while another rank
+  // is in step(), ends both (before, both waited in MPI forever).
   ~ShmCommunicator() override {
+    if (base_.empty()) {
+      free_handles();
+      return;
+    }
+    __atomic_store_n(departed(local_rank_), uint32_t{1}, __ATOMIC_RELEASE);
     // A rank unwinding an error: the others may be anywhere, in a
-    // collective this rank left, so the barrier below (and the collective
-    // frees) would keep it waiting for them, and them for it, until
-    // comm.timeout_seconds, with its error unsaid. The window is left to
-    // the process's end: zinc-train ends every rank with the error
-    // (Communicator::abort), and the rest of the node reads no slot of a
-    // rank that stopped.
+    // collective this rank left, so waiting for them (and the collective
+    // frees) would keep it until comm.timeout_seconds with its error
+    // unsaid. The window is left to the process's end: zinc-train ends
+    // every rank with the error (Communicator::abort), and the rest of the
+    // node, seeing this rank departed, stops waiting for it.
     if (std::uncaught_exceptions() > 0) return;
-    // Nobody may still read this rank's slot when the window goes.
-    if (node_ != MPI_COMM_NULL) MPI_Barrier(node_);
+    wait_departed();
     free_handles();
   }
 
@@ -332,10 +349,32 @@ class ShmCommunicator final : public Communicator {
              count_per_rank * static_cast<int64_t>(dtype_bytes(dtype)));
   }
 
-  void broadcast(void* buf, int64_t count, DType dtype, int root) override { mpi_->broadcast(buf, count, dtype, root); }
-  void all_reduce_f64(double* buf, int64_t count) override { mpi_->all_reduce_f64(buf, count); }
-  void all_reduce_max_f64(double* buf, int64_t count) override { mpi_->all_reduce_max_f64(buf, count); }
-  void barrier() override { mpi_->barrier(); }
+  // One machine: through the slots, so that these wait with the timeout
+  // and see a rank that left, like the others (over MPI they waited
+  // without a limit). Several machines: MPI.
+  void broadcast(void* buf, int64_t count, DType dtype, int root) override {
+    if (nodes_ > 1) return mpi_->broadcast(buf, count, dtype, root);
+    detail::check_broadcast(rank(), size(), count, root);
+    op_ = "broadcast";
+    char* p = static_cast<char*>(buf);
+    const size_t bytes = static_cast<size_t>(count) * dtype_bytes(dtype);
+    for (size_t off = 0; off < bytes; off += half_bytes_) {  // one machine: local rank = rank
+      const size_t k = std::min(half_bytes_, bytes - off);
+      const int h = begin_chunk();
+      if (local_rank_ == root) std::memcpy(slot(root, h), p + off, k);
+      post_data(h);
+      wait_all(seq_);
+      if (local_rank_ != root) std::memcpy(p + off, slot(root, h), k);
+    }
+  }
+  void all_reduce_f64(double* buf, int64_t count) override { reduce_f64(buf, count, /*max=*/false); }
+  void all_reduce_max_f64(double* buf, int64_t count) override { reduce_f64(buf, count, /*max=*/true); }
+  void barrier() override {
+    if (nodes_ > 1) return mpi_->barrier();
+    op_ = "barrier";
+    post();
+    wait_all(seq_);
+  }
   [[noreturn]] void abort(int code, const std::string& msg) override {
     mpi_->abort(code, msg);
     std::_Exit(code);  // not reached: the MPI backend's abort does not return
@@ -495,6 +534,32 @@ class ShmCommunicator final : public Communicator {
     if (stream) _mm_sfence();
   }
 
+  // f64 sums (in local rank order, the same on every rank) and maxima:
+  // each rank copies a chunk into its slot half and every rank combines
+  // the slots. Several machines: MPI.
+  void reduce_f64(double* buf, int64_t count, bool max) {
+    if (nodes_ > 1) return max ? mpi_->all_reduce_max_f64(buf, count) : mpi_->all_reduce_f64(buf, count);
+    op_ = max ? "all_reduce_max_f64" : "all_reduce_f64";
+    if (count < 0) throw comm_error(rank(), op_, "count must be >= 0, got " + std::to_string(count));
+    const int64_t per = static_cast<int64_t>(half_bytes_ / sizeof(double));
+    for (int64_t off = 0; off < count; off += per) {
+      const int64_t k = std::min(per, count - off);
+      const int h = begin_chunk();
+      std::memcpy(slot(local_rank_, h), buf + off, static_cast<size_t>(k) * sizeof(double));
+      post_data(h);
+      wait_all(seq_);
+      for (int64_t i = 0; i < k; ++i) {
+        double acc = 0;
+        for (int q = 0; q < local_size_; ++q) {
+          double v;
+          std::memcpy(&v, slot(q, h) + i * static_cast<int64_t>(sizeof(double)), sizeof v);
+          acc = q == 0 ? v : max ? (v > acc ? v : acc) : acc + v;
+        }
+        buf[off + i] = acc;
+      }
+    }
+  }
+
   void cross_all_reduce(char* buf, int64_t count, DType dtype) {
     const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
     for (int64_t off = 0; off < count; off += detail::kMpiChunkCount) {
@@ -538,6 +603,37 @@ class ShmCommunicator final : public Communicator {
   uint64_t* flag(int q) const { return reinterpret_cast<uint64_t*>(base_[static_cast<size_t>(q)]); }
   uint32_t* wake_word(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 64); }
   uint32_t* sleepers(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 128); }
+  // 1 once local rank q's communicator has gone (Note [shm collectives: leaving]).
+  uint32_t* departed(int q) const { return reinterpret_cast<uint32_t*>(base_[static_cast<size_t>(q)] + 192); }
+
+  // Until every local rank has departed, as long as that takes (the barrier
+  // it replaces had no limit either: freeing the window is collective, so
+  // a rank that gave up would leave the others waiting in MPI_Win_free),
+  // saying so on stderr after each comm.timeout_seconds.
+  void wait_departed() const {
+    timespec start{};
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    double said = 0;
+    for (int q = 0; q < local_size_; ++q) {
+      while (__atomic_load_n(departed(q), __ATOMIC_ACQUIRE) == 0) {
+        timespec nap{0, 1000000};  // 1 ms
+        nanosleep(&nap, nullptr);
+        if (const double waited = seconds_since(start); waited > said + timeout_s_) {
+          said = waited;
+          log_warn("rank " + std::to_string(rank()) + ": closing the shm communicator, waited " +
+                   std::to_string(static_cast<int>(waited)) + " s for local rank " + std::to_string(q) + " (rank " +
+                   std::to_string(rank() - local_rank_ + q) + ") to close its own (it is still working, or waits "
+                   "for this rank elsewhere)");
+        }
+      }
+    }
+  }
+
+  static double seconds_since(const timespec& start) {
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return static_cast<double>(now.tv_sec - start.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec - start.tv_nsec);
+  }
 
   char* slot(int q, int h) const {
     return base_[static_cast<size_t>(q)] + kControlBytes + static_cast<size_t>(h) * half_bytes_;
@@ -566,6 +662,8 @@ class ShmCommunicator final : public Communicator {
   // it posts, so that the compute thread sharing the core runs. Throws
   // CommError after timeout_s_.
   void wait_all(uint64_t v) const {
+    timespec start{};
+    bool timed = false;  // the clock starts at the first wait, once for every rank waited for
     for (int q = 0; q < local_size_; ++q) {
       const uint64_t* f = flag(q);
       if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) continue;
@@ -573,9 +671,17 @@ class ShmCommunicator final : public Communicator {
         __builtin_ia32_pause();
         if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) break;
       }
-      timespec start{};
-      clock_gettime(CLOCK_MONOTONIC, &start);
+      if (!timed) clock_gettime(CLOCK_MONOTONIC, &start), timed = true;
       while (__atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
+        // A rank that left stores its last flag before `departed`: seen
+        // departed, its flag is final (Note [shm collectives: leaving]).
+        if (__atomic_load_n(departed(q), __ATOMIC_ACQUIRE) != 0) {
+          if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= v) break;
+          throw comm_error(rank(), op_,
+                           "local rank " + std::to_string(q) + " (rank " + std::to_string(rank() - local_rank_ + q) +
+                               ") has closed its communicator (it ended, or is ending, after an error of its own "
+                               "or without this collective): this rank cannot go on");
+        }
         if (detail::blocked_callers() > 0) {
           // Somebody waits for this collective, so this rank has given up
           // a core: poll, yielding it to any other runnable thread.
@@ -591,10 +697,7 @@ class ShmCommunicator final : public Communicator {
           }
           __atomic_sub_fetch(sleepers(q), 1u, __ATOMIC_SEQ_CST);
         }
-        timespec now{};
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        const double waited = static_cast<double>(now.tv_sec - start.tv_sec) +
-                              1e-9 * static_cast<double>(now.tv_nsec - start.tv_nsec);
+        const double waited = seconds_since(start);
         if (waited > timeout_s_ && __atomic_load_n(f, __ATOMIC_ACQUIRE) < v) {
           char msg[256];
           std::snprintf(msg, sizeof msg,

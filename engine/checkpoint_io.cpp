@@ -18,6 +18,7 @@
 #include "core/log.h"
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
+#include "engine/rank_agreement.h"
 #include "kernels/kernels.h"
 
 namespace zinc {
@@ -324,6 +325,29 @@ void Engine::Impl::on_every_rank(const std::string& what, const std::function<vo
     throw IoError(what + ": rank " + std::to_string(bad - 1) + " failed (its error is on its own output)");
 }
 
+// Every rank must load the same checkpoint: ranks that opened two (a
+// relative folder taken from two working directories, `latest` moved by a
+// save between their reads, copies that differ) would go on from two
+// states, with no word. Their metadata (the step, the config, the layout
+// and the seal of each rank's files) is compared over all ranks.
+void Engine::Impl::agree_on_checkpoint(const std::string& dir, const ckpt::TagFiles& files) {
+  if (world_all == 1) return;
+  const nlohmann::json mine = {{"checkpoint", std::filesystem::path(files.dir).filename().string()},
+                               {"metadata", files.meta}};
+  std::optional<RankDifference> d;
+  if (world_comm)
+    d = rank_difference(*world_comm, mine);
+  else
+    reduce_stream->submit([&](comm::Communicator& c) { d = rank_difference(c, mine); }).wait();
+  if (!d) return;
+  throw IoError("checkpoint " + dir + ": the ranks opened different checkpoints: rank " + std::to_string(d->other) +
+                (d->path == "checkpoint" ? " opened " + d->at_other + ", rank 0 " + d->at_root
+                                         : "'s " + mine["checkpoint"].get<std::string>() + " differs from rank 0's at " +
+                                               d->path + " (" + d->at_other + " against " + d->at_root + ")") +
+                "; a relative folder is taken from each rank's working directory: give every rank the same "
+                "folder (nothing was loaded)");
+}
+
 nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string tag) {
   check_between_batches("load_checkpoint");
   device->make_current();
@@ -334,6 +358,7 @@ nlohmann::json Engine::Impl::load_checkpoint(const std::string& dir, std::string
     check_same_model(files, names);
     rule->prepare_load(files);
   });
+  agree_on_checkpoint(dir, files);
   const nlohmann::json& meta = files.meta;
   ckpt::CheckpointReader reader(files.dir, files.ranks, names);
   device->before_load();

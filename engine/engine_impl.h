@@ -318,27 +318,19 @@ struct Engine::Impl final : StepContext {
   void visit_updating(const std::function<void(const StateSpan&)>& fn, bool overwrite = false);
 
   // ---- ranks agree on what they train -------------------------------------------------
-  // Every rank must be given the same config and model: ranks that differ
-  // train diverging shards and save a checkpoint whose metadata names one
-  // config. One all-reduce compares a digest (a cut 64-bit hash in two exact
-  // halves, as max(x) == -max(-x) only when all are equal); where they
-  // differ, rank 0's and the lowest differing rank's documents go to every
-  // rank, which all stop with the same error naming the first differing key.
+  // Every rank must be given the same config and model (engine/rank_agreement.h):
+  // ranks that differ train diverging shards and save a checkpoint whose
+  // metadata names one config; at ZeRO stage 0 also the same optimizer
+  // kernels, as every rank updates the whole model.
   nlohmann::json what_we_train() const;
-
-  // `text` of rank `root` on every rank.
-  std::string broadcast_text(const std::string& text, int root);
   void agree_on_config();
-
-  // The first place where a and b differ (depth first, keys in order), the
-  // path in the config's dotted form and both values (cut short).
-  static bool first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& at,
-                               std::string& path, std::string& va, std::string& vb);
 
   // ---- checkpoints (Note [checkpoints] in engine/checkpoint.cpp) ---------------------
   // Whether any rank failed (the largest rank+1 that did, 0 if none): every
   // rank learns it, so that all fail together or none does.
   int failed_rank(bool failed);
+  // Every rank opened the same checkpoint (its tag and metadata), or all throw.
+  void agree_on_checkpoint(const std::string& dir, const ckpt::TagFiles& files);
 
   // Every rank uses rank 0's tag, so that all write into one checkpoint;
   // checkpoint.tag_validation says whether a rank that passed another one

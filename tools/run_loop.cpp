@@ -96,8 +96,8 @@ void check_resumed_adapters(const ckpt::TagFiles& files, const models::LoraConfi
                 "of the safetensors files): the checkpoint does not hold the base, so resume over the same one");
 }
 
-// The data's sampled digest (ckpt::sampled_files_digest) over the files
-// the source reads; "" for the synthetic source, which its config states.
+}  // namespace
+
 std::string data_fingerprint(const DataConfig& data) {
   if (data.type == DataType::kSynthetic) return "";
   std::vector<std::pair<std::string, std::string>> files = {{"data", data.path}};
@@ -105,8 +105,6 @@ std::string data_fingerprint(const DataConfig& data) {
   if (!data.documents_path.empty()) files.emplace_back("documents", data.documents_path);
   return ckpt::sampled_files_digest(files, "the training data");
 }
-
-}  // namespace
 
 void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
                       const std::function<const std::string&()>& base_fingerprint) {

@@ -49,6 +49,10 @@ class Monitors;
 // base's digest (base_fingerprint, asked only with LoRA).
 void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
                       const std::function<const std::string&()>& base_fingerprint);
+// The data's sampled digest (ckpt::sampled_files_digest) over the files
+// the source reads (data, mask, documents); "" for the synthetic source,
+// which its config states.
+std::string data_fingerprint(const DataConfig& data);
 // Before a resume reads anything (zinc-train --resume, Python's
 // load_checkpoint): dir/tag's LoRA adapters against this run's (rank,
 // targets and scale, which no block records; the frozen base's digest,

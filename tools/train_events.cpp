@@ -1,6 +1,8 @@
 #include "tools/train_events.h"
 
+#include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "tools/auto_config.h"
@@ -8,6 +10,9 @@
 #include "tools/output_folder.h"
 #include "tools/resources.h"
 #include "core/error.h"
+#include "engine/rank_agreement.h"
+#include "tools/hf_model.h"
+#include "tools/run_loop.h"
 
 namespace zinc::tools {
 
@@ -101,8 +106,44 @@ std::unique_ptr<ckpt::DirLock> hold(const std::string& dir, const std::string& k
 
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
   const std::string& dir = run.checkpoint_dir;
-  return hold(dir, "run.checkpoint_dir", "checkpoint folder", comm,
-              [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder", "", ckpt::LockUse::kRun); });
+  std::unique_ptr<ckpt::DirLock> lock =
+      hold(dir, "run.checkpoint_dir", "checkpoint folder", comm,
+           [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder", "", ckpt::LockUse::kRun); });
+  if (comm.size() == 1) return lock;
+  // Rank 0's lock holds its pid and host: every rank must read it there.
+  auto holder = [&] {
+    std::string who;
+    std::getline(std::ifstream(dir + "/.zinc.lock"), who);
+    return who;
+  };
+  const std::string at_root = broadcast_text(comm, comm.rank() == 0 ? holder() : std::string(), 0);
+  double other = comm.rank() != 0 && holder() != at_root ? comm.size() - comm.rank() : 0;  // the lowest
+  comm.all_reduce_max_f64(&other, 1);
+  if (other > 0) {
+    const int r = comm.size() - static_cast<int>(other);
+    throw IoError("run.checkpoint_dir " + dir + " is another folder on rank " + std::to_string(r) +
+                  " than on rank 0 (" + (comm.rank() == r ? "here" : "there") + " it holds no lock of rank 0's, " +
+                  at_root + "): a relative path is taken from each rank's working directory, and every rank writes "
+                  "its part of each checkpoint into the one folder: give a path that names the same folder on every "
+                  "rank (on a file system their hosts share)");
+  }
+  return lock;
+}
+
+void agree_on_inputs(const Experiment& ex, comm::Communicator& comm) {
+  if (comm.size() == 1) return;
+  nlohmann::json mine = nlohmann::json::object();
+  const DataConfig& d = ex.experiment.data;
+  if (d.type != DataType::kSynthetic) mine["data.path"] = data_fingerprint(d);
+  if (!ex.experiment.model.from_pretrained.empty() && ex.hf)
+    mine["model.from_pretrained"] = hf_weights_fingerprint(ex.experiment.model.from_pretrained);
+  const std::optional<RankDifference> diff = rank_difference(comm, mine);
+  if (!diff) return;
+  const bool data = diff->path == "data.path";
+  throw Error(diff->path + ": the ranks read different files under one path: rank " + std::to_string(diff->other) +
+              "'s " + (data ? d.path : ex.experiment.model.from_pretrained) + " differs from rank 0's (a sampled " +
+              "digest of " + (data ? "the data files" : "the safetensors files") + "); a relative path is taken " +
+              "from each rank's working directory: give every rank the same files (nothing was trained)");
 }
 
 std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const std::string& key,

@@ -66,8 +66,18 @@ void check_room(const Experiment& ex, comm::Communicator& comm);
 // writable and locked by rank 0 (ckpt::DirLock) for as long as the result
 // lives, so an unwritable folder fails before any training and a second run
 // on the folder is refused naming the holder's pid. Every rank learns the
-// outcome (one all-reduce) and throws if rank 0 could not take it.
+// outcome (one all-reduce) and throws if rank 0 could not take it, and
+// every other rank finds rank 0's lock in its own view of the folder, or all
+// throw: the ranks write one checkpoint into it (a relative path from two
+// working directories, or a folder the hosts do not share, failed at the
+// first save).
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm);
+// Every rank reads the same files under the config's paths (a relative
+// path is taken from each rank's own working directory): the training data
+// (data_fingerprint) and model.from_pretrained's weights
+// (hf_weights_fingerprint) are compared over all ranks; throws zinc::Error
+// on every rank naming the key and the lowest rank that differs.
+void agree_on_inputs(const Experiment& ex, comm::Communicator& comm);
 // The same hold on the folder an export will replace at the run's end
 // (--save-pretrained's): checked as tools/output_folder.h checks it (not,
 // and not holding, any of `inputs`, the folders and files the run reads) and

@@ -49,6 +49,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
+#include "engine/rank_agreement.h"
 #include "tools/cli_errors.h"
 #include "tools/output_folder.h"
 #include "tools/config_check.h"
@@ -347,6 +348,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   zinc::tools::Experiment ex = zinc::tools::build_experiment(doc, world);
   const zinc::Config& cfg = ex.config;
   const zinc::tools::RunConfig& run = ex.experiment.run;
+  zinc::tools::agree_on_inputs(ex, *comm);  // the same data and weights under the config's paths
   if (!pretrained.dir.empty() && !ex.hf)  // refused before training, not after it
     throw zinc::Error("--save-pretrained: model \"" + ex.model->name() + "\" has no Hugging Face architecture "
                       "(the gpt and the llama have)");
@@ -820,6 +822,37 @@ int main(int argc, char** argv) {
     }
     zinc::set_log_rank(comm->rank());
     if (comm->rank() != 0 && zinc::log_level() < zinc::LogLevel::kWarn) zinc::set_log_level(zinc::LogLevel::kWarn);
+    // Every rank must be given the same command line and config: an option
+    // on one rank only (--resume, --save-weights, --ignore-resources)
+    // sent the ranks into different collectives, which ended in a timeout
+    // naming no cause or in a raw MPI error, and configs that differ train
+    // diverging replicas. (--json is rank 0's printing alone.)
+    if (comm->size() > 1) {
+      const nlohmann::json given = {
+          {"options",
+           {{"--steps", steps}, {"--check", check_only}, {"--estimate", estimate_only}, {"--ranks", ranks},
+            {"--resume", resume ? nlohmann::json(resume->empty() ? "(no value: run.checkpoint_dir)" : *resume) : nlohmann::json()}, {"--weights-digest", digest},
+            {"--save-weights", weights_out}, {"--save-pretrained", pretrained.dir}, {"--save-dtype", save_dtype},
+            {"--merge", pretrained.merge}, {"--save-adapter", pretrained.adapter_dir}, {"--max-shard-size", max_shard},
+            {"--ignore-resources", ignore_resources}}},
+          {"config", doc}};
+      if (const std::optional<zinc::RankDifference> d = zinc::rank_difference(*comm, given)) {
+        if (d->path.rfind("options.", 0) == 0) {
+          auto said = [&](const std::string& v) {
+            return v == "nothing" || v == "null" || v == "false" || v == "\"\"" || v == "-1" || v == "0"
+                       ? std::string("not given")
+                       : v == "true" ? std::string("given") : v;
+          };
+          throw zinc::Error(d->path.substr(8) + ": the ranks were given different command lines: rank " +
+                            std::to_string(d->other) + " " + said(d->at_other) + ", rank 0 " + said(d->at_root) +
+                            " (every rank must run the same zinc-train options; nothing was trained)");
+        }
+        const std::string path = d->path.rfind("config.", 0) == 0 ? d->path.substr(7) : d->path;
+        throw zinc::ConfigError(path, "the ranks were given different configs: rank " + std::to_string(d->other) +
+                                          " has " + d->at_other + ", rank 0 has " + d->at_root +
+                                          " (every rank must train the same config and model; nothing was trained)");
+      }
+    }
     if (!weights_out.empty()) {  // checked before training, not after it
       const std::filesystem::path wp(weights_out);
       if (wp.extension() != ".safetensors" ||

@@ -224,6 +224,8 @@ class PyEngine {
     {
       ComputeScope scope;
       ex_ = zinc::tools::build_experiment(doc_, world);
+      // The same data and weights on every rank under the config's paths.
+      if (comm_ && world > 1) zinc::tools::agree_on_inputs(ex_, *comm_);
       // zinc.train's run that saves holds its checkpoint folder from the
       // start, as zinc-train does: an unwritable folder fails now, and a
       // second run on it is refused naming the holder's pid. Before the

@@ -82,3 +82,82 @@ def test_ranks_with_different_configs_are_refused(tmp_path):
         msg = (tmp_path / ("rank%d.txt" % k)).read_text()
         assert msg.startswith("ConfigError: optimizer.params.lr: the ranks were given different configs: "
                               "rank 1 has 0.3, rank 0 has 0.003"), msg
+
+
+def _run_ranks(tmp_path, body, np_=2, timeout=300, extra=()):
+    """Runs `body` (a script with sys.argv[1] the folder) on np_ ranks; returns
+    the CompletedProcess and each rank's rank<k>.txt."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(body))
+    r = subprocess.run([*launcher(np_), *extra, sys.executable, str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=timeout)
+    return r, [(tmp_path / ("rank%d.txt" % k)).read_text() if (tmp_path / ("rank%d.txt" % k)).exists() else None
+               for k in range(np_)]
+
+
+@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
+def test_a_rank_that_ends_after_its_own_error_ends_the_others_wait(tmp_path):
+    """A script that catches an error on rank 1 and ends while rank 0 is in
+    train_batch(): before, rank 0 waited in an f64 reduction over MPI and
+    rank 1 in its communicator's closing barrier, both without a limit. Now
+    rank 0's wait ends at once, naming rank 1, far inside the 600 s timeout,
+    and both processes end."""
+    doc = default_doc(steps=4)
+    doc["zero_optimization"] = {"stage": 2}
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    r, msgs = _run_ranks(tmp_path, """
+        import json, os, pathlib, sys, time
+        import zinc
+        out = pathlib.Path(sys.argv[1])
+        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        engine = zinc.initialize(str(out / "cfg.json"))
+        t0 = time.monotonic()
+        try:
+            if rank == 1:
+                raise ValueError("a bad batch on rank 1 alone")
+            for _ in range(4):
+                engine.train_batch()
+            msg = "trained"
+        except Exception as e:
+            msg = "%s: %s" % (type(e).__name__, e)
+        (out / ("rank%d.txt" % rank)).write_text("%.1f %s" % (time.monotonic() - t0, msg))
+        engine.close()
+    """, timeout=240)
+    assert r.returncode == 0, r.stderr
+    took, _, msg0 = msgs[0].partition(" ")
+    assert "has closed its communicator" in msg0 and "(rank 1)" in msg0, msg0
+    assert float(took) < 60, msgs[0]
+    assert msgs[1].split(" ", 1)[1] == "ValueError: a bad batch on rank 1 alone", msgs[1]
+
+
+@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
+def test_ranks_that_load_different_checkpoints_are_refused(tmp_path):
+    """Ranks that open two checkpoints (a relative folder from two working
+    directories, `latest` moved between their reads) went on from two
+    states without a word; now every rank raises naming both tags, and
+    nothing is loaded."""
+    doc = default_doc(steps=4)
+    doc["zero_optimization"] = {"stage": 1}
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    r, msgs = _run_ranks(tmp_path, """
+        import os, pathlib, sys
+        import zinc
+        out = pathlib.Path(sys.argv[1])
+        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        with zinc.initialize(str(out / "cfg.json")) as engine:
+            engine.train_batch()
+            engine.save_checkpoint(str(out / "ck"), "a")
+            engine.train_batch()
+            engine.save_checkpoint(str(out / "ck"), "b")
+            try:
+                engine.load_checkpoint(str(out / "ck"), "a" if rank == 0 else "b")
+                msg = "loaded"
+            except OSError as e:
+                msg = "%s: %s" % (type(e).__name__, e)
+            steps = engine.global_steps
+        (out / ("rank%d.txt" % rank)).write_text("%d %s" % (steps, msg))
+    """)
+    assert r.returncode == 0, r.stderr
+    for m in msgs:
+        assert "the ranks opened different checkpoints: rank 1 opened \"b\", rank 0 \"a\"" in m, m
+        assert m.startswith("2 "), m  # nothing loaded: still at step 2

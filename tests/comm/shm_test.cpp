@@ -10,6 +10,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -428,6 +429,19 @@ TEST(MakeCommunicator, ModesAndTheEnvironmentOverride) {
   EXPECT_NE(bad.find("unknown backend \"gloo\""), std::string::npos) << bad;
   EXPECT_NE(bad.find("expected mpi, shm, hierarchical, nccl or auto"), std::string::npos) << bad;
   EXPECT_NE(bad.find("ZINC_COMM_BACKEND"), std::string::npos) << bad;
+  // Ranks that choose different backends (ZINC_COMM_BACKEND on one rank, an
+  // MPMD launch of two configs) all stop with one line, before any of
+  // them waits in a collective the others never issue.
+  if (c.size() > 1) {
+    setenv("ZINC_COMM_BACKEND", c.rank() == 0 ? "mpi" : "shm", 1);
+    const std::string split = message_of([] { make_communicator("auto"); });
+    unsetenv("ZINC_COMM_BACKEND");
+    EXPECT_NE(split.find("rank " + std::to_string(c.rank()) + ": make_communicator: the ranks chose different "
+                         "backends: this rank \"" + (c.rank() == 0 ? "mpi" : "shm") + "\" (from ZINC_COMM_BACKEND), "
+                         "another rank \"" + (c.rank() == 0 ? "shm" : "mpi") + "\""),
+              std::string::npos)
+        << split;
+  }
 }
 
 TEST(ShmErrors, InvalidArgumentsThrowTheSameErrorsAsMpiBeforeCommunicating) {
@@ -472,7 +486,10 @@ TEST(ShmErrors, AWaitForAMissingPeerTimesOutNamingThePeer) {
       stream.submit([&](Communicator& s) { s.reduce_scatter(in.data(), &out, 1, DType::kF32); }).wait();
     });
   }
-  shm.reset();  // every rank: the destructor's barrier
+  // Rank 1 keeps its communicator open until rank 0 is done: a rank that
+  // closed it ends the others' waits at once (the next test).
+  c.barrier();
+  shm.reset();  // every rank: the destructor waits for all to close theirs
   if (c.rank() == 0) {
     EXPECT_EQ(err.rfind("rank 0: all_reduce: waited", 0), 0u) << err;
     EXPECT_NE(err.find("for local rank 1 (rank 1)"), std::string::npos) << err;
@@ -520,8 +537,81 @@ TEST(ShmErrors, ARankUnwindingAnErrorDoesNotWaitForTheOthers) {
   if (c.rank() == 1) {
     EXPECT_EQ(err, "a failure on rank 1 alone");
     EXPECT_LT(unwound_s, 1.0) << "the failing rank waited in its communicator's destructor";
+  } else {  // rank 1 left: seen at once, not after the timeout
+    EXPECT_NE(err.find("all_reduce: local rank 1 (rank 1) has closed its communicator"), std::string::npos) << err;
+  }
+}
+
+// A rank that closes its communicator (a Python script that caught an error
+// on one rank and ends) while the others wait in a collective: they stop at
+// once with an error naming it, in every kind of collective, the f64
+// reductions, broadcast and barrier included (they went to MPI, which waited
+// without a limit), and then close theirs too, without waiting.
+TEST(ShmErrors, ARankThatClosedItsCommunicatorEndsTheOthersWaitsAtOnce) {
+  Communicator& c = *g_shm;
+  if (c.size() < 2) GTEST_SKIP();
+  std::unique_ptr<Communicator> shm = make_communicator("shm", 600.0);
+  std::vector<std::string> errs;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (c.rank() == c.size() - 1) {
+    shm.reset();  // closed without a collective: no error here
   } else {
-    EXPECT_NE(err.find("all_reduce: waited"), std::string::npos) << err;
+    double v = 1;
+    std::vector<float> b(7, 1.0f);
+    float x = 1.0f;
+    errs.push_back(message_of([&] { shm->all_reduce_f64(&v, 1); }));
+    errs.push_back(message_of([&] { shm->all_reduce_max_f64(&v, 1); }));
+    errs.push_back(message_of([&] { shm->broadcast(b.data(), 7, DType::kF32, 0); }));
+    errs.push_back(message_of([&] { shm->barrier(); }));
+    errs.push_back(message_of([&] { shm->all_reduce(&x, &x, 1, DType::kF32); }));
+    shm.reset();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  c.barrier();
+  EXPECT_LT(took, 30.0) << "a wait for the rank that left lasted toward the 600 s timeout";
+  const std::string last = std::to_string(c.size() - 1);
+  const char* ops[] = {"all_reduce_f64", "all_reduce_max_f64", "broadcast", "barrier", "all_reduce"};
+  for (size_t i = 0; i < errs.size(); ++i)
+    EXPECT_NE(errs[i].find(std::string(ops[i]) + ": local rank " + last + " (rank " + last +
+                           ") has closed its communicator"),
+              std::string::npos)
+        << errs[i];
+}
+
+// f64 sums in rank order, maxima, and broadcasts of any dtype from any root,
+// over chunks (4 KiB slots: 256 doubles a chunk) and on the hierarchical
+// backend (MPI between its fake nodes).
+TEST(ShmCollective, F64ReductionsAndBroadcastsOverManyChunks) {
+  for (Communicator* cp : {g_shm.get(), g_tiny.get(), g_hier.get()}) {
+    Communicator& c = *cp;
+    const int64_t n = 1001;
+    std::vector<double> sum(static_cast<size_t>(n)), mx(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      sum[i] = static_cast<double>(input(7, c.rank(), i, DType::kF32)) * 1e-3;
+      mx[i] = -static_cast<double>((i * 7 + c.rank() * 13) % 101);
+    }
+    c.all_reduce_f64(sum.data(), n);
+    c.all_reduce_max_f64(mx.data(), n);
+    const int root = c.size() - 1;
+    std::vector<uint16_t> b(3001);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(c.rank() == root ? i * 31 + 5 : 0);
+    c.broadcast(b.data(), static_cast<int64_t>(b.size()), DType::kBF16, root);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double want = 0, want_max = -1e300;
+      for (int r = 0; r < c.size(); ++r) {
+        want += static_cast<double>(input(7, r, i, DType::kF32)) * 1e-3;
+        want_max = std::max(want_max, -static_cast<double>((i * 7 + r * 13) % 101));
+      }
+      // Rank order on one machine (bit for bit); hierarchical: MPI's order across its nodes.
+      const double tol = c.backend() == "hierarchical" ? 1e-15 * c.size() : 0.0;
+      if ((std::fabs(sum[i] - want) > tol || mx[i] != want_max) && bad++ < 3)
+        ADD_FAILURE() << c.backend() << " element " << i << ": sum " << sum[i] << " want " << want << ", max "
+                      << mx[i] << " want " << want_max;
+    }
+    for (size_t i = 0; i < b.size(); ++i)
+      if (b[i] != static_cast<uint16_t>(i * 31 + 5) && bad++ < 6) ADD_FAILURE() << "broadcast element " << i;
+    EXPECT_EQ(bad, 0) << c.backend();
   }
 }
 

@@ -114,6 +114,56 @@ else
   fail=$((fail + 1)); echo "FAIL ranks with different configs: rc=$rc"; cat "$TMP/out" "$TMP/err"
 fi
 
+# Ranks that disagree in what is not the config's text stop at start, within
+# seconds, with one line naming what differs (before: waits without a
+# limit, a timeout naming no cause, a raw MPI error, or replicas that
+# drifted apart without a word). MPMD launches: one app context per rank.
+MPMD=(mpirun --oversubscribe -x OMP_NUM_THREADS=1)
+[ "$(id -u)" -eq 0 ] && MPMD+=(--allow-run-as-root)
+disagree() {  # disagree NAME EXPECTED -- RANK0 ARGS... -- RANK1 ARGS...
+  local name="$1" want="$2"; shift 3
+  local a=() b=()
+  while [ "$1" != "--" ]; do a+=("$1"); shift; done; shift
+  b=("$@")
+  local start=$(date +%s)
+  timeout 120 "${MPMD[@]}" -np 1 "${a[@]}" : -np 1 "${b[@]}" >"$TMP/out" 2>"$TMP/err"
+  local rc=$? took=$(( $(date +%s) - start ))
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -lt 60 ] && ! grep -q '^step' "$TMP/out" &&
+     grep -qF -- "$want" "$TMP/err"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL ranks that disagree: $name: rc=$rc after ${took}s"; cat "$TMP/out" "$TMP/err"
+  fi
+}
+D=(--steps 4 --set run.eval_interval=0)
+disagree "comm.backend" 'the ranks chose different backends: this rank "mpi" (from the config'"'"'s comm.backend), another rank "auto"' \
+  -- "$ZT" "$CFG" "${D[@]}" -- "$ZT" "$CFG" "${D[@]}" --set comm.backend=mpi
+disagree "ZINC_COMM_BACKEND" 'the ranks chose different backends: this rank "shm" (from ZINC_COMM_BACKEND)' \
+  -- env ZINC_COMM_BACKEND=shm "$ZT" "$CFG" "${D[@]}" -- "$ZT" "$CFG" "${D[@]}" --set comm.backend=mpi
+disagree "--resume on one rank" '--resume: the ranks were given different command lines: rank 1 "(no value: run.checkpoint_dir)", rank 0 not given' \
+  -- "$ZT" "$CFG" "${D[@]}" -- "$ZT" "$CFG" "${D[@]}" --resume
+disagree "--ignore-resources on one rank" '--ignore-resources: the ranks were given different command lines: rank 1 given, rank 0 not given' \
+  -- "$ZT" "$CFG" "${D[@]}" -- "$ZT" "$CFG" "${D[@]}" --ignore-resources
+disagree "ZINC_OPTIM_ISA at stage 0" "the ranks' optimizer kernels differ: rank 1 runs \"scalar\"" \
+  -- "$ZT" "$CFG" "${D[@]}" -- env ZINC_OPTIM_ISA=scalar "$ZT" "$CFG" "${D[@]}"
+# One relative data.path and run.checkpoint_dir, two working directories.
+mkdir -p "$TMP/w0" "$TMP/w1"
+cp "$ROOT/engine/config.cpp" "$TMP/w0/data.txt"
+cp "$ROOT/engine/engine.cpp" "$TMP/w1/data.txt"
+TXT=("$ROOT/configs/text.json" "${D[@]}" --set data.path=data.txt --set data.eval_fraction=0)
+disagree "a relative data.path" "data.path: the ranks read different files under one path: rank 1's data.txt differs from rank 0's" \
+  -- -wdir "$TMP/w0" "$ZT" "${TXT[@]}" -- -wdir "$TMP/w1" "$ZT" "${TXT[@]}"
+cp "$TMP/w0/data.txt" "$TMP/w1/data.txt"
+disagree "a relative run.checkpoint_dir" "run.checkpoint_dir ck is another folder on rank 1 than on rank 0" \
+  -- -wdir "$TMP/w0" "$ZT" "${TXT[@]}" --set run.checkpoint_dir=ck -- -wdir "$TMP/w1" "$ZT" "${TXT[@]}" --set run.checkpoint_dir=ck
+# Where only the spelling differs (1 against 1.0), the ranks agree.
+if "${MPMD[@]}" -np 1 "$ZT" "$CFG" "${D[@]}" --set gradient_clipping=1 : -np 1 "$ZT" "$CFG" "${D[@]}" \
+     --set gradient_clipping=1.0 >"$TMP/out" 2>"$TMP/err" && grep -q '^done: 4 steps' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL 1 against 1.0"; cat "$TMP/out" "$TMP/err"
+fi
+
 # Pipeline stages (configs/pipeline.json: 2 stages of a Llama): 6 steps at
 # 2 ranks give the weights of the run without stages at 1 rank bit for bit;
 # --check prints which rank holds which layers; a checkpoint saved with
