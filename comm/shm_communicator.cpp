@@ -27,6 +27,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -161,6 +162,27 @@ void bf16_pair_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 }
 
 class ShmCommunicator final : public Communicator {
+  // One thread at a time in the slots: a second thread's collective would
+  // post and read this rank's sequence out of turn and corrupt both (the
+  // f64 reductions, broadcast and barrier went to MPI before, where such a
+  // call passed unseen). Caught and named instead.
+  class OneThread {
+   public:
+    OneThread(ShmCommunicator& c, const char* op) : c_(c) {
+      if (c_.busy_.exchange(true, std::memory_order_acquire))
+        throw comm_error(c_.rank(), op,
+                         "another thread of this rank is inside a collective of the same communicator (a "
+                         "Communicator serves one thread at a time; give each thread its own, e.g. twin())");
+      c_.op_ = op;
+    }
+    ~OneThread() { c_.busy_.store(false, std::memory_order_release); }
+    OneThread(const OneThread&) = delete;
+    OneThread& operator=(const OneThread&) = delete;
+
+   private:
+    ShmCommunicator& c_;
+  };
+
  public:
   // fake_node_size > 0: each group of that many consecutive ranks acts as a
   // node (tests). hierarchical: allow several nodes (MPI between them);
@@ -290,7 +312,7 @@ class ShmCommunicator final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype) override {
     detail::check_reduce_scatter(rank(), size(), send, recv, recv_count, dtype);
-    op_ = "reduce_scatter";
+    OneThread one(*this, "reduce_scatter");
     if (recv_count == 0) return;
     if (nodes_ == 1) return rs_node(static_cast<const char*>(send), static_cast<char*>(recv), recv_count, 1, dtype);
     check_cross_limit("reduce_scatter", recv_count, "reduce_bucket_size");
@@ -302,7 +324,7 @@ class ShmCommunicator final : public Communicator {
 
   void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
     const bool in_place = detail::check_all_gather(rank(), size(), send, recv, send_count, dtype);
-    op_ = "all_gather";
+    OneThread one(*this, "all_gather");
     if (send_count == 0) return;
     if (nodes_ == 1) {
       return ag_node(static_cast<const char*>(send), static_cast<char*>(recv), send_count, 1, in_place, dtype);
@@ -316,7 +338,7 @@ class ShmCommunicator final : public Communicator {
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank(), send, recv, count, dtype);
-    op_ = "all_reduce";
+    OneThread one(*this, "all_reduce");
     if (count == 0) return;
     const char* in = static_cast<const char*>(send);
     char* out = static_cast<char*>(recv);
@@ -342,7 +364,7 @@ class ShmCommunicator final : public Communicator {
   // inside machines, one message per machine pair) is not written yet.
   void all_to_all(const void* send, void* recv, int64_t count_per_rank, DType dtype) override {
     detail::check_all_to_all(rank(), size(), send, recv, count_per_rank, dtype);
-    op_ = "all_to_all";
+    OneThread one(*this, "all_to_all");
     if (count_per_rank == 0) return;
     if (nodes_ > 1) return mpi_->all_to_all(send, recv, count_per_rank, dtype);
     a2a_node(static_cast<const char*>(send), static_cast<char*>(recv),
@@ -355,7 +377,7 @@ class ShmCommunicator final : public Communicator {
   void broadcast(void* buf, int64_t count, DType dtype, int root) override {
     if (nodes_ > 1) return mpi_->broadcast(buf, count, dtype, root);
     detail::check_broadcast(rank(), size(), count, root);
-    op_ = "broadcast";
+    OneThread one(*this, "broadcast");
     char* p = static_cast<char*>(buf);
     const size_t bytes = static_cast<size_t>(count) * dtype_bytes(dtype);
     for (size_t off = 0; off < bytes; off += half_bytes_) {  // one machine: local rank = rank
@@ -371,7 +393,7 @@ class ShmCommunicator final : public Communicator {
   void all_reduce_max_f64(double* buf, int64_t count) override { reduce_f64(buf, count, /*max=*/true); }
   void barrier() override {
     if (nodes_ > 1) return mpi_->barrier();
-    op_ = "barrier";
+    OneThread one(*this, "barrier");
     post();
     wait_all(seq_);
   }
@@ -539,8 +561,10 @@ class ShmCommunicator final : public Communicator {
   // the slots. Several machines: MPI.
   void reduce_f64(double* buf, int64_t count, bool max) {
     if (nodes_ > 1) return max ? mpi_->all_reduce_max_f64(buf, count) : mpi_->all_reduce_f64(buf, count);
-    op_ = max ? "all_reduce_max_f64" : "all_reduce_f64";
-    if (count < 0) throw comm_error(rank(), op_, "count must be >= 0, got " + std::to_string(count));
+    if (count < 0)
+      throw comm_error(rank(), max ? "all_reduce_max_f64" : "all_reduce_f64",
+                       "count must be >= 0, got " + std::to_string(count));
+    OneThread one(*this, max ? "all_reduce_max_f64" : "all_reduce_f64");
     const int64_t per = static_cast<int64_t>(half_bytes_ / sizeof(double));
     for (int64_t off = 0; off < count; off += per) {
       const int64_t k = std::min(per, count - off);
@@ -750,6 +774,7 @@ class ShmCommunicator final : public Communicator {
   uint64_t free_at_[2] = {0, 0};  // flag value every rank reaches once it stopped reading half h
   const double timeout_s_;        // longest wait for a peer before CommError
   const char* op_ = "";           // the collective running (error messages)
+  std::atomic<bool> busy_{false};  // a thread is inside a collective (OneThread)
 };
 
 }  // namespace

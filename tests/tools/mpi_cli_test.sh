@@ -135,7 +135,7 @@ disagree() {  # disagree NAME EXPECTED -- RANK0 ARGS... -- RANK1 ARGS...
     fail=$((fail + 1)); echo "FAIL ranks that disagree: $name: rc=$rc after ${took}s"; cat "$TMP/out" "$TMP/err"
   fi
 }
-D=(--steps 4 --set run.eval_interval=0)
+D=(--steps 4 --set run.eval_interval=0 --set "run.checkpoint_dir=$TMP/dck")  # not the default folder another test may hold
 disagree "comm.backend" 'the ranks chose different backends: this rank "mpi" (from the config'"'"'s comm.backend), another rank "auto"' \
   -- "$ZT" "$CFG" "${D[@]}" -- "$ZT" "$CFG" "${D[@]}" --set comm.backend=mpi
 disagree "ZINC_COMM_BACKEND" 'the ranks chose different backends: this rank "shm" (from ZINC_COMM_BACKEND)' \
