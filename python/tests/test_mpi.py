@@ -53,37 +53,6 @@ def test_two_ranks_reproduce_zinc_train_bit_for_bit(tmp_path):
         assert (row["lr"], row["grad_norm"]) == (steps[-1]["lr"], steps[-1]["grad_norm"])
 
 
-@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
-def test_ranks_with_different_configs_are_refused(tmp_path):
-    """Issue 27: ranks given different configs trained diverging shards.
-    zinc.initialize checks a digest of the config and model on every rank and
-    raises ConfigError (a ValueError) naming the first differing key."""
-    doc = default_doc(steps=2)
-    (tmp_path / "cfg.json").write_text(json.dumps(doc))
-    script = tmp_path / "differ.py"
-    script.write_text(textwrap.dedent("""
-        import json, os, pathlib, sys
-        import zinc
-        doc = json.loads(pathlib.Path(sys.argv[1]).read_text())
-        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-        if rank == 1:
-            doc["optimizer"]["params"]["lr"] = 0.3
-        try:
-            zinc.initialize(doc)
-            msg = "initialized"
-        except ValueError as e:
-            msg = "%s: %s" % (type(e).__name__, e)
-        pathlib.Path(sys.argv[2], "rank%d.txt" % rank).write_text(msg)
-    """))
-    r = subprocess.run([*launcher(2), sys.executable, str(script), str(tmp_path / "cfg.json"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    for k in range(2):
-        msg = (tmp_path / ("rank%d.txt" % k)).read_text()
-        assert msg.startswith("ConfigError: optimizer.params.lr: the ranks were given different configs: "
-                              "rank 1 has 0.3, rank 0 has 0.003"), msg
-
-
 def _run_ranks(tmp_path, body, np_=2, timeout=300, extra=()):
     """Runs `body` (a script with sys.argv[1] the folder) on np_ ranks; returns
     the CompletedProcess and each rank's rank<k>.txt."""
@@ -93,6 +62,34 @@ def _run_ranks(tmp_path, body, np_=2, timeout=300, extra=()):
                        capture_output=True, text=True, timeout=timeout)
     return r, [(tmp_path / ("rank%d.txt" % k)).read_text() if (tmp_path / ("rank%d.txt" % k)).exists() else None
                for k in range(np_)]
+
+
+@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
+def test_ranks_with_different_configs_are_refused(tmp_path):
+    """Issue 27: ranks given different configs trained diverging shards.
+    zinc.initialize checks a digest of the config and model on every rank and
+    raises ConfigError (a ValueError) naming the first differing key."""
+    doc = default_doc(steps=2)
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    r, msgs = _run_ranks(tmp_path, """
+        import json, os, pathlib, sys
+        import zinc
+        out = pathlib.Path(sys.argv[1])
+        doc = json.loads((out / "cfg.json").read_text())
+        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        if rank == 1:
+            doc["optimizer"]["params"]["lr"] = 0.3
+        try:
+            zinc.initialize(doc)
+            msg = "initialized"
+        except ValueError as e:
+            msg = "%s: %s" % (type(e).__name__, e)
+        (out / ("rank%d.txt" % rank)).write_text(msg)
+    """)
+    assert r.returncode == 0, r.stderr
+    for msg in msgs:
+        assert msg.startswith("ConfigError: optimizer.params.lr: the ranks were given different configs: "
+                              "rank 1 has 0.3, rank 0 has 0.003"), msg
 
 
 @pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
