@@ -111,8 +111,13 @@ int64_t detail::stream_min_bytes() { return g_stream_min_bytes.load(std::memory_
 
 detail::AdamArgs detail::make_adam_args(const AdamParams& p, int64_t step, float grad_scale) {
   detail::AdamArgs a{};
-  const double bc1 = p.bias_correction ? 1.0 - std::pow(p.beta1, static_cast<double>(step)) : 1.0;
-  const double bc2 = p.bias_correction ? 1.0 - std::pow(p.beta2, static_cast<double>(step)) : 1.0;
+  // The moments decay by the fp32 betas (below), so the bias corrections
+  // are those betas' too, as DeepSpeed's CPU Adam takes them: with the exact
+  // double beta2 = 0.999 against fp32's 0.99900001, the first step's
+  // second moment was 1.3e-5 off its own 1 - beta2^t (6.7e-6 in the update).
+  const double b1 = static_cast<float>(p.beta1), b2 = static_cast<float>(p.beta2);
+  const double bc1 = p.bias_correction ? 1.0 - std::pow(b1, static_cast<double>(step)) : 1.0;
+  const double bc2 = p.bias_correction ? 1.0 - std::pow(b2, static_cast<double>(step)) : 1.0;
   a.grad_scale = grad_scale;
   a.beta1 = static_cast<float>(p.beta1);
   a.one_minus_beta1 = 1.0f - a.beta1;

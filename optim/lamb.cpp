@@ -62,8 +62,9 @@ std::vector<float> lamb_coefficients(const LambParams& p, int64_t step, std::spa
                                      const double* ratios) {
   double step_size = p.lr;
   if (p.bias_correction) {
-    const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+    // The fp32 betas' corrections, as the moments decay by them (adam.cpp).
+    const double bc1 = 1.0 - std::pow(static_cast<double>(static_cast<float>(p.beta1)), static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(static_cast<double>(static_cast<float>(p.beta2)), static_cast<double>(step));
     step_size = p.lr * std::sqrt(bc2) / bc1;
   }
   std::vector<float> neg_coef(segs.size());

@@ -195,9 +195,19 @@ void expect_same_run(const Spec& s, const std::string& what) {
   // at the 20 steps run here), while the losses agreed to 9e-4 and the
   // held-out loss to 3.6e-3: Adam turns the rounding in near-zero adapter
   // gradients into steps of a whole lr. The norm is held to 15% there.
+  // bf16 without LoRA: the k projection's bias has an exact gradient of 0
+  // (it adds q.b_k to every score of a row, which the softmax ignores), so
+  // Adam moves it by rounding noise normalised to a whole lr a step. Once
+  // one bf16 rounding of the residual stream falls the other way in the
+  // two runs, their noise differs: the k biases part by up to 7% of what
+  // the weights moved and the other weights by 1% (measured over lr
+  // 8e-3 to 1.2e-2 and 4-20 steps, at 4 ranks; 15-41x the difference
+  // moved). Which run meets such a rounding first is chance: a change of
+  // 1e-5 in an update shifts it. The weights are held to having moved 10x.
   const bool noisy_norm = s.bf16 && s.lora_r > 0;
+  const double moved = noisy_norm ? 5.0 : s.bf16 ? 10.0 : 100.0;
   testing::expect_close_runs(got, ref, train(start, g_world, true).weights, s.bf16 ? 2e-2 : 1e-4,
-                             s.bf16 ? 5e-2 : 5e-4, what, noisy_norm ? 5.0 : 100.0, noisy_norm ? 0.15 : -1);
+                             s.bf16 ? 5e-2 : 5e-4, what, moved, noisy_norm ? 0.15 : -1);
 }
 
 TEST(TensorParallel, PartsTrainTheRunWithoutParts) {

@@ -60,6 +60,29 @@ INSTANTIATE_TEST_SUITE_P(Modes, AdamAgainstReference,
                          ::testing::Values(AdamCase{true, true, 0.1}, AdamCase{false, true, 0.1},
                                            AdamCase{true, false, 0.0}, AdamCase{false, false, 0.01}));
 
+// The moments decay by the fp32 betas, so a constant gradient's first
+// moment after one step is (1 - float(beta1)) g and the second
+// (1 - float(beta2)) g^2; the bias corrections must be those betas' too for
+// the first step to move each weight by exactly lr (DeepSpeed's CPU Adam
+// does so). With the exact double betas in the corrections it moved
+// 6.7e-6 off at beta2 0.999 and 6.8e-4 off at 0.99999.
+TEST(Adam, FirstStepOfAConstantGradientMovesExactlyLr) {
+  for (double beta2 : {0.999, 0.9999, 0.99999, 0.95}) {
+    AdamParams p;
+    p.lr = 1e-3;
+    p.beta1 = 0.9;
+    p.beta2 = beta2;
+    p.eps = 0;
+    p.weight_decay = 0;
+    std::vector<float> g{0.3f, -1e-3f, 7.0f, -2.5e-5f, 1.0f};
+    const auto n = static_cast<int64_t>(g.size());
+    std::vector<float> w(g.size(), 0.0f), m(g.size(), 0.0f), v(g.size(), 0.0f);
+    adam_step(p, 1, 1.0f, w.data(), g.data(), m.data(), v.data(), n, nullptr);
+    for (int64_t i = 0; i < n; ++i)
+      EXPECT_NEAR(w[i], -std::copysign(1e-3, g[i]), 4e-7 * 1e-3) << "beta2 " << beta2 << ", gradient " << g[i];
+  }
+}
+
 TEST(Adam, AdamWAndL2ModesDifferWhenWeightDecayIsOn) {
   AdamParams a, b;
   a.weight_decay = b.weight_decay = 0.1;
