@@ -73,6 +73,104 @@ std::optional<int64_t> int_at(const json& obj, const char* key) {
   return it->get<int64_t>();
 }
 
+
+// The data-parallel replicas train_batch_size counts: the ranks over the
+// model-parallel degrees the document gives (where they divide the world;
+// else the parser refuses them), and those ranks per replica.
+std::pair<int64_t, int64_t> replicas_of(const json& d, int world_size) {
+  const int64_t stages = d.contains("pipeline") ? int_at(d["pipeline"], "stages").value_or(1) : 1;
+  const int64_t parts = d.contains("tensor_parallel") ? int_at(d["tensor_parallel"], "autotp_size").value_or(1) : 1;
+  const int64_t seq = int_at(d, "sequence_parallel_size").value_or(1);
+  const int64_t mp = stages >= 1 && parts >= 1 && seq >= 1 && stages * parts * seq <= world_size
+                         ? stages * parts * seq : 1;
+  return {world_size % mp == 0 ? world_size / mp : world_size, mp};
+}
+
+// Note [the Trainer's contradictions]: the Hugging Face Trainer fills each
+// "auto" from its TrainingArguments and refuses a concrete DeepSpeed value
+// that differs from the argument it would have filled it with
+// (transformers' HfTrainerDeepSpeedConfig.fill_match), listing every
+// difference and suggesting "auto". A config with a `trainer` section says
+// it is such a run, so zinc refuses the same contradictions where the
+// section sets an argument away from the Trainer's default. The Trainer
+// holds the DeepSpeed values to its defaults too, given or not; zinc does
+// not, because a zinc trainer section lists only what it sets, and the
+// resolved config zinc writes back (--check, the run's config event, a
+// checkpoint) lists every argument, defaults included, beside the concrete
+// values: read back, a default must contradict nothing. A warmup from
+// warmup_ratio is not held either: it follows run.steps, which a rerun of a
+// resolved config may change. train_batch_size is held to the replicas x
+// per_device_train_batch_size x gradient_accumulation_steps, as the
+// Trainer computes it, where the section sets either.
+void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size) {
+  const TrainerConfig defaults;
+  // The node at a dotted path, or nullptr.
+  auto at = [&](const std::string& path) -> const json* {
+    const json* node = &d;
+    size_t from = 0;
+    while (true) {
+      const size_t dot = path.find('.', from);
+      const std::string key = path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+      if (!node->is_object() || !node->contains(key)) return nullptr;
+      node = &(*node)[key];
+      if (dot == std::string::npos) return node;
+      from = dot + 1;
+    }
+  };
+  auto same = [](const json& a, const json& b) {
+    if (a.is_number() && b.is_number()) return a.get<double>() == b.get<double>();
+    if (a.is_array() && b.is_array() && a.size() == b.size()) {
+      for (size_t i = 0; i < a.size(); ++i)
+        if (!a[i].is_number() || !b[i].is_number() || a[i].get<double>() != b[i].get<double>()) return false;
+      return true;
+    }
+    return a == b;
+  };
+  std::vector<std::pair<std::string, std::string>> found;  // path, "VALUE against trainer.KEY VALUE"
+  auto check = [&](const std::string& path, bool trainer_gives, const std::string& trainer_keys, const json& want) {
+    const json* v = at(path);
+    if (!trainer_gives || !v || is_auto(*v) || v->is_null()) return;
+    // A value of another type is the parser's to refuse at its path.
+    if (v->is_number() != want.is_number() || v->is_boolean() != want.is_boolean() || v->is_array() != want.is_array())
+      return;
+    if (!same(*v, want)) found.push_back({path, v->dump() + " against " + trainer_keys + " " + want.dump()});
+  };
+  check("train_micro_batch_size_per_gpu", t.per_device_train_batch_size != defaults.per_device_train_batch_size, "trainer.per_device_train_batch_size",
+        t.per_device_train_batch_size);
+  check("gradient_accumulation_steps", t.gradient_accumulation_steps != defaults.gradient_accumulation_steps, "trainer.gradient_accumulation_steps",
+        t.gradient_accumulation_steps);
+  {
+    const bool batch_set = t.per_device_train_batch_size != defaults.per_device_train_batch_size ||
+                           t.gradient_accumulation_steps != defaults.gradient_accumulation_steps;
+    const int64_t replicas = replicas_of(d, world_size).first;
+    const __int128 product = static_cast<__int128>(replicas) * t.per_device_train_batch_size * t.gradient_accumulation_steps;
+    if (product <= INT64_MAX)
+      check("train_batch_size", batch_set,
+            std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") +
+                " x trainer.per_device_train_batch_size x trainer.gradient_accumulation_steps =",
+            static_cast<int64_t>(product));
+  }
+  check("gradient_clipping", t.max_grad_norm != defaults.max_grad_norm, "trainer.max_grad_norm", t.max_grad_norm);
+  check("optimizer.params.lr", t.learning_rate != defaults.learning_rate, "trainer.learning_rate", t.learning_rate);
+  check("optimizer.params.betas", t.adam_beta1 != defaults.adam_beta1 || t.adam_beta2 != defaults.adam_beta2, "trainer.adam_beta1, adam_beta2",
+        json::array({t.adam_beta1, t.adam_beta2}));
+  check("optimizer.params.eps", t.adam_epsilon != defaults.adam_epsilon, "trainer.adam_epsilon", t.adam_epsilon);
+  check("optimizer.params.weight_decay", t.weight_decay != defaults.weight_decay, "trainer.weight_decay", t.weight_decay);
+  check("scheduler.params.warmup_max_lr", t.learning_rate != defaults.learning_rate, "trainer.learning_rate", t.learning_rate);
+  check("scheduler.params.warmup_num_steps", t.warmup_steps != defaults.warmup_steps, "trainer.warmup_steps",
+        t.warmup_steps);
+  check("fp16.enabled", t.fp16 >= 0, "trainer.fp16", t.fp16 == 1);
+  check("bf16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
+  check("bfloat16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
+  if (found.empty()) return;
+  std::string msg = found[0].second;
+  for (size_t i = 1; i < found.size(); ++i) msg += "; " + found[i].first + " " + found[i].second;
+  throw ConfigError(found[0].first, msg + ": the config's trainer section contradicts " +
+                                        (found.size() == 1 ? std::string("this value") : "these values") +
+                                        " (the Hugging Face Trainer refuses such a config); make them agree, or "
+                                        "set the DeepSpeed value to \"auto\"");
+}
+
 }  // namespace
 
 TrainerConfig parse_trainer(const json& doc) {
@@ -131,6 +229,7 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
   out.doc = doc;
   if (!doc.is_object()) return out;
   json& d = out.doc;
+  if (d.contains("trainer") && d["trainer"].is_object()) refuse_contradictions(d, t, world_size);
   auto set = [&](json& obj, const std::string& key, const std::string& path, const json& v, const std::string& why) {
     obj[key] = v;
     out.values.push_back({path, v, why});
@@ -149,14 +248,7 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
   if (auto_at(d, "train_batch_size")) {
     const int64_t micro = int_at(d, "train_micro_batch_size_per_gpu").value_or(t.per_device_train_batch_size);
     const int64_t gas = int_at(d, "gradient_accumulation_steps").value_or(t.gradient_accumulation_steps);
-    // The replicas: the ranks over the model-parallel degrees the document
-    // gives (where they divide the world; else the parser refuses them).
-    const int64_t stages = d.contains("pipeline") ? int_at(d["pipeline"], "stages").value_or(1) : 1;
-    const int64_t parts = d.contains("tensor_parallel") ? int_at(d["tensor_parallel"], "autotp_size").value_or(1) : 1;
-    const int64_t seq = int_at(d, "sequence_parallel_size").value_or(1);
-    const int64_t mp = stages >= 1 && parts >= 1 && seq >= 1 && stages * parts * seq <= world_size
-                           ? stages * parts * seq : 1;
-    const int64_t replicas = world_size % mp == 0 ? world_size / mp : world_size;
+    const auto [replicas, mp] = replicas_of(d, world_size);
     const std::string why = (replicas == world_size
                                  ? std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks")
                                  : std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") + " (" +

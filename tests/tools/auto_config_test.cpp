@@ -158,6 +158,72 @@ TEST(AutoConfig, TrainerSectionIsStrictAndAnAutoWithoutARuleIsReportedAtItsPath)
 }
 
 
+// Note [the Trainer's contradictions]: a concrete DeepSpeed value that
+// differs from what the trainer section would fill it with is refused, as
+// transformers' fill_match does, every difference named in one line; one
+// that agrees (1 and 1.0 too), or whose argument the section leaves at the
+// Trainer's default, is kept.
+TEST(AutoConfig, ConcreteValuesThatContradictTheTrainerSectionAreRefused) {
+  auto refusal = [](const json& d) {
+    return testing_config::error_of_parse([](const json& doc) { resolve_auto(doc, 2); }, d);
+  };
+  json doc = hf_config();
+  doc["trainer"] = {{"learning_rate", 2e-5}};
+  doc["optimizer"]["params"]["lr"] = 1e-4;
+  std::string e = refusal(doc);
+  testing_config::expect_parts(e, {"optimizer.params.lr: 0.0001 against trainer.learning_rate 2e-05",
+                                   "the config's trainer section contradicts this value", "\"auto\""});
+  EXPECT_EQ(e.find(" against ", e.find(" against ") + 1), std::string::npos) << e;  // one difference
+
+  doc["trainer"] = {{"learning_rate", 2e-5}, {"per_device_train_batch_size", 4}, {"adam_beta2", 0.95},
+                    {"bf16", false}};
+  doc["train_micro_batch_size_per_gpu"] = 8;
+  doc["optimizer"]["params"]["betas"] = {0.9, 0.999};
+  doc["scheduler"]["params"]["warmup_max_lr"] = 3e-5;
+  doc["bf16"]["enabled"] = true;
+  e = refusal(doc);
+  testing_config::expect_parts(
+      e, {"train_micro_batch_size_per_gpu: 8 against trainer.per_device_train_batch_size 4",
+          "; optimizer.params.lr 0.0001 against trainer.learning_rate 2e-05",
+          "; optimizer.params.betas [0.9,0.999] against trainer.adam_beta1, adam_beta2 [0.9,0.95]",
+          "; scheduler.params.warmup_max_lr 3e-05 against trainer.learning_rate 2e-05",
+          "; bf16.enabled true against trainer.bf16 false", "contradicts these values"});
+  EXPECT_EQ(e.rfind("train_micro_batch_size_per_gpu", 0), 0u) << e;  // the first one's path leads
+
+  // train_batch_size, as the Trainer computes it from the replicas.
+  doc = hf_config();
+  doc["trainer"] = {{"per_device_train_batch_size", 4}};
+  doc["train_batch_size"] = 16;
+  testing_config::expect_parts(
+      refusal(doc), {"train_batch_size: 16 against 2 replicas x trainer.per_device_train_batch_size x "
+                     "trainer.gradient_accumulation_steps = 8"});
+  doc["train_batch_size"] = 8;
+  EXPECT_EQ(resolve_auto(doc, 2).doc["train_micro_batch_size_per_gpu"], 4);
+
+  doc = hf_config();
+  doc["trainer"] = {{"warmup_steps", 7}};
+  doc["scheduler"]["params"]["warmup_num_steps"] = 10;
+  testing_config::expect_parts(refusal(doc), {"scheduler.params.warmup_num_steps: 10 against trainer.warmup_steps 7"});
+
+  // Agreeing values, values the section leaves out, and "auto" pass.
+  doc = hf_config();
+  doc["trainer"] = {{"max_grad_norm", 1.0}, {"per_device_train_batch_size", 4}, {"gradient_accumulation_steps", 2},
+                    {"fp16", false}};
+  doc["gradient_clipping"] = 1;
+  doc["train_micro_batch_size_per_gpu"] = 4;
+  doc["fp16"]["enabled"] = false;
+  doc["optimizer"]["params"]["lr"] = 1e-4;  // trainer.learning_rate not given: nothing to contradict
+  doc["optimizer"]["params"]["weight_decay"] = 0.3;
+  doc["trainer"]["weight_decay"] = 0.0;  // given at the Trainer's default: not held (Note)
+  const ResolvedConfig r = resolve_auto(doc, 2);
+  EXPECT_EQ(r.doc["optimizer"]["params"]["lr"], 1e-4);
+  EXPECT_EQ(r.doc["train_batch_size"], 16);
+  // Without a trainer section the Trainer's defaults contradict nothing.
+  doc.erase("trainer");
+  doc["train_micro_batch_size_per_gpu"] = 3;
+  EXPECT_EQ(resolve_auto(doc, 2).doc["train_batch_size"], 6);
+}
+
 // No optimizer or scheduler section (LLaMA-Factory's configs): with a
 // trainer section, the Trainer's own AdamW and linear schedule; without
 // one, nothing is added.
@@ -184,7 +250,7 @@ TEST(AutoConfig, MissingOptimizerAndSchedulerAreTheTrainersOwn) {
   // everything, as DeepSpeed's one parameter group.
   EXPECT_EQ(r.doc["optimizer"]["params"]["decay_norms_and_biases"], false);
   EXPECT_FALSE(p.config.optimizer.decay_vectors);
-  doc["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}};
+  doc["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 2e-3}}}};
   EXPECT_TRUE(parse_experiment(doc, 1).config.optimizer.decay_vectors);
 }
 

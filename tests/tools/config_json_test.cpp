@@ -58,7 +58,9 @@ void expect_round_trip(const json& doc, int world, const std::string& what) {
   EXPECT_EQ(out, again);
 }
 
-// Every engine field away from DeepSpeed's default.
+// Every engine field away from DeepSpeed's default, and every trainer
+// argument away from the Trainer's, agreeing with the DeepSpeed values they
+// would fill (Note [the Trainer's contradictions] in tools/auto_config.cpp).
 json every_field_set() {
   return json::parse(R"({
     "train_batch_size": 24, "gradient_accumulation_steps": 3,
@@ -85,9 +87,9 @@ json every_field_set() {
     "run": {"steps": 9, "seed": 3, "eval_interval": 0, "eval_batches": 2, "checkpoint_interval": 4,
             "output_dir": "/tmp/o", "checkpoint_dir": "/tmp/c", "keep_last": 2},
     "comm": {"backend": "mpi", "timeout_seconds": 30},
-    "trainer": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "learning_rate": 0.01,
-                "adam_beta1": 0.7, "adam_beta2": 0.9, "adam_epsilon": 1e-7, "weight_decay": 0.2,
-                "max_grad_norm": 2.0, "warmup_steps": 4, "warmup_ratio": 0.1, "bf16": true, "fp16": false}
+    "trainer": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3, "learning_rate": 0.002,
+                "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
+                "max_grad_norm": 0.5, "warmup_steps": 5, "warmup_ratio": 0.1, "bf16": true, "fp16": false}
   })");
 }
 
@@ -109,12 +111,13 @@ TEST(ConfigJson, EveryFieldAwayFromItsDefaultRoundTrips) {
 TEST(ConfigJson, OtherSchedulesAndSections) {
   json doc = every_field_set();
   doc["scheduler"] = {{"type", "WarmupCosineLR"},
-                      {"params", {{"warmup_min_ratio", 0.1}, {"cos_min_ratio", 0.01}, {"warmup_num_steps", 3},
+                      {"params", {{"warmup_min_ratio", 0.1}, {"cos_min_ratio", 0.01}, {"warmup_num_steps", 5},
                                   {"total_num_steps", 30}}}};
   doc["optimizer"]["type"] = "AdamW";
   doc["optimizer"]["params"].erase("adam_w_mode");
+  doc["train_batch_size"] = 12;  // 1 replica x the trainer's 4 x 3
   expect_round_trip(doc, 1, "WarmupCosineLR");
-  doc["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.01}, {"warmup_num_steps", 2}}}};
+  doc["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.002}, {"warmup_num_steps", 5}}}};
   doc["data"] = {{"type", "text"}, {"path", "/tmp/x.txt"}, {"seq_len", 16}, {"eval_fraction", 0.1}};
   doc["model"] = {{"type", "mlp"}, {"context", 2}, {"hidden", 16}, {"n_embd", 8}, {"n_layer", 1}};
   doc["zero_optimization"] = {{"stage", 1}};
@@ -131,7 +134,9 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
   namespace fs = std::filesystem;
   const json zinc_sections = {{"model", {{"type", "gpt"}, {"n_layer", 2}, {"n_head", 4}, {"n_embd", 64}}},
                               {"data", {{"type", "synthetic"}, {"vocab_size", 32}, {"seq_len", 32}}},
-                              {"trainer", {{"per_device_train_batch_size", 4}, {"learning_rate", 0.001}}}};
+                              // The Trainer's defaults: a real config's concrete
+                              // values are what its users pass the Trainer.
+                              {"trainer", json::object()}};
   int n = 0;
   for (const char* dir : {"configs", "tests/configs/real"}) {
     for (const fs::directory_entry& e : fs::directory_iterator(fs::path(ZINC_SOURCE_DIR) / dir)) {
@@ -155,6 +160,7 @@ TEST(ConfigJson, EveryConfigInTheRepoRoundTrips) {
                          (doc.contains("expert_parallel") ? doc["expert_parallel"].value("autoep_size", 1) : 1);
       for (int world : {stages, 2 * stages}) {
         expect_round_trip(doc, world, e.path().string() + " at " + std::to_string(world) + " ranks");
+
       }
       ++n;
     }
