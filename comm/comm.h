@@ -186,9 +186,10 @@ void wait_cuda_event(Communicator& comm, void* cuda_event);
 // (tests) treats each k consecutive ranks as one machine. backend() names
 // the choice. The shm backend sums bf16 in fp32 over the ranks of a machine
 // and rounds once (see shm_communicator.cpp). timeout_seconds: the longest a
-// shm collective waits for a peer before it throws CommError naming the peer
-// (ZINC_COMM_TIMEOUT overrides it; the MPI backend waits as long as Open MPI
-// does, and relies on mpirun ending the job when a rank dies).
+// shm collective waits for a peer before it throws CommError naming the peer;
+// an MPI call (the mpi backend, and the MPI steps of the others) that waits
+// longer ends the job with one line naming the call (ZINC_COMM_TIMEOUT
+// overrides it; Note [MPI collectives: the time limit]).
 inline constexpr double kCommTimeoutSeconds = 600;
 std::unique_ptr<Communicator> make_communicator(const std::string& mode,
                                                 double timeout_seconds = kCommTimeoutSeconds);

@@ -58,6 +58,11 @@ CommError mpi_error(const std::string& op, int rc);
 // The MPI_Comm (a pointer to it: this header names no MPI type) of a
 // communicator that make_mpi_communicator made, or that its split() made.
 const void* mpi_comm_of(const Communicator& mpi);
+// The longest an MPI communicator (from make_mpi_communicator, or its
+// split() or duplicate(), which inherit it) waits in one MPI call for the
+// other ranks before it ends the job (Note [MPI collectives: the time limit]
+// in mpi_communicator.cpp).
+void set_mpi_timeout(Communicator& mpi, double seconds);
 
 // make_mpi_communicator with a smaller per-call element limit (tests exercise
 // chunking and the limit errors with small buffers). max_count is both the

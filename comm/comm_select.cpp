@@ -44,14 +44,22 @@ int fake_node_size_from_env() {
 
 namespace detail {
 
+// An MPI communicator with the time limit of ZINC_COMM_TIMEOUT or `fallback`.
+std::unique_ptr<Communicator> mpi_with_limit(double timeout) {
+  std::unique_ptr<Communicator> mpi = comm::make_mpi_communicator();
+  set_mpi_timeout(*mpi, timeout);
+  return mpi;
+}
+
 std::unique_ptr<Communicator> make_shm_communicator(size_t slot_bytes) {
-  return make_shm_backend(comm::make_mpi_communicator(), slot_bytes, fake_node_size_from_env(),
-                          /*hierarchical=*/false, timeout_from_env(kCommTimeoutSeconds));
+  const double timeout = timeout_from_env(kCommTimeoutSeconds);
+  return make_shm_backend(mpi_with_limit(timeout), slot_bytes, fake_node_size_from_env(), /*hierarchical=*/false,
+                          timeout);
 }
 
 std::unique_ptr<Communicator> make_hierarchical_communicator(size_t slot_bytes, int fake_node_size) {
-  return make_shm_backend(comm::make_mpi_communicator(), slot_bytes, fake_node_size,
-                          /*hierarchical=*/true, timeout_from_env(kCommTimeoutSeconds));
+  const double timeout = timeout_from_env(kCommTimeoutSeconds);
+  return make_shm_backend(mpi_with_limit(timeout), slot_bytes, fake_node_size, /*hierarchical=*/true, timeout);
 }
 
 }  // namespace detail
@@ -70,7 +78,7 @@ std::unique_ptr<Communicator> make_communicator(const std::string& mode_arg, dou
                     std::to_string(timeout_seconds));
   }
   const double timeout = timeout_from_env(timeout_seconds);
-  std::unique_ptr<Communicator> mpi = make_mpi_communicator();
+  std::unique_ptr<Communicator> mpi = detail::mpi_with_limit(timeout);
   // Every rank must take the same backend: a rank on MPI and another on
   // shared memory wait in collectives the other never joins, with no time
   // limit (ZINC_COMM_BACKEND set on one rank, an MPMD launch with two

@@ -15,11 +15,15 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/comm.h"
@@ -142,6 +146,143 @@ class MpiRuntime {
   }
 };
 
+// Note [MPI collectives: the time limit]
+// A rank that waits in an MPI collective for a peer that never comes (the
+// peer caught an error and went on, or waits in another collective, or a
+// --set on one rank only changed what it calls) waited forever: Open MPI has
+// no time limit, and mpirun ends the job only when a process exits. Each
+// MPI call a communicator makes that waits for other ranks (the
+// collectives, the pipeline's point-to-point waits, the splits) records what
+// it is and when it began; one watchdog thread per process looks every
+// quarter second (or an eighth of the limit) and, when a call has waited
+// longer than comm.timeout_seconds (ZINC_COMM_TIMEOUT), prints one line
+// naming the rank, the call and the wait, and ends the job with MPI_Abort
+// (mpirun then ends every rank). Blocking MPI calls cannot be left, so the
+// shm backend's choice, an exception in the waiting rank, is not open here;
+// nonblocking collectives polled against a clock could, but Open MPI runs
+// them through another, slower component (libnbc) than the blocking ones.
+// The cost on the path is two atomic stores a call.
+class MpiCall;
+
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static auto* w = new Watchdog;  // never destroyed: its thread outlives static destruction
+    return *w;
+  }
+  void add(MpiCall* c) {
+    std::scoped_lock lock(mu_);
+    calls_.push_back(c);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+    }
+  }
+  void remove(MpiCall* c) {
+    std::scoped_lock lock(mu_);
+    calls_.erase(std::remove(calls_.begin(), calls_.end(), c), calls_.end());
+  }
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::vector<MpiCall*> calls_;
+  bool started_ = false;
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// What one communicator is waiting in, for the watchdog.
+class MpiCall {
+ public:
+  // MPI must be initialised: the line names the rank in MPI_COMM_WORLD.
+  MpiCall() {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    Watchdog::get().add(this);
+  }
+  ~MpiCall() { Watchdog::get().remove(this); }
+  MpiCall(const MpiCall&) = delete;
+  MpiCall& operator=(const MpiCall&) = delete;
+
+  void set_timeout(double seconds) { timeout_ns_.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed); }
+  double timeout_s() const { return static_cast<double>(timeout_ns_.load(std::memory_order_relaxed)) / 1e9; }
+
+  // Marks one MPI call: fn the MPI function, what the collective, count and
+  // dtype its size (count < 0: none).
+  class Scope {
+   public:
+    Scope(MpiCall& c, const char* fn, const char* what, int64_t count = -1, DType dtype = DType::kF32) : c_(c) {
+      c_.fn_.store(fn, std::memory_order_relaxed);
+      c_.what_.store(what, std::memory_order_relaxed);
+      c_.count_.store(count, std::memory_order_relaxed);
+      c_.dtype_.store(static_cast<int>(dtype), std::memory_order_relaxed);
+      c_.since_ns_.store(now_ns(), std::memory_order_release);
+    }
+    ~Scope() { c_.since_ns_.store(0, std::memory_order_release); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    MpiCall& c_;
+  };
+
+  // The line to end the job with, if the call in flight has waited past the
+  // limit at `now`; "" otherwise.
+  std::string overdue(int64_t now) const {
+    const int64_t since = since_ns_.load(std::memory_order_acquire);
+    const int64_t limit = timeout_ns_.load(std::memory_order_relaxed);
+    if (since == 0 || now - since <= limit) return "";
+    const char* fn = fn_.load(std::memory_order_relaxed);
+    const char* what = what_.load(std::memory_order_relaxed);
+    const int64_t count = count_.load(std::memory_order_relaxed);
+    const auto dtype = static_cast<DType>(dtype_.load(std::memory_order_relaxed));
+    if (since_ns_.load(std::memory_order_acquire) != since) return "";  // that call ended meanwhile
+    char waited[32], allowed[32];
+    std::snprintf(waited, sizeof waited, "%.1f", static_cast<double>(now - since) / 1e9);
+    std::snprintf(allowed, sizeof allowed, "%g", static_cast<double>(limit) / 1e9);
+    std::string call = std::string(fn) + " (" + what;
+    if (count >= 0) call += " of " + std::to_string(count) + " " + std::string(dtype_name(dtype));
+    return "rank " + std::to_string(rank_) + ": " + call + ") has waited " + waited +
+           " s for the other ranks, past comm.timeout_seconds (" + allowed + " s; ZINC_COMM_TIMEOUT overrides it): a rank has stopped, or waits in another collective, or was given "
+           "another config; ending the job";
+  }
+
+ private:
+  int rank_ = -1;
+  std::atomic<int64_t> timeout_ns_{static_cast<int64_t>(kCommTimeoutSeconds * 1e9)};
+  std::atomic<int64_t> since_ns_{0};
+  std::atomic<const char*> fn_{""};
+  std::atomic<const char*> what_{""};
+  std::atomic<int64_t> count_{-1};
+  std::atomic<int> dtype_{0};
+};
+
+void Watchdog::run() {
+  while (true) {
+    double step = 0.25;
+    std::string line;
+    {
+      std::scoped_lock lock(mu_);
+      const int64_t now = now_ns();
+      for (const MpiCall* c : calls_) {
+        step = std::min(step, c->timeout_s() / 8);
+        if (line.empty()) line = c->overdue(now);
+      }
+      if (!line.empty()) {
+        std::fprintf(stderr, "zinc: %s\n", line.c_str());
+        std::fflush(stderr);
+        std::fflush(stdout);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+        std::_Exit(1);  // MPI_Abort does not return; if it ever does, still end this rank
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(step, 0.001)));
+  }
+}
+
 // bf16 sum as an MPI user operation: each pairwise combination is formed in
 // fp32 and rounded once (round to nearest even), inout = in + inout.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -163,17 +304,26 @@ class MpiCommunicator final : public Communicator {
  public:
   // Over the ranks of `parent` (MPI_COMM_NULL: MPI_COMM_WORLD, read once
   // MPI is initialised), through a duplicate of it: its own message space.
-  MpiCommunicator(int64_t chunk_count, int64_t max_count, MPI_Comm parent = MPI_COMM_NULL)
+  MpiCommunicator(int64_t chunk_count, int64_t max_count, MPI_Comm parent = MPI_COMM_NULL,
+                  double timeout_s = kCommTimeoutSeconds)
       : chunk_count_(chunk_count), max_count_(max_count) {
     MpiRuntime::acquire();
     try {
-      check(MPI_Comm_dup(parent == MPI_COMM_NULL ? MPI_COMM_WORLD : parent, &comm_), "MPI_Comm_dup");
+      call_ = std::make_unique<MpiCall>();
+      call_->set_timeout(timeout_s);
+      {
+        auto w = waiting("MPI_Comm_dup", "a new communicator");
+        check(MPI_Comm_dup(parent == MPI_COMM_NULL ? MPI_COMM_WORLD : parent, &comm_), "MPI_Comm_dup");
+      }
       check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
       check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
       check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
       MPI_Comm node = MPI_COMM_NULL;
-      check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type");
+      {
+        auto w = waiting("MPI_Comm_split_type", "the ranks of this machine");
+        check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
+              "MPI_Comm_split_type");
+      }
       int rc = MPI_Comm_size(node, &local_size_);
       if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(node, &local_rank_);
       MPI_Comm_free(&node);
@@ -184,6 +334,7 @@ class MpiCommunicator final : public Communicator {
       check(MPI_Op_create(&f16_sum, /*commute=*/1, &f16_sum_), "MPI_Op_create");
     } catch (...) {
       free_handles();
+      call_.reset();
       MpiRuntime::release();
       throw;
     }
@@ -192,8 +343,12 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     free_handles();
+    call_.reset();
     MpiRuntime::release();
   }
+
+  // Note [MPI collectives: the time limit].
+  void set_timeout(double seconds) { call_->set_timeout(seconds); }
 
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -211,6 +366,7 @@ class MpiCommunicator final : public Communicator {
       const int n = static_cast<int>(std::min(chunk_count_, count - off));
       void* r = static_cast<char*>(recv) + static_cast<size_t>(off) * elem;
       const void* s = send == recv ? MPI_IN_PLACE : static_cast<const char*>(send) + static_cast<size_t>(off) * elem;
+      auto w = waiting("MPI_Allreduce", "all_reduce", count, dtype);
       check(MPI_Allreduce(s, r, n, type(dtype), sum(dtype), comm_), "MPI_Allreduce", "all_reduce", count, dtype);
     }
   }
@@ -219,6 +375,7 @@ class MpiCommunicator final : public Communicator {
     detail::check_reduce_scatter(rank_, size_, send, recv, recv_count, dtype);
     if (recv_count == 0) return;
     check_limit("reduce_scatter", recv_count, "reduce_bucket_size");
+    auto w = waiting("MPI_Reduce_scatter_block", "reduce_scatter", recv_count, dtype);
     check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(recv_count), type(dtype), sum(dtype), comm_),
           "MPI_Reduce_scatter_block", "reduce_scatter", recv_count, dtype);
   }
@@ -228,6 +385,7 @@ class MpiCommunicator final : public Communicator {
     if (send_count == 0) return;
     check_limit("all_gather", send_count, "allgather_bucket_size");
     const int n = static_cast<int>(send_count);
+    auto w = waiting("MPI_Allgather", "all_gather", send_count, dtype);
     check(MPI_Allgather(in_place ? MPI_IN_PLACE : send, n, type(dtype), recv, n, type(dtype), comm_),
           "MPI_Allgather", "all_gather", send_count, dtype);
   }
@@ -239,6 +397,7 @@ class MpiCommunicator final : public Communicator {
     if (count_per_rank == 0) return;
     check_limit("all_to_all", count_per_rank, "the 1-bit buffer size");
     const int n = static_cast<int>(count_per_rank);
+    auto w = waiting("MPI_Alltoall", "all_to_all", count_per_rank, dtype);
     check(MPI_Alltoall(send, n, type(dtype), recv, n, type(dtype), comm_), "MPI_Alltoall", "all_to_all",
           count_per_rank, dtype);
   }
@@ -248,6 +407,7 @@ class MpiCommunicator final : public Communicator {
     const size_t elem = dtype_bytes(dtype);
     for (int64_t off = 0; off < count; off += chunk_count_) {
       const int n = static_cast<int>(std::min(chunk_count_, count - off));
+      auto w = waiting("MPI_Bcast", "broadcast", count, dtype);
       check(MPI_Bcast(static_cast<char*>(buf) + static_cast<size_t>(off) * elem, n, type(dtype), root, comm_),
             "MPI_Bcast", "broadcast", count, dtype);
     }
@@ -258,22 +418,28 @@ class MpiCommunicator final : public Communicator {
     reduce_f64(buf, count, MPI_MAX, "all_reduce_max_f64");
   }
 
-  void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  void barrier() override {
+    auto w = waiting("MPI_Barrier", "barrier");
+    check(MPI_Barrier(comm_), "MPI_Barrier");
+  }
 
   // Another MPI_Comm_dup of this one's ranks: its own message space, so its
   // collectives never match this one's. Two threads in MPI at once need
   // MPI_THREAD_MULTIPLE.
   std::unique_ptr<Communicator> duplicate() override {
     if (MpiRuntime::thread_level() < MPI_THREAD_MULTIPLE) return nullptr;
-    return std::make_unique<MpiCommunicator>(chunk_count_, max_count_, comm_);
+    return std::make_unique<MpiCommunicator>(chunk_count_, max_count_, comm_, call_->timeout_s());
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     if (color < 0) throw detail::comm_error(rank_, "split", "color must be >= 0, got " + std::to_string(color));
     MPI_Comm part = MPI_COMM_NULL;
-    check(MPI_Comm_split(comm_, color, key, &part), "MPI_Comm_split");
+    {
+      auto w = waiting("MPI_Comm_split", "split");
+      check(MPI_Comm_split(comm_, color, key, &part), "MPI_Comm_split");
+    }
     try {
-      auto out = std::make_unique<MpiCommunicator>(chunk_count_, max_count_, part);
+      auto out = std::make_unique<MpiCommunicator>(chunk_count_, max_count_, part, call_->timeout_s());
       MPI_Comm_free(&part);
       return out;
     } catch (...) {
@@ -307,6 +473,8 @@ class MpiCommunicator final : public Communicator {
     if (from != -1) post(false, recv_count, from, static_cast<char*>(recv_buf));
     if (to != -1) post(true, send_count, to, static_cast<char*>(const_cast<void*>(send_buf)));
     if (reqs.empty()) return;
+    auto w = waiting("MPI_Waitall", to != -1 && from != -1 ? "exchange" : to != -1 ? "send" : "recv",
+                     std::max(send_count, recv_count), dtype);
     check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "MPI_Waitall", "exchange",
           std::max(send_count, recv_count), dtype);
   }
@@ -324,6 +492,7 @@ class MpiCommunicator final : public Communicator {
     detail::check_count(rank_, what, count);
     for (int64_t off = 0; off < count; off += chunk_count_) {
       const int n = static_cast<int>(std::min(chunk_count_, count - off));
+      auto w = waiting("MPI_Allreduce", what, count, DType::kF32);
       const int rc = MPI_Allreduce(MPI_IN_PLACE, buf + off, n, MPI_DOUBLE, op, comm_);
       if (rc != MPI_SUCCESS) throw mpi_error(std::string("MPI_Allreduce (") + what + " of " +
                                                  std::to_string(count) + " f64)", rc);
@@ -351,6 +520,10 @@ class MpiCommunicator final : public Communicator {
     return dtype == DType::kF32 ? MPI_SUM : dtype == DType::kF16 ? f16_sum_ : bf16_sum_;
   }
 
+  MpiCall::Scope waiting(const char* fn, const char* what, int64_t count = -1, DType dtype = DType::kF32) {
+    return MpiCall::Scope(*call_, fn, what, count, dtype);
+  }
+
   // The one place MPI return codes are checked.
   static void check(int rc, const char* mpi_fn) {
     if (rc != MPI_SUCCESS) throw mpi_error(mpi_fn, rc);
@@ -372,6 +545,7 @@ class MpiCommunicator final : public Communicator {
   friend const void* detail::mpi_comm_of(const Communicator&);
   const int64_t chunk_count_;  // all_reduce/broadcast/f64: elements per MPI call
   const int64_t max_count_;    // reduce_scatter/all_gather: limit on size * count
+  std::unique_ptr<MpiCall> call_;  // what this communicator waits in (Note [MPI collectives: the time limit])
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL;
@@ -387,6 +561,12 @@ const void* mpi_comm_of(const Communicator& mpi) {
   const auto* m = dynamic_cast<const MpiCommunicator*>(&mpi);
   ZINC_CHECK(m != nullptr, "mpi_comm_of: not an MPI communicator");
   return &m->comm_;
+}
+
+void set_mpi_timeout(Communicator& mpi, double seconds) {
+  auto* m = dynamic_cast<MpiCommunicator*>(&mpi);
+  ZINC_CHECK(m != nullptr, "set_mpi_timeout: not an MPI communicator");
+  m->set_timeout(seconds);
 }
 
 std::unique_ptr<Communicator> make_mpi_communicator(int64_t max_count) {

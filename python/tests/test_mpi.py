@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -158,3 +159,35 @@ def test_ranks_that_load_different_checkpoints_are_refused(tmp_path):
     for m in msgs:
         assert "the ranks opened different checkpoints: rank 1 opened \"b\", rank 0 \"a\"" in m, m
         assert m.startswith("2 "), m  # nothing loaded: still at step 2
+
+
+@pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
+def test_a_rank_waiting_in_mpi_for_a_peer_that_never_comes_ends_the_job(tmp_path):
+    """Note [MPI collectives: the time limit]: over the mpi backend, a rank
+    whose peer stopped calling the engine (here it sleeps) waited in an MPI
+    collective without a limit. Now the job ends once comm.timeout_seconds
+    have passed, with one line naming the waiting rank and the call."""
+    doc = default_doc(steps=4)
+    doc["comm"] = {"backend": "mpi", "timeout_seconds": 3}
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    t0 = time.monotonic()
+    r, msgs = _run_ranks(tmp_path, """
+        import os, pathlib, sys, time
+        import zinc
+        out = pathlib.Path(sys.argv[1])
+        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        engine = zinc.initialize(str(out / "cfg.json"))
+        (out / ("rank%d.txt" % rank)).write_text("started")
+        if rank == 1:
+            time.sleep(300)
+        else:
+            for _ in range(4):
+                engine.train_batch()
+        (out / ("rank%d.txt" % rank)).write_text("ended")
+    """, timeout=280)
+    took = time.monotonic() - t0
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert msgs == ["started", "started"], msgs  # neither rank went on
+    assert "zinc: rank 0: MPI_" in r.stderr and "for the other ranks, past comm.timeout_seconds (3 s" in r.stderr, \
+        r.stderr
+    assert took < 120, took  # the sleeping rank would have held the job for 300 s
