@@ -133,6 +133,9 @@ void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size
     // A value of another type is the parser's to refuse at its path.
     if (v->is_number() != want.is_number() || v->is_boolean() != want.is_boolean() || v->is_array() != want.is_array())
       return;
+    if (v->is_array())
+      for (const json& x : *v)
+        if (!x.is_number()) return;
     if (!same(*v, want)) found.push_back({path, v->dump() + " against " + trainer_keys + " " + want.dump()});
   };
   check("train_micro_batch_size_per_gpu", t.per_device_train_batch_size != defaults.per_device_train_batch_size, "trainer.per_device_train_batch_size",

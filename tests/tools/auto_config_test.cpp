@@ -200,6 +200,14 @@ TEST(AutoConfig, ConcreteValuesThatContradictTheTrainerSectionAreRefused) {
   doc["train_batch_size"] = 8;
   EXPECT_EQ(resolve_auto(doc, 2).doc["train_micro_batch_size_per_gpu"], 4);
 
+  // A value of the wrong type is the parser's to name.
+  doc = hf_config();
+  doc["trainer"] = {{"adam_beta1", 0.8}};
+  doc["optimizer"]["params"]["betas"] = {"0.9", "0.999"};
+  EXPECT_NO_THROW(resolve_auto(doc, 2));
+  testing_config::expect_parts(testing_config::error_of_parse([](const json& d) { parse_experiment(d, 2); }, doc),
+                               {"optimizer.params.betas"});
+
   doc = hf_config();
   doc["trainer"] = {{"warmup_steps", 7}};
   doc["scheduler"]["params"]["warmup_num_steps"] = 10;
