@@ -63,6 +63,20 @@ const void* mpi_comm_of(const Communicator& mpi);
 // other ranks before it ends the job (Note [MPI collectives: the time limit]
 // in mpi_communicator.cpp).
 void set_mpi_timeout(Communicator& mpi, double seconds);
+// Marks an MPI call that a backend makes on its own MPI communicators (the
+// shm backend's node and cross-node ones) as a wait of `mpi`, the MPI
+// communicator it owns, for that time limit. One at a time per `mpi`, as
+// its calls are.
+class MpiWait {
+ public:
+  MpiWait(Communicator& mpi, const char* fn, const char* what, int64_t count = -1, DType dtype = DType::kF32);
+  ~MpiWait();
+  MpiWait(const MpiWait&) = delete;
+  MpiWait& operator=(const MpiWait&) = delete;
+
+ private:
+  void* call_;  // the communicator's in-flight record (mpi_communicator.cpp)
+};
 
 // make_mpi_communicator with a smaller per-call element limit (tests exercise
 // chunking and the limit errors with small buffers). max_count is both the

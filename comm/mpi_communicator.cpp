@@ -152,8 +152,9 @@ class MpiRuntime {
 // --set on one rank only changed what it calls) waited forever: Open MPI has
 // no time limit, and mpirun ends the job only when a process exits. Each
 // MPI call a communicator makes that waits for other ranks (the
-// collectives, the pipeline's point-to-point waits, the splits) records what
-// it is and when it began; one watchdog thread per process looks every
+// collectives, the pipeline's point-to-point waits, the splits), and each
+// that the shm backend makes on its own node and cross-node communicators
+// (detail::MpiWait), records what it is and when it began; one watchdog thread per process looks every
 // quarter second (or an eighth of the limit) and, when a call has waited
 // longer than comm.timeout_seconds (ZINC_COMM_TIMEOUT), prints one line
 // naming the rank, the call and the wait, and ends the job with MPI_Abort
@@ -212,16 +213,21 @@ class MpiCall {
 
   // Marks one MPI call: fn the MPI function, what the collective, count and
   // dtype its size (count < 0: none).
+  void begin(const char* fn, const char* what, int64_t count, DType dtype) {
+    fn_.store(fn, std::memory_order_relaxed);
+    what_.store(what, std::memory_order_relaxed);
+    count_.store(count, std::memory_order_relaxed);
+    dtype_.store(static_cast<int>(dtype), std::memory_order_relaxed);
+    since_ns_.store(now_ns(), std::memory_order_release);
+  }
+  void end() { since_ns_.store(0, std::memory_order_release); }
+
   class Scope {
    public:
     Scope(MpiCall& c, const char* fn, const char* what, int64_t count = -1, DType dtype = DType::kF32) : c_(c) {
-      c_.fn_.store(fn, std::memory_order_relaxed);
-      c_.what_.store(what, std::memory_order_relaxed);
-      c_.count_.store(count, std::memory_order_relaxed);
-      c_.dtype_.store(static_cast<int>(dtype), std::memory_order_relaxed);
-      c_.since_ns_.store(now_ns(), std::memory_order_release);
+      c_.begin(fn, what, count, dtype);
     }
-    ~Scope() { c_.since_ns_.store(0, std::memory_order_release); }
+    ~Scope() { c_.end(); }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
@@ -349,6 +355,7 @@ class MpiCommunicator final : public Communicator {
 
   // Note [MPI collectives: the time limit].
   void set_timeout(double seconds) { call_->set_timeout(seconds); }
+  MpiCall& call() { return *call_; }
 
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -562,6 +569,16 @@ const void* mpi_comm_of(const Communicator& mpi) {
   ZINC_CHECK(m != nullptr, "mpi_comm_of: not an MPI communicator");
   return &m->comm_;
 }
+
+MpiWait::MpiWait(Communicator& mpi, const char* fn, const char* what, int64_t count, DType dtype) {
+  auto* m = dynamic_cast<MpiCommunicator*>(&mpi);
+  ZINC_CHECK(m != nullptr, "MpiWait: not an MPI communicator");
+  MpiCall& c = m->call();
+  c.begin(fn, what, count, dtype);
+  call_ = &c;
+}
+
+MpiWait::~MpiWait() { static_cast<MpiCall*>(call_)->end(); }
 
 void set_mpi_timeout(Communicator& mpi, double seconds) {
   auto* m = dynamic_cast<MpiCommunicator*>(&mpi);

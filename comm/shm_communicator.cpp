@@ -197,6 +197,9 @@ class ShmCommunicator final : public Communicator {
         timeout_s_(timeout_s) {
     const int rank = mpi_->rank(), size = mpi_->size();
     try {
+      // Every MPI call below waits for the other ranks: one record for the
+      // watchdog (Note [MPI collectives: the time limit]).
+      detail::MpiWait setting_up(*mpi_, "MPI (setting up the shm communicator)", "make_communicator");
       // The inner MPI communicator's ranks (the world, or a group split()
       // made).
       check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(detail::mpi_comm_of(*mpi_)), &world_), "MPI_Comm_dup");
@@ -318,8 +321,11 @@ class ShmCommunicator final : public Communicator {
     check_cross_limit("reduce_scatter", recv_count, "reduce_bucket_size");
     char* tmp = scratch(static_cast<size_t>(recv_count) * nodes_ * dtype_bytes(dtype));
     rs_node(static_cast<const char*>(send), tmp, recv_count, nodes_, dtype);
-    check(MPI_Reduce_scatter_block(tmp, recv, static_cast<int>(recv_count), type(dtype), sum(dtype), cross_),
-          "MPI_Reduce_scatter_block");
+    {
+      detail::MpiWait w(*mpi_, "MPI_Reduce_scatter_block", "reduce_scatter between machines", recv_count, dtype);
+      check(MPI_Reduce_scatter_block(tmp, recv, static_cast<int>(recv_count), type(dtype), sum(dtype), cross_),
+            "MPI_Reduce_scatter_block");
+    }
   }
 
   void all_gather(const void* send, void* recv, int64_t send_count, DType dtype) override {
@@ -332,7 +338,10 @@ class ShmCommunicator final : public Communicator {
     check_cross_limit("all_gather", send_count, "allgather_bucket_size");
     char* tmp = scratch(static_cast<size_t>(send_count) * nodes_ * dtype_bytes(dtype));
     const int n = static_cast<int>(send_count);
-    check(MPI_Allgather(send, n, type(dtype), tmp, n, type(dtype), cross_), "MPI_Allgather");
+    {
+      detail::MpiWait w(*mpi_, "MPI_Allgather", "all_gather between machines", send_count, dtype);
+      check(MPI_Allgather(send, n, type(dtype), tmp, n, type(dtype), cross_), "MPI_Allgather");
+    }
     ag_node(tmp, static_cast<char*>(recv), send_count, nodes_, /*in_place=*/false, dtype);
   }
 
@@ -588,6 +597,7 @@ class ShmCommunicator final : public Communicator {
     const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
     for (int64_t off = 0; off < count; off += detail::kMpiChunkCount) {
       const int n = static_cast<int>(std::min(detail::kMpiChunkCount, count - off));
+      detail::MpiWait w(*mpi_, "MPI_Allreduce", "all_reduce between machines", count, dtype);
       check(MPI_Allreduce(MPI_IN_PLACE, buf + off * elem, n, type(dtype), sum(dtype), cross_), "MPI_Allreduce");
     }
   }

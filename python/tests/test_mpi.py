@@ -162,13 +162,18 @@ def test_ranks_that_load_different_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.skipif(not MPIEXEC, reason="no mpirun on PATH (set MPIEXEC)")
-def test_a_rank_waiting_in_mpi_for_a_peer_that_never_comes_ends_the_job(tmp_path):
-    """Note [MPI collectives: the time limit]: over the mpi backend, a rank
-    whose peer stopped calling the engine (here it sleeps) waited in an MPI
-    collective without a limit. Now the job ends once comm.timeout_seconds
-    have passed, with one line naming the waiting rank and the call."""
+@pytest.mark.parametrize("backend", ["mpi", "hierarchical"])
+def test_a_rank_waiting_in_mpi_for_a_peer_that_never_comes_ends_the_job(tmp_path, monkeypatch, backend):
+    """Note [MPI collectives: the time limit]: over the mpi backend, or
+    between the machines of the hierarchical one (each rank a machine of its
+    own here), a rank whose peer stopped calling the engine (here it sleeps)
+    waited in an MPI collective without a limit. Now the job ends once
+    comm.timeout_seconds have passed, with one line naming the waiting rank
+    and the call."""
     doc = default_doc(steps=4)
-    doc["comm"] = {"backend": "mpi", "timeout_seconds": 3}
+    doc["comm"] = {"backend": backend, "timeout_seconds": 3}
+    if backend == "hierarchical":
+        monkeypatch.setenv("ZINC_COMM_FAKE_NODE_SIZE", "1")
     (tmp_path / "cfg.json").write_text(json.dumps(doc))
     t0 = time.monotonic()
     r, msgs = _run_ranks(tmp_path, """
@@ -184,7 +189,7 @@ def test_a_rank_waiting_in_mpi_for_a_peer_that_never_comes_ends_the_job(tmp_path
             for _ in range(4):
                 engine.train_batch()
         (out / ("rank%d.txt" % rank)).write_text("ended")
-    """, timeout=280)
+    """, timeout=280, extra=("-x", "ZINC_COMM_FAKE_NODE_SIZE") if backend == "hierarchical" else ())
     took = time.monotonic() - t0
     assert r.returncode != 0, (r.stdout, r.stderr)
     assert msgs == ["started", "started"], msgs  # neither rank went on
