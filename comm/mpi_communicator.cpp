@@ -18,7 +18,6 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -154,10 +153,11 @@ class MpiRuntime {
 // MPI call a communicator makes that waits for other ranks (the
 // collectives, the pipeline's point-to-point waits, the splits), and each
 // that the shm backend makes on its own node and cross-node communicators
-// (detail::MpiWait), records what it is and when it began; one watchdog thread per process looks every
-// quarter second (or an eighth of the limit) and, when a call has waited
-// longer than comm.timeout_seconds (ZINC_COMM_TIMEOUT), prints one line
-// naming the rank, the call and the wait, and ends the job with MPI_Abort
+// (detail::MpiWait), records what it is and when it began; one watchdog
+// thread per process looks every quarter second (or an eighth of the
+// limit) and, when a call has waited longer than comm.timeout_seconds
+// (ZINC_COMM_TIMEOUT), prints one line naming the rank, the call and the
+// wait, and ends the job with MPI_Abort
 // (mpirun then ends every rank). Blocking MPI calls cannot be left, so the
 // shm backend's choice, an exception in the waiting rank, is not open here;
 // nonblocking collectives polled against a clock could, but Open MPI runs
@@ -208,7 +208,9 @@ class MpiCall {
   MpiCall(const MpiCall&) = delete;
   MpiCall& operator=(const MpiCall&) = delete;
 
-  void set_timeout(double seconds) { timeout_ns_.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed); }
+  void set_timeout(double seconds) {
+    timeout_ns_.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+  }
   double timeout_s() const { return static_cast<double>(timeout_ns_.load(std::memory_order_relaxed)) / 1e9; }
 
   // Marks one MPI call: fn the MPI function, what the collective, count and
@@ -252,8 +254,9 @@ class MpiCall {
     std::string call = std::string(fn) + " (" + what;
     if (count >= 0) call += " of " + std::to_string(count) + " " + std::string(dtype_name(dtype));
     return "rank " + std::to_string(rank_) + ": " + call + ") has waited " + waited +
-           " s for the other ranks, past comm.timeout_seconds (" + allowed + " s; ZINC_COMM_TIMEOUT overrides it): a rank has stopped, or waits in another collective, or was given "
-           "another config; ending the job";
+           " s for the other ranks, past comm.timeout_seconds (" + allowed +
+           " s; ZINC_COMM_TIMEOUT overrides it): a rank has stopped, or waits in another collective, or was "
+           "given another config; ending the job";
   }
 
  private:

@@ -138,30 +138,29 @@ void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size
         if (!x.is_number()) return;
     if (!same(*v, want)) found.push_back({path, v->dump() + " against " + trainer_keys + " " + want.dump()});
   };
-  check("train_micro_batch_size_per_gpu", t.per_device_train_batch_size != defaults.per_device_train_batch_size, "trainer.per_device_train_batch_size",
-        t.per_device_train_batch_size);
-  check("gradient_accumulation_steps", t.gradient_accumulation_steps != defaults.gradient_accumulation_steps, "trainer.gradient_accumulation_steps",
+  // Whether the section sets the argument away from the Trainer's default.
+  auto set = [&](auto TrainerConfig::*arg) { return t.*arg != defaults.*arg; };
+  using T = TrainerConfig;
+  check("train_micro_batch_size_per_gpu", set(&T::per_device_train_batch_size),
+        "trainer.per_device_train_batch_size", t.per_device_train_batch_size);
+  check("gradient_accumulation_steps", set(&T::gradient_accumulation_steps), "trainer.gradient_accumulation_steps",
         t.gradient_accumulation_steps);
-  {
-    const bool batch_set = t.per_device_train_batch_size != defaults.per_device_train_batch_size ||
-                           t.gradient_accumulation_steps != defaults.gradient_accumulation_steps;
-    const int64_t replicas = replicas_of(d, world_size).first;
-    const __int128 product = static_cast<__int128>(replicas) * t.per_device_train_batch_size * t.gradient_accumulation_steps;
-    if (product <= INT64_MAX)
-      check("train_batch_size", batch_set,
-            std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") +
-                " x trainer.per_device_train_batch_size x trainer.gradient_accumulation_steps =",
-            static_cast<int64_t>(product));
-  }
-  check("gradient_clipping", t.max_grad_norm != defaults.max_grad_norm, "trainer.max_grad_norm", t.max_grad_norm);
-  check("optimizer.params.lr", t.learning_rate != defaults.learning_rate, "trainer.learning_rate", t.learning_rate);
-  check("optimizer.params.betas", t.adam_beta1 != defaults.adam_beta1 || t.adam_beta2 != defaults.adam_beta2, "trainer.adam_beta1, adam_beta2",
+  const int64_t replicas = replicas_of(d, world_size).first;
+  const __int128 product =
+      static_cast<__int128>(replicas) * t.per_device_train_batch_size * t.gradient_accumulation_steps;
+  if (product <= INT64_MAX)
+    check("train_batch_size", set(&T::per_device_train_batch_size) || set(&T::gradient_accumulation_steps),
+          std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") +
+              " x trainer.per_device_train_batch_size x trainer.gradient_accumulation_steps =",
+          static_cast<int64_t>(product));
+  check("gradient_clipping", set(&T::max_grad_norm), "trainer.max_grad_norm", t.max_grad_norm);
+  check("optimizer.params.lr", set(&T::learning_rate), "trainer.learning_rate", t.learning_rate);
+  check("optimizer.params.betas", set(&T::adam_beta1) || set(&T::adam_beta2), "trainer.adam_beta1, adam_beta2",
         json::array({t.adam_beta1, t.adam_beta2}));
-  check("optimizer.params.eps", t.adam_epsilon != defaults.adam_epsilon, "trainer.adam_epsilon", t.adam_epsilon);
-  check("optimizer.params.weight_decay", t.weight_decay != defaults.weight_decay, "trainer.weight_decay", t.weight_decay);
-  check("scheduler.params.warmup_max_lr", t.learning_rate != defaults.learning_rate, "trainer.learning_rate", t.learning_rate);
-  check("scheduler.params.warmup_num_steps", t.warmup_steps != defaults.warmup_steps, "trainer.warmup_steps",
-        t.warmup_steps);
+  check("optimizer.params.eps", set(&T::adam_epsilon), "trainer.adam_epsilon", t.adam_epsilon);
+  check("optimizer.params.weight_decay", set(&T::weight_decay), "trainer.weight_decay", t.weight_decay);
+  check("scheduler.params.warmup_max_lr", set(&T::learning_rate), "trainer.learning_rate", t.learning_rate);
+  check("scheduler.params.warmup_num_steps", set(&T::warmup_steps), "trainer.warmup_steps", t.warmup_steps);
   check("fp16.enabled", t.fp16 >= 0, "trainer.fp16", t.fp16 == 1);
   check("bf16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
   check("bfloat16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
