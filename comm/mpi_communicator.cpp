@@ -502,7 +502,7 @@ class MpiCommunicator final : public Communicator {
     detail::check_count(rank_, what, count);
     for (int64_t off = 0; off < count; off += chunk_count_) {
       const int n = static_cast<int>(std::min(chunk_count_, count - off));
-      auto w = waiting("MPI_Allreduce", what, count, DType::kF32);
+      auto w = waiting("MPI_Allreduce", what);  // the name says f64; no dtype_name for it
       const int rc = MPI_Allreduce(MPI_IN_PLACE, buf + off, n, MPI_DOUBLE, op, comm_);
       if (rc != MPI_SUCCESS) throw mpi_error(std::string("MPI_Allreduce (") + what + " of " +
                                                  std::to_string(count) + " f64)", rc);
