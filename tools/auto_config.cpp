@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "engine/config_reader.h"
+#include "tools/config_check.h"
 
 // Note ["auto"]
 // -------------
@@ -104,19 +105,6 @@ std::pair<int64_t, int64_t> replicas_of(const json& d, int world_size) {
 // Trainer computes it, where the section sets either.
 void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size) {
   const TrainerConfig defaults;
-  // The node at a dotted path, or nullptr.
-  auto at = [&](const std::string& path) -> const json* {
-    const json* node = &d;
-    size_t from = 0;
-    while (true) {
-      const size_t dot = path.find('.', from);
-      const std::string key = path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-      if (!node->is_object() || !node->contains(key)) return nullptr;
-      node = &(*node)[key];
-      if (dot == std::string::npos) return node;
-      from = dot + 1;
-    }
-  };
   auto same = [](const json& a, const json& b) {
     if (a.is_number() && b.is_number()) return a.get<double>() == b.get<double>();
     if (a.is_array() && b.is_array() && a.size() == b.size()) {
@@ -128,7 +116,7 @@ void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size
   };
   std::vector<std::pair<std::string, std::string>> found;  // path, "VALUE against trainer.KEY VALUE"
   auto check = [&](const std::string& path, bool trainer_gives, const std::string& trainer_keys, const json& want) {
-    const json* v = at(path);
+    const json* v = find_config_path(d, path);
     if (!trainer_gives || !v || is_auto(*v) || v->is_null()) return;
     // A value of another type is the parser's to refuse at its path.
     if (v->is_number() != want.is_number() || v->is_boolean() != want.is_boolean() || v->is_array() != want.is_array())
@@ -163,7 +151,6 @@ void refuse_contradictions(const json& d, const TrainerConfig& t, int world_size
   check("scheduler.params.warmup_num_steps", set(&T::warmup_steps), "trainer.warmup_steps", t.warmup_steps);
   check("fp16.enabled", t.fp16 >= 0, "trainer.fp16", t.fp16 == 1);
   check("bf16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
-  check("bfloat16.enabled", t.bf16 >= 0, "trainer.bf16", t.bf16 == 1);
   if (found.empty()) return;
   std::string msg = found[0].second;
   for (size_t i = 1; i < found.size(); ++i) msg += "; " + found[i].first + " " + found[i].second;

@@ -66,8 +66,9 @@ std::vector<std::string> split(const std::string& path) {
   }
 }
 
-// The value at a documented path in `doc`, trying each key's alias.
-const json* find_path(const json& doc, const std::string& path) {
+}  // namespace
+
+const json* find_config_path(const json& doc, const std::string& path) {
   const json* cur = &doc;
   std::string section;
   for (const std::string& key : split(path)) {
@@ -83,6 +84,8 @@ const json* find_path(const json& doc, const std::string& path) {
   }
   return cur;
 }
+
+namespace {
 
 // A path with each alias spelling replaced by its documented name.
 std::string documented(const std::string& path) {
@@ -155,7 +158,9 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
   // A file key counts where the overrides left it: a --set of a whole
   // section replaces the file's keys inside it (shown as [file] before,
   // with the defaults' values).
-  auto in_file = [&](const std::string& p) { return find_path(file_doc, p) && (!merged || find_path(*merged, p)); };
+  auto in_file = [&](const std::string& p) {
+    return find_config_path(file_doc, p) && (!merged || find_config_path(*merged, p));
+  };
   std::vector<std::pair<std::string, json>> flat;
   leaves(resolved, "", flat);
   std::vector<ConfigEntry> out;
@@ -163,7 +168,7 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
   auto given = [&](const std::string& p) {
     for (const AutoValue& a : autos)
       if (a.path == p) return true;
-    return find_path(set_doc, p) || in_file(p);
+    return find_config_path(set_doc, p) || in_file(p);
   };
   int triad_given = 0;
   for (const char* k : kTriad) triad_given += given(k) ? 1 : 0;
@@ -175,7 +180,7 @@ std::vector<ConfigEntry> config_sources(const json& resolved, const json& file_d
     if (a) {
       e.source = "auto";
       e.from = a->source;
-    } else if (find_path(set_doc, path)) {
+    } else if (find_config_path(set_doc, path)) {
       e.source = "--set";
     } else if (in_file(path)) {
       e.source = "file";
@@ -209,7 +214,7 @@ std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc,
       std::string p = documented(path);
       bool used = false;
       for (std::string q = p;; q = q.substr(0, q.rfind('.'))) {
-        if (const json* r = find_path(resolved, q)) {
+        if (const json* r = find_config_path(resolved, q)) {
           used = !r->is_object() || q == p;
           break;
         }
@@ -217,7 +222,8 @@ std::vector<ConfigEntry> unused_keys(const json& resolved, const json& file_doc,
       }
       // The path as messages show keys (a NUL in a key would end the line printed).
       // A file key an override replaced (itself or a section above it) is not the file's any more.
-      const bool replaced = source == std::string("file") && (find_path(set_doc, path) || (merged && !find_path(*merged, path)));
+      const bool replaced = source == std::string("file") &&
+                            (find_config_path(set_doc, path) || (merged && !find_config_path(*merged, path)));
       if (!used && !replaced)
         out.push_back({config::key_text(path), value, source, ""});
     }

@@ -22,6 +22,11 @@ struct ConfigEntry {
   std::string from;       // for "auto" and "derived": what the value came from; else ""
 };
 
+// The value at a dotted path ("optimizer.params.lr") in a config document,
+// under either spelling of a key the parser accepts two of (bfloat16 for
+// bf16, max_live_parameters for stage3_max_live_parameters), or nullptr.
+const nlohmann::json* find_config_path(const nlohmann::json& doc, const std::string& path);
+
 // The resolved document of a parsed experiment: to_json(Config) with the
 // experiment sections and its trainer section (e.trainer) beside it.
 nlohmann::json resolved_document(const Config& c, const ExperimentConfig& e);

@@ -190,6 +190,16 @@ TEST(AutoConfig, ConcreteValuesThatContradictTheTrainerSectionAreRefused) {
           "; bf16.enabled true against trainer.bf16 false", "contradicts these values"});
   EXPECT_EQ(e.rfind("train_micro_batch_size_per_gpu", 0), 0u) << e;  // the first one's path leads
 
+  // DeepSpeed's older spelling bfloat16 is held too, and named once, by its
+  // documented name.
+  doc = hf_config();
+  doc["trainer"] = {{"bf16", false}};
+  doc.erase("bf16");
+  doc["bfloat16"] = {{"enabled", true}};
+  e = refusal(doc);
+  testing_config::expect_parts(e, {"bf16.enabled: true against trainer.bf16 false", "contradicts this value"});
+  EXPECT_EQ(e.find(" against ", e.find(" against ") + 1), std::string::npos) << e;
+
   // train_batch_size, as the Trainer computes it from the replicas.
   doc = hf_config();
   doc["trainer"] = {{"per_device_train_batch_size", 4}};
