@@ -37,6 +37,9 @@
 
 namespace zinc::comm {
 
+// The default of comm.timeout_seconds (make_communicator).
+inline constexpr double kCommTimeoutSeconds = 600;
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -48,6 +51,9 @@ class Communicator {
   // This rank's index among them, in [0, local_size()) (MPI's shared-memory
   // split: right however the launcher places ranks). Picks its GPU.
   virtual int local_rank() const = 0;
+  // The longest this communicator waits for a peer (comm.timeout_seconds,
+  // make_communicator). The NCCL backend takes its bootstrap's.
+  virtual double timeout_seconds() const { return kCommTimeoutSeconds; }
 
   // recv[i] = sum over ranks of send[i], i < count. send == recv is in place.
   virtual void all_reduce(const void* send, void* recv, int64_t count, DType dtype) = 0;
@@ -190,7 +196,6 @@ void wait_cuda_event(Communicator& comm, void* cuda_event);
 // an MPI call (the mpi backend, and the MPI steps of the others) that waits
 // longer ends the job with one line naming the call (ZINC_COMM_TIMEOUT
 // overrides it; Note [MPI collectives: the time limit]).
-inline constexpr double kCommTimeoutSeconds = 600;
 std::unique_ptr<Communicator> make_communicator(const std::string& mode,
                                                 double timeout_seconds = kCommTimeoutSeconds);
 // True when the process runs under an MPI launcher (mpirun/srun set

@@ -366,6 +366,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
+  double timeout_seconds() const override { return call_->timeout_s(); }
   int local_size() const override { return local_size_; }
   int local_rank() const override { return local_rank_; }
 

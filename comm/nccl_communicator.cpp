@@ -60,6 +60,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -190,6 +191,7 @@ class NcclCommunicator final : public Communicator {
   // stream, the event and the scratch buffers on `device`.
   NcclCommunicator(Communicator& bootstrap, int device, ncclComm_t comm)
       : bootstrap_(bootstrap),
+        timeout_s_(bootstrap.timeout_seconds()),
         rank_(bootstrap.rank()),
         size_(bootstrap.size()),
         local_size_(bootstrap.local_size()),
@@ -208,8 +210,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   // A communicator whose NCCL or CUDA call failed is aborted, not finalised:
-  // a finalize waits for peers that may never arrive.
-  ~NcclCommunicator() override { release(/*abort_comm=*/broken_); }
+  // a finalize waits for peers that may never arrive. So is every other one
+  // of the process once one failed (its duplicate, its splits): their peers
+  // are likely the same.
+  ~NcclCommunicator() override { release(/*abort_comm=*/broken_ || any_failed().load()); }
 
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -237,6 +241,7 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
   int local_size() const override { return local_size_; }
   int local_rank() const override { return local_rank_; }
+  double timeout_seconds() const override { return timeout_s_; }
 
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype) override {
     detail::check_all_reduce(rank_, send, recv, count, dtype);
@@ -342,6 +347,7 @@ class NcclCommunicator final : public Communicator {
     if (color < 0) throw detail::comm_error(rank_, "split", "color must be >= 0, got " + std::to_string(color));
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
     std::unique_ptr<Communicator> host = bootstrap_.split(color, key);
+    usable("split");
     DeviceGuard g(rank_, device_, "split");
     ncclComm_t child = nullptr;
     nccl_check(nccl().CommSplit(comm_, color, key, &child, /*config=*/nullptr), "split", "ncclCommSplit");
@@ -373,6 +379,7 @@ class NcclCommunicator final : public Communicator {
     const ncclDataType_t type = nccl_type(dtype, name);
     if (count == 0) return;
     const std::string op = describe(name, count, dtype);
+    usable(op);
     DeviceGuard g(rank_, device_, op);
     nccl_check(call(type), op, fn);
     complete(op);
@@ -381,6 +388,7 @@ class NcclCommunicator final : public Communicator {
   // A one-element all-reduce, completed: no rank leaves before every rank
   // has entered (NCCL has no barrier of its own before 2.29's device API).
   void barrier() override {
+    usable("barrier");
     DeviceGuard g(rank_, device_, "barrier");
     nccl_check(nccl().AllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier", "ncclAllReduce");
     complete("barrier");
@@ -395,6 +403,7 @@ class NcclCommunicator final : public Communicator {
   // this one; the engine drives one NCCL communicator from one thread.
   std::unique_ptr<Communicator> duplicate() override {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    usable("duplicate");
     DeviceGuard g(rank_, device_, "duplicate");
     ncclComm_t child = nullptr;
     nccl_check(nccl().CommSplit(comm_, /*color=*/0, /*key=*/rank_, &child, /*config=*/nullptr), "duplicate",
@@ -440,6 +449,7 @@ class NcclCommunicator final : public Communicator {
   // fn()'s NCCL calls as one group; the group is closed on every path.
   template <class Fn>
   void grouped(const std::string& op, Fn fn) {
+    usable(op);
     nccl_check(nccl().GroupStart(), op, "ncclGroupStart");
     try {
       fn();
@@ -467,6 +477,12 @@ class NcclCommunicator final : public Communicator {
   // is reported instead of waiting forever: cudaEventSynchronize would wait
   // for kernels that never finish. The first 100 us yield, then each poll
   // sleeps 50 us, which costs a long collective at most that much latency.
+  // A peer that died or took another path never joins: after
+  // comm.timeout_seconds (this communicator's bootstrap's limit, which
+  // ZINC_COMM_TIMEOUT overrides) the collective is given up, as the host
+  // backends give theirs up.
+  // Either way the communicator is aborted before the error is thrown
+  // (Note [a failed NCCL collective]).
   void complete(const std::string& op) {
     cuda_check(cudaEventRecord(done_, stream_), op, "cudaEventRecord");
     const auto t0 = std::chrono::steady_clock::now();
@@ -476,23 +492,56 @@ class NcclCommunicator final : public Communicator {
       if (e != cudaErrorNotReady) cuda_check(e, op, "cudaEventQuery");
       ncclResult_t async = ncclSuccess;
       nccl_check(nccl().CommGetAsyncError(comm_, &async), op, "ncclCommGetAsyncError");
-      if (async != ncclSuccess && async != ncclInProgress) {
-        broken_ = true;
-        throw nccl_failure(rank_, op, std::string("asynchronous error: ") + nccl_text(async, comm_));
+      if (async != ncclSuccess && async != ncclInProgress)
+        fail_and_abort(op, std::string("asynchronous error: ") + nccl_text(async, comm_));
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > timeout_s_) {
+        char limit[32];
+        std::snprintf(limit, sizeof(limit), "%g", timeout_s_);
+        fail_and_abort(op, "no completion after " + std::string(limit) +
+                               " s, past comm.timeout_seconds (ZINC_COMM_TIMEOUT overrides it): a rank has "
+                               "stopped, or waits in another collective, or was given another config");
       }
-      // A peer that died or took another path never joins: give up after
-      // the communication timeout (kCommTimeoutSeconds, ZINC_COMM_TIMEOUT),
-      // as the shared-memory backend does, instead of spinning forever.
-      if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(timeout_s_)) {
-        broken_ = true;
-        throw nccl_failure(rank_, op, "no completion after " + std::to_string(static_cast<int>(timeout_s_)) +
-                                          " s (a peer rank stopped? ZINC_COMM_TIMEOUT sets the limit)");
-      }
-      if (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(100)) {
+      if (waited < 1e-4) {
         std::this_thread::yield();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
+    }
+  }
+
+  // Note [a failed NCCL collective]
+  // A collective that failed or timed out leaves its kernel on the GPU,
+  // waiting for peers that will not come. Any later wait for the whole
+  // device would then wait for it too, forever: cudaFree and
+  // cudaDeviceSynchronize, which the engine's teardown runs while the error
+  // unwinds, before zinc-train's handler can end the job. So the
+  // communicator is aborted here, at once (ncclCommAbort ends its kernels),
+  // and every later call on it names the first failure. The kernel
+  // emulation holds such a collective on its stream and ends the process
+  // if a wait reaches it (ZINC_EMU_NCCL_STALL, tests/cuda_emu).
+  [[noreturn]] void fail_and_abort(const std::string& op, const std::string& why) {
+    broken_ = true;
+    any_failed().store(true);
+    failure_ = op + ": " + why;
+    if (comm_) {
+      nccl().CommAbort(comm_);
+      comm_ = nullptr;
+    }
+    throw nccl_failure(rank_, op, why + " (the NCCL communicator was aborted)");
+  }
+
+  // Whether a communicator of this process gave a collective up.
+  static std::atomic<bool>& any_failed() {
+    static std::atomic<bool> failed{false};
+    return failed;
+  }
+
+  // Refuses a call on a communicator that fail_and_abort ended.
+  void usable(const std::string& op) const {
+    if (!comm_) {
+      throw nccl_failure(rank_, op, "the NCCL communicator was aborted after an earlier failure (" +
+                                        (failure_.empty() ? std::string("its set-up failed") : failure_) + ")");
     }
   }
 
@@ -502,6 +551,7 @@ class NcclCommunicator final : public Communicator {
     detail::check_count(rank_, what, count);
     if (count == 0) return;
     const std::string op = std::string(what) + " of " + std::to_string(count) + " f64";
+    usable(op);
     const size_t bytes = static_cast<size_t>(count) * sizeof(double);
     DeviceGuard g(rank_, device_, op);
     reserve_scratch(bytes, op);
@@ -569,6 +619,8 @@ class NcclCommunicator final : public Communicator {
   // make_communicator("nccl") made (null when the caller owns the bootstrap).
   std::unique_ptr<Communicator> owned_bootstrap_;
   Communicator& bootstrap_;
+  // How long a collective may take before it is given up (complete()).
+  const double timeout_s_;
   const int rank_, size_, local_size_, local_rank_, device_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -577,13 +629,7 @@ class NcclCommunicator final : public Communicator {
   void* host_scratch_ = nullptr;  // pinned host, same size
   size_t scratch_bytes_ = 0;
   mutable bool broken_ = false;  // an NCCL or CUDA call failed
-  // How long a collective may take before it is given up (complete()).
-  double timeout_s_ = [] {
-    const char* v = std::getenv("ZINC_COMM_TIMEOUT");
-    char* end = nullptr;
-    const double t = v ? std::strtod(v, &end) : 0.0;
-    return v && end != v && t > 0 ? t : kCommTimeoutSeconds;
-  }();
+  std::string failure_;          // what fail_and_abort ended the communicator for
 };
 
 // Picks this rank's GPU and builds the communicator's local parts (stream,

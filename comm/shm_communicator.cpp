@@ -310,6 +310,7 @@ class ShmCommunicator final : public Communicator {
   int rank() const override { return mpi_->rank(); }
   int size() const override { return mpi_->size(); }
   std::string backend() const override { return hierarchical_ ? "hierarchical" : "shm"; }
+  double timeout_seconds() const override { return timeout_s_; }
   int local_size() const override { return local_size_; }
   int local_rank() const override { return local_rank_; }
 

@@ -663,6 +663,70 @@ TEST(NcclErrors, ADeviceNumberBeyondTheVisibleGpusIsRefused) {
 }
 
 // ---------------------------------------------------------------------------
+// A collective whose peers never come (Note [NCCL completion] and Note [a
+// failed NCCL collective] in comm/nccl_communicator.cpp)
+
+// The limit is the bootstrap's (comm.timeout_seconds), through splits and
+// duplicates too.
+TEST(NcclTimeout, TheLimitIsTheBootstraps) {
+  ZINC_REQUIRE_NCCL();
+  std::unique_ptr<Communicator> host = make_communicator("mpi", 7.5);
+  ASSERT_EQ(host->timeout_seconds(), 7.5);
+  std::unique_ptr<Communicator> c = make_nccl_communicator(*host);
+  EXPECT_EQ(c->timeout_seconds(), 7.5);
+  std::unique_ptr<Communicator> d = c->duplicate();
+  if (d) EXPECT_EQ(d->timeout_seconds(), 7.5);
+  std::unique_ptr<Communicator> s = c->split(0, world().rank());
+  EXPECT_EQ(s->timeout_seconds(), 7.5);
+  EXPECT_EQ(nccl().timeout_seconds(), kCommTimeoutSeconds);  // main()'s, over a default MPI world
+  s.reset();
+  d.reset();
+  c.reset();
+  std::unique_ptr<Communicator> by_mode = make_communicator("nccl", 3.25);
+  EXPECT_EQ(by_mode->timeout_seconds(), 3.25);
+  by_mode.reset();
+  world().barrier();
+}
+
+// Under the kernel emulation, ZINC_EMU_NCCL_STALL=1 makes every rank's
+// collective one whose peers never come, as when a peer rank died: the
+// call returns and its kernel waits on the GPU. complete() gives it up at
+// the limit, aborts the communicator at once (so a wait for the whole
+// device, which a teardown runs, does not wait for that kernel forever: the
+// emulation ends the process if it would), and later calls name the first
+// failure.
+TEST(NcclTimeout, ACollectiveWhosePeersNeverComeIsAbortedAtTheLimit) {
+  ZINC_REQUIRE_NCCL();
+  if (!std::getenv("ZINC_EMU_GPUS")) GTEST_SKIP() << "needs the kernel emulation (ZINC_EMU_NCCL_STALL)";
+  std::unique_ptr<Communicator> host = make_communicator("mpi", 1.0);
+  std::unique_ptr<Communicator> c = make_nccl_communicator(*host);
+  const std::string prefix = "[rank " + std::to_string(c->rank()) + "] nccl ";
+  auto expect_parts = [](const std::string& text, const std::vector<std::string>& parts) {
+    for (const std::string& part : parts) EXPECT_NE(text.find(part), std::string::npos) << part << " in: " << text;
+  };
+  cuda::DeviceBuffer buf(64 * sizeof(float));
+  float* p = buf.as<float>();
+  c->all_reduce(p, p, 16, DType::kF32);  // the peers come
+  setenv("ZINC_EMU_NCCL_STALL", "1", 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string got = message_of([&] { c->all_reduce(p, p, 16, DType::kF32); });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  unsetenv("ZINC_EMU_NCCL_STALL");
+  expect_parts(got, {prefix + "all_reduce of 16 fp32: ", "no completion after 1 s, past comm.timeout_seconds",
+                     "a rank has stopped", "(the NCCL communicator was aborted)"});
+  EXPECT_GE(took, 1.0);
+  EXPECT_LT(took, 30.0);
+  const std::string later = message_of([&] { c->barrier(); });
+  expect_parts(later, {prefix + "barrier: the NCCL communicator was aborted after an earlier failure (all_reduce "
+                                "of 16 fp32: no completion after 1 s"});
+  expect_parts(message_of([&] { c->duplicate(); }), {prefix + "duplicate: the NCCL communicator was aborted"});
+  // The aborted collective's kernel is gone: a wait for the whole device ends.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  c.reset();  // an aborted communicator is not finalised: no peer waits
+  world().barrier();
+}
+
+// ---------------------------------------------------------------------------
 // make_communicator("nccl") on a machine where NCCL starts
 
 TEST(NcclSelect, MakeCommunicatorNcclBuildsAWorkingNcclCommunicator) {

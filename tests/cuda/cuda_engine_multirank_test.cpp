@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -507,6 +508,60 @@ TEST(CudaEngineRanks, Stage3ResumesBitExact) {
   }
   g_world->barrier();
   if (g_world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Note [a failed NCCL collective] (comm/nccl_communicator.cpp), on the
+// engine: when the peers of a step's NCCL reduction never come (every rank's
+// under the kernel emulation's ZINC_EMU_NCCL_STALL, as when a peer died),
+// the step fails at comm.timeout_seconds (the engine's host communicator's)
+// with the rank and the collective; a wait for the whole GPU after it, and
+// the engine's teardown, end instead of waiting forever for the abandoned
+// kernel (the emulation ends the process where one would wait). With the
+// reductions overlapped and not.
+TEST(CudaEngineRanks, AStepWhoseNcclPeersNeverComeFailsAtTheLimitAndTheEngineTearsDown) {
+  ZINC_REQUIRE_GPU_PER_RANK();
+  if (!std::getenv("ZINC_EMU_GPUS")) GTEST_SKIP() << "needs the kernel emulation (ZINC_EMU_NCCL_STALL)";
+  if (g_world->size() < 2) GTEST_SKIP() << "one rank reduces nothing over NCCL";
+  std::shared_ptr<comm::Communicator> host = comm::make_communicator("mpi", 1.5);
+  for (bool overlap : {false, true}) {
+    RunSpec r;
+    r.stage = 2;
+    r.bf16 = true;
+    r.overlap = overlap;
+    r.top_extra["device"] = "cuda";
+    std::string error;
+    double took = 0;
+    {
+      Engine e = Engine::initialize(testing_models::small_gpt(16, Device::kCuda), testing_train::make_config(r), host);
+      DataConfig dc;
+      dc.vocab_size = 13;
+      dc.seq_len = 9;
+      DataLoader loader(std::shared_ptr<const DataSource>(make_data_source(dc)), r.global_batch / host->size(), 1,
+                        host->size(), host->rank(), 7);
+      e.train_batch(loader);  // the peers come
+      setenv("ZINC_EMU_NCCL_STALL", "1", 1);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        e.train_batch(loader);
+      } catch (const std::exception& ex) {
+        error = ex.what();
+      }
+      took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      unsetenv("ZINC_EMU_NCCL_STALL");
+      // A program that caught the error and goes on while the engine lives
+      // (a Python script that saves what it can) may wait for the whole GPU.
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }  // the engine's teardown: frees its GPU memory
+    const std::string what = overlap ? "overlapped" : "not overlapped";
+    EXPECT_NE(error.find("[rank " + std::to_string(host->rank()) + "] nccl "), std::string::npos)
+        << what << ": " << error;
+    EXPECT_NE(error.find("no completion after 1.5 s, past comm.timeout_seconds"), std::string::npos)
+        << what << ": " << error;
+    EXPECT_GE(took, 1.5) << what;
+    EXPECT_LT(took, 60.0) << what;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    host->barrier();
+  }
 }
 
 // The memory estimate (zinc-train --estimate) against the GPU path: the

@@ -409,9 +409,21 @@ bool env_is(const char* name, const char* value) {
 // returns once done; cudaMemcpy and cudaMemset go on the legacy stream, which
 // does NOT order zinc's streams (they are non-blocking). ZINC_EMU_SYNC=1 runs
 // everything when called instead (to tell an ordering bug from another one).
+//
+// Note [a held collective]
+// An emulated NCCL collective whose peers never come (ZINC_EMU_NCCL_STALL,
+// emu_nccl.cpp) is an op with a gate: the queue stops before it until
+// ncclCommAbort opens the gate, as a GPU's stream stops behind a NCCL
+// kernel that waits for its peers until the communicator is aborted.
+// cudaEventQuery of an event behind it reports cudaErrorNotReady (the
+// caller polls on); any other wait that reaches it would, on a GPU, wait
+// forever, so the emulation says so on stderr and ends the process (a test
+// that reaches it fails instead of hanging). cudaStreamDestroy does not
+// wait, as on a GPU.
 struct Queue {
   std::deque<std::function<void()>> ops;
   uint64_t queued = 0, done = 0;
+  std::map<uint64_t, std::shared_ptr<std::atomic<bool>>> gates;  // op index -> open
 };
 struct EventState {
   Queue* q = nullptr;  // where it was last recorded
@@ -446,6 +458,10 @@ std::atomic<bool> sticky_failure{false};
 
 void run_until(Queue* q, uint64_t at) {
   while (q->done < at && !q->ops.empty()) {
+    if (auto g = q->gates.find(q->done); g != q->gates.end()) {
+      if (!g->second->load()) return;  // held (Note [a held collective])
+      q->gates.erase(g);
+    }
     std::function<void()> op = std::move(q->ops.front());
     q->ops.pop_front();
     ++q->done;
@@ -459,34 +475,60 @@ void run_until(Queue* q, uint64_t at) {
   }
 }
 cudaError_t status() { return sticky_failure ? cudaErrorLaunchFailure : cudaSuccess; }
-void run_all() {
+// A wait that reached a held collective (Note [a held collective]).
+[[noreturn]] void waits_forever(const char* call) {
+  std::fprintf(stderr,
+               "zinc_emu: %s waits for an NCCL collective whose peers never come: on a GPU it would wait "
+               "forever (abort the communicator first)\n",
+               call);
+  std::fflush(stderr);
+  std::_Exit(86);
+}
+// Runs q's work up to `at`, which a wait needs done.
+void wait_until(Queue* q, uint64_t at, const char* call) {
+  run_until(q, at);
+  if (q->done < at && !sticky_failure) waits_forever(call);
+}
+void run_all(const char* call) {
   Runtime& r = runtime();
   for (bool again = true; again;) {
     again = false;
     for (Queue* q : r.queues)
       if (q->done < q->queued) {
+        const uint64_t before = q->done;
         run_until(q, q->queued);
-        again = true;
+        again = again || q->done != before;
       }
   }
+  for (Queue* q : r.queues)
+    if (q->done < q->queued && !sticky_failure) waits_forever(call);
 }
 void enqueue(const void* stream, std::function<void()> op) {
   Runtime& r = runtime();
   std::lock_guard<std::recursive_mutex> lock(r.mu);
   Queue* q = queue_of(stream);
   if (kImmediate) {
-    run_until(q, q->queued);
+    wait_until(q, q->queued, "a call under ZINC_EMU_SYNC=1");
     op();
     return;
   }
   q->ops.push_back(std::move(op));
   ++q->queued;
 }
-void flush(const void* stream) {
+void flush(const void* stream, const char* call) {
   Runtime& r = runtime();
   std::lock_guard<std::recursive_mutex> lock(r.mu);
   Queue* q = queue_of(stream);
-  run_until(q, q->queued);
+  wait_until(q, q->queued, call);
+}
+// Note [a held collective]: an op that runs once `open` is set.
+void enqueue_held(const void* stream, std::shared_ptr<std::atomic<bool>> open) {
+  Runtime& r = runtime();
+  std::lock_guard<std::recursive_mutex> lock(r.mu);
+  Queue* q = queue_of(stream);
+  q->gates[q->queued] = std::move(open);
+  q->ops.push_back([] {});
+  ++q->queued;
 }
 
 }  // namespace
@@ -614,7 +656,21 @@ void set_last_error(cudaError_t e) { last_error = e; }
 extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg) {
   zinc_emu::enqueue(stream, [fn, arg] { fn(arg); });
 }
-extern "C" void zinc_emu_flush(cudaStream_t stream) { zinc_emu::flush(stream); }
+extern "C" void zinc_emu_flush(cudaStream_t stream) {
+  zinc_emu::flush(stream, "an NCCL call (its stream's work first)");
+}
+// Note [a held collective]: queues a collective that waits until
+// zinc_emu_release(handle); returns the handle (released exactly once).
+extern "C" void* zinc_emu_hold(cudaStream_t stream) {
+  auto* open = new std::shared_ptr<std::atomic<bool>>(std::make_shared<std::atomic<bool>>(false));
+  zinc_emu::enqueue_held(stream, *open);
+  return open;
+}
+extern "C" void zinc_emu_release(void* handle) {
+  std::unique_ptr<std::shared_ptr<std::atomic<bool>>> open(static_cast<std::shared_ptr<std::atomic<bool>>*>(handle));
+  std::lock_guard<std::recursive_mutex> lock(zinc_emu::runtime().mu);
+  (*open)->store(true);
+}
 
 using zinc_emu::last_error;
 
@@ -697,7 +753,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceSynchronize() {
   auto lock = zinc_emu::lock_runtime();
-  zinc_emu::run_all();
+  zinc_emu::run_all("cudaDeviceSynchronize (cudaFree and cudaFreeHost run it too)");
   return zinc_emu::status();
 }
 cudaError_t cudaMalloc(void** p, size_t bytes) { return zinc_emu::allocate(p, bytes, zinc_emu::Kind::kDevice); }
@@ -722,7 +778,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   }
   if (zinc_emu::where(dst) == zinc_emu::Where::kPageable) {  // pageable destination: done on return
     auto lock = zinc_emu::lock_runtime();
-    zinc_emu::flush(s);
+    zinc_emu::flush(s, "cudaMemcpyAsync to pageable memory");
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
@@ -736,7 +792,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   const zinc_emu::Where from = zinc_emu::where(src);
   const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
   if (zinc_emu::where(dst) == zinc_emu::Where::kDevice && from != zinc_emu::Where::kPinned) return e;
-  zinc_emu::flush(nullptr);
+  zinc_emu::flush(nullptr, "cudaMemcpy");
   return e != cudaSuccess ? e : zinc_emu::status();
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
@@ -754,11 +810,13 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 // Work already queued still runs, as on a GPU; the queue stays (empty) for
 // waits recorded on it.
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  zinc_emu::flush(s);
+  auto lock = zinc_emu::lock_runtime();
+  zinc_emu::Queue* q = zinc_emu::queue_of(s);
+  zinc_emu::run_until(q, q->queued);  // up to a held collective, if any: a GPU does not wait for it here
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  zinc_emu::flush(s);
+  zinc_emu::flush(s, "cudaStreamSynchronize");
   return zinc_emu::status();
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
@@ -776,7 +834,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto lock = zinc_emu::lock_runtime();
   zinc_emu::Queue* q = zinc_emu::queue_of(s);
-  if (zinc_emu::kImmediate) zinc_emu::run_until(q, q->queued);
+  if (zinc_emu::kImmediate) zinc_emu::wait_until(q, q->queued, "cudaEventRecord under ZINC_EMU_SYNC=1");
   auto* state = reinterpret_cast<zinc_emu::EventState*>(e);
   std::shared_ptr<std::atomic<double>> stamp;
   if (!(state->flags & cudaEventDisableTiming)) {
@@ -805,13 +863,13 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   auto lock = zinc_emu::lock_runtime();
   const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
-  if (at.q) zinc_emu::enqueue(s, [at] { zinc_emu::run_until(at.q, at.at); });
+  if (at.q) zinc_emu::enqueue(s, [at] { zinc_emu::wait_until(at.q, at.at, "a stream's cudaStreamWaitEvent"); });
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   auto lock = zinc_emu::lock_runtime();
   const zinc_emu::EventState at = *reinterpret_cast<zinc_emu::EventState*>(e);
-  if (at.q) zinc_emu::run_until(at.q, at.at);
+  if (at.q) zinc_emu::wait_until(at.q, at.at, "cudaEventSynchronize");
   return zinc_emu::status();
 }
 // Work still queued before the event: reports cudaErrorNotReady and runs

@@ -19,6 +19,10 @@
 // group each runs at once. A send takes its data after the work queued on
 // its stream; a receive's data lands in stream order.
 // It needs MPI initialised with MPI_THREAD_MULTIPLE, as zinc's MPI backend does.
+// ZINC_EMU_NCCL_STALL=1 (read at each call; set it on every rank at the same
+// point) makes the peers of every collective and transfer never come: the
+// call returns, and its stream stops behind it until ncclCommAbort (Note [a
+// held collective] in cuda_emu.cpp), as on a GPU whose peer rank died.
 #include <mpi.h>
 
 #include <cstdint>
@@ -35,10 +39,13 @@
 // its stream (Note [emulated streams]).
 extern "C" void zinc_emu_flush(cudaStream_t stream);
 extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg);
+extern "C" void* zinc_emu_hold(cudaStream_t stream);
+extern "C" void zinc_emu_release(void* handle);
 
 struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
   int rank = 0, size = 1;
+  std::vector<void*> held;  // collectives whose peers never came (ZINC_EMU_NCCL_STALL)
 };
 
 namespace {
@@ -119,6 +126,19 @@ void land(cudaStream_t stream, void* recv, std::vector<char> data) {
   }, l);
 }
 
+// Under ZINC_EMU_NCCL_STALL=1: holds `stream` behind a collective of `c`
+// that never completes (until ncclCommAbort), and returns true.
+bool peers_never_come(ncclComm* c, cudaStream_t stream) {
+  const char* v = std::getenv("ZINC_EMU_NCCL_STALL");
+  if (!v || std::strcmp(v, "1") != 0) return false;
+  c->held.push_back(zinc_emu_hold(stream));
+  return true;
+}
+void release_held(ncclComm* c) {
+  for (void* h : c->held) zinc_emu_release(h);
+  c->held.clear();
+}
+
 ncclResult_t check(const ncclComm* c, ncclDataType_t t, ncclRedOp_t op = ncclSum) {
   if (!c || c->mpi == MPI_COMM_NULL) return ncclInvalidArgument;
   if (type_bytes(t) == 0 || (op != ncclSum && op != ncclMax)) return ncclInvalidArgument;
@@ -146,6 +166,7 @@ ncclResult_t run_p2p() {
   std::vector<P2p> ops;
   ops.swap(g_p2p);
   for (const P2p& o : ops) zinc_emu_flush(o.stream);
+  if (!ops.empty() && peers_never_come(ops[0].comm, ops[0].stream)) return ncclSuccess;
   std::vector<std::vector<char>> data(ops.size());
   std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -241,11 +262,15 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) { return comm ? ncclSuccess : ncc
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclInvalidArgument;
   if (comm->mpi != MPI_COMM_NULL) MPI_Comm_free(&comm->mpi);
+  release_held(comm);
   delete comm;
   return ncclSuccess;
 }
-// The peers may be gone: the MPI communicator is dropped without a collective free.
+// The peers may be gone: the MPI communicator is dropped without a collective
+// free. Its held collectives end (their results never land).
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (!comm) return ncclInvalidArgument;
+  release_held(comm);
   delete comm;
   return ncclSuccess;
 }
@@ -254,6 +279,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
                            ncclComm_t comm, cudaStream_t stream) {
   zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t, op)) return r;
+  if (peers_never_come(comm, stream)) return ncclSuccess;
   const size_t bytes = count * type_bytes(t);
   std::vector<char> all;
   if (ncclResult_t r = gather_all(comm, send, bytes, all)) return r;
@@ -268,6 +294,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
                                ncclComm_t comm, cudaStream_t stream) {
   zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t, op)) return r;
+  if (peers_never_come(comm, stream)) return ncclSuccess;
   const size_t seg = recvcount * type_bytes(t), bytes = seg * static_cast<size_t>(comm->size);
   std::vector<char> all;
   if (ncclResult_t r = gather_all(comm, send, bytes, all)) return r;
@@ -283,6 +310,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
                            cudaStream_t stream) {
   zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t)) return r;
+  if (peers_never_come(comm, stream)) return ncclSuccess;
   std::vector<char> all;
   if (ncclResult_t r = gather_all(comm, send, sendcount * type_bytes(t), all)) return r;
   land(stream, recv, std::move(all));
@@ -292,6 +320,7 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
                            cudaStream_t stream) {
   zinc_emu_flush(stream);  // runs at once, after what its stream holds
   if (ncclResult_t r = check(comm, t)) return r;
+  if (peers_never_come(comm, stream)) return ncclSuccess;
   if (root < 0 || root >= comm->size) return ncclInvalidArgument;
   const size_t bytes = count * type_bytes(t);
   if (bytes > static_cast<size_t>(INT32_MAX)) return ncclInvalidArgument;
