@@ -211,5 +211,6 @@ int bench_estimate(const BenchOptions& o);      // runs mpirun itself
 int bench_activation_checkpointing(const BenchOptions& o);  // runs zinc-train itself
 int bench_checkpoint(const BenchOptions& o);
 int bench_gemm(const BenchOptions& o);  // oneDNN against MKL (dlopen) at the step's shapes
+int bench_data_open(const BenchOptions& o);  // opening a prepared token file, with and without its CRC check
 
 }  // namespace zinc::bench

@@ -38,6 +38,8 @@
 //               Intel MKL's cblas_sgemm on the same shapes, loaded with
 //               dlopen (--mkl PATH); --shapes prints the shapes as JSON;
 //               --bf16 times bf16 operands (MKL's cblas_gemm_bf16bf16f32).
+//   data-open   opening a 512 MiB prepared token file with and without the
+//               check of its tokens' CRC-32, over a read of the same bytes.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
 #include <cstdio>
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
-  app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing | gemm")->required();
+  app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing | gemm | data-open")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -161,7 +163,8 @@ int main(int argc, char** argv) {
     if (name == "estimate") return zinc::bench::bench_estimate(o);
     if (name == "activation-checkpointing") return zinc::bench::bench_activation_checkpointing(o);
     if (name == "gemm") return zinc::bench::bench_gemm(o);
-    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, gpu-train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing, gemm)\n", name.c_str());
+    if (name == "data-open") return zinc::bench::bench_data_open(o);
+    std::fprintf(stderr, "zinc-bench: unknown benchmark '%s' (available: train-step, gpu-train-step, adamw, collectives, zero-memory, overlap, nvme, offload-step, capacity, estimate, checkpoint, activation-checkpointing, gemm, data-open)\n", name.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinc-bench: error: %s\n", e.what());

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -66,7 +67,10 @@ constexpr int64_t kTokenHeaderBytes = 256 * 4;
 //   [8] the CRC-32 of PREFIX.docs, [9..10] its size,
 //   [11] the seq_len its examples were packed in rows of (zinc.prepare
 //   --pack rows; 0 for a stream): another data.seq_len is said, since the
-//   rows then no longer keep each example whole.
+//   rows then no longer keep each example whole;
+//   [12] kTokensCrcMarker ("TCRC" in file order), [13] the CRC-32 of the
+//   tokens after the header (0 in both for sets of an earlier zinc.prepare:
+//   not checked).
 // A mask or documents file that sits beside the token file under its prefix
 // must be the one its header records: a run killed between two renames
 // leaves an old token file with a new mask (or the reverse when files are
@@ -75,8 +79,16 @@ constexpr int64_t kTokenHeaderBytes = 256 * 4;
 // under another name (made by hand for this token file) is not checked, and
 // neither is a token file whose words 3-10 are all zero (llm.c's, an older
 // zinc's). Other values there (a damaged marker) are refused.
+// The token file's own CRC is checked in the pass over its tokens that
+// every open makes (the largest token, the vocabulary): a .bin edited or
+// damaged after zinc.prepare wrote it would otherwise train without a word
+// on tokens that are not the data's. The CRC (ISA-L) adds about a sixth to
+// that pass over page-cached data, which reads the file anyway; less where
+// the disk is slower (`zinc-bench data-open`, bench/RESULTS.md "The token
+// file's own CRC").
 constexpr int32_t kSetMarker = 0x434E495A;
 constexpr int32_t kSetVersion = 1;
+constexpr int32_t kTokensCrcMarker = 0x43524354;
 
 std::string fmt_double(double v) {
   char buf[32];
@@ -245,7 +257,17 @@ class TokenSource final : public DataSource {
       if (le_i32(header + 12) == kSetMarker && le_i32(header + 16) == kSetVersion) {
         auto u32 = [&](int slot) { return static_cast<uint32_t>(le_i32(header + 4 * slot)); };
         set_ = PreparedSet{u32(5), static_cast<int64_t>(uint64_t{u32(7)} << 32 | u32(6)), u32(8),
-                           static_cast<int64_t>(uint64_t{u32(10)} << 32 | u32(9))};
+                           static_cast<int64_t>(uint64_t{u32(10)} << 32 | u32(9)), std::nullopt};
+        if (le_i32(header + 48) == kTokensCrcMarker) {
+          set_->tokens_crc = u32(13);
+        } else if (le_i32(header + 48) != 0 || le_i32(header + 52) != 0) {
+          throw ConfigError("data.path", path_ + ": header words 12 and 13 are " + std::to_string(le_i32(header + 48)) +
+                                             " and " + std::to_string(le_i32(header + 52)) +
+                                             ", neither zinc.prepare's record of the tokens' CRC-32 (word 12 " +
+                                             std::to_string(kTokensCrcMarker) +
+                                             ") nor an earlier zinc.prepare's zeros; the header is damaged: prepare "
+                                             "the set again");
+        }
         if (const int64_t rows = u32(11); rows > 0 && rows != T_ && !eval)
           log_warn_rank0("config: data.seq_len: " + std::to_string(T_) + ", but " + path_ +
                          " was packed in rows of " + std::to_string(rows) +
@@ -280,22 +302,31 @@ class TokenSource final : public DataSource {
     const int64_t limit = cfg.vocab_size > 0 ? cfg.vocab_size : kMaxTokenVocab;
     int64_t max_token = 0;
     int64_t first_bad = -1;
+    const bool check_crc = set_ && set_->tokens_crc;
+    uint32_t crc = 0;
     std::vector<unsigned char> buf(static_cast<size_t>(w_ * kScanTokens));
     for (int64_t i0 = 0; i0 < num_tokens_; i0 += kScanTokens) {
       const int64_t n = std::min(kScanTokens, num_tokens_ - i0);
       read_at(file_, path_, offset_ + w_ * i0, buf.data(), w_ * n);
-      int64_t chunk_max = 0;  // a loop the compiler vectorises; the search below runs once at most
-      if (w_ == 2) {
-        for (int64_t k = 0; k < n; ++k) chunk_max = std::max<int64_t>(chunk_max, le_u16(buf.data() + 2 * k));
-      } else {
-        for (int64_t k = 0; k < n; ++k) chunk_max = std::max<int64_t>(chunk_max, le_u32(buf.data() + 4 * k));
-      }
+      if (check_crc) crc = crc32_gzip_refl(crc, buf.data(), static_cast<uint64_t>(w_ * n));
+      // The search below runs once at most.
+      const int64_t chunk_max = w_ == 2 ? max_u16(buf.data(), n) : max_u32(buf.data(), n);
       if (first_bad < 0 && chunk_max >= limit) {
         int64_t k = 0;
         while (token_at(buf.data(), k) < limit) ++k;
         first_bad = i0 + k;
       }
       max_token = std::max(max_token, chunk_max);
+    }
+    // Before the vocabulary: a damaged token is named as damage.
+    if (check_crc && crc != *set_->tokens_crc) {
+      char got[16], want[16];
+      std::snprintf(got, sizeof got, "%08x", crc);
+      std::snprintf(want, sizeof want, "%08x", *set_->tokens_crc);
+      throw ConfigError("data.path", path_ + ": the CRC-32 of its " + std::to_string(num_tokens_) + " tokens is " +
+                                         got + " but its header records " + want +
+                                         " (zinc.prepare's): the file was changed or damaged after it was written; "
+                                         "prepare the set again");
     }
     if (first_bad >= 0) {
       unsigned char b[4];
@@ -387,6 +418,36 @@ class TokenSource final : public DataSource {
   static int64_t le_u32(const unsigned char* b) {
     return static_cast<int64_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24);
   }
+  // The largest of n little-endian tokens. On a little-endian host a load
+  // of the native integer, which the compiler vectorises even at the
+  // baseline ISA (SSE2: 6x the byte-by-byte decoding into int64 this
+  // replaced; `zinc-bench data-open`).
+  static int64_t max_u16(const unsigned char* b, int64_t n) {
+    uint16_t m = 0;
+    if constexpr (std::endian::native == std::endian::little) {
+      for (int64_t k = 0; k < n; ++k) {
+        uint16_t v;
+        std::memcpy(&v, b + 2 * k, 2);
+        m = v > m ? v : m;
+      }
+    } else {
+      for (int64_t k = 0; k < n; ++k) m = std::max(m, static_cast<uint16_t>(le_u16(b + 2 * k)));
+    }
+    return m;
+  }
+  static int64_t max_u32(const unsigned char* b, int64_t n) {
+    uint32_t m = 0;
+    if constexpr (std::endian::native == std::endian::little) {
+      for (int64_t k = 0; k < n; ++k) {
+        uint32_t v;
+        std::memcpy(&v, b + 4 * k, 4);
+        m = v > m ? v : m;
+      }
+    } else {
+      for (int64_t k = 0; k < n; ++k) m = std::max(m, static_cast<uint32_t>(le_u32(b + 4 * k)));
+    }
+    return m;
+  }
   // Token k of a buffer of this file's tokens (checked < 2^24 at open, so it
   // fits an int32).
   int64_t token_at(const unsigned char* b, int64_t k) const { return w_ == 2 ? le_u16(b + 2 * k) : le_u32(b + 4 * k); }
@@ -475,6 +536,7 @@ class TokenSource final : public DataSource {
     int64_t mask_bytes;
     uint32_t docs_crc;
     int64_t docs_bytes;
+    std::optional<uint32_t> tokens_crc;  // words 12-13; absent in sets of an earlier zinc.prepare
   };
 
   std::string path_;

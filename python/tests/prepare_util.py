@@ -32,14 +32,15 @@ def run_prepare(tmp_path, capsys, *args, tokenizer=LLAMA3, seq_len=256, name="ou
 def read_outputs(prefix):
     """(tokens, mask, docs, manifest, header) of PREFIX.*, checking the layout: llm.c's header, then the set
     record (the bytes "ZINC", version 1, the CRC-32 and size of the .mask and of the .docs, the rows' seq_len
-    of --pack rows or 0), the rest 0."""
+    of --pack rows or 0, the bytes "TCRC" and the CRC-32 of the tokens), the rest 0."""
     raw = open(f"{prefix}.bin", "rb").read()
     header = array.array("i", raw[:1024])
     typecode = {(20240520, 1): "H", (20240801, 7): "I"}[(header[0], header[1])]
     tokens = array.array(typecode, raw[1024:])
     mask_raw, docs_raw = open(f"{prefix}.mask", "rb").read(), open(f"{prefix}.docs", "rb").read()
     u = struct.unpack("<256I", raw[:1024])
-    assert len(tokens) == header[2] and raw[12:16] == b"ZINC" and u[4] == 1 and list(u[12:]) == [0] * 244
+    assert len(tokens) == header[2] and raw[12:16] == b"ZINC" and u[4] == 1 and list(u[14:]) == [0] * 242
+    assert raw[48:52] == b"TCRC" and u[13] == zlib.crc32(raw[1024:])
     assert (u[5], u[6] + (u[7] << 32)) == (zlib.crc32(mask_raw), len(mask_raw))
     assert (u[8], u[9] + (u[10] << 32)) == (zlib.crc32(docs_raw), len(docs_raw))
     mask = list(mask_raw)

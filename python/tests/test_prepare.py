@@ -9,6 +9,7 @@ torch, no network."""
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -381,6 +382,39 @@ def test_zinc_train_says_when_its_seq_len_is_not_the_rows_one(tmp_path, capsys):
             assert out.returncode == 0, out.stdout + out.stderr
             said = f"data.seq_len: {seq_len}, but {prefix}.bin was packed in rows of 64 tokens" in out.stdout
             assert said == (pack == "rows" and seq_len == 48), out.stdout
+
+
+def test_zinc_train_refuses_a_bin_edited_after_zinc_prepare_wrote_it(tmp_path, capsys):
+    """The .bin's header records its tokens' CRC-32 (words 12-13); a token changed afterwards, to another
+    token of the vocabulary (nothing else would notice), is refused by zinc-train in one line naming the file,
+    and the file is left as it was. Restored, the set trains again."""
+    from conftest import default_doc, zinc_train_path
+    zt = zinc_train_path()
+    if zt is None:
+        pytest.skip("zinc-train is not built")
+    rc, err, prefix = run_prepare(tmp_path, capsys, FIX / "text.jsonl", "--truncate", seq_len=16)
+    assert rc == 0, err
+    tokens, _, _, manifest, _ = read_outputs(prefix)
+    doc = default_doc()
+    doc["data"] = manifest["data"]
+    doc["run"]["eval_interval"] = 0
+    doc["model"].pop("vocab_size", None)
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    bin_path = f"{prefix}.bin"
+    good = open(bin_path, "rb").read()
+    edited = bytearray(good)
+    at = 1024 + 2 * (len(tokens) // 2)  # a uint16 token in the middle
+    edited[at:at + 2] = struct.pack("<H", tokens[0] if tokens[len(tokens) // 2] != tokens[0] else tokens[1])
+    open(bin_path, "wb").write(bytes(edited))
+    out = subprocess.run([zt, str(tmp_path / "c.json"), "--check"], capture_output=True, text=True)
+    assert out.returncode != 0, out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    assert f"data.path: {bin_path}: the CRC-32 of its {len(tokens)} tokens is" in said, said
+    assert "changed or damaged after it was written; prepare the set again" in said, said
+    assert open(bin_path, "rb").read() == bytes(edited)
+    open(bin_path, "wb").write(good)
+    out = subprocess.run([zt, str(tmp_path / "c.json"), "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_manifest(tmp_path, capsys):

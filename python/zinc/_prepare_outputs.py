@@ -21,6 +21,7 @@ from ._prepare_common import PrepareError
 HEADER_INTS = 256
 SET_MARKER = 0x434E495A  # header[3]: the bytes "ZINC" in file order; header[4..10] then record the set
 SET_VERSION = 1  # header[4]: the version of that record
+TOKENS_CRC_MARKER = 0x43524354  # header[12]: the bytes "TCRC" in file order; header[13] then holds the tokens' CRC-32
 OUTPUT_EXTENSIONS = ("bin", "mask", "docs", "json")
 # The data's commit point is the .bin (its header vouches for the .mask and .docs); the manifest, whose old
 # version is removed before the first rename, comes after it: a manifest present always describes the .bin.
@@ -254,7 +255,9 @@ class Outputs:
         zinc-train checks the .mask and .docs beside it against: [3] SET_MARKER, [4] SET_VERSION, [5] the
         .mask's CRC-32 (its uint32 bit pattern), [6] and [7] the low and high 32 bits of its size in bytes,
         [8], [9] and [10] the same of the .docs, [11] the seq_len of --pack rows' rows (0: a stream; readers
-        of the record's version 1 before it ignore the word); the rest 0."""
+        of the record's version 1 before it ignore the word), [12] TOKENS_CRC_MARKER and [13] the CRC-32 of the
+        tokens after the header, which zinc-train checks in the pass over the tokens it makes at every open
+        (readers before it ignore both words); the rest 0."""
         if self.tokens > 0x7FFFFFFF:
             raise PrepareError(f"{self.tokens:,} tokens: more than llm.c's header counts (2**31 - 1); split the "
                                "data set into several --out")
@@ -262,6 +265,7 @@ class Outputs:
         for key in ("mask", "documents"):
             ints += [self.crc[key], self.bytes[key] & 0xFFFFFFFF, self.bytes[key] >> 32]
         ints.append(self.row_tokens)  # [11]: --pack rows' row length (the seq_len), 0 when packed as a stream
+        ints += [TOKENS_CRC_MARKER, self.crc["tokens"]]  # [12], [13]
         return struct.pack(f"<{HEADER_INTS}I", *ints, *[0] * (HEADER_INTS - len(ints)))
 
     def commit(self, manifest: dict) -> None:

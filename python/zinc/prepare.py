@@ -88,14 +88,16 @@ Output (read by zinc's `tokens` data source):
   PREFIX.bin   llm.c's token file: 256 little-endian int32 header (magic,
                version, token count; 20240520/1 = uint16 tokens, 20240801/7 =
                uint32 tokens, uint16 when the vocabulary with added tokens is
-               <= 65536), then the tokens, little-endian. Header slots 3..10
+               <= 65536), then the tokens, little-endian. Header slots 3..13
                (0 in llm.c's files) record the set: [3] 0x434E495A (the bytes
                "ZINC" in file order), [4] 1 (this record's version), [5] the
                zlib CRC-32 of PREFIX.mask (its uint32 bit pattern), [6] and [7]
                the low and high 32 bits of its size in bytes, [8], [9] and [10]
                the same of PREFIX.docs, [11] the seq_len of --pack rows (0 for
-               a stream: zinc-train warns when its data.seq_len differs); the
-               other slots are 0.
+               a stream: zinc-train warns when its data.seq_len differs), [12]
+               0x43524354 (the bytes "TCRC") and [13] the zlib CRC-32 of the
+               tokens after the header (zinc-train refuses a .bin whose tokens
+               no longer match it); the other slots are 0.
   PREFIX.mask  one uint8 per token: 1 = a training label, 0 = not.
   PREFIX.docs  little-endian uint64 token index at which each document starts
                (first 0, strictly increasing): the records, and with --pack

@@ -662,6 +662,65 @@ TEST(TokenSource, AMaskOrDocumentsFileOfAnotherPreparedSetIsRefused) {
   }
 }
 
+// Note [prepared sets]: zinc.prepare's header records the CRC-32 of the
+// tokens after it (words 12-13), checked in the pass every open makes over
+// the tokens. A token edited after the set was written (to a value inside
+// the vocabulary, which nothing else would notice) is refused naming the
+// file, before the vocabulary check (damage is named as damage); a header
+// without the record (an earlier zinc.prepare's) loads unchecked; a damaged
+// record word is refused.
+TEST(TokenSource, ATokenFileChangedAfterZincPrepareWroteItIsRefused) {
+  std::string toks;
+  for (uint32_t t = 0; t < 3000000; ++t) put_u16(toks, (t * 7919) % 50000);  // 6 MB: several of the scan's reads
+  auto bin = [&](const std::string& body, int32_t marker, uint32_t crc) {
+    std::string h;
+    for (int32_t v : {20240520, 1, 3000000, 0x434E495A, 1}) put_i32(h, v);
+    for (int k = 0; k < 7; ++k) put_i32(h, 0);  // an empty mask and documents file; a stream
+    put_i32(h, marker);
+    put_i32(h, static_cast<int32_t>(crc));
+    h.resize(1024, '\0');
+    return h + body;
+  };
+  auto error_of = [&](const std::string& file, int64_t vocab = 0) -> std::pair<std::string, std::string> {
+    TempFile ft("crc.bin", file);
+    DataConfig c;
+    c.type = DataType::kTokens;
+    c.path = ft.path();
+    c.seq_len = 16;
+    c.vocab_size = vocab;
+    try {
+      make_data_source(c);
+    } catch (const ConfigError& e) {
+      return {e.path(), e.what()};
+    }
+    return {"", ""};
+  };
+  const uint32_t crc = crc32_reference(toks);
+  EXPECT_EQ(error_of(bin(toks, 0x43524354, crc)).first, "");
+  for (size_t at : {size_t{0}, size_t{1}, toks.size() / 2, toks.size() - 1}) {  // first, middle and last reads
+    std::string edited = toks;
+    edited[at] = static_cast<char>(edited[at] ^ 0x01);
+    auto [p, m] = error_of(bin(edited, 0x43524354, crc));
+    EXPECT_EQ(p, "data.path") << at;
+    EXPECT_NE(m.find("crc.bin: the CRC-32 of its 3000000 tokens is "), std::string::npos) << at << ": " << m;
+    EXPECT_NE(m.find("changed or damaged after it was written"), std::string::npos) << m;
+  }
+  // Damage that also leaves the vocabulary is named as damage.
+  std::string wild = toks;
+  wild[2 * 1234 + 1] = static_cast<char>(0xff);
+  EXPECT_NE(error_of(bin(wild, 0x43524354, crc), 50000).second.find("the CRC-32 of its"), std::string::npos);
+  // An earlier zinc.prepare's header (words 12-13 zero): not checked.
+  EXPECT_EQ(error_of(bin(toks, 0, 0)).first, "");
+  std::string edited = toks;
+  edited[10] = static_cast<char>(edited[10] ^ 0x01);
+  EXPECT_EQ(error_of(bin(edited, 0, 0)).first, "");
+  // A damaged marker word is not read as "no record".
+  auto [p, m] = error_of(bin(toks, 0x43524354 ^ 0x100, crc));
+  EXPECT_EQ(p, "data.path");
+  EXPECT_NE(m.find("header words 12 and 13 are"), std::string::npos) << m;
+  EXPECT_NE(m.find("the header is damaged"), std::string::npos) << m;
+}
+
 TEST(TokenSource, MissingFileIsIoErrorNamingPath) {
   DataConfig c;
   c.type = DataType::kTokens;
