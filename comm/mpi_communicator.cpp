@@ -208,8 +208,12 @@ class MpiCall {
   MpiCall(const MpiCall&) = delete;
   MpiCall& operator=(const MpiCall&) = delete;
 
+  // A limit past what an int64 of nanoseconds holds (292 years; a config's
+  // 1e12 or ZINC_COMM_TIMEOUT=inf, meant as "none") is no limit. Converted
+  // as it was, it wrapped to a negative one, and the first call ended the job.
   void set_timeout(double seconds) {
-    timeout_ns_.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+    const double ns = seconds * 1e9;
+    timeout_ns_.store(ns < 9.2e18 ? static_cast<int64_t>(ns) : INT64_MAX, std::memory_order_relaxed);
   }
   double timeout_s() const { return static_cast<double>(timeout_ns_.load(std::memory_order_relaxed)) / 1e9; }
 

@@ -77,6 +77,28 @@ TEST(MpiWorld, NcclBackendRefusesWhereItCannotStart) {
 // split(): groups of the ranks with the same color, ranked by key; their
 // collectives sum within the group only. Here: odd and even ranks, each
 // group ranked in reverse.
+// Note [MPI collectives: the time limit]: a limit past what the watchdog's
+// int64 of nanoseconds holds (a config's 1e12 seconds, ZINC_COMM_TIMEOUT=inf,
+// meant as "never") is no limit. It wrapped to a negative one, and the
+// watchdog ended the job at the first call ("has waited 0.0 s ... past
+// comm.timeout_seconds (-9.22337e+09 s").
+TEST(MpiWorld, ALimitBeyondWhatNanosecondsHoldIsNoLimit) {
+  for (const char* env : {"", "inf"}) {
+    if (*env) setenv("ZINC_COMM_TIMEOUT", env, 1);
+    std::unique_ptr<Communicator> c = make_communicator("mpi", 1e12);
+    unsetenv("ZINC_COMM_TIMEOUT");
+    EXPECT_GE(c->timeout_seconds(), 9e9) << env;
+    for (int i = 0; i < 4; ++i) {  // past the watchdog's quarter-second look
+      double v = 1.0;
+      c->all_reduce_f64(&v, 1);
+      EXPECT_EQ(v, c->size());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      c->barrier();
+    }
+  }
+  world().barrier();
+}
+
 TEST(MpiWorld, SplitMakesGroupsWhoseCollectivesStayInside) {
   Communicator& c = world();
   std::unique_ptr<Communicator> g = c.split(c.rank() % 2, -c.rank());
