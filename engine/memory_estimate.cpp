@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 
 #include "engine/update_rule.h"
 #include "engine/device_mirror.h"
@@ -290,10 +291,31 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
   // Sequence ranks: each holds 1/S of every row's tokens (the model's
   // memory for that split says what its attention's exchange adds).
   const int64_t sranks = c.sequence_parallel_size;
-  std::optional<ActivationMemory> act =
-      sranks > 1   ? model.sequence_activation_memory(B, seq_len, dtype, static_cast<int>(sranks), tparts)
-      : tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
-                   : model.activation_memory(B, seq_len, dtype);
+  // The activations count the kernels' scratch, which asks each kernel for
+  // its shapes: a size no kernel takes (a matmul past oneDNN's 2^31) is
+  // named with the keys that made it, not as the kernel's bare sizes.
+  auto sized = [&](auto&& activations) -> std::optional<ActivationMemory> {
+    try {
+      return activations();
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const Error& e) {
+      const bool rows = B * seq_len > std::numeric_limits<int32_t>::max();
+      if (rows)
+        throw ConfigError("data.seq_len", std::to_string(seq_len) + " tokens by train_micro_batch_size_per_gpu " +
+                                              std::to_string(B) + " make " + std::to_string(B * seq_len) +
+                                              " rows for the model's products, which no kernel takes (" + e.what() +
+                                              "); lower data.seq_len or the micro-batch");
+      throw ConfigError("model", "its sizes, at data.seq_len " + std::to_string(seq_len) +
+                                     " and train_micro_batch_size_per_gpu " + std::to_string(B) +
+                                     ", make products no kernel takes (" + e.what() + "); lower the model's widths");
+    }
+  };
+  std::optional<ActivationMemory> act = sized([&] {
+    return sranks > 1   ? model.sequence_activation_memory(B, seq_len, dtype, static_cast<int>(sranks), tparts)
+           : tparts > 1 ? model.stage_activation_memory(B, seq_len, dtype, PipelineStage{}, 1, tparts)
+                        : model.activation_memory(B, seq_len, dtype);
+  });
   e.tensor_parts = tparts;
   if (pp) {
     // Stage s keeps min(P - s, M) micro-batches' activations (one on the
@@ -303,7 +325,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     const bool last = stage == P - 1, first = stage == 0;
     const int sets = last ? 1 : static_cast<int>(std::min<int64_t>(P - stage, c.gradient_accumulation_steps));
     const PipelineStage st{pp->bounds[static_cast<size_t>(stage)], last ? -1 : pp->bounds[static_cast<size_t>(stage) + 1]};
-    act = model.stage_activation_memory(B, seq_len, dtype, st, sets, tparts);
+    act = sized([&] { return model.stage_activation_memory(B, seq_len, dtype, st, sets, tparts); });
     const int64_t hidden = 4 * B * seq_len * model.pipeline_width();
     const int64_t buffers = (first ? 0 : sets) + (last ? 0 : 2) + (first ? 0 : 1);
     e.training.push_back({"pipeline transfers (fp32)", buffers * hidden,

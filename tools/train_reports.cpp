@@ -175,7 +175,11 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
     const int local = comm.size() > 1 ? comm.local_size() : world;
     const zinc::tools::Experiment ex =
         zinc::tools::build_experiment(zinc::tools::load_document(config_path, overrides), world);
-    for (std::string& r : zinc::tools::resource_refusals(ex, local)) rep.refusals.push_back(std::move(r));
+    try {
+      for (std::string& r : zinc::tools::resource_refusals(ex, local)) rep.refusals.push_back(std::move(r));
+    } catch (const zinc::ConfigError& e) {  // sizes the estimate's kernels cannot take
+      rep.refusals.push_back(e.what());
+    }
     rep.ok = rep.refusals.empty();
   }
   zinc::set_log_level(level);

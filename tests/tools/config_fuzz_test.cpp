@@ -53,6 +53,7 @@
 #include "tools/config_check.h"
 #include "tools/experiment.h"
 #include "tools/experiment_config.h"
+#include "tools/resources.h"
 
 namespace zinc::tools {
 namespace {
@@ -662,6 +663,36 @@ TEST(ConfigHostile, AutoWarmupOfTheLongestRunStaysPositive) {
   const ParsedExperiment p = parse_experiment(doc, 1);
   EXPECT_GT(p.config.scheduler.warmup_num_steps, 0);
   EXPECT_LE(p.config.scheduler.warmup_num_steps, p.config.scheduler.total_num_steps);
+}
+
+// Sizes the kernels cannot take (a matmul past oneDNN's 2^31) were named,
+// by --check, --estimate and the run's room check alike, only as the
+// kernel's bare sizes ("matmul: batch=1 M=64000000000 ..."): now as the
+// config's keys that made them, and --check lists it among its refusals.
+TEST(ConfigHostile, SizesNoKernelTakesAreNamedByTheirKeys) {
+  struct Case {
+    json doc;
+    std::string path, text;
+  };
+  const std::vector<Case> cases = {
+      {{{"train_micro_batch_size_per_gpu", 64}, {"data", {{"seq_len", 1000000000}}}},
+       "data.seq_len",
+       "1000000000 tokens by train_micro_batch_size_per_gpu 64 make 64000000000 rows for the model's products, "
+       "which no kernel takes (matmul: "},
+      {{{"train_micro_batch_size_per_gpu", 8}, {"model", {{"n_embd", 1000000000}, {"n_head", 1}}}},
+       "model",
+       "its sizes, at data.seq_len 256 and train_micro_batch_size_per_gpu 8, make products no kernel takes"},
+  };
+  for (const Case& c : cases) {
+    const Experiment ex = build_experiment(c.doc, 1);
+    try {
+      resource_refusals(ex, 1);
+      ADD_FAILURE() << "expected a ConfigError for " << c.doc.dump();
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.path(), c.path);
+      EXPECT_NE(std::string(e.what()).find(c.text), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(ConfigHostile, ExperimentFileNamesCannotHoldANulByte) {
