@@ -514,8 +514,9 @@ class NcclCommunicator final : public Communicator {
   // A collective that failed or timed out leaves its kernel on the GPU,
   // waiting for peers that will not come. Any later wait for the whole
   // device would then wait for it too, forever: cudaFree and
-  // cudaDeviceSynchronize, which the engine's teardown runs while the error
-  // unwinds, before zinc-train's handler can end the job. So the
+  // cudaDeviceSynchronize, which a teardown may run while the error unwinds
+  // (before zinc-train's handler can end the job), and a Python script that
+  // caught the error and saves what it can does run. So the
   // communicator is aborted here, at once (ncclCommAbort ends its kernels),
   // and every later call on it names the first failure. The kernel
   // emulation holds such a collective on its stream and ends the process

@@ -723,6 +723,17 @@ TEST(NcclTimeout, ACollectiveWhosePeersNeverComeIsAbortedAtTheLimit) {
   // The aborted collective's kernel is gone: a wait for the whole device ends.
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   c.reset();  // an aborted communicator is not finalised: no peer waits
+  // Point to point (pipeline stages' activations) alike: a group of sends
+  // and receives whose peer never comes.
+  if (world().size() > 1) {
+    std::unique_ptr<Communicator> q = make_nccl_communicator(*host);
+    const int next = (q->rank() + 1) % q->size(), prev = (q->rank() + q->size() - 1) % q->size();
+    setenv("ZINC_EMU_NCCL_STALL", "1", 1);
+    const std::string p2p = message_of([&] { q->exchange(p, 16, next, p + 16, 16, prev, DType::kF32); });
+    unsetenv("ZINC_EMU_NCCL_STALL");
+    expect_parts(p2p, {prefix + "exchange of 16 fp32: no completion after 1 s", "(the NCCL communicator was aborted)"});
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   world().barrier();
 }
 
