@@ -310,7 +310,7 @@ class TokenSource final : public DataSource {
       read_at(file_, path_, offset_ + w_ * i0, buf.data(), w_ * n);
       if (check_crc) crc = crc32_gzip_refl(crc, buf.data(), static_cast<uint64_t>(w_ * n));
       // The search below runs once at most.
-      const int64_t chunk_max = w_ == 2 ? max_u16(buf.data(), n) : max_u32(buf.data(), n);
+      const int64_t chunk_max = w_ == 2 ? max_le<uint16_t>(buf.data(), n) : max_le<uint32_t>(buf.data(), n);
       if (first_bad < 0 && chunk_max >= limit) {
         int64_t k = 0;
         while (token_at(buf.data(), k) < limit) ++k;
@@ -422,29 +422,17 @@ class TokenSource final : public DataSource {
   // of the native integer, which the compiler vectorises even at the
   // baseline ISA (SSE2: 6x the byte-by-byte decoding into int64 this
   // replaced; `zinc-bench data-open`).
-  static int64_t max_u16(const unsigned char* b, int64_t n) {
-    uint16_t m = 0;
-    if constexpr (std::endian::native == std::endian::little) {
-      for (int64_t k = 0; k < n; ++k) {
-        uint16_t v;
-        std::memcpy(&v, b + 2 * k, 2);
-        m = v > m ? v : m;
+  template <class T>
+  static int64_t max_le(const unsigned char* b, int64_t n) {
+    T m = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      T v;
+      if constexpr (std::endian::native == std::endian::little) {
+        std::memcpy(&v, b + sizeof(T) * static_cast<size_t>(k), sizeof(T));
+      } else {
+        v = static_cast<T>(sizeof(T) == 2 ? le_u16(b + 2 * k) : le_u32(b + 4 * k));
       }
-    } else {
-      for (int64_t k = 0; k < n; ++k) m = std::max(m, static_cast<uint16_t>(le_u16(b + 2 * k)));
-    }
-    return m;
-  }
-  static int64_t max_u32(const unsigned char* b, int64_t n) {
-    uint32_t m = 0;
-    if constexpr (std::endian::native == std::endian::little) {
-      for (int64_t k = 0; k < n; ++k) {
-        uint32_t v;
-        std::memcpy(&v, b + 4 * k, 4);
-        m = v > m ? v : m;
-      }
-    } else {
-      for (int64_t k = 0; k < n; ++k) m = std::max(m, static_cast<uint32_t>(le_u32(b + 4 * k)));
+      m = v > m ? v : m;
     }
     return m;
   }

@@ -675,7 +675,9 @@ TEST(NcclTimeout, TheLimitIsTheBootstraps) {
   std::unique_ptr<Communicator> c = make_nccl_communicator(*host);
   EXPECT_EQ(c->timeout_seconds(), 7.5);
   std::unique_ptr<Communicator> d = c->duplicate();
-  if (d) EXPECT_EQ(d->timeout_seconds(), 7.5);
+  if (d) {
+    EXPECT_EQ(d->timeout_seconds(), 7.5);
+  }
   std::unique_ptr<Communicator> s = c->split(0, world().rank());
   EXPECT_EQ(s->timeout_seconds(), 7.5);
   EXPECT_EQ(nccl().timeout_seconds(), kCommTimeoutSeconds);  // main()'s, over a default MPI world
