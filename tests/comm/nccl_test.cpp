@@ -322,8 +322,9 @@ TEST(NcclPointToPoint, SendRecvAndExchangeAroundTheRing) {
       c.recv(back.data(), n, DType::kF32, prev);
       c.send(out.data(), n, DType::kF32, next);
     }
-    if (R % 2 == 0)
+    if (R % 2 == 0) {
       EXPECT_EQ(decode(download(back.data(), n * sizeof(float)).data(), n, DType::kF32), message(prev, me, n)) << n;
+    }
   }
   // bf16 keeps its bits: no arithmetic on the way.
   const std::vector<float> vals = message(me, next, 33);
