@@ -152,6 +152,16 @@ void read_at(const DataFile& f, const std::string& path, int64_t offset, unsigne
   }
 }
 
+// Another descriptor of the same open file (Note [the held-out twin]).
+DataFile duplicate_file(const DataFile& f, const std::string& path) {
+  DataFile d;
+  d.key = f.key;
+  d.size = f.size;
+  d.fd = UniqueFd(::fcntl(f.fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (d.fd.get() < 0) throw posix_error(f.key + ": duplicate the descriptor of " + path, errno);
+  return d;
+}
+
 std::vector<unsigned char> read_whole_file(const std::string& path) {
   const DataFile f = open_data_file(path);
   std::vector<unsigned char> bytes(static_cast<size_t>(f.size));
@@ -192,11 +202,18 @@ void check_window_file(const std::string& path, int64_t num_tokens, int64_t T,
 
 class TextSource final : public DataSource {
  public:
-  TextSource(const DataConfig& cfg, bool eval) : path_(cfg.path), T_(cfg.seq_len) {
-    bytes_ = read_whole_file(path_);
+  TextSource(const DataConfig& cfg, bool eval)
+      : path_(cfg.path), T_(cfg.seq_len),
+        held_(std::make_shared<const std::vector<unsigned char>>(read_whole_file(path_))), bytes_(*held_) {
     check_window_file(path_, static_cast<int64_t>(bytes_.size()), T_, "bytes");
     range_ = split_windows((static_cast<int64_t>(bytes_.size()) - 1) / T_, cfg.eval_fraction, eval);
   }
+  // The held-out twin of a training source made from the same config: the
+  // same bytes, the tail's windows (Note [the held-out twin]).
+  TextSource(const TextSource& train, const DataConfig& cfg)
+      : path_(train.path_), T_(train.T_), held_(train.held_), bytes_(*held_),
+        range_(split_windows((static_cast<int64_t>(bytes_.size()) - 1) / T_, cfg.eval_fraction, true)) {}
+  bool made_from(const DataConfig& cfg) const { return cfg.path == path_ && cfg.seq_len == T_; }
   std::string describe() const override {
     return "text(" + path_ + ", " + std::to_string(bytes_.size()) + " bytes)";
   }
@@ -213,7 +230,8 @@ class TextSource final : public DataSource {
  private:
   std::string path_;
   int64_t T_;
-  std::vector<unsigned char> bytes_;
+  std::shared_ptr<const std::vector<unsigned char>> held_;  // shared with a held-out twin
+  const std::vector<unsigned char>& bytes_;
   WindowRange range_;
 };
 
@@ -222,8 +240,30 @@ class TextSource final : public DataSource {
 // allocates nothing and may run on several threads at once.
 class TokenSource final : public DataSource {
  public:
+  // Note [the held-out twin]
+  // The evaluation source of a training source made from the same config:
+  // the same open files (descriptors duplicated: the inodes the training
+  // source checked, even if a path has since been replaced), the facts its
+  // open learnt, and the tail's windows. An open reads the whole token
+  // file and mask to check them; with data.eval_fraction > 0 a second open
+  // read them again, doubling the time to start.
+  TokenSource(const TokenSource& train, const DataConfig& cfg)
+      : path_(train.path_), T_(train.T_), file_(duplicate_file(train.file_, path_)), set_(train.set_),
+        mask_path_(train.mask_path_),
+        mask_(train.mask_ ? std::make_unique<DataFile>(duplicate_file(*train.mask_, mask_path_)) : nullptr),
+        masked_share_(train.masked_share_), has_docs_(train.has_docs_), doc_starts_(train.doc_starts_),
+        header_(train.header_), w_(train.w_), offset_(train.offset_), num_tokens_(train.num_tokens_), V_(train.V_),
+        range_(split_windows((num_tokens_ - 1) / T_, cfg.eval_fraction, true)), made_from_(train.made_from_) {}
+  bool made_from(const DataConfig& cfg) const {
+    const DataConfig& m = made_from_;
+    return cfg.path == m.path && cfg.seq_len == m.seq_len && cfg.vocab_size == m.vocab_size &&
+           cfg.token_bytes == m.token_bytes && cfg.mask_path == m.mask_path &&
+           cfg.documents_path == m.documents_path;
+  }
+
   TokenSource(const DataConfig& cfg, bool eval)
-      : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)), mask_path_(cfg.mask_path) {
+      : path_(cfg.path), T_(cfg.seq_len), file_(open_data_file(cfg.path)), mask_path_(cfg.mask_path),
+        made_from_(cfg) {
     const int64_t size = file_.size;
     if (cfg.token_bytes != 0 && cfg.token_bytes != 2 && cfg.token_bytes != 4)
       throw ConfigError("data.token_dtype", "must be uint16 or uint32");
@@ -542,6 +582,7 @@ class TokenSource final : public DataSource {
   int64_t num_tokens_ = 0;
   int64_t V_ = 0;
   WindowRange range_;
+  DataConfig made_from_;  // the config this source (or its training twin) was opened with
 };
 
 // ---------------------------------------------------------------------------
@@ -687,6 +728,17 @@ void read_sample(const DataSource& source, int64_t index, Batch& batch, int64_t 
 
 std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg) {
   if (cfg.type != DataType::kSynthetic && cfg.eval_fraction <= 0.0) return nullptr;
+  return make_source(cfg, true);
+}
+
+std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg, const DataSource& train) {
+  if (cfg.type != DataType::kSynthetic && cfg.eval_fraction <= 0.0) return nullptr;
+  if (cfg.type == DataType::kTokens)
+    if (const auto* t = dynamic_cast<const TokenSource*>(&train); t && t->made_from(cfg))
+      return std::make_unique<TokenSource>(*t, cfg);
+  if (cfg.type == DataType::kText)
+    if (const auto* t = dynamic_cast<const TextSource*>(&train); t && t->made_from(cfg))
+      return std::make_unique<TextSource>(*t, cfg);
   return make_source(cfg, true);
 }
 

@@ -116,6 +116,12 @@ std::unique_ptr<DataSource> make_data_source(const DataConfig& cfg);
 // the file (nullptr when eval_fraction is 0); synthetic, a disjoint seeded
 // range of samples from the same distribution. Same errors as above.
 std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg);
+// The same, beside `train`, the source make_data_source(cfg) made: the
+// evaluation then shares its open files and what its open checked
+// (Note [the held-out twin] in data.cpp), instead of reading the whole
+// token file and mask again. A `train` made from another config is not
+// shared.
+std::unique_ptr<DataSource> make_eval_data_source(const DataConfig& cfg, const DataSource& train);
 
 // Sample `index` of `source` as row b of `batch` (B*T inputs, targets and,
 // where the source has them, positions, sized by the caller).

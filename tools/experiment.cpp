@@ -160,7 +160,7 @@ Experiment build_experiment(const nlohmann::json& doc, int world_size) {
     e.config.warnings.push_back(why);
   }
   if (e.experiment.run.eval_interval > 0) {
-    e.eval_data = make_eval_data_source(e.experiment.data);
+    e.eval_data = make_eval_data_source(e.experiment.data, *e.data);
     if (!e.eval_data)
       throw ConfigError("run.eval_interval", "evaluation needs held-out data: set data.eval_fraction > 0");
   }

@@ -294,6 +294,79 @@ TEST(TextSource, EvalFractionHoldsOutTheTail) {
   EXPECT_EQ(make_eval_data_source(c), nullptr);
 }
 
+// Note [the held-out twin]: the evaluation source made beside the training
+// one shares its open files and what its open checked. It reads the files
+// the training source opened even when their paths have since been
+// replaced (a separate open would read the new ones, and check them again).
+TEST(EvalSource, TheHeldOutTwinReadsTheFilesTheTrainingSourceOpened) {
+  std::string toks, other, mask, docs;
+  for (uint32_t t = 0; t < 401; ++t) put_u16(toks, (t * 37) % 300);
+  for (uint32_t t = 0; t < 401; ++t) put_u16(other, (t * 11) % 300);
+  for (int t = 0; t < 401; ++t) mask.push_back(t % 3 == 0 ? '\0' : '\1');
+  for (uint64_t d : {0ull, 17ull, 250ull, 390ull})
+    for (int k = 0; k < 8; ++k) docs.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
+  TempFile ft("twin.bin", toks), fm("twin.mask", mask), fd("twin.docs", docs), fo("twin_other.bin", other);
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = ft.path();
+  c.mask_path = fm.path();
+  c.documents_path = fd.path();
+  c.seq_len = 8;
+  c.vocab_size = 0;
+  c.eval_fraction = 0.25;
+  auto train = make_data_source(c);
+  auto alone = make_eval_data_source(c);  // opened on its own, before the replacement
+  ASSERT_EQ(std::rename(fo.path().c_str(), ft.path().c_str()), 0);  // another set's tokens at the path now
+  auto twin = make_eval_data_source(c, *train);
+  auto fresh = make_eval_data_source(c);
+  ASSERT_NE(twin, nullptr);
+  EXPECT_EQ(twin->num_samples(), alone->num_samples());
+  EXPECT_EQ(twin->num_samples(), 13);  // 50 windows, a quarter held out (12.5, rounded)
+  EXPECT_EQ(train->num_samples(), 37);
+  EXPECT_EQ(twin->describe(), alone->describe());
+  EXPECT_EQ(twin->vocab_size(), alone->vocab_size());
+  ASSERT_TRUE(twin->has_positions());
+  bool fresh_differs = false;
+  for (int64_t i = 0; i < twin->num_samples(); ++i) {
+    const Sample a = get_sample(*alone, i), b = get_sample(*twin, i), f = get_sample(*fresh, i);
+    EXPECT_EQ(b.inputs, a.inputs) << i;
+    EXPECT_EQ(b.targets, a.targets) << i;  // the mask's and the documents' ignored targets included
+    std::vector<int32_t> pa(8), pb(8);
+    alone->positions(i, pa.data());
+    twin->positions(i, pb.data());
+    EXPECT_EQ(pb, pa) << i;
+    fresh_differs = fresh_differs || f.inputs != a.inputs;
+  }
+  EXPECT_TRUE(fresh_differs);  // the path was replaced: a separate open reads the other file
+  // A training source made from another config is not shared: the
+  // evaluation is opened on its own, at its own config.
+  DataConfig c16 = c;
+  c16.seq_len = 16;
+  auto own = make_eval_data_source(c16, *train);
+  EXPECT_EQ(own->seq_len(), 16);
+  EXPECT_EQ(get_sample(*own, 0).inputs, get_sample(*make_eval_data_source(c16), 0).inputs);
+  c.eval_fraction = 0;
+  EXPECT_EQ(make_eval_data_source(c, *train), nullptr);
+}
+
+TEST(EvalSource, TheHeldOutTwinOfATextSourceSharesItsBytes) {
+  std::string bytes;
+  for (int i = 0; i < 41; ++i) bytes.push_back(static_cast<char>('a' + i % 26));
+  TempFile f("text_twin.txt", bytes), g("text_twin_other.txt", std::string(41, 'z'));
+  DataConfig c;
+  c.type = DataType::kText;
+  c.path = f.path();
+  c.seq_len = 4;
+  c.eval_fraction = 0.2;
+  auto train = make_data_source(c);
+  ASSERT_EQ(std::rename(g.path().c_str(), f.path().c_str()), 0);
+  auto twin = make_eval_data_source(c, *train);
+  ASSERT_NE(twin, nullptr);
+  EXPECT_EQ(twin->num_samples(), 2);
+  EXPECT_EQ(get_sample(*twin, 0).inputs[0], bytes[32]);  // window 8, of the bytes the training source read
+  EXPECT_EQ(get_sample(*make_eval_data_source(c), 0).inputs[0], 'z');
+}
+
 // ---------------------------------------------------------------------------
 // Token source.
 
