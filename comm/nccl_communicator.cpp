@@ -387,12 +387,7 @@ class NcclCommunicator final : public Communicator {
 
   // A one-element all-reduce, completed: no rank leaves before every rank
   // has entered (NCCL has no barrier of its own before 2.29's device API).
-  void barrier() override {
-    usable("barrier");
-    DeviceGuard g(rank_, device_, "barrier");
-    nccl_check(nccl().AllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier", "ncclAllReduce");
-    complete("barrier");
-  }
+  void barrier() override { meet("barrier"); }
 
   // ncclCommSplit with one colour keeps every rank in its order: a new
   // communicator of the same ranks and GPUs, independent of this one, with
@@ -401,9 +396,13 @@ class NcclCommunicator final : public Communicator {
   // until their peers arrive, and two communicators' kernels need not run
   // side by side), so the duplicate must not be driven concurrently with
   // this one; the engine drives one NCCL communicator from one thread.
+  // ncclCommSplit (blocking) waits for every rank with no time limit, so the
+  // ranks first meet in a barrier of this communicator, which has one: a
+  // rank that never comes (it failed before, or took another path) is
+  // named at comm.timeout_seconds instead of waited for forever.
   std::unique_ptr<Communicator> duplicate() override {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
-    usable("duplicate");
+    meet("duplicate");
     DeviceGuard g(rank_, device_, "duplicate");
     ncclComm_t child = nullptr;
     nccl_check(nccl().CommSplit(comm_, /*color=*/0, /*key=*/rank_, &child, /*config=*/nullptr), "duplicate",
@@ -530,6 +529,15 @@ class NcclCommunicator final : public Communicator {
       comm_ = nullptr;
     }
     throw nccl_failure(rank_, op, why + " (the NCCL communicator was aborted)");
+  }
+
+  // Every rank's one-element all-reduce, completed (within the time limit):
+  // no rank leaves before every rank has entered. `op` names the caller.
+  void meet(const std::string& op) {
+    usable(op);
+    DeviceGuard g(rank_, device_, op);
+    nccl_check(nccl().AllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), op, "ncclAllReduce");
+    complete(op);
   }
 
   // Whether a communicator of this process gave a collective up.

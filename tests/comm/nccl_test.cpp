@@ -737,6 +737,17 @@ TEST(NcclTimeout, ACollectiveWhosePeersNeverComeIsAbortedAtTheLimit) {
     expect_parts(p2p, {prefix + "exchange of 16 fp32: no completion after 1 s", "(the NCCL communicator was aborted)"});
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
+  // A duplicate whose peers never come: ncclCommSplit has no limit of its
+  // own (the emulation ends the process if it is reached), so the ranks
+  // meet first, and that meeting is given up at the limit.
+  {
+    std::unique_ptr<Communicator> r = make_nccl_communicator(*host);
+    setenv("ZINC_EMU_NCCL_STALL", "1", 1);
+    const std::string dup = message_of([&] { r->duplicate(); });
+    unsetenv("ZINC_EMU_NCCL_STALL");
+    expect_parts(dup, {prefix + "duplicate: no completion after 1 s", "(the NCCL communicator was aborted)"});
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   world().barrier();
 }
 

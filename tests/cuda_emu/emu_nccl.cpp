@@ -22,10 +22,13 @@
 // ZINC_EMU_NCCL_STALL=1 (read at each call; set it on every rank at the same
 // point) makes the peers of every collective and transfer never come: the
 // call returns, and its stream stops behind it until ncclCommAbort (Note [a
-// held collective] in cuda_emu.cpp), as on a GPU whose peer rank died.
+// held collective] in cuda_emu.cpp), as on a GPU whose peer rank died; a
+// blocking ncclCommSplit, which has no time limit, ends the process (86).
 #include <mpi.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -243,6 +246,12 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
 }
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* child, ncclConfig_t*) {
   if (!comm || comm->mpi == MPI_COMM_NULL) return ncclInvalidArgument;
+  // A blocking split whose peers never come waits forever on a GPU.
+  if (const char* v = std::getenv("ZINC_EMU_NCCL_STALL"); v && std::strcmp(v, "1") == 0) {
+    std::fprintf(stderr, "zinc_emu: ncclCommSplit waits for peers that never come: on a GPU it would wait forever\n");
+    std::fflush(stderr);
+    std::_Exit(86);
+  }
   auto* c = new ncclComm();
   if (MPI_Comm_split(comm->mpi, color, key, &c->mpi) != MPI_SUCCESS) {
     delete c;
