@@ -588,6 +588,79 @@ TEST(TokenSource, MaskAndDocumentsMaskTargetsAndRestartPositions) {
   EXPECT_EQ(b.positions.size(), 12u);
 }
 
+// Note [the open scan]: files of several of the scan's chunks (2 MiB),
+// read ahead on the reader's thread. What the scan finds is placed at the
+// chunks' edges: the largest token, the first token past the vocabulary,
+// a bad mask byte, so that a chunk read at the wrong offset or counted
+// twice is named at the wrong place.
+TEST(TokenSource, AScanOfManyChunksFindsWhatIsAtTheirEdges) {
+  const int64_t n = 5 * (int64_t{1} << 20) + 77;  // tokens: 10 MiB and change, 6 chunks; the mask 3
+  std::string toks, mask(static_cast<size_t>(n), '\1');
+  toks.reserve(static_cast<size_t>(2 * n));
+  for (int64_t t = 0; t < n; ++t) put_u16(toks, static_cast<uint32_t>(t % 1000));
+  const int64_t edge = int64_t{1} << 20;  // token 2^20 opens the tokens' second chunk
+  auto set_token = [&](std::string& b, int64_t at, uint32_t v) {
+    b[static_cast<size_t>(2 * at)] = static_cast<char>(v & 0xff);
+    b[static_cast<size_t>(2 * at + 1)] = static_cast<char>(v >> 8);
+  };
+  set_token(toks, edge - 1, 60000);  // the largest, last of the first chunk
+  int64_t zeros = 0;
+  for (int64_t at : {int64_t{0}, int64_t{2} << 20, (int64_t{2} << 20) - 1, n - 1, int64_t{12345}}) {
+    mask[static_cast<size_t>(at)] = '\0';
+    ++zeros;
+  }
+  TempFile ft("many.bin", toks), fm("many.mask", mask);
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = ft.path();
+  c.mask_path = fm.path();
+  c.seq_len = 64;
+  c.vocab_size = 0;
+  auto s = make_data_source(c);
+  EXPECT_EQ(s->vocab_size(), 60001);
+  char share[32];
+  std::snprintf(share, sizeof share, "%.1f%% masked", 100.0 * static_cast<double>(zeros) / static_cast<double>(n));
+  EXPECT_NE(s->describe().find(share), std::string::npos) << s->describe();
+  // The first token past a vocabulary of 50000, at the first chunk's end;
+  // then, past 60001, one at the third chunk's start.
+  c.vocab_size = 50000;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("token " + std::to_string(edge - 1) + " is 60000"), std::string::npos)
+        << e.what();
+  }
+  std::string wider = toks;
+  set_token(wider, 2 * edge, 61000);
+  TempFile fw("many_wider.bin", wider);
+  c.path = fw.path();
+  c.vocab_size = 60001;
+  try {
+    make_data_source(c);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("token " + std::to_string(2 * edge) + " is 61000"), std::string::npos)
+        << e.what();
+  }
+  // A bad mask byte in the mask's second chunk, after a good first chunk,
+  // and one at the very end.
+  c.path = ft.path();
+  for (int64_t at : {(int64_t{2} << 20) + 5, n - 1}) {
+    std::string bad = mask;
+    bad[static_cast<size_t>(at)] = '\7';
+    TempFile fb("many_bad.mask", bad);
+    c.mask_path = fb.path();
+    try {
+      make_data_source(c);
+      FAIL() << "expected ConfigError at " << at;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.path(), "data.mask_path");
+      EXPECT_NE(std::string(e.what()).find("byte " + std::to_string(at) + " is 7"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(TokenSource, BadMaskAndDocumentFilesAreNamed) {
   std::string toks;
   for (uint32_t t = 0; t < 9; ++t) put_u16(toks, t);
