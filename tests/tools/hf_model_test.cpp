@@ -207,7 +207,9 @@ TEST(HfModel, Bf16AndFp16WithinTheirTolerances) {
         engine.step();
       }
       EXPECT_TRUE(std::isfinite(engine.global_grad_norm())) << name << " " << half;
-      if (std::string(half) == "bf16") EXPECT_EQ(engine.overflow_steps(), 0) << name;
+      if (std::string(half) == "bf16") {
+        EXPECT_EQ(engine.overflow_steps(), 0) << name;
+      }
     }
   }
 }

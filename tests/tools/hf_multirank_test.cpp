@@ -141,9 +141,10 @@ TEST_P(HfRanksLora, EveryStageTrainsTheAdaptersWithTheBaseFrozen) {
     for (size_t b = 0; b < want.params.size(); ++b) {
       std::vector<float> got = engine.full_params(static_cast<int>(b));
       got.resize(want.params[b].size());
-      if (model->blocks()[b].frozen)
+      if (model->blocks()[b].frozen) {
         EXPECT_EQ(std::memcmp(got.data(), want.params[b].data(), got.size() * 4), 0)
             << GetParam() << " stage " << stage << ": frozen block " << b << " changed on rank " << rank;
+      }
       now.push_back(std::move(got));
     }
     if (first.empty())
