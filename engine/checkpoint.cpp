@@ -624,6 +624,65 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   }
 }
 
+// Note [what a tag holds]
+// A save replaces a tag folder as a whole and pruning removes one, so a tag
+// that holds anything a zinc save does not write (a model folder moved in,
+// a data file, another run's checkpoint folder) would lose it. A zinc tag
+// holds metadata.json, rank<R>.bin and rank<R>.json per rank, and
+// onebit<R>.bin with the compressed optimizers (R: five digits or more).
+// Returns the first other entry of `tag_dir`, or "".
+std::string foreign_entry(const std::string& tag_dir) {
+  namespace fs = std::filesystem;
+  auto numbered = [](const std::string& name, const std::string& head, const std::string& tail) {
+    if (name.size() < head.size() + 5 + tail.size() || name.compare(0, head.size(), head) != 0 ||
+        name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+      return false;
+    for (size_t i = head.size(); i < name.size() - tail.size(); ++i)
+      if (name[i] < '0' || name[i] > '9') return false;
+    return true;
+  };
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(tag_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code ec2;
+    const bool file = fs::is_regular_file(e.symlink_status(ec2));
+    if (file && (name == "metadata.json" || numbered(name, "rank", ".bin") || numbered(name, "rank", ".json") ||
+                 numbered(name, "onebit", ".bin")))
+      continue;
+    return name;
+  }
+  return "";
+}
+
+void check_replaceable_latest(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path p = fs::path(dir) / "latest";
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(p, ec);
+  if (!fs::exists(st)) return;
+  const std::string advice = "; every save replaces it: move it away, or save into another checkpoint folder";
+  if (!fs::is_regular_file(st))
+    throw IoError("checkpoint: " + p.string() + " is not a file (" +
+                  (fs::is_symlink(st) ? "a symbolic link" : fs::is_directory(st) ? "a folder" : "not a regular file") +
+                  ")" + advice);
+  // A pointer a save wrote: one line naming a tag of the folder (or a
+  // global_step<N> whose folder was removed by hand).
+  std::string text;
+  bool ours = fs::file_size(p, ec) <= 4096 && !ec;
+  if (ours) {
+    std::ifstream in(p, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    ours = !text.empty() && text.find_first_of(std::string("\n\r/\0", 4)) == std::string::npos && text != "." &&
+           text != "..";
+    ours = ours && (tag_step(text) >= 0 || fs::is_directory(fs::symlink_status(fs::path(dir) / text, ec)));
+  }
+  if (!ours)
+    throw IoError("checkpoint: " + p.string() +
+                  " is not a checkpoint pointer (a save writes one line there naming a tag of the folder; a file "
+                  "of yours?)" + advice);
+}
+
 void check_replaceable_tag(const std::string& dir, const std::string& tag) {
   namespace fs = std::filesystem;
   const fs::path p = fs::path(dir) / tag;
@@ -647,6 +706,9 @@ void check_replaceable_tag(const std::string& dir, const std::string& tag) {
   if (!zinc)
     throw IoError("checkpoint: " + p.string() + " exists and is not a zinc checkpoint tag (no zinc metadata.json: "
                   "another tool's checkpoint, or a folder of yours)" + advice);
+  if (const std::string other = foreign_entry(p.string()); !other.empty())
+    throw IoError("checkpoint: " + p.string() + " holds " + other + ", which a zinc save does not write (yours?)" +
+                  advice);
 }
 
 void commit_tag(const std::string& parent, const std::string& tmp, const std::string& tag) {
@@ -738,6 +800,11 @@ std::vector<std::string> prune(const std::string& dir, int64_t keep, const std::
   for (size_t i = static_cast<size_t>(keep - 1); i < older.size(); ++i) {
     const fs::path from = fs::path(dir) / older[i].second;
     const fs::path to = fs::path(dir) / ("." + older[i].second + ".pruned");
+    if (const std::string other = foreign_entry(from.string()); !other.empty()) {
+      log_warn("run.keep_last: kept " + from.string() + ": it holds " + other +
+               ", which a zinc save does not write (yours?); remove the tag yourself once that is moved out");
+      continue;
+    }
     fs::remove_all(to, ec);
     if (::rename(from.c_str(), to.c_str()) != 0) {
       log_warn("run.keep_last: could not remove " + from.string() + ": " + std::strerror(errno));

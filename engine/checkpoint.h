@@ -196,9 +196,12 @@ class DirLock {
   ~DirLock();
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
+  // Another lock held as long as this one (released after it).
+  void also_hold(std::unique_ptr<DirLock> other) { also_ = std::move(other); }
 
  private:
   void take(const std::string& dir, const std::string& what, const std::string& lock_file);
+  std::unique_ptr<DirLock> also_;
   std::string key_;
   LockUse use_ = LockUse::kWrite;
   std::recursive_mutex* writing_ = nullptr;  // kWrite: the folder's in-process writer lock, held
@@ -210,7 +213,8 @@ class DirLock {
 // or ones this run resumed before) and the tag `latest` names are never
 // removed; only complete zinc checkpoints are (a folder is renamed to
 // .TAG.pruned first, so a crash mid-removal leaves no half tag under its
-// name). Returns the tags removed.
+// name), and a tag holding what zinc did not write is kept, with a warning
+// (Note [what a tag holds]). Returns the tags removed.
 std::vector<std::string> prune(const std::string& dir, int64_t keep, const std::string& saved);
 
 // Test hook: ZINC_CHECKPOINT_FAULT=PHASE:N kills this process (SIGKILL, as
@@ -235,7 +239,16 @@ void commit_tag(const std::string& parent, const std::string& tmp, const std::st
 // checkpoint tag (a folder whose metadata.json says "zinc-checkpoint"): a
 // save of the tag would replace it, and with it a DeepSpeed checkpoint of
 // the same name, or a user's folder or file. Nothing there: returns.
+// Also refused: a tag that holds anything a zinc save does not write
+// (Note [what a tag holds]), which the save would remove with the folder.
 void check_replaceable_tag(const std::string& dir, const std::string& tag);
+// The first entry of a tag folder that a zinc save does not write, or "".
+std::string foreign_entry(const std::string& tag_dir);
+// Refuses (IoError naming it) a `dir/latest` that a save could not replace
+// without loss: not a regular file, or not one line naming a tag of the
+// folder (a user's file, a config or data file of that name). Nothing
+// there: returns.
+void check_replaceable_latest(const std::string& dir);
 // N of "global_stepN" (digits only), or -1.
 int64_t tag_step(const std::string& name);
 // fsync of a folder (its entries).

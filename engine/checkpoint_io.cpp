@@ -167,6 +167,7 @@ void Engine::Impl::save_checkpoint(const std::string& dir, std::string tag, cons
     attempt([&] {
       lock.emplace(dir);
       ckpt::check_replaceable_tag(dir, tag);
+      ckpt::check_replaceable_latest(dir);
       fs::remove_all(partial);
       fs::create_directory(partial);
     });

@@ -146,6 +146,26 @@ void check_creatable(const std::string& key, const std::string& folder) {
 
 }  // namespace
 
+void check_checkpoint_path_room(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p = fs::absolute(dir, ec);
+  if (ec) throw ConfigError("run.checkpoint_dir", "cannot resolve " + dir + ": " + ec.message());
+  // The deepest path a save writes below the folder: a tag's partial
+  // folder of a 20-digit step and a rank file's temporary.
+  const std::string deepest = "/.global_step18446744073709551615.partial/onebit1000000000.json.tmp";
+  if (p.string().size() + deepest.size() >= PATH_MAX)
+    throw ConfigError("run.checkpoint_dir",
+                      dir + ": its path is " + std::to_string(p.string().size()) + " bytes, and a save writes files " +
+                          "up to " + std::to_string(deepest.size()) + " bytes below it, past the system's limit of " +
+                          std::to_string(PATH_MAX - 1) + " bytes for a path; choose a folder with a shorter path");
+  for (const fs::path& part : p)
+    if (part.string().size() > NAME_MAX)
+      throw ConfigError("run.checkpoint_dir", dir + ": the name " + part.string().substr(0, 40) +
+                                                  "... is longer than the file system's " + std::to_string(NAME_MAX) +
+                                                  " bytes");
+}
+
 json resolved_document(const Config& c, const ExperimentConfig& e) {
   json j = to_json(c);
   j.update(to_json(e));
@@ -250,6 +270,7 @@ void check_startable(const Experiment& ex) {
     check_creatable("csv_monitor.output_path", (fs::path(c.csv_monitor.output_path) / c.csv_monitor.job_name).string());
   if (c.tensorboard.enabled)
     check_creatable("tensorboard.output_path", (fs::path(c.tensorboard.output_path) / c.tensorboard.job_name).string());
+  check_checkpoint_path_room(ex.experiment.run.checkpoint_dir);  // a stop signal saves there too
   if (ex.experiment.run.checkpoint_interval > 0) check_creatable("run.checkpoint_dir", ex.experiment.run.checkpoint_dir);
   // Sequence ranks: the model splits its rows and the rows divide.
   if (c.sequence_split()) describe_sequence_ranks(*ex.model, c, ex.data->seq_len());

@@ -76,5 +76,10 @@ CheckReport check_config(const std::string& path, const std::vector<std::string>
 // The start-up checks above for an experiment already built. Throws
 // ConfigError naming the key (zinc-train's runs call it too).
 void check_startable(const Experiment& ex);
+// Refuses (ConfigError at run.checkpoint_dir) a checkpoint folder whose
+// path leaves no room below it for the files a save writes (the system's
+// PATH_MAX), or with a name past NAME_MAX: the first save failed after
+// training.
+void check_checkpoint_path_room(const std::string& dir);
 
 }  // namespace zinc::tools

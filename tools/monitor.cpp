@@ -69,7 +69,33 @@ void tfrecord_append(std::string& out, std::string_view data) {
   append_le(out, tfrecord_masked_crc(data.data(), data.size()), 4);
 }
 
-CsvMonitor::CsvMonitor(const CsvMonitorConfig& c) : dir_(create_folder("csv_monitor", c)) {}
+// The monitor appends to its files, and a resumed run rewrites them without
+// the rows past its step: a file of its folder that is not a monitor's CSV
+// (a config or data file of the run's, a user's file with a .csv name) is
+// refused before the run starts rather than written into. A monitor's file
+// (DeepSpeed's or zinc's) begins with the header row "step,NAME".
+CsvMonitor::CsvMonitor(const CsvMonitorConfig& c) : dir_(create_folder("csv_monitor", c)) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_, ec)) {
+    if (e.path().extension() != ".csv") continue;
+    std::error_code ec2;
+    const fs::file_status st = e.symlink_status(ec2);
+    std::string first;
+    bool ours = fs::is_regular_file(st);
+    if (ours && fs::file_size(e.path(), ec2) > 0) {
+      std::ifstream in(e.path(), std::ios::binary);
+      char head[5] = {};
+      in.read(head, 5);
+      ours = in.gcount() == 5 && std::string(head, 5) == "step,";
+    }
+    if (!ours)
+      throw IoError("csv_monitor: " + e.path().string() + " is not a csv_monitor file (" +
+                    (fs::is_regular_file(st) ? std::string("its first row is not \"step,NAME\"")
+                                              : std::string(fs::is_symlink(st) ? "a symbolic link" : "not a file")) +
+                    "), and the monitor appends to the .csv files of its folder: a file of yours? Move it, or set "
+                    "another csv_monitor.output_path or job_name");
+  }
+}
 
 void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
   std::string file = tag;

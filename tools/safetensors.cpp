@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -196,8 +197,10 @@ int64_t parse_size(const std::string& text, const std::string& what) {
   auto u = kUnits.find(unit);
   if (i == 0 || u == kUnits.end())
     throw Error(what + ": '" + text + "' is not a size (a number of bytes, or with a unit: KB, MB, GB, KiB, MiB, GiB)");
-  const double v = std::stod(text.substr(0, j)) * u->second;
-  if (v < 1 || v > 9.0e18) throw Error(what + ": '" + text + "' is out of range (at least 1 byte)");
+  // strtod: a number past a double's range is inf (std::stod threw).
+  const double v = std::strtod(text.substr(0, j).c_str(), nullptr) * u->second;
+  if (v < 1) throw Error(what + ": '" + text + "' is less than 1 byte");
+  if (!(v <= 9.0e18)) throw Error(what + ": '" + text + "' is more than the largest size taken (9e18 bytes)");
   return static_cast<int64_t>(v);
 }
 

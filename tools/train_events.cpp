@@ -1,5 +1,8 @@
 #include "tools/train_events.h"
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -106,9 +109,22 @@ std::unique_ptr<ckpt::DirLock> hold(const std::string& dir, const std::string& k
 
 std::unique_ptr<ckpt::DirLock> hold_checkpoint_dir(const RunConfig& run, comm::Communicator& comm) {
   const std::string& dir = run.checkpoint_dir;
+  check_checkpoint_path_room(dir);
   std::unique_ptr<ckpt::DirLock> lock =
-      hold(dir, "run.checkpoint_dir", "checkpoint folder", comm,
-           [&] { return std::make_unique<ckpt::DirLock>(dir, "checkpoint folder", "", ckpt::LockUse::kRun); });
+      hold(dir, "run.checkpoint_dir", "checkpoint folder", comm, [&] {
+        auto own = std::make_unique<ckpt::DirLock>(dir, "checkpoint folder", "", ckpt::LockUse::kRun);
+        // An export into this folder (another run's --save-pretrained,
+        // zinc-export) locks it from beside it (lock_output_folder): that
+        // lock is held too, so that neither is refused only at its end,
+        // after training. Where the parent takes no file (the root, a
+        // folder this user cannot write) no export can replace the folder.
+        namespace fs = std::filesystem;
+        std::error_code ec;
+        const fs::path p = fs::canonical(dir, ec);
+        if (!ec && p.has_parent_path() && p != p.root_path() && ::access(p.parent_path().c_str(), W_OK) == 0)
+          own->also_hold(lock_output_folder(dir, "run.checkpoint_dir", "checkpoint folder", ckpt::LockUse::kRun));
+        return own;
+      });
   if (comm.size() == 1) return lock;
   // Rank 0's lock holds its pid and host: every rank must read it there.
   auto holder = [&] {

@@ -423,18 +423,22 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // A tag this run saves that holds what zinc did not write (a DeepSpeed
   // global_step1000, a user's file) would be replaced by the save: refused
   // now (ckpt::check_replaceable_tag), not at that save after training.
+  // `latest` is a file every save replaces, a stop signal's too (so with
+  // no checkpoint_interval as well): a folder of that name failed the first
+  // save, after training, and a file of the user's was replaced.
+  zinc::ckpt::check_replaceable_latest(run.checkpoint_dir);
   if (run.checkpoint_interval > 0) {
     std::error_code ec;
-    // `latest` is a file every save replaces: a folder of that name failed
-    // the first save, after training.
-    const auto latest_status = std::filesystem::symlink_status(run.checkpoint_dir + "/latest", ec);
-    if (std::filesystem::exists(latest_status) && !std::filesystem::is_regular_file(latest_status))
-      throw zinc::Error("run.checkpoint_dir " + run.checkpoint_dir + ": its `latest` is not a file (a folder or a "
-                        "link), and every save replaces it; move it away or choose another folder");
+    // A resumed run saves only past the step its latest tag names.
+    int64_t from = 0;
+    if (std::string tag; resume && std::getline(std::ifstream((resume->empty() ? run.checkpoint_dir : *resume) +
+                                                              "/latest"),
+                                                tag))
+      from = std::max<int64_t>(0, zinc::ckpt::tag_step(tag));
     for (const auto& e : std::filesystem::directory_iterator(run.checkpoint_dir, ec)) {
       const std::string name = e.path().filename().string();
       const int64_t n = zinc::ckpt::tag_step(name);
-      if (n >= 1 && n <= run.steps && (n % run.checkpoint_interval == 0 || n == run.steps))
+      if (n > from && n <= run.steps && (n % run.checkpoint_interval == 0 || n == run.steps))
         zinc::ckpt::check_replaceable_tag(run.checkpoint_dir, name);
     }
   }

@@ -58,6 +58,7 @@
 #include "core/log.h"
 #include "data/data.h"
 #include "engine/engine.h"
+#include "python/src/unconstructed.h"
 #include "tools/experiment.h"
 #include "tools/hf_model.h"
 #include "tools/resources.h"
@@ -721,7 +722,7 @@ PYBIND11_MODULE(_zinc, m) {
   m.attr("CommError") = py::handle(g_comm_error);
   py::register_exception_translator(&translate);
 
-  py::class_<PyEngine>(m, "Engine", R"doc(
+  py::class_<PyEngine>(m, "Engine", zinc::python::refuse_unconstructed(), R"doc(
 A training engine over one of zinc's built-in models: ZeRO stages 0-3,
 bf16 / fp16, gradient accumulation, offload, as the config says. Make one
 with zinc.initialize(config).
@@ -784,8 +785,12 @@ marks the engine closed and returns; the running call finishes and frees it.
       .def("close", &PyEngine::close,
            "close()\n\nFrees the engine's memory and files. Idempotent; never raises. While another thread is "
            "inside a call on this engine, marks it closed and returns at once: that call finishes, then frees it.")
-      .def("__enter__", [](PyEngine& e) -> PyEngine& { return e; }, py::return_value_policy::reference)
-      .def("__exit__", [](PyEngine& e, py::args) { e.close(); })
+      .def("__enter__",
+           [](py::handle self) {
+             zinc::python::constructed_self<PyEngine>(self);
+             return py::reinterpret_borrow<py::object>(self);
+           })
+      .def("__exit__", [](py::handle self, py::args) { zinc::python::constructed_self<PyEngine>(self).close(); })
       .def_property_readonly("closed", &PyEngine::closed, "True after close().")
       .def_property_readonly("global_steps", engine_property("global_steps", &zinc::Engine::global_steps),
                              "Optimizer steps taken (global batches completed), skipped ones included.")
@@ -818,7 +823,8 @@ zinc's `model`, `data`, `run` and `comm` sections. Raises zinc.ConfigError
 (a ValueError, with .path) for a wrong value and OSError for a file that
 cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
 
-  py::class_<TrainRun>(m, "_TrainRun", "One zinc.train run, step by step (use zinc.train).")
+  py::class_<TrainRun>(m, "_TrainRun", zinc::python::refuse_unconstructed(),
+                       "One zinc.train run, step by step (use zinc.train).")
       .def(py::init<py::object, std::optional<int64_t>, bool>(), py::arg("config"), py::arg("steps") = py::none(),
            py::arg("ignore_resources") = false)
       .def("start", &TrainRun::start, "The config (and auto) events.")

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "optim/optim.h"
+#include "python/src/unconstructed.h"
 
 namespace py = pybind11;
 
@@ -158,7 +159,7 @@ class AdamW {
 
 void bind_optim(py::module_& m) {
   py::module_ o = m.def_submodule("optim", "zinc's CPU optimizers on NumPy arrays (use zinc.optim).");
-  py::class_<AdamW>(o, "AdamW", R"doc(
+  py::class_<AdamW>(o, "AdamW", zinc::python::refuse_unconstructed(), R"doc(
 AdamW (or Adam with L2 decay, adamw_mode=False) with zinc's kernels: the
 same code the engine runs, vectorised (AVX2 / AVX-512 / AVX512-BF16 chosen
 at run time, ZINC_OPTIM_ISA to force one) and threaded (OMP_NUM_THREADS).

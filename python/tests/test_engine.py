@@ -393,3 +393,39 @@ def test_masked_targets_and_packed_positions(doc):
         bad[0, 3] = 7
         with pytest.raises(zinc.Error, match="row 0, token 3 has position 7"):
             engine.evaluate({"inputs": x, "targets": y, "positions": bad})
+
+
+def test_an_object_made_by_new_without_its_constructor_raises_type_error():
+    # Note [an instance made with __new__]: Engine.__new__(Engine) and
+    # AdamW.__new__(AdamW) gave methods uninitialised memory: a property read
+    # garbage, a call segfaulted or hung. In a child process, so that a
+    # crash fails this test and not the session.
+    script = textwrap.dedent("""
+        import numpy as np, zinc, zinc.optim
+        def refused(f, words):
+            try:
+                f()
+            except TypeError as e:
+                assert words in str(e), str(e)
+                return
+            raise AssertionError("not refused")
+        e = zinc.Engine.__new__(zinc.Engine)
+        refused(lambda: e.closed, "made by __new__ without its constructor, so it has no closed")
+        refused(lambda: e.forward(), "so it has no forward")
+        def in_with():
+            with e:
+                pass
+        refused(in_with, "made by __new__ without its constructor")
+        refused(lambda: zinc.Engine.__exit__(5, None, None, None), "expected an instance of Engine, got int")
+        o = zinc.optim.AdamW.__new__(zinc.optim.AdamW)
+        p = np.ones(1000, np.float32)
+        refused(lambda: o.lr, "so it has no lr")
+        refused(lambda: o.step(1, p, p.copy(), p.copy(), p.copy()), "so it has no step")
+        r = zinc._zinc._TrainRun.__new__(zinc._zinc._TrainRun)
+        refused(lambda: r.start(), "so it has no start")
+        assert type(e) is zinc.Engine and e.__class__ is zinc.Engine
+        assert zinc.optim.AdamW(lr=0.5).lr == 0.5  # made properly: as before
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)

@@ -74,6 +74,24 @@ TEST(Safetensors, SizesWithUnits) {
       EXPECT_NE(std::string(e.what()).find("--max-shard-size"), std::string::npos) << e.what();
     }
   }
+  // Too large is said as too large, however many digits (400 of them
+  // overflowed std::stod, an exception of another kind).
+  const std::string digits400(400, '9');
+  for (const std::string& big : {std::string("9223372036854775807"), std::string("18446744073709551615"), digits400,
+                                 std::string("10000000TB")}) {
+    try {
+      parse_size(big, "--max-shard-size");
+      ADD_FAILURE() << big;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is more than the largest size taken"), std::string::npos) << e.what();
+    }
+  }
+  try {
+    parse_size("0.5", "--max-shard-size");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'0.5' is less than 1 byte"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -661,3 +661,119 @@ def test_the_adapter_and_the_merged_model_never_share_a_folder(tmp_path):
         r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(out), "--merge", "--save-adapter", other)
         assert r.returncode == 1 and "is the folder --save-pretrained writes" in r.stderr, (other, r.stderr)
         assert "step 1" not in r.stdout and not out.exists()
+
+
+# ---- found by a hostile user's sweep (2026-12-02) ----------------------------------------------
+
+
+def gpt_config(tmp, **extra):
+    """A one-layer GPT on synthetic data, with `extra` merged into its run section."""
+    cfg = tmp / "gpt1.json"
+    doc = {"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+           "data": {"type": "synthetic", "vocab_size": 64, "seq_len": 16},
+           "run": dict({"steps": 2, "checkpoint_dir": str(tmp / "ck")}, **extra)}
+    cfg.write_text(json.dumps(doc))
+    return str(cfg)
+
+
+def test_a_latest_that_is_not_a_checkpoint_pointer_is_refused_before_training(tmp_path):
+    # Every save replaces `latest`: a regular file of that name was replaced
+    # whatever it held, the run's own config included; a folder of that name
+    # was checked only with checkpoint_interval, and a stop signal's save
+    # then failed after training.
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    cfg = gpt_config(tmp_path, checkpoint_interval=1)
+    shutil.copy(cfg, ck / "latest")
+    before = (ck / "latest").read_bytes()
+    r = run(ZINC_TRAIN, str(ck / "latest"), "--steps", "1")
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "ck/latest is not a checkpoint pointer" in line, line
+    assert (ck / "latest").read_bytes() == before
+    (ck / "latest").unlink()
+    (ck / "latest").mkdir()
+    r = run(ZINC_TRAIN, gpt_config(tmp_path), "--steps", "1")  # no checkpoint_interval
+    assert r.returncode == 1 and "ck/latest is not a file (a folder)" in r.stderr, r.stderr
+    (ck / "latest").rmdir()
+    # A pointer whose tag was removed by hand is still zinc's: replaced.
+    (ck / "latest").write_text("global_step9\n")
+    r = run(ZINC_TRAIN, gpt_config(tmp_path, checkpoint_interval=1), "--steps", "1")
+    assert r.returncode == 0, r.stderr
+    assert (ck / "latest").read_text() == "global_step1\n"
+
+
+def test_a_tag_holding_what_zinc_did_not_write_is_neither_replaced_nor_pruned(tmp_path):
+    # A model folder moved into a tag (or another run's checkpoint folder
+    # made there) was removed with the tag by the next save of it, or by
+    # run.keep_last's pruning.
+    cfg = gpt_config(tmp_path, checkpoint_interval=1)
+    assert run(ZINC_TRAIN, cfg).returncode == 0
+    ck = tmp_path / "ck"
+    (ck / "global_step1" / "model").mkdir()
+    (ck / "global_step1" / "model" / "config.json").write_text("{}")
+    r = run(ZINC_TRAIN, cfg)  # afresh: its first save is global_step1
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "ck/global_step1 holds model, which a zinc save does not write" in line, line
+    r = run(ZINC_TRAIN, cfg, "--steps", "4", "--resume", "--set", "run.keep_last=1")
+    assert r.returncode == 0, r.stderr
+    assert "run.keep_last: kept" in r.stderr and "global_step1: it holds model" in r.stderr, r.stderr
+    assert (ck / "global_step1" / "model" / "config.json").read_text() == "{}"
+    assert not (ck / "global_step2").exists() and (ck / "global_step4").exists()
+
+
+def test_a_csv_monitor_file_that_is_not_the_monitors_is_refused_before_training(tmp_path):
+    # The monitor appended its rows to whatever had a .csv name in its
+    # folder: the run's own config there was left unreadable.
+    folder = tmp_path / "csv" / "j"
+    folder.mkdir(parents=True)
+    cfg = folder / "Train_Samples_train_loss.csv"
+    shutil.copy(gpt_config(tmp_path), cfg)
+    before = cfg.read_bytes()
+    r = run(ZINC_TRAIN, str(cfg), "--set", "steps_per_print=1",
+            "--set", 'csv_monitor={"enabled": true, "output_path": "%s", "job_name": "j"}' % (tmp_path / "csv"))
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    (line,) = errors(r)
+    assert "Train_Samples_train_loss.csv is not a csv_monitor file" in line, line
+    assert cfg.read_bytes() == before
+
+
+def test_a_checkpoint_folder_and_an_export_folder_are_never_one_folder_of_two_runs(tmp_path):
+    # A run that checkpoints into the folder another run exports into at its
+    # end (or the other way round) was not refused: the exporting run
+    # trained to the end, then found the other's tags in its folder.
+    holder = subprocess.Popen([ZINC_TRAIN, gpt_config(tmp_path), "--steps", "1000000", "--save-pretrained",
+                               str(tmp_path / "out")], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        for line in holder.stdout:  # its locks are taken before its first step
+            if line.startswith("step "):
+                break
+        other = tmp_path / "other"
+        other.mkdir()
+        r = run(ZINC_TRAIN, gpt_config(other, checkpoint_interval=1), "--set",
+                "run.checkpoint_dir=%s" % json.dumps(str(tmp_path / "out")))
+        assert r.returncode == 1 and "is in use by another run" in r.stderr, r.stderr
+        assert not (tmp_path / "out" / "global_step1").exists()
+        r = run(ZINC_TRAIN, gpt_config(other), "--save-pretrained", str(tmp_path / "ck"))
+        assert r.returncode == 1 and "is in use by another run" in r.stderr and "step 1" not in r.stdout, r.stderr
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+
+
+def test_a_checkpoint_folder_with_no_room_below_it_for_a_save_is_refused_at_the_start(tmp_path):
+    # A folder path that fit, with the files a save writes below it past
+    # PATH_MAX: the first save failed after training, naming a filesystem
+    # error. (4000 bytes: the folder itself is made; its tags would not fit.)
+    deep = str(tmp_path)
+    while len(deep) < 3900:
+        deep += "/" + "d" * 200
+    deep += "/" + "e" * (4000 - len(deep) - 1)
+    cfg = gpt_config(tmp_path, checkpoint_interval=1)
+    for extra in (("--check",), ()):
+        r = run(ZINC_TRAIN, cfg, "--set", "run.checkpoint_dir=%s" % json.dumps(deep), *extra)
+        assert r.returncode == 1 and "step 1" not in r.stdout, (extra, r.stdout, r.stderr)
+        out = r.stdout + r.stderr
+        assert "run.checkpoint_dir" in out and "past the system's limit of 4095 bytes for a path" in out, out
