@@ -1,5 +1,7 @@
 #include "tools/resources.h"
 
+#include <sys/resource.h>
+
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
@@ -53,9 +55,17 @@ int64_t parse_bytes(const std::string& s) {
 }  // namespace
 
 int64_t Room::ram() const {
-  if (mem_available < 0) return cgroup_room;
-  if (cgroup_room < 0) return mem_available;
-  return std::min(mem_available, cgroup_room);
+  int64_t out = -1;
+  for (const int64_t v : {mem_available, cgroup_room, address_room})
+    if (v >= 0 && (out < 0 || v < out)) out = v;
+  return out;
+}
+
+std::string Room::where() const {
+  const int64_t r = ram();
+  if (r >= 0 && r == cgroup_room) return "cgroup " + cgroup_where;
+  if (r >= 0 && r == address_room) return address_where;
+  return "MemAvailable " + gib(mem_available);
 }
 
 Room memory_room() {
@@ -92,6 +102,22 @@ Room memory_room() {
       if (p.string() == "/" || p.empty() || !p.has_parent_path() || p.parent_path() == p) break;
       p = p.parent_path();
     }
+  }
+  // The address-space limit, against the address space this process maps
+  // now (VmSize counts reserved but untouched memory too, which the limit
+  // counts as well).
+  struct rlimit as {};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("VmSize:", 0) == 0) {
+        const int64_t used = parse_bytes(line.substr(7)) * 1024;
+        const int64_t limit = static_cast<int64_t>(std::min<rlim_t>(as.rlim_cur, rlim_t{1} << 62));
+        if (used >= 0) {
+          r.address_room = std::max<int64_t>(0, limit - used);
+          r.address_where = "RLIMIT_AS (ulimit -v) " + gib(limit) + ", " + gib(used) + " of address space mapped";
+        }
+      }
   }
   return r;
 }
@@ -162,9 +188,7 @@ std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int
   if (room.ram() < 0 || need - held <= room.ram()) return "";
   return "a batch of " + std::to_string(B) + " x " + std::to_string(T) + " tokens needs about " + gib(need) +
          " of activations (" + gib(need - held) + " more than the engine holds), but the process may take " +
-         gib(room.ram()) + " (" +
-         (room.ram() == room.cgroup_room ? "cgroup " + room.cgroup_where : "MemAvailable " + gib(room.mem_available)) +
-         "): pass smaller batches";
+         gib(room.ram()) + " (" + room.where() + "): pass smaller batches";
 }
 
 std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
@@ -185,9 +209,7 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   if (room.ram() >= 0 && more > room.ram())
     out.push_back("RAM: " + ranks + " will need " + gib(more) + " more (--estimate: " + gib(e.ram_bytes()) +
                   " per rank, " + gib(rss) + " of it in use), but the process may take " + gib(room.ram()) +
-                  " (" + (room.ram() == room.cgroup_room ? "cgroup " + room.cgroup_where
-                                                         : "MemAvailable " + gib(room.mem_available)) +
-                  "); lower the model, micro-batch or stage's memory (" +
+                  " (" + room.where() + "); lower the model, micro-batch or stage's memory (" +
                   (packed > 0 ? "model.pack_frozen_weights false saves " + gib(packed) + " per rank, " : "") +
                   "offload_optimizer, offload_param, gradient checkpointing), or pass --ignore-resources");
   // Disk, per file system (folders on one disk share its room): the NVMe

@@ -21,7 +21,12 @@ struct Room {
   int64_t mem_available = -1;  // /proc/meminfo MemAvailable
   int64_t cgroup_room = -1;    // the tightest cgroup memory.max less memory.current, over the cgroup's ancestors
   std::string cgroup_where;    // the cgroup file of that limit
-  int64_t ram() const;         // the smaller known figure, -1 if neither
+  // RLIMIT_AS (ulimit -v, a batch scheduler's limit) less the address
+  // space in use (VmSize): past it an allocation fails whatever RAM is free.
+  int64_t address_room = -1;
+  std::string address_where;
+  int64_t ram() const;        // the smallest known figure, -1 if none
+  std::string where() const;  // what ram() is: "cgroup ...", "RLIMIT_AS ...", "MemAvailable ..."
 };
 Room memory_room();
 // Free bytes for an unprivileged writer on the file system of `path` (its

@@ -19,6 +19,11 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // gathered blocks) then costs one page fault per 2 MiB instead of 512 (the
 // kernel may decline; the tail past the last boundary takes small pages).
 void* map_bytes(size_t len) {
+  // Test hook: ZINC_FAULT_ALLOC_BYTES=N fails every mapping of N bytes or
+  // more, as an exhausted address space or memory limit would (read at each
+  // mapping: the large, rare allocations).
+  if (const char* f = std::getenv("ZINC_FAULT_ALLOC_BYTES"); f && *f && len >= std::strtoull(f, nullptr, 10))
+    throw std::bad_alloc();
   const bool huge = len >= kHugePage;
   const size_t span = huge ? len + kHugePage : len;
   void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

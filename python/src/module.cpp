@@ -354,11 +354,12 @@ class PyEngine {
   float forward(py::object batch) {
     zinc::Engine& e = engine("forward");
     if (batch.is_none()) {
+      check_config_batch("zinc.Engine.forward");
       ComputeScope scope;
       return e.forward(loader_->next());
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.forward");
-    check_room(b, "zinc.Engine.forward");
+    check_room(b.B, b.T, "zinc.Engine.forward");
     ComputeScope scope;
     return e.forward(b);
   }
@@ -377,13 +378,14 @@ class PyEngine {
   double train_batch(py::object data) {
     zinc::Engine& e = engine("train_batch");
     if (data.is_none()) {
+      check_config_batch("zinc.Engine.train_batch");
       ComputeScope scope;
       return e.train_batch(*loader_);
     }
     const int64_t ga = ex_.config.gradient_accumulation_steps;
     std::vector<zinc::Batch> batches;
     for (py::handle b : data) batches.push_back(to_batch(b, "zinc.Engine.train_batch"));
-    for (const zinc::Batch& b : batches) check_room(b, "zinc.Engine.train_batch");
+    for (const zinc::Batch& b : batches) check_room(b.B, b.T, "zinc.Engine.train_batch");
     if (static_cast<int64_t>(batches.size()) != ga)
       throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
                             std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
@@ -396,12 +398,13 @@ class PyEngine {
       if (!ex_.eval_data)
         throw py::value_error(
             "zinc.Engine.evaluate: the config has no held-out data (set run.eval_interval > 0), so pass a batch");
+      check_config_batch("zinc.Engine.evaluate");
       ComputeScope scope;
       return zinc::tools::evaluate(e, *ex_.eval_data, ex_.experiment.run.eval_batches,
                                    ex_.config.train_micro_batch_size_per_gpu);
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.evaluate");
-    check_room(b, "zinc.Engine.evaluate");
+    check_room(b.B, b.T, "zinc.Engine.evaluate");
     ComputeScope scope;
     return e.evaluate(b);
   }
@@ -509,16 +512,23 @@ class PyEngine {
  private:
   // A batch larger than any so far: MemoryError where its activations
   // cannot fit (tools::batch_room_refusal), before anything is allocated.
-  void check_room(const zinc::Batch& b, const std::string& fn) {
-    if (b.B * b.T <= held_B_ * held_T_) return;
+  // A batch no larger in B and in T than one let through needs no more
+  // (a product no larger does not: attention's scores grow with T^2).
+  void check_room(int64_t B, int64_t T, const std::string& fn) {
+    if (B <= held_B_ && T <= held_T_) return;
+    const int64_t b = std::max(B, held_B_), t = std::max(T, held_T_);
     const std::string why =
-        zinc::tools::batch_room_refusal(*ex_.model, ex_.config.compute_dtype(), b.B, b.T, held_B_, held_T_);
+        zinc::tools::batch_room_refusal(*ex_.model, ex_.config.compute_dtype(), b, t, held_B_, held_T_);
     if (!why.empty()) {
       PyErr_SetString(PyExc_MemoryError, (fn + ": " + why).c_str());
       throw py::error_already_set();
     }
-    held_B_ = b.B;
-    held_T_ = b.T;
+    held_B_ = b;
+    held_T_ = t;
+  }
+  // The config's micro-batch (the data section's batches, the held-out ones).
+  void check_config_batch(const std::string& fn) {
+    check_room(ex_.config.train_micro_batch_size_per_gpu, ex_.data->seq_len(), fn);
   }
   int64_t held_B_ = 0, held_T_ = 0;  // the largest batch check_room let through
 
@@ -634,11 +644,39 @@ class PyEngine {
 
 // A binding of a PyEngine method that holds the engine's Call around it
 // (Note [one call at a time]).
+//
+// Note [an allocation that failed mid-call]
+// An allocation that fails inside a call (past the batch's room check:
+// the estimate is an estimate) leaves the engine mid-step, holding what it
+// had allocated so far; a later call then ran out again where oneDNN does
+// not fail cleanly (a segfault creating a primitive), and so did a new
+// engine beside it. So the engine is closed there (freed when the call
+// ends) and the MemoryError says so: a new engine with a smaller batch is
+// the way on.
+[[noreturn]] void out_of_memory(const std::string& fn, const std::bad_alloc& x) {
+  PyErr_SetString(PyExc_MemoryError, (fn + ": out of memory: an allocation failed (" + x.what() +
+                                      ") building the engine; zinc-train CONFIG --estimate says what a config needs")
+                                         .c_str());
+  throw py::error_already_set();
+}
+
 template <class R, class... A>
 auto one_call(const char* name, R (PyEngine::*f)(A...)) {
   return [name, f](PyEngine& e, A... a) -> R {
-    PyEngine::Call call(e, std::string("zinc.Engine.") + name);
-    return (e.*f)(std::forward<A>(a)...);
+    const std::string fn = std::string("zinc.Engine.") + name;
+    PyEngine::Call call(e, fn);
+    try {
+      return (e.*f)(std::forward<A>(a)...);
+    } catch (const std::bad_alloc& x) {
+      e.close();  // pending: freed as the Call ends
+      PyErr_SetString(PyExc_MemoryError,
+                      (fn + ": out of memory: an allocation failed (" + x.what() +
+                       "); the engine is closed, its memory freed (it was left mid-step): make a new one with "
+                       "smaller batches or less memory per rank (zinc-train CONFIG --estimate says what a "
+                       "config needs)")
+                          .c_str());
+      throw py::error_already_set();
+    }
   };
 }
 // A property reading the engine under a Call.
@@ -814,7 +852,16 @@ marks the engine closed and returns; the running call finishes and frees it.
       .def_property_readonly("config", &PyEngine::config,
                              "The resolved config: every key with the value it takes (zinc-train's config event).");
 
-  m.def("initialize", [](py::object config) { return std::make_unique<PyEngine>(config); }, py::arg("config"),
+  m.def(
+      "initialize",
+      [](py::object config) {
+        try {
+          return std::make_unique<PyEngine>(config);
+        } catch (const std::bad_alloc& x) {
+          out_of_memory("zinc.initialize", x);
+        }
+      },
+      py::arg("config"),
         R"doc(initialize(config) -> Engine
 
 Builds the experiment a config describes, as zinc-train does: config is a
@@ -825,8 +872,14 @@ cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
 
   py::class_<TrainRun>(m, "_TrainRun", zinc::python::refuse_unconstructed(),
                        "One zinc.train run, step by step (use zinc.train).")
-      .def(py::init<py::object, std::optional<int64_t>, bool>(), py::arg("config"), py::arg("steps") = py::none(),
-           py::arg("ignore_resources") = false)
+      .def(py::init([](py::object config, std::optional<int64_t> steps, bool ignore_resources) {
+             try {
+               return std::make_unique<TrainRun>(config, steps, ignore_resources);
+             } catch (const std::bad_alloc& x) {
+               out_of_memory("zinc.train", x);
+             }
+           }),
+           py::arg("config"), py::arg("steps") = py::none(), py::arg("ignore_resources") = false)
       .def("start", &TrainRun::start, "The config (and auto) events.")
       .def("step", &TrainRun::step, "Trains one step; its events, or None after the last step.")
       .def("summary", &TrainRun::summary, "The summary event.")

@@ -429,3 +429,69 @@ def test_an_object_made_by_new_without_its_constructor_raises_type_error():
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)
+
+
+def test_an_allocation_that_fails_inside_a_call_closes_the_engine_and_says_so(doc):
+    # Note [an allocation that failed mid-call]: a std::bad_alloc past the
+    # batch's room check left the engine mid-step, holding what it had
+    # allocated; the next call then segfaulted inside oneDNN under the same
+    # memory limit. ZINC_FAULT_ALLOC_BYTES fails the large mappings, as an
+    # exhausted limit does. In a child process: a crash fails this test.
+    script = textwrap.dedent("""
+        import json, os, sys, numpy as np, zinc
+        doc = json.loads(sys.argv[1])
+        x = np.random.randint(0, 64, (2, 16), dtype=np.int32)
+        e = zinc.initialize(doc)
+        e.forward((x, x))
+        os.environ["ZINC_FAULT_ALLOC_BYTES"] = str(1 << 20)
+        big = np.random.randint(0, 64, (64, 64), dtype=np.int32)
+        try:
+            e.forward((big, big))
+            raise AssertionError("no MemoryError")
+        except MemoryError as err:
+            text = str(err)
+        assert "zinc.Engine.forward: out of memory: an allocation failed" in text, text
+        assert "the engine is closed, its memory freed" in text, text
+        assert e.closed
+        try:
+            e.forward((x, x))
+            raise AssertionError("a closed engine ran")
+        except ValueError as err:
+            assert "the engine is closed" in str(err), str(err)
+        del os.environ["ZINC_FAULT_ALLOC_BYTES"]
+        with zinc.initialize(doc) as again:
+            assert np.isfinite(again.forward((x, x)))
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(doc)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout, r.stderr)
+
+
+def test_an_address_space_limit_is_room_the_batch_check_knows():
+    # Under `ulimit -v` (RLIMIT_AS) the room check read MemAvailable only and
+    # let a batch through that could not fit, and train_batch() with the
+    # config's data was not checked at all: std::bad_alloc, after which the
+    # next forward segfaulted inside oneDNN.
+    script = textwrap.dedent("""
+        import json, resource, sys, numpy as np
+        resource.setrlimit(resource.RLIMIT_AS, (1536 << 20, 1536 << 20))
+        import zinc
+        doc = json.loads(sys.argv[1])
+        doc["model"] = {"type": "gpt", "n_layer": 2, "n_head": 8, "n_embd": 256}
+        doc["train_batch_size"] = 256
+        doc["data"]["seq_len"] = 1024
+        e = zinc.initialize(doc)
+        try:
+            e.train_batch()
+            raise AssertionError("no MemoryError")
+        except MemoryError as err:
+            text = str(err)
+        assert "zinc.Engine.train_batch: a batch of 256 x 1024 tokens needs about" in text, text
+        assert "RLIMIT_AS (ulimit -v) 1.50 GiB" in text, text
+        x = np.random.randint(0, 64, (4, 16), dtype=np.int32)
+        assert np.isfinite(e.forward((x, x)))  # refused before anything was allocated: still usable
+        print("ok")
+    """)
+    doc = json.loads((REPO / "configs" / "default.json").read_text())
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(doc)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout, r.stderr)

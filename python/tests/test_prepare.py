@@ -462,6 +462,35 @@ def test_uint32_tokens_for_a_large_vocabulary(tmp_path, capsys):
     assert os.path.getsize(f"{prefix}.bin") == 1024 + 4 * 7
 
 
+def test_a_special_token_that_is_not_text_is_a_damaged_config(tmp_path, capsys):
+    # An eos_token of 128009 (an id where transformers has text) was read as
+    # "no eos token": every document was written without its EOS, rc 0.
+    # null is transformers' "no such token"; --eos overrides the config's.
+    import shutil
+    folder = tmp_path / "tok"
+    shutil.copytree(LLAMA3, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one document"}\n{"text": "another document"}\n')
+    before = None
+    for bad in (128009, {"content": 5}, [1], True):
+        (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, eos_token=bad)))
+        rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=folder)
+        assert rc == 1 and "tokenizer_config.json: eos_token is %s, not a token" % json.dumps(bad) in err, (bad, err)
+        assert before is None or open(f"{prefix}.bin", "rb").read() == before  # the last good set is kept
+        rc, err, prefix = run_prepare(tmp_path, capsys, data, "--eos", "<|eot_id|>", tokenizer=folder)
+        assert rc == 0, err
+        before = open(f"{prefix}.bin", "rb").read()
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, bos_token=7)))
+    rc, err, _ = run_prepare(tmp_path, capsys, data, tokenizer=folder)
+    assert rc == 1 and "bos_token is 7, not a token" in err, err
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, eos_token=None)))
+    rc, err, prefix = run_prepare(tmp_path, capsys, data, tokenizer=folder)
+    assert rc == 0, err
+    tokens, _, docs, _, _ = read_outputs(prefix)
+    assert len(docs) == 2 and tok(LLAMA3).token_to_id("<|eot_id|>") not in tokens
+
+
 def test_failed_run_keeps_earlier_outputs(tmp_path, capsys):
     rc, err, _ = run_prepare(tmp_path, capsys, FIX / "alpaca.jsonl")
     assert rc == 0, err

@@ -397,3 +397,29 @@ def test_an_input_too_large_for_memory_gets_one_line_and_writes_nothing(tmp_path
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "zinc.prepare: error: out of memory reading the input" in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_a_record_longer_than_a_row_could_hold_is_bad_before_it_is_tokenized(tmp_path):
+    # A 2 MB line took ~170 bytes of memory per byte in the tokenizer before
+    # its length was checked (a 50 MB one 8.5 GB), and under a 512 MB limit
+    # the tokenizer's allocator aborted the process (rc 134, no message).
+    # Its length is now bounded first: no tokenizer covers 2 MB with 65
+    # tokens. --truncate still tokenizes it (and cuts it).
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": "word " * 400_000}) + "\n" + json.dumps({"text": "a short one"}) + "\n")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 29, 1 << 29)); "
+            "from zinc import prepare; sys.exit(prepare.main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, str(data), "--tokenizer", str(CHATML), "--seq-len", "64",
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "one.jsonl:1: 2000000 characters, more than the tokens a row holds could cover" in r.stderr, \
+        r.stderr
+    assert "1 documents" in r.stderr and "1 bad records" in r.stderr, r.stderr
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "word " * 100}) + "\n" + json.dumps({"text": "a short one"}) + "\n")
+    for extra, words in (((), "302 tokens, more than --seq-len + 1 = 65"), (("--truncate",), "0 bad records")):
+        r = subprocess.run([sys.executable, "-m", "zinc.prepare", str(small), "--tokenizer", str(CHATML),
+                            "--seq-len", "64", "--out", str(tmp_path / "s"), *extra], capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert r.returncode == 0 and words in r.stderr, (extra, r.stderr)

@@ -206,8 +206,20 @@ def mask_from_spans(offsets: list, spans: list[tuple[int, int]]) -> bytearray:
 class Encoder:
     """Turns a record (parsed JSON or text) into an Item, and batches of Items into (ids, mask) pairs."""
 
-    def __init__(self, info: TokenizerInfo, fmt: str, use_chat_template: bool):
+    def __init__(self, info: TokenizerInfo, fmt: str, use_chat_template: bool, max_tokens: Optional[int] = None):
         self.info, self.fmt = info, fmt
+        # A record longer than max_tokens is bad (when not cut): one whose text is longer than any max_tokens
+        # tokens could cover is said so before it is tokenized, which takes ~170 bytes of memory per byte of
+        # text (a 50 MB line took 8.5 GB, and under a memory limit the tokenizer's allocator aborted the
+        # process). A token covers at most its piece's UTF-8 bytes of input (byte-level pieces map a byte to
+        # a character of one or two bytes); a normalizer may shorten the text first (NFC, removed accents or
+        # control characters), for which a margin of 4 is kept. len(text) <= its bytes: a cheap bound.
+        self.max_chars = None
+        if max_tokens is not None:
+            vocab = info.tokenizer.get_vocab(with_added_tokens=True)
+            piece = max((len(p.encode("utf-8", "surrogatepass")) for p in vocab), default=1)
+            margin = 4 if info.tokenizer.normalizer is not None else 1
+            self.max_chars = (max_tokens + 2) * piece * margin
         # Where only the ids are needed: encode_batch_fast (tokenizers >= 0.21) skips the offsets.
         self.encode_ids = getattr(info.tokenizer, "encode_batch_fast", info.tokenizer.encode_batch)
         self.chat = ChatRenderer(info) if fmt == "chat" or (fmt == "alpaca" and use_chat_template) else None
@@ -219,6 +231,9 @@ class Encoder:
         it = self._item(source, line, record)
         for text in (it.text, it.response):
             _check_unicode(text)
+        chars = len(it.text) + len(it.response or "")
+        if self.max_chars is not None and chars > self.max_chars:
+            raise BadRecord(f"{chars} characters, more than the tokens a row holds could cover (--truncate cuts it)")
         return it
 
     def _item(self, source: int, line: int, record: Any) -> Item:

@@ -93,6 +93,15 @@ def load_tokenizer(path: str, eos: Optional[str] = None, chat_template_path: Opt
             raise PrepareError(f"{config_file}: invalid JSON: nested too deeply")
         if not isinstance(config, dict):
             raise PrepareError(f"{config_file}: a JSON {type(config).__name__}, not an object")
+    # A special token is text, an AddedToken {"content": text}, or null (none). Anything else is a damaged
+    # file: read as "no such token", an eos_token of 128009 left every document without its EOS.
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if value is not None and _token_text(value) is None and not (name == "eos_token" and eos is not None):
+            shown = json.dumps(value)
+            raise PrepareError(f"{files['tokenizer config']}: {name} is {shown[:80]}{'...' if len(shown) > 80 else ''}"
+                               ", not a token (a string, or an object with a \"content\" string, as transformers "
+                               "writes it): the file is damaged; fix it, or pass --eos for the eos token")
     special = {name: t for name in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(name))) is not None}
     if eos is not None:
         special["eos_token"] = eos

@@ -345,9 +345,9 @@ def _prepare(args: argparse.Namespace, prefix: str, inputs: list[str]) -> dict:
     if args.use_chat_template and fmt != "alpaca":
         raise PrepareError("--use-chat-template is for --format alpaca (chat always uses the template)")
     info = load_tokenizer(args.tokenizer, args.eos, args.chat_template)
-    encoder = Encoder(info, fmt, args.use_chat_template)
     pack = args.pack or ("rows" if fmt in ("alpaca", "chat") else "stream")
     limit = args.seq_len if pack == "rows" else args.seq_len + 1  # the longest record that fits
+    encoder = Encoder(info, fmt, args.use_chat_template, None if args.truncate or args.chunk else limit)
     packer = RowPacker(args.seq_len, info.eos_id if info.eos_id is not None else 0) if pack == "rows" else None
     sources = [Source(p) for p in inputs]
     bad_total = 0
