@@ -141,6 +141,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
     std::vector<std::string> inputs = opts.inputs;
     if (!opts.copy_from.empty()) inputs.push_back(opts.copy_from);
     folder.emplace(opts.out_dir, opts.what, inputs);
+    check_model_kind(opts.out_dir, opts.what, false);
   }
   const fs::path stage = writer ? fs::path(folder->staging()) : fs::path();
 

@@ -165,6 +165,20 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
   if (ec) throw IoError(what + ": cannot list the folder: " + ec.message());
 }
 
+void check_model_kind(const std::string& dir, const std::string& what, bool adapter) {
+  std::error_code ec;
+  auto has = [&](const char* name) { return fs::is_regular_file(fs::path(dir) / name, ec); };
+  if (!adapter && has("adapter_config.json"))
+    throw Error(what + " " + dir + " holds adapter_config.json, a PEFT adapter's: transformers would load the "
+                "folder as that adapter over its base model, not the model this export writes; move the adapter's "
+                "files out, or export into another folder");
+  if (adapter && has("config.json") &&
+      (has("model.safetensors") || has("model.safetensors.index.json") || has("pytorch_model.bin")))
+    throw Error(what + " " + dir + " holds a full model (config.json and its weights): transformers would load "
+                "the folder as this adapter over its base model and ignore that model; write the adapter into "
+                "another folder");
+}
+
 std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
                                                   const std::string& kind, ckpt::LockUse use) {
   if (path.empty() || path.find('\0') != std::string::npos) check_output_folder(path, what, {});  // throws

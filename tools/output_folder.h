@@ -26,6 +26,14 @@ namespace zinc::tools {
 // DIR", ...) and saying what to do instead.
 void check_output_folder(const std::string& dir, const std::string& what, const std::vector<std::string>& inputs);
 
+// An export keeps the user's files in its folder, but not the other kind
+// of model folder's: a full model's export into a folder holding a PEFT
+// adapter (adapter_config.json), or an adapter's into one holding a full
+// model (config.json and its weights), leaves a folder that transformers
+// loads as the adapter over its base model, ignoring the full model.
+// Refused (Error naming the file) for `adapter` false and true respectively.
+void check_model_kind(const std::string& dir, const std::string& what, bool adapter);
+
 // Why an output at `path` may not lie inside the folder `in` that a run
 // reads, or "" where it may: inside a model or adapter folder (config.json
 // or adapter_config.json in it) an export would replace or mix with the

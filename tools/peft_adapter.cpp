@@ -148,7 +148,10 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
   PeftExportResult result;
   const bool writer = opts.rank == 0;
   std::optional<OutputFolder> folder;
-  if (writer) folder.emplace(opts.out_dir, opts.what, opts.inputs);
+  if (writer) {
+    folder.emplace(opts.out_dir, opts.what, opts.inputs);
+    check_model_kind(opts.out_dir, opts.what, true);
+  }
   // Every adapter tensor, in model order, with PEFT's name; then the
   // modules to save, PEFT's prefix on the base's name.
   std::vector<SafeTensor> tensors;

@@ -166,6 +166,7 @@ std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const 
                                                   const std::vector<std::string>& inputs, comm::Communicator& comm) {
   return hold(dir, key, "export folder", comm, [&] {
     check_output_folder(dir, key, inputs);
+    check_model_kind(dir, key, key == "--save-adapter");
     return lock_output_folder(dir, key, "export folder", ckpt::LockUse::kRun);
   });
 }

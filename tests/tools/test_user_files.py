@@ -777,3 +777,26 @@ def test_a_checkpoint_folder_with_no_room_below_it_for_a_save_is_refused_at_the_
         assert r.returncode == 1 and "step 1" not in r.stdout, (extra, r.stdout, r.stderr)
         out = r.stdout + r.stderr
         assert "run.checkpoint_dir" in out and "past the system's limit of 4095 bytes for a path" in out, out
+
+
+def test_a_full_model_and_an_adapter_are_never_exported_into_one_folder(tmp_path):
+    # An export keeps the user's files: a merged model written into a folder
+    # holding a PEFT adapter kept its adapter_config.json, and transformers
+    # then loaded the folder as that adapter over its base model, ignoring
+    # the weights just written. The same the other way round. Refused before
+    # training.
+    src = copy_fixture(tmp_path)
+    cfg = lora_config(tmp_path, src, {"r": 2, "target_modules": ["q_proj"]})
+    adapter, full = tmp_path / "adapter", tmp_path / "full"
+    assert run(ZINC_TRAIN, cfg, "--steps", "1", "--save-adapter", str(adapter)).returncode == 0
+    assert run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(full), "--merge").returncode == 0
+    before = (digest(adapter), digest(full))
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(adapter), "--merge")
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    assert "holds adapter_config.json, a PEFT adapter's" in r.stderr, r.stderr
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-adapter", str(full))
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    assert "holds a full model (config.json and its weights)" in r.stderr, r.stderr
+    assert (digest(adapter), digest(full)) == before
+    # Each into its own kind of folder again: as before.
+    assert run(ZINC_TRAIN, cfg, "--steps", "1", "--save-adapter", str(adapter)).returncode == 0
