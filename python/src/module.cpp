@@ -359,7 +359,6 @@ class PyEngine {
       return e.forward(loader_->next());
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.forward");
-    check_room(b.B, b.T, "zinc.Engine.forward");
     ComputeScope scope;
     return e.forward(b);
   }
@@ -385,7 +384,6 @@ class PyEngine {
     const int64_t ga = ex_.config.gradient_accumulation_steps;
     std::vector<zinc::Batch> batches;
     for (py::handle b : data) batches.push_back(to_batch(b, "zinc.Engine.train_batch"));
-    for (const zinc::Batch& b : batches) check_room(b.B, b.T, "zinc.Engine.train_batch");
     if (static_cast<int64_t>(batches.size()) != ga)
       throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
                             std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
@@ -404,7 +402,6 @@ class PyEngine {
                                    ex_.config.train_micro_batch_size_per_gpu);
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.evaluate");
-    check_room(b.B, b.T, "zinc.Engine.evaluate");
     ComputeScope scope;
     return e.evaluate(b);
   }
@@ -534,7 +531,7 @@ class PyEngine {
 
   // A batch: (inputs, targets) as a tuple or list, or a dict with those keys
   // and optionally 'positions' (packed documents, Batch::positions).
-  zinc::Batch to_batch(py::handle batch, const std::string& fn) const {
+  zinc::Batch to_batch(py::handle batch, const std::string& fn) {
     py::object in, tg, pos;
     if (py::isinstance<py::dict>(batch)) {
       py::dict d = py::reinterpret_borrow<py::dict>(batch);
@@ -572,6 +569,9 @@ class PyEngine {
     if (max_t_ > 0 && b.T > max_t_)
       throw py::value_error(fn + ": inputs has T = " + std::to_string(b.T) + " tokens per sample; the model's block_size is " +
                             std::to_string(max_t_));
+    // Before the copies: a batch too large for memory (a np.memmap of
+    // gigabytes) is refused before it is copied too.
+    check_room(b.B, b.T, fn);
     const size_t n = static_cast<size_t>(b.B * b.T);
     b.inputs.assign(a.data(), a.data() + n);
     b.targets.assign(t.data(), t.data() + n);
@@ -581,6 +581,17 @@ class PyEngine {
         throw py::value_error(fn + ": positions must have the shape of inputs (" + std::to_string(a.shape(0)) + ", " +
                               std::to_string(a.shape(1)) + ")");
       b.positions.assign(p.data(), p.data() + n);
+      // The engine's rule (Engine::Impl::check_batch), said here as the
+      // ValueError of a bad argument, with the call's name.
+      for (int64_t r = 0; r < b.B; ++r)
+        for (int64_t j = 0; j < b.T; ++j) {
+          const int32_t v = b.positions[static_cast<size_t>(r * b.T + j)];
+          const int32_t prev = j > 0 ? b.positions[static_cast<size_t>(r * b.T + j - 1)] : -1;
+          if (v != 0 && v != prev + 1)
+            throw py::value_error(fn + ": positions[" + std::to_string(r) + ", " + std::to_string(j) + "] = " +
+                                  std::to_string(v) + "; each row starts at 0 and each next position is 0 (a new "
+                                  "document) or the previous + 1");
+        }
     }
     check_tokens(b.inputs, b.T, fn, "inputs");
     check_tokens(b.targets, b.T, fn, "targets", true);

@@ -391,7 +391,8 @@ def test_masked_targets_and_packed_positions(doc):
             engine.evaluate((x, y_bad))
         bad = pos.copy()
         bad[0, 3] = 7
-        with pytest.raises(zinc.Error, match="row 0, token 3 has position 7"):
+        # A bad argument's ValueError, named by the call, as for the tokens.
+        with pytest.raises(ValueError, match=r"zinc.Engine.evaluate: positions\[0, 3\] = 7; each row starts at 0"):
             engine.evaluate({"inputs": x, "targets": y, "positions": bad})
 
 

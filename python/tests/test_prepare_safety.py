@@ -423,3 +423,18 @@ def test_a_record_longer_than_a_row_could_hold_is_bad_before_it_is_tokenized(tmp
                             "--seq-len", "64", "--out", str(tmp_path / "s"), *extra], capture_output=True,
                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
         assert r.returncode == 0 and words in r.stderr, (extra, r.stderr)
+
+
+def test_a_lock_path_that_is_a_fifo_and_a_prefix_folder_that_is_a_file_are_named(tmp_path, capsys):
+    # A FIFO at .PREFIX.lock gave "[Errno 22] Invalid argument" naming no
+    # path; --out FILE/x said FILE was "no such folder".
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n')
+    os.mkfifo(tmp_path / ".o.lock")
+    rc, err, _ = run_prepare(tmp_path, capsys, data, name="o")
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"zinc.prepare: error: {tmp_path}/.o.lock: the --out prefix's lock file is not a regular file; remove it"), err
+    (tmp_path / "afile").write_text("mine")
+    rc, err, _ = run_prepare(tmp_path, capsys, data, name="afile/x")
+    assert rc == 1 and "afile: not a folder (the --out prefix's folder must be one)" in err, err
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import stat
 import struct
 import sys
 import zlib
@@ -59,6 +60,8 @@ def check_out_prefix(out: str) -> str:
                            "choose a UTF-8 name") from None
     folder = os.path.dirname(prefix)
     if not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise PrepareError(f"{folder}: not a folder (the --out prefix's folder must be one)")
         raise PrepareError(f"{folder}: no such folder (the --out prefix's folder must exist)")
     return prefix
 
@@ -131,7 +134,10 @@ class PrefixLock:
 
     def _acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device put there: not a lock to write
+                os.close(fd)
+                raise PrepareError(f"{self.path}: the --out prefix's lock file is not a regular file; remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
