@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/log.h"
 #include "engine/checkpoint.h"
 #include "tools/hf_model.h"
 #include "tools/output_folder.h"
@@ -110,6 +111,26 @@ static void refuse_non_finite(const std::string& name, const std::vector<float>&
                         : " (NaN or infinity in the weights: a merge whose adapters' scale overflowed, or a "
                           "diverged run)") +
               "; nothing was replaced");
+}
+
+void check_side_files(const std::string& source, const std::string& what) {
+  if (source.empty()) return;
+  for (const std::string& f : side_files()) {
+    const fs::path from = fs::path(source) / f;
+    std::error_code ec;
+    const fs::file_status link = fs::symlink_status(from, ec);
+    if (!fs::exists(link)) continue;  // not there: nothing to copy
+    const fs::file_status st = fs::status(from, ec);
+    std::string kind;
+    if (!fs::exists(st)) kind = "a symbolic link to " + fs::read_symlink(from, ec).string() + ", which does not exist";
+    else if (fs::is_directory(st)) kind = "a folder";
+    else if (!fs::is_regular_file(st)) kind = "not a regular file (a FIFO, a device or a socket)";
+    else if (const auto size = fs::file_size(from, ec); !ec && size > static_cast<uintmax_t>(kMaxSideFileBytes))
+      kind = std::to_string(size) + " bytes, over the " + std::to_string(kMaxSideFileBytes) + " an export copies";
+    if (!kind.empty())
+      throw Error(what + ": " + from.string() + " is " + kind + "; an export copies the model folder's tokenizer "
+                  "and generation files: fix it, or remove it from the folder");
+  }
 }
 
 HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
@@ -259,6 +280,7 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   config["torch_dtype"] = torch_dtype_name(result.dtype);
   ckpt::write_file_atomic((stage / "config.json").string(), config.dump(2) + "\n");
   if (!opts.copy_from.empty()) {
+    check_side_files(opts.copy_from, opts.what);
     for (const std::string& f : side_files()) {
       const fs::path from = fs::path(opts.copy_from) / f;
       if (!fs::is_regular_file(from)) continue;
@@ -308,9 +330,16 @@ HfExportResult export_checkpoint_hf(const std::string& checkpoint_dir, const std
                               "zinc-train --save-adapter writes the adapters in PEFT's format and --save-pretrained "
                               "--merge the merged model, and the default --format safetensors writes the adapters");
   check_checkpoint_blocks(files.dir, blocks, *model, cfg.architecture);
-  if (opts.copy_from.empty() && client.contains("hf_source") && client["hf_source"].is_string() &&
-      fs::is_directory(client["hf_source"].get<std::string>()))
-    opts.copy_from = client["hf_source"].get<std::string>();
+  // The source folder's tokenizer files, and no export into it.
+  const CheckpointSource source = checkpoint_source(
+      client.contains("hf_source") && client["hf_source"].is_string() ? client["hf_source"].get<std::string>() : "",
+      checkpoint_dir);
+  if (opts.copy_from.empty() && !source.dir.empty() && fs::is_directory(source.dir)) opts.copy_from = source.dir;
+  if (!source.relative.empty() && opts.copy_from.empty())
+    log_warn(opts.what + ": " + files.dir + " names its source model by the relative path " + source.relative +
+             " (an earlier zinc-train wrote it so), which is not known from here: no tokenizer files are copied; "
+             "copy them from that folder");
+  opts.inputs.insert(opts.inputs.end(), source.protect.begin(), source.protect.end());
   // The checkpoint being read (and the folder that holds its tags) is not
   // an export folder either.
   opts.inputs.push_back(files.dir);

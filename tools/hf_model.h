@@ -138,6 +138,12 @@ struct HfExportResult {
 // called once per block in model order (a collective read, e.g.
 // Engine::full_params, may be behind it; with rank != 0 every block is
 // read and nothing written, so that all ranks take part).
+// Refuses (Error) a tokenizer or generation file of the model folder
+// `source` that an export would copy but cannot: a dangling link, a FIFO,
+// a folder, or a file past the side files' size limit. Dropped without a
+// word, the export had no tokenizer; refused at the export, the run had
+// trained first. zinc-train checks at its start; export_hf again.
+void check_side_files(const std::string& source, const std::string& what);
 HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockReader& read, const HfExportOptions& opts,
                          const std::function<void(const std::string&)>& progress = nullptr);
 

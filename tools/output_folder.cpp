@@ -179,6 +179,27 @@ void check_model_kind(const std::string& dir, const std::string& what, bool adap
                 "another folder");
 }
 
+CheckpointSource checkpoint_source(const std::string& hf_source, const std::string& checkpoint_dir) {
+  CheckpointSource out;
+  if (hf_source.empty()) return out;
+  std::vector<std::string> places;
+  if (fs::path(hf_source).is_absolute()) {
+    out.dir = hf_source;
+    places.push_back(hf_source);
+  } else {
+    out.relative = hf_source;
+    places.push_back(hf_source);
+    std::error_code ec;
+    const fs::path parent = fs::absolute(checkpoint_dir, ec).lexically_normal().parent_path();
+    if (!ec) places.push_back((parent / hf_source).string());
+  }
+  for (const std::string& p : places) {
+    out.protect.push_back(p);
+    for (std::string& t : link_targets(p)) out.protect.push_back(std::move(t));
+  }
+  return out;
+}
+
 std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const std::string& what,
                                                   const std::string& kind, ckpt::LockUse use) {
   if (path.empty() || path.find('\0') != std::string::npos) check_output_folder(path, what, {});  // throws

@@ -34,6 +34,21 @@ void check_output_folder(const std::string& dir, const std::string& what, const 
 // Refused (Error naming the file) for `adapter` false and true respectively.
 void check_model_kind(const std::string& dir, const std::string& what, bool adapter);
 
+// The pretrained model folder a checkpoint was trained from, as its
+// client_state.hf_source names it, for zinc-export. `dir`: the folder
+// (absolute, as zinc-train now writes it), or "" when it names none, or
+// names it by a relative path (an earlier zinc wrote the config's path as
+// given, relative to a working folder zinc-export cannot know: resolved
+// here, it read another folder's tokenizer). `relative` is then that path,
+// and `protect` where it might be (from the current folder and from the
+// checkpoint folder's parent), with the files the folder's symbolic links
+// lead to: no export may write there.
+struct CheckpointSource {
+  std::string dir, relative;
+  std::vector<std::string> protect;
+};
+CheckpointSource checkpoint_source(const std::string& hf_source, const std::string& checkpoint_dir);
+
 // Why an output at `path` may not lie inside the folder `in` that a run
 // reads, or "" where it may: inside a model or adapter folder (config.json
 // or adapter_config.json in it) an export would replace or mix with the

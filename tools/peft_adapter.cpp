@@ -1,7 +1,7 @@
 #include "tools/peft_adapter.h"
 
 #include <algorithm>
-
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -34,6 +34,10 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
   if (has("lora_alpha")) {
     if (!doc["lora_alpha"].is_number()) fail("lora_alpha", "expected a number, got " + doc["lora_alpha"].dump());
     l.alpha = doc["lora_alpha"].get<double>();
+    // As model.lora.lora_alpha: 0 scales every adapter to nothing (no step
+    // could change the model), and past float's range the scale is inf.
+    if (!(l.alpha > 0) || !std::isfinite(static_cast<float>(l.alpha)))
+      fail("lora_alpha", "expected a number > 0 within float's range, got " + doc["lora_alpha"].dump());
   }
   if (has("use_rslora")) {
     if (!doc["use_rslora"].is_boolean()) fail("use_rslora", "expected true or false");
@@ -235,8 +239,11 @@ PeftExportResult export_checkpoint_peft(const std::string& checkpoint_dir, const
   cfg.model = std::move(fc);
   const std::shared_ptr<Model> model = make_hf_model(cfg);
   check_checkpoint_blocks(files.dir, files.meta.at("blocks"), *model, cfg.architecture + " with its LoRA adapters");
-  if (opts.base_model.empty() && client.contains("hf_source") && client["hf_source"].is_string())
-    opts.base_model = client["hf_source"].get<std::string>();
+  if (client.contains("hf_source") && client["hf_source"].is_string()) {
+    const CheckpointSource source = checkpoint_source(client["hf_source"].get<std::string>(), checkpoint_dir);
+    if (opts.base_model.empty()) opts.base_model = client["hf_source"].get<std::string>();
+    opts.inputs.insert(opts.inputs.end(), source.protect.begin(), source.protect.end());
+  }
   // The checkpoint being read (and the folder that holds its tags) is not
   // an export folder either.
   opts.inputs.push_back(files.dir);

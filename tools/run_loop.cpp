@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <set>
 
@@ -116,7 +117,11 @@ void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLo
   // Face layout: its config.json, and the folder it came from (tokenizer files).
   if (!ex.hf) return;
   client["hf_config"] = ex.hf->raw;
-  if (!ex.experiment.model.from_pretrained.empty()) client["hf_source"] = ex.experiment.model.from_pretrained;
+  // Absolute: zinc-export runs from another folder (a relative path was
+  // resolved there, against another folder's tokenizer and protection).
+  if (!ex.experiment.model.from_pretrained.empty())
+    client["hf_source"] =
+        std::filesystem::absolute(ex.experiment.model.from_pretrained).lexically_normal().string();
   // And for zinc-export --format peft and check_resume: the adapters'
   // configuration, as PEFT's adapter_config.json writes it.
   if (ex.hf->model->lora().enabled()) {

@@ -286,11 +286,12 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   // checkpoint's client_state.hf_source): its weights would be replaced.
   const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
   if (client.is_object() && client.contains("hf_source") && client["hf_source"].is_string()) {
-    const std::string source = client["hf_source"].get<std::string>();
-    if (!source.empty() && fs::is_directory(source) &&
-        is_within(out.parent_path().empty() ? "." : out.parent_path().string(), source))
-      throw Error("zinc-export: --out " + opts.out + " is inside " + source +
-                  ", the pretrained model this checkpoint was trained from; write it elsewhere");
+    const std::string out_dir = out.parent_path().empty() ? "." : out.parent_path().string();
+    for (const std::string& source :
+         checkpoint_source(client["hf_source"].get<std::string>(), opts.checkpoint_dir).protect)
+      if (!source.empty() && (is_within(out_dir, source) || same_file(out.string(), source)))
+        throw Error("zinc-export: --out " + opts.out + " is inside or is " + source +
+                    ", (a file of) the pretrained model this checkpoint was trained from; write it elsewhere");
   }
   // Nor into a tag of the checkpoint's folder (the next save of the tag
   // replaces it whole, and pruning removes it): the checkpoint folder

@@ -176,6 +176,10 @@ std::vector<std::string> run_inputs(const Experiment& ex, const std::string& con
                                  ex.experiment.run.checkpoint_dir};
   const DataConfig& d = ex.experiment.data;
   for (const std::string* p : {&d.path, &d.mask_path, &d.documents_path}) in.push_back(*p);
+  // A model or adapter folder of symbolic links: the files they lead to
+  // are read too (an export into their folder replaced the model).
+  for (const std::string* folder : {&ex.experiment.model.from_pretrained, &ex.experiment.model.adapter})
+    for (std::string& target : link_targets(*folder)) in.push_back(std::move(target));
   // The NVMe offload folders, where the run keeps its scratch files: an
   // export folder there would hold the run's own folder when it ends.
   for (const OffloadConfig* o : {&ex.config.zero.offload_optimizer, &ex.config.zero.offload_param})

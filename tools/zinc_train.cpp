@@ -376,6 +376,22 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       throw zinc::Error("--save-adapter " + pretrained.adapter_dir + " is the folder --save-pretrained writes: a "
                         "merged model beside an adapter_config.json loads as the base plus the adapter (merged "
                         "twice); give each its own folder");
+    // One inside the other: the outer export refused the inner folder (an
+    // export keeps files, not folders) only after training.
+    auto inside = [&](const std::filesystem::path& in, const std::filesystem::path& out) {
+      if (ec1 || ec2) return false;
+      const auto rel = in.lexically_relative(out);
+      return !rel.empty() && *rel.begin() != "..";
+    };
+    if (inside(b, a) || inside(a, b)) {
+      const std::string which = inside(b, a) ? "--save-adapter " + pretrained.adapter_dir +
+                                                   " lies inside the folder --save-pretrained writes, " + pretrained.dir
+                                             : "--save-pretrained " + pretrained.dir +
+                                                   " lies inside the folder --save-adapter writes, " +
+                                                   pretrained.adapter_dir;
+      throw zinc::Error(which + ": an export replaces its folder as a whole and keeps files, not folders; give "
+                                "each a folder of its own beside the other");
+    }
   }
   if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
   // The checkpoint folder is ours for the whole run (a stop signal saves
@@ -412,6 +428,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const std::unique_ptr<zinc::ckpt::DirLock> pretrained_lock =
       pretrained.dir.empty() ? nullptr
                              : zinc::tools::hold_output_folder(pretrained.dir, "--save-pretrained", inputs, *comm);
+  // The tokenizer files the export will copy: readable, now.
+  if (!pretrained.dir.empty()) zinc::tools::check_side_files(ex.experiment.model.from_pretrained, "--save-pretrained");
   const std::unique_ptr<zinc::ckpt::DirLock> adapter_lock =
       pretrained.adapter_dir.empty()
           ? nullptr

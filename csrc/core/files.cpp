@@ -88,4 +88,18 @@ bool is_within(const std::string& path, const std::string& dir) {
   }
 }
 
+std::vector<std::string> link_targets(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  if (dir.empty()) return out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    std::error_code entry_ec;
+    if (!e.is_symlink(entry_ec)) continue;
+    const fs::path target = fs::canonical(e.path(), entry_ec);
+    if (!entry_ec) out.push_back(target.string());
+  }
+  return out;
+}
+
 }  // namespace zinc

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace zinc {
 
@@ -42,5 +43,11 @@ bool same_file(const std::string& a, const std::string& b);
 // Whether `dir` is `path` or one of the folders that hold it (compared by
 // identity, walking up from `path` after resolving it).
 bool is_within(const std::string& path, const std::string& dir);
+
+// What the symbolic links directly in `dir` lead to, each resolved through
+// every link (a model folder of links: a hub cache's snapshot, or one made
+// by hand): the files a reader of the folder reads. Dangling links and a
+// `dir` that is no folder give nothing.
+std::vector<std::string> link_targets(const std::string& dir);
 
 }  // namespace zinc

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import threading
 
@@ -607,9 +608,25 @@ def test_a_merged_export_that_is_not_finite_is_refused_and_replaces_nothing(tmp_
     assert r.returncode == 0, r.stderr
     before = digest(out)
     adapter_config = json.loads((src / "adapter_config.json").read_text())
-    for alpha, dtype, what in ((1e300, "fp32", "NaN or infinity"), (3e6, "fp16", "past what fp16 holds")):
+    weights = (src / "adapter_model.safetensors").read_bytes()
+
+    def adapter_values(v):
+        """adapter_model.safetensors with every LoRA A and B value set to v (a finite float32): lora_alpha past
+        float's range is refused as the adapter is read, so the merge is made to overflow through the weights."""
+        import array
+        n = struct.unpack("<Q", weights[:8])[0]
+        header = json.loads(weights[8:8 + n])
+        out = bytearray(weights)
+        for name, t in header.items():
+            if name != "__metadata__" and t["dtype"] == "F32" and ("lora_A" in name or "lora_B" in name):
+                a, b = t["data_offsets"]
+                out[8 + n + a:8 + n + b] = array.array("f", [v] * ((b - a) // 4)).tobytes()
+        return bytes(out)
+
+    for alpha, values, dtype, what in ((8, 1e20, "fp32", "NaN or infinity"), (3e6, None, "fp16", "past what fp16 holds")):
         adapter_config["lora_alpha"] = alpha
         (src / "adapter_config.json").write_text(json.dumps(adapter_config))
+        (src / "adapter_model.safetensors").write_bytes(adapter_values(values) if values else weights)
         cfg = config(tmp_path, os.path.join(FIXTURES, "llama_gqa"))
         doc = json.loads(open(cfg).read())
         doc["model"]["adapter"] = str(src)
@@ -800,3 +817,115 @@ def test_a_full_model_and_an_adapter_are_never_exported_into_one_folder(tmp_path
     assert (digest(adapter), digest(full)) == before
     # Each into its own kind of folder again: as before.
     assert run(ZINC_TRAIN, cfg, "--steps", "1", "--save-adapter", str(adapter)).returncode == 0
+
+
+# ---- found by a hostile user's sweep of model folders (2026-12-02) -----------------------------
+
+
+def test_a_model_folder_of_links_protects_the_files_they_lead_to(tmp_path):
+    # A from_pretrained folder of symbolic links (a hub cache's snapshot, or
+    # one made by hand): --save-weights onto a file it links to, or an export
+    # into the folder holding those files, replaced the model the run read.
+    base = copy_fixture(tmp_path)
+    links = tmp_path / "m"
+    links.mkdir()
+    for f in os.listdir(base):
+        os.symlink(base / f, links / f)
+    cfg = config(tmp_path, links)
+    before = digest(base)
+    for args in (("--save-weights", str(base / "model.safetensors")), ("--save-pretrained", str(base))):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", *args)
+        assert r.returncode == 1 and "step 1" not in r.stdout, (args, r.stdout, r.stderr)
+        assert "which this run reads" in r.stderr and "llama_gqa" in r.stderr, (args, r.stderr)
+    assert digest(base) == before
+
+
+def test_zinc_export_reads_the_source_model_the_run_named_from_any_folder(tmp_path):
+    # The checkpoint kept model.from_pretrained as given ("m"); zinc-export,
+    # run from another folder, resolved it there: it copied that folder's
+    # tokenizer and let an export replace the real source.
+    run1, elsewhere = tmp_path / "run1", tmp_path / "elsewhere"
+    run1.mkdir()
+    elsewhere.mkdir()
+    src = copy_fixture(run1, "llama_gqa")
+    (src / "tokenizer_config.json").write_text('{"marker": "REAL"}')
+    other = copy_fixture(elsewhere, "llama_gqa")
+    (other / "tokenizer_config.json").write_text('{"marker": "WRONG"}')
+    doc = {"train_batch_size": 2, "model": {"from_pretrained": "llama_gqa"},
+           "data": {"type": "synthetic", "vocab_size": 96, "seq_len": 12},
+           "run": {"steps": 1, "checkpoint_interval": 1, "checkpoint_dir": "ck"}}
+    (run1 / "cfg.json").write_text(json.dumps(doc))
+    r = subprocess.run([ZINC_TRAIN, "cfg.json"], cwd=run1, env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    before = digest(src)
+    r = subprocess.run([ZINC_EXPORT, str(run1 / "ck"), "--format", "hf", "--out", str(run1 / "exp")], cwd=elsewhere,
+                       env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run1 / "exp" / "tokenizer_config.json").read_text()) == {"marker": "REAL"}
+    r = subprocess.run([ZINC_EXPORT, str(run1 / "ck"), "--format", "hf", "--out", str(src)], cwd=elsewhere,
+                       env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and "which this run reads" in r.stderr, r.stderr
+    assert digest(src) == before
+
+
+def test_nested_exports_and_unreadable_tokenizer_files_are_refused_before_training(tmp_path):
+    # --save-adapter o with --save-pretrained o/merged: the adapter's export
+    # found the merged folder inside its own only after training. A
+    # tokenizer.json that is a dangling link was dropped from the export
+    # without a word; one past the size limit was refused after training.
+    src = copy_fixture(tmp_path)
+    cfg = lora_config(tmp_path, src, {"r": 2, "target_modules": ["q_proj"]})
+    o = tmp_path / "o"
+    for args in (("--save-pretrained", str(o / "merged"), "--merge", "--save-adapter", str(o)),
+                 ("--save-pretrained", str(o), "--merge", "--save-adapter", str(o / "ad"))):
+        r = run(ZINC_TRAIN, cfg, "--steps", "1", *args)
+        assert r.returncode == 1 and "step 1" not in r.stdout, (args, r.stdout, r.stderr)
+        assert "lies inside the folder --save-" in r.stderr, (args, r.stderr)
+    assert not o.exists()
+    if (src / "tokenizer.json").exists():
+        (src / "tokenizer.json").unlink()
+    os.symlink(tmp_path / "no-such-blob", src / "tokenizer.json")
+    cfg = config(tmp_path, src)
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--save-pretrained", str(o))
+    assert r.returncode == 1 and "step 1" not in r.stdout, (r.stdout, r.stderr)
+    assert "tokenizer.json is a symbolic link to" in r.stderr and "which does not exist" in r.stderr, r.stderr
+
+
+def test_an_adapter_whose_lora_alpha_scales_it_to_nothing_or_past_float_is_refused(tmp_path):
+    # An adapter folder's lora_alpha 0 trained nothing (every gradient 0,
+    # exit 0); 1e308 overflowed at the first step with an error blaming an
+    # earlier update. model.lora refused both already.
+    src = copy_fixture(tmp_path)
+    adapter = copy_fixture(tmp_path, "lora_llama")
+    cfg = config(tmp_path, src)
+    doc = json.loads(open(cfg).read())
+    doc["model"]["adapter"] = str(adapter)
+    open(cfg, "w").write(json.dumps(doc))
+    ac = json.loads((adapter / "adapter_config.json").read_text())
+    for alpha in (0, -2, 1e308):
+        (adapter / "adapter_config.json").write_text(json.dumps(dict(ac, lora_alpha=alpha)))
+        r = run(ZINC_TRAIN, cfg, "--steps", "1")
+        assert r.returncode == 1 and "step 1" not in r.stdout, (alpha, r.stdout, r.stderr)
+        assert "lora_alpha" in r.stderr and "expected a number > 0 within float's range" in r.stderr, r.stderr
+
+
+def test_a_tight_address_space_limit_is_refused_in_one_line_never_a_crash(tmp_path):
+    # Under `ulimit -v` just above what the process needs to start, the room
+    # check itself segfaulted: its estimate creates oneDNN primitives, and
+    # oneDNN crashes where its allocations fail. Below 64 MiB of room no
+    # estimate is made. The limits around the edge, whatever this machine's.
+    import resource
+    cfg = os.path.join(ROOT, "configs", "mlp.json")
+    outcomes = set()
+    for kib in range(60000, 200001, 10000):
+        def limit(kib=kib):
+            resource.setrlimit(resource.RLIMIT_AS, (kib << 10, kib << 10))
+        r = subprocess.run([ZINC_TRAIN, cfg, "--steps", "1", "--set", "run.checkpoint_dir=%s" % json.dumps(
+            str(tmp_path / "ck"))], env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+        if r.returncode == 127 and "error while loading shared libraries" in r.stderr:
+            continue  # too little for the dynamic loader: zinc never started
+        assert r.returncode in (0, 1), (kib, r.returncode, r.stderr[-2000:])
+        if r.returncode == 1:
+            assert len(errors(r)) <= 2 and r.stderr.strip(), (kib, r.stderr[-2000:])  # said, not a crash
+        outcomes.add(r.returncode)
+    assert 1 in outcomes, outcomes  # the lowest limits are refused
