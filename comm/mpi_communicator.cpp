@@ -20,6 +20,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -118,10 +119,18 @@ class MpiRuntime {
     return state().thread_level;
   }
 
+  // A communicator that goes while an error unwinds (its own set-up
+  // failed, on this rank only) does not finalise: MPI_Finalize waits for
+  // every rank, and the others wait in a collective for this one, so the
+  // job hung with this rank's error unsaid. Left initialised, the process
+  // ends with its error line and mpirun ends the job; a later
+  // communicator's release finalises as usual.
   static void release() {
     std::scoped_lock lock(mu());
     State& s = state();
     if (--s.live > 0 || !s.we_initialised) return;
+    int world = 1;
+    if (std::uncaught_exceptions() > 0 && MPI_Comm_size(MPI_COMM_WORLD, &world) == MPI_SUCCESS && world > 1) return;
     const int rc = MPI_Finalize();
     s.we_initialised = false;
     if (rc != MPI_SUCCESS) log_warn("MPI_Finalize failed (code " + std::to_string(rc) + ")");

@@ -204,6 +204,22 @@ class ShmCommunicator final : public Communicator {
       // made).
       check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(detail::mpi_comm_of(*mpi_)), &world_), "MPI_Comm_dup");
       check(MPI_Comm_set_errhandler(world_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+      // The knobs every rank must share (ZINC_SHM_SLOT_BYTES, ZINC_COMM_FAKE_
+      // NODE_SIZE), agreed first: set on one rank only, they garbled the
+      // first broadcast or left the others waiting in a split.
+      {
+        long long knobs[4] = {static_cast<long long>(slot_bytes), -static_cast<long long>(slot_bytes),
+                              fake_node_size, -static_cast<long long>(fake_node_size)};
+        check(MPI_Allreduce(MPI_IN_PLACE, knobs, 4, MPI_LONG_LONG, MPI_MAX, world_), "MPI_Allreduce");
+        if (knobs[0] != -knobs[1])
+          throw comm_error(rank, "make_communicator",
+                           "the shm slot size differs between the ranks (" + std::to_string(-knobs[1]) + " to " +
+                               std::to_string(knobs[0]) + " bytes, ZINC_SHM_SLOT_BYTES): set it alike on every rank");
+        if (knobs[2] != -knobs[3])
+          throw comm_error(rank, "make_communicator",
+                           "ZINC_COMM_FAKE_NODE_SIZE differs between the ranks (" + std::to_string(-knobs[3]) +
+                               " to " + std::to_string(knobs[2]) + "): set it alike on every rank");
+      }
       if (fake_node_size > 0) {
         if (size % fake_node_size != 0) {
           throw comm_error(rank, "make_communicator",

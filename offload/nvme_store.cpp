@@ -272,6 +272,28 @@ void remove_stale_folders(const std::string& path) {
     // means nothing here).
     detail::UniqueFd dfd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (!dfd || ::flock(dfd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    // Only a folder that holds nothing but zinc's scratch (files named
+    // <id>-<name>, and the probe) is removed: a folder of the user's with a
+    // name of this form kept its files with it.
+    std::string other;
+    std::error_code list;
+    for (const fs::directory_entry& f : fs::directory_iterator(e.path(), list)) {
+      const std::string name = f.path().filename().string();
+      std::error_code fe;
+      const size_t digits = name.find_first_not_of("0123456789");
+      const bool scratch = f.is_regular_file(fe) && !f.is_symlink(fe) &&
+                           (name == "probe" || (digits > 0 && digits != std::string::npos && name[digits] == '-'));
+      if (!scratch) {
+        other = name;
+        break;
+      }
+    }
+    if (list || !other.empty()) {
+      log_warn("NvmeStore: kept " + e.path().string() + " (its process " + std::to_string(pid) +
+               " is gone): it holds " + (other.empty() ? std::string("what cannot be listed") : other) +
+               ", which is not zinc's scratch; remove it yourself");
+      continue;
+    }
     std::error_code rm;
     const uintmax_t removed = fs::remove_all(e.path(), rm);
     if (!rm && removed > 0)

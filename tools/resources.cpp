@@ -175,8 +175,24 @@ int64_t complete_checkpoints(const std::string& dir) {
   return n;
 }
 
+namespace {
+// The estimates create oneDNN primitives to learn their scratch sizes, and
+// oneDNN crashes (SIGSEGV in primitive creation) where its allocations fail
+// instead of saying so: under an address-space limit that leaves almost no
+// room, the check that should refuse a run segfaulted. Below this room no
+// estimate is made: the refusal says so at once.
+constexpr int64_t kEstimateAddressBytes = int64_t{64} << 20;
+std::string too_little_address_room(const Room& room) {
+  if (room.address_room < 0 || room.address_room >= kEstimateAddressBytes) return "";
+  return "the address-space limit leaves this process " + gib(room.address_room) + " (" + room.address_where +
+         "), too little to estimate the run in, let alone run it: raise ulimit -v";
+}
+}  // namespace
+
 std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int64_t T, int64_t held_B,
                                int64_t held_T) {
+  if (B <= held_B && T <= held_T) return "";
+  if (std::string why = too_little_address_room(memory_room()); !why.empty()) return why;
   auto bytes = [&](int64_t b, int64_t t) -> int64_t {
     if (b <= 0 || t <= 0) return 0;
     const std::optional<ActivationMemory> a = model.activation_memory(b, t, compute);
@@ -194,24 +210,38 @@ std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int
 std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
   std::vector<std::string> out;
   const Config& cfg = ex.config;
+  if (std::string why = too_little_address_room(memory_room()); !why.empty()) return {"RAM: " + why};
   MemoryEstimate e = estimate_memory(*ex.model, cfg, ex.data->seq_len());
   const int64_t rss = current_rss_bytes();
   e.process_bytes = rss;
   const std::string ranks = local_ranks == 1 ? "this rank" : std::to_string(local_ranks) + " ranks on this host";
   const Room room = memory_room();
-  // What the run will still allocate (the process so far is in use already).
-  const int64_t more = std::max<int64_t>(0, e.ram_bytes() - rss) * local_ranks;
+  // What the run will still allocate (the process so far is in use
+  // already): the host's ranks together against the host's room
+  // (MemAvailable, the cgroup), and this rank alone against its own
+  // address-space limit (one per process).
+  const int64_t per_rank = std::max<int64_t>(0, e.ram_bytes() - rss);
+  Room host = room, own;
+  host.address_room = -1;
+  own.address_room = room.address_room;
+  own.address_where = room.address_where;
+  const bool host_short = host.ram() >= 0 && per_rank * local_ranks > host.ram();
+  const bool own_short = own.address_room >= 0 && per_rank > own.address_room;
   // A LoRA base kept packed (Note [packed frozen weights] in
   // csrc/kernels/matmul.cpp) is the first thing to give up.
   int64_t packed = 0;
   for (const MemoryPart& p : e.training)
     if (p.name == "packed frozen weights") packed += p.bytes;
-  if (room.ram() >= 0 && more > room.ram())
-    out.push_back("RAM: " + ranks + " will need " + gib(more) + " more (--estimate: " + gib(e.ram_bytes()) +
-                  " per rank, " + gib(rss) + " of it in use), but the process may take " + gib(room.ram()) +
-                  " (" + room.where() + "); lower the model, micro-batch or stage's memory (" +
+  if (host_short || own_short) {
+    const Room& limit = host_short ? host : own;
+    const int64_t more = host_short ? per_rank * local_ranks : per_rank;
+    out.push_back("RAM: " + (host_short ? ranks : std::string("this rank")) + " will need " + gib(more) +
+                  " more (--estimate: " + gib(e.ram_bytes()) + " per rank, " + gib(rss) +
+                  " of it in use), but the process may take " + gib(limit.ram()) + " (" + limit.where() +
+                  "); lower the model, micro-batch or stage's memory (" +
                   (packed > 0 ? "model.pack_frozen_weights false saves " + gib(packed) + " per rank, " : "") +
                   "offload_optimizer, offload_param, gradient checkpointing), or pass --ignore-resources");
+  }
   // Disk, per file system (folders on one disk share its room): the NVMe
   // files of the two offloads, and the checkpoints that will be on disk at
   // once (each rank's fp32 master, m and v of the blocks it trains; at stage

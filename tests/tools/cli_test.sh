@@ -598,7 +598,10 @@ fi
 # removes the run's own before it ends the process.
 mkdir -p "$TMP/nvme"
 sh -c 'exit 0' & dead=$!; wait "$dead"
-mkdir -p "$TMP/nvme/zinc-rank0-$dead" && touch "$TMP/nvme/zinc-rank0-$dead/optimizer_states"
+mkdir -p "$TMP/nvme/zinc-rank0-$dead" && touch "$TMP/nvme/zinc-rank0-$dead/0-optimizer_states"
+# A folder of that form holding what zinc's scratch does not (<id>-<name>
+# files) is the user's: kept, with its file, and said so.
+mkdir -p "$TMP/nvme/zinc-rank1-$dead" && echo precious > "$TMP/nvme/zinc-rank1-$dead/important.txt"
 NV=(--set "zero_optimization.offload_optimizer.nvme_path=$TMP/nvme" --set run.eval_interval=0)
 "$ZT" "$ROOT/configs/nvme.json" --steps 100000 "${NV[@]}" --set steps_per_print=1 >"$TMP/long" 2>"$TMP/err" &
 pid=$!
@@ -606,7 +609,10 @@ for _ in $(seq 400); do grep -q '^step 1/' "$TMP/long" 2>/dev/null && break; sle
 kill -INT "$pid"; kill -TERM "$pid"  # two signals: the second ends it at once (exit 143), scratch removed first
 wait "$pid"
 rc=$?
-if [ "$rc" -eq 143 ] && grep -q "signal 15: stopping now" "$TMP/err" && [ -z "$(ls -A "$TMP/nvme")" ] && grep -q "zinc-rank0-$dead, scratch left by process $dead" "$TMP/err"; then
+if [ "$rc" -eq 143 ] && grep -q "signal 15: stopping now" "$TMP/err" && [ "$(ls -A "$TMP/nvme")" = "zinc-rank1-$dead" ] &&
+   grep -q "zinc-rank0-$dead, scratch left by process $dead" "$TMP/err" &&
+   grep -q "kept .*zinc-rank1-$dead (its process $dead is gone): it holds important.txt" "$TMP/err" &&
+   [ "$(cat "$TMP/nvme/zinc-rank1-$dead/important.txt")" = precious ]; then
   pass=$((pass + 1))
 else
   fail=$((fail + 1)); echo "FAIL NVMe scratch: rc=$rc left: $(ls -A "$TMP/nvme")"; cat "$TMP/err"

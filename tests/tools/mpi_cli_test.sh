@@ -46,6 +46,27 @@ else
   echo "FAIL failing rank: rc=$rc after ${elapsed}s"; cat "$TMP/err"
 fi
 
+# A knob every rank must share, set on one rank only (ZINC_SHM_SLOT_BYTES):
+# the ranks agree on it before anything else, so the job ends at once with
+# one line naming it (it garbled the first broadcast, or left rank 0
+# waiting until comm.timeout_seconds while rank 1 hung in MPI_Finalize).
+ONE=(mpirun --oversubscribe -x OMP_NUM_THREADS=1)
+[ "$(id -u)" -eq 0 ] && ONE+=(--allow-run-as-root)
+for bytes in 1 4096; do
+  start=$(date +%s)
+  timeout 120 "${ONE[@]}" -np 1 "$ZT" "$CFG" --steps 2 --set comm.backend='"shm"' : \
+    -np 1 env ZINC_SHM_SLOT_BYTES=$bytes "$ZT" "$CFG" --steps 2 --set comm.backend='"shm"' >"$TMP/out" 2>"$TMP/err"
+  rc=$?
+  elapsed=$(( $(date +%s) - start ))
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$elapsed" -lt 60 ] &&
+     grep -q "the shm slot size differs between the ranks" "$TMP/err" && ! grep -q "json.exception" "$TMP/err"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    echo "FAIL a slot size on one rank ($bytes): rc=$rc after ${elapsed}s"; cat "$TMP/err"
+  fi
+done
+
 # ZeRO-3 with the parameter shards on NVMe, on a disk that fails (EIO on
 # every ring after 40 operations, during the first steps): the job ends
 # within seconds with an error naming the parameter file. (A rank that
