@@ -23,6 +23,7 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -125,12 +126,16 @@ class MpiRuntime {
   // job hung with this rank's error unsaid. Left initialised, the process
   // ends with its error line and mpirun ends the job; a later
   // communicator's release finalises as usual.
-  static void release() {
+  // `failing`: called from the handler of a failed set-up (where the
+  // exception is caught, not unwinding).
+  static void release(bool failing = false) {
     std::scoped_lock lock(mu());
     State& s = state();
     if (--s.live > 0 || !s.we_initialised) return;
     int world = 1;
-    if (std::uncaught_exceptions() > 0 && MPI_Comm_size(MPI_COMM_WORLD, &world) == MPI_SUCCESS && world > 1) return;
+    if ((failing || std::uncaught_exceptions() > 0) && MPI_Comm_size(MPI_COMM_WORLD, &world) == MPI_SUCCESS &&
+        world > 1)
+      return;
     const int rc = MPI_Finalize();
     s.we_initialised = false;
     if (rc != MPI_SUCCESS) log_warn("MPI_Finalize failed (code " + std::to_string(rc) + ")");
@@ -184,8 +189,14 @@ class Watchdog {
     std::scoped_lock lock(mu_);
     calls_.push_back(c);
     if (!started_) {
+      try {
+        std::thread([this] { run(); }).detach();
+      } catch (const std::system_error& e) {
+        calls_.pop_back();
+        throw CommError(std::string("rank ?: cannot start the thread that watches MPI's time limits: ") + e.what() +
+                        " (a process or address-space limit: ulimit -u, ulimit -v)");
+      }
       started_ = true;
-      std::thread([this] { run(); }).detach();
     }
   }
   void remove(MpiCall* c) {
@@ -357,7 +368,7 @@ class MpiCommunicator final : public Communicator {
     } catch (...) {
       free_handles();
       call_.reset();
-      MpiRuntime::release();
+      MpiRuntime::release(/*failing=*/true);
       throw;
     }
     set_log_rank(rank_);
