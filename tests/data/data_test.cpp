@@ -68,6 +68,44 @@ std::string token_header(int32_t version, int32_t count) {
   return s;
 }
 
+// A token file (with a mask when `mask` is not empty) at seq_len T, the
+// vocabulary its largest token + 1.
+DataConfig tokens_cfg(const std::string& path, const std::string& mask, int64_t T) {
+  DataConfig c;
+  c.type = DataType::kTokens;
+  c.path = path;
+  c.mask_path = mask;
+  c.seq_len = T;
+  c.vocab_size = 0;
+  return c;
+}
+
+// The ConfigError opening `c` raises: its JSON path and message ("" when
+// the open succeeds).
+std::pair<std::string, std::string> open_error(const DataConfig& c) {
+  try {
+    make_data_source(c);
+  } catch (const ConfigError& e) {
+    return {e.path(), e.what()};
+  }
+  return {"", ""};
+}
+
+// n bytes of the alphabet over and over, and a text source's config.
+std::string alphabet(int n) {
+  std::string bytes;
+  for (int i = 0; i < n; ++i) bytes.push_back(static_cast<char>('a' + i % 26));
+  return bytes;
+}
+DataConfig text_cfg(const std::string& path, int64_t T, double eval_fraction) {
+  DataConfig c;
+  c.type = DataType::kText;
+  c.path = path;
+  c.seq_len = T;
+  c.eval_fraction = eval_fraction;
+  return c;
+}
+
 DataConfig synthetic_cfg(int64_t V, int64_t T, double p, uint64_t seed) {
   DataConfig c;
   c.type = DataType::kSynthetic;
@@ -276,14 +314,9 @@ TEST(TextSource, MissingFileIsIoErrorNamingPathAndErrno) {
 }
 
 TEST(TextSource, EvalFractionHoldsOutTheTail) {
-  std::string bytes;
-  for (int i = 0; i < 41; ++i) bytes.push_back(static_cast<char>('a' + i % 26));
+  const std::string bytes = alphabet(41);
   TempFile f("text_eval.txt", bytes);  // T = 4: 10 windows
-  DataConfig c;
-  c.type = DataType::kText;
-  c.path = f.path();
-  c.seq_len = 4;
-  c.eval_fraction = 0.2;
+  DataConfig c = text_cfg(f.path(), 4, 0.2);
   auto train = make_data_source(c);
   auto eval = make_eval_data_source(c);
   ASSERT_NE(eval, nullptr);
@@ -350,14 +383,9 @@ TEST(EvalSource, TheHeldOutTwinReadsTheFilesTheTrainingSourceOpened) {
 }
 
 TEST(EvalSource, TheHeldOutTwinOfATextSourceSharesItsBytes) {
-  std::string bytes;
-  for (int i = 0; i < 41; ++i) bytes.push_back(static_cast<char>('a' + i % 26));
+  const std::string bytes = alphabet(41);
   TempFile f("text_twin.txt", bytes), g("text_twin_other.txt", std::string(41, 'z'));
-  DataConfig c;
-  c.type = DataType::kText;
-  c.path = f.path();
-  c.seq_len = 4;
-  c.eval_fraction = 0.2;
+  DataConfig c = text_cfg(f.path(), 4, 0.2);
   auto train = make_data_source(c);
   ASSERT_EQ(std::rename(g.path().c_str(), f.path().c_str()), 0);
   auto twin = make_eval_data_source(c, *train);
@@ -610,12 +638,7 @@ TEST(TokenSource, AScanOfManyChunksFindsWhatIsAtTheirEdges) {
     ++zeros;
   }
   TempFile ft("many.bin", toks), fm("many.mask", mask);
-  DataConfig c;
-  c.type = DataType::kTokens;
-  c.path = ft.path();
-  c.mask_path = fm.path();
-  c.seq_len = 64;
-  c.vocab_size = 0;
+  DataConfig c = tokens_cfg(ft.path(), fm.path(), 64);
   auto s = make_data_source(c);
   EXPECT_EQ(s->vocab_size(), 60001);
   char share[32];
@@ -624,25 +647,15 @@ TEST(TokenSource, AScanOfManyChunksFindsWhatIsAtTheirEdges) {
   // The first token past a vocabulary of 50000, at the first chunk's end;
   // then, past 60001, one at the third chunk's start.
   c.vocab_size = 50000;
-  try {
-    make_data_source(c);
-    FAIL() << "expected ConfigError";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("token " + std::to_string(edge - 1) + " is 60000"), std::string::npos)
-        << e.what();
-  }
+  const std::string first = open_error(c).second;
+  EXPECT_NE(first.find("token " + std::to_string(edge - 1) + " is 60000"), std::string::npos) << first;
   std::string wider = toks;
   set_token(wider, 2 * edge, 61000);
   TempFile fw("many_wider.bin", wider);
   c.path = fw.path();
   c.vocab_size = 60001;
-  try {
-    make_data_source(c);
-    FAIL() << "expected ConfigError";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("token " + std::to_string(2 * edge) + " is 61000"), std::string::npos)
-        << e.what();
-  }
+  const std::string third = open_error(c).second;
+  EXPECT_NE(third.find("token " + std::to_string(2 * edge) + " is 61000"), std::string::npos) << third;
   // A bad mask byte in the mask's second chunk, after a good first chunk,
   // and one at the very end.
   c.path = ft.path();
@@ -651,13 +664,9 @@ TEST(TokenSource, AScanOfManyChunksFindsWhatIsAtTheirEdges) {
     bad[static_cast<size_t>(at)] = '\7';
     TempFile fb("many_bad.mask", bad);
     c.mask_path = fb.path();
-    try {
-      make_data_source(c);
-      FAIL() << "expected ConfigError at " << at;
-    } catch (const ConfigError& e) {
-      EXPECT_EQ(e.path(), "data.mask_path");
-      EXPECT_NE(std::string(e.what()).find("byte " + std::to_string(at) + " is 7"), std::string::npos) << e.what();
-    }
+    const auto [key, what] = open_error(c);
+    EXPECT_EQ(key, "data.mask_path") << at;
+    EXPECT_NE(what.find("byte " + std::to_string(at) + " is 7"), std::string::npos) << what;
   }
 }
 
@@ -928,12 +937,7 @@ TEST(TokenSource, MaskTruncatedAfterOpenIsIoErrorNamingTheMask) {
     mask.push_back(i % 3 == 0 ? '\0' : '\1');
   }
   TempFile ft("mask_truncated.bin", toks), fm("mask_truncated.mask", mask);
-  DataConfig c;
-  c.type = DataType::kTokens;
-  c.path = ft.path();
-  c.mask_path = fm.path();
-  c.seq_len = 16;
-  c.vocab_size = 0;
+  DataConfig c = tokens_cfg(ft.path(), fm.path(), 16);
   std::shared_ptr<const DataSource> s = make_data_source(c);
   const int64_t last = s->num_samples() - 1;  // 510: tokens 8160..8176, targets 8161..8176
   ASSERT_EQ(last, 510);
