@@ -100,7 +100,15 @@ void check_resumed_adapters(const ckpt::TagFiles& files, const models::LoraConfi
 }  // namespace
 
 std::string data_fingerprint(const DataConfig& data) {
-  if (data.type == DataType::kSynthetic) return "";
+  if (data.type == DataType::kSynthetic) {
+    // Its samples are its parameters: another seed, determinism or length
+    // is other data (an epoch of 2^40 samples never shows it by its count).
+    char text[160];
+    std::snprintf(text, sizeof text, "synthetic V=%lld T=%lld p=%.17g seed=%llu",
+                  static_cast<long long>(data.vocab_size), static_cast<long long>(data.seq_len), data.determinism,
+                  static_cast<unsigned long long>(data.seed));
+    return text;
+  }
   std::vector<std::pair<std::string, std::string>> files = {{"data", data.path}};
   if (!data.mask_path.empty()) files.emplace_back("mask", data.mask_path);
   if (!data.documents_path.empty()) files.emplace_back("documents", data.documents_path);
@@ -113,6 +121,7 @@ void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLo
   client["data_samples"] = loader.source().num_samples();  // an epoch's, for check_resume
   if (const std::string d = data_fingerprint(ex.experiment.data); !d.empty()) client["data_fingerprint"] = d;
   client["step"] = step;
+  client["shuffle_seed"] = ex.experiment.run.seed;  // the data order's, for check_resume
   // What zinc-export --format hf needs to write the model in the Hugging
   // Face layout: its config.json, and the folder it came from (tokenizer files).
   if (!ex.hf) return;
@@ -132,18 +141,37 @@ void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLo
 }
 
 void check_resume(const Experiment& ex, const std::string& dir, const std::string& tag, const DataLoader& loader,
-                  const std::function<const std::string&()>& base_fingerprint) {
+                  const std::function<const std::string&()>& base_fingerprint, bool position_required) {
   const ckpt::TagFiles files = ckpt::open_tag(dir, tag);
   if (ex.hf) check_resumed_adapters(files, ex.hf->model->lora(), base_fingerprint, ex.experiment.model.from_pretrained);
   const nlohmann::json client = files.meta.value("client_state", nlohmann::json::object());
-  if (!client.is_object()) return;
-  if (client.contains("samples") && client["samples"].is_number_integer()) {
-    try {
-      loader.check_position(client["samples"].get<int64_t>());
-    } catch (const Error& e) {
-      throw Error("checkpoint " + files.dir + ": " + e.what() + "; nothing was loaded");
-    }
+  const std::string meta = files.dir + "/metadata.json";
+  if (!client.is_object())
+    throw Error("checkpoint " + meta + ": client_state is " + client.dump().substr(0, 60) +
+                ", not an object; nothing was loaded");
+  // The data position zinc-train goes on from: an integer within what a
+  // run can reach (a value near INT64_MAX overflowed the loader's position
+  // arithmetic and aborted the run), read before anything loads.
+  const nlohmann::json* samples = client.contains("samples") ? &client["samples"] : nullptr;
+  if (!samples && !position_required) return;
+  if (!samples)
+    throw Error("checkpoint " + meta + " has no client_state.samples, the data position zinc-train keeps (saved by "
+                "a program that keeps its own, Engine::save_checkpoint's caller?); resume it there; nothing was loaded");
+  if (!samples->is_number_integer() || samples->get<int64_t>() < 0 || samples->get<int64_t>() > (int64_t{1} << 62))
+    throw Error("checkpoint " + meta + ": client_state.samples is " + samples->dump() +
+                ", not a data position (an integer from 0 to 2^62); nothing was loaded");
+  try {
+    loader.check_position(samples->get<int64_t>());
+  } catch (const Error& e) {
+    throw Error("checkpoint " + files.dir + ": " + e.what() + "; nothing was loaded");
   }
+  if (client.contains("shuffle_seed") && client["shuffle_seed"].is_number_integer() &&
+      client["shuffle_seed"].get<uint64_t>() != ex.experiment.run.seed)
+    log_warn("checkpoint " + files.dir + " was saved by a run whose run.seed (the data order's) was " +
+             std::to_string(client["shuffle_seed"].get<uint64_t>()) + "; this run's is " +
+             std::to_string(ex.experiment.run.seed) +
+             ": the run goes on from the saved position, but in another order than the saved run's (some of "
+             "this epoch's samples twice, others not at all)");
   // What the weights' shapes do not show, said (DeepSpeed loads such a
   // checkpoint without a word too): data of another length, whose epochs
   // and shuffled order the saved position no longer continues; and model
@@ -154,6 +182,12 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
     log_warn("checkpoint " + files.dir + " was saved over data of " + std::to_string(client["data_samples"].get<int64_t>()) +
              " samples an epoch; this run's data has " + std::to_string(loader.source().num_samples()) +
              ": the run goes on from the saved position, but in another epoch and order than the saved run would");
+  else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string() &&
+           client["data_fingerprint"].get<std::string>() != data_fingerprint(ex.experiment.data) &&
+           ex.experiment.data.type == DataType::kSynthetic)
+    log_warn("checkpoint " + files.dir + " was saved over other synthetic data (" +
+             client["data_fingerprint"].get<std::string>() + "; this run's: " + data_fingerprint(ex.experiment.data) +
+             "): the run goes on from the saved position, over other samples than the saved run's");
   else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string() &&
            client["data_fingerprint"].get<std::string>() != data_fingerprint(ex.experiment.data))
     log_warn("checkpoint " + files.dir + " was saved over other data than this run's " + ex.experiment.data.path +

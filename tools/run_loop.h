@@ -59,9 +59,11 @@ std::string data_fingerprint(const DataConfig& data);
 // from base_fingerprint, where the checkpoint records one), and its data
 // position against `loader`'s micro-batch layout. Throws naming the
 // checkpoint and both sides. Warns where the data's length or the model's
-// settings (config.json's) differ from the saved run's.
+// settings (config.json's) differ from the saved run's. position_required:
+// a checkpoint without client_state.samples is refused (zinc-train's
+// resume; Engine.load_checkpoint keeps the loader where it is).
 void check_resume(const Experiment& ex, const std::string& dir, const std::string& tag, const DataLoader& loader,
-                  const std::function<const std::string&()>& base_fingerprint);
+                  const std::function<const std::string&()>& base_fingerprint, bool position_required = true);
 
 class RunLoop {
  public:

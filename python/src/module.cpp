@@ -412,9 +412,21 @@ class PyEngine {
     zinc::Engine& e = engine("save_checkpoint");
     json client = client_state.is_none() ? json::object() : from_py(client_state, "client_state");
     if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
-    ComputeScope scope;
-    zinc::tools::add_resume_state(client, ex_, *loader_, e.global_steps(),
+    // zinc's own keys (the data position, the step, ...) go beside the
+    // caller's: a key of the caller's with one of their names and another
+    // value would be replaced without a word (DeepSpeed's {"step": n} with
+    // the engine's step is the same value, and kept).
+    json own = json::object();
+    zinc::tools::add_resume_state(own, ex_, *loader_, e.global_steps(),
                                   [this]() -> const std::string& { return base_fingerprint(); });
+    for (auto it = own.begin(); it != own.end(); ++it)
+      if (client.contains(it.key()) && client[it.key()] != it.value())
+        throw py::value_error("zinc.Engine.save_checkpoint: client_state['" + it.key() + "'] is " +
+                              client[it.key()].dump().substr(0, 60) + ", but '" + it.key() +
+                              "' is zinc's own key there (it holds " + it.value().dump().substr(0, 60) +
+                              "): give yours another name");
+    client.update(own);
+    ComputeScope scope;
     e.save_checkpoint(dir, tag.value_or(""), client);
   }
   py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard,
@@ -481,7 +493,8 @@ class PyEngine {
       // and the data position (it raised after the load had replaced the
       // engine's state, and a LoRA scale change loaded without a word).
       zinc::tools::check_resume(ex_, dir, tag.value_or(""), *loader_,
-                                [this]() -> const std::string& { return base_fingerprint(); });
+                                [this]() -> const std::string& { return base_fingerprint(); },
+                                /*position_required=*/false);
       client = e.load_checkpoint(dir, tag.value_or(""));
     }
     if (client.is_object() && client.contains("samples") && client["samples"].is_number_integer())

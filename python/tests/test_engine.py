@@ -129,6 +129,23 @@ def test_checkpoint_round_trip(doc, tmp_path):
         assert c.global_steps == 3 and c.train_batch() == after[0]
 
 
+def test_a_client_state_key_that_zinc_keeps_is_never_replaced_without_a_word(doc, tmp_path):
+    # zinc keeps its data position and step in client_state: a caller's
+    # 'step' or 'samples' with another value was replaced silently.
+    # DeepSpeed's {"step": engine's step} is the same value: kept.
+    ck = str(tmp_path / "ck")
+    with zinc.initialize(doc) as a:
+        a.train_batch()
+        for key, value in (("step", 1234), ("samples", 5), ("data_samples", "mine")):
+            with pytest.raises(ValueError, match=r"client_state\['%s'\] is .*zinc's own key there" % key):
+                a.save_checkpoint(ck, client_state={key: value, "epoch": 7})
+        assert not os.path.exists(os.path.join(ck, "global_step1"))
+        a.save_checkpoint(ck, client_state={"step": a.global_steps, "epoch": 7})
+    with zinc.initialize(doc) as b:
+        client = b.load_checkpoint(ck)
+        assert client["epoch"] == 7 and client["step"] == 1
+
+
 def test_a_load_that_cannot_resume_changes_nothing(doc, tmp_path):
     """load_checkpoint makes zinc-train --resume's checks before it reads
     anything: a data position this batch layout cannot continue from (it

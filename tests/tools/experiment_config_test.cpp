@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "models/gpt/gpt.h"
 #include "tools/experiment.h"
+#include "tools/run_loop.h"
 #include "tests/engine/config_test_util.h"
 
 namespace zinc::tools {
@@ -333,6 +334,45 @@ TEST(ExperimentConfigData, DataSmallerThanOneGlobalBatchIsSaid) {
   const Experiment enough = build_experiment(doc(6));
   EXPECT_FALSE(testing_config::any_warning_has(enough.config, "samples an epoch"));
   std::filesystem::remove(path);
+}
+
+// check_resume reads the checkpoint's data position before anything loads:
+// a value near INT64_MAX overflowed the loader's arithmetic and aborted the
+// run (SIGABRT), a fraction was truncated, a string or a missing one raised
+// a JSON library error naming no file after the states had loaded. Each is
+// now one line naming the metadata; Engine.load_checkpoint (position not
+// required) still takes a checkpoint without one.
+TEST(ExperimentConfigResume, ADataPositionThatIsNoPositionIsRefusedNamingTheFile) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(testing::TempDir()) / ("zinc_resume_position_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const Experiment ex = build_experiment(
+      with({{"model", {{"n_layer", 1}, {"n_embd", 16}, {"n_head", 2}}}, {"data", {{"seq_len", 8}}}}));
+  Engine engine = Engine::initialize(ex.model, ex.config);
+  const DataLoader loader(ex.data, 8, 1, 1, 0, 7);
+  const std::function<const std::string&()> no_base = []() -> const std::string& {
+    static const std::string none;
+    return none;
+  };
+  auto refusal = [&](const json& client, bool required = true) {
+    engine.save_checkpoint(dir.string(), "t", client);
+    try {
+      check_resume(ex, dir.string(), "t", loader, no_base, required);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string meta = (dir / "t" / "metadata.json").string();
+  for (const json& bad : {json(int64_t{9223372036854775792}), json(192.5), json("192"), json(-8)}) {
+    const std::string got = refusal({{"samples", bad}});
+    expect_parts(got, {"checkpoint " + meta + ": client_state.samples is " + bad.dump(),
+                       "not a data position (an integer from 0 to 2^62); nothing was loaded"});
+  }
+  expect_parts(refusal(json::object()), {"checkpoint " + meta + " has no client_state.samples", "nothing was loaded"});
+  EXPECT_EQ(refusal(json::object(), /*required=*/false), "");
+  EXPECT_EQ(refusal({{"samples", 64}}), "");
+  fs::remove_all(dir);
 }
 
 }  // namespace

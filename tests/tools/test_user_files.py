@@ -929,3 +929,23 @@ def test_a_tight_address_space_limit_is_refused_in_one_line_never_a_crash(tmp_pa
             assert len(errors(r)) <= 2 and r.stderr.strip(), (kib, r.stderr[-2000:])  # said, not a crash
         outcomes.add(r.returncode)
     assert 1 in outcomes, outcomes  # the lowest limits are refused
+
+
+# ---- found by a hostile user's sweep of resuming (2026-12-02) ----------------------------------
+
+
+def test_a_resume_with_another_data_order_or_other_synthetic_data_is_said(tmp_path):
+    # run.seed orders the data: a resume with another one went on from the
+    # saved position in another shuffle (some samples twice, some never),
+    # and a synthetic source with another seed or length is other data
+    # whose 2^40-sample epoch never showed it by its count. Both said now.
+    cfg = gpt_config(tmp_path, checkpoint_interval=2)
+    assert run(ZINC_TRAIN, cfg, "--steps", "2").returncode == 0
+    r = run(ZINC_TRAIN, cfg, "--steps", "3", "--resume", "--set", "run.seed=7")
+    assert r.returncode == 0, r.stderr
+    assert "was saved by a run whose run.seed (the data order's) was 42; this run's is 7" in r.stderr, r.stderr
+    r = run(ZINC_TRAIN, cfg, "--steps", "4", "--resume", "--set", "run.seed=7", "--set", "data.seed=99")
+    assert r.returncode == 0, r.stderr
+    assert "was saved over other synthetic data" in r.stderr and "seed=99" in r.stderr, r.stderr
+    r = run(ZINC_TRAIN, cfg, "--steps", "5", "--resume", "--set", "run.seed=7", "--set", "data.seed=99")
+    assert r.returncode == 0 and "other synthetic data" not in r.stderr and "run.seed" not in r.stderr, r.stderr
