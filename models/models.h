@@ -42,6 +42,15 @@ inline constexpr const char* kAllLinear = "all-linear";  // target_modules: ever
 // longer fit oneDNN's (a rank of 2^32 once ended the process in the
 // memory estimate rather than with an error).
 inline constexpr int64_t kMaxLoraRank = int64_t{1} << 20;
+// The most layers a model may have: the deepest language models have about
+// 130; a million layers held gigabytes just to plan (--estimate built the
+// layers' records before any size was refused).
+inline constexpr int64_t kMaxLayers = 4096;
+// "" when n is within [1, kMaxLayers], else why not.
+inline std::string layers_refusal(int64_t n) {
+  if (n >= 1 && n <= kMaxLayers) return "";
+  return "must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(n);
+}
 struct LoraConfig {
   int64_t r = 0;
   double alpha = 8.0;

@@ -882,6 +882,7 @@ std::optional<SizeError> size_error(const GptConfig& c) {
                           {"block_size", c.block_size}}) {
     if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
   }
+  if (const std::string why = layers_refusal(c.n_layer); !why.empty()) return SizeError{"n_layer", why};
   // Attention splits the embedding evenly across the heads.
   if (c.n_embd % c.n_head != 0) {
     return SizeError{"n_embd", "must be divisible by n_head " + std::to_string(c.n_head) + ", got " +

@@ -2009,6 +2009,7 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
                           {"max_position_embeddings", c.max_position_embeddings}}) {
     if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
   }
+  if (const std::string why = layers_refusal(c.num_hidden_layers); !why.empty()) return SizeError{"num_hidden_layers", why};
   if (c.num_key_value_heads < 0)
     return SizeError{"num_key_value_heads", "must be >= 1, got " + std::to_string(c.num_key_value_heads)};
   if (c.num_attention_heads % c.kv_heads() != 0) {

@@ -211,6 +211,7 @@ std::optional<SizeError> size_error(const MlpConfig& c) {
                           {"n_layer", c.n_layer}}) {
     if (v < 1) return SizeError{field, "must be >= 1, got " + std::to_string(v)};
   }
+  if (const std::string why = layers_refusal(c.n_layer); !why.empty()) return SizeError{"n_layer", why};
   return std::nullopt;
 }
 

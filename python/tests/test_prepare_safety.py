@@ -264,6 +264,30 @@ def test_a_template_running_without_end_is_a_bad_record(tmp_path):
     assert bad_lines(err) == [2] and "boom.jsonl:2: the chat template ran past 0.5 s" in err
 
 
+def test_a_template_cannot_outlast_its_deadline_in_the_search_for_assistant_turns(tmp_path):
+    """The marker search for assistant turns (a template whose prefixes are not prefixes of the whole) caught
+    every exception around two of its renders, the deadline's BadRecord too: the one-shot deadline spent, the
+    next render ran with none (355 s on one record; SIGKILL only)."""
+    template = tmp_path / "slow.jinja"
+    template.write_text(
+        "{%- set n = messages|length -%}"
+        "{%- if n == 1 and not add_generation_prompt -%}"
+        "{%- for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor -%}"
+        "{%- elif n == 2 and '\ue000' in messages[1].content -%}"
+        "{%- for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor -%}"
+        "{%- endif -%}"
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor -%}"
+        "{%- if add_generation_prompt %}NOTPREFIX{% endif -%}")
+    data = tmp_path / "four.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                             {"role": "user", "content": "Bye"},
+                                             {"role": "assistant", "content": "Ciao"}]}) + "\n")
+    lowered = "from zinc import _prepare_template\n_prepare_template.MAX_RENDER_SECONDS = 0.5"  # where it is read
+    rc, err = cli(data, "--tokenizer", CHATML, "--chat-template", template, "--seq-len", 64,
+                  "--out", tmp_path / "out", code=lowered, timeout=60)  # unbounded before: past the timeout
+    assert rc == 1 and bad_lines(err) == [1] and "four.jsonl:1: the chat template ran past 0.5 s" in err, err
+
+
 @pytest.mark.parametrize("expression,why", [
     ("{% set ns = namespace(s=c) %}{% for i in range(12) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
      "builds a namespace attribute 's' of 1,024 characters"),
@@ -279,12 +303,20 @@ def test_a_template_running_without_end_is_a_bad_record(tmp_path):
     ("{{ ([c] * 5000)|join }}", "repeats a list of 1 items 5,000 times"),
     ("{{ 7 ** 9000 % 10 }}", "raises 7 to the power 9,000"),
     ("{{ (c ~ c ~ c ~ c) + (c ~ c ~ c ~ c) }}" * 40, "rendering passes 1,000 characters"),
+    # Built before its result was checked: 1.6 GB for ('a' * 16000000).replace('a', 'a' * 100).
+    ("{{ (c * 200).replace('o', 'oooooooooo') }}", "str.replace would build 4,400 characters"),
+    ("{{ ''.join([c * 200] * 4) }}", "str.join would build 3,200 characters"),
+    ("{{ ([c * 200] * 4)|join }}", "join would build 3,200 characters"),
+    # Each piece under the bound, kept in a list: 150 of 16 MB held 2.4 GB (MAX_RENDER_BUILT: 4,000 here).
+    ("{% set ns = namespace(l=[]) %}{% for i in range(10) %}{% set ns.l = ns.l + [c * 200] %}{% endfor %}{{ c }}",
+     "builds more than 4,000 characters and items in all in one rendering"),
 ])
 def test_what_a_template_builds_is_bounded(tmp_path, capsys, monkeypatch, expression, why):
     """Each way a template can build a huge string or number (doubling in a namespace or through a macro's
     argument, output in a loop, '%' and filter widths, list repetition, '**'), against MAX_RENDER_CHARS
     lowered to 1,000: the record is bad, saying what, and the run goes on."""
     monkeypatch.setattr(_prepare_template, "MAX_RENDER_CHARS", 1000)
+    monkeypatch.setattr(_prepare_template, "MAX_RENDER_BUILT", 4000)
     data, template = boom_files(tmp_path, expression)
     rc, err, prefix = run_prepare(tmp_path, capsys, data, "--chat-template", template, seq_len=64)
     assert rc == 0, err

@@ -18,15 +18,54 @@ from ._prepare_tokenizer import TokenizerInfo
 
 MAX_RENDER_CHARS = 1 << 24  # a chat template's rendering of a record, and any string or list it builds, at most
 MAX_RENDER_SECONDS = 10.0  # a record's renderings at most (enforced on the main thread, by SIGALRM)
+# What one rendering may build in all (the characters or items of every string, list or dict its
+# operations, calls and filters return): each is bounded by MAX_RENDER_CHARS, but 150 of them kept in a
+# namespace list held 2.4 GB.
+MAX_RENDER_BUILT = 4 * MAX_RENDER_CHARS
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+class _Built:
+    """What the rendering in progress has built in all (ChatRenderer.render resets it)."""
+    total = 0
+
+
 def _check_built(value: Any, what: str) -> Any:
-    """value, unless it is a string, list, tuple or dict longer than MAX_RENDER_CHARS (a BadRecord)."""
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+    """value, unless it is a string, list, tuple or dict longer than MAX_RENDER_CHARS, or one that takes the
+    rendering's total past MAX_RENDER_BUILT (a BadRecord)."""
+    if isinstance(value, (str, list, tuple, dict)):
         unit = "characters" if isinstance(value, str) else "items"
-        raise BadRecord(f"the chat template builds {what} of {len(value):,} {unit}, more than {MAX_RENDER_CHARS:,}")
+        if len(value) > MAX_RENDER_CHARS:
+            raise BadRecord(f"the chat template builds {what} of {len(value):,} {unit}, more than "
+                            f"{MAX_RENDER_CHARS:,}")
+        _Built.total += len(value)
+        if _Built.total > MAX_RENDER_BUILT:
+            raise BadRecord(f"the chat template builds more than {MAX_RENDER_BUILT:,} characters and items in all "
+                            f"in one rendering (MAX_RENDER_BUILT)")
     return value
+
+
+def _check_call(obj: Any, args: tuple) -> None:
+    """Before a str method runs whose result can outgrow its arguments (replace, join, expandtabs): what it
+    would build is not above MAX_RENDER_CHARS ('a' * 16000000).replace('a', 'a' * 100) took 1.6 GB before
+    its result was refused)."""
+    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    size = None
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        count = owner.count(args[0]) if args[0] else len(owner) + 1
+        if len(args) >= 3 and isinstance(args[2], int) and args[2] >= 0:
+            count = min(count, args[2])
+        size = len(owner) + count * (len(args[1]) - len(args[0]))
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        size = sum(len(x) for x in args[0] if isinstance(x, str)) + len(owner) * max(0, len(args[0]) - 1)
+    elif name == "expandtabs":
+        tab = args[0] if args and isinstance(args[0], int) else 8
+        size = len(owner) + owner.count("\t") * max(0, tab)
+    if size is not None and size > MAX_RENDER_CHARS:
+        raise BadRecord(f"the chat template's str.{name} would build {size:,} characters, more than "
+                        f"{MAX_RENDER_CHARS:,}")
 
 
 def _check_argument(value: Any) -> None:
@@ -126,6 +165,7 @@ def compile_chat_template(source: str) -> Any:
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
             for a in (*args, *kwargs.values()):
                 _check_argument(a)
+            _check_call(__obj, args)
             return _check_built(super().call(__context, __obj, *args, **kwargs), "a call's result")
 
         def wrap_str_format(self, value: Any) -> Optional[Callable[..., str]]:
@@ -142,6 +182,15 @@ def compile_chat_template(source: str) -> Any:
                 if name == "format":
                     _check_format(a)
                 _check_argument(a)
+            if name == "join":  # before it runs, as str.join (an item not a string: its text, about 32)
+                items = next((a for a in args if isinstance(a, (list, tuple))), None)
+                if items is not None:
+                    seps = [a for a in args if isinstance(a, str)]
+                    sep = str(kwargs.get("d", seps[0] if seps else ""))
+                    size = sum(len(x) if isinstance(x, str) else 32 for x in items) + len(sep) * max(0, len(items) - 1)
+                    if size > MAX_RENDER_CHARS:
+                        raise BadRecord(f"the chat template's join would build {size:,} characters, more than "
+                                        f"{MAX_RENDER_CHARS:,}")
             return _check_built(f(*args, **kwargs), f"the result of the filter {name!r}")
         return bounded
 
@@ -279,6 +328,7 @@ class ChatRenderer:
         """The rendering (as jinja2's render() joins it), stopped with a BadRecord as soon as it passes
         MAX_RENDER_CHARS; the {% generation %} blocks' spans appended to generation_spans."""
         parts, length = [], 0
+        _Built.total = 0
         env = self.template.environment
         state = _GenerationState(generation_spans)
         env.generation_state = state
@@ -362,6 +412,8 @@ class ChatRenderer:
                 prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
                 bare = self.render(messages[:i], tools=tools)
                 header = prompt[_common_prefix(prompt, bare):]
+            except BadRecord:  # a bound on size or time (the deadline fires once: swallowed, the renders
+                raise          # after it ran without one)
             except Exception:
                 header = ""
             at = full.rfind(header, low, start) if header else -1

@@ -336,6 +336,22 @@ TEST(ExperimentConfigData, DataSmallerThanOneGlobalBatchIsSaid) {
   std::filesystem::remove(path);
 }
 
+// A million layers held 4 GB just to plan (--estimate), ten million were
+// killed by the OOM killer: the layers are bounded before anything is built.
+TEST(ExperimentConfigModel, LayersPastAnyModelsAreRefusedBeforeAnythingIsBuilt) {
+  for (const json& model : {json{{"type", "gpt"}, {"n_layer", 10000000}, {"n_head", 2}, {"n_embd", 32}},
+                            json{{"type", "mlp"}, {"n_layer", 4097}}}) {
+    try {
+      build_experiment(with({{"model", model}, {"data", {{"seq_len", 16}}}}));
+      ADD_FAILURE() << model.dump();
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.path(), "model.n_layer") << e.what();
+      EXPECT_NE(std::string(e.what()).find("must be in [1, 4096]"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(build_experiment(with({{"model", {{"type", "mlp"}, {"n_layer", 4096}}}, {"data", {{"seq_len", 16}}}})));
+}
+
 // check_resume reads the checkpoint's data position before anything loads:
 // a value near INT64_MAX overflowed the loader's arithmetic and aborted the
 // run (SIGABRT), a fraction was truncated, a string or a missing one raised
