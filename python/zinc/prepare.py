@@ -138,8 +138,9 @@ Bad records (invalid JSON or UTF-8, a lone surrogate, missing or wrongly
 typed fields, a template that raises, too long, empty) are skipped, counted
 per source and reported on stderr with file and line (the first 10). So is a
 record whose chat template builds more than MAX_RENDER_CHARS characters (by
-'*', a loop, a macro, a filter's width: compile_chat_template) or renders
-for more than MAX_RENDER_SECONDS. --max-bad N stops at the (N+1)th. Exit
+'*', a loop, a macro, a filter's width, str.replace or join: checked before
+they run; compile_chat_template), more than MAX_RENDER_BUILT in all in one
+rendering, or renders for more than MAX_RENDER_SECONDS. --max-bad N stops at the (N+1)th. Exit
 status 1 with one line when nothing usable remains, on any other error, and
 130 on Ctrl-C. Inputs and the tokenizer's files must be regular files: a
 FIFO, a device or a folder is refused, saying which, without blocking on it.
