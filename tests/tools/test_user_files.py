@@ -640,12 +640,16 @@ def test_a_merged_export_that_is_not_finite_is_refused_and_replaces_nothing(tmp_
 def test_a_config_json_naming_more_layers_than_its_weights_is_refused_at_once(tmp_path):
     src = copy_fixture(tmp_path)
     cfg = json.loads((src / "config.json").read_text())
-    for layers in (1000000, 1 << 31):  # 10 GB and half a minute, or no end, before
+    # 10 GB and half a minute, or no end, before; past any model's depth (4096 layers) refused by the bound,
+    # within it by the weights.
+    for layers, words in ((1000000, "num_hidden_layers: must be in [1, 4096], got 1000000"),
+                          (1 << 31, "num_hidden_layers: must be in [1, 4096], got %d" % (1 << 31)),
+                          (3000, "num_hidden_layers is 3000, but the weights")):
         cfg["num_hidden_layers"] = layers
         (src / "config.json").write_text(json.dumps(cfg))
         r = run(ZINC_TRAIN, config(tmp_path, src), "--check", timeout=30)
         assert r.returncode == 1, r.stderr
-        assert "num_hidden_layers is %d, but the weights" % layers in r.stdout + r.stderr, r.stdout + r.stderr
+        assert words in r.stdout + r.stderr and "config.json" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_a_run_whose_every_step_overflowed_in_fp16_exits_1_and_exports_nothing(tmp_path):
