@@ -182,20 +182,21 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
     log_warn("checkpoint " + files.dir + " was saved over data of " + std::to_string(client["data_samples"].get<int64_t>()) +
              " samples an epoch; this run's data has " + std::to_string(loader.source().num_samples()) +
              ": the run goes on from the saved position, but in another epoch and order than the saved run would");
-  else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string() &&
-           client["data_fingerprint"].get<std::string>() != data_fingerprint(ex.experiment.data) &&
-           ex.experiment.data.type == DataType::kSynthetic)
-    log_warn("checkpoint " + files.dir + " was saved over other synthetic data (" +
-             client["data_fingerprint"].get<std::string>() + "; this run's: " + data_fingerprint(ex.experiment.data) +
-             "): the run goes on from the saved position, over other samples than the saved run's");
-  else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string() &&
-           client["data_fingerprint"].get<std::string>() != data_fingerprint(ex.experiment.data))
-    log_warn("checkpoint " + files.dir + " was saved over other data than this run's " + ex.experiment.data.path +
-             " (as many samples an epoch, but a sampled digest of the data" +
-             (ex.experiment.data.mask_path.empty() && ex.experiment.data.documents_path.empty()
-                  ? std::string()
-                  : ", mask and documents") +
-             " files differs): the run goes on from the saved position, over other samples than the saved run's");
+  else if (client.contains("data_fingerprint") && client["data_fingerprint"].is_string()) {
+    // One sampled digest of the data files (reads), compared once.
+    const std::string theirs = client["data_fingerprint"].get<std::string>();
+    const std::string mine = data_fingerprint(ex.experiment.data);
+    if (theirs != mine && ex.experiment.data.type == DataType::kSynthetic)
+      log_warn("checkpoint " + files.dir + " was saved over other synthetic data (" + theirs + "; this run's: " + mine +
+               "): the run goes on from the saved position, over other samples than the saved run's");
+    else if (theirs != mine)
+      log_warn("checkpoint " + files.dir + " was saved over other data than this run's " + ex.experiment.data.path +
+               " (as many samples an epoch, but a sampled digest of the data" +
+               (ex.experiment.data.mask_path.empty() && ex.experiment.data.documents_path.empty()
+                    ? std::string()
+                    : ", mask and documents") +
+               " files differs): the run goes on from the saved position, over other samples than the saved run's");
+  }
   if (ex.hf && client.contains("hf_config") && client["hf_config"].is_object() && ex.hf->raw.is_object()) {
     static const std::set<std::string> kNotTheModel = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",
                                                        "use_cache"};
