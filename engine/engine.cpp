@@ -611,6 +611,8 @@ void Engine::Impl::step() {
     if (!rule->apply_on_device(*device, optimizer_steps, grad_scale)) {  // else the device's states are updated
       device->before_host_update();
       params->before_update();
+      // Note [the gather streamed behind the update] in param_coordinator.cpp.
+      if (rule->may_run_behind()) params->stream_next_gather(device->gathered_hook());
       auto host_update = [this, t = optimizer_steps, grad_scale] {
         rule->apply(t, grad_scale);
         device->after_host_update();

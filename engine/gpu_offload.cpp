@@ -20,9 +20,12 @@
 // - step() is the CPU path's. At stage 0 or on one rank each block goes
 //   up on the copy stream as soon as its update is done, from the
 //   page-locked host compute copy, while the CPU updates the next block
-//   (block_updated); at stages 1-2 on several ranks every block goes
-//   up on the copy stream once the all-gather has brought it
-//   (after_gather); at stage 3 the next acquire uploads it.
+//   (block_updated); at stages 1-2 on several ranks each block goes
+//   up on the copy stream, from the gather thread, as soon as its bucket's
+//   all-gather has brought it, the buckets starting as the update finishes
+//   their blocks (gathered_hook; Note [the gather streamed behind the
+//   update] in param_coordinator.cpp), so that update too can run behind
+//   the forward; at stage 3 the next acquire uploads it.
 // With offload_optimizer "none" the states live on the GPU instead
 // (DeviceMirror::enable_states; the rank's shard on several ranks):
 // gradients stay there (on several ranks reduce-scattered into the shard),
@@ -359,6 +362,7 @@ class GpuOffload final : public DevicePath {
       }).wait();
   }
   void before_host_update() override {
+    gather_hooked_ = false;
     gpu_->wait_uploads();  // the last step's uploads have read the host copies
     // block_updated clears what it uploads; below stage 3 the GPU's share of
     // the states wrote its parameters there (update), and its host copy is
@@ -385,7 +389,7 @@ class GpuOffload final : public DevicePath {
   }
   // Note [the update behind the forward].
   bool start_update_behind(std::function<void()> update) override {
-    if (!behind_allowed_ || !uploads_after_update()) return false;
+    if (!behind_allowed_ || !(uploads_after_update() || gather_hooked_)) return false;
     if (!behind_stream_) {
       behind_comm_ = comm::make_single_communicator();
       behind_stream_ = std::make_unique<comm::CommStream>(*behind_comm_);
@@ -452,6 +456,26 @@ class GpuOffload final : public DevicePath {
       gpu_->upload_params_async(static_cast<int>(b), blocks()[b].compute.data());
       stale_[b] = 0;
     }
+  }
+  // Stages 1-2 on several ranks, ZeRO-Offload (Note [the gather streamed
+  // behind the update] in param_coordinator.cpp): each block goes up on the
+  // copy stream as soon as its bucket's all-gather is in, from the gather
+  // thread, while the host updates and gathers the blocks after it; with
+  // the update behind the forward, block b's forward waits for that alone.
+  // The engine's thread reads stale_[b] after wait_updated(b), or after the
+  // step's gather has ended.
+  std::function<void(int)> gathered_hook() override {
+    if (states_ || partial_ || !plan().gather_params_after_step) return {};
+    gather_hooked_ = true;
+    return [this](int b) {
+      BlockShard& s = blocks()[static_cast<size_t>(b)];
+      if (stale_[static_cast<size_t>(b)] && !s.compute.empty()) {
+        gpu_->make_current();  // the gather thread's CUDA calls go to the engine's GPU
+        gpu_->upload_params_async(b, s.compute.data());
+        stale_[static_cast<size_t>(b)] = 0;
+      }
+      if (behind_) mark_updated(b);
+    };
   }
   void after_step() override {
     if (states_ || partial_) gpu_->zero_grads();  // the accumulators of the blocks whose states are here
@@ -740,6 +764,7 @@ class GpuOffload final : public DevicePath {
   // from the page-locked shards, on the coordinator's gather stream.
   bool upload_gathers_ = false;
   std::vector<char> stale_;  // blocks the last step changed: uploaded at the next acquire
+  bool gather_hooked_ = false;  // this step's gather uploads each block as it arrives (gathered_hook)
   std::vector<std::vector<optim::LambSegment>> lamb_segs_;  // Lamb: each block's segments, from its norms to its update
   // Note [the update behind the forward]: the thread the update runs on,
   // whether one is in flight (the engine's thread reads and writes it),

@@ -123,6 +123,11 @@ class DevicePath {
   virtual void block_updated(int /*block*/) {}
   virtual void after_host_update() {}
   virtual void after_gather() {}
+  // Stages 1-2 on several ranks: what runs on the coordinator's gather
+  // thread as each block's all-gather after the update arrives, while the
+  // update goes on (ParamCoordinator::stream_next_gather; empty: the
+  // gather waits for the whole update, and after_gather follows it).
+  virtual std::function<void(int)> gathered_hook() { return {}; }
   // After the reducer's reset, at the end of every step.
   virtual void after_step() {}
   // ---- the host update behind the next forward (Note [the update behind

@@ -416,6 +416,7 @@ void ParamCoordinator::drain_prefetches() {
 }
 
 void ParamCoordinator::before_update() {
+  streamed_ = nullptr;  // an update that failed before its gather streams no more
   if (!plan_.params_sharded) return;
   for (BlockShard& s : blocks_)
     if (s.param_state == ParamState::kGathering) wait_gather(s);
@@ -434,6 +435,10 @@ char* ParamCoordinator::shard_to_update(int block) {
 
 void ParamCoordinator::finish_update(int block) {
   BlockShard& s = blocks_[static_cast<size_t>(block)];
+  if (streamed_) {
+    stream_updated_[static_cast<size_t>(block)] = 1;
+    submit_streamed_buckets(/*all=*/false);
+  }
   if (!s.nvme_update) return;
   std::shared_ptr<offload::PinnedBuffer> buf = std::move(s.nvme_update);
   offload::NvmeStore* store = nvme_.get();
@@ -446,6 +451,12 @@ void ParamCoordinator::finish_update(int block) {
 }
 
 void ParamCoordinator::gather_after_step() {
+  if (plan_.gather_params_after_step && streamed_) {
+    submit_streamed_buckets(/*all=*/true);
+    streamed_ = nullptr;
+    gather_->synchronize();
+    return;
+  }
   if (plan_.gather_params_after_step) return gather_all_stages_1_2();
   if (!plan_.params_sharded) return;
   for (size_t b = 0; b < blocks_.size(); ++b) finish_update(static_cast<int>(b));  // any left
@@ -459,31 +470,77 @@ void ParamCoordinator::gather_after_step() {
   if (mode_ == Mode::kFollowing) prefetch_from(0);
 }
 
-void ParamCoordinator::gather_all_stages_1_2() {
-  ZINC_CHECK(gather_ != nullptr, "gather_after_step needs the gather stream (several ranks)");
-  const DType dt = compute_;
-  std::vector<BlockShard*> group;
-  int64_t group_numel = 0;
-  auto submit = [&] {
-    if (group.empty()) return;
-    gather_->submit([group, dt](comm::Communicator& c) {
-      const size_t es = dtype_bytes(dt);
-      for (BlockShard* s : group) {
-        char* base = s->compute.as<char>();
-        c.all_gather(base + static_cast<size_t>(s->part.own_offset()) * es, base, s->part.shard_numel, dt);
-      }
-    });
-    group.clear();
-    group_numel = 0;
-  };
+// Note [the gather streamed behind the update]
+// At stages 1-2 on several ranks the update writes each rank's shard of
+// every block, and the all-gather after it brings the other ranks' shards,
+// in buckets of allgather_bucket_size elements (block order, frozen blocks
+// left out: every rank holds them whole). A bucket depends only on its own
+// blocks' updates, and the update visits the blocks in order, so where the
+// device path asks (stream_next_gather: the GPU path, whose uploads and next
+// forward wait for the gather) a bucket goes to the gather stream as soon
+// as the update has finished its last block: the gather of the first
+// buckets runs while the CPU updates the rest, and each block's upload can
+// start as it arrives. Every rank submits the same buckets in the same
+// order (a bucket only after the ones before it), whenever its own update
+// gets there; what a rank's update passes by (a block without a span
+// here) is submitted at gather_after_step, as before. The bytes gathered
+// are the same, so the weights are too. The update rule must run no
+// collective of its own (UpdateRule::may_run_behind), and the CPU path
+// keeps the gather after the update: there the two would share the same
+// cores and memory bandwidth.
+std::vector<std::vector<BlockShard*>> ParamCoordinator::gather_buckets_1_2() {
+  std::vector<std::vector<BlockShard*>> buckets(1);
+  int64_t numel = 0;
   for (BlockShard& s : blocks_) {
     if (s.frozen) continue;  // not updated: every rank still holds it whole
-    group.push_back(&s);
-    group_numel += s.part.padded_numel;
-    if (group_numel >= zero_.allgather_bucket_size) submit();
+    buckets.back().push_back(&s);
+    numel += s.part.padded_numel;
+    if (numel >= zero_.allgather_bucket_size) {
+      buckets.emplace_back();
+      numel = 0;
+    }
   }
-  submit();
+  if (buckets.back().empty()) buckets.pop_back();
+  return buckets;
+}
+
+void ParamCoordinator::submit_gather_bucket(const std::vector<BlockShard*>& bucket) {
+  ZINC_CHECK(gather_ != nullptr, "gather_after_step needs the gather stream (several ranks)");
+  gather_->submit([bucket, dt = compute_, gathered = streamed_, blocks = blocks_.data()](comm::Communicator& c) {
+    const size_t es = dtype_bytes(dt);
+    for (BlockShard* s : bucket) {
+      char* base = s->compute.as<char>();
+      c.all_gather(base + static_cast<size_t>(s->part.own_offset()) * es, base, s->part.shard_numel, dt);
+    }
+    // After the whole bucket, so that a failure here leaves no peer
+    // waiting in a collective this rank skipped.
+    if (gathered)
+      for (BlockShard* s : bucket) gathered(static_cast<int>(s - blocks));
+  });
+}
+
+void ParamCoordinator::gather_all_stages_1_2() {
+  for (const std::vector<BlockShard*>& bucket : gather_buckets_1_2()) submit_gather_bucket(bucket);
   gather_->synchronize();
+}
+
+void ParamCoordinator::stream_next_gather(std::function<void(int)> gathered) {
+  if (!plan_.gather_params_after_step || !gathered) return;
+  if (stream_buckets_.empty()) stream_buckets_ = gather_buckets_1_2();
+  streamed_ = std::move(gathered);
+  stream_updated_.assign(blocks_.size(), 0);
+  stream_next_ = 0;
+}
+
+void ParamCoordinator::submit_streamed_buckets(bool all) {
+  for (; stream_next_ < stream_buckets_.size(); ++stream_next_) {
+    const std::vector<BlockShard*>& bucket = stream_buckets_[stream_next_];
+    if (!all && !std::all_of(bucket.begin(), bucket.end(), [&](const BlockShard* s) {
+          return stream_updated_[static_cast<size_t>(s - blocks_.data())] != 0;
+        }))
+      return;
+    submit_gather_bucket(bucket);
+  }
 }
 
 }  // namespace zinc

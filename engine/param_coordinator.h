@@ -114,7 +114,7 @@ class ParamCoordinator {
   void end_pass();
 
   // Before the optimizer writes the compute shards: waits for every gather
-  // in flight (stage 3).
+  // in flight (stage 3). Ends any stream_next_gather not yet gathered.
   void before_update();
   // Where the optimizer writes block's new compute shard: the shard itself,
   // or for a shard on NVMe a buffer that finish_update() writes back.
@@ -129,6 +129,14 @@ class ParamCoordinator {
   // others are freed, and the start of the trace is prefetched. Returns when
   // the stage 1, 2 gathers have arrived.
   void gather_after_step();
+  // Stages 1-2 on several ranks, for the update about to run (Note [the
+  // gather streamed behind the update]): each bucket of the all-gather
+  // starts as soon as the update has finished its blocks, and `gathered(b)`
+  // runs on the gather stream's thread once block b has arrived.
+  // After before_update; gather_after_step submits what is left and returns
+  // when all has arrived, and the next update gathers as before unless this
+  // is called again.
+  void stream_next_gather(std::function<void(int)> gathered);
 
   // Observations for tests and benchmarks (stage 3).
   using Stats = ParamGatherStats;
@@ -143,6 +151,9 @@ class ParamCoordinator {
   enum class Mode { kRecording, kFollowing };
   void lay_out_nvme_file();
   void gather_all_stages_1_2();
+  std::vector<std::vector<BlockShard*>> gather_buckets_1_2();
+  void submit_gather_bucket(const std::vector<BlockShard*>& bucket);
+  void submit_streamed_buckets(bool all);
   void start_gather(BlockShard& s, bool prefetch);
   void wait_gather(BlockShard& s);
   void free_gathered(BlockShard& s);
@@ -173,6 +184,12 @@ class ParamCoordinator {
   std::vector<size_t> last_pos_;   // per block: the position of its latest acquire in this pass
   bool warned_departure_ = false;
   std::vector<comm::CommHandle> pending_writes_;  // NVMe write-backs of the last step
+  // stream_next_gather: what runs as a block arrives (empty: not streaming),
+  // the buckets, which blocks the update has finished, the next bucket to submit.
+  std::function<void(int)> streamed_;
+  std::vector<std::vector<BlockShard*>> stream_buckets_;
+  std::vector<char> stream_updated_;
+  size_t stream_next_ = 0;
   Stats stats_;
 };
 

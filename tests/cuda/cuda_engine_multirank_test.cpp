@@ -233,6 +233,52 @@ TEST(CudaEngineRanks, ZeroOffloadTrainsLikeTheCpuAtEveryStage) {
   expect_gpu_trains_like_cpu("cpu", {1, 2, 3});
 }
 
+// Note [the gather streamed behind the update] (engine/param_coordinator.cpp)
+// with Note [the update behind the forward] (engine/gpu_offload.cpp), on
+// several ranks: at stages 1-2 with ZeRO-Offload each bucket of the
+// parameter all-gather starts once the CPU update has finished its blocks,
+// each block goes up to the GPU from the gather thread as it arrives, and
+// the next forward waits for its own blocks only. The same losses and
+// weights, bit for bit, as the update and the whole gather run in place
+// (ZINC_GPU_UPDATE_BEHIND=0, where the buckets still stream), with a bucket
+// per block, a few blocks a bucket and one bucket for the model; and the
+// update did run behind.
+TEST(CudaEngineRanks, TheUpdateBehindTheForwardKeepsTheBitsOnSeveralRanks) {
+  ZINC_REQUIRE_GPU_PER_RANK();
+  if (g_world->size() < 2) GTEST_SKIP() << "one rank: CudaEnginePath.TheUpdateBehindTheForwardKeepsTheBits";
+  struct Case {
+    int stage;
+    int64_t bucket;
+    bool bf16;
+  };
+  for (const Case& c : {Case{1, 300, true}, Case{2, 3000, false}, Case{2, 500000000, true}}) {
+    RunSpec r;
+    r.make = [] { return testing_models::small_gpt(16, Device::kCuda); };
+    r.top_extra["device"] = "cuda";
+    r.stage = c.stage;
+    r.bf16 = c.bf16;
+    r.bucket = c.bucket;
+    r.gas = c.stage;  // 1 and 2
+    r.steps = 5;
+    r.offload = "cpu";
+    double behind_s = -1;
+    r.inspect = [&](Engine& e) { behind_s = e.timings().update_behind_s; };
+    std::vector<double> behind_losses, direct_losses;
+    unsetenv("ZINC_GPU_UPDATE_BEHIND");
+    const std::vector<float> behind = testing_train::train(r, g_world, &behind_losses);
+    const double ran_behind = behind_s;
+    setenv("ZINC_GPU_UPDATE_BEHIND", "0", 1);
+    const std::vector<float> direct = testing_train::train(r, g_world, &direct_losses);
+    unsetenv("ZINC_GPU_UPDATE_BEHIND");
+    const std::string what = std::string(c.bf16 ? "bf16" : "fp32") + " stage " + std::to_string(c.stage) +
+                             ", allgather_bucket_size " + std::to_string(c.bucket);
+    EXPECT_EQ(behind_losses, direct_losses) << what << ": losses, behind against in place";
+    EXPECT_EQ(behind, direct) << what << ": weights, behind against in place";
+    EXPECT_GT(ran_behind, 0) << what << ": the update never ran behind";
+    EXPECT_EQ(behind_s, 0) << what << ": ZINC_GPU_UPDATE_BEHIND=0 ran it behind";
+  }
+}
+
 // Pipeline stages on the GPU path (Note [pipeline stages on the GPU] in
 // engine/pipeline.cpp): each stage's activations and their gradients stay
 // in GPU memory and go between the stages over NCCL (ncclSend/ncclRecv).
