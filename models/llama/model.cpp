@@ -726,10 +726,10 @@ class Llama final : public Model {
       const TensorSplit vocab{TensorSplit::kRows, {{rank * v, std::min(v, V - rank * v)}}};
       out.splits[0][0] = vocab;
       out.blocks[0].params[0].shape.dims[0] = v;
-      if (!c_.tie_word_embeddings) {
-        const size_t fin = static_cast<size_t>(final_block());
-        out.splits[fin][static_cast<size_t>(head_)] = vocab;
-        out.blocks[fin].params[static_cast<size_t>(head_)].shape.dims[0] = v;
+      if (!c_.tie_word_embeddings) {  // the head: in the final block, or its own (LoRA's modules_to_save)
+        const size_t hb = static_cast<size_t>(head_block_);
+        out.splits[hb][static_cast<size_t>(head_)] = vocab;
+        out.blocks[hb].params[static_cast<size_t>(head_)].shape.dims[0] = v;
       }
     }
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {

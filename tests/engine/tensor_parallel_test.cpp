@@ -63,6 +63,7 @@ struct Spec {
   int64_t lora_r = 0;
   double lora_dropout = 0.0;
   std::vector<std::string> targets;
+  std::vector<std::string> modules_to_save;  // trained whole beside the adapters (the Llama's embed_tokens, lm_head)
 };
 
 template <class Lora>
@@ -71,6 +72,7 @@ void set_lora(const Spec& s, Lora& l) {
   l.alpha = 6.0;
   l.dropout = s.lora_dropout;
   l.targets = s.targets;
+  l.modules_to_save = s.modules_to_save;
 }
 
 std::shared_ptr<Model> llama(const Spec& s) {
@@ -340,6 +342,19 @@ TEST(TensorParallel, LoraAdaptersSplitWithTheirWeights) {
   s.targets = all;
   s.lora_dropout = 0.1;
   expect_same_run(s, "LoRA on every module, GQA, dropout 0.1");
+  // The head that trains beside the adapters is a block of its own: its
+  // vocabulary rows split as the frozen head's do. The split once went to
+  // the final block's first tensor (the norm's weight) instead, which then
+  // read past its end: losses that changed from run to run.
+  Spec saved = s;
+  saved.vocab = 16;
+  saved.lora_dropout = 0.0;
+  saved.modules_to_save = {"lm_head"};
+  expect_same_run(saved, "LoRA with lm_head in modules_to_save, 2 vocabulary parts");
+  saved.modules_to_save = {"embed_tokens", "lm_head"};
+  saved.zero = 2;
+  saved.vocab = 13;
+  expect_same_run(saved, "LoRA with embed_tokens and lm_head in modules_to_save, ZeRO-2, a padded vocabulary part");
   Spec qv = s;
   qv.targets = {"q_proj", "v_proj", "down_proj"};  // q and v alone: the block-diagonal B
   qv.tp = 4;
