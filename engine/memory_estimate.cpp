@@ -81,7 +81,12 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
       spans.push_back(0);
       continue;
     }
-    layouts.push_back(BlockLayout::from_spec(spec));
+    try {
+      layouts.push_back(BlockLayout::from_spec(spec));
+    } catch (const Error& err) {
+      throw ConfigError("model", std::string("its sizes make a block no count holds (") + err.what() +
+                                     "); lower the model's widths");
+    }
     parts.push_back(Partition::make(layouts.back().numel, world, 0));
     const Partition& p = parts.back();
     spans.push_back(spec.frozen ? 0 : plan.optimizer_numel(p));
@@ -213,7 +218,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     if (nvme && np_padded > 0) {
       // One read buffer per gathered block on NVMe; during the step also one
       // block's new shard on its way back (update_bytes, added below).
-      const int64_t reads = np_read * gathered / np_padded;
+      const int64_t reads = static_cast<int64_t>(static_cast<__int128>(np_read) * gathered / np_padded);
       train_params.push_back({"parameter read buffers", reads, "a shard per gathered block"});
       update_bytes = max_np_update;
     }

@@ -90,10 +90,20 @@ struct BlockLayout {
     BlockLayout l;
     int64_t off = 0;
     for (const ParamSpec& p : spec.params) {
+      // Checked: a model's sizes come from a user's config, and a block of
+      // 2^63 elements or more is refused here rather than wrapped.
+      int64_t n = 1;
+      for (int i = 0; i < p.shape.ndim; ++i)
+        if (p.shape.dims[i] < 0 || __builtin_mul_overflow(n, p.shape.dims[i], &n))
+          throw Error("block '" + spec.name + "': parameter '" + p.name +
+                      "' has more elements than a 64-bit count holds (or a negative size)");
       l.offsets.push_back(off);
-      l.numels.push_back(p.shape.numel());
+      l.numels.push_back(n);
       l.overwrite.push_back(p.grad_overwrite ? 1 : 0);
-      off += (p.shape.numel() + kParamAlignNumel - 1) / kParamAlignNumel * kParamAlignNumel;
+      const int64_t aligned = n / kParamAlignNumel * kParamAlignNumel + (n % kParamAlignNumel ? kParamAlignNumel : 0);
+      if (aligned < n || __builtin_add_overflow(off, aligned, &off))
+        throw Error("block '" + spec.name + "' has more elements than a 64-bit count holds (at parameter '" +
+                    p.name + "')");
     }
     l.numel = off;
     return l;

@@ -465,8 +465,15 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
 namespace zinc::kernels {
 
 int64_t attention_workspace_bytes(AttentionShape s) {
-  const int64_t lse = s.softcap > 0.0f ? s.B * s.H * s.T : 0;
-  return (s.B * s.H * s.T * s.T + lse) * static_cast<int64_t>(sizeof(float));
+  // Checked: the shape comes from a user's sizes (seq_len, heads, the
+  // micro-batch), and a score matrix past 2^63 bytes is refused, not wrapped.
+  int64_t bht = 0, scores = 0, bytes = 0;
+  if (__builtin_mul_overflow(s.B * s.H, s.T, &bht) || __builtin_mul_overflow(bht, s.T, &scores) ||
+      __builtin_add_overflow(scores, s.softcap > 0.0f ? bht : 0, &scores) ||
+      __builtin_mul_overflow(scores, static_cast<int64_t>(sizeof(float)), &bytes))
+    throw Error("attention: scores of " + std::to_string(s.B) + " x " + std::to_string(s.H) + " heads x " +
+                std::to_string(s.T) + " x " + std::to_string(s.T) + " tokens take more bytes than a 64-bit count holds");
+  return bytes;
 }
 
 // The slots and matmuls of attention_forward and attention_backward above,

@@ -42,6 +42,7 @@
 #include "core/cuda_util.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "kernels/cuda_common.cuh"
 #include "kernels/gpu_profile.h"
 #include "kernels/kernels.h"
@@ -322,8 +323,7 @@ std::atomic<int> unfused_override{-1};
 // The fused kernels where they apply, unless ZINC_CUDA_ATTENTION=unfused.
 bool use_fused(AttentionShape s, DType compute) {
   static const bool unfused_env = [] {
-    const char* e = std::getenv("ZINC_CUDA_ATTENTION");
-    return e && std::string(e) == "unfused";
+    return env_choice("ZINC_CUDA_ATTENTION", {"unfused", "fused"}) == "unfused";
   }();
   const int o = unfused_override.load();
   const bool unfused = o >= 0 ? o == 1 : unfused_env;
@@ -355,7 +355,13 @@ void set_unfused_attention_for_testing(bool unfused) { unfused_override.store(un
 int64_t attention_workspace_bytes(AttentionShape s, DType compute) {
   const int64_t f = static_cast<int64_t>(sizeof(float));
   if (use_fused(s, compute)) return (2 * s.B * s.H * s.T + s.B * s.T * s.C) * f;  // lse, di; the output
-  return s.B * s.H * s.T * s.T * f;
+  // Checked as the CPU's (kernels::attention_workspace_bytes): a user's sizes.
+  int64_t bht = 0, scores = 0, bytes = 0;
+  if (__builtin_mul_overflow(s.B * s.H, s.T, &bht) || __builtin_mul_overflow(bht, s.T, &scores) ||
+      __builtin_mul_overflow(scores, f, &bytes))
+    throw Error("attention: scores of " + std::to_string(s.B) + " x " + std::to_string(s.H) + " heads x " +
+                std::to_string(s.T) + " x " + std::to_string(s.T) + " tokens take more bytes than a 64-bit count holds");
+  return bytes;
 }
 
 bool fused_attention_used(int64_t head_dim, DType compute) {

@@ -121,7 +121,7 @@ inline ::testing::AssertionResult AllClose(const std::vector<A>& got, const std:
 }
 
 inline bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Central differences of loss(x) with respect to every element of x.

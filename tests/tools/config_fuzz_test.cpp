@@ -49,6 +49,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/config.h"
+#include "engine/memory_estimate.h"
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
 #include "tools/experiment.h"
@@ -678,10 +679,16 @@ TEST(ConfigHostile, SizesNoKernelTakesAreNamedByTheirKeys) {
       {{{"train_micro_batch_size_per_gpu", 64}, {"data", {{"seq_len", 1000000000}}}},
        "data.seq_len",
        "1000000000 tokens by train_micro_batch_size_per_gpu 64 make 64000000000 rows for the model's products, "
-       "which no kernel takes (matmul: "},
-      {{{"train_micro_batch_size_per_gpu", 8}, {"model", {{"n_embd", 1000000000}, {"n_head", 1}}}},
+       "which no kernel takes ("},  // the matmul's rows, or the attention's scores past 2^63 bytes
+      {{{"train_micro_batch_size_per_gpu", 8}, {"model", {{"n_embd", 100000000}, {"n_head", 1}}}},
        "model",
        "its sizes, at data.seq_len 256 and train_micro_batch_size_per_gpu 8, make products no kernel takes"},
+      // 12 n_embd^2 elements in a layer's block: past 2^63, counted
+      // without wrapping (the count once wrapped, and the products' check
+      // caught the model only by luck).
+      {{{"train_micro_batch_size_per_gpu", 8}, {"model", {{"n_embd", 1000000000}, {"n_head", 1}}}},
+       "model",
+       "its sizes make a block no count holds (block 'h.0'"},
   };
   for (const Case& c : cases) {
     const Experiment ex = build_experiment(c.doc, 1);
@@ -693,6 +700,29 @@ TEST(ConfigHostile, SizesNoKernelTakesAreNamedByTheirKeys) {
       EXPECT_NE(std::string(e.what()).find(c.text), std::string::npos) << e.what();
     }
   }
+}
+
+// A large model with its parameters on NVMe at stage 3: the read buffers'
+// share of the gathered blocks was once computed as np_read * gathered in
+// 64 bits, which wrapped to a negative figure at 48 layers of width 8192.
+TEST(ConfigHostile, LargeModelsEstimateNoNegativePart) {
+  const json doc = {{"train_micro_batch_size_per_gpu", 1},
+                    {"zero_optimization",
+                     {{"stage", 3},
+                      {"offload_param", {{"device", "nvme"}, {"nvme_path", ::testing::TempDir()}}},
+                      {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", ::testing::TempDir()}}}}},
+                    {"model", {{"n_layer", 48}, {"n_embd", 8192}, {"n_head", 64}}},
+                    {"data", {{"seq_len", 64}}}};
+  const Experiment ex = build_experiment(doc, 1);
+  const MemoryEstimate e = estimate_memory(*ex.model, ex.config, ex.experiment.data.seq_len);
+  bool reads = false;
+  for (const auto* parts : {&e.setup, &e.training})
+    for (const MemoryPart& p : *parts) {
+      EXPECT_GE(p.bytes, 0) << p.name << ": " << p.note;
+      reads |= p.name == "parameter read buffers";
+    }
+  EXPECT_TRUE(reads) << "the estimate names the parameter read buffers of a stage 3 run on NVMe";
+  EXPECT_GT(e.ram_bytes(), 0);
 }
 
 TEST(ConfigHostile, ExperimentFileNamesCannotHoldANulByte) {
