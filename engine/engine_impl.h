@@ -193,6 +193,7 @@ struct Engine::Impl final : StepContext {
   // replica * tp_size + tp_rank; comm, world and rank are the ranks that
   // hold the same experts.
   bool expert_parts = false;
+  std::vector<uint16_t> ep_wire;  // a dense run's gradient in communication_data_type (sum_part_gradients)
   double ep_wait_s = 0;  // in the experts' exchanges
   void setup_experts();
   void expert_counts(const int32_t* send, int32_t* recv, int64_t per_rank) override;

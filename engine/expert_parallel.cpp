@@ -34,7 +34,8 @@
 //     rank's batches' share: after ZeRO's reduction each rank adds the
 //     other expert ranks' into its shard (TensorSplit::sum_grads, as a
 //     tensor part does for a per-head norm: one all-reduce of the shard
-//     over the P ranks), so every rank applies the same update and the
+//     over the P ranks, in communication_data_type as ZeRO's reduction
+//     travels), so every rank applies the same update and the
 //     dense weights stay equal. The norm counts a whole weight once (rank
 //     0's) and each rank's experts; the loss sums count every rank.
 //   - ZeRO partitions every weight, the dense ones too, over the world / P

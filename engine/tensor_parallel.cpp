@@ -249,10 +249,27 @@ void Engine::Impl::sum_part_gradients() {
     const int64_t end = own + (plan.optimizer_spans_block ? s.part.padded_numel : s.part.shard_numel);
     // Runs of adjacent summed parameters go as one all-reduce (with expert
     // ranks every dense weight is summed: a block or two per call).
+    // Expert ranks' sums are data parallelism's (each rank's own batches):
+    // they travel in communication_data_type, as ZeRO's reduction does,
+    // rounded to it and back (host memory only: expert ranks do not run on
+    // the GPU). A tensor part's sum is of partial products of one batch and
+    // stays fp32.
+    const DType wire = expert_parts && !dev ? cfg.wire_dtype() : DType::kF32;
     int64_t run_lo = 0, run_hi = 0;
     auto flush = [&] {
       // Every part's shard has the same bounds (the same layout), so each calls alike.
-      if (run_lo < run_hi) over.all_reduce(g + (run_lo - own), g + (run_lo - own), run_hi - run_lo, DType::kF32);
+      if (run_lo < run_hi) {
+        float* at = g + (run_lo - own);
+        const int64_t n = run_hi - run_lo;
+        if (is_16bit(wire)) {
+          if (ep_wire.size() < static_cast<size_t>(n)) ep_wire.resize(static_cast<size_t>(n));
+          convert_f32_to_16(at, ep_wire.data(), static_cast<size_t>(n), wire);
+          over.all_reduce(ep_wire.data(), ep_wire.data(), n, wire);
+          convert_16_to_f32(ep_wire.data(), at, static_cast<size_t>(n), wire);
+        } else {
+          over.all_reduce(at, at, n, DType::kF32);
+        }
+      }
       run_lo = run_hi = 0;
     };
     for (size_t p = 0; p < s.layout.offsets.size(); ++p) {

@@ -57,6 +57,7 @@ struct Spec {
   // A sabotage that shows the comparison can fail: the exchange drops the
   // last row each expert rank receives (a capacity of one row fewer).
   bool drop_one = false;
+  std::string wire;  // communication_data_type ("": the default, fp32)
 };
 
 std::shared_ptr<Model> llama(const Spec& s) {
@@ -169,6 +170,7 @@ json config(const Spec& s, int ranks, bool split) {
             {"zero_optimization", {{"stage", s.zero}}},
             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}}};
   c["train_batch_size"] = s.micro * s.gas * ranks;  // expert ranks train on batches of their own
+  if (!s.wire.empty()) c["communication_data_type"] = s.wire;
   if (split) c["expert_parallel"] = {{"enabled", true}, {"autoep_size", s.ep}, {"preset_model", "mixtral"}};
   if (s.offload != "none")
     c["zero_optimization"]["offload_optimizer"] = {{"device", s.offload}, {"nvme_path", ::testing::TempDir()}};
@@ -230,6 +232,32 @@ TEST(ExpertParallel, ExpertRanksTrainTheDataParallelRun) {
   Spec one;
   one.k = 1;
   expect_same_run(one, "one expert per token");
+}
+
+// The dense weights' sums over the expert ranks are data parallelism's
+// (each rank's own batches): they travel in communication_data_type as
+// ZeRO's reduction does. With every rank an expert rank ZeRO reduces over
+// one rank, so these sums are the only ones on the wire: an fp16 wire
+// must change the run (it once went fp32 whatever the config said).
+TEST(ExpertParallel, DenseSumsTravelInCommunicationDataType) {
+  Spec s;
+  s.ep = g_world->size();
+  s.experts = 8;
+  s.steps = 6;
+  s.wire = "fp16";
+  if (g_world->size() % s.ep != 0) return;
+  // The data-parallel run at fp16 rounds every gradient on the wire, this
+  // one the dense weights' only (an expert's is whole on its rank): the
+  // losses agree to the rounding; the weights not (Adam turns a gradient
+  // that fp16 flushes to zero into steps of a whole lr).
+  const Result ref = train(s, false), half = train(s, true);
+  ASSERT_EQ(half.losses.size(), ref.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(half.losses[i], ref.losses[i], 2e-2 * ref.losses[i]) << i;
+  Spec f = s;
+  f.wire = "fp32";
+  const Result full = train(f, true);
+  EXPECT_NE(half.losses, full.losses) << "an fp16 wire rounds the dense weights' sums: the run must differ from fp32's";
+  EXPECT_NE(half.weights, full.weights);
 }
 
 TEST(ExpertParallel, ComposesWithEveryZeroStageAndOffloadedStates) {
