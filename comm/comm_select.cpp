@@ -1,6 +1,7 @@
 // make_communicator: picks the backend for a job (MPI, shared memory,
 // hierarchical, NCCL) from the argument, the topology and the environment
 // (comm.h), and the test factories of comm_internal.h; Communicator::twin.
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -19,7 +20,16 @@ std::string env_or(const char* var, const std::string& fallback) {
 
 size_t slot_bytes_from_env() {
   const char* v = std::getenv("ZINC_SHM_SLOT_BYTES");
-  return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 0)) : detail::kShmSlotBytes;
+  if (!v || !*v) return detail::kShmSlotBytes;
+  // Checked: a misspelt value once read as 0 bytes (strtoull's answer to
+  // what it cannot parse).
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(v, &end, 0);
+  if (*end != '\0' || errno != 0 || *v == '-' || n == 0 || n > (1ull << 34))
+    throw CommError(std::string("rank ?: make_communicator: ZINC_SHM_SLOT_BYTES=\"") + v +
+                    "\" is not a number of bytes from 1 to 2^34");
+  return static_cast<size_t>(n);
 }
 
 // ZINC_COMM_TIMEOUT (seconds) when set, else `fallback`.

@@ -515,7 +515,7 @@ void refuse_data_efficiency(const json& v) {
 // activation_checkpointing: DeepSpeed's keys and defaults
 // (ActivationCheckpointingConfig says what each means here). Each key set to
 // other than its default is a warning saying why it changes nothing.
-void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig& a) {
+void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig& a, Device device) {
   Reader r = root.section("activation_checkpointing");
   a.given = r.given();
   if (r.get_bool("partition_activations", a.partition_activations) && a.partition_activations)
@@ -530,11 +530,22 @@ void parse_activation_checkpointing(Reader& root, ActivationCheckpointingConfig&
     r.warn_ignored(r.last_path(), "DeepSpeed uses it only to size contiguous_memory_optimization's buffers; "
                                   "zinc's GPT checkpoints every layer's input");
   }
-  if (r.get_bool("cpu_checkpointing", a.cpu_checkpointing) && a.cpu_checkpointing)
-    r.warn(r.last_path(), "no effect: on the CPU build the checkpoints already live in host RAM");
+  const bool gpu = device == Device::kCuda;
+  if (r.get_bool("cpu_checkpointing", a.cpu_checkpointing) && a.cpu_checkpointing) {
+    if (gpu)
+      r.warn_ignored(r.last_path(), "it moves the checkpointed layer inputs to host RAM; zinc's GPU path keeps "
+                                    "them in GPU memory");
+    else
+      r.warn(r.last_path(), "no effect: on the CPU the checkpoints already live in host RAM");
+  }
   if (r.get_bool("synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary) &&
-      a.synchronize_checkpoint_boundary)
-    r.warn(r.last_path(), "no effect: zinc's CPU kernels are synchronous, there is no device to synchronize");
+      a.synchronize_checkpoint_boundary) {
+    if (gpu)
+      r.warn_ignored(r.last_path(), "it waits for the GPU at each checkpoint boundary (for profiling); zinc's GPU "
+                                    "path times whole passes with events (wall_clock_breakdown)");
+    else
+      r.warn(r.last_path(), "no effect: zinc's CPU kernels are synchronous, there is no device to synchronize");
+  }
   if (r.get_bool("profile", a.profile) && a.profile)
     r.warn_ignored(r.last_path(), "zinc times whole forward and backward passes (wall_clock_breakdown), not "
                                   "each checkpoint");
@@ -903,7 +914,7 @@ Config Config::parse(const json& j, int world_size, const std::vector<std::strin
   parse_legacy(r, c, j.is_object() && j.contains("zero_optimization") && j["zero_optimization"].is_boolean());
   parse_aio(r, c.aio);
   parse_monitors(r, c);
-  parse_activation_checkpointing(r, c.activation_checkpointing);
+  parse_activation_checkpointing(r, c.activation_checkpointing, c.device);
   parse_unimplemented(r, c);
   for (const std::string& key : caller_sections) r.skip(key);
   r.finish_top_level();

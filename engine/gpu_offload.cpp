@@ -160,6 +160,14 @@ class GpuOffload final : public DevicePath {
     const int dev = use_cuda_device(comm ? comm->local_rank() : 0);
     device_index_ = dev;
     if (rank == 0 || world <= 8) log_info("rank " + std::to_string(rank) + " computes on GPU " + std::to_string(dev));
+    // More ranks on this machine than GPUs: they share them (local rank
+    // modulo the GPUs), which runs but halves each one's memory and speed,
+    // and NCCL refuses two ranks on one GPU (its collectives then stay in
+    // host memory, or the run stops where it needs them on the GPU).
+    if (comm && comm->local_rank() == 0 && comm->local_size() > cuda_status().devices)
+      log_warn(std::to_string(comm->local_size()) + " ranks on this machine share " +
+               std::to_string(cuda_status().devices) + " visible GPU(s): a GPU computes for several ranks, which "
+               "NCCL does not take; start one rank per GPU (mpirun -np <GPUs>) or set CUDA_VISIBLE_DEVICES per rank");
     if (world > 1) make_gpu_reduction(*comm, dev);
   }
 
@@ -770,8 +778,7 @@ class GpuOffload final : public DevicePath {
   // whether one is in flight (the engine's thread reads and writes it),
   // and what it has done (behind_mu_).
   const bool behind_allowed_ = [] {
-    const char* e = std::getenv("ZINC_GPU_UPDATE_BEHIND");
-    return !(e && std::strcmp(e, "0") == 0);
+    return env_choice("ZINC_GPU_UPDATE_BEHIND", {"0", "1"}) != "0";
   }();
   std::unique_ptr<comm::Communicator> behind_comm_;
   std::unique_ptr<comm::CommStream> behind_stream_;

@@ -288,8 +288,9 @@ PipelinePlan plan_pipeline(const Model& model, const Config& cfg) {
                                          std::to_string(plan.tied_stages[0]) + " and " +
                                          std::to_string(plan.tied_stages[1]) +
                                          " (a head tied to the embedding), which the GPU path does not sum between "
-                                         "stages yet (Note [pipeline stages on the GPU]); use \"device\": \"cpu\", "
-                                         "or untie the head");
+                                         "stages yet (Note [pipeline stages on the GPU]); use \"device\": \"cpu\" "
+                                         "(or, in a model with an untied form, tie_word_embeddings false; GPT-2's "
+                                         "head is always tied)");
   return plan;
 }
 

@@ -216,10 +216,16 @@ Experiment load_experiment(const std::string& path, const std::vector<std::strin
   return build_experiment(load_document(path, overrides), world_size);
 }
 
+int64_t eval_batches_held(const DataSource& source, int64_t micro) {
+  const int64_t n = source.num_samples();
+  return micro <= 0 ? 0 : n / micro + (n % micro != 0 ? 1 : 0);
+}
+
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro) {
   // The mean over every target of the batches (a batch's loss is the mean
   // over its own targets, so each is weighted by their count).
   const int64_t T = source.seq_len();
+  batches = std::min(batches, eval_batches_held(source, micro));  // each held-out sample once at most
   double total = 0, targets = 0;
   int64_t next = 0;
   for (int64_t b = 0; b < batches; ++b) {

@@ -47,8 +47,12 @@ nlohmann::json load_document(const std::string& path, const std::vector<std::str
 // Same from an in-memory document.
 Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
 
+// The micro-batches of `micro` samples that cover `source` once (the last
+// one wrapping to its start).
+int64_t eval_batches_held(const DataSource& source, int64_t micro);
 // Mean loss over the first `batches` micro-batches of `micro` samples of
-// `source` (in index order, wrapping), forward only.
+// `source` (in index order, the last wrapping), forward only; at most
+// eval_batches_held of them: more would read the same samples again.
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro);
 
 // The code paths this process runs, for headers (zinc-train, zinc-bench):

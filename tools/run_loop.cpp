@@ -60,6 +60,14 @@ RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, comm:
       loss_(NAN),
       eval_loss_(NAN) {
   monitor_ = std::make_unique<Monitors>(ex.config, rank_);
+  if (ex.eval_data && rank_ == 0) {
+    const int64_t held = eval_batches_held(*ex.eval_data, ex.config.train_micro_batch_size_per_gpu);
+    if (ex.experiment.run.eval_batches > held)
+      log_warn("run.eval_batches " + std::to_string(ex.experiment.run.eval_batches) + " is more than the " +
+               std::to_string(held) + " micro-batches the held-out set holds (" +
+               std::to_string(ex.eval_data->num_samples()) + " samples): each evaluation reads those " +
+               std::to_string(held) + " once");
+  }
 }
 
 RunLoop::~RunLoop() = default;
@@ -115,6 +123,17 @@ std::string data_fingerprint(const DataConfig& data) {
   return ckpt::sampled_files_digest(files, "the training data");
 }
 
+// The learning-rate schedule's shape as check_resume compares it: its type
+// and the step counts that place a step in it ("auto" ones resolved, from
+// run.steps: a resume with other --steps stretches the schedule).
+namespace {
+nlohmann::json schedule_json(const SchedulerConfig& s) {
+  return {{"type", scheduler_type_name(s.type)},
+          {"warmup_num_steps", s.warmup_num_steps},
+          {"total_num_steps", s.total_num_steps}};
+}
+}  // namespace
+
 void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
                       const std::function<const std::string&()>& base_fingerprint) {
   client["samples"] = loader.position();
@@ -122,6 +141,7 @@ void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLo
   if (const std::string d = data_fingerprint(ex.experiment.data); !d.empty()) client["data_fingerprint"] = d;
   client["step"] = step;
   client["shuffle_seed"] = ex.experiment.run.seed;  // the data order's, for check_resume
+  client["lr_schedule"] = schedule_json(ex.config.scheduler);  // its length, for check_resume
   // What zinc-export --format hf needs to write the model in the Hugging
   // Face layout: its config.json, and the folder it came from (tokenizer files).
   if (!ex.hf) return;
@@ -172,6 +192,18 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
              std::to_string(ex.experiment.run.seed) +
              ": the run goes on from the saved position, but in another order than the saved run's (some of "
              "this epoch's samples twice, others not at all)");
+  if (client.contains("lr_schedule") && client["lr_schedule"].is_object()) {
+    const nlohmann::json theirs = client["lr_schedule"], mine = schedule_json(ex.config.scheduler);
+    std::string differ;
+    for (const char* k : {"type", "warmup_num_steps", "total_num_steps"})
+      if (!theirs.contains(k) || theirs[k] != mine[k])
+        differ += (differ.empty() ? "" : ", ") + std::string(k) + " " +
+                  (theirs.contains(k) ? theirs[k].dump() : std::string("(none)")) + " -> " + mine[k].dump();
+    if (!differ.empty())
+      log_warn("checkpoint " + files.dir + " was saved by a run whose learning-rate schedule differs from this run's (" +
+               differ + "; an \"auto\" step count follows run.steps / --steps): the run goes on from the saved "
+               "step along this run's schedule, not the saved run's");
+  }
   // What the weights' shapes do not show, said (DeepSpeed loads such a
   // checkpoint without a word too): data of another length, whose epochs
   // and shuffled order the saved position no longer continues; and model

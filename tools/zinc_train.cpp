@@ -92,18 +92,23 @@ std::string format_duration(double s) {
   return buf;
 }
 
-// FNV-1a (64-bit) over the bits of every block's full fp32 master weights, in
-// block order: a digest that changes with any bit of any weight. A
-// collective at ZeRO stages 1 and 2 (Engine::full_params): every rank calls it.
+// FNV-1a (64-bit) over the bits of every parameter's full fp32 master
+// weights, in block and parameter order: a digest that changes with any bit
+// of any weight, and with nothing else (not the flat layout's alignment
+// gaps, nor the padding the world size adds). A collective at ZeRO stages 1
+// and 2 (Engine::full_params): every rank calls it.
 std::string weights_digest(zinc::Engine& engine) {
   uint64_t h = 1469598103934665603ull;
-  const int nblocks = static_cast<int>(engine.model().blocks().size());
-  for (int b = 0; b < nblocks; ++b) {
-    const std::vector<float> w = engine.full_params(b);
-    const auto* bytes = reinterpret_cast<const unsigned char*>(w.data());
-    for (size_t i = 0; i < w.size() * sizeof(float); ++i) {
-      h ^= bytes[i];
-      h *= 1099511628211ull;
+  const std::vector<zinc::BlockSpec>& specs = engine.model().blocks();
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const std::vector<float> w = engine.full_params(static_cast<int>(b));
+    const zinc::BlockLayout layout = zinc::BlockLayout::from_spec(specs[b]);
+    for (size_t p = 0; p < layout.offsets.size(); ++p) {
+      const auto* bytes = reinterpret_cast<const unsigned char*>(w.data() + layout.offsets[p]);
+      for (size_t i = 0; i < static_cast<size_t>(layout.numels[p]) * sizeof(float); ++i) {
+        h ^= bytes[i];
+        h *= 1099511628211ull;
+      }
     }
   }
   char buf[17];
@@ -539,7 +544,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   // else, such as a communication thread polling beside it (1 - its CPU time
   // over the wall time). A backend that polls moves its waiting from [0]
   // into [1]; docs/zero.md, "How ranks talk".
-  double shares[2] = {engine.comm_wait_seconds() / elapsed, 1.0 - (thread_cpu_seconds() - cpu0) / elapsed};
+  // Each clamped to [0, 1]: over a run of no steps (a resume at its last
+  // step) the clocks' granularity made the second -0.42.
+  auto share = [&](double s) { return elapsed > 0 && std::isfinite(s) ? std::clamp(s / elapsed, 0.0, 1.0) : 0.0; };
+  double shares[2] = {share(engine.comm_wait_seconds()), 1.0 - share(thread_cpu_seconds() - cpu0)};
   // Pipeline stages: each rank's share of the time in transfers to and from
   // its neighbouring stages (the 1F1B bubble and the wire).
   std::vector<double> pipe_wait(static_cast<size_t>(world), 0.0);
@@ -794,7 +802,8 @@ int main(int argc, char** argv) {
                "end with a digest of the final fp32 weights (to compare runs bit for bit)");
   std::string weights_out;
   app.add_option("--save-weights", weights_out,
-                 "end by writing the final fp32 weights to this .safetensors file (as zinc-export names them)");
+                 "end by writing the final weights as fp32 to this .safetensors file (as zinc-export names them; "
+                 "trained weights from their fp32 masters, a frozen base held in bf16 as those bf16 values)");
   SavePretrained pretrained;
   std::string save_dtype, max_shard = zinc::tools::kDefaultMaxShardSize;
   app.add_option("--save-pretrained", pretrained.dir,

@@ -17,6 +17,10 @@ LogLevel level_from_env() {
   if (!std::strcmp(s, "debug")) return LogLevel::kDebug;
   if (!std::strcmp(s, "warn")) return LogLevel::kWarn;
   if (!std::strcmp(s, "error")) return LogLevel::kError;
+  // A misspelt level was once taken as info without a word.
+  if (std::strcmp(s, "info") != 0 && *s)
+    std::fprintf(stderr, "[zinc] warning: ZINC_LOG_LEVEL=\"%s\" is none of debug, info, warn, error: logging at info\n",
+                 s);
   return LogLevel::kInfo;
 }
 
@@ -26,6 +30,18 @@ std::mutex g_capture_mu;
 LogCapture* g_capture = nullptr;  // guarded by g_capture_mu
 
 }  // namespace
+
+std::string env_choice(const char* var, std::initializer_list<const char*> known) {
+  const char* v = std::getenv(var);
+  if (!v || !*v) return "";
+  std::string takes;
+  for (const char* k : known) {
+    if (!std::strcmp(v, k)) return v;
+    takes += std::string(takes.empty() ? "" : ", ") + k;
+  }
+  log_warn(std::string(var) + "=\"" + v + "\" is none of the values it takes (" + takes + "): ignored");
+  return "";
+}
 
 void set_log_rank(int rank) { g_rank = rank; }
 int log_rank() { return g_rank; }

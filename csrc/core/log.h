@@ -3,6 +3,7 @@
 // default info).
 #pragma once
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,12 @@ inline void log_warn_rank0(const std::string& m) {
   if (log_rank() == 0) log_warn(m);
 }
 inline void log_error(const std::string& m) { log(LogLevel::kError, m); }
+
+// A switch from the environment with a few known values: the variable's
+// value when it is one of `known`, "" when it is unset or empty; any other
+// value (a misspelling) is warned about, naming the variable and what it
+// takes, and read as unset.
+std::string env_choice(const char* var, std::initializer_list<const char*> known);
 
 // While a LogCapture lives, every message at `min` or above is also kept in
 // messages(), whatever the level printed (zinc-train --check reports the

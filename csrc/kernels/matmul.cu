@@ -189,8 +189,7 @@ const LtApi* cublas_lt() {
 std::atomic<int> separate_bias_override{-1};
 bool bias_in_epilogue() {
   static const bool separate_env = [] {
-    const char* e = std::getenv("ZINC_CUDA_MATMUL_BIAS");
-    return e && std::string(e) == "separate";
+    return env_choice("ZINC_CUDA_MATMUL_BIAS", {"separate", "epilogue"}) == "separate";
   }();
   const int o = separate_bias_override.load();
   return !(o >= 0 ? o == 1 : separate_env);

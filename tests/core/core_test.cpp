@@ -14,6 +14,7 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 
@@ -222,6 +223,25 @@ TEST_F(CpuCapEnv, UnknownValueIsAnErrorNamingTheVariable) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("ONEDNN_MAX_CPU_ISA=avx3: unknown ISA"), std::string::npos) << e.what();
   }
+}
+
+// A switch's misspelt value was read as unset without a word
+// (ZINC_GPU_UPDATE_BEHIND=false left the update behind on).
+TEST(EnvChoice, AMisspeltValueIsWarnedAboutAndReadAsUnset) {
+  const char* var = "ZINC_TEST_ENV_CHOICE";
+  ::unsetenv(var);
+  EXPECT_EQ(env_choice(var, {"0", "1"}), "");
+  ::setenv(var, "1", 1);
+  EXPECT_EQ(env_choice(var, {"0", "1"}), "1");
+  ::setenv(var, "false", 1);
+  LogCapture cap(LogLevel::kWarn);
+  EXPECT_EQ(env_choice(var, {"0", "1"}), "");
+  const std::vector<std::string> m = cap.messages();
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_NE(m[0].find("ZINC_TEST_ENV_CHOICE=\"false\" is none of the values it takes (0, 1): ignored"),
+            std::string::npos)
+      << m[0];
+  ::unsetenv(var);
 }
 
 TEST(CpuIsa, MissingInstructionsAreNamed) {

@@ -35,6 +35,22 @@ TEST(CudaConfig, CudaIsTheGpuWithoutAWarning) {
   EXPECT_EQ(Config::parse(with({{"device", "auto"}})).device, Device::kCuda);
 }
 
+// DeepSpeed's activation_checkpointing keys about the device: on the GPU
+// path they are ignored (the checkpoints stay in GPU memory), not "no
+// effect" for the CPU's reasons, which the warnings once gave on any device.
+TEST(CudaConfig, ActivationCheckpointingDeviceKeysAreIgnoredOnTheGpu) {
+  ZINC_REQUIRE_GPU();
+  const Config c = Config::parse(json{{"train_micro_batch_size_per_gpu", 2},
+                                      {"device", "cuda"},
+                                      {"activation_checkpointing",
+                                       {{"cpu_checkpointing", true}, {"synchronize_checkpoint_boundary", true}}}});
+  EXPECT_TRUE(testing_config::any_warning_has(c, "activation_checkpointing.cpu_checkpointing: ignored"));
+  EXPECT_TRUE(testing_config::any_warning_has(c, "keeps them in GPU memory"));
+  EXPECT_TRUE(testing_config::any_warning_has(c, "activation_checkpointing.synchronize_checkpoint_boundary: ignored"));
+  for (const std::string& w : c.warnings) EXPECT_EQ(w.find("host RAM already"), std::string::npos) << w;
+  for (const std::string& w : c.warnings) EXPECT_EQ(w.find("no device to synchronize"), std::string::npos) << w;
+}
+
 // What "device": "cuda" covers is decided from the config alone, once a GPU
 // lets "cuda" through the first check.
 TEST(CudaConfig, CudaCoversZeroOffloadAndGpuStatesAtEveryStage) {

@@ -938,6 +938,51 @@ def test_a_tight_address_space_limit_is_refused_in_one_line_never_a_crash(tmp_pa
 # ---- found by a hostile user's sweep of resuming (2026-12-02) ----------------------------------
 
 
+def test_eval_batches_past_the_held_out_set_read_it_once(tmp_path):
+    # run.eval_batches was not capped at the held-out set: 100000 of them
+    # over a tail of a few samples read those samples again and again (20 s
+    # of the CPU at each evaluation). Now each evaluation reads the set once,
+    # and the run says so; the loss is the one over the whole set.
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = tmp_path / "text.json"
+    doc = {"train_batch_size": 4, "model": {"type": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+           "data": {"type": "text", "path": str(data), "seq_len": 16, "eval_fraction": 0.1},
+           "run": {"steps": 1, "eval_interval": 1, "eval_batches": 100000}}
+    cfg.write_text(json.dumps(doc))
+    r = run(ZINC_TRAIN, str(cfg), "--json")
+    assert r.returncode == 0, r.stderr
+    assert "run.eval_batches 100000 is more than the " in r.stderr and "each evaluation reads those" in r.stderr, r.stderr
+    held = int(r.stderr.split("is more than the ")[1].split()[0])
+    doc["run"]["eval_batches"] = held
+    cfg.write_text(json.dumps(doc))
+    r2 = run(ZINC_TRAIN, str(cfg), "--json")
+    assert r2.returncode == 0 and "eval_batches" not in r2.stderr, r2.stderr
+    evals = [[e["loss"] for e in map(json.loads, out.stdout.splitlines()) if e.get("event") == "eval"]
+             for out in (r, r2)]
+    assert evals[0] and evals[0] == evals[1], evals
+
+
+def test_a_resume_whose_auto_schedule_length_changed_is_said(tmp_path):
+    # total_num_steps "auto" follows run.steps: a resume with other --steps
+    # went on along a schedule of another length (the lr jumps) without a
+    # word. The checkpoint keeps the schedule's shape; a change is said.
+    cfg = gpt_config(tmp_path, checkpoint_interval=2)
+    doc = json.loads(open(cfg).read())
+    doc["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    doc["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1, "total_num_steps": "auto"}}
+    open(cfg, "w").write(json.dumps(doc))
+    assert run(ZINC_TRAIN, cfg, "--steps", "2").returncode == 0
+    r = run(ZINC_TRAIN, cfg, "--steps", "2", "--resume", "--json")  # the same length: nothing to say
+    assert r.returncode == 0 and "learning-rate schedule" not in r.stderr, r.stderr
+    # A run of no steps: its shares of the time are shares (one was -0.42).
+    summary = json.loads(r.stdout.splitlines()[-1])
+    assert 0 <= summary["compute_off_cpu_share"] <= 1 and 0 <= summary["comm_wait_share"] <= 1, summary
+    r = run(ZINC_TRAIN, cfg, "--steps", "4", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "whose learning-rate schedule differs from this run's (total_num_steps 2 -> 4" in r.stderr, r.stderr
+
+
 def test_a_resume_with_another_data_order_or_other_synthetic_data_is_said(tmp_path):
     # run.seed orders the data: a resume with another one went on from the
     # saved position in another shuffle (some samples twice, some never),
