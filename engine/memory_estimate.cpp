@@ -333,7 +333,8 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     act = sized([&] { return model.stage_activation_memory(B, seq_len, dtype, st, sets, tparts); });
     const int64_t hidden = 4 * B * seq_len * model.pipeline_width();
     const int64_t buffers = (first ? 0 : sets) + (last ? 0 : 2) + (first ? 0 : 1);
-    e.training.push_back({"pipeline transfers (fp32)", buffers * hidden,
+    // On the GPU they are GPU memory (Note [pipeline stages on the GPU]).
+    (c.device == Device::kCuda ? e.gpu : e.training).push_back({"pipeline transfers (fp32)", buffers * hidden,
                           std::to_string(buffers) + " hidden states of the micro-batch: inputs in flight, the "
                                                     "output and its gradient, the input's gradient",
                           false});
@@ -461,13 +462,18 @@ MemoryEstimate estimate_memory(const Model& model, const Config& c, int64_t seq_
   }
   if (!c.pipelined()) return estimate_rank(model, c, seq_len, nullptr, 0, specs);
   // The stage that needs the most stands for all (a machine holds ranks of
-  // every stage when the grid is on one machine; the largest is the bound).
+  // every stage when the grid is on one machine; the largest is the bound):
+  // of RAM, or on the GPU path of GPU memory, the scarcer (the first stage,
+  // with the embedding, was once passed over for a later one's RAM).
   const PipelinePlan pp = plan_pipeline(model, c);
   MemoryEstimate best;
+  auto need = [&](const MemoryEstimate& e) {
+    return c.device == Device::kCuda ? std::pair{e.gpu_bytes(), e.ram_bytes()} : std::pair{e.ram_bytes(), int64_t{0}};
+  };
   for (int s = 0; s < static_cast<int>(c.pipeline.stages); ++s) {
     MemoryEstimate e = estimate_rank(model, c, seq_len, &pp, s, specs);
     e.pipeline_stage = s;
-    if (s == 0 || e.ram_bytes() > best.ram_bytes()) best = std::move(e);
+    if (s == 0 || need(e) > need(best)) best = std::move(e);
   }
   best.pipeline_stages = static_cast<int>(c.pipeline.stages);
   return best;

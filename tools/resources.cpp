@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "core/device.h"
 #include "core/log.h"
 #include "engine/memory_estimate.h"
 
@@ -241,6 +242,23 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
                   "); lower the model, micro-batch or stage's memory (" +
                   (packed > 0 ? "model.pack_frozen_weights false saves " + gib(packed) + " per rank, " : "") +
                   "offload_optimizer, offload_param, gradient checkpointing), or pass --ignore-resources");
+  }
+  // GPU memory ("device": "cuda"): --estimate's GPU parts against the
+  // GPU's free memory, for every rank of this host on that GPU (ranks share
+  // one where there are fewer GPUs than ranks). cuBLAS's workspaces and the
+  // CUDA context come on top of the estimate: it is a lower bound.
+  if (cfg.device == Device::kCuda && e.gpu_bytes() > 0) {
+    const auto [free_b, total_b] = cuda_memory(0);
+    const int devices = std::max(1, cuda_status().devices);
+    const int64_t sharing = (local_ranks + devices - 1) / devices;
+    const int64_t need = e.gpu_bytes() * sharing;
+    if (free_b >= 0 && need > free_b)
+      out.push_back("GPU: " + (sharing > 1 ? std::to_string(sharing) + " ranks on one GPU" : std::string("this rank")) +
+                    " will need " + gib(need) + " of GPU memory (--estimate: " + gib(e.gpu_bytes()) +
+                    " per rank, before cuBLAS's workspaces and the CUDA context), but the GPU has " + gib(free_b) +
+                    " free of " + gib(total_b) +
+                    "; lower the model or micro-batch, offload the optimizer states or parameters, turn on gradient "
+                    "checkpointing, or pass --ignore-resources");
   }
   // Disk, per file system (folders on one disk share its room): the NVMe
   // files of the two offloads, and the checkpoints that will be on disk at

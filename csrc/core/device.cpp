@@ -75,6 +75,24 @@ int use_cuda_device(int local_rank) {
 #endif
 }
 
+std::pair<int64_t, int64_t> cuda_memory(int local_rank) {
+#if defined(ZINC_WITH_CUDA)
+  if (cuda_status().devices == 0) return {-1, -1};
+  int was = 0;
+  if (cudaGetDevice(&was) != cudaSuccess) was = -1;
+  size_t free_b = 0, total_b = 0;
+  const bool ok = cudaSetDevice(local_rank % cuda_status().devices) == cudaSuccess &&
+                  cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
+  if (was >= 0) (void)cudaSetDevice(was);
+  (void)cudaGetLastError();
+  if (!ok) return {-1, -1};
+  return {static_cast<int64_t>(free_b), static_cast<int64_t>(total_b)};
+#else
+  (void)local_rank;
+  return {-1, -1};
+#endif
+}
+
 const CudaStatus& cuda_status() {
   static const CudaStatus s = probe();
   return s;

@@ -6,7 +6,9 @@
 // cheap after the first call. Without a CUDA build it says so.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 
 namespace zinc {
 
@@ -28,5 +30,8 @@ bool nvidia_driver_present();
 // (cudaSetDevice) and returns its index: the ranks of one machine spread
 // over its GPUs. Throws zinc::Error without a CUDA build or a GPU.
 int use_cuda_device(int local_rank);
+// GPU (local_rank % visible GPUs)'s memory: free and total bytes (-1, -1
+// without a CUDA build, a GPU, or an answer).
+std::pair<int64_t, int64_t> cuda_memory(int local_rank);
 
 }  // namespace zinc

@@ -201,6 +201,27 @@ TEST(CudaConfig, TheEstimateSplitsRamAndGpu) {
   ASSERT_TRUE(find(off.training, "gradient staging"));
   EXPECT_EQ(find(off.training, "gradient staging")->bytes, 4 * padded);
   EXPECT_LT(off.ram_bytes(), cpu.ram_bytes());
+  // Pipeline stages: the hidden states that cross between them are GPU
+  // memory there (they were counted in RAM).
+  {
+    models::LlamaConfig l;  // an untied head: the GPU path's stages do not share a block
+    l.vocab_size = 29;
+    l.hidden_size = 32;
+    l.intermediate_size = 48;
+    l.num_hidden_layers = 2;
+    l.num_attention_heads = 2;
+    l.num_key_value_heads = 2;
+    l.max_position_embeddings = 16;
+    const json pc = {{"train_micro_batch_size_per_gpu", 4},
+                     {"gradient_accumulation_steps", 4},
+                     {"device", "cuda"},
+                     {"bf16", {{"enabled", true}}},
+                     {"pipeline", {{"stages", 2}}},
+                     {"zero_optimization", {{"stage", 1}}}};
+    const MemoryEstimate pe = estimate_memory(*models::make_llama(l), Config::parse(pc, 2), 16);
+    ASSERT_TRUE(find(pe.gpu, "pipeline transfers")) << "the stages' transfers are GPU memory";
+    EXPECT_FALSE(find(pe.training, "pipeline transfers"));
+  }
   // A share of the states on the GPU: the prefix of blocks that fits in
   // 1 - ratio of them, 12 B per element.
   Config half = cfg("cuda", "cpu", 2);

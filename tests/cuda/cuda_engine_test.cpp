@@ -110,6 +110,37 @@ TrainRun train(const std::string& device, const std::string& precision, int stag
   return r;
 }
 
+#if defined(ZINC_CUDA_EMU)
+// A GPU without room for the activations: the message names them, the
+// settings that size them and --estimate, not cudaMalloc's bare error
+// (the emulated GPU holds ZINC_EMU_GPU_BYTES).
+TEST(CudaEngine, NoRoomForTheActivationsIsNamed) {
+  ZINC_REQUIRE_GPU();
+  struct Cap {
+    Cap() { ::setenv("ZINC_EMU_GPU_BYTES", "12000000", 1); }
+    ~Cap() { ::unsetenv("ZINC_EMU_GPU_BYTES"); }
+  } cap;
+  const nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 256},
+                              {"device", "cuda"},
+                              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                              {"zero_optimization", {{"stage", 0}}}};
+  std::string what;
+  try {
+    Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), cfg);
+    DataConfig dc;
+    dc.vocab_size = 37;
+    dc.seq_len = 32;
+    DataLoader loader(make_data_source(dc), 256, 1, 1, 0, 7);
+    e.train_batch(loader);
+  } catch (const Error& err) {
+    what = err.what();
+  }
+  EXPECT_NE(what.find("the GPU has no room for the model's activations ("), std::string::npos) << what;
+  EXPECT_NE(what.find("of 11 MiB free): lower train_micro_batch_size_per_gpu or data.seq_len"), std::string::npos)
+      << what;
+}
+#endif
+
 // fp32: the GPU's matmuls sum in another order than oneDNN's, so the runs
 // part by rounding only: every loss within 1e-3 relative after 30 steps.
 TEST(CudaEngine, Fp32TrainsLikeTheCpu) {

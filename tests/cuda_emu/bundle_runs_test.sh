@@ -47,6 +47,16 @@ else
   echo "   final loss: GPU path $gpu_loss, CPU $cpu_loss"
 fi
 
+# --check weighs the estimate's GPU memory against the GPU's: a GPU of 1 MB
+# (the emulated one's ZINC_EMU_GPU_BYTES) is refused with one line, before
+# anything runs (a 3496 GiB estimate once passed as "ok").
+echo "== zinc-train --check on a GPU too small"
+if ZINC_EMU_GPU_BYTES=1000000 "$train" "$src/configs/default.json" --set device=cuda --check >"$tmp/out" 2>&1; then
+  echo "FAIL: --check passed a run whose estimate is past the GPU's memory"
+  fail=1
+fi
+expect "--check on a small GPU" "GPU: this rank will need .* of GPU memory (--estimate: .* per rank, before cuBLAS's workspaces and the CUDA context), but the GPU has .* free of .*; lower the model" "$tmp/out"
+
 run "zinc-train, stage 3 on the GPU" "$train" "$src/configs/zero3_offload.json" --set device=cuda --set run.steps=2 \
   --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/zero3"
 expect "zinc-train stage 3" "loss" "$tmp/last"

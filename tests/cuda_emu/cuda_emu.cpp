@@ -582,7 +582,15 @@ struct Allocations {
   std::mutex mu;
   std::map<const char*, Allocation> live;  // cudaMalloc*, cudaHostAlloc
   std::map<const char*, size_t> registered;  // cudaHostRegister
+  size_t device_bytes = 0;                   // live cudaMalloc bytes
 };
+// ZINC_EMU_GPU_BYTES: the emulated GPU's memory (cudaMalloc past it fails
+// with cudaErrorMemoryAllocation, and cudaMemGetInfo reports it); 0 or
+// unset: 80 GiB, never enforced. Read at each call (a test sets it).
+size_t gpu_capacity() {
+  const char* e = std::getenv("ZINC_EMU_GPU_BYTES");
+  return e && *e ? static_cast<size_t>(std::strtoull(e, nullptr, 0)) : 0;
+}
 // Never destroyed: static destructors elsewhere (thread- and function-local
 // caches of device buffers) may still free memory during exit.
 Allocations& allocations() {
@@ -604,12 +612,27 @@ cudaError_t allocate(void** p, size_t bytes, Kind kind) {
   const size_t rounded = (bytes + 255) / 256 * 256;
   const size_t data_pages = (rounded + kPage - 1) / kPage;
   const size_t map_bytes = (data_pages + 2) * kPage;
+  if (kind == Kind::kDevice) {  // within ZINC_EMU_GPU_BYTES
+    const size_t cap = gpu_capacity();
+    Allocations& a = allocations();
+    std::lock_guard<std::mutex> lock(a.mu);
+    if (cap > 0 && a.device_bytes + rounded > cap) return cudaErrorMemoryAllocation;
+    a.device_bytes += rounded;
+  }
+  auto fail = [&] {
+    if (kind == Kind::kDevice) {
+      Allocations& a = allocations();
+      std::lock_guard<std::mutex> lock(a.mu);
+      a.device_bytes -= rounded;
+    }
+    return cudaErrorMemoryAllocation;
+  };
   void* m = mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (m == MAP_FAILED) return cudaErrorMemoryAllocation;
+  if (m == MAP_FAILED) return fail();
   char* map = static_cast<char*>(m);
   if (mprotect(map + kPage, data_pages * kPage, PROT_READ | PROT_WRITE) != 0) {
     munmap(m, map_bytes);
-    return cudaErrorMemoryAllocation;
+    return fail();
   }
   char* q = map + kPage + data_pages * kPage - rounded;
   std::memset(q, 0xff, rounded);
@@ -626,6 +649,7 @@ cudaError_t release_memory(void* p, Kind kind) {
   std::lock_guard<std::mutex> lock(a.mu);
   auto it = a.live.find(static_cast<const char*>(p));
   if (it == a.live.end() || it->second.kind != kind) return cudaErrorInvalidValue;
+  if (kind == Kind::kDevice) a.device_bytes -= (it->second.bytes + 255) / 256 * 256;
   munmap(it->second.map, it->second.map_bytes);
   a.live.erase(it);
   return cudaSuccess;
@@ -885,7 +909,15 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
-  *free_bytes = *total_bytes = size_t{80} << 30;
+  const size_t cap = zinc_emu::gpu_capacity();
+  if (cap == 0) {
+    *free_bytes = *total_bytes = size_t{80} << 30;
+    return cudaSuccess;
+  }
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  *total_bytes = cap;
+  *free_bytes = cap > a.device_bytes ? cap - a.device_bytes : 0;
   return cudaSuccess;
 }
 // Host memory needs no page-locking here; it is recorded so that copies from
