@@ -963,6 +963,28 @@ def test_eval_batches_past_the_held_out_set_read_it_once(tmp_path):
     assert evals[0] and evals[0] == evals[1], evals
 
 
+def test_the_weights_digest_is_of_the_weights_alone(tmp_path):
+    # --weights-digest hashed each block's flat vector, its alignment gaps
+    # and the world size's padding with it: a digest of the layout too. It
+    # is FNV-1a over the weights' fp32 bytes in order, which are what
+    # --save-weights writes (a safetensors file: an 8-byte header length,
+    # the header, then the tensors' bytes back to back in that order).
+    cfg = gpt_config(tmp_path)
+    out = tmp_path / "w.safetensors"
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--json", "--weights-digest", "--save-weights", str(out))
+    assert r.returncode == 0, r.stderr
+    digest = json.loads(r.stdout.splitlines()[-1])["weights_digest"]
+    blob = out.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0
+    h = 1469598103934665603
+    for byte in blob[8 + n:8 + n + spans[-1][1]]:
+        h = ((h ^ byte) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    assert digest == "%016x" % h, (digest, "%016x" % h)
+
+
 def test_a_resume_whose_auto_schedule_length_changed_is_said(tmp_path):
     # total_num_steps "auto" follows run.steps: a resume with other --steps
     # went on along a schedule of another length (the lr jumps) without a
