@@ -132,6 +132,23 @@ nlohmann::json schedule_json(const SchedulerConfig& s) {
           {"warmup_num_steps", s.warmup_num_steps},
           {"total_num_steps", s.total_num_steps}};
 }
+// And the optimizer's settings and the global batch, which a resume takes
+// from its own config (as DeepSpeed's): a change is said, not refused.
+nlohmann::json optimizer_json(const Config& c) {
+  const OptimizerConfig& o = c.optimizer;
+  return {{"type", optimizer_type_name(o.type)}, {"lr", o.lr()},
+          {"betas", {o.beta1(), o.beta2()}},      {"weight_decay", o.weight_decay()},
+          {"train_batch_size", c.train_batch_size}};
+}
+// "k a -> b" for each key of `mine` whose value `theirs` does not share.
+std::string differences(const nlohmann::json& theirs, const nlohmann::json& mine) {
+  std::string out;
+  for (auto it = mine.begin(); it != mine.end(); ++it)
+    if (!theirs.contains(it.key()) || theirs[it.key()] != it.value())
+      out += (out.empty() ? "" : ", ") + it.key() + " " +
+             (theirs.contains(it.key()) ? theirs[it.key()].dump() : std::string("(none)")) + " -> " + it.value().dump();
+  return out;
+}
 }  // namespace
 
 void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLoader& loader, int64_t step,
@@ -142,6 +159,7 @@ void add_resume_state(nlohmann::json& client, const Experiment& ex, const DataLo
   client["step"] = step;
   client["shuffle_seed"] = ex.experiment.run.seed;  // the data order's, for check_resume
   client["lr_schedule"] = schedule_json(ex.config.scheduler);  // its length, for check_resume
+  client["optimizer_settings"] = optimizer_json(ex.config);
   // What zinc-export --format hf needs to write the model in the Hugging
   // Face layout: its config.json, and the folder it came from (tokenizer files).
   if (!ex.hf) return;
@@ -192,13 +210,13 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
              std::to_string(ex.experiment.run.seed) +
              ": the run goes on from the saved position, but in another order than the saved run's (some of "
              "this epoch's samples twice, others not at all)");
+  if (client.contains("optimizer_settings") && client["optimizer_settings"].is_object()) {
+    if (const std::string differ = differences(client["optimizer_settings"], optimizer_json(ex.config)); !differ.empty())
+      log_warn("checkpoint " + files.dir + " was saved by a run whose optimizer or batch differs from this run's (" +
+               differ + "): the run goes on from the saved states with this run's settings");
+  }
   if (client.contains("lr_schedule") && client["lr_schedule"].is_object()) {
-    const nlohmann::json theirs = client["lr_schedule"], mine = schedule_json(ex.config.scheduler);
-    std::string differ;
-    for (const char* k : {"type", "warmup_num_steps", "total_num_steps"})
-      if (!theirs.contains(k) || theirs[k] != mine[k])
-        differ += (differ.empty() ? "" : ", ") + std::string(k) + " " +
-                  (theirs.contains(k) ? theirs[k].dump() : std::string("(none)")) + " -> " + mine[k].dump();
+    const std::string differ = differences(client["lr_schedule"], schedule_json(ex.config.scheduler));
     if (!differ.empty())
       log_warn("checkpoint " + files.dir + " was saved by a run whose learning-rate schedule differs from this run's (" +
                differ + "; an \"auto\" step count follows run.steps / --steps): the run goes on from the saved "

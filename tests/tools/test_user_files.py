@@ -985,7 +985,7 @@ def test_the_weights_digest_is_of_the_weights_alone(tmp_path):
     assert digest == "%016x" % h, (digest, "%016x" % h)
 
 
-def test_a_resume_whose_auto_schedule_length_changed_is_said(tmp_path):
+def test_a_resume_whose_schedule_or_optimizer_changed_is_said(tmp_path):
     # total_num_steps "auto" follows run.steps: a resume with other --steps
     # went on along a schedule of another length (the lr jumps) without a
     # word. The checkpoint keeps the schedule's shape; a change is said.
@@ -1000,9 +1000,15 @@ def test_a_resume_whose_auto_schedule_length_changed_is_said(tmp_path):
     # A run of no steps: its shares of the time are shares (one was -0.42).
     summary = json.loads(r.stdout.splitlines()[-1])
     assert 0 <= summary["compute_off_cpu_share"] <= 1 and 0 <= summary["comm_wait_share"] <= 1, summary
+    assert "optimizer or batch" not in r.stderr, r.stderr
     r = run(ZINC_TRAIN, cfg, "--steps", "4", "--resume")
     assert r.returncode == 0, r.stderr
     assert "whose learning-rate schedule differs from this run's (total_num_steps 2 -> 4" in r.stderr, r.stderr
+    # The optimizer's settings and the batch a resume takes from its own
+    # config: a change is said too.
+    r = run(ZINC_TRAIN, cfg, "--steps", "5", "--resume", "--set", "optimizer.params.lr=0.002")
+    assert r.returncode == 0, r.stderr
+    assert "whose optimizer or batch differs from this run's (lr 0.001 -> 0.002)" in r.stderr, r.stderr
 
 
 def test_a_resume_with_another_data_order_or_other_synthetic_data_is_said(tmp_path):
