@@ -132,23 +132,24 @@ class CpuOps : public Ops {
   }
   void copy_in(Buf& dst, const float* host, int64_t n) override {
     dst = alloc_f32(static_cast<size_t>(n));
-    std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(float));
+    if (n > 0) std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(float));  // none: host may be null
   }
   void copy_in_i32(Buf& dst, const int32_t* host, int64_t n) override {
     dst = alloc(static_cast<size_t>(n) * sizeof(int32_t));
-    std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(int32_t));
+    if (n > 0) std::memcpy(dst.data(), host, static_cast<size_t>(n) * sizeof(int32_t));  // an expert rank sent no rows
   }
   void copy_out(float* host, const float* src, int64_t n) override {
-    std::memcpy(host, src, static_cast<size_t>(n) * sizeof(float));
+    if (n > 0) std::memcpy(host, src, static_cast<size_t>(n) * sizeof(float));
   }
   void to_f32(float* out, CView x, int64_t n) override {
-    if (x.dtype == DType::kF32)
-      std::memcpy(out, x.data, static_cast<size_t>(n) * sizeof(float));
-    else
+    if (x.dtype == DType::kF32) {
+      if (n > 0) std::memcpy(out, x.data, static_cast<size_t>(n) * sizeof(float));
+    } else {
       convert_16_to_f32(x.data, out, static_cast<size_t>(n), x.dtype);
+    }
   }
   void copy_out_i32(int32_t* host, const int32_t* src, int64_t n) override {
-    std::memcpy(host, src, static_cast<size_t>(n) * sizeof(int32_t));
+    if (n > 0) std::memcpy(host, src, static_cast<size_t>(n) * sizeof(int32_t));
   }
   void moe_route(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, float* probs, int32_t* expert,
                  float* weight) override {
