@@ -208,7 +208,7 @@ std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int
          gib(room.ram()) + " (" + room.where() + "): pass smaller batches";
 }
 
-std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks) {
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank) {
   std::vector<std::string> out;
   const Config& cfg = ex.config;
   if (std::string why = too_little_address_room(memory_room()); !why.empty()) return {"RAM: " + why};
@@ -248,7 +248,7 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   // one where there are fewer GPUs than ranks). cuBLAS's workspaces and the
   // CUDA context come on top of the estimate: it is a lower bound.
   if (cfg.device == Device::kCuda && e.gpu_bytes() > 0) {
-    const auto [free_b, total_b] = cuda_memory(0);
+    const auto [free_b, total_b] = cuda_memory(local_rank);
     const int devices = std::max(1, cuda_status().devices);
     const int64_t sharing = (local_ranks + devices - 1) / devices;
     const int64_t need = e.gpu_bytes() * sharing;

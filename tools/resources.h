@@ -35,8 +35,10 @@ int64_t free_disk_bytes(const std::string& path);
 
 // One line per need that does not fit, naming the need, the limit and the
 // JSON path or file involved; empty when everything fits. local_ranks: the
-// ranks of this run on this host.
-std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks);
+// ranks of this run on this host; local_rank: this one's index among them
+// (on the GPU path it asks its own GPU, local_rank % GPUs, for its memory:
+// asking GPU 0 from every rank left a CUDA context of each rank there).
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank = 0);
 
 // A batch of B x T tokens (the Python API's, whose size the config does not
 // bound): where the activations `model` keeps for it (Model::activation_

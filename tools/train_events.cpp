@@ -70,7 +70,7 @@ void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step) {
 }
 
 void check_room(const Experiment& ex, comm::Communicator& comm) {
-  const std::vector<std::string> no_room = resource_refusals(ex, comm.local_size());
+  const std::vector<std::string> no_room = resource_refusals(ex, comm.local_size(), comm.local_rank());
   double failed = no_room.empty() ? 0 : comm.rank() + 1;
   if (comm.size() > 1) comm.all_reduce_max_f64(&failed, 1);
   if (!no_room.empty()) {

@@ -176,7 +176,7 @@ int print_check(comm::Communicator& comm, int world, const std::string& config_p
     const zinc::tools::Experiment ex =
         zinc::tools::build_experiment(zinc::tools::load_document(config_path, overrides), world);
     try {
-      for (std::string& r : zinc::tools::resource_refusals(ex, local)) rep.refusals.push_back(std::move(r));
+      for (std::string& r : zinc::tools::resource_refusals(ex, local, comm.size() > 1 ? comm.local_rank() : 0)) rep.refusals.push_back(std::move(r));
     } catch (const zinc::ConfigError& e) {  // sizes the estimate's kernels cannot take
       rep.refusals.push_back(e.what());
     }
