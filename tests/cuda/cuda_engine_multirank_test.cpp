@@ -288,8 +288,9 @@ TEST(CudaEngineRanks, TheUpdateBehindTheForwardKeepsTheBitsOnSeveralRanks) {
 // NCCL reductions over the replicas, so the losses and weights are the
 // same bits, in fp32 and bf16, with ZeRO 0 and 1 and the states on the GPU
 // or offloaded. A tied head is refused with one line.
-// lora: adapters (r 4, dropout 0.1) on every module over a frozen base.
-std::shared_ptr<Model> gpu_llama(bool tied, bool lora = false) {
+// lora: adapters (r 4, dropout 0.1) on every module over a frozen base;
+// 2: and the head trained beside them (modules_to_save: a block of its own).
+std::shared_ptr<Model> gpu_llama(bool tied, int lora = 0) {
   models::LlamaConfig c;
   c.vocab_size = 13;
   c.hidden_size = 16;
@@ -305,6 +306,7 @@ std::shared_ptr<Model> gpu_llama(bool tied, bool lora = false) {
     c.lora.alpha = 6;
     c.lora.dropout = 0.1;
     c.lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    if (lora == 2) c.lora.modules_to_save = {"lm_head"};
   }
   return models::make_llama(c);
 }
@@ -319,7 +321,7 @@ struct PipeRun {
 // into its config (the grid's keys): `steps` global batches of `gas`
 // micro-batches of 2 rows over the replicas, then an evaluation.
 PipeRun train_gpu_grid(std::shared_ptr<comm::Communicator> comm, int replicas, int64_t gas, int steps, bool bf16,
-                       int zero, const std::string& offload, const nlohmann::json& extra, bool lora = false) {
+                       int zero, const std::string& offload, const nlohmann::json& extra, int lora = 0) {
   const int64_t micro = 2;
   nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", micro},
                         {"gradient_accumulation_steps", gas},
@@ -393,7 +395,7 @@ TEST(CudaEngineRanks, PipelineStagesSendActivationsOverNcclAndTrainTheRunWithout
 // tolerances, tests/engine/tensor_parallel_test.cpp). The configurations it
 // does not run yet are refused with one line.
 PipeRun train_gpu_parts(std::shared_ptr<comm::Communicator> comm, int parts, int zero, bool bf16 = false,
-                        bool lora = false, const std::string& offload = "cpu", const std::string& optimizer = "AdamW") {
+                        int lora = 0, const std::string& offload = "cpu", const std::string& optimizer = "AdamW") {
   const int ranks = comm ? comm->size() : 1;
   nlohmann::json extra = nlohmann::json::object();
   if (parts > 1) extra["tensor_parallel"] = {{"autotp_size", parts}};
@@ -412,19 +414,23 @@ TEST(CudaEngineRanks, TensorPartsAddTheirPartialSumsOverNcclAndTrainTheRunWithou
   // (offload "none") the summed gradients are all-reduced on the GPUs and
   // the GPU takes the norm over the ranges each part counts: norms and
   // biases counted on both parts would make it larger.
+  // With the head in modules_to_save it is a block of its own, whose
+  // vocabulary rows split as the frozen head's (they once split the final
+  // norm's weight instead).
   struct Case {
     int zero;
-    bool lora;
+    int lora;  // 0 none, 1 adapters, 2 adapters and the head trained
     const char* offload;
     const char* optimizer;
   };
-  for (Case c : {Case{1, false, "cpu", "AdamW"}, Case{2, false, "cpu", "AdamW"}, Case{2, true, "cpu", "AdamW"},
-                 Case{0, false, "none", "AdamW"}, Case{2, false, "none", "AdamW"}, Case{1, true, "none", "AdamW"},
-                 Case{2, false, "none", "Lamb"}}) {
+  for (Case c : {Case{1, 0, "cpu", "AdamW"}, Case{2, 0, "cpu", "AdamW"}, Case{2, 1, "cpu", "AdamW"},
+                 Case{0, 0, "none", "AdamW"}, Case{2, 0, "none", "AdamW"}, Case{1, 1, "none", "AdamW"},
+                 Case{1, 2, "cpu", "AdamW"}, Case{2, 0, "none", "Lamb"}}) {
     const int zero = c.zero;
-    const bool lora = c.lora;
+    const int lora = c.lora;
     const std::string what = "ZeRO " + std::to_string(zero) + ", " + std::to_string(d) + " replicas" +
-                             (lora ? ", LoRA with dropout" : "") + ", offload " + c.offload + ", " + c.optimizer;
+                             (lora ? ", LoRA with dropout" : "") + (lora == 2 ? ", lm_head in modules_to_save" : "") +
+                             ", offload " + c.offload + ", " + c.optimizer;
     const PipeRun ref = train_gpu_parts(replicas, 1, zero, false, lora, c.offload, c.optimizer);
     const PipeRun got = train_gpu_parts(g_world, 2, zero, false, lora, c.offload, c.optimizer);
     ASSERT_EQ(got.losses.size(), ref.losses.size());
