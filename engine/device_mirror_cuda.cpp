@@ -134,9 +134,8 @@ class CudaMirror final : public DeviceMirror {
   void make_current() override { ZINC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice (the engine's GPU)"); }
 
   std::shared_ptr<float> alloc_floats(int64_t n) override {
-    void* p = nullptr;
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
-    ZINC_CUDA_CHECK(cudaMalloc(&p, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes (a pipeline stage's activations)").c_str());
+    void* p = ::zinc::cuda::gpu_malloc(bytes, "a pipeline stage's transfer buffer");
     return std::shared_ptr<float>(static_cast<float*>(p), [](float* q) { cudaFree(q); });
   }
   void sync_compute() override { ZINC_CUDA_CHECK(cudaStreamSynchronize(kCompute), "cudaStreamSynchronize (the compute stream)"); }

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "engine/update_rule.h"
+#include "kernels/kernels.h"
 #include "engine/device_mirror.h"
 #include "engine/engine.h"
 #include "engine/gpu_offload.h"
@@ -346,9 +347,11 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                            (on_gpu ? " (the GPU kernels' buffers: with 16-bit compute the fused attention keeps row statistics, not T x T probabilities)" : ""),
                        false});
     acts_at.push_back({"kernel scratch", act->workspace,
-                       on_gpu ? "the CPU kernels' scratch as a guide; cuBLAS's workspaces come on top"
-                              : "converted operands, attention buffers, oneDNN",
+                       on_gpu ? "the CPU kernels' scratch as a guide" : "converted operands, attention buffers, oneDNN",
                        false});
+    if (on_gpu)  // (a --check once passed a GPU 32 MiB short of it)
+      acts_at.push_back({"cuBLAS workspace", kernels::kCudaMatmulWorkspaceBytes,
+                         "the compute stream's matmul workspace (32 MiB on Hopper and later, 4 MiB before)", false});
     // BlockParams::generation: frozen blocks stay in place outside stage 3.
     if (act->packed > 0 && !plan.params_sharded && !on_gpu)
       acts_at.push_back({"packed frozen weights", act->packed,

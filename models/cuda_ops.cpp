@@ -33,17 +33,7 @@ class CudaOps final : public Ops {
   Buf alloc(size_t bytes) override {
     void* p = nullptr;
     if (bytes) {
-      if (const cudaError_t e = cudaMalloc(&p, bytes); e == cudaErrorMemoryAllocation) {
-        (void)cudaGetLastError();  // clear it: the run ends with the message below, not a later call's
-        size_t free_b = 0, total_b = 0;
-        (void)cudaMemGetInfo(&free_b, &total_b);
-        auto mib = [](size_t b) { return std::to_string(b >> 20) + " MiB"; };
-        throw Error("the GPU has no room for the model's activations (" + mib(bytes) + " more; " + mib(free_b) +
-                    " of " + mib(total_b) + " free): lower train_micro_batch_size_per_gpu or data.seq_len, or turn "
-                    "on model.gradient_checkpointing; zinc-train --estimate shows what a step takes");
-      } else {
-        ZINC_CUDA_CHECK(e, ("model activations: cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
-      }
+      p = ::zinc::cuda::gpu_malloc(bytes, "the model's activations");
       ZINC_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, kStream), "model activations: cudaMemset");
     }
     return Buf(p, bytes, &free_device);

@@ -245,8 +245,9 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   }
   // GPU memory ("device": "cuda"): --estimate's GPU parts against the
   // GPU's free memory, for every rank of this host on that GPU (ranks share
-  // one where there are fewer GPUs than ranks). cuBLAS's workspaces and the
-  // CUDA context come on top of the estimate: it is a lower bound.
+  // one where there are fewer GPUs than ranks). The CUDA context and the
+  // cuBLAS workspaces of streams other than the compute stream come on top
+  // of the estimate: it is a lower bound.
   if (cfg.device == Device::kCuda && e.gpu_bytes() > 0) {
     const auto [free_b, total_b] = cuda_memory(local_rank);
     const int devices = std::max(1, cuda_status().devices);
@@ -255,7 +256,7 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     if (free_b >= 0 && need > free_b)
       out.push_back("GPU: " + (sharing > 1 ? std::to_string(sharing) + " ranks on one GPU" : std::string("this rank")) +
                     " will need " + gib(need) + " of GPU memory (--estimate: " + gib(e.gpu_bytes()) +
-                    " per rank, before cuBLAS's workspaces and the CUDA context), but the GPU has " + gib(free_b) +
+                    " per rank, before the CUDA context), but the GPU has " + gib(free_b) +
                     " free of " + gib(total_b) +
                     "; lower the model or micro-batch, offload the optimizer states or parameters, turn on gradient "
                     "checkpointing, or pass --ignore-resources");

@@ -30,12 +30,33 @@ namespace zinc::cuda {
       ::zinc::cuda::throw_cuda_error(zinc_cuda_err_, (what), __FILE__, __LINE__);    \
   } while (0)
 
+// cudaMalloc of `bytes` for `what` (a few words: "the model's
+// activations"); out of GPU memory, one line that says how much was asked
+// and is free, and what lowers the need, not CUDA's bare error.
+inline void* gpu_malloc(size_t bytes, const std::string& what) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // clear it: the run ends with this message, not a later call's
+    size_t free_b = 0, total_b = 0;
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    auto mib = [](size_t b) { return std::to_string(b >> 20) + " MiB"; };
+    throw Error("the GPU has no room for " + what + " (" + mib(bytes) + " more; " + mib(free_b) + " of " +
+                mib(total_b) + " free): lower train_micro_batch_size_per_gpu or data.seq_len, turn on "
+                "model.gradient_checkpointing, or keep less on the GPU (offload_optimizer, offload_param); "
+                "zinc-train --estimate shows what a step takes");
+  }
+  if (e != cudaSuccess) throw_cuda_error(e, ("cudaMalloc of " + std::to_string(bytes) + " bytes for " + what).c_str(),
+                                         __FILE__, __LINE__);
+  return p;
+}
+
 // Owns `bytes` of device memory on the current device (cudaMalloc), or none.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes) ZINC_CUDA_CHECK(cudaMalloc(&data_, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
+  explicit DeviceBuffer(size_t bytes, const std::string& what = "a GPU buffer") : bytes_(bytes) {
+    if (bytes) data_ = gpu_malloc(bytes, what);
   }
   ~DeviceBuffer() {
     if (data_) cudaFree(data_);

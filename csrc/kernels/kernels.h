@@ -225,6 +225,11 @@ void attention_backward(AttentionWorkspace* ws, float* dqkv, const float* dout, 
 
 // Bytes of one workspace (the softmax probabilities backward reads).
 int64_t attention_workspace_bytes(AttentionShape s);
+
+// The cuBLAS workspace a stream that runs the GPU's matmuls holds
+// (kernels::cuda in matmul.cu): 32 MiB on Hopper and later, 4 MiB before.
+// The memory estimate counts the larger.
+inline constexpr int64_t kCudaMatmulWorkspaceBytes = int64_t{32} << 20;
 // Heads per group in attention (Note [attention by head groups]); 0 (the
 // default) chooses by the cache. The result is the same bits at any value.
 void set_attention_heads_per_group_for_testing(int64_t g);

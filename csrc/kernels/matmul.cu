@@ -231,7 +231,7 @@ size_t workspace_bytes(int device) {
   int major = 0;
   ZINC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                   "cudaDeviceGetAttribute(compute capability)");
-  return major >= 9 ? (size_t{32} << 20) : (size_t{4} << 20);
+  return major >= 9 ? static_cast<size_t>(kCudaMatmulWorkspaceBytes) : (size_t{4} << 20);
 }
 
 struct StreamScratch {
@@ -360,7 +360,7 @@ struct DeviceState {
       streams.erase(oldest);
     }
     auto sc = std::make_unique<StreamScratch>();
-    sc->workspace = DeviceBuffer(ws_bytes);
+    sc->workspace = DeviceBuffer(ws_bytes, "cuBLAS's workspace");
     streams.push_back({stream, clock, std::move(sc)});
     return *streams.back().scratch;
   }

@@ -55,7 +55,7 @@ if ZINC_EMU_GPU_BYTES=1000000 "$train" "$src/configs/default.json" --set device=
   echo "FAIL: --check passed a run whose estimate is past the GPU's memory"
   fail=1
 fi
-expect "--check on a small GPU" "GPU: this rank will need .* of GPU memory (--estimate: .* per rank, before cuBLAS's workspaces and the CUDA context), but the GPU has .* free of .*; lower the model" "$tmp/out"
+expect "--check on a small GPU" "GPU: this rank will need .* of GPU memory (--estimate: .* per rank, before the CUDA context), but the GPU has .* free of .*; lower the model" "$tmp/out"
 
 run "zinc-train, stage 3 on the GPU" "$train" "$src/configs/zero3_offload.json" --set device=cuda --set run.steps=2 \
   --set steps_per_print=1 --set run.eval_interval=0 --set run.output_dir="$tmp/zero3"
