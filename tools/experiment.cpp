@@ -235,7 +235,20 @@ double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64
     batch.inputs.resize(static_cast<size_t>(micro * T));
     batch.targets.resize(static_cast<size_t>(micro * T));
     if (source.has_positions()) batch.positions.resize(static_cast<size_t>(micro * T));
-    for (int64_t i = 0; i < micro; ++i, ++next) read_sample(source, next % source.num_samples(), batch, i);
+    for (int64_t i = 0; i < micro; ++i, ++next) {
+      if (next < source.num_samples()) {
+        read_sample(source, next, batch, i);
+        continue;
+      }
+      // Past the set's end (its last micro-batch): a row of no targets, so
+      // that each sample counts once whatever the micro-batch (the rows
+      // once wrapped to the set's start and counted those twice).
+      const size_t at = static_cast<size_t>(i * T);
+      std::fill_n(batch.inputs.begin() + at, T, 0);
+      std::fill_n(batch.targets.begin() + at, T, kIgnoreTarget);
+      if (!batch.positions.empty())
+        for (int64_t t = 0; t < T; ++t) batch.positions[at + static_cast<size_t>(t)] = static_cast<int32_t>(t);
+    }
     int64_t n = 0;
     for (int32_t t : batch.targets) n += t != kIgnoreTarget;
     const double loss = engine.evaluate(batch);  // every rank: a collective at stage 3

@@ -48,11 +48,11 @@ nlohmann::json load_document(const std::string& path, const std::vector<std::str
 Experiment build_experiment(const nlohmann::json& doc, int world_size = 1);
 
 // The micro-batches of `micro` samples that cover `source` once (the last
-// one wrapping to its start).
+// one's rows past its end have no targets).
 int64_t eval_batches_held(const DataSource& source, int64_t micro);
 // Mean loss over the first `batches` micro-batches of `micro` samples of
-// `source` (in index order, the last wrapping), forward only; at most
-// eval_batches_held of them: more would read the same samples again.
+// `source` (in index order), forward only; at most eval_batches_held of
+// them, so each sample counts once.
 double evaluate(Engine& engine, const DataSource& source, int64_t batches, int64_t micro);
 
 // The code paths this process runs, for headers (zinc-train, zinc-bench):

@@ -63,10 +63,9 @@ RunLoop::RunLoop(Engine& engine, DataLoader& loader, const Experiment& ex, comm:
   if (ex.eval_data && rank_ == 0) {
     const int64_t held = eval_batches_held(*ex.eval_data, ex.config.train_micro_batch_size_per_gpu);
     if (ex.experiment.run.eval_batches > held)
-      log_warn("run.eval_batches " + std::to_string(ex.experiment.run.eval_batches) + " is more than the " +
-               std::to_string(held) + " micro-batches the held-out set holds (" +
-               std::to_string(ex.eval_data->num_samples()) + " samples): each evaluation reads those " +
-               std::to_string(held) + " once");
+      log_warn("run.eval_batches " + std::to_string(ex.experiment.run.eval_batches) + " is more than the held-out " +
+               "set fills (" + std::to_string(held) + (held == 1 ? " micro-batch" : " micro-batches") + " of its " +
+               std::to_string(ex.eval_data->num_samples()) + " samples): each evaluation reads the set once");
   }
 }
 

@@ -952,8 +952,9 @@ def test_eval_batches_past_the_held_out_set_read_it_once(tmp_path):
     cfg.write_text(json.dumps(doc))
     r = run(ZINC_TRAIN, str(cfg), "--json")
     assert r.returncode == 0, r.stderr
-    assert "run.eval_batches 100000 is more than the " in r.stderr and "each evaluation reads those" in r.stderr, r.stderr
-    held = int(r.stderr.split("is more than the ")[1].split()[0])
+    assert "run.eval_batches 100000 is more than the held-out set fills (" in r.stderr, r.stderr
+    assert "each evaluation reads the set once" in r.stderr, r.stderr
+    held = int(r.stderr.split("set fills (")[1].split()[0])
     doc["run"]["eval_batches"] = held
     cfg.write_text(json.dumps(doc))
     r2 = run(ZINC_TRAIN, str(cfg), "--json")
@@ -961,6 +962,18 @@ def test_eval_batches_past_the_held_out_set_read_it_once(tmp_path):
     evals = [[e["loss"] for e in map(json.loads, out.stdout.splitlines()) if e.get("event") == "eval"]
              for out in (r, r2)]
     assert evals[0] and evals[0] == evals[1], evals
+    # A micro-batch that does not divide the set: its last rows count no
+    # sample twice (they wrapped to the set's start), so with the weights
+    # held still (lr 1e-30) the loss is the one a dividing micro-batch gives.
+    doc["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-30, "weight_decay": 0.0}}
+    losses = {}
+    for micro in (4, 5):
+        doc["train_batch_size"] = micro
+        cfg.write_text(json.dumps(doc))
+        out = run(ZINC_TRAIN, str(cfg), "--json", "--set", "run.eval_batches=1000")
+        assert out.returncode == 0, out.stderr
+        losses[micro] = [e["loss"] for e in map(json.loads, out.stdout.splitlines()) if e.get("event") == "eval"][0]
+    assert abs(losses[4] - losses[5]) < 1e-5 * losses[4], losses
 
 
 def test_the_weights_digest_is_of_the_weights_alone(tmp_path):
