@@ -127,9 +127,23 @@ std::string data_fingerprint(const DataConfig& data) {
 // run.steps: a resume with other --steps stretches the schedule).
 namespace {
 nlohmann::json schedule_json(const SchedulerConfig& s) {
-  return {{"type", scheduler_type_name(s.type)},
-          {"warmup_num_steps", s.warmup_num_steps},
-          {"total_num_steps", s.total_num_steps}};
+  nlohmann::json j = {{"type", scheduler_type_name(s.type)}};  // the counts its type reads, only
+  switch (s.type) {
+    case SchedulerType::kWarmupDecayLR:
+    case SchedulerType::kWarmupCosineLR:
+      j["total_num_steps"] = s.total_num_steps;
+      [[fallthrough]];
+    case SchedulerType::kWarmupLR:
+      j["warmup_num_steps"] = s.warmup_num_steps;
+      break;
+    case SchedulerType::kOneCycle:
+      j["cycle_first_step_size"] = s.cycle_first_step_size;
+      j["cycle_second_step_size"] = s.cycle_second_step_size;
+      break;
+    default:
+      break;
+  }
+  return j;
 }
 // And the optimizer's settings and the global batch, which a resume takes
 // from its own config (as DeepSpeed's): a change is said, not refused.
@@ -139,13 +153,18 @@ nlohmann::json optimizer_json(const Config& c) {
           {"betas", {o.beta1(), o.beta2()}},      {"weight_decay", o.weight_decay()},
           {"train_batch_size", c.train_batch_size}};
 }
-// "k a -> b" for each key of `mine` whose value `theirs` does not share.
+// "k a -> b" for each key of `mine` whose value `theirs` does not share
+// (a saved value shown to 40 characters: the file may have been edited).
 std::string differences(const nlohmann::json& theirs, const nlohmann::json& mine) {
+  auto shown = [](const nlohmann::json& v) {
+    const std::string s = v.dump();
+    return s.size() > 40 ? s.substr(0, 40) + "..." : s;
+  };
   std::string out;
   for (auto it = mine.begin(); it != mine.end(); ++it)
     if (!theirs.contains(it.key()) || theirs[it.key()] != it.value())
       out += (out.empty() ? "" : ", ") + it.key() + " " +
-             (theirs.contains(it.key()) ? theirs[it.key()].dump() : std::string("(none)")) + " -> " + it.value().dump();
+             (theirs.contains(it.key()) ? shown(theirs[it.key()]) : std::string("(none)")) + " -> " + shown(it.value());
   return out;
 }
 }  // namespace
@@ -209,15 +228,19 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
              std::to_string(ex.experiment.run.seed) +
              ": the run goes on from the saved position, but in another order than the saved run's (some of "
              "this epoch's samples twice, others not at all)");
-  if (client.contains("optimizer_settings") && client["optimizer_settings"].is_object()) {
+  // Said once (rank 0), and only where this run trains: a resume at or
+  // past run.steps only loads.
+  const bool trains = !(client.contains("step") && client["step"].is_number_integer() &&
+                        client["step"].get<int64_t>() >= ex.experiment.run.steps);
+  if (trains && client.contains("optimizer_settings") && client["optimizer_settings"].is_object()) {
     if (const std::string differ = differences(client["optimizer_settings"], optimizer_json(ex.config)); !differ.empty())
-      log_warn("checkpoint " + files.dir + " was saved by a run whose optimizer or batch differs from this run's (" +
+      log_warn_rank0("checkpoint " + files.dir + " was saved by a run whose optimizer or batch differs from this run's (" +
                differ + "): the run goes on from the saved states with this run's settings");
   }
-  if (client.contains("lr_schedule") && client["lr_schedule"].is_object()) {
+  if (trains && client.contains("lr_schedule") && client["lr_schedule"].is_object()) {
     const std::string differ = differences(client["lr_schedule"], schedule_json(ex.config.scheduler));
     if (!differ.empty())
-      log_warn("checkpoint " + files.dir + " was saved by a run whose learning-rate schedule differs from this run's (" +
+      log_warn_rank0("checkpoint " + files.dir + " was saved by a run whose learning-rate schedule differs from this run's (" +
                differ + "; an \"auto\" step count follows run.steps / --steps): the run goes on from the saved "
                "step along this run's schedule, not the saved run's");
   }

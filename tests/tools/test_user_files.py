@@ -1022,6 +1022,10 @@ def test_a_resume_whose_schedule_or_optimizer_changed_is_said(tmp_path):
     r = run(ZINC_TRAIN, cfg, "--steps", "5", "--resume", "--set", "optimizer.params.lr=0.002")
     assert r.returncode == 0, r.stderr
     assert "whose optimizer or batch differs from this run's (lr 0.001 -> 0.002)" in r.stderr, r.stderr
+    # A resume that trains nothing (run.steps at or below the saved step)
+    # has no schedule to differ.
+    r = run(ZINC_TRAIN, cfg, "--steps", "1", "--resume")
+    assert "learning-rate schedule" not in r.stderr and "optimizer or batch" not in r.stderr, r.stderr
 
 
 def test_a_resume_with_another_data_order_or_other_synthetic_data_is_said(tmp_path):
