@@ -25,7 +25,7 @@ size_t slot_bytes_from_env() {
   // what it cannot parse).
   char* end = nullptr;
   errno = 0;
-  const unsigned long long n = std::strtoull(v, &end, 0);
+  const unsigned long long n = std::strtoull(v, &end, 10);  // decimal: "010" is ten, not octal eight
   if (*end != '\0' || errno != 0 || *v == '-' || n == 0 || n > (1ull << 34))
     throw CommError(std::string("rank ?: make_communicator: ZINC_SHM_SLOT_BYTES=\"") + v +
                     "\" is not a number of bytes from 1 to 2^34");

@@ -264,11 +264,17 @@ class ShmCommunicator final : public Communicator {
       }
       half_bytes_ = (slot_bytes / 2) / 64 * 64;
       if (half_bytes_ < 64 * static_cast<size_t>(local_size_)) {
-        throw comm_error(rank, "make_communicator", "shm slot of " + std::to_string(slot_bytes) + " bytes is too small");
+        throw comm_error(rank, "make_communicator",
+                         "shm slot of " + std::to_string(slot_bytes) + " bytes (ZINC_SHM_SLOT_BYTES) is too small for " +
+                             std::to_string(local_size_) + " ranks on a node: at least " +
+                             std::to_string(128 * static_cast<size_t>(local_size_)) + " bytes");
       }
       const MPI_Aint bytes = static_cast<MPI_Aint>(kControlBytes + 2 * half_bytes_);
       void* mine = nullptr;
-      check(MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node_, &mine, &win_), "MPI_Win_allocate_shared");
+      check(MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node_, &mine, &win_),
+            ("MPI_Win_allocate_shared of " + std::to_string(bytes) + " bytes a rank (the shm slot, ZINC_SHM_SLOT_BYTES " +
+             std::to_string(slot_bytes) + ")")
+                .c_str());
       check(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_), "MPI_Win_lock_all");
       locked_ = true;
       base_.resize(static_cast<size_t>(local_size_));

@@ -67,6 +67,17 @@ for bytes in 1 4096; do
   fi
 done
 
+# The slot size is decimal ("010" is ten bytes: strtoull's base 0 read it
+# as octal eight) and one below the least the node's ranks need names it.
+timeout 120 "${ONE[@]}" -np 2 -x ZINC_SHM_SLOT_BYTES=010 "$ZT" "$CFG" --steps 2 --set comm.backend='"shm"' \
+  >"$TMP/out" 2>"$TMP/err"
+if grep -q "shm slot of 10 bytes (ZINC_SHM_SLOT_BYTES) is too small for 2 ranks on a node: at least 256 bytes" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1))
+  echo "FAIL a slot of 010 bytes"; cat "$TMP/err"
+fi
+
 # ZeRO-3 with the parameter shards on NVMe, on a disk that fails (EIO on
 # every ring after 40 operations, during the first steps): the job ends
 # within seconds with an error naming the parameter file. (A rank that
