@@ -312,6 +312,13 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                                               std::to_string(B) + " make " + std::to_string(B * seq_len) +
                                               " rows for the model's products, which no kernel takes (" + e.what() +
                                               "); lower data.seq_len or the micro-batch");
+      // The attention's T x T products past a kernel's 32-bit sizes: the
+      // sequence, not the model's widths (which were once blamed).
+      if (seq_len > 46340)  // 46341^2 > 2^31
+        throw ConfigError("data.seq_len", std::to_string(seq_len) + " tokens make the attention's " +
+                                              std::to_string(seq_len) + " x " + std::to_string(seq_len) +
+                                              " products, which no kernel takes (" + e.what() +
+                                              "); lower data.seq_len");
       throw ConfigError("model", "its sizes, at data.seq_len " + std::to_string(seq_len) +
                                      " and train_micro_batch_size_per_gpu " + std::to_string(B) +
                                      ", make products no kernel takes (" + e.what() + "); lower the model's widths");

@@ -680,6 +680,9 @@ TEST(ConfigHostile, SizesNoKernelTakesAreNamedByTheirKeys) {
        "data.seq_len",
        "1000000000 tokens by train_micro_batch_size_per_gpu 64 make 64000000000 rows for the model's products, "
        "which no kernel takes ("},  // the matmul's rows, or the attention's scores past 2^63 bytes
+      {{{"train_micro_batch_size_per_gpu", 1}, {"model", {{"n_embd", 64}, {"n_head", 1}}}, {"data", {{"seq_len", 3000000}}}},
+       "data.seq_len",
+       "3000000 tokens make the attention's 3000000 x 3000000 products, which no kernel takes ("},  // not the widths
       {{{"train_micro_batch_size_per_gpu", 8}, {"model", {{"n_embd", 100000000}, {"n_head", 1}}}},
        "model",
        "its sizes, at data.seq_len 256 and train_micro_batch_size_per_gpu 8, make products no kernel takes"},
