@@ -122,10 +122,10 @@ std::string data_fingerprint(const DataConfig& data) {
   return ckpt::sampled_files_digest(files, "the training data");
 }
 
+namespace {
 // The learning-rate schedule's shape as check_resume compares it: its type
 // and the step counts that place a step in it ("auto" ones resolved, from
 // run.steps: a resume with other --steps stretches the schedule).
-namespace {
 nlohmann::json schedule_json(const SchedulerConfig& s) {
   nlohmann::json j = {{"type", scheduler_type_name(s.type)}};  // the counts its type reads, only
   switch (s.type) {
@@ -235,14 +235,14 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
   if (trains && client.contains("optimizer_settings") && client["optimizer_settings"].is_object()) {
     if (const std::string differ = differences(client["optimizer_settings"], optimizer_json(ex.config)); !differ.empty())
       log_warn_rank0("checkpoint " + files.dir + " was saved by a run whose optimizer or batch differs from this run's (" +
-               differ + "): the run goes on from the saved states with this run's settings");
+                     differ + "): the run goes on from the saved states with this run's settings");
   }
   if (trains && client.contains("lr_schedule") && client["lr_schedule"].is_object()) {
     const std::string differ = differences(client["lr_schedule"], schedule_json(ex.config.scheduler));
     if (!differ.empty())
       log_warn_rank0("checkpoint " + files.dir + " was saved by a run whose learning-rate schedule differs from this run's (" +
-               differ + "; an \"auto\" step count follows run.steps / --steps): the run goes on from the saved "
-               "step along this run's schedule, not the saved run's");
+                     differ + "; an \"auto\" step count follows run.steps / --steps): the run goes on from the saved "
+                     "step along this run's schedule, not the saved run's");
   }
   // What the weights' shapes do not show, said (DeepSpeed loads such a
   // checkpoint without a word too): data of another length, whose epochs
