@@ -342,7 +342,7 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
     const int64_t hidden = 4 * B * seq_len * model.pipeline_width();
     const int64_t buffers = (first ? 0 : sets) + (last ? 0 : 2) + (first ? 0 : 1);
     // On the GPU they are GPU memory (Note [pipeline stages on the GPU]).
-    (c.device == Device::kCuda ? e.gpu : e.training).push_back({"pipeline transfers (fp32)", buffers * hidden,
+    acts_at.push_back({"pipeline transfers (fp32)", buffers * hidden,
                           std::to_string(buffers) + " hidden states of the micro-batch: inputs in flight, the "
                                                     "output and its gradient, the input's gradient",
                           false});
