@@ -354,7 +354,8 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                            (on_gpu ? " (the GPU kernels' buffers: with 16-bit compute the fused attention keeps row statistics, not T x T probabilities)" : ""),
                        false});
     acts_at.push_back({"kernel scratch", act->workspace,
-                       on_gpu ? "the CPU kernels' scratch as a guide" : "converted operands, attention buffers, oneDNN",
+                       on_gpu ? "the unfused attention's buffers (none with the fused attention)"
+                              : "converted operands, attention buffers, oneDNN",
                        false});
     if (on_gpu)  // (a --check once passed a GPU 32 MiB short of it)
       acts_at.push_back({"cuBLAS workspace", kernels::kCudaMatmulWorkspaceBytes,

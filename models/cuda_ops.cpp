@@ -334,7 +334,7 @@ class CudaOps final : public Ops {
   // n doubles of device scratch for the vocabulary parts' row values.
   double* part_doubles(int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
-    if (part_doubles_.bytes() < bytes) part_doubles_ = alloc(bytes);
+    if (part_doubles_.bytes() < bytes) regrow(part_doubles_, bytes);
     return part_doubles_.as<double>();
   }
   // Host values into existing device memory, waiting for the copy.
@@ -372,6 +372,12 @@ class CudaOps final : public Ops {
   }
   int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const override {
     return kernels::cuda::attention_workspace_bytes(s, compute);
+  }
+  // cuBLAS's workspace is the estimate's part of its own; the unfused
+  // attention's buffers are what the kernels grow.
+  int64_t kernel_scratch_bytes(const kernels::ScratchTally&, kernels::AttentionShape s,
+                               DType compute) const override {
+    return kernels::cuda::attention_scratch_bytes(s, compute);
   }
   // A 16-bit copy of every matmul input, in bf16 and fp16 alike (operand16).
   int64_t matmul_input_bytes(int64_t n, DType compute) const override {
@@ -436,15 +442,22 @@ class CudaOps final : public Ops {
     int64_t checked_B = -1, checked_T = -1, checked_limit = -1;  // the check check_positions last passed
   };
 
+  // A grow-only buffer replaced by a larger one: the old goes first, so
+  // the GPU never holds both (cudaFree waits for the work that reads it).
+  // The estimates count the larger alone.
+  void regrow(Buf& buf, size_t bytes) {
+    buf = Buf{};
+    buf = alloc(bytes);
+  }
   // scratch grown to n 16-bit values (grow-only).
   void* operand16(Buf& scratch, int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * 2;
-    if (scratch.bytes() < bytes) scratch = alloc(bytes);
+    if (scratch.bytes() < bytes) regrow(scratch, bytes);
     return scratch.data();
   }
   void upload(const std::vector<int32_t>& host, Buf& store, const char* what) {
     const size_t bytes = host.size() * sizeof(int32_t);
-    if (store.bytes() < bytes) store = alloc(bytes);
+    if (store.bytes() < bytes) regrow(store, bytes);
     ZINC_CUDA_CHECK(cudaMemcpyAsync(store.data(), host.data(), bytes, cudaMemcpyHostToDevice, kStream), what);
   }
 
@@ -481,7 +494,7 @@ class CudaOps final : public Ops {
   // the count of rows with a target that targets() took of `targets`.
   double* row_loss(int64_t N) {
     const size_t bytes = static_cast<size_t>(N) * sizeof(double);
-    if (row_loss_.bytes() < bytes) row_loss_ = alloc(bytes);
+    if (row_loss_.bytes() < bytes) regrow(row_loss_, bytes);
     return row_loss_.as<double>();
   }
   int64_t target_count(const int32_t* targets, const char* fn) const {

@@ -283,6 +283,7 @@ void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
   if (buf.bytes() < bytes) {
     if (buf.data())
       ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "attention: cudaStreamSynchronize before growing scratch");
+    buf = DeviceBuffer();  // the old first: never both at once
     buf = DeviceBuffer(bytes);
   }
   return buf.data();
@@ -361,6 +362,24 @@ int64_t attention_workspace_bytes(AttentionShape s, DType compute) {
       __builtin_mul_overflow(scores, f, &bytes))
     throw Error("attention: scores of " + std::to_string(s.B) + " x " + std::to_string(s.H) + " heads x " +
                 std::to_string(s.T) + " x " + std::to_string(s.T) + " tokens take more bytes than a 64-bit count holds");
+  return bytes;
+}
+
+int64_t attention_scratch_bytes(AttentionShape s, DType compute) {
+  if (s.B == 0 || s.T == 0 || use_fused(s, compute)) return 0;
+  // attention_workspace_bytes checked B*H*T*T*4 against a 64-bit count
+  // (no smaller size than that is formed here).
+  (void)attention_workspace_bytes(s, compute);
+  const int64_t hs = s.C / s.H, BH = s.B * s.H, T = s.T;
+  const int64_t f = static_cast<int64_t>(sizeof(float)), esz = static_cast<int64_t>(dtype_bytes(compute));
+  const int64_t n_head = BH * T * hs, n_att = BH * T * T;
+  const bool f32 = compute == DType::kF32;
+  int64_t bytes = 4 * n_head * esz            // q, k, v, dO
+                  + n_att * f                 // dP
+                  + 4 * n_head * f;           // y, dq, dk, dv
+  if (!f32) bytes += 2 * n_att * esz          // P's and dS's 16-bit copies
+                     + n_head * f;            // the output on its way to 16 bits (no fp32 copy kept)
+  if (s.softcap > 0.0f) bytes += n_att * f;   // the raw scores again
   return bytes;
 }
 

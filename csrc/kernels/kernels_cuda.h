@@ -191,6 +191,10 @@ bool fused_attention_used(int64_t head_dim, DType compute);
 // Bytes of one workspace between forward and backward: the fused path's
 // row statistics and output copy, or the unfused path's P.
 int64_t attention_workspace_bytes(AttentionShape s, DType compute);
+// Bytes of the stream's scratch that attention_forward and backward of this
+// shape grow to (the unfused path's head-major operands, dP, dS and the
+// heads' outputs; none on the fused path), for the estimates.
+int64_t attention_scratch_bytes(AttentionShape s, DType compute);
 
 // ---- fused causal attention (flash_attention.cu; Note [fused attention]) ----------------------
 // Rows of B*T tokens. Query head h is D floats at column h*D of q's rows

@@ -209,6 +209,15 @@ class Ops {
   virtual int64_t attention_workspace_bytes(kernels::AttentionShape s, DType compute) const {
     return kernels::attention_workspace_bytes(s);
   }
+  // The kernels' own scratch for a pass of layers with attention of shape
+  // s, beyond the model's buffers, for the estimates: the CPU kernels'
+  // (`tally`: oneDNN's scratchpads, converted operands, attention's slots)
+  // by default. A backend whose kernels keep other scratch says its own.
+  virtual int64_t kernel_scratch_bytes(const kernels::ScratchTally& tally, kernels::AttentionShape s,
+                                       DType compute) const {
+    (void)s, (void)compute;
+    return tally.bytes();
+  }
   // What matmul_input keeps for an n-element activation's 16-bit operand,
   // for the estimates: the CPU's in-place rules by default (none in fp16,
   // which computes in fp32, nor in bf16 on a CPU without bf16 products).

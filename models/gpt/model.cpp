@@ -350,7 +350,7 @@ class Gpt final : public Model {
         const int64_t copy = detail::tally_linear_backward(t, x, N, C, v, true, dt, !specs_[0].frozen);
         if (!grad16) dy_copy = std::max(dy_copy, copy);  // else the cross-entropy wrote the operand
       }
-      return t.bytes();
+      return ops_->kernel_scratch_bytes(t, as, dt);
     };
     const int64_t plain = tally(false);
     m.workspace = plain + dy_copy;

@@ -312,6 +312,9 @@ class Llama final : public Model {
                               buffer_bytes(N * vocab_share(parts), dropped & kLogitGrad16 ? 2 : 4)
                         : 0) +
                matmul_input_bytes(N * C, dt) + N * static_cast<int64_t>(sizeof(int32_t));
+    // The rope tables: cos and sin of (T, rotary_dim / 2), twice with a
+    // local theta (build_rope_tables).
+    m.saved += (c_.rope_local_theta > 0 ? 2 : 1) * 2 * buffer_bytes(T * (c_.rotary_dim() / 2));
     if (c_.qk_norm) m.saved += buffer_bytes(2 * N * std::max(H, K) * D_);  // qk_scratch_
     if (seq > 1) m.saved += 2 * buffer_bytes(N * 3 * A);                     // seq_: send and recv
     if (c_.residual_multiplier != 1.0) m.saved += buffer_bytes(N * C);        // branch_
@@ -368,7 +371,7 @@ class Llama final : public Model {
             detail::tally_linear_backward(t, x, N, C, vocab_share(parts), true, dt, !specs_[hb].frozen);
         if (!(dropped & kLogitGrad16)) dy_copy = std::max(dy_copy, copy);  // else the cross-entropy wrote the operand
       }
-      return t.bytes();
+      return ops_->kernel_scratch_bytes(t, as, dt);
     };
     const int64_t plain = tally(false);
     m.workspace = plain + dy_copy;

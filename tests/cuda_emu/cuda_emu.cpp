@@ -583,6 +583,7 @@ struct Allocations {
   std::map<const char*, Allocation> live;  // cudaMalloc*, cudaHostAlloc
   std::map<const char*, size_t> registered;  // cudaHostRegister
   size_t device_bytes = 0;                   // live cudaMalloc bytes
+  size_t device_peak = 0;                    // their most since the last zinc_emu_reset_device_peak
 };
 // ZINC_EMU_GPU_BYTES: the emulated GPU's memory (cudaMalloc past it fails
 // with cudaErrorMemoryAllocation, and cudaMemGetInfo reports it); 0 or
@@ -618,6 +619,7 @@ cudaError_t allocate(void** p, size_t bytes, Kind kind) {
     std::lock_guard<std::mutex> lock(a.mu);
     if (cap > 0 && a.device_bytes + rounded > cap) return cudaErrorMemoryAllocation;
     a.device_bytes += rounded;
+    a.device_peak = std::max(a.device_peak, a.device_bytes);
   }
   auto fail = [&] {
     if (kind == Kind::kDevice) {
@@ -694,6 +696,24 @@ extern "C" void zinc_emu_release(void* handle) {
   std::unique_ptr<std::shared_ptr<std::atomic<bool>>> open(static_cast<std::shared_ptr<std::atomic<bool>>*>(handle));
   std::lock_guard<std::recursive_mutex> lock(zinc_emu::runtime().mu);
   (*open)->store(true);
+}
+
+// The emulated GPU's live device bytes (each allocation rounded up to 256)
+// and their most since the last reset: what a test weighs an estimate against.
+extern "C" size_t zinc_emu_device_bytes() {
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  return a.device_bytes;
+}
+extern "C" size_t zinc_emu_device_peak_bytes() {
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  return a.device_peak;
+}
+extern "C" void zinc_emu_reset_device_peak() {
+  zinc_emu::Allocations& a = zinc_emu::allocations();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.device_peak = a.device_bytes;
 }
 
 using zinc_emu::last_error;
