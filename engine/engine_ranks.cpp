@@ -25,6 +25,11 @@ nlohmann::json Engine::Impl::what_we_train() const {
     blocks_spec[b.name] = ps;  // object keys: a difference is named by block and parameter
   }
   nlohmann::json what = {{"config", cfg.source}, {"model", {{"name", model->name()}, {"blocks", blocks_spec}}}};
+  // Where each rank computes: "device": "auto" is decided on each rank (one
+  // without a usable GPU takes the CPU), so one config text can mean two
+  // paths whose collectives differ; they waited on each other until the
+  // communicator's timeout, then blamed a stall.
+  what["device"] = cfg.device == Device::kCuda ? "cuda" : "cpu";
   // At stage 0 every rank updates the whole model on its own CPU: kernels
   // that round differently (ZINC_OPTIM_ISA on one rank, or CPUs of two
   // classes) make replicas that drift apart without a word.
@@ -97,6 +102,11 @@ void Engine::Impl::agree_on_config() {
                 ", rank 0 " + d->at_root + "; at ZeRO stage 0 every rank updates the whole model, and these round "
                 "differently, so the replicas would drift apart: set ZINC_OPTIM_ISA to one path every rank's CPU "
                 "has (nothing was trained)");
+  if (path == "device")
+    throw ConfigError("device", "the ranks compute on different devices: rank " + std::to_string(d->other) +
+                                    " on " + d->at_other + ", rank 0 on " + d->at_root +
+                                    " (\"auto\" is decided on each rank, and one without a usable GPU takes the "
+                                    "CPU); give every rank a GPU, or set \"cpu\" (nothing was trained)");
   if (path.rfind("config.", 0) == 0) path = path.substr(7);  // the config's own JSON path
   throw ConfigError(path, "the ranks were given different configs: rank " + std::to_string(d->other) + " has " +
                               d->at_other + ", rank 0 has " + d->at_root +

@@ -104,6 +104,21 @@ run "zinc-train --check, the same with device auto" "$train" "$src/configs/pipel
   --set model.tie_word_embeddings=true --check --ranks 2
 expect "--check, tied head, auto" "\"auto\" stays on the CPU" "$tmp/last"
 expect "--check, tied head, auto" "ok: the run would start" "$tmp/last"
+# "device": "auto" is decided on each rank: a rank without a GPU
+# (ZINC_EMU_GPUS=0) and one with must be refused at start with one line,
+# not wait on each other's different collectives until the timeout.
+echo "== zinc-train, device auto on two ranks, one of them without a GPU"
+MPMD=(mpirun --oversubscribe -x OMP_NUM_THREADS=1)
+[ "$(id -u)" -eq 0 ] && MPMD+=(--allow-run-as-root)
+small=(--set run.steps=2 --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2 --set data.seq_len=16
+       --set train_micro_batch_size_per_gpu=2 --set train_batch_size=4 --set run.eval_interval=0 --set device=auto
+       --set zero_optimization.stage=2 --set comm.timeout_seconds=60 --set run.output_dir="$tmp/mixed")
+if timeout 120 "${MPMD[@]}" -np 1 env ZINC_EMU_GPUS=0 "$train" "$src/configs/default.json" "${small[@]}" : \
+  -np 1 env ZINC_EMU_GPUS=1 "$train" "$src/configs/default.json" "${small[@]}" >"$tmp/out" 2>&1; then
+  echo "FAIL: two ranks on different devices trained"
+  fail=1
+fi
+expect "device auto, mixed ranks" "device: the ranks compute on different devices: rank 1 on \"cuda\", rank 0 on \"cpu\"" "$tmp/out"
 # gpu-train-step's flags that it would drop without a word are refused.
 for flags in "--resident --ratio 0.5" "--tiny --large" "--fp16" "--ratio 0"; do
   # shellcheck disable=SC2086

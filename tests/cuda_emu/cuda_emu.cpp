@@ -747,13 +747,15 @@ const char* cudaGetErrorString(cudaError_t e) {
 }
 // The emulated GPUs: ZINC_EMU_GPUS (default 1), so that several ranks of one
 // machine each get their own, as NCCL needs. They share the host's memory.
+// 0: none, a machine without a GPU (cudaGetDeviceCount fails with
+// cudaErrorNoDevice, as CUDA's does).
 namespace zinc_emu {
 namespace {
 int device_count() {
   static const int n = [] {
     const char* e = std::getenv("ZINC_EMU_GPUS");
-    const int v = e ? std::atoi(e) : 1;
-    return v > 0 ? v : 1;
+    const int v = e && *e ? std::atoi(e) : 1;
+    return v >= 0 ? v : 1;
   }();
   return n;
 }
@@ -763,7 +765,7 @@ std::unique_lock<std::recursive_mutex> lock_runtime() { return std::unique_lock<
 }  // namespace zinc_emu
 cudaError_t cudaGetDeviceCount(int* n) {
   *n = zinc_emu::device_count();
-  return cudaSuccess;
+  return *n > 0 ? cudaSuccess : cudaErrorNoDevice;
 }
 cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
   if (!func || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
