@@ -266,7 +266,7 @@ class CudaMirror final : public DeviceMirror {
       std::vector<cuda::DeviceBuffer*> bufs = {&k.master, &k.m, &k.v};
       if (k.state_numel != k.numel) bufs.push_back(&k.gshard);  // several ranks: the reduced shard stays here
       for (cuda::DeviceBuffer* b : bufs) {
-        *b = cuda::DeviceBuffer(bytes);
+        *b = cuda::DeviceBuffer(bytes, "block " + std::to_string(i) + "'s optimizer states");
         count(static_cast<int64_t>(bytes));
         ZINC_CUDA_CHECK(cudaMemset(b->data(), 0, bytes), "zeroing the GPU optimizer states");
       }
@@ -415,7 +415,7 @@ class CudaMirror final : public DeviceMirror {
     const size_t out_bytes = static_cast<size_t>(k.state_numel) * dtype_bytes(compute_);
     if (host_out && half && k.pshard.bytes() == 0 && update_out_.bytes() < out_bytes) {
       count(static_cast<int64_t>(out_bytes) - static_cast<int64_t>(update_out_.bytes()));
-      update_out_ = cuda::DeviceBuffer(out_bytes);
+      update_out_ = cuda::DeviceBuffer(out_bytes, "the update's 16-bit output");
     }
     // With GPU shards (stage 3, gathers on the GPU) a 16-bit update writes
     // the shard there, then the host's copy comes from it.
@@ -470,10 +470,10 @@ class CudaMirror final : public DeviceMirror {
   void enable_device_reduce(DType wire, int64_t max_shard, bool gather_back) override {
     wire_ = wire;
     gather_back_ = gather_back;
-    shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+    shard_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4, "the reduction's shard");
     count(static_cast<int64_t>(shard_scratch_.bytes()));
     if (gather_back && is_16bit(wire)) {  // the widened shard, all-gathered from here
-      gather_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4);
+      gather_scratch_ = cuda::DeviceBuffer(static_cast<size_t>(max_shard) * 4, "the gather's widened shard");
       count(static_cast<int64_t>(gather_scratch_.bytes()));
     }
     shard_staging_ = cuda::PinnedBuffer(static_cast<size_t>(max_shard) * 4);
@@ -541,7 +541,8 @@ class CudaMirror final : public DeviceMirror {
     for (size_t b = 0; b < blocks_.size(); ++b) {
       Block& k = blocks_[b];
       k.shard_numel = shard_numel[b];
-      k.pshard = cuda::DeviceBuffer(static_cast<size_t>(k.shard_numel) * dtype_bytes(compute_));
+      k.pshard = cuda::DeviceBuffer(static_cast<size_t>(k.shard_numel) * dtype_bytes(compute_),
+                                    "block " + std::to_string(b) + "'s parameter shard");
       count(static_cast<int64_t>(k.pshard.bytes()));
       k.allocated = std::make_unique<cuda::Event>();
     }
@@ -648,6 +649,22 @@ class CudaMirror final : public DeviceMirror {
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
   }
+  // What would keep less model state on the GPU, of what this run does not
+  // do already (a sweep saw stage 3 told to use stage 2 or 3).
+  std::string keep_less() const {
+    std::vector<std::string> ways;
+    if (!options_.transient_grads) ways.push_back("ZeRO stage 2 or 3 (gradients only in backward)");
+    if (!options_.transient_params)
+      ways.push_back("stage 3 with offload_param (a block at a time, stage3_max_live_parameters)");
+    else
+      ways.push_back("a lower stage3_max_live_parameters or stage3_prefetch_bucket_size");
+    bool states = false;
+    for (const Block& k : blocks_) states = states || k.master.bytes() > 0;
+    if (states) ways.push_back("optimizer states offloaded (offload_optimizer.device \"cpu\")");
+    std::string text = "Lower the micro-batch, or keep less on the GPU: ";
+    for (size_t i = 0; i < ways.size(); ++i) text += (i ? ", " : "") + ways[i];
+    return text;
+  }
   // `what` and `block` name the buffer in an error: out of GPU memory, the
   // message says what the mirror holds and what would lower it.
   void alloc(PoolMem& m, size_t bytes, cudaStream_t s, const char* what, size_t block) {
@@ -663,9 +680,7 @@ class CudaMirror final : public DeviceMirror {
       cudaMemGetInfo(&free_b, &total_b);
       throw Error("GPU " + std::to_string(device_) + " is out of memory for block " + std::to_string(block) + "'s " +
                   what + " (" + mib(bytes) + "; model state on the GPU now " + mib(bytes_.load()) + ", free " +
-                  mib(free_b) + " of " + mib(total_b) + "). Lower the micro-batch, or keep less on the GPU: ZeRO "
-                  "stage 2 or 3 (gradients only in backward), stage 3 with offload_param (a block at a time, "
-                  "stage3_max_live_parameters), optimizer states offloaded (offload_optimizer.device \"cpu\")");
+                  mib(free_b) + " of " + mib(total_b) + "). " + keep_less());
     }
     ZINC_CUDA_CHECK(e, ("cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes").c_str());
     m.bytes = bytes;

@@ -93,8 +93,8 @@ int LambCuda::upload_pieces(int64_t n, std::span<const LambSegment> segs, const 
   if (table_.bytes() < bytes || partial_.bytes() < rows.size() * 2 * sizeof(double)) {
     // The last call's kernels may still read the old buffers.
     ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "Lamb: synchronize before growing its scratch");
-    table_.reserve(bytes);
-    partial_.reserve(rows.size() * 2 * sizeof(double));
+    table_.reserve(bytes, "Lamb's table of pieces");
+    partial_.reserve(rows.size() * 2 * sizeof(double), "Lamb's partial norms");
   }
   // From pageable memory: staged before the call returns, then in stream order.
   if (bytes)
@@ -148,7 +148,7 @@ void LambCuda::apply(const LambParams& p, int64_t step, float grad_scale, float*
   const std::vector<float> coef = detail::lamb_coefficients(p, step, segs, ratios);
   if (coef_.bytes() < coef.size() * sizeof(float)) {
     ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "Lamb: synchronize before growing its scratch");
-    coef_.reserve(coef.size() * sizeof(float));
+    coef_.reserve(coef.size() * sizeof(float), "Lamb's trust ratios");
   }
   ZINC_CUDA_CHECK(cudaMemcpyAsync(coef_.data(), coef.data(), coef.size() * sizeof(float), cudaMemcpyHostToDevice,
                                   stream),

@@ -40,7 +40,12 @@ inline void* gpu_malloc(size_t bytes, const std::string& what) {
     (void)cudaGetLastError();  // clear it: the run ends with this message, not a later call's
     size_t free_b = 0, total_b = 0;
     (void)cudaMemGetInfo(&free_b, &total_b);
-    auto mib = [](size_t b) { return std::to_string(b >> 20) + " MiB"; };
+    // Whole MiB from 1 MiB up; below, KiB or bytes (a small GPU's "0 MiB of 0 MiB").
+    auto mib = [](size_t b) {
+      return b >= (size_t{1} << 20) ? std::to_string(b >> 20) + " MiB"
+             : b >= 1024           ? std::to_string(b >> 10) + " KiB"
+                                   : std::to_string(b) + " bytes";
+    };
     throw Error("the GPU has no room for " + what + " (" + mib(bytes) + " more; " + mib(free_b) + " of " +
                 mib(total_b) + " free): lower train_micro_batch_size_per_gpu or data.seq_len, turn on "
                 "model.gradient_checkpointing, or keep less on the GPU (offload_optimizer, offload_param); "
@@ -80,8 +85,8 @@ class DeviceBuffer {
     return static_cast<T*>(data_);
   }
   // Grows (never shrinks) to at least `bytes`; the contents are lost when it grows.
-  void reserve(size_t bytes) {
-    if (bytes > bytes_) *this = DeviceBuffer(bytes);
+  void reserve(size_t bytes, const std::string& what = "a GPU buffer") {
+    if (bytes > bytes_) *this = DeviceBuffer(bytes, what);
   }
 
  private:

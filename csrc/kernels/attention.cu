@@ -284,7 +284,7 @@ void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
     if (buf.data())
       ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "attention: cudaStreamSynchronize before growing scratch");
     buf = DeviceBuffer();  // the old first: never both at once
-    buf = DeviceBuffer(bytes);
+    buf = DeviceBuffer(bytes, "the attention's scratch");
   }
   return buf.data();
 }

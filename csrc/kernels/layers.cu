@@ -631,9 +631,9 @@ void TokenIndex::build(const int32_t* tokens, int64_t n, int64_t V, cudaStream_t
   // The device copies are read by kernels queued later on `stream`: wait
   // for earlier readers before growing or overwriting them.
   ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "TokenIndex: synchronize before rewriting");
-  ids_.reserve(host_ids_.size() * 4);
-  starts_.reserve(host_starts_.size() * 4);
-  rows_.reserve(host_rows_.size() * 4 + 4);
+  ids_.reserve(host_ids_.size() * 4, "the token index");
+  starts_.reserve(host_starts_.size() * 4, "the token index");
+  rows_.reserve(host_rows_.size() * 4 + 4, "the token index");
   ZINC_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host_ids_.data(), host_ids_.size() * 4, cudaMemcpyHostToDevice, stream),
                   "TokenIndex upload");
   ZINC_CUDA_CHECK(cudaMemcpyAsync(starts_.data(), host_starts_.data(), host_starts_.size() * 4,

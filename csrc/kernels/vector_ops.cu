@@ -135,7 +135,7 @@ void squared_norm(const float* x, int64_t n, double* out, cudaStream_t stream) {
   ::zinc::cuda::DeviceBuffer& partial = scratch[stream];
   if (partial.bytes() < static_cast<size_t>(nchunks) * sizeof(double)) {
     ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "squared_norm: synchronize before growing its scratch");
-    partial.reserve(static_cast<size_t>(nchunks) * sizeof(double));
+    partial.reserve(static_cast<size_t>(nchunks) * sizeof(double), "the norm's partial sums");
   }
   const unsigned blocks = static_cast<unsigned>((nchunks + detail::kRowsPerBlock - 1) / detail::kRowsPerBlock);
   chunk_norm_kernel<<<blocks, detail::kRowThreads, 0, stream>>>(x, n, nchunks, partial.as<double>());

@@ -140,6 +140,45 @@ TEST(CudaEngine, NoRoomForTheActivationsIsNamed) {
   EXPECT_NE(what.find("the GPU has no room for the model's activations ("), std::string::npos) << what;
   EXPECT_NE(what.find("of 11 MiB free): lower train_micro_batch_size_per_gpu or data.seq_len"), std::string::npos)
       << what;
+  // On a GPU of 300 kB every buffer is named and the sizes are not "0 MiB"
+  // (a sweep saw "no room for a GPU buffer (0 MiB more; 0 MiB of 0 MiB free)").
+  ::setenv("ZINC_EMU_GPU_BYTES", "300000", 1);
+  for (int stage : {0, 2, 3}) {
+    nlohmann::json small = cfg;
+    small["train_micro_batch_size_per_gpu"] = 2;
+    small["zero_optimization"] = {{"stage", stage}};
+    if (stage > 0) small["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+    if (stage == 3) small["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+    std::string tiny;
+    try {
+      Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), small);
+      DataConfig dc;
+      dc.vocab_size = 37;
+      dc.seq_len = 32;
+      DataLoader loader(make_data_source(dc), 2, 1, 1, 0, 7);
+      e.train_batch(loader);
+    } catch (const Error& err) {
+      tiny = err.what();
+    }
+    EXPECT_NE(tiny.find("GPU"), std::string::npos) << "stage " << stage << ": " << tiny;
+    EXPECT_EQ(tiny.find(" 0 MiB"), std::string::npos) << "stage " << stage << ": " << tiny;
+    EXPECT_EQ(tiny.find("a GPU buffer"), std::string::npos) << "stage " << stage << ": " << tiny;
+    // What it advises is what this run does not do already.
+    EXPECT_EQ(tiny.find("ZeRO stage 2 or 3") == std::string::npos, stage >= 2) << "stage " << stage << ": " << tiny;
+    if (stage == 3) EXPECT_EQ(tiny.find("stage 3 with offload_param"), std::string::npos) << tiny;
+  }
+  // cudaMalloc's own message (gpu_malloc): KiB below a MiB, not "0 MiB".
+  ::setenv("ZINC_EMU_GPU_BYTES", "40000", 1);
+  {
+    std::string tiny;
+    try {
+      cuda::DeviceBuffer b(100000, "a test's buffer");
+    } catch (const Error& err) {
+      tiny = err.what();
+    }
+    EXPECT_NE(tiny.find("no room for a test's buffer (97 KiB more; "), std::string::npos) << tiny;
+    EXPECT_NE(tiny.find("KiB of 39 KiB free)"), std::string::npos) << tiny;
+  }
 }
 #endif
 
