@@ -126,17 +126,21 @@ TEST(CudaEngine, NoRoomForTheActivationsIsNamed) {
                               {"device", "cuda"},
                               {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
                               {"zero_optimization", {{"stage", 0}}}};
-  std::string what;
-  try {
-    Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), cfg);
-    DataConfig dc;
-    dc.vocab_size = 37;
-    dc.seq_len = 32;
-    DataLoader loader(make_data_source(dc), 256, 1, 1, 0, 7);
-    e.train_batch(loader);
-  } catch (const Error& err) {
-    what = err.what();
-  }
+  // The error a step of the small GPT ends with, at micro-batch B.
+  auto error_of = [](const nlohmann::json& config, int64_t B) {
+    try {
+      Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), config);
+      DataConfig dc;
+      dc.vocab_size = 37;
+      dc.seq_len = 32;
+      DataLoader loader(make_data_source(dc), B, 1, 1, 0, 7);
+      e.train_batch(loader);
+    } catch (const Error& err) {
+      return std::string(err.what());
+    }
+    return std::string();
+  };
+  const std::string what = error_of(cfg, 256);
   EXPECT_NE(what.find("the GPU has no room for the model's activations ("), std::string::npos) << what;
   EXPECT_NE(what.find("of 11 MiB free): lower train_micro_batch_size_per_gpu or data.seq_len"), std::string::npos)
       << what;
@@ -149,17 +153,7 @@ TEST(CudaEngine, NoRoomForTheActivationsIsNamed) {
     small["zero_optimization"] = {{"stage", stage}};
     if (stage > 0) small["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
     if (stage == 3) small["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
-    std::string tiny;
-    try {
-      Engine e = Engine::initialize(models::make_gpt(small_gpt_config(Device::kCuda)), small);
-      DataConfig dc;
-      dc.vocab_size = 37;
-      dc.seq_len = 32;
-      DataLoader loader(make_data_source(dc), 2, 1, 1, 0, 7);
-      e.train_batch(loader);
-    } catch (const Error& err) {
-      tiny = err.what();
-    }
+    const std::string tiny = error_of(small, 2);
     EXPECT_NE(tiny.find("GPU"), std::string::npos) << "stage " << stage << ": " << tiny;
     EXPECT_EQ(tiny.find(" 0 MiB"), std::string::npos) << "stage " << stage << ": " << tiny;
     EXPECT_EQ(tiny.find("a GPU buffer"), std::string::npos) << "stage " << stage << ": " << tiny;
