@@ -354,7 +354,8 @@ MemoryEstimate estimate_rank(const Model& model, const Config& c, int64_t seq_le
                            (on_gpu ? " (the GPU kernels' buffers: with 16-bit compute the fused attention keeps row statistics, not T x T probabilities)" : ""),
                        false});
     acts_at.push_back({"kernel scratch", act->workspace,
-                       on_gpu ? "the unfused attention's buffers (none with the fused attention)"
+                       on_gpu ? "the unfused attention's buffers (none with the fused attention), a gradient's "
+                                "16-bit copy"
                               : "converted operands, attention buffers, oneDNN",
                        false});
     if (on_gpu)  // (a --check once passed a GPU 32 MiB short of it)
