@@ -84,9 +84,12 @@ class DeviceBuffer {
   T* as() const {
     return static_cast<T*>(data_);
   }
-  // Grows (never shrinks) to at least `bytes`; the contents are lost when it grows.
+  // Grows (never shrinks) to at least `bytes`; the contents are lost when
+  // it grows. The old buffer goes first, so the GPU never holds both.
   void reserve(size_t bytes, const std::string& what = "a GPU buffer") {
-    if (bytes > bytes_) *this = DeviceBuffer(bytes, what);
+    if (bytes <= bytes_) return;
+    *this = DeviceBuffer();
+    *this = DeviceBuffer(bytes, what);
   }
 
  private:

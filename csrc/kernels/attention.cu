@@ -283,8 +283,7 @@ void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
   if (buf.bytes() < bytes) {
     if (buf.data())
       ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "attention: cudaStreamSynchronize before growing scratch");
-    buf = DeviceBuffer();  // the old first: never both at once
-    buf = DeviceBuffer(bytes, "the attention's scratch");
+    buf.reserve(bytes, "the attention's scratch");
   }
   return buf.data();
 }

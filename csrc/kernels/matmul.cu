@@ -388,8 +388,7 @@ DeviceState& device_state() {
 void* grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
   if (buf.bytes() < bytes) {
     if (buf.data()) ZINC_CUDA_CHECK(cudaStreamSynchronize(stream), "matmul: cudaStreamSynchronize before growing scratch");
-    buf = DeviceBuffer();  // the old first: never both at once
-    buf = DeviceBuffer(bytes, "a matmul's converted operand");
+    buf.reserve(bytes, "a matmul's converted operand");
   }
   return buf.data();
 }
