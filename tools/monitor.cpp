@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/checkpoint.h"
 #include "tools/tb_event.pb.h"
 
 namespace zinc::tools {
@@ -124,14 +125,24 @@ void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
       }
     }
   }
-  std::ofstream out(path, std::ios::app);
-  if (!out) throw IoError("csv_monitor: cannot write " + path.string());
-  if (newline) out << "\n";
-  if (header) out << "step," << tag.substr(tag.rfind('/') + 1) << "\n";
+  std::string text;
+  if (newline) text += "\n";
+  if (header) text += "step," + tag.substr(tag.rfind('/') + 1) + "\n";
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.9g", value);
-  out << step << "," << buf << "\n";
-  if (!out) throw IoError("csv_monitor: write failed on " + path.string());
+  text += std::to_string(step) + "," + buf + "\n";
+  // write(2) and close(2) checked: a stream's buffered row fails at its
+  // close, where an ofstream says nothing (a full disk left empty files and
+  // no warning).
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd) throw posix_error("csv_monitor: cannot write " + path.string(), errno);
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd.get(), text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw posix_error("csv_monitor: write failed on " + path.string(), errno);
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd.release()) != 0) throw posix_error("csv_monitor: write failed on " + path.string(), errno);
 }
 
 void CsvMonitor::resumed(int64_t step) {
@@ -154,14 +165,11 @@ void CsvMonitor::resumed(int64_t step) {
       kept += line + "\n";
     }
     if (dropped == 0) continue;
-    const fs::path tmp = e.path().string() + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      out << kept;
-      if (!out) throw IoError("csv_monitor: cannot write " + tmp.string());
-    }
-    fs::rename(tmp, e.path(), ec);
-    if (ec) throw IoError("csv_monitor: cannot replace " + e.path().string() + ": " + ec.message());
+    if (in.bad()) throw IoError("csv_monitor: cannot read " + e.path().string());
+    // Through a temporary, fsynced, renamed over the file: a full disk
+    // leaves the saved run's rows as they were (an unchecked stream once
+    // renamed an empty file over them).
+    ckpt::write_file_atomic(e.path().string(), kept, "csv_monitor");
     log_info("csv_monitor: " + e.path().string() + ": removed " + std::to_string(dropped) +
              " rows past step " + std::to_string(step) + ", where this run resumes (the saved run's, after its "
              "checkpoint)");
@@ -177,10 +185,12 @@ TensorBoardWriter::TensorBoardWriter(const TensorBoardConfig& c) {
   std::snprintf(name, sizeof name, "events.out.tfevents.%010lld.%s", static_cast<long long>(now), host);
   path_ = (dir / name).string();
   // O_EXCL: a second run that starts in the same second on this host adds
-  // its pid rather than writing into the first one's file.
+  // its pid rather than writing into the first one's file, and a third in
+  // one process (zinc.train in a loop) a count after it.
+  const std::string base = path_;
   int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0 && errno == EEXIST) {
-    path_ += "." + std::to_string(::getpid());
+  for (int n = 0; fd < 0 && errno == EEXIST && n < 10000; ++n) {
+    path_ = base + "." + std::to_string(::getpid()) + (n > 0 ? "." + std::to_string(n) : std::string());
     fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   }
   if (fd < 0) throw posix_error("tensorboard: cannot create " + path_, errno);
@@ -193,7 +203,12 @@ TensorBoardWriter::TensorBoardWriter(const TensorBoardConfig& c) {
   ev.set_wall_time(now);
   ev.set_file_version("brain.Event:2");
   tfrecord_append(pending_, ev.SerializeAsString());
-  flush();
+  try {
+    flush();
+  } catch (const IoError&) {  // a full disk: no empty event file left behind
+    ::unlink(path_.c_str());
+    throw;
+  }
 }
 
 // Scalars encoded but not flushed (an error ended the step's work after

@@ -1,9 +1,15 @@
 // tools/monitor.h: CRC-32C and TFRecord framing against their published
 // check values (and the values of TensorBoard's own Python reader), and the
 // TensorBoard writer's file: its name, its records decoded back with the
-// protobuf library, and the refusal of a folder it cannot create.
+// protobuf library, and the refusal of a folder it cannot create; both
+// monitors on a disk that refuses writes (a file size limit, as ulimit -f
+// sets: EFBIG where a full disk gives ENOSPC, through the same checks).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <csignal>
+#include <set>
 
 #include <cstdint>
 #include <cstdlib>
@@ -11,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -289,6 +296,110 @@ TEST(Monitors, AFreshRunBesideAnEarlierOneSaysSo) {
             std::string::npos)
       << got[0];
   EXPECT_NE(got[1].find("holds 1 event file(s) of earlier runs"), std::string::npos) << got[1];
+}
+
+// A file size limit (setrlimit RLIMIT_FSIZE, as `ulimit -f`) for the
+// scope: writes past `bytes` fail with EFBIG (SIGXFSZ ignored, as zinc-train
+// ignores it), as a full disk's fail with ENOSPC.
+struct FileSizeLimit {
+  rlimit old{};
+  void (*old_handler)(int) = nullptr;
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &old);
+    old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit now = old;
+    now.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &now);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, old_handler);
+  }
+};
+
+// A resumed run that cannot rewrite a CSV on a full disk keeps the saved
+// run's rows as they were (an unchecked stream renamed an empty file over
+// them, and said it had removed two rows), and drops the monitor naming
+// the file.
+TEST(Monitors, ADiskThatRefusesTheResumedRewriteKeepsTheSavedRows) {
+  TempDir tmp;
+  Config c = both_monitors(tmp);
+  c.tensorboard.enabled = false;
+  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  {
+    Monitors crashed(c, 0);
+    for (int64_t step : {8, 16, 24, 32}) crashed.write("Train/Samples/lr", static_cast<double>(step), step);
+    crashed.flush();
+  }
+  const std::string saved = read_all(csv);
+  ASSERT_EQ(saved, "step,lr\n8,8\n16,16\n24,24\n32,32\n");
+  Monitors resumed(c, 0);
+  LogCapture capture(LogLevel::kWarn);
+  {
+    FileSizeLimit limit(8);  // the rows kept are 19 bytes
+    resumed.resumed(16);
+  }
+  EXPECT_EQ(read_all(csv), saved);
+  EXPECT_FALSE(fs::exists(csv.string() + ".tmp"));
+  const std::vector<std::string> got = capture.messages();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_NE(got[0].find("csv_monitor: write of " + csv.string() + ".tmp"), std::string::npos) << got[0];
+  EXPECT_NE(got[0].find("File too large"), std::string::npos) << got[0];
+  EXPECT_NE(got[0].find("the run goes on without csv_monitor"), std::string::npos) << got[0];
+}
+
+// Rows that stop fitting are said once, naming the file (a full disk left
+// empty or cut files and no word: the stream's error came at its close),
+// and the run goes on without the monitor; TensorBoard's file that cannot
+// take its first record is not left behind empty.
+TEST(Monitors, RowsThatDoNotFitAreSaidNamingTheFile) {
+  TempDir tmp;
+  Config c = both_monitors(tmp);
+  c.tensorboard.enabled = false;
+  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  Monitors m(c, 0);
+  LogCapture capture(LogLevel::kWarn);
+  {
+    FileSizeLimit limit(40);
+    for (int64_t step = 8; step <= 200; step += 8) m.write("Train/Samples/lr", 0.5, step);
+  }
+  EXPECT_FALSE(m.enabled());
+  const std::vector<std::string> got = capture.messages();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_NE(got[0].find("csv_monitor: write failed on " + csv.string() + ": File too large"), std::string::npos)
+      << got[0];
+  EXPECT_EQ(fs::file_size(csv), 40u);
+  TensorBoardConfig t;
+  t.enabled = true;
+  t.output_path = (tmp.path / "tb").string();
+  {
+    FileSizeLimit limit(4);
+    EXPECT_THROW(TensorBoardWriter w(t), IoError);
+  }
+  EXPECT_TRUE(fs::is_empty(tmp.path / "tb" / "DeepSpeedJobName"));
+}
+
+// Runs started in one second by one process (zinc.train in a loop) each get
+// a file of their own: the third found the pid's name taken, and failed.
+TEST(TensorBoardWriter, RunsInOneSecondInOneProcessGetFilesOfTheirOwn) {
+  TempDir tmp;
+  TensorBoardConfig c;
+  c.enabled = true;
+  c.output_path = tmp.path.string();
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    fs::remove_all(tmp.path / "DeepSpeedJobName");
+    std::vector<std::unique_ptr<TensorBoardWriter>> w;
+    std::set<std::string> names, seconds;
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_NO_THROW(w.push_back(std::make_unique<TensorBoardWriter>(c))) << "writer " << i;
+      const std::string name = fs::path(w.back()->path()).filename().string();
+      names.insert(name);
+      seconds.insert(name.substr(0, std::string("events.out.tfevents.").size() + 10));
+    }
+    EXPECT_EQ(names.size(), 4u);
+    if (seconds.size() == 1) return;  // the four in one second: the names had to differ past it
+  }
+  FAIL() << "four writers never started within one second";
 }
 
 }  // namespace
