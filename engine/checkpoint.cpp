@@ -94,13 +94,14 @@ std::shared_ptr<void> new_state() {
   throw IoError(what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")");
 }
 
-void write_all(int fd, const void* data, size_t bytes, off_t offset, const std::string& path) {
+void write_all(int fd, const void* data, size_t bytes, off_t offset, const std::string& path,
+               const std::string& writer = "checkpoint") {
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
     const ssize_t n = ::pwrite(fd, p, bytes, offset);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw_errno("checkpoint: write of " + path + " at offset " + std::to_string(offset) + " failed", errno);
+      throw_errno(writer + ": write of " + path + " at offset " + std::to_string(offset) + " failed", errno);
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -108,8 +109,8 @@ void write_all(int fd, const void* data, size_t bytes, off_t offset, const std::
   }
 }
 
-void fsync_fd(int fd, const std::string& path) {
-  if (::fsync(fd) != 0) throw_errno("checkpoint: fsync of " + path + " failed", errno);
+void fsync_fd(int fd, const std::string& path, const std::string& writer = "checkpoint") {
+  if (::fsync(fd) != 0) throw_errno(writer + ": fsync of " + path + " failed", errno);
 }
 
 int g_saves = 0;
@@ -604,14 +605,14 @@ void fsync_dir(const std::string& dir) {
   fsync_fd(fd.get(), dir);
 }
 
-void write_file_atomic(const std::string& path, const std::string& text) {
+void write_file_atomic(const std::string& path, const std::string& text, const std::string& writer) {
   const std::string tmp = path + ".tmp";
   {
     UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd) throw_errno("checkpoint: cannot create " + tmp, errno);
+    if (!fd) throw_errno(writer + ": cannot create " + tmp, errno);
     try {
-      write_all(fd.get(), text.data(), text.size(), 0, tmp);
-      fsync_fd(fd.get(), tmp);
+      write_all(fd.get(), text.data(), text.size(), 0, tmp, writer);
+      fsync_fd(fd.get(), tmp, writer);
     } catch (...) {
       ::unlink(tmp.c_str());
       throw;
@@ -620,7 +621,7 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    throw_errno("checkpoint: cannot rename " + tmp + " to " + path, err);
+    throw_errno(writer + ": cannot rename " + tmp + " to " + path, err);
   }
 }
 

@@ -253,8 +253,10 @@ void check_replaceable_latest(const std::string& dir);
 int64_t tag_step(const std::string& name);
 // fsync of a folder (its entries).
 void fsync_dir(const std::string& dir);
-// Writes `text` to `path` through path + ".tmp", fsync, rename.
-void write_file_atomic(const std::string& path, const std::string& text);
+// Writes `text` to `path` through path + ".tmp", fsync, rename. An IoError
+// names the file, after `writer` (what writes it: "checkpoint", an export's
+// flag, "csv_monitor").
+void write_file_atomic(const std::string& path, const std::string& text, const std::string& writer = "checkpoint");
 // The whole of a small regular file (metadata, an index, `latest`); an
 // IoError names the file.
 std::string read_bytes(const std::string& path);

@@ -1,13 +1,16 @@
 // zinc tools: how zinc-train and zinc-export end on a command-line usage
-// error. CLI11 ended them with its own exit codes (105, 106, 109, 114), where
-// zinc's usage checks exit 2 and the docs say so; and a misspelt flag got no
-// suggestion, where a misspelt config key gets one. Header-only: the two
-// programs link CLI11 themselves.
+// error, and where their standard output could not be written. CLI11 ended
+// them with its own exit codes (105, 106, 109, 114), where zinc's usage
+// checks exit 2 and the docs say so; and a misspelt flag got no suggestion,
+// where a misspelt config key gets one. Header-only: the two programs link
+// CLI11 themselves.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -35,5 +38,24 @@ inline int usage_error(CLI::App& app, const CLI::ParseError& e, const char* prog
   std::fprintf(stderr, "%s: error: %s (%s --help lists the options)\n", program, msg.c_str(), program);
   return 2;
 }
+
+// Standard output that cannot be written (a full disk under `> run.log`,
+// /dev/full) lost a run's progress lines and summary with exit code 0:
+// printf says nothing. stdout_lost() flushes and, the first time a write
+// has failed, says so on stderr, naming the reason; the program's work
+// goes on (a run's checkpoints and exports do not go through stdout).
+// output_checked() then makes a successful exit 1, as coreutils do.
+inline bool stdout_lost(const char* program) {
+  static int lost = 0;  // the first failure's errno
+  if (lost != 0) return true;
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return false;
+  lost = errno != 0 ? errno : EIO;
+  std::fprintf(stderr, "%s: error: cannot write standard output: %s; what it prints from here on is lost (the "
+                       "work goes on, and the exit code will be 1)\n",
+               program, std::strerror(lost));
+  return true;
+}
+inline int output_checked(int rc, const char* program) { return stdout_lost(program) && rc == 0 ? 1 : rc; }
 
 }  // namespace zinc::tools

@@ -43,8 +43,8 @@ const std::vector<std::string>& side_files() {
 
 // A file copied whole into the staging folder (fsynced: the folder is
 // swapped in after it).
-void copy_side_file(const fs::path& from, const fs::path& to) {
-  ckpt::write_file_atomic(to.string(), read_small_file(from.string(), kMaxSideFileBytes, "side file"));
+void copy_side_file(const fs::path& from, const fs::path& to, const std::string& writer) {
+  ckpt::write_file_atomic(to.string(), read_small_file(from.string(), kMaxSideFileBytes, "side file"), writer);
 }
 
 // The files of an earlier export that this one replaces even when it does
@@ -205,7 +205,12 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
     w->finish();
     result.bytes += w->data_bytes();
     result.files.push_back((out / shard_name(open_shard)).string());
-    if (progress) progress("wrote " + result.files.back());
+    if (progress) {  // in the staging folder: in place when the folder is (the summary line says so)
+      char line[160];
+      std::snprintf(line, sizeof line, "staged %s: %.1f MiB", shard_name(open_shard).c_str(),
+                    static_cast<double>(w->data_bytes()) / (1 << 20));
+      progress(line);
+    }
     w.reset();
     export_fault_point("shard");
   };
@@ -273,18 +278,18 @@ HfExportResult export_hf(const HfConfig& cfg, const Model& model, const BlockRea
   if (shards.size() > 1) {
     const json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
     result.index = (out / "model.safetensors.index.json").string();
-    ckpt::write_file_atomic((stage / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+    ckpt::write_file_atomic((stage / "model.safetensors.index.json").string(), index.dump(2) + "\n", opts.what);
   }
   json config = cfg.raw;
   config.erase("dtype");
   config["torch_dtype"] = torch_dtype_name(result.dtype);
-  ckpt::write_file_atomic((stage / "config.json").string(), config.dump(2) + "\n");
+  ckpt::write_file_atomic((stage / "config.json").string(), config.dump(2) + "\n", opts.what);
   if (!opts.copy_from.empty()) {
     check_side_files(opts.copy_from, opts.what);
     for (const std::string& f : side_files()) {
       const fs::path from = fs::path(opts.copy_from) / f;
       if (!fs::is_regular_file(from)) continue;
-      copy_side_file(from, stage / f);
+      copy_side_file(from, stage / f, opts.what);
       result.copied.push_back(f);
     }
   }

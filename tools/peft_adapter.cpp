@@ -215,7 +215,8 @@ PeftExportResult export_peft_adapter(const HfConfig& cfg, const Model& model, co
   result.bytes = w->data_bytes();
   export_fault_point("shard");  // the test hook (tools/output_folder.h): the weights written, nothing else
   ckpt::write_file_atomic((fs::path(folder->staging()) / kAdapterConfigFile).string(),
-                          peft_adapter_config_json(lora, opts.base_model, cfg.model->lora_fan_in_fan_out()).dump(2) + "\n");
+                          peft_adapter_config_json(lora, opts.base_model, cfg.model->lora_fan_in_fan_out()).dump(2) + "\n",
+                          opts.what);
   folder->commit([](const std::string& name) {
     return name == kAdapterConfigFile || name == kAdapterWeightsFile || name == "adapter_model.bin";
   });

@@ -208,7 +208,8 @@ std::string batch_room_refusal(const Model& model, DType compute, int64_t B, int
          gib(room.ram()) + " (" + room.where() + "): pass smaller batches";
 }
 
-std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank) {
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank,
+                                           const std::vector<ExportOnDisk>& exports) {
   std::vector<std::string> out;
   const Config& cfg = ex.config;
   if (std::string why = too_little_address_room(memory_room()); !why.empty()) return {"RAM: " + why};
@@ -271,7 +272,8 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
   struct OnDisk {
     dev_t dev = 0;
     std::vector<std::pair<std::string, std::string>> folders;  // the JSON paths naming a folder, the folder
-    int64_t offload = 0, checkpoints = 0;
+    int64_t offload = 0, checkpoints = 0, exports = 0;
+    std::string export_flags;  // "--save-pretrained" or "--save-weights and --save-pretrained"
     std::string keys() const {  // "a.nvme_path, b.nvme_path /x, run.checkpoint_dir /y"
       std::string out;
       for (const auto& [k, f] : folders) out += (out.empty() ? "" : ", ") + k + " " + f;
@@ -284,7 +286,7 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     OnDisk* d = nullptr;
     for (OnDisk& x : disks)
       if (x.dev == dev && dev != 0) d = &x;
-    if (!d) d = &disks.emplace_back(OnDisk{dev, {}, 0, 0});
+    if (!d) d = &disks.emplace_back(OnDisk{dev, {}, 0, 0, 0, {}});
     auto same = std::find_if(d->folders.begin(), d->folders.end(), [&](const auto& kf) { return kf.second == path; });
     if (same != d->folders.end())
       same->first += ", " + key;
@@ -318,6 +320,13 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
     saves = std::max<int64_t>(1, run.keep_last > 0 ? saves : saves - there);
     disk_of(run.checkpoint_dir, "run.checkpoint_dir").checkpoints = one_checkpoint * at_once;
   }
+  // (An export's folder may not exist yet: the nearest existing one's file
+  // system is asked, as for every folder here.)
+  for (const ExportOnDisk& x : exports) {
+    OnDisk& d = disk_of(x.path, x.flag);
+    d.exports += x.bytes;
+    d.export_flags += (d.export_flags.empty() ? "" : " and ") + x.flag;
+  }
   for (const OnDisk& d : disks) {
     std::string what;
     if (d.offload > 0) what = gib(d.offload) + " of optimizer and parameter files from " + ranks;
@@ -328,8 +337,10 @@ std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks
               (at_once > 1 ? (run.keep_last > 0 ? "; a save writes its tag before the oldest of run.keep_last " + std::to_string(run.keep_last) + " goes"
                                                 : "; run.keep_last 0 keeps every one")
                            : std::string()) + ")";
+    if (d.exports > 0)
+      what += (what.empty() ? "" : " and ") + gib(d.exports) + " for " + d.export_flags + " at its end";
     const std::string& path = d.folders.front().second;
-    const int64_t need = d.offload + d.checkpoints, free = free_disk_bytes(path);
+    const int64_t need = d.offload + d.checkpoints + d.exports, free = free_disk_bytes(path);
     if (read_only_disk(path))
       out.push_back("disk: " + d.keys() + ": its file system is mounted read-only, and the run will write " + what +
                     " there; choose a writable folder");

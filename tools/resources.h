@@ -38,7 +38,18 @@ int64_t free_disk_bytes(const std::string& path);
 // ranks of this run on this host; local_rank: this one's index among them
 // (on the GPU path it asks its own GPU, local_rank % GPUs, for its memory:
 // asking GPU 0 from every rank left a CUDA context of each rank there).
-std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank = 0);
+// An export the run writes at its end (--save-weights, --save-pretrained,
+// --save-adapter): its flag, its file or folder, and its size. Its new
+// files are written before the earlier export's go, so the whole size must
+// fit beside them.
+struct ExportOnDisk {
+  std::string flag, path;
+  int64_t bytes = 0;
+};
+// exports: those this host's rank writes (rank 0's), counted with the
+// checkpoints and NVMe files of their file system.
+std::vector<std::string> resource_refusals(const Experiment& ex, int local_ranks, int local_rank = 0,
+                                           const std::vector<ExportOnDisk>& exports = {});
 
 // A batch of B x T tokens (the Python API's, whose size the config does not
 // bound): where the activations `model` keeps for it (Model::activation_

@@ -362,7 +362,7 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
     result.bytes += w.data_bytes();
     if (progress) {
       char line[512];
-      std::snprintf(line, sizeof line, "wrote %s: %zu tensors, %.1f MiB", path.c_str(), mine.size(),
+      std::snprintf(line, sizeof line, "staged %s: %zu tensors, %.1f MiB", path.c_str(), mine.size(),
                     static_cast<double>(w.data_bytes()) / (1 << 20));
       progress(line);
     }
@@ -374,16 +374,31 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   // moment leaves a folder whose reader finds the old export whole or the
   // new one whole: the old set until the new index (or single file) is in,
   // and while a single file and an index are both there, the single file.
+  // A failure before the switch (a full disk under the index) removes the
+  // new set's files already in: no reader takes them, and the earlier set
+  // stays whole.
   ckpt::fsync_dir(folder.string());
-  for (auto& w : staged) w->commit();
-  ckpt::fsync_dir(folder.string());
-  export_fault_point("set_committed");  // the test hook (tools/output_folder.h): the new files in, the switch not yet
+  size_t committed = 0;
+  try {
+    for (auto& w : staged) {
+      w->commit();
+      ++committed;
+    }
+    ckpt::fsync_dir(folder.string());
+    export_fault_point("set_committed");  // the test hook (tools/output_folder.h): the new files in, the switch not yet
+    if (shards.size() > 1) {
+      const nlohmann::json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
+      result.index = index_path;
+      ckpt::write_file_atomic(result.index, index.dump(2) + "\n", "zinc-export");
+    }
+  } catch (...) {
+    if (shards.size() > 1)
+      for (size_t k = 0; k < committed; ++k) ::unlink(result.files[k].c_str());
+    throw;
+  }
   std::set<std::string> mine;
   for (const std::string& f : result.files) mine.insert(fs::path(f).filename().string());
   if (shards.size() > 1) {
-    const nlohmann::json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
-    result.index = index_path;
-    ckpt::write_file_atomic(result.index, index.dump(2) + "\n");
     if (progress) progress("wrote " + result.index);
     ::unlink(out.c_str());  // an earlier single file, which a reader would take instead
   } else {

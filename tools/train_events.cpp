@@ -69,8 +69,9 @@ void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step) {
   ckpt::prune(dir, keep, "global_step" + std::to_string(step));
 }
 
-void check_room(const Experiment& ex, comm::Communicator& comm) {
-  const std::vector<std::string> no_room = resource_refusals(ex, comm.local_size(), comm.local_rank());
+void check_room(const Experiment& ex, comm::Communicator& comm, const std::vector<ExportOnDisk>& exports) {
+  const std::vector<std::string> no_room =
+      resource_refusals(ex, comm.local_size(), comm.local_rank(), comm.rank() == 0 ? exports : std::vector<ExportOnDisk>{});
   double failed = no_room.empty() ? 0 : comm.rank() + 1;
   if (comm.size() > 1) comm.all_reduce_max_f64(&failed, 1);
   if (!no_room.empty()) {

@@ -16,6 +16,7 @@
 #include "engine/checkpoint.h"
 #include "engine/engine.h"
 #include "tools/experiment.h"
+#include "tools/resources.h"
 
 namespace zinc::tools {
 
@@ -60,7 +61,8 @@ void prune_checkpoints(const std::string& dir, int64_t keep, int64_t step);
 // Room for the run (tools/resources.h) on every rank's host: throws
 // zinc::Error "no room for this run: ..." on every rank if any rank's host
 // lacks it (one all-reduce, so that no rank goes on to wait for the others).
-void check_room(const Experiment& ex, comm::Communicator& comm);
+// exports: what rank 0 writes at the end (--save-weights, ...).
+void check_room(const Experiment& ex, comm::Communicator& comm, const std::vector<ExportOnDisk>& exports = {});
 
 // The run's hold on run.checkpoint_dir from its start: created, proved
 // writable and locked by rank 0 (ckpt::DirLock) for as long as the result

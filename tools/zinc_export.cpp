@@ -17,7 +17,8 @@
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 
-int main(int argc, char** argv) {
+namespace {
+int export_main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f: EFBIG, reported naming the file (not a silent death)
   CLI::App app{"zinc-export: write a zinc checkpoint's weights (the fp32 master weights, consolidated over "
                "every rank's shards) as safetensors, one tensor per model parameter"};
@@ -91,3 +92,6 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+}  // namespace
+
+int main(int argc, char** argv) { return zinc::tools::output_checked(export_main(argc, argv), "zinc-export"); }

@@ -50,6 +50,7 @@
 #include "core/log.h"
 #include "engine/memory_estimate.h"
 #include "engine/rank_agreement.h"
+#include "models/family.h"
 #include "tools/cli_errors.h"
 #include "tools/output_folder.h"
 #include "tools/config_check.h"
@@ -151,6 +152,26 @@ struct SavePretrained {
   int64_t max_shard_bytes = zinc::tools::kDefaultMaxShardBytes;
 };
 
+// What the exports at the run's end write (rank 0), for the start's room
+// check: --save-weights the fp32 master weights, --save-pretrained the
+// model without its LoRA adapters (merged) in its dtype, --save-adapter the
+// adapters in fp32. (A run that trained every step and then found no room
+// for its export lost the weights where it saved no checkpoint.)
+std::vector<zinc::tools::ExportOnDisk> export_sizes(const zinc::tools::Experiment& ex, const std::string& weights_out,
+                                                    const SavePretrained& sp) {
+  int64_t all = 0, adapters = 0;
+  for (const zinc::BlockSpec& b : ex.model->blocks())
+    for (const zinc::ParamSpec& p : b.params) (zinc::models::is_adapter_block(b.name) ? adapters : all) += p.shape.numel();
+  std::vector<zinc::tools::ExportOnDisk> out;
+  if (!weights_out.empty()) out.push_back({"--save-weights", weights_out, 4 * (all + adapters)});
+  if (!sp.dir.empty()) {
+    const zinc::DType dt = sp.dtype ? *sp.dtype : ex.hf && ex.hf->dtype ? *ex.hf->dtype : zinc::DType::kBF16;
+    out.push_back({"--save-pretrained", sp.dir, static_cast<int64_t>(zinc::dtype_bytes(dt)) * all});
+  }
+  if (!sp.adapter_dir.empty()) out.push_back({"--save-adapter", sp.adapter_dir, 4 * adapters});
+  return out;
+}
+
 // The engine's final weights in the Hugging Face layout (export_hf). A
 // collective (Engine::full_params); rank 0 writes.
 void save_pretrained(const zinc::tools::Experiment& ex, zinc::Engine& engine, int rank, const SavePretrained& sp,
@@ -243,7 +264,7 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
                  const zinc::Config& cfg, bool json) {
   if (json) {
     std::printf("%s\n", zinc::tools::json_line(ev).c_str());
-    std::fflush(stdout);
+    zinc::tools::stdout_lost("zinc-train");  // flushes; says so once where it failed
     return;
   }
   const std::string& kind = ev.at("event").get_ref<const std::string&>();
@@ -274,7 +295,7 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
     std::printf("checkpoint at step %lld: %s (%.2f s)\n", step, ev.at("path").get_ref<const std::string&>().c_str(),
                 ev.at("seconds").get<double>());
   }
-  std::fflush(stdout);
+  zinc::tools::stdout_lost("zinc-train");
 }
 
 // The human header: the "auto" values resolved, the model, the batch, the
@@ -398,7 +419,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                                 "each a folder of its own beside the other");
     }
   }
-  if (!ignore_resources) zinc::tools::check_room(ex, *comm);  // refused in a second, not by the OOM killer hours in
+  if (!ignore_resources)  // refused in a second, not by the OOM killer or a full disk hours in
+    zinc::tools::check_room(ex, *comm, export_sizes(ex, weights_out, pretrained));
   // The checkpoint folder is ours for the whole run (a stop signal saves
   // into it even without checkpoint_interval): checked before any work.
   const std::unique_ptr<zinc::ckpt::DirLock> folder_lock = zinc::tools::hold_checkpoint_dir(run, *comm);
@@ -742,7 +764,8 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int train_main(int argc, char** argv) {
   // A write past the file-size limit (ulimit -f) fails with EFBIG, which the
   // writers report naming the file; SIGXFSZ's default ended the process
   // without a word in the middle of a save.
@@ -949,3 +972,6 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+}  // namespace
+
+int main(int argc, char** argv) { return zinc::tools::output_checked(train_main(argc, argv), "zinc-train"); }

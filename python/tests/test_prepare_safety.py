@@ -470,3 +470,28 @@ def test_a_lock_path_that_is_a_fifo_and_a_prefix_folder_that_is_a_file_are_named
     rc, err, _ = run_prepare(tmp_path, capsys, data, name="afile/x")
     assert rc == 1 and "afile: not a folder (the --out prefix's folder must be one)" in err, err
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_disk_that_refuses_writes_names_the_file_and_keeps_the_old_set(tmp_path):
+    # Found by a hostile user's sweep of full disks (2026-12-03): where the
+    # manifest or the last buffered bytes failed, at the commit, the error
+    # was "[Errno 28] No space left on device" with no file. Under ulimit -f
+    # (EFBIG, as a full disk's ENOSPC) at limits from the first write to the
+    # last (the largest file's last bytes go out at the commit's flush),
+    # every failure names its file, and the set already there stays.
+    src = tmp_path / "in.txt"
+    src.write_text("\n\n".join(" ".join(("alpha", "beta", "gamma", "delta")[(i * 7 + j) % 4] for j in range(30))
+                               for i in range(600)), encoding="utf-8")
+    out = tmp_path / "p"
+    base = ["--tokenizer", CHATML, "--seq-len", 32, "--split", "paragraphs", "--chunk", "--out", out]
+    rc, err = cli(src, *base)
+    assert rc == 0, err
+    old = tree(tmp_path)
+    size = max(len(v) for k, v in old.items() if k.startswith("p."))
+    for limit in sorted({1, 512, 1024, 4096, size // 3, size // 2, size - 4096, size - 1}):
+        code = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))")
+        rc, err = cli(src, *base[:-1], out, code=code)
+        assert rc == 1 and "Traceback" not in err, (limit, err)
+        assert f"cannot write {tmp_path}/.p." in err and "File too large" in err, (limit, err)
+        assert tree(tmp_path) == old, limit

@@ -206,6 +206,13 @@ def _create(path: str) -> BinaryIO:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb")
 
 
+def _naming(e: OSError, doing: str, path: str) -> OSError:
+    """The OSError `e` (a full disk's ENOSPC, ulimit -f's EFBIG: no file named) as one that names `path`."""
+    if e.filename:
+        return e
+    return OSError(e.errno, f"cannot {doing} {path}: {e.strerror}")
+
+
 class Outputs:
     """PREFIX.{bin,mask,docs} written under temporary names (.BASENAME.EXT.tmp-PID, in the prefix's folder), with
     the CRC-32 and size of the mask and documents counted on the way; commit() writes the .bin's header and the
@@ -248,7 +255,7 @@ class Outputs:
             try:
                 self.files[ext].write(data)
             except OSError as e:  # a full disk (ENOSPC) or ulimit -f (EFBIG) names no file by itself
-                raise OSError(e.errno, f"cannot write {self.temp[ext]}: {e.strerror}") from e
+                raise _naming(e, "write", self.temp[ext]) from e
             self.crc[key] = zlib.crc32(data, self.crc[key])
             self.bytes[key] += len(data)
         self.tokens += len(tokens)
@@ -280,16 +287,25 @@ class Outputs:
         the .mask and .docs by CRC-32 and size, so a set a kill left mixed is refused by zinc-train, not trained
         on), and the manifest last (one present always describes the .bin beside it). The folder is fsynced
         before the .bin's rename and after it."""
-        self.files["bin"].seek(0)
-        self.files["bin"].write(self.header())
-        with _create(self.temp["json"]) as f:
-            f.write(json.dumps(manifest, indent=2).encode("utf-8") + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        for f in self.files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        try:
+            self.files["bin"].seek(0)
+            self.files["bin"].write(self.header())
+        except OSError as e:
+            raise _naming(e, "write", self.temp["bin"]) from e
+        try:
+            with _create(self.temp["json"]) as f:
+                f.write(json.dumps(manifest, indent=2).encode("utf-8") + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise _naming(e, "write", self.temp["json"]) from e
+        for ext, f in self.files.items():
+            try:  # what was buffered goes out here: a full disk shows at the flush
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            except OSError as e:
+                raise _naming(e, "write", self.temp[ext]) from e
         fault_point("before_rename")
         folder = os.path.dirname(self.prefix)
         try:  # a manifest present always describes the .bin beside it: the old one goes before any rename

@@ -694,5 +694,22 @@ for flag in --save-weights --save-adapter --save-pretrained; do
   check_usage "empty $flag" "$flag: an empty path names no" "$CFG" --steps 1 "$flag" ""
 done
 
+# Standard output that cannot be written (a full disk under `> log`): the
+# run goes on, says so once naming the reason, and exits 1, not 0 with its
+# lines lost.
+"$ZT" "$CFG" --steps 3 --set run.eval_interval=0 --json >/dev/full 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 1 ] && [ "$(grep -c 'cannot write standard output: No space left on device' "$TMP/err")" -eq 1 ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL stdout to /dev/full: rc=$rc"; cat "$TMP/err"
+fi
+# An export that cannot fit on its disk is refused at the start, beside the
+# rest that does not fit (it failed after the last step, the weights lost
+# where no checkpoint was saved): 12 * 65536^2 * 2000 parameters in fp32.
+check_error export-room "disk: --save-weights $TMP/w.safetensors: the run will write" \
+  "$CFG" --steps 1 --set model.n_embd=65536 --set model.n_layer=2000 --set model.n_head=64 \
+  --save-weights "$TMP/w.safetensors"
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -13,7 +13,8 @@
 #    nothing: `latest` stays at the previous checkpoint, which loads.
 # 4. Folders on one disk share its room: the two stores in two folders,
 #    the stores beside the checkpoints (run.keep_last 1: two at once).
-# 5. The disk read-only: the run ends at setup naming the config value.
+# 5. An export that will not fit (--save-weights): refused at the start.
+# 6. The disk read-only: the run ends at setup naming the config value.
 # (A disk that fails a write in the middle of a step, where preallocation
 # cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
 # Needs root and loop devices; exits 77 (skipped) without them.
@@ -140,7 +141,20 @@ else
 fi
 rm -rf "$MNT/a" "$MNT/b"
 
-# 5. The same disk read-only: the run ends at setup with the config value
+# 5. An export the run writes at its end that will not fit: refused at the
+# start with the rest (it failed after the last step, the trained weights
+# lost where no checkpoint was saved); 25M parameters, 100 MB in fp32.
+"$ZT" "$DEF" --steps 1 --set model.n_embd=1024 --set model.n_head=8 --save-weights "$MNT/w.safetensors" \
+  >"$TMP/out" 2>"$TMP/err"
+rc=$?
+if [ "$rc" -eq 1 ] && grep -q "no room for this run: disk: --save-weights $MNT/w.safetensors: the run will write .* for --save-weights at its end on one file system" "$TMP/err" &&
+   ! grep -q '^step ' "$TMP/out"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL export room: rc=$rc"; cat "$TMP/err"
+fi
+
+# 6. The same disk read-only: the run ends at setup with the config value
 # and the error named.
 mount -o remount,ro "$MNT"
 "$ZT" "$CFG" --steps 2 --set zero_optimization.offload_optimizer.device=none \
