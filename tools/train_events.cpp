@@ -11,6 +11,7 @@
 #include "tools/auto_config.h"
 #include "tools/config_check.h"
 #include "tools/output_folder.h"
+#include "tools/peft_adapter.h"
 #include "tools/resources.h"
 #include "core/error.h"
 #include "engine/rank_agreement.h"
@@ -154,13 +155,27 @@ void agree_on_inputs(const Experiment& ex, comm::Communicator& comm) {
   if (d.type != DataType::kSynthetic) mine["data.path"] = data_fingerprint(d);
   if (!ex.experiment.model.from_pretrained.empty() && ex.hf)
     mine["model.from_pretrained"] = hf_weights_fingerprint(ex.experiment.model.from_pretrained);
+  // A LoRA adapter folder read at the start (model.adapter): ranks that
+  // started from different adapters trained on without a word.
+  const std::string& adapter = ex.experiment.model.adapter;
+  if (!adapter.empty()) {
+    std::vector<std::pair<std::string, std::string>> files;
+    for (const char* f : {kAdapterConfigFile, kAdapterWeightsFile}) {
+      const std::filesystem::path p = std::filesystem::path(adapter) / f;
+      std::error_code ec;
+      if (std::filesystem::is_regular_file(p, ec)) files.emplace_back(f, p.string());
+    }
+    mine["model.adapter"] = ckpt::sampled_files_digest(files, "the adapter");
+  }
   const std::optional<RankDifference> diff = rank_difference(comm, mine);
   if (!diff) return;
-  const bool data = diff->path == "data.path";
+  const bool data = diff->path == "data.path", is_adapter = diff->path == "model.adapter";
   throw Error(diff->path + ": the ranks read different files under one path: rank " + std::to_string(diff->other) +
-              "'s " + (data ? d.path : ex.experiment.model.from_pretrained) + " differs from rank 0's (a sampled " +
-              "digest of " + (data ? "the data files" : "the safetensors files") + "); a relative path is taken " +
-              "from each rank's working directory: give every rank the same files (nothing was trained)");
+              "'s " + (data ? d.path : is_adapter ? adapter : ex.experiment.model.from_pretrained) +
+              " differs from rank 0's (a sampled digest of " +
+              (data ? "the data files" : is_adapter ? "the adapter's files" : "the safetensors files") +
+              "); a relative path is taken from each rank's working directory: give every rank the same files "
+              "(nothing was trained)");
 }
 
 std::unique_ptr<ckpt::DirLock> hold_output_folder(const std::string& dir, const std::string& key,

@@ -188,6 +188,16 @@ disagree "a relative data.path" "data.path: the ranks read different files under
 cp "$TMP/w0/data.txt" "$TMP/w1/data.txt"
 disagree "a relative run.checkpoint_dir" "run.checkpoint_dir ck is another folder on rank 1 than on rank 0" \
   -- -wdir "$TMP/w0" "$ZT" "${TXT[@]}" --set run.checkpoint_dir=ck -- -wdir "$TMP/w1" "$ZT" "${TXT[@]}" --set run.checkpoint_dir=ck
+# One relative model.adapter, two LoRA adapters (saved after 1 and 2 steps):
+# the ranks started from different adapters without a word.
+LORA=("$ROOT/configs/default.json" --set run.eval_interval=0 --set "model={\"from_pretrained\":\"$ROOT/tests/fixtures/hf/llama_gqa\",\"lora\":{\"r\":4}}"
+      --set data.vocab_size=96 --set data.seq_len=16)
+OMP_NUM_THREADS=1 "$ZT" "${LORA[@]}" --steps 1 --save-adapter "$TMP/w0/ad" >/dev/null 2>>"$TMP/adapter.err"
+OMP_NUM_THREADS=1 "$ZT" "${LORA[@]}" --steps 2 --save-adapter "$TMP/w1/ad" >/dev/null 2>>"$TMP/adapter.err"
+ADP=("$ROOT/configs/default.json" "${D[@]}" --set "model={\"from_pretrained\":\"$ROOT/tests/fixtures/hf/llama_gqa\",\"adapter\":\"ad\"}"
+     --set data.vocab_size=96 --set data.seq_len=16)
+disagree "a relative model.adapter" "model.adapter: the ranks read different files under one path: rank 1's ad differs from rank 0's (a sampled digest of the adapter's files)" \
+  -- -wdir "$TMP/w0" "$ZT" "${ADP[@]}" -- -wdir "$TMP/w1" "$ZT" "${ADP[@]}"
 # Where only the spelling differs (1 against 1.0), the ranks agree.
 if "${MPMD[@]}" -np 1 "$ZT" "$CFG" "${D[@]}" --set gradient_clipping=1 : -np 1 "$ZT" "$CFG" "${D[@]}" \
      --set gradient_clipping=1.0 >"$TMP/out" 2>"$TMP/err" && grep -q '^done: 4 steps' "$TMP/out"; then
