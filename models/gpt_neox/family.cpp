@@ -65,11 +65,10 @@ HfPieces pieces(const LlamaConfig& c, const Model& model, const std::string& pre
       const int64_t rows = shape.empty() ? 1 : shape[0];
       if (b.name == "embed") {
         block.push_back({{prefix + "embed_in.weight", shape, rows}});
+      } else if (p.name == "lm_head.weight") {  // in the final block, or its own (LoRA's modules_to_save)
+        block.push_back({{"embed_out.weight", shape, rows}});
       } else if (b.name == "final") {
-        if (p.name == "lm_head.weight")
-          block.push_back({{"embed_out.weight", shape, rows}});
-        else
-          block.push_back({{prefix + "final_layer_norm." + p.name.substr(p.name.find('.') + 1), shape, rows}});
+        block.push_back({{prefix + "final_layer_norm." + p.name.substr(p.name.find('.') + 1), shape, rows}});
       } else if (p.name.rfind("self_attn.qkv_proj.", 0) == 0) {
         // zinc's rows: q of every head, then k, then v; the file's: per
         // head, its q, k and v.

@@ -77,6 +77,11 @@ std::vector<std::string> lora_modules(const LlamaConfig& c);
 // GPT-NeoX (the one Llama-style family with LayerNorm) names its modules
 // its own way: query_key_value, dense, dense_h_to_4h, dense_4h_to_h.
 bool neox_names(const LlamaConfig& c);
+// The embedding's and the untied head's module names, as PEFT's
+// modules_to_save names them: embed_tokens and lm_head, GPT-NeoX's
+// embed_in and embed_out.
+const char* embed_module(const LlamaConfig& c);
+const char* head_module(const LlamaConfig& c);
 
 // The registry entry of a Llama-style family: transformers' names for the
 // embedding and the positions, the "model." prefix, the decoder's section

@@ -122,7 +122,7 @@ class Llama final : public Model {
     const int64_t C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, A = H_ * D_, Q = (H_ + 2 * K_) * D_;
     const float sd = c.init_std;
     const bool frozen = c.lora.enabled();  // LoRA: the base is frozen, but for modules_to_save
-    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}, frozen && !c.lora.saves("embed_tokens")});
+    specs_.push_back({"embed", {{"embed_tokens.weight", {V, C}, Init::kNormal, sd}}, frozen && !c.lora.saves(llama::embed_module(c))});
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       BlockSpec b{"layers." + std::to_string(l), {}, frozen};
       auto add = [&](ParamSpec p) {
@@ -170,7 +170,7 @@ class Llama final : public Model {
     if (c.layer_norm) fin.params.push_back({"norm.bias", {C}, Init::kZeros});
     head_ = static_cast<int>(fin.params.size());
     head_block_ = static_cast<int>(specs_.size());
-    const bool own_head = c.lora.saves("lm_head");  // trained beside the adapters: a block of its own
+    const bool own_head = c.lora.saves(llama::head_module(c));  // trained beside the adapters: a block of its own
     if (!c.tie_word_embeddings && !own_head) fin.params.push_back({"lm_head.weight", {V, C}, Init::kNormal, sd, true});
     specs_.push_back(std::move(fin));
     if (own_head) {
@@ -1894,6 +1894,8 @@ class Llama final : public Model {
 
 namespace llama {
 bool neox_names(const LlamaConfig& c) { return c.layer_norm; }
+const char* embed_module(const LlamaConfig& c) { return neox_names(c) ? "embed_in" : "embed_tokens"; }
+const char* head_module(const LlamaConfig& c) { return neox_names(c) ? "embed_out" : "lm_head"; }
 
 std::vector<std::string> lora_modules(const LlamaConfig& c) {
   if (c.fused_in_file) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
@@ -2085,10 +2087,12 @@ std::optional<SizeError> size_error(const LlamaConfig& c) {
     for (const std::string& t : c.lora.targets)
       if (std::find(modules.begin(), modules.end(), t) == modules.end())
         return SizeError{"lora.target_modules", "\"" + t + "\" is not a linear layer of this model (" + names + ")"};
+    const std::string embed = llama::embed_module(c), head = llama::head_module(c);
     for (const std::string& m : c.lora.modules_to_save) {
-      if (m != "embed_tokens" && m != "lm_head")
-        return SizeError{"lora.modules_to_save", "\"" + m + "\": zinc trains embed_tokens and lm_head beside the "
-                                                 "adapters (not other modules yet)"};
+      if (m != embed && m != head)
+        return SizeError{"lora.modules_to_save", "\"" + m + "\": zinc trains " + embed + " and " + head +
+                                                 " beside the adapters, as this family names them (not other "
+                                                 "modules yet)"};
       if (c.tie_word_embeddings)
         return SizeError{"lora.modules_to_save", "\"" + m + "\" on a model whose head is its embedding "
                                                  "(tie_word_embeddings): PEFT unties them; not implemented"};

@@ -177,15 +177,42 @@ def test_modules_to_save_train_whole_and_go_into_the_adapter_folder(tmp_path):
     assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr, r.stderr
 
 
+def test_modules_to_save_take_the_familys_module_names(tmp_path):
+    """GPT-NeoX names its embedding and head embed_in and embed_out, as PEFT's modules_to_save must: those train
+    and go into the adapter under PEFT's names (the head failed on a tensor gpt_neox.lm_head.lm_head.weight),
+    and the Llama's names, which PEFT would match to no module of this model, are refused naming the family's."""
+    neox = os.path.join(FIXTURES, "gpt_neox")
+    names = ["embed_in", "embed_out"]
+    run(tmp_path, {"from_pretrained": neox, "lora": dict(LORA, modules_to_save=names)},
+        ("--save-adapter", str(tmp_path / "a"), "--save-pretrained", str(tmp_path / "m"), "--merge",
+         "--save-dtype", "fp32"))
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["modules_to_save"] == names
+    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    base = load_file(os.path.join(neox, "model.safetensors"))
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    for name in ("gpt_neox.embed_in.weight", "embed_out.weight"):
+        trained = got["base_model.model." + name]
+        assert trained.shape == base[name].shape and not np.array_equal(trained, base[name].astype(np.float32)), name
+        assert merged[name].tobytes() == trained.tobytes(), name
+    r = run(tmp_path, {"from_pretrained": neox, "adapter": str(tmp_path / "a")}, ("--save-adapter", str(tmp_path / "b")))
+    assert "step 3/3" in r.stdout
+    assert load_file(str(tmp_path / "b" / "adapter_model.safetensors")).keys() == got.keys()
+    for wrong in ("lm_head", "embed_tokens"):
+        r = run(tmp_path, {"from_pretrained": neox, "lora": dict(LORA, modules_to_save=[wrong])}, expect_ok=False)
+        assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr and "embed_in and embed_out" in r.stderr, \
+            r.stderr
+
+
 @pytest.mark.parametrize("fixture,saved", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True),
-                                           ("phi3", False), ("gpt_neox", False)])
+                                           ("phi3", False), ("gpt_neox", False), ("gpt_neox", True)])
 def test_peft_loads_the_adapter_and_merges_as_zinc_does(tmp_path, fixture, saved):
     torch = pytest.importorskip("torch", reason="torch is not installed here (bench/peers/setup.sh has it)")
     peft = pytest.importorskip("peft", reason="peft is not installed here (bench/peers/setup.sh has it)")
     transformers = pytest.importorskip("transformers")
     base_dir = os.path.join(FIXTURES, fixture)
     run(tmp_path, {"from_pretrained": base_dir,
-                   "lora": dict(LORA, modules_to_save=["embed_tokens", "lm_head"]) if saved else LORA},
+                   "lora": dict(LORA, modules_to_save=(["embed_in", "embed_out"] if fixture == "gpt_neox" else
+                                                       ["embed_tokens", "lm_head"])) if saved else LORA},
         ("--save-adapter", str(tmp_path / "adapter"), "--save-pretrained", str(tmp_path / "merged"), "--merge",
          "--save-dtype", "fp32"), bf16=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64, attn_implementation="eager")
