@@ -61,6 +61,7 @@
 #include "python/src/unconstructed.h"
 #include "tools/experiment.h"
 #include "tools/hf_model.h"
+#include "tools/monitor.h"
 #include "tools/resources.h"
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
@@ -214,6 +215,9 @@ class PyEngine;
 class TrainRun;
 std::set<PyEngine*> g_engines;  // open engines and runs, closed by _shutdown
 std::set<TrainRun*> g_runs;
+// Set by _shutdown: an engine closed then was closed by the interpreter's
+// exit, not by its user (a daemon thread's next call says which).
+bool g_shutting_down = false;
 
 class PyEngine {
  public:
@@ -240,6 +244,11 @@ class PyEngine {
           folder_lock_ = zinc::tools::hold_checkpoint_dir(ex_.experiment.run, *c);
       }
       engine_.emplace(zinc::Engine::initialize(ex_.model, ex_.config, world > 1 ? comm_ : nullptr));
+      // Note [monitors of a driven engine]. (zinc.train's run loop has its own.)
+      if (std::string(fn) != "zinc.train") {
+        monitors_ = std::make_unique<zinc::tools::Monitors>(ex_.config, comm_ ? comm_->rank() : 0);
+        if (!monitors_->enabled()) monitors_.reset();
+      }
       loader_ = std::make_unique<zinc::DataLoader>(ex_.data, ex_.config.train_micro_batch_size_per_gpu,
                                                    ex_.config.gradient_accumulation_steps,
                                                    engine_->data_parallel_size(), engine_->data_parallel_rank(),
@@ -300,7 +309,11 @@ class PyEngine {
       ZINC_CHECK(!in_call_.empty() && call_thread_ == std::this_thread::get_id(),
                  std::string("zinc.Engine.") + what + " touches the engine without its Call");
     }
-    if (!engine_) throw py::value_error(std::string("zinc.Engine.") + what + ": the engine is closed");
+    if (!engine_)
+      throw py::value_error(std::string("zinc.Engine.") + what +
+                            (g_shutting_down ? ": the engine was closed at interpreter exit (the main thread ended "
+                                               "while this thread still used it)"
+                                             : ": the engine is closed"));
     if (forked())
       throw zinc::Error(std::string("zinc.Engine.") + what + ": this engine was made by process " +
                         std::to_string(owner_pid_) + ", which os.fork()ed this one; its threads (the optimizer's, "
@@ -356,11 +369,11 @@ class PyEngine {
     if (batch.is_none()) {
       check_config_batch("zinc.Engine.forward");
       ComputeScope scope;
-      return e.forward(loader_->next());
+      return note_loss(e.forward(loader_->next()));
     }
     zinc::Batch b = to_batch(batch, "zinc.Engine.forward");
     ComputeScope scope;
-    return e.forward(b);
+    return note_loss(e.forward(b));
   }
   void backward() {
     zinc::Engine& e = engine("backward");
@@ -370,7 +383,13 @@ class PyEngine {
   void step() {
     zinc::Engine& e = engine("step");
     ComputeScope scope;
+    const int64_t before = e.global_steps();
     e.step();
+    if (e.global_steps() > before) {  // the accumulation boundary: a step of the optimizer
+      monitor_step(e, loss_n_ > 0 ? loss_sum_ / static_cast<double>(loss_n_) : NAN);
+      loss_sum_ = 0;
+      loss_n_ = 0;
+    }
   }
   // One global batch: from the config's data (data None), or from an
   // iterable of gradient_accumulation_steps batches.
@@ -379,7 +398,7 @@ class PyEngine {
     if (data.is_none()) {
       check_config_batch("zinc.Engine.train_batch");
       ComputeScope scope;
-      return e.train_batch(*loader_);
+      return monitor_step(e, e.train_batch(*loader_));
     }
     const int64_t ga = ex_.config.gradient_accumulation_steps;
     std::vector<zinc::Batch> batches;
@@ -388,7 +407,7 @@ class PyEngine {
       throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
                             std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
     ComputeScope scope;
-    return e.train_batch(batches);
+    return monitor_step(e, e.train_batch(batches));
   }
   double evaluate(py::object batch) {
     zinc::Engine& e = engine("evaluate");
@@ -499,6 +518,10 @@ class PyEngine {
     }
     if (client.is_object() && client.contains("samples") && client["samples"].is_number_integer())
       loader_->set_position(client["samples"].get<int64_t>());
+    // The curves past the loaded step (a crashed run's) go, as at a resume.
+    if (monitors_) monitors_->resumed(e.global_steps() * ex_.config.train_batch_size);
+    loss_sum_ = 0;
+    loss_n_ = 0;
     return to_py(client);
   }
 
@@ -633,10 +656,38 @@ class PyEngine {
     in_call_.clear();
     call_thread_ = {};
   }
+  // Note [monitors of a driven engine]
+  // An engine driven by train_batch, or by forward, backward and step,
+  // writes the config's tensorboard and csv_monitor curves as DeepSpeed's
+  // engine does (it wrote nothing, without a word): at each optimizer step,
+  // x the samples trained (global_steps x train_batch_size), the loss (the
+  // global batch's mean from train_batch; this rank's forwards' mean since
+  // the last step otherwise, as DeepSpeed's), the learning rate, with fp16
+  // the loss scale, and the gradient norm (Note [monitor scalars] in
+  // tools/run_loop.cpp). Rank 0 writes; a monitor whose file fails is
+  // dropped with a warning; load_checkpoint drops the curves past the
+  // loaded step.
+  float note_loss(float loss) {
+    loss_sum_ += loss;
+    ++loss_n_;
+    return loss;
+  }
+  double monitor_step(zinc::Engine& e, double loss) {
+    if (!monitors_) return loss;
+    const int64_t samples = e.global_steps() * ex_.config.train_batch_size;
+    if (!std::isnan(loss)) monitors_->write("Train/Samples/train_loss", loss, samples);
+    monitors_->write("Train/Samples/lr", e.learning_rate(), samples);
+    if (ex_.config.fp16.enabled) monitors_->write("Train/Samples/loss_scale", e.loss_scale(), samples);
+    monitors_->write("Train/Samples/grad_norm", e.global_grad_norm(), samples);
+    monitors_->flush();
+    return loss;
+  }
+
   void free_engine() {
     if (forked()) {  // Note [engines across fork]: the parent's; left as it is
       new zinc::Engine(std::move(*engine_));
       engine_.reset();
+      (void)monitors_.release();  // its files are the parent's: not flushed again
       (void)loader_.release();
       (void)folder_lock_.release();
       new std::shared_ptr<zinc::comm::Communicator>(std::move(comm_));
@@ -646,6 +697,7 @@ class PyEngine {
     if (PyGILState_Check()) release.emplace();
     engine_.reset();
     loader_.reset();
+    monitors_.reset();
   }
 
   json doc_;
@@ -655,6 +707,9 @@ class PyEngine {
   zinc::tools::Experiment ex_;
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;
+  std::unique_ptr<zinc::tools::Monitors> monitors_;  // Note [monitors of a driven engine]
+  double loss_sum_ = 0;                             // this rank's forward losses since the last step
+  int64_t loss_n_ = 0;
   int64_t vocab_ = 0, max_t_ = 0;
   pid_t owner_pid_ = ::getpid();  // the process that made the engine
   // Note [one call at a time]. call_mu_ guards the three below, only ever
@@ -910,6 +965,7 @@ cannot be read. Under mpirun the ranks form the data-parallel world.)doc");
       .def_property_readonly("engine", &TrainRun::engine, py::return_value_policy::reference_internal);
 
   m.def("_shutdown", [] {
+    g_shutting_down = true;
     for (TrainRun* r : std::set<TrainRun*>(g_runs)) r->engine().close();
     for (PyEngine* e : std::set<PyEngine*>(g_engines)) e->close();
     // A call still in flight (a daemon thread's: the main thread returned

@@ -376,6 +376,40 @@ def test_train_writes_the_tensorboard_monitor(doc, tmp_path):
     assert got == [(e["step"] * B, f32(e["loss"])) for e in events if e["event"] == "step"]
 
 
+def test_an_engine_driven_step_by_step_writes_the_monitors(doc, tmp_path):
+    """Note [monitors of a driven engine]: zinc.initialize's engine wrote no tensorboard or csv_monitor file, without
+    a word. Now train_batch, and forward/backward/step at each optimizer step (the loss: the forwards' mean), write
+    DeepSpeed's curves at x = the samples trained; load_checkpoint drops those past the loaded step; a folder it
+    cannot make is refused."""
+    doc["gradient_accumulation_steps"] = 2
+    doc["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "py"}
+    folder = tmp_path / "csv" / "py"
+    rows = lambda name: [tuple(map(float, l.split(","))) for l in
+                         (folder / f"Train_Samples_{name}.csv").read_text().splitlines()[1:]]
+    B = doc["train_batch_size"]
+    with zinc.initialize(doc) as e:
+        losses = [e.train_batch() for _ in range(2)]
+        e.save_checkpoint(str(tmp_path / "ck"))
+        e.train_batch()
+    assert [r[0] for r in rows("train_loss")] == [B, 2 * B, 3 * B]
+    assert [r[1] for r in rows("train_loss")][:2] == pytest.approx(losses, rel=1e-6)
+    assert [r[0] for r in rows("lr")] == [r[0] for r in rows("grad_norm")] == [B, 2 * B, 3 * B]
+    with zinc.initialize(doc) as e:
+        e.load_checkpoint(str(tmp_path / "ck"))  # at step 2: the curves past it go
+        assert [r[0] for r in rows("train_loss")] == [B, 2 * B]
+        forwards = []
+        for _ in range(2):  # forward and backward per micro-batch, then the step at the boundary
+            forwards.append(e.forward())
+            e.backward()
+        e.step()
+        assert e.global_steps == 3
+    got = rows("train_loss")
+    assert [r[0] for r in got] == [B, 2 * B, 3 * B] and got[2][1] == pytest.approx(sum(forwards) / 2, rel=1e-6), got
+    doc["csv_monitor"]["output_path"] = str(folder / "Train_Samples_lr.csv")
+    with pytest.raises(OSError, match="csv_monitor: cannot create"):
+        zinc.initialize(doc)
+
+
 def test_online_monitors_are_refused(doc):
     for key in ("wandb", "comet"):
         doc[key] = {"enabled": True}
