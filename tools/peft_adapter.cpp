@@ -80,10 +80,21 @@ models::LoraConfig parse_peft_adapter_config(const nlohmann::json& doc, const st
       fail(k, "per-module ranks or alphas are not implemented");
   // Keys of PEFT's that change what the saved A and B mean: read as plain
   // LoRA they would give another model without a word.
-  if (has("init_lora_weights") && !doc["init_lora_weights"].is_boolean() && doc["init_lora_weights"] != "gaussian")
-    fail("init_lora_weights", doc["init_lora_weights"].dump() +
-                                  " is not implemented (PiSSA, OLoRA, LoftQ and CorDA change the base weights the "
-                                  "adapter was trained on); only true, false or \"gaussian\"");
+  // How A and B started does not change what they mean where the base
+  // stays as it was: "gaussian" and EVA ("eva": A from the activations' SVD,
+  // B zero) do; PiSSA, OLoRA, LoftQ and CorDA subtract the start from the
+  // base weights, and the rest are not known to keep them.
+  if (const nlohmann::json* init = has("init_lora_weights") ? &doc["init_lora_weights"] : nullptr;
+      init && !init->is_boolean() && *init != "gaussian" && *init != "eva") {
+    const std::string v = init->is_string() ? init->get<std::string>() : std::string();
+    const bool changes_base = v.rfind("pissa", 0) == 0 || v == "olora" || v == "loftq" || v == "corda";
+    fail("init_lora_weights",
+         init->dump() + (changes_base ? " changed the base weights the adapter was trained on (PiSSA, OLoRA, LoftQ "
+                                        "and CorDA subtract the adapter's start from them): not implemented"
+                                      : " is not an initialisation zinc knows to keep the base weights as they "
+                                        "were") +
+             "; zinc reads adapters initialised with true, false, \"gaussian\" or \"eva\"");
+  }
   // Each of these, set, is a variant of LoRA (or a subset of its modules)
   // that plain LoRA does not compute; PEFT writes null (or {}) otherwise.
   for (const char* k : {"loftq_config", "exclude_modules", "target_parameters", "alora_invocation_tokens",

@@ -51,6 +51,8 @@ int export_main(int argc, char** argv) {
     if (format == "peft") {
       if (!dtype.empty() && dtype != "fp32")
         throw zinc::Error("--dtype " + dtype + ": --format peft writes fp32, as PEFT's save_pretrained does");
+      if (app.count("--max-shard-size") > 0)
+        throw zinc::Error("--max-shard-size: --format peft writes one adapter_model.safetensors, as PEFT does");
       zinc::tools::PeftExportOptions po;
       po.out_dir = opts.out;
       po.what = "--out";

@@ -929,6 +929,11 @@ int train_main(int argc, char** argv) {
       std::fprintf(stderr, "zinc-train: --save-dtype needs --save-pretrained\n");
       return 2;
     }
+    if (app.count("--max-shard-size") > 0 && pretrained.dir.empty()) {  // it did nothing, without a word
+      std::fprintf(stderr, "zinc-train: --max-shard-size needs --save-pretrained (--save-weights and --save-adapter "
+                           "write one file)\n");
+      return 2;
+    }
     if (!save_dtype.empty())
       pretrained.dtype = save_dtype == "fp32" ? zinc::DType::kF32 : save_dtype == "bf16" ? zinc::DType::kBF16 : zinc::DType::kF16;
     pretrained.max_shard_bytes = zinc::tools::parse_size(max_shard, "--max-shard-size");

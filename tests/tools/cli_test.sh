@@ -693,6 +693,9 @@ check_usage twice "--steps: At Most 1 required but received 2" "$CFG" --steps 1 
 for flag in --save-weights --save-adapter --save-pretrained; do
   check_usage "empty $flag" "$flag: an empty path names no" "$CFG" --steps 1 "$flag" ""
 done
+# An option that would do nothing (it was taken without a word).
+check_usage "--max-shard-size alone" "--max-shard-size needs --save-pretrained" "$CFG" --steps 1 \
+  --save-weights "$TMP/w.safetensors" --max-shard-size 1MB
 
 # Standard output that cannot be written (a full disk under `> log`): the
 # run goes on, says so once naming the reason, and exits 1, not 0 with its

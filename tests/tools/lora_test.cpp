@@ -519,6 +519,12 @@ TEST(Lora, BadAdapterFoldersGiveOneLineNamingTheFile) {
     edit_config([&](nlohmann::json& j) { j[key] = value; });
     expect(error_of(), {"adapter_config.json", key, "not implemented"});
   }
+  fresh();  // an initialisation not known to keep the base: said as such (it blamed PiSSA and the others)
+  edit_config([](nlohmann::json& j) { j["init_lora_weights"] = "orthogonal"; });
+  expect(error_of(), {"adapter_config.json", "init_lora_weights", "\"orthogonal\" is not an initialisation zinc knows"});
+  fresh();  // EVA starts A from the activations and B at zero, the base untouched: plain LoRA once trained
+  edit_config([](nlohmann::json& j) { j["init_lora_weights"] = "eva"; });
+  EXPECT_EQ(error_of(), "");
   fresh();  // PEFT's defaults of the same keys pass
   edit_config([](nlohmann::json& j) {
     j["init_lora_weights"] = "gaussian";

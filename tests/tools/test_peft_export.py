@@ -278,6 +278,12 @@ def test_zinc_export_format_peft_writes_the_checkpoints_adapters_as_save_adapter
                            text=True, timeout=120)
         assert r.returncode != 0 and "zinc-export: error:" in r.stderr, r.stderr
         assert (tmp / "run" / "checkpoints" / "latest").exists()
+    # --max-shard-size would do nothing here (it was taken without a word).
+    r = subprocess.run([zinc_export, ck, "--format", "peft", "--out", str(tmp_path / "shard"), "--max-shard-size", "1KB"],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--max-shard-size: --format peft writes one adapter_model.safetensors" in r.stderr, \
+        r.stderr
+    assert not (tmp_path / "shard").exists()
     run(tmp_path / "llama", {"from_pretrained": BASE}, ("--set", "run.checkpoint_interval=3",
                                                         "--set", "run.output_dir=" + str(tmp_path / "full")))
     r = subprocess.run([zinc_export, str(tmp_path / "full" / "checkpoints"), "--format", "peft", "--out",
