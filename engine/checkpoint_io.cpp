@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
+#include <set>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -282,10 +283,33 @@ void Engine::Impl::check_same_model(const ckpt::TagFiles& files, std::vector<std
       return false;
     };
     const bool t = frozen(theirs), m = frozen(mine);
-    const std::string why = t == m ? ""
-                            : t    ? " (the checkpoint's run trained adapters on a frozen base, LoRA; this model has "
-                                     "none: give the run's model.lora or model.adapter)"
-                                   : " (this model trains adapters on a frozen base, LoRA; the checkpoint's run had none)";
+    std::string why = t == m ? ""
+                      : t    ? " (the checkpoint's run trained adapters on a frozen base, LoRA; this model has "
+                               "none: give the run's model.lora or model.adapter)"
+                             : " (this model trains adapters on a frozen base, LoRA; the checkpoint's run had none)";
+    if (t == m) {  // the blocks one side has and the other not, by name
+      auto names_of = [](const nlohmann::json& blocks) {
+        std::set<std::string> out;
+        for (const nlohmann::json& b : blocks) out.insert(b.value("name", std::string()));
+        return out;
+      };
+      const std::set<std::string> tn = names_of(theirs), mn = names_of(mine);
+      auto only = [](const std::set<std::string>& a, const std::set<std::string>& b) {
+        std::string out;
+        int n = 0;
+        for (const std::string& x : a)
+          if (!b.count(x) && n++ < 4) out += (out.empty() ? "'" : ", '") + x + "'";
+        return out;
+      };
+      const std::string there = only(tn, mn), here = only(mn, tn);
+      if (!there.empty()) why += " (only in the checkpoint: " + there;
+      if (!here.empty()) why += std::string(there.empty() ? " (" : "; ") + "only here: " + here;
+      if (!there.empty() || !here.empty()) why += ")";
+      // LoRA's modules_to_save trains the untied head in a block of its own.
+      if (t && (tn.count("lm_head") != mn.count("lm_head")))
+        why += "; LoRA's model.lora.modules_to_save trains the head in a block of its own: the checkpoint's run " +
+               std::string(tn.count("lm_head") ? "had" : "did not have") + " it there";
+    }
     throw Error(where + " holds a model of " + std::to_string(theirs.size()) + " blocks; this one has " +
                 std::to_string(mine.size()) + why);
   }

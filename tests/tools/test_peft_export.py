@@ -175,6 +175,13 @@ def test_modules_to_save_train_whole_and_go_into_the_adapter_folder(tmp_path):
     assert "step 3/3" in r.stdout
     r = run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": lora}, expect_ok=False)
     assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr, r.stderr
+    # A resume without the modules the checkpoint's run saved names them (it said only "7 blocks; this one has 6").
+    (tmp_path / "resume").mkdir()
+    run(tmp_path / "resume", {"from_pretrained": BASE, "lora": dict(LORA, modules_to_save=["lm_head"])},
+        ("--set", "run.checkpoint_interval=3"))
+    r = run(tmp_path / "resume", {"from_pretrained": BASE, "lora": LORA}, ("--resume", "--steps", "4"), expect_ok=False)
+    assert r.returncode == 1 and "(only in the checkpoint: 'lm_head')" in r.stderr and \
+        "modules_to_save trains the head in a block of its own" in r.stderr, r.stderr
 
 
 def test_modules_to_save_take_the_familys_module_names(tmp_path):
