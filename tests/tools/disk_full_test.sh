@@ -14,7 +14,8 @@
 # 4. Folders on one disk share its room: the two stores in two folders,
 #    the stores beside the checkpoints (run.keep_last 1: two at once).
 # 5. An export that will not fit (--save-weights): refused at the start.
-# 6. The disk read-only: the run ends at setup naming the config value.
+# 6. A sharded zinc-export on a disk that fills part-way keeps the earlier set.
+# 7. The disk read-only: the run ends at setup naming the config value.
 # (A disk that fails a write in the middle of a step, where preallocation
 # cannot hold, is cli_test's and zinc_train_mpi's injected ENOSPC and EIO.)
 # Needs root and loop devices; exits 77 (skipped) without them.
@@ -32,7 +33,9 @@ cleanup() {
 trap cleanup EXIT
 if [ "$(id -u)" -ne 0 ]; then echo "skipped: mounting a small filesystem needs root"; exit 77; fi
 mkdir -p "$MNT" "$TMP/roomy"
-if ! { truncate -s 48M "$TMP/disk.img" && mkfs.ext4 -q -F "$TMP/disk.img" && mount -o loop "$TMP/disk.img" "$MNT"; } 2>"$TMP/mount.err"; then
+# -m 0: no blocks reserved for root (this test runs as root, which wrote
+# into them past the free space statvfs reports).
+if ! { truncate -s 48M "$TMP/disk.img" && mkfs.ext4 -q -F -m 0 "$TMP/disk.img" && mount -o loop "$TMP/disk.img" "$MNT"; } 2>"$TMP/mount.err"; then
   echo "skipped: cannot mount a loop filesystem here: $(cat "$TMP/mount.err")"
   exit 77
 fi
@@ -154,7 +157,43 @@ else
   fail=$((fail + 1)); echo "FAIL export room: rc=$rc"; cat "$TMP/err"
 fi
 
-# 6. The same disk read-only: the run ends at setup with the config value
+# 6. zinc-export of a sharded set on a disk that fills part-way: at each
+# free space around what the set needs (the shards, then its index, beside
+# the earlier set), a failure keeps the earlier set byte for byte and leaves
+# none of the new files (the new shards once stayed where the index failed).
+"$ZT" "$DEF" --steps 1 --set run.eval_interval=0 --set "run.checkpoint_dir=$TMP/roomy/eck" \
+  --set run.checkpoint_interval=1 >/dev/null 2>&1
+ZE="$(dirname "$ZT")/zinc-export"
+EX=(--max-shard-size 300KB)
+mkdir -p "$MNT/ex" "$MNT/probe"
+"$ZE" "$TMP/roomy/eck" --out "$MNT/ex/m.safetensors" "${EX[@]}" >/dev/null 2>&1
+(cd "$MNT/ex" && md5sum m* >"$TMP/old.md5")
+sync; a0=$(df -B1 --output=avail "$MNT" | tail -1)
+"$ZE" "$TMP/roomy/eck" --out "$MNT/probe/m.safetensors" "${EX[@]}" >/dev/null 2>&1
+sync; used=$(( a0 - $(df -B1 --output=avail "$MNT" | tail -1) ))
+rm -rf "$MNT/probe"
+at_index=0 bad=0 ok=0
+for extra in $(seq -6144 256 2048); do
+  rm -f "$MNT/fill"; sync
+  free=$(df -B1 --output=avail "$MNT" | tail -1)
+  [ $(( free - used - extra )) -gt 0 ] && fallocate -l $(( free - used - extra )) "$MNT/fill"
+  "$ZE" "$TMP/roomy/eck" --out "$MNT/ex/m.safetensors" "${EX[@]}" >"$TMP/out" 2>"$TMP/err"
+  if [ $? -eq 0 ]; then ok=1; break; fi
+  grep -q "m.safetensors.index.json.tmp.*No space left on device" "$TMP/err" && at_index=$((at_index + 1))
+  if ! (cd "$MNT/ex" && md5sum -c --quiet "$TMP/old.md5" >/dev/null 2>&1) ||
+     [ "$(ls -A "$MNT/ex" | wc -l)" -ne "$(wc -l <"$TMP/old.md5")" ]; then
+    bad=1; echo "at $extra: $(ls -A "$MNT/ex")"; cat "$TMP/err"; break
+  fi
+done
+rm -f "$MNT/fill"
+if [ "$bad" -eq 0 ] && [ "$ok" -eq 1 ] && [ "$at_index" -ge 1 ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL export on a filling disk: bad=$bad ok=$ok failures at the index=$at_index (used $used)"
+fi
+rm -rf "$MNT/ex"
+
+# 7. The same disk read-only: the run ends at setup with the config value
 # and the error named.
 mount -o remount,ro "$MNT"
 "$ZT" "$CFG" --steps 2 --set zero_optimization.offload_optimizer.device=none \
