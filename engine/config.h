@@ -353,7 +353,9 @@ struct Config {
   // too, saying why (tools/experiment.cpp), instead of stopping the run.
   bool device_auto = false;
 
-  double gradient_clipping = 1.0;  // 0 = off
+  // 0 = off: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT 0.0; zinc's
+  // was 1.0, which clipped a config without the key without a word).
+  double gradient_clipping = 0.0;
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   // bf16.enabled: compute in bf16 (fp32 master weights and gradients).

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <string>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -95,7 +97,12 @@ void remove_flat(const fs::path& folder) {
 
 void export_fault_point(const char* phase) {
   const char* spec = std::getenv("ZINC_EXPORT_FAULT");
-  if (spec && std::strcmp(spec, phase) == 0) ::kill(::getpid(), SIGKILL);
+  if (!spec) return;
+  if (std::strcmp(spec, phase) == 0) ::kill(::getpid(), SIGKILL);
+  // PHASE:stop: the process stops there until SIGCONT (a test writes into
+  // the folder meanwhile, as another process would).
+  const size_t n = std::strlen(phase);
+  if (std::strncmp(spec, phase, n) == 0 && std::strcmp(spec + n, ":stop") == 0) ::raise(SIGSTOP);
 }
 
 std::string tag_holding(const std::string& path, const std::string& checkpoint_dir) {
@@ -246,6 +253,11 @@ void OutputFolder::commit(const std::function<bool(const std::string&)>& replace
   const fs::path dest = fs::path(parent_) / name_;
   export_fault_point("staged");
   std::error_code ec;
+  // The new folder's own files (written into the staging folder), which no
+  // file of the old folder replaces.
+  std::set<std::string> own;
+  for (const fs::directory_entry& e : fs::directory_iterator(staging_, ec)) own.insert(e.path().filename().string());
+  if (ec) throw IoError(what_ + " " + dir_ + ": cannot list the staging folder " + staging_ + ": " + ec.message());
   const bool existed = fs::exists(fs::symlink_status(dest, ec));
   if (existed) {
     // `ec` is the listing's alone: a per-entry query that fails (a name the
@@ -288,7 +300,49 @@ void OutputFolder::commit(const std::function<bool(const std::string&)>& replace
   ckpt::fsync_dir(parent_);
   committed_ = true;
   export_fault_point("swapped");
-  if (!leftover.empty()) remove_flat(leftover);
+  if (!leftover.empty()) {
+    keep_late_files(leftover, dest.string(), [&](const std::string& name) { return own.count(name) > 0 || replaced(name); });
+    remove_flat(leftover);
+  }
+}
+
+// Note [files made during an export]: another process writing into the
+// folder between the link pass and the swap (zinc.prepare's set, a user's
+// editor saving a README through a new file) made or replaced files the new
+// folder does not have, and the swap took them away with the old folder.
+// Each file of the old folder that is not the export's own (written by it,
+// or of the kind it replaces) and that the new folder lacks, or holds as another file (replaced by a rename
+// since the link), is moved over: a rename keeps the file itself, so a
+// writer's open descriptor and its lock stay valid. Until a pass moves
+// nothing (a writer may still be renaming in the old folder).
+void OutputFolder::keep_late_files(const std::string& old_dir, const std::string& dest,
+                                   const std::function<bool(const std::string&)>& replaced) {
+  for (int pass = 0; pass < 100; ++pass) {
+    int moved = 0;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(old_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (replaced(name)) continue;
+      std::error_code entry_ec;
+      if (fs::is_directory(e.symlink_status(entry_ec))) continue;  // never made by a writer zinc knows: left
+      struct stat old_st {}, new_st {};
+      if (::lstat(e.path().c_str(), &old_st) != 0) continue;
+      const std::string to = (fs::path(dest) / name).string();
+      if (::lstat(to.c_str(), &new_st) == 0 && new_st.st_ino == old_st.st_ino && new_st.st_dev == old_st.st_dev)
+        continue;  // linked before the swap: the same file
+      if (::rename(e.path().c_str(), to.c_str()) == 0) {
+        ++moved;
+        log_warn(what_ + " " + dir_ + ": " + name + " was made or replaced in the folder during the export; it is "
+                 "kept in the new folder");
+      } else {
+        log_warn(what_ + " " + dir_ + ": " + name + " was made during the export and could not be moved into the "
+                 "new folder (" + std::strerror(errno) + "); it is left in " + old_dir);
+        return;  // the old folder stays, with it
+      }
+    }
+    if (moved == 0) return;
+    ckpt::fsync_dir(dest);
+  }
 }
 
 }  // namespace zinc::tools

@@ -92,10 +92,15 @@ class OutputFolder {
   // another layout, say) is hard-linked into the staging folder. Then
   // fsyncs the staging folder, swaps it in (renameat2 RENAME_EXCHANGE, or a
   // plain rename when the destination does not exist yet), fsyncs the
-  // parent and removes the old folder.
+  // parent, moves over what another process made in the old folder since
+  // the links, and removes the old folder.
   void commit(const std::function<bool(const std::string& name)>& replaced);
 
  private:
+  // Note [files made during an export] in output_folder.cpp.
+  void keep_late_files(const std::string& old_dir, const std::string& dest,
+                       const std::function<bool(const std::string& name)>& own);
+
   std::string dir_, what_, parent_, name_, staging_, old_;
   std::unique_ptr<ckpt::DirLock> lock_;
   bool committed_ = false;

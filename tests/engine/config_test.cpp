@@ -38,7 +38,7 @@ using testing_config::write_file;
 TEST(ConfigDefaults, MatchDeepSpeedAndHeader) {
   Config c = Config::parse(base());
   EXPECT_EQ(c.world_size, 1);
-  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 0.0);  // DeepSpeed's GRADIENT_CLIPPING_DEFAULT: no clipping
   EXPECT_EQ(c.steps_per_print, 10);
   EXPECT_FALSE(c.wall_clock_breakdown);
   EXPECT_FALSE(c.bf16);
@@ -217,7 +217,7 @@ TEST(ConfigTopLevel, KeysDeepSpeedDoesNotReadAreWarnedAboutTyposRefused) {
   const Config c = Config::parse(with({{"_comment", "LLaMA-Factory's note"},
                                        {"fp8", {{"enabled", true}}},
                                        {"dynamic_train", true},
-                                       {"gradient_clipings", 0.0}}));
+                                       {"gradient_clipings", 0.5}}));
   auto warned = [&](const std::string& key) {
     for (const std::string& w : c.warnings)
       if (w.rfind(key + ": not a DeepSpeed key; ignored", 0) == 0) return w;
@@ -229,7 +229,7 @@ TEST(ConfigTopLevel, KeysDeepSpeedDoesNotReadAreWarnedAboutTyposRefused) {
   // Two edits from gradient_clipping: warned, with the nearest key named.
   EXPECT_NE(warned("gradient_clipings").find("if you meant 'gradient_clipping'"), std::string::npos);
   EXPECT_EQ(c.warnings.size(), 4u);
-  EXPECT_EQ(c.gradient_clipping, 1.0);  // the default: the misspelt 0 was ignored
+  EXPECT_EQ(c.gradient_clipping, 0.0);  // the default: the misspelt 0.5 was ignored
   // One edit (inserted, deleted, replaced, swapped, or case): refused.
   EXPECT_CONFIG_ERROR(with({{"train_batch_sise", 8}}), "train_batch_sise: unknown key (did you mean 'train_batch_size'?)");
   EXPECT_CONFIG_ERROR(with({{"steps_per_prin", 8}}), "steps_per_prin: unknown key (did you mean 'steps_per_print'?)");

@@ -15,7 +15,9 @@ Run by CTest (export_hf) with ZINC_TRAIN and ZINC_ROOT set.
 """
 import json
 import os
+import signal
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -272,3 +274,42 @@ def test_a_gpt_neox_section_with_grouped_query_attention_is_refused_naming_the_k
     r = subprocess.run([ZINC_TRAIN, str(cfg)], env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "model.num_key_value_heads" in r.stderr and "grouped-query" in r.stderr, r.stderr
+
+
+def test_files_made_in_the_folder_during_an_export_are_kept(tmp_path):
+    """Note [files made during an export]: a writer in the export folder between the export's link pass and its
+    swap (zinc.prepare committing a set there, an editor saving a README through a new file) lost its files: the
+    swap took them away with the old folder. The export stops there (ZINC_EXPORT_FAULT=linked:stop), a file is
+    made and another replaced by a rename, and both are in the new folder; the export's own files are its own."""
+    ck = str(tmp_path / "ck")
+    save(tmp_path, "llama_gqa", steps=1, extra=("--set", "run.checkpoint_interval=1", "--set", f"run.checkpoint_dir={ck}"))
+    out = tmp_path / "hf"
+    r = subprocess.run([ZINC_EXPORT, ck, "--format", "hf", "--out", str(out)], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    (out / "README.md").write_text("first\n")
+    old_config = (out / "config.json").read_bytes()
+    p = subprocess.Popen([ZINC_EXPORT, ck, "--format", "hf", "--out", str(out), "--dtype", "fp32"],
+                         env=dict(ENV, ZINC_EXPORT_FAULT="linked:stop"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    for _ in range(600):  # until it stops itself
+        with open(f"/proc/{p.pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "T":
+                break
+        time.sleep(0.05)
+    else:
+        p.kill()
+        raise AssertionError("the export never reached its link pass")
+    (out / "p.bin").write_bytes(b"made during the export")
+    (out / ".README.md.tmp").write_text("second\n")
+    os.rename(out / ".README.md.tmp", out / "README.md")
+    (out / ".config.json.tmp").write_text("{}")  # the export's own name: the export's file wins
+    os.rename(out / ".config.json.tmp", out / "config.json")
+    os.kill(p.pid, signal.SIGCONT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert (out / "p.bin").read_bytes() == b"made during the export"
+    assert (out / "README.md").read_text() == "second\n"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32", old_config
+    assert "p.bin was made or replaced in the folder during the export; it is kept" in err, err
+    assert not any(x.name.startswith(".hf.zinc-") for x in tmp_path.iterdir())  # no staging or old folder left
