@@ -65,6 +65,15 @@ std::set<std::string> index_files(const std::string& index_path) {
   return out;
 }
 
+// Whether `path` holds a safetensors index (a JSON object with a
+// weight_map object).
+bool is_safetensors_index(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  const nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
+  return index.is_object() && index.contains("weight_map") && index["weight_map"].is_object();
+}
+
 // Calls f with the name of each entry of `folder` (listed first, so f may
 // remove entries).
 void for_each_in(const fs::path& folder, const std::function<void(const std::string&)>& f) {
@@ -275,6 +284,11 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
     if (shards.size() == 1) return out.string();
     return (out.parent_path() / shard_name(k, alternate)).string();
   };
+  {  // Note [another set's files]
+    std::set<std::string> names;
+    for (size_t k = 0; k < shards.size(); ++k) names.insert(fs::path(shard_path(k)).filename().string());
+    check_apart_from_other_sets(opts.out, names, "zinc-export: --out");
+  }
   if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
     throw IoError("zinc-export: --out " + opts.out + ": the folder " + out.parent_path().string() + " does not exist");
   // A write never touches what it reads: not into the checkpoint's tag
@@ -409,6 +423,34 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   });
   ckpt::fsync_dir(folder.string());
   return result;
+}
+
+// Note [another set's files]: a file set's names are another set's where
+// --out names one of its shards (zinc-export --out a-00001-of-00003.safetensors
+// beside the set a, --save-weights DIR/model-00001-of-00002.safetensors into
+// a sharded model folder), and NAME.safetensors.index.json is a zinc.prepare
+// manifest where a data set's prefix ends in .safetensors.index. Either
+// write replaced the other set's file without a word, leaving it broken.
+void check_apart_from_other_sets(const std::string& out_path, const std::set<std::string>& names,
+                                 const std::string& what) {
+  const fs::path out(out_path);
+  const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  const std::string own_index = out.filename().string() + ".index.json";
+  std::error_code ec;
+  if (fs::is_regular_file(folder / own_index, ec) && !is_safetensors_index((folder / own_index).string()))
+    throw Error(what + " " + out_path + ": " + (folder / own_index).string() + " is not a safetensors index (a file "
+                "of yours, or another tool's: a zinc.prepare manifest?), and the export's index replaces it; write "
+                "the export elsewhere or under another name");
+  const std::string suffix = ".safetensors.index.json";
+  for_each_in(folder, [&](const std::string& name) {
+    if (name == own_index || name.size() <= suffix.size() ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      return;
+    for (const std::string& f : index_files((folder / name).string()))
+      if (names.count(f))
+        throw Error(what + " " + out_path + ": " + f + " is a file of the set " + (folder / name).string() +
+                    " names, which a write of it would break; write the export elsewhere or under another name");
+  });
 }
 
 void drop_sharded_set(const std::string& out_path) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -97,5 +98,12 @@ ExportResult export_safetensors(const ExportOptions& opts,
 // earlier sharded export of NAME beside it (its index, then the shards),
 // which the single file replaces (readers take the single file first).
 void drop_sharded_set(const std::string& out);
+
+// Refuses (Error starting with `what` and `out`) to write the files `names`
+// (file names in out's folder) of the set at `out` (NAME.safetensors) where
+// another set's index in that folder names one of them, or where
+// NAME.safetensors.index.json is not a safetensors index (Note [another
+// set's files] in safetensors.cpp).
+void check_apart_from_other_sets(const std::string& out, const std::set<std::string>& names, const std::string& what);
 
 }  // namespace zinc::tools

@@ -442,6 +442,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
                         ", which this run reads: a save there would be replaced or removed; write the weights "
                         "elsewhere");
   }
+  // Nor a file of another set beside it (Note [another set's files] in tools/safetensors.cpp).
+  if (!weights_out.empty())
+    zinc::tools::check_apart_from_other_sets(weights_out, {std::filesystem::path(weights_out).filename().string()},
+                                             "--save-weights");
   // --save-weights' file set, locked for the run as zinc-export locks it (a
   // second writer of NAME would mix its files with ours): rank 0 writes it.
   const std::unique_ptr<zinc::ckpt::DirLock> weights_lock =

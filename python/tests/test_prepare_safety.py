@@ -495,3 +495,22 @@ def test_a_disk_that_refuses_writes_names_the_file_and_keeps_the_old_set(tmp_pat
         assert rc == 1 and "Traceback" not in err, (limit, err)
         assert f"cannot write {tmp_path}/.p." in err and "File too large" in err, (limit, err)
         assert tree(tmp_path) == old, limit
+
+
+def test_a_manifest_name_that_is_another_tools_file_is_refused(tmp_path):
+    # --out m.safetensors.index writes m.safetensors.index.json, a sharded
+    # export's index there: it was replaced (found by a sweep of two writers
+    # on one folder, 2026-12-03). Only a zinc.prepare manifest is replaced.
+    src = tmp_path / "in.txt"
+    src.write_text("alpha beta gamma delta\n\nbeta gamma\n", encoding="utf-8")
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 8}, "weight_map": {"w": "m-00001-of-00002.safetensors"}}))
+    before = tree(tmp_path)
+    rc, err = cli(src, "--tokenizer", CHATML, "--seq-len", 32, "--split", "paragraphs", "--chunk",
+                  "--out", tmp_path / "m.safetensors.index")
+    assert rc == 1 and f"{index}: is not a zinc.prepare manifest" in err, err
+    assert tree(tmp_path) == before
+    rc, err = cli(src, "--tokenizer", CHATML, "--seq-len", 32, "--split", "paragraphs", "--chunk", "--out", tmp_path / "d")
+    assert rc == 0, err
+    rc, err = cli(src, "--tokenizer", CHATML, "--seq-len", 32, "--split", "paragraphs", "--chunk", "--out", tmp_path / "d")
+    assert rc == 0, err  # its own manifest is replaced

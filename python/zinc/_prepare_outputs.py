@@ -100,6 +100,23 @@ def check_apart(prefix: str, reads: list[tuple[str, str]]) -> None:
         if (i := _identity(path)) in read_ids:
             what, source = read_ids[i]
             raise PrepareError(f"--out would overwrite the {what} {source}: {path} is that file; choose another --out")
+    # The manifest's name is another tool's file's where --out ends in one of its names (--out m.safetensors.index
+    # writes m.safetensors.index.json, a sharded export's index): replaced only when it is a zinc.prepare manifest.
+    manifest = output_paths(prefix)["json"]
+    if os.path.isfile(manifest) and not _is_manifest(manifest):
+        raise PrepareError(f"{manifest}: is not a zinc.prepare manifest (a file of yours, or another tool's: a "
+                           "safetensors index?), and --out replaces it; choose another --out")
+
+
+def _is_manifest(path: str) -> bool:
+    """Whether path holds a zinc.prepare manifest (a JSON object whose format is zinc.prepare/N)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(1 << 24))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and (str(doc.get("format", "")).startswith("zinc.prepare/") or
+                                      (isinstance(doc.get("files"), dict) and "tokens" in doc["files"]))
 
 
 def _alive(pid: int) -> bool:

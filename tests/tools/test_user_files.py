@@ -1043,3 +1043,36 @@ def test_a_resume_with_another_data_order_or_other_synthetic_data_is_said(tmp_pa
     assert "was saved over other synthetic data" in r.stderr and "seed=99" in r.stderr, r.stderr
     r = run(ZINC_TRAIN, cfg, "--steps", "5", "--resume", "--set", "run.seed=7", "--set", "data.seed=99")
     assert r.returncode == 0 and "other synthetic data" not in r.stderr and "run.seed" not in r.stderr, r.stderr
+
+
+def test_a_file_of_another_set_is_never_written_over(tmp_path):
+    # Found by a sweep of two writers on one folder (2026-12-03): a single
+    # file whose name is another set's shard (zinc-export --out
+    # a-00001-of-00003.safetensors beside the set a, --save-weights into a
+    # sharded model folder) replaced that shard, and an export's index
+    # replaced a zinc.prepare manifest of the same name. Each is refused
+    # before anything is written, naming the other set's file.
+    cfg = gpt_config(tmp_path, checkpoint_interval=2)
+    assert run(ZINC_TRAIN, cfg).returncode == 0
+    ck = str(tmp_path / "ck")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run(ZINC_EXPORT, ck, "--out", str(out / "a.safetensors"), "--max-shard-size", "8KB")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((out / "a.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    before = digest(out)
+    r = run(ZINC_EXPORT, ck, "--out", str(out / shard))
+    assert r.returncode == 1 and f"{shard} is a file of the set {out / 'a.safetensors.index.json'} names" in r.stderr, \
+        r.stderr
+    r = run(ZINC_TRAIN, cfg, "--save-weights", str(out / shard))
+    assert r.returncode == 1 and f"--save-weights {out / shard}: {shard} is a file of the set" in r.stderr, r.stderr
+    assert "step " not in r.stdout  # refused before training
+    assert digest(out) == before
+    # A zinc.prepare manifest named as an export's index (its --out was b.safetensors.index).
+    manifest = {"format": "zinc.prepare/1", "files": {"tokens": "b.safetensors.index.bin"}}
+    (out / "b.safetensors.index.json").write_text(json.dumps(manifest))
+    before = digest(out)
+    r = run(ZINC_EXPORT, ck, "--out", str(out / "b.safetensors"), "--max-shard-size", "8KB")
+    assert r.returncode == 1 and "b.safetensors.index.json is not a safetensors index" in r.stderr, r.stderr
+    assert digest(out) == before
