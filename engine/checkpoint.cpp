@@ -563,9 +563,15 @@ void DirLock::take(const std::string& dir, const std::string& what, const std::s
     } else {
       held_locks().erase(key_);
       if (err != EWOULDBLOCK) throw_errno(what + " " + dir + ": cannot lock " + path, err);
-      char buf[256] = {};
-      const ssize_t n = ::pread(fd.get(), buf, sizeof buf - 1, 0);
-      std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+      // The holder writes its pid just after taking the lock: an empty file
+      // is read again for a moment (the refusal named "a process").
+      std::string holder;
+      for (int tries = 0; tries < 20 && holder.empty(); ++tries) {
+        if (tries > 0) ::usleep(10000);
+        char buf[256] = {};
+        const ssize_t n = ::pread(fd.get(), buf, sizeof buf - 1, 0);
+        holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+      }
       while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
       throw IoError(what + " " + dir + " is in use by another run (" +
                     (holder.empty() ? std::string("a process") : holder) + " holds " + path +

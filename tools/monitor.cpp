@@ -76,6 +76,12 @@ void tfrecord_append(std::string& out, std::string_view data) {
 // refused before the run starts rather than written into. A monitor's file
 // (DeepSpeed's or zinc's) begins with the header row "step,NAME".
 CsvMonitor::CsvMonitor(const CsvMonitorConfig& c) : dir_(create_folder("csv_monitor", c)) {
+  try {
+    lock_ = std::make_unique<ckpt::DirLock>(dir_.string(), "csv_monitor folder", (dir_ / ".zinc.lock").string(),
+                                            ckpt::LockUse::kRun);
+  } catch (const IoError& e) {
+    throw IoError(std::string(e.what()) + " (set csv_monitor.job_name per run)");
+  }
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(dir_, ec)) {
     if (e.path().extension() != ".csv") continue;

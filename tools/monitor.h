@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "core/unique_fd.h"
+#include "engine/checkpoint.h"
 #include "engine/config.h"
 
 namespace zinc::tools {
@@ -43,7 +44,10 @@ void tfrecord_append(std::string& out, std::string_view data);
 // file.
 class CsvMonitor {
  public:
-  // Creates the folder (IoError if it cannot).
+  // Creates the folder (IoError if it cannot) and holds its lock for the
+  // monitor's life: two runs appending to one folder's files interleaved
+  // their rows, and a resumed one removed the other's rows past its step
+  // (IoError naming the holder's pid).
   explicit CsvMonitor(const CsvMonitorConfig& c);
   void write(const std::string& tag, double value, int64_t step);
   // Before the first write of a resumed run: every CSV of the folder keeps
@@ -52,6 +56,7 @@ class CsvMonitor {
 
  private:
   std::filesystem::path dir_;
+  std::unique_ptr<ckpt::DirLock> lock_;
   std::map<std::string, bool> written_;
   bool resumed_ = false, warned_ = false;
 };

@@ -379,6 +379,32 @@ TEST(Monitors, RowsThatDoNotFitAreSaidNamingTheFile) {
   EXPECT_TRUE(fs::is_empty(tmp.path / "tb" / "DeepSpeedJobName"));
 }
 
+// Two runs on one csv_monitor folder (found by a sweep of two writers,
+// 2026-12-03): their rows interleaved, and a resumed one removed the other's
+// rows past its step. The second is refused naming the folder; once the
+// first is gone the folder is free.
+TEST(Monitors, TwoRunsOnOneCsvFolderAreRefused) {
+  TempDir tmp;
+  Config c = both_monitors(tmp);
+  c.tensorboard.enabled = false;
+  auto first = std::make_unique<Monitors>(c, 0);
+  first->write("Train/Samples/lr", 1.0, 8);
+  try {
+    Monitors second(c, 0);
+    FAIL() << "a second run on the folder was not refused";
+  } catch (const IoError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("csv_monitor folder " + (tmp.path / "csv" / "DeepSpeedJobName").string() + " is in use by "
+                        "another run"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("set csv_monitor.job_name per run"), std::string::npos) << what;
+  }
+  first.reset();
+  EXPECT_NO_THROW(Monitors again(c, 0));
+  EXPECT_FALSE(fs::exists(tmp.path / "csv" / "DeepSpeedJobName" / ".zinc.lock"));
+}
+
 // Runs started in one second by one process (zinc.train in a loop) each get
 // a file of their own: the third found the pid's name taken, and failed.
 TEST(TensorBoardWriter, RunsInOneSecondInOneProcessGetFilesOfTheirOwn) {
