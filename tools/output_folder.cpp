@@ -119,6 +119,15 @@ std::string tag_holding(const std::string& path, const std::string& checkpoint_d
   return tag ? first : "";
 }
 
+std::string enclosing_checkpoint_tag(const std::string& path) {
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  for (fs::path up = p.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path())
+    if (fs::is_regular_file(up / "metadata.json", ec) && fs::exists(up.parent_path() / "latest", ec))
+      return up.string();
+  return "";
+}
+
 std::string protected_by(const std::string& path, const std::string& in) {
   std::error_code ec;
   if (in.empty() || !fs::is_directory(in, ec) || same_file(path, in) || !is_within(path, in)) return "";
@@ -155,6 +164,9 @@ void check_output_folder(const std::string& dir, const std::string& what_arg, co
       throw Error(what + " lies inside " + why + ", which this run reads: an export there would replace or "
                   "mix with its files (and a checkpoint save or pruning would remove a tag's); export elsewhere");
   }
+  if (const std::string tag = enclosing_checkpoint_tag(p.string()); !tag.empty())
+    throw Error(what + " lies inside the checkpoint tag " + tag + ", which a save of that tag replaces whole and "
+                "pruning removes; export elsewhere");
   if (is_within(".", p.string()))
     throw Error(what + " is the current folder or holds it: an export replaces its folder as a whole; "
                 "export into a folder of its own");

@@ -61,6 +61,11 @@ std::string protected_by(const std::string& path, const std::string& in);
 // (global_step<N>, a dot folder a save makes or leaves, `latest`), or "":
 // what a save of that tag swaps out and pruning removes.
 std::string tag_holding(const std::string& path, const std::string& checkpoint_dir);
+// The checkpoint tag (a folder holding metadata.json, in a folder holding
+// `latest`: any zinc checkpoint's, not only the one a run reads) above
+// `path`, or "": another run's next save of that tag swaps it out, and its
+// pruning removes it.
+std::string enclosing_checkpoint_tag(const std::string& path);
 
 // The lock that guards `path` (an export folder, or the file set a
 // safetensors export writes at PATH) against a second writer: a file

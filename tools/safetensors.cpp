@@ -435,6 +435,9 @@ void check_apart_from_other_sets(const std::string& out_path, const std::set<std
                                  const std::string& what) {
   const fs::path out(out_path);
   const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  if (const std::string tag = enclosing_checkpoint_tag(out_path); !tag.empty())
+    throw Error(what + " " + out_path + " lies inside the checkpoint tag " + tag + ", which a save of that tag "
+                "replaces whole and pruning removes; write it elsewhere");
   const std::string own_index = out.filename().string() + ".index.json";
   std::error_code ec;
   if (fs::is_regular_file(folder / own_index, ec) && !is_safetensors_index((folder / own_index).string()))

@@ -1076,3 +1076,24 @@ def test_a_file_of_another_set_is_never_written_over(tmp_path):
     r = run(ZINC_EXPORT, ck, "--out", str(out / "b.safetensors"), "--max-shard-size", "8KB")
     assert r.returncode == 1 and "b.safetensors.index.json is not a safetensors index" in r.stderr, r.stderr
     assert digest(out) == before
+
+
+def test_no_export_goes_into_another_checkpoints_tag(tmp_path):
+    # An export into a tag of a checkpoint folder it does not read (another
+    # run's, found by a sweep of two writers, 2026-12-03) was accepted: that
+    # run's next save of the tag swaps it out, and its pruning removes it.
+    cfg = gpt_config(tmp_path, checkpoint_interval=2)
+    assert run(ZINC_TRAIN, cfg).returncode == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg2 = gpt_config(other, checkpoint_interval=2)
+    assert run(ZINC_TRAIN, cfg2).returncode == 0
+    tag = other / "ck" / "global_step2"
+    before = digest(other)
+    r = run(ZINC_EXPORT, str(tmp_path / "ck"), "--out", str(tag / "w.safetensors"))
+    assert r.returncode == 1 and f"lies inside the checkpoint tag {tag}" in r.stderr, r.stderr
+    r = run(ZINC_TRAIN, cfg, "--save-weights", str(tag / "w.safetensors"))
+    assert r.returncode == 1 and f"lies inside the checkpoint tag {tag}" in r.stderr, r.stderr
+    r = run(ZINC_EXPORT, str(tmp_path / "ck"), "--format", "hf", "--out", str(tag / "hf"))
+    assert r.returncode == 1 and f"lies inside the checkpoint tag {tag}" in r.stderr, r.stderr
+    assert digest(other) == before
