@@ -207,9 +207,10 @@ void parse_precision(Reader& r, Config& c) {
     if (!sp || sp->is_null()) continue;
     to_choice(*sp, key, {"fp32", "bf16", "fp16"}, false);
     r.warn_ignored(key, std::string_view(key) == "seq_parallel_comm_data_type"
-                            ? "zinc has no sequence parallelism"
-                            : "zinc has no sequence parallelism (and DeepSpeed reads this type from "
-                              "seq_parallel_comm_data_type, the spelling its documentation does not give)");
+                            ? "zinc's sequence ranks (sequence_parallel_size) exchange activations in fp32"
+                            : "zinc's sequence ranks (sequence_parallel_size) exchange activations in fp32 (and "
+                              "DeepSpeed reads this type from seq_parallel_comm_data_type, the spelling its "
+                              "documentation does not give)");
   }
 }
 

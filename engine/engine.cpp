@@ -865,7 +865,7 @@ float Engine::evaluate(const Batch& batch) {
   // evaluation batch's, without a word).
   if (impl_->forward_pending)
     throw Error("Engine::evaluate() between forward() and backward(): the evaluation would replace the activations "
-                "the backward reads; evaluate after backward() or step()");
+                "the backward reads; call backward() first (a step() does not end a forward that has no backward)");
   if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");
   impl_->device->make_current();

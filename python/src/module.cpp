@@ -39,6 +39,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -375,8 +377,25 @@ class PyEngine {
     ComputeScope scope;
     return note_loss(e.forward(b));
   }
-  void backward() {
+  // DeepSpeed's engine.backward(loss) takes the loss forward returned:
+  // zinc's backward is always the last forward's, so a loss given must be
+  // that one (another value was some other tensor's).
+  void backward(py::object loss) {
     zinc::Engine& e = engine("backward");
+    if (!loss.is_none()) {
+      double v = 0;
+      try {
+        v = loss.cast<double>();
+      } catch (const py::cast_error&) {
+        throw py::type_error("zinc.Engine.backward: loss must be the float forward() returned (or nothing), got " +
+                             std::string(py::str(py::type::of(loss).attr("__name__"))));
+      }
+      const double last = last_forward_;
+      if (!(static_cast<float>(v) == static_cast<float>(last) || (std::isnan(v) && std::isnan(last))))
+        throw py::value_error("zinc.Engine.backward: loss " + std::to_string(v) + " is not the last forward's (" +
+                              std::to_string(last) + "); zinc's backward runs the last forward's loss: pass that "
+                              "value or nothing");
+    }
     ComputeScope scope;
     e.backward();
   }
@@ -427,8 +446,9 @@ class PyEngine {
 
   // zinc-train's client state, so that either can resume the other's
   // checkpoints: the data loader's position and the step.
-  void save_checkpoint(const std::string& dir, std::optional<std::string> tag, py::object client_state) {
+  void save_checkpoint(const std::string& dir, py::object tag_object, py::object client_state) {
     zinc::Engine& e = engine("save_checkpoint");
+    const std::optional<std::string> tag = tag_text(tag_object, "save_checkpoint");
     json client = client_state.is_none() ? json::object() : from_py(client_state, "client_state");
     if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
     // zinc's own keys (the data position, the step, ...) go beside the
@@ -446,7 +466,37 @@ class PyEngine {
                               "): give yours another name");
     client.update(own);
     ComputeScope scope;
+    hold_save_folder(dir);
     e.save_checkpoint(dir, tag.value_or(""), client);
+  }
+  // Note [an engine holds the folders it saves into]: from its first save
+  // into a folder until it is closed, as zinc-train holds its
+  // run.checkpoint_dir: a zinc-train started on the folder meanwhile (the
+  // engine between two saves) went on, and the engine's next save moved
+  // `latest` back over that run's. Rank 0 takes the lock; every rank learns
+  // whether it could. zinc.train's own folder is held already.
+  void hold_save_folder(const std::string& dir) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    auto key_of = [&](const std::string& d) { return fs::weakly_canonical(fs::absolute(d, ec), ec).string(); };
+    const std::string key = key_of(dir);
+    if (save_locks_.count(key) || (folder_lock_ && key == key_of(ex_.experiment.run.checkpoint_dir))) return;
+    std::unique_ptr<zinc::ckpt::DirLock> lock;
+    std::string error;
+    if (!comm_ || comm_->rank() == 0) {
+      try {
+        lock = std::make_unique<zinc::ckpt::DirLock>(dir, "checkpoint folder", "", zinc::ckpt::LockUse::kRun);
+      } catch (const zinc::Error& x) {
+        error = x.what();
+      }
+    }
+    double failed = error.empty() ? 0 : 1;
+    if (comm_ && comm_->size() > 1) comm_->all_reduce_max_f64(&failed, 1);
+    if (!error.empty()) throw zinc::IoError("zinc.Engine.save_checkpoint: " + error);
+    if (failed > 0)
+      throw zinc::IoError("zinc.Engine.save_checkpoint: rank 0 could not take the checkpoint folder " + dir +
+                          " (its error is on its output)");
+    save_locks_[key] = std::move(lock);  // null on the other ranks
   }
   py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard,
                              bool merge) {
@@ -503,8 +553,9 @@ class PyEngine {
     out["bytes"] = r.bytes;
     return out;
   }
-  py::object load_checkpoint(const std::string& dir, std::optional<std::string> tag) {
+  py::object load_checkpoint(const std::string& dir, py::object tag_object) {
     zinc::Engine& e = engine("load_checkpoint");
+    const std::optional<std::string> tag = tag_text(tag_object, "load_checkpoint");
     json client;
     {
       ComputeScope scope;
@@ -523,6 +574,16 @@ class PyEngine {
     loss_sum_ = 0;
     loss_n_ = 0;
     return to_py(client);
+  }
+
+  // A checkpoint tag as DeepSpeed takes it: a str, or an int (str(tag):
+  // DeepSpeed users pass the step); None for the default.
+  static std::optional<std::string> tag_text(py::handle tag, const char* fn) {
+    if (tag.is_none()) return std::nullopt;
+    if (py::isinstance<py::str>(tag)) return tag.cast<std::string>();
+    if (py::isinstance<py::int_>(tag) && !py::isinstance<py::bool_>(tag)) return std::string(py::str(tag));
+    throw py::type_error(std::string("zinc.Engine.") + fn + ": tag must be a str or an int, got " +
+                         std::string(py::str(py::type::of(tag).attr("__name__"))));
   }
 
   // hf_weights_fingerprint of model.from_pretrained where LoRA leaves it
@@ -657,7 +718,8 @@ class PyEngine {
     call_thread_ = {};
   }
   // Note [monitors of a driven engine]
-  // An engine driven by train_batch, or by forward, backward and step,
+  // (And every steps_per_print steps a log line, as DeepSpeed's engine
+  // logs.) An engine driven by train_batch, or by forward, backward and step,
   // writes the config's tensorboard and csv_monitor curves as DeepSpeed's
   // engine does (it wrote nothing, without a word): at each optimizer step,
   // x the samples trained (global_steps x train_batch_size), the loss (the
@@ -668,11 +730,29 @@ class PyEngine {
   // dropped with a warning; load_checkpoint drops the curves past the
   // loaded step.
   float note_loss(float loss) {
+    last_forward_ = loss;
     loss_sum_ += loss;
     ++loss_n_;
     return loss;
   }
   double monitor_step(zinc::Engine& e, double loss) {
+    // DeepSpeed's engine logs every steps_per_print steps (with
+    // wall_clock_breakdown its timers): so does this one, on rank 0, as a
+    // log line (ZINC_LOG_LEVEL=warn quiets it).
+    const zinc::Config& cfg = ex_.config;
+    if (e.global_steps() % cfg.steps_per_print == 0 && (!comm_ || comm_->rank() == 0)) {
+      char line[256];
+      std::snprintf(line, sizeof line, "step %lld | loss %.4f | lr %.3e | grad norm %.3f",
+                    static_cast<long long>(e.global_steps()), loss, e.learning_rate(), e.global_grad_norm());
+      std::string text = line;
+      if (cfg.wall_clock_breakdown) {
+        const zinc::StepTimings t = e.timings();
+        std::snprintf(line, sizeof line, " | time so far: forward %.2fs | backward %.2fs | optimizer step %.2fs",
+                      t.forward_s, t.backward_s, t.step_s);
+        text += line;
+      }
+      zinc::log_info(text);
+    }
     if (!monitors_) return loss;
     const int64_t samples = e.global_steps() * ex_.config.train_batch_size;
     if (!std::isnan(loss)) monitors_->write("Train/Samples/train_loss", loss, samples);
@@ -690,6 +770,7 @@ class PyEngine {
       (void)monitors_.release();  // its files are the parent's: not flushed again
       (void)loader_.release();
       (void)folder_lock_.release();
+      for (auto& [dir, lock] : save_locks_) (void)lock.release();
       new std::shared_ptr<zinc::comm::Communicator>(std::move(comm_));
       return;
     }
@@ -698,17 +779,21 @@ class PyEngine {
     engine_.reset();
     loader_.reset();
     monitors_.reset();
+    save_locks_.clear();
   }
 
   json doc_;
   std::shared_ptr<zinc::comm::Communicator> comm_;
   std::unique_ptr<zinc::ckpt::DirLock> folder_lock_;  // zinc.train's checkpoint folder
+  // Note [an engine holds the folders it saves into]: by resolved path.
+  std::map<std::string, std::unique_ptr<zinc::ckpt::DirLock>> save_locks_;
   std::optional<std::string> base_fingerprint_;       // of model.from_pretrained, for check_resume
   zinc::tools::Experiment ex_;
   std::optional<zinc::Engine> engine_;
   std::unique_ptr<zinc::DataLoader> loader_;
   std::unique_ptr<zinc::tools::Monitors> monitors_;  // Note [monitors of a driven engine]
   double loss_sum_ = 0;                             // this rank's forward losses since the last step
+  double last_forward_ = NAN;                       // the last forward's loss (backward(loss) checks it)
   int64_t loss_n_ = 0;
   int64_t vocab_ = 0, max_t_ = 0;
   pid_t owner_pid_ = ::getpid();  // the process that made the engine
@@ -862,8 +947,9 @@ marks the engine closed and returns; the running call finishes and frees it.
 )doc")
       .def("forward", one_call("forward", &PyEngine::forward), py::arg("batch") = py::none(),
            "forward(batch=None) -> float\n\nOne micro-batch forward; returns its mean loss.")
-      .def("backward", one_call("backward", &PyEngine::backward),
-           "backward()\n\nBackward of the last forward; gradients accumulate.")
+      .def("backward", one_call("backward", &PyEngine::backward), py::arg("loss") = py::none(),
+           "backward(loss=None)\n\nBackward of the last forward; gradients accumulate. loss, as DeepSpeed's "
+           "engine.backward(loss) takes it: the value that forward returned (checked), or nothing.")
       .def("step", one_call("step", &PyEngine::step),
            "step()\n\nAt a gradient-accumulation boundary: global norm, clipping, the optimizer step and the "
            "schedule's advance; elsewhere nothing (as DeepSpeed's engine.step()).")

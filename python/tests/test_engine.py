@@ -325,6 +325,30 @@ def test_train_holds_its_checkpoint_folder(doc, tmp_path):
     assert summary["steps"] == 1 and os.path.isdir(ck / "global_step1")
 
 
+def test_an_engine_holds_the_folder_it_saved_into_until_closed(doc, tmp_path):
+    """Note [an engine holds the folders it saves into]: between two saves of an engine a zinc-train went on in
+    the folder, and the engine's next save moved `latest` back over that run's (found by a sweep of two writers,
+    2026-12-03). A run on it is refused naming this process until the engine is closed."""
+    from conftest import zinc_train_path
+    zt = zinc_train_path()
+    if zt is None:
+        pytest.skip("zinc-train is not built (set ZINC_TRAIN)")
+    ck = tmp_path / "ck"
+    cfg = tmp_path / "cfg.json"
+    run = dict(doc, run=dict(doc["run"], checkpoint_dir=str(ck), checkpoint_interval=1, eval_interval=0))
+    cfg.write_text(json.dumps(run))
+    with zinc.initialize(doc) as e:
+        e.train_batch()
+        e.save_checkpoint(str(ck))
+        r = subprocess.run([zt, str(cfg), "--steps", "2"], capture_output=True, text=True, timeout=240)
+        assert r.returncode == 1 and f"is in use by another run (pid {os.getpid()} on" in r.stderr, r.stderr
+        e.train_batch()
+        e.save_checkpoint(str(ck))  # its own saves go on
+        assert (ck / "latest").read_text().strip() == "global_step2"
+    r = subprocess.run([zt, str(cfg), "--steps", "3", "--resume"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr  # free once the engine is closed
+
+
 def test_a_second_train_run_of_this_process_on_its_folder_is_refused(doc, tmp_path):
     """Note [two writers in one process]: a second zinc.train of the same
     process on the folder a run holds was not refused (the lock is a
@@ -408,6 +432,39 @@ def test_an_engine_driven_step_by_step_writes_the_monitors(doc, tmp_path):
     doc["csv_monitor"]["output_path"] = str(folder / "Train_Samples_lr.csv")
     with pytest.raises(OSError, match="csv_monitor: cannot create"):
         zinc.initialize(doc)
+
+
+def test_a_driven_engine_logs_every_steps_per_print_steps(doc, capfd):
+    # DeepSpeed's engine logs every steps_per_print steps, with
+    # wall_clock_breakdown its timers; zinc.initialize's printed nothing.
+    doc["steps_per_print"] = 2
+    doc["wall_clock_breakdown"] = True
+    capfd.readouterr()
+    with zinc.initialize(doc) as e:
+        losses = [e.train_batch() for _ in range(4)]
+    err = capfd.readouterr().err
+    lines = [l for l in err.splitlines() if "] info: step " in l]
+    assert [l.split("info: ")[1].split(" |")[0] for l in lines] == ["step 2", "step 4"], err
+    assert f"loss {losses[1]:.4f}" in lines[0] and "time so far: forward" in lines[0], lines
+
+
+def test_deepspeeds_call_forms_are_taken(doc, tmp_path):
+    # engine.backward(loss) and an int tag, as DeepSpeed's scripts write
+    # them, failed on pybind's "incompatible function arguments".
+    with zinc.initialize(doc) as e:
+        loss = e.forward()
+        with pytest.raises(ValueError, match="is not the last forward's"):
+            e.backward(loss + 1.0)
+        with pytest.raises(TypeError, match="loss must be the float forward"):
+            e.backward("x")
+        e.backward(loss)
+        e.step()
+        e.save_checkpoint(str(tmp_path / "ck"), 1)
+        assert (tmp_path / "ck" / "1").is_dir()
+        with pytest.raises(TypeError, match="tag must be a str or an int"):
+            e.save_checkpoint(str(tmp_path / "ck"), 1.5)
+        e.load_checkpoint(str(tmp_path / "ck"), 1)
+        assert e.global_steps == 1
 
 
 def test_online_monitors_are_refused(doc):
