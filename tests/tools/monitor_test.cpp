@@ -298,6 +298,14 @@ TEST(Monitors, AFreshRunBesideAnEarlierOneSaysSo) {
   EXPECT_NE(got[1].find("holds 1 event file(s) of earlier runs"), std::string::npos) << got[1];
 }
 
+// csv_monitor alone, and its learning-rate curve's file.
+Config csv_only(const TempDir& tmp) {
+  Config c = both_monitors(tmp);
+  c.tensorboard.enabled = false;
+  return c;
+}
+fs::path lr_csv(const TempDir& tmp) { return tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv"; }
+
 // A file size limit (setrlimit RLIMIT_FSIZE, as `ulimit -f`) for the
 // scope: writes past `bytes` fail with EFBIG (SIGXFSZ ignored, as zinc-train
 // ignores it), as a full disk's fail with ENOSPC.
@@ -323,9 +331,8 @@ struct FileSizeLimit {
 // the file.
 TEST(Monitors, ADiskThatRefusesTheResumedRewriteKeepsTheSavedRows) {
   TempDir tmp;
-  Config c = both_monitors(tmp);
-  c.tensorboard.enabled = false;
-  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  const Config c = csv_only(tmp);
+  const fs::path csv = lr_csv(tmp);
   {
     Monitors crashed(c, 0);
     for (int64_t step : {8, 16, 24, 32}) crashed.write("Train/Samples/lr", static_cast<double>(step), step);
@@ -354,9 +361,8 @@ TEST(Monitors, ADiskThatRefusesTheResumedRewriteKeepsTheSavedRows) {
 // take its first record is not left behind empty.
 TEST(Monitors, RowsThatDoNotFitAreSaidNamingTheFile) {
   TempDir tmp;
-  Config c = both_monitors(tmp);
-  c.tensorboard.enabled = false;
-  const fs::path csv = tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_lr.csv";
+  const Config c = csv_only(tmp);
+  const fs::path csv = lr_csv(tmp);
   Monitors m(c, 0);
   LogCapture capture(LogLevel::kWarn);
   {
@@ -385,8 +391,7 @@ TEST(Monitors, RowsThatDoNotFitAreSaidNamingTheFile) {
 // first is gone the folder is free.
 TEST(Monitors, TwoRunsOnOneCsvFolderAreRefused) {
   TempDir tmp;
-  Config c = both_monitors(tmp);
-  c.tensorboard.enabled = false;
+  const Config c = csv_only(tmp);
   auto first = std::make_unique<Monitors>(c, 0);
   first->write("Train/Samples/lr", 1.0, 8);
   try {

@@ -153,26 +153,34 @@ def test_lora_dropout_trains_and_goes_into_the_adapter_config(tmp_path):
     assert [l for l in r.stdout.splitlines() if l.startswith("step 3/3")] != cont, cont
 
 
+def saved_modules_train_and_read_back(tmp_path, base_dir, names, tensors):
+    """A LoRA run of base_dir with modules_to_save `names`: adapter_config.json names them, the adapter file holds
+    `tensors` (the base's names) under PEFT's prefix, trained (not the base's values), the merged folder holds the
+    trained ones, and the adapter read back trains on. Returns the adapter file's tensors."""
+    run(tmp_path, {"from_pretrained": base_dir, "lora": dict(LORA, modules_to_save=names)},
+        ("--save-adapter", str(tmp_path / "a"), "--save-pretrained", str(tmp_path / "m"), "--merge",
+         "--save-dtype", "fp32"))
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["modules_to_save"] == names
+    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    base = load_file(os.path.join(base_dir, "model.safetensors"))
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    for name in tensors:
+        trained = got["base_model.model." + name]
+        assert trained.shape == base[name].shape and not np.array_equal(trained, base[name].astype(np.float32)), name
+        assert merged[name].tobytes() == trained.tobytes(), name
+    r = run(tmp_path, {"from_pretrained": base_dir, "adapter": str(tmp_path / "a")}, ("--save-adapter", str(tmp_path / "b")))
+    assert "step 3/3" in r.stdout
+    return got
+
+
 def test_modules_to_save_train_whole_and_go_into_the_adapter_folder(tmp_path):
     """modules_to_save [embed_tokens, lm_head]: both train (their values in the adapter file under PEFT's names
     differ from the base's), the merged folder holds the trained ones, and the adapter read back continues; on a
     model whose head is its embedding they are refused naming the key."""
     lora = dict(LORA, modules_to_save=["embed_tokens", "lm_head"])
-    run(tmp_path, {"from_pretrained": BASE, "lora": lora},
-        ("--save-adapter", str(tmp_path / "a"), "--save-pretrained", str(tmp_path / "m"), "--merge",
-         "--save-dtype", "fp32"))
-    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
-    assert cfg["modules_to_save"] == ["embed_tokens", "lm_head"]
-    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    base = load_file(os.path.join(BASE, "model.safetensors"))
-    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        trained = got["base_model.model." + name]
-        assert trained.shape == base[name].shape and not np.array_equal(trained, base[name].astype(np.float32)), name
-        assert merged[name].tobytes() == trained.tobytes(), name
+    got = saved_modules_train_and_read_back(tmp_path, BASE, ["embed_tokens", "lm_head"],
+                                            ("model.embed_tokens.weight", "lm_head.weight"))
     assert len(got) == 28 + 2
-    r = run(tmp_path, {"from_pretrained": BASE, "adapter": str(tmp_path / "a")}, ("--save-adapter", str(tmp_path / "b")))
-    assert "step 3/3" in r.stdout
     r = run(tmp_path, {"from_pretrained": os.path.join(FIXTURES, "gpt2"), "lora": lora}, expect_ok=False)
     assert r.returncode != 0 and "model.lora.modules_to_save" in r.stderr, r.stderr
     # A resume without the modules the checkpoint's run saved names them (it said only "7 blocks; this one has 6").
@@ -189,20 +197,8 @@ def test_modules_to_save_take_the_familys_module_names(tmp_path):
     and go into the adapter under PEFT's names (the head failed on a tensor gpt_neox.lm_head.lm_head.weight),
     and the Llama's names, which PEFT would match to no module of this model, are refused naming the family's."""
     neox = os.path.join(FIXTURES, "gpt_neox")
-    names = ["embed_in", "embed_out"]
-    run(tmp_path, {"from_pretrained": neox, "lora": dict(LORA, modules_to_save=names)},
-        ("--save-adapter", str(tmp_path / "a"), "--save-pretrained", str(tmp_path / "m"), "--merge",
-         "--save-dtype", "fp32"))
-    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["modules_to_save"] == names
-    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    base = load_file(os.path.join(neox, "model.safetensors"))
-    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
-    for name in ("gpt_neox.embed_in.weight", "embed_out.weight"):
-        trained = got["base_model.model." + name]
-        assert trained.shape == base[name].shape and not np.array_equal(trained, base[name].astype(np.float32)), name
-        assert merged[name].tobytes() == trained.tobytes(), name
-    r = run(tmp_path, {"from_pretrained": neox, "adapter": str(tmp_path / "a")}, ("--save-adapter", str(tmp_path / "b")))
-    assert "step 3/3" in r.stdout
+    got = saved_modules_train_and_read_back(tmp_path, neox, ["embed_in", "embed_out"],
+                                            ("gpt_neox.embed_in.weight", "embed_out.weight"))
     assert load_file(str(tmp_path / "b" / "adapter_model.safetensors")).keys() == got.keys()
     for wrong in ("lm_head", "embed_tokens"):
         r = run(tmp_path, {"from_pretrained": neox, "lora": dict(LORA, modules_to_save=[wrong])}, expect_ok=False)
