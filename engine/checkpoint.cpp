@@ -337,7 +337,14 @@ int CheckpointReader::file(const std::string& name) {
   if (it != files_.end()) return it->second.get();
   const std::string path = dir_ + "/" + name;
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) throw_errno("checkpoint: cannot open " + path, errno);
+  if (!fd) {
+    const int err = errno;
+    struct stat st;
+    if (err == ENOENT && ::stat(dir_.c_str(), &st) != 0)  // the whole tag went while it was read
+      throw_errno("checkpoint: cannot open " + path + " (the tag " + dir_ + " was removed while it was read: a run's "
+                  "run.keep_last pruning it? read another tag)", err);
+    throw_errno("checkpoint: cannot open " + path, err);
+  }
   const int raw = fd.get();
   files_.emplace(name, std::move(fd));
   // Whole chunks at 4 KiB-aligned offsets (zinc's own writer aligns every

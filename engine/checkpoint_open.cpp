@@ -160,7 +160,14 @@ void check_structure(const TagFiles& t) {
       f.fail("chunk_elements", "is " + rk.at("chunk_elements").dump() + ", not zinc's " + std::to_string(kChunkNumel));
     const std::string bin_path = t.dir + "/" + bin;
     struct stat st;
-    if (::stat(bin_path.c_str(), &st) != 0) throw posix_error("checkpoint: cannot open " + bin_path, errno);
+    if (::stat(bin_path.c_str(), &st) != 0) {
+      const int err = errno;
+      struct stat tag_st;
+      if (err == ENOENT && ::stat(t.dir.c_str(), &tag_st) != 0)  // the whole tag went while it was read
+        throw posix_error("checkpoint: cannot open " + bin_path + " (the tag " + t.dir + " was removed while it was "
+                          "read: a run's run.keep_last pruning it? read another tag)", err);
+      throw posix_error("checkpoint: cannot open " + bin_path, err);
+    }
     if (!S_ISREG(st.st_mode)) throw IoError("checkpoint: " + bin_path + " is not a regular file");
     const int64_t size_now = st.st_size;
     // Written by this version: the size the writer allocated. Version 1
