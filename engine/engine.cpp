@@ -208,9 +208,12 @@ Engine::Impl::Impl(std::shared_ptr<Model> m, const Config& c, std::shared_ptr<co
   rule->attach(uc);
 }
 
-Engine::Impl::~Impl() {
-  // Work in flight refers to our buffers: let it finish before they go
-  // (the device's shutdown waits for an update behind the forward too).
+Engine::Impl::~Impl() = default;  // quiesce_first waits for the work in flight
+
+void Engine::Impl::quiesce() noexcept {
+  // The device's shutdown waits for an update behind the forward (which may
+  // start the next gathers), then the streams drain; then the device again,
+  // for what those gathers queued on the GPU.
   if (device) device->shutdown();
   for (comm::CommStream* st : {reduce_stream.get(), own_gather_stream.get()}) {
     if (!st) continue;
@@ -220,6 +223,7 @@ Engine::Impl::~Impl() {
       log_error(std::string("engine shutdown: a collective failed: ") + e.what());
     }
   }
+  if (device) device->shutdown();
 }
 
 void Engine::Impl::make_streams() {

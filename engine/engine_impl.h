@@ -369,6 +369,19 @@ struct Engine::Impl final : StepContext {
   std::vector<float> full_params_here(int block);  // this stage's block, over the data-parallel group
   // forward() and backward() of a pipelined run: refused (train_batch runs the schedule).
   void refuse_with_stages(const char* what) const;
+
+  // Work in flight (a prefetch gather on the gather stream, a reduction, an
+  // update behind the forward) refers to the members above: quiesce() waits
+  // for it. The guard is the last member, so it is destroyed first, both in
+  // ~Impl and when the constructor throws (members built so far are then
+  // destroyed without ~Impl's body running: a GPU with no room for the
+  // activations failed the start while stage 3's first gathers were still
+  // uploading into the GpuOffload about to go).
+  void quiesce() noexcept;
+  struct QuiesceFirst {
+    Impl* self;
+    ~QuiesceFirst() { self->quiesce(); }
+  } quiesce_first{this};
 };
 
 }  // namespace zinc
