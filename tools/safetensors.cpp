@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -52,26 +53,21 @@ namespace zinc::tools {
 namespace fs = std::filesystem;
 
 namespace {
-// The file names an index's weight_map maps tensors to (none where there is
-// no index, or it cannot be read).
-std::set<std::string> index_files(const std::string& index_path) {
-  std::set<std::string> out;
-  std::ifstream in(index_path, std::ios::binary);
-  if (!in) return out;
+// The file names a safetensors index's weight_map maps tensors to; nullopt
+// where `path` is no such index (absent, unreadable, not a JSON object with
+// a weight_map object).
+std::optional<std::set<std::string>> read_index_files(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
   const nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) return out;
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) return std::nullopt;
+  std::set<std::string> out;
   for (const auto& [tensor, file] : index["weight_map"].items())
     if (file.is_string()) out.insert(file.get<std::string>());
   return out;
 }
-
-// Whether `path` holds a safetensors index (a JSON object with a
-// weight_map object).
-bool is_safetensors_index(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  const nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
-  return index.is_object() && index.contains("weight_map") && index["weight_map"].is_object();
+std::set<std::string> index_files(const std::string& index_path) {
+  return read_index_files(index_path).value_or(std::set<std::string>{});
 }
 
 // Calls f with the name of each entry of `folder` (listed first, so f may
@@ -440,7 +436,7 @@ void check_apart_from_other_sets(const std::string& out_path, const std::set<std
                 "replaces whole and pruning removes; write it elsewhere");
   const std::string own_index = out.filename().string() + ".index.json";
   std::error_code ec;
-  if (fs::is_regular_file(folder / own_index, ec) && !is_safetensors_index((folder / own_index).string()))
+  if (fs::is_regular_file(folder / own_index, ec) && !read_index_files((folder / own_index).string()))
     throw Error(what + " " + out_path + ": " + (folder / own_index).string() + " is not a safetensors index (a file "
                 "of yours, or another tool's: a zinc.prepare manifest?), and the export's index replaces it; write "
                 "the export elsewhere or under another name");
