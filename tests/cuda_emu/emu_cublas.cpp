@@ -12,7 +12,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/dtype.h"
+#include "tests/cuda_emu/emu_gemm.h"
 #include "tests/cuda_emu/include/cublas_v2.h"
 
 namespace {
@@ -34,12 +34,6 @@ struct Gemm {
   void run() const;
 };
 
-float load(const void* p, cudaDataType t, long long i) {
-  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return zinc::from_16(h, t == CUDA_R_16BF ? zinc::DType::kBF16 : zinc::DType::kF16);
-}
-
 bool known(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16F || t == CUDA_R_16BF; }
 
 }  // namespace
@@ -48,28 +42,18 @@ bool known(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16F || t == C
 extern "C" void zinc_emu_enqueue(cudaStream_t stream, void (*fn)(void*), void* arg);
 
 void Gemm::run() const {
-  const cublasOperation_t ta = this->ta, tb = this->tb;
-  float* c = C;
-  // op(A_b) as (m,k) and op(B_b)^T as (n,k), widened, so that each sum reads two rows.
-  std::vector<float> a(static_cast<size_t>(m) * k), bt_(static_cast<size_t>(n) * k);
+  std::vector<float> w, bcol(static_cast<size_t>(k)), col(static_cast<size_t>(m));
   for (long long b = 0; b < batch; ++b) {
-    for (int i = 0; i < m; ++i)
+    zinc_emu_gemm::widen_a(A, at, b * sa, lda, ta == CUBLAS_OP_T, m, k, w);
+    for (int j = 0; j < n; ++j) {
       for (int l = 0; l < k; ++l)
-        a[static_cast<size_t>(i) * k + l] =
-            load(A, at, b * sa + (ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda : l + static_cast<long long>(i) * lda));
-    for (int j = 0; j < n; ++j)
-      for (int l = 0; l < k; ++l)
-        bt_[static_cast<size_t>(j) * k + l] =
-            load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb : j + static_cast<long long>(l) * ldb));
-    for (int j = 0; j < n; ++j)
-      for (int i = 0; i < m; ++i) {
-        const float* x = &a[static_cast<size_t>(i) * k];
-        const float* y = &bt_[static_cast<size_t>(j) * k];
-        float s = 0;
-        for (int l = 0; l < k; ++l) s += x[l] * y[l];
-        float& out = c[b * sc + i + static_cast<long long>(j) * ldc];
-        out = beta == 0.0f ? alpha * s : alpha * s + beta * out;
-      }
+        bcol[static_cast<size_t>(l)] =
+            zinc_emu_gemm::load(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
+                                                                   : j + static_cast<long long>(l) * ldb));
+      zinc_emu_gemm::column(w, bcol.data(), m, k, col.data());
+      float* out = C + b * sc + static_cast<long long>(j) * ldc;
+      for (int i = 0; i < m; ++i) out[i] = beta == 0.0f ? alpha * col[i] : alpha * col[i] + beta * out[i];
+    }
   }
 }
 

@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/dtype.h"
+#include "tests/cuda_emu/emu_gemm.h"
 #include "tests/cuda_emu/include/cublasLt.h"
 
 // In the test executable (tests/cuda_emu/cuda_emu.cpp, exported).
@@ -45,12 +45,6 @@ namespace {
 constexpr uint64_t kAlgoMark = 0x7a696e634c74ULL;  // the heuristic's algorithm
 
 bool known(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16F || t == CUDA_R_16BF; }
-
-float load(const void* p, cudaDataType t, int64_t i) {
-  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return zinc::from_16(h, t == CUDA_R_16BF ? zinc::DType::kBF16 : zinc::DType::kF16);
-}
 
 template <class T>
 cublasStatus_t set(T& field, const void* buf, size_t bytes) {
@@ -102,19 +96,20 @@ struct Call {
   float alpha, beta;
   float* D;
   void run() const {
-    std::vector<float> a(static_cast<size_t>(s.k)), bcol(static_cast<size_t>(s.k));
-    for (int32_t bt = 0; bt < s.batch; ++bt)
+    std::vector<float> w, bcol(static_cast<size_t>(s.k)), col(static_cast<size_t>(s.m));
+    for (int32_t bt = 0; bt < s.batch; ++bt) {
+      zinc_emu_gemm::widen_a(A, ab, bt * sa, lda, ta, s.m, s.k, w);
       for (int64_t j = 0; j < s.n; ++j) {
-        for (int64_t l = 0; l < s.k; ++l) bcol[l] = load(B, ab, bt * sb + (tb ? j + l * ldb : l + j * ldb));
+        for (int64_t l = 0; l < s.k; ++l) bcol[l] = zinc_emu_gemm::load(B, ab, bt * sb + (tb ? j + l * ldb : l + j * ldb));
+        zinc_emu_gemm::column(w, bcol.data(), s.m, s.k, col.data());
         for (int64_t i = 0; i < s.m; ++i) {
-          float acc = 0;
-          for (int64_t l = 0; l < s.k; ++l) acc += load(A, ab, bt * sa + (ta ? l + i * lda : i + l * lda)) * bcol[l];
           float& out = D[bt * sd + i + j * ldd];
-          float v = beta == 0.0f ? alpha * acc : alpha * acc + beta * out;
+          float v = beta == 0.0f ? alpha * col[i] : alpha * col[i] + beta * out;
           if (bias) v += static_cast<const float*>(bias_p)[i];
           out = v;
         }
       }
+    }
   }
 };
 

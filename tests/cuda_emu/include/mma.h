@@ -103,13 +103,14 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
     s[256 + 8 * l + i] = detail::value(b.x[i]);
   }
   ::zinc_emu::syncwarp();
+  // The lane's 8 results are row l / 2, columns 8 (l % 2) .. + 7: the eight
+  // sums advance together over k (so they vectorise), each in k order.
+  const float* arow = s + (l / 2) * 16;
+  const float* bcols = s + 256 + (l % 2) * 8;
   float out[8];
-  for (int i = 0; i < 8; ++i) {
-    const int r = (8 * l + i) / 16, n = (8 * l + i) % 16;
-    float acc = c.x[i];
-    for (int k = 0; k < 16; ++k) acc += s[r * 16 + k] * s[256 + k * 16 + n];
-    out[i] = acc;
-  }
+  for (int i = 0; i < 8; ++i) out[i] = c.x[i];
+  for (int k = 0; k < 16; ++k)
+    for (int i = 0; i < 8; ++i) out[i] += arow[k] * bcols[k * 16 + i];
   ::zinc_emu::syncwarp();  // every lane has read the scratch before the next operation writes it
   for (int i = 0; i < 8; ++i) d.x[i] = out[i];
 }
