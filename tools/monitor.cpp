@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -134,8 +135,10 @@ void CsvMonitor::write(const std::string& tag, double value, int64_t step) {
   std::string text;
   if (newline) text += "\n";
   if (header) text += "step," + tag.substr(tag.rfind('/') + 1) + "\n";
+  // NaN as "nan" whatever its sign bit (printf gives "-nan" for an fp16
+  // overflow step's norm), as DeepSpeed's monitor writes Python's str().
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", value);
+  std::snprintf(buf, sizeof buf, "%.9g", std::isnan(value) ? std::fabs(value) : value);
   text += std::to_string(step) + "," + buf + "\n";
   // write(2) and close(2) checked: a stream's buffered row fails at its
   // close, where an ofstream says nothing (a full disk left empty files and

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -199,6 +200,23 @@ TEST(Monitors, OnlyRankZeroWrites) {
     EXPECT_EQ(split_records(read_all(e.path())).size(), 2u);
   }
   EXPECT_EQ(files, 1);
+}
+
+// A norm that is NaN (an fp16 overflow step's) is written "nan", as
+// DeepSpeed's monitor writes Python's str(), whatever its sign bit: printf
+// wrote "-nan" for the negative NaN an overflow gives. Infinities keep
+// their sign.
+TEST(Monitors, ANonFiniteValueIsWrittenAsPythonWritesIt) {
+  TempDir tmp;
+  const Config c = both_monitors(tmp);
+  Monitors m(c, 0);
+  m.write("Train/Samples/grad_norm", -std::numeric_limits<double>::quiet_NaN(), 1);
+  m.write("Train/Samples/grad_norm", std::numeric_limits<double>::quiet_NaN(), 2);
+  m.write("Train/Samples/grad_norm", -std::numeric_limits<double>::infinity(), 3);
+  m.write("Train/Samples/grad_norm", 0.5, 4);
+  m.flush();
+  EXPECT_EQ(read_all(tmp.path / "csv" / "DeepSpeedJobName" / "Train_Samples_grad_norm.csv"),
+            "step,grad_norm\n1,nan\n2,nan\n3,-inf\n4,0.5\n");
 }
 
 // Note [a monitor is a side output]: a monitor whose folder goes away in
