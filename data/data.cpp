@@ -695,8 +695,18 @@ class TokenSource final : public DataSource {
                                                       "records " + std::to_string(want_bytes)
                                                     : std::string("its CRC-32 differs from the one the token file's "
                                                                   "header records")) +
-                               "): the set is mixed, e.g. by a zinc.prepare run stopped while it replaced the files; "
-                               "run zinc.prepare again");
+                               "): the set is mixed" + mixed_set_cause());
+  }
+  // Why a set's files disagree: a zinc.prepare that holds the prefix's lock
+  // (FOLDER/.BASENAME.lock) is replacing them now; otherwise one stopped
+  // while it did.
+  std::string mixed_set_cause() const {
+    const std::filesystem::path prefix = std::filesystem::path(path_).replace_extension();
+    const std::string lock = (prefix.parent_path() / ("." + prefix.filename().string() + ".lock")).string();
+    if (const long pid = flock_holder(lock))
+      return ": zinc.prepare (pid " + std::to_string(pid) + ", holding " + lock +
+             ") is replacing its files now; start the run again once it has finished";
+    return ", e.g. by a zinc.prepare run stopped while it replaced the files; run zinc.prepare again";
   }
 
   struct PreparedSet {

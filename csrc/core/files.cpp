@@ -2,10 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/unique_fd.h"
@@ -71,6 +75,27 @@ std::optional<FileId> file_id(const std::string& path) {
 bool same_file(const std::string& a, const std::string& b) {
   const std::optional<FileId> x = file_id(a), y = file_id(b);
   return x && y && *x == *y;
+}
+
+long flock_holder(const std::string& path) {
+  const std::optional<FileId> id = file_id(path);
+  if (!id) return 0;
+  // Lines like "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF": the pid,
+  // then the device as hex major:minor and the inode in decimal.
+  std::ifstream locks("/proc/locks");
+  std::string line;
+  while (std::getline(locks, line)) {
+    std::istringstream in(line);
+    std::string n, kind, advisory, mode, device;
+    long pid = 0;
+    if (!(in >> n >> kind) || kind != "FLOCK") continue;
+    if (!(in >> advisory >> mode >> pid >> device)) continue;
+    unsigned maj = 0, min = 0;
+    unsigned long ino = 0;
+    if (std::sscanf(device.c_str(), "%x:%x:%lu", &maj, &min, &ino) != 3) continue;
+    if (ino == id->ino && maj == major(id->dev) && min == minor(id->dev) && pid > 0) return pid;
+  }
+  return 0;
 }
 
 bool is_within(const std::string& path, const std::string& dir) {

@@ -40,6 +40,11 @@ std::optional<FileId> file_id(const std::string& path);
 // Whether a and b name one existing file or folder (a symlink, "a/../a",
 // a hard link and a bind mount all count), never by comparing strings.
 bool same_file(const std::string& a, const std::string& b);
+// The pid of a process holding a flock(2) on the file at `path`, from
+// /proc/locks, without taking the lock (a probe that took it would make
+// the holder's next non-blocking attempt fail); 0 where none holds one, the
+// file does not exist, or /proc/locks cannot be read.
+long flock_holder(const std::string& path);
 // Whether `dir` is `path` or one of the folders that hold it (compared by
 // identity, walking up from `path` after resolving it).
 bool is_within(const std::string& path, const std::string& dir);

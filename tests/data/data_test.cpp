@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -795,6 +796,25 @@ TEST(TokenSource, AMaskOrDocumentsFileOfAnotherPreparedSetIsRefused) {
   EXPECT_EQ(p1, "data.mask_path");
   EXPECT_NE(m1.find("set.mask is not the file zinc.prepare wrote with"), std::string::npos) << m1;
   EXPECT_NE(m1.find("CRC-32 differs"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("stopped while it replaced the files"), std::string::npos) << m1;
+  {
+    // A zinc.prepare replacing the set's files now holds the prefix's lock,
+    // FOLDER/.BASENAME.lock: the error names it (the holder here is this
+    // process), and it is not called stopped.
+    const std::string lock = testing::TempDir() + ".zinc_data_test_" + std::to_string(::getpid()) + "_set.lock";
+    const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    ASSERT_GE(fd, 0) << lock;
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+    auto [pl, ml] = error_of(with_record(mask, docs), other_mask, docs);
+    EXPECT_EQ(pl, "data.mask_path");
+    EXPECT_NE(ml.find("zinc.prepare (pid " + std::to_string(::getpid()) + ", holding " + lock +
+                      ") is replacing its files now"), std::string::npos) << ml;
+    EXPECT_EQ(ml.find("stopped"), std::string::npos) << ml;
+    ::close(fd);  // released: an unheld lock file (a killed run's) is not a live one
+    auto [pu, mu] = error_of(with_record(mask, docs), other_mask, docs);
+    EXPECT_NE(mu.find("stopped while it replaced the files"), std::string::npos) << mu;
+    std::remove(lock.c_str());
+  }
   std::string other_docs;
   for (uint64_t d : {0ull, 3ull, 6ull})
     for (int k = 0; k < 8; ++k) other_docs.push_back(static_cast<char>((d >> (8 * k)) & 0xff));
