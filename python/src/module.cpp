@@ -419,12 +419,41 @@ class PyEngine {
       ComputeScope scope;
       return monitor_step(e, e.train_batch(*loader_));
     }
+    // Note [the batches train_batch reads]: an iterator (a generator,
+    // iter(loader)) gives the next gradient_accumulation_steps batches
+    // and keeps the rest, as DeepSpeed's train_batch(data_iter) reads; it
+    // was read to its end (an endless one never returned, its memory
+    // growing). A sequence (a list, a tuple) must hold exactly that many:
+    // its first ones every call would train on them again and again.
     const int64_t ga = ex_.config.gradient_accumulation_steps;
+    const std::string fn = "zinc.Engine.train_batch";
+    const bool pair_of_arrays = (py::isinstance<py::tuple>(data) || py::isinstance<py::list>(data)) &&
+                                py::len(data) == 2 && py::isinstance<py::array>(data[py::int_(0)]);
+    if (pair_of_arrays)
+      throw py::type_error(fn + ": data is an iterable of batches (gradient_accumulation_steps = " +
+                           std::to_string(ga) + " of them), got one (inputs, targets) pair; pass [batch]");
+    py::iterator it;
+    try {
+      it = py::iter(data);
+    } catch (py::error_already_set& err) {
+      if (!err.matches(PyExc_TypeError)) throw;
+      throw py::type_error(fn + ": data must be an iterable of batches (an iterator, or a list of " +
+                           std::to_string(ga) + "), got " + type_name(data));
+    }
+    if (!it.is(data) && py::hasattr(data, "__len__") && static_cast<int64_t>(py::len(data)) != ga)
+      throw py::value_error(fn + ": data must hold gradient_accumulation_steps = " + std::to_string(ga) +
+                            " batches, got " + std::to_string(py::len(data)) +
+                            " (an iterator gives its next " + std::to_string(ga) + " and keeps the rest)");
     std::vector<zinc::Batch> batches;
-    for (py::handle b : data) batches.push_back(to_batch(b, "zinc.Engine.train_batch"));
-    if (static_cast<int64_t>(batches.size()) != ga)
-      throw py::value_error("zinc.Engine.train_batch: data must hold gradient_accumulation_steps = " +
-                            std::to_string(ga) + " batches, got " + std::to_string(batches.size()));
+    for (int64_t i = 0; i < ga; ++i) {
+      PyObject* next = PyIter_Next(it.ptr());
+      if (!next) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        throw py::value_error(fn + ": data ran out after " + std::to_string(i) +
+                              " batches; a global batch is gradient_accumulation_steps = " + std::to_string(ga));
+      }
+      batches.push_back(to_batch(py::reinterpret_steal<py::object>(next), fn));
+    }
     ComputeScope scope;
     return monitor_step(e, e.train_batch(batches));
   }
@@ -446,11 +475,17 @@ class PyEngine {
 
   // zinc-train's client state, so that either can resume the other's
   // checkpoints: the data loader's position and the step.
-  void save_checkpoint(const std::string& dir, py::object tag_object, py::object client_state) {
+  void save_checkpoint(py::object dir_path, py::object tag_object, py::object client_state) {
+    const std::string dir = path_text(dir_path, "save_checkpoint", "save_dir");
     zinc::Engine& e = engine("save_checkpoint");
     const std::optional<std::string> tag = tag_text(tag_object, "save_checkpoint");
     json client = client_state.is_none() ? json::object() : from_py(client_state, "client_state");
     if (!client.is_object()) throw py::type_error("zinc.Engine.save_checkpoint: client_state must be a dict");
+    // JSON has no NaN or infinity: the file would hold null, and the load
+    // hand back None where the caller saved a number.
+    if (const std::string at = non_finite_at(client, "client_state"); !at.empty())
+      throw py::value_error("zinc.Engine.save_checkpoint: " + at + " is not a finite number (NaN or infinity), which "
+                            "a checkpoint's JSON cannot hold; store it as a string, or leave it out");
     // zinc's own keys (the data position, the step, ...) go beside the
     // caller's: a key of the caller's with one of their names and another
     // value would be replaced without a word (DeepSpeed's {"step": n} with
@@ -468,6 +503,33 @@ class PyEngine {
     ComputeScope scope;
     hold_save_folder(dir);
     e.save_checkpoint(dir, tag.value_or(""), client);
+  }
+  // A folder argument: a str, bytes or os.PathLike (pathlib.Path), as
+  // zinc.initialize takes its config's path; a NUL in it is refused later,
+  // naming the call.
+  static std::string path_text(py::handle h, const char* fn, const char* arg) {
+    py::object p = py::reinterpret_steal<py::object>(PyOS_FSPath(h.ptr()));
+    if (!p) {
+      PyErr_Clear();
+      throw py::type_error(std::string("zinc.Engine.") + fn + ": " + arg +
+                           " must be a path (str or os.PathLike), got " + type_name(h));
+    }
+    if (py::isinstance<py::bytes>(p)) return p.cast<std::string>();
+    Py_ssize_t n = 0;
+    const char* text = PyUnicode_AsUTF8AndSize(p.ptr(), &n);
+    if (!text) throw py::error_already_set();
+    return std::string(text, static_cast<size_t>(n));
+  }
+  // Where `j` holds a NaN or an infinity (a JSON path under `at`), or "".
+  static std::string non_finite_at(const json& j, const std::string& at) {
+    if (j.is_number_float()) return std::isfinite(j.get<double>()) ? std::string() : at;
+    if (j.is_object())
+      for (auto it = j.begin(); it != j.end(); ++it)
+        if (std::string w = non_finite_at(it.value(), at + "['" + it.key() + "']"); !w.empty()) return w;
+    if (j.is_array())
+      for (size_t i = 0; i < j.size(); ++i)
+        if (std::string w = non_finite_at(j[i], at + "[" + std::to_string(i) + "]"); !w.empty()) return w;
+    return std::string();
   }
   // Note [an engine holds the folders it saves into]: from its first save
   // into a folder until it is closed, as zinc-train holds its
@@ -498,8 +560,9 @@ class PyEngine {
                           " (its error is on its output)");
     save_locks_[key] = std::move(lock);  // null on the other ranks
   }
-  py::object save_pretrained(const std::string& dir, std::optional<std::string> dtype, const std::string& max_shard,
+  py::object save_pretrained(py::object dir_path, std::optional<std::string> dtype, const std::string& max_shard,
                              bool merge) {
+    const std::string dir = path_text(dir_path, "save_pretrained", "save_dir");
     zinc::Engine& e = engine("save_pretrained");
     if (!ex_.hf)
       throw zinc::Error("zinc.Engine.save_pretrained: model \"" + ex_.model->name() +
@@ -512,7 +575,11 @@ class PyEngine {
       else if (*dtype == "fp16" || *dtype == "float16") o.dtype = zinc::DType::kF16;
       else throw py::value_error("zinc.Engine.save_pretrained: dtype must be fp32, bf16 or fp16, got '" + *dtype + "'");
     }
-    o.max_shard_bytes = zinc::tools::parse_size(max_shard, "max_shard_size");
+    try {
+      o.max_shard_bytes = zinc::tools::parse_size(max_shard, "max_shard_size");
+    } catch (const zinc::Error& err) {
+      throw py::value_error(std::string("zinc.Engine.save_pretrained: ") + err.what());
+    }
     o.copy_from = ex_.experiment.model.from_pretrained;
     o.rank = comm_ ? comm_->rank() : 0;
     o.inputs = zinc::tools::run_inputs(ex_, "");
@@ -533,7 +600,8 @@ class PyEngine {
     out["dtype"] = std::string(zinc::dtype_name(r.dtype));
     return out;
   }
-  py::object save_adapter(const std::string& dir) {
+  py::object save_adapter(py::object dir_path) {
+    const std::string dir = path_text(dir_path, "save_adapter", "save_dir");
     zinc::Engine& e = engine("save_adapter");
     if (!ex_.hf) throw zinc::Error("zinc.Engine.save_adapter: model \"" + ex_.model->name() + "\" has no LoRA adapters");
     zinc::tools::PeftExportOptions o;
@@ -553,7 +621,8 @@ class PyEngine {
     out["bytes"] = r.bytes;
     return out;
   }
-  py::object load_checkpoint(const std::string& dir, py::object tag_object) {
+  py::object load_checkpoint(py::object dir_path, py::object tag_object) {
+    const std::string dir = path_text(dir_path, "load_checkpoint", "load_dir");
     zinc::Engine& e = engine("load_checkpoint");
     const std::optional<std::string> tag = tag_text(tag_object, "load_checkpoint");
     json client;
@@ -956,7 +1025,8 @@ marks the engine closed and returns; the running call finishes and frees it.
       .def("train_batch", one_call("train_batch", &PyEngine::train_batch), py::arg("data") = py::none(),
            "train_batch(data=None) -> float\n\nOne global batch (gradient_accumulation_steps x forward, backward, "
            "step); returns its mean loss over all micro-batches and ranks. data: None for the config's data, or "
-           "an iterable of gradient_accumulation_steps batches.")
+           "an iterator, of which it takes the next gradient_accumulation_steps batches (as DeepSpeed's "
+           "train_batch(data_iter)), or a list of exactly that many.")
       .def("evaluate", one_call("evaluate", &PyEngine::evaluate), py::arg("batch") = py::none(),
            "evaluate(batch=None) -> float\n\nForward only. None: the mean loss over run.eval_batches held-out "
            "micro-batches, as zinc-train's eval events report it (needs run.eval_interval > 0); a batch: its "

@@ -1,5 +1,6 @@
 """Bad input: an exception of the right type naming what was wrong, never a crash."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -110,6 +111,53 @@ def test_bad_batches_name_the_argument(engine, batch, exc, words):
 def test_train_batch_needs_one_batch_per_accumulation_step(engine):
     with pytest.raises(ValueError, match="gradient_accumulation_steps = 1 batches, got 2"):
         engine.train_batch([(ids((2, 8)), ids((2, 8)))] * 2)
+
+
+def test_train_batch_takes_the_next_batches_of_an_iterator():
+    """Note [the batches train_batch reads]: an iterator gives the next gradient_accumulation_steps batches and
+    keeps the rest, as DeepSpeed's train_batch(data_iter); an endless one was read without end (its memory
+    growing), and a long one read to its end and then refused, its batches gone."""
+    from conftest import default_doc
+
+    doc = default_doc()
+    doc["gradient_accumulation_steps"] = 2
+    taken = []
+
+    def endless():
+        n = 0
+        while True:
+            taken.append(n)
+            n += 1
+            yield ids((2, 8)), ids((2, 8))
+
+    with zinc.initialize(doc) as e:
+        it = endless()
+        e.train_batch(it)
+        assert len(taken) == 2 and e.global_steps == 1
+        e.train_batch(it)
+        assert len(taken) == 4 and e.global_steps == 2
+        with pytest.raises(ValueError, match="data ran out after 1 batches; a global batch is "
+                                             "gradient_accumulation_steps = 2"):
+            e.train_batch(iter([(ids((2, 8)), ids((2, 8)))]))
+        with pytest.raises(TypeError, match="got one \\(inputs, targets\\) pair; pass \\[batch\\]"):
+            e.train_batch((ids((2, 8)), ids((2, 8))))
+        with pytest.raises(TypeError, match="data must be an iterable of batches .*, got int"):
+            e.train_batch(5)
+        assert e.global_steps == 2
+
+
+def test_client_state_refuses_what_json_cannot_hold(tmp_path):
+    """A NaN or infinity in client_state was saved as null and loaded back as None."""
+    from conftest import default_doc
+
+    with zinc.initialize(default_doc()) as e:
+        for bad, where in (({"a": float("nan")}, "client_state['a']"),
+                           ({"b": [1.0, float("-inf")]}, "client_state['b'][1]")):
+            with pytest.raises(ValueError, match=re.escape(where) + " is not a finite number"):
+                e.save_checkpoint(str(tmp_path / "ck"), tag="t", client_state=bad)
+        assert not (tmp_path / "ck" / "t").exists()
+        e.save_checkpoint(tmp_path / "ck", tag="t", client_state={"a": 0.5})  # a pathlib.Path names a folder too
+        assert e.load_checkpoint(tmp_path / "ck", tag="t")["a"] == 0.5
 
 
 def test_backward_without_forward_is_an_error():
