@@ -178,9 +178,11 @@ TrainerConfig parse_trainer(const json& doc) {
   r.get_number("max_grad_norm", t.max_grad_norm, at_least(0));
   // transformers 5's warmup_steps is the steps, or a float in (0, 1) the
   // share of them (its warmup_ratio is gone); transformers 4's warmup_ratio
-  // is read too.
+  // is read too, and a share in warmup_steps wins over it, as a
+  // warmup_steps above 0 does in transformers 4 (the share was once kept in
+  // warmup_ratio, which a warmup_ratio of 0 beside it then overwrote).
   if (const json* w = r.find("warmup_steps"); w && w->is_number_float() && w->get<double>() > 0 && w->get<double>() < 1)
-    t.warmup_ratio = w->get<double>();
+    t.warmup_share = w->get<double>();
   else
     r.get_int("warmup_steps", t.warmup_steps, at_least(0));
   r.get_number("warmup_ratio", t.warmup_ratio, closed(0, 1));
@@ -204,7 +206,7 @@ json to_json(const TrainerConfig& t) {
           {"adam_epsilon", t.adam_epsilon},
           {"weight_decay", t.weight_decay},
           {"max_grad_norm", t.max_grad_norm},
-          {"warmup_steps", t.warmup_steps},
+          {"warmup_steps", t.warmup_share > 0 ? json(t.warmup_share) : json(t.warmup_steps)},
           {"warmup_ratio", t.warmup_ratio},
           {"bf16", tri(t.bf16)},
           {"fp16", tri(t.fp16)},
@@ -293,13 +295,16 @@ ResolvedConfig resolve_auto(const json& doc, const AutoFacts& facts) {
     if (auto_at(p, "warmup_max_lr"))
       set(p, "warmup_max_lr", "scheduler.params.warmup_max_lr", t.learning_rate, "trainer.learning_rate");
     if (auto_at(p, "warmup_num_steps")) {
-      if (t.warmup_steps > 0 || t.warmup_ratio == 0)
+      const bool from_share = t.warmup_share > 0;
+      const double share = from_share ? t.warmup_share : t.warmup_ratio;
+      if (!from_share && (t.warmup_steps > 0 || t.warmup_ratio == 0))
         set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps", t.warmup_steps, "trainer.warmup_steps");
       else
         set(p, "warmup_num_steps", "scheduler.params.warmup_num_steps",
-            // ratio <= 1 (parse_trainer), but 2^63 - 1 steps round up to 2^63 as a double
-            static_cast<int64_t>(std::min(std::ceil(t.warmup_ratio * static_cast<double>(steps)), 9.2e18)),
-            "ceil(trainer.warmup_ratio " + num(t.warmup_ratio) + " x run.steps " + std::to_string(steps) + ")");
+            // share <= 1 (parse_trainer), but 2^63 - 1 steps round up to 2^63 as a double
+            static_cast<int64_t>(std::min(std::ceil(share * static_cast<double>(steps)), 9.2e18)),
+            std::string("ceil(trainer.") + (from_share ? "warmup_steps " : "warmup_ratio ") + num(share) +
+                " x run.steps " + std::to_string(steps) + ")");
     }
     // A run of 0 steps (a load-and-save) never steps the schedule; its length must still be >= 1.
     if (auto_at(p, "total_num_steps"))

@@ -30,6 +30,9 @@ struct TrainerConfig {
   double max_grad_norm = 1.0;
   int64_t warmup_steps = 0;
   double warmup_ratio = 0.0;  // used when warmup_steps is 0: ceil(ratio x run.steps)
+  // warmup_steps given as a float in (0, 1), transformers 5's share of the
+  // steps: ceil(share x run.steps), over warmup_ratio (0: not given so).
+  double warmup_share = 0.0;
   // Precision: unset means "from the CPU and the rest of the config" (bf16,
   // which zinc runs on every CPU, unless fp16 is asked for).
   int bf16 = -1, fp16 = -1;  // -1 unset, 0 false, 1 true

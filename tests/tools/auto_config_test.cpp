@@ -98,6 +98,17 @@ TEST(AutoConfig, TrainerDefaultsWarmupRatioAndPrecision) {
   doc["trainer"] = {{"warmup_steps", 0.033}};  // transformers 5: a float below 1 is the ratio
   r = resolve_auto(doc, 1);
   EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 7);
+  EXPECT_EQ(find(r, "scheduler.params.warmup_num_steps")->source, "ceil(trainer.warmup_steps 0.033 x run.steps 200)");
+  // ... over a warmup_ratio beside it, 0 included (which once overwrote the
+  // share, leaving no warmup without a word); the section reads back as given.
+  for (double ratio : {0.0, 0.5}) {
+    doc["trainer"] = {{"warmup_steps", 0.033}, {"warmup_ratio", ratio}};
+    r = resolve_auto(doc, 1);
+    EXPECT_EQ(r.doc["scheduler"]["params"]["warmup_num_steps"], 7) << ratio;
+    const TrainerConfig t = parse_trainer(doc);
+    EXPECT_EQ(to_json(t)["warmup_steps"], 0.033);
+    EXPECT_EQ(to_json(t)["warmup_ratio"], ratio);
+  }
 
   doc["trainer"] = {{"bf16", false}};
   EXPECT_EQ(resolve_auto(doc, 1).doc["bf16"]["enabled"], false);
