@@ -277,9 +277,14 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
     if (ev.contains("loss_scale"))  // fp16
       scale = " | loss scale " + scale_text(ev.at("loss_scale").get<double>()) + ", " +
               std::to_string(ev.at("skipped_steps").get<long long>()) + " skipped";
+    // NaN (an fp16 overflow step's norm) as "nan", not printf's "-nan".
+    auto shown = [&](const char* key) {
+      const double v = ev.at(key).is_number() ? ev.at(key).get<double>() : NAN;
+      return std::isnan(v) ? std::fabs(v) : v;
+    };
     std::printf("step %lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %s elapsed | ETA %s\n", step,
-                static_cast<long long>(loop.steps()), ev.at("loss").get<double>(), ev.at("lr").get<double>(),
-                ev.at("grad_norm").get<double>(), scale.c_str(), ev.at("tokens_per_s").get<double>(),
+                static_cast<long long>(loop.steps()), shown("loss"), ev.at("lr").get<double>(), shown("grad_norm"),
+                scale.c_str(), ev.at("tokens_per_s").get<double>(),
                 format_duration(elapsed).c_str(), format_duration(eta).c_str());
     if (cfg.wall_clock_breakdown) {
       zinc::StepTimings t = engine.timings();
