@@ -190,6 +190,11 @@ py::array_t<int32_t> token_array(py::handle h, const std::string& fn, const char
   if (!py::isinstance<py::array>(h))
     throw py::type_error(fn + ": " + name + " must be a numpy.ndarray of int32 with shape (B, T), got " +
                          type_name(h));
+  // A masked array's mask would be dropped without a word, its masked
+  // targets trained on.
+  if (py::hasattr(h, "mask") && py::hasattr(h, "filled"))
+    throw py::type_error(fn + ": " + name + " is a numpy.ma masked array, whose mask zinc does not read; mask a "
+                         "target with -100 (targets.filled(-100)), and pass a plain ndarray");
   py::array a = py::reinterpret_borrow<py::array>(h);
   const char order = a.dtype().byteorder();  // '=' native, '<' or '>' written out ('<' is x86's own)
   const uint16_t one = 1;

@@ -108,6 +108,16 @@ def test_bad_batches_name_the_argument(engine, batch, exc, words):
     engine.step()
 
 
+def test_a_masked_array_is_refused(engine):
+    """numpy.ma's mask was dropped without a word, and its masked targets trained on."""
+    x = ids((2, 8))
+    masked = np.ma.masked_array(ids((2, 8)), mask=np.eye(2, 8, dtype=bool))
+    for batch in ((x, masked), (masked, x)):
+        with pytest.raises(TypeError, match="numpy.ma masked array, whose mask zinc does not read; mask a target "
+                                            "with -100"):
+            engine.forward(batch)
+
+
 def test_train_batch_needs_one_batch_per_accumulation_step(engine):
     with pytest.raises(ValueError, match="gradient_accumulation_steps = 1 batches, got 2"):
         engine.train_batch([(ids((2, 8)), ids((2, 8)))] * 2)
