@@ -288,7 +288,8 @@ void check_resume(const Experiment& ex, const std::string& dir, const std::strin
     if (n > 0)
       log_warn("checkpoint " + files.dir + " was saved by a model whose settings differ from this run's (" + differ +
                (n > 4 ? ", and " + std::to_string(n - 4) + " more" : "") +
-               "): the weights fit, but these settings may change what they compute");
+               "): a load of weights whose shapes differ is refused next; where they fit, these settings may change what "
+               "they compute");
   }
 }
 
