@@ -8,7 +8,11 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -45,17 +49,43 @@ inline int usage_error(CLI::App& app, const CLI::ParseError& e, const char* prog
 // has failed, says so on stderr, naming the reason; the program's work
 // goes on (a run's checkpoints and exports do not go through stdout).
 // output_checked() then makes a successful exit 1, as coreutils do.
+// Whether main found standard output closed (standard_streams()).
+inline bool& stdout_was_closed() {
+  static bool closed = false;
+  return closed;
+}
 inline bool stdout_lost(const char* program) {
   static int lost = 0;  // the first failure's errno
   if (lost != 0) return true;
   errno = 0;
-  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return false;
-  lost = errno != 0 ? errno : EIO;
+  if (!stdout_was_closed() && std::fflush(stdout) == 0 && !std::ferror(stdout)) return false;
+  lost = stdout_was_closed() ? EBADF : errno != 0 ? errno : EIO;
   std::fprintf(stderr, "%s: error: cannot write standard output: %s; what it prints from here on is lost (the "
                        "work goes on, and the exit code will be 1)\n",
                program, std::strerror(lost));
   return true;
 }
 inline int output_checked(int rc, const char* program) { return stdout_lost(program) && rc == 0 ? 1 : rc; }
+
+// First thing in main. A reader of standard output that went away (`| head`)
+// ended the program with SIGPIPE, without a word and in the middle of a
+// save or an export: ignored, the write fails with EPIPE, which
+// stdout_lost() reports, and the work goes on. A standard stream that was
+// closed (`>&-`, `2>&-`) left its number free, so the next file opened (a
+// checkpoint folder's lock file) took it and printf and the log wrote into
+// that file: each is opened on /dev/null instead, and a closed standard
+// output is reported as one that cannot be written.
+inline void standard_streams() {
+  std::signal(SIGPIPE, SIG_IGN);
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    const int null = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (null >= 0 && null != fd) {
+      ::dup2(null, fd);
+      ::close(null);
+    }
+    if (fd == 1) stdout_was_closed() = true;
+  }
+}
 
 }  // namespace zinc::tools

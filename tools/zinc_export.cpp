@@ -96,4 +96,7 @@ int export_main(int argc, char** argv) {
 }
 }  // namespace
 
-int main(int argc, char** argv) { return zinc::tools::output_checked(export_main(argc, argv), "zinc-export"); }
+int main(int argc, char** argv) {
+  zinc::tools::standard_streams();
+  return zinc::tools::output_checked(export_main(argc, argv), "zinc-export");
+}

@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <new>
 #include <optional>
@@ -228,6 +229,8 @@ void save_adapter(const zinc::tools::Experiment& ex, zinc::Engine& engine, int r
 // corrupt the heap (1 run in 6 died in the next matmul).
 std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_training{false};  // between the first step and the last save
+std::atomic<bool> g_exporting{false};  // in the exports at the end (--save-weights, ...)
+std::atomic<bool> g_exports_only_copy{false};  // ... of a run that saved no checkpoint
 std::atomic<bool> g_under_mpi{false};  // the job's launcher also signals a rank when another one failed
 
 void start_signal_thread() {
@@ -235,12 +238,24 @@ void start_signal_thread() {
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
+  // A closed terminal (an SSH session that dropped) stops the run as
+  // SIGTERM does, with a checkpoint; its default ended it at once, the
+  // steps since the last save lost (nohup still ignores it).
+  sigaddset(&set, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread([set] {
     for (;;) {
       int sig = 0;
       if (sigwait(&set, &sig) != 0) continue;
       const bool again = g_stop_signal.exchange(sig) != 0;
+      if (!again && g_exporting.load()) {
+        std::fprintf(stderr, "zinc-train: signal %d: %s (again to stop now)\n", sig,
+                     g_exports_only_copy.load()
+                         ? "stopping after the exports, the only copy of this run's weights (it saved no checkpoint)"
+                         : "stopping after the export under way (each is written whole; those after it are not "
+                           "written)");
+        continue;
+      }
       if (again || !g_training.load()) {
         std::fprintf(stderr, "zinc-train: signal %d: stopping now%s\n", sig,
                      again ? "" : " (not training: nothing to save)");
@@ -555,7 +570,10 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
       std::fprintf(stderr, "zinc-train: stopped by signal %d after step %lld; resume with --resume\n",
                    loop.stopped_by(), static_cast<long long>(loop.done_steps()));
   }
-  g_training = false;  // from here a signal ends the process at once
+  // From here a signal ends the process at once, but in the exports (below).
+  g_exports_only_copy = run.checkpoint_interval <= 0;
+  g_exporting = !weights_out.empty() || !pretrained.dir.empty() || !pretrained.adapter_dir.empty();
+  g_training = false;
   int stopped_by = loop.stopped_by();
   if (stopped_by == 0) stopped_by = g_stop_signal.load();  // one that came during the last save
   nlohmann::json sum = loop.summary();
@@ -652,9 +670,38 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   if ((!weights_out.empty() || !pretrained.dir.empty()) && unfinished && rank == 0)
     zinc::log_warn("stopped before run.steps: --save-pretrained and --save-weights are not written (an unfinished "
                    "run's weights would replace the export); --resume finishes the run and writes them");
-  if (!weights_out.empty() && !unfinished) save_weights(engine, rank, weights_out);
-  if (!pretrained.dir.empty() && !unfinished) save_pretrained(ex, engine, rank, pretrained, inputs, json);
-  if (!pretrained.adapter_dir.empty() && !unfinished) save_adapter(ex, engine, rank, pretrained, inputs, json);
+  // A signal in the exports lets the one under way finish (each replaces
+  // its output whole) and skips the rest, every rank alike (they are
+  // collective); it ended the process at once, saying "nothing to save".
+  // A run that saved no checkpoint writes them all: they are its only copy
+  // of the weights (g_exports_only_copy).
+  auto stop_exports = [&]() {
+    double s = g_stop_signal.load();
+    if (world > 1) comm->all_reduce_max_f64(&s, 1);
+    if (s != 0 && stopped_by == 0) stopped_by = static_cast<int>(s);
+    return s != 0 && !g_exports_only_copy.load();
+  };
+  std::vector<std::string> skipped_exports;
+  auto export_step = [&](bool wanted, const char* flag, const std::function<void()>& write) {
+    if (!wanted || unfinished) return;
+    if (stop_exports())
+      skipped_exports.push_back(flag);
+    else
+      write();
+  };
+  export_step(!weights_out.empty(), "--save-weights", [&] { save_weights(engine, rank, weights_out); });
+  export_step(!pretrained.dir.empty(), "--save-pretrained",
+              [&] { save_pretrained(ex, engine, rank, pretrained, inputs, json); });
+  export_step(!pretrained.adapter_dir.empty(), "--save-adapter",
+              [&] { save_adapter(ex, engine, rank, pretrained, inputs, json); });
+  stop_exports();       // a signal in the last export: its exit code below
+  g_exporting = false;  // from here a signal ends the process at once
+  if (!skipped_exports.empty() && rank == 0) {
+    std::string list;
+    for (const std::string& f : skipped_exports) list += (list.empty() ? "" : ", ") + f;
+    std::fprintf(stderr, "zinc-train: stopped by signal %d in the exports: %s not written (the run's weights are in "
+                         "its last checkpoint; zinc-export writes them from there)\n", stopped_by, list.c_str());
+  }
   // ZeRO-3's gathers (this rank's; every rank makes the same ones).
   const zinc::ParamGatherStats zs = engine.param_gather_stats();
   const bool zero3 = zs.gathers > 0;
@@ -988,4 +1035,7 @@ int train_main(int argc, char** argv) {
 }
 }  // namespace
 
-int main(int argc, char** argv) { return zinc::tools::output_checked(train_main(argc, argv), "zinc-train"); }
+int main(int argc, char** argv) {
+  zinc::tools::standard_streams();
+  return zinc::tools::output_checked(train_main(argc, argv), "zinc-train");
+}

@@ -707,6 +707,82 @@ if [ "$rc" -eq 1 ] && [ "$(grep -c 'cannot write standard output: No space left 
 else
   fail=$((fail + 1)); echo "FAIL stdout to /dev/full: rc=$rc"; cat "$TMP/err"
 fi
+# A reader of standard output that goes away (`| head`): SIGPIPE ended the
+# run without a word, with no checkpoint and no export. Now the run goes on,
+# says so once, writes both and exits 1.
+rm -rf "$TMP/pipe"
+mkdir -p "$TMP/pipe"
+"$ZT" "$CFG" --steps 20 --set run.eval_interval=0 --set steps_per_print=1 --set run.checkpoint_interval=10 \
+  --set "run.checkpoint_dir=$TMP/pipe/ck" --save-weights "$TMP/pipe/w.safetensors" 2>"$TMP/err" | head -n 2 >/dev/null
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 1 ] && [ "$(grep -c 'cannot write standard output: Broken pipe' "$TMP/err")" -eq 1 ] &&
+   [ "$(cat "$TMP/pipe/ck/latest" 2>/dev/null)" = "global_step20" ] && [ -s "$TMP/pipe/w.safetensors" ]; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL stdout reader gone: rc=$rc $(ls -A "$TMP/pipe" "$TMP/pipe/ck" 2>&1 | tr '\n' ' ')"; cat "$TMP/err"
+fi
+# Standard error closed (`2>&-`): its number went to the next file opened,
+# the checkpoint folder's lock, and the log wrote into it; a second run on
+# the folder then named a log line as the holder.
+rm -rf "$TMP/pipe/ck2"
+"$ZT" "$CFG" --steps 2 --set run.eval_interval=0 --set run.checkpoint_interval=2 \
+  --set "run.checkpoint_dir=$TMP/pipe/ck2" >/dev/null 2>&-
+rc=$?
+if [ "$rc" -eq 0 ] && grep -qE '^pid [0-9]+ on ' "$TMP/pipe/ck2/.zinc.lock" && ! grep -q 'zinc\[' "$TMP/pipe/ck2/.zinc.lock"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL stderr closed: rc=$rc lock: $(head -c 200 "$TMP/pipe/ck2/.zinc.lock")"
+fi
+# A closed terminal (SIGHUP, an SSH session that dropped) stops the run at
+# the next step with a checkpoint, as SIGTERM does (exit 129); it ended the
+# run at once, the steps since the last save lost.
+rm -rf "$TMP/pipe/ck3"
+"$ZT" "$CFG" --steps 100000 --set run.eval_interval=0 --set steps_per_print=1 --json \
+  --set "run.checkpoint_dir=$TMP/pipe/ck3" >"$TMP/long" 2>"$TMP/err" &
+pid=$!
+for _ in $(seq 200); do grep -q '"step":2,' "$TMP/long" 2>/dev/null && break; sleep 0.05; done
+kill -HUP "$pid"
+wait "$pid"
+rc=$?
+n="$(sed -n 's/^global_step//p' "$TMP/pipe/ck3/latest" 2>/dev/null)"
+if [ "$rc" -eq 129 ] && [ -n "$n" ] && grep -q "stopped by signal 1 after step $n" "$TMP/err"; then
+  pass=$((pass + 1))
+else
+  fail=$((fail + 1)); echo "FAIL SIGHUP: rc=$rc latest=$n"; cat "$TMP/err"
+fi
+# A signal in the exports at the end: the export under way finishes, those
+# after it are skipped and named (the run ended at once, saying "nothing to
+# save", one export new and the next one old); without a checkpoint every
+# export is written, the run's only copy of its weights. ZINC_EXPORT_FAULT
+# stops each export folder at its staged files (SIGSTOP): the signal comes
+# in the first, --save-pretrained; --save-adapter comes after it.
+for ck in with without; do
+  rm -rf "$TMP/sig" && mkdir -p "$TMP/sig"
+  ckargs=()
+  [ "$ck" = with ] && ckargs=(--set run.checkpoint_interval=1 --set "run.checkpoint_dir=$TMP/sig/ck")
+  (cd "$ROOT" && ZINC_EXPORT_FAULT=staged:stop exec "$ZT" configs/finetune_llama.json --steps 1 \
+     --set run.eval_interval=0 --set 'model.lora={"r":4,"target_modules":"all-linear"}' "${ckargs[@]}" \
+     --save-pretrained "$TMP/sig/hf" --merge --save-adapter "$TMP/sig/ad" >/dev/null 2>"$TMP/err") &
+  pid=$!
+  stopped() { [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" = T ]; }
+  for _ in $(seq 600); do stopped && break; sleep 0.05; done
+  kill -TERM "$pid"
+  for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; stopped && kill -CONT "$pid"; sleep 0.05; done
+  wait "$pid"
+  rc=$?
+  if [ "$ck" = with ]; then
+    ok=$([ "$rc" -eq 143 ] && [ -s "$TMP/sig/hf/config.json" ] && [ ! -e "$TMP/sig/ad" ] &&
+         grep -q "stopped by signal 15 in the exports: --save-adapter not written" "$TMP/err" && echo y)
+  else
+    ok=$([ "$rc" -eq 143 ] && [ -s "$TMP/sig/hf/config.json" ] && [ -s "$TMP/sig/ad/adapter_config.json" ] &&
+         grep -q "stopping after the exports, the only copy of this run's weights" "$TMP/err" && echo y)
+  fi
+  if [ "$ok" = y ]; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL signal in the exports ($ck a checkpoint): rc=$rc $(ls -A "$TMP/sig")"; cat "$TMP/err"
+  fi
+done
 # An export that cannot fit on its disk is refused at the start, beside the
 # rest that does not fit (it failed after the last step, the weights lost
 # where no checkpoint was saved): 12 * 65536^2 * 2000 parameters in fp32.
