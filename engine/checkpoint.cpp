@@ -618,8 +618,14 @@ void fsync_dir(const std::string& dir) {
   fsync_fd(fd.get(), dir);
 }
 
+std::string temp_path(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const size_t name = slash == std::string::npos ? 0 : slash + 1;
+  return path.substr(0, name) + "." + path.substr(name) + ".zinc-tmp";
+}
+
 void write_file_atomic(const std::string& path, const std::string& text, const std::string& writer) {
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = temp_path(path);
   {
     UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd) throw_errno(writer + ": cannot create " + tmp, errno);

@@ -253,7 +253,12 @@ void check_replaceable_latest(const std::string& dir);
 int64_t tag_step(const std::string& name);
 // fsync of a folder (its entries).
 void fsync_dir(const std::string& dir);
-// Writes `text` to `path` through path + ".tmp", fsync, rename. An IoError
+// The temporary a writer of `path` fills before renaming it over `path`:
+// .NAME.zinc-tmp beside it. Hidden and zinc's own: a user's NAME.tmp is
+// never overwritten, and a killed writer's leftover stays out of sight
+// (the next writer of NAME, under its lock, removes it).
+std::string temp_path(const std::string& path);
+// Writes `text` to `path` through temp_path(path), fsync, rename. An IoError
 // names the file, after `writer` (what writes it: "checkpoint", an export's
 // flag, "csv_monitor").
 void write_file_atomic(const std::string& path, const std::string& text, const std::string& writer = "checkpoint");

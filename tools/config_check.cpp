@@ -153,7 +153,7 @@ void check_checkpoint_path_room(const std::string& dir) {
   if (ec) throw ConfigError("run.checkpoint_dir", "cannot resolve " + dir + ": " + ec.message());
   // The deepest path a save writes below the folder: a tag's partial
   // folder of a 20-digit step and a rank file's temporary.
-  const std::string deepest = "/.global_step18446744073709551615.partial/onebit1000000000.json.tmp";
+  const std::string deepest = "/.global_step18446744073709551615.partial/.onebit1000000000.json.zinc-tmp";
   if (p.string().size() + deepest.size() >= PATH_MAX)
     throw ConfigError("run.checkpoint_dir",
                       dir + ": its path is " + std::to_string(p.string().size()) + " bytes, and a save writes files " +

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
@@ -95,6 +96,17 @@ void remove_flat(const fs::path& folder) {
 
 }  // namespace
 
+namespace {
+std::atomic<int> g_stop_signal{0};
+}  // namespace
+
+void stop_writers(int signal) noexcept { g_stop_signal.store(signal); }
+int writers_stopped_by() { return g_stop_signal.load(); }
+std::string signal_text(int signal) {
+  const char* abbrev = sigabbrev_np(signal);
+  return abbrev ? "SIG" + std::string(abbrev) : "signal " + std::to_string(signal);
+}
+
 void export_fault_point(const char* phase) {
   const char* spec = std::getenv("ZINC_EXPORT_FAULT");
   if (!spec) return;
@@ -103,6 +115,13 @@ void export_fault_point(const char* phase) {
   // the folder meanwhile, as another process would).
   const size_t n = std::strlen(phase);
   if (std::strncmp(spec, phase, n) == 0 && std::strcmp(spec + n, ":stop") == 0) ::raise(SIGSTOP);
+  // PHASE:term: a SIGTERM to itself there (zinc-export's stop on a signal).
+  // To the process, not this thread, where zinc-export blocks it: its
+  // signal thread takes it.
+  if (std::strncmp(spec, phase, n) == 0 && std::strcmp(spec + n, ":term") == 0) {
+    ::kill(::getpid(), SIGTERM);
+    for (int i = 0; i < 1000 && writers_stopped_by() == 0; ++i) ::usleep(10'000);
+  }
 }
 
 std::string tag_holding(const std::string& path, const std::string& checkpoint_dir) {

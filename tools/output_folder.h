@@ -111,12 +111,25 @@ class OutputFolder {
   bool committed_ = false;
 };
 
+// zinc-export's stop on a signal (SIGINT, SIGTERM, SIGHUP): its handler
+// calls stop_writers(signal), and every SafetensorsWriter's next append()
+// throws, naming the signal, so the export unwinds, its temporaries and
+// staging folder are removed, and what --out held before stays as it was.
+// zinc-train does not call it: a signal there lets the export under way
+// finish (its exports are the run's last copy of the weights).
+void stop_writers(int signal) noexcept;
+int writers_stopped_by();  // the signal, or 0
+std::string signal_text(int signal);  // "SIGTERM"; "signal 40" for one without a name
+
 // Test hook: ZINC_EXPORT_FAULT=PHASE kills this process (SIGKILL) at PHASE
 // of an OutputFolder's commit: "staged" (the new files written, nothing
 // linked), "linked" (the user's files linked, before the swap), "swapped"
 // (the new folder in place, the old one not yet removed). Also used by the
 // writers: "shard" (hf_export.cpp after the first weights file is written,
-// peft_adapter.cpp after adapter_model.safetensors is).
+// peft_adapter.cpp after adapter_model.safetensors is), "append" (a
+// SafetensorsWriter's first data). PHASE:stop stops the process there
+// (SIGSTOP) and PHASE:term sends it SIGTERM and waits until the signal
+// thread has stopped the writers, instead.
 void export_fault_point(const char* phase);
 
 }  // namespace zinc::tools

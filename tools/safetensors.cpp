@@ -40,10 +40,10 @@
 // file to itself), files are named NAME-0000k-of-0000n.safetensors, and
 // NAME.safetensors.index.json maps each tensor to its file
 // ({"metadata": {"total_size": bytes}, "weight_map": {...}}). Every file is
-// written as PATH.tmp, fsynced and renamed; the index comes last, so an
-// export that fails midway leaves no file under a final name that a loader
-// would take for complete (files of an earlier export of the same name are
-// replaced only by complete ones).
+// written as a temporary (.NAME.zinc-tmp beside it), fsynced and renamed;
+// the index comes last, so an export that fails midway leaves no file under
+// a final name that a loader would take for complete (files of an earlier
+// export of the same name are replaced only by complete ones).
 //
 // "__metadata__" carries {"format": "pt"}, which the Hugging Face loaders
 // require (it says the layout is PyTorch's: row-major, which zinc's is), and
@@ -117,7 +117,7 @@ namespace {
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafeTensor> tensors,
                                      const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), tmp_(path_ + ".tmp") {
+    : path_(std::move(path)), tmp_(ckpt::temp_path(path_)) {
   const std::string header = safetensors_header(tensors, metadata);
   for (const SafeTensor& t : tensors) data_bytes_ += t.bytes();
   fd_ = UniqueFd(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
@@ -149,6 +149,9 @@ void SafetensorsWriter::flush() {
 }
 
 void SafetensorsWriter::append(const void* data, size_t bytes) {
+  if (appended_ == 0) export_fault_point("append");  // the test hook (tools/output_folder.h)
+  if (const int sig = writers_stopped_by(); sig != 0)
+    throw Error("zinc-export: stopped by " + signal_text(sig) + " while writing " + path_);
   if (appended_ + static_cast<int64_t>(bytes) > data_bytes_)
     throw Error("safetensors: " + path_ + ": more data than the header's tensors hold");
   appended_ += static_cast<int64_t>(bytes);
@@ -319,10 +322,12 @@ ExportResult export_safetensors(const ExportOptions& opts, const std::function<v
   const fs::path folder = out.parent_path().empty() ? fs::path(".") : out.parent_path();
   // Under the lock every temporary of this NAME is an earlier export's,
   // killed part-way: removed.
+  // (.NAME.zinc-tmp: see ckpt::temp_path. A NAME.tmp is a user's file.)
+  static const std::string kTail = ".zinc-tmp";
   for_each_in(folder, [&](const std::string& name) {
     const size_t n = name.size();
-    if (n > 4 && name.compare(n - 4, 4, ".tmp") == 0) {
-      const std::string base = name.substr(0, n - 4);
+    if (n > kTail.size() + 1 && name[0] == '.' && name.compare(n - kTail.size(), kTail.size(), kTail) == 0) {
+      const std::string base = name.substr(1, n - kTail.size() - 1);
       if (base == out.filename().string() || base == out.filename().string() + ".index.json" ||
           std::regex_match(base, shard_re))
         ::unlink((folder / name).c_str());

@@ -35,11 +35,11 @@ std::string safetensors_header(const std::vector<SafeTensor>& tensors,
 
 // Writes one file: the header at construction, then the tensors' bytes in
 // order through append(); finish() checks that every byte came, fsyncs and
-// renames PATH.tmp to PATH. A file of a set (shards) is finished in two
-// parts: finish_staged() (checked and fsynced, still PATH.tmp) and, once
-// every file of the set is, commit() (the rename). Destroyed uncommitted,
-// it removes PATH.tmp (an export that fails leaves no half-written file
-// under the final name).
+// renames its temporary (ckpt::temp_path: .NAME.zinc-tmp) to PATH. A file of
+// a set (shards) is finished in two parts: finish_staged() (checked and
+// fsynced, still the temporary) and, once every file of the set is,
+// commit() (the rename). Destroyed uncommitted, it removes the temporary
+// (an export that fails leaves no half-written file under the final name).
 class SafetensorsWriter {
  public:
   SafetensorsWriter(std::string path, std::vector<SafeTensor> tensors, const std::map<std::string, std::string>& metadata);

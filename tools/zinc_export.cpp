@@ -5,20 +5,53 @@
 //               [--dtype fp32|bf16] [--max-shard-size 5GB]
 //   zinc-export CHECKPOINT_DIR [--tag T] --format hf --out DIR [--dtype fp32|bf16|fp16]
 //   zinc-export CHECKPOINT_DIR [--tag T] --format peft --out DIR   (a LoRA run's adapters)
+#include <pthread.h>
+
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 
 #include "core/error.h"
 #include "tools/cli_errors.h"
 #include "tools/hf_model.h"
+#include "tools/output_folder.h"
 #include "tools/peft_adapter.h"
 #include "tools/safetensors.h"
 
 namespace {
+// SIGINT, SIGTERM and SIGHUP ended an export at once, its temporaries left
+// beside --out. Now the first one stops the writers (stop_writers in
+// tools/output_folder.h): the export unwinds, removing what it wrote, and
+// --out keeps what it held; a second one ends the process at once (what it
+// leaves is hidden, and the next export of --out removes it). As in
+// zinc-train, the signals are taken by one thread that waits for them.
+void start_signal_thread() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    for (bool again = false;; again = true) {
+      int sig = 0;
+      while (sigwait(&set, &sig) != 0) {
+      }
+      if (again) {
+        std::fprintf(stderr, "zinc-export: %s again: stopping now\n", zinc::tools::signal_text(sig).c_str());
+        std::_Exit(128 + sig);
+      }
+      zinc::tools::stop_writers(sig);
+      std::fprintf(stderr, "zinc-export: %s: stopping at the next write; what this export wrote is removed (again to stop now)\n",
+                   zinc::tools::signal_text(sig).c_str());
+    }
+  }).detach();
+}
+
 int export_main(int argc, char** argv) {
+  start_signal_thread();
   std::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f: EFBIG, reported naming the file (not a silent death)
   CLI::App app{"zinc-export: write a zinc checkpoint's weights (the fp32 master weights, consolidated over "
                "every rank's shards) as safetensors, one tensor per model parameter"};
@@ -90,6 +123,11 @@ int export_main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::string what = e.what();  // the writers' messages name the program already
     if (what.rfind("zinc-export: ", 0) == 0) what.erase(0, 13);
+    if (const int sig = zinc::tools::writers_stopped_by(); sig != 0) {
+      std::fprintf(stderr, "zinc-export: %s; nothing was written to %s (what it held before is as it was)\n",
+                   what.c_str(), opts.out.c_str());
+      return 128 + sig;
+    }
     std::fprintf(stderr, "zinc-export: error: %s\n", what.c_str());
     return 1;
   }
@@ -98,5 +136,9 @@ int export_main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   zinc::tools::standard_streams();
-  return zinc::tools::output_checked(export_main(argc, argv), "zinc-export");
+  const int rc = export_main(argc, argv);
+  if (rc == 0 && zinc::tools::writers_stopped_by() != 0)
+    std::fprintf(stderr, "zinc-export: the %s came after the last write: the export is complete\n",
+                 zinc::tools::signal_text(zinc::tools::writers_stopped_by()).c_str());
+  return zinc::tools::output_checked(rc, "zinc-export");
 }

@@ -183,7 +183,7 @@ for extra in $(seq -6144 256 8192); do
   [ $(( free - used - extra )) -gt 0 ] && fallocate -l $(( free - used - extra )) "$MNT/fill"
   "$ZE" "$TMP/roomy/eck" --out "$MNT/ex/m.safetensors" "${EX[@]}" >"$TMP/out" 2>"$TMP/err"
   if [ $? -eq 0 ]; then ok=1; break; fi
-  grep -q "m.safetensors.index.json.tmp.*No space left on device" "$TMP/err" && at_index=$((at_index + 1))
+  grep -q ".m.safetensors.index.json.zinc-tmp.*No space left on device" "$TMP/err" && at_index=$((at_index + 1))
   if ! (cd "$MNT/ex" && md5sum -c --quiet "$TMP/old.md5" >/dev/null 2>&1) ||
      [ "$(ls -A "$MNT/ex" | wc -l)" -ne "$(wc -l <"$TMP/old.md5")" ]; then
     bad=1; echo "at $extra: $(ls -A "$MNT/ex")"; cat "$TMP/err"; break

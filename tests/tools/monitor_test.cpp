@@ -365,10 +365,11 @@ TEST(Monitors, ADiskThatRefusesTheResumedRewriteKeepsTheSavedRows) {
     resumed.resumed(16);
   }
   EXPECT_EQ(read_all(csv), saved);
-  EXPECT_FALSE(fs::exists(csv.string() + ".tmp"));
+  const fs::path temporary = csv.parent_path() / ("." + csv.filename().string() + ".zinc-tmp");
+  EXPECT_FALSE(fs::exists(temporary));
   const std::vector<std::string> got = capture.messages();
   ASSERT_EQ(got.size(), 1u);
-  EXPECT_NE(got[0].find("csv_monitor: write of " + csv.string() + ".tmp"), std::string::npos) << got[0];
+  EXPECT_NE(got[0].find("csv_monitor: write of " + temporary.string()), std::string::npos) << got[0];
   EXPECT_NE(got[0].find("File too large"), std::string::npos) << got[0];
   EXPECT_NE(got[0].find("the run goes on without csv_monitor"), std::string::npos) << got[0];
 }

@@ -45,7 +45,7 @@ TEST(Safetensors, WriterRenamesOnlyWhenEveryByteCame) {
     EXPECT_THROW(w.finish(), Error);  // 8 of 16 bytes
   }
   EXPECT_FALSE(std::filesystem::exists(path));
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/.x.safetensors.zinc-tmp"));
   {
     SafetensorsWriter w(path, {{"x", DType::kF32, {4}}}, {});
     EXPECT_THROW(w.append(data, 20), Error);  // more than the header holds

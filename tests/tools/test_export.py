@@ -171,3 +171,32 @@ def test_bad_arguments_are_named(one_rank, tmp_path):
     assert r.returncode == 1 and "latest not found" in r.stderr, r.stderr
     r = export(ck, tmp_path / "no" / "such" / "m.safetensors", check=False)
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+
+
+def test_a_users_tmp_files_survive_and_a_killed_exports_temporaries_go(two_ranks_zero3, tmp_path):
+    """The export's temporaries are hidden and zinc's own (.NAME.zinc-tmp): files a user named NAME.tmp
+    are neither overwritten nor removed, and what a killed export of NAME left is removed by the next."""
+    ck, engine_weights = two_ranks_zero3
+    users = {"model.safetensors.tmp": b"mine", "model.safetensors.index.json.tmp": b"{}",
+             "model-00001-of-00003.safetensors.tmp": b"also mine"}
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
+    killed = [".model.safetensors.index.json.zinc-tmp", ".model-00002-of-00009.safetensors.zinc-tmp"]
+    others = [".other.safetensors.zinc-tmp", ".model.safetensors.zinc-tmp.keep"]  # not this export's
+    for name in killed + others:
+        (tmp_path / name).write_bytes(b"half")
+    export(ck, tmp_path / "model.safetensors", "--max-shard-size", "150KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted(list(users) + others + files + ["model.safetensors.index.json"]), left
+    for name, data in users.items():
+        assert (tmp_path / name).read_bytes() == data, name
+    got = {}
+    for name in files:
+        got.update(load_file(str(tmp_path / name)))
+    expect_equal_weights(got, load_file(engine_weights))
+    # One file, as --save-weights writes it too.
+    export(ck, tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors.tmp").read_bytes() == b"mine"
+    expect_equal_weights(load_file(str(tmp_path / "model.safetensors")), load_file(engine_weights))

@@ -196,6 +196,30 @@ def test_zinc_export_safetensors_sets_replace_the_other_layout_and_stay_out_of_t
     assert r.returncode == 1 and "inside the checkpoint" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_zinc_export_stopped_by_a_signal_removes_what_it_wrote(tmp_path, fmt):
+    """A SIGTERM in zinc-export (ZINC_EXPORT_FAULT=append:term: at the first write of weights) ended it at once,
+    its temporaries left beside --out. It now stops at the next write, removes what it wrote, says so and exits
+    143, and --out holds what it held before."""
+    src = copy_fixture(tmp_path)
+    ck = tmp_path / "ck"
+    r = run(ZINC_TRAIN, config(tmp_path, src, checkpoint_dir=str(ck), checkpoint_interval=1))
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / ("w.safetensors" if fmt == "safetensors" else "model")
+    args = [ZINC_EXPORT, str(ck), "--format", fmt, "--out", str(out), "--max-shard-size", "30KB"]
+    assert run(*args).returncode == 0
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    old = digest(tmp_path / "out")
+    r = run(*args, env=dict(ENV, ZINC_EXPORT_FAULT="append:term"))
+    assert r.returncode == 143, (r.returncode, r.stderr)
+    said = errors(r)
+    assert len(said) == 2 and "SIGTERM: stopping at the next write" in said[0], said
+    assert "stopped by SIGTERM while writing" in said[1] and "nothing was written to " + str(out) in said[1], said
+    assert digest(tmp_path / "out") == old  # no temporary, staging folder or lock left; the old export whole
+    assert run(*args).returncode == 0
+
+
 # ---- monitors ---------------------------------------------------------------------------------
 
 
