@@ -39,6 +39,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -59,6 +60,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "data/data.h"
+#include "engine/checkpoint.h"
 #include "engine/engine.h"
 #include "python/src/unconstructed.h"
 #include "tools/experiment.h"
@@ -505,6 +507,9 @@ class PyEngine {
                               "' is zinc's own key there (it holds " + it.value().dump().substr(0, 60) +
                               "): give yours another name");
     client.update(own);
+    // A tag the save refuses, refused before the folder is made and held
+    // (an empty folder with its lock file was left behind).
+    if (tag) zinc::ckpt::check_tag(*tag);
     ComputeScope scope;
     hold_save_folder(dir);
     e.save_checkpoint(dir, tag.value_or(""), client);
@@ -654,7 +659,15 @@ class PyEngine {
   // DeepSpeed users pass the step); None for the default.
   static std::optional<std::string> tag_text(py::handle tag, const char* fn) {
     if (tag.is_none()) return std::nullopt;
-    if (py::isinstance<py::str>(tag)) return tag.cast<std::string>();
+    if (py::isinstance<py::str>(tag)) {
+      // The engine reads "" as no tag: a save named it global_stepN, a load
+      // read `latest`, where the caller named a tag.
+      std::string text = tag.cast<std::string>();
+      if (text.empty())
+        throw py::value_error(std::string("zinc.Engine.") + fn + ": tag is empty; leave it None for " +
+                              (std::strcmp(fn, "save_checkpoint") == 0 ? "global_step<N>" : "the tag `latest` names"));
+      return text;
+    }
     if (py::isinstance<py::int_>(tag) && !py::isinstance<py::bool_>(tag)) return std::string(py::str(tag));
     throw py::type_error(std::string("zinc.Engine.") + fn + ": tag must be a str or an int, got " +
                          std::string(py::str(py::type::of(tag).attr("__name__"))));

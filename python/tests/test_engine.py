@@ -300,6 +300,23 @@ def test_unsafe_tags_are_refused_and_nothing_is_removed(doc, tmp_path):
         e.load_checkpoint(ck)
 
 
+def test_a_refused_tag_leaves_no_folder_and_an_empty_tag_is_refused(doc, tmp_path):
+    """A save with a refused tag into a new folder made the folder and left its lock file there; tag="" was
+    read as no tag (the save named it global_step<N>, the load read `latest`)."""
+    fresh, ck = tmp_path / "fresh", str(tmp_path / "ck")
+    with zinc.initialize(doc) as e:
+        e.train_batch()
+        with pytest.raises(zinc.Error, match="checkpoint tag"):
+            e.save_checkpoint(fresh, tag="..")
+        assert not fresh.exists()
+        with pytest.raises(ValueError, match="tag is empty; leave it None for global_step<N>"):
+            e.save_checkpoint(ck, tag="")
+        assert not os.path.exists(ck)
+        e.save_checkpoint(ck, tag="mine")
+        with pytest.raises(ValueError, match="tag is empty; leave it None for the tag `latest` names"):
+            e.load_checkpoint(ck, tag="")
+
+
 def test_train_holds_its_checkpoint_folder(doc, tmp_path):
     """Issue 27: two runs on one checkpoint_dir both ended with every tag from
     the second. zinc.train holds the folder from its start, as zinc-train does;
