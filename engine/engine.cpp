@@ -475,7 +475,8 @@ float Engine::Impl::forward(const Batch& whole) {
 }
 
 void Engine::Impl::backward() {
-  if (!forward_pending) throw Error("Engine::backward() called without a preceding forward()");
+  if (!forward_pending) throw Error("backward() without a forward() before it: call forward(batch) first (a backward runs the last "
+                "forward's loss)");
   check_stepped("backward");
   device->make_current();
   settle_update();  // its gradient copies land where the last update read
@@ -868,7 +869,7 @@ float Engine::evaluate(const Batch& batch) {
   // replace those the pending backward reads (its gradient was then the
   // evaluation batch's, without a word).
   if (impl_->forward_pending)
-    throw Error("Engine::evaluate() between forward() and backward(): the evaluation would replace the activations "
+    throw Error("evaluate() between forward() and backward(): the evaluation would replace the activations "
                 "the backward reads; call backward() first (a step() does not end a forward that has no backward)");
   if (impl_->pipelined()) return impl_->evaluate_pipeline(batch);
   impl_->check_loaded("evaluate");

@@ -384,6 +384,22 @@ class PyEngine {
     ComputeScope scope;
     return note_loss(e.forward(b));
   }
+  // forward(inputs, targets[, positions]) and evaluate(...) alike: the
+  // batch's parts as arguments (pybind's "incompatible function arguments"
+  // and a dump of both arrays before).
+  static py::dict batch_of(py::object inputs, py::object targets, py::object positions) {
+    py::dict d;
+    d["inputs"] = inputs;
+    d["targets"] = targets;
+    if (!positions.is_none()) d["positions"] = positions;
+    return d;
+  }
+  float forward_parts(py::object inputs, py::object targets, py::object positions) {
+    return forward(batch_of(inputs, targets, positions));
+  }
+  double evaluate_parts(py::object inputs, py::object targets, py::object positions) {
+    return evaluate(batch_of(inputs, targets, positions));
+  }
   // DeepSpeed's engine.backward(loss) takes the loss forward returned:
   // zinc's backward is always the last forward's, so a loss given must be
   // that one (another value was some other tensor's).
@@ -1034,6 +1050,9 @@ marks the engine closed and returns; the running call finishes and frees it.
 )doc")
       .def("forward", one_call("forward", &PyEngine::forward), py::arg("batch") = py::none(),
            "forward(batch=None) -> float\n\nOne micro-batch forward; returns its mean loss.")
+      .def("forward", one_call("forward", &PyEngine::forward_parts), py::arg("inputs"), py::arg("targets"),
+           py::arg("positions") = py::none(),
+           "forward(inputs, targets, positions=None) -> float\n\nThe same, the batch's parts as arguments.")
       .def("backward", one_call("backward", &PyEngine::backward), py::arg("loss") = py::none(),
            "backward(loss=None)\n\nBackward of the last forward; gradients accumulate. loss, as DeepSpeed's "
            "engine.backward(loss) takes it: the value that forward returned (checked), or nothing.")
@@ -1049,6 +1068,9 @@ marks the engine closed and returns; the running call finishes and frees it.
            "evaluate(batch=None) -> float\n\nForward only. None: the mean loss over run.eval_batches held-out "
            "micro-batches, as zinc-train's eval events report it (needs run.eval_interval > 0); a batch: its "
            "mean loss over its targets. NaN when there is no target (every one -100): no loss, never 0.")
+      .def("evaluate", one_call("evaluate", &PyEngine::evaluate_parts), py::arg("inputs"), py::arg("targets"),
+           py::arg("positions") = py::none(),
+           "evaluate(inputs, targets, positions=None) -> float\n\nThe same, the batch's parts as arguments.")
       .def("save_checkpoint", one_call("save_checkpoint", &PyEngine::save_checkpoint), py::arg("save_dir"),
            py::arg("tag") = py::none(), py::arg("client_state") = py::none(),
            "save_checkpoint(save_dir, tag=None, client_state=None)\n\nWrites save_dir/tag (None: "

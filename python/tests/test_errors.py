@@ -174,7 +174,8 @@ def test_backward_without_forward_is_an_error():
     from conftest import default_doc
 
     with zinc.initialize(default_doc()) as e:
-        with pytest.raises(zinc.Error, match="without a preceding forward"):
+        # The call's name as Python and C++ spell it (it said "Engine::backward() called without ...").
+        with pytest.raises(zinc.Error, match=r"^backward\(\) without a forward\(\) before it: call forward\(batch\)"):
             e.backward()
 
 
@@ -363,3 +364,21 @@ def test_a_config_path_that_never_ends_is_refused_at_once(tmp_path):
            "data": {"type": "synthetic", "vocab_size": 16, "seq_len": 8}}
     with pytest.raises(OSError, match="config.json is a FIFO, not a regular file"):
         zinc.initialize(doc)
+
+
+def test_forward_and_evaluate_take_the_batchs_parts_as_arguments(doc):
+    """forward(x, y) gave pybind's "incompatible function arguments" with both arrays dumped."""
+    with zinc.initialize(doc) as e:
+        t = doc["data"]["seq_len"]
+        b = doc["train_micro_batch_size_per_gpu"] if "train_micro_batch_size_per_gpu" in doc else 1
+        x = (np.arange(b * t, dtype=np.int32) % 50).reshape(b, t)
+        y = np.roll(x, -1, axis=1)
+        assert e.evaluate(x, y) == e.evaluate((x, y))
+        assert e.evaluate(x, y, positions=None) == e.evaluate({"inputs": x, "targets": y})
+        assert e.forward(x, y) == e.forward((x, y))
+        e.backward()
+        with pytest.raises(ValueError, match="targets must have the shape of inputs"):
+            e.evaluate(x, y[:, :-1])
+        with pytest.raises(TypeError) as err:
+            e.forward(x, y, None, 4)
+        assert "incompatible function arguments" in str(err.value)  # four arguments: no form takes them
