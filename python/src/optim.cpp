@@ -40,6 +40,46 @@ void check_hyper(const char* where, const char* name, double v) {
                         num(v));
 }
 
+// The scalar arguments, converted here rather than by pybind: a wrong
+// type got pybind's "incompatible function arguments" and the whole
+// signature, not the argument's name. A number is what float() takes from
+// a number (int, float, a NumPy scalar), not from a str; an int (step) what
+// operator.index() takes; a flag a bool.
+double number_arg(py::handle h, const char* where, const char* name) {
+  if (!py::isinstance<py::str>(h) && !py::isinstance<py::bytes>(h) && !py::isinstance<py::bool_>(h)) {
+    const double v = PyFloat_AsDouble(h.ptr());
+    if (!(v == -1.0 && PyErr_Occurred())) return v;
+    PyErr_Clear();
+  }
+  throw py::type_error(std::string(where) + ": " + name + " must be a number, got " + type_of(h));
+}
+int64_t int_arg(py::handle h, const char* where, const char* name) {
+  if (PyIndex_Check(h.ptr()) && !py::isinstance<py::bool_>(h)) {
+    const long long v = PyLong_AsLongLong(py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr())).ptr());
+    if (!(v == -1 && PyErr_Occurred())) return v;
+    PyErr_Clear();
+    throw py::value_error(std::string(where) + ": " + name + " is past a 64-bit integer");
+  }
+  throw py::type_error(std::string(where) + ": " + name + " must be an int, got " + type_of(h));
+}
+bool flag_arg(py::handle h, const char* where, const char* name) {
+  const bool numpy_bool = py::hasattr(h, "dtype") && py::hasattr(h, "ndim") && h.attr("ndim").cast<int>() == 0 &&
+                          py::str(h.attr("dtype").attr("kind")).cast<std::string>() == "b";
+  if (py::isinstance<py::bool_>(h) || numpy_bool) return PyObject_IsTrue(h.ptr()) == 1;
+  throw py::type_error(std::string(where) + ": " + name + " must be True or False, got " + type_of(h));
+}
+std::pair<double, double> betas_arg(py::handle h, const char* where) {
+  if (!py::isinstance<py::str>(h) && PySequence_Check(h.ptr()) && PySequence_Size(h.ptr()) == 2) {
+    py::sequence s = py::reinterpret_borrow<py::sequence>(h);
+    return {number_arg(s[0], where, "betas[0]"), number_arg(s[1], where, "betas[1]")};
+  }
+  PyErr_Clear();
+  throw py::type_error(std::string(where) + ": betas must be a pair of numbers (beta1, beta2), got " + type_of(h) +
+                       (PySequence_Check(h.ptr()) && !py::isinstance<py::str>(h)
+                            ? " of " + std::to_string(py::len(h)) + " items"
+                            : std::string()));
+}
+
 struct Arg {
   const char* name;
   py::array a;
@@ -79,6 +119,13 @@ py::array array_arg(py::handle h, const char* name, char kind, int itemsize, con
 
 class AdamW {
  public:
+  static AdamW from_py(py::handle lr, py::handle betas, py::handle eps, py::handle weight_decay,
+                       py::handle bias_correction, py::handle adamw_mode) {
+    const char* where = "zinc.optim.AdamW";
+    return AdamW(number_arg(lr, where, "lr"), betas_arg(betas, where), number_arg(eps, where, "eps"),
+                 number_arg(weight_decay, where, "weight_decay"), flag_arg(bias_correction, where, "bias_correction"),
+                 flag_arg(adamw_mode, where, "adamw_mode"));
+  }
   AdamW(double lr, std::pair<double, double> betas, double eps, double weight_decay, bool bias_correction,
         bool adamw_mode) {
     check_hyper("zinc.optim.AdamW", "lr", lr);
@@ -96,6 +143,12 @@ class AdamW {
     p_.adam_w_mode = adamw_mode;
   }
 
+  void step_py(py::handle step_number, py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
+               py::handle bf16_out, py::handle grad_scale) {
+    const char* where = "zinc.optim.AdamW.step";
+    step(int_arg(step_number, where, "step"), param, grad, exp_avg, exp_avg_sq, bf16_out,
+         number_arg(grad_scale, where, "grad_scale"));
+  }
   void step(int64_t step, py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
             py::handle bf16_out, double grad_scale) {
     if (step < 1) throw py::value_error("zinc.optim.AdamW.step: step must be >= 1 (counted from 1), got " +
@@ -174,10 +227,10 @@ lr, eps and weight_decay must be finite and >= 0, betas in [0, 1): anything
 else (NaN, inf, a value beyond float32) is a ValueError naming it, as NaN
 would otherwise be written into every parameter.
 )doc")
-      .def(py::init<double, std::pair<double, double>, double, double, bool, bool>(), py::arg("lr") = 1e-3,
-           py::arg("betas") = std::make_pair(0.9, 0.999), py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
-           py::arg("bias_correction") = true, py::arg("adamw_mode") = true)
-      .def("step", &AdamW::step, py::arg("step"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+      .def(py::init(&AdamW::from_py), py::arg("lr") = 1e-3, py::arg("betas") = std::make_pair(0.9, 0.999),
+           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("bias_correction") = true,
+           py::arg("adamw_mode") = true)
+      .def("step", &AdamW::step_py, py::arg("step"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::kw_only(), py::arg("bf16_out") = py::none(), py::arg("grad_scale") = 1.0,
            R"doc(step(step, param, grad, exp_avg, exp_avg_sq, *, bf16_out=None, grad_scale=1.0)
 
@@ -190,7 +243,8 @@ array that receives the new param rounded to bf16. No two may share memory.
 Releases the GIL.)doc")
       .def_property(
           "lr", [](const AdamW& a) { return a.p_.lr; },
-          [](AdamW& a, double lr) {
+          [](AdamW& a, py::handle value) {
+            const double lr = number_arg(value, "zinc.optim.AdamW", "lr");
             check_hyper("zinc.optim.AdamW", "lr", lr);
             a.p_.lr = lr;
           },

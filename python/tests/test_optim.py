@@ -207,6 +207,39 @@ def test_lr_setter_refuses_non_finite(lr):
     assert opt.lr == 0.25
 
 
+@pytest.mark.parametrize("call, words", [
+    (lambda o, a: zinc.optim.AdamW(lr="0.1"), "zinc.optim.AdamW: lr must be a number, got str"),
+    (lambda o, a: zinc.optim.AdamW(eps=None), "zinc.optim.AdamW: eps must be a number, got NoneType"),
+    (lambda o, a: zinc.optim.AdamW(betas=(0.9, 0.9, 0.9)), "betas must be a pair of numbers (beta1, beta2), got tuple "
+                                                            "of 3 items"),
+    (lambda o, a: zinc.optim.AdamW(betas=0.9), "betas must be a pair of numbers (beta1, beta2), got float"),
+    (lambda o, a: zinc.optim.AdamW(betas=(0.9, "x")), "betas[1] must be a number, got str"),
+    (lambda o, a: zinc.optim.AdamW(adamw_mode=1), "adamw_mode must be True or False, got int"),
+    (lambda o, a: o.step(1.5, *a), "zinc.optim.AdamW.step: step must be an int, got float"),
+    (lambda o, a: o.step("1", *a), "step must be an int, got str"),
+    (lambda o, a: o.step(1, *a, grad_scale="2"), "zinc.optim.AdamW.step: grad_scale must be a number, got str"),
+    (lambda o, a: setattr(o, "lr", "x"), "zinc.optim.AdamW: lr must be a number, got str"),
+])
+def test_scalar_arguments_of_a_wrong_type_are_named(call, words):
+    """A wrong type got pybind's "incompatible function arguments" and the whole signature."""
+    o = zinc.optim.AdamW(lr=0.5)
+    arrays = [np.zeros(4, np.float32) for _ in range(4)]
+    with pytest.raises(TypeError) as e:
+        call(o, arrays)
+    assert str(e.value) == words or words in str(e.value), str(e.value)
+    assert "incompatible" not in str(e.value) and o.lr == 0.5
+
+
+def test_scalar_arguments_take_what_float_and_index_take():
+    o = zinc.optim.AdamW(lr=np.float32(0.5), betas=[0.9, np.float64(0.99)], eps=1, weight_decay=0,
+                         bias_correction=np.bool_(True), adamw_mode=False)
+    assert (o.lr, o.betas, o.eps, o.bias_correction, o.adamw_mode) == (0.5, (0.9, 0.99), 1.0, True, False)
+    p, g, m, v = (np.full(4, 1.0, np.float32) for _ in range(4))
+    o.step(np.int64(1), p, g, m, v, grad_scale=np.float32(1))
+    o.lr = 1
+    assert o.lr == 1.0
+
+
 def test_import_zinc_does_not_import_torch():
     # zinc does not depend on torch: only zinc.torch imports it.
     code = "import sys, zinc, zinc.optim; assert 'torch' not in sys.modules, 'zinc imported torch'"
