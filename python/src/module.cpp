@@ -956,16 +956,32 @@ auto engine_property(const char* name, R (zinc::Engine::*getter)() const) {
 
 // One config-only run, step by step: tools/run_loop.h's loop (zinc-train's),
 // its events returned as dicts for zinc.train's generator. Every rank returns
-// the same events (zinc-train prints rank 0's). A Ctrl-C is raised as
-// KeyboardInterrupt before the next step begins (the loop has no stop hook
-// here: nothing is saved).
+// the same events (zinc-train prints rank 0's).
+//
+// Note [zinc.train's stop]
+// A Ctrl-C (or SIGTERM) is raised between steps, as KeyboardInterrupt (or
+// Python's SIGTERM action). A run that saves (run.checkpoint_interval > 0)
+// first saves the step it stopped at, as zinc-train does on a signal: it
+// lost the steps since its last save. The loop's stop hook, asked at each
+// step boundary inside the ComputeScope, sees the signal either pending
+// (blocked on every thread zinc runs) or, where another Python thread took
+// it, as Python's handler's flag (PyErr_CheckSignals, the GIL taken for
+// it); that exception is kept and raised at the next step() call, after the
+// saved step's events were returned. One that came between steps (Python's
+// flag, seen as step() begins) is kept likewise, and that step is trained
+// and saved, as zinc-train finishes the step under way. Every rank stops at
+// the same boundary (the loop's agreement; a rank's stop is never decided
+// outside it, where the ranks would disagree on the collectives).
 class TrainRun {
  public:
   TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
       : engine_(config, steps, "zinc.train", ignore_resources) {
     PyEngine::Call call(engine_, "zinc.train");
+    zinc::tools::RunLoop::Hooks hooks;
+    saves_ = engine_.experiment().experiment.run.checkpoint_interval > 0;
+    if (saves_) hooks.stop_requested = [this] { return stop_signal(); };
     loop_ = std::make_unique<zinc::tools::RunLoop>(engine_.engine("train"), engine_.loader(), engine_.experiment(),
-                                                   engine_.communicator(), zinc::tools::RunLoop::Hooks{});
+                                                   engine_.communicator(), std::move(hooks));
     g_runs.insert(this);
   }
   ~TrainRun() {
@@ -978,14 +994,40 @@ class TrainRun {
 
   // The events of the next step, or None after the last one.
   py::object step() {
-    check_signals();
+    raise_interrupt();  // Note [zinc.train's stop]: the saved step's events came first
+    // One that came between steps: this step is the one saved.
+    if (saves_) {
+      if (PyErr_CheckSignals() != 0) interrupt_.emplace();
+    } else {
+      check_signals();
+    }
     PyEngine::Call call(engine_, "zinc.train");  // the whole step, its checkpoint included
     engine_.engine("train");                     // raises once the engine is closed
     const std::optional<std::vector<json>> evs = [&] {
       ComputeScope scope;
       return loop_->step();
     }();
+    if (!evs) raise_interrupt();
     return evs ? py::object(to_list(*evs)) : py::none();
+  }
+  void raise_interrupt() {
+    if (!interrupt_) return;
+    py::error_already_set e = std::move(*interrupt_);
+    interrupt_.reset();
+    throw e;
+  }
+
+  // The loop's stop hook (Note [zinc.train's stop]): inside a ComputeScope.
+  int stop_signal() {
+    sigset_t pending;
+    if (sigpending(&pending) == 0)
+      for (int sig : {SIGINT, SIGTERM})
+        if (sigismember(&pending, sig) == 1) return sig;
+    if (interrupt_) return SIGINT;
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() == 0) return 0;
+    interrupt_.emplace();  // takes the Python exception the handler raised
+    return SIGINT;
   }
 
   // The loop's summary: what zinc-train's says that does not need the whole
@@ -1005,7 +1047,9 @@ class TrainRun {
   }
 
   PyEngine engine_;
-  std::unique_ptr<zinc::tools::RunLoop> loop_;  // refers to engine_'s engine: used only while it is open
+  std::unique_ptr<zinc::tools::RunLoop> loop_;
+  bool saves_ = false;                               // run.checkpoint_interval > 0
+  std::optional<py::error_already_set> interrupt_;  // Note [zinc.train's stop]  // refers to engine_'s engine: used only while it is open
 };
 
 }  // namespace

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import zinc
-from conftest import REPO, run_zinc_train
+from conftest import REPO, default_doc, run_zinc_train
 
 
 def test_version_is_the_projects():
@@ -281,6 +281,50 @@ def test_ctrl_c_stops_between_steps_and_engine_stays_usable(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "stopped after" in r.stdout and "train stopped after" in r.stdout
+
+
+@pytest.mark.parametrize("how", ["main", "thread"])
+def test_ctrl_c_in_a_train_that_saves_saves_the_step_it_stops_at(tmp_path, how):
+    """Note [zinc.train's stop]: zinc.train lost the steps since its last save on a Ctrl-C. A run that saves now
+    saves the step it stopped at, returns that step's events, then raises KeyboardInterrupt. "thread": the signal
+    taken by another Python thread (Python's flag), "main": pending on the training thread."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, threading, time
+        sys.path.insert(0, %r)
+        import zinc
+        from conftest import default_doc
+        doc = default_doc(steps=100000)
+        doc["run"].update(output_dir=%r, checkpoint_interval=100000, eval_interval=0)
+        if %r == "thread":  # a Python thread that does not block the signal takes it
+            waiter = threading.Thread(target=lambda: time.sleep(60), daemon=True)
+            waiter.start()
+        seen = []
+        try:
+            for ev in zinc.train(doc):
+                seen.append(ev)
+                if ev["event"] == "step" and ev["step"] == 3:
+                    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        except KeyboardInterrupt:
+            print("interrupted")
+        steps = [e["step"] for e in seen if e["event"] == "step"]
+        saved = [e for e in seen if e["event"] == "checkpoint"]
+        print("last", steps[-1], "saved", [e["step"] for e in saved])
+        """
+        % (str(pathlib.Path(__file__).parent), str(tmp_path / "run"), how)
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "interrupted" in r.stdout, r.stdout
+    last = int(r.stdout.split("last ")[1].split()[0])
+    assert 3 <= last < 100000 and ("saved [%d]" % last) in r.stdout, r.stdout
+    ck = tmp_path / "run" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "global_step%d" % last
+    # zinc-train resumes it at the next step.
+    resumed = default_doc(steps=last + 1)
+    resumed["run"].update(output_dir=str(tmp_path / "run"), eval_interval=0)
+    events = run_zinc_train(resumed, tmp_path, "--resume")
+    assert [e["step"] for e in events if e["event"] == "step"] == [last + 1]
 
 
 def test_unsafe_tags_are_refused_and_nothing_is_removed(doc, tmp_path):

@@ -67,7 +67,9 @@ def train(config, steps=None, on_step=None, *, ignore_resources=False):
     With on_step, calls on_step(event) for every event and returns the
     summary event.
 
-    A Ctrl-C stops the run at the next step boundary with KeyboardInterrupt.
+    A Ctrl-C stops the run at a step boundary with KeyboardInterrupt; a run
+    with run.checkpoint_interval > 0 first saves the step under way and
+    yields its events, as zinc-train saves on a signal.
 
     As zinc-train, a run whose estimated RAM exceeds what this host grants
     (cgroup limit, MemAvailable), or whose NVMe or checkpoint files exceed
