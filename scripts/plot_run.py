@@ -33,15 +33,53 @@ def _from_events(path: str) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in (TRAIN, EVAL) if t in tags}
 
 
+def _csv_runs(path: str) -> tuple[list[list[tuple[int, float]]], int]:
+    """The runs of one csv_monitor file, each the rows under a header row ("step,NAME": a fresh run in the
+    folder starts under its own; a resumed one continues the run before it), and the count of lines that are
+    no row (one a kill cut short)."""
+    runs: list[list[tuple[int, float]]] = [[]]
+    torn = 0
+    with open(path, newline="") as f:
+        for r in csv.reader(f):
+            if not r:
+                continue
+            if r[0] == "step":
+                runs.append([])
+                continue
+            try:
+                if len(r) != 2:
+                    raise ValueError
+                runs[-1].append((int(r[0]), float(r[1])))
+            except ValueError:
+                torn += 1
+    if not runs[0]:
+        runs.pop(0)
+    return runs, torn
+
+
 def _from_csv(folder: str) -> dict[str, list[tuple[int, float]]]:
+    """The last run's curves: the train file's last run, and the held-out file's when it holds as many runs
+    (a run without evaluations wrote no header there, so its runs would not line up)."""
     out = {}
+    counts = {}
     for tag in (TRAIN, EVAL):
         path = os.path.join(folder, tag.replace("/", "_") + ".csv")
         if not os.path.isfile(path):
             continue
-        with open(path, newline="") as f:
-            rows = [r for r in csv.reader(f) if r and r[0] != "step"]
-        out[tag] = [(int(r[0]), float(r[1])) for r in rows]
+        runs, torn = _csv_runs(path)
+        if torn:
+            print(f"plot_run: {path}: skipped {torn} line(s) that are no row (cut short by a kill)", file=sys.stderr)
+        counts[tag] = len(runs)
+        if runs:
+            out[tag] = runs[-1]
+    n = counts.get(TRAIN, 0)
+    if n > 1:
+        print(f"plot_run: {folder} holds {n} runs (a fresh run in a csv_monitor folder starts under a header row "
+              "of its own); drawing the last (set csv_monitor.job_name per run to keep runs apart)", file=sys.stderr)
+    if EVAL in out and counts.get(EVAL) != n:
+        print(f"plot_run: {folder}: its held-out file holds {counts.get(EVAL)} runs and its train file {n}: which "
+              "is the last run's is unknown, so no held-out curve is drawn", file=sys.stderr)
+        del out[EVAL]
     return out
 
 
@@ -61,6 +99,14 @@ def read_curves(run: str) -> dict[str, list[tuple[int, float]]]:
     else:
         raise SystemExit(f"plot_run: {run} is neither an event file nor a folder of one or of csv_monitor files")
     if TRAIN not in curves or not curves[TRAIN]:
+        # The monitor's output_path, not its job_name folder: name the runs inside.
+        inner = sorted(d for d in (glob.glob(os.path.join(run, "*", "events.out.tfevents.*")) +
+                                   glob.glob(os.path.join(run, "*", "Train_Samples_train_loss.csv"))))
+        if os.path.isdir(run) and inner:
+            folders = sorted({os.path.dirname(p) for p in inner})
+            raise SystemExit(f"plot_run: {run} holds no {TRAIN} scalars itself; its run folder(s): "
+                             + ", ".join(folders[:5]) + (" ..." if len(folders) > 5 else "")
+                             + " (the monitor's output_path/job_name): give one")
         raise SystemExit(f"plot_run: {run} holds no {TRAIN} scalars (was a monitor enabled, and did a step finish?)")
     return curves
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <system_error>
+#include <vector>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -159,29 +160,48 @@ void CsvMonitor::resumed(int64_t step) {
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(dir_, ec)) {
     if (e.path().extension() != ".csv" || !e.is_regular_file(ec)) continue;
+    // The saved run's rows are those after the file's last header row:
+    // rows before it are earlier runs' (a fresh run in the folder starts
+    // under a header of its own), kept whatever their steps (a resume
+    // removed them). In the saved run's part, a row past the step is
+    // dropped, and so is a line that is no row (a row a kill cut short,
+    // which the next write ended with a newline, or that still ends the
+    // file).
     std::ifstream in(e.path(), std::ios::binary);
-    std::string kept, line;
-    int64_t dropped = 0;
+    std::vector<std::string> lines;
+    std::string line;
+    size_t saved_from = 0;  // the first line of the saved run's part
     while (std::getline(in, line)) {
-      // A row is "step,value"; anything else (a header) stays.
-      const size_t comma = line.find(',');
-      char* end = nullptr;
-      const long long x = comma == std::string::npos ? 0 : std::strtoll(line.c_str(), &end, 10);
-      if (comma != std::string::npos && end == line.c_str() + comma && x > step) {
-        ++dropped;
-        continue;
-      }
-      kept += line + "\n";
+      if (line.rfind("step,", 0) == 0) saved_from = lines.size() + 1;
+      lines.push_back(line);
     }
-    if (dropped == 0) continue;
     if (in.bad()) throw IoError("csv_monitor: cannot read " + e.path().string());
+    std::string kept;
+    int64_t dropped = 0, torn = 0;
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (i >= saved_from) {
+        const size_t comma = lines[i].find(',');
+        char* end = nullptr;
+        const long long x = comma == std::string::npos ? 0 : std::strtoll(lines[i].c_str(), &end, 10);
+        char* value_end = nullptr;
+        const bool row = comma != std::string::npos && comma > 0 && end == lines[i].c_str() + comma &&
+                         comma + 1 < lines[i].size() &&
+                         (std::strtod(lines[i].c_str() + comma + 1, &value_end), *value_end == '\0');
+        if (!row || x > step) {
+          ++(row ? dropped : torn);
+          continue;
+        }
+      }
+      kept += lines[i] + "\n";
+    }
+    if (dropped + torn == 0) continue;
     // Through a temporary, fsynced, renamed over the file: a full disk
     // leaves the saved run's rows as they were (an unchecked stream once
     // renamed an empty file over them).
     ckpt::write_file_atomic(e.path().string(), kept, "csv_monitor");
     log_info("csv_monitor: " + e.path().string() + ": removed " + std::to_string(dropped) +
              " rows past step " + std::to_string(step) + ", where this run resumes (the saved run's, after its "
-             "checkpoint)");
+             "checkpoint)" + (torn > 0 ? " and " + std::to_string(torn) + " cut short by a kill" : std::string()));
   }
 }
 

@@ -290,6 +290,28 @@ TEST(Monitors, AResumedRunDropsTheCrashedRunsLaterStepsFromItsCurves) {
   EXPECT_EQ(ev.step(), 24);
 }
 
+// A resumed run's rewrite touches only the saved run's rows: those after the
+// file's last header row. An earlier run's rows before it were removed when
+// their steps lay past the resume's (another run's curve lost). A row a kill
+// cut short goes too, at the end of the file or ended by a later write.
+TEST(Monitors, AResumedRunKeepsEarlierRunsRowsAndDropsRowsCutShort) {
+  TempDir tmp;
+  const Config c = both_monitors(tmp);
+  const fs::path dir = tmp.path / "csv" / "DeepSpeedJobName";
+  fs::create_directories(dir);
+  const std::string earlier = "step,lr\n8,8\n16,16\n24,24\n32,32\n";
+  {
+    std::ofstream(dir / "Train_Samples_lr.csv") << earlier << "step,lr\n8,1\n16,2\n3\n24,3\n32,4";
+    std::ofstream(dir / "Train_Samples_train_loss.csv") << earlier << "step,train_loss\n8,1\n16,2\n24,";
+  }
+  {
+    Monitors resumed(c, 0);
+    resumed.resumed(16);
+  }
+  EXPECT_EQ(read_all(dir / "Train_Samples_lr.csv"), earlier + "step,lr\n8,1\n16,2\n");
+  EXPECT_EQ(read_all(dir / "Train_Samples_train_loss.csv"), earlier + "step,train_loss\n8,1\n16,2\n");
+}
+
 // A fresh run in a folder an earlier run wrote: its rows start under a
 // header row of their own, and it says so once, as for TensorBoard's files.
 TEST(Monitors, AFreshRunBesideAnEarlierOneSaysSo) {

@@ -104,3 +104,28 @@ def test_the_png_never_replaces_what_it_is_drawn_from(run):
         subprocess.run([sys.executable, SCRIPT, event, "--out", str(out)], check=True, capture_output=True)
     assert png_size(out) == (700, 400)
     assert not [f for f in os.listdir(tmp) if f.startswith(".twice.png")]
+
+
+def test_a_csv_folder_of_several_runs_draws_the_last_and_skips_rows_cut_short(tmp_path):
+    """A csv_monitor folder two fresh runs wrote was drawn as one curve (a line from the first run's end back to
+    the second's start); a row a kill cut short raised IndexError; the monitor's output_path (the job folders'
+    parent) was said to hold no losses."""
+    job = tmp_path / "csv" / "job"
+    job.mkdir(parents=True)
+    (job / "Train_Samples_train_loss.csv").write_text(
+        "step,train_loss\n8,5.0\n16,4.0\n24,3.0\nstep,train_loss\n8,5.5\n16,4.5\n3\n24,3.5\n32,3")
+    (job / "Eval_Samples_eval_loss.csv").write_text("step,eval_loss\n24,3.1\nstep,eval_loss\n16,4.6\n")
+    pr = load_plot_run()
+    curves = pr.read_curves(str(job))
+    assert curves[pr.TRAIN] == [(8, 5.5), (16, 4.5), (24, 3.5), (32, 3.0)]
+    assert curves[pr.EVAL] == [(16, 4.6)]
+    p = subprocess.run([sys.executable, SCRIPT, str(job), "--out", str(tmp_path / "a.png")], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    assert "holds 2 runs" in p.stderr and "drawing the last" in p.stderr and "skipped 1 line(s)" in p.stderr, p.stderr
+    # The second run evaluated nothing: the held-out file's one run is the first's, not drawn.
+    (job / "Eval_Samples_eval_loss.csv").write_text("step,eval_loss\n24,3.1\n")
+    assert pr.EVAL not in pr.read_curves(str(job))
+    p = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "csv"), "--out", str(tmp_path / "b.png")],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "its run folder(s): " + str(job) in p.stderr, p.stderr
