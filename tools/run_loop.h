@@ -135,6 +135,11 @@ class RunLoop {
   double loss_, eval_loss_;
   int64_t eval_step_ = 0;
   double comm_wait_last_ = 0;  // engine.comm_wait_seconds() at the last step event
+  // Note [training time]: seconds in evaluations and checkpoint saves, how
+  // many, and their sum at the last step event.
+  double eval_s_ = 0, save_s_ = 0, aside_last_ = 0;
+  int64_t evals_ = 0, saves_ = 0;
+  double eta_seconds(int64_t step, double elapsed) const;
   Clock::time_point t0_, t_last_;
 };
 

@@ -286,8 +286,7 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
   const auto step = ev.at("step").get<long long>();
   if (kind == "step") {
     const double elapsed = ev.at("elapsed_s").get<double>();
-    const double eta = elapsed / static_cast<double>(step - loop.first_step() + 1) *
-                       static_cast<double>(loop.steps() - step);
+    const double eta = ev.at("eta_s").get<double>();  // Note [training time] in run_loop.cpp
     std::string scale;
     if (ev.contains("loss_scale"))  // fp16
       scale = " | loss scale " + scale_text(ev.at("loss_scale").get<double>()) + ", " +
@@ -710,6 +709,7 @@ int run(std::shared_ptr<zinc::comm::Communicator> comm, const nlohmann::json& do
   const double rss_max = *std::max_element(rss.begin(), rss.end());
   if (json) {
     // The loop's summary and what only the whole process can say.
+    if (stopped_by != 0) sum["stopped_by"] = stopped_by;  // also one that came during the last save
     sum["peak_rss_bytes"] = static_cast<int64_t>(rss_max);
     sum["peak_rss_bytes_per_rank"] = rss;
     sum["comm_backend"] = comm->backend();

@@ -201,9 +201,16 @@ lines = [json.loads(l) for l in open(sys.argv[1])]
 steps = [l for l in lines if l["event"] == "step"]
 assert [s["step"] for s in steps] == [2, 4], steps
 for s in steps:
-    assert set(s) >= {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}, s
+    assert set(s) >= {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "eta_s"}, s
 summary = lines[-1]
 assert summary["event"] == "summary" and summary["steps"] == 4, summary
+# Note [training time]: the rate counts the steps' time alone, without the
+# evaluation (the last step's) and the saves.
+assert summary["eval_s"] > 0 and summary["checkpoint_s"] >= 0, summary
+training = summary["elapsed_s"] - summary["eval_s"] - summary["checkpoint_s"]
+config = next(l for l in lines if l["event"] == "config")["config"]
+tokens = 4 * config["train_batch_size"] * config["data"]["seq_len"]
+assert training > 0 and abs(summary["tokens_per_s"] * training - tokens) <= 1e-6 * tokens, (summary, tokens)
 assert summary["loss_floor"] is not None and summary["peak_rss_bytes"] > 0, summary
 # The code paths chosen for this CPU: the ISA level, both matmul dtypes, the optimizer.
 paths = summary["kernel_paths"]
@@ -293,7 +300,10 @@ kill -TERM "$pid"
 wait "$pid"
 rc=$?
 n="$(sed -n 's/^global_step//p' "$TMP/ck/latest" 2>/dev/null)"
-if [ "$rc" -eq 143 ] && [ -n "$n" ] && grep -q "stopped by signal 15 after step $n" "$TMP/err"; then
+# Its --json summary says it was stopped, and the steps asked for.
+if [ "$rc" -eq 143 ] && [ -n "$n" ] && grep -q "stopped by signal 15 after step $n" "$TMP/err" &&
+   tail -n 1 "$TMP/long" | python3 -c 'import json,sys; s=json.load(sys.stdin); n=int(sys.argv[1])
+assert (s["event"], s["steps"], s["run_steps"], s["stopped_by"]) == ("summary", n, 100000, 15), s' "$n"; then
   "$ZT" "$CFG" --steps $((n + 2)) "${CK[@]}" --resume >"$TMP/after" 2>/dev/null
   "$ZT" "$CFG" --steps $((n + 2)) "${CK[@]}" >"$TMP/ref" 2>/dev/null
   if [ "$(tail -n 1 "$TMP/after" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weights_digest"])')" = \
