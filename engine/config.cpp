@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -401,6 +402,9 @@ void parse_monitors(Reader& root, Config& c) {
          m->job_name.find('/') != std::string::npos))
       throw ConfigError(r.last_path(), "must be one folder name (not empty, no '/', not '.' or '..'): the files go "
                                        "to output_path/job_name; got " + config::show(m->job_name));
+    if (m->job_name.size() > NAME_MAX)  // a check of output_path's folder named output_path for it
+      throw ConfigError(r.last_path(), "is " + std::to_string(m->job_name.size()) + " bytes, past the file system's " +
+                                           std::to_string(NAME_MAX) + " for one folder name");
     r.finish();
   }
 

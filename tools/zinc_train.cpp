@@ -289,7 +289,8 @@ void print_event(const nlohmann::json& ev, const zinc::tools::RunLoop& loop, con
     const double eta = ev.at("eta_s").get<double>();  // Note [training time] in run_loop.cpp
     std::string scale;
     if (ev.contains("loss_scale"))  // fp16
-      scale = " | loss scale " + scale_text(ev.at("loss_scale").get<double>()) + ", " +
+      // After this step's update (an overflow halved it): the next step's.
+      scale = " | next loss scale " + scale_text(ev.at("loss_scale").get<double>()) + ", " +
               std::to_string(ev.at("skipped_steps").get<long long>()) + " skipped";
     // NaN (an fp16 overflow step's norm) as "nan", not printf's "-nan".
     auto shown = [&](const char* key) {

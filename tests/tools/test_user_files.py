@@ -270,7 +270,8 @@ def test_check_refuses_the_folders_a_run_cannot_create(tmp_path):
         (("csv_monitor.enabled=true", "csv_monitor.output_path=/sys/kernel"), "csv_monitor.output_path",
          "takes no new folder"),
         (("tensorboard.enabled=true", "tensorboard.output_path=%s" % tmp_path,
-          "tensorboard.job_name=%s" % json.dumps("j" * 300)), "tensorboard.output_path", "longer than the file system's"),
+          "tensorboard.job_name=%s" % json.dumps("j" * 300)), "tensorboard.job_name",  # the key at fault
+         "is 300 bytes, past the file system's 255"),
         (("csv_monitor.enabled=true", "csv_monitor.output_path=%s" % (str(tmp_path) + "/d" * 2100)),
          "csv_monitor.output_path", "longer than the system's"),
         (("zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=\"nvme\"",
