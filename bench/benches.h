@@ -186,6 +186,17 @@ inline void emit(bool json, const nlohmann::json& line, const std::string& human
   std::fflush(stdout);
 }
 
+// A benchmark this machine cannot run: one line, JSON with --json (a plain
+// text line broke a reader of --json's lines); returns 0.
+inline int skipped(bool json, const std::string& bench, const std::string& why) {
+  if (json)
+    std::printf("%s\n", nlohmann::json({{"bench", bench}, {"skipped", why}}).dump().c_str());
+  else
+    std::printf("%s: skipped: %s\n", bench.c_str(), why.c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
 // fio (io_uring, O_DIRECT, 1 MiB blocks or `block`, queue depth 8) on `file` of
 // `bytes`: bytes per second. require_fio throws a clear error without fio.
 void require_fio();

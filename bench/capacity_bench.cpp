@@ -249,10 +249,7 @@ int bench_capacity_pretrained(const BenchOptions& o) {
     if (part.value("name", "").rfind("gradients", 0) != 0) load_writes += part.value("bytes", int64_t{0});
 
   MemoryCap load_cap(cap_bytes, "-load");
-  if (!load_cap.ok()) {
-    std::printf("capacity: skipped: the memory controller is not writable here (%s)\n", load_cap.why().c_str());
-    return 0;
-  }
+  if (!load_cap.ok()) return skipped(o.json, "capacity", "the memory controller is not writable here (" + load_cap.why() + ")");
   const Run load = train(zinc_train, config, 0, work + "/load.out", &load_cap);
   const int64_t load_group_peak = load_cap.peak();
   MemoryCap train_cap(cap_bytes, "-train");
@@ -367,10 +364,7 @@ int bench_capacity(const BenchOptions& o) {
   write_text(work + "/offload.json", off.dump(2));
 
   MemoryCap cap(cap_bytes);
-  if (!cap.ok()) {
-    std::printf("capacity: skipped: the memory controller is not writable here (%s)\n", cap.why().c_str());
-    return 0;
-  }
+  if (!cap.ok()) return skipped(o.json, "capacity", "the memory controller is not writable here (" + cap.why() + ")");
   const Run capped = train(zinc_train, work + "/offload.json", steps, work + "/offload.out", &cap);
   const int64_t cap_peak = cap.peak();
   const Run full = train(zinc_train, work + "/ref.json", steps, work + "/ref.out", nullptr);

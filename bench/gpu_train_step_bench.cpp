@@ -152,10 +152,7 @@ std::string profile_round(Engine& engine, DataLoader& loader, int steps, nlohman
 
 int bench_gpu_train_step(const BenchOptions& o) {
   const CudaStatus& st = cuda_status();
-  if (st.devices == 0) {
-    std::printf("gpu-train-step: skipped: %s\n", st.summary().c_str());
-    return 0;
-  }
+  if (st.devices == 0) return skipped(o.json, "gpu-train-step", st.summary());
   if (o.model != "gpt" && o.model != "llama")
     throw Error("gpu-train-step: --model is gpt or llama, not '" + o.model + "'");
   const bool llama = o.model == "llama";

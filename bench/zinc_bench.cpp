@@ -42,6 +42,7 @@
 //               check of its tokens' CRC-32, over a read of the same bytes.
 // --json prints one line per case:
 //   {"bench":..,"case":..,"figure":..,"unit":..,"bound":..,"ratio":..,...}
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -49,16 +50,32 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/benches.h"
+#include "tools/cli_errors.h"
+
+namespace {
+// A count of at least 1, said in one line (CLI11's PositiveNumber said
+// "Value 0 not in range 0.000000 to 1797...", 308 digits).
+const CLI::Validator kAtLeastOne(
+    [](std::string& v) -> std::string {
+      char* end = nullptr;
+      errno = 0;
+      const long long n = std::strtoll(v.c_str(), &end, 10);
+      return !v.empty() && *end == '\0' && errno == 0 && n >= 1 ? std::string()
+                                                                 : "must be a whole number >= 1, got '" + v + "'";
+    },
+    "INT >= 1");
+}  // namespace
 
 int main(int argc, char** argv) {
+  zinc::tools::standard_streams();
   CLI::App app{"zinc-bench: a figure, the machine's bound for it, and their ratio"};
   zinc::bench::BenchOptions o;
   std::string name;
   app.add_option("name", name, "benchmark: train-step | gpu-train-step | adamw | collectives | zero-memory | overlap | nvme | offload-step | capacity | estimate | checkpoint | activation-checkpointing | gemm | data-open")->required();
   app.add_flag("--json", o.json, "one JSON line per case");
   app.add_option("--rounds", o.rounds, "alternating measurement rounds; the median is reported")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "train-step, activation-checkpointing: training steps per round")->check(CLI::PositiveNumber);
+      ->check(kAtLeastOne);
+  app.add_option("--steps", o.steps, "train-step, activation-checkpointing: training steps per round")->check(kAtLeastOne);
   app.add_flag("--fp32", o.fp32, "train-step, estimate, activation-checkpointing: fp32 instead of bf16");
   app.add_option("--model", o.model,
                  "train-step: gpt (the reference GPT), llama (a ~100M Llama, GQA 4:1, seq 512), or another "
@@ -91,13 +108,13 @@ int main(int argc, char** argv) {
                "monitored / plain");
   app.add_flag("--fp16", o.fp16, "train-step: fp16 with dynamic loss scaling instead of bf16 (timed against fp32)");
   app.add_option("--threads", o.threads, "adamw: threads (default: OMP_NUM_THREADS or all cores)")
-      ->check(CLI::PositiveNumber);
+      ->check(kAtLeastOne);
   app.add_option("--isa", o.isa, "adamw: force scalar | avx2 | avx512 | avx512_bf16");
   app.add_flag("--large", o.large, "gpu-train-step: a GPT sized for an 80 GB GPU");
   app.add_flag("--tiny", o.tiny,
                "gpu-train-step: a tiny GPT, for running the benchmark's code under kernel emulation (tests/cuda_emu); "
                "its figures mean nothing");
-  app.add_option("--gas", o.gas, "gpu-train-step: micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--gas", o.gas, "gpu-train-step: micro-batches per step")->check(kAtLeastOne);
   app.add_option("--stage", o.stage, "gpu-train-step: ZeRO stage 1-3 (3: parameters in page-locked RAM)")
       ->check(CLI::Range(1, 3));
   app.add_flag("--resident", o.resident,
@@ -119,17 +136,17 @@ int main(int argc, char** argv) {
                  "capacity: load this Hugging Face folder (model.from_pretrained) at stage 3 on NVMe under --cap-mib "
                  "and train 2 steps, instead of the GPT");
   app.add_option("--cap-mib", o.cap_mib, "capacity --pretrained: the memory cap in MiB (default 3072)")
-      ->check(CLI::PositiveNumber);
+      ->check(kAtLeastOne);
   app.add_option("--mkl", o.mkl,
                  "gemm: the libmkl_rt to load (default: libmkl_rt.so.3, .so.2 or .so on the dynamic linker's path)");
   app.add_flag("--shapes", o.shapes, "gemm: print the step's matmul shapes as one JSON line and stop");
   app.add_flag("--bf16", o.bf16,
                "gemm: bf16 operands with fp32 sums and C (zinc's bf16 matmuls; MKL's cblas_gemm_bf16bf16f32) instead of fp32");
-  app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(CLI::PositiveNumber);
+  app.add_option("--numel", o.numel, "adamw: parameters (default 2^27 = 134M)")->check(kAtLeastOne);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return zinc::tools::usage_error(app, e, "zinc-bench");  // exit 2, as zinc-train's and zinc-export's
   }
   try {
     if (name == "train-step") return zinc::bench::bench_train_step(o);
@@ -148,8 +165,7 @@ int main(int argc, char** argv) {
 #if defined(ZINC_BENCH_CUDA)
       return zinc::bench::bench_gpu_train_step(o);
 #else
-      std::printf("gpu-train-step: skipped: zinc-bench was built without CUDA\n");
-      return 0;
+      return zinc::bench::skipped(o.json, "gpu-train-step", "zinc-bench was built without CUDA");
 #endif
     }
     if (name == "adamw") return zinc::bench::bench_adamw(o);

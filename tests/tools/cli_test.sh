@@ -800,5 +800,25 @@ check_error export-room "disk: --save-weights $TMP/w.safetensors: the run will w
   "$CFG" --steps 1 --set model.n_embd=65536 --set model.n_layer=2000 --set model.n_head=64 \
   --save-weights "$TMP/w.safetensors"
 
+# zinc-bench's usage errors: one line and exit 2, as zinc-train's (CLI11's
+# own codes 105 and 106, and a 308-digit range, before); --json's skip is a
+# JSON line.
+ZB="$(dirname "$ZT")/../bench/zinc-bench"
+if [ -x "$ZB" ]; then
+  ok=y
+  for args in "" "adamw --threads 0" "estimate --rounds x" "adamw --thread 2"; do
+    # shellcheck disable=SC2086
+    "$ZB" $args >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    if [ "$rc" -ne 2 ] || [ "$(wc -l <"$TMP/err")" -ne 1 ] || ! grep -q '^zinc-bench: error: ' "$TMP/err"; then
+      ok=n; echo "zinc-bench $args: rc=$rc"; cat "$TMP/err"
+    fi
+  done
+  CUDA_VISIBLE_DEVICES= "$ZB" gpu-train-step --json >"$TMP/out" 2>/dev/null  # no GPU seen: the skip
+  python3 -c 'import json,sys; l=json.loads(open(sys.argv[1]).read()); assert l["bench"]=="gpu-train-step" and l["skipped"]' \
+    "$TMP/out" || { ok=n; echo "zinc-bench gpu-train-step --json: $(cat "$TMP/out")"; }
+  if [ "$ok" = y ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL zinc-bench usage"; fi
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
