@@ -539,7 +539,8 @@ void DirLock::take(const std::string& dir, const std::string& what, const std::s
   HeldLock& h = held_locks()[key_];
   if (use_ == LockUse::kRun && h.runs > 0)
     throw IoError(what + " " + dir + " is in use by another run of this process (pid " + std::to_string(::getpid()) +
-                  " holds " + key_ + "): two runs writing one folder would replace each other's files");
+                  " holds " + key_ + "): two runs writing one folder would replace each other's files (one that is done "
+                  "with it, an engine or a zinc.train generator left open, frees it when closed)");
   if (use_ == LockUse::kRun) h.runs += 1;
   if (h.users++ > 0) return;
   const std::string& path = key_;

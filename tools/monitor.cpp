@@ -242,7 +242,16 @@ TensorBoardWriter::TensorBoardWriter(const TensorBoardConfig& c) {
 
 // Scalars encoded but not flushed (an error ended the step's work after
 // them) still go out: they are whole values of a trained step.
+// A run that wrote no scalar (a resume with nothing left to train, --steps
+// 0, an error before the first step) removes its file: it held only its
+// header, and the next fresh run in the folder counted it as an earlier
+// run's.
 TensorBoardWriter::~TensorBoardWriter() {
+  if (!scalars_) {
+    fd_.reset();
+    ::unlink(path_.c_str());
+    return;
+  }
   try {
     flush();
   } catch (const IoError&) {
@@ -257,6 +266,7 @@ void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t
              " event file(s) of earlier runs, which TensorBoard shows with this run's as one run, the same steps "
              "twice (set tensorboard.job_name per run to keep runs apart)");
   }
+  scalars_ = true;
   tb::Event ev;
   ev.set_wall_time(unix_seconds());
   ev.set_step(step);

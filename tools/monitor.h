@@ -110,6 +110,7 @@ class TensorBoardWriter {
   std::string pending_;  // TFRecords not yet written
   int earlier_files_ = 0;  // other event files in the folder when this one was made
   bool resumed_ = false, warned_ = false;
+  bool scalars_ = false;  // a scalar was added: without one the file is removed at the end
 };
 
 // Every monitor the config enables, for rank `rank`: only rank 0 writes

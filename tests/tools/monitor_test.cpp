@@ -453,6 +453,32 @@ TEST(Monitors, TwoRunsOnOneCsvFolderAreRefused) {
 
 // Runs started in one second by one process (zinc.train in a loop) each get
 // a file of their own: the third found the pid's name taken, and failed.
+// A run that wrote no scalar (a resume with nothing left to train) leaves
+// no event file: the next fresh run in the folder counted it as an earlier
+// run's and warned.
+TEST(TensorBoardWriter, AWriterWithoutScalarsLeavesNoFile) {
+  TempDir tmp;
+  TensorBoardConfig c;
+  c.enabled = true;
+  c.output_path = tmp.path.string();
+  std::string kept, dropped;
+  {
+    TensorBoardWriter none(c);
+    none.resumed(16);
+    none.flush();
+    dropped = none.path();
+    EXPECT_TRUE(fs::exists(dropped));
+  }
+  EXPECT_FALSE(fs::exists(dropped));
+  {
+    TensorBoardWriter one(c);
+    one.add_scalar("Train/Samples/lr", 1.0, 8);
+    kept = one.path();
+  }
+  EXPECT_TRUE(fs::exists(kept));
+  EXPECT_GT(fs::file_size(kept), 0u);
+}
+
 TEST(TensorBoardWriter, RunsInOneSecondInOneProcessGetFilesOfTheirOwn) {
   TempDir tmp;
   TensorBoardConfig c;
