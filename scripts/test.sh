@@ -18,7 +18,9 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 unset ONEDNN_MAX_CPU_ISA DNNL_MAX_CPU_ISA
 echo "== tests, native paths: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) =="
-ctest --test-dir build --output-on-failure -j1 --timeout 600
+# Two at a time where each keeps one core busy (the emulated GPU's tests,
+# CTest's PROCESSORS 1); every other test says PROCESSORS 2 and runs alone.
+ctest --test-dir build --output-on-failure -j2 --timeout 600
 # Capped at AVX2 only where that changes something: on a CPU without AVX-512
 # the native pass already ran the AVX2 paths.
 if grep -qw avx512f /proc/cpuinfo; then

@@ -527,8 +527,19 @@ class PyEngine {
     // (an empty folder with its lock file was left behind).
     if (tag) zinc::ckpt::check_tag(*tag);
     ComputeScope scope;
-    hold_save_folder(dir);
-    e.save_checkpoint(dir, tag.value_or(""), client);
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const bool existed = fs::exists(fs::symlink_status(dir, ec));
+    const std::string taken = hold_save_folder(dir);
+    try {
+      e.save_checkpoint(dir, tag.value_or(""), client);
+    } catch (...) {
+      // A save refused before it wrote (mid-batch, a tag in use) into a
+      // folder this call made: the folder and its lock file go, and the
+      // lock (a folder it made and holds, without a checkpoint in it).
+      if (!taken.empty()) release_save_folder(taken, dir, existed);
+      throw;
+    }
   }
   // A folder argument: a str, bytes or os.PathLike (pathlib.Path), as
   // zinc.initialize takes its config's path; a NUL in it is refused later,
@@ -563,12 +574,13 @@ class PyEngine {
   // engine between two saves) went on, and the engine's next save moved
   // `latest` back over that run's. Rank 0 takes the lock; every rank learns
   // whether it could. zinc.train's own folder is held already.
-  void hold_save_folder(const std::string& dir) {
+  // Returns the lock's key when this call took it, "" when it was held.
+  std::string hold_save_folder(const std::string& dir) {
     namespace fs = std::filesystem;
     std::error_code ec;
     auto key_of = [&](const std::string& d) { return fs::weakly_canonical(fs::absolute(d, ec), ec).string(); };
     const std::string key = key_of(dir);
-    if (save_locks_.count(key) || (folder_lock_ && key == key_of(ex_.experiment.run.checkpoint_dir))) return;
+    if (save_locks_.count(key) || (folder_lock_ && key == key_of(ex_.experiment.run.checkpoint_dir))) return "";
     std::unique_ptr<zinc::ckpt::DirLock> lock;
     std::string error;
     if (!comm_ || comm_->rank() == 0) {
@@ -585,6 +597,22 @@ class PyEngine {
       throw zinc::IoError("zinc.Engine.save_checkpoint: rank 0 could not take the checkpoint folder " + dir +
                           " (its error is on its output)");
     save_locks_[key] = std::move(lock);  // null on the other ranks
+    return key;
+  }
+  // After a first save into `dir` failed: its lock is let go; a folder the
+  // save made (it did not exist) that holds nothing but the lock file is
+  // removed, the file unlinked while still held (see DirLock).
+  void release_save_folder(const std::string& key, const std::string& dir, bool existed) {
+    namespace fs = std::filesystem;
+    auto it = save_locks_.find(key);
+    if (it == save_locks_.end()) return;
+    std::error_code ec;
+    const fs::path lock_file = fs::path(dir) / ".zinc.lock";
+    const bool only_lock = it->second && !existed && fs::is_regular_file(fs::symlink_status(lock_file, ec)) &&
+                           std::distance(fs::directory_iterator(dir, ec), fs::directory_iterator()) == 1;
+    if (only_lock) ::unlink(lock_file.c_str());
+    save_locks_.erase(it);
+    if (only_lock) ::rmdir(dir.c_str());
   }
   py::object save_pretrained(py::object dir_path, std::optional<std::string> dtype, const std::string& max_shard,
                              bool merge) {
@@ -962,16 +990,24 @@ auto engine_property(const char* name, R (zinc::Engine::*getter)() const) {
 // A Ctrl-C (or SIGTERM) is raised between steps, as KeyboardInterrupt (or
 // Python's SIGTERM action). A run that saves (run.checkpoint_interval > 0)
 // first saves the step it stopped at, as zinc-train does on a signal: it
-// lost the steps since its last save. The loop's stop hook, asked at each
-// step boundary inside the ComputeScope, sees the signal either pending
-// (blocked on every thread zinc runs) or, where another Python thread took
-// it, as Python's handler's flag (PyErr_CheckSignals, the GIL taken for
-// it); that exception is kept and raised at the next step() call, after the
-// saved step's events were returned. One that came between steps (Python's
-// flag, seen as step() begins) is kept likewise, and that step is trained
-// and saved, as zinc-train finishes the step under way. Every rank stops at
-// the same boundary (the loop's agreement; a rank's stop is never decided
-// outside it, where the ranks would disagree on the collectives).
+// lost the steps since its last save. The loop's stop hook runs at each
+// step boundary, inside the ComputeScope, where the signals are blocked:
+// - a SIGINT (or a SIGTERM Python handles) pending there is taken
+//   (sigtimedwait) and handed to Python's handler at once
+//   (PyErr_SetInterruptEx, then PyErr_CheckSignals with the GIL taken): a
+//   handler that raises stops the run, and its exception is kept and raised
+//   at the next step() call, after this step's events (the signal, let
+//   through when the scope ended, raised before the generator yielded
+//   them); a handler that raises nothing lets the run go on;
+// - one another Python thread took has run Python's handler already: its
+//   flag is seen the same way;
+// - a SIGTERM Python leaves to its default action stops the run here, and,
+//   still pending, ends the interpreter once the saved step returns;
+// - one that came between steps (seen as step() begins) is kept likewise,
+//   and that step is trained and saved, as zinc-train finishes the step
+//   under way.
+// Every rank stops at the same boundary (the loop's agreement; a stop
+// decided outside it would leave the ranks' collectives unmatched).
 class TrainRun {
  public:
   TrainRun(py::handle config, std::optional<int64_t> steps, bool ignore_resources)
@@ -1019,15 +1055,32 @@ class TrainRun {
 
   // The loop's stop hook (Note [zinc.train's stop]): inside a ComputeScope.
   int stop_signal() {
+    if (interrupt_) return interrupt_signal_;
     sigset_t pending;
-    if (sigpending(&pending) == 0)
-      for (int sig : {SIGINT, SIGTERM})
-        if (sigismember(&pending, sig) == 1) return sig;
-    if (interrupt_) return SIGINT;
+    if (sigpending(&pending) != 0) sigemptyset(&pending);
+    // A SIGTERM that Python leaves to its default action (no handler of its
+    // own): this step is saved, and the signal, left pending, ends the
+    // interpreter once the step returns.
+    if (sigismember(&pending, SIGTERM) == 1 && PyOS_getsig(SIGTERM) == SIG_DFL) return SIGTERM;
     py::gil_scoped_acquire gil;
+    int taken = 0;
+    // A pending one is taken here and handed to Python's handler now
+    // (PyErr_SetInterruptEx): its handler decides (one that does not raise
+    // lets the run go on), and the exception it raises is kept for the
+    // next step() call, after this step's events (the unblocked signal
+    // raised it before the generator could yield them).
+    for (int sig : {SIGINT, SIGTERM}) {
+      if (sigismember(&pending, sig) != 1) continue;
+      sigset_t one;
+      sigemptyset(&one);
+      sigaddset(&one, sig);
+      const timespec now{0, 0};
+      if (sigtimedwait(&one, nullptr, &now) == sig && PyErr_SetInterruptEx(sig) == 0) taken = sig;
+    }
     if (PyErr_CheckSignals() == 0) return 0;
     interrupt_.emplace();  // takes the Python exception the handler raised
-    return SIGINT;
+    interrupt_signal_ = taken != 0 ? taken : SIGINT;
+    return interrupt_signal_;
   }
 
   // The loop's summary: what zinc-train's says that does not need the whole
@@ -1049,7 +1102,8 @@ class TrainRun {
   PyEngine engine_;
   std::unique_ptr<zinc::tools::RunLoop> loop_;
   bool saves_ = false;                               // run.checkpoint_interval > 0
-  std::optional<py::error_already_set> interrupt_;  // Note [zinc.train's stop]  // refers to engine_'s engine: used only while it is open
+  std::optional<py::error_already_set> interrupt_;  // Note [zinc.train's stop]
+  int interrupt_signal_ = SIGINT;                   // ... and the signal that raised it, for stopped_by  // refers to engine_'s engine: used only while it is open
 };
 
 }  // namespace

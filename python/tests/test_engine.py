@@ -283,40 +283,52 @@ def test_ctrl_c_stops_between_steps_and_engine_stays_usable(tmp_path):
     assert "stopped after" in r.stdout and "train stopped after" in r.stdout
 
 
-@pytest.mark.parametrize("how", ["main", "thread"])
+@pytest.mark.parametrize("how", ["process", "thread", "handler_ignores"])
 def test_ctrl_c_in_a_train_that_saves_saves_the_step_it_stops_at(tmp_path, how):
     """Note [zinc.train's stop]: zinc.train lost the steps since its last save on a Ctrl-C. A run that saves now
-    saves the step it stopped at, returns that step's events, then raises KeyboardInterrupt. "thread": the signal
-    taken by another Python thread (Python's flag), "main": pending on the training thread."""
+    saves the step it stopped at, yields that step's events (its checkpoint's too), then raises KeyboardInterrupt.
+    "process": the SIGINT from another process, pending on the training thread (every thread blocks it);
+    "thread": taken by a Python thread (Python's flag); "handler_ignores": a SIGINT handler that raises nothing
+    lets the run go on to its end."""
     script = textwrap.dedent(
         """
-        import os, signal, sys, threading, time
+        import os, signal, subprocess, sys, threading, time
         sys.path.insert(0, %r)
         import zinc
         from conftest import default_doc
-        doc = default_doc(steps=100000)
+        how = %r
+        doc = default_doc(steps=6 if how == "handler_ignores" else 100000)
         doc["run"].update(output_dir=%r, checkpoint_interval=100000, eval_interval=0)
-        if %r == "thread":  # a Python thread that does not block the signal takes it
-            waiter = threading.Thread(target=lambda: time.sleep(60), daemon=True)
-            waiter.start()
+        if how == "handler_ignores":
+            signal.signal(signal.SIGINT, lambda *a: print("handled"))
+        def interrupt():
+            if how == "thread":  # a Python thread (the timer's) takes it
+                threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            else:
+                subprocess.Popen(["sh", "-c", "sleep 0.05; kill -INT %%d" %% os.getpid()])
         seen = []
         try:
             for ev in zinc.train(doc):
                 seen.append(ev)
                 if ev["event"] == "step" and ev["step"] == 3:
-                    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+                    interrupt()
         except KeyboardInterrupt:
             print("interrupted")
+        time.sleep(0.3)  # the handler's line, when it comes after the last step
         steps = [e["step"] for e in seen if e["event"] == "step"]
         saved = [e for e in seen if e["event"] == "checkpoint"]
-        print("last", steps[-1], "saved", [e["step"] for e in saved])
+        print("last", steps[-1], "saved", [e["step"] for e in saved], "summary" if seen[-1]["event"] == "summary" else "")
         """
-        % (str(pathlib.Path(__file__).parent), str(tmp_path / "run"), how)
+        % (str(pathlib.Path(__file__).parent), how, str(tmp_path / "run"))
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "interrupted" in r.stdout, r.stdout
     last = int(r.stdout.split("last ")[1].split()[0])
+    if how == "handler_ignores":
+        assert "handled" in r.stdout and "interrupted" not in r.stdout and "summary" in r.stdout, r.stdout
+        assert last == 6 and "saved [6]" in r.stdout, r.stdout
+        return
+    assert "interrupted" in r.stdout, r.stdout
     assert 3 <= last < 100000 and ("saved [%d]" % last) in r.stdout, r.stdout
     ck = tmp_path / "run" / "checkpoints"
     assert (ck / "latest").read_text().strip() == "global_step%d" % last
@@ -359,6 +371,21 @@ def test_a_refused_tag_leaves_no_folder_and_an_empty_tag_is_refused(doc, tmp_pat
         e.save_checkpoint(ck, tag="mine")
         with pytest.raises(ValueError, match="tag is empty; leave it None for the tag `latest` names"):
             e.load_checkpoint(ck, tag="")
+        # A save the engine refuses (mid-batch) into a new folder leaves no folder, and no lock on it.
+        e.forward()
+        with pytest.raises(zinc.Error, match="must come between global batches"):
+            e.save_checkpoint(fresh)
+        assert not fresh.exists()
+        e.backward()
+        e.step()
+        (fresh / "keep").mkdir(parents=True)  # one that existed, refused: left as it was
+        e.forward()
+        with pytest.raises(zinc.Error, match="must come between global batches"):
+            e.save_checkpoint(fresh)
+        assert sorted(os.listdir(fresh)) == [".zinc.lock", "keep"]  # its lock file stays, let go
+        e.backward()
+        e.step()
+        e.save_checkpoint(fresh)
 
 
 def test_train_holds_its_checkpoint_folder(doc, tmp_path):
