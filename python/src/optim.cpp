@@ -49,7 +49,11 @@ double number_arg(py::handle h, const char* where, const char* name) {
   if (!py::isinstance<py::str>(h) && !py::isinstance<py::bytes>(h) && !py::isinstance<py::bool_>(h)) {
     const double v = PyFloat_AsDouble(h.ptr());
     if (!(v == -1.0 && PyErr_Occurred())) return v;
+    const bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
     PyErr_Clear();
+    if (overflow)
+      throw py::value_error(std::string(where) + ": " + name + " must be a finite number >= 0 (a float32), got an " +
+                            type_of(h) + " past a float's range");
   }
   throw py::type_error(std::string(where) + ": " + name + " must be a number, got " + type_of(h));
 }

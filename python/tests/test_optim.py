@@ -230,6 +230,11 @@ def test_scalar_arguments_of_a_wrong_type_are_named(call, words):
     assert "incompatible" not in str(e.value) and o.lr == 0.5
 
 
+def test_a_number_past_a_floats_range_is_a_value_error():
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0 .* got an int past a float's range"):
+        zinc.optim.AdamW(lr=10 ** 400)
+
+
 def test_scalar_arguments_take_what_float_and_index_take():
     o = zinc.optim.AdamW(lr=np.float32(0.5), betas=[0.9, np.float64(0.99)], eps=1, weight_decay=0,
                          bias_correction=np.bool_(True), adamw_mode=False)
