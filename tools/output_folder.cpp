@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -242,6 +244,24 @@ std::unique_ptr<ckpt::DirLock> lock_output_folder(const std::string& path, const
                                                   const std::string& kind, ckpt::LockUse use) {
   if (path.empty() || path.find('\0') != std::string::npos) check_output_folder(path, what, {});  // throws
   const fs::path p = resolved(path, what + " " + path);
+  // The longest name written beside it, checked before any work (a run
+  // would train and then fail to export): the lock file (.NAME.zinc.lock);
+  // an export folder's staging folder (.NAME.zinc-staging); a safetensors
+  // file's shards' temporaries (.STEM-00001-of-00001-b.safetensors.zinc-tmp).
+  const std::string name = p.filename().string();
+  size_t longest = name.size() + 11;
+  if (kind == "export folder") longest = name.size() + 14;
+  if (kind == "export file") {
+    const std::string ext = ".safetensors";
+    const bool has_ext = name.size() > ext.size() && name.compare(name.size() - ext.size(), ext.size(), ext) == 0;
+    longest = std::max(longest, (has_ext ? name.size() - ext.size() : name.size()) + 40);
+  }
+  if (longest > NAME_MAX)
+    throw Error(what + " " + path + ": its name is " + std::to_string(name.size()) + " bytes, and the " + kind +
+                " writes names up to " + std::to_string(longest) + " bytes beside it (its lock, temporaries" +
+                (kind == "export file" ? std::string(" and shards") : std::string()) + "), past the file system's " +
+                std::to_string(NAME_MAX) + "; choose a name of at most " +
+                std::to_string(name.size() - (longest - NAME_MAX)) + " bytes");
   return std::make_unique<ckpt::DirLock>(
       p.string(), kind, (p.parent_path() / ("." + p.filename().string() + ".zinc.lock")).string(), use);
 }

@@ -220,6 +220,30 @@ def test_zinc_export_stopped_by_a_signal_removes_what_it_wrote(tmp_path, fmt):
     assert run(*args).returncode == 0
 
 
+def test_an_export_name_with_no_room_for_its_companions_is_refused_before_any_work(tmp_path):
+    """A 232-byte --out fitted, but its shards' temporaries (.STEM-00001-of-00006.safetensors.zinc-tmp) did not:
+    the export failed part-way (zinc-train's after training). The longest name beside it is checked first."""
+    ck = tmp_path / "ck"
+    r = run(ZINC_TRAIN, os.path.join(ROOT, "configs", "default.json"), "--steps", "1", "--set", "run.eval_interval=0",
+            "--set", "run.checkpoint_interval=1", "--set", "run.checkpoint_dir=%s" % ck)
+    assert r.returncode == 0, r.stderr
+    fits, past = "w" * 215 + ".safetensors", "w" * 216 + ".safetensors"
+    r = run(ZINC_EXPORT, str(ck), "--out", str(tmp_path / past), "--max-shard-size", "100KB")
+    assert r.returncode == 1 and "its name is 228 bytes" in r.stderr and "choose a name of at most 227 bytes" in r.stderr, \
+        r.stderr
+    r = run(ZINC_TRAIN, os.path.join(ROOT, "configs", "default.json"), "--steps", "1", "--set", "run.eval_interval=0",
+            "--save-weights", str(tmp_path / past))
+    assert r.returncode == 1 and "choose a name of at most 227 bytes" in r.stderr and "step 1" not in r.stdout, r.stderr
+    r = run(ZINC_EXPORT, str(ck), "--out", str(tmp_path / fits), "--max-shard-size", "100KB")
+    assert r.returncode == 0, r.stderr
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("w")]) > 2
+    # A model folder: its staging folder (.NAME.zinc-staging) is the longest, refused before training.
+    src = copy_fixture(tmp_path)
+    r = run(ZINC_TRAIN, config(tmp_path, src), "--save-pretrained", str(tmp_path / ("p" * 242)))
+    assert r.returncode == 1 and "choose a name of at most 241 bytes" in r.stderr and "step 1" not in r.stdout, \
+        r.stderr
+
+
 # ---- monitors ---------------------------------------------------------------------------------
 
 
